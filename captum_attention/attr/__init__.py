@@ -1,0 +1,8 @@
+"""Attributions layer: the public Captum classes."""
+
+from .attention_rollout import AttentionRollout
+from .grad_sam import GradSAM
+from .raw_attention import RawAttention
+from .transformer_attribution import TransformerAttribution
+
+__all__ = ["AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution"]

@@ -1,0 +1,35 @@
+"""Maps layer: pure tensor functions, no hooks and no models.
+
+Each file holds one method's formula; ``common`` holds what they share.
+"""
+
+from .common import (
+    HEAD_FUSIONS,
+    fuse_heads,
+    mask_padding,
+    propagate_query_row,
+    query_rows,
+    real_tokens,
+)
+from .grad_sam import grad_sam_layer_maps, grad_sam_scores
+from .raw import raw_attention_maps
+from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
+from .transformer_attribution import relevance_layer_maps, transformer_attribution_scores
+
+__all__ = [
+    "HEAD_FUSIONS",
+    "add_residual",
+    "discard_lowest",
+    "fuse_heads",
+    "grad_sam_layer_maps",
+    "grad_sam_scores",
+    "mask_padding",
+    "propagate_query_row",
+    "query_rows",
+    "raw_attention_maps",
+    "real_tokens",
+    "relevance_layer_maps",
+    "rollout_layer_maps",
+    "rollout_scores",
+    "transformer_attribution_scores",
+]

@@ -1,0 +1,72 @@
+"""Helpers shared by the attention maps: padding, head fusion, query rows, layer products.
+
+Shapes: ``B`` batch, ``H`` heads, ``T`` tokens. Attention maps are ``(B, H, T, T)`` per
+layer, rows = queries, columns = keys; fused maps are ``(B, T, T)``; ``real`` is a
+``(B, T)`` bool tensor, True for real (non-padding) tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+HeadFusion = Literal["mean", "max", "min"]
+HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
+
+
+def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:
+    """``(B, T)`` bool tensor of real tokens: ``attention_mask != 0``, or all True without a mask."""
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    return attention_mask.to(device) != 0
+
+
+def fuse_heads(attn: Tensor, fusion: str = "mean") -> Tensor:
+    """Reduce ``(B, H, T, T)`` maps over heads by ``fusion`` ("mean", "max" or "min")."""
+    if fusion == "mean":
+        return attn.mean(dim=1)
+    if fusion == "max":
+        return attn.amax(dim=1)
+    if fusion == "min":
+        return attn.amin(dim=1)
+    raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {fusion!r}.")
+
+
+def mask_padding(maps: Tensor, real: Tensor) -> Tensor:
+    """Zero the rows and columns of padding tokens in ``(B, ..., T, T)`` maps."""
+    pairs = real[:, :, None] & real[:, None, :]
+    pairs = pairs.view(real.shape[0], *([1] * (maps.dim() - 3)), *pairs.shape[1:])
+    return maps.masked_fill(~pairs, 0.0)
+
+
+def query_rows(maps: Tensor, query_index: Tensor) -> Tensor:
+    """Row ``query_index[b]`` of each ``(T, T)`` map in ``(B, T, T)`` maps: ``(B, T)``."""
+    return maps[torch.arange(maps.shape[0], device=maps.device), query_index]
+
+
+def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor) -> Tensor:
+    """Query row of the product ``M^L ··· M^2 M^1`` (later layers on the left).
+
+    Computed as ``e_q^T M^L ··· M^1``, one vector-matrix product per layer, which costs
+    ``O(L·T²)`` instead of the ``O(L·T³)`` of multiplying the matrices.
+
+    Args:
+        layer_maps: per-layer ``(B, T, T)`` matrices ``M^1 .. M^L`` in forward order.
+        query_index: ``(B,)`` long tensor, the row to return per example.
+
+    Returns:
+        ``(B, T)`` tensor.
+    """
+    first = layer_maps[0]
+    row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=first.dtype, device=first.device)
+    row[torch.arange(first.shape[0], device=first.device), 0, query_index] = 1.0
+    for layer_map in reversed(layer_maps):
+        row = torch.bmm(row, layer_map)
+    return row.squeeze(1)
+
+
+def identity_like(maps: Tensor) -> Tensor:
+    """Identity matrices broadcastable against ``(B, T, T)`` maps."""
+    return torch.eye(maps.shape[-1], dtype=maps.dtype, device=maps.device).expand_as(maps)

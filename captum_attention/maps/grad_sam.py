@@ -1,0 +1,29 @@
+"""Grad-SAM (Barkan et al., CIKM 2021, https://arxiv.org/abs/2204.11073).
+
+H^{lm} = A^{lm} ⊙ ReLU(G^{lm}); r_i = 1/(L·M·N) Σ_l Σ_m Σ_j H^{lm}_{ij}: the sum over j runs
+along the row of token i's query, N is the number of real tokens of the sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .common import mask_padding
+
+
+def grad_sam_layer_maps(attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor) -> list[Tensor]:
+    """Per-layer head-mean mean_m(A^{lm} ⊙ ReLU(G^{lm})), padding rows/columns zeroed."""
+    return [
+        mask_padding((attn * grad.clamp(min=0)).mean(dim=1), real)
+        for attn, grad in zip(attn_probs, attn_grads)
+    ]
+
+
+def grad_sam_scores(layer_maps: list[Tensor], heads_per_layer: list[int], real: Tensor) -> Tensor:
+    """r_i = Σ_l M_l·Σ_j mean_m(H^{lm})_{ij} / (Σ_l M_l · N), i.e. 1/(L·M·N) Σ_l Σ_m Σ_j H."""
+    total = torch.stack(
+        [heads * layer_map.sum(dim=-1) for heads, layer_map in zip(heads_per_layer, layer_maps)]
+    ).sum(dim=0)
+    n_real = real.sum(dim=1, keepdim=True).to(total.dtype)
+    return total / (sum(heads_per_layer) * n_real)

@@ -1,0 +1,15 @@
+"""Raw attention: the head-mean attention of one layer, read at the query row.
+
+S = mean_m A^{lm}, row q; the last layer l = L by default.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .common import fuse_heads, mask_padding
+
+
+def raw_attention_maps(attn_probs: list[Tensor], real: Tensor) -> list[Tensor]:
+    """Per-layer head-mean attention ``mean_m A^{lm}``, padding rows/columns zeroed."""
+    return [mask_padding(fuse_heads(attn, "mean"), real) for attn in attn_probs]

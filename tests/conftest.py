@@ -1,0 +1,151 @@
+"""Tiny models built from configs with fixed seeds: nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+VOCAB = 64
+NUM_LABELS = 3
+FAMILIES = ("bert", "roberta", "distilbert", "electra", "albert")
+
+
+def _configs() -> dict[str, Callable[[], nn.Module]]:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        num_labels=NUM_LABELS,
+        initializer_range=0.3,
+    )
+    return {
+        "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(**common)),
+        "roberta": lambda: tf.RobertaForSequenceClassification(
+            tf.RobertaConfig(**common, pad_token_id=1)
+        ),
+        "electra": lambda: tf.ElectraForSequenceClassification(
+            tf.ElectraConfig(**common, embedding_size=24)
+        ),
+        "albert": lambda: tf.AlbertForSequenceClassification(
+            tf.AlbertConfig(**common, embedding_size=24)
+        ),
+        "distilbert": lambda: tf.DistilBertForSequenceClassification(
+            tf.DistilBertConfig(
+                vocab_size=VOCAB,
+                dim=32,
+                n_layers=3,
+                n_heads=4,
+                hidden_dim=48,
+                max_position_embeddings=64,
+                num_labels=NUM_LABELS,
+                initializer_range=0.3,
+            )
+        ),
+    }
+
+
+def make_model(family: str, seed: int = 0) -> nn.Module:
+    """A tiny classifier of ``family``, in eval mode, with the default (sdpa) attention."""
+    torch.manual_seed(seed)
+    return _configs()[family]().eval()
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(dim=1).tolist()
+
+
+def make_batch(model: nn.Module, lengths: tuple[int, ...] = (9, 6, 4), seed: int = 1) -> Batch:
+    """Right-padded token ids (pad = the model's pad id) and their mask."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = max(lengths)
+    pad_id = getattr(model.config, "pad_token_id", 0) or 0
+    ids = torch.randint(3, VOCAB, (len(lengths), seq_len), generator=generator)
+    mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+        ids[row, length:] = pad_id
+    return Batch(ids, mask)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@dataclass
+class Reference:
+    """Attention and dS/dA straight from transformers' ``output_attentions``."""
+
+    attentions: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    logits: torch.Tensor
+    targets: torch.Tensor
+
+
+def reference_attention(model: nn.Module, batch: Batch, target: int | None = None) -> Reference:
+    """Recompute attention and its gradient independently of captum_attention."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    out = ref(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True
+    )
+    logits = out.logits
+    targets = logits.argmax(1) if target is None else torch.full((len(logits),), target)
+    score = logits[torch.arange(len(logits)), targets].sum()
+    grads = torch.autograd.grad(score, out.attentions)
+    return Reference(
+        [a.detach() for a in out.attentions], list(grads), logits.detach(), targets
+    )
+
+
+def assert_scores_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    """Close up to ``rel`` of the scores' scale (Grad-SAM scores can be tiny)."""
+    scale = expected.abs().max().clamp(min=1e-30)
+    torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rel, atol=rel * scale.item())
+
+
+def model_state(model: nn.Module) -> dict:
+    """Everything about ``model`` that an explanation must leave as it found it."""
+    return {
+        "hooks": [
+            (
+                name,
+                tuple(module._forward_hooks),
+                tuple(module._forward_pre_hooks),
+                tuple(module._backward_hooks),
+                tuple(getattr(module, "_backward_pre_hooks", {})),
+            )
+            for name, module in model.named_modules()
+        ],
+        "training": [module.training for module in model.modules()],
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    for key in ("hooks", "training", "attn_implementation", "requires_grad"):
+        assert before[key] == after[key], f"model {key} changed"
+    for old, new in zip(before["grads"], after["grads"]):
+        assert (old is None) == (new is None), "a parameter's .grad appeared or vanished"
+        if old is not None:
+            assert torch.equal(old, new), "a parameter's .grad changed"
+    for old, new in zip(before["params"], after["params"]):
+        assert torch.equal(old, new), "a parameter changed"
