@@ -116,14 +116,10 @@ class AttentionAttributionBase:
             if self.needs_gradients:
                 targets = _resolve_targets(logits, target)
                 score = logits.gather(1, targets[:, None]).sum()
-                attn_grads = torch.autograd.grad(score, capture.attn_probs, allow_unused=True)
-                attn_grads = [
-                    torch.zeros_like(p) if g is None else g
-                    for p, g in zip(capture.attn_probs, attn_grads)
-                ]
+                attn_grads = _gradients(score, capture.attn_probs)
         return CapturedAttention(
-            attn_probs=[p.detach().float() for p in capture.attn_probs],
-            attn_grads=None if attn_grads is None else [g.float() for g in attn_grads],
+            attn_probs=[_with_heads(p.detach()) for p in capture.attn_probs],
+            attn_grads=None if attn_grads is None else [_with_heads(g) for g in attn_grads],
             real=real,
             query_index=queries,
         )
@@ -182,6 +178,24 @@ def _logits(output: Any) -> Tensor:
     return logits
 
 
+def _with_heads(maps: Tensor) -> Tensor:
+    """float32 ``(B, H, T, T)``: single-head ``(B, T, T)`` maps get a heads axis."""
+    return (maps.unsqueeze(1) if maps.dim() == 3 else maps).float()
+
+
+def _gradients(score: Tensor, attn_probs: list[Tensor]) -> list[Tensor]:
+    """dS/dA for each captured map, or a clear error if a map did not feed the score."""
+    attn_grads = torch.autograd.grad(score, attn_probs, allow_unused=True)
+    unused = [index for index, grad in enumerate(attn_grads) if grad is None]
+    if unused:
+        raise RuntimeError(
+            f"The attention captured at calls {unused} did not influence the explained "
+            "output: the adapter must return the very tensor that weights the values (not "
+            "a copy or a reshaped view of it)."
+        )
+    return list(attn_grads)
+
+
 def _check_attention(attn_probs: list[Tensor], batch: int, seq_len: int) -> None:
     if not attn_probs:
         raise RuntimeError(
@@ -189,10 +203,10 @@ def _check_attention(attn_probs: list[Tensor], batch: int, seq_len: int) -> None
             "calls the model passed as model=..."
         )
     for probs in attn_probs:
-        if probs.dim() != 4 or probs.shape[0] != batch or probs.shape[-1] != seq_len:
+        if probs.dim() not in (3, 4) or probs.shape[0] != batch or probs.shape[-1] != seq_len:
             raise RuntimeError(
                 f"Captured attention of shape {tuple(probs.shape)}, expected (batch={batch}, "
-                f"heads, queries, keys={seq_len}): the adapter reads the wrong output."
+                f"[heads,] queries, keys={seq_len}): the adapter reads the wrong output."
             )
 
 

@@ -40,7 +40,8 @@ class AttentionAdapter(Protocol):
         ...
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
-        """The ``(batch, heads, queries, keys)`` probabilities from one call's output."""
+        """The probabilities from one call's output: ``(batch, heads, queries, keys)``, or
+        ``(batch, queries, keys)`` for one head; the very tensor that weighted the values."""
         ...
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -226,10 +227,8 @@ class ModuleAdapter:
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
         if self.probs is not None:
-            probs = self.probs(output)
-        else:
-            probs = output[1] if isinstance(output, (tuple, list)) else output
-        return probs.unsqueeze(1) if probs is not None and probs.dim() == 3 else probs
+            return self.probs(output)
+        return output[1] if isinstance(output, (tuple, list)) else output
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return [] if self.mask_module is None else [self.mask_module]

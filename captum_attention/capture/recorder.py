@@ -19,8 +19,8 @@ class AttentionCapture:
     to eager attention) and registers forward hooks. On exit, also when the body raised,
     every hook is removed and the adapter restores the model.
 
-    After the body, ``attn_probs`` holds one ``(batch, heads, queries, keys)`` tensor per
-    attention call in forward order, still attached to the autograd graph, so
+    After the body, ``attn_probs`` holds one ``(batch, heads, queries, keys)`` tensor
+    (``(batch, queries, keys)`` for single-head modules) per attention call in forward order, still attached to the autograd graph, so
     ``torch.autograd.grad(score, capture.attn_probs)`` gives dS/dA exactly.
     ``attention_mask`` holds the padding mask the model received (or None).
 

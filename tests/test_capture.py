@@ -1,0 +1,122 @@
+"""The capture layer: what it finds, what it records, and that it always cleans up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_state, make_batch, make_model, model_state
+from torch import nn
+
+from captum_attention import AttentionCapture, GradSAM, ModuleAdapter, TransformerAttribution
+from captum_attention.capture import AttentionNotFoundError
+
+
+def test_records_one_map_per_layer_and_the_mask(family):
+    model = make_model(family)
+    batch = make_batch(model)
+    with AttentionCapture(model) as capture:
+        model(batch.input_ids, attention_mask=batch.attention_mask)
+    assert len(capture.attn_probs) == 3
+    assert all(p.shape == (3, 4, 9, 9) for p in capture.attn_probs)
+    assert torch.equal(capture.attention_mask, batch.attention_mask)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_does_not_install_transformers_persistent_hooks():
+    model = make_model("bert")
+    batch = make_batch(model)
+    GradSAM(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert not getattr(model, "_output_capturing_hooks_installed", False)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("cls", [GradSAM, TransformerAttribution])
+def test_everything_restored_when_forward_raises_midway(family, cls):
+    model = make_model(family)
+    batch = make_batch(model)
+    for param in list(model.parameters())[::2]:
+        param.grad = torch.ones_like(param)
+
+    def explode(module, args, output):
+        raise Boom("the second layer failed")
+
+    layers = [m for m in model.modules() if type(m).__name__.endswith(("Layer", "TransformerBlock"))]
+    user_hook = layers[min(1, len(layers) - 1)].register_forward_hook(explode)
+    before = model_state(model)
+    with pytest.raises(Boom):
+        cls(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert_same_state(before, model_state(model))
+    user_hook.remove()
+
+
+def test_everything_restored_when_backward_target_is_bad():
+    model = make_model("bert")
+    batch = make_batch(model)
+    before = model_state(model)
+    with pytest.raises(ValueError, match="out of range"):
+        GradSAM(model).attribute(batch.input_ids, target=7, additional_forward_args=(batch.attention_mask,))
+    assert_same_state(before, model_state(model))
+
+
+def test_model_without_attention_gets_a_clear_error():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)).eval()
+    with pytest.raises(AttentionNotFoundError, match="ModuleAdapter"):
+        GradSAM(model).attribute(torch.zeros(2, 3, dtype=torch.long), target=0)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class Softmax(nn.Module):
+    """A named softmax, so its output (the probabilities) can be captured."""
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        return F.softmax(scores, dim=-1)
+
+
+class TinyAttentionClassifier(nn.Module):
+    """A textbook single-head attention model, written inline."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.softmax = nn.ModuleList(Softmax() for _ in range(layers))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for qkv, softmax in zip(self.qkv, self.softmax):
+            q, k, v = qkv(hidden).chunk(3, dim=-1)
+            scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+            if attention_mask is not None:
+                scores = scores.masked_fill(attention_mask[:, None, :] == 0, float("-inf"))
+            hidden = hidden + softmax(scores) @ v
+        return self.head(hidden[:, 0])
+
+
+def test_module_adapter_on_a_hand_written_model():
+    torch.manual_seed(0)
+    model = TinyAttentionClassifier().eval()
+    adapter = ModuleAdapter(list(model.softmax), mask_module=model)
+    ids = torch.randint(0, 20, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    explainer = TransformerAttribution(model, adapter=adapter)
+    scores = explainer.attribute(ids, target=1, additional_forward_args=(mask,))
+
+    probs = []
+    hooks = [m.register_forward_hook(lambda m, a, o: probs.append(o)) for m in model.softmax]
+    logits = model(ids, mask)
+    for hook in hooks:
+        hook.remove()
+    grads = torch.autograd.grad(logits[:, 1].sum(), probs)
+    for b, n in enumerate([6, 4]):
+        relevance = torch.eye(n)
+        for a, g in zip(probs, grads):
+            relevance = relevance + (a[b, :n, :n] * g[b, :n, :n]).clamp(min=0) @ relevance
+        torch.testing.assert_close(scores[b, :n], relevance[0])
+        assert (scores[b, n:] == 0).all()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -1,0 +1,124 @@
+"""Bad input: a clear error that names the problem and the fix, and the model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+
+from captum_attention import AttentionRollout, GradSAM, ModuleAdapter, RawAttention, TransformerAttribution
+
+
+@pytest.fixture
+def setup():
+    model = make_model("bert")
+    batch = make_batch(model)
+    before = model_state(model)
+    yield model, batch
+    assert_same_state(before, model_state(model))
+
+
+def test_target_out_of_range(setup):
+    model, batch = setup
+    for target in (3, -1, [0, 1, 5]):
+        with pytest.raises(ValueError, match=r"out of range.*3 classes"):
+            GradSAM(model).attribute(batch.input_ids, target=target, additional_forward_args=(batch.attention_mask,))
+
+
+def test_target_of_wrong_length_or_type(setup):
+    model, batch = setup
+    with pytest.raises(ValueError, match="one per example"):
+        GradSAM(model).attribute(batch.input_ids, target=[0, 1], additional_forward_args=(batch.attention_mask,))
+    with pytest.raises(TypeError, match="class indices"):
+        GradSAM(model).attribute(batch.input_ids, target=torch.tensor([0.0, 1.0, 1.0]))
+
+
+def test_inputs_and_mask_of_different_shapes(setup):
+    model, batch = setup
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 8\) but the inputs are \(3, 9\)"):
+        TransformerAttribution(model).attribute(
+            batch.input_ids, target=0, additional_forward_args=(batch.attention_mask[:, :8],)
+        )
+
+
+def test_empty_batch(setup):
+    model, batch = setup
+    with pytest.raises(ValueError, match="empty batch"):
+        RawAttention(model).attribute(batch.input_ids[:0], additional_forward_args=(batch.attention_mask[:0],))
+
+
+def test_a_row_that_is_all_padding(setup):
+    model, batch = setup
+    mask = batch.attention_mask.clone()
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"Examples \[1\] are all padding"):
+        GradSAM(model).attribute(batch.input_ids, target=0, additional_forward_args=(mask,))
+
+
+def test_float_token_ids(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        AttentionRollout(model).attribute(batch.input_ids.float(), additional_forward_args=(batch.attention_mask,))
+
+
+def test_bool_or_3d_integer_inputs(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match="neither token ids"):
+        RawAttention(model).attribute(batch.input_ids.bool())
+    with pytest.raises(TypeError, match="neither token ids"):
+        RawAttention(model).attribute(batch.input_ids[..., None])
+
+
+def test_several_input_tensors(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match="one tensor"):
+        RawAttention(model).attribute((batch.input_ids, batch.attention_mask))
+
+
+def test_query_on_padding_or_outside(setup):
+    model, batch = setup
+    args = dict(additional_forward_args=(batch.attention_mask,))
+    with pytest.raises(ValueError, match=r"padding token in examples \[1, 2\]"):
+        AttentionRollout(model).attribute(batch.input_ids, query_index=7, **args)
+    with pytest.raises(ValueError, match="outside the sequence"):
+        AttentionRollout(model).attribute(batch.input_ids, query_index=9, **args)
+
+
+def test_layer_options_out_of_range(setup):
+    model, batch = setup
+    with pytest.raises(ValueError, match=r"layer=3 is out of range: the model has 3 attention layers"):
+        RawAttention(model).attribute(batch.input_ids, layer=3)
+    with pytest.raises(ValueError, match="start_layer=-4 is out of range"):
+        TransformerAttribution(model).attribute(batch.input_ids, target=0, start_layer=-4)
+
+
+def test_rollout_options(setup):
+    model, batch = setup
+    with pytest.raises(ValueError, match="head_fusion"):
+        AttentionRollout(model).attribute(batch.input_ids, head_fusion="median")
+    with pytest.raises(ValueError, match="discard_ratio"):
+        AttentionRollout(model).attribute(batch.input_ids, discard_ratio=1.0)
+
+
+def test_forward_func_not_returning_logits(setup):
+    model, batch = setup
+    explainer = GradSAM(lambda ids: model(ids).logits[:, 0], model=model)
+    with pytest.raises(ValueError, match=r"logits of shape \(batch, num_classes\)"):
+        explainer.attribute(batch.input_ids, target=0)
+
+
+def test_function_without_model():
+    with pytest.raises(TypeError, match="model="):
+        GradSAM(lambda ids: ids)
+
+
+def test_adapter_returning_a_copy_of_the_probabilities(setup):
+    model, batch = setup
+    attention = [m for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
+    adapter = ModuleAdapter(attention, probs=lambda output: output[1].clone())
+    model.set_attn_implementation("eager")
+    try:
+        with pytest.raises(RuntimeError, match="very tensor that weights the values"):
+            GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0)
+    finally:
+        model.set_attn_implementation("sdpa")
