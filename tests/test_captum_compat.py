@@ -1,0 +1,161 @@
+"""Our attributions inside Captum: NoiseTunnel, infidelity, sensitivity_max, visualisation, LIG."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from captum.attr import LayerIntegratedGradients, NoiseTunnel
+from captum.attr import visualization as viz
+from captum.metrics import infidelity, sensitivity_max
+from conftest import make_batch, make_model
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention.metrics import token_replacement_perturbation, token_substitution_perturbation
+
+NT_SAMPLES = 3
+STDEV = 0.05
+
+
+@pytest.fixture
+def bert():
+    model = make_model("bert")
+    return model, make_batch(model)
+
+
+def _forward_embeds(model):
+    return lambda embeds, mask: model(inputs_embeds=embeds, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("cls", [GradSAM, TransformerAttribution])
+def test_noise_tunnel_smoothgrad_over_embeddings(bert, cls):
+    model, batch = bert
+    embeds = model.get_input_embeddings()(batch.input_ids).detach()
+    explainer = cls(_forward_embeds(model), model=model)
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+
+    torch.manual_seed(0)
+    smoothed = NoiseTunnel(explainer).attribute(
+        embeds, nt_type="smoothgrad", nt_samples=NT_SAMPLES, stdevs=STDEV, **args
+    )
+    torch.manual_seed(0)
+    noise = torch.normal(0, torch.tensor(STDEV).repeat(len(embeds) * NT_SAMPLES, *embeds.shape[1:]))
+    noisy = embeds.repeat_interleave(NT_SAMPLES, dim=0) + noise
+    per_sample = explainer.attribute(
+        noisy, target=1, additional_forward_args=(batch.attention_mask.repeat_interleave(NT_SAMPLES, 0),)
+    )
+    expected = per_sample.view(len(embeds), NT_SAMPLES, -1).mean(dim=1)
+    assert smoothed.shape == batch.input_ids.shape
+    torch.testing.assert_close(smoothed, expected)
+    assert not torch.allclose(smoothed, explainer.attribute(embeds, **args)), "noise had no effect"
+    assert (smoothed[batch.attention_mask == 0] == 0).all()
+
+
+def test_embeddings_and_token_ids_give_the_same_scores(bert):
+    model, batch = bert
+    embeds = model.get_input_embeddings()(batch.input_ids).detach()
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    by_ids = GradSAM(model).attribute(batch.input_ids, **args)
+    by_embeds = GradSAM(_forward_embeds(model), model=model).attribute(embeds, **args)
+    torch.testing.assert_close(by_ids, by_embeds)
+
+
+def test_infidelity_with_token_replacement(bert):
+    model, batch = bert
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
+    scores = TransformerAttribution(model).attribute(
+        batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,)
+    )
+    samples = 5
+    value = infidelity(
+        forward,
+        token_replacement_perturbation(replacement_id=2, probability=0.3, protected_ids=[0], seed=7),
+        batch.input_ids,
+        scores,
+        target=1,
+        additional_forward_args=(batch.attention_mask,),
+        n_perturb_samples=samples,
+    )
+    indicator, perturbed = token_replacement_perturbation(2, 0.3, [0], seed=7)(
+        batch.input_ids.repeat_interleave(samples, 0)
+    )
+    mask = batch.attention_mask.repeat_interleave(samples, 0)
+    with torch.no_grad():
+        drop = forward(batch.input_ids, batch.attention_mask)[:, 1].repeat_interleave(samples) - forward(
+            perturbed, mask
+        )[:, 1]
+    explained = (scores.repeat_interleave(samples, 0) * indicator).sum(dim=1)
+    expected = ((explained - drop) ** 2).view(-1, samples).mean(dim=1)
+    assert (perturbed[batch.input_ids.repeat_interleave(samples, 0) == 0] == 0).all(), "padding kept"
+    assert indicator.sum() > 0
+    torch.testing.assert_close(value, expected)
+
+
+def test_sensitivity_max_with_token_substitution(bert):
+    model, batch = bert
+    explainer = GradSAM(model)
+    samples = 4
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    value = sensitivity_max(
+        explainer.attribute,
+        (batch.input_ids,),
+        perturb_func=token_substitution_perturbation(64, 0.3, protected_ids=[0], seed=3),
+        n_perturb_samples=samples,
+        **args,
+    )
+    perturbed = token_substitution_perturbation(64, 0.3, protected_ids=[0], seed=3)(
+        batch.input_ids.repeat_interleave(samples, 0)
+    )
+    original = explainer.attribute(batch.input_ids, **args)
+    moved = explainer.attribute(
+        perturbed, target=1, additional_forward_args=(batch.attention_mask.repeat_interleave(samples, 0),)
+    )
+    ratio = (moved - original.repeat_interleave(samples, 0)).norm(dim=1) / original.norm(
+        dim=1
+    ).repeat_interleave(samples)
+    torch.testing.assert_close(value, ratio.view(-1, samples).max(dim=1).values)
+    assert (value > 0).all()
+
+
+def test_tuple_inputs_give_tuple_outputs(bert):
+    model, batch = bert
+    (scores,) = RawAttention(model).attribute((batch.input_ids,), additional_forward_args=(batch.attention_mask,))
+    assert scores.shape == batch.input_ids.shape
+
+
+def test_visualize_text_takes_our_scores(bert):
+    pytest.importorskip("IPython")
+    model, batch = bert
+    scores = AttentionRollout(model).attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
+    n = batch.lengths[0]
+    tokens = [f"tok{i}" for i in batch.input_ids[0, :n].tolist()]
+    record = viz.VisualizationDataRecord(
+        scores[0, :n] / scores[0, :n].abs().max(), 0.9, 1, 1, "1", scores[0, :n].sum(), tokens, None
+    )
+    html = viz.visualize_text([record])
+    assert all(token in html.data for token in tokens)
+
+
+def test_side_by_side_with_layer_integrated_gradients(bert):
+    model, batch = bert
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
+    ig_scores = lig.attribute(batch.input_ids, n_steps=8, **args).sum(dim=-1)
+    ours = GradSAM(forward, model=model).attribute(batch.input_ids, **args)
+    assert ig_scores.shape == ours.shape == batch.input_ids.shape
+
+
+def test_readable_names():
+    assert [cls.get_name() for cls in (GradSAM, AttentionRollout, TransformerAttribution, RawAttention)] == [
+        "Grad-SAM",
+        "Attention Rollout",
+        "Transformer Attribution",
+        "Raw Attention",
+    ]
+
+
+def test_perturbation_arguments_are_checked():
+    with pytest.raises(ValueError, match="probability"):
+        token_replacement_perturbation(0, probability=0.0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        token_replacement_perturbation(0)(torch.zeros(2, 3))
