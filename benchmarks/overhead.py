@@ -1,0 +1,180 @@
+"""Per-method cost against the model's own forward / forward+backward, and against IG-50.
+
+    python benchmarks/overhead.py [--repeats 10] [--ig-repeats 3] [--no-memory]
+
+Prints median wall times over repeated runs in this process (after a warm-up) and each
+method's ratio to the matching baseline measured in the same run:
+
+- raw attention and rollout against the model's own forward with attentions
+  (eager attention, ``output_attentions=True``, no grad);
+- Grad-SAM and Transformer Attribution against the model's own forward + backward
+  with attentions (``output_attentions=True``, ``.backward()`` of the explained logits);
+- every method against Captum's LayerIntegratedGradients with 50 steps.
+
+The sdpa forward (how transformers 5 loads models by default) is printed for reference.
+Peak memory is the peak resident-set growth of one (warm) call, each measured in a fresh
+subprocess whose allocator returns freed blocks to the system, as a ratio to the bare
+forward+backward's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+import torch
+from captum.attr import LayerIntegratedGradients
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
+
+TARGET = 1
+
+
+def workloads() -> dict[str, Callable[[], object]]:
+    """Name -> a zero-argument callable doing one run on a fresh model and batch."""
+    model = benchmark_model()
+    eager = benchmark_model()
+    eager.set_attn_implementation("eager")
+    ids, mask = benchmark_batch()
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
+
+    def forward_sdpa() -> object:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask)
+
+    def forward_with_attentions() -> object:
+        with torch.no_grad():
+            return eager(ids, attention_mask=mask, output_attentions=True)
+
+    def forward_backward_with_attentions() -> None:
+        out = eager(ids, attention_mask=mask, output_attentions=True)
+        out.logits[:, TARGET].sum().backward()
+        eager.zero_grad(set_to_none=True)
+
+    args = dict(additional_forward_args=(mask,))
+    lig = LayerIntegratedGradients(forward, model.bert.embeddings)
+    return {
+        "forward (sdpa)": forward_sdpa,
+        "forward with attentions": forward_with_attentions,
+        "forward+backward with attentions": forward_backward_with_attentions,
+        "RawAttention": lambda: RawAttention(forward, model=model).attribute(ids, **args),
+        "AttentionRollout": lambda: AttentionRollout(forward, model=model).attribute(ids, **args),
+        "GradSAM": lambda: GradSAM(forward, model=model).attribute(ids, target=TARGET, **args),
+        "TransformerAttribution": lambda: TransformerAttribution(forward, model=model).attribute(
+            ids, target=TARGET, **args
+        ),
+        "LayerIntegratedGradients (50 steps)": lambda: lig.attribute(
+            ids, target=TARGET, n_steps=50, **args
+        ),
+    }
+
+
+BASELINE = {
+    "RawAttention": "forward with attentions",
+    "AttentionRollout": "forward with attentions",
+    "GradSAM": "forward+backward with attentions",
+    "TransformerAttribution": "forward+backward with attentions",
+}
+IG = "LayerIntegratedGradients (50 steps)"
+
+
+def median_seconds(runs: dict[str, Callable[[], object]], repeats: dict[str, int]) -> dict[str, float]:
+    """Median wall time of each run; rounds interleave the runs so drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, run in runs.items():
+        run()
+    for round_index in range(max(repeats.values())):
+        for name, run in runs.items():
+            if round_index < repeats[name]:
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_growth(name: str) -> int:
+    """Peak RSS growth of one call of ``name`` in this process (run warm: once before)."""
+    run = workloads()[name]
+    run()
+    peak, done = [0], threading.Event()
+    start = _rss_bytes()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    run()
+    done.set()
+    sampler.join()
+    return max(peak[0], _rss_bytes()) - start
+
+
+def peak_growth_in_subprocess(name: str) -> int:
+    # Large blocks are mmap-ed and returned to the system when freed, so the resident
+    # set follows the live tensors instead of glibc's cache of freed memory.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-of", name], capture_output=True, text=True, check=True, env=env
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--ig-repeats", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-ig", action="store_true")
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.memory_of:
+        print(peak_growth(options.memory_of))
+        return
+
+    runs = workloads()
+    if options.no_ig:
+        runs.pop(IG)
+    seconds = median_seconds(
+        runs, {name: options.ig_repeats if name == IG else options.repeats for name in runs}
+    )
+    print(
+        f"captum-attention overhead: BERT 6 layers x 384 wide x 12 heads, batch {BATCH} x {SEQ_LEN} "
+        f"tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU\n"
+    )
+    header = f"| {'run':38} | {'median ms':>9} | {'x baseline':>10} | {'IG-50 / this':>12} |"
+    print(header)
+    print("|" + "|".join("-" * (len(cell) + 0) for cell in header.split("|")[1:-1]) + "|")
+    for name, value in seconds.items():
+        ratio = f"{value / seconds[BASELINE[name]]:.2f}" if name in BASELINE else ""
+        speedup = f"{seconds[IG] / value:.0f}" if IG in seconds and name in BASELINE else ""
+        print(f"| {name:38} | {value * 1000:9.1f} | {ratio:>10} | {speedup:>12} |")
+    print("\nx baseline: raw/rollout against 'forward with attentions'; Grad-SAM/Transformer")
+    print("Attribution against 'forward+backward with attentions'.")
+
+    if not options.no_memory:
+        reference = peak_growth_in_subprocess("forward+backward with attentions")
+        print(f"\nPeak memory growth of one call (fresh process each), vs forward+backward ({reference / 2**20:.0f} MiB):")
+        for name in BASELINE:
+            growth = peak_growth_in_subprocess(name)
+            print(f"  {name:24} {growth / 2**20:7.0f} MiB  ({growth / reference:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
