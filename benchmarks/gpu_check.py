@@ -1,0 +1,110 @@
+"""GPU check: CUDA scores equal CPU scores, bf16 works, and what each method costs there.
+
+One command for the device tool (captum is not installed on the lent GPU machines; carry
+its wheel, and transformers' if the machine's is older than this package needs):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        && PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py
+
+Prints, for the benchmark BERT (6 layers, 384 wide, 12 heads) on 8 × 128 tokens:
+the largest CPU/CUDA difference of each method relative to its score scale (the target
+is 1e-5 in fp32), the bf16/fp32 difference on CUDA, and median CUDA time and peak
+memory against the model's own forward(+backward) with attentions.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
+
+METHODS = {
+    "RawAttention": (RawAttention, {}),
+    "AttentionRollout": (AttentionRollout, {}),
+    "GradSAM": (GradSAM, {"target": 1}),
+    "TransformerAttribution": (TransformerAttribution, {"target": 1}),
+}
+
+
+def scores(device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    model = benchmark_model(device, dtype)
+    ids, mask = benchmark_batch(device)
+    return {
+        name: cls(model).attribute(ids, additional_forward_args=(mask,), **options).cpu()
+        for name, (cls, options) in METHODS.items()
+    }
+
+
+def cuda_cost(run) -> tuple[float, int]:
+    """Median milliseconds over 20 runs and peak allocated bytes of one run."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("No CUDA device: run this on the GPU machine.")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, batch {BATCH} x {SEQ_LEN}")
+    cpu, gpu, bf16 = scores("cpu", torch.float32), scores("cuda", torch.float32), scores("cuda", torch.bfloat16)
+    print("\n| method | max |cuda-cpu| / scale (fp32) | max |bf16-fp32| / scale |")
+    print("|---|---|---|")
+    worst = 0.0
+    for name in METHODS:
+        scale = cpu[name].abs().max().item()
+        fp32_error = (gpu[name] - cpu[name]).abs().max().item() / scale
+        bf16_error = (bf16[name] - gpu[name]).abs().max().item() / scale
+        worst = max(worst, fp32_error)
+        print(f"| {name} | {fp32_error:.2e} | {bf16_error:.2e} |")
+    print(f"\nCPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+
+    model = benchmark_model("cuda")
+    eager = benchmark_model("cuda")
+    eager.set_attn_implementation("eager")
+    ids, mask = benchmark_batch("cuda")
+
+    def forward_with_attentions() -> None:
+        with torch.no_grad():
+            eager(ids, attention_mask=mask, output_attentions=True)
+
+    def forward_backward_with_attentions() -> None:
+        eager(ids, attention_mask=mask, output_attentions=True).logits[:, 1].sum().backward()
+        eager.zero_grad(set_to_none=True)
+
+    baselines = {
+        "forward with attentions": cuda_cost(forward_with_attentions),
+        "forward+backward with attentions": cuda_cost(forward_backward_with_attentions),
+    }
+    print("\n| run | median ms | x baseline time | x baseline peak memory |")
+    print("|---|---|---|---|")
+    for name, (ms, peak) in baselines.items():
+        print(f"| {name} | {ms:.2f} | | |")
+    for name, (cls, options) in METHODS.items():
+        explainer = cls(model)
+        ms, peak = cuda_cost(lambda: explainer.attribute(ids, additional_forward_args=(mask,), **options))
+        base_ms, base_peak = baselines["forward+backward with attentions" if "target" in options else "forward with attentions"]
+        print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
