@@ -62,6 +62,7 @@ class AttentionAttributionBase:
 
     needs_gradients = False
     readable_name = ""
+    forward_func: Callable[..., Any]  # set by Captum's Attribution.__init__
 
     def __init__(
         self,

@@ -170,16 +170,16 @@ class HuggingFaceAdapter:
 
     @contextmanager
     def prepared(self, model: nn.Module) -> Iterator[None]:
-        config = getattr(model, "config", None)
-        original = getattr(config, "_attn_implementation", None)
-        if original in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        original = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        switch = getattr(model, "set_attn_implementation", None)
+        if original in (None, "eager") or switch is None:
             yield
             return
-        model.set_attn_implementation("eager")
+        switch("eager")
         try:
             yield
         finally:
-            model.set_attn_implementation(original)
+            switch(original)
 
 
 class ModuleAdapter:
