@@ -22,6 +22,7 @@ class SentenceExplanation:
     probability: float
     target: int
     target_label: str
+    special: list[bool] = field(default_factory=list)
     scores: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -106,6 +107,7 @@ def explain(
             probability=float(probabilities[row, predicted[row]]),
             target=int(targets[row]),
             target_label=id2label[int(targets[row])],
+            special=[i in tokenizer.all_special_ids for i in ids[row, : int(mask[row].sum())].tolist()],
         )
         for row, text in enumerate(sentences)
     ]

@@ -24,8 +24,10 @@ def _colour(score: float, scale: float) -> str:
     return f"rgba({rgb}, {strength:.3f})"
 
 
-def _token_row(tokens: list[str], scores: list[float]) -> str:
-    scale = max((abs(s) for s in scores), default=0.0)
+def _token_row(tokens: list[str], scores: list[float], special: list[bool]) -> str:
+    # Rollout and relevance put most mass on [CLS] itself: scale by the words' scores.
+    words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
+    scale = max(words or [abs(s) for s in scores] or [0.0])
     return " ".join(
         f'<span class="tok" style="background: {_colour(score, scale)}" '
         f'title="{escape(f"{score:.4e}")}">{escape(token)}</span>'
@@ -46,7 +48,8 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         f"{count} sentence{'s' if count != 1 else ''}.</p>",
         '<p class="legend"><span class="tok" style="background: rgba(0, 140, 60, 0.8)">supports</span>'
         '<span class="tok" style="background: rgba(210, 40, 40, 0.8)">opposes</span>'
-        "the explained class; colour strength is relative to the row's largest score.</p>",
+        "the explained class; colour strength is relative to the largest score of the row's "
+        "non-special tokens (hover a token for its score).</p>",
     ]
     for sentence in explanations.sentences:
         parts.append("<section>")
@@ -59,7 +62,7 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         for method, seconds in explanations.seconds.items():
             parts.append(
                 f"<tr><td>{escape(method)}</td><td class=\"time\">{seconds * 1000:.0f} ms</td>"
-                f"<td>{_token_row(sentence.tokens, sentence.scores[method])}</td></tr>"
+                f"<td>{_token_row(sentence.tokens, sentence.scores[method], sentence.special)}</td></tr>"
             )
         parts.append("</table></section>")
     parts.append("</body></html>")
