@@ -109,7 +109,7 @@ class AttentionAttributionBase:
             input_shape=(batch, seq_len),
         )
         with capture, torch.set_grad_enabled(self.needs_gradients):
-            logits = _logits(_run_forward(self.forward_func, inputs, None, additional_forward_args))
+            logits = output_logits(_run_forward(self.forward_func, inputs, None, additional_forward_args))
             _check_attention(capture.attn_probs, batch, seq_len)
             real = real_tokens(capture.attention_mask, batch, seq_len, inputs.device)
             queries = _query_positions(query_index, real)
@@ -166,7 +166,7 @@ def format_scores(is_tuple: bool, scores: Tensor, maps: list[Tensor], return_map
     return (formatted, torch.stack(maps, dim=1)) if return_maps else formatted
 
 
-def _logits(output: Any) -> Tensor:
+def output_logits(output: Any) -> Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]

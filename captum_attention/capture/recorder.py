@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .adapters import AttentionAdapter, default_adapter
 
@@ -34,6 +36,11 @@ class AttentionCapture:
             touched). Default: False.
         input_shape (tuple of int, optional): ``(batch, seq_len)`` of the inputs; the
             captured mask must have this shape. Default: None (not checked).
+        intervention (callable, optional): ``intervention(call_index, attn_probs)`` returns
+            the probabilities to use instead, before they weight the values; it replaces
+            the output of the softmax inside each attention call (call_index counts
+            attention calls from 0 in forward order). The recorded ``attn_probs`` are the
+            replaced ones. Default: None.
 
     Example::
 
@@ -49,6 +56,7 @@ class AttentionCapture:
         *,
         track_grad: bool = False,
         input_shape: tuple[int, int] | None = None,
+        intervention: Callable[[int, Tensor], Tensor] | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else default_adapter(model)
@@ -56,7 +64,9 @@ class AttentionCapture:
         self.input_shape = input_shape
         self.attn_probs: list[Tensor] = []
         self.attention_mask: Tensor | None = None
+        self.intervention = intervention
         self._mask_seen = False
+        self._pending_call: int | None = None
         self._stack = ExitStack()
 
     def __enter__(self) -> "AttentionCapture":
@@ -70,16 +80,35 @@ class AttentionCapture:
                 if self.track_grad:
                     hook = module.register_forward_pre_hook(self._require_grad, with_kwargs=True)
                     stack.callback(hook.remove)
+                if self.intervention is not None:
+                    stack.callback(module.register_forward_pre_hook(self._open_call).remove)
             for module in mask_modules:
                 hook = module.register_forward_pre_hook(self._record_mask, with_kwargs=True)
                 stack.callback(hook.remove)
+            if self.intervention is not None:
+                stack.enter_context(_SoftmaxIntervention(self))
             self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._stack.close()
 
+    def _open_call(self, module: nn.Module, args: tuple) -> None:
+        self._pending_call = len(self.attn_probs)
+
+    def _intervene(self, attn_probs: Tensor) -> Tensor:
+        """Called by the softmax interception: the first softmax of an open attention call."""
+        if self._pending_call is None or self.intervention is None:
+            return attn_probs
+        call_index, self._pending_call = self._pending_call, None
+        return self.intervention(call_index, attn_probs)
+
     def _record_probs(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._pending_call is not None:
+            raise RuntimeError(
+                f"Cannot intervene on the attention of {type(module).__name__}: it computed no "
+                "softmax (is the model running a fused attention kernel?)."
+            )
         probs = self.adapter.attention_probs(module, output)
         if probs is None:
             raise RuntimeError(
@@ -135,3 +164,22 @@ class AttentionCapture:
 
 def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
+
+
+_SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
+
+
+class _SoftmaxIntervention(TorchFunctionMode):
+    """Replaces the first softmax of each attention call by the capture's intervention.
+
+    Intercepting the softmax itself (rather than re-implementing attention) keeps the
+    model's own masking, scaling and value weighting exact for any eager implementation.
+    """
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        return self.capture._intervene(result) if func in _SOFTMAXES else result

@@ -11,6 +11,7 @@ from .common import (
     query_rows,
     real_tokens,
 )
+from .interventions import erase_keys, on_heads, permute_rows
 from .grad_sam import grad_sam_layer_maps, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
@@ -20,10 +21,13 @@ __all__ = [
     "HEAD_FUSIONS",
     "add_residual",
     "discard_lowest",
+    "erase_keys",
     "fuse_heads",
     "grad_sam_layer_maps",
     "grad_sam_scores",
     "mask_padding",
+    "on_heads",
+    "permute_rows",
     "propagate_query_row",
     "query_rows",
     "raw_attention_maps",

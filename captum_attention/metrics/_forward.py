@@ -1,0 +1,87 @@
+"""Running a model once, optionally with an attention intervention, for the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from captum._utils.common import _format_additional_forward_args, _run_forward
+from torch import Tensor, nn
+
+from ..attr._base import format_inputs, output_logits
+from ..capture import AttentionAdapter, AttentionCapture
+from ..maps import real_tokens
+
+Intervention = Callable[[int, Tensor], Tensor]
+
+
+@dataclass
+class ModelRun:
+    """Output probabilities of one forward, with the attention and padding it saw."""
+
+    probs: Tensor  # (B, C) softmax of the logits
+    attn_probs: list[Tensor]  # per attention call, (B, H, T, T)
+    real: Tensor  # (B, T) bool
+
+
+def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
+    if model is not None:
+        return model
+    if isinstance(forward_func, nn.Module):
+        return forward_func
+    raise TypeError("pass model=...: the nn.Module that holds the attention layers (forward_func is not a module).")
+
+
+def run_model(
+    forward_func: Callable[..., Any],
+    model: nn.Module,
+    inputs: Tensor,
+    additional_forward_args: Any = None,
+    intervention: Intervention | None = None,
+    adapter: AttentionAdapter | None = None,
+) -> ModelRun:
+    """One forward without gradients, through the capture layer."""
+    _, inputs = format_inputs(inputs)
+    batch, seq_len = inputs.shape[:2]
+    capture = AttentionCapture(model, adapter, input_shape=(batch, seq_len), intervention=intervention)
+    with capture, torch.no_grad():
+        logits = output_logits(_run_forward(forward_func, inputs, None, additional_forward_args))
+    real = real_tokens(capture.attention_mask, batch, seq_len, inputs.device)
+    return ModelRun(logits.float().softmax(dim=-1), capture.attn_probs, real)
+
+
+def select_rows(inputs: Tensor, additional_forward_args: Any, rows: Tensor) -> tuple[Tensor, Any]:
+    """The examples ``rows`` (with repeats) of the inputs and of every batch-shaped extra argument."""
+    batch = inputs.shape[0]
+    extra = _format_additional_forward_args(additional_forward_args)
+    if extra is not None:
+        extra = tuple(
+            arg.index_select(0, rows.to(arg.device)) if isinstance(arg, Tensor) and arg.dim() > 0 and arg.shape[0] == batch else arg
+            for arg in extra
+        )
+    return inputs.index_select(0, rows.to(inputs.device)), extra
+
+
+def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:
+    """``layers`` as a set of indices in ``0..num_layers-1``; None = all; a clear error if absent."""
+    if layers is None:
+        return set(range(num_layers))
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    missing = [layer for layer in chosen if not -num_layers <= layer < num_layers]
+    if missing:
+        raise ValueError(
+            f"layers {missing} do not exist: the model has {num_layers} attention layers "
+            f"(valid: {-num_layers}..{num_layers - 1})."
+        )
+    return {layer % num_layers for layer in chosen}
+
+
+def js_divergence(p: Tensor, q: Tensor) -> Tensor:
+    """Jensen-Shannon divergence in bits (0..1) between rows of two distributions."""
+    middle = 0.5 * (p + q)
+
+    def kl(a: Tensor, b: Tensor) -> Tensor:
+        return torch.where(a > 0, a * (a.clamp(min=1e-30).log2() - b.clamp(min=1e-30).log2()), 0.0).sum(-1)
+
+    return 0.5 * kl(p, middle) + 0.5 * kl(q, middle)

@@ -1,0 +1,197 @@
+"""Attention erasure (Serrano & Smith, "Is Attention Interpretable?", ACL 2019).
+
+Zero the attention that queries pay to chosen key positions at chosen layers and heads,
+renormalise each row, re-run the model and compare the output distributions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import AttentionAdapter
+from ..maps import erase_keys, on_heads
+from ._forward import Intervention, js_divergence, layer_set, resolve_model, run_model, select_rows
+
+
+@dataclass
+class ErasureResult:
+    """Per example: the JS divergence (bits) between the output distributions before and
+    after erasing, whether the argmax changed, and both distributions ``(B, C)``."""
+
+    js_divergence: Tensor
+    flipped: Tensor
+    original: Tensor
+    erased: Tensor
+
+
+@dataclass
+class FlipResult:
+    """Per example, for erasing keys in ranking order until the decision flips.
+
+    Attributes:
+        removed: keys erased when the argmax first changed; -1 where it never changed.
+        fraction: ``removed`` over the example's real tokens; NaN where it never changed.
+        attention_mass_removed: the query's original attention (head mean, averaged over
+            the erased layers) on the erased keys at the flip; NaN where it never changed.
+        flipped: whether the decision changed before the erasable keys ran out.
+    """
+
+    removed: Tensor
+    fraction: Tensor
+    attention_mass_removed: Tensor
+    flipped: Tensor
+
+
+def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None) -> Intervention:
+    def intervene(call_index: int, attn_probs: Tensor) -> Tensor:
+        if call_index not in layers:
+            return attn_probs
+        mask = erased.to(attn_probs.device)
+        return on_heads(attn_probs, heads, lambda attn: erase_keys(attn, mask))
+
+    return intervene
+
+
+def _check_keys(keys: Tensor, inputs: Tensor, name: str) -> None:
+    if tuple(keys.shape) != tuple(inputs.shape[:2]):
+        raise ValueError(
+            f"{name} has shape {tuple(keys.shape)} but the inputs are {tuple(inputs.shape[:2])} "
+            "(batch, seq_len): give one value per token."
+        )
+
+
+def attention_erasure(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    erased_keys: Tensor,
+    additional_forward_args: Any = None,
+    model: nn.Module | None = None,
+    layers: int | list[int] | None = None,
+    heads: Sequence[int] | None = None,
+    adapter: AttentionAdapter | None = None,
+) -> ErasureResult:
+    """Erase the attention paid to ``erased_keys`` and measure the change of the output.
+
+    At each chosen layer (and head), every query's attention to the erased key positions
+    is set to 0 and the row renormalised; the model then runs on. Returns the
+    Jensen-Shannon divergence (in bits, 0..1) between the original and new output
+    distributions and whether the predicted class changed.
+
+    Args:
+        forward_func (Callable): returns logits ``(batch, num_classes)``.
+        inputs (Tensor): token ids ``(batch, seq_len)`` or embeddings.
+        erased_keys (Tensor): ``(batch, seq_len)`` bool, True for the keys to erase.
+        additional_forward_args (Any, optional): e.g. ``(attention_mask,)``. Default: None.
+        model (nn.Module, optional): module holding the attention. Default: forward_func.
+        layers (int or list of int, optional): attention layers to erase at (negative
+            counts from the end). Default: None, all layers.
+        heads (sequence of int, optional): heads to erase at. Default: None, all heads.
+        adapter (AttentionAdapter, optional): how to find the attention.
+
+    Returns:
+        ErasureResult.
+
+    Example::
+
+        >>> top = RawAttention(model).attribute(ids, additional_forward_args=(mask,))
+        >>> erased = top == top.max(dim=1, keepdim=True).values
+        >>> attention_erasure(model, ids, erased, (mask,)).flipped.float().mean()
+    """
+    model = resolve_model(forward_func, model)
+    _check_keys(erased_keys, inputs, "erased_keys")
+    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    chosen = layer_set(layers, len(original.attn_probs))
+    erased = run_model(
+        forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads), adapter
+    ).probs
+    return ErasureResult(
+        js_divergence=js_divergence(original.probs, erased),
+        flipped=original.probs.argmax(dim=-1) != erased.argmax(dim=-1),
+        original=original.probs,
+        erased=erased,
+    )
+
+
+def decision_flip_fraction(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    ranking: Tensor,
+    additional_forward_args: Any = None,
+    model: nn.Module | None = None,
+    layers: int | list[int] | None = None,
+    heads: Sequence[int] | None = None,
+    keep: Tensor | None = None,
+    query_index: int = 0,
+    max_batch_size: int = 64,
+    adapter: AttentionAdapter | None = None,
+) -> FlipResult:
+    """Erase keys in the order of ``ranking`` until the decision flips.
+
+    Serrano & Smith's "fraction of items removed before the first decision flip". All
+    prefixes of every example's order (1, 2, ... keys erased) are evaluated batched, in
+    forwards of at most ``max_batch_size`` rows, not one forward per step. At least one
+    real key always stays.
+
+    Args:
+        forward_func (Callable): returns logits ``(batch, num_classes)``.
+        inputs (Tensor): token ids ``(batch, seq_len)`` or embeddings.
+        ranking (Tensor): ``(batch, seq_len)`` importance, higher first: any attribution
+            (ours, Integrated Gradients, SHAP values aligned to tokens), or
+            :func:`attention_ranking`, :func:`gradient_ranking`,
+            :func:`gradient_attention_ranking`, :func:`random_ranking`.
+        additional_forward_args (Any, optional): e.g. ``(attention_mask,)``. Default: None.
+        model (nn.Module, optional): module holding the attention. Default: forward_func.
+        layers (int or list of int, optional): layers to erase at. Default: all.
+        heads (sequence of int, optional): heads to erase at. Default: all.
+        keep (Tensor, optional): ``(batch, seq_len)`` bool, positions never erased (e.g.
+            special tokens). Default: None.
+        query_index (int, optional): query row for ``attention_mass_removed``. Default: 0.
+        max_batch_size (int, optional): rows per forward. Default: 64.
+        adapter (AttentionAdapter, optional): how to find the attention.
+
+    Returns:
+        FlipResult; examples that never flip have ``removed = -1`` and NaN fractions.
+    """
+    model = resolve_model(forward_func, model)
+    _check_keys(ranking, inputs, "ranking")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
+    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    chosen = layer_set(layers, len(original.attn_probs))
+    erasable = original.real & ~(keep.bool().to(original.real.device) if keep is not None else False)
+    order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    steps = torch.minimum(erasable.sum(1), original.real.sum(1) - 1).clamp(min=0)
+
+    steps = steps.cpu()
+    rows = torch.repeat_interleave(torch.arange(len(steps)), steps)
+    first_of_row = torch.cumsum(steps, 0) - steps
+    prefix = torch.arange(len(rows)) - first_of_row[rows] + 1  # keys erased: 1..steps[b]
+    seq_len = ranking.shape[1]
+    positions = torch.arange(seq_len, device=order.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(1, order, positions).cpu()  # 0 = erased first
+    decision = original.probs.argmax(dim=-1).cpu()
+    flips = torch.zeros(len(rows), dtype=torch.bool)
+    for start in range(0, len(rows), max_batch_size):
+        chunk = slice(start, start + max_batch_size)
+        erased = ranks[rows[chunk]] < prefix[chunk, None]
+        chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows[chunk])
+        intervention = _erasing(erased, chosen, heads)
+        probs = run_model(forward_func, model, chunk_inputs, chunk_args, intervention, adapter).probs
+        flips[chunk] = probs.argmax(dim=-1).cpu() != decision[rows[chunk]]
+
+    never = int(steps.max()) + 1 if len(steps) else 1
+    first_flip = torch.full((len(steps),), never).scatter_reduce(
+        0, rows, torch.where(flips, prefix, never), reduce="amin"
+    )
+    flipped = first_flip < never
+    removed = torch.where(flipped, first_flip, -1)
+    fraction = torch.where(flipped, removed / original.real.sum(1).cpu(), torch.nan)
+    query_attention = torch.stack(
+        [original.attn_probs[layer].mean(dim=1)[:, query_index] for layer in sorted(chosen)]
+    ).mean(dim=0).cpu()
+    mass = (query_attention * (ranks < removed[:, None])).sum(dim=1)
+    return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)

@@ -1,0 +1,99 @@
+"""Rankings of key positions for erasure: attention, gradient, gradient × attention, random.
+
+Serrano & Smith (ACL 2019) compare erasure orders by attention weight α, by the gradient
+of the decision with respect to α, and by their product; each ranking here is the
+head-mean of that quantity at one layer's query row, ``(batch, seq_len)``, higher first.
+Any attribution tensor of that shape (ours, Integrated Gradients, SHAP values aligned to
+tokens) is a ranking too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from captum._utils.typing import TargetType
+from captum.attr import GradientAttribution
+from torch import Tensor, nn
+
+from ..attr._base import AttentionAttributionBase, CapturedAttention, format_inputs
+from ..capture import AttentionAdapter
+from ..maps import mask_padding, query_rows
+
+
+class _AttentionProbe(AttentionAttributionBase, GradientAttribution):
+    """Runs the attributions' capture (forward, and dS/dA on request) without reducing it."""
+
+
+def _captured(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    target: TargetType,
+    additional_forward_args: Any,
+    model: nn.Module | None,
+    query_index: int,
+    adapter: AttentionAdapter | None,
+    gradients: bool = True,
+) -> CapturedAttention:
+    _, tensor = format_inputs(inputs)
+    probe = _AttentionProbe(forward_func, model=model, adapter=adapter)
+    probe.needs_gradients = gradients
+    return probe._capture(tensor, target, additional_forward_args, query_index)
+
+
+def _ranking(captured: CapturedAttention, layer: int, maps: Callable[[int], Tensor]) -> Tensor:
+    index = captured.layer(layer)
+    return query_rows(mask_padding(maps(index).mean(dim=1), captured.real), captured.query_index)
+
+
+def attention_ranking(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    additional_forward_args: Any = None,
+    model: nn.Module | None = None,
+    layer: int = -1,
+    query_index: int = 0,
+    adapter: AttentionAdapter | None = None,
+) -> Tensor:
+    """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``."""
+    captured = _captured(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, False)
+    return _ranking(captured, layer, lambda index: captured.attn_probs[index])
+
+
+def gradient_ranking(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    target: TargetType = None,
+    additional_forward_args: Any = None,
+    model: nn.Module | None = None,
+    layer: int = -1,
+    query_index: int = 0,
+    adapter: AttentionAdapter | None = None,
+) -> Tensor:
+    """Head-mean gradient ∂S/∂α of ``layer`` at the query row (S: the target's logit)."""
+    captured = _captured(forward_func, inputs, target, additional_forward_args, model, query_index, adapter)
+    assert captured.attn_grads is not None
+    grads = captured.attn_grads
+    return _ranking(captured, layer, lambda index: grads[index])
+
+
+def gradient_attention_ranking(
+    forward_func: Callable[..., Any],
+    inputs: Tensor,
+    target: TargetType = None,
+    additional_forward_args: Any = None,
+    model: nn.Module | None = None,
+    layer: int = -1,
+    query_index: int = 0,
+    adapter: AttentionAdapter | None = None,
+) -> Tensor:
+    """Head-mean ∂S/∂α ⊙ α of ``layer`` at the query row."""
+    captured = _captured(forward_func, inputs, target, additional_forward_args, model, query_index, adapter)
+    assert captured.attn_grads is not None
+    grads = captured.attn_grads
+    return _ranking(captured, layer, lambda index: grads[index] * captured.attn_probs[index])
+
+
+def random_ranking(shape: tuple[int, int] | torch.Size, seed: int = 0) -> Tensor:
+    """A uniformly random ranking of shape ``(batch, seq_len)``, reproducible by ``seed``."""
+    return torch.rand(tuple(shape), generator=torch.Generator().manual_seed(seed))
