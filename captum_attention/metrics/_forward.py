@@ -79,9 +79,10 @@ def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:
     """Jensen-Shannon divergence in bits (0..1) between rows of two distributions."""
+    p, q = p.double(), q.double()
     middle = 0.5 * (p + q)
 
     def kl(a: Tensor, b: Tensor) -> Tensor:
         return torch.where(a > 0, a * (a.clamp(min=1e-30).log2() - b.clamp(min=1e-30).log2()), 0.0).sum(-1)
 
-    return 0.5 * kl(p, middle) + 0.5 * kl(q, middle)
+    return (0.5 * kl(p, middle) + 0.5 * kl(q, middle)).clamp(min=0.0).float()
