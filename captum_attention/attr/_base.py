@@ -115,7 +115,7 @@ class AttentionAttributionBase:
             queries = _query_positions(query_index, real)
             attn_grads = None
             if self.needs_gradients:
-                targets = _resolve_targets(logits, target)
+                targets = resolve_targets(logits, target)
                 score = logits.gather(1, targets[:, None]).sum()
                 attn_grads = _gradients(score, capture.attn_probs)
         return CapturedAttention(
@@ -211,7 +211,7 @@ def _check_attention(attn_probs: list[Tensor], batch: int, seq_len: int) -> None
             )
 
 
-def _resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
+def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
     """Captum's ``target`` as a ``(B,)`` long tensor of class indices; None = predicted class."""
     batch, num_classes = logits.shape
     if target is None:

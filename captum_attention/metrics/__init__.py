@@ -1,11 +1,33 @@
 """Metrics layer: faithfulness scores and the perturbations Captum's metrics need."""
 
+from .agreement import kendall_tau, spearman
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
 from .perturbations import token_replacement_perturbation, token_substitution_perturbation
+from .plausibility import auprc, iou_f1, token_f1
 from .rankings import attention_ranking, gradient_attention_ranking, gradient_ranking, random_ranking
 
+from .token_removal import (
+    CurveResult,
+    aopc,
+    comprehensiveness,
+    leave_one_out,
+    perturbation_curve,
+    sufficiency,
+)
+
 __all__ = [
+    "CurveResult",
+    "aopc",
+    "auprc",
+    "comprehensiveness",
+    "iou_f1",
+    "kendall_tau",
+    "leave_one_out",
+    "perturbation_curve",
+    "spearman",
+    "sufficiency",
+    "token_f1",
     "ErasureResult",
     "FlipResult",
     "PermutationResult",

@@ -1,0 +1,269 @@
+"""Faithfulness by removing tokens: ERASER's comprehensiveness, sufficiency and AOPC
+(DeYoung et al., ACL 2020), Chefer et al.'s positive/negative perturbation curves, and
+leave-one-out importance.
+
+Tokens are removed either by deletion (the remaining tokens close up, the sequence gets
+shorter) or by replacement with a baseline token id (e.g. [MASK] or [PAD]); tokens in
+``keep`` (special tokens, say) are never removed. These metrics call
+``forward_func(input_ids, attention_mask)`` directly, since removing tokens changes the
+mask; every perturbed sequence of a call is evaluated batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from captum._utils.typing import TargetType
+from torch import Tensor
+
+from ..attr._base import output_logits, resolve_targets
+
+DEFAULT_BINS = (1, 5, 10, 20, 50)
+DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+
+
+@dataclass
+class CurveResult:
+    """A perturbation curve: at each removed fraction (0 first), the target's probability
+    and whether the prediction is unchanged, per example, with the areas under both."""
+
+    fractions: Tensor  # (S + 1,)
+    target_prob: Tensor  # (B, S + 1)
+    agreement: Tensor  # (B, S + 1)
+    auc_target_prob: Tensor  # (B,)
+    auc_agreement: Tensor  # (B,)
+
+
+class _Remover:
+    """Removes token sets from a batch and returns the target's probabilities, batched."""
+
+    def __init__(
+        self,
+        forward_func: Callable[..., Any],
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        target: TargetType,
+        removal: str,
+        baseline_token_id: int | None,
+        keep: Tensor | None,
+        max_batch_size: int,
+    ) -> None:
+        if removal not in ("delete", "replace"):
+            raise ValueError(f"removal must be 'delete' or 'replace', got {removal!r}.")
+        if removal == "replace" and baseline_token_id is None:
+            raise ValueError("removal='replace' needs baseline_token_id (e.g. the [MASK] or [PAD] id).")
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
+                f"{tuple(input_ids.shape)}: they must match."
+            )
+        if input_ids.is_floating_point() or input_ids.dim() != 2:
+            raise TypeError("input_ids must be integer token ids of shape (batch, seq_len).")
+        self.forward_func, self.removal, self.baseline = forward_func, removal, baseline_token_id
+        self.ids, self.mask = input_ids, attention_mask
+        self.real = attention_mask != 0
+        self.removable = self.real & ~(keep.bool() if keep is not None else torch.zeros_like(self.real))
+        self.max_batch_size = max_batch_size
+        probs = self._probs(input_ids, attention_mask)
+        self.targets = resolve_targets(probs, target)
+        self.original = self.target_probs(probs, self.targets)
+        self.decision = probs.argmax(dim=-1)
+
+    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
+        with torch.no_grad():
+            return output_logits(self.forward_func(ids, mask)).float().softmax(dim=-1)
+
+    @staticmethod
+    def target_probs(probs: Tensor, targets: Tensor) -> Tensor:
+        return probs.gather(1, targets[:, None]).squeeze(1)
+
+    def _perturb(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
+        ids, mask = self.ids[rows], self.mask[rows]
+        if self.removal == "replace":
+            return ids.masked_fill(remove, int(self.baseline)), mask  # type: ignore[arg-type]
+        kept = self.real[rows] & ~remove
+        order = (~kept).int().argsort(dim=1, stable=True)  # kept tokens first, in order
+        lengths = kept.sum(dim=1, keepdim=True)
+        new_mask = (torch.arange(ids.shape[1], device=ids.device) < lengths).to(mask.dtype)
+        return ids.gather(1, order).masked_fill(new_mask == 0, 0), new_mask
+
+    def evaluate(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
+        """Target probability and unchanged decision after removing ``remove`` from ``rows``."""
+        target_prob, agree = [], []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = slice(start, start + self.max_batch_size)
+            probs = self._probs(*self._perturb(rows[chunk], remove[chunk]))
+            target_prob.append(self.target_probs(probs, self.targets[rows[chunk]]))
+            agree.append(probs.argmax(dim=-1) == self.decision[rows[chunk]])
+        return torch.cat(target_prob), torch.cat(agree)
+
+    def top_tokens(self, attributions: Tensor, fractions: Sequence[float], most_relevant: bool = True) -> tuple[Tensor, Tensor]:
+        """Rows and masks of the top ``fraction`` of each example's removable tokens.
+
+        The count is ⌈fraction·N⌉ of the N removable tokens (at least 1 for a positive
+        fraction), ordered by attribution, highest first (lowest first if not
+        ``most_relevant``). Returns ``rows (B·F,)`` and masks ``(B·F, T)``, example-major.
+        """
+        if tuple(attributions.shape) != tuple(self.ids.shape):
+            raise ValueError(
+                f"attributions have shape {tuple(attributions.shape)} but the inputs are "
+                f"{tuple(self.ids.shape)}: give one score per token."
+            )
+        signed = attributions.float() if most_relevant else -attributions.float()
+        order = signed.masked_fill(~self.removable, float("-inf")).argsort(dim=1, descending=True, stable=True)
+        positions = torch.arange(self.ids.shape[1], device=order.device).expand_as(order)
+        ranks = torch.empty_like(order).scatter_(1, order, positions)
+        share = torch.tensor(fractions, dtype=torch.float64, device=order.device)
+        counts = (share[None, :] * self.removable.sum(dim=1, keepdim=True)).ceil().long()  # (B, F)
+        remove = ranks[:, None, :] < counts[:, :, None]  # (B, F, T)
+        rows = torch.arange(len(order), device=order.device).repeat_interleave(len(fractions))
+        return rows, remove.flatten(0, 1)
+
+
+def _check_bins(bins: Sequence[float]) -> list[float]:
+    bad = [b for b in bins if not 0 < b <= 100]
+    if bad or not bins:
+        raise ValueError(f"bins are percentages in (0, 100]; got {list(bins)}.")
+    return [b / 100 for b in bins]
+
+
+def comprehensiveness(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    attributions: Tensor,
+    target: TargetType = None,
+    bins: Sequence[float] = DEFAULT_BINS,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    r"""ERASER comprehensiveness: p(y|x) − p(y|x \ r_k) for the top-k% tokens r_k.
+
+    Args:
+        forward_func (Callable): ``forward_func(input_ids, attention_mask)`` returns logits.
+        input_ids (Tensor): ``(batch, seq_len)`` token ids.
+        attention_mask (Tensor): ``(batch, seq_len)``, 1 for real tokens.
+        attributions (Tensor): ``(batch, seq_len)`` token scores, higher = more important.
+        target (int, list, Tensor or None, optional): class y; None = predicted class.
+        bins (sequence of float, optional): k in percent, each in (0, 100].
+            Default: (1, 5, 10, 20, 50).
+        removal (str, optional): "delete" or "replace". Default: "delete".
+        baseline_token_id (int, optional): replacement id for removal="replace".
+        keep (Tensor, optional): ``(batch, seq_len)`` bool, tokens never removed.
+        max_batch_size (int, optional): sequences per forward. Default: 256.
+
+    Returns:
+        ``(batch, len(bins))`` tensor.
+    """
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    rows, remove = remover.top_tokens(attributions, _check_bins(bins))
+    after, _ = remover.evaluate(rows, remove)
+    return (remover.original[rows] - after).view(len(input_ids), -1)
+
+
+def sufficiency(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    attributions: Tensor,
+    target: TargetType = None,
+    bins: Sequence[float] = DEFAULT_BINS,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    """ERASER sufficiency: p(y|x) − p(y|r_k), keeping only the top-k% tokens (and ``keep``).
+
+    Arguments as for :func:`comprehensiveness`. Returns ``(batch, len(bins))``.
+    """
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    rows, top = remover.top_tokens(attributions, _check_bins(bins))
+    after, _ = remover.evaluate(rows, remover.removable[rows] & ~top)
+    return (remover.original[rows] - after).view(len(input_ids), -1)
+
+
+def aopc(scores_per_bin: Tensor) -> Tensor:
+    """Area over the perturbation curve: the mean over bins of comprehensiveness or
+    sufficiency scores ``(batch, bins)`` (DeYoung et al.'s AOPC), ``(batch,)``."""
+    return scores_per_bin.mean(dim=-1)
+
+
+def perturbation_curve(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    attributions: Tensor,
+    target: TargetType = None,
+    steps: Sequence[float] = DEFAULT_STEPS,
+    most_relevant_first: bool = True,
+    removal: str = "replace",
+    baseline_token_id: int | None = 0,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> CurveResult:
+    """Chefer et al.'s positive (most relevant first) or negative perturbation test.
+
+    Removes 10%, 20%, ... 90% of the removable tokens in attribution order and records
+    the target's probability and whether the prediction is unchanged; the areas under
+    both curves (trapezoids over the removed fraction, 0 included) summarise them. A
+    faithful attribution gives a low area for the positive test and a high one for the
+    negative test.
+
+    Args:
+        forward_func (Callable): ``forward_func(input_ids, attention_mask)`` returns logits.
+        input_ids, attention_mask, attributions, target, keep, max_batch_size: as for
+            :func:`comprehensiveness`.
+        steps (sequence of float, optional): percentages removed. Default: 10..90.
+        most_relevant_first (bool, optional): positive (True) or negative test.
+        removal (str, optional): "replace" (default, with ``baseline_token_id``, 0 by
+            default: BERT's [PAD]) or "delete".
+        baseline_token_id (int, optional): replacement id. Default: 0.
+
+    Returns:
+        CurveResult.
+    """
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    fractions = _check_bins(steps)
+    rows, remove = remover.top_tokens(attributions, fractions, most_relevant_first)
+    after, agree = remover.evaluate(rows, remove)
+    batch = len(input_ids)
+    target_prob = torch.cat([remover.original[:, None], after.view(batch, -1)], dim=1)
+    agreement = torch.cat([torch.ones(batch, 1, device=agree.device), agree.view(batch, -1).float()], dim=1)
+    axis = torch.tensor([0.0, *fractions], device=target_prob.device)
+    return CurveResult(
+        fractions=axis,
+        target_prob=target_prob,
+        agreement=agreement,
+        auc_target_prob=torch.trapezoid(target_prob, axis, dim=1),
+        auc_agreement=torch.trapezoid(agreement, axis, dim=1),
+    )
+
+
+def leave_one_out(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    target: TargetType = None,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    """Leave-one-out importance p(y|x) − p(y|x \\ {i}) of each removable token, batched;
+    0 for padding and ``keep`` tokens. A ranking source for agreement and erasure.
+
+    Returns:
+        ``(batch, seq_len)`` tensor.
+    """
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    rows, positions = remover.removable.nonzero(as_tuple=True)
+    remove = torch.nn.functional.one_hot(positions, input_ids.shape[1]).bool()
+    after, _ = remover.evaluate(rows, remove)
+    importance = torch.zeros(input_ids.shape, dtype=after.dtype, device=after.device)
+    importance[rows, positions] = remover.original[rows] - after
+    return importance

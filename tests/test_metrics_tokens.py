@@ -1,0 +1,158 @@
+"""Token-removal faithfulness, agreement and plausibility against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_batch, make_model
+from scipy import stats
+from torch import nn
+
+from captum_attention.metrics import (
+    aopc,
+    auprc,
+    comprehensiveness,
+    iou_f1,
+    kendall_tau,
+    leave_one_out,
+    perturbation_curve,
+    spearman,
+    sufficiency,
+    token_f1,
+)
+
+VOCAB, CLASSES = 12, 3
+
+
+class BagOfTokens(nn.Module):
+    """logits = Σ over real tokens of a per-token weight vector: a known function of the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = torch.randn(VOCAB, CLASSES, generator=torch.Generator().manual_seed(0))
+        self.weights[0] = 0.0  # token 0 (padding/baseline) contributes nothing
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (self.weights[ids] * mask[..., None]).sum(dim=1)
+
+
+@pytest.fixture
+def bag():
+    model = BagOfTokens()
+    ids = torch.tensor([[5, 3, 7, 1, 9, 2, 11, 4], [6, 8, 10, 2, 0, 0, 0, 0]])
+    mask = (torch.arange(8)[None, :] < torch.tensor([[8], [4]])).long()
+    target = model(ids, mask).argmax(1)
+    contributions = model.weights[ids, target[:, None]] * mask  # the true per-token evidence
+    return model, ids, mask, target, contributions
+
+
+def _by_hand(model, ids, mask, target, removed_sets):
+    """p(y|x) − p(y|x without the removed positions), one example at a time."""
+    out = []
+    for row, removed in removed_sets:
+        kept = [i for i in range(int(mask[row].sum())) if i not in removed]
+        logits = model.weights[ids[row, kept]].sum(0)
+        full = model.weights[ids[row, : int(mask[row].sum())]].sum(0)
+        out.append(full.softmax(-1)[target[row]] - logits.softmax(-1)[target[row]])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_comprehensiveness_and_sufficiency_by_hand(bag, removal):
+    model, ids, mask, target, contributions = bag
+    bins = (10, 25, 50, 100)
+    comp = comprehensiveness(model, ids, mask, contributions, bins=bins, removal=removal, baseline_token_id=0)
+    suff = sufficiency(model, ids, mask, contributions, bins=bins, removal=removal, baseline_token_id=0)
+    expected_comp, expected_suff = [], []
+    for row in range(2):
+        n = int(mask[row].sum())
+        order = contributions[row, :n].argsort(descending=True).tolist()
+        for b in bins:
+            top = set(order[: math.ceil(b / 100 * n)])
+            expected_comp.append((row, top))
+            expected_suff.append((row, set(range(n)) - top))
+    torch.testing.assert_close(comp, _by_hand(model, ids, mask, target, expected_comp).view(2, -1))
+    torch.testing.assert_close(suff, _by_hand(model, ids, mask, target, expected_suff).view(2, -1))
+    torch.testing.assert_close(aopc(comp), comp.mean(-1))
+    assert (comp[:, -1] > 0).all() and suff[:, -1].abs().max() < 1e-6  # all removed / all kept
+
+
+def test_special_tokens_are_kept(bag):
+    model, ids, mask, target, contributions = bag
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, 0] = True
+    comp = comprehensiveness(model, ids, mask, contributions, bins=(100,), keep=keep)
+    n = mask.sum(1)
+    expected = _by_hand(model, ids, mask, target, [(r, set(range(1, int(n[r])))) for r in range(2)])
+    torch.testing.assert_close(comp[:, 0], expected)
+
+
+def test_deletion_on_a_transformer_equals_the_shortened_sentence():
+    model = make_model("bert")
+    batch = make_batch(model, lengths=(9, 6))
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
+    scores = torch.arange(9.0).flip(0).expand(2, 9)  # remove the first tokens first
+    comp = comprehensiveness(forward, batch.input_ids, batch.attention_mask, scores, target=1, bins=(34,))
+    with torch.no_grad():
+        for row, n in enumerate(batch.lengths):
+            count = math.ceil(0.34 * n)
+            ids = batch.input_ids[row : row + 1, :n]
+            full = forward(ids, torch.ones_like(ids)).softmax(-1)[0, 1]
+            short = forward(ids[:, count:], torch.ones_like(ids[:, count:])).softmax(-1)[0, 1]
+            torch.testing.assert_close(comp[row, 0], full - short, atol=1e-6, rtol=1e-5)
+
+
+def test_perturbation_curves_rank_a_faithful_attribution(bag):
+    model, ids, mask, target, contributions = bag
+    positive = perturbation_curve(model, ids, mask, contributions, most_relevant_first=True)
+    negative = perturbation_curve(model, ids, mask, contributions, most_relevant_first=False)
+    assert positive.target_prob.shape == (2, 10) and (positive.agreement[:, 0] == 1).all()
+    assert (positive.auc_target_prob < negative.auc_target_prob).all()
+    axis = positive.fractions
+    manual = ((positive.target_prob[:, 1:] + positive.target_prob[:, :-1]) / 2 * (axis[1:] - axis[:-1])).sum(1)
+    torch.testing.assert_close(positive.auc_target_prob, manual)
+
+
+def test_leave_one_out_by_hand(bag):
+    model, ids, mask, target, _ = bag
+    importance = leave_one_out(model, ids, mask)
+    for row in range(2):
+        n = int(mask[row].sum())
+        expected = _by_hand(model, ids, mask, target, [(row, {i}) for i in range(n)])
+        torch.testing.assert_close(importance[row, :n], expected)
+        assert (importance[row, n:] == 0).all()
+
+
+def test_removal_arguments_are_checked(bag):
+    model, ids, mask, _, contributions = bag
+    with pytest.raises(ValueError, match=r"bins are percentages in \(0, 100\]"):
+        comprehensiveness(model, ids, mask, contributions, bins=(0, 10))
+    with pytest.raises(ValueError, match="attributions have shape"):
+        comprehensiveness(model, ids, mask, contributions[:, :4])
+    with pytest.raises(ValueError, match="baseline_token_id"):
+        sufficiency(model, ids, mask, contributions, removal="replace", baseline_token_id=None)
+
+
+def test_agreement_against_scipy():
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randn(3, 7, generator=generator), torch.randn(3, 7, generator=generator)
+    include = torch.ones(3, 7, dtype=torch.bool)
+    include[1, 5:] = False
+    tau = kendall_tau(first, second, include)
+    rho = spearman(first, second, include)
+    assert tau[1] == pytest.approx(stats.kendalltau(first[1, :5], second[1, :5]).statistic)
+    assert rho[0] == pytest.approx(stats.spearmanr(first[0], second[0]).statistic)
+    assert kendall_tau(first, first).eq(1).all() and kendall_tau(first, -first).eq(-1).all()
+
+
+def test_plausibility_by_hand():
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.2, 0.7]])
+    rationale = torch.tensor([[True, False, True, True, False]])
+    # top-3 = {0, 2, 4}; overlap {0, 2}: precision 2/3, recall 2/3
+    assert token_f1(scores, rationale).item() == pytest.approx(2 / 3)
+    # ranking 0, 2, 4, 3, 1: hits at ranks 1, 2, 4 -> AP = (1 + 1 + 3/4) / 3
+    assert auprc(scores, rationale).item() == pytest.approx((1 + 1 + 0.75) / 3)
+    # predicted spans [0,1) [2,3) [4,5); gold spans [0,1) [2,4): [0,1) matches, [2,3) has IOU 1/2 (not > 0.5)
+    assert iou_f1(scores, rationale).item() == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
