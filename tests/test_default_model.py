@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +68,9 @@ def test_reduced_budget_training_beats_chance_and_the_cache_is_checked(tmp_path,
     monkeypatch.undo()
     dm.default_model_path(tmp_path, REDUCED, progress=False)
     assert dm.read_metadata(folder) is not None
+
+    # The debate reproduction runs end to end on it (a few sentences).
+    script = Path(__file__).parent.parent / "benchmarks" / "reproduce_debate.py"
+    results = runpy.run_path(str(script))["main"](["--model", str(folder), "--examples", "6"])
+    assert results["(c) accuracy, attention permuted: original"] >= 0.5
+    assert any(key.startswith("(a)") for key in results) and any(key.startswith("(b)") for key in results)
