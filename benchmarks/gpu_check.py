@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
+from captum_attention.metrics import attention_erasure, comprehensiveness, random_ranking  # noqa: E402
 
 METHODS = {
     "RawAttention": (RawAttention, {}),
@@ -77,6 +78,19 @@ def main() -> None:
         worst = max(worst, fp32_error)
         print(f"| {name} | {fp32_error:.2e} | {bf16_error:.2e} |")
     print(f"\nCPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+
+    metric_gaps = {}
+    for device in ("cpu", "cuda"):
+        model = benchmark_model(device)
+        ids, mask = benchmark_batch(device)
+        erased = random_ranking(ids.shape, seed=0).to(device) > 0.7
+        forward = lambda i, m, model=model: model(i, attention_mask=m).logits  # noqa: E731
+        metric_gaps[device] = (
+            attention_erasure(model, ids, erased, (mask,)).js_divergence.cpu(),
+            comprehensiveness(forward, ids, mask, random_ranking(ids.shape, seed=1).to(device)).cpu(),
+        )
+    for name, cpu_value, gpu_value in zip(("attention_erasure JS", "comprehensiveness"), metric_gaps["cpu"], metric_gaps["cuda"]):
+        print(f"{name}: max |cuda-cpu| = {(gpu_value - cpu_value).abs().max().item():.2e}")
 
     model = benchmark_model("cuda")
     eager = benchmark_model("cuda")

@@ -23,7 +23,7 @@ def _checked(attributions: Tensor, rationale: Tensor, include: Tensor | None) ->
 def top_k_tokens(attributions: Tensor, k: Tensor, include: Tensor) -> Tensor:
     """``(batch, seq_len)`` bool: each example's ``k[b]`` highest-scoring included tokens."""
     order = attributions.masked_fill(~include, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     return (ranks < k[:, None]) & include
 
 
@@ -48,7 +48,7 @@ def token_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = N
         ``(batch,)`` tensor.
     """
     scores, gold, include = _checked(attributions, rationale, include)
-    counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k)
+    counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
     return _f1(top_k_tokens(scores, counts, include), gold)
 
 
@@ -68,7 +68,7 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
     rationale span when their intersection over union exceeds ``threshold``; F1 of the
     matches. Arguments as for :func:`token_f1`. Returns ``(batch,)``."""
     scores, gold, include = _checked(attributions, rationale, include)
-    counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k)
+    counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
     predicted = top_k_tokens(scores, counts, include)
     values = []
     for pred_row, gold_row in zip(predicted.cpu(), gold.cpu()):
@@ -93,6 +93,6 @@ def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None
     scores, gold, include = _checked(attributions, rationale, include)
     order = scores.masked_fill(~include, float("-inf")).argsort(dim=1, descending=True, stable=True)
     hits = gold.gather(1, order) & include.gather(1, order)
-    precision_at = hits.cumsum(dim=1).float() / torch.arange(1, hits.shape[1] + 1)
+    precision_at = hits.cumsum(dim=1).float() / torch.arange(1, hits.shape[1] + 1, device=hits.device)
     total = hits.sum(dim=1).float()
     return torch.where(total > 0, (precision_at * hits).sum(dim=1) / total.clamp(min=1), torch.nan)
