@@ -28,7 +28,7 @@ METHODS = {
 def _tokenizer(folder: Path) -> tf.BertTokenizerFast:
     vocab = folder / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(WORDS)]) + "\n")
-    return tf.BertTokenizerFast(vocab_file=str(vocab))
+    return tf.BertTokenizerFast(vocab=str(vocab))
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,7 @@ def test_explain_prints_the_library_scores(checkpoints, tmp_path):
     for row, (tokens, printed) in enumerate(tables):
         length = int(mask[row].sum())
         assert tokens == tokenizer.convert_ids_to_tokens(ids[row, :length].tolist())
+        assert "[UNK]" not in tokens and tokens[1] == SENTENCES[row].split()[0]
         for method, scores in printed.items():
             torch.testing.assert_close(
                 torch.tensor(scores), expected[method][row, :length].detach(), rtol=1e-3, atol=1e-9
@@ -134,6 +135,7 @@ def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
     text = "".join(collector.text)
     assert "what a <script>alert(1)</script> film" in text  # shown as text
     assert "&lt;script&gt;" in page
+    assert '">&lt;</span>' in page and '">script</span>' in page  # the tokens themselves, escaped
     for method in [*METHODS, "Integrated Gradients"]:
         assert method in text
     assert text.count("Prediction:") == 2 and " ms" in text

@@ -74,3 +74,18 @@ def test_reduced_budget_training_beats_chance_and_the_cache_is_checked(tmp_path,
     results = runpy.run_path(str(script))["main"](["--model", str(folder), "--examples", "6"])
     assert results["(c) accuracy, attention permuted: original"] >= 0.5
     assert any(key.startswith("(a)") for key in results) and any(key.startswith("(b)") for key in results)
+
+
+def test_token_rationales_follow_the_words(tmp_path):
+    import transformers as tf
+
+    examples = corpus.generate("train", 20)
+    words = sorted({w for e in examples for w in e.text.split()})
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = tf.BertTokenizerFast(vocab=str(vocab))
+    encoded = tokenizer([e.text for e in examples], padding=True, return_tensors="pt")
+    mask = corpus.token_rationales(encoded, examples)
+    for row, example in enumerate(examples):
+        tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][row][mask[row]].tolist())
+        assert tokens == [example.text.split()[i] for i in example.rationale]

@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from transformers import BatchEncoding
 
 POSITIVE = {
     "train": [
@@ -112,3 +117,24 @@ def generate(split: str, size: int, seed: int = 0) -> list[Example]:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}.")
     rng = random.Random(f"{split}-{seed}")
     return [_sentence(rng, split) for _ in range(size)]
+
+
+def token_rationales(encoded: "BatchEncoding", examples: list[Example]) -> "Tensor":
+    """The examples' rationale words as a ``(batch, seq_len)`` bool mask over tokens.
+
+    Args:
+        encoded: a fast tokenizer's output for ``[e.text for e in examples]`` (its
+            ``word_ids`` map tokens to the whitespace-separated words of the text).
+        examples: the generated examples, in the same order.
+
+    Returns:
+        bool tensor, True for every word piece of a rationale word; for
+        :func:`captum_attention.metrics.token_f1` and friends.
+    """
+    import torch
+
+    rows = []
+    for row, example in enumerate(examples):
+        decisive = set(example.rationale)
+        rows.append([word is not None and word in decisive for word in encoded.word_ids(row)])
+    return torch.tensor(rows, dtype=torch.bool)

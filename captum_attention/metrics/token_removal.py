@@ -129,6 +129,13 @@ def _check_bins(bins: Sequence[float]) -> list[float]:
     return [b / 100 for b in bins]
 
 
+def _drop_per_bin(remover: _Remover, attributions: Tensor, bins: Sequence[float], remove_top: bool) -> Tensor:
+    """p(y|x) − p(y|x'), x' without the top tokens of each bin (or with only them)."""
+    rows, top = remover.top_tokens(attributions, _check_bins(bins))
+    after, _ = remover.evaluate(rows, top if remove_top else remover.removable[rows] & ~top)
+    return (remover.original[rows] - after).view(len(attributions), -1)
+
+
 def comprehensiveness(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -160,9 +167,7 @@ def comprehensiveness(
         ``(batch, len(bins))`` tensor.
     """
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
-    rows, remove = remover.top_tokens(attributions, _check_bins(bins))
-    after, _ = remover.evaluate(rows, remove)
-    return (remover.original[rows] - after).view(len(input_ids), -1)
+    return _drop_per_bin(remover, attributions, bins, remove_top=True)
 
 
 def sufficiency(
@@ -182,9 +187,7 @@ def sufficiency(
     Arguments as for :func:`comprehensiveness`. Returns ``(batch, len(bins))``.
     """
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
-    rows, top = remover.top_tokens(attributions, _check_bins(bins))
-    after, _ = remover.evaluate(rows, remover.removable[rows] & ~top)
-    return (remover.original[rows] - after).view(len(input_ids), -1)
+    return _drop_per_bin(remover, attributions, bins, remove_top=False)
 
 
 def aopc(scores_per_bin: Tensor) -> Tensor:
