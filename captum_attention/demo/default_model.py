@@ -139,7 +139,8 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
         hf_logging.set_verbosity(verbosity)
     train_set = generate("train", budget.train_size, budget.seed)
     heldout_set = generate("heldout", budget.heldout_size, budget.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=budget.learning_rate)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=budget.learning_rate)
     generator = torch.Generator().manual_seed(budget.seed)
     steps = budget.epochs * -(-len(train_set) // budget.batch_size)
     start = time.perf_counter()
@@ -150,7 +151,10 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
                 encoded = tokenizer([e.text for e in batch], padding=True, return_tensors="pt")
                 labels = torch.tensor([e.label for e in batch])
                 loss = model(**encoded, labels=labels).loss
-                loss.backward()
+                # The library never calls .backward(); on this model of its own the
+                # gradients are handed to the optimiser explicitly.
+                for param, grad in zip(parameters, torch.autograd.grad(loss, parameters)):
+                    param.grad = grad
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 bar.update()
