@@ -89,3 +89,30 @@ def test_token_rationales_follow_the_words(tmp_path):
     for row, example in enumerate(examples):
         tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][row][mask[row]].tolist())
         assert tokens == [example.text.split()[i] for i in example.rationale]
+
+
+def test_force_retrains_and_a_failed_training_leaves_no_partial_cache(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(destination, budget, progress):
+        calls.append(destination)
+        (destination / "weights.bin").write_bytes(b"w" * len(calls))
+        files = {"weights.bin": dm._sha256(destination / "weights.bin")}
+        (destination / dm.METADATA).write_text(json.dumps({"files": files, "budget": dm.asdict(budget)}))
+        return {}
+
+    monkeypatch.setattr(dm, "train", fake_train)
+    folder = dm.default_model_path(tmp_path, REDUCED, progress=False)
+    assert dm.default_model_path(tmp_path, REDUCED, progress=False) == folder and len(calls) == 1
+    dm.default_model_path(tmp_path, REDUCED, progress=False, force=True)
+    assert len(calls) == 2 and (folder / "weights.bin").read_bytes() == b"ww"
+
+    def failing_train(destination, budget, progress):
+        (destination / "half-written").write_text("x")
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(dm, "train", failing_train)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        dm.default_model_path(tmp_path, REDUCED, progress=False, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dm.MODEL_NAME], "staging folder left behind"
+    assert dm.read_metadata(folder) is not None, "the previous good cache survives a failed rebuild"
