@@ -95,35 +95,72 @@ class AttentionAttributionBase:
         query_index: int | Sequence[int] | Tensor = 0,
     ) -> CapturedAttention:
         """Run the model once (and, for gradient methods, one ``autograd.grad``)."""
-        batch, seq_len = inputs.shape[:2]
-        if self.model.training:
-            warnings.warn(
-                f"{type(self.model).__name__} is in training mode: dropout makes the attention "
-                "random. Call model.eval() before explaining it.",
-                stacklevel=3,
-            )
-        capture = AttentionCapture(
-            self.model,
-            self.adapter,
-            track_grad=self.needs_gradients,
-            input_shape=(batch, seq_len),
+        return capture_attention(
+            self.forward_func, self.model, inputs, target, additional_forward_args,
+            query_index, self.adapter, self.needs_gradients,
         )
-        with capture, torch.set_grad_enabled(self.needs_gradients):
-            logits = output_logits(_run_forward(self.forward_func, inputs, None, additional_forward_args))
-            _check_attention(capture.attn_probs, batch, seq_len)
-            real = real_tokens(capture.attention_mask, batch, seq_len, inputs.device)
-            queries = _query_positions(query_index, real)
-            attn_grads = None
-            if self.needs_gradients:
-                targets = resolve_targets(logits, target)
-                score = logits.gather(1, targets[:, None]).sum()
-                attn_grads = _gradients(score, capture.attn_probs)
-        return CapturedAttention(
-            attn_probs=[_with_heads(p.detach()) for p in capture.attn_probs],
-            attn_grads=None if attn_grads is None else [_with_heads(g) for g in attn_grads],
-            real=real,
-            query_index=queries,
+
+
+@dataclass
+class ForwardPass:
+    """One forward through the capture layer: logits, attention as captured, padding."""
+
+    logits: Tensor
+    attn_probs: list[Tensor]  # per attention call, still in the autograd graph if tracked
+    real: Tensor  # (B, T) bool
+
+
+def forward_through_capture(
+    forward_func: Callable[..., Any],
+    model: nn.Module,
+    inputs: Tensor,
+    additional_forward_args: Any,
+    adapter: AttentionAdapter | None = None,
+    track_grad: bool = False,
+    intervention: Callable[[int, Tensor], Tensor] | None = None,
+) -> ForwardPass:
+    """Run ``forward_func`` once with ``model``'s attention captured (and intervened on)."""
+    batch, seq_len = inputs.shape[:2]
+    if model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in training mode: dropout makes the attention "
+            "random. Call model.eval() before explaining it.",
+            stacklevel=4,
         )
+    capture = AttentionCapture(
+        model, adapter, track_grad=track_grad, input_shape=(batch, seq_len), intervention=intervention
+    )
+    with capture, torch.set_grad_enabled(track_grad):
+        logits = output_logits(_run_forward(forward_func, inputs, None, additional_forward_args))
+    _check_attention(capture.attn_probs, batch, seq_len)
+    real = real_tokens(capture.attention_mask, batch, seq_len, inputs.device)
+    return ForwardPass(logits, capture.attn_probs, real)
+
+
+def capture_attention(
+    forward_func: Callable[..., Any],
+    model: nn.Module,
+    inputs: Tensor,
+    target: TargetType,
+    additional_forward_args: Any,
+    query_index: int | Sequence[int] | Tensor = 0,
+    adapter: AttentionAdapter | None = None,
+    gradients: bool = False,
+) -> CapturedAttention:
+    """The attention of one forward, and dS/dA of the target's logit when ``gradients``."""
+    run = forward_through_capture(forward_func, model, inputs, additional_forward_args, adapter, gradients)
+    queries = _query_positions(query_index, run.real)
+    attn_grads = None
+    if gradients:
+        targets = resolve_targets(run.logits, target)
+        with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
+            attn_grads = _gradients(run.logits.gather(1, targets[:, None]).sum(), run.attn_probs)
+    return CapturedAttention(
+        attn_probs=[_with_heads(p.detach()) for p in run.attn_probs],
+        attn_grads=None if attn_grads is None else [_with_heads(g) for g in attn_grads],
+        real=run.real,
+        query_index=queries,
+    )
 
 
 def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, Tensor]:

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from captum._utils.common import _format_additional_forward_args, _run_forward
+from captum._utils.common import _format_additional_forward_args
 from torch import Tensor, nn
 
-from ..attr._base import format_inputs, output_logits
-from ..capture import AttentionAdapter, AttentionCapture
-from ..maps import real_tokens
+from ..attr._base import format_inputs, forward_through_capture
+from ..capture import AttentionAdapter
 
 Intervention = Callable[[int, Tensor], Tensor]
 
@@ -43,12 +42,10 @@ def run_model(
 ) -> ModelRun:
     """One forward without gradients, through the capture layer."""
     _, inputs = format_inputs(inputs)
-    batch, seq_len = inputs.shape[:2]
-    capture = AttentionCapture(model, adapter, input_shape=(batch, seq_len), intervention=intervention)
-    with capture, torch.no_grad():
-        logits = output_logits(_run_forward(forward_func, inputs, None, additional_forward_args))
-    real = real_tokens(capture.attention_mask, batch, seq_len, inputs.device)
-    return ModelRun(logits.float().softmax(dim=-1), capture.attn_probs, real)
+    run = forward_through_capture(
+        forward_func, model, inputs, additional_forward_args, adapter, intervention=intervention
+    )
+    return ModelRun(run.logits.float().softmax(dim=-1), run.attn_probs, run.real)
 
 
 def select_rows(inputs: Tensor, additional_forward_args: Any, rows: Tensor) -> tuple[Tensor, Any]:

@@ -13,16 +13,12 @@ from typing import Any, Callable
 
 import torch
 from captum._utils.typing import TargetType
-from captum.attr import GradientAttribution
 from torch import Tensor, nn
 
-from ..attr._base import AttentionAttributionBase, CapturedAttention, format_inputs
+from ..attr._base import CapturedAttention, capture_attention, format_inputs
 from ..capture import AttentionAdapter
 from ..maps import mask_padding, query_rows
-
-
-class _AttentionProbe(AttentionAttributionBase, GradientAttribution):
-    """Runs the attributions' capture (forward, and dS/dA on request) without reducing it."""
+from ._forward import resolve_model
 
 
 def _captured(
@@ -36,9 +32,10 @@ def _captured(
     gradients: bool = True,
 ) -> CapturedAttention:
     _, tensor = format_inputs(inputs)
-    probe = _AttentionProbe(forward_func, model=model, adapter=adapter)
-    probe.needs_gradients = gradients
-    return probe._capture(tensor, target, additional_forward_args, query_index)
+    model = resolve_model(forward_func, model)
+    return capture_attention(
+        forward_func, model, tensor, target, additional_forward_args, query_index, adapter, gradients
+    )
 
 
 def _ranking(captured: CapturedAttention, layer: int, maps: Callable[[int], Tensor]) -> Tensor:
