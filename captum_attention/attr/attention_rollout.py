@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+
+import torch
 
 from captum._utils.typing import TargetType
 from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor
 
-from ..maps import HEAD_FUSIONS, rollout_layer_maps, rollout_scores
-from ._base import AttentionAttributionBase, format_inputs, format_scores
+from ..maps import (
+    HEAD_FUSIONS,
+    encoder_decoder_rollout,
+    raw_attention_maps,
+    rollout_layer_maps,
+    rollout_scores,
+)
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, _encoder_decoder_rows
 
 
 class AttentionRollout(AttentionAttributionBase, Attribution):
@@ -52,44 +60,79 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
         additional_forward_args: Any = None,
-        query_index: int | Sequence[int] | Tensor = 0,
+        query_index: QueryIndex = None,
         head_fusion: str = "mean",
         discard_ratio: float = 0.0,
         start_layer: int = 0,
         return_maps: bool = False,
     ) -> Any:
-        r"""Rollout scores of each token for the query position.
+        r"""Rolled-out attention of the query row.
 
         Args:
-            inputs (Tensor or 1-tuple of Tensor): token ids ``(batch, seq_len)`` or
-                embeddings ``(batch, seq_len, hidden)``, passed to ``forward_func`` first.
-            target (Any, optional): accepted for a drop-in Captum call and ignored:
-                attention does not depend on the explained class. Default: None.
+            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
+                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
+                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
+                the pair ``(input_ids, decoder_input_ids)``.
+            target (Any, optional): accepted for a drop-in Captum call and ignored.
+                Default: None.
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the row of R to return,
-                one for all examples or one per example. Default: 0 ([CLS]).
-            head_fusion (str, optional): "mean", "max" or "min" over heads. Default: "mean".
-            discard_ratio (float, optional): fraction in [0, 1) of each sample's real
-                fused map set to 0 before the residual is added. Default: 0.0.
-            start_layer (int, optional): first layer in the product (negative counts from
-                the end). Default: 0, all layers.
-            return_maps (bool, optional): also return the per-layer Â^l,
-                ``(batch, layers, seq_len, seq_len)``. Default: False.
+            query_index (int or sequence/Tensor of int, optional): the explained
+                position (the query row), one for all examples or one per example; for a
+                language model also where its logits are read. Default: None, the first
+                real token ([CLS], a ViT's class token) for bidirectional attention, the
+                last real token for decoders (causal attention) and encoder-decoders.
+            head_fusion (str, optional): "mean", "max" or "min" over heads.
+                Default: "mean".
+            discard_ratio (float, optional): fraction in [0, 1) of each fused map's
+                lowest entries to zero (one self-attention stack only). Default: 0.0.
+            start_layer (int, optional): first layer rolled out (negative counts from
+                the end; one self-attention stack only). Default: 0, all layers.
+            return_maps (bool, optional): also return the per-layer Â^l (for an
+                encoder-decoder's cross-attention: the fused A^{qs}). Default: False.
 
         Returns:
-            Tensor (or 1-tuple, like ``inputs``) of float32 scores ``(batch, seq_len)``,
-            0 at padding; with ``return_maps``, a pair ``(scores, maps)``.
+            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
+            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
+            columns)`` on the patch grid for images (class/distillation tokens dropped);
+            for an encoder-decoder the pair ``(source scores (batch, source_len), target
+            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
+            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
+            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
         """
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
         if not 0.0 <= discard_ratio < 1.0:
             raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}.")
-        is_tuple, tensor = format_inputs(inputs)
-        captured = self._capture(tensor, None, additional_forward_args, query_index)
-        first = captured.layer(start_layer, "start_layer")
-        maps = rollout_layer_maps(
-            captured.attn_probs, captured.real, captured.query_index, head_fusion, discard_ratio
+        return self._explain(
+            inputs, target, additional_forward_args, query_index, return_maps,
+            head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
         )
-        scores = rollout_scores(maps[first:], captured.query_index)
-        return format_scores(is_tuple, scores, maps, return_maps)
+
+    def _scores(  # type: ignore[override]
+        self, captured: CapturedAttention, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
+    ) -> tuple[Tensor, list[Tensor]]:
+        first = captured.layer(start_layer, "start_layer")
+        maps = rollout_layer_maps(captured.attn_probs, captured.real, captured.query_index, head_fusion, discard_ratio)
+        return rollout_scores(maps[first:], captured.query_index), maps
+
+    def _encoder_decoder_scores(  # type: ignore[override]
+        self, captured: CapturedAttention, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
+    ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        """Rollout over the joint source-target graph; see
+        :func:`captum_attention.maps.encoder_decoder_rollout`."""
+        assert captured.source_real is not None
+        if discard_ratio or start_layer:
+            raise ValueError(
+                "discard_ratio and start_layer apply to one self-attention stack; leave them "
+                "at 0 for encoder-decoders."
+            )
+        source_queries = torch.zeros_like(captured.query_index)
+        maps = []
+        for attn, role in zip(captured.attn_probs, captured.roles):
+            if role == "cross":
+                maps += raw_attention_maps([attn], captured.real, captured.source_real, head_fusion)
+            else:
+                real, queries = (captured.source_real, source_queries) if role == "encoder" else (captured.real, captured.query_index)
+                maps += rollout_layer_maps([attn], real, queries, head_fusion)
+        return _encoder_decoder_rows(captured, maps, encoder_decoder_rollout)

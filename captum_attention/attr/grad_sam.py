@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from captum._utils.typing import TargetType
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import grad_sam_layer_maps, grad_sam_scores
-from ._base import AttentionAttributionBase, format_inputs, format_scores
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex
 
 
 class GradSAM(AttentionAttributionBase, GradientAttribution):
@@ -59,30 +61,60 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
         additional_forward_args: Any = None,
+        query_index: QueryIndex = None,
         return_maps: bool = False,
     ) -> Any:
-        r"""Grad-SAM scores of each token.
+        r"""Grad-SAM relevance of each token for the explained logit.
 
         Args:
-            inputs (Tensor or 1-tuple of Tensor): token ids ``(batch, seq_len)`` or
-                embeddings ``(batch, seq_len, hidden)``, passed to ``forward_func`` first.
-            target (int, list, Tensor or None, optional): the class whose logit is
-                explained, in Captum's convention: one int for all examples or one per
-                example. Default: None, each example's predicted class.
+            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
+                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
+                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
+                the pair ``(input_ids, decoder_input_ids)``.
+            target (int, list, Tensor or None, optional): the class (or, for a language
+                model, the token id) whose logit is explained. Default: None, the
+                predicted one.
             additional_forward_args (Any, optional): further arguments of
-                ``forward_func``, e.g. ``(attention_mask,)``. The padding mask is read from
-                the model's own ``attention_mask`` argument. Default: None.
-            return_maps (bool, optional): also return the per-layer head-mean maps
-                mean_m(H^{lm}), ``(batch, layers, seq_len, seq_len)``. Default: False.
+                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
+            query_index (int or sequence/Tensor of int, optional): the explained
+                position (the query row), one for all examples or one per example; for a
+                language model also where its logits are read. Default: None, the first
+                real token ([CLS], a ViT's class token) for bidirectional attention, the
+                last real token for decoders (causal attention) and encoder-decoders.
+            return_maps (bool, optional): also return the per-layer head-mean
+                mean_m(H^{lm}). Default: False.
 
         Returns:
-            Tensor (or 1-tuple, like ``inputs``) of float32 scores ``(batch, seq_len)``,
-            0 at padding; with ``return_maps``, a pair ``(scores, maps)``.
+            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
+            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
+            columns)`` on the patch grid for images (class/distillation tokens dropped);
+            for an encoder-decoder the pair ``(source scores (batch, source_len), target
+            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
+            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
+            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
         """
-        is_tuple, tensor = format_inputs(inputs)
-        captured = self._capture(tensor, target, additional_forward_args)
+        return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
+
+    def _scores(self, captured: CapturedAttention, **options: Any) -> tuple[Tensor, list[Tensor]]:
         assert captured.attn_grads is not None
         maps = grad_sam_layer_maps(captured.attn_probs, captured.attn_grads, captured.real)
-        heads = [probs.shape[1] for probs in captured.attn_probs]
-        scores = grad_sam_scores(maps, heads, captured.real)
-        return format_scores(is_tuple, scores, maps, return_maps)
+        heads = [attn.shape[1] for attn in captured.attn_probs]
+        return grad_sam_scores(maps, heads, captured.real), maps
+
+    def _encoder_decoder_scores(
+        self, captured: CapturedAttention, **options: Any
+    ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        """Each map credits its query tokens: encoder maps score the source, decoder self-
+        and cross-attention maps (whose queries are target tokens) score the target."""
+        assert captured.attn_grads is not None and captured.source_real is not None
+        role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
+        for attn, grad, role in zip(captured.attn_probs, captured.attn_grads, captured.roles):
+            keys = captured.source_real if role != "decoder" else captured.real
+            queries = captured.source_real if role == "encoder" else captured.real
+            role_maps[role] += grad_sam_layer_maps([attn], [grad], queries, keys)
+        heads = dict(zip(captured.roles, (attn.shape[1] for attn in captured.attn_probs)))
+        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), captured.source_real)
+        target_maps = role_maps["decoder"] + role_maps["cross"]
+        target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
+        target = grad_sam_scores(target_maps, target_heads, captured.real)
+        return (source, target), {role: torch.stack(maps, dim=1) for role, maps in role_maps.items()}

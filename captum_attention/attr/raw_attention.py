@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+
+import torch
 
 from captum._utils.typing import TargetType
 from captum.attr import Attribution
@@ -10,7 +12,7 @@ from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import query_rows, raw_attention_maps
-from ._base import AttentionAttributionBase, format_inputs, format_scores
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex
 
 
 class RawAttention(AttentionAttributionBase, Attribution):
@@ -48,33 +50,57 @@ class RawAttention(AttentionAttributionBase, Attribution):
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
         additional_forward_args: Any = None,
-        query_index: int | Sequence[int] | Tensor = 0,
+        query_index: QueryIndex = None,
         layer: int = -1,
         return_maps: bool = False,
     ) -> Any:
         r"""Head-mean attention of the query row in one layer.
 
         Args:
-            inputs (Tensor or 1-tuple of Tensor): token ids ``(batch, seq_len)`` or
-                embeddings ``(batch, seq_len, hidden)``, passed to ``forward_func`` first.
+            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
+                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
+                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
+                the pair ``(input_ids, decoder_input_ids)``.
             target (Any, optional): accepted for a drop-in Captum call and ignored.
                 Default: None.
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the query row, one for
-                all examples or one per example. Default: 0 ([CLS]).
-            layer (int, optional): which attention layer (negative counts from the end).
-                Default: -1, the last.
-            return_maps (bool, optional): also return every layer's head-mean attention,
-                ``(batch, layers, seq_len, seq_len)``. Default: False.
+            query_index (int or sequence/Tensor of int, optional): the explained
+                position (the query row), one for all examples or one per example; for a
+                language model also where its logits are read. Default: None, the first
+                real token ([CLS], a ViT's class token) for bidirectional attention, the
+                last real token for decoders (causal attention) and encoder-decoders.
+            layer (int, optional): which attention layer (negative counts from the end;
+                for an encoder-decoder, which decoder layer: its self-attention gives the
+                target scores, its cross-attention the source scores). Default: -1, the last.
+            return_maps (bool, optional): also return every layer's head-mean attention.
+                Default: False.
 
         Returns:
-            Tensor (or 1-tuple, like ``inputs``) of float32 scores ``(batch, seq_len)``,
-            0 at padding; with ``return_maps``, a pair ``(scores, maps)``.
+            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
+            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
+            columns)`` on the patch grid for images (class/distillation tokens dropped);
+            for an encoder-decoder the pair ``(source scores (batch, source_len), target
+            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
+            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
+            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
         """
-        is_tuple, tensor = format_inputs(inputs)
-        captured = self._capture(tensor, None, additional_forward_args, query_index)
+        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer)
+
+    def _scores(self, captured: CapturedAttention, layer: int = -1) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
         chosen = captured.layer(layer)
         maps = raw_attention_maps(captured.attn_probs, captured.real)
-        scores = query_rows(maps[chosen], captured.query_index)
-        return format_scores(is_tuple, scores, maps, return_maps)
+        return query_rows(maps[chosen], captured.query_index), maps
+
+    def _encoder_decoder_scores(  # type: ignore[override]
+        self, captured: CapturedAttention, layer: int = -1
+    ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        assert captured.source_real is not None
+        decoder, cross = captured.of_role("decoder"), captured.of_role("cross")
+        chosen = decoder.layer(layer)
+        decoder_maps = raw_attention_maps(decoder.attn_probs, captured.real)
+        cross_maps = raw_attention_maps(cross.attn_probs, captured.real, captured.source_real)
+        encoder_maps = raw_attention_maps(captured.of_role("encoder").attn_probs, captured.source_real)
+        scores = (query_rows(cross_maps[chosen], captured.query_index), query_rows(decoder_maps[chosen], captured.query_index))
+        maps = {"encoder": encoder_maps, "decoder": decoder_maps, "cross": cross_maps}
+        return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items()}

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from captum._utils.typing import TargetType
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 from torch import Tensor
 
-from ..maps import relevance_layer_maps, transformer_attribution_scores
-from ._base import AttentionAttributionBase, format_inputs, format_scores
+from ..maps import encoder_decoder_relevance, relevance_layer_maps, transformer_attribution_scores
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, _encoder_decoder_rows
 
 
 class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
@@ -53,34 +53,65 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
         additional_forward_args: Any = None,
-        query_index: int | Sequence[int] | Tensor = 0,
+        query_index: QueryIndex = None,
         start_layer: int = 0,
         return_maps: bool = False,
     ) -> Any:
-        r"""Relevance of each token for the query position's prediction.
+        r"""Relevance of each token for the explained logit.
 
         Args:
-            inputs (Tensor or 1-tuple of Tensor): token ids ``(batch, seq_len)`` or
-                embeddings ``(batch, seq_len, hidden)``, passed to ``forward_func`` first.
-            target (int, list, Tensor or None, optional): the class whose logit is
-                explained (Captum's convention). Default: None, the predicted class.
+            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
+                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
+                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
+                the pair ``(input_ids, decoder_input_ids)``.
+            target (int, list, Tensor or None, optional): the class (or, for a language
+                model, the token id) whose logit is explained. Default: None, the
+                predicted one.
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the row of R to return,
-                one for all examples or one per example. Default: 0 ([CLS]).
+            query_index (int or sequence/Tensor of int, optional): the explained
+                position (the query row), one for all examples or one per example; for a
+                language model also where its logits are read. Default: None, the first
+                real token ([CLS], a ViT's class token) for bidirectional attention, the
+                last real token for decoders (causal attention) and encoder-decoders.
             start_layer (int, optional): first layer whose attention is propagated
-                (negative counts from the end). Default: 0, all layers.
-            return_maps (bool, optional): also return the per-layer Ā^l,
-                ``(batch, layers, seq_len, seq_len)``. Default: False.
+                (negative counts from the end; one self-attention stack only). Default:
+                0, all layers.
+            return_maps (bool, optional): also return the per-layer Ā^l. Default: False.
 
         Returns:
-            Tensor (or 1-tuple, like ``inputs``) of float32 scores ``(batch, seq_len)``,
-            0 at padding; with ``return_maps``, a pair ``(scores, maps)``.
+            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
+            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
+            columns)`` on the patch grid for images (class/distillation tokens dropped);
+            for an encoder-decoder the pair ``(source scores (batch, source_len), target
+            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
+            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
+            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
         """
-        is_tuple, tensor = format_inputs(inputs)
-        captured = self._capture(tensor, target, additional_forward_args, query_index)
-        first = captured.layer(start_layer, "start_layer")
+        return self._explain(
+            inputs, target, additional_forward_args, query_index, return_maps, start_layer=start_layer
+        )
+
+    def _scores(self, captured: CapturedAttention, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
         assert captured.attn_grads is not None
+        first = captured.layer(start_layer, "start_layer")
         maps = relevance_layer_maps(captured.attn_probs, captured.attn_grads, captured.real)
-        scores = transformer_attribution_scores(maps[first:], captured.query_index)
-        return format_scores(is_tuple, scores, maps, return_maps)
+        return transformer_attribution_scores(maps[first:], captured.query_index), maps
+
+    def _encoder_decoder_scores(  # type: ignore[override]
+        self, captured: CapturedAttention, start_layer: int = 0
+    ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        """Chefer et al.'s rules (6)-(11) for self- and cross-attention; see
+        :func:`captum_attention.maps.encoder_decoder_relevance`."""
+        assert captured.attn_grads is not None and captured.source_real is not None
+        if start_layer != 0:
+            raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
+        maps = [
+            relevance_layer_maps(
+                [attn], [grad],
+                captured.source_real if role == "encoder" else captured.real,
+                captured.real if role == "decoder" else captured.source_real,
+            )[0]
+            for attn, grad, role in zip(captured.attn_probs, captured.attn_grads, captured.roles)
+        ]
+        return _encoder_decoder_rows(captured, maps, encoder_decoder_relevance)

@@ -18,29 +18,51 @@ change.
 from __future__ import annotations
 
 import inspect
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Literal, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor, nn
+
+
+Role = Literal["self", "encoder", "decoder", "cross"]
+ProbsSource = Literal["output", "softmax"]
 
 
 @runtime_checkable
 class AttentionAdapter(Protocol):
     """The protocol the capture layer uses to find and read attention in a model.
 
-    Implement it to support a model family (or a single hand-written model) whose
-    attention the built-in adapters do not find. :class:`ModuleAdapter` covers the common
-    case of a user naming their attention modules.
+    Implement it (most simply by subclassing :class:`AdapterBase`, which supplies the
+    defaults) to support a model family whose attention the built-in adapters do not
+    find. :class:`ModuleAdapter` covers the common case of a user naming their attention
+    modules.
+
+    Attributes:
+        probs_source: ``"output"`` when ``attention_probs`` reads the probabilities from
+            each call's output; ``"softmax"`` when they are the outputs of the softmaxes
+            computed inside each call (several softmaxes in one call are stacked as heads).
     """
+
+    probs_source: ProbsSource
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules whose calls compute attention probabilities, in forward order."""
         ...
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
-        """The probabilities from one call's output: ``(batch, heads, queries, keys)``, or
-        ``(batch, queries, keys)`` for one head; the very tensor that weighted the values."""
+        """The probabilities from one call's output: the very tensor that weighted the
+        values (any shape ``as_heads`` understands). Not used when ``probs_source`` is
+        ``"softmax"``."""
+        ...
+
+    def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
+        """A ``(batch, heads, queries, keys)`` view of one captured probability tensor."""
+        ...
+
+    def role(self, module: nn.Module) -> Role:
+        """``"self"`` for encoder-only or decoder-only models; for encoder-decoders
+        ``"encoder"`` / ``"decoder"`` (self-attention) or ``"cross"``."""
         ...
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -51,9 +73,48 @@ class AttentionAdapter(Protocol):
         """The padding mask (1 = real token) passed to one of ``mask_modules``, if any."""
         ...
 
+    def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """Encoder-decoders: the target-side padding mask passed to ``module``, if any."""
+        ...
+
     def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         """Context in which ``model`` exposes attention probabilities; restores it on exit."""
         ...
+
+
+class AdapterBase:
+    """Defaults for :class:`AttentionAdapter`: subclass and override what differs.
+
+    Probabilities are read from the output (``output[1]`` for tuples, else the output
+    itself), single-head ``(batch, queries, keys)`` maps get a heads axis, every call is
+    self-attention, there is no padding mask and nothing to prepare.
+    """
+
+    probs_source: ProbsSource = "output"
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
+        return output[1] if isinstance(output, (tuple, list)) else output
+
+    def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
+        return probs.unsqueeze(1) if probs.dim() == 3 else probs
+
+    def role(self, module: nn.Module) -> Role:
+        return "self"
+
+    def mask_modules(self, model: nn.Module) -> list[nn.Module]:
+        return []
+
+    def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return None
+
+    def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return None
+
+    def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 class AttentionNotFoundError(ValueError):
@@ -87,28 +148,33 @@ class _RecorderSpec:
         return "." + self.layer_name.strip(".") + "." in "." + name + "."
 
 
-class HuggingFaceAdapter:
-    """Adapter for Hugging Face ``transformers`` models (BERT, RoBERTa, DistilBERT, ...).
+class HuggingFaceAdapter(AdapterBase):
+    """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
+    decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
 
     Attention modules are the ones each model class declares itself in its
-    ``_can_record_outputs["attentions"]`` (the declaration transformers uses for
-    ``output_attentions=True``), so any architecture that supports ``output_attentions``
-    is found without a list of class names here. Under eager attention those modules
-    return ``(attn_output, attn_probs)``, and ``attn_probs`` is the tensor that weighted
-    the values. Models loaded with ``sdpa``/flash attention are switched to ``eager`` for
-    the call and switched back afterwards.
+    ``_can_record_outputs`` (the declaration transformers uses for
+    ``output_attentions=True``), matched inside that class's own sub-tree, so any
+    architecture that supports ``output_attentions`` is found without a list of class
+    names here. Under eager attention those modules return the probabilities at the
+    declared output index; they are the tensor that weighted the values. Models loaded
+    with ``sdpa``/flash attention are switched to ``eager`` for the call and switched
+    back afterwards.
 
     The padding mask is the ``attention_mask`` argument of the outermost
-    ``PreTrainedModel`` call.
+    ``PreTrainedModel`` call (and ``decoder_attention_mask`` for encoder-decoders).
+    In an encoder-decoder, self-attention inside ``model.get_encoder()`` has the role
+    ``"encoder"``, other self-attention ``"decoder"``, and ``cross_attentions`` modules
+    ``"cross"``.
 
     Args:
         kinds (sequence of str, optional): which ``_can_record_outputs`` entries to
-            capture. Default: ``("attentions",)`` (self-attention).
+            capture. Default: ``("attentions", "cross_attentions")``.
     """
 
-    def __init__(self, kinds: Sequence[str] = ("attentions",)) -> None:
+    def __init__(self, kinds: Sequence[str] = ("attentions", "cross_attentions")) -> None:
         self.kinds = tuple(kinds)
-        self._output_index: dict[nn.Module, int] = {}
+        self._found: dict[nn.Module, tuple[int, Role]] = {}
 
     @staticmethod
     def _pretrained_models(model: nn.Module) -> list[nn.Module]:
@@ -116,56 +182,69 @@ class HuggingFaceAdapter:
 
         return [m for m in model.modules() if isinstance(m, PreTrainedModel)]
 
-    def _specs(self, model: nn.Module) -> list[_RecorderSpec]:
+    def _specs(self, submodel: nn.Module) -> list[tuple[str, _RecorderSpec]]:
         from transformers.utils.output_capturing import OutputRecorder
 
-        specs: list[_RecorderSpec] = []
-        for submodel in self._pretrained_models(model):
-            declared = getattr(type(submodel), "_can_record_outputs", None) or {}
-            for kind in self.kinds:
-                entries = declared.get(kind, [])
-                for entry in entries if isinstance(entries, list) else [entries]:
-                    if isinstance(entry, OutputRecorder):
-                        specs.append(
-                            _RecorderSpec(
-                                entry.target_class, entry.index, entry.layer_name, entry.class_name
-                            )
-                        )
-                    elif isinstance(entry, str):
-                        specs.append(_RecorderSpec(None, 1, None, entry))
-                    else:
-                        specs.append(_RecorderSpec(entry, 1, None, None))
-        return list(dict.fromkeys(specs))
+        declared = getattr(type(submodel), "_can_record_outputs", None) or {}
+        specs: list[tuple[str, _RecorderSpec]] = []
+        for kind in self.kinds:
+            entries = declared.get(kind, [])
+            for entry in entries if isinstance(entries, list) else [entries]:
+                if isinstance(entry, OutputRecorder):
+                    spec = _RecorderSpec(entry.target_class, entry.index, entry.layer_name, entry.class_name)
+                elif isinstance(entry, str):
+                    spec = _RecorderSpec(None, 1, None, entry)
+                else:
+                    spec = _RecorderSpec(entry, 1, None, None)
+                specs.append((kind, spec))
+        return specs
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        specs = self._specs(model)
-        self._output_index = {}
-        for name, module in model.named_modules():
-            spec = next((spec for spec in specs if spec.matches(name, module)), None)
-            if spec is not None:
-                self._output_index[module] = spec.index
-        if not self._output_index:
-            declared = [s.target_class.__name__ if s.target_class else s.class_name for s in specs]
+        self._found = {}
+        encoder = _encoder_of(model)
+        encoder_modules = set(encoder.modules()) if encoder is not None else set()
+        declared: list[str] = []
+        # Innermost declarations first: each model class describes its own sub-tree.
+        for submodel in reversed(self._pretrained_models(model)):
+            specs = self._specs(submodel)
+            declared += [s.target_class.__name__ if s.target_class else str(s.class_name) for _, s in specs]
+            for name, module in submodel.named_modules():
+                match = next((kind_spec for kind_spec in specs if kind_spec[1].matches(name, module)), None)
+                if match is None or module in self._found:
+                    continue
+                kind, spec = match
+                role: Role = "cross" if kind == "cross_attentions" else "self"
+                if role == "self" and encoder is not None:
+                    role = "encoder" if module in encoder_modules else "decoder"
+                self._found[module] = (spec.index, role)
+        if not self._found:
             raise AttentionNotFoundError(
                 f"No attention modules found in {type(model).__name__}: looked for the modules "
                 f"that transformers models declare in `_can_record_outputs` under {self.kinds} "
-                f"(declared here: {declared or 'none'}). If this is not a Hugging Face model, "
-                "or its attention lives elsewhere, name the modules yourself: "
-                "`adapter=ModuleAdapter([...attention modules...], probs=...)` "
-                "(see captum_attention.capture.ModuleAdapter)."
+                f"(declared here: {sorted(set(declared)) or 'none'}). If this is not a Hugging "
+                "Face model, or its attention lives elsewhere, name the modules yourself: "
+                "`adapter=ModuleAdapter([...attention modules...])` (see "
+                "captum_attention.capture.ModuleAdapter and the AttentionAdapter protocol)."
             )
-        return list(self._output_index)
+        order = {module: index for index, module in enumerate(model.modules())}
+        return sorted(self._found, key=order.__getitem__)
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
         if not isinstance(output, (tuple, list)):
             return None
-        return output[self._output_index.get(module, 1)]
+        return output[self._found.get(module, (1, "self"))[0]]
+
+    def role(self, module: nn.Module) -> Role:
+        return self._found.get(module, (1, "self"))[1]
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return self._pretrained_models(model)
 
     def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         return _bound_argument(module.forward, "attention_mask", args, kwargs)
+
+    def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return _bound_argument(module.forward, "decoder_attention_mask", args, kwargs)
 
     @contextmanager
     def prepared(self, model: nn.Module) -> Iterator[None]:
@@ -181,21 +260,35 @@ class HuggingFaceAdapter:
             switch(original)
 
 
-class ModuleAdapter:
+def _encoder_of(model: nn.Module) -> nn.Module | None:
+    """The encoder of an encoder-decoder model, else None."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    get_encoder = getattr(model, "get_encoder", None)
+    return get_encoder() if callable(get_encoder) else None
+
+
+class ModuleAdapter(AdapterBase):
     """Adapter for attention modules the user names.
 
     For a hand-written model (or any module the built-in adapters do not find): list the
-    modules whose output holds the post-softmax probabilities, in forward order, and say
-    how to read the probabilities from that output.
+    modules whose calls compute the attention, in forward order, and say where the
+    post-softmax probabilities are: a function of each call's output, or
+    ``probs="softmax"`` for modules that compute them inline with ``F.softmax`` /
+    ``torch.softmax`` / ``Tensor.softmax`` and do not return them. With ``"softmax"``,
+    each softmax inside one call of a named module is recorded (the very tensor the
+    module goes on to use) and several softmaxes in one call are stacked as heads, so a
+    textbook ``MultiHeadAttention`` made of one ``Head`` module per head is named once.
 
     Args:
         modules (sequence of nn.Module): the attention modules, in forward order. A module
             called several times (shared weights) is recorded at each call.
-        probs (callable, optional): maps one call's output to the probability tensor,
-            shaped ``(batch, heads, queries, keys)`` or ``(batch, queries, keys)`` for one
-            head. The tensor must be the one that weighted the values, so that gradients
-            with respect to it are exact. Default: ``output[1]`` for tuple outputs, else
-            the output itself.
+        probs (callable or "softmax", optional): maps one call's output to the
+            probability tensor, ``(batch, heads, queries, keys)`` or
+            ``(batch, queries, keys)`` for one head; it must be the tensor that weighted
+            the values, so that gradients with respect to it are exact. ``"softmax"``:
+            the softmax outputs computed inside the call. Default: ``output[1]`` for
+            tuple outputs, else the output itself.
         mask_module (nn.Module, optional): module whose first call receives the padding
             mask. Default: None (all tokens real).
         mask_argument (str): name of that module's mask argument (1 = real token).
@@ -203,21 +296,24 @@ class ModuleAdapter:
 
     Example::
 
-        >>> adapter = ModuleAdapter([blk.attn.softmax for blk in net.blocks])
+        >>> adapter = ModuleAdapter([block.attention for block in net.blocks], probs="softmax")
         >>> scores = GradSAM(net, adapter=adapter).attribute(ids, target=0)
     """
 
     def __init__(
         self,
         modules: Sequence[nn.Module],
-        probs: Callable[[Any], Tensor] | None = None,
+        probs: Callable[[Any], Tensor] | Literal["softmax"] | None = None,
         mask_module: nn.Module | None = None,
         mask_argument: str = "attention_mask",
     ) -> None:
         if not modules:
             raise ValueError("ModuleAdapter needs at least one attention module.")
+        if isinstance(probs, str) and probs != "softmax":
+            raise ValueError(f'probs must be a callable, "softmax" or None, got {probs!r}.')
         self.modules = list(modules)
         self.probs = probs
+        self.probs_source = "softmax" if probs == "softmax" else "output"
         self.mask_module = mask_module
         self.mask_argument = mask_argument
 
@@ -225,9 +321,9 @@ class ModuleAdapter:
         return list(dict.fromkeys(self.modules))
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
-        if self.probs is not None:
+        if callable(self.probs):
             return self.probs(output)
-        return output[1] if isinstance(output, (tuple, list)) else output
+        return super().attention_probs(module, output)
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return [] if self.mask_module is None else [self.mask_module]
@@ -235,10 +331,85 @@ class ModuleAdapter:
     def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         return _bound_argument(module.forward, self.mask_argument, args, kwargs)
 
-    def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
-        return nullcontext()
+
+class MultiheadAttentionAdapter(AdapterBase):
+    """Adapter for ``torch.nn.MultiheadAttention`` (per-head probabilities, exact gradients).
+
+    For the call, every ``nn.MultiheadAttention`` of the model is asked for
+    ``need_weights=True, average_attn_weights=False`` (which also keeps it off the fused
+    fast path), the per-head probabilities are read from the tensor that multiplied the
+    values, and the output is handed back to the caller exactly as it asked for it (no
+    weights, or head-averaged weights). The padding mask is the ``key_padding_mask`` of
+    the first attention call (True or -inf = padding), turned into 1 = real token.
+
+    Interventions (the attention-erasure and permutation metrics) are not supported:
+    ``F.multi_head_attention_forward`` hides its softmax from the interception they use.
+    """
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        modules = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        if not modules:
+            raise AttentionNotFoundError(
+                f"{type(model).__name__} has no nn.MultiheadAttention module. Name the "
+                "attention modules yourself with ModuleAdapter (see the AttentionAdapter "
+                "protocol)."
+            )
+        return modules
+
+    def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
+        weights = output[1] if isinstance(output, (tuple, list)) else None
+        # The returned weights are a view made after they weighted the values; its base
+        # is the (batch·heads, queries, keys) tensor the values were multiplied by.
+        return None if weights is None else (weights._base if weights._base is not None else weights)
+
+    def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
+        assert isinstance(module, nn.MultiheadAttention)
+        return probs.view(-1, module.num_heads, *probs.shape[-2:])
+
+    def mask_modules(self, model: nn.Module) -> list[nn.Module]:
+        return self.attention_modules(model)[:1]
+
+    def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        key_padding_mask = _bound_argument(module.forward, "key_padding_mask", args, kwargs)
+        return None if key_padding_mask is None else (key_padding_mask == 0).long()
+
+    @contextmanager
+    def prepared(self, model: nn.Module) -> Iterator[None]:
+        requested: dict[nn.Module, list[tuple[bool, bool]]] = {}
+
+        def ask_for_weights(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+            bound.apply_defaults()
+            asked = (bound.arguments["need_weights"], bound.arguments["average_attn_weights"])
+            requested.setdefault(module, []).append(asked)
+            bound.arguments.update(need_weights=True, average_attn_weights=False)
+            return bound.args, bound.kwargs
+
+        def hand_back(module: nn.Module, args: tuple, output: Any) -> Any:
+            need_weights, average = requested[module].pop()
+            attn_output, weights = output
+            if not need_weights:
+                return attn_output, None
+            return attn_output, weights.mean(dim=-3) if average else weights
+
+        with ExitStack() as stack:
+            for module in self.attention_modules(model):
+                stack.callback(module.register_forward_pre_hook(ask_for_weights, with_kwargs=True).remove)
+                stack.callback(module.register_forward_hook(hand_back).remove)
+            yield
 
 
 def default_adapter(model: nn.Module) -> AttentionAdapter:
-    """The built-in adapter for ``model``: Hugging Face models so far."""
-    return HuggingFaceAdapter()
+    """The built-in adapter for ``model``: Hugging Face models, else ``nn.MultiheadAttention``."""
+    from transformers import PreTrainedModel
+
+    if any(isinstance(m, PreTrainedModel) for m in model.modules()):
+        return HuggingFaceAdapter()
+    if any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        return MultiheadAttentionAdapter()
+    raise AttentionNotFoundError(
+        f"{type(model).__name__} is neither a Hugging Face model nor has nn.MultiheadAttention "
+        "modules, so its attention cannot be found automatically. Pass "
+        "adapter=ModuleAdapter([...your attention modules...], probs=...) (probs='softmax' "
+        "for modules that call F.softmax inline), or implement the AttentionAdapter protocol."
+    )

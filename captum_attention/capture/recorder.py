@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,10 +22,13 @@ class AttentionCapture:
     to eager attention) and registers forward hooks. On exit, also when the body raised,
     every hook is removed and the adapter restores the model.
 
-    After the body, ``attn_probs`` holds one ``(batch, heads, queries, keys)`` tensor
-    (``(batch, queries, keys)`` for single-head modules) per attention call in forward order, still attached to the autograd graph, so
-    ``torch.autograd.grad(score, capture.attn_probs)`` gives dS/dA exactly.
-    ``attention_mask`` holds the padding mask the model received (or None).
+    After the body, ``attn_probs`` holds one ``(batch, heads, queries, keys)`` tensor per
+    attention call in forward order, still attached to the autograd graph, and ``roles``
+    the role of each call (``"self"``, or ``"encoder"``/``"decoder"``/``"cross"`` in an
+    encoder-decoder). ``gradients(score)`` gives dS/dA for every call, exactly: it
+    differentiates with respect to the very tensors that weighted the values.
+    ``attention_mask`` (and ``decoder_attention_mask``) hold the padding masks the model
+    received, or None.
 
     Args:
         model (nn.Module): the module holding the attention layers.
@@ -37,16 +41,16 @@ class AttentionCapture:
         input_shape (tuple of int, optional): ``(batch, seq_len)`` of the inputs; the
             captured mask must have this shape. Default: None (not checked).
         intervention (callable, optional): ``intervention(call_index, attn_probs)`` returns
-            the probabilities to use instead, before they weight the values; it replaces
-            the output of the softmax inside each attention call (call_index counts
-            attention calls from 0 in forward order). The recorded ``attn_probs`` are the
-            replaced ones. Default: None.
+            the ``(batch, heads, queries, keys)`` probabilities to use instead, before they
+            weight the values; it replaces the output of the softmax inside each attention
+            call (call_index counts attention calls from 0 in forward order). The recorded
+            ``attn_probs`` are the replaced ones. Default: None.
 
     Example::
 
         >>> with AttentionCapture(model, track_grad=True) as capture:
         ...     logits = model(input_ids, attention_mask=mask).logits
-        >>> attn_grads = torch.autograd.grad(logits[:, 1].sum(), capture.attn_probs)
+        >>> attn_grads = capture.gradients(logits[:, 1].sum())
     """
 
     def __init__(
@@ -62,31 +66,63 @@ class AttentionCapture:
         self.adapter = adapter if adapter is not None else default_adapter(model)
         self.track_grad = track_grad
         self.input_shape = input_shape
-        self.attn_probs: list[Tensor] = []
-        self.attention_mask: Tensor | None = None
         self.intervention = intervention
+        self.attention_mask: Tensor | None = None
+        self.decoder_attention_mask: Tensor | None = None
+        self._calls: list[_Call] = []
+        self._open: list[_Call] = []
         self._mask_seen = False
-        self._pending_call: int | None = None
         self._stack = ExitStack()
+
+    @property
+    def attn_probs(self) -> list[Tensor]:
+        """Per attention call, ``(batch, heads, queries, keys)``, in the autograd graph."""
+        return [call.heads(self.adapter) for call in self._calls]
+
+    @property
+    def roles(self) -> list[str]:
+        return [call.role for call in self._calls]
+
+    def gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
+        """dS/dA per attention call, ``(batch, heads, queries, keys)``, or a clear error.
+
+        ``retain_graph`` keeps the graph for a further ``gradients`` call (another score).
+        """
+        pieces = [piece for call in self._calls for piece in call.pieces]
+        grads = list(torch.autograd.grad(score, pieces, allow_unused=True, retain_graph=retain_graph))
+        per_call: list[list[Tensor]] = []
+        for call in self._calls:
+            per_call.append(grads[: len(call.pieces)])
+            del grads[: len(call.pieces)]
+        unused = [index for index, call_grads in enumerate(per_call) if any(g is None for g in call_grads)]
+        if unused:
+            raise RuntimeError(
+                f"The attention captured at calls {unused} did not influence the explained "
+                "output: the adapter must return the very tensor that weights the values (not "
+                "a copy or a reshaped view of it)."
+            )
+        return [call.heads(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
 
     def __enter__(self) -> "AttentionCapture":
         modules = self.adapter.attention_modules(self.model)
         mask_modules = self.adapter.mask_modules(self.model)
-        self.attn_probs, self.attention_mask, self._mask_seen = [], None, False
+        self._calls, self._open, self._mask_seen = [], [], False
+        self.attention_mask = self.decoder_attention_mask = None
+        from_softmax = self.adapter.probs_source == "softmax"
         with ExitStack() as stack:
             stack.enter_context(self.adapter.prepared(self.model))
             for module in modules:
-                stack.callback(module.register_forward_hook(self._record_probs).remove)
+                # prepend: read the output before any hook of the adapter's rewrites it
+                stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
+                stack.callback(module.register_forward_pre_hook(self._open_call).remove)
                 if self.track_grad:
                     hook = module.register_forward_pre_hook(self._require_grad, with_kwargs=True)
                     stack.callback(hook.remove)
-                if self.intervention is not None:
-                    stack.callback(module.register_forward_pre_hook(self._open_call).remove)
             for module in mask_modules:
-                hook = module.register_forward_pre_hook(self._record_mask, with_kwargs=True)
+                hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
-            if self.intervention is not None:
-                stack.enter_context(_SoftmaxIntervention(self))
+            if self.intervention is not None or from_softmax:
+                stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
         return self
 
@@ -94,56 +130,78 @@ class AttentionCapture:
         self._stack.close()
 
     def _open_call(self, module: nn.Module, args: tuple) -> None:
-        self._pending_call = len(self.attn_probs)
+        self._open.append(_Call(module, self.adapter.role(module), len(self._calls) + len(self._open)))
 
-    def _intervene(self, attn_probs: Tensor) -> Tensor:
-        """Called by the softmax interception: the first softmax of an open attention call."""
-        if self._pending_call is None or self.intervention is None:
-            return attn_probs
-        call_index, self._pending_call = self._pending_call, None
-        return self.intervention(call_index, attn_probs)
+    def _on_softmax(self, softmax_output: Tensor) -> Tensor:
+        """Called by the softmax interception for every softmax computed in the forward."""
+        if not self._open:
+            return softmax_output
+        call = self._open[-1]
+        if self.adapter.probs_source == "output" and call.softmaxes_seen:
+            return softmax_output  # only the attention softmax, the first of the call
+        call.softmaxes_seen += 1
+        used = softmax_output
+        if self.intervention is not None:
+            heads = self.adapter.as_heads(call.module, softmax_output)
+            used = self.intervention(call.index, heads).reshape(softmax_output.shape)
+        if self.adapter.probs_source == "softmax":
+            call.pieces.append(used)
+        return used
 
-    def _record_probs(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._pending_call is not None:
+    def _close_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        call = self._open.pop()
+        if self.intervention is not None and not call.softmaxes_seen:
             raise RuntimeError(
                 f"Cannot intervene on the attention of {type(module).__name__}: it computed no "
                 "softmax (is the model running a fused attention kernel?)."
             )
-        probs = self.adapter.attention_probs(module, output)
-        if probs is None:
+        if self.adapter.probs_source == "output":
+            probs = self.adapter.attention_probs(module, output)
+            if probs is None:
+                raise RuntimeError(
+                    f"{type(module).__name__} returned no attention probabilities. The model must "
+                    "compute attention explicitly (eager attention); if it uses a fused kernel "
+                    "that the adapter cannot switch off, load it with "
+                    "attn_implementation='eager'."
+                )
+            call.pieces.append(probs)
+        elif not call.pieces:
             raise RuntimeError(
-                f"{type(module).__name__} returned no attention probabilities. The model must "
-                "compute attention explicitly (eager attention); if it uses a fused kernel "
-                "that the adapter cannot switch off, load it with "
-                "attn_implementation='eager'."
+                f"{type(module).__name__} computed no softmax, so there are no attention "
+                "probabilities to record: name the module that calls the softmax."
             )
-        self.attn_probs.append(probs)
+        self._calls.append(call)
 
-    def _record_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _record_masks(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._mask_seen:
             return
         self._mask_seen = True
         mask = self.adapter.padding_mask(module, args, kwargs)
         if mask is not None:
-            self._check_mask(mask)
+            self._check_mask(mask, self.input_shape, "attention_mask")
         self.attention_mask = mask
+        decoder_mask = self.adapter.decoder_padding_mask(module, args, kwargs)
+        if decoder_mask is not None:
+            self._check_mask(decoder_mask, None, "decoder_attention_mask")
+        self.decoder_attention_mask = decoder_mask
 
-    def _check_mask(self, mask: Tensor) -> None:
+    @staticmethod
+    def _check_mask(mask: Tensor, input_shape: tuple[int, int] | None, name: str) -> None:
         if mask.dim() != 2:
             raise ValueError(
-                f"attention_mask must be (batch, seq_len) with 1 for real tokens, got shape "
+                f"{name} must be (batch, seq_len) with 1 for real tokens, got shape "
                 f"{tuple(mask.shape)}."
             )
-        if self.input_shape is not None and tuple(mask.shape) != tuple(self.input_shape):
+        if input_shape is not None and tuple(mask.shape) != tuple(input_shape):
             raise ValueError(
-                f"attention_mask has shape {tuple(mask.shape)} but the inputs are "
-                f"{tuple(self.input_shape)} (batch, seq_len): pass the mask that belongs "
+                f"{name} has shape {tuple(mask.shape)} but the inputs are "
+                f"{tuple(input_shape)} (batch, seq_len): pass the mask that belongs "
                 "to these inputs, one row per example and one entry per token."
             )
         empty_rows = (mask == 0).all(dim=1).nonzero().flatten().tolist()
         if empty_rows:
             raise ValueError(
-                f"Examples {empty_rows} are all padding (attention_mask has no 1): there is "
+                f"Examples {empty_rows} are all padding ({name} has no 1): there is "
                 "nothing to attribute; drop them from the batch."
             )
 
@@ -162,6 +220,22 @@ class AttentionCapture:
         return args, {**kwargs, key: tracked}
 
 
+@dataclass(eq=False)
+class _Call:
+    """One call of an attention module: the tensors that weighted its values."""
+
+    module: nn.Module
+    role: str
+    index: int
+    pieces: list[Tensor] = field(default_factory=list)
+    softmaxes_seen: int = 0
+
+    def heads(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
+        """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
+        parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
@@ -169,8 +243,8 @@ def _is_float_tensor(value: Any) -> bool:
 _SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
 
 
-class _SoftmaxIntervention(TorchFunctionMode):
-    """Replaces the first softmax of each attention call by the capture's intervention.
+class _SoftmaxInterception(TorchFunctionMode):
+    """Hands every softmax output to the capture, which records or replaces it.
 
     Intercepting the softmax itself (rather than re-implementing attention) keeps the
     model's own masking, scaling and value weighting exact for any eager implementation.
@@ -182,4 +256,4 @@ class _SoftmaxIntervention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        return self.capture._intervene(result) if func in _SOFTMAXES else result
+        return self.capture._on_softmax(result) if func in _SOFTMAXES else result

@@ -6,27 +6,34 @@ Each file holds one method's formula; ``common`` holds what they share.
 from .common import (
     HEAD_FUSIONS,
     fuse_heads,
+    is_causal,
     mask_padding,
     propagate_query_row,
     query_rows,
     real_tokens,
 )
 from .interventions import erase_keys, on_heads, permute_rows
+from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .grad_sam import grad_sam_layer_maps, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
+from .vision import patch_grid
 from .transformer_attribution import relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
     "HEAD_FUSIONS",
     "add_residual",
     "discard_lowest",
+    "encoder_decoder_relevance",
+    "encoder_decoder_rollout",
     "erase_keys",
     "fuse_heads",
+    "is_causal",
     "grad_sam_layer_maps",
     "grad_sam_scores",
     "mask_padding",
     "on_heads",
+    "patch_grid",
     "permute_rows",
     "propagate_query_row",
     "query_rows",
@@ -36,4 +43,5 @@ __all__ = [
     "rollout_layer_maps",
     "rollout_scores",
     "transformer_attribution_scores",
+    "without_self",
 ]

@@ -34,9 +34,14 @@ def fuse_heads(attn: Tensor, fusion: str = "mean") -> Tensor:
     raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {fusion!r}.")
 
 
-def mask_padding(maps: Tensor, real: Tensor) -> Tensor:
-    """Zero the rows and columns of padding tokens in ``(B, ..., T, T)`` maps."""
-    pairs = real[:, :, None] & real[:, None, :]
+def mask_padding(maps: Tensor, real: Tensor, real_keys: Tensor | None = None) -> Tensor:
+    """Zero the rows and columns of padding tokens in ``(B, ..., Q, K)`` maps.
+
+    ``real`` marks the real queries (and keys, unless ``real_keys`` marks them apart, as
+    in cross-attention from target queries to source keys).
+    """
+    keys = real if real_keys is None else real_keys
+    pairs = real[:, :, None] & keys[:, None, :]
     pairs = pairs.view(real.shape[0], *([1] * (maps.dim() - 3)), *pairs.shape[1:])
     return maps.masked_fill(~pairs, 0.0)
 
@@ -70,3 +75,14 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor) -> Te
 def identity_like(maps: Tensor) -> Tensor:
     """Identity matrices broadcastable against ``(B, T, T)`` maps."""
     return torch.eye(maps.shape[-1], dtype=maps.dtype, device=maps.device).expand_as(maps)
+
+
+def is_causal(attn: Tensor, real: Tensor) -> bool:
+    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
+
+    A softmax is never exactly 0 unless the key was masked, so this tells a decoder's
+    causal self-attention from an encoder's bidirectional one.
+    """
+    later = torch.ones(attn.shape[-2:], dtype=torch.bool, device=attn.device).triu(diagonal=1)
+    pairs = later & real[:, None, :, None] & real[:, None, None, :]
+    return attn.shape[-1] > 1 and bool(pairs.any()) and bool((attn.masked_fill(~pairs, 0) == 0).all())

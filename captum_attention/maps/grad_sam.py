@@ -12,10 +12,12 @@ from torch import Tensor
 from .common import mask_padding
 
 
-def grad_sam_layer_maps(attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor) -> list[Tensor]:
+def grad_sam_layer_maps(
+    attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor, real_keys: Tensor | None = None
+) -> list[Tensor]:
     """Per-layer head-mean mean_m(A^{lm} ⊙ ReLU(G^{lm})), padding rows/columns zeroed."""
     return [
-        mask_padding((attn * grad.clamp(min=0)).mean(dim=1), real)
+        mask_padding((attn * grad.clamp(min=0)).mean(dim=1), real, real_keys)
         for attn, grad in zip(attn_probs, attn_grads)
     ]
 

@@ -10,6 +10,8 @@ from torch import Tensor
 from .common import fuse_heads, mask_padding
 
 
-def raw_attention_maps(attn_probs: list[Tensor], real: Tensor) -> list[Tensor]:
-    """Per-layer head-mean attention ``mean_m A^{lm}``, padding rows/columns zeroed."""
-    return [mask_padding(fuse_heads(attn, "mean"), real) for attn in attn_probs]
+def raw_attention_maps(
+    attn_probs: list[Tensor], real: Tensor, real_keys: Tensor | None = None, fusion: str = "mean"
+) -> list[Tensor]:
+    """Per-layer head-fused attention (``mean_m A^{lm}`` by default), padding rows/columns zeroed."""
+    return [mask_padding(fuse_heads(attn, fusion), real, real_keys) for attn in attn_probs]

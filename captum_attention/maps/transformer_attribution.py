@@ -12,10 +12,12 @@ from torch import Tensor
 from .common import identity_like, mask_padding, propagate_query_row
 
 
-def relevance_layer_maps(attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor) -> list[Tensor]:
+def relevance_layer_maps(
+    attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor, real_keys: Tensor | None = None
+) -> list[Tensor]:
     """Per-layer Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+), padding rows/columns zeroed."""
     return [
-        mask_padding((grad * attn).clamp(min=0).mean(dim=1), real)
+        mask_padding((grad * attn).clamp(min=0).mean(dim=1), real, real_keys)
         for attn, grad in zip(attn_probs, attn_grads)
     ]
 

@@ -19,9 +19,10 @@ Intervention = Callable[[int, Tensor], Tensor]
 class ModelRun:
     """Output probabilities of one forward, with the attention and padding it saw."""
 
-    probs: Tensor  # (B, C) softmax of the logits
+    probs: Tensor  # (B, C) softmax of the logits (a language model's at the query)
     attn_probs: list[Tensor]  # per attention call, (B, H, T, T)
     real: Tensor  # (B, T) bool
+    queries: Tensor  # (B,) the explained position: [CLS], or a decoder's last real token
 
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
@@ -41,11 +42,17 @@ def run_model(
     adapter: AttentionAdapter | None = None,
 ) -> ModelRun:
     """One forward without gradients, through the capture layer."""
-    _, inputs = format_inputs(inputs)
+    _, tensors = format_inputs(inputs)
     run = forward_through_capture(
-        forward_func, model, inputs, additional_forward_args, adapter, intervention=intervention
+        forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention
     )
-    return ModelRun(run.logits.float().softmax(dim=-1), run.attn_probs, run.real)
+    if run.source_real is not None:
+        raise NotImplementedError(
+            "The attention metrics intervene on one self-attention stack (encoders, "
+            "decoders, ViTs); encoder-decoders are not supported yet."
+        )
+    queries = run.query_positions(None)
+    return ModelRun(run.explained_logits(queries).float().softmax(dim=-1), run.attn_probs, run.real, queries)
 
 
 def select_rows(inputs: Tensor, additional_forward_args: Any, rows: Tensor) -> tuple[Tensor, Any]:

@@ -56,11 +56,12 @@ def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None) -> I
     return intervene
 
 
-def _check_keys(keys: Tensor, inputs: Tensor, name: str) -> None:
-    if tuple(keys.shape) != tuple(inputs.shape[:2]):
+def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
+    if tuple(keys.shape) != tuple(real.shape):
         raise ValueError(
-            f"{name} has shape {tuple(keys.shape)} but the inputs are {tuple(inputs.shape[:2])} "
-            "(batch, seq_len): give one value per token."
+            f"{name} has shape {tuple(keys.shape)} but the model attends over "
+            f"{tuple(real.shape)} (batch, tokens): give one value per token (for a ViT, per "
+            "class/distillation/patch token)."
         )
 
 
@@ -82,8 +83,9 @@ def attention_erasure(
     distributions and whether the predicted class changed.
 
     Args:
-        forward_func (Callable): returns logits ``(batch, num_classes)``.
-        inputs (Tensor): token ids ``(batch, seq_len)`` or embeddings.
+        forward_func (Callable): returns logits ``(batch, num_classes)``, or a language
+            model's ``(batch, seq_len, vocab)`` (read at the last real token).
+        inputs (Tensor): token ids ``(batch, seq_len)``, embeddings or images.
         erased_keys (Tensor): ``(batch, seq_len)`` bool, True for the keys to erase.
         additional_forward_args (Any, optional): e.g. ``(attention_mask,)``. Default: None.
         model (nn.Module, optional): module holding the attention. Default: forward_func.
@@ -102,8 +104,8 @@ def attention_erasure(
         >>> attention_erasure(model, ids, erased, (mask,)).flipped.float().mean()
     """
     model = resolve_model(forward_func, model)
-    _check_keys(erased_keys, inputs, "erased_keys")
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    _check_keys(erased_keys, original.real, "erased_keys")
     chosen = layer_set(layers, len(original.attn_probs))
     erased = run_model(
         forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads), adapter
@@ -125,7 +127,7 @@ def decision_flip_fraction(
     layers: int | list[int] | None = None,
     heads: Sequence[int] | None = None,
     keep: Tensor | None = None,
-    query_index: int = 0,
+    query_index: int | None = None,
     max_batch_size: int = 64,
     adapter: AttentionAdapter | None = None,
 ) -> FlipResult:
@@ -137,8 +139,9 @@ def decision_flip_fraction(
     real key always stays.
 
     Args:
-        forward_func (Callable): returns logits ``(batch, num_classes)``.
-        inputs (Tensor): token ids ``(batch, seq_len)`` or embeddings.
+        forward_func (Callable): returns logits ``(batch, num_classes)``, or a language
+            model's ``(batch, seq_len, vocab)`` (read at the last real token).
+        inputs (Tensor): token ids ``(batch, seq_len)``, embeddings or images.
         ranking (Tensor): ``(batch, seq_len)`` importance, higher first: any attribution
             (ours, Integrated Gradients, SHAP values aligned to tokens), or
             :func:`attention_ranking`, :func:`gradient_ranking`,
@@ -149,7 +152,8 @@ def decision_flip_fraction(
         heads (sequence of int, optional): heads to erase at. Default: all.
         keep (Tensor, optional): ``(batch, seq_len)`` bool, positions never erased (e.g.
             special tokens). Default: None.
-        query_index (int, optional): query row for ``attention_mass_removed``. Default: 0.
+        query_index (int, optional): query row for ``attention_mass_removed``. Default:
+            None, the explained position (first real token; a decoder's last).
         max_batch_size (int, optional): rows per forward. Default: 64.
         adapter (AttentionAdapter, optional): how to find the attention.
 
@@ -157,10 +161,10 @@ def decision_flip_fraction(
         FlipResult; examples that never flip have ``removed = -1`` and NaN fractions.
     """
     model = resolve_model(forward_func, model)
-    _check_keys(ranking, inputs, "ranking")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    _check_keys(ranking, original.real, "ranking")
     chosen = layer_set(layers, len(original.attn_probs))
     erasable = original.real & ~(keep.bool().to(original.real.device) if keep is not None else False)
     order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
@@ -190,8 +194,10 @@ def decision_flip_fraction(
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
     fraction = torch.where(flipped, removed / original.real.sum(1).cpu(), torch.nan)
+    queries = original.queries if query_index is None else torch.full_like(original.queries, query_index)
+    batch_index = torch.arange(len(queries), device=queries.device)
     query_attention = torch.stack(
-        [original.attn_probs[layer].mean(dim=1)[:, query_index] for layer in sorted(chosen)]
+        [original.attn_probs[layer].mean(dim=1)[batch_index, queries] for layer in sorted(chosen)]
     ).mean(dim=0).cpu()
     mass = (query_attention * (ranks < removed[:, None])).sum(dim=1)
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)

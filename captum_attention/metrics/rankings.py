@@ -27,14 +27,14 @@ def _captured(
     target: TargetType,
     additional_forward_args: Any,
     model: nn.Module | None,
-    query_index: int,
+    query_index: int | None,
     adapter: AttentionAdapter | None,
     gradients: bool = True,
 ) -> CapturedAttention:
-    _, tensor = format_inputs(inputs)
+    _, tensors = format_inputs(inputs)
     model = resolve_model(forward_func, model)
     return capture_attention(
-        forward_func, model, tensor, target, additional_forward_args, query_index, adapter, gradients
+        forward_func, model, tensors, target, additional_forward_args, query_index, adapter, gradients
     )
 
 
@@ -49,7 +49,7 @@ def attention_ranking(
     additional_forward_args: Any = None,
     model: nn.Module | None = None,
     layer: int = -1,
-    query_index: int = 0,
+    query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``."""
@@ -64,7 +64,7 @@ def gradient_ranking(
     additional_forward_args: Any = None,
     model: nn.Module | None = None,
     layer: int = -1,
-    query_index: int = 0,
+    query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean gradient ∂S/∂α of ``layer`` at the query row (S: the target's logit)."""
@@ -81,7 +81,7 @@ def gradient_attention_ranking(
     additional_forward_args: Any = None,
     model: nn.Module | None = None,
     layer: int = -1,
-    query_index: int = 0,
+    query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean ∂S/∂α ⊙ α of ``layer`` at the query row."""

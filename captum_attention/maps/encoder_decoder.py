@@ -1,0 +1,86 @@
+"""Encoder-decoder relevance: source (encoder) tokens, target (decoder) tokens, cross-attention.
+
+Notation: S source tokens, T target tokens; encoder self-attention maps ``(B, S, S)``,
+decoder self-attention ``(B, T, T)``, cross-attention ``(B, T, S)`` (target queries,
+source keys), all already reduced over heads and padding-masked. Each function returns
+the full relevance matrices ``R^{qq}`` ``(B, T, T)`` and ``R^{qs}`` ``(B, T, S)``; the
+explained target token's row of each is its target and source scores.
+
+- Transformer Attribution (Chefer, Gur & Wolf, ICCV 2021, Sec. 3, rules (6)-(11),
+  https://arxiv.org/abs/2103.15679): R^{ss} = I, R^{qq} = I, R^{qs} = 0. Encoder layer:
+  R^{ss} += Ā·R^{ss}. Decoder self-attention: R^{qq} += Ā·R^{qq}, R^{qs} += Ā·R^{qs}.
+  Cross-attention: R^{qs} += (R̄^{qq})ᵀ·Ā·R̄^{ss}, where R̄ = (R - I) with rows normalised
+  to sum 1, plus I (eqs. 8-9; rows without relevance stay I). The source never attends
+  the target, so rule (11) leaves R^{qq} unchanged.
+- Attention Rollout over the joint token graph (Abnar & Zuidema's rollout with the
+  cross-attention block's residual): encoder and decoder self-attention layers are the
+  rollout matrices Â = norm(0.5·A + 0.5·I) of their own tokens; a cross-attention layer
+  maps a target token to norm(0.5·e_q + 0.5·A^{qs}_q), half on itself and half on the
+  source tokens as the encoder left them: R^{qs} ← (0.5·R^{qs} + 0.5·A^{qs}·R^{ss}) / z,
+  R^{qq} ← 0.5·R^{qq} / z with z = 0.5 + 0.5·Σ_k A^{qs}_{qk}. A target row of
+  [R^{qq} | R^{qs}] then sums to 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .common import identity_like
+
+
+def without_self(relevance: Tensor) -> Tensor:
+    """R̄ = (R - I) with rows normalised to sum 1, plus I (Chefer et al., eqs. 8-9)."""
+    identity = identity_like(relevance)
+    residual = relevance - identity
+    total = residual.sum(dim=-1, keepdim=True)
+    normalised = torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
+    return normalised + identity
+
+
+def encoder_decoder_relevance(
+    encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str]
+) -> tuple[Tensor, Tensor]:
+    """Chefer et al.'s R^{qq}, R^{qs} from per-layer Ā (``roles``: "decoder" or "cross",
+    one per entry of ``decoder_maps``, in forward order)."""
+    source = _source_relevance(encoder_maps, decoder_maps, roles, lambda r, a: r + a @ r)
+    target_self, target_source = _start(decoder_maps, roles, source)
+    source_bar = without_self(source)
+    for layer_map, role in zip(decoder_maps, roles):
+        if role == "cross":
+            target_source = target_source + without_self(target_self).transpose(-1, -2) @ layer_map @ source_bar
+        else:
+            target_self, target_source = target_self + layer_map @ target_self, target_source + layer_map @ target_source
+    return target_self, target_source
+
+
+def encoder_decoder_rollout(
+    encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str]
+) -> tuple[Tensor, Tensor]:
+    """Rollout's R^{qq}, R^{qs} over the joint graph. Self-attention entries of
+    ``encoder_maps``/``decoder_maps`` are rollout matrices Â; "cross" entries are the
+    fused cross-attention A^{qs}."""
+    source = _source_relevance(encoder_maps, decoder_maps, roles, lambda r, a: a @ r)
+    target_self, target_source = _start(decoder_maps, roles, source)
+    for layer_map, role in zip(decoder_maps, roles):
+        if role == "cross":
+            z = 0.5 + 0.5 * layer_map.sum(dim=-1, keepdim=True)
+            target_self, target_source = 0.5 * target_self / z, (0.5 * target_source + 0.5 * layer_map @ source) / z
+        else:
+            target_self, target_source = layer_map @ target_self, layer_map @ target_source
+    return target_self, target_source
+
+
+def _source_relevance(encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str], step) -> Tensor:  # type: ignore[no-untyped-def]
+    cross = next(m for m, r in zip(decoder_maps, roles) if r == "cross")
+    relevance = torch.eye(cross.shape[-1], dtype=cross.dtype, device=cross.device).expand(cross.shape[0], -1, -1)
+    for layer_map in encoder_maps:
+        relevance = step(relevance, layer_map)
+    return relevance
+
+
+def _start(decoder_maps: list[Tensor], roles: list[str], source: Tensor) -> tuple[Tensor, Tensor]:
+    cross = next(m for m, r in zip(decoder_maps, roles) if r == "cross")
+    batch, targets, sources = cross.shape
+    target_self = torch.eye(targets, dtype=cross.dtype, device=cross.device).expand(batch, -1, -1)
+    return target_self, cross.new_zeros(batch, targets, sources)
