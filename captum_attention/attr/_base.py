@@ -215,11 +215,15 @@ class AttentionAttributionBase:
                 with torch.enable_grad():
                     grads = run.capture.gradients(score, retain_graph=step < new_tokens - 1)
                 attn_grads = [g.float() for g in grads]
-            prefix = run.real & (torch.arange(run.real.shape[1], device=run.real.device) <= position)
             query = torch.full((len(prompt),), position, dtype=torch.long, device=run.real.device)
-            captured = CapturedAttention(attn_probs, attn_grads, run.roles, prefix, query)
+            captured = CapturedAttention(attn_probs, attn_grads, run.roles, up_to(run.real, query), query)
             rows.append(self._scores(captured, **options)[0])
         return torch.stack(rows, dim=1)
+
+
+def up_to(real: Tensor, queries: Tensor) -> Tensor:
+    """``real`` without the tokens after each example's query position."""
+    return real & (torch.arange(real.shape[1], device=real.device) <= queries[:, None])
 
 
 def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:
@@ -352,6 +356,8 @@ def capture_attention(
     """The attention of one forward, and dS/dA of the target's logit when ``gradients``."""
     run = forward_through_capture(forward_func, model, inputs, additional_forward_args, adapter, gradients)
     queries = run.query_positions(query_index)
+    # A decoder's explanation of position q is that of its prefix: later tokens are not real to it.
+    real = up_to(run.real, queries) if run.is_causal() else run.real
     attn_grads = None
     if gradients:
         logits = run.explained_logits(queries)
@@ -362,7 +368,7 @@ def capture_attention(
         attn_probs=[p.detach().float() for p in run.attn_probs],
         attn_grads=None if attn_grads is None else [g.float() for g in attn_grads],
         roles=run.roles,
-        real=run.real,
+        real=real,
         query_index=queries,
         source_real=run.source_real,
     )

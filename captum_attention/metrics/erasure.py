@@ -166,7 +166,8 @@ def decision_flip_fraction(
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
     _check_keys(ranking, original.real, "ranking")
     chosen = layer_set(layers, len(original.attn_probs))
-    erasable = original.real & ~(keep.bool().to(original.real.device) if keep is not None else False)
+    kept = keep.bool().to(original.real.device) if keep is not None else torch.zeros_like(original.real)
+    erasable = original.real & ~kept
     order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
     steps = torch.minimum(erasable.sum(1), original.real.sum(1) - 1).clamp(min=0)
 

@@ -1,0 +1,110 @@
+"""Tiny decoder, encoder-decoder and vision models built from configs (fixed seeds)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import transformers as tf
+from conftest import VOCAB
+from torch import nn
+
+DECODERS = ("gpt2", "llama", "qwen2")
+ENCODER_DECODERS = ("t5", "bart")
+VISION = ("vit", "deit")
+
+
+def make_decoder(name: str, seed: int = 0) -> nn.Module:
+    """A tiny causal LM; Llama and Qwen2 use grouped-query attention (4 heads, 2 KV heads)."""
+    torch.manual_seed(seed)
+    gqa = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    configs = {
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+                initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            )
+        ),
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**gqa)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa)),
+    }
+    return configs[name]().eval()
+
+
+def make_encoder_decoder(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if name == "t5":
+        config = tf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+            num_heads=4, initializer_factor=3.0, pad_token_id=0, eos_token_id=2,
+            decoder_start_token_id=0,
+        )
+        return tf.T5ForConditionalGeneration(config).eval()
+    config = tf.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+        decoder_ffn_dim=48, max_position_embeddings=64, init_std=0.3, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )
+    return tf.BartForConditionalGeneration(config).eval()
+
+
+def make_vision(name: str, seed: int = 0) -> nn.Module:
+    """A tiny ViT/DeiT classifier on 16×16 images with 4×4 patches (a 4×4 grid)."""
+    torch.manual_seed(seed)
+    common = dict(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=3,
+        num_attention_heads=4, intermediate_size=48, initializer_range=0.3, num_labels=3,
+    )
+    if name == "vit":
+        return tf.ViTForImageClassification(tf.ViTConfig(**common)).eval()
+    return tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(**common)).eval()
+
+
+@dataclass
+class Prompts:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def real(self) -> torch.Tensor:
+        return self.attention_mask.bool()
+
+
+def make_prompts(lengths: tuple[int, ...] = (7, 5, 3), side: str = "left", seed: int = 1) -> Prompts:
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), seq_len), generator=generator)
+    mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        span = slice(seq_len - length, seq_len) if side == "left" else slice(0, length)
+        mask[row, span] = 1
+    return Prompts(ids.masked_fill(mask == 0, 0), mask)
+
+
+@dataclass
+class LMReference:
+    attentions: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    targets: torch.Tensor
+
+
+def lm_reference(model: nn.Module, prompts: Prompts, positions: torch.Tensor, target: torch.Tensor | None = None) -> LMReference:
+    """Attention and d logit[b, positions[b], target[b]] / dA from output_attentions."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    position_ids = (prompts.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = ref(
+        input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
+        position_ids=position_ids, output_attentions=True,
+    )
+    logits = out.logits[torch.arange(len(positions)), positions]
+    targets = logits.argmax(-1) if target is None else target
+    score = logits.gather(1, targets[:, None]).sum()
+    grads = torch.autograd.grad(score, out.attentions)
+    return LMReference([a.detach() for a in out.attentions], list(grads), targets)

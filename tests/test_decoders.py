@@ -1,0 +1,151 @@
+"""Decoder-only language models (GPT-2; Llama and Qwen2 with grouped-query attention)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_same_state, assert_scores_close, model_state
+from lm_models import DECODERS, lm_reference, make_decoder, make_prompts
+from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
+
+METHODS = {
+    "grad_sam": (GradSAM, lambda ref, n, q: reference_grad_sam(ref, n)),
+    "transformer_attribution": (TransformerAttribution, lambda ref, n, q: reference_chefer(ref, n, query=q)),
+    "rollout": (AttentionRollout, lambda ref, n, q: reference_rollout(ref, n, query=q)),
+    "raw": (RawAttention, lambda ref, n, q: reference_raw(ref, n, query=q)),
+}
+
+
+@pytest.fixture(params=DECODERS)
+def decoder(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def per_example(reference, ref, real: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """The reference on each example's real tokens up to its query, placed back in the row."""
+    scores = torch.zeros(real.shape)
+    for b in range(real.shape[0]):
+        idx = (real[b] & (torch.arange(real.shape[1]) <= queries[b])).nonzero().flatten()
+        block = lambda t: t[b : b + 1][:, :, idx][:, :, :, idx]  # noqa: E731
+        sub = SimpleNamespace(attentions=[block(a) for a in ref.attentions], grads=[block(g) for g in ref.grads])
+        scores[b, idx] = reference(sub, [len(idx)], len(idx) - 1)[0]
+    return scores
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_methods_match_reference_at_the_last_real_token(decoder, method, side):
+    model = make_decoder(decoder)
+    prompts = make_prompts(side=side)
+    last = torch.arange(prompts.real.shape[1]).masked_fill(~prompts.real, -1).amax(dim=1)
+    ref = lm_reference(model, prompts, last)
+    cls, reference = METHODS[method]
+    scores = cls(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    expected = per_example(reference, ref, prompts.real, last)
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
+    model = make_decoder(decoder)
+    prompts = make_prompts(lengths=(7, 7), side="right")
+    queries, targets = torch.tensor([2, 4]), torch.tensor([5, 9])
+    ref = lm_reference(model, prompts, queries, targets)
+    cls, reference = METHODS[method]
+    scores = cls(model).attribute(
+        prompts.input_ids, target=targets, additional_forward_args=(prompts.attention_mask,), query_index=queries
+    )
+    future = torch.arange(7) > queries[:, None]
+    assert (scores[future] == 0).all()
+    assert_scores_close(scores, per_example(reference, ref, prompts.real, queries))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
+    model = make_decoder(decoder)
+    prompts = make_prompts(side="left")
+    explainer = METHODS[method][0](model)
+    together = explainer.attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    for b in range(3):
+        real = prompts.real[b]
+        alone = explainer.attribute(prompts.input_ids[b : b + 1, real])
+        torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
+        assert (together[b, ~real] == 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_continuation_rows_equal_explaining_each_prefix(decoder, method):
+    model = make_decoder(decoder)
+    prompts = make_prompts(lengths=(5, 3), side="left")
+    continuation = torch.tensor([[7, 8, 9], [10, 11, 12]])
+    explainer = METHODS[method][0](model)
+    rows = explainer.attribute_continuation(
+        prompts.input_ids, continuation, additional_forward_args=(prompts.attention_mask,)
+    )
+    assert rows.shape == (2, 3, 5 + 3)
+    for step in range(3):
+        ids = torch.cat([prompts.input_ids, continuation[:, :step]], dim=1)
+        mask = torch.cat([prompts.attention_mask, torch.ones(2, step, dtype=torch.long)], dim=1)
+        prefix = explainer.attribute(ids, target=continuation[:, step], additional_forward_args=(mask,))
+        torch.testing.assert_close(rows[:, step, : ids.shape[1]], prefix, atol=1e-6, rtol=1e-4)
+        assert (rows[:, step, ids.shape[1] :] == 0).all()
+
+
+def test_continuation_of_a_right_padded_prompt_is_refused():
+    model = make_decoder("gpt2")
+    prompts = make_prompts(side="right")
+    with pytest.raises(ValueError, match="on the left"):
+        GradSAM(model).attribute_continuation(
+            prompts.input_ids, torch.tensor([[5], [6], [7]]), additional_forward_args=(prompts.attention_mask,)
+        )
+
+
+def test_grouped_query_attention_gives_one_map_per_query_head():
+    model = make_decoder("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    prompts = make_prompts(side="left")
+    _, maps = GradSAM(model).attribute(
+        prompts.input_ids, additional_forward_args=(prompts.attention_mask,), return_maps=True
+    )
+    assert maps.shape == (3, 3, 7, 7)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_model_left_as_found(decoder, method):
+    model = make_decoder(decoder)
+    before = model_state(model)
+    prompts = make_prompts(side="left")
+    METHODS[method][0](model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    assert_same_state(before, model_state(model))
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_erasing_every_other_key_leaves_the_query_token_alone(name):
+    """Rotary models attending only to themselves compute what the lone token computes."""
+    model = make_decoder(name)
+    prompts = make_prompts(side="left")
+    last = prompts.real.shape[1] - 1
+    erased = torch.ones_like(prompts.real)
+    erased[:, last] = False
+    result = attention_erasure(model, prompts.input_ids, erased, (prompts.attention_mask,))
+    with torch.no_grad():
+        alone = model(prompts.input_ids[:, last:]).logits[:, -1].softmax(-1)
+    torch.testing.assert_close(result.erased, alone, atol=1e-6, rtol=1e-5)
+    assert (result.js_divergence > 0).all()
+
+
+def test_decision_flip_fraction_on_a_decoder():
+    model = make_decoder("gpt2")
+    prompts = make_prompts(side="left")
+    ranking = random_ranking(prompts.real.shape)
+    result = decision_flip_fraction(model, prompts.input_ids, ranking, (prompts.attention_mask,))
+    assert result.removed.shape == (3,)
+    fractions = result.fraction[result.flipped]
+    assert ((fractions > 0) & (fractions <= 1)).all()
