@@ -142,13 +142,13 @@ class AttentionAttributionBase:
     ) -> Any:
         """What every ``attribute`` does: capture, reduce, shape the output like Captum."""
         is_tuple, tensors = format_inputs(inputs)
+        if getattr(getattr(self.model, "config", None), "is_encoder_decoder", False) and len(tensors) != 2:
+            raise TypeError(
+                f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
+                "decoder_input_ids) and get (source scores, target scores) back."
+            )
         captured = self._capture(tensors, target, additional_forward_args, query_index)
         if captured.is_encoder_decoder:
-            if len(tensors) != 2:
-                raise TypeError(
-                    f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
-                    "decoder_input_ids) and get (source scores, target scores) back."
-                )
             scores, role_maps = self._encoder_decoder_scores(captured, **options)
             return format_scores(True, scores, role_maps, return_maps)
         if len(tensors) != 1:

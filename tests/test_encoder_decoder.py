@@ -1,0 +1,193 @@
+"""Encoder-decoders (T5, BART): source and target scores, Chefer et al.'s cross-attention rules.
+
+References loop over examples on each one's real tokens, from output_attentions and
+autograd.grad; rollout is checked against explicit products of the joint (source + target)
+token graph's matrices.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import assert_same_state, assert_scores_close, model_state
+from lm_models import ENCODER_DECODERS, make_encoder_decoder
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+
+SOURCE_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+TARGET_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+
+
+@pytest.fixture(params=ENCODER_DECODERS)
+def name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@dataclass
+class Seq2Seq:
+    source: torch.Tensor
+    target: torch.Tensor
+
+    @property
+    def args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return SOURCE_MASK, TARGET_MASK
+
+
+def make_pair(seed: int = 3) -> Seq2Seq:
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(3, 64, SOURCE_MASK.shape, generator=generator)
+    target = torch.randint(3, 64, TARGET_MASK.shape, generator=generator)
+    return Seq2Seq(source, target)
+
+
+@dataclass
+class Seq2SeqReference:
+    encoder: list[tuple[torch.Tensor, torch.Tensor]]  # (attention, gradient), per layer
+    decoder: list[tuple[torch.Tensor, torch.Tensor]]
+    cross: list[tuple[torch.Tensor, torch.Tensor]]
+    queries: torch.Tensor
+
+
+def reference(model, pair: Seq2Seq, target: torch.Tensor | None = None) -> Seq2SeqReference:
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    out = ref(
+        input_ids=pair.source, attention_mask=SOURCE_MASK, decoder_input_ids=pair.target,
+        decoder_attention_mask=TARGET_MASK, output_attentions=True,
+    )
+    queries = TARGET_MASK.sum(1) - 1
+    logits = out.logits[torch.arange(2), queries]
+    targets = logits.argmax(-1) if target is None else target
+    groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
+    flat = [a for group in groups for a in group]
+    grads = iter(torch.autograd.grad(logits.gather(1, targets[:, None]).sum(), flat))
+    pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
+    return Seq2SeqReference(*pairs, queries=queries)
+
+
+def blocks(layers, b: int, rows: int, cols: int):
+    return [(a[b, :, :rows, :cols], g[b, :, :rows, :cols]) for a, g in layers]
+
+
+def cam(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return (grad * attn).clamp(min=0).mean(0)
+
+
+def normalised(relevance: torch.Tensor) -> torch.Tensor:
+    """Chefer et al.'s handle_residual, a zero row staying an identity row."""
+    eye = torch.eye(len(relevance))
+    residual = relevance - eye
+    return torch.nan_to_num(residual / residual.sum(-1, keepdim=True), nan=0.0) + eye
+
+
+def reference_chefer(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
+    r_ss = torch.eye(s)
+    for a, g in blocks(ref.encoder, b, s, s):
+        r_ss = r_ss + cam(a, g) @ r_ss
+    r_qq, r_qs = torch.eye(t), torch.zeros(t, s)
+    for (a, g), (ca, cg) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
+        self_cam = cam(a, g)
+        r_qq, r_qs = r_qq + self_cam @ r_qq, r_qs + self_cam @ r_qs
+        r_qs = r_qs + normalised(r_qq).T @ cam(ca, cg) @ normalised(r_ss)
+    return r_qs[-1], r_qq[-1]
+
+
+def reference_joint_rollout(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
+
+    def rollout_step(attn: torch.Tensor) -> torch.Tensor:
+        step = 0.5 * attn.mean(0) + 0.5 * torch.eye(len(attn[0]))
+        return step / step.sum(-1, keepdim=True)
+
+    joint = torch.eye(s + t)
+    for a, _ in blocks(ref.encoder, b, s, s):
+        layer = torch.eye(s + t)
+        layer[:s, :s] = rollout_step(a)
+        joint = layer @ joint
+    for (a, _), (ca, _) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
+        layer = torch.eye(s + t)
+        layer[s:, s:] = rollout_step(a)
+        joint = layer @ joint
+        layer = torch.eye(s + t)
+        layer[s:, :s], layer[s:, s:] = 0.5 * ca.mean(0), 0.5 * torch.eye(t)
+        joint = layer @ joint
+    return joint[-1, :s], joint[-1, s:]
+
+
+def reference_grad_sam(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
+    heads = ref.encoder[0][0].shape[1]
+    h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2))  # noqa: E731
+    source = sum(h(a, g) for a, g in blocks(ref.encoder, b, s, s)) / (len(ref.encoder) * heads * s)
+    target_maps = blocks(ref.decoder, b, t, t) + blocks(ref.cross, b, t, s)
+    target = sum(h(a, g) for a, g in target_maps) / (len(target_maps) * heads * t)
+    return source, target
+
+
+def reference_raw(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
+    (a, _), (ca, _) = blocks(ref.decoder, b, t, t)[-1], blocks(ref.cross, b, t, s)[-1]
+    return ca.mean(0)[-1], a.mean(0)[-1]
+
+
+REFERENCES = {
+    TransformerAttribution: reference_chefer,
+    AttentionRollout: reference_joint_rollout,
+    GradSAM: reference_grad_sam,
+    RawAttention: reference_raw,
+}
+
+
+@pytest.mark.parametrize("method", list(REFERENCES), ids=lambda c: c.__name__)
+def test_source_and_target_scores_match_reference(name, method):
+    model = make_encoder_decoder(name)
+    pair = make_pair()
+    target = torch.tensor([5, 9]) if method.needs_gradients else None
+    ref = reference(model, pair, target)
+    source, target_scores = method(model).attribute(
+        (pair.source, pair.target), target=target, additional_forward_args=pair.args
+    )
+    assert source.shape == pair.source.shape and target_scores.shape == pair.target.shape
+    for b in range(2):
+        expected_source, expected_target = REFERENCES[method](ref, b)
+        s, t = len(expected_source), len(expected_target)
+        assert expected_source.abs().max() > 0
+        assert_scores_close(source[b, :s], expected_source)
+        assert_scores_close(target_scores[b, :t], expected_target)
+        assert (source[b, s:] == 0).all() and (target_scores[b, t:] == 0).all()
+
+
+def test_rollout_scores_of_source_and_target_sum_to_one(name):
+    model = make_encoder_decoder(name)
+    pair = make_pair()
+    source, target = AttentionRollout(model).attribute((pair.source, pair.target), additional_forward_args=pair.args)
+    torch.testing.assert_close(source.sum(1) + target.sum(1), torch.ones(2))
+
+
+@pytest.mark.parametrize("method", list(REFERENCES), ids=lambda c: c.__name__)
+def test_padded_pair_matches_each_example_alone(name, method):
+    model = make_encoder_decoder(name)
+    pair = make_pair()
+    explainer = method(model)
+    source, target = explainer.attribute((pair.source, pair.target), additional_forward_args=pair.args)
+    s, t = int(SOURCE_MASK[1].sum()), int(TARGET_MASK[1].sum())
+    alone_source, alone_target = explainer.attribute((pair.source[1:, :s], pair.target[1:, :t]))
+    torch.testing.assert_close(source[1:, :s], alone_source, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(target[1:, :t], alone_target, atol=1e-6, rtol=1e-4)
+
+
+def test_model_left_as_found_and_single_input_refused(name):
+    model = make_encoder_decoder(name)
+    before = model_state(model)
+    pair = make_pair()
+    TransformerAttribution(model).attribute((pair.source, pair.target), additional_forward_args=pair.args)
+    with pytest.raises(TypeError, match="decoder_input_ids"):
+        GradSAM(model).attribute(
+            pair.source,
+            additional_forward_args=(SOURCE_MASK, pair.target),
+        )
+    assert_same_state(before, model_state(model))
