@@ -73,7 +73,7 @@ def make_batch(model: nn.Module, lengths: tuple[int, ...] = (9, 6, 4), seed: int
     """Right-padded token ids (pad = the model's pad id) and their mask."""
     generator = torch.Generator().manual_seed(seed)
     seq_len = max(lengths)
-    pad_id = getattr(model.config, "pad_token_id", 0) or 0
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", 0) or 0
     ids = torch.randint(3, VOCAB, (len(lengths), seq_len), generator=generator)
     mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
     for row, length in enumerate(lengths):
@@ -133,7 +133,7 @@ def model_state(model: nn.Module) -> dict:
             for name, module in model.named_modules()
         ],
         "training": [module.training for module in model.modules()],
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "params": [p.detach().clone() for p in model.parameters()],

@@ -336,15 +336,16 @@ class MultiheadAttentionAdapter(AdapterBase):
     """Adapter for ``torch.nn.MultiheadAttention`` (per-head probabilities, exact gradients).
 
     For the call, every ``nn.MultiheadAttention`` of the model is asked for
-    ``need_weights=True, average_attn_weights=False`` (which also keeps it off the fused
-    fast path), the per-head probabilities are read from the tensor that multiplied the
-    values, and the output is handed back to the caller exactly as it asked for it (no
-    weights, or head-averaged weights). The padding mask is the ``key_padding_mask`` of
-    the first attention call (True or -inf = padding), turned into 1 = real token.
-
-    Interventions (the attention-erasure and permutation metrics) are not supported:
-    ``F.multi_head_attention_forward`` hides its softmax from the interception they use.
+    ``need_weights=True`` (so that it computes an explicit softmax, off the fused fast
+    path), the per-head probabilities are the softmax output inside
+    ``F.multi_head_attention_forward`` (the very tensor that multiplies the values, so
+    gradients and interventions are exact), and the output is handed back to the caller
+    exactly as it asked for it (no weights, or head-averaged weights). The padding mask
+    is the ``key_padding_mask`` of the first attention call (True or -inf = padding),
+    turned into 1 = real token.
     """
+
+    probs_source: ProbsSource = "softmax"
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         modules = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
@@ -355,12 +356,6 @@ class MultiheadAttentionAdapter(AdapterBase):
                 "protocol)."
             )
         return modules
-
-    def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
-        weights = output[1] if isinstance(output, (tuple, list)) else None
-        # The returned weights are a view made after they weighted the values; its base
-        # is the (batch·heads, queries, keys) tensor the values were multiplied by.
-        return None if weights is None else (weights._base if weights._base is not None else weights)
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
         assert isinstance(module, nn.MultiheadAttention)
@@ -375,27 +370,22 @@ class MultiheadAttentionAdapter(AdapterBase):
 
     @contextmanager
     def prepared(self, model: nn.Module) -> Iterator[None]:
-        requested: dict[nn.Module, list[tuple[bool, bool]]] = {}
+        asked: dict[nn.Module, list[bool]] = {}
 
         def ask_for_weights(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             bound = inspect.signature(module.forward).bind(*args, **kwargs)
             bound.apply_defaults()
-            asked = (bound.arguments["need_weights"], bound.arguments["average_attn_weights"])
-            requested.setdefault(module, []).append(asked)
-            bound.arguments.update(need_weights=True, average_attn_weights=False)
+            asked.setdefault(module, []).append(bound.arguments["need_weights"])
+            bound.arguments["need_weights"] = True
             return bound.args, bound.kwargs
 
         def hand_back(module: nn.Module, args: tuple, output: Any) -> Any:
-            need_weights, average = requested[module].pop()
-            attn_output, weights = output
-            if not need_weights:
-                return attn_output, None
-            return attn_output, weights.mean(dim=-3) if average else weights
+            return output if asked[module].pop() else (output[0], None)
 
         with ExitStack() as stack:
             for module in self.attention_modules(model):
                 stack.callback(module.register_forward_pre_hook(ask_for_weights, with_kwargs=True).remove)
-                stack.callback(module.register_forward_hook(hand_back).remove)
+                stack.callback(module.register_forward_hook(hand_back, prepend=True).remove)
             yield
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -248,12 +249,39 @@ class _SoftmaxInterception(TorchFunctionMode):
 
     Intercepting the softmax itself (rather than re-implementing attention) keeps the
     model's own masking, scaling and value weighting exact for any eager implementation.
+    ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) dispatches as a whole,
+    which would hide its softmax, so it runs as a private copy of the same function whose
+    softmax is visible (nothing global is patched).
     """
 
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self.capture = capture
+        self._mha_forward = _with_visible_softmax(F.multi_head_attention_forward, capture)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.multi_head_attention_forward:
+            return self._mha_forward(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
         return self.capture._on_softmax(result) if func in _SOFTMAXES else result
+
+
+def _with_visible_softmax(function: Callable[..., Any], capture: AttentionCapture) -> Callable[..., Any]:
+    """A copy of a torch.nn.functional function whose softmax goes through the capture."""
+    code = function.__code__
+    if "softmax" not in code.co_names or "has_torch_function" not in code.co_names:
+        raise RuntimeError(
+            f"This PyTorch's {function.__name__} no longer calls softmax by name; attention "
+            "in nn.MultiheadAttention cannot be intercepted. Please report this."
+        )
+
+    def softmax(*args: Any, **kwargs: Any) -> Tensor:
+        return capture._on_softmax(F.softmax(*args, **kwargs))
+
+    def has_torch_function(*args: Any) -> bool:
+        return False  # already dispatched to the interception: run the body
+
+    namespace = {**function.__globals__, "softmax": softmax, "has_torch_function": has_torch_function}
+    copy = types.FunctionType(code, namespace, function.__name__, function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy

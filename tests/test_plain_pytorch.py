@@ -1,0 +1,131 @@
+"""Plain PyTorch attention: nn.MultiheadAttention and a user's textbook module via ModuleAdapter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_same_state, assert_scores_close, make_batch, model_state
+from plain_models import make_plain
+from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention.capture import AttentionNotFoundError, ModuleAdapter
+from captum_attention.metrics import attention_erasure, attention_permutation
+
+KINDS = ("mha", "mha_seq_first", "textbook")
+TARGET = 1
+METHODS = {
+    GradSAM: lambda ref, lengths: reference_grad_sam(ref, lengths),
+    TransformerAttribution: lambda ref, lengths: reference_chefer(ref, lengths),
+    AttentionRollout: lambda ref, lengths: reference_rollout(ref, lengths),
+    RawAttention: lambda ref, lengths: reference_raw(ref, lengths),
+}
+
+
+def adapter_for(model):
+    if hasattr(model.blocks[0], "heads"):  # the textbook module: name it, probabilities from its softmaxes
+        return ModuleAdapter(list(model.blocks), probs="softmax", mask_module=model)
+    return None  # nn.MultiheadAttention is found on its own
+
+
+def reference(model, batch):
+    logits, pieces = model.reference(batch.input_ids, batch.attention_mask)
+    flat = [p for block in pieces for p in block]
+    grads = iter(torch.autograd.grad(logits[:, TARGET].sum(), flat))
+    as_heads = lambda t: t if t.dim() == 4 else t[:, None]  # noqa: E731
+    attentions = [torch.cat([as_heads(p) for p in block], dim=1).detach() for block in pieces]
+    grad_maps = [torch.cat([as_heads(next(grads)) for _ in block], dim=1) for block in pieces]
+    return logits, SimpleNamespace(attentions=attentions, grads=grad_maps)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_reference_computes_the_model(kind):
+    model = make_plain(kind)
+    batch = make_batch(model)
+    logits, _ = reference(model, batch)
+    torch.testing.assert_close(logits, model(batch.input_ids, batch.attention_mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(METHODS), ids=lambda c: c.__name__)
+def test_methods_match_reference(kind, method):
+    model = make_plain(kind)
+    batch = make_batch(model)
+    _, ref = reference(model, batch)
+    scores = method(model, adapter=adapter_for(model)).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+    )
+    expected = METHODS[method](ref, batch.lengths)
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_answers_its_caller_as_asked(need_weights):
+    model = make_plain("mha")
+    batch = make_batch(model)
+    model.need_weights = need_weights
+    seen = []
+    handle = model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out[1]))
+    try:
+        GradSAM(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    if need_weights:
+        assert seen[0].shape == (3, 9, 9)  # head-averaged, as nn.MultiheadAttention's default
+    else:
+        assert seen[0] is None
+
+
+def test_model_left_as_found(kind):
+    model = make_plain(kind)
+    before = model_state(model)
+    batch = make_batch(model)
+    TransformerAttribution(model, adapter=adapter_for(model)).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+    )
+    assert_same_state(before, model_state(model))
+
+
+def test_erasing_all_keys_but_the_first_matches_the_first_token_alone(kind):
+    model = make_plain(kind)
+    batch = make_batch(model)
+    erased = torch.ones_like(batch.attention_mask, dtype=torch.bool)
+    erased[:, 0] = False
+    result = attention_erasure(
+        model, batch.input_ids, erased, (batch.attention_mask,), adapter=adapter_for(model)
+    )
+    with torch.no_grad():
+        alone = model(batch.input_ids[:, :1], batch.attention_mask[:, :1]).softmax(-1)
+    torch.testing.assert_close(result.erased, alone, atol=1e-6, rtol=1e-5)
+    assert (result.js_divergence > 0).all()
+
+
+def test_permutation_runs_on_plain_attention(kind):
+    model = make_plain(kind)
+    batch = make_batch(model)
+    result = attention_permutation(
+        model, batch.input_ids, (batch.attention_mask,), n_permutations=3, adapter=adapter_for(model)
+    )
+    assert (result.median_tvd > 0).all()
+
+
+def test_a_model_without_known_attention_names_the_protocol():
+    model = make_plain("textbook")
+    batch = make_batch(model)
+    with pytest.raises(AttentionNotFoundError, match="ModuleAdapter.*AttentionAdapter protocol"):
+        GradSAM(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+
+
+def test_naming_a_module_without_a_softmax_is_a_clear_error():
+    model = make_plain("textbook")
+    batch = make_batch(model)
+    adapter = ModuleAdapter([model.classifier], probs="softmax")
+    with pytest.raises(RuntimeError, match="computed no softmax"):
+        GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
