@@ -1,7 +1,13 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
-from .attr import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
-from .capture import AttentionAdapter, AttentionCapture, HuggingFaceAdapter, ModuleAdapter
+from .attr import AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from .capture import (
+    AttentionAdapter,
+    AttentionCapture,
+    HuggingFaceAdapter,
+    ModuleAdapter,
+    MultiheadAttentionAdapter,
+)
 
 __version__ = "0.1.0"
 
@@ -12,7 +18,9 @@ __all__ = [
     "GradSAM",
     "HuggingFaceAdapter",
     "ModuleAdapter",
+    "MultiheadAttentionAdapter",
     "RawAttention",
     "TransformerAttribution",
     "__version__",
+    "upsample_to_image",
 ]

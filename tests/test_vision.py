@@ -1,0 +1,122 @@
+"""Vision Transformers (ViT; DeiT with its distillation token): patch-grid scores."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import matplotlib
+import pytest
+import torch
+from captum.attr import visualization
+from conftest import assert_same_state, assert_scores_close, model_state
+from lm_models import VISION, make_vision
+from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
+
+matplotlib.use("Agg")
+TARGET = 2
+GRID = 4
+METHODS = {
+    GradSAM: lambda ref, n, q: reference_grad_sam(ref, n),
+    TransformerAttribution: lambda ref, n, q: reference_chefer(ref, n, query=q),
+    AttentionRollout: lambda ref, n, q: reference_rollout(ref, n, query=q),
+    RawAttention: lambda ref, n, q: reference_raw(ref, n, query=q),
+}
+
+
+@pytest.fixture(params=VISION)
+def name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def images(seed: int = 5) -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, pixels: torch.Tensor) -> SimpleNamespace:
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    out = ref(pixel_values=pixels, output_attentions=True)
+    grads = torch.autograd.grad(out.logits[:, TARGET].sum(), out.attentions)
+    return SimpleNamespace(attentions=[a.detach() for a in out.attentions], grads=list(grads))
+
+
+def prefix_tokens(name: str) -> int:
+    return {"vit": 1, "deit": 2}[name]
+
+
+@pytest.mark.parametrize("method", list(METHODS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("query", [0, 1])
+def test_patch_grid_matches_reference(name, method, query):
+    """query 0 is [CLS]; for DeiT, 1 is the distillation token (for ViT, the first patch)."""
+    model = make_vision(name)
+    pixels = images()
+    ref = reference(model, pixels)
+    tokens = prefix_tokens(name) + GRID * GRID
+    scores = method(model).attribute(pixels, target=TARGET, query_index=query)
+    assert scores.shape == (2, GRID, GRID)
+    expected = METHODS[method](ref, [tokens, tokens], query)[:, prefix_tokens(name):]
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected.reshape(2, GRID, GRID))
+
+
+def test_prefix_token_scores_are_in_the_maps(name):
+    model = make_vision(name)
+    pixels = images()
+    scores, maps = RawAttention(model).attribute(pixels, return_maps=True)
+    row = maps[:, -1, 0]  # the last layer's [CLS] row, every token
+    assert row.shape == (2, prefix_tokens(name) + GRID * GRID)
+    torch.testing.assert_close(scores, row[:, prefix_tokens(name):].reshape(2, GRID, GRID))
+
+
+def test_upsampled_scores_cover_each_patch_and_feed_visualize_image_attr():
+    model = make_vision("deit")
+    pixels = images()
+    grid = GradSAM(model).attribute(pixels, target=TARGET)
+    nearest = upsample_to_image(grid, pixels, mode="nearest")
+    assert nearest.shape == (2, 16, 16, 1)
+    blocks = nearest[..., 0].reshape(2, GRID, 4, GRID, 4)
+    torch.testing.assert_close(blocks, grid[:, :, None, :, None].expand_as(blocks))
+    smooth = upsample_to_image(grid, pixels)
+    figure, _ = visualization.visualize_image_attr(
+        smooth[0].detach().numpy(), pixels[0].permute(1, 2, 0).numpy(), method="blended_heat_map",
+        sign="positive", use_pyplot=False,
+    )
+    assert figure is not None
+
+
+def test_batch_members_match_alone(name):
+    model = make_vision(name)
+    pixels = images()
+    explainer = TransformerAttribution(model)
+    together = explainer.attribute(pixels, target=TARGET)
+    alone = explainer.attribute(pixels[1:], target=TARGET)
+    torch.testing.assert_close(together[1:], alone, atol=1e-6, rtol=1e-4)
+
+
+def test_model_left_as_found(name):
+    model = make_vision(name)
+    before = model_state(model)
+    GradSAM(model).attribute(images(), target=TARGET)
+    assert_same_state(before, model_state(model))
+
+
+def test_metrics_on_patch_tokens(name):
+    model = make_vision(name)
+    pixels = images()
+    tokens = prefix_tokens(name) + GRID * GRID
+    nothing = torch.zeros(2, tokens, dtype=torch.bool)
+    unchanged = attention_erasure(model, pixels, nothing)
+    torch.testing.assert_close(unchanged.erased, unchanged.original)
+    with torch.no_grad():
+        torch.testing.assert_close(unchanged.original, model(pixels).logits.softmax(-1))
+    patches = torch.ones(2, tokens, dtype=torch.bool)
+    patches[:, : prefix_tokens(name)] = False
+    assert (attention_erasure(model, pixels, patches).js_divergence > 0).all()
+    flips = decision_flip_fraction(model, pixels, random_ranking((2, tokens)))
+    assert flips.removed.shape == (2,)
+    with pytest.raises(ValueError, match="per\\s+class/distillation/patch token"):
+        attention_erasure(model, pixels, torch.zeros(2, 3, dtype=torch.bool))
