@@ -348,7 +348,7 @@ class MultiheadAttentionAdapter(AdapterBase):
     probs_source: ProbsSource = "softmax"
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        modules = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        modules: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
         if not modules:
             raise AttentionNotFoundError(
                 f"{type(model).__name__} has no nn.MultiheadAttention module. Name the "

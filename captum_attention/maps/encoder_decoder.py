@@ -23,6 +23,8 @@ explained target token's row of each is its target and source scores.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -71,7 +73,9 @@ def encoder_decoder_rollout(
     return target_self, target_source
 
 
-def _source_relevance(encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str], step) -> Tensor:  # type: ignore[no-untyped-def]
+def _source_relevance(
+    encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str], step: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
     cross = next(m for m, r in zip(decoder_maps, roles) if r == "cross")
     relevance = torch.eye(cross.shape[-1], dtype=cross.dtype, device=cross.device).expand(cross.shape[0], -1, -1)
     for layer_map in encoder_maps:
