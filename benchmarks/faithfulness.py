@@ -1,0 +1,195 @@
+"""Which explanation to trust: every method on ground-truth tasks, side by side, one run.
+
+    python benchmarks/faithfulness.py [--tasks planted order shape sentiment] [--examples 64]
+                                      [--json results.json]
+
+For each task (see ``tasks.py``) and each method (see ``explainers.py``), explaining the
+model's predicted class:
+
+- plausibility against the known decisive tokens/patches: token F1 (top-k, k = number of
+  decisive tokens) and AUPRC; for images the pointing game (the top patch is decisive)
+  and AUPRC over patches;
+- ERASER comprehensiveness and sufficiency (AOPC over bins 1, 5, 10, 20, 50%; text:
+  tokens deleted, [CLS]/[SEP] kept; images: patches set to grey) — higher
+  comprehensiveness and lower sufficiency are better;
+- decision flip: erase the attention to the keys in the method's order at every layer
+  until the prediction changes (Serrano & Smith); the share of examples that flip and the
+  mean fraction of tokens erased at the flip (lower = the ranking finds decisive keys
+  sooner);
+- wall time per example, and as a ratio to one forward+backward of the model on the same
+  batch.
+
+Prints one Markdown table per task with the command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import explainers  # noqa: E402
+import tasks  # noqa: E402
+from tasks import Task  # noqa: E402
+
+from captum_attention.metrics import (  # noqa: E402
+    aopc,
+    auprc,
+    comprehensiveness,
+    decision_flip_fraction,
+    sufficiency,
+    token_f1,
+)
+
+REPEATS = 3
+
+
+def _timed(call: Callable[[], Any], repeats: int = 1) -> tuple[Any, float]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def forward_backward_seconds(task: Task) -> float:
+    """One forward+backward of the model (gradients of the predicted logits w.r.t. the weights)."""
+    params = [p for p in task.model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        logits = task.logits(task.inputs, task.attention_mask)
+        torch.autograd.grad(logits.max(dim=-1).values.sum(), params)
+
+    return _timed(step, REPEATS)[1]
+
+
+def _patch_removal(task: Task) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Images as "token ids" for the ERASER functions: id b·P+p is patch p of image b, -1 a
+    removed (grey) patch."""
+    rows, columns = task.rationale.shape[1:]
+    count = rows * columns
+    ids = torch.arange(len(task.inputs))[:, None] * count + torch.arange(count)
+    size = explainers.PATCH
+
+    def forward(patch_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        image_index = patch_ids.max(dim=1).values // count
+        keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
+        images = task.inputs[image_index].view(-1, 3, rows, size, columns, size)
+        images = (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * size, columns * size)
+        return task.logits(images)
+
+    return forward, ids, torch.ones_like(ids)
+
+
+def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    if task.is_image:
+        flat, gold = scores.flatten(1), task.rationale.flatten(1)
+        top = flat.argmax(dim=1)
+        plausibility = {
+            "pointing game": gold[torch.arange(len(top)), top].float().mean().item(),
+            "AUPRC": auprc(flat, gold).nanmean().item(),
+        }
+        forward, ids, mask = _patch_removal(task)
+        removal: dict[str, Any] = dict(removal="replace", baseline_token_id=-1)
+        prefix = 1
+        ranking = torch.cat([torch.full((len(flat), prefix), float("-inf")), flat.float()], dim=1)
+        keep = torch.zeros_like(ranking, dtype=torch.bool)
+        keep[:, :prefix] = True
+        flip_args: tuple[Any, ...] = (task.model, task.inputs, ranking, None)
+    else:
+        include = (task.attention_mask != 0) & ~task.keep
+        plausibility = {
+            "token F1": token_f1(scores, task.rationale, include).nanmean().item(),
+            "AUPRC": auprc(scores, task.rationale, include).nanmean().item(),
+        }
+        forward, ids, mask, flat = task.logits, task.inputs, task.attention_mask, scores
+        removal = dict(removal="delete", keep=task.keep)
+        keep = task.keep
+        flip_args = (task.model, task.inputs, scores, (task.attention_mask,))
+    comp = comprehensiveness(forward, ids, mask, flat, target, **removal)
+    suff = sufficiency(forward, ids, mask, flat, target, **removal)
+    flips = decision_flip_fraction(*flip_args, keep=keep)
+    flipped = flips.flipped.float().mean().item()
+    return {
+        **plausibility,
+        "comprehensiveness": aopc(comp).mean().item(),
+        "sufficiency": aopc(suff).mean().item(),
+        "flipped": flipped,
+        "fraction at flip": flips.fraction[flips.flipped].mean().item() if flipped > 0 else float("nan"),
+    }
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    if task.accuracy < 0.9:
+        raise RuntimeError(f"the {task.name} model reached only {task.accuracy:.0%}: its explanations would mean nothing.")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        target = task.logits(task.inputs, task.attention_mask).argmax(-1)
+    baseline = forward_backward_seconds(task)
+    rows = {}
+    for name, method in explainers.METHODS.items():
+        repeats = 1 if "SHAP" in name or "Integrated" in name else REPEATS
+        scores, seconds = _timed(lambda: method(task, target), repeats)
+        rows[name] = {
+            **evaluate(task, scores.detach(), target),
+            "ms / example": 1000 * seconds / len(target),
+            "× fwd+bwd": seconds / baseline,
+        }
+    return {
+        "task": task.name,
+        "examples": len(target),
+        "accuracy": task.accuracy,
+        "train seconds": task.train_seconds,
+        "fwd+bwd ms / example": 1000 * baseline / len(target),
+        "methods": rows,
+    }
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    columns = list(next(iter(result["methods"].values())))
+    lines = [
+        f"**{result['task']}** — {result['examples']} examples, model accuracy "
+        f"{100 * result['accuracy']:.1f}%, one forward+backward {result['fwd+bwd ms / example']:.2f} ms/example "
+        f"(`{command}`)",
+        "",
+        "| method | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for name, values in result["methods"].items():
+        cells = [f"{values[c]:.3g}" if c in ("ms / example", "× fwd+bwd") else f"{values[c]:.3f}" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=["planted", "order", "shape", "sentiment"])
+    parser.add_argument("--examples", type=int, default=None, help="evaluation examples per task (default: the task's)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    options = parser.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    command = "python benchmarks/faithfulness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    start = time.perf_counter()
+    for name in options.tasks:
+        sizes = {} if options.examples is None else {"eval_size": options.examples}
+        result = run_task(tasks.build(name, **sizes))
+        results.append(result)
+        print(markdown(result, command.strip()), "\n", flush=True)
+    print(f"total {time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")
+    if options.json:
+        options.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
