@@ -10,10 +10,12 @@ from captum_attention.maps import (
     add_residual,
     discard_lowest,
     fuse_heads,
+    grad_sam_head_mean,
     grad_sam_layer_maps,
     grad_sam_scores,
     mask_padding,
     propagate_query_row,
+    relevance_head_mean,
     relevance_layer_maps,
     rollout_layer_maps,
     rollout_scores,
@@ -60,10 +62,10 @@ def test_rollout_rows_sum_to_one_and_are_non_negative(data, fusion, discard):
 def test_relevance_and_grad_sam_are_non_negative_and_zero_on_padding(data):
     probs, real, queries = data
     grads = [torch.randn_like(p) for p in probs]
-    relevance = transformer_attribution_scores(relevance_layer_maps(probs, grads, real), queries)
+    relevance = transformer_attribution_scores(relevance_layer_maps([relevance_head_mean(p, g) for p, g in zip(probs, grads)], real), queries)
     assert (relevance >= 0).all() and (relevance[~real] == 0).all()
     assert (relevance[torch.arange(len(queries)), queries] >= 1).all()
-    maps = grad_sam_layer_maps(probs, grads, real)
+    maps = grad_sam_layer_maps([grad_sam_head_mean(p, g) for p, g in zip(probs, grads)], real)
     scores = grad_sam_scores(maps, [p.shape[1] for p in probs], real)
     assert (scores >= 0).all() and (scores[~real] == 0).all()
 
@@ -79,7 +81,7 @@ def test_identity_attention_leaves_the_query_alone(batch, seq_len, layers, query
     torch.testing.assert_close(rollout_scores(maps, queries), one_hot)
     # With identity attention and gradient 1, each layer adds the query's own entry once.
     ones = torch.ones_like(identity)
-    relevance = transformer_attribution_scores(relevance_layer_maps([identity] * layers, [ones] * layers, real), queries)
+    relevance = transformer_attribution_scores(relevance_layer_maps([relevance_head_mean(identity, ones)] * layers, real), queries)
     torch.testing.assert_close(relevance, one_hot * 2.0**layers)
 
 
@@ -128,6 +130,6 @@ def test_grad_sam_by_hand():
     attn = torch.tensor([[[[0.25, 0.75], [0.5, 0.5]]]])  # 1 layer, 1 head
     grad = torch.tensor([[[[2.0, -1.0], [1.0, 4.0]]]])
     real = torch.ones(1, 2, dtype=torch.bool)
-    maps = grad_sam_layer_maps([attn], [grad], real)
+    maps = grad_sam_layer_maps([grad_sam_head_mean(attn, grad)], real)
     # rows of A ⊙ ReLU(G): [0.5, 0], [0.5, 2]; sums 0.5 and 2.5; / (L·M·N = 2)
     torch.testing.assert_close(grad_sam_scores(maps, [1], real), torch.tensor([[0.25, 1.25]]))

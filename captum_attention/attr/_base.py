@@ -23,22 +23,29 @@ from ..maps import is_causal, patch_grid, query_rows, real_tokens
 Scores = Tensor | tuple[Tensor, ...]
 
 
+GradientReduction = Callable[[Tensor, Tensor], Tensor]
+
+
 @dataclass
 class CapturedAttention:
     """One call's attention, ready for the maps layer.
 
     Attributes:
-        attn_probs: per attention call, ``(B, H, Q, K)`` float32 probabilities.
-        attn_grads: per attention call, ``(B, H, Q, K)`` float32 dS/dA, or None.
+        attn_probs: per attention call, ``(B, H, Q, K)`` float32 probabilities; None for
+            gradient methods, which keep only ``grad_maps``.
+        grad_maps: per attention call, the method's reduction of (A, dS/dA) over heads,
+            ``(B, Q, K)`` float32 (computed as the backward pass reaches the call), or None.
+        heads: per attention call, the number of heads.
         roles: per attention call, ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"``.
         real: ``(B, T)`` bool, True for real tokens of the explained sequence (the
-            target sequence of an encoder-decoder).
+            target sequence of an encoder-decoder; for a decoder, up to the query).
         query_index: ``(B,)`` long, the explained query position per example.
         source_real: encoder-decoders: ``(B, S)`` bool real source tokens, else None.
     """
 
-    attn_probs: list[Tensor]
-    attn_grads: list[Tensor] | None
+    attn_probs: list[Tensor] | None
+    grad_maps: list[Tensor] | None
+    heads: list[int]
     roles: list[str]
     real: Tensor
     query_index: Tensor
@@ -46,7 +53,7 @@ class CapturedAttention:
 
     @property
     def num_layers(self) -> int:
-        return len(self.attn_probs)
+        return len(self.roles)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -55,8 +62,14 @@ class CapturedAttention:
     def of_role(self, role: str) -> "CapturedAttention":
         """Only the calls of one role (e.g. the decoder's self-attention)."""
         chosen = [i for i, r in enumerate(self.roles) if r == role]
-        grads = None if self.attn_grads is None else [self.attn_grads[i] for i in chosen]
-        return replace(self, attn_probs=[self.attn_probs[i] for i in chosen], attn_grads=grads, roles=[role] * len(chosen))
+
+        def pick(values: list[Any] | None) -> Any:
+            return None if values is None else [values[i] for i in chosen]
+
+        return replace(
+            self, attn_probs=pick(self.attn_probs), grad_maps=pick(self.grad_maps),
+            heads=pick(self.heads), roles=pick(self.roles),
+        )
 
     def layer(self, index: int, name: str = "layer") -> int:
         """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
@@ -81,7 +94,7 @@ class AttentionAttributionBase:
             Default: the built-in adapter (Hugging Face models).
     """
 
-    needs_gradients = False
+    gradient_reduction: GradientReduction | None = None  # set by the gradient methods
     readable_name = ""
     forward_func: Callable[..., Any]  # set by Captum's Attribution.__init__
 
@@ -118,7 +131,7 @@ class AttentionAttributionBase:
         """Run the model once (and, for gradient methods, one ``autograd.grad``)."""
         return capture_attention(
             self.forward_func, self.model, inputs, target, additional_forward_args,
-            query_index, self.adapter, self.needs_gradients,
+            query_index, self.adapter, self.gradient_reduction,
         )
 
     def _scores(self, captured: CapturedAttention, **options: Any) -> tuple[Tensor, list[Tensor]]:
@@ -197,26 +210,28 @@ class AttentionAttributionBase:
         prompt_len, new_tokens = prompt.shape[1], continuation.shape[1]
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         extra = _extend_masks(additional_forward_args, prompt.shape, new_tokens)
+        reduction = self.gradient_reduction
         run = forward_through_capture(
-            self.forward_func, self.model, (sequence,), extra, self.adapter, self.needs_gradients
+            self.forward_func, self.model, (sequence,), extra, self.adapter, reduction is not None
         )
         if not run.is_causal():
             raise ValueError("attribute_continuation needs a decoder (causal self-attention).")
         if not bool(run.real[:, prompt_len - 1].all()):
             raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
         positions = torch.arange(prompt_len - 1, prompt_len - 1 + new_tokens, device=run.real.device)
-        attn_probs = [p.detach().float() for p in run.attn_probs]
+        attn_probs = None if reduction is not None else [p.detach().float() for p in run.attn_probs]
+        heads = [p.shape[1] for p in run.attn_probs]
         rows = []
         for step, position in enumerate(positions.tolist()):
-            attn_grads = None
-            if self.needs_gradients:
+            grad_maps = None
+            if reduction is not None:
                 logits = run.logits[:, position]
                 score = logits.gather(1, continuation[:, step : step + 1].to(logits.device)).sum()
                 with torch.enable_grad():
-                    grads = run.capture.gradients(score, retain_graph=step < new_tokens - 1)
-                attn_grads = [g.float() for g in grads]
+                    grads = run.capture.gradients(score, reduction, retain_graph=step < new_tokens - 1)
+                grad_maps = [g.float() for g in grads]
             query = torch.full((len(prompt),), position, dtype=torch.long, device=run.real.device)
-            captured = CapturedAttention(attn_probs, attn_grads, run.roles, up_to(run.real, query), query)
+            captured = CapturedAttention(attn_probs, grad_maps, heads, run.roles, up_to(run.real, query), query)
             rows.append(self._scores(captured, **options)[0])
         return torch.stack(rows, dim=1)
 
@@ -351,22 +366,27 @@ def capture_attention(
     additional_forward_args: Any,
     query_index: QueryIndex = None,
     adapter: AttentionAdapter | None = None,
-    gradients: bool = False,
+    gradient_reduction: GradientReduction | None = None,
 ) -> CapturedAttention:
-    """The attention of one forward, and dS/dA of the target's logit when ``gradients``."""
+    """The attention of one forward; with ``gradient_reduction``, instead of the
+    probabilities, its reduction of (A, dS/dA) per call for the target's logit S."""
+    gradients = gradient_reduction is not None
     run = forward_through_capture(forward_func, model, inputs, additional_forward_args, adapter, gradients)
     queries = run.query_positions(query_index)
     # A decoder's explanation of position q is that of its prefix: later tokens are not real to it.
     real = up_to(run.real, queries) if run.is_causal() else run.real
-    attn_grads = None
-    if gradients:
+    heads = [p.shape[1] for p in run.attn_probs]
+    grad_maps = None
+    if gradient_reduction is not None:
         logits = run.explained_logits(queries)
         targets = resolve_targets(logits, target)
         with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
-            attn_grads = run.capture.gradients(logits.gather(1, targets[:, None]).sum())
+            grads = run.capture.gradients(logits.gather(1, targets[:, None]).sum(), gradient_reduction)
+        grad_maps = [g.float() for g in grads]
     return CapturedAttention(
-        attn_probs=[p.detach().float() for p in run.attn_probs],
-        attn_grads=None if attn_grads is None else [g.float() for g in attn_grads],
+        attn_probs=None if gradients else [p.detach().float() for p in run.attn_probs],
+        grad_maps=grad_maps,
+        heads=heads,
         roles=run.roles,
         real=real,
         query_index=queries,

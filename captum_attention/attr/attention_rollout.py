@@ -112,6 +112,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     def _scores(  # type: ignore[override]
         self, captured: CapturedAttention, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[Tensor, list[Tensor]]:
+        assert captured.attn_probs is not None
         first = captured.layer(start_layer, "start_layer")
         maps = rollout_layer_maps(captured.attn_probs, captured.real, captured.query_index, head_fusion, discard_ratio)
         return rollout_scores(maps[first:], captured.query_index), maps
@@ -121,6 +122,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Rollout over the joint source-target graph; see
         :func:`captum_attention.maps.encoder_decoder_rollout`."""
+        assert captured.attn_probs is not None
         assert captured.source_real is not None
         if discard_ratio or start_layer:
             raise ValueError(

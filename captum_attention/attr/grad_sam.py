@@ -11,7 +11,7 @@ from captum.attr import GradientAttribution
 from captum.log import log_usage
 from torch import Tensor
 
-from ..maps import grad_sam_layer_maps, grad_sam_scores
+from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores
 from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex
 
 
@@ -52,7 +52,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    needs_gradients = True
+    gradient_reduction = staticmethod(grad_sam_head_mean)
     readable_name = "Grad-SAM"
 
     @log_usage(part_of_slo=True)
@@ -96,23 +96,22 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
 
     def _scores(self, captured: CapturedAttention, **options: Any) -> tuple[Tensor, list[Tensor]]:
-        assert captured.attn_grads is not None
-        maps = grad_sam_layer_maps(captured.attn_probs, captured.attn_grads, captured.real)
-        heads = [attn.shape[1] for attn in captured.attn_probs]
-        return grad_sam_scores(maps, heads, captured.real), maps
+        assert captured.grad_maps is not None
+        maps = grad_sam_layer_maps(captured.grad_maps, captured.real)
+        return grad_sam_scores(maps, captured.heads, captured.real), maps
 
     def _encoder_decoder_scores(
         self, captured: CapturedAttention, **options: Any
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Each map credits its query tokens: encoder maps score the source, decoder self-
         and cross-attention maps (whose queries are target tokens) score the target."""
-        assert captured.attn_grads is not None and captured.source_real is not None
+        assert captured.grad_maps is not None and captured.source_real is not None
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
-        for attn, grad, role in zip(captured.attn_probs, captured.attn_grads, captured.roles):
+        for head_mean, role in zip(captured.grad_maps, captured.roles):
             keys = captured.source_real if role != "decoder" else captured.real
             queries = captured.source_real if role == "encoder" else captured.real
-            role_maps[role] += grad_sam_layer_maps([attn], [grad], queries, keys)
-        heads = dict(zip(captured.roles, (attn.shape[1] for attn in captured.attn_probs)))
+            role_maps[role] += grad_sam_layer_maps([head_mean], queries, keys)
+        heads = dict(zip(captured.roles, captured.heads))
         source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), captured.source_real)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])

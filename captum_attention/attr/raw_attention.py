@@ -88,6 +88,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer)
 
     def _scores(self, captured: CapturedAttention, layer: int = -1) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
+        assert captured.attn_probs is not None
         chosen = captured.layer(layer)
         maps = raw_attention_maps(captured.attn_probs, captured.real)
         return query_rows(maps[chosen], captured.query_index), maps
@@ -95,12 +96,15 @@ class RawAttention(AttentionAttributionBase, Attribution):
     def _encoder_decoder_scores(  # type: ignore[override]
         self, captured: CapturedAttention, layer: int = -1
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        assert captured.attn_probs is not None
         assert captured.source_real is not None
         decoder, cross = captured.of_role("decoder"), captured.of_role("cross")
         chosen = decoder.layer(layer)
+        encoder = captured.of_role("encoder")
+        assert decoder.attn_probs is not None and cross.attn_probs is not None and encoder.attn_probs is not None
         decoder_maps = raw_attention_maps(decoder.attn_probs, captured.real)
         cross_maps = raw_attention_maps(cross.attn_probs, captured.real, captured.source_real)
-        encoder_maps = raw_attention_maps(captured.of_role("encoder").attn_probs, captured.source_real)
+        encoder_maps = raw_attention_maps(encoder.attn_probs, captured.source_real)
         scores = (query_rows(cross_maps[chosen], captured.query_index), query_rows(decoder_maps[chosen], captured.query_index))
         maps = {"encoder": encoder_maps, "decoder": decoder_maps, "cross": cross_maps}
         return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items()}

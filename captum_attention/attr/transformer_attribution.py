@@ -9,7 +9,12 @@ from captum.attr import GradientAttribution
 from captum.log import log_usage
 from torch import Tensor
 
-from ..maps import encoder_decoder_relevance, relevance_layer_maps, transformer_attribution_scores
+from ..maps import (
+    encoder_decoder_relevance,
+    relevance_head_mean,
+    relevance_layer_maps,
+    transformer_attribution_scores,
+)
 from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, _encoder_decoder_rows
 
 
@@ -44,7 +49,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         ...                              additional_forward_args=(attention_mask,))
     """
 
-    needs_gradients = True
+    gradient_reduction = staticmethod(relevance_head_mean)
     readable_name = "Transformer Attribution"
 
     @log_usage(part_of_slo=True)
@@ -93,9 +98,9 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         )
 
     def _scores(self, captured: CapturedAttention, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
-        assert captured.attn_grads is not None
+        assert captured.grad_maps is not None
         first = captured.layer(start_layer, "start_layer")
-        maps = relevance_layer_maps(captured.attn_probs, captured.attn_grads, captured.real)
+        maps = relevance_layer_maps(captured.grad_maps, captured.real)
         return transformer_attribution_scores(maps[first:], captured.query_index), maps
 
     def _encoder_decoder_scores(  # type: ignore[override]
@@ -103,15 +108,15 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Chefer et al.'s rules (6)-(11) for self- and cross-attention; see
         :func:`captum_attention.maps.encoder_decoder_relevance`."""
-        assert captured.attn_grads is not None and captured.source_real is not None
+        assert captured.grad_maps is not None and captured.source_real is not None
         if start_layer != 0:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         maps = [
             relevance_layer_maps(
-                [attn], [grad],
+                [head_mean],
                 captured.source_real if role == "encoder" else captured.real,
                 captured.real if role == "decoder" else captured.source_real,
             )[0]
-            for attn, grad, role in zip(captured.attn_probs, captured.attn_grads, captured.roles)
+            for head_mean, role in zip(captured.grad_maps, captured.roles)
         ]
         return _encoder_decoder_rows(captured, maps, encoder_decoder_relevance)

@@ -84,25 +84,75 @@ class AttentionCapture:
     def roles(self) -> list[str]:
         return [call.role for call in self._calls]
 
-    def gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
+    def gradients(
+        self,
+        score: Tensor,
+        reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> list[Tensor]:
         """dS/dA per attention call, ``(batch, heads, queries, keys)``, or a clear error.
 
-        ``retain_graph`` keeps the graph for a further ``gradients`` call (another score).
+        Args:
+            score (Tensor): the scalar S to differentiate.
+            reduce (callable, optional): ``reduce(attn_probs, attn_grads)`` is applied to each
+                call as soon as the backward pass reaches it, and its result is returned
+                instead of the gradient; the ``(batch, heads, queries, keys)`` gradients are
+                then never all alive at once. Needs ``track_grad=True``. Default: None.
+            retain_graph (bool): keep the graph for a further ``gradients`` call.
+                Default: False.
         """
+        if reduce is not None:
+            return self._reduced_gradients(score, reduce, retain_graph)
         pieces = [piece for call in self._calls for piece in call.pieces]
         grads = list(torch.autograd.grad(score, pieces, allow_unused=True, retain_graph=retain_graph))
         per_call: list[list[Tensor]] = []
         for call in self._calls:
             per_call.append(grads[: len(call.pieces)])
             del grads[: len(call.pieces)]
-        unused = [index for index, call_grads in enumerate(per_call) if any(g is None for g in call_grads)]
+        self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
+        return [call.heads(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
+
+    def _reduced_gradients(
+        self, score: Tensor, reduce: Callable[[Tensor, Tensor], Tensor], retain_graph: bool
+    ) -> list[Tensor]:
+        """Tensor hooks reduce each call's gradient as the backward reaches it; the backward
+        itself only asks for the (small) gradients of the hidden states entering each call."""
+        anchors = [call.hidden for call in self._calls]
+        if any(anchor is None for anchor in anchors):
+            raise RuntimeError("Reduced gradients need AttentionCapture(track_grad=True).")
+        reduced: list[Tensor | None] = [None] * len(self._calls)
+        arrived: list[list[Tensor | None]] = [[None] * len(call.pieces) for call in self._calls]
+
+        def on_gradient(index: int, piece: int, grad: Tensor) -> None:
+            arrived[index][piece] = grad
+            if all(g is not None for g in arrived[index]):
+                call = self._calls[index]
+                grads = call.heads(self.adapter, arrived[index])  # type: ignore[arg-type]
+                reduced[index] = reduce(call.heads(self.adapter).detach(), grads)
+                arrived[index] = [None] * len(call.pieces)
+
+        handles = [
+            p.register_hook(lambda grad, index=index, piece=piece: on_gradient(index, piece, grad))
+            for index, call in enumerate(self._calls)
+            for piece, p in enumerate(call.pieces)
+        ]
+        try:
+            torch.autograd.grad(score, anchors, allow_unused=True, retain_graph=retain_graph)  # type: ignore[arg-type]
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._check_used([r is not None for r in reduced])
+        return reduced  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_used(used: list[bool]) -> None:
+        unused = [index for index, ok in enumerate(used) if not ok]
         if unused:
             raise RuntimeError(
                 f"The attention captured at calls {unused} did not influence the explained "
                 "output: the adapter must return the very tensor that weights the values (not "
                 "a copy or a reshaped view of it)."
             )
-        return [call.heads(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
 
     def __enter__(self) -> "AttentionCapture":
         modules = self.adapter.attention_modules(self.model)
@@ -115,10 +165,7 @@ class AttentionCapture:
             for module in modules:
                 # prepend: read the output before any hook of the adapter's rewrites it
                 stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
-                stack.callback(module.register_forward_pre_hook(self._open_call).remove)
-                if self.track_grad:
-                    hook = module.register_forward_pre_hook(self._require_grad, with_kwargs=True)
-                    stack.callback(hook.remove)
+                stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
             for module in mask_modules:
                 hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
@@ -130,8 +177,20 @@ class AttentionCapture:
     def __exit__(self, *exc_info: Any) -> None:
         self._stack.close()
 
-    def _open_call(self, module: nn.Module, args: tuple) -> None:
-        self._open.append(_Call(module, self.adapter.role(module), len(self._calls) + len(self._open)))
+    def _open_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        call = _Call(module, self.adapter.role(module), len(self._calls) + len(self._open))
+        self._open.append(call)
+        named = [*enumerate(args), *kwargs.items()]
+        key, hidden = next(((k, v) for k, v in named if _is_float_tensor(v)), (None, None))
+        if hidden is None or not self.track_grad or not torch.is_grad_enabled():
+            return None
+        if not hidden.requires_grad:
+            # Frozen model: mark the hidden states entering the module (never the parameters).
+            hidden = hidden.detach().requires_grad_()
+        call.hidden = hidden
+        if isinstance(key, int):
+            return args[:key] + (hidden,) + args[key + 1 :], kwargs
+        return args, {**kwargs, key: hidden}
 
     def _on_softmax(self, softmax_output: Tensor) -> Tensor:
         """Called by the softmax interception for every softmax computed in the forward."""
@@ -206,21 +265,6 @@ class AttentionCapture:
                 "nothing to attribute; drop them from the batch."
             )
 
-    @staticmethod
-    def _require_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        """Mark the hidden states entering ``module`` as requiring grad if nothing did."""
-        if not torch.is_grad_enabled():
-            return None
-        named = [*enumerate(args), *kwargs.items()]
-        key, hidden = next(((k, v) for k, v in named if _is_float_tensor(v)), (None, None))
-        if hidden is None or hidden.requires_grad:
-            return None
-        tracked = hidden.detach().requires_grad_()
-        if isinstance(key, int):
-            return args[:key] + (tracked,) + args[key + 1 :], kwargs
-        return args, {**kwargs, key: tracked}
-
-
 @dataclass(eq=False)
 class _Call:
     """One call of an attention module: the tensors that weighted its values."""
@@ -230,6 +274,7 @@ class _Call:
     index: int
     pieces: list[Tensor] = field(default_factory=list)
     softmaxes_seen: int = 0
+    hidden: Tensor | None = None  # the hidden states that entered the call, when tracked
 
     def heads(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""

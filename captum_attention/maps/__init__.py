@@ -14,11 +14,11 @@ from .common import (
 )
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
-from .grad_sam import grad_sam_layer_maps, grad_sam_scores
+from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
 from .vision import patch_grid
-from .transformer_attribution import relevance_layer_maps, transformer_attribution_scores
+from .transformer_attribution import relevance_head_mean, relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
     "HEAD_FUSIONS",
@@ -29,6 +29,7 @@ __all__ = [
     "erase_keys",
     "fuse_heads",
     "is_causal",
+    "grad_sam_head_mean",
     "grad_sam_layer_maps",
     "grad_sam_scores",
     "mask_padding",
@@ -39,6 +40,7 @@ __all__ = [
     "query_rows",
     "raw_attention_maps",
     "real_tokens",
+    "relevance_head_mean",
     "relevance_layer_maps",
     "rollout_layer_maps",
     "rollout_scores",

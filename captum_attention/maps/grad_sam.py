@@ -12,14 +12,14 @@ from torch import Tensor
 from .common import mask_padding
 
 
-def grad_sam_layer_maps(
-    attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor, real_keys: Tensor | None = None
-) -> list[Tensor]:
-    """Per-layer head-mean mean_m(A^{lm} ⊙ ReLU(G^{lm})), padding rows/columns zeroed."""
-    return [
-        mask_padding((attn * grad.clamp(min=0)).mean(dim=1), real, real_keys)
-        for attn, grad in zip(attn_probs, attn_grads)
-    ]
+def grad_sam_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
+    """mean_m(A^{lm} ⊙ ReLU(G^{lm})) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``."""
+    return (attn * grad.clamp(min=0)).mean(dim=1)
+
+
+def grad_sam_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tensor | None = None) -> list[Tensor]:
+    """Per-layer :func:`grad_sam_head_mean` maps with padding rows/columns zeroed."""
+    return [mask_padding(head_mean, real, real_keys) for head_mean in head_means]
 
 
 def grad_sam_scores(layer_maps: list[Tensor], heads_per_layer: list[int], real: Tensor) -> Tensor:

@@ -12,14 +12,14 @@ from torch import Tensor
 from .common import identity_like, mask_padding, propagate_query_row
 
 
-def relevance_layer_maps(
-    attn_probs: list[Tensor], attn_grads: list[Tensor], real: Tensor, real_keys: Tensor | None = None
-) -> list[Tensor]:
-    """Per-layer Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+), padding rows/columns zeroed."""
-    return [
-        mask_padding((grad * attn).clamp(min=0).mean(dim=1), real, real_keys)
-        for attn, grad in zip(attn_probs, attn_grads)
-    ]
+def relevance_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
+    """Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``."""
+    return (grad * attn).clamp(min=0).mean(dim=1)
+
+
+def relevance_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tensor | None = None) -> list[Tensor]:
+    """Per-layer Ā^l (:func:`relevance_head_mean`) with padding rows/columns zeroed."""
+    return [mask_padding(head_mean, real, real_keys) for head_mean in head_means]
 
 
 def transformer_attribution_scores(layer_maps: list[Tensor], query_index: Tensor) -> Tensor:

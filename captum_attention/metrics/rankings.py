@@ -15,7 +15,7 @@ import torch
 from captum._utils.typing import TargetType
 from torch import Tensor, nn
 
-from ..attr._base import CapturedAttention, capture_attention, format_inputs
+from ..attr._base import CapturedAttention, GradientReduction, capture_attention, format_inputs
 from ..capture import AttentionAdapter
 from ..maps import mask_padding, query_rows
 from ._forward import resolve_model
@@ -29,18 +29,23 @@ def _captured(
     model: nn.Module | None,
     query_index: int | None,
     adapter: AttentionAdapter | None,
-    gradients: bool = True,
+    reduction: GradientReduction | None,
 ) -> CapturedAttention:
     _, tensors = format_inputs(inputs)
     model = resolve_model(forward_func, model)
     return capture_attention(
-        forward_func, model, tensors, target, additional_forward_args, query_index, adapter, gradients
+        forward_func, model, tensors, target, additional_forward_args, query_index, adapter, reduction
     )
 
 
-def _ranking(captured: CapturedAttention, layer: int, maps: Callable[[int], Tensor]) -> Tensor:
+def _ranking(captured: CapturedAttention, layer: int) -> Tensor:
+    """The head-mean map of ``layer`` (attention, or the gradient reduction) at the query row."""
     index = captured.layer(layer)
-    return query_rows(mask_padding(maps(index).mean(dim=1), captured.real), captured.query_index)
+    head_mean = captured.attn_probs[index].mean(dim=1) if captured.attn_probs is not None else None
+    if captured.grad_maps is not None:
+        head_mean = captured.grad_maps[index]
+    assert head_mean is not None
+    return query_rows(mask_padding(head_mean, captured.real), captured.query_index)
 
 
 def attention_ranking(
@@ -53,8 +58,8 @@ def attention_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``."""
-    captured = _captured(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, False)
-    return _ranking(captured, layer, lambda index: captured.attn_probs[index])
+    captured = _captured(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, None)
+    return _ranking(captured, layer)
 
 
 def gradient_ranking(
@@ -68,10 +73,10 @@ def gradient_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean gradient ∂S/∂α of ``layer`` at the query row (S: the target's logit)."""
-    captured = _captured(forward_func, inputs, target, additional_forward_args, model, query_index, adapter)
-    assert captured.attn_grads is not None
-    grads = captured.attn_grads
-    return _ranking(captured, layer, lambda index: grads[index])
+    captured = _captured(
+        forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _gradient_head_mean
+    )
+    return _ranking(captured, layer)
 
 
 def gradient_attention_ranking(
@@ -85,10 +90,18 @@ def gradient_attention_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean ∂S/∂α ⊙ α of ``layer`` at the query row."""
-    captured = _captured(forward_func, inputs, target, additional_forward_args, model, query_index, adapter)
-    assert captured.attn_grads is not None
-    grads = captured.attn_grads
-    return _ranking(captured, layer, lambda index: grads[index] * captured.attn_probs[index])
+    captured = _captured(
+        forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _product_head_mean
+    )
+    return _ranking(captured, layer)
+
+
+def _gradient_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
+    return grad.mean(dim=1)
+
+
+def _product_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
+    return (grad * attn).mean(dim=1)
 
 
 def random_ranking(shape: tuple[int, int] | torch.Size, seed: int = 0) -> Tensor:

@@ -1,0 +1,209 @@
+"""Time and peak memory of each method against sequence length and batch size.
+
+    python benchmarks/scaling.py [--device cpu|cuda] [--lengths 64 128 ... 2048]
+                                 [--batches 1 2 4 8 16] [--repeats 3] [--no-memory]
+
+A 4-layer, 256-wide, 4-head BERT classifier (positions up to 2048), random token ids.
+For each (batch, length): the model's own forward with attentions (eager,
+``output_attentions=True``) and forward+backward with attentions (``.backward()`` of the
+explained logits), and each of our methods; median wall time over ``--repeats`` runs
+after a warm-up, and the peak memory of one call: on CUDA ``max_memory_allocated``
+above the memory in use before the call; on CPU the peak resident-set growth in a fresh
+subprocess whose allocator returns freed blocks to the system. Ratios are against the
+matching baseline (forward for raw/rollout, forward+backward for Grad-SAM/Transformer
+Attribution), measured in the same run, so the growth of a ratio with length is the
+method's cost growing faster than the model's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers as tf
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+
+TARGET = 1
+BASELINE = {
+    "RawAttention": "forward",
+    "AttentionRollout": "forward",
+    "GradSAM": "forward+backward",
+    "TransformerAttribution": "forward+backward",
+}
+
+
+def scaling_model(device: str) -> tf.PreTrainedModel:
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=1024, max_position_embeddings=2048, num_labels=2,
+    )
+    return tf.BertForSequenceClassification(config).eval().to(device)
+
+
+def workloads(batch: int, seq_len: int, device: str) -> dict[str, Callable[[], object]]:
+    model = scaling_model(device)
+    eager = scaling_model(device)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(5, 1000, (batch, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    args = dict(additional_forward_args=(mask,))
+
+    def forward() -> object:
+        with torch.no_grad():
+            return eager(ids, attention_mask=mask, output_attentions=True).logits
+
+    def forward_backward() -> None:
+        out = eager(ids, attention_mask=mask, output_attentions=True)
+        out.logits[:, TARGET].sum().backward()
+        eager.zero_grad(set_to_none=True)
+
+    return {
+        "forward": forward,
+        "forward+backward": forward_backward,
+        "RawAttention": lambda: RawAttention(model).attribute(ids, **args),
+        "AttentionRollout": lambda: AttentionRollout(model).attribute(ids, **args),
+        "GradSAM": lambda: GradSAM(model).attribute(ids, target=TARGET, **args),
+        "TransformerAttribution": lambda: TransformerAttribution(model).attribute(ids, target=TARGET, **args),
+    }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(runs: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(repeats):
+        for name, run in runs.items():
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_bytes(run: Callable[[], object], device: str) -> int:
+    """Peak memory growth of one warm call of ``run``."""
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    peak, done = [0], threading.Event()
+    start = _rss_bytes()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    run()
+    done.set()
+    sampler.join()
+    return max(peak[0], _rss_bytes()) - start
+
+
+def peak_in_subprocess(name: str, batch: int, seq_len: int) -> int:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    command = [sys.executable, __file__, "--memory-of", name, "--batches", str(batch), "--lengths", str(seq_len)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def measure(batch: int, seq_len: int, device: str, repeats: int, memory: bool) -> dict[str, dict[str, float]]:
+    runs = workloads(batch, seq_len, device)
+    seconds = median_seconds(runs, repeats, device)
+    rows: dict[str, dict[str, float]] = {}
+    for name in runs:
+        row = {"ms": 1000 * seconds[name]}
+        if name in BASELINE:
+            row["× time"] = seconds[name] / seconds[BASELINE[name]]
+        rows[name] = row
+    if memory:
+        for name in runs:
+            if device == "cuda":
+                rows[name]["MiB"] = peak_bytes(runs[name], device) / 2**20
+            else:
+                rows[name]["MiB"] = peak_in_subprocess(name, batch, seq_len) / 2**20
+        for name, base in BASELINE.items():
+            rows[name]["× memory"] = rows[name]["MiB"] / max(rows[base]["MiB"], 1e-9)
+    return rows
+
+
+def table(results: list[dict]) -> str:
+    names = list(results[0]["runs"])
+    columns = ["batch", "length"] + [f"{n} ms" for n in names] + [f"{n} ×t" for n in BASELINE]
+    has_memory = "MiB" in results[0]["runs"]["forward"]
+    if has_memory:
+        columns += [f"{n} MiB" for n in names] + [f"{n} ×m" for n in BASELINE]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for result in results:
+        runs = result["runs"]
+        cells = [str(result["batch"]), str(result["length"])]
+        cells += [f"{runs[n]['ms']:.1f}" for n in names] + [f"{runs[n]['× time']:.2f}" for n in BASELINE]
+        if has_memory:
+            cells += [f"{runs[n]['MiB']:.0f}" for n in names] + [f"{runs[n]['× memory']:.2f}" for n in BASELINE]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batch-length", type=int, default=256, help="length at which batch sizes are varied")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.memory_of:
+        runs = workloads(options.batches[0], options.lengths[0], "cpu")
+        print(peak_bytes(runs[options.memory_of], "cpu"))
+        return []
+    if options.device == "cpu":
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    device_name = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"scaling on {device_name}, torch {torch.__version__}\n")
+    settings = [(1, length) for length in options.lengths]
+    settings += [(batch, options.batch_length) for batch in options.batches if batch != 1]
+    results = []
+    for batch, length in settings:
+        runs = measure(batch, length, options.device, options.repeats, not options.no_memory)
+        results.append({"batch": batch, "length": length, "runs": runs})
+        print(f"batch {batch:3d} length {length:5d}: " + ", ".join(f"{n} {r['ms']:.1f} ms" for n, r in runs.items()), flush=True)
+    print()
+    print(table(results))
+    if options.json:
+        options.json.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
