@@ -297,6 +297,7 @@ class ForwardPass:
     capture: AttentionCapture  # attention per call, still in the autograd graph if tracked
     real: Tensor  # (B, T) bool, the explained (target) sequence
     source_real: Tensor | None  # (B, S) bool for encoder-decoders
+    _causal: bool | None = None
 
     @property
     def attn_probs(self) -> list[Tensor]:
@@ -312,8 +313,10 @@ class ForwardPass:
 
     def is_causal(self) -> bool:
         """Whether the explained sequence's self-attention never looks ahead (a decoder)."""
-        self_attention = [p for p, r in zip(self.attn_probs, self.roles) if r in ("self", "decoder")]
-        return bool(self_attention) and is_causal(self_attention[0].detach(), self.real)
+        if self._causal is None:
+            self_attention = [p for p, r in zip(self.attn_probs, self.roles) if r in ("self", "decoder")]
+            self._causal = bool(self_attention) and is_causal(self_attention[0].detach(), self.real)
+        return self._causal
 
     def explained_logits(self, queries: Tensor) -> Tensor:
         """``(B, C)``: classifier logits as they are, language-model logits at ``queries``."""

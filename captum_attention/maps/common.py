@@ -41,6 +41,8 @@ def mask_padding(maps: Tensor, real: Tensor, real_keys: Tensor | None = None) ->
     in cross-attention from target queries to source keys).
     """
     keys = real if real_keys is None else real_keys
+    if bool(real.all()) and bool(keys.all()):
+        return maps  # nothing to mask (saves a pass over every map for unpadded batches)
     pairs = real[:, :, None] & keys[:, None, :]
     pairs = pairs.view(real.shape[0], *([1] * (maps.dim() - 3)), *pairs.shape[1:])
     return maps.masked_fill(~pairs, 0.0)
@@ -81,8 +83,13 @@ def is_causal(attn: Tensor, real: Tensor) -> bool:
     """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
 
     A softmax is never exactly 0 unless the key was masked, so this tells a decoder's
-    causal self-attention from an encoder's bidirectional one.
+    causal self-attention from an encoder's bidirectional one. One head is enough (the
+    mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
     """
-    later = torch.ones(attn.shape[-2:], dtype=torch.bool, device=attn.device).triu(diagonal=1)
-    pairs = later & real[:, None, :, None] & real[:, None, None, :]
-    return attn.shape[-1] > 1 and bool(pairs.any()) and bool((attn.masked_fill(~pairs, 0) == 0).all())
+    if attn.shape[-1] < 2:
+        return False
+    later = attn[:, 0].triu(diagonal=1)
+    pairs = real[:, :, None] & real[:, None, :]
+    if not bool(pairs.triu(diagonal=1).any()):
+        return False
+    return not bool(later.masked_fill_(~pairs, 0).any())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import fuse_heads, identity_like, mask_padding, propagate_query_row
+from .common import fuse_heads, mask_padding, propagate_query_row
 
 
 def discard_lowest(fused: Tensor, fraction: float, real: Tensor, query_index: Tensor) -> Tensor:
@@ -38,8 +38,9 @@ def discard_lowest(fused: Tensor, fraction: float, real: Tensor, query_index: Te
 
 def add_residual(fused: Tensor) -> Tensor:
     """Â = 0.5·A + 0.5·I with rows renormalised to sum 1 (the residual connection)."""
-    with_residual = 0.5 * fused + 0.5 * identity_like(fused)
-    return with_residual / with_residual.sum(dim=-1, keepdim=True)
+    with_residual = fused * 0.5
+    with_residual.diagonal(dim1=-2, dim2=-1).add_(0.5)
+    return with_residual.div_(with_residual.sum(dim=-1, keepdim=True))
 
 
 def rollout_layer_maps(
