@@ -9,7 +9,9 @@ its wheel, and transformers' if the machine's is older than this package needs):
 Prints, for the benchmark BERT (6 layers, 384 wide, 12 heads) on 8 × 128 tokens:
 the largest CPU/CUDA difference of each method relative to its score scale (the target
 is 1e-5 in fp32), the bf16/fp32 difference on CUDA, and median CUDA time and peak
-memory against the model's own forward(+backward) with attentions.
+memory against the model's own forward(+backward) with attentions. Then the same
+CPU/CUDA agreement for the other families, on the tiny models of the test suite
+(GPT-2, Llama with grouped-query attention, T5, ViT, nn.MultiheadAttention).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
@@ -120,5 +123,46 @@ def main() -> None:
         print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak:.2f} |")
 
 
+def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
+    """Worst CPU/CUDA difference (relative to the score scale) over families and methods."""
+    from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
+    from plain_models import make_plain
+
+    prompts = make_prompts(side="left")
+    pair = (torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]), torch.tensor([[4, 5, 6], [7, 8, 0]]))
+    pair_masks = ((pair[0] != 0).long(), (pair[1] != 0).long())
+    cases = {
+        "gpt2": (lambda: make_decoder("gpt2"), prompts.input_ids, (prompts.attention_mask,)),
+        "llama (GQA)": (lambda: make_decoder("llama"), prompts.input_ids, (prompts.attention_mask,)),
+        "t5": (lambda: make_encoder_decoder("t5"), pair, pair_masks),
+        "vit": (lambda: make_vision("vit"), torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)), None),
+        "nn.MultiheadAttention": (lambda: make_plain("mha"), prompts.input_ids, (prompts.attention_mask,)),
+    }
+    print("\n| family | method | max |cuda-cpu| / scale |")
+    print("|---|---|---|")
+    worst = 0.0
+    for family, (build, inputs, args) in cases.items():
+        results = {}
+        for key, device in zip(("cpu", "cuda"), devices):
+            model = build().to(device)
+            moved = tuple(t.to(device) for t in inputs) if isinstance(inputs, tuple) else inputs.to(device)
+            moved_args = None if args is None else tuple(t.to(device) for t in args)
+            results[key] = {
+                name: cls(model).attribute(moved, additional_forward_args=moved_args)
+                for name, (cls, _) in METHODS.items()
+            }
+        for name in METHODS:
+            cpu_scores, gpu_scores = results["cpu"][name], results["cuda"][name]
+            pairs = zip(cpu_scores, gpu_scores) if isinstance(cpu_scores, tuple) else [(cpu_scores, gpu_scores)]
+            error = max(
+                (g.cpu() - c).abs().max().item() / max(c.abs().max().item(), 1e-30) for c, g in pairs
+            )
+            worst = max(worst, error)
+            print(f"| {family} | {name} | {error:.2e} |")
+    print(f"\nfamilies: CPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+    return worst
+
+
 if __name__ == "__main__":
     main()
+    family_agreement()

@@ -11,8 +11,8 @@ import torch
 import transformers as tf
 from torch import nn
 
-VOCAB = 64
-NUM_LABELS = 3
+from constants import NUM_LABELS, VOCAB
+
 FAMILIES = ("bert", "roberta", "distilbert", "electra", "albert")
 
 

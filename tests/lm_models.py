@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers as tf
-from conftest import VOCAB
+from constants import VOCAB
 from torch import nn
 
 DECODERS = ("gpt2", "llama", "qwen2")

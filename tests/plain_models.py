@@ -6,7 +6,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from conftest import NUM_LABELS, VOCAB
+from constants import NUM_LABELS, VOCAB
 from torch import nn
 
 DIM, HEADS, LAYERS = 32, 4, 2
