@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from typing import Callable
+
 import torch
 import transformers as tf
 
@@ -29,3 +34,35 @@ def benchmark_batch(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     lengths = torch.linspace(64, SEQ_LEN, BATCH).long()
     mask = (torch.arange(SEQ_LEN)[None, :] < lengths[:, None]).long()
     return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_growth(run: Callable[[], object]) -> int:
+    """Peak resident-set growth during one call of ``run`` (call it once before, warm).
+
+    Meaningful in a process started with ``MALLOC_MMAP_THRESHOLD_`` low, so that freed
+    tensors go back to the system and the resident set follows the live ones.
+    """
+    peak, done = [0], threading.Event()
+    start = _rss_bytes()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    run()
+    done.set()
+    sampler.join()
+    return max(peak[0], _rss_bytes()) - start
+
+
+# Large blocks are mmap-ed and returned to the system when freed, so the resident set of a
+# subprocess started with this environment follows the live tensors.
+MEASURING_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}

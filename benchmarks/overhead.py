@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable
 
@@ -32,7 +31,7 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
+from common import BATCH, MEASURING_ENV, SEQ_LEN, benchmark_batch, benchmark_model, peak_rss_growth  # noqa: E402
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
 
@@ -101,35 +100,15 @@ def median_seconds(runs: dict[str, Callable[[], object]], repeats: dict[str, int
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def peak_growth(name: str) -> int:
     """Peak RSS growth of one call of ``name`` in this process (run warm: once before)."""
     run = workloads()[name]
     run()
-    peak, done = [0], threading.Event()
-    start = _rss_bytes()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    run()
-    done.set()
-    sampler.join()
-    return max(peak[0], _rss_bytes()) - start
+    return peak_rss_growth(run)
 
 
 def peak_growth_in_subprocess(name: str) -> int:
-    # Large blocks are mmap-ed and returned to the system when freed, so the resident
-    # set follows the live tensors instead of glibc's cache of freed memory.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    env = {**os.environ, **MEASURING_ENV}
     out = subprocess.run(
         [sys.executable, __file__, "--memory-of", name], capture_output=True, text=True, check=True, env=env
     )

@@ -23,13 +23,15 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import transformers as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MEASURING_ENV, peak_rss_growth  # noqa: E402
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
@@ -97,11 +99,6 @@ def median_seconds(runs: dict[str, Callable[[], object]], repeats: int, device: 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def peak_bytes(run: Callable[[], object], device: str) -> int:
     """Peak memory growth of one warm call of ``run``."""
     run()
@@ -112,24 +109,11 @@ def peak_bytes(run: Callable[[], object], device: str) -> int:
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    peak, done = [0], threading.Event()
-    start = _rss_bytes()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    run()
-    done.set()
-    sampler.join()
-    return max(peak[0], _rss_bytes()) - start
+    return peak_rss_growth(run)
 
 
 def peak_in_subprocess(name: str, batch: int, seq_len: int) -> int:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    env = {**os.environ, **MEASURING_ENV}
     command = [sys.executable, __file__, "--memory-of", name, "--batches", str(batch), "--lengths", str(seq_len)]
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return int(out.stdout.strip().splitlines()[-1])

@@ -149,3 +149,13 @@ def test_decision_flip_fraction_on_a_decoder():
     assert result.removed.shape == (3,)
     fractions = result.fraction[result.flipped]
     assert ((fractions > 0) & (fractions <= 1)).all()
+
+
+def test_token_removal_metrics_ask_for_classifier_logits():
+    from captum_attention.metrics import comprehensiveness
+
+    model = make_decoder("gpt2")
+    prompts = make_prompts(side="right")
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    with pytest.raises(ValueError, match="logits of the explained position"):
+        comprehensiveness(forward, prompts.input_ids, prompts.attention_mask, torch.rand(prompts.real.shape))

@@ -73,7 +73,14 @@ class _Remover:
 
     def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():
-            return output_logits(self.forward_func(ids, mask)).float().softmax(dim=-1)
+            logits = output_logits(self.forward_func(ids, mask))
+        if logits.dim() != 2:
+            raise ValueError(
+                f"Token-removal metrics need logits (batch, classes), got {tuple(logits.shape)}: "
+                "for a language model, wrap it to return the logits of the explained position "
+                "(removing tokens moves the positions)."
+            )
+        return logits.float().softmax(dim=-1)
 
     @staticmethod
     def target_probs(probs: Tensor, targets: Tensor) -> Tensor:
