@@ -140,18 +140,21 @@ def measure(batch: int, seq_len: int, device: str, repeats: int, memory: bool) -
 
 
 def table(results: list[dict]) -> str:
-    names = list(results[0]["runs"])
-    columns = ["batch", "length"] + [f"{n} ms" for n in names] + [f"{n} ×t" for n in BASELINE]
+    """Markdown: the baselines' time (and memory), then each method as time ratio (/ memory ratio)."""
     has_memory = "MiB" in results[0]["runs"]["forward"]
-    if has_memory:
-        columns += [f"{n} MiB" for n in names] + [f"{n} ×m" for n in BASELINE]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    baselines = ["forward ms", "fwd+bwd ms"] + (["forward MiB", "fwd+bwd MiB"] if has_memory else [])
+    lines = [
+        "| batch | length | " + " | ".join(baselines) + " | " + " | ".join(BASELINE) + " |",
+        "|" + "---|" * (2 + len(baselines) + len(BASELINE)),
+    ]
     for result in results:
         runs = result["runs"]
-        cells = [str(result["batch"]), str(result["length"])]
-        cells += [f"{runs[n]['ms']:.1f}" for n in names] + [f"{runs[n]['× time']:.2f}" for n in BASELINE]
+        cells = [str(result["batch"]), str(result["length"]), f"{runs['forward']['ms']:.1f}", f"{runs['forward+backward']['ms']:.1f}"]
         if has_memory:
-            cells += [f"{runs[n]['MiB']:.0f}" for n in names] + [f"{runs[n]['× memory']:.2f}" for n in BASELINE]
+            cells += [f"{runs['forward']['MiB']:.0f}", f"{runs['forward+backward']['MiB']:.0f}"]
+        for name in BASELINE:
+            ratio = f"{runs[name]['× time']:.2f}×"
+            cells.append(ratio + (f" / {runs[name]['× memory']:.2f}×" if has_memory else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
