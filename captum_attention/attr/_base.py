@@ -214,8 +214,11 @@ class AttentionAttributionBase:
         run = forward_through_capture(
             self.forward_func, self.model, (sequence,), extra, self.adapter, reduction is not None
         )
-        if not run.is_causal():
-            raise ValueError("attribute_continuation needs a decoder (causal self-attention).")
+        if run.source_real is not None or not run.is_causal():
+            raise ValueError(
+                "attribute_continuation needs a decoder-only model (causal self-attention); for "
+                "an encoder-decoder, call attribute with query_index at each target position."
+            )
         if not bool(run.real[:, prompt_len - 1].all()):
             raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
         positions = torch.arange(prompt_len - 1, prompt_len - 1 + new_tokens, device=run.real.device)
