@@ -129,3 +129,26 @@ def test_naming_a_module_without_a_softmax_is_a_clear_error():
     adapter = ModuleAdapter([model.classifier], probs="softmax")
     with pytest.raises(RuntimeError, match="computed no softmax"):
         GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+
+
+def test_erasing_chosen_heads_of_a_module_with_one_softmax_per_head():
+    """heads= counts the heads of a layer across the per-head softmaxes of a textbook module."""
+    model = make_plain("textbook")
+    batch = make_batch(model)
+    erased = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+    erased[:, 0] = True
+    adapter = adapter_for(model)
+    block = model.blocks[0]
+    seen = []
+    hook = block.heads[2].register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        changed = attention_erasure(model, batch.input_ids, erased, (batch.attention_mask,), layers=0, heads=[2], adapter=adapter)
+    finally:
+        hook.remove()
+    assert (changed.js_divergence > 0).all()
+    # Head 2's output with key 0 erased, recomputed by hand from its own weights.
+    x = model.embed(batch.input_ids) + model.position[: batch.input_ids.shape[1]]
+    head = block.heads[2]
+    scores = head.query(x) @ head.key(x).transpose(-2, -1) / head.key.out_features**0.5
+    weights = scores.masked_fill((batch.attention_mask[:, None, :] == 0) | erased[:, None, :], float("-inf")).softmax(-1)
+    torch.testing.assert_close(seen[-1], weights @ head.value(x), atol=1e-5, rtol=1e-5)

@@ -41,11 +41,13 @@ class AttentionCapture:
             touched). Default: False.
         input_shape (tuple of int, optional): ``(batch, seq_len)`` of the inputs; the
             captured mask must have this shape. Default: None (not checked).
-        intervention (callable, optional): ``intervention(call_index, attn_probs)`` returns
-            the ``(batch, heads, queries, keys)`` probabilities to use instead, before they
-            weight the values; it replaces the output of the softmax inside each attention
-            call (call_index counts attention calls from 0 in forward order). The recorded
-            ``attn_probs`` are the replaced ones. Default: None.
+        intervention (callable, optional): ``intervention(call_index, attn_probs,
+            first_head)`` returns the ``(batch, heads, queries, keys)`` probabilities to use
+            instead, before they weight the values; it replaces the output of the softmax
+            inside each attention call (call_index counts attention calls from 0 in forward
+            order; first_head is the layer's index of the first head in ``attn_probs``, 0
+            unless the module computes one softmax per head). The recorded ``attn_probs``
+            are the replaced ones. Default: None.
 
     Example::
 
@@ -61,7 +63,7 @@ class AttentionCapture:
         *,
         track_grad: bool = False,
         input_shape: tuple[int, int] | None = None,
-        intervention: Callable[[int, Tensor], Tensor] | None = None,
+        intervention: Callable[[int, Tensor, int], Tensor] | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else default_adapter(model)
@@ -203,7 +205,8 @@ class AttentionCapture:
         used = softmax_output
         if self.intervention is not None:
             heads = self.adapter.as_heads(call.module, softmax_output)
-            used = self.intervention(call.index, heads).reshape(softmax_output.shape)
+            first_head = sum(self.adapter.as_heads(call.module, p).shape[1] for p in call.pieces)
+            used = self.intervention(call.index, heads, first_head).reshape(softmax_output.shape)
         if self.adapter.probs_source == "softmax":
             call.pieces.append(used)
         return used

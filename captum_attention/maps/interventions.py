@@ -12,11 +12,21 @@ import torch
 from torch import Tensor
 
 
-def on_heads(attn: Tensor, heads: Sequence[int] | None, change: Callable[[Tensor], Tensor]) -> Tensor:
-    """Apply ``change`` to the chosen heads only (all heads when ``heads`` is None)."""
+def on_heads(
+    attn: Tensor, heads: Sequence[int] | None, change: Callable[[Tensor], Tensor], first_head: int = 0
+) -> Tensor:
+    """Apply ``change`` to the chosen heads only (all heads when ``heads`` is None).
+
+    ``attn`` holds heads ``first_head .. first_head + H - 1`` of its layer (a module that
+    computes one softmax per head hands them over one at a time); chosen heads outside that
+    range are left to the other calls.
+    """
     if heads is None:
         return change(attn)
-    chosen = torch.as_tensor(list(heads), device=attn.device)
+    local = [h - first_head for h in heads if first_head <= h < first_head + attn.shape[1]]
+    if not local:
+        return attn
+    chosen = torch.as_tensor(local, device=attn.device)
     changed = attn.clone()
     changed[:, chosen] = change(attn[:, chosen])
     return changed

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..attr._base import format_inputs, forward_through_capture
 from ..capture import AttentionAdapter
 
-Intervention = Callable[[int, Tensor], Tensor]
+Intervention = Callable[[int, Tensor, int], Tensor]
 
 
 @dataclass

@@ -47,11 +47,11 @@ class FlipResult:
 
 
 def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None) -> Intervention:
-    def intervene(call_index: int, attn_probs: Tensor) -> Tensor:
+    def intervene(call_index: int, attn_probs: Tensor, first_head: int) -> Tensor:
         if call_index not in layers:
             return attn_probs
         mask = erased.to(attn_probs.device)
-        return on_heads(attn_probs, heads, lambda attn: erase_keys(attn, mask))
+        return on_heads(attn_probs, heads, lambda attn: erase_keys(attn, mask), first_head)
 
     return intervene
 

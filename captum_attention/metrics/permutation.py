@@ -31,11 +31,11 @@ class PermutationResult:
 
 
 def _permuting(real: Tensor, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
-    def intervene(call_index: int, attn_probs: Tensor) -> Tensor:
+    def intervene(call_index: int, attn_probs: Tensor, first_head: int) -> Tensor:
         if call_index not in layers:
             return attn_probs
         mask = real.to(attn_probs.device)
-        return on_heads(attn_probs, heads, lambda attn: permute_rows(attn, mask, generator))
+        return on_heads(attn_probs, heads, lambda attn: permute_rows(attn, mask, generator), first_head)
 
     return intervene
 
