@@ -152,3 +152,18 @@ def test_erasing_chosen_heads_of_a_module_with_one_softmax_per_head():
     scores = head.query(x) @ head.key(x).transpose(-2, -1) / head.key.out_features**0.5
     weights = scores.masked_fill((batch.attention_mask[:, None, :] == 0) | erased[:, None, :], float("-inf")).softmax(-1)
     torch.testing.assert_close(seen[-1], weights @ head.value(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_call_leaves_multihead_attention_as_found():
+    model = make_plain("mha")
+    batch = make_batch(model)
+    before = model_state(model)
+
+    def failing(ids, mask):
+        model(ids, mask)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        GradSAM(failing, model=model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert_same_state(before, model_state(model))
+    assert model(batch.input_ids, batch.attention_mask).shape == (3, 3)  # still callable as before
