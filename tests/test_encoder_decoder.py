@@ -191,3 +191,34 @@ def test_model_left_as_found_and_single_input_refused(name):
             additional_forward_args=(SOURCE_MASK, pair.target),
         )
     assert_same_state(before, model_state(model))
+
+
+def test_erasing_every_source_key_but_the_first_is_the_first_source_token_alone(name):
+    """Erasure acts on the source keys of encoder self-attention and cross-attention."""
+    from captum_attention.metrics import attention_erasure
+
+    model = make_encoder_decoder(name)
+    pair = make_pair()
+    erased = torch.ones_like(SOURCE_MASK, dtype=torch.bool)
+    erased[:, 0] = False
+    result = attention_erasure(model, (pair.source, pair.target), erased, pair.args)
+    queries = TARGET_MASK.sum(1) - 1
+    with torch.no_grad():
+        alone = model(
+            input_ids=pair.source[:, :1], decoder_input_ids=pair.target, decoder_attention_mask=TARGET_MASK
+        ).logits[torch.arange(2), queries].softmax(-1)
+    torch.testing.assert_close(result.erased, alone, atol=1e-6, rtol=1e-5)
+    assert (result.js_divergence > 0).all()
+
+
+def test_decision_flip_and_permutation_on_source_tokens(name):
+    from captum_attention.metrics import attention_permutation, decision_flip_fraction
+
+    model = make_encoder_decoder(name)
+    pair = make_pair()
+    source, _ = TransformerAttribution(model).attribute((pair.source, pair.target), additional_forward_args=pair.args)
+    flips = decision_flip_fraction(model, (pair.source, pair.target), source, pair.args)
+    assert flips.removed.shape == (2,)
+    assert ((flips.fraction[flips.flipped] > 0) & (flips.fraction[flips.flipped] <= 1)).all()
+    permuted = attention_permutation(model, (pair.source, pair.target), pair.args, n_permutations=3)
+    assert (permuted.median_tvd > 0).all()

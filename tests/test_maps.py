@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from captum_attention.maps import (
+    erase_keys,
     add_residual,
     discard_lowest,
     fuse_heads,
@@ -133,3 +134,16 @@ def test_grad_sam_by_hand():
     maps = grad_sam_layer_maps([grad_sam_head_mean(attn, grad)], real)
     # rows of A ⊙ ReLU(G): [0.5, 0], [0.5, 2]; sums 0.5 and 2.5; / (L·M·N = 2)
     torch.testing.assert_close(grad_sam_scores(maps, [1], real), torch.tensor([[0.25, 1.25]]))
+
+
+def test_erasing_keys_from_scores_equals_renormalising_and_survives_underflow():
+    scores = torch.tensor([[[[0.0, 1.0, 2.0], [3.0, 0.5, -1.0], [0.0, 0.0, 0.0]]]])
+    probs = scores.softmax(-1)
+    erased = torch.tensor([[False, True, False]])
+    torch.testing.assert_close(erase_keys(probs, erased, scores), erase_keys(probs, erased))
+    # A peaked row: key 0 gets exp(-200) of the mass, which underflows in float32.
+    peaked = torch.tensor([[[[-200.0, 0.0, -300.0]]]])
+    survivors = erase_keys(peaked.softmax(-1), torch.tensor([[False, True, False]]), peaked)
+    torch.testing.assert_close(survivors, torch.tensor([[[[1.0, 0.0, 0.0]]]]))
+    everything = erase_keys(peaked.softmax(-1), torch.ones(1, 3, dtype=torch.bool), peaked)
+    assert (everything == 0).all()

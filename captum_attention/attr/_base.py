@@ -335,7 +335,7 @@ def forward_through_capture(
     additional_forward_args: Any,
     adapter: AttentionAdapter | None = None,
     track_grad: bool = False,
-    intervention: Callable[[int, Tensor, int], Tensor] | None = None,
+    intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
 ) -> ForwardPass:
     """Run ``forward_func`` once with ``model``'s attention captured (and intervened on)."""
     batch = inputs[0].shape[0]

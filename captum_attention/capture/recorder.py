@@ -42,12 +42,14 @@ class AttentionCapture:
         input_shape (tuple of int, optional): ``(batch, seq_len)`` of the inputs; the
             captured mask must have this shape. Default: None (not checked).
         intervention (callable, optional): ``intervention(call_index, attn_probs,
-            first_head)`` returns the ``(batch, heads, queries, keys)`` probabilities to use
-            instead, before they weight the values; it replaces the output of the softmax
-            inside each attention call (call_index counts attention calls from 0 in forward
-            order; first_head is the layer's index of the first head in ``attn_probs``, 0
-            unless the module computes one softmax per head). The recorded ``attn_probs``
-            are the replaced ones. Default: None.
+            first_head, attn_scores)`` returns the ``(batch, heads, queries, keys)``
+            probabilities to use instead, before they weight the values; it replaces the
+            output of the softmax inside each attention call. ``call_index`` counts
+            attention calls from 0 in forward order; ``first_head`` is the layer's index of
+            the first head in ``attn_probs`` (0 unless the module computes one softmax per
+            head); ``attn_scores`` are the softmax's input (the masked, scaled logits), or
+            None where the softmax was called unusually. The recorded ``attn_probs`` are
+            the replaced ones. Default: None.
 
     Example::
 
@@ -63,7 +65,7 @@ class AttentionCapture:
         *,
         track_grad: bool = False,
         input_shape: tuple[int, int] | None = None,
-        intervention: Callable[[int, Tensor, int], Tensor] | None = None,
+        intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else default_adapter(model)
@@ -194,7 +196,7 @@ class AttentionCapture:
             return args[:key] + (hidden,) + args[key + 1 :], kwargs
         return args, {**kwargs, key: hidden}
 
-    def _on_softmax(self, softmax_output: Tensor) -> Tensor:
+    def _on_softmax(self, softmax_output: Tensor, softmax_input: Any = None) -> Tensor:
         """Called by the softmax interception for every softmax computed in the forward."""
         if not self._open:
             return softmax_output
@@ -205,8 +207,12 @@ class AttentionCapture:
         used = softmax_output
         if self.intervention is not None:
             heads = self.adapter.as_heads(call.module, softmax_output)
+            scores = None
+            if isinstance(softmax_input, Tensor) and softmax_input.shape == softmax_output.shape:
+                scores = self.adapter.as_heads(call.module, softmax_input)
             first_head = sum(self.adapter.as_heads(call.module, p).shape[1] for p in call.pieces)
-            used = self.intervention(call.index, heads, first_head).reshape(softmax_output.shape)
+            changed = self.intervention(call.index, heads, first_head, scores)
+            used = changed.to(softmax_output.dtype).reshape(softmax_output.shape)
         if self.adapter.probs_source == "softmax":
             call.pieces.append(used)
         return used
@@ -311,7 +317,9 @@ class _SoftmaxInterception(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             return self._mha_forward(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
-        return self.capture._on_softmax(result) if func in _SOFTMAXES else result
+        if func not in _SOFTMAXES:
+            return result
+        return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
 
 
 def _with_visible_softmax(function: Callable[..., Any], capture: AttentionCapture) -> Callable[..., Any]:
@@ -324,7 +332,7 @@ def _with_visible_softmax(function: Callable[..., Any], capture: AttentionCaptur
         )
 
     def softmax(*args: Any, **kwargs: Any) -> Tensor:
-        return capture._on_softmax(F.softmax(*args, **kwargs))
+        return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
 
     def has_torch_function(*args: Any) -> bool:
         return False  # already dispatched to the interception: run the body

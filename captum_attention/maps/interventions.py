@@ -12,39 +12,47 @@ import torch
 from torch import Tensor
 
 
-def on_heads(
-    attn: Tensor, heads: Sequence[int] | None, change: Callable[[Tensor], Tensor], first_head: int = 0
-) -> Tensor:
-    """Apply ``change`` to the chosen heads only (all heads when ``heads`` is None).
+def on_heads(attn: Tensor, changed: Tensor, heads: Sequence[int] | None, first_head: int = 0) -> Tensor:
+    """``changed`` on the chosen heads, ``attn`` on the others (all heads when ``heads`` is None).
 
-    ``attn`` holds heads ``first_head .. first_head + H - 1`` of its layer (a module that
+    Both hold heads ``first_head .. first_head + H - 1`` of their layer (a module that
     computes one softmax per head hands them over one at a time); chosen heads outside that
-    range are left to the other calls.
+    range belong to other calls.
     """
     if heads is None:
-        return change(attn)
+        return changed
     local = [h - first_head for h in heads if first_head <= h < first_head + attn.shape[1]]
     if not local:
         return attn
-    chosen = torch.as_tensor(local, device=attn.device)
-    changed = attn.clone()
-    changed[:, chosen] = change(attn[:, chosen])
-    return changed
+    chosen = torch.zeros(attn.shape[1], dtype=torch.bool, device=attn.device)
+    chosen[local] = True
+    return torch.where(chosen[None, :, None, None], changed, attn)
 
 
-def erase_keys(attn: Tensor, erased: Tensor) -> Tensor:
+def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Tensor:
     """Zero the attention every query pays to the ``erased`` keys, then renormalise rows.
 
-    Serrano & Smith, "Is Attention Interpretable?", ACL 2019.
+    Serrano & Smith, "Is Attention Interpretable?", ACL 2019. With the softmax's input
+    ``scores`` the result is the softmax over the remaining keys' scores, which equals the
+    renormalised probabilities and stays exact where the kept keys' probabilities
+    underflowed (a peaked attention that put ~all its mass on erased keys).
 
     Args:
         attn: ``(B, H, T, T)`` probabilities.
         erased: ``(B, T)`` bool, True for the key positions to erase.
+        scores: ``(B, H, T, T)`` pre-softmax scores, optional.
 
     Returns:
         ``(B, H, T, T)`` probabilities; a row whose every key was erased stays zero.
     """
-    kept = attn.masked_fill(erased[:, None, None, :], 0.0)
+    keys = erased[:, None, None, :]
+    if scores is not None:
+        # Keys the model masked itself (scores at the dtype's minimum, as transformers
+        # masks) stay out, as they do when renormalising probabilities.
+        masked_by_model = scores <= torch.finfo(scores.dtype).min / 2
+        logits = scores.float().masked_fill(keys | masked_by_model, float("-inf"))
+        return torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).to(attn.dtype)
+    kept = attn.masked_fill(keys, 0.0)
     total = kept.sum(dim=-1, keepdim=True)
     return kept / total.clamp(min=torch.finfo(kept.dtype).tiny)
 
@@ -56,17 +64,17 @@ def permute_rows(attn: Tensor, real: Tensor, generator: torch.Generator | None =
     head gets its own random permutation of the real key positions.
 
     Args:
-        attn: ``(B, H, T, T)`` probabilities.
-        real: ``(B, T)`` bool, True for real (non-padding) tokens.
+        attn: ``(B, H, Q, K)`` probabilities.
+        real: ``(B, K)`` bool, True for real (non-padding) keys.
         generator: random generator (on the CPU) for reproducible permutations.
 
     Returns:
         ``(B, H, T, T)`` probabilities with each row's real entries permuted.
     """
-    batch, heads, seq_len, _ = attn.shape
+    batch, _, _, num_keys = attn.shape
     draws = torch.rand(attn.shape, generator=generator).to(attn.device)
     padded_last = (~real)[:, None, None, :].expand_as(attn)
     shuffled_keys = draws.masked_fill(padded_last, 2.0).argsort(dim=-1)
-    positions = torch.arange(seq_len, device=attn.device).expand(batch, seq_len)
-    real_keys = positions.masked_fill(~real, seq_len).argsort(dim=-1)[:, None, None, :].expand_as(attn)
+    positions = torch.arange(num_keys, device=attn.device).expand(batch, num_keys)
+    real_keys = positions.masked_fill(~real, num_keys).argsort(dim=-1)[:, None, None, :].expand_as(attn)
     return torch.zeros_like(attn).scatter_(-1, real_keys, attn.gather(-1, shuffled_keys))

@@ -12,17 +12,34 @@ from torch import Tensor, nn
 from ..attr._base import format_inputs, forward_through_capture
 from ..capture import AttentionAdapter
 
-Intervention = Callable[[int, Tensor, int], Tensor]
+Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
 
 
 @dataclass
 class ModelRun:
-    """Output probabilities of one forward, with the attention and padding it saw."""
+    """Output probabilities of one forward, with the attention and padding it saw.
+
+    The metrics' per-token inputs (erased keys, rankings) refer to the model's tokens, or
+    for an encoder-decoder to its source tokens; ``real`` marks the real ones.
+    """
 
     probs: Tensor  # (B, C) softmax of the logits (a language model's at the query)
-    attn_probs: list[Tensor]  # per attention call, (B, H, T, T)
-    real: Tensor  # (B, T) bool
+    attn_probs: list[Tensor]  # per attention call, (B, H, Q, K)
+    roles: list[str]  # per attention call
+    real: Tensor  # (B, T) bool, real tokens (source tokens of an encoder-decoder)
+    target_real: Tensor  # (B, T') bool, real tokens of the explained sequence
     queries: Tensor  # (B,) the explained position: [CLS], or a decoder's last real token
+
+    def keys_are_tokens(self, call: int) -> bool:
+        """Whether the call's keys are the tokens ``real`` marks (not a decoder's own)."""
+        return self.roles[call] != "decoder"
+
+    def key_real(self, call: int) -> Tensor:
+        return self.real if self.keys_are_tokens(call) else self.target_real
+
+    def queries_are_explained(self, call: int) -> bool:
+        """Whether the call's query rows are the explained sequence's (self or cross)."""
+        return self.roles[call] in ("self", "cross")
 
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
@@ -36,7 +53,7 @@ def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> 
 def run_model(
     forward_func: Callable[..., Any],
     model: nn.Module,
-    inputs: Tensor,
+    inputs: Tensor | tuple[Tensor, ...],
     additional_forward_args: Any = None,
     intervention: Intervention | None = None,
     adapter: AttentionAdapter | None = None,
@@ -46,25 +63,28 @@ def run_model(
     run = forward_through_capture(
         forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention
     )
-    if run.source_real is not None:
-        raise NotImplementedError(
-            "The attention metrics intervene on one self-attention stack (encoders, "
-            "decoders, ViTs); encoder-decoders are not supported yet."
-        )
     queries = run.query_positions(None)
-    return ModelRun(run.explained_logits(queries).float().softmax(dim=-1), run.attn_probs, run.real, queries)
+    probs = run.explained_logits(queries).float().softmax(dim=-1)
+    tokens = run.real if run.source_real is None else run.source_real
+    return ModelRun(probs, run.attn_probs, run.roles, tokens, run.real, queries)
 
 
-def select_rows(inputs: Tensor, additional_forward_args: Any, rows: Tensor) -> tuple[Tensor, Any]:
+def select_rows(
+    inputs: Tensor | tuple[Tensor, ...], additional_forward_args: Any, rows: Tensor
+) -> tuple[Tensor | tuple[Tensor, ...], Any]:
     """The examples ``rows`` (with repeats) of the inputs and of every batch-shaped extra argument."""
-    batch = inputs.shape[0]
+    tensors = inputs if isinstance(inputs, tuple) else (inputs,)
+    batch = tensors[0].shape[0]
+
+    def pick(arg: Any) -> Any:
+        if isinstance(arg, Tensor) and arg.dim() > 0 and arg.shape[0] == batch:
+            return arg.index_select(0, rows.to(arg.device))
+        return arg
+
     extra = _format_additional_forward_args(additional_forward_args)
-    if extra is not None:
-        extra = tuple(
-            arg.index_select(0, rows.to(arg.device)) if isinstance(arg, Tensor) and arg.dim() > 0 and arg.shape[0] == batch else arg
-            for arg in extra
-        )
-    return inputs.index_select(0, rows.to(inputs.device)), extra
+    extra = None if extra is None else tuple(pick(arg) for arg in extra)
+    picked = tuple(pick(t) for t in tensors)
+    return (picked if isinstance(inputs, tuple) else picked[0]), extra
 
 
 def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import erase_keys, on_heads
-from ._forward import Intervention, js_divergence, layer_set, resolve_model, run_model, select_rows
+from ._forward import Intervention, ModelRun, js_divergence, layer_set, resolve_model, run_model, select_rows
 
 
 @dataclass
@@ -46,12 +46,15 @@ class FlipResult:
     flipped: Tensor
 
 
-def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None) -> Intervention:
-    def intervene(call_index: int, attn_probs: Tensor, first_head: int) -> Tensor:
-        if call_index not in layers:
+def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None, run: ModelRun) -> Intervention:
+    """Erase the keys ``erased`` at the chosen calls whose keys are the tokens (for an
+    encoder-decoder: the source tokens, in encoder self-attention and cross-attention)."""
+
+    def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
+        if call_index not in layers or not run.keys_are_tokens(call_index):
             return attn_probs
-        mask = erased.to(attn_probs.device)
-        return on_heads(attn_probs, heads, lambda attn: erase_keys(attn, mask), first_head)
+        changed = erase_keys(attn_probs, erased.to(attn_probs.device), scores)
+        return on_heads(attn_probs, changed, heads, first_head)
 
     return intervene
 
@@ -108,7 +111,7 @@ def attention_erasure(
     _check_keys(erased_keys, original.real, "erased_keys")
     chosen = layer_set(layers, len(original.attn_probs))
     erased = run_model(
-        forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads), adapter
+        forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads, original), adapter
     ).probs
     return ErasureResult(
         js_divergence=js_divergence(original.probs, erased),
@@ -184,7 +187,7 @@ def decision_flip_fraction(
         chunk = slice(start, start + max_batch_size)
         erased = ranks[rows[chunk]] < prefix[chunk, None]
         chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows[chunk])
-        intervention = _erasing(erased, chosen, heads)
+        intervention = _erasing(erased, chosen, heads, original)
         probs = run_model(forward_func, model, chunk_inputs, chunk_args, intervention, adapter).probs
         flips[chunk] = probs.argmax(dim=-1).cpu() != decision[rows[chunk]]
 
@@ -197,8 +200,9 @@ def decision_flip_fraction(
     fraction = torch.where(flipped, removed / original.real.sum(1).cpu(), torch.nan)
     queries = original.queries if query_index is None else torch.full_like(original.queries, query_index)
     batch_index = torch.arange(len(queries), device=queries.device)
+    queried = [layer for layer in sorted(chosen) if original.queries_are_explained(layer)]
     query_attention = torch.stack(
-        [original.attn_probs[layer].mean(dim=1)[batch_index, queries] for layer in sorted(chosen)]
+        [original.attn_probs[layer].mean(dim=1)[batch_index, queries] for layer in queried]
     ).mean(dim=0).cpu()
     mass = (query_attention * (ranks < removed[:, None])).sum(dim=1)
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import on_heads, permute_rows
-from ._forward import Intervention, js_divergence, layer_set, resolve_model, run_model
+from ._forward import Intervention, ModelRun, js_divergence, layer_set, resolve_model, run_model
 
 
 @dataclass
@@ -30,12 +30,12 @@ class PermutationResult:
     flip_rate: Tensor
 
 
-def _permuting(real: Tensor, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
-    def intervene(call_index: int, attn_probs: Tensor, first_head: int) -> Tensor:
+def _permuting(run: ModelRun, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
+    def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
         if call_index not in layers:
             return attn_probs
-        mask = real.to(attn_probs.device)
-        return on_heads(attn_probs, heads, lambda attn: permute_rows(attn, mask, generator), first_head)
+        changed = permute_rows(attn_probs, run.key_real(call_index).to(attn_probs.device), generator)
+        return on_heads(attn_probs, changed, heads, first_head)
 
     return intervene
 
@@ -81,7 +81,7 @@ def attention_permutation(
         [
             run_model(
                 forward_func, model, inputs, additional_forward_args,
-                _permuting(original.real, chosen, heads, generator), adapter,
+                _permuting(original, chosen, heads, generator), adapter,
             ).probs
             for _ in range(n_permutations)
         ]
@@ -129,7 +129,7 @@ def permutation_accuracy(
         for setting in settings:
             chosen = layer_set(setting, len(original.attn_probs))
             name = "all layers" if setting is None else f"layer {setting}"
-            intervention = _permuting(original.real, chosen, None, generator)
+            intervention = _permuting(original, chosen, None, generator)
             outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter).probs
         for name, probs in outcomes.items():
             hits = (probs.argmax(dim=-1).cpu() == labels.cpu()).sum().item()
