@@ -1,6 +1,6 @@
 """Attributions layer: the public Captum classes."""
 
-from ._base import upsample_to_image
+from ._images import upsample_to_image
 from .attention_rollout import AttentionRollout
 from .grad_sam import GradSAM
 from .raw_attention import RawAttention

@@ -13,12 +13,12 @@ from captum._utils.common import (
     _format_tensor_into_tuples,
     _run_forward,
 )
-from captum.attr import LayerAttribution
 from captum._utils.typing import TargetType
 from torch import Tensor, nn
 
 from ..capture import AttentionAdapter, AttentionCapture
 from ..maps import is_causal, patch_grid, query_rows, real_tokens
+from ._images import grid_shape
 
 Scores = Tensor | tuple[Tensor, ...]
 
@@ -168,7 +168,7 @@ class AttentionAttributionBase:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
         token_scores, maps = self._scores(captured, **options)
         if tensors[0].dim() == 4:
-            token_scores = patch_grid(token_scores, _grid_shape(self.model, tensors[0]))
+            token_scores = patch_grid(token_scores, grid_shape(self.model, tensors[0]))
         return format_scores(is_tuple, token_scores, maps, return_maps)
 
     def attribute_continuation(
@@ -255,38 +255,6 @@ def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_to
         else arg
         for arg in extra
     )
-
-
-def _grid_shape(model: nn.Module, images: Tensor) -> tuple[int, int]:
-    """``(rows, columns)`` of patches for ``images`` ``(B, C, H, W)``, from the config's patch size."""
-    patch = getattr(getattr(model, "config", None), "patch_size", None)
-    if patch is None:
-        raise ValueError(
-            f"Cannot place the tokens of {type(model).__name__} on a patch grid: its config "
-            "has no patch_size. Pass token inputs, or a vision transformer (ViT, DeiT)."
-        )
-    rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
-    return images.shape[-2] // rows, images.shape[-1] // columns
-
-
-def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear") -> Tensor:
-    """Patch-grid scores ``(B, rows, columns)`` upsampled to the image size.
-
-    Uses Captum's ``LayerAttribution.interpolate``. The result is channel-last,
-    ``(B, H, W, 1)``, so that ``visualize_image_attr(upsampled[i].numpy(), image_hwc)``
-    takes one example directly.
-
-    Args:
-        grid_scores (Tensor): ``(batch, rows, columns)`` scores, e.g. from ``attribute``
-            on images.
-        images (Tensor): the ``(batch, channels, height, width)`` images explained.
-        mode (str, optional): interpolation mode. Default: ``"bilinear"``.
-
-    Returns:
-        Tensor ``(batch, height, width, 1)``.
-    """
-    upsampled = LayerAttribution.interpolate(grid_scores[:, None], tuple(images.shape[-2:]), mode)
-    return upsampled.permute(0, 2, 3, 1)
 
 
 QueryIndex = int | Sequence[int] | Tensor | None
