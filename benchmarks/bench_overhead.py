@@ -20,16 +20,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
+from common import BASELINE, RUN_NAMES  # noqa: E402
 
 SMOKE = os.environ.get("CAPTUM_ATTENTION_BENCH_SMOKE") == "1"
-TARGET = 1
 
 
 @pytest.fixture(scope="module")
-def setup() -> tuple:
+def setup() -> tuple[dict[str, Callable[[], object]], torch.Size]:
     import transformers as tf
-    from common import benchmark_batch, benchmark_model
+    from common import attention_runs, benchmark_batch, benchmark_model
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if SMOKE:
@@ -42,40 +41,13 @@ def setup() -> tuple:
     else:
         model = benchmark_model()
         ids, mask = benchmark_batch()
-    eager = type(model)(model.config).eval()
-    eager.load_state_dict(model.state_dict())
-    eager.set_attn_implementation("eager")
-    return model, eager, ids, mask
+    return attention_runs(model, ids, mask), ids.shape
 
 
-RUNS: dict[str, Callable[[tuple], object]] = {
-    "forward with attentions": lambda s: _forward(s),
-    "forward+backward with attentions": lambda s: _forward_backward(s),
-    "RawAttention": lambda s: RawAttention(s[0]).attribute(s[2], additional_forward_args=(s[3],)),
-    "AttentionRollout": lambda s: AttentionRollout(s[0]).attribute(s[2], additional_forward_args=(s[3],)),
-    "GradSAM": lambda s: GradSAM(s[0]).attribute(s[2], target=TARGET, additional_forward_args=(s[3],)),
-    "TransformerAttribution": lambda s: TransformerAttribution(s[0]).attribute(
-        s[2], target=TARGET, additional_forward_args=(s[3],)
-    ),
-}
-
-
-def _forward(setup: tuple) -> object:
-    _, eager, ids, mask = setup
-    with torch.no_grad():
-        return eager(ids, attention_mask=mask, output_attentions=True).logits
-
-
-def _forward_backward(setup: tuple) -> None:
-    _, eager, ids, mask = setup
-    out = eager(ids, attention_mask=mask, output_attentions=True)
-    out.logits[:, TARGET].sum().backward()
-    eager.zero_grad(set_to_none=True)
-
-
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", RUN_NAMES)
 def test_overhead(benchmark, setup, name):  # type: ignore[no-untyped-def]
+    runs, input_shape = setup
     benchmark.group = "captum-attention overhead"
-    result = benchmark(RUNS[name], setup)
-    if name in ("RawAttention", "AttentionRollout", "GradSAM", "TransformerAttribution"):
-        assert result.shape == setup[2].shape
+    result = benchmark(runs[name])
+    if name in BASELINE:
+        assert result.shape == input_shape

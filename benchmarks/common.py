@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import statistics
 import threading
 import time
 from typing import Callable
 
 import torch
 import transformers as tf
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
 BATCH, SEQ_LEN = 8, 128
 
@@ -66,3 +70,62 @@ def peak_rss_growth(run: Callable[[], object]) -> int:
 # Large blocks are mmap-ed and returned to the system when freed, so the resident set of a
 # subprocess started with this environment follows the live tensors.
 MEASURING_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+FORWARD = "forward with attentions"
+FORWARD_BACKWARD = "forward+backward with attentions"
+# Each method against the model's own pass it extends: a forward, or a forward+backward.
+BASELINE = {
+    "RawAttention": FORWARD,
+    "AttentionRollout": FORWARD,
+    "GradSAM": FORWARD_BACKWARD,
+    "TransformerAttribution": FORWARD_BACKWARD,
+}
+RUN_NAMES = [FORWARD, FORWARD_BACKWARD, *BASELINE]
+TARGET = 1
+
+
+def attention_runs(model: tf.PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Zero-argument calls, by ``RUN_NAMES``: the model's own eager forward and
+    forward+backward with attentions (on an eager copy), and each of our methods."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    args = dict(additional_forward_args=(mask,))
+
+    def forward() -> object:
+        with torch.no_grad():
+            return eager(ids, attention_mask=mask, output_attentions=True).logits
+
+    def forward_backward() -> None:
+        out = eager(ids, attention_mask=mask, output_attentions=True)
+        out.logits[:, TARGET].sum().backward()
+        eager.zero_grad(set_to_none=True)
+
+    return {
+        FORWARD: forward,
+        FORWARD_BACKWARD: forward_backward,
+        "RawAttention": lambda: RawAttention(model).attribute(ids, **args),
+        "AttentionRollout": lambda: AttentionRollout(model).attribute(ids, **args),
+        "GradSAM": lambda: GradSAM(model).attribute(ids, target=TARGET, **args),
+        "TransformerAttribution": lambda: TransformerAttribution(model).attribute(ids, target=TARGET, **args),
+    }
+
+
+def median_seconds(
+    runs: dict[str, Callable[[], object]], repeats: int | dict[str, int], sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Median wall time of each run after a warm-up; rounds interleave the runs so that
+    drift hits all alike. ``sync`` waits for the device (``torch.cuda.synchronize``)."""
+    counts = repeats if isinstance(repeats, dict) else {name: repeats for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for round_index in range(max(counts.values())):
+        for name, run in runs.items():
+            if round_index < counts[name]:
+                sync()
+                start = time.perf_counter()
+                run()
+                sync()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}

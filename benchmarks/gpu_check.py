@@ -24,7 +24,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from common import BATCH, SEQ_LEN, benchmark_batch, benchmark_model  # noqa: E402
+from common import (  # noqa: E402
+    BASELINE,
+    BATCH,
+    FORWARD,
+    FORWARD_BACKWARD,
+    SEQ_LEN,
+    attention_runs,
+    benchmark_batch,
+    benchmark_model,
+)
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
 from captum_attention.metrics import attention_erasure, comprehensiveness, random_ranking  # noqa: E402
@@ -95,31 +104,14 @@ def main() -> None:
     for name, cpu_value, gpu_value in zip(("attention_erasure JS", "comprehensiveness"), metric_gaps["cpu"], metric_gaps["cuda"]):
         print(f"{name}: max |cuda-cpu| = {(gpu_value - cpu_value).abs().max().item():.2e}")
 
-    model = benchmark_model("cuda")
-    eager = benchmark_model("cuda")
-    eager.set_attn_implementation("eager")
     ids, mask = benchmark_batch("cuda")
-
-    def forward_with_attentions() -> None:
-        with torch.no_grad():
-            eager(ids, attention_mask=mask, output_attentions=True)
-
-    def forward_backward_with_attentions() -> None:
-        eager(ids, attention_mask=mask, output_attentions=True).logits[:, 1].sum().backward()
-        eager.zero_grad(set_to_none=True)
-
-    baselines = {
-        "forward with attentions": cuda_cost(forward_with_attentions),
-        "forward+backward with attentions": cuda_cost(forward_backward_with_attentions),
-    }
+    costs = {name: cuda_cost(run) for name, run in attention_runs(benchmark_model("cuda"), ids, mask).items()}
     print("\n| run | median ms | x baseline time | x baseline peak memory |")
     print("|---|---|---|---|")
-    for name, (ms, peak) in baselines.items():
-        print(f"| {name} | {ms:.2f} | | |")
-    for name, (cls, options) in METHODS.items():
-        explainer = cls(model)
-        ms, peak = cuda_cost(lambda: explainer.attribute(ids, additional_forward_args=(mask,), **options))
-        base_ms, base_peak = baselines["forward+backward with attentions" if "target" in options else "forward with attentions"]
+    for name in (FORWARD, FORWARD_BACKWARD):
+        print(f"| {name} | {costs[name][0]:.2f} | | |")
+    for name, baseline in BASELINE.items():
+        (ms, peak), (base_ms, base_peak) = costs[name], costs[baseline]
         print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak:.2f} |")
 
 

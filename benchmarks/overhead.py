@@ -21,83 +21,47 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 from typing import Callable
 
 import torch
 from captum.attr import LayerIntegratedGradients
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BATCH, MEASURING_ENV, SEQ_LEN, benchmark_batch, benchmark_model, peak_rss_growth  # noqa: E402
+from common import (  # noqa: E402
+    BASELINE,
+    BATCH,
+    MEASURING_ENV,
+    SEQ_LEN,
+    TARGET,
+    attention_runs,
+    benchmark_batch,
+    benchmark_model,
+    median_seconds,
+    peak_rss_growth,
+)
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
 
-TARGET = 1
+IG = "LayerIntegratedGradients (50 steps)"
 
 
 def workloads() -> dict[str, Callable[[], object]]:
     """Name -> a zero-argument callable doing one run on a fresh model and batch."""
     model = benchmark_model()
-    eager = benchmark_model()
-    eager.set_attn_implementation("eager")
     ids, mask = benchmark_batch()
-    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
 
     def forward_sdpa() -> object:
         with torch.no_grad():
             return model(ids, attention_mask=mask)
 
-    def forward_with_attentions() -> object:
-        with torch.no_grad():
-            return eager(ids, attention_mask=mask, output_attentions=True)
-
-    def forward_backward_with_attentions() -> None:
-        out = eager(ids, attention_mask=mask, output_attentions=True)
-        out.logits[:, TARGET].sum().backward()
-        eager.zero_grad(set_to_none=True)
-
-    args = dict(additional_forward_args=(mask,))
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
     lig = LayerIntegratedGradients(forward, model.bert.embeddings)
     return {
         "forward (sdpa)": forward_sdpa,
-        "forward with attentions": forward_with_attentions,
-        "forward+backward with attentions": forward_backward_with_attentions,
-        "RawAttention": lambda: RawAttention(forward, model=model).attribute(ids, **args),
-        "AttentionRollout": lambda: AttentionRollout(forward, model=model).attribute(ids, **args),
-        "GradSAM": lambda: GradSAM(forward, model=model).attribute(ids, target=TARGET, **args),
-        "TransformerAttribution": lambda: TransformerAttribution(forward, model=model).attribute(
-            ids, target=TARGET, **args
-        ),
-        "LayerIntegratedGradients (50 steps)": lambda: lig.attribute(
-            ids, target=TARGET, n_steps=50, **args
-        ),
+        **attention_runs(model, ids, mask),
+        IG: lambda: lig.attribute(ids, target=TARGET, n_steps=50, additional_forward_args=(mask,)),
     }
-
-
-BASELINE = {
-    "RawAttention": "forward with attentions",
-    "AttentionRollout": "forward with attentions",
-    "GradSAM": "forward+backward with attentions",
-    "TransformerAttribution": "forward+backward with attentions",
-}
-IG = "LayerIntegratedGradients (50 steps)"
-
-
-def median_seconds(runs: dict[str, Callable[[], object]], repeats: dict[str, int]) -> dict[str, float]:
-    """Median wall time of each run; rounds interleave the runs so drift hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, run in runs.items():
-        run()
-    for round_index in range(max(repeats.values())):
-        for name, run in runs.items():
-            if round_index < repeats[name]:
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def peak_growth(name: str) -> int:

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,17 +29,7 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MEASURING_ENV, peak_rss_growth  # noqa: E402
-
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
-
-TARGET = 1
-BASELINE = {
-    "RawAttention": "forward",
-    "AttentionRollout": "forward",
-    "GradSAM": "forward+backward",
-    "TransformerAttribution": "forward+backward",
-}
+from common import BASELINE, FORWARD, FORWARD_BACKWARD, MEASURING_ENV, attention_runs, median_seconds, peak_rss_growth  # noqa: E402
 
 
 def scaling_model(device: str) -> tf.PreTrainedModel:
@@ -54,49 +42,8 @@ def scaling_model(device: str) -> tf.PreTrainedModel:
 
 
 def workloads(batch: int, seq_len: int, device: str) -> dict[str, Callable[[], object]]:
-    model = scaling_model(device)
-    eager = scaling_model(device)
-    eager.set_attn_implementation("eager")
     ids = torch.randint(5, 1000, (batch, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
-    mask = torch.ones_like(ids)
-    args = dict(additional_forward_args=(mask,))
-
-    def forward() -> object:
-        with torch.no_grad():
-            return eager(ids, attention_mask=mask, output_attentions=True).logits
-
-    def forward_backward() -> None:
-        out = eager(ids, attention_mask=mask, output_attentions=True)
-        out.logits[:, TARGET].sum().backward()
-        eager.zero_grad(set_to_none=True)
-
-    return {
-        "forward": forward,
-        "forward+backward": forward_backward,
-        "RawAttention": lambda: RawAttention(model).attribute(ids, **args),
-        "AttentionRollout": lambda: AttentionRollout(model).attribute(ids, **args),
-        "GradSAM": lambda: GradSAM(model).attribute(ids, target=TARGET, **args),
-        "TransformerAttribution": lambda: TransformerAttribution(model).attribute(ids, target=TARGET, **args),
-    }
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(runs: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for run in runs.values():
-        run()
-    for _ in range(repeats):
-        for name, run in runs.items():
-            _sync(device)
-            start = time.perf_counter()
-            run()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return attention_runs(scaling_model(device), ids, torch.ones_like(ids))
 
 
 def peak_bytes(run: Callable[[], object], device: str) -> int:
@@ -121,7 +68,7 @@ def peak_in_subprocess(name: str, batch: int, seq_len: int) -> int:
 
 def measure(batch: int, seq_len: int, device: str, repeats: int, memory: bool) -> dict[str, dict[str, float]]:
     runs = workloads(batch, seq_len, device)
-    seconds = median_seconds(runs, repeats, device)
+    seconds = median_seconds(runs, repeats, torch.cuda.synchronize if device == "cuda" else lambda: None)
     rows: dict[str, dict[str, float]] = {}
     for name in runs:
         row = {"ms": 1000 * seconds[name]}
@@ -141,7 +88,7 @@ def measure(batch: int, seq_len: int, device: str, repeats: int, memory: bool) -
 
 def table(results: list[dict]) -> str:
     """Markdown: the baselines' time (and memory), then each method as time ratio (/ memory ratio)."""
-    has_memory = "MiB" in results[0]["runs"]["forward"]
+    has_memory = "MiB" in results[0]["runs"][FORWARD]
     baselines = ["forward ms", "fwd+bwd ms"] + (["forward MiB", "fwd+bwd MiB"] if has_memory else [])
     lines = [
         "| batch | length | " + " | ".join(baselines) + " | " + " | ".join(BASELINE) + " |",
@@ -149,9 +96,9 @@ def table(results: list[dict]) -> str:
     ]
     for result in results:
         runs = result["runs"]
-        cells = [str(result["batch"]), str(result["length"]), f"{runs['forward']['ms']:.1f}", f"{runs['forward+backward']['ms']:.1f}"]
+        cells = [str(result["batch"]), str(result["length"]), f"{runs[FORWARD]['ms']:.1f}", f"{runs[FORWARD_BACKWARD]['ms']:.1f}"]
         if has_memory:
-            cells += [f"{runs['forward']['MiB']:.0f}", f"{runs['forward+backward']['MiB']:.0f}"]
+            cells += [f"{runs[FORWARD]['MiB']:.0f}", f"{runs[FORWARD_BACKWARD]['MiB']:.0f}"]
         for name in BASELINE:
             ratio = f"{runs[name]['× time']:.2f}×"
             cells.append(ratio + (f" / {runs[name]['× memory']:.2f}×" if has_memory else ""))

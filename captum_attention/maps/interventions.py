@@ -6,7 +6,7 @@ the model's own attention (see ``AttentionCapture(intervention=...)``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
