@@ -71,6 +71,14 @@ class CapturedAttention:
             heads=pick(self.heads), roles=pick(self.roles),
         )
 
+    def real_of(self, role: str) -> tuple[Tensor, Tensor]:
+        """``(real queries, real keys)`` of a call with this role: the source tokens for the
+        encoder's self-attention and cross-attention keys, else the explained sequence."""
+        source = self.source_real if self.source_real is not None else self.real
+        queries = source if role == "encoder" else self.real
+        keys = self.real if role in ("self", "decoder") else source
+        return queries, keys
+
     def layer(self, index: int, name: str = "layer") -> int:
         """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
         if not -self.num_layers <= index < self.num_layers:

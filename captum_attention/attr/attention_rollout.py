@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from captum._utils.typing import TargetType
 from captum.attr import Attribution
@@ -129,12 +128,11 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
                 "discard_ratio and start_layer apply to one self-attention stack; leave them "
                 "at 0 for encoder-decoders."
             )
-        source_queries = torch.zeros_like(captured.query_index)
         maps = []
         for attn, role in zip(captured.attn_probs, captured.roles):
+            real_queries, real_keys = captured.real_of(role)
             if role == "cross":
-                maps += raw_attention_maps([attn], captured.real, captured.source_real, head_fusion)
-            else:
-                real, queries = (captured.source_real, source_queries) if role == "encoder" else (captured.real, captured.query_index)
-                maps += rollout_layer_maps([attn], real, queries, head_fusion)
+                maps += raw_attention_maps([attn], real_queries, real_keys, head_fusion)
+            else:  # the query index only matters to discard_ratio, refused above
+                maps += rollout_layer_maps([attn], real_queries, captured.query_index, head_fusion)
         return _encoder_decoder_rows(captured, maps, encoder_decoder_rollout)

@@ -108,9 +108,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         assert captured.grad_maps is not None and captured.source_real is not None
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
         for head_mean, role in zip(captured.grad_maps, captured.roles):
-            keys = captured.source_real if role != "decoder" else captured.real
-            queries = captured.source_real if role == "encoder" else captured.real
-            role_maps[role] += grad_sam_layer_maps([head_mean], queries, keys)
+            role_maps[role] += grad_sam_layer_maps([head_mean], *captured.real_of(role))
         heads = dict(zip(captured.roles, captured.heads))
         source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), captured.source_real)
         target_maps = role_maps["decoder"] + role_maps["cross"]

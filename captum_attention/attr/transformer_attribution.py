@@ -112,11 +112,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         if start_layer != 0:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         maps = [
-            relevance_layer_maps(
-                [head_mean],
-                captured.source_real if role == "encoder" else captured.real,
-                captured.real if role == "decoder" else captured.source_real,
-            )[0]
+            relevance_layer_maps([head_mean], *captured.real_of(role))[0]
             for head_mean, role in zip(captured.grad_maps, captured.roles)
         ]
         return _encoder_decoder_rows(captured, maps, encoder_decoder_relevance)
