@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from captum._utils.typing import TargetType
 from captum.attr import Attribution
 from captum.log import log_usage
@@ -17,7 +16,7 @@ from ..maps import (
     rollout_layer_maps,
     rollout_scores,
 )
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, _encoder_decoder_rows
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs, _encoder_decoder_rows
 
 
 class AttentionRollout(AttentionAttributionBase, Attribution):
@@ -54,6 +53,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     readable_name = "Attention Rollout"
 
     @log_usage(part_of_slo=True)
+    @shared_attribute_docs
     def attribute(  # type: ignore[override]
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -68,19 +68,10 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         r"""Rolled-out attention of the query row.
 
         Args:
-            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
-                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
-                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
-                the pair ``(input_ids, decoder_input_ids)``.
-            target (Any, optional): accepted for a drop-in Captum call and ignored.
-                Default: None.
-            additional_forward_args (Any, optional): further arguments of
-                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the explained
-                position (the query row), one for all examples or one per example; for a
-                language model also where its logits are read. Default: None, the first
-                real token ([CLS], a ViT's class token) for bidirectional attention, the
-                last real token for decoders (causal attention) and encoder-decoders.
+            $inputs
+            $target_ignored
+            $additional_forward_args
+            $query_index
             head_fusion (str, optional): "mean", "max" or "min" over heads.
                 Default: "mean".
             discard_ratio (float, optional): fraction in [0, 1) of each fused map's
@@ -90,14 +81,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
             return_maps (bool, optional): also return the per-layer Â^l (for an
                 encoder-decoder's cross-attention: the fused A^{qs}). Default: False.
 
-        Returns:
-            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
-            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
-            columns)`` on the patch grid for images (class/distillation tokens dropped);
-            for an encoder-decoder the pair ``(source scores (batch, source_len), target
-            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
-            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
-            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
+        $returns
         """
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")

@@ -12,7 +12,7 @@ from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import query_rows, raw_attention_maps
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs
 
 
 class RawAttention(AttentionAttributionBase, Attribution):
@@ -45,6 +45,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
     readable_name = "Raw Attention"
 
     @log_usage(part_of_slo=True)
+    @shared_attribute_docs
     def attribute(  # type: ignore[override]
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -57,33 +58,17 @@ class RawAttention(AttentionAttributionBase, Attribution):
         r"""Head-mean attention of the query row in one layer.
 
         Args:
-            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
-                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
-                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
-                the pair ``(input_ids, decoder_input_ids)``.
-            target (Any, optional): accepted for a drop-in Captum call and ignored.
-                Default: None.
-            additional_forward_args (Any, optional): further arguments of
-                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the explained
-                position (the query row), one for all examples or one per example; for a
-                language model also where its logits are read. Default: None, the first
-                real token ([CLS], a ViT's class token) for bidirectional attention, the
-                last real token for decoders (causal attention) and encoder-decoders.
+            $inputs
+            $target_ignored
+            $additional_forward_args
+            $query_index
             layer (int, optional): which attention layer (negative counts from the end;
                 for an encoder-decoder, which decoder layer: its self-attention gives the
                 target scores, its cross-attention the source scores). Default: -1, the last.
             return_maps (bool, optional): also return every layer's head-mean attention.
                 Default: False.
 
-        Returns:
-            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
-            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
-            columns)`` on the patch grid for images (class/distillation tokens dropped);
-            for an encoder-decoder the pair ``(source scores (batch, source_len), target
-            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
-            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
-            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
+        $returns
         """
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer)
 

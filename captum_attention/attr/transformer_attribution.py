@@ -15,7 +15,7 @@ from ..maps import (
     relevance_layer_maps,
     transformer_attribution_scores,
 )
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, _encoder_decoder_rows
+from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs, _encoder_decoder_rows
 
 
 class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
@@ -53,6 +53,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     readable_name = "Transformer Attribution"
 
     @log_usage(part_of_slo=True)
+    @shared_attribute_docs
     def attribute(  # type: ignore[override]
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -65,33 +66,16 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         r"""Relevance of each token for the explained logit.
 
         Args:
-            inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,
-                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,
-                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,
-                the pair ``(input_ids, decoder_input_ids)``.
-            target (int, list, Tensor or None, optional): the class (or, for a language
-                model, the token id) whose logit is explained. Default: None, the
-                predicted one.
-            additional_forward_args (Any, optional): further arguments of
-                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.
-            query_index (int or sequence/Tensor of int, optional): the explained
-                position (the query row), one for all examples or one per example; for a
-                language model also where its logits are read. Default: None, the first
-                real token ([CLS], a ViT's class token) for bidirectional attention, the
-                last real token for decoders (causal attention) and encoder-decoders.
+            $inputs
+            $target
+            $additional_forward_args
+            $query_index
             start_layer (int, optional): first layer whose attention is propagated
                 (negative counts from the end; one self-attention stack only). Default:
                 0, all layers.
             return_maps (bool, optional): also return the per-layer Ā^l. Default: False.
 
-        Returns:
-            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``
-            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,
-            columns)`` on the patch grid for images (class/distillation tokens dropped);
-            for an encoder-decoder the pair ``(source scores (batch, source_len), target
-            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:
-            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role
-            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.
+        $returns
         """
         return self._explain(
             inputs, target, additional_forward_args, query_index, return_maps, start_layer=start_layer
