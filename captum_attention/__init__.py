@@ -1,6 +1,6 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
-from .attr import AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from .attr import METHODS, AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from .capture import (
     AttentionAdapter,
     AttentionCapture,
@@ -12,6 +12,7 @@ from .capture import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "METHODS",
     "AttentionAdapter",
     "AttentionCapture",
     "AttentionRollout",

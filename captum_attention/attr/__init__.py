@@ -1,9 +1,22 @@
-"""Attributions layer: the public Captum classes."""
+"""Attributions layer: the public Captum classes.
+
+Every module of this package is imported here, so an attribution class that declares a
+``method_name`` in its own file is registered in :data:`METHODS` without further edits.
+"""
+
+import importlib
+import pkgutil
 
 from ._images import upsample_to_image
-from .attention_rollout import AttentionRollout
-from .grad_sam import GradSAM
-from .raw_attention import RawAttention
-from .transformer_attribution import TransformerAttribution
+from ._registry import METHODS
+# The order of these imports is the order of METHODS (and of the command line's report).
+from .grad_sam import GradSAM  # isort: skip
+from .attention_rollout import AttentionRollout  # isort: skip
+from .transformer_attribution import TransformerAttribution  # isort: skip
+from .raw_attention import RawAttention  # isort: skip
 
-__all__ = ["AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image"]
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["METHODS", "AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image"]

@@ -1,21 +1,9 @@
-"""Vision Transformers in the attributions: the patch grid of an image and upsampling to it."""
+"""Vision Transformers in the attributions: patch-grid scores upsampled to the image."""
 
 from __future__ import annotations
 
 from captum.attr import LayerAttribution
-from torch import Tensor, nn
-
-
-def grid_shape(model: nn.Module, images: Tensor) -> tuple[int, int]:
-    """``(rows, columns)`` of patches for ``images`` ``(B, C, H, W)``, from the config's patch size."""
-    patch = getattr(getattr(model, "config", None), "patch_size", None)
-    if patch is None:
-        raise ValueError(
-            f"Cannot place the tokens of {type(model).__name__} on a patch grid: its config "
-            "has no patch_size. Pass token inputs, or a vision transformer (ViT, DeiT)."
-        )
-    rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
-    return images.shape[-2] // rows, images.shape[-1] // columns
+from torch import Tensor
 
 
 def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear") -> Tensor:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from captum._utils.typing import TargetType
 from captum.attr import Attribution
-from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import (
@@ -16,7 +14,10 @@ from ..maps import (
     rollout_layer_maps,
     rollout_scores,
 )
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs, _encoder_decoder_rows
+from .._compat import TargetType
+from ..capture.inputs import QueryIndex
+from ..capture.record import ForwardRecord
+from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
 class AttentionRollout(AttentionAttributionBase, Attribution):
@@ -50,11 +51,11 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         ...                              head_fusion="max", discard_ratio=0.9)
     """
 
+    method_name = "rollout"
     readable_name = "Attention Rollout"
 
-    @log_usage(part_of_slo=True)
-    @shared_attribute_docs
-    def attribute(  # type: ignore[override]
+    @attribute_method
+    def attribute(
         self,
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
@@ -64,7 +65,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         discard_ratio: float = 0.0,
         start_layer: int = 0,
         return_maps: bool = False,
-    ) -> Any:
+    ) -> Scores | tuple[Scores, Maps]:
         r"""Rolled-out attention of the query row.
 
         Args:
@@ -92,31 +93,31 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
             head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
         )
 
-    def _scores(  # type: ignore[override]
-        self, captured: CapturedAttention, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
+    def _scores(
+        self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[Tensor, list[Tensor]]:
-        assert captured.attn_probs is not None
-        first = captured.layer(start_layer, "start_layer")
-        maps = rollout_layer_maps(captured.attn_probs, captured.real, captured.query_index, head_fusion, discard_ratio)
-        return rollout_scores(maps[first:], captured.query_index), maps
+        assert record.attn_probs is not None
+        first = record.layer(start_layer, "start_layer")
+        maps = rollout_layer_maps(record.attn_probs, record.target_real, record.query_index, head_fusion, discard_ratio)
+        return rollout_scores(maps[first:], record.query_index), maps
 
-    def _encoder_decoder_scores(  # type: ignore[override]
-        self, captured: CapturedAttention, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
+    def _encoder_decoder_scores(
+        self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Rollout over the joint source-target graph; see
         :func:`captum_attention.maps.encoder_decoder_rollout`."""
-        assert captured.attn_probs is not None
-        assert captured.source_real is not None
+        assert record.attn_probs is not None
+        assert record.source_real is not None
         if discard_ratio or start_layer:
             raise ValueError(
                 "discard_ratio and start_layer apply to one self-attention stack; leave them "
                 "at 0 for encoder-decoders."
             )
         maps = []
-        for attn, role in zip(captured.attn_probs, captured.roles):
-            real_queries, real_keys = captured.real_of(role)
+        for attn, role in zip(record.attn_probs, record.roles):
+            real_queries, real_keys = record.real_of(role)
             if role == "cross":
                 maps += raw_attention_maps([attn], real_queries, real_keys, head_fusion)
             else:  # the query index only matters to discard_ratio, refused above
-                maps += rollout_layer_maps([attn], real_queries, captured.query_index, head_fusion)
-        return _encoder_decoder_rows(captured, maps, encoder_decoder_rollout)
+                maps += rollout_layer_maps([attn], real_queries, record.query_index, head_fusion)
+        return encoder_decoder_rows(record, maps, encoder_decoder_rollout)

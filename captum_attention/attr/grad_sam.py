@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
-from captum._utils.typing import TargetType
 from captum.attr import GradientAttribution
-from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs
+from .._compat import TargetType
+from ..capture.inputs import QueryIndex
+from ..capture.record import ForwardRecord
+from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
 
 
 class GradSAM(AttentionAttributionBase, GradientAttribution):
@@ -53,18 +54,18 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     """
 
     gradient_reduction = staticmethod(grad_sam_head_mean)
+    method_name = "grad_sam"
     readable_name = "Grad-SAM"
 
-    @log_usage(part_of_slo=True)
-    @shared_attribute_docs
-    def attribute(  # type: ignore[override]
+    @attribute_method
+    def attribute(
         self,
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
         additional_forward_args: Any = None,
         query_index: QueryIndex = None,
         return_maps: bool = False,
-    ) -> Any:
+    ) -> Scores | tuple[Scores, Maps]:
         r"""Grad-SAM relevance of each token for the explained logit.
 
         Args:
@@ -79,23 +80,23 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         """
         return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
 
-    def _scores(self, captured: CapturedAttention, **options: Any) -> tuple[Tensor, list[Tensor]]:
-        assert captured.grad_maps is not None
-        maps = grad_sam_layer_maps(captured.grad_maps, captured.real)
-        return grad_sam_scores(maps, captured.heads, captured.real), maps
+    def _scores(self, record: ForwardRecord, **options: Any) -> tuple[Tensor, list[Tensor]]:
+        assert record.grad_maps is not None
+        maps = grad_sam_layer_maps(record.grad_maps, record.target_real)
+        return grad_sam_scores(maps, record.heads, record.target_real), maps
 
     def _encoder_decoder_scores(
-        self, captured: CapturedAttention, **options: Any
+        self, record: ForwardRecord, **options: Any
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Each map credits its query tokens: encoder maps score the source, decoder self-
         and cross-attention maps (whose queries are target tokens) score the target."""
-        assert captured.grad_maps is not None and captured.source_real is not None
+        assert record.grad_maps is not None and record.source_real is not None
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
-        for head_mean, role in zip(captured.grad_maps, captured.roles):
-            role_maps[role] += grad_sam_layer_maps([head_mean], *captured.real_of(role))
-        heads = dict(zip(captured.roles, captured.heads))
-        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), captured.source_real)
+        for head_mean, role in zip(record.grad_maps, record.roles):
+            role_maps[role] += grad_sam_layer_maps([head_mean], *record.real_of(role))
+        heads = dict(zip(record.roles, record.heads))
+        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.source_real)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
-        target = grad_sam_scores(target_maps, target_heads, captured.real)
+        target = grad_sam_scores(target_maps, target_heads, record.target_real)
         return (source, target), {role: torch.stack(maps, dim=1) for role, maps in role_maps.items()}

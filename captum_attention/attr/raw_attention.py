@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
-from captum._utils.typing import TargetType
 from captum.attr import Attribution
-from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import query_rows, raw_attention_maps
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs
+from .._compat import TargetType
+from ..capture.inputs import QueryIndex
+from ..capture.record import ForwardRecord
+from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
 
 
 class RawAttention(AttentionAttributionBase, Attribution):
@@ -42,11 +43,11 @@ class RawAttention(AttentionAttributionBase, Attribution):
         ...                                        additional_forward_args=(mask,))
     """
 
+    method_name = "raw"
     readable_name = "Raw Attention"
 
-    @log_usage(part_of_slo=True)
-    @shared_attribute_docs
-    def attribute(  # type: ignore[override]
+    @attribute_method
+    def attribute(
         self,
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
@@ -54,7 +55,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         query_index: QueryIndex = None,
         layer: int = -1,
         return_maps: bool = False,
-    ) -> Any:
+    ) -> Scores | tuple[Scores, Maps]:
         r"""Head-mean attention of the query row in one layer.
 
         Args:
@@ -72,24 +73,24 @@ class RawAttention(AttentionAttributionBase, Attribution):
         """
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer)
 
-    def _scores(self, captured: CapturedAttention, layer: int = -1) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
-        assert captured.attn_probs is not None
-        chosen = captured.layer(layer)
-        maps = raw_attention_maps(captured.attn_probs, captured.real)
-        return query_rows(maps[chosen], captured.query_index), maps
+    def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
+        assert record.attn_probs is not None
+        chosen = record.layer(layer)
+        maps = raw_attention_maps(record.attn_probs, record.target_real)
+        return query_rows(maps[chosen], record.query_index), maps
 
-    def _encoder_decoder_scores(  # type: ignore[override]
-        self, captured: CapturedAttention, layer: int = -1
+    def _encoder_decoder_scores(
+        self, record: ForwardRecord, layer: int = -1
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
-        assert captured.attn_probs is not None
-        assert captured.source_real is not None
-        decoder, cross = captured.of_role("decoder"), captured.of_role("cross")
+        assert record.attn_probs is not None
+        assert record.source_real is not None
+        decoder, cross = record.of_role("decoder"), record.of_role("cross")
         chosen = decoder.layer(layer)
-        encoder = captured.of_role("encoder")
+        encoder = record.of_role("encoder")
         assert decoder.attn_probs is not None and cross.attn_probs is not None and encoder.attn_probs is not None
-        decoder_maps = raw_attention_maps(decoder.attn_probs, captured.real)
-        cross_maps = raw_attention_maps(cross.attn_probs, captured.real, captured.source_real)
-        encoder_maps = raw_attention_maps(encoder.attn_probs, captured.source_real)
-        scores = (query_rows(cross_maps[chosen], captured.query_index), query_rows(decoder_maps[chosen], captured.query_index))
+        decoder_maps = raw_attention_maps(decoder.attn_probs, record.target_real)
+        cross_maps = raw_attention_maps(cross.attn_probs, record.target_real, record.source_real)
+        encoder_maps = raw_attention_maps(encoder.attn_probs, record.source_real)
+        scores = (query_rows(cross_maps[chosen], record.query_index), query_rows(decoder_maps[chosen], record.query_index))
         maps = {"encoder": encoder_maps, "decoder": decoder_maps, "cross": cross_maps}
         return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items()}

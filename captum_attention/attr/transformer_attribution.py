@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from captum._utils.typing import TargetType
 from captum.attr import GradientAttribution
-from captum.log import log_usage
 from torch import Tensor
 
 from ..maps import (
@@ -15,7 +13,10 @@ from ..maps import (
     relevance_layer_maps,
     transformer_attribution_scores,
 )
-from ._base import AttentionAttributionBase, CapturedAttention, QueryIndex, shared_attribute_docs, _encoder_decoder_rows
+from .._compat import TargetType
+from ..capture.inputs import QueryIndex
+from ..capture.record import ForwardRecord
+from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
 class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
@@ -50,11 +51,11 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     """
 
     gradient_reduction = staticmethod(relevance_head_mean)
+    method_name = "transformer_attribution"
     readable_name = "Transformer Attribution"
 
-    @log_usage(part_of_slo=True)
-    @shared_attribute_docs
-    def attribute(  # type: ignore[override]
+    @attribute_method
+    def attribute(
         self,
         inputs: Tensor | tuple[Tensor, ...],
         target: TargetType = None,
@@ -62,7 +63,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         query_index: QueryIndex = None,
         start_layer: int = 0,
         return_maps: bool = False,
-    ) -> Any:
+    ) -> Scores | tuple[Scores, Maps]:
         r"""Relevance of each token for the explained logit.
 
         Args:
@@ -81,22 +82,22 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
             inputs, target, additional_forward_args, query_index, return_maps, start_layer=start_layer
         )
 
-    def _scores(self, captured: CapturedAttention, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:  # type: ignore[override]
-        assert captured.grad_maps is not None
-        first = captured.layer(start_layer, "start_layer")
-        maps = relevance_layer_maps(captured.grad_maps, captured.real)
-        return transformer_attribution_scores(maps[first:], captured.query_index), maps
+    def _scores(self, record: ForwardRecord, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
+        assert record.grad_maps is not None
+        first = record.layer(start_layer, "start_layer")
+        maps = relevance_layer_maps(record.grad_maps, record.target_real)
+        return transformer_attribution_scores(maps[first:], record.query_index), maps
 
-    def _encoder_decoder_scores(  # type: ignore[override]
-        self, captured: CapturedAttention, start_layer: int = 0
+    def _encoder_decoder_scores(
+        self, record: ForwardRecord, start_layer: int = 0
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Chefer et al.'s rules (6)-(11) for self- and cross-attention; see
         :func:`captum_attention.maps.encoder_decoder_relevance`."""
-        assert captured.grad_maps is not None and captured.source_real is not None
+        assert record.grad_maps is not None and record.source_real is not None
         if start_layer != 0:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         maps = [
-            relevance_layer_maps([head_mean], *captured.real_of(role))[0]
-            for head_mean, role in zip(captured.grad_maps, captured.roles)
+            relevance_layer_maps([head_mean], *record.real_of(role))[0]
+            for head_mean, role in zip(record.grad_maps, record.roles)
         ]
-        return _encoder_decoder_rows(captured, maps, encoder_decoder_relevance)
+        return encoder_decoder_rows(record, maps, encoder_decoder_relevance)

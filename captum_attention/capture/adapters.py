@@ -1,18 +1,22 @@
-"""Adapters: where a model family computes attention probabilities, and how to read them.
+"""Adapters: everything the library knows about one model family.
 
-An adapter answers four questions for the capture layer, and nothing else:
+An adapter answers the family questions for the capture layer, and nothing else does:
 
-1. which modules compute post-softmax attention (``attention_modules``);
+1. which modules compute post-softmax attention, with each one's role and causality
+   (``attention_sites``, from ``attention_modules``, ``role`` and ``is_causal``);
 2. how to read the probability tensor ``(batch, heads, queries, keys)`` from one call of
-   such a module (``attention_probs``);
+   such a module (``attention_probs``, or the softmaxes inside it);
 3. which modules receive the padding mask, and how to read it from their call
-   (``mask_modules`` and ``padding_mask``);
+   (``mask_modules``, ``padding_mask`` and ``decoder_padding_mask``);
 4. what must be switched for one call so that the probabilities exist at all, e.g. a
    Hugging Face model loaded with ``sdpa`` attention is switched to ``eager``
-   (``prepared``, a context manager that restores the model afterwards).
+   (``prepared``, a context manager that restores the model afterwards);
+5. how to call the model's forward with Captum's positional arguments
+   (``keyword_forward``), whether it is an encoder-decoder (``is_encoder_decoder``) and,
+   for image models, the patch grid of an input (``patch_grid``).
 
-Supporting a new model family means writing one adapter; the attribution methods never
-change.
+Supporting a new model family means writing one adapter; the attribution methods and
+metrics never change. Adapters keep no state between calls.
 """
 
 from __future__ import annotations
@@ -24,9 +28,31 @@ from typing import Any, Callable, Iterator, Literal, Protocol, Sequence, runtime
 
 from torch import Tensor, nn
 
+from .._compat import attn_implementation, declared_outputs, output_recorder_class
+
 
 Role = Literal["self", "encoder", "decoder", "cross"]
 ProbsSource = Literal["output", "softmax"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSite:
+    """One attention module of a model, as its adapter describes it for one capture.
+
+    Attributes:
+        module: the module whose calls compute the attention.
+        role: ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"`` in an encoder-decoder.
+        causal: whether its queries never see later keys (a decoder's self-attention);
+            None when the adapter cannot tell (then the captured probabilities decide:
+            exact zeros on every later key).
+        output_index: where the probabilities are in a tuple output (adapters that read
+            the output use it).
+    """
+
+    module: nn.Module
+    role: Role = "self"
+    causal: bool | None = None
+    output_index: int = 1
 
 
 @runtime_checkable
@@ -50,6 +76,15 @@ class AttentionAdapter(Protocol):
         """Modules whose calls compute attention probabilities, in forward order."""
         ...
 
+    def attention_sites(self, model: nn.Module) -> list[AttentionSite]:
+        """The attention modules with their role and causality, in forward order."""
+        ...
+
+    def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
+        """The probabilities from one call's output (``attention_probs`` of the site's
+        module, unless the site says more)."""
+        ...
+
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
         """The probabilities from one call's output: the very tensor that weighted the
         values (any shape ``as_heads`` understands). Not used when ``probs_source`` is
@@ -63,6 +98,23 @@ class AttentionAdapter(Protocol):
     def role(self, module: nn.Module) -> Role:
         """``"self"`` for encoder-only or decoder-only models; for encoder-decoders
         ``"encoder"`` / ``"decoder"`` (self-attention) or ``"cross"``."""
+        ...
+
+    def is_causal(self, module: nn.Module) -> bool | None:
+        """Whether the module's attention is causal; None if the adapter cannot tell."""
+        ...
+
+    def is_encoder_decoder(self, model: nn.Module) -> bool:
+        """Whether ``model`` takes a source and a target sequence (inputs are a pair)."""
+        ...
+
+    def keyword_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_func`` callable with Captum's positional ``(inputs..., *extra)``."""
+        ...
+
+    def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        """``(rows, columns)`` of patch tokens for ``(B, C, H, W)`` images; None if the
+        model has no patch grid."""
         ...
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -87,13 +139,20 @@ class AdapterBase:
 
     Probabilities are read from the output (``output[1]`` for tuples, else the output
     itself), single-head ``(batch, queries, keys)`` maps get a heads axis, every call is
-    self-attention, there is no padding mask and nothing to prepare.
+    self-attention whose causality the probabilities tell, there is no padding mask and
+    nothing to prepare, the forward is called positionally, and there is no patch grid.
     """
 
     probs_source: ProbsSource = "output"
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
+
+    def attention_sites(self, model: nn.Module) -> list[AttentionSite]:
+        return [AttentionSite(m, self.role(m), self.is_causal(m)) for m in self.attention_modules(model)]
+
+    def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
+        return self.attention_probs(site.module, output)
 
     def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
         return output[1] if isinstance(output, (tuple, list)) else output
@@ -103,6 +162,18 @@ class AdapterBase:
 
     def role(self, module: nn.Module) -> Role:
         return "self"
+
+    def is_causal(self, module: nn.Module) -> bool | None:
+        return None
+
+    def is_encoder_decoder(self, model: nn.Module) -> bool:
+        return False
+
+    def keyword_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
+        return forward_func
+
+    def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        return None
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return []
@@ -174,7 +245,6 @@ class HuggingFaceAdapter(AdapterBase):
 
     def __init__(self, kinds: Sequence[str] = ("attentions", "cross_attentions")) -> None:
         self.kinds = tuple(kinds)
-        self._found: dict[nn.Module, tuple[int, Role]] = {}
 
     @staticmethod
     def _pretrained_models(model: nn.Module) -> list[nn.Module]:
@@ -183,14 +253,13 @@ class HuggingFaceAdapter(AdapterBase):
         return [m for m in model.modules() if isinstance(m, PreTrainedModel)]
 
     def _specs(self, submodel: nn.Module) -> list[tuple[str, _RecorderSpec]]:
-        from transformers.utils.output_capturing import OutputRecorder
-
-        declared = getattr(type(submodel), "_can_record_outputs", None) or {}
+        recorder = output_recorder_class()
+        declared = declared_outputs(type(submodel))
         specs: list[tuple[str, _RecorderSpec]] = []
         for kind in self.kinds:
             entries = declared.get(kind, [])
             for entry in entries if isinstance(entries, list) else [entries]:
-                if isinstance(entry, OutputRecorder):
+                if recorder is not None and isinstance(entry, recorder):
                     spec = _RecorderSpec(entry.target_class, entry.index, entry.layer_name, entry.class_name)
                 elif isinstance(entry, str):
                     spec = _RecorderSpec(None, 1, None, entry)
@@ -200,9 +269,12 @@ class HuggingFaceAdapter(AdapterBase):
         return specs
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        self._found = {}
+        return [site.module for site in self.attention_sites(model)]
+
+    def attention_sites(self, model: nn.Module) -> list[AttentionSite]:
         encoder = _encoder_of(model)
         encoder_modules = set(encoder.modules()) if encoder is not None else set()
+        found: dict[nn.Module, AttentionSite] = {}
         declared: list[str] = []
         # Innermost declarations first: each model class describes its own sub-tree.
         for submodel in reversed(self._pretrained_models(model)):
@@ -210,14 +282,14 @@ class HuggingFaceAdapter(AdapterBase):
             declared += [s.target_class.__name__ if s.target_class else str(s.class_name) for _, s in specs]
             for name, module in submodel.named_modules():
                 match = next((kind_spec for kind_spec in specs if kind_spec[1].matches(name, module)), None)
-                if match is None or module in self._found:
+                if match is None or module in found:
                     continue
                 kind, spec = match
                 role: Role = "cross" if kind == "cross_attentions" else "self"
                 if role == "self" and encoder is not None:
                     role = "encoder" if module in encoder_modules else "decoder"
-                self._found[module] = (spec.index, role)
-        if not self._found:
+                found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
+        if not found:
             raise AttentionNotFoundError(
                 f"No attention modules found in {type(model).__name__}: looked for the modules "
                 f"that transformers models declare in `_can_record_outputs` under {self.kinds} "
@@ -227,15 +299,44 @@ class HuggingFaceAdapter(AdapterBase):
                 "captum_attention.capture.ModuleAdapter and the AttentionAdapter protocol)."
             )
         order = {module: index for index, module in enumerate(model.modules())}
-        return sorted(self._found, key=order.__getitem__)
+        return sorted(found.values(), key=lambda site: order[site.module])
 
-    def attention_probs(self, module: nn.Module, output: Any) -> Tensor | None:
-        if not isinstance(output, (tuple, list)):
+    def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
+        if not isinstance(output, (tuple, list)) or len(output) <= site.output_index:
             return None
-        return output[self._found.get(module, (1, "self"))[0]]
+        return output[site.output_index]
 
-    def role(self, module: nn.Module) -> Role:
-        return self._found.get(module, (1, "self"))[1]
+    def is_causal(self, module: nn.Module) -> bool | None:
+        causal = getattr(module, "is_causal", None)  # transformers' attention modules carry it
+        return causal if isinstance(causal, bool) else None
+
+    def is_encoder_decoder(self, model: nn.Module) -> bool:
+        return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+    def keyword_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """A generating Hugging Face model (a causal LM or an encoder-decoder) called with
+        Captum's positional arguments, by name.
+
+        ``(inputs..., *additional_forward_args)`` map to ``(input_ids, attention_mask)`` for
+        causal language models and to ``(input_ids, decoder_input_ids, attention_mask,
+        decoder_attention_mask)`` for encoder-decoders (``inputs_embeds`` /
+        ``decoder_inputs_embeds`` for float inputs). A causal language model given a
+        left-padded mask gets ``position_ids`` counted over the real tokens, as ``generate``
+        does. Other forward functions (and classifiers, whose positional order already is
+        ``input_ids, attention_mask, ...``) are returned as they are.
+        """
+        from transformers import PreTrainedModel
+
+        if not isinstance(forward_func, PreTrainedModel) or not forward_func.can_generate():
+            return forward_func
+        return _KeywordForward(forward_func, self.is_encoder_decoder(forward_func))
+
+    def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        patch = getattr(getattr(model, "config", None), "patch_size", None)
+        if patch is None:
+            return None
+        rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        return images.shape[-2] // rows, images.shape[-1] // columns
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return self._pretrained_models(model)
@@ -248,7 +349,7 @@ class HuggingFaceAdapter(AdapterBase):
 
     @contextmanager
     def prepared(self, model: nn.Module) -> Iterator[None]:
-        original = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        original = attn_implementation(model)
         switch = getattr(model, "set_attn_implementation", None)
         if original in (None, "eager") or switch is None:
             yield
@@ -260,8 +361,41 @@ class HuggingFaceAdapter(AdapterBase):
             switch(original)
 
 
+@dataclass(frozen=True)
+class _KeywordForward:
+    """A generating Hugging Face model called with positional arguments (see
+    :meth:`HuggingFaceAdapter.keyword_forward`)."""
+
+    model: nn.Module
+    encoder_decoder: bool
+
+    @property
+    def names(self) -> list[str]:
+        if self.encoder_decoder:
+            return ["input_ids", "decoder_input_ids", "attention_mask", "decoder_attention_mask"]
+        return ["input_ids", "attention_mask"]
+
+    def __call__(self, *args: Any) -> Any:
+        names = self.names
+        if len(args) > len(names):
+            raise TypeError(
+                f"{type(self.model).__name__} was given {len(args)} positional inputs; as "
+                f"forward_func it takes at most {len(names)}: {names}. Wrap it in a function "
+                "to pass more."
+            )
+        kwargs: dict[str, Any] = {}
+        for name, value in zip(names, args):
+            if isinstance(value, Tensor) and value.is_floating_point() and name.endswith("input_ids"):
+                name = name.replace("input_ids", "inputs_embeds")
+            kwargs[name] = value
+        mask = kwargs.get("attention_mask")
+        if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()):
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self.model(**kwargs)
+
+
 def _encoder_of(model: nn.Module) -> nn.Module | None:
-    """The encoder of an encoder-decoder model, else None."""
+    """The encoder of a Hugging Face encoder-decoder model, else None."""
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return None
     get_encoder = getattr(model, "get_encoder", None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -12,7 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .adapters import AttentionAdapter, default_adapter
+from .._compat import mha_forward_with_softmax
+from .adapters import AttentionAdapter, AttentionSite, default_adapter
 
 
 class AttentionCapture:
@@ -77,6 +77,7 @@ class AttentionCapture:
         self._calls: list[_Call] = []
         self._open: list[_Call] = []
         self._mask_seen = False
+        self._sites: dict[nn.Module, AttentionSite] = {}
         self._stack = ExitStack()
 
     @property
@@ -86,7 +87,12 @@ class AttentionCapture:
 
     @property
     def roles(self) -> list[str]:
-        return [call.role for call in self._calls]
+        return [call.site.role for call in self._calls]
+
+    @property
+    def causal(self) -> list[bool | None]:
+        """Per attention call, whether the adapter says it is causal (None: it cannot tell)."""
+        return [call.site.causal for call in self._calls]
 
     def gradients(
         self,
@@ -159,14 +165,15 @@ class AttentionCapture:
             )
 
     def __enter__(self) -> "AttentionCapture":
-        modules = self.adapter.attention_modules(self.model)
+        sites = self.adapter.attention_sites(self.model)
+        self._sites = {site.module: site for site in sites}
         mask_modules = self.adapter.mask_modules(self.model)
         self._calls, self._open, self._mask_seen = [], [], False
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
         with ExitStack() as stack:
             stack.enter_context(self.adapter.prepared(self.model))
-            for module in modules:
+            for module in self._sites:
                 # prepend: read the output before any hook of the adapter's rewrites it
                 stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
                 stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
@@ -182,7 +189,7 @@ class AttentionCapture:
         self._stack.close()
 
     def _open_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        call = _Call(module, self.adapter.role(module), len(self._calls) + len(self._open))
+        call = _Call(self._sites[module], len(self._calls) + len(self._open))
         self._open.append(call)
         named = [*enumerate(args), *kwargs.items()]
         key, hidden = next(((k, v) for k, v in named if _is_float_tensor(v)), (None, None))
@@ -225,7 +232,7 @@ class AttentionCapture:
                 "softmax (is the model running a fused attention kernel?)."
             )
         if self.adapter.probs_source == "output":
-            probs = self.adapter.attention_probs(module, output)
+            probs = self.adapter.read_probs(call.site, output)
             if probs is None:
                 raise RuntimeError(
                     f"{type(module).__name__} returned no attention probabilities. The model must "
@@ -278,12 +285,15 @@ class AttentionCapture:
 class _Call:
     """One call of an attention module: the tensors that weighted its values."""
 
-    module: nn.Module
-    role: str
+    site: AttentionSite
     index: int
     pieces: list[Tensor] = field(default_factory=list)
     softmaxes_seen: int = 0
     hidden: Tensor | None = None  # the hidden states that entered the call, when tracked
+
+    @property
+    def module(self) -> nn.Module:
+        return self.site.module
 
     def heads(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
@@ -311,7 +321,11 @@ class _SoftmaxInterception(TorchFunctionMode):
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self.capture = capture
-        self._mha_forward = _with_visible_softmax(F.multi_head_attention_forward, capture)
+
+        def softmax(*args: Any, **kwargs: Any) -> Tensor:
+            return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
+
+        self._mha_forward = mha_forward_with_softmax(softmax)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.multi_head_attention_forward:
@@ -320,24 +334,3 @@ class _SoftmaxInterception(TorchFunctionMode):
         if func not in _SOFTMAXES:
             return result
         return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
-
-
-def _with_visible_softmax(function: Callable[..., Any], capture: AttentionCapture) -> Callable[..., Any]:
-    """A copy of a torch.nn.functional function whose softmax goes through the capture."""
-    code = function.__code__
-    if "softmax" not in code.co_names or "has_torch_function" not in code.co_names:
-        raise RuntimeError(
-            f"This PyTorch's {function.__name__} no longer calls softmax by name; attention "
-            "in nn.MultiheadAttention cannot be intercepted. Please report this."
-        )
-
-    def softmax(*args: Any, **kwargs: Any) -> Tensor:
-        return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
-
-    def has_torch_function(*args: Any) -> bool:
-        return False  # already dispatched to the interception: run the body
-
-    namespace = {**function.__globals__, "softmax": softmax, "has_torch_function": has_torch_function}
-    copy = types.FunctionType(code, namespace, function.__name__, function.__defaults__, function.__closure__)
-    copy.__kwdefaults__ = function.__kwdefaults__
-    return copy

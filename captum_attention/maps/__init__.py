@@ -3,15 +3,8 @@
 Each file holds one method's formula; ``common`` holds what they share.
 """
 
-from .common import (
-    HEAD_FUSIONS,
-    fuse_heads,
-    is_causal,
-    mask_padding,
-    propagate_query_row,
-    query_rows,
-    real_tokens,
-)
+from ..capture.record import real_tokens, zero_on_later_keys as is_causal  # moved; names kept
+from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores

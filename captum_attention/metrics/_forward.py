@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from captum._utils.common import _format_additional_forward_args
 from torch import Tensor, nn
 
-from ..attr._base import format_inputs, forward_through_capture
+from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter
-
-Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
-
-
-@dataclass
-class ModelRun:
-    """Output probabilities of one forward, with the attention and padding it saw.
-
-    The metrics' per-token inputs (erased keys, rankings) refer to the model's tokens, or
-    for an encoder-decoder to its source tokens; ``real`` marks the real ones.
-    """
-
-    probs: Tensor  # (B, C) softmax of the logits (a language model's at the query)
-    attn_probs: list[Tensor]  # per attention call, (B, H, Q, K)
-    roles: list[str]  # per attention call
-    real: Tensor  # (B, T) bool, real tokens (source tokens of an encoder-decoder)
-    target_real: Tensor  # (B, T') bool, real tokens of the explained sequence
-    queries: Tensor  # (B,) the explained position: [CLS], or a decoder's last real token
-
-    def keys_are_tokens(self, call: int) -> bool:
-        """Whether the call's keys are the tokens ``real`` marks (not a decoder's own)."""
-        return self.roles[call] != "decoder"
-
-    def key_real(self, call: int) -> Tensor:
-        return self.real if self.keys_are_tokens(call) else self.target_real
-
-    def queries_are_explained(self, call: int) -> bool:
-        """Whether the call's query rows are the explained sequence's (self or cross)."""
-        return self.roles[call] in ("self", "cross")
+from ..capture.inputs import format_inputs
+from ..capture.record import ForwardRecord, Intervention, record_forward
 
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
@@ -57,16 +28,11 @@ def run_model(
     additional_forward_args: Any = None,
     intervention: Intervention | None = None,
     adapter: AttentionAdapter | None = None,
-) -> ModelRun:
-    """One forward without gradients, through the capture layer."""
+) -> ForwardRecord:
+    """One forward without gradients, through the capture layer, explaining the default
+    position (``explained_probs()`` are the output distribution the metrics compare)."""
     _, tensors = format_inputs(inputs)
-    run = forward_through_capture(
-        forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention
-    )
-    queries = run.query_positions(None)
-    probs = run.explained_logits(queries).float().softmax(dim=-1)
-    tokens = run.real if run.source_real is None else run.source_real
-    return ModelRun(probs, run.attn_probs, run.roles, tokens, run.real, queries)
+    return record_forward(forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention)
 
 
 def select_rows(
@@ -81,7 +47,7 @@ def select_rows(
             return arg.index_select(0, rows.to(arg.device))
         return arg
 
-    extra = _format_additional_forward_args(additional_forward_args)
+    extra = format_additional_forward_args(additional_forward_args)
     extra = None if extra is None else tuple(pick(arg) for arg in extra)
     picked = tuple(pick(t) for t in tensors)
     return (picked if isinstance(inputs, tuple) else picked[0]), extra

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import erase_keys, on_heads
-from ._forward import Intervention, ModelRun, js_divergence, layer_set, resolve_model, run_model, select_rows
+from ..capture.record import ForwardRecord, Intervention
+from ._forward import js_divergence, layer_set, resolve_model, run_model, select_rows
 
 
 @dataclass
@@ -46,12 +47,12 @@ class FlipResult:
     flipped: Tensor
 
 
-def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None, run: ModelRun) -> Intervention:
+def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None, run: ForwardRecord) -> Intervention:
     """Erase the keys ``erased`` at the chosen calls whose keys are the tokens (for an
     encoder-decoder: the source tokens, in encoder self-attention and cross-attention)."""
 
     def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if call_index not in layers or not run.keys_are_tokens(call_index):
+        if call_index not in layers or not run.keys_are_inputs(call_index):
             return attn_probs
         changed = erase_keys(attn_probs, erased.to(attn_probs.device), scores)
         return on_heads(attn_probs, changed, heads, first_head)
@@ -108,15 +109,16 @@ def attention_erasure(
     """
     model = resolve_model(forward_func, model)
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
-    _check_keys(erased_keys, original.real, "erased_keys")
+    original_probs = original.explained_probs()
+    _check_keys(erased_keys, original.input_real, "erased_keys")
     chosen = layer_set(layers, len(original.attn_probs))
     erased = run_model(
         forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads, original), adapter
-    ).probs
+    ).explained_probs()
     return ErasureResult(
-        js_divergence=js_divergence(original.probs, erased),
-        flipped=original.probs.argmax(dim=-1) != erased.argmax(dim=-1),
-        original=original.probs,
+        js_divergence=js_divergence(original_probs, erased),
+        flipped=original_probs.argmax(dim=-1) != erased.argmax(dim=-1),
+        original=original_probs,
         erased=erased,
     )
 
@@ -167,42 +169,76 @@ def decision_flip_fraction(
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
-    _check_keys(ranking, original.real, "ranking")
+    _check_keys(ranking, original.input_real, "ranking")
     chosen = layer_set(layers, len(original.attn_probs))
-    kept = keep.bool().to(original.real.device) if keep is not None else torch.zeros_like(original.real)
-    erasable = original.real & ~kept
-    order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    steps = torch.minimum(erasable.sum(1), original.real.sum(1) - 1).clamp(min=0)
+    plan = _plan_prefixes(ranking, original.input_real, keep)
 
-    steps = steps.cpu()
-    rows = torch.repeat_interleave(torch.arange(len(steps)), steps)
-    first_of_row = torch.cumsum(steps, 0) - steps
-    prefix = torch.arange(len(rows)) - first_of_row[rows] + 1  # keys erased: 1..steps[b]
-    seq_len = ranking.shape[1]
-    positions = torch.arange(seq_len, device=order.device).expand_as(order)
-    ranks = torch.empty_like(order).scatter_(1, order, positions).cpu()  # 0 = erased first
-    decision = original.probs.argmax(dim=-1).cpu()
-    flips = torch.zeros(len(rows), dtype=torch.bool)
-    for start in range(0, len(rows), max_batch_size):
-        chunk = slice(start, start + max_batch_size)
-        erased = ranks[rows[chunk]] < prefix[chunk, None]
-        chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows[chunk])
+    def erased_output(rows: Tensor, erased: Tensor) -> Tensor:
+        chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows)
         intervention = _erasing(erased, chosen, heads, original)
-        probs = run_model(forward_func, model, chunk_inputs, chunk_args, intervention, adapter).probs
-        flips[chunk] = probs.argmax(dim=-1).cpu() != decision[rows[chunk]]
+        return run_model(forward_func, model, chunk_inputs, chunk_args, intervention, adapter).explained_probs()
 
-    never = int(steps.max()) + 1 if len(steps) else 1
-    first_flip = torch.full((len(steps),), never).scatter_reduce(
-        0, rows, torch.where(flips, prefix, never), reduce="amin"
+    decision = original.explained_probs().argmax(dim=-1).cpu()
+    flips = _evaluate_prefixes(plan, decision, erased_output, max_batch_size)
+    never = int(plan.steps.max()) + 1 if len(plan.steps) else 1
+    first_flip = torch.full((len(plan.steps),), never).scatter_reduce(
+        0, plan.rows, torch.where(flips, plan.prefix, never), reduce="amin"
     )
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
-    fraction = torch.where(flipped, removed / original.real.sum(1).cpu(), torch.nan)
-    queries = original.queries if query_index is None else torch.full_like(original.queries, query_index)
-    batch_index = torch.arange(len(queries), device=queries.device)
-    queried = [layer for layer in sorted(chosen) if original.queries_are_explained(layer)]
-    query_attention = torch.stack(
-        [original.attn_probs[layer].mean(dim=1)[batch_index, queries] for layer in queried]
-    ).mean(dim=0).cpu()
-    mass = (query_attention * (ranks < removed[:, None])).sum(dim=1)
+    fraction = torch.where(flipped, removed / original.input_real.sum(1).cpu(), torch.nan)
+    mass = _attention_mass(original, chosen, query_index, plan.ranks < removed[:, None])
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)
+
+
+@dataclass
+class _PrefixPlan:
+    """Every erasure to evaluate: prefix ``prefix[i]`` of example ``rows[i]``'s order.
+
+    ``ranks[b, t]`` is token t's place in example b's erasure order (0 = erased first);
+    ``steps[b]`` how many prefixes example b has (at least one real key always stays).
+    """
+
+    rows: Tensor
+    prefix: Tensor
+    ranks: Tensor
+    steps: Tensor
+
+
+def _plan_prefixes(ranking: Tensor, real: Tensor, keep: Tensor | None) -> _PrefixPlan:
+    kept = keep.bool().to(real.device) if keep is not None else torch.zeros_like(real)
+    erasable = real & ~kept
+    order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    steps = torch.minimum(erasable.sum(1), real.sum(1) - 1).clamp(min=0).cpu()
+    rows = torch.repeat_interleave(torch.arange(len(steps)), steps)
+    first_of_row = torch.cumsum(steps, 0) - steps
+    prefix = torch.arange(len(rows)) - first_of_row[rows] + 1  # keys erased: 1..steps[b]
+    positions = torch.arange(ranking.shape[1], device=order.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(1, order, positions).cpu()
+    return _PrefixPlan(rows, prefix, ranks, steps)
+
+
+def _evaluate_prefixes(
+    plan: _PrefixPlan, decision: Tensor, erased_output: Callable[[Tensor, Tensor], Tensor], max_batch_size: int
+) -> Tensor:
+    """Whether each planned erasure changes the decision, in forwards of at most
+    ``max_batch_size`` rows."""
+    flips = torch.zeros(len(plan.rows), dtype=torch.bool)
+    for start in range(0, len(plan.rows), max_batch_size):
+        chunk = slice(start, start + max_batch_size)
+        rows = plan.rows[chunk]
+        erased = plan.ranks[rows] < plan.prefix[chunk, None]
+        flips[chunk] = erased_output(rows, erased).argmax(dim=-1).cpu() != decision[rows]
+    return flips
+
+
+def _attention_mass(original: ForwardRecord, layers: set[int], query_index: int | None, erased: Tensor) -> Tensor:
+    """The query's original attention (head mean, averaged over the erased layers whose
+    queries are the explained sequence's) on the ``erased`` keys, per example."""
+    queries = original.query_index if query_index is None else torch.full_like(original.query_index, query_index)
+    batch_index = torch.arange(len(queries), device=queries.device)
+    queried = [layer for layer in sorted(layers) if original.queries_are_explained(layer)]
+    query_attention = torch.stack(
+        [original.attn_probs[layer].float().mean(dim=1)[batch_index, queries] for layer in queried]
+    ).mean(dim=0).cpu()
+    return (query_attention * erased).sum(dim=1)

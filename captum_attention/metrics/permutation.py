@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import on_heads, permute_rows
-from ._forward import Intervention, ModelRun, js_divergence, layer_set, resolve_model, run_model
+from ..capture.record import ForwardRecord, Intervention
+from ._forward import js_divergence, layer_set, resolve_model, run_model
 
 
 @dataclass
@@ -30,11 +31,11 @@ class PermutationResult:
     flip_rate: Tensor
 
 
-def _permuting(run: ModelRun, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
+def _permuting(run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
     def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
         if call_index not in layers:
             return attn_probs
-        changed = permute_rows(attn_probs, run.key_real(call_index).to(attn_probs.device), generator)
+        changed = permute_rows(attn_probs, run.real_of(run.roles[call_index])[1].to(attn_probs.device), generator)
         return on_heads(attn_probs, changed, heads, first_head)
 
     return intervene
@@ -75,6 +76,7 @@ def attention_permutation(
         raise ValueError(f"n_permutations must be at least 1, got {n_permutations}.")
     model = resolve_model(forward_func, model)
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    original_probs = original.explained_probs()
     chosen = layer_set(layers, len(original.attn_probs))
     generator = torch.Generator().manual_seed(seed)
     permuted = torch.stack(
@@ -82,13 +84,13 @@ def attention_permutation(
             run_model(
                 forward_func, model, inputs, additional_forward_args,
                 _permuting(original, chosen, heads, generator), adapter,
-            ).probs
+            ).explained_probs()
             for _ in range(n_permutations)
         ]
     )  # (n_permutations, B, C)
-    tvd = 0.5 * (permuted - original.probs).abs().sum(dim=-1)
-    jsd = js_divergence(permuted, original.probs.expand_as(permuted))
-    flips = (permuted.argmax(dim=-1) != original.probs.argmax(dim=-1)).float()
+    tvd = 0.5 * (permuted - original_probs).abs().sum(dim=-1)
+    jsd = js_divergence(permuted, original_probs.expand_as(permuted))
+    flips = (permuted.argmax(dim=-1) != original_probs.argmax(dim=-1)).float()
     return PermutationResult(tvd.median(dim=0).values, jsd.median(dim=0).values, flips.mean(dim=0))
 
 
@@ -125,12 +127,12 @@ def permutation_accuracy(
     for ids, mask, labels in tqdm(data, desc="permuting attention", disable=not progress):
         original = run_model(forward_func, model, ids, (mask,), adapter=adapter)
         settings = layers if layers is not None else [*range(len(original.attn_probs)), None]
-        outcomes = {"original": original.probs}
+        outcomes = {"original": original.explained_probs()}
         for setting in settings:
             chosen = layer_set(setting, len(original.attn_probs))
             name = "all layers" if setting is None else f"layer {setting}"
             intervention = _permuting(original, chosen, None, generator)
-            outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter).probs
+            outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter).explained_probs()
         for name, probs in outcomes.items():
             hits = (probs.argmax(dim=-1).cpu() == labels.cpu()).sum().item()
             correct[name] = correct.get(name, 0) + hits

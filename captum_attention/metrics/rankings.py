@@ -12,16 +12,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from captum._utils.typing import TargetType
 from torch import Tensor, nn
 
-from ..attr._base import CapturedAttention, GradientReduction, capture_attention, format_inputs
+from .._compat import TargetType
 from ..capture import AttentionAdapter
+from ..capture.inputs import format_inputs
+from ..capture.record import ForwardRecord, GradientReduction, record_forward
 from ..maps import mask_padding, query_rows
 from ._forward import resolve_model
 
 
-def _captured(
+def _recorded(
     forward_func: Callable[..., Any],
     inputs: Tensor,
     target: TargetType,
@@ -30,22 +31,21 @@ def _captured(
     query_index: int | None,
     adapter: AttentionAdapter | None,
     reduction: GradientReduction | None,
-) -> CapturedAttention:
+) -> ForwardRecord:
     _, tensors = format_inputs(inputs)
     model = resolve_model(forward_func, model)
-    return capture_attention(
-        forward_func, model, tensors, target, additional_forward_args, query_index, adapter, reduction
+    record = record_forward(
+        forward_func, model, tensors, additional_forward_args, adapter,
+        track_grad=reduction is not None, query_index=query_index,
     )
+    return record if reduction is None else record.with_gradients(target, reduction)
 
 
-def _ranking(captured: CapturedAttention, layer: int) -> Tensor:
+def _ranking(record: ForwardRecord, layer: int) -> Tensor:
     """The head-mean map of ``layer`` (attention, or the gradient reduction) at the query row."""
-    index = captured.layer(layer)
-    head_mean = captured.attn_probs[index].mean(dim=1) if captured.attn_probs is not None else None
-    if captured.grad_maps is not None:
-        head_mean = captured.grad_maps[index]
-    assert head_mean is not None
-    return query_rows(mask_padding(head_mean, captured.real), captured.query_index)
+    index = record.layer(layer)
+    head_mean = record.attn_probs[index].float().mean(dim=1) if record.grad_maps is None else record.grad_maps[index]
+    return query_rows(mask_padding(head_mean, record.target_real), record.query_index)
 
 
 def attention_ranking(
@@ -58,8 +58,8 @@ def attention_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``."""
-    captured = _captured(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, None)
-    return _ranking(captured, layer)
+    record = _recorded(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, None)
+    return _ranking(record, layer)
 
 
 def gradient_ranking(
@@ -73,10 +73,10 @@ def gradient_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean gradient ∂S/∂α of ``layer`` at the query row (S: the target's logit)."""
-    captured = _captured(
+    record = _recorded(
         forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _gradient_head_mean
     )
-    return _ranking(captured, layer)
+    return _ranking(record, layer)
 
 
 def gradient_attention_ranking(
@@ -90,10 +90,10 @@ def gradient_attention_ranking(
     adapter: AttentionAdapter | None = None,
 ) -> Tensor:
     """Head-mean ∂S/∂α ⊙ α of ``layer`` at the query row."""
-    captured = _captured(
+    record = _recorded(
         forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _product_head_mean
     )
-    return _ranking(captured, layer)
+    return _ranking(record, layer)
 
 
 def _gradient_head_mean(attn: Tensor, grad: Tensor) -> Tensor:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from captum._utils.typing import TargetType
 from torch import Tensor
 
-from ..attr._base import output_logits, resolve_targets
+from .._compat import TargetType
+from ..capture.inputs import output_logits, resolve_targets
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
 DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)

@@ -1,0 +1,89 @@
+"""Every reliance on private internals of torch, transformers and Captum, in one place.
+
+Each item says what it depends on and the versions it was checked against (torch 2.13,
+transformers 5.24, captum 0.9). When one of these libraries moves an internal, this is the
+only file to change. Imported by every layer; imports none of them.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Captum's private argument helpers (captum._utils.common, checked on captum 0.9): they
+# give our attribute() exactly Captum's conventions for inputs, extra arguments, output
+# tuples and the forward call. TargetType is Captum's alias for `target`.
+from captum._utils.common import (
+    _format_additional_forward_args as format_additional_forward_args,
+    _format_output as format_output,
+    _format_tensor_into_tuples as format_tensor_into_tuples,
+    _run_forward as run_forward,
+)
+from captum._utils.typing import TargetType
+
+__all__ = [
+    "TargetType",
+    "attn_implementation",
+    "declared_outputs",
+    "format_additional_forward_args",
+    "format_output",
+    "format_tensor_into_tuples",
+    "mha_forward_with_softmax",
+    "output_recorder_class",
+    "run_forward",
+]
+
+
+def output_recorder_class() -> Any:
+    """transformers' ``OutputRecorder`` (an entry of ``_can_record_outputs``).
+
+    It lives in ``transformers.utils.output_capturing`` on 5.24 and lived in
+    ``transformers.utils.generic`` on 4.5x; None where neither has it.
+    """
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        from transformers.utils import generic as output_capturing  # type: ignore[no-redef]
+    return getattr(output_capturing, "OutputRecorder", None)
+
+
+def declared_outputs(model_class: type) -> dict[str, Any]:
+    """A transformers model class's ``_can_record_outputs``: which modules produce its
+    ``attentions`` / ``cross_attentions`` (the private declaration behind
+    ``output_attentions=True``, checked on 5.24); empty where absent."""
+    return getattr(model_class, "_can_record_outputs", None) or {}
+
+
+def attn_implementation(model: nn.Module) -> str | None:
+    """The attention implementation a transformers model runs (``config._attn_implementation``:
+    "eager", "sdpa", "flash_attention_2", ...), or None for other modules. Checked on 5.24."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def mha_forward_with_softmax(softmax: Callable[..., Tensor]) -> Callable[..., Any]:
+    """A private copy of ``F.multi_head_attention_forward`` whose softmax is ``softmax``.
+
+    ``nn.MultiheadAttention`` dispatches ``F.multi_head_attention_forward`` as a whole to
+    torch-function modes, which hides the softmax inside it. The copy runs the same code
+    object with ``softmax`` and ``has_torch_function`` (always False: the call has already
+    been dispatched) replaced in its globals; nothing global is patched. Depends on the
+    function calling ``softmax`` and ``has_torch_function`` by name (torch 2.13).
+    """
+    function = F.multi_head_attention_forward
+    code = function.__code__
+    if "softmax" not in code.co_names or "has_torch_function" not in code.co_names:
+        raise RuntimeError(
+            f"This PyTorch's {function.__name__} no longer calls softmax by name; attention "
+            "in nn.MultiheadAttention cannot be intercepted. Please report this."
+        )
+
+    def has_torch_function(*args: Any) -> bool:
+        return False
+
+    namespace = {**function.__globals__, "softmax": softmax, "has_torch_function": has_torch_function}
+    copy = types.FunctionType(code, namespace, function.__name__, function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy

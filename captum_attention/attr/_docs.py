@@ -1,0 +1,57 @@
+"""The Args and Returns texts every ``attribute()`` shares, written once."""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Callable, TypeVar
+
+# The Args and Returns texts every attribute() shares (continuation lines keep the
+# docstring indentation they are pasted into).
+_SHARED_ATTRIBUTE_DOCS = {
+    "inputs": (
+        'inputs (Tensor or tuple of Tensor): token ids ``(batch, seq_len)``,\n'
+        '                embeddings ``(batch, seq_len, hidden)`` or images ``(batch, channels,\n'
+        '                height, width)``, passed to ``forward_func`` first; for an encoder-decoder,\n'
+        '                the pair ``(input_ids, decoder_input_ids)``.'
+    ),
+    "target": (
+        'target (int, list, Tensor or None, optional): the class (or, for a language\n'
+        '                model, the token id) whose logit is explained. Default: None, the\n'
+        '                predicted one.'
+    ),
+    "target_ignored": (
+        'target (Any, optional): accepted for a drop-in Captum call and ignored.\n'
+        '                Default: None.'
+    ),
+    "additional_forward_args": (
+        'additional_forward_args (Any, optional): further arguments of\n'
+        '                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.'
+    ),
+    "query_index": (
+        'query_index (int or sequence/Tensor of int, optional): the explained\n'
+        '                position (the query row), one for all examples or one per example; for a\n'
+        '                language model also where its logits are read. Default: None, the first\n'
+        "                real token ([CLS], a ViT's class token) for bidirectional attention, the\n"
+        '                last real token for decoders (causal attention) and encoder-decoders.'
+    ),
+    "returns": (
+        'Returns:\n'
+        "            float32 scores shaped like Captum's output for ``inputs``: ``(batch, seq_len)``\n"
+        '            for tokens, 0 at padding (and, for decoders, after the query); ``(batch, rows,\n'
+        '            columns)`` on the patch grid for images (class/distillation tokens dropped);\n'
+        '            for an encoder-decoder the pair ``(source scores (batch, source_len), target\n'
+        '            scores (batch, target_len))``. With ``return_maps``, a pair ``(scores, maps)``:\n'
+        '            ``(batch, layers, seq_len, seq_len)``, or a dict of those per role\n'
+        '            (``"encoder"``, ``"decoder"``, ``"cross"``) for an encoder-decoder.'
+    ),
+}
+
+AttributeMethod = TypeVar("AttributeMethod", bound=Callable[..., Any])
+
+
+def shared_attribute_docs(method: AttributeMethod) -> AttributeMethod:
+    """Fill the ``$inputs``, ``$target``, ``$target_ignored``, ``$additional_forward_args``,
+    ``$query_index`` and ``$returns`` lines of an ``attribute`` docstring with the texts the
+    four methods share, so that each is written once."""
+    method.__doc__ = string.Template(method.__doc__ or "").substitute(_SHARED_ATTRIBUTE_DOCS)
+    return method

@@ -1,0 +1,129 @@
+"""Captum-style arguments checked and resolved: inputs, targets, query positions, logits.
+
+Each function either returns the argument in the one form the library works with or raises
+one clear error that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .._compat import TargetType, format_tensor_into_tuples
+
+QueryIndex = int | Sequence[int] | Tensor | None
+
+
+def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, tuple[Tensor, ...]]:
+    """Validate Captum-style ``inputs``: one tensor of token ids, embeddings or images, or
+    a pair ``(source, target)`` of them for encoder-decoders."""
+    is_tuple = isinstance(inputs, tuple)
+    formatted = format_tensor_into_tuples(inputs) if is_tuple or isinstance(inputs, Tensor) else None
+    if formatted is None or len(formatted) not in (1, 2) or not all(isinstance(t, Tensor) for t in formatted):
+        raise TypeError(
+            "inputs must be one tensor (or a 1-tuple): token ids (batch, seq_len), embeddings "
+            "(batch, seq_len, hidden) or images (batch, channels, height, width); or, for "
+            f"encoder-decoders, a pair (source, target); got {type(inputs).__name__}"
+            + (f" of length {len(inputs)}" if isinstance(inputs, tuple) else "")
+            + ". Pass further model inputs through additional_forward_args."
+        )
+    for tensor in formatted:
+        _check_input(tensor, image_ok=len(formatted) == 1)
+    return is_tuple, tuple(formatted)
+
+
+def _check_input(tensor: Tensor, image_ok: bool) -> None:
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        raise ValueError("inputs is an empty batch: pass at least one example.")
+    if tensor.is_floating_point() and tensor.dim() == 2:
+        raise TypeError(
+            f"inputs are floating-point with shape {tuple(tensor.shape)}: token ids must be "
+            "integers (torch.long). To attribute embeddings (e.g. under NoiseTunnel), pass "
+            "them as (batch, seq_len, hidden) and forward them through inputs_embeds."
+        )
+    if tensor.dtype == torch.bool or (not tensor.is_floating_point() and tensor.dim() != 2):
+        raise TypeError(
+            f"inputs with dtype {tensor.dtype} and shape {tuple(tensor.shape)} are neither "
+            "token ids (integer, (batch, seq_len)) nor embeddings (float, (batch, seq_len, hidden))."
+        )
+    if tensor.is_floating_point() and tensor.dim() not in ((3, 4) if image_ok else (3,)):
+        raise TypeError(
+            f"float inputs must be embeddings (batch, seq_len, hidden) or images (batch, "
+            f"channels, height, width), got shape {tuple(tensor.shape)}."
+        )
+    if tensor.dim() in (2, 3) and tensor.shape[1] == 0:
+        raise ValueError("inputs have no tokens (seq_len is 0).")
+
+
+def output_logits(output: Any) -> Tensor:
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    if not isinstance(logits, Tensor) or logits.dim() not in (2, 3):
+        shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(
+            f"forward_func must return logits of shape (batch, num_classes), or "
+            f"(batch, seq_len, vocab) for language models, got {shape}. Wrap the model so "
+            "that it returns the logits to explain."
+        )
+    return logits
+
+
+def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
+    """Captum's ``target`` as a ``(B,)`` long tensor of class indices; None = predicted class."""
+    batch, num_classes = logits.shape
+    if target is None:
+        return logits.argmax(dim=1)
+    if isinstance(target, (list, tuple)) and any(not isinstance(t, int) for t in target):
+        raise TypeError(f"target must hold ints (class indices), got {target!r}.")
+    targets = torch.as_tensor(target, device=logits.device)
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"target must be class indices (integers), got dtype {targets.dtype}.")
+    if targets.dim() == 0:
+        targets = targets.expand(batch)
+    if targets.shape != (batch,):
+        raise ValueError(
+            f"target has shape {tuple(targets.shape)}: give one int for all examples or one "
+            f"per example ({batch})."
+        )
+    bad = ((targets < 0) | (targets >= num_classes)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"target {targets[bad[0]].item()} is out of range: the model has {num_classes} "
+            f"classes, so target must be in [0, {num_classes - 1}]."
+        )
+    return targets.long()
+
+
+def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False) -> Tensor:
+    """``query_index`` as a ``(B,)`` long tensor of real positions, or a clear error.
+
+    None: the last real token when the attention is causal (decoders, where the
+    explained logit is read), else the first real token ([CLS], a ViT's class token).
+    """
+    batch, seq_len = real.shape
+    if query_index is None:
+        positions = torch.arange(seq_len, device=real.device).expand(batch, -1)
+        if causal:
+            return positions.masked_fill(~real, -1).amax(dim=1)
+        return positions.masked_fill(~real, seq_len).amin(dim=1)
+    queries = torch.as_tensor(query_index, device=real.device)
+    if queries.is_floating_point() or queries.dtype == torch.bool:
+        raise TypeError(f"query_index must be an int or ints, got dtype {queries.dtype}.")
+    if queries.dim() == 0:
+        queries = queries.expand(batch)
+    if queries.shape != (batch,):
+        raise ValueError(
+            f"query_index has shape {tuple(queries.shape)}: give one int or one per example ({batch})."
+        )
+    if ((queries < 0) | (queries >= seq_len)).any():
+        raise ValueError(f"query_index {query_index} is outside the sequence [0, {seq_len - 1}].")
+    padded = (~real[torch.arange(batch, device=real.device), queries]).nonzero().flatten().tolist()
+    if padded:
+        raise ValueError(
+            f"query_index points at a padding token in examples {padded}: choose a real token "
+            "(by default the first real token, or the last one for decoders)."
+        )
+    return queries.long()

@@ -1,0 +1,265 @@
+"""The record of one forward pass through the capture, which attributions and metrics read.
+
+:func:`record_forward` runs the user's forward function once with the model's attention
+captured (and, optionally, intervened on) and returns a :class:`ForwardRecord`: the logits,
+the attention of every call, which tokens are real on the source and target side, the
+explained query position per example, and whether the self-attention is causal.
+:meth:`ForwardRecord.with_gradients` adds each call's reduction of (A, dS/dA) from one
+backward pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .._compat import TargetType, run_forward
+from .adapters import AttentionAdapter, default_adapter
+from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
+from .recorder import AttentionCapture
+
+Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
+"""``intervention(call_index, attn_probs, first_head, attn_scores) -> attn_probs``; see
+:class:`AttentionCapture`."""
+
+GradientReduction = Callable[[Tensor, Tensor], Tensor]
+"""``reduce(attn_probs, attn_grads) -> (B, Q, K)``: one call's (A, dS/dA) reduced over heads."""
+
+
+@dataclass
+class ForwardRecord:
+    """One forward pass through the capture layer.
+
+    Attributes:
+        logits: ``(B, C)``, or a language model's ``(B, T, V)``.
+        attn_probs: per attention call, ``(B, H, Q, K)`` float probabilities as they
+            weighted the values (detached).
+        grad_maps: per attention call, a gradient method's reduction of (A, dS/dA) over
+            heads, ``(B, Q, K)`` float32; None until :meth:`with_gradients`.
+        roles: per attention call, ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"``.
+        target_real: ``(B, T)`` bool, the real tokens of the explained sequence (the
+            target sequence of an encoder-decoder); for causal attention only those up to
+            the query, which is all a decoder's explanation of that position can see.
+        source_real: ``(B, S)`` bool real source tokens of an encoder-decoder, else None.
+        query_index: ``(B,)`` long, the explained query position per example.
+        causal: whether the explained sequence's self-attention never looks ahead.
+        capture: the capture of the call (its probabilities still in the autograd graph
+            when gradients are tracked).
+    """
+
+    logits: Tensor
+    attn_probs: list[Tensor]
+    roles: list[str]
+    target_real: Tensor
+    source_real: Tensor | None
+    query_index: Tensor
+    causal: bool
+    capture: AttentionCapture
+    grad_maps: list[Tensor] | None = None
+
+    @property
+    def heads(self) -> list[int]:
+        """Per attention call, the number of heads."""
+        return [p.shape[1] for p in self.attn_probs]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.roles)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.source_real is not None
+
+    @property
+    def input_real(self) -> Tensor:
+        """``(B, T)`` bool real tokens of the inputs that per-token arguments (erased keys,
+        rankings) refer to: the source tokens of an encoder-decoder, else the tokens."""
+        return self.target_real if self.source_real is None else self.source_real
+
+    def explained_logits(self) -> Tensor:
+        """``(B, C)``: classifier logits as they are, language-model logits at the query."""
+        if self.logits.dim() == 3:
+            batch = torch.arange(len(self.query_index), device=self.logits.device)
+            return self.logits[batch, self.query_index.to(self.logits.device)]
+        return self.logits
+
+    def explained_probs(self) -> Tensor:
+        """``(B, C)`` float32 softmax of :meth:`explained_logits`."""
+        return self.explained_logits().float().softmax(dim=-1)
+
+    def with_gradients(
+        self, target: TargetType, reduction: GradientReduction, retain_graph: bool = False
+    ) -> "ForwardRecord":
+        """This record with ``grad_maps``: ``reduction`` of each call's (A, dS/dA), where S
+        is the sum over examples of the ``target`` logit (None: the predicted one)."""
+        logits = self.explained_logits()
+        targets = resolve_targets(logits, target)
+        with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
+            score = logits.gather(1, targets[:, None]).sum()
+            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph)
+        return replace(self, grad_maps=[g.float() for g in grads])
+
+    def at_query(self, query_index: Tensor) -> "ForwardRecord":
+        """This record explaining ``query_index`` instead (a causal sequence's real tokens
+        are cut after it)."""
+        real = up_to(self.target_real, query_index) if self.causal else self.target_real
+        return replace(self, query_index=query_index, target_real=real)
+
+    def of_role(self, role: str) -> "ForwardRecord":
+        """Only the calls of one role (e.g. the decoder's self-attention)."""
+        chosen = [i for i, r in enumerate(self.roles) if r == role]
+
+        def pick(values: list[Any] | None) -> Any:
+            return None if values is None else [values[i] for i in chosen]
+
+        return replace(
+            self, attn_probs=pick(self.attn_probs), grad_maps=pick(self.grad_maps), roles=pick(self.roles)
+        )
+
+    def real_of(self, role: str) -> tuple[Tensor, Tensor]:
+        """``(real queries, real keys)`` of a call with this role: the source tokens for the
+        encoder's self-attention and cross-attention keys, else the explained sequence."""
+        source = self.input_real
+        queries = source if role == "encoder" else self.target_real
+        keys = self.target_real if role in ("self", "decoder") else source
+        return queries, keys
+
+    def keys_are_inputs(self, call: int) -> bool:
+        """Whether the call's keys are the tokens ``input_real`` marks (not a decoder's own)."""
+        return self.roles[call] != "decoder"
+
+    def queries_are_explained(self, call: int) -> bool:
+        """Whether the call's query rows are the explained sequence's (self or cross)."""
+        return self.roles[call] in ("self", "cross")
+
+    def layer(self, index: int, name: str = "layer") -> int:
+        """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
+        if not -self.num_layers <= index < self.num_layers:
+            raise ValueError(
+                f"{name}={index} is out of range: the model has {self.num_layers} attention "
+                f"layers, so {name} must be in [{-self.num_layers}, {self.num_layers - 1}]."
+            )
+        return index % self.num_layers
+
+
+def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> AttentionAdapter:
+    """``adapter``, or the built-in one for ``model``."""
+    return adapter if adapter is not None else default_adapter(model)
+
+
+def record_forward(
+    forward_func: Callable[..., Any],
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    additional_forward_args: Any,
+    adapter: AttentionAdapter | None = None,
+    track_grad: bool = False,
+    intervention: Intervention | None = None,
+    query_index: QueryIndex = None,
+) -> ForwardRecord:
+    """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
+
+    Args:
+        forward_func: called as Captum calls it, ``forward_func(*inputs, *extra)`` (by
+            keyword where the adapter says so).
+        model: the module holding the attention layers.
+        inputs: the formatted inputs (see :func:`format_inputs`).
+        additional_forward_args: further arguments of ``forward_func``.
+        adapter: how to find the attention. Default: the built-in one.
+        track_grad: keep the attention in the autograd graph for
+            :meth:`ForwardRecord.with_gradients`.
+        intervention: replaces the probabilities inside each call.
+        query_index: the explained position; None = the default (see
+            :func:`query_positions`).
+    """
+    batch = inputs[0].shape[0]
+    text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
+    if model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in training mode: dropout makes the attention "
+            "random. Call model.eval() before explaining it.",
+            stacklevel=4,
+        )
+    adapter = resolve_adapter(model, adapter)
+    capture = AttentionCapture(
+        model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention
+    )
+    with capture, torch.set_grad_enabled(track_grad):
+        output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
+    logits = output_logits(output)
+    attn_probs, roles = capture.attn_probs, capture.roles
+    _check_attention(attn_probs, roles, batch, text_shape)
+    device = inputs[0].device
+    source_real = None
+    if "cross" in roles:
+        cross = next(p for p, r in zip(attn_probs, roles) if r == "cross")
+        source_real = real_tokens(capture.attention_mask, batch, cross.shape[-1], device)
+        target_real = real_tokens(capture.decoder_attention_mask, batch, cross.shape[-2], device)
+    else:
+        target_real = real_tokens(capture.attention_mask, batch, attn_probs[0].shape[-1], device)
+    causal = _is_causal(capture, target_real)
+    queries = query_positions(query_index, target_real, causal)
+    record = ForwardRecord(
+        logits, [p.detach() for p in attn_probs], roles, target_real, source_real, queries, causal, capture
+    )
+    return record.at_query(queries)
+
+
+def up_to(real: Tensor, query_index: Tensor) -> Tensor:
+    """``real`` without the tokens after each example's query position."""
+    return real & (torch.arange(real.shape[1], device=real.device) <= query_index[:, None])
+
+
+def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:
+    """``(B, T)`` bool tensor of real tokens: ``attention_mask != 0``, or all True without a mask."""
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    return attention_mask.to(device) != 0
+
+
+def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
+    """Whether the explained sequence's self-attention is causal: as the adapter says, or,
+    where it cannot tell, from the probabilities (exactly 0 on every later real key)."""
+    self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
+    if not self_calls:
+        return False
+    said = capture.causal[self_calls[0]]
+    if said is not None:
+        return said
+    return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
+
+
+def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
+    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
+
+    A softmax is never exactly 0 unless the key was masked (or, in low precision, its
+    weight underflowed: the reason adapters that know say so instead). One head is enough
+    (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
+    """
+    if attn.shape[-1] < 2:
+        return False
+    later = attn[:, 0].triu(diagonal=1)
+    pairs = real[:, :, None] & real[:, None, :]
+    if not bool(pairs.triu(diagonal=1).any()):
+        return False
+    return not bool(later.masked_fill_(~pairs, 0).any())
+
+
+def _check_attention(attn_probs: list[Tensor], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:
+    if not attn_probs:
+        raise RuntimeError(
+            "The forward pass ran no attention module of `model`: check that forward_func "
+            "calls the model passed as model=..."
+        )
+    for probs, role in zip(attn_probs, roles):
+        keys_ok = role != "self" or text_shape is None or probs.shape[-1] == text_shape[1]
+        if probs.dim() != 4 or probs.shape[0] != batch or not keys_ok:
+            expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
+            raise RuntimeError(
+                f"Captured attention of shape {tuple(probs.shape)}, expected (batch={batch}, "
+                f"heads, queries, {expected}): the adapter reads the wrong output."
+            )
