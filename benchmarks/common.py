@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import transformers as tf
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention import METHODS
 
 BATCH, SEQ_LEN = 8, 128
 
@@ -74,12 +74,10 @@ MEASURING_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0
 
 FORWARD = "forward with attentions"
 FORWARD_BACKWARD = "forward+backward with attentions"
-# Each method against the model's own pass it extends: a forward, or a forward+backward.
+# Each registered method against the model's own pass it extends: a forward, or (for the
+# gradient methods) a forward+backward.
 BASELINE = {
-    "RawAttention": FORWARD,
-    "AttentionRollout": FORWARD,
-    "GradSAM": FORWARD_BACKWARD,
-    "TransformerAttribution": FORWARD_BACKWARD,
+    cls.__name__: FORWARD_BACKWARD if cls.gradient_reduction is not None else FORWARD for cls in METHODS.values()
 }
 RUN_NAMES = [FORWARD, FORWARD_BACKWARD, *BASELINE]
 TARGET = 1
@@ -101,14 +99,10 @@ def attention_runs(model: tf.PreTrainedModel, ids: torch.Tensor, mask: torch.Ten
         out.logits[:, TARGET].sum().backward()
         eager.zero_grad(set_to_none=True)
 
-    return {
-        FORWARD: forward,
-        FORWARD_BACKWARD: forward_backward,
-        "RawAttention": lambda: RawAttention(model).attribute(ids, **args),
-        "AttentionRollout": lambda: AttentionRollout(model).attribute(ids, **args),
-        "GradSAM": lambda: GradSAM(model).attribute(ids, target=TARGET, **args),
-        "TransformerAttribution": lambda: TransformerAttribution(model).attribute(ids, target=TARGET, **args),
-    }
+    def method(cls: type) -> Callable[[], object]:
+        return lambda: cls(model).attribute(ids, target=TARGET, **args)
+
+    return {FORWARD: forward, FORWARD_BACKWARD: forward_backward, **{cls.__name__: method(cls) for cls in METHODS.values()}}
 
 
 def median_seconds(

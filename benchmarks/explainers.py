@@ -16,7 +16,7 @@ from captum.attr import InputXGradient, IntegratedGradients, LayerIntegratedGrad
 from tasks import MASK, Task
 from torch import Tensor
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention import METHODS
 from captum_attention.metrics import random_ranking
 
 IG_STEPS = 50
@@ -119,10 +119,7 @@ def random_baseline(task: Task, target: Tensor) -> Tensor:
 def methods() -> dict[str, Explainer]:
     """The compared methods by display name (the budgets as currently set in this module)."""
     return {
-        "Grad-SAM": _ours(GradSAM),
-        "Attention Rollout": _ours(AttentionRollout),
-        "Transformer Attribution": _ours(TransformerAttribution),
-        "Raw attention": _ours(RawAttention),
+        **{cls.get_name(): _ours(cls) for cls in METHODS.values()},
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Gradient × Input": gradient_x_input,

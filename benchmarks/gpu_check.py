@@ -35,15 +35,10 @@ from common import (  # noqa: E402
     benchmark_model,
 )
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution  # noqa: E402
+from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention.metrics import attention_erasure, comprehensiveness, random_ranking  # noqa: E402
 
-METHODS = {
-    "RawAttention": (RawAttention, {}),
-    "AttentionRollout": (AttentionRollout, {}),
-    "GradSAM": (GradSAM, {"target": 1}),
-    "TransformerAttribution": (TransformerAttribution, {"target": 1}),
-}
+METHODS = {cls.__name__: (cls, {"target": 1}) for cls in REGISTERED.values()}
 
 
 def scores(device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -13,16 +13,11 @@ import torch
 import transformers as tf
 from captum.attr import LayerIntegratedGradients
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention import METHODS as REGISTERED
 
 WORDS = "the plot was dull but acting superb what a film < > script alert ( 1 ) /".split()
 SENTENCES = ["the plot was dull but the acting was superb", "what a film"]
-METHODS = {
-    "Grad-SAM": GradSAM,
-    "Attention Rollout": AttentionRollout,
-    "Transformer Attribution": TransformerAttribution,
-    "Raw Attention": RawAttention,
-}
+METHODS = {cls.get_name(): cls for cls in REGISTERED.values()}
 
 
 def _tokenizer(folder: Path) -> tf.BertTokenizerFast:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .explain import method_names
+
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one line on stderr."""
@@ -27,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(default: the embedded sentiment model, trained on first use)")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted)")
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
+    explain.add_argument("--methods", help="comma-separated methods to run (default: all): "
+                         + ", ".join(method_names()))
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--cache-dir", type=Path, help="cache folder for the default model "
                          "(default: $CAPTUM_ATTENTION_CACHE or $XDG_CACHE_HOME/captum-attention)")
@@ -51,6 +55,17 @@ def _sentences(arguments: argparse.Namespace) -> list[str]:
     return sentences
 
 
+def _methods(arguments: argparse.Namespace) -> list[str]:
+    if arguments.methods is None:
+        return method_names()
+    chosen = [name.strip() for name in arguments.methods.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in method_names()]
+    if unknown or not chosen:
+        named = ", ".join(map(repr, unknown)) or "nothing"
+        raise UsageError(f"--methods: {named} is not a method; choose from {', '.join(method_names())}")
+    return chosen
+
+
 def _explain(arguments: argparse.Namespace) -> None:
     from .explain import explain, resolve_target
     from .html import render_html
@@ -58,6 +73,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     from .text import render_text
 
     sentences = _sentences(arguments)
+    methods = _methods(arguments)
     if arguments.ig_steps < 1:
         raise UsageError(f"--ig-steps must be at least 1, got {arguments.ig_steps}")
     folder = arguments.model
@@ -67,7 +83,7 @@ def _explain(arguments: argparse.Namespace) -> None:
         folder = default_model_path(arguments.cache_dir)
     model, tokenizer = load_classifier(folder)
     target = resolve_target(arguments.target, model.config.id2label)
-    explanations = explain(model, tokenizer, sentences, target, arguments.ig_steps)
+    explanations = explain(model, tokenizer, sentences, target, arguments.ig_steps, methods=methods)
     print(render_text(explanations))
     if arguments.html is not None:
         arguments.html.write_text(render_html(explanations, str(folder)), encoding="utf-8")

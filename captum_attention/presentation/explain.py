@@ -9,7 +9,10 @@ from typing import Any, Callable
 import torch
 from captum.attr import LayerIntegratedGradients
 
-from ..attr import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from ..attr import METHODS
+
+INTEGRATED_GRADIENTS = "integrated_gradients"
+"""The Captum baseline the report adds to the registered methods."""
 
 
 @dataclass
@@ -56,24 +59,32 @@ def _attention_method(explainer: Any) -> Method:
     return run
 
 
-def _methods(model: Any, ig_steps: int) -> dict[str, Method]:
-    """Method name -> ``run(ids, targets, mask, ig_baseline) -> (batch, seq_len) scores``."""
+def method_names() -> list[str]:
+    """What ``--methods`` accepts: the registered methods, then Integrated Gradients."""
+    return [*METHODS, INTEGRATED_GRADIENTS]
+
+
+def _methods(model: Any, ig_steps: int, names: list[str]) -> dict[str, Method]:
+    """Display name -> ``run(ids, targets, mask, ig_baseline) -> (batch, seq_len) scores``,
+    for the methods ``names`` (registry names, in the registry's order)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
     methods = {
-        cls.get_name(): _attention_method(cls(forward, model=model))
-        for cls in (GradSAM, AttentionRollout, TransformerAttribution, RawAttention)
+        cls.get_name(): _attention_method(cls(forward, model=model)) for name, cls in METHODS.items() if name in names
     }
-    lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
+    if INTEGRATED_GRADIENTS in names:
+        lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
 
-    def integrated_gradients(ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-        return lig.attribute(
-            ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps
-        ).sum(dim=-1)
+        def integrated_gradients(
+            ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor
+        ) -> torch.Tensor:
+            return lig.attribute(
+                ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps
+            ).sum(dim=-1)
 
-    methods["Integrated Gradients"] = integrated_gradients
+        methods["Integrated Gradients"] = integrated_gradients
     return methods
 
 
@@ -90,8 +101,10 @@ def explain(
     target: int | None = None,
     ig_steps: int = 50,
     max_length: int = 128,
+    methods: list[str] | None = None,
 ) -> Explanations:
-    """Run every method on ``sentences`` in one batch each."""
+    """Run each method (by registry name, see :func:`method_names`; default: all) on
+    ``sentences`` in one batch each."""
     encoded = tokenizer(sentences, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():
@@ -113,7 +126,7 @@ def explain(
     ]
     baseline = _baseline(ids, tokenizer)
     seconds = {}
-    for name, method in _methods(model, ig_steps).items():
+    for name, method in _methods(model, ig_steps, methods or method_names()).items():
         start = time.perf_counter()
         scores = method(ids, targets, mask, baseline).detach()
         seconds[name] = time.perf_counter() - start
