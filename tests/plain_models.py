@@ -24,8 +24,11 @@ class MHAClassifier(nn.Module):
         self.blocks = nn.ModuleList(nn.MultiheadAttention(DIM, HEADS, batch_first=batch_first) for _ in range(LAYERS))
         self.classifier = nn.Linear(DIM, NUM_LABELS)
 
+    def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids) + self.position[: input_ids.shape[1]]
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
+        x = self.embeddings(input_ids)
         padding = None if attention_mask is None else attention_mask == 0
         for block in self.blocks:
             h = x if self.batch_first else x.transpose(0, 1)
@@ -35,7 +38,7 @@ class MHAClassifier(nn.Module):
 
     def reference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """The same computation written out: logits and, per block, the ``(B, H, T, T)`` probabilities."""
-        x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
+        x = self.embeddings(input_ids)
         probs = []
         for block in self.blocks:
             batch, seq_len, _ = x.shape
@@ -47,6 +50,23 @@ class MHAClassifier(nn.Module):
             mixed = (attn @ split(v)).transpose(1, 2).reshape(batch, seq_len, DIM)
             x = x + block.out_proj(mixed)
         return self.classifier(torch.tanh(x[:, 0])), probs
+
+
+class PatchClassifier(MHAClassifier):
+    """A ViT written by hand: 4×4 patch embedding, a class token, ``nn.MultiheadAttention``
+    blocks; no Hugging Face config, so only an adapter knows its patch grid."""
+
+    PATCH = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, DIM, kernel_size=self.PATCH, stride=self.PATCH)
+        self.class_token = nn.Parameter(torch.randn(1, 1, DIM))
+
+    def embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(pixel_values).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.class_token.expand(len(tokens), -1, -1), tokens], dim=1)
+        return tokens + self.position[: tokens.shape[1]]
 
 
 class Head(nn.Module):

@@ -8,18 +8,10 @@ import pytest
 import torch
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import DECODERS, lm_reference, make_decoder, make_prompts
-from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+from methods import METHODS
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention import GradSAM
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
-
-METHODS = {
-    "grad_sam": (GradSAM, lambda ref, n, q: reference_grad_sam(ref, n)),
-    "transformer_attribution": (TransformerAttribution, lambda ref, n, q: reference_chefer(ref, n, query=q)),
-    "rollout": (AttentionRollout, lambda ref, n, q: reference_rollout(ref, n, query=q)),
-    "raw": (RawAttention, lambda ref, n, q: reference_raw(ref, n, query=q)),
-}
-
 
 @pytest.fixture(params=DECODERS)
 def decoder(request: pytest.FixtureRequest) -> str:
@@ -44,7 +36,7 @@ def test_methods_match_reference_at_the_last_real_token(decoder, method, side):
     prompts = make_prompts(side=side)
     last = torch.arange(prompts.real.shape[1]).masked_fill(~prompts.real, -1).amax(dim=1)
     ref = lm_reference(model, prompts, last)
-    cls, reference = METHODS[method]
+    cls, reference = METHODS[method].cls, METHODS[method].reference
     scores = cls(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
     expected = per_example(reference, ref, prompts.real, last)
     assert expected.abs().max() > 0
@@ -57,7 +49,7 @@ def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
     prompts = make_prompts(lengths=(7, 7), side="right")
     queries, targets = torch.tensor([2, 4]), torch.tensor([5, 9])
     ref = lm_reference(model, prompts, queries, targets)
-    cls, reference = METHODS[method]
+    cls, reference = METHODS[method].cls, METHODS[method].reference
     scores = cls(model).attribute(
         prompts.input_ids, target=targets, additional_forward_args=(prompts.attention_mask,), query_index=queries
     )
@@ -70,7 +62,7 @@ def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
 def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
     model = make_decoder(decoder)
     prompts = make_prompts(side="left")
-    explainer = METHODS[method][0](model)
+    explainer = METHODS[method].cls(model)
     together = explainer.attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
     for b in range(3):
         real = prompts.real[b]
@@ -84,7 +76,7 @@ def test_continuation_rows_equal_explaining_each_prefix(decoder, method):
     model = make_decoder(decoder)
     prompts = make_prompts(lengths=(5, 3), side="left")
     continuation = torch.tensor([[7, 8, 9], [10, 11, 12]])
-    explainer = METHODS[method][0](model)
+    explainer = METHODS[method].cls(model)
     rows = explainer.attribute_continuation(
         prompts.input_ids, continuation, additional_forward_args=(prompts.attention_mask,)
     )
@@ -121,7 +113,7 @@ def test_model_left_as_found(decoder, method):
     model = make_decoder(decoder)
     before = model_state(model)
     prompts = make_prompts(side="left")
-    METHODS[method][0](model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    METHODS[method].cls(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
     assert_same_state(before, model_state(model))
     assert model.config._attn_implementation == "sdpa"
 

@@ -1,65 +1,34 @@
-"""Each method against a direct re-computation from output_attentions and autograd.grad.
-
-The references below loop over examples, cut each example's real N×N block and multiply
-full matrices: a different code path from the library's batched, padding-masked,
-vector-propagated one.
-"""
+"""Each method against a direct re-computation from output_attentions and autograd.grad
+(the references are in ``methods.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import assert_scores_close, make_batch, make_model, reference_attention
+from methods import METHODS, reference_chefer, reference_grad_sam, reference_raw, reference_rollout
 
+from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
 TARGET = 2
 
 
-def _block(tensor: torch.Tensor, row: int, n: int) -> torch.Tensor:
-    return tensor[row, :, :n, :n]
+def test_every_registered_method_has_a_reference():
+    assert set(METHODS) == set(REGISTERED)
 
 
-def reference_grad_sam(ref, lengths):
-    scores = torch.zeros(len(lengths), max(lengths))
-    num_layers, num_heads = len(ref.attentions), ref.attentions[0].shape[1]
-    for b, n in enumerate(lengths):
-        total = torch.zeros(n)
-        for attn, grad in zip(ref.attentions, ref.grads):
-            total += (_block(attn, b, n) * _block(grad, b, n).clamp(min=0)).sum(dim=(0, 2))
-        scores[b, :n] = total / (num_layers * num_heads * n)
-    return scores
-
-
-def reference_chefer(ref, lengths, query=0, start_layer=0):
-    scores = torch.zeros(len(lengths), max(lengths))
-    for b, n in enumerate(lengths):
-        relevance = torch.eye(n)
-        for attn, grad in list(zip(ref.attentions, ref.grads))[start_layer:]:
-            cam = (_block(grad, b, n) * _block(attn, b, n)).clamp(min=0).mean(dim=0)
-            relevance = relevance + cam @ relevance
-        scores[b, :n] = relevance[query]
-    return scores
-
-
-def reference_rollout(ref, lengths, query=0, fusion="mean", start_layer=0):
-    scores = torch.zeros(len(lengths), max(lengths))
-    fuse = {"mean": lambda a: a.mean(0), "max": lambda a: a.max(0).values, "min": lambda a: a.min(0).values}
-    for b, n in enumerate(lengths):
-        rollout = torch.eye(n)
-        for attn in ref.attentions[start_layer:]:
-            a_hat = 0.5 * fuse[fusion](_block(attn, b, n)) + 0.5 * torch.eye(n)
-            a_hat = a_hat / a_hat.sum(dim=-1, keepdim=True)
-            rollout = a_hat @ rollout
-        scores[b, :n] = rollout[query]
-    return scores
-
-
-def reference_raw(ref, lengths, query=0, layer=-1):
-    scores = torch.zeros(len(lengths), max(lengths))
-    for b, n in enumerate(lengths):
-        scores[b, :n] = _block(ref.attentions[layer], b, n).mean(0)[query]
-    return scores
+@pytest.mark.parametrize("name", list(METHODS))
+def test_registered_method_matches_reference_with_default_options(family, name):
+    model = make_model(family)
+    batch = make_batch(model)
+    ref = reference_attention(model, batch, TARGET)
+    scores = METHODS[name].cls(model).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+    )
+    expected = METHODS[name].reference(ref, batch.lengths)
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected)
 
 
 def test_grad_sam_matches_reference(family):

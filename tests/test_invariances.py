@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
+from methods import METHODS as TABLE
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
 METHODS = {
-    "grad_sam": (GradSAM, dict(target=1)),
-    "transformer_attribution": (TransformerAttribution, dict(target=1)),
-    "rollout": (AttentionRollout, dict()),
+    **{name: (case.cls, case.options) for name, case in TABLE.items()},
     "rollout_discard": (AttentionRollout, dict(head_fusion="max", discard_ratio=0.5)),
-    "raw": (RawAttention, dict(layer=1)),
 }
 
 

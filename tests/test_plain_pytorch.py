@@ -7,23 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import assert_same_state, assert_scores_close, make_batch, model_state
-from plain_models import make_plain
-from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+from plain_models import PatchClassifier, make_plain
+from methods import METHODS
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
-from captum_attention.capture import AttentionNotFoundError, ModuleAdapter
+from captum_attention import GradSAM, TransformerAttribution
+from captum_attention.capture import AttentionNotFoundError, ModuleAdapter, MultiheadAttentionAdapter
 from captum_attention.metrics import attention_erasure, attention_permutation
 
 KINDS = ("mha", "mha_seq_first", "textbook")
 TARGET = 1
-METHODS = {
-    GradSAM: lambda ref, lengths: reference_grad_sam(ref, lengths),
-    TransformerAttribution: lambda ref, lengths: reference_chefer(ref, lengths),
-    AttentionRollout: lambda ref, lengths: reference_rollout(ref, lengths),
-    RawAttention: lambda ref, lengths: reference_raw(ref, lengths),
-}
-
-
 def adapter_for(model):
     if hasattr(model.blocks[0], "heads"):  # the textbook module: name it, probabilities from its softmaxes
         return ModuleAdapter(list(model.blocks), probs="softmax", mask_module=model)
@@ -52,15 +44,15 @@ def test_reference_computes_the_model(kind):
     torch.testing.assert_close(logits, model(batch.input_ids, batch.attention_mask), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", list(METHODS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", list(METHODS))
 def test_methods_match_reference(kind, method):
     model = make_plain(kind)
     batch = make_batch(model)
     _, ref = reference(model, batch)
-    scores = method(model, adapter=adapter_for(model)).attribute(
+    scores = METHODS[method].cls(model, adapter=adapter_for(model)).attribute(
         batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
     )
-    expected = METHODS[method](ref, batch.lengths)
+    expected = METHODS[method].reference(ref, batch.lengths)
     assert expected.abs().max() > 0
     assert_scores_close(scores, expected)
 
@@ -167,3 +159,35 @@ def test_a_failing_call_leaves_multihead_attention_as_found():
         GradSAM(failing, model=model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
     assert_same_state(before, model_state(model))
     assert model(batch.input_ids, batch.attention_mask).shape == (3, 3)  # still callable as before
+
+
+class PatchGridAdapter(MultiheadAttentionAdapter):
+    """All a hand-written ViT needs: the built-in nn.MultiheadAttention adapter plus its patch grid."""
+
+    def patch_grid(self, model, images):
+        return images.shape[-2] // PatchClassifier.PATCH, images.shape[-1] // PatchClassifier.PATCH
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_hand_written_vit_gets_patch_grid_scores_through_an_adapter_alone(method):
+    torch.manual_seed(0)
+    model = PatchClassifier().eval()
+    pixels = torch.randn(2, 3, 12, 16, generator=torch.Generator().manual_seed(3))  # a 3×4 patch grid
+    tokens = 1 + 3 * 4
+    logits, pieces = model.reference(pixels, torch.ones(2, tokens, dtype=torch.long))
+    attentions = [block[0] for block in pieces]
+    grads = torch.autograd.grad(logits[:, TARGET].sum(), attentions)
+    ref = SimpleNamespace(attentions=[a.detach() for a in attentions], grads=list(grads))
+    before = model_state(model)
+    scores = METHODS[method].cls(model, adapter=PatchGridAdapter()).attribute(pixels, target=TARGET)
+    assert_same_state(before, model_state(model))
+    expected = METHODS[method].reference(ref, [tokens, tokens])[:, 1:].reshape(2, 3, 4)
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected)
+
+
+def test_an_image_model_without_a_patch_grid_gets_a_clear_error():
+    torch.manual_seed(0)
+    model = PatchClassifier().eval()
+    with pytest.raises(ValueError, match="patch grid.*adapter"):
+        GradSAM(model).attribute(torch.randn(1, 3, 12, 16), target=TARGET)

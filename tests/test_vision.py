@@ -11,22 +11,14 @@ import torch
 from captum.attr import visualization
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import VISION, make_vision
-from test_exactness import reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+from methods import METHODS
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from captum_attention import GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
 matplotlib.use("Agg")
 TARGET = 2
 GRID = 4
-METHODS = {
-    GradSAM: lambda ref, n, q: reference_grad_sam(ref, n),
-    TransformerAttribution: lambda ref, n, q: reference_chefer(ref, n, query=q),
-    AttentionRollout: lambda ref, n, q: reference_rollout(ref, n, query=q),
-    RawAttention: lambda ref, n, q: reference_raw(ref, n, query=q),
-}
-
-
 @pytest.fixture(params=VISION)
 def name(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -48,7 +40,7 @@ def prefix_tokens(name: str) -> int:
     return {"vit": 1, "deit": 2}[name]
 
 
-@pytest.mark.parametrize("method", list(METHODS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("query", [0, 1])
 def test_patch_grid_matches_reference(name, method, query):
     """query 0 is [CLS]; for DeiT, 1 is the distillation token (for ViT, the first patch)."""
@@ -56,9 +48,9 @@ def test_patch_grid_matches_reference(name, method, query):
     pixels = images()
     ref = reference(model, pixels)
     tokens = prefix_tokens(name) + GRID * GRID
-    scores = method(model).attribute(pixels, target=TARGET, query_index=query)
+    scores = METHODS[method].cls(model).attribute(pixels, target=TARGET, query_index=query)
     assert scores.shape == (2, GRID, GRID)
-    expected = METHODS[method](ref, [tokens, tokens], query)[:, prefix_tokens(name):]
+    expected = METHODS[method].reference(ref, [tokens, tokens], query)[:, prefix_tokens(name):]
     assert expected.abs().max() > 0
     assert_scores_close(scores, expected.reshape(2, GRID, GRID))
 
