@@ -8,7 +8,7 @@ only file to change. Imported by every layer; imports none of them.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,6 +26,7 @@ from captum._utils.typing import TargetType
 
 __all__ = [
     "TargetType",
+    "attention_function",
     "attn_implementation",
     "declared_outputs",
     "format_additional_forward_args",
@@ -33,6 +34,7 @@ __all__ = [
     "format_tensor_into_tuples",
     "mha_forward_with_softmax",
     "output_recorder_class",
+    "register_attention_function",
     "run_forward",
 ]
 
@@ -61,6 +63,23 @@ def attn_implementation(model: nn.Module) -> str | None:
     """The attention implementation a transformers model runs (``config._attn_implementation``:
     "eager", "sdpa", "flash_attention_2", ...), or None for other modules. Checked on 5.24."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def attention_function(name: str) -> Callable[..., Any]:
+    """The attention function transformers' models dispatch to under ``name`` ("sdpa", ...):
+    the class-wide entry of ``AttentionInterface`` (its private ``_global_mapping``, read so
+    that a wrapper can be removed exactly; checked on 5.24)."""
+    from transformers import AttentionInterface
+
+    return cast(Callable[..., Any], AttentionInterface._global_mapping[name])
+
+
+def register_attention_function(name: str, function: Callable[..., Any]) -> None:
+    """Make ``function`` what every model dispatching through ``AttentionInterface`` calls
+    under ``name`` (the public ``AttentionInterface.register``)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
 
 
 def mha_forward_with_softmax(softmax: Callable[..., Tensor]) -> Callable[..., Any]:

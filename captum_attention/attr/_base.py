@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Callable, ClassVar, Literal, Protocol, cast, overload
 
@@ -12,10 +13,17 @@ from torch import Tensor, nn
 from .._compat import TargetType, format_additional_forward_args, format_output
 from ..capture import AttentionAdapter
 from ..capture.inputs import QueryIndex, format_inputs
+from ..capture.kernel import StreamingUnsupported
 from ..capture.record import ForwardRecord, GradientReduction, record_forward, resolve_adapter
 from ..maps import patch_grid, query_rows
 from ._docs import shared_attribute_docs
 from ._registry import register
+
+logger = logging.getLogger("captum_attention")
+
+CaptureMode = Literal["auto", "streaming", "eager"]
+CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
+DEFAULT_BLOCK_MEMORY = 64 * 2**20
 
 Scores = Tensor | tuple[Tensor, ...]
 """What ``attribute`` returns: Captum's output shape for the inputs."""
@@ -58,6 +66,13 @@ class AttentionAttributionBase:
             Default: ``forward_func`` when it is an ``nn.Module``.
         adapter (AttentionAdapter, optional): how to find the attention in ``model``.
             Default: the built-in adapter (Hugging Face models).
+        capture (str, optional): ``"streaming"``: the model keeps its own attention kernel
+            and the method recomputes the rows it needs block by block (no
+            ``(heads, N, N)`` tensor is alive); ``"eager"``: the model computes explicit
+            probabilities, which are recorded; ``"auto"``: streaming wherever it is
+            exact, else eager (``last_capture`` then says why). Default: ``"auto"``.
+        block_memory (int, optional): bytes one block of recomputed attention rows may
+            take in streaming mode. Default: 64 MiB.
     """
 
     method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"
@@ -75,6 +90,8 @@ class AttentionAttributionBase:
         forward_func: Callable[..., Any],
         model: nn.Module | None = None,
         adapter: AttentionAdapter | None = None,
+        capture: CaptureMode = "auto",
+        block_memory: int = DEFAULT_BLOCK_MEMORY,
     ) -> None:
         if model is None:
             if not isinstance(forward_func, nn.Module):
@@ -85,9 +102,16 @@ class AttentionAttributionBase:
             model = forward_func
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}.")
+        if block_memory < 1:
+            raise ValueError(f"block_memory must be a positive number of bytes, got {block_memory}.")
         super().__init__(forward_func)  # type: ignore[call-arg]
         self.model = model
         self.adapter = adapter
+        self.capture = capture
+        self.block_memory = block_memory
+        self.last_capture = ""  # "streaming", or "eager: <why>" after each call
 
     @classmethod
     def get_name(cls) -> str:
@@ -104,22 +128,76 @@ class AttentionAttributionBase:
         """``(source, target)`` scores and the maps per role for an encoder-decoder."""
         raise NotImplementedError
 
+    def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Tensor:
+        """The method's ``(B, T)`` scores from a streaming record (one self-attention stack)."""
+        raise NotImplementedError
+
+    def _streaming_refusal(self, *args: Any, **options: Any) -> str | None:
+        """Why these options need the full maps (eager capture), or None."""
+        return None
+
+    def _eager_reason(self, adapter: AttentionAdapter, return_maps: bool, **options: Any) -> str | None:
+        """Why this call cannot stream exactly, or None when it can."""
+        if not getattr(adapter, "streams", False):
+            return f"{type(adapter).__name__} does not run attention through transformers' sdpa function"
+        if return_maps:
+            return "return_maps=True needs the full maps"
+        if adapter.is_encoder_decoder(self.model):
+            return "the encoder-decoder relevance rules need the full maps"
+        return self._streaming_refusal(**options)
+
+    def _streams(self, adapter: AttentionAdapter, return_maps: bool, **options: Any) -> bool:
+        """Whether to try streaming for this call (a clear error if it was asked for and cannot)."""
+        reason = None if self.capture == "eager" else self._eager_reason(adapter, return_maps, **options)
+        if self.capture == "streaming" and reason is not None:
+            raise ValueError(f"capture='streaming' is not possible here: {reason}. Use capture='auto' or 'eager'.")
+        self._note_capture("eager: capture='eager'" if self.capture == "eager" else reason and f"eager: {reason}")
+        return self.capture != "eager" and reason is None
+
+    def _note_capture(self, how: str | None) -> None:
+        if how is not None:
+            self.last_capture = how
+            logger.debug("%s: %s", type(self).__name__, how)
+
     def _record(
         self,
         inputs: tuple[Tensor, ...],
         target: TargetType,
         additional_forward_args: Any,
         query_index: QueryIndex = None,
+        streaming: bool = False,
     ) -> ForwardRecord:
         """One forward through the capture and, for gradient methods, one backward."""
         reduction = self.gradient_reduction
         record = record_forward(
             self.forward_func, self.model, inputs, additional_forward_args, self.adapter,
-            track_grad=reduction is not None, query_index=query_index,
+            track_grad=reduction is not None, query_index=query_index, streaming=streaming,
+            block_memory=self.block_memory,
         )
+        if streaming:
+            return record.with_output_gradients(target) if reduction is not None else record
         if reduction is not None:
             return record.with_gradients(target, reduction)
         return replace(record, attn_probs=[p.float() for p in record.attn_probs])
+
+    def _streaming_record(
+        self,
+        inputs: tuple[Tensor, ...],
+        target: TargetType,
+        additional_forward_args: Any,
+        query_index: QueryIndex,
+    ) -> ForwardRecord | None:
+        """The streaming record, or None where the model turned out not to stream (then
+        ``auto`` falls back to eager and says why; ``streaming`` raises)."""
+        try:
+            record = self._record(inputs, target, additional_forward_args, query_index, streaming=True)
+        except StreamingUnsupported as error:
+            if self.capture == "streaming":
+                raise ValueError(f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'.") from error
+            self._note_capture(f"eager: {error}")
+            return None
+        self._note_capture("streaming")
+        return record
 
     def _explain(
         self,
@@ -138,6 +216,15 @@ class AttentionAttributionBase:
                 f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
                 "decoder_input_ids) and get (source scores, target scores) back."
             )
+        if self._streams(adapter, return_maps, **options):
+            record = self._streaming_record(tensors, target, additional_forward_args, query_index)
+            if record is not None:
+                if len(tensors) != 1:
+                    raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
+                token_scores = self._streamed_scores(record, **options)
+                if tensors[0].dim() == 4:
+                    token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
+                return format_scores(is_tuple, token_scores, None, False)
         record = self._record(tensors, target, additional_forward_args, query_index)
         if record.is_encoder_decoder:
             scores, role_maps = self._encoder_decoder_scores(record, **options)

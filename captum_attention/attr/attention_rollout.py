@@ -16,7 +16,9 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
+from ..capture.kernel import block_rows
 from ..capture.record import ForwardRecord
+from ..maps.streaming import query_row, rollout_row_step
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
@@ -100,6 +102,19 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         first = record.layer(start_layer, "start_layer")
         maps = rollout_layer_maps(record.attn_probs, record.target_real, record.query_index, head_fusion, discard_ratio)
         return rollout_scores(maps[first:], record.query_index), maps
+
+    def _streaming_refusal(self, discard_ratio: float = 0.0, **options: Any) -> str | None:
+        return "discard_ratio ranks every entry of each fused map" if discard_ratio else None
+
+    def _streamed_scores(
+        self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
+    ) -> Tensor:
+        assert record.kernel_calls is not None
+        first = record.layer(start_layer, "start_layer")
+        row = query_row(record.query_index, record.target_real.shape[1])
+        for call in record.kernel_calls[first:][::-1]:
+            row = rollout_row_step(call, row, record.target_real, head_fusion, block_rows(call, self.block_memory))
+        return row
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0

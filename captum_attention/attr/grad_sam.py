@@ -9,7 +9,9 @@ import torch
 from captum.attr import GradientAttribution
 from torch import Tensor
 
-from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores
+from ..capture.kernel import block_rows
+from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
+from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
@@ -84,6 +86,15 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         assert record.grad_maps is not None
         maps = grad_sam_layer_maps(record.grad_maps, record.target_real)
         return grad_sam_scores(maps, record.heads, record.target_real), maps
+
+    def _streamed_scores(self, record: ForwardRecord, **options: Any) -> Tensor:
+        assert record.kernel_calls is not None and record.output_grads is not None
+        real = record.target_real
+        total = sum(
+            grad_sam_row_sums(call, grad, real, real, block_rows(call, self.block_memory))
+            for call, grad in zip(record.kernel_calls, record.output_grads)
+        )
+        return grad_sam_normalised(torch.as_tensor(total), record.heads, real)
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, **options: Any

@@ -13,6 +13,7 @@ from ..maps import query_rows, raw_attention_maps
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
+from ..maps.streaming import raw_attention_row
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
 
 
@@ -78,6 +79,11 @@ class RawAttention(AttentionAttributionBase, Attribution):
         chosen = record.layer(layer)
         maps = raw_attention_maps(record.attn_probs, record.target_real)
         return query_rows(maps[chosen], record.query_index), maps
+
+    def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Tensor:
+        assert record.kernel_calls is not None
+        call = record.kernel_calls[record.layer(layer)]
+        return raw_attention_row(call, record.query_index, record.target_real)
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, layer: int = -1

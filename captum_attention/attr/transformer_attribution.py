@@ -15,7 +15,9 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
+from ..capture.kernel import block_rows
 from ..capture.record import ForwardRecord
+from ..maps.streaming import query_row, relevance_row_step
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
@@ -87,6 +89,14 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         first = record.layer(start_layer, "start_layer")
         maps = relevance_layer_maps(record.grad_maps, record.target_real)
         return transformer_attribution_scores(maps[first:], record.query_index), maps
+
+    def _streamed_scores(self, record: ForwardRecord, start_layer: int = 0) -> Tensor:
+        assert record.kernel_calls is not None and record.output_grads is not None
+        first = record.layer(start_layer, "start_layer")
+        row = query_row(record.query_index, record.target_real.shape[1])
+        for call, grad in list(zip(record.kernel_calls, record.output_grads))[first:][::-1]:
+            row = relevance_row_step(call, grad, row, record.target_real, block_rows(call, self.block_memory))
+        return row
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, start_layer: int = 0

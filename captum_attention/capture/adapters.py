@@ -133,6 +133,15 @@ class AttentionAdapter(Protocol):
         """Context in which ``model`` exposes attention probabilities; restores it on exit."""
         ...
 
+    streams: bool
+    """Whether the family's attention runs through transformers' ``sdpa`` attention
+    function, so that a streaming capture can record it (see ``kernel_prepared``)."""
+
+    def kernel_prepared(self, model: nn.Module) -> AbstractContextManager[None]:
+        """Context in which ``model`` runs its attention through the ``sdpa`` attention
+        function; restores it on exit."""
+        ...
+
 
 class AdapterBase:
     """Defaults for :class:`AttentionAdapter`: subclass and override what differs.
@@ -144,6 +153,7 @@ class AdapterBase:
     """
 
     probs_source: ProbsSource = "output"
+    streams: bool = False
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
@@ -185,6 +195,9 @@ class AdapterBase:
         return None
 
     def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def kernel_prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         return nullcontext()
 
 
@@ -347,18 +360,28 @@ class HuggingFaceAdapter(AdapterBase):
     def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         return _bound_argument(module.forward, "decoder_attention_mask", args, kwargs)
 
-    @contextmanager
-    def prepared(self, model: nn.Module) -> Iterator[None]:
-        original = attn_implementation(model)
-        switch = getattr(model, "set_attn_implementation", None)
-        if original in (None, "eager") or switch is None:
-            yield
-            return
-        switch("eager")
-        try:
-            yield
-        finally:
-            switch(original)
+    streams = True
+
+    def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
+        return _implementation(model, "eager")
+
+    def kernel_prepared(self, model: nn.Module) -> AbstractContextManager[None]:
+        return _implementation(model, "sdpa")
+
+
+@contextmanager
+def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
+    """``model`` switched to the attention implementation ``wanted`` and back."""
+    original = attn_implementation(model)
+    switch = getattr(model, "set_attn_implementation", None)
+    if original in (None, wanted) or switch is None:
+        yield
+        return
+    switch(wanted)
+    try:
+        yield
+    finally:
+        switch(original)
 
 
 @dataclass(frozen=True)

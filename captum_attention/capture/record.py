@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .._compat import TargetType, run_forward
 from .adapters import AttentionAdapter, default_adapter
 from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
+from .kernel import KernelCall
 from .recorder import AttentionCapture
 
 Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
@@ -37,9 +38,14 @@ class ForwardRecord:
     Attributes:
         logits: ``(B, C)``, or a language model's ``(B, T, V)``.
         attn_probs: per attention call, ``(B, H, Q, K)`` float probabilities as they
-            weighted the values (detached).
+            weighted the values (detached); empty for a streaming record.
+        heads: per attention call, the number of heads.
         grad_maps: per attention call, a gradient method's reduction of (A, dS/dA) over
             heads, ``(B, Q, K)`` float32; None until :meth:`with_gradients`.
+        kernel_calls: streaming records: per attention call, what the kernel received
+            (the probabilities are recomputed from it block by block); else None.
+        output_grads: streaming records: per attention call, dS/dO ``(B, Q, H, Dv)``;
+            None until :meth:`with_output_gradients`.
         roles: per attention call, ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"``.
         target_real: ``(B, T)`` bool, the real tokens of the explained sequence (the
             target sequence of an encoder-decoder); for causal attention only those up to
@@ -53,6 +59,7 @@ class ForwardRecord:
 
     logits: Tensor
     attn_probs: list[Tensor]
+    heads: list[int]
     roles: list[str]
     target_real: Tensor
     source_real: Tensor | None
@@ -60,11 +67,12 @@ class ForwardRecord:
     causal: bool
     capture: AttentionCapture
     grad_maps: list[Tensor] | None = None
+    kernel_calls: list[KernelCall] | None = None
+    output_grads: list[Tensor] | None = None
 
     @property
-    def heads(self) -> list[int]:
-        """Per attention call, the number of heads."""
-        return [p.shape[1] for p in self.attn_probs]
+    def streaming(self) -> bool:
+        return self.kernel_calls is not None
 
     @property
     def num_layers(self) -> int:
@@ -103,6 +111,16 @@ class ForwardRecord:
             grads = self.capture.gradients(score, reduction, retain_graph=retain_graph)
         return replace(self, grad_maps=[g.float() for g in grads])
 
+    def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":
+        """A streaming record with ``output_grads``: dS/dO of every call, where S is the sum
+        over examples of the ``target`` logit (None: the predicted one)."""
+        logits = self.explained_logits()
+        targets = resolve_targets(logits, target)
+        with torch.enable_grad():
+            score = logits.gather(1, targets[:, None]).sum()
+            grads = self.capture.output_gradients(score, retain_graph=retain_graph)
+        return replace(self, output_grads=grads)
+
     def at_query(self, query_index: Tensor) -> "ForwardRecord":
         """This record explaining ``query_index`` instead (a causal sequence's real tokens
         are cut after it)."""
@@ -117,7 +135,8 @@ class ForwardRecord:
             return None if values is None else [values[i] for i in chosen]
 
         return replace(
-            self, attn_probs=pick(self.attn_probs), grad_maps=pick(self.grad_maps), roles=pick(self.roles)
+            self, attn_probs=pick(self.attn_probs or None) or [], heads=pick(self.heads), roles=pick(self.roles),
+            grad_maps=pick(self.grad_maps), kernel_calls=pick(self.kernel_calls), output_grads=pick(self.output_grads),
         )
 
     def real_of(self, role: str) -> tuple[Tensor, Tensor]:
@@ -160,6 +179,8 @@ def record_forward(
     track_grad: bool = False,
     intervention: Intervention | None = None,
     query_index: QueryIndex = None,
+    streaming: bool = False,
+    block_memory: int = 64 * 2**20,
 ) -> ForwardRecord:
     """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
 
@@ -175,6 +196,9 @@ def record_forward(
         intervention: replaces the probabilities inside each call.
         query_index: the explained position; None = the default (see
             :func:`query_positions`).
+        streaming: keep the model's attention kernel and record its inputs (see
+            :class:`AttentionCapture`).
+        block_memory: bytes per block of recomputed attention rows (streaming).
     """
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
@@ -186,27 +210,39 @@ def record_forward(
         )
     adapter = resolve_adapter(model, adapter)
     capture = AttentionCapture(
-        model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention
+        model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
+        streaming=streaming, block_memory=block_memory,
     )
     with capture, torch.set_grad_enabled(track_grad):
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
     logits = output_logits(output)
-    attn_probs, roles = capture.attn_probs, capture.roles
-    _check_attention(attn_probs, roles, batch, text_shape)
+    kernel_calls = capture.kernel_calls if streaming else None
+    attn_probs = [] if streaming else [p.detach() for p in capture.attn_probs]
+    shapes = [_shape(k) for k in kernel_calls] if kernel_calls is not None else [p.shape for p in attn_probs]
+    roles = capture.roles
+    _check_attention(shapes, roles, batch, text_shape)
     device = inputs[0].device
     source_real = None
     if "cross" in roles:
-        cross = next(p for p, r in zip(attn_probs, roles) if r == "cross")
-        source_real = real_tokens(capture.attention_mask, batch, cross.shape[-1], device)
-        target_real = real_tokens(capture.decoder_attention_mask, batch, cross.shape[-2], device)
+        cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
+        source_real = real_tokens(capture.attention_mask, batch, cross[-1], device)
+        target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
     else:
-        target_real = real_tokens(capture.attention_mask, batch, attn_probs[0].shape[-1], device)
+        target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal = _is_causal(capture, target_real)
     queries = query_positions(query_index, target_real, causal)
+    heads = [shape[1] for shape in shapes]
     record = ForwardRecord(
-        logits, [p.detach() for p in attn_probs], roles, target_real, source_real, queries, causal, capture
+        logits, attn_probs, heads, roles, target_real, source_real, queries, causal, capture,
+        kernel_calls=kernel_calls,
     )
     return record.at_query(queries)
+
+
+def _shape(call: KernelCall) -> torch.Size:
+    """The ``(B, H, Q, K)`` shape of the call's attention."""
+    return torch.Size((call.output.shape[0] if call.output is not None else call.query.shape[0],
+                       call.heads, call.num_queries, call.num_keys))
 
 
 def up_to(real: Tensor, query_index: Tensor) -> Tensor:
@@ -230,6 +266,8 @@ def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
     said = capture.causal[self_calls[0]]
     if said is not None:
         return said
+    if capture.streaming:
+        return capture.kernel_calls[self_calls[0]].causal
     return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
 
 
@@ -249,17 +287,17 @@ def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
     return not bool(later.masked_fill_(~pairs, 0).any())
 
 
-def _check_attention(attn_probs: list[Tensor], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:
-    if not attn_probs:
+def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:
+    if not shapes:
         raise RuntimeError(
             "The forward pass ran no attention module of `model`: check that forward_func "
             "calls the model passed as model=..."
         )
-    for probs, role in zip(attn_probs, roles):
-        keys_ok = role != "self" or text_shape is None or probs.shape[-1] == text_shape[1]
-        if probs.dim() != 4 or probs.shape[0] != batch or not keys_ok:
+    for shape, role in zip(shapes, roles):
+        keys_ok = role != "self" or text_shape is None or shape[-1] == text_shape[1]
+        if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
             raise RuntimeError(
-                f"Captured attention of shape {tuple(probs.shape)}, expected (batch={batch}, "
+                f"Captured attention of shape {tuple(shape)}, expected (batch={batch}, "
                 f"heads, queries, {expected}): the adapter reads the wrong output."
             )

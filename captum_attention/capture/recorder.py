@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
+from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_rows
 
 
 class AttentionCapture:
@@ -49,7 +50,16 @@ class AttentionCapture:
             the first head in ``attn_probs`` (0 unless the module computes one softmax per
             head); ``attn_scores`` are the softmax's input (the masked, scaled logits), or
             None where the softmax was called unusually. The recorded ``attn_probs`` are
-            the replaced ones. Default: None.
+            the replaced ones. In streaming mode it must erase keys instead: an object
+            whose ``erased_keys(call_index)`` returns ``(erased (B, K) bool, heads)`` or
+            None for calls it leaves alone. Default: None.
+        streaming (bool): keep the model's own attention kernel and record each call's
+            inputs (:class:`~captum_attention.capture.kernel.KernelCall`, in
+            ``kernel_calls``) instead of its probabilities; raises
+            :class:`~captum_attention.capture.kernel.StreamingUnsupported` where that is
+            not possible. Default: False.
+        block_memory (int): bytes that one block of recomputed attention rows may take
+            (streaming erasure). Default: 64 MiB.
 
     Example::
 
@@ -66,12 +76,16 @@ class AttentionCapture:
         track_grad: bool = False,
         input_shape: tuple[int, int] | None = None,
         intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
+        streaming: bool = False,
+        block_memory: int = 64 * 2**20,
     ) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else default_adapter(model)
         self.track_grad = track_grad
         self.input_shape = input_shape
         self.intervention = intervention
+        self.streaming = streaming
+        self.block_memory = block_memory
         self.attention_mask: Tensor | None = None
         self.decoder_attention_mask: Tensor | None = None
         self._calls: list[_Call] = []
@@ -83,7 +97,14 @@ class AttentionCapture:
     @property
     def attn_probs(self) -> list[Tensor]:
         """Per attention call, ``(batch, heads, queries, keys)``, in the autograd graph."""
+        if self.streaming:
+            raise RuntimeError("A streaming capture records no probabilities: read kernel_calls.")
         return [call.heads(self.adapter) for call in self._calls]
+
+    @property
+    def kernel_calls(self) -> list[KernelCall]:
+        """Streaming mode: per attention call, what the kernel received (and its output)."""
+        return [call.kernel for call in self._calls if call.kernel is not None]
 
     @property
     def roles(self) -> list[str]:
@@ -121,6 +142,16 @@ class AttentionCapture:
             del grads[: len(call.pieces)]
         self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
         return [call.heads(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
+
+    def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
+        """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
+        ``(batch, queries, heads, head_dim)``, from one backward pass."""
+        outputs = [call.output for call in self.kernel_calls]
+        if not all(isinstance(o, Tensor) and o.requires_grad for o in outputs):
+            raise RuntimeError("Output gradients need AttentionCapture(track_grad=True, streaming=True).")
+        grads = torch.autograd.grad(score, outputs, allow_unused=True, retain_graph=retain_graph)  # type: ignore[arg-type]
+        self._check_used([g is not None for g in grads])
+        return list(grads)  # type: ignore[arg-type]
 
     def _reduced_gradients(
         self, score: Tensor, reduce: Callable[[Tensor, Tensor], Tensor], retain_graph: bool
@@ -171,8 +202,14 @@ class AttentionCapture:
         self._calls, self._open, self._mask_seen = [], [], False
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
+        if self.streaming and self.intervention is not None and not hasattr(self.intervention, "erased_keys"):
+            raise StreamingUnsupported("this intervention replaces probabilities; only key erasure streams")
         with ExitStack() as stack:
-            stack.enter_context(self.adapter.prepared(self.model))
+            if self.streaming:
+                stack.enter_context(self.adapter.kernel_prepared(self.model))
+                stack.enter_context(KernelInterception(self._on_kernel))
+            else:
+                stack.enter_context(self.adapter.prepared(self.model))
             for module in self._sites:
                 # prepend: read the output before any hook of the adapter's rewrites it
                 stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
@@ -180,7 +217,7 @@ class AttentionCapture:
             for module in mask_modules:
                 hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
-            if self.intervention is not None or from_softmax:
+            if not self.streaming and (self.intervention is not None or from_softmax):
                 stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
         return self
@@ -224,8 +261,32 @@ class AttentionCapture:
             call.pieces.append(used)
         return used
 
+    def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[[], Tensor]) -> Tensor:
+        """Streaming mode: one call of the attention kernel, inside an attention module."""
+        call = self._open[-1] if self._open else None
+        if call is None or call.module is not module:
+            return run_kernel()  # a module the adapter did not name: not ours to record
+        erasure = self.intervention.erased_keys(call.index) if self.intervention is not None else None  # type: ignore[attr-defined]
+        if erasure is None:
+            kernel.output = run_kernel()
+        else:
+            erased, heads = erasure
+            rows = block_rows(kernel, self.block_memory, tensors=2)
+            kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, rows)
+        if not self.track_grad:
+            kernel.value = None  # only the gradient dS/dA = dO·Vᵀ needs the values
+        call.kernel = kernel
+        return kernel.output
+
     def _close_call(self, module: nn.Module, args: tuple, output: Any) -> None:
         call = self._open.pop()
+        if self.streaming:
+            if call.kernel is None:
+                raise StreamingUnsupported(
+                    f"{type(module).__name__} did not call transformers' sdpa attention function"
+                )
+            self._calls.append(call)
+            return
         if self.intervention is not None and not call.softmaxes_seen:
             raise RuntimeError(
                 f"Cannot intervene on the attention of {type(module).__name__}: it computed no "
@@ -290,6 +351,7 @@ class _Call:
     pieces: list[Tensor] = field(default_factory=list)
     softmaxes_seen: int = 0
     hidden: Tensor | None = None  # the hidden states that entered the call, when tracked
+    kernel: KernelCall | None = None  # streaming mode: what the attention kernel received
 
     @property
     def module(self) -> nn.Module:

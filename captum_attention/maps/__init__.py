@@ -7,7 +7,7 @@ from ..capture.record import real_tokens, zero_on_later_keys as is_causal  # mov
 from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
-from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_scores
+from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
 from .vision import patch_grid
@@ -24,6 +24,7 @@ __all__ = [
     "is_causal",
     "grad_sam_head_mean",
     "grad_sam_layer_maps",
+    "grad_sam_normalised",
     "grad_sam_scores",
     "mask_padding",
     "on_heads",

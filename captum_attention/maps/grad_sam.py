@@ -27,5 +27,11 @@ def grad_sam_scores(layer_maps: list[Tensor], heads_per_layer: list[int], real: 
     total = torch.stack(
         [heads * layer_map.sum(dim=-1) for heads, layer_map in zip(heads_per_layer, layer_maps)]
     ).sum(dim=0)
+    return grad_sam_normalised(total, heads_per_layer, real)
+
+
+def grad_sam_normalised(total: Tensor, heads_per_layer: list[int], real: Tensor) -> Tensor:
+    """Σ_l Σ_m Σ_j H^{lm}_{ij} ``(B, T)`` divided by L·M·N (Σ_l M_l · N for layers of
+    different head counts)."""
     n_real = real.sum(dim=1, keepdim=True).to(total.dtype)
     return total / (sum(heads_per_layer) * n_real)

@@ -1,0 +1,253 @@
+"""Streaming capture: the model keeps its own attention kernel; each call's inputs are recorded.
+
+Models that dispatch attention through transformers' attention interface call
+``attention_function(module, query, key, value, attention_mask, scaling=..., ...)``.
+While a streaming capture is active, the ``sdpa`` entry of that interface is wrapped: the
+wrapper records what the kernel receives (a :class:`KernelCall`) and runs the kernel
+unchanged, so the model computes exactly what it computes without us, at the kernel's
+speed and memory. Any reduction of the attention probabilities can then recompute the
+rows it needs, block by block: :meth:`KernelCall.logits` defines them exactly as
+``torch.nn.functional.scaled_dot_product_attention`` does (grouped-query heads, boolean
+or additive masks, the kernel's own causal mask, T5's position bias). No
+``(heads, N, N)`` tensor is ever alive.
+
+The wrapper is installed while at least one capture is active (a lock and a count) and
+dispatches on a context variable, so other threads and other models run the kernel as if
+nothing were there, and it is removed when the last capture ends, also on an exception
+or a ``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._compat import attention_function, register_attention_function
+
+
+class StreamingUnsupported(RuntimeError):
+    """The call cannot be explained without materialising the attention (see the message)."""
+
+
+@dataclass(eq=False)
+class KernelCall:
+    """One attention call as the kernel received it.
+
+    Attributes:
+        query: ``(B, H, Q, D)``.
+        key: ``(B, H / groups, K, D)``: with grouped-query attention each key head serves
+            ``groups`` consecutive query heads (as transformers' ``repeat_kv``).
+        value: ``(B, H / groups, K, Dv)``; None when no gradient is taken.
+        scale: the factor on ``query @ key^T``.
+        mask: a boolean keep-mask or an additive float mask broadcastable to
+            ``(B, H, Q, K)``, or None.
+        causal: whether the kernel applies its own causal mask (upper-left aligned).
+        position_bias: an additive ``(B or 1, H, Q, K)`` bias (T5), or None.
+        output: the call's output ``(B, Q, H, Dv)``, in the autograd graph when tracked.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor | None
+    scale: float
+    mask: Tensor | None
+    causal: bool
+    position_bias: Tensor | None = None
+    groups: int = 1
+    output: Tensor | None = None
+
+    @property
+    def heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def num_queries(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def num_keys(self) -> int:
+        return self.key.shape[2]
+
+    def logit_bias(self, rows: slice) -> Tensor | None:
+        """The additive bias of the query rows ``rows``, ``(B or 1, H or 1, r, K)`` float32,
+        -inf where a key is masked; None when nothing is added."""
+        bias = None
+        if self.mask is not None:
+            mask = self.mask[..., rows, :] if self.mask.shape[-2] > 1 else self.mask
+            if mask.dtype == torch.bool:
+                bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
+            else:
+                bias = mask.float()
+        if self.position_bias is not None:
+            position_bias = self.position_bias[..., rows, :].float()
+            bias = position_bias if bias is None else bias + position_bias
+        if self.causal:
+            query_positions = torch.arange(self.num_queries, device=self.query.device)[rows, None]
+            later = torch.arange(self.num_keys, device=self.query.device) > query_positions
+            causal = torch.zeros(later.shape, device=later.device).masked_fill_(later, -math.inf)
+            bias = causal if bias is None else bias + causal
+        return bias
+
+    def _per_key_head(self, rows: Tensor, keys: Tensor) -> Tensor:
+        """``rows (B, H, r, D) @ keys (B, H / groups, K, D)^T`` as ``(B, H, r, K)`` float32,
+        without repeating the key heads."""
+        batch, heads, num_rows, dim = rows.shape
+        grouped = rows.float().reshape(batch, heads // self.groups, self.groups * num_rows, dim)
+        products = torch.matmul(grouped, keys.float().transpose(-1, -2))
+        return products.reshape(batch, heads, num_rows, keys.shape[2])
+
+    def logits(self, rows: slice) -> Tensor:
+        """``(B, H, r, K)`` float32 pre-softmax scores of the query rows ``rows``."""
+        scores = self._per_key_head(self.query[:, :, rows], self.key).mul_(self.scale)
+        bias = self.logit_bias(rows)
+        return scores if bias is None else scores.add_(bias)
+
+    def probs(self, rows: slice) -> Tensor:
+        """``(B, H, r, K)`` float32 attention probabilities of the query rows ``rows``
+        (0 in a row whose every key is masked)."""
+        return torch.nan_to_num(self.logits(rows).softmax(dim=-1), nan=0.0)
+
+    def rows_at(self, query_index: Tensor) -> Tensor:
+        """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]``."""
+        return torch.stack(
+            [self.probs(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0] for b, q in enumerate(query_index.tolist())]
+        )
+
+    def grad_probs(self, grad_output: Tensor, rows: slice) -> Tensor:
+        """``(B, H, r, K)`` float32 gradient dS/dA of the rows ``rows`` from the gradient of
+        the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
+        assert self.value is not None, "the values were not recorded (no gradient tracked)"
+        return self._per_key_head(grad_output[:, rows].transpose(1, 2), self.value)
+
+    def erased_output(self, erased: Tensor, heads: Sequence[int] | None, block_rows: int) -> Tensor:
+        """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
+        score of -inf (on ``heads``, default all): exactly zeroing their attention and
+        renormalising each row. Computed by the kernel one block of query rows at a time;
+        a row whose every key is erased gives 0."""
+        assert self.value is not None
+        chosen = torch.ones(self.heads, dtype=torch.bool, device=erased.device)
+        if heads is not None:
+            chosen = torch.zeros_like(chosen)
+            chosen[[h for h in heads if 0 <= h < self.heads]] = True
+        erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)
+        erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
+        blocks = []
+        for start in range(0, self.num_queries, block_rows):
+            rows = slice(start, start + block_rows)
+            bias = self.logit_bias(rows)
+            bias = erase if bias is None else bias + erase
+            out = F.scaled_dot_product_attention(
+                self.query[:, :, rows], self.key, self.value, attn_mask=bias.to(self.query.dtype),
+                scale=self.scale, enable_gqa=self.groups > 1,
+            )
+            blocks.append(torch.nan_to_num(out, nan=0.0))
+        return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
+
+
+def block_rows(call: KernelCall, budget_bytes: int, tensors: int = 4) -> int:
+    """Query rows per block so that ``tensors`` float32 ``(B, H, rows, K)`` blocks fit
+    ``budget_bytes`` (at least one row)."""
+    per_row = tensors * 4 * call.query.shape[0] * call.heads * call.num_keys
+    return max(1, budget_bytes // max(per_row, 1))
+
+
+Recorder = Callable[[nn.Module, KernelCall, Callable[[], Tensor]], Tensor]
+"""``recorder(module, call, run_kernel) -> output``: sees each call of the kernel."""
+
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("captum_attention_kernel", default=None)
+_LOCK = threading.Lock()
+_INSTALLED: dict[str, Any] = {"count": 0, "original": None}
+
+
+class KernelInterception:
+    """Context manager: while active, this context's calls of transformers' ``sdpa``
+    attention function go through ``recorder``."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> "KernelInterception":
+        with _LOCK:
+            if _INSTALLED["count"] == 0:
+                _INSTALLED["original"] = attention_function("sdpa")
+                register_attention_function("sdpa", _dispatch)
+            _INSTALLED["count"] += 1
+        self._token = _ACTIVE.set(self.recorder)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+        with _LOCK:
+            _INSTALLED["count"] -= 1
+            if _INSTALLED["count"] == 0:
+                register_attention_function("sdpa", _INSTALLED["original"])
+                _INSTALLED["original"] = None
+
+
+def _dispatch(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The wrapped ``sdpa`` attention function: hands the call to the active recorder."""
+    original = _INSTALLED["original"]
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    call = kernel_call(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def run_kernel() -> Tensor:
+        return original(module, query, key, value, attention_mask, *args, **kwargs)[0]
+
+    return recorder(module, call, run_kernel), None
+
+
+def kernel_call(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> KernelCall:
+    """What transformers' ``sdpa_attention_forward`` (5.24) computes, as a :class:`KernelCall`.
+
+    Mirrors its choices: grouped-query key/value heads repeated to the query heads; the
+    kernel's causal mask only for more than one query, no explicit mask and a causal
+    module (keys cropped to the queries, as it does); T5's position bias added. Anything
+    the recomputation cannot reproduce raises :class:`StreamingUnsupported`.
+    """
+    if dropout:
+        raise StreamingUnsupported("attention dropout is active (call model.eval())")
+    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if unsupported:
+        raise StreamingUnsupported(f"the attention call passes {unsupported}, which the recomputation does not model")
+    groups = query.shape[1] // key.shape[1]
+    if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
+        raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > query.shape[2]:
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        position_bias = None if position_bias is None else position_bias[..., : query.shape[2]]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return KernelCall(
+        query.detach(), key.detach(), value.detach(), float(scale), attention_mask, causal, position_bias, groups
+    )

@@ -1,0 +1,88 @@
+"""The methods' reductions computed from recorded kernel calls, one block of query rows at a time.
+
+Each function recomputes exactly the rows of ``A = softmax(Q·Kᵀ·s + mask)`` (and of
+``dS/dA = dO·Vᵀ``) that it needs from a :class:`~captum_attention.capture.kernel.KernelCall`,
+reduces them, and lets them go: no ``(heads, N, N)`` tensor is ever alive. Each equals the
+method's formula on the full maps (``grad_sam``, ``transformer_attribution``, ``rollout``,
+``raw``): the reductions are sums over heads and keys of the same entries, and the query-row
+products of ``propagate_query_row`` are taken one block of rows at a time.
+
+``real_queries`` / ``real_keys`` are ``(B, Q)`` / ``(B, K)`` bool; the pairs outside them
+are zeroed as ``mask_padding`` zeroes them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ..capture.kernel import KernelCall
+from .common import fuse_heads
+
+
+def _blocks(call: KernelCall, rows_per_block: int) -> Iterator[slice]:
+    for start in range(0, call.num_queries, rows_per_block):
+        yield slice(start, min(start + rows_per_block, call.num_queries))
+
+
+def _real_pairs(real_queries: Tensor, real_keys: Tensor, rows: slice) -> Tensor:
+    """``(B, r, K)`` float: 1 where the query of row ``rows`` and the key are both real."""
+    return (real_queries[:, rows, None] & real_keys[:, None, :]).float()
+
+
+def _row_times_block(row: Tensor, rows: slice, block_map: Tensor) -> Tensor:
+    """``row[:, rows] @ block_map``: ``(B, r) x (B, r, K) -> (B, K)``."""
+    return torch.bmm(row[:, None, rows], block_map)[:, 0]
+
+
+def grad_sam_row_sums(
+    call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, rows_per_block: int
+) -> Tensor:
+    """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums."""
+    sums = []
+    for rows in _blocks(call, rows_per_block):
+        weighted = call.grad_probs(grad_output, rows).clamp_(min=0).mul_(call.probs(rows)).sum(dim=1)
+        sums.append(weighted.mul_(_real_pairs(real_queries, real_keys, rows)).sum(dim=-1))
+    return torch.cat(sums, dim=1)
+
+
+def relevance_row_step(
+    call: KernelCall, grad_output: Tensor, row: Tensor, real: Tensor, rows_per_block: int
+) -> Tensor:
+    """``row + row·Ā`` with Ā = mean_m((G^m ⊙ A^m)^+) of one layer: one step of the
+    Transformer Attribution query row (later layers first)."""
+    step = row.clone()
+    for rows in _blocks(call, rows_per_block):
+        if not bool(row[:, rows].any()):
+            continue  # rows of R the query row does not reach yet contribute nothing
+        relevance = (call.grad_probs(grad_output, rows) * call.probs(rows)).clamp_(min=0).mean(dim=1)
+        step += _row_times_block(row, rows, relevance.mul_(_real_pairs(real, real, rows)))
+    return step
+
+
+def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, rows_per_block: int) -> Tensor:
+    """``row·Â`` with Â = 0.5·fuse_m(A^m) + 0.5·I, rows renormalised: one step of the
+    rollout query row (later layers first)."""
+    step = torch.zeros_like(row)
+    for rows in _blocks(call, rows_per_block):
+        if not bool(row[:, rows].any()):
+            continue
+        fused = fuse_heads(call.probs(rows), fusion).mul_(_real_pairs(real, real, rows)).mul_(0.5)
+        diagonal = torch.arange(rows.start, rows.stop, device=fused.device)
+        fused[:, diagonal - rows.start, diagonal] += 0.5
+        step += _row_times_block(row, rows, fused.div_(fused.sum(dim=-1, keepdim=True)))
+    return step
+
+
+def query_row(row_index: Tensor, num_tokens: int) -> Tensor:
+    """``(B, T)`` float32 one-hot rows ``e_q``: the start of a query-row propagation."""
+    row = torch.zeros(len(row_index), num_tokens, device=row_index.device)
+    row[torch.arange(len(row_index), device=row_index.device), row_index] = 1.0
+    return row
+
+
+def raw_attention_row(call: KernelCall, query_index: Tensor, real: Tensor, fusion: str = "mean") -> Tensor:
+    """fuse_m(A^m) at each example's query row, ``(B, K)``, non-real keys zeroed."""
+    return fuse_heads(call.rows_at(query_index)[:, :, None], fusion)[:, 0] * real.float()
