@@ -149,3 +149,14 @@ def assert_same_state(before: dict, after: dict) -> None:
             assert torch.equal(old, new), "a parameter's .grad changed"
     for old, new in zip(before["params"], after["params"]):
         assert torch.equal(old, new), "a parameter changed"
+
+
+@pytest.fixture(params=["streaming", "eager"])
+def capture_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once with the default capture (streaming wherever it is exact) and once
+    with eager capture everywhere (Hugging Face models then never stream)."""
+    from captum_attention.capture import HuggingFaceAdapter
+
+    if request.param == "eager":
+        monkeypatch.setattr(HuggingFaceAdapter, "streams", False)
+    return request.param

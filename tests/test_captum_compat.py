@@ -12,6 +12,8 @@ from conftest import make_batch, make_model
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention.metrics import token_replacement_perturbation, token_substitution_perturbation
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 NT_SAMPLES = 3
 STDEV = 0.05
 

@@ -13,6 +13,8 @@ from methods import METHODS
 from captum_attention import GradSAM
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 @pytest.fixture(params=DECODERS)
 def decoder(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -18,6 +18,8 @@ from lm_models import ENCODER_DECODERS, make_encoder_decoder
 from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 SOURCE_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
 TARGET_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
 

@@ -11,6 +11,8 @@ from methods import METHODS, reference_chefer, reference_grad_sam, reference_raw
 from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 TARGET = 2
 
 
@@ -19,13 +21,13 @@ def test_every_registered_method_has_a_reference():
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_registered_method_matches_reference_with_default_options(family, name):
+def test_registered_method_matches_reference_with_default_options(family, name, capture_mode):
     model = make_model(family)
     batch = make_batch(model)
     ref = reference_attention(model, batch, TARGET)
-    scores = METHODS[name].cls(model).attribute(
-        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
-    )
+    explainer = METHODS[name].cls(model)
+    scores = explainer.attribute(batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,))
+    assert explainer.last_capture.startswith(capture_mode)
     expected = METHODS[name].reference(ref, batch.lengths)
     assert expected.abs().max() > 0
     assert_scores_close(scores, expected)

@@ -9,6 +9,8 @@ from methods import METHODS as TABLE
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 METHODS = {
     **{name: (case.cls, case.options) for name, case in TABLE.items()},
     "rollout_discard": (AttentionRollout, dict(head_fusion="max", discard_ratio=0.5)),

@@ -23,6 +23,8 @@ from captum_attention.metrics import (
     random_ranking,
 )
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 
 def _args(batch):
     return (batch.attention_mask,)

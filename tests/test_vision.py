@@ -16,6 +16,8 @@ from methods import METHODS
 from captum_attention import GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
 matplotlib.use("Agg")
 TARGET = 2
 GRID = 4

@@ -320,8 +320,12 @@ class HuggingFaceAdapter(AdapterBase):
         return output[site.output_index]
 
     def is_causal(self, module: nn.Module) -> bool | None:
-        causal = getattr(module, "is_causal", None)  # transformers' attention modules carry it
-        return causal if isinstance(causal, bool) else None
+        # transformers' attention modules carry it (T5's declared layer on its T5Attention)
+        for inner in module.modules():
+            causal = getattr(inner, "is_causal", None)
+            if isinstance(causal, bool):
+                return causal
+        return None
 
     def is_encoder_decoder(self, model: nn.Module) -> bool:
         return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .._compat import TargetType, run_forward
 from .adapters import AttentionAdapter, default_adapter
 from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
-from .kernel import KernelCall
+from .kernel import KernelCall, StreamingUnsupported
 from .recorder import AttentionCapture
 
 Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
@@ -267,7 +267,7 @@ def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
     if said is not None:
         return said
     if capture.streaming:
-        return capture.kernel_calls[self_calls[0]].causal
+        raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
     return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
 
 

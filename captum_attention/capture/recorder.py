@@ -264,8 +264,8 @@ class AttentionCapture:
     def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[[], Tensor]) -> Tensor:
         """Streaming mode: one call of the attention kernel, inside an attention module."""
         call = self._open[-1] if self._open else None
-        if call is None or call.module is not module:
-            return run_kernel()  # a module the adapter did not name: not ours to record
+        if call is None or call.kernel is not None or not any(m is module for m in call.module.modules()):
+            return run_kernel()  # outside the attention modules the adapter named: not ours to record
         erasure = self.intervention.erased_keys(call.index) if self.intervention is not None else None  # type: ignore[attr-defined]
         if erasure is None:
             kernel.output = run_kernel()

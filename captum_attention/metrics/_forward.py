@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor, nn
@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter
 from ..capture.inputs import format_inputs
-from ..capture.record import ForwardRecord, Intervention, record_forward
+from ..capture.kernel import StreamingUnsupported
+from ..capture.record import ForwardRecord, Intervention, record_forward, resolve_adapter
 
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
@@ -21,6 +22,10 @@ def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> 
     raise TypeError("pass model=...: the nn.Module that holds the attention layers (forward_func is not a module).")
 
 
+CaptureMode = Literal["auto", "streaming", "eager"]
+CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
+
+
 def run_model(
     forward_func: Callable[..., Any],
     model: nn.Module,
@@ -28,10 +33,28 @@ def run_model(
     additional_forward_args: Any = None,
     intervention: Intervention | None = None,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> ForwardRecord:
     """One forward without gradients, through the capture layer, explaining the default
-    position (``explained_probs()`` are the output distribution the metrics compare)."""
+    position (``explained_probs()`` are the output distribution the metrics compare).
+
+    ``capture``: ``"streaming"`` keeps the model's attention kernel (an intervention must
+    erase keys); ``"eager"`` records explicit probabilities; ``"auto"`` streams where the
+    adapter and the intervention allow it, else runs eager.
+    """
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}.")
     _, tensors = format_inputs(inputs)
+    if capture != "eager" and getattr(resolve_adapter(model, adapter), "streams", False):
+        try:
+            return record_forward(
+                forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention, streaming=True
+            )
+        except StreamingUnsupported as error:
+            if capture == "streaming":
+                raise ValueError(f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'.") from error
+    elif capture == "streaming":
+        raise ValueError("capture='streaming' needs an adapter that streams (Hugging Face models); use 'auto' or 'eager'.")
     return record_forward(forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention)
 
 

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import erase_keys, on_heads
-from ..capture.record import ForwardRecord, Intervention
-from ._forward import js_divergence, layer_set, resolve_model, run_model, select_rows
+from ..capture.record import ForwardRecord
+from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model, select_rows
 
 
 @dataclass
@@ -47,17 +47,32 @@ class FlipResult:
     flipped: Tensor
 
 
-def _erasing(erased: Tensor, layers: set[int], heads: Sequence[int] | None, run: ForwardRecord) -> Intervention:
+@dataclass
+class _KeyErasure:
     """Erase the keys ``erased`` at the chosen calls whose keys are the tokens (for an
-    encoder-decoder: the source tokens, in encoder self-attention and cross-attention)."""
+    encoder-decoder: the source tokens, in encoder self-attention and cross-attention).
 
-    def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if call_index not in layers or not run.keys_are_inputs(call_index):
+    Called with the probabilities (eager capture) it returns the erased ones; a streaming
+    capture asks ``erased_keys`` instead and gives those keys a score of -inf in the
+    kernel, which is the same: zero attention, rows renormalised.
+    """
+
+    erased: Tensor
+    layers: set[int]
+    heads: Sequence[int] | None
+    run: ForwardRecord
+
+    def erases(self, call_index: int) -> bool:
+        return call_index in self.layers and self.run.keys_are_inputs(call_index)
+
+    def erased_keys(self, call_index: int) -> tuple[Tensor, Sequence[int] | None] | None:
+        return (self.erased, self.heads) if self.erases(call_index) else None
+
+    def __call__(self, call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
+        if not self.erases(call_index):
             return attn_probs
-        changed = erase_keys(attn_probs, erased.to(attn_probs.device), scores)
-        return on_heads(attn_probs, changed, heads, first_head)
-
-    return intervene
+        changed = erase_keys(attn_probs, self.erased.to(attn_probs.device), scores)
+        return on_heads(attn_probs, changed, self.heads, first_head)
 
 
 def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
@@ -78,6 +93,7 @@ def attention_erasure(
     layers: int | list[int] | None = None,
     heads: Sequence[int] | None = None,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> ErasureResult:
     """Erase the attention paid to ``erased_keys`` and measure the change of the output.
 
@@ -97,6 +113,10 @@ def attention_erasure(
             counts from the end). Default: None, all layers.
         heads (sequence of int, optional): heads to erase at. Default: None, all heads.
         adapter (AttentionAdapter, optional): how to find the attention.
+        capture (str, optional): ``"streaming"`` erases through the model's own kernel
+            (the erased keys get a score of -inf, block by block: no ``(heads, N, N)``
+            tensor); ``"eager"`` edits explicit probabilities; ``"auto"`` streams where the
+            model allows it. Default: ``"auto"``.
 
     Returns:
         ErasureResult.
@@ -108,13 +128,12 @@ def attention_erasure(
         >>> attention_erasure(model, ids, erased, (mask,)).flipped.float().mean()
     """
     model = resolve_model(forward_func, model)
-    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     original_probs = original.explained_probs()
     _check_keys(erased_keys, original.input_real, "erased_keys")
-    chosen = layer_set(layers, len(original.attn_probs))
-    erased = run_model(
-        forward_func, model, inputs, additional_forward_args, _erasing(erased_keys.bool(), chosen, heads, original), adapter
-    ).explained_probs()
+    chosen = layer_set(layers, original.num_layers)
+    erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
+    erased = run_model(forward_func, model, inputs, additional_forward_args, erasure, adapter, capture).explained_probs()
     return ErasureResult(
         js_divergence=js_divergence(original_probs, erased),
         flipped=original_probs.argmax(dim=-1) != erased.argmax(dim=-1),
@@ -135,6 +154,7 @@ def decision_flip_fraction(
     query_index: int | None = None,
     max_batch_size: int = 64,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> FlipResult:
     """Erase keys in the order of ``ranking`` until the decision flips.
 
@@ -161,6 +181,7 @@ def decision_flip_fraction(
             None, the explained position (first real token; a decoder's last).
         max_batch_size (int, optional): rows per forward. Default: 64.
         adapter (AttentionAdapter, optional): how to find the attention.
+        capture (str, optional): as for :func:`attention_erasure`. Default: ``"auto"``.
 
     Returns:
         FlipResult; examples that never flip have ``removed = -1`` and NaN fractions.
@@ -168,15 +189,15 @@ def decision_flip_fraction(
     model = resolve_model(forward_func, model)
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     _check_keys(ranking, original.input_real, "ranking")
-    chosen = layer_set(layers, len(original.attn_probs))
+    chosen = layer_set(layers, original.num_layers)
     plan = _plan_prefixes(ranking, original.input_real, keep)
 
     def erased_output(rows: Tensor, erased: Tensor) -> Tensor:
         chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows)
-        intervention = _erasing(erased, chosen, heads, original)
-        return run_model(forward_func, model, chunk_inputs, chunk_args, intervention, adapter).explained_probs()
+        erasure = _KeyErasure(erased, chosen, heads, original)
+        return run_model(forward_func, model, chunk_inputs, chunk_args, erasure, adapter, capture).explained_probs()
 
     decision = original.explained_probs().argmax(dim=-1).cpu()
     flips = _evaluate_prefixes(plan, decision, erased_output, max_batch_size)
@@ -238,7 +259,13 @@ def _attention_mass(original: ForwardRecord, layers: set[int], query_index: int 
     queries = original.query_index if query_index is None else torch.full_like(original.query_index, query_index)
     batch_index = torch.arange(len(queries), device=queries.device)
     queried = [layer for layer in sorted(layers) if original.queries_are_explained(layer)]
-    query_attention = torch.stack(
-        [original.attn_probs[layer].float().mean(dim=1)[batch_index, queries] for layer in queried]
-    ).mean(dim=0).cpu()
+    query_attention = torch.stack([_query_attention(original, layer, queries, batch_index) for layer in queried])
+    query_attention = query_attention.mean(dim=0).cpu()
     return (query_attention * erased).sum(dim=1)
+
+
+def _query_attention(record: ForwardRecord, layer: int, queries: Tensor, batch_index: Tensor) -> Tensor:
+    """``(B, K)`` head-mean attention of each example's query row at ``layer``."""
+    if record.kernel_calls is not None:
+        return record.kernel_calls[layer].rows_at(queries).mean(dim=1)
+    return record.attn_probs[layer].float().mean(dim=1)[batch_index, queries]

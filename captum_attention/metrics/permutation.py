@@ -77,7 +77,7 @@ def attention_permutation(
     model = resolve_model(forward_func, model)
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
     original_probs = original.explained_probs()
-    chosen = layer_set(layers, len(original.attn_probs))
+    chosen = layer_set(layers, original.num_layers)
     generator = torch.Generator().manual_seed(seed)
     permuted = torch.stack(
         [
@@ -126,10 +126,10 @@ def permutation_accuracy(
     total = 0
     for ids, mask, labels in tqdm(data, desc="permuting attention", disable=not progress):
         original = run_model(forward_func, model, ids, (mask,), adapter=adapter)
-        settings = layers if layers is not None else [*range(len(original.attn_probs)), None]
+        settings = layers if layers is not None else [*range(original.num_layers), None]
         outcomes = {"original": original.explained_probs()}
         for setting in settings:
-            chosen = layer_set(setting, len(original.attn_probs))
+            chosen = layer_set(setting, original.num_layers)
             name = "all layers" if setting is None else f"layer {setting}"
             intervention = _permuting(original, chosen, None, generator)
             outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter).explained_probs()

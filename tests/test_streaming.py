@@ -1,0 +1,183 @@
+"""Streaming capture: equal to eager capture, leaves nothing behind, says when it cannot stream.
+
+The exactness and invariance tests of every family run in both modes (the ``capture_mode``
+fixture); these tests compare the two modes directly where eager alone has no reference:
+erasure through the kernel, block sizes, the wrapper's lifetime, threads and fallbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
+from methods import METHODS
+from plain_models import make_plain
+from test_encoder_decoder import make_pair
+
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention._compat import attention_function
+from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
+
+
+def _case(name: str):
+    """``(model, inputs, additional_forward_args, real (B, tokens))`` for one family."""
+    if name in ("bert", "distilbert"):
+        model = make_model(name)
+        batch = make_batch(model)
+        return model, batch.input_ids, (batch.attention_mask,), batch.attention_mask.bool()
+    if name in ("gpt2", "llama", "qwen2"):
+        prompts = make_prompts(side="left")
+        return make_decoder(name), prompts.input_ids, (prompts.attention_mask,), prompts.real
+    if name in ("t5", "bart"):
+        pair = make_pair()
+        return make_encoder_decoder(name), (pair.source, pair.target), pair.args, pair.args[0].bool()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    return make_vision(name), pixels, None, torch.ones(2, 17 if name == "vit" else 18, dtype=torch.bool)
+
+
+FAMILIES = ("bert", "distilbert", "gpt2", "llama", "qwen2", "t5", "bart", "vit", "deit")
+
+
+def _rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = expected.abs().max().clamp(min=1e-30).item()
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layers, heads", [(None, None), ([0, -1], [1, 2])])
+def test_erasure_through_the_kernel_equals_eager_erasure(family, layers, heads):
+    model, inputs, args, real = _case(family)
+    erased = real & (torch.rand(real.shape, generator=torch.Generator().manual_seed(0)) < 0.4)
+    erased[:, 0] = False
+    options = dict(layers=layers, heads=heads)
+    streamed = attention_erasure(model, inputs, erased, args, capture="streaming", **options)
+    eager = attention_erasure(model, inputs, erased, args, capture="eager", **options)
+    _rel_close(streamed.original, eager.original)
+    _rel_close(streamed.erased, eager.erased)
+    assert (streamed.erased - streamed.original).abs().max() > 1e-4, "the erasure should move the output"
+
+
+@pytest.mark.parametrize("family", ("bert", "llama", "t5", "vit"))
+def test_decision_flip_through_the_kernel_equals_eager(family):
+    model, inputs, args, real = _case(family)
+    ranking = random_ranking(real.shape, seed=2)
+    streamed = decision_flip_fraction(model, inputs, ranking, args, capture="streaming", max_batch_size=5)
+    eager = decision_flip_fraction(model, inputs, ranking, args, capture="eager", max_batch_size=5)
+    torch.testing.assert_close(streamed.removed, eager.removed)
+    torch.testing.assert_close(streamed.attention_mass_removed, eager.attention_mass_removed, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_one_row_per_block_gives_the_same_scores(name):
+    model, ids, args, _ = _case("llama")
+    cls, options = METHODS[name].cls, METHODS[name].options
+    whole = cls(model, capture="streaming").attribute(ids, additional_forward_args=args, **options)
+    by_rows = cls(model, capture="streaming", block_memory=1).attribute(ids, additional_forward_args=args, **options)
+    _rel_close(by_rows, whole)
+
+
+@pytest.mark.parametrize("cls", [GradSAM, AttentionRollout])
+def test_the_kernel_wrapper_lives_only_during_the_call(cls):
+    model, ids, args, _ = _case("bert")
+    original = attention_function("sdpa")
+    before = model_state(model)
+    cls(model, capture="streaming").attribute(ids, target=1, additional_forward_args=args)
+    assert attention_function("sdpa") is original
+    assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupted_call_leaves_the_kernel_and_the_model_as_found(error):
+    model, ids, args, _ = _case("llama")
+    original = attention_function("sdpa")
+    before = model_state(model)
+    layer = model.model.layers[1].self_attn
+
+    def interrupt(module, inputs, output):
+        raise error("interrupted")
+
+    handle = layer.register_forward_hook(interrupt)
+    try:
+        with pytest.raises(error):
+            GradSAM(model, capture="streaming").attribute(ids, additional_forward_args=args)
+    finally:
+        handle.remove()
+    assert attention_function("sdpa") is original
+    assert_same_state(before, model_state(model))
+
+
+def test_other_threads_run_the_kernel_untouched_during_a_capture():
+    model, ids, args, _ = _case("bert")
+    other = make_model("bert", seed=1)
+    expected = other(ids, attention_mask=args[0]).logits
+    started, release, seen = threading.Event(), threading.Event(), []
+    layer = model.bert.encoder.layer[0].attention.self
+
+    def pause(module, inputs):
+        started.set()
+        release.wait(timeout=30)
+
+    def run_other() -> None:
+        started.wait(timeout=30)
+        seen.append(other(ids, attention_mask=args[0]).logits)
+        release.set()
+
+    handle = layer.register_forward_pre_hook(pause)
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        scores = GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=args)
+    finally:
+        handle.remove()
+        release.set()
+        thread.join()
+    torch.testing.assert_close(seen[0], expected)
+    eager = GradSAM(model, capture="eager").attribute(ids, target=1, additional_forward_args=args)
+    _rel_close(scores, eager)
+
+
+def test_auto_says_why_it_falls_back_to_eager():
+    model, ids, args, _ = _case("bert")
+    explainer = AttentionRollout(model)
+    explainer.attribute(ids, additional_forward_args=args, discard_ratio=0.5)
+    assert explainer.last_capture == "eager: discard_ratio ranks every entry of each fused map"
+    explainer.attribute(ids, additional_forward_args=args, return_maps=True)
+    assert explainer.last_capture == "eager: return_maps=True needs the full maps"
+    explainer.attribute(ids, additional_forward_args=args)
+    assert explainer.last_capture == "streaming"
+    seq2seq, pair, pair_args, _ = _case("t5")
+    explainer = TransformerAttribution(seq2seq)
+    explainer.attribute(pair, additional_forward_args=pair_args)
+    assert explainer.last_capture.startswith("eager: the encoder-decoder")
+    plain = make_plain("mha")
+    batch = make_batch(plain)
+    explainer = RawAttention(plain)
+    explainer.attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
+    assert "MultiheadAttentionAdapter does not run attention" in explainer.last_capture
+
+
+def test_asking_for_streaming_where_it_is_impossible_is_a_clear_error():
+    model, ids, args, _ = _case("bert")
+    with pytest.raises(ValueError, match="capture='streaming' is not possible here: return_maps=True"):
+        RawAttention(model, capture="streaming").attribute(ids, additional_forward_args=args, return_maps=True)
+    plain = make_plain("mha")
+    batch = make_batch(plain)
+    with pytest.raises(ValueError, match="capture='streaming'"):
+        attention_erasure(plain, batch.input_ids, batch.attention_mask.bool(), (batch.attention_mask,), capture="streaming")
+    with pytest.raises(ValueError, match="capture must be one of"):
+        GradSAM(model, capture="fast")
+
+
+def test_an_eager_loaded_model_streams_through_sdpa_and_is_switched_back():
+    model, ids, args, _ = _case("llama")
+    model.set_attn_implementation("eager")
+    before = model_state(model)
+    explainer = TransformerAttribution(model)
+    streamed = explainer.attribute(ids, additional_forward_args=args)
+    assert explainer.last_capture == "streaming"
+    assert_same_state(before, model_state(model))
+    eager = TransformerAttribution(model, capture="eager").attribute(ids, additional_forward_args=args)
+    _rel_close(streamed, eager)
