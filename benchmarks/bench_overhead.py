@@ -3,9 +3,9 @@
     python -m pytest benchmarks/bench_overhead.py --benchmark-columns=median,iqr,rounds
     python -m pytest benchmarks/bench_overhead.py --benchmark-compare   # against a saved run
 
-Benchmarks the model's own passes (forward with attentions, forward+backward with
-attentions) next to each method on the 6-layer BERT of ``common.py`` (8 × 128 tokens),
-so that ratios are read within one run. ``CAPTUM_ATTENTION_BENCH_SMOKE=1`` shrinks the
+Benchmarks the model's own passes (sdpa forward and forward+backward; eager forward and
+forward+backward with attentions) next to each method, streaming and eager, on the
+6-layer BERT of ``common.py`` (8 × 128 tokens), so that ratios are read within one run. ``CAPTUM_ATTENTION_BENCH_SMOKE=1`` shrinks the
 model and batch for a quick check (what CI runs, with ``--benchmark-disable``).
 """
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import BASELINE, RUN_NAMES  # noqa: E402
+from common import ALL_BASELINES, RUN_NAMES  # noqa: E402
 
 SMOKE = os.environ.get("CAPTUM_ATTENTION_BENCH_SMOKE") == "1"
 
@@ -49,5 +49,5 @@ def test_overhead(benchmark, setup, name):  # type: ignore[no-untyped-def]
     runs, input_shape = setup
     benchmark.group = "captum-attention overhead"
     result = benchmark(runs[name])
-    if name in BASELINE:
+    if name in ALL_BASELINES:
         assert result.shape == input_shape

@@ -72,37 +72,59 @@ def peak_rss_growth(run: Callable[[], object]) -> int:
 MEASURING_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
+SDPA_FORWARD = "forward (sdpa)"
+SDPA_FORWARD_BACKWARD = "forward+backward (sdpa)"
 FORWARD = "forward with attentions"
 FORWARD_BACKWARD = "forward+backward with attentions"
-# Each registered method against the model's own pass it extends: a forward, or (for the
-# gradient methods) a forward+backward.
+EAGER = " (eager)"
+# Each registered method against the model's own pass it extends, a forward or (for the
+# gradient methods) a forward+backward: streaming runs against the model's sdpa kernel,
+# eager runs (name + EAGER) against the eager model that outputs its attentions.
 BASELINE = {
-    cls.__name__: FORWARD_BACKWARD if cls.gradient_reduction is not None else FORWARD for cls in METHODS.values()
+    cls.__name__: SDPA_FORWARD_BACKWARD if cls.gradient_reduction is not None else SDPA_FORWARD for cls in METHODS.values()
 }
-RUN_NAMES = [FORWARD, FORWARD_BACKWARD, *BASELINE]
+EAGER_BASELINE = {
+    name + EAGER: FORWARD_BACKWARD if base == SDPA_FORWARD_BACKWARD else FORWARD for name, base in BASELINE.items()
+}
+ALL_BASELINES = {**BASELINE, **EAGER_BASELINE}
+RUN_NAMES = [SDPA_FORWARD, SDPA_FORWARD_BACKWARD, FORWARD, FORWARD_BACKWARD, *BASELINE, *EAGER_BASELINE]
 TARGET = 1
 
 
-def attention_runs(model: tf.PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Zero-argument calls, by ``RUN_NAMES``: the model's own eager forward and
-    forward+backward with attentions (on an eager copy), and each of our methods."""
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
+def attention_runs(
+    model: tf.PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, eager: bool = True, block_memory: int | None = None
+) -> dict[str, Callable[[], object]]:
+    """Zero-argument calls, by ``RUN_NAMES``: the model's own sdpa forward and forward+backward
+    (to the input embeddings), each registered method streaming; with ``eager``, also the
+    eager forward and forward+backward with attentions (on an eager copy) and each method
+    with ``capture="eager"``."""
     args = dict(additional_forward_args=(mask,))
+    memory = {} if block_memory is None else {"block_memory": block_memory}
 
-    def forward() -> object:
+    def forward_backward(on: tf.PreTrainedModel, **extra: object) -> None:
+        embeds = on.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = on(inputs_embeds=embeds, attention_mask=mask, **extra).logits
+        torch.autograd.grad(logits[:, TARGET].sum(), embeds)
+
+    def forward(on: tf.PreTrainedModel, **extra: object) -> object:
         with torch.no_grad():
-            return eager(ids, attention_mask=mask, output_attentions=True).logits
+            return on(ids, attention_mask=mask, **extra).logits
 
-    def forward_backward() -> None:
-        out = eager(ids, attention_mask=mask, output_attentions=True)
-        out.logits[:, TARGET].sum().backward()
-        eager.zero_grad(set_to_none=True)
+    def method(cls: type, capture: str) -> Callable[[], object]:
+        return lambda: cls(model, capture=capture, **memory).attribute(ids, target=TARGET, **args)
 
-    def method(cls: type) -> Callable[[], object]:
-        return lambda: cls(model).attribute(ids, target=TARGET, **args)
-
-    return {FORWARD: forward, FORWARD_BACKWARD: forward_backward, **{cls.__name__: method(cls) for cls in METHODS.values()}}
+    runs: dict[str, Callable[[], object]] = {
+        SDPA_FORWARD: lambda: forward(model),
+        SDPA_FORWARD_BACKWARD: lambda: forward_backward(model),
+        **{cls.__name__: method(cls, "streaming") for cls in METHODS.values()},
+    }
+    if eager:
+        eager_model = copy.deepcopy(model)
+        eager_model.set_attn_implementation("eager")
+        runs[FORWARD] = lambda: forward(eager_model, output_attentions=True)
+        runs[FORWARD_BACKWARD] = lambda: forward_backward(eager_model, output_attentions=True)
+        runs.update({cls.__name__ + EAGER: method(cls, "eager") for cls in METHODS.values()})
+    return runs
 
 
 def median_seconds(

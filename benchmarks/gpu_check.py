@@ -25,10 +25,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from common import (  # noqa: E402
-    BASELINE,
+    ALL_BASELINES,
     BATCH,
     FORWARD,
     FORWARD_BACKWARD,
+    SDPA_FORWARD,
+    SDPA_FORWARD_BACKWARD,
     SEQ_LEN,
     attention_runs,
     benchmark_batch,
@@ -103,9 +105,9 @@ def main() -> None:
     costs = {name: cuda_cost(run) for name, run in attention_runs(benchmark_model("cuda"), ids, mask).items()}
     print("\n| run | median ms | x baseline time | x baseline peak memory |")
     print("|---|---|---|---|")
-    for name in (FORWARD, FORWARD_BACKWARD):
+    for name in (SDPA_FORWARD, SDPA_FORWARD_BACKWARD, FORWARD, FORWARD_BACKWARD):
         print(f"| {name} | {costs[name][0]:.2f} | | |")
-    for name, baseline in BASELINE.items():
+    for name, baseline in ALL_BASELINES.items():
         (ms, peak), (base_ms, base_peak) = costs[name], costs[baseline]
         print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak:.2f} |")
 

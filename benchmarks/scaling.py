@@ -1,27 +1,38 @@
-"""Time and peak memory of each method against sequence length and batch size.
+"""Time and peak memory of each method, streaming and eager, against length and batch size.
 
-    python benchmarks/scaling.py [--device cpu|cuda] [--lengths 64 128 ... 2048]
-                                 [--batches 1 2 4 8 16] [--repeats 3] [--no-memory]
+    python benchmarks/scaling.py [--model llama|bert|llama-1b] [--device cpu|cuda]
+        [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
+        [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
+        [--json out.json]
 
-A 4-layer, 256-wide, 4-head BERT classifier (positions up to 2048), random token ids.
-For each (batch, length): the model's own forward with attentions (eager,
-``output_attentions=True``) and forward+backward with attentions (``.backward()`` of the
-explained logits), and each of our methods; median wall time over ``--repeats`` runs
-after a warm-up, and the peak memory of one call: on CUDA ``max_memory_allocated``
-above the memory in use before the call; on CPU the peak resident-set growth in a fresh
-subprocess whose allocator returns freed blocks to the system. Ratios are against the
-matching baseline (forward for raw/rollout, forward+backward for Grad-SAM/Transformer
-Attribution), measured in the same run, so the growth of a ratio with length is the
-method's cost growing faster than the model's own.
+Models (random weights, sequence classifiers, so the explained logit is one class):
+``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
+heads; ``llama-1b``: shaped like Llama-3.2-1B (16 layers, hidden 2048, 32 heads, 8 KV heads,
+vocabulary cut to 32k). For each (batch, length): the model's own sdpa forward and
+forward+backward to the input embeddings, each method streaming (``capture="streaming"``)
+and ``attention_erasure`` streaming (10% of the keys erased: two forwards); up to
+``--eager-max`` tokens also the eager forward and forward+backward with attentions and each
+method with ``capture="eager"`` (beyond it the attention maps alone outgrow this machine).
+
+Memory: the peak growth of one call above the loaded model and inputs: on CUDA
+``max_memory_allocated``; on CPU the peak resident set, each run in a fresh subprocess
+whose allocator returns freed blocks to the system for that call. Time: the median of
+``--repeats`` further calls (the allocator back to its usual thresholds on CPU). Ratios: streaming raw/rollout/erasure against the sdpa forward (memory also against
+the sdpa forward plus the recorded queries and keys), Grad-SAM/Transformer Attribution
+against the sdpa forward+backward; eager runs against the same sdpa baselines, so the two
+modes compare directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,113 +40,205 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BASELINE, FORWARD, FORWARD_BACKWARD, MEASURING_ENV, attention_runs, median_seconds, peak_rss_growth  # noqa: E402
+from common import (  # noqa: E402
+    BASELINE,
+    EAGER,
+    FORWARD,
+    FORWARD_BACKWARD,
+    MEASURING_ENV,
+    SDPA_FORWARD,
+    SDPA_FORWARD_BACKWARD,
+    attention_runs,
+    peak_rss_growth,
+)
+
+from captum_attention.metrics import attention_erasure  # noqa: E402
+
+ERASURE = "attention_erasure"
+STREAMED = [*BASELINE, ERASURE]
 
 
-def scaling_model(device: str) -> tf.PreTrainedModel:
-    torch.manual_seed(0)
-    config = tf.BertConfig(
-        vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-        intermediate_size=1024, max_position_embeddings=2048, num_labels=2,
+def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
+    positions = max(max_length, 512)
+    if name == "bert":
+        return tf.BertConfig(
+            vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+            intermediate_size=1536, max_position_embeddings=positions, num_labels=2,
+        )
+    shape = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    if name == "llama-1b":
+        shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
+    return tf.LlamaConfig(
+        vocab_size=32000 if name == "llama-1b" else 1000, max_position_embeddings=positions, num_labels=2,
+        pad_token_id=0, **shape,
     )
-    return tf.BertForSequenceClassification(config).eval().to(device)
 
 
-def workloads(batch: int, seq_len: int, device: str) -> dict[str, Callable[[], object]]:
-    ids = torch.randint(5, 1000, (batch, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
-    return attention_runs(scaling_model(device), ids, torch.ones_like(ids))
+def scaling_model(name: str, max_length: int, device: str, dtype: torch.dtype) -> tf.PreTrainedModel:
+    torch.manual_seed(0)
+    config = model_config(name, max_length)
+    classifier = tf.BertForSequenceClassification if name == "bert" else tf.LlamaForSequenceClassification
+    return classifier(config).eval().to(device=device, dtype=dtype)
 
 
-def peak_bytes(run: Callable[[], object], device: str) -> int:
-    """Peak memory growth of one warm call of ``run``."""
-    run()
+def recorded_query_key_bytes(config: tf.PretrainedConfig, dtype: torch.dtype, batch: int, length: int) -> int:
+    """What a streaming forward keeps beyond the model's own: every layer's queries and keys."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    heads = config.num_attention_heads + getattr(config, "num_key_value_heads", config.num_attention_heads)
+    return config.num_hidden_layers * batch * length * heads * head_dim * dtype.itemsize
+
+
+def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str, Callable[[], object]]:
+    device, dtype = options.device, getattr(torch, options.dtype)
+    model = scaling_model(options.model, max(options.lengths + [options.batch_length]), device, dtype)
+    ids = torch.randint(5, 1000, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    runs = attention_runs(model, ids, mask, eager=length <= options.eager_max, block_memory=options.block_memory)
+    erased = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)).to(device) < 0.1
+    runs[ERASURE] = lambda: attention_erasure(model, ids, erased, (mask,), capture="streaming")
+    return runs
+
+
+def measure_here(run: Callable[[], object], repeats: int, device: str) -> dict[str, float]:
+    """The peak memory growth of one call, then the median ms over ``repeats`` calls (the
+    first call is the warm-up). On CPU the allocator returns freed blocks to the system
+    (``MEASURING_ENV``) for the memory call, and keeps them as usual for the timed ones."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    return peak_rss_growth(run)
+        sync()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = peak_rss_growth(run)
+        usual_allocator()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"ms": 1000 * statistics.median(times), "MiB": peak / 2**20}
 
 
-def peak_in_subprocess(name: str, batch: int, seq_len: int) -> int:
-    env = {**os.environ, **MEASURING_ENV}
-    command = [sys.executable, __file__, "--memory-of", name, "--batches", str(batch), "--lengths", str(seq_len)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    return int(out.stdout.strip().splitlines()[-1])
+def usual_allocator() -> None:
+    """glibc's thresholds back near their defaults after a ``MEASURING_ENV`` start, so that
+    timed calls reuse freed blocks instead of paging fresh ones in."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 128 * 2**20)  # M_TRIM_THRESHOLD
 
 
-def measure(batch: int, seq_len: int, device: str, repeats: int, memory: bool) -> dict[str, dict[str, float]]:
-    runs = workloads(batch, seq_len, device)
-    seconds = median_seconds(runs, repeats, torch.cuda.synchronize if device == "cuda" else lambda: None)
-    rows: dict[str, dict[str, float]] = {}
-    for name in runs:
-        row = {"ms": 1000 * seconds[name]}
-        if name in BASELINE:
-            row["× time"] = seconds[name] / seconds[BASELINE[name]]
-        rows[name] = row
-    if memory:
-        for name in runs:
-            if device == "cuda":
-                rows[name]["MiB"] = peak_bytes(runs[name], device) / 2**20
-            else:
-                rows[name]["MiB"] = peak_in_subprocess(name, batch, seq_len) / 2**20
-        for name, base in BASELINE.items():
-            rows[name]["× memory"] = rows[name]["MiB"] / max(rows[base]["MiB"], 1e-9)
+def measure_in_subprocess(options: argparse.Namespace, name: str, batch: int, length: int) -> dict[str, float]:
+    command = [
+        sys.executable, __file__, "--one", name, "--model", options.model, "--dtype", options.dtype,
+        "--batches", str(batch), "--lengths", str(length), "--repeats", str(options.repeats),
+        "--eager-max", str(options.eager_max), "--batch-length", str(length),
+    ] + (["--block-memory", str(options.block_memory)] if options.block_memory else [])
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **MEASURING_ENV})
+    if out.returncode != 0:  # e.g. killed for memory
+        return {"ms": float("nan"), "MiB": float("nan"), "error": (out.stderr.strip().splitlines() or ["killed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(options: argparse.Namespace, batch: int, length: int) -> dict[str, dict[str, float]]:
+    names = [SDPA_FORWARD, SDPA_FORWARD_BACKWARD, *STREAMED]
+    if length <= options.eager_max:
+        names += [FORWARD, FORWARD_BACKWARD, *(name + EAGER for name in BASELINE)]
+    if options.device == "cuda" or options.here:
+        runs = workloads(options, batch, length)
+        rows = {}
+        for name in names:
+            try:
+                rows[name] = measure_here(runs[name], options.repeats, options.device)
+            except torch.OutOfMemoryError:
+                rows[name] = {"ms": float("nan"), "MiB": float("nan"), "error": "out of memory"}
+                torch.cuda.empty_cache()
+    else:
+        rows = {name: measure_in_subprocess(options, name, batch, length) for name in names}
+    config = model_config(options.model, length)
+    query_keys = recorded_query_key_bytes(config, getattr(torch, options.dtype), batch, length)
+    rows["recorded Q/K"] = {"ms": 0.0, "MiB": query_keys / 2**20}
     return rows
 
 
+def _ratio(rows: dict, name: str, base: str, plus: float = 0.0) -> str:
+    run = rows.get(name)
+    if run is None:
+        return "—"
+    if "error" in run:
+        return f"fails ({run['error'][:30]})"
+    return f"{run['ms'] / rows[base]['ms']:.2f}× / {run['MiB'] / (rows[base]['MiB'] + plus):.2f}×"
+
+
 def table(results: list[dict]) -> str:
-    """Markdown: the baselines' time (and memory), then each method as time ratio (/ memory ratio)."""
-    has_memory = "MiB" in results[0]["runs"][FORWARD]
-    baselines = ["forward ms", "fwd+bwd ms"] + (["forward MiB", "fwd+bwd MiB"] if has_memory else [])
-    lines = [
-        "| batch | length | " + " | ".join(baselines) + " | " + " | ".join(BASELINE) + " |",
-        "|" + "---|" * (2 + len(baselines) + len(BASELINE)),
-    ]
+    """Markdown: the sdpa baselines, then each run as time ratio / memory ratio."""
+    eager_names = [FORWARD_BACKWARD] + [name + EAGER for name in BASELINE]
+    header = ["batch", "length", "sdpa fwd ms", "sdpa fwd+bwd ms", "sdpa fwd MiB", "sdpa fwd+bwd MiB", "Q/K MiB"]
+    header += STREAMED + eager_names
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
-        runs = result["runs"]
-        cells = [str(result["batch"]), str(result["length"]), f"{runs[FORWARD]['ms']:.1f}", f"{runs[FORWARD_BACKWARD]['ms']:.1f}"]
-        if has_memory:
-            cells += [f"{runs[FORWARD]['MiB']:.0f}", f"{runs[FORWARD_BACKWARD]['MiB']:.0f}"]
-        for name in BASELINE:
-            ratio = f"{runs[name]['× time']:.2f}×"
-            cells.append(ratio + (f" / {runs[name]['× memory']:.2f}×" if has_memory else ""))
+        rows = result["runs"]
+        forward, backward, query_keys = rows[SDPA_FORWARD], rows[SDPA_FORWARD_BACKWARD], rows["recorded Q/K"]["MiB"]
+        cells = [str(result["batch"]), str(result["length"]), f"{forward['ms']:.0f}", f"{backward['ms']:.0f}",
+                 f"{forward['MiB']:.0f}", f"{backward['MiB']:.0f}", f"{query_keys:.0f}"]
+        for name in STREAMED:
+            base = BASELINE.get(name, SDPA_FORWARD)
+            cells.append(_ratio(rows, name, base, query_keys if base == SDPA_FORWARD else 0.0))
+        for name in eager_names:
+            base = SDPA_FORWARD_BACKWARD if name == FORWARD_BACKWARD else BASELINE[name.removesuffix(EAGER)]
+            cells.append(_ratio(rows, name, base))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--batch-length", type=int, default=256, help="length at which batch sizes are varied")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--batch-length", type=int, default=512, help="length at which batch sizes vary")
+    parser.add_argument("--eager-max", type=int, default=4096, help="longest input the eager runs get")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--block-memory", type=int, help="bytes per block of recomputed rows (default: the library's)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--memory-of", help=argparse.SUPPRESS)
-    options = parser.parse_args(argv)
-    if options.memory_of:
-        runs = workloads(options.batches[0], options.lengths[0], "cpu")
-        print(peak_bytes(runs[options.memory_of], "cpu"))
-        return []
+    parser.add_argument("--here", action="store_true", help="measure in this process (CPU memory less exact)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    options = parse(argv)
     if options.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    if options.one:  # one run in this (fresh) process: warm up short, then measure
+        workloads(options, 1, 64)[options.one]()
+        run = workloads(options, options.batches[0], options.lengths[0])[options.one]
+        print(json.dumps(measure_here(run, options.repeats, options.device)))
+        return []
     device_name = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"scaling on {device_name}, torch {torch.__version__}\n")
+    print(f"scaling: {options.model} ({options.dtype}) on {device_name}, torch {torch.__version__}\n", flush=True)
     settings = [(1, length) for length in options.lengths]
     settings += [(batch, options.batch_length) for batch in options.batches if batch != 1]
     results = []
     for batch, length in settings:
-        runs = measure(batch, length, options.device, options.repeats, not options.no_memory)
+        started = time.perf_counter()
+        runs = measure(options, batch, length)
         results.append({"batch": batch, "length": length, "runs": runs})
-        print(f"batch {batch:3d} length {length:5d}: " + ", ".join(f"{n} {r['ms']:.1f} ms" for n, r in runs.items()), flush=True)
+        print(f"batch {batch} length {length} ({time.perf_counter() - started:.0f} s): "
+              + ", ".join(f"{n} {r['ms']:.0f} ms {r['MiB']:.0f} MiB" for n, r in runs.items()), flush=True)
     print()
     print(table(results))
     if options.json:
-        options.json.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
+        options.json.write_text(json.dumps({"device": device_name, "model": options.model, "dtype": options.dtype, "results": results}, indent=1))
     return results
 
 

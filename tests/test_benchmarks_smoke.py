@@ -39,16 +39,18 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
 def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path):
     import scaling
 
-    results = scaling.main(
-        ["--lengths", "16", "32", "--batches", "1", "2", "--batch-length", "16", "--repeats", "1", "--no-memory"]
-    )
+    arguments = ["--lengths", "16", "32", "--batches", "1", "2", "--batch-length", "16", "--eager-max", "16", "--here"]
+    results = scaling.main(["--model", "llama", *arguments])
     assert [(r["batch"], r["length"]) for r in results] == [(1, 16), (1, 32), (2, 16)]
     for result in results:
-        for name in scaling.BASELINE:
-            assert result["runs"][name]["× time"] > 0
-    # memory: one call in this process (the script measures each in a fresh subprocess)
-    runs = scaling.workloads(1, 64, "cpu")
-    assert scaling.peak_bytes(runs["GradSAM"], "cpu") >= 0
+        runs = result["runs"]
+        for name in scaling.STREAMED:
+            assert runs[name]["ms"] > 0 and runs[name]["MiB"] >= 0
+        assert ("GradSAM (eager)" in runs) == (result["length"] <= 16)
+    assert "| 1 | 32 |" in scaling.table(results)
+    # one run in a fresh subprocess, as the script measures on CPU by default
+    options = scaling.parse(["--model", "bert", "--lengths", "16"])
+    assert scaling.measure_in_subprocess(options, "GradSAM", 1, 16)["MiB"] >= 0
 
 
 def test_pytest_benchmark_harness_smoke():
@@ -59,4 +61,4 @@ def test_pytest_benchmark_harness_smoke():
         capture_output=True, text=True, env=env, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "6 passed" in out.stdout
+    assert "12 passed" in out.stdout

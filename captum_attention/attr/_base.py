@@ -23,7 +23,6 @@ logger = logging.getLogger("captum_attention")
 
 CaptureMode = Literal["auto", "streaming", "eager"]
 CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
-DEFAULT_BLOCK_MEMORY = 64 * 2**20
 
 Scores = Tensor | tuple[Tensor, ...]
 """What ``attribute`` returns: Captum's output shape for the inputs."""
@@ -72,7 +71,7 @@ class AttentionAttributionBase:
             probabilities, which are recorded; ``"auto"``: streaming wherever it is
             exact, else eager (``last_capture`` then says why). Default: ``"auto"``.
         block_memory (int, optional): bytes one block of recomputed attention rows may
-            take in streaming mode. Default: 64 MiB.
+            take in streaming mode. Default: None, 16 MiB on CPU and 512 MiB on GPU.
     """
 
     method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"
@@ -91,7 +90,7 @@ class AttentionAttributionBase:
         model: nn.Module | None = None,
         adapter: AttentionAdapter | None = None,
         capture: CaptureMode = "auto",
-        block_memory: int = DEFAULT_BLOCK_MEMORY,
+        block_memory: int | None = None,
     ) -> None:
         if model is None:
             if not isinstance(forward_func, nn.Module):
@@ -104,7 +103,7 @@ class AttentionAttributionBase:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}.")
-        if block_memory < 1:
+        if block_memory is not None and block_memory < 1:
             raise ValueError(f"block_memory must be a positive number of bytes, got {block_memory}.")
         super().__init__(forward_func)  # type: ignore[call-arg]
         self.model = model

@@ -75,22 +75,29 @@ class KernelCall:
     def num_keys(self) -> int:
         return self.key.shape[2]
 
-    def logit_bias(self, rows: slice) -> Tensor | None:
-        """The additive bias of the query rows ``rows``, ``(B or 1, H or 1, r, K)`` float32,
-        -inf where a key is masked; None when nothing is added."""
+    def key_span(self, rows: slice) -> int:
+        """How many leading keys the query rows ``rows`` can see: all of them, or under the
+        kernel's causal mask those up to the block's last row (the rest have probability 0
+        and are not computed)."""
+        return min(rows.stop, self.num_keys) if self.causal else self.num_keys
+
+    def logit_bias(self, rows: slice, keys: int | None = None) -> Tensor | None:
+        """The additive bias of the query rows ``rows`` over the first ``keys`` keys
+        (default all), ``(B or 1, H or 1, r, keys)`` float32, -inf where a key is masked;
+        None when nothing is added."""
+        keys = self.num_keys if keys is None else keys
         bias = None
         if self.mask is not None:
-            mask = self.mask[..., rows, :] if self.mask.shape[-2] > 1 else self.mask
+            mask = self.mask[..., rows, :keys] if self.mask.shape[-2] > 1 else self.mask[..., :keys]
             if mask.dtype == torch.bool:
                 bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
             else:
                 bias = mask.float()
         if self.position_bias is not None:
-            position_bias = self.position_bias[..., rows, :].float()
+            position_bias = self.position_bias[..., rows, :keys].float()
             bias = position_bias if bias is None else bias + position_bias
         if self.causal:
-            query_positions = torch.arange(self.num_queries, device=self.query.device)[rows, None]
-            later = torch.arange(self.num_keys, device=self.query.device) > query_positions
+            later = torch.arange(keys, device=self.query.device) > torch.arange(rows.start, rows.stop, device=self.query.device)[:, None]
             causal = torch.zeros(later.shape, device=later.device).masked_fill_(later, -math.inf)
             bias = causal if bias is None else bias + causal
         return bias
@@ -104,27 +111,37 @@ class KernelCall:
         return products.reshape(batch, heads, num_rows, keys.shape[2])
 
     def logits(self, rows: slice) -> Tensor:
-        """``(B, H, r, K)`` float32 pre-softmax scores of the query rows ``rows``."""
-        scores = self._per_key_head(self.query[:, :, rows], self.key).mul_(self.scale)
-        bias = self.logit_bias(rows)
+        """``(B, H, r, key_span)`` float32 pre-softmax scores of the query rows ``rows``."""
+        keys = self.key_span(rows)
+        scores = self._per_key_head(self.query[:, :, rows], self.key[:, :, :keys]).mul_(self.scale)
+        if self.causal and self.mask is None and self.position_bias is None:
+            # only the block's own square holds later keys
+            square = scores[..., rows.start : keys]
+            later = torch.ones(square.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+            square.masked_fill_(later, -math.inf)
+            return scores
+        bias = self.logit_bias(rows, keys)
         return scores if bias is None else scores.add_(bias)
 
     def probs(self, rows: slice) -> Tensor:
-        """``(B, H, r, K)`` float32 attention probabilities of the query rows ``rows``
+        """``(B, H, r, key_span)`` float32 attention probabilities of the query rows ``rows``
         (0 in a row whose every key is masked)."""
-        return torch.nan_to_num(self.logits(rows).softmax(dim=-1), nan=0.0)
+        probs = self.logits(rows).softmax(dim=-1)
+        return probs if self.mask is None else probs.nan_to_num_(nan=0.0)
 
     def rows_at(self, query_index: Tensor) -> Tensor:
         """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]``."""
-        return torch.stack(
-            [self.probs(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0] for b, q in enumerate(query_index.tolist())]
-        )
+        rows = []
+        for b, q in enumerate(query_index.tolist()):
+            row = self.probs(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0]
+            rows.append(torch.nn.functional.pad(row, (0, self.num_keys - row.shape[-1])))
+        return torch.stack(rows)
 
     def grad_probs(self, grad_output: Tensor, rows: slice) -> Tensor:
-        """``(B, H, r, K)`` float32 gradient dS/dA of the rows ``rows`` from the gradient of
-        the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
+        """``(B, H, r, key_span)`` float32 gradient dS/dA of the rows ``rows`` from the
+        gradient of the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
         assert self.value is not None, "the values were not recorded (no gradient tracked)"
-        return self._per_key_head(grad_output[:, rows].transpose(1, 2), self.value)
+        return self._per_key_head(grad_output[:, rows].transpose(1, 2), self.value[:, :, : self.key_span(rows)])
 
     def erased_output(self, erased: Tensor, heads: Sequence[int] | None, block_rows: int) -> Tensor:
         """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
@@ -140,7 +157,7 @@ class KernelCall:
         erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
         blocks = []
         for start in range(0, self.num_queries, block_rows):
-            rows = slice(start, start + block_rows)
+            rows = slice(start, min(start + block_rows, self.num_queries))
             bias = self.logit_bias(rows)
             bias = erase if bias is None else bias + erase
             out = F.scaled_dot_product_attention(
@@ -151,9 +168,16 @@ class KernelCall:
         return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
 
 
-def block_rows(call: KernelCall, budget_bytes: int, tensors: int = 4) -> int:
+BLOCK_MEMORY = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}
+"""Default bytes per block of recomputed rows: small enough to stay in a CPU's caches,
+large enough to keep a GPU busy (measured in ``benchmarks/scaling.py``)."""
+
+
+def block_rows(call: KernelCall, budget_bytes: int | None = None, tensors: int = 4) -> int:
     """Query rows per block so that ``tensors`` float32 ``(B, H, rows, K)`` blocks fit
-    ``budget_bytes`` (at least one row)."""
+    ``budget_bytes`` (default: :data:`BLOCK_MEMORY` for the call's device; at least one row)."""
+    if budget_bytes is None:
+        budget_bytes = BLOCK_MEMORY.get(call.query.device.type, BLOCK_MEMORY["cuda"])
     per_row = tensors * 4 * call.query.shape[0] * call.heads * call.num_keys
     return max(1, budget_bytes // max(per_row, 1))
 

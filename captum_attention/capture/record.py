@@ -180,7 +180,7 @@ def record_forward(
     intervention: Intervention | None = None,
     query_index: QueryIndex = None,
     streaming: bool = False,
-    block_memory: int = 64 * 2**20,
+    block_memory: int | None = None,
 ) -> ForwardRecord:
     """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
 
@@ -198,7 +198,8 @@ def record_forward(
             :func:`query_positions`).
         streaming: keep the model's attention kernel and record its inputs (see
             :class:`AttentionCapture`).
-        block_memory: bytes per block of recomputed attention rows (streaming).
+        block_memory: bytes per block of recomputed attention rows (streaming); None: the
+            device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
     """
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None

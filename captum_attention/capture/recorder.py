@@ -58,8 +58,8 @@ class AttentionCapture:
             ``kernel_calls``) instead of its probabilities; raises
             :class:`~captum_attention.capture.kernel.StreamingUnsupported` where that is
             not possible. Default: False.
-        block_memory (int): bytes that one block of recomputed attention rows may take
-            (streaming erasure). Default: 64 MiB.
+        block_memory (int, optional): bytes that one block of recomputed attention rows
+            may take (streaming erasure). Default: None, the device's default.
 
     Example::
 
@@ -77,7 +77,7 @@ class AttentionCapture:
         input_shape: tuple[int, int] | None = None,
         intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
         streaming: bool = False,
-        block_memory: int = 64 * 2**20,
+        block_memory: int | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else default_adapter(model)

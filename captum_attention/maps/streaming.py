@@ -27,14 +27,17 @@ def _blocks(call: KernelCall, rows_per_block: int) -> Iterator[slice]:
         yield slice(start, min(start + rows_per_block, call.num_queries))
 
 
-def _real_pairs(real_queries: Tensor, real_keys: Tensor, rows: slice) -> Tensor:
-    """``(B, r, K)`` float: 1 where the query of row ``rows`` and the key are both real."""
-    return (real_queries[:, rows, None] & real_keys[:, None, :]).float()
+def _only_real_pairs(block_map: Tensor, real_queries: Tensor, real_keys: Tensor, rows: slice) -> Tensor:
+    """``block_map`` ``(B, r, k)`` with the pairs of a non-real query (of ``rows``) or key zeroed."""
+    queries, keys = real_queries[:, rows], real_keys[:, : block_map.shape[-1]]
+    if bool(queries.all()) and bool(keys.all()):
+        return block_map
+    return block_map.mul_((queries[:, :, None] & keys[:, None, :]).to(block_map.dtype))
 
 
-def _row_times_block(row: Tensor, rows: slice, block_map: Tensor) -> Tensor:
-    """``row[:, rows] @ block_map``: ``(B, r) x (B, r, K) -> (B, K)``."""
-    return torch.bmm(row[:, None, rows], block_map)[:, 0]
+def _add_row_times_block(total: Tensor, row: Tensor, rows: slice, block_map: Tensor) -> None:
+    """``total[:, :k] += row[:, rows] @ block_map`` for ``block_map`` ``(B, r, k)``."""
+    total[:, : block_map.shape[-1]] += torch.bmm(row[:, None, rows], block_map)[:, 0]
 
 
 def grad_sam_row_sums(
@@ -44,7 +47,7 @@ def grad_sam_row_sums(
     sums = []
     for rows in _blocks(call, rows_per_block):
         weighted = call.grad_probs(grad_output, rows).clamp_(min=0).mul_(call.probs(rows)).sum(dim=1)
-        sums.append(weighted.mul_(_real_pairs(real_queries, real_keys, rows)).sum(dim=-1))
+        sums.append(_only_real_pairs(weighted, real_queries, real_keys, rows).sum(dim=-1))
     return torch.cat(sums, dim=1)
 
 
@@ -57,8 +60,8 @@ def relevance_row_step(
     for rows in _blocks(call, rows_per_block):
         if not bool(row[:, rows].any()):
             continue  # rows of R the query row does not reach yet contribute nothing
-        relevance = (call.grad_probs(grad_output, rows) * call.probs(rows)).clamp_(min=0).mean(dim=1)
-        step += _row_times_block(row, rows, relevance.mul_(_real_pairs(real, real, rows)))
+        relevance = call.grad_probs(grad_output, rows).mul_(call.probs(rows)).clamp_(min=0).mean(dim=1)
+        _add_row_times_block(step, row, rows, _only_real_pairs(relevance, real, real, rows))
     return step
 
 
@@ -69,10 +72,10 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, r
     for rows in _blocks(call, rows_per_block):
         if not bool(row[:, rows].any()):
             continue
-        fused = fuse_heads(call.probs(rows), fusion).mul_(_real_pairs(real, real, rows)).mul_(0.5)
+        fused = _only_real_pairs(fuse_heads(call.probs(rows), fusion), real, real, rows).mul_(0.5)
         diagonal = torch.arange(rows.start, rows.stop, device=fused.device)
         fused[:, diagonal - rows.start, diagonal] += 0.5
-        step += _row_times_block(row, rows, fused.div_(fused.sum(dim=-1, keepdim=True)))
+        _add_row_times_block(step, row, rows, fused.div_(fused.sum(dim=-1, keepdim=True)))
     return step
 
 
