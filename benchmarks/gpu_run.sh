@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# One device-tool call (about 4 minutes on an H100): the GPU check, then scaling on CUDA.
-# Carry the captum wheel (and transformers' if the machine's is older than 5.24) in .whl/:
+# The GPU measurements, as device-tool calls on one warm machine:
+#   bash benchmarks/gpu_run.sh check   # CPU/CUDA/streaming agreement, bf16, costs; Llama-1B bf16 scaling
+#   bash benchmarks/gpu_run.sh fp32    # Llama-1B fp32 scaling
+# Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+out="${OUT:-/tmp/out}"
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/captum-*.whl
+if ! python3 -c "import sys, transformers as t; sys.exit(tuple(map(int, t.__version__.split('.')[:2])) < (5, 24))"; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/transformers-*.whl
+fi
 export PYTHONPATH=/tmp/site:.
-mkdir -p "${OUT:-/tmp/out}"
-python3 benchmarks/gpu_check.py | tee "${OUT:-/tmp/out}/gpu_check.md"
-python3 benchmarks/scaling.py --device cuda --lengths 64 256 1024 2048 4096 --batches 1 8 32 \
-    --batch-length 512 --repeats 5 --json "${OUT:-/tmp/out}/scaling_cuda.json" | tee "${OUT:-/tmp/out}/scaling_cuda.md"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+scaling() {  # dtype
+    python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype "$1" --lengths 4096 16384 32768 \
+        --batches 1 --repeats 3 --json "$out/llama1b_$1.json" | tee "$out/llama1b_$1.md"
+}
+case "${1:-check}" in
+    check) python3 benchmarks/gpu_check.py | tee "$out/gpu_check.md"; scaling bfloat16 ;;
+    fp32) scaling float32 ;;
+esac
