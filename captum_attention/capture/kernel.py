@@ -168,16 +168,21 @@ class KernelCall:
         return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
 
 
-BLOCK_MEMORY = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}
-"""Default bytes per block of recomputed rows: small enough to stay in a CPU's caches,
-large enough to keep a GPU busy (measured in ``benchmarks/scaling.py``)."""
+BLOCK_MEMORY = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
+"""Bytes per block of recomputed rows by default: on a CPU, blocks that stay in its caches
+(smaller blocks measured faster there); on a GPU at least this, and more for long inputs
+(see :func:`block_rows`). Measured in ``benchmarks/scaling.py``."""
 
 
 def block_rows(call: KernelCall, budget_bytes: int | None = None, tensors: int = 4) -> int:
     """Query rows per block so that ``tensors`` float32 ``(B, H, rows, K)`` blocks fit
-    ``budget_bytes`` (default: :data:`BLOCK_MEMORY` for the call's device; at least one row)."""
+    ``budget_bytes`` (at least one row). Default budget: :data:`BLOCK_MEMORY` for the
+    device; on a GPU eight times the call's queries in float32 where that is more, so that
+    the blocks (and the work per kernel launch) grow with the input but stay a small
+    multiple of what the kernel itself holds."""
     if budget_bytes is None:
-        budget_bytes = BLOCK_MEMORY.get(call.query.device.type, BLOCK_MEMORY["cuda"])
+        device = call.query.device.type
+        budget_bytes = BLOCK_MEMORY["cpu"] if device == "cpu" else max(BLOCK_MEMORY["cuda"], 32 * call.query.numel())
     per_row = tensors * 4 * call.query.shape[0] * call.heads * call.num_keys
     return max(1, budget_bytes // max(per_row, 1))
 
