@@ -159,45 +159,46 @@ class AttentionAttributionBase:
             self.last_capture = how
             logger.debug("%s: %s", type(self).__name__, how)
 
-    def _record(
-        self,
-        inputs: tuple[Tensor, ...],
-        target: TargetType,
-        additional_forward_args: Any,
-        query_index: QueryIndex = None,
-        streaming: bool = False,
+    def _forward(
+        self, inputs: tuple[Tensor, ...], additional_forward_args: Any, query_index: QueryIndex, streaming: bool
     ) -> ForwardRecord:
-        """One forward through the capture and, for gradient methods, one backward."""
-        reduction = self.gradient_reduction
-        record = record_forward(
+        """One forward through the capture (in the autograd graph for gradient methods)."""
+        return record_forward(
             self.forward_func, self.model, inputs, additional_forward_args, self.adapter,
-            track_grad=reduction is not None, query_index=query_index, streaming=streaming,
+            track_grad=self.gradient_reduction is not None, query_index=query_index, streaming=streaming,
             block_memory=self.block_memory,
         )
-        if streaming:
-            return record.with_output_gradients(target) if reduction is not None else record
+
+    def _explained(self, record: ForwardRecord, target: TargetType, retain_graph: bool = False) -> ForwardRecord:
+        """The record ready for the method's reduction: for gradient methods with one
+        backward pass for ``target``."""
+        reduction = self.gradient_reduction
+        if record.streaming:
+            return record.with_output_gradients(target, retain_graph) if reduction is not None else record
         if reduction is not None:
-            return record.with_gradients(target, reduction)
+            return record.with_gradients(target, reduction, retain_graph)
         return replace(record, attn_probs=[p.float() for p in record.attn_probs])
 
-    def _streaming_record(
-        self,
-        inputs: tuple[Tensor, ...],
-        target: TargetType,
-        additional_forward_args: Any,
-        query_index: QueryIndex,
-    ) -> ForwardRecord | None:
-        """The streaming record, or None where the model turned out not to stream (then
-        ``auto`` falls back to eager and says why; ``streaming`` raises)."""
-        try:
-            record = self._record(inputs, target, additional_forward_args, query_index, streaming=True)
-        except StreamingUnsupported as error:
-            if self.capture == "streaming":
-                raise ValueError(f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'.") from error
-            self._note_capture(f"eager: {error}")
-            return None
-        self._note_capture("streaming")
-        return record
+    def _token_scores(self, record: ForwardRecord, **options: Any) -> Tensor:
+        """The method's ``(B, T)`` scores of an explained record, streaming or eager."""
+        return self._streamed_scores(record, **options) if record.streaming else self._scores(record, **options)[0]
+
+    def _recorded(self, forward: Callable[[bool], ForwardRecord], streaming: bool) -> ForwardRecord:
+        """``forward(streaming)``; where streaming turns out impossible, ``auto`` runs it
+        eager and says why, ``streaming`` raises."""
+        if streaming:
+            try:
+                record = forward(True)
+            except StreamingUnsupported as error:
+                if self.capture == "streaming":
+                    raise ValueError(
+                        f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'."
+                    ) from error
+                self._note_capture(f"eager: {error}")
+            else:
+                self._note_capture("streaming")
+                return record
+        return forward(False)
 
     def _explain(
         self,
@@ -216,22 +217,17 @@ class AttentionAttributionBase:
                 f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
                 "decoder_input_ids) and get (source scores, target scores) back."
             )
-        if self._streams(adapter, return_maps, **options):
-            record = self._streaming_record(tensors, target, additional_forward_args, query_index)
-            if record is not None:
-                if len(tensors) != 1:
-                    raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
-                token_scores = self._streamed_scores(record, **options)
-                if tensors[0].dim() == 4:
-                    token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
-                return format_scores(is_tuple, token_scores, None, False)
-        record = self._record(tensors, target, additional_forward_args, query_index)
+        streaming = self._streams(adapter, return_maps, **options)
+        record = self._recorded(
+            lambda stream: self._explained(self._forward(tensors, additional_forward_args, query_index, stream), target),
+            streaming,
+        )
         if record.is_encoder_decoder:
             scores, role_maps = self._encoder_decoder_scores(record, **options)
             return format_scores(True, scores, role_maps, return_maps)
         if len(tensors) != 1:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
-        token_scores, maps = self._scores(record, **options)
+        token_scores, maps = (self._token_scores(record, **options), None) if record.streaming else self._scores(record, **options)
         if tensors[0].dim() == 4:
             token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
         return format_scores(is_tuple, token_scores, maps, return_maps)
@@ -268,38 +264,30 @@ class AttentionAttributionBase:
         """
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
-        record = self._continuation_record(prompt, continuation, additional_forward_args)
+        sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
+        extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
+        streaming = self._streams(resolve_adapter(self.model, self.adapter), False, **options)
+        record = self._recorded(lambda stream: self._forward((sequence,), extra, None, stream), streaming)
+        _check_continuation_record(record, prompt.shape[1])
         prompt_len, new_tokens = prompt.shape[1], continuation.shape[1]
         rows = []
         for step in range(new_tokens):
             position = torch.full((len(prompt),), prompt_len - 1 + step, device=record.target_real.device)
-            rows.append(self._scores(self._continuation_step(record, position, continuation[:, step], step == new_tokens - 1), **options)[0])
+            token = continuation[:, step].to(record.logits.device)
+            explained = self._explained(record.at_query(position), token, retain_graph=step < new_tokens - 1)
+            rows.append(self._token_scores(explained, **options))
         return torch.stack(rows, dim=1)
 
-    def _continuation_record(self, prompt: Tensor, continuation: Tensor, additional_forward_args: Any) -> ForwardRecord:
-        """Prompt and continuation through the model once (a decoder-only model, prompts
-        padded on the left)."""
-        sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
-        extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
-        record = record_forward(
-            self.forward_func, self.model, (sequence,), extra, self.adapter,
-            track_grad=self.gradient_reduction is not None,
-        )
-        if record.is_encoder_decoder or not record.causal:
-            raise ValueError(
-                "attribute_continuation needs a decoder-only model (causal self-attention); for "
-                "an encoder-decoder, call attribute with query_index at each target position."
-            )
-        if not bool(record.target_real[:, prompt.shape[1] - 1].all()):
-            raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
-        return record
 
-    def _continuation_step(self, record: ForwardRecord, position: Tensor, token: Tensor, last: bool) -> ForwardRecord:
-        """The record explaining ``token`` as the next one after ``position``."""
-        step = record.at_query(position.long())
-        if self.gradient_reduction is None:
-            return replace(step, attn_probs=[p.float() for p in step.attn_probs])
-        return step.with_gradients(token.to(step.logits.device), self.gradient_reduction, retain_graph=not last)
+def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
+    """A decoder-only model, prompts padded on the left."""
+    if record.is_encoder_decoder or not record.causal:
+        raise ValueError(
+            "attribute_continuation needs a decoder-only model (causal self-attention); for "
+            "an encoder-decoder, call attribute with query_index at each target position."
+        )
+    if not bool(record.target_real[:, prompt_len - 1].all()):
+        raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
 
 
 def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:

@@ -32,6 +32,15 @@ from torch import Tensor, nn
 from .._compat import attention_function, register_attention_function
 
 
+def half_bmm_to_float(left: Tensor, right: Tensor) -> Tensor | None:
+    """``torch.bmm`` of half-precision matrices with a float32 result (``out_dtype``, CUDA
+    only in torch 2.13), or None where this torch has no such kernel."""
+    try:
+        return torch.bmm(left, right, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return None
+
+
 class StreamingUnsupported(RuntimeError):
     """The call cannot be explained without materialising the attention (see the message)."""
 
@@ -104,16 +113,23 @@ class KernelCall:
 
     def _per_key_head(self, rows: Tensor, keys: Tensor) -> Tensor:
         """``rows (B, H, r, D) @ keys (B, H / groups, K, D)^T`` as ``(B, H, r, K)`` float32,
-        without repeating the key heads."""
+        without repeating the key heads. Half-precision inputs on a GPU multiply on its
+        tensor cores with float32 accumulation and output, as the attention kernel does."""
         batch, heads, num_rows, dim = rows.shape
-        grouped = rows.float().reshape(batch, heads // self.groups, self.groups * num_rows, dim)
-        products = torch.matmul(grouped, keys.float().transpose(-1, -2))
-        return products.reshape(batch, heads, num_rows, keys.shape[2])
+        kv_heads, num_keys = keys.shape[1], keys.shape[2]
+        grouped = rows.reshape(batch * kv_heads, self.groups * num_rows, dim)
+        keys_t = keys.transpose(-1, -2).reshape(batch * kv_heads, dim, num_keys)
+        products = None
+        if rows.dtype in (torch.float16, torch.bfloat16) and rows.is_cuda:
+            products = half_bmm_to_float(grouped, keys_t)
+        if products is None:
+            products = torch.bmm(grouped.float(), keys_t.float())
+        return products.reshape(batch, heads, num_rows, num_keys)
 
     def logits(self, rows: slice) -> Tensor:
         """``(B, H, r, key_span)`` float32 pre-softmax scores of the query rows ``rows``."""
         keys = self.key_span(rows)
-        scores = self._per_key_head(self.query[:, :, rows], self.key[:, :, :keys]).mul_(self.scale)
+        scores = self._per_key_head(self.query[:, :, rows] * self.scale, self.key[:, :, :keys])
         if self.causal and self.mask is None and self.position_bias is None:
             # only the block's own square holds later keys
             square = scores[..., rows.start : keys]
