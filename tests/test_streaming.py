@@ -181,3 +181,16 @@ def test_an_eager_loaded_model_streams_through_sdpa_and_is_switched_back():
     assert_same_state(before, model_state(model))
     eager = TransformerAttribution(model, capture="eager").attribute(ids, additional_forward_args=args)
     _rel_close(streamed, eager)
+
+
+def test_a_method_without_a_streaming_reduction_runs_eager():
+    from captum_attention.attr._base import AttentionAttributionBase
+
+    class Unstreamed(RawAttention):
+        _streamed_scores = AttentionAttributionBase._streamed_scores
+
+    model, ids, args, _ = _case("bert")
+    explainer = Unstreamed(model)
+    scores = explainer.attribute(ids, additional_forward_args=args)
+    assert explainer.last_capture == "eager: Unstreamed has no streaming reduction"
+    _rel_close(scores, RawAttention(model, capture="eager").attribute(ids, additional_forward_args=args))

@@ -76,6 +76,7 @@ class AttentionAttributionBase:
     """
 
     method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"
+    streams_encoder_decoder: ClassVar[bool] = False  # whether _streamed_scores takes them
     readable_name: ClassVar[str] = ""  # what get_name() and reports show
     gradient_reduction: GradientReduction | None = None  # set by the gradient methods
     forward_func: Callable[..., Any]  # set by Captum's Attribution.__init__
@@ -128,8 +129,9 @@ class AttentionAttributionBase:
         """``(source, target)`` scores and the maps per role for an encoder-decoder."""
         raise NotImplementedError
 
-    def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Tensor:
-        """The method's ``(B, T)`` scores from a streaming record (one self-attention stack)."""
+    def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Scores:
+        """The method's scores from a streaming record: ``(B, T)``, or ``(source, target)``
+        for an encoder-decoder where ``streams_encoder_decoder``."""
         raise NotImplementedError
 
     def _streaming_refusal(self, *args: Any, **options: Any) -> str | None:
@@ -142,8 +144,10 @@ class AttentionAttributionBase:
             return f"{type(adapter).__name__} does not run attention through transformers' sdpa function"
         if return_maps:
             return "return_maps=True needs the full maps"
-        if adapter.is_encoder_decoder(self.model):
+        if adapter.is_encoder_decoder(self.model) and not self.streams_encoder_decoder:
             return "the encoder-decoder relevance rules need the full maps"
+        if type(self)._streamed_scores is AttentionAttributionBase._streamed_scores:
+            return f"{type(self).__name__} has no streaming reduction"
         return self._streaming_refusal(**options)
 
     def _streams(self, adapter: AttentionAdapter, return_maps: bool, **options: Any) -> bool:
@@ -180,8 +184,11 @@ class AttentionAttributionBase:
         return replace(record, attn_probs=[p.float() for p in record.attn_probs])
 
     def _token_scores(self, record: ForwardRecord, **options: Any) -> Tensor:
-        """The method's ``(B, T)`` scores of an explained record, streaming or eager."""
-        return self._streamed_scores(record, **options) if record.streaming else self._scores(record, **options)[0]
+        """The method's ``(B, T)`` scores of an explained record (one self-attention
+        stack), streaming or eager."""
+        if record.streaming:
+            return cast(Tensor, self._streamed_scores(record, **options))
+        return self._scores(record, **options)[0]
 
     def _recorded(self, forward: Callable[[bool], ForwardRecord], streaming: bool) -> ForwardRecord:
         """``forward(streaming)``; where streaming turns out impossible, ``auto`` runs it
@@ -223,6 +230,8 @@ class AttentionAttributionBase:
             streaming,
         )
         if record.is_encoder_decoder:
+            if record.streaming:
+                return format_scores(True, self._streamed_scores(record, **options), None, False)
             scores, role_maps = self._encoder_decoder_scores(record, **options)
             return format_scores(True, scores, role_maps, return_maps)
         if len(tensors) != 1:

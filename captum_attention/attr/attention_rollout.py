@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from captum.attr import Attribution
 from torch import Tensor
 
@@ -18,7 +19,7 @@ from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.kernel import block_rows
 from ..capture.record import ForwardRecord
-from ..maps.streaming import query_row, rollout_row_step
+from ..maps.streaming import cross_rollout_row_step, query_row, rollout_row_step
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
@@ -106,15 +107,28 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     def _streaming_refusal(self, discard_ratio: float = 0.0, **options: Any) -> str | None:
         return "discard_ratio ranks every entry of each fused map" if discard_ratio else None
 
+    streams_encoder_decoder = True
+
     def _streamed_scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
-    ) -> Tensor:
+    ) -> Scores:
+        """The query row of R propagated from the last layer down; for an encoder-decoder
+        over the joint source-target graph (the source part ``source_row``)."""
         assert record.kernel_calls is not None
+        if record.is_encoder_decoder and start_layer:
+            raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         first = record.layer(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
-        for call in record.kernel_calls[first:][::-1]:
-            row = rollout_row_step(call, row, record.target_real, head_fusion, block_rows(call, self.block_memory))
-        return row
+        source_row = torch.zeros_like(record.input_real, dtype=row.dtype)
+        for call, role in list(zip(record.kernel_calls, record.roles))[first:][::-1]:
+            rows = block_rows(call, self.block_memory)
+            if role == "cross":
+                source_row, row = cross_rollout_row_step(call, source_row, row, *record.real_of(role), head_fusion, rows)
+            elif role == "encoder":
+                source_row = rollout_row_step(call, source_row, record.input_real, head_fusion, rows)
+            else:
+                row = rollout_row_step(call, row, record.target_real, head_fusion, rows)
+        return (source_row, row) if record.is_encoder_decoder else row
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0

@@ -87,14 +87,27 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         maps = grad_sam_layer_maps(record.grad_maps, record.target_real)
         return grad_sam_scores(maps, record.heads, record.target_real), maps
 
-    def _streamed_scores(self, record: ForwardRecord, **options: Any) -> Tensor:
+    streams_encoder_decoder = True
+
+    def _streamed_scores(self, record: ForwardRecord, **options: Any) -> Scores:
+        """The row sums of every call; for an encoder-decoder the encoder's score the
+        source and the decoder's self- and cross-attention the target, as in
+        :meth:`_encoder_decoder_scores`."""
         assert record.kernel_calls is not None and record.output_grads is not None
-        real = record.target_real
-        total = sum(
-            grad_sam_row_sums(call, grad, real, real, block_rows(call, self.block_memory))
-            for call, grad in zip(record.kernel_calls, record.output_grads)
-        )
-        return grad_sam_normalised(torch.as_tensor(total), record.heads, real)
+        sides = [("self", "decoder", "cross"), ("encoder",)] if record.is_encoder_decoder else [("self",)]
+        scores = []
+        for roles in sides:
+            calls = [i for i, role in enumerate(record.roles) if role in roles]
+            total = sum(
+                grad_sam_row_sums(
+                    record.kernel_calls[i], record.output_grads[i], *record.real_of(record.roles[i]),
+                    block_rows(record.kernel_calls[i], self.block_memory),
+                )
+                for i in calls
+            )
+            real = record.target_real if roles[0] == "self" else record.input_real
+            scores.append(grad_sam_normalised(torch.as_tensor(total), [record.heads[i] for i in calls], real))
+        return scores[0] if len(scores) == 1 else (scores[1], scores[0])
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, **options: Any

@@ -80,10 +80,21 @@ class RawAttention(AttentionAttributionBase, Attribution):
         maps = raw_attention_maps(record.attn_probs, record.target_real)
         return query_rows(maps[chosen], record.query_index), maps
 
-    def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Tensor:
-        assert record.kernel_calls is not None
-        call = record.kernel_calls[record.layer(layer)]
-        return raw_attention_row(call, record.query_index, record.target_real)
+    streams_encoder_decoder = True
+
+    def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Scores:
+        """The query row of the chosen layer; for an encoder-decoder that decoder layer's
+        cross-attention (source) and self-attention (target) rows."""
+        if not record.is_encoder_decoder:
+            assert record.kernel_calls is not None
+            return raw_attention_row(record.kernel_calls[record.layer(layer)], record.query_index, record.target_real)
+        decoder, cross = record.of_role("decoder"), record.of_role("cross")
+        assert decoder.kernel_calls is not None and cross.kernel_calls is not None
+        chosen = decoder.layer(layer)
+        return (
+            raw_attention_row(cross.kernel_calls[chosen], record.query_index, record.input_real),
+            raw_attention_row(decoder.kernel_calls[chosen], record.query_index, record.target_real),
+        )
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, layer: int = -1

@@ -78,23 +78,14 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
         return logits.argmax(dim=1)
     if isinstance(target, (list, tuple)) and any(not isinstance(t, int) for t in target):
         raise TypeError(f"target must hold ints (class indices), got {target!r}.")
-    targets = torch.as_tensor(target, device=logits.device)
-    if targets.is_floating_point() or targets.dtype == torch.bool:
-        raise TypeError(f"target must be class indices (integers), got dtype {targets.dtype}.")
-    if targets.dim() == 0:
-        targets = targets.expand(batch)
-    if targets.shape != (batch,):
-        raise ValueError(
-            f"target has shape {tuple(targets.shape)}: give one int for all examples or one "
-            f"per example ({batch})."
-        )
+    targets = _one_per_example(target, batch, logits.device, "target", "class indices")
     bad = ((targets < 0) | (targets >= num_classes)).nonzero().flatten().tolist()
     if bad:
         raise ValueError(
             f"target {targets[bad[0]].item()} is out of range: the model has {num_classes} "
             f"classes, so target must be in [0, {num_classes - 1}]."
         )
-    return targets.long()
+    return targets
 
 
 def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False) -> Tensor:
@@ -109,15 +100,7 @@ def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False)
         if causal:
             return positions.masked_fill(~real, -1).amax(dim=1)
         return positions.masked_fill(~real, seq_len).amin(dim=1)
-    queries = torch.as_tensor(query_index, device=real.device)
-    if queries.is_floating_point() or queries.dtype == torch.bool:
-        raise TypeError(f"query_index must be an int or ints, got dtype {queries.dtype}.")
-    if queries.dim() == 0:
-        queries = queries.expand(batch)
-    if queries.shape != (batch,):
-        raise ValueError(
-            f"query_index has shape {tuple(queries.shape)}: give one int or one per example ({batch})."
-        )
+    queries = _one_per_example(query_index, batch, real.device, "query_index", "positions")
     if ((queries < 0) | (queries >= seq_len)).any():
         raise ValueError(f"query_index {query_index} is outside the sequence [0, {seq_len - 1}].")
     padded = (~real[torch.arange(batch, device=real.device), queries]).nonzero().flatten().tolist()
@@ -127,3 +110,17 @@ def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False)
             "(by default the first real token, or the last one for decoders)."
         )
     return queries.long()
+
+
+def _one_per_example(value: Any, batch: int, device: torch.device, name: str, what: str) -> Tensor:
+    """``value`` (an int, ints or a tensor of them) as a ``(B,)`` long tensor, or a clear error."""
+    values = torch.as_tensor(value, device=device)
+    if values.is_floating_point() or values.dtype == torch.bool:
+        raise TypeError(f"{name} must be {what} (integers), got dtype {values.dtype}.")
+    if values.dim() == 0:
+        values = values.expand(batch)
+    if values.shape != (batch,):
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}: give one int for all examples or one per example ({batch})."
+        )
+    return values.long()

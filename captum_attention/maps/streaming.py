@@ -79,6 +79,22 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, r
     return step
 
 
+def cross_rollout_row_step(
+    call: KernelCall, source_row: Tensor, target_row: Tensor, real_targets: Tensor, real_sources: Tensor,
+    fusion: str, rows_per_block: int,
+) -> tuple[Tensor, Tensor]:
+    """One cross-attention step of the joint-graph rollout query row (later layers first):
+    target token i maps to (0.5·e_i + 0.5·fuse_m(A^m)_i) / z_i over [target | source], with
+    z_i = 0.5 + 0.5·Σ_k fuse_m(A^m)_{ik} (see ``encoder_decoder_rollout``)."""
+    source_step, target_step = source_row.clone(), target_row.clone()
+    for rows in _blocks(call, rows_per_block):
+        fused = _only_real_pairs(fuse_heads(call.probs(rows), fusion), real_targets, real_sources, rows)
+        weight = target_row[:, rows] * 0.5 / (0.5 + 0.5 * fused.sum(dim=-1))
+        target_step[:, rows] = weight
+        _add_row_times_block(source_step, weight, slice(0, weight.shape[1]), fused)
+    return source_step, target_step
+
+
 def query_row(row_index: Tensor, num_tokens: int) -> Tensor:
     """``(B, T)`` float32 one-hot rows ``e_q``: the start of a query-row propagation."""
     row = torch.zeros(len(row_index), num_tokens, device=row_index.device)
