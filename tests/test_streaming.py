@@ -194,3 +194,17 @@ def test_a_method_without_a_streaming_reduction_runs_eager():
     scores = explainer.attribute(ids, additional_forward_args=args)
     assert explainer.last_capture == "eager: Unstreamed has no streaming reduction"
     _rel_close(scores, RawAttention(model, capture="eager").attribute(ids, additional_forward_args=args))
+
+
+@pytest.mark.parametrize("family", ("bert", "llama", "bart", "vit"))
+def test_permutation_through_blocks_of_rows_equals_eager_permutation(family):
+    from captum_attention.metrics import attention_permutation
+
+    model, inputs, args, _ = _case(family)
+    options = dict(layers=[0, -1], heads=[0, 3], n_permutations=3, seed=4)
+    streamed = attention_permutation(model, inputs, args, capture="streaming", **options)
+    eager = attention_permutation(model, inputs, args, capture="eager", **options)
+    _rel_close(streamed.median_tvd, eager.median_tvd, rel=1e-4)
+    _rel_close(streamed.median_js_divergence, eager.median_js_divergence, rel=1e-4)
+    assert streamed.median_tvd.max() > 1e-4, "the permutation should move the output"
+    torch.testing.assert_close(streamed.flip_rate, eager.flip_rate)

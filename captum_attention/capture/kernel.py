@@ -32,6 +32,11 @@ from torch import Tensor, nn
 from .._compat import attention_function, register_attention_function
 
 
+RowsTransform = Callable[[Tensor, int, int], Tensor]
+"""``transform(attn_rows (1, 1, r, K), example, head) -> (1, 1, r, K)``: new probabilities for a
+block of one example's and one head's query rows."""
+
+
 def half_bmm_to_float(left: Tensor, right: Tensor) -> Tensor | None:
     """``torch.bmm`` of half-precision matrices with a float32 result (``out_dtype``, CUDA
     only in torch 2.13), or None where this torch has no such kernel."""
@@ -188,6 +193,44 @@ BLOCK_MEMORY = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 """Bytes per block of recomputed rows by default: on a CPU, blocks that stay in its caches
 (smaller blocks measured faster there); on a GPU at least this, and more for long inputs
 (see :func:`block_rows`). Measured in ``benchmarks/scaling.py``."""
+
+
+def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
+    """The call restricted to one example and one head."""
+
+    def pick(tensor: Tensor | None, head_axis_size: int) -> Tensor | None:
+        if tensor is None:
+            return None
+        b = example if tensor.shape[0] > 1 else 0
+        h = head // (call.heads // head_axis_size) if tensor.shape[1] > 1 else 0
+        return tensor[b : b + 1, h : h + 1]
+
+    kv_heads = call.key.shape[1]
+    return KernelCall(
+        pick(call.query, call.heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
+        call.scale, pick(call.mask, call.heads), call.causal, pick(call.position_bias, call.heads),
+    )
+
+
+def transformed_output(call: KernelCall, transform: RowsTransform, rows_per_block: int) -> Tensor:
+    """The call's output ``(B, Q, H, Dv)`` with each block of rows of the probabilities
+    replaced by ``transform`` before they weight the values: explicit attention, one
+    example, head and block of query rows at a time, in the order ``(example, head, row)``
+    in which eager capture's ``(B, H, Q, K)`` tensor holds them."""
+    assert call.value is not None
+    batch = call.query.shape[0]
+    output = torch.empty(batch, call.num_queries, call.heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
+    for example in range(batch):
+        for head in range(call.heads):
+            plane = _plane(call, example, head)
+            assert plane.value is not None
+            for start in range(0, call.num_queries, rows_per_block):
+                rows = slice(start, min(start + rows_per_block, call.num_queries))
+                probs = plane.probs(rows)
+                probs = F.pad(probs, (0, call.num_keys - probs.shape[-1]))
+                changed = transform(probs, example, head)
+                output[example, rows, head] = (changed[0, 0] @ plane.value[0, 0].float()).to(output.dtype)
+    return output
 
 
 def block_rows(call: KernelCall, budget_bytes: int | None = None, tensors: int = 4) -> int:

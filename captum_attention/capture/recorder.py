@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
-from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_rows
+from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_rows, transformed_output
 
 
 class AttentionCapture:
@@ -50,9 +50,11 @@ class AttentionCapture:
             the first head in ``attn_probs`` (0 unless the module computes one softmax per
             head); ``attn_scores`` are the softmax's input (the masked, scaled logits), or
             None where the softmax was called unusually. The recorded ``attn_probs`` are
-            the replaced ones. In streaming mode it must erase keys instead: an object
-            whose ``erased_keys(call_index)`` returns ``(erased (B, K) bool, heads)`` or
-            None for calls it leaves alone. Default: None.
+            the replaced ones. In streaming mode it must act on keys or on rows instead:
+            an object whose ``erased_keys(call_index)`` returns ``(erased (B, K) bool,
+            heads)``, or whose ``rows_transform(call_index)`` returns a
+            :data:`~captum_attention.capture.kernel.RowsTransform`, or None for calls it
+            leaves alone. Default: None.
         streaming (bool): keep the model's own attention kernel and record each call's
             inputs (:class:`~captum_attention.capture.kernel.KernelCall`, in
             ``kernel_calls``) instead of its probabilities; raises
@@ -202,8 +204,8 @@ class AttentionCapture:
         self._calls, self._open, self._mask_seen = [], [], False
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
-        if self.streaming and self.intervention is not None and not hasattr(self.intervention, "erased_keys"):
-            raise StreamingUnsupported("this intervention replaces probabilities; only key erasure streams")
+        if self.streaming and self.intervention is not None and not _streams(self.intervention):
+            raise StreamingUnsupported("this intervention replaces whole probability maps; it cannot stream")
         with ExitStack() as stack:
             if self.streaming:
                 stack.enter_context(self.adapter.kernel_prepared(self.model))
@@ -266,13 +268,17 @@ class AttentionCapture:
         call = self._open[-1] if self._open else None
         if call is None or call.kernel is not None or not any(m is module for m in call.module.modules()):
             return run_kernel()  # outside the attention modules the adapter named: not ours to record
-        erasure = self.intervention.erased_keys(call.index) if self.intervention is not None else None  # type: ignore[attr-defined]
-        if erasure is None:
-            kernel.output = run_kernel()
-        else:
+        erasure = getattr(self.intervention, "erased_keys", _nothing)(call.index)
+        transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
+        if erasure is not None:
             erased, heads = erasure
             rows = block_rows(kernel, self.block_memory, tensors=2)
             kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, rows)
+        elif transform is not None:
+            rows = block_rows(_one_head(kernel), self.block_memory, tensors=4)
+            kernel.output = transformed_output(kernel, transform, rows)
+        else:
+            kernel.output = run_kernel()
         if not self.track_grad:
             kernel.value = None  # only the gradient dS/dA = dO·Vᵀ needs the values
         call.kernel = kernel
@@ -361,6 +367,21 @@ class _Call:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
         parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _streams(intervention: Any) -> bool:
+    """Whether a streaming capture can apply ``intervention``: it erases keys
+    (``erased_keys``) or replaces blocks of rows (``rows_transform``)."""
+    return hasattr(intervention, "erased_keys") or hasattr(intervention, "rows_transform")
+
+
+def _nothing(call_index: int) -> None:
+    return None
+
+
+def _one_head(kernel: KernelCall) -> KernelCall:
+    """A stand-in of one example and one head, for sizing blocks of one plane."""
+    return KernelCall(kernel.query[:1, :1], kernel.key[:1, :1], None, kernel.scale, None, kernel.causal)
 
 
 def _is_float_tensor(value: Any) -> bool:

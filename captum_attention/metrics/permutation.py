@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..maps import on_heads, permute_rows
-from ..capture.record import ForwardRecord, Intervention
-from ._forward import js_divergence, layer_set, resolve_model, run_model
+from ..capture.record import ForwardRecord
+from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model
 
 
 @dataclass
@@ -31,14 +31,40 @@ class PermutationResult:
     flip_rate: Tensor
 
 
-def _permuting(run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> Intervention:
-    def intervene(call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if call_index not in layers:
-            return attn_probs
-        changed = permute_rows(attn_probs, run.real_of(run.roles[call_index])[1].to(attn_probs.device), generator)
-        return on_heads(attn_probs, changed, heads, first_head)
+@dataclass
+class _RowPermutation:
+    """Shuffle each real query row's weights among the real keys at the chosen calls.
 
-    return intervene
+    Called with the probabilities (eager capture) it permutes them all; a streaming capture
+    asks ``rows_transform`` and permutes one example's and head's block of rows at a time.
+    Both draw the generator's numbers in the same ``(example, head, row, key)`` order, so
+    the two give the same permutations.
+    """
+
+    run: ForwardRecord
+    layers: set[int]
+    heads: Sequence[int] | None
+    generator: torch.Generator
+
+    def _real_keys(self, call_index: int) -> Tensor:
+        return self.run.real_of(self.run.roles[call_index])[1]
+
+    def __call__(self, call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
+        if call_index not in self.layers:
+            return attn_probs
+        changed = permute_rows(attn_probs, self._real_keys(call_index).to(attn_probs.device), self.generator)
+        return on_heads(attn_probs, changed, self.heads, first_head)
+
+    def rows_transform(self, call_index: int) -> Callable[[Tensor, int, int], Tensor] | None:
+        if call_index not in self.layers:
+            return None
+        real = self._real_keys(call_index)
+
+        def permute(attn_rows: Tensor, example: int, head: int) -> Tensor:
+            changed = permute_rows(attn_rows, real[example : example + 1].to(attn_rows.device), self.generator)
+            return changed if self.heads is None or head in self.heads else attn_rows
+
+        return permute
 
 
 def attention_permutation(
@@ -51,6 +77,7 @@ def attention_permutation(
     n_permutations: int = 20,
     seed: int = 0,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> PermutationResult:
     """How far the output moves when attention rows are shuffled.
 
@@ -68,6 +95,10 @@ def attention_permutation(
         n_permutations (int, optional): permutations per example. Default: 20.
         seed (int, optional): seed of the permutations. Default: 0.
         adapter (AttentionAdapter, optional): how to find the attention.
+        capture (str, optional): ``"streaming"`` permutes blocks of recomputed rows and
+            weights the values with them (the same permutations as ``"eager"``, which
+            permutes explicit probability maps); ``"auto"`` streams where the model
+            allows it. Default: ``"auto"``.
 
     Returns:
         PermutationResult.
@@ -75,7 +106,7 @@ def attention_permutation(
     if n_permutations < 1:
         raise ValueError(f"n_permutations must be at least 1, got {n_permutations}.")
     model = resolve_model(forward_func, model)
-    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter)
+    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     original_probs = original.explained_probs()
     chosen = layer_set(layers, original.num_layers)
     generator = torch.Generator().manual_seed(seed)
@@ -83,7 +114,7 @@ def attention_permutation(
         [
             run_model(
                 forward_func, model, inputs, additional_forward_args,
-                _permuting(original, chosen, heads, generator), adapter,
+                _RowPermutation(original, chosen, heads, generator), adapter, capture,
             ).explained_probs()
             for _ in range(n_permutations)
         ]
@@ -102,6 +133,7 @@ def permutation_accuracy(
     seed: int = 0,
     progress: bool = True,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> dict[str, float]:
     """Accuracy over a data set without and with permuted attention, per layer.
 
@@ -114,6 +146,10 @@ def permutation_accuracy(
         seed (int, optional): seed of the permutations. Default: 0.
         progress (bool, optional): show a progress bar. Default: True.
         adapter (AttentionAdapter, optional): how to find the attention.
+        capture (str, optional): ``"streaming"`` permutes blocks of recomputed rows and
+            weights the values with them (the same permutations as ``"eager"``, which
+            permutes explicit probability maps); ``"auto"`` streams where the model
+            allows it. Default: ``"auto"``.
 
     Returns:
         ``{"original": accuracy, "layer 0": ..., "all layers": ...}``.
@@ -125,14 +161,14 @@ def permutation_accuracy(
     correct: dict[str, float] = {}
     total = 0
     for ids, mask, labels in tqdm(data, desc="permuting attention", disable=not progress):
-        original = run_model(forward_func, model, ids, (mask,), adapter=adapter)
+        original = run_model(forward_func, model, ids, (mask,), adapter=adapter, capture=capture)
         settings = layers if layers is not None else [*range(original.num_layers), None]
         outcomes = {"original": original.explained_probs()}
         for setting in settings:
             chosen = layer_set(setting, original.num_layers)
             name = "all layers" if setting is None else f"layer {setting}"
-            intervention = _permuting(original, chosen, None, generator)
-            outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter).explained_probs()
+            intervention = _RowPermutation(original, chosen, None, generator)
+            outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter, capture).explained_probs()
         for name, probs in outcomes.items():
             hits = (probs.argmax(dim=-1).cpu() == labels.cpu()).sum().item()
             correct[name] = correct.get(name, 0) + hits
