@@ -208,3 +208,16 @@ def test_permutation_through_blocks_of_rows_equals_eager_permutation(family):
     _rel_close(streamed.median_js_divergence, eager.median_js_divergence, rel=1e-4)
     assert streamed.median_tvd.max() > 1e-4, "the permutation should move the output"
     torch.testing.assert_close(streamed.flip_rate, eager.flip_rate)
+
+
+@pytest.mark.parametrize("family", ("bert", "llama", "vit"))
+@pytest.mark.parametrize("kind", ("attention_ranking", "gradient_ranking", "gradient_attention_ranking"))
+def test_rankings_from_one_recomputed_row_equal_eager(family, kind):
+    from captum_attention import metrics
+
+    model, inputs, args, _ = _case(family)
+    ranking = getattr(metrics, kind)
+    streamed = ranking(model, inputs, additional_forward_args=args, layer=1, capture="streaming")
+    eager = ranking(model, inputs, additional_forward_args=args, layer=1, capture="eager")
+    assert eager.abs().max() > 0
+    _rel_close(streamed, eager)

@@ -152,10 +152,17 @@ class KernelCall:
 
     def rows_at(self, query_index: Tensor) -> Tensor:
         """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]``."""
+        return self._each_row(query_index, self.probs)
+
+    def grad_rows_at(self, grad_output: Tensor, query_index: Tensor) -> Tensor:
+        """``(B, H, K)`` float32 gradient dS/dA of each example's row ``query_index[b]``."""
+        return self._each_row(query_index, lambda rows: self.grad_probs(grad_output, rows))
+
+    def _each_row(self, query_index: Tensor, block: Callable[[slice], Tensor]) -> Tensor:
         rows = []
         for b, q in enumerate(query_index.tolist()):
-            row = self.probs(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0]
-            rows.append(torch.nn.functional.pad(row, (0, self.num_keys - row.shape[-1])))
+            row = block(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0]
+            rows.append(F.pad(row, (0, self.num_keys - row.shape[-1])))
         return torch.stack(rows)
 
     def grad_probs(self, grad_output: Tensor, rows: slice) -> Tensor:

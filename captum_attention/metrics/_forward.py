@@ -11,6 +11,7 @@ from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter
 from ..capture.inputs import format_inputs
 from ..capture.kernel import StreamingUnsupported
+from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord, Intervention, record_forward, resolve_adapter
 
 
@@ -34,9 +35,13 @@ def run_model(
     intervention: Intervention | None = None,
     adapter: AttentionAdapter | None = None,
     capture: CaptureMode = "auto",
+    *,
+    track_grad: bool = False,
+    query_index: QueryIndex = None,
 ) -> ForwardRecord:
-    """One forward without gradients, through the capture layer, explaining the default
-    position (``explained_probs()`` are the output distribution the metrics compare).
+    """One forward through the capture layer, explaining ``query_index`` (default: the
+    default position; ``explained_probs()`` are the output distribution the metrics
+    compare), in the autograd graph with ``track_grad``.
 
     ``capture``: ``"streaming"`` keeps the model's attention kernel (an intervention must
     erase keys); ``"eager"`` records explicit probabilities; ``"auto"`` streams where the
@@ -48,14 +53,15 @@ def run_model(
     if capture != "eager" and getattr(resolve_adapter(model, adapter), "streams", False):
         try:
             return record_forward(
-                forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention, streaming=True
+                forward_func, model, tensors, additional_forward_args, adapter, track_grad, intervention, query_index,
+                streaming=True,
             )
         except StreamingUnsupported as error:
             if capture == "streaming":
                 raise ValueError(f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'.") from error
     elif capture == "streaming":
         raise ValueError("capture='streaming' needs an adapter that streams (Hugging Face models); use 'auto' or 'eager'.")
-    return record_forward(forward_func, model, tensors, additional_forward_args, adapter, intervention=intervention)
+    return record_forward(forward_func, model, tensors, additional_forward_args, adapter, track_grad, intervention, query_index)
 
 
 def select_rows(

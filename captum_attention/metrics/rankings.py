@@ -9,42 +9,57 @@ tokens) is a ranking too.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType
 from ..capture import AttentionAdapter
-from ..capture.inputs import format_inputs
-from ..capture.record import ForwardRecord, GradientReduction, record_forward
+from ..capture.record import GradientReduction
 from ..maps import mask_padding, query_rows
-from ._forward import resolve_model
+from ._forward import CaptureMode, resolve_model, run_model
 
 
-def _recorded(
+Kind = Literal["attention", "gradient", "gradient_attention"]
+
+
+def _ranking(
+    kind: Kind,
     forward_func: Callable[..., Any],
     inputs: Tensor,
     target: TargetType,
     additional_forward_args: Any,
     model: nn.Module | None,
+    layer: int,
     query_index: int | None,
     adapter: AttentionAdapter | None,
-    reduction: GradientReduction | None,
-) -> ForwardRecord:
-    _, tensors = format_inputs(inputs)
+    capture: CaptureMode,
+) -> Tensor:
+    """The head mean of ``kind`` (α, ∂S/∂α or their product) at ``layer``'s query row,
+    ``(batch, seq_len)``, non-real keys 0."""
     model = resolve_model(forward_func, model)
-    record = record_forward(
-        forward_func, model, tensors, additional_forward_args, adapter,
-        track_grad=reduction is not None, query_index=query_index,
+    record = run_model(
+        forward_func, model, inputs, additional_forward_args, None, adapter, capture,
+        track_grad=kind != "attention", query_index=query_index,
     )
-    return record if reduction is None else record.with_gradients(target, reduction)
-
-
-def _ranking(record: ForwardRecord, layer: int) -> Tensor:
-    """The head-mean map of ``layer`` (attention, or the gradient reduction) at the query row."""
     index = record.layer(layer)
-    head_mean = record.attn_probs[index].float().mean(dim=1) if record.grad_maps is None else record.grad_maps[index]
+    if record.kernel_calls is not None:
+        call = record.kernel_calls[index]
+        rows = call.rows_at(record.query_index) if kind != "gradient" else None
+        if kind != "attention":
+            grads = record.with_output_gradients(target).output_grads
+            assert grads is not None
+            grad_rows = call.grad_rows_at(grads[index], record.query_index)
+            rows = grad_rows if rows is None else grad_rows * rows
+        assert rows is not None
+        return rows.mean(dim=1) * record.target_real.float()
+    if kind != "attention":
+        record = record.with_gradients(target, _HEAD_MEANS[kind])
+        assert record.grad_maps is not None
+        head_mean = record.grad_maps[index]
+    else:
+        head_mean = record.attn_probs[index].float().mean(dim=1)
     return query_rows(mask_padding(head_mean, record.target_real), record.query_index)
 
 
@@ -56,10 +71,11 @@ def attention_ranking(
     layer: int = -1,
     query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> Tensor:
-    """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``."""
-    record = _recorded(forward_func, inputs, None, additional_forward_args, model, query_index, adapter, None)
-    return _ranking(record, layer)
+    """Head-mean attention α of ``layer`` at the query row, ``(batch, seq_len)``
+    (``capture``: as for :func:`attention_erasure`)."""
+    return _ranking("attention", forward_func, inputs, None, additional_forward_args, model, layer, query_index, adapter, capture)
 
 
 def gradient_ranking(
@@ -71,12 +87,10 @@ def gradient_ranking(
     layer: int = -1,
     query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> Tensor:
     """Head-mean gradient ∂S/∂α of ``layer`` at the query row (S: the target's logit)."""
-    record = _recorded(
-        forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _gradient_head_mean
-    )
-    return _ranking(record, layer)
+    return _ranking("gradient", forward_func, inputs, target, additional_forward_args, model, layer, query_index, adapter, capture)
 
 
 def gradient_attention_ranking(
@@ -88,20 +102,18 @@ def gradient_attention_ranking(
     layer: int = -1,
     query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
 ) -> Tensor:
     """Head-mean ∂S/∂α ⊙ α of ``layer`` at the query row."""
-    record = _recorded(
-        forward_func, inputs, target, additional_forward_args, model, query_index, adapter, _product_head_mean
+    return _ranking(
+        "gradient_attention", forward_func, inputs, target, additional_forward_args, model, layer, query_index, adapter, capture
     )
-    return _ranking(record, layer)
 
 
-def _gradient_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
-    return grad.mean(dim=1)
-
-
-def _product_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
-    return (grad * attn).mean(dim=1)
+_HEAD_MEANS: dict[str, GradientReduction] = {
+    "gradient": lambda attn, grad: grad.mean(dim=1),
+    "gradient_attention": lambda attn, grad: (grad * attn).mean(dim=1),
+}
 
 
 def random_ranking(shape: tuple[int, int] | torch.Size, seed: int = 0) -> Tensor:
