@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from captum.attr import GradientAttribution
 from torch import Tensor
 
@@ -15,9 +16,15 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.kernel import block_rows
+from ..capture.kernel import KernelCall, block_rows
 from ..capture.record import ForwardRecord
-from ..maps.streaming import query_row, relevance_row_step
+from ..maps.streaming import (
+    query_row,
+    relevance_column_step,
+    relevance_row_step,
+    relevance_rows_into,
+    without_self_times,
+)
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
 
@@ -90,13 +97,63 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         maps = relevance_layer_maps(record.grad_maps, record.target_real)
         return transformer_attribution_scores(maps[first:], record.query_index), maps
 
-    def _streamed_scores(self, record: ForwardRecord, start_layer: int = 0) -> Tensor:
+    streams_encoder_decoder = True
+
+    def _streamed_scores(self, record: ForwardRecord, start_layer: int = 0) -> Scores:
+        """The query row of R = (I + Ā^L)···(I + Ā^1), propagated from the last layer down;
+        for an encoder-decoder see :meth:`_streamed_encoder_decoder`."""
         assert record.kernel_calls is not None and record.output_grads is not None
+        if record.is_encoder_decoder:
+            if start_layer != 0:
+                raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
+            return self._streamed_encoder_decoder(record)
         first = record.layer(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
         for call, grad in list(zip(record.kernel_calls, record.output_grads))[first:][::-1]:
             row = relevance_row_step(call, grad, row, record.target_real, block_rows(call, self.block_memory))
         return row
+
+    def _streamed_encoder_decoder(self, record: ForwardRecord) -> tuple[Tensor, Tensor]:
+        r"""Row q of Chefer et al.'s R^{qs} and R^{qq} (rules (6)-(11)) without a matrix.
+
+        Going down from the last layer, ``row`` is :math:`w = e_q^\top P`, P the decoder
+        self-attention layers after the current one, so row q of R^{qq} is ``row`` at the
+        end. A cross-attention layer c adds :math:`w^\top (\bar R^{qq}_c)^\top \bar A_c
+        \bar R^{ss} = (\bar R^{qq}_c w)^\top \bar A_c \bar R^{ss}` to row q of R^{qs}, where
+        :math:`\bar R^{qq}_c w` comes from R^{qq}_c w and R^{qq}_c 1 (the decoder layers
+        before c applied to two column vectors). The sum y of those rows meets
+        :math:`\bar R^{ss}` once: :math:`y^\top \bar R^{ss} = y + z^\top R^{ss} - z` with
+        :math:`z_i = y_i / (R^{ss} 1 - 1)_i` (0 where a row has no relevance).
+        """
+        assert record.kernel_calls is not None and record.output_grads is not None and record.source_real is not None
+        target_real, source_real = record.target_real, record.source_real
+        calls = list(zip(record.kernel_calls, record.output_grads, record.roles))
+        encoder = [(call, grad) for call, grad, role in calls if role == "encoder"]
+        decoder_side = [(call, grad, role) for call, grad, role in calls if role != "encoder"]
+        row = query_row(record.query_index, target_real.shape[1])
+        source_row = torch.zeros_like(source_real, dtype=row.dtype)
+        for index in reversed(range(len(decoder_side))):
+            call, grad, role = decoder_side[index]
+            rows = block_rows(call, self.block_memory)
+            if role != "cross":
+                row = relevance_row_step(call, grad, row, target_real, rows)
+                continue
+            before = [(c, g) for c, g, r in decoder_side[:index] if r != "cross"]
+            columns = self._relevance_times(before, torch.stack([row, torch.ones_like(row)], dim=-1), target_real)
+            weights = without_self_times(row, columns[..., 0], columns[..., 1])
+            source_row += relevance_rows_into(call, grad, weights, target_real, source_real, rows)
+        source_sums = self._relevance_times(encoder, torch.ones_like(source_row)[..., None], source_real)[..., 0] - 1
+        scaled = torch.where(source_sums > 0, source_row / source_sums.clamp(min=torch.finfo(source_sums.dtype).tiny), 0.0)
+        through_encoder = scaled
+        for call, grad in encoder[::-1]:
+            through_encoder = relevance_row_step(call, grad, through_encoder, source_real, block_rows(call, self.block_memory))
+        return source_row + through_encoder - scaled, row
+
+    def _relevance_times(self, layers: list[tuple[KernelCall, Tensor]], columns: Tensor, real: Tensor) -> Tensor:
+        """``(I + Ā^k)···(I + Ā^1)·columns`` over ``layers`` (earlier first)."""
+        for call, grad in layers:
+            columns = relevance_column_step(call, grad, columns, real, block_rows(call, self.block_memory))
+        return columns
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, start_layer: int = 0

@@ -51,18 +51,49 @@ def grad_sam_row_sums(
     return torch.cat(sums, dim=1)
 
 
+def _relevance_block(call: KernelCall, grad_output: Tensor, rows: slice, real_queries: Tensor, real_keys: Tensor) -> Tensor:
+    """Rows ``rows`` of Ā = mean_m((G^m ⊙ A^m)^+), ``(B, r, key_span)``, non-real pairs 0."""
+    relevance = call.grad_probs(grad_output, rows).mul_(call.probs(rows)).clamp_(min=0).mean(dim=1)
+    return _only_real_pairs(relevance, real_queries, real_keys, rows)
+
+
+def relevance_rows_into(
+    call: KernelCall, grad_output: Tensor, row: Tensor, real_queries: Tensor, real_keys: Tensor, rows_per_block: int
+) -> Tensor:
+    """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries."""
+    total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
+    for rows in _blocks(call, rows_per_block):
+        if bool(row[:, rows].any()):  # rows the vector does not reach contribute nothing
+            _add_row_times_block(total, row, rows, _relevance_block(call, grad_output, rows, real_queries, real_keys))
+    return total
+
+
 def relevance_row_step(
     call: KernelCall, grad_output: Tensor, row: Tensor, real: Tensor, rows_per_block: int
 ) -> Tensor:
     """``row + row·Ā`` with Ā = mean_m((G^m ⊙ A^m)^+) of one layer: one step of the
     Transformer Attribution query row (later layers first)."""
-    step = row.clone()
+    return row + relevance_rows_into(call, grad_output, row, real, real, rows_per_block)
+
+
+def relevance_column_step(
+    call: KernelCall, grad_output: Tensor, columns: Tensor, real: Tensor, rows_per_block: int
+) -> Tensor:
+    """``columns + Ā·columns`` for ``(B, T, m)`` column vectors: one step of R·x
+    (earlier layers first)."""
+    step = columns.clone()
     for rows in _blocks(call, rows_per_block):
-        if not bool(row[:, rows].any()):
-            continue  # rows of R the query row does not reach yet contribute nothing
-        relevance = call.grad_probs(grad_output, rows).mul_(call.probs(rows)).clamp_(min=0).mean(dim=1)
-        _add_row_times_block(step, row, rows, _only_real_pairs(relevance, real, real, rows))
+        block = _relevance_block(call, grad_output, rows, real, real)
+        step[:, rows] += torch.bmm(block, columns[:, : block.shape[-1]])
     return step
+
+
+def without_self_times(vector: Tensor, relevance_times_vector: Tensor, relevance_times_ones: Tensor) -> Tensor:
+    """``R̄·x`` from ``R·x`` and ``R·1``, with R̄ = (R - I) rows normalised to sum 1, plus I
+    (Chefer et al., eqs. 8-9; a row without relevance stays an identity row)."""
+    row_sums = relevance_times_ones - 1
+    normalised = (relevance_times_vector - vector) / row_sums.clamp(min=torch.finfo(row_sums.dtype).tiny)
+    return vector + torch.where(row_sums > 0, normalised, 0.0)
 
 
 def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, rows_per_block: int) -> Tensor:
