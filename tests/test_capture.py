@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, make_batch, make_model, model_state
 from torch import nn
 
-from captum_attention import AttentionCapture, GradSAM, ModuleAdapter, TransformerAttribution
+from captum_attention import AttentionCapture, GradSAM, ModuleAdapter, RawAttention, TransformerAttribution
 from captum_attention.capture import AttentionNotFoundError
 
 
@@ -120,3 +120,15 @@ def test_module_adapter_on_a_hand_written_model():
         torch.testing.assert_close(scores[b, :n], relevance[0])
         assert (scores[b, n:] == 0).all()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_adapters_keep_no_state_between_calls():
+    from captum_attention.capture import HuggingFaceAdapter
+
+    model = make_model("bert")
+    batch = make_batch(model)
+    adapter = HuggingFaceAdapter()
+    before = dict(vars(adapter))
+    GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    RawAttention(model, adapter=adapter, capture="eager").attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
+    assert vars(adapter) == before

@@ -221,3 +221,14 @@ def test_rankings_from_one_recomputed_row_equal_eager(family, kind):
     eager = ranking(model, inputs, additional_forward_args=args, layer=1, capture="eager")
     assert eager.abs().max() > 0
     _rel_close(streamed, eager)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_bfloat16_models_stream_within_their_precision(name):
+    model, ids, args, _ = _case("llama")
+    model = model.to(torch.bfloat16)
+    cls, options = METHODS[name].cls, METHODS[name].options
+    streamed = cls(model, capture="streaming").attribute(ids, additional_forward_args=args, **options)
+    eager = cls(model, capture="eager").attribute(ids, additional_forward_args=args, **options)
+    assert streamed.dtype == torch.float32 and torch.isfinite(streamed).all()
+    _rel_close(streamed, eager.float(), rel=5e-2)
