@@ -324,10 +324,11 @@ def kernel_call(
 ) -> KernelCall:
     """What transformers' ``sdpa_attention_forward`` (5.24) computes, as a :class:`KernelCall`.
 
-    Mirrors its choices: grouped-query key/value heads repeated to the query heads; the
-    kernel's causal mask only for more than one query, no explicit mask and a causal
-    module (keys cropped to the queries, as it does); T5's position bias added. Anything
-    the recomputation cannot reproduce raises :class:`StreamingUnsupported`.
+    Mirrors its choices: each grouped-query key/value head serves ``groups`` consecutive
+    query heads (as its ``repeat_kv``, without the copy); the kernel's causal mask only for
+    more than one query, no explicit mask and a causal module (keys cropped to the
+    queries, as it does); T5's position bias added. Anything the recomputation cannot
+    reproduce raises :class:`StreamingUnsupported`.
     """
     if dropout:
         raise StreamingUnsupported("attention dropout is active (call model.eval())")
