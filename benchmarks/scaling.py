@@ -153,6 +153,8 @@ def measure(options: argparse.Namespace, batch: int, length: int) -> dict[str, d
     names = [SDPA_FORWARD, SDPA_FORWARD_BACKWARD, *STREAMED]
     if length <= options.eager_max:
         names += [FORWARD, FORWARD_BACKWARD, *(name + EAGER for name in BASELINE)]
+    if options.runs:
+        names = [name for name in names if name in options.runs]
     if options.device == "cuda" or options.here:
         runs = workloads(options, batch, length)
         rows = {}
@@ -211,6 +213,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager-max", type=int, default=4096, help="longest input the eager runs get")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--block-memory", type=int, help="bytes per block of recomputed rows (default: the library's)")
+    parser.add_argument("--runs", nargs="+", help="measure only these runs (names as printed)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--here", action="store_true", help="measure in this process (CPU memory less exact)")
     parser.add_argument("--one", help=argparse.SUPPRESS)

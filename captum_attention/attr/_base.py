@@ -71,8 +71,8 @@ class AttentionAttributionBase:
             probabilities, which are recorded; ``"auto"``: streaming wherever it is
             exact, else eager (``last_capture`` then says why). Default: ``"auto"``.
         block_memory (int, optional): bytes one block of recomputed attention rows may
-            take in streaming mode. Default: None, 16 MiB on CPU; on GPU at least 256 MiB,
-            eight times a call's queries in float32 for long inputs.
+            take in streaming mode. Default: None, eight times a call's queries in float32,
+            16-64 MiB on CPU, at least 256 MiB on GPU.
     """
 
     method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"

@@ -64,7 +64,8 @@ class KernelCall:
             ``(B, H, Q, K)``, or None.
         causal: whether the kernel applies its own causal mask (upper-left aligned).
         position_bias: an additive ``(B or 1, H, Q, K)`` bias (T5), or None.
-        output: the call's output ``(B, Q, H, Dv)``, in the autograd graph when tracked.
+        output: the call's output ``(B, Q, H, Dv)``, in the autograd graph, kept when
+            gradients are tracked (else None).
     """
 
     query: Tensor
@@ -122,13 +123,14 @@ class KernelCall:
         tensor cores with float32 accumulation and output, as the attention kernel does."""
         batch, heads, num_rows, dim = rows.shape
         kv_heads, num_keys = keys.shape[1], keys.shape[2]
-        grouped = rows.reshape(batch * kv_heads, self.groups * num_rows, dim)
-        keys_t = keys.transpose(-1, -2).reshape(batch * kv_heads, dim, num_keys)
+        grouped = rows.reshape(batch, kv_heads, self.groups * num_rows, dim)
         products = None
         if rows.dtype in (torch.float16, torch.bfloat16) and rows.is_cuda:
-            products = half_bmm_to_float(grouped, keys_t)
+            products = half_bmm_to_float(
+                grouped.reshape(batch * kv_heads, -1, dim), keys.transpose(-1, -2).reshape(batch * kv_heads, dim, num_keys)
+            )
         if products is None:
-            products = torch.bmm(grouped.float(), keys_t.float())
+            products = torch.matmul(grouped.float(), keys.float().transpose(-1, -2))
         return products.reshape(batch, heads, num_rows, num_keys)
 
     def logits(self, rows: slice) -> Tensor:
@@ -196,12 +198,6 @@ class KernelCall:
         return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
 
 
-BLOCK_MEMORY = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
-"""Bytes per block of recomputed rows by default: on a CPU, blocks that stay in its caches
-(smaller blocks measured faster there); on a GPU at least this, and more for long inputs
-(see :func:`block_rows`). Measured in ``benchmarks/scaling.py``."""
-
-
 def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
     """The call restricted to one example and one head."""
 
@@ -240,15 +236,20 @@ def transformed_output(call: KernelCall, transform: RowsTransform, rows_per_bloc
     return output
 
 
+BLOCK_MEMORY = {"cpu": (16 * 2**20, 64 * 2**20), "cuda": (256 * 2**20, None)}
+"""Default bytes per block of recomputed rows, ``(least, most)`` per device: eight times a
+call's queries in float32 within those bounds, so that the blocks grow with the input
+(larger blocks multiply faster) but stay a small part of what the model itself holds, and
+on a CPU within its caches. Measured in ``benchmarks/scaling.py``."""
+
+
 def block_rows(call: KernelCall, budget_bytes: int | None = None, tensors: int = 4) -> int:
     """Query rows per block so that ``tensors`` float32 ``(B, H, rows, K)`` blocks fit
-    ``budget_bytes`` (at least one row). Default budget: :data:`BLOCK_MEMORY` for the
-    device; on a GPU eight times the call's queries in float32 where that is more, so that
-    the blocks (and the work per kernel launch) grow with the input but stay a small
-    multiple of what the kernel itself holds."""
+    ``budget_bytes`` (at least one row). Default budget: :data:`BLOCK_MEMORY`."""
     if budget_bytes is None:
-        device = call.query.device.type
-        budget_bytes = BLOCK_MEMORY["cpu"] if device == "cpu" else max(BLOCK_MEMORY["cuda"], 32 * call.query.numel())
+        least, most = BLOCK_MEMORY["cpu" if call.query.device.type == "cpu" else "cuda"]
+        budget_bytes = max(least, 32 * call.query.numel())
+        budget_bytes = budget_bytes if most is None else min(budget_bytes, most)
     per_row = tensors * 4 * call.query.shape[0] * call.heads * call.num_keys
     return max(1, budget_bytes // max(per_row, 1))
 

@@ -242,8 +242,7 @@ def record_forward(
 
 def _shape(call: KernelCall) -> torch.Size:
     """The ``(B, H, Q, K)`` shape of the call's attention."""
-    return torch.Size((call.output.shape[0] if call.output is not None else call.query.shape[0],
-                       call.heads, call.num_queries, call.num_keys))
+    return torch.Size((call.query.shape[0], call.heads, call.num_queries, call.num_keys))
 
 
 def up_to(real: Tensor, query_index: Tensor) -> Tensor:

@@ -279,10 +279,11 @@ class AttentionCapture:
             kernel.output = transformed_output(kernel, transform, rows)
         else:
             kernel.output = run_kernel()
-        if not self.track_grad:
-            kernel.value = None  # only the gradient dS/dA = dO·Vᵀ needs the values
+        output = kernel.output
+        if not self.track_grad:  # only gradients need the values (dS/dA = dO·Vᵀ) and the output
+            kernel.value = kernel.output = None
         call.kernel = kernel
-        return kernel.output
+        return output
 
     def _close_call(self, module: nn.Module, args: tuple, output: Any) -> None:
         call = self._open.pop()
