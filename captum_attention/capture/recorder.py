@@ -272,7 +272,7 @@ class AttentionCapture:
         transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
         if erasure is not None:
             erased, heads = erasure
-            rows = block_rows(kernel, self.block_memory, tensors=2)
+            rows = block_rows(kernel, self.block_memory, tensors=8)  # the explicit-mask kernel's temporaries
             kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, rows)
         elif transform is not None:
             rows = block_rows(_one_head(kernel), self.block_memory, tensors=4)
