@@ -46,13 +46,8 @@ def grad_sam_row_sums(
     """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums."""
     sums = []
     for rows in _blocks(call, rows_per_block):
-        probs = call.probs(rows)
-        keys = real_keys[:, : probs.shape[-1]]
-        if not bool(keys.all()):
-            probs.mul_(keys[:, None, None, :].to(probs.dtype))
-        # Σ_j as a dot product per row: one read of each block, no product written out
-        per_head = torch.linalg.vecdot(call.grad_probs(grad_output, rows).clamp_(min=0), probs)
-        sums.append(per_head.sum(dim=1) * real_queries[:, rows].to(per_head.dtype))
+        weighted = call.grad_probs(grad_output, rows).clamp_(min=0).mul_(call.probs(rows)).sum(dim=1)
+        sums.append(_only_real_pairs(weighted, real_queries, real_keys, rows).sum(dim=-1))
     return torch.cat(sums, dim=1)
 
 
@@ -65,22 +60,12 @@ def _relevance_block(call: KernelCall, grad_output: Tensor, rows: slice, real_qu
 def relevance_rows_into(
     call: KernelCall, grad_output: Tensor, row: Tensor, real_queries: Tensor, real_keys: Tensor, rows_per_block: int
 ) -> Tensor:
-    """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries.
-
-    ``row·mean_m(P^m) = Σ_m (row/M)·P^m``: one product over (heads × rows), so the head mean
-    of each block is never written out; non-real queries and keys are zeroed in ``row`` and
-    the result.
-    """
+    """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries."""
     total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
-    weights = row * real_queries.to(row.dtype) / call.heads
     for rows in _blocks(call, rows_per_block):
-        if not bool(row[:, rows].any()):
-            continue  # rows the vector does not reach contribute nothing
-        products = call.grad_probs(grad_output, rows).mul_(call.probs(rows)).clamp_(min=0)
-        batch, heads, num_rows, keys = products.shape
-        block_weights = weights[:, None, rows].expand(batch, heads, num_rows).reshape(batch, 1, heads * num_rows)
-        total[:, :keys] += torch.bmm(block_weights, products.reshape(batch, heads * num_rows, keys))[:, 0]
-    return total * real_keys.to(total.dtype)
+        if bool(row[:, rows].any()):  # rows the vector does not reach contribute nothing
+            _add_row_times_block(total, row, rows, _relevance_block(call, grad_output, rows, real_queries, real_keys))
+    return total
 
 
 def relevance_row_step(
