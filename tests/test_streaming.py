@@ -19,6 +19,7 @@ from test_encoder_decoder import make_pair
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention._compat import attention_function
+from captum_attention.capture import kernel
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
 
@@ -77,6 +78,29 @@ def test_one_row_per_block_gives_the_same_scores(name):
     whole = cls(model, capture="streaming").attribute(ids, additional_forward_args=args, **options)
     by_rows = cls(model, capture="streaming", block_memory=1).attribute(ids, additional_forward_args=args, **options)
     _rel_close(by_rows, whole)
+
+
+@pytest.mark.parametrize("family", ("llama", "t5"))
+def test_blocks_of_every_head_give_the_same_scores_as_blocks_of_one_head(family, monkeypatch):
+    """A GPU's blocks (every head, grouped-query heads by whole groups) against a CPU's."""
+    model, inputs, args, real = _case(family)
+    erased = real & (torch.rand(real.shape, generator=torch.Generator().manual_seed(0)) < 0.4)
+    erased[:, 0] = False
+
+    def everything():
+        scores = [
+            METHODS[name].cls(model, capture="streaming", block_memory=2**14).attribute(
+                inputs, additional_forward_args=args, **METHODS[name].options
+            )
+            for name in METHODS
+        ]
+        return scores + [attention_erasure(model, inputs, erased, args, capture="streaming").erased]
+
+    one_head = everything()
+    monkeypatch.setitem(kernel.ONE_HEAD_PER_BLOCK, "cpu", False)
+    for every_head, expected in zip(everything(), one_head):
+        for actual, wanted in zip(*(x if isinstance(x, tuple) else (x,) for x in (every_head, expected))):
+            _rel_close(actual, wanted)
 
 
 @pytest.mark.parametrize("cls", [GradSAM, AttentionRollout])

@@ -17,7 +17,7 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.kernel import block_rows
+from ..capture.kernel import block_shape
 from ..capture.record import ForwardRecord
 from ..maps.streaming import cross_rollout_row_step, query_row, rollout_row_step
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
@@ -121,13 +121,13 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         row = query_row(record.query_index, record.target_real.shape[1])
         source_row = torch.zeros_like(record.input_real, dtype=row.dtype)
         for call, role in list(zip(record.kernel_calls, record.roles))[first:][::-1]:
-            rows = block_rows(call, self.block_memory)
+            shape = block_shape(call, self.block_memory)
             if role == "cross":
-                source_row, row = cross_rollout_row_step(call, source_row, row, *record.real_of(role), head_fusion, rows)
+                source_row, row = cross_rollout_row_step(call, source_row, row, *record.real_of(role), head_fusion, shape)
             elif role == "encoder":
-                source_row = rollout_row_step(call, source_row, record.input_real, head_fusion, rows)
+                source_row = rollout_row_step(call, source_row, record.input_real, head_fusion, shape)
             else:
-                row = rollout_row_step(call, row, record.target_real, head_fusion, rows)
+                row = rollout_row_step(call, row, record.target_real, head_fusion, shape)
         return (source_row, row) if record.is_encoder_decoder else row
 
     def _encoder_decoder_scores(

@@ -9,7 +9,7 @@ import torch
 from captum.attr import GradientAttribution
 from torch import Tensor
 
-from ..capture.kernel import block_rows
+from ..capture.kernel import block_shape
 from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
@@ -101,7 +101,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             total = sum(
                 grad_sam_row_sums(
                     record.kernel_calls[i], record.output_grads[i], *record.real_of(record.roles[i]),
-                    block_rows(record.kernel_calls[i], self.block_memory),
+                    block_shape(record.kernel_calls[i], self.block_memory),
                 )
                 for i in calls
             )

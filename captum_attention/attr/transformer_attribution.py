@@ -16,7 +16,7 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.kernel import KernelCall, block_rows
+from ..capture.kernel import KernelCall, block_shape
 from ..capture.record import ForwardRecord
 from ..maps.streaming import (
     query_row,
@@ -110,7 +110,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         first = record.layer(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
         for call, grad in list(zip(record.kernel_calls, record.output_grads))[first:][::-1]:
-            row = relevance_row_step(call, grad, row, record.target_real, block_rows(call, self.block_memory))
+            row = relevance_row_step(call, grad, row, record.target_real, block_shape(call, self.block_memory))
         return row
 
     def _streamed_encoder_decoder(self, record: ForwardRecord) -> tuple[Tensor, Tensor]:
@@ -134,25 +134,25 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         source_row = torch.zeros_like(source_real, dtype=row.dtype)
         for index in reversed(range(len(decoder_side))):
             call, grad, role = decoder_side[index]
-            rows = block_rows(call, self.block_memory)
+            shape = block_shape(call, self.block_memory)
             if role != "cross":
-                row = relevance_row_step(call, grad, row, target_real, rows)
+                row = relevance_row_step(call, grad, row, target_real, shape)
                 continue
             before = [(c, g) for c, g, r in decoder_side[:index] if r != "cross"]
             columns = self._relevance_times(before, torch.stack([row, torch.ones_like(row)], dim=-1), target_real)
             weights = without_self_times(row, columns[..., 0], columns[..., 1])
-            source_row += relevance_rows_into(call, grad, weights, target_real, source_real, rows)
+            source_row += relevance_rows_into(call, grad, weights, target_real, source_real, shape)
         source_sums = self._relevance_times(encoder, torch.ones_like(source_row)[..., None], source_real)[..., 0] - 1
         scaled = torch.where(source_sums > 0, source_row / source_sums.clamp(min=torch.finfo(source_sums.dtype).tiny), 0.0)
         through_encoder = scaled
         for call, grad in encoder[::-1]:
-            through_encoder = relevance_row_step(call, grad, through_encoder, source_real, block_rows(call, self.block_memory))
+            through_encoder = relevance_row_step(call, grad, through_encoder, source_real, block_shape(call, self.block_memory))
         return source_row + through_encoder - scaled, row
 
     def _relevance_times(self, layers: list[tuple[KernelCall, Tensor]], columns: Tensor, real: Tensor) -> Tensor:
         """``(I + Ā^k)···(I + Ā^1)·columns`` over ``layers`` (earlier first)."""
         for call, grad in layers:
-            columns = relevance_column_step(call, grad, columns, real, block_rows(call, self.block_memory))
+            columns = relevance_column_step(call, grad, columns, real, block_shape(call, self.block_memory))
         return columns
 
     def _encoder_decoder_scores(

@@ -23,7 +23,7 @@ import contextvars
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,20 +96,22 @@ class KernelCall:
         and are not computed)."""
         return min(rows.stop, self.num_keys) if self.causal else self.num_keys
 
-    def logit_bias(self, rows: slice, keys: int | None = None) -> Tensor | None:
-        """The additive bias of the query rows ``rows`` over the first ``keys`` keys
-        (default all), ``(B or 1, H or 1, r, keys)`` float32, -inf where a key is masked;
-        None when nothing is added."""
+    def logit_bias(self, rows: slice, keys: int | None = None, heads: slice = slice(None)) -> Tensor | None:
+        """The additive bias of the query rows ``rows`` of the query heads ``heads`` over the
+        first ``keys`` keys (default all), ``(B or 1, heads or 1, r, keys)`` float32, -inf
+        where a key is masked; None when nothing is added."""
         keys = self.num_keys if keys is None else keys
         bias = None
         if self.mask is not None:
             mask = self.mask[..., rows, :keys] if self.mask.shape[-2] > 1 else self.mask[..., :keys]
+            mask = mask[:, heads] if mask.shape[1] > 1 else mask
             if mask.dtype == torch.bool:
                 bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
             else:
                 bias = mask.float()
         if self.position_bias is not None:
-            position_bias = self.position_bias[..., rows, :keys].float()
+            position_bias = self.position_bias[..., rows, :keys]
+            position_bias = (position_bias[:, heads] if position_bias.shape[1] > 1 else position_bias).float()
             bias = position_bias if bias is None else bias + position_bias
         if self.causal:
             later = torch.arange(keys, device=self.query.device) > torch.arange(rows.start, rows.stop, device=self.query.device)[:, None]
@@ -117,13 +119,17 @@ class KernelCall:
             bias = causal if bias is None else bias + causal
         return bias
 
-    def _per_key_head(self, rows: Tensor, keys: Tensor) -> Tensor:
-        """``rows (B, H, r, D) @ keys (B, H / groups, K, D)^T`` as ``(B, H, r, K)`` float32,
+    def _per_key_head(self, rows: Tensor, keys: Tensor, heads: slice) -> Tensor:
+        """``rows (B, h, r, D) @ keys^T`` as ``(B, h, r, K)`` float32, for the query heads
+        ``heads`` (one head, or whole groups) and all key heads ``keys (B, H / groups, K, D)``,
         without repeating the key heads. Half-precision inputs on a GPU multiply on its
         tensor cores with float32 accumulation and output, as the attention kernel does."""
-        batch, heads, num_rows, dim = rows.shape
+        batch, num_heads, num_rows, dim = rows.shape
+        first, last, _ = heads.indices(self.heads)
+        keys = keys[:, first // self.groups : -(-last // self.groups)]
         kv_heads, num_keys = keys.shape[1], keys.shape[2]
-        grouped = rows.reshape(batch, kv_heads, self.groups * num_rows, dim)
+        assert num_heads % kv_heads == 0, "a block holds one query head or whole groups of them"
+        grouped = rows.reshape(batch, kv_heads, num_heads // kv_heads * num_rows, dim)
         products = None
         if rows.dtype in (torch.float16, torch.bfloat16) and rows.is_cuda:
             products = half_bmm_to_float(
@@ -131,25 +137,26 @@ class KernelCall:
             )
         if products is None:
             products = torch.matmul(grouped.float(), keys.float().transpose(-1, -2))
-        return products.reshape(batch, heads, num_rows, num_keys)
+        return products.reshape(batch, num_heads, num_rows, num_keys)
 
-    def logits(self, rows: slice) -> Tensor:
-        """``(B, H, r, key_span)`` float32 pre-softmax scores of the query rows ``rows``."""
+    def logits(self, rows: slice, heads: slice = slice(None)) -> Tensor:
+        """``(B, h, r, key_span)`` float32 pre-softmax scores of the query rows ``rows`` of
+        the query heads ``heads`` (default all)."""
         keys = self.key_span(rows)
-        scores = self._per_key_head(self.query[:, :, rows] * self.scale, self.key[:, :, :keys])
+        scores = self._per_key_head(self.query[:, heads, rows] * self.scale, self.key[:, :, :keys], heads)
         if self.causal and self.mask is None and self.position_bias is None:
             # only the block's own square holds later keys
             square = scores[..., rows.start : keys]
             later = torch.ones(square.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
             square.masked_fill_(later, -math.inf)
             return scores
-        bias = self.logit_bias(rows, keys)
+        bias = self.logit_bias(rows, keys, heads)
         return scores if bias is None else scores.add_(bias)
 
-    def probs(self, rows: slice) -> Tensor:
-        """``(B, H, r, key_span)`` float32 attention probabilities of the query rows ``rows``
-        (0 in a row whose every key is masked)."""
-        probs = self.logits(rows).softmax(dim=-1)
+    def probs(self, rows: slice, heads: slice = slice(None)) -> Tensor:
+        """``(B, h, r, key_span)`` float32 attention probabilities of the query rows ``rows``
+        of the query heads ``heads`` (0 in a row whose every key is masked)."""
+        probs = self.logits(rows, heads).softmax(dim=-1)
         return probs if self.mask is None else probs.nan_to_num_(nan=0.0)
 
     def rows_at(self, query_index: Tensor) -> Tensor:
@@ -167,17 +174,29 @@ class KernelCall:
             rows.append(F.pad(row, (0, self.num_keys - row.shape[-1])))
         return torch.stack(rows)
 
-    def grad_probs(self, grad_output: Tensor, rows: slice) -> Tensor:
-        """``(B, H, r, key_span)`` float32 gradient dS/dA of the rows ``rows`` from the
-        gradient of the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
+    def grad_probs(self, grad_output: Tensor, rows: slice, heads: slice = slice(None)) -> Tensor:
+        """``(B, h, r, key_span)`` float32 gradient dS/dA of the rows ``rows`` of the query
+        heads ``heads`` from the gradient of the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
         assert self.value is not None, "the values were not recorded (no gradient tracked)"
-        return self._per_key_head(grad_output[:, rows].transpose(1, 2), self.value[:, :, : self.key_span(rows)])
+        grad_rows = grad_output[:, rows, heads].transpose(1, 2)
+        return self._per_key_head(grad_rows, self.value[:, :, : self.key_span(rows)], heads)
 
-    def erased_output(self, erased: Tensor, heads: Sequence[int] | None, block_rows: int) -> Tensor:
+    def blocks(self, shape: tuple[int, int], reached: Tensor | None = None) -> Iterator[tuple[slice, slice]]:
+        """``(heads, rows)`` slices of the blocks of ``shape = (heads, rows)``, the query rows
+        outer; with ``reached`` ``(B, Q)``, only the blocks of rows where it is nonzero."""
+        heads_per_block, rows_per_block = shape
+        for start in range(0, self.num_queries, rows_per_block):
+            rows = slice(start, min(start + rows_per_block, self.num_queries))
+            if reached is not None and not bool(reached[:, rows].any()):
+                continue
+            for first in range(0, self.heads, heads_per_block):
+                yield slice(first, min(first + heads_per_block, self.heads)), rows
+
+    def erased_output(self, erased: Tensor, heads: Sequence[int] | None, shape: tuple[int, int]) -> Tensor:
         """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
         score of -inf (on ``heads``, default all): exactly zeroing their attention and
-        renormalising each row. Computed by the kernel one block of query rows at a time;
-        a row whose every key is erased gives 0."""
+        renormalising each row. Computed by the kernel one block of ``shape`` at a time; a
+        row whose every key is erased gives 0."""
         assert self.value is not None
         chosen = torch.ones(self.heads, dtype=torch.bool, device=erased.device)
         if heads is not None:
@@ -185,17 +204,18 @@ class KernelCall:
             chosen[[h for h in heads if 0 <= h < self.heads]] = True
         erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)
         erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
-        blocks = []
-        for start in range(0, self.num_queries, block_rows):
-            rows = slice(start, min(start + block_rows, self.num_queries))
-            bias = self.logit_bias(rows)
-            bias = erase if bias is None else bias + erase
+        output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
+        for block_heads, rows in self.blocks(shape):
+            bias = self.logit_bias(rows, heads=block_heads)
+            bias = erase[:, block_heads] if bias is None else bias + erase[:, block_heads]
+            first, last, _ = block_heads.indices(self.heads)
+            key_heads = slice(first // self.groups, -(-last // self.groups))
             out = F.scaled_dot_product_attention(
-                self.query[:, :, rows], self.key, self.value, attn_mask=bias.to(self.query.dtype),
-                scale=self.scale, enable_gqa=self.groups > 1,
+                self.query[:, block_heads, rows], self.key[:, key_heads], self.value[:, key_heads],
+                attn_mask=bias.to(self.query.dtype), scale=self.scale, enable_gqa=last - first > 1 and self.groups > 1,
             )
-            blocks.append(torch.nan_to_num(out, nan=0.0))
-        return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
+            output[:, block_heads, rows] = torch.nan_to_num(out, nan=0.0)
+        return output.transpose(1, 2).contiguous()
 
 
 def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
@@ -215,11 +235,12 @@ def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
     )
 
 
-def transformed_output(call: KernelCall, transform: RowsTransform, rows_per_block: int) -> Tensor:
+def transformed_output(call: KernelCall, transform: RowsTransform, budget_bytes: int | None = None) -> Tensor:
     """The call's output ``(B, Q, H, Dv)`` with each block of rows of the probabilities
     replaced by ``transform`` before they weight the values: explicit attention, one
-    example, head and block of query rows at a time, in the order ``(example, head, row)``
-    in which eager capture's ``(B, H, Q, K)`` tensor holds them."""
+    example, head and block of query rows at a time (sized by ``budget_bytes``, as
+    :func:`block_shape`), in the order ``(example, head, row)`` in which eager capture's
+    ``(B, H, Q, K)`` tensor holds them."""
     assert call.value is not None
     batch = call.query.shape[0]
     output = torch.empty(batch, call.num_queries, call.heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
@@ -227,8 +248,7 @@ def transformed_output(call: KernelCall, transform: RowsTransform, rows_per_bloc
         for head in range(call.heads):
             plane = _plane(call, example, head)
             assert plane.value is not None
-            for start in range(0, call.num_queries, rows_per_block):
-                rows = slice(start, min(start + rows_per_block, call.num_queries))
+            for _, rows in plane.blocks(block_shape(plane, budget_bytes)):
                 probs = plane.probs(rows)
                 probs = F.pad(probs, (0, call.num_keys - probs.shape[-1]))
                 changed = transform(probs, example, head)
@@ -236,22 +256,31 @@ def transformed_output(call: KernelCall, transform: RowsTransform, rows_per_bloc
     return output
 
 
-BLOCK_MEMORY = {"cpu": (16 * 2**20, 64 * 2**20), "cuda": (256 * 2**20, None)}
-"""Default bytes per block of recomputed rows, ``(least, most)`` per device: eight times a
-call's queries in float32 within those bounds, so that the blocks grow with the input
-(larger blocks multiply faster) but stay a small part of what the model itself holds, and
-on a CPU within its caches. Measured in ``benchmarks/scaling.py``."""
+BLOCK_MEMORY = {"cpu": (16 * 2**20, 16 * 2**20), "cuda": (256 * 2**20, None)}
+"""Default bytes per block of recomputed attention, ``(least, most)`` per device: eight
+times a call's queries in float32 within those bounds. On a CPU a block holds one head's
+rows, each ``(rows, keys)`` float32 temporary about 4 MiB, which stays within the caches
+(measured 2-3× faster at 4k-16k tokens than blocks of every head); on a GPU a block holds
+every head and grows with the input (larger blocks multiply faster). Measured in
+``benchmarks/scaling.py``."""
 
 
-def block_rows(call: KernelCall, budget_bytes: int | None = None, tensors: int = 4) -> int:
-    """Query rows per block so that ``tensors`` float32 ``(B, H, rows, K)`` blocks fit
+ONE_HEAD_PER_BLOCK = {"cpu": True, "cuda": False}
+"""Whether a block holds one head's rows (else every head's), per device."""
+
+
+def block_shape(call: KernelCall, budget_bytes: int | None = None) -> tuple[int, int]:
+    """``(heads, rows)`` per block: one head or every head (:data:`ONE_HEAD_PER_BLOCK`), and
+    as many query rows as let four float32 ``(B, heads, rows, K)`` temporaries fit
     ``budget_bytes`` (at least one row). Default budget: :data:`BLOCK_MEMORY`."""
+    device = "cpu" if call.query.device.type == "cpu" else "cuda"
     if budget_bytes is None:
-        least, most = BLOCK_MEMORY["cpu" if call.query.device.type == "cpu" else "cuda"]
+        least, most = BLOCK_MEMORY[device]
         budget_bytes = max(least, 32 * call.query.numel())
         budget_bytes = budget_bytes if most is None else min(budget_bytes, most)
-    per_row = tensors * 4 * call.query.shape[0] * call.heads * call.num_keys
-    return max(1, budget_bytes // max(per_row, 1))
+    heads = 1 if ONE_HEAD_PER_BLOCK[device] else call.heads
+    per_row = 4 * 4 * call.query.shape[0] * heads * call.num_keys
+    return heads, max(1, budget_bytes // max(per_row, 1))
 
 
 Recorder = Callable[[nn.Module, KernelCall, Callable[[], Tensor]], Tensor]

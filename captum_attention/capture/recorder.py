@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
-from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_rows, transformed_output
+from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
 
 
 class AttentionCapture:
@@ -272,11 +272,10 @@ class AttentionCapture:
         transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
         if erasure is not None:
             erased, heads = erasure
-            rows = block_rows(kernel, self.block_memory, tensors=8)  # the explicit-mask kernel's temporaries
-            kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, rows)
+            shape = block_shape(kernel, self.block_memory)
+            kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, shape)
         elif transform is not None:
-            rows = block_rows(_one_head(kernel), self.block_memory, tensors=4)
-            kernel.output = transformed_output(kernel, transform, rows)
+            kernel.output = transformed_output(kernel, transform, self.block_memory)
         else:
             kernel.output = run_kernel()
         output = kernel.output
@@ -378,11 +377,6 @@ def _streams(intervention: Any) -> bool:
 
 def _nothing(call_index: int) -> None:
     return None
-
-
-def _one_head(kernel: KernelCall) -> KernelCall:
-    """A stand-in of one example and one head, for sizing blocks of one plane."""
-    return KernelCall(kernel.query[:1, :1], kernel.key[:1, :1], None, kernel.scale, None, kernel.causal)
 
 
 def _is_float_tensor(value: Any) -> bool:

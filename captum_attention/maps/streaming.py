@@ -13,7 +13,7 @@ are zeroed as ``mask_padding`` zeroes them.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -22,69 +22,59 @@ from ..capture.kernel import KernelCall
 from .common import fuse_heads
 
 
-def _blocks(call: KernelCall, rows_per_block: int) -> Iterator[slice]:
-    for start in range(0, call.num_queries, rows_per_block):
-        yield slice(start, min(start + rows_per_block, call.num_queries))
+Shape = tuple[int, int]
+"""``(heads, rows)`` per block (:func:`~captum_attention.capture.kernel.block_shape`)."""
 
 
-def _only_real_pairs(block_map: Tensor, real_queries: Tensor, real_keys: Tensor, rows: slice) -> Tensor:
-    """``block_map`` ``(B, r, k)`` with the pairs of a non-real query (of ``rows``) or key zeroed."""
-    queries, keys = real_queries[:, rows], real_keys[:, : block_map.shape[-1]]
-    if bool(queries.all()) and bool(keys.all()):
-        return block_map
-    return block_map.mul_((queries[:, :, None] & keys[:, None, :]).to(block_map.dtype))
+def _over_real_keys(block: Tensor, real_keys: Tensor) -> Tensor:
+    """``block`` ``(B, h, r, k)`` with the columns of non-real keys zeroed."""
+    keys = real_keys[:, : block.shape[-1]]
+    return block if bool(keys.all()) else block.mul_(keys[:, None, None, :].to(block.dtype))
 
 
-def _add_row_times_block(total: Tensor, row: Tensor, rows: slice, block_map: Tensor) -> None:
-    """``total[:, :k] += row[:, rows] @ block_map`` for ``block_map`` ``(B, r, k)``."""
-    total[:, : block_map.shape[-1]] += torch.bmm(row[:, None, rows], block_map)[:, 0]
-
-
-def grad_sam_row_sums(
-    call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, rows_per_block: int
-) -> Tensor:
+def grad_sam_row_sums(call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape) -> Tensor:
     """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums."""
-    sums = []
-    for rows in _blocks(call, rows_per_block):
-        weighted = call.grad_probs(grad_output, rows).clamp_(min=0).mul_(call.probs(rows)).sum(dim=1)
-        sums.append(_only_real_pairs(weighted, real_queries, real_keys, rows).sum(dim=-1))
-    return torch.cat(sums, dim=1)
+    sums = torch.zeros(real_queries.shape, device=real_queries.device)
+    for heads, rows in call.blocks(shape):
+        weighted = call.grad_probs(grad_output, rows, heads).clamp_(min=0).mul_(call.probs(rows, heads))
+        sums[:, rows] += _over_real_keys(weighted, real_keys).sum(dim=(1, 3))
+    return sums * real_queries
 
 
-def _relevance_block(call: KernelCall, grad_output: Tensor, rows: slice, real_queries: Tensor, real_keys: Tensor) -> Tensor:
-    """Rows ``rows`` of Ā = mean_m((G^m ⊙ A^m)^+), ``(B, r, key_span)``, non-real pairs 0."""
-    relevance = call.grad_probs(grad_output, rows).mul_(call.probs(rows)).clamp_(min=0).mean(dim=1)
-    return _only_real_pairs(relevance, real_queries, real_keys, rows)
+def _relevance(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> Tensor:
+    """``(G^m ⊙ A^m)^+`` of the rows ``rows`` and heads ``heads``, ``(B, h, r, key_span)``,
+    non-real keys 0: the terms of Ā = mean_m((G^m ⊙ A^m)^+)."""
+    relevance = call.grad_probs(grad_output, rows, heads).mul_(call.probs(rows, heads)).clamp_(min=0)
+    return _over_real_keys(relevance, real_keys)
 
 
 def relevance_rows_into(
-    call: KernelCall, grad_output: Tensor, row: Tensor, real_queries: Tensor, real_keys: Tensor, rows_per_block: int
+    call: KernelCall, grad_output: Tensor, row: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape
 ) -> Tensor:
     """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries."""
     total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
-    for rows in _blocks(call, rows_per_block):
-        if bool(row[:, rows].any()):  # rows the vector does not reach contribute nothing
-            _add_row_times_block(total, row, rows, _relevance_block(call, grad_output, rows, real_queries, real_keys))
+    row = row * real_queries / call.heads  # the head mean and the non-real queries, folded into the row
+    for heads, rows in call.blocks(shape, reached=row):
+        relevance = _relevance(call, grad_output, rows, heads, real_keys)
+        total[:, : relevance.shape[-1]] += torch.matmul(row[:, None, None, rows], relevance).sum(dim=(1, 2))
     return total
 
 
-def relevance_row_step(
-    call: KernelCall, grad_output: Tensor, row: Tensor, real: Tensor, rows_per_block: int
-) -> Tensor:
+def relevance_row_step(call: KernelCall, grad_output: Tensor, row: Tensor, real: Tensor, shape: Shape) -> Tensor:
     """``row + row·Ā`` with Ā = mean_m((G^m ⊙ A^m)^+) of one layer: one step of the
     Transformer Attribution query row (later layers first)."""
-    return row + relevance_rows_into(call, grad_output, row, real, real, rows_per_block)
+    return row + relevance_rows_into(call, grad_output, row, real, real, shape)
 
 
-def relevance_column_step(
-    call: KernelCall, grad_output: Tensor, columns: Tensor, real: Tensor, rows_per_block: int
-) -> Tensor:
+def relevance_column_step(call: KernelCall, grad_output: Tensor, columns: Tensor, real: Tensor, shape: Shape) -> Tensor:
     """``columns + Ā·columns`` for ``(B, T, m)`` column vectors: one step of R·x
     (earlier layers first)."""
     step = columns.clone()
-    for rows in _blocks(call, rows_per_block):
-        block = _relevance_block(call, grad_output, rows, real, real)
-        step[:, rows] += torch.bmm(block, columns[:, : block.shape[-1]])
+    row_weights = real[:, :, None] / call.heads  # the head mean and the non-real queries
+    for heads, rows in call.blocks(shape):
+        relevance = _relevance(call, grad_output, rows, heads, real)
+        products = torch.matmul(relevance, columns[:, None, : relevance.shape[-1]]).sum(dim=1)
+        step[:, rows] += products * row_weights[:, rows]
     return step
 
 
@@ -96,33 +86,57 @@ def without_self_times(vector: Tensor, relevance_times_vector: Tensor, relevance
     return vector + torch.where(row_sums > 0, normalised, 0.0)
 
 
-def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, rows_per_block: int) -> Tensor:
+_HEAD_FUSIONS: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {
+    "mean": (torch.sum, torch.add), "max": (torch.amax, torch.maximum), "min": (torch.amin, torch.minimum),
+}
+"""Per fusion: how one block of heads is reduced, and how two reductions combine."""
+
+
+def _fused_blocks(
+    call: KernelCall, shape: Shape, fusion: str, real_queries: Tensor, real_keys: Tensor, reached: Tensor | None = None
+) -> Iterator[tuple[slice, Tensor]]:
+    """``(rows, fuse_m(A^m) of those rows (B, r, key_span))`` per block of rows, the heads
+    fused one block of heads at a time; pairs of a non-real query or key 0."""
+    reduce, combine = _HEAD_FUSIONS[fusion]
+    fused = None
+    for heads, rows in call.blocks(shape, reached):
+        probs = call.probs(rows, heads)
+        part = probs[:, 0] if probs.shape[1] == 1 else reduce(probs, dim=1)
+        fused = part if fused is None else combine(fused, part, out=fused)
+        if heads.stop == call.heads:
+            if fusion == "mean":
+                fused.div_(call.heads)
+            fused = _over_real_keys(fused[:, None], real_keys)[:, 0]
+            queries = real_queries[:, rows]
+            yield rows, fused if bool(queries.all()) else fused.mul_(queries[:, :, None].to(fused.dtype))
+            fused = None
+
+
+def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, shape: Shape) -> Tensor:
     """``row·Â`` with Â = 0.5·fuse_m(A^m) + 0.5·I, rows renormalised: one step of the
     rollout query row (later layers first)."""
     step = torch.zeros_like(row)
-    for rows in _blocks(call, rows_per_block):
-        if not bool(row[:, rows].any()):
-            continue
-        fused = _only_real_pairs(fuse_heads(call.probs(rows), fusion), real, real, rows).mul_(0.5)
+    for rows, fused in _fused_blocks(call, shape, fusion, real, real, reached=row):
+        fused.mul_(0.5)
         diagonal = torch.arange(rows.start, rows.stop, device=fused.device)
         fused[:, diagonal - rows.start, diagonal] += 0.5
-        _add_row_times_block(step, row, rows, fused.div_(fused.sum(dim=-1, keepdim=True)))
+        fused.div_(fused.sum(dim=-1, keepdim=True))
+        step[:, : fused.shape[-1]] += torch.bmm(row[:, None, rows], fused)[:, 0]
     return step
 
 
 def cross_rollout_row_step(
     call: KernelCall, source_row: Tensor, target_row: Tensor, real_targets: Tensor, real_sources: Tensor,
-    fusion: str, rows_per_block: int,
+    fusion: str, shape: Shape,
 ) -> tuple[Tensor, Tensor]:
     """One cross-attention step of the joint-graph rollout query row (later layers first):
     target token i maps to (0.5·e_i + 0.5·fuse_m(A^m)_i) / z_i over [target | source], with
     z_i = 0.5 + 0.5·Σ_k fuse_m(A^m)_{ik} (see ``encoder_decoder_rollout``)."""
     source_step, target_step = source_row.clone(), target_row.clone()
-    for rows in _blocks(call, rows_per_block):
-        fused = _only_real_pairs(fuse_heads(call.probs(rows), fusion), real_targets, real_sources, rows)
+    for rows, fused in _fused_blocks(call, shape, fusion, real_targets, real_sources):
         weight = target_row[:, rows] * 0.5 / (0.5 + 0.5 * fused.sum(dim=-1))
         target_step[:, rows] = weight
-        _add_row_times_block(source_step, weight, slice(0, weight.shape[1]), fused)
+        source_step[:, : fused.shape[-1]] += torch.bmm(weight[:, None], fused)[:, 0]
     return source_step, target_step
 
 
