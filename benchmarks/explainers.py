@@ -18,6 +18,7 @@ from torch import Tensor
 
 from captum_attention import METHODS
 from captum_attention.metrics import random_ranking
+from captum_attention.presentation.shap_text import shap_token_values
 
 IG_STEPS = 50
 SMOOTHGRAD_SAMPLES = 10
@@ -92,23 +93,7 @@ def shap_partition(task: Task, target: Tensor) -> Tensor:
         values = torch.from_numpy(explanation.values).float()  # (B, H, W, 3, classes)
         chosen = values[torch.arange(len(target)), ..., target].permute(0, 3, 1, 2)
         return _patches(chosen)
-    tokenizer = task.tokenizer
-    texts = task.extra["texts"]
-
-    def predict(batch: list[str]) -> np.ndarray:
-        encoded = tokenizer(list(batch), padding=True, return_tensors="pt")
-        with torch.no_grad():
-            return task.logits(encoded["input_ids"], encoded["attention_mask"]).softmax(-1).numpy()
-
-    masker = shap.maskers.Text(tokenizer)
-    explanation = shap.Explainer(predict, masker, algorithm="partition")(texts, max_evals=SHAP_EVALS, silent=True)
-    scores = torch.zeros(task.inputs.shape)
-    for row, values in enumerate(explanation.values):
-        real = int(task.attention_mask[row].sum())
-        if values.shape[0] != real:
-            raise RuntimeError(f"SHAP tokens ({values.shape[0]}) do not align with the model's ({real}).")
-        scores[row, :real] = torch.from_numpy(values[:, int(target[row])]).float()
-    return scores
+    return shap_token_values(task.logits, task.tokenizer, task.extra["texts"], target, SHAP_EVALS)
 
 
 def random_baseline(task: Task, target: Tensor) -> Tensor:

@@ -142,40 +142,14 @@ def text_task(kind: str, train_size: int = 4000, eval_size: int = 64, epochs: in
     return Task(kind, model, ids, mask, labels, rationale, keep, accuracy, seconds, _word_tokenizer(), {"texts": texts})
 
 
-def _images(count: int, generator: torch.Generator, with_none: bool) -> tuple[Tensor, Tensor, Tensor]:
-    images = (0.5 + 0.1 * torch.randn(count, 3, 32, 32, generator=generator)).clamp(0, 1)
-    labels = torch.randint(0, 3 if with_none else 2, (count,), generator=generator)
-    corners = torch.randint(0, 25, (count, 2), generator=generator)
-    rationale = torch.zeros(count, 8, 8, dtype=torch.bool)
-    for row, (top, left) in enumerate(corners.tolist()):
-        if labels[row] == 2:
-            continue  # no square
-        colour = torch.tensor([1.0, 0.0, 0.0] if labels[row] == 0 else [0.0, 1.0, 0.0])
-        images[row, :, top : top + 8, left : left + 8] = colour[:, None, None]
-        rationale[row, top // 4 : (top + 7) // 4 + 1, left // 4 : (left + 7) // 4 + 1] = True
-    return images, labels, rationale
-
-
 def image_task(train_size: int = 3000, eval_size: int = 32, epochs: int = 3) -> Task:
-    """``shape``: a 3-layer ViT (4×4 patches on 32×32 images) trained from scratch."""
-    torch.manual_seed(0)
-    config = tf.ViTConfig(
-        image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=3,
-        num_attention_heads=4, intermediate_size=128, num_labels=3,
-    )
-    model = tf.ViTForImageClassification(config)
-    model.set_attn_implementation("eager")
-    images, labels, _ = _images(train_size, torch.Generator().manual_seed(1), with_none=True)
+    """``shape``: the coloured-squares ViT of :mod:`captum_attention.demo.shapes`, trained
+    here (not cached) so that its training time is measured."""
+    from captum_attention.demo.shapes import ShapeTraining, shape_accuracy, shape_images, train_shape_vit
 
-    def batches(generator: torch.Generator) -> list[tuple]:
-        order = torch.randperm(train_size, generator=generator)
-        return [(images[i], labels[i]) for i in order.split(64)]
-
-    seconds = _train(model, batches, epochs, 1e-3)
-    images, labels, rationale = _images(eval_size, torch.Generator().manual_seed(2), with_none=False)
-    with torch.no_grad():
-        accuracy = (model(images).logits.argmax(-1) == labels).float().mean().item()
-    return Task("shape", model, images, None, labels, rationale, None, accuracy, seconds)
+    model, seconds = train_shape_vit(ShapeTraining(train_size=train_size, epochs=epochs))
+    images, labels, rationale = shape_images(eval_size, seed=2)
+    return Task("shape", model, images, None, labels, rationale, None, shape_accuracy(model, images, labels), seconds)
 
 
 def sentiment_task(eval_size: int = 64) -> Task:

@@ -8,6 +8,8 @@ from .capture import (
     ModuleAdapter,
     MultiheadAttentionAdapter,
 )
+from .demo import load_default_model
+from .presentation.display import scores_for_display, special_tokens, token_heatmap
 
 __version__ = "0.1.0"
 
@@ -23,5 +25,9 @@ __all__ = [
     "RawAttention",
     "TransformerAttribution",
     "__version__",
+    "load_default_model",
+    "scores_for_display",
+    "special_tokens",
+    "token_heatmap",
     "upsample_to_image",
 ]

