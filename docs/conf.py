@@ -1,11 +1,44 @@
-"""Sphinx configuration for captum-attention."""
+"""Sphinx configuration for captum-attention.
+
+The tutorials (``tutorials/plot_*.py``) are executed by sphinx-gallery on every build, and
+their output and figures rendered into the pages. ``-D plot_gallery=0`` renders them
+without running them.
+"""
+
+import datetime
+import os
 
 project = "captum-attention"
 author = "captum-attention developers"
-extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax", "sphinx.ext.viewcode"]
+copyright = f"2025-{datetime.date.today().year}, {author}"
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "sphinx_gallery.gen_gallery",
+    "sphinx-mathjax-offline",
+]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 napoleon_google_docstring = True
-html_theme = "alabaster"
+html_theme = "furo"
+html_title = "captum-attention"
 exclude_patterns = ["_build"]
 suppress_warnings = ["ref.python"]
+
+# The tutorials run offline, on the threads of a small machine, and never on a GPU.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sphinx_gallery_conf = {
+    "examples_dirs": "../tutorials",
+    "gallery_dirs": "tutorials",
+    "filename_pattern": r"/plot_",
+    "capture_repr": ("_repr_html_", "__repr__"),
+    "image_scrapers": ("matplotlib",),
+    "matplotlib_animations": False,
+    "remove_config_comments": True,
+    "download_all_examples": False,
+    "show_memory": False,
+    "within_subsection_order": "FileNameSortKey",
+}
