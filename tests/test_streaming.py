@@ -80,9 +80,9 @@ def test_one_row_per_block_gives_the_same_scores(name):
     _rel_close(by_rows, whole)
 
 
-@pytest.mark.parametrize("family", ("llama", "t5"))
+@pytest.mark.parametrize("family", ("bert", "t5"))
 def test_blocks_of_every_head_give_the_same_scores_as_blocks_of_one_head(family, monkeypatch):
-    """A GPU's blocks (every head, grouped-query heads by whole groups) against a CPU's."""
+    """Bidirectional calls: a GPU's blocks (every head) against a CPU's (one head)."""
     model, inputs, args, real = _case(family)
     erased = real & (torch.rand(real.shape, generator=torch.Generator().manual_seed(0)) < 0.4)
     erased[:, 0] = False

@@ -63,7 +63,7 @@ def new_shape_vit(seed: int = 0) -> Any:
     torch.manual_seed(seed)
     config = ViTConfig(
         image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=64, num_hidden_layers=3,
-        num_attention_heads=4, intermediate_size=128, num_labels=len(LABELS),
+        num_attention_heads=4, intermediate_size=128,
         id2label=dict(enumerate(LABELS)), label2id={name: i for i, name in enumerate(LABELS)},
     )
     return ViTForImageClassification(config)

@@ -1,0 +1,72 @@
+"""The helpers users and tutorials call: display scaling, the demo tasks, SHAP alignment."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from captum_attention import scores_for_display, special_tokens, token_heatmap  # noqa: E402
+from captum_attention.demo.recall import ASK, KEYS, VALUES, VOCAB, recall_batch  # noqa: E402
+from captum_attention.demo.shapes import PATCH, SQUARE, shape_images  # noqa: E402
+
+
+class _Tokenizer:
+    all_special_ids = [0, 101, 102]
+
+
+def test_special_tokens_marks_the_tokenizers_special_ids():
+    ids = torch.tensor([[101, 7, 8, 102, 0]])
+    assert special_tokens(ids, _Tokenizer()).tolist() == [[True, False, False, True, True]]
+
+
+def test_scores_for_display_leaves_special_tokens_out_of_the_scale():
+    scores = torch.tensor([[5.0, 0.2, -0.4, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    special = torch.tensor([[True, False, False, True], [True, False, False, True]])
+    shown = scores_for_display(scores, special)
+    torch.testing.assert_close(shown[0], torch.tensor([0.0, 0.5, 1.0, 0.0]))
+    assert shown[1].eq(0).all(), "an all-zero example stays zero"
+    signed = scores_for_display(scores, special, signed=True)
+    torch.testing.assert_close(signed[0], torch.tensor([0.0, 0.5, -1.0, 0.0]))
+
+
+def test_scores_for_display_scales_each_patch_grid_by_itself():
+    grids = torch.stack([torch.full((2, 2), 3.0), torch.arange(4.0).view(2, 2)])
+    shown = scores_for_display(grids)
+    assert shown.shape == grids.shape
+    assert shown.flatten(1).amax(dim=1).tolist() == [1.0, 1.0]
+
+
+def test_scores_for_display_names_a_mismatched_mask():
+    with pytest.raises(ValueError, match="special has shape"):
+        scores_for_display(torch.ones(2, 4), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_token_heatmap_draws_one_row_per_method():
+    ax = token_heatmap({"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([1.0, 0.5])}, ["x", "y"], title="t")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
+    assert ax.get_images()[0].get_array().shape == (2, 2)
+
+
+def test_recall_batches_mark_the_pair_each_answer_comes_from():
+    batch = recall_batch(50, seed=3)
+    for row in range(50):
+        ids = batch.input_ids[row]
+        assert ids[4] == ASK
+        for asked, position in enumerate(batch.answer_positions[row].tolist()):
+            key, answer = VOCAB[int(ids[position])], VOCAB[int(ids[position + 1])]
+            assert key in KEYS and answer in VALUES and int(ids[position + 1]) == int(batch.answers[row, asked])
+            (pair,) = batch.decisive[row, asked].nonzero().flatten().tolist()
+            assert VOCAB[int(ids[pair])] == f"{key}={answer}"
+
+
+def test_shape_images_mark_exactly_the_patches_the_square_covers():
+    images, labels, squares = shape_images(20, seed=1, with_none=True)
+    for image, label, square in zip(images, labels, squares):
+        coloured = (image[0] == 1) & (image[1] == 0) if label == 0 else (image[1] == 1) & (image[0] == 0)
+        covered = coloured.view(8, PATCH, 8, PATCH).any(dim=(1, 3)) if label < 2 else torch.zeros(8, 8, dtype=torch.bool)
+        assert torch.equal(covered, square)
+        assert int(coloured.sum()) == (SQUARE * SQUARE if label < 2 else 0)
