@@ -255,6 +255,32 @@ def default_model_path(
     )
 
 
+def cached_trained_model(
+    name: str,
+    training: Any,
+    train: Callable[[], tuple[Any, dict[str, Any]]],
+    model_class: Any,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> Any:
+    """The model ``train()`` returns (with facts for its metadata), trained once for each
+    ``training`` dataclass and cached under ``cache_root(cache_dir) / name``; loaded with
+    ``model_class.from_pretrained``, in eval mode."""
+    from ..presentation.loading import quiet_transformers
+
+    def build(staging: Path) -> None:
+        model, facts = train()
+        with quiet_transformers():
+            model.save_pretrained(staging, safe_serialization=True)
+        write_metadata(staging, model=name, training=asdict(training), **facts)
+
+    folder = cached_folder(
+        cache_root(cache_dir) / name, build, lambda metadata: metadata.get("training") == asdict(training), progress
+    )
+    with quiet_transformers():
+        return model_class.from_pretrained(folder, local_files_only=True).eval()
+
+
 def load_default_model(cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of the default sentiment classifier, in eval mode.
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..presentation.loading import quiet_transformers
-from .default_model import cache_root, cached_folder, write_metadata
+from .default_model import cached_trained_model
 
 KEYS = "abcdefghijklmnop"
 VALUES = "0123456789"
@@ -110,7 +108,7 @@ def recall_accuracy(model: Any, batch: RecallBatch) -> float:
     return float((predicted == batch.answers).float().mean())
 
 
-def _train(destination: Path, training: RecallTraining, progress: bool) -> None:
+def _train(training: RecallTraining, progress: bool) -> tuple[Any, dict[str, Any]]:
     model = _new_model(training.seed)
     optimiser = torch.optim.AdamW(model.parameters(), lr=training.learning_rate)
     start = time.perf_counter()
@@ -125,22 +123,19 @@ def _train(destination: Path, training: RecallTraining, progress: bool) -> None:
         optimiser.step()
     model.eval()
     accuracy = recall_accuracy(model, recall_batch(1000, training, seed=HELDOUT_SEED))
-    with quiet_transformers():
-        model.save_pretrained(destination, safe_serialization=True)
-    write_metadata(destination, model=MODEL_NAME, training=asdict(training), accuracy=accuracy,
-                   training_seconds=round(time.perf_counter() - start, 1))
     if progress:
         print(f"key-value recall: accuracy {accuracy:.1%} after {training.steps} steps", flush=True)
+    return model, {"accuracy": accuracy, "training_seconds": round(time.perf_counter() - start, 1)}
 
 
 def load_recall_model(
     cache_dir: str | os.PathLike[str] | None = None, training: RecallTraining = RecallTraining(), progress: bool = True
 ) -> Any:
     """The trained key-value recall model (``LlamaForCausalLM``, eval mode), trained on first
-    use and cached under :func:`cache_root`.
+    use and cached under :func:`~captum_attention.demo.cache_root`.
 
     Args:
-        cache_dir (path, optional): cache root. Default: None (see :func:`cache_root`).
+        cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
         training (RecallTraining, optional): how to train it. Default: ``RecallTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
 
@@ -149,11 +144,6 @@ def load_recall_model(
     """
     from transformers import LlamaForCausalLM
 
-    folder = cached_folder(
-        cache_root(cache_dir) / MODEL_NAME,
-        lambda staging: _train(staging, training, progress),
-        lambda metadata: metadata.get("training") == asdict(training),
-        progress,
+    return cached_trained_model(
+        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress
     )
-    with quiet_transformers():
-        return LlamaForCausalLM.from_pretrained(folder, local_files_only=True).eval()

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..presentation.loading import quiet_transformers
-from .default_model import cache_root, cached_folder, write_metadata
+from .default_model import cached_trained_model
 
 LABELS = ("red", "green", "none")
 IMAGE, PATCH, SQUARE = 32, 4, 8
@@ -93,15 +91,12 @@ def shape_accuracy(model: Any, images: Tensor, labels: Tensor) -> float:
         return float((model(pixel_values=images).logits.argmax(-1) == labels).float().mean())
 
 
-def _build(destination: Path, training: ShapeTraining, progress: bool) -> None:
+def _build(training: ShapeTraining, progress: bool) -> tuple[Any, dict[str, Any]]:
     model, seconds = train_shape_vit(training)
     accuracy = shape_accuracy(model, *shape_images(500, HELDOUT_SEED)[:2])
-    with quiet_transformers():
-        model.save_pretrained(destination, safe_serialization=True)
-    write_metadata(destination, model=MODEL_NAME, training=asdict(training), accuracy=accuracy,
-                   training_seconds=round(seconds, 1))
     if progress:
         print(f"coloured squares ViT: accuracy {accuracy:.1%} after {seconds:.0f} s", flush=True)
+    return model, {"accuracy": accuracy, "training_seconds": round(seconds, 1)}
 
 
 def load_shape_vit(
@@ -110,7 +105,7 @@ def load_shape_vit(
     """The trained coloured-squares ViT (eval mode), trained on first use and cached.
 
     Args:
-        cache_dir (path, optional): cache root. Default: None (see :func:`cache_root`).
+        cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
         training (ShapeTraining, optional): how to train it. Default: ``ShapeTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
 
@@ -119,11 +114,6 @@ def load_shape_vit(
     """
     from transformers import ViTForImageClassification
 
-    folder = cached_folder(
-        cache_root(cache_dir) / MODEL_NAME,
-        lambda staging: _build(staging, training, progress),
-        lambda metadata: metadata.get("training") == asdict(training),
-        progress,
+    return cached_trained_model(
+        MODEL_NAME, training, lambda: _build(training, progress), ViTForImageClassification, cache_dir, progress
     )
-    with quiet_transformers():
-        return ViTForImageClassification.from_pretrained(folder, local_files_only=True).eval()
