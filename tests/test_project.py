@@ -1,4 +1,5 @@
-"""The library type-checks and the documentation builds without warnings."""
+"""The library type-checks and the documentation builds without warnings, every tutorial
+executed (with the claims each asserts)."""
 
 from __future__ import annotations
 
