@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append({"batch": batch, "length": length, "runs": runs})
         print(f"batch {batch} length {length} ({time.perf_counter() - started:.0f} s): "
               + ", ".join(f"{n} {r['ms']:.0f} ms {r['MiB']:.0f} MiB" for n, r in runs.items()), flush=True)
-    if options.json:
-        options.json.write_text(json.dumps({"device": device_name, "model": options.model, "dtype": options.dtype, "results": results}, indent=1))
+        if options.json:  # after every row, so that an interrupted run keeps what it measured
+            options.json.write_text(json.dumps({"device": device_name, "model": options.model, "dtype": options.dtype, "results": results}, indent=1))
     if not options.runs:  # the table needs the baselines
         print()
         print(table(results))
