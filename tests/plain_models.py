@@ -1,4 +1,5 @@
-"""Hand-written attention models: nn.MultiheadAttention and a textbook Head/MultiHeadAttention."""
+"""Hand-written attention models: nn.MultiheadAttention, a textbook Head/MultiHeadAttention, and
+attention pooling (an RNN's additive attention, a transformer's learned-query readout)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,103 @@ class TextbookClassifier(nn.Module):
                 head.saved = None
 
 
+class AdditiveAttention(nn.Module):
+    """Bahdanau-style additive attention pooling: score_t = v·tanh(W h_t); returns the
+    context vector and the ``(B, 1, T)`` weights (one query, which is not a token)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.project = nn.Linear(dim, dim)
+        self.score = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(torch.tanh(self.project(hidden))).transpose(1, 2)
+        weights = scores.masked_fill(attention_mask[:, None, :] == 0, float("-inf")).softmax(dim=-1)
+        return (weights @ hidden).squeeze(1), weights
+
+
+class RNNClassifier(nn.Module):
+    """The model family of the attention debate: a bidirectional GRU read out by additive attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.rnn = nn.GRU(DIM, DIM // 2, batch_first=True, bidirectional=True)
+        self.attention = AdditiveAttention(DIM)
+        self.classifier = nn.Linear(DIM, NUM_LABELS)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.rnn(self.embed(input_ids))
+        context, _ = self.attention(hidden, attention_mask)
+        return self.classifier(context)
+
+    def reference(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, erased: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Logits and the ``(B, 1, T)`` weights, written out; ``erased`` keys get zero
+        weight and the rest are renormalised (Serrano & Smith's erasure)."""
+        hidden, _ = self.rnn(self.embed(input_ids))
+        _, weights = self.attention(hidden, attention_mask)
+        if erased is not None:
+            weights = weights.masked_fill(erased[:, None, :], 0.0)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.classifier((weights @ hidden).squeeze(1)), [[weights]]
+
+
+class AttentionPooling(nn.Module):
+    """Multi-head attention pooling with one learned query; returns the pooled vector and
+    the ``(B, H, 1, T)`` probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(HEADS, 1, DIM // HEADS))
+        self.key, self.value = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq_len, _ = x.shape
+        split = lambda t: t.view(batch, seq_len, HEADS, DIM // HEADS).transpose(1, 2)  # noqa: E731
+        scores = self.query @ split(self.key(x)).transpose(-1, -2) / math.sqrt(DIM // HEADS)
+        probs = scores.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf")).softmax(dim=-1)
+        return (probs @ split(self.value(x))).reshape(batch, DIM), probs
+
+
+class PooledTextbookClassifier(TextbookClassifier):
+    """The textbook transformer read out by attention pooling instead of token 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooling = AttentionPooling()
+
+    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
+        for block in self.blocks:
+            x = x + block(x, attention_mask)
+        return self.pooling(x, attention_mask)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooled(input_ids, attention_mask)[0]))
+
+    def reference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Logits and, per block, each head's ``(B, T, T)`` softmax, then the pooling's ``(B, H, 1, T)``."""
+        heads = [head for block in self.blocks for head in block.heads]
+        for head in heads:
+            head.saved = []
+        try:
+            pooled, probs = self.pooled(input_ids, attention_mask)
+            blocks = [[h.saved[0] for h in block.heads] for block in self.blocks]
+            return self.classifier(torch.tanh(pooled)), blocks + [[probs]]
+        finally:
+            for head in heads:
+                head.saved = None
+
+
 def make_plain(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    models = {"mha": MHAClassifier, "mha_seq_first": lambda: MHAClassifier(batch_first=False), "textbook": TextbookClassifier}
+    models = {
+        "mha": MHAClassifier,
+        "mha_seq_first": lambda: MHAClassifier(batch_first=False),
+        "textbook": TextbookClassifier,
+        "rnn": RNNClassifier,
+        "pooled_textbook": PooledTextbookClassifier,
+    }
     return models[kind]().eval()

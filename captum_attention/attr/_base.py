@@ -28,7 +28,8 @@ Scores = Tensor | tuple[Tensor, ...]
 """What ``attribute`` returns: Captum's output shape for the inputs."""
 
 Maps = Tensor | dict[str, Tensor]
-"""What ``return_maps=True`` adds: ``(B, L, T, T)`` per-layer maps, or a dict per role."""
+"""What ``return_maps=True`` adds: ``(B, L, T, T)`` per-layer maps, or a dict per role
+(encoder-decoders; models with a pooling readout: ``"self"`` and ``"pooling"``)."""
 
 
 class AttributeCall(Protocol):
@@ -239,7 +240,7 @@ class AttentionAttributionBase:
         token_scores, maps = (self._token_scores(record, **options), None) if record.streaming else self._scores(record, **options)
         if tensors[0].dim() == 4:
             token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
-        return format_scores(is_tuple, token_scores, maps, return_maps)
+        return format_scores(is_tuple, token_scores, maps and record.by_role(maps), return_maps)
 
     def attribute_continuation(
         self,

@@ -34,7 +34,10 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         \hat{A}^l = \mathrm{rownorm}\big(0.5 \cdot \mathrm{fuse}_m(A^{lm}) + 0.5 \cdot I\big),
         \qquad R = \hat{A}^L \cdots \hat{A}^2 \hat{A}^1
 
-    and the scores are the query row of R (they sum to 1). ``fuse`` is the head mean (the
+    and the scores are the query row of R (they sum to 1). A model read out by attention
+    pooling (``pooling`` in :class:`~captum_attention.capture.ModuleAdapter`) starts from
+    its fused attention row instead of the query's: scores ``= \mathrm{fuse}_m(A^{pool}) R``,
+    with no residual term, since the pooled vector has no token of its own. ``fuse`` is the head mean (the
     paper), max or min; ``discard_ratio`` zeroes the lowest fraction of each fused map
     first (jacobgil/vit-explain), never the query's own entry. A forward pass only, no
     gradient: the scores do not depend on ``target``.
@@ -101,8 +104,14 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     ) -> tuple[Tensor, list[Tensor]]:
         assert record.attn_probs is not None
         first = record.layer(start_layer, "start_layer")
-        maps = rollout_layer_maps(record.attn_probs, record.target_real, record.query_index, head_fusion, discard_ratio)
-        return rollout_scores(maps[first:], record.query_index), maps
+        maps = [
+            raw_attention_maps([attn], *record.real_of(role), head_fusion)[0]
+            if role == "pooling"
+            else rollout_layer_maps([attn], record.target_real, record.query_index, head_fusion, discard_ratio)[0]
+            for attn, role in zip(record.attn_probs, record.roles)
+        ]
+        token_maps, readout = record.readout(maps, first)
+        return rollout_scores(token_maps, record.query_index, readout), maps
 
     def _streaming_refusal(self, discard_ratio: float = 0.0, **options: Any) -> str | None:
         return "discard_ratio ranks every entry of each fused map" if discard_ratio else None

@@ -34,7 +34,9 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         r_i = \frac{1}{L \cdot M \cdot N} \sum_l \sum_m \sum_j H^{lm}_{ij}
 
     where N is the number of real tokens of the sample and the sum over j runs along the
-    row of token i's query. One forward and one ``torch.autograd.grad``; the model's
+    row of token i's query. An attention whose queries are not tokens (``pooling`` in
+    :class:`~captum_attention.capture.ModuleAdapter`) credits its keys instead:
+    :math:`\sum_q H^{lm}_{qi}`. One forward and one ``torch.autograd.grad``; the model's
     parameters' ``.grad`` are never written.
 
     Args:
@@ -84,8 +86,9 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
 
     def _scores(self, record: ForwardRecord, **options: Any) -> tuple[Tensor, list[Tensor]]:
         assert record.grad_maps is not None
-        maps = grad_sam_layer_maps(record.grad_maps, record.target_real)
-        return grad_sam_scores(maps, record.heads, record.target_real), maps
+        maps = [grad_sam_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(record.grad_maps, record.roles)]
+        pooling = [role == "pooling" for role in record.roles]
+        return grad_sam_scores(maps, record.heads, record.target_real, pooling), maps
 
     streams_encoder_decoder = True
 

@@ -27,7 +27,8 @@ class RawAttention(AttentionAttributionBase, Attribution):
 
         S = \mathrm{mean}_m A^{lm}_{q,\cdot}
 
-    for the chosen layer l (the last by default) and query row q. A forward pass only:
+    for the chosen layer l (the last by default) and query row q (for a pooling
+    attention, whose queries are not tokens, the mean of its rows). A forward pass only:
     the scores do not depend on ``target``.
 
     Args:
@@ -77,8 +78,8 @@ class RawAttention(AttentionAttributionBase, Attribution):
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         assert record.attn_probs is not None
         chosen = record.layer(layer)
-        maps = raw_attention_maps(record.attn_probs, record.target_real)
-        return query_rows(maps[chosen], record.query_index), maps
+        maps = [raw_attention_maps([attn], *record.real_of(role))[0] for attn, role in zip(record.attn_probs, record.roles)]
+        return record.explained_row(chosen, maps[chosen]), maps
 
     streams_encoder_decoder = True
 

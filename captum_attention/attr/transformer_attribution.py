@@ -42,6 +42,10 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         R \leftarrow R + \bar{A}^l R \quad (l = 1..L)
 
     The scores are the query row of R (the query's own entry includes the identity's 1).
+    A model read out by attention pooling (``pooling`` in
+    :class:`~captum_attention.capture.ModuleAdapter`) starts from the pooling layer's
+    :math:`\bar{A}` row instead, with no identity term: the pooled vector has no token of
+    its own.
 
     Args:
         forward_func (Callable): returns logits ``(batch, num_classes)``; a Hugging Face
@@ -94,8 +98,9 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     def _scores(self, record: ForwardRecord, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
         assert record.grad_maps is not None
         first = record.layer(start_layer, "start_layer")
-        maps = relevance_layer_maps(record.grad_maps, record.target_real)
-        return transformer_attribution_scores(maps[first:], record.query_index), maps
+        maps = [relevance_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(record.grad_maps, record.roles)]
+        token_maps, readout = record.readout(maps, first)
+        return transformer_attribution_scores(token_maps, record.query_index, readout), maps
 
     streams_encoder_decoder = True
 

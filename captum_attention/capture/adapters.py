@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .._compat import attn_implementation, declared_outputs, output_recorder_class
 
 
-Role = Literal["self", "encoder", "decoder", "cross"]
+Role = Literal["self", "encoder", "decoder", "cross", "pooling"]
 ProbsSource = Literal["output", "softmax"]
 
 
@@ -41,7 +41,9 @@ class AttentionSite:
 
     Attributes:
         module: the module whose calls compute the attention.
-        role: ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"`` in an encoder-decoder.
+        role: ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"`` in an encoder-decoder;
+            ``"pooling"`` for attention whose queries are not tokens (a learned query, an
+            RNN's additive attention) and whose keys are the tokens: the model's readout.
         causal: whether its queries never see later keys (a decoder's self-attention);
             None when the adapter cannot tell (then the captured probabilities decide:
             exact zeros on every later key).
@@ -97,7 +99,9 @@ class AttentionAdapter(Protocol):
 
     def role(self, module: nn.Module) -> Role:
         """``"self"`` for encoder-only or decoder-only models; for encoder-decoders
-        ``"encoder"`` / ``"decoder"`` (self-attention) or ``"cross"``."""
+        ``"encoder"`` / ``"decoder"`` (self-attention) or ``"cross"``; ``"pooling"`` for
+        a readout attention whose queries are not tokens (it comes after every
+        self-attention call)."""
         ...
 
     def is_causal(self, module: nn.Module) -> bool | None:
@@ -454,11 +458,19 @@ class ModuleAdapter(AdapterBase):
             mask. Default: None (all tokens real).
         mask_argument (str): name of that module's mask argument (1 = real token).
             Default: ``"attention_mask"``.
+        pooling (sequence of nn.Module, optional): the modules among ``modules`` whose
+            queries are not tokens: attention pooling with a learned query, or the
+            additive (Bahdanau) attention of an RNN classifier, ``(batch, queries, keys)``
+            or ``(batch, heads, queries, keys)`` with the tokens as keys. They are the
+            model's readout: every method reads their rows (the mean over their queries)
+            where it would read the query token's row. Default: none.
 
     Example::
 
         >>> adapter = ModuleAdapter([block.attention for block in net.blocks], probs="softmax")
         >>> scores = GradSAM(net, adapter=adapter).attribute(ids, target=0)
+        >>> rnn_adapter = ModuleAdapter([rnn.attention], probs=lambda out: out[1],
+        ...                             pooling=[rnn.attention])
     """
 
     def __init__(
@@ -467,9 +479,12 @@ class ModuleAdapter(AdapterBase):
         probs: Callable[[Any], Tensor] | Literal["softmax"] | None = None,
         mask_module: nn.Module | None = None,
         mask_argument: str = "attention_mask",
+        pooling: Sequence[nn.Module] = (),
     ) -> None:
         if not modules:
             raise ValueError("ModuleAdapter needs at least one attention module.")
+        if any(all(module is not named for named in modules) for module in pooling):
+            raise ValueError("Every module in pooling=[...] must also be one of the attention modules named first.")
         if isinstance(probs, str) and probs != "softmax":
             raise ValueError(f'probs must be a callable, "softmax" or None, got {probs!r}.')
         self.modules = list(modules)
@@ -477,6 +492,7 @@ class ModuleAdapter(AdapterBase):
         self.probs_source = "softmax" if probs == "softmax" else "output"
         self.mask_module = mask_module
         self.mask_argument = mask_argument
+        self.pooling = list(pooling)
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return list(dict.fromkeys(self.modules))
@@ -485,6 +501,12 @@ class ModuleAdapter(AdapterBase):
         if callable(self.probs):
             return self.probs(output)
         return super().attention_probs(module, output)
+
+    def role(self, module: nn.Module) -> Role:
+        return "pooling" if any(module is pooled for pooled in self.pooling) else "self"
+
+    def is_causal(self, module: nn.Module) -> bool | None:
+        return False if self.role(module) == "pooling" else None
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return [] if self.mask_module is None else [self.mask_module]

@@ -141,19 +141,55 @@ class ForwardRecord:
 
     def real_of(self, role: str) -> tuple[Tensor, Tensor]:
         """``(real queries, real keys)`` of a call with this role: the source tokens for the
-        encoder's self-attention and cross-attention keys, else the explained sequence."""
+        encoder's self-attention and cross-attention keys, else the explained sequence. A
+        pooling call's queries are no tokens: all real, ``(B, 1)`` (broadcast over them)."""
+        if role == "pooling":
+            return torch.ones_like(self.target_real[:, :1]), self.target_real
         source = self.input_real
         queries = source if role == "encoder" else self.target_real
         keys = self.target_real if role in ("self", "decoder") else source
         return queries, keys
+
+    @property
+    def pooling_calls(self) -> list[int]:
+        """The calls whose queries are not tokens (the model's readout), after all others."""
+        return [i for i, role in enumerate(self.roles) if role == "pooling"]
+
+    def explained_row(self, call: int, layer_map: Tensor) -> Tensor:
+        """``(B, K)``: the row of the call's ``(B, Q, K)`` map that explains the output:
+        the query token's row, or, for a pooling call, the mean of its rows."""
+        if self.roles[call] == "pooling":
+            return layer_map.mean(dim=1)
+        return layer_map[torch.arange(layer_map.shape[0], device=layer_map.device), self.query_index.to(layer_map.device)]
+
+    def readout(self, layer_maps: list[Tensor], first: int = 0) -> tuple[list[Tensor], Tensor | None]:
+        """Per-call maps split into the token calls' maps from ``first`` on (forward order)
+        and the readout row: the mean of the pooling calls' rows, ``(B, K)``, or None
+        where the model has no pooling call and the query token's row is read."""
+        pooling = self.pooling_calls
+        token_maps = [m for i, m in enumerate(layer_maps) if i >= first and i not in pooling]
+        if not pooling:
+            return token_maps, None
+        return token_maps, torch.stack([self.explained_row(i, layer_maps[i]) for i in pooling]).mean(dim=0)
+
+    def by_role(self, layer_maps: list[Tensor]) -> list[Tensor] | dict[str, Tensor]:
+        """What ``return_maps`` gives: the per-call maps as they are, or, with pooling
+        calls (whose maps have other shapes), ``{"self": (B, L, T, T), "pooling": (B, P, Q, T)}``."""
+        if not self.pooling_calls:
+            return layer_maps
+        return {
+            role: torch.stack([m for m, r in zip(layer_maps, self.roles) if r == role], dim=1)
+            for role in dict.fromkeys(self.roles)
+        }
 
     def keys_are_inputs(self, call: int) -> bool:
         """Whether the call's keys are the tokens ``input_real`` marks (not a decoder's own)."""
         return self.roles[call] != "decoder"
 
     def queries_are_explained(self, call: int) -> bool:
-        """Whether the call's query rows are the explained sequence's (self or cross)."""
-        return self.roles[call] in ("self", "cross")
+        """Whether the call's rows explain the output: the explained sequence's queries
+        (self or cross) or a pooling readout."""
+        return self.roles[call] in ("self", "cross", "pooling")
 
     def layer(self, index: int, name: str = "layer") -> int:
         """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
@@ -222,6 +258,8 @@ def record_forward(
     shapes = [_shape(k) for k in kernel_calls] if kernel_calls is not None else [p.shape for p in attn_probs]
     roles = capture.roles
     _check_attention(shapes, roles, batch, text_shape)
+    if streaming and "pooling" in roles:
+        raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
     source_real = None
     if "cross" in roles:
@@ -294,10 +332,32 @@ def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, tex
             "calls the model passed as model=..."
         )
     for shape, role in zip(shapes, roles):
-        keys_ok = role != "self" or text_shape is None or shape[-1] == text_shape[1]
+        keys_ok = role not in ("self", "pooling") or text_shape is None or shape[-1] == text_shape[1]
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
             raise RuntimeError(
                 f"Captured attention of shape {tuple(shape)}, expected (batch={batch}, "
                 f"heads, queries, {expected}): the adapter reads the wrong output."
             )
+        if role == "self" and len(shape) == 4 and shape[-2] != shape[-1]:
+            raise RuntimeError(
+                f"Captured self-attention of shape {tuple(shape)} has {shape[-2]} queries "
+                f"for {shape[-1]} keys. If its queries are not tokens (attention pooling, "
+                "an RNN's additive attention), name the module in ModuleAdapter(..., "
+                "pooling=[module]); else the adapter reads the wrong output."
+            )
+    _check_pooling(roles)
+
+
+def _check_pooling(roles: list[str]) -> None:
+    """Pooling calls are the readout: after every other call, and not in an encoder-decoder."""
+    if "pooling" not in roles:
+        return
+    if "cross" in roles:
+        raise RuntimeError("Pooling attention is supported in models with one token sequence, not in encoder-decoders.")
+    if roles.index("pooling") < len(roles) - roles.count("pooling"):
+        raise RuntimeError(
+            "A pooling attention ran before a self-attention call: pooling calls are the "
+            "model's readout and must come after every self-attention, since their output "
+            "is no longer one vector per token."
+        )

@@ -46,7 +46,7 @@ def query_rows(maps: Tensor, query_index: Tensor) -> Tensor:
     return maps[torch.arange(maps.shape[0], device=maps.device), query_index]
 
 
-def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor) -> Tensor:
+def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, readout: Tensor | None = None) -> Tensor:
     """Query row of the product ``M^L ··· M^2 M^1`` (later layers on the left).
 
     Computed as ``e_q^T M^L ··· M^1``, one vector-matrix product per layer, which costs
@@ -55,13 +55,18 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor) -> Te
     Args:
         layer_maps: per-layer ``(B, T, T)`` matrices ``M^1 .. M^L`` in forward order.
         query_index: ``(B,)`` long tensor, the row to return per example.
+        readout: ``(B, T)`` row that replaces ``e_q`` (a pooling readout's attention over
+            the tokens), optional.
 
     Returns:
         ``(B, T)`` tensor.
     """
-    first = layer_maps[0]
-    row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=first.dtype, device=first.device)
-    row[torch.arange(first.shape[0], device=first.device), 0, query_index] = 1.0
+    if readout is not None:
+        row = readout[:, None, :]
+    else:
+        first = layer_maps[0]
+        row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=first.dtype, device=first.device)
+        row[torch.arange(first.shape[0], device=first.device), 0, query_index] = 1.0
     for layer_map in reversed(layer_maps):
         row = torch.bmm(row, layer_map)
     return row.squeeze(1)

@@ -1,10 +1,13 @@
 """Grad-SAM (Barkan et al., CIKM 2021, https://arxiv.org/abs/2204.11073).
 
 H^{lm} = A^{lm} ⊙ ReLU(G^{lm}); r_i = 1/(L·M·N) Σ_l Σ_m Σ_j H^{lm}_{ij}: the sum over j runs
-along the row of token i's query, N is the number of real tokens of the sample.
+along the row of token i's query, N is the number of real tokens of the sample. A pooling
+layer's queries are not tokens: its H credits the keys, Σ_q H^{lm}_{qi}.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -22,10 +25,20 @@ def grad_sam_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tenso
     return [mask_padding(head_mean, real, real_keys) for head_mean in head_means]
 
 
-def grad_sam_scores(layer_maps: list[Tensor], heads_per_layer: list[int], real: Tensor) -> Tensor:
-    """r_i = Σ_l M_l·Σ_j mean_m(H^{lm})_{ij} / (Σ_l M_l · N), i.e. 1/(L·M·N) Σ_l Σ_m Σ_j H."""
+def grad_sam_scores(
+    layer_maps: list[Tensor], heads_per_layer: list[int], real: Tensor, pooling: Sequence[bool] = ()
+) -> Tensor:
+    """r_i = Σ_l M_l·Σ_j mean_m(H^{lm})_{ij} / (Σ_l M_l · N), i.e. 1/(L·M·N) Σ_l Σ_m Σ_j H.
+
+    A layer flagged in ``pooling`` has queries that are not tokens (``(B, Q, T)`` maps):
+    it credits its keys instead, Σ_q mean_m(H^{lm})_{qi}.
+    """
+    pooled = list(pooling) + [False] * (len(layer_maps) - len(pooling))
     total = torch.stack(
-        [heads * layer_map.sum(dim=-1) for heads, layer_map in zip(heads_per_layer, layer_maps)]
+        [
+            heads * layer_map.sum(dim=-2 if is_pooling else -1)
+            for heads, layer_map, is_pooling in zip(heads_per_layer, layer_maps, pooled)
+        ]
     ).sum(dim=0)
     return grad_sam_normalised(total, heads_per_layer, real)
 

@@ -1,7 +1,8 @@
 """Attention Rollout (Abnar & Zuidema, ACL 2020, https://arxiv.org/abs/2005.00928).
 
 Per layer: Â^l = 0.5·fuse_m(A^{lm}) + 0.5·I, rows renormalised to sum 1; then
-R = Â^L ··· Â^2 Â^1 and the scores are the query row of R. ``fuse`` is mean (the paper),
+R = Â^L ··· Â^2 Â^1 and the scores are the query row of R (for a model read out by
+attention pooling, its head-fused attention row times R). ``fuse`` is mean (the paper),
 max or min; optionally the lowest fraction of each fused map is discarded first (as in
 jacobgil/vit-explain), never the query's own entry.
 """
@@ -61,6 +62,7 @@ def rollout_layer_maps(
     return maps
 
 
-def rollout_scores(layer_maps: list[Tensor], query_index: Tensor) -> Tensor:
-    """Query row of R = Â^L ··· Â^1."""
-    return propagate_query_row(layer_maps, query_index)
+def rollout_scores(layer_maps: list[Tensor], query_index: Tensor, readout: Tensor | None = None) -> Tensor:
+    """Query row of R = Â^L ··· Â^1; with a pooling ``readout`` (its fused attention over
+    the tokens, which has no residual path of its own) ``readout · R``."""
+    return propagate_query_row(layer_maps, query_index, readout)

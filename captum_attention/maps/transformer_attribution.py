@@ -2,7 +2,8 @@
 
 The gradient rule for self-attention: R = I; for l = 1..L:
 Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) (ReLU before the head mean), R = R + Ā^l·R.
-The scores are the query row of R = (I + Ā^L) ··· (I + Ā^1).
+The scores are the query row of R = (I + Ā^L) ··· (I + Ā^1) (for a model read out by
+attention pooling, the pooling call's Ā row times R).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def relevance_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tens
     return [mask_padding(head_mean, real, real_keys) for head_mean in head_means]
 
 
-def transformer_attribution_scores(layer_maps: list[Tensor], query_index: Tensor) -> Tensor:
-    """Query row of R = (I + Ā^L) ··· (I + Ā^1), i.e. of R ← R + Ā^l·R from R = I."""
-    return propagate_query_row([identity_like(m) + m for m in layer_maps], query_index)
+def transformer_attribution_scores(layer_maps: list[Tensor], query_index: Tensor, readout: Tensor | None = None) -> Tensor:
+    """Query row of R = (I + Ā^L) ··· (I + Ā^1), i.e. of R ← R + Ā^l·R from R = I; with a
+    pooling ``readout`` (the pooling call's Ā row, which has no residual path) ``readout · R``."""
+    return propagate_query_row([identity_like(m) + m for m in layer_maps], query_index, readout)

@@ -257,15 +257,16 @@ def _attention_mass(original: ForwardRecord, layers: set[int], query_index: int 
     """The query's original attention (head mean, averaged over the erased layers whose
     queries are the explained sequence's) on the ``erased`` keys, per example."""
     queries = original.query_index if query_index is None else torch.full_like(original.query_index, query_index)
-    batch_index = torch.arange(len(queries), device=queries.device)
+    explained = original.at_query(queries)
     queried = [layer for layer in sorted(layers) if original.queries_are_explained(layer)]
-    query_attention = torch.stack([_query_attention(original, layer, queries, batch_index) for layer in queried])
+    query_attention = torch.stack([_query_attention(explained, layer) for layer in queried])
     query_attention = query_attention.mean(dim=0).cpu()
     return (query_attention * erased).sum(dim=1)
 
 
-def _query_attention(record: ForwardRecord, layer: int, queries: Tensor, batch_index: Tensor) -> Tensor:
-    """``(B, K)`` head-mean attention of each example's query row at ``layer``."""
+def _query_attention(record: ForwardRecord, layer: int) -> Tensor:
+    """``(B, K)`` head-mean attention of each example's query row at ``layer`` (a pooling
+    layer's mean row)."""
     if record.kernel_calls is not None:
-        return record.kernel_calls[layer].rows_at(queries).mean(dim=1)
-    return record.attn_probs[layer].float().mean(dim=1)[batch_index, queries]
+        return record.kernel_calls[layer].rows_at(record.query_index).mean(dim=1)
+    return record.explained_row(layer, record.attn_probs[layer].float().mean(dim=1))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .._compat import TargetType
 from ..capture import AttentionAdapter
 from ..capture.record import GradientReduction
-from ..maps import mask_padding, query_rows
+from ..maps import mask_padding
 from ._forward import CaptureMode, resolve_model, run_model
 
 
@@ -60,7 +60,7 @@ def _ranking(
         head_mean = record.grad_maps[index]
     else:
         head_mean = record.attn_probs[index].float().mean(dim=1)
-    return query_rows(mask_padding(head_mean, record.target_real), record.query_index)
+    return record.explained_row(index, mask_padding(head_mean, *record.real_of(record.roles[index])))
 
 
 def attention_ranking(
