@@ -16,7 +16,7 @@ TUTORIALS = sorted((Path(__file__).parent.parent / "tutorials").glob("plot_*.py"
 
 
 def test_the_gallery_holds_the_tutorials():
-    assert len(TUTORIALS) >= 6
+    assert len(TUTORIALS) >= 7
     assert not [p.name for p in (Path(__file__).parent.parent / "tutorials").glob("*.py") if p not in TUTORIALS]
 
 
