@@ -385,8 +385,8 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
     if original in (None, wanted) or switch is None:
         yield
         return
-    switch(wanted)
     try:
+        switch(wanted)
         yield
     finally:
         switch(original)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
+from .guard import InterruptGuard, model_lock
 from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
 
 
@@ -95,6 +97,9 @@ class AttentionCapture:
         self._mask_seen = False
         self._sites: dict[nn.Module, AttentionSite] = {}
         self._stack = ExitStack()
+        self._guard = InterruptGuard(_PROTECTED)
+        self._lock = model_lock(model)
+        self._thread = threading.get_ident()
 
     @property
     def attn_probs(self) -> list[Tensor]:
@@ -198,10 +203,43 @@ class AttentionCapture:
             )
 
     def __enter__(self) -> "AttentionCapture":
+        self._guard.install()
+        try:
+            self._lock_model()
+            try:
+                self._change_model()
+            except BaseException:
+                self._lock.release()
+                raise
+        except BaseException:
+            self._guard.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            try:
+                self._stack.close()
+            finally:
+                self._lock.release()
+        finally:
+            self._guard.remove()
+
+    def _lock_model(self) -> None:
+        """Wait for other threads' captures of the model to end; an interrupt while
+        waiting is delivered at once (nothing has changed yet)."""
+        self._lock = model_lock(self.model)
+        while not self._lock.acquire(timeout=0.05):
+            self._guard.deliver_held()
+
+    def _change_model(self) -> None:
+        """Let the adapter prepare the model and hook its attention modules; ``_stack``
+        undoes it all."""
         sites = self.adapter.attention_sites(self.model)
         self._sites = {site.module: site for site in sites}
         mask_modules = self.adapter.mask_modules(self.model)
         self._calls, self._open, self._mask_seen = [], [], False
+        self._thread = threading.get_ident()
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
         if self.streaming and self.intervention is not None and not _streams(self.intervention):
@@ -222,12 +260,15 @@ class AttentionCapture:
             if not self.streaming and (self.intervention is not None or from_softmax):
                 stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
-        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stack.close()
+    def _ours(self) -> bool:
+        """Whether a hooked call runs in the capture's thread (another thread's forward of
+        the same modules is not recorded)."""
+        return threading.get_ident() == self._thread
 
     def _open_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if not self._ours():
+            return None
         call = _Call(self._sites[module], len(self._calls) + len(self._open))
         self._open.append(call)
         named = [*enumerate(args), *kwargs.items()]
@@ -285,6 +326,8 @@ class AttentionCapture:
         return output
 
     def _close_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._ours():
+            return
         call = self._open.pop()
         if self.streaming:
             if call.kernel is None:
@@ -316,7 +359,7 @@ class AttentionCapture:
         self._calls.append(call)
 
     def _record_masks(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._mask_seen:
+        if self._mask_seen or not self._ours():
             return
         self._mask_seen = True
         mask = self.adapter.padding_mask(module, args, kwargs)
@@ -347,6 +390,10 @@ class AttentionCapture:
                 f"Examples {empty_rows} are all padding ({name} has no 1): there is "
                 "nothing to attribute; drop them from the batch."
             )
+
+_PROTECTED = frozenset({AttentionCapture.__enter__.__code__, AttentionCapture.__exit__.__code__})
+"""The capture's set-up and tear-down: an interrupt landing in them is delivered after."""
+
 
 @dataclass(eq=False)
 class _Call:

@@ -1,0 +1,98 @@
+"""What keeps a capture's changes to the model whole: interrupts held back while the model
+is being changed or restored, and one capture of a model at a time.
+
+A capture changes the model for the length of one call (hooks, the attention
+implementation) and restores it on exit. Two things could break that promise:
+
+- an asynchronous signal handler raising in the middle of the set-up or the tear-down
+  (Ctrl-C's ``KeyboardInterrupt`` can land between any two bytecodes);
+- a second thread changing or restoring the same model at the same time.
+
+:class:`InterruptGuard` holds back the first while the interrupted code is in one of the
+capture's protected functions and delivers it once the model is restored;
+:func:`model_lock` serialises the second.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import weakref
+from types import CodeType, FrameType
+from typing import Any, Callable
+
+from torch import nn
+
+SignalHandler = Callable[[int, FrameType | None], Any]
+
+
+class InterruptGuard:
+    """Holds back signals that land in protected code and delivers them when removed.
+
+    While installed, every signal with a Python handler (``KeyboardInterrupt`` for
+    SIGINT, or any handler the program set) goes through the guard: if the interrupted
+    frame, or any frame that called it, runs one of the ``protected`` code objects, the
+    signal is held; anywhere else (the model's forward, the user's code) its handler runs
+    at once, as without the guard. :meth:`remove` restores the handlers and then runs the
+    held ones, so their exceptions surface after the protected code finished.
+
+    Python runs signal handlers in the main thread only, so elsewhere the guard does
+    nothing (and nothing needs it).
+
+    Args:
+        protected (frozenset of code objects): the functions that must run whole.
+    """
+
+    def __init__(self, protected: frozenset[CodeType]) -> None:
+        self.protected = protected
+        self._previous: dict[int, SignalHandler] = {}
+        self._held: list[int] = []
+
+    def install(self) -> None:
+        """Route the Python-handled signals through the guard (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in signal.valid_signals():
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                self._previous[signum] = handler
+                signal.signal(signum, self._guarded)
+
+    def remove(self) -> None:
+        """Restore the handlers, then run those of the held signals."""
+        for signum, handler in reversed(self._previous.items()):
+            signal.signal(signum, handler)
+        previous, self._previous = self._previous, {}
+        self.deliver_held(previous)
+
+    def deliver_held(self, handlers: dict[int, SignalHandler] | None = None) -> None:
+        """Run the handlers of the signals held so far (e.g. while waiting for a lock,
+        before anything was changed)."""
+        handlers = self._previous if handlers is None else handlers
+        held, self._held = self._held, []
+        for signum in held:
+            handlers[signum](signum, sys._getframe())
+
+    def _guarded(self, signum: int, frame: FrameType | None) -> None:
+        caller = frame
+        while caller is not None:
+            if caller.f_code in self.protected:
+                self._held.append(signum)
+                return
+            caller = caller.f_back
+        self._previous[signum](signum, frame)
+
+
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The lock a capture of ``model`` holds while it has the model changed (re-entrant,
+    so a thread may nest captures of one model)."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock

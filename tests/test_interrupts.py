@@ -1,0 +1,123 @@
+"""The model is left as found when a call is interrupted, and when two threads share it.
+
+An asynchronous ``KeyboardInterrupt`` (what Ctrl-C raises) is fired by a timer at a random
+moment of each call; after every call the model's hooks, attention implementation,
+training flags, ``requires_grad``, parameters and ``.grad`` must be exactly as before, and
+transformers' attention registry must hold its own ``sdpa`` function again.
+``CAPTUM_ATTENTION_INTERRUPTS`` sets the number of interrupted calls (default 160; the
+issue-sized run is 600).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+
+from captum_attention import METHODS
+from captum_attention._compat import attention_function
+from captum_attention.metrics import attention_erasure
+
+CALLS = int(os.environ.get("CAPTUM_ATTENTION_INTERRUPTS", "160"))
+
+
+class _Interrupt:
+    """Raises ``KeyboardInterrupt`` in the main thread after ``delay`` seconds (SIGALRM)."""
+
+    def __enter__(self) -> "_Interrupt":
+        self.armed = False
+        self.previous = signal.signal(signal.SIGALRM, self._fire)
+        return self
+
+    def _fire(self, signum, frame):
+        if self.armed:
+            raise KeyboardInterrupt
+
+    def arm(self, delay: float) -> None:
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, delay)
+
+    def disarm(self) -> None:
+        self.armed = False  # first: a timer already due now does nothing
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def __exit__(self, *exc_info) -> None:
+        self.disarm()
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+def _timed_call(call) -> float:
+    import time
+
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+def test_interrupted_calls_leave_the_model_as_found(capture):
+    model = make_model("bert")
+    batch = make_batch(model)
+    sdpa = attention_function("sdpa")
+    names = sorted(METHODS)
+
+    def call(index: int):
+        name = names[index % len(names)]
+        if index % 5 == 4:
+            erased = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+            erased[:, 1] = True
+            return lambda: attention_erasure(model, batch.input_ids, erased, (batch.attention_mask,), capture=capture)
+        explainer = METHODS[name](model, capture=capture)
+        return lambda: explainer.attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
+
+    durations = sorted(_timed_call(call(i)) for i in range(10))
+    typical = durations[len(durations) // 2]
+    before = model_state(model)
+    rng = random.Random(0)
+    interrupted = 0
+    with _Interrupt() as interrupt:
+        for index in range(CALLS):
+            run = call(index)
+            try:
+                interrupt.arm(rng.uniform(1e-5, typical))
+                run()
+                interrupt.disarm()
+            except KeyboardInterrupt:
+                interrupt.disarm()
+                interrupted += 1
+            assert_same_state(before, model_state(model))
+            assert attention_function("sdpa") is sdpa
+    assert interrupted > CALLS // 4, "the timer should interrupt a good share of the calls"
+
+
+def test_two_threads_on_one_model_both_get_the_single_thread_result():
+    model = make_model("bert")
+    batch = make_batch(model)
+    before = model_state(model)
+    explainers = {name: cls(model) for name, cls in METHODS.items()}
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    expected = {name: e.attribute(batch.input_ids, **args) for name, e in explainers.items()}
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(30):
+                name = rng.choice(sorted(explainers))
+                torch.testing.assert_close(explainers[name].attribute(batch.input_ids, **args), expected[name])
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
+    assert_same_state(before, model_state(model))
