@@ -24,6 +24,10 @@ from captum._utils.common import (
 )
 from captum._utils.typing import TargetType
 
+# torch's stack of torch-function modes (torch.overrides, checked on torch 2.13): a capture
+# checks that its mode is still on it before popping it (see recorder._SoftmaxInterception).
+from torch.overrides import _get_current_function_mode_stack as function_mode_stack
+
 __all__ = [
     "TargetType",
     "attention_function",
@@ -32,6 +36,7 @@ __all__ = [
     "format_additional_forward_args",
     "format_output",
     "format_tensor_into_tuples",
+    "function_mode_stack",
     "mha_forward_with_softmax",
     "output_recorder_class",
     "register_attention_function",

@@ -232,12 +232,13 @@ class AttentionAttributionBase:
         )
         if record.is_encoder_decoder:
             if record.streaming:
-                return format_scores(True, self._streamed_scores(record, **options), None, False)
+                return format_scores(True, _zero_padding(record, self._streamed_scores(record, **options)), None, False)
             scores, role_maps = self._encoder_decoder_scores(record, **options)
-            return format_scores(True, scores, role_maps, return_maps)
+            return format_scores(True, _zero_padding(record, scores), role_maps, return_maps)
         if len(tensors) != 1:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
         token_scores, maps = (self._token_scores(record, **options), None) if record.streaming else self._scores(record, **options)
+        token_scores = _zero_padding(record, token_scores)
         if tensors[0].dim() == 4:
             token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
         return format_scores(is_tuple, token_scores, maps and record.by_role(maps), return_maps)
@@ -285,8 +286,17 @@ class AttentionAttributionBase:
             position = torch.full((len(prompt),), prompt_len - 1 + step, device=record.target_real.device)
             token = continuation[:, step].to(record.logits.device)
             explained = self._explained(record.at_query(position), token, retain_graph=step < new_tokens - 1)
-            rows.append(self._token_scores(explained, **options))
+            rows.append(_zero_padding(explained, self._token_scores(explained, **options)))
         return torch.stack(rows, dim=1)
+
+
+def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
+    """``scores`` (or ``(source, target)`` scores) exactly 0 outside the real tokens, also
+    where non-finite values elsewhere would spread into them through a product."""
+    if isinstance(scores, tuple):
+        source, target = scores
+        return source.masked_fill(~record.input_real, 0.0), target.masked_fill(~record.target_real, 0.0)
+    return scores.masked_fill(~record.target_real, 0.0)
 
 
 def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:

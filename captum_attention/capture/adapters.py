@@ -343,13 +343,17 @@ class HuggingFaceAdapter(AdapterBase):
         decoder_attention_mask)`` for encoder-decoders (``inputs_embeds`` /
         ``decoder_inputs_embeds`` for float inputs). A causal language model given a
         left-padded mask gets ``position_ids`` counted over the real tokens, as ``generate``
-        does. Other forward functions (and classifiers, whose positional order already is
-        ``input_ids, attention_mask, ...``) are returned as they are.
+        does. Other Hugging Face models (classifiers, whose positional order already is
+        ``input_ids, attention_mask, ...``) are called positionally, float embeddings in
+        the place of ``input_ids`` as ``inputs_embeds``; other forward functions are
+        returned as they are.
         """
         from transformers import PreTrainedModel
 
-        if not isinstance(forward_func, PreTrainedModel) or not forward_func.can_generate():
+        if not isinstance(forward_func, PreTrainedModel):
             return forward_func
+        if not forward_func.can_generate():
+            return _EmbeddingsByKeyword(forward_func)
         return _KeywordForward(forward_func, self.is_encoder_decoder(forward_func))
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
@@ -423,6 +427,20 @@ class _KeywordForward:
         if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()):
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         return self.model(**kwargs)
+
+
+@dataclass(frozen=True)
+class _EmbeddingsByKeyword:
+    """A Hugging Face model called positionally, float embeddings given where its forward
+    takes ``input_ids`` passed as ``inputs_embeds`` (see :meth:`HuggingFaceAdapter.keyword_forward`)."""
+
+    model: nn.Module
+
+    def __call__(self, *args: Any) -> Any:
+        first = next(iter(inspect.signature(self.model.forward).parameters), None)
+        if first == "input_ids" and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            return self.model(None, *args[1:], inputs_embeds=args[0])
+        return self.model(*args)
 
 
 def _encoder_of(model: nn.Module) -> nn.Module | None:

@@ -239,12 +239,7 @@ def record_forward(
     """
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
-    if model.training:
-        warnings.warn(
-            f"{type(model).__name__} is in training mode: dropout makes the attention "
-            "random. Call model.eval() before explaining it.",
-            stacklevel=4,
-        )
+    _warn_if_training(model)
     adapter = resolve_adapter(model, adapter)
     capture = AttentionCapture(
         model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
@@ -252,6 +247,15 @@ def record_forward(
     )
     with capture, torch.set_grad_enabled(track_grad):
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
+    if capture.model_calls > 1:
+        raise ValueError(
+            f"forward_func ran {type(model).__name__} {capture.model_calls} times in one call. The "
+            "attention methods explain one forward pass (Rollout and Transformer Attribution "
+            "would chain the layers of different passes): explain each pass separately, or "
+            "give a forward_func that runs the model once."
+        )
+    if capture.attention_mask is None:
+        _warn_if_padded(model, inputs[0])
     logits = output_logits(output)
     kernel_calls = capture.kernel_calls if streaming else None
     attn_probs = [] if streaming else [p.detach() for p in capture.attn_probs]
@@ -276,6 +280,36 @@ def record_forward(
         kernel_calls=kernel_calls,
     )
     return record.at_query(queries)
+
+
+_WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+"""Modules whose own training flag changes nothing (the wrapped model's flags count)."""
+
+
+def _warn_if_training(model: nn.Module) -> None:
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and not isinstance(m, _WRAPPERS)]
+    if training:
+        shown = ", ".join(training[:3]) + (f" and {len(training) - 3} more" if len(training) > 3 else "")
+        warnings.warn(
+            f"{type(model).__name__} has modules in training mode ({shown}): dropout makes the "
+            "attention random. Call model.eval() before explaining it.",
+            stacklevel=5,
+        )
+
+
+def _warn_if_padded(model: nn.Module, input_ids: Tensor) -> None:
+    """Warn when token ids look padded (the model's pad id first or last in a row) and no
+    padding mask reached the model."""
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if pad_id is None or input_ids.is_floating_point() or input_ids.dim() != 2:
+        return
+    if bool((input_ids[:, -1] == pad_id).any() or (input_ids[:, 0] == pad_id).any()):
+        warnings.warn(
+            f"The inputs hold the padding token id {pad_id} at the ends of rows, but no "
+            "attention_mask reached the model: padding is explained as if it were text. Pass "
+            "the mask, e.g. additional_forward_args=(attention_mask,).",
+            stacklevel=5,
+        )
 
 
 def _shape(call: KernelCall) -> torch.Size:

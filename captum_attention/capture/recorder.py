@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import mha_forward_with_softmax
+from .._compat import function_mode_stack, mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
 from .guard import InterruptGuard, model_lock
 from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
@@ -100,6 +100,7 @@ class AttentionCapture:
         self._guard = InterruptGuard(_PROTECTED)
         self._lock = model_lock(model)
         self._thread = threading.get_ident()
+        self.model_calls = 0  # calls of the model itself, to refuse a forward_func that runs it twice
 
     @property
     def attn_probs(self) -> list[Tensor]:
@@ -239,6 +240,7 @@ class AttentionCapture:
         self._sites = {site.module: site for site in sites}
         mask_modules = self.adapter.mask_modules(self.model)
         self._calls, self._open, self._mask_seen = [], [], False
+        self.model_calls = 0
         self._thread = threading.get_ident()
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
@@ -257,9 +259,14 @@ class AttentionCapture:
             for module in mask_modules:
                 hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
+            stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
             if not self.streaming and (self.intervention is not None or from_softmax):
                 stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
+
+    def _count_model_call(self, module: nn.Module, args: tuple) -> None:
+        if self._ours():
+            self.model_calls += 1
 
     def _ours(self) -> bool:
         """Whether a hooked call runs in the capture's thread (another thread's forward of
@@ -451,6 +458,12 @@ class _SoftmaxInterception(TorchFunctionMode):
             return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
 
         self._mha_forward = mha_forward_with_softmax(softmax)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        # An interrupt inside torch's own dispatch (between the pop and the push-back of
+        # ``_pop_mode_temporarily``) can have taken the mode off the stack already.
+        if any(mode is self for mode in function_mode_stack()):
+            super().__exit__(*exc_info)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.multi_head_attention_forward:

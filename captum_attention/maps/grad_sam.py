@@ -16,8 +16,9 @@ from .common import mask_padding
 
 
 def grad_sam_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
-    """mean_m(A^{lm} ⊙ ReLU(G^{lm})) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``."""
-    return grad.clamp(min=0).mul_(attn).mean(dim=1)
+    """mean_m(A^{lm} ⊙ ReLU(G^{lm})) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``, in
+    float32 (a half-precision product of small weights and gradients underflows)."""
+    return grad.float().clamp(min=0).mul_(attn.float()).mean(dim=1)
 
 
 def grad_sam_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tensor | None = None) -> list[Tensor]:

@@ -29,7 +29,7 @@ Shape = tuple[int, int]
 def _over_real_keys(block: Tensor, real_keys: Tensor) -> Tensor:
     """``block`` ``(B, h, r, k)`` with the columns of non-real keys zeroed."""
     keys = real_keys[:, : block.shape[-1]]
-    return block if bool(keys.all()) else block.mul_(keys[:, None, None, :].to(block.dtype))
+    return block if bool(keys.all()) else block.masked_fill_(~keys[:, None, None, :], 0.0)
 
 
 def grad_sam_row_sums(call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape) -> Tensor:
@@ -38,7 +38,7 @@ def grad_sam_row_sums(call: KernelCall, grad_output: Tensor, real_queries: Tenso
     for heads, rows in call.blocks(shape):
         weighted = call.grad_probs(grad_output, rows, heads).clamp_(min=0).mul_(call.probs(rows, heads))
         sums[:, rows] += _over_real_keys(weighted, real_keys).sum(dim=(1, 3))
-    return sums * real_queries
+    return sums.masked_fill_(~real_queries, 0.0)
 
 
 def _relevance(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> Tensor:
@@ -53,7 +53,7 @@ def relevance_rows_into(
 ) -> Tensor:
     """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries."""
     total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
-    row = row * real_queries / call.heads  # the head mean and the non-real queries, folded into the row
+    row = row.masked_fill(~real_queries, 0.0) / call.heads  # the head mean and the non-real queries, folded in
     for heads, rows in call.blocks(shape, reached=row):
         relevance = _relevance(call, grad_output, rows, heads, real_keys)
         total[:, : relevance.shape[-1]] += torch.matmul(row[:, None, None, rows], relevance).sum(dim=(1, 2))
@@ -70,11 +70,10 @@ def relevance_column_step(call: KernelCall, grad_output: Tensor, columns: Tensor
     """``columns + Ā·columns`` for ``(B, T, m)`` column vectors: one step of R·x
     (earlier layers first)."""
     step = columns.clone()
-    row_weights = real[:, :, None] / call.heads  # the head mean and the non-real queries
     for heads, rows in call.blocks(shape):
         relevance = _relevance(call, grad_output, rows, heads, real)
         products = torch.matmul(relevance, columns[:, None, : relevance.shape[-1]]).sum(dim=1)
-        step[:, rows] += products * row_weights[:, rows]
+        step[:, rows] += (products / call.heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
     return step
 
 
@@ -108,7 +107,7 @@ def _fused_blocks(
                 fused.div_(call.heads)
             fused = _over_real_keys(fused[:, None], real_keys)[:, 0]
             queries = real_queries[:, rows]
-            yield rows, fused if bool(queries.all()) else fused.mul_(queries[:, :, None].to(fused.dtype))
+            yield rows, fused if bool(queries.all()) else fused.masked_fill_(~queries[:, :, None], 0.0)
             fused = None
 
 
@@ -149,4 +148,4 @@ def query_row(row_index: Tensor, num_tokens: int) -> Tensor:
 
 def raw_attention_row(call: KernelCall, query_index: Tensor, real: Tensor, fusion: str = "mean") -> Tensor:
     """fuse_m(A^m) at each example's query row, ``(B, K)``, non-real keys zeroed."""
-    return fuse_heads(call.rows_at(query_index)[:, :, None], fusion)[:, 0] * real.float()
+    return fuse_heads(call.rows_at(query_index)[:, :, None], fusion)[:, 0].masked_fill(~real, 0.0)

@@ -14,8 +14,9 @@ from .common import identity_like, mask_padding, propagate_query_row
 
 
 def relevance_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
-    """Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``."""
-    return (grad * attn).clamp_(min=0).mean(dim=1)
+    """Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``, in
+    float32 (a half-precision product of small weights and gradients underflows)."""
+    return (grad.float() * attn.float()).clamp_(min=0).mean(dim=1)
 
 
 def relevance_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tensor | None = None) -> list[Tensor]:

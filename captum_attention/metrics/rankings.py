@@ -53,7 +53,7 @@ def _ranking(
             grad_rows = call.grad_rows_at(grads[index], record.query_index)
             rows = grad_rows if rows is None else grad_rows * rows
         assert rows is not None
-        return rows.mean(dim=1) * record.target_real.float()
+        return rows.mean(dim=1).masked_fill(~record.target_real, 0.0)
     if kind != "attention":
         record = record.with_gradients(target, _HEAD_MEANS[kind])
         assert record.grad_maps is not None
@@ -111,8 +111,8 @@ def gradient_attention_ranking(
 
 
 _HEAD_MEANS: dict[str, GradientReduction] = {
-    "gradient": lambda attn, grad: grad.mean(dim=1),
-    "gradient_attention": lambda attn, grad: (grad * attn).mean(dim=1),
+    "gradient": lambda attn, grad: grad.float().mean(dim=1),
+    "gradient_attention": lambda attn, grad: (grad.float() * attn.float()).mean(dim=1),
 }
 
 

@@ -1,0 +1,119 @@
+"""Inputs that once gave a plausible-looking wrong result now give the right one, a warning
+or a clear error: half precision, non-finite inputs, a forward that runs the model twice,
+padding without a mask, modules left in training mode."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import make_batch, make_model
+from torch import nn
+
+from captum_attention import METHODS
+from captum_attention.maps import grad_sam_head_mean, relevance_head_mean
+
+TARGET = 1
+
+
+def _attribute(model, name, batch, capture="auto", **options):
+    return METHODS[name](model, capture=capture).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,), **options
+    )
+
+
+@pytest.mark.parametrize("reduction", [grad_sam_head_mean, relevance_head_mean])
+def test_head_reductions_of_half_precision_run_in_float32(reduction):
+    attn = torch.full((1, 2, 3, 3), 1e-3, dtype=torch.float16)
+    grad = torch.full((1, 2, 3, 3), 1e-5, dtype=torch.float16)
+    assert not bool((attn * grad).any()), "the product underflows in float16"
+    reduced = reduction(attn, grad)
+    assert reduced.dtype == torch.float32
+    torch.testing.assert_close(reduced, reduction(attn.float(), grad.float()))
+
+
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_half_precision_models_get_the_float32_scores(name, capture):
+    """Logits scaled down as a confident model's gradients are: products of weights and
+    gradients then underflow in float16, so every reduction must run in float32."""
+    full, half = make_model("bert"), make_model("bert").half()
+    batch = make_batch(full)
+
+    def explain(model):
+        scaled = lambda ids, mask: model(ids, attention_mask=mask).logits * 1e-3  # noqa: E731
+        return METHODS[name](scaled, model=model, capture=capture).attribute(
+            batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+        )
+
+    expected, scores = explain(full), explain(half)
+    assert bool((scores[0, : batch.lengths[0]] != 0).all()), "every real token gets a score"
+    torch.testing.assert_close(scores.float(), expected, rtol=0, atol=1e-2 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_padding_scores_stay_zero_when_a_real_token_is_not_finite(name, capture):
+    model = make_model("bert")
+    batch = make_batch(model)
+    embeddings = model.get_input_embeddings()(batch.input_ids).detach()
+    embeddings[0, 2] = float("nan")
+    scores = METHODS[name](model, capture=capture).attribute(
+        embeddings, target=TARGET, additional_forward_args=(batch.attention_mask,)
+    )
+    padding = batch.attention_mask == 0
+    assert bool(padding.any())
+    assert bool((scores[padding] == 0).all())
+
+
+class _TwoPasses(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        first = self.model(input_ids, attention_mask=attention_mask).logits
+        return (first + self.model(input_ids, attention_mask=attention_mask).logits) / 2
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_forward_that_runs_the_model_twice_is_refused(name):
+    model = make_model("bert")
+    batch = make_batch(model)
+    with pytest.raises(ValueError, match="ran BertForSequenceClassification 2 times"):
+        METHODS[name](_TwoPasses(model), model=model).attribute(
+            batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+        )
+
+
+def test_padded_ids_without_a_mask_get_a_warning():
+    model = make_model("bert")
+    batch = make_batch(model)
+    explainer = METHODS["rollout"](model)
+    with pytest.warns(UserWarning, match="padding token id 0"):
+        explainer.attribute(batch.input_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explainer.attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
+        explainer.attribute(batch.input_ids[2:, : batch.lengths[2]])  # one unpadded row
+
+
+def test_a_data_parallel_wrapper_of_an_eval_model_is_not_in_training_mode():
+    model = make_model("bert")
+    batch = make_batch(model)
+    wrapped = nn.DataParallel(model)
+    assert wrapped.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        METHODS["grad_sam"](wrapped, model=wrapped).attribute(
+            batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+        )
+
+
+def test_a_submodule_left_in_training_mode_gets_a_warning():
+    model = make_model("bert")
+    model.bert.encoder.layer[1].train()
+    batch = make_batch(model)
+    with pytest.warns(UserWarning, match=r"training mode \(bert\.encoder\.layer\.1"):
+        _attribute(model, "raw", batch)
