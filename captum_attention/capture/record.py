@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -191,14 +191,40 @@ class ForwardRecord:
         (self or cross) or a pooling readout."""
         return self.roles[call] in ("self", "cross", "pooling")
 
+    def heads_of(self, call: int, heads: Sequence[int] | None) -> list[int] | None:
+        """``heads`` of the call resolved to ``0..H-1`` (negative counts from the end), or
+        a clear error; None (all heads) stays None."""
+        if heads is None:
+            return None
+        chosen = list(heads)
+        num_heads = self.heads[call]
+        wrong = [h for h in chosen if not _is_int(h) or not -num_heads <= h < num_heads]
+        if wrong or not chosen:
+            raise ValueError(
+                f"heads {wrong or chosen} do not exist: attention layer {call} has {num_heads} "
+                f"heads (valid: {-num_heads}..{num_heads - 1}, or None for all)."
+            )
+        return sorted({h % num_heads for h in chosen})
+
+    def check_heads(self, heads: Sequence[int] | None, calls: Iterable[int]) -> None:
+        """A clear error unless ``heads`` exist in every one of ``calls``."""
+        for call in calls:
+            self.heads_of(call, heads)
+
     def layer(self, index: int, name: str = "layer") -> int:
         """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
+        if not _is_int(index):
+            raise TypeError(f"{name} must be an int (a layer index), got {index!r}.")
         if not -self.num_layers <= index < self.num_layers:
             raise ValueError(
                 f"{name}={index} is out of range: the model has {self.num_layers} attention "
                 f"layers, so {name} must be in [{-self.num_layers}, {self.num_layers - 1}]."
             )
         return index % self.num_layers
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> AttentionAdapter:

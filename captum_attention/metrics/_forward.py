@@ -86,7 +86,10 @@ def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:
     """``layers`` as a set of indices in ``0..num_layers-1``; None = all; a clear error if absent."""
     if layers is None:
         return set(range(num_layers))
-    chosen = [layers] if isinstance(layers, int) else list(layers)
+    chosen = [layers] if isinstance(layers, (int, float)) else list(layers)
+    wrong = [layer for layer in chosen if isinstance(layer, bool) or not isinstance(layer, int)]
+    if wrong:
+        raise TypeError(f"layers must be an int or a list of ints (layer indices), got {layers!r}.")
     missing = [layer for layer in chosen if not -num_layers <= layer < num_layers]
     if missing:
         raise ValueError(

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter
 from ..maps import erase_keys, on_heads
 from ..capture.record import ForwardRecord
+from ..capture.inputs import query_positions
+from ._checks import check_rankable
 from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model, select_rows
 
 
@@ -66,13 +68,13 @@ class _KeyErasure:
         return call_index in self.layers and self.run.keys_are_inputs(call_index)
 
     def erased_keys(self, call_index: int) -> tuple[Tensor, Sequence[int] | None] | None:
-        return (self.erased, self.heads) if self.erases(call_index) else None
+        return (self.erased, self.run.heads_of(call_index, self.heads)) if self.erases(call_index) else None
 
     def __call__(self, call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
         if not self.erases(call_index):
             return attn_probs
         changed = erase_keys(attn_probs, self.erased.to(attn_probs.device), scores)
-        return on_heads(attn_probs, changed, self.heads, first_head)
+        return on_heads(attn_probs, changed, self.run.heads_of(call_index, self.heads), first_head)
 
 
 def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
@@ -132,6 +134,7 @@ def attention_erasure(
     original_probs = original.explained_probs()
     _check_keys(erased_keys, original.input_real, "erased_keys")
     chosen = layer_set(layers, original.num_layers)
+    original.check_heads(heads, chosen)
     erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
     erased = run_model(forward_func, model, inputs, additional_forward_args, erasure, adapter, capture).explained_probs()
     return ErasureResult(
@@ -191,7 +194,12 @@ def decision_flip_fraction(
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     _check_keys(ranking, original.input_real, "ranking")
+    check_rankable(ranking, original.input_real, "ranking")
+    if keep is not None:
+        _check_keys(keep, original.input_real, "keep")
     chosen = layer_set(layers, original.num_layers)
+    original.check_heads(heads, chosen)
+    explained = original if query_index is None else original.at_query(query_positions(query_index, original.target_real))
     plan = _plan_prefixes(ranking, original.input_real, keep)
 
     def erased_output(rows: Tensor, erased: Tensor) -> Tensor:
@@ -208,7 +216,7 @@ def decision_flip_fraction(
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
     fraction = torch.where(flipped, removed / original.input_real.sum(1).cpu(), torch.nan)
-    mass = _attention_mass(original, chosen, query_index, plan.ranks < removed[:, None])
+    mass = _attention_mass(explained, chosen, plan.ranks < removed[:, None])
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)
 
 
@@ -253,12 +261,10 @@ def _evaluate_prefixes(
     return flips
 
 
-def _attention_mass(original: ForwardRecord, layers: set[int], query_index: int | None, erased: Tensor) -> Tensor:
+def _attention_mass(explained: ForwardRecord, layers: set[int], erased: Tensor) -> Tensor:
     """The query's original attention (head mean, averaged over the erased layers whose
     queries are the explained sequence's) on the ``erased`` keys, per example."""
-    queries = original.query_index if query_index is None else torch.full_like(original.query_index, query_index)
-    explained = original.at_query(queries)
-    queried = [layer for layer in sorted(layers) if original.queries_are_explained(layer)]
+    queried = [layer for layer in sorted(layers) if explained.queries_are_explained(layer)]
     query_attention = torch.stack([_query_attention(explained, layer) for layer in queried])
     query_attention = query_attention.mean(dim=0).cpu()
     return (query_attention * erased).sum(dim=1)

@@ -53,16 +53,17 @@ class _RowPermutation:
         if call_index not in self.layers:
             return attn_probs
         changed = permute_rows(attn_probs, self._real_keys(call_index).to(attn_probs.device), self.generator)
-        return on_heads(attn_probs, changed, self.heads, first_head)
+        return on_heads(attn_probs, changed, self.run.heads_of(call_index, self.heads), first_head)
 
     def rows_transform(self, call_index: int) -> Callable[[Tensor, int, int], Tensor] | None:
         if call_index not in self.layers:
             return None
         real = self._real_keys(call_index)
+        heads = self.run.heads_of(call_index, self.heads)
 
         def permute(attn_rows: Tensor, example: int, head: int) -> Tensor:
             changed = permute_rows(attn_rows, real[example : example + 1].to(attn_rows.device), self.generator)
-            return changed if self.heads is None or head in self.heads else attn_rows
+            return changed if heads is None or head in heads else attn_rows
 
         return permute
 
@@ -109,6 +110,7 @@ def attention_permutation(
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     original_probs = original.explained_probs()
     chosen = layer_set(layers, original.num_layers)
+    original.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
     permuted = torch.stack(
         [

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._checks import check_rankable
+
 
 def _checked(attributions: Tensor, rationale: Tensor, include: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     if attributions.shape != rationale.shape or attributions.dim() != 2:
@@ -16,26 +18,42 @@ def _checked(attributions: Tensor, rationale: Tensor, include: Tensor | None) ->
             f"attributions {tuple(attributions.shape)} and rationale {tuple(rationale.shape)} "
             "must both be (batch, seq_len)."
         )
+    if include is not None and include.shape != rationale.shape:
+        raise ValueError(f"include has shape {tuple(include.shape)}; it must be {tuple(rationale.shape)} (batch, seq_len).")
     include = torch.ones_like(rationale, dtype=torch.bool) if include is None else include.bool()
+    check_rankable(attributions, include)
     return attributions.float(), rationale.bool() & include, include
 
 
-def top_k_tokens(attributions: Tensor, k: Tensor, include: Tensor) -> Tensor:
-    """``(batch, seq_len)`` bool: each example's ``k[b]`` highest-scoring included tokens."""
-    order = attributions.masked_fill(~include, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return (ranks < k[:, None]) & include
+def top_k_weights(attributions: Tensor, k: Tensor, include: Tensor) -> Tensor:
+    """``(batch, seq_len)`` float: each example's ``k[b]`` highest-scoring included tokens
+    with weight 1; tokens tied at the cut share the remaining places (the chance that a
+    random order among them selects each), so ties are never broken by position."""
+    masked = attributions.masked_fill(~include, float("-inf"))
+    k = torch.minimum(k, include.sum(dim=1))
+    cut = masked.sort(dim=1, descending=True).values.gather(1, (k - 1).clamp(min=0)[:, None])
+    above = (masked > cut) & include
+    tied = (masked == cut) & include
+    places = (k - above.sum(dim=1)).float() / tied.sum(dim=1).clamp(min=1)
+    weights = above.float() + tied.float() * places[:, None]
+    return weights.masked_fill(k[:, None] == 0, 0.0)
 
 
 def _f1(predicted: Tensor, gold: Tensor) -> Tensor:
-    overlap = (predicted & gold).sum(dim=1).float()
-    precision = overlap / predicted.sum(dim=1).clamp(min=1)
+    """F1 of (weighted) predicted tokens against the gold ones: with weights from
+    :func:`top_k_weights` it is the expected F1 over the orders of tied tokens (F1 is
+    linear in the overlap when the number of predicted tokens is fixed)."""
+    overlap = (predicted.float() * gold).sum(dim=1)
+    precision = overlap / predicted.float().sum(dim=1).clamp(min=1)
     recall = overlap / gold.sum(dim=1).clamp(min=1)
-    return torch.where(overlap > 0, 2 * precision * recall / (precision + recall), 0.0)
+    return torch.where(overlap > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-30), 0.0)
 
 
 def token_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = None, k: int | None = None) -> Tensor:
     """F1 between the top-k tokens and the rationale tokens.
+
+    Tokens tied at the k-th place count fractionally: the result is the expected F1 over
+    the orders of the tied tokens, never a choice by position.
 
     Args:
         attributions (Tensor): ``(batch, seq_len)`` scores.
@@ -46,10 +64,13 @@ def token_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = N
 
     Returns:
         ``(batch,)`` tensor.
+
+    Raises:
+        ValueError: NaN among the included scores, or an example with no included token.
     """
     scores, gold, include = _checked(attributions, rationale, include)
     counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
-    return _f1(top_k_tokens(scores, counts, include), gold)
+    return _f1(top_k_weights(scores, counts, include), gold)
 
 
 def _spans(selected: Tensor) -> list[tuple[int, int]]:
@@ -66,10 +87,12 @@ def _spans(selected: Tensor) -> list[tuple[int, int]]:
 def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = None, k: int | None = None, threshold: float = 0.5) -> Tensor:
     """ERASER's IOU F1: predicted spans (contiguous runs of the top-k tokens) match a
     rationale span when their intersection over union exceeds ``threshold``; F1 of the
-    matches. Arguments as for :func:`token_f1`. Returns ``(batch,)``."""
+    matches. Tokens tied at the k-th place are all selected (spans have no fractional
+    membership; position never decides). Arguments as for :func:`token_f1`. Returns
+    ``(batch,)``."""
     scores, gold, include = _checked(attributions, rationale, include)
     counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
-    predicted = top_k_tokens(scores, counts, include)
+    predicted = top_k_weights(scores, counts, include) > 0
     values = []
     for pred_row, gold_row in zip(predicted.cpu(), gold.cpu()):
         pred_spans, gold_spans = _spans(pred_row), _spans(gold_row)
@@ -88,11 +111,19 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
 
 def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None) -> Tensor:
     """Average precision of the scores ranking the rationale tokens first, ``(batch,)``:
-    the mean, over rationale tokens, of the precision at their rank. NaN without any
-    rationale token."""
+    Σ_t (R_t − R_{t−1})·P_t over the distinct score thresholds t, highest first (as
+    ``sklearn.metrics.average_precision_score``), so tied scores form one step and their
+    positions never matter. NaN without any rationale token."""
     scores, gold, include = _checked(attributions, rationale, include)
-    order = scores.masked_fill(~include, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    hits = gold.gather(1, order) & include.gather(1, order)
-    precision_at = hits.cumsum(dim=1).float() / torch.arange(1, hits.shape[1] + 1, device=hits.device)
-    total = hits.sum(dim=1).float()
-    return torch.where(total > 0, (precision_at * hits).sum(dim=1) / total.clamp(min=1), torch.nan)
+    values = []
+    for row_scores, row_gold, row_include in zip(scores, gold, include):
+        kept, hits = row_scores[row_include], row_gold[row_include].float()
+        if not bool(hits.any()):
+            values.append(torch.tensor(float("nan")))
+            continue
+        thresholds, group = kept.unique(sorted=True, return_inverse=True)
+        selected = torch.zeros_like(thresholds).index_add_(0, group, torch.ones_like(hits)).flip(0).cumsum(0)
+        found = torch.zeros_like(thresholds).index_add_(0, group, hits).flip(0).cumsum(0)
+        recall_steps = torch.diff(found, prepend=found.new_zeros(1)) / hits.sum()
+        values.append((recall_steps * found / selected).sum())
+    return torch.stack(values)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .._compat import TargetType
 from ..capture.inputs import output_logits, resolve_targets
+from ._checks import check_rankable
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
 DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -61,6 +62,10 @@ class _Remover:
             )
         if input_ids.is_floating_point() or input_ids.dim() != 2:
             raise TypeError("input_ids must be integer token ids of shape (batch, seq_len).")
+        if keep is not None and tuple(keep.shape) != tuple(input_ids.shape):
+            raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.forward_func, self.removal, self.baseline = forward_func, removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0
@@ -118,6 +123,7 @@ class _Remover:
                 f"attributions have shape {tuple(attributions.shape)} but the inputs are "
                 f"{tuple(self.ids.shape)}: give one score per token."
             )
+        check_rankable(attributions, self.removable)
         signed = attributions.float() if most_relevant else -attributions.float()
         order = signed.masked_fill(~self.removable, float("-inf")).argsort(dim=1, descending=True, stable=True)
         positions = torch.arange(self.ids.shape[1], device=order.device).expand_as(order)
