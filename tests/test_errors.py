@@ -122,3 +122,38 @@ def test_adapter_returning_a_copy_of_the_probabilities(setup):
             GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("method", [GradSAM, TransformerAttribution])
+def test_gradient_methods_under_inference_mode(setup, method):
+    model, batch = setup
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside inference_mode"):
+        method(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    with torch.no_grad():  # gradients are enabled for the explanation itself
+        method(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+
+
+def test_additional_forward_args_as_a_dict(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match="positional arguments .* got a dict"):
+        GradSAM(model).attribute(batch.input_ids, target=0, additional_forward_args={"attention_mask": batch.attention_mask})
+
+
+def test_a_continuation_without_tokens():
+    from lm_models import make_decoder, make_prompts
+
+    model = make_decoder("gpt2")
+    prompts = make_prompts()
+    with pytest.raises(ValueError, match="continuation has no tokens"):
+        GradSAM(model).attribute_continuation(
+            prompts.input_ids, prompts.input_ids[:, :0], additional_forward_args=(prompts.attention_mask,)
+        )
+
+
+def test_a_compiled_model_gets_the_scores_of_the_model(setup):
+    model, batch = setup
+    compiled = torch.compile(model)
+    args = dict(target=0, additional_forward_args=(batch.attention_mask,))
+    torch.testing.assert_close(
+        TransformerAttribution(compiled).attribute(batch.input_ids, **args), TransformerAttribution(model).attribute(batch.input_ids, **args)
+    )

@@ -316,6 +316,8 @@ def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:
             f"continuation must be token ids (batch={prompt.shape[0]}, new_tokens), got "
             f"shape {tuple(continuation.shape)} and dtype {continuation.dtype}."
         )
+    if continuation.shape[1] == 0:
+        raise ValueError("continuation has no tokens: give at least one new token to explain.")
 
 
 def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:

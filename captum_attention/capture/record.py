@@ -263,6 +263,7 @@ def record_forward(
         block_memory: bytes per block of recomputed attention rows (streaming); None: the
             device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
     """
+    _check_call(additional_forward_args, track_grad)
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
     _warn_if_training(model)
@@ -306,6 +307,21 @@ def record_forward(
         kernel_calls=kernel_calls,
     )
     return record.at_query(queries)
+
+
+def _check_call(additional_forward_args: Any, track_grad: bool) -> None:
+    if isinstance(additional_forward_args, dict):
+        raise TypeError(
+            "additional_forward_args must hold positional arguments (Captum's convention), "
+            "e.g. (attention_mask,); got a dict. For keyword arguments, wrap the model: "
+            "forward_func=lambda ids, mask: model(ids, attention_mask=mask, ...)."
+        )
+    if track_grad and torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "This explanation needs gradients, which torch.inference_mode() switches off: "
+            "call it outside inference_mode (under torch.no_grad() it works: it enables "
+            "gradients itself)."
+        )
 
 
 _WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
