@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import signal
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,62 @@ def test_force_retrains_and_a_failed_training_leaves_no_partial_cache(tmp_path, 
         dm.default_model_path(tmp_path, REDUCED, progress=False, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [dm.MODEL_NAME], "staging folder left behind"
     assert dm.read_metadata(folder) is not None, "the previous good cache survives a failed rebuild"
+
+
+def _fake_build(destination: Path, content: bytes = b"weights") -> None:
+    (destination / "weights.bin").write_bytes(content)
+    (destination / "config.json").write_text("{}")
+    dm.write_metadata(destination, budget="test")
+
+
+def test_the_metadata_must_list_exactly_the_folders_files(tmp_path):
+    folder = dm.cached_folder(tmp_path / "model", _fake_build, lambda m: True, progress=False)
+    assert dm.read_metadata(folder) is not None
+    metadata = json.loads((folder / dm.METADATA).read_text())
+
+    def with_files(files: dict) -> dict | None:
+        (folder / dm.METADATA).write_text(json.dumps({**metadata, "files": files}))
+        return dm.read_metadata(folder)
+
+    listed = metadata["files"]
+    assert with_files({"weights.bin": listed["weights.bin"]}) is None, "an unlisted file escapes its check"
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x")
+    assert with_files({**listed, "../outside.bin": dm._sha256(outside)}) is None, "a path outside the folder"
+    assert with_files(listed) is not None
+    (folder / "extra.bin").write_bytes(b"x")
+    assert dm.read_metadata(folder) is None, "a file the metadata does not list"
+
+
+def test_a_rebuild_that_loses_the_race_uses_the_winners_build(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+
+    def build_while_another_finishes(staging: Path) -> None:
+        _fake_build(staging)
+        winner = tmp_path / "winner"
+        winner.mkdir()
+        _fake_build(winner, b"theirs")
+        real_replace = os.replace
+
+        def replace_after_the_winner(src, dst):
+            monkeypatch.setattr(dm.os, "replace", real_replace)
+            real_replace(winner, dst)  # the other process renames first
+            return real_replace(src, dst)  # fails: the folder is there and not empty
+
+        monkeypatch.setattr(dm.os, "replace", replace_after_the_winner)
+
+    assert dm.cached_folder(folder, build_while_another_finishes, lambda m: True, progress=False) == folder
+    assert (folder / "weights.bin").read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "staging folder left behind"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals")
+def test_sigterm_during_a_build_leaves_no_temporary_folder(tmp_path):
+    def terminated(staging: Path) -> None:
+        (staging / "half-written").write_text("x")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(SystemExit):
+        dm.cached_folder(tmp_path / "model", terminated, lambda m: True, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

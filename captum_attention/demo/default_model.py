@@ -15,12 +15,15 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -88,14 +91,19 @@ def _sha256(path: Path) -> str:
 
 
 def read_metadata(folder: Path) -> dict[str, Any] | None:
-    """The folder's metadata if the folder is a complete, intact cached model, else None."""
+    """The folder's metadata if the folder is a complete, intact cached model, else None:
+    the files it lists must be exactly the folder's files (plain names inside it), each
+    with its recorded digest."""
     try:
         metadata = json.loads((folder / METADATA).read_text())
         files = metadata["files"]
-        intact = all(_sha256(folder / name) == digest for name, digest in files.items())
+        present = {p.name for p in folder.iterdir() if p.name != METADATA}
+        if not files or set(files) != present or not all(Path(name).name == name for name in files):
+            return None
+        intact = all((folder / name).is_file() and _sha256(folder / name) == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return metadata if intact and files else None
+    return metadata if intact else None
 
 
 def _batches(examples: list[Example], size: int, generator: torch.Generator) -> list[list[Example]]:
@@ -219,12 +227,37 @@ def cached_folder(
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        build(staging)
+        with _terminate_as_exit():
+            build(staging)
         shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            # Another process finished the same build first: theirs is as good as ours.
+            finished = read_metadata(folder)
+            if finished is None or not current(finished):
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit`` for the block (main thread), so that a terminated
+    build still removes its temporary folder."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_cleanly(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_cleanly)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def default_model_path(
