@@ -70,7 +70,7 @@ def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
 
 def test_explain_prints_the_library_scores(checkpoints, tmp_path):
     classifier, _ = checkpoints
-    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20")
+    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20", "--raw")
     assert result.returncode == 0, result.stderr
     assert "Transformer Attribution" in result.stdout and "wall time for 2 sentences" in result.stdout
 
@@ -134,6 +134,10 @@ def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
     for method in [*METHODS, "Integrated Gradients"]:
         assert method in text
     assert text.count("Prediction:") == 2 and " ms" in text
+    assert '<span class="tok special" title=' in page and "[CLS]</span>" in page
+    assert not any("special" in span and "background" in span for span in page.split("<span")), "a special token coloured"
+    assert "the attention alone, the same for every class" in text and "green supports, red opposes" in text
+    assert "<h2><bdi>" in page and "unicode-bidi: isolate" in page
 
 
 @pytest.mark.parametrize(
@@ -176,3 +180,92 @@ def test_target_by_name_or_index(checkpoints):
     assert "explaining: negative" in by_name.stdout
     strip = lambda out: [l for l in out.splitlines() if "wall time" not in l]  # noqa: E731
     assert strip(by_name.stdout) == strip(by_index.stdout)
+
+
+def test_the_default_table_shows_each_methods_share_of_the_words(checkpoints):
+    classifier, _ = checkpoints
+    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "5", "--batch-size", "1")
+    assert result.returncode == 0, result.stderr
+    assert "share of the words" in result.stdout and "the same for every class" in result.stdout
+    assert "negative " in result.stdout and "positive " in result.stdout  # both class probabilities
+    for line_block in result.stdout.split("\n\n")[1:-1]:
+        rows = [line.split() for line in line_block.splitlines()[3:]]
+        words = [row for row in rows if row[1] != "."]
+        assert all(row[1:] == ["."] * (len(row) - 1) for row in rows if row[1] == ".")
+        for column in range(1, len(words[0])):
+            values = [float(row[column].rstrip("*")) for row in words]
+            assert sum(abs(v) for v in values) == pytest.approx(1.0, abs=2e-3 * len(values))
+            assert sum(row[column].endswith("*") for row in words) == min(3, len(words))
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == "captum-attention 0.1.0"
+
+
+def test_help_has_no_markup():
+    result = run_cli("explain", "--help")
+    assert result.returncode == 0 and "``" not in result.stdout
+    assert "~/.cache/captum-attention" in result.stdout
+
+
+def _one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert message in result.stderr
+    assert "prediction" not in result.stdout, "the check must come before the work"
+
+
+def test_unwritable_outputs_are_refused_before_any_work(checkpoints, tmp_path):
+    classifier, _ = checkpoints
+    args = ("explain", "the film", "--model", str(classifier))
+    _one_line_error(run_cli(*args, "--html", str(tmp_path / "missing" / "r.html")), "does not exist")
+    _one_line_error(run_cli(*args, "--html", str(tmp_path)), "is a folder")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    _one_line_error(run_cli("explain", "the film", "--cache-dir", str(a_file)), "is a file, not a folder")
+    _one_line_error(run_cli("train", "--cache-dir", str(a_file / "below")), "cannot create or write")
+    _one_line_error(run_cli("explain", "the film", "--model", str(a_file)), "is a file: give the checkpoint's folder")
+
+
+def _copy_checkpoint(source: Path, destination: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, destination)
+    return destination
+
+
+class _NotATensor:
+    pass
+
+
+def test_a_corrupt_or_unsafe_checkpoint_is_one_line(checkpoints, tmp_path):
+    import pickle
+
+    classifier, _ = checkpoints
+    truncated = _copy_checkpoint(classifier, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _one_line_error(run_cli("explain", "the film", "--model", str(truncated)), "could not load the checkpoint")
+
+    pickled = _copy_checkpoint(classifier, tmp_path / "pickled")
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": _NotATensor()}))
+    _one_line_error(run_cli("explain", "the film", "--model", str(pickled)), "could not load the checkpoint")
+
+
+def test_terminal_control_sequences_are_shown_escaped(checkpoints):
+    classifier, _ = checkpoints
+    result = run_cli("explain", "what a \x1b]0;title\x07 film \u202e", "--model", str(classifier), "--methods", "raw")
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\u202e" not in result.stdout
+    assert "\\x1b]0;title\\x07" in result.stdout and "\\u202e" in result.stdout
+    _one_line_error(run_cli("explain", "\u200b\u200d \x07", "--model", str(classifier)), "no visible character")
+
+
+def test_a_sentence_longer_than_the_model_takes_is_cut_and_says_so(checkpoints):
+    classifier, _ = checkpoints
+    long = " ".join(["the plot was dull"] * 30)  # 120 words, the model takes 64 tokens
+    result = run_cli("explain", long, "--model", str(classifier), "--methods", "raw")
+    assert result.returncode == 0, result.stderr
+    assert "note: cut to the model's 64 tokens (of 122)" in result.stdout

@@ -279,13 +279,19 @@ def default_model_path(
     Returns:
         Path of a folder that ``from_pretrained`` loads.
     """
-    return cached_folder(
-        cache_root(cache_dir) / MODEL_NAME,
-        lambda staging: train(staging, budget, progress),
-        lambda metadata: metadata.get("budget") == asdict(budget),
-        progress,
-        force,
-    )
+    folder = cache_root(cache_dir) / MODEL_NAME
+
+    def build(staging: Path) -> None:
+        if progress:
+            print(
+                f"Fine-tuning the default model (MiniLM, 6 layers) on {budget.train_size} generated "
+                f"sentences, {budget.epochs} epochs: about a minute on two idle CPU cores, several "
+                f"times that on a busy machine. It is then cached in {folder} for later runs.",
+                file=sys.stderr,
+            )
+        train(staging, budget, progress)
+
+    return cached_folder(folder, build, lambda metadata: metadata.get("budget") == asdict(budget), progress, force)
 
 
 def cached_trained_model(

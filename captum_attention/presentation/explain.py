@@ -18,7 +18,13 @@ INTEGRATED_GRADIENTS = "integrated_gradients"
 
 @dataclass
 class SentenceExplanation:
-    """What one sentence's report shows."""
+    """What one sentence's report shows.
+
+    Attributes:
+        probabilities: the model's probability of each class label.
+        cut_from: the sentence's token count when it was cut to the model's length limit
+            (``len(tokens)``), else None.
+    """
 
     text: str
     tokens: list[str]
@@ -28,14 +34,27 @@ class SentenceExplanation:
     target_label: str
     special: list[bool] = field(default_factory=list)
     scores: dict[str, list[float]] = field(default_factory=dict)
+    probabilities: dict[str, float] = field(default_factory=dict)
+    cut_from: int | None = None
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """How to read a method's scores: whether they depend on the explained class, and
+    whether their sign means something (else they are non-negative)."""
+
+    uses_target: bool
+    signed: bool
 
 
 @dataclass
 class Explanations:
-    """Explanations of a batch of sentences and each method's wall time for the batch."""
+    """Explanations of a batch of sentences, each method's wall time over all of them, and
+    how to read each method (display name -> :class:`MethodInfo`)."""
 
     sentences: list[SentenceExplanation]
     seconds: dict[str, float]
+    methods: dict[str, MethodInfo] = field(default_factory=dict)
 
 
 def resolve_target(target: str | None, id2label: dict[int, str]) -> int | None:
@@ -65,15 +84,23 @@ def method_names() -> list[str]:
     return [*METHODS, INTEGRATED_GRADIENTS]
 
 
-def _methods(model: Any, ig_steps: int, names: list[str]) -> dict[str, Method]:
-    """Display name -> ``run(ids, targets, mask, ig_baseline) -> (batch, seq_len) scores``,
-    for the methods ``names`` (registry names, in the registry's order)."""
+def _methods(
+    model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None
+) -> dict[str, tuple[Method, MethodInfo]]:
+    """Display name -> (``run(ids, targets, mask, ig_baseline) -> (batch, seq_len)
+    scores``, how to read them), for the methods ``names`` (registry names, in the
+    registry's order)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
     methods = {
-        cls.get_name(): _attention_method(cls(forward, model=model)) for name, cls in METHODS.items() if name in names
+        cls.get_name(): (
+            _attention_method(cls(forward, model=model)),
+            MethodInfo(uses_target=cls.gradient_reduction is not None, signed=False),
+        )
+        for name, cls in METHODS.items()
+        if name in names
     }
     if INTEGRATED_GRADIENTS in names:
         lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
@@ -82,10 +109,11 @@ def _methods(model: Any, ig_steps: int, names: list[str]) -> dict[str, Method]:
             ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor
         ) -> torch.Tensor:
             return lig.attribute(
-                ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps
+                ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps,
+                internal_batch_size=ig_batch_size,
             ).sum(dim=-1)
 
-        methods["Integrated Gradients"] = integrated_gradients
+        methods["Integrated Gradients"] = (integrated_gradients, MethodInfo(uses_target=True, signed=True))
     return methods
 
 
@@ -94,42 +122,74 @@ def _baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
     return torch.where(special_tokens(ids, tokenizer), ids, torch.full_like(ids, tokenizer.pad_token_id))
 
 
+def length_limit(model: Any, tokenizer: Any) -> int:
+    """The most tokens the model takes: the tokenizer's ``model_max_length`` where it is
+    set, else the model's ``max_position_embeddings``."""
+    limits = [getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    known = [int(limit) for limit in limits if isinstance(limit, int) and 0 < limit < 1_000_000]
+    return min(known) if known else 512
+
+
 def explain(
     model: Any,
     tokenizer: Any,
     sentences: list[str],
     target: int | None = None,
     ig_steps: int = 50,
-    max_length: int = 128,
     methods: list[str] | None = None,
+    batch_size: int = 16,
+    ig_batch_size: int | None = None,
 ) -> Explanations:
     """Run each method (by registry name, see :func:`method_names`; default: all) on
-    ``sentences`` in one batch each."""
-    encoded = tokenizer(sentences, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    ``sentences``, ``batch_size`` sentences at a time; sentences longer than the model
+    takes (:func:`length_limit`) are cut, and say so."""
+    limit = length_limit(model, tokenizer)
+    chosen = _methods(model, ig_steps, methods or method_names(), ig_batch_size)
+    results: list[SentenceExplanation] = []
+    seconds = dict.fromkeys(chosen, 0.0)
+    for start in range(0, len(sentences), batch_size):
+        batch_results, batch_seconds = _explain_batch(model, tokenizer, sentences[start : start + batch_size], target, limit, chosen)
+        results += batch_results
+        for name, spent in batch_seconds.items():
+            seconds[name] += spent
+    return Explanations(results, seconds, {name: info for name, (_, info) in chosen.items()})
+
+
+def _explain_batch(
+    model: Any, tokenizer: Any, sentences: list[str], target: int | None, limit: int,
+    methods: dict[str, tuple[Method, MethodInfo]],
+) -> tuple[list[SentenceExplanation], dict[str, float]]:
+    encoded = tokenizer(sentences, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+    full_lengths = [len(ids) for ids in tokenizer(sentences, truncation=False)["input_ids"]]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():
-        probabilities = model(input_ids=ids, attention_mask=mask).logits.softmax(dim=-1)
+        probabilities = model(input_ids=ids, attention_mask=mask).logits.float().softmax(dim=-1)
     predicted = probabilities.argmax(dim=-1)
     targets = predicted if target is None else torch.full_like(predicted, target)
     id2label = model.config.id2label
-    results = [
-        SentenceExplanation(
-            text=text,
-            tokens=tokenizer.convert_ids_to_tokens(ids[row, : int(mask[row].sum())].tolist()),
-            label=id2label[int(predicted[row])],
-            probability=float(probabilities[row, predicted[row]]),
-            target=int(targets[row]),
-            target_label=id2label[int(targets[row])],
-            special=[i in tokenizer.all_special_ids for i in ids[row, : int(mask[row].sum())].tolist()],
+    results = []
+    for row, text in enumerate(sentences):
+        length = int(mask[row].sum())
+        row_ids = ids[row, :length].tolist()
+        results.append(
+            SentenceExplanation(
+                text=text,
+                tokens=tokenizer.convert_ids_to_tokens(row_ids),
+                label=id2label[int(predicted[row])],
+                probability=float(probabilities[row, predicted[row]]),
+                target=int(targets[row]),
+                target_label=id2label[int(targets[row])],
+                special=[i in tokenizer.all_special_ids for i in row_ids],
+                probabilities={id2label[c]: float(p) for c, p in enumerate(probabilities[row].tolist())},
+                cut_from=full_lengths[row] if full_lengths[row] > length else None,
+            )
         )
-        for row, text in enumerate(sentences)
-    ]
     baseline = _baseline(ids, tokenizer)
     seconds = {}
-    for name, method in _methods(model, ig_steps, methods or method_names()).items():
-        start = time.perf_counter()
+    for name, (method, _) in methods.items():
+        begin = time.perf_counter()
         scores = method(ids, targets, mask, baseline).detach()
-        seconds[name] = time.perf_counter() - start
+        seconds[name] = time.perf_counter() - begin
         for row, result in enumerate(results):
             result.scores[name] = scores[row, : len(result.tokens)].tolist()
-    return Explanations(results, seconds)
+    return results, seconds

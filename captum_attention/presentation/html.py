@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .explain import Explanations
+from .explain import Explanations, MethodInfo
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -13,26 +13,41 @@ table { border-collapse: collapse; }
 th, td { text-align: left; padding: 0.3em 0.6em; border-bottom: 1px solid #ddd; vertical-align: top; }
 td.time { text-align: right; white-space: nowrap; color: #555; }
 .tok { display: inline-block; padding: 0.1em 0.25em; margin: 0.1em; border-radius: 0.2em;
-       font-family: ui-monospace, monospace; }
-.legend .tok { margin-right: 1em; }
+       font-family: ui-monospace, monospace; unicode-bidi: isolate; }
+.tok.special { color: #888; border: 1px dashed #bbb; }
+.meaning { color: #555; font-size: 0.9em; }
+.note { color: #8a5a00; }
 """
 
 
-def _colour(score: float, scale: float) -> str:
+def _colour(score: float, scale: float, info: MethodInfo) -> str:
     strength = 0.0 if scale == 0 else min(abs(score) / scale, 1.0)
-    rgb = "0, 140, 60" if score >= 0 else "210, 40, 40"
+    if not info.uses_target:
+        rgb = "40, 90, 200"  # blue: attention, not support for a class
+    else:
+        rgb = "0, 140, 60" if score >= 0 else "210, 40, 40"
     return f"rgba({rgb}, {strength:.3f})"
 
 
-def _token_row(tokens: list[str], scores: list[float], special: list[bool]) -> str:
-    # Rollout and relevance put most mass on [CLS] itself: scale by the words' scores.
+def _token(token: str, score: float, scale: float, special: bool, info: MethodInfo) -> str:
+    title = escape(f"{score:.4e}")
+    if special:  # left out of the colour scale: rollout and relevance put most mass on [CLS]
+        return f'<span class="tok special" title="{title} (special token, not coloured)">{escape(token)}</span>'
+    return f'<span class="tok" style="background: {_colour(score, scale, info)}" title="{title}">{escape(token)}</span>'
+
+
+def _token_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
     words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
-    scale = max(words or [abs(s) for s in scores] or [0.0])
-    return " ".join(
-        f'<span class="tok" style="background: {_colour(score, scale)}" '
-        f'title="{escape(f"{score:.4e}")}">{escape(token)}</span>'
-        for token, score in zip(tokens, scores)
-    )
+    scale = max(words or [0.0])
+    return " ".join(_token(t, score, scale, is_special, info) for t, score, is_special in zip(tokens, scores, special))
+
+
+def _meaning(info: MethodInfo) -> str:
+    if not info.uses_target:
+        return "blue: the attention alone, the same for every class"
+    if info.signed:
+        return "green supports, red opposes the explained class"
+    return "green: support for the explained class (never negative)"
 
 
 def render_html(explanations: Explanations, model_name: str) -> str:
@@ -46,23 +61,30 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         "<h1>captum-attention report</h1>",
         f"<p>Model: <code>{escape(model_name)}</code>. Wall times are for the whole batch of "
         f"{count} sentence{'s' if count != 1 else ''}.</p>",
-        '<p class="legend"><span class="tok" style="background: rgba(0, 140, 60, 0.8)">supports</span>'
-        '<span class="tok" style="background: rgba(210, 40, 40, 0.8)">opposes</span>'
-        "the explained class; colour strength is relative to the largest score of the row's "
-        "non-special tokens (hover a token for its score).</p>",
+        "<p class=\"legend\">Colour strength is relative to the largest score of the row's words; "
+        'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and '
+        "not coloured. Under each method: what its colour means. Hover a token for its score.</p>",
     ]
     for sentence in explanations.sentences:
         parts.append("<section>")
-        parts.append(f"<h2>{escape(sentence.text)}</h2>")
+        parts.append(f"<h2><bdi>{escape(sentence.text)}</bdi></h2>")
+        probabilities = ", ".join(f"<bdi>{escape(label)}</bdi> {p:.3f}" for label, p in sentence.probabilities.items())
         parts.append(
-            f"<p>Prediction: <b>{escape(sentence.label)}</b> (p = {sentence.probability:.3f}); "
-            f"explaining <b>{escape(sentence.target_label)}</b>.</p>"
+            f"<p>Prediction: <b><bdi>{escape(sentence.label)}</bdi></b> (p = {sentence.probability:.3f}; "
+            f"{probabilities}); explaining <b><bdi>{escape(sentence.target_label)}</bdi></b>.</p>"
         )
+        if sentence.cut_from is not None:
+            parts.append(
+                f'<p class="note">Cut to the model\'s {len(sentence.tokens)} tokens (of {sentence.cut_from}): '
+                "the rest is neither seen nor explained.</p>"
+            )
         parts.append("<table><tr><th>method</th><th>wall time</th><th>tokens</th></tr>")
         for method, seconds in explanations.seconds.items():
+            info = explanations.methods[method]
+            row = _token_row(sentence.tokens, sentence.scores[method], sentence.special, info)
             parts.append(
-                f"<tr><td>{escape(method)}</td><td class=\"time\">{seconds * 1000:.0f} ms</td>"
-                f"<td>{_token_row(sentence.tokens, sentence.scores[method], sentence.special)}</td></tr>"
+                f"<tr><td>{escape(method)}<br><span class=\"meaning\">{escape(_meaning(info))}</span></td>"
+                f"<td class=\"time\">{seconds * 1000:.0f} ms</td><td>{row}</td></tr>"
             )
         parts.append("</table></section>")
     parts.append("</body></html>")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from safetensors import SafetensorError
 
 
 @contextmanager
@@ -42,6 +46,8 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     folder = Path(path)
+    if folder.is_file():
+        raise CheckpointError(f"--model {folder} is a file: give the checkpoint's folder (with config.json)")
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
     options = dict(local_files_only=True, trust_remote_code=False)
@@ -56,9 +62,19 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
             "sequence classifier (its config.json names no *ForSequenceClassification architecture)."
         )
     try:
-        with quiet_transformers():
+        with quiet_transformers(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the error says it all
             model = AutoModelForSequenceClassification.from_pretrained(folder, weights_only=True, **options)
             tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"could not load the checkpoint in {folder}: its pickled weights hold objects other than "
+            "tensors, which are refused (unpickling them can run code); use a safetensors copy from a "
+            "source you trust."
+        ) from error
+    except SafetensorError as error:
+        raise CheckpointError(f"could not load the checkpoint in {folder}: its safetensors file is truncated or corrupt ({error}).") from error
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"could not load the checkpoint in {folder}: {error}") from error
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"could not load the checkpoint in {folder}: {reason}") from error
     return model.eval(), tokenizer

@@ -2,27 +2,92 @@
 
 from __future__ import annotations
 
-from .explain import Explanations
+import unicodedata
+
+from .explain import Explanations, MethodInfo, SentenceExplanation
+
+TOP_K = 3
+"""Tokens marked ``*`` per method in the normalised table."""
 
 
-def render_text(explanations: Explanations) -> str:
-    """The terminal report: prediction, each token's score per method, wall times."""
+def terminal_safe(text: str) -> str:
+    """``text`` with control, format (bidi, zero-width), private-use and surrogate
+    characters written as escapes (``\\x1b``, ``\\u202e``), so that nothing a sentence
+    holds can move the cursor, recolour or retitle the terminal, or reorder the line."""
+    return "".join(
+        char if unicodedata.category(char)[0] != "C" else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
+def shares(scores: list[float], special: list[bool], signed: bool) -> list[float | None]:
+    """Each word's share of the method's scores over the words (special tokens: None):
+    ``s / Σ s`` for non-negative scores, ``s / Σ |s|`` for signed ones; all 0 when the
+    words' scores are."""
+    words = [s for s, is_special in zip(scores, special) if not is_special]
+    total = sum(abs(s) for s in words) if signed else sum(words)
+    return [None if is_special else (s / total if total else 0.0) for s, is_special in zip(scores, special)]
+
+
+def _legend(methods: dict[str, MethodInfo]) -> str:
+    groups = {
+        "for the explained class, >= 0": [n for n, i in methods.items() if i.uses_target and not i.signed],
+        "for the explained class, signed: + supports, - opposes it": [n for n, i in methods.items() if i.signed],
+        "the attention alone, the same for every class": [n for n, i in methods.items() if not i.uses_target],
+    }
+    described = "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in groups.items() if names)
+    return (
+        f"scores: each method's share of the words (special tokens: .), * its top {TOP_K}; --raw for the scores.\n"
+        f"{described}."
+    )
+
+
+def _sentence_header(sentence: SentenceExplanation) -> list[str]:
+    probabilities = ", ".join(f"{terminal_safe(label)} {p:.3f}" for label, p in sentence.probabilities.items())
+    lines = [
+        terminal_safe(sentence.text),
+        f"  prediction: {terminal_safe(sentence.label)} (p={sentence.probability:.3f}; {probabilities}); "
+        f"explaining: {terminal_safe(sentence.target_label)}",
+    ]
+    if sentence.cut_from is not None:
+        lines.append(
+            f"  note: cut to the model's {len(sentence.tokens)} tokens (of {sentence.cut_from}); "
+            f"nothing after {terminal_safe(sentence.tokens[-2] if len(sentence.tokens) > 1 else sentence.tokens[-1])!r} "
+            "is seen or explained"
+        )
+    return lines
+
+
+def _cells(sentence: SentenceExplanation, method: str, info: MethodInfo, raw: bool, width: int) -> list[str]:
+    scores = sentence.scores[method]
+    if raw:
+        return [f"{score:>{width}.4e}" for score in scores]
+    values = shares(scores, sentence.special, info.signed)
+    ranked = sorted((v, i) for i, v in enumerate(values) if v is not None)
+    top = {i for _, i in ranked[::-1][:TOP_K]}
+    signed = "+" if info.signed else ""
+    return [
+        f"{'.':>{width}}" if v is None else f"{format(v, signed + '.3f') + ('*' if i in top else ' '):>{width}}"
+        for i, v in enumerate(values)
+    ]
+
+
+def render_text(explanations: Explanations, raw: bool = False) -> str:
+    """The terminal report: prediction, each token's score per method (normalised shares
+    with the top tokens marked, or with ``raw`` the scores themselves), wall times."""
     methods = list(explanations.seconds)
     widths = [max(len(name), 11) for name in methods]
-    lines = []
+    lines = [] if raw else [_legend(explanations.methods), ""]
     for sentence in explanations.sentences:
-        token_width = max(8, *(len(token) for token in sentence.tokens))
-        lines.append(sentence.text)
-        lines.append(
-            f"  prediction: {sentence.label} (p={sentence.probability:.3f}); "
-            f"explaining: {sentence.target_label}"
-        )
+        tokens = [terminal_safe(token) for token in sentence.tokens]
+        token_width = max(8, *(len(token) for token in tokens))
+        lines += _sentence_header(sentence)
         lines.append("  " + "token".ljust(token_width) + "".join(f"  {m:>{w}}" for m, w in zip(methods, widths)))
-        for position, token in enumerate(sentence.tokens):
-            cells = "".join(
-                f"  {sentence.scores[m][position]:>{w}.4e}" for m, w in zip(methods, widths)
-            )
-            lines.append("  " + token.ljust(token_width) + cells)
+        columns = [
+            _cells(sentence, m, explanations.methods[m], raw, w) for m, w in zip(methods, widths)
+        ]
+        for position, token in enumerate(tokens):
+            lines.append("  " + token.ljust(token_width) + "".join(f"  {column[position]}" for column in columns))
         lines.append("")
     count = len(explanations.sentences)
     times = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in explanations.seconds.items())
