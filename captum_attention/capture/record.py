@@ -10,10 +10,14 @@ backward pass.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass, replace
+from types import FrameType
 from typing import Any, Callable, Iterable, Sequence
 
+import captum
 import torch
 from torch import Tensor, nn
 
@@ -264,6 +268,7 @@ def record_forward(
             device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
     """
     _check_call(additional_forward_args, track_grad)
+    _check_float_inputs(model, inputs)
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
     _warn_if_training(model)
@@ -324,18 +329,40 @@ def _check_call(additional_forward_args: Any, track_grad: bool) -> None:
         )
 
 
+def _check_float_inputs(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+    """Float inputs (embeddings, pixels) in the dtype of the model's parameters."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    wrong = [t.dtype for t in inputs if t.is_floating_point() and dtype is not None and t.dtype != dtype]
+    if wrong:
+        raise TypeError(
+            f"The inputs are {wrong[0]} but the model computes in {dtype}: pass inputs.to({dtype})."
+        )
+
+
 _WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 """Modules whose own training flag changes nothing (the wrapped model's flags count)."""
+
+
+_LIBRARIES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(captum.__file__))
+
+
+def warn_user(message: str) -> None:
+    """A ``UserWarning`` attributed to the first caller outside this package and Captum
+    (``NoiseTunnel`` and the metrics call in from different depths)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _warn_if_training(model: nn.Module) -> None:
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and not isinstance(m, _WRAPPERS)]
     if training:
         shown = ", ".join(training[:3]) + (f" and {len(training) - 3} more" if len(training) > 3 else "")
-        warnings.warn(
+        warn_user(
             f"{type(model).__name__} has modules in training mode ({shown}): dropout makes the "
-            "attention random. Call model.eval() before explaining it.",
-            stacklevel=5,
+            "attention random. Call model.eval() before explaining it."
         )
 
 
@@ -346,11 +373,10 @@ def _warn_if_padded(model: nn.Module, input_ids: Tensor) -> None:
     if pad_id is None or input_ids.is_floating_point() or input_ids.dim() != 2:
         return
     if bool((input_ids[:, -1] == pad_id).any() or (input_ids[:, 0] == pad_id).any()):
-        warnings.warn(
+        warn_user(
             f"The inputs hold the padding token id {pad_id} at the ends of rows, but no "
             "attention_mask reached the model: padding is explained as if it were text. Pass "
-            "the mask, e.g. additional_forward_args=(attention_mask,).",
-            stacklevel=5,
+            "the mask, e.g. additional_forward_args=(attention_mask,)."
         )
 
 

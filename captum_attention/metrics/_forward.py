@@ -90,6 +90,8 @@ def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:
     wrong = [layer for layer in chosen if isinstance(layer, bool) or not isinstance(layer, int)]
     if wrong:
         raise TypeError(f"layers must be an int or a list of ints (layer indices), got {layers!r}.")
+    if not chosen:
+        raise ValueError("layers is empty: give at least one layer, or None for all layers.")
     missing = [layer for layer in chosen if not -num_layers <= layer < num_layers]
     if missing:
         raise ValueError(

@@ -1,0 +1,96 @@
+"""Fuzzing the public calls: any shapes, dtypes, masks, targets and options give a correct
+result or one clear ``ValueError``/``TypeError``, never another exception."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+from constants import NUM_LABELS, VOCAB
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from captum_attention import METHODS
+from captum_attention.metrics import attention_erasure, decision_flip_fraction
+
+MODEL = make_model("bert")
+CLEAR = (ValueError, TypeError)
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def calls(draw):
+    batch, seq_len = draw(st.integers(0, 3)), draw(st.integers(1, 9))
+    kind = draw(st.sampled_from(["ids", "int32", "embeddings", "bool", "float64", "3d-ids"]))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=generator)
+    inputs = {
+        "ids": ids,
+        "int32": ids.int(),
+        "embeddings": torch.randn(batch, seq_len, 32, generator=generator),
+        "bool": ids > VOCAB // 2,
+        "float64": torch.randn(batch, seq_len, 32, generator=generator).double(),
+        "3d-ids": ids[:, :, None],
+    }[kind]
+    mask_kind = draw(st.sampled_from(["none", "random", "wrong-shape", "float"]))
+    mask = {
+        "none": None,
+        "random": (torch.rand(batch, seq_len, generator=generator) > 0.3).long(),
+        "wrong-shape": torch.ones(batch, seq_len + 1, dtype=torch.long),
+        "float": torch.rand(batch, seq_len, generator=generator).round(),
+    }[mask_kind]
+    target = draw(
+        st.one_of(
+            st.none(),
+            st.integers(-1, NUM_LABELS),
+            st.lists(st.integers(0, NUM_LABELS - 1), min_size=0, max_size=4),
+            st.just(torch.zeros(batch)),
+        )
+    )
+    query_index = draw(st.one_of(st.none(), st.integers(-2, seq_len + 1)))
+    return inputs, mask, target, query_index
+
+
+def _check_scores(scores: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor | None) -> None:
+    assert scores.shape == inputs.shape[:2]
+    if mask is not None:
+        assert bool((scores[mask == 0] == 0).all()), "padding must score 0"
+
+
+@FUZZ
+@given(call=calls(), name=st.sampled_from(sorted(METHODS)), capture=st.sampled_from(["auto", "eager"]))
+def test_attribute_gives_scores_or_a_clear_error(call, name, capture):
+    inputs, mask, target, query_index = call
+    args = None if mask is None else (mask,)
+    try:
+        scores = METHODS[name](MODEL, capture=capture).attribute(
+            inputs, target=target, additional_forward_args=args, query_index=query_index
+        )
+    except CLEAR:
+        return
+    _check_scores(scores, inputs, mask)
+
+
+@FUZZ
+@given(
+    call=calls(),
+    layers=st.one_of(st.none(), st.integers(-4, 3), st.lists(st.integers(-4, 3), max_size=3)),
+    heads=st.one_of(st.none(), st.lists(st.integers(-5, 4), max_size=3)),
+    nan=st.booleans(),
+)
+def test_metrics_give_results_or_a_clear_error(call, layers, heads, nan):
+    inputs, mask, _, _ = call
+    args = None if mask is None else (mask,)
+    keys = torch.zeros(inputs.shape[:2], dtype=torch.bool)
+    if keys.numel():
+        keys[:, 0] = True
+    ranking = torch.rand(inputs.shape[:2])
+    if nan and ranking.numel():
+        ranking[0, 0] = float("nan")
+    try:
+        erased = attention_erasure(MODEL, inputs, keys, args, layers=layers, heads=heads)
+        assert bool(((erased.js_divergence >= 0) & (erased.js_divergence <= 1)).all())
+        flips = decision_flip_fraction(MODEL, inputs, ranking, args, layers=layers, heads=heads)
+        assert flips.removed.shape == (inputs.shape[0],)
+    except CLEAR:
+        return
