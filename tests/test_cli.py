@@ -184,7 +184,9 @@ def test_target_by_name_or_index(checkpoints):
 
 def test_the_default_table_shows_each_methods_share_of_the_words(checkpoints):
     classifier, _ = checkpoints
-    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "5", "--batch-size", "1")
+    result = run_cli(
+        "explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "5", "--batch-size", "1", "--ig-batch-size", "3"
+    )
     assert result.returncode == 0, result.stderr
     assert "share of the words" in result.stdout and "the same for every class" in result.stdout
     assert "negative " in result.stdout and "positive " in result.stdout  # both class probabilities

@@ -177,3 +177,16 @@ def test_sigterm_during_a_build_leaves_no_temporary_folder(tmp_path):
         dm.cached_folder(tmp_path / "model", terminated, lambda m: True, progress=False)
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_the_first_run_says_what_it_trains_and_where_it_caches_it(tmp_path, monkeypatch, capsys):
+    def fake_train(destination, budget, progress):
+        (destination / "weights.bin").write_bytes(b"w")
+        dm.write_metadata(destination, budget=dm.asdict(budget))
+
+    monkeypatch.setattr(dm, "train", fake_train)
+    folder = dm.default_model_path(tmp_path, REDUCED, progress=True)
+    said = capsys.readouterr().err
+    assert "Fine-tuning the default model" in said and str(folder) in said and "busy machine" in said
+    dm.default_model_path(tmp_path, REDUCED, progress=True)
+    assert "Fine-tuning" not in capsys.readouterr().err, "a cached model is loaded silently"
