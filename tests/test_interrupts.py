@@ -20,7 +20,7 @@ import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
 
 from captum_attention import METHODS
-from captum_attention._compat import attention_function
+from captum_attention._compat import attention_function, function_mode_stack
 from captum_attention.metrics import attention_erasure
 
 CALLS = int(os.environ.get("CAPTUM_ATTENTION_INTERRUPTS", "300"))
@@ -93,6 +93,7 @@ def test_interrupted_calls_leave_the_model_as_found(capture):
                 interrupted += 1
             assert_same_state(before, model_state(model))
             assert attention_function("sdpa") is sdpa
+            assert torch.is_grad_enabled() and not function_mode_stack(), "torch's global modes restored"
     assert interrupted > CALLS // 4, "the timer should interrupt a good share of the calls"
 
 

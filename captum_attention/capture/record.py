@@ -275,9 +275,9 @@ def record_forward(
     adapter = resolve_adapter(model, adapter)
     capture = AttentionCapture(
         model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
-        streaming=streaming, block_memory=block_memory,
+        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad,
     )
-    with capture, torch.set_grad_enabled(track_grad):
+    with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
     if capture.model_calls > 1:
         raise ValueError(

@@ -64,6 +64,9 @@ class AttentionCapture:
             not possible. Default: False.
         block_memory (int, optional): bytes that one block of recomputed attention rows
             may take (streaming erasure). Default: None, the device's default.
+        grad_enabled (bool, optional): torch's gradient mode inside the block, restored
+            on exit together with the model (so that an interrupt cannot leave it
+            changed). Default: None, as it is.
 
     Example::
 
@@ -82,8 +85,10 @@ class AttentionCapture:
         intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
         streaming: bool = False,
         block_memory: int | None = None,
+        grad_enabled: bool | None = None,
     ) -> None:
         self.model = model
+        self.grad_enabled = grad_enabled
         self.adapter = adapter if adapter is not None else default_adapter(model)
         self.track_grad = track_grad
         self.input_shape = input_shape
@@ -247,6 +252,8 @@ class AttentionCapture:
         if self.streaming and self.intervention is not None and not _streams(self.intervention):
             raise StreamingUnsupported("this intervention replaces whole probability maps; it cannot stream")
         with ExitStack() as stack:
+            if self.grad_enabled is not None:
+                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             if self.streaming:
                 stack.enter_context(self.adapter.kernel_prepared(self.model))
                 stack.enter_context(KernelInterception(self._on_kernel))
