@@ -7,6 +7,7 @@ only file to change. Imported by every layer; imports none of them.
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Any, Callable, cast
 
@@ -27,6 +28,29 @@ from captum._utils.typing import TargetType
 # torch's stack of torch-function modes (torch.overrides, checked on torch 2.13): a capture
 # checks that its mode is still on it before popping it (see recorder._SoftmaxInterception).
 from torch.overrides import _get_current_function_mode_stack as function_mode_stack
+from torch.overrides import _pop_mode_temporarily
+
+
+def restore_popped_mode(mode: Any) -> None:
+    """Put ``mode`` back on torch's mode stack where an interrupt stranded it popped.
+
+    torch dispatches a Python-level function to a mode inside ``with
+    _pop_mode_temporarily():``, a generator that pops the mode and pushes it back in its
+    ``finally``. An interrupt landing after the pop but before the ``with`` took hold
+    leaves that generator suspended, the mode off the stack, until the generator is
+    garbage-collected, which then pushes the mode back long after its owner is gone.
+    Closing such generators now runs their ``finally`` while the owner can still pop it.
+    Checked on torch 2.13 (``torch.overrides._pop_mode_temporarily``).
+    """
+    code = _pop_mode_temporarily.__wrapped__.__code__  # type: ignore[attr-defined]
+    for candidate in gc.get_objects():
+        if (
+            type(candidate) is types.GeneratorType
+            and candidate.gi_code is code
+            and candidate.gi_frame is not None
+            and candidate.gi_frame.f_locals.get("old") is mode
+        ):
+            candidate.close()
 
 __all__ = [
     "TargetType",
@@ -37,6 +61,7 @@ __all__ = [
     "format_output",
     "format_tensor_into_tuples",
     "function_mode_stack",
+    "restore_popped_mode",
     "mha_forward_with_softmax",
     "output_recorder_class",
     "register_attention_function",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import function_mode_stack, mha_forward_with_softmax
+from .._compat import function_mode_stack, mha_forward_with_softmax, restore_popped_mode
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
 from .guard import InterruptGuard, model_lock
 from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
@@ -467,8 +467,8 @@ class _SoftmaxInterception(TorchFunctionMode):
         self._mha_forward = mha_forward_with_softmax(softmax)
 
     def __exit__(self, *exc_info: Any) -> None:
-        # An interrupt inside torch's own dispatch (between the pop and the push-back of
-        # ``_pop_mode_temporarily``) can have taken the mode off the stack already.
+        if not any(mode is self for mode in function_mode_stack()):
+            restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
         if any(mode is self for mode in function_mode_stack()):
             super().__exit__(*exc_info)
 
