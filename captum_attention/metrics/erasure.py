@@ -173,7 +173,9 @@ def decision_flip_fraction(
         ranking (Tensor): ``(batch, seq_len)`` importance, higher first: any attribution
             (ours, Integrated Gradients, SHAP values aligned to tokens), or
             :func:`attention_ranking`, :func:`gradient_ranking`,
-            :func:`gradient_attention_ranking`, :func:`random_ranking`.
+            :func:`gradient_attention_ranking`, :func:`random_ranking`. Tied scores are
+            erased in position order (an attribution with many ties, e.g. all zero, ranks
+            little); NaN is refused.
         additional_forward_args (Any, optional): e.g. ``(attention_mask,)``. Default: None.
         model (nn.Module, optional): module holding the attention. Default: forward_func.
         layers (int or list of int, optional): layers to erase at. Default: all.

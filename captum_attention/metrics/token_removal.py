@@ -167,7 +167,8 @@ def comprehensiveness(
         forward_func (Callable): ``forward_func(input_ids, attention_mask)`` returns logits.
         input_ids (Tensor): ``(batch, seq_len)`` token ids.
         attention_mask (Tensor): ``(batch, seq_len)``, 1 for real tokens.
-        attributions (Tensor): ``(batch, seq_len)`` token scores, higher = more important.
+        attributions (Tensor): ``(batch, seq_len)`` token scores, higher = more important;
+            tied scores are taken in position order, NaN is refused.
         target (int, list, Tensor or None, optional): class y; None = predicted class.
         bins (sequence of float, optional): k in percent, each in (0, 100].
             Default: (1, 5, 10, 20, 50).
