@@ -133,3 +133,23 @@ def test_malformed_metric_arguments_get_one_clear_error(setup):
         comprehensiveness(*removal, max_batch_size=0)
     with pytest.raises(ValueError, match="keep has shape"):
         comprehensiveness(*removal, keep=torch.zeros(3, 2, dtype=torch.bool))
+
+
+def test_decision_flips_never_split_tied_keys(setup):
+    model, batch = setup
+    ranking = (torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(34)) * 3).floor()
+    result = decision_flip_fraction(model, batch.input_ids, ranking, (batch.attention_mask,))
+    assert bool(result.flipped.any())
+    for b in torch.nonzero(result.flipped).flatten().tolist():
+        real_scores = ranking[b, : batch.lengths[b]].sort(descending=True).values
+        removed = int(result.removed[b])
+        assert real_scores[removed - 1] != real_scores[removed], "the erased keys split a tie"
+
+
+def test_token_removal_removes_tied_tokens_together(setup):
+    model, batch = setup
+    forward = _forward(model)
+    tied = torch.ones(batch.input_ids.shape)  # every token tied: any bin removes them all
+    scores = comprehensiveness(forward, batch.input_ids, batch.attention_mask, tied, target=0, bins=(1, 50, 100))
+    torch.testing.assert_close(scores[:, 0], scores[:, 2])
+    torch.testing.assert_close(scores[:, 1], scores[:, 2])

@@ -21,3 +21,13 @@ def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions") 
             f"Examples {empty_rows} have no token to rank (all padding, or all excluded): "
             "leave them out of the batch."
         )
+
+
+def with_ties(scores: Tensor, counts: Tensor) -> Tensor:
+    """``counts`` ``(B, F)`` of top-scored tokens per example, each raised to include every
+    token tied with the last one counted (``scores`` ``(B, T)``, excluded tokens at -inf),
+    so that a cut never splits tied tokens by their position."""
+    ordered = scores.sort(dim=1, descending=True).values
+    cut = ordered.gather(1, (counts - 1).clamp(min=0))  # (B, F): the last counted score
+    tied = (scores[:, None, :] >= cut[:, :, None]).sum(dim=-1)
+    return torch.where(counts > 0, torch.maximum(counts, tied), counts)

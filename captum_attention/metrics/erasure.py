@@ -173,9 +173,9 @@ def decision_flip_fraction(
         ranking (Tensor): ``(batch, seq_len)`` importance, higher first: any attribution
             (ours, Integrated Gradients, SHAP values aligned to tokens), or
             :func:`attention_ranking`, :func:`gradient_ranking`,
-            :func:`gradient_attention_ranking`, :func:`random_ranking`. Tied scores are
-            erased in position order (an attribution with many ties, e.g. all zero, ranks
-            little); NaN is refused.
+            :func:`gradient_attention_ranking`, :func:`random_ranking`. Tied keys are
+            erased together, never one before another by position (an all-zero ranking
+            ranks nothing); NaN is refused.
         additional_forward_args (Any, optional): e.g. ``(attention_mask,)``. Default: None.
         model (nn.Module, optional): module holding the attention. Default: forward_func.
         layers (int or list of int, optional): layers to erase at. Default: all.
@@ -224,10 +224,11 @@ def decision_flip_fraction(
 
 @dataclass
 class _PrefixPlan:
-    """Every erasure to evaluate: prefix ``prefix[i]`` of example ``rows[i]``'s order.
+    """Every erasure to evaluate: the first ``prefix[i]`` keys of example ``rows[i]``'s order.
 
     ``ranks[b, t]`` is token t's place in example b's erasure order (0 = erased first);
-    ``steps[b]`` how many prefixes example b has (at least one real key always stays).
+    ``steps[b]`` the most keys example b may lose (at least one real key always stays).
+    A prefix never ends inside a run of tied scores.
     """
 
     rows: Tensor
@@ -237,16 +238,22 @@ class _PrefixPlan:
 
 
 def _plan_prefixes(ranking: Tensor, real: Tensor, keep: Tensor | None) -> _PrefixPlan:
+    """The prefixes of each example's erasure order that end between two different scores
+    (tied keys are erased together) and leave at least one real key."""
     kept = keep.bool().to(real.device) if keep is not None else torch.zeros_like(real)
     erasable = real & ~kept
-    order = ranking.float().masked_fill(~erasable, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    scores = ranking.float().masked_fill(~erasable, float("-inf"))
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    ordered = scores.gather(1, order).cpu()
     steps = torch.minimum(erasable.sum(1), real.sum(1) - 1).clamp(min=0).cpu()
-    rows = torch.repeat_interleave(torch.arange(len(steps)), steps)
-    first_of_row = torch.cumsum(steps, 0) - steps
-    prefix = torch.arange(len(rows)) - first_of_row[rows] + 1  # keys erased: 1..steps[b]
+    sizes = torch.arange(1, ranking.shape[1] + 1).expand_as(ordered)
+    group_end = torch.ones_like(ordered, dtype=torch.bool)
+    group_end[:, :-1] = ordered[:, :-1] != ordered[:, 1:]
+    allowed = group_end & (sizes <= steps[:, None])
+    rows, columns = allowed.nonzero(as_tuple=True)
     positions = torch.arange(ranking.shape[1], device=order.device).expand_as(order)
     ranks = torch.empty_like(order).scatter_(1, order, positions).cpu()
-    return _PrefixPlan(rows, prefix, ranks, steps)
+    return _PrefixPlan(rows, sizes[rows, columns], ranks, steps)
 
 
 def _evaluate_prefixes(

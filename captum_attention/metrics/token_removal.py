@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._compat import TargetType
 from ..capture.inputs import output_logits, resolve_targets
-from ._checks import check_rankable
+from ._checks import check_rankable, with_ties
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
 DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -116,7 +116,9 @@ class _Remover:
 
         The count is ⌈fraction·N⌉ of the N removable tokens (at least 1 for a positive
         fraction), ordered by attribution, highest first (lowest first if not
-        ``most_relevant``). Returns ``rows (B·F,)`` and masks ``(B·F, T)``, example-major.
+        ``most_relevant``); tokens tied with the last one counted are removed with it, so
+        a tie is never split by position. Returns ``rows (B·F,)`` and masks ``(B·F, T)``,
+        example-major.
         """
         if tuple(attributions.shape) != tuple(self.ids.shape):
             raise ValueError(
@@ -130,6 +132,7 @@ class _Remover:
         ranks = torch.empty_like(order).scatter_(1, order, positions)
         share = torch.tensor(fractions, dtype=torch.float64, device=order.device)
         counts = (share[None, :] * self.removable.sum(dim=1, keepdim=True)).ceil().long()  # (B, F)
+        counts = with_ties(signed.masked_fill(~self.removable, float("-inf")), counts)
         remove = ranks[:, None, :] < counts[:, :, None]  # (B, F, T)
         rows = torch.arange(len(order), device=order.device).repeat_interleave(len(fractions))
         return rows, remove.flatten(0, 1)
@@ -168,7 +171,8 @@ def comprehensiveness(
         input_ids (Tensor): ``(batch, seq_len)`` token ids.
         attention_mask (Tensor): ``(batch, seq_len)``, 1 for real tokens.
         attributions (Tensor): ``(batch, seq_len)`` token scores, higher = more important;
-            tied scores are taken in position order, NaN is refused.
+            tokens tied at a bin's cut are removed together (never split by position),
+            NaN is refused.
         target (int, list, Tensor or None, optional): class y; None = predicted class.
         bins (sequence of float, optional): k in percent, each in (0, 100].
             Default: (1, 5, 10, 20, 50).
