@@ -35,6 +35,18 @@ def reference_grad_sam(ref, lengths):
     return scores
 
 
+def reference_grad_sam_key_axis(ref, lengths):
+    """Σ over layers, heads and query rows i of A_ij·ReLU(G_ij), per key j, / (L·M·N)."""
+    scores = torch.zeros(len(lengths), max(lengths))
+    num_layers, num_heads = len(ref.attentions), ref.attentions[0].shape[1]
+    for b, n in enumerate(lengths):
+        total = torch.zeros(n)
+        for attn, grad in zip(ref.attentions, ref.grads):
+            total += (_block(attn, b, n) * _block(grad, b, n).clamp(min=0)).sum(dim=(0, 1))
+        scores[b, :n] = total / (num_layers * num_heads * n)
+    return scores
+
+
 def reference_chefer(ref, lengths, query=0, start_layer=0):
     scores = torch.zeros(len(lengths), max(lengths))
     for b, n in enumerate(lengths):

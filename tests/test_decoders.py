@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import assert_same_state, assert_scores_close, model_state
-from lm_models import DECODERS, lm_reference, make_decoder, make_prompts
-from methods import METHODS
+from lm_models import DECODERS, lm_reference, make_decoder, make_encoder_decoder, make_prompts
+from methods import METHODS, reference_grad_sam_key_axis
 
 from captum_attention import GradSAM
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
@@ -153,3 +153,22 @@ def test_token_removal_metrics_ask_for_classifier_logits():
     forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
     with pytest.raises(ValueError, match="logits of the explained position"):
         comprehensiveness(forward, prompts.input_ids, prompts.attention_mask, torch.rand(prompts.real.shape))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_grad_sam_key_axis_matches_reference_at_the_last_real_token(decoder, side):
+    model = make_decoder(decoder)
+    prompts = make_prompts(side=side)
+    last = torch.arange(prompts.real.shape[1]).masked_fill(~prompts.real, -1).amax(dim=1)
+    ref = lm_reference(model, prompts, last)
+    scores = GradSAM(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,), axis="key")
+    expected = per_example(lambda sub, lengths, query: reference_grad_sam_key_axis(sub, lengths), ref, prompts.real, last)
+    assert expected.abs().max() > 0
+    assert_scores_close(scores, expected)
+
+
+def test_grad_sam_key_axis_is_refused_for_encoder_decoders():
+    model = make_encoder_decoder("t5")
+    ids = torch.randint(3, 20, (2, 5))
+    with pytest.raises(ValueError, match="axis='key'"):
+        GradSAM(model).attribute((ids, ids), axis="key")

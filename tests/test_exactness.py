@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_scores_close, make_batch, make_model, reference_attention
-from methods import METHODS, reference_chefer, reference_grad_sam, reference_raw, reference_rollout
+from methods import METHODS, reference_chefer, reference_grad_sam, reference_grad_sam_key_axis, reference_raw, reference_rollout
 
 from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
@@ -151,3 +151,17 @@ def test_return_maps_shapes_and_consistency():
     torch.testing.assert_close(scores, maps.sum(dim=(1, 3)) / (3 * lengths[:, None]))
     scores, maps = AttentionRollout(model).attribute(batch.input_ids, return_maps=True, **args)
     torch.testing.assert_close(maps.sum(-1), torch.ones(3, 3, 9))
+
+
+def test_grad_sam_key_axis_matches_reference(family):
+    model = make_model(family)
+    batch = make_batch(model)
+    ref = reference_attention(model, batch, TARGET)
+    scores = GradSAM(model).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,), axis="key"
+    )
+    expected = reference_grad_sam_key_axis(ref, batch.lengths)
+    assert not torch.allclose(expected, reference_grad_sam(ref, batch.lengths)), "the axes differ"
+    assert_scores_close(scores, expected)
+    with pytest.raises(ValueError, match="axis must be one of"):
+        GradSAM(model).attribute(batch.input_ids, target=TARGET, axis="column")

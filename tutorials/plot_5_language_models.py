@@ -38,6 +38,7 @@ first_answer = int(batch.answer_positions[0, 0])
 prompt = batch.input_ids[:, : first_answer + 1]
 target = batch.answers[:, 0]
 scores = {name: METHODS[name](model).attribute(prompt, target=target) for name in METHODS}
+scores["grad_sam, key axis"] = METHODS["grad_sam"](model).attribute(prompt, target=target, axis="key")
 
 example = 0
 tokens = decode(prompt[example])
@@ -71,8 +72,10 @@ for name, method_scores in scores.items():
 # answer through both layers and find the pair almost always. Grad-SAM does not, and this
 # is what it measures: it scores each token by how much the attention paid *by* that token
 # (as a query) helps the logit, so it credits the tokens that gather information (here above
-# all the asked key itself), not the evidence they gather. Raw attention of the last
-# layer alone sees only half of the path.
+# all the asked key itself), not the evidence they gather. Summed down the key column
+# instead (``axis="key"``: the attention a token *receives* where it helps), the same
+# gradient-weighted attention points at the pair far more often. Raw attention of the
+# last layer alone sees only half of the path.
 #
 # Explain a continuation in one pass
 # ----------------------------------
@@ -102,5 +105,6 @@ print(f"Transformer Attribution on the second answer: top token (the asked key l
 assert recall_accuracy(model, batch) > 0.95
 assert hits["rollout"] > 2 * chance and hits["transformer_attribution"] > 2 * chance
 assert hits["grad_sam"] < hits["transformer_attribution"]
+assert hits["grad_sam, key axis"] > 2 * hits["grad_sam"] and hits["grad_sam, key axis"] > 2 * chance
 assert second_hits > 2 * chance
 plt.show()

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..capture.kernel import block_shape
 from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
+from ..maps.grad_sam import check_axis
 from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
@@ -34,7 +35,11 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         r_i = \frac{1}{L \cdot M \cdot N} \sum_l \sum_m \sum_j H^{lm}_{ij}
 
     where N is the number of real tokens of the sample and the sum over j runs along the
-    row of token i's query. An attention whose queries are not tokens (``pooling`` in
+    row of token i's query: a token is credited for the attention it pays where that
+    helps the logit. ``axis="key"`` sums down token j's key column instead,
+    :math:`r_j = \frac{1}{L M N} \sum_l \sum_m \sum_i H^{lm}_{ij}`: the attention it
+    receives where that helps (on the key-value recall task of the tutorials the key
+    column points at the decisive token where the row does not). An attention whose queries are not tokens (``pooling`` in
     :class:`~captum_attention.capture.ModuleAdapter`) credits its keys instead:
     :math:`\sum_q H^{lm}_{qi}`. One forward and one ``torch.autograd.grad``; the model's
     parameters' ``.grad`` are never written.
@@ -69,6 +74,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         additional_forward_args: Any = None,
         query_index: QueryIndex = None,
         return_maps: bool = False,
+        axis: str = "query",
     ) -> Scores | tuple[Scores, Maps]:
         r"""Grad-SAM relevance of each token for the explained logit.
 
@@ -79,24 +85,31 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             $query_index
             return_maps (bool, optional): also return the per-layer head-mean
                 mean_m(H^{lm}). Default: False.
+            axis (str, optional): ``"query"``: the paper's sum along each token's query
+                row, crediting the attention a token pays where it helps (the tokens
+                that gather evidence); ``"key"``: the sum down each token's key column,
+                crediting the attention it receives (the evidence gathered). One
+                self-attention stack only. Default: ``"query"``.
 
         $returns
         """
-        return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
+        check_axis(axis)
+        return self._explain(inputs, target, additional_forward_args, query_index, return_maps, axis=axis)
 
-    def _scores(self, record: ForwardRecord, **options: Any) -> tuple[Tensor, list[Tensor]]:
+    def _scores(self, record: ForwardRecord, axis: str = "query") -> tuple[Tensor, list[Tensor]]:
         assert record.grad_maps is not None
         maps = [grad_sam_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(record.grad_maps, record.roles)]
         pooling = [role == "pooling" for role in record.roles]
-        return grad_sam_scores(maps, record.heads, record.target_real, pooling), maps
+        return grad_sam_scores(maps, record.heads, record.target_real, pooling, axis), maps
 
     streams_encoder_decoder = True
 
-    def _streamed_scores(self, record: ForwardRecord, **options: Any) -> Scores:
-        """The row sums of every call; for an encoder-decoder the encoder's score the
-        source and the decoder's self- and cross-attention the target, as in
+    def _streamed_scores(self, record: ForwardRecord, axis: str = "query") -> Scores:
+        """The row (or column) sums of every call; for an encoder-decoder the encoder's
+        score the source and the decoder's self- and cross-attention the target, as in
         :meth:`_encoder_decoder_scores`."""
         assert record.kernel_calls is not None and record.output_grads is not None
+        _one_stack(record, axis)
         sides = [("self", "decoder", "cross"), ("encoder",)] if record.is_encoder_decoder else [("self",)]
         scores = []
         for roles in sides:
@@ -104,7 +117,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             total = sum(
                 grad_sam_row_sums(
                     record.kernel_calls[i], record.output_grads[i], *record.real_of(record.roles[i]),
-                    block_shape(record.kernel_calls[i], self.block_memory),
+                    block_shape(record.kernel_calls[i], self.block_memory), axis,
                 )
                 for i in calls
             )
@@ -113,11 +126,12 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         return scores[0] if len(scores) == 1 else (scores[1], scores[0])
 
     def _encoder_decoder_scores(
-        self, record: ForwardRecord, **options: Any
+        self, record: ForwardRecord, axis: str = "query"
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Each map credits its query tokens: encoder maps score the source, decoder self-
         and cross-attention maps (whose queries are target tokens) score the target."""
         assert record.grad_maps is not None and record.source_real is not None
+        _one_stack(record, axis)
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
         for head_mean, role in zip(record.grad_maps, record.roles):
             role_maps[role] += grad_sam_layer_maps([head_mean], *record.real_of(role))
@@ -127,3 +141,11 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
         target = grad_sam_scores(target_maps, target_heads, record.target_real)
         return (source, target), {role: torch.stack(maps, dim=1) for role, maps in role_maps.items()}
+
+
+def _one_stack(record: ForwardRecord, axis: str) -> None:
+    if axis == "key" and record.is_encoder_decoder:
+        raise ValueError(
+            "axis='key' sums the attention each token receives in one self-attention stack; an "
+            "encoder-decoder's cross-attention keys are another sequence: use axis='query'."
+        )

@@ -1,8 +1,9 @@
 """Grad-SAM (Barkan et al., CIKM 2021, https://arxiv.org/abs/2204.11073).
 
 H^{lm} = A^{lm} ⊙ ReLU(G^{lm}); r_i = 1/(L·M·N) Σ_l Σ_m Σ_j H^{lm}_{ij}: the sum over j runs
-along the row of token i's query, N is the number of real tokens of the sample. A pooling
-layer's queries are not tokens: its H credits the keys, Σ_q H^{lm}_{qi}.
+along the row of token i's query, N is the number of real tokens of the sample. The key
+axis sums down token j's column instead (the attention it receives). A pooling layer's
+queries are not tokens: its H credits the keys, Σ_q H^{lm}_{qi}.
 """
 
 from __future__ import annotations
@@ -27,21 +28,36 @@ def grad_sam_layer_maps(head_means: list[Tensor], real: Tensor, real_keys: Tenso
 
 
 def grad_sam_scores(
-    layer_maps: list[Tensor], heads_per_layer: list[int], real: Tensor, pooling: Sequence[bool] = ()
+    layer_maps: list[Tensor],
+    heads_per_layer: list[int],
+    real: Tensor,
+    pooling: Sequence[bool] = (),
+    axis: str = "query",
 ) -> Tensor:
-    """r_i = Σ_l M_l·Σ_j mean_m(H^{lm})_{ij} / (Σ_l M_l · N), i.e. 1/(L·M·N) Σ_l Σ_m Σ_j H.
+    """r_i = Σ_l M_l·Σ_j mean_m(H^{lm})_{ij} / (Σ_l M_l · N), i.e. 1/(L·M·N) Σ_l Σ_m Σ_j H:
+    each token credited along its query row (the paper). With ``axis="key"`` along its key
+    column instead, r_j = 1/(L·M·N) Σ_l Σ_m Σ_i H^{lm}_{ij}: the attention it receives.
 
     A layer flagged in ``pooling`` has queries that are not tokens (``(B, Q, T)`` maps):
-    it credits its keys instead, Σ_q mean_m(H^{lm})_{qi}.
+    it credits its keys on either axis, Σ_q mean_m(H^{lm})_{qi}.
     """
+    check_axis(axis)
     pooled = list(pooling) + [False] * (len(layer_maps) - len(pooling))
     total = torch.stack(
         [
-            heads * layer_map.sum(dim=-2 if is_pooling else -1)
+            heads * layer_map.sum(dim=-2 if is_pooling or axis == "key" else -1)
             for heads, layer_map, is_pooling in zip(heads_per_layer, layer_maps, pooled)
         ]
     ).sum(dim=0)
     return grad_sam_normalised(total, heads_per_layer, real)
+
+
+AXES = ("query", "key")
+
+
+def check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}.")
 
 
 def grad_sam_normalised(total: Tensor, heads_per_layer: list[int], real: Tensor) -> Tensor:

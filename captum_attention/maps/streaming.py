@@ -32,13 +32,21 @@ def _over_real_keys(block: Tensor, real_keys: Tensor) -> Tensor:
     return block if bool(keys.all()) else block.masked_fill_(~keys[:, None, None, :], 0.0)
 
 
-def grad_sam_row_sums(call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape) -> Tensor:
-    """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums."""
-    sums = torch.zeros(real_queries.shape, device=real_queries.device)
+def grad_sam_row_sums(
+    call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape, axis: str = "query"
+) -> Tensor:
+    """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums;
+    with ``axis="key"`` Σ_m Σ_i per key column j, ``(B, K)``, over the real queries."""
+    by_key = axis == "key"
+    sums = torch.zeros(real_keys.shape if by_key else real_queries.shape, device=real_queries.device)
     for heads, rows in call.blocks(shape):
-        weighted = call.grad_probs(grad_output, rows, heads).clamp_(min=0).mul_(call.probs(rows, heads))
-        sums[:, rows] += _over_real_keys(weighted, real_keys).sum(dim=(1, 3))
-    return sums.masked_fill_(~real_queries, 0.0)
+        weighted = _over_real_keys(call.grad_probs(grad_output, rows, heads).clamp_(min=0).mul_(call.probs(rows, heads)), real_keys)
+        if by_key:
+            weighted.masked_fill_(~real_queries[:, None, rows, None], 0.0)
+            sums[:, : weighted.shape[-1]] += weighted.sum(dim=(1, 2))
+        else:
+            sums[:, rows] += weighted.sum(dim=(1, 3))
+    return sums if by_key else sums.masked_fill_(~real_queries, 0.0)
 
 
 def _relevance(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> Tensor:
