@@ -1,6 +1,6 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
-from .attr import METHODS, AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from .attr import METHODS, AttentionFlow, AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from .capture import (
     AttentionAdapter,
     AttentionCapture,
@@ -17,6 +17,7 @@ __all__ = [
     "METHODS",
     "AttentionAdapter",
     "AttentionCapture",
+    "AttentionFlow",
     "AttentionRollout",
     "GradSAM",
     "HuggingFaceAdapter",

@@ -62,3 +62,11 @@ def test_pytest_benchmark_harness_smoke():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "12 passed" in out.stdout
+
+
+def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
+    import flow_cost
+
+    results = flow_cost.main(["--smoke", "--lengths", "8", "12", "--repeats", "1"])
+    assert set(results) == {8, 12} and all(flow > 0 and rollout > 0 for flow, rollout in results.values())
+    assert "ratio" in capsys.readouterr().out

@@ -14,9 +14,12 @@ from .grad_sam import GradSAM  # isort: skip
 from .attention_rollout import AttentionRollout  # isort: skip
 from .transformer_attribution import TransformerAttribution  # isort: skip
 from .raw_attention import RawAttention  # isort: skip
+from .attention_flow import AttentionFlow  # isort: skip  (not registered: see its cost)
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["METHODS", "AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image"]
+__all__ = [
+    "METHODS", "AttentionFlow", "AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
+]

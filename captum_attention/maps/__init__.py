@@ -7,6 +7,7 @@ from ..capture.record import real_tokens, zero_on_later_keys as is_causal  # mov
 from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
+from .flow import attention_flow_scores
 from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
@@ -16,6 +17,7 @@ from .transformer_attribution import relevance_head_mean, relevance_layer_maps, 
 __all__ = [
     "HEAD_FUSIONS",
     "add_residual",
+    "attention_flow_scores",
     "discard_lowest",
     "encoder_decoder_relevance",
     "encoder_decoder_rollout",
