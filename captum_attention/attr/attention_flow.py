@@ -10,8 +10,10 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..maps import HEAD_FUSIONS, attention_flow_scores, raw_attention_maps, rollout_layer_maps
+from ..maps import attention_flow_scores
+from ..maps.common import check_head_fusion
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
+from .attention_rollout import rollout_maps
 
 
 class AttentionFlow(AttentionAttributionBase, Attribution):
@@ -81,21 +83,14 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        if head_fusion not in HEAD_FUSIONS:
-            raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
+        check_head_fusion(head_fusion)
         return self._explain(
             inputs, target, additional_forward_args, query_index, return_maps, head_fusion=head_fusion, start_layer=start_layer
         )
 
     def _scores(self, record: ForwardRecord, head_fusion: str = "mean", start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
-        assert record.attn_probs is not None
         first = record.layer(start_layer, "start_layer")
-        maps = [
-            raw_attention_maps([attn], *record.real_of(role), head_fusion)[0]
-            if role == "pooling"
-            else rollout_layer_maps([attn], record.target_real, record.query_index, head_fusion)[0]
-            for attn, role in zip(record.attn_probs, record.roles)
-        ]
+        maps = rollout_maps(record, head_fusion)
         token_maps, readout = record.readout(maps, first)
         return attention_flow_scores(token_maps, record.target_real, record.query_index, readout), maps
 

@@ -9,7 +9,6 @@ from captum.attr import Attribution
 from torch import Tensor
 
 from ..maps import (
-    HEAD_FUSIONS,
     encoder_decoder_rollout,
     raw_attention_maps,
     rollout_layer_maps,
@@ -19,6 +18,7 @@ from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.kernel import block_shape
 from ..capture.record import ForwardRecord
+from ..maps.common import check_head_fusion
 from ..maps.streaming import cross_rollout_row_step, query_row, rollout_row_step
 from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
 
@@ -90,8 +90,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        if head_fusion not in HEAD_FUSIONS:
-            raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
+        check_head_fusion(head_fusion)
         if not 0.0 <= discard_ratio < 1.0:
             raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}.")
         return self._explain(
@@ -102,14 +101,8 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     def _scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[Tensor, list[Tensor]]:
-        assert record.attn_probs is not None
         first = record.layer(start_layer, "start_layer")
-        maps = [
-            raw_attention_maps([attn], *record.real_of(role), head_fusion)[0]
-            if role == "pooling"
-            else rollout_layer_maps([attn], record.target_real, record.query_index, head_fusion, discard_ratio)[0]
-            for attn, role in zip(record.attn_probs, record.roles)
-        ]
+        maps = rollout_maps(record, head_fusion, discard_ratio)
         token_maps, readout = record.readout(maps, first)
         return rollout_scores(token_maps, record.query_index, readout), maps
 
@@ -159,3 +152,15 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
             else:  # the query index only matters to discard_ratio, refused above
                 maps += rollout_layer_maps([attn], real_queries, record.query_index, head_fusion)
         return encoder_decoder_rows(record, maps, encoder_decoder_rollout)
+
+
+def rollout_maps(record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0) -> list[Tensor]:
+    """Per call of one self-attention stack: Â^l for token calls, the fused attention
+    (no residual) for pooling calls; shared by rollout and flow."""
+    assert record.attn_probs is not None
+    return [
+        raw_attention_maps([attn], *record.real_of(role), head_fusion)[0]
+        if role == "pooling"
+        else rollout_layer_maps([attn], record.target_real, record.query_index, head_fusion, discard_ratio)[0]
+        for attn, role in zip(record.attn_probs, record.roles)
+    ]

@@ -22,9 +22,14 @@ def fuse_heads(attn: Tensor, fusion: str = "mean") -> Tensor:
         return attn.mean(dim=1)
     if fusion == "max":
         return attn.amax(dim=1)
-    if fusion == "min":
-        return attn.amin(dim=1)
-    raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {fusion!r}.")
+    check_head_fusion(fusion)
+    return attn.amin(dim=1)
+
+
+def check_head_fusion(fusion: str) -> None:
+    """A clear error unless ``fusion`` is one of :data:`HEAD_FUSIONS`."""
+    if fusion not in HEAD_FUSIONS:
+        raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {fusion!r}.")
 
 
 def mask_padding(maps: Tensor, real: Tensor, real_keys: Tensor | None = None) -> Tensor:
