@@ -84,3 +84,13 @@ def test_encoder_decoders_are_refused():
     ids = torch.randint(3, 20, (2, 5))
     with pytest.raises(ValueError, match="one self-attention stack"):
         AttentionFlow(model).attribute((ids, ids))
+
+
+def test_decoders_and_vision_transformers_get_flow_scores():
+    from lm_models import make_decoder, make_prompts, make_vision
+
+    prompts = make_prompts(side="left")
+    scores = AttentionFlow(make_decoder("llama")).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    assert bool((scores[~prompts.real] == 0).all()) and bool((scores[prompts.real] > 0).all())
+    grid = AttentionFlow(make_vision("vit")).attribute(torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)))
+    assert grid.shape == (2, 4, 4) and bool((grid > 0).all())
