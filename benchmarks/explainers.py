@@ -28,10 +28,10 @@ PATCH = 4
 Explainer = Callable[[Task, Tensor], Tensor]
 
 
-def _ours(cls: type) -> Explainer:
+def _ours(cls: type, **options: object) -> Explainer:
     def explain(task: Task, target: Tensor) -> Tensor:
         args = None if task.is_image else (task.attention_mask,)
-        return cls(task.model).attribute(task.inputs, target=target, additional_forward_args=args)
+        return cls(task.model).attribute(task.inputs, target=target, additional_forward_args=args, **options)
 
     return explain
 
@@ -105,6 +105,7 @@ def methods() -> dict[str, Explainer]:
     """The compared methods by display name (the budgets as currently set in this module)."""
     return {
         **{cls.get_name(): _ours(cls) for cls in METHODS.values()},
+        "Grad-SAM (key axis)": _ours(METHODS["grad_sam"], axis="key"),
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Gradient × Input": gradient_x_input,

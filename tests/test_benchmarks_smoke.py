@@ -27,7 +27,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 9
+    assert len(text["methods"]) == 10 and "Grad-SAM (key axis)" in text["methods"]
     for result in results:
         for name, row in result["methods"].items():
             assert 0 <= row["AUPRC"] <= 1, name
