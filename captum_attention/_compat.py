@@ -11,6 +11,7 @@ import gc
 import types
 from typing import Any, Callable, cast
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -112,14 +113,27 @@ def register_attention_function(name: str, function: Callable[..., Any]) -> None
     AttentionInterface.register(name, function)
 
 
-def mha_forward_with_softmax(softmax: Callable[..., Tensor]) -> Callable[..., Any]:
-    """A private copy of ``F.multi_head_attention_forward`` whose softmax is ``softmax``.
+class _TorchWith(types.ModuleType):
+    """The ``torch`` module as one function's globals see it, with some attributes replaced."""
+
+    def __init__(self, **replaced: Any) -> None:
+        super().__init__("torch")
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., Tensor] = torch.bmm) -> Callable[..., Any]:
+    """A private copy of ``F.multi_head_attention_forward`` whose softmax is ``softmax``
+    (and whose ``torch.bmm``, which weights the values, is ``bmm``).
 
     ``nn.MultiheadAttention`` dispatches ``F.multi_head_attention_forward`` as a whole to
     torch-function modes, which hides the softmax inside it. The copy runs the same code
-    object with ``softmax`` and ``has_torch_function`` (always False: the call has already
-    been dispatched) replaced in its globals; nothing global is patched. Depends on the
-    function calling ``softmax`` and ``has_torch_function`` by name (torch 2.13).
+    object with ``softmax``, ``torch.bmm`` and ``has_torch_function`` (always False: the call
+    has already been dispatched) replaced in its globals; nothing global is patched.
+    Depends on the function calling ``softmax``, ``torch.bmm`` and ``has_torch_function``
+    by name (torch 2.13).
     """
     function = F.multi_head_attention_forward
     code = function.__code__
@@ -132,7 +146,9 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor]) -> Callable[..., An
     def has_torch_function(*args: Any) -> bool:
         return False
 
-    namespace = {**function.__globals__, "softmax": softmax, "has_torch_function": has_torch_function}
+    namespace = {
+        **function.__globals__, "softmax": softmax, "has_torch_function": has_torch_function, "torch": _TorchWith(bmm=bmm),
+    }
     copy = types.FunctionType(code, namespace, function.__name__, function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy

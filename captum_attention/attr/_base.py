@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import replace
 from typing import Any, Callable, ClassVar, Literal, Protocol, cast, overload
@@ -15,7 +16,7 @@ from ..capture import AttentionAdapter
 from ..capture.inputs import QueryIndex, format_inputs
 from ..capture.kernel import StreamingUnsupported
 from ..capture.record import ForwardRecord, GradientReduction, record_forward, resolve_adapter
-from ..maps import patch_grid, query_rows
+from ..maps import effective_attention, patch_grid, query_rows
 from ._docs import shared_attribute_docs
 from ._registry import register
 
@@ -139,8 +140,12 @@ class AttentionAttributionBase:
         """Why these options need the full maps (eager capture), or None."""
         return None
 
-    def _eager_reason(self, adapter: AttentionAdapter, return_maps: bool, **options: Any) -> str | None:
+    def _eager_reason(
+        self, adapter: AttentionAdapter, return_maps: bool, effective: bool = False, **options: Any
+    ) -> str | None:
         """Why this call cannot stream exactly, or None when it can."""
+        if effective:
+            return "effective attention needs the values and the full maps"
         if not getattr(adapter, "streams", False):
             return f"{type(adapter).__name__} does not run attention through transformers' sdpa function"
         if return_maps:
@@ -151,9 +156,9 @@ class AttentionAttributionBase:
             return f"{type(self).__name__} has no streaming reduction"
         return self._streaming_refusal(**options)
 
-    def _streams(self, adapter: AttentionAdapter, return_maps: bool, **options: Any) -> bool:
+    def _streams(self, adapter: AttentionAdapter, return_maps: bool, effective: bool = False, **options: Any) -> bool:
         """Whether to try streaming for this call (a clear error if it was asked for and cannot)."""
-        reason = None if self.capture == "eager" else self._eager_reason(adapter, return_maps, **options)
+        reason = None if self.capture == "eager" else self._eager_reason(adapter, return_maps, effective, **options)
         if self.capture == "streaming" and reason is not None:
             raise ValueError(f"capture='streaming' is not possible here: {reason}. Use capture='auto' or 'eager'.")
         self._note_capture("eager: capture='eager'" if self.capture == "eager" else reason and f"eager: {reason}")
@@ -165,14 +170,21 @@ class AttentionAttributionBase:
             logger.debug("%s: %s", type(self).__name__, how)
 
     def _forward(
-        self, inputs: tuple[Tensor, ...], additional_forward_args: Any, query_index: QueryIndex, streaming: bool
+        self,
+        inputs: tuple[Tensor, ...],
+        additional_forward_args: Any,
+        query_index: QueryIndex,
+        streaming: bool,
+        effective: bool = False,
     ) -> ForwardRecord:
-        """One forward through the capture (in the autograd graph for gradient methods)."""
-        return record_forward(
+        """One forward through the capture (in the autograd graph for gradient methods);
+        with ``effective=True`` its maps are effective attention."""
+        record = record_forward(
             self.forward_func, self.model, inputs, additional_forward_args, self.adapter,
             track_grad=self.gradient_reduction is not None, query_index=query_index, streaming=streaming,
-            block_memory=self.block_memory,
+            block_memory=self.block_memory, record_values=effective,
         )
+        return with_effective_attention(record) if effective else record
 
     def _explained(self, record: ForwardRecord, target: TargetType, retain_graph: bool = False) -> ForwardRecord:
         """The record ready for the method's reduction: for gradient methods with one
@@ -215,9 +227,11 @@ class AttentionAttributionBase:
         additional_forward_args: Any,
         query_index: QueryIndex,
         return_maps: bool,
+        effective: bool = False,
         **options: Any,
     ) -> Any:
-        """What every ``attribute`` does: record, reduce, shape the output like Captum."""
+        """What every ``attribute`` does: record, reduce, shape the output like Captum
+        (``effective``: over effective attention, for the methods that offer it)."""
         is_tuple, tensors = format_inputs(inputs)
         adapter = resolve_adapter(self.model, self.adapter)
         if adapter.is_encoder_decoder(self.model) and len(tensors) != 2:
@@ -225,9 +239,11 @@ class AttentionAttributionBase:
                 f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
                 "decoder_input_ids) and get (source scores, target scores) back."
             )
-        streaming = self._streams(adapter, return_maps, **options)
+        streaming = self._streams(adapter, return_maps, effective, **options)
         record = self._recorded(
-            lambda stream: self._explained(self._forward(tensors, additional_forward_args, query_index, stream), target),
+            lambda stream: self._explained(
+                self._forward(tensors, additional_forward_args, query_index, stream, effective), target
+            ),
             streaming,
         )
         if record.is_encoder_decoder:
@@ -267,7 +283,8 @@ class AttentionAttributionBase:
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``; every tensor shaped ``(batch, prompt_len)`` is taken as a
                 padding mask and extended with ones over the continuation. Default: None.
-            **options: the method's options of ``attribute`` (e.g. ``head_fusion``).
+            **options: the method's options of ``attribute`` (e.g. ``head_fusion``,
+                ``effective``).
 
         Returns:
             Tensor ``(batch, new_tokens, prompt_len + new_tokens)``: one row of scores per
@@ -277,8 +294,9 @@ class AttentionAttributionBase:
         _check_continuation(prompt, continuation)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
-        streaming = self._streams(resolve_adapter(self.model, self.adapter), False, **options)
-        record = self._recorded(lambda stream: self._forward((sequence,), extra, None, stream), streaming)
+        effective = bool(options.pop("effective")) if "effective" in inspect.signature(self.attribute).parameters else False
+        streaming = self._streams(resolve_adapter(self.model, self.adapter), False, effective, **options)
+        record = self._recorded(lambda stream: self._forward((sequence,), extra, None, stream, effective), streaming)
         _check_continuation_record(record, prompt.shape[1])
         prompt_len, new_tokens = prompt.shape[1], continuation.shape[1]
         rows = []
@@ -288,6 +306,18 @@ class AttentionAttributionBase:
             explained = self._explained(record.at_query(position), token, retain_graph=step < new_tokens - 1)
             rows.append(_zero_padding(explained, self._token_scores(explained, **options)))
         return torch.stack(rows, dim=1)
+
+
+def with_effective_attention(record: ForwardRecord) -> ForwardRecord:
+    """``record`` with each call's probabilities replaced by its effective attention
+    (Brunner et al., ICLR 2020; see :func:`~captum_attention.maps.effective_attention`),
+    each real query's row projected over the keys it sees."""
+    assert record.values is not None and record.projections is not None
+    maps = [
+        effective_attention(attn, values, *record.visible_keys(call), projection)
+        for call, (attn, values, projection) in enumerate(zip(record.attn_probs, record.values, record.projections))
+    ]
+    return replace(record, attn_probs=maps)
 
 
 def _zero_padding(record: ForwardRecord, scores: Any) -> Any:

@@ -39,7 +39,8 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     helps the logit. ``axis="key"`` sums down token j's key column instead,
     :math:`r_j = \frac{1}{L M N} \sum_l \sum_m \sum_i H^{lm}_{ij}`: the attention it
     receives where that helps (on the key-value recall task of the tutorials the key
-    column points at the decisive token where the row does not). An attention whose queries are not tokens (``pooling`` in
+    column points at the decisive token where the row does not). ``effective=True``
+    replaces A by effective attention (Brunner et al., ICLR 2020). An attention whose queries are not tokens (``pooling`` in
     :class:`~captum_attention.capture.ModuleAdapter`) credits its keys instead:
     :math:`\sum_q H^{lm}_{qi}`. One forward and one ``torch.autograd.grad``; the model's
     parameters' ``.grad`` are never written.
@@ -75,6 +76,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         query_index: QueryIndex = None,
         return_maps: bool = False,
         axis: str = "query",
+        effective: bool = False,
     ) -> Scores | tuple[Scores, Maps]:
         r"""Grad-SAM relevance of each token for the explained logit.
 
@@ -90,11 +92,18 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
                 that gather evidence); ``"key"``: the sum down each token's key column,
                 crediting the attention it receives (the evidence gathered). One
                 self-attention stack only. Default: ``"query"``.
+            effective (bool, optional): use effective attention (Brunner et al., ICLR
+                2020) for A: each row without its component in the left null space of
+                the head's values through the output projection, the part that cannot
+                change the output (:func:`~captum_attention.maps.effective_attention`);
+                G stays dS/dA. Eager capture. Default: False.
 
         $returns
         """
         check_axis(axis)
-        return self._explain(inputs, target, additional_forward_args, query_index, return_maps, axis=axis)
+        return self._explain(
+            inputs, target, additional_forward_args, query_index, return_maps, effective, axis=axis
+        )
 
     def _scores(self, record: ForwardRecord, axis: str = "query") -> tuple[Tensor, list[Tensor]]:
         assert record.grad_maps is not None

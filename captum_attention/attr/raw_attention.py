@@ -29,7 +29,8 @@ class RawAttention(AttentionAttributionBase, Attribution):
 
     for the chosen layer l (the last by default) and query row q (for a pooling
     attention, whose queries are not tokens, the mean of its rows). A forward pass only:
-    the scores do not depend on ``target``.
+    the scores do not depend on ``target``. ``effective=True`` reads effective attention
+    instead (Brunner et al., "On Identifiability in Transformers", ICLR 2020).
 
     Args:
         forward_func (Callable): the model's forward; a Hugging Face model or any
@@ -57,6 +58,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         query_index: QueryIndex = None,
         layer: int = -1,
         return_maps: bool = False,
+        effective: bool = False,
     ) -> Scores | tuple[Scores, Maps]:
         r"""Head-mean attention of the query row in one layer.
 
@@ -70,10 +72,15 @@ class RawAttention(AttentionAttributionBase, Attribution):
                 target scores, its cross-attention the source scores). Default: -1, the last.
             return_maps (bool, optional): also return every layer's head-mean attention.
                 Default: False.
+            effective (bool, optional): effective attention instead (Brunner et al.,
+                ICLR 2020): each row without its component in the left null space of the
+                head's values through the output projection, the part that cannot change
+                the output (:func:`~captum_attention.maps.effective_attention`); its rows
+                need not sum to 1 and can be negative. Eager capture. Default: False.
 
         $returns
         """
-        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer)
+        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, effective, layer=layer)
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         assert record.attn_probs is not None

@@ -13,7 +13,9 @@ An adapter answers the family questions for the capture layer, and nothing else 
    (``prepared``, a context manager that restores the model afterwards);
 5. how to call the model's forward with Captum's positional arguments
    (``keyword_forward``), whether it is an encoder-decoder (``is_encoder_decoder``) and,
-   for image models, the patch grid of an input (``patch_grid``).
+   for image models, the patch grid of an input (``patch_grid``);
+6. which weight maps an attention module's concatenated head outputs back to the
+   hidden size (``output_projection``, for effective attention).
 
 Supporting a new model family means writing one adapter; the attribution methods and
 metrics never change. Adapters keep no state between calls.
@@ -137,6 +139,12 @@ class AttentionAdapter(Protocol):
         """Context in which ``model`` exposes attention probabilities; restores it on exit."""
         ...
 
+    def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
+        """The ``(hidden, heads * head_dim)`` weight that maps the module's concatenated
+        head outputs to the hidden size (each head's slice of it is the H of Brunner et
+        al.), or None where the adapter does not know it."""
+        ...
+
     streams: bool
     """Whether the family's attention runs through transformers' ``sdpa`` attention
     function, so that a streaming capture can record it (see ``kernel_prepared``)."""
@@ -203,6 +211,9 @@ class AdapterBase:
 
     def kernel_prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         return nullcontext()
+
+    def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
+        return None
 
 
 class AttentionNotFoundError(ValueError):
@@ -374,11 +385,31 @@ class HuggingFaceAdapter(AdapterBase):
 
     streams = True
 
+    def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
+        """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
+        ``c_proj``, ``out_lin``), or, where the declared module is the inner
+        self-attention (BERT family), its parent's ``output.dense``."""
+        names = {m: name for name, m in model.named_modules()}
+        parent = model.get_submodule(names[module].rpartition(".")[0]) if module in names else None
+        candidates = [getattr(module, name, None) for name in _PROJECTIONS]
+        if parent is not None:
+            candidates.append(getattr(getattr(parent, "output", None), "dense", None))
+        projection = next((c for c in candidates if isinstance(c, nn.Module)), None)
+        if isinstance(projection, nn.Linear):
+            return projection.weight
+        if type(projection).__name__ == "Conv1D":  # GPT-2's (in, out) weight
+            return projection.weight.t()  # type: ignore[union-attr, operator]
+        return None
+
     def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         return _implementation(model, "eager")
 
     def kernel_prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         return _implementation(model, "sdpa")
+
+
+_PROJECTIONS = ("o_proj", "out_proj", "o", "c_proj", "out_lin")
+"""Names transformers' attention modules give their output projection."""
 
 
 @contextmanager
@@ -564,6 +595,10 @@ class MultiheadAttentionAdapter(AdapterBase):
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return self.attention_modules(model)[:1]
+
+    def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
+        assert isinstance(module, nn.MultiheadAttention)
+        return module.out_proj.weight
 
     def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         key_padding_mask = _bound_argument(module.forward, "key_padding_mask", args, kwargs)

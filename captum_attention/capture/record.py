@@ -59,6 +59,10 @@ class ForwardRecord:
         causal: whether the explained sequence's self-attention never looks ahead.
         capture: the capture of the call (its probabilities still in the autograd graph
             when gradients are tracked).
+        values: eager records made with ``record_values``: per attention call, the
+            ``(B, H, K, Dv)`` values the probabilities weighted; else None.
+        projections: with ``values``, per call, the adapter's output projection weight
+            ``(hidden, H * Dv)``, or None where it does not know it.
     """
 
     logits: Tensor
@@ -73,6 +77,8 @@ class ForwardRecord:
     grad_maps: list[Tensor] | None = None
     kernel_calls: list[KernelCall] | None = None
     output_grads: list[Tensor] | None = None
+    values: list[Tensor] | None = None
+    projections: list[Tensor | None] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -112,7 +118,7 @@ class ForwardRecord:
         targets = resolve_targets(logits, target)
         with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
             score = logits.gather(1, targets[:, None]).sum()
-            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph)
+            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph, reduced_probs=self.attn_probs)
         return replace(self, grad_maps=[g.float() for g in grads])
 
     def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":
@@ -141,6 +147,7 @@ class ForwardRecord:
         return replace(
             self, attn_probs=pick(self.attn_probs or None) or [], heads=pick(self.heads), roles=pick(self.roles),
             grad_maps=pick(self.grad_maps), kernel_calls=pick(self.kernel_calls), output_grads=pick(self.output_grads),
+            values=pick(self.values), projections=pick(self.projections),
         )
 
     def real_of(self, role: str) -> tuple[Tensor, Tensor]:
@@ -153,6 +160,20 @@ class ForwardRecord:
         queries = source if role == "encoder" else self.target_real
         keys = self.target_real if role in ("self", "decoder") else source
         return queries, keys
+
+    def visible_keys(self, call: int) -> tuple[Tensor, Tensor]:
+        """``(B, Q or 1, K)`` bool, the keys each query row of the call sees (its real keys
+        and, under a causal mask, only those up to the row), and ``(B, Q or 1)`` bool, which
+        rows are real queries."""
+        role = self.roles[call]
+        queries, keys = self.real_of(role)
+        if not (self.causal and role in ("self", "decoder")):
+            return keys[:, None, :], queries
+        # the record's real tokens stop at the query; later rows see further
+        mask = self.capture.decoder_attention_mask if role == "decoder" else self.capture.attention_mask
+        keys = real_tokens(mask, *keys.shape, keys.device)
+        later = torch.ones(keys.shape[-1], keys.shape[-1], dtype=torch.bool, device=keys.device).triu(1)
+        return keys[:, None, :] & ~later, keys
 
     @property
     def pooling_calls(self) -> list[int]:
@@ -247,6 +268,7 @@ def record_forward(
     query_index: QueryIndex = None,
     streaming: bool = False,
     block_memory: int | None = None,
+    record_values: bool = False,
 ) -> ForwardRecord:
     """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
 
@@ -266,6 +288,8 @@ def record_forward(
             :class:`AttentionCapture`).
         block_memory: bytes per block of recomputed attention rows (streaming); None: the
             device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
+        record_values: eager: also record the values and output projections (``values``,
+            ``projections``).
     """
     _check_call(additional_forward_args, track_grad)
     _check_float_inputs(model, inputs)
@@ -275,7 +299,7 @@ def record_forward(
     adapter = resolve_adapter(model, adapter)
     capture = AttentionCapture(
         model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
-        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad,
+        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad, record_values=record_values,
     )
     with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
@@ -307,9 +331,13 @@ def record_forward(
     causal = _is_causal(capture, target_real)
     queries = query_positions(query_index, target_real, causal)
     heads = [shape[1] for shape in shapes]
+    values = projections = None
+    if record_values:
+        values = capture.values
+        projections = [adapter.output_projection(model, module) for module in capture.modules]
     record = ForwardRecord(
         logits, attn_probs, heads, roles, target_real, source_real, queries, causal, capture,
-        kernel_calls=kernel_calls,
+        kernel_calls=kernel_calls, values=values, projections=projections,
     )
     return record.at_query(queries)
 

@@ -67,6 +67,9 @@ class AttentionCapture:
         grad_enabled (bool, optional): torch's gradient mode inside the block, restored
             on exit together with the model (so that an interrupt cannot leave it
             changed). Default: None, as it is.
+        record_values (bool): eager mode: also record, per call, the values the
+            probabilities multiply (the other factor of the product that consumes them),
+            in ``values``. Default: False.
 
     Example::
 
@@ -86,8 +89,10 @@ class AttentionCapture:
         streaming: bool = False,
         block_memory: int | None = None,
         grad_enabled: bool | None = None,
+        record_values: bool = False,
     ) -> None:
         self.model = model
+        self.record_values = record_values
         self.grad_enabled = grad_enabled
         self.adapter = adapter if adapter is not None else default_adapter(model)
         self.track_grad = track_grad
@@ -115,9 +120,20 @@ class AttentionCapture:
         return [call.heads(self.adapter) for call in self._calls]
 
     @property
+    def values(self) -> list[Tensor]:
+        """With ``record_values``: per attention call, ``(batch, heads, keys, head_dim)``,
+        the values its probabilities weighted (detached)."""
+        return [call.value_heads(self.adapter) for call in self._calls]
+
+    @property
     def kernel_calls(self) -> list[KernelCall]:
         """Streaming mode: per attention call, what the kernel received (and its output)."""
         return [call.kernel for call in self._calls if call.kernel is not None]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Per attention call, the module that made it."""
+        return [call.module for call in self._calls]
 
     @property
     def roles(self) -> list[str]:
@@ -133,6 +149,7 @@ class AttentionCapture:
         score: Tensor,
         reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
         retain_graph: bool = False,
+        reduced_probs: list[Tensor] | None = None,
     ) -> list[Tensor]:
         """dS/dA per attention call, ``(batch, heads, queries, keys)``, or a clear error.
 
@@ -144,9 +161,12 @@ class AttentionCapture:
                 then never all alive at once. Needs ``track_grad=True``. Default: None.
             retain_graph (bool): keep the graph for a further ``gradients`` call.
                 Default: False.
+            reduced_probs (list of Tensor, optional): per call, the ``(batch, heads,
+                queries, keys)`` maps ``reduce`` receives instead of the recorded
+                probabilities (e.g. effective attention). Default: None.
         """
         if reduce is not None:
-            return self._reduced_gradients(score, reduce, retain_graph)
+            return self._reduced_gradients(score, reduce, retain_graph, reduced_probs)
         pieces = [piece for call in self._calls for piece in call.pieces]
         grads = list(torch.autograd.grad(score, pieces, allow_unused=True, retain_graph=retain_graph))
         per_call: list[list[Tensor]] = []
@@ -167,7 +187,11 @@ class AttentionCapture:
         return list(grads)  # type: ignore[arg-type]
 
     def _reduced_gradients(
-        self, score: Tensor, reduce: Callable[[Tensor, Tensor], Tensor], retain_graph: bool
+        self,
+        score: Tensor,
+        reduce: Callable[[Tensor, Tensor], Tensor],
+        retain_graph: bool,
+        reduced_probs: list[Tensor] | None,
     ) -> list[Tensor]:
         """Tensor hooks reduce each call's gradient as the backward reaches it; the backward
         itself only asks for the (small) gradients of the hidden states entering each call."""
@@ -182,7 +206,8 @@ class AttentionCapture:
             if all(g is not None for g in arrived[index]):
                 call = self._calls[index]
                 grads = call.heads(self.adapter, arrived[index])  # type: ignore[arg-type]
-                reduced[index] = reduce(call.heads(self.adapter).detach(), grads)
+                probs = call.heads(self.adapter).detach() if reduced_probs is None else reduced_probs[index]
+                reduced[index] = reduce(probs, grads)
                 arrived[index] = [None] * len(call.pieces)
 
         handles = [
@@ -267,7 +292,7 @@ class AttentionCapture:
                 hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
             stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
-            if not self.streaming and (self.intervention is not None or from_softmax):
+            if not self.streaming and (self.intervention is not None or from_softmax or self.record_values):
                 stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
 
@@ -317,6 +342,12 @@ class AttentionCapture:
         if self.adapter.probs_source == "softmax":
             call.pieces.append(used)
         return used
+
+    def _on_product(self, left: Any, right: Any) -> None:
+        """Called for every matrix product in the forward when values are recorded: the
+        one whose left factor is a call's probabilities has the values on its right."""
+        if self._open and isinstance(left, Tensor) and isinstance(right, Tensor):
+            self._open[-1].products.append((left, right))
 
     def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[[], Tensor]) -> Tensor:
         """Streaming mode: one call of the attention kernel, inside an attention module."""
@@ -370,6 +401,8 @@ class AttentionCapture:
                 f"{type(module).__name__} computed no softmax, so there are no attention "
                 "probabilities to record: name the module that calls the softmax."
             )
+        if self.record_values:
+            call.find_values()
         self._calls.append(call)
 
     def _record_masks(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -419,6 +452,8 @@ class _Call:
     softmaxes_seen: int = 0
     hidden: Tensor | None = None  # the hidden states that entered the call, when tracked
     kernel: KernelCall | None = None  # streaming mode: what the attention kernel received
+    products: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # matrix products seen in the call
+    values: list[Tensor] = field(default_factory=list)  # per piece, the values it weighted
 
     @property
     def module(self) -> nn.Module:
@@ -428,6 +463,38 @@ class _Call:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
         parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def find_values(self) -> None:
+        """Per piece, the right factor of the product whose left factor is that piece (the
+        probabilities weighting the values); a clear error where there is none."""
+        for piece in self.pieces:
+            value = next((right for left, right in self.products if _same_tensor(left, piece)), None)
+            if value is None:
+                raise RuntimeError(
+                    f"Cannot find the values that {type(self.module).__name__}'s attention "
+                    "weights: no torch.matmul/bmm (or @) took its probabilities as the left "
+                    "factor."
+                )
+            self.values.append(value.detach())
+        self.products = []
+
+    def value_heads(self, adapter: AttentionAdapter) -> Tensor:
+        """``(batch, heads, keys, head_dim)``: the recorded values, shaped like the heads."""
+        parts = []
+        for piece, value in zip(self.pieces, self.values):
+            batch, heads = adapter.as_heads(self.module, piece).shape[:2]
+            parts.append(value.reshape(batch, heads, *value.shape[-2:]))
+        if not parts:
+            raise RuntimeError("No values were recorded: capture with AttentionCapture(record_values=True).")
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _same_tensor(left: Tensor, right: Tensor) -> bool:
+    """The same tensor, or a view of the same memory with the same shape (what an
+    identity dropout or a dtype no-op hands on)."""
+    return left is right or (
+        left.shape == right.shape and left.stride() == right.stride() and left.data_ptr() == right.data_ptr()
+    )
 
 
 def _streams(intervention: Any) -> bool:
@@ -445,6 +512,7 @@ def _is_float_tensor(value: Any) -> bool:
 
 
 _SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
+_PRODUCTS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
 
 
 class _SoftmaxInterception(TorchFunctionMode):
@@ -464,7 +532,12 @@ class _SoftmaxInterception(TorchFunctionMode):
         def softmax(*args: Any, **kwargs: Any) -> Tensor:
             return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
 
-        self._mha_forward = mha_forward_with_softmax(softmax)
+        def bmm(left: Tensor, right: Tensor) -> Tensor:
+            if capture.record_values:
+                capture._on_product(left, right)
+            return torch.bmm(left, right)
+
+        self._mha_forward = mha_forward_with_softmax(softmax, bmm)
 
     def __exit__(self, *exc_info: Any) -> None:
         if not any(mode is self for mode in function_mode_stack()):
@@ -476,6 +549,8 @@ class _SoftmaxInterception(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             return self._mha_forward(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
+        if func in _PRODUCTS and self.capture.record_values and len(args) == 2:
+            self.capture._on_product(*args)
         if func not in _SOFTMAXES:
             return result
         return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))

@@ -7,6 +7,7 @@ from ..capture.record import real_tokens, zero_on_later_keys as is_causal  # mov
 from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
+from .effective import effective_attention, null_space_dims
 from .flow import attention_flow_scores
 from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from .raw import raw_attention_maps
@@ -19,6 +20,7 @@ __all__ = [
     "add_residual",
     "attention_flow_scores",
     "discard_lowest",
+    "effective_attention",
     "encoder_decoder_relevance",
     "encoder_decoder_rollout",
     "erase_keys",
@@ -29,6 +31,7 @@ __all__ = [
     "grad_sam_normalised",
     "grad_sam_scores",
     "mask_padding",
+    "null_space_dims",
     "on_heads",
     "patch_grid",
     "permute_rows",

@@ -1,6 +1,7 @@
 """Metrics layer: faithfulness scores and the perturbations Captum's metrics need."""
 
 from .agreement import kendall_tau, spearman
+from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
 from .perturbations import token_replacement_perturbation, token_substitution_perturbation
@@ -30,6 +31,7 @@ __all__ = [
     "token_f1",
     "ErasureResult",
     "FlipResult",
+    "IdentifiabilityResult",
     "PermutationResult",
     "attention_erasure",
     "attention_permutation",
@@ -37,6 +39,7 @@ __all__ = [
     "decision_flip_fraction",
     "gradient_attention_ranking",
     "gradient_ranking",
+    "identifiability",
     "permutation_accuracy",
     "random_ranking",
     "token_replacement_perturbation",
