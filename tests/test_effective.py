@@ -225,7 +225,7 @@ def test_effective_attention_needs_eager_capture():
     with pytest.raises(ValueError, match="effective attention needs the values"):
         GradSAM(model, capture="streaming").attribute(batch.input_ids, target=1, effective=True)
     explainer = GradSAM(model)
-    explainer.attribute(batch.input_ids, target=1, effective=True)
+    explainer.attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,), effective=True)
     assert explainer.last_capture.startswith("eager: effective attention")
 
 

@@ -292,7 +292,7 @@ def block_shape(call: KernelCall, budget_bytes: int | None = None) -> tuple[int,
     return heads, max(1, budget_bytes // max(per_row, 1))
 
 
-Recorder = Callable[[nn.Module, KernelCall, Callable[[], Tensor]], Tensor]
+Recorder = Callable[[nn.Module, KernelCall, Callable[..., Tensor]], Tensor]
 """``recorder(module, call, run_kernel) -> output``: sees each call of the kernel."""
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("captum_attention_kernel", default=None)
@@ -343,8 +343,9 @@ def _dispatch(
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     call = kernel_call(module, query, key, value, attention_mask, *args, **kwargs)
 
-    def run_kernel() -> Tensor:
-        return original(module, query, key, value, attention_mask, *args, **kwargs)[0]
+    def run_kernel(new_key: Tensor | None = None) -> Tensor:
+        used_key = key if new_key is None else new_key
+        return original(module, query, used_key, value, attention_mask, *args, **kwargs)[0]
 
     return recorder(module, call, run_kernel), None
 

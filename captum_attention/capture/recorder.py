@@ -55,8 +55,10 @@ class AttentionCapture:
             the replaced ones. In streaming mode it must act on keys or on rows instead:
             an object whose ``erased_keys(call_index)`` returns ``(erased (B, K) bool,
             heads)``, or whose ``rows_transform(call_index)`` returns a
-            :data:`~captum_attention.capture.kernel.RowsTransform`, or None for calls it
-            leaves alone. Default: None.
+            :data:`~captum_attention.capture.kernel.RowsTransform`, or whose
+            ``keys_transform(call_index)`` returns a function from the kernel's keys
+            ``(B, H / groups, K, D)`` to the keys to use, or None for calls it leaves
+            alone. Default: None.
         streaming (bool): keep the model's own attention kernel and record each call's
             inputs (:class:`~captum_attention.capture.kernel.KernelCall`, in
             ``kernel_calls``) instead of its probabilities; raises
@@ -349,19 +351,22 @@ class AttentionCapture:
         if self._open and isinstance(left, Tensor) and isinstance(right, Tensor):
             self._open[-1].products.append((left, right))
 
-    def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[[], Tensor]) -> Tensor:
+    def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[..., Tensor]) -> Tensor:
         """Streaming mode: one call of the attention kernel, inside an attention module."""
         call = self._open[-1] if self._open else None
         if call is None or call.kernel is not None or not any(m is module for m in call.module.modules()):
             return run_kernel()  # outside the attention modules the adapter named: not ours to record
         erasure = getattr(self.intervention, "erased_keys", _nothing)(call.index)
         transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
+        new_keys = getattr(self.intervention, "keys_transform", _nothing)(call.index)
         if erasure is not None:
             erased, heads = erasure
             shape = block_shape(kernel, self.block_memory)
             kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, shape)
         elif transform is not None:
             kernel.output = transformed_output(kernel, transform, self.block_memory)
+        elif new_keys is not None:
+            kernel.output = run_kernel(new_keys(kernel.key))
         else:
             kernel.output = run_kernel()
         output = kernel.output
@@ -499,8 +504,9 @@ def _same_tensor(left: Tensor, right: Tensor) -> bool:
 
 def _streams(intervention: Any) -> bool:
     """Whether a streaming capture can apply ``intervention``: it erases keys
-    (``erased_keys``) or replaces blocks of rows (``rows_transform``)."""
-    return hasattr(intervention, "erased_keys") or hasattr(intervention, "rows_transform")
+    (``erased_keys``), replaces blocks of rows (``rows_transform``) or keys
+    (``keys_transform``)."""
+    return any(hasattr(intervention, name) for name in ("erased_keys", "rows_transform", "keys_transform"))
 
 
 def _nothing(call_index: int) -> None:

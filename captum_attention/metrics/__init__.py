@@ -1,5 +1,6 @@
 """Metrics layer: faithfulness scores and the perturbations Captum's metrics need."""
 
+from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adversarial_attention, adversarial_keys
 from .agreement import kendall_tau, spearman
 from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
@@ -18,6 +19,10 @@ from .token_removal import (
 )
 
 __all__ = [
+    "AdversarialAttentionResult",
+    "AdversarialKeysResult",
+    "adversarial_attention",
+    "adversarial_keys",
     "CurveResult",
     "aopc",
     "auprc",

@@ -1,0 +1,202 @@
+"""Adversarial attention (Jain & Wallace §4) and adversarial keys, on models whose answer is known.
+
+- A BERT layer whose attention output is zeroed cannot influence the output: the search
+  must get near the largest divergence those rows allow, with the output unmoved.
+- A readout whose decision hinges on one attended token cannot move its attention within
+  ε: the divergence stays small although the rows allow nearly 1 bit.
+The attention and key shifts returned are replayed independently (through an intervention,
+and through a hook on BERT's key projection) to check the claims made about them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_state, make_batch, make_model, model_state, reference_attention
+from lm_models import make_decoder, make_prompts
+from plain_models import make_plain
+from torch import nn
+
+from captum_attention.capture import AttentionCapture, ModuleAdapter
+from captum_attention.metrics import adversarial_attention, adversarial_keys
+
+LENGTHS = (14, 11, 5)
+STEPS = 60
+
+
+def _silenced_layer_model(layer: int = 0) -> nn.Module:
+    model = make_model("bert")
+    with torch.no_grad():
+        model.bert.encoder.layer[layer].attention.output.dense.weight.zero_()
+        model.bert.encoder.layer[layer].attention.output.dense.bias.zero_()
+    return model
+
+
+class _HingeReadout(nn.Module):
+    """One attention readout over the tokens: token 1 scores 5, the others 0; token 1's
+    value votes for class 0, every other token's for class 1. Attention puts ~0.97 on token
+    1, and the decision's probability moves with that weight."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        decisive = input_ids == 1
+        scores = torch.where(decisive, 5.0, 0.0)[:, None, :]
+        weights = F.softmax(scores, dim=-1)
+        values = torch.where(decisive[..., None], torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0]))
+        return (weights @ values)[:, 0]
+
+
+class _Hinge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.readout = _HingeReadout()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.readout(input_ids)
+
+
+def _hinge():
+    model = _Hinge().eval()
+    adapter = ModuleAdapter([model.readout], probs="softmax", pooling=[model.readout])
+    ids = torch.tensor([[4, 5, 1, 6, 7, 8], [1, 9, 4, 4, 5, 6]])
+    return model, ids, adapter
+
+
+def test_attention_that_cannot_matter_moves_nearly_as_far_as_possible():
+    model = _silenced_layer_model()
+    batch = make_batch(model, LENGTHS)
+    before = model_state(model)
+    found = adversarial_attention(model, batch.input_ids, (batch.attention_mask,), layers=[0], steps=STEPS)
+    assert found.within_epsilon.all()
+    assert (found.tvd <= 1e-5).all()
+    assert (found.js_divergence >= 0.75 * found.js_bound).all(), (found.js_divergence, found.js_bound)
+    assert (found.js_bound > 0.9).all()
+    assert_same_state(before, model_state(model))
+
+
+def test_attention_a_decision_hinges_on_cannot_move_within_epsilon():
+    model, ids, adapter = _hinge()
+    found = adversarial_attention(model, ids, adapter=adapter, epsilon=0.01, steps=STEPS)
+    assert found.within_epsilon.all()
+    assert (found.tvd <= 0.01).all()
+    assert (found.js_bound > 0.9).all()
+    assert (found.js_divergence < 0.1).all(), found.js_divergence
+
+
+def _replayed(model, inputs, extra, adapter, call, maps):
+    """Output probabilities with the call's probabilities replaced by ``maps``."""
+    def replace(index, attn, first_head, scores):
+        return maps[:, first_head : first_head + attn.shape[1]].to(attn.dtype) if index == call else attn
+
+    with torch.no_grad(), AttentionCapture(model, adapter, intervention=replace):
+        logits = model(*inputs, *extra)
+    logits = getattr(logits, "logits", logits)
+    return logits.float().softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["bert", "hinge"])
+def test_returned_attention_replays_within_epsilon(kind):
+    if kind == "hinge":
+        model, ids, adapter = _hinge()
+        extra, layer = (), 0
+    else:
+        model, adapter, layer = make_model("bert"), None, 1
+        batch = make_batch(model, LENGTHS)
+        ids, extra = batch.input_ids, (batch.attention_mask,)
+    found = adversarial_attention(model, ids, extra, layers=[layer], adapter=adapter, steps=STEPS)
+    with torch.no_grad():
+        original = model(ids, *extra)
+    original = getattr(original, "logits", original).float().softmax(-1)
+    replayed = _replayed(model, (ids,), extra, adapter, layer, found.attention[0])
+    tvd = 0.5 * (replayed - original).abs().sum(-1)
+    torch.testing.assert_close(tvd, found.tvd, atol=1e-5, rtol=0)
+    assert (tvd <= 0.01 + 1e-6).all()
+
+
+def test_rows_query_moves_only_the_explained_row():
+    model = make_model("bert")
+    batch = make_batch(model, LENGTHS)
+    found = adversarial_attention(model, batch.input_ids, (batch.attention_mask,), layers=[-1], rows="query", steps=10)
+    attentions = reference_attention(model, batch).attentions
+    moved = (found.attention[0] - attentions[-1]).abs().amax(dim=(1, 3))  # (B, Q)
+    assert (moved[:, 1:] <= 1e-6).all() and (moved[:, 0] > 1e-3).all()
+
+
+def test_adversarial_attention_is_deterministic_and_examples_are_independent():
+    model = make_model("bert")
+    batch = make_batch(model, (9, 9))
+    options = dict(layers=[0, 2], heads=[1, 3], steps=20, seed=3)
+    first = adversarial_attention(model, batch.input_ids, (batch.attention_mask,), **options)
+    again = adversarial_attention(model, batch.input_ids, (batch.attention_mask,), **options)
+    assert torch.equal(first.js_divergence, again.js_divergence)
+    other = batch.input_ids.clone()
+    other[1, 1:8] = torch.arange(10, 17)
+    changed = adversarial_attention(model, other, (batch.attention_mask,), **options)
+    torch.testing.assert_close(changed.js_divergence[0], first.js_divergence[0], atol=1e-4, rtol=0)
+    untouched = [h for h in range(4) if h not in (1, 3)]
+    attentions = reference_attention(model, batch).attentions
+    assert (found_diff := (first.attention[0][:, untouched] - attentions[0][:, untouched]).abs().max()) <= 1e-6, found_diff
+
+
+def _bert_with_key_shift(model, ids, mask, layer, shift):
+    """Logits with ``shift`` (B, H, K, D) added to the keys of one BERT layer, through a
+    hook on its key projection (not the library's interception)."""
+    key = model.bert.encoder.layer[layer].attention.self.key
+    flat = shift.transpose(1, 2).reshape(shift.shape[0], shift.shape[2], -1)
+    hook = key.register_forward_hook(lambda module, args, output: output + flat)
+    try:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask).logits
+    finally:
+        hook.remove()
+
+
+def test_key_shifts_keep_the_decision_when_replayed():
+    model = make_model("bert")
+    batch = make_batch(model, LENGTHS)
+    before = model_state(model)
+    moved = adversarial_keys(model, batch.input_ids, (batch.attention_mask,), layers=[1], steps=STEPS)
+    assert moved.decision_kept.all()
+    shift = moved.key_shifts[0]
+    torch.testing.assert_close(shift.flatten(1).norm(dim=1), moved.distance, rtol=1e-4, atol=0)
+    for b, n in enumerate(batch.lengths):
+        assert (shift[b, :, n:] == 0).all(), "padding keys do not move"
+    with torch.no_grad():
+        decision = model(batch.input_ids, attention_mask=batch.attention_mask).logits.argmax(-1)
+    replayed = _bert_with_key_shift(model, batch.input_ids, batch.attention_mask, 1, shift)
+    assert torch.equal(replayed.argmax(-1), decision)
+    assert (moved.relative_distance > 0.5).all()
+    assert_same_state(before, model_state(model))
+
+
+def test_keys_of_grouped_query_decoders_move_per_key_head():
+    model = make_decoder("llama")
+    prompts = make_prompts((7, 5), side="left")
+    moved = adversarial_keys(model, prompts.input_ids, (prompts.attention_mask,), layers=[0], heads=[1], steps=10)
+    shift = moved.key_shifts[0]
+    assert shift.shape[1] == 2  # key heads, not query heads
+    assert (shift[:, 0] == 0).all() and (shift[:, 1].abs().sum(dim=(1, 2)) > 0).all()
+    assert (shift[~prompts.real.unsqueeze(1).expand(-1, 2, -1)] == 0).all()
+    again = adversarial_keys(model, prompts.input_ids, (prompts.attention_mask,), layers=[0], heads=[1], steps=10)
+    assert torch.equal(moved.distance, again.distance)
+
+
+def test_bad_options_get_clear_errors():
+    model = make_model("bert")
+    batch = make_batch(model, LENGTHS)
+    args = (model, batch.input_ids, (batch.attention_mask,))
+    with pytest.raises(ValueError, match="epsilon"):
+        adversarial_attention(*args, epsilon=0.0)
+    with pytest.raises(ValueError, match="steps"):
+        adversarial_attention(*args, steps=0)
+    with pytest.raises(ValueError, match="rows"):
+        adversarial_attention(*args, rows="keys")
+    with pytest.raises(ValueError, match="heads"):
+        adversarial_attention(*args, heads=[7])
+    with pytest.raises(ValueError, match="alpha"):
+        adversarial_keys(*args, alpha=1.0)
+    with pytest.raises(ValueError, match="key heads"):
+        adversarial_keys(*args, heads=[4])
+    plain = make_plain("mha")
+    with pytest.raises(ValueError, match="streaming"):
+        adversarial_keys(plain, batch.input_ids, (batch.attention_mask,))
