@@ -1,6 +1,6 @@
 """Reproduce three claims of the "is attention explanation?" debate on the default model.
 
-    python benchmarks/reproduce_debate.py [--examples 200] [--model PATH]
+    python benchmarks/reproduce_debate.py [--examples 200] [--adversarial 32] [--steps 50] [--model PATH]
 
 On held-out sentences of the generated sentiment corpus (sentiment words never seen in
 training), rankings from the last layer's [CLS] row, erasing the attention paid to the
@@ -10,6 +10,13 @@ ranked keys at the last layer only or at every layer, [CLS] and [SEP] never eras
 (b) Serrano & Smith: rankings by gradient or gradient × attention flip decisions after
     fewer removals than rankings by attention, and than random.
 (c) Vafaie et al.: permuting attention in layers above the first changes accuracy little.
+(d) Jain & Wallace: attention very different from the model's (JS divergence) leaves the
+    output within ε = 0.01 (TVD), searched per layer (every real row, or the [CLS] row
+    only) on the first ``--adversarial`` sentences; and (the poster's variant) keys moved
+    far at an unchanged decision.
+(e) Brunner et al.: a head's attention is not identifiable once the sequence is longer
+    than its value dimension; the share of non-identifiable heads by length N (inputs of
+    N tokens made by repeating held-out sentences).
 
 Also prints each ranking's plausibility (token F1, AUPRC) against the corpus's
 rationales. Prints the numbers; the README compares them with the papers' claims.
@@ -27,12 +34,15 @@ import torch
 from captum_attention import TransformerAttribution
 from captum_attention.demo import default_model_path, generate, token_rationales
 from captum_attention.metrics import (
+    adversarial_attention,
+    adversarial_keys,
     attention_erasure,
     auprc,
     attention_ranking,
     decision_flip_fraction,
     gradient_attention_ranking,
     gradient_ranking,
+    identifiability,
     permutation_accuracy,
     random_ranking,
     token_f1,
@@ -43,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the cached default model)")
+    parser.add_argument("--adversarial", type=int, default=32, help="sentences for (d) (default 32)")
+    parser.add_argument("--steps", type=int, default=50, help="optimisation steps for (d) (default 50)")
     options = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -103,9 +115,40 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name, value in accuracy.items():
         results[f"(c) accuracy, attention permuted: {name}"] = value
 
+    results.update(_adversarial(forward, ids[: options.adversarial], mask[: options.adversarial], model, options.steps))
+    results.update(_identifiability(model, tokenizer, examples))
+
     width = max(map(len, results))
     for name, value in results.items():
         print(f"{name:{width}}  {value:8.3f}")
+    return results
+
+
+def _adversarial(forward, ids, mask, model, steps: int) -> dict[str, float]:
+    """(d): mean JS divergence reached within ε = 0.01 per layer (and the most any
+    attention could reach on those rows), and the keys' relative distance moved."""
+    results = {}
+    for rows, which in (("all", "every row"), ("query", "[CLS] row")):
+        for layer in range(model.config.num_hidden_layers):
+            found = adversarial_attention(
+                forward, ids, (mask,), model=model, layers=[layer], rows=rows, epsilon=0.01, steps=steps
+            )
+            reached = found.js_divergence[found.within_epsilon]
+            results[f"(d) layer {layer}, {which}: JS divergence reached at TVD <= 0.01 (bits)"] = reached.mean().item()
+            results[f"(d) layer {layer}, {which}: largest JS those rows allow (bits)"] = found.js_bound.mean().item()
+    moved = adversarial_keys(forward, ids, (mask,), model=model, steps=steps)
+    results["(d) keys of every layer: distance moved / key norm, decision kept"] = moved.relative_distance[moved.decision_kept].mean().item()
+    return results
+
+
+def _identifiability(model, tokenizer, examples, lengths=(16, 32, 48, 64, 128)) -> dict[str, float]:
+    """(e): share of (layer, head) pairs whose attention is not identifiable, by N."""
+    text = " ".join(e.text for e in examples[:40])
+    results = {}
+    for n in lengths:
+        encoded = tokenizer([text], truncation=True, max_length=n, return_tensors="pt")
+        report = identifiability(model, encoded["input_ids"], (encoded["attention_mask"],))
+        results[f"(e) N = {n}: share of non-identifiable heads (head dim {report.head_dim[0]})"] = report.non_identifiable().item()
     return results
 
 
