@@ -294,7 +294,8 @@ class AttentionAttributionBase:
         _check_continuation(prompt, continuation)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
-        effective = bool(options.pop("effective")) if "effective" in inspect.signature(self.attribute).parameters else False
+        offers_effective = "effective" in inspect.signature(getattr(self, "attribute")).parameters
+        effective = bool(options.pop("effective", False)) if offers_effective else False
         streaming = self._streams(resolve_adapter(self.model, self.adapter), False, effective, **options)
         record = self._recorded(lambda stream: self._forward((sequence,), extra, None, stream, effective), streaming)
         _check_continuation_record(record, prompt.shape[1])

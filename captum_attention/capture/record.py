@@ -171,7 +171,7 @@ class ForwardRecord:
             return keys[:, None, :], queries
         # the record's real tokens stop at the query; later rows see further
         mask = self.capture.decoder_attention_mask if role == "decoder" else self.capture.attention_mask
-        keys = real_tokens(mask, *keys.shape, keys.device)
+        keys = real_tokens(mask, keys.shape[0], keys.shape[1], keys.device)
         later = torch.ones(keys.shape[-1], keys.shape[-1], dtype=torch.bool, device=keys.device).triu(1)
         return keys[:, None, :] & ~later, keys
 

@@ -20,7 +20,7 @@ parameters and their ``.grad`` are never touched: gradients are taken with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord
+from ..capture.record import ForwardRecord, Intervention
 from ..maps import on_heads
 from ._forward import js_divergence, layer_set, resolve_model, run_model
 
@@ -165,7 +165,7 @@ def adversarial_attention(
             forward_func, model, inputs, additional_forward_args, shifted, adapter, "eager", track_grad=True, query_index=query_index,
         )
         tvd = 0.5 * (run.explained_probs() - reference).abs().sum(dim=-1)
-        divergence = sum(_mean_js(base.attn_probs[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen) / len(chosen)
+        divergence = torch.stack([_mean_js(base.attn_probs[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen]).mean(0)
         loss = -divergence + penalty * (tvd - epsilon).clamp(min=0.0)
         return loss, divergence.detach(), tvd.detach() <= epsilon, tvd.detach()
 
@@ -173,7 +173,7 @@ def adversarial_attention(
     attention = []
     for c, shift in zip(chosen, best_shifts):
         attention.append(_adversarial_maps(base, c, shift, weights[c], heads, ok))
-    bound = sum(_mean_js_bound(base.attn_probs[c], weights[c]) for c in chosen) / len(chosen)
+    bound = torch.stack([_mean_js_bound(base.attn_probs[c], weights[c]) for c in chosen]).mean(0)
     return AdversarialAttentionResult(best, aux, ok, bound, attention)
 
 
@@ -252,7 +252,7 @@ def adversarial_keys(
         (torch.randn(keys[c].shape, generator=generator) * init_scale).to(keys[c].device).requires_grad_() for c in chosen
     ]
     decision = base.explained_logits().argmax(dim=-1)
-    key_norm = torch.sqrt(sum((keys[c].float() * masks[c]).pow(2).flatten(1).sum(1) for c in chosen))
+    key_norm = _distance([keys[c] * masks[c] for c in chosen])
 
     class _Shift:
         def keys_transform(self, call: int) -> Callable[[Tensor], Tensor] | None:
@@ -261,8 +261,9 @@ def adversarial_keys(
             return lambda key: key + (shifts[chosen.index(call)] * masks[call]).to(key.dtype)
 
     def evaluate() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        shift = cast(Intervention, _Shift())  # a streaming intervention: it replaces keys, not probabilities
         run = run_model(
-            forward_func, model, inputs, additional_forward_args, _Shift(), adapter, "streaming", track_grad=True,
+            forward_func, model, inputs, additional_forward_args, shift, adapter, "streaming", track_grad=True,
             query_index=query_index,
         )
         logits = run.explained_logits().float()
@@ -282,12 +283,12 @@ def _search(
     Returns per example the best allowed value, its companion, whether one was found, and
     the shifts that gave it (zero where none)."""
     optimiser = torch.optim.Adam(shifts, lr=lr)
-    best = aux = found = None
+    loss, value, allowed, companion = evaluate()
+    best, aux, found = torch.zeros_like(value), torch.zeros_like(companion), torch.zeros_like(allowed)
     best_shifts = [torch.zeros_like(s) for s in shifts]
     for step in range(steps):
-        loss, value, allowed, companion = evaluate()
-        if best is None:
-            best, aux, found = torch.zeros_like(value), torch.zeros_like(companion), torch.zeros_like(allowed)
+        if step:
+            loss, value, allowed, companion = evaluate()
         better = allowed & (~found | (value > best))
         best, aux, found = torch.where(better, value, best), torch.where(better, companion, aux), found | allowed
         for kept, shift in zip(best_shifts, shifts):
@@ -297,7 +298,6 @@ def _search(
             for shift, grad in zip(shifts, grads):
                 shift.grad = grad
             optimiser.step()
-    assert best is not None and aux is not None and found is not None
     return best, aux, found, best_shifts
 
 
@@ -374,5 +374,5 @@ def _key_mask(base: ForwardRecord, call: int, heads: Sequence[int] | None, key: 
 
 def _distance(shifts: list[Tensor]) -> Tensor:
     """``(B,)`` Euclidean norm of all the shifts of each example together."""
-    squared = sum(s.float().pow(2).flatten(1).sum(1) for s in shifts)
-    return torch.sqrt(torch.as_tensor(squared).clamp(min=1e-30))
+    squared = torch.stack([s.float().pow(2).flatten(1).sum(1) for s in shifts]).sum(0)
+    return squared.clamp(min=1e-30).sqrt()
