@@ -12,8 +12,8 @@ sentiment model and 48 held-out sentences of its corpus:
 - **Permutation** (Jain & Wallace, "Attention is not Explanation", NAACL 2019): shuffle
   each row of attention weights among the real tokens, layer by layer, and watch the
   output and the accuracy.
-- **Adversarial attention** (the same paper, §4) and **adversarial keys**: search for the
-  most different attention, or the farthest keys, that leave the output where it was.
+- **Adversarial attention** (the same paper, §4) and **adversarial keys**: search for
+  the most different attention, or the farthest keys, that leave the output as it was.
 - **Identifiability** (Brunner et al., "On Identifiability in Transformers", ICLR 2020):
   once a sentence has more tokens than a head has value dimensions, different attention
   gives exactly the same output; effective attention keeps only the part that matters.
@@ -70,12 +70,14 @@ random_word[torch.arange(len(ids)), picks[:, 0]] = True
 
 by_attention = attention_erasure(model, ids, top, (mask,), layers=-1)
 by_chance = attention_erasure(model, ids, random_word, (mask,), layers=-1)
-print(f"JS divergence, top-attended word erased: median {by_attention.js_divergence.median():.2e}")
-print(f"JS divergence, random word erased:       median {by_chance.js_divergence.median():.2e}")
-print(f"decisions flipped: {int(by_attention.flipped.sum())} and {int(by_chance.flipped.sum())} of {len(ids)}")
+print(f"JS, top-attended word erased: median {by_attention.js_divergence.median():.2e}")
+print(f"JS, random word erased:       median {by_chance.js_divergence.median():.2e}")
+flipped_by = int(by_attention.flipped.sum()), int(by_chance.flipped.sum())
+print(f"decisions flipped: {flipped_by[0]} and {flipped_by[1]} of {len(ids)}")
 
 fig, ax = plt.subplots(figsize=(5, 5))
-ax.loglog(by_chance.js_divergence.clamp(min=1e-9), by_attention.js_divergence.clamp(min=1e-9), "o", alpha=0.6)
+chance_js, attention_js = by_chance.js_divergence, by_attention.js_divergence
+ax.loglog(chance_js.clamp(min=1e-9), attention_js.clamp(min=1e-9), "o", alpha=0.6)
 limits = [1e-9, 1]
 ax.plot(limits, limits, "k--", lw=0.8)
 ax.set_xlabel("JS divergence, random word erased")
@@ -98,13 +100,16 @@ rankings = {
 }
 fractions = {}
 for name, ranking in rankings.items():
-    flips = decision_flip_fraction(model, ids, ranking, (mask,), keep=special, max_batch_size=128)
+    flips = decision_flip_fraction(
+        model, ids, ranking, (mask,), keep=special, max_batch_size=128
+    )
     fractions[name] = flips.fraction
-    flipped = flips.flipped.float().mean()
-    print(f"{name:22} flipped {flipped:.0%}; median fraction removed before the flip {flips.fraction.nanmedian():.2f}")
+    flipped, median = flips.flipped.float().mean(), flips.fraction.nanmedian()
+    print(f"{name:22} flipped {flipped:.0%}; median fraction removed {median:.2f}")
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.boxplot([f[~f.isnan()].numpy() for f in fractions.values()], tick_labels=list(fractions), orientation="horizontal")
+boxes = [f[~f.isnan()].numpy() for f in fractions.values()]
+ax.boxplot(boxes, tick_labels=list(fractions), orientation="horizontal")
 ax.set_xlabel("fraction of the words erased before the decision flips")
 fig.tight_layout()
 
@@ -115,9 +120,13 @@ fig.tight_layout()
 # time (20 permutations per sentence), and measure how far the output moves (total
 # variation distance) and how often the decision changes.
 layers = len(model.bert.encoder.layer)
-per_layer = [attention_permutation(model, ids, (mask,), layers=layer, n_permutations=20) for layer in range(layers)]
+per_layer = [
+    attention_permutation(model, ids, (mask,), layers=layer, n_permutations=20)
+    for layer in range(layers)
+]
 for layer, result in enumerate(per_layer):
-    print(f"layer {layer}: median TVD {result.median_tvd.median():.4f}, decisions changed {result.flip_rate.mean():.1%}")
+    tvd, changed = result.median_tvd.median(), result.flip_rate.mean()
+    print(f"layer {layer}: median TVD {tvd:.4f}, decisions changed {changed:.1%}")
 
 # %%
 # And the accuracy
@@ -130,7 +139,8 @@ fig, ax = plt.subplots(figsize=(7, 3.5))
 settings = [s for s in accuracy if s != "original"]
 ax.bar(settings, [accuracy[s] for s in settings], color="tab:blue")
 ax.axhline(accuracy["original"], color="k", ls="--", lw=0.8, label="unpermuted")
-ax.set(ylabel="accuracy", ylim=(0, 1.05), title="accuracy with one layer's attention permuted")
+ax.set(ylabel="accuracy", ylim=(0, 1.05))
+ax.set_title("accuracy with one layer's attention permuted")
 ax.tick_params(axis="x", labelrotation=30)
 ax.legend()
 fig.tight_layout()
@@ -145,27 +155,35 @@ fig.tight_layout()
 # differ on those rows.
 few_ids, few_mask = ids[:8], mask[:8]
 adversarial = [
-    adversarial_attention(model, few_ids, (few_mask,), layers=[layer], rows="query", epsilon=0.01, steps=30)
+    adversarial_attention(
+        model, few_ids, (few_mask,), layers=[layer], rows="query", steps=30
+    )
     for layer in range(layers)
 ]
 for layer, found in enumerate(adversarial):
+    reached, bound = found.js_divergence.mean(), found.js_bound.mean()
     print(
-        f"layer {layer}: JS reached {found.js_divergence.mean():.3f} of at most {found.js_bound.mean():.3f} bits, "
+        f"layer {layer}: JS reached {reached:.3f} of at most {bound:.3f} bits, "
         f"output TVD {found.tvd.max():.4f}"
     )
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.bar(range(layers), [f.js_bound.mean() for f in adversarial], color="lightgrey", label="largest possible")
-ax.bar(range(layers), [f.js_divergence.mean() for f in adversarial], color="tab:orange", label="reached, TVD ≤ 0.01")
-ax.set(xlabel="layer", ylabel="JS divergence (bits)", title="[CLS] attention that changes the output by ≤ 0.01")
-ax.legend(loc="lower left")
+bounds = [f.js_bound.mean() for f in adversarial]
+reached = [f.js_divergence.mean() for f in adversarial]
+ax.bar(range(layers), bounds, color="lightgrey", label="largest possible")
+ax.bar(range(layers), reached, color="tab:orange", label="reached, TVD ≤ 0.01")
+ax.set(xlabel="layer", ylabel="JS divergence (bits)", ylim=(0, 1.3))
+ax.set_title("[CLS] attention that changes the output by ≤ 0.01")
+ax.legend(loc="upper center", ncol=2)
 fig.tight_layout()
 
 # %%
 # The keys can move too: the poster's transformer variant moves every layer's keys as
 # far as it can while the decision stays (relative to the keys' own norm).
 moved = adversarial_keys(model, few_ids, (few_mask,), steps=30)
-print(f"keys moved by {moved.relative_distance.mean():.2f}× their norm, decision kept in {moved.decision_kept.float().mean():.0%}")
+kept = moved.decision_kept.float().mean()
+distance = moved.relative_distance.mean()
+print(f"keys moved by {distance:.2f}× their norm, decision kept: {kept:.0%}")
 
 # %%
 # Is the attention identifiable?
@@ -176,19 +194,22 @@ long_text = " ".join(e.text for e in examples[:20])
 for n in (16, 32, 64, 128):
     encoded = tokenizer([long_text], truncation=True, max_length=n, return_tensors="pt")
     report = identifiability(model, encoded.input_ids, (encoded.attention_mask,))
-    print(f"N = {n:3}: rank(T) {report.rank[0].max().item():2}, non-identifiable heads {report.non_identifiable().item():.0%}")
+    rank, share = report.rank[0].max().item(), report.non_identifiable().item()
+    print(f"N = {n:3}: rank(T) {rank:2}, non-identifiable heads {share:.0%}")
 
 # %%
 # Effective attention removes from each row the part that cannot reach the output. On the
 # 128-token text, compare the last layer's ``[CLS]`` row with its effective version.
 encoded = tokenizer([long_text], truncation=True, max_length=128, return_tensors="pt")
-raw = RawAttention(model).attribute(encoded.input_ids, additional_forward_args=(encoded.attention_mask,))
+long_ids, long_mask = encoded.input_ids, encoded.attention_mask
+raw = RawAttention(model).attribute(long_ids, additional_forward_args=(long_mask,))
 effective = RawAttention(model).attribute(
-    encoded.input_ids, additional_forward_args=(encoded.attention_mask,), effective=True
+    long_ids, additional_forward_args=(long_mask,), effective=True
 )
 tau = kendall_tau(raw, effective).item()
 print(f"Kendall tau between raw and effective attention: {tau:.2f}")
-print(f"effective weights below zero: {(effective < 0).float().mean():.0%} of the tokens")
+negative = (effective < 0).float().mean()
+print(f"effective weights below zero: {negative:.0%} of the tokens")
 
 # %%
 # What this shows, and what it does not
@@ -215,7 +236,7 @@ print(f"effective weights below zero: {(effective < 0).float().mean():.0%} of th
 assert by_attention.js_divergence.median() > by_chance.js_divergence.median()
 assert fractions["attention"].nanmedian() < fractions["random"].nanmedian()
 assert accuracy["all layers"] < accuracy["original"]
-assert all((found.tvd <= 0.01).all() and found.js_divergence.mean() > 0.1 for found in adversarial)
+assert all((f.tvd <= 0.01).all() and f.js_divergence.mean() > 0.1 for f in adversarial)
 assert moved.decision_kept.all() and moved.relative_distance.mean() > 1
-assert report.non_identifiable().item() == 1.0 and tau < 1
+assert share == 1.0 and tau < 1
 plt.show()

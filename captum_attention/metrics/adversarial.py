@@ -95,7 +95,7 @@ def adversarial_attention(
         \max\big(0, \mathrm{TVD}(\hat y(\delta), \hat y) - \epsilon\big)
 
     with JS averaged over the chosen heads and rows (in bits) and TVD between the output
-    distributions, starting from δ ~ N(0, ``init_scale``²). The result is the best point
+    distributions, starting from δ ~ N(0, σ²) with σ = ``init_scale``. The result is the best point
     seen that keeps TVD ≤ ε. Eager capture (the softmax's input is needed).
 
     Args:
@@ -202,7 +202,7 @@ def adversarial_keys(
 
         \alpha \cdot \mathrm{CE}(\hat y(k + \delta), y) - (1 - \alpha) \cdot \lVert \delta \rVert_2
 
-    with y the model's original decision, starting from δ ~ N(0, ``init_scale``²). The
+    with y the model's original decision, starting from δ ~ N(0, σ²) with σ = ``init_scale``. The
     result is the largest ``‖δ‖₂`` seen with the decision unchanged. Runs through the
     streaming capture (models whose attention goes through transformers' attention
     interface).
