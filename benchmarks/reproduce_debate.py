@@ -18,8 +18,10 @@ ranked keys at the last layer only or at every layer, [CLS] and [SEP] never eras
     than its value dimension; the share of non-identifiable heads by length N (inputs of
     N tokens made by repeating held-out sentences).
 
-Also prints each ranking's plausibility (token F1, AUPRC) against the corpus's
-rationales. Prints the numbers; the README compares them with the papers' claims.
+Rankings in (b): attention, gradient, gradient × attention, Transformer Attribution,
+Grad-SAM on both axes, Attention Flow, the last layer's effective attention (Brunner et
+al.) and random. Also prints each ranking's plausibility (token F1, AUPRC) against the
+corpus's rationales. Prints the numbers; the README compares them with the papers' claims.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from captum_attention import TransformerAttribution
+from captum_attention import AttentionFlow, GradSAM, RawAttention, TransformerAttribution
 from captum_attention.demo import default_model_path, generate, token_rationales
 from captum_attention.metrics import (
     adversarial_attention,
@@ -81,11 +83,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         flips = attention_erasure(forward, ids, erased, layers=layers, **args).flipped.float().mean().item()
         results[f"(a) flip rate, top-attention token erased at {name}"] = flips
 
+    def explain(method: type, **options: object) -> torch.Tensor:
+        return method(forward, model=model).attribute(ids, additional_forward_args=(mask,), **options)
+
     rankings = {
         "attention": attention,
         "gradient": gradient_ranking(forward, ids, **args),
         "gradient x attention": gradient_attention_ranking(forward, ids, **args),
-        "Transformer Attribution": TransformerAttribution(forward, model=model).attribute(ids, additional_forward_args=(mask,)),
+        "Transformer Attribution": explain(TransformerAttribution),
+        "Grad-SAM (query row)": explain(GradSAM),
+        "Grad-SAM (key column)": explain(GradSAM, axis="key"),
+        "Attention Flow": explain(AttentionFlow),
+        "effective attention": explain(RawAttention, effective=True),
         "random (3 seeds)": None,
     }
     draws = {
@@ -133,11 +142,12 @@ def _adversarial(forward, ids, mask, model, steps: int) -> dict[str, float]:
             found = adversarial_attention(
                 forward, ids, (mask,), model=model, layers=[layer], rows=rows, epsilon=0.01, steps=steps
             )
-            reached = found.js_divergence[found.within_epsilon]
-            results[f"(d) layer {layer}, {which}: JS divergence reached at TVD <= 0.01 (bits)"] = reached.mean().item()
+            reached = found.js_divergence[found.within_epsilon].mean().item()
+            results[f"(d) layer {layer}, {which}: JS divergence reached at TVD <= 0.01 (bits)"] = reached
             results[f"(d) layer {layer}, {which}: largest JS those rows allow (bits)"] = found.js_bound.mean().item()
     moved = adversarial_keys(forward, ids, (mask,), model=model, steps=steps)
-    results["(d) keys of every layer: distance moved / key norm, decision kept"] = moved.relative_distance[moved.decision_kept].mean().item()
+    distance = moved.relative_distance[moved.decision_kept].mean().item()
+    results["(d) keys of every layer: distance moved / key norm, decision kept"] = distance
     return results
 
 
@@ -148,7 +158,8 @@ def _identifiability(model, tokenizer, examples, lengths=(16, 32, 48, 64, 128)) 
     for n in lengths:
         encoded = tokenizer([text], truncation=True, max_length=n, return_tensors="pt")
         report = identifiability(model, encoded["input_ids"], (encoded["attention_mask"],))
-        results[f"(e) N = {n}: share of non-identifiable heads (head dim {report.head_dim[0]})"] = report.non_identifiable().item()
+        name = f"(e) N = {n}: share of non-identifiable heads (head dim {report.head_dim[0]})"
+        results[name] = report.non_identifiable().item()
     return results
 
 
