@@ -69,7 +69,7 @@ def test_attention_that_cannot_matter_moves_nearly_as_far_as_possible():
     found = adversarial_attention(model, batch.input_ids, (batch.attention_mask,), layers=[0], steps=STEPS)
     assert found.within_epsilon.all()
     assert (found.tvd <= 1e-5).all()
-    assert (found.js_divergence >= 0.75 * found.js_bound).all(), (found.js_divergence, found.js_bound)
+    assert (found.js_divergence >= 0.95 * found.js_bound).all(), (found.js_divergence, found.js_bound)
     assert (found.js_bound > 0.9).all()
     assert_same_state(before, model_state(model))
 

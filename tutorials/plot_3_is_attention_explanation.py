@@ -224,19 +224,21 @@ print(f"effective weights below zero: {negative:.0%} of the tokens")
 # weights are *the* explanation: erasure also changes the inputs of every later layer,
 # and a model could reach the same decision through other paths (Wiegreffe & Pinter,
 # "Attention is not not Explanation", 2019). The adversarial search makes that concrete:
-# at every layer, ``[CLS]`` attention far from the model's (0.7-0.8 of the most possible
-# divergence) keeps the output within 0.01, and keys moved well beyond their own size keep
-# the decision. Part of that is this model's confidence: its probabilities sit near 1,
-# where a total-variation budget is hard to spend; and one layer's row at a time is a
-# weaker intervention than erasing a word at every layer. The identifiability count
-# adds that on texts longer than 32 tokens, part of every head's attention cannot reach
-# the output at all: effective attention ranks the tokens differently from raw attention.
+# at every layer, ``[CLS]`` attention nearly as far from the model's as any can be
+# (over 93% of the most possible divergence) keeps the output within 0.01, and keys moved
+# well beyond their own size keep the decision. Part of that is this model's confidence:
+# its probabilities sit near 1, where a total-variation budget is hard to spend; and one
+# layer's row at a time is a weaker intervention than erasing a word at every layer. The
+# identifiability count adds that on texts longer than 32 tokens, part of every head's
+# attention cannot reach the output at all: effective attention ranks the tokens
+# differently from raw attention.
 #
 # The claims above, checked on every build of these pages:
 assert by_attention.js_divergence.median() > by_chance.js_divergence.median()
 assert fractions["attention"].nanmedian() < fractions["random"].nanmedian()
 assert accuracy["all layers"] < accuracy["original"]
-assert all((f.tvd <= 0.01).all() and f.js_divergence.mean() > 0.1 for f in adversarial)
+assert all((f.tvd <= 0.01).all() for f in adversarial)
+assert all(f.js_divergence.mean() > 0.9 * f.js_bound.mean() for f in adversarial)
 assert moved.decision_kept.all() and moved.relative_distance.mean() > 1
 assert share == 1.0 and tau < 1
 plt.show()

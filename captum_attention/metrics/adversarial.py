@@ -95,8 +95,13 @@ def adversarial_attention(
         \max\big(0, \mathrm{TVD}(\hat y(\delta), \hat y) - \epsilon\big)
 
     with JS averaged over the chosen heads and rows (in bits) and TVD between the output
-    distributions, starting from δ ~ N(0, σ²) with σ = ``init_scale``. The result is the best point
-    seen that keeps TVD ≤ ε. Eager capture (the softmax's input is needed).
+    distributions. It runs twice: from δ ~ N(0, σ²) with σ = ``init_scale`` (Jain &
+    Wallace's random start), and from the inverted attention softmax(−S) (δ = −2·log A
+    plus the same noise), which starts next to the largest divergence and wins where the
+    output ignores the attention, while the random start wins where ε binds (from the
+    inverted start the softmax is saturated and the penalty's gradient vanishes). The
+    result is, per example, the best point either run saw that keeps TVD ≤ ε: 2·``steps``
+    forward and backward passes. Eager capture (the softmax's input is needed).
 
     Args:
         forward_func (Callable): the model's forward; logits ``(batch, classes)`` or a
@@ -111,8 +116,8 @@ def adversarial_attention(
         epsilon (float, optional): largest output TVD allowed. Default: 0.01.
         rows (str, optional): ``"all"`` real query rows, or ``"query"``: only the
             explained position's row (a pooling call's rows). Default: ``"all"``.
-        steps (int, optional): optimisation steps (one forward and backward each).
-            Default: 100.
+        steps (int, optional): optimisation steps per start (one forward and backward
+            each). Default: 100.
         lr (float, optional): Adam's learning rate. Default: 0.3.
         penalty (float, optional): λ, the weight of the TVD excess. Default: 10.0.
         init_scale (float, optional): standard deviation of δ's random start. Default: 1.0.
@@ -138,10 +143,9 @@ def adversarial_attention(
     chosen = sorted(layer_set(layers, base.num_layers))
     base.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
-    shifts = [
-        (torch.randn(base.attn_probs[c].shape, generator=generator) * init_scale).to(base.attn_probs[c].device).requires_grad_()
-        for c in chosen
-    ]
+    noise = [torch.randn(base.attn_probs[c].shape, generator=generator).to(base.attn_probs[c].device) * init_scale for c in chosen]
+    starts = [noise, [n - 2 * _log_attention(base.attn_probs[c]) for n, c in zip(noise, chosen)]]
+    shifts: list[Tensor] = []
     weights = {c: _row_weights(base, c, heads, rows) for c in chosen}
     reference = base.explained_probs()
     found: dict[int, list[Tensor]] = {}
@@ -169,7 +173,11 @@ def adversarial_attention(
         loss = -divergence + penalty * (tvd - epsilon).clamp(min=0.0)
         return loss, divergence.detach(), tvd.detach() <= epsilon, tvd.detach()
 
-    best, aux, ok, best_shifts = _search(shifts, evaluate, steps, lr)
+    searches = []
+    for start in starts:
+        shifts[:] = [shift.clone().requires_grad_() for shift in start]
+        searches.append(_search(shifts, evaluate, steps, lr))
+    best, aux, ok, best_shifts = _better(*searches)
     attention = []
     for c, shift in zip(chosen, best_shifts):
         attention.append(_adversarial_maps(base, c, shift, weights[c], heads, ok))
@@ -277,7 +285,7 @@ def adversarial_keys(
 
 def _search(
     shifts: list[Tensor], evaluate: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]], steps: int, lr: float
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+) -> Search:
     """Adam on ``shifts`` for ``steps`` evaluations; ``evaluate()`` gives per example the
     loss, the value to maximise, whether the point is allowed, and a companion figure.
     Returns per example the best allowed value, its companion, whether one was found, and
@@ -299,6 +307,26 @@ def _search(
                 shift.grad = grad
             optimiser.step()
     return best, aux, found, best_shifts
+
+
+def _log_attention(attn: Tensor) -> Tensor:
+    """log A on the keys a row attends to, 0 elsewhere: δ = −2·log A turns softmax(S) into
+    softmax(−S) (S = log A + a per-row constant)."""
+    return attn.float().clamp(min=1e-30).log().masked_fill(attn <= 0, 0.0)
+
+
+Search = tuple[Tensor, Tensor, Tensor, list[Tensor]]
+
+
+def _better(first: Search, second: Search) -> Search:
+    """Per example, the search that found an allowed point with the larger value."""
+    value, aux, found, shifts = first
+    other_value, other_aux, other_found, other_shifts = second
+    take = other_found & (~found | (other_value > value))
+    chosen = [torch.where(take.view(-1, *[1] * (a.dim() - 1)), b, a) for a, b in zip(shifts, other_shifts)]
+    return (
+        torch.where(take, other_value, value), torch.where(take, other_aux, aux), found | other_found, chosen,
+    )
 
 
 def _check_budget(steps: int, lr: float, epsilon: float) -> None:
