@@ -1,6 +1,7 @@
 """captum-attention: explain sentences with every method, in the terminal and as HTML.
 
     captum-attention explain "the plot was dull but the acting was superb" --html report.html
+    captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
 
@@ -11,8 +12,9 @@ import os
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from .evaluate import METRICS, NEEDS_RATIONALE
 from .explain import method_names
 
 
@@ -50,6 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--raw", action="store_true",
                          help="print the methods' scores themselves instead of each method's share of the words")
     explain.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
+    evaluate = commands.add_parser(
+        "evaluate", help="explain and score a data set (resumable; several processes under accelerate launch)"
+    )
+    evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional label, optional rationale")
+    evaluate.add_argument("--output", type=Path, required=True,
+                          help="folder for the shards, results.jsonl and the summary; rerun to resume")
+    evaluate.add_argument("--model", type=Path, help="a local sequence-classification checkpoint folder "
+                          "(default: the embedded sentiment model)")
+    evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
+                          "integrated_gradients, smoothgrad, shap")
+    evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
+                          + ", ".join(METRICS))
+    evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
+    evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
+    evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
+    evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     train = commands.add_parser("train", help="train the default model into the cache now")
     train.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     return parser
@@ -146,6 +164,83 @@ def _explain(arguments: argparse.Namespace) -> None:
         print(f"HTML report written to {arguments.html}")
 
 
+def _listed(value: str | None, option: str) -> list[str] | None:
+    if value is None:
+        return None
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    if not chosen:
+        raise UsageError(f"--{option} is empty")
+    return chosen
+
+
+def _evaluate(arguments: argparse.Namespace) -> None:
+    from ..attr import METHODS
+    from .evaluate import Options, check_request, evaluate, merge, read_dataset, summary_markdown
+    from .loading import load_classifier
+
+    if arguments.batch_size < 1 or arguments.ig_steps < 1:
+        raise UsageError("--batch-size and --ig-steps must be at least 1")
+    examples, skipped = read_dataset(arguments.data, arguments.skip_malformed)
+    for problem in skipped:
+        print(f"captum-attention: skipped {arguments.data}, {problem}", file=sys.stderr)
+    methods = _listed(arguments.methods, "methods") or list(METHODS)
+    has_rationales = all(e.rationale is not None for e in examples)
+    metrics = _listed(arguments.metrics, "metrics") or [m for m in METRICS if has_rationales or m not in NEEDS_RATIONALE]
+    check_request(methods, metrics, examples)
+    if arguments.output.exists() and not arguments.output.is_dir():
+        raise UsageError(f"--output {arguments.output} is a file: name a folder")
+    _check_cache_dir(arguments.cache_dir)
+    state = _process_state()
+    folder = arguments.model
+    if folder is None:
+        from ..demo.default_model import default_model_path
+
+        folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
+    model, tokenizer = load_classifier(folder)
+    model.to(state.device)
+    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps)
+    progress = None
+    if state.is_main_process:
+        from tqdm.auto import tqdm
+
+        progress = lambda todo: tqdm(todo, desc="batches", unit="batch")  # noqa: E731
+    def resuming(done: int, total: int) -> None:
+        if state.is_main_process:
+            print(f"resuming: {done} of {total} batches already done in {arguments.output}", flush=True)
+
+    evaluate(
+        model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
+        state.num_processes, progress, resuming,
+    )
+    state.wait_for_everyone()
+    if state.is_main_process:
+        summary = merge(arguments.output, examples, metrics, options.bootstrap, options.seed)
+        print(summary_markdown(summary, metrics))
+        print(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv")
+
+
+class _SingleProcess:
+    process_index, num_processes, is_main_process, device = 0, 1, True, "cpu"
+
+    def wait_for_everyone(self) -> None:
+        return None
+
+
+def _process_state() -> Any:
+    """Accelerate's process state when it is installed (one process, or each of the
+    processes ``accelerate launch`` or ``torchrun`` started; on a machine without CUDA
+    they join over gloo), else one process on the CPU."""
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UsageError("several processes need Hugging Face Accelerate: pip install accelerate") from None
+        return _SingleProcess()
+    import torch
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def _train(arguments: argparse.Namespace) -> None:
     from ..demo.default_model import default_model_path, read_metadata
 
@@ -168,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if arguments.command == "explain":
             _explain(arguments)
+        elif arguments.command == "evaluate":
+            _evaluate(arguments)
         else:
             _train(arguments)
     except (UsageError, CheckpointError, ValueError, RuntimeError) as error:

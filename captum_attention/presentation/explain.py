@@ -84,7 +84,7 @@ def method_names() -> list[str]:
     return [*METHODS, INTEGRATED_GRADIENTS]
 
 
-def _methods(
+def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None
 ) -> dict[str, tuple[Method, MethodInfo]]:
     """Display name -> (``run(ids, targets, mask, ig_baseline) -> (batch, seq_len)
@@ -117,7 +117,7 @@ def _methods(
     return methods
 
 
-def _baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+def ig_baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
     """IG baseline: special tokens kept, every other token replaced by padding."""
     return torch.where(special_tokens(ids, tokenizer), ids, torch.full_like(ids, tokenizer.pad_token_id))
 
@@ -144,7 +144,7 @@ def explain(
     ``sentences``, ``batch_size`` sentences at a time; sentences longer than the model
     takes (:func:`length_limit`) are cut, and say so."""
     limit = length_limit(model, tokenizer)
-    chosen = _methods(model, ig_steps, methods or method_names(), ig_batch_size)
+    chosen = report_methods(model, ig_steps, methods or method_names(), ig_batch_size)
     results: list[SentenceExplanation] = []
     seconds = dict.fromkeys(chosen, 0.0)
     for start in range(0, len(sentences), batch_size):
@@ -184,7 +184,7 @@ def _explain_batch(
                 cut_from=full_lengths[row] if full_lengths[row] > length else None,
             )
         )
-    baseline = _baseline(ids, tokenizer)
+    baseline = ig_baseline(ids, tokenizer)
     seconds = {}
     for name, (method, _) in methods.items():
         begin = time.perf_counter()

@@ -1,0 +1,202 @@
+"""``captum-attention evaluate``: a data set explained and scored, resumable, on one or two processes.
+
+A tiny BERT classifier and a word-level tokenizer are saved as a local checkpoint. The rows
+of a run are checked against the metrics computed directly on each example alone; a run
+killed with SIGKILL and resumed, and a run on two processes (gloo, through Accelerate), must
+give exactly the rows of one uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from captum_attention import GradSAM
+from captum_attention.metrics import aopc, comprehensiveness, token_f1
+from captum_attention.presentation import evaluate as ev
+from captum_attention.presentation.cli import main
+
+WORDS = "the a film plot was is not very good bad dull superb acting story great awful".split()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("classifier")
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = tf.BertTokenizerFast(vocab=str(vocab))
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64, num_labels=2, initializer_range=0.3,
+    )
+    tf.BertForSequenceClassification(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _data(folder: Path, count: int = 23) -> Path:
+    generator = torch.Generator().manual_seed(3)
+    path = folder / "data.jsonl"
+    with path.open("w") as file:
+        for row in range(count):
+            words = [WORDS[i] for i in torch.randint(len(WORDS), (int(torch.randint(3, 12, (1,), generator=generator)),), generator=generator)]
+            file.write(json.dumps({"text": " ".join(words), "label": row % 2, "rationale": words[:2]}) + "\n")
+    return path
+
+
+def _run(*args: str) -> int:
+    return main(["evaluate", *args])
+
+
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_rows_match_the_metrics_on_each_example_alone(checkpoint, tmp_path, capsys):
+    data = _data(tmp_path)
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "grad_sam,raw",
+                "--batch-size", "4") == 0
+    rows = _rows(tmp_path / "out")
+    examples, _ = ev.read_dataset(data)
+    assert [(r["index"], r["method"]) for r in rows] == [(e.index, m) for e in examples for m in ("grad_sam", "raw")]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.splitlines()[0] == "| method | " + " | ".join(ev.METRICS) + " |"
+    assert "| grad_sam | " in capsys.readouterr().out
+
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    for example in examples[:6]:
+        encoded = tokenizer([example.text], return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        predicted = forward(ids, mask).argmax(-1)
+        scores = GradSAM(forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,))
+        keep = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        row = next(r for r in rows if r["index"] == example.index and r["method"] == "grad_sam")
+        expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
+        assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+        rationale = torch.tensor([[False] + [w in example.rationale for w in example.text.split()] + [False]])
+        assert row["token_f1"] == pytest.approx(token_f1(scores, rationale, (mask == 1) & ~keep).item(), abs=1e-6)
+        assert row["predicted"] == int(predicted)
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_path):
+    data = _data(tmp_path, 40)
+    options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options]
+    subprocess.run([*command, "--output", str(tmp_path / "whole")], env=environment, check=True, capture_output=True)
+
+    shards = tmp_path / "killed" / "shards"
+    process = subprocess.Popen([*command, "--output", str(tmp_path / "killed")], env=environment,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < 3:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = len(list(shards.glob("batch-*.jsonl")))
+    assert 3 <= done < 20, "the run must be killed part way"
+    assert not (tmp_path / "killed" / "results.jsonl").exists()
+    resumed = subprocess.run([*command, "--output", str(tmp_path / "killed")], env=environment, check=True,
+                             capture_output=True, text=True)
+    assert f"resuming: {done} of 20 batches already done" in resumed.stdout
+    assert (tmp_path / "killed" / "results.jsonl").read_bytes() == (tmp_path / "whole" / "results.jsonl").read_bytes()
+    assert (tmp_path / "killed" / "summary.csv").read_bytes() == (tmp_path / "whole" / "summary.csv").read_bytes()
+
+
+def test_two_processes_give_exactly_the_single_process_rows(checkpoint, tmp_path):
+    pytest.importorskip("accelerate")
+    data = _data(tmp_path, 30)
+    options = ["--model", str(checkpoint), "--methods", "grad_sam,transformer_attribution,rollout", "--batch-size", "4"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    single = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options, "--output", str(tmp_path / "one")]
+    subprocess.run(single, env=environment, check=True, capture_output=True)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
+    two = [*launcher, "-m", "captum_attention", "evaluate", str(data), *options, "--output", str(tmp_path / "two")]
+    result = subprocess.run(two, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "two" / "results.jsonl").read_bytes() == (tmp_path / "one" / "results.jsonl").read_bytes()
+    assert (tmp_path / "two" / "summary.csv").read_bytes() == (tmp_path / "one" / "summary.csv").read_bytes()
+    assert len(list((tmp_path / "two" / "shards").glob("batch-*.jsonl"))) == 8
+
+
+def test_csv_input_and_summary_confidence_intervals(checkpoint, tmp_path):
+    data = tmp_path / "data.csv"
+    data.write_text("text,label\nthe film was good,1\nthe plot was dull,0\n\"a superb, great story\",1\n")
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "rollout") == 0
+    lines = (tmp_path / "out" / "summary.csv").read_text().splitlines()
+    assert lines[0] == "method,metric,n,mean,low,high"
+    assert [line.split(",")[1] for line in lines[1:]] == [m for m in ev.METRICS if m not in ev.NEEDS_RATIONALE]
+    for line in lines[1:]:
+        _, metric, n, mean, low, high = line.split(",")
+        if metric != "decision_flip":
+            assert int(n) == 3 and float(low) <= float(mean) <= float(high)
+
+
+def test_bootstrap_interval_is_seeded_and_covers_the_mean():
+    rows = [{"method": "m", "x": float(v)} for v in range(20)]
+    first = ev.summarise(rows, ["m"], ["x"], bootstrap=500, seed=1)[0]
+    assert first == ev.summarise(rows, ["m"], ["x"], bootstrap=500, seed=1)[0]
+    assert first["mean"] == 9.5 and first["low"] < 9.5 < first["high"]
+    assert 6.5 < first["low"] and first["high"] < 12.5  # the standard error is about 1.3
+
+
+@pytest.mark.parametrize(
+    "content, suffix, message",
+    [
+        ("", ".jsonl", "has no example"),
+        ('{"text": "good film"}\n{"text": \n', ".jsonl", "line 2: not JSON"),
+        ('{"text": ""}\n', ".jsonl", "line 1: 'text' is missing or empty"),
+        ('{"text": "good", "label": "positive"}\n', ".jsonl", "line 1: 'label' must be a class index"),
+        ('{"text": "good", "rationale": "good"}\n', ".jsonl", "line 1: 'rationale' must be a list of words"),
+        ("sentence,label\ngood,1\n", ".csv", "header row with a 'text' column"),
+        ("good film\n", ".txt", "give a .jsonl or .csv file"),
+    ],
+)
+def test_bad_data_gets_one_clear_line(checkpoint, tmp_path, capsys, content, suffix, message):
+    data = tmp_path / f"data{suffix}"
+    data.write_text(content)
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out")) == 1
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists(), "nothing is written before the input is checked"
+
+
+def test_malformed_rows_can_be_skipped(checkpoint, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "good film", "label": 1}\nnot json\n{"text": "dull plot", "label": 0}\n')
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "raw",
+                "--skip-malformed") == 0
+    assert "skipped" in capsys.readouterr().err
+    assert [(r["index"], r["line"]) for r in _rows(tmp_path / "out")] == [(0, 1), (1, 3)]
+
+
+def test_unknown_methods_metrics_and_missing_rationales_are_refused(checkpoint, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "good film"}\n')
+    base = [str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out")]
+    assert _run(*base, "--methods", "gradsam") == 1
+    assert "unknown method 'gradsam'" in capsys.readouterr().err
+    assert _run(*base, "--metrics", "aopc2") == 1
+    assert "unknown metric 'aopc2'" in capsys.readouterr().err
+    assert _run(*base, "--metrics", "token_f1") == 1
+    assert "need a 'rationale' on every row; line 1 has none" in capsys.readouterr().err
+
+
+def test_throughput_benchmark_runs(checkpoint):
+    script = Path(__file__).parent.parent / "benchmarks" / "evaluate_throughput.py"
+    rates = runpy.run_path(str(script))["main"](["--model", str(checkpoint), "--examples", "6", "--methods", "raw", "--processes", "1"])
+    assert set(rates) == {1} and rates[1] > 0
