@@ -200,3 +200,26 @@ def test_throughput_benchmark_runs(checkpoint):
     script = Path(__file__).parent.parent / "benchmarks" / "evaluate_throughput.py"
     rates = runpy.run_path(str(script))["main"](["--model", str(checkpoint), "--examples", "6", "--methods", "raw", "--processes", "1"])
     assert set(rates) == {1} and rates[1] > 0
+
+
+@pytest.mark.skipif(not os.environ.get("FERRET_PYTHON"), reason="needs a ferret-xai environment: set FERRET_PYTHON")
+def test_ferret_side_by_side_runs(checkpoint):
+    script = Path(__file__).parent.parent / "benchmarks" / "ferret_side_by_side.py"
+    rates = runpy.run_path(str(script))["main"](["--model", str(checkpoint), "--examples", "2"])
+    assert len(rates) == 4 and min(rates.values()) > 0
+
+
+def test_smoothgrad_and_shap_rows_are_reproducible(checkpoint, tmp_path):
+    data = _data(tmp_path, 5)
+    base = [str(data), "--model", str(checkpoint), "--methods", "smoothgrad,shap", "--shap-evals", "40",
+            "--metrics", "comprehensiveness,token_f1"]
+    for output in ("a", "again"):
+        assert _run(*base, "--output", str(tmp_path / output)) == 0
+    assert _run(*base, "--output", str(tmp_path / "other"), "--batch-size", "2") == 0
+    first = _rows(tmp_path / "a")
+    assert [(r["index"], r["method"]) for r in first] == [(i, m) for i in range(5) for m in ("smoothgrad", "shap")]
+    assert all(r["comprehensiveness"] is not None and r["token_f1"] is not None for r in first)
+    assert first == _rows(tmp_path / "again"), "SmoothGrad's noise is fixed per batch"
+    for one, other in zip(first, _rows(tmp_path / "other")):
+        if one["method"] == "shap":  # SHAP explains each text alone: the batches do not matter
+            assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)

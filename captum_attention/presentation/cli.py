@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                           + ", ".join(METRICS))
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
+    evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     train = commands.add_parser("train", help="train the default model into the cache now")
@@ -178,8 +179,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from .evaluate import Options, check_request, evaluate, merge, read_dataset, summary_markdown
     from .loading import load_classifier
 
-    if arguments.batch_size < 1 or arguments.ig_steps < 1:
-        raise UsageError("--batch-size and --ig-steps must be at least 1")
+    if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
+        raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
     examples, skipped = read_dataset(arguments.data, arguments.skip_malformed)
     for problem in skipped:
         print(f"captum-attention: skipped {arguments.data}, {problem}", file=sys.stderr)
@@ -198,7 +199,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
     model, tokenizer = load_classifier(folder)
     model.to(state.device)
-    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps)
+    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals)
     progress = None
     if state.is_main_process:
         from tqdm.auto import tqdm
