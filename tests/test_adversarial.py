@@ -18,7 +18,7 @@ from lm_models import make_decoder, make_prompts
 from plain_models import make_plain
 from torch import nn
 
-from captum_attention.capture import AttentionCapture, ModuleAdapter
+from captum_attention.capture import AttentionCapture, ModuleAdapter, default_adapter
 from captum_attention.metrics import adversarial_attention, adversarial_keys
 
 LENGTHS = (14, 11, 5)
@@ -83,31 +83,36 @@ def test_attention_a_decision_hinges_on_cannot_move_within_epsilon():
     assert (found.js_divergence < 0.1).all(), found.js_divergence
 
 
-def _replayed(model, inputs, extra, adapter, call, maps):
-    """Output probabilities with the call's probabilities replaced by ``maps``."""
+def _output_probs(model, inputs, extra, adapter=None, call=None, maps=None):
+    """The output distribution (a language model's at the last position), with the call's
+    probabilities replaced by ``maps`` if given."""
     def replace(index, attn, first_head, scores):
         return maps[:, first_head : first_head + attn.shape[1]].to(attn.dtype) if index == call else attn
 
-    with torch.no_grad(), AttentionCapture(model, adapter, intervention=replace):
-        logits = model(*inputs, *extra)
+    adapter = adapter or default_adapter(model)
+    with torch.no_grad(), AttentionCapture(model, adapter, intervention=replace if maps is not None else None):
+        logits = adapter.keyword_forward(model)(*inputs, *extra)
     logits = getattr(logits, "logits", logits)
-    return logits.float().softmax(-1)
+    return (logits[:, -1] if logits.dim() == 3 else logits).float().softmax(-1)
 
 
-@pytest.mark.parametrize("kind", ["bert", "hinge"])
+@pytest.mark.parametrize("kind", ["bert", "hinge", "llama"])
 def test_returned_attention_replays_within_epsilon(kind):
     if kind == "hinge":
         model, ids, adapter = _hinge()
         extra, layer = (), 0
+    elif kind == "llama":  # a sensitive model: the start next to its attention finds allowed points
+        model, adapter, layer = make_decoder("llama"), None, 1
+        prompts = make_prompts((7, 5), side="left")
+        ids, extra = prompts.input_ids, (prompts.attention_mask,)
     else:
         model, adapter, layer = make_model("bert"), None, 1
         batch = make_batch(model, LENGTHS)
         ids, extra = batch.input_ids, (batch.attention_mask,)
     found = adversarial_attention(model, ids, extra, layers=[layer], adapter=adapter, steps=STEPS)
-    with torch.no_grad():
-        original = model(ids, *extra)
-    original = getattr(original, "logits", original).float().softmax(-1)
-    replayed = _replayed(model, (ids,), extra, adapter, layer, found.attention[0])
+    assert found.within_epsilon.all() and (found.js_divergence > 0).all()
+    original = _output_probs(model, (ids,), extra, adapter)
+    replayed = _output_probs(model, (ids,), extra, adapter, layer, found.attention[0])
     tvd = 0.5 * (replayed - original).abs().sum(-1)
     torch.testing.assert_close(tvd, found.tvd, atol=1e-5, rtol=0)
     assert (tvd <= 0.01 + 1e-6).all()

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, cast
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -33,6 +35,18 @@ from ..maps import on_heads
 from ._forward import js_divergence, layer_set, resolve_model, run_model
 
 Rows = Literal["all", "query"]
+
+MARGIN = 0.8
+"""The penalty starts at ``MARGIN · ε``: a hinge at ε itself balances the divergence's pull
+just outside ε, where no point counts."""
+
+NEAR_SCALE = 0.01
+"""Standard deviation of the start next to the model's attention (δ ≈ 0): it begins within
+ε and moves out, which finds allowed points on models too sensitive for the other starts."""
+
+PENALTY_GROWTH = 1.25
+"""Each step an example's output is beyond ``MARGIN · ε``, its penalty weight grows by this
+factor (from ``penalty``), so that the search comes back within ε on sensitive models."""
 
 
 @dataclass
@@ -92,16 +106,18 @@ def adversarial_attention(
     .. math::
 
         \mathrm{JS}(A, \mathrm{softmax}(S + \delta)) - \lambda \cdot
-        \max\big(0, \mathrm{TVD}(\hat y(\delta), \hat y) - \epsilon\big)
+        \max\big(0, \mathrm{TVD}(\hat y(\delta), \hat y) - 0.8\,\epsilon\big)
 
     with JS averaged over the chosen heads and rows (in bits) and TVD between the output
-    distributions. It runs twice: from δ ~ N(0, σ²) with σ = ``init_scale`` (Jain &
-    Wallace's random start), and from the inverted attention softmax(−S) (δ = −2·log A
-    plus the same noise), which starts next to the largest divergence and wins where the
-    output ignores the attention, while the random start wins where ε binds (from the
-    inverted start the softmax is saturated and the penalty's gradient vanishes). The
-    result is, per example, the best point either run saw that keeps TVD ≤ ε: 2·``steps``
-    forward and backward passes. Eager capture (the softmax's input is needed).
+    distributions; the hinge starts at 0.8·ε, and λ (from ``penalty``) grows by a quarter
+    every step an example stays beyond it. It runs from three starts: δ ~ N(0, σ²) with
+    σ = ``init_scale`` (Jain & Wallace's random start); the same noise scaled to σ = 0.01,
+    next to the model's attention, which begins within ε and finds allowed points on
+    sensitive models; and the inverted attention softmax(−S) (δ = −2·log A plus the
+    noise), next to the largest divergence, which wins where the output ignores the
+    attention (from there the softmax is saturated and the penalty's gradient small where ε
+    binds). The result is, per example, the best point any run saw that keeps TVD ≤ ε:
+    3·``steps`` forward and backward passes. Eager capture (the softmax's input is needed).
 
     Args:
         forward_func (Callable): the model's forward; logits ``(batch, classes)`` or a
@@ -143,11 +159,16 @@ def adversarial_attention(
     chosen = sorted(layer_set(layers, base.num_layers))
     base.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
-    noise = [torch.randn(base.attn_probs[c].shape, generator=generator).to(base.attn_probs[c].device) * init_scale for c in chosen]
-    starts = [noise, [n - 2 * _log_attention(base.attn_probs[c]) for n, c in zip(noise, chosen)]]
+    noise = [torch.randn(base.attn_probs[c].shape, generator=generator).to(base.attn_probs[c].device) for c in chosen]
+    starts = [
+        [n * init_scale for n in noise],
+        [n * NEAR_SCALE for n in noise],
+        [n * init_scale - 2 * _log_attention(base.attn_probs[c]) for n, c in zip(noise, chosen)],
+    ]
     shifts: list[Tensor] = []
     weights = {c: _row_weights(base, c, heads, rows) for c in chosen}
     reference = base.explained_probs()
+    weight = torch.full_like(reference[:, 0], penalty)  # λ per example
     found: dict[int, list[Tensor]] = {}
 
     def shifted(call: int, attn: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
@@ -170,14 +191,17 @@ def adversarial_attention(
         )
         tvd = 0.5 * (run.explained_probs() - reference).abs().sum(dim=-1)
         divergence = torch.stack([_mean_js(base.attn_probs[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen]).mean(0)
-        loss = -divergence + penalty * (tvd - epsilon).clamp(min=0.0)
+        excess = (tvd - MARGIN * epsilon).clamp(min=0.0)
+        loss = -divergence + weight.clone() * excess
+        weight.mul_(torch.where(excess.detach() > 0, PENALTY_GROWTH, 1.0))  # until the example is back within ε
         return loss, divergence.detach(), tvd.detach() <= epsilon, tvd.detach()
 
     searches = []
     for start in starts:
         shifts[:] = [shift.clone().requires_grad_() for shift in start]
+        weight.fill_(penalty)
         searches.append(_search(shifts, evaluate, steps, lr))
-    best, aux, ok, best_shifts = _better(*searches)
+    best, aux, ok, best_shifts = functools.reduce(_better, searches)
     attention = []
     for c, shift in zip(chosen, best_shifts):
         attention.append(_adversarial_maps(base, c, shift, weights[c], heads, ok))
