@@ -14,7 +14,6 @@ compares the same work split across the cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from captum_attention import METHODS
-from captum_attention.demo import default_model_path, generate
+from captum_attention.demo import default_model_path, generate, write_jsonl
 
 
 def main(argv: list[str] | None = None) -> dict[int, float]:
@@ -38,10 +37,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     rates = {}
     with tempfile.TemporaryDirectory() as folder:
         data = Path(folder) / "data.jsonl"
-        with data.open("w") as file:
-            for example in generate("heldout", options.examples, seed=7):
-                words = example.text.split()
-                file.write(json.dumps({"text": example.text, "label": example.label, "rationale": [words[i] for i in example.rationale]}) + "\n")
+        write_jsonl(generate("heldout", options.examples, seed=7), data)
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         for processes in options.processes:
             output = Path(folder) / f"out-{processes}"

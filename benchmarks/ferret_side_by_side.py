@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from captum_attention.demo import default_model_path, generate
+from captum_attention.demo import default_model_path, generate, write_jsonl
 
 FERRET_SIDE = r'''
 import json, sys, time
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rates = {}
     with tempfile.TemporaryDirectory() as folder:
         data = Path(folder) / "data.jsonl"
-        with data.open("w") as file:
-            for example in generate("heldout", options.examples, seed=11):
-                words = example.text.split()
-                file.write(json.dumps({"text": example.text, "label": example.label, "rationale": [words[i] for i in example.rationale]}) + "\n")
+        write_jsonl(generate("heldout", options.examples, seed=11), data)
         script = Path(folder) / "ferret_side.py"
         script.write_text(FERRET_SIDE)
         for label, methods in (("SHAP + IG", "shap,integrated_gradients"), ("IG", "integrated_gradients")):

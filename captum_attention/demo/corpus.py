@@ -16,6 +16,8 @@ model learned sentiment rather than a word list.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -138,3 +140,13 @@ def token_rationales(encoded: "BatchEncoding", examples: list[Example]) -> "Tens
         decisive = set(example.rationale)
         rows.append([word is not None and word in decisive for word in encoded.word_ids(row)])
     return torch.tensor(rows, dtype=torch.bool)
+
+
+def write_jsonl(examples: list[Example], path: str | os.PathLike[str]) -> None:
+    """``examples`` as a data set for ``captum-attention evaluate``: one JSON object per
+    line with ``text``, ``label`` and ``rationale`` (the deciding words)."""
+    with open(path, "w", encoding="utf-8") as file:
+        for example in examples:
+            words = example.text.split()
+            rationale = [words[i] for i in example.rationale]
+            file.write(json.dumps({"text": example.text, "label": example.label, "rationale": rationale}) + "\n")
