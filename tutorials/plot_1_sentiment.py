@@ -68,7 +68,9 @@ def logits(input_ids, attention_mask):
 
 baseline = torch.where(special_tokens(ids, tokenizer), ids, tokenizer.pad_token_id)
 ig = LayerIntegratedGradients(logits, model.bert.embeddings)
-explanations["Integrated Gradients"] = ig.attribute(ids, baselines=baseline, n_steps=32, **args).sum(-1)
+explanations["Integrated Gradients"] = ig.attribute(
+    ids, baselines=baseline, n_steps=32, **args
+).sum(-1)
 
 
 def logits_from_embeddings(embeddings, attention_mask):
@@ -77,7 +79,9 @@ def logits_from_embeddings(embeddings, attention_mask):
 
 embeddings = model.get_input_embeddings()(ids).detach()
 smooth = NoiseTunnel(Saliency(logits_from_embeddings))
-saliency = smooth.attribute(embeddings, nt_type="smoothgrad", nt_samples=16, stdevs=0.05, **args)
+saliency = smooth.attribute(
+    embeddings, nt_type="smoothgrad", nt_samples=16, stdevs=0.05, **args
+)
 explanations["SmoothGrad"] = saliency.norm(dim=-1).detach()
 
 # %%
@@ -95,11 +99,19 @@ for name, scores in explanations.items():
         tokens = tokenizer.convert_ids_to_tokens(ids[row, :length])
         records.append(
             visualization.VisualizationDataRecord(
-                shown[row, :length], float(probabilities[row].max()), labels[row],
-                labels[row], name, float(scores[row].sum()), tokens, 0.0,
+                shown[row, :length],
+                float(probabilities[row].max()),
+                labels[row],
+                labels[row],
+                name,
+                float(scores[row].sum()),
+                tokens,
+                0.0,
             )
         )
-with contextlib.redirect_stdout(io.StringIO()):  # outside a notebook it also prints a placeholder
+with contextlib.redirect_stdout(
+    io.StringIO()
+):  # outside a notebook it also prints a placeholder
     html = visualization.visualize_text(records)
 html
 
@@ -111,11 +123,16 @@ html
 row = 2
 length = int(mask[row].sum())
 tokens = tokenizer.convert_ids_to_tokens(ids[row, :length])
-rows = {name: scores_for_display(s, special)[row, :length] for name, s in explanations.items()}
+rows = {
+    name: scores_for_display(s, special)[row, :length]
+    for name, s in explanations.items()
+}
 token_heatmap(rows, tokens, title=f"{sentences[row]!r} → {labels[row]}")
 words = ~special[row, :length]
 for name, shown_row in rows.items():
-    print(f"{name:24} top word: {tokens[int(shown_row.masked_fill(~words, -1).argmax())]}")
+    print(
+        f"{name:24} top word: {tokens[int(shown_row.masked_fill(~words, -1).argmax())]}"
+    )
 
 # %%
 # Every head of every layer
@@ -145,6 +162,13 @@ fig.tight_layout()
 # The claims above, checked on every build of these pages: the model reads the three
 # sentences as the corpus's rule says, and every method's top word of the third sentence is
 # one of its sentiment words.
-assert [model.config.id2label[int(p)] for p in predicted] == ["positive", "negative", "negative"]
-assert all(tokens[int(r.masked_fill(~words, -1).argmax())] in ("great", "boring", "painfully") for r in rows.values())
+assert [model.config.id2label[int(p)] for p in predicted] == [
+    "positive",
+    "negative",
+    "negative",
+]
+assert all(
+    tokens[int(r.masked_fill(~words, -1).argmax())] in ("great", "boring", "painfully")
+    for r in rows.values()
+)
 plt.show()

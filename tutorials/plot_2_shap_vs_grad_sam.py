@@ -21,7 +21,12 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from captum_attention import GradSAM, TransformerAttribution, load_default_model, special_tokens
+from captum_attention import (
+    GradSAM,
+    TransformerAttribution,
+    load_default_model,
+    special_tokens,
+)
 from captum_attention.demo import generate, token_rationales
 from captum_attention.metrics import auprc, kendall_tau, token_f1
 from captum_attention.presentation.shap_text import shap_token_values
@@ -44,11 +49,15 @@ with torch.no_grad():
 
 scores, seconds = {}, {}
 for name, explain in {
-    "Grad-SAM": lambda: GradSAM(model).attribute(ids, target=predicted, additional_forward_args=(mask,)),
+    "Grad-SAM": lambda: GradSAM(model).attribute(
+        ids, target=predicted, additional_forward_args=(mask,)
+    ),
     "Transformer Attribution": lambda: TransformerAttribution(model).attribute(
         ids, target=predicted, additional_forward_args=(mask,)
     ),
-    "SHAP (300 evaluations)": lambda: shap_token_values(logits, tokenizer, texts, predicted, max_evals=300),
+    "SHAP (300 evaluations)": lambda: shap_token_values(
+        logits, tokenizer, texts, predicted, max_evals=300
+    ),
 }.items():
     start = time.perf_counter()
     scores[name] = explain()
@@ -78,17 +87,27 @@ fig.tight_layout()
 # the sentences; token F1 of the top-k words with k the number of sentiment words; AUPRC
 # of the scores against the sentiment words.
 shap_scores = scores["SHAP (300 evaluations)"]
-print(f"{'method':26} {'τ with SHAP':>11} {'token F1':>9} {'AUPRC':>7} {'s / sentence':>13}")
+header = f"{'method':26} {'τ with SHAP':>11} {'token F1':>9} {'AUPRC':>7}"
+print(f"{header} {'s / sentence':>13}")
 taus, f1s = {}, {}
 for name, method_scores in scores.items():
-    taus[name] = kendall_tau(method_scores, shap_scores, include=words).nanmedian().item()
+    taus[name] = (
+        kendall_tau(method_scores, shap_scores, include=words).nanmedian().item()
+    )
     f1s[name] = token_f1(method_scores, rationale, include=words).mean().item()
     area = auprc(method_scores, rationale, include=words).mean()
-    print(f"{name:26} {taus[name]:11.2f} {f1s[name]:9.2f} {area:7.2f} {seconds[name]:13.4f}")
+    row = f"{name:26} {taus[name]:11.2f} {f1s[name]:9.2f} {area:7.2f}"
+    print(f"{row} {seconds[name]:13.4f}")
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for name in ("Grad-SAM", "Transformer Attribution"):
-    ax.hist(kendall_tau(scores[name], shap_scores, include=words).numpy(), bins=12, range=(-1, 1), alpha=0.6, label=name)
+    ax.hist(
+        kendall_tau(scores[name], shap_scores, include=words).numpy(),
+        bins=12,
+        range=(-1, 1),
+        alpha=0.6,
+        label=name,
+    )
 ax.set(xlabel="Kendall's τ with SHAP, per sentence", ylabel="sentences")
 ax.legend()
 fig.tight_layout()

@@ -22,7 +22,12 @@ import matplotlib.pyplot as plt
 import torch
 
 from captum_attention import METHODS
-from captum_attention.demo.recall import decode, load_recall_model, recall_accuracy, recall_batch
+from captum_attention.demo.recall import (
+    decode,
+    load_recall_model,
+    recall_accuracy,
+    recall_batch,
+)
 
 model = load_recall_model()
 batch = recall_batch(200, seed=7)
@@ -37,8 +42,12 @@ print("example:", " ".join(decode(batch.input_ids[0])))
 first_answer = int(batch.answer_positions[0, 0])
 prompt = batch.input_ids[:, : first_answer + 1]
 target = batch.answers[:, 0]
-scores = {name: METHODS[name](model).attribute(prompt, target=target) for name in METHODS}
-scores["grad_sam, key axis"] = METHODS["grad_sam"](model).attribute(prompt, target=target, axis="key")
+scores = {
+    name: METHODS[name](model).attribute(prompt, target=target) for name in METHODS
+}
+scores["grad_sam, key axis"] = METHODS["grad_sam"](model).attribute(
+    prompt, target=target, axis="key"
+)
 
 example = 0
 tokens = decode(prompt[example])
@@ -46,7 +55,11 @@ fig, axes = plt.subplots(len(scores), 1, figsize=(8, 1.2 * len(scores)), sharex=
 decisive = batch.decisive[example, 0, : prompt.shape[1]]
 for ax, (name, method_scores) in zip(axes, scores.items()):
     row = method_scores[example]
-    ax.bar(range(len(tokens)), row / row.abs().max(), color=["tab:red" if d else "tab:blue" for d in decisive])
+    ax.bar(
+        range(len(tokens)),
+        row / row.abs().max(),
+        color=["tab:red" if d else "tab:blue" for d in decisive],
+    )
     ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
     ax.set_yticks([])
 axes[-1].set_xticks(range(len(tokens)), tokens)
@@ -65,7 +78,8 @@ hits = {}
 for name, method_scores in scores.items():
     top = method_scores.masked_fill(~evidence, -float("inf")).argmax(dim=1)
     hits[name] = batch.decisive[torch.arange(len(top)), 0, top].float().mean().item()
-    print(f"{name:24} top token is the decisive pair: {hits[name]:.0%} (chance {chance:.0%})")
+    print(f"{name:24} top token is the decisive pair: {hits[name]:.0%}", end=" ")
+    print(f"(chance {chance:.0%})")
 
 # %%
 # Rollout and Transformer Attribution follow the information from the pair to the
@@ -84,27 +98,41 @@ for name, method_scores in scores.items():
 # ``attribute`` gives for the prefix that ends before token k. Here the continuation is the
 # rest of the sequence: the first value, the second asked key, its value.
 continuation = batch.input_ids[:, first_answer + 1 :]
-rows = METHODS["transformer_attribution"](model).attribute_continuation(prompt, continuation)
+rows = METHODS["transformer_attribution"](model).attribute_continuation(
+    prompt, continuation
+)
 full_tokens = decode(batch.input_ids[example])
 fig, ax = plt.subplots(figsize=(8, 2.4))
 shown = rows[example] / rows[example].abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
 ax.imshow(shown, cmap="Reds", aspect="auto", vmin=0, vmax=1)
 ax.set_xticks(range(len(full_tokens)), full_tokens)
-ax.set_yticks(range(continuation.shape[1]), [f"→ {t}" for t in decode(continuation[example])])
+ax.set_yticks(
+    range(continuation.shape[1]), [f"→ {t}" for t in decode(continuation[example])]
+)
 ax.set_title("Transformer Attribution, one row per continuation token")
 fig.tight_layout()
 
-second_answer_row = 2  # the second value: explained from the prefix up to the second asked key
+second_answer_row = (
+    2  # the second value: explained from the prefix up to the second asked key
+)
 second_key = first_answer + 2
-top = rows[:, second_answer_row].index_fill(1, torch.tensor([second_key]), -float("inf")).argmax(dim=1)
+top = (
+    rows[:, second_answer_row]
+    .index_fill(1, torch.tensor([second_key]), -float("inf"))
+    .argmax(dim=1)
+)
 second_hits = batch.decisive[torch.arange(len(top)), 1, top].float().mean().item()
-print(f"Transformer Attribution on the second answer: top token (the asked key left out) is its pair in {second_hits:.0%} of sequences")
+print("Transformer Attribution on the second answer: top token (the asked key left")
+print(f"out) is its pair in {second_hits:.0%} of sequences")
 
 # %%
 # The claims above, checked on every build of these pages:
 assert recall_accuracy(model, batch) > 0.95
 assert hits["rollout"] > 2 * chance and hits["transformer_attribution"] > 2 * chance
 assert hits["grad_sam"] < hits["transformer_attribution"]
-assert hits["grad_sam, key axis"] > 2 * hits["grad_sam"] and hits["grad_sam, key axis"] > 2 * chance
+assert (
+    hits["grad_sam, key axis"] > 2 * hits["grad_sam"]
+    and hits["grad_sam, key axis"] > 2 * chance
+)
 assert second_hits > 2 * chance
 plt.show()

@@ -27,7 +27,13 @@ from captum.attr import LayerIntegratedGradients
 
 from captum_attention import METHODS, load_default_model, special_tokens
 from captum_attention.demo import generate
-from captum_attention.metrics import aopc, comprehensiveness, perturbation_curve, random_ranking, sufficiency
+from captum_attention.metrics import (
+    aopc,
+    comprehensiveness,
+    perturbation_curve,
+    random_ranking,
+    sufficiency,
+)
 from captum_attention.presentation.shap_text import shap_token_values
 
 model, tokenizer = load_default_model(progress=False)
@@ -54,14 +60,18 @@ for name, cls in METHODS.items():
 start = time.perf_counter()
 baseline = torch.where(special, ids, tokenizer.pad_token_id)
 ig = LayerIntegratedGradients(logits, model.bert.embeddings)
-attributions["Integrated Gradients"] = ig.attribute(ids, baselines=baseline, n_steps=32, **args).sum(-1)
+attributions["Integrated Gradients"] = ig.attribute(
+    ids, baselines=baseline, n_steps=32, **args
+).sum(-1)
 seconds["Integrated Gradients"] = time.perf_counter() - start
 
 # %%
 # SHAP's Partition explainer masks the tokenizer's own tokens with a text masker;
 # ``shap_token_values`` lines its values up with the model's tokens.
 start = time.perf_counter()
-attributions["SHAP (Partition)"] = shap_token_values(logits, tokenizer, texts, predicted, max_evals=200)
+attributions["SHAP (Partition)"] = shap_token_values(
+    logits, tokenizer, texts, predicted, max_evals=200
+)
 seconds["SHAP (Partition)"] = time.perf_counter() - start
 attributions["random"] = random_ranking(ids.shape, seed=0)
 seconds["random"] = 0.0
@@ -79,15 +89,23 @@ for name, scores in attributions.items():
     suff = sufficiency(logits, ids, mask, scores, **common)
     results[name] = (comp.mean(0), suff.mean(0))
     aopcs[name] = (aopc(comp).mean().item(), aopc(suff).mean().item())
-    print(f"{name:24} {aopc(comp).mean():11.3f} {aopc(suff).mean():11.3f} {seconds[name] / len(ids):12.4f}")
+    comp_aopc, suff_aopc = aopcs[name]
+    per_example = seconds[name] / len(ids)
+    print(f"{name:24} {comp_aopc:11.3f} {suff_aopc:11.3f} {per_example:12.4f}")
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
 for name, (comp, suff) in results.items():
     style = "k--" if name == "random" else "-o"
     left.plot(bins, comp, style, label=name, markersize=3)
     right.plot(bins, suff, style, label=name, markersize=3)
-left.set(xscale="log", xlabel="top k% of tokens removed", ylabel="comprehensiveness (higher is better)")
-right.set(xscale="log", xlabel="top k% of tokens kept", ylabel="sufficiency (lower is better)")
+left.set(
+    xscale="log",
+    xlabel="top k% of tokens removed",
+    ylabel="comprehensiveness (higher is better)",
+)
+right.set(
+    xscale="log", xlabel="top k% of tokens kept", ylabel="sufficiency (lower is better)"
+)
 left.legend(fontsize=7)
 fig.tight_layout()
 
@@ -96,10 +114,20 @@ fig.tight_layout()
 # ---------------
 fig, ax = plt.subplots(figsize=(6, 4))
 for name, scores in attributions.items():
-    curve = perturbation_curve(logits, ids, mask, scores, target=predicted, keep=special)
+    curve = perturbation_curve(
+        logits, ids, mask, scores, target=predicted, keep=special
+    )
     style = "k--" if name == "random" else "-"
-    ax.plot(curve.fractions, curve.target_prob.mean(0), style, label=f"{name} (AUC {curve.auc_target_prob.mean():.2f})")
-ax.set(xlabel="fraction of tokens replaced by [PAD], most relevant first", ylabel="p(predicted class)")
+    ax.plot(
+        curve.fractions,
+        curve.target_prob.mean(0),
+        style,
+        label=f"{name} (AUC {curve.auc_target_prob.mean():.2f})",
+    )
+ax.set(
+    xlabel="fraction of tokens replaced by [PAD], most relevant first",
+    ylabel="p(predicted class)",
+)
 ax.legend(fontsize=7)
 fig.tight_layout()
 

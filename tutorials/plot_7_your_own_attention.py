@@ -180,9 +180,9 @@ fig.tight_layout()
 # Plausibility: is the top token a rationale word? And the F1 of the top-k tokens (k =
 # the number of rationale words) against the rationale. Split by negation: the sentences
 # whose rationale has a "not" in it.
-negated = torch.tensor([
-    any(e.text.split()[i] == "not" for i in e.rationale) for e in test
-])
+negated = torch.tensor(
+    [any(e.text.split()[i] == "not" for i in e.rationale) for e in test]
+)
 chance = (rationale.sum(1) / real.sum(1)).mean().item()
 rnn_hits = {name: top_hits(s) for name, s in rnn_scores.items()}
 print(f"{'top token in the rationale:':27}  all negated others  token F1")
@@ -397,7 +397,9 @@ assert rnn_accuracy > 0.95 and transformer_accuracy > 0.95
 assert rnn_hits["Integrated Gradients"].mean() > raw_rnn.mean()
 assert raw_rnn[negated].mean() < raw_rnn[~negated].mean()
 assert fractions["attention"].nanmedian() < fractions["random"].nanmedian()
-assert fractions["attention"].nanmedian() <= fractions["Integrated Gradients"].nanmedian()
+assert (
+    fractions["attention"].nanmedian() <= fractions["Integrated Gradients"].nanmedian()
+)
 assert transformer_hits["Attention Rollout"].mean() > 2 * chance
 assert transformer_hits["Raw Attention"].mean() > raw_rnn.mean()
 assert rnn_permuted.median_tvd.median() > transformer_permuted.median_tvd.median()
