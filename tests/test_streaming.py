@@ -20,6 +20,7 @@ from test_encoder_decoder import make_pair
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention._compat import attention_function
 from captum_attention.capture import kernel
+from captum_attention.maps import streaming
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
 
@@ -101,6 +102,56 @@ def test_blocks_of_every_head_give_the_same_scores_as_blocks_of_one_head(family,
     for every_head, expected in zip(everything(), one_head):
         for actual, wanted in zip(*(x if isinstance(x, tuple) else (x,) for x in (every_head, expected))):
             _rel_close(actual, wanted)
+
+
+@pytest.fixture
+def compiled_blocks(monkeypatch):
+    """Every call reduces its blocks with the compiled functions, as calls of 2k+ tokens do."""
+    monkeypatch.setattr(streaming, "FUSED_MIN_PAIRS", 0)
+    monkeypatch.setattr(streaming, "_COMPILED", {})
+    return streaming._COMPILED
+
+
+def _gradient_scores(model, inputs, args):
+    """Grad-SAM (both axes; the key axis only for one stack) and Transformer Attribution, streamed."""
+    axes = ("query",) if isinstance(inputs, tuple) else ("query", "key")
+    return [
+        *(GradSAM(model, capture="streaming").attribute(inputs, target=1, additional_forward_args=args, axis=axis) for axis in axes),
+        TransformerAttribution(model, capture="streaming").attribute(inputs, target=1, additional_forward_args=args),
+    ]
+
+
+def _flat(scores):
+    return [part for score in scores for part in (score if isinstance(score, tuple) else (score,))]
+
+
+@pytest.mark.parametrize("family", ("bert", "llama", "t5", "vit"))
+def test_compiled_block_reductions_equal_eager_ones(family, monkeypatch, compiled_blocks):
+    model, inputs, args, _ = _case(family)
+    compiled = _gradient_scores(model, inputs, args)
+    assert compiled_blocks and all(fn is not None for fn in compiled_blocks.values()), "the compiled path should run"
+    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", False)
+    for actual, expected in zip(_flat(compiled), _flat(_gradient_scores(model, inputs, args))):
+        _rel_close(actual, expected)
+
+
+def test_a_failing_compiler_falls_back_to_eager(monkeypatch, compiled_blocks, caplog):
+    model, ids, args, _ = _case("bert")
+    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", False)
+    expected = _gradient_scores(model, ids, args)
+    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", True)
+
+    def no_compiler(function, **options):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler found")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level("DEBUG", logger=streaming.__name__):
+        for actual, wanted in zip(_flat(_gradient_scores(model, ids, args)), _flat(expected)):
+            _rel_close(actual, wanted)
+    assert compiled_blocks and all(fn is None for fn in compiled_blocks.values()), "a failure is remembered"
+    assert "no C++ compiler found" in caplog.text
 
 
 @pytest.mark.parametrize("cls", [GradSAM, AttentionRollout])

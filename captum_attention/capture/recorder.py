@@ -366,7 +366,7 @@ class AttentionCapture:
         elif transform is not None:
             kernel.output = transformed_output(kernel, transform, self.block_memory)
         elif new_keys is not None:
-            kernel.output = run_kernel(new_keys(kernel.key))
+            kernel.output = run_kernel(lambda query, key, value: (query, new_keys(kernel.key), value))
         else:
             kernel.output = run_kernel()
         output = kernel.output
