@@ -1,7 +1,7 @@
 """Which explanation to trust: every method on ground-truth tasks, side by side, one run.
 
     python benchmarks/faithfulness.py [--tasks planted order shape sentiment] [--examples 64]
-                                      [--json results.json]
+                                      [--methods NAME ...] [--json results.json]
 
 For each task (see ``tasks.py``) and each method (see ``explainers.py``), explaining the
 model's predicted class:
@@ -128,7 +128,7 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
     }
 
 
-def run_task(task: Task, check_accuracy: bool = True) -> dict[str, Any]:
+def run_task(task: Task, check_accuracy: bool = True, only: list[str] | None = None) -> dict[str, Any]:
     if check_accuracy and task.accuracy < 0.9:
         raise RuntimeError(f"the {task.name} model reached only {task.accuracy:.0%}: its explanations would mean nothing.")
     torch.manual_seed(0)
@@ -137,6 +137,8 @@ def run_task(task: Task, check_accuracy: bool = True) -> dict[str, Any]:
     baseline = forward_backward_seconds(task)
     rows = {}
     for name, method in explainers.methods().items():
+        if only and name not in only:
+            continue
         repeats = 1 if "SHAP" in name or "Integrated" in name else REPEATS
         scores, seconds = _timed(lambda: method(task, target), repeats)
         rows[name] = {
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["planted", "order", "shape", "sentiment"])
     parser.add_argument("--examples", type=int, default=None, help="evaluation examples per task (default: the task's)")
+    parser.add_argument("--methods", nargs="+", help="only these methods (names as printed; default: all)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets, to check that everything runs")
     options = parser.parse_args(argv)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         sizes: dict[str, int] = {} if options.examples is None else {"eval_size": options.examples}
         if options.smoke:
             sizes = {"eval_size": 4, "train_size": 200, "epochs": 1}
-        result = run_task(tasks.build(name, **sizes), check_accuracy=not options.smoke)
+        result = run_task(tasks.build(name, **sizes), check_accuracy=not options.smoke, only=options.methods)
         results.append(result)
         print(markdown(result, command.strip()), "\n", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")

@@ -1,6 +1,6 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
-from .attr import METHODS, AttentionFlow, AttentionRollout, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from .attr import METHODS, AttentionFlow, AttentionRollout, AttnLRP, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from .capture import (
     AttentionAdapter,
     AttentionCapture,
@@ -19,6 +19,7 @@ __all__ = [
     "AttentionCapture",
     "AttentionFlow",
     "AttentionRollout",
+    "AttnLRP",
     "GradSAM",
     "HuggingFaceAdapter",
     "ModuleAdapter",

@@ -83,7 +83,9 @@ class MethodCase:
     """One registered method: its class, its reference, and options for the invariance tests."""
 
     name: str
-    reference: Callable[..., torch.Tensor]  # reference(ref, lengths, query=0) -> (B, T)
+    # reference(ref, lengths, query=0) -> (B, T) from the attention maps; None for a method
+    # that is not a function of them (AttnLRP: its own reference in test_attn_lrp.py)
+    reference: Callable[..., torch.Tensor] | None
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -98,5 +100,9 @@ METHODS = {
         MethodCase("transformer_attribution", reference_chefer, dict(target=1)),
         MethodCase("rollout", reference_rollout),
         MethodCase("raw", reference_raw, dict(layer=1)),
+        MethodCase("attn_lrp", None, dict(target=1)),
     )
 }
+
+MAP_METHODS = {name: case for name, case in METHODS.items() if case.reference is not None}
+"""The methods computed from the attention maps, which the map references check."""

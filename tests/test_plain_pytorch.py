@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_state, assert_scores_close, make_batch, model_state
 from plain_models import PatchClassifier, make_plain
-from methods import METHODS
+from methods import MAP_METHODS as METHODS
 
 from captum_attention import GradSAM, TransformerAttribution
 from captum_attention.capture import AttentionNotFoundError, ModuleAdapter, MultiheadAttentionAdapter

@@ -11,7 +11,7 @@ import torch
 from captum.attr import visualization
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import VISION, make_vision
-from methods import METHODS
+from methods import MAP_METHODS as METHODS
 
 from captum_attention import GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking

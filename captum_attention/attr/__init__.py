@@ -15,11 +15,12 @@ from .attention_rollout import AttentionRollout  # isort: skip
 from .transformer_attribution import TransformerAttribution  # isort: skip
 from .raw_attention import RawAttention  # isort: skip
 from .attention_flow import AttentionFlow  # isort: skip  (not registered: see its cost)
+from .attn_lrp import AttnLRP  # isort: skip
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "METHODS", "AttentionFlow", "AttentionRollout", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
+    "METHODS", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
 ]

@@ -80,6 +80,7 @@ class AttentionAttributionBase:
     method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"
     streams_encoder_decoder: ClassVar[bool] = False  # whether _streamed_scores takes them
     readable_name: ClassVar[str] = ""  # what get_name() and reports show
+    signed: ClassVar[bool] = False  # whether scores take both signs (reports colour them so)
     gradient_reduction: GradientReduction | None = None  # set by the gradient methods
     forward_func: Callable[..., Any]  # set by Captum's Attribution.__init__
 
@@ -119,6 +120,12 @@ class AttentionAttributionBase:
     @classmethod
     def get_name(cls) -> str:
         return cls.readable_name or cls.__name__
+
+    @classmethod
+    def uses_backward(cls) -> bool:
+        """Whether the method takes a backward pass (its cost is measured against the
+        model's forward+backward; else against its forward)."""
+        return cls.gradient_reduction is not None
 
     def _scores(self, record: ForwardRecord, *args: Any, **options: Any) -> tuple[Tensor, list[Tensor]]:
         """The method's ``(B, T)`` scores and per-layer maps for one self-attention stack

@@ -145,6 +145,12 @@ class AttentionAdapter(Protocol):
         al.), or None where the adapter does not know it."""
         ...
 
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose outputs are the input embeddings of the explained tokens (an
+        encoder-decoder's source embedding first, then its target embedding; a vision
+        transformer's patch embedding), where relevance is read; empty where unknown."""
+        ...
+
     streams: bool
     """Whether the family's attention runs through transformers' ``sdpa`` attention
     function, so that a streaming capture can record it (see ``kernel_prepared``)."""
@@ -214,6 +220,9 @@ class AdapterBase:
 
     def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
         return None
+
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        return []
 
 
 class AttentionNotFoundError(ValueError):
@@ -400,6 +409,17 @@ class HuggingFaceAdapter(AdapterBase):
         if type(projection).__name__ == "Conv1D":  # GPT-2's (in, out) weight
             return projection.weight.t()  # type: ignore[union-attr, operator]
         return None
+
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """``get_input_embeddings()`` of the encoder and the decoder (one module where they
+        share it, as T5's ``shared``), else of the model."""
+        owners = [getattr(model, "get_encoder")(), getattr(model, "get_decoder")()] if self.is_encoder_decoder(model) else [model]
+        modules: list[nn.Module] = []
+        for owner in owners:
+            embedding = getattr(owner, "get_input_embeddings", lambda: None)()
+            if isinstance(embedding, nn.Module) and not any(embedding is m for m in modules):
+                modules.append(embedding)
+        return modules
 
     def prepared(self, model: nn.Module) -> AbstractContextManager[None]:
         return _implementation(model, "eager")

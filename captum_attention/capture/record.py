@@ -25,6 +25,7 @@ from .._compat import TargetType, run_forward
 from .adapters import AttentionAdapter, default_adapter
 from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
 from .kernel import KernelCall, StreamingUnsupported
+from .lrp import PropagationRules
 from .recorder import AttentionCapture
 
 Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
@@ -63,6 +64,10 @@ class ForwardRecord:
             ``(B, H, K, Dv)`` values the probabilities weighted; else None.
         projections: with ``values``, per call, the adapter's output projection weight
             ``(hidden, H * Dv)``, or None where it does not know it.
+        embeddings: records made under AttnLRP's rules: the input embeddings ``(B, T, d)``
+            in the autograd graph (an encoder-decoder's source, then target); else None.
+        relevance: per entry of ``embeddings``, the ``(B, T)`` relevance of its tokens;
+            None until computed.
     """
 
     logits: Tensor
@@ -79,6 +84,8 @@ class ForwardRecord:
     output_grads: list[Tensor] | None = None
     values: list[Tensor] | None = None
     projections: list[Tensor | None] | None = None
+    embeddings: list[Tensor] | None = None
+    relevance: list[Tensor] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -269,6 +276,7 @@ def record_forward(
     streaming: bool = False,
     block_memory: int | None = None,
     record_values: bool = False,
+    relevance_rules: PropagationRules | None = None,
 ) -> ForwardRecord:
     """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
 
@@ -290,6 +298,8 @@ def record_forward(
             device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
         record_values: eager: also record the values and output projections (``values``,
             ``projections``).
+        relevance_rules: run the forward under these AttnLRP rules and record the input
+            embeddings (``embeddings``), in the autograd graph.
     """
     _check_call(additional_forward_args, track_grad)
     _check_float_inputs(model, inputs)
@@ -299,7 +309,8 @@ def record_forward(
     adapter = resolve_adapter(model, adapter)
     capture = AttentionCapture(
         model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
-        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad, record_values=record_values,
+        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad or relevance_rules is not None,
+        record_values=record_values, relevance_rules=relevance_rules,
     )
     with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
@@ -338,6 +349,7 @@ def record_forward(
     record = ForwardRecord(
         logits, attn_probs, heads, roles, target_real, source_real, queries, causal, capture,
         kernel_calls=kernel_calls, values=values, projections=projections,
+        embeddings=None if capture.rules is None else capture.rules.embeddings,
     )
     return record.at_query(queries)
 

@@ -16,6 +16,7 @@ from .._compat import function_mode_stack, mha_forward_with_softmax, restore_pop
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
 from .guard import InterruptGuard, model_lock
 from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
+from .lrp import PropagationRules, RelevanceRules
 
 
 class AttentionCapture:
@@ -72,6 +73,9 @@ class AttentionCapture:
         record_values (bool): eager mode: also record, per call, the values the
             probabilities multiply (the other factor of the product that consumes them),
             in ``values``. Default: False.
+        relevance_rules (PropagationRules, optional): propagate gradients by these
+            AttnLRP rules (:class:`~captum_attention.capture.lrp.RelevanceRules`) and
+            record the input embeddings in ``rules.embeddings``. Default: None.
 
     Example::
 
@@ -92,6 +96,7 @@ class AttentionCapture:
         block_memory: int | None = None,
         grad_enabled: bool | None = None,
         record_values: bool = False,
+        relevance_rules: PropagationRules | None = None,
     ) -> None:
         self.model = model
         self.record_values = record_values
@@ -102,6 +107,10 @@ class AttentionCapture:
         self.intervention = intervention
         self.streaming = streaming
         self.block_memory = block_memory
+        self.rules = (
+            None if relevance_rules is None
+            else RelevanceRules(model, self.adapter.input_embeddings(model), relevance_rules)
+        )
         self.attention_mask: Tensor | None = None
         self.decoder_attention_mask: Tensor | None = None
         self._calls: list[_Call] = []
@@ -286,6 +295,8 @@ class AttentionCapture:
                 stack.enter_context(KernelInterception(self._on_kernel))
             else:
                 stack.enter_context(self.adapter.prepared(self.model))
+            if self.rules is not None:
+                stack.enter_context(self.rules)
             for module in self._sites:
                 # prepend: read the output before any hook of the adapter's rewrites it
                 stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
@@ -355,7 +366,8 @@ class AttentionCapture:
         """Streaming mode: one call of the attention kernel, inside an attention module."""
         call = self._open[-1] if self._open else None
         if call is None or call.kernel is not None or not any(m is module for m in call.module.modules()):
-            return run_kernel()  # outside the attention modules the adapter named: not ours to record
+            # outside the attention modules the adapter named: not ours to record
+            return run_kernel() if self.rules is None else self.rules.attention(run_kernel)
         erasure = getattr(self.intervention, "erased_keys", _nothing)(call.index)
         transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
         new_keys = getattr(self.intervention, "keys_transform", _nothing)(call.index)
@@ -367,6 +379,8 @@ class AttentionCapture:
             kernel.output = transformed_output(kernel, transform, self.block_memory)
         elif new_keys is not None:
             kernel.output = run_kernel(lambda query, key, value: (query, new_keys(kernel.key), value))
+        elif self.rules is not None:
+            kernel.output = self.rules.attention(run_kernel)
         else:
             kernel.output = run_kernel()
         output = kernel.output

@@ -97,7 +97,7 @@ def report_methods(
     methods = {
         cls.get_name(): (
             _attention_method(cls(forward, model=model)),
-            MethodInfo(uses_target=cls.gradient_reduction is not None, signed=False),
+            MethodInfo(uses_target=cls.uses_backward(), signed=cls.signed),
         )
         for name, cls in METHODS.items()
         if name in names

@@ -1,0 +1,158 @@
+"""AttnLRP re-implemented from the weights of a tiny BERT and a tiny Llama, for the tests.
+
+An explicit forward written here (not the model's code), with each rule of Achtibat et
+al. expressed by the classic detach tricks instead of the library's hooks and autograd
+Functions: ``half(x) = ½x + ½x.detach()`` (the uniform rule on a product's factors),
+``x · (f(x)/x).detach()`` (the identity rule), a norm's scale ``.detach()``ed. Every bias,
+position embedding and the softmax's absorbed part are kept as separate terms, so that
+the conservation of relevance can be checked term by term:
+
+    S = Σ_t R_t (tokens) + Σ absorbed (biases, position and type embeddings, softmax).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def half(x: Tensor) -> Tensor:
+    return 0.5 * x + 0.5 * x.detach()
+
+
+def identity(function, x: Tensor) -> Tensor:
+    ratio = torch.where(x == 0, 0.0, function(x) / x)
+    return x * ratio.detach()
+
+
+@dataclass
+class Terms:
+    """The leaves whose input × gradient make up the explained logit, and the softmax inputs
+    and outputs whose relevance difference it absorbs."""
+
+    tokens: Tensor
+    leaves: list[Tensor] = field(default_factory=list)
+    softmax: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def leaf(self, tensor: Tensor) -> Tensor:
+        """A copy of ``tensor`` (batch first) whose input × gradient is one absorbed term."""
+        leaf = tensor.detach().clone().requires_grad_()
+        self.leaves.append(leaf)
+        return leaf
+
+    def attention(self, scores: Tensor) -> Tensor:
+        probs = scores.softmax(dim=-1)
+        self.softmax.append((scores, probs))
+        return probs
+
+
+@dataclass
+class Decomposition:
+    relevance: Tensor  # (B, T): the tokens' Σ_d e·g
+    absorbed: Tensor  # (B,): biases, position/type embeddings and the softmax
+    explained: Tensor  # (B,): the explained logits
+    magnitude: Tensor  # (B,): Σ of the absolute values of every term
+
+
+def decompose(terms: Terms, explained: Tensor) -> Decomposition:
+    """The tokens' relevance and every absorbed term of ``explained.sum()`` ``(B,)``."""
+    softmax_inputs = [s for s, _ in terms.softmax]
+    softmax_outputs = [p for _, p in terms.softmax]
+    grads = torch.autograd.grad(explained.sum(), [terms.tokens, *terms.leaves, *softmax_inputs, *softmax_outputs])
+    token_grad, rest = grads[0], grads[1:]
+    leaf_grads, rest = rest[: len(terms.leaves)], rest[len(terms.leaves):]
+    input_grads, output_grads = rest[: len(softmax_inputs)], rest[len(softmax_inputs):]
+    batch = explained.shape[0]
+
+    def per_example(product: Tensor) -> Tensor:
+        return product.reshape(batch, -1).sum(dim=1)
+
+    parts = [per_example(leaf.detach() * g) for leaf, g in zip(terms.leaves, leaf_grads)]
+    for (scores, probs), g_in, g_out in zip(terms.softmax, input_grads, output_grads):
+        finite = scores.detach().clamp(min=torch.finfo(scores.dtype).min)
+        parts.append(per_example(probs.detach() * g_out) - per_example(finite * g_in))
+    relevance = (terms.tokens.detach() * token_grad).sum(dim=-1)
+    absorbed = torch.stack(parts)
+    magnitude = (terms.tokens.detach() * token_grad).abs().reshape(batch, -1).sum(dim=1) + absorbed.abs().sum(dim=0)
+    return Decomposition(relevance, absorbed.sum(dim=0), explained.detach(), magnitude)
+
+
+def _layer_norm(x: Tensor, norm: torch.nn.LayerNorm, terms: Terms) -> Tensor:
+    centred = x - x.mean(dim=-1, keepdim=True)
+    scale = torch.rsqrt(x.var(dim=-1, unbiased=False, keepdim=True) + norm.eps).detach()
+    normed = centred * scale * norm.weight.detach()
+    return normed + terms.leaf(norm.bias.expand_as(normed))
+
+
+def _linear(x: Tensor, linear: torch.nn.Linear, terms: Terms) -> Tensor:
+    out = x @ linear.weight.detach().t()
+    return out if linear.bias is None else out + terms.leaf(linear.bias.expand_as(out))
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    batch, length, hidden = x.shape
+    return x.view(batch, length, heads, hidden // heads).transpose(1, 2)
+
+
+def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor) -> Decomposition:
+    """AttnLRP of a ``BertForSequenceClassification`` (absolute positions, GELU)."""
+    bert, config = model.bert, model.config
+    embeddings = bert.embeddings
+    terms = Terms(embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_())
+    length = input_ids.shape[1]
+    hidden = terms.tokens + terms.leaf(embeddings.position_embeddings.weight[:length][None].expand(len(input_ids), -1, -1))
+    hidden = hidden + terms.leaf(embeddings.token_type_embeddings.weight[0].expand_as(terms.tokens))
+    hidden = _layer_norm(hidden, embeddings.LayerNorm, terms)
+    heads = config.num_attention_heads
+    mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    for layer in bert.encoder.layer:
+        attention = layer.attention
+        q, k, v = (_heads(_linear(hidden, getattr(attention.self, n), terms), heads) for n in ("query", "key", "value"))
+        scores = half(q) @ half(k).transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask
+        context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(hidden.shape)
+        hidden = _layer_norm(_linear(context, attention.output.dense, terms) + hidden, attention.output.LayerNorm, terms)
+        inner = identity(F.gelu, _linear(hidden, layer.intermediate.dense, terms))
+        hidden = _layer_norm(_linear(inner, layer.output.dense, terms) + hidden, layer.output.LayerNorm, terms)
+    pooled = identity(torch.tanh, _linear(hidden[:, 0], bert.pooler.dense, terms))
+    logits = _linear(pooled, model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def _rms_norm(x: Tensor, norm) -> Tensor:
+    scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.variance_epsilon).detach()
+    return x * scale * norm.weight.detach()
+
+
+def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor) -> Decomposition:
+    """AttnLRP of a ``LlamaForCausalLM`` (grouped-query attention, rotary positions, SiLU
+    gates), explaining the logit of ``target`` at the last position (prompts padded left)."""
+    llama, config = model.model, model.config
+    terms = Terms(llama.embed_tokens.weight.detach()[input_ids].clone().requires_grad_())
+    batch, length = input_ids.shape
+    positions = torch.arange(length)[None].expand(batch, -1)
+    cos, sin = llama.rotary_emb(terms.tokens, positions)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    visible = torch.ones(length, length).tril().bool()[None, None] & attention_mask[:, None, None, :].bool()
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    hidden = terms.tokens
+    for layer in llama.layers:
+        attention, normed = layer.self_attn, _rms_norm(hidden, layer.input_layernorm)
+        q = _heads(_linear(normed, attention.q_proj, terms), heads)
+        k = _heads(_linear(normed, attention.k_proj, terms), kv_heads)
+        v = _heads(_linear(normed, attention.v_proj, terms), kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        scores = half(q) @ half(k).transpose(-1, -2) * q.shape[-1] ** -0.5 + mask
+        context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(hidden.shape)
+        hidden = hidden + _linear(context, attention.o_proj, terms)
+        mlp, normed = layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm)
+        gate = identity(F.silu, _linear(normed, mlp.gate_proj, terms))
+        hidden = hidden + _linear(half(gate) * half(_linear(normed, mlp.up_proj, terms)), mlp.down_proj, terms)
+    logits = _linear(_rms_norm(hidden, llama.norm)[:, -1], model.lm_head, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])

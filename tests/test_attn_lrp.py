@@ -1,0 +1,182 @@
+"""AttnLRP: against an independent re-implementation of the rules, conservation, every
+family, both capture modes, invariances, and the model left as found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from captum.attr import NoiseTunnel
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
+from lrp_reference import bert_relevance, llama_relevance
+from test_encoder_decoder import make_pair
+
+from captum_attention import METHODS, AttnLRP
+from captum_attention._compat import attention_function
+from captum_attention.maps.lrp import identity_rule, layer_norm_rule, rms_norm_rule, share_gradient
+
+UNIT_ROUNDOFF = 2.0**-24
+
+
+def _with_random_biases(model):
+    """Biases and norm weights drawn away from their (zero, one) initialisation, so that
+    the biases absorb relevance and the norms scale it."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm.weight" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def _bert_case():
+    model = _with_random_biases(make_model("bert"))
+    batch = make_batch(model)
+    return model, batch.input_ids, batch.attention_mask, torch.tensor([1, 0, 1]), bert_relevance
+
+
+def _llama_case():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    with torch.no_grad():
+        target = model(prompts.input_ids, attention_mask=prompts.attention_mask).logits[:, -1].argmax(dim=-1)
+    return model, prompts.input_ids, prompts.attention_mask, target, llama_relevance
+
+
+@pytest.mark.parametrize("case", [_bert_case, _llama_case], ids=["bert", "llama"])
+def test_the_reference_conserves_the_logit_term_by_term(case):
+    """Σ_t R_t + Σ absorbed = S per example. Tolerance: the float32 roundoff of the longest
+    accumulation, (layers + 2) sums of at most ``width`` products each, relative to the
+    sum of the terms' magnitudes: (L + 2)·width·u·Σ|terms|."""
+    model, ids, mask, target, reference = case()
+    decomposition = reference(model, ids, mask, target)
+    config = model.config
+    width = max(config.hidden_size, config.intermediate_size, ids.shape[1])
+    tolerance = (config.num_hidden_layers + 2) * width * UNIT_ROUNDOFF * decomposition.magnitude
+    total = decomposition.relevance.sum(dim=1) + decomposition.absorbed
+    assert ((total - decomposition.explained).abs() <= tolerance).all(), (total, decomposition.explained, tolerance)
+    assert (decomposition.relevance.abs().sum(dim=1) > 10 * tolerance).all(), "the tokens hold relevance"
+    assert (decomposition.absorbed.abs() > 100 * tolerance).all(), "biases and the softmax absorb some"
+
+
+@pytest.mark.parametrize("case", [_bert_case, _llama_case], ids=["bert", "llama"])
+def test_attn_lrp_equals_the_reference(case, capture_mode):
+    model, ids, mask, target, reference = case()
+    expected = reference(model, ids, mask, target).relevance * mask
+    actual = AttnLRP(model).attribute(ids, target=target, additional_forward_args=(mask,))
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _family_case(name):
+    """``(model, inputs, additional_forward_args, real (B, T))`` of a family."""
+    if name in ("bert", "distilbert"):
+        model = make_model(name)
+        batch = make_batch(model)
+        return model, batch.input_ids, (batch.attention_mask,), batch.attention_mask.bool()
+    if name in ("gpt2", "llama", "qwen2"):
+        prompts = make_prompts(side="left")
+        return make_decoder(name), prompts.input_ids, (prompts.attention_mask,), prompts.real
+    if name in ("t5", "bart"):
+        pair = make_pair()
+        return make_encoder_decoder(name), (pair.source, pair.target), pair.args, None
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    return make_vision(name), pixels, None, None
+
+
+FAMILIES = ("bert", "distilbert", "gpt2", "llama", "qwen2", "t5", "bart", "vit", "deit")
+TARGET = 1  # a class of the classifiers, a token of the language models (BART's pad id is 1: not there)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streaming_and_eager_rules_give_the_same_relevance(family):
+    model, inputs, args, _ = _family_case(family)
+    target = 5 if family == "bart" else TARGET
+    streamed = AttnLRP(model, capture="streaming").attribute(inputs, target=target, additional_forward_args=args)
+    eager = AttnLRP(model, capture="eager").attribute(inputs, target=target, additional_forward_args=args)
+    for actual, expected in zip(*(x if isinstance(x, tuple) else (x,) for x in (streamed, eager))):
+        assert torch.isfinite(actual).all() and actual.abs().sum() > 0
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ("bert", "gpt2", "llama", "t5", "vit"))
+def test_each_example_alone_gets_its_batched_relevance_and_the_model_is_left_as_found(family, capture_mode):
+    model, inputs, args, real = _family_case(family)
+    before, original = model_state(model), attention_function("sdpa")
+    batched = AttnLRP(model).attribute(inputs, target=TARGET, additional_forward_args=args)
+    assert_same_state(before, model_state(model))
+    assert attention_function("sdpa") is original
+    assert all(p.grad is None for p in model.parameters())
+    pairs = isinstance(inputs, tuple)
+    for b in range(2):
+        one = (tuple(x[b : b + 1] for x in inputs) if pairs else inputs[b : b + 1])
+        one_args = None if args is None else tuple(a[b : b + 1] for a in args)
+        alone = AttnLRP(model).attribute(one, target=TARGET, additional_forward_args=one_args)
+        for part_alone, part_batched in zip(*(x if pairs else (x,) for x in (alone, batched))):
+            n = part_alone.shape[1]
+            torch.testing.assert_close(part_alone[0], part_batched[b, -n:] if family in ("gpt2", "llama") else part_batched[b, :n], rtol=1e-4, atol=1e-6)
+    if real is not None:
+        assert (batched[~real] == 0).all(), "padding scores 0"
+
+
+def test_frozen_parameters_change_nothing():
+    model, ids, args, _ = _family_case("bert")
+    expected = AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    torch.testing.assert_close(AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args), expected)
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+
+
+def test_continuation_rows_equal_the_prefixes_explained_alone():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    continuation = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    rows = AttnLRP(model).attribute_continuation(prompts.input_ids, continuation, (prompts.attention_mask,))
+    for step in range(2):
+        ids = torch.cat([prompts.input_ids, continuation[:, :step]], dim=1)
+        mask = torch.cat([prompts.attention_mask, torch.ones_like(continuation[:, :step])], dim=1)
+        alone = AttnLRP(model).attribute(ids, target=continuation[:, step], additional_forward_args=(mask,))
+        torch.testing.assert_close(rows[:, step, : ids.shape[1]], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_given_embeddings_and_noise_tunnel():
+    model, ids, args, _ = _family_case("bert")
+    embeddings = model.get_input_embeddings()(ids).detach()
+    from_ids = AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args)
+    from_embeddings = AttnLRP(model).attribute(embeddings, target=TARGET, additional_forward_args=args)
+    torch.testing.assert_close(from_embeddings, from_ids, rtol=1e-5, atol=1e-6)
+    tunnel = NoiseTunnel(AttnLRP(model)).attribute(
+        embeddings, nt_type="smoothgrad", nt_samples=3, stdevs=0.0, target=TARGET, additional_forward_args=args
+    )
+    torch.testing.assert_close(tunnel, from_ids, rtol=1e-5, atol=1e-6)
+
+
+def test_registered_and_clear_errors():
+    assert METHODS["attn_lrp"] is AttnLRP
+    model, ids, args, _ = _family_case("bert")
+    with pytest.raises(ValueError, match="no attention maps"):
+        AttnLRP(model).attribute(ids, additional_forward_args=args, return_maps=True)
+
+
+def test_each_rule_on_its_own():
+    """Uniform: the halves of a product's relevance sum to it; identity: R_x = R_y;
+    norms: the gradient with the scale held constant; all forwards unchanged."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(3, 4, generator=generator, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(3, 4, generator=generator)
+    product = share_gradient(a, 0.5) * share_gradient(b, 0.5)
+    grad_a, grad_b = torch.autograd.grad(product, (a, b), upstream)
+    torch.testing.assert_close((a * grad_a + b * grad_b).detach(), (a * b * upstream).detach())
+    y = torch.nn.functional.gelu(a).detach()
+    (grad_x,) = torch.autograd.grad(identity_rule(a, y), a, upstream)
+    torch.testing.assert_close(a.detach() * grad_x, y * upstream)
+    weight = torch.randn(4, generator=generator)
+    out = layer_norm_rule(a, (4,), weight, None, 1e-5)
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(a, (4,), weight, None, 1e-5))
+    (grad_x,) = torch.autograd.grad(out, a, upstream)
+    scale = torch.rsqrt(a.detach().var(dim=-1, unbiased=False, keepdim=True) + 1e-5)
+    expected = torch.autograd.functional.vjp(lambda x: (x - x.mean(-1, keepdim=True)) * scale * weight, a.detach(), upstream)[1]
+    torch.testing.assert_close(grad_x, expected)
+    out = rms_norm_rule(a, (4,), weight, 1e-6)
+    (grad_x,) = torch.autograd.grad(out, a, upstream)
+    scale = torch.rsqrt(a.detach().pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(grad_x, upstream * weight * scale)
