@@ -180,3 +180,40 @@ def test_each_rule_on_its_own():
     (grad_x,) = torch.autograd.grad(out, a, upstream)
     scale = torch.rsqrt(a.detach().pow(2).mean(dim=-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(grad_x, upstream * weight * scale)
+
+
+def test_another_thread_gets_the_ordinary_gradient_of_the_same_model_during_a_call():
+    import threading
+
+    model, ids, args, _ = _family_case("bert")
+
+    def ordinary_gradient():
+        embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeddings, attention_mask=args[0]).logits
+        return torch.autograd.grad(logits[:, TARGET].sum(), embeddings)[0]
+
+    expected = ordinary_gradient()
+    started, release, seen = threading.Event(), threading.Event(), []
+    layer = model.bert.encoder.layer[1]
+
+    def pause(module, inputs):
+        if threading.current_thread() is threading.main_thread():
+            started.set()
+            release.wait(timeout=30)
+
+    def run_other():
+        started.wait(timeout=30)
+        seen.append(ordinary_gradient())
+        release.set()
+
+    handle = layer.register_forward_pre_hook(pause)
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        relevance = AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args)
+    finally:
+        handle.remove()
+        release.set()
+        thread.join()
+    torch.testing.assert_close(seen[0], expected)
+    torch.testing.assert_close(relevance, AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args))

@@ -20,11 +20,13 @@ other hooks, also on an exception or an interrupt. While active:
   and requiring grad, so that the relevance is read there whatever the parameters'
   ``requires_grad``; no gradient reaches a parameter).
 
-Nothing global is patched; other threads run the model's functions unchanged.
+Nothing global is patched; other threads run the model's functions unchanged (the mode
+is thread-local, and the hooks act only in the capturing thread).
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from typing import Any, Callable, Protocol, Sequence
 
@@ -101,8 +103,10 @@ class RelevanceRules:
         self.embeddings: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._stack = ExitStack()
+        self._thread = threading.get_ident()
 
     def __enter__(self) -> "RelevanceRules":
+        self._thread = threading.get_ident()
         with ExitStack() as stack:
             for module in self.model.modules():
                 if is_activation(module) or is_norm(module):
@@ -123,17 +127,25 @@ class RelevanceRules:
         output = run_kernel(lambda query, key, value: (share(query, 0.5), share(key, 0.5), value))
         return share(output, 0.5)
 
+    def _ours(self) -> bool:
+        """Whether the forward running is the capturing thread's (the hooks are on the
+        model; another thread's forward goes through them untouched)."""
+        return threading.get_ident() == self._thread
+
     def _enter_module(self, module: nn.Module, args: tuple) -> None:
-        self.depth += 1
+        if self._ours():
+            self.depth += 1
 
     def _leave_module(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self._ours():
+            return None
         self.depth -= 1
         if is_activation(module) and args and _is_activation_tensor(args[0]) and isinstance(output, Tensor):
             return self.rules.identity_rule(args[0], output.detach())
         return None
 
     def _record_embeddings(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
-        if not isinstance(output, Tensor):
+        if not isinstance(output, Tensor) or not self._ours():
             return None
         embeddings = output.detach().requires_grad_()
         self.embeddings.append(embeddings)
