@@ -3,7 +3,7 @@
     python benchmarks/scaling.py [--model llama|bert|llama-1b] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
         [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
-        [--json out.json]
+        [--compiled-on-gpu] [--json out.json]
 
 Models (random weights, sequence classifiers, so the explained logit is one class):
 ``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
@@ -217,12 +217,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", nargs="+", help="measure only these runs (names as printed)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--here", action="store_true", help="measure in this process (CPU memory less exact)")
+    parser.add_argument(
+        "--compiled-on-gpu", action="store_true",
+        help="run the compiled block reduction on CUDA too (maps.streaming.FUSED_DEVICES; not yet measured there)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     options = parse(argv)
+    streaming.FUSED_DEVICES["cuda"] = options.compiled_on_gpu
     if options.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if options.one:  # one run in this (fresh) process: warm up short (compiling the block reductions), then measure
