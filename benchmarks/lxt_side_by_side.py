@@ -7,7 +7,8 @@ pins an older transformers, so it runs in its own environment::
 
     python3 -m venv lxt-env
     lxt-env/bin/pip install torch==2.13.0 transformers==4.51.3 tabulate
-    lxt-env/bin/pip install --no-deps lxt==2.1   # its other requirements serve other models
+    lxt-env/bin/pip install --no-deps lxt==2.1 zennit   # their other requirements serve other models
+    lxt-env/bin/pip install pillow
 
 This script saves three models with their inputs: a tiny BERT classifier (random biases,
 so that they absorb relevance), a tiny Llama language model (grouped-query attention,
@@ -16,7 +17,9 @@ left padding) and the default sentiment model (MiniLM) on eight sentences. The l
 weights into transformers' classes of its version and computes
 ``(inputs_embeds * grad).sum(-1)``. Here :class:`~captum_attention.AttnLRP` explains
 the same logits. Printed per model: the largest difference relative to the largest
-relevance, and the rank correlation of the two relevance vectors per example.
+relevance, and the rank correlation of the two relevance vectors per example; then the
+γ-rule of one linear layer against zennit's ``Gamma`` (the rule lxt applies in vision
+transformers), where zennit is installed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -78,28 +82,62 @@ def worker(directory: Path) -> None:
         logits = logits[:, -1] if logits.dim() == 3 else logits
         logits.gather(1, inputs["target"][:, None]).sum().backward()
         results[case["name"]] = (embeds * embeds.grad).sum(-1).detach().tolist()
+    results["gamma"] = _zennit_gamma()
     (directory / "lxt.json").write_text(json.dumps(results))
+
+
+def _gamma_case() -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor]:
+    """A float64 linear layer with signed inputs and bias, and the relevance of its outputs."""
+    generator = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(7, 5).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(5, 7, generator=generator, dtype=torch.float64))
+        layer.bias.copy_(torch.randn(5, generator=generator, dtype=torch.float64))
+    return torch.randn(4, 7, generator=generator, dtype=torch.float64), layer, torch.randn(4, 5, generator=generator, dtype=torch.float64)
+
+
+def _zennit_gamma() -> dict[str, list] | None:
+    """zennit's ``Gamma`` rule (which lxt applies to vision transformers) on
+    :func:`_gamma_case`, per γ; None where zennit is not installed."""
+    try:
+        from zennit.rules import Gamma
+    except ImportError:
+        return None
+    x, layer, relevance = _gamma_case()
+    results = {}
+    for gamma in GAMMAS:
+        handles = Gamma(gamma=gamma, stabilizer=1e-6).register(layer)
+        inputs = x.clone().requires_grad_()
+        layer(inputs).backward(relevance)
+        handles.remove()
+        results[str(gamma)] = inputs.grad.tolist()
+    return results
+
+
+GAMMAS = (0.25, 1.0)
 
 
 def _torchvision_stand_in() -> None:
     """lxt imports ``torchvision.models.vision_transformer`` for its torchvision-ViT rules
-    (reading only its ``nn``); PyPI's torchvision wheels are built against CUDA torch and
-    fail to load beside the CPU one, so where it does not import, a stand-in module
-    answers (BERT and Llama never use it)."""
+    (reading only its ``nn``) and zennit two ResNet block classes; PyPI's torchvision
+    wheels are built against CUDA torch and fail to load beside the CPU one, so where it
+    does not import, stand-in modules answer (nothing here uses them)."""
     try:
         import torchvision  # noqa: F401
     except (ImportError, RuntimeError):
-        import types
-
         vision_transformer = types.ModuleType("torchvision.models.vision_transformer")
         vision_transformer.nn = torch.nn  # type: ignore[attr-defined]
+        resnet = types.ModuleType("torchvision.models.resnet")  # zennit imports two ResNet blocks
+        resnet.Bottleneck = resnet.BasicBlock = type("Block", (torch.nn.Module,), {})  # type: ignore[attr-defined]
         models = types.ModuleType("torchvision.models")
         models.vision_transformer = vision_transformer  # type: ignore[attr-defined]
+        models.resnet = resnet  # type: ignore[attr-defined]
         package = types.ModuleType("torchvision")
         package.models = models  # type: ignore[attr-defined]
-        sys.modules.update(
-            {"torchvision": package, "torchvision.models": models, "torchvision.models.vision_transformer": vision_transformer}
-        )
+        sys.modules.update({
+            "torchvision": package, "torchvision.models": models,
+            "torchvision.models.vision_transformer": vision_transformer, "torchvision.models.resnet": resnet,
+        })
 
 
 def cases(directory: Path) -> list[dict]:
@@ -172,6 +210,17 @@ def main() -> None:
             gap = float((ours - lxt).abs().max() / lxt.abs().max())
             rho = min(_spearman(o[m.bool()], t[m.bool()]) for o, t, m in zip(ours, lxt, inputs["mask"]))
             print(f"| {case['name'].replace('_', ' ')} | {len(ours)} | {gap:.2e} | {rho:.4f} |")
+        if theirs["gamma"] is not None:
+            from captum_attention.maps.lrp import linear_rule
+
+            x, layer, relevance = _gamma_case()
+            print("\nγ-rule of one linear layer against zennit's Gamma (float64):")
+            for gamma in GAMMAS:
+                inputs = x.clone().requires_grad_()
+                output = linear_rule(inputs, layer.weight, layer.bias, gamma)
+                (grad,) = torch.autograd.grad(output, inputs, relevance / output.detach())
+                zennit = torch.tensor(theirs["gamma"][str(gamma)], dtype=torch.float64)
+                print(f"  γ = {gamma}: max |ours − zennit| / max |R| = {float((x * grad - zennit).abs().max() / zennit.abs().max()):.1e}")
 
 
 if __name__ == "__main__":

@@ -200,3 +200,56 @@ def test_another_thread_gets_the_ordinary_gradient_of_the_same_model_during_a_ca
         thread.join()
     torch.testing.assert_close(seen[0], expected)
     torch.testing.assert_close(relevance, AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args))
+
+
+def _gamma_relevance_by_loops(x, weight, bias, relevance, gamma):
+    """The generalised γ-rule written out per input, output and sign (float64): output j of
+    sign s shares R_j over the contributions x_i·w'_ij, w' = w + γ·(w's part of sign s·sign(x_i)),
+    plus the bias's, in proportion."""
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        y = weight @ x[b] + bias
+        for j in range(weight.shape[0]):
+            if y[j] == 0:
+                continue
+            sign = 1.0 if y[j] > 0 else -1.0
+            favoured = [w + gamma * (max(w, 0.0) if sign * xi >= 0 else min(w, 0.0)) for w, xi in zip(weight[j].tolist(), x[b].tolist())]
+            contributions = [xi * w for xi, w in zip(x[b].tolist(), favoured)]
+            bias_part = float(bias[j]) + gamma * (max(float(bias[j]), 0.0) if sign > 0 else min(float(bias[j]), 0.0))
+            z = sum(contributions) + bias_part
+            for i, c in enumerate(contributions):
+                out[b, i] += c / z * relevance[b, j]
+    return out
+
+
+@pytest.mark.parametrize("gamma", [0.25, 1.0])
+def test_the_gamma_rule_equals_its_definition_and_conserves_without_bias(gamma):
+    from captum_attention.maps.lrp import linear_rule
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 6, generator=generator, dtype=torch.float64)
+    weight = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    bias = torch.randn(4, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    inputs = x.clone().requires_grad_()
+    output = linear_rule(inputs, weight, bias, gamma)
+    torch.testing.assert_close(output, torch.nn.functional.linear(x, weight, bias))
+    (grad,) = torch.autograd.grad(output, inputs, upstream)
+    relevance = output.detach() * upstream
+    expected = _gamma_relevance_by_loops(x, weight, bias, relevance, gamma)
+    torch.testing.assert_close(x * grad, expected, rtol=1e-5, atol=1e-8)  # the rule adds 1e-6 to |z|
+    (grad,) = torch.autograd.grad(linear_rule(inputs, weight, None, gamma), inputs, upstream)
+    conserved = (torch.nn.functional.linear(x, weight) * upstream).sum(dim=1)
+    torch.testing.assert_close((x * grad).sum(dim=1), conserved, rtol=1e-5, atol=0.0)  # up to the 1e-6 stabiliser
+
+
+@pytest.mark.parametrize("family", ("vit", "gpt2", "bert"))
+def test_gamma_changes_the_relevance_and_leaves_the_model_as_found(family):
+    model, inputs, args, _ = _case(family)
+    before = model_state(model)
+    epsilon = AttnLRP(model).attribute(inputs, target=TARGET, additional_forward_args=args)
+    gamma = AttnLRP(model, gamma=0.25).attribute(inputs, target=TARGET, additional_forward_args=args)
+    assert torch.isfinite(gamma).all() and (gamma - epsilon).abs().max() > 1e-3 * epsilon.abs().max()
+    assert_same_state(before, model_state(model))
+    with pytest.raises(ValueError, match="gamma"):
+        AttnLRP(model, gamma=-1.0)

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from captum.attr import GradientAttribution
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex, resolve_targets
 from ..capture.record import ForwardRecord, record_forward, resolve_adapter
-from ..capture import HuggingFaceAdapter
+from ..capture import AttentionAdapter, HuggingFaceAdapter
 from ..maps import lrp
 from ..maps.lrp import token_relevance
-from ._base import AttentionAttributionBase, Scores, attribute_method
+from ._base import AttentionAttributionBase, CaptureMode, Scores, attribute_method
 
 
 class AttnLRP(AttentionAttributionBase, GradientAttribution):
@@ -29,7 +29,8 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
     The explained logit S is propagated back to the input embeddings :math:`e_t` by the
     paper's rules, written as modified gradients :math:`\tilde g` (each rule with its
     equation in :mod:`captum_attention.maps.lrp`): the ordinary gradient through linear
-    layers (ε-rule, ε → 0) and through the softmax (Proposition 3.1); half of it to each
+    layers (ε-rule, ε → 0; or the γ-rule, ``gamma``) and through the softmax
+    (Proposition 3.1); half of it to each
     factor of :math:`Q K^\top`, :math:`A V` and of a product of two activations (uniform
     rule); :math:`\tilde g_x = \tilde g_y \odot y / x` through element-wise activations
     (identity rule); the normalisation scale held constant in LayerNorm and RMSNorm. The
@@ -61,6 +62,11 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
             of the model's own attention kernel; ``"eager"``: on the explicit products
             of eager attention (same relevance, the memory of the full maps); ``"auto"``:
             streaming wherever possible. Default: ``"auto"``.
+        block_memory (int, optional): as for the other methods (unused by the rules).
+            Default: None.
+        gamma (float, optional): 0: the ε-rule (ε → 0) in every linear layer; γ > 0: the
+            generalised γ-rule there (as zennit's ``Gamma``), which the paper uses for
+            vision transformers (a value to tune, e.g. 0.25). Default: 0.
 
     Example::
 
@@ -75,6 +81,20 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
     readable_name = "AttnLRP"
     streams_encoder_decoder = True
     signed = True
+
+    def __init__(
+        self,
+        forward_func: Callable[..., Any],
+        model: nn.Module | None = None,
+        adapter: AttentionAdapter | None = None,
+        capture: CaptureMode = "auto",
+        block_memory: int | None = None,
+        gamma: float = 0.0,
+    ) -> None:
+        if gamma < 0:
+            raise ValueError(f"gamma must be 0 (the ε-rule) or positive, got {gamma}.")
+        super().__init__(forward_func, model, adapter, capture, block_memory)
+        self.rules = lrp.AttnLRPRules(gamma)
 
     @classmethod
     def uses_backward(cls) -> bool:
@@ -125,7 +145,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         given = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
         record = record_forward(
             self.forward_func, self.model, given, additional_forward_args, self.adapter, query_index=query_index,
-            streaming=streaming, block_memory=self.block_memory, relevance_rules=lrp,
+            streaming=streaming, block_memory=self.block_memory, relevance_rules=self.rules,
         )
         embeddings = [t for t in given if t.requires_grad] + list(record.embeddings or [])
         if not embeddings:

@@ -10,7 +10,8 @@ implementation) and restores it on exit. Two things could break that promise:
 
 :class:`InterruptGuard` holds back the first while the interrupted code is in one of the
 capture's protected functions and delivers it once the model is restored;
-:func:`model_lock` serialises the second.
+:func:`model_lock` serialises the second. :class:`ScopedFunctionMode` is a
+``TorchFunctionMode`` that an interrupt cannot strand off torch's mode stack.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from types import CodeType, FrameType
 from typing import Any, Callable
 
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .._compat import function_mode_stack, restore_popped_mode
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 
@@ -96,3 +100,18 @@ def model_lock(model: nn.Module) -> threading.RLock:
         if lock is None:
             lock = _LOCKS[model] = threading.RLock()
         return lock
+
+
+class ScopedFunctionMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` whose exit finds it where an interrupt left it.
+
+    torch pops a mode while its handler runs; an interrupt landing in that window can
+    leave it off the stack (see :func:`~captum_attention._compat.restore_popped_mode`).
+    On exit the mode is put back first if so, and popped only if it is there.
+    """
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not any(mode is self for mode in function_mode_stack()):
+            restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
+        if any(mode is self for mode in function_mode_stack()):
+            super().__exit__(*exc_info)

@@ -12,7 +12,8 @@ other hooks, also on an exception or an interrupt. While active:
   reaches the explicit products (below);
 - forward hooks on the model's element-wise activation modules give their outputs the
   identity rule;
-- a ``TorchFunctionMode`` (this thread only) gives ``F.layer_norm``/``F.rms_norm`` their
+- a ``TorchFunctionMode`` (this thread only) gives linear layers (``F.linear``, and
+  GPT-2's ``Conv1D`` through ``torch.addmm``) their rule (ε or γ), ``F.layer_norm``/``F.rms_norm`` their
   normalisation rule, holds ``rsqrt`` constant inside the model's hand-written norm
   modules (``LlamaRMSNorm``, ``T5LayerNorm``, …), and gives a product of two activations
   (a gated MLP; an eager attention's ``Q·Kᵀ`` and ``A·V``) the uniform rule;
@@ -33,7 +34,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+
+from .guard import ScopedFunctionMode
 
 
 class PropagationRules(Protocol):
@@ -52,6 +54,14 @@ class PropagationRules(Protocol):
     def rms_norm_rule(
         self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
     ) -> Tensor: ...
+
+    @property
+    def gamma(self) -> float:
+        """0: linear layers keep their ordinary gradient (the ε-rule, ε → 0); above: the
+        γ-rule of :meth:`linear`."""
+        ...
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
 ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
@@ -152,7 +162,7 @@ class RelevanceRules:
         return embeddings
 
 
-class _RuleMode(TorchFunctionMode):
+class _RuleMode(ScopedFunctionMode):
     """The function-level rules of :class:`RelevanceRules` (see the module docstring)."""
 
     def __init__(self, relevance: RelevanceRules) -> None:
@@ -171,4 +181,9 @@ class _RuleMode(TorchFunctionMode):
             return result.detach() if func in (torch.rsqrt, Tensor.rsqrt) else result
         if func in _PRODUCTS and len(args) == 2 and all(_is_activation_tensor(a) for a in args):
             return func(rules.share_gradient(args[0], 0.5), rules.share_gradient(args[1], 0.5))
+        if rules.gamma and func is F.linear and _is_activation_tensor(args[0]):
+            return rules.linear(*args, **kwargs)
+        if rules.gamma and func is torch.addmm and not kwargs and len(args) == 3 and _is_activation_tensor(args[1]):
+            bias, x, weight = args  # GPT-2's Conv1D: x·W + b, a linear layer with W transposed
+            return rules.linear(x, weight.t(), bias)
         return func(*args, **kwargs)

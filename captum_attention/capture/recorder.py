@@ -10,11 +10,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-from .._compat import function_mode_stack, mha_forward_with_softmax, restore_popped_mode
+from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite, default_adapter
-from .guard import InterruptGuard, model_lock
+from .guard import InterruptGuard, ScopedFunctionMode, model_lock
 from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
 from .lrp import PropagationRules, RelevanceRules
 
@@ -535,7 +534,7 @@ _SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
 _PRODUCTS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
 
 
-class _SoftmaxInterception(TorchFunctionMode):
+class _SoftmaxInterception(ScopedFunctionMode):
     """Hands every softmax output to the capture, which records or replaces it.
 
     Intercepting the softmax itself (rather than re-implementing attention) keeps the
@@ -558,12 +557,6 @@ class _SoftmaxInterception(TorchFunctionMode):
             return torch.bmm(left, right)
 
         self._mha_forward = mha_forward_with_softmax(softmax, bmm)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if not any(mode is self for mode in function_mode_stack()):
-            restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
-        if any(mode is self for mode in function_mode_stack()):
-            super().__exit__(*exc_info)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.multi_head_attention_forward:

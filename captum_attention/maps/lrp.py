@@ -8,6 +8,8 @@ only the backward of its operation; the forward values are the model's own.
 
 - **Linear layers** (ε-rule with ε → 0): the ordinary gradient. :math:`R_x = x \odot
   W^\top (R_y / y)` is :math:`x \odot W^\top g_y`; a bias absorbs :math:`b \odot g_y`.
+  Optionally the generalised γ-rule (:func:`linear_rule`), which the paper uses in vision
+  transformers to favour the contributions of an output's own sign.
 - **Softmax** (Proposition 3.1): :math:`R_x = x \odot (R_y - s \odot \sum_j R_{y,j})`.
   With :math:`R_y = s \odot g_y` this is :math:`x \odot s \odot (g_y - \sum_j s_j g_{y,j})`,
   :math:`x` times the ordinary softmax gradient: the attention kernel's own backward
@@ -30,6 +32,7 @@ account for each absorbed term.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -129,6 +132,64 @@ def rms_norm_rule(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | N
     """``F.rms_norm(x, ...)``, relevance through it by the identity rule on the division by
     the root mean square."""
     return _RMSNormRule.apply(x, tuple(normalized_shape), weight, eps)
+
+
+class _GammaLinear(Function):
+    """``F.linear`` whose backward is the generalised γ-rule (Montavon et al., 2019; as
+    zennit's ``Gamma``): positive outputs share their relevance in proportion to
+    :math:`z^+ = x^+ (W + \gamma W^+)^\top + x^- (W + \gamma W^-)^\top + b + \gamma b^+`,
+    negative ones to :math:`z^-` (the signs of the added parts swapped), so that
+    contributions of the output's own sign count :math:`1 + \gamma` times."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, gamma: float, stabilizer: float) -> Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        ctx.gamma, ctx.stabilizer = gamma, stabilizer
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias = ctx.saved_tensors
+        gamma = ctx.gamma
+        favour_positive = weight + gamma * weight.clamp(min=0)
+        favour_negative = weight + gamma * weight.clamp(max=0)
+        positive_x, negative_x = x.clamp(min=0), x.clamp(max=0)
+        output = F.linear(x, weight, bias)
+        positive_bias = None if bias is None else bias + gamma * bias.clamp(min=0)
+        negative_bias = None if bias is None else bias + gamma * bias.clamp(max=0)
+        z_positive = F.linear(positive_x, favour_positive, positive_bias) + F.linear(negative_x, favour_negative)
+        z_negative = F.linear(positive_x, favour_negative, negative_bias) + F.linear(negative_x, favour_positive)
+
+        def share(z: Tensor, sign: Tensor) -> Tensor:  # R_y / z on the outputs of that sign, R_y = y·g
+            stabilised = z + ctx.stabilizer * torch.where(z >= 0, 1.0, -1.0)
+            return torch.where(sign, output * grad / stabilised, 0.0)
+
+        up, down = share(z_positive, output > 0), share(z_negative, output < 0)
+        on_positive = up @ favour_positive + down @ favour_negative
+        on_negative = up @ favour_negative + down @ favour_positive
+        return torch.where(x > 0, on_positive, torch.where(x < 0, on_negative, 0.0)), None, None, None, None
+
+
+def linear_rule(x: Tensor, weight: Tensor, bias: Tensor | None = None, gamma: float = 0.0, stabilizer: float = 1e-6) -> Tensor:
+    """``F.linear(x, weight, bias)`` under the ε-rule with ε → 0 (``gamma=0``: the ordinary
+    gradient) or the generalised γ-rule (:class:`_GammaLinear`)."""
+    return F.linear(x, weight, bias) if gamma == 0 else _GammaLinear.apply(x, weight, bias, gamma, stabilizer)
+
+
+@dataclass(frozen=True)
+class AttnLRPRules:
+    """The rules of this module as the capture layer applies them
+    (:class:`~captum_attention.capture.lrp.PropagationRules`), with the linear layers' γ."""
+
+    gamma: float = 0.0
+
+    share_gradient = staticmethod(share_gradient)
+    identity_rule = staticmethod(identity_rule)
+    layer_norm_rule = staticmethod(layer_norm_rule)
+    rms_norm_rule = staticmethod(rms_norm_rule)
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return linear_rule(x, weight, bias, self.gamma)
 
 
 def token_relevance(embeddings: Tensor, grad: Tensor) -> Tensor:
