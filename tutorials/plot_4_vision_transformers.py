@@ -180,13 +180,15 @@ ax.legend()
 fig.tight_layout()
 
 # %%
-# Rollout finds the square in every image and Transformer Attribution in most; Grad-SAM
-# and the last layer's raw attention point at it only some of the time (they score the
-# patches whose own attention helps, not the patches attended to). TCAV adds what the maps
-# cannot say: the direction of "red" raises the "red" logit at every layer, the direction
-# of "green" never does.
+# Rollout and AttnLRP (relevance through the whole model, one forward and backward) find
+# the square in every image and Transformer Attribution in most; Grad-SAM and the last
+# layer's raw attention point at it only some of the time (they score the patches whose
+# own attention helps, not the patches attended to). TCAV adds what the maps cannot say:
+# the direction of "red" raises the "red" logit at every layer, the direction of "green"
+# never does.
 #
 # The claims above, checked on every build of these pages:
 assert pointing["Attention Rollout"] > 2 * chance
+assert pointing["AttnLRP"] > 2 * chance
 assert all(tcav_score("red", layer) > tcav_score("green", layer) for layer in layers)
 plt.show()

@@ -4,8 +4,8 @@ Faithfulness of any attribution
 
 Does an attribution rank the tokens the prediction rests on first? Remove them and watch
 the model. These metrics take any ``(batch, tokens)`` scores: the four attention methods,
-Captum's Integrated Gradients, SHAP values, a random ranking. On the default sentiment
-model and 32 held-out sentences:
+AttnLRP, Captum's Integrated Gradients, SHAP values, a random ranking. On the default
+sentiment model and 32 held-out sentences:
 
 - **comprehensiveness** (DeYoung et al., ERASER, ACL 2020): p(y|x) − p(y|x without the top
   k% tokens); high is faithful;
@@ -17,7 +17,7 @@ model and 32 held-out sentences:
 """
 
 # %%
-# Seven attributions of the same predictions
+# Eight attributions of the same predictions
 # ------------------------------------------
 import time
 
@@ -136,7 +136,8 @@ fig.tight_layout()
 # SHAP is the most comprehensive here and Grad-SAM the best of the attention methods, at
 # a hundredth of SHAP's cost: the attention methods take one forward (rollout, raw
 # attention) or one forward and backward (Grad-SAM, Transformer Attribution) per batch,
-# Integrated Gradients 32 and SHAP 200 model evaluations per sentence.
+# as does AttnLRP, which propagates relevance through the whole model; Integrated
+# Gradients takes 32 and SHAP 200 model evaluations per sentence.
 for name, (comp, suff) in aopcs.items():
     if name != "random":
         assert comp > aopcs["random"][0] and suff < aopcs["random"][1], name
