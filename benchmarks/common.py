@@ -81,7 +81,7 @@ EAGER = " (eager)"
 # gradient methods) a forward+backward: streaming runs against the model's sdpa kernel,
 # eager runs (name + EAGER) against the eager model that outputs its attentions.
 BASELINE = {
-    cls.__name__: SDPA_FORWARD_BACKWARD if cls.uses_backward() else SDPA_FORWARD for cls in METHODS.values()
+    cls.__name__: SDPA_FORWARD_BACKWARD if cls.spec.uses_backward else SDPA_FORWARD for cls in METHODS.values()
 }
 EAGER_BASELINE = {
     name + EAGER: FORWARD_BACKWARD if base == SDPA_FORWARD_BACKWARD else FORWARD for name, base in BASELINE.items()

@@ -169,7 +169,7 @@ def cases(directory: Path) -> list[dict]:
         torch.save(inputs, directory / f"{key}.inputs.pt")
         described.append(dict(name=key, kind=kind, config=config, model=model))
     from captum_attention.demo.default_model import default_model_path
-    from captum_attention.presentation.loading import load_classifier
+    from captum_attention.loading import load_classifier
 
     path = default_model_path(progress=False)  # trained on first use, about a minute
     model, tokenizer = load_classifier(path)

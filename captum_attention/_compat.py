@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import gc
 import types
-from typing import Any, Callable, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,48 @@ def declared_outputs(model_class: type) -> dict[str, Any]:
     return getattr(model_class, "_can_record_outputs", None) or {}
 
 
+@dataclass(frozen=True)
+class RecorderSpec:
+    """One entry of a transformers ``_can_record_outputs`` declaration, normalised: which
+    modules (by class, or by class name, optionally under a layer name) produce an output,
+    and at which index of their output tuple."""
+
+    target_class: type | None
+    index: int
+    layer_name: str | None
+    class_name: str | None
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module called ``name`` inside the declaring model is one of these."""
+        by_class = self.target_class is not None and isinstance(module, self.target_class)
+        by_name = self.class_name is not None and name.endswith(self.class_name)
+        if not (by_class or by_name):
+            return False
+        if self.layer_name is None:
+            return True
+        return "." + self.layer_name.strip(".") + "." in "." + name + "."
+
+
+def recorder_specs(model_class: type, kinds: Sequence[str]) -> list[tuple[str, RecorderSpec]]:
+    """``(kind, spec)`` for each entry of ``model_class._can_record_outputs`` under ``kinds``
+    (e.g. "attentions", "cross_attentions"): an ``OutputRecorder``, a class name or a
+    class, as transformers 5.24 declares them."""
+    recorder = output_recorder_class()
+    declared = declared_outputs(model_class)
+    specs: list[tuple[str, RecorderSpec]] = []
+    for kind in kinds:
+        entries = declared.get(kind, [])
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if recorder is not None and isinstance(entry, recorder):
+                spec = RecorderSpec(entry.target_class, entry.index, entry.layer_name, entry.class_name)
+            elif isinstance(entry, str):
+                spec = RecorderSpec(None, 1, None, entry)
+            else:
+                spec = RecorderSpec(entry, 1, None, None)
+            specs.append((kind, spec))
+    return specs
+
+
 def attn_implementation(model: nn.Module) -> str | None:
     """The attention implementation a transformers model runs (``config._attn_implementation``:
     "eager", "sdpa", "flash_attention_2", ...), or None for other modules. Checked on 5.24."""
@@ -152,3 +195,58 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., 
     copy = types.FunctionType(code, namespace, function.__name__, function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
+
+
+class StreamingUnsupported(RuntimeError):
+    """The call cannot be explained without materialising the attention (see the message)."""
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """The arguments of one call of transformers' ``sdpa`` attention function, as the
+    kernel uses them: the key and value heads each serving ``groups`` query heads, the
+    scale, the mask, whether the kernel adds its own causal mask, T5's position bias."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    scale: float
+    mask: Tensor | None
+    causal: bool
+    position_bias: Tensor | None
+    groups: int
+
+
+def sdpa_call(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> SdpaCall:
+    """What transformers' ``sdpa_attention_forward`` (checked on 5.24) does with its
+    arguments, mirrored: each grouped-query key/value head serves ``groups`` consecutive
+    query heads (as its ``repeat_kv``, without the copy); the kernel's causal mask only
+    for more than one query, no explicit mask and a causal module (keys cropped to the
+    queries, as it does); T5's position bias added. Anything the recomputation cannot
+    reproduce raises :class:`StreamingUnsupported`."""
+    if dropout:
+        raise StreamingUnsupported("attention dropout is active (call model.eval())")
+    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if unsupported:
+        raise StreamingUnsupported(f"the attention call passes {unsupported}, which the recomputation does not model")
+    groups = query.shape[1] // key.shape[1]
+    if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
+        raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > query.shape[2]:
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        position_bias = None if position_bias is None else position_bias[..., : query.shape[2]]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return SdpaCall(query, key, value, float(scale), attention_mask, causal, position_bias, groups)

@@ -18,7 +18,7 @@ from lm_models import make_decoder, make_prompts
 from plain_models import make_plain
 from torch import nn
 
-from captum_attention.capture import AttentionCapture, ModuleAdapter, default_adapter
+from captum_attention.capture import AttentionCapture, ModuleAdapter, ProbsIntervention, default_adapter
 from captum_attention.metrics import adversarial_attention, adversarial_keys
 
 LENGTHS = (14, 11, 5)
@@ -90,7 +90,7 @@ def _output_probs(model, inputs, extra, adapter=None, call=None, maps=None):
         return maps[:, first_head : first_head + attn.shape[1]].to(attn.dtype) if index == call else attn
 
     adapter = adapter or default_adapter(model)
-    with torch.no_grad(), AttentionCapture(model, adapter, intervention=replace if maps is not None else None):
+    with torch.no_grad(), AttentionCapture(model, adapter, probes=[ProbsIntervention(replace)] if maps is not None else []):
         logits = adapter.keyword_forward(model)(*inputs, *extra)
     logits = getattr(logits, "logits", logits)
     return (logits[:, -1] if logits.dim() == 3 else logits).float().softmax(-1)

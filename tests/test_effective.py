@@ -21,7 +21,7 @@ from plain_models import make_plain
 
 from captum_attention import GradSAM, RawAttention
 from captum_attention.attr._base import with_effective_attention
-from captum_attention.capture import AttentionCapture, ModuleAdapter, default_adapter
+from captum_attention.capture import AttentionCapture, ModuleAdapter, ProbsIntervention, ValueRecorder, default_adapter
 from captum_attention.capture.inputs import output_logits
 from captum_attention.capture.record import record_forward
 from captum_attention.metrics import identifiability
@@ -65,7 +65,7 @@ def _outputs(model, inputs, extra, adapter, replacement=None):
 
     hooks = [m.register_forward_hook(keep) for m in adapter.attention_modules(model)]
     try:
-        with torch.no_grad(), AttentionCapture(model, adapter, intervention=replace if replacement else None):
+        with torch.no_grad(), AttentionCapture(model, adapter, probes=[ProbsIntervention(replace)] if replacement else []):
             output = adapter.keyword_forward(model)(*inputs, *extra)
     finally:
         for hook in hooks:
@@ -83,9 +83,9 @@ def test_effective_attention_leaves_every_output_unchanged(kind):
     model, inputs, extra, adapter = _case(kind)
     before = model_state(model)
     with torch.no_grad():
-        record = record_forward(model, model, inputs, extra, adapter, record_values=True)
-    effective = with_effective_attention(record).attn_probs
-    changed = max((e - a).abs().max().item() for e, a in zip(effective, record.attn_probs))
+        record = record_forward(model, model, inputs, extra, adapter, probes=[ValueRecorder()])
+    effective = with_effective_attention(record).attn_maps
+    changed = max((e - a).abs().max().item() for e, a in zip(effective, record.attn_maps))
     assert changed > 1e-3, "the test needs attention that is not identifiable"
     logits, outputs = _outputs(model, inputs, extra, adapter)
     new_logits, new_outputs = _outputs(model, inputs, extra, adapter, effective)
@@ -124,8 +124,8 @@ def test_effective_attention_is_the_projection_onto_the_value_space():
     batch = make_batch(model, LONG)
     spaces, attentions = _bert_value_spaces(model, batch)
     with torch.no_grad():
-        record = record_forward(model, model, (batch.input_ids,), (batch.attention_mask,), record_values=True)
-    effective = with_effective_attention(record).attn_probs
+        record = record_forward(model, model, (batch.input_ids,), (batch.attention_mask,), probes=[ValueRecorder()])
+    effective = with_effective_attention(record).attn_maps
     for space, attn, eff in zip(spaces, attentions, effective):
         for b, n in enumerate(batch.lengths):
             for h in range(attn.shape[1]):
@@ -147,13 +147,13 @@ def test_causal_rows_are_projected_over_the_keys_they_see():
     model = make_decoder("gpt2")
     prompts = make_prompts(LONG, side="left")
     with torch.no_grad():
-        record = record_forward(model, model, (prompts.input_ids,), (prompts.attention_mask,), record_values=True)
+        record = record_forward(model, model, (prompts.input_ids,), (prompts.attention_mask,), probes=[ValueRecorder()])
         ref = copy.deepcopy(model)
         ref.set_attn_implementation("eager")
         position_ids = (prompts.attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = ref(prompts.input_ids, attention_mask=prompts.attention_mask, position_ids=position_ids,
                   output_hidden_states=True, output_attentions=True)
-    effective = with_effective_attention(record).attn_probs
+    effective = with_effective_attention(record).attn_maps
     block, hidden, attn, eff = ref.transformer.h[1], out.hidden_states[1], out.attentions[1], effective[1]
     width, heads = hidden.shape[-1], ref.config.n_head
     values = block.attn.c_attn(block.ln_1(hidden)).split(width, dim=2)[2]

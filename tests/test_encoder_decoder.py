@@ -156,14 +156,14 @@ def test_source_and_target_scores_match_reference(name, method, capture_mode):
     model = make_encoder_decoder(name)
     pair = make_pair()
     cls = REGISTERED[method]
-    target = torch.tensor([5, 9]) if cls.uses_backward() else None
+    target = torch.tensor([5, 9]) if cls.spec.uses_target else None
     ref = reference(model, pair, target)
     explainer = cls(model)
     source, target_scores = explainer.attribute(
         (pair.source, pair.target), target=target, additional_forward_args=pair.args
     )
     assert source.shape == pair.source.shape and target_scores.shape == pair.target.shape
-    streams = capture_mode == "streaming" and cls.streams_encoder_decoder
+    streams = capture_mode == "streaming" and cls.spec.streams
     assert explainer.last_capture.startswith("streaming" if streams else "eager")
     # Streaming explains the model's sdpa forward, the reference its eager one. Through the
     # two, T5's peaked test model (initializer_factor=3) already gives logits 3e-5 apart

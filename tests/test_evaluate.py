@@ -71,7 +71,7 @@ def test_rows_match_the_metrics_on_each_example_alone(checkpoint, tmp_path, caps
     examples, _ = ev.read_dataset(data)
     assert [(r["index"], r["method"]) for r in rows] == [(e.index, m) for e in examples for m in ("grad_sam", "raw")]
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert summary.splitlines()[0] == "| method | " + " | ".join(ev.METRICS) + " |"
+    assert summary.splitlines()[0] == "| method | " + " | ".join(ev.metric_names()) + " |"
     assert "| grad_sam | " in capsys.readouterr().out
 
     model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
@@ -139,7 +139,7 @@ def test_csv_input_and_summary_confidence_intervals(checkpoint, tmp_path):
     assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "rollout") == 0
     lines = (tmp_path / "out" / "summary.csv").read_text().splitlines()
     assert lines[0] == "method,metric,n,mean,low,high"
-    assert [line.split(",")[1] for line in lines[1:]] == [m for m in ev.METRICS if m not in ev.NEEDS_RATIONALE]
+    assert [line.split(",")[1] for line in lines[1:]] == [m for m in ev.metric_names() if m not in ev.rationale_metrics()]
     for line in lines[1:]:
         _, metric, n, mean, low, high = line.split(",")
         if metric != "decision_flip":

@@ -30,10 +30,14 @@ def test_sample_alone_equals_sample_in_padded_batch(family, method):
     together = explainer.attribute(
         batch.input_ids, additional_forward_args=(batch.attention_mask,), **options
     )
+    # Signed relevance (AttnLRP) sums products over the hidden size that cancel, so its
+    # float32 roundoff between the padded and the unpadded shapes (other BLAS kernels) is
+    # larger than the maps methods': measured up to 1.2e-6 on a DistilBERT token of 0.38.
+    tolerance = 1e-5 if cls.spec.signed else 1e-6
     for row, length in enumerate(batch.lengths):
         ids = batch.input_ids[row : row + 1, :length]
         alone = explainer.attribute(ids, additional_forward_args=(torch.ones_like(ids),), **options)
-        torch.testing.assert_close(together[row : row + 1, :length], alone, atol=1e-6, rtol=0)
+        torch.testing.assert_close(together[row : row + 1, :length], alone, atol=tolerance, rtol=0)
         assert (together[row, length:] == 0).all(), "padding must score exactly 0"
 
 

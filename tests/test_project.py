@@ -16,6 +16,29 @@ def test_library_type_checks():
     assert status == 0, stdout + stderr
 
 
+USER_CODE = """
+import torch
+from captum_attention import AttentionRollout, GradSAM
+
+model = torch.nn.Module()
+ids = torch.zeros(1, 3, dtype=torch.long)
+scores = GradSAM(model).attribute(ids, target=0)
+print(scores.shape)
+pair = GradSAM(model).attribute(ids, target=0, return_maps=True)
+scores_too, maps = pair
+rows = AttentionRollout(model).attribute(ids, head_fusoin="max")
+"""
+
+
+def test_attribute_calls_are_typed_by_their_options():
+    """``return_maps`` picks the return type (``@overload``), a misspelt option is an error."""
+    api = pytest.importorskip("mypy.api")
+    stdout, _, status = api.run(["-c", USER_CODE, "--ignore-missing-imports", "--no-error-summary"])
+    errors = [line for line in stdout.splitlines() if ": error:" in line]
+    assert status == 1 and errors and all(line.startswith("<string>:11:") for line in errors), stdout
+    assert 'Unexpected keyword argument "head_fusoin"' in errors[0]
+
+
 def test_docs_build_without_warnings(tmp_path):
     build = pytest.importorskip("sphinx.cmd.build")
     status = build.build_main(["-q", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(tmp_path)])

@@ -7,6 +7,7 @@ erasure through the kernel, block sizes, the wrapper's lifetime, threads and fal
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -19,7 +20,7 @@ from test_encoder_decoder import make_pair
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention._compat import attention_function
-from captum_attention.capture import kernel
+from captum_attention.maps import kernel
 from captum_attention.maps import streaming
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
@@ -259,10 +260,8 @@ def test_an_eager_loaded_model_streams_through_sdpa_and_is_switched_back():
 
 
 def test_a_method_without_a_streaming_reduction_runs_eager():
-    from captum_attention.attr._base import AttentionAttributionBase
-
     class Unstreamed(RawAttention):
-        _streamed_scores = AttentionAttributionBase._streamed_scores
+        spec = dataclasses.replace(RawAttention.spec, name="", streams=False)
 
     model, ids, args, _ = _case("bert")
     explainer = Unstreamed(model)

@@ -1,20 +1,22 @@
 """Attributions layer: the public Captum classes.
 
 Every module of this package is imported here, so an attribution class that declares a
-``method_name`` in its own file is registered in :data:`METHODS` without further edits.
+named ``spec`` (:class:`MethodSpec`) in its own file is registered without further edits:
+in :data:`REGISTRY`, and in :data:`METHODS` where ``spec.in_reports``.
 """
 
 import importlib
 import pkgutil
 
+from ._base import AttentionAttributionBase, attribute_method
 from ._images import upsample_to_image
-from ._registry import METHODS
+from ._registry import METHODS, REGISTRY, MethodSpec
 # The order of these imports is the order of METHODS (and of the command line's report).
 from .grad_sam import GradSAM  # isort: skip
 from .attention_rollout import AttentionRollout  # isort: skip
 from .transformer_attribution import TransformerAttribution  # isort: skip
 from .raw_attention import RawAttention  # isort: skip
-from .attention_flow import AttentionFlow  # isort: skip  (not registered: see its cost)
+from .attention_flow import AttentionFlow  # isort: skip  (registered, not in reports: see its cost)
 from .attn_lrp import AttnLRP  # isort: skip
 
 for _module in pkgutil.iter_modules(__path__):
@@ -22,5 +24,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "METHODS", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
+    "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
 ]

@@ -2,92 +2,70 @@
 
 from __future__ import annotations
 
-import inspect
-import logging
-from dataclasses import replace
-from typing import Any, Callable, ClassVar, Literal, Protocol, cast, overload
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar, TypeVar, cast
 
 import torch
+import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
 
 from .._compat import TargetType, format_additional_forward_args, format_output
-from ..capture import AttentionAdapter
+from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import QueryIndex, format_inputs
-from ..capture.kernel import StreamingUnsupported
-from ..capture.record import ForwardRecord, GradientReduction, record_forward, resolve_adapter
+from ..capture.lrp import Embeddings, PropagationRules, RelevanceRules
+from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid, query_rows
-from ._docs import shared_attribute_docs
-from ._registry import register
-
-logger = logging.getLogger("captum_attention")
-
-CaptureMode = Literal["auto", "streaming", "eager"]
-CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
+from ..maps.lrp import token_relevance
+from ._docs import shared_attribute_docs, shared_class_docs
+from ._registry import MethodSpec, register
 
 Scores = Tensor | tuple[Tensor, ...]
 """What ``attribute`` returns: Captum's output shape for the inputs."""
+
+Inputs = TypeVar("Inputs", Tensor, tuple[Tensor, ...])
+"""The inputs' type, which the scores keep (Captum's convention): a tensor, or a tuple."""
 
 Maps = Tensor | dict[str, Tensor]
 """What ``return_maps=True`` adds: ``(B, L, T, T)`` per-layer maps, or a dict per role
 (encoder-decoders; models with a pooling readout: ``"self"`` and ``"pooling"``)."""
 
 
-class AttributeCall(Protocol):
-    """The type of every ``attribute``: the scores, or ``(scores, maps)`` with
-    ``return_maps=True`` (as Captum types ``return_convergence_delta``)."""
-
-    @overload
-    def __call__(self, inputs: Tensor | tuple[Tensor, ...], *args: Any, return_maps: Literal[True], **options: Any) -> tuple[Scores, Maps]: ...
-
-    @overload
-    def __call__(
-        self, inputs: Tensor | tuple[Tensor, ...], *args: Any, return_maps: Literal[False] = ..., **options: Any
-    ) -> Scores: ...
+AttributeFunction = TypeVar("AttributeFunction", bound=Callable[..., Any])
 
 
-def attribute_method(attribute: Callable[..., Scores | tuple[Scores, Maps]]) -> AttributeCall:
-    """Make ``attribute`` a Captum attribute method: its shared docstring lines filled,
-    ``captum.log.log_usage`` around it (``NoiseTunnel`` calls ``attribute.__wrapped__``)
-    and typed by :class:`AttributeCall`."""
-    return cast(AttributeCall, log_usage(part_of_slo=True)(shared_attribute_docs(attribute)))
+def attribute_method(attribute: AttributeFunction) -> AttributeFunction:
+    """Make ``attribute`` a Captum attribute method: its shared docstring lines filled and
+    ``captum.log.log_usage`` around it (``NoiseTunnel`` calls ``attribute.__wrapped__``),
+    its signature kept for type checkers (each method declares ``@overload`` on
+    ``return_maps``, as Captum does on ``return_convergence_delta``)."""
+    return cast(AttributeFunction, log_usage(part_of_slo=True)(shared_attribute_docs(attribute)))
 
 
 class AttentionAttributionBase:
     """Mixin for the attention attributions; combine with a Captum ``Attribution`` class.
 
-    A subclass that sets ``method_name`` is registered in :data:`captum_attention.METHODS`
-    under that name (read by the command line, the benchmarks and the tests).
+    A subclass declares what it is and needs in ``spec`` (a :class:`MethodSpec`); one
+    with a ``spec.name`` is registered in :data:`captum_attention.METHODS` under it
+    (read by the command line, the benchmarks and the tests). The base class reads the
+    spec: which capture, which probes, which backward, and which of the score hooks
+    (``_scores``, ``_encoder_decoder_scores``, ``_streamed_scores``) it calls; a method
+    whose ``needs`` is ``"relevance"`` writes none of them.
 
     Args:
-        forward_func (Callable): the forward function of the model, returning logits
-            ``(batch, num_classes)``; a Hugging Face model (its ``.logits`` is used) or
-            any function of ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module that holds the attention layers.
-            Default: ``forward_func`` when it is an ``nn.Module``.
-        adapter (AttentionAdapter, optional): how to find the attention in ``model``.
-            Default: the built-in adapter (Hugging Face models).
-        capture (str, optional): ``"streaming"``: the model keeps its own attention kernel
-            and the method recomputes the rows it needs block by block (no
-            ``(heads, N, N)`` tensor is alive); ``"eager"``: the model computes explicit
-            probabilities, which are recorded; ``"auto"``: streaming wherever it is
-            exact, else eager (``last_capture`` then says why). Default: ``"auto"``.
-        block_memory (int, optional): bytes one block of recomputed attention rows may
-            take in streaming mode. Default: None, eight times a call's queries in float32,
-            16-64 MiB on CPU, at least 256 MiB on GPU.
+        $constructor_args
     """
 
-    method_name: ClassVar[str] = ""  # the registry key, e.g. "grad_sam"
-    streams_encoder_decoder: ClassVar[bool] = False  # whether _streamed_scores takes them
-    readable_name: ClassVar[str] = ""  # what get_name() and reports show
-    signed: ClassVar[bool] = False  # whether scores take both signs (reports colour them so)
-    gradient_reduction: GradientReduction | None = None  # set by the gradient methods
+    spec: ClassVar[MethodSpec]
+    propagation_rules: PropagationRules | None = None  # set by methods whose needs are "relevance"
     forward_func: Callable[..., Any]  # set by Captum's Attribution.__init__
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("method_name"):
-            register(cls.method_name, cls)
+        cls.__doc__ = shared_class_docs(cls.__doc__)
+        spec = cls.__dict__.get("spec")
+        if spec is not None and spec.name:
+            register(cls)
 
     def __init__(
         self,
@@ -97,17 +75,8 @@ class AttentionAttributionBase:
         capture: CaptureMode = "auto",
         block_memory: int | None = None,
     ) -> None:
-        if model is None:
-            if not isinstance(forward_func, nn.Module):
-                raise TypeError(
-                    f"{type(self).__name__} needs the nn.Module that holds the attention "
-                    "layers: pass model=... (forward_func is not a module)."
-                )
-            model = forward_func
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}.")
+        model = resolve_model(forward_func, model, type(self).__name__)
+        check_capture_mode(capture)
         if block_memory is not None and block_memory < 1:
             raise ValueError(f"block_memory must be a positive number of bytes, got {block_memory}.")
         super().__init__(forward_func)  # type: ignore[call-arg]
@@ -115,17 +84,17 @@ class AttentionAttributionBase:
         self.adapter = adapter
         self.capture = capture
         self.block_memory = block_memory
-        self.last_capture = ""  # "streaming", or "eager: <why>" after each call
+        self._runner = CaptureRunner(capture, type(self).__name__)
+
+    @property
+    def last_capture(self) -> str:
+        """``"streaming"``, or ``"eager: <why>"``, after each call; ``""`` before the first."""
+        return self._runner.last
 
     @classmethod
     def get_name(cls) -> str:
-        return cls.readable_name or cls.__name__
-
-    @classmethod
-    def uses_backward(cls) -> bool:
-        """Whether the method takes a backward pass (its cost is measured against the
-        model's forward+backward; else against its forward)."""
-        return cls.gradient_reduction is not None
+        spec = getattr(cls, "spec", None)
+        return spec.readable_name if spec is not None else cls.__name__
 
     def _scores(self, record: ForwardRecord, *args: Any, **options: Any) -> tuple[Tensor, list[Tensor]]:
         """The method's ``(B, T)`` scores and per-layer maps for one self-attention stack
@@ -140,41 +109,43 @@ class AttentionAttributionBase:
 
     def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Scores:
         """The method's scores from a streaming record: ``(B, T)``, or ``(source, target)``
-        for an encoder-decoder where ``streams_encoder_decoder``."""
+        for an encoder-decoder."""
         raise NotImplementedError
 
-    def _streaming_refusal(self, *args: Any, **options: Any) -> str | None:
-        """Why these options need the full maps (eager capture), or None."""
-        return None
+    def _probes(self, effective: bool) -> list[Probe]:
+        """Fresh probes for one forward: the values for effective attention, the
+        propagation rules for relevance methods."""
+        probes: list[Probe] = [ValueRecorder()] if effective else []
+        if self.spec.needs == "relevance":
+            if self.propagation_rules is None:
+                raise TypeError(f"{type(self).__name__} propagates relevance: set self.propagation_rules in __init__.")
+            probes.append(RelevanceRules(self.propagation_rules))
+        return probes
 
-    def _eager_reason(
-        self, adapter: AttentionAdapter, return_maps: bool, effective: bool = False, **options: Any
-    ) -> str | None:
+    def _eager_reason(self, adapter: AttentionAdapter, effective: bool, return_maps: bool, options: dict[str, Any]) -> str | None:
         """Why this call cannot stream exactly, or None when it can."""
-        if effective:
-            return "effective attention needs the values and the full maps"
-        if not getattr(adapter, "streams", False):
-            return f"{type(adapter).__name__} does not run attention through transformers' sdpa function"
-        if return_maps:
-            return "return_maps=True needs the full maps"
-        if adapter.is_encoder_decoder(self.model) and not self.streams_encoder_decoder:
-            return "the encoder-decoder relevance rules need the full maps"
-        if type(self)._streamed_scores is AttentionAttributionBase._streamed_scores:
-            return f"{type(self).__name__} has no streaming reduction"
-        return self._streaming_refusal(**options)
+        reason = stream_refusal(adapter, self._probes(effective))
+        if reason is None and return_maps:
+            reason = "return_maps=True needs the full maps"
+        if reason is None and not self.spec.streams:
+            reason = f"{type(self).__name__} has no streaming reduction"
+        return reason or next((why for name, why in self.spec.eager_options.items() if options.get(name)), None)
 
-    def _streams(self, adapter: AttentionAdapter, return_maps: bool, effective: bool = False, **options: Any) -> bool:
-        """Whether to try streaming for this call (a clear error if it was asked for and cannot)."""
-        reason = None if self.capture == "eager" else self._eager_reason(adapter, return_maps, effective, **options)
-        if self.capture == "streaming" and reason is not None:
-            raise ValueError(f"capture='streaming' is not possible here: {reason}. Use capture='auto' or 'eager'.")
-        self._note_capture("eager: capture='eager'" if self.capture == "eager" else reason and f"eager: {reason}")
-        return self.capture != "eager" and reason is None
-
-    def _note_capture(self, how: str | None) -> None:
-        if how is not None:
-            self.last_capture = how
-            logger.debug("%s: %s", type(self).__name__, how)
+    def _recorded(
+        self,
+        inputs: tuple[Tensor, ...],
+        additional_forward_args: Any,
+        query_index: QueryIndex,
+        effective: bool,
+        return_maps: bool,
+        options: dict[str, Any],
+    ) -> ForwardRecord:
+        """One forward through the capture, in the mode the runner decides."""
+        adapter = resolve_adapter(self.model, self.adapter)
+        if adapter.is_encoder_decoder(self.model) and not self.spec.encoder_decoder:
+            raise ValueError(f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders.")
+        reason = self._eager_reason(adapter, effective, return_maps, options)
+        return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective), reason)
 
     def _forward(
         self,
@@ -182,50 +153,53 @@ class AttentionAttributionBase:
         additional_forward_args: Any,
         query_index: QueryIndex,
         streaming: bool,
-        effective: bool = False,
+        effective: bool,
     ) -> ForwardRecord:
-        """One forward through the capture (in the autograd graph for gradient methods);
-        with ``effective=True`` its maps are effective attention."""
+        """One forward with the method's probes (in the autograd graph for gradient
+        methods); with ``effective=True`` its maps are effective attention; under
+        propagation rules, given text embeddings are where relevance is read."""
+        relevance = self.spec.needs == "relevance"
+        if relevance:
+            inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
         record = record_forward(
-            self.forward_func, self.model, inputs, additional_forward_args, self.adapter,
-            track_grad=self.gradient_reduction is not None, query_index=query_index, streaming=streaming,
-            block_memory=self.block_memory, record_values=effective,
+            self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective),
+            track_grad=self.spec.needs == "backward", query_index=query_index, streaming=streaming,
         )
-        return with_effective_attention(record) if effective else record
+        if effective:
+            record = with_effective_attention(record)
+        if relevance:
+            embeddings = [t for t in inputs if t.requires_grad] + record.result(Embeddings).tensors
+            if not embeddings:
+                raise ValueError(
+                    f"No input embeddings of {type(self.model).__name__} were seen: its adapter names none "
+                    "(input_embeddings), or the forward did not call them. Pass embeddings as inputs instead."
+                )
+            record = record.with_result(Embeddings(embeddings))
+        return record
 
     def _explained(self, record: ForwardRecord, target: TargetType, retain_graph: bool = False) -> ForwardRecord:
-        """The record ready for the method's reduction: for gradient methods with one
-        backward pass for ``target``."""
-        reduction = self.gradient_reduction
-        if record.streaming:
-            return record.with_output_gradients(target, retain_graph) if reduction is not None else record
-        if reduction is not None:
+        """The record ready for the method's reduction: with one backward pass for
+        ``target`` where the method needs one."""
+        needs, reduction = self.spec.needs, self.spec.gradient_reduction
+        if needs == "relevance":
+            return _with_relevance(record, target, retain_graph)
+        if reduction is not None and not record.streaming:
             return record.with_gradients(target, reduction, retain_graph)
-        return replace(record, attn_probs=[p.float() for p in record.attn_probs])
+        if needs == "backward":
+            return record.with_output_gradients(target, retain_graph)
+        return record if record.streaming else replace(record, attn_maps=[p.float() for p in record.attn_maps])
 
-    def _token_scores(self, record: ForwardRecord, **options: Any) -> Tensor:
-        """The method's ``(B, T)`` scores of an explained record (one self-attention
-        stack), streaming or eager."""
+    def _method_scores(self, record: ForwardRecord, **options: Any) -> tuple[Scores, Any]:
+        """The scores of an explained record, and the maps ``return_maps`` gives (None
+        where the method has none)."""
+        if self.spec.needs == "relevance":
+            return _relevance_scores(record), None
         if record.streaming:
-            return cast(Tensor, self._streamed_scores(record, **options))
-        return self._scores(record, **options)[0]
-
-    def _recorded(self, forward: Callable[[bool], ForwardRecord], streaming: bool) -> ForwardRecord:
-        """``forward(streaming)``; where streaming turns out impossible, ``auto`` runs it
-        eager and says why, ``streaming`` raises."""
-        if streaming:
-            try:
-                record = forward(True)
-            except StreamingUnsupported as error:
-                if self.capture == "streaming":
-                    raise ValueError(
-                        f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'."
-                    ) from error
-                self._note_capture(f"eager: {error}")
-            else:
-                self._note_capture("streaming")
-                return record
-        return forward(False)
+            return self._streamed_scores(record, **options), None
+        if record.is_encoder_decoder:
+            return self._encoder_decoder_scores(record, **options)
+        scores, maps = self._scores(record, **options)
+        return scores, record.by_role(maps)
 
     def _explain(
         self,
@@ -246,25 +220,16 @@ class AttentionAttributionBase:
                 f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
                 "decoder_input_ids) and get (source scores, target scores) back."
             )
-        streaming = self._streams(adapter, return_maps, effective, **options)
-        record = self._recorded(
-            lambda stream: self._explained(
-                self._forward(tensors, additional_forward_args, query_index, stream, effective), target
-            ),
-            streaming,
+        record = self._explained(
+            self._recorded(tensors, additional_forward_args, query_index, effective, return_maps, options), target
         )
-        if record.is_encoder_decoder:
-            if record.streaming:
-                return format_scores(True, _zero_padding(record, self._streamed_scores(record, **options)), None, False)
-            scores, role_maps = self._encoder_decoder_scores(record, **options)
-            return format_scores(True, _zero_padding(record, scores), role_maps, return_maps)
-        if len(tensors) != 1:
+        if not record.is_encoder_decoder and len(tensors) != 1:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
-        token_scores, maps = (self._token_scores(record, **options), None) if record.streaming else self._scores(record, **options)
-        token_scores = _zero_padding(record, token_scores)
+        scores, maps = self._method_scores(record, **options)
+        scores = _zero_padding(record, scores)
         if tensors[0].dim() == 4:
-            token_scores = patch_grid(token_scores, _grid_shape(adapter, self.model, tensors[0]))
-        return format_scores(is_tuple, token_scores, maps and record.by_role(maps), return_maps)
+            scores = patch_grid(scores, _grid_shape(adapter, self.model, tensors[0]))
+        return format_scores(is_tuple or record.is_encoder_decoder, scores, maps, return_maps)
 
     def attribute_continuation(
         self,
@@ -301,10 +266,8 @@ class AttentionAttributionBase:
         _check_continuation(prompt, continuation)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
-        offers_effective = "effective" in inspect.signature(getattr(self, "attribute")).parameters
-        effective = bool(options.pop("effective", False)) if offers_effective else False
-        streaming = self._streams(resolve_adapter(self.model, self.adapter), False, effective, **options)
-        record = self._recorded(lambda stream: self._forward((sequence,), extra, None, stream, effective), streaming)
+        effective = bool(options.pop("effective", False)) if self.spec.effective else False
+        record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, prompt.shape[1])
         prompt_len, new_tokens = prompt.shape[1], continuation.shape[1]
         rows = []
@@ -312,20 +275,56 @@ class AttentionAttributionBase:
             position = torch.full((len(prompt),), prompt_len - 1 + step, device=record.target_real.device)
             token = continuation[:, step].to(record.logits.device)
             explained = self._explained(record.at_query(position), token, retain_graph=step < new_tokens - 1)
-            rows.append(_zero_padding(explained, self._token_scores(explained, **options)))
+            rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
         return torch.stack(rows, dim=1)
+
+
+AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__doc__)
+
+
+@dataclass
+class TokenRelevance:
+    """Per embedded sequence (an encoder-decoder's source, then target), the ``(B, T)``
+    relevance of its tokens: input × modified gradient, summed over the hidden size."""
+
+    per_sequence: list[Tensor]
+
+
+def _with_relevance(record: ForwardRecord, target: TargetType, retain_graph: bool) -> ForwardRecord:
+    """The record with the relevance of each embedded sequence for ``target``."""
+    embeddings = record.result(Embeddings).tensors
+    score = record.target_score(target)
+    with torch.enable_grad():
+        grads = torch.autograd.grad(score, embeddings, retain_graph=retain_graph, allow_unused=True)
+    relevance = [token_relevance(e, torch.zeros_like(e) if g is None else g) for e, g in zip(embeddings, grads)]
+    return record.with_result(TokenRelevance(relevance))
+
+
+def _relevance_scores(record: ForwardRecord) -> Scores:
+    """The relevance per token, aligned right with the tokens the attention sees (a
+    vision transformer's class and distillation tokens, which have no input embedding,
+    get 0); an encoder-decoder's ``(source, target)``."""
+    relevance = record.result(TokenRelevance).per_sequence
+    if record.is_encoder_decoder:
+        return _aligned(relevance[0], record.input_real), _aligned(relevance[-1], record.target_real)
+    return _aligned(relevance[0], record.target_real)
+
+
+def _aligned(relevance: Tensor, real: Tensor) -> Tensor:
+    """``(B, T')`` relevance padded on the left to the ``T`` tokens of ``real``."""
+    return F.pad(relevance, (real.shape[1] - relevance.shape[1], 0))
 
 
 def with_effective_attention(record: ForwardRecord) -> ForwardRecord:
     """``record`` with each call's probabilities replaced by its effective attention
     (Brunner et al., ICLR 2020; see :func:`~captum_attention.maps.effective_attention`),
     each real query's row projected over the keys it sees."""
-    assert record.values is not None and record.projections is not None
+    recorded = record.result(RecordedValues)
     maps = [
         effective_attention(attn, values, *record.visible_keys(call), projection)
-        for call, (attn, values, projection) in enumerate(zip(record.attn_probs, record.values, record.projections))
+        for call, (attn, values, projection) in enumerate(zip(record.attn_maps, recorded.values, recorded.projections))
     ]
-    return replace(record, attn_probs=maps)
+    return replace(record, attn_maps=maps)
 
 
 def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
@@ -388,20 +387,3 @@ def format_scores(is_tuple: bool, scores: Tensor | tuple[Tensor, ...], maps: Any
     if not return_maps:
         return formatted
     return formatted, (torch.stack(maps, dim=1) if isinstance(maps, list) else maps)
-
-
-def encoder_decoder_rows(
-    record: ForwardRecord,
-    maps: list[Tensor],
-    relevance: Callable[[list[Tensor], list[Tensor], list[str]], tuple[Tensor, Tensor]],
-) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
-    """Source and target scores: the query rows of ``relevance``'s R^{qs} and R^{qq}."""
-    encoder_maps = [m for m, role in zip(maps, record.roles) if role == "encoder"]
-    decoder_side = [(m, role) for m, role in zip(maps, record.roles) if role != "encoder"]
-    target_self, target_source = relevance(encoder_maps, [m for m, _ in decoder_side], [r for _, r in decoder_side])
-    scores = (query_rows(target_source, record.query_index), query_rows(target_self, record.query_index))
-    role_maps = {
-        role: torch.stack([m for m, r in zip(maps, record.roles) if r == role], dim=1)
-        for role in ("encoder", "decoder", "cross")
-    }
-    return scores, role_maps

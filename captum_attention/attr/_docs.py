@@ -46,7 +46,34 @@ _SHARED_ATTRIBUTE_DOCS = {
     ),
 }
 
+_CONSTRUCTOR_DOCS = {
+    "constructor_args": (
+        'forward_func (Callable): returns logits ``(batch, num_classes)`` (a language\n'
+        '            model\'s ``(batch, seq_len, vocab)``); a Hugging Face model (its ``.logits`` is\n'
+        '            used) or any function of ``(inputs, *additional_forward_args)``.\n'
+        '        model (nn.Module, optional): the module holding the attention layers. Default:\n'
+        '            ``forward_func`` when it is a module.\n'
+        '        adapter (AttentionAdapter, optional): how to find the attention (and, for\n'
+        '            AttnLRP, the input embeddings). Default: the built-in adapter of the model\'s\n'
+        '            family (Hugging Face models, ``nn.MultiheadAttention``).\n'
+        '        capture (str, optional): ``"streaming"``: the model keeps its own attention\n'
+        '            kernel and the method recomputes the rows it needs block by block (no\n'
+        '            ``(heads, N, N)`` tensor is alive); ``"eager"``: the model computes explicit\n'
+        '            probabilities, which are read; ``"auto"``: streaming wherever it is exact,\n'
+        '            else eager (``last_capture`` then says why). Default: ``"auto"``.\n'
+        '        block_memory (int, optional): bytes one block of recomputed attention rows\n'
+        '            may take under streaming capture. Default: None, sized from the call (16-64\n'
+        '            MiB on a CPU, at least 256 MiB on a GPU).'
+    ),
+}
+"""The constructor's Args every attribution class shares (``$constructor_args``)."""
+
 AttributeMethod = TypeVar("AttributeMethod", bound=Callable[..., Any])
+
+
+def shared_class_docs(doc: str | None) -> str:
+    """A class docstring with its ``$constructor_args`` filled."""
+    return string.Template(doc or "").safe_substitute(_CONSTRUCTOR_DOCS)
 
 
 def shared_attribute_docs(method: AttributeMethod) -> AttributeMethod:

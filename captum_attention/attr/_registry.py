@@ -1,19 +1,87 @@
-"""The method registry: each attribution class declares its name once (``method_name``).
+"""What each attribution method is and needs, declared as data, and the registry of methods.
 
-:data:`METHODS` maps those names to the classes; the command line, the benchmarks and the
-shared test table read it instead of listing the methods themselves.
+Each attribution class declares one :class:`MethodSpec` (``spec = MethodSpec(...)``). The
+base class reads it to run the method (which capture, which backward, which reduction),
+and the registry reads it to list the method: :data:`REGISTRY` holds every named method,
+:data:`METHODS` those shown in reports (the command line, ``evaluate``, the benchmarks and
+the shared test tables read it instead of listing the methods themselves).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from torch import Tensor
+
+Needs = Literal["forward", "backward", "relevance"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """An attribution method as data.
+
+    Attributes:
+        name: the registry key (e.g. ``"grad_sam"``); ``""`` leaves the class unregistered.
+        readable_name: what ``get_name()`` and the reports show.
+        needs: ``"forward"``: the attention of one forward pass; ``"backward"``: with the
+            gradient of the explained logit from one backward pass (dS/dA under eager
+            capture, dS/dO under streaming); ``"relevance"``: one backward under AttnLRP's
+            propagation rules, the scores being input × modified gradient on the input
+            embeddings (the base class computes them: such a method writes no reduction).
+        gradient_reduction: ``"backward"`` methods under eager capture:
+            ``reduce(attn_maps, attn_grads) -> (B, Q, K)``, applied to each call as the
+            backward pass reaches it.
+        streams: whether the method has a streaming reduction (``_streamed_scores``); else
+            ``capture="auto"`` runs it eager.
+        encoder_decoder: whether it explains encoder-decoders (source and target scores).
+        signed: whether its scores take both signs (reports colour them so).
+        in_reports: listed in :data:`METHODS` (command line, ``evaluate``, benchmarks);
+            False keeps a costly method registered (:data:`REGISTRY`) but out of reports.
+        effective: whether ``attribute`` offers ``effective=True`` (effective attention).
+        eager_options: option name -> why a truthy value of it needs the full maps.
+    """
+
+    name: str
+    readable_name: str
+    needs: Needs = "forward"
+    gradient_reduction: Callable[[Tensor, Tensor], Tensor] | None = None
+    streams: bool = True
+    encoder_decoder: bool = True
+    signed: bool = False
+    in_reports: bool = True
+    effective: bool = False
+    eager_options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.needs == "backward") != (self.gradient_reduction is not None):
+            raise ValueError(f"{self.name or self.readable_name}: a gradient_reduction goes with needs='backward'.")
+
+    @property
+    def uses_backward(self) -> bool:
+        """Whether the method takes a backward pass (its cost is measured against the
+        model's forward+backward; else against its forward)."""
+        return self.needs != "forward"
+
+    @property
+    def uses_target(self) -> bool:
+        """Whether the scores depend on ``target``."""
+        return self.uses_backward
+
+
+REGISTRY: dict[str, Any] = {}
+"""Registry name -> attribution class, every named method, in registration order."""
 
 METHODS: dict[str, Any] = {}
-"""Registry name (e.g. ``"grad_sam"``) -> attribution class, in registration order."""
+"""Registry name (e.g. ``"grad_sam"``) -> attribution class, the methods shown in reports
+(``spec.in_reports``), in registration order."""
 
 
-def register(name: str, cls: Any) -> None:
-    """Add ``cls`` under ``name``; a second class with the same name is an error."""
-    if METHODS.get(name, cls) is not cls:
-        raise ValueError(f"Two attribution methods are registered as {name!r}: {METHODS[name].__name__} and {cls.__name__}.")
-    METHODS[name] = cls
+def register(cls: Any) -> None:
+    """Add ``cls`` under its ``spec.name``; a second class with the same name is an error."""
+    name = cls.spec.name
+    if REGISTRY.get(name, cls) is not cls:
+        raise ValueError(f"Two attribution methods are registered as {name!r}: {REGISTRY[name].__name__} and {cls.__name__}.")
+    REGISTRY[name] = cls
+    if cls.spec.in_reports:
+        METHODS[name] = cls

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 from captum.attr import Attribution
 from torch import Tensor
@@ -12,8 +12,9 @@ from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps import attention_flow_scores
 from ..maps.common import check_head_fusion
-from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
-from .attention_rollout import rollout_maps
+from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
+from ._registry import MethodSpec
+from ..maps.rollout import rollout_stack_maps
 
 
 class AttentionFlow(AttentionAttributionBase, Attribution):
@@ -38,23 +39,43 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
     edges, on the CPU in Python. Measured on a 6-layer model: 0.18 s per example at
     16 tokens, 1.6 s at 32 and 15 s at 64 (2 CPU cores; rollout: 12-19 ms;
     ``benchmarks/flow_cost.py``); it is meant for short inputs and
-    is left out of :data:`captum_attention.METHODS` (the command line's and benchmarks'
-    set). Eager capture only; one self-attention stack (not encoder-decoders).
+    is registered (``"attention_flow"``) but left out of :data:`captum_attention.METHODS`
+    (the command line's and benchmarks' set) by its spec's ``in_reports``. Eager capture only; one self-attention stack (not encoder-decoders).
 
     Args:
-        forward_func (Callable): the model's forward; a Hugging Face model or any
-            function of ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention. Default: the
-            built-in adapter.
+        $constructor_args
 
     Example::
 
         >>> scores = AttentionFlow(model).attribute(input_ids, additional_forward_args=(mask,))
     """
 
-    readable_name = "Attention Flow"
+    spec = MethodSpec("attention_flow", "Attention Flow", streams=False, encoder_decoder=False, in_reports=False)
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        head_fusion: str = ...,
+        start_layer: int = ...,
+        return_maps: Literal[False] = ...,
+    ) -> Inputs: ...
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        head_fusion: str = ...,
+        start_layer: int = ...,
+        *,
+        return_maps: Literal[True],
+    ) -> tuple[Inputs, Maps]: ...
 
     @attribute_method
     def attribute(
@@ -90,9 +111,6 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
 
     def _scores(self, record: ForwardRecord, head_fusion: str = "mean", start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
         first = record.layer(start_layer, "start_layer")
-        maps = rollout_maps(record, head_fusion)
+        maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion)
         token_maps, readout = record.readout(maps, first)
         return attention_flow_scores(token_maps, record.target_real, record.query_index, readout), maps
-
-    def _encoder_decoder_scores(self, record: ForwardRecord, **options: Any) -> Any:
-        raise ValueError("AttentionFlow is defined for one self-attention stack, not for encoder-decoders.")

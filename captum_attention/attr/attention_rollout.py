@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from captum.attr import Attribution
 from torch import Tensor
 
-from ..maps import (
-    encoder_decoder_rollout,
-    raw_attention_maps,
-    rollout_layer_maps,
-    rollout_scores,
-)
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.kernel import block_shape
 from ..capture.record import ForwardRecord
+from ..maps import encoder_decoder_rollout, raw_attention_maps, rollout_layer_maps, rollout_scores
 from ..maps.common import check_head_fusion
+from ..maps.encoder_decoder import encoder_decoder_rows
+from ..maps.kernel import block_shape
+from ..maps.rollout import rollout_stack_maps
 from ..maps.streaming import cross_rollout_row_step, query_row, rollout_row_step
-from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
+from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
+from ._registry import MethodSpec
 
 
 class AttentionRollout(AttentionAttributionBase, Attribution):
@@ -43,12 +41,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     gradient: the scores do not depend on ``target``.
 
     Args:
-        forward_func (Callable): the model's forward; a Hugging Face model or any
-            function of ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention. Default: the
-            Hugging Face adapter.
+        $constructor_args
 
     Example::
 
@@ -57,8 +50,36 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         ...                              head_fusion="max", discard_ratio=0.9)
     """
 
-    method_name = "rollout"
-    readable_name = "Attention Rollout"
+    spec = MethodSpec(
+        "rollout", "Attention Rollout", eager_options={"discard_ratio": "discard_ratio ranks every entry of each fused map"}
+    )
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        head_fusion: str = ...,
+        discard_ratio: float = ...,
+        start_layer: int = ...,
+        return_maps: Literal[False] = ...,
+    ) -> Inputs: ...
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        head_fusion: str = ...,
+        discard_ratio: float = ...,
+        start_layer: int = ...,
+        *,
+        return_maps: Literal[True],
+    ) -> tuple[Inputs, Maps]: ...
 
     @attribute_method
     def attribute(
@@ -102,21 +123,15 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[Tensor, list[Tensor]]:
         first = record.layer(start_layer, "start_layer")
-        maps = rollout_maps(record, head_fusion, discard_ratio)
+        maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion, discard_ratio)
         token_maps, readout = record.readout(maps, first)
         return rollout_scores(token_maps, record.query_index, readout), maps
-
-    def _streaming_refusal(self, discard_ratio: float = 0.0, **options: Any) -> str | None:
-        return "discard_ratio ranks every entry of each fused map" if discard_ratio else None
-
-    streams_encoder_decoder = True
 
     def _streamed_scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> Scores:
         """The query row of R propagated from the last layer down; for an encoder-decoder
         over the joint source-target graph (the source part ``source_row``)."""
-        assert record.kernel_calls is not None
         if record.is_encoder_decoder and start_layer:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         first = record.layer(start_layer, "start_layer")
@@ -137,30 +152,16 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Rollout over the joint source-target graph; see
         :func:`captum_attention.maps.encoder_decoder_rollout`."""
-        assert record.attn_probs is not None
-        assert record.source_real is not None
         if discard_ratio or start_layer:
             raise ValueError(
                 "discard_ratio and start_layer apply to one self-attention stack; leave them "
                 "at 0 for encoder-decoders."
             )
         maps = []
-        for attn, role in zip(record.attn_probs, record.roles):
+        for attn, role in zip(record.attn_maps, record.roles):
             real_queries, real_keys = record.real_of(role)
             if role == "cross":
                 maps += raw_attention_maps([attn], real_queries, real_keys, head_fusion)
             else:  # the query index only matters to discard_ratio, refused above
                 maps += rollout_layer_maps([attn], real_queries, record.query_index, head_fusion)
-        return encoder_decoder_rows(record, maps, encoder_decoder_rollout)
-
-
-def rollout_maps(record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0) -> list[Tensor]:
-    """Per call of one self-attention stack: Â^l for token calls, the fused attention
-    (no residual) for pooling calls; shared by rollout and flow."""
-    assert record.attn_probs is not None
-    return [
-        raw_attention_maps([attn], *record.real_of(role), head_fusion)[0]
-        if role == "pooling"
-        else rollout_layer_maps([attn], record.target_real, record.query_index, head_fusion, discard_ratio)[0]
-        for attn, role in zip(record.attn_probs, record.roles)
-    ]
+        return encoder_decoder_rows(maps, record.roles, record.query_index, encoder_decoder_rollout)

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable, cast
+from typing import Any, Callable, Literal
 
-import torch
-import torch.nn.functional as F
 from captum.attr import GradientAttribution
 from torch import Tensor, nn
 
 from .._compat import TargetType
-from ..capture.inputs import QueryIndex, resolve_targets
-from ..capture.record import ForwardRecord, record_forward, resolve_adapter
-from ..capture import AttentionAdapter, HuggingFaceAdapter
+from ..capture import AttentionAdapter
+from ..capture.inputs import QueryIndex
+from ..capture.runner import CaptureMode
 from ..maps import lrp
-from ..maps.lrp import token_relevance
-from ._base import AttentionAttributionBase, CaptureMode, Scores, attribute_method
+from ._base import AttentionAttributionBase, Scores, attribute_method
+from ._registry import MethodSpec
 
 
 class AttnLRP(AttentionAttributionBase, GradientAttribution):
@@ -51,19 +48,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
     ``NoiseTunnel``).
 
     Args:
-        forward_func (Callable): returns logits ``(batch, num_classes)``; a Hugging Face
-            model (its ``.logits`` is used) or any function of
-            ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention and the input
-            embeddings. Default: the Hugging Face adapter.
-        capture (str, optional): ``"streaming"``: the rules act on the inputs and output
-            of the model's own attention kernel; ``"eager"``: on the explicit products
-            of eager attention (same relevance, the memory of the full maps); ``"auto"``:
-            streaming wherever possible. Default: ``"auto"``.
-        block_memory (int, optional): as for the other methods (unused by the rules).
-            Default: None.
+        $constructor_args
         gamma (float, optional): 0: the ε-rule (ε → 0) in every linear layer; γ > 0: the
             generalised γ-rule there (as zennit's ``Gamma``), which the paper uses for
             vision transformers (a value to tune, e.g. 0.25). Default: 0.
@@ -77,10 +62,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         >>> relevance.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    method_name = "attn_lrp"
-    readable_name = "AttnLRP"
-    streams_encoder_decoder = True
-    signed = True
+    spec = MethodSpec("attn_lrp", "AttnLRP", needs="relevance", signed=True)
 
     def __init__(
         self,
@@ -94,11 +76,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         if gamma < 0:
             raise ValueError(f"gamma must be 0 (the ε-rule) or positive, got {gamma}.")
         super().__init__(forward_func, model, adapter, capture, block_memory)
-        self.rules = lrp.AttnLRPRules(gamma)
-
-    @classmethod
-    def uses_backward(cls) -> bool:
-        return True
+        self.propagation_rules = lrp.AttnLRPRules(gamma)
 
     @attribute_method
     def attribute(
@@ -107,7 +85,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         target: TargetType = None,
         additional_forward_args: Any = None,
         query_index: QueryIndex = None,
-        return_maps: bool = False,
+        return_maps: Literal[False] = False,
     ) -> Scores:
         r"""AttnLRP relevance of each token for the explained logit.
 
@@ -126,68 +104,3 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         if return_maps:
             raise ValueError("AttnLRP propagates relevance to the tokens and has no attention maps: leave return_maps=False.")
         return self._explain(inputs, target, additional_forward_args, query_index, False)
-
-    def _forward(
-        self,
-        inputs: tuple[Tensor, ...],
-        additional_forward_args: Any,
-        query_index: QueryIndex,
-        streaming: bool,
-        effective: bool = False,
-    ) -> ForwardRecord:
-        """One forward under the rules; given text embeddings are where relevance is read."""
-        adapter = resolve_adapter(self.model, self.adapter)
-        if not isinstance(adapter, HuggingFaceAdapter):
-            raise ValueError(
-                f"AttnLRP's rules cover transformers' attention (the Hugging Face families, "
-                f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
-            )
-        given = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
-        record = record_forward(
-            self.forward_func, self.model, given, additional_forward_args, self.adapter, query_index=query_index,
-            streaming=streaming, block_memory=self.block_memory, relevance_rules=self.rules,
-        )
-        embeddings = [t for t in given if t.requires_grad] + list(record.embeddings or [])
-        if not embeddings:
-            raise ValueError(
-                f"No input embeddings of {type(self.model).__name__} were seen: its adapter names none "
-                "(input_embeddings), or the forward did not call them. Pass embeddings as inputs instead."
-            )
-        return replace(record, embeddings=embeddings)
-
-    def _explained(self, record: ForwardRecord, target: TargetType, retain_graph: bool = False) -> ForwardRecord:
-        """The record with the relevance of each embedded sequence for ``target``."""
-        assert record.embeddings is not None
-        logits = record.explained_logits()
-        targets = resolve_targets(logits, target)
-        with torch.enable_grad():
-            score = logits.gather(1, targets[:, None]).sum()
-            grads = torch.autograd.grad(score, record.embeddings, retain_graph=retain_graph, allow_unused=True)
-        relevance = [
-            token_relevance(e, torch.zeros_like(e) if g is None else g) for e, g in zip(record.embeddings, grads)
-        ]
-        return replace(record, relevance=relevance)
-
-    def _relevance_scores(self, record: ForwardRecord) -> Scores:
-        """The relevance per token, aligned right with the tokens the attention sees (a
-        vision transformer's class and distillation tokens, which have no input
-        embedding, get 0); an encoder-decoder's ``(source, target)``."""
-        assert record.relevance is not None
-        if record.is_encoder_decoder:
-            assert record.source_real is not None
-            return _aligned(record.relevance[0], record.source_real), _aligned(record.relevance[-1], record.target_real)
-        return _aligned(record.relevance[0], record.target_real)
-
-    def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._relevance_scores(record)
-
-    def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
-        return cast(Tensor, self._relevance_scores(record)), []
-
-    def _encoder_decoder_scores(self, record: ForwardRecord) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
-        return cast(tuple[Tensor, Tensor], self._relevance_scores(record)), {}
-
-
-def _aligned(relevance: Tensor, real: Tensor) -> Tensor:
-    """``(B, T')`` relevance padded on the left to the ``T`` tokens of ``real``."""
-    return F.pad(relevance, (real.shape[1] - relevance.shape[1], 0))

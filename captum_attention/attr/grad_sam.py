@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
 from captum.attr import GradientAttribution
 from torch import Tensor
 
-from ..capture.kernel import block_shape
+from ..maps.kernel import block_shape
 from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from ..maps.grad_sam import check_axis
 from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord
-from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
+from ..capture.record import ForwardRecord, GradMaps, OutputGrads
+from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
+from ._registry import MethodSpec
 
 
 class GradSAM(AttentionAttributionBase, GradientAttribution):
@@ -46,13 +47,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     parameters' ``.grad`` are never written.
 
     Args:
-        forward_func (Callable): returns logits ``(batch, num_classes)``; a Hugging Face
-            model (its ``.logits`` is used) or any function of
-            ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention. Default: the
-            Hugging Face adapter.
+        $constructor_args
 
     Example::
 
@@ -63,9 +58,32 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    gradient_reduction = staticmethod(grad_sam_head_mean)
-    method_name = "grad_sam"
-    readable_name = "Grad-SAM"
+    spec = MethodSpec("grad_sam", "Grad-SAM", needs="backward", gradient_reduction=grad_sam_head_mean, effective=True)
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        return_maps: Literal[False] = ...,
+        axis: str = ...,
+        effective: bool = ...,
+    ) -> Inputs: ...
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        *,
+        return_maps: Literal[True],
+        axis: str = ...,
+        effective: bool = ...,
+    ) -> tuple[Inputs, Maps]: ...
 
     @attribute_method
     def attribute(
@@ -106,18 +124,15 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         )
 
     def _scores(self, record: ForwardRecord, axis: str = "query") -> tuple[Tensor, list[Tensor]]:
-        assert record.grad_maps is not None
-        maps = [grad_sam_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(record.grad_maps, record.roles)]
-        pooling = [role == "pooling" for role in record.roles]
-        return grad_sam_scores(maps, record.heads, record.target_real, pooling, axis), maps
-
-    streams_encoder_decoder = True
+        grad_maps = record.result(GradMaps).maps
+        maps = [grad_sam_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(grad_maps, record.roles)]
+        return grad_sam_scores(maps, record.heads, record.target_real, record.pooling, axis), maps
 
     def _streamed_scores(self, record: ForwardRecord, axis: str = "query") -> Scores:
         """The row (or column) sums of every call; for an encoder-decoder the encoder's
         score the source and the decoder's self- and cross-attention the target, as in
         :meth:`_encoder_decoder_scores`."""
-        assert record.kernel_calls is not None and record.output_grads is not None
+        output_grads = record.result(OutputGrads).grads
         _one_stack(record, axis)
         sides = [("self", "decoder", "cross"), ("encoder",)] if record.is_encoder_decoder else [("self",)]
         scores = []
@@ -125,7 +140,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             calls = [i for i, role in enumerate(record.roles) if role in roles]
             total = sum(
                 grad_sam_row_sums(
-                    record.kernel_calls[i], record.output_grads[i], *record.real_of(record.roles[i]),
+                    record.kernel_calls[i], output_grads[i], *record.real_of(record.roles[i]),
                     block_shape(record.kernel_calls[i], self.block_memory), axis,
                 )
                 for i in calls
@@ -139,13 +154,12 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Each map credits its query tokens: encoder maps score the source, decoder self-
         and cross-attention maps (whose queries are target tokens) score the target."""
-        assert record.grad_maps is not None and record.source_real is not None
         _one_stack(record, axis)
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
-        for head_mean, role in zip(record.grad_maps, record.roles):
+        for head_mean, role in zip(record.result(GradMaps).maps, record.roles):
             role_maps[role] += grad_sam_layer_maps([head_mean], *record.real_of(role))
         heads = dict(zip(record.roles, record.heads))
-        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.source_real)
+        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.input_real)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
         target = grad_sam_scores(target_maps, target_heads, record.target_real)

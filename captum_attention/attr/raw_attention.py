@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -14,7 +14,8 @@ from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps.streaming import raw_attention_row
-from ._base import AttentionAttributionBase, Maps, Scores, attribute_method
+from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
+from ._registry import MethodSpec
 
 
 class RawAttention(AttentionAttributionBase, Attribution):
@@ -33,12 +34,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
     instead (Brunner et al., "On Identifiability in Transformers", ICLR 2020).
 
     Args:
-        forward_func (Callable): the model's forward; a Hugging Face model or any
-            function of ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention. Default: the
-            Hugging Face adapter.
+        $constructor_args
 
     Example::
 
@@ -46,8 +42,32 @@ class RawAttention(AttentionAttributionBase, Attribution):
         ...                                        additional_forward_args=(mask,))
     """
 
-    method_name = "raw"
-    readable_name = "Raw Attention"
+    spec = MethodSpec("raw", "Raw Attention", effective=True)
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        layer: int = ...,
+        return_maps: Literal[False] = ...,
+        effective: bool = ...,
+    ) -> Inputs: ...
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        layer: int = ...,
+        *,
+        return_maps: Literal[True],
+        effective: bool = ...,
+    ) -> tuple[Inputs, Maps]: ...
 
     @attribute_method
     def attribute(
@@ -83,21 +103,16 @@ class RawAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps, effective, layer=layer)
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
-        assert record.attn_probs is not None
         chosen = record.layer(layer)
-        maps = [raw_attention_maps([attn], *record.real_of(role))[0] for attn, role in zip(record.attn_probs, record.roles)]
+        maps = [raw_attention_maps([attn], *record.real_of(role))[0] for attn, role in zip(record.attn_maps, record.roles)]
         return record.explained_row(chosen, maps[chosen]), maps
-
-    streams_encoder_decoder = True
 
     def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Scores:
         """The query row of the chosen layer; for an encoder-decoder that decoder layer's
         cross-attention (source) and self-attention (target) rows."""
         if not record.is_encoder_decoder:
-            assert record.kernel_calls is not None
             return raw_attention_row(record.kernel_calls[record.layer(layer)], record.query_index, record.target_real)
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
-        assert decoder.kernel_calls is not None and cross.kernel_calls is not None
         chosen = decoder.layer(layer)
         return (
             raw_attention_row(cross.kernel_calls[chosen], record.query_index, record.input_real),
@@ -107,15 +122,12 @@ class RawAttention(AttentionAttributionBase, Attribution):
     def _encoder_decoder_scores(
         self, record: ForwardRecord, layer: int = -1
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
-        assert record.attn_probs is not None
-        assert record.source_real is not None
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
         chosen = decoder.layer(layer)
         encoder = record.of_role("encoder")
-        assert decoder.attn_probs is not None and cross.attn_probs is not None and encoder.attn_probs is not None
-        decoder_maps = raw_attention_maps(decoder.attn_probs, record.target_real)
-        cross_maps = raw_attention_maps(cross.attn_probs, record.target_real, record.source_real)
-        encoder_maps = raw_attention_maps(encoder.attn_probs, record.source_real)
+        decoder_maps = raw_attention_maps(decoder.attn_maps, record.target_real)
+        cross_maps = raw_attention_maps(cross.attn_maps, record.target_real, record.input_real)
+        encoder_maps = raw_attention_maps(encoder.attn_maps, record.input_real)
         scores = (query_rows(cross_maps[chosen], record.query_index), query_rows(decoder_maps[chosen], record.query_index))
         maps = {"encoder": encoder_maps, "decoder": decoder_maps, "cross": cross_maps}
         return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items()}

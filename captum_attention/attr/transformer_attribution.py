@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from captum.attr import GradientAttribution
@@ -16,8 +16,8 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.kernel import KernelCall, block_shape
-from ..capture.record import ForwardRecord
+from ..capture.record import ForwardRecord, GradMaps, OutputGrads
+from ..maps.kernel import KernelCall, block_shape
 from ..maps.streaming import (
     query_row,
     relevance_column_step,
@@ -25,7 +25,9 @@ from ..maps.streaming import (
     relevance_rows_into,
     without_self_times,
 )
-from ._base import AttentionAttributionBase, Maps, Scores, attribute_method, encoder_decoder_rows
+from ..maps.encoder_decoder import encoder_decoder_rows
+from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
+from ._registry import MethodSpec
 
 
 class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
@@ -48,13 +50,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     its own.
 
     Args:
-        forward_func (Callable): returns logits ``(batch, num_classes)``; a Hugging Face
-            model (its ``.logits`` is used) or any function of
-            ``(inputs, *additional_forward_args)``.
-        model (nn.Module, optional): the module holding the attention layers. Default:
-            ``forward_func`` when it is a module.
-        adapter (AttentionAdapter, optional): how to find the attention. Default: the
-            Hugging Face adapter.
+        $constructor_args
 
     Example::
 
@@ -63,9 +59,32 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         ...                              additional_forward_args=(attention_mask,))
     """
 
-    gradient_reduction = staticmethod(relevance_head_mean)
-    method_name = "transformer_attribution"
-    readable_name = "Transformer Attribution"
+    spec = MethodSpec(
+        "transformer_attribution", "Transformer Attribution", needs="backward", gradient_reduction=relevance_head_mean
+    )
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        start_layer: int = ...,
+        return_maps: Literal[False] = ...,
+    ) -> Inputs: ...
+
+    @overload
+    def attribute(
+        self,
+        inputs: Inputs,
+        target: TargetType = ...,
+        additional_forward_args: Any = ...,
+        query_index: QueryIndex = ...,
+        start_layer: int = ...,
+        *,
+        return_maps: Literal[True],
+    ) -> tuple[Inputs, Maps]: ...
 
     @attribute_method
     def attribute(
@@ -96,25 +115,22 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         )
 
     def _scores(self, record: ForwardRecord, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
-        assert record.grad_maps is not None
         first = record.layer(start_layer, "start_layer")
-        maps = [relevance_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(record.grad_maps, record.roles)]
+        grad_maps = record.result(GradMaps).maps
+        maps = [relevance_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(grad_maps, record.roles)]
         token_maps, readout = record.readout(maps, first)
         return transformer_attribution_scores(token_maps, record.query_index, readout), maps
-
-    streams_encoder_decoder = True
 
     def _streamed_scores(self, record: ForwardRecord, start_layer: int = 0) -> Scores:
         """The query row of R = (I + Ā^L)···(I + Ā^1), propagated from the last layer down;
         for an encoder-decoder see :meth:`_streamed_encoder_decoder`."""
-        assert record.kernel_calls is not None and record.output_grads is not None
         if record.is_encoder_decoder:
             if start_layer != 0:
                 raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
             return self._streamed_encoder_decoder(record)
         first = record.layer(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
-        for call, grad in list(zip(record.kernel_calls, record.output_grads))[first:][::-1]:
+        for call, grad in list(zip(record.kernel_calls, record.result(OutputGrads).grads))[first:][::-1]:
             row = relevance_row_step(call, grad, row, record.target_real, block_shape(call, self.block_memory))
         return row
 
@@ -130,9 +146,8 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         :math:`\bar R^{ss}` once: :math:`y^\top \bar R^{ss} = y + z^\top R^{ss} - z` with
         :math:`z_i = y_i / (R^{ss} 1 - 1)_i` (0 where a row has no relevance).
         """
-        assert record.kernel_calls is not None and record.output_grads is not None and record.source_real is not None
-        target_real, source_real = record.target_real, record.source_real
-        calls = list(zip(record.kernel_calls, record.output_grads, record.roles))
+        target_real, source_real = record.target_real, record.input_real
+        calls = list(zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles))
         encoder = [(call, grad) for call, grad, role in calls if role == "encoder"]
         decoder_side = [(call, grad, role) for call, grad, role in calls if role != "encoder"]
         row = query_row(record.query_index, target_real.shape[1])
@@ -165,11 +180,10 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         """Chefer et al.'s rules (6)-(11) for self- and cross-attention; see
         :func:`captum_attention.maps.encoder_decoder_relevance`."""
-        assert record.grad_maps is not None and record.source_real is not None
         if start_layer != 0:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
         maps = [
             relevance_layer_maps([head_mean], *record.real_of(role))[0]
-            for head_mean, role in zip(record.grad_maps, record.roles)
+            for head_mean, role in zip(record.result(GradMaps).maps, record.roles)
         ]
-        return encoder_decoder_rows(record, maps, encoder_decoder_relevance)
+        return encoder_decoder_rows(maps, record.roles, record.query_index, encoder_decoder_relevance)

@@ -1,4 +1,5 @@
-"""Capture layer: find attention in a model and record one forward pass (hooks, adapters, the record)."""
+"""Capture layer: find attention in a model and record one forward pass (hooks, adapters,
+probes, the record)."""
 
 from .adapters import (
     AdapterBase,
@@ -11,7 +12,9 @@ from .adapters import (
     Role,
     default_adapter,
 )
-from .record import ForwardRecord, record_forward
+from .kernel import StreamingUnsupported
+from .probes import CallInfo, GradMode, Intervention, KeysTransform, Probe, ProbsIntervention, RecordedValues, ValueRecorder
+from .record import ForwardRecord, GradMaps, OutputGrads, record_forward
 from .recorder import AttentionCapture
 
 __all__ = [
@@ -20,11 +23,22 @@ __all__ = [
     "AttentionCapture",
     "AttentionNotFoundError",
     "AttentionSite",
+    "CallInfo",
     "ForwardRecord",
+    "GradMaps",
+    "GradMode",
     "HuggingFaceAdapter",
+    "Intervention",
+    "KeysTransform",
     "ModuleAdapter",
     "MultiheadAttentionAdapter",
+    "OutputGrads",
+    "Probe",
+    "ProbsIntervention",
+    "RecordedValues",
     "Role",
+    "StreamingUnsupported",
+    "ValueRecorder",
     "default_adapter",
     "record_forward",
 ]

@@ -3,12 +3,11 @@
 Models that dispatch attention through transformers' attention interface call
 ``attention_function(module, query, key, value, attention_mask, scaling=..., ...)``.
 While a streaming capture is active, the ``sdpa`` entry of that interface is wrapped: the
-wrapper records what the kernel receives (a :class:`KernelCall`) and runs the kernel
-unchanged, so the model computes exactly what it computes without us, at the kernel's
-speed and memory. Any reduction of the attention probabilities can then recompute the
-rows it needs, block by block: :meth:`KernelCall.logits` defines them exactly as
-``torch.nn.functional.scaled_dot_product_attention`` does (grouped-query heads, boolean
-or additive masks, the kernel's own causal mask, T5's position bias). No
+wrapper records what the kernel receives (a :class:`~captum_attention.maps.kernel.KernelCall`)
+and runs the kernel unchanged, so the model computes exactly what it computes without us,
+at the kernel's speed and memory. Any reduction of the attention probabilities can then
+recompute the rows it needs, block by block (:mod:`captum_attention.maps.kernel` defines
+them exactly as ``torch.nn.functional.scaled_dot_product_attention`` does). No
 ``(heads, N, N)`` tensor is ever alive.
 
 The wrapper is installed while at least one capture is active (a lock and a count) and
@@ -20,279 +19,13 @@ or a ``KeyboardInterrupt``.
 from __future__ import annotations
 
 import contextvars
-import math
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import attention_function, register_attention_function
-
-
-RowsTransform = Callable[[Tensor, int, int], Tensor]
-"""``transform(attn_rows (1, 1, r, K), example, head) -> (1, 1, r, K)``: new probabilities for a
-block of one example's and one head's query rows."""
-
-
-def half_bmm_to_float(left: Tensor, right: Tensor) -> Tensor | None:
-    """``torch.bmm`` of half-precision matrices with a float32 result (``out_dtype``, CUDA
-    only in torch 2.13), or None where this torch has no such kernel."""
-    try:
-        return torch.bmm(left, right, out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError):
-        return None
-
-
-class StreamingUnsupported(RuntimeError):
-    """The call cannot be explained without materialising the attention (see the message)."""
-
-
-@dataclass(eq=False)
-class KernelCall:
-    """One attention call as the kernel received it.
-
-    Attributes:
-        query: ``(B, H, Q, D)``.
-        key: ``(B, H / groups, K, D)``: with grouped-query attention each key head serves
-            ``groups`` consecutive query heads (as transformers' ``repeat_kv``).
-        value: ``(B, H / groups, K, Dv)``; None when no gradient is taken.
-        scale: the factor on ``query @ key^T``.
-        mask: a boolean keep-mask or an additive float mask broadcastable to
-            ``(B, H, Q, K)``, or None.
-        causal: whether the kernel applies its own causal mask (upper-left aligned).
-        position_bias: an additive ``(B or 1, H, Q, K)`` bias (T5), or None.
-        output: the call's output ``(B, Q, H, Dv)``, in the autograd graph, kept when
-            gradients are tracked (else None).
-    """
-
-    query: Tensor
-    key: Tensor
-    value: Tensor | None
-    scale: float
-    mask: Tensor | None
-    causal: bool
-    position_bias: Tensor | None = None
-    groups: int = 1
-    output: Tensor | None = None
-
-    @property
-    def heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def num_queries(self) -> int:
-        return self.query.shape[2]
-
-    @property
-    def num_keys(self) -> int:
-        return self.key.shape[2]
-
-    def key_span(self, rows: slice) -> int:
-        """How many leading keys the query rows ``rows`` can see: all of them, or under the
-        kernel's causal mask those up to the block's last row (the rest have probability 0
-        and are not computed)."""
-        return min(rows.stop, self.num_keys) if self.causal else self.num_keys
-
-    def logit_bias(self, rows: slice, keys: int | None = None, heads: slice = slice(None)) -> Tensor | None:
-        """The additive bias of the query rows ``rows`` of the query heads ``heads`` over the
-        first ``keys`` keys (default all), ``(B or 1, heads or 1, r, keys)`` float32, -inf
-        where a key is masked; None when nothing is added."""
-        keys = self.num_keys if keys is None else keys
-        bias = None
-        if self.mask is not None:
-            mask = self.mask[..., rows, :keys] if self.mask.shape[-2] > 1 else self.mask[..., :keys]
-            mask = mask[:, heads] if mask.shape[1] > 1 else mask
-            if mask.dtype == torch.bool:
-                bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
-            else:
-                bias = mask.float()
-        if self.position_bias is not None:
-            position_bias = self.position_bias[..., rows, :keys]
-            position_bias = (position_bias[:, heads] if position_bias.shape[1] > 1 else position_bias).float()
-            bias = position_bias if bias is None else bias + position_bias
-        if self.causal:
-            later = torch.arange(keys, device=self.query.device) > torch.arange(rows.start, rows.stop, device=self.query.device)[:, None]
-            causal = torch.zeros(later.shape, device=later.device).masked_fill_(later, -math.inf)
-            bias = causal if bias is None else bias + causal
-        return bias
-
-    def _per_key_head(self, rows: Tensor, keys: Tensor, heads: slice) -> Tensor:
-        """``rows (B, h, r, D) @ keys^T`` as ``(B, h, r, K)`` float32, for the query heads
-        ``heads`` (one head, or whole groups) and all key heads ``keys (B, H / groups, K, D)``,
-        without repeating the key heads. Half-precision inputs on a GPU multiply on its
-        tensor cores with float32 accumulation and output, as the attention kernel does."""
-        batch, num_heads, num_rows, dim = rows.shape
-        first, last, _ = heads.indices(self.heads)
-        keys = keys[:, first // self.groups : -(-last // self.groups)]
-        kv_heads, num_keys = keys.shape[1], keys.shape[2]
-        assert num_heads % kv_heads == 0, "a block holds one query head or whole groups of them"
-        grouped = rows.reshape(batch, kv_heads, num_heads // kv_heads * num_rows, dim)
-        products = None
-        if rows.dtype in (torch.float16, torch.bfloat16) and rows.is_cuda:
-            products = half_bmm_to_float(
-                grouped.reshape(batch * kv_heads, -1, dim), keys.transpose(-1, -2).reshape(batch * kv_heads, dim, num_keys)
-            )
-        if products is None:
-            products = torch.matmul(grouped.float(), keys.float().transpose(-1, -2))
-        return products.reshape(batch, num_heads, num_rows, num_keys)
-
-    def logits(self, rows: slice, heads: slice = slice(None)) -> Tensor:
-        """``(B, h, r, key_span)`` float32 pre-softmax scores of the query rows ``rows`` of
-        the query heads ``heads`` (default all)."""
-        keys = self.key_span(rows)
-        scores = self._per_key_head(self.query[:, heads, rows] * self.scale, self.key[:, :, :keys], heads)
-        if self.causal and self.mask is None and self.position_bias is None:
-            # only the block's own square holds later keys
-            square = scores[..., rows.start : keys]
-            later = torch.ones(square.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
-            square.masked_fill_(later, -math.inf)
-            return scores
-        bias = self.logit_bias(rows, keys, heads)
-        return scores if bias is None else scores.add_(bias)
-
-    def probs(self, rows: slice, heads: slice = slice(None)) -> Tensor:
-        """``(B, h, r, key_span)`` float32 attention probabilities of the query rows ``rows``
-        of the query heads ``heads`` (0 in a row whose every key is masked)."""
-        probs = self.logits(rows, heads).softmax(dim=-1)
-        return probs if self.mask is None else probs.nan_to_num_(nan=0.0)
-
-    def rows_at(self, query_index: Tensor) -> Tensor:
-        """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]``."""
-        return self._each_row(query_index, self.probs)
-
-    def grad_rows_at(self, grad_output: Tensor, query_index: Tensor) -> Tensor:
-        """``(B, H, K)`` float32 gradient dS/dA of each example's row ``query_index[b]``."""
-        return self._each_row(query_index, lambda rows: self.grad_probs(grad_output, rows))
-
-    def _each_row(self, query_index: Tensor, block: Callable[[slice], Tensor]) -> Tensor:
-        rows = []
-        for b, q in enumerate(query_index.tolist()):
-            row = block(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0]
-            rows.append(F.pad(row, (0, self.num_keys - row.shape[-1])))
-        return torch.stack(rows)
-
-    def grad_probs(self, grad_output: Tensor, rows: slice, heads: slice = slice(None)) -> Tensor:
-        """``(B, h, r, key_span)`` float32 gradient dS/dA of the rows ``rows`` of the query
-        heads ``heads`` from the gradient of the call's output ``(B, Q, H, Dv)``: dA = dO · Vᵀ."""
-        assert self.value is not None, "the values were not recorded (no gradient tracked)"
-        grad_rows = grad_output[:, rows, heads].transpose(1, 2)
-        return self._per_key_head(grad_rows, self.value[:, :, : self.key_span(rows)], heads)
-
-    def blocks(self, shape: tuple[int, int], reached: Tensor | None = None) -> Iterator[tuple[slice, slice]]:
-        """``(heads, rows)`` slices of the blocks of ``shape = (heads, rows)``, the query rows
-        outer; with ``reached`` ``(B, Q)``, only the blocks of rows where it is nonzero."""
-        heads_per_block, rows_per_block = shape
-        for start in range(0, self.num_queries, rows_per_block):
-            rows = slice(start, min(start + rows_per_block, self.num_queries))
-            if reached is not None and not bool(reached[:, rows].any()):
-                continue
-            for first in range(0, self.heads, heads_per_block):
-                yield slice(first, min(first + heads_per_block, self.heads)), rows
-
-    def erased_output(self, erased: Tensor, heads: Sequence[int] | None, shape: tuple[int, int]) -> Tensor:
-        """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
-        score of -inf (on ``heads``, default all): exactly zeroing their attention and
-        renormalising each row. Computed by the kernel one block of ``shape`` at a time; a
-        row whose every key is erased gives 0."""
-        assert self.value is not None
-        chosen = torch.ones(self.heads, dtype=torch.bool, device=erased.device)
-        if heads is not None:
-            chosen = torch.zeros_like(chosen)
-            chosen[[h for h in heads if 0 <= h < self.heads]] = True
-        erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)
-        erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
-        output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
-        for block_heads, rows in self.blocks(shape):
-            bias = self.logit_bias(rows, heads=block_heads)
-            bias = erase[:, block_heads] if bias is None else bias + erase[:, block_heads]
-            first, last, _ = block_heads.indices(self.heads)
-            key_heads = slice(first // self.groups, -(-last // self.groups))
-            out = F.scaled_dot_product_attention(
-                self.query[:, block_heads, rows], self.key[:, key_heads], self.value[:, key_heads],
-                attn_mask=bias.to(self.query.dtype), scale=self.scale, enable_gqa=last - first > 1 and self.groups > 1,
-            )
-            output[:, block_heads, rows] = torch.nan_to_num(out, nan=0.0)
-        return output.transpose(1, 2).contiguous()
-
-
-def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
-    """The call restricted to one example and one head."""
-
-    def pick(tensor: Tensor | None, head_axis_size: int) -> Tensor | None:
-        if tensor is None:
-            return None
-        b = example if tensor.shape[0] > 1 else 0
-        h = head // (call.heads // head_axis_size) if tensor.shape[1] > 1 else 0
-        return tensor[b : b + 1, h : h + 1]
-
-    kv_heads = call.key.shape[1]
-    return KernelCall(
-        pick(call.query, call.heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
-        call.scale, pick(call.mask, call.heads), call.causal, pick(call.position_bias, call.heads),
-    )
-
-
-def transformed_output(call: KernelCall, transform: RowsTransform, budget_bytes: int | None = None) -> Tensor:
-    """The call's output ``(B, Q, H, Dv)`` with each block of rows of the probabilities
-    replaced by ``transform`` before they weight the values: explicit attention, one
-    example, head and block of query rows at a time (sized by ``budget_bytes``, as
-    :func:`block_shape`), in the order ``(example, head, row)`` in which eager capture's
-    ``(B, H, Q, K)`` tensor holds them."""
-    assert call.value is not None
-    batch = call.query.shape[0]
-    output = torch.empty(batch, call.num_queries, call.heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
-    for example in range(batch):
-        for head in range(call.heads):
-            plane = _plane(call, example, head)
-            assert plane.value is not None
-            for _, rows in plane.blocks(block_shape(plane, budget_bytes)):
-                probs = plane.probs(rows)
-                probs = F.pad(probs, (0, call.num_keys - probs.shape[-1]))
-                changed = transform(probs, example, head)
-                output[example, rows, head] = (changed[0, 0] @ plane.value[0, 0].float()).to(output.dtype)
-    return output
-
-
-BLOCK_MEMORY = {"cpu": (16 * 2**20, 64 * 2**20), "cuda": (256 * 2**20, None)}
-"""Default bytes per block of every head's recomputed rows, ``(least, most)`` per device:
-eight times a call's queries in float32 within those bounds, so that blocks grow with the
-input (larger blocks multiply faster) but stay a small part of what the model itself
-holds, and on a CPU within its caches. Measured in ``benchmarks/scaling.py``."""
-
-ONE_HEAD_BLOCK_MEMORY = 64 * 2**20
-"""Default bytes per block of one head's rows (:data:`ONE_HEAD_PER_BLOCK`): each
-``(rows, keys)`` float32 temporary about 16 MiB, large enough that the compiled block
-reductions (:data:`~captum_attention.maps.streaming.FUSED_MIN_PAIRS`) spend their time in
-the block and not between blocks (measured on a BERT layer at 8k tokens: 0.80 s with
-blocks of 512 rows, 1.0 s with 128; at 16k 3.2 s with 256 rows, 4.5 s with 64)."""
-
-ONE_HEAD_PER_BLOCK = {"cpu": True, "cuda": False}
-"""Whether a block of a bidirectional call holds one head's rows (else every head's), per
-device. On a CPU every row of a bidirectional call sees every key, and blocks of one head
-keep the elementwise passes within the caches (measured 15-20% faster on a 6-layer BERT at
-8k tokens); causal calls, whose rows see half the keys on average, keep blocks of every
-head (measured 15% faster on a 4-layer grouped-query Llama at 8k)."""
-
-
-def block_shape(call: KernelCall, budget_bytes: int | None = None) -> tuple[int, int]:
-    """``(heads, rows)`` per block: one head (a bidirectional call, where
-    :data:`ONE_HEAD_PER_BLOCK` says so) or every head, and as many query rows as let four
-    float32 ``(B, heads, rows, K)`` temporaries fit ``budget_bytes`` (at least one row).
-    Default budget: :data:`ONE_HEAD_BLOCK_MEMORY` or :data:`BLOCK_MEMORY`."""
-    device = "cpu" if call.query.device.type == "cpu" else "cuda"
-    one_head = ONE_HEAD_PER_BLOCK[device] and not call.causal
-    if budget_bytes is None and one_head:
-        budget_bytes = ONE_HEAD_BLOCK_MEMORY
-    elif budget_bytes is None:
-        least, most = BLOCK_MEMORY[device]
-        budget_bytes = max(least, 32 * call.query.numel())
-        budget_bytes = budget_bytes if most is None else min(budget_bytes, most)
-    heads = 1 if one_head else call.heads
-    per_row = 4 * 4 * call.query.shape[0] * heads * call.num_keys
-    return heads, max(1, budget_bytes // max(per_row, 1))
+from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
+from ..maps.kernel import KernelCall
 
 
 KernelInputs = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -359,41 +92,13 @@ def _dispatch(
     return recorder(module, call, run_kernel), None
 
 
-def kernel_call(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    position_bias: Tensor | None = None,
-    **kwargs: Any,
-) -> KernelCall:
-    """What transformers' ``sdpa_attention_forward`` (5.24) computes, as a :class:`KernelCall`.
-
-    Mirrors its choices: each grouped-query key/value head serves ``groups`` consecutive
-    query heads (as its ``repeat_kv``, without the copy); the kernel's causal mask only for
-    more than one query, no explicit mask and a causal module (keys cropped to the
-    queries, as it does); T5's position bias added. Anything the recomputation cannot
-    reproduce raises :class:`StreamingUnsupported`.
-    """
-    if dropout:
-        raise StreamingUnsupported("attention dropout is active (call model.eval())")
-    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
-    if unsupported:
-        raise StreamingUnsupported(f"the attention call passes {unsupported}, which the recomputation does not model")
-    groups = query.shape[1] // key.shape[1]
-    if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
-        raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    if causal and key.shape[2] > query.shape[2]:
-        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-        position_bias = None if position_bias is None else position_bias[..., : query.shape[2]]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    position_bias = None if position_bias is None else position_bias.detach()
+def kernel_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *args: Any, **kwargs: Any) -> KernelCall:
+    """What transformers' ``sdpa`` attention function computes for this call, as a
+    :class:`~captum_attention.maps.kernel.KernelCall` (see
+    :func:`~captum_attention._compat.sdpa_call`); raises :class:`StreamingUnsupported`
+    for anything the recomputation cannot reproduce."""
+    call = sdpa_call(module, query, key, value, attention_mask, *args, **kwargs)
     return KernelCall(
-        query.detach(), key.detach(), value.detach(), float(scale), attention_mask, causal, position_bias, groups
+        call.query.detach(), call.key.detach(), call.value.detach(), call.scale, call.mask, call.causal,
+        None if call.position_bias is None else call.position_bias.detach(), call.groups,
     )

@@ -1,8 +1,8 @@
 """AttnLRP's rules applied to a model for one call, and nowhere else.
 
-:class:`RelevanceRules` is entered by :class:`~captum_attention.capture.AttentionCapture`
-(``relevance_rules=...``) in its ``ExitStack``, so that it is removed with the capture's
-other hooks, also on an exception or an interrupt. While active:
+:class:`RelevanceRules` is a probe (:mod:`captum_attention.capture.probes`): a capture
+enters it in its ``ExitStack``, so that it is removed with the capture's other hooks, also
+on an exception or an interrupt. While active:
 
 - under a streaming capture each attention kernel call (transformers' attention
   interface) runs on its queries and keys passing back half their gradient, and its
@@ -10,8 +10,8 @@ other hooks, also on an exception or an interrupt. While active:
   softmax between them keeps its ordinary gradient, which is Proposition 3.1 in gradient
   form (see :mod:`captum_attention.maps.lrp`). Under an eager capture the same rule
   reaches the explicit products (below);
-- forward hooks on the model's element-wise activation modules give their outputs the
-  identity rule;
+- forward hooks on the model's element-wise activation modules (the adapter's
+  ``relevance_sites``) give their outputs the identity rule;
 - a ``TorchFunctionMode`` (this thread only) gives linear layers (``F.linear``, and
   GPT-2's ``Conv1D`` through ``torch.addmm``) their rule (ε or γ), ``F.layer_norm``/``F.rms_norm`` their
   normalisation rule, holds ``rsqrt`` constant inside the model's hand-written norm
@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..maps.kernel import KernelCall
+from .adapters import AttentionAdapter
 from .guard import ScopedFunctionMode
+from .probes import CallInfo, Probe, RunKernel
 
 
 class PropagationRules(Protocol):
@@ -64,12 +68,6 @@ class PropagationRules(Protocol):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
-ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
-    nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus, nn.Hardswish, nn.LeakyReLU, nn.ReLU,
-)
-"""torch's element-wise activations; every module defined in ``transformers.activations``
-counts too."""
-
 _PRODUCTS = {
     torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__,
     torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm, Tensor.bmm,
@@ -78,58 +76,64 @@ _PRODUCTS = {
 (gated MLPs) and matrix products (an eager attention's ``Q·Kᵀ`` and ``A·V``)."""
 
 
-def is_activation(module: nn.Module) -> bool:
-    """Whether ``module`` is an element-wise non-linearity (identity rule)."""
-    return isinstance(module, ACTIVATION_MODULES) or type(module).__module__ == "transformers.activations"
-
-
-def is_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer (``LayerNorm``, ``*RMSNorm``,
-    ``T5LayerNorm``, …): its ``rsqrt`` is held constant."""
-    return type(module).__name__.endswith("Norm")
-
-
 def _is_activation_tensor(value: Any) -> bool:
     """A tensor computed from the inputs: it requires grad and is not a leaf (parameters
     are leaves)."""
     return isinstance(value, Tensor) and value.requires_grad and value.grad_fn is not None and value.is_floating_point()
 
 
-class RelevanceRules:
-    """Context manager: AttnLRP's rules on ``model`` for the calls made while it is active.
+@dataclass
+class Embeddings:
+    """The input embeddings ``(B, T, d)`` a forward under the rules produced (an
+    encoder-decoder's source, then target), detached and requiring grad: where relevance
+    is read."""
+
+    tensors: list[Tensor]
+
+
+class RelevanceRules(Probe):
+    """Probe: AttnLRP's rules on the model for the calls made while it is active.
+
+    The input embeddings are the outputs of the adapter's ``input_embeddings`` modules,
+    recorded in call order (:class:`Embeddings`, the probe's result).
 
     Args:
-        model (nn.Module): the model.
-        embedding_modules (list of nn.Module): whose outputs are the input embeddings;
-            each output is recorded in :attr:`embeddings`, in call order.
         rules (PropagationRules): the rules' functions (the attributions pass
             :mod:`captum_attention.maps.lrp`).
     """
 
-    def __init__(self, model: nn.Module, embedding_modules: list[nn.Module], rules: PropagationRules) -> None:
-        self.model = model
+    events = frozenset({"kernel"})
+    needs_grad = True
+
+    def __init__(self, rules: PropagationRules) -> None:
         self.rules = rules
-        self.embedding_modules = embedding_modules
         self.embeddings: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
-        self._stack = ExitStack()
+        self._activations: set[nn.Module] = set()
         self._thread = threading.get_ident()
 
-    def __enter__(self) -> "RelevanceRules":
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        if not getattr(adapter, "propagates_relevance", False):
+            raise ValueError(
+                f"AttnLRP's rules cover transformers' attention (the Hugging Face families, "
+                f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
+            )
         self._thread = threading.get_ident()
-        with ExitStack() as stack:
-            for module in self.model.modules():
-                if is_activation(module) or is_norm(module):
-                    stack.callback(module.register_forward_pre_hook(self._enter_module).remove)
-                    stack.callback(module.register_forward_hook(self._leave_module).remove)
-            for module in self.embedding_modules:
-                stack.callback(module.register_forward_hook(self._record_embeddings).remove)
-            stack.enter_context(_RuleMode(self))
-            self._stack = stack.pop_all()
-        return self
+        self.embeddings, self.depth = [], 0
+        sites = adapter.relevance_sites(model)
+        self._activations = set(sites.activations)
+        for module in dict.fromkeys([*sites.activations, *sites.norms]):
+            stack.callback(module.register_forward_pre_hook(self._enter_module).remove)
+            stack.callback(module.register_forward_hook(self._leave_module).remove)
+        for module in adapter.input_embeddings(model):
+            stack.callback(module.register_forward_hook(self._record_embeddings).remove)
+        stack.enter_context(_RuleMode(self))
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stack.close()
+    def result(self) -> Embeddings:
+        return Embeddings(self.embeddings)
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
+        return self.attention(run_kernel)
 
     def attention(self, run_kernel: Callable[..., Tensor]) -> Tensor:
         """One attention kernel call under the uniform rule on ``Q·Kᵀ`` and ``A·V``."""
@@ -150,7 +154,7 @@ class RelevanceRules:
         if not self._ours():
             return None
         self.depth -= 1
-        if is_activation(module) and args and _is_activation_tensor(args[0]) and isinstance(output, Tensor):
+        if module in self._activations and args and _is_activation_tensor(args[0]) and isinstance(output, Tensor):
             return self.rules.identity_rule(args[0], output.detach())
         return None
 

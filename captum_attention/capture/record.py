@@ -13,44 +13,56 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
 
 import captum
 import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, run_forward
-from .adapters import AttentionAdapter, default_adapter
+from ..maps.common import real_tokens, up_to, zero_on_later_keys
+from ..maps.kernel import KernelCall
+from .adapters import AttentionAdapter
 from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
-from .kernel import KernelCall, StreamingUnsupported
-from .lrp import PropagationRules
+from .kernel import StreamingUnsupported
+from .probes import GradMode, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
-
-Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
-"""``intervention(call_index, attn_probs, first_head, attn_scores) -> attn_probs``; see
-:class:`AttentionCapture`."""
+from .runner import resolve_adapter
 
 GradientReduction = Callable[[Tensor, Tensor], Tensor]
-"""``reduce(attn_probs, attn_grads) -> (B, Q, K)``: one call's (A, dS/dA) reduced over heads."""
+"""``reduce(attn_maps, attn_grads) -> (B, Q, K)``: one call's (A, dS/dA) reduced over heads."""
+
+ResultT = TypeVar("ResultT")
+
+
+@dataclass
+class GradMaps(PerCall):
+    """Per attention call, a gradient method's reduction of (A, dS/dA) over heads,
+    ``(B, Q, K)`` float32 (:meth:`ForwardRecord.with_gradients`)."""
+
+    maps: list[Tensor]
+
+
+@dataclass
+class OutputGrads(PerCall):
+    """Streaming records: per attention call, dS/dO ``(B, Q, H, Dv)``
+    (:meth:`ForwardRecord.with_output_gradients`)."""
+
+    grads: list[Tensor]
 
 
 @dataclass
 class ForwardRecord:
-    """One forward pass through the capture layer.
+    """One forward pass through the capture layer: a small core, and typed results.
 
     Attributes:
         logits: ``(B, C)``, or a language model's ``(B, T, V)``.
-        attn_probs: per attention call, ``(B, H, Q, K)`` float probabilities as they
-            weighted the values (detached); empty for a streaming record.
+        attn_maps: eager records: per attention call, ``(B, H, Q, K)`` float maps, the
+            probabilities as they weighted the values (detached), or what a method
+            reduces in their place (effective attention); empty for a streaming record.
         heads: per attention call, the number of heads.
-        grad_maps: per attention call, a gradient method's reduction of (A, dS/dA) over
-            heads, ``(B, Q, K)`` float32; None until :meth:`with_gradients`.
-        kernel_calls: streaming records: per attention call, what the kernel received
-            (the probabilities are recomputed from it block by block); else None.
-        output_grads: streaming records: per attention call, dS/dO ``(B, Q, H, Dv)``;
-            None until :meth:`with_output_gradients`.
         roles: per attention call, ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"``.
         target_real: ``(B, T)`` bool, the real tokens of the explained sequence (the
             target sequence of an encoder-decoder); for causal attention only those up to
@@ -60,18 +72,15 @@ class ForwardRecord:
         causal: whether the explained sequence's self-attention never looks ahead.
         capture: the capture of the call (its probabilities still in the autograd graph
             when gradients are tracked).
-        values: eager records made with ``record_values``: per attention call, the
-            ``(B, H, K, Dv)`` values the probabilities weighted; else None.
-        projections: with ``values``, per call, the adapter's output projection weight
-            ``(hidden, H * Dv)``, or None where it does not know it.
-        embeddings: records made under AttnLRP's rules: the input embeddings ``(B, T, d)``
-            in the autograd graph (an encoder-decoder's source, then target); else None.
-        relevance: per entry of ``embeddings``, the ``(B, T)`` relevance of its tokens;
-            None until computed.
+        kernel_calls: streaming records: per attention call, what the kernel received
+            (the probabilities are recomputed from it block by block); empty for an eager
+            record.
+        results: the probes' results and what was derived from the pass (gradients,
+            relevance), by type; read them with :meth:`result`.
     """
 
     logits: Tensor
-    attn_probs: list[Tensor]
+    attn_maps: list[Tensor]
     heads: list[int]
     roles: list[str]
     target_real: Tensor
@@ -79,17 +88,27 @@ class ForwardRecord:
     query_index: Tensor
     causal: bool
     capture: AttentionCapture
-    grad_maps: list[Tensor] | None = None
-    kernel_calls: list[KernelCall] | None = None
-    output_grads: list[Tensor] | None = None
-    values: list[Tensor] | None = None
-    projections: list[Tensor | None] | None = None
-    embeddings: list[Tensor] | None = None
-    relevance: list[Tensor] | None = None
+    kernel_calls: list[KernelCall] = field(default_factory=list)
+    results: dict[type, Any] = field(default_factory=dict)
 
     @property
     def streaming(self) -> bool:
-        return self.kernel_calls is not None
+        return bool(self.kernel_calls)
+
+    def result(self, kind: type[ResultT]) -> ResultT:
+        """The result of type ``kind`` (a probe's, or :class:`GradMaps`,
+        :class:`OutputGrads`, ...), or a clear error where the pass has none."""
+        found = self.results.get(kind)
+        if found is None:
+            raise RuntimeError(
+                f"This forward record has no {kind.__name__}: run the forward with the probe "
+                "that produces it (or derive it first, e.g. with_gradients)."
+            )
+        return cast(ResultT, found)
+
+    def with_result(self, value: Any) -> "ForwardRecord":
+        """This record with ``value`` kept as its result of that type."""
+        return replace(self, results={**self.results, type(value): value})
 
     @property
     def num_layers(self) -> int:
@@ -116,27 +135,31 @@ class ForwardRecord:
         """``(B, C)`` float32 softmax of :meth:`explained_logits`."""
         return self.explained_logits().float().softmax(dim=-1)
 
-    def with_gradients(
-        self, target: TargetType, reduction: GradientReduction, retain_graph: bool = False
-    ) -> "ForwardRecord":
-        """This record with ``grad_maps``: ``reduction`` of each call's (A, dS/dA), where S
-        is the sum over examples of the ``target`` logit (None: the predicted one)."""
+    def target_score(self, target: TargetType) -> Tensor:
+        """S: the sum over examples of the ``target`` logit at the explained position
+        (None: the predicted class), in the autograd graph."""
         logits = self.explained_logits()
         targets = resolve_targets(logits, target)
         with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
-            score = logits.gather(1, targets[:, None]).sum()
-            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph, reduced_probs=self.attn_probs)
-        return replace(self, grad_maps=[g.float() for g in grads])
+            return logits.gather(1, targets[:, None]).sum()
+
+    def with_gradients(
+        self, target: TargetType, reduction: GradientReduction, retain_graph: bool = False
+    ) -> "ForwardRecord":
+        """This record with :class:`GradMaps`: ``reduction`` of each call's (A, dS/dA) for
+        S = :meth:`target_score` (A: the record's maps)."""
+        score = self.target_score(target)
+        with torch.enable_grad():
+            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph, reduced_probs=self.attn_maps)
+        return self.with_result(GradMaps([g.float() for g in grads]))
 
     def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":
-        """A streaming record with ``output_grads``: dS/dO of every call, where S is the sum
-        over examples of the ``target`` logit (None: the predicted one)."""
-        logits = self.explained_logits()
-        targets = resolve_targets(logits, target)
+        """A streaming record with :class:`OutputGrads`: dS/dO of every call for S =
+        :meth:`target_score`."""
+        score = self.target_score(target)
         with torch.enable_grad():
-            score = logits.gather(1, targets[:, None]).sum()
             grads = self.capture.output_gradients(score, retain_graph=retain_graph)
-        return replace(self, output_grads=grads)
+        return self.with_result(OutputGrads(grads))
 
     def at_query(self, query_index: Tensor) -> "ForwardRecord":
         """This record explaining ``query_index`` instead (a causal sequence's real tokens
@@ -148,13 +171,13 @@ class ForwardRecord:
         """Only the calls of one role (e.g. the decoder's self-attention)."""
         chosen = [i for i, r in enumerate(self.roles) if r == role]
 
-        def pick(values: list[Any] | None) -> Any:
-            return None if values is None else [values[i] for i in chosen]
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in chosen] if values else []
 
+        results = {kind: r.select(chosen) if isinstance(r, PerCall) else r for kind, r in self.results.items()}
         return replace(
-            self, attn_probs=pick(self.attn_probs or None) or [], heads=pick(self.heads), roles=pick(self.roles),
-            grad_maps=pick(self.grad_maps), kernel_calls=pick(self.kernel_calls), output_grads=pick(self.output_grads),
-            values=pick(self.values), projections=pick(self.projections),
+            self, attn_maps=pick(self.attn_maps), heads=pick(self.heads), roles=pick(self.roles),
+            kernel_calls=pick(self.kernel_calls), results=results,
         )
 
     def real_of(self, role: str) -> tuple[Tensor, Tensor]:
@@ -181,6 +204,11 @@ class ForwardRecord:
         keys = real_tokens(mask, keys.shape[0], keys.shape[1], keys.device)
         later = torch.ones(keys.shape[-1], keys.shape[-1], dtype=torch.bool, device=keys.device).triu(1)
         return keys[:, None, :] & ~later, keys
+
+    @property
+    def pooling(self) -> list[bool]:
+        """Per call, whether its queries are no tokens (the model's readout)."""
+        return [role == "pooling" for role in self.roles]
 
     @property
     def pooling_calls(self) -> list[int]:
@@ -259,26 +287,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> AttentionAdapter:
-    """``adapter``, or the built-in one for ``model``."""
-    return adapter if adapter is not None else default_adapter(model)
-
-
 def record_forward(
     forward_func: Callable[..., Any],
     model: nn.Module,
     inputs: tuple[Tensor, ...],
     additional_forward_args: Any,
     adapter: AttentionAdapter | None = None,
+    *,
+    probes: Sequence[Probe] = (),
     track_grad: bool = False,
-    intervention: Intervention | None = None,
     query_index: QueryIndex = None,
     streaming: bool = False,
-    block_memory: int | None = None,
-    record_values: bool = False,
-    relevance_rules: PropagationRules | None = None,
 ) -> ForwardRecord:
-    """Run ``forward_func`` once with ``model``'s attention captured (and intervened on).
+    """Run ``forward_func`` once with ``model``'s attention captured, with ``probes``.
 
     Args:
         forward_func: called as Captum calls it, ``forward_func(*inputs, *extra)`` (by
@@ -287,19 +308,15 @@ def record_forward(
         inputs: the formatted inputs (see :func:`format_inputs`).
         additional_forward_args: further arguments of ``forward_func``.
         adapter: how to find the attention. Default: the built-in one.
+        probes: what else the pass records or changes
+            (:mod:`captum_attention.capture.probes`); their results are the record's
+            (:meth:`ForwardRecord.result`).
         track_grad: keep the attention in the autograd graph for
             :meth:`ForwardRecord.with_gradients`.
-        intervention: replaces the probabilities inside each call.
         query_index: the explained position; None = the default (see
             :func:`query_positions`).
         streaming: keep the model's attention kernel and record its inputs (see
             :class:`AttentionCapture`).
-        block_memory: bytes per block of recomputed attention rows (streaming); None: the
-            device's default (:data:`~captum_attention.capture.kernel.BLOCK_MEMORY`).
-        record_values: eager: also record the values and output projections (``values``,
-            ``projections``).
-        relevance_rules: run the forward under these AttnLRP rules and record the input
-            embeddings (``embeddings``), in the autograd graph.
     """
     _check_call(additional_forward_args, track_grad)
     _check_float_inputs(model, inputs)
@@ -307,10 +324,10 @@ def record_forward(
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
     _warn_if_training(model)
     adapter = resolve_adapter(model, adapter)
+    grad_mode = GradMode(track_grad or any(probe.needs_grad for probe in probes))
+    shape_check = [] if text_shape is None else [MaskShape(text_shape)]
     capture = AttentionCapture(
-        model, adapter, track_grad=track_grad, input_shape=text_shape, intervention=intervention,
-        streaming=streaming, block_memory=block_memory, grad_enabled=track_grad or relevance_rules is not None,
-        record_values=record_values, relevance_rules=relevance_rules,
+        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
     )
     with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
@@ -324,9 +341,9 @@ def record_forward(
     if capture.attention_mask is None:
         _warn_if_padded(model, inputs[0])
     logits = output_logits(output)
-    kernel_calls = capture.kernel_calls if streaming else None
-    attn_probs = [] if streaming else [p.detach() for p in capture.attn_probs]
-    shapes = [_shape(k) for k in kernel_calls] if kernel_calls is not None else [p.shape for p in attn_probs]
+    kernel_calls = capture.kernel_calls if streaming else []
+    attn_maps = [] if streaming else [p.detach() for p in capture.attn_probs]
+    shapes = [_shape(k) for k in kernel_calls] if streaming else [p.shape for p in attn_maps]
     roles = capture.roles
     _check_attention(shapes, roles, batch, text_shape)
     if streaming and "pooling" in roles:
@@ -342,14 +359,9 @@ def record_forward(
     causal = _is_causal(capture, target_real)
     queries = query_positions(query_index, target_real, causal)
     heads = [shape[1] for shape in shapes]
-    values = projections = None
-    if record_values:
-        values = capture.values
-        projections = [adapter.output_projection(model, module) for module in capture.modules]
+    results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
-        logits, attn_probs, heads, roles, target_real, source_real, queries, causal, capture,
-        kernel_calls=kernel_calls, values=values, projections=projections,
-        embeddings=None if capture.rules is None else capture.rules.embeddings,
+        logits, attn_maps, heads, roles, target_real, source_real, queries, causal, capture, kernel_calls, results
     )
     return record.at_query(queries)
 
@@ -425,18 +437,6 @@ def _shape(call: KernelCall) -> torch.Size:
     return torch.Size((call.query.shape[0], call.heads, call.num_queries, call.num_keys))
 
 
-def up_to(real: Tensor, query_index: Tensor) -> Tensor:
-    """``real`` without the tokens after each example's query position."""
-    return real & (torch.arange(real.shape[1], device=real.device) <= query_index[:, None])
-
-
-def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:
-    """``(B, T)`` bool tensor of real tokens: ``attention_mask != 0``, or all True without a mask."""
-    if attention_mask is None:
-        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-    return attention_mask.to(device) != 0
-
-
 def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
     """Whether the explained sequence's self-attention is causal: as the adapter says, or,
     where it cannot tell, from the probabilities (exactly 0 on every later real key)."""
@@ -449,22 +449,6 @@ def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
     if capture.streaming:
         raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
     return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
-
-
-def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
-    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
-
-    A softmax is never exactly 0 unless the key was masked (or, in low precision, its
-    weight underflowed: the reason adapters that know say so instead). One head is enough
-    (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
-    """
-    if attn.shape[-1] < 2:
-        return False
-    later = attn[:, 0].triu(diagonal=1)
-    pairs = real[:, :, None] & real[:, None, :]
-    if not bool(pairs.triu(diagonal=1).any()):
-        return False
-    return not bool(later.masked_fill_(~pairs, 0).any())
 
 
 def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import mha_forward_with_softmax
-from .adapters import AttentionAdapter, AttentionSite, default_adapter
+from .adapters import AttentionAdapter, AttentionSite
 from .guard import InterruptGuard, ScopedFunctionMode, model_lock
-from .kernel import KernelCall, KernelInterception, StreamingUnsupported, block_shape, transformed_output
-from .lrp import PropagationRules, RelevanceRules
+from ..maps.kernel import KernelCall
+from .kernel import KernelInterception, StreamingUnsupported
+from .probes import CallInfo, Probe, RunKernel
+from .runner import resolve_adapter
 
 
 class AttentionCapture:
@@ -23,8 +25,9 @@ class AttentionCapture:
 
     On entry it asks the adapter for the attention modules (raising before anything is
     touched if there are none), lets the adapter prepare the model (e.g. switch ``sdpa``
-    to eager attention) and registers forward hooks. On exit, also when the body raised,
-    every hook is removed and the adapter restores the model.
+    to eager attention), enters its probes and registers forward hooks. On exit, also
+    when the body raised, every hook is removed, the probes are left and the adapter
+    restores the model.
 
     After the body, ``attn_probs`` holds one ``(batch, heads, queries, keys)`` tensor per
     attention call in forward order, still attached to the autograd graph, and ``roles``
@@ -38,43 +41,19 @@ class AttentionCapture:
         model (nn.Module): the module holding the attention layers.
         adapter (AttentionAdapter, optional): how to find and read them. Default: the
             built-in adapter for the model's family.
-        track_grad (bool): make the attention probabilities part of the autograd graph
-            even when the model's parameters are frozen (the hidden states entering each
-            attention module are marked as requiring grad; the parameters are never
-            touched). Default: False.
-        input_shape (tuple of int, optional): ``(batch, seq_len)`` of the inputs; the
-            captured mask must have this shape. Default: None (not checked).
-        intervention (callable, optional): ``intervention(call_index, attn_probs,
-            first_head, attn_scores)`` returns the ``(batch, heads, queries, keys)``
-            probabilities to use instead, before they weight the values; it replaces the
-            output of the softmax inside each attention call. ``call_index`` counts
-            attention calls from 0 in forward order; ``first_head`` is the layer's index of
-            the first head in ``attn_probs`` (0 unless the module computes one softmax per
-            head); ``attn_scores`` are the softmax's input (the masked, scaled logits), or
-            None where the softmax was called unusually. The recorded ``attn_probs`` are
-            the replaced ones. In streaming mode it must act on keys or on rows instead:
-            an object whose ``erased_keys(call_index)`` returns ``(erased (B, K) bool,
-            heads)``, or whose ``rows_transform(call_index)`` returns a
-            :data:`~captum_attention.capture.kernel.RowsTransform`, or whose
-            ``keys_transform(call_index)`` returns a function from the kernel's keys
-            ``(B, H / groups, K, D)`` to the keys to use, or None for calls it leaves
-            alone. Default: None.
+        probes (sequence of Probe, optional): what else the call records or changes
+            (:mod:`captum_attention.capture.probes`): interventions on the
+            probabilities, keys or rows, recorded values, relevance rules, torch's
+            gradient mode. Each receives the events it declares. Default: none.
         streaming (bool): keep the model's own attention kernel and record each call's
-            inputs (:class:`~captum_attention.capture.kernel.KernelCall`, in
+            inputs (:class:`~captum_attention.maps.kernel.KernelCall`, in
             ``kernel_calls``) instead of its probabilities; raises
-            :class:`~captum_attention.capture.kernel.StreamingUnsupported` where that is
-            not possible. Default: False.
-        block_memory (int, optional): bytes that one block of recomputed attention rows
-            may take (streaming erasure). Default: None, the device's default.
-        grad_enabled (bool, optional): torch's gradient mode inside the block, restored
-            on exit together with the model (so that an interrupt cannot leave it
-            changed). Default: None, as it is.
-        record_values (bool): eager mode: also record, per call, the values the
-            probabilities multiply (the other factor of the product that consumes them),
-            in ``values``. Default: False.
-        relevance_rules (PropagationRules, optional): propagate gradients by these
-            AttnLRP rules (:class:`~captum_attention.capture.lrp.RelevanceRules`) and
-            record the input embeddings in ``rules.embeddings``. Default: None.
+            :class:`~captum_attention.capture.StreamingUnsupported` where that is
+            not possible (a probe that cannot stream included). Default: False.
+        track_grad (bool): make the attention part of the autograd graph even when the
+            model's parameters are frozen (the hidden states entering each attention
+            module are marked as requiring grad; the parameters are never touched).
+            Default: False.
 
     Example::
 
@@ -88,28 +67,15 @@ class AttentionCapture:
         model: nn.Module,
         adapter: AttentionAdapter | None = None,
         *,
-        track_grad: bool = False,
-        input_shape: tuple[int, int] | None = None,
-        intervention: Callable[[int, Tensor, int, Tensor | None], Tensor] | None = None,
+        probes: Sequence[Probe] = (),
         streaming: bool = False,
-        block_memory: int | None = None,
-        grad_enabled: bool | None = None,
-        record_values: bool = False,
-        relevance_rules: PropagationRules | None = None,
+        track_grad: bool = False,
     ) -> None:
         self.model = model
-        self.record_values = record_values
-        self.grad_enabled = grad_enabled
-        self.adapter = adapter if adapter is not None else default_adapter(model)
-        self.track_grad = track_grad
-        self.input_shape = input_shape
-        self.intervention = intervention
+        self.adapter = resolve_adapter(model, adapter)
+        self.probes = list(probes)
         self.streaming = streaming
-        self.block_memory = block_memory
-        self.rules = (
-            None if relevance_rules is None
-            else RelevanceRules(model, self.adapter.input_embeddings(model), relevance_rules)
-        )
+        self.track_grad = track_grad
         self.attention_mask: Tensor | None = None
         self.decoder_attention_mask: Tensor | None = None
         self._calls: list[_Call] = []
@@ -122,18 +88,15 @@ class AttentionCapture:
         self._thread = threading.get_ident()
         self.model_calls = 0  # calls of the model itself, to refuse a forward_func that runs it twice
 
+    def _listening(self, event: str) -> list[Probe]:
+        return [probe for probe in self.probes if event in probe.events]
+
     @property
     def attn_probs(self) -> list[Tensor]:
         """Per attention call, ``(batch, heads, queries, keys)``, in the autograd graph."""
         if self.streaming:
             raise RuntimeError("A streaming capture records no probabilities: read kernel_calls.")
         return [call.heads(self.adapter) for call in self._calls]
-
-    @property
-    def values(self) -> list[Tensor]:
-        """With ``record_values``: per attention call, ``(batch, heads, keys, head_dim)``,
-        the values its probabilities weighted (detached)."""
-        return [call.value_heads(self.adapter) for call in self._calls]
 
     @property
     def kernel_calls(self) -> list[KernelCall]:
@@ -284,18 +247,18 @@ class AttentionCapture:
         self._thread = threading.get_ident()
         self.attention_mask = self.decoder_attention_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
-        if self.streaming and self.intervention is not None and not _streams(self.intervention):
-            raise StreamingUnsupported("this intervention replaces whole probability maps; it cannot stream")
+        mode = "streaming" if self.streaming else "eager"
+        refused = next((probe for probe in self.probes if mode not in probe.modes), None)
+        if refused is not None and self.streaming:
+            raise StreamingUnsupported(refused.eager_reason)
+        if refused is not None:
+            raise ValueError(f"{type(refused).__name__} works only under a streaming capture.")
         with ExitStack() as stack:
-            if self.grad_enabled is not None:
-                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            stack.enter_context(self.adapter.prepared(self.model, self.streaming))
             if self.streaming:
-                stack.enter_context(self.adapter.kernel_prepared(self.model))
                 stack.enter_context(KernelInterception(self._on_kernel))
-            else:
-                stack.enter_context(self.adapter.prepared(self.model))
-            if self.rules is not None:
-                stack.enter_context(self.rules)
+            for probe in self.probes:
+                probe.enter(self.model, self.adapter, stack)
             for module in self._sites:
                 # prepend: read the output before any hook of the adapter's rewrites it
                 stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
@@ -304,7 +267,7 @@ class AttentionCapture:
                 hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
                 stack.callback(hook.remove)
             stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
-            if not self.streaming and (self.intervention is not None or from_softmax or self.record_values):
+            if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
                 stack.enter_context(_SoftmaxInterception(self))
             self._stack = stack.pop_all()
 
@@ -334,6 +297,9 @@ class AttentionCapture:
             return args[:key] + (hidden,) + args[key + 1 :], kwargs
         return args, {**kwargs, key: hidden}
 
+    def _call_info(self, call: "_Call") -> CallInfo:
+        return CallInfo(call.index, call.module, call.site.role, self.adapter)
+
     def _on_softmax(self, softmax_output: Tensor, softmax_input: Any = None) -> Tensor:
         """Called by the softmax interception for every softmax computed in the forward."""
         if not self._open:
@@ -343,46 +309,44 @@ class AttentionCapture:
             return softmax_output  # only the attention softmax, the first of the call
         call.softmaxes_seen += 1
         used = softmax_output
-        if self.intervention is not None:
-            heads = self.adapter.as_heads(call.module, softmax_output)
+        probes = self._listening("softmax")
+        if probes:
+            info = self._call_info(call)
+            heads = info.as_heads(softmax_output)
             scores = None
             if isinstance(softmax_input, Tensor) and softmax_input.shape == softmax_output.shape:
-                scores = self.adapter.as_heads(call.module, softmax_input)
-            first_head = sum(self.adapter.as_heads(call.module, p).shape[1] for p in call.pieces)
-            changed = self.intervention(call.index, heads, first_head, scores)
-            used = changed.to(softmax_output.dtype).reshape(softmax_output.shape)
+                scores = info.as_heads(softmax_input)
+            first_head = sum(info.as_heads(p).shape[1] for p in call.pieces)
+            for probe in probes:
+                changed = probe.on_softmax(info, heads, first_head, scores)
+                heads = heads if changed is None else changed
+            used = heads.to(softmax_output.dtype).reshape(softmax_output.shape)
         if self.adapter.probs_source == "softmax":
             call.pieces.append(used)
         return used
 
     def _on_product(self, left: Any, right: Any) -> None:
-        """Called for every matrix product in the forward when values are recorded: the
-        one whose left factor is a call's probabilities has the values on its right."""
+        """Called for every matrix product in the forward (eager capture, where a probe
+        listens): products inside an attention call go to the listening probes."""
         if self._open and isinstance(left, Tensor) and isinstance(right, Tensor):
-            self._open[-1].products.append((left, right))
+            info = self._call_info(self._open[-1])
+            for probe in self._listening("product"):
+                probe.on_product(info, left, right)
 
-    def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: Callable[..., Tensor]) -> Tensor:
-        """Streaming mode: one call of the attention kernel, inside an attention module."""
+    def _on_kernel(self, module: nn.Module, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
+        """Streaming mode: one call of the attention kernel; the first probe that computes
+        its output does, else the kernel runs as the model asked."""
         call = self._open[-1] if self._open else None
-        if call is None or call.kernel is not None or not any(m is module for m in call.module.modules()):
-            # outside the attention modules the adapter named: not ours to record
-            return run_kernel() if self.rules is None else self.rules.attention(run_kernel)
-        erasure = getattr(self.intervention, "erased_keys", _nothing)(call.index)
-        transform = getattr(self.intervention, "rows_transform", _nothing)(call.index)
-        new_keys = getattr(self.intervention, "keys_transform", _nothing)(call.index)
-        if erasure is not None:
-            erased, heads = erasure
-            shape = block_shape(kernel, self.block_memory)
-            kernel.output = kernel.erased_output(erased.to(kernel.query.device), heads, shape)
-        elif transform is not None:
-            kernel.output = transformed_output(kernel, transform, self.block_memory)
-        elif new_keys is not None:
-            kernel.output = run_kernel(lambda query, key, value: (query, new_keys(kernel.key), value))
-        elif self.rules is not None:
-            kernel.output = self.rules.attention(run_kernel)
-        else:
-            kernel.output = run_kernel()
-        output = kernel.output
+        ours = call is not None and call.kernel is None and any(m is module for m in call.module.modules())
+        info = self._call_info(call) if ours and call is not None else None  # None: not ours to record
+        output = next(
+            (out for probe in self._listening("kernel") if (out := probe.on_kernel(info, kernel, run_kernel)) is not None),
+            None,
+        )
+        output = run_kernel() if output is None else output
+        if call is None or info is None:
+            return output
+        kernel.output = output
         if not self.track_grad:  # only gradients need the values (dS/dA = dO·Vᵀ) and the output
             kernel.value = kernel.output = None
         call.kernel = kernel
@@ -399,7 +363,7 @@ class AttentionCapture:
                 )
             self._calls.append(call)
             return
-        if self.intervention is not None and not call.softmaxes_seen:
+        if self._listening("softmax") and not call.softmaxes_seen:
             raise RuntimeError(
                 f"Cannot intervene on the attention of {type(module).__name__}: it computed no "
                 "softmax (is the model running a fused attention kernel?)."
@@ -419,42 +383,34 @@ class AttentionCapture:
                 f"{type(module).__name__} computed no softmax, so there are no attention "
                 "probabilities to record: name the module that calls the softmax."
             )
-        if self.record_values:
-            call.find_values()
+        info = self._call_info(call)
+        for probe in self._listening("call_end"):
+            probe.on_call_end(info, call.pieces)
         self._calls.append(call)
 
     def _record_masks(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._mask_seen or not self._ours():
             return
         self._mask_seen = True
-        mask = self.adapter.padding_mask(module, args, kwargs)
-        if mask is not None:
-            self._check_mask(mask, self.input_shape, "attention_mask")
-        self.attention_mask = mask
-        decoder_mask = self.adapter.decoder_padding_mask(module, args, kwargs)
-        if decoder_mask is not None:
-            self._check_mask(decoder_mask, None, "decoder_attention_mask")
-        self.decoder_attention_mask = decoder_mask
-
-    @staticmethod
-    def _check_mask(mask: Tensor, input_shape: tuple[int, int] | None, name: str) -> None:
-        if mask.dim() != 2:
-            raise ValueError(
-                f"{name} must be (batch, seq_len) with 1 for real tokens, got shape "
-                f"{tuple(mask.shape)}."
-            )
-        if input_shape is not None and tuple(mask.shape) != tuple(input_shape):
-            raise ValueError(
-                f"{name} has shape {tuple(mask.shape)} but the inputs are "
-                f"{tuple(input_shape)} (batch, seq_len): pass the mask that belongs "
-                "to these inputs, one row per example and one entry per token."
-            )
-        empty_rows = (mask == 0).all(dim=1).nonzero().flatten().tolist()
-        if empty_rows:
-            raise ValueError(
-                f"Examples {empty_rows} are all padding ({name} has no 1): there is "
-                "nothing to attribute; drop them from the batch."
-            )
+        masks = {
+            "attention_mask": self.adapter.padding_mask(module, args, kwargs),
+            "decoder_attention_mask": self.adapter.decoder_padding_mask(module, args, kwargs),
+        }
+        for name, mask in masks.items():
+            if mask is not None and mask.dim() != 2:
+                raise ValueError(
+                    f"{name} must be (batch, seq_len) with 1 for real tokens, got shape {tuple(mask.shape)}."
+                )
+        for probe in self._listening("masks"):
+            probe.on_masks(*masks.values())
+        for name, mask in masks.items():
+            empty_rows = [] if mask is None else (mask == 0).all(dim=1).nonzero().flatten().tolist()
+            if empty_rows:
+                raise ValueError(
+                    f"Examples {empty_rows} are all padding ({name} has no 1): there is "
+                    "nothing to attribute; drop them from the batch."
+                )
+        self.attention_mask, self.decoder_attention_mask = masks.values()
 
 _PROTECTED = frozenset({AttentionCapture.__enter__.__code__, AttentionCapture.__exit__.__code__})
 """The capture's set-up and tear-down: an interrupt landing in them is delivered after."""
@@ -470,8 +426,6 @@ class _Call:
     softmaxes_seen: int = 0
     hidden: Tensor | None = None  # the hidden states that entered the call, when tracked
     kernel: KernelCall | None = None  # streaming mode: what the attention kernel received
-    products: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # matrix products seen in the call
-    values: list[Tensor] = field(default_factory=list)  # per piece, the values it weighted
 
     @property
     def module(self) -> nn.Module:
@@ -481,49 +435,6 @@ class _Call:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
         parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-    def find_values(self) -> None:
-        """Per piece, the right factor of the product whose left factor is that piece (the
-        probabilities weighting the values); a clear error where there is none."""
-        for piece in self.pieces:
-            value = next((right for left, right in self.products if _same_tensor(left, piece)), None)
-            if value is None:
-                raise RuntimeError(
-                    f"Cannot find the values that {type(self.module).__name__}'s attention "
-                    "weights: no torch.matmul/bmm (or @) took its probabilities as the left "
-                    "factor."
-                )
-            self.values.append(value.detach())
-        self.products = []
-
-    def value_heads(self, adapter: AttentionAdapter) -> Tensor:
-        """``(batch, heads, keys, head_dim)``: the recorded values, shaped like the heads."""
-        parts = []
-        for piece, value in zip(self.pieces, self.values):
-            batch, heads = adapter.as_heads(self.module, piece).shape[:2]
-            parts.append(value.reshape(batch, heads, *value.shape[-2:]))
-        if not parts:
-            raise RuntimeError("No values were recorded: capture with AttentionCapture(record_values=True).")
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def _same_tensor(left: Tensor, right: Tensor) -> bool:
-    """The same tensor, or a view of the same memory with the same shape (what an
-    identity dropout or a dtype no-op hands on)."""
-    return left is right or (
-        left.shape == right.shape and left.stride() == right.stride() and left.data_ptr() == right.data_ptr()
-    )
-
-
-def _streams(intervention: Any) -> bool:
-    """Whether a streaming capture can apply ``intervention``: it erases keys
-    (``erased_keys``), replaces blocks of rows (``rows_transform``) or keys
-    (``keys_transform``)."""
-    return any(hasattr(intervention, name) for name in ("erased_keys", "rows_transform", "keys_transform"))
-
-
-def _nothing(call_index: int) -> None:
-    return None
 
 
 def _is_float_tensor(value: Any) -> bool:
@@ -547,12 +458,13 @@ class _SoftmaxInterception(ScopedFunctionMode):
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
         self.capture = capture
+        self.products = bool(capture._listening("product"))
 
         def softmax(*args: Any, **kwargs: Any) -> Tensor:
             return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
 
         def bmm(left: Tensor, right: Tensor) -> Tensor:
-            if capture.record_values:
+            if self.products:
                 capture._on_product(left, right)
             return torch.bmm(left, right)
 
@@ -562,7 +474,7 @@ class _SoftmaxInterception(ScopedFunctionMode):
         if func is F.multi_head_attention_forward:
             return self._mha_forward(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
-        if func in _PRODUCTS and self.capture.record_values and len(args) == 2:
+        if func in _PRODUCTS and self.products and len(args) == 2:
             self.capture._on_product(*args)
         if func not in _SOFTMAXES:
             return result

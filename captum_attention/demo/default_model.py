@@ -147,7 +147,7 @@ def _load_base(base: Path) -> Any:
     """The MiniLM checkpoint with a fresh classification head for :data:`LABELS`."""
     from transformers import BertForSequenceClassification
 
-    from ..presentation.loading import quiet_transformers
+    from ..loading import quiet_transformers
 
     with quiet_transformers():  # the "classifier newly initialised" report is expected
         return BertForSequenceClassification.from_pretrained(
@@ -190,7 +190,7 @@ def _save(
     model: Any, tokenizer: Any, destination: Path, heldout_accuracy: float, seconds: float, budget: TrainingBudget
 ) -> dict[str, Any]:
     """Model, tokenizer and metadata (with each file's digest) written to ``destination``."""
-    from ..presentation.loading import quiet_transformers
+    from ..loading import quiet_transformers
 
     with quiet_transformers():
         model.save_pretrained(destination, safe_serialization=True)
@@ -305,7 +305,7 @@ def cached_trained_model(
     """The model ``train()`` returns (with facts for its metadata), trained once for each
     ``training`` dataclass and cached under ``cache_root(cache_dir) / name``; loaded with
     ``model_class.from_pretrained``, in eval mode."""
-    from ..presentation.loading import quiet_transformers
+    from ..loading import quiet_transformers
 
     def build(staging: Path) -> None:
         model, facts = train()
@@ -342,6 +342,6 @@ def load_default_model(cache_dir: str | os.PathLike[str] | None = None, progress
         >>> GradSAM(model).attribute(batch.input_ids, target=1,
         ...                          additional_forward_args=(batch.attention_mask,))
     """
-    from ..presentation.loading import load_classifier
+    from ..loading import load_classifier
 
     return load_classifier(default_model_path(cache_dir, progress=progress))

@@ -3,8 +3,8 @@
 Each file holds one method's formula; ``common`` holds what they share.
 """
 
-from ..capture.record import real_tokens, zero_on_later_keys as is_causal  # moved; names kept
-from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows
+from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows, real_tokens, up_to
+from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .effective import effective_attention, null_space_dims

@@ -80,3 +80,31 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, reado
 def identity_like(maps: Tensor) -> Tensor:
     """Identity matrices broadcastable against ``(B, T, T)`` maps."""
     return torch.eye(maps.shape[-1], dtype=maps.dtype, device=maps.device).expand_as(maps)
+
+
+def up_to(real: Tensor, query_index: Tensor) -> Tensor:
+    """``real`` without the tokens after each example's query position."""
+    return real & (torch.arange(real.shape[1], device=real.device) <= query_index[:, None])
+
+
+def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:
+    """``(B, T)`` bool tensor of real tokens: ``attention_mask != 0``, or all True without a mask."""
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    return attention_mask.to(device) != 0
+
+
+def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
+    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
+
+    A softmax is never exactly 0 unless the key was masked (or, in low precision, its
+    weight underflowed: the reason adapters that know say so instead). One head is enough
+    (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
+    """
+    if attn.shape[-1] < 2:
+        return False
+    later = attn[:, 0].triu(diagonal=1)
+    pairs = real[:, :, None] & real[:, None, :]
+    if not bool(pairs.triu(diagonal=1).any()):
+        return False
+    return not bool(later.masked_fill_(~pairs, 0).any())

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .common import identity_like
+from .common import identity_like, query_rows
 
 
 def without_self(relevance: Tensor) -> Tensor:
@@ -88,3 +88,24 @@ def _start(decoder_maps: list[Tensor], roles: list[str], source: Tensor) -> tupl
     batch, targets, sources = cross.shape
     target_self = torch.eye(targets, dtype=cross.dtype, device=cross.device).expand(batch, -1, -1)
     return target_self, cross.new_zeros(batch, targets, sources)
+
+
+def encoder_decoder_rows(
+    layer_maps: list[Tensor],
+    roles: list[str],
+    query_index: Tensor,
+    relevance: Callable[[list[Tensor], list[Tensor], list[str]], tuple[Tensor, Tensor]],
+) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+    """Source and target scores of an encoder-decoder: the query rows of ``relevance``'s
+    R^{qs} and R^{qq} (:func:`encoder_decoder_relevance` or :func:`encoder_decoder_rollout`)
+    over the per-call ``(B, Q, K)`` maps (roles ``"encoder"``, ``"decoder"``, ``"cross"``
+    in forward order), and the maps stacked per role, ``(B, L, Q, K)``."""
+    encoder_maps = [m for m, role in zip(layer_maps, roles) if role == "encoder"]
+    decoder_side = [(m, role) for m, role in zip(layer_maps, roles) if role != "encoder"]
+    target_self, target_source = relevance(encoder_maps, [m for m, _ in decoder_side], [r for _, r in decoder_side])
+    scores = (query_rows(target_source, query_index), query_rows(target_self, query_index))
+    role_maps = {
+        role: torch.stack([m for m, r in zip(layer_maps, roles) if r == role], dim=1)
+        for role in ("encoder", "decoder", "cross")
+    }
+    return scores, role_maps

@@ -135,7 +135,7 @@ def rms_norm_rule(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | N
 
 
 class _GammaLinear(Function):
-    """``F.linear`` whose backward is the generalised γ-rule (Montavon et al., 2019; as
+    r"""``F.linear`` whose backward is the generalised γ-rule (Montavon et al., 2019; as
     zennit's ``Gamma``): positive outputs share their relevance in proportion to
     :math:`z^+ = x^+ (W + \gamma W^+)^\top + x^- (W + \gamma W^-)^\top + b + \gamma b^+`,
     negative ones to :math:`z^-` (the signs of the added parts swapped), so that

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .common import fuse_heads, mask_padding, propagate_query_row
+from .raw import raw_attention_maps
 
 
 def discard_lowest(fused: Tensor, fraction: float, real: Tensor, query_index: Tensor) -> Tensor:
@@ -66,3 +67,23 @@ def rollout_scores(layer_maps: list[Tensor], query_index: Tensor, readout: Tenso
     """Query row of R = Â^L ··· Â^1; with a pooling ``readout`` (its fused attention over
     the tokens, which has no residual path of its own) ``readout · R``."""
     return propagate_query_row(layer_maps, query_index, readout)
+
+
+def rollout_stack_maps(
+    attn_maps: list[Tensor],
+    pooling: list[bool],
+    real: Tensor,
+    query_index: Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+) -> list[Tensor]:
+    """Per call of one self-attention stack, ``(B, H, Q, T)`` maps in: Â^l for token calls
+    (:func:`rollout_layer_maps`), the fused attention without residual for pooling calls
+    (whose queries are no tokens: all real); shared by rollout and flow."""
+    maps = []
+    for attn, is_pooling in zip(attn_maps, pooling):
+        if is_pooling:
+            maps += raw_attention_maps([attn], torch.ones_like(real[:, :1]), real, head_fusion)
+        else:
+            maps += rollout_layer_maps([attn], real, query_index, head_fusion, discard_ratio)
+    return maps

@@ -1,7 +1,7 @@
 """The methods' reductions computed from recorded kernel calls, one block of query rows at a time.
 
 Each function recomputes exactly the rows of ``A = softmax(Q·Kᵀ·s + mask)`` (and of
-``dS/dA = dO·Vᵀ``) that it needs from a :class:`~captum_attention.capture.kernel.KernelCall`,
+``dS/dA = dO·Vᵀ``) that it needs from a :class:`~captum_attention.maps.kernel.KernelCall`,
 reduces them, and lets them go: no ``(heads, N, N)`` tensor is ever alive. Each equals the
 method's formula on the full maps (``grad_sam``, ``transformer_attribution``, ``rollout``,
 ``raw``): the reductions are sums over heads and keys of the same entries, and the query-row
@@ -20,14 +20,14 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import Tensor
 
-from ..capture.kernel import KernelCall
+from .kernel import KernelCall
 from .common import fuse_heads
 
 
 _LOG = logging.getLogger(__name__)
 
 Shape = tuple[int, int]
-"""``(heads, rows)`` per block (:func:`~captum_attention.capture.kernel.block_shape`)."""
+"""``(heads, rows)`` per block (:func:`~captum_attention.maps.kernel.block_shape`)."""
 
 
 def _over_real_keys(block: Tensor, real_keys: Tensor) -> Tensor:

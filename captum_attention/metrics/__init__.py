@@ -8,6 +8,7 @@ from .permutation import PermutationResult, attention_permutation, permutation_a
 from .perturbations import token_replacement_perturbation, token_substitution_perturbation
 from .plausibility import auprc, iou_f1, token_f1
 from .rankings import attention_ranking, gradient_attention_ranking, gradient_ranking, random_ranking
+from .registry import METRICS, MetricContext, MetricSpec, register_metric
 
 from .token_removal import (
     CurveResult,
@@ -19,6 +20,10 @@ from .token_removal import (
 )
 
 __all__ = [
+    "METRICS",
+    "MetricContext",
+    "MetricSpec",
+    "register_metric",
     "AdversarialAttentionResult",
     "AdversarialKeysResult",
     "adversarial_attention",

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import format_additional_forward_args
-from ..capture import AttentionAdapter
-from ..capture.inputs import format_inputs
-from ..capture.kernel import StreamingUnsupported
-from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord, Intervention, record_forward, resolve_adapter
-
-
-def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None) -> nn.Module:
-    if model is not None:
-        return model
-    if isinstance(forward_func, nn.Module):
-        return forward_func
-    raise TypeError("pass model=...: the nn.Module that holds the attention layers (forward_func is not a module).")
-
-
-CaptureMode = Literal["auto", "streaming", "eager"]
-CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
+from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
+from ..capture.inputs import QueryIndex, format_inputs
+from ..capture.runner import CaptureMode, CaptureRunner, resolve_adapter, resolve_model, stream_refusal
 
 
 def run_model(
@@ -32,36 +18,28 @@ def run_model(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],
     additional_forward_args: Any = None,
-    intervention: Intervention | None = None,
+    probes: Sequence[Probe] = (),
     adapter: AttentionAdapter | None = None,
     capture: CaptureMode = "auto",
     *,
     track_grad: bool = False,
     query_index: QueryIndex = None,
 ) -> ForwardRecord:
-    """One forward through the capture layer, explaining ``query_index`` (default: the
-    default position; ``explained_probs()`` are the output distribution the metrics
-    compare), in the autograd graph with ``track_grad``.
-
-    ``capture``: ``"streaming"`` keeps the model's attention kernel (an intervention must
-    erase keys); ``"eager"`` records explicit probabilities; ``"auto"`` streams where the
-    adapter and the intervention allow it, else runs eager.
-    """
-    if capture not in CAPTURE_MODES:
-        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}.")
+    """One forward through the capture layer with ``probes``, explaining ``query_index``
+    (default: the default position; ``explained_probs()`` are the output distribution the
+    metrics compare), in the autograd graph with ``track_grad``. ``capture`` is decided
+    by :class:`~captum_attention.capture.runner.CaptureRunner` (``auto`` streams where
+    the adapter and the probes allow it, else runs eager)."""
     _, tensors = format_inputs(inputs)
-    if capture != "eager" and getattr(resolve_adapter(model, adapter), "streams", False):
-        try:
-            return record_forward(
-                forward_func, model, tensors, additional_forward_args, adapter, track_grad, intervention, query_index,
-                streaming=True,
-            )
-        except StreamingUnsupported as error:
-            if capture == "streaming":
-                raise ValueError(f"capture='streaming' is not possible here: {error}. Use capture='auto' or 'eager'.") from error
-    elif capture == "streaming":
-        raise ValueError("capture='streaming' needs an adapter that streams (Hugging Face models); use 'auto' or 'eager'.")
-    return record_forward(forward_func, model, tensors, additional_forward_args, adapter, track_grad, intervention, query_index)
+    runner = CaptureRunner(capture, "metric")
+    reason = stream_refusal(resolve_adapter(model, adapter), probes)
+    return runner.run(
+        lambda streaming: record_forward(
+            forward_func, model, tensors, additional_forward_args, adapter, probes=probes, track_grad=track_grad,
+            query_index=query_index, streaming=streaming,
+        ),
+        reason,
+    )
 
 
 def select_rows(

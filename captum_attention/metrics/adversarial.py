@@ -20,7 +20,7 @@ parameters and their ``.grad`` are never touched: gradients are taken with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, cast
+from typing import Any, Callable, Literal, Sequence
 
 import functools
 
@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import AttentionAdapter
+from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord, Intervention
 from ..maps import on_heads
 from ._forward import js_divergence, layer_set, resolve_model, run_model
 
@@ -159,11 +158,11 @@ def adversarial_attention(
     chosen = sorted(layer_set(layers, base.num_layers))
     base.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
-    noise = [torch.randn(base.attn_probs[c].shape, generator=generator).to(base.attn_probs[c].device) for c in chosen]
+    noise = [torch.randn(base.attn_maps[c].shape, generator=generator).to(base.attn_maps[c].device) for c in chosen]
     starts = [
         [n * init_scale for n in noise],
         [n * NEAR_SCALE for n in noise],
-        [n * init_scale - 2 * _log_attention(base.attn_probs[c]) for n, c in zip(noise, chosen)],
+        [n * init_scale - 2 * _log_attention(base.attn_maps[c]) for n, c in zip(noise, chosen)],
     ]
     shifts: list[Tensor] = []
     weights = {c: _row_weights(base, c, heads, rows) for c in chosen}
@@ -187,10 +186,11 @@ def adversarial_attention(
     def evaluate() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         found.clear()
         run = run_model(
-            forward_func, model, inputs, additional_forward_args, shifted, adapter, "eager", track_grad=True, query_index=query_index,
+            forward_func, model, inputs, additional_forward_args, [ProbsIntervention(shifted)], adapter, "eager",
+            track_grad=True, query_index=query_index,
         )
         tvd = 0.5 * (run.explained_probs() - reference).abs().sum(dim=-1)
-        divergence = torch.stack([_mean_js(base.attn_probs[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen]).mean(0)
+        divergence = torch.stack([_mean_js(base.attn_maps[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen]).mean(0)
         excess = (tvd - MARGIN * epsilon).clamp(min=0.0)
         loss = -divergence + weight.clone() * excess
         weight.mul_(torch.where(excess.detach() > 0, PENALTY_GROWTH, 1.0))  # until the example is back within ε
@@ -205,7 +205,7 @@ def adversarial_attention(
     attention = []
     for c, shift in zip(chosen, best_shifts):
         attention.append(_adversarial_maps(base, c, shift, weights[c], heads, ok))
-    bound = torch.stack([_mean_js_bound(base.attn_probs[c], weights[c]) for c in chosen]).mean(0)
+    bound = torch.stack([_mean_js_bound(base.attn_maps[c], weights[c]) for c in chosen]).mean(0)
     return AdversarialAttentionResult(best, aux, ok, bound, attention)
 
 
@@ -272,7 +272,6 @@ def adversarial_keys(
         base = run_model(
             forward_func, model, inputs, additional_forward_args, adapter=adapter, capture="streaming", query_index=query_index,
         )
-    assert base.kernel_calls is not None
     chosen = sorted(layer_set(layers, base.num_layers))
     keys = {c: base.kernel_calls[c].key for c in chosen}
     key_heads = {c: keys[c].shape[1] for c in chosen}
@@ -286,17 +285,15 @@ def adversarial_keys(
     decision = base.explained_logits().argmax(dim=-1)
     key_norm = _distance([keys[c] * masks[c] for c in chosen])
 
-    class _Shift:
-        def keys_transform(self, call: int) -> Callable[[Tensor], Tensor] | None:
-            if call not in masks:
-                return None
-            return lambda key: key + (shifts[chosen.index(call)] * masks[call]).to(key.dtype)
+    def shifted_keys(call: int) -> Callable[[Tensor], Tensor] | None:
+        if call not in masks:
+            return None
+        return lambda key: key + (shifts[chosen.index(call)] * masks[call]).to(key.dtype)
 
     def evaluate() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        shift = cast(Intervention, _Shift())  # a streaming intervention: it replaces keys, not probabilities
         run = run_model(
-            forward_func, model, inputs, additional_forward_args, shift, adapter, "streaming", track_grad=True,
-            query_index=query_index,
+            forward_func, model, inputs, additional_forward_args, [KeysTransform(shifted_keys)], adapter, "streaming",
+            track_grad=True, query_index=query_index,
         )
         logits = run.explained_logits().float()
         distance = _distance([s * masks[c] for s, c in zip(shifts, chosen)])
@@ -364,7 +361,7 @@ def _check_budget(steps: int, lr: float, epsilon: float) -> None:
 
 def _row_weights(base: ForwardRecord, call: int, heads: Sequence[int] | None, rows: Rows) -> Tensor:
     """``(B, H, Q)`` float: 1 on the chosen heads' searched rows, else 0."""
-    attn = base.attn_probs[call]
+    attn = base.attn_maps[call]
     role = base.roles[call]
     real_queries = base.real_of(role)[0].to(attn.device)
     if rows == "query" and role != "pooling":
@@ -400,7 +397,7 @@ def _adversarial_maps(
     """The adversarial ``(B, H, Q, K)`` attention of a call from its best shift (the
     model's own where nothing was found), recomputed from the model's probabilities:
     softmax(S + δ) = normalise(A · exp(δ)) over the keys A attends to."""
-    attn = base.attn_probs[call].double()
+    attn = base.attn_maps[call].double()
     weighted = attn * torch.exp(shift.double() - shift.double().amax(dim=-1, keepdim=True))
     new = (weighted / weighted.sum(dim=-1, keepdim=True).clamp(min=1e-300)).float()
     searched = (weights[..., None] > 0) & found[:, None, None, None].to(attn.device)

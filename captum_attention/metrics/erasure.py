@@ -12,10 +12,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture import AttentionAdapter
-from ..maps import erase_keys, on_heads
-from ..capture.record import ForwardRecord
+from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.inputs import query_positions
+from ..capture.probes import RunKernel
+from ..maps import erase_keys, on_heads
+from ..maps.kernel import KernelCall, block_shape
 from ._checks import check_rankable
 from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model, select_rows
 
@@ -49,32 +50,34 @@ class FlipResult:
     flipped: Tensor
 
 
-@dataclass
-class _KeyErasure:
-    """Erase the keys ``erased`` at the chosen calls whose keys are the tokens (for an
-    encoder-decoder: the source tokens, in encoder self-attention and cross-attention).
+class _KeyErasure(Probe):
+    """Probe: erase the keys ``erased`` at the chosen calls whose keys are the tokens (for
+    an encoder-decoder: the source tokens, in encoder self-attention and cross-attention).
 
-    Called with the probabilities (eager capture) it returns the erased ones; a streaming
-    capture asks ``erased_keys`` instead and gives those keys a score of -inf in the
-    kernel, which is the same: zero attention, rows renormalised.
+    Under eager capture it zeroes their probabilities and renormalises each row; under
+    streaming capture it gives those keys a score of -inf in the kernel, which is the
+    same.
     """
 
-    erased: Tensor
-    layers: set[int]
-    heads: Sequence[int] | None
-    run: ForwardRecord
+    events = frozenset({"softmax", "kernel"})
 
-    def erases(self, call_index: int) -> bool:
-        return call_index in self.layers and self.run.keys_are_inputs(call_index)
+    def __init__(self, erased: Tensor, layers: set[int], heads: Sequence[int] | None, run: ForwardRecord) -> None:
+        self.erased, self.layers, self.heads, self.run = erased, layers, heads, run
 
-    def erased_keys(self, call_index: int) -> tuple[Tensor, Sequence[int] | None] | None:
-        return (self.erased, self.run.heads_of(call_index, self.heads)) if self.erases(call_index) else None
+    def _erases(self, call: CallInfo | None) -> bool:
+        return call is not None and call.index in self.layers and self.run.keys_are_inputs(call.index)
 
-    def __call__(self, call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if not self.erases(call_index):
-            return attn_probs
-        changed = erase_keys(attn_probs, self.erased.to(attn_probs.device), scores)
-        return on_heads(attn_probs, changed, self.run.heads_of(call_index, self.heads), first_head)
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
+        if not self._erases(call):
+            return None
+        changed = erase_keys(attn_probs, self.erased.to(attn_probs.device), attn_scores)
+        return on_heads(attn_probs, changed, self.run.heads_of(call.index, self.heads), first_head)
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        if call is None or not self._erases(call):
+            return None
+        heads = self.run.heads_of(call.index, self.heads)
+        return kernel.erased_output(self.erased.to(kernel.query.device), heads, block_shape(kernel))
 
 
 def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
@@ -136,7 +139,7 @@ def attention_erasure(
     chosen = layer_set(layers, original.num_layers)
     original.check_heads(heads, chosen)
     erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
-    erased = run_model(forward_func, model, inputs, additional_forward_args, erasure, adapter, capture).explained_probs()
+    erased = run_model(forward_func, model, inputs, additional_forward_args, [erasure], adapter, capture).explained_probs()
     return ErasureResult(
         js_divergence=js_divergence(original_probs, erased),
         flipped=original_probs.argmax(dim=-1) != erased.argmax(dim=-1),
@@ -207,7 +210,7 @@ def decision_flip_fraction(
     def erased_output(rows: Tensor, erased: Tensor) -> Tensor:
         chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows)
         erasure = _KeyErasure(erased, chosen, heads, original)
-        return run_model(forward_func, model, chunk_inputs, chunk_args, erasure, adapter, capture).explained_probs()
+        return run_model(forward_func, model, chunk_inputs, chunk_args, [erasure], adapter, capture).explained_probs()
 
     decision = original.explained_probs().argmax(dim=-1).cpu()
     flips = _evaluate_prefixes(plan, decision, erased_output, max_batch_size)
@@ -282,6 +285,6 @@ def _attention_mass(explained: ForwardRecord, layers: set[int], erased: Tensor) 
 def _query_attention(record: ForwardRecord, layer: int) -> Tensor:
     """``(B, K)`` head-mean attention of each example's query row at ``layer`` (a pooling
     layer's mean row)."""
-    if record.kernel_calls is not None:
+    if record.streaming:
         return record.kernel_calls[layer].rows_at(record.query_index).mean(dim=1)
-    return record.explained_row(layer, record.attn_probs[layer].float().mean(dim=1))
+    return record.explained_row(layer, record.attn_maps[layer].float().mean(dim=1))

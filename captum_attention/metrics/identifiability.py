@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter
 from ..capture.inputs import format_inputs
-from ..capture.record import record_forward
+from ..capture import RecordedValues, ValueRecorder, record_forward
 from ..maps import null_space_dims
 from ._forward import resolve_model
 
@@ -80,16 +80,16 @@ def identifiability(
     model = resolve_model(forward_func, model)
     _, tensors = format_inputs(inputs)
     with torch.no_grad():
-        record = record_forward(forward_func, model, tensors, additional_forward_args, adapter, record_values=True)
-    assert record.values is not None and record.projections is not None
+        record = record_forward(forward_func, model, tensors, additional_forward_args, adapter, probes=[ValueRecorder()])
+    recorded = record.result(RecordedValues)
     tokens, ranks, nulls = [], [], []
-    for call, (values, projection) in enumerate(zip(record.values, record.projections)):
+    for call, (values, projection) in enumerate(zip(recorded.values, recorded.projections)):
         real_keys = record.visible_keys(call)[0][:, -1]
         rank, null = null_space_dims(values, real_keys, projection)
         tokens.append(real_keys.sum(dim=-1))
         ranks.append(rank)
         nulls.append(null)
     return IdentifiabilityResult(
-        tokens, [v.shape[-1] for v in record.values], ranks, nulls, list(record.roles),
-        [p is not None for p in record.projections],
+        tokens, [v.shape[-1] for v in recorded.values], ranks, nulls, list(record.roles),
+        [p is not None for p in recorded.projections],
     )

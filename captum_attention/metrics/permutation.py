@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture import AttentionAdapter
+from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
+from ..capture.probes import RunKernel
 from ..maps import on_heads, permute_rows
-from ..capture.record import ForwardRecord
+from ..maps.kernel import KernelCall, transformed_output
 from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model
 
 
@@ -31,41 +32,40 @@ class PermutationResult:
     flip_rate: Tensor
 
 
-@dataclass
-class _RowPermutation:
-    """Shuffle each real query row's weights among the real keys at the chosen calls.
+class _RowPermutation(Probe):
+    """Probe: shuffle each real query row's weights among the real keys at the chosen calls.
 
-    Called with the probabilities (eager capture) it permutes them all; a streaming capture
-    asks ``rows_transform`` and permutes one example's and head's block of rows at a time.
-    Both draw the generator's numbers in the same ``(example, head, row, key)`` order, so
-    the two give the same permutations.
+    Under eager capture it permutes each call's probabilities at once; under streaming
+    capture one example's and head's block of rows at a time. Both draw the generator's
+    numbers in the same ``(example, head, row, key)`` order, so the two give the same
+    permutations.
     """
 
-    run: ForwardRecord
-    layers: set[int]
-    heads: Sequence[int] | None
-    generator: torch.Generator
+    events = frozenset({"softmax", "kernel"})
+
+    def __init__(self, run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> None:
+        self.run, self.layers, self.heads, self.generator = run, layers, heads, generator
 
     def _real_keys(self, call_index: int) -> Tensor:
         return self.run.real_of(self.run.roles[call_index])[1]
 
-    def __call__(self, call_index: int, attn_probs: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if call_index not in self.layers:
-            return attn_probs
-        changed = permute_rows(attn_probs, self._real_keys(call_index).to(attn_probs.device), self.generator)
-        return on_heads(attn_probs, changed, self.run.heads_of(call_index, self.heads), first_head)
-
-    def rows_transform(self, call_index: int) -> Callable[[Tensor, int, int], Tensor] | None:
-        if call_index not in self.layers:
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
+        if call.index not in self.layers:
             return None
-        real = self._real_keys(call_index)
-        heads = self.run.heads_of(call_index, self.heads)
+        changed = permute_rows(attn_probs, self._real_keys(call.index).to(attn_probs.device), self.generator)
+        return on_heads(attn_probs, changed, self.run.heads_of(call.index, self.heads), first_head)
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        if call is None or call.index not in self.layers:
+            return None
+        real = self._real_keys(call.index)
+        heads = self.run.heads_of(call.index, self.heads)
 
         def permute(attn_rows: Tensor, example: int, head: int) -> Tensor:
             changed = permute_rows(attn_rows, real[example : example + 1].to(attn_rows.device), self.generator)
             return changed if heads is None or head in heads else attn_rows
 
-        return permute
+        return transformed_output(kernel, permute)
 
 
 def attention_permutation(
@@ -116,7 +116,7 @@ def attention_permutation(
         [
             run_model(
                 forward_func, model, inputs, additional_forward_args,
-                _RowPermutation(original, chosen, heads, generator), adapter, capture,
+                [_RowPermutation(original, chosen, heads, generator)], adapter, capture,
             ).explained_probs()
             for _ in range(n_permutations)
         ]
@@ -169,8 +169,8 @@ def permutation_accuracy(
         for setting in settings:
             chosen = layer_set(setting, original.num_layers)
             name = "all layers" if setting is None else f"layer {setting}"
-            intervention = _RowPermutation(original, chosen, None, generator)
-            outcomes[name] = run_model(forward_func, model, ids, (mask,), intervention, adapter, capture).explained_probs()
+            permutation = _RowPermutation(original, chosen, None, generator)
+            outcomes[name] = run_model(forward_func, model, ids, (mask,), [permutation], adapter, capture).explained_probs()
         for name, probs in outcomes.items():
             hits = (probs.argmax(dim=-1).cpu() == labels.cpu()).sum().item()
             correct[name] = correct.get(name, 0) + hits

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .._compat import TargetType
 from ..capture import AttentionAdapter
-from ..capture.record import GradientReduction
+from ..capture.record import GradientReduction, GradMaps, OutputGrads
 from ..maps import mask_padding
 from ._forward import CaptureMode, resolve_model, run_model
 
@@ -40,26 +40,23 @@ def _ranking(
     ``(batch, seq_len)``, non-real keys 0."""
     model = resolve_model(forward_func, model)
     record = run_model(
-        forward_func, model, inputs, additional_forward_args, None, adapter, capture,
+        forward_func, model, inputs, additional_forward_args, (), adapter, capture,
         track_grad=kind != "attention", query_index=query_index,
     )
     index = record.layer(layer)
-    if record.kernel_calls is not None:
+    if record.streaming:
         call = record.kernel_calls[index]
-        rows = call.rows_at(record.query_index) if kind != "gradient" else None
-        if kind != "attention":
-            grads = record.with_output_gradients(target).output_grads
-            assert grads is not None
-            grad_rows = call.grad_rows_at(grads[index], record.query_index)
-            rows = grad_rows if rows is None else grad_rows * rows
-        assert rows is not None
+        if kind == "attention":
+            rows = call.rows_at(record.query_index)
+        else:
+            grads = record.with_output_gradients(target).result(OutputGrads).grads
+            rows = call.grad_rows_at(grads[index], record.query_index)
+            rows = rows if kind == "gradient" else rows * call.rows_at(record.query_index)
         return rows.mean(dim=1).masked_fill(~record.target_real, 0.0)
     if kind != "attention":
-        record = record.with_gradients(target, _HEAD_MEANS[kind])
-        assert record.grad_maps is not None
-        head_mean = record.grad_maps[index]
+        head_mean = record.with_gradients(target, _HEAD_MEANS[kind]).result(GradMaps).maps[index]
     else:
-        head_mean = record.attn_probs[index].float().mean(dim=1)
+        head_mean = record.attn_maps[index].float().mean(dim=1)
     return record.explained_row(index, mask_padding(head_mean, *record.real_of(record.roles[index])))
 
 

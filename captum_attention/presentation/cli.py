@@ -14,7 +14,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .evaluate import METRICS, NEEDS_RATIONALE
+from .evaluate import metric_names, rationale_metrics
 from .explain import method_names
 
 
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
                           "integrated_gradients, smoothgrad, shap")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
-                          + ", ".join(METRICS))
+                          + ", ".join(metric_names()))
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
@@ -137,7 +137,7 @@ def _methods(arguments: argparse.Namespace) -> list[str]:
 def _explain(arguments: argparse.Namespace) -> None:
     from .explain import explain, resolve_target
     from .html import render_html
-    from .loading import load_classifier
+    from ..loading import load_classifier
     from .text import render_text
 
     sentences = _sentences(arguments)
@@ -177,7 +177,7 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 def _evaluate(arguments: argparse.Namespace) -> None:
     from ..attr import METHODS
     from .evaluate import Options, check_request, evaluate, merge, read_dataset, summary_markdown
-    from .loading import load_classifier
+    from ..loading import load_classifier
 
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
         raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
@@ -186,7 +186,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         print(f"captum-attention: skipped {arguments.data}, {problem}", file=sys.stderr)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     has_rationales = all(e.rationale is not None for e in examples)
-    metrics = _listed(arguments.metrics, "metrics") or [m for m in METRICS if has_rationales or m not in NEEDS_RATIONALE]
+    metrics = _listed(arguments.metrics, "metrics") or [m for m in metric_names() if has_rationales or m not in rationale_metrics()]
     check_request(methods, metrics, examples)
     if arguments.output.exists() and not arguments.output.is_dir():
         raise UsageError(f"--output {arguments.output} is a file: name a folder")
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    from .loading import CheckpointError
+    from ..loading import CheckpointError
 
     try:
         if arguments.command == "explain":

@@ -14,11 +14,8 @@ the same rows and numbers as one.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -26,110 +23,28 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..metrics import aopc, attention_erasure, auprc, comprehensiveness, decision_flip_fraction, sufficiency, token_f1
+from ..metrics import METRICS as METRIC_REGISTRY
+from ..metrics import MetricContext
+from .dataset import DatasetError, Example, batches, read_dataset, write_atomically
 from .display import special_tokens
-from .explain import ig_baseline, length_limit, method_names, report_methods
+from .explain import ReportMethod, ig_baseline, length_limit, method_names, report_methods
+from .summary import merge, summarise, summary_markdown
 
-METRICS = ("comprehensiveness", "sufficiency", "decision_flip", "erasure_js", "token_f1", "auprc")
-"""What ``metrics=`` accepts: ERASER comprehensiveness and sufficiency (AOPC over the
-bins 1/5/10/20/50%), the fraction of tokens whose attention is erased (every layer, in the
-method's order) before the decision flips (NaN where it never flips), the JS divergence of
-the output when the attention paid to the method's top 20% tokens is erased at every layer,
-and plausibility against the rationale words (token F1 with k = the rationale's size, and
-AUPRC)."""
-
-NEEDS_RATIONALE = ("token_f1", "auprc")
-ERASED_SHARE = 0.2
+__all__ = [
+    "DatasetError", "Example", "Options", "batches", "check_request", "evaluate", "evaluation_methods", "merge",
+    "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
+]
 
 
-class DatasetError(ValueError):
-    """A data set file that cannot be read as asked (the message names the line)."""
+def metric_names() -> list[str]:
+    """What ``metrics=`` accepts: the registered metrics
+    (:data:`captum_attention.metrics.METRICS`), in registration order."""
+    return list(METRIC_REGISTRY)
 
 
-@dataclass(frozen=True)
-class Example:
-    """One row of a data set: its position (0-based, over the kept rows), the line it came
-    from, the text, and optionally its label (a class index) and rationale words."""
-
-    index: int
-    line: int
-    text: str
-    label: int | None = None
-    rationale: tuple[str, ...] | None = None
-
-
-def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[Example], list[str]]:
-    """The examples of a JSONL or CSV file (by its suffix), and the problems skipped.
-
-    Each row has ``text``, optionally ``label`` (an int) and ``rationale`` (a list of
-    words in JSONL; words separated by spaces in CSV). A malformed row raises
-    :class:`DatasetError` naming its line, or with ``skip_malformed`` is skipped and
-    reported in the second list.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"data set not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".csv"):
-        raise DatasetError(f"{path}: give a .jsonl or .csv file (one example per row)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DatasetError(f"{path} is not UTF-8 text") from error
-    rows = _jsonl_rows(text) if suffix == ".jsonl" else _csv_rows(text)
-    examples: list[Example] = []
-    skipped: list[str] = []
-    for line, row in rows:
-        try:
-            examples.append(_example(len(examples), line, row))
-        except DatasetError as error:
-            if not skip_malformed:
-                raise DatasetError(f"{path}, line {line}: {error} (pass --skip-malformed to skip such rows)") from None
-            skipped.append(f"line {line}: {error}")
-    if not examples:
-        raise DatasetError(f"{path} has no example" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
-    return examples, skipped
-
-
-def _jsonl_rows(text: str) -> Iterable[tuple[int, Any]]:
-    for line, content in enumerate(text.splitlines(), start=1):
-        if not content.strip():
-            continue
-        try:
-            yield line, json.loads(content)
-        except json.JSONDecodeError as error:
-            yield line, DatasetError(f"not JSON ({error.msg})")
-
-
-def _csv_rows(text: str) -> Iterable[tuple[int, Any]]:
-    reader = csv.DictReader(text.splitlines())
-    if reader.fieldnames is None or "text" not in reader.fieldnames:
-        raise DatasetError("the CSV file needs a header row with a 'text' column")
-    for row in reader:
-        rationale = row.get("rationale")
-        yield reader.line_num, {**row, "rationale": rationale.split() if rationale else None}
-
-
-def _example(index: int, line: int, row: Any) -> Example:
-    if isinstance(row, DatasetError):
-        raise row
-    if not isinstance(row, dict):
-        raise DatasetError("a row must be an object with a 'text' field")
-    text = row.get("text")
-    if not isinstance(text, str) or not text.strip():
-        raise DatasetError("'text' is missing or empty")
-    label = row.get("label")
-    if label in (None, ""):
-        label = None
-    else:
-        try:
-            label = int(label)
-        except (TypeError, ValueError):
-            raise DatasetError(f"'label' must be a class index, got {label!r}") from None
-    rationale = row.get("rationale")
-    if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
-        raise DatasetError("'rationale' must be a list of words")
-    return Example(index, line, text, label, None if rationale is None else tuple(rationale))
+def rationale_metrics() -> list[str]:
+    """The registered metrics that need a rationale on every row."""
+    return [name for name, spec in METRIC_REGISTRY.items() if spec.needs_rationale]
 
 
 def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[Example]) -> None:
@@ -137,10 +52,10 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
     unknown = [m for m in methods if m not in evaluation_methods()]
     if unknown or not methods:
         raise ValueError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(evaluation_methods())}")
-    unknown = [m for m in metrics if m not in METRICS]
+    unknown = [m for m in metrics if m not in METRIC_REGISTRY]
     if unknown or not metrics:
-        raise ValueError(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(METRICS)}")
-    asked = [m for m in metrics if m in NEEDS_RATIONALE]
+        raise ValueError(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(metric_names())}")
+    asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]
     missing = [e.line for e in examples if e.rationale is None]
     if asked and missing:
         raise ValueError(
@@ -168,13 +83,6 @@ class Options:
     shap_evals: int = 300
     bootstrap: int = 1000
     seed: int = 0
-
-
-def batches(examples: Sequence[Example], tokenizer: Any, batch_size: int) -> list[list[Example]]:
-    """The examples in length-sorted buckets of ``batch_size`` (ties in file order)."""
-    lengths = [len(ids) for ids in tokenizer([e.text for e in examples], truncation=True)["input_ids"]]
-    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
-    return [[examples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
 
 
 def evaluate(
@@ -205,26 +113,12 @@ def evaluate(
     explainers = _explainers(model, tokenizer, methods, options)
     for k, batch in progress(todo) if progress is not None else todo:
         rows = _evaluate_batch(model, tokenizer, batch, explainers, metrics)
-        _write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
+        write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
     return len(todo)
 
 
 def _shard(folder: Path, batch: int) -> Path:
     return folder / f"batch-{batch:06d}.jsonl"
-
-
-def _write_atomically(path: Path, content: str) -> None:
-    """``content`` into ``path`` all at once: written beside it, then renamed."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(content)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
@@ -233,12 +127,11 @@ Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
 def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
     chosen = report_methods(model, options.ig_steps, [n for n in names if n in method_names()])
-    by_display = dict(zip(chosen, [n for n in method_names() if n in names]))
 
-    def from_report(method: Any) -> Explainer:
-        return lambda ids, mask, targets, texts: method(ids, targets, mask, ig_baseline(ids, tokenizer)).detach()
+    def from_report(method: ReportMethod) -> Explainer:
+        return lambda ids, mask, targets, texts: method.run(ids, mask, targets, ig_baseline(ids, tokenizer)).detach()
 
-    explainers = {by_display[display]: from_report(method) for display, (method, _) in chosen.items()}
+    explainers = {name: from_report(method) for name, method in chosen.items()}
     if SMOOTHGRAD in names:
         explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
     if SHAP in names:
@@ -299,12 +192,14 @@ def _evaluate_batch(
     with torch.no_grad():
         probabilities = forward(ids, mask).float().softmax(dim=-1)
     predicted = probabilities.argmax(dim=-1)
-    keep = special_tokens(ids, tokenizer)
-    rationale = _rationale_tokens(encoded, batch).to(device) if any(m in NEEDS_RATIONALE for m in metrics) else None
+    rationale = None
+    if any(METRIC_REGISTRY[m].needs_rationale for m in metrics):
+        rationale = _rationale_tokens(encoded, batch).to(device)
+    context = MetricContext(model, special_tokens(ids, tokenizer), rationale)
     rows = []
     for name, explain in explainers.items():
         scores = explain(ids, mask, predicted, texts).float().masked_fill(mask == 0, 0.0)
-        values = _scores(forward, model, ids, mask, scores, predicted, keep, rationale, metrics)
+        values = {m: METRIC_REGISTRY[m].function(forward, ids, scores, (mask,), predicted, context) for m in metrics}
         for row, example in enumerate(batch):
             rows.append({
                 "index": example.index, "line": example.line, "method": name, "label": example.label,
@@ -312,38 +207,6 @@ def _evaluate_batch(
                 **{metric: _number(value[row]) for metric, value in values.items()},
             })
     return rows
-
-
-def _scores(
-    forward: Callable[..., Tensor], model: Any, ids: Tensor, mask: Tensor, scores: Tensor, targets: Tensor,
-    keep: Tensor, rationale: Tensor | None, metrics: Sequence[str],
-) -> dict[str, Tensor]:
-    """Per metric, ``(batch,)`` values for one method's scores."""
-    values: dict[str, Tensor] = {}
-    include = (mask == 1) & ~keep
-    if "comprehensiveness" in metrics:
-        values["comprehensiveness"] = aopc(comprehensiveness(forward, ids, mask, scores, targets, keep=keep))
-    if "sufficiency" in metrics:
-        values["sufficiency"] = aopc(sufficiency(forward, ids, mask, scores, targets, keep=keep))
-    if "decision_flip" in metrics:
-        ranking = scores.masked_fill(~include, float("-inf"))
-        values["decision_flip"] = decision_flip_fraction(forward, ids, ranking, (mask,), model=model, keep=keep).fraction
-    if "erasure_js" in metrics:
-        values["erasure_js"] = attention_erasure(forward, ids, _top_share(scores, include), (mask,), model=model).js_divergence
-    if rationale is not None and "token_f1" in metrics:
-        values["token_f1"] = token_f1(scores, rationale, include)
-    if rationale is not None and "auprc" in metrics:
-        values["auprc"] = auprc(scores, rationale, include)
-    return values
-
-
-def _top_share(scores: Tensor, include: Tensor, share: float = ERASED_SHARE) -> Tensor:
-    """``(batch, seq_len)`` bool: the top ``share`` of each row's included tokens (at
-    least one), ties broken by position."""
-    ranked = scores.masked_fill(~include, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    counts = (include.sum(dim=-1).float() * share).ceil().clamp(min=1).long()
-    chosen = torch.arange(scores.shape[-1], device=scores.device)[None, :] < counts[:, None]
-    return torch.zeros_like(include).scatter_(-1, ranked, chosen) & include
 
 
 def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
@@ -363,58 +226,3 @@ def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
 def _number(value: Tensor) -> float | None:
     number = float(value)
     return None if math.isnan(number) else number
-
-
-def merge(output: str | Path, examples: Sequence[Example], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """Merge the shards into ``results.jsonl`` (rows by example, then method) and write the
-    summary (``summary.md``, ``summary.csv``); returns the summary rows. Raises where a
-    batch's shard is missing (a process that has not finished)."""
-    output = Path(output)
-    rows = [json.loads(line) for shard in sorted((output / "shards").glob("batch-*.jsonl")) for line in shard.read_text(encoding="utf-8").splitlines()]
-    seen = {row["index"] for row in rows}
-    missing = [e.line for e in examples if e.index not in seen]
-    if missing:
-        raise RuntimeError(f"{len(missing)} examples have no results yet (first: line {missing[0]}): finish the run first")
-    methods = list(dict.fromkeys(row["method"] for row in rows))
-    rows.sort(key=lambda row: (row["index"], methods.index(row["method"])))
-    _write_atomically(output / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    summary = summarise(rows, methods, metrics, bootstrap, seed)
-    _write_atomically(output / "summary.md", summary_markdown(summary, metrics))
-    _write_atomically(output / "summary.csv", _summary_csv(summary))
-    return summary
-
-
-def summarise(rows: list[dict[str, Any]], methods: Sequence[str], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """Per method and metric: the mean over examples (those with a value) and its 95%
-    percentile bootstrap confidence interval (``bootstrap`` resamples, seeded)."""
-    generator = torch.Generator().manual_seed(seed)
-    summary = []
-    for method in methods:
-        for metric in metrics:
-            values = torch.tensor([row[metric] for row in rows if row["method"] == method and row.get(metric) is not None], dtype=torch.float64)
-            if len(values) == 0:
-                summary.append({"method": method, "metric": metric, "n": 0, "mean": None, "low": None, "high": None})
-                continue
-            resamples = values[torch.randint(len(values), (bootstrap, len(values)), generator=generator)].mean(dim=1)
-            low, high = torch.quantile(resamples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-            summary.append({"method": method, "metric": metric, "n": len(values), "mean": values.mean().item(), "low": low, "high": high})
-    return summary
-
-
-def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
-    """The summary as a Markdown table: one row per method, ``mean [low, high]`` per metric."""
-    methods = list(dict.fromkeys(entry["method"] for entry in summary))
-    cell = {(e["method"], e["metric"]): e for e in summary}
-
-    def shown(entry: dict[str, Any]) -> str:
-        return "n/a" if entry["mean"] is None else f"{entry['mean']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
-
-    lines = ["| method | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    lines += [f"| {m} | " + " | ".join(shown(cell[m, metric]) for metric in metrics) + " |" for m in methods]
-    return "\n".join(lines) + "\n"
-
-
-def _summary_csv(summary: list[dict[str, Any]]) -> str:
-    lines = ["method,metric,n,mean,low,high"]
-    lines += [",".join("" if e[k] is None else str(e[k]) for k in ("method", "metric", "n", "mean", "low", "high")) for e in summary]
-    return "\n".join(lines) + "\n"

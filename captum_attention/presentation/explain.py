@@ -70,10 +70,21 @@ def resolve_target(target: str | None, id2label: dict[int, str]) -> int | None:
 
 
 Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``run(ids, mask, targets, ig_baseline) -> (batch, seq_len)`` scores."""
+
+
+@dataclass(frozen=True)
+class ReportMethod:
+    """One method of a report: the name it is shown under, how to run it (:data:`Method`)
+    and how to read its scores."""
+
+    display: str
+    run: Method
+    info: MethodInfo
 
 
 def _attention_method(explainer: Any) -> Method:
-    def run(ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
         return explainer.attribute(ids, target=targets, additional_forward_args=(mask,))
 
     return run
@@ -86,18 +97,18 @@ def method_names() -> list[str]:
 
 def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None
-) -> dict[str, tuple[Method, MethodInfo]]:
-    """Display name -> (``run(ids, targets, mask, ig_baseline) -> (batch, seq_len)
-    scores``, how to read them), for the methods ``names`` (registry names, in the
-    registry's order)."""
+) -> dict[str, ReportMethod]:
+    """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
+    in the registry's order, Integrated Gradients last)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
     methods = {
-        cls.get_name(): (
+        name: ReportMethod(
+            cls.get_name(),
             _attention_method(cls(forward, model=model)),
-            MethodInfo(uses_target=cls.uses_backward(), signed=cls.signed),
+            MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed),
         )
         for name, cls in METHODS.items()
         if name in names
@@ -106,14 +117,16 @@ def report_methods(
         lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
 
         def integrated_gradients(
-            ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor
+            ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor
         ) -> torch.Tensor:
             return lig.attribute(
                 ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps,
                 internal_batch_size=ig_batch_size,
             ).sum(dim=-1)
 
-        methods["Integrated Gradients"] = (integrated_gradients, MethodInfo(uses_target=True, signed=True))
+        methods[INTEGRATED_GRADIENTS] = ReportMethod(
+            "Integrated Gradients", integrated_gradients, MethodInfo(uses_target=True, signed=True)
+        )
     return methods
 
 
@@ -146,18 +159,18 @@ def explain(
     limit = length_limit(model, tokenizer)
     chosen = report_methods(model, ig_steps, methods or method_names(), ig_batch_size)
     results: list[SentenceExplanation] = []
-    seconds = dict.fromkeys(chosen, 0.0)
+    seconds = dict.fromkeys((method.display for method in chosen.values()), 0.0)
     for start in range(0, len(sentences), batch_size):
         batch_results, batch_seconds = _explain_batch(model, tokenizer, sentences[start : start + batch_size], target, limit, chosen)
         results += batch_results
         for name, spent in batch_seconds.items():
             seconds[name] += spent
-    return Explanations(results, seconds, {name: info for name, (_, info) in chosen.items()})
+    return Explanations(results, seconds, {method.display: method.info for method in chosen.values()})
 
 
 def _explain_batch(
     model: Any, tokenizer: Any, sentences: list[str], target: int | None, limit: int,
-    methods: dict[str, tuple[Method, MethodInfo]],
+    methods: dict[str, ReportMethod],
 ) -> tuple[list[SentenceExplanation], dict[str, float]]:
     encoded = tokenizer(sentences, padding=True, truncation=True, max_length=limit, return_tensors="pt")
     full_lengths = [len(ids) for ids in tokenizer(sentences, truncation=False)["input_ids"]]
@@ -186,10 +199,10 @@ def _explain_batch(
         )
     baseline = ig_baseline(ids, tokenizer)
     seconds = {}
-    for name, (method, _) in methods.items():
+    for method in methods.values():
         begin = time.perf_counter()
-        scores = method(ids, targets, mask, baseline).detach()
-        seconds[name] = time.perf_counter() - begin
+        scores = method.run(ids, mask, targets, baseline).detach()
+        seconds[method.display] = time.perf_counter() - begin
         for row, result in enumerate(results):
-            result.scores[name] = scores[row, : len(result.tokens)].tolist()
+            result.scores[method.display] = scores[row, : len(result.tokens)].tolist()
     return results, seconds

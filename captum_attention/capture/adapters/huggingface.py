@@ -1,0 +1,261 @@
+"""The adapter of Hugging Face ``transformers`` models."""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from torch import Tensor, nn
+
+from ..._compat import attn_implementation, recorder_specs
+from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, bound_argument
+
+
+class HuggingFaceAdapter(AdapterBase):
+    """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
+    decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
+
+    Attention modules are the ones each model class declares itself in its
+    ``_can_record_outputs`` (the declaration transformers uses for
+    ``output_attentions=True``), matched inside that class's own sub-tree, so any
+    architecture that supports ``output_attentions`` is found without a list of class
+    names here. Under eager attention those modules return the probabilities at the
+    declared output index; they are the tensor that weighted the values. Models loaded
+    with ``sdpa``/flash attention are switched to ``eager`` for the call and switched
+    back afterwards.
+
+    The padding mask is the ``attention_mask`` argument of the outermost
+    ``PreTrainedModel`` call (and ``decoder_attention_mask`` for encoder-decoders).
+    In an encoder-decoder, self-attention inside ``model.get_encoder()`` has the role
+    ``"encoder"``, other self-attention ``"decoder"``, and ``cross_attentions`` modules
+    ``"cross"``.
+
+    Args:
+        kinds (sequence of str, optional): which ``_can_record_outputs`` entries to
+            capture. Default: ``("attentions", "cross_attentions")``.
+    """
+
+    def __init__(self, kinds: Sequence[str] = ("attentions", "cross_attentions")) -> None:
+        self.kinds = tuple(kinds)
+
+    @staticmethod
+    def _pretrained_models(model: nn.Module) -> list[nn.Module]:
+        from transformers import PreTrainedModel
+
+        return [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [site.module for site in self.attention_sites(model)]
+
+    def attention_sites(self, model: nn.Module) -> list[AttentionSite]:
+        encoder = _encoder_of(model)
+        encoder_modules = set(encoder.modules()) if encoder is not None else set()
+        found: dict[nn.Module, AttentionSite] = {}
+        declared: list[str] = []
+        # Innermost declarations first: each model class describes its own sub-tree.
+        for submodel in reversed(self._pretrained_models(model)):
+            specs = recorder_specs(type(submodel), self.kinds)
+            declared += [s.target_class.__name__ if s.target_class else str(s.class_name) for _, s in specs]
+            for name, module in submodel.named_modules():
+                match = next((kind_spec for kind_spec in specs if kind_spec[1].matches(name, module)), None)
+                if match is None or module in found:
+                    continue
+                kind, spec = match
+                role: Role = "cross" if kind == "cross_attentions" else "self"
+                if role == "self" and encoder is not None:
+                    role = "encoder" if module in encoder_modules else "decoder"
+                found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
+        if not found:
+            raise AttentionNotFoundError(
+                f"No attention modules found in {type(model).__name__}: looked for the modules "
+                f"that transformers models declare in `_can_record_outputs` under {self.kinds} "
+                f"(declared here: {sorted(set(declared)) or 'none'}). If this is not a Hugging "
+                "Face model, or its attention lives elsewhere, name the modules yourself: "
+                "`adapter=ModuleAdapter([...attention modules...])` (see "
+                "captum_attention.capture.ModuleAdapter and the AttentionAdapter protocol)."
+            )
+        order = {module: index for index, module in enumerate(model.modules())}
+        return sorted(found.values(), key=lambda site: order[site.module])
+
+    def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
+        if not isinstance(output, (tuple, list)) or len(output) <= site.output_index:
+            return None
+        return output[site.output_index]
+
+    def is_causal(self, module: nn.Module) -> bool | None:
+        # transformers' attention modules carry it (T5's declared layer on its T5Attention)
+        for inner in module.modules():
+            causal = getattr(inner, "is_causal", None)
+            if isinstance(causal, bool):
+                return causal
+        return None
+
+    def is_encoder_decoder(self, model: nn.Module) -> bool:
+        return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+    def keyword_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """A generating Hugging Face model (a causal LM or an encoder-decoder) called with
+        Captum's positional arguments, by name.
+
+        ``(inputs..., *additional_forward_args)`` map to ``(input_ids, attention_mask)`` for
+        causal language models and to ``(input_ids, decoder_input_ids, attention_mask,
+        decoder_attention_mask)`` for encoder-decoders (``inputs_embeds`` /
+        ``decoder_inputs_embeds`` for float inputs). A causal language model given a
+        left-padded mask gets ``position_ids`` counted over the real tokens, as ``generate``
+        does. Other Hugging Face models (classifiers, whose positional order already is
+        ``input_ids, attention_mask, ...``) are called positionally, float embeddings in
+        the place of ``input_ids`` as ``inputs_embeds``; other forward functions are
+        returned as they are.
+        """
+        from transformers import PreTrainedModel
+
+        if not isinstance(forward_func, PreTrainedModel):
+            return forward_func
+        if not forward_func.can_generate():
+            return _EmbeddingsByKeyword(forward_func)
+        return _KeywordForward(forward_func, self.is_encoder_decoder(forward_func))
+
+    def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        patch = getattr(getattr(model, "config", None), "patch_size", None)
+        if patch is None:
+            return None
+        rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        return images.shape[-2] // rows, images.shape[-1] // columns
+
+    def mask_modules(self, model: nn.Module) -> list[nn.Module]:
+        return self._pretrained_models(model)
+
+    def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return bound_argument(module.forward, "attention_mask", args, kwargs)
+
+    def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return bound_argument(module.forward, "decoder_attention_mask", args, kwargs)
+
+    streams = True
+    propagates_relevance = True
+
+    def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
+        """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
+        ``c_proj``, ``out_lin``), or, where the declared module is the inner
+        self-attention (BERT family), its parent's ``output.dense``."""
+        names = {m: name for name, m in model.named_modules()}
+        parent = model.get_submodule(names[module].rpartition(".")[0]) if module in names else None
+        candidates = [getattr(module, name, None) for name in _PROJECTIONS]
+        if parent is not None:
+            candidates.append(getattr(getattr(parent, "output", None), "dense", None))
+        projection = next((c for c in candidates if isinstance(c, nn.Module)), None)
+        if isinstance(projection, nn.Linear):
+            return projection.weight
+        if type(projection).__name__ == "Conv1D":  # GPT-2's (in, out) weight
+            return projection.weight.t()  # type: ignore[union-attr, operator]
+        return None
+
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """``get_input_embeddings()`` of the encoder and the decoder (one module where they
+        share it, as T5's ``shared``), else of the model."""
+        owners = [getattr(model, "get_encoder")(), getattr(model, "get_decoder")()] if self.is_encoder_decoder(model) else [model]
+        modules: list[nn.Module] = []
+        for owner in owners:
+            embedding = getattr(owner, "get_input_embeddings", lambda: None)()
+            if isinstance(embedding, nn.Module) and not any(embedding is m for m in modules):
+                modules.append(embedding)
+        return modules
+
+    def relevance_sites(self, model: nn.Module) -> RelevanceSites:
+        """Activations: torch's element-wise modules and every class of transformers'
+        activation table (``ACT2CLS``); norms: ``nn.LayerNorm``, ``nn.RMSNorm`` and the
+        families' own norm modules, which transformers names ``*Norm`` (``LlamaRMSNorm``,
+        ``T5LayerNorm``, ...)."""
+        from transformers.activations import ACT2CLS
+
+        table = [entry[0] if isinstance(entry, tuple) else entry for entry in ACT2CLS.values()]
+        activations = TORCH_ACTIVATIONS + tuple(cls for cls in table if isinstance(cls, type))
+        modules = list(model.modules())
+        return RelevanceSites(
+            [m for m in modules if isinstance(m, activations)],
+            [m for m in modules if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")],
+        )
+
+    def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
+        return _implementation(model, "sdpa" if streaming else "eager")
+
+
+TORCH_ACTIVATIONS: tuple[type[nn.Module], ...] = (
+    nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus, nn.Hardswish, nn.LeakyReLU, nn.ReLU,
+)
+"""torch's element-wise activation modules."""
+
+_PROJECTIONS = ("o_proj", "out_proj", "o", "c_proj", "out_lin")
+"""Names transformers' attention modules give their output projection."""
+
+
+@contextmanager
+def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
+    """``model`` switched to the attention implementation ``wanted`` and back."""
+    original = attn_implementation(model)
+    switch = getattr(model, "set_attn_implementation", None)
+    if original in (None, wanted) or switch is None:
+        yield
+        return
+    try:
+        switch(wanted)
+        yield
+    finally:
+        switch(original)
+
+
+@dataclass(frozen=True)
+class _KeywordForward:
+    """A generating Hugging Face model called with positional arguments (see
+    :meth:`HuggingFaceAdapter.keyword_forward`)."""
+
+    model: nn.Module
+    encoder_decoder: bool
+
+    @property
+    def names(self) -> list[str]:
+        if self.encoder_decoder:
+            return ["input_ids", "decoder_input_ids", "attention_mask", "decoder_attention_mask"]
+        return ["input_ids", "attention_mask"]
+
+    def __call__(self, *args: Any) -> Any:
+        names = self.names
+        if len(args) > len(names):
+            raise TypeError(
+                f"{type(self.model).__name__} was given {len(args)} positional inputs; as "
+                f"forward_func it takes at most {len(names)}: {names}. Wrap it in a function "
+                "to pass more."
+            )
+        kwargs: dict[str, Any] = {}
+        for name, value in zip(names, args):
+            if isinstance(value, Tensor) and value.is_floating_point() and name.endswith("input_ids"):
+                name = name.replace("input_ids", "inputs_embeds")
+            kwargs[name] = value
+        mask = kwargs.get("attention_mask")
+        if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()):
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self.model(**kwargs)
+
+
+@dataclass(frozen=True)
+class _EmbeddingsByKeyword:
+    """A Hugging Face model called positionally, float embeddings given where its forward
+    takes ``input_ids`` passed as ``inputs_embeds`` (see :meth:`HuggingFaceAdapter.keyword_forward`)."""
+
+    model: nn.Module
+
+    def __call__(self, *args: Any) -> Any:
+        first = next(iter(inspect.signature(self.model.forward).parameters), None)
+        if first == "input_ids" and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            return self.model(None, *args[1:], inputs_embeds=args[0])
+        return self.model(*args)
+
+
+def _encoder_of(model: nn.Module) -> nn.Module | None:
+    """The encoder of a Hugging Face encoder-decoder model, else None."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    get_encoder = getattr(model, "get_encoder", None)
+    return get_encoder() if callable(get_encoder) else None

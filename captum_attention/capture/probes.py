@@ -1,0 +1,254 @@
+"""Probes: what one capture records or changes besides the attention it finds.
+
+An :class:`~captum_attention.capture.AttentionCapture` finds the attention calls of one
+forward pass. Everything else a method or a metric needs from that pass is a probe: an
+object the capture enters for the call (its hooks and modes go on the capture's stack, so
+they are removed with the capture's own, also on an exception or an interrupt) and that
+receives only the events it declares in :attr:`Probe.events`:
+
+- ``"softmax"`` (eager capture): each attention softmax, as ``(batch, heads, queries,
+  keys)`` probabilities; the probe may return others to use instead;
+- ``"product"`` (eager capture): each matrix product computed inside an attention call;
+- ``"kernel"`` (streaming capture): each call of the attention kernel; the probe may
+  compute the call's output itself;
+- ``"call_end"``: the end of each attention call, with the tensors that weighted its values;
+- ``"masks"``: the padding masks the model received.
+
+A probe's :meth:`Probe.result` is a typed value that the record of the pass keeps
+(:meth:`~captum_attention.capture.ForwardRecord.result`); a probe without one returns None.
+A new method or metric adds a probe, never a parameter of the capture.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from ..maps.kernel import KernelCall
+from .adapters import AttentionAdapter
+
+Event = str
+"""One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``."""
+
+RunKernel = Callable[..., Tensor]
+"""``run_kernel(inputs=None)``: runs the model's attention kernel, on its own query, key
+and value or on ``inputs(query, key, value)`` of them."""
+
+
+@dataclass(frozen=True, eq=False)
+class CallInfo:
+    """One attention call, as probes see it.
+
+    Attributes:
+        index: the call's number, from 0 in forward order.
+        module: the attention module that made it.
+        role: ``"self"``, ``"encoder"``, ``"decoder"``, ``"cross"`` or ``"pooling"``.
+        adapter: the capture's adapter (``as_heads`` reads the module's tensors as heads).
+    """
+
+    index: int
+    module: nn.Module
+    role: str
+    adapter: AttentionAdapter
+
+    def as_heads(self, tensor: Tensor) -> Tensor:
+        """A ``(batch, heads, queries, keys)`` view of one of the call's probability tensors."""
+        return self.adapter.as_heads(self.module, tensor)
+
+
+class Probe:
+    """Base of the probes: every callback does nothing; subclasses override those they
+    declare in :attr:`events`.
+
+    Attributes:
+        events: the events the probe receives (see the module docstring).
+        modes: the capture modes it works in; a streaming capture with a probe that
+            cannot stream raises
+            :class:`~captum_attention.maps.kernel.StreamingUnsupported` with
+            :attr:`eager_reason`, so that ``capture="auto"`` falls back to eager.
+        eager_reason: why the probe needs the explicit probabilities.
+        needs_grad: the forward must build the autograd graph (gradient methods, rules).
+    """
+
+    events: ClassVar[frozenset[Event]] = frozenset()
+    modes: ClassVar[frozenset[str]] = frozenset({"eager", "streaming"})
+    eager_reason: ClassVar[str] = "this probe works on explicit probabilities"
+    needs_grad: ClassVar[bool] = False
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        """Install what the probe needs for the call; ``stack`` undoes it."""
+
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
+        """The probabilities ``(batch, heads, queries, keys)`` to use instead, or None.
+        ``first_head``: the layer's index of the first head in ``attn_probs`` (0 unless
+        the module computes one softmax per head); ``attn_scores``: the softmax's input
+        (masked, scaled logits), or None where the softmax was called unusually."""
+        return None
+
+    def on_product(self, call: CallInfo, left: Tensor, right: Tensor) -> None:
+        """A matrix product ``left @ right`` computed inside the call."""
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        """The call's output ``(B, Q, H, Dv)`` computed by the probe, or None for the
+        kernel's own. ``call`` is None for kernel calls outside the adapter's modules."""
+        return None
+
+    def on_call_end(self, call: CallInfo, pieces: Sequence[Tensor]) -> None:
+        """The call ended; ``pieces`` are the tensors that weighted its values."""
+
+    def on_masks(self, attention_mask: Tensor | None, decoder_attention_mask: Tensor | None) -> None:
+        """The padding masks the model received (1 = real token), or None."""
+
+    def result(self) -> Any:
+        """The probe's typed result for the record, or None."""
+        return None
+
+
+class PerCall:
+    """A result with one entry per attention call in each of its list fields; records
+    select its calls with the record's (e.g. one role's)."""
+
+    def select(self: "PerCallT", calls: Sequence[int]) -> "PerCallT":
+        picked = {f.name: [getattr(self, f.name)[i] for i in calls] for f in fields(self)}  # type: ignore[arg-type]
+        return replace(self, **picked)  # type: ignore[type-var]
+
+
+PerCallT = TypeVar("PerCallT", bound=PerCall)
+
+
+class GradMode(Probe):
+    """torch's gradient mode for the forward, restored with the model on exit (so an
+    interrupt cannot leave it changed)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        stack.enter_context(torch.set_grad_enabled(self.enabled))
+
+
+class MaskShape(Probe):
+    """A clear error when the padding mask does not belong to inputs of ``input_shape``."""
+
+    events = frozenset({"masks"})
+
+    def __init__(self, input_shape: tuple[int, int]) -> None:
+        self.input_shape = input_shape
+
+    def on_masks(self, attention_mask: Tensor | None, decoder_attention_mask: Tensor | None) -> None:
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(self.input_shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the inputs are "
+                f"{tuple(self.input_shape)} (batch, seq_len): pass the mask that belongs "
+                "to these inputs, one row per example and one entry per token."
+            )
+
+
+Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
+"""``intervention(call_index, attn_probs, first_head, attn_scores) -> attn_probs``: the
+probabilities of one call to use instead (see :meth:`Probe.on_softmax`)."""
+
+
+class ProbsIntervention(Probe):
+    """Replaces each call's probabilities by ``intervention(call_index, attn_probs,
+    first_head, attn_scores)`` before they weight the values (eager capture).
+
+    Args:
+        intervention (callable): see :data:`Intervention`.
+    """
+
+    events = frozenset({"softmax"})
+    modes = frozenset({"eager"})
+    eager_reason = "this intervention replaces whole probability maps; it cannot stream"
+
+    def __init__(self, intervention: Intervention) -> None:
+        self.intervention = intervention
+
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor:
+        return self.intervention(call.index, attn_probs, first_head, attn_scores)
+
+
+class KeysTransform(Probe):
+    """Runs each chosen kernel call on other keys (streaming capture): ``transform(call_index)``
+    returns a function from the keys the kernel received ``(B, H / groups, K, D)`` to the
+    keys to use, or None for calls it leaves alone.
+
+    Args:
+        transform (callable): see above.
+    """
+
+    events = frozenset({"kernel"})
+    modes = frozenset({"streaming"})
+
+    def __init__(self, transform: Callable[[int], Callable[[Tensor], Tensor] | None]) -> None:
+        self.transform = transform
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        new_keys = None if call is None else self.transform(call.index)
+        if new_keys is None:
+            return None
+        return run_kernel(lambda query, key, value: (query, new_keys(kernel.key), value))
+
+
+@dataclass
+class RecordedValues(PerCall):
+    """Per attention call, the ``(B, H, K, Dv)`` values its probabilities weighted
+    (detached), and the adapter's output projection weight ``(hidden, H * Dv)``, or None
+    where it does not know it."""
+
+    values: list[Tensor]
+    projections: list[Tensor | None]
+
+
+class ValueRecorder(Probe):
+    """Records the values each call's probabilities weight: the right factor of the
+    matrix product whose left factor is the probabilities (eager capture)."""
+
+    events = frozenset({"product", "call_end"})
+    modes = frozenset({"eager"})
+    eager_reason = "effective attention needs the values and the full maps"
+
+    def __init__(self) -> None:
+        self._products: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._values: list[Tensor] = []
+        self._projections: list[Tensor | None] = []
+        self._model: nn.Module | None = None
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        self._model = model
+        self._products, self._values, self._projections = {}, [], []
+
+    def on_product(self, call: CallInfo, left: Tensor, right: Tensor) -> None:
+        self._products.setdefault(call.index, []).append((left, right))
+
+    def on_call_end(self, call: CallInfo, pieces: Sequence[Tensor]) -> None:
+        products = self._products.pop(call.index, [])
+        parts = []
+        for piece in pieces:
+            value = next((right for left, right in products if _same_tensor(left, piece)), None)
+            if value is None:
+                raise RuntimeError(
+                    f"Cannot find the values that {type(call.module).__name__}'s attention "
+                    "weights: no torch.matmul/bmm (or @) took its probabilities as the left "
+                    "factor."
+                )
+            batch, heads = call.as_heads(piece).shape[:2]
+            parts.append(value.detach().reshape(batch, heads, *value.shape[-2:]))
+        self._values.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        assert self._model is not None
+        self._projections.append(call.adapter.output_projection(self._model, call.module))
+
+    def result(self) -> RecordedValues:
+        return RecordedValues(self._values, self._projections)
+
+
+def _same_tensor(left: Tensor, right: Tensor) -> bool:
+    """The same tensor, or a view of the same memory with the same shape (what an
+    identity dropout or a dtype no-op hands on)."""
+    return left is right or (
+        left.shape == right.shape and left.stride() == right.stride() and left.data_ptr() == right.data_ptr()
+    )

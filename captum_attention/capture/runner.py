@@ -1,0 +1,108 @@
+"""One capture-mode decision for attributions and metrics alike.
+
+A call asks for ``capture="auto"``, ``"streaming"`` or ``"eager"``.
+:class:`CaptureRunner` decides, records why (``last``, what ``last_capture`` shows) and
+falls back: ``auto`` streams wherever that is exact and otherwise runs eager, also when
+streaming turns out impossible only inside the forward
+(:class:`~captum_attention.capture.StreamingUnsupported`); ``streaming`` raises
+instead of falling back; ``eager`` never streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence, TypeVar
+
+from torch import nn
+
+from .adapters import AttentionAdapter, default_adapter
+from .kernel import StreamingUnsupported
+from .probes import Probe
+
+logger = logging.getLogger("captum_attention")
+
+CaptureMode = Literal["auto", "streaming", "eager"]
+CAPTURE_MODES: tuple[str, ...] = ("auto", "streaming", "eager")
+
+Result = TypeVar("Result")
+
+
+def check_capture_mode(mode: str) -> None:
+    """A clear error unless ``mode`` is one of :data:`CAPTURE_MODES`."""
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {mode!r}.")
+
+
+def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who: str = "This call") -> nn.Module:
+    """``model``, or ``forward_func`` when it is the module; a clear error otherwise."""
+    if model is None:
+        if not isinstance(forward_func, nn.Module):
+            raise TypeError(
+                f"{who} needs the nn.Module that holds the attention layers: pass model=... "
+                "(forward_func is not a module)."
+            )
+        model = forward_func
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+    return model
+
+
+def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> AttentionAdapter:
+    """``adapter``, or the built-in one for ``model``."""
+    return adapter if adapter is not None else default_adapter(model)
+
+
+def stream_refusal(adapter: AttentionAdapter, probes: Sequence[Probe] = ()) -> str | None:
+    """Why no call with ``probes`` can stream through ``adapter``, or None."""
+    refused = next((probe for probe in probes if "streaming" not in probe.modes), None)
+    if refused is not None:
+        return refused.eager_reason
+    if not getattr(adapter, "streams", False):
+        return f"{type(adapter).__name__} does not run attention through transformers' sdpa function"
+    return None
+
+
+@dataclass
+class CaptureRunner:
+    """Runs one forward in the capture mode a call asked for (see the module docstring).
+
+    Attributes:
+        mode: ``"auto"``, ``"streaming"`` or ``"eager"``.
+        owner: named in the debug log.
+        last: after each call, ``"streaming"`` or ``"eager: <why>"``.
+    """
+
+    mode: CaptureMode = "auto"
+    owner: str = ""
+    last: str = ""
+
+    def __post_init__(self) -> None:
+        check_capture_mode(self.mode)
+
+    def run(self, forward: Callable[[bool], Result], eager_reason: str | None = None) -> Result:
+        """``forward(streaming)``, streaming unless the mode or ``eager_reason`` (why this
+        call needs explicit probabilities) says otherwise."""
+        if self.mode == "eager":
+            self._note("eager: capture='eager'")
+            return forward(False)
+        if eager_reason is not None:
+            self._refuse_streaming(eager_reason)
+            self._note(f"eager: {eager_reason}")
+            return forward(False)
+        try:
+            result = forward(True)
+        except StreamingUnsupported as error:
+            self._refuse_streaming(str(error), error)
+            self._note(f"eager: {error}")
+            return forward(False)
+        self._note("streaming")
+        return result
+
+    def _refuse_streaming(self, reason: str, error: Exception | None = None) -> None:
+        if self.mode == "streaming":
+            raise ValueError(f"capture='streaming' is not possible here: {reason}. Use capture='auto' or 'eager'.") from error
+
+    def _note(self, how: str) -> None:
+        self.last = how
+        logger.debug("%s: %s", self.owner or "capture", how)

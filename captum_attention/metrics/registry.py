@@ -1,0 +1,180 @@
+"""The metric registry: every metric that scores an attribution over a data set, declared once.
+
+A registered metric is called the Captum way, whatever it measures::
+
+    metric(forward_func, inputs, attributions, additional_forward_args, target, context) -> Tensor
+
+with ``inputs`` the ``(batch, seq_len)`` token ids, ``attributions`` one score per token
+(any method's: ours, Captum's, a user's tensor), ``additional_forward_args`` the
+forward's further arguments (the padding mask first), ``target`` the explained class per
+example, and ``context`` (:class:`MetricContext`) what some metrics need besides: the model
+whose attention they intervene on, the tokens never removed, the rationale tokens. It
+returns one value per example, ``(batch,)`` (NaN where the metric has none).
+
+:func:`register_metric` adds a metric under a name; :data:`METRICS` lists them in
+registration order, and ``evaluate`` (the command line's too) reads it: a metric
+registered before the run is scored like the built-in ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from .erasure import attention_erasure, decision_flip_fraction
+from .plausibility import auprc, token_f1
+from .token_removal import aopc, comprehensiveness, sufficiency
+
+
+@dataclass(frozen=True)
+class MetricContext:
+    """What a registered metric may need besides the Captum-style arguments.
+
+    Attributes:
+        model: the module holding the attention (for metrics that intervene on it).
+        keep: ``(batch, seq_len)`` bool, tokens never removed or ranked (special tokens).
+        rationale: ``(batch, seq_len)`` bool, the tokens of the known rationale, or None
+            where the data has none.
+    """
+
+    model: nn.Module
+    keep: Tensor
+    rationale: Tensor | None = None
+
+    def included(self, mask: Tensor) -> Tensor:
+        """``(batch, seq_len)`` bool: the real tokens a metric ranks (not padding, not kept)."""
+        return (mask == 1) & ~self.keep
+
+    def rationale_tokens(self) -> Tensor:
+        """The rationale, or a clear error where the data gave none."""
+        if self.rationale is None:
+            raise ValueError("This metric compares with rationales: give a 'rationale' on every row.")
+        return self.rationale
+
+
+MetricFunction = Callable[[Callable[..., Tensor], Tensor, Tensor, tuple[Any, ...], Tensor, MetricContext], Tensor]
+"""``metric(forward_func, inputs, attributions, additional_forward_args, target, context) -> (batch,)``."""
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A registered metric as data.
+
+    Attributes:
+        name: the registry key (``--metrics`` on the command line).
+        function: see :data:`MetricFunction`.
+        description: one line for the documentation and ``--help``.
+        needs_rationale: the data set must give a rationale on every row.
+        needs_model: the metric runs the model through the capture (attention
+            interventions), not only ``forward_func``.
+    """
+
+    name: str
+    function: MetricFunction
+    description: str
+    needs_rationale: bool = False
+    needs_model: bool = False
+
+
+METRICS: dict[str, MetricSpec] = {}
+"""Registry name -> :class:`MetricSpec`, in registration order."""
+
+Function = TypeVar("Function", bound=MetricFunction)
+
+
+def register_metric(
+    name: str, description: str, needs_rationale: bool = False, needs_model: bool = False
+) -> Callable[[Function], Function]:
+    """Decorator: register ``function`` as the metric ``name`` (a second function under the
+    same name is an error).
+
+    Example::
+
+        >>> @register_metric("top_token_drop", "probability drop when the top token is removed")
+        ... def top_token_drop(forward_func, inputs, attributions, additional_forward_args, target, context):
+        ...     ...
+    """
+
+    def add(function: Function) -> Function:
+        known = METRICS.get(name)
+        if known is not None and known.function is not function:
+            raise ValueError(f"Two metrics are registered as {name!r}: {known.function.__name__} and {function.__name__}.")
+        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model)
+        return function
+
+    return add
+
+
+ERASED_SHARE = 0.2
+"""The share of each example's ranked tokens whose attention ``erasure_js`` erases."""
+
+
+@register_metric("comprehensiveness", "ERASER comprehensiveness: AOPC over removing the top 1/5/10/20/50% tokens")
+def _comprehensiveness(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep))
+
+
+@register_metric("sufficiency", "ERASER sufficiency: AOPC over keeping only the top 1/5/10/20/50% tokens")
+def _sufficiency(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep))
+
+
+@register_metric(
+    "decision_flip", "fraction of tokens whose attention is erased (every layer, in ranking order) before the decision flips",
+    needs_model=True,
+)
+def _decision_flip(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    ranking = attributions.masked_fill(~context.included(additional_forward_args[0]), float("-inf"))
+    flip = decision_flip_fraction(forward_func, inputs, ranking, additional_forward_args, model=context.model, keep=context.keep)
+    return flip.fraction
+
+
+@register_metric(
+    "erasure_js", "JS divergence of the output when the attention paid to the top 20% tokens is erased at every layer",
+    needs_model=True,
+)
+def _erasure_js(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    erased = top_share(attributions, context.included(additional_forward_args[0]))
+    return attention_erasure(forward_func, inputs, erased, additional_forward_args, model=context.model).js_divergence
+
+
+@register_metric("token_f1", "token F1 against the rationale, k = the rationale's size", needs_rationale=True)
+def _token_f1(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    return token_f1(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
+
+
+@register_metric("auprc", "area under the precision-recall curve against the rationale", needs_rationale=True)
+def _auprc(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    return auprc(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
+
+
+def top_share(scores: Tensor, include: Tensor, share: float = ERASED_SHARE) -> Tensor:
+    """``(batch, seq_len)`` bool: the top ``share`` of each row's included tokens (at
+    least one), ties broken by position."""
+    ranked = scores.masked_fill(~include, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    counts = (include.sum(dim=-1).float() * share).ceil().clamp(min=1).long()
+    chosen = torch.arange(scores.shape[-1], device=scores.device)[None, :] < counts[:, None]
+    return torch.zeros_like(include).scatter_(-1, ranked, chosen) & include

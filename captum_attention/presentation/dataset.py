@@ -1,0 +1,123 @@
+"""The data files of ``evaluate``: reading examples from JSONL or CSV, batching them by
+length, and writing results so that a file is either whole or absent."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+class DatasetError(ValueError):
+    """A data set file that cannot be read as asked (the message names the line)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One row of a data set: its position (0-based, over the kept rows), the line it came
+    from, the text, and optionally its label (a class index) and rationale words."""
+
+    index: int
+    line: int
+    text: str
+    label: int | None = None
+    rationale: tuple[str, ...] | None = None
+
+
+def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[Example], list[str]]:
+    """The examples of a JSONL or CSV file (by its suffix), and the problems skipped.
+
+    Each row has ``text``, optionally ``label`` (an int) and ``rationale`` (a list of
+    words in JSONL; words separated by spaces in CSV). A malformed row raises
+    :class:`DatasetError` naming its line, or with ``skip_malformed`` is skipped and
+    reported in the second list.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"data set not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".csv"):
+        raise DatasetError(f"{path}: give a .jsonl or .csv file (one example per row)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"{path} is not UTF-8 text") from error
+    rows = _jsonl_rows(text) if suffix == ".jsonl" else _csv_rows(text)
+    examples: list[Example] = []
+    skipped: list[str] = []
+    for line, row in rows:
+        try:
+            examples.append(_example(len(examples), line, row))
+        except DatasetError as error:
+            if not skip_malformed:
+                raise DatasetError(f"{path}, line {line}: {error} (pass --skip-malformed to skip such rows)") from None
+            skipped.append(f"line {line}: {error}")
+    if not examples:
+        raise DatasetError(f"{path} has no example" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
+    return examples, skipped
+
+
+def _jsonl_rows(text: str) -> Iterable[tuple[int, Any]]:
+    for line, content in enumerate(text.splitlines(), start=1):
+        if not content.strip():
+            continue
+        try:
+            yield line, json.loads(content)
+        except json.JSONDecodeError as error:
+            yield line, DatasetError(f"not JSON ({error.msg})")
+
+
+def _csv_rows(text: str) -> Iterable[tuple[int, Any]]:
+    reader = csv.DictReader(text.splitlines())
+    if reader.fieldnames is None or "text" not in reader.fieldnames:
+        raise DatasetError("the CSV file needs a header row with a 'text' column")
+    for row in reader:
+        rationale = row.get("rationale")
+        yield reader.line_num, {**row, "rationale": rationale.split() if rationale else None}
+
+
+def _example(index: int, line: int, row: Any) -> Example:
+    if isinstance(row, DatasetError):
+        raise row
+    if not isinstance(row, dict):
+        raise DatasetError("a row must be an object with a 'text' field")
+    text = row.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise DatasetError("'text' is missing or empty")
+    label = row.get("label")
+    if label in (None, ""):
+        label = None
+    else:
+        try:
+            label = int(label)
+        except (TypeError, ValueError):
+            raise DatasetError(f"'label' must be a class index, got {label!r}") from None
+    rationale = row.get("rationale")
+    if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
+        raise DatasetError("'rationale' must be a list of words")
+    return Example(index, line, text, label, None if rationale is None else tuple(rationale))
+
+
+def batches(examples: Sequence[Example], tokenizer: Any, batch_size: int) -> list[list[Example]]:
+    """The examples in length-sorted buckets of ``batch_size`` (ties in file order)."""
+    lengths = [len(ids) for ids in tokenizer([e.text for e in examples], truncation=True)["input_ids"]]
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    return [[examples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
+
+
+def write_atomically(path: Path, content: str) -> None:
+    """``content`` into ``path`` all at once: written beside it, then renamed."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(content)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
