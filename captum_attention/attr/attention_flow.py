@@ -110,7 +110,7 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
         )
 
     def _scores(self, record: ForwardRecord, head_fusion: str = "mean", start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
-        first = record.layer(start_layer, "start_layer")
+        first = record.call_index(start_layer, "start_layer")
         maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion)
         token_maps, readout = record.readout(maps, first)
         return attention_flow_scores(token_maps, record.target_real, record.query_index, readout), maps

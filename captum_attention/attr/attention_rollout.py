@@ -122,7 +122,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     def _scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[Tensor, list[Tensor]]:
-        first = record.layer(start_layer, "start_layer")
+        first = record.call_index(start_layer, "start_layer")
         maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion, discard_ratio)
         token_maps, readout = record.readout(maps, first)
         return rollout_scores(token_maps, record.query_index, readout), maps
@@ -134,7 +134,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         over the joint source-target graph (the source part ``source_row``)."""
         if record.is_encoder_decoder and start_layer:
             raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
-        first = record.layer(start_layer, "start_layer")
+        first = record.call_index(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
         source_row = torch.zeros_like(record.input_real, dtype=row.dtype)
         for call, role in list(zip(record.kernel_calls, record.roles))[first:][::-1]:

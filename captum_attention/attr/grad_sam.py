@@ -15,7 +15,7 @@ from ..maps.grad_sam import check_axis
 from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord, GradMaps, OutputGrads
+from ..capture import ForwardRecord, GradMaps, OutputGrads
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
 from ._registry import MethodSpec
 
@@ -126,7 +126,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     def _scores(self, record: ForwardRecord, axis: str = "query") -> tuple[Tensor, list[Tensor]]:
         grad_maps = record.result(GradMaps).maps
         maps = [grad_sam_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(grad_maps, record.roles)]
-        return grad_sam_scores(maps, record.heads, record.target_real, record.pooling, axis), maps
+        return grad_sam_scores(maps, record.head_counts, record.target_real, record.pooling, axis), maps
 
     def _streamed_scores(self, record: ForwardRecord, axis: str = "query") -> Scores:
         """The row (or column) sums of every call; for an encoder-decoder the encoder's
@@ -146,7 +146,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
                 for i in calls
             )
             real = record.target_real if roles[0] == "self" else record.input_real
-            scores.append(grad_sam_normalised(torch.as_tensor(total), [record.heads[i] for i in calls], real))
+            scores.append(grad_sam_normalised(torch.as_tensor(total), [record.head_counts[i] for i in calls], real))
         return scores[0] if len(scores) == 1 else (scores[1], scores[0])
 
     def _encoder_decoder_scores(
@@ -158,7 +158,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
         for head_mean, role in zip(record.result(GradMaps).maps, record.roles):
             role_maps[role] += grad_sam_layer_maps([head_mean], *record.real_of(role))
-        heads = dict(zip(record.roles, record.heads))
+        heads = dict(zip(record.roles, record.head_counts))
         source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.input_real)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])

@@ -103,7 +103,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps, effective, layer=layer)
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
-        chosen = record.layer(layer)
+        chosen = record.call_index(layer)
         maps = [raw_attention_maps([attn], *record.real_of(role))[0] for attn, role in zip(record.attn_maps, record.roles)]
         return record.explained_row(chosen, maps[chosen]), maps
 
@@ -111,9 +111,9 @@ class RawAttention(AttentionAttributionBase, Attribution):
         """The query row of the chosen layer; for an encoder-decoder that decoder layer's
         cross-attention (source) and self-attention (target) rows."""
         if not record.is_encoder_decoder:
-            return raw_attention_row(record.kernel_calls[record.layer(layer)], record.query_index, record.target_real)
+            return raw_attention_row(record.kernel_calls[record.call_index(layer)], record.query_index, record.target_real)
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
-        chosen = decoder.layer(layer)
+        chosen = decoder.call_index(layer)
         return (
             raw_attention_row(cross.kernel_calls[chosen], record.query_index, record.input_real),
             raw_attention_row(decoder.kernel_calls[chosen], record.query_index, record.target_real),
@@ -123,7 +123,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         self, record: ForwardRecord, layer: int = -1
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
-        chosen = decoder.layer(layer)
+        chosen = decoder.call_index(layer)
         encoder = record.of_role("encoder")
         decoder_maps = raw_attention_maps(decoder.attn_maps, record.target_real)
         cross_maps = raw_attention_maps(cross.attn_maps, record.target_real, record.input_real)

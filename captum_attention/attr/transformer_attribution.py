@@ -16,7 +16,7 @@ from ..maps import (
 )
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord, GradMaps, OutputGrads
+from ..capture import ForwardRecord, GradMaps, OutputGrads
 from ..maps.kernel import KernelCall, block_shape
 from ..maps.streaming import (
     query_row,
@@ -115,7 +115,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         )
 
     def _scores(self, record: ForwardRecord, start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
-        first = record.layer(start_layer, "start_layer")
+        first = record.call_index(start_layer, "start_layer")
         grad_maps = record.result(GradMaps).maps
         maps = [relevance_layer_maps([head_mean], *record.real_of(role))[0] for head_mean, role in zip(grad_maps, record.roles)]
         token_maps, readout = record.readout(maps, first)
@@ -128,7 +128,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
             if start_layer != 0:
                 raise ValueError("start_layer applies to one self-attention stack; leave it at 0 for encoder-decoders.")
             return self._streamed_encoder_decoder(record)
-        first = record.layer(start_layer, "start_layer")
+        first = record.call_index(start_layer, "start_layer")
         row = query_row(record.query_index, record.target_real.shape[1])
         for call, grad in list(zip(record.kernel_calls, record.result(OutputGrads).grads))[first:][::-1]:
             row = relevance_row_step(call, grad, row, record.target_real, block_shape(call, self.block_memory))

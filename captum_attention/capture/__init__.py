@@ -13,8 +13,19 @@ from .adapters import (
     default_adapter,
 )
 from .kernel import StreamingUnsupported
-from .probes import CallInfo, GradMode, Intervention, KeysTransform, Probe, ProbsIntervention, RecordedValues, ValueRecorder
-from .record import ForwardRecord, GradMaps, OutputGrads, record_forward
+from .probes import (
+    CallInfo,
+    GradientReduction,
+    GradMaps,
+    GradMode,
+    Intervention,
+    KeysTransform,
+    Probe,
+    ProbsIntervention,
+    RecordedValues,
+    ValueRecorder,
+)
+from .record import ForwardRecord, OutputGrads, record_forward
 from .recorder import AttentionCapture
 
 __all__ = [
@@ -26,6 +37,7 @@ __all__ = [
     "CallInfo",
     "ForwardRecord",
     "GradMaps",
+    "GradientReduction",
     "GradMode",
     "HuggingFaceAdapter",
     "Intervention",

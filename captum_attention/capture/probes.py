@@ -12,7 +12,10 @@ receives only the events it declares in :attr:`Probe.events`:
 - ``"kernel"`` (streaming capture): each call of the attention kernel; the probe may
   compute the call's output itself;
 - ``"call_end"``: the end of each attention call, with the tensors that weighted its values;
-- ``"masks"``: the padding masks the model received.
+- ``"masks"``: the padding masks the model received;
+- ``"backward"``: a backward pass through the capture
+  (:meth:`~captum_attention.capture.AttentionCapture.backward`) reaching each call, with
+  its maps and their gradient.
 
 A probe's :meth:`Probe.result` is a typed value that the record of the pass keeps
 (:meth:`~captum_attention.capture.ForwardRecord.result`); a probe without one returns None.
@@ -32,7 +35,7 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 
 Event = str
-"""One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``."""
+"""One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``, ``"backward"``."""
 
 RunKernel = Callable[..., Tensor]
 """``run_kernel(inputs=None)``: runs the model's attention kernel, on its own query, key
@@ -103,6 +106,10 @@ class Probe:
     def on_masks(self, attention_mask: Tensor | None, decoder_attention_mask: Tensor | None) -> None:
         """The padding masks the model received (1 = real token), or None."""
 
+    def on_backward(self, call: CallInfo, attn_maps: Tensor, attn_grads: Tensor) -> None:
+        """A backward pass reached the call: its ``(batch, heads, queries, keys)`` maps and
+        dS/dA."""
+
     def result(self) -> Any:
         """The probe's typed result for the record, or None."""
         return None
@@ -118,6 +125,36 @@ class PerCall:
 
 
 PerCallT = TypeVar("PerCallT", bound=PerCall)
+
+
+@dataclass
+class GradMaps(PerCall):
+    """Per attention call, a gradient method's reduction of (A, dS/dA) over heads,
+    ``(B, Q, K)`` float32."""
+
+    maps: list[Tensor]
+
+
+class GradientReduction(Probe):
+    """Reduces each call's (A, dS/dA) as a backward pass reaches it:
+    ``reduce(attn_maps, attn_grads) -> (B, Q, K)`` (result: :class:`GradMaps`, in call
+    order).
+
+    Args:
+        reduce (callable): the method's reduction over heads.
+    """
+
+    events = frozenset({"backward"})
+
+    def __init__(self, reduce: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.reduce = reduce
+        self._reduced: dict[int, Tensor] = {}
+
+    def on_backward(self, call: CallInfo, attn_maps: Tensor, attn_grads: Tensor) -> None:
+        self._reduced[call.index] = self.reduce(attn_maps, attn_grads).float()
+
+    def result(self) -> GradMaps:
+        return GradMaps([self._reduced[index] for index in sorted(self._reduced)])
 
 
 class GradMode(Probe):

@@ -27,22 +27,14 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
 from .kernel import StreamingUnsupported
-from .probes import GradMode, MaskShape, PerCall, Probe
+from .probes import GradientReduction, GradMaps, GradMode, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
 from .runner import resolve_adapter
 
-GradientReduction = Callable[[Tensor, Tensor], Tensor]
+HeadReduction = Callable[[Tensor, Tensor], Tensor]
 """``reduce(attn_maps, attn_grads) -> (B, Q, K)``: one call's (A, dS/dA) reduced over heads."""
 
 ResultT = TypeVar("ResultT")
-
-
-@dataclass
-class GradMaps(PerCall):
-    """Per attention call, a gradient method's reduction of (A, dS/dA) over heads,
-    ``(B, Q, K)`` float32 (:meth:`ForwardRecord.with_gradients`)."""
-
-    maps: list[Tensor]
 
 
 @dataclass
@@ -62,7 +54,7 @@ class ForwardRecord:
         attn_maps: eager records: per attention call, ``(B, H, Q, K)`` float maps, the
             probabilities as they weighted the values (detached), or what a method
             reduces in their place (effective attention); empty for a streaming record.
-        heads: per attention call, the number of heads.
+        head_counts: per attention call, the number of heads.
         roles: per attention call, ``"self"``, or ``"encoder"``/``"decoder"``/``"cross"``.
         target_real: ``(B, T)`` bool, the real tokens of the explained sequence (the
             target sequence of an encoder-decoder); for causal attention only those up to
@@ -81,7 +73,7 @@ class ForwardRecord:
 
     logits: Tensor
     attn_maps: list[Tensor]
-    heads: list[int]
+    head_counts: list[int]
     roles: list[str]
     target_real: Tensor
     source_real: Tensor | None
@@ -111,7 +103,8 @@ class ForwardRecord:
         return replace(self, results={**self.results, type(value): value})
 
     @property
-    def num_layers(self) -> int:
+    def num_calls(self) -> int:
+        """How many attention calls the pass made (an encoder-decoder layer makes several)."""
         return len(self.roles)
 
     @property
@@ -144,14 +137,15 @@ class ForwardRecord:
             return logits.gather(1, targets[:, None]).sum()
 
     def with_gradients(
-        self, target: TargetType, reduction: GradientReduction, retain_graph: bool = False
+        self, target: TargetType, reduction: HeadReduction, retain_graph: bool = False
     ) -> "ForwardRecord":
         """This record with :class:`GradMaps`: ``reduction`` of each call's (A, dS/dA) for
         S = :meth:`target_score` (A: the record's maps)."""
         score = self.target_score(target)
+        reduced = GradientReduction(reduction)
         with torch.enable_grad():
-            grads = self.capture.gradients(score, reduction, retain_graph=retain_graph, reduced_probs=self.attn_maps)
-        return self.with_result(GradMaps([g.float() for g in grads]))
+            self.capture.backward(score, [reduced], retain_graph, self.attn_maps)
+        return self.with_result(reduced.result())
 
     def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":
         """A streaming record with :class:`OutputGrads`: dS/dO of every call for S =
@@ -176,7 +170,7 @@ class ForwardRecord:
 
         results = {kind: r.select(chosen) if isinstance(r, PerCall) else r for kind, r in self.results.items()}
         return replace(
-            self, attn_maps=pick(self.attn_maps), heads=pick(self.heads), roles=pick(self.roles),
+            self, attn_maps=pick(self.attn_maps), head_counts=pick(self.head_counts), roles=pick(self.roles),
             kernel_calls=pick(self.kernel_calls), results=results,
         )
 
@@ -257,7 +251,7 @@ class ForwardRecord:
         if heads is None:
             return None
         chosen = list(heads)
-        num_heads = self.heads[call]
+        num_heads = self.head_counts[call]
         wrong = [h for h in chosen if not _is_int(h) or not -num_heads <= h < num_heads]
         if wrong or not chosen:
             raise ValueError(
@@ -271,16 +265,16 @@ class ForwardRecord:
         for call in calls:
             self.heads_of(call, heads)
 
-    def layer(self, index: int, name: str = "layer") -> int:
+    def call_index(self, index: int, name: str = "layer") -> int:
         """``index`` resolved to ``0..L-1`` (negative counts from the end), or a clear error."""
         if not _is_int(index):
             raise TypeError(f"{name} must be an int (a layer index), got {index!r}.")
-        if not -self.num_layers <= index < self.num_layers:
+        if not -self.num_calls <= index < self.num_calls:
             raise ValueError(
-                f"{name}={index} is out of range: the model has {self.num_layers} attention "
-                f"layers, so {name} must be in [{-self.num_layers}, {self.num_layers - 1}]."
+                f"{name}={index} is out of range: the model has {self.num_calls} attention "
+                f"layers, so {name} must be in [{-self.num_calls}, {self.num_calls - 1}]."
             )
-        return index % self.num_layers
+        return index % self.num_calls
 
 
 def _is_int(value: Any) -> bool:
@@ -358,10 +352,10 @@ def record_forward(
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal = _is_causal(capture, target_real)
     queries = query_positions(query_index, target_real, causal)
-    heads = [shape[1] for shape in shapes]
+    head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
-        logits, attn_maps, heads, roles, target_real, source_real, queries, causal, capture, kernel_calls, results
+        logits, attn_maps, head_counts, roles, target_real, source_real, queries, causal, capture, kernel_calls, results
     )
     return record.at_query(queries)
 
@@ -434,7 +428,7 @@ def _warn_if_padded(model: nn.Module, input_ids: Tensor) -> None:
 
 def _shape(call: KernelCall) -> torch.Size:
     """The ``(B, H, Q, K)`` shape of the call's attention."""
-    return torch.Size((call.query.shape[0], call.heads, call.num_queries, call.num_keys))
+    return torch.Size((call.query.shape[0], call.num_heads, call.num_queries, call.num_keys))
 
 
 def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:

@@ -96,7 +96,7 @@ class AttentionCapture:
         """Per attention call, ``(batch, heads, queries, keys)``, in the autograd graph."""
         if self.streaming:
             raise RuntimeError("A streaming capture records no probabilities: read kernel_calls.")
-        return [call.heads(self.adapter) for call in self._calls]
+        return [call.stacked(self.adapter) for call in self._calls]
 
     @property
     def kernel_calls(self) -> list[KernelCall]:
@@ -117,29 +117,13 @@ class AttentionCapture:
         """Per attention call, whether the adapter says it is causal (None: it cannot tell)."""
         return [call.site.causal for call in self._calls]
 
-    def gradients(
-        self,
-        score: Tensor,
-        reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
-        retain_graph: bool = False,
-        reduced_probs: list[Tensor] | None = None,
-    ) -> list[Tensor]:
+    def gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
         """dS/dA per attention call, ``(batch, heads, queries, keys)``, or a clear error.
 
         Args:
             score (Tensor): the scalar S to differentiate.
-            reduce (callable, optional): ``reduce(attn_probs, attn_grads)`` is applied to each
-                call as soon as the backward pass reaches it, and its result is returned
-                instead of the gradient; the ``(batch, heads, queries, keys)`` gradients are
-                then never all alive at once. Needs ``track_grad=True``. Default: None.
-            retain_graph (bool): keep the graph for a further ``gradients`` call.
-                Default: False.
-            reduced_probs (list of Tensor, optional): per call, the ``(batch, heads,
-                queries, keys)`` maps ``reduce`` receives instead of the recorded
-                probabilities (e.g. effective attention). Default: None.
+            retain_graph (bool): keep the graph for a further backward pass. Default: False.
         """
-        if reduce is not None:
-            return self._reduced_gradients(score, reduce, retain_graph, reduced_probs)
         pieces = [piece for call in self._calls for piece in call.pieces]
         grads = list(torch.autograd.grad(score, pieces, allow_unused=True, retain_graph=retain_graph))
         per_call: list[list[Tensor]] = []
@@ -147,7 +131,7 @@ class AttentionCapture:
             per_call.append(grads[: len(call.pieces)])
             del grads[: len(call.pieces)]
         self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
-        return [call.heads(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
+        return [call.stacked(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
 
     def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
@@ -159,29 +143,31 @@ class AttentionCapture:
         self._check_used([g is not None for g in grads])
         return list(grads)  # type: ignore[arg-type]
 
-    def _reduced_gradients(
-        self,
-        score: Tensor,
-        reduce: Callable[[Tensor, Tensor], Tensor],
-        retain_graph: bool,
-        reduced_probs: list[Tensor] | None,
-    ) -> list[Tensor]:
-        """Tensor hooks reduce each call's gradient as the backward reaches it; the backward
-        itself only asks for the (small) gradients of the hidden states entering each call."""
+    def backward(
+        self, score: Tensor, listeners: Sequence[Probe], retain_graph: bool = False, attn_maps: Sequence[Tensor] = ()
+    ) -> None:
+        """One backward pass of ``score`` in which each listener's ``on_backward`` receives
+        every call's ``(attn_maps, attn_grads)``, ``(batch, heads, queries, keys)``, as soon
+        as the pass reaches it (the full gradients are then never all alive at once). The
+        backward itself only asks for the small gradients of the hidden states entering each
+        call. ``attn_maps``: per call, the maps the listeners receive instead of the recorded
+        probabilities (e.g. effective attention). Needs ``track_grad=True``.
+        """
         anchors = [call.hidden for call in self._calls]
         if any(anchor is None for anchor in anchors):
-            raise RuntimeError("Reduced gradients need AttentionCapture(track_grad=True).")
-        reduced: list[Tensor | None] = [None] * len(self._calls)
+            raise RuntimeError("A backward pass through the capture needs AttentionCapture(track_grad=True).")
+        reached = [False] * len(self._calls)
         arrived: list[list[Tensor | None]] = [[None] * len(call.pieces) for call in self._calls]
 
         def on_gradient(index: int, piece: int, grad: Tensor) -> None:
             arrived[index][piece] = grad
             if all(g is not None for g in arrived[index]):
                 call = self._calls[index]
-                grads = call.heads(self.adapter, arrived[index])  # type: ignore[arg-type]
-                probs = call.heads(self.adapter).detach() if reduced_probs is None else reduced_probs[index]
-                reduced[index] = reduce(probs, grads)
-                arrived[index] = [None] * len(call.pieces)
+                grads = call.stacked(self.adapter, arrived[index])  # type: ignore[arg-type]
+                maps = attn_maps[index] if attn_maps else call.stacked(self.adapter).detach()
+                for listener in listeners:
+                    listener.on_backward(self._call_info(call), maps, grads)
+                reached[index], arrived[index] = True, [None] * len(call.pieces)
 
         handles = [
             p.register_hook(lambda grad, index=index, piece=piece: on_gradient(index, piece, grad))
@@ -193,8 +179,7 @@ class AttentionCapture:
         finally:
             for handle in handles:
                 handle.remove()
-        self._check_used([r is not None for r in reduced])
-        return reduced  # type: ignore[return-value]
+        self._check_used(reached)
 
     @staticmethod
     def _check_used(used: list[bool]) -> None:
@@ -431,7 +416,7 @@ class _Call:
     def module(self) -> nn.Module:
         return self.site.module
 
-    def heads(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
+    def stacked(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
         """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
         parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

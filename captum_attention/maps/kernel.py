@@ -63,7 +63,7 @@ class KernelCall:
     output: Tensor | None = None
 
     @property
-    def heads(self) -> int:
+    def num_heads(self) -> int:
         return self.query.shape[1]
 
     @property
@@ -109,7 +109,7 @@ class KernelCall:
         without repeating the key heads. Half-precision inputs on a GPU multiply on its
         tensor cores with float32 accumulation and output, as the attention kernel does."""
         batch, num_heads, num_rows, dim = rows.shape
-        first, last, _ = heads.indices(self.heads)
+        first, last, _ = heads.indices(self.num_heads)
         keys = keys[:, first // self.groups : -(-last // self.groups)]
         kv_heads, num_keys = keys.shape[1], keys.shape[2]
         assert num_heads % kv_heads == 0, "a block holds one query head or whole groups of them"
@@ -173,8 +173,8 @@ class KernelCall:
             rows = slice(start, min(start + rows_per_block, self.num_queries))
             if reached is not None and not bool(reached[:, rows].any()):
                 continue
-            for first in range(0, self.heads, heads_per_block):
-                yield slice(first, min(first + heads_per_block, self.heads)), rows
+            for first in range(0, self.num_heads, heads_per_block):
+                yield slice(first, min(first + heads_per_block, self.num_heads)), rows
 
     def erased_output(self, erased: Tensor, heads: Sequence[int] | None, shape: tuple[int, int]) -> Tensor:
         """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
@@ -182,17 +182,17 @@ class KernelCall:
         renormalising each row. Computed by the kernel one block of ``shape`` at a time; a
         row whose every key is erased gives 0."""
         assert self.value is not None
-        chosen = torch.ones(self.heads, dtype=torch.bool, device=erased.device)
+        chosen = torch.ones(self.num_heads, dtype=torch.bool, device=erased.device)
         if heads is not None:
             chosen = torch.zeros_like(chosen)
-            chosen[[h for h in heads if 0 <= h < self.heads]] = True
+            chosen[[h for h in heads if 0 <= h < self.num_heads]] = True
         erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)
         erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
         output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
         for block_heads, rows in self.blocks(shape):
             bias = self.logit_bias(rows, heads=block_heads)
             bias = erase[:, block_heads] if bias is None else bias + erase[:, block_heads]
-            first, last, _ = block_heads.indices(self.heads)
+            first, last, _ = block_heads.indices(self.num_heads)
             key_heads = slice(first // self.groups, -(-last // self.groups))
             out = F.scaled_dot_product_attention(
                 self.query[:, block_heads, rows], self.key[:, key_heads], self.value[:, key_heads],
@@ -209,13 +209,13 @@ def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
         if tensor is None:
             return None
         b = example if tensor.shape[0] > 1 else 0
-        h = head // (call.heads // head_axis_size) if tensor.shape[1] > 1 else 0
+        h = head // (call.num_heads // head_axis_size) if tensor.shape[1] > 1 else 0
         return tensor[b : b + 1, h : h + 1]
 
     kv_heads = call.key.shape[1]
     return KernelCall(
-        pick(call.query, call.heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
-        call.scale, pick(call.mask, call.heads), call.causal, pick(call.position_bias, call.heads),
+        pick(call.query, call.num_heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
+        call.scale, pick(call.mask, call.num_heads), call.causal, pick(call.position_bias, call.num_heads),
     )
 
 
@@ -227,9 +227,9 @@ def transformed_output(call: KernelCall, transform: RowsTransform, budget_bytes:
     ``(B, H, Q, K)`` tensor holds them."""
     assert call.value is not None
     batch = call.query.shape[0]
-    output = torch.empty(batch, call.num_queries, call.heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
+    output = torch.empty(batch, call.num_queries, call.num_heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
     for example in range(batch):
-        for head in range(call.heads):
+        for head in range(call.num_heads):
             plane = _plane(call, example, head)
             assert plane.value is not None
             for _, rows in plane.blocks(block_shape(plane, budget_bytes)):
@@ -274,6 +274,6 @@ def block_shape(call: KernelCall, budget_bytes: int | None = None) -> tuple[int,
         least, most = BLOCK_MEMORY[device]
         budget_bytes = max(least, 32 * call.query.numel())
         budget_bytes = budget_bytes if most is None else min(budget_bytes, most)
-    heads = 1 if one_head else call.heads
+    heads = 1 if one_head else call.num_heads
     per_row = 4 * 4 * call.query.shape[0] * heads * call.num_keys
     return heads, max(1, budget_bytes // max(per_row, 1))

@@ -108,7 +108,7 @@ def grad_sam_row_sums(
     """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums;
     with ``axis="key"`` Σ_m Σ_i per key column j, ``(B, K)``, over the real queries."""
     if axis == "key":
-        return relevance_rows_into(call, grad_output, real_queries.float() * call.heads, real_queries, real_keys, shape)
+        return relevance_rows_into(call, grad_output, real_queries.float() * call.num_heads, real_queries, real_keys, shape)
     sums = torch.zeros(real_queries.shape, device=real_queries.device)
     for heads, rows in call.blocks(shape):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
@@ -121,7 +121,7 @@ def relevance_rows_into(
     """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries, Ā =
     mean_m((G^m ⊙ A^m)^+) with the non-real keys' columns zeroed."""
     total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
-    row = row.masked_fill(~real_queries, 0.0) / call.heads  # the head mean and the non-real queries, folded in
+    row = row.masked_fill(~real_queries, 0.0) / call.num_heads  # the head mean and the non-real queries, folded in
     for heads, rows in call.blocks(shape, reached=row):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real_keys))
         total[:, : terms.shape[-1]] += torch.matmul(row[:, None, None, rows] / norm[:, :, None], terms).sum(dim=(1, 2))
@@ -141,7 +141,7 @@ def relevance_column_step(call: KernelCall, grad_output: Tensor, columns: Tensor
     for heads, rows in call.blocks(shape):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real))
         products = (torch.matmul(terms, columns[:, None, : terms.shape[-1]]) / norm[..., None]).sum(dim=1)
-        step[:, rows] += (products / call.heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
+        step[:, rows] += (products / call.num_heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
     return step
 
 
@@ -170,9 +170,9 @@ def _fused_blocks(
         probs = call.probs(rows, heads)
         part = probs[:, 0] if probs.shape[1] == 1 else reduce(probs, dim=1)
         fused = part if fused is None else combine(fused, part, out=fused)
-        if heads.stop == call.heads:
+        if heads.stop == call.num_heads:
             if fusion == "mean":
-                fused.div_(call.heads)
+                fused.div_(call.num_heads)
             fused = _over_real_keys(fused[:, None], real_keys)[:, 0]
             queries = real_queries[:, rows]
             yield rows, fused if bool(queries.all()) else fused.masked_fill_(~queries[:, :, None], 0.0)

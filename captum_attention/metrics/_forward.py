@@ -60,23 +60,23 @@ def select_rows(
     return (picked if isinstance(inputs, tuple) else picked[0]), extra
 
 
-def layer_set(layers: int | list[int] | None, num_layers: int) -> set[int]:
-    """``layers`` as a set of indices in ``0..num_layers-1``; None = all; a clear error if absent."""
+def layer_set(layers: int | list[int] | None, num_calls: int) -> set[int]:
+    """``layers`` (attention calls) as a set of indices in ``0..num_calls-1``; None = all; a clear error if absent."""
     if layers is None:
-        return set(range(num_layers))
+        return set(range(num_calls))
     chosen = [layers] if isinstance(layers, (int, float)) else list(layers)
     wrong = [layer for layer in chosen if isinstance(layer, bool) or not isinstance(layer, int)]
     if wrong:
         raise TypeError(f"layers must be an int or a list of ints (layer indices), got {layers!r}.")
     if not chosen:
         raise ValueError("layers is empty: give at least one layer, or None for all layers.")
-    missing = [layer for layer in chosen if not -num_layers <= layer < num_layers]
+    missing = [layer for layer in chosen if not -num_calls <= layer < num_calls]
     if missing:
         raise ValueError(
-            f"layers {missing} do not exist: the model has {num_layers} attention layers "
-            f"(valid: {-num_layers}..{num_layers - 1})."
+            f"layers {missing} do not exist: the model has {num_calls} attention layers "
+            f"(valid: {-num_calls}..{num_calls - 1})."
         )
-    return {layer % num_layers for layer in chosen}
+    return {layer % num_calls for layer in chosen}
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:

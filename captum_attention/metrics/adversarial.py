@@ -155,7 +155,7 @@ def adversarial_attention(
         raise ValueError(f'rows must be "all" or "query", got {rows!r}.')
     with torch.no_grad():
         base = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture="eager", query_index=query_index)
-    chosen = sorted(layer_set(layers, base.num_layers))
+    chosen = sorted(layer_set(layers, base.num_calls))
     base.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
     noise = [torch.randn(base.attn_maps[c].shape, generator=generator).to(base.attn_maps[c].device) for c in chosen]
@@ -272,7 +272,7 @@ def adversarial_keys(
         base = run_model(
             forward_func, model, inputs, additional_forward_args, adapter=adapter, capture="streaming", query_index=query_index,
         )
-    chosen = sorted(layer_set(layers, base.num_layers))
+    chosen = sorted(layer_set(layers, base.num_calls))
     keys = {c: base.kernel_calls[c].key for c in chosen}
     key_heads = {c: keys[c].shape[1] for c in chosen}
     for c in chosen:

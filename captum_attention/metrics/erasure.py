@@ -136,7 +136,7 @@ def attention_erasure(
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     original_probs = original.explained_probs()
     _check_keys(erased_keys, original.input_real, "erased_keys")
-    chosen = layer_set(layers, original.num_layers)
+    chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
     erased = run_model(forward_func, model, inputs, additional_forward_args, [erasure], adapter, capture).explained_probs()
@@ -202,7 +202,7 @@ def decision_flip_fraction(
     check_rankable(ranking, original.input_real, "ranking")
     if keep is not None:
         _check_keys(keep, original.input_real, "keep")
-    chosen = layer_set(layers, original.num_layers)
+    chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     explained = original if query_index is None else original.at_query(query_positions(query_index, original.target_real))
     plan = _plan_prefixes(ranking, original.input_real, keep)

@@ -109,7 +109,7 @@ def attention_permutation(
     model = resolve_model(forward_func, model)
     original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
     original_probs = original.explained_probs()
-    chosen = layer_set(layers, original.num_layers)
+    chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     generator = torch.Generator().manual_seed(seed)
     permuted = torch.stack(
@@ -164,10 +164,10 @@ def permutation_accuracy(
     total = 0
     for ids, mask, labels in tqdm(data, desc="permuting attention", disable=not progress):
         original = run_model(forward_func, model, ids, (mask,), adapter=adapter, capture=capture)
-        settings = layers if layers is not None else [*range(original.num_layers), None]
+        settings = layers if layers is not None else [*range(original.num_calls), None]
         outcomes = {"original": original.explained_probs()}
         for setting in settings:
-            chosen = layer_set(setting, original.num_layers)
+            chosen = layer_set(setting, original.num_calls)
             name = "all layers" if setting is None else f"layer {setting}"
             permutation = _RowPermutation(original, chosen, None, generator)
             outcomes[name] = run_model(forward_func, model, ids, (mask,), [permutation], adapter, capture).explained_probs()

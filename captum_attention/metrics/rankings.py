@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType
-from ..capture import AttentionAdapter
-from ..capture.record import GradientReduction, GradMaps, OutputGrads
+from ..capture import AttentionAdapter, GradMaps, OutputGrads
+from ..capture.record import HeadReduction
 from ..maps import mask_padding
 from ._forward import CaptureMode, resolve_model, run_model
 
@@ -43,7 +43,7 @@ def _ranking(
         forward_func, model, inputs, additional_forward_args, (), adapter, capture,
         track_grad=kind != "attention", query_index=query_index,
     )
-    index = record.layer(layer)
+    index = record.call_index(layer)
     if record.streaming:
         call = record.kernel_calls[index]
         if kind == "attention":
@@ -107,7 +107,7 @@ def gradient_attention_ranking(
     )
 
 
-_HEAD_MEANS: dict[str, GradientReduction] = {
+_HEAD_MEANS: dict[str, HeadReduction] = {
     "gradient": lambda attn, grad: grad.float().mean(dim=1),
     "gradient_attention": lambda attn, grad: (grad.float() * attn.float()).mean(dim=1),
 }

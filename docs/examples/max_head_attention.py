@@ -43,10 +43,10 @@ class MaxHeadAttention(AttentionAttributionBase, Attribution):
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         """Eager capture: every call's head-max map, and the query row of ``layer``'s."""
         maps = [attn.amax(dim=1) for attn in record.attn_maps]
-        chosen = record.layer(layer)
+        chosen = record.call_index(layer)
         return record.explained_row(chosen, maps[chosen]), maps
 
     def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Tensor:
         """Streaming capture: the query's row of ``layer``, recomputed from the kernel call."""
-        call = record.kernel_calls[record.layer(layer)]
+        call = record.kernel_calls[record.call_index(layer)]
         return call.rows_at(record.query_index).amax(dim=1)
