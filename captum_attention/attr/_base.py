@@ -329,11 +329,19 @@ def with_effective_attention(record: ForwardRecord) -> ForwardRecord:
 
 def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     """``scores`` (or ``(source, target)`` scores) exactly 0 outside the real tokens, also
-    where non-finite values elsewhere would spread into them through a product."""
+    where non-finite values elsewhere would spread into them through a product; NaN at the
+    real tokens of an example whose explained logits are not finite (a streaming
+    recomputation of NaN attention could otherwise give finite numbers)."""
+    broken = ~torch.isfinite(record.explained_logits()).all(dim=-1)
+
+    def finished(side: Tensor, real: Tensor) -> Tensor:
+        nan_rows = broken.to(side.device)[:, None] & real
+        return side.masked_fill(nan_rows, float("nan")).masked_fill(~real, 0.0)
+
     if isinstance(scores, tuple):
         source, target = scores
-        return source.masked_fill(~record.input_real, 0.0), target.masked_fill(~record.target_real, 0.0)
-    return scores.masked_fill(~record.target_real, 0.0)
+        return finished(source, record.input_real), finished(target, record.target_real)
+    return finished(scores, record.target_real)
 
 
 def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:

@@ -13,7 +13,8 @@ them exactly as ``torch.nn.functional.scaled_dot_product_attention`` does). No
 The wrapper is installed while at least one capture is active (a lock and a count) and
 dispatches on a context variable, so other threads and other models run the kernel as if
 nothing were there, and it is removed when the last capture ends, also on an exception
-or a ``KeyboardInterrupt``.
+or a ``KeyboardInterrupt``; a ``"sdpa"`` function a user registered in the meantime (from
+the forward or another thread) is kept, not reverted.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class KernelInterception:
         with _LOCK:
             _INSTALLED["count"] -= 1
             if _INSTALLED["count"] == 0:
-                register_attention_function("sdpa", _INSTALLED["original"])
+                if attention_function("sdpa") is _dispatch:  # else the user registered their own since: keep it
+                    register_attention_function("sdpa", _INSTALLED["original"])
                 _INSTALLED["original"] = None
 
 

@@ -6,14 +6,22 @@ import torch
 from torch import Tensor
 
 
-def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions") -> None:
-    """A clear error for NaN among the ``include``\\ d scores (a NaN has no rank) and for
-    rows with nothing included (nothing to rank)."""
+def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions", finite: bool = False) -> None:
+    """A clear error for NaN among the ``include``\\ d scores (a NaN has no rank), with
+    ``finite`` for ±inf too (where the metric ranks tokens against excluded ones, which
+    it places at -inf), and for rows with nothing included (nothing to rank)."""
     nan_rows = (scores.isnan() & include).any(dim=1).nonzero().flatten().tolist()
     if nan_rows:
         raise ValueError(
             f"{name} hold NaN in examples {nan_rows}: a NaN has no rank. Replace it (e.g. "
             "torch.nan_to_num) or leave those examples out."
+        )
+    infinite_rows = (scores.isinf() & include).any(dim=1).nonzero().flatten().tolist() if finite else []
+    if infinite_rows:
+        raise ValueError(
+            f"{name} hold ±inf in examples {infinite_rows}: an infinite score ties with the "
+            "tokens this metric never removes. Give finite scores (e.g. torch.nan_to_num with "
+            "posinf/neginf set to the largest and smallest finite score)."
         )
     empty_rows = (~include.any(dim=1)).nonzero().flatten().tolist()
     if empty_rows:

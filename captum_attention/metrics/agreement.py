@@ -15,6 +15,13 @@ def _per_example(correlation: Callable[..., object], first: Tensor, second: Tens
             f"attributions must both be (batch, seq_len); got {tuple(first.shape)} and {tuple(second.shape)}."
         )
     include = torch.ones_like(first, dtype=torch.bool) if include is None else include.bool()
+    for name, scores in (("first", first), ("second", second)):
+        nan_rows = (scores.isnan() & include).any(dim=1).nonzero().flatten().tolist()
+        if nan_rows:
+            raise ValueError(
+                f"{name} holds NaN in examples {nan_rows}: a NaN has no rank. Replace it (e.g. "
+                "torch.nan_to_num) or leave those tokens out of include."
+            )
     values = []
     for a, b, chosen in zip(first.detach().cpu(), second.detach().cpu(), include.cpu()):
         if chosen.sum() < 2:

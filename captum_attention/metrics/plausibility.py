@@ -12,7 +12,11 @@ from torch import Tensor
 from ._checks import check_rankable
 
 
-def _checked(attributions: Tensor, rationale: Tensor, include: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _checked(
+    attributions: Tensor, rationale: Tensor, include: Tensor | None, k: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive number of tokens (or None: the rationale's size), got {k!r}.")
     if attributions.shape != rationale.shape or attributions.dim() != 2:
         raise ValueError(
             f"attributions {tuple(attributions.shape)} and rationale {tuple(rationale.shape)} "
@@ -66,9 +70,10 @@ def token_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = N
         ``(batch,)`` tensor.
 
     Raises:
-        ValueError: NaN among the included scores, or an example with no included token.
+        ValueError: NaN among the included scores, an example with no included token, or
+            ``k`` below 1.
     """
-    scores, gold, include = _checked(attributions, rationale, include)
+    scores, gold, include = _checked(attributions, rationale, include, k)
     counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
     return _f1(top_k_weights(scores, counts, include), gold)
 
@@ -90,7 +95,7 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
     matches. Tokens tied at the k-th place are all selected (spans have no fractional
     membership; position never decides). Arguments as for :func:`token_f1`. Returns
     ``(batch,)``."""
-    scores, gold, include = _checked(attributions, rationale, include)
+    scores, gold, include = _checked(attributions, rationale, include, k)
     counts = gold.sum(dim=1) if k is None else torch.full((len(gold),), k, device=gold.device)
     predicted = top_k_weights(scores, counts, include) > 0
     values = []

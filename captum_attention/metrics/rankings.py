@@ -114,5 +114,9 @@ _HEAD_MEANS: dict[str, HeadReduction] = {
 
 
 def random_ranking(shape: tuple[int, int] | torch.Size, seed: int = 0) -> Tensor:
-    """A uniformly random ranking of shape ``(batch, seq_len)``, reproducible by ``seed``."""
-    return torch.rand(tuple(shape), generator=torch.Generator().manual_seed(seed))
+    """A uniformly random ranking of ``shape`` (``(batch, seq_len)``, or ``(batch, rows,
+    columns)`` for patches), reproducible by ``seed``."""
+    dims = tuple(shape)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"shape must be sizes such as (batch, seq_len), non-negative ints; got {shape!r}.")
+    return torch.rand(dims, generator=torch.Generator().manual_seed(seed))

@@ -125,7 +125,7 @@ class _Remover:
                 f"attributions have shape {tuple(attributions.shape)} but the inputs are "
                 f"{tuple(self.ids.shape)}: give one score per token."
             )
-        check_rankable(attributions, self.removable)
+        check_rankable(attributions, self.removable, finite=True)
         signed = attributions.float() if most_relevant else -attributions.float()
         order = signed.masked_fill(~self.removable, float("-inf")).argsort(dim=1, descending=True, stable=True)
         positions = torch.arange(self.ids.shape[1], device=order.device).expand_as(order)
@@ -282,6 +282,8 @@ def leave_one_out(
         ``(batch, seq_len)`` tensor.
     """
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    if not bool(remover.removable.any()):
+        raise ValueError("keep covers every real token: there is no token to leave out.")
     rows, positions = remover.removable.nonzero(as_tuple=True)
     remove = torch.nn.functional.one_hot(positions, input_ids.shape[1]).bool()
     after, _ = remover.evaluate(rows, remove)

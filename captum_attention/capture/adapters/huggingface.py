@@ -104,17 +104,18 @@ class HuggingFaceAdapter(AdapterBase):
         decoder_attention_mask)`` for encoder-decoders (``inputs_embeds`` /
         ``decoder_inputs_embeds`` for float inputs). A causal language model given a
         left-padded mask gets ``position_ids`` counted over the real tokens, as ``generate``
-        does. Other Hugging Face models (classifiers, whose positional order already is
-        ``input_ids, attention_mask, ...``) are called positionally, float embeddings in
-        the place of ``input_ids`` as ``inputs_embeds``; other forward functions are
-        returned as they are.
+        does. Other Hugging Face models (classifiers, image models) get the arguments by the
+        names of their forward's parameters in order, cache parameters left out (GPT-2's
+        classifier takes its cache second; Captum's second argument is the
+        mask), float embeddings in the place of ``input_ids`` as ``inputs_embeds``; other
+        forward functions are returned as they are.
         """
         from transformers import PreTrainedModel
 
         if not isinstance(forward_func, PreTrainedModel):
             return forward_func
         if not forward_func.can_generate():
-            return _EmbeddingsByKeyword(forward_func)
+            return _ByParameterName(forward_func)
         return _KeywordForward(forward_func, self.is_encoder_decoder(forward_func))
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
@@ -191,10 +192,23 @@ _PROJECTIONS = ("o_proj", "out_proj", "o", "c_proj", "out_lin")
 """Names transformers' attention modules give their output projection."""
 
 
+EXACT_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""The attention implementations whose semantics the captures reproduce exactly: softmax
+attention over the same logits, which eager capture reads and streaming recomputes.
+A model set to any other (a function registered with ``AttentionInterface``) is refused:
+switching it to ``eager`` or ``sdpa`` would explain another model."""
+
+
 @contextmanager
 def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
     """``model`` switched to the attention implementation ``wanted`` and back."""
     original = attn_implementation(model)
+    if original is not None and original not in EXACT_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{type(model).__name__} runs the attention function {original!r}, whose semantics the "
+            "capture cannot reproduce: explain it with a built-in implementation "
+            "(model.set_attn_implementation('sdpa') or 'eager')."
+        )
     switch = getattr(model, "set_attn_implementation", None)
     if original in (None, wanted) or switch is None:
         yield
@@ -239,18 +253,31 @@ class _KeywordForward:
         return self.model(**kwargs)
 
 
+_CACHE_PARAMETERS = ("cache", "past_key_values", "past_key_value", "cache_params", "mems")
+"""Forward parameters that hold a generation cache, never one of Captum's positional inputs."""
+
+
 @dataclass(frozen=True)
-class _EmbeddingsByKeyword:
-    """A Hugging Face model called positionally, float embeddings given where its forward
-    takes ``input_ids`` passed as ``inputs_embeds`` (see :meth:`HuggingFaceAdapter.keyword_forward`)."""
+class _ByParameterName:
+    """A Hugging Face model given Captum's positional arguments by the names of its
+    forward's parameters, cache parameters left out; float embeddings given where it takes
+    ``input_ids`` are passed as ``inputs_embeds`` (see :meth:`HuggingFaceAdapter.keyword_forward`)."""
 
     model: nn.Module
 
     def __call__(self, *args: Any) -> Any:
-        first = next(iter(inspect.signature(self.model.forward).parameters), None)
-        if first == "input_ids" and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
-            return self.model(None, *args[1:], inputs_embeds=args[0])
-        return self.model(*args)
+        parameters = inspect.signature(self.model.forward).parameters.values()
+        names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [name for name in names if name not in _CACHE_PARAMETERS]
+        if len(args) > len(names):
+            raise TypeError(
+                f"{type(self.model).__name__} was given {len(args)} positional inputs; its forward takes "
+                f"at most {len(names)} ({names}). Wrap it in a function to pass more."
+            )
+        kwargs = dict(zip(names, args))
+        if isinstance(kwargs.get("input_ids"), Tensor) and kwargs["input_ids"].is_floating_point():
+            kwargs["inputs_embeds"] = kwargs.pop("input_ids")
+        return self.model(**kwargs)
 
 
 def _encoder_of(model: nn.Module) -> nn.Module | None:
