@@ -223,3 +223,32 @@ def test_smoothgrad_and_shap_rows_are_reproducible(checkpoint, tmp_path):
     for one, other in zip(first, _rows(tmp_path / "other")):
         if one["method"] == "shap":  # SHAP explains each text alone: the batches do not matter
             assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (["--methods", "grad_sam"], "methods: grad_sam,raw there, grad_sam now"),
+        (["--batch-size", "3"], "batch_size: 4 there, 3 now"),
+        (["--data", "other"], "data: "),
+    ],
+)
+def test_a_rerun_into_the_same_output_resumes_only_the_same_run(checkpoint, tmp_path, capsys, change, named):
+    data, output = _data(tmp_path, count=6), tmp_path / "out"
+    args = ["--model", str(checkpoint), "--output", str(output), "--metrics", "token_f1"]
+    assert _run(str(data), *args, "--methods", "grad_sam,raw", "--batch-size", "4") == 0
+    first = (output / "results.jsonl").read_text()
+    if change[0] == "--data":
+        other = tmp_path / "other"
+        other.mkdir()
+        rerun = [str(_data(other, count=5)), *args, "--methods", "grad_sam,raw", "--batch-size", "4"]
+    else:
+        rerun = [str(data), *args, *(["--methods", "grad_sam,raw"] if change[0] != "--methods" else []), *change]
+        rerun += [] if change[0] == "--batch-size" else ["--batch-size", "4"]
+    capsys.readouterr()
+    assert _run(*rerun) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and named in error and "name a new --output" in error
+    assert (output / "results.jsonl").read_text() == first, "the earlier run's results stay as they were"
+    assert _run(str(data), *args, "--methods", "grad_sam,raw", "--batch-size", "4") == 0
+    assert "resuming: 2 of 2 batches" in capsys.readouterr().out

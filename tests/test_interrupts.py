@@ -79,6 +79,7 @@ def test_interrupted_calls_leave_the_model_as_found(capture):
     durations = sorted(_timed_call(call(i)) for i in range(10))
     typical = durations[len(durations) // 2]
     before = model_state(model)
+    sigint = signal.getsignal(signal.SIGINT)
     rng = random.Random(0)
     interrupted = 0
     with _Interrupt() as interrupt:
@@ -94,6 +95,8 @@ def test_interrupted_calls_leave_the_model_as_found(capture):
             assert_same_state(before, model_state(model))
             assert attention_function("sdpa") is sdpa
             assert torch.is_grad_enabled() and not function_mode_stack(), "torch's global modes restored"
+            assert signal.getsignal(signal.SIGINT) is sigint, "the guard left its handler behind"
+            assert signal.getsignal(signal.SIGALRM) == interrupt._fire, "the guard left its handler behind"
     assert interrupted > CALLS // 4, "the timer should interrupt a good share of the calls"
 
 

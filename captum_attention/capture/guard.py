@@ -54,21 +54,41 @@ class InterruptGuard:
         self._held: list[int] = []
 
     def install(self) -> None:
-        """Route the Python-handled signals through the guard (main thread only)."""
+        """Route the Python-handled signals through the guard (main thread only), all or
+        nothing: a signal whose handler raises while the handlers are being swapped gets
+        every handler restored first (see :meth:`remove`), then its exception."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in signal.valid_signals():
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                self._previous[signum] = handler
-                signal.signal(signum, self._guarded)
+        try:
+            for signum in signal.valid_signals():
+                handler = signal.getsignal(signum)
+                if callable(handler):
+                    self._previous[signum] = handler
+                    signal.signal(signum, self._guarded)
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        """Restore the handlers, then run those of the held signals."""
-        for signum, handler in reversed(self._previous.items()):
-            signal.signal(signum, handler)
+        """Restore every handler, then run those of the held signals. A signal whose
+        handler is already restored may still raise while the others are restored: its
+        exception is raised again once all handlers are back."""
+        interrupted: BaseException | None = None
+        remaining = list(self._previous.items())
+        while remaining:
+            try:
+                while remaining:
+                    signum, handler = remaining[-1]
+                    signal.signal(signum, handler)
+                    remaining.pop()
+            except BaseException as error:  # raised by a signal handler: restore the rest first
+                interrupted = interrupted or error
         previous, self._previous = self._previous, {}
-        self.deliver_held(previous)
+        try:
+            self.deliver_held(previous)
+        finally:
+            if interrupted is not None:
+                raise interrupted
 
     def deliver_held(self, handlers: dict[int, SignalHandler] | None = None) -> None:
         """Run the handlers of the signals held so far (e.g. while waiting for a lock,
@@ -85,7 +105,8 @@ class InterruptGuard:
                 self._held.append(signum)
                 return
             caller = caller.f_back
-        self._previous[signum](signum, frame)
+        handler = self._previous.get(signum, signal.default_int_handler)
+        handler(signum, frame)
 
 
 _LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()

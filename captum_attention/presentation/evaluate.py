@@ -14,6 +14,8 @@ the same rows and numbers as one.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import math
 from dataclasses import dataclass
@@ -31,7 +33,8 @@ from .explain import ReportMethod, ig_baseline, length_limit, method_names, repo
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "DatasetError", "Example", "Options", "batches", "check_request", "evaluate", "evaluation_methods", "merge",
+    "DatasetError", "Example", "Options", "OtherRunError", "batches", "check_request", "evaluate", "evaluation_methods",
+    "merge", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
 
@@ -105,6 +108,7 @@ def evaluate(
     check_request(methods, metrics, examples)
     shards = Path(output) / "shards"
     shards.mkdir(parents=True, exist_ok=True)
+    _check_same_run(Path(output), run_manifest(model, examples, methods, metrics, options))
     every = batches(examples, tokenizer, options.batch_size)
     done = sum(_shard(shards, k).exists() for k in range(len(every)))
     if done and on_resume is not None:
@@ -115,6 +119,61 @@ def evaluate(
         rows = _evaluate_batch(model, tokenizer, batch, explainers, metrics)
         write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
     return len(todo)
+
+
+def run_manifest(
+    model: Any, examples: Sequence[Example], methods: Sequence[str], metrics: Sequence[str], options: Options
+) -> dict[str, Any]:
+    """What makes two runs the same run (so that one may resume the other): the data's
+    hash, the methods, the metrics, the model, the batch size, the methods' budgets and
+    the library's version."""
+    rows = [[e.line, e.text, e.label, e.rationale] for e in examples]
+    return {
+        "data": hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest(),
+        "methods": list(methods),
+        "metrics": list(metrics),
+        "model": f"{getattr(model.config, '_name_or_path', '')} ({sum(p.numel() for p in model.parameters())} parameters)",
+        "batch_size": options.batch_size,
+        "budgets": [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.seed],
+        "version": _version(),
+    }
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("captum-attention")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class OtherRunError(ValueError):
+    """The output folder holds the results of another run (the message names the difference)."""
+
+
+def _check_same_run(output: Path, manifest: dict[str, Any]) -> None:
+    """Resume only the same run: refuse a folder whose manifest differs, or whose shards
+    came from a run without one; write the manifest for a new run."""
+    path = output / "manifest.json"
+    if path.exists():
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        changed = [key for key in manifest if recorded.get(key) != manifest[key]]
+        if changed:
+            key = changed[0]
+            raise OtherRunError(
+                f"{output} holds another run ({key}: {_shown(recorded.get(key))} there, {_shown(manifest[key])} "
+                "now): name a new --output, or repeat that run's data and options to resume it"
+            )
+        return
+    if any((output / "shards").glob("batch-*.jsonl")):
+        raise OtherRunError(f"{output} holds results without a run manifest: name a new --output")
+    write_atomically(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    text = str(value)
+    return text[:12] if len(text) == 64 else text  # a hash: its start
 
 
 def _shard(folder: Path, batch: int) -> Path:
