@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import warnings
 from contextlib import contextmanager
@@ -51,10 +52,13 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
     options = dict(local_files_only=True, trust_remote_code=False)
+    _refuse_custom_code(folder)
     try:
         config = AutoConfig.from_pretrained(folder, **options)
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{folder} is not a Hugging Face checkpoint (no readable config.json): {error}") from error
+        raise CheckpointError(
+            f"{folder} is not a Hugging Face checkpoint (no readable config.json): {_first_line(error)}"
+        ) from error
     architectures = config.architectures or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         raise CheckpointError(
@@ -75,6 +79,27 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
     except SafetensorError as error:
         raise CheckpointError(f"could not load the checkpoint in {folder}: its safetensors file is truncated or corrupt ({error}).") from error
     except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"could not load the checkpoint in {folder}: {reason}") from error
+        raise CheckpointError(f"could not load the checkpoint in {folder}: {_first_line(error)}") from error
     return model.eval(), tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _refuse_custom_code(folder: Path) -> None:
+    """One line for a checkpoint whose config names custom code (``auto_map``) for a model
+    type transformers does not have: that code is never run."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # AutoConfig says what is wrong
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(config, dict) and "auto_map" in config and model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"{folder} needs custom code (model_type {model_type!r}, auto_map in config.json), which is never "
+            "run: use a checkpoint of a built-in transformers architecture"
+        )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import unicodedata
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,6 +16,10 @@ import transformers as tf
 from captum.attr import LayerIntegratedGradients
 
 from captum_attention import METHODS as REGISTERED
+from captum_attention.loading import CheckpointError, load_classifier
+from captum_attention.presentation.explain import Explanations, MethodInfo, SentenceExplanation
+from captum_attention.presentation.html import render_html
+from captum_attention.presentation.text import render_text
 
 WORDS = "the plot was dull but acting superb what a film < > script alert ( 1 ) /".split()
 SENTENCES = ["the plot was dull but the acting was superb", "what a film"]
@@ -147,6 +153,8 @@ def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
         (["explain", "fine", "--model", "/nonexistent/model"], "model folder not found"),
         (["explain", "fine", "--file", "/nonexistent/file.txt"], "cannot read --file"),
         (["explain"], "no sentence to explain"),
+        (["explain", os.fsdecode(b"caf\xff")], "sentence 1 is not valid UTF-8: caf\\udcff"),
+        (["explain", "fine", "--model", "/nonexistent/\x1b[31mred"], "model folder not found: /nonexistent/\\x1b[31mred"),
     ],
 )
 def test_bad_input_one_line_and_non_zero_exit(args, message):
@@ -154,6 +162,30 @@ def test_bad_input_one_line_and_non_zero_exit(args, message):
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert message in result.stderr
+    assert not any(unicodedata.category(char)[0] == "C" for char in result.stderr.strip()), "a raw control character"
+
+
+def test_a_checkpoint_that_needs_custom_code_is_one_line(tmp_path):
+    config = {"model_type": "mystery", "architectures": ["MysteryForSequenceClassification"],
+              "auto_map": {"AutoConfig": "configuration_mystery.MysteryConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as raised:
+        load_classifier(tmp_path)
+    message = str(raised.value)
+    assert "needs custom code (model_type 'mystery'" in message and "\n" not in message
+    assert "trust_remote_code" not in message and "http" not in message
+
+
+def test_reports_show_control_characters_as_escapes():
+    sentence = SentenceExplanation(
+        text="bad \u202efilm\x1b[31m", tokens=["[CLS]", "bad", "\u202efilm\x1b[31m", "[SEP]"], label="neg\x07",
+        probability=0.9, target=0, target_label="neg\x07", special=[True, False, False, True],
+        scores={"Raw Attention": [0.1, 0.5, 0.4, 0.0]}, probabilities={"neg\x07": 0.9, "pos": 0.1},
+    )
+    explanations = Explanations([sentence], {"Raw Attention": 0.01}, {"Raw Attention": MethodInfo(False, False)})
+    for shown in (render_html(explanations, "model\x1b]0;title\x07"), render_text(explanations)):
+        assert not any(unicodedata.category(char) in ("Cc", "Cf") for char in shown.replace("\n", "")), shown
+        assert "\\u202efilm\\x1b[31m" in shown
 
 
 def test_not_a_sequence_classifier(checkpoints):

@@ -252,3 +252,25 @@ def test_a_rerun_into_the_same_output_resumes_only_the_same_run(checkpoint, tmp_
     assert (output / "results.jsonl").read_text() == first, "the earlier run's results stay as they were"
     assert _run(str(data), *args, "--methods", "grad_sam,raw", "--batch-size", "4") == 0
     assert "resuming: 2 of 2 batches" in capsys.readouterr().out
+
+
+def test_a_row_with_no_token_to_rank_is_refused_before_any_work_or_skipped(checkpoint, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "good film"}\n{"text": "\U0001f642"}\n{"text": "dull plot"}\n')
+    output = tmp_path / "out"
+    base = [str(data), "--model", str(checkpoint), "--output", str(output), "--methods", "raw", "--metrics", "comprehensiveness"]
+    assert _run(*base) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "line 2: no token to rank" in error and "--skip-malformed" in error
+    assert not (output / "shards").exists(), "refused before any work"
+    assert _run(*base, "--skip-malformed") == 0
+    assert "skipped" in capsys.readouterr().err
+    assert [(r["index"], r["line"]) for r in _rows(output)] == [(0, 1), (2, 3)]
+
+
+def test_a_lone_surrogate_is_one_line_naming_its_row(checkpoint, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "good film"}\n{"text": "\\ud800 film"}\n')
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out")) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "line 2: 'text' holds a lone surrogate" in error

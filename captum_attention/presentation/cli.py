@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .evaluate import metric_names, rationale_metrics
-from .explain import method_names
+from .explain import length_limit, method_names
+from .text import has_surrogates, terminal_safe
 
 
 class UsageError(ValueError):
@@ -83,6 +84,8 @@ def _visible(text: str) -> bool:
 def _sentences(arguments: argparse.Namespace) -> list[str]:
     sentences = list(arguments.sentences)
     for position, sentence in enumerate(sentences, start=1):
+        if has_surrogates(sentence):
+            raise UsageError(f"sentence {position} is not valid UTF-8: {terminal_safe(sentence)}")
         if not sentence.strip():
             raise UsageError(f"sentence {position} is empty: give text to explain")
         if not _visible(sentence):
@@ -162,7 +165,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     print(render_text(explanations, raw=arguments.raw))
     if arguments.html is not None:
         arguments.html.write_text(render_html(explanations, str(folder)), encoding="utf-8")
-        print(f"HTML report written to {arguments.html}")
+        print(terminal_safe(f"HTML report written to {arguments.html}"))
 
 
 def _listed(value: str | None, option: str) -> list[str] | None:
@@ -183,7 +186,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
     examples, skipped = read_dataset(arguments.data, arguments.skip_malformed)
     for problem in skipped:
-        print(f"captum-attention: skipped {arguments.data}, {problem}", file=sys.stderr)
+        print(terminal_safe(f"captum-attention: skipped {arguments.data}, {problem}"), file=sys.stderr)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     has_rationales = all(e.rationale is not None for e in examples)
     metrics = _listed(arguments.metrics, "metrics") or [m for m in metric_names() if has_rationales or m not in rationale_metrics()]
@@ -199,6 +202,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
     model, tokenizer = load_classifier(folder)
     model.to(state.device)
+    examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals)
     progress = None
     if state.is_main_process:
@@ -207,7 +211,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         progress = lambda todo: tqdm(todo, desc="batches", unit="batch")  # noqa: E731
     def resuming(done: int, total: int) -> None:
         if state.is_main_process:
-            print(f"resuming: {done} of {total} batches already done in {arguments.output}", flush=True)
+            print(terminal_safe(f"resuming: {done} of {total} batches already done in {arguments.output}"), flush=True)
 
     evaluate(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
@@ -217,7 +221,26 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if state.is_main_process:
         summary = merge(arguments.output, examples, metrics, options.bootstrap, options.seed)
         print(summary_markdown(summary, metrics))
-        print(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv")
+        print(terminal_safe(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv"))
+
+
+def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> list[Any]:
+    """The examples a metric can rank; the others refused before any work, or with
+    ``--skip-malformed`` skipped and reported."""
+    from .dataset import unrankable
+
+    skipped = unrankable(examples, tokenizer, max_length)
+    if skipped and not arguments.skip_malformed:
+        raise UsageError(
+            f"{arguments.data}, line {skipped[0].line}: no token to rank (every token is special or unknown to the "
+            f"tokenizer; {len(skipped)} rows in all): remove such rows, or pass --skip-malformed to skip them"
+        )
+    for example in skipped:
+        print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: no token to rank"), file=sys.stderr)
+    kept = [e for e in examples if e not in skipped]
+    if not kept:
+        raise UsageError(f"{arguments.data} has no row with a token to rank")
+    return kept
 
 
 class _SingleProcess:
@@ -248,7 +271,7 @@ def _train(arguments: argparse.Namespace) -> None:
     _check_cache_dir(arguments.cache_dir)
     folder = default_model_path(arguments.cache_dir, force=True)
     metadata = read_metadata(folder) or {}
-    print(f"default model written to {folder} (held-out accuracy {metadata.get('heldout_accuracy', 0):.1%})")
+    print(terminal_safe(f"default model written to {folder} (held-out accuracy {metadata.get('heldout_accuracy', 0):.1%})"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,11 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _train(arguments)
     except (UsageError, CheckpointError, ValueError, RuntimeError) as error:
-        print(f"captum-attention: error: {error}", file=sys.stderr)
+        print(terminal_safe(f"captum-attention: error: {error}"), file=sys.stderr)
         return 1
     except OSError as error:  # the file system said no: a path, a permission, a full disk
         where = f": {error.filename}" if error.filename else ""
-        print(f"captum-attention: error: {error.strerror or error}{where}", file=sys.stderr)
+        print(terminal_safe(f"captum-attention: error: {error.strerror or error}{where}"), file=sys.stderr)
         return 1
     return 0
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .text import has_surrogates
+
 
 class DatasetError(ValueError):
     """A data set file that cannot be read as asked (the message names the line)."""
@@ -88,6 +90,8 @@ def _example(index: int, line: int, row: Any) -> Example:
     text = row.get("text")
     if not isinstance(text, str) or not text.strip():
         raise DatasetError("'text' is missing or empty")
+    if has_surrogates(text):
+        raise DatasetError("'text' holds a lone surrogate (an escape such as \\ud800 that is no character)")
     label = row.get("label")
     if label in (None, ""):
         label = None
@@ -100,6 +104,14 @@ def _example(index: int, line: int, row: Any) -> Example:
     if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
         raise DatasetError("'rationale' must be a list of words")
     return Example(index, line, text, label, None if rationale is None else tuple(rationale))
+
+
+def unrankable(examples: Sequence[Example], tokenizer: Any, max_length: int) -> list[Example]:
+    """The examples with no token a metric can rank: every token of theirs is one of the
+    tokenizer's special tokens (a lone emoji becomes ``[CLS] [UNK] [SEP]``)."""
+    special = set(tokenizer.all_special_ids)
+    encoded = tokenizer([e.text for e in examples], truncation=True, max_length=max_length)["input_ids"]
+    return [e for e, ids in zip(examples, encoded) if all(i in special for i in ids)]
 
 
 def batches(examples: Sequence[Example], tokenizer: Any, batch_size: int) -> list[list[Example]]:

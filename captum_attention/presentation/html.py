@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from html import escape
+from html import escape as _escape_markup
 
 from .explain import Explanations, MethodInfo
+from .text import terminal_safe
+
+
+def escape(text: str) -> str:
+    """``text`` safe inside the page's markup, control and format characters (bidi
+    overrides, zero-width, escape bytes) written as visible escapes as in the terminal."""
+    return _escape_markup(terminal_safe(text))
+
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }

@@ -20,6 +20,12 @@ def terminal_safe(text: str) -> str:
     )
 
 
+def has_surrogates(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (an undecodable byte of the command line, or a
+    ``\\ud800`` escape in JSON): no valid Unicode, so no tokenizer or terminal takes it."""
+    return any(0xD800 <= ord(char) <= 0xDFFF for char in text)
+
+
 def shares(scores: list[float], special: list[bool], signed: bool) -> list[float | None]:
     """Each word's share of the method's scores over the words (special tokens: None):
     ``s / Σ s`` for non-negative scores, ``s / Σ |s|`` for signed ones; all 0 when the
