@@ -3,6 +3,8 @@ result or one clear ``ValueError``/``TypeError``, never another exception."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_model
@@ -12,6 +14,8 @@ from hypothesis import strategies as st
 
 from captum_attention import METHODS
 from captum_attention.metrics import attention_erasure, decision_flip_fraction
+from captum_attention.presentation.dataset import DatasetError, read_dataset
+from captum_attention.presentation.text import has_surrogates
 
 MODEL = make_model("bert")
 CLEAR = (ValueError, TypeError)
@@ -94,3 +98,40 @@ def test_metrics_give_results_or_a_clear_error(call, layers, heads, nan):
         assert flips.removed.shape == (inputs.shape[0],)
     except CLEAR:
         return
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["text", "label", "rationale", "x"]), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.one_of(
+            st.builds(lambda v: json.dumps(v), _JSON_VALUES),
+            st.builds(lambda v: json.dumps({"text": v}), st.text(max_size=8)),
+            st.text(max_size=12),
+            st.just('{"text": "\\ud800 film"}'),
+        ),
+        max_size=5,
+    ),
+    suffix=st.sampled_from([".jsonl", ".csv"]),
+    skip=st.booleans(),
+)
+def test_the_data_reader_gives_examples_or_one_clear_error(tmp_path_factory, rows, suffix, skip):
+    """evaluate's reader on arbitrary JSON, text and CSV rows: examples whose text is real
+    Unicode with something visible in it, or a ``DatasetError`` naming the problem."""
+    path = tmp_path_factory.mktemp("data") / f"rows{suffix}"
+    path.write_text("\n".join(rows), encoding="utf-8", errors="surrogatepass")
+    try:
+        examples, skipped = read_dataset(path, skip_malformed=skip)
+    except DatasetError as error:
+        assert "\n" not in str(error)
+        return
+    assert examples and all(isinstance(e.text, str) and e.text.strip() and not has_surrogates(e.text) for e in examples)
+    assert all(e.label is None or isinstance(e.label, int) for e in examples)
+    assert [e.index for e in examples] == list(range(len(examples)))
+    assert skip or not skipped
