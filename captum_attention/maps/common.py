@@ -68,15 +68,16 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, reado
     Returns:
         ``(B, T)`` tensor.
     """
-    first = layer_maps[0]
     if readout is not None:
-        row = readout[:, None, :].double()
+        row, dtype = readout[:, None, :].double(), readout.dtype
     else:
+        first = layer_maps[0]
         row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float64, device=first.device)
         row[torch.arange(first.shape[0], device=first.device), 0, query_index] = 1.0
+        dtype = first.dtype
     for layer_map in reversed(layer_maps):
         row = torch.bmm(row, layer_map.double())
-    return row.squeeze(1).to(first.dtype)
+    return row.squeeze(1).to(dtype)
 
 
 def identity_like(maps: Tensor) -> Tensor:
