@@ -15,7 +15,10 @@ from torch import Tensor
 from captum_attention.metrics import MetricContext, register_metric
 
 
-@register_metric("top_token_drop", "drop of the explained class's probability when the top token is masked out")
+@register_metric(
+    "top_token_drop",
+    "drop of the explained class's probability when the top token is masked out",
+)
 def top_token_drop(
     forward_func: Callable[..., Tensor],
     inputs: Tensor,
@@ -25,9 +28,9 @@ def top_token_drop(
     context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    top = attributions.masked_fill(~context.included(mask), float("-inf")).argmax(dim=1)
+    ranked = attributions.masked_fill(~context.included(mask), float("-inf"))
     masked = mask.clone()
-    masked[torch.arange(len(top)), top] = 0
+    masked[torch.arange(len(mask)), ranked.argmax(dim=1)] = 0
     with torch.no_grad():
         before = forward_func(inputs, mask).float().softmax(dim=-1)
         after = forward_func(inputs, masked).float().softmax(dim=-1)
