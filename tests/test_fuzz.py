@@ -13,7 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from captum_attention import METHODS
-from captum_attention.metrics import attention_erasure, decision_flip_fraction
+from captum_attention.metrics import (
+    attention_erasure,
+    comprehensiveness,
+    decision_flip_fraction,
+    leave_one_out,
+    perturbation_curve,
+    sufficiency,
+)
 from captum_attention.presentation.dataset import DatasetError, read_dataset
 from captum_attention.presentation.text import has_surrogates
 
@@ -98,6 +105,48 @@ def test_metrics_give_results_or_a_clear_error(call, layers, heads, nan):
         assert flips.removed.shape == (inputs.shape[0],)
     except CLEAR:
         return
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    call=calls(),
+    special=st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")]),
+    keep_all=st.booleans(),
+    metric=st.sampled_from(["comprehensiveness", "sufficiency", "perturbation_curve", "leave_one_out"]),
+)
+def test_token_removal_metrics_give_results_or_a_clear_error(call, special, keep_all, metric):
+    """Any attribution (NaN, ±inf included), any mask and any ``keep``: finite values, or one
+    clear error; never an all-padding row explained, and nothing removed when every token
+    is kept."""
+    inputs, mask, target, _ = call
+    if inputs.is_floating_point() or inputs.dim() != 2:
+        inputs = torch.zeros(inputs.shape[:2], dtype=torch.long) + 5
+    mask = torch.ones_like(inputs) if mask is None or mask.shape != inputs.shape else mask.long()
+    scores = torch.rand(inputs.shape)
+    if scores.numel():
+        scores[0, -1] = special
+    keep = torch.ones_like(inputs, dtype=torch.bool) if keep_all else None
+    originally_empty = (mask == 0).all(dim=1)
+    seen: list[torch.Tensor] = []
+
+    def forward(ids, attention_mask):
+        seen.append(attention_mask)
+        return MODEL(input_ids=ids, attention_mask=attention_mask).logits
+
+    try:
+        if metric == "leave_one_out":
+            values = leave_one_out(forward, inputs, mask, target, keep=keep)
+            assert values.shape == inputs.shape
+        else:
+            function = {"comprehensiveness": comprehensiveness, "sufficiency": sufficiency, "perturbation_curve": perturbation_curve}[metric]
+            result = function(forward, inputs, mask, scores, target, keep=keep)
+            values = result.target_prob if metric == "perturbation_curve" else result
+            assert bool(torch.isfinite(values).all())
+    except CLEAR:
+        return
+    assert not bool(originally_empty.any()), "an all-padding row was explained"
+    if keep_all:
+        assert len(seen) <= 1, "every token is kept: nothing may be removed"
 
 
 _JSON_VALUES = st.recursive(

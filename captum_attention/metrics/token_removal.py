@@ -60,8 +60,13 @@ class _Remover:
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
                 f"{tuple(input_ids.shape)}: they must match."
             )
-        if input_ids.is_floating_point() or input_ids.dim() != 2:
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.dim() != 2:
             raise TypeError("input_ids must be integer token ids of shape (batch, seq_len).")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} hold no token: give at least one example and token.")
+        empty_rows = (attention_mask == 0).all(dim=1).nonzero().flatten().tolist()
+        if empty_rows:
+            raise ValueError(f"Examples {empty_rows} are all padding (attention_mask has no 1): drop them from the batch.")
         if keep is not None and tuple(keep.shape) != tuple(input_ids.shape):
             raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
         if max_batch_size < 1:
