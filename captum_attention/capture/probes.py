@@ -14,7 +14,7 @@ receives only the events it declares in :attr:`Probe.events`:
 - ``"call_end"``: the end of each attention call, with the tensors that weighted its values;
 - ``"masks"``: the padding masks the model received;
 - ``"backward"``: a backward pass through the capture
-  (:meth:`~captum_attention.capture.AttentionCapture.backward`) reaching each call, with
+  (:meth:`~captum_attention.capture.AttentionCapture.run_backward`) reaching each call, with
   its maps and their gradient.
 
 A probe's :meth:`Probe.result` is a typed value that the record of the pass keeps

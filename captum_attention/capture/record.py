@@ -144,7 +144,7 @@ class ForwardRecord:
         score = self.target_score(target)
         reduced = GradientReduction(reduction)
         with torch.enable_grad():
-            self.capture.backward(score, [reduced], retain_graph, self.attn_maps)
+            self.capture.run_backward(score, [reduced], retain_graph, self.attn_maps)
         return self.with_result(reduced.result())
 
     def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":

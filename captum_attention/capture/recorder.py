@@ -143,7 +143,7 @@ class AttentionCapture:
         self._check_used([g is not None for g in grads])
         return list(grads)  # type: ignore[arg-type]
 
-    def backward(
+    def run_backward(
         self, score: Tensor, listeners: Sequence[Probe], retain_graph: bool = False, attn_maps: Sequence[Tensor] = ()
     ) -> None:
         """One backward pass of ``score`` in which each listener's ``on_backward`` receives
