@@ -58,6 +58,9 @@ __all__ = [
     "TargetType",
     "attention_function",
     "attn_implementation",
+    "implementation_owner",
+    "model_configs",
+    "runnable_implementation",
     "declared_outputs",
     "format_additional_forward_args",
     "format_output",
@@ -137,6 +140,38 @@ def attn_implementation(model: nn.Module) -> str | None:
     """The attention implementation a transformers model runs (``config._attn_implementation``:
     "eager", "sdpa", "flash_attention_2", ...), or None for other modules. Checked on 5.24."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def runnable_implementation(model: nn.Module, wanted: str) -> str | None:
+    """The implementation ``model`` would run if switched to ``wanted`` at run time
+    (transformers' own check, which may fall back from sdpa to eager and raises where the
+    model supports neither), or None for a model that chooses its attention classes at
+    construction and cannot be switched (private ``_can_set_attn_implementation`` and
+    ``_check_and_adjust_attn_implementation``; checked on 5.24)."""
+    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_switch is None or not can_switch():
+        return None
+    check = cast(Callable[..., str], getattr(model, "_check_and_adjust_attn_implementation"))
+    return check(wanted, is_init_check=False)
+
+
+def model_configs(model: nn.Module) -> list[Any]:
+    """Every configuration object a transformers model's modules read: the configs of
+    the model and its sub-models and, at any depth, their ``sub_configs``."""
+    found: dict[int, Any] = {}
+    pending: list[Any] = [getattr(m, "config", None) for m in model.modules()]
+    while pending:
+        config = pending.pop()
+        if hasattr(config, "_attn_implementation") and id(config) not in found:
+            found[id(config)] = config
+            pending.extend(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))
+    return list(found.values())
+
+
+def implementation_owner(config_class: type) -> type:
+    """The class whose ``_attn_implementation`` property a config of ``config_class``
+    reads (transformers' ``PreTrainedConfig``, or a family that overrides it)."""
+    return next(cls for cls in config_class.__mro__ if "_attn_implementation" in vars(cls))
 
 
 def attention_function(name: str) -> Callable[..., Any]:

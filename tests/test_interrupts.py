@@ -20,7 +20,7 @@ import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
 
 from captum_attention import METHODS
-from captum_attention._compat import attention_function, function_mode_stack
+from captum_attention._compat import attention_function, function_mode_stack, implementation_owner
 from captum_attention.metrics import attention_erasure
 
 CALLS = int(os.environ.get("CAPTUM_ATTENTION_INTERRUPTS", "300"))
@@ -65,6 +65,7 @@ def test_interrupted_calls_leave_the_model_as_found(capture):
     model = make_model("bert")
     batch = make_batch(model)
     sdpa = attention_function("sdpa")
+    config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
     names = sorted(METHODS)
 
     def call(index: int):
@@ -94,6 +95,7 @@ def test_interrupted_calls_leave_the_model_as_found(capture):
                 interrupted += 1
             assert_same_state(before, model_state(model))
             assert attention_function("sdpa") is sdpa
+            assert vars(implementation_owner(type(model.config)))["_attn_implementation"] is config_property
             assert torch.is_grad_enabled() and not function_mode_stack(), "torch's global modes restored"
             assert signal.getsignal(signal.SIGINT) is sigint, "the guard left its handler behind"
             assert signal.getsignal(signal.SIGALRM) == interrupt._fire, "the guard left its handler behind"

@@ -217,6 +217,51 @@ def test_other_threads_run_the_kernel_untouched_during_a_capture():
     _rel_close(scores, eager)
 
 
+@pytest.mark.parametrize(("loaded", "capture"), [("eager", "streaming"), ("sdpa", "eager")])
+def test_another_thread_runs_the_model_as_loaded_while_a_capture_switches_it(loaded, capture):
+    """A capture runs the model with another attention implementation (sdpa to stream, eager
+    to read the maps); a plain forward of the same model in another thread meanwhile runs
+    the implementation the model was loaded with, logits and gradients bit-equal."""
+    model = make_decoder("llama")
+    model.set_attn_implementation(loaded)
+    prompts = make_prompts(side="left")
+    ids, mask = prompts.input_ids, prompts.attention_mask
+    alone = copy.deepcopy(model)
+
+    def forward_and_grad(m):
+        logits = m(input_ids=ids, attention_mask=mask).logits
+        weight = m.model.layers[0].self_attn.q_proj.weight
+        (grad,) = torch.autograd.grad(logits[:, -1].sum(), weight)
+        return logits.detach(), grad
+
+    expected = forward_and_grad(alone)
+    started, release, seen = threading.Event(), threading.Event(), []
+    capturing = threading.get_ident()
+
+    def pause(module, inputs):
+        if threading.get_ident() == capturing:
+            started.set()
+            release.wait(timeout=30)
+
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(pause)
+
+    def run_other() -> None:
+        started.wait(timeout=30)
+        seen.append(forward_and_grad(model))
+        release.set()
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        GradSAM(model, capture=capture).attribute(ids, target=5, additional_forward_args=(mask,))
+    finally:
+        handle.remove()
+        release.set()
+        thread.join()
+    assert model.config._attn_implementation == loaded
+    torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
+
+
 def test_auto_says_why_it_falls_back_to_eager():
     model, ids, args, _ = _case("bert")
     explainer = AttentionRollout(model)

@@ -109,6 +109,43 @@ class InterruptGuard:
         handler(signum, frame)
 
 
+class SharedPatch:
+    """A process-wide replacement, installed while at least one capture holds it.
+
+    The first :meth:`acquire` saves what ``read()`` returns and writes the
+    replacement; the last :meth:`release` writes the saved value back, unless something
+    else was written in the meantime (a user's own registration is kept, not reverted).
+    The replacement itself dispatches on a context variable, so threads and contexts
+    without a capture run :attr:`original` as if nothing were there (it stays set after
+    the release, for a call that looked the replacement up just before).
+
+    Args:
+        read (callable): returns what is installed now.
+        write (callable): installs a value.
+        replacement: what is installed while held.
+    """
+
+    def __init__(self, read: Callable[[], Any], write: Callable[[Any], None], replacement: Any) -> None:
+        self.read, self.write, self.replacement = read, write, replacement
+        self.original: Any = None
+        self._holders = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self.original = self.read()
+                self.write(self.replacement)
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                if self.read() is self.replacement:
+                    self.write(self.original)
+
+
 _LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
 _LOCKS_LOCK = threading.Lock()
 

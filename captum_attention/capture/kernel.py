@@ -10,23 +10,24 @@ recompute the rows it needs, block by block (:mod:`captum_attention.maps.kernel`
 them exactly as ``torch.nn.functional.scaled_dot_product_attention`` does). No
 ``(heads, N, N)`` tensor is ever alive.
 
-The wrapper is installed while at least one capture is active (a lock and a count) and
-dispatches on a context variable, so other threads and other models run the kernel as if
-nothing were there, and it is removed when the last capture ends, also on an exception
-or a ``KeyboardInterrupt``; a ``"sdpa"`` function a user registered in the meantime (from
-the forward or another thread) is kept, not reverted.
+The wrapper is installed while at least one capture is active (a
+:class:`~captum_attention.capture.guard.SharedPatch`) and dispatches on a context
+variable, so other threads and other models run the kernel as if nothing were there, and
+it is removed when the last capture ends, also on an exception or a
+``KeyboardInterrupt``; a ``"sdpa"`` function a user registered in the meantime (from the
+forward or another thread) is kept, not reverted.
 """
 
 from __future__ import annotations
 
 import contextvars
-import threading
 from typing import Any, Callable
 
 from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
 from ..maps.kernel import KernelCall
+from .guard import SharedPatch
 
 
 KernelInputs = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -39,8 +40,6 @@ Recorder = Callable[[nn.Module, KernelCall, Callable[..., Tensor]], Tensor]
 (:data:`KernelInputs`)."""
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("captum_attention_kernel", default=None)
-_LOCK = threading.Lock()
-_INSTALLED: dict[str, Any] = {"count": 0, "original": None}
 
 
 class KernelInterception:
@@ -52,23 +51,14 @@ class KernelInterception:
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> "KernelInterception":
-        with _LOCK:
-            if _INSTALLED["count"] == 0:
-                _INSTALLED["original"] = attention_function("sdpa")
-                register_attention_function("sdpa", _dispatch)
-            _INSTALLED["count"] += 1
+        _SDPA.acquire()
         self._token = _ACTIVE.set(self.recorder)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         if self._token is not None:
             _ACTIVE.reset(self._token)
-        with _LOCK:
-            _INSTALLED["count"] -= 1
-            if _INSTALLED["count"] == 0:
-                if attention_function("sdpa") is _dispatch:  # else the user registered their own since: keep it
-                    register_attention_function("sdpa", _INSTALLED["original"])
-                _INSTALLED["original"] = None
+        _SDPA.release()
 
 
 def _dispatch(
@@ -81,7 +71,7 @@ def _dispatch(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The wrapped ``sdpa`` attention function: hands the call to the active recorder."""
-    original = _INSTALLED["original"]
+    original = _SDPA.original
     recorder = _ACTIVE.get()
     if recorder is None:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -92,6 +82,9 @@ def _dispatch(
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
     return recorder(module, call, run_kernel), None
+
+
+_SDPA = SharedPatch(lambda: attention_function("sdpa"), lambda f: register_attention_function("sdpa", f), _dispatch)
 
 
 def kernel_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *args: Any, **kwargs: Any) -> KernelCall:

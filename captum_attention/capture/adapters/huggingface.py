@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import threading
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from torch import Tensor, nn
 
-from ..._compat import attn_implementation, recorder_specs
+from ..._compat import attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
+from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, bound_argument
 
 
@@ -23,8 +26,11 @@ class HuggingFaceAdapter(AdapterBase):
     architecture that supports ``output_attentions`` is found without a list of class
     names here. Under eager attention those modules return the probabilities at the
     declared output index; they are the tensor that weighted the values. Models loaded
-    with ``sdpa``/flash attention are switched to ``eager`` for the call and switched
-    back afterwards.
+    with ``sdpa``/flash attention run ``eager`` for an eager capture (and eager-loaded
+    ones ``sdpa`` for a streaming one) in the capture's own thread only: the configs'
+    ``_attn_implementation`` reads a context variable first while a capture holds it,
+    so another thread's forward of the model meanwhile runs what the model was loaded
+    with, and nothing on the model changes.
 
     The padding mask is the ``attention_mask`` argument of the outermost
     ``PreTrainedModel`` call (and ``decoder_attention_mask`` for encoder-decoders).
@@ -201,7 +207,7 @@ switching it to ``eager`` or ``sdpa`` would explain another model."""
 
 @contextmanager
 def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
-    """``model`` switched to the attention implementation ``wanted`` and back."""
+    """``model`` running the attention implementation ``wanted`` in this context only."""
     original = attn_implementation(model)
     if original is not None and original not in EXACT_IMPLEMENTATIONS:
         raise ValueError(
@@ -209,15 +215,54 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             "capture cannot reproduce: explain it with a built-in implementation "
             "(model.set_attn_implementation('sdpa') or 'eager')."
         )
-    switch = getattr(model, "set_attn_implementation", None)
-    if original in (None, wanted) or switch is None:
+    runnable = None if original in (None, wanted) else runnable_implementation(model, wanted)
+    if runnable is None or runnable == original:
         yield
         return
+    configs = model_configs(model)
+    patches: list[SharedPatch] = []
+    token = None
     try:
-        switch(wanted)
+        for owner in {implementation_owner(type(config)) for config in configs}:
+            patches.append(_view_patch(owner))
+            patches[-1].acquire()
+        token = _VIEWED.set({**_VIEWED.get(), **{id(config): runnable for config in configs}})
         yield
     finally:
-        switch(original)
+        if token is not None:
+            _VIEWED.reset(token)
+        for patch in patches:
+            patch.release()
+
+
+_VIEWED: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("captum_attention_viewed", default={})
+"""The attention implementation each config (by ``id``) reports in this context."""
+_VIEW_PATCHES: dict[type, SharedPatch] = {}
+_VIEW_PATCHES_LOCK = threading.Lock()
+
+
+def _view_patch(owner: type) -> SharedPatch:
+    """The patch that makes ``owner``'s ``_attn_implementation`` property read
+    :data:`_VIEWED` first: the capture's context sees the implementation it switched
+    to, every other thread and context the model's own (``set_attn_implementation``
+    would change it for all of them)."""
+    with _VIEW_PATCHES_LOCK:
+        patch = _VIEW_PATCHES.get(owner)
+        if patch is None:
+
+            def viewed(config: Any) -> Any:
+                wanted = _VIEWED.get().get(id(config))
+                return _VIEW_PATCHES[owner].original.__get__(config) if wanted is None else wanted
+
+            def assign(config: Any, value: Any) -> None:
+                _VIEW_PATCHES[owner].original.__set__(config, value)
+
+            patch = _VIEW_PATCHES[owner] = SharedPatch(
+                lambda: vars(owner)["_attn_implementation"],
+                lambda value: setattr(owner, "_attn_implementation", value),
+                property(viewed, assign),
+            )
+        return patch
 
 
 @dataclass(frozen=True)
