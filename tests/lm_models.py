@@ -96,6 +96,26 @@ class LMReference:
 
 def lm_reference(model: nn.Module, prompts: Prompts, positions: torch.Tensor, target: torch.Tensor | None = None) -> LMReference:
     """Attention and d logit[b, positions[b], target[b]] / dA from output_attentions."""
+    def score(all_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = all_logits[torch.arange(len(positions)), positions]
+        targets = logits.argmax(-1) if target is None else target
+        return logits.gather(1, targets[:, None]).sum(), targets
+
+    return _reference(model, prompts, score)
+
+
+def lm_span_reference(model: nn.Module, prompts: Prompts, span: torch.Tensor) -> LMReference:
+    """Attention and dS/dA from output_attentions for S = Σ_b Σ_k log p(span[b, k]), the
+    span being the last K tokens of the prompts (read at positions T - K - 1 + k)."""
+    def score(all_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length, k = all_logits.shape[1], span.shape[1]
+        log_probs = all_logits[:, length - k - 1 : length - 1].log_softmax(dim=-1)
+        return log_probs.gather(2, span[..., None]).sum(), span
+
+    return _reference(model, prompts, score)
+
+
+def _reference(model: nn.Module, prompts: Prompts, score) -> LMReference:
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
     position_ids = (prompts.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -103,8 +123,6 @@ def lm_reference(model: nn.Module, prompts: Prompts, positions: torch.Tensor, ta
         input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
         position_ids=position_ids, output_attentions=True,
     )
-    logits = out.logits[torch.arange(len(positions)), positions]
-    targets = logits.argmax(-1) if target is None else target
-    score = logits.gather(1, targets[:, None]).sum()
-    grads = torch.autograd.grad(score, out.attentions)
+    explained, targets = score(out.logits)
+    grads = torch.autograd.grad(explained, out.attentions)
     return LMReference([a.detach() for a in out.attentions], list(grads), targets)

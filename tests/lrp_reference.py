@@ -129,9 +129,11 @@ def _rms_norm(x: Tensor, norm) -> Tensor:
     return x * scale * norm.weight.detach()
 
 
-def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor) -> Decomposition:
+def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None) -> Decomposition:
     """AttnLRP of a ``LlamaForCausalLM`` (grouped-query attention, rotary positions, SiLU
-    gates), explaining the logit of ``target`` at the last position (prompts padded left)."""
+    gates), explaining the logit of ``target`` at the last position (prompts padded left);
+    or, with ``span`` ``(B, K)`` (the last K tokens of ``input_ids``), their summed
+    log-probabilities Σ_k log softmax(z at length - K - 1 + k)[span_k]."""
     llama, config = model.model, model.config
     terms = Terms(llama.embed_tokens.weight.detach()[input_ids].clone().requires_grad_())
     batch, length = input_ids.shape
@@ -154,5 +156,10 @@ def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Te
         mlp, normed = layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm)
         gate = identity(F.silu, _linear(normed, mlp.gate_proj, terms))
         hidden = hidden + _linear(half(gate) * half(_linear(normed, mlp.up_proj, terms)), mlp.down_proj, terms)
-    logits = _linear(_rms_norm(hidden, llama.norm)[:, -1], model.lm_head, terms)
-    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+    normed = _rms_norm(hidden, llama.norm)
+    if span is None:
+        logits = _linear(normed[:, -1], model.lm_head, terms)
+        return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+    read = torch.arange(length - span.shape[1] - 1, length - 1)
+    log_probs = _linear(normed[:, read], model.lm_head, terms).log_softmax(dim=-1)
+    return decompose(terms, log_probs.gather(2, span[..., None])[..., 0].sum(dim=1))

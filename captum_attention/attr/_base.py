@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._compat import TargetType, format_additional_forward_args, format_output
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
-from ..capture.inputs import QueryIndex, format_inputs
+from ..capture.inputs import LogProbTarget, QueryIndex, format_inputs
 from ..capture.lrp import Embeddings, PropagationRules, RelevanceRules
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid, query_rows
@@ -177,7 +177,7 @@ class AttentionAttributionBase:
             record = record.with_result(Embeddings(embeddings))
         return record
 
-    def _explained(self, record: ForwardRecord, target: TargetType, retain_graph: bool = False) -> ForwardRecord:
+    def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
         """The record ready for the method's reduction: with one backward pass for
         ``target`` where the method needs one."""
         needs, reduction = self.spec.needs, self.spec.gradient_reduction
@@ -236,6 +236,7 @@ class AttentionAttributionBase:
         inputs: Tensor,
         continuation: Tensor,
         additional_forward_args: Any = None,
+        log_prob: bool = False,
         **options: Any,
     ) -> Tensor:
         r"""Explain a continuation of a decoder's prompt, token by token, in one forward.
@@ -255,6 +256,9 @@ class AttentionAttributionBase:
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``; every tensor shaped ``(batch, prompt_len)`` is taken as a
                 padding mask and extended with ones over the continuation. Default: None.
+            log_prob (bool, optional): explain each token's log-probability
+                :math:`\log p(c_k \mid \text{prefix})` instead of its logit (Captum's
+                LLM attributions explain log-probabilities). Default: False.
             **options: the method's options of ``attribute`` (e.g. ``head_fusion``,
                 ``effective``).
 
@@ -262,6 +266,62 @@ class AttentionAttributionBase:
             Tensor ``(batch, new_tokens, prompt_len + new_tokens)``: one row of scores per
             continuation token, 0 at padding and at the token itself and after.
         """
+        record, prompt_len = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        new_tokens = continuation.shape[1]
+        rows = []
+        for step in range(new_tokens):
+            position = torch.full((len(continuation),), prompt_len - 1 + step, device=record.target_real.device)
+            token = continuation[:, step].to(record.logits.device)
+            target = LogProbTarget(position[:, None], token[:, None]) if log_prob else token
+            explained = self._explained(record.at_query(position), target, retain_graph=step < new_tokens - 1)
+            rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
+        return torch.stack(rows, dim=1)
+
+    def attribute_span(
+        self,
+        inputs: Tensor,
+        continuation: Tensor,
+        additional_forward_args: Any = None,
+        **options: Any,
+    ) -> Tensor:
+        r"""Explain a whole continuation of a decoder's prompt in one forward (and, for
+        gradient methods, one backward).
+
+        The explained score is the continuation's log-likelihood,
+        :math:`S = \sum_k \log p(c_k \mid \text{prompt}, c_{<k})`, which Captum's LLM
+        attributions call the sequence attribution's target. Its query rows are the
+        positions that predict the continuation (prompt_len - 1 to prompt_len +
+        new_tokens - 2): the methods that read the explained query's row (rollout, raw
+        attention, Transformer Attribution) read the sum of those rows, so that rollout's
+        and raw attention's span scores are exactly the sum of
+        :meth:`attribute_continuation`'s rows; the gradient methods take dS/dA of the
+        summed objective (Grad-SAM credits every token's own row, as for one position;
+        AttnLRP propagates S). Attention Flow (a max-flow to one sink) has no span.
+
+        Args:
+            inputs (Tensor): prompt token ids ``(batch, prompt_len)``, padded on the left.
+            continuation (Tensor): ``(batch, new_tokens)`` token ids of the continuation.
+            additional_forward_args (Any, optional): as for
+                :meth:`attribute_continuation`. Default: None.
+            **options: the method's options of ``attribute``.
+
+        Returns:
+            Tensor ``(batch, prompt_len + new_tokens)``: the scores of the prompt's and the
+            continuation's tokens (0 at padding and at the last continuation token, which
+            no explained position sees).
+        """
+        record, prompt_len = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        new_tokens = continuation.shape[1]
+        positions = torch.arange(prompt_len - 1, prompt_len - 1 + new_tokens, device=record.target_real.device)
+        target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
+        explained = self._explained(record.at_query(target.query_weights(prompt_len + new_tokens)), target)
+        return _zero_padding(explained, self._method_scores(explained, **options)[0])
+
+    def _continuation_record(
+        self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any, options: dict[str, Any]
+    ) -> tuple[ForwardRecord, int]:
+        """One forward of prompt + continuation (``options`` loses ``effective``, which
+        the record applies)."""
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
@@ -269,14 +329,7 @@ class AttentionAttributionBase:
         effective = bool(options.pop("effective", False)) if self.spec.effective else False
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, prompt.shape[1])
-        prompt_len, new_tokens = prompt.shape[1], continuation.shape[1]
-        rows = []
-        for step in range(new_tokens):
-            position = torch.full((len(prompt),), prompt_len - 1 + step, device=record.target_real.device)
-            token = continuation[:, step].to(record.logits.device)
-            explained = self._explained(record.at_query(position), token, retain_graph=step < new_tokens - 1)
-            rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
-        return torch.stack(rows, dim=1)
+        return record, prompt.shape[1]
 
 
 AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__doc__)
@@ -290,7 +343,7 @@ class TokenRelevance:
     per_sequence: list[Tensor]
 
 
-def _with_relevance(record: ForwardRecord, target: TargetType, retain_graph: bool) -> ForwardRecord:
+def _with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:
     """The record with the relevance of each embedded sequence for ``target``."""
     embeddings = record.result(Embeddings).tensors
     score = record.target_score(target)
@@ -332,7 +385,7 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     where non-finite values elsewhere would spread into them through a product; NaN at the
     real tokens of an example whose explained logits are not finite (a streaming
     recomputation of NaN attention could otherwise give finite numbers)."""
-    broken = ~torch.isfinite(record.explained_logits()).all(dim=-1)
+    broken = ~record.explained_finite()
 
     def finished(side: Tensor, real: Tensor) -> Tensor:
         nan_rows = broken.to(side.device)[:, None] & real
@@ -348,8 +401,9 @@ def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
     """A decoder-only model, prompts padded on the left."""
     if record.is_encoder_decoder or not record.causal:
         raise ValueError(
-            "attribute_continuation needs a decoder-only model (causal self-attention); for "
-            "an encoder-decoder, call attribute with query_index at each target position."
+            "attribute_continuation and attribute_span need a decoder-only model (causal "
+            "self-attention); for an encoder-decoder, call attribute with query_index at each "
+            "target position."
         )
     if not bool(record.target_real[:, prompt_len - 1].all()):
         raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")

@@ -110,6 +110,11 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
         )
 
     def _scores(self, record: ForwardRecord, head_fusion: str = "mean", start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
+        if record.query_index.dim() == 2:
+            raise ValueError(
+                "Attention Flow is a maximum flow into one query token and has no span: explain "
+                "each token with attribute_continuation instead of attribute_span."
+            )
         first = record.call_index(start_layer, "start_layer")
         maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion)
         token_maps, readout = record.readout(maps, first)

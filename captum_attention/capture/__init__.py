@@ -12,6 +12,7 @@ from .adapters import (
     Role,
     default_adapter,
 )
+from .inputs import LogProbTarget
 from .kernel import StreamingUnsupported
 from .probes import (
     CallInfo,
@@ -42,6 +43,7 @@ __all__ = [
     "HuggingFaceAdapter",
     "Intervention",
     "KeysTransform",
+    "LogProbTarget",
     "ModuleAdapter",
     "MultiheadAttentionAdapter",
     "OutputGrads",

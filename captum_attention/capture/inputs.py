@@ -6,6 +6,7 @@ one clear error that names the problem and the fix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +15,38 @@ from torch import Tensor
 from .._compat import TargetType, format_tensor_into_tuples
 
 QueryIndex = int | Sequence[int] | Tensor | None
+
+
+@dataclass(frozen=True)
+class LogProbTarget:
+    r"""A language model's target: the summed log-probability of ``tokens`` at
+    ``positions``, :math:`S = \sum_b \sum_k \log \mathrm{softmax}(z_{b, p_{bk}})_{t_{bk}}`
+    (the objective Captum's LLM attributions explain, and a continuation's log-likelihood).
+
+    Attributes:
+        positions: ``(B, K)`` long, the positions whose next-token distributions are read
+            (a continuation's token k is predicted at prompt length - 1 + k).
+        tokens: ``(B, K)`` long, the token ids whose log-probabilities are summed.
+    """
+
+    positions: Tensor
+    tokens: Tensor
+
+    def score(self, logits: Tensor) -> Tensor:
+        """S from ``(B, T, V)`` logits (in the autograd graph), read at the positions only."""
+        if logits.dim() != 3:
+            raise ValueError(
+                f"A log-probability target reads a language model's (batch, seq_len, vocab) "
+                f"logits; the model returned shape {tuple(logits.shape)}."
+            )
+        batch = torch.arange(logits.shape[0], device=logits.device)[:, None]
+        read = logits[batch, self.positions.to(logits.device)].float().log_softmax(dim=-1)
+        return read.gather(2, self.tokens.to(logits.device)[..., None]).sum()
+
+    def query_weights(self, num_tokens: int) -> Tensor:
+        """``(B, T)`` float: 1 at each position read (the span's query rows)."""
+        weights = torch.zeros(self.positions.shape[0], num_tokens, device=self.positions.device)
+        return weights.scatter_(1, self.positions, 1.0)
 
 
 def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, tuple[Tensor, ...]]:

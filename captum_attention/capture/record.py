@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, run_forward
-from ..maps.common import real_tokens, up_to, zero_on_later_keys
+from ..maps.common import last_query, query_rows, real_tokens, up_to, zero_on_later_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .inputs import QueryIndex, output_logits, query_positions, resolve_targets
+from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, resolve_targets
 from .kernel import StreamingUnsupported
 from .probes import GradientReduction, GradMaps, GradMode, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
@@ -60,7 +60,9 @@ class ForwardRecord:
             target sequence of an encoder-decoder); for causal attention only those up to
             the query, which is all a decoder's explanation of that position can see.
         source_real: ``(B, S)`` bool real source tokens of an encoder-decoder, else None.
-        query_index: ``(B,)`` long, the explained query position per example.
+        query_index: ``(B,)`` long, the explained query position per example; or, for a
+            span, ``(B, T)`` float weights of the explained query rows (every row-reducing
+            method reads their weighted sum: :func:`~captum_attention.maps.query_weights`).
         causal: whether the explained sequence's self-attention never looks ahead.
         capture: the capture of the call (its probabilities still in the autograd graph
             when gradients are tracked).
@@ -118,26 +120,39 @@ class ForwardRecord:
         return self.target_real if self.source_real is None else self.source_real
 
     def explained_logits(self) -> Tensor:
-        """``(B, C)``: classifier logits as they are, language-model logits at the query."""
+        """``(B, C)``: classifier logits as they are, language-model logits at the query
+        (at a span's last position)."""
         if self.logits.dim() == 3:
             batch = torch.arange(len(self.query_index), device=self.logits.device)
-            return self.logits[batch, self.query_index.to(self.logits.device)]
+            return self.logits[batch, last_query(self.query_index).to(self.logits.device)]
         return self.logits
+
+    def explained_finite(self) -> Tensor:
+        """``(B,)`` bool: whether every explained logit is finite (at each query row of a
+        span)."""
+        if self.logits.dim() == 3 and self.query_index.dim() == 2:
+            read = self.query_index.to(self.logits.device) != 0
+            return (torch.isfinite(self.logits).all(dim=-1) | ~read).all(dim=1)
+        return torch.isfinite(self.explained_logits()).all(dim=-1)
 
     def explained_probs(self) -> Tensor:
         """``(B, C)`` float32 softmax of :meth:`explained_logits`."""
         return self.explained_logits().float().softmax(dim=-1)
 
-    def target_score(self, target: TargetType) -> Tensor:
+    def target_score(self, target: TargetType | LogProbTarget) -> Tensor:
         """S: the sum over examples of the ``target`` logit at the explained position
-        (None: the predicted class), in the autograd graph."""
+        (None: the predicted class), or a :class:`LogProbTarget`'s summed
+        log-probabilities, in the autograd graph."""
+        if isinstance(target, LogProbTarget):
+            with torch.enable_grad():
+                return target.score(self.logits)
         logits = self.explained_logits()
         targets = resolve_targets(logits, target)
         with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
             return logits.gather(1, targets[:, None]).sum()
 
     def with_gradients(
-        self, target: TargetType, reduction: HeadReduction, retain_graph: bool = False
+        self, target: TargetType | LogProbTarget, reduction: HeadReduction, retain_graph: bool = False
     ) -> "ForwardRecord":
         """This record with :class:`GradMaps`: ``reduction`` of each call's (A, dS/dA) for
         S = :meth:`target_score` (A: the record's maps)."""
@@ -147,7 +162,7 @@ class ForwardRecord:
             self.capture.run_backward(score, [reduced], retain_graph, self.attn_maps)
         return self.with_result(reduced.result())
 
-    def with_output_gradients(self, target: TargetType, retain_graph: bool = False) -> "ForwardRecord":
+    def with_output_gradients(self, target: TargetType | LogProbTarget, retain_graph: bool = False) -> "ForwardRecord":
         """A streaming record with :class:`OutputGrads`: dS/dO of every call for S =
         :meth:`target_score`."""
         score = self.target_score(target)
@@ -214,7 +229,7 @@ class ForwardRecord:
         the query token's row, or, for a pooling call, the mean of its rows."""
         if self.roles[call] == "pooling":
             return layer_map.mean(dim=1)
-        return layer_map[torch.arange(layer_map.shape[0], device=layer_map.device), self.query_index.to(layer_map.device)]
+        return query_rows(layer_map, self.query_index.to(layer_map.device))
 
     def readout(self, layer_maps: list[Tensor], first: int = 0) -> tuple[list[Tensor], Tensor | None]:
         """Per-call maps split into the token calls' maps from ``first`` on (forward order)

@@ -3,7 +3,7 @@
 Each file holds one method's formula; ``common`` holds what they share.
 """
 
-from .common import HEAD_FUSIONS, fuse_heads, mask_padding, propagate_query_row, query_rows, real_tokens, up_to
+from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens, up_to
 from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
@@ -30,6 +30,7 @@ __all__ = [
     "grad_sam_layer_maps",
     "grad_sam_normalised",
     "grad_sam_scores",
+    "last_query",
     "mask_padding",
     "null_space_dims",
     "on_heads",
@@ -37,6 +38,7 @@ __all__ = [
     "permute_rows",
     "propagate_query_row",
     "query_rows",
+    "query_weights",
     "raw_attention_maps",
     "real_tokens",
     "relevance_head_mean",

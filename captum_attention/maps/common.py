@@ -46,9 +46,32 @@ def mask_padding(maps: Tensor, real: Tensor, real_keys: Tensor | None = None) ->
     return maps.masked_fill(~pairs, 0.0)
 
 
-def query_rows(maps: Tensor, query_index: Tensor) -> Tensor:
-    """Row ``query_index[b]`` of each ``(T, T)`` map in ``(B, T, T)`` maps: ``(B, T)``."""
-    return maps[torch.arange(maps.shape[0], device=maps.device), query_index]
+def query_weights(query: Tensor, num_tokens: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``(B, T)`` weights of the explained query rows: the one-hot ``e_q`` of a ``(B,)``
+    position, or a span's ``(B, T)`` weights as given (every row-reducing method is
+    linear in them: a span's row is the weighted sum of its positions' rows)."""
+    if query.dim() == 2:
+        return query.to(dtype)
+    weights = torch.zeros(len(query), num_tokens, dtype=dtype, device=query.device)
+    weights[torch.arange(len(query), device=query.device), query] = 1.0
+    return weights
+
+
+def last_query(query: Tensor) -> Tensor:
+    """``(B,)`` the last explained position: the position itself, or a span's last
+    position with a non-zero weight."""
+    if query.dim() == 1:
+        return query
+    positions = torch.arange(query.shape[1], device=query.device).expand_as(query)
+    return positions.masked_fill(query == 0, -1).amax(dim=1)
+
+
+def query_rows(maps: Tensor, query: Tensor) -> Tensor:
+    """The explained row of each ``(T, T)`` map in ``(B, T, T)`` maps, ``(B, T)``: row
+    ``query[b]``, or a span's weighted sum of rows."""
+    if query.dim() == 2:
+        return torch.einsum("bq,bqk->bk", query.to(maps.dtype), maps)
+    return maps[torch.arange(maps.shape[0], device=maps.device), query]
 
 
 def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, readout: Tensor | None = None) -> Tensor:
@@ -61,7 +84,8 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, reado
 
     Args:
         layer_maps: per-layer ``(B, T, T)`` matrices ``M^1 .. M^L`` in forward order.
-        query_index: ``(B,)`` long tensor, the row to return per example.
+        query_index: ``(B,)`` long tensor, the row to return per example, or a span's
+            ``(B, T)`` weights (the weighted sum of rows; see :func:`query_weights`).
         readout: ``(B, T)`` row that replaces ``e_q`` (a pooling readout's attention over
             the tokens), optional.
 
@@ -72,8 +96,7 @@ def propagate_query_row(layer_maps: Sequence[Tensor], query_index: Tensor, reado
         row, dtype = readout[:, None, :].double(), readout.dtype
     else:
         first = layer_maps[0]
-        row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float64, device=first.device)
-        row[torch.arange(first.shape[0], device=first.device), 0, query_index] = 1.0
+        row = query_weights(query_index.to(first.device), first.shape[-1], torch.float64)[:, None, :]
         dtype = first.dtype
     for layer_map in reversed(layer_maps):
         row = torch.bmm(row, layer_map.double())
@@ -86,8 +109,8 @@ def identity_like(maps: Tensor) -> Tensor:
 
 
 def up_to(real: Tensor, query_index: Tensor) -> Tensor:
-    """``real`` without the tokens after each example's query position."""
-    return real & (torch.arange(real.shape[1], device=real.device) <= query_index[:, None])
+    """``real`` without the tokens after each example's (last) query position."""
+    return real & (torch.arange(real.shape[1], device=real.device) <= last_query(query_index).to(real.device)[:, None])
 
 
 def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .common import query_weights
+
 RowsTransform = Callable[[Tensor, int, int], Tensor]
 """``transform(attn_rows (1, 1, r, K), example, head) -> (1, 1, r, K)``: new probabilities for a
 block of one example's and one head's query rows."""
@@ -144,17 +146,23 @@ class KernelCall:
         return probs if self.mask is None else probs.nan_to_num_(nan=0.0)
 
     def rows_at(self, query_index: Tensor) -> Tensor:
-        """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]``."""
+        """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]`` (a
+        span's ``(B, Q)`` weights: the weighted sum of its rows)."""
         return self._each_row(query_index, self.probs)
 
     def grad_rows_at(self, grad_output: Tensor, query_index: Tensor) -> Tensor:
-        """``(B, H, K)`` float32 gradient dS/dA of each example's row ``query_index[b]``."""
+        """``(B, H, K)`` float32 gradient dS/dA of each example's row ``query_index[b]``
+        (a span's weighted sum of rows)."""
         return self._each_row(query_index, lambda rows: self.grad_probs(grad_output, rows))
 
     def _each_row(self, query_index: Tensor, block: Callable[[slice], Tensor]) -> Tensor:
+        weights = query_weights(query_index, self.num_queries)
         rows = []
-        for b, q in enumerate(query_index.tolist()):
-            row = block(slice(q, q + 1))[b if self.query.shape[0] > 1 else 0, :, 0]
+        for b, example in enumerate(weights.cpu()):
+            used = example.nonzero().flatten()
+            first, last = int(used[0]), int(used[-1]) + 1
+            block_rows = block(slice(first, last))[b if self.query.shape[0] > 1 else 0]
+            row = torch.einsum("q,hqk->hk", example[first:last].to(block_rows), block_rows)
             rows.append(F.pad(row, (0, self.num_keys - row.shape[-1])))
         return torch.stack(rows)
 

@@ -12,23 +12,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import fuse_heads, mask_padding, propagate_query_row
+from .common import fuse_heads, mask_padding, propagate_query_row, query_weights
 from .raw import raw_attention_maps
 
 
 def discard_lowest(fused: Tensor, fraction: float, real: Tensor, query_index: Tensor) -> Tensor:
     """Zero the lowest ``⌊fraction·N²⌋`` entries of each sample's real ``N×N`` fused map.
 
-    Only real query/key pairs compete; the query's own entry ``(q, q)`` is never
-    discarded. Ties are broken by position (stable sort), so a sample is treated the
+    Only real query/key pairs compete; the query's own entry ``(q, q)`` (each position
+    of a span's) is never discarded. Ties are broken by position (stable sort), so a sample is treated the
     same alone or inside a padded batch.
     """
     if fraction <= 0:
         return fused
     batch, seq_len, _ = fused.shape
-    arange = torch.arange(batch, device=fused.device)
     candidates = real[:, :, None] & real[:, None, :]
-    candidates[arange, query_index, query_index] = False
+    candidates &= ~torch.diag_embed(query_weights(query_index.to(fused.device), seq_len) != 0)
     ranked = fused.masked_fill(~candidates, float("inf")).flatten(1)
     order = ranked.argsort(dim=1, stable=True)
     positions = torch.arange(seq_len * seq_len, device=fused.device).expand(batch, -1)

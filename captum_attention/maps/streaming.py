@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .kernel import KernelCall
-from .common import fuse_heads
+from .common import fuse_heads, query_weights
 
 
 _LOG = logging.getLogger(__name__)
@@ -209,12 +209,12 @@ def cross_rollout_row_step(
 
 
 def query_row(row_index: Tensor, num_tokens: int) -> Tensor:
-    """``(B, T)`` float32 one-hot rows ``e_q``: the start of a query-row propagation."""
-    row = torch.zeros(len(row_index), num_tokens, device=row_index.device)
-    row[torch.arange(len(row_index), device=row_index.device), row_index] = 1.0
-    return row
+    """``(B, T)`` float32 rows ``e_q`` (a span's weights): the start of a query-row
+    propagation."""
+    return query_weights(row_index, num_tokens)
 
 
 def raw_attention_row(call: KernelCall, query_index: Tensor, real: Tensor, fusion: str = "mean") -> Tensor:
-    """fuse_m(A^m) at each example's query row, ``(B, K)``, non-real keys zeroed."""
+    """fuse_m(A^m) at each example's query row (a span's weighted sum of rows), ``(B, K)``,
+    non-real keys zeroed."""
     return fuse_heads(call.rows_at(query_index)[:, :, None], fusion)[:, 0].masked_fill(~real, 0.0)
