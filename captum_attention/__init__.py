@@ -1,6 +1,16 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
-from .attr import METHODS, AttentionFlow, AttentionRollout, AttnLRP, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from .attr import (
+    METHODS,
+    AttentionFlow,
+    AttentionRollout,
+    AttnLRP,
+    GradSAM,
+    LLMAttentionAttribution,
+    RawAttention,
+    TransformerAttribution,
+    upsample_to_image,
+)
 from .capture import (
     AttentionAdapter,
     AttentionCapture,
@@ -22,6 +32,7 @@ __all__ = [
     "AttnLRP",
     "GradSAM",
     "HuggingFaceAdapter",
+    "LLMAttentionAttribution",
     "ModuleAdapter",
     "MultiheadAttentionAdapter",
     "RawAttention",

@@ -60,6 +60,7 @@ __all__ = [
     "attn_implementation",
     "implementation_owner",
     "model_configs",
+    "pretty_tokens",
     "runnable_implementation",
     "declared_outputs",
     "format_additional_forward_args",
@@ -172,6 +173,16 @@ def implementation_owner(config_class: type) -> type:
     """The class whose ``_attn_implementation`` property a config of ``config_class``
     reads (transformers' ``PreTrainedConfig``, or a family that overrides it)."""
     return next(cls for cls in config_class.__mro__ if "_attn_implementation" in vars(cls))
+
+
+def pretty_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
+    """Token ids as readable strings, as Captum's LLM results show them (its private
+    ``_convert_ids_to_pretty_tokens``, checked on 0.9; else the tokenizer's tokens)."""
+    try:
+        from captum.attr._core.llm_attr import _convert_ids_to_pretty_tokens
+    except ImportError:
+        return list(tokenizer.convert_ids_to_tokens(ids.tolist()))
+    return list(_convert_ids_to_pretty_tokens(ids, tokenizer))
 
 
 def attention_function(name: str) -> Callable[..., Any]:

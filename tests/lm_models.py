@@ -36,6 +36,26 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
     return configs[name]().eval()
 
 
+WORDS = [
+    "<pad>", "<s>", "</s>", "the", "a", "cat", "dog", "bird", "fish", "sat", "ran", "flew", "swam", "on", "in",
+    "under", "over", "mat", "tree", "river", "sky", "red", "blue", "green", "big", "small", "is", "was", "and",
+    "but", "key", "value", "door", "opens", "with", "code", "secret", "answer", "question", "what", "where",
+    "who", "when", "why", "how", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+    "zero", "yes", "no", "maybe", "here", "there", "now", "then", ".", "?",
+]
+"""The tiny decoders' vocabulary as words (ids 0, 1, 2: padding, BOS, EOS)."""
+
+
+def make_word_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """A whitespace word-level fast tokenizer over :data:`WORDS` that prepends BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
 def make_encoder_decoder(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "t5":

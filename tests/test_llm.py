@@ -118,3 +118,92 @@ def test_attention_flow_has_no_span():
         AttentionFlow(model).attribute_span(prompts.input_ids, CONTINUATION, additional_forward_args=(prompts.attention_mask,))
     span = RawAttention(model).attribute_span(prompts.input_ids, CONTINUATION[:, :1], additional_forward_args=(prompts.attention_mask,))
     assert span.shape == (3, 8)
+
+
+# Captum's LLM interface ---------------------------------------------------------------
+
+from captum.attr import FeatureAblation, LLMAttribution, TextTemplateInput, TextTokenInput  # noqa: E402
+from lm_models import make_word_tokenizer  # noqa: E402
+
+from captum_attention import GradSAM, LLMAttentionAttribution  # noqa: E402
+
+PROMPT = "the secret code is seven . what is the code ?"
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_llm_result_equals_the_span_and_the_log_prob_rows(method):
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    explainer = METHODS[method].cls(model)
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target="seven .")
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    answer = torch.tensor([tokenizer.convert_tokens_to_ids(["seven", "."])])
+    mask = (torch.ones_like(prompt),)
+    span = explainer.attribute_span(prompt, answer, additional_forward_args=mask)[0, : prompt.shape[1]]
+    rows = explainer.attribute_continuation(prompt, answer, additional_forward_args=mask, log_prob=True)[0, :, : prompt.shape[1]]
+    torch.testing.assert_close(result.seq_attr, span)
+    torch.testing.assert_close(result.token_attr, rows)
+    assert result.input_tokens == tokenizer.convert_ids_to_tokens(prompt[0].tolist())
+    assert result.output_tokens == ["seven", "."]
+
+
+def test_llm_result_plots_and_generates_and_skips_tokens():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    llm_attr = LLMAttentionAttribution(GradSAM(model), tokenizer)
+    inp = TextTokenInput(PROMPT, tokenizer, skip_tokens=["<s>"])
+    result = llm_attr.attribute(inp, gen_args={"max_new_tokens": 4, "do_sample": False})
+    assert result.seq_attr.shape == (len(PROMPT.split()),)
+    assert result.token_attr.shape == (4, len(PROMPT.split()))
+    assert "<s>" not in result.input_tokens
+    result.plot_token_attr()
+    result.plot_seq_attr()
+    assert llm_attr.attribute(inp, target="seven", per_token=False).token_attr is None
+
+
+def test_template_values_score_the_sum_of_their_tokens():
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    explainer = GradSAM(model)
+    inp = TextTemplateInput("{} is {} . {}", values=["the secret code", "seven", "what is the code ?"])
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(inp, target="seven")
+    prompt = tokenizer(inp.to_model_input(), return_tensors="pt").input_ids
+    tokens = explainer.attribute_span(prompt, torch.tensor([[51]]), additional_forward_args=(torch.ones_like(prompt),))[0]
+    # <s> the secret code is seven . what is the code ?
+    expected = torch.stack([tokens[1:4].sum(), tokens[5], tokens[7:12].sum()])
+    torch.testing.assert_close(result.seq_attr, expected)
+    assert result.input_tokens == ["the secret code", "seven", "what is the code ?"]
+    grouped = TextTemplateInput("{} is {} . {}", values=["the secret code", "seven", "what is the code ?"], mask=[0, 1, 0])
+    together = LLMAttentionAttribution(explainer, tokenizer).attribute(grouped, target="seven").seq_attr
+    torch.testing.assert_close(together, torch.stack([expected[0] + expected[2], expected[1], expected[0] + expected[2]]))
+
+
+def test_the_model_receives_the_attention_mask():
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("attention_mask" in kwargs), with_kwargs=True)
+    try:
+        LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target="seven")
+    finally:
+        handle.remove()
+    assert seen and all(seen)
+
+
+def test_side_by_side_with_captums_feature_ablation():
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    inp = TextTokenInput(PROMPT, tokenizer)
+    ours = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(inp, target="seven .")
+    theirs = LLMAttribution(FeatureAblation(model), tokenizer).attribute(inp, target="seven .")
+    assert ours.input_tokens == theirs.input_tokens and ours.output_tokens == theirs.output_tokens
+    assert ours.seq_attr.shape == theirs.seq_attr.shape and ours.token_attr.shape == theirs.token_attr.shape
+
+
+def test_llm_interface_errors_name_the_fix():
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    with pytest.raises(TypeError, match="wraps an attention attribution"):
+        LLMAttentionAttribution(FeatureAblation(model), tokenizer)
+    reversing = TextTemplateInput(lambda a, b: f"{a[::-1]} is {b}", values=["code", "seven"])
+    with pytest.raises(ValueError, match="does not place value 0"):
+        LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(reversing, target="seven")
+    with pytest.raises(ValueError, match="no tokens"):
+        LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target=torch.tensor([], dtype=torch.long))

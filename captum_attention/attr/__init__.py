@@ -18,11 +18,12 @@ from .transformer_attribution import TransformerAttribution  # isort: skip
 from .raw_attention import RawAttention  # isort: skip
 from .attention_flow import AttentionFlow  # isort: skip  (registered, not in reports: see its cost)
 from .attn_lrp import AttnLRP  # isort: skip
+from .llm import LLMAttentionAttribution
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "RawAttention", "TransformerAttribution", "upsample_to_image",
+    "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "RawAttention", "TransformerAttribution", "upsample_to_image",
 ]
