@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_model
 from constants import NUM_LABELS, VOCAB
+from lm_models import make_decoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,13 +19,17 @@ from captum_attention.metrics import (
     comprehensiveness,
     decision_flip_fraction,
     leave_one_out,
+    leave_one_out_agreement,
+    linear_datamodeling_score,
     perturbation_curve,
     sufficiency,
+    top_k_log_prob_drop,
 )
 from captum_attention.presentation.dataset import DatasetError, read_dataset
 from captum_attention.presentation.text import has_surrogates
 
 MODEL = make_model("bert")
+DECODER = make_decoder("llama")
 CLEAR = (ValueError, TypeError)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -184,3 +189,52 @@ def test_the_data_reader_gives_examples_or_one_clear_error(tmp_path_factory, row
     assert all(e.label is None or isinstance(e.label, int) for e in examples)
     assert [e.index for e in examples] == list(range(len(examples)))
     assert skip or not skipped
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=3),
+    answer_len=st.integers(0, 2),
+    special=st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")]),
+    segment_kind=st.sampled_from(["none", "random", "no-anchor", "wrong-shape"]),
+    metric=st.sampled_from(["top_k", "lds", "loo"]),
+    seed=st.integers(0, 2**16),
+)
+def test_context_metrics_give_results_or_a_clear_error(lengths, answer_len, special, segment_kind, metric, seed):
+    """Any prompts (empty ones included), answers, attributions (NaN, ±inf) and segments:
+    values in their range, or one clear error; never an ablation that leaves no prompt token."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids = torch.randint(3, VOCAB, mask.shape, generator=generator).masked_fill(mask == 0, 0)
+    answer = torch.randint(3, VOCAB, (len(lengths), answer_len), generator=generator)
+    scores = torch.rand(mask.shape, generator=generator)
+    if scores.numel():
+        scores[0, -1] = special
+    segments = {
+        "none": None,
+        "random": torch.randint(-1, 3, mask.shape, generator=generator),
+        "no-anchor": torch.randint(0, 3, mask.shape, generator=generator),
+        "wrong-shape": torch.zeros(len(lengths), width + 1, dtype=torch.long),
+    }[segment_kind]
+    seen: list[torch.Tensor] = []
+
+    def forward(input_ids, attention_mask):
+        seen.append(attention_mask)
+        return DECODER(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    try:
+        if metric == "top_k":
+            values = top_k_log_prob_drop(forward, ids, mask, answer, scores, segments=segments)
+            assert bool(torch.isfinite(values).all())
+        elif metric == "lds":
+            values = linear_datamodeling_score(forward, ids, mask, answer, scores, segments, num_ablations=4, seed=seed)
+            assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
+        else:
+            values = leave_one_out_agreement(forward, ids, mask, answer, scores, segments)
+            assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
+        assert values.shape[0] == len(lengths)
+    except CLEAR:
+        return
+    prompt_len = ids.shape[1]
+    assert all(bool((m[:, :prompt_len].sum(dim=1) > 0).all()) for m in seen), "an ablation left no prompt token"

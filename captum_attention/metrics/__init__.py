@@ -2,6 +2,7 @@
 
 from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adversarial_attention, adversarial_keys
 from .agreement import kendall_tau, spearman
+from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
@@ -35,10 +36,13 @@ __all__ = [
     "iou_f1",
     "kendall_tau",
     "leave_one_out",
+    "leave_one_out_agreement",
+    "linear_datamodeling_score",
     "perturbation_curve",
     "spearman",
     "sufficiency",
     "token_f1",
+    "top_k_log_prob_drop",
     "ErasureResult",
     "FlipResult",
     "IdentifiabilityResult",

@@ -7,7 +7,8 @@ A registered metric is called the Captum way, whatever it measures::
 with ``inputs`` the ``(batch, seq_len)`` token ids, ``attributions`` one score per token
 (any method's: ours, Captum's, a user's tensor), ``additional_forward_args`` the
 forward's further arguments (the padding mask first), ``target`` the explained class per
-example, and ``context`` (:class:`MetricContext`) what some metrics need besides: the model
+example (a classifier's metric) or the answer's ``(batch, answer_len)`` token ids (a
+language model's: ``task="generation"``, the prompts padded on the left), and ``context`` (:class:`MetricContext`) what some metrics need besides: the model
 whose attention they intervene on, the tokens never removed, the rationale tokens. It
 returns one value per example, ``(batch,)`` (NaN where the metric has none).
 
@@ -24,6 +25,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import Tensor, nn
 
+from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
 from .plausibility import auprc, token_f1
 from .token_removal import aopc, comprehensiveness, sufficiency
@@ -38,15 +40,28 @@ class MetricContext:
         keep: ``(batch, seq_len)`` bool, tokens never removed or ranked (special tokens).
         rationale: ``(batch, seq_len)`` bool, the tokens of the known rationale, or None
             where the data has none.
+        segments: ``(batch, seq_len)`` long, the segment of each prompt token for the
+            context metrics (-1: never removed), or None: each token its own segment.
     """
 
     model: nn.Module
     keep: Tensor
     rationale: Tensor | None = None
+    segments: Tensor | None = None
 
     def included(self, mask: Tensor) -> Tensor:
         """``(batch, seq_len)`` bool: the real tokens a metric ranks (not padding, not kept)."""
         return (mask == 1) & ~self.keep
+
+    def prompt_segments(self) -> Tensor | None:
+        """The segments, with the kept tokens never removed (-1); None where neither is
+        given beyond the default (each token its own segment, the first one kept)."""
+        if self.segments is None and not bool(self.keep.any()):
+            return None
+        segments = self.segments
+        if segments is None:
+            segments = torch.arange(self.keep.shape[1], device=self.keep.device).expand_as(self.keep)
+        return segments.masked_fill(self.keep, -1)
 
     def rationale_tokens(self) -> Tensor:
         """The rationale, or a clear error where the data gave none."""
@@ -70,6 +85,8 @@ class MetricSpec:
         needs_rationale: the data set must give a rationale on every row.
         needs_model: the metric runs the model through the capture (attention
             interventions), not only ``forward_func``.
+        task: ``"classification"`` (``evaluate``'s data sets) or ``"generation"`` (a
+            language model's answer to a prompt).
     """
 
     name: str
@@ -77,6 +94,7 @@ class MetricSpec:
     description: str
     needs_rationale: bool = False
     needs_model: bool = False
+    task: str = "classification"
 
 
 METRICS: dict[str, MetricSpec] = {}
@@ -86,7 +104,7 @@ Function = TypeVar("Function", bound=MetricFunction)
 
 
 def register_metric(
-    name: str, description: str, needs_rationale: bool = False, needs_model: bool = False
+    name: str, description: str, needs_rationale: bool = False, needs_model: bool = False, task: str = "classification"
 ) -> Callable[[Function], Function]:
     """Decorator: register ``function`` as the metric ``name`` (a second function under the
     same name is an error).
@@ -102,7 +120,9 @@ def register_metric(
         known = METRICS.get(name)
         if known is not None and known.function is not function:
             raise ValueError(f"Two metrics are registered as {name!r}: {known.function.__name__} and {function.__name__}.")
-        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model)
+        if task not in ("classification", "generation"):
+            raise ValueError(f"task must be 'classification' or 'generation', got {task!r}.")
+        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model, task)
         return function
 
     return add
@@ -169,6 +189,33 @@ def _auprc(
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     return auprc(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
+
+
+@register_metric("top_k_log_prob_drop", "drop of the answer's log-probability when the top 3 prompt segments are removed", task="generation")
+def _top_k_log_prob_drop(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments())[:, 0]
+
+
+@register_metric("lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations", task="generation")
+def _lds(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, context.prompt_segments())
+
+
+@register_metric("loo_agreement", "Spearman's rho with the segments' leave-one-out log-probability drops", task="generation")
+def _loo_agreement(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments())
 
 
 def top_share(scores: Tensor, include: Tensor, share: float = ERASED_SHARE) -> Tensor:

@@ -40,9 +40,9 @@ __all__ = [
 
 
 def metric_names() -> list[str]:
-    """What ``metrics=`` accepts: the registered metrics
+    """What ``metrics=`` accepts: the registered classification metrics
     (:data:`captum_attention.metrics.METRICS`), in registration order."""
-    return list(METRIC_REGISTRY)
+    return [name for name, spec in METRIC_REGISTRY.items() if spec.task == "classification"]
 
 
 def rationale_metrics() -> list[str]:
@@ -55,7 +55,7 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
     unknown = [m for m in methods if m not in evaluation_methods()]
     if unknown or not methods:
         raise ValueError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(evaluation_methods())}")
-    unknown = [m for m in metrics if m not in METRIC_REGISTRY]
+    unknown = [m for m in metrics if m not in metric_names()]
     if unknown or not metrics:
         raise ValueError(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(metric_names())}")
     asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]

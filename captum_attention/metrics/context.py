@@ -1,0 +1,259 @@
+r"""Context attribution: does an attribution over a prompt say which parts a language
+model's answer rests on? Each metric ablates parts of the prompt (segments: tokens,
+sentences, documents) and watches the answer's log-probability
+:math:`\log p(a \mid x) = \sum_k \log p(a_k \mid x, a_{<k})`.
+
+- :func:`top_k_log_prob_drop`: remove the k highest-scored segments; how far does
+  :math:`\log p(a \mid x)` fall?
+- :func:`linear_datamodeling_score` (LDS, Cohen-Wang et al., "ContextCite: Attributing
+  Model Generation to Context", NeurIPS 2024): over random ablations that keep each
+  segment with probability 1/2, Spearman's ρ between the attribution's prediction
+  :math:`\sum_{s \text{ kept}} \tau_s` and the actual :math:`\log p(a \mid x_{\text{kept}})`
+  (ContextCite scores the logit of the probability; ρ only ranks, so the two agree).
+- :func:`leave_one_out_agreement`: Spearman's ρ between the segments' scores and the
+  drop in :math:`\log p(a \mid x)` when each segment alone is removed.
+
+Segments are removed by deletion: the kept tokens close up (prompts stay padded on the
+left) and the answer follows them. Any attribution works: ours, Captum's, a user's
+tensor; a segment's score is the sum of its tokens'. Every ablated sequence of a call is
+evaluated batched; a Hugging Face model gets position ids that follow the padding, so an
+example scores the same alone and in a padded batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..capture.inputs import output_logits
+from ._checks import check_rankable
+from .agreement import spearman
+
+DEFAULT_KS = (1, 3, 5)
+"""The segment counts :func:`top_k_log_prob_drop` removes by default."""
+
+
+class _AnswerScorer:
+    """The answer's log-probability after deleting token sets from the prompts, batched."""
+
+    def __init__(
+        self,
+        forward_func: Callable[..., Any],
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        answer: Tensor,
+        segments: Tensor | None,
+        max_batch_size: int,
+    ) -> None:
+        _check_shapes(input_ids, attention_mask, answer, segments)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
+        self.forward_func, self.max_batch_size = forward_func, max_batch_size
+        self.ids, self.real, self.answer = input_ids, attention_mask != 0, answer.to(input_ids.device)
+        if segments is None:
+            first = self.real.int().argmax(dim=1, keepdim=True)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            segments = positions.masked_fill(positions == first, -1)
+        self.segments = segments.to(input_ids.device).masked_fill(~self.real, -1).long()
+        anchorless = (~((self.segments < 0) & self.real).any(dim=1)).nonzero().flatten().tolist()
+        if anchorless:
+            raise ValueError(
+                f"Examples {anchorless} have no prompt token that is never removed, so an ablation could leave "
+                "nothing to predict the answer from: give the BOS (or the question) segment -1."
+            )
+        self.count = int(self.segments.max()) + 1
+        present = torch.zeros(len(input_ids), max(self.count, 1), dtype=torch.int, device=input_ids.device)
+        self.present = present.scatter_reduce_(1, self.segments.clamp(min=0), (self.segments >= 0).int(), "amax").bool()
+        empty = (~self.present.any(dim=1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"Examples {empty} have no segment to remove (all padding or all kept): leave them out.")
+        self.rows = torch.arange(len(input_ids), device=input_ids.device)
+        self.original = self.log_probs(self.rows, torch.zeros_like(self.present))
+
+    def segment_scores(self, attributions: Tensor) -> Tensor:
+        """``(B, S)`` the sum of each segment's token scores (-inf where absent)."""
+        if tuple(attributions.shape) != tuple(self.ids.shape):
+            raise ValueError(
+                f"attributions have shape {tuple(attributions.shape)} but the prompts are "
+                f"{tuple(self.ids.shape)}: give one score per prompt token."
+            )
+        check_rankable(attributions.float(), self.segments >= 0, finite=True)
+        summed = torch.zeros(self.present.shape, dtype=torch.float64, device=attributions.device)
+        summed.scatter_add_(1, self.segments.clamp(min=0), attributions.double().masked_fill(self.segments < 0, 0.0))
+        return summed.masked_fill(~self.present, float("-inf"))
+
+    def log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """``(R,)`` log p(answer | prompt ``rows[r]`` without segments ``removed[r]``); each
+        distinct ablation runs once (a repeated one gets the very same value)."""
+        distinct, index = torch.unique(torch.cat([rows[:, None], removed.long()], dim=1), dim=0, return_inverse=True)
+        return self._distinct_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
+
+    def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        values = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            gone = removed[start : start + self.max_batch_size]
+            ids, mask = self._sequences(chunk, gone)
+            with torch.no_grad():
+                logits = output_logits(_run(self.forward_func, ids, mask))
+            if logits.dim() != 3:
+                raise ValueError(
+                    f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
+                )
+            new = self.answer.shape[1]
+            read = logits[:, -new - 1 : -1].float().log_softmax(dim=-1)
+            values.append(read.gather(2, self.answer[chunk][..., None]).sum(dim=(1, 2)))
+        return torch.cat(values)
+
+    def _sequences(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor]:
+        """Prompts without the removed segments' tokens (left padded), then the answer."""
+        segments = self.segments[rows]
+        gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
+        kept = self.real[rows] & ~gone
+        order = kept.int().argsort(dim=1, stable=True)  # padding first, kept tokens in order
+        ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
+        mask = kept.gather(1, order).long()
+        answer = self.answer[rows]
+        return torch.cat([ids, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
+
+
+def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
+    """``forward_func(ids, mask)``; a Hugging Face model also gets position ids that skip
+    the left padding (as ``generate`` gives it)."""
+    parameters = inspect.signature(getattr(forward_func, "forward", forward_func)).parameters
+    if hasattr(forward_func, "config") and "position_ids" in parameters:
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return forward_func(input_ids=ids, attention_mask=mask, position_ids=positions)
+    return forward_func(ids, mask)
+
+
+def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
+    if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.numel() == 0:
+        raise TypeError("input_ids must be a non-empty batch of prompt token ids (batch, prompt_len), padded on the left.")
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}.")
+    if answer.dim() != 2 or answer.shape[0] != input_ids.shape[0] or answer.shape[1] == 0 or answer.is_floating_point():
+        raise ValueError(
+            f"answer must be token ids (batch={input_ids.shape[0]}, answer_len >= 1), got shape {tuple(answer.shape)}."
+        )
+    if segments is not None and tuple(segments.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"segments has shape {tuple(segments.shape)} but input_ids {tuple(input_ids.shape)}: give each prompt "
+            "token its segment index (-1: never removed)."
+        )
+
+
+def top_k_log_prob_drop(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    attributions: Tensor,
+    ks: Sequence[int] = DEFAULT_KS,
+    segments: Tensor | None = None,
+    max_batch_size: int = 64,
+) -> Tensor:
+    r"""Top-k log-probability drop: :math:`\log p(a \mid x) - \log p(a \mid x \setminus
+    \text{top}_k)`, the top k segments by attribution removed (ties broken by position).
+
+    Args:
+        forward_func (Callable): the language model, or ``forward_func(input_ids,
+            attention_mask)`` returning ``(batch, seq_len, vocab)`` logits.
+        input_ids (Tensor): ``(batch, prompt_len)`` prompt token ids, padded on the left.
+        attention_mask (Tensor): ``(batch, prompt_len)``, 1 for real tokens.
+        answer (Tensor): ``(batch, answer_len)`` the answer's token ids.
+        attributions (Tensor): ``(batch, prompt_len)`` token scores, higher = more
+            important (a segment scores the sum of its tokens); NaN and ±inf refused.
+        ks (sequence of int, optional): numbers of segments removed. Default: (1, 3, 5).
+        segments (Tensor, optional): ``(batch, prompt_len)`` long, each token's segment
+            (0, 1, ...; -1: never removed, e.g. BOS or the question; each example needs
+            one such token to predict the answer from). Default: each token its own
+            segment, the first real token (BOS) never removed.
+        max_batch_size (int, optional): sequences per forward. Default: 64.
+
+    Returns:
+        ``(batch, len(ks))``: the drop per k (k capped at the example's segment count).
+
+    Example::
+
+        >>> span = AttnLRP(model).attribute_span(prompt_ids, answer_ids, additional_forward_args=(mask,))
+        >>> top_k_log_prob_drop(model, prompt_ids, mask, answer_ids, span[:, :prompt_ids.shape[1]])
+    """
+    if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"ks are numbers of segments, each at least 1; got {list(ks)}.")
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    order = scorer.segment_scores(attributions).argsort(dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    removed = torch.stack([(ranks < k) & scorer.present for k in ks], dim=1)  # (B, K, S)
+    rows = scorer.rows.repeat_interleave(len(ks))
+    after = scorer.log_probs(rows, removed.flatten(0, 1)).view(len(input_ids), len(ks))
+    return scorer.original[:, None] - after
+
+
+def linear_datamodeling_score(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    attributions: Tensor,
+    segments: Tensor | None = None,
+    num_ablations: int = 32,
+    seed: int = 0,
+    max_batch_size: int = 64,
+) -> Tensor:
+    r"""LDS (ContextCite): Spearman's ρ, over ``num_ablations`` random ablations that keep
+    each segment with probability 1/2 (seeded), between :math:`\sum_{s \text{ kept}}
+    \tau_s` and the actual :math:`\log p(a \mid x_{\text{kept}})`.
+
+    Args:
+        forward_func, input_ids, attention_mask, answer, attributions, segments,
+            max_batch_size: as for :func:`top_k_log_prob_drop`.
+        num_ablations (int, optional): random ablations per example. Default: 32.
+        seed (int, optional): seed of the ablations (the same for every attribution of
+            an example, so that LDS compares them on the same ablations). Default: 0.
+
+    Returns:
+        ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
+    """
+    if num_ablations < 3:
+        raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scores = scorer.segment_scores(attributions).masked_fill(~scorer.present, 0.0)
+    generator = torch.Generator().manual_seed(seed)
+    kept = torch.rand(len(input_ids), num_ablations, scorer.present.shape[1], generator=generator) < 0.5
+    kept = kept.to(scorer.present.device) & scorer.present[:, None]
+    rows = scorer.rows.repeat_interleave(num_ablations)
+    actual = scorer.log_probs(rows, (scorer.present[:, None] & ~kept).flatten(0, 1)).view(len(input_ids), num_ablations)
+    predicted = (kept.double() * scores[:, None]).sum(dim=-1)
+    return spearman(predicted.float().cpu(), actual.cpu())
+
+
+def leave_one_out_agreement(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    attributions: Tensor,
+    segments: Tensor | None = None,
+    max_batch_size: int = 64,
+) -> Tensor:
+    r"""Spearman's ρ between the segments' scores and their leave-one-out effects
+    :math:`\log p(a \mid x) - \log p(a \mid x \setminus s)`.
+
+    Args: as for :func:`top_k_log_prob_drop`.
+
+    Returns:
+        ``(batch,)``: ρ in [-1, 1]; NaN with fewer than two segments or a constant side.
+    """
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scores = scorer.segment_scores(attributions)
+    count = scorer.present.shape[1]
+    rows, segment = scorer.present.nonzero(as_tuple=True)
+    removed = torch.zeros(len(rows), count, dtype=torch.bool, device=scorer.present.device)
+    removed[torch.arange(len(rows)), segment] = True
+    effects = torch.zeros(scorer.present.shape, dtype=torch.float32)
+    effects[rows.cpu(), segment.cpu()] = (scorer.original[rows] - scorer.log_probs(rows, removed)).float().cpu()
+    return spearman(scores.float().cpu(), effects, scorer.present.cpu())

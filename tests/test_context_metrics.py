@@ -1,0 +1,140 @@
+"""Context-attribution metrics: top-k log-probability drop, LDS and leave-one-out agreement,
+checked against direct re-computations and on a model whose answer is known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lm_models import make_decoder, make_prompts
+from scipy import stats
+
+from captum_attention import AttnLRP
+from captum_attention.metrics import (
+    METRICS,
+    MetricContext,
+    leave_one_out_agreement,
+    linear_datamodeling_score,
+    top_k_log_prob_drop,
+)
+
+ANSWER = torch.tensor([[7, 8], [9, 10], [11, 12]])
+
+
+def _log_prob(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
+    """log p(answer | prompt) for one unpadded prompt, from the model directly."""
+    ids = torch.cat([prompt, answer])[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(dim=-1)
+    return float(logits.gather(1, answer[:, None]).sum())
+
+
+def _case(seed: int = 0):
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    scores = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(seed))
+    return model, prompts, scores
+
+
+def test_top_k_drop_equals_removing_the_tokens_by_hand():
+    model, prompts, scores = _case()
+    drops = top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(1, 2))
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt = prompts.input_ids[b, real]
+        ranked = scores[b, real][1:].argsort(descending=True) + 1  # the first real token is never removed
+        full = _log_prob(model, prompt, ANSWER[b])
+        for column, k in enumerate((1, 2)):
+            kept = [i for i in range(len(prompt)) if i not in ranked[:k].tolist()]
+            expected = full - _log_prob(model, prompt[kept], ANSWER[b])
+            assert drops[b, column].item() == pytest.approx(expected, abs=1e-4)
+
+
+def test_loo_agreement_and_lds_equal_direct_recomputations():
+    model, prompts, scores = _case(1)
+    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    loo = leave_one_out_agreement(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, segments)
+    lds = linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, segments, num_ablations=8, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    kept_draws = torch.rand(3, 8, 3, generator=generator) < 0.5
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], segments[b, real]
+        count = int(seg.max()) + 1
+        totals = torch.tensor([float(scores[b, real][seg == s].sum()) for s in range(count)])
+        full = _log_prob(model, prompt, ANSWER[b])
+        effects = [full - _log_prob(model, prompt[seg != s], ANSWER[b]) for s in range(count)]
+        assert loo[b].item() == pytest.approx(stats.spearmanr(totals, effects).statistic, abs=1e-6)
+        kept = kept_draws[b, :, :count]
+        actual = [_log_prob(model, prompt[(seg < 0) | kept[a][seg.clamp(min=0)]], ANSWER[b]) for a in range(8)]
+        predicted = (kept.double() * totals.double()).sum(dim=1)
+        expected = stats.spearmanr(predicted, actual).statistic
+        assert lds[b].item() == pytest.approx(expected, abs=1e-6, nan_ok=True)
+
+
+def test_an_example_scores_the_same_alone_and_in_a_padded_batch():
+    model, prompts, scores = _case(2)
+    together = top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores)
+    for b in range(3):
+        real = prompts.real[b]
+        alone = top_k_log_prob_drop(
+            model, prompts.input_ids[b : b + 1, real], prompts.attention_mask[b : b + 1, real], ANSWER[b : b + 1], scores[b : b + 1, real]
+        )
+        torch.testing.assert_close(together[b : b + 1], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_registered_for_generation_and_out_of_the_classifier_evaluation():
+    from captum_attention.presentation.evaluate import metric_names
+
+    model, prompts, scores = _case(3)
+    context = MetricContext(model, keep=torch.zeros_like(prompts.real))
+    for name in ("top_k_log_prob_drop", "lds", "loo_agreement"):
+        spec = METRICS[name]
+        assert spec.task == "generation" and name not in metric_names()
+        values = spec.function(model, prompts.input_ids, scores, (prompts.attention_mask,), ANSWER, context)
+        assert values.shape == (3,)
+
+
+def test_bad_arguments_are_one_clear_error():
+    model, prompts, scores = _case()
+    args = (model, prompts.input_ids, prompts.attention_mask, ANSWER)
+    with pytest.raises(ValueError, match="NaN"):
+        top_k_log_prob_drop(*args, scores.masked_fill(prompts.real, float("nan")))
+    with pytest.raises(ValueError, match="ks are numbers"):
+        top_k_log_prob_drop(*args, scores, ks=(0,))
+    with pytest.raises(ValueError, match="never removed"):
+        leave_one_out_agreement(*args, scores, segments=torch.zeros_like(prompts.input_ids))
+    with pytest.raises(ValueError, match="answer must be token ids"):
+        top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, ANSWER[:, :0], scores)
+    with pytest.raises(ValueError, match="at least 3"):
+        linear_datamodeling_score(*args, scores, num_ablations=2)
+
+
+@pytest.fixture(scope="module")
+def recall():
+    """The trained key-value recall model (cached) and held-out questions: the prompt is
+    the pairs, ';' and the first asked key; the answer its value; the decisive token the
+    asked key's pair."""
+    from captum_attention.demo.recall import HELDOUT_SEED, load_recall_model, recall_batch
+
+    model = load_recall_model(progress=False)
+    batch = recall_batch(24, seed=HELDOUT_SEED)
+    cut = int(batch.answer_positions[0, 0]) + 1
+    prompts, answers = batch.input_ids[:, :cut], batch.answers[:, :1]
+    segments = torch.full(prompts.shape, -1)
+    segments[:, :4] = torch.arange(4)  # the pairs are the removable segments; ';' and the key stay
+    return model, prompts, answers, segments, batch.decisive[:, 0, :cut]
+
+
+def test_on_a_model_whose_answer_is_known_the_decisive_pair_matters_most(recall):
+    model, prompts, answers, segments, decisive = recall
+    mask = torch.ones_like(prompts)
+    oracle = decisive.float()
+    drop = top_k_log_prob_drop(model, prompts, mask, answers, oracle, ks=(1,), segments=segments)[:, 0]
+    reverse = top_k_log_prob_drop(model, prompts, mask, answers, -oracle, ks=(1,), segments=segments)[:, 0]
+    assert (drop > reverse).float().mean() >= 0.9, "removing the decisive pair costs more than removing another"
+    lds = linear_datamodeling_score(model, prompts, mask, answers, oracle, segments)
+    assert lds.nanmean() > 0.5
+    span = AttnLRP(model).attribute_span(prompts, answers, additional_forward_args=(mask,))[:, : prompts.shape[1]]
+    found = span.masked_fill(segments < 0, float("-inf")).argmax(dim=1) == decisive.int().argmax(dim=1)
+    assert found.float().mean() >= 0.95, "AttnLRP's answer attribution points at the decisive pair"
+    method_drop = top_k_log_prob_drop(model, prompts, mask, answers, span, ks=(1,), segments=segments)[:, 0]
+    torch.testing.assert_close(method_drop[found], drop[found])
