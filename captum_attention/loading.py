@@ -1,4 +1,5 @@
-"""Loading a local sequence-classification checkpoint safely, with errors a user can act on."""
+"""Loading a local checkpoint (a sequence classifier or a causal language model) safely,
+with errors a user can act on."""
 
 from __future__ import annotations
 
@@ -30,7 +31,45 @@ def quiet_transformers() -> Iterator[None]:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be explained: missing, unreadable or not a classifier."""
+    """A checkpoint folder that cannot be explained: missing, unreadable, or neither a
+    sequence classifier nor a causal language model."""
+
+
+_OPTIONS: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
+"""Never a hub, never the checkpoint's own code."""
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+"""How transformers names causal language models' architectures."""
+
+
+def checkpoint_task(path: str | Path) -> str:
+    """``"classification"`` or ``"generation"``: what the local checkpoint's config.json
+    names (a ``*ForSequenceClassification`` or a ``*ForCausalLM``/``*LMHeadModel``
+    architecture).
+
+    Raises:
+        CheckpointError: the folder is missing, has no readable config, needs custom
+            code, or names neither kind of architecture.
+    """
+    from transformers import AutoConfig
+
+    folder = _folder(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, **_OPTIONS)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{folder} is not a Hugging Face checkpoint (no readable config.json): {_first_line(error)}"
+        ) from error
+    architectures = config.architectures or []
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return "classification"
+    if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
+        return "generation"
+    raise CheckpointError(
+        f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence "
+        "classifier nor a causal language model (its config.json names no *ForSequenceClassification, "
+        "*ForCausalLM or *LMHeadModel architecture)."
+    )
 
 
 def load_classifier(path: str | Path) -> tuple[Any, Any]:
@@ -44,32 +83,50 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
         CheckpointError: the folder is missing, has no config, or is not a sequence
             classifier.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
+    if checkpoint_task(path) != "classification":
+        raise CheckpointError(
+            f"{path} holds a causal language model, not a sequence classifier (its config.json names no "
+            "*ForSequenceClassification architecture)."
+        )
+    return _load(Path(path), AutoModelForSequenceClassification)
+
+
+def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local causal language model checkpoint, loaded as
+    safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint that is not a
+            causal language model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if checkpoint_task(path) != "generation":
+        raise CheckpointError(f"{path} holds a sequence classifier, not a causal language model.")
+    return _load(Path(path), AutoModelForCausalLM)
+
+
+def _folder(path: str | Path) -> Path:
     folder = Path(path)
     if folder.is_file():
         raise CheckpointError(f"--model {folder} is a file: give the checkpoint's folder (with config.json)")
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
-    options = dict(local_files_only=True, trust_remote_code=False)
     _refuse_custom_code(folder)
-    try:
-        config = AutoConfig.from_pretrained(folder, **options)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"{folder} is not a Hugging Face checkpoint (no readable config.json): {_first_line(error)}"
-        ) from error
-    architectures = config.architectures or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        raise CheckpointError(
-            f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, not a "
-            "sequence classifier (its config.json names no *ForSequenceClassification architecture)."
-        )
+    return folder
+
+
+def _load(folder: Path, auto_class: Any) -> tuple[Any, Any]:
+    """The model (weights through safetensors or ``weights_only`` only) and tokenizer."""
+    from transformers import AutoTokenizer
+
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the error says it all
-            model = AutoModelForSequenceClassification.from_pretrained(folder, weights_only=True, **options)
-            tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+            model = auto_class.from_pretrained(folder, weights_only=True, **_OPTIONS)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **_OPTIONS)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"could not load the checkpoint in {folder}: its pickled weights hold objects other than "

@@ -96,13 +96,7 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             ``(answer tokens, features)`` (None with ``per_token=False``), the features'
             ``input_tokens`` and the answer's ``output_tokens``.
         """
-        if not isinstance(inp, self.SUPPORTED_INPUTS):
-            raise TypeError(
-                f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
-            )
-        answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
-        if answer.numel() == 0:
-            raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
+        answer = self.target_tokens(inp, target, gen_args)
         prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
         args = (torch.ones_like(prompt),)
         prompt_len = prompt.shape[1]
@@ -121,6 +115,22 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             output_tokens=pretty_tokens(answer.cpu(), self.tokenizer),
             inp=inp,
         )
+
+
+    def target_tokens(
+        self, inp: InterpretableInput, target: str | Tensor | None = None, gen_args: dict[str, Any] | None = None
+    ) -> Tensor:
+        """The answer's ``(tokens,)`` ids as :meth:`attribute` explains it: ``target``
+        tokenized without special tokens, or generated with ``gen_args`` (Captum's own
+        target handling); a clear error for an empty one."""
+        if not isinstance(inp, self.SUPPORTED_INPUTS):
+            raise TypeError(
+                f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
+            )
+        answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
+        if answer.numel() == 0:
+            raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
+        return answer
 
 
 class _FeatureMap:

@@ -1,6 +1,7 @@
 """captum-attention: explain sentences with every method, in the terminal and as HTML.
 
     captum-attention explain "the plot was dull but the acting was superb" --html report.html
+    captum-attention explain --model my-llm/ "Where is the key? ..." --per-token   # a language model's answer
     captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
@@ -36,11 +37,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('captum-attention')}")
     commands = parser.add_subparsers(dest="command", required=True)
     explain = commands.add_parser("explain", help="explain sentences with every method")
-    explain.add_argument("sentences", nargs="*", help="sentences to explain (batched together)")
-    explain.add_argument("--file", type=Path, help="a file with one sentence per line")
-    explain.add_argument("--model", type=Path, help="a local sequence-classification checkpoint folder "
-                         "(default: the embedded sentiment model, trained on first use)")
-    explain.add_argument("--target", help="class to explain, index or label name (default: predicted)")
+    explain.add_argument("sentences", nargs="*", help="sentences to explain (batched together); for a language "
+                         "model, the prompt")
+    explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
+                         "the whole file is the prompt")
+    explain.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
+                         "checkpoint folder (default: the embedded sentiment model, trained on first use)")
+    explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
+                          "language model, the answer's text (default: the model's greedy answer)")
+    explain.add_argument("--max-new-tokens", type=int, default=20,
+                         help="language models: tokens to generate when no --target is given (default: 20)")
+    explain.add_argument("--per-token", action="store_true",
+                         help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
     explain.add_argument("--methods", help="comma-separated methods to run (default: all): "
                          + ", ".join(method_names()))
@@ -140,9 +148,12 @@ def _methods(arguments: argparse.Namespace) -> list[str]:
 def _explain(arguments: argparse.Namespace) -> None:
     from .explain import explain, resolve_target
     from .html import render_html
-    from ..loading import load_classifier
+    from ..loading import checkpoint_task, load_classifier
     from .text import render_text
 
+    if arguments.model is not None and checkpoint_task(arguments.model) == "generation":
+        _explain_answer(arguments)
+        return
     sentences = _sentences(arguments)
     methods = _methods(arguments)
     for name in ("ig_steps", "batch_size", "ig_batch_size"):
@@ -165,6 +176,54 @@ def _explain(arguments: argparse.Namespace) -> None:
     print(render_text(explanations, raw=arguments.raw))
     if arguments.html is not None:
         arguments.html.write_text(render_html(explanations, str(folder)), encoding="utf-8")
+        print(terminal_safe(f"HTML report written to {arguments.html}"))
+
+
+def _prompt(arguments: argparse.Namespace) -> str:
+    """A language model's one prompt: the one sentence given, or the whole ``--file``."""
+    if arguments.file is not None and arguments.sentences:
+        raise UsageError("give the prompt as one argument or as --file, not both")
+    if arguments.file is None:
+        if len(arguments.sentences) != 1:
+            raise UsageError(f"a language model explains one prompt at a time; got {len(arguments.sentences)} "
+                             "(quote the prompt, or pass --file)")
+        return _sentences(arguments)[0]
+    try:
+        prompt = arguments.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise UsageError(f"cannot read --file {arguments.file}: {reason}") from error
+    if not _visible(prompt):
+        raise UsageError(f"--file {arguments.file} holds no visible text")
+    return prompt.strip()
+
+
+def _explain_answer(arguments: argparse.Namespace) -> None:
+    """``explain`` for a causal language model: the answer, and each method's prompt tokens."""
+    from ..attr import METHODS
+    from ..loading import load_causal_lm
+    from .answer import explain_answer
+    from .html import render_answer_html
+    from .text import render_answer_text
+
+    prompt = _prompt(arguments)
+    if arguments.target is not None and has_surrogates(arguments.target):
+        raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
+    if arguments.max_new_tokens < 1 or arguments.ig_steps < 1:
+        raise UsageError("--max-new-tokens and --ig-steps must be at least 1")
+    methods = list(METHODS) if arguments.methods is None else _methods(arguments)
+    _check_html(arguments.html)
+    model, tokenizer = load_causal_lm(arguments.model)
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    limit = length_limit(model, tokenizer)
+    if prompt_tokens + (1 if arguments.target is not None else arguments.max_new_tokens) > limit:
+        raise UsageError(f"the prompt has {prompt_tokens} tokens; the model takes {limit} in all, answer included")
+    explanation = explain_answer(
+        model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token, arguments.ig_steps
+    )
+    print(render_answer_text(explanation, raw=arguments.raw))
+    if arguments.html is not None:
+        arguments.html.write_text(render_answer_html(explanation, str(arguments.model)), encoding="utf-8")
         print(terminal_safe(f"HTML report written to {arguments.html}"))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape as _escape_markup
 
+from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
 from .text import terminal_safe
 
@@ -50,12 +51,14 @@ def _token_row(tokens: list[str], scores: list[float], special: list[bool], info
     return " ".join(_token(t, score, scale, is_special, info) for t, score, is_special in zip(tokens, scores, special))
 
 
-def _meaning(info: MethodInfo) -> str:
+def _meaning(
+    info: MethodInfo, explained: str = "the explained class", attention: str = "the attention alone, the same for every class"
+) -> str:
     if not info.uses_target:
-        return "blue: the attention alone, the same for every class"
+        return f"blue: {attention}"
     if info.signed:
-        return "green supports, red opposes the explained class"
-    return "green: support for the explained class (never negative)"
+        return f"green supports, red opposes {explained}"
+    return f"green: support for {explained} (never negative)"
 
 
 def render_html(explanations: Explanations, model_name: str) -> str:
@@ -95,5 +98,63 @@ def render_html(explanations: Explanations, model_name: str) -> str:
                 f"<td class=\"time\">{seconds * 1000:.0f} ms</td><td>{row}</td></tr>"
             )
         parts.append("</table></section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list[str], special: list[bool], info: MethodInfo) -> str:
+    """A table: one row per answer token, one coloured cell per prompt token (shared
+    scale over the matrix's words; special tokens uncoloured)."""
+    words = [abs(v) for row in rows for v, is_special in zip(row, special) if not is_special]
+    scale = max(words or [0.0])
+    header = "".join(f'<th class="col"><bdi>{escape(t)}</bdi></th>' for t in tokens)
+    body = []
+    for answer_token, row in zip(answer_tokens, rows):
+        cells = "".join(
+            f'<td class="cell" title="{escape(f"{v:.4e}")}"'
+            + ("" if is_special else f' style="background: {_colour(v, scale, info)}"')
+            + "></td>"
+            for v, is_special in zip(row, special)
+        )
+        body.append(f"<tr><th><bdi>{escape(answer_token)}</bdi></th>{cells}</tr>")
+    return f'<table class="matrix"><tr><th></th>{header}</tr>{"".join(body)}</table>'
+
+
+_MATRIX_STYLE = """
+table.matrix th.col { writing-mode: vertical-rl; font-weight: normal; font-family: ui-monospace, monospace; }
+table.matrix td.cell { width: 1em; height: 1.2em; padding: 0; border: 1px solid #eee; }
+.scroll { overflow-x: auto; max-width: 100%; }
+"""
+
+
+def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
+    """The report page of an answer: per method, the prompt coloured by its scores for the
+    whole answer and, where computed, a heat matrix of answer tokens × prompt tokens."""
+    how = "generated (greedy)" if explanation.generated else "given"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>captum-attention report</title>",
+        f"<style>{_STYLE}{_MATRIX_STYLE}</style></head><body>",
+        "<h1>captum-attention report</h1>",
+        f"<p>Model: <code>{escape(model_name)}</code>. Prompt: {len(explanation.prompt_tokens)} tokens.</p>",
+        f"<p>Answer ({how}, {len(explanation.answer_tokens)} tokens): <b><bdi>{escape(explanation.answer)}</bdi></b></p>",
+        '<p class="legend">Each method explains the answer\'s log-probability. Colour strength is relative to '
+        "the largest score of the prompt's words; special tokens are left out of the scale. Hover for a score.</p>",
+    ]
+    tokens, special = explanation.prompt_tokens, explanation.special
+    for method, scores in explanation.seq_attr.items():
+        info = explanation.methods[method]
+        parts.append(f"<section><h2>{escape(method)}</h2>")
+        parts.append(
+            f'<p class="meaning">{escape(_meaning(info, "the answer", "the attention alone, read at the answer's positions, whatever its tokens"))}; '
+            f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
+        )
+        parts.append(f"<p>The whole answer:</p><p>{_token_row(tokens, scores, special, info)}</p>")
+        rows = explanation.token_attr.get(method)
+        if rows:
+            parts.append("<p>Each answer token (rows) over the prompt's tokens (columns):</p>")
+            parts.append(f'<div class="scroll">{_heat_matrix(rows, explanation.answer_tokens, tokens, special, info)}</div>')
+        parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -1,9 +1,12 @@
-"""Terminal output: one table per sentence, tokens down, methods across."""
+"""Terminal output: one table per sentence, tokens down, methods across; for a language
+model's answer, each method's top prompt tokens."""
 
 from __future__ import annotations
 
 import unicodedata
+from collections import Counter
 
+from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo, SentenceExplanation
 
 TOP_K = 3
@@ -98,4 +101,36 @@ def render_text(explanations: Explanations, raw: bool = False) -> str:
     count = len(explanations.sentences)
     times = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in explanations.seconds.items())
     lines.append(f"wall time for {count} sentence{'s' if count != 1 else ''}: {times}")
+    return "\n".join(lines)
+
+
+def _top_tokens(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo, top: int, raw: bool) -> str:
+    """The ``top`` highest-scored prompt tokens (special ones left out), as ``token share``;
+    a token the prompt holds more than once shows its position, ``token[i]``."""
+    values = scores if raw else shares(scores, special, info.signed)
+    ranked = sorted(((v, i) for i, v in enumerate(values) if v is not None and not special[i]), reverse=True)[:top]
+    number = "{:.3e}" if raw else ("{:+.3f}" if info.signed else "{:.3f}")
+    repeated = {token for token, count in Counter(tokens).items() if count > 1}
+    named = [terminal_safe(tokens[i]) + (f"[{i}]" if tokens[i] in repeated else "") for _, i in ranked]
+    return " | ".join(f"{name} {number.format(v)}" for name, (v, _) in zip(named, ranked))
+
+
+def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool = False) -> str:
+    """The terminal report of an answer: the answer, then per method its top prompt tokens
+    for the whole answer and, where computed, for each answer token."""
+    how = "generated (greedy)" if explanation.generated else "given"
+    lines = [
+        f"prompt: {len(explanation.prompt_tokens)} tokens; answer, {how}, {len(explanation.answer_tokens)} tokens:",
+        f"  {terminal_safe(explanation.answer)}",
+        "",
+        f"top {top} prompt tokens per method, by their share of the method's scores over the prompt's words"
+        + (" (--raw: the scores)" if raw else "") + ":",
+    ]
+    tokens, special = explanation.prompt_tokens, explanation.special
+    for method, scores in explanation.seq_attr.items():
+        info = explanation.methods[method]
+        lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms), the whole answer:")
+        lines.append(f"  {_top_tokens(tokens, scores, special, info, top, raw)}")
+        for answer_token, row in zip(explanation.answer_tokens, explanation.token_attr.get(method, [])):
+            lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {_top_tokens(tokens, row, special, info, min(top, 3), raw)}")
     return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The command line for causal language models: the answer, each method's prompt tokens,
+the HTML report with a heat matrix per method."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+import torch
+from lm_models import make_decoder, make_word_tokenizer
+from test_cli import run_cli
+
+from captum_attention import GradSAM, LLMAttentionAttribution
+from captum_attention.presentation.cli import main
+
+PROMPT = "the secret code is seven . what is the code ?"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llm") / "llama"
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_explain_generates_the_answer_and_names_each_methods_top_tokens(llm, tmp_path):
+    html = tmp_path / "answer.html"
+    result = run_cli("explain", "--model", str(llm), PROMPT, "--max-new-tokens", "3", "--per-token", "--html", str(html))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "answer, generated (greedy), 3 tokens:" in out
+    for method in ("Grad-SAM", "Attention Rollout", "Transformer Attribution", "Raw Attention", "AttnLRP"):
+        assert f"{method} (" in out
+    assert out.count(" <- ") == 3 * 5, "each of the 3 answer tokens per method"
+    page = html.read_text(encoding="utf-8")
+    assert page.count('<table class="matrix">') == 5 and page.count("<section>") == 5
+    assert not any(unicodedata.category(c) == "Cc" for c in page.replace("\n", ""))
+
+
+def test_the_printed_shares_are_the_llm_interfaces_seq_attr(llm, capsys):
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "grad_sam", "--raw"]) == 0
+    out = capsys.readouterr().out
+    assert "answer, given, 1 tokens:" in out
+    line = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("Grad-SAM"))) + 1]
+    printed = [(token.split("[")[0], float(value)) for token, value in (cell.split() for cell in line.strip().split(" | "))]
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    from captum.attr import TextTokenInput
+
+    result = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target="seven")
+    words = [(value, token) for token, value in zip(result.input_tokens, result.seq_attr.tolist()) if token != "<s>"]
+    expected = [(token, value) for value, token in sorted(words, reverse=True)[:5]]
+    assert [t for t, _ in printed] == [t for t, _ in expected]
+    torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
+
+
+def test_a_long_prompt_from_a_file_and_clear_errors(llm, tmp_path, capsys):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join([PROMPT] * 3), encoding="utf-8")
+    assert main(["explain", "--model", str(llm), "--file", str(prompt_file), "--target", "seven", "--methods", "raw"]) == 0
+    assert "prompt: 34 tokens" in capsys.readouterr().out
+    assert main(["explain", "--model", str(llm), "one", "two"]) == 1
+    assert "one prompt at a time" in capsys.readouterr().err
+    assert main(["explain", "--model", str(llm), PROMPT, "--max-new-tokens", "0"]) == 1
+    assert "--max-new-tokens" in capsys.readouterr().err
+    prompt_file.write_text(" ".join([PROMPT] * 6), encoding="utf-8")  # 67 tokens: more than the 64 positions
+    assert main(["explain", "--model", str(llm), "--file", str(prompt_file), "--target", "seven"]) == 1
+    err = capsys.readouterr().err
+    assert "the prompt has 67 tokens; the model takes 64" in err and err.count("\n") == 1
