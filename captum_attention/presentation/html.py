@@ -127,6 +127,9 @@ table.matrix td.cell { width: 1em; height: 1.2em; padding: 0; border: 1px solid 
 """
 
 
+_ANSWER_ATTENTION = "the attention alone, read at the answer's positions, whatever its tokens"
+
+
 def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
     """The report page of an answer: per method, the prompt coloured by its scores for the
     whole answer and, where computed, a heat matrix of answer tokens × prompt tokens."""
@@ -147,7 +150,7 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         info = explanation.methods[method]
         parts.append(f"<section><h2>{escape(method)}</h2>")
         parts.append(
-            f'<p class="meaning">{escape(_meaning(info, "the answer", "the attention alone, read at the answer's positions, whatever its tokens"))}; '
+            f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_ATTENTION))}; '
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
         parts.append(f"<p>The whole answer:</p><p>{_token_row(tokens, scores, special, info)}</p>")
