@@ -313,9 +313,8 @@ def cached_trained_model(
             model.save_pretrained(staging, safe_serialization=True)
         write_metadata(staging, model=name, training=asdict(training), **facts)
 
-    folder = cached_folder(
-        cache_root(cache_dir) / name, build, lambda metadata: metadata.get("training") == asdict(training), progress
-    )
+    settings = json.loads(json.dumps(asdict(training)))  # as the metadata file holds them (tuples become lists)
+    folder = cached_folder(cache_root(cache_dir) / name, build, lambda metadata: metadata.get("training") == settings, progress)
     with quiet_transformers():
         return model_class.from_pretrained(folder, local_files_only=True).eval()
 

@@ -32,6 +32,9 @@ from ..capture.inputs import output_logits
 from ._checks import check_rankable
 from .agreement import spearman
 
+PAIRS_PER_FORWARD = 2**26
+"""The most (sequences × length²) one padded forward of ablated prompts holds."""
+
 DEFAULT_KS = (1, 3, 5)
 """The segment counts :func:`top_k_log_prob_drop` removes by default."""
 
@@ -92,10 +95,15 @@ class _AnswerScorer:
         return self._distinct_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """Padded batches hold at most ``PAIRS_PER_FORWARD`` query-key pairs (a padding mask
+        makes the attention kernel materialise them): long prompts go one at a time,
+        without padding."""
         values = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            gone = removed[start : start + self.max_batch_size]
+        width = self.ids.shape[1] + self.answer.shape[1]
+        per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
+        for start in range(0, len(rows), per_forward):
+            chunk = rows[start : start + per_forward]
+            gone = removed[start : start + per_forward]
             ids, mask = self._sequences(chunk, gone)
             with torch.no_grad():
                 logits = output_logits(_run(self.forward_func, ids, mask))
@@ -116,8 +124,9 @@ class _AnswerScorer:
         order = kept.int().argsort(dim=1, stable=True)  # padding first, kept tokens in order
         ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
         mask = kept.gather(1, order).long()
+        padding = int((mask == 0).all(dim=0).sum())  # columns that are padding in every row
         answer = self.answer[rows]
-        return torch.cat([ids, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
+        return torch.cat([ids[:, padding:], answer], dim=1), torch.cat([mask[:, padding:], torch.ones_like(answer)], dim=1)
 
 
 def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:

@@ -1,0 +1,126 @@
+"""Cost of explaining a language model's answer: the whole answer (``attribute_span``, Captum's
+``seq_attr``) and each answer token (``attribute_continuation``, ``token_attr``), against the
+model's own sdpa forward+backward of prompt + answer.
+
+    python benchmarks/llm_answers.py [--lengths 4096 16384] [--answer 32]
+        [--methods grad_sam rollout ...] [--token-rows-max 4096] [--json out.json]
+
+The model: the 4-layer Llama of ``scaling.py`` (hidden 256, 8 heads, 4 KV heads) as a causal
+LM, random weights, vocabulary 1000. The baseline: one sdpa forward of prompt + answer and
+the gradient of the answer's summed log-probability to the input embeddings. Every run is
+measured in a fresh subprocess (time: the median of ``--repeats`` calls after a warm-up;
+memory: the peak resident-set growth of one call, see ``scaling.py``). Streaming capture
+throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MEASURING_ENV  # noqa: E402
+from scaling import measure_here  # noqa: E402
+
+from captum_attention import METHODS  # noqa: E402
+
+BASELINE = "forward+backward (sdpa)"
+
+
+def answer_model(max_length: int) -> tf.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=max(max_length, 512), pad_token_id=0,
+    )
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def runs(length: int, answer: int) -> dict[str, Callable[[], object]]:
+    """Zero-argument calls by name: the baseline, then ``<method> seq_attr`` and
+    ``<method> token_attr`` for each registered method."""
+    model = answer_model(length + answer)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(5, 1000, (1, length), generator=generator)
+    continuation = torch.randint(5, 1000, (1, answer), generator=generator)
+    mask = (torch.ones_like(prompt),)
+
+    def baseline() -> None:
+        ids = torch.cat([prompt, continuation], dim=1)
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds).logits[0, length - 1 : -1].float().log_softmax(dim=-1)
+        torch.autograd.grad(logits.gather(1, continuation[0, :, None]).sum(), embeds)
+
+    calls: dict[str, Callable[[], object]] = {BASELINE: baseline}
+    for name, cls in METHODS.items():
+        explainer = cls(model, capture="streaming")
+        calls[f"{name} seq_attr"] = lambda e=explainer: e.attribute_span(prompt, continuation, additional_forward_args=mask)
+        calls[f"{name} token_attr"] = lambda e=explainer: e.attribute_continuation(
+            prompt, continuation, additional_forward_args=mask, log_prob=True
+        )
+    return calls
+
+
+def measure(name: str, length: int, options: argparse.Namespace) -> dict[str, float]:
+    command = [sys.executable, __file__, "--one", name, "--lengths", str(length), "--answer", str(options.answer),
+               "--repeats", str(options.repeats)]
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **MEASURING_ENV})
+    if out.returncode != 0:
+        return {"ms": float("nan"), "MiB": float("nan"), "error": (out.stderr.strip().splitlines() or ["killed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| prompt | run | time | × baseline | peak MiB | × baseline |", "|---|---|---|---|---|---|"]
+    for row in results:
+        base = row["runs"][BASELINE]
+        for name, values in row["runs"].items():
+            lines.append(
+                f"| {row['length']} | {name} | {values['ms'] / 1000:.2f} s | {values['ms'] / base['ms']:.2f} "
+                f"| {values['MiB']:.0f} | {values['MiB'] / base['MiB']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--answer", type=int, default=32)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--token-rows-max", type=int, default=4096, help="longest prompt whose token rows are measured")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    if options.one:
+        run = runs(options.lengths[0], options.answer)[options.one]
+        run()  # warm-up
+        print(json.dumps(measure_here(run, options.repeats, "cpu")))
+        return
+    results = []
+    for length in options.lengths:
+        names = [BASELINE] + [f"{m} seq_attr" for m in options.methods]
+        if length <= options.token_rows_max:
+            names += [f"{m} token_attr" for m in options.methods]
+        measured = {}
+        for name in names:
+            measured[name] = measure(name, length, options)
+            print(f"{length} {name}: {measured[name]}", flush=True)
+        results.append({"length": length, "answer": options.answer, "runs": measured})
+        if options.json:
+            options.json.write_text(json.dumps({"device": f"CPU, {torch.get_num_threads()} threads", "results": results}, indent=1))
+    print()
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

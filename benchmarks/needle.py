@@ -1,0 +1,206 @@
+"""A needle in a long context, with a known answer: which method points at it, and at what cost?
+
+    python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
+        [--peer-examples 4] [--peer-budget 300] [--json out.json]
+
+The task and the model are :mod:`captum_attention.demo.needle`'s: a context of filler
+words holding 8 key-value pairs (``k3=v7``, one token each), then ``?`` and a key; the
+answer is that key's value, so the needle, the asked key's pair, is known. A 2-layer
+Llama without position encoding, trained on contexts of 32 to 512 tokens and cached.
+
+Per length, on the examples the model answers correctly: each method's pointing accuracy
+(its top segment is the needle), top-1 and top-3 log-probability drop and LDS
+(:mod:`captum_attention.metrics.context`; segments: each pair, each run of up to 32
+filler words), and its time per example (memory: ``llm_answers.py`` and ``scaling.py``). The peers, on the first ``--peer-examples`` of
+them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)`` over the segments
+(a ``TextTemplateInput``, removed segments deleted), ``LLMGradientAttribution(
+LayerIntegratedGradients)`` over the tokens (50 steps), and ContextCite's algorithm (64
+random ablations keeping each segment with probability 1/2, a Lasso surrogate with
+``alpha=0.01`` on standardised masks), reimplemented from the paper (Cohen-Wang et al.,
+NeurIPS 2024) because the ``context-cite`` package partitions text into sentences and needs
+spaCy. A peer whose call on one example passes ``--peer-budget`` seconds is stopped for
+the longer lengths (its cost taken to grow with the square of the length), and the table
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers as tf
+
+from captum_attention import METHODS
+from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
+from captum_attention.metrics import linear_datamodeling_score, top_k_log_prob_drop
+
+Attribution = Callable[[NeedleExample], torch.Tensor]
+"""``attribute(example) -> (length,)`` token scores whose segment sums rank the segments."""
+
+
+def our_method(model: tf.LlamaForCausalLM, name: str) -> Attribution:
+    explainer = METHODS[name](model, capture="streaming")
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt = e.input_ids[None]
+        return explainer.attribute_span(prompt, torch.tensor([[e.answer]]), additional_forward_args=(torch.ones_like(prompt),))[0, :-1]
+
+    return attribute
+
+
+def _segment_texts(e: NeedleExample) -> tuple[str, list[str]]:
+    """The template (``{}`` per segment, then ``? key``) and each segment's text."""
+    words = [WORDS[int(i)] for i in e.input_ids]
+    count = int(e.segments.max()) + 1
+    values = [" ".join(w for w, s in zip(words, e.segments.tolist()) if s == index) for index in range(count)]
+    return " ".join(["{}"] * count) + f" ? {words[-1]}", values
+
+
+def _on_first_tokens(e: NeedleExample, segment_scores: torch.Tensor) -> torch.Tensor:
+    """Token scores that sum to ``segment_scores`` per segment (each on its first token)."""
+    scores = torch.zeros(len(e.input_ids))
+    for index, value in enumerate(segment_scores.tolist()):
+        scores[int((e.segments == index).nonzero()[0])] = value
+    return scores
+
+
+def feature_ablation(model: tf.LlamaForCausalLM) -> Attribution:
+    from captum.attr import FeatureAblation, LLMAttribution, TextTemplateInput
+
+    llm = LLMAttribution(FeatureAblation(model), needle_tokenizer())
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        template, values = _segment_texts(e)
+        result = llm.attribute(TextTemplateInput(template, values), target=torch.tensor([e.answer]))
+        return _on_first_tokens(e, result.seq_attr.float())
+
+    return attribute
+
+
+def integrated_gradients(model: tf.LlamaForCausalLM) -> Attribution:
+    from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
+
+    llm = LLMGradientAttribution(LayerIntegratedGradients(model, model.get_input_embeddings()), needle_tokenizer())
+    text_of = needle_tokenizer()
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        text = " ".join(WORDS[int(i)] for i in e.input_ids[1:])
+        result = llm.attribute(TextTokenInput(text, text_of), target=torch.tensor([e.answer]), n_steps=50, internal_batch_size=5)
+        return result.seq_attr.float()
+
+    return attribute
+
+
+def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float = 0.01) -> Attribution:
+    """ContextCite's surrogate: Lasso on standardised keep-masks of ``ablations`` random
+    ablations against the answer's logit-probability (reimplemented from the paper)."""
+    from sklearn.linear_model import Lasso
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from captum_attention.metrics.context import _AnswerScorer
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt = e.input_ids[None]
+        scorer = _AnswerScorer(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), e.segments[None], 16)
+        count = scorer.present.shape[1]
+        generator = torch.Generator().manual_seed(0)
+        kept = torch.rand(ablations, count, generator=generator) < 0.5
+        log_p = scorer.log_probs(torch.zeros(ablations, dtype=torch.long), ~kept).double()
+        logit_p = (log_p - torch.log1p(-log_p.exp().clamp(max=1 - 1e-12))).numpy()
+        scaler, lasso = StandardScaler(), Lasso(alpha=alpha, random_state=0)
+        make_pipeline(scaler, lasso).fit(kept.float().numpy(), logit_p)
+        weights = torch.tensor(lasso.coef_ / scaler.scale_.clip(min=1e-12), dtype=torch.float32)
+        return _on_first_tokens(e, weights)
+
+    return attribute
+
+
+def evaluate(model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[NeedleExample]) -> dict[str, float]:
+    """Pointing accuracy, top-1/top-3 drop, LDS and seconds per example."""
+    found, drops, lds, seconds = [], [], [], []
+    for e in examples:
+        started = time.perf_counter()
+        scores = attribute(e)
+        seconds.append(time.perf_counter() - started)
+        prompt, answer, segments = e.input_ids[None], torch.tensor([[e.answer]]), e.segments[None]
+        mask = torch.ones_like(prompt)
+        segment_scores = torch.zeros(int(e.segments.max()) + 1).index_add_(0, e.segments.clamp(min=0), scores * (e.segments >= 0))
+        found.append(float(int(segment_scores.argmax()) == e.needle))
+        drops.append(top_k_log_prob_drop(model, prompt, mask, answer, scores[None], ks=(1, 3), segments=segments)[0])
+        lds.append(float(linear_datamodeling_score(model, prompt, mask, answer, scores[None], segments)[0]))
+    drop = torch.stack(drops).mean(dim=0)
+    return {
+        "pointing": sum(found) / len(found), "top1_drop": float(drop[0]), "top3_drop": float(drop[1]),
+        "lds": float(torch.tensor(lds).nanmean()), "seconds": sum(seconds) / len(seconds),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192, 16384])
+    parser.add_argument("--examples", type=int, default=16)
+    parser.add_argument("--peer-examples", type=int, default=4)
+    parser.add_argument("--peer-budget", type=float, default=300.0)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--peers", nargs="+", default=["feature_ablation", "integrated_gradients", "context_cite"])
+    parser.add_argument("--json", type=Path)
+    options = parser.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model = load_needle_model()
+    peers = {"feature_ablation": feature_ablation, "integrated_gradients": integrated_gradients, "context_cite": context_cite}
+    stopped: dict[str, str] = {}
+    last: dict[str, tuple[int, float]] = {}
+    results = []
+    for length in options.lengths:
+        generator = torch.Generator().manual_seed(length)
+        candidates = [needle_example(length, generator) for _ in range(options.examples)]
+        with torch.no_grad():
+            predicted = [int(model(e.input_ids[None]).logits[0, -1].argmax()) for e in candidates]
+        correct = [e for e, p in zip(candidates, predicted) if p == e.answer]
+        row: dict[str, Any] = {"length": length, "accuracy": len(correct) / len(candidates), "methods": {}}
+        print(f"length {length}: the model answers {len(correct)} of {len(candidates)}", flush=True)
+        if correct:
+            for name in options.methods:
+                row["methods"][name] = evaluate(model, our_method(model, name), correct)
+                print(f"  {name}: {row['methods'][name]}", flush=True)
+            for name in options.peers:
+                if name in last and name not in stopped:  # a peer's cost grows at most quadratically in the length
+                    shorter, seconds = last[name]
+                    if seconds * (length / shorter) ** 2 > options.peer_budget:
+                        stopped[name] = f"stopped: {seconds:.0f} s per example at {shorter} tokens, over {options.peer_budget:.0f} s expected"
+                if name in stopped:
+                    row["methods"][name] = {"stopped": stopped[name]}
+                    continue
+                row["methods"][name] = evaluate(model, peers[name](model), correct[: options.peer_examples])
+                last[name] = (length, row["methods"][name]["seconds"])
+                print(f"  {name}: {row['methods'][name]}", flush=True)
+        results.append(row)
+        if options.json:
+            options.json.write_text(json.dumps({"device": f"CPU, {torch.get_num_threads()} threads", "results": results}, indent=1))
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| tokens | model correct | method | points at the needle | top-1 drop | top-3 drop | LDS | s / example |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        for name, values in row["methods"].items():
+            if "stopped" in values:
+                lines.append(f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['stopped']} | | | | |")
+                continue
+            lines.append(
+                f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['pointing']:.0%} | {values['top1_drop']:.2f} "
+                f"| {values['top3_drop']:.2f} | {values['lds']:.2f} | {values['seconds']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
