@@ -159,8 +159,13 @@ def test_llm_result_plots_and_generates_and_skips_tokens():
     assert result.seq_attr.shape == (len(PROMPT.split()),)
     assert result.token_attr.shape == (4, len(PROMPT.split()))
     assert "<s>" not in result.input_tokens
-    result.plot_token_attr()
-    result.plot_seq_attr()
+    import matplotlib.pyplot as plt
+
+    try:
+        result.plot_token_attr()
+        result.plot_seq_attr()
+    finally:
+        plt.close("all")  # a figure left open would reach whatever draws next in this process
     assert llm_attr.attribute(inp, target="seven", per_token=False).token_attr is None
 
 

@@ -217,9 +217,9 @@ def linear_datamodeling_score(
     each segment with probability 1/2 (seeded), between :math:`\sum_{s \text{ kept}}
     \tau_s` and the actual :math:`\log p(a \mid x_{\text{kept}})`.
 
+    The other arguments are :func:`top_k_log_prob_drop`'s.
+
     Args:
-        forward_func, input_ids, attention_mask, answer, attributions, segments,
-            max_batch_size: as for :func:`top_k_log_prob_drop`.
         num_ablations (int, optional): random ablations per example. Default: 32.
         seed (int, optional): seed of the ablations (the same for every attribution of
             an example, so that LDS compares them on the same ablations). Default: 0.
@@ -252,7 +252,7 @@ def leave_one_out_agreement(
     r"""Spearman's ρ between the segments' scores and their leave-one-out effects
     :math:`\log p(a \mid x) - \log p(a \mid x \setminus s)`.
 
-    Args: as for :func:`top_k_log_prob_drop`.
+    The arguments are :func:`top_k_log_prob_drop`'s, without ``ks``.
 
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN with fewer than two segments or a constant side.
