@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import Tensor
 
 from .corpus import LABELS, Example, generate
 
@@ -160,6 +161,15 @@ def _load_base(base: Path) -> Any:
         )
 
 
+def optimiser_step(optimiser: torch.optim.Optimizer, loss: Tensor, parameters: list[torch.nn.Parameter]) -> None:
+    """One step of ``optimiser`` on ``loss``. The library never calls ``Tensor.backward``: on
+    the demo models it trains, the gradients are handed to the optimiser explicitly."""
+    for parameter, grad in zip(parameters, torch.autograd.grad(loss, parameters)):
+        parameter.grad = grad
+    optimiser.step()
+    optimiser.zero_grad(set_to_none=True)
+
+
 def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingBudget, progress: bool) -> None:
     """AdamW over ``budget.epochs`` shuffled epochs; leaves the model in eval mode."""
     from tqdm.auto import tqdm
@@ -175,12 +185,7 @@ def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingB
                 encoded = tokenizer([e.text for e in batch], padding=True, return_tensors="pt")
                 labels = torch.tensor([e.label for e in batch])
                 loss = model(**encoded, labels=labels).loss
-                # The library never calls .backward(); on this model of its own the
-                # gradients are handed to the optimiser explicitly.
-                for param, grad in zip(parameters, torch.autograd.grad(loss, parameters)):
-                    param.grad = grad
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimiser_step(optimizer, loss, parameters)
                 bar.update()
                 bar.set_postfix(loss=f"{loss.item():.4f}")
     model.eval()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model
+from .default_model import cached_trained_model, optimiser_step
 
 FILLER = [f"f{i}" for i in range(64)]
 KEYS = [f"k{i}" for i in range(32)]
@@ -143,10 +143,7 @@ def _train(training: NeedleTraining, progress: bool) -> tuple[Any, dict[str, Any
             batch = [needle_example(length, generator, training.pairs) for _ in range(batch_size)]
             logits = model(torch.stack([e.input_ids for e in batch])).logits[:, -1]
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor([e.answer for e in batch]))
-            for parameter, grad in zip(parameters, torch.autograd.grad(loss, parameters)):
-                parameter.grad = grad
-            optimiser.step()
-            optimiser.zero_grad(set_to_none=True)
+            optimiser_step(optimiser, loss, parameters)
     model.eval()
     heldout = torch.Generator().manual_seed(999_999)
     accuracy = needle_accuracy(model, [needle_example(2048, heldout, training.pairs) for _ in range(50)])

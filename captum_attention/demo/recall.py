@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model
+from .default_model import cached_trained_model, optimiser_step
 
 KEYS = "abcdefghijklmnop"
 VALUES = "0123456789"
@@ -110,7 +110,8 @@ def recall_accuracy(model: Any, batch: RecallBatch) -> float:
 
 def _train(training: RecallTraining, progress: bool) -> tuple[Any, dict[str, Any]]:
     model = _new_model(training.seed)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=training.learning_rate)
+    parameters = list(model.parameters())
+    optimiser = torch.optim.AdamW(parameters, lr=training.learning_rate)
     start = time.perf_counter()
     model.train()
     for step in range(training.steps):
@@ -118,9 +119,7 @@ def _train(training: RecallTraining, progress: bool) -> tuple[Any, dict[str, Any
         logits = model(batch.input_ids).logits
         at_answers = logits.gather(1, batch.answer_positions[..., None].expand(-1, -1, logits.shape[-1]))
         loss = torch.nn.functional.cross_entropy(at_answers.flatten(0, 1), batch.answers.flatten())
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
+        optimiser_step(optimiser, loss, parameters)
     model.eval()
     accuracy = recall_accuracy(model, recall_batch(1000, training, seed=HELDOUT_SEED))
     if progress:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model
+from .default_model import cached_trained_model, optimiser_step
 
 LABELS = ("red", "green", "none")
 IMAGE, PATCH, SQUARE = 32, 4, 8
@@ -72,16 +72,15 @@ def train_shape_vit(training: ShapeTraining = ShapeTraining()) -> tuple[Any, flo
     the seconds it took."""
     model = new_shape_vit(training.seed)
     images, labels, _ = shape_images(training.train_size, seed=training.seed + 1, with_none=True)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=training.learning_rate)
+    parameters = list(model.parameters())
+    optimiser = torch.optim.AdamW(parameters, lr=training.learning_rate)
     generator = torch.Generator().manual_seed(training.seed)
     start = time.perf_counter()
     model.train()
     for _ in range(training.epochs):
         for rows in torch.randperm(training.train_size, generator=generator).split(training.batch_size):
             loss = torch.nn.functional.cross_entropy(model(pixel_values=images[rows]).logits, labels[rows])
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
+            optimiser_step(optimiser, loss, parameters)
     return model.eval(), time.perf_counter() - start
 
 
