@@ -12,7 +12,9 @@ in fp32) between CUDA streaming, CUDA eager and CPU eager capture, the bf16/fp32
 difference of streaming on CUDA, and median CUDA time and peak memory of each run
 against its baseline (``common.ALL_BASELINES``). Then the same
 CPU/CUDA agreement for the other families, on the tiny models of the test suite
-(GPT-2, Llama with grouped-query attention, T5, ViT, nn.MultiheadAttention).
+(GPT-2, Llama with grouped-query attention, T5, ViT, nn.MultiheadAttention), and of a
+language model's answer (``attribute_span`` and ``attribute_continuation`` rows, both
+capture modes, GPT-2 and Llama with left padding).
 """
 
 from __future__ import annotations
@@ -156,6 +158,38 @@ def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     return worst
 
 
+def answer_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
+    """Worst CPU/CUDA difference of answer explanations (span and token rows, both modes)."""
+    from lm_models import make_decoder, make_prompts
+
+    prompts = make_prompts(side="left")
+    answer = torch.randint(3, 20, (3, 4), generator=torch.Generator().manual_seed(2))
+    print("\n| decoder | method | capture | span | token rows |")
+    print("|---|---|---|---|---|")
+    worst = 0.0
+    for family in ("gpt2", "llama"):
+        models = {key: make_decoder(family).to(device) for key, device in zip(("cpu", "cuda"), devices)}
+        for name, cls in REGISTERED.items():
+            for capture in ("streaming", "eager"):
+                errors = []
+                for call in ("attribute_span", "attribute_continuation"):
+                    options = {"log_prob": True} if call == "attribute_continuation" else {}
+                    scores = {
+                        key: getattr(cls(model, capture=capture), call)(
+                            prompts.input_ids.to(device), answer.to(device),
+                            additional_forward_args=(prompts.attention_mask.to(device),), **options,
+                        ).cpu()
+                        for (key, model), device in zip(models.items(), devices)
+                    }
+                    scale = max(scores["cpu"].abs().max().item(), 1e-30)
+                    errors.append((scores["cuda"] - scores["cpu"]).abs().max().item() / scale)
+                worst = max(worst, *errors)
+                print(f"| {family} | {name} | {capture} | {errors[0]:.2e} | {errors[1]:.2e} |")
+    print(f"\nanswers: CPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+    return worst
+
+
 if __name__ == "__main__":
     main()
     family_agreement()
+    answer_agreement()

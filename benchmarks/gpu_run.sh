@@ -2,6 +2,7 @@
 # The GPU measurements, as device-tool calls on one warm machine:
 #   bash benchmarks/gpu_run.sh check   # CPU/CUDA/streaming agreement, bf16, costs; Llama-1B bf16 scaling
 #   bash benchmarks/gpu_run.sh fp32    # Llama-1B fp32 scaling
+#   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -12,6 +13,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/captum-*.
 if ! python3 -c "import sys, transformers as t; sys.exit(tuple(map(int, t.__version__.split('.')[:2])) < (5, 24))"; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/transformers-*.whl
 fi
+if ! python3 -c "import scipy" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/scipy-*.whl
+fi
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 scaling() {  # dtype
@@ -21,4 +25,9 @@ scaling() {  # dtype
 case "${1:-check}" in
     check) python3 benchmarks/gpu_check.py | tee "$out/gpu_check.md"; scaling bfloat16 ;;
     fp32) scaling float32 ;;
+    answers)
+        python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.answer_agreement()" \
+            | tee "$out/answers_check.md"
+        python3 benchmarks/llm_answers.py --model llama-1b --device cuda --dtype bfloat16 --lengths 4096 16384 \
+            --token-rows-max 4096 --json "$out/llm_answers_llama1b_bf16.json" | tee "$out/llm_answers_llama1b_bf16.md" ;;
 esac

@@ -3,14 +3,15 @@
 model's own sdpa forward+backward of prompt + answer.
 
     python benchmarks/llm_answers.py [--lengths 4096 16384] [--answer 32]
-        [--methods grad_sam rollout ...] [--token-rows-max 4096] [--json out.json]
+        [--methods grad_sam rollout ...] [--token-rows-max 4096] [--model llama|llama-1b]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--json out.json]
 
-The model: the 4-layer Llama of ``scaling.py`` (hidden 256, 8 heads, 4 KV heads) as a causal
-LM, random weights, vocabulary 1000. The baseline: one sdpa forward of prompt + answer and
-the gradient of the answer's summed log-probability to the input embeddings. Every run is
-measured in a fresh subprocess (time: the median of ``--repeats`` calls after a warm-up;
-memory: the peak resident-set growth of one call, see ``scaling.py``). Streaming capture
-throughout.
+The model: a Llama of ``scaling.py`` as a causal LM, random weights: ``llama`` (4 layers,
+hidden 256, 8 heads, 4 KV heads, vocabulary 1000) or ``llama-1b`` (shaped like Llama-3.2-1B).
+The baseline: one sdpa forward of prompt + answer and the gradient of the answer's summed
+log-probability to the input embeddings. Time: the median of ``--repeats`` calls after a
+warm-up; memory: the peak growth of one call (``scaling.measure_here``), each run in a fresh
+subprocess on CPU, in this process on CUDA. Streaming capture throughout.
 """
 
 from __future__ import annotations
@@ -28,29 +29,28 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MEASURING_ENV  # noqa: E402
-from scaling import measure_here  # noqa: E402
+from scaling import measure_here, model_config  # noqa: E402
 
 from captum_attention import METHODS  # noqa: E402
 
 BASELINE = "forward+backward (sdpa)"
 
 
-def answer_model(max_length: int) -> tf.LlamaForCausalLM:
+def answer_model(options: argparse.Namespace, max_length: int) -> tf.LlamaForCausalLM:
     torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=max(max_length, 512), pad_token_id=0,
-    )
-    return tf.LlamaForCausalLM(config).eval()
+    with torch.device(options.device):
+        model = tf.LlamaForCausalLM(model_config(options.model, max_length))
+    return model.eval().to(dtype=getattr(torch, options.dtype))
 
 
-def runs(length: int, answer: int) -> dict[str, Callable[[], object]]:
+def runs(options: argparse.Namespace, length: int) -> dict[str, Callable[[], object]]:
     """Zero-argument calls by name: the baseline, then ``<method> seq_attr`` and
     ``<method> token_attr`` for each registered method."""
-    model = answer_model(length + answer)
+    answer = options.answer
+    model = answer_model(options, length + answer)
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(5, 1000, (1, length), generator=generator)
-    continuation = torch.randint(5, 1000, (1, answer), generator=generator)
+    prompt = torch.randint(5, 1000, (1, length), generator=generator).to(options.device)
+    continuation = torch.randint(5, 1000, (1, answer), generator=generator).to(options.device)
     mask = (torch.ones_like(prompt),)
 
     def baseline() -> None:
@@ -69,9 +69,18 @@ def runs(length: int, answer: int) -> dict[str, Callable[[], object]]:
     return calls
 
 
+def measure_cuda(run: Callable[[], object], options: argparse.Namespace) -> dict[str, float]:
+    try:
+        run()  # warm-up
+        return measure_here(run, options.repeats, "cuda")
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"ms": float("nan"), "MiB": float("nan"), "error": "out of memory"}
+
+
 def measure(name: str, length: int, options: argparse.Namespace) -> dict[str, float]:
     command = [sys.executable, __file__, "--one", name, "--lengths", str(length), "--answer", str(options.answer),
-               "--repeats", str(options.repeats)]
+               "--repeats", str(options.repeats), "--model", options.model, "--dtype", options.dtype]
     out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **MEASURING_ENV})
     if out.returncode != 0:
         return {"ms": float("nan"), "MiB": float("nan"), "error": (out.stderr.strip().splitlines() or ["killed"])[-1]}
@@ -97,27 +106,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--token-rows-max", type=int, default=4096, help="longest prompt whose token rows are measured")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--model", default="llama", choices=["llama", "llama-1b"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    if options.device == "cpu":
+        torch.set_num_threads(min(2, torch.get_num_threads()))
     if options.one:
-        run = runs(options.lengths[0], options.answer)[options.one]
+        run = runs(options, options.lengths[0])[options.one]
         run()  # warm-up
         print(json.dumps(measure_here(run, options.repeats, "cpu")))
         return
+    device = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     results = []
     for length in options.lengths:
         names = [BASELINE] + [f"{m} seq_attr" for m in options.methods]
         if length <= options.token_rows_max:
             names += [f"{m} token_attr" for m in options.methods]
+        calls = runs(options, length) if options.device == "cuda" else {}
         measured = {}
         for name in names:
-            measured[name] = measure(name, length, options)
+            measured[name] = measure_cuda(calls[name], options) if calls else measure(name, length, options)
             print(f"{length} {name}: {measured[name]}", flush=True)
         results.append({"length": length, "answer": options.answer, "runs": measured})
         if options.json:
-            options.json.write_text(json.dumps({"device": f"CPU, {torch.get_num_threads()} threads", "results": results}, indent=1))
+            summary = {"device": device, "model": options.model, "dtype": options.dtype, "results": results}
+            options.json.write_text(json.dumps(summary, indent=1))
     print()
     print(table(results))
 
