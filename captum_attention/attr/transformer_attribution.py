@@ -20,7 +20,7 @@ from ..capture import ForwardRecord, GradMaps, OutputGrads
 from ..maps.kernel import KernelCall, block_shape
 from ..maps.streaming import (
     query_row,
-    relevance_column_step,
+    relevance_columns_into,
     relevance_row_step,
     relevance_rows_into,
     without_self_times,
@@ -141,10 +141,12 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         self-attention layers after the current one, so row q of R^{qq} is ``row`` at the
         end. A cross-attention layer c adds :math:`w^\top (\bar R^{qq}_c)^\top \bar A_c
         \bar R^{ss} = (\bar R^{qq}_c w)^\top \bar A_c \bar R^{ss}` to row q of R^{qs}, where
-        :math:`\bar R^{qq}_c w` comes from R^{qq}_c w and R^{qq}_c 1 (the decoder layers
-        before c applied to two column vectors). The sum y of those rows meets
-        :math:`\bar R^{ss}` once: :math:`y^\top \bar R^{ss} = y + z^\top R^{ss} - z` with
-        :math:`z_i = y_i / (R^{ss} 1 - 1)_i` (0 where a row has no relevance).
+        :math:`\bar R^{qq}_c w` comes from (R^{qq}_c - I) w and (R^{qq}_c - I) 1 (the decoder
+        layers before c applied to two column vectors). The sum y of those rows meets
+        :math:`\bar R^{ss}` once: :math:`y^\top \bar R^{ss} = y + z^\top (R^{ss} - I)` with
+        :math:`z_i = y_i / ((R^{ss} - I) 1)_i` (0 where a row has no relevance). Every
+        R - I is accumulated as a residual (:meth:`_residual_times`), never as a
+        difference of nearly equal numbers.
         """
         target_real, source_real = record.target_real, record.input_real
         calls = list(zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles))
@@ -159,21 +161,24 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
                 row = relevance_row_step(call, grad, row, target_real, shape)
                 continue
             before = [(c, g) for c, g, r in decoder_side[:index] if r != "cross"]
-            columns = self._relevance_times(before, torch.stack([row, torch.ones_like(row)], dim=-1), target_real)
-            weights = without_self_times(row, columns[..., 0], columns[..., 1])
+            residuals = self._residual_times(before, torch.stack([row, torch.ones_like(row)], dim=-1), target_real)
+            weights = without_self_times(row, residuals[..., 0], residuals[..., 1])
             source_row += relevance_rows_into(call, grad, weights, target_real, source_real, shape)
-        source_sums = self._relevance_times(encoder, torch.ones_like(source_row)[..., None], source_real)[..., 0] - 1
+        source_sums = self._residual_times(encoder, torch.ones_like(source_row)[..., None], source_real)[..., 0]
         scaled = torch.where(source_sums > 0, source_row / source_sums.clamp(min=torch.finfo(source_sums.dtype).tiny), 0.0)
-        through_encoder = scaled
+        through_encoder = torch.zeros_like(scaled)  # scaledᵀ(R^{ss} - I), accumulated later layers first
         for call, grad in encoder[::-1]:
-            through_encoder = relevance_row_step(call, grad, through_encoder, source_real, block_shape(call, self.block_memory))
-        return source_row + through_encoder - scaled, row
+            shape = block_shape(call, self.block_memory)
+            through_encoder += relevance_rows_into(call, grad, scaled + through_encoder, source_real, source_real, shape)
+        return source_row + through_encoder, row
 
-    def _relevance_times(self, layers: list[tuple[KernelCall, Tensor]], columns: Tensor, real: Tensor) -> Tensor:
-        """``(I + Ā^k)···(I + Ā^1)·columns`` over ``layers`` (earlier first)."""
+    def _residual_times(self, layers: list[tuple[KernelCall, Tensor]], columns: Tensor, real: Tensor) -> Tensor:
+        """``((I + Ā^k)···(I + Ā^1) - I)·columns`` over ``layers`` (earlier first), as the
+        residual D·x itself: D·x += Ā·(x + D·x) per layer."""
+        residual = torch.zeros_like(columns)
         for call, grad in layers:
-            columns = relevance_column_step(call, grad, columns, real, block_shape(call, self.block_memory))
-        return columns
+            residual = residual + relevance_columns_into(call, grad, columns + residual, real, block_shape(call, self.block_memory))
+        return residual
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, start_layer: int = 0

@@ -31,29 +31,32 @@ from torch import Tensor
 from .common import identity_like, query_rows
 
 
-def without_self(relevance: Tensor) -> Tensor:
-    """R̄ = (R - I) with rows normalised to sum 1, plus I (Chefer et al., eqs. 8-9)."""
-    identity = identity_like(relevance)
-    residual = relevance - identity
+def without_self(residual: Tensor) -> Tensor:
+    """R̄ = (R - I) with rows normalised to sum 1, plus I (Chefer et al., eqs. 8-9), from
+    the residual R - I itself: relevances of order 1e-5 next to the identity's 1 would lose
+    most of their digits in float32 as R - I."""
     total = residual.sum(dim=-1, keepdim=True)
     normalised = torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
-    return normalised + identity
+    return normalised + identity_like(residual)
 
 
 def encoder_decoder_relevance(
     encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str]
 ) -> tuple[Tensor, Tensor]:
     """Chefer et al.'s R^{qq}, R^{qs} from per-layer Ā (``roles``: "decoder" or "cross",
-    one per entry of ``decoder_maps``, in forward order)."""
-    source = _source_relevance(encoder_maps, decoder_maps, roles, lambda r, a: r + a @ r)
-    target_self, target_source = _start(decoder_maps, roles, source)
-    source_bar = without_self(source)
+    one per entry of ``decoder_maps``, in forward order). R^{ss} and R^{qq} are
+    accumulated as residuals D = R - I (D += Ā·(D + I)), which :func:`without_self` reads."""
+    source_residual = _source_relevance(encoder_maps, decoder_maps, roles, lambda d, a: d + a @ (d + identity_like(d)), start=0.0)
+    target_self, target_source = _start(decoder_maps, roles, source_residual)
+    target_residual = target_self - identity_like(target_self)
+    source_bar = without_self(source_residual)
     for layer_map, role in zip(decoder_maps, roles):
         if role == "cross":
-            target_source = target_source + without_self(target_self).transpose(-1, -2) @ layer_map @ source_bar
+            target_source = target_source + without_self(target_residual).transpose(-1, -2) @ layer_map @ source_bar
         else:
-            target_self, target_source = target_self + layer_map @ target_self, target_source + layer_map @ target_source
-    return target_self, target_source
+            target_residual = target_residual + layer_map @ (target_residual + identity_like(target_residual))
+            target_source = target_source + layer_map @ target_source
+    return target_residual + identity_like(target_residual), target_source
 
 
 def encoder_decoder_rollout(
@@ -74,10 +77,12 @@ def encoder_decoder_rollout(
 
 
 def _source_relevance(
-    encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str], step: Callable[[Tensor, Tensor], Tensor]
+    encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str], step: Callable[[Tensor, Tensor], Tensor],
+    start: float = 1.0,
 ) -> Tensor:
+    """``step`` applied over the encoder layers from ``start`` times the identity."""
     cross = next(m for m, r in zip(decoder_maps, roles) if r == "cross")
-    relevance = torch.eye(cross.shape[-1], dtype=cross.dtype, device=cross.device).expand(cross.shape[0], -1, -1)
+    relevance = start * torch.eye(cross.shape[-1], dtype=cross.dtype, device=cross.device).expand(cross.shape[0], -1, -1)
     for layer_map in encoder_maps:
         relevance = step(relevance, layer_map)
     return relevance

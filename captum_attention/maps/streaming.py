@@ -134,23 +134,25 @@ def relevance_row_step(call: KernelCall, grad_output: Tensor, row: Tensor, real:
     return row + relevance_rows_into(call, grad_output, row, real, real, shape)
 
 
-def relevance_column_step(call: KernelCall, grad_output: Tensor, columns: Tensor, real: Tensor, shape: Shape) -> Tensor:
-    """``columns + Ā·columns`` for ``(B, T, m)`` column vectors: one step of R·x
-    (earlier layers first)."""
-    step = columns.clone()
+def relevance_columns_into(call: KernelCall, grad_output: Tensor, columns: Tensor, real: Tensor, shape: Shape) -> Tensor:
+    """``Ā·columns`` ``(B, T, m)`` for ``(B, T, m)`` column vectors, Ā = mean_m((G^m ⊙
+    A^m)^+) with the non-real queries' rows and keys' columns zeroed."""
+    products = torch.zeros_like(columns)
     for heads, rows in call.blocks(shape):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real))
-        products = (torch.matmul(terms, columns[:, None, : terms.shape[-1]]) / norm[..., None]).sum(dim=1)
-        step[:, rows] += (products / call.num_heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
-    return step
+        block = (torch.matmul(terms, columns[:, None, : terms.shape[-1]]) / norm[..., None]).sum(dim=1)
+        products[:, rows] += (block / call.num_heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
+    return products
 
 
-def without_self_times(vector: Tensor, relevance_times_vector: Tensor, relevance_times_ones: Tensor) -> Tensor:
-    """``R̄·x`` from ``R·x`` and ``R·1``, with R̄ = (R - I) rows normalised to sum 1, plus I
-    (Chefer et al., eqs. 8-9; a row without relevance stays an identity row)."""
-    row_sums = relevance_times_ones - 1
-    normalised = (relevance_times_vector - vector) / row_sums.clamp(min=torch.finfo(row_sums.dtype).tiny)
-    return vector + torch.where(row_sums > 0, normalised, 0.0)
+def without_self_times(vector: Tensor, residual_times_vector: Tensor, residual_times_ones: Tensor) -> Tensor:
+    """``R̄·x`` from ``(R - I)·x`` and ``(R - I)·1``, with R̄ = (R - I) rows normalised to
+    sum 1, plus I (Chefer et al., eqs. 8-9; a row without relevance stays an identity
+    row). The residuals are accumulated as such (never as R·x - x, whose float32
+    difference loses relevances of order 1e-5)."""
+    positive = residual_times_ones > 0
+    normalised = residual_times_vector / residual_times_ones.clamp(min=torch.finfo(residual_times_ones.dtype).tiny)
+    return vector + torch.where(positive, normalised, 0.0)
 
 
 _HEAD_FUSIONS: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {
