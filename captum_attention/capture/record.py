@@ -448,15 +448,19 @@ def _shape(call: KernelCall) -> torch.Size:
 
 def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
     """Whether the explained sequence's self-attention is causal: as the adapter says, or,
-    where it cannot tell, from the probabilities (exactly 0 on every later real key)."""
+    where it cannot tell or says not, from the probabilities when they are recorded
+    (exactly 0 on every later real key: a decoder whose modules say ``is_causal=False``
+    but mask later keys themselves is causal)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
     if not self_calls:
         return False
     said = capture.causal[self_calls[0]]
-    if said is not None:
-        return said
+    if said is True:
+        return True
     if capture.streaming:
-        raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
+        if said is None:
+            raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
+        return False
     return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
 
 
