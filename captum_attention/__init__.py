@@ -17,6 +17,7 @@ from .capture import (
     HuggingFaceAdapter,
     ModuleAdapter,
     MultiheadAttentionAdapter,
+    UnsupportedModelError,
 )
 from .demo import load_default_model
 from .presentation.display import scores_for_display, special_tokens, token_heatmap
@@ -37,6 +38,7 @@ __all__ = [
     "MultiheadAttentionAdapter",
     "RawAttention",
     "TransformerAttribution",
+    "UnsupportedModelError",
     "__version__",
     "load_default_model",
     "scores_for_display",

@@ -247,6 +247,11 @@ class StreamingUnsupported(RuntimeError):
     """The call cannot be explained without materialising the attention (see the message)."""
 
 
+class UnsupportedModelError(ValueError):
+    """A model the library cannot explain exactly (no softmax attention maps, attention it
+    cannot read or reproduce); the message says why in one line."""
+
+
 @dataclass(frozen=True)
 class SdpaCall:
     """The arguments of one call of transformers' ``sdpa`` attention function, as the

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import ENCODER_DECODERS, make_encoder_decoder
+from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference
 
 from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
@@ -46,14 +47,6 @@ def make_pair(seed: int = 3) -> Seq2Seq:
     return Seq2Seq(source, target)
 
 
-@dataclass
-class Seq2SeqReference:
-    encoder: list[tuple[torch.Tensor, torch.Tensor]]  # (attention, gradient), per layer
-    decoder: list[tuple[torch.Tensor, torch.Tensor]]
-    cross: list[tuple[torch.Tensor, torch.Tensor]]
-    queries: torch.Tensor
-
-
 def reference(model, pair: Seq2Seq, target: torch.Tensor | None = None) -> Seq2SeqReference:
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
@@ -68,90 +61,14 @@ def reference(model, pair: Seq2Seq, target: torch.Tensor | None = None) -> Seq2S
     flat = [a for group in groups for a in group]
     grads = iter(torch.autograd.grad(logits.gather(1, targets[:, None]).sum(), flat))
     pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
-    return Seq2SeqReference(*pairs, queries=queries)
-
-
-def blocks(layers, b: int, rows: int, cols: int):
-    return [(a[b, :, :rows, :cols], g[b, :, :rows, :cols]) for a, g in layers]
-
-
-def cam(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return (grad * attn).clamp(min=0).mean(0)
-
-
-def normalised(relevance: torch.Tensor) -> torch.Tensor:
-    """Chefer et al.'s handle_residual, a zero row staying an identity row."""
-    eye = torch.eye(len(relevance))
-    residual = relevance - eye
-    return torch.nan_to_num(residual / residual.sum(-1, keepdim=True), nan=0.0) + eye
-
-
-def reference_chefer(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
-    r_ss = torch.eye(s)
-    for a, g in blocks(ref.encoder, b, s, s):
-        r_ss = r_ss + cam(a, g) @ r_ss
-    r_qq, r_qs = torch.eye(t), torch.zeros(t, s)
-    for (a, g), (ca, cg) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
-        self_cam = cam(a, g)
-        r_qq, r_qs = r_qq + self_cam @ r_qq, r_qs + self_cam @ r_qs
-        r_qs = r_qs + normalised(r_qq).T @ cam(ca, cg) @ normalised(r_ss)
-    return r_qs[-1], r_qq[-1]
-
-
-def reference_joint_rollout(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
-
-    def rollout_step(attn: torch.Tensor) -> torch.Tensor:
-        step = 0.5 * attn.mean(0) + 0.5 * torch.eye(len(attn[0]))
-        return step / step.sum(-1, keepdim=True)
-
-    joint = torch.eye(s + t)
-    for a, _ in blocks(ref.encoder, b, s, s):
-        layer = torch.eye(s + t)
-        layer[:s, :s] = rollout_step(a)
-        joint = layer @ joint
-    for (a, _), (ca, _) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
-        layer = torch.eye(s + t)
-        layer[s:, s:] = rollout_step(a)
-        joint = layer @ joint
-        layer = torch.eye(s + t)
-        layer[s:, :s], layer[s:, s:] = 0.5 * ca.mean(0), 0.5 * torch.eye(t)
-        joint = layer @ joint
-    return joint[-1, :s], joint[-1, s:]
-
-
-def reference_grad_sam(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
-    heads = ref.encoder[0][0].shape[1]
-    h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2))  # noqa: E731
-    source = sum(h(a, g) for a, g in blocks(ref.encoder, b, s, s)) / (len(ref.encoder) * heads * s)
-    target_maps = blocks(ref.decoder, b, t, t) + blocks(ref.cross, b, t, s)
-    target = sum(h(a, g) for a, g in target_maps) / (len(target_maps) * heads * t)
-    return source, target
-
-
-def reference_raw(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    s, t = int(SOURCE_MASK[b].sum()), int(ref.queries[b]) + 1
-    (a, _), (ca, _) = blocks(ref.decoder, b, t, t)[-1], blocks(ref.cross, b, t, s)[-1]
-    return ca.mean(0)[-1], a.mean(0)[-1]
-
-
-# Per registered method (see methods.py), its encoder-decoder reference.
-REFERENCES = {
-    "transformer_attribution": reference_chefer,
-    "rollout": reference_joint_rollout,
-    "grad_sam": reference_grad_sam,
-    "raw": reference_raw,
-    "attn_lrp": None,  # not a function of the maps: test_attn_lrp.py
-}
+    return Seq2SeqReference(*pairs, SOURCE_MASK.sum(1).tolist(), (queries + 1).tolist())
 
 
 def test_every_registered_method_has_an_encoder_decoder_reference():
-    assert set(REFERENCES) == set(REGISTERED)
+    assert set(SEQ2SEQ_REFERENCES) == set(REGISTERED)
 
 
-@pytest.mark.parametrize("method", [name for name, reference in REFERENCES.items() if reference is not None])
+@pytest.mark.parametrize("method", [name for name, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
 def test_source_and_target_scores_match_reference(name, method, capture_mode):
     model = make_encoder_decoder(name)
     pair = make_pair()
@@ -171,7 +88,7 @@ def test_source_and_target_scores_match_reference(name, method, capture_mode):
     # the scores' scale; BART and every other family meet 1e-5.
     rel = 5e-5 if streams and name == "t5" else 1e-5
     for b in range(2):
-        expected_source, expected_target = REFERENCES[method](ref, b)
+        expected_source, expected_target = SEQ2SEQ_REFERENCES[method](ref, b)
         s, t = len(expected_source), len(expected_target)
         assert expected_source.abs().max() > 0
         assert_scores_close(source[b, :s], expected_source, rel)
@@ -197,7 +114,7 @@ def test_rollout_scores_of_source_and_target_sum_to_one(name):
     torch.testing.assert_close(source.sum(1) + target.sum(1), torch.ones(2))
 
 
-@pytest.mark.parametrize("method", list(REFERENCES))
+@pytest.mark.parametrize("method", list(SEQ2SEQ_REFERENCES))
 def test_padded_pair_matches_each_example_alone(name, method):
     model = make_encoder_decoder(name)
     pair = make_pair()

@@ -14,6 +14,7 @@ from .adapters import (
 )
 from .inputs import LogProbTarget
 from .kernel import StreamingUnsupported
+from .._compat import UnsupportedModelError
 from .probes import (
     CallInfo,
     GradientReduction,
@@ -52,6 +53,7 @@ __all__ = [
     "RecordedValues",
     "Role",
     "StreamingUnsupported",
+    "UnsupportedModelError",
     "ValueRecorder",
     "default_adapter",
     "record_forward",

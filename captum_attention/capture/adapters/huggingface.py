@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextvars
 import inspect
 import threading
-from contextlib import AbstractContextManager, contextmanager
+import weakref
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from torch import Tensor, nn
 
-from ..._compat import attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
+from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, bound_argument
 
@@ -74,13 +75,16 @@ class HuggingFaceAdapter(AdapterBase):
                     role = "encoder" if module in encoder_modules else "decoder"
                 found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
         if not found:
+            returned = returned_attention(model)
+            for module, index, cross in returned.sites:
+                role = "cross" if cross else "encoder" if module in encoder_modules else "decoder" if encoder is not None else "self"
+                found[module] = AttentionSite(module, role, self.is_causal(module), index)
+        if not found:
             raise AttentionNotFoundError(
-                f"No attention modules found in {type(model).__name__}: looked for the modules "
-                f"that transformers models declare in `_can_record_outputs` under {self.kinds} "
-                f"(declared here: {sorted(set(declared)) or 'none'}). If this is not a Hugging "
-                "Face model, or its attention lives elsewhere, name the modules yourself: "
-                "`adapter=ModuleAdapter([...attention modules...])` (see "
-                "captum_attention.capture.ModuleAdapter and the AttentionAdapter protocol)."
+                f"No attention maps found in {type(model).__name__}: it declares no attention "
+                f"modules in `_can_record_outputs` under {self.kinds} (declared: "
+                f"{sorted(set(declared)) or 'none'}) and {returned.reason}. If its attention "
+                "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
         order = {module: index for index, module in enumerate(model.modules())}
         return sorted(found.values(), key=lambda site: order[site.module])
@@ -107,7 +111,8 @@ class HuggingFaceAdapter(AdapterBase):
 
         ``(inputs..., *additional_forward_args)`` map to ``(input_ids, attention_mask)`` for
         causal language models and to ``(input_ids, decoder_input_ids, attention_mask,
-        decoder_attention_mask)`` for encoder-decoders (``inputs_embeds`` /
+        decoder_attention_mask)`` for encoder-decoders, their classifiers included
+        (``inputs_embeds`` /
         ``decoder_inputs_embeds`` for float inputs). A causal language model given a
         left-padded mask gets ``position_ids`` counted over the real tokens, as ``generate``
         does. Other Hugging Face models (classifiers, image models) get the arguments by the
@@ -120,9 +125,10 @@ class HuggingFaceAdapter(AdapterBase):
 
         if not isinstance(forward_func, PreTrainedModel):
             return forward_func
-        if not forward_func.can_generate():
+        encoder_decoder = self.is_encoder_decoder(forward_func)
+        if not (encoder_decoder or forward_func.can_generate()):
             return _ByParameterName(forward_func)
-        return _KeywordForward(forward_func, self.is_encoder_decoder(forward_func))
+        return _KeywordForward(forward_func, encoder_decoder)
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         patch = getattr(getattr(model, "config", None), "patch_size", None)
@@ -186,7 +192,112 @@ class HuggingFaceAdapter(AdapterBase):
         )
 
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
-        return _implementation(model, "sdpa" if streaming else "eager")
+        return _prepared(model, "sdpa" if streaming else "eager")
+
+
+@contextmanager
+def _prepared(model: nn.Module, implementation: str) -> Iterator[None]:
+    """``model`` running ``implementation``; a model whose attention modules were found
+    through ``output_attentions`` (:func:`returned_attention`) is also called with
+    ``output_attentions=True``, without which they return no probabilities."""
+    with _implementation(model, implementation), ExitStack() as stack:
+        if _RETURNED.get(model) is not None and _RETURNED[model].sites:
+            stack.callback(model.register_forward_pre_hook(_output_attentions, with_kwargs=True).remove)
+        yield
+
+
+def _output_attentions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {**kwargs, "output_attentions": True}
+
+
+@dataclass(frozen=True)
+class ReturnedAttention:
+    """The modules whose output holds, at ``index``, a map the model returns with
+    ``output_attentions=True`` (``cross``: among its ``cross_attentions``); or why none
+    were found."""
+
+    sites: tuple[tuple[nn.Module, int, bool], ...]
+    reason: str = ""
+
+
+_RETURNED: "weakref.WeakKeyDictionary[nn.Module, ReturnedAttention]" = weakref.WeakKeyDictionary()
+
+
+def returned_attention(model: nn.Module) -> ReturnedAttention:
+    """The second way to the attention of a transformers model that declares none: one
+    eager forward of a 4-token probe input with ``output_attentions=True``, matching each
+    returned map, by identity, to the innermost module whose output holds it (the tensor
+    that weighted the values, under eager attention). Cached per model."""
+    if model not in _RETURNED:
+        _RETURNED[model] = _probe_returned_attention(model)
+    return _RETURNED[model]
+
+
+def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
+    import torch
+
+    inputs = _probe_inputs(model)
+    if inputs is None:
+        return ReturnedAttention((), "no probe input can be built for it (neither token ids nor pixel values)")
+    first_output: dict[int, tuple[nn.Module, int, Tensor]] = {}  # the tensor kept alive: ids stay unique
+
+    def keep(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, (tuple, list)):
+            for index, item in enumerate(output):
+                if isinstance(item, Tensor):
+                    first_output.setdefault(id(item), (module, index, item))
+
+    with ExitStack() as stack:
+        for module in model.modules():
+            stack.callback(module.register_forward_hook(keep).remove)
+        try:
+            with torch.no_grad(), _implementation(model, "eager"):
+                output = model(**inputs, output_attentions=True)
+        except Exception as error:  # noqa: BLE001 - any failure means: not found this way
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return ReturnedAttention((), f"a probe forward with output_attentions=True failed ({reason[:120]})")
+    with torch.no_grad():
+        as_loaded = model(**inputs)[0]
+    if not torch.allclose(output[0], as_loaded, rtol=1e-3, atol=1e-4 * float(as_loaded.abs().max())):
+        return ReturnedAttention((), (
+            "its output_attentions come from another attention path than the "
+            f"{attn_implementation(model)!r} one it runs (its outputs differ); load it with "
+            "attn_implementation='eager'"
+        ))
+    sites: dict[nn.Module, tuple[nn.Module, int, bool]] = {}
+    for key in ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions"):
+        for attention in getattr(output, key, None) or ():
+            holder = first_output.get(id(attention)) if isinstance(attention, Tensor) and attention.dim() == 4 else None
+            if holder is not None and holder[2] is attention and holder[0] is not model:
+                sites.setdefault(holder[0], (holder[0], holder[1], key == "cross_attentions"))
+    if not sites:
+        return ReturnedAttention((), "its output_attentions hold no (batch, heads, queries, keys) map a module returns")
+    order = {module: index for index, module in enumerate(model.modules())}
+    return ReturnedAttention(tuple(sorted(sites.values(), key=lambda site: order[site[0]])))
+
+
+def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:
+    """A 4-token (or one small image) input for ``model``, on its device."""
+    import torch
+
+    config = getattr(model, "config", None)
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else None
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_ids":
+        vocab = int(getattr(config, "vocab_size", None) or 8)
+        ids = torch.arange(4, device=device).remainder(vocab)[None]
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = ids
+        return inputs
+    if name == "pixel_values":
+        vision = getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+        channels = getattr(vision, "num_channels", 3)
+        return {"pixel_values": torch.zeros(1, channels, height, width, device=device, dtype=parameter.dtype if parameter is not None else None)}
+    return None
 
 
 TORCH_ACTIVATIONS: tuple[type[nn.Module], ...] = (
@@ -215,7 +326,13 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             "capture cannot reproduce: explain it with a built-in implementation "
             "(model.set_attn_implementation('sdpa') or 'eager')."
         )
-    runnable = None if original in (None, wanted) else runnable_implementation(model, wanted)
+    try:
+        runnable = None if original in (None, wanted) else runnable_implementation(model, wanted)
+    except (ValueError, ImportError) as error:
+        if wanted != "sdpa":
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
     if runnable is None or runnable == original:
         yield
         return

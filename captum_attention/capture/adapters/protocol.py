@@ -32,6 +32,8 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from ..._compat import UnsupportedModelError
+
 Role = Literal["self", "encoder", "decoder", "cross", "pooling"]
 ProbsSource = Literal["output", "softmax"]
 
@@ -222,7 +224,7 @@ class AdapterBase:
         return RelevanceSites([], [])
 
 
-class AttentionNotFoundError(ValueError):
+class AttentionNotFoundError(UnsupportedModelError):
     """Raised when an adapter finds no attention modules in a model."""
 
 

@@ -1,0 +1,98 @@
+"""Encoder-decoder references: Chefer et al.'s co-attention rules, the joint-graph rollout,
+Grad-SAM and raw attention, from the ``(attention, gradient)`` pairs of an eager model's
+``encoder_attentions``, ``decoder_attentions`` and ``cross_attentions``. Full matrices, one
+example at a time, in float64: a different code path from the library's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Seq2SeqReference:
+    encoder: list[tuple[torch.Tensor, torch.Tensor]]  # (attention, gradient), per layer
+    decoder: list[tuple[torch.Tensor, torch.Tensor]]
+    cross: list[tuple[torch.Tensor, torch.Tensor]]
+    source_lengths: list[int]  # real source tokens per example (a block starting at 0)
+    target_lengths: list[int]  # target tokens up to the explained one
+
+
+def blocks(layers, b: int, rows: int, cols: int):
+    return [(a[b, :, :rows, :cols].double(), g[b, :, :rows, :cols].double()) for a, g in layers]
+
+
+def cam(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return (grad * attn).clamp(min=0).mean(0)
+
+
+def normalised(relevance: torch.Tensor) -> torch.Tensor:
+    """Chefer et al.'s handle_residual, a zero row staying an identity row."""
+    eye = torch.eye(len(relevance), dtype=torch.float64)
+    residual = relevance - eye
+    return torch.nan_to_num(residual / residual.sum(-1, keepdim=True), nan=0.0) + eye
+
+
+def reference_chefer(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = ref.source_lengths[b], ref.target_lengths[b]
+    r_ss = torch.eye(s, dtype=torch.float64)
+    for a, g in blocks(ref.encoder, b, s, s):
+        r_ss = r_ss + cam(a, g) @ r_ss
+    r_qq, r_qs = torch.eye(t, dtype=torch.float64), torch.zeros(t, s, dtype=torch.float64)
+    for (a, g), (ca, cg) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
+        self_cam = cam(a, g)
+        r_qq, r_qs = r_qq + self_cam @ r_qq, r_qs + self_cam @ r_qs
+        r_qs = r_qs + normalised(r_qq).T @ cam(ca, cg) @ normalised(r_ss)
+    return r_qs[-1], r_qq[-1]
+
+
+def reference_joint_rollout(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = ref.source_lengths[b], ref.target_lengths[b]
+
+    def rollout_step(attn: torch.Tensor) -> torch.Tensor:
+        step = 0.5 * attn.mean(0) + 0.5 * torch.eye(len(attn[0]), dtype=torch.float64)
+        return step / step.sum(-1, keepdim=True)
+
+    joint = torch.eye(s + t, dtype=torch.float64)
+    for a, _ in blocks(ref.encoder, b, s, s):
+        layer = torch.eye(s + t, dtype=torch.float64)
+        layer[:s, :s] = rollout_step(a)
+        joint = layer @ joint
+    for (a, _), (ca, _) in zip(blocks(ref.decoder, b, t, t), blocks(ref.cross, b, t, s)):
+        layer = torch.eye(s + t, dtype=torch.float64)
+        layer[s:, s:] = rollout_step(a)
+        joint = layer @ joint
+        layer = torch.eye(s + t, dtype=torch.float64)
+        layer[s:, :s], layer[s:, s:] = 0.5 * ca.mean(0), 0.5 * torch.eye(t, dtype=torch.float64)
+        joint = layer @ joint
+    return joint[-1, :s], joint[-1, s:]
+
+
+def reference_grad_sam(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = ref.source_lengths[b], ref.target_lengths[b]
+    heads = ref.encoder[0][0].shape[1]
+    h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2))  # noqa: E731
+    source = sum(h(a, g) for a, g in blocks(ref.encoder, b, s, s)) / (len(ref.encoder) * heads * s)
+    target_maps = blocks(ref.decoder, b, t, t) + blocks(ref.cross, b, t, s)
+    target = sum(h(a, g) for a, g in target_maps) / (len(target_maps) * heads * t)
+    return source, target
+
+
+def reference_raw(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, t = ref.source_lengths[b], ref.target_lengths[b]
+    (a, _), (ca, _) = blocks(ref.decoder, b, t, t)[-1], blocks(ref.cross, b, t, s)[-1]
+    return ca.mean(0)[-1], a.mean(0)[-1]
+
+
+SEQ2SEQ_REFERENCES: dict[str, Callable[[Seq2SeqReference, int], tuple[torch.Tensor, torch.Tensor]] | None] = {
+    "transformer_attribution": reference_chefer,
+    "rollout": reference_joint_rollout,
+    "grad_sam": reference_grad_sam,
+    "raw": reference_raw,
+    "attn_lrp": None,  # not a function of the maps: test_attn_lrp.py
+}
+"""Per registered method (see ``methods.py``), its encoder-decoder reference: ``(source
+scores, target scores)`` of example ``b``."""

@@ -1,0 +1,127 @@
+"""Every architecture of transformers' three task heads: exact, or refused in one line
+(``zoo.py`` builds and checks them). The full sweep is marked ``zoo`` (``pytest -m zoo``;
+its multimodal configs take minutes to build); by default the popular families and the
+regressions below run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import assert_same_state, model_state
+from zoo import EAGER_ONLY, HEADS, Architecture, architectures, build, explain, make_case, outcomes, reference
+
+from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
+
+POPULAR = {
+    "sequence classification": (
+        "bert", "llama", "gpt2", "bart", "mbart", "plbart", "t5", "bloom", "falcon", "mpt", "gpt_neo",
+        "deberta", "deberta-v2", "gemma2",
+    ),
+    "causal LM": ("bigbird_pegasus", "qwen2"),
+}
+"""The families every user meets, and the ones that once failed or were wrong."""
+
+
+def _architecture(head: str, model_type: str) -> Architecture:
+    return next(a for a in architectures(head) if a.model_type == model_type)
+
+
+def _assert_exact_or_refused(architecture: Architecture) -> None:
+    found = outcomes(architecture, list(METHODS))
+    bad = {m: o for m, o in found.items() if o.status in ("error", "wrong")}
+    assert not bad, f"{architecture.name}: {bad}"
+
+
+@pytest.mark.parametrize("head, model_type", [(head, t) for head, types in POPULAR.items() for t in types])
+def test_popular_family_is_exact(head, model_type):
+    found = outcomes(_architecture(head, model_type), list(METHODS))
+    assert {o.status for o in found.values()} == {"exact"}, found
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
+def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
+    _assert_exact_or_refused(architecture)
+
+
+def test_encoder_decoder_classifier_gets_the_decoder_ids_it_was_given():
+    architecture = _architecture("sequence classification", "bart")
+    case = make_case(build(architecture), architecture)
+    source, target = case.inputs
+    seen = {}
+    hook = case.model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    try:
+        explain(case, "raw")
+    finally:
+        hook.remove()
+    assert torch.equal(seen["input_ids"], source) and torch.equal(seen["decoder_input_ids"], target)
+
+
+def test_transformer_attribution_source_scores_of_order_1e_5_are_exact_in_both_modes():
+    """This BART's source relevances are about 2e-5 next to a target score of 1: as R·1 - 1
+    in float32 they came out up to 70% off (streaming) and 1% off (eager)."""
+    architecture = _architecture("sequence classification", "bart")
+    case = make_case(build(architecture), architecture)
+    expected_source, _ = reference(case)("transformer_attribution")
+    assert 0 < expected_source.abs().max() < 1e-4
+    for capture in ("streaming", "eager"):
+        source, _ = explain(case, "transformer_attribution", capture)
+        assert (source - expected_source).abs().max() <= 1e-4 * expected_source.abs().max(), capture
+
+
+def test_a_model_without_sdpa_is_explained_eager_with_the_reason():
+    architecture = _architecture("sequence classification", "gemma2")
+    case = make_case(build(architecture), architecture)
+    explainer = GradSAM(case.model)
+    explainer.attribute(case.inputs, target=1, additional_forward_args=case.args)
+    assert explainer.last_capture.startswith("eager: Gemma2ForSequenceClassification cannot run sdpa attention")
+    with pytest.raises(ValueError, match="capture='streaming' is not possible here"):
+        GradSAM(case.model, capture="streaming").attribute(case.inputs, target=1, additional_forward_args=case.args)
+
+
+def test_a_decoder_whose_modules_say_not_causal_is_read_as_causal_from_its_probabilities():
+    architecture = _architecture("causal LM", "bigbird_pegasus")
+    case = make_case(build(architecture), architecture)
+    assert not any(getattr(m, "is_causal", True) for m in case.model.modules() if type(m).__name__.endswith("Attention"))
+    expected = reference(case)("raw")
+    for capture in ("eager", "auto"):  # it has no sdpa: auto runs eager too
+        scores = explain(case, "raw", capture)
+        torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_attention_found_through_output_attentions_leaves_the_model_as_found():
+    architecture = _architecture("sequence classification", "bloom")
+    model = build(architecture)
+    assert not tf.BloomForSequenceClassification._can_record_outputs
+    case = make_case(model, architecture)
+    before = model_state(model)
+    explainer = RawAttention(model)
+    explainer.attribute(case.inputs, additional_forward_args=case.args)
+    assert explainer.last_capture.startswith("eager: BloomAttention did not call transformers' sdpa")
+    assert_same_state(before, model_state(model))
+    out = model(*case.inputs) if isinstance(case.inputs, tuple) else model(case.inputs)
+    assert out.attentions is None  # output_attentions is not left on
+
+
+def test_maps_that_are_not_the_attention_the_model_runs_are_refused():
+    """Falcon loaded with sdpa returns maps computed without the causal mask under
+    output_attentions=True: explaining them would explain another model."""
+    architecture = _architecture("sequence classification", "falcon")
+    case = make_case(build(architecture), architecture)
+    with pytest.raises(UnsupportedModelError, match=EAGER_ONLY) as refused:
+        GradSAM(case.model).attribute(case.inputs, target=1, additional_forward_args=case.args)
+    assert "\n" not in str(refused.value)
+    eager = make_case(build(architecture, implementation="eager"), architecture)
+    scores = explain(eager, "raw")
+    expected = reference(eager)("raw")
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_a_model_without_attention_maps_is_refused_in_one_line():
+    architecture = _architecture("sequence classification", "xlnet")
+    case = make_case(build(architecture), architecture)
+    for name in METHODS:
+        with pytest.raises(UnsupportedModelError) as refused:
+            explain(case, name)
+        assert "\n" not in str(refused.value) and "XLNet" in str(refused.value)

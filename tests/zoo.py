@@ -1,0 +1,366 @@
+"""Every architecture transformers registers for three task heads, built tiny from its own
+config class, explained by every registered method and checked.
+
+An architecture/method pair ends in one of:
+
+- ``exact``: the scores equal a direct re-computation from an eager twin's
+  ``output_attentions`` and ``torch.autograd.grad`` (``methods.py`` and
+  ``seq2seq_reference.py``), within :data:`REL` of their scale; AttnLRP, which is no
+  function of the maps, gives the same scores streaming and eager;
+- ``refused``: the library raised :class:`~captum_attention.UnsupportedModelError` with a
+  one-line reason;
+- ``not built``: transformers itself cannot build or run the tiny model here (a missing
+  optional dependency, a config the tiny sizes break); the reason is kept;
+- ``error`` / ``wrong``: any other exception, or scores off the reference: a defect.
+
+``python tests/zoo.py [--heads ...] [--rst docs/support.rst]`` runs the sweep and writes
+the support table; ``tests/test_zoo.py`` asserts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import logging
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers as tf
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from methods import METHODS, reference_grad_sam  # noqa: E402
+from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference  # noqa: E402
+
+from captum_attention import METHODS as REGISTERED  # noqa: E402
+from captum_attention import UnsupportedModelError  # noqa: E402
+
+HEADS = {
+    "sequence classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "causal LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "image classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+REL = 1e-4
+"""Tolerance relative to the scores' scale: fp32 sdpa and eager forwards of random tiny
+models differ by up to about 3e-5 of it; a wrong result is off by far more."""
+
+SEQ_LEN, IMAGE_SIZE, VOCAB = 8, 32, 99
+TEXT_TARGET, LM_TARGET = 1, 5
+
+TINY: dict[str, Any] = dict(
+    hidden_size=32, d_model=32, n_embd=32, embed_dim=32, dim=32, hidden_dim=32, d_embed=32, n_embed=32,
+    num_hidden_layers=2, num_layers=2, n_layer=2, n_layers=2, encoder_layers=2, decoder_layers=2,
+    num_decoder_layers=2, num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, encoder_attention_heads=4,
+    decoder_attention_heads=4, num_key_value_heads=2, head_dim=8, d_kv=8, kv_channels=8,
+    intermediate_size=37, ffn_dim=37, encoder_ffn_dim=37, decoder_ffn_dim=37, d_ff=37, n_inner=37, d_inner=37,
+    vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, max_seq_len=64,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, num_labels=3,
+    image_size=IMAGE_SIZE, patch_size=8, num_channels=3, entity_vocab_size=10, num_latents=8, d_latents=32,
+    attention_types=[[["global", "local"], 1]], attn_layer_indices=[], layer_types=None,
+    initializer_range=0.2,
+)
+"""Constructor arguments of a tiny model, passed where a config class takes them (under
+their own or their ``attribute_map`` name)."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    class_name: str
+    head: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.head}/{self.model_type}"
+
+
+def architectures(head: str) -> list[Architecture]:
+    """Every (model type, class) transformers registers for ``head``."""
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for model_type, names in getattr(modeling_auto, HEADS[head]).items():
+        found.append(Architecture(model_type, names[0] if isinstance(names, tuple) else names, head))
+    return found
+
+
+def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
+    accepted: set[str] = set()
+    for cls in config_class.__mro__[:-1]:
+        try:
+            accepted |= set(inspect.signature(cls.__init__).parameters)
+        except (TypeError, ValueError):
+            continue
+    renamed = getattr(config_class, "attribute_map", {}) or {}
+    kwargs = {}
+    for key, value in TINY.items():
+        if key in accepted:
+            kwargs[key] = value
+        elif renamed.get(key) in accepted:
+            kwargs[renamed[key]] = value
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if isinstance(sub_class, type) and sub_class is not tf.AutoConfig:
+            kwargs[key] = _tiny_kwargs(sub_class)
+    if head == "causal LM" and "is_decoder" in accepted:
+        kwargs["is_decoder"] = True  # encoders' LM heads (BertLMHeadModel) as transformers' tests build them
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+class NotBuilt(Exception):
+    """transformers cannot build or run this tiny model here."""
+
+
+def build(architecture: Architecture, seed: int = 0, implementation: str | None = None) -> nn.Module:
+    """The tiny model, with the attention implementation transformers picks by default
+    (sdpa where it has one) or ``implementation``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    logging.disable(logging.WARNING)
+    try:
+        config_class = CONFIG_MAPPING[architecture.model_type]
+        config = config_class(**_tiny_kwargs(config_class, architecture.head))
+        if implementation is not None:
+            config._attn_implementation = implementation
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return getattr(tf, architecture.class_name)(config).eval()
+    except Exception as error:  # noqa: BLE001 - whatever stops transformers building it
+        raise NotBuilt(_one_line(error)) from error
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
+
+
+@dataclass
+class Case:
+    """The inputs one architecture is explained on, and how its output becomes the score."""
+
+    model: nn.Module
+    architecture: Architecture
+    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    args: tuple[torch.Tensor, ...] | None
+    target: int
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return bool(getattr(self.model.config, "is_encoder_decoder", False))
+
+    def keywords(self) -> dict[str, torch.Tensor]:
+        """The reference forward's arguments."""
+        if self.architecture.head == "image classification":
+            return {"pixel_values": self.inputs}  # type: ignore[dict-item]
+        if self.encoder_decoder:
+            source, target = self.inputs  # type: ignore[misc]
+            return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target}
+        return {"input_ids": self.inputs, "attention_mask": torch.ones_like(self.inputs)}  # type: ignore[arg-type]
+
+    def score(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 3:  # a language model: the last position's target token
+            logits = logits[:, -1]
+        return logits[:, self.target].sum()
+
+
+def make_case(model: nn.Module, architecture: Architecture) -> Case:
+    generator = torch.Generator().manual_seed(1)
+    config = model.config
+    if architecture.head == "image classification":
+        vision = getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", IMAGE_SIZE)
+        size = size if isinstance(size, int) else size[0]
+        pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=generator)
+        return Case(model, architecture, pixels, None, TEXT_TARGET)
+    ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
+    ids[:, -1] = 2  # an end of sequence: BART-like classifiers read its position
+    target = LM_TARGET if architecture.head == "causal LM" else TEXT_TARGET
+    if getattr(config, "is_encoder_decoder", False):
+        decoder_ids = torch.cat([torch.ones_like(ids[:, :1]), ids[:, :-1]], dim=1)  # shifted right
+        return Case(model, architecture, (ids, decoder_ids), (torch.ones_like(ids), torch.ones_like(ids)), target)
+    return Case(model, architecture, ids, (torch.ones_like(ids),), target)
+
+
+class NoReference(Exception):
+    """The eager twin's ``output_attentions`` are no softmax maps of the tokens whose
+    gradient reaches the score."""
+
+
+@dataclass
+class StackReference:
+    """``methods.py``'s reference object: per layer ``(B, H, N, N)`` maps and gradients."""
+
+    attentions: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def eager_output(case: Case) -> Any:
+    """The eager twin's output with ``output_attentions``, in the autograd graph."""
+    twin = copy.deepcopy(case.model)
+    try:
+        twin.set_attn_implementation("eager")
+    except Exception:  # noqa: BLE001 - a model that runs only its own attention
+        pass
+    try:
+        return twin(**case.keywords(), output_attentions=True)
+    except Exception as error:  # noqa: BLE001
+        raise NotBuilt(_one_line(error)) from error
+
+
+def _maps_and_grads(case: Case, groups: list[Any], logits: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    flat = [a for group in groups for a in (group or ())]
+    if not flat or not all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in flat):
+        raise NoReference("no (batch, heads, queries, keys) attention maps")
+    if not all(torch.allclose(a.sum(-1), torch.ones(()), atol=1e-4) for a in flat):
+        raise NoReference("the maps' rows do not sum to 1")
+    grads = torch.autograd.grad(case.score(logits), flat, allow_unused=True, retain_graph=True)
+    if any(g is None for g in grads):
+        raise NoReference("a returned map does not reach the output")
+    pairs = iter(zip([a.detach().double() for a in flat], [g.double() for g in grads]))  # references in float64
+    return [[next(pairs) for _ in (group or ())] for group in groups]
+
+
+def is_causal(attentions: list[torch.Tensor]) -> bool:
+    later = torch.ones(attentions[0].shape[-2:], dtype=torch.bool).triu(1)
+    return all(bool((a[..., later] == 0).all()) for a in attentions)
+
+
+def reference(case: Case) -> Callable[[str], Any]:
+    """Each map method's reference scores from the eager twin, by method name (raises
+    :class:`NoReference` where the twin returns no usable maps)."""
+    out = eager_output(case)
+    if case.encoder_decoder:
+        groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
+        encoder, decoder, cross = _maps_and_grads(case, groups, out.logits)
+        source, target = case.inputs  # type: ignore[misc]
+        batch = source.shape[0]
+        pair = Seq2SeqReference(encoder, decoder, cross, [source.shape[1]] * batch, [target.shape[1]] * batch)
+
+        def seq2seq(method: str) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [SEQ2SEQ_REFERENCES[method](pair, b) for b in range(batch)]  # type: ignore[misc]
+            return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+        return seq2seq
+    (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
+    ref = StackReference([a.float() for a, _ in pairs], [g.float() for _, g in pairs])  # methods.py's dtype
+    if len({a.shape for a in ref.attentions}) > 1 or ref.attentions[0].shape[-1] != ref.attentions[0].shape[-2]:
+        raise NoReference("the maps are not square over one sequence")
+    tokens = ref.attentions[0].shape[-1]
+    lengths = [tokens] * ref.attentions[0].shape[0]
+    query = tokens - 1 if is_causal(ref.attentions) else 0
+
+    def stack(method: str) -> torch.Tensor:
+        if method == "grad_sam":
+            return reference_grad_sam(ref, lengths)
+        return METHODS[method].reference(ref, lengths, query)  # type: ignore[misc]
+
+    return stack
+
+
+def _close(actual: Any, expected: Any) -> bool:
+    pairs = zip(actual, expected) if isinstance(expected, tuple) else [(actual, expected)]
+    for got, want in pairs:
+        got = got.detach().float()
+        if got.shape != want.shape or not bool(torch.isfinite(got).all()):
+            return False
+        want = want.float()
+        scale = want.abs().max().clamp(min=1e-30)
+        if not bool(((got - want).abs() <= REL * scale).all()):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # exact, refused, not built, error, wrong
+    detail: str = ""
+
+
+def explain(case: Case, method: str, capture: str = "auto") -> Any:
+    cls = REGISTERED[method]
+    options: dict[str, Any] = {"target": case.target} if cls.spec.uses_target else {}
+    if method == "raw":
+        options.update(METHODS["raw"].options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(case.model, capture=capture).attribute(case.inputs, additional_forward_args=case.args, **options)
+
+
+EAGER_ONLY = "load it with attn_implementation='eager'"
+"""The refusal of a model whose maps come only from its eager path: the sweep then
+builds it eager, as the message asks, and checks that."""
+
+
+def outcomes(architecture: Architecture, methods: list[str]) -> dict[str, Outcome]:
+    """Each method's :class:`Outcome` on ``architecture`` as transformers builds it; where
+    that is refused with :data:`EAGER_ONLY`, on the model built eager (the outcome's
+    detail says so)."""
+    found = _outcomes(architecture, methods)
+    if not any(o.status == "refused" and EAGER_ONLY in o.detail for o in found.values()):
+        return found
+    eager = _outcomes(architecture, methods, "eager")
+    return {m: Outcome(o.status, f"when loaded with attn_implementation='eager'; {o.detail}".rstrip("; ")) for m, o in eager.items()}
+
+
+def _outcomes(architecture: Architecture, methods: list[str], implementation: str | None = None) -> dict[str, Outcome]:
+    try:
+        case = make_case(build(architecture, implementation=implementation), architecture)
+    except NotBuilt as error:
+        return {method: Outcome("not built", str(error)) for method in methods}
+    found: dict[str, Outcome] = {}
+    expected: Callable[[str], Any] | Exception | None = None
+    for method in methods:
+        try:
+            scores = explain(case, method)
+        except UnsupportedModelError as error:
+            message = str(error).strip()
+            found[method] = Outcome("refused" if "\n" not in message else "error", message)
+            continue
+        except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+            found[method] = Outcome("error", _one_line(error))
+            continue
+        if method == "attn_lrp":
+            same = _close(scores, explain(case, method, "eager"))
+            found[method] = Outcome("exact") if same else Outcome("wrong", "streaming differs from eager")
+            continue
+        if expected is None:
+            try:
+                expected = reference(case)
+            except (NotBuilt, NoReference) as error:
+                expected = error
+        if isinstance(expected, NotBuilt):
+            found[method] = Outcome("not built", str(expected))
+        elif isinstance(expected, Exception):
+            found[method] = Outcome("wrong", f"scores given where there is no reference ({expected})")
+        else:
+            close = _close(scores, expected(method))
+            found[method] = Outcome("exact") if close else Outcome("wrong", "scores off the reference")
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", nargs="+", default=list(HEADS))
+    parser.add_argument("--methods", nargs="+", default=list(REGISTERED))
+    parser.add_argument("--only", nargs="+", help="model types")
+    options = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for head in options.heads:
+        for architecture in architectures(head):
+            if options.only and architecture.model_type not in options.only:
+                continue
+            found = outcomes(architecture, options.methods)
+            details = sorted({o.detail[:160] for o in found.values() if o.detail})
+            print(f"{architecture.name}: " + " ".join(f"{m}={o.status}" for m, o in found.items())
+                  + "".join(f"\n    {d}" for d in details), flush=True)
+
+
+if __name__ == "__main__":
+    main()
