@@ -14,7 +14,8 @@ against its baseline (``common.ALL_BASELINES``). Then the same
 CPU/CUDA agreement for the other families, on the tiny models of the test suite
 (GPT-2, Llama with grouped-query attention, T5, ViT, nn.MultiheadAttention), and of a
 language model's answer (``attribute_span`` and ``attribute_continuation`` rows, both
-capture modes, GPT-2 and Llama with left padding).
+capture modes, GPT-2 and Llama with left padding), and of the architectures reached
+through the adapter's fallbacks (``architecture_agreement``).
 """
 
 from __future__ import annotations
@@ -189,7 +190,35 @@ def answer_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     return worst
 
 
+def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
+    """Worst CPU/CUDA difference over the families the architecture sweep (``tests/zoo.py``)
+    reaches through its fallbacks: attention found through ``output_attentions`` (BLOOM,
+    DeBERTa-v2, MPT), no sdpa (Gemma-2), encoder-decoder classifiers (BART)."""
+    import zoo
+
+    print("\n| architecture | method | capture | max |cuda-cpu| / scale |")
+    print("|---|---|---|---|")
+    worst = 0.0
+    for model_type in ("bloom", "deberta-v2", "mpt", "gemma2", "bart"):
+        architecture = next(a for a in zoo.architectures("sequence classification") if a.model_type == model_type)
+        cases = {}
+        for key, device in zip(("cpu", "cuda"), devices):
+            case = zoo.make_case(zoo.build(architecture).to(device), architecture)
+            moved = tuple(t.to(device) for t in case.inputs) if isinstance(case.inputs, tuple) else case.inputs.to(device)
+            case.inputs, case.args = moved, tuple(t.to(device) for t in case.args)
+            cases[key] = case
+        for name in REGISTERED:
+            cpu_scores, gpu_scores = (zoo.explain(cases[key], name) for key in ("cpu", "cuda"))
+            pairs = zip(cpu_scores, gpu_scores) if isinstance(cpu_scores, tuple) else [(cpu_scores, gpu_scores)]
+            error = max((g.cpu() - c).abs().max().item() / max(c.abs().max().item(), 1e-30) for c, g in pairs)
+            worst = max(worst, error)
+            print(f"| {model_type} | {name} | auto | {error:.2e} |")
+    print(f"\narchitectures: CPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+    return worst
+
+
 if __name__ == "__main__":
     main()
     family_agreement()
     answer_agreement()
+    architecture_agreement()

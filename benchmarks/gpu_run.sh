@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_run.sh check   # CPU/CUDA/streaming agreement, bf16, costs; Llama-1B bf16 scaling
 #   bash benchmarks/gpu_run.sh fp32    # Llama-1B fp32 scaling
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
+#   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -30,4 +31,7 @@ case "${1:-check}" in
             | tee "$out/answers_check.md"
         python3 benchmarks/llm_answers.py --model llama-1b --device cuda --dtype bfloat16 --lengths 4096 16384 \
             --token-rows-max 4096 --json "$out/llm_answers_llama1b_bf16.json" | tee "$out/llm_answers_llama1b_bf16.md" ;;
+    architectures)
+        python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
+            | tee "$out/architectures_check.md" ;;
 esac
