@@ -125,3 +125,20 @@ def test_a_model_without_attention_maps_is_refused_in_one_line():
         with pytest.raises(UnsupportedModelError) as refused:
             explain(case, name)
         assert "\n" not in str(refused.value) and "XLNet" in str(refused.value)
+
+
+def test_clip_and_siglip_image_towers_are_placed_on_their_patch_grid():
+    """Their patch size is in ``vision_config``. AttnLRP needs input embeddings, which
+    transformers does not name for CLIP's classifier: refused in one line."""
+    map_methods = [name for name in METHODS if name != "attn_lrp"]
+    for model_type in ("clip", "siglip"):
+        found = outcomes(_architecture("image classification", model_type), map_methods)
+        assert {o.status for o in found.values()} == {"exact"}, (model_type, found)
+    refused = outcomes(_architecture("image classification", "clip"), ["attn_lrp"])["attn_lrp"]
+    assert refused.status == "refused" and "get_input_embeddings" in refused.detail
+
+
+def test_windowed_attention_is_refused_in_one_line():
+    found = outcomes(_architecture("sequence classification", "canine"), ["grad_sam", "raw"])
+    assert {o.status for o in found.values()} == {"refused"}
+    assert all("not over its tokens" in o.detail for o in found.values())

@@ -21,7 +21,7 @@ import captum
 import torch
 from torch import Tensor, nn
 
-from .._compat import TargetType, run_forward
+from .._compat import TargetType, UnsupportedModelError, run_forward
 from ..maps.common import last_query, query_rows, real_tokens, up_to, zero_on_later_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
@@ -474,9 +474,11 @@ def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, tex
         keys_ok = role not in ("self", "pooling") or text_shape is None or shape[-1] == text_shape[1]
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"Captured attention of shape {tuple(shape)}, expected (batch={batch}, "
-                f"heads, queries, {expected}): the adapter reads the wrong output."
+                f"heads, queries, {expected}): the model's attention is not over its tokens "
+                "(windowed or block-sparse attention, as Longformer's and BigBird's), or the "
+                "adapter reads the wrong output."
             )
         if role == "self" and len(shape) == 4 and shape[-2] != shape[-1]:
             raise RuntimeError(

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
-from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, bound_argument
+from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
 
 
 class HuggingFaceAdapter(AdapterBase):
@@ -131,7 +131,8 @@ class HuggingFaceAdapter(AdapterBase):
         return _KeywordForward(forward_func, encoder_decoder)
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
-        patch = getattr(getattr(model, "config", None), "patch_size", None)
+        config = getattr(model, "config", None)
+        patch = getattr(getattr(config, "vision_config", config), "patch_size", None)  # CLIP, SigLIP: the image tower's
         if patch is None:
             return None
         rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
@@ -171,7 +172,13 @@ class HuggingFaceAdapter(AdapterBase):
         owners = [getattr(model, "get_encoder")(), getattr(model, "get_decoder")()] if self.is_encoder_decoder(model) else [model]
         modules: list[nn.Module] = []
         for owner in owners:
-            embedding = getattr(owner, "get_input_embeddings", lambda: None)()
+            try:
+                embedding = getattr(owner, "get_input_embeddings", lambda: None)()
+            except NotImplementedError as error:  # transformers cannot name them for this class
+                raise UnsupportedModelError(
+                    f"{type(owner).__name__} does not name its input embeddings "
+                    "(get_input_embeddings is not implemented), which AttnLRP starts from."
+                ) from error
             if isinstance(embedding, nn.Module) and not any(embedding is m for m in modules):
                 modules.append(embedding)
         return modules
