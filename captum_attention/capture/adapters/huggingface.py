@@ -208,7 +208,7 @@ def _prepared(model: nn.Module, implementation: str) -> Iterator[None]:
     through ``output_attentions`` (:func:`returned_attention`) is also called with
     ``output_attentions=True``, without which they return no probabilities."""
     with _implementation(model, implementation), ExitStack() as stack:
-        if _RETURNED.get(model) is not None and _RETURNED[model].sites:
+        if _RETURNED.get(model, (None, ReturnedAttention(())))[1].sites:
             stack.callback(model.register_forward_pre_hook(_output_attentions, with_kwargs=True).remove)
         yield
 
@@ -227,17 +227,21 @@ class ReturnedAttention:
     reason: str = ""
 
 
-_RETURNED: "weakref.WeakKeyDictionary[nn.Module, ReturnedAttention]" = weakref.WeakKeyDictionary()
+_RETURNED: "weakref.WeakKeyDictionary[nn.Module, tuple[str | None, ReturnedAttention]]" = weakref.WeakKeyDictionary()
+"""Per model: the attention implementation it was probed under, and what was found."""
 
 
 def returned_attention(model: nn.Module) -> ReturnedAttention:
     """The second way to the attention of a transformers model that declares none: one
     eager forward of a 4-token probe input with ``output_attentions=True``, matching each
     returned map, by identity, to the innermost module whose output holds it (the tensor
-    that weighted the values, under eager attention). Cached per model."""
-    if model not in _RETURNED:
-        _RETURNED[model] = _probe_returned_attention(model)
-    return _RETURNED[model]
+    that weighted the values, under eager attention). Cached per model and attention
+    implementation (a model reloaded or switched to eager is probed again)."""
+    implementation = attn_implementation(model)
+    cached = _RETURNED.get(model)
+    if cached is None or cached[0] != implementation:
+        cached = _RETURNED[model] = (implementation, _probe_returned_attention(model))
+    return cached[1]
 
 
 def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
