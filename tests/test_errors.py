@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
 
-from captum_attention import AttentionRollout, GradSAM, ModuleAdapter, RawAttention, TransformerAttribution
+from captum_attention import AttentionRollout, GradSAM, ModuleAdapter, RawAttention, TransformerAttribution, UnsupportedModelError
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_adapter_returning_a_copy_of_the_probabilities(setup):
     adapter = ModuleAdapter(attention, probs=lambda output: output[1].clone())
     model.set_attn_implementation("eager")
     try:
-        with pytest.raises(RuntimeError, match="very tensor that weights the values"):
+        with pytest.raises(UnsupportedModelError, match="returns a copy of the tensor that weights the values"):
             GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0)
     finally:
         model.set_attn_implementation("sdpa")

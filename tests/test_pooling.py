@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_state, assert_scores_close, make_batch, model_state
 from plain_models import LAYERS, make_plain
 
-from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
+from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution, UnsupportedModelError
 from captum_attention.capture import ModuleAdapter
 from captum_attention.metrics import (
     attention_erasure,
@@ -189,7 +189,7 @@ def test_permuting_the_pooling_attention_of_one_real_key_changes_nothing():
 def test_pooling_attention_not_named_as_pooling_gets_a_clear_error():
     model = make_plain("rnn")
     batch = make_batch(model)
-    with pytest.raises(RuntimeError, match=r"pooling=\[module\]"):
+    with pytest.raises(UnsupportedModelError, match=r"pooling=\[module\]"):
         GradSAM(model, adapter=adapter_for(model, pooling=False)).attribute(
             batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
         )

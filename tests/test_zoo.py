@@ -9,16 +9,17 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
-from zoo import EAGER_ONLY, HEADS, Architecture, architectures, build, explain, make_case, outcomes, reference
+from zoo import EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, architectures, build, explain, make_case, outcomes, reference
 
 from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
 
 POPULAR = {
     "sequence classification": (
         "bert", "llama", "gpt2", "bart", "mbart", "plbart", "t5", "bloom", "falcon", "mpt", "gpt_neo",
-        "deberta", "deberta-v2", "gemma2",
+        "deberta", "deberta-v2", "gemma2", "mixtral", "gptj", "t5gemma",
     ),
-    "causal LM": ("bigbird_pegasus", "qwen2"),
+    "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2"),
+    "image classification": ("vit", "clip", "siglip", "data2vec-vision"),
 }
 """The families every user meets, and the ones that once failed or were wrong."""
 
@@ -127,15 +128,40 @@ def test_a_model_without_attention_maps_is_refused_in_one_line():
         assert "\n" not in str(refused.value) and "XLNet" in str(refused.value)
 
 
-def test_clip_and_siglip_image_towers_are_placed_on_their_patch_grid():
-    """Their patch size is in ``vision_config``. AttnLRP needs input embeddings, which
-    transformers does not name for CLIP's classifier: refused in one line."""
-    map_methods = [name for name in METHODS if name != "attn_lrp"]
-    for model_type in ("clip", "siglip"):
-        found = outcomes(_architecture("image classification", model_type), map_methods)
-        assert {o.status for o in found.values()} == {"exact"}, (model_type, found)
-    refused = outcomes(_architecture("image classification", "clip"), ["attn_lrp"])["attn_lrp"]
-    assert refused.status == "refused" and "get_input_embeddings" in refused.detail
+def test_attn_lrp_reads_patch_convolutions_and_tuple_embeddings_as_patch_tokens():
+    """CLIP's classifier names no input embeddings (its patch convolution is found by
+    name), SigLIP's are a convolution's (B, d, h, w) output, BEiT-like ones return a tuple:
+    the relevance of each patch token conserves what the patches receive."""
+    for model_type in ("clip", "siglip", "data2vec-vision"):
+        architecture = _architecture("image classification", model_type)
+        model = build(architecture, implementation="eager" if model_type == "data2vec-vision" else None)
+        case = make_case(model, architecture)
+        scores = explain(case, "attn_lrp")
+        rows, columns = scores.shape[-2:]
+        assert rows * columns == (IMAGE_SIZE // 8) ** 2 and bool(scores.abs().sum() > 0), model_type
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("prophetnet", "n-gram prediction streams"), ("minimax", "linear"), ("t5gemma2", "merged attention"),
+])
+def test_architectures_out_of_scope_are_refused_by_name(model_type, reason):
+    head = "causal LM" if model_type == "prophetnet" else "sequence classification"
+    found = outcomes(_architecture(head, model_type), list(METHODS))
+    assert {o.status for o in found.values()} == {"refused"}, found
+    assert all(reason in o.detail and "\n" not in o.detail for o in found.values())
+
+
+def test_attention_run_under_no_grad_refuses_the_gradient_methods_only():
+    found = outcomes(_architecture("causal LM", "hrm_text"), list(METHODS))
+    assert found["grad_sam"].status == found["transformer_attribution"].status == "refused"
+    assert "torch.no_grad" in found["grad_sam"].detail
+    assert found["rollout"].status == found["raw"].status == "exact"
+
+
+def test_windowed_and_spatially_reduced_vision_attention_is_refused_in_one_line():
+    for model_type in ("swin", "segformer"):
+        found = outcomes(_architecture("image classification", model_type), ["grad_sam"])["grad_sam"]
+        assert found.status == "refused" and "\n" not in found.detail, (model_type, found)
 
 
 def test_windowed_attention_is_refused_in_one_line():

@@ -158,12 +158,16 @@ class RelevanceRules(Probe):
             return self.rules.identity_rule(args[0], output.detach())
         return None
 
-    def _record_embeddings(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
-        if not isinstance(output, Tensor) or not self._ours():
+    def _record_embeddings(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The module's output, its embeddings (the first item of a tuple, as BEiT's patch
+        embeddings return them with their grid) detached and recorded."""
+        first = output[0] if isinstance(output, tuple) and output else output
+        if not isinstance(first, Tensor) or not first.is_floating_point() or not self._ours():
             return None
-        embeddings = output.detach().requires_grad_()
+        embeddings = first.detach().requires_grad_()
         self.embeddings.append(embeddings)
-        return embeddings
+        passed_on = embeddings.clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
+        return passed_on if first is output else (passed_on, *output[1:])
 
 
 class _RuleMode(ScopedFunctionMode):

@@ -481,11 +481,11 @@ def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, tex
                 "adapter reads the wrong output."
             )
         if role == "self" and len(shape) == 4 and shape[-2] != shape[-1]:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"Captured self-attention of shape {tuple(shape)} has {shape[-2]} queries "
-                f"for {shape[-1]} keys. If its queries are not tokens (attention pooling, "
-                "an RNN's additive attention), name the module in ModuleAdapter(..., "
-                "pooling=[module]); else the adapter reads the wrong output."
+                f"for {shape[-1]} keys: its keys are not its tokens (spatially reduced, as "
+                "SegFormer's and PVT's), or its queries are not (attention pooling: name the "
+                "module in ModuleAdapter(..., pooling=[module]))."
             )
     _check_pooling(roles)
 

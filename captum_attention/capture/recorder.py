@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
+from .adapters.protocol import UnsupportedModelError
 from .guard import InterruptGuard, ScopedFunctionMode, model_lock
 from ..maps.kernel import KernelCall
 from .kernel import KernelInterception, StreamingUnsupported
@@ -125,6 +126,8 @@ class AttentionCapture:
             retain_graph (bool): keep the graph for a further backward pass. Default: False.
         """
         pieces = [piece for call in self._calls for piece in call.pieces]
+        if self.track_grad and not all(piece.requires_grad for piece in pieces):
+            raise _no_gradient(self.model)
         grads = list(torch.autograd.grad(score, pieces, allow_unused=True, retain_graph=retain_graph))
         per_call: list[list[Tensor]] = []
         for call in self._calls:
@@ -137,8 +140,10 @@ class AttentionCapture:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
         ``(batch, queries, heads, head_dim)``, from one backward pass."""
         outputs = [call.output for call in self.kernel_calls]
-        if not all(isinstance(o, Tensor) and o.requires_grad for o in outputs):
+        if not all(isinstance(o, Tensor) for o in outputs):
             raise RuntimeError("Output gradients need AttentionCapture(track_grad=True, streaming=True).")
+        if not all(o.requires_grad for o in outputs):  # type: ignore[union-attr]
+            raise _no_gradient(self.model)
         grads = torch.autograd.grad(score, outputs, allow_unused=True, retain_graph=retain_graph)  # type: ignore[arg-type]
         self._check_used([g is not None for g in grads])
         return list(grads)  # type: ignore[arg-type]
@@ -155,6 +160,8 @@ class AttentionCapture:
         """
         anchors = [call.hidden for call in self._calls]
         if any(anchor is None for anchor in anchors):
+            if self.track_grad:
+                raise _no_gradient(self.model)
             raise RuntimeError("A backward pass through the capture needs AttentionCapture(track_grad=True).")
         reached = [False] * len(self._calls)
         arrived: list[list[Tensor | None]] = [[None] * len(call.pieces) for call in self._calls]
@@ -185,10 +192,10 @@ class AttentionCapture:
     def _check_used(used: list[bool]) -> None:
         unused = [index for index, ok in enumerate(used) if not ok]
         if unused:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"The attention captured at calls {unused} did not influence the explained "
-                "output: the adapter must return the very tensor that weights the values (not "
-                "a copy or a reshaped view of it)."
+                "output: the model computes it from other attention than it records, or an "
+                "adapter returns a copy of the tensor that weights the values."
             )
 
     def __enter__(self) -> "AttentionCapture":
@@ -464,3 +471,10 @@ class _SoftmaxInterception(ScopedFunctionMode):
         if func not in _SOFTMAXES:
             return result
         return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
+
+
+def _no_gradient(model: nn.Module) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{type(model).__name__} runs its attention without gradient (under torch.no_grad): the "
+        "gradient methods cannot explain it; rollout and raw attention can."
+    )

@@ -193,5 +193,8 @@ class AttnLRPRules:
 
 
 def token_relevance(embeddings: Tensor, grad: Tensor) -> Tensor:
-    """``(B, T)`` float32 relevance per token: :math:`\\sum_d e_{td} \\, g_{td}`."""
-    return (embeddings.detach().float() * grad.float()).sum(dim=-1)
+    """``(B, T)`` float32 relevance per token: :math:`\\sum_d e_{td} \\, g_{td}`; a patch
+    convolution's ``(B, d, h, w)`` output gives its ``T = h·w`` patches in row-major order,
+    the order in which vision transformers flatten them into tokens."""
+    products = embeddings.detach().float() * grad.float()
+    return products.sum(dim=1).flatten(1) if products.dim() == 4 else products.sum(dim=-1)

@@ -17,6 +17,23 @@ from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
 
 
+
+_NGRAM_STREAMS = (
+    "its output comes from n-gram prediction streams, and the maps it returns are those of "
+    "its main stream, which do not reach the output"
+)
+OUT_OF_SCOPE = {
+    "prophetnet": _NGRAM_STREAMS,
+    "xlm-prophetnet": _NGRAM_STREAMS,
+    "minimax": "its lightning (linear) attention layers have no softmax attention maps",
+    "t5gemma2": (
+        "its decoder attends to its own tokens and the encoder's in one merged attention call, "
+        "which the encoder-decoder rules (self- and cross-attention apart) cannot split"
+    ),
+}
+"""Model types whose recorded maps are not the attention that computes their output, by
+``config.model_type``, with the reason the refusal gives."""
+
 class HuggingFaceAdapter(AdapterBase):
     """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
     decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
@@ -57,6 +74,9 @@ class HuggingFaceAdapter(AdapterBase):
         return [site.module for site in self.attention_sites(model)]
 
     def attention_sites(self, model: nn.Module) -> list[AttentionSite]:
+        reason = OUT_OF_SCOPE.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+        if reason is not None:
+            raise UnsupportedModelError(f"{type(model).__name__} cannot be explained through attention maps: {reason}.")
         encoder = _encoder_of(model)
         encoder_modules = set(encoder.modules()) if encoder is not None else set()
         found: dict[nn.Module, AttentionSite] = {}
@@ -175,10 +195,12 @@ class HuggingFaceAdapter(AdapterBase):
             try:
                 embedding = getattr(owner, "get_input_embeddings", lambda: None)()
             except NotImplementedError as error:  # transformers cannot name them for this class
-                raise UnsupportedModelError(
-                    f"{type(owner).__name__} does not name its input embeddings "
-                    "(get_input_embeddings is not implemented), which AttnLRP starts from."
-                ) from error
+                embedding = _patch_embedding(owner)
+                if embedding is None:
+                    raise UnsupportedModelError(
+                        f"{type(owner).__name__} does not name its input embeddings "
+                        "(get_input_embeddings is not implemented), which AttnLRP starts from."
+                    ) from error
             if isinstance(embedding, nn.Module) and not any(embedding is m for m in modules):
                 modules.append(embedding)
         return modules
@@ -200,6 +222,12 @@ class HuggingFaceAdapter(AdapterBase):
 
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
         return _prepared(model, "sdpa" if streaming else "eager")
+
+
+def _patch_embedding(model: nn.Module) -> nn.Module | None:
+    """The first module named ``patch_embedding(s)`` (CLIP's vision tower names its patch
+    convolution so, but its image classifier does not return it as input embeddings)."""
+    return next((m for name, m in model.named_modules() if name.split(".")[-1] in ("patch_embedding", "patch_embeddings")), None)
 
 
 @contextmanager
@@ -282,7 +310,10 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
             if holder is not None and holder[2] is attention and holder[0] is not model:
                 sites.setdefault(holder[0], (holder[0], holder[1], key == "cross_attentions"))
     if not sites:
-        return ReturnedAttention((), "its output_attentions hold no (batch, heads, queries, keys) map a module returns")
+        reason = "its output_attentions hold no (batch, heads, queries, keys) map a module returns"
+        if attn_implementation(model) not in (None, "eager"):  # BEiT-like models pick their attention classes when built
+            reason += f" under {attn_implementation(model)!r}; if it chose its attention classes when built, load it with attn_implementation='eager'"
+        return ReturnedAttention((), reason)
     order = {module: index for index, module in enumerate(model.modules())}
     return ReturnedAttention(tuple(sorted(sites.values(), key=lambda site: order[site[0]])))
 
@@ -337,17 +368,20 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             "capture cannot reproduce: explain it with a built-in implementation "
             "(model.set_attn_implementation('sdpa') or 'eager')."
         )
+    configs = model_configs(model)
+    # a sub-model left on another implementation (GOT-OCR2's language model under an eager top config)
+    mixed = original == wanted == "eager" and any(getattr(c, "_attn_implementation", None) not in (None, "eager") for c in configs)
     try:
-        runnable = None if original in (None, wanted) else runnable_implementation(model, wanted)
+        runnable = None if original is None or (original == wanted and not mixed) else runnable_implementation(model, wanted)
     except (ValueError, ImportError) as error:
         if wanted != "sdpa":
             raise
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
-    if runnable is None or runnable == original:
+    runnable = "eager" if mixed else runnable
+    if runnable is None or (runnable == original and not mixed):
         yield
         return
-    configs = model_configs(model)
     patches: list[SharedPatch] = []
     token = None
     try:
