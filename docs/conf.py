@@ -25,6 +25,12 @@ napoleon_google_docstring = True
 html_theme = "furo"
 html_title = "captum-attention"
 exclude_patterns = ["_build"]
+
+# The registered methods, named in the pages as |methods| (generated: a new method appears everywhere).
+from captum_attention import METHODS  # noqa: E402
+
+_NAMES = [cls.get_name() for cls in METHODS.values()]
+rst_prolog = f".. |methods| replace:: {', '.join(_NAMES[:-1])} and {_NAMES[-1]}\n.. |method_count| replace:: {len(_NAMES)}\n"
 suppress_warnings = ["ref.python"]
 
 # The tutorials run offline, on the threads of a small machine, and never on a GPU.

@@ -2,7 +2,7 @@
 Is attention explanation?
 =========================
 
-Two classic tests of whether attention weights say what a model uses, on the default
+Four tests of whether attention weights say what a model uses, on the default
 sentiment model and 48 held-out sentences of its corpus:
 
 - **Erasure** (Serrano & Smith, "Is Attention Interpretable?", ACL 2019): erase the

@@ -24,6 +24,8 @@ class SentenceExplanation:
         probabilities: the model's probability of each class label.
         cut_from: the sentence's token count when it was cut to the model's length limit
             (``len(tokens)``), else None.
+        all_unknown: whether every word became the tokenizer's unknown token (an
+            all-emoji sentence for a BERT vocabulary): the scores then explain no text.
     """
 
     text: str
@@ -36,6 +38,7 @@ class SentenceExplanation:
     scores: dict[str, list[float]] = field(default_factory=dict)
     probabilities: dict[str, float] = field(default_factory=dict)
     cut_from: int | None = None
+    all_unknown: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ def explain(
     takes (:func:`length_limit`) are cut, and say so."""
     limit = length_limit(model, tokenizer)
     chosen = report_methods(model, ig_steps, methods or method_names(), ig_batch_size)
+    if sentences:  # one untimed call per method first: the times then exclude warm-up (lazy imports, compiling)
+        _explain_batch(model, tokenizer, sentences[:1], target, limit, chosen)
     results: list[SentenceExplanation] = []
     seconds = dict.fromkeys((method.display for method in chosen.values()), 0.0)
     for start in range(0, len(sentences), batch_size):
@@ -195,6 +200,7 @@ def _explain_batch(
                 special=[i in tokenizer.all_special_ids for i in row_ids],
                 probabilities={id2label[c]: float(p) for c, p in enumerate(probabilities[row].tolist())},
                 cut_from=full_lengths[row] if full_lengths[row] > length else None,
+                all_unknown=_all_unknown(row_ids, tokenizer),
             )
         )
     baseline = ig_baseline(ids, tokenizer)
@@ -206,3 +212,10 @@ def _explain_batch(
         for row, result in enumerate(results):
             result.scores[method.display] = scores[row, : len(result.tokens)].tolist()
     return results, seconds
+
+
+def _all_unknown(ids: list[int], tokenizer: Any) -> bool:
+    """Whether the words of ``ids`` (special tokens left out) are all the unknown token."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    words = [i for i in ids if i not in tokenizer.all_special_ids or i == unknown]
+    return unknown is not None and bool(words) and all(i == unknown for i in words)

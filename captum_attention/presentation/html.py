@@ -6,7 +6,7 @@ from html import escape as _escape_markup
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
-from .text import terminal_safe
+from .text import shares, terminal_safe
 
 
 def escape(text: str) -> str:
@@ -26,7 +26,14 @@ td.time { text-align: right; white-space: nowrap; color: #555; }
 .tok.special { color: #888; border: 1px dashed #bbb; }
 .meaning { color: #555; font-size: 0.9em; }
 .note { color: #8a5a00; }
+h2.sentence { font-size: 1.05em; font-weight: 600; }
 """
+
+TITLE_CHARACTERS = 80
+"""A sentence's heading shows at most this many characters (its tokens show all of it)."""
+
+DARK_CELL = 0.55
+"""Colour strengths from which a token's text turns white, to stay readable."""
 
 
 def _colour(score: float, scale: float, info: MethodInfo) -> str:
@@ -38,17 +45,37 @@ def _colour(score: float, scale: float, info: MethodInfo) -> str:
     return f"rgba({rgb}, {strength:.3f})"
 
 
-def _token(token: str, score: float, scale: float, special: bool, info: MethodInfo) -> str:
-    title = escape(f"{score:.4e}")
-    if special:  # left out of the colour scale: rollout and relevance put most mass on [CLS]
-        return f'<span class="tok special" title="{title} (special token, not coloured)">{escape(token)}</span>'
-    return f'<span class="tok" style="background: {_colour(score, scale, info)}" title="{title}">{escape(token)}</span>'
+def _style(score: float, scale: float, info: MethodInfo) -> str:
+    """A coloured cell's style: white text where the colour is dark."""
+    dark = scale > 0 and abs(score) / scale >= DARK_CELL
+    return f"background: {_colour(score, scale, info)}" + ("; color: #fff" if dark else "")
+
+
+def _hover(share: float | None, score: float, info: MethodInfo) -> str:
+    """A token's hover text: its share of the words' scores, as the terminal table shows
+    it, then the score itself."""
+    if share is None:
+        return escape(f"special token, not coloured (score {score:.3e})")
+    return escape(f"share {format(share, '+.3f' if info.signed else '.3f')} of the words (score {score:.3e})")
+
+
+def _token(token: str, score: float, share: float | None, scale: float, info: MethodInfo) -> str:
+    title = _hover(share, score, info)
+    if share is None:  # left out of the colour scale: rollout and relevance put most mass on [CLS]
+        return f'<span class="tok special" title="{title}">{escape(token)}</span>'
+    return f'<span class="tok" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
 
 
 def _token_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
     words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
     scale = max(words or [0.0])
-    return " ".join(_token(t, score, scale, is_special, info) for t, score, is_special in zip(tokens, scores, special))
+    row_shares = shares(scores, special, info.signed)
+    return " ".join(_token(t, score, share, scale, info) for t, score, share in zip(tokens, scores, row_shares))
+
+
+def _heading(text: str) -> str:
+    """A sentence's heading: its first :data:`TITLE_CHARACTERS` characters."""
+    return text if len(text) <= TITLE_CHARACTERS else text[: TITLE_CHARACTERS - 1].rstrip() + "…"
 
 
 def _meaning(
@@ -74,16 +101,19 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         f"{count} sentence{'s' if count != 1 else ''}.</p>",
         "<p class=\"legend\">Colour strength is relative to the largest score of the row's words; "
         'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and '
-        "not coloured. Under each method: what its colour means. Hover a token for its score.</p>",
+        "not coloured. Under each method: what its colour means. Hover a token for its share of the "
+        "words' scores (as in the terminal table) and the score itself.</p>",
     ]
     for sentence in explanations.sentences:
         parts.append("<section>")
-        parts.append(f"<h2><bdi>{escape(sentence.text)}</bdi></h2>")
+        parts.append(f'<h2 class="sentence"><bdi>{escape(_heading(sentence.text))}</bdi></h2>')
         probabilities = ", ".join(f"<bdi>{escape(label)}</bdi> {p:.3f}" for label, p in sentence.probabilities.items())
         parts.append(
             f"<p>Prediction: <b><bdi>{escape(sentence.label)}</bdi></b> (p = {sentence.probability:.3f}; "
             f"{probabilities}); explaining <b><bdi>{escape(sentence.target_label)}</bdi></b>.</p>"
         )
+        if sentence.all_unknown:
+            parts.append('<p class="note">Every word is unknown to the tokenizer: the model saw no word of this text.</p>')
         if sentence.cut_from is not None:
             parts.append(
                 f'<p class="note">Cut to the model\'s {len(sentence.tokens)} tokens (of {sentence.cut_from}): '
@@ -111,10 +141,10 @@ def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list
     body = []
     for answer_token, row in zip(answer_tokens, rows):
         cells = "".join(
-            f'<td class="cell" title="{escape(f"{v:.4e}")}"'
-            + ("" if is_special else f' style="background: {_colour(v, scale, info)}"')
+            f'<td class="cell" title="{_hover(share, v, info)}"'
+            + ("" if is_special else f' style="{_style(v, scale, info)}"')
             + "></td>"
-            for v, is_special in zip(row, special)
+            for v, share, is_special in zip(row, shares(row, special, info.signed), special)
         )
         body.append(f"<tr><th><bdi>{escape(answer_token)}</bdi></th>{cells}</tr>")
     return f'<table class="matrix"><tr><th></th>{header}</tr>{"".join(body)}</table>'

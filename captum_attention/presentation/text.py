@@ -46,8 +46,10 @@ def _legend(methods: dict[str, MethodInfo]) -> str:
     }
     described = "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in groups.items() if names)
     return (
-        f"scores: each method's share of the words (special tokens: .), * its top {TOP_K}; --raw for the scores.\n"
-        f"{described}."
+        f"scores: each method's share of the words (special tokens: .), * its {TOP_K} largest positive shares "
+        f"(the strongest support; none where no word scores above 0); --raw for the scores.\n"
+        f"{described}.\n"
+        "wall times exclude one warm-up call per method."
     )
 
 
@@ -58,6 +60,8 @@ def _sentence_header(sentence: SentenceExplanation) -> list[str]:
         f"  prediction: {terminal_safe(sentence.label)} (p={sentence.probability:.3f}; {probabilities}); "
         f"explaining: {terminal_safe(sentence.target_label)}",
     ]
+    if sentence.all_unknown:
+        lines.append("  warning: every word is unknown to the tokenizer, so the model saw no word of this text")
     if sentence.cut_from is not None:
         lines.append(
             f"  note: cut to the model's {len(sentence.tokens)} tokens (of {sentence.cut_from}); "
@@ -72,7 +76,7 @@ def _cells(sentence: SentenceExplanation, method: str, info: MethodInfo, raw: bo
     if raw:
         return [f"{score:>{width}.4e}" for score in scores]
     values = shares(scores, sentence.special, info.signed)
-    ranked = sorted((v, i) for i, v in enumerate(values) if v is not None)
+    ranked = sorted((v, i) for i, v in enumerate(values) if v is not None and v > 0)
     top = {i for _, i in ranked[::-1][:TOP_K]}
     signed = "+" if info.signed else ""
     return [
