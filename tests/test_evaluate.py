@@ -274,3 +274,41 @@ def test_a_lone_surrogate_is_one_line_naming_its_row(checkpoint, tmp_path, capsy
     assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out")) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "line 2: 'text' holds a lone surrogate" in error
+
+
+def test_ctrl_c_prints_one_line_and_the_rerun_resumes(checkpoint, tmp_path):
+    data = _data(tmp_path, 40)
+    options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options, "--output", str(tmp_path / "out")]
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shards = tmp_path / "out" / "shards"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < 2:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    done = len(list(shards.glob("batch-*.jsonl")))
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1].split("\r")[-1]
+    assert last == f"captum-attention: interrupted after {done} of 20 batches; rerun the same command to resume"
+
+
+def test_output_defaults_to_a_folder_named_after_the_data(checkpoint, tmp_path, monkeypatch):
+    data = _data(tmp_path, 4)
+    monkeypatch.chdir(tmp_path)
+    assert _run(str(data), "--model", str(checkpoint), "--methods", "raw", "--metrics", "comprehensiveness") == 0
+    assert (tmp_path / f"{data.stem}_evaluation" / "results.jsonl").exists()
+
+
+def test_a_launcher_that_started_fewer_processes_than_asked_is_named(checkpoint, tmp_path):
+    pytest.importorskip("accelerate")
+    data = _data(tmp_path, 4)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command = [*launcher, "-m", "captum_attention", "evaluate", str(data), "--model", str(checkpoint),
+               "--methods", "raw", "--metrics", "comprehensiveness", "--output", str(tmp_path / "out")]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "accelerate launch was asked for 2 processes but started 1: add --multi_gpu" in result.stderr

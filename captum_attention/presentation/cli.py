@@ -65,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         "evaluate", help="explain and score a data set (resumable; several processes under accelerate launch)"
     )
     evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional label, optional rationale")
-    evaluate.add_argument("--output", type=Path, required=True,
-                          help="folder for the shards, results.jsonl and the summary; rerun to resume")
+    evaluate.add_argument("--output", type=Path,
+                          help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
+                          "the current folder, DATA the data file's name without its suffix); rerun to resume")
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification checkpoint folder "
                           "(default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
@@ -250,10 +251,19 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     has_rationales = all(e.rationale is not None for e in examples)
     metrics = _listed(arguments.metrics, "metrics") or [m for m in metric_names() if has_rationales or m not in rationale_metrics()]
     check_request(methods, metrics, examples)
+    if arguments.output is None:
+        arguments.output = Path(f"{arguments.data.stem}_evaluation")
     if arguments.output.exists() and not arguments.output.is_dir():
         raise UsageError(f"--output {arguments.output} is a file: name a folder")
     _check_cache_dir(arguments.cache_dir)
     state = _process_state()
+    asked = _launcher_processes()
+    if asked is not None and asked > state.num_processes and state.is_main_process:
+        print(
+            f"captum-attention: warning: accelerate launch was asked for {asked} processes but started "
+            f"{state.num_processes}: add --multi_gpu (Accelerate's torchrun launcher, for CPU processes too)",
+            file=sys.stderr,
+        )
     folder = arguments.model
     if folder is None:
         from ..demo.default_model import default_model_path
@@ -324,6 +334,24 @@ def _process_state() -> Any:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
+def _launcher_processes() -> int | None:
+    """How many processes ``accelerate launch`` was asked for (its ``--num_processes``)
+    when it started this one itself, its simple launcher; else None. Read from the
+    launcher's command line (Linux ``/proc``), the only place that number is kept."""
+    if "ACCELERATE_USE_CPU" not in os.environ or "WORLD_SIZE" in os.environ:
+        return None
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for index, word in enumerate(words):
+        value = words[index + 1] if word == "--num_processes" and index + 1 < len(words) else None
+        value = word.split("=", 1)[1] if word.startswith("--num_processes=") else value
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
+
+
 def _train(arguments: argparse.Namespace) -> None:
     from ..demo.default_model import default_model_path, read_metadata
 
@@ -353,6 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, CheckpointError, ValueError, RuntimeError) as error:
         print(terminal_safe(f"captum-attention: error: {error}"), file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback
+        from .evaluate import EvaluationInterrupted
+
+        print(f"captum-attention: {interrupt if isinstance(interrupt, EvaluationInterrupted) else 'interrupted'}", file=sys.stderr)
+        return 130
     except OSError as error:  # the file system said no: a path, a permission, a full disk
         where = f": {error.filename}" if error.filename else ""
         print(terminal_safe(f"captum-attention: error: {error.strerror or error}{where}"), file=sys.stderr)

@@ -115,10 +115,22 @@ def evaluate(
         on_resume(done, len(every))
     todo = [(k, batch) for k, batch in enumerate(every) if k % num_processes == process_index and not _shard(shards, k).exists()]
     explainers = _explainers(model, tokenizer, methods, options)
-    for k, batch in progress(todo) if progress is not None else todo:
-        rows = _evaluate_batch(model, tokenizer, batch, explainers, metrics)
-        write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
+    try:
+        for k, batch in progress(todo) if progress is not None else todo:
+            rows = _evaluate_batch(model, tokenizer, batch, explainers, metrics)
+            write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
+    except KeyboardInterrupt as interrupt:
+        raise EvaluationInterrupted(sum(_shard(shards, k).exists() for k in range(len(every))), len(every)) from interrupt
     return len(todo)
+
+
+class EvaluationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`evaluate`: ``done`` of ``total`` batches have their shards
+    written (all processes'); the same call resumes from there."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"interrupted after {done} of {total} batches; rerun the same command to resume")
+        self.done, self.total = done, total
 
 
 def run_manifest(
