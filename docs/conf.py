@@ -47,4 +47,7 @@ sphinx_gallery_conf = {
     "download_all_examples": False,
     "show_memory": False,
     "within_subsection_order": "FileNameSortKey",
+    # no execution-time pages: they pull jQuery, DataTables and Bootstrap from CDNs, and the
+    # site works offline
+    "write_computation_times": False,
 }

@@ -3,9 +3,12 @@ executed (with the claims each asserts)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+
+from captum_attention import METHODS
 
 ROOT = Path(__file__).parent.parent
 
@@ -43,6 +46,15 @@ def test_docs_build_without_warnings(tmp_path):
     build = pytest.importorskip("sphinx.cmd.build")
     status = build.build_main(["-q", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(tmp_path)])
     assert status == 0
+    pages = list(tmp_path.rglob("*.html"))
+    external = re.compile(r"<(?:script|link)[^>]+(?:src|href)=\"(?:https?:)?//")
+    assert pages and not [page.name for page in pages if external.search(page.read_text())]  # works offline
+    assert not list(tmp_path.rglob("sg_execution_times.html"))  # its tables pull CDN scripts
+    api = re.sub(r'<(span|div) class="math[^"]*">.*?</\1>', "", (tmp_path / "api.html").read_text(), flags=re.S)
+    assert not re.search(r"\^\{|_\{|\\mathrm", re.sub(r"<[^>]+>", "", api))  # no raw LaTeX in prose
+    names = [cls.get_name() for cls in METHODS.values()]
+    index = re.sub(r"<[^>]+>", "", (tmp_path / "index.html").read_text())
+    assert all(name in index for name in names)  # the method list comes from the registry
 
 
 def test_one_version_source_and_a_license():

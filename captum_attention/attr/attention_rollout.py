@@ -34,7 +34,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
 
     and the scores are the query row of R (they sum to 1). A model read out by attention
     pooling (``pooling`` in :class:`~captum_attention.capture.ModuleAdapter`) starts from
-    its fused attention row instead of the query's: scores ``= \mathrm{fuse}_m(A^{pool}) R``,
+    its fused attention row instead of the query's: scores ``= fuse_m(A^pool) R``,
     with no residual term, since the pooled vector has no token of its own. ``fuse`` is the head mean (the
     paper), max or min; ``discard_ratio`` zeroes the lowest fraction of each fused map
     first (jacobgil/vit-explain), never the query's own entry. A forward pass only, no
@@ -107,7 +107,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
             start_layer (int, optional): first layer rolled out (negative counts from
                 the end; one self-attention stack only). Default: 0, all layers.
             return_maps (bool, optional): also return the per-layer Â^l (for an
-                encoder-decoder's cross-attention: the fused A^{qs}). Default: False.
+                encoder-decoder's cross-attention: the fused A^qs). Default: False.
 
         $returns
         """

@@ -27,7 +27,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
     Explaining Transformers via Gradient Self-Attention Maps", CIKM 2021
     (https://arxiv.org/abs/2204.11073).
 
-    With A^{lm} the post-softmax attention of layer l and head m and G^{lm} = dS/dA^{lm}
+    With Aˡᵐ the post-softmax attention of layer l and head m and Gˡᵐ = dS/dAˡᵐ
     the gradient of the explained logit S:
 
     .. math::
@@ -104,7 +104,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             $additional_forward_args
             $query_index
             return_maps (bool, optional): also return the per-layer head-mean
-                mean_m(H^{lm}). Default: False.
+                mean_m(Hˡᵐ). Default: False.
             axis (str, optional): ``"query"``: the paper's sum along each token's query
                 row, crediting the attention a token pays where it helps (the tokens
                 that gather evidence); ``"key"``: the sum down each token's key column,

@@ -35,8 +35,8 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
 
     Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting
     Bi-Modal and Encoder-Decoder Transformers", ICCV 2021
-    (https://arxiv.org/abs/2103.15679), the rule for self-attention. With A^{lm} the
-    attention of layer l and head m and G^{lm} = dS/dA^{lm}:
+    (https://arxiv.org/abs/2103.15679), the rule for self-attention. With Aˡᵐ the
+    attention of layer l and head m and Gˡᵐ = dS/dAˡᵐ:
 
     .. math::
 
@@ -135,13 +135,13 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
         return row
 
     def _streamed_encoder_decoder(self, record: ForwardRecord) -> tuple[Tensor, Tensor]:
-        r"""Row q of Chefer et al.'s R^{qs} and R^{qq} (rules (6)-(11)) without a matrix.
+        r"""Row q of Chefer et al.'s R^qs and R^qq (rules (6)-(11)) without a matrix.
 
         Going down from the last layer, ``row`` is :math:`w = e_q^\top P`, P the decoder
-        self-attention layers after the current one, so row q of R^{qq} is ``row`` at the
+        self-attention layers after the current one, so row q of R^qq is ``row`` at the
         end. A cross-attention layer c adds :math:`w^\top (\bar R^{qq}_c)^\top \bar A_c
-        \bar R^{ss} = (\bar R^{qq}_c w)^\top \bar A_c \bar R^{ss}` to row q of R^{qs}, where
-        :math:`\bar R^{qq}_c w` comes from (R^{qq}_c - I) w and (R^{qq}_c - I) 1 (the decoder
+        \bar R^{ss} = (\bar R^{qq}_c w)^\top \bar A_c \bar R^{ss}` to row q of R^qs, where
+        :math:`\bar R^{qq}_c w` comes from (R^qq_c - I) w and (R^qq_c - I) 1 (the decoder
         layers before c applied to two column vectors). The sum y of those rows meets
         :math:`\bar R^{ss}` once: :math:`y^\top \bar R^{ss} = y + z^\top (R^{ss} - I)` with
         :math:`z_i = y_i / ((R^{ss} - I) 1)_i` (0 where a row has no relevance). Every

@@ -3,22 +3,22 @@
 Notation: S source tokens, T target tokens; encoder self-attention maps ``(B, S, S)``,
 decoder self-attention ``(B, T, T)``, cross-attention ``(B, T, S)`` (target queries,
 source keys), all already reduced over heads and padding-masked. Each function returns
-the full relevance matrices ``R^{qq}`` ``(B, T, T)`` and ``R^{qs}`` ``(B, T, S)``; the
+the full relevance matrices ``R^qq`` ``(B, T, T)`` and ``R^qs`` ``(B, T, S)``; the
 explained target token's row of each is its target and source scores.
 
 - Transformer Attribution (Chefer, Gur & Wolf, ICCV 2021, Sec. 3, rules (6)-(11),
-  https://arxiv.org/abs/2103.15679): R^{ss} = I, R^{qq} = I, R^{qs} = 0. Encoder layer:
-  R^{ss} += Ā·R^{ss}. Decoder self-attention: R^{qq} += Ā·R^{qq}, R^{qs} += Ā·R^{qs}.
-  Cross-attention: R^{qs} += (R̄^{qq})ᵀ·Ā·R̄^{ss}, where R̄ = (R - I) with rows normalised
+  https://arxiv.org/abs/2103.15679): R^ss = I, R^qq = I, R^qs = 0. Encoder layer:
+  R^ss += Ā·R^ss. Decoder self-attention: R^qq += Ā·R^qq, R^qs += Ā·R^qs.
+  Cross-attention: R^qs += (R̄^qq)ᵀ·Ā·R̄^ss, where R̄ = (R - I) with rows normalised
   to sum 1, plus I (eqs. 8-9; rows without relevance stay I). The source never attends
-  the target, so rule (11) leaves R^{qq} unchanged.
+  the target, so rule (11) leaves R^qq unchanged.
 - Attention Rollout over the joint token graph (Abnar & Zuidema's rollout with the
   cross-attention block's residual): encoder and decoder self-attention layers are the
   rollout matrices Â = norm(0.5·A + 0.5·I) of their own tokens; a cross-attention layer
-  maps a target token to norm(0.5·e_q + 0.5·A^{qs}_q), half on itself and half on the
-  source tokens as the encoder left them: R^{qs} ← (0.5·R^{qs} + 0.5·A^{qs}·R^{ss}) / z,
-  R^{qq} ← 0.5·R^{qq} / z with z = 0.5 + 0.5·Σ_k A^{qs}_{qk}. A target row of
-  [R^{qq} | R^{qs}] then sums to 1.
+  maps a target token to norm(0.5·e_q + 0.5·A^qs_q), half on itself and half on the
+  source tokens as the encoder left them: R^qs ← (0.5·R^qs + 0.5·A^qs·R^ss) / z,
+  R^qq ← 0.5·R^qq / z with z = 0.5 + 0.5·Σ_k A^qs_qk. A target row of
+  [R^qq | R^qs] then sums to 1.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def without_self(residual: Tensor) -> Tensor:
 def encoder_decoder_relevance(
     encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str]
 ) -> tuple[Tensor, Tensor]:
-    """Chefer et al.'s R^{qq}, R^{qs} from per-layer Ā (``roles``: "decoder" or "cross",
-    one per entry of ``decoder_maps``, in forward order). R^{ss} and R^{qq} are
+    """Chefer et al.'s R^qq, R^qs from per-layer Ā (``roles``: "decoder" or "cross",
+    one per entry of ``decoder_maps``, in forward order). R^ss and R^qq are
     accumulated as residuals D = R - I (D += Ā·(D + I)), which :func:`without_self` reads."""
     source_residual = _source_relevance(encoder_maps, decoder_maps, roles, lambda d, a: d + a @ (d + identity_like(d)), start=0.0)
     target_self, target_source = _start(decoder_maps, roles, source_residual)
@@ -62,9 +62,9 @@ def encoder_decoder_relevance(
 def encoder_decoder_rollout(
     encoder_maps: list[Tensor], decoder_maps: list[Tensor], roles: list[str]
 ) -> tuple[Tensor, Tensor]:
-    """Rollout's R^{qq}, R^{qs} over the joint graph. Self-attention entries of
+    """Rollout's R^qq, R^qs over the joint graph. Self-attention entries of
     ``encoder_maps``/``decoder_maps`` are rollout matrices Â; "cross" entries are the
-    fused cross-attention A^{qs}."""
+    fused cross-attention A^qs."""
     source = _source_relevance(encoder_maps, decoder_maps, roles, lambda r, a: a @ r)
     target_self, target_source = _start(decoder_maps, roles, source)
     for layer_map, role in zip(decoder_maps, roles):
@@ -102,7 +102,7 @@ def encoder_decoder_rows(
     relevance: Callable[[list[Tensor], list[Tensor], list[str]], tuple[Tensor, Tensor]],
 ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
     """Source and target scores of an encoder-decoder: the query rows of ``relevance``'s
-    R^{qs} and R^{qq} (:func:`encoder_decoder_relevance` or :func:`encoder_decoder_rollout`)
+    R^qs and R^qq (:func:`encoder_decoder_relevance` or :func:`encoder_decoder_rollout`)
     over the per-call ``(B, Q, K)`` maps (roles ``"encoder"``, ``"decoder"``, ``"cross"``
     in forward order), and the maps stacked per role, ``(B, L, Q, K)``."""
     encoder_maps = [m for m, role in zip(layer_maps, roles) if role == "encoder"]

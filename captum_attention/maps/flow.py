@@ -1,8 +1,8 @@
 """Attention Flow (Abnar & Zuidema, ACL 2020, https://arxiv.org/abs/2005.00928).
 
-The layers' rollout matrices Â^l (0.5·fuse_m(A^{lm}) + 0.5·I, rows renormalised) are the
+The layers' rollout matrices Â^l (0.5·fuse_m(Aˡᵐ) + 0.5·I, rows renormalised) are the
 capacities of a layered graph: node (l, i) is token i after layer l, and the edge from
-(l−1, j) to (l, i) has capacity Â^l_{ij}. The flow score of input token j is the maximum
+(l−1, j) to (l, i) has capacity Â^lᵢⱼ. The flow score of input token j is the maximum
 flow from (0, j) to the explained position (L, q), or, for a model read out by attention
 pooling, to a sink fed by (L, k) with the pooling row's weight on k. Where rollout
 multiplies weights along paths, flow is limited by each path's narrowest edge.

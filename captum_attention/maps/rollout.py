@@ -1,6 +1,6 @@
 """Attention Rollout (Abnar & Zuidema, ACL 2020, https://arxiv.org/abs/2005.00928).
 
-Per layer: Â^l = 0.5·fuse_m(A^{lm}) + 0.5·I, rows renormalised to sum 1; then
+Per layer: Â^l = 0.5·fuse_m(Aˡᵐ) + 0.5·I, rows renormalised to sum 1; then
 R = Â^L ··· Â^2 Â^1 and the scores are the query row of R (for a model read out by
 attention pooling, its head-fused attention row times R). ``fuse`` is mean (the paper),
 max or min; optionally the lowest fraction of each fused map is discarded first (as in

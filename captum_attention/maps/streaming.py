@@ -201,7 +201,7 @@ def cross_rollout_row_step(
 ) -> tuple[Tensor, Tensor]:
     """One cross-attention step of the joint-graph rollout query row (later layers first):
     target token i maps to (0.5·e_i + 0.5·fuse_m(A^m)_i) / z_i over [target | source], with
-    z_i = 0.5 + 0.5·Σ_k fuse_m(A^m)_{ik} (see ``encoder_decoder_rollout``)."""
+    z_i = 0.5 + 0.5·Σ_k fuse_m(A^m)_ik (see ``encoder_decoder_rollout``)."""
     source_step, target_step = source_row.clone(), target_row.clone()
     for rows, fused in _fused_blocks(call, shape, fusion, real_targets, real_sources):
         weight = target_row[:, rows] * 0.5 / (0.5 + 0.5 * fused.sum(dim=-1))

@@ -1,7 +1,7 @@
 """Transformer Attribution (Chefer, Gur & Wolf, ICCV 2021, https://arxiv.org/abs/2103.15679).
 
 The gradient rule for self-attention: R = I; for l = 1..L:
-Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) (ReLU before the head mean), R = R + Ā^l·R.
+Ā^l = mean_m((Gˡᵐ ⊙ Aˡᵐ)^+) (ReLU before the head mean), R = R + Ā^l·R.
 The scores are the query row of R = (I + Ā^L) ··· (I + Ā^1) (for a model read out by
 attention pooling, the pooling call's Ā row times R).
 """
@@ -14,7 +14,7 @@ from .common import identity_like, mask_padding, propagate_query_row
 
 
 def relevance_head_mean(attn: Tensor, grad: Tensor) -> Tensor:
-    """Ā^l = mean_m((G^{lm} ⊙ A^{lm})^+) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``, in
+    """Ā^l = mean_m((Gˡᵐ ⊙ Aˡᵐ)^+) of one layer: ``(B, H, Q, K)`` → ``(B, Q, K)``, in
     float32 (a half-precision product of small weights and gradients underflows)."""
     return (grad.float() * attn.float()).clamp_(min=0).mean(dim=1)
 

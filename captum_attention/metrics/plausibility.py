@@ -116,7 +116,7 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
 
 def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None) -> Tensor:
     """Average precision of the scores ranking the rationale tokens first, ``(batch,)``:
-    Σ_t (R_t − R_{t−1})·P_t over the distinct score thresholds t, highest first (as
+    Σ_t (R_t − R_(t−1))·P_t over the distinct score thresholds t, highest first (as
     ``sklearn.metrics.average_precision_score``), so tied scores form one step and their
     positions never matter. NaN without any rationale token."""
     scores, gold, include = _checked(attributions, rationale, include)
