@@ -53,7 +53,7 @@ def workloads() -> dict[str, Callable[[], object]]:
     ids, mask = benchmark_batch()
 
     forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
-    lig = LayerIntegratedGradients(forward, model.bert.embeddings)
+    lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
     return {
         **attention_runs(model, ids, mask),
         IG: lambda: lig.attribute(ids, target=TARGET, n_steps=50, additional_forward_args=(mask,)),

@@ -30,7 +30,7 @@ def main() -> None:
     scores = {cls.get_name(): cls(model).attribute(ids, **args) for cls in METHODS.values()}
     logits = lambda input_ids, attention_mask: model(input_ids, attention_mask=attention_mask).logits  # noqa: E731
     baseline = ids.where(special, tokenizer.pad_token_id)
-    ig = LayerIntegratedGradients(logits, model.bert.embeddings)
+    ig = LayerIntegratedGradients(logits, model.get_input_embeddings())
     scores["Integrated Gradients"] = ig.attribute(ids, baselines=baseline, n_steps=50, **args).sum(-1)
     rows = {name: scores_for_display(values, special)[0] for name, values in scores.items()}
     label = model.config.id2label[int(predicted)]

@@ -2,7 +2,7 @@
 Explain a sentiment classifier
 ==============================
 
-The four attention methods of this package next to Captum's Integrated Gradients and
+Every attention method of this package next to Captum's Integrated Gradients and
 SmoothGrad, on the default sentiment model: MiniLM (a 6-layer, 12-head BERT) fine-tuned on
 a generated corpus of movie-review clauses. The first run fine-tunes it (about a minute on
 two CPU cores) and caches it; later runs load it.
@@ -23,11 +23,8 @@ from captum.attr import LayerIntegratedGradients, NoiseTunnel, Saliency
 from captum.attr import visualization
 
 from captum_attention import (
+    METHODS,
     AttentionCapture,
-    AttentionRollout,
-    GradSAM,
-    RawAttention,
-    TransformerAttribution,
     load_default_model,
     scores_for_display,
     special_tokens,
@@ -50,15 +47,17 @@ for sentence, label in zip(sentences, labels):
     print(f"{label:>8}  {sentence}")
 
 # %%
-# Six explanations of the predicted class
-# ---------------------------------------
-# The attention methods take the model itself. Integrated Gradients attributes to the
-# embedding layer (summed over its dimensions); SmoothGrad is Captum's ``NoiseTunnel``
+# Every method's explanation of the predicted class
+# -------------------------------------------------
+# The attention methods (the registry, ``METHODS``) take the model itself. Integrated
+# Gradients attributes to the word embeddings, ``model.get_input_embeddings()`` (summed over
+# their dimensions), as the command line does: the position and segment embeddings are
+# the same for every sentence and not part of what it says; SmoothGrad is Captum's ``NoiseTunnel``
 # around ``Saliency`` on the input embeddings (gradient norms averaged over noisy copies).
 args = dict(target=predicted, additional_forward_args=(mask,))
 explanations = {
     cls.get_name(): cls(model).attribute(ids, **args)
-    for cls in (GradSAM, AttentionRollout, TransformerAttribution, RawAttention)
+    for cls in METHODS.values()
 }
 
 
@@ -67,7 +66,7 @@ def logits(input_ids, attention_mask):
 
 
 baseline = torch.where(special_tokens(ids, tokenizer), ids, tokenizer.pad_token_id)
-ig = LayerIntegratedGradients(logits, model.bert.embeddings)
+ig = LayerIntegratedGradients(logits, model.get_input_embeddings())
 explanations["Integrated Gradients"] = ig.attribute(
     ids, baselines=baseline, n_steps=32, **args
 ).sum(-1)

@@ -59,7 +59,7 @@ for name, cls in METHODS.items():
 
 start = time.perf_counter()
 baseline = torch.where(special, ids, tokenizer.pad_token_id)
-ig = LayerIntegratedGradients(logits, model.bert.embeddings)
+ig = LayerIntegratedGradients(logits, model.get_input_embeddings())  # the word embeddings, as the command line
 attributions["Integrated Gradients"] = ig.attribute(
     ids, baselines=baseline, n_steps=32, **args
 ).sum(-1)
