@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -70,3 +71,14 @@ def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
     results = flow_cost.main(["--smoke", "--lengths", "8", "12", "--repeats", "1"])
     assert set(results) == {8, 12} and all(flow > 0 and rollout > 0 for flow, rollout in results.values())
     assert "ratio" in capsys.readouterr().out
+
+
+def test_cold_start_compares_the_first_call_with_a_warm_one(tmp_path):
+    result = tmp_path / "cold.json"
+    subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cold_start.py"), "--length", "128",
+         "--processes", "1", "--methods", "grad_sam", "--json", str(result)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    (row,) = json.loads(result.read_text())
+    assert row["cold_s"] > 0 and row["warm_s"] > 0 and row["cold_compiling_at_once_s"] > 0

@@ -111,6 +111,7 @@ def test_blocks_of_every_head_give_the_same_scores_as_blocks_of_one_head(family,
 def compiled_blocks(monkeypatch):
     """Every call reduces its blocks with the compiled functions, as calls of 2k+ tokens do."""
     monkeypatch.setattr(streaming, "FUSED_MIN_PAIRS", 0)
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
     monkeypatch.setattr(streaming, "_COMPILED", {})
     return streaming._COMPILED
 
@@ -379,3 +380,20 @@ def test_rollout_at_3k_tokens_equals_a_float64_reference_in_both_modes():
     for capture in ("streaming", "eager"):
         scores = AttentionRollout(model, capture=capture).attribute(ids, additional_forward_args=(mask,))
         _rel_close(scores[0].double(), row)
+
+
+def test_a_process_reduces_eagerly_until_that_has_cost_as_much_as_compiling(monkeypatch):
+    """The first calls of a process do not stall on compiling: blocks run eagerly until
+    COMPILE_AFTER_SECONDS of eager reductions have passed, then compiled, same scores."""
+    model, ids, args, _ = _case("bert")
+    monkeypatch.setattr(streaming, "FUSED_MIN_PAIRS", 0)
+    monkeypatch.setattr(streaming, "_COMPILED", {})
+    monkeypatch.setattr(streaming, "_EAGER_SECONDS", {})
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 3600.0)
+    eager = _gradient_scores(model, ids, args)
+    assert not streaming._COMPILED and streaming._EAGER_SECONDS["cpu"] > 0
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", streaming._EAGER_SECONDS["cpu"])  # as if the budget were spent
+    compiled = _gradient_scores(model, ids, args)
+    assert streaming._COMPILED and all(fn is not None for fn in streaming._COMPILED.values())
+    for actual, expected in zip(_flat(compiled), _flat(eager)):
+        _rel_close(actual, expected)
