@@ -217,6 +217,41 @@ def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     return worst
 
 
+def kernel_agreement(device: str = "cuda") -> float:
+    """The Triton kernels (``maps.fused``, off by default) against the eager block reductions
+    on ``device``: Grad-SAM (both axes) and Transformer Attribution on the benchmark BERT in
+    fp32 and bf16, and the median time of each (the kernels' first measurement on a card)."""
+    from captum_attention import GradSAM, TransformerAttribution
+    from captum_attention.maps import streaming
+
+    runs = {
+        "GradSAM": lambda model, ids, mask: GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
+        "GradSAM (key axis)": lambda model, ids, mask: GradSAM(model, capture="streaming").attribute(
+            ids, target=1, additional_forward_args=(mask,), axis="key"),
+        "TransformerAttribution": lambda model, ids, mask: TransformerAttribution(model, capture="streaming").attribute(
+            ids, target=1, additional_forward_args=(mask,)),
+    }
+    print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms |")
+    print("|---|---|---|---|---|")
+    worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    for dtype in worst:
+        model = benchmark_model(device, dtype)
+        ids, mask = benchmark_batch(device)
+        for name, run in runs.items():
+            results = {}
+            for on in (False, True):
+                streaming.FUSED_KERNEL_DEVICES["cuda"] = on
+                results[on] = (run(model, ids, mask).float().cpu(), cuda_cost(lambda: run(model, ids, mask))[0])
+            streaming.FUSED_KERNEL_DEVICES["cuda"] = False
+            (eager, eager_ms), (fused, fused_ms) = results[False], results[True]
+            error = (fused - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
+            worst[dtype] = max(worst[dtype], error)
+            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {error:.2e} | {eager_ms:.2f} | {fused_ms:.2f} |")
+    passed = worst[torch.float32] <= 1e-5 and worst[torch.bfloat16] <= 2e-2
+    print(f"\nTriton kernels: fp32 within 1e-5, bf16 within 2e-2 of the eager reductions: {'PASS' if passed else 'FAIL'}")
+    return worst[torch.float32]
+
+
 if __name__ == "__main__":
     main()
     family_agreement()

@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_run.sh fp32    # Llama-1B fp32 scaling
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
+#   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions; Llama-1B bf16 with them
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -34,4 +35,10 @@ case "${1:-check}" in
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;
+    kernels)
+        python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()" \
+            | tee "$out/kernels_check.md"
+        CAPTUM_ATTENTION_TRITON=1 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 \
+            --lengths 4096 16384 32768 --batches 1 --repeats 3 --json "$out/llama1b_bf16_triton.json" \
+            | tee "$out/llama1b_bf16_triton.md" ;;
 esac

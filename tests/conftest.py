@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-from typing import Callable
+import os
 
-import pytest
-import torch
-import transformers as tf
-from torch import nn
+# Triton reads this when it is first imported (torch's compiler imports it too): the kernels
+# of maps.fused then run on CPU tensors, in Triton's interpreter (tests/test_fused_kernels.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from constants import NUM_LABELS, VOCAB
+import copy  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+from torch import nn  # noqa: E402
+
+from constants import NUM_LABELS, VOCAB  # noqa: E402
 
 FAMILIES = ("bert", "roberta", "distilbert", "electra", "albert")
 

@@ -118,6 +118,27 @@ def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | 
     return reduction(*args)
 
 
+FUSED_KERNEL_DEVICES = {"cuda": os.environ.get("CAPTUM_ATTENTION_TRITON") == "1", "cpu": False}
+"""Whether the Triton kernels of :mod:`~captum_attention.maps.fused` reduce a call's rows,
+per device (where triton is installed and the call is one they handle: no position bias,
+power-of-two head dimensions of at least 16). Off on CUDA until they are measured on a
+card (``CAPTUM_ATTENTION_TRITON=1`` turns them on); the tests run them on the CPU under
+``TRITON_INTERPRET=1``. Elsewhere the compiled or eager block reductions run."""
+
+
+def _fused_kernels(call: KernelCall) -> Any:
+    """The :mod:`~captum_attention.maps.fused` module where its kernels take ``call``, else None."""
+    device = "cpu" if call.query.device.type == "cpu" else "cuda"
+    if not FUSED_KERNEL_DEVICES.get(device, False):
+        return None
+    from . import fused
+
+    if not (fused.available() and fused.supports(call) and fused.head_dims_supported(call)):
+        return None
+    _LOG.debug("Triton kernels reduce a call of %d queries and %d keys on %s", call.num_queries, call.num_keys, device)
+    return fused
+
+
 def _terms_of(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """The recomputed logits and dS/dA of a block, and its key weights (:func:`_key_weights`)."""
     logits = call.logits(rows, heads)
@@ -131,6 +152,9 @@ def grad_sam_row_sums(
     with ``axis="key"`` Σ_m Σ_i per key column j, ``(B, K)``, over the real queries."""
     if axis == "key":
         return relevance_rows_into(call, grad_output, real_queries.float() * call.num_heads, real_queries, real_keys, shape)
+    kernels = _fused_kernels(call)
+    if kernels is not None:
+        return kernels.positive_row_sums(call, grad_output, real_keys.float()).sum(dim=1).masked_fill_(~real_queries, 0.0)
     sums = torch.zeros(real_queries.shape, device=real_queries.device)
     for heads, rows in call.blocks(shape):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
@@ -144,6 +168,9 @@ def relevance_rows_into(
     mean_m((G^m ⊙ A^m)^+) with the non-real keys' columns zeroed."""
     total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
     row = row.masked_fill(~real_queries, 0.0) / call.num_heads  # the head mean and the non-real queries, folded in
+    kernels = _fused_kernels(call)
+    if kernels is not None:
+        return kernels.weighted_column_sums(call, grad_output, row, real_keys.float())
     for heads, rows in call.blocks(shape, reached=row):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real_keys))
         total[:, : terms.shape[-1]] += torch.matmul(row[:, None, None, rows] / norm[:, :, None], terms).sum(dim=(1, 2))

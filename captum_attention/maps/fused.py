@@ -1,0 +1,193 @@
+"""Triton kernels for the streaming block reductions: flash-style, one program per block of
+query rows of one head, the logits recomputed in on-chip memory and never stored.
+
+Two passes over the keys per block of queries (as a flash attention backward does): the
+first finds each row's softmax statistics (its maximum logit m and its normaliser l), the
+second recomputes the probabilities ``P = exp(S - m) / l`` and ``G = dO·Vᵀ`` one block of
+keys at a time and reduces ``P ⊙ ReLU(G)`` (times the real keys' weights):
+
+- :func:`positive_row_sums`: ``Σ_j (P ⊙ G⁺)_ij`` per query row and head, Grad-SAM's sums;
+- :func:`weighted_column_sums`: ``Σ_h Σ_i w_i (P ⊙ G⁺)_ij`` per key, the row-vector step of
+  Transformer Attribution and Grad-SAM's key axis.
+
+They compute what :func:`~captum_attention.maps.streaming.exp_terms` computes from a
+:class:`~captum_attention.maps.kernel.KernelCall`: grouped-query heads, the kernel's
+causal flag, a boolean or additive mask broadcast over ``(B, H, Q, K)``, and the scale.
+Calls with a position bias (T5) are not handled (:func:`supports`). ``TRITON_INTERPRET=1``
+runs the kernels on CPU tensors, exactly and slowly: how the tests check them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from .kernel import KernelCall
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+
+def available() -> bool:
+    """Whether triton is installed."""
+    return triton is not None
+
+
+def supports(call: KernelCall) -> bool:
+    """Whether the kernels compute this call exactly: no position bias, and a mask (if
+    any) of four dimensions broadcastable to ``(B, H, Q, K)``."""
+    return call.position_bias is None and call.value is not None and (call.mask is None or call.mask.dim() == 4)
+
+
+def _mask_operand(call: KernelCall) -> tuple[Tensor, tuple[int, int, int, int], int]:
+    """The mask as the kernels read it: the tensor, its strides over ``(B, H, Q, K)``
+    (0 where broadcast) and its kind (0 none, 1 boolean keep-mask, 2 additive)."""
+    if call.mask is None:
+        return call.query, (0, 0, 0, 0), 0
+    mask = call.mask
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), strides, 1  # type: ignore[return-value]
+    return mask, strides, 2  # type: ignore[return-value]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _logits(q, k_ptr, key_ok, mask_ptr, mask_row, rows, keys, scale, mask_stride_q, mask_stride_k,
+                MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, stride_kk, stride_kd):
+        """One (rows × keys) tile of logits in float32, -inf where a key is masked."""
+        dims = tl.arange(0, D)
+        k = tl.load(k_ptr + keys[None, :] * stride_kk + dims[:, None] * stride_kd, mask=key_ok[None, :], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION).to(tl.float32) * scale
+        valid = key_ok[None, :]
+        if CAUSAL:
+            valid = valid & (keys[None, :] <= rows[:, None])
+        if MASK_KIND == 1:
+            keep = tl.load(mask_ptr + mask_row[:, None] * mask_stride_q + keys[None, :] * mask_stride_k, mask=valid, other=0)
+            valid = valid & (keep != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(mask_ptr + mask_row[:, None] * mask_stride_q + keys[None, :] * mask_stride_k, mask=valid, other=0.0)
+            s = s + bias.to(tl.float32)
+        return tl.where(valid, s, float("-inf"))
+
+    @triton.jit
+    def _reduce_block(
+        q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, weights_ptr, key_weights_ptr, out_ptr,
+        num_queries, num_keys, num_heads, groups, scale,
+        stride_qb, stride_qh, stride_qq, stride_qd,
+        stride_kb, stride_kh, stride_kk, stride_kd,
+        stride_vb, stride_vh, stride_vk, stride_vd,
+        stride_ob, stride_oq, stride_oh, stride_od,
+        stride_mb, stride_mh, stride_mq, stride_mk,
+        stride_wb, stride_kwb,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        program_bh, program_m = tl.program_id(0), tl.program_id(1)
+        b, h = program_bh // num_heads, program_bh % num_heads
+        kv = h // groups
+        rows = program_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_queries
+        dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
+                    mask=row_ok[:, None], other=0.0)
+        grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
+                       mask=row_ok[:, None], other=0.0)
+        k_base = k_ptr + b * stride_kb + kv * stride_kh
+        v_base = v_ptr + b * stride_vb + kv * stride_vh
+        mask_base = mask_ptr + b * stride_mb + h * stride_mh
+        mask_row = tl.where(row_ok, rows, 0)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        norm = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, num_keys, BLOCK_N):  # pass 1: the softmax statistics
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < num_keys
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+            new_top = tl.maximum(top, tl.max(s, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            norm = norm * tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift)) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+            top = new_top
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        inverse = tl.where(norm > 0, 1.0 / norm, 0.0)
+        if COLUMNS:
+            row_weights = tl.load(weights_ptr + b * stride_wb + rows, mask=row_ok, other=0.0)
+            inverse = inverse * row_weights
+        sums = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, num_keys, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ)
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < num_keys
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+            v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
+            g = tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32)
+            key_weights = tl.load(key_weights_ptr + b * stride_kwb + keys, mask=key_ok, other=0.0)
+            terms = tl.exp(s - shift[:, None]) * tl.maximum(g, 0.0) * key_weights[None, :] * inverse[:, None]
+            if COLUMNS:
+                tl.atomic_add(out_ptr + b * num_keys + keys, tl.sum(terms, axis=0), mask=key_ok)
+            else:
+                sums += tl.sum(terms, axis=1)
+        if not COLUMNS:
+            tl.store(out_ptr + (b * num_heads + h) * num_queries + rows, sums, mask=row_ok)
+
+
+def _launch(call: KernelCall, grad_output: Tensor, key_weights: Tensor, row_weights: Tensor | None) -> Tensor:
+    assert triton is not None and call.value is not None and supports(call)
+    batch, heads, queries, dim = call.query.shape
+    keys, value_dim = call.num_keys, call.value.shape[-1]
+    columns = row_weights is not None
+    out = torch.zeros((batch, keys) if columns else (batch, heads, queries), dtype=torch.float32, device=call.query.device)
+    mask, mask_strides, mask_kind = _mask_operand(call)
+    query, key, value = call.query, call.key, call.value
+    if query.dtype == torch.float64 or (query.dtype != torch.float32 and _interpreted()):
+        # the interpreter's products of half types are wrong (triton 3.9): it multiplies in float32
+        query, key, value, grad_output = (t.float() for t in (query, key, value, grad_output))
+    key_weights = key_weights.float().expand(batch, keys).contiguous()
+    weights = row_weights.float().contiguous() if columns else key_weights  # type: ignore[union-attr]
+    block_m, block_n = 32, 32
+    grid = (batch * heads, triton.cdiv(queries, block_m))
+    _reduce_block[grid](
+        query, key, value, grad_output, mask, weights, key_weights, out,
+        queries, keys, heads, heads // key.shape[1], call.scale,
+        *query.stride(), *key.stride(), *value.stride(), *grad_output.stride(), *mask_strides,
+        weights.stride(0), key_weights.stride(0),
+        D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns,
+        PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 exactly; half types on tensor cores
+    )
+    return out
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _power_of_two(size: int) -> int:
+    if size & (size - 1):
+        raise ValueError(f"head dimension {size} is not a power of two")
+    return size
+
+
+def positive_row_sums(call: KernelCall, grad_output: Tensor, key_weights: Tensor) -> Tensor:
+    """``Σ_j (P ⊙ ReLU(G))_ij · key_weights_j`` ``(B, H, Q)`` float32 for every head and query
+    row of ``call``; ``grad_output`` is dS/dO ``(B, Q, H, Dv)``, ``key_weights`` ``(B, K)``."""
+    return _launch(call, grad_output, key_weights, None)
+
+
+def weighted_column_sums(call: KernelCall, grad_output: Tensor, row_weights: Tensor, key_weights: Tensor) -> Tensor:
+    """``Σ_h Σ_i row_weights_i (P ⊙ ReLU(G))_ij · key_weights_j`` ``(B, K)`` float32;
+    ``row_weights`` ``(B, Q)`` (the same for every head)."""
+    return _launch(call, grad_output, key_weights, row_weights)
+
+
+def head_dims_supported(call: KernelCall) -> bool:
+    """Whether the head dimensions are powers of two (the kernels' tiles)."""
+    sizes = (call.query.shape[-1], call.value.shape[-1] if call.value is not None else 1)
+    return all(size >= 16 and size & (size - 1) == 0 for size in sizes) and not math.isnan(call.scale)

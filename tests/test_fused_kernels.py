@@ -1,0 +1,140 @@
+"""The Triton kernels of the streaming reductions, run by Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1``), against the eager block reductions they replace on a GPU: fp32
+and bf16, grouped-query heads, the kernel's causal flag, boolean and additive masks
+(padding on either side), odd lengths. ``conftest.py`` sets ``TRITON_INTERPRET=1`` before
+anything imports triton."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from captum_attention.maps import fused  # noqa: E402
+from captum_attention.maps.kernel import KernelCall  # noqa: E402
+from captum_attention.maps.streaming import exp_terms  # noqa: E402
+
+
+def _call(batch=2, heads=4, kv_heads=2, queries=37, keys=37, dim=16, dtype=torch.float32, causal=False, mask=None, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
+    call = KernelCall(rand(batch, heads, queries, dim), rand(batch, kv_heads, keys, dim), rand(batch, kv_heads, keys, dim),
+                      1 / math.sqrt(dim), mask, causal, groups=heads // kv_heads)
+    return call, rand(batch, queries, heads, dim)
+
+
+def _eager(call, grad_output, key_weights):
+    """Per head and query row Σ_j (A ⊙ G⁺)_ij·w_j, from the eager block functions."""
+    rows = slice(0, call.num_queries)
+    logits, grads = call.logits(rows), call.grad_probs(grad_output, rows)
+    weights = key_weights[:, None, None, : logits.shape[-1]].float()
+    norm, terms = exp_terms(logits, grads, weights)
+    return terms.sum(-1) / norm, terms / norm[..., None]
+
+
+def _padding(batch, keys, left):
+    lengths = torch.tensor([keys, keys - 9])
+    positions = torch.arange(keys)
+    return positions[None] >= keys - lengths[:, None] if left else positions[None] < lengths[:, None]
+
+
+CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "bf16": {"dtype": torch.bfloat16},
+    "one head per key head": {"kv_heads": 4},
+    "odd lengths": {"queries": 5, "keys": 70},
+    "wide heads": {"dim": 32},
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_row_and_column_sums_equal_the_eager_reduction(case):
+    call, grad_output = _call(**CASES[case])
+    key_weights = torch.ones(2, call.num_keys)
+    key_weights[1, -3:] = 0  # padding keys
+    expected_rows, terms = _eager(call, grad_output, key_weights)
+    tolerance = 2e-2 if CASES[case].get("dtype") == torch.bfloat16 else 1e-5
+    rows = fused.positive_row_sums(call, grad_output, key_weights)
+    torch.testing.assert_close(rows, expected_rows, rtol=tolerance, atol=tolerance * float(expected_rows.abs().max()))
+    row_weights = torch.rand(2, call.num_queries, generator=torch.Generator().manual_seed(5))
+    expected_columns = torch.einsum("bq,bhqk->bk", row_weights, terms)
+    columns = fused.weighted_column_sums(call, grad_output, row_weights, key_weights)
+    torch.testing.assert_close(columns, expected_columns, rtol=tolerance, atol=tolerance * float(expected_columns.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["bool left padding", "bool right padding", "additive causal + padding"])
+def test_masks_as_transformers_passes_them(kind):
+    keep = _padding(2, 37, left="left" in kind)
+    if kind.startswith("bool"):
+        mask = keep[:, None, None, :]  # (B, 1, 1, K): broadcast over heads and queries
+    else:
+        causal = torch.ones(37, 37).tril().bool()
+        allowed = causal[None] & keep[:, None, :]
+        mask = torch.zeros(2, 1, 37, 37).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    call, grad_output = _call(mask=mask)
+    key_weights = keep.float()
+    expected_rows, terms = _eager(call, grad_output, key_weights)
+    rows = fused.positive_row_sums(call, grad_output, key_weights)
+    torch.testing.assert_close(rows, expected_rows, rtol=1e-5, atol=1e-5 * float(expected_rows.abs().max()))
+
+
+def test_a_row_whose_every_key_is_masked_sums_to_zero():
+    mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
+    mask[0, :, 3] = False
+    call, grad_output = _call(mask=mask)
+    rows = fused.positive_row_sums(call, grad_output, torch.ones(2, 37))
+    assert bool(torch.isfinite(rows).all()) and bool((rows[0, :, 3] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatch):
+    """Dispatch: with the kernels on for the CPU (the interpreter), Grad-SAM on both axes and
+    Transformer Attribution equal the compiled-or-eager block reductions, left padding included."""
+    import transformers as tf
+
+    from captum_attention import GradSAM, TransformerAttribution
+    from captum_attention.maps import streaming
+
+    torch.manual_seed(0)
+    if family == "bert":
+        model = tf.BertForSequenceClassification(tf.BertConfig(
+            vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)).eval()
+        ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1, -5:] = 0
+    else:
+        model = tf.LlamaForSequenceClassification(tf.LlamaConfig(
+            vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=37, pad_token_id=0)).eval()
+        ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0  # left padding
+    calls = []
+    monkeypatch.setattr(fused, "positive_row_sums", _counted(fused.positive_row_sums, calls))
+    monkeypatch.setattr(fused, "weighted_column_sums", _counted(fused.weighted_column_sums, calls))
+
+    def explain():
+        return [
+            GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
+            GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,), axis="key"),
+            TransformerAttribution(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
+        ]
+
+    expected = explain()
+    assert not calls
+    monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
+    for actual, wanted in zip(explain(), expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5 * float(wanted.abs().max()))
+    assert len(calls) >= 6  # every layer of every method went through the kernels
+
+
+def _counted(function, calls):
+    def counted(*args, **kwargs):
+        calls.append(function.__name__)
+        return function(*args, **kwargs)
+
+    return counted
