@@ -91,6 +91,25 @@ def test_continuation_rows_equal_explaining_each_prefix(decoder, method):
         assert (rows[:, step, ids.shape[1] :] == 0).all()
 
 
+def test_rollout_continuation_rows_share_each_layers_recomputation(decoder, monkeypatch):
+    """Rollout needs no backward: all of a continuation's rows go through each layer
+    together, one recomputation of its blocks, not one per row."""
+    from captum_attention.attr import attention_rollout
+
+    steps = []
+    original = attention_rollout.rollout_row_step
+    monkeypatch.setattr(attention_rollout, "rollout_row_step", lambda call, row, *rest: steps.append(row.shape) or original(call, row, *rest))
+    model = make_decoder(decoder)
+    prompts = make_prompts(lengths=(5, 3), side="left")
+    continuation = torch.tensor([[7, 8, 9], [10, 11, 12]])
+    explainer = METHODS["rollout"].cls(model)
+    explainer.attribute_continuation(prompts.input_ids, continuation, additional_forward_args=(prompts.attention_mask,))
+    if explainer.last_capture.startswith("streaming"):
+        assert steps and all(shape == (2, 3, 8) for shape in steps)  # (batch, rows, tokens) per layer
+    else:  # an eager-loaded model: the maps are read once, no row steps
+        assert not steps
+
+
 def test_continuation_of_a_right_padded_prompt_is_refused():
     model = make_decoder("gpt2")
     prompts = make_prompts(side="right")

@@ -107,6 +107,11 @@ class AttentionAttributionBase:
         """``(source, target)`` scores and the maps per role for an encoder-decoder."""
         raise NotImplementedError
 
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, *args: Any, **options: Any) -> Tensor | None:
+        """A method that needs no backward may answer the rows of several query positions
+        ``(B, T)`` of a decoder at once, ``(B, T, N)``; None: one row at a time."""
+        return None
+
     def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Scores:
         """The method's scores from a streaming record: ``(B, T)``, or ``(source, target)``
         for an encoder-decoder."""
@@ -268,6 +273,10 @@ class AttentionAttributionBase:
         """
         record, prompt_len = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
+        positions = prompt_len - 1 + torch.arange(new_tokens, device=record.target_real.device).expand(len(continuation), -1)
+        together = self._streamed_rows(record, positions, **options) if record.streaming and self.spec.needs == "forward" else None
+        if together is not None:
+            return torch.stack([_zero_padding(record.at_query(positions[:, k]), together[:, k]) for k in range(new_tokens)], dim=1)
         rows = []
         for step in range(new_tokens):
             position = torch.full((len(continuation),), prompt_len - 1 + step, device=record.target_real.device)

@@ -147,6 +147,22 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
                 row = rollout_row_step(call, row, record.target_real, head_fusion, shape)
         return (source_row, row) if record.is_encoder_decoder else row
 
+    def _streamed_rows(
+        self, record: ForwardRecord, positions: Tensor, head_fusion: str = "mean", discard_ratio: float = 0.0,
+        start_layer: int = 0,
+    ) -> Tensor | None:
+        """The query rows of R at ``positions`` ``(B, T)`` of a decoder, ``(B, T, N)``, from
+        one recomputation of each block for all T rows (a causal row never reaches a later
+        token, so each equals its own prefix's row)."""
+        if record.is_encoder_decoder:
+            return None
+        first = record.call_index(start_layer, "start_layer")
+        num_tokens = record.target_real.shape[1]
+        row = torch.stack([query_row(positions[:, k], num_tokens) for k in range(positions.shape[1])], dim=1)
+        for call in record.kernel_calls[first:][::-1]:
+            row = rollout_row_step(call, row, record.target_real, head_fusion, block_shape(call, self.block_memory))
+        return row
+
     def _encoder_decoder_scores(
         self, record: ForwardRecord, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:

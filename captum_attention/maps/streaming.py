@@ -233,15 +233,17 @@ def _fused_blocks(
 def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, shape: Shape) -> Tensor:
     """``row·Â`` with Â = 0.5·fuse_m(A^m) + 0.5·I, rows renormalised: one step of the
     rollout query row (later layers first), accumulated in float64 as
-    :func:`~captum_attention.maps.common.propagate_query_row` does."""
-    step = torch.zeros_like(row, dtype=torch.float64)
-    for rows, fused in _fused_blocks(call, shape, fusion, real, real, reached=row):
+    :func:`~captum_attention.maps.common.propagate_query_row` does. ``row`` is ``(B, N)``,
+    or ``(B, T, N)`` for T rows at once, which share one recomputation of each block."""
+    rows_at_once = row if row.dim() == 3 else row[:, None]
+    step = torch.zeros_like(rows_at_once, dtype=torch.float64)
+    for rows, fused in _fused_blocks(call, shape, fusion, real, real, reached=rows_at_once.abs().sum(dim=1)):
         fused.mul_(0.5)
         diagonal = torch.arange(rows.start, rows.stop, device=fused.device)
         fused[:, diagonal - rows.start, diagonal] += 0.5
         fused.div_(fused.sum(dim=-1, keepdim=True))
-        step[:, : fused.shape[-1]] += torch.bmm(row[:, None, rows].double(), fused.double())[:, 0]
-    return step.to(row.dtype)
+        step[..., : fused.shape[-1]] += torch.bmm(rows_at_once[..., rows].double(), fused.double())
+    return step.to(row.dtype).reshape(row.shape)
 
 
 def cross_rollout_row_step(
