@@ -369,19 +369,14 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             "(model.set_attn_implementation('sdpa') or 'eager')."
         )
     configs = model_configs(model)
-    # a sub-model left on another implementation (GOT-OCR2's language model under an eager top config)
-    mixed = original == wanted == "eager" and any(getattr(c, "_attn_implementation", None) not in (None, "eager") for c in configs)
-    try:
-        runnable = None if original is None or (original == wanted and not mixed) else runnable_implementation(model, wanted)
-    except (ValueError, ImportError) as error:
-        if wanted != "sdpa":
-            raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
-    runnable = "eager" if mixed else runnable
-    if runnable is None or (runnable == original and not mixed):
-        yield
-        return
+    runnable: str | None
+    if original == wanted == "eager" and any(getattr(c, "_attn_implementation", None) not in (None, "eager") for c in configs):
+        runnable = "eager"  # a sub-model left on sdpa under an eager top config (GOT-OCR2's language model)
+    else:
+        runnable = _runnable(model, original, wanted)
+        if runnable is None or runnable == original:
+            yield
+            return
     patches: list[SharedPatch] = []
     token = None
     try:
@@ -395,6 +390,17 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             _VIEWED.reset(token)
         for patch in patches:
             patch.release()
+
+
+def _runnable(model: nn.Module, original: str | None, wanted: str) -> str | None:
+    """What ``model`` runs if switched to ``wanted`` (None: it stays as it is)."""
+    try:
+        return None if original in (None, wanted) else runnable_implementation(model, wanted)
+    except (ValueError, ImportError) as error:
+        if wanted != "sdpa":
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
 
 
 _VIEWED: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("captum_attention_viewed", default={})
