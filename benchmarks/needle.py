@@ -18,7 +18,13 @@ LayerIntegratedGradients)`` over the tokens (50 steps), and ContextCite's algori
 random ablations keeping each segment with probability 1/2, a Lasso surrogate with
 ``alpha=0.01`` on standardised masks), reimplemented from the paper (Cohen-Wang et al.,
 NeurIPS 2024) because the ``context-cite`` package partitions text into sentences and needs
-spaCy. A peer whose call on one example passes ``--peer-budget`` seconds is stopped for
+spaCy. inseq's ``attention`` (``--peers inseq_attention``) runs in an environment of its
+own, since inseq is not among this project's requirements::
+
+    python -m venv .venv-inseq && .venv-inseq/bin/pip install torch==2.13.0 inseq scikit-learn -e .
+    .venv-inseq/bin/python benchmarks/needle.py --methods raw --peers inseq_attention
+
+A peer whose call on one example passes ``--peer-budget`` seconds is stopped for
 the longer lengths (its cost taken to grow with the square of the length), and the table
 says so.
 """
@@ -120,6 +126,26 @@ def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float =
     return attribute
 
 
+def inseq_attention(model: tf.LlamaForCausalLM) -> Attribution:
+    """inseq's ``attention`` method (its own environment: see the module docstring), on an
+    eager copy of the model, averaged over layers and heads as inseq aggregates it."""
+    import copy
+
+    import inseq
+
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")  # what inseq asks for when it loads a checkpoint itself
+    explainer = inseq.load_model(eager, "attention", tokenizer=needle_tokenizer())
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        text = " ".join(WORDS[int(i)] for i in e.input_ids[1:])
+        output = explainer.attribute(text, generated_texts=f"{text} {WORDS[e.answer]}", show_progress=False, skip_special_tokens=False)
+        maps = output.sequence_attributions[0].target_attributions  # (prompt + answer, answer, layers, heads)
+        return maps[: len(e.input_ids), 0].float().mean(dim=(-1, -2))
+
+    return attribute
+
+
 def evaluate(model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[NeedleExample]) -> dict[str, float]:
     """Pointing accuracy, top-1/top-3 drop, LDS and seconds per example."""
     found, drops, lds, seconds = [], [], [], []
@@ -152,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = load_needle_model()
-    peers = {"feature_ablation": feature_ablation, "integrated_gradients": integrated_gradients, "context_cite": context_cite}
+    peers = {
+        "feature_ablation": feature_ablation, "integrated_gradients": integrated_gradients, "context_cite": context_cite,
+        "inseq_attention": inseq_attention,
+    }
     stopped: dict[str, str] = {}
     last: dict[str, tuple[int, float]] = {}
     results = []
