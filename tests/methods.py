@@ -24,14 +24,20 @@ def _block(tensor: torch.Tensor, row: int, n: int) -> torch.Tensor:
     return tensor[row, :, :n, :n]
 
 
+def _row(matrix: torch.Tensor, query) -> torch.Tensor:
+    """Row ``query`` of ``matrix``, or the weighted sum of its rows for a weight vector."""
+    return query.to(matrix.dtype) @ matrix if isinstance(query, torch.Tensor) else matrix[query]
+
+
 def reference_grad_sam(ref, lengths):
+    """Σ over layers, heads and keys, / (L·M·N), L·M the heads of all layers."""
     scores = torch.zeros(len(lengths), max(lengths))
-    num_layers, num_heads = len(ref.attentions), ref.attentions[0].shape[1]
+    all_heads = sum(attn.shape[1] for attn in ref.attentions)
     for b, n in enumerate(lengths):
         total = torch.zeros(n)
         for attn, grad in zip(ref.attentions, ref.grads):
             total += (_block(attn, b, n) * _block(grad, b, n).clamp(min=0)).sum(dim=(0, 2))
-        scores[b, :n] = total / (num_layers * num_heads * n)
+        scores[b, :n] = total / (all_heads * n)
     return scores
 
 
@@ -54,7 +60,7 @@ def reference_chefer(ref, lengths, query=0, start_layer=0):
         for attn, grad in list(zip(ref.attentions, ref.grads))[start_layer:]:
             cam = (_block(grad, b, n) * _block(attn, b, n)).clamp(min=0).mean(dim=0)
             relevance = relevance + cam @ relevance
-        scores[b, :n] = relevance[query]
+        scores[b, :n] = _row(relevance, query)
     return scores
 
 
@@ -67,14 +73,14 @@ def reference_rollout(ref, lengths, query=0, fusion="mean", start_layer=0):
             a_hat = 0.5 * fuse[fusion](_block(attn, b, n)) + 0.5 * torch.eye(n)
             a_hat = a_hat / a_hat.sum(dim=-1, keepdim=True)
             rollout = a_hat @ rollout
-        scores[b, :n] = rollout[query]
+        scores[b, :n] = _row(rollout, query)
     return scores
 
 
 def reference_raw(ref, lengths, query=0, layer=-1):
     scores = torch.zeros(len(lengths), max(lengths))
     for b, n in enumerate(lengths):
-        scores[b, :n] = _block(ref.attentions[layer], b, n).mean(0)[query]
+        scores[b, :n] = _row(_block(ref.attentions[layer], b, n).mean(0), query)
     return scores
 
 

@@ -39,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from methods import METHODS, reference_grad_sam  # noqa: E402
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference  # noqa: E402
+from window_reference import window_layers, window_maps_and_grads  # noqa: E402
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention import UnsupportedModelError  # noqa: E402
@@ -287,7 +288,8 @@ def is_causal(attentions: list[torch.Tensor]) -> bool:
 def reference(case: Case) -> Callable[[str], Any]:
     """Each map method's reference scores from the eager twin, by method name (raises
     :class:`NoReference` where the twin returns no usable maps)."""
-    out = eager_output(case)
+    windows = bool(window_layers(case.model))
+    out = None if windows else eager_output(case)
     if case.encoder_decoder:
         groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
         encoder, decoder, cross = _maps_and_grads(case, groups, out.logits)
@@ -300,14 +302,21 @@ def reference(case: Case) -> Callable[[str], Any]:
             return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
         return seq2seq
-    (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
-    without_grads = any(g is None for _, g in pairs)
+    query: int | torch.Tensor
+    if windows:  # Swin: every layer on the first stage's patches, the mean row explained
+        maps, grads = window_maps_and_grads(case.model, case.keywords(), case.score)
+        pairs, without_grads = list(zip(maps, grads)), False
+    else:
+        (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
+        without_grads = any(g is None for _, g in pairs)
     ref = StackReference([a.float() for a, _ in pairs], [a.float() if g is None else g.float() for a, g in pairs])  # methods.py's dtype
-    if len({a.shape for a in ref.attentions}) > 1 or ref.attentions[0].shape[-1] != ref.attentions[0].shape[-2]:
+    if len({a.shape[-2:] for a in ref.attentions}) > 1 or ref.attentions[0].shape[-1] != ref.attentions[0].shape[-2]:
         raise NoReference("the maps are not square over one sequence")
     tokens = ref.attentions[0].shape[-1]
     lengths = [tokens] * ref.attentions[0].shape[0]
     query = tokens - 1 if is_causal(ref.attentions) else 0
+    if windows:
+        query = torch.full((tokens,), 1 / tokens)
 
     def stack(method: str) -> torch.Tensor:
         if without_grads and REGISTERED[method].spec.needs != "forward":

@@ -366,7 +366,10 @@ def record_forward(
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal = _is_causal(capture, target_real)
-    queries = query_positions(query_index, target_real, causal)
+    if query_index is None and adapter.mean_pooled(model):
+        queries = target_real.float() / target_real.sum(dim=1, keepdim=True)  # every real row, as a span
+    else:
+        queries = query_positions(query_index, target_real, causal)
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
+from .windows import note_window_calls, on_patch_grid, window_layers, window_sites
 
 
 
@@ -107,7 +108,19 @@ class HuggingFaceAdapter(AdapterBase):
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
         order = {module: index for index, module in enumerate(model.modules())}
-        return sorted(found.values(), key=lambda site: order[site.module])
+        sites = sorted(found.values(), key=lambda site: order[site.module])
+        layers = window_layers(model)
+        return window_sites(layers, sites) if layers else sites
+
+    def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
+        """Probabilities as heads; a shifted-window layer's as maps over the first stage's
+        patches (:mod:`.windows`)."""
+        on_grid = on_patch_grid(module, probs)
+        return super().as_heads(module, probs) if on_grid is None else on_grid
+
+    def mean_pooled(self, model: nn.Module) -> bool:
+        """Shifted-window models (Swin) classify the mean of their last stage's tokens."""
+        return bool(window_layers(model))
 
     def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
         if not isinstance(output, (tuple, list)) or len(output) <= site.output_index:
@@ -221,7 +234,7 @@ class HuggingFaceAdapter(AdapterBase):
         )
 
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
-        return _prepared(model, "sdpa" if streaming else "eager")
+        return _prepared(self, model, "sdpa" if streaming else "eager")
 
 
 def _patch_embedding(model: nn.Module) -> nn.Module | None:
@@ -231,13 +244,19 @@ def _patch_embedding(model: nn.Module) -> nn.Module | None:
 
 
 @contextmanager
-def _prepared(model: nn.Module, implementation: str) -> Iterator[None]:
+def _prepared(adapter: HuggingFaceAdapter, model: nn.Module, implementation: str) -> Iterator[None]:
     """``model`` running ``implementation``; a model whose attention modules were found
     through ``output_attentions`` (:func:`returned_attention`) is also called with
-    ``output_attentions=True``, without which they return no probabilities."""
+    ``output_attentions=True``, without which they return no probabilities; a
+    shifted-window model's layers note where they ran (eager only)."""
+    layers = window_layers(model)
+    if layers and implementation != "eager":
+        raise StreamingUnsupported("its attention runs per shifted window, read from the eager probabilities")
     with _implementation(model, implementation), ExitStack() as stack:
         if _RETURNED.get(model, (None, ReturnedAttention(())))[1].sites:
             stack.callback(model.register_forward_pre_hook(_output_attentions, with_kwargs=True).remove)
+        if layers:
+            note_window_calls(layers, adapter.attention_sites(model), stack)
         yield
 
 

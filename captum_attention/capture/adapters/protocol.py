@@ -14,7 +14,8 @@ An adapter answers the family questions for the capture layer, and nothing else 
    records (``prepared(model, streaming)``, a context manager that restores the model);
 5. how to call the model's forward with Captum's positional arguments
    (``keyword_forward``), whether it is an encoder-decoder (``is_encoder_decoder``) and,
-   for image models, the patch grid of an input (``patch_grid``);
+   for image models, the patch grid of an input (``patch_grid``), and whether the output
+   reads the mean of the tokens (``mean_pooled``);
 6. which weight maps an attention module's concatenated head outputs back to the
    hidden size (``output_projection``, for effective attention), and where the input
    embeddings are (``input_embeddings``, for relevance propagation).
@@ -124,6 +125,11 @@ class AttentionAdapter(Protocol):
         model has no patch grid."""
         ...
 
+    def mean_pooled(self, model: nn.Module) -> bool:
+        """Whether the model's output reads the mean of its tokens rather than one token:
+        then the default explained row is the mean of every real token's row."""
+        ...
+
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules whose first call receives the ``(batch, seq_len)`` padding mask."""
         ...
@@ -201,6 +207,9 @@ class AdapterBase:
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         return None
+
+    def mean_pooled(self, model: nn.Module) -> bool:
+        return False
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return []

@@ -1,0 +1,126 @@
+"""Shifted-window attention (Swin, Swin-v2, Donut-Swin): every map method equals its
+reference on the first stage's patches (``window_reference.py``: each window attention
+run as the linear map it is, through the model's own window partition), with shifted
+windows, padded windows and three stages."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as tf
+from conftest import assert_same_state, model_state
+from methods import MAP_METHODS, reference_grad_sam
+from window_reference import window_maps_and_grads
+
+from captum_attention import METHODS, UnsupportedModelError
+from captum_attention.maps import windows_on_patch_grid
+
+FAMILIES = {
+    "swin": (tf.SwinConfig, tf.SwinForImageClassification),
+    "swinv2": (tf.Swinv2Config, tf.Swinv2ForImageClassification),
+    "donut-swin": (tf.DonutSwinConfig, tf.DonutSwinForImageClassification),
+}
+SHAPES = {
+    "shifted": dict(image_size=32, window_size=2),  # 8×8 then 4×4 patches, every other block shifted
+    "padded": dict(image_size=32, window_size=3),  # windows padded past the grid's edge
+    "three stages": dict(image_size=48, window_size=2, depths=[2, 2, 2], num_heads=[2, 4, 4]),
+}
+TARGET = 1
+
+
+@lru_cache(maxsize=None)
+def _case(family: str, shape: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    config_class, model_class = FAMILIES[family]
+    options = {**dict(patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], num_labels=3), **SHAPES[shape]}
+    torch.manual_seed(0)
+    model = model_class(config_class(**options)).eval()
+    images = torch.randn(2, 3, options["image_size"], options["image_size"], generator=torch.Generator().manual_seed(1))
+    return model, images
+
+
+@lru_cache(maxsize=None)
+def _reference(family: str, shape: str) -> SimpleNamespace:
+    model, images = _case(family, shape)
+    maps, grads = window_maps_and_grads(model, {"pixel_values": images}, lambda logits: logits[:, TARGET].sum())
+    return SimpleNamespace(attentions=[a.float() for a in maps], grads=[g.float() for g in grads])
+
+
+def _expected(name: str, ref: SimpleNamespace, query: int | torch.Tensor) -> torch.Tensor:
+    lengths = [ref.attentions[0].shape[-1]] * ref.attentions[0].shape[0]
+    return reference_grad_sam(ref, lengths) if name == "grad_sam" else MAP_METHODS[name].reference(ref, lengths, query)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", MAP_METHODS)
+def test_scores_equal_the_dense_reference_for_the_mean_pooled_row(name, family, shape):
+    model, images = _case(family, shape)
+    ref = _reference(family, shape)
+    patches = ref.attentions[0].shape[-1]
+    options = {"target": TARGET} if METHODS[name].spec.uses_target else {}
+    scores = METHODS[name](model).attribute(images, **options)
+    expected = _expected(name, ref, torch.full((patches,), 1 / patches))
+    assert scores.shape == (2, images.shape[-2] // 4, images.shape[-1] // 4)
+    torch.testing.assert_close(scores.flatten(1), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["rollout", "transformer_attribution", "raw"])
+def test_a_query_index_explains_that_patch_row(name):
+    model, images = _case("swin", "shifted")
+    options = {"target": TARGET} if METHODS[name].spec.uses_target else {}
+    scores = METHODS[name](model).attribute(images, query_index=5, **options)
+    expected = _expected(name, _reference("swin", "shifted"), 5)
+    torch.testing.assert_close(scores.flatten(1), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_auto_runs_eager_and_says_why_streaming_refuses_in_one_line():
+    model, images = _case("swin", "shifted")
+    explainer = METHODS["rollout"](model)
+    explainer.attribute(images)
+    assert explainer.last_capture.startswith("eager") and "shifted window" in explainer.last_capture
+    with pytest.raises(ValueError, match="shifted window") as error:
+        METHODS["rollout"](model, capture="streaming").attribute(images)
+    assert "\n" not in str(error.value)
+
+
+def test_a_grid_that_does_not_halve_evenly_is_refused_in_one_line():
+    model, _ = _case("swin", "shifted")
+    odd = torch.randn(1, 3, 20, 20)  # 5×5 patches: the merge pads them to 6×6
+    before = model_state(model)
+    with pytest.raises(UnsupportedModelError, match="Resize the images") as error:
+        METHODS["rollout"](model).attribute(odd)
+    assert "\n" not in str(error.value)
+    assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_image_alone_gets_its_batched_scores_and_the_model_is_left_as_found(name):
+    model, images = _case("swin", "shifted")
+    before = model_state(model)
+    options = {"target": TARGET} if METHODS[name].spec.uses_target else {}
+    batched = METHODS[name](model).attribute(images, **options)
+    assert_same_state(before, model_state(model))
+    assert all(p.grad is None for p in model.parameters())
+    for b in range(2):
+        alone = METHODS[name](model).attribute(images[b : b + 1], **options)
+        torch.testing.assert_close(alone[0], batched[b], rtol=1e-4, atol=1e-6 * batched.abs().max().item())
+
+
+def test_window_maps_on_the_patch_grid_by_hand():
+    """A 4×4 stage in 2×2 windows, each token 2×2 patches of an 8×8 grid (patch p = 8·row +
+    column). Rows keep their sums; entries read off the windows by hand."""
+    window_maps = torch.rand(3 * 4, 2, 4, 4).softmax(dim=-1)  # 3 images × 4 windows, 2 heads
+    unshifted = windows_on_patch_grid(window_maps, (4, 4), window=2, shift=0, scale=2)
+    assert unshifted.shape == (3, 2, 64, 64)
+    torch.testing.assert_close(unshifted.sum(dim=-1), torch.ones(3, 2, 64))
+    # token (0,0) → token (1,1): window 0, slots 0 → 3; patches 0 and 9 are token (0,0)'s, 18 and 27 token (1,1)'s
+    for query, key in ((0, 18), (9, 27)):
+        torch.testing.assert_close(unshifted[:, :, query, key], window_maps.view(3, 4, 2, 4, 4)[:, 0, :, 0, 3] / 4)
+    assert (unshifted[:, :, 0, 4] == 0).all(), "token (0,2) is in another window"
+    # rolled by 1: window 0 holds tokens (1,1), (1,2), (2,1), (2,2); token (1,1) → (1,2) is slots 0 → 1
+    shifted = windows_on_patch_grid(window_maps, (4, 4), window=2, shift=1, scale=2)
+    torch.testing.assert_close(shifted[:, :, 18, 20], window_maps.view(3, 4, 2, 4, 4)[:, 0, :, 0, 1] / 4)
+    torch.testing.assert_close(shifted.sum(dim=-1), torch.ones(3, 2, 64))

@@ -1,0 +1,82 @@
+"""Reference maps of a shifted-window model (Swin, Swin-v2, Donut-Swin), by another road.
+
+The library scatters each window's probabilities to their tokens by index arithmetic. Here
+a window attention is taken for the linear map it is: run on one-hot token features through
+the model's own ``window_partition``/``window_reverse`` and shifts, it returns the dense
+``(tokens × tokens)`` map of its stage. Each stage token then stands for the
+``scale × scale`` first-stage patches merged into it (``P``, patches × tokens):
+``Ã = P·M·Pᵀ / scale²``, for the maps and, by the same map, their gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def window_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "window_size") and hasattr(m, "shift_size") and hasattr(m, "attention")]
+
+
+def dense_stage_map(layer: nn.Module, windows: torch.Tensor, stage: tuple[int, int], batch: int) -> torch.Tensor:
+    """``(B·windows, H, w², w²)`` window attention of ``layer`` as ``(B, H, N, N)`` over the
+    stage's ``N = rows·columns`` tokens."""
+    modeling = sys.modules[type(layer).__module__]
+    rows, columns = stage
+    window, shift, heads, tokens = int(layer.window_size), int(layer.shift_size), windows.shape[1], rows * columns
+    one_hot = torch.eye(tokens, dtype=windows.dtype).view(1, rows, columns, tokens).expand(batch, -1, -1, -1)
+    padded = nn.functional.pad(one_hot, (0, 0, 0, -columns % window, 0, -rows % window))
+    padded_rows, padded_columns = padded.shape[1:3]
+    shifted = torch.roll(padded, shifts=(-shift, -shift), dims=(1, 2))
+    features = modeling.window_partition(shifted, window).reshape(-1, 1, window * window, tokens)
+    mixed = (windows @ features).permute(0, 2, 1, 3).reshape(-1, window, window, heads * tokens)
+    merged = modeling.window_reverse(mixed, window, padded_rows, padded_columns)
+    merged = torch.roll(merged, shifts=(shift, shift), dims=(1, 2))[:, :rows, :columns]
+    return merged.reshape(batch, tokens, heads, tokens).permute(0, 2, 1, 3)
+
+
+def on_patches(stage_map: torch.Tensor, stage: tuple[int, int], scale: int) -> torch.Tensor:
+    """``P·M·Pᵀ / scale²``: a stage map over the first stage's patches."""
+    rows, columns = stage
+    patch_rows = torch.arange(rows * scale) // scale
+    patch_columns = torch.arange(columns * scale) // scale
+    token = (patch_rows[:, None] * columns + patch_columns[None, :]).flatten()
+    assign = nn.functional.one_hot(token, rows * columns).to(stage_map.dtype)  # P
+    return assign @ stage_map @ assign.T / scale**2
+
+
+def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every window layer's attention and its gradient of ``score(logits)``, float64, on
+    the first stage's patches, from an eager twin of ``model`` with ``output_attentions``."""
+    twin = copy.deepcopy(model).double()
+    twin.set_attn_implementation("eager")
+    layers = window_layers(twin)
+    calls: list[tuple[nn.Module, tuple[int, int], torch.Tensor]] = []
+    stages: dict[nn.Module, tuple[int, int]] = {}
+
+    def on_layer(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        stages[layer] = tuple(int(s) for s in (args[1] if len(args) > 1 else kwargs["input_dimensions"]))
+
+    def on_attention(layer: nn.Module) -> Any:
+        return lambda _module, _args, output: calls.append((layer, stages[layer], output[1]))
+
+    hooks = [layer.register_forward_pre_hook(on_layer, with_kwargs=True) for layer in layers]
+    hooks += [layer.attention.register_forward_hook(on_attention(layer)) for layer in layers]
+    try:
+        logits = twin(**{k: v.double() for k, v in keywords.items()}, output_attentions=True).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = torch.autograd.grad(score(logits), [probs for _, _, probs in calls])
+    batch = logits.shape[0]
+    first = calls[0][1]
+    maps, map_grads = [], []
+    for (layer, stage, probs), grad in zip(calls, grads):
+        scale = first[0] // stage[0]
+        maps.append(on_patches(dense_stage_map(layer, probs.detach(), stage, batch), stage, scale))
+        map_grads.append(on_patches(dense_stage_map(layer, grad, stage, batch), stage, scale))
+    return maps, map_grads
