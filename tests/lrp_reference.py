@@ -163,3 +163,64 @@ def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Te
     read = torch.arange(length - span.shape[1] - 1, length - 1)
     log_probs = _linear(normed[:, read], model.lm_head, terms).log_softmax(dim=-1)
     return decompose(terms, log_probs.gather(2, span[..., None])[..., 0].sum(dim=1))
+
+
+def _windows(x: Tensor, window: int) -> Tensor:
+    """``(B, rows, columns, C)`` → ``(B·windows, window², C)``, windows and their tokens row-major."""
+    batch, rows, columns, channels = x.shape
+    x = x.view(batch, rows // window, window, columns // window, window, channels)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, window * window, channels)
+
+
+def _unwindows(x: Tensor, window: int, batch: int, rows: int, columns: int) -> Tensor:
+    channels = x.shape[-1]
+    x = x.view(batch, rows // window, columns // window, window, window, channels)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(batch, rows, columns, channels)
+
+
+def _swin_block(block, hidden: Tensor, stage: tuple[int, int], terms: Terms) -> Tensor:
+    attention, (rows, columns) = block.attention, stage
+    window, shift = int(block.window_size), int(block.shift_size)
+    batch, _, channels = hidden.shape
+    x = _layer_norm(hidden, block.layernorm_before, terms).view(batch, rows, columns, channels)
+    x = F.pad(x, (0, 0, 0, -columns % window, 0, -rows % window))
+    padded_rows, padded_columns = x.shape[1:3]
+    x = _windows(torch.roll(x, shifts=(-shift, -shift), dims=(1, 2)), window)
+    heads = attention.num_attention_heads
+    q, k, v = (_heads(_linear(x, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+    scores = half(q) @ half(k).transpose(-1, -2) * attention.scaling
+    scores = scores + terms.leaf(attention.relative_position_bias().expand_as(scores))
+    mask = block.get_attn_mask(padded_rows, padded_columns, dtype=x.dtype, device=x.device)
+    if mask is not None:  # the shifted windows' -100 between regions that are not neighbours
+        scores = scores + terms.leaf(mask[None, :, None].expand(batch, -1, heads, -1, -1).reshape(scores.shape))
+    context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(x.shape)
+    out = _unwindows(_linear(context, attention.o_proj, terms), window, batch, padded_rows, padded_columns)
+    out = torch.roll(out, shifts=(shift, shift), dims=(1, 2))[:, :rows, :columns].reshape(batch, rows * columns, channels)
+    hidden = hidden + out
+    inner = identity(F.gelu, _linear(_layer_norm(hidden, block.layernorm_after, terms), block.mlp.fc1, terms))
+    return hidden + _linear(inner, block.mlp.fc2, terms)
+
+
+def _swin_merge(merge, hidden: Tensor, stage: tuple[int, int], terms: Terms) -> Tensor:
+    batch, _, channels = hidden.shape
+    x = hidden.view(batch, *stage, channels)
+    x = torch.cat([x[:, row::2, column::2] for column in range(2) for row in range(2)], dim=-1)
+    return _linear(_layer_norm(x.reshape(batch, -1, 4 * channels), merge.norm, terms), merge.reduction, terms)
+
+
+def swin_relevance(model, pixel_values: Tensor, target: Tensor) -> Decomposition:
+    """AttnLRP of a ``SwinForImageClassification`` (relative position bias, shifted windows,
+    patch merging, mean pooling); the tokens are the patch embeddings' outputs."""
+    swin = model.swin
+    tokens, stage = swin.embeddings.patch_embeddings(pixel_values)
+    terms = Terms(tokens.detach().clone().requires_grad_())
+    hidden = _layer_norm(terms.tokens, swin.embeddings.norm, terms)
+    for layer in swin.encoder.layers:
+        for block in layer.blocks:
+            hidden = _swin_block(block, hidden, stage, terms)
+        if layer.downsample is not None:
+            hidden = _swin_merge(layer.downsample, hidden, stage, terms)
+            stage = (stage[0] // 2, stage[1] // 2)
+    pooled = _layer_norm(hidden, swin.layernorm, terms).mean(dim=1)
+    logits = _linear(pooled, model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])

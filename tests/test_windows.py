@@ -1,10 +1,12 @@
 """Shifted-window attention (Swin, Swin-v2, Donut-Swin): every map method equals its
 reference on the first stage's patches (``window_reference.py``: each window attention
 run as the linear map it is, through the model's own window partition), with shifted
-windows, padded windows and three stages."""
+windows, padded windows and three stages; AttnLRP equals Swin's forward written out with
+its rules (``lrp_reference.swin_relevance``)."""
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
+from lrp_reference import swin_relevance
 from methods import MAP_METHODS, reference_grad_sam
 from window_reference import window_maps_and_grads
 
@@ -124,3 +127,32 @@ def test_window_maps_on_the_patch_grid_by_hand():
     shifted = windows_on_patch_grid(window_maps, (4, 4), window=2, shift=1, scale=2)
     torch.testing.assert_close(shifted[:, :, 18, 20], window_maps.view(3, 4, 2, 4, 4)[:, 0, :, 0, 1] / 4)
     torch.testing.assert_close(shifted.sum(dim=-1), torch.ones(3, 2, 64))
+
+
+def _with_random_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """Biases and norm weights drawn away from their (zero, one) initialisation, so that
+    the biases absorb relevance and the norms scale it."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                shift = 1.0 if name.endswith("weight") else 0.0
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05 + shift)
+    return model
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attn_lrp_equals_an_explicit_swin_forward_written_with_the_rules(shape):
+    """``lrp_reference.swin_relevance``: Swin's forward written out from its weights, each
+    rule as a detach trick; it conserves the logit term by term, and AttnLRP equals its
+    token relevances."""
+    model, images = _case("swin", shape)
+    model = _with_random_biases(copy.deepcopy(model))
+    target = torch.tensor([1, 0])
+    expected = swin_relevance(model, images, target)
+    total = expected.relevance.sum(dim=1) + expected.absorbed
+    torch.testing.assert_close(total, expected.explained, rtol=0, atol=1e-6 * expected.magnitude.max().item())
+    assert (expected.absorbed.abs() > 1e-3 * expected.magnitude).all(), "biases and the softmax absorb some"
+    actual = METHODS["attn_lrp"](model).attribute(images, target=target)
+    scale = expected.relevance.abs().max().item()
+    torch.testing.assert_close(actual.flatten(1), expected.relevance, rtol=1e-5, atol=1e-5 * scale)
