@@ -55,25 +55,22 @@ def windows_on_patch_grid(window_maps: Tensor, stage: tuple[int, int], window: i
     """
     rows, columns = stage
     padded_rows, padded_columns = -(-rows // window) * window, -(-columns // window) * window
-    device = window_maps.device
+    device, tokens = window_maps.device, rows * columns
     positions = torch.arange(padded_rows * padded_columns, device=device).view(padded_rows, padded_columns)
     slots = (
         positions.roll((-shift, -shift), (0, 1))
         .view(padded_rows // window, window, padded_columns // window, window)
         .permute(0, 2, 1, 3)
         .reshape(-1, window * window)
-    )  # (windows, w²): the position each window slot holds
-    windows = slots.shape[0]
-    window_of = torch.empty(padded_rows * padded_columns, dtype=torch.long, device=device)
-    slot_of = torch.empty_like(window_of)
-    window_of[slots.flatten()] = torch.arange(windows, device=device).repeat_interleave(window * window)
-    slot_of[slots.flatten()] = torch.arange(window * window, device=device).repeat(windows)
-    token_rows = torch.arange(rows * scale, device=device) // scale
-    token_columns = torch.arange(columns * scale, device=device) // scale
-    token = (token_rows[:, None] * padded_columns + token_columns[None, :]).flatten()  # each patch's position
-    patch_window, patch_slot = window_of[token], slot_of[token]
-    batch, heads = window_maps.shape[0] // windows, window_maps.shape[1]
-    maps = window_maps.reshape(batch, windows, heads, window * window, window * window)
-    lifted = maps[:, patch_window[:, None], :, patch_slot[:, None], patch_slot[None, :]].permute(2, 3, 0, 1)
-    same_window = patch_window[:, None] == patch_window[None, :]
-    return lifted * same_window.to(lifted.dtype) / scale**2
+    )  # (windows, w²): the padded grid position each window slot holds
+    slot_rows, slot_columns = slots // padded_columns, slots % padded_columns
+    real = (slot_rows < rows) & (slot_columns < columns)
+    token = slot_rows * columns + slot_columns
+    pairs = real[:, :, None] & real[:, None, :]  # (windows, w², w²): both tokens inside the grid
+    batch, heads = window_maps.shape[0] // slots.shape[0], window_maps.shape[1]
+    maps = window_maps.reshape(batch, slots.shape[0], heads, window * window, window * window).transpose(1, 2)
+    stage_map = window_maps.new_zeros(batch, heads, tokens * tokens)
+    stage_map.index_copy_(-1, (token[:, :, None] * tokens + token[:, None, :])[pairs], maps[:, :, pairs] / scale**2)
+    blocks = stage_map.view(batch, heads, rows, 1, columns, 1, rows, 1, columns, 1)
+    patches = tokens * scale**2
+    return blocks.expand(-1, -1, -1, scale, -1, scale, -1, scale, -1, scale).reshape(batch, heads, patches, patches)
