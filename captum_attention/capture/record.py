@@ -365,7 +365,7 @@ def record_forward(
         target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
-    causal = _is_causal(capture, target_real)
+    causal = _is_causal(capture, attn_maps, target_real)
     if query_index is None and adapter.mean_pooled(model):
         queries = target_real.float() / target_real.sum(dim=1, keepdim=True)  # every real row, as a span
     else:
@@ -449,7 +449,7 @@ def _shape(call: KernelCall) -> torch.Size:
     return torch.Size((call.query.shape[0], call.num_heads, call.num_queries, call.num_keys))
 
 
-def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
+def _is_causal(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor) -> bool:
     """Whether the explained sequence's self-attention is causal: as the adapter says, or,
     where it cannot tell or says not, from the probabilities when they are recorded
     (exactly 0 on every later real key: a decoder whose modules say ``is_causal=False``
@@ -464,7 +464,7 @@ def _is_causal(capture: AttentionCapture, real: Tensor) -> bool:
         if said is None:
             raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
         return False
-    return zero_on_later_keys(capture.attn_probs[self_calls[0]].detach(), real)
+    return zero_on_later_keys(attn_maps[self_calls[0]], real)
 
 
 def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:
