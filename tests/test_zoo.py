@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
-from zoo import EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, architectures, build, explain, make_case, outcomes, reference
+from zoo import EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, explain, make_case, outcomes, reference, runs
 
 from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
 
@@ -156,6 +156,18 @@ def test_attention_run_under_no_grad_refuses_the_gradient_methods_only():
     assert found["grad_sam"].status == found["transformer_attribution"].status == "refused"
     assert "torch.no_grad" in found["grad_sam"].detail
     assert found["rollout"].status == found["raw"].status == "exact"
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_classifier_that_reads_the_mean_of_its_tokens_is_explained_at_that_mean(pooling):
+    """ModernBERT reads ``classifier_pooling`` when it runs: the default row follows it."""
+    architecture = _architecture("sequence classification", "modernbert")
+    model = build(architecture)
+    model.config.classifier_pooling = pooling
+    case = runs(make_case(model, architecture))
+    expected = reference(case)
+    for method in ("rollout", "transformer_attribution", "raw"):
+        assert _close(explain(case, method), expected(method)), (pooling, method)
 
 
 def test_spatially_reduced_vision_attention_is_refused_in_one_line():

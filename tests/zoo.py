@@ -285,6 +285,25 @@ def is_causal(attentions: list[torch.Tensor]) -> bool:
     return all(bool((a[..., later] == 0).all()) for a in attentions)
 
 
+MEAN_FROM = {
+    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
+    "SwinForImageClassification": 0, "Swinv2ForImageClassification": 0, "DonutSwinForImageClassification": 0,
+    "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
+    "BeitForImageClassification": 1, "Data2VecVisionForImageClassification": 1,
+}
+"""The first token of the mean each classifier reads, as its forward pools: ``hidden.mean(dim=1)``,
+``hidden[:, 1:].mean(1)`` (BEiT-like models under their default ``use_mean_pooling``)."""
+
+
+def mean_pooled_from(model: nn.Module) -> int | None:
+    """The first token of the mean ``model``'s output reads; None where it reads one token."""
+    if getattr(model.config, "classifier_pooling", None) in ("mean", "late"):  # ModernBERT, EuroBERT
+        return 0
+    if getattr(model.config, "use_mean_pooling", True) is False:
+        return None
+    return MEAN_FROM.get(type(model).__name__)
+
+
 def reference(case: Case) -> Callable[[str], Any]:
     """Each map method's reference scores from the eager twin, by method name (raises
     :class:`NoReference` where the twin returns no usable maps)."""
@@ -302,7 +321,6 @@ def reference(case: Case) -> Callable[[str], Any]:
             return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
         return seq2seq
-    query: int | torch.Tensor
     if windows:  # Swin: every layer on the first stage's patches, the mean row explained
         maps, grads = window_maps_and_grads(case.model, case.keywords(), case.score)
         pairs, without_grads = list(zip(maps, grads)), False
@@ -314,9 +332,11 @@ def reference(case: Case) -> Callable[[str], Any]:
         raise NoReference("the maps are not square over one sequence")
     tokens = ref.attentions[0].shape[-1]
     lengths = [tokens] * ref.attentions[0].shape[0]
-    query = tokens - 1 if is_causal(ref.attentions) else 0
-    if windows:
-        query = torch.full((tokens,), 1 / tokens)
+    query: int | torch.Tensor = tokens - 1 if is_causal(ref.attentions) else 0
+    pooled_from = mean_pooled_from(case.model)
+    if pooled_from is not None:  # the classifier reads the mean of these rows
+        query = torch.zeros(tokens)
+        query[pooled_from:] = 1 / (tokens - pooled_from)
 
     def stack(method: str) -> torch.Tensor:
         if without_grads and REGISTERED[method].spec.needs != "forward":

@@ -32,9 +32,9 @@ _SHARED_ATTRIBUTE_DOCS = {
         '                position (the query row), one for all examples or one per example; for a\n'
         '                language model also where its logits are read. Default: None, the first\n'
         "                real token ([CLS], a ViT's class token) for bidirectional attention, the\n"
-        '                last real token for decoders (causal attention) and encoder-decoders, the\n'
-        '                mean of every patch row for models that classify the mean of their tokens\n'
-        '                (Swin).'
+        '                last real token for decoders (causal attention) and encoder-decoders; for\n'
+        '                a classifier that reads the mean of its tokens (BEiT, CLIP, SigLIP, Swin,\n'
+        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows.'
     ),
     "returns": (
         'Returns:\n'

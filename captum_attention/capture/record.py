@@ -366,8 +366,11 @@ def record_forward(
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal = _is_causal(capture, attn_maps, target_real)
-    if query_index is None and adapter.mean_pooled(model):
-        queries = target_real.float() / target_real.sum(dim=1, keepdim=True)  # every real row, as a span
+    pooled_from = adapter.mean_pooled_from(model) if query_index is None else None
+    if pooled_from is not None:  # the rows the output's mean reads, as a span
+        pooled = target_real.clone()
+        pooled[:, :pooled_from] = False
+        queries = pooled.float() / pooled.sum(dim=1, keepdim=True)
     else:
         queries = query_positions(query_index, target_real, causal)
     head_counts = [shape[1] for shape in shapes]

@@ -35,6 +35,13 @@ OUT_OF_SCOPE = {
 """Model types whose recorded maps are not the attention that computes their output, by
 ``config.model_type``, with the reason the refusal gives."""
 
+_MEAN_POOLING_CLASSIFIERS = {
+    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
+    "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
+}
+"""Classifiers that read the mean of their tokens from the given one on (after CLIP's class
+token), where no config flag says so."""
+
 class HuggingFaceAdapter(AdapterBase):
     """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
     decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
@@ -118,9 +125,23 @@ class HuggingFaceAdapter(AdapterBase):
         on_grid = on_patch_grid(module, probs)
         return super().as_heads(module, probs) if on_grid is None else on_grid
 
-    def mean_pooled(self, model: nn.Module) -> bool:
-        """Shifted-window models (Swin) classify the mean of their last stage's tokens."""
-        return bool(window_layers(model))
+    def mean_pooled_from(self, model: nn.Module) -> int | None:
+        """Classifiers that read the mean of their tokens: shifted-window models (Swin, the
+        last stage's tokens), :data:`_MEAN_POOLING_CLASSIFIERS`, ``use_mean_pooling`` image
+        and video classifiers (BEiT and Data2Vec-Vision after their class token, VideoMAE)
+        and text classifiers whose ``classifier_pooling`` averages the tokens or their
+        logits (ModernBERT's ``"mean"``, EuroBERT's ``"mean"`` and ``"late"``)."""
+        name = type(model).__name__
+        if window_layers(model):
+            return 0
+        if name in _MEAN_POOLING_CLASSIFIERS:
+            return _MEAN_POOLING_CLASSIFIERS[name]
+        config = getattr(model, "config", None)
+        if getattr(config, "classifier_pooling", None) in ("mean", "late") and name.endswith("ForSequenceClassification"):
+            return 0
+        if getattr(config, "use_mean_pooling", False) and name.endswith(("ForImageClassification", "ForVideoClassification")):
+            return int(any(n.split(".")[-1] == "cls_token" for n, _ in model.named_parameters()))
+        return None
 
     def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:
         if not isinstance(output, (tuple, list)) or len(output) <= site.output_index:

@@ -15,7 +15,7 @@ An adapter answers the family questions for the capture layer, and nothing else 
 5. how to call the model's forward with Captum's positional arguments
    (``keyword_forward``), whether it is an encoder-decoder (``is_encoder_decoder``) and,
    for image models, the patch grid of an input (``patch_grid``), and whether the output
-   reads the mean of the tokens (``mean_pooled``);
+   reads the mean of its tokens (``mean_pooled_from``);
 6. which weight maps an attention module's concatenated head outputs back to the
    hidden size (``output_projection``, for effective attention), and where the input
    embeddings are (``input_embeddings``, for relevance propagation).
@@ -125,9 +125,10 @@ class AttentionAdapter(Protocol):
         model has no patch grid."""
         ...
 
-    def mean_pooled(self, model: nn.Module) -> bool:
-        """Whether the model's output reads the mean of its tokens rather than one token:
-        then the default explained row is the mean of every real token's row."""
+    def mean_pooled_from(self, model: nn.Module) -> int | None:
+        """Where the model's output reads the mean of its tokens rather than one token, the
+        first token of that mean (the default explained row is then the mean of those
+        rows); None where it reads one token."""
         ...
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -208,8 +209,8 @@ class AdapterBase:
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         return None
 
-    def mean_pooled(self, model: nn.Module) -> bool:
-        return False
+    def mean_pooled_from(self, model: nn.Module) -> int | None:
+        return None
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return []
