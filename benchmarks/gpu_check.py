@@ -219,9 +219,10 @@ def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
 
 def kernel_agreement(device: str = "cuda") -> float:
     """The Triton kernels (``maps.fused``, off by default) against the eager block reductions
-    on ``device``: Grad-SAM (both axes) and Transformer Attribution on the benchmark BERT in
-    fp32 and bf16, and the median time of each (the kernels' first measurement on a card)."""
-    from captum_attention import GradSAM, TransformerAttribution
+    on ``device``: Grad-SAM (both axes), Transformer Attribution and rollout on the benchmark
+    BERT in fp32 and bf16, and the median time of each (the kernels' first measurement on a
+    card)."""
+    from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
     from captum_attention.maps import streaming
 
     runs = {
@@ -230,6 +231,8 @@ def kernel_agreement(device: str = "cuda") -> float:
             ids, target=1, additional_forward_args=(mask,), axis="key"),
         "TransformerAttribution": lambda model, ids, mask: TransformerAttribution(model, capture="streaming").attribute(
             ids, target=1, additional_forward_args=(mask,)),
+        "AttentionRollout": lambda model, ids, mask: AttentionRollout(model, capture="streaming").attribute(
+            ids, additional_forward_args=(mask,)),
     }
     print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms |")
     print("|---|---|---|---|---|")

@@ -66,6 +66,21 @@ def test_row_and_column_sums_equal_the_eager_reduction(case):
     torch.testing.assert_close(columns, expected_columns, rtol=tolerance, atol=tolerance * float(expected_columns.abs().max()))
 
 
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_probability_row_and_column_sums_equal_the_eager_maps(case):
+    """Rollout's reductions: the same sums of P alone."""
+    call, _ = _call(**CASES[case])
+    key_weights = torch.ones(2, call.num_keys)
+    key_weights[1, -3:] = 0
+    probs = call.probs(slice(0, call.num_queries)).float() * key_weights[:, None, None, :]
+    tolerance = 2e-2 if CASES[case].get("dtype") == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fused.row_sums(call, key_weights), probs.sum(-1), rtol=tolerance, atol=tolerance)
+    row_weights = torch.rand(2, call.num_queries, generator=torch.Generator().manual_seed(5))
+    expected = torch.einsum("bq,bhqk->bk", row_weights, probs)
+    columns = fused.column_sums(call, row_weights, key_weights)
+    torch.testing.assert_close(columns, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("kind", ["bool left padding", "bool right padding", "additive causal + padding"])
 def test_masks_as_transformers_passes_them(kind):
     keep = _padding(2, 37, left="left" in kind)
@@ -92,11 +107,12 @@ def test_a_row_whose_every_key_is_masked_sums_to_zero():
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatch):
-    """Dispatch: with the kernels on for the CPU (the interpreter), Grad-SAM on both axes and
-    Transformer Attribution equal the compiled-or-eager block reductions, left padding included."""
+    """Dispatch: with the kernels on for the CPU (the interpreter), Grad-SAM on both axes,
+    Transformer Attribution and rollout equal the compiled-or-eager block reductions, left
+    padding included."""
     import transformers as tf
 
-    from captum_attention import GradSAM, TransformerAttribution
+    from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
     from captum_attention.maps import streaming
 
     torch.manual_seed(0)
@@ -114,14 +130,15 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
         mask = torch.ones_like(ids)
         mask[1, :5] = 0  # left padding
     calls = []
-    monkeypatch.setattr(fused, "positive_row_sums", _counted(fused.positive_row_sums, calls))
-    monkeypatch.setattr(fused, "weighted_column_sums", _counted(fused.weighted_column_sums, calls))
+    for name in ("positive_row_sums", "weighted_column_sums", "row_sums", "column_sums"):
+        monkeypatch.setattr(fused, name, _counted(getattr(fused, name), calls))
 
     def explain():
         return [
             GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
             GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,), axis="key"),
             TransformerAttribution(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
+            AttentionRollout(model, capture="streaming").attribute(ids, additional_forward_args=(mask,)),
         ]
 
     expected = explain()
@@ -129,7 +146,7 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
     monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
     for actual, wanted in zip(explain(), expected):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5 * float(wanted.abs().max()))
-    assert len(calls) >= 6  # every layer of every method went through the kernels
+    assert len(calls) >= 10 and {"row_sums", "column_sums"} <= set(calls)  # every layer of every method went through the kernels
 
 
 def _counted(function, calls):

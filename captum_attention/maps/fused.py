@@ -4,11 +4,12 @@ query rows of one head, the logits recomputed in on-chip memory and never stored
 Two passes over the keys per block of queries (as a flash attention backward does): the
 first finds each row's softmax statistics (its maximum logit m and its normaliser l), the
 second recomputes the probabilities ``P = exp(S - m) / l`` and ``G = dO·Vᵀ`` one block of
-keys at a time and reduces ``P ⊙ ReLU(G)`` (times the real keys' weights):
+keys at a time and reduces ``P ⊙ ReLU(G)``, or ``P`` alone (times the real keys' weights):
 
 - :func:`positive_row_sums`: ``Σ_j (P ⊙ G⁺)_ij`` per query row and head, Grad-SAM's sums;
 - :func:`weighted_column_sums`: ``Σ_h Σ_i w_i (P ⊙ G⁺)_ij`` per key, the row-vector step of
-  Transformer Attribution and Grad-SAM's key axis.
+  Transformer Attribution and Grad-SAM's key axis;
+- :func:`row_sums` and :func:`column_sums`: the same of ``P``, the rollout row's step.
 
 They compute what :func:`~captum_attention.maps.streaming.exp_terms` computes from a
 :class:`~captum_attention.maps.kernel.KernelCall`: grouped-query heads, the kernel's
@@ -39,10 +40,11 @@ def available() -> bool:
     return triton is not None
 
 
-def supports(call: KernelCall) -> bool:
-    """Whether the kernels compute this call exactly: no position bias, and a mask (if
-    any) of four dimensions broadcastable to ``(B, H, Q, K)``."""
-    return call.position_bias is None and call.value is not None and (call.mask is None or call.mask.dim() == 4)
+def supports(call: KernelCall, gradient: bool = True) -> bool:
+    """Whether the kernels compute this call exactly: no position bias, a mask (if any) of
+    four dimensions broadcastable to ``(B, H, Q, K)``, and for the gradient kernels the
+    values (a capture without gradients keeps none)."""
+    return call.position_bias is None and (call.value is not None or not gradient) and (call.mask is None or call.mask.dim() == 4)
 
 
 def _mask_operand(call: KernelCall) -> tuple[Tensor, tuple[int, int, int, int], int]:
@@ -88,7 +90,8 @@ if triton is not None:
         stride_mb, stride_mh, stride_mq, stride_mk,
         stride_wb, stride_kwb,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, GRADIENT: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         program_bh, program_m = tl.program_id(0), tl.program_id(1)
         b, h = program_bh // num_heads, program_bh % num_heads
@@ -98,8 +101,9 @@ if triton is not None:
         dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
                     mask=row_ok[:, None], other=0.0)
-        grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
-                       mask=row_ok[:, None], other=0.0)
+        if GRADIENT:
+            grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
+                           mask=row_ok[:, None], other=0.0)
         k_base = k_ptr + b * stride_kb + kv * stride_kh
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
@@ -121,15 +125,17 @@ if triton is not None:
             row_weights = tl.load(weights_ptr + b * stride_wb + rows, mask=row_ok, other=0.0)
             inverse = inverse * row_weights
         sums = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, num_keys, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ)
+        for start in range(0, num_keys, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ), or P
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
             s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
-            v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
-            g = tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32)
             key_weights = tl.load(key_weights_ptr + b * stride_kwb + keys, mask=key_ok, other=0.0)
-            terms = tl.exp(s - shift[:, None]) * tl.maximum(g, 0.0) * key_weights[None, :] * inverse[:, None]
+            terms = tl.exp(s - shift[:, None]) * key_weights[None, :] * inverse[:, None]
+            if GRADIENT:
+                v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
+                g = tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32)
+                terms = terms * tl.maximum(g, 0.0)
             if COLUMNS:
                 tl.atomic_add(out_ptr + b * num_keys + keys, tl.sum(terms, axis=0), mask=key_ok)
             else:
@@ -138,28 +144,31 @@ if triton is not None:
             tl.store(out_ptr + (b * num_heads + h) * num_queries + rows, sums, mask=row_ok)
 
 
-def _launch(call: KernelCall, grad_output: Tensor, key_weights: Tensor, row_weights: Tensor | None) -> Tensor:
-    assert triton is not None and call.value is not None and supports(call)
+def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, row_weights: Tensor | None) -> Tensor:
+    gradient = grad_output is not None
+    assert triton is not None and supports(call, gradient)
     batch, heads, queries, dim = call.query.shape
-    keys, value_dim = call.num_keys, call.value.shape[-1]
+    value = call.value if call.value is not None else call.key  # not read without a gradient
+    keys, value_dim = call.num_keys, value.shape[-1]
     columns = row_weights is not None
     out = torch.zeros((batch, keys) if columns else (batch, heads, queries), dtype=torch.float32, device=call.query.device)
     mask, mask_strides, mask_kind = _mask_operand(call)
-    query, key, value = call.query, call.key, call.value
+    query, key = call.query, call.key
+    output_grad = grad_output if grad_output is not None else query.transpose(1, 2)  # not read: any (B, Q, H, D) tensor
     if query.dtype == torch.float64 or (query.dtype != torch.float32 and _interpreted()):
         # the interpreter's products of half types are wrong (triton 3.9): it multiplies in float32
-        query, key, value, grad_output = (t.float() for t in (query, key, value, grad_output))
+        query, key, value, output_grad = (t.float() for t in (query, key, value, output_grad))
     key_weights = key_weights.float().expand(batch, keys).contiguous()
     weights = row_weights.float().contiguous() if columns else key_weights  # type: ignore[union-attr]
     block_m, block_n = 32, 32
     grid = (batch * heads, triton.cdiv(queries, block_m))
     _reduce_block[grid](
-        query, key, value, grad_output, mask, weights, key_weights, out,
+        query, key, value, output_grad, mask, weights, key_weights, out,
         queries, keys, heads, heads // key.shape[1], call.scale,
-        *query.stride(), *key.stride(), *value.stride(), *grad_output.stride(), *mask_strides,
+        *query.stride(), *key.stride(), *value.stride(), *output_grad.stride(), *mask_strides,
         weights.stride(0), key_weights.stride(0),
         D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns,
+        MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns, GRADIENT=gradient,
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 exactly; half types on tensor cores
     )
     return out
@@ -187,7 +196,17 @@ def weighted_column_sums(call: KernelCall, grad_output: Tensor, row_weights: Ten
     return _launch(call, grad_output, key_weights, row_weights)
 
 
+def row_sums(call: KernelCall, key_weights: Tensor) -> Tensor:
+    """``Σ_j P_ij · key_weights_j`` ``(B, H, Q)`` float32 for every head and query row."""
+    return _launch(call, None, key_weights, None)
+
+
+def column_sums(call: KernelCall, row_weights: Tensor, key_weights: Tensor) -> Tensor:
+    """``Σ_h Σ_i row_weights_i P_ij · key_weights_j`` ``(B, K)`` float32."""
+    return _launch(call, None, key_weights, row_weights)
+
+
 def head_dims_supported(call: KernelCall) -> bool:
     """Whether the head dimensions are powers of two (the kernels' tiles)."""
-    sizes = (call.query.shape[-1], call.value.shape[-1] if call.value is not None else 1)
+    sizes = (call.query.shape[-1], call.value.shape[-1] if call.value is not None else call.query.shape[-1])
     return all(size >= 16 and size & (size - 1) == 0 for size in sizes) and not math.isnan(call.scale)

@@ -126,14 +126,15 @@ card (``CAPTUM_ATTENTION_TRITON=1`` turns them on); the tests run them on the CP
 ``TRITON_INTERPRET=1``. Elsewhere the compiled or eager block reductions run."""
 
 
-def _fused_kernels(call: KernelCall) -> Any:
-    """The :mod:`~captum_attention.maps.fused` module where its kernels take ``call``, else None."""
+def _fused_kernels(call: KernelCall, gradient: bool = True) -> Any:
+    """The :mod:`~captum_attention.maps.fused` module where its kernels (those with a
+    gradient factor, or not) take ``call``, else None."""
     device = "cpu" if call.query.device.type == "cpu" else "cuda"
     if not FUSED_KERNEL_DEVICES.get(device, False):
         return None
     from . import fused
 
-    if not (fused.available() and fused.supports(call) and fused.head_dims_supported(call)):
+    if not (fused.available() and fused.supports(call, gradient) and fused.head_dims_supported(call)):
         return None
     _LOG.debug("Triton kernels reduce a call of %d queries and %d keys on %s", call.num_queries, call.num_keys, device)
     return fused
@@ -235,6 +236,9 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, s
     rollout query row (later layers first), accumulated in float64 as
     :func:`~captum_attention.maps.common.propagate_query_row` does. ``row`` is ``(B, N)``,
     or ``(B, T, N)`` for T rows at once, which share one recomputation of each block."""
+    kernels = _fused_kernels(call, gradient=False) if fusion == "mean" and row.dim() == 2 else None
+    if kernels is not None:
+        return _rollout_row_step_fused(kernels, call, row, real)
     rows_at_once = row if row.dim() == 3 else row[:, None]
     step = torch.zeros_like(rows_at_once, dtype=torch.float64)
     for rows, fused in _fused_blocks(call, shape, fusion, real, real, reached=rows_at_once.abs().sum(dim=1)):
@@ -244,6 +248,17 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, s
         fused.div_(fused.sum(dim=-1, keepdim=True))
         step[..., : fused.shape[-1]] += torch.bmm(rows_at_once[..., rows].double(), fused.double())
     return step.to(row.dtype).reshape(row.shape)
+
+
+def _rollout_row_step_fused(kernels: Any, call: KernelCall, row: Tensor, real: Tensor) -> Tensor:
+    """:func:`rollout_row_step` of one row through the kernels: with s_i the head mean's
+    weight on real keys (0 for a non-real query) and z_i = 0.5·s_i + 0.5 the
+    renormaliser, ``row·Â = 0.5·Σ_i (row_i / z_i)·mean_m(A^m)_i + 0.5·row / z``."""
+    key_weights = real.float()
+    reached = kernels.row_sums(call, key_weights).mean(dim=1).masked_fill_(~real, 0.0)
+    scaled = row.float() / (0.5 * reached + 0.5)
+    columns = kernels.column_sums(call, scaled.masked_fill(~real, 0.0) / call.num_heads, key_weights)
+    return (0.5 * columns + 0.5 * scaled).to(row.dtype)
 
 
 def cross_rollout_row_step(
