@@ -156,3 +156,19 @@ def test_attn_lrp_equals_an_explicit_swin_forward_written_with_the_rules(shape):
     actual = METHODS["attn_lrp"](model).attribute(images, target=target)
     scale = expected.relevance.abs().max().item()
     torch.testing.assert_close(actual.flatten(1), expected.relevance, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_interventions_inside_window_attention_are_refused_in_one_line():
+    """Erasure and permutation change the probabilities while the layer runs, before its
+    window geometry is noted: refused, the model left as found."""
+    from captum_attention.metrics.erasure import attention_erasure
+    from captum_attention.metrics.permutation import attention_permutation
+
+    model, images = _case("swin", "shifted")
+    before = model_state(model)
+    for intervene in (lambda: attention_erasure(model, images, torch.zeros(2, 64, dtype=torch.bool)),
+                      lambda: attention_permutation(model, images)):
+        with pytest.raises(UnsupportedModelError, match="shifted windows") as error:
+            intervene()
+        assert "\n" not in str(error.value)
+        assert_same_state(before, model_state(model))
