@@ -224,3 +224,79 @@ def swin_relevance(model, pixel_values: Tensor, target: Tensor) -> Decomposition
     pooled = _layer_norm(hidden, swin.layernorm, terms).mean(dim=1)
     logits = _linear(pooled, model.classifier, terms)
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def _conv(x: Tensor, conv: torch.nn.Conv2d, terms: Terms) -> Tensor:
+    out = F.conv2d(x, conv.weight.detach(), None, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return out if conv.bias is None else out + terms.leaf(conv.bias[None, :, None, None].expand_as(out))
+
+
+def _grid(x: Tensor, stage: tuple[int, int]) -> Tensor:
+    """``(B, N, C)`` tokens as a ``(B, C, rows, columns)`` feature map."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *stage)
+
+
+def _tokens(x: Tensor) -> Tensor:
+    return x.flatten(2).transpose(1, 2)
+
+
+SEGFORMER = dict(
+    stages="segformer.stages", embed="patch_embeddings", norm_before="layernorm_before", norm_after="layernorm_after",
+    q="attention.q_proj", k="attention.k_proj", v="attention.v_proj", out="attention.o_proj",
+    reduction="attention.sequence_reduction_ratio", reduce="attention.sequence_reduction.sequence_reduction",
+    reduce_norm="attention.sequence_reduction.layer_norm", fc1="mlp.fc1", dwconv="mlp.dwconv.dwconv", fc2="mlp.fc2",
+    heads="attention.num_attention_heads",
+)
+PVT_V2 = dict(
+    stages="pvt_v2.encoder.layers", embed="patch_embedding", norm_before="layer_norm_1", norm_after="layer_norm_2",
+    q="attention.query", k="attention.key", v="attention.value", out="attention.proj",
+    reduction="attention.spatial_reduction_ratio", reduce="attention.spatial_reduction", reduce_norm="attention.layer_norm",
+    fc1="mlp.dense1", dwconv="mlp.dwconv.dwconv", fc2="mlp.dense2", heads="attention.num_attention_heads",
+)
+"""Where SegFormer and PVTv2 keep the same parts."""
+
+
+def _part(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _reduced_key_block(block, hidden: Tensor, stage: tuple[int, int], names: dict, terms: Terms) -> Tensor:
+    def part(name: str):
+        return _part(block, names[name])
+
+    x = _layer_norm(hidden, part("norm_before"), terms)
+    heads, kv = part("heads"), x
+    if part("reduction") > 1:
+        kv = _layer_norm(_tokens(_conv(_grid(x, stage), part("reduce"), terms)), part("reduce_norm"), terms)
+    q = _heads(_linear(x, part("q"), terms), heads)
+    k, v = (_heads(_linear(kv, part(n), terms), heads) for n in ("k", "v"))
+    scores = half(q) @ half(k).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(x.shape)
+    hidden = hidden + _linear(context, part("out"), terms)
+    inner = _linear(_layer_norm(hidden, part("norm_after"), terms), part("fc1"), terms)
+    inner = _tokens(_conv(_grid(inner, stage), part("dwconv"), terms))
+    return hidden + _linear(identity(F.gelu, inner), part("fc2"), terms)
+
+
+def reduced_key_relevance(model, pixel_values: Tensor, target: Tensor, names: dict) -> Decomposition:
+    """AttnLRP of a ``SegformerForImageClassification`` (``names=SEGFORMER``) or a
+    ``PvtV2ForImageClassification`` (``PVT_V2``): overlapping patch embeddings, reduced
+    keys, a feed-forward with a depthwise convolution, mean pooling; the tokens are the
+    first patch embeddings' outputs (after their norm)."""
+    stages = _part(model, names["stages"])
+    tokens, rows, columns = getattr(stages[0], names["embed"])(pixel_values)
+    terms = Terms(tokens.detach().clone().requires_grad_())
+    hidden, stage = terms.tokens, (rows, columns)
+    for index, stage_module in enumerate(stages):
+        embed = getattr(stage_module, names["embed"])
+        if index:
+            embedding = _conv(_grid(hidden, stage), embed.proj, terms)
+            stage = tuple(embedding.shape[-2:])
+            hidden = _layer_norm(_tokens(embedding), embed.layer_norm, terms)
+        for block in stage_module.blocks:
+            hidden = _reduced_key_block(block, hidden, stage, names, terms)
+        hidden = _layer_norm(hidden, stage_module.layer_norm, terms)
+    logits = _linear(hidden.mean(dim=1), model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])

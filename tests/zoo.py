@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from methods import METHODS, reference_grad_sam  # noqa: E402
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference  # noqa: E402
-from window_reference import window_layers, window_maps_and_grads  # noqa: E402
+from grid_reference import reduced_maps_and_grads, window_layers, window_maps_and_grads  # noqa: E402
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention import UnsupportedModelError  # noqa: E402
@@ -118,6 +118,11 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                 kwargs[key] = {**_tiny_kwargs(type(default)), "model_type": default.model_type}
         elif isinstance(sub_class, type):
             kwargs[key] = _tiny_kwargs(sub_class)
+    if "num_encoder_blocks" in accepted:  # SegFormer, PVT: every per-stage list as long as depths
+        kwargs["num_encoder_blocks"] = len(TINY["depths"])
+        for name, parameter in inspect.signature(config_class.__init__).parameters.items():
+            if name not in kwargs and isinstance(parameter.default, (list, tuple)) and len(parameter.default) > len(TINY["depths"]):
+                kwargs[name] = list(parameter.default)[: len(TINY["depths"])]
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # latent attention has a key per query head
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", TINY["num_attention_heads"])
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
@@ -288,6 +293,7 @@ def is_causal(attentions: list[torch.Tensor]) -> bool:
 MEAN_FROM = {
     "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
     "SwinForImageClassification": 0, "Swinv2ForImageClassification": 0, "DonutSwinForImageClassification": 0,
+    "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0,
     "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
     "BeitForImageClassification": 1, "Data2VecVisionForImageClassification": 1,
 }
@@ -307,8 +313,10 @@ def mean_pooled_from(model: nn.Module) -> int | None:
 def reference(case: Case) -> Callable[[str], Any]:
     """Each map method's reference scores from the eager twin, by method name (raises
     :class:`NoReference` where the twin returns no usable maps)."""
-    windows = bool(window_layers(case.model))
-    out = None if windows else eager_output(case)
+    on_grids = window_maps_and_grads if window_layers(case.model) else None
+    if any(hasattr(m, "sequence_reduction_ratio") or hasattr(m, "spatial_reduction_ratio") for m in case.model.modules()):
+        on_grids = reduced_maps_and_grads
+    out = None if on_grids else eager_output(case)
     if case.encoder_decoder:
         groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
         encoder, decoder, cross = _maps_and_grads(case, groups, out.logits)
@@ -321,8 +329,8 @@ def reference(case: Case) -> Callable[[str], Any]:
             return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
         return seq2seq
-    if windows:  # Swin: every layer on the first stage's patches, the mean row explained
-        maps, grads = window_maps_and_grads(case.model, case.keywords(), case.score)
+    if on_grids:  # Swin, SegFormer: every layer on the first stage's patches
+        maps, grads = on_grids(case.model, case.keywords(), case.score)
         pairs, without_grads = list(zip(maps, grads)), False
     else:
         (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
@@ -465,10 +473,11 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
         "Every architecture transformers registers for three task heads, built tiny from its",
         "own config class and explained by every registered method (``tests/zoo.py``):",
         "**exact** equals the ``output_attentions`` + ``autograd`` reference (Swin's windows:",
-        "each window attention run through the model's own partition, on the first stage's",
-        "patches; AttnLRP: streaming equals eager, which says nothing where only eager runs:",
-        "no sdpa, or shifted windows; AttnLRP's references written from the weights are in",
-        "``tests/test_attn_lrp.py`` and, for Swin, ``tests/test_windows.py``); **refused** names",
+        "each window attention run through the model's own partition; SegFormer's and PVTv2's",
+        "reduced keys: spread by one-hot assignments; both on the first stage's patches;",
+        "AttnLRP: streaming equals eager, which says nothing where only eager runs: no sdpa,",
+        "windows or reduced keys; AttnLRP's references written from the weights are in",
+        "``tests/test_attn_lrp.py`` and, for those grids, ``tests/test_grids.py``); **refused** names",
         "its reason in one line; **not built**: transformers itself cannot build or run the tiny",
         "model here; **error** and **wrong** are defects still open. Generated by::", "",
         f"    {command}", "",

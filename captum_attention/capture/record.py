@@ -490,7 +490,7 @@ def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, tex
             raise UnsupportedModelError(
                 f"Captured self-attention of shape {tuple(shape)} has {shape[-2]} queries "
                 f"for {shape[-1]} keys: its keys are not its tokens (spatially reduced, as "
-                "SegFormer's and PVT's), or its queries are not (attention pooling: name the "
+                "PVT's), or its queries are not (attention pooling: name the "
                 "module in ModuleAdapter(..., pooling=[module]))."
             )
     _check_pooling(roles)

@@ -134,7 +134,7 @@ class AttentionCapture:
             per_call.append(grads[: len(call.pieces)])
             del grads[: len(call.pieces)]
         self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
-        return [call.stacked(self.adapter, call_grads) for call, call_grads in zip(self._calls, per_call)]
+        return [call.stacked(self.adapter, call_grads, gradient=True) for call, call_grads in zip(self._calls, per_call)]
 
     def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
@@ -170,7 +170,7 @@ class AttentionCapture:
             arrived[index][piece] = grad
             if all(g is not None for g in arrived[index]):
                 call = self._calls[index]
-                grads = call.stacked(self.adapter, arrived[index])  # type: ignore[arg-type]
+                grads = call.stacked(self.adapter, arrived[index], gradient=True)  # type: ignore[arg-type]
                 maps = attn_maps[index] if attn_maps else call.stacked(self.adapter).detach()
                 for listener in listeners:
                     listener.on_backward(self._call_info(call), maps, grads)
@@ -423,9 +423,11 @@ class _Call:
     def module(self) -> nn.Module:
         return self.site.module
 
-    def stacked(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None) -> Tensor:
-        """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them) as heads."""
-        parts = [adapter.as_heads(self.module, t) for t in (self.pieces if tensors is None else tensors)]
+    def stacked(self, adapter: AttentionAdapter, tensors: list[Tensor] | None = None, gradient: bool = False) -> Tensor:
+        """``(batch, heads, queries, keys)``: the pieces (or tensors shaped like them, such
+        as their gradients) as heads."""
+        view = adapter.gradient_as_heads if gradient else adapter.as_heads
+        parts = [view(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 

@@ -12,7 +12,7 @@ from .flow import attention_flow_scores
 from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
-from .vision import patch_grid, windows_on_patch_grid
+from .vision import patch_grid, reduced_keys_on_patch_grid, windows_on_patch_grid
 from .transformer_attribution import relevance_head_mean, relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "query_weights",
     "raw_attention_maps",
     "real_tokens",
+    "reduced_keys_on_patch_grid",
     "relevance_head_mean",
     "relevance_layer_maps",
     "rollout_layer_maps",

@@ -74,3 +74,37 @@ def windows_on_patch_grid(window_maps: Tensor, stage: tuple[int, int], window: i
     blocks = stage_map.view(batch, heads, rows, 1, columns, 1, rows, 1, columns, 1)
     patches = tokens * scale**2
     return blocks.expand(-1, -1, -1, scale, -1, scale, -1, scale, -1, scale).reshape(batch, heads, patches, patches)
+
+
+def reduced_keys_on_patch_grid(maps: Tensor, stage: tuple[int, int], reduction: int, scale: int) -> Tensor:
+    r"""One stage's attention over spatially reduced keys ``(B, H, N_s, N_s / reduction²)``
+    as maps over the first stage's patches, ``(B, H, N, N)`` with
+    ``N = rows·scale · columns·scale``.
+
+    As SegFormer reduces them: key ``u`` is one ``reduction × reduction`` cell of the
+    stage's ``rows × columns`` token grid (a strided convolution), cells in row-major
+    order. A stage token stands for the ``scale × scale`` first-stage patches merged into
+    it, so a key for ``(scale·reduction)²`` patches; every patch takes its token's row and
+    each key's weight is shared equally among its patches:
+
+    .. math:: \tilde A_{ij} = A_{t(i)\,u(j)} / (\mathrm{scale} \cdot \mathrm{reduction})^2
+
+    so rows keep their sums.
+
+    Args:
+        maps: ``(B, heads, rows·columns, rows·columns / reduction²)``.
+        stage: ``(rows, columns)`` of the stage's tokens in this call, multiples of
+            ``reduction``.
+        reduction: the side of the cell each key is reduced from.
+        scale: first-stage patches per stage token along each side.
+
+    Returns:
+        ``(B, heads, N, N)`` tensor, patches in row-major order.
+    """
+    rows, columns = stage
+    batch, heads = maps.shape[:2]
+    cells = maps.reshape(batch, heads, rows, 1, columns, 1, rows // reduction, 1, columns // reduction, 1)
+    cells = cells / (scale * reduction) ** 2
+    side = scale * reduction
+    patches = rows * columns * scale**2
+    return cells.expand(-1, -1, -1, scale, -1, scale, -1, side, -1, side).reshape(batch, heads, patches, patches)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
-from .windows import note_window_calls, on_patch_grid, window_layers, window_sites
+from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
 
 
 
@@ -37,7 +37,7 @@ OUT_OF_SCOPE = {
 
 _MEAN_POOLING_CLASSIFIERS = {
     "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
-    "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
+    "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
 }
 """Classifiers that read the mean of their tokens from the given one on (after CLIP's class
 token), where no config flag says so."""
@@ -115,15 +115,17 @@ class HuggingFaceAdapter(AdapterBase):
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
         order = {module: index for index, module in enumerate(model.modules())}
-        sites = sorted(found.values(), key=lambda site: order[site.module])
-        layers = window_layers(model)
-        return window_sites(layers, sites) if layers else sites
+        return grid_sites(model, sorted(found.values(), key=lambda site: order[site.module]))
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
-        """Probabilities as heads; a shifted-window layer's as maps over the first stage's
-        patches (:mod:`.windows`)."""
-        on_grid = on_patch_grid(module, probs)
+        """Probabilities as heads; a window or reduced-key attention's as maps over the
+        first stage's patches (:mod:`.grids`)."""
+        on_grid = on_patch_grid(module, probs, gradient=False)
         return super().as_heads(module, probs) if on_grid is None else on_grid
+
+    def gradient_as_heads(self, module: nn.Module, grads: Tensor) -> Tensor:
+        on_grid = on_patch_grid(module, grads, gradient=True)
+        return super().as_heads(module, grads) if on_grid is None else on_grid
 
     def mean_pooled_from(self, model: nn.Module) -> int | None:
         """Classifiers that read the mean of their tokens: shifted-window models (Swin, the
@@ -185,7 +187,13 @@ class HuggingFaceAdapter(AdapterBase):
         return _KeywordForward(forward_func, encoder_decoder)
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
+        overlapping patch embedding, a convolution of stride ``strides[0]`` padded by half its
+        kernel, gives ``ceil(side / stride)`` patches."""
         config = getattr(model, "config", None)
+        strides = getattr(config, "strides", None)
+        if isinstance(strides, (list, tuple)) and isinstance(getattr(config, "patch_sizes", None), (list, tuple)):
+            return -(-images.shape[-2] // strides[0]), -(-images.shape[-1] // strides[0])
         patch = getattr(getattr(config, "vision_config", config), "patch_size", None)  # CLIP, SigLIP: the image tower's
         if patch is None:
             return None
@@ -269,15 +277,17 @@ def _prepared(adapter: HuggingFaceAdapter, model: nn.Module, implementation: str
     """``model`` running ``implementation``; a model whose attention modules were found
     through ``output_attentions`` (:func:`returned_attention`) is also called with
     ``output_attentions=True``, without which they return no probabilities; a
-    shifted-window model's layers note where they ran (eager only)."""
-    layers = window_layers(model)
-    if layers and implementation != "eager":
-        raise StreamingUnsupported("its attention runs per shifted window, read from the eager probabilities")
+    window or reduced-key model's attention notes where it ran (eager only)."""
+    grids = on_grids(model)
+    if grids and implementation != "eager":
+        raise StreamingUnsupported(
+            "its attention runs per shifted window or over reduced keys, read from the eager probabilities"
+        )
     with _implementation(model, implementation), ExitStack() as stack:
         if _RETURNED.get(model, (None, ReturnedAttention(())))[1].sites:
             stack.callback(model.register_forward_pre_hook(_output_attentions, with_kwargs=True).remove)
-        if layers:
-            note_window_calls(layers, adapter.attention_sites(model), stack)
+        if grids:
+            note_grid_calls(model, adapter.attention_sites(model), stack)
         yield
 
 
@@ -345,7 +355,7 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
         ))
     sites: dict[nn.Module, tuple[nn.Module, int, bool]] = {}
     for key in ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions"):
-        for attention in getattr(output, key, None) or ():
+        for attention in _flattened(getattr(output, key, None) or ()):
             holder = first_output.get(id(attention)) if isinstance(attention, Tensor) and attention.dim() == 4 else None
             if holder is not None and holder[2] is attention and holder[0] is not model:
                 sites.setdefault(holder[0], (holder[0], holder[1], key == "cross_attentions"))
@@ -356,6 +366,15 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
         return ReturnedAttention((), reason)
     order = {module: index for index, module in enumerate(model.modules())}
     return ReturnedAttention(tuple(sorted(sites.values(), key=lambda site: order[site[0]])))
+
+
+def _flattened(maps: Any) -> Iterator[Any]:
+    """The maps of ``output_attentions``, whether one per layer or nested per stage (PVTv2)."""
+    for item in maps:
+        if isinstance(item, (tuple, list)):
+            yield from _flattened(item)
+        else:
+            yield item
 
 
 def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:

@@ -112,6 +112,11 @@ class AttentionAdapter(Protocol):
         """A ``(batch, heads, queries, keys)`` view of one captured probability tensor."""
         ...
 
+    def gradient_as_heads(self, module: nn.Module, grads: Tensor) -> Tensor:
+        """The same of a gradient of one (where the probabilities are placed on other
+        tokens, the gradient can take another share of them)."""
+        ...
+
     def is_encoder_decoder(self, model: nn.Module) -> bool:
         """Whether ``model`` takes a source and a target sequence (inputs are a pair)."""
         ...
@@ -199,6 +204,9 @@ class AdapterBase:
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
         return probs.unsqueeze(1) if probs.dim() == 3 else probs
+
+    def gradient_as_heads(self, module: nn.Module, grads: Tensor) -> Tensor:
+        return self.as_heads(module, grads)
 
     def is_encoder_decoder(self, model: nn.Module) -> bool:
         return False

@@ -1,8 +1,10 @@
-"""Shifted-window attention (Swin, Swin-v2, Donut-Swin): every map method equals its
-reference on the first stage's patches (``window_reference.py``: each window attention
-run as the linear map it is, through the model's own window partition), with shifted
-windows, padded windows and three stages; AttnLRP equals Swin's forward written out with
-its rules (``lrp_reference.swin_relevance``)."""
+"""Attention over coarser grids than the first patches: shifted windows (Swin, Swin-v2,
+Donut-Swin) and reduced keys (SegFormer). Every map method equals its reference on the
+first stage's patches (``grid_reference.py``: each window attention run as the linear map
+it is, through the model's own window partition; SegFormer's ``output_attentions`` spread
+over the patches by one-hot assignments), with shifted windows, padded windows, reduced
+keys and three stages; AttnLRP equals Swin's forward written out with its rules
+(``lrp_reference.swin_relevance``)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
-from lrp_reference import swin_relevance
+from lrp_reference import PVT_V2, SEGFORMER, reduced_key_relevance, swin_relevance
 from methods import MAP_METHODS, reference_grad_sam
-from window_reference import window_maps_and_grads
+from grid_reference import reduced_maps_and_grads, window_maps_and_grads
 
 from captum_attention import METHODS, UnsupportedModelError
 from captum_attention.maps import windows_on_patch_grid
@@ -25,19 +27,36 @@ FAMILIES = {
     "swin": (tf.SwinConfig, tf.SwinForImageClassification),
     "swinv2": (tf.Swinv2Config, tf.Swinv2ForImageClassification),
     "donut-swin": (tf.DonutSwinConfig, tf.DonutSwinForImageClassification),
+    "segformer": (tf.SegformerConfig, tf.SegformerForImageClassification),
+    "pvt_v2": (tf.PvtV2Config, tf.PvtV2ForImageClassification),
 }
+REDUCED = ("segformer", "pvt_v2")
 SHAPES = {
     "shifted": dict(image_size=32, window_size=2),  # 8×8 then 4×4 patches, every other block shifted
     "padded": dict(image_size=32, window_size=3),  # windows padded past the grid's edge
     "three stages": dict(image_size=48, window_size=2, depths=[2, 2, 2], num_heads=[2, 4, 4]),
 }
+REDUCED_SHAPES = {
+    "shifted": dict(image_size=32, sr_ratios=[2, 1]),  # 8×8 patches, keys 4×4; then 4×4
+    "padded": dict(image_size=32, sr_ratios=[4, 2]),  # keys 2×2 in both stages
+    "three stages": dict(image_size=64, sr_ratios=[4, 2, 1], depths=[2, 1, 1], hidden_sizes=[16, 16, 32],
+                         num_attention_heads=[1, 2, 2], patch_sizes=[7, 3, 3], strides=[4, 2, 2], mlp_ratios=[2, 2, 2]),
+}
 TARGET = 1
+
+
+def _options(family: str, shape: str) -> dict:
+    if family in REDUCED:
+        return {**dict(num_encoder_blocks=len(REDUCED_SHAPES[shape].get("depths", [2, 2])), depths=[2, 2],
+                       hidden_sizes=[16, 32], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                       mlp_ratios=[2, 2], num_labels=3), **REDUCED_SHAPES[shape]}
+    return {**dict(patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], num_labels=3), **SHAPES[shape]}
 
 
 @lru_cache(maxsize=None)
 def _case(family: str, shape: str) -> tuple[torch.nn.Module, torch.Tensor]:
     config_class, model_class = FAMILIES[family]
-    options = {**dict(patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], num_labels=3), **SHAPES[shape]}
+    options = _options(family, shape)
     torch.manual_seed(0)
     model = model_class(config_class(**options)).eval()
     images = torch.randn(2, 3, options["image_size"], options["image_size"], generator=torch.Generator().manual_seed(1))
@@ -47,7 +66,8 @@ def _case(family: str, shape: str) -> tuple[torch.nn.Module, torch.Tensor]:
 @lru_cache(maxsize=None)
 def _reference(family: str, shape: str) -> SimpleNamespace:
     model, images = _case(family, shape)
-    maps, grads = window_maps_and_grads(model, {"pixel_values": images}, lambda logits: logits[:, TARGET].sum())
+    on_grids = reduced_maps_and_grads if family in REDUCED else window_maps_and_grads
+    maps, grads = on_grids(model, {"pixel_values": images}, lambda logits: logits[:, TARGET].sum())
     return SimpleNamespace(attentions=[a.float() for a in maps], grads=[g.float() for g in grads])
 
 
@@ -79,29 +99,35 @@ def test_a_query_index_explains_that_patch_row(name):
     torch.testing.assert_close(scores.flatten(1), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_auto_runs_eager_and_says_why_streaming_refuses_in_one_line():
-    model, images = _case("swin", "shifted")
+@pytest.mark.parametrize("family", ["swin", "segformer"])
+def test_auto_runs_eager_and_says_why_streaming_refuses_in_one_line(family):
+    model, images = _case(family, "shifted")
     explainer = METHODS["rollout"](model)
     explainer.attribute(images)
-    assert explainer.last_capture.startswith("eager") and "shifted window" in explainer.last_capture
-    with pytest.raises(ValueError, match="shifted window") as error:
+    assert explainer.last_capture.startswith("eager") and "shifted window or over reduced keys" in explainer.last_capture
+    with pytest.raises(ValueError, match="reduced keys") as error:
         METHODS["rollout"](model, capture="streaming").attribute(images)
     assert "\n" not in str(error.value)
 
 
-def test_a_grid_that_does_not_halve_evenly_is_refused_in_one_line():
-    model, _ = _case("swin", "shifted")
-    odd = torch.randn(1, 3, 20, 20)  # 5×5 patches: the merge pads them to 6×6
+@pytest.mark.parametrize("family, side, why", [
+    ("swin", 20, "halve evenly"),  # 5×5 patches: the merge pads them to 6×6
+    ("segformer", 20, "divide into the 2×2 cells"),  # 5×5 patches, keys reduced from 2×2 cells
+])
+def test_a_grid_that_does_not_divide_evenly_is_refused_in_one_line(family, side, why):
+    model, _ = _case(family, "shifted")
+    odd = torch.randn(1, 3, side, side)
     before = model_state(model)
-    with pytest.raises(UnsupportedModelError, match="Resize the images") as error:
+    with pytest.raises(UnsupportedModelError, match=why) as error:
         METHODS["rollout"](model).attribute(odd)
     assert "\n" not in str(error.value)
     assert_same_state(before, model_state(model))
 
 
+@pytest.mark.parametrize("family", ["swin", *REDUCED])
 @pytest.mark.parametrize("name", list(METHODS))
-def test_each_image_alone_gets_its_batched_scores_and_the_model_is_left_as_found(name):
-    model, images = _case("swin", "shifted")
+def test_each_image_alone_gets_its_batched_scores_and_the_model_is_left_as_found(name, family):
+    model, images = _case(family, "shifted")
     before = model_state(model)
     options = {"target": TARGET} if METHODS[name].spec.uses_target else {}
     batched = METHODS[name](model).attribute(images, **options)
@@ -142,14 +168,18 @@ def _with_random_biases(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_attn_lrp_equals_an_explicit_swin_forward_written_with_the_rules(shape):
-    """``lrp_reference.swin_relevance``: Swin's forward written out from its weights, each
-    rule as a detach trick; it conserves the logit term by term, and AttnLRP equals its
-    token relevances."""
-    model, images = _case("swin", shape)
+@pytest.mark.parametrize("family", ["swin", "segformer", "pvt_v2"])
+def test_attn_lrp_equals_an_explicit_forward_written_with_the_rules(family, shape):
+    """``lrp_reference.swin_relevance`` and ``reduced_key_relevance``: the forward written
+    out from the weights, each rule as a detach trick; it conserves the logit term by term,
+    and AttnLRP equals its token relevances."""
+    model, images = _case(family, shape)
     model = _with_random_biases(copy.deepcopy(model))
     target = torch.tensor([1, 0])
-    expected = swin_relevance(model, images, target)
+    if family in REDUCED:
+        expected = reduced_key_relevance(model, images, target, SEGFORMER if family == "segformer" else PVT_V2)
+    else:
+        expected = swin_relevance(model, images, target)
     total = expected.relevance.sum(dim=1) + expected.absorbed
     torch.testing.assert_close(total, expected.explained, rtol=0, atol=1e-6 * expected.magnitude.max().item())
     assert (expected.absorbed.abs() > 1e-3 * expected.magnitude).all(), "biases and the softmax absorb some"

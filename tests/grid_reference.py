@@ -1,11 +1,17 @@
-"""Reference maps of a shifted-window model (Swin, Swin-v2, Donut-Swin), by another road.
+"""Reference maps of models that attend over coarser grids than their first patches, by
+another road.
 
-The library scatters each window's probabilities to their tokens by index arithmetic. Here
-a window attention is taken for the linear map it is: run on one-hot token features through
-the model's own ``window_partition``/``window_reverse`` and shifts, it returns the dense
-``(tokens × tokens)`` map of its stage. Each stage token then stands for the
-``scale × scale`` first-stage patches merged into it (``P``, patches × tokens):
-``Ã = P·M·Pᵀ / scale²``, for the maps and, by the same map, their gradients.
+Shifted windows (Swin, Swin-v2, Donut-Swin): the library scatters each window's
+probabilities to their tokens by index arithmetic. Here a window attention is taken for
+the linear map it is: run on one-hot token features through the model's own
+``window_partition``/``window_reverse`` and shifts, it returns the dense ``(tokens ×
+tokens)`` map of its stage. Each stage token then stands for the ``scale × scale``
+first-stage patches merged into it (``P``, patches × tokens): ``Ã = P·M·Pᵀ / scale²``, for
+the maps and, by the same map, their gradients.
+
+Reduced keys (SegFormer, PVTv2): ``output_attentions`` gives ``(tokens × keys)`` maps; with ``P``
+(patches × tokens) and ``K`` (patches × keys, each key one ``reduction × reduction`` cell of
+tokens), ``Ã = P·M·Kᵀ / (scale·reduction)²`` and ``G̃ = P·G·Kᵀ / scale²``.
 """
 
 from __future__ import annotations
@@ -39,13 +45,19 @@ def dense_stage_map(layer: nn.Module, windows: torch.Tensor, stage: tuple[int, i
     return merged.reshape(batch, tokens, heads, tokens).permute(0, 2, 1, 3)
 
 
+def _assignment(stage: tuple[int, int], scale: int, cell: int = 1) -> torch.Tensor:
+    """(patches × cells) one-hot: the ``cell × cell`` block of stage tokens each first-stage
+    patch lies in, cells row-major."""
+    rows, columns = stage
+    patch_rows = torch.arange(rows * scale) // (scale * cell)
+    patch_columns = torch.arange(columns * scale) // (scale * cell)
+    index = (patch_rows[:, None] * (columns // cell) + patch_columns[None, :]).flatten()
+    return nn.functional.one_hot(index, (rows // cell) * (columns // cell)).double()
+
+
 def on_patches(stage_map: torch.Tensor, stage: tuple[int, int], scale: int) -> torch.Tensor:
     """``P·M·Pᵀ / scale²``: a stage map over the first stage's patches."""
-    rows, columns = stage
-    patch_rows = torch.arange(rows * scale) // scale
-    patch_columns = torch.arange(columns * scale) // scale
-    token = (patch_rows[:, None] * columns + patch_columns[None, :]).flatten()
-    assign = nn.functional.one_hot(token, rows * columns).to(stage_map.dtype)  # P
+    assign = _assignment(stage, scale).to(stage_map.dtype)  # P
     return assign @ stage_map @ assign.T / scale**2
 
 
@@ -79,4 +91,35 @@ def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any
         scale = first[0] // stage[0]
         maps.append(on_patches(dense_stage_map(layer, probs.detach(), stage, batch), stage, scale))
         map_grads.append(on_patches(dense_stage_map(layer, grad, stage, batch), stage, scale))
+    return maps, map_grads
+
+
+def reduced_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every reduced-key attention's ``output_attentions`` map and its gradient of
+    ``score(logits)``, float64, on the first stage's patches, from an eager twin."""
+    twin = copy.deepcopy(model).double()
+    twin.set_attn_implementation("eager")
+    reduced = [m for m in twin.modules() if hasattr(m, "sequence_reduction_ratio") or hasattr(m, "spatial_reduction_ratio")]
+    stages: list[tuple[nn.Module, tuple[int, int]]] = []
+
+    def on_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        height, width = (args[1], args[2]) if len(args) > 2 else (kwargs["height"], kwargs["width"])
+        stages.append((module, (int(height), int(width))))
+
+    hooks = [m.register_forward_pre_hook(on_attention, with_kwargs=True) for m in reduced]
+    try:
+        out = twin(**{k: v.double() for k, v in keywords.items()}, output_attentions=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    attentions = [a for item in out.attentions for a in (item if isinstance(item, tuple) else (item,))]  # PVTv2: per stage
+    grads = torch.autograd.grad(score(out.logits), attentions)
+    first = stages[0][1]
+    maps, map_grads = [], []
+    for (module, stage), probs, grad in zip(stages, attentions, grads):
+        scale = first[0] // stage[0]
+        reduction = int(getattr(module, "sequence_reduction_ratio", None) or module.spatial_reduction_ratio)
+        queries, keys = _assignment(stage, scale), _assignment(stage, scale, reduction)
+        maps.append(queries @ probs.detach() @ keys.T / (scale * reduction) ** 2)
+        map_grads.append(queries @ grad @ keys.T / scale**2)
     return maps, map_grads

@@ -1,0 +1,216 @@
+"""Attention over a coarser grid than the image's first patches, placed back on those
+patches: Swin's shifted windows (Swin, Swin-v2, Donut-Swin) and the spatially reduced keys
+of SegFormer and PVTv2, in models whose stages merge tokens 2 × 2.
+
+Such a model's layers have no common tokens, and a window or reduced-key layer has no
+``(N, N)`` map. During a capture a hook notes where each of its calls ran (the stage grid,
+and the window and shift, or the key reduction); the adapter then reads the call's
+probabilities and gradients as maps over the first stage's patches
+(:func:`~captum_attention.maps.windows_on_patch_grid`,
+:func:`~captum_attention.maps.reduced_keys_on_patch_grid`): every layer has the same
+tokens, and the methods run unchanged.
+
+Found by what the modules hold: a window layer has an ``attention`` module,
+``window_size`` and ``shift_size``, and ``input_dimensions`` among its forward's
+parameters; a reduced-key attention has one of :data:`REDUCTIONS` and ``height`` and
+``width`` among its forward's parameters (SegFormer, PVTv2).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from ...maps import reduced_keys_on_patch_grid, windows_on_patch_grid
+from .protocol import AttentionSite, UnsupportedModelError, bound_argument
+
+
+@dataclass(frozen=True)
+class WindowCall:
+    """Where a window layer ran: its stage grid, window and shift, and how many first-stage
+    patches each of its tokens stands for along a side."""
+
+    stage: tuple[int, int]
+    window: int
+    shift: int
+    scale: int
+
+    def maps(self, probs: Tensor) -> Tensor:
+        return windows_on_patch_grid(probs, self.stage, self.window, self.shift, self.scale)
+
+    def gradients(self, grads: Tensor) -> Tensor:
+        return self.maps(grads)  # a query's and a key's patches are as many
+
+
+@dataclass(frozen=True)
+class ReducedCall:
+    """Where a reduced-key attention ran: its stage grid, the reduction of its keys along
+    a side, and how many first-stage patches each of its tokens stands for along a side."""
+
+    stage: tuple[int, int]
+    reduction: int
+    scale: int
+
+    def maps(self, probs: Tensor) -> Tensor:
+        return reduced_keys_on_patch_grid(probs, self.stage, self.reduction, self.scale)
+
+    def gradients(self, grads: Tensor) -> Tensor:
+        """A key stands for ``reduction²`` times a query's patches: the gradient is shared
+        among the query's patches, the map among the key's, so that summed over a pair's
+        patches their product is the stage's."""
+        return self.maps(grads) * self.reduction**2
+
+
+GridCall = WindowCall | ReducedCall
+
+_CALLS: "weakref.WeakKeyDictionary[nn.Module, dict[int, GridCall]]" = weakref.WeakKeyDictionary()
+"""Per attention module, per thread: the call it last made under a capture (the capture
+reads its probabilities and gradients after the forward)."""
+
+
+def window_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's shifted-window layers, in forward order."""
+    return [m for m in model.modules() if _is_window_layer(m)]
+
+
+def _is_window_layer(module: nn.Module) -> bool:
+    if not all(isinstance(getattr(module, name, None), int) for name in ("window_size", "shift_size")):
+        return False
+    if not isinstance(getattr(module, "attention", None), nn.Module):
+        return False
+    return "input_dimensions" in inspect.signature(module.forward).parameters
+
+
+REDUCTIONS = ("sequence_reduction_ratio", "spatial_reduction_ratio")
+"""What SegFormer's and PVTv2's attention call the side of the cells their keys are reduced from."""
+
+
+def reduced_key_attentions(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules with spatially reduced keys, in forward order."""
+    return [
+        m for m in model.modules()
+        if any(isinstance(getattr(m, name, None), int) for name in REDUCTIONS)
+        and {"height", "width"} <= set(inspect.signature(m.forward).parameters)
+    ]
+
+
+def on_grids(model: nn.Module) -> bool:
+    """Whether the model's attention runs on coarser grids than its first patches."""
+    return bool(window_layers(model) or reduced_key_attentions(model))
+
+
+def grid_sites(model: nn.Module, found: list[AttentionSite]) -> list[AttentionSite]:
+    """The sites of a window model: one per window layer, the module of the found sites'
+    class inside its ``attention`` (Swin-v2 and Donut-Swin declare the inner
+    self-attention), else the ``attention`` itself, whose output holds the probabilities
+    second (Swin declares whole stages); other models' sites as found."""
+    layers = window_layers(model)
+    if not layers:
+        return found
+    index_of = {type(site.module): site.output_index for site in found}
+    sites = []
+    for layer in layers:
+        attention: nn.Module = getattr(layer, "attention")
+        inner = next((m for m in attention.modules() if type(m) in index_of), None)
+        sites.append(AttentionSite(inner, "self", False, index_of[type(inner)]) if inner else AttentionSite(attention, "self", False, 1))
+    return sites
+
+
+def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitStack) -> None:
+    """Hooks (removed by ``stack``) that note each call's grid for its attention site, in
+    the thread that set them (forgetting the previous call as the call starts). The first
+    call of a forward runs on the first stage's patches."""
+    thread = threading.get_ident()
+    first_stage: list[tuple[int, int]] = []
+    layers = window_layers(model)
+    if layers:
+        pairs: list[tuple[nn.Module, AttentionSite, Callable[..., GridCall]]] = [
+            (layer, site, _window_call) for layer, site in zip(layers, sites)
+        ]
+    else:
+        pairs = [(module, site, _reduced_call) for module in reduced_key_attentions(model) for site in sites if site.module is module]
+
+    def forget(site: AttentionSite) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if threading.get_ident() == thread:
+                _CALLS.get(site.module, {}).pop(thread, None)
+
+        return hook
+
+    def noted(site: AttentionSite, call_of: Callable[..., GridCall], first: bool) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if threading.get_ident() != thread:
+                return
+            stage = _stage(module, args, kwargs)
+            if first:
+                first_stage[:] = [stage]
+            _CALLS.setdefault(site.module, {})[thread] = call_of(module, stage, _scale(first_stage[0] if first_stage else stage, stage))
+
+        return hook
+
+    for index, (module, site, call_of) in enumerate(pairs):
+        stack.callback(module.register_forward_pre_hook(forget(site), with_kwargs=True).remove)
+        stack.callback(module.register_forward_hook(noted(site, call_of, index == 0), with_kwargs=True).remove)
+
+
+def _stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    dimensions = bound_argument(module.forward, "input_dimensions", args, kwargs)
+    if dimensions is None:
+        dimensions = (bound_argument(module.forward, "height", args, kwargs), bound_argument(module.forward, "width", args, kwargs))
+    rows, columns = (int(size) for size in dimensions)
+    return rows, columns
+
+
+def _scale(grid: tuple[int, int], stage: tuple[int, int]) -> int:
+    """First-stage patches per stage token along a side, or a one-line refusal where the
+    grid does not halve evenly down to the stage."""
+    scale = grid[0] // stage[0]
+    if (grid[0], grid[1]) != (stage[0] * scale, stage[1] * scale):
+        raise UnsupportedModelError(
+            f"A patch grid of {grid[0]}×{grid[1]} does not halve evenly down to the "
+            f"{stage[0]}×{stage[1]} stage: the merged tokens do not cover equal patches. "
+            "Resize the images so that the patch grid's sides divide by 2 per stage."
+        )
+    return scale
+
+
+def _window_call(layer: nn.Module, stage: tuple[int, int], scale: int) -> WindowCall:
+    return WindowCall(stage, int(getattr(layer, "window_size")), int(getattr(layer, "shift_size")), scale)
+
+
+def _reduced_call(attention: nn.Module, stage: tuple[int, int], scale: int) -> ReducedCall:
+    if getattr(attention, "linear_attention", False):
+        raise UnsupportedModelError(
+            f"{type(attention).__name__} pools its keys to a fixed 7×7 grid (linear attention), "
+            "whose cells do not cover equal tokens: it is not supported."
+        )
+    reduction = int(next(getattr(attention, name) for name in REDUCTIONS if isinstance(getattr(attention, name, None), int)))
+    if stage[0] % reduction or stage[1] % reduction:
+        raise UnsupportedModelError(
+            f"A {stage[0]}×{stage[1]} stage does not divide into the {reduction}×{reduction} "
+            "cells its keys are reduced from: some tokens are in no key. Resize the images so "
+            "that every stage's sides divide by its reduction."
+        )
+    return ReducedCall(stage, reduction, scale)
+
+
+def on_patch_grid(module: nn.Module, tensor: Tensor, gradient: bool) -> Tensor | None:
+    """A grid attention's probabilities (or their gradients) as maps over the first
+    stage's patches; None for any other module's."""
+    calls = _CALLS.get(module)
+    if calls is None:
+        return None
+    call = calls.get(threading.get_ident())
+    if call is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} attends over a coarser grid than the image's patches "
+            "(shifted windows or reduced keys), whose maps are read only after its call has "
+            "run (interventions inside the attention are not supported)."
+        )
+    return call.gradients(tensor) if gradient else call.maps(tensor)
