@@ -19,7 +19,7 @@ POPULAR = {
         "deberta", "deberta-v2", "gemma2", "mixtral", "gptj", "t5gemma",
     ),
     "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2"),
-    "image classification": ("vit", "clip", "siglip", "data2vec-vision", "swin", "swinv2", "donut-swin", "segformer"),
+    "image classification": ("vit", "clip", "siglip", "data2vec-vision", "swin", "swinv2", "donut-swin", "segformer", "pvt_v2"),
 }
 """The families every user meets, and the ones that once failed or were wrong."""
 
