@@ -2,7 +2,8 @@
 
 :mod:`.protocol` holds what the capture layer asks (:class:`AttentionAdapter`) and the
 defaults (:class:`AdapterBase`); each built-in family has its own module:
-:mod:`.huggingface`, :mod:`.module` (modules a user names), :mod:`.multihead`
+:mod:`.huggingface` (with :mod:`.grids`: Swin's windows and SegFormer's reduced keys
+placed on the image's patches), :mod:`.module` (modules a user names), :mod:`.multihead`
 (``torch.nn.MultiheadAttention``).
 """
 
