@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -144,6 +144,16 @@ def model_state(model: nn.Module) -> dict:
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "params": [p.detach().clone() for p in model.parameters()],
     }
+
+
+def counted(function: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:
+    """``function``, noting its name in ``calls`` at each call (to check a path is taken)."""
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(function.__name__)
+        return function(*args, **kwargs)
+
+    return counting
 
 
 def assert_same_state(before: dict, after: dict) -> None:

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import counted
 
 pytest.importorskip("triton")
 
@@ -131,7 +132,7 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
         mask[1, :5] = 0  # left padding
     calls = []
     for name in ("positive_row_sums", "weighted_column_sums", "row_sums", "column_sums"):
-        monkeypatch.setattr(fused, name, _counted(getattr(fused, name), calls))
+        monkeypatch.setattr(fused, name, counted(getattr(fused, name), calls))
 
     def explain():
         return [
@@ -147,11 +148,3 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
     for actual, wanted in zip(explain(), expected):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5 * float(wanted.abs().max()))
     assert len(calls) >= 10 and {"row_sums", "column_sums"} <= set(calls)  # every layer of every method went through the kernels
-
-
-def _counted(function, calls):
-    def counted(*args, **kwargs):
-        calls.append(function.__name__)
-        return function(*args, **kwargs)
-
-    return counted

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 import transformers as tf
-from conftest import assert_same_state, make_batch, make_model, model_state
+from conftest import assert_same_state, counted, make_batch, make_model, model_state
 from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
 from methods import METHODS
 from plain_models import make_plain
@@ -397,3 +397,112 @@ def test_a_process_reduces_eagerly_until_that_has_cost_as_much_as_compiling(monk
     assert streaming._COMPILED and all(fn is not None for fn in streaming._COMPILED.values())
     for actual, expected in zip(_flat(compiled), _flat(eager)):
         _rel_close(actual, expected)
+
+
+ROWS_BACKWARD_CASES = {
+    "causal, grouped heads": dict(causal=True),
+    "one head per key head": dict(causal=True, kv_heads=4),
+    "padding as a bool mask": dict(mask="bool"),
+    "padding as an additive mask": dict(mask="float"),
+}
+
+
+@pytest.mark.parametrize("case", ROWS_BACKWARD_CASES, ids=list(ROWS_BACKWARD_CASES))
+def test_the_backward_of_the_rows_with_gradient_equals_the_kernels(case):
+    """KernelCall.rows_backward: the gradients of query, key and value from an output
+    gradient that is zero outside a few rows equal sdpa's own backward."""
+    options = ROWS_BACKWARD_CASES[case]
+    batch, heads, kv_heads, tokens, dim = 2, 4, options.get("kv_heads", 2), 23, 8
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(batch, h, tokens, dim, generator=generator, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    mask = None
+    if "mask" in options:
+        real = torch.arange(tokens)[None] >= torch.tensor([0, 6])[:, None]  # left padding
+        mask = (real[:, None, None, :] & torch.ones(tokens, tokens, dtype=torch.bool).tril()).expand(batch, 1, tokens, tokens)
+        mask = mask if options["mask"] == "bool" else torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    causal = options.get("causal", False)
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    rows = slice(17, 21)
+    grad_output = torch.zeros_like(output)
+    grad_output[:, :, rows] = torch.randn(grad_output[:, :, rows].shape, generator=generator)
+    expected = torch.autograd.grad(output, (query, key, value), grad_output)
+    call = kernel.KernelCall(query.detach(), key.detach(), value.detach(), dim**-0.5, mask, causal, groups=heads // kv_heads)
+    actual = call.rows_backward(grad_output.transpose(1, 2), rows)
+    for got, want in zip(actual, expected):
+        _rel_close(got, want)
+
+
+def test_a_kernel_call_differentiated_on_few_rows_takes_their_backward_alone(monkeypatch):
+    """Through the wrapped attention function (keys longer than the causal queries, which
+    transformers crops): the rows' backward where the output's gradient lives on few rows,
+    the kernel's own elsewhere; the same gradients either way."""
+    from captum_attention.capture import kernel as capture_kernel
+
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, 12, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, 15, 8, generator=generator, requires_grad=True) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    used = []
+    monkeypatch.setattr(kernel.KernelCall, "rows_backward", counted(kernel.KernelCall.rows_backward, used))
+    monkeypatch.setattr(capture_kernel, "ROWS_BACKWARD_SHARE", 0.25)
+
+    def gradients(grad_output, rows_backward):
+        recorder = lambda module, call, run_kernel: run_kernel(rows_backward=rows_backward)  # noqa: E731
+        with capture_kernel.KernelInterception(recorder):
+            output = attention_function("sdpa")(module, query, key, value, None, scaling=8**-0.5)[0]
+        return torch.autograd.grad(output, (query, key, value), grad_output)
+
+    few, many = torch.zeros(1, 12, 4, 8), torch.randn(1, 12, 4, 8, generator=generator)
+    few[:, -1] = torch.randn(1, 4, 8, generator=generator)
+    for grad_output, taken in ((few, 1), (many, 0)):
+        used.clear()
+        actual = gradients(grad_output, rows_backward=True)
+        assert len(used) == taken
+        for got, want in zip(actual, gradients(grad_output, rows_backward=False)):
+            _rel_close(got, want)
+
+
+@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
+@pytest.mark.parametrize("method", ["grad_sam", "transformer_attribution"])
+def test_answers_explained_through_the_rows_backward_equal_eager_capture(decoder, method, monkeypatch):
+    """A language model's answer, per token and as a span, streamed with the top layer's
+    backward taken from the answer's rows alone, equals eager capture (grouped heads and
+    left padding for Llama)."""
+    from captum_attention.capture import kernel as capture_kernel
+
+    model, prompts = make_decoder(decoder), make_prompts(side="left")
+    continuation, args = torch.tensor([[7, 8], [10, 11], [13, 14]]), (prompts.attention_mask,)
+    cls = METHODS[method].cls
+    expected = [
+        cls(model, capture="eager").attribute_continuation(prompts.input_ids, continuation, args, log_prob=True),
+        cls(model, capture="eager").attribute_span(prompts.input_ids, continuation, args),
+    ]
+    used = []
+    monkeypatch.setattr(capture_kernel, "ROWS_BACKWARD_SHARE", 1.0)
+    monkeypatch.setattr(kernel.KernelCall, "rows_backward", counted(kernel.KernelCall.rows_backward, used))
+    explainer, before = cls(model, capture="streaming"), model_state(model)
+    actual = [
+        explainer.attribute_continuation(prompts.input_ids, continuation, args, log_prob=True),
+        explainer.attribute_span(prompts.input_ids, continuation, args),
+    ]
+    assert used
+    assert_same_state(before, model_state(model))
+    for got, want in zip(actual, expected):
+        _rel_close(got, want)
+
+
+@pytest.mark.parametrize("method", ["grad_sam", "transformer_attribution"])
+def test_a_classifier_explained_through_the_rows_backward_equals_eager_capture(method, monkeypatch):
+    """BERT's top layer is read at [CLS] only: its backward from that row alone, the same
+    scores as eager capture (padding on the right)."""
+    from captum_attention.capture import kernel as capture_kernel
+
+    model, ids, args, _ = _case("bert")
+    expected = METHODS[method].cls(model, capture="eager").attribute(ids, target=1, additional_forward_args=args)
+    used = []
+    monkeypatch.setattr(capture_kernel, "ROWS_BACKWARD_SHARE", 1.0)
+    monkeypatch.setattr(kernel.KernelCall, "rows_backward", counted(kernel.KernelCall.rows_backward, used))
+    actual = METHODS[method].cls(model, capture="streaming").attribute(ids, target=1, additional_forward_args=args)
+    assert used
+    _rel_close(actual, expected)

@@ -21,12 +21,15 @@ forward or another thread) is kept, not reverted.
 from __future__ import annotations
 
 import contextvars
+from dataclasses import replace
 from typing import Any, Callable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
-from ..maps.kernel import KernelCall
+from ..maps.kernel import KernelCall, live_rows
 from .guard import SharedPatch
 
 
@@ -36,8 +39,9 @@ of what the model gave it (the tensors in the autograd graph)."""
 
 Recorder = Callable[[nn.Module, KernelCall, Callable[..., Tensor]], Tensor]
 """``recorder(module, call, run_kernel) -> output``: sees each call of the kernel;
-``run_kernel(inputs=None)`` runs it, on the model's tensors or on ``inputs`` of them
-(:data:`KernelInputs`)."""
+``run_kernel(inputs=None, rows_backward=False)`` runs it, on the model's tensors or on
+``inputs`` of them (:data:`KernelInputs`); ``rows_backward``: with a backward that skips the
+query rows without gradient (:class:`_RowsBackward`)."""
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("captum_attention_kernel", default=None)
 
@@ -77,11 +81,59 @@ def _dispatch(
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     call = kernel_call(module, query, key, value, attention_mask, *args, **kwargs)
 
-    def run_kernel(inputs: KernelInputs | None = None) -> Tensor:
-        used = (query, key, value) if inputs is None else inputs(query, key, value)
+    def run(*used: Tensor) -> Tensor:
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
+    def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False) -> Tensor:
+        if inputs is None and rows_backward and _rows_backward_applies(call, (query, key, value), attention_mask):
+            return _RowsBackward.apply(query, key, value, call, run)
+        return run(*((query, key, value) if inputs is None else inputs(query, key, value)))
+
     return recorder(module, call, run_kernel), None
+
+
+ROWS_BACKWARD_SHARE = 1 / 16
+"""The largest share of a call's query rows whose output gradient may be nonzero for
+:class:`_RowsBackward` to compute the backward from those rows alone; above it the
+kernel's own backward runs."""
+
+
+def _rows_backward_applies(call: KernelCall, inputs: tuple[Tensor, ...], attention_mask: Tensor | None) -> bool:
+    """Whether the call is differentiated and the gradients of its query, key and value
+    are all it has (no position bias, no mask that is itself differentiated)."""
+    differentiated = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return differentiated and call.position_bias is None and not (isinstance(attention_mask, Tensor) and attention_mask.requires_grad)
+
+
+class _RowsBackward(torch.autograd.Function):
+    """The kernel unchanged in the forward; in the backward, where the output's gradient
+    is nonzero on at most :data:`ROWS_BACKWARD_SHARE` of the query rows (a language
+    model's top layer, explaining the last tokens), the backward of those rows alone
+    (:meth:`~captum_attention.maps.kernel.KernelCall.rows_backward`), else the kernel's own
+    backward. Both compute the same gradients; the first at ``rows × keys`` instead of
+    ``queries × keys``."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, call: KernelCall, run: Callable[..., Tensor]) -> Tensor:
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
+        with torch.enable_grad():
+            output = run(*leaves)
+        ctx.call, ctx.leaves, ctx.output = replace(call), leaves, output  # a copy: the recorder sets call.output to ours
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        live = live_rows(grad_output).any(dim=0).nonzero().flatten()
+        if live.numel() == 0:
+            return (None,) * 5
+        rows = slice(int(live[0]), int(live[-1]) + 1)
+        needed = [leaf for leaf in ctx.leaves if leaf.requires_grad]
+        if rows.stop - rows.start > ROWS_BACKWARD_SHARE * grad_output.shape[1]:
+            grads = iter(torch.autograd.grad(ctx.output, needed, grad_output, retain_graph=True))
+            return (*(next(grads) if leaf.requires_grad else None for leaf in ctx.leaves), None, None)
+        computed = ctx.call.rows_backward(grad_output, rows)
+        padded = [F.pad(grad, (0, 0, 0, leaf.shape[2] - grad.shape[2])) for grad, leaf in zip(computed, ctx.leaves)]
+        return (*(grad if leaf.requires_grad else None for grad, leaf in zip(padded, ctx.leaves)), None, None)
 
 
 _SDPA = SharedPatch(lambda: attention_function("sdpa"), lambda f: register_attention_function("sdpa", f), _dispatch)

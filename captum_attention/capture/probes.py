@@ -38,8 +38,9 @@ Event = str
 """One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``, ``"backward"``."""
 
 RunKernel = Callable[..., Tensor]
-"""``run_kernel(inputs=None)``: runs the model's attention kernel, on its own query, key
-and value or on ``inputs(query, key, value)`` of them."""
+"""``run_kernel(inputs=None, rows_backward=False)``: runs the model's attention kernel, on
+its own query, key and value or on ``inputs(query, key, value)`` of them (see
+:data:`~captum_attention.capture.kernel.Recorder`)."""
 
 
 @dataclass(frozen=True, eq=False)

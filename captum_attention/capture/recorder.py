@@ -335,7 +335,7 @@ class AttentionCapture:
             (out for probe in self._listening("kernel") if (out := probe.on_kernel(info, kernel, run_kernel)) is not None),
             None,
         )
-        output = run_kernel() if output is None else output
+        output = run_kernel(rows_backward=self.track_grad) if output is None else output
         if call is None or info is None:
             return output
         kernel.output = output

@@ -173,6 +173,34 @@ class KernelCall:
         grad_rows = grad_output[:, rows, heads].transpose(1, 2)
         return self._per_key_head(grad_rows, self.value[:, :, : self.key_span(rows)], heads)
 
+    def rows_backward(self, grad_output: Tensor, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """The gradients ``(dQ, dK, dV)`` of the call's query, key and value (their shapes
+        and dtypes) from a gradient of its output ``(B, Q, H, Dv)`` that is zero outside the
+        query rows ``rows``: the kernel's backward restricted to those rows (with A the
+        rows' probabilities and dA = dO·Vᵀ: dS = A ⊙ (dA - Σ_j A ⊙ dA), dQ = s·dS·K,
+        dK = s·dSᵀ·Q, dV = Aᵀ·dO), in float32, at ``rows × keys`` instead of
+        ``queries × keys``. The position bias and an additive mask get no gradient."""
+        assert self.value is not None, "the values were not recorded (no gradient tracked)"
+        batch, num_rows, kv_heads = self.query.shape[0], rows.stop - rows.start, self.key.shape[1]
+        probs = self.probs(rows)
+        grad_probs = self.grad_probs(grad_output, rows)
+        grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
+        span = probs.shape[-1]
+
+        def grouped(tensor: Tensor) -> Tensor:  # (B, H, r, x) -> (B, H / groups, groups · r, x)
+            return tensor.reshape(batch, kv_heads, -1, tensor.shape[-1])
+
+        grad_query = torch.zeros_like(self.query)
+        grad_query[:, :, rows] = (torch.matmul(grouped(grad_logits), self.key[:, :, :span].float()) * self.scale).reshape(
+            batch, self.num_heads, num_rows, -1
+        ).to(self.query.dtype)
+        grad_key, grad_value = torch.zeros_like(self.key), torch.zeros_like(self.value)
+        query_rows = grouped(self.query[:, :, rows].float())
+        grad_key[:, :, :span] = (torch.matmul(grouped(grad_logits).transpose(-1, -2), query_rows) * self.scale).to(self.key.dtype)
+        grad_rows = grouped(grad_output[:, rows].transpose(1, 2).float())
+        grad_value[:, :, :span] = torch.matmul(grouped(probs).transpose(-1, -2), grad_rows).to(self.value.dtype)
+        return grad_query, grad_key, grad_value
+
     def blocks(self, shape: tuple[int, int], reached: Tensor | None = None) -> Iterator[tuple[slice, slice]]:
         """``(heads, rows)`` slices of the blocks of ``shape = (heads, rows)``, the query rows
         outer; with ``reached`` ``(B, Q)``, only the blocks of rows where it is nonzero."""
@@ -208,6 +236,12 @@ class KernelCall:
             )
             output[:, block_heads, rows] = torch.nan_to_num(out, nan=0.0)
         return output.transpose(1, 2).contiguous()
+
+
+def live_rows(grad_output: Tensor) -> Tensor:
+    """``(B, Q)`` bool: the query rows where a call's output gradient ``(B, Q, H, Dv)`` is
+    nonzero (elsewhere dS/dA = dO·Vᵀ is zero, and so is every term it multiplies)."""
+    return grad_output.ne(0).any(dim=-1).any(dim=-1)
 
 
 def _plane(call: KernelCall, example: int, head: int) -> KernelCall:

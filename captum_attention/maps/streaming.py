@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import Tensor
 
-from .kernel import KernelCall
+from .kernel import KernelCall, live_rows
 from .common import fuse_heads, query_weights
 
 
@@ -157,7 +157,7 @@ def grad_sam_row_sums(
     if kernels is not None:
         return kernels.positive_row_sums(call, grad_output, real_keys.float()).sum(dim=1).masked_fill_(~real_queries, 0.0)
     sums = torch.zeros(real_queries.shape, device=real_queries.device)
-    for heads, rows in call.blocks(shape):
+    for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
     return sums.masked_fill_(~real_queries, 0.0)
 
@@ -172,7 +172,7 @@ def relevance_rows_into(
     kernels = _fused_kernels(call)
     if kernels is not None:
         return kernels.weighted_column_sums(call, grad_output, row, real_keys.float())
-    for heads, rows in call.blocks(shape, reached=row):
+    for heads, rows in call.blocks(shape, reached=row.ne(0) & live_rows(grad_output)):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real_keys))
         total[:, : terms.shape[-1]] += torch.matmul(row[:, None, None, rows] / norm[:, :, None], terms).sum(dim=(1, 2))
     return total
@@ -188,7 +188,7 @@ def relevance_columns_into(call: KernelCall, grad_output: Tensor, columns: Tenso
     """``Ā·columns`` ``(B, T, m)`` for ``(B, T, m)`` column vectors, Ā = mean_m((G^m ⊙
     A^m)^+) with the non-real queries' rows and keys' columns zeroed."""
     products = torch.zeros_like(columns)
-    for heads, rows in call.blocks(shape):
+    for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real))
         block = (torch.matmul(terms, columns[:, None, : terms.shape[-1]]) / norm[..., None]).sum(dim=1)
         products[:, rows] += (block / call.num_heads).masked_fill_(~real[:, rows, None], 0.0)  # head mean, real queries
