@@ -127,8 +127,8 @@ class _RowsBackward(torch.autograd.Function):
         if live.numel() == 0:
             return (None,) * 5
         rows = slice(int(live[0]), int(live[-1]) + 1)
-        needed = [leaf for leaf in ctx.leaves if leaf.requires_grad]
         if rows.stop - rows.start > ROWS_BACKWARD_SHARE * grad_output.shape[1]:
+            needed = [leaf for leaf in ctx.leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(ctx.output, needed, grad_output, retain_graph=True))
             return (*(next(grads) if leaf.requires_grad else None for leaf in ctx.leaves), None, None)
         computed = ctx.call.rows_backward(grad_output, rows)
