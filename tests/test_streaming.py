@@ -432,6 +432,45 @@ def test_the_backward_of_the_rows_with_gradient_equals_the_kernels(case):
         _rel_close(got, want)
 
 
+@pytest.mark.parametrize("case", ROWS_BACKWARD_CASES, ids=list(ROWS_BACKWARD_CASES))
+@pytest.mark.parametrize("heads", [None, [1, 2]])
+@pytest.mark.parametrize("shape", [(4, 5), (2, 23)], ids=["blocks of 5 rows", "one block of rows"])
+def test_the_erased_output_equals_attention_renormalised_without_the_erased_keys(case, heads, shape):
+    """KernelCall.erased_output: block by block (a causal block sees only the keys up to its
+    last row), each chosen head's attention to the erased keys zeroed and its rows
+    renormalised; a row left without keys gives 0."""
+    options = ROWS_BACKWARD_CASES[case]
+    batch, num_heads, kv_heads, tokens, dim = 2, 4, options.get("kv_heads", 2), 23, 8
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = (torch.randn(batch, h, tokens, dim, generator=generator) for h in (num_heads, kv_heads, kv_heads))
+    allowed = torch.ones(batch, 1, tokens, tokens, dtype=torch.bool)
+    mask = None
+    if "mask" in options:
+        real = torch.arange(tokens)[None] >= torch.tensor([0, 6])[:, None]  # left padding
+        allowed = real[:, None, None, :] & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+        mask = allowed if options["mask"] == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    causal = options.get("causal", False)
+    if causal:
+        allowed = allowed & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    erased = torch.rand(batch, tokens, generator=generator) < 0.3
+    erased[0, 0] = True  # under the causal mask, row 0 of example 0 keeps no key
+    chosen = torch.zeros(num_heads, dtype=torch.bool)
+    chosen[heads if heads is not None else slice(None)] = True
+    repeat = num_heads // kv_heads
+    logits = query @ key.repeat_interleave(repeat, dim=1).transpose(-1, -2) * dim**-0.5
+    if options.get("mask") == "float":  # added, as the kernel adds it: a padding row stays uniform
+        logits, allowed = logits + mask, torch.ones_like(allowed)
+    kept = allowed & ~(erased[:, None, None, :] & chosen[None, :, None, None])
+    probs = logits.masked_fill(~kept, -torch.inf).softmax(dim=-1).nan_to_num(0.0)
+    expected = (probs @ value.repeat_interleave(repeat, dim=1)).transpose(1, 2)
+    call = kernel.KernelCall(query, key, value, dim**-0.5, mask, causal, groups=repeat)
+    actual = call.erased_output(erased, heads, shape)
+    _rel_close(actual, expected)
+    if causal:
+        assert actual[0, 0, chosen].abs().max() == 0
+        assert heads is None or actual[0, 0, ~chosen].abs().max() > 0
+
+
 def test_a_kernel_call_differentiated_on_few_rows_takes_their_backward_alone(monkeypatch):
     """Through the wrapped attention function (keys longer than the causal queries, which
     transformers crops): the rows' backward where the output's gradient lives on few rows,

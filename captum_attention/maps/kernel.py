@@ -215,23 +215,26 @@ class KernelCall:
     def erased_output(self, erased: Tensor, heads: Sequence[int] | None, shape: tuple[int, int]) -> Tensor:
         """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
         score of -inf (on ``heads``, default all): exactly zeroing their attention and
-        renormalising each row. Computed by the kernel one block of ``shape`` at a time; a
-        row whose every key is erased gives 0."""
+        renormalising each row. Computed by the kernel one block of ``shape`` at a time (a
+        causal block over the keys up to its last row, as the causal kernel skips the rest);
+        a row whose every key is erased gives 0."""
         assert self.value is not None
-        chosen = torch.ones(self.num_heads, dtype=torch.bool, device=erased.device)
+        erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)[:, None, None, :]
         if heads is not None:
-            chosen = torch.zeros_like(chosen)
+            chosen = torch.zeros(self.num_heads, dtype=torch.bool, device=erased.device)
             chosen[[h for h in heads if 0 <= h < self.num_heads]] = True
-        erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)
-        erase = torch.where(chosen[None, :, None, None], erase[:, None, None, :], 0.0)  # (B, H, 1, K)
+            if not bool(chosen.all()):  # (B, H, 1, K); else one (B, 1, 1, K) row serves every head
+                erase = torch.where(chosen[None, :, None, None], erase, 0.0)
         output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
         for block_heads, rows in self.blocks(shape):
-            bias = self.logit_bias(rows, heads=block_heads)
-            bias = erase[:, block_heads] if bias is None else bias + erase[:, block_heads]
+            keys = self.key_span(rows)
+            block_erase = erase[:, block_heads if erase.shape[1] > 1 else slice(None), :, :keys]
+            bias = self.logit_bias(rows, keys, block_heads)
+            bias = block_erase if bias is None else bias + block_erase
             first, last, _ = block_heads.indices(self.num_heads)
             key_heads = slice(first // self.groups, -(-last // self.groups))
             out = F.scaled_dot_product_attention(
-                self.query[:, block_heads, rows], self.key[:, key_heads], self.value[:, key_heads],
+                self.query[:, block_heads, rows], self.key[:, key_heads, :keys], self.value[:, key_heads, :keys],
                 attn_mask=bias.to(self.query.dtype), scale=self.scale, enable_gqa=last - first > 1 and self.groups > 1,
             )
             output[:, block_heads, rows] = torch.nan_to_num(out, nan=0.0)
