@@ -219,11 +219,12 @@ def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
 
 def kernel_agreement(device: str = "cuda") -> float:
     """The Triton kernels (``maps.fused``, off by default) against the eager block reductions
-    on ``device``: Grad-SAM (both axes), Transformer Attribution and rollout on the benchmark
-    BERT in fp32 and bf16, and the median time of each (the kernels' first measurement on a
-    card)."""
+    on ``device``: Grad-SAM (both axes), Transformer Attribution, rollout and erasure on the
+    benchmark BERT in fp32 and bf16, and the median time of each (the kernels' first
+    measurement on a card)."""
     from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
     from captum_attention.maps import streaming
+    from captum_attention.metrics import attention_erasure
 
     runs = {
         "GradSAM": lambda model, ids, mask: GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
@@ -233,6 +234,8 @@ def kernel_agreement(device: str = "cuda") -> float:
             ids, target=1, additional_forward_args=(mask,)),
         "AttentionRollout": lambda model, ids, mask: AttentionRollout(model, capture="streaming").attribute(
             ids, additional_forward_args=(mask,)),
+        "attention_erasure": lambda model, ids, mask: attention_erasure(
+            model, ids, mask.bool() & (ids % 10 == 0), (mask,), capture="streaming").erased,
     }
     print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms |")
     print("|---|---|---|---|---|")

@@ -82,6 +82,29 @@ def test_probability_row_and_column_sums_equal_the_eager_maps(case):
     torch.testing.assert_close(columns, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
+ERASURE_CASES = {**CASES, "causal, odd lengths": {"causal": True, "queries": 45, "keys": 45}}
+
+
+@pytest.mark.parametrize("heads", [None, [0, 3]], ids=["every head", "two heads"])
+@pytest.mark.parametrize("case", ERASURE_CASES, ids=list(ERASURE_CASES))
+def test_the_erased_attention_equals_the_block_by_block_kernel(case, heads):
+    """Erasure's kernel: the call's output with the erased keys scored -inf, against the
+    model's kernel run block by block with that mask, a row left without keys 0."""
+    call, _ = _call(**ERASURE_CASES[case])
+    erased = torch.rand(2, call.num_keys, generator=torch.Generator().manual_seed(6)) < 0.3
+    erased[0, 0] = True  # under the causal flag, example 0's first row keeps no key on the erased heads
+    erase = call.erase_bias(erased, heads)
+    expected = call.erased_output(erase, (call.num_heads, 7))
+    actual = fused.erased_attention(call, erase)
+    assert actual.dtype == call.query.dtype
+    tolerance = 2e-2 if ERASURE_CASES[case].get("dtype") == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    assert (actual - call.erased_output(torch.zeros_like(erase), (call.num_heads, 7))).abs().max() > 0.1, "the erasure moves the output"
+    if call.causal:
+        erased_heads = slice(None) if heads is None else heads
+        assert bool((actual[0, 0, erased_heads] == 0).all())
+
+
 @pytest.mark.parametrize("kind", ["bool left padding", "bool right padding", "additive causal + padding"])
 def test_masks_as_transformers_passes_them(kind):
     keep = _padding(2, 37, left="left" in kind)
@@ -96,6 +119,9 @@ def test_masks_as_transformers_passes_them(kind):
     expected_rows, terms = _eager(call, grad_output, key_weights)
     rows = fused.positive_row_sums(call, grad_output, key_weights)
     torch.testing.assert_close(rows, expected_rows, rtol=1e-5, atol=1e-5 * float(expected_rows.abs().max()))
+    erase = call.erase_bias(torch.rand(2, 37, generator=torch.Generator().manual_seed(6)) < 0.3, None)
+    expected = call.erased_output(erase, (call.num_heads, 7))
+    torch.testing.assert_close(fused.erased_attention(call, erase), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 def test_a_row_whose_every_key_is_masked_sums_to_zero():
@@ -106,15 +132,16 @@ def test_a_row_whose_every_key_is_masked_sums_to_zero():
     assert bool(torch.isfinite(rows).all()) and bool((rows[0, :, 3] == 0).all())
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
+@pytest.mark.parametrize("family", ["bert", "llama", "llama without padding"])
 def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatch):
     """Dispatch: with the kernels on for the CPU (the interpreter), Grad-SAM on both axes,
-    Transformer Attribution and rollout equal the compiled-or-eager block reductions, left
-    padding included."""
+    Transformer Attribution, rollout and erasure equal the compiled-or-eager block
+    reductions, left padding included (and, without padding, the kernel's causal flag)."""
     import transformers as tf
 
     from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
     from captum_attention.maps import streaming
+    from captum_attention.metrics import attention_erasure
 
     torch.manual_seed(0)
     if family == "bert":
@@ -129,9 +156,10 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
             intermediate_size=37, pad_token_id=0)).eval()
         ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
-        mask[1, :5] = 0  # left padding
+        mask[1, :5] = 0 if family == "llama" else 1  # left padding
+    erased = mask.bool() & (torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.3)
     calls = []
-    for name in ("positive_row_sums", "weighted_column_sums", "row_sums", "column_sums"):
+    for name in ("positive_row_sums", "weighted_column_sums", "row_sums", "column_sums", "erased_attention"):
         monkeypatch.setattr(fused, name, counted(getattr(fused, name), calls))
 
     def explain():
@@ -140,6 +168,7 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
             GradSAM(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,), axis="key"),
             TransformerAttribution(model, capture="streaming").attribute(ids, target=1, additional_forward_args=(mask,)),
             AttentionRollout(model, capture="streaming").attribute(ids, additional_forward_args=(mask,)),
+            attention_erasure(model, ids, erased, (mask,), capture="streaming").erased,
         ]
 
     expected = explain()
@@ -147,4 +176,4 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
     monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
     for actual, wanted in zip(explain(), expected):
         torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5 * float(wanted.abs().max()))
-    assert len(calls) >= 10 and {"row_sums", "column_sums"} <= set(calls)  # every layer of every method went through the kernels
+    assert len(calls) >= 12 and {"row_sums", "column_sums", "erased_attention"} <= set(calls)  # every layer of every method

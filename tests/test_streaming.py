@@ -436,9 +436,9 @@ def test_the_backward_of_the_rows_with_gradient_equals_the_kernels(case):
 @pytest.mark.parametrize("heads", [None, [1, 2]])
 @pytest.mark.parametrize("shape", [(4, 5), (2, 23)], ids=["blocks of 5 rows", "one block of rows"])
 def test_the_erased_output_equals_attention_renormalised_without_the_erased_keys(case, heads, shape):
-    """KernelCall.erased_output: block by block (a causal block sees only the keys up to its
-    last row), each chosen head's attention to the erased keys zeroed and its rows
-    renormalised; a row left without keys gives 0."""
+    """The erased output, block by block (a causal block sees only the keys up to its last
+    row): each chosen head's attention to the erased keys zeroed and its rows renormalised;
+    a row left without keys gives 0."""
     options = ROWS_BACKWARD_CASES[case]
     batch, num_heads, kv_heads, tokens, dim = 2, 4, options.get("kv_heads", 2), 23, 8
     generator = torch.Generator().manual_seed(4)
@@ -464,7 +464,7 @@ def test_the_erased_output_equals_attention_renormalised_without_the_erased_keys
     probs = logits.masked_fill(~kept, -torch.inf).softmax(dim=-1).nan_to_num(0.0)
     expected = (probs @ value.repeat_interleave(repeat, dim=1)).transpose(1, 2)
     call = kernel.KernelCall(query, key, value, dim**-0.5, mask, causal, groups=repeat)
-    actual = call.erased_output(erased, heads, shape)
+    actual = streaming.erased_output(call, erased, heads, shape)
     _rel_close(actual, expected)
     if causal:
         assert actual[0, 0, chosen].abs().max() == 0

@@ -9,7 +9,11 @@ keys at a time and reduces ``P ⊙ ReLU(G)``, or ``P`` alone (times the real key
 - :func:`positive_row_sums`: ``Σ_j (P ⊙ G⁺)_ij`` per query row and head, Grad-SAM's sums;
 - :func:`weighted_column_sums`: ``Σ_h Σ_i w_i (P ⊙ G⁺)_ij`` per key, the row-vector step of
   Transformer Attribution and Grad-SAM's key axis;
-- :func:`row_sums` and :func:`column_sums`: the same of ``P``, the rollout row's step.
+- :func:`row_sums` and :func:`column_sums`: the same of ``P``, the rollout row's step;
+- :func:`erased_attention`: erasure's output ``softmax(S + e)·V`` (``e`` -inf on the erased
+  keys) in one pass with an online softmax, as a flash attention forward.
+
+Under the kernel's causal flag a block of query rows stops at the key of its last row.
 
 They compute what :func:`~captum_attention.maps.streaming.exp_terms` computes from a
 :class:`~captum_attention.maps.kernel.KernelCall`: grouped-query heads, the kernel's
@@ -108,9 +112,12 @@ if triton is not None:
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
         mask_row = tl.where(row_ok, rows, 0)
+        key_end = num_keys
+        if CAUSAL:  # the keys after the block's last row are masked for all its rows
+            key_end = tl.minimum(num_keys, (program_m + 1) * BLOCK_M)
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         norm = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, num_keys, BLOCK_N):  # pass 1: the softmax statistics
+        for start in range(0, key_end, BLOCK_N):  # pass 1: the softmax statistics
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
             s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
@@ -125,7 +132,7 @@ if triton is not None:
             row_weights = tl.load(weights_ptr + b * stride_wb + rows, mask=row_ok, other=0.0)
             inverse = inverse * row_weights
         sums = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, num_keys, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ), or P
+        for start in range(0, key_end, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ), or P
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
             s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
@@ -144,6 +151,57 @@ if triton is not None:
             tl.store(out_ptr + (b * num_heads + h) * num_queries + rows, sums, mask=row_ok)
 
 
+    @triton.jit
+    def _erased_forward(
+        q_ptr, k_ptr, v_ptr, mask_ptr, erase_ptr, out_ptr,
+        num_queries, num_keys, num_heads, groups, scale,
+        stride_qb, stride_qh, stride_qq, stride_qd,
+        stride_kb, stride_kh, stride_kk, stride_kd,
+        stride_vb, stride_vh, stride_vk, stride_vd,
+        stride_ob, stride_oq, stride_oh, stride_od,
+        stride_mb, stride_mh, stride_mq, stride_mk,
+        stride_eb, stride_eh,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """The call's output with ``erase`` (0 or -inf per key) added to every logit: one
+        pass over the keys with an online softmax, as a flash attention forward."""
+        program_bh, program_m = tl.program_id(0), tl.program_id(1)
+        b, h = program_bh // num_heads, program_bh % num_heads
+        kv = h // groups
+        rows = program_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_queries
+        dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
+                    mask=row_ok[:, None], other=0.0)
+        k_base = k_ptr + b * stride_kb + kv * stride_kh
+        v_base = v_ptr + b * stride_vb + kv * stride_vh
+        mask_base = mask_ptr + b * stride_mb + h * stride_mh
+        mask_row = tl.where(row_ok, rows, 0)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        norm = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], tl.float32)
+        key_end = num_keys
+        if CAUSAL:
+            key_end = tl.minimum(num_keys, (program_m + 1) * BLOCK_M)
+        for start in range(0, key_end, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < num_keys
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+            s = s + tl.load(erase_ptr + b * stride_eb + h * stride_eh + keys, mask=key_ok, other=0.0)[None, :]
+            new_top = tl.maximum(top, tl.max(s, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            rescale = tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift))
+            p = tl.exp(s - shift[:, None])
+            v = tl.load(v_base + keys[:, None] * stride_vk + value_dims[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+            norm = norm * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            top = new_top
+        out = acc / tl.where(norm > 0, norm, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_oq + h * stride_oh + value_dims[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
 def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, row_weights: Tensor | None) -> Tensor:
     gradient = grad_output is not None
     assert triton is not None and supports(call, gradient)
@@ -153,11 +211,8 @@ def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, r
     columns = row_weights is not None
     out = torch.zeros((batch, keys) if columns else (batch, heads, queries), dtype=torch.float32, device=call.query.device)
     mask, mask_strides, mask_kind = _mask_operand(call)
-    query, key = call.query, call.key
-    output_grad = grad_output if grad_output is not None else query.transpose(1, 2)  # not read: any (B, Q, H, D) tensor
-    if query.dtype == torch.float64 or (query.dtype != torch.float32 and _interpreted()):
-        # the interpreter's products of half types are wrong (triton 3.9): it multiplies in float32
-        query, key, value, output_grad = (t.float() for t in (query, key, value, output_grad))
+    output_grad = grad_output if grad_output is not None else call.query.transpose(1, 2)  # not read: any (B, Q, H, D) tensor
+    query, key, value, output_grad = _operands(call.query, call.key, value, output_grad)
     key_weights = key_weights.float().expand(batch, keys).contiguous()
     weights = row_weights.float().contiguous() if columns else key_weights  # type: ignore[union-attr]
     block_m, block_n = 32, 32
@@ -169,9 +224,23 @@ def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, r
         weights.stride(0), key_weights.stride(0),
         D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns, GRADIENT=gradient,
-        PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 exactly; half types on tensor cores
+        PRECISION=_precision(query.dtype),
     )
     return out
+
+
+def _operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as the kernels multiply them: float64 in float32 (no float64 dot), and
+    half types too under the interpreter, whose products of half types are wrong (triton 3.9)."""
+    dtype = tensors[0].dtype
+    if dtype == torch.float64 or (dtype != torch.float32 and _interpreted()):
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """float32 products exactly; half types on tensor cores."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _interpreted() -> bool:
@@ -204,6 +273,30 @@ def row_sums(call: KernelCall, key_weights: Tensor) -> Tensor:
 def column_sums(call: KernelCall, row_weights: Tensor, key_weights: Tensor) -> Tensor:
     """``Σ_h Σ_i row_weights_i P_ij · key_weights_j`` ``(B, K)`` float32."""
     return _launch(call, None, key_weights, row_weights)
+
+
+def erased_attention(call: KernelCall, erase: Tensor) -> Tensor:
+    """The call's output ``(B, Q, H, Dv)`` (in its dtype) with ``erase`` ``(B, H or 1, 1,
+    K)`` added to every logit: -inf on an erased key, 0 elsewhere; 0 in a row left
+    without keys. What :meth:`~captum_attention.maps.kernel.KernelCall.erased_output`
+    computes, in one pass over the keys (no mask of ``rows × keys`` is built)."""
+    assert triton is not None and supports(call)
+    batch, heads, queries, dim = call.query.shape
+    value_dim = call.value.shape[-1]  # type: ignore[union-attr]
+    out = torch.empty(batch, queries, heads, value_dim, dtype=call.query.dtype, device=call.query.device)
+    query, key, value = _operands(call.query, call.key, call.value)  # type: ignore[arg-type]
+    mask, mask_strides, mask_kind = _mask_operand(call)
+    erase = erase[:, :, 0].float().contiguous()
+    erase_strides = tuple(0 if size == 1 else stride for size, stride in zip(erase.shape[:2], erase.stride()[:2]))
+    block_m, block_n = 32, 32
+    _erased_forward[(batch * heads, triton.cdiv(queries, block_m))](
+        query, key, value, mask, erase, out,
+        queries, call.num_keys, heads, heads // key.shape[1], call.scale,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides, *erase_strides,
+        D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        MASK_KIND=mask_kind, CAUSAL=call.causal, PRECISION=_precision(query.dtype),
+    )
+    return out
 
 
 def head_dims_supported(call: KernelCall) -> bool:

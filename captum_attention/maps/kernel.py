@@ -212,19 +212,23 @@ class KernelCall:
             for first in range(0, self.num_heads, heads_per_block):
                 yield slice(first, min(first + heads_per_block, self.num_heads)), rows
 
-    def erased_output(self, erased: Tensor, heads: Sequence[int] | None, shape: tuple[int, int]) -> Tensor:
-        """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a
-        score of -inf (on ``heads``, default all): exactly zeroing their attention and
-        renormalising each row. Computed by the kernel one block of ``shape`` at a time (a
-        causal block over the keys up to its last row, as the causal kernel skips the rest);
-        a row whose every key is erased gives 0."""
-        assert self.value is not None
+    def erase_bias(self, erased: Tensor, heads: Sequence[int] | None) -> Tensor:
+        """``(B, H, 1, K)`` float32 -inf on the ``erased`` keys ``(B, K)`` of the heads
+        ``heads`` (default all), 0 elsewhere; ``(B, 1, 1, K)`` where every head erases."""
         erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)[:, None, None, :]
-        if heads is not None:
-            chosen = torch.zeros(self.num_heads, dtype=torch.bool, device=erased.device)
-            chosen[[h for h in heads if 0 <= h < self.num_heads]] = True
-            if not bool(chosen.all()):  # (B, H, 1, K); else one (B, 1, 1, K) row serves every head
-                erase = torch.where(chosen[None, :, None, None], erase, 0.0)
+        if heads is None:
+            return erase
+        chosen = torch.zeros(self.num_heads, dtype=torch.bool, device=erased.device)
+        chosen[[h for h in heads if 0 <= h < self.num_heads]] = True
+        return erase if bool(chosen.all()) else torch.where(chosen[None, :, None, None], erase, 0.0)
+
+    def erased_output(self, erase: Tensor, shape: tuple[int, int]) -> Tensor:
+        """The call's output ``(B, Q, H, Dv)`` with ``erase`` (:meth:`erase_bias`) added to
+        its logits: exactly zeroing the attention to the erased keys and renormalising each
+        row. Computed by the kernel one block of ``shape`` at a time (a causal block over
+        the keys up to its last row, as the causal kernel skips the rest); a row whose every
+        key is erased gives 0."""
+        assert self.value is not None
         output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
         for block_heads, rows in self.blocks(shape):
             keys = self.key_span(rows)

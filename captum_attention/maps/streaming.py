@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -274,6 +274,16 @@ def cross_rollout_row_step(
         target_step[:, rows] = weight
         source_step[:, : fused.shape[-1]] += torch.bmm(weight[:, None], fused)[:, 0]
     return source_step, target_step
+
+
+def erased_output(call: KernelCall, erased: Tensor, heads: Sequence[int] | None, shape: Shape) -> Tensor:
+    """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a score
+    of -inf on ``heads`` (default all): through the Triton kernel in one pass where it
+    takes the call, else by the model's kernel one block of rows at a time
+    (:meth:`~captum_attention.maps.kernel.KernelCall.erased_output`)."""
+    erase = call.erase_bias(erased, heads)
+    kernels = _fused_kernels(call)
+    return call.erased_output(erase, shape) if kernels is None else kernels.erased_attention(call, erase)
 
 
 def query_row(row_index: Tensor, num_tokens: int) -> Tensor:

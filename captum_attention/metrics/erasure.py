@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.inputs import query_positions
 from ..capture.probes import RunKernel
-from ..maps import erase_keys, on_heads
+from ..maps import erase_keys, on_heads, streaming
 from ..maps.kernel import KernelCall, block_shape
 from ._checks import check_rankable
 from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model, select_rows
@@ -77,7 +77,7 @@ class _KeyErasure(Probe):
         if call is None or not self._erases(call):
             return None
         heads = self.run.heads_of(call.index, self.heads)
-        return kernel.erased_output(self.erased.to(kernel.query.device), heads, block_shape(kernel))
+        return streaming.erased_output(kernel, self.erased.to(kernel.query.device), heads, block_shape(kernel))
 
 
 def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
