@@ -124,8 +124,8 @@ class _RowsBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         live = live_rows(grad_output).any(dim=0).nonzero().flatten()
-        if live.numel() == 0:
-            return (None,) * 5
+        if live.numel() == 0:  # zeros, not None: the backward still reaches the calls below
+            return (*(torch.zeros_like(leaf) if leaf.requires_grad else None for leaf in ctx.leaves), None, None)
         rows = slice(int(live[0]), int(live[-1]) + 1)
         if rows.stop - rows.start > ROWS_BACKWARD_SHARE * grad_output.shape[1]:
             needed = [leaf for leaf in ctx.leaves if leaf.requires_grad]
