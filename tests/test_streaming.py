@@ -116,12 +116,12 @@ def compiled_blocks(monkeypatch):
     return streaming._COMPILED
 
 
-def _gradient_scores(model, inputs, args):
+def _gradient_scores(model, inputs, args, target=1):
     """Grad-SAM (both axes; the key axis only for one stack) and Transformer Attribution, streamed."""
     axes = ("query",) if isinstance(inputs, tuple) else ("query", "key")
     return [
-        *(GradSAM(model, capture="streaming").attribute(inputs, target=1, additional_forward_args=args, axis=axis) for axis in axes),
-        TransformerAttribution(model, capture="streaming").attribute(inputs, target=1, additional_forward_args=args),
+        *(GradSAM(model, capture="streaming").attribute(inputs, target=target, additional_forward_args=args, axis=axis) for axis in axes),
+        TransformerAttribution(model, capture="streaming").attribute(inputs, target=target, additional_forward_args=args),
     ]
 
 
@@ -500,6 +500,20 @@ def test_a_kernel_call_differentiated_on_few_rows_takes_their_backward_alone(mon
         assert len(used) == taken
         for got, want in zip(actual, gradients(grad_output, rows_backward=False)):
             _rel_close(got, want)
+
+
+@pytest.mark.parametrize("cls", [GradSAM, TransformerAttribution])
+def test_an_output_whose_gradient_vanishes_at_the_top_is_explained_as_eager_capture_explains_it(cls):
+    """BART's padding token has a zero embedding, tied to the output layer: its logit's
+    gradient is zero on every row of the top layer. The backward must still reach the
+    layers below (zeros, not an error), as the kernel's own backward does."""
+    model, inputs, args, _ = _case("bart")
+    pad = model.config.pad_token_id
+    assert bool((model.get_output_embeddings().weight[pad] == 0).all())
+    streamed = cls(model, capture="streaming").attribute(inputs, target=pad, additional_forward_args=args)
+    eager = cls(model, capture="eager").attribute(inputs, target=pad, additional_forward_args=args)
+    for actual, expected in zip(streamed, eager):
+        torch.testing.assert_close(actual, expected)
 
 
 @pytest.mark.parametrize("decoder", ["llama", "gpt2"])

@@ -48,7 +48,10 @@ def supports(call: KernelCall, gradient: bool = True) -> bool:
     """Whether the kernels compute this call exactly: no position bias, a mask (if any) of
     four dimensions broadcastable to ``(B, H, Q, K)``, and for the gradient kernels the
     values (a capture without gradients keeps none)."""
-    return call.position_bias is None and (call.value is not None or not gradient) and (call.mask is None or call.mask.dim() == 4)
+    return (
+        call.position_bias is None and (call.value is not None or not gradient)
+        and (call.mask is None or call.mask.dim() == 4) and not math.isnan(call.scale)
+    )
 
 
 def _mask_operand(call: KernelCall) -> tuple[Tensor, tuple[int, int, int, int], int]:
@@ -66,11 +69,12 @@ def _mask_operand(call: KernelCall) -> tuple[Tensor, tuple[int, int, int, int], 
 if triton is not None:
 
     @triton.jit
-    def _logits(q, k_ptr, key_ok, mask_ptr, mask_row, rows, keys, scale, mask_stride_q, mask_stride_k,
+    def _logits(q, k_ptr, key_ok, mask_ptr, mask_row, rows, keys, scale, mask_stride_q, mask_stride_k, head_dim,
                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, stride_kk, stride_kd):
         """One (rows × keys) tile of logits in float32, -inf where a key is masked."""
         dims = tl.arange(0, D)
-        k = tl.load(k_ptr + keys[None, :] * stride_kk + dims[:, None] * stride_kd, mask=key_ok[None, :], other=0.0)
+        k = tl.load(k_ptr + keys[None, :] * stride_kk + dims[:, None] * stride_kd,
+                    mask=key_ok[None, :] & (dims[:, None] < head_dim), other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION).to(tl.float32) * scale
         valid = key_ok[None, :]
         if CAUSAL:
@@ -86,7 +90,7 @@ if triton is not None:
     @triton.jit
     def _reduce_block(
         q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, weights_ptr, key_weights_ptr, out_ptr,
-        num_queries, num_keys, num_heads, groups, scale,
+        num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
         stride_qb, stride_qh, stride_qq, stride_qd,
         stride_kb, stride_kh, stride_kk, stride_kd,
         stride_vb, stride_vh, stride_vk, stride_vd,
@@ -104,10 +108,10 @@ if triton is not None:
         row_ok = rows < num_queries
         dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
         if GRADIENT:
             grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
-                           mask=row_ok[:, None], other=0.0)
+                           mask=row_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
         k_base = k_ptr + b * stride_kb + kv * stride_kh
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
@@ -120,7 +124,7 @@ if triton is not None:
         for start in range(0, key_end, BLOCK_N):  # pass 1: the softmax statistics
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
             new_top = tl.maximum(top, tl.max(s, axis=1))
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
@@ -135,12 +139,13 @@ if triton is not None:
         for start in range(0, key_end, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ), or P
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
             key_weights = tl.load(key_weights_ptr + b * stride_kwb + keys, mask=key_ok, other=0.0)
             terms = tl.exp(s - shift[:, None]) * key_weights[None, :] * inverse[:, None]
             if GRADIENT:
-                v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd, mask=key_ok[None, :], other=0.0)
+                v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd,
+                            mask=key_ok[None, :] & (value_dims[:, None] < value_dim), other=0.0)
                 g = tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32)
                 terms = terms * tl.maximum(g, 0.0)
             if COLUMNS:
@@ -154,7 +159,7 @@ if triton is not None:
     @triton.jit
     def _erased_forward(
         q_ptr, k_ptr, v_ptr, mask_ptr, erase_ptr, out_ptr,
-        num_queries, num_keys, num_heads, groups, scale,
+        num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
         stride_qb, stride_qh, stride_qq, stride_qd,
         stride_kb, stride_kh, stride_kk, stride_kd,
         stride_vb, stride_vh, stride_vk, stride_vd,
@@ -173,7 +178,7 @@ if triton is not None:
         row_ok = rows < num_queries
         dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
         k_base = k_ptr + b * stride_kb + kv * stride_kh
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
@@ -187,20 +192,21 @@ if triton is not None:
         for start in range(0, key_end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk,
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
             s = s + tl.load(erase_ptr + b * stride_eb + h * stride_eh + keys, mask=key_ok, other=0.0)[None, :]
             new_top = tl.maximum(top, tl.max(s, axis=1))
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
             rescale = tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift))
             p = tl.exp(s - shift[:, None])
-            v = tl.load(v_base + keys[:, None] * stride_vk + value_dims[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + keys[:, None] * stride_vk + value_dims[None, :] * stride_vd,
+                        mask=key_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
             norm = norm * rescale + tl.sum(p, axis=1)
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         out = acc / tl.where(norm > 0, norm, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_oq + h * stride_oh + value_dims[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < value_dim))
 
 def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, row_weights: Tensor | None) -> Tensor:
     gradient = grad_output is not None
@@ -219,10 +225,10 @@ def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, r
     grid = (batch * heads, triton.cdiv(queries, block_m))
     _reduce_block[grid](
         query, key, value, output_grad, mask, weights, key_weights, out,
-        queries, keys, heads, heads // key.shape[1], call.scale,
+        queries, keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *output_grad.stride(), *mask_strides,
         weights.stride(0), key_weights.stride(0),
-        D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=_tile(dim), DV=_tile(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns, GRADIENT=gradient,
         PRECISION=_precision(query.dtype),
     )
@@ -247,10 +253,10 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _power_of_two(size: int) -> int:
-    if size & (size - 1):
-        raise ValueError(f"head dimension {size} is not a power of two")
-    return size
+def _tile(size: int) -> int:
+    """A head dimension's tile: the next power of two, at least 16 (the products' least
+    size); the dimensions beyond ``size`` load as zeros."""
+    return max(16, triton.next_power_of_2(size))
 
 
 def positive_row_sums(call: KernelCall, grad_output: Tensor, key_weights: Tensor) -> Tensor:
@@ -291,15 +297,9 @@ def erased_attention(call: KernelCall, erase: Tensor) -> Tensor:
     block_m, block_n = 32, 32
     _erased_forward[(batch * heads, triton.cdiv(queries, block_m))](
         query, key, value, mask, erase, out,
-        queries, call.num_keys, heads, heads // key.shape[1], call.scale,
+        queries, call.num_keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides, *erase_strides,
-        D=_power_of_two(dim), DV=_power_of_two(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=_tile(dim), DV=_tile(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, CAUSAL=call.causal, PRECISION=_precision(query.dtype),
     )
     return out
-
-
-def head_dims_supported(call: KernelCall) -> bool:
-    """Whether the head dimensions are powers of two (the kernels' tiles)."""
-    sizes = (call.query.shape[-1], call.value.shape[-1] if call.value is not None else call.query.shape[-1])
-    return all(size >= 16 and size & (size - 1) == 0 for size in sizes) and not math.isnan(call.scale)

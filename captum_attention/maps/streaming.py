@@ -120,8 +120,8 @@ def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | 
 
 FUSED_KERNEL_DEVICES = {"cuda": os.environ.get("CAPTUM_ATTENTION_TRITON") == "1", "cpu": False}
 """Whether the Triton kernels of :mod:`~captum_attention.maps.fused` reduce a call's rows,
-per device (where triton is installed and the call is one they handle: no position bias,
-power-of-two head dimensions of at least 16). Off on CUDA until they are measured on a
+per device (where triton is installed and the call is one they handle: no position bias).
+Off on CUDA until they are measured on a
 card (``CAPTUM_ATTENTION_TRITON=1`` turns them on); the tests run them on the CPU under
 ``TRITON_INTERPRET=1``. Elsewhere the compiled or eager block reductions run."""
 
@@ -134,7 +134,7 @@ def _fused_kernels(call: KernelCall, gradient: bool = True) -> Any:
         return None
     from . import fused
 
-    if not (fused.available() and fused.supports(call, gradient) and fused.head_dims_supported(call)):
+    if not (fused.available() and fused.supports(call, gradient)):
         return None
     _LOG.debug("Triton kernels reduce a call of %d queries and %d keys on %s", call.num_queries, call.num_keys, device)
     return fused
