@@ -138,12 +138,12 @@ KERNEL_FAMILIES = ("bert", "distilbert", "gpt2", "llama", "qwen2", "t5", "bart",
 
 
 @pytest.mark.parametrize("family", KERNEL_FAMILIES)
-def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatch):
+def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatch, caplog):
     """Dispatch, on every family the streaming tests cover: with the kernels on for the CPU
     (the interpreter), Grad-SAM on both axes, Transformer Attribution, rollout and erasure
     equal the compiled-or-eager block reductions; left padding included and, without
     padding, the kernel's causal flag. T5's calls carry a position bias: they keep the
-    block reductions."""
+    block reductions. The debug log says which path reduced each call."""
     from test_streaming import _case, _flat, _gradient_scores, _rel_close
 
     from captum_attention import AttentionRollout
@@ -166,12 +166,15 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
             attention_erasure(model, inputs, erased, args, capture="streaming").erased,
         ])
 
-    expected = explain()
-    assert not calls
-    monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
-    assert all(bool(score.abs().sum() > 0) for score in expected)
-    for actual, wanted in zip(explain(), expected):
-        _rel_close(actual, wanted)
+    with caplog.at_level("DEBUG", logger=streaming.__name__):
+        expected = explain()
+        assert not calls and "eager block reductions reduce a call" in caplog.text and "Triton" not in caplog.text
+        assert all(bool(score.abs().sum() > 0) for score in expected)
+        caplog.clear()
+        monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
+        for actual, wanted in zip(explain(), expected):
+            _rel_close(actual, wanted)
+    assert ("Triton kernels reduce a call" in caplog.text) == (family != "t5")
     if family == "t5":
         assert not calls
     else:  # every method went through the kernels

@@ -130,10 +130,12 @@ def _flat(scores):
 
 
 @pytest.mark.parametrize("family", ("bert", "llama", "t5", "vit"))
-def test_compiled_block_reductions_equal_eager_ones(family, monkeypatch, compiled_blocks):
+def test_compiled_block_reductions_equal_eager_ones(family, monkeypatch, compiled_blocks, caplog):
     model, inputs, args, _ = _case(family)
-    compiled = _gradient_scores(model, inputs, args)
+    with caplog.at_level("DEBUG", logger=streaming.__name__):
+        compiled = _gradient_scores(model, inputs, args)
     assert compiled_blocks and all(fn is not None for fn in compiled_blocks.values()), "the compiled path should run"
+    assert "compiled block reductions reduce a call" in caplog.text
     monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", False)
     for actual, expected in zip(_flat(compiled), _flat(_gradient_scores(model, inputs, args))):
         _rel_close(actual, expected)

@@ -93,11 +93,21 @@ _EAGER_SECONDS: dict[str, float] = {}
 :data:`COMPILE_AFTER_SECONDS` counts."""
 
 
+def _device(call: KernelCall) -> str:
+    return "cpu" if call.query.device.type == "cpu" else "cuda"
+
+
+def _compiles(call: KernelCall) -> bool:
+    """Whether :data:`FUSED_MIN_PAIRS` and :data:`FUSED_DEVICES` let ``call``'s blocks be
+    compiled (once :data:`COMPILE_AFTER_SECONDS` is spent)."""
+    return call.num_queries * call.num_keys >= FUSED_MIN_PAIRS and FUSED_DEVICES.get(_device(call), False)
+
+
 def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | None) -> Reduced:
     """``reduction(*args)`` for one block of ``call``, compiled where
     :data:`FUSED_MIN_PAIRS`, :data:`FUSED_DEVICES` and :data:`COMPILE_AFTER_SECONDS` say so."""
-    device = "cpu" if call.query.device.type == "cpu" else "cuda"
-    if call.num_queries * call.num_keys < FUSED_MIN_PAIRS or not FUSED_DEVICES.get(device, False):
+    device = _device(call)
+    if not _compiles(call):
         return reduction(*args)
     key = (reduction, device)
     if key not in _COMPILED and _EAGER_SECONDS.get(device, 0.0) < COMPILE_AFTER_SECONDS:
@@ -128,16 +138,24 @@ card (``CAPTUM_ATTENTION_TRITON=1`` turns them on); the tests run them on the CP
 
 def _fused_kernels(call: KernelCall, gradient: bool = True) -> Any:
     """The :mod:`~captum_attention.maps.fused` module where its kernels (those with a
-    gradient factor, or not) take ``call``, else None."""
-    device = "cpu" if call.query.device.type == "cpu" else "cuda"
-    if not FUSED_KERNEL_DEVICES.get(device, False):
-        return None
-    from . import fused
+    gradient factor, or not) take ``call``, else None; which path reduces the call is
+    logged at debug level."""
+    device = _device(call)
+    kernels = None
+    if FUSED_KERNEL_DEVICES.get(device, False):
+        from . import fused
 
-    if not (fused.available() and fused.supports(call, gradient)):
-        return None
-    _LOG.debug("Triton kernels reduce a call of %d queries and %d keys on %s", call.num_queries, call.num_keys, device)
-    return fused
+        kernels = fused if fused.available() and fused.supports(call, gradient) else None
+    if kernels is not None:
+        path = "Triton kernels"
+    elif not _compiles(call):
+        path = "eager block reductions"
+    elif _EAGER_SECONDS.get(device, 0.0) < COMPILE_AFTER_SECONDS and not any(key[1] == device for key in _COMPILED):
+        path = f"eager block reductions (compiled after {COMPILE_AFTER_SECONDS:g} s of them)"
+    else:
+        path = "compiled block reductions"
+    _LOG.debug("%s reduce a call of %d queries and %d keys on %s", path, call.num_queries, call.num_keys, device)
+    return kernels
 
 
 def _terms_of(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
