@@ -88,6 +88,31 @@ if triton is not None:
         return tl.where(valid, s, float("-inf"))
 
     @triton.jit
+    def _program_rows(num_queries, num_heads, groups, BLOCK_M: tl.constexpr):
+        """This program's block of rows, example, query head and key head, and which of
+        its rows exist."""
+        program_bh, program_m = tl.program_id(0), tl.program_id(1)
+        b, h = program_bh // num_heads, program_bh % num_heads
+        rows = program_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        return program_m, b, h, h // groups, rows, rows < num_queries
+
+    @triton.jit
+    def _query_tile(q_ptr, b, h, rows, row_ok, head_dim, stride_qb, stride_qh, stride_qq, stride_qd, D: tl.constexpr):
+        """The block's queries ``(rows, D)``, zero beyond the head dimension."""
+        dims = tl.arange(0, D)
+        return tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
+                       mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
+
+    @triton.jit
+    def _key_end(program_m, num_keys, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+        """How many keys the block of rows ``program_m`` reads: under the causal flag, those
+        up to its last row (the later ones are masked for all its rows)."""
+        end = num_keys
+        if CAUSAL:
+            end = tl.minimum(num_keys, (program_m + 1) * BLOCK_M)
+        return end
+
+    @triton.jit
     def _reduce_block(
         q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, weights_ptr, key_weights_ptr, out_ptr,
         num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
@@ -101,14 +126,9 @@ if triton is not None:
         MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, GRADIENT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        program_bh, program_m = tl.program_id(0), tl.program_id(1)
-        b, h = program_bh // num_heads, program_bh % num_heads
-        kv = h // groups
-        rows = program_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < num_queries
-        dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
+        program_m, b, h, kv, rows, row_ok = _program_rows(num_queries, num_heads, groups, BLOCK_M)
+        value_dims = tl.arange(0, DV)
+        q = _query_tile(q_ptr, b, h, rows, row_ok, head_dim, stride_qb, stride_qh, stride_qq, stride_qd, D)
         if GRADIENT:
             grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
                            mask=row_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
@@ -116,9 +136,7 @@ if triton is not None:
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
         mask_row = tl.where(row_ok, rows, 0)
-        key_end = num_keys
-        if CAUSAL:  # the keys after the block's last row are masked for all its rows
-            key_end = tl.minimum(num_keys, (program_m + 1) * BLOCK_M)
+        key_end = _key_end(program_m, num_keys, BLOCK_M, CAUSAL)
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         norm = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, key_end, BLOCK_N):  # pass 1: the softmax statistics
@@ -171,14 +189,9 @@ if triton is not None:
     ):
         """The call's output with ``erase`` (0 or -inf per key) added to every logit: one
         pass over the keys with an online softmax, as a flash attention forward."""
-        program_bh, program_m = tl.program_id(0), tl.program_id(1)
-        b, h = program_bh // num_heads, program_bh % num_heads
-        kv = h // groups
-        rows = program_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < num_queries
-        dims, value_dims = tl.arange(0, D), tl.arange(0, DV)
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qq + dims[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
+        program_m, b, h, kv, rows, row_ok = _program_rows(num_queries, num_heads, groups, BLOCK_M)
+        value_dims = tl.arange(0, DV)
+        q = _query_tile(q_ptr, b, h, rows, row_ok, head_dim, stride_qb, stride_qh, stride_qq, stride_qd, D)
         k_base = k_ptr + b * stride_kb + kv * stride_kh
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
@@ -186,9 +199,7 @@ if triton is not None:
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         norm = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
-        key_end = num_keys
-        if CAUSAL:
-            key_end = tl.minimum(num_keys, (program_m + 1) * BLOCK_M)
+        key_end = _key_end(program_m, num_keys, BLOCK_M, CAUSAL)
         for start in range(0, key_end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
