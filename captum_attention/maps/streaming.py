@@ -131,15 +131,16 @@ def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | 
 FUSED_KERNEL_DEVICES = {"cuda": os.environ.get("CAPTUM_ATTENTION_TRITON") == "1", "cpu": False}
 """Whether the Triton kernels of :mod:`~captum_attention.maps.fused` reduce a call's rows,
 per device (where triton is installed and the call is one they handle: no position bias).
-Off on CUDA until they are measured on a
-card (``CAPTUM_ATTENTION_TRITON=1`` turns them on); the tests run them on the CPU under
-``TRITON_INTERPRET=1``. Elsewhere the compiled or eager block reductions run."""
+Off on CUDA until they are measured on a card (``CAPTUM_ATTENTION_TRITON=1`` turns them
+on); the tests run them on the CPU under ``TRITON_INTERPRET=1``. Elsewhere the compiled or
+eager block reductions run."""
 
 
-def _fused_kernels(call: KernelCall, gradient: bool = True) -> Any:
+def _fused_kernels(call: KernelCall, gradient: bool = True, compilable: bool = True) -> Any:
     """The :mod:`~captum_attention.maps.fused` module where its kernels (those with a
     gradient factor, or not) take ``call``, else None; which path reduces the call is
-    logged at debug level."""
+    logged at debug level (``compilable``: whether the caller's block path is one that
+    :func:`_block` compiles)."""
     device = _device(call)
     kernels = None
     if FUSED_KERNEL_DEVICES.get(device, False):
@@ -148,6 +149,8 @@ def _fused_kernels(call: KernelCall, gradient: bool = True) -> Any:
         kernels = fused if fused.available() and fused.supports(call, gradient) else None
     if kernels is not None:
         path = "Triton kernels"
+    elif not compilable:
+        path = "block computations"
     elif not _compiles(call):
         path = "eager block reductions"
     elif _EAGER_SECONDS.get(device, 0.0) < COMPILE_AFTER_SECONDS and not any(key[1] == device for key in _COMPILED):
@@ -254,7 +257,7 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, s
     rollout query row (later layers first), accumulated in float64 as
     :func:`~captum_attention.maps.common.propagate_query_row` does. ``row`` is ``(B, N)``,
     or ``(B, T, N)`` for T rows at once, which share one recomputation of each block."""
-    kernels = _fused_kernels(call, gradient=False) if fusion == "mean" and row.dim() == 2 else None
+    kernels = _fused_kernels(call, gradient=False, compilable=False) if fusion == "mean" and row.dim() == 2 else None
     if kernels is not None:
         return _rollout_row_step_fused(kernels, call, row, real)
     rows_at_once = row if row.dim() == 3 else row[:, None]
@@ -300,7 +303,7 @@ def erased_output(call: KernelCall, erased: Tensor, heads: Sequence[int] | None,
     takes the call, else by the model's kernel one block of rows at a time
     (:meth:`~captum_attention.maps.kernel.KernelCall.erased_output`)."""
     erase = call.erase_bias(erased, heads)
-    kernels = _fused_kernels(call)
+    kernels = _fused_kernels(call, compilable=False)
     return call.erased_output(erase, shape) if kernels is None else kernels.erased_attention(call, erase)
 
 
