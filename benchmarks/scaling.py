@@ -3,7 +3,8 @@
     python benchmarks/scaling.py [--model llama|bert|llama-1b] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
         [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
-        [--compiled-on-gpu] [--json out.json]
+        [--reduction default|eager|compiled|triton] [--json out.json]
+    python benchmarks/scaling.py --tables out.json [more.json ...]
 
 Models (random weights, sequence classifiers, so the explained logit is one class):
 ``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
@@ -142,7 +143,7 @@ def measure_in_subprocess(options: argparse.Namespace, name: str, batch: int, le
     command = [
         sys.executable, __file__, "--one", name, "--model", options.model, "--dtype", options.dtype,
         "--batches", str(batch), "--lengths", str(length), "--repeats", str(options.repeats),
-        "--eager-max", str(options.eager_max), "--batch-length", str(length),
+        "--eager-max", str(options.eager_max), "--batch-length", str(length), "--reduction", options.reduction,
     ] + (["--block-memory", str(options.block_memory)] if options.block_memory else [])
     out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **MEASURING_ENV})
     if out.returncode != 0:  # e.g. killed for memory
@@ -218,16 +219,40 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--here", action="store_true", help="measure in this process (CPU memory less exact)")
     parser.add_argument(
-        "--compiled-on-gpu", action="store_true",
-        help="run the compiled block reduction on CUDA too (maps.streaming.FUSED_DEVICES; not yet measured there)",
+        "--reduction", default="default", choices=list(REDUCTIONS),
+        help="how the streaming methods reduce each block of rows on --device: the library's default, the eager "
+        "or compiled block reductions, or the Triton kernels (maps.fused; CUDA, or the CPU under TRITON_INTERPRET=1)",
     )
+    parser.add_argument("--tables", type=Path, nargs="+", help="print the tables of these --json files, measure nothing")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+REDUCTIONS = {"default": None, "eager": (False, False), "compiled": (True, False), "triton": (False, True)}
+"""``--reduction``: (compiled, Triton kernels) on the measured device; None leaves the
+library's defaults (:data:`~captum_attention.maps.streaming.FUSED_DEVICES`,
+:data:`~captum_attention.maps.streaming.FUSED_KERNEL_DEVICES`)."""
+
+
+def use_reduction(name: str, device: str) -> None:
+    """Sets the block reduction of ``device`` (:data:`REDUCTIONS`); compiled ones compile
+    at once, in the untimed first call, and not after seconds of eager reductions."""
+    if REDUCTIONS[name] is None:
+        return
+    streaming.FUSED_DEVICES[device], streaming.FUSED_KERNEL_DEVICES[device] = REDUCTIONS[name]
+    if name == "compiled":
+        streaming.COMPILE_AFTER_SECONDS = 0.0
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     options = parse(argv)
-    streaming.FUSED_DEVICES["cuda"] = options.compiled_on_gpu
+    if options.tables:
+        for path in options.tables:
+            saved = json.loads(path.read_text())
+            print(f"{path.name}: {saved['model']} ({saved['dtype']}) on {saved['device']}, "
+                  f"{saved.get('reduction', 'default')} block reduction\n\n{table(saved['results'])}\n")
+        return []
+    use_reduction(options.reduction, options.device)
     if options.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if options.one:  # one run in this (fresh) process: warm up short (compiling the block reductions), then measure
@@ -239,9 +264,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(measure_here(run, options.repeats, options.device)))
         return []
     device_name = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"scaling: {options.model} ({options.dtype}) on {device_name}, torch {torch.__version__}\n", flush=True)
+    print(f"scaling: {options.model} ({options.dtype}) on {device_name}, torch {torch.__version__}, "
+          f"{options.reduction} block reduction\n", flush=True)
     settings = [(1, length) for length in options.lengths]
     settings += [(batch, options.batch_length) for batch in options.batches if batch != 1]
+    settings.sort(key=lambda setting: setting[0] * setting[1])  # the cheapest first: a run cut short keeps the most rows
     results = []
     for batch, length in settings:
         started = time.perf_counter()
@@ -250,7 +277,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"batch {batch} length {length} ({time.perf_counter() - started:.0f} s): "
               + ", ".join(f"{n} {r['ms']:.0f} ms {r['MiB']:.0f} MiB" for n, r in runs.items()), flush=True)
         if options.json:  # after every row, so that an interrupted run keeps what it measured
-            options.json.write_text(json.dumps({"device": device_name, "model": options.model, "dtype": options.dtype, "results": results}, indent=1))
+            options.json.write_text(json.dumps({
+                "device": device_name, "model": options.model, "dtype": options.dtype, "reduction": options.reduction,
+                "results": results,
+            }, indent=1))
     if not options.runs:  # the table needs the baselines
         print()
         print(table(results))
