@@ -15,7 +15,8 @@ CPU/CUDA agreement for the other families, on the tiny models of the test suite
 (GPT-2, Llama with grouped-query attention, T5, ViT, nn.MultiheadAttention), and of a
 language model's answer (``attribute_span`` and ``attribute_continuation`` rows, both
 capture modes, GPT-2 and Llama with left padding), and of the architectures reached
-through the adapter's fallbacks (``architecture_agreement``).
+through the adapter's fallbacks (``architecture_agreement``). ``kernel_agreement`` and
+``kernel_tiles`` check and time the Triton kernels (``gpu_run.sh kernels``).
 """
 
 from __future__ import annotations
@@ -256,6 +257,59 @@ def kernel_agreement(device: str = "cuda") -> float:
     passed = worst[torch.float32] <= 1e-5 and worst[torch.bfloat16] <= 2e-2
     print(f"\nTriton kernels: fp32 within 1e-5, bf16 within 2e-2 of the eager reductions: {'PASS' if passed else 'FAIL'}")
     return worst[torch.float32]
+
+
+TILE_CHOICES = [(32, 32, 4, 1), (64, 64, 4, 2), (64, 128, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+"""``maps.fused.Tiles(rows, keys, warps, stages)`` that :func:`kernel_tiles` times."""
+
+
+def kernel_tiles(device: str = "cuda", length: int = 16384) -> None:
+    """The Triton kernels' launch shapes timed on one causal bf16 layer shaped like
+    Llama-3.2-1B's (32 query heads over 8 key heads of 64), against that layer's own sdpa
+    forward and forward+backward: which ``maps.fused.TILES`` to make the default. Each
+    shape's results are checked against the first's."""
+    import torch.nn.functional as F
+
+    from captum_attention.maps import fused
+    from captum_attention.maps.kernel import KernelCall
+
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator).to(torch.bfloat16)
+
+    query, key, value = rand(1, 32, length, 64), rand(1, 8, length, 64), rand(1, 8, length, 64)
+    grad_output = rand(1, length, 32, 64)
+    call = KernelCall(query, key, value, 64**-0.5, None, True, groups=4)
+    key_weights, row_weights = torch.ones(1, length, device=device), torch.rand(1, length, device=device)
+    erase = call.erase_bias(torch.rand(1, length, device=device) < 0.1, None)
+    kernels = {
+        "row sums": lambda: fused.positive_row_sums(call, grad_output, key_weights),
+        "column sums": lambda: fused.weighted_column_sums(call, grad_output, row_weights, key_weights),
+        "erasure": lambda: fused.erased_attention(call, erase),
+    }
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+
+    def forward_backward() -> None:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        out.backward(grad_output.transpose(1, 2))
+
+    forward_ms = cuda_cost(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True))[0]
+    print(f"\nOne Llama-1B-shaped layer, {length} tokens, bf16: sdpa forward {forward_ms:.2f} ms, "
+          f"forward+backward {cuda_cost(forward_backward)[0]:.2f} ms")
+    print("\n| tiles (rows, keys, warps, stages) | " + " | ".join(f"{name} ms" for name in kernels) + " | max rel. diff |")
+    print("|---|" + "---|" * (len(kernels) + 1))
+    default, first = fused.TILES["cuda"], None
+    for choice in TILE_CHOICES:
+        fused.TILES["cuda"] = fused.Tiles(*choice)
+        try:
+            results = [run().float() for run in kernels.values()]
+            first = first or results
+            diff = max(float((r - f).abs().max() / f.abs().max().clamp(min=1e-30)) for r, f in zip(results, first))
+            print(f"| {choice} | " + " | ".join(f"{cuda_cost(run)[0]:.2f}" for run in kernels.values()) + f" | {diff:.1e} |", flush=True)
+        except Exception as error:  # noqa: BLE001 - a shape this card cannot launch (registers, shared memory)
+            print(f"| {choice} | fails: {str(error).splitlines()[0][:80]} |", flush=True)
+    fused.TILES["cuda"] = default
 
 
 if __name__ == "__main__":

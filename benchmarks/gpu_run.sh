@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_run.sh fp32    # Llama-1B fp32 scaling
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
-#   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions; Llama-1B bf16 (4k-32k
-#                                      # and 8 x 2k) with each block reduction, then fp32 with the kernels (9 min)
+#   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
+#                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction,
+#                                      # then fp32 with the kernels (at most 9 min 10 s)
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -39,13 +40,15 @@ case "${1:-check}" in
     kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time
         timeout 80 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()" \
             | tee "$out/kernels_check.md" || echo "kernel agreement stopped ($?)"
+        timeout 60 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()" \
+            | tee "$out/kernel_tiles.md" || echo "kernel tiles stopped ($?)"
         for reduction in triton eager compiled; do
-            timeout 130 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$reduction" \
+            timeout 115 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$reduction" \
                 --lengths 4096 16384 32768 --batches 1 8 --batch-length 2048 --eager-max 0 --repeats 2 \
                 --json "$out/llama1b_bf16_$reduction.json" | tee "$out/llama1b_bf16_$reduction.md" \
                 || echo "bf16 $reduction stopped ($?)"
         done
-        timeout 70 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype float32 --reduction triton \
+        timeout 60 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype float32 --reduction triton \
             --lengths 4096 16384 --batches 1 --eager-max 0 --repeats 2 --json "$out/llama1b_fp32_triton.json" \
             | tee "$out/llama1b_fp32_triton.md" || echo "fp32 triton stopped ($?)" ;;
 esac

@@ -126,6 +126,28 @@ def test_masks_as_transformers_passes_them(kind):
     torch.testing.assert_close(fused.erased_attention(call, erase), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("tiles", sorted({fused.TILES["cuda"], fused.Tiles(16, 64), fused.Tiles(64, 16)}, key=str), ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_every_launch_shape_computes_the_same_sums(tiles, causal, monkeypatch):
+    """The GPU's tiles and others (more rows than keys per step, and fewer), run by the
+    interpreter on lengths that leave each a partial last tile, against the eager
+    reduction: the online rescaling over several key steps and the causal key bound."""
+    monkeypatch.setitem(fused.TILES, "cpu", tiles)
+    call, grad_output = _call(queries=100, keys=100, causal=causal)
+    key_weights = torch.ones(2, 100)
+    key_weights[1, -3:] = 0
+    expected_rows, terms = _eager(call, grad_output, key_weights)
+    rows = fused.positive_row_sums(call, grad_output, key_weights)
+    torch.testing.assert_close(rows, expected_rows, rtol=1e-5, atol=1e-5 * float(expected_rows.abs().max()))
+    row_weights = torch.rand(2, 100, generator=torch.Generator().manual_seed(5))
+    expected_columns = torch.einsum("bq,bhqk->bk", row_weights, terms)
+    columns = fused.weighted_column_sums(call, grad_output, row_weights, key_weights)
+    torch.testing.assert_close(columns, expected_columns, rtol=1e-5, atol=1e-5 * float(expected_columns.abs().max()))
+    erase = call.erase_bias(torch.rand(2, 100, generator=torch.Generator().manual_seed(6)) < 0.3, None)
+    expected = call.erased_output(erase, (call.num_heads, 7))
+    torch.testing.assert_close(fused.erased_attention(call, erase), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
 def test_a_row_whose_every_key_is_masked_sums_to_zero():
     mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
     mask[0, :, 3] = False

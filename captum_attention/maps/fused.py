@@ -1,10 +1,12 @@
 """Triton kernels for the streaming block reductions: flash-style, one program per block of
 query rows of one head, the logits recomputed in on-chip memory and never stored.
 
-Two passes over the keys per block of queries (as a flash attention backward does): the
-first finds each row's softmax statistics (its maximum logit m and its normaliser l), the
-second recomputes the probabilities ``P = exp(S - m) / l`` and ``G = dO·Vᵀ`` one block of
-keys at a time and reduces ``P ⊙ ReLU(G)``, or ``P`` alone (times the real keys' weights):
+Each program recomputes the probabilities ``P = exp(S - m) / l`` and ``G = dO·Vᵀ`` one
+block of keys at a time and reduces ``P ⊙ ReLU(G)``, or ``P`` alone (times the real keys'
+weights): row sums in one pass over the keys with an online softmax (the sum so far
+rescaled whenever a row's maximum logit m grows, and divided by its normaliser l at the
+end), column sums in two (m and l first, as a flash attention backward takes them, since
+every term of a column needs them):
 
 - :func:`positive_row_sums`: ``Σ_j (P ⊙ G⁺)_ij`` per query row and head, Grad-SAM's sums;
 - :func:`weighted_column_sums`: ``Σ_h Σ_i w_i (P ⊙ G⁺)_ij`` per key, the row-vector step of
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -37,6 +40,24 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a kernel is launched: ``rows`` query rows per program, ``keys`` keys per step
+    over them, and Triton's ``warps`` and pipeline ``stages``."""
+
+    rows: int
+    keys: int
+    warps: int = 4
+    stages: int = 2
+
+
+TILES = {"cuda": Tiles(64, 64, 4, 2), "cpu": Tiles(32, 32)}
+"""The launch per device. On CUDA a guess within the range flash attention's Triton
+kernels tune over, not yet measured (``benchmarks/gpu_check.py``'s ``kernel_tiles``
+times others); on the CPU (Triton's interpreter, the tests) small tiles, which several
+key steps cross."""
 
 
 def available() -> bool:
@@ -113,6 +134,29 @@ if triton is not None:
         return end
 
     @triton.jit
+    def _online_step(top, s):
+        """One tile of an online softmax: the rows' new largest logit, the factor on what
+        was summed under the old one, and the tile's ``exp(s - largest)`` (0 in a row
+        without a key yet)."""
+        new_top = tl.maximum(top, tl.max(s, axis=1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift))
+        return new_top, rescale, tl.exp(s - shift[:, None])
+
+    @triton.jit
+    def _key_factor(grad, v_base, key_weights_ptr, keys, key_ok, value_dim, stride_vk, stride_vd,
+                    DV: tl.constexpr, GRADIENT: tl.constexpr, PRECISION: tl.constexpr):
+        """What multiplies a key tile's probabilities: the keys' weights, times ReLU(dO·Vᵀ)
+        for the gradient sums."""
+        factor = tl.load(key_weights_ptr + keys, mask=key_ok, other=0.0)[None, :]
+        if GRADIENT:
+            value_dims = tl.arange(0, DV)
+            v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd,
+                        mask=key_ok[None, :] & (value_dims[:, None] < value_dim), other=0.0)
+            factor = factor * tl.maximum(tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32), 0.0)
+        return factor
+
+    @triton.jit
     def _reduce_block(
         q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, weights_ptr, key_weights_ptr, out_ptr,
         num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
@@ -126,53 +170,52 @@ if triton is not None:
         MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, GRADIENT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
+        """Row sums of ``P ⊙ F`` (``F`` the keys' weights, times ReLU(dO·Vᵀ) with
+        ``GRADIENT``) in one pass with an online softmax; or with ``COLUMNS`` their column
+        sums weighted by the rows' weights, in two passes (the rows' softmax statistics,
+        then the terms)."""
         program_m, b, h, kv, rows, row_ok = _program_rows(num_queries, num_heads, groups, BLOCK_M)
         value_dims = tl.arange(0, DV)
         q = _query_tile(q_ptr, b, h, rows, row_ok, head_dim, stride_qb, stride_qh, stride_qq, stride_qd, D)
+        grad = q  # not read without GRADIENT
         if GRADIENT:
             grad = tl.load(do_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_oq + value_dims[None, :] * stride_od,
                            mask=row_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
         k_base = k_ptr + b * stride_kb + kv * stride_kh
         v_base = v_ptr + b * stride_vb + kv * stride_vh
+        key_weights_base = key_weights_ptr + b * stride_kwb
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
         mask_row = tl.where(row_ok, rows, 0)
         key_end = _key_end(program_m, num_keys, BLOCK_M, CAUSAL)
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         norm = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, key_end, BLOCK_N):  # pass 1: the softmax statistics
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
-                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
-            new_top = tl.maximum(top, tl.max(s, axis=1))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            norm = norm * tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift)) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
-            top = new_top
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        inverse = tl.where(norm > 0, 1.0 / norm, 0.0)
-        if COLUMNS:
-            row_weights = tl.load(weights_ptr + b * stride_wb + rows, mask=row_ok, other=0.0)
-            inverse = inverse * row_weights
         sums = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, key_end, BLOCK_N):  # pass 2: P ⊙ ReLU(dO·Vᵀ), or P
+        for start in range(0, key_end, BLOCK_N):  # rows: the sums; columns: the statistics
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
             s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
-            key_weights = tl.load(key_weights_ptr + b * stride_kwb + keys, mask=key_ok, other=0.0)
-            terms = tl.exp(s - shift[:, None]) * key_weights[None, :] * inverse[:, None]
-            if GRADIENT:
-                v = tl.load(v_base + keys[None, :] * stride_vk + value_dims[:, None] * stride_vd,
-                            mask=key_ok[None, :] & (value_dims[:, None] < value_dim), other=0.0)
-                g = tl.dot(grad, v.to(grad.dtype), input_precision=PRECISION).to(tl.float32)
-                terms = terms * tl.maximum(g, 0.0)
-            if COLUMNS:
-                tl.atomic_add(out_ptr + b * num_keys + keys, tl.sum(terms, axis=0), mask=key_ok)
-            else:
-                sums += tl.sum(terms, axis=1)
+            top, rescale, p = _online_step(top, s)
+            norm = norm * rescale + tl.sum(p, axis=1)
+            if not COLUMNS:
+                factor = _key_factor(grad, v_base, key_weights_base, keys, key_ok, value_dim, stride_vk, stride_vd,
+                                     DV, GRADIENT, PRECISION)
+                sums = sums * rescale + tl.sum(p * factor, axis=1)
+        inverse = tl.where(norm > 0, 1.0 / norm, 0.0)
         if not COLUMNS:
-            tl.store(out_ptr + (b * num_heads + h) * num_queries + rows, sums, mask=row_ok)
-
+            tl.store(out_ptr + (b * num_heads + h) * num_queries + rows, sums * inverse, mask=row_ok)
+        else:
+            shift = tl.where(top == float("-inf"), 0.0, top)
+            inverse = inverse * tl.load(weights_ptr + b * stride_wb + rows, mask=row_ok, other=0.0)
+            for start in range(0, key_end, BLOCK_N):
+                keys = start + tl.arange(0, BLOCK_N)
+                key_ok = keys < num_keys
+                s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
+                            MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+                factor = _key_factor(grad, v_base, key_weights_base, keys, key_ok, value_dim, stride_vk, stride_vd,
+                                     DV, GRADIENT, PRECISION)
+                terms = tl.exp(s - shift[:, None]) * inverse[:, None] * factor
+                tl.atomic_add(out_ptr + b * num_keys + keys, tl.sum(terms, axis=0), mask=key_ok)
 
     @triton.jit
     def _erased_forward(
@@ -206,15 +249,11 @@ if triton is not None:
             s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
                         MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
             s = s + tl.load(erase_ptr + b * stride_eb + h * stride_eh + keys, mask=key_ok, other=0.0)[None, :]
-            new_top = tl.maximum(top, tl.max(s, axis=1))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            rescale = tl.exp(tl.where(top == float("-inf"), float("-inf"), top - shift))
-            p = tl.exp(s - shift[:, None])
+            top, rescale, p = _online_step(top, s)
             v = tl.load(v_base + keys[:, None] * stride_vk + value_dims[None, :] * stride_vd,
                         mask=key_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
             norm = norm * rescale + tl.sum(p, axis=1)
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            top = new_top
         out = acc / tl.where(norm > 0, norm, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_oq + h * stride_oh + value_dims[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < value_dim))
@@ -232,18 +271,21 @@ def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, r
     query, key, value, output_grad = _operands(call.query, call.key, value, output_grad)
     key_weights = key_weights.float().expand(batch, keys).contiguous()
     weights = row_weights.float().contiguous() if columns else key_weights  # type: ignore[union-attr]
-    block_m, block_n = 32, 32
-    grid = (batch * heads, triton.cdiv(queries, block_m))
-    _reduce_block[grid](
+    tiles = _tiles(call)
+    _reduce_block[(batch * heads, triton.cdiv(queries, tiles.rows))](
         query, key, value, output_grad, mask, weights, key_weights, out,
         queries, keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *output_grad.stride(), *mask_strides,
         weights.stride(0), key_weights.stride(0),
-        D=_tile(dim), DV=_tile(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=_dim_tile(dim), DV=_dim_tile(value_dim), BLOCK_M=tiles.rows, BLOCK_N=tiles.keys,
         MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns, GRADIENT=gradient,
-        PRECISION=_precision(query.dtype),
+        PRECISION=_precision(query.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
+
+
+def _tiles(call: KernelCall) -> Tiles:
+    return TILES["cpu" if call.query.device.type == "cpu" else "cuda"]
 
 
 def _operands(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -264,7 +306,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tile(size: int) -> int:
+def _dim_tile(size: int) -> int:
     """A head dimension's tile: the next power of two, at least 16 (the products' least
     size); the dimensions beyond ``size`` load as zeros."""
     return max(16, triton.next_power_of_2(size))
@@ -305,12 +347,13 @@ def erased_attention(call: KernelCall, erase: Tensor) -> Tensor:
     mask, mask_strides, mask_kind = _mask_operand(call)
     erase = erase[:, :, 0].float().contiguous()
     erase_strides = tuple(0 if size == 1 else stride for size, stride in zip(erase.shape[:2], erase.stride()[:2]))
-    block_m, block_n = 32, 32
-    _erased_forward[(batch * heads, triton.cdiv(queries, block_m))](
+    tiles = _tiles(call)
+    _erased_forward[(batch * heads, triton.cdiv(queries, tiles.rows))](
         query, key, value, mask, erase, out,
         queries, call.num_keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides, *erase_strides,
-        D=_tile(dim), DV=_tile(value_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=_dim_tile(dim), DV=_dim_tile(value_dim), BLOCK_M=tiles.rows, BLOCK_N=tiles.keys,
         MASK_KIND=mask_kind, CAUSAL=call.causal, PRECISION=_precision(query.dtype),
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
