@@ -1,6 +1,6 @@
 """Time and peak memory of each method, streaming and eager, against length and batch size.
 
-    python benchmarks/scaling.py [--model llama|bert|llama-1b] [--device cpu|cuda]
+    python benchmarks/scaling.py [--model llama|bert|llama-1b|gemma2] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
         [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
         [--reduction default|eager|compiled|triton] [--json out.json]
@@ -9,7 +9,9 @@
 Models (random weights, sequence classifiers, so the explained logit is one class):
 ``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
 heads; ``llama-1b``: shaped like Llama-3.2-1B (16 layers, hidden 2048, 32 heads, 8 KV heads,
-vocabulary cut to 32k). For each (batch, length): the model's own sdpa forward and
+vocabulary cut to 32k); ``gemma2``: the ``llama`` shape with Gemma-2's logit softcap and
+sliding window, which transformers runs only eagerly, so that its "sdpa" runs are the
+model's own eager attention. For each (batch, length): the model's own sdpa forward and
 forward+backward to the input embeddings, each method streaming (``capture="streaming"``)
 and ``attention_erasure`` streaming (10% of the keys erased: two forwards); up to
 ``--eager-max`` tokens also the eager forward and forward+backward with attentions and each
@@ -68,6 +70,10 @@ def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
             intermediate_size=1536, max_position_embeddings=positions, num_labels=2,
         )
     shape = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    if name == "gemma2":  # the Llama's shape with Gemma-2's logit softcap (50) and sliding window (4096)
+        return tf.Gemma2Config(
+            vocab_size=1000, max_position_embeddings=positions, num_labels=2, pad_token_id=0, head_dim=32, **shape
+        )
     if name == "llama-1b":
         shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
     return tf.LlamaConfig(
@@ -80,7 +86,9 @@ def scaling_model(name: str, max_length: int, device: str, dtype: torch.dtype) -
     """The model, initialised on ``device`` (a 1B model initialises in seconds on a GPU)."""
     torch.manual_seed(0)
     config = model_config(name, max_length)
-    classifier = tf.BertForSequenceClassification if name == "bert" else tf.LlamaForSequenceClassification
+    classifier = {"bert": tf.BertForSequenceClassification, "gemma2": tf.Gemma2ForSequenceClassification}.get(
+        name, tf.LlamaForSequenceClassification
+    )
     with torch.device(device):
         return classifier(config).eval().to(dtype=dtype)
 
@@ -206,7 +214,7 @@ def table(results: list[dict]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b"])
+    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b", "gemma2"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])

@@ -256,7 +256,9 @@ class UnsupportedModelError(ValueError):
 class SdpaCall:
     """The arguments of one call of transformers' ``sdpa`` attention function, as the
     kernel uses them: the key and value heads each serving ``groups`` query heads, the
-    scale, the mask, whether the kernel adds its own causal mask, T5's position bias."""
+    scale, the mask, whether the kernel adds its own causal mask, T5's position bias; and
+    what only the families' own attention functions model, Gemma-2's logit ``softcap``
+    and gpt-oss's per-head attention ``sinks``."""
 
     query: Tensor
     key: Tensor
@@ -266,6 +268,8 @@ class SdpaCall:
     causal: bool
     position_bias: Tensor | None
     groups: int
+    softcap: float | None = None
+    sinks: Tensor | None = None
 
 
 def sdpa_call(
@@ -284,13 +288,18 @@ def sdpa_call(
     arguments, mirrored: each grouped-query key/value head serves ``groups`` consecutive
     query heads (as its ``repeat_kv``, without the copy); the kernel's causal mask only
     for more than one query, no explicit mask and a causal module (keys cropped to the
-    queries, as it does); T5's position bias added. Anything the recomputation cannot
-    reproduce raises :class:`StreamingUnsupported`."""
+    queries, as it does); T5's position bias added. Also what sdpa cannot compute but the
+    eager functions of Gemma-2 and gpt-oss do: ``softcap`` (``c·tanh(S / c)`` before the
+    mask) and ``s_aux``, one sink logit per head that joins each row's softmax and weights
+    no value. Anything the recomputation cannot reproduce (per-token ``sinks``) raises
+    :class:`StreamingUnsupported`."""
     if dropout:
         raise StreamingUnsupported("attention dropout is active (call model.eval())")
-    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
-    if unsupported:
-        raise StreamingUnsupported(f"the attention call passes {unsupported}, which the recomputation does not model")
+    if kwargs.get("sinks") is not None:
+        raise StreamingUnsupported("the attention call passes per-token sinks, which the recomputation does not model")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.numel() != query.shape[1]):
+        raise StreamingUnsupported("the attention call passes sinks that are not one logit per head")
     groups = query.shape[1] // key.shape[1]
     if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
         raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
@@ -300,4 +309,8 @@ def sdpa_call(
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
         position_bias = None if position_bias is None else position_bias[..., : query.shape[2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return SdpaCall(query, key, value, float(scale), attention_mask, causal, position_bias, groups)
+    softcap = kwargs.get("softcap")
+    return SdpaCall(
+        query, key, value, float(scale), attention_mask, causal, position_bias, groups,
+        None if softcap is None else float(softcap), None if sinks is None else sinks.reshape(1, -1, 1, 1),
+    )

@@ -32,8 +32,28 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
         ),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**gqa)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa)),
+        # a logit softcap small enough to bend the logits, and a window shorter than the prompts
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)),
+        "gpt_oss": lambda: _with_sinks(tf.GptOssForCausalLM(tf.GptOssConfig(
+            **gqa, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ))),
     }
     return configs[name]().eval()
+
+
+EXPLICIT_DECODERS = ("gemma2", "gpt_oss")
+"""Decoders whose attention sdpa cannot compute: Gemma-2's logit softcap, gpt-oss's sinks."""
+
+
+def _with_sinks(model: nn.Module) -> nn.Module:
+    """gpt-oss with sink logits of either sign, large enough to take a visible share of rows."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), nn.Parameter):
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=generator) * 2)
+    return model
 
 
 WORDS = [

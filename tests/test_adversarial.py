@@ -205,3 +205,16 @@ def test_bad_options_get_clear_errors():
     plain = make_plain("mha")
     with pytest.raises(ValueError, match="streaming"):
         adversarial_keys(plain, batch.input_ids, (batch.attention_mask,))
+
+
+def test_attention_with_sinks_is_refused_in_one_line_and_the_model_left_as_found():
+    """gpt-oss's softmax holds a sink column after the keys, which shifting the keys'
+    logits does not model: refused, with the model as it was."""
+    from captum_attention import UnsupportedModelError
+
+    model, prompts = make_decoder("gpt_oss"), make_prompts(side="left")
+    before = model_state(model)
+    with pytest.raises(UnsupportedModelError, match="attention sinks") as refusal:
+        adversarial_attention(model, prompts.input_ids, (prompts.attention_mask,), layers=[0], steps=2)
+    assert "\n" not in str(refusal.value)
+    assert_same_state(before, model_state(model))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, counted, make_batch, make_model, model_state
-from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
+from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_prompts, make_vision
 from methods import METHODS
 from plain_models import make_plain
 from test_encoder_decoder import make_pair
@@ -561,3 +561,111 @@ def test_a_classifier_explained_through_the_rows_backward_equals_eager_capture(m
     actual = METHODS[method].cls(model, capture="streaming").attribute(ids, target=1, additional_forward_args=args)
     assert used
     _rel_close(actual, expected)
+
+
+def _explicit_reference(call, erased=None):
+    """The eager attention of Gemma-2 and gpt-oss written out on full maps: softcap before
+    the mask, a sink column joining the softmax and dropped after it, erased keys -inf."""
+    query, key, value = (t.detach().requires_grad_() for t in (call.query, call.key, call.value))
+    repeat = lambda t: t.repeat_interleave(call.groups, dim=1)  # noqa: E731
+    logits = query @ repeat(key).transpose(-1, -2) * call.scale
+    if call.softcap is not None:
+        logits = torch.tanh(logits / call.softcap) * call.softcap
+    if call.mask is not None:
+        bias = call.mask.float() if call.mask.dtype != torch.bool else torch.zeros(call.mask.shape).masked_fill(~call.mask, -torch.inf)
+        logits = logits + bias
+    if call.causal:
+        logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), -torch.inf)
+    if erased is not None:
+        logits = logits.masked_fill(erased[:, None, None, :], -torch.inf)
+    if call.sinks is not None:
+        sinks = call.sinks.expand(logits.shape[0], -1, logits.shape[2], 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = logits.softmax(dim=-1).nan_to_num(0.0)
+    return (query, key, value), probs, (probs @ repeat(value)).transpose(1, 2)
+
+
+EXPLICIT_CALLS = {
+    "softcap": dict(softcap=0.6),
+    "sinks": dict(sinks=True),
+    "softcap and sinks, causal": dict(softcap=0.6, sinks=True, causal=True),
+    "sinks, additive padding": dict(sinks=True, mask="additive"),
+    "softcap, boolean padding": dict(softcap=0.6, mask="bool"),
+}
+
+
+@pytest.mark.parametrize("case", EXPLICIT_CALLS, ids=list(EXPLICIT_CALLS))
+def test_softcap_and_sinks_give_the_eager_attention_its_output_and_gradients(case):
+    """A call sdpa cannot compute, block by block: its probabilities, output, erased output
+    and the gradients of its query, key and value equal the eager formula's (grouped heads,
+    blocks of 5 rows, a row left with no key)."""
+    options = EXPLICIT_CALLS[case]
+    generator = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    mask = None
+    if "mask" in options:
+        keep = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+        keep[1, ..., :3] = False  # left padding: example 1's first rows see no key
+        mask = keep if options["mask"] == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    call = kernel.KernelCall(
+        rand(2, 4, 11, 8) * 3, rand(2, 2, 11, 8) * 3, rand(2, 2, 11, 8), 8**-0.5, mask, options.get("causal", False),
+        groups=2, softcap=options.get("softcap"), sinks=rand(1, 4, 1, 1) * 2 if options.get("sinks") else None,
+    )
+    assert call.explicit
+    leaves, probs, output = _explicit_reference(call)
+    real_rows = slice(3, None) if mask is not None else slice(None)  # example 1's keyless rows: eager's are uniform
+    torch.testing.assert_close(call.probs(slice(0, 11))[:, :, real_rows], probs.detach()[:, :, real_rows])
+    torch.testing.assert_close(call.erased_output(None, (4, 5))[:, real_rows], output.detach()[:, real_rows])
+    grad_output = rand(2, 11, 4, 8)
+    grad_output[:, : real_rows.start or 0] = 0
+    expected = torch.autograd.grad(output, leaves, grad_output)
+    rows = [slice(start, min(start + 5, 11)) for start in range(0, 11, 5)]
+    for got, want in zip(call.backward(grad_output, rows), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    erased = torch.rand(2, 11, generator=generator) < 0.3
+    _, _, erased_output = _explicit_reference(call, erased)
+    actual = call.erased_output(call.erase_bias(erased, None), (4, 5))
+    torch.testing.assert_close(actual[:, real_rows], erased_output.detach()[:, real_rows].nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("decoder", EXPLICIT_DECODERS)
+def test_softcap_and_sinks_stream_as_eager_capture_explains_them(decoder):
+    """Gemma-2 (logit softcap, sliding window) and gpt-oss (sinks, sliding window, experts),
+    which transformers runs only eagerly: streamed, every method's answer explanation
+    (per token and as a span), erasure and the model's output equal eager capture's, left
+    padding included, and the model is left as found."""
+    model, prompts = make_decoder(decoder), make_prompts(side="left")
+    continuation, args = torch.tensor([[7, 8], [10, 11], [13, 14]]), (prompts.attention_mask,)
+    before = model_state(model)
+    for method in METHODS:
+        cls = METHODS[method].cls
+        explainer = cls(model, capture="streaming")
+        streamed = [
+            explainer.attribute_continuation(prompts.input_ids, continuation, args),
+            explainer.attribute_span(prompts.input_ids, continuation, args),
+        ]
+        assert explainer.last_capture == "streaming", explainer.last_capture
+        eager = cls(model, capture="eager")
+        expected = [
+            eager.attribute_continuation(prompts.input_ids, continuation, args),
+            eager.attribute_span(prompts.input_ids, continuation, args),
+        ]
+        for got, want in zip(_flat(streamed), _flat(expected)):
+            _rel_close(got, want)
+        assert all(bool(score.abs().sum() > 0) for score in _flat(expected)), method
+    erased = prompts.real & (torch.rand(prompts.real.shape, generator=torch.Generator().manual_seed(0)) < 0.4)
+    erased[:, -1] = False
+    streamed = attention_erasure(model, prompts.input_ids, erased, args, capture="streaming")
+    eager = attention_erasure(model, prompts.input_ids, erased, args, capture="eager")
+    _rel_close(streamed.original, eager.original)
+    _rel_close(streamed.erased, eager.erased)
+    assert (streamed.erased - streamed.original).abs().max() > 1e-4, "the erasure should move the output"
+    from captum_attention.metrics import attention_permutation
+
+    options = dict(layers=[0, -1], heads=[0, 3], n_permutations=2, seed=4)
+    streamed = attention_permutation(model, prompts.input_ids, args, capture="streaming", **options)
+    eager = attention_permutation(model, prompts.input_ids, args, capture="eager", **options)
+    _rel_close(streamed.median_tvd, eager.median_tvd, rel=1e-4)
+    assert streamed.median_tvd.max() > 1e-4, "the permutation should move the output"
+    assert_same_state(before, model_state(model))

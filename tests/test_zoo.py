@@ -18,7 +18,7 @@ POPULAR = {
         "bert", "llama", "gpt2", "bart", "mbart", "plbart", "t5", "bloom", "falcon", "mpt", "gpt_neo",
         "deberta", "deberta-v2", "gemma2", "mixtral", "gptj", "t5gemma",
     ),
-    "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2"),
+    "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2", "gpt_oss"),
     "image classification": ("vit", "clip", "siglip", "data2vec-vision", "swin", "swinv2", "donut-swin", "segformer", "pvt_v2"),
 }
 """The families every user meets, and the ones that once failed or were wrong."""
@@ -72,13 +72,29 @@ def test_transformer_attribution_source_scores_of_order_1e_5_are_exact_in_both_m
 
 
 def test_a_model_without_sdpa_is_explained_eager_with_the_reason():
-    architecture = _architecture("sequence classification", "gemma2")
+    """Granite-SWA runs only eagerly, and its sinks scale the output (its maps sum to 1):
+    not a softmax sink the recomputation models."""
+    architecture = _architecture("causal LM", "granite_swa")
     case = make_case(build(architecture), architecture)
     explainer = GradSAM(case.model)
-    explainer.attribute(case.inputs, target=1, additional_forward_args=case.args)
-    assert explainer.last_capture.startswith("eager: Gemma2ForSequenceClassification cannot run sdpa attention")
+    explainer.attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    assert explainer.last_capture.startswith("eager: GraniteSWAForCausalLM cannot run sdpa attention")
     with pytest.raises(ValueError, match="capture='streaming' is not possible here"):
-        GradSAM(case.model, capture="streaming").attribute(case.inputs, target=1, additional_forward_args=case.args)
+        GradSAM(case.model, capture="streaming").attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+
+
+@pytest.mark.parametrize("head, model_type", [
+    ("sequence classification", "gemma2"), ("sequence classification", "t5gemma"), ("causal LM", "vaultgemma"),
+    ("causal LM", "gpt_oss"), ("causal LM", "mimo_v2_flash"), ("causal LM", "hy_v4"), ("causal LM", "flint"),
+])
+def test_softcap_and_sink_families_stream(head, model_type):
+    """The families transformers runs only eagerly for their logit softcap or sinks stream
+    (their outcomes, streamed, are checked against the eager twin's maps by the sweep)."""
+    architecture = _architecture(head, model_type)
+    case = make_case(build(architecture), architecture)
+    explainer = GradSAM(case.model)
+    explainer.attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    assert explainer.last_capture == "streaming"
 
 
 def test_a_decoder_whose_modules_say_not_causal_is_read_as_causal_from_its_probabilities():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
-from ..maps.kernel import KernelCall, live_rows
+from ..maps.kernel import KernelCall, block_shape, live_rows
 from .guard import SharedPatch
 
 
@@ -82,6 +82,9 @@ def _dispatch(
     call = kernel_call(module, query, key, value, attention_mask, *args, **kwargs)
 
     def run(*used: Tensor) -> Tensor:
+        if call.explicit:  # keys and values as the call holds them (cropped to a causal call's queries)
+            used_query, used_key, used_value = used
+            return _ExplicitAttention.apply(used_query, used_key[:, :, : call.num_keys], used_value[:, :, : call.num_keys], call)
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
     def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False) -> Tensor:
@@ -102,7 +105,10 @@ def _rows_backward_applies(call: KernelCall, inputs: tuple[Tensor, ...], attenti
     """Whether the call is differentiated and the gradients of its query, key and value
     are all it has (no position bias, no mask that is itself differentiated)."""
     differentiated = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return differentiated and call.position_bias is None and not (isinstance(attention_mask, Tensor) and attention_mask.requires_grad)
+    return (
+        differentiated and not call.explicit and call.position_bias is None
+        and not (isinstance(attention_mask, Tensor) and attention_mask.requires_grad)
+    )
 
 
 class _RowsBackward(torch.autograd.Function):
@@ -136,6 +142,28 @@ class _RowsBackward(torch.autograd.Function):
         return (*(grad if leaf.requires_grad else None for grad, leaf in zip(padded, ctx.leaves)), None, None)
 
 
+class _ExplicitAttention(torch.autograd.Function):
+    """An attention call that ``scaled_dot_product_attention`` cannot compute (a softcap,
+    sinks: :attr:`~captum_attention.maps.kernel.KernelCall.explicit`), computed from its
+    probabilities one block of rows at a time in the forward and again in the backward
+    (:meth:`~captum_attention.maps.kernel.KernelCall.backward`, the blocks whose output
+    gradient is zero skipped): the model's eager attention, exactly, without its
+    ``(heads, N, N)`` tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, call: KernelCall) -> Tensor:
+        ctx.call = replace(call, query=query.detach(), key=key.detach(), value=value.detach(), output=None)
+        return ctx.call.erased_output(None, block_shape(ctx.call))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        call = ctx.call
+        heads, rows = block_shape(call)
+        blocks = call.blocks((call.num_heads, max(1, heads * rows // call.num_heads)), reached=live_rows(grad_output))
+        grads = call.backward(grad_output, (rows for _, rows in blocks))  # one block of every head per rows
+        return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)), None)
+
+
 _SDPA = SharedPatch(lambda: attention_function("sdpa"), lambda f: register_attention_function("sdpa", f), _dispatch)
 
 
@@ -148,4 +176,5 @@ def kernel_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
     return KernelCall(
         call.query.detach(), call.key.detach(), call.value.detach(), call.scale, call.mask, call.causal,
         None if call.position_bias is None else call.position_bias.detach(), call.groups,
+        softcap=call.softcap, sinks=None if call.sinks is None else call.sinks.detach(),
     )

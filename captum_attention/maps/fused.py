@@ -20,8 +20,9 @@ Under the kernel's causal flag a block of query rows stops at the key of its las
 They compute what :func:`~captum_attention.maps.streaming.exp_terms` computes from a
 :class:`~captum_attention.maps.kernel.KernelCall`: grouped-query heads, the kernel's
 causal flag, a boolean or additive mask broadcast over ``(B, H, Q, K)``, and the scale.
-Calls with a position bias (T5) are not handled (:func:`supports`). ``TRITON_INTERPRET=1``
-runs the kernels on CPU tensors, exactly and slowly: how the tests check them.
+Calls with a position bias (T5), a softcap (Gemma-2) or sinks (gpt-oss) are not handled
+(:func:`supports`). ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors, exactly and
+slowly: how the tests check them.
 """
 
 from __future__ import annotations
@@ -66,11 +67,11 @@ def available() -> bool:
 
 
 def supports(call: KernelCall, gradient: bool = True) -> bool:
-    """Whether the kernels compute this call exactly: no position bias, a mask (if any) of
-    four dimensions broadcastable to ``(B, H, Q, K)``, and for the gradient kernels the
-    values (a capture without gradients keeps none)."""
+    """Whether the kernels compute this call exactly: no position bias, softcap or sinks, a
+    mask (if any) of four dimensions broadcastable to ``(B, H, Q, K)``, and for the
+    gradient kernels the values (a capture without gradients keeps none)."""
     return (
-        call.position_bias is None and (call.value is not None or not gradient)
+        call.position_bias is None and not call.explicit and (call.value is not None or not gradient)
         and (call.mask is None or call.mask.dim() == 4) and not math.isnan(call.scale)
     )
 

@@ -38,7 +38,8 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
     underflowed (a peaked attention that put ~all its mass on erased keys).
 
     Args:
-        attn: ``(B, H, T, T)`` probabilities.
+        attn: ``(B, H, T, T)`` probabilities; columns after the ``T`` keys (gpt-oss's sink,
+            which joins the softmax) are never erased.
         erased: ``(B, T)`` bool, True for the key positions to erase.
         scores: ``(B, H, T, T)`` pre-softmax scores, optional.
 
@@ -46,6 +47,8 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
         ``(B, H, T, T)`` probabilities; a row whose every key was erased stays zero.
     """
     keys = erased[:, None, None, :]
+    if attn.shape[-1] > keys.shape[-1]:
+        keys = torch.cat([keys, keys.new_zeros(*keys.shape[:-1], attn.shape[-1] - keys.shape[-1])], dim=-1)
     if scores is not None:
         # Keys the model masked itself (scores at the dtype's minimum, as transformers
         # masks) stay out, as they do when renormalising probabilities.
@@ -64,14 +67,17 @@ def permute_rows(attn: Tensor, real: Tensor, generator: torch.Generator | None =
     head gets its own random permutation of the real key positions.
 
     Args:
-        attn: ``(B, H, Q, K)`` probabilities.
+        attn: ``(B, H, Q, K)`` probabilities; columns after the ``K`` keys (gpt-oss's sink)
+            keep their weight.
         real: ``(B, K)`` bool, True for real (non-padding) keys.
         generator: random generator (on the CPU) for reproducible permutations.
 
     Returns:
         ``(B, H, T, T)`` probabilities with each row's real entries permuted.
     """
-    batch, _, _, num_keys = attn.shape
+    batch, num_keys = real.shape
+    if attn.shape[-1] > num_keys:
+        return torch.cat([permute_rows(attn[..., :num_keys], real, generator), attn[..., num_keys:]], dim=-1)
     draws = torch.rand(attn.shape, generator=generator).to(attn.device)
     padded_last = (~real)[:, None, None, :].expand_as(attn)
     shuffled_keys = draws.masked_fill(padded_last, 2.0).argsort(dim=-1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,14 @@ class KernelCall:
             ``(B, H, Q, K)``, or None.
         causal: whether the kernel applies its own causal mask (upper-left aligned).
         position_bias: an additive ``(B or 1, H, Q, K)`` bias (T5), or None.
+        groups: how many consecutive query heads each key head serves.
         output: the call's output ``(B, Q, H, Dv)``, in the autograd graph, kept when
             gradients are tracked (else None).
+        softcap: ``c`` of Gemma-2's logit cap ``c·tanh(S / c)``, applied to the scaled
+            products before any mask or bias; None for none.
+        sinks: ``(1, H, 1, 1)`` one logit per head (gpt-oss) that joins every row's
+            softmax and weights no value, so that a row's probabilities sum below 1; None
+            for none.
     """
 
     query: Tensor
@@ -63,6 +69,14 @@ class KernelCall:
     position_bias: Tensor | None = None
     groups: int = 1
     output: Tensor | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether only the explicit computation gives this call's output: a softcap or
+        sinks, which ``scaled_dot_product_attention`` does not model."""
+        return self.softcap is not None or self.sinks is not None
 
     @property
     def num_heads(self) -> int:
@@ -125,11 +139,23 @@ class KernelCall:
             products = torch.matmul(grouped.float(), keys.float().transpose(-1, -2))
         return products.reshape(batch, num_heads, num_rows, num_keys)
 
-    def logits(self, rows: slice, heads: slice = slice(None)) -> Tensor:
-        """``(B, h, r, key_span)`` float32 pre-softmax scores of the query rows ``rows`` of
-        the query heads ``heads`` (default all)."""
-        keys = self.key_span(rows)
-        scores = self._per_key_head(self.query[:, heads, rows] * self.scale, self.key[:, :, :keys], heads)
+    def _scores(self, rows: slice, heads: slice) -> Tensor:
+        """``s·Q·Kᵀ`` ``(B, h, r, key_span)`` float32 of the query rows ``rows`` of the
+        query heads ``heads``, before any cap, mask or bias."""
+        return self._per_key_head(self.query[:, heads, rows] * self.scale, self.key[:, :, : self.key_span(rows)], heads)
+
+    def _capped(self, scores: Tensor, with_slope: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``c·tanh(scores / c)`` (in place) under a softcap, else ``scores``; and with
+        ``with_slope`` its derivative ``1 - tanh²(scores / c)`` (None without a cap)."""
+        if self.softcap is None:
+            return scores, None
+        tanh = scores.div_(self.softcap).tanh_()
+        slope = 1 - tanh.square() if with_slope else None
+        return tanh.mul_(self.softcap), slope
+
+    def _biased(self, scores: Tensor, rows: slice, heads: slice) -> Tensor:
+        """The block's (capped) scores with its mask, causal mask and position bias added (in place)."""
+        keys = scores.shape[-1]
         if self.causal and self.mask is None and self.position_bias is None:
             # only the block's own square holds later keys
             square = scores[..., rows.start : keys]
@@ -139,11 +165,32 @@ class KernelCall:
         bias = self.logit_bias(rows, keys, heads)
         return scores if bias is None else scores.add_(bias)
 
-    def probs(self, rows: slice, heads: slice = slice(None)) -> Tensor:
+    def logits(self, rows: slice, heads: slice = slice(None)) -> Tensor:
+        """``(B, h, r, key_span)`` float32 pre-softmax scores of the query rows ``rows`` of
+        the query heads ``heads`` (default all)."""
+        return self._biased(self._capped(self._scores(rows, heads))[0], rows, heads)
+
+    def sink_logits(self, heads: slice = slice(None)) -> Tensor | None:
+        """``(1, h, 1, 1)`` float32 sink logits of the query heads ``heads``, or None."""
+        return None if self.sinks is None else self.sinks[:, heads].float()
+
+    def probs(self, rows: slice, heads: slice = slice(None), bias: Tensor | None = None) -> Tensor:
         """``(B, h, r, key_span)`` float32 attention probabilities of the query rows ``rows``
-        of the query heads ``heads`` (0 in a row whose every key is masked)."""
-        probs = self.logits(rows, heads).softmax(dim=-1)
-        return probs if self.mask is None else probs.nan_to_num_(nan=0.0)
+        of the query heads ``heads`` (0 in a row whose every key is masked), with ``bias``
+        (broadcast over the block) added to the logits."""
+        logits = self.logits(rows, heads)
+        return self._normalised(logits if bias is None else logits.add_(bias), heads, self.mask is not None or bias is not None)
+
+    def _normalised(self, logits: Tensor, heads: slice, masked: bool) -> Tensor:
+        """The softmax of ``logits`` (in place), with the heads' sinks in each row's
+        normaliser; 0 in a row without a key (``masked``: whether one can be)."""
+        sinks = self.sink_logits(heads)
+        if sinks is None:
+            probs = logits.softmax(dim=-1)
+            return probs.nan_to_num_(nan=0.0) if masked else probs
+        top = torch.maximum(logits.amax(dim=-1, keepdim=True), sinks)
+        exp = logits.sub_(top).exp_()
+        return exp.div_(exp.sum(dim=-1, keepdim=True) + (sinks - top).exp())
 
     def rows_at(self, query_index: Tensor) -> Tensor:
         """``(B, H, K)`` float32 probabilities of each example's row ``query_index[b]`` (a
@@ -176,30 +223,45 @@ class KernelCall:
     def rows_backward(self, grad_output: Tensor, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
         """The gradients ``(dQ, dK, dV)`` of the call's query, key and value (their shapes
         and dtypes) from a gradient of its output ``(B, Q, H, Dv)`` that is zero outside the
-        query rows ``rows``: the kernel's backward restricted to those rows (with A the
-        rows' probabilities and dA = dO·Vᵀ: dS = A ⊙ (dA - Σ_j A ⊙ dA), dQ = s·dS·K,
-        dK = s·dSᵀ·Q, dV = Aᵀ·dO), in float32, at ``rows × keys`` instead of
-        ``queries × keys``. The position bias and an additive mask get no gradient."""
+        query rows ``rows``: the kernel's backward restricted to those rows, at ``rows ×
+        keys`` instead of ``queries × keys`` (:meth:`backward`)."""
+        return self.backward(grad_output, [rows])
+
+    def backward(self, grad_output: Tensor, row_blocks: Iterable[slice]) -> tuple[Tensor, Tensor, Tensor]:
+        """The gradients ``(dQ, dK, dV)`` of the call's query, key and value (their shapes
+        and dtypes) from a gradient of its output ``(B, Q, H, Dv)`` that is zero outside the
+        ``row_blocks``, one block of rows of every head at a time, accumulated in float32:
+        with A the rows' probabilities and dA = dO·Vᵀ, dS = A ⊙ (dA - Σ_j A ⊙ dA) (a sink,
+        which weights no value, adds nothing to the sum), times ``1 - tanh²(S₀ / c)`` under
+        a softcap (S₀ the scaled products), dQ = s·dS·K, dK = s·dSᵀ·Q, dV = Aᵀ·dO. The
+        position bias, an additive mask and the sinks get no gradient."""
         assert self.value is not None, "the values were not recorded (no gradient tracked)"
+        grads = tuple(torch.zeros(t.shape, device=t.device) for t in (self.query, self.key, self.value))
+        for rows in row_blocks:
+            self._add_row_grads(grad_output, rows, *grads)
+        return tuple(grad.to(t.dtype) for grad, t in zip(grads, (self.query, self.key, self.value)))  # type: ignore[return-value]
+
+    def _add_row_grads(self, grad_output: Tensor, rows: slice, grad_query: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
+        assert self.value is not None
         batch, num_rows, kv_heads = self.query.shape[0], rows.stop - rows.start, self.key.shape[1]
-        probs = self.probs(rows)
+        every_head = slice(None)
+        capped, slope = self._capped(self._scores(rows, every_head), with_slope=True)
+        probs = self._normalised(self._biased(capped, rows, every_head), every_head, self.mask is not None)
         grad_probs = self.grad_probs(grad_output, rows)
         grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
+        grad_logits = grad_logits if slope is None else grad_logits.mul_(slope)
         span = probs.shape[-1]
 
         def grouped(tensor: Tensor) -> Tensor:  # (B, H, r, x) -> (B, H / groups, groups · r, x)
             return tensor.reshape(batch, kv_heads, -1, tensor.shape[-1])
 
-        grad_query = torch.zeros_like(self.query)
-        grad_query[:, :, rows] = (torch.matmul(grouped(grad_logits), self.key[:, :, :span].float()) * self.scale).reshape(
+        grad_query[:, :, rows] += (torch.matmul(grouped(grad_logits), self.key[:, :, :span].float()) * self.scale).reshape(
             batch, self.num_heads, num_rows, -1
-        ).to(self.query.dtype)
-        grad_key, grad_value = torch.zeros_like(self.key), torch.zeros_like(self.value)
+        )
         query_rows = grouped(self.query[:, :, rows].float())
-        grad_key[:, :, :span] = (torch.matmul(grouped(grad_logits).transpose(-1, -2), query_rows) * self.scale).to(self.key.dtype)
+        grad_key[:, :, :span] += torch.matmul(grouped(grad_logits).transpose(-1, -2), query_rows) * self.scale
         grad_rows = grouped(grad_output[:, rows].transpose(1, 2).float())
-        grad_value[:, :, :span] = torch.matmul(grouped(probs).transpose(-1, -2), grad_rows).to(self.value.dtype)
-        return grad_query, grad_key, grad_value
+        grad_value[:, :, :span] += torch.matmul(grouped(probs).transpose(-1, -2), grad_rows)
 
     def blocks(self, shape: tuple[int, int], reached: Tensor | None = None) -> Iterator[tuple[slice, slice]]:
         """``(heads, rows)`` slices of the blocks of ``shape = (heads, rows)``, the query rows
@@ -222,24 +284,30 @@ class KernelCall:
         chosen[[h for h in heads if 0 <= h < self.num_heads]] = True
         return erase if bool(chosen.all()) else torch.where(chosen[None, :, None, None], erase, 0.0)
 
-    def erased_output(self, erase: Tensor, shape: tuple[int, int]) -> Tensor:
-        """The call's output ``(B, Q, H, Dv)`` with ``erase`` (:meth:`erase_bias`) added to
-        its logits: exactly zeroing the attention to the erased keys and renormalising each
-        row. Computed by the kernel one block of ``shape`` at a time (a causal block over
-        the keys up to its last row, as the causal kernel skips the rest); a row whose every
-        key is erased gives 0."""
+    def erased_output(self, erase: Tensor | None, shape: tuple[int, int]) -> Tensor:
+        """The call's output ``(B, Q, H, Dv)`` with ``erase`` (:meth:`erase_bias`; None for
+        none) added to its logits: exactly zeroing the attention to the erased keys and
+        renormalising each row. Computed by the kernel one block of ``shape`` at a time (a
+        causal block over the keys up to its last row, as the causal kernel skips the rest),
+        or for an :attr:`explicit` call from its probabilities; a row whose every key is
+        erased gives 0."""
         assert self.value is not None
         output = self.query.new_empty(*self.query.shape[:3], self.value.shape[-1])
         for block_heads, rows in self.blocks(shape):
             keys = self.key_span(rows)
-            block_erase = erase[:, block_heads if erase.shape[1] > 1 else slice(None), :, :keys]
+            block_erase = None if erase is None else erase[:, block_heads if erase.shape[1] > 1 else slice(None), :, :keys]
+            if self.explicit:
+                probs = self.probs(rows, block_heads, block_erase)
+                output[:, block_heads, rows] = self._per_key_head(probs, self.value[:, :, :keys].transpose(-1, -2), block_heads)
+                continue
             bias = self.logit_bias(rows, keys, block_heads)
-            bias = block_erase if bias is None else bias + block_erase
+            bias = block_erase if bias is None else bias if block_erase is None else bias + block_erase
             first, last, _ = block_heads.indices(self.num_heads)
             key_heads = slice(first // self.groups, -(-last // self.groups))
             out = F.scaled_dot_product_attention(
                 self.query[:, block_heads, rows], self.key[:, key_heads, :keys], self.value[:, key_heads, :keys],
-                attn_mask=bias.to(self.query.dtype), scale=self.scale, enable_gqa=last - first > 1 and self.groups > 1,
+                attn_mask=None if bias is None else bias.to(self.query.dtype), scale=self.scale,
+                enable_gqa=last - first > 1 and self.groups > 1,
             )
             output[:, block_heads, rows] = torch.nan_to_num(out, nan=0.0)
         return output.transpose(1, 2).contiguous()
@@ -265,6 +333,7 @@ def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
     return KernelCall(
         pick(call.query, call.num_heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
         call.scale, pick(call.mask, call.num_heads), call.causal, pick(call.position_bias, call.num_heads),
+        softcap=call.softcap, sinks=pick(call.sinks, call.num_heads),
     )
 
 

@@ -45,22 +45,29 @@ def _key_weights(real_keys: Tensor, span: int) -> Tensor | None:
     return None if bool(keys.all()) else keys[:, None, None, :].float()
 
 
-def exp_terms(logits: Tensor, grad_probs: Tensor, key_weights: Tensor | None) -> tuple[Tensor, Tensor]:
+def exp_terms(
+    logits: Tensor, grad_probs: Tensor, key_weights: Tensor | None, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(z, E ⊙ G⁺ ⊙ key_weights)`` with ``E = exp(logits - m)``, m each row's max (0 in
     a row whose every key is masked, whose E is then 0) and z = Σ_j E_ij ``(B, h, r)``, so
     that ``A ⊙ G⁺ = (E ⊙ G⁺) / z`` with A = softmax(logits): both Grad-SAM's terms
     A·ReLU(G) and Chefer et al.'s (G ⊙ A)⁺, equal since A ≥ 0. Callers divide by z after
-    reducing, where it costs a vector instead of a pass over the block."""
+    reducing, where it costs a vector instead of a pass over the block. With ``sinks``
+    (``(1, h, 1, 1)`` logits that join each row's softmax, :meth:`~captum_attention.maps.kernel.KernelCall.sink_logits`)
+    m also covers the sink and z adds its ``exp(sink - m)``."""
     top = logits.amax(dim=-1, keepdim=True)
-    exp = (logits - top.masked_fill_(top == -math.inf, 0.0)).exp_()
-    norm = exp.sum(dim=-1).clamp_(min=torch.finfo(exp.dtype).tiny)
+    top = top.masked_fill_(top == -math.inf, 0.0) if sinks is None else torch.maximum(top, sinks)
+    exp = (logits - top).exp_()
+    norm = exp.sum(dim=-1)
+    norm = norm if sinks is None else norm.add_((sinks - top).exp_()[..., 0])
+    norm = norm.clamp_(min=torch.finfo(exp.dtype).tiny)
     terms = exp.mul_(grad_probs.clamp(min=0))
     return norm, terms if key_weights is None else terms.mul_(key_weights)
 
 
-def positive_row_sums(logits: Tensor, grad_probs: Tensor, key_weights: Tensor | None) -> Tensor:
+def positive_row_sums(logits: Tensor, grad_probs: Tensor, key_weights: Tensor | None, sinks: Tensor | None = None) -> Tensor:
     """``Σ_j (A ⊙ G⁺ ⊙ key_weights)_ij`` ``(B, h, r)`` (:func:`exp_terms`)."""
-    norm, terms = exp_terms(logits, grad_probs, key_weights)
+    norm, terms = exp_terms(logits, grad_probs, key_weights, sinks)
     return terms.sum(dim=-1).div_(norm)
 
 
@@ -161,10 +168,13 @@ def _fused_kernels(call: KernelCall, gradient: bool = True, compilable: bool = T
     return kernels
 
 
-def _terms_of(call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The recomputed logits and dS/dA of a block, and its key weights (:func:`_key_weights`)."""
+def _terms_of(
+    call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The recomputed logits and dS/dA of a block, its key weights (:func:`_key_weights`)
+    and its heads' sink logits (or None)."""
     logits = call.logits(rows, heads)
-    return logits, call.grad_probs(grad_output, rows, heads), _key_weights(real_keys, logits.shape[-1])
+    return logits, call.grad_probs(grad_output, rows, heads), _key_weights(real_keys, logits.shape[-1]), call.sink_logits(heads)
 
 
 def grad_sam_row_sums(

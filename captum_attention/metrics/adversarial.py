@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
 from ..capture.inputs import QueryIndex
 from ..maps import on_heads
@@ -176,6 +177,11 @@ def adversarial_attention(
         if scores is None:
             raise RuntimeError("adversarial_attention needs the softmax's input (the attention logits) of every chosen call.")
         shift = shifts[chosen.index(call)][:, first_head : first_head + attn.shape[1]]
+        if scores.shape[-1] != shift.shape[-1]:
+            raise UnsupportedModelError(
+                "adversarial_attention shifts the logits of the tokens' keys, but this model's attention softmax "
+                f"holds {scores.shape[-1] - shift.shape[-1]} more column(s) (attention sinks), which it does not model."
+            )
         masked = scores <= torch.finfo(scores.dtype).min / 2
         new = (scores.float() + shift).masked_fill(masked, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
         rows_kept = weights[call][:, first_head : first_head + attn.shape[1], :, None] > 0

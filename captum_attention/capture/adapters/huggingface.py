@@ -451,6 +451,19 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
             patch.release()
 
 
+EXPLICIT_FAMILIES = frozenset({
+    "gemma2", "vaultgemma", "t5gemma", "t5_gemma_module",  # logit softcap
+    "gpt_oss", "mimo_v2_flash", "hy_v4", "flint",  # a sink logit per head in the softmax
+})
+"""Model types that transformers runs only eagerly because ``sdpa`` has no logit softcap
+or attention sinks, and whose eager attention is sdpa's plus exactly those, the sinks as
+a column of the softmax that the returned maps drop (checked on 5.24, and against
+``output_attentions`` by the architecture sweep): streaming runs them through the
+attention interface's ``sdpa`` entry, where each call is computed from its probabilities
+(:attr:`~captum_attention.maps.kernel.KernelCall.explicit`). Not Granite-SWA: its sinks
+scale the output and its maps sum to 1."""
+
+
 def _runnable(model: nn.Module, original: str | None, wanted: str) -> str | None:
     """What ``model`` runs if switched to ``wanted`` (None: it stays as it is)."""
     try:
@@ -458,6 +471,8 @@ def _runnable(model: nn.Module, original: str | None, wanted: str) -> str | None
     except (ValueError, ImportError) as error:
         if wanted != "sdpa":
             raise
+        if all(getattr(config, "model_type", None) in EXPLICIT_FAMILIES for config in model_configs(model)):
+            return wanted
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
 
