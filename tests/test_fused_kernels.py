@@ -19,11 +19,13 @@ from captum_attention.maps.kernel import KernelCall  # noqa: E402
 from captum_attention.maps.streaming import exp_terms  # noqa: E402
 
 
-def _call(batch=2, heads=4, kv_heads=2, queries=37, keys=37, dim=16, dtype=torch.float32, causal=False, mask=None, seed=0):
+def _call(batch=2, heads=4, kv_heads=2, queries=37, keys=37, dim=16, dtype=torch.float32, causal=False, mask=None, seed=0,
+          softcap=None, sinks=False):
     generator = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
     call = KernelCall(rand(batch, heads, queries, dim), rand(batch, kv_heads, keys, dim), rand(batch, kv_heads, keys, dim),
-                      1 / math.sqrt(dim), mask, causal, groups=heads // kv_heads)
+                      1 / math.sqrt(dim), mask, causal, groups=heads // kv_heads, softcap=softcap,
+                      sinks=rand(1, heads, 1, 1) * 2 if sinks else None)
     return call, rand(batch, queries, heads, dim)
 
 
@@ -32,7 +34,7 @@ def _eager(call, grad_output, key_weights):
     rows = slice(0, call.num_queries)
     logits, grads = call.logits(rows), call.grad_probs(grad_output, rows)
     weights = key_weights[:, None, None, : logits.shape[-1]].float()
-    norm, terms = exp_terms(logits, grads, weights)
+    norm, terms = exp_terms(logits, grads, weights, call.sink_logits())
     return terms.sum(-1) / norm, terms / norm[..., None]
 
 
@@ -51,6 +53,9 @@ CASES = {
     "wide heads": {"dim": 32},
     "narrow heads": {"dim": 8},
     "heads of 80": {"dim": 80, "queries": 20, "keys": 20},
+    "softcap": {"softcap": 0.4},
+    "sinks, causal": {"sinks": True, "causal": True},
+    "softcap and sinks, bf16": {"softcap": 0.4, "sinks": True, "dtype": torch.bfloat16},
 }
 
 
@@ -156,7 +161,9 @@ def test_a_row_whose_every_key_is_masked_sums_to_zero():
     assert bool(torch.isfinite(rows).all()) and bool((rows[0, :, 3] == 0).all())
 
 
-KERNEL_FAMILIES = ("bert", "distilbert", "gpt2", "llama", "qwen2", "t5", "bart", "vit", "deit", "llama without padding")
+KERNEL_FAMILIES = (
+    "bert", "distilbert", "gpt2", "llama", "qwen2", "t5", "bart", "vit", "deit", "llama without padding", "gemma2", "gpt_oss",
+)
 
 
 @pytest.mark.parametrize("family", KERNEL_FAMILIES)

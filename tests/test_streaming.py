@@ -33,7 +33,7 @@ def _case(name: str):
         model = make_model(name)
         batch = make_batch(model)
         return model, batch.input_ids, (batch.attention_mask,), batch.attention_mask.bool()
-    if name in ("gpt2", "llama", "qwen2"):
+    if name in ("gpt2", "llama", "qwen2", *EXPLICIT_DECODERS):
         prompts = make_prompts(side="left")
         return make_decoder(name), prompts.input_ids, (prompts.attention_mask,), prompts.real
     if name in ("t5", "bart"):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
+from ..maps import streaming
 from ..maps.kernel import KernelCall, block_shape, live_rows
 from .guard import SharedPatch
 
@@ -145,15 +146,16 @@ class _RowsBackward(torch.autograd.Function):
 class _ExplicitAttention(torch.autograd.Function):
     """An attention call that ``scaled_dot_product_attention`` cannot compute (a softcap,
     sinks: :attr:`~captum_attention.maps.kernel.KernelCall.explicit`), computed from its
-    probabilities one block of rows at a time in the forward and again in the backward
-    (:meth:`~captum_attention.maps.kernel.KernelCall.backward`, the blocks whose output
-    gradient is zero skipped): the model's eager attention, exactly, without its
-    ``(heads, N, N)`` tensors."""
+    probabilities one block of rows at a time in the forward (or by the Triton kernel of
+    :func:`~captum_attention.maps.streaming.erased_output`, where it runs) and again in
+    the backward (:meth:`~captum_attention.maps.kernel.KernelCall.backward`, the blocks
+    whose output gradient is zero skipped): the model's eager attention, exactly, without
+    its ``(heads, N, N)`` tensors."""
 
     @staticmethod
     def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, call: KernelCall) -> Tensor:
         ctx.call = replace(call, query=query.detach(), key=key.detach(), value=value.detach(), output=None)
-        return ctx.call.erased_output(None, block_shape(ctx.call))
+        return streaming.erased_output(ctx.call, None, None, block_shape(ctx.call))
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:

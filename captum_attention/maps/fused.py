@@ -20,8 +20,9 @@ Under the kernel's causal flag a block of query rows stops at the key of its las
 They compute what :func:`~captum_attention.maps.streaming.exp_terms` computes from a
 :class:`~captum_attention.maps.kernel.KernelCall`: grouped-query heads, the kernel's
 causal flag, a boolean or additive mask broadcast over ``(B, H, Q, K)``, and the scale.
-Calls with a position bias (T5), a softcap (Gemma-2) or sinks (gpt-oss) are not handled
-(:func:`supports`). ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors, exactly and
+A logit softcap (Gemma-2) is applied to each tile's logits, a sink logit per head
+(gpt-oss) starts each row's online softmax. Calls with a position bias (T5) are not
+handled (:func:`supports`). ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors, exactly and
 slowly: how the tests check them.
 """
 
@@ -67,11 +68,11 @@ def available() -> bool:
 
 
 def supports(call: KernelCall, gradient: bool = True) -> bool:
-    """Whether the kernels compute this call exactly: no position bias, softcap or sinks, a
-    mask (if any) of four dimensions broadcastable to ``(B, H, Q, K)``, and for the
-    gradient kernels the values (a capture without gradients keeps none)."""
+    """Whether the kernels compute this call exactly: no position bias, a mask (if any) of
+    four dimensions broadcastable to ``(B, H, Q, K)``, and for the gradient kernels the
+    values (a capture without gradients keeps none)."""
     return (
-        call.position_bias is None and not call.explicit and (call.value is not None or not gradient)
+        call.position_bias is None and (call.value is not None or not gradient)
         and (call.mask is None or call.mask.dim() == 4) and not math.isnan(call.scale)
     )
 
@@ -91,13 +92,19 @@ def _mask_operand(call: KernelCall) -> tuple[Tensor, tuple[int, int, int, int], 
 if triton is not None:
 
     @triton.jit
-    def _logits(q, k_ptr, key_ok, mask_ptr, mask_row, rows, keys, scale, mask_stride_q, mask_stride_k, head_dim,
-                MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, stride_kk, stride_kd):
-        """One (rows × keys) tile of logits in float32, -inf where a key is masked."""
+    def _logits(q, k_ptr, key_ok, mask_ptr, mask_row, rows, keys, scale, softcap, mask_stride_q, mask_stride_k, head_dim,
+                MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr,
+                PRECISION: tl.constexpr, stride_kk, stride_kd):
+        """One (rows × keys) tile of logits in float32 (capped to ``softcap·tanh(S / softcap)``
+        with ``SOFTCAP``), -inf where a key is masked."""
         dims = tl.arange(0, D)
         k = tl.load(k_ptr + keys[None, :] * stride_kk + dims[:, None] * stride_kd,
                     mask=key_ok[None, :] & (dims[:, None] < head_dim), other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION).to(tl.float32) * scale
+        if SOFTCAP:  # tanh from exp(-2|x|), exact to rounding near 0 and at large |x|
+            small = tl.exp(-2.0 * tl.abs(s / softcap))
+            tanh = (1.0 - small) / (1.0 + small)
+            s = softcap * tl.where(s < 0, -tanh, tanh)
         valid = key_ok[None, :]
         if CAUSAL:
             valid = valid & (keys[None, :] <= rows[:, None])
@@ -135,6 +142,17 @@ if triton is not None:
         return end
 
     @triton.jit
+    def _softmax_start(sinks_ptr, h, BLOCK_M: tl.constexpr, SINKS: tl.constexpr):
+        """An online softmax before any key: no logit yet, or with ``SINKS`` the head's sink
+        logit as the largest so far and its ``exp(0) = 1`` in the normaliser."""
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        norm = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:
+            top = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32)
+            norm = norm + 1.0
+        return top, norm
+
+    @triton.jit
     def _online_step(top, s):
         """One tile of an online softmax: the rows' new largest logit, the factor on what
         was summed under the old one, and the tile's ``exp(s - largest)`` (0 in a row
@@ -159,8 +177,8 @@ if triton is not None:
 
     @triton.jit
     def _reduce_block(
-        q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, weights_ptr, key_weights_ptr, out_ptr,
-        num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
+        q_ptr, k_ptr, v_ptr, do_ptr, mask_ptr, sinks_ptr, weights_ptr, key_weights_ptr, out_ptr,
+        num_queries, num_keys, num_heads, groups, scale, softcap, head_dim, value_dim,
         stride_qb, stride_qh, stride_qq, stride_qd,
         stride_kb, stride_kh, stride_kk, stride_kd,
         stride_vb, stride_vh, stride_vk, stride_vd,
@@ -168,8 +186,8 @@ if triton is not None:
         stride_mb, stride_mh, stride_mq, stride_mk,
         stride_wb, stride_kwb,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, COLUMNS: tl.constexpr, GRADIENT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+        COLUMNS: tl.constexpr, GRADIENT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Row sums of ``P ⊙ F`` (``F`` the keys' weights, times ReLU(dO·Vᵀ) with
         ``GRADIENT``) in one pass with an online softmax; or with ``COLUMNS`` their column
@@ -188,14 +206,13 @@ if triton is not None:
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
         mask_row = tl.where(row_ok, rows, 0)
         key_end = _key_end(program_m, num_keys, BLOCK_M, CAUSAL)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        norm = tl.zeros([BLOCK_M], tl.float32)
+        top, norm = _softmax_start(sinks_ptr, h, BLOCK_M, SINKS)
         sums = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, key_end, BLOCK_N):  # rows: the sums; columns: the statistics
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
-                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, softcap, stride_mq, stride_mk, head_dim,
+                        MASK_KIND, CAUSAL, SOFTCAP, D, PRECISION, stride_kk, stride_kd)
             top, rescale, p = _online_step(top, s)
             norm = norm * rescale + tl.sum(p, axis=1)
             if not COLUMNS:
@@ -211,8 +228,8 @@ if triton is not None:
             for start in range(0, key_end, BLOCK_N):
                 keys = start + tl.arange(0, BLOCK_N)
                 key_ok = keys < num_keys
-                s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
-                            MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
+                s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, softcap, stride_mq, stride_mk,
+                            head_dim, MASK_KIND, CAUSAL, SOFTCAP, D, PRECISION, stride_kk, stride_kd)
                 factor = _key_factor(grad, v_base, key_weights_base, keys, key_ok, value_dim, stride_vk, stride_vd,
                                      DV, GRADIENT, PRECISION)
                 terms = tl.exp(s - shift[:, None]) * inverse[:, None] * factor
@@ -220,8 +237,8 @@ if triton is not None:
 
     @triton.jit
     def _erased_forward(
-        q_ptr, k_ptr, v_ptr, mask_ptr, erase_ptr, out_ptr,
-        num_queries, num_keys, num_heads, groups, scale, head_dim, value_dim,
+        q_ptr, k_ptr, v_ptr, mask_ptr, sinks_ptr, erase_ptr, out_ptr,
+        num_queries, num_keys, num_heads, groups, scale, softcap, head_dim, value_dim,
         stride_qb, stride_qh, stride_qq, stride_qd,
         stride_kb, stride_kh, stride_kk, stride_kd,
         stride_vb, stride_vh, stride_vk, stride_vd,
@@ -229,10 +246,12 @@ if triton is not None:
         stride_mb, stride_mh, stride_mq, stride_mk,
         stride_eb, stride_eh,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+        ERASE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """The call's output with ``erase`` (0 or -inf per key) added to every logit: one
-        pass over the keys with an online softmax, as a flash attention forward."""
+        """The call's output with ``erase`` (0 or -inf per key; with ``ERASE``) added to
+        every logit: one pass over the keys with an online softmax, as a flash attention
+        forward."""
         program_m, b, h, kv, rows, row_ok = _program_rows(num_queries, num_heads, groups, BLOCK_M)
         value_dims = tl.arange(0, DV)
         q = _query_tile(q_ptr, b, h, rows, row_ok, head_dim, stride_qb, stride_qh, stride_qq, stride_qd, D)
@@ -240,16 +259,16 @@ if triton is not None:
         v_base = v_ptr + b * stride_vb + kv * stride_vh
         mask_base = mask_ptr + b * stride_mb + h * stride_mh
         mask_row = tl.where(row_ok, rows, 0)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        norm = tl.zeros([BLOCK_M], tl.float32)
+        top, norm = _softmax_start(sinks_ptr, h, BLOCK_M, SINKS)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
         key_end = _key_end(program_m, num_keys, BLOCK_M, CAUSAL)
         for start in range(0, key_end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < num_keys
-            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, stride_mq, stride_mk, head_dim,
-                        MASK_KIND, CAUSAL, D, PRECISION, stride_kk, stride_kd)
-            s = s + tl.load(erase_ptr + b * stride_eb + h * stride_eh + keys, mask=key_ok, other=0.0)[None, :]
+            s = _logits(q, k_base, key_ok, mask_base, mask_row, rows, keys, scale, softcap, stride_mq, stride_mk, head_dim,
+                        MASK_KIND, CAUSAL, SOFTCAP, D, PRECISION, stride_kk, stride_kd)
+            if ERASE:
+                s = s + tl.load(erase_ptr + b * stride_eb + h * stride_eh + keys, mask=key_ok, other=0.0)[None, :]
             top, rescale, p = _online_step(top, s)
             v = tl.load(v_base + keys[:, None] * stride_vk + value_dims[None, :] * stride_vd,
                         mask=key_ok[:, None] & (value_dims[None, :] < value_dim), other=0.0)
@@ -273,16 +292,24 @@ def _launch(call: KernelCall, grad_output: Tensor | None, key_weights: Tensor, r
     key_weights = key_weights.float().expand(batch, keys).contiguous()
     weights = row_weights.float().contiguous() if columns else key_weights  # type: ignore[union-attr]
     tiles = _tiles(call)
+    sinks, softcap, flags = _cap_and_sinks(call)
     _reduce_block[(batch * heads, triton.cdiv(queries, tiles.rows))](
-        query, key, value, output_grad, mask, weights, key_weights, out,
-        queries, keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
+        query, key, value, output_grad, mask, sinks, weights, key_weights, out,
+        queries, keys, heads, heads // key.shape[1], call.scale, softcap, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *output_grad.stride(), *mask_strides,
         weights.stride(0), key_weights.stride(0),
         D=_dim_tile(dim), DV=_dim_tile(value_dim), BLOCK_M=tiles.rows, BLOCK_N=tiles.keys,
         MASK_KIND=mask_kind, CAUSAL=call.causal, COLUMNS=columns, GRADIENT=gradient,
-        PRECISION=_precision(query.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+        PRECISION=_precision(query.dtype), num_warps=tiles.warps, num_stages=tiles.stages, **flags,
     )
     return out
+
+
+def _cap_and_sinks(call: KernelCall) -> tuple[Tensor, float, dict[str, bool]]:
+    """The sinks as the kernels read them (a float32 per head; any tensor, unread, without
+    them), the softcap (1, unread, without one) and the kernels' flags for both."""
+    sinks = call.query if call.sinks is None else call.sinks.float().reshape(-1).contiguous()
+    return sinks, call.softcap or 1.0, {"SOFTCAP": call.softcap is not None, "SINKS": call.sinks is not None}
 
 
 def _tiles(call: KernelCall) -> Tiles:
@@ -335,26 +362,28 @@ def column_sums(call: KernelCall, row_weights: Tensor, key_weights: Tensor) -> T
     return _launch(call, None, key_weights, row_weights)
 
 
-def erased_attention(call: KernelCall, erase: Tensor) -> Tensor:
+def erased_attention(call: KernelCall, erase: Tensor | None) -> Tensor:
     """The call's output ``(B, Q, H, Dv)`` (in its dtype) with ``erase`` ``(B, H or 1, 1,
-    K)`` added to every logit: -inf on an erased key, 0 elsewhere; 0 in a row left
-    without keys. What :meth:`~captum_attention.maps.kernel.KernelCall.erased_output`
-    computes, in one pass over the keys (no mask of ``rows × keys`` is built)."""
+    K)`` added to every logit: -inf on an erased key, 0 elsewhere (None: nothing erased,
+    the call's own output); 0 in a row left without keys. What
+    :meth:`~captum_attention.maps.kernel.KernelCall.erased_output` computes, in one pass
+    over the keys (no mask of ``rows × keys`` is built)."""
     assert triton is not None and supports(call)
     batch, heads, queries, dim = call.query.shape
     value_dim = call.value.shape[-1]  # type: ignore[union-attr]
     out = torch.empty(batch, queries, heads, value_dim, dtype=call.query.dtype, device=call.query.device)
     query, key, value = _operands(call.query, call.key, call.value)  # type: ignore[arg-type]
     mask, mask_strides, mask_kind = _mask_operand(call)
-    erase = erase[:, :, 0].float().contiguous()
+    erase = call.query if erase is None else erase[:, :, 0].float().contiguous()  # unread without an erasure
     erase_strides = tuple(0 if size == 1 else stride for size, stride in zip(erase.shape[:2], erase.stride()[:2]))
     tiles = _tiles(call)
+    sinks, softcap, flags = _cap_and_sinks(call)
     _erased_forward[(batch * heads, triton.cdiv(queries, tiles.rows))](
-        query, key, value, mask, erase, out,
-        queries, call.num_keys, heads, heads // key.shape[1], call.scale, dim, value_dim,
+        query, key, value, mask, sinks, erase, out,
+        queries, call.num_keys, heads, heads // key.shape[1], call.scale, softcap, dim, value_dim,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides, *erase_strides,
         D=_dim_tile(dim), DV=_dim_tile(value_dim), BLOCK_M=tiles.rows, BLOCK_N=tiles.keys,
-        MASK_KIND=mask_kind, CAUSAL=call.causal, PRECISION=_precision(query.dtype),
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        MASK_KIND=mask_kind, CAUSAL=call.causal, ERASE=erase is not call.query, PRECISION=_precision(query.dtype),
+        num_warps=tiles.warps, num_stages=tiles.stages, **flags,
     )
     return out

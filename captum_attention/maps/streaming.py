@@ -307,12 +307,13 @@ def cross_rollout_row_step(
     return source_step, target_step
 
 
-def erased_output(call: KernelCall, erased: Tensor, heads: Sequence[int] | None, shape: Shape) -> Tensor:
+def erased_output(call: KernelCall, erased: Tensor | None, heads: Sequence[int] | None, shape: Shape) -> Tensor:
     """The call's output ``(B, Q, H, Dv)`` with the ``erased`` keys ``(B, K)`` given a score
-    of -inf on ``heads`` (default all): through the Triton kernel in one pass where it
-    takes the call, else by the model's kernel one block of rows at a time
+    of -inf on ``heads`` (default all; ``erased`` None: the call's own output, an explicit
+    call's forward): through the Triton kernel in one pass where it takes the call, else
+    by the model's kernel, or from the probabilities, one block of rows at a time
     (:meth:`~captum_attention.maps.kernel.KernelCall.erased_output`)."""
-    erase = call.erase_bias(erased, heads)
+    erase = None if erased is None else call.erase_bias(erased, heads)
     kernels = _fused_kernels(call, compilable=False)
     return call.erased_output(erase, shape) if kernels is None else kernels.erased_attention(call, erase)
 
