@@ -222,7 +222,8 @@ def kernel_agreement(device: str = "cuda") -> float:
     """The Triton kernels (``maps.fused``, off by default) against the eager block reductions
     on ``device``: Grad-SAM (both axes), Transformer Attribution, rollout and erasure on the
     benchmark BERT in fp32 and bf16, and the median time of each (the kernels' first
-    measurement on a card)."""
+    measurement on a card); then the same scores on the test suite's tiny Gemma-2 (logit
+    softcap) and gpt-oss (sinks) in fp32."""
     from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
     from captum_attention.maps import streaming
     from captum_attention.metrics import attention_erasure
@@ -254,6 +255,20 @@ def kernel_agreement(device: str = "cuda") -> float:
             error = (fused - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
             worst[dtype] = max(worst[dtype], error)
             print(f"| {name} | {str(dtype).removeprefix('torch.')} | {error:.2e} | {eager_ms:.2f} | {fused_ms:.2f} |")
+    from lm_models import EXPLICIT_DECODERS, make_decoder, make_prompts
+
+    for name in EXPLICIT_DECODERS:  # the logit softcap and the sinks, on tiny decoders with left padding
+        model, prompts = make_decoder(name).to(device), make_prompts(side="left")
+        ids, mask = prompts.input_ids.to(device), prompts.attention_mask.to(device)
+        for method, run in runs.items():
+            results = {}
+            for on in (False, True):
+                streaming.FUSED_KERNEL_DEVICES["cuda"] = on
+                results[on] = run(model, ids, mask).float().cpu()
+            streaming.FUSED_KERNEL_DEVICES["cuda"] = False
+            error = (results[True] - results[False]).abs().max().item() / max(results[False].abs().max().item(), 1e-30)
+            worst[torch.float32] = max(worst[torch.float32], error)
+            print(f"| {method} ({name}) | float32 | {error:.2e} | — | — |")
     passed = worst[torch.float32] <= 1e-5 and worst[torch.bfloat16] <= 2e-2
     print(f"\nTriton kernels: fp32 within 1e-5, bf16 within 2e-2 of the eager reductions: {'PASS' if passed else 'FAIL'}")
     return worst[torch.float32]
