@@ -90,7 +90,9 @@ class Probe:
         """The probabilities ``(batch, heads, queries, keys)`` to use instead, or None.
         ``first_head``: the layer's index of the first head in ``attn_probs`` (0 unless
         the module computes one softmax per head); ``attn_scores``: the softmax's input
-        (masked, scaled logits), or None where the softmax was called unusually."""
+        (masked, scaled logits), or None where the softmax was called unusually. A model
+        with attention sinks (gpt-oss) softmaxes one more column after the keys, the
+        sink's, which weights no value."""
         return None
 
     def on_product(self, call: CallInfo, left: Tensor, right: Tensor) -> None:
