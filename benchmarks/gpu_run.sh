@@ -40,10 +40,10 @@ case "${1:-check}" in
     kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time
         timeout 80 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()" \
             | tee "$out/kernels_check.md" || echo "kernel agreement stopped ($?)"
-        timeout 60 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()" \
+        timeout 75 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()" \
             | tee "$out/kernel_tiles.md" || echo "kernel tiles stopped ($?)"
         for reduction in triton eager compiled; do
-            timeout 115 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$reduction" \
+            timeout 110 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$reduction" \
                 --lengths 4096 16384 32768 --batches 1 8 --batch-length 2048 --eager-max 0 --repeats 2 \
                 --json "$out/llama1b_bf16_$reduction.json" | tee "$out/llama1b_bf16_$reduction.md" \
                 || echo "bf16 $reduction stopped ($?)"
