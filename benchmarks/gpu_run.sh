@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction,
-#                                      # then fp32 with the kernels (at most 9 min 10 s)
+#                                      # then fp32 with the kernels (at most 9 min 5 s)
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
