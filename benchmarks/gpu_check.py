@@ -303,8 +303,15 @@ def kernel_tiles(device: str = "cuda", length: int = 16384) -> None:
         "row sums": lambda: fused.positive_row_sums(call, grad_output, key_weights),
         "column sums": lambda: fused.weighted_column_sums(call, grad_output, row_weights, key_weights),
         "erasure": lambda: fused.erased_attention(call, erase),
+        "rollout's column sums": lambda: fused.column_sums(call, row_weights, key_weights),
     }
     leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+
+    def rollout_by_sdpa_backward() -> torch.Tensor:  # dV = Aᵀ·dO with every column of dO the row weights
+        value_leaf = value.detach().requires_grad_()
+        out = F.scaled_dot_product_attention(query, key, value_leaf, is_causal=True, enable_gqa=True)
+        weights = row_weights.to(out.dtype)[:, None, :, None].expand(out.shape)
+        return torch.autograd.grad(out, value_leaf, weights)[0].float().sum(dim=1)[..., 0]
 
     def forward_backward() -> None:
         out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
@@ -313,6 +320,9 @@ def kernel_tiles(device: str = "cuda", length: int = 16384) -> None:
     forward_ms = cuda_cost(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True))[0]
     print(f"\nOne Llama-1B-shaped layer, {length} tokens, bf16: sdpa forward {forward_ms:.2f} ms, "
           f"forward+backward {cuda_cost(forward_backward)[0]:.2f} ms")
+    through_sdpa, through_kernel = rollout_by_sdpa_backward(), kernels["rollout's column sums"]().float()
+    print(f"rollout's column step through sdpa's backward (dV = Aᵀ·dO): {cuda_cost(rollout_by_sdpa_backward)[0]:.2f} ms, "
+          f"max rel. diff from the column sums kernel {float((through_sdpa - through_kernel).abs().max() / through_kernel.abs().max()):.1e}")
     print("\n| tiles (rows, keys, warps, stages) | " + " | ".join(f"{name} ms" for name in kernels) + " | max rel. diff |")
     print("|---|" + "---|" * (len(kernels) + 1))
     default, first = fused.TILES["cuda"], None
