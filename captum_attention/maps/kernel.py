@@ -1,10 +1,11 @@
 """One attention call as plain data, and the exact recomputation of its rows.
 
 A :class:`KernelCall` holds what an attention kernel received (query, key, value, mask,
-scale, causal flag, position bias, grouped-query heads). Its methods define the rows of
+scale, causal flag, position bias, grouped-query heads; and a logit softcap or sinks,
+which only the families' eager attention computes). Its methods define the rows of
 ``A = softmax(Q·Kᵀ·s + mask)`` and of ``dS/dA = dO·Vᵀ`` exactly as
-``torch.nn.functional.scaled_dot_product_attention`` computes them, one block of query rows
-at a time, so that no ``(heads, N, N)`` tensor is ever alive; :func:`block_shape` sizes the
+``torch.nn.functional.scaled_dot_product_attention`` (or that eager attention) computes
+them, one block of query rows at a time, so that no ``(heads, N, N)`` tensor is ever alive; :func:`block_shape` sizes the
 blocks. Pure tensor functions: the streaming capture
 (:mod:`captum_attention.capture.kernel`) fills a :class:`KernelCall`, the reductions of
 :mod:`captum_attention.maps.streaming` read it.
