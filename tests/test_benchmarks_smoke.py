@@ -37,12 +37,22 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     assert "| SHAP Partition (40 evals) |" in printed and "python benchmarks/faithfulness.py --smoke" in printed
 
 
-def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path):
+def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path, tmp_path, capsys, monkeypatch):
     import scaling
 
-    arguments = ["--lengths", "16", "32", "--batches", "1", "2", "--batch-length", "16", "--eager-max", "16", "--here"]
-    results = scaling.main(["--model", "llama", *arguments])
-    assert [(r["batch"], r["length"]) for r in results] == [(1, 16), (1, 32), (2, 16)]
+    from captum_attention.maps import streaming
+
+    for table in ("FUSED_DEVICES", "FUSED_KERNEL_DEVICES"):  # --reduction sets them for the process
+        monkeypatch.setattr(streaming, table, dict(getattr(streaming, table)))
+    saved = tmp_path / "scaling.json"
+    arguments = ["--lengths", "32", "16", "--batches", "1", "2", "--batch-length", "16", "--eager-max", "16", "--here"]
+    results = scaling.main(["--model", "llama", "--reduction", "eager", "--json", str(saved), *arguments])
+    assert not streaming.FUSED_DEVICES["cpu"] and not streaming.FUSED_KERNEL_DEVICES["cpu"]
+    assert [(r["batch"], r["length"]) for r in results] == [(1, 16), (1, 32), (2, 16)], "the cheapest first"
+    capsys.readouterr()
+    scaling.main(["--tables", str(saved)])  # the saved rows, printed again
+    printed = capsys.readouterr().out
+    assert "llama (float32) on CPU" in printed and "eager block reduction" in printed and "| 2 | 16 |" in printed
     for result in results:
         runs = result["runs"]
         for name in scaling.STREAMED:
