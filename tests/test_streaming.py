@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 import transformers as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import assert_same_state, counted, make_batch, make_model, model_state
 from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_prompts, make_vision
 from methods import METHODS
@@ -669,3 +671,39 @@ def test_softcap_and_sinks_stream_as_eager_capture_explains_them(decoder):
     _rel_close(streamed.median_tvd, eager.median_tvd, rel=1e-4)
     assert streamed.median_tvd.max() > 1e-4, "the permutation should move the output"
     assert_same_state(before, model_state(model))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), length=st.integers(1, 13),
+    causal=st.booleans(), softcap=st.one_of(st.none(), st.floats(0.3, 5.0)), sinks=st.booleans(),
+    padding=st.integers(0, 12), block_rows=st.integers(1, 13), seed=st.integers(0, 2**16),
+)
+def test_explicit_calls_equal_the_eager_formula_on_any_shape(
+    batch, kv_heads, groups, length, causal, softcap, sinks, padding, block_rows, seed
+):
+    """Property: for any shape, grouping, causal flag, cap (1 where neither is drawn),
+    sinks, left padding of the last example's keys and block size, an explicit call's
+    output and gradients equal the eager formula's."""
+    padding = min(padding, length - 1)
+    generator = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    heads = kv_heads * groups
+    mask = None
+    if padding and not causal:
+        keep = torch.ones(batch, 1, length, length, dtype=torch.bool)
+        keep[-1, ..., :padding] = False
+        mask = keep
+    call = kernel.KernelCall(
+        rand(batch, heads, length, 8) * 2, rand(batch, kv_heads, length, 8) * 2, rand(batch, kv_heads, length, 8), 8**-0.5,
+        mask, causal, groups=groups, softcap=softcap, sinks=rand(1, heads, 1, 1) * 2 if sinks else None,
+    )
+    if not call.explicit:
+        call = dataclasses.replace(call, softcap=1.0)
+    leaves, _, output = _explicit_reference(call)
+    torch.testing.assert_close(call.erased_output(None, (heads, block_rows)), output.detach(), rtol=1e-5, atol=1e-5)
+    grad_output = rand(batch, length, heads, 8)
+    expected = torch.autograd.grad(output, leaves, grad_output)
+    rows = [slice(start, min(start + block_rows, length)) for start in range(0, length, block_rows)]
+    for got, want in zip(call.backward(grad_output, rows), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max().clamp(min=1)))
