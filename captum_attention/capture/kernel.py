@@ -148,7 +148,7 @@ class _ExplicitAttention(torch.autograd.Function):
     sinks: :attr:`~captum_attention.maps.kernel.KernelCall.explicit`), computed from its
     probabilities one block of rows at a time in the forward (or by the Triton kernel of
     :func:`~captum_attention.maps.streaming.erased_output`, where it runs) and again in
-    the backward (:meth:`~captum_attention.maps.kernel.KernelCall.backward`, the blocks
+    the backward (:meth:`~captum_attention.maps.kernel.KernelCall.input_grads`, the blocks
     whose output gradient is zero skipped): the model's eager attention, exactly, without
     its ``(heads, N, N)`` tensors."""
 
@@ -162,7 +162,7 @@ class _ExplicitAttention(torch.autograd.Function):
         call = ctx.call
         heads, rows = block_shape(call)
         blocks = call.blocks((call.num_heads, max(1, heads * rows // call.num_heads)), reached=live_rows(grad_output))
-        grads = call.backward(grad_output, (rows for _, rows in blocks))  # one block of every head per rows
+        grads = call.input_grads(grad_output, (rows for _, rows in blocks))  # one block of every head per rows
         return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)), None)
 
 

@@ -225,10 +225,10 @@ class KernelCall:
         """The gradients ``(dQ, dK, dV)`` of the call's query, key and value (their shapes
         and dtypes) from a gradient of its output ``(B, Q, H, Dv)`` that is zero outside the
         query rows ``rows``: the kernel's backward restricted to those rows, at ``rows ×
-        keys`` instead of ``queries × keys`` (:meth:`backward`)."""
-        return self.backward(grad_output, [rows])
+        keys`` instead of ``queries × keys`` (:meth:`input_grads`)."""
+        return self.input_grads(grad_output, [rows])
 
-    def backward(self, grad_output: Tensor, row_blocks: Iterable[slice]) -> tuple[Tensor, Tensor, Tensor]:
+    def input_grads(self, grad_output: Tensor, row_blocks: Iterable[slice]) -> tuple[Tensor, Tensor, Tensor]:
         """The gradients ``(dQ, dK, dV)`` of the call's query, key and value (their shapes
         and dtypes) from a gradient of its output ``(B, Q, H, Dv)`` that is zero outside the
         ``row_blocks``, one block of rows of every head at a time, accumulated in float32:
