@@ -210,7 +210,7 @@ def test_llm_interface_errors_name_the_fix():
     with pytest.raises(TypeError, match="wraps an attention attribution"):
         LLMAttentionAttribution(FeatureAblation(model), tokenizer)
     reversing = TextTemplateInput(lambda a, b: f"{a[::-1]} is {b}", values=["code", "seven"])
-    with pytest.raises(ValueError, match="does not place value 0"):
+    with pytest.raises(ValueError, match="changes value 0"):
         LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(reversing, target="seven")
     with pytest.raises(ValueError, match="no tokens"):
         LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target=torch.tensor([], dtype=torch.long))

@@ -10,7 +10,7 @@ import pkgutil
 
 from ._base import AttentionAttributionBase, attribute_method
 from ._images import upsample_to_image
-from ._registry import METHODS, REGISTRY, MethodSpec
+from ._registry import FLAG, FRACTION, LAYER, METHODS, REGISTRY, MethodSpec, Option, one_of
 # The order of these imports is the order of METHODS (and of the command line's report).
 from .grad_sam import GradSAM  # isort: skip
 from .attention_rollout import AttentionRollout  # isort: skip
@@ -25,5 +25,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "RawAttention", "TransformerAttribution", "upsample_to_image",
+    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "RawAttention", "TransformerAttribution", "upsample_to_image",
 ]

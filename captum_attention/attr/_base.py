@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from .._compat import TargetType, format_additional_forward_args, format_output
+from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, format_inputs
 from ..capture.lrp import Embeddings, PropagationRules, RelevanceRules
+from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid, query_rows
 from ..maps.lrp import token_relevance
@@ -96,6 +97,11 @@ class AttentionAttributionBase:
         spec = getattr(cls, "spec", None)
         return spec.readable_name if spec is not None else cls.__name__
 
+    def _check_options(self, options: dict[str, Any], where: str) -> None:
+        """A clear error for an option the method does not take or a value it does not
+        accept (``where``: the call, as the error names it)."""
+        self.spec.check_options(options, f"{type(self).__name__}.{where}")
+
     def _scores(self, record: ForwardRecord, *args: Any, **options: Any) -> tuple[Tensor, list[Tensor]]:
         """The method's ``(B, T)`` scores and per-layer maps for one self-attention stack
         (``options``: the method's own ``attribute`` options)."""
@@ -165,10 +171,12 @@ class AttentionAttributionBase:
         propagation rules, given text embeddings are where relevance is read."""
         relevance = self.spec.needs == "relevance"
         if relevance:
+            check_gradients_possible()
             inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
         record = record_forward(
             self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective),
             track_grad=self.spec.needs == "backward", query_index=query_index, streaming=streaming,
+            confirm_rows=self.spec.reads_query_row,
         )
         if effective:
             record = with_effective_attention(record)
@@ -213,11 +221,13 @@ class AttentionAttributionBase:
         additional_forward_args: Any,
         query_index: QueryIndex,
         return_maps: bool,
-        effective: bool = False,
         **options: Any,
     ) -> Any:
-        """What every ``attribute`` does: record, reduce, shape the output like Captum
-        (``effective``: over effective attention, for the methods that offer it)."""
+        """What every ``attribute`` does: check the method's ``options``, record, reduce,
+        shape the output like Captum (``effective=True``: over effective attention, for
+        the methods that offer it)."""
+        self._check_options(options, "attribute")
+        effective = bool(options.pop("effective", False))
         is_tuple, tensors = format_inputs(inputs)
         adapter = resolve_adapter(self.model, self.adapter)
         if adapter.is_encoder_decoder(self.model) and len(tensors) != 2:
@@ -331,11 +341,13 @@ class AttentionAttributionBase:
     ) -> tuple[ForwardRecord, int]:
         """One forward of prompt + continuation (``options`` loses ``effective``, which
         the record applies)."""
+        self._check_options(options, "attribute_span or attribute_continuation")
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
+        _check_vocabulary(resolve_adapter(self.model, self.adapter), self.model, sequence)
         extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
-        effective = bool(options.pop("effective", False)) if self.spec.effective else False
+        effective = bool(options.pop("effective", False))
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, prompt.shape[1])
         return record, prompt.shape[1]
@@ -426,6 +438,24 @@ def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:
         )
     if continuation.shape[1] == 0:
         raise ValueError("continuation has no tokens: give at least one new token to explain.")
+
+
+def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) -> None:
+    """A clear error for a token id outside the vocabulary of the model's token embedding
+    (the embedding lookup would fail with a bare IndexError)."""
+    try:
+        embeddings = [m for m in adapter.input_embeddings(model) if isinstance(m, nn.Embedding)]
+    except UnsupportedModelError:
+        return
+    if not embeddings:
+        return
+    size = embeddings[-1].num_embeddings
+    outside = ids[(ids < 0) | (ids >= size)]
+    if outside.numel():
+        raise ValueError(
+            f"Token id {int(outside[0])} is outside the vocabulary of {type(model).__name__} ({size} ids, "
+            f"0 to {size - 1}): give ids from the model's own tokenizer."
+        )
 
 
 def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:

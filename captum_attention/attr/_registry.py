@@ -10,11 +10,37 @@ the shared test tables read it instead of listing the methods themselves).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from torch import Tensor
 
 Needs = Literal["forward", "backward", "relevance"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``attribute`` option of a method: which values it takes.
+
+    Attributes:
+        accepts: whether a value is valid.
+        expects: what a valid value is, as the error names it (``"one of ('mean',
+            'max', 'min')"``, ``"an int"``).
+    """
+
+    accepts: Callable[[Any], bool]
+    expects: str
+
+
+def one_of(*choices: Any) -> Option:
+    """An option that takes one of ``choices``."""
+    return Option(lambda value: isinstance(value, type(choices[0])) and value in choices, f"one of {choices}")
+
+
+FLAG = Option(lambda value: isinstance(value, bool), "True or False")
+LAYER = Option(lambda value: isinstance(value, int) and not isinstance(value, bool), "an int (negative counts from the end)")
+FRACTION = Option(
+    lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0, "a number in [0, 1)"
+)
 
 
 @dataclass(frozen=True)
@@ -36,9 +62,15 @@ class MethodSpec:
             ``capture="auto"`` runs it eager.
         encoder_decoder: whether it explains encoder-decoders (source and target scores).
         signed: whether its scores take both signs (reports colour them so).
+        reads_query_row: whether its scores read the explained query's row (rollout,
+            raw attention, Transformer Attribution); the default row is then confirmed
+            against the rows the logits read.
         in_reports: listed in :data:`METHODS` (command line, ``evaluate``, benchmarks);
             False keeps a costly method registered (:data:`REGISTRY`) but out of reports.
-        effective: whether ``attribute`` offers ``effective=True`` (effective attention).
+        options: the options of ``attribute`` beyond Captum's arguments, name ->
+            :class:`Option`; :meth:`check_options` checks every call's options against
+            them (``attribute``, ``attribute_span``, ``attribute_continuation``,
+            :class:`~captum_attention.LLMAttentionAttribution`).
         eager_options: option name -> why a truthy value of it needs the full maps.
     """
 
@@ -49,13 +81,30 @@ class MethodSpec:
     streams: bool = True
     encoder_decoder: bool = True
     signed: bool = False
+    reads_query_row: bool = True
     in_reports: bool = True
-    effective: bool = False
+    options: Mapping[str, Option] = field(default_factory=dict)
     eager_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.needs == "backward") != (self.gradient_reduction is not None):
             raise ValueError(f"{self.name or self.readable_name}: a gradient_reduction goes with needs='backward'.")
+
+    def check_options(self, options: Mapping[str, Any], where: str) -> None:
+        """A ``TypeError`` naming an option ``where`` (``"GradSAM.attribute_span"``) does
+        not take, or a ``ValueError`` naming a value it does not accept."""
+        for name, value in options.items():
+            option = self.options.get(name)
+            if option is None:
+                known = ", ".join(self.options) or "none"
+                raise TypeError(f"{where} got an unexpected option {name!r}; its options are: {known}.")
+            if not option.accepts(value):
+                raise ValueError(f"{name} must be {option.expects}, got {value!r}.")
+
+    @property
+    def effective(self) -> bool:
+        """Whether ``attribute`` offers ``effective=True`` (effective attention)."""
+        return "effective" in self.options
 
     @property
     def uses_backward(self) -> bool:

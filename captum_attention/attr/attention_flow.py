@@ -11,9 +11,9 @@ from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps import attention_flow_scores
-from ..maps.common import check_head_fusion
+from ..maps.common import HEAD_FUSIONS
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import LAYER, MethodSpec, one_of
 from ..maps.rollout import rollout_stack_maps
 
 
@@ -50,7 +50,10 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
         >>> scores = AttentionFlow(model).attribute(input_ids, additional_forward_args=(mask,))
     """
 
-    spec = MethodSpec("attention_flow", "Attention Flow", streams=False, encoder_decoder=False, in_reports=False)
+    spec = MethodSpec(
+        "attention_flow", "Attention Flow", streams=False, encoder_decoder=False, in_reports=False,
+        options={"head_fusion": one_of(*HEAD_FUSIONS), "start_layer": LAYER},
+    )
 
     @overload
     def attribute(
@@ -104,7 +107,6 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        check_head_fusion(head_fusion)
         return self._explain(
             inputs, target, additional_forward_args, query_index, return_maps, head_fusion=head_fusion, start_layer=start_layer
         )

@@ -12,13 +12,13 @@ from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps import encoder_decoder_rollout, raw_attention_maps, rollout_layer_maps, rollout_scores
-from ..maps.common import check_head_fusion
+from ..maps.common import HEAD_FUSIONS
 from ..maps.encoder_decoder import encoder_decoder_rows
 from ..maps.kernel import block_shape
 from ..maps.rollout import rollout_stack_maps
 from ..maps.streaming import cross_rollout_row_step, query_row, rollout_row_step
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import FRACTION, LAYER, MethodSpec, one_of
 
 
 class AttentionRollout(AttentionAttributionBase, Attribution):
@@ -51,7 +51,9 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "rollout", "Attention Rollout", eager_options={"discard_ratio": "discard_ratio ranks every entry of each fused map"}
+        "rollout", "Attention Rollout",
+        options={"head_fusion": one_of(*HEAD_FUSIONS), "discard_ratio": FRACTION, "start_layer": LAYER},
+        eager_options={"discard_ratio": "discard_ratio ranks every entry of each fused map"},
     )
 
     @overload
@@ -111,9 +113,6 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        check_head_fusion(head_fusion)
-        if not 0.0 <= discard_ratio < 1.0:
-            raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}.")
         return self._explain(
             inputs, target, additional_forward_args, query_index, return_maps,
             head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,

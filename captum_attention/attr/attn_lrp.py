@@ -62,7 +62,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         >>> relevance.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("attn_lrp", "AttnLRP", needs="relevance", signed=True)
+    spec = MethodSpec("attn_lrp", "AttnLRP", needs="relevance", signed=True, reads_query_row=False)
 
     def __init__(
         self,

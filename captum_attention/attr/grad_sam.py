@@ -11,13 +11,13 @@ from torch import Tensor
 
 from ..maps.kernel import block_shape
 from ..maps import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
-from ..maps.grad_sam import check_axis
+from ..maps.grad_sam import AXES
 from ..maps.streaming import grad_sam_row_sums
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture import ForwardRecord, GradMaps, OutputGrads
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import FLAG, MethodSpec, one_of
 
 
 class GradSAM(AttentionAttributionBase, GradientAttribution):
@@ -58,7 +58,10 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("grad_sam", "Grad-SAM", needs="backward", gradient_reduction=grad_sam_head_mean, effective=True)
+    spec = MethodSpec(
+        "grad_sam", "Grad-SAM", needs="backward", gradient_reduction=grad_sam_head_mean,
+        options={"axis": one_of(*AXES), "effective": FLAG}, reads_query_row=False,
+    )
 
     @overload
     def attribute(
@@ -118,9 +121,8 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
 
         $returns
         """
-        check_axis(axis)
         return self._explain(
-            inputs, target, additional_forward_args, query_index, return_maps, effective, axis=axis
+            inputs, target, additional_forward_args, query_index, return_maps, axis=axis, effective=effective
         )
 
     def _scores(self, record: ForwardRecord, axis: str = "query") -> tuple[Tensor, list[Tensor]]:

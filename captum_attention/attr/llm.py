@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import string
+import warnings
 from typing import Any
 
 import torch
@@ -10,6 +13,7 @@ from captum.attr._core.llm_attr import BaseLLMAttribution
 from torch import Tensor
 
 from .._compat import pretty_tokens
+from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
@@ -96,6 +100,7 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             ``(answer tokens, features)`` (None with ``per_token=False``), the features'
             ``input_tokens`` and the answer's ``output_tokens``.
         """
+        self.attr_method._check_options(kwargs, "attribute")
         answer = self.target_tokens(inp, target, gen_args)
         prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
         args = (torch.ones_like(prompt),)
@@ -127,6 +132,14 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             raise TypeError(
                 f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
             )
+        if resolve_adapter(self.model, self.attr_method.adapter).is_encoder_decoder(self.model):
+            raise ValueError(
+                f"LLMAttentionAttribution explains decoder-only language models; {type(self.model).__name__} is an "
+                "encoder-decoder: call the method's attribute with (input_ids, decoder_input_ids) and query_index "
+                "at each target position."
+            )
+        if self._format_model_input(inp.to_model_input())["input_ids"].shape[1] == 0:
+            raise ValueError("The prompt has no tokens: give a non-empty prompt (or a tokenizer that adds a BOS token).")
         answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
         if answer.numel() == 0:
             raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
@@ -142,14 +155,10 @@ class _FeatureMap:
         self.inp = inp
         if isinstance(inp, TextTokenInput):
             kept = torch.ones(prompt.shape[1], dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask[0].cpu().bool()
-            feature = torch.full((prompt.shape[1],), -1, dtype=torch.long)
-            feature[kept] = torch.arange(int(kept.sum()))
+            self.weights = torch.zeros(prompt.shape[1], inp.n_itp_features)
+            self.weights[kept.nonzero().flatten(), torch.arange(int(kept.sum()))] = 1.0
         else:
-            feature = _template_features(inp, tokenizer, prompt)
-        count = inp.n_itp_features
-        self.weights = torch.zeros(prompt.shape[1], count)
-        used = feature >= 0
-        self.weights[used.nonzero().flatten(), feature[used]] = 1.0
+            self.weights = _template_weights(inp, tokenizer, prompt)
 
     def scores(self, token_scores: Tensor) -> Tensor:
         """``(rows, features)`` from ``(rows, tokens)``."""
@@ -157,11 +166,14 @@ class _FeatureMap:
         return self.inp.format_attr(summed) if isinstance(self.inp, TextTemplateInput) else summed
 
 
-def _template_features(inp: TextTemplateInput, tokenizer: Any, prompt: Tensor) -> Tensor:
-    """``(tokens,)`` the interpretable feature of each prompt token (-1: template text and
-    special tokens), from the tokens' character offsets and each value's span in the text."""
+def _template_weights(inp: TextTemplateInput, tokenizer: Any, prompt: Tensor) -> Tensor:
+    """``(tokens, interpretable features)``: each prompt token's share of each template
+    value, from the tokens' character offsets and every place each value takes in the
+    text. A token inside one value belongs to it wholly (1); a token that two values share
+    (adjacent values that tokenize together) is split between them by the characters each
+    holds, with a warning; template text and special tokens belong to none."""
     text = inp.to_model_input()
-    spans = [_value_span(inp, index, text) for index in range(inp.n_features)]
+    spans = _value_spans(inp, text)
     try:
         encoding = tokenizer(text, return_offsets_mapping=True)
     except NotImplementedError as error:  # slow tokenizers have no offsets
@@ -172,24 +184,72 @@ def _template_features(inp: TextTemplateInput, tokenizer: Any, prompt: Tensor) -
     if list(encoding["input_ids"]) != prompt[0].tolist():
         raise ValueError("The tokenizer's offsets do not describe the prompt's tokens; use a TextTokenInput.")
     grouped = getattr(inp, "formatted_mask", None)
-    feature = torch.full((prompt.shape[1],), -1, dtype=torch.long)
+    weights = torch.zeros(prompt.shape[1], inp.n_itp_features)
     for token, (start, end) in enumerate(encoding["offset_mapping"]):
-        overlaps = [min(end, stop) - max(start, begin) for begin, stop in spans]
-        best = max(range(len(spans)), key=overlaps.__getitem__, default=None)
-        if end > start and best is not None and overlaps[best] > 0:
-            feature[token] = best if grouped is None else grouped[best]
-    return feature
-
-
-def _value_span(inp: TextTemplateInput, index: int, text: str) -> tuple[int, int]:
-    """The characters of template value ``index`` in the formatted ``text``."""
-    values = list(inp.values)
-    values[index] = _OPEN + values[index] + _CLOSE
-    marked = inp.format_fn(**dict(zip(inp.dict_keys, values))) if inp.dict_keys else inp.format_fn(*values)
-    start, close = marked.find(_OPEN), marked.find(_CLOSE)
-    if start < 0 or close < start or marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
-        raise ValueError(
-            f"The template does not place value {index} ({inp.values[index]!r}) verbatim in the prompt, so its "
-            "tokens cannot be found: use a template that inserts values as they are, or a TextTokenInput."
+        for (begin, stop), value in spans:
+            overlap = min(end, stop) - max(start, begin)
+            if overlap > 0:
+                weights[token, value if grouped is None else grouped[value]] += overlap
+    shared = (weights > 0).sum(dim=1) > 1
+    if bool(shared.any()):
+        token = int(shared.nonzero()[0])
+        sharing = [repr(inp.values[v]) for v in range(inp.n_features) if weights[token, v if grouped is None else grouped[v]] > 0]
+        warnings.warn(
+            f"Template values {', '.join(sharing)} share the token {text[slice(*encoding['offset_mapping'][token])]!r}: "
+            "its score is split between them by the characters each holds. Put a space between "
+            "the values to score them apart.",
+            stacklevel=4,
         )
-    return start, close - len(_OPEN)
+    return weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def _value_spans(inp: TextTemplateInput, text: str) -> list[tuple[tuple[int, int], int]]:
+    """``((start, end), value index)`` for every place a template value takes in the
+    formatted ``text``: a value the template places twice has two."""
+    template = inp.template
+    if isinstance(template, str):
+        return _fields(template, inp, text)
+    return _marked(inp, text)
+
+
+def _fields(template: str, inp: TextTemplateInput, text: str) -> list[tuple[tuple[int, int], int]]:
+    """The spans of a format string's replacement fields, each formatted as ``str.format``
+    formats it (conversions and format specs included)."""
+    formatter = string.Formatter()
+    values = list(inp.values)
+    named = dict(zip(inp.dict_keys, values))
+    spans, position, auto = [], 0, 0
+    for literal, field, spec, conversion in formatter.parse(template):
+        position += len(literal)
+        if field is None:
+            continue
+        if field == "" or field[0] in ".[":
+            field, auto = f"{auto}{field}", auto + 1
+        obj, key = formatter.get_field(field, values, named)
+        piece = formatter.format_field(formatter.convert_field(obj, conversion), formatter.format(spec or "", *values, **named))
+        index = inp.dict_keys.index(key) if isinstance(key, str) else key
+        spans.append(((position, position + len(piece)), index))
+        position += len(piece)
+    return spans
+
+
+def _marked(inp: TextTemplateInput, text: str) -> list[tuple[tuple[int, int], int]]:
+    """The spans of each value where a template function places it, found by marking
+    one value at a time with private-use characters."""
+    spans = []
+    for index in range(inp.n_features):
+        values: list[Any] = list(inp.values)
+        values[index] = f"{_OPEN}{values[index]}{_CLOSE}"
+        marked = inp.format_fn(**dict(zip(inp.dict_keys, values))) if inp.dict_keys else inp.format_fn(*values)
+        if marked.replace(_OPEN, "").replace(_CLOSE, "") != text or marked.count(_OPEN) != marked.count(_CLOSE):
+            raise ValueError(
+                f"The template function changes value {index} ({inp.values[index]!r}) as it places it (it is "
+                "not inserted as a string as it is), so its tokens cannot be found: format the values "
+                "unchanged (a format string such as '{} is {}' may pad and convert them), or use a TextTokenInput."
+            )
+        removed = 0
+        for match in re.finditer(f"{_OPEN}(.*?){_CLOSE}", marked, flags=re.DOTALL):
+            start = match.start() - removed
+            spans.append(((start, start + len(match.group(1))), index))
+            removed += 2
+    return spans

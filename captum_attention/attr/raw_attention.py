@@ -15,7 +15,7 @@ from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps.streaming import raw_attention_row
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import FLAG, LAYER, MethodSpec
 
 
 class RawAttention(AttentionAttributionBase, Attribution):
@@ -42,7 +42,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
         ...                                        additional_forward_args=(mask,))
     """
 
-    spec = MethodSpec("raw", "Raw Attention", effective=True)
+    spec = MethodSpec("raw", "Raw Attention", options={"layer": LAYER, "effective": FLAG})
 
     @overload
     def attribute(
@@ -100,7 +100,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, effective, layer=layer)
+        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer, effective=effective)
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         chosen = record.call_index(layer)

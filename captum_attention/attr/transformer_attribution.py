@@ -27,7 +27,7 @@ from ..maps.streaming import (
 )
 from ..maps.encoder_decoder import encoder_decoder_rows
 from ._base import AttentionAttributionBase, Inputs, Maps, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import LAYER, MethodSpec
 
 
 class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
@@ -60,7 +60,8 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
     """
 
     spec = MethodSpec(
-        "transformer_attribution", "Transformer Attribution", needs="backward", gradient_reduction=relevance_head_mean
+        "transformer_attribution", "Transformer Attribution", needs="backward", gradient_reduction=relevance_head_mean,
+        options={"start_layer": LAYER},
     )
 
     @overload

@@ -307,6 +307,7 @@ def record_forward(
     track_grad: bool = False,
     query_index: QueryIndex = None,
     streaming: bool = False,
+    confirm_rows: bool = False,
 ) -> ForwardRecord:
     """Run ``forward_func`` once with ``model``'s attention captured, with ``probes``.
 
@@ -326,6 +327,10 @@ def record_forward(
             :func:`query_positions`).
         streaming: keep the model's attention kernel and record its inputs (see
             :class:`AttentionCapture`).
+        confirm_rows: where ``query_index`` is None and the model returns one row of
+            logits per example, confirm that the default query is a row the logits read
+            (:func:`confirm_query_read`), or raise; the forward then keeps an autograd
+            graph (outside ``torch.inference_mode``, where it is not confirmed).
     """
     _check_call(additional_forward_args, track_grad)
     _check_float_inputs(model, inputs)
@@ -333,10 +338,11 @@ def record_forward(
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
     _warn_if_training(model)
     adapter = resolve_adapter(model, adapter)
-    grad_mode = GradMode(track_grad or any(probe.needs_grad for probe in probes))
+    confirm_rows = confirm_rows and query_index is None and not _generates(model) and not torch.is_inference_mode_enabled()
+    grad_mode = GradMode(track_grad or confirm_rows or any(probe.needs_grad for probe in probes))
     shape_check = [] if text_shape is None else [MaskShape(text_shape)]
     capture = AttentionCapture(
-        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
+        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad or confirm_rows
     )
     with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
@@ -373,6 +379,8 @@ def record_forward(
         queries = pooled.float() / pooled.sum(dim=1, keepdim=True)
     else:
         queries = query_positions(query_index, target_real, causal)
+        if confirm_rows and logits.dim() == 2 and roles[-1] in ("self", "decoder"):
+            confirm_query_read(capture, logits, queries, target_real, getattr(getattr(model, "config", None), "pad_token_id", None))
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
@@ -388,7 +396,13 @@ def _check_call(additional_forward_args: Any, track_grad: bool) -> None:
             "e.g. (attention_mask,); got a dict. For keyword arguments, wrap the model: "
             "forward_func=lambda ids, mask: model(ids, attention_mask=mask, ...)."
         )
-    if track_grad and torch.is_inference_mode_enabled():
+    if track_grad:
+        check_gradients_possible()
+
+
+def check_gradients_possible() -> None:
+    """A clear error under ``torch.inference_mode()``, where no backward can run."""
+    if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "This explanation needs gradients, which torch.inference_mode() switches off: "
             "call it outside inference_mode (under torch.no_grad() it works: it enables "
@@ -421,6 +435,42 @@ def warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def _generates(model: nn.Module) -> bool:
+    """Whether ``model`` is a generative model (its logits are read at every position,
+    and its explained row is the one the method reads the logits at)."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(callable(can_generate) and can_generate())
+
+
+def confirm_query_read(capture: AttentionCapture, logits: Tensor, queries: Tensor, real: Tensor, pad_id: Any) -> None:
+    """A one-line error where the default query row is not among the rows the logits read
+    (found from the gradient of the logits with respect to the last attention call's
+    output): a decoder classifier that finds its last token by ``config.pad_token_id`` reads
+    a padding position when the batch is padded with another id; an encoder read at its
+    first position, when padded on the left."""
+    with torch.enable_grad():
+        read = capture.rows_read(logits.sum())
+    if read is None:
+        return
+    batch = torch.arange(len(queries), device=read.device)
+    missed = (~read[batch, queries.to(read.device)] & read.any(dim=1)).nonzero().flatten().tolist()
+    if not missed:
+        return
+    example = missed[0]
+    rows = read[example].nonzero().flatten().tolist()
+    where = f"position {rows[0]}" if len(rows) == 1 else f"positions {rows}"
+    if bool(real[example, rows].all()):
+        fix = f"pass query_index={rows[-1]} to explain the row it reads"
+    else:
+        fix = f"{where} is padding by the attention mask: pad where and with what the model expects" + (
+            f" (its config.pad_token_id is {pad_id})" if pad_id is not None else ""
+        )
+    raise ValueError(
+        f"The logits of example {example} read {where}, not position {int(queries[example])}, which the methods "
+        f"explain by default: {fix}."
+    )
 
 
 def _warn_if_training(model: nn.Module) -> None:

@@ -136,6 +136,22 @@ class AttentionCapture:
         self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
         return [call.stacked(self.adapter, call_grads, gradient=True) for call, call_grads in zip(self._calls, per_call)]
 
+    def rows_read(self, score: Tensor) -> Tensor | None:
+        """``(batch, queries)`` bool: the query rows of the last attention call that
+        ``score`` depends on (after it, the tokens no longer mix, so these are the rows the
+        output reads); None where that call is not in the autograd graph. The backward
+        runs from the score to that call only (the head and the last layer's feed-forward)."""
+        call = self._calls[-1]
+        tensors = [call.kernel.output] if call.kernel is not None else call.pieces
+        if not all(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+            return None
+        grads = torch.autograd.grad(score, tensors, allow_unused=True, retain_graph=True)
+        if any(g is None for g in grads):
+            return None
+        if call.kernel is not None:
+            return grads[0].ne(0).flatten(2).any(dim=2)  # (B, Q, H, D)
+        return call.stacked(self.adapter, list(grads), gradient=True).ne(0).any(dim=-1).any(dim=1)
+
     def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
         ``(batch, queries, heads, head_dim)``, from one backward pass."""

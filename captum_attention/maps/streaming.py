@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .kernel import KernelCall, live_rows
-from .common import fuse_heads, query_weights
+from .common import check_head_fusion, fuse_heads, query_weights
+from .grad_sam import check_axis
 
 
 _LOG = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def grad_sam_row_sums(
 ) -> Tensor:
     """Σ_m Σ_j A^m_ij·ReLU(G^m_ij) per query row i, ``(B, Q)``: one layer's Grad-SAM sums;
     with ``axis="key"`` Σ_m Σ_i per key column j, ``(B, K)``, over the real queries."""
+    check_axis(axis)
     if axis == "key":
         return relevance_rows_into(call, grad_output, real_queries.float() * call.num_heads, real_queries, real_keys, shape)
     kernels = _fused_kernels(call)
@@ -247,6 +249,7 @@ def _fused_blocks(
 ) -> Iterator[tuple[slice, Tensor]]:
     """``(rows, fuse_m(A^m) of those rows (B, r, key_span))`` per block of rows, the heads
     fused one block of heads at a time; pairs of a non-real query or key 0."""
+    check_head_fusion(fusion)
     reduce, combine = _HEAD_FUSIONS[fusion]
     fused = None
     for heads, rows in call.blocks(shape, reached):

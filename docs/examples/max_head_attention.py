@@ -14,6 +14,7 @@ from captum.attr import Attribution
 from torch import Tensor
 
 from captum_attention.attr import (
+    LAYER,
     AttentionAttributionBase,
     MethodSpec,
     attribute_method,
@@ -31,7 +32,7 @@ class MaxHeadAttention(AttentionAttributionBase, Attribution):
         >>> scores = explainer.attribute(ids, additional_forward_args=(mask,))
     """
 
-    spec = MethodSpec("max_head", "Max-Head Attention")
+    spec = MethodSpec("max_head", "Max-Head Attention", options={"layer": LAYER})
 
     @attribute_method
     def attribute(

@@ -419,7 +419,9 @@ switching it to ``eager`` or ``sdpa`` would explain another model."""
 
 @contextmanager
 def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
-    """``model`` running the attention implementation ``wanted`` in this context only."""
+    """``model`` running the attention implementation ``wanted`` in this context only,
+    pinned there also when it already runs it (another thread's
+    ``set_attn_implementation`` during the call changes the model for the others only)."""
     original = attn_implementation(model)
     if original is not None and original not in EXACT_IMPLEMENTATIONS:
         raise ValueError(
@@ -433,16 +435,20 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
         runnable = "eager"  # a sub-model left on sdpa under an eager top config (GOT-OCR2's language model)
     else:
         runnable = _runnable(model, original, wanted)
-        if runnable is None or runnable == original:
-            yield
-            return
+    if runnable is None or runnable == original:
+        views = {id(c): c._attn_implementation for c in configs if getattr(c, "_attn_implementation", None) is not None}
+    else:
+        views = {id(config): runnable for config in configs}
+    if not views:
+        yield
+        return
     patches: list[SharedPatch] = []
     token = None
     try:
         for owner in {implementation_owner(type(config)) for config in configs}:
             patches.append(_view_patch(owner))
             patches[-1].acquire()
-        token = _VIEWED.set({**_VIEWED.get(), **{id(config): runnable for config in configs}})
+        token = _VIEWED.set({**_VIEWED.get(), **views})
         yield
     finally:
         if token is not None:
