@@ -43,7 +43,7 @@ def test_explain_generates_the_answer_and_names_each_methods_top_tokens(llm, tmp
 def test_the_printed_shares_are_the_llm_interfaces_seq_attr(llm, capsys):
     assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "grad_sam", "--raw"]) == 0
     out = capsys.readouterr().out
-    assert "answer, given, 1 tokens:" in out
+    assert "answer, given, 1 token:" in out
     line = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("Grad-SAM"))) + 1]
     printed = [(token.split("[")[0], float(value)) for token, value in (cell.split() for cell in line.strip().split(" | "))]
     model, tokenizer = make_decoder("llama"), make_word_tokenizer()
@@ -64,8 +64,66 @@ def test_a_long_prompt_from_a_file_and_clear_errors(llm, tmp_path, capsys):
     assert main(["explain", "--model", str(llm), "one", "two"]) == 1
     assert "one prompt at a time" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), PROMPT, "--max-new-tokens", "0"]) == 1
-    assert "--max-new-tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--max-new-tokens must be at least 1, got 0" in err and "--ig-steps" not in err
     prompt_file.write_text(" ".join([PROMPT] * 6), encoding="utf-8")  # 67 tokens: more than the 64 positions
     assert main(["explain", "--model", str(llm), "--file", str(prompt_file), "--target", "seven"]) == 1
     err = capsys.readouterr().err
-    assert "the prompt has 67 tokens; the model takes 64" in err and err.count("\n") == 1
+    assert "the prompt's 67 tokens and --target's 1 token are more than the 64 the model takes" in err
+    assert err.count("\n") == 1
+
+
+def test_the_target_is_counted_in_tokens_against_the_models_limit(llm, tmp_path, capsys):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join([PROMPT] * 5), encoding="utf-8")  # 56 tokens
+    assert main(["explain", "--model", str(llm), "--file", str(prompt_file), "--target", "seven . seven . seven"]) == 0
+    capsys.readouterr()
+    long_target = " ".join(["seven ."] * 5)  # 10 tokens: 66 in all
+    assert main(["explain", "--model", str(llm), "--file", str(prompt_file), "--target", long_target]) == 1
+    assert "the prompt's 56 tokens and --target's 10 tokens are more than the 64" in capsys.readouterr().err
+
+
+def test_a_generation_cut_at_the_token_limit_is_warned_about(llm, tmp_path, capsys):
+    html = tmp_path / "answer.html"
+    assert main(["explain", "--model", str(llm), PROMPT, "--max-new-tokens", "2", "--methods", "raw", "--html", str(html)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: the answer stopped at --max-new-tokens (2) without an end token" in captured.err
+    assert "Warning: the answer stopped at --max-new-tokens (2)" in html.read_text(encoding="utf-8")
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "raw"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_skip_leaves_the_matching_tokens_out_as_captums_skip_tokens(llm, capsys):
+    import json
+
+    from captum.attr import TextTokenInput
+
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "grad_sam", "--skip", "the|[.?]"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt: 8 tokens explained, 4 skipped by --skip" in out
+    top = out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.startswith("Grad-SAM")) + 1]
+    assert not any(cell.split()[0].split("[")[0] in ("the", ".", "?") for cell in top.strip().split(" | "))
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    inp = TextTokenInput(PROMPT, tokenizer, skip_tokens=["the", ".", "?"])
+    expected = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(inp, target="seven")
+    path = llm.parent / "skipped.json"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "grad_sam", "--skip", "the|[.?]",
+                 "--json", str(path)]) == 0
+    written = json.loads(path.read_text(encoding="utf-8"))
+    assert written["prompt_tokens"] == expected.input_tokens and written["skipped"] == ["the", ".", "the", "?"]
+    torch.testing.assert_close(torch.tensor(written["seq_attr"]["Grad-SAM"]), expected.seq_attr)
+    assert main(["explain", "--model", str(llm), PROMPT, "--skip", "("]) == 1
+    assert "--skip '(' is not a regular expression" in capsys.readouterr().err
+
+
+def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
+    import json
+
+    path = tmp_path / "answer.json"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--per-token", "--json", str(path)]) == 0
+    written = json.loads(path.read_text(encoding="utf-8"))
+    assert written["answer_tokens"] == ["seven", "."] and not written["generated"]
+    assert set(written["seq_attr"]) == {"Grad-SAM", "Attention Rollout", "Transformer Attribution", "Raw Attention", "AttnLRP"}
+    assert all(len(rows) == 2 and len(rows[0]) == len(written["prompt_tokens"]) for rows in written["token_attr"].values())
+    assert main(["explain", "--model", str(llm), PROMPT, "--json", str(tmp_path)]) == 1
+    assert "is a folder" in capsys.readouterr().err

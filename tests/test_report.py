@@ -70,3 +70,48 @@ def test_wall_times_exclude_a_warm_up_call(monkeypatch):
     explain_module.explain(model, None, ["a", "b", "c"], batch_size=2)
     assert calls == [1, 2, 1]  # one sentence untimed first, then the batches
     assert torch.is_grad_enabled()
+
+
+# A language model's answer ---------------------------------------------------------------
+
+from captum_attention.presentation.answer import AnswerExplanation  # noqa: E402
+from captum_attention.presentation.html import LONG_PROMPT, render_answer_html  # noqa: E402
+
+POSITIVE = MethodInfo(uses_target=True, signed=False)
+
+
+def _answer(rows: list[list[float]], tokens: list[str]) -> AnswerExplanation:
+    return AnswerExplanation(
+        prompt_tokens=tokens, special=[False] * len(tokens), answer_tokens=[f"a{i}" for i in range(len(rows))],
+        answer=" ".join(f"a{i}" for i in range(len(rows))), generated=False,
+        seq_attr={"Grad-SAM": [sum(column) for column in zip(*rows)]}, token_attr={"Grad-SAM": rows},
+        seconds={"Grad-SAM": 0.01}, methods={"Grad-SAM": POSITIVE},
+    )
+
+
+def _cell_strengths(page: str) -> list[list[float]]:
+    import re
+
+    rows = re.findall(r"<tr><th><bdi>a\d+</bdi></th>(.*?)</tr>", page)
+    return [[float(s) for s in re.findall(r"rgba\(0, 140, 60, ([0-9.]+)\)", row)] for row in rows]
+
+
+def test_each_heat_matrix_row_is_coloured_on_its_own_scale_and_says_how_peaked_it_is():
+    rows = [[0.01, 0.9, 0.02], [5.0, 0.1, 0.2], [0.33, 0.33, 0.34]]
+    page = render_answer_html(_answer(rows, ["x", "y", "z"]), "m")
+    strengths = _cell_strengths(page)
+    assert strengths[0][1] == 1.0 and strengths[1][0] == 1.0, "every row reaches full colour at its own largest score"
+    assert abs(strengths[0][0] - 0.01 / 0.9) < 1e-3 and abs(strengths[1][2] - 0.2 / 5.0) < 1e-3
+    assert "peak ×1.0 the mean, near uniform" in page and "peak ×2.9 the mean" in page
+
+
+def test_a_long_prompt_is_summarised_first_and_folded_around_its_top_tokens():
+    count = 4000
+    tokens = [f"t{i}" for i in range(count)]
+    rows = [[1.0 if i == 2500 else 0.001 * (i % 7) for i in range(count)] for _ in range(8)]
+    page = render_answer_html(_answer(rows, tokens), "m")
+    assert count > LONG_PROMPT and len(page) < 60_000, len(page)
+    assert page.index("<h2>Summary</h2>") < page.index("<section>")
+    assert "<bdi>t2500</bdi>&nbsp;" in page.split("<section>")[0], "the top token leads the summary"
+    assert "… 2 tokens …" not in page and "tokens …</span>" in page
+    assert all(len(row) == 10 for row in _cell_strengths(page)), "each row's top 10 columns"

@@ -170,16 +170,23 @@ def optimiser_step(optimiser: torch.optim.Optimizer, loss: Tensor, parameters: l
     optimiser.zero_grad(set_to_none=True)
 
 
-def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingBudget, progress: bool) -> None:
-    """AdamW over ``budget.epochs`` shuffled epochs; leaves the model in eval mode."""
+def progress_bar(total: int, description: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr; redrawn every half second on a terminal, every 30 seconds
+    where stderr is a file or a pipe (so that a redirected log keeps a few lines)."""
     from tqdm.auto import tqdm
 
+    interval = 0.5 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, desc=description, disable=not enabled, file=sys.stderr, mininterval=interval, maxinterval=interval)
+
+
+def _fit(model: Any, tokenizer: Any, train_set: list[Example], budget: TrainingBudget, progress: bool) -> None:
+    """AdamW over ``budget.epochs`` shuffled epochs; leaves the model in eval mode."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=budget.learning_rate)
     generator = torch.Generator().manual_seed(budget.seed)
     steps = budget.epochs * -(-len(train_set) // budget.batch_size)
     model.train()
-    with tqdm(total=steps, desc="fine-tuning the default model", disable=not progress, file=sys.stderr) as bar:
+    with progress_bar(steps, "fine-tuning the default model", progress) as bar:
         for _ in range(budget.epochs):
             for batch in _batches(train_set, budget.batch_size, generator):
                 encoded = tokenizer([e.text for e in batch], padding=True, return_tensors="pt")
@@ -306,20 +313,28 @@ def cached_trained_model(
     model_class: Any,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    tokenizer: Any = None,
 ) -> Any:
     """The model ``train()`` returns (with facts for its metadata), trained once for each
-    ``training`` dataclass and cached under ``cache_root(cache_dir) / name``; loaded with
-    ``model_class.from_pretrained``, in eval mode."""
+    ``training`` dataclass and cached under ``cache_root(cache_dir) / name`` with
+    ``tokenizer`` beside it (so that the folder is a checkpoint ``from_pretrained`` and the
+    command line take); loaded with ``model_class.from_pretrained``, in eval mode."""
     from ..loading import quiet_transformers
 
     def build(staging: Path) -> None:
         model, facts = train()
         with quiet_transformers():
             model.save_pretrained(staging, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
         write_metadata(staging, model=name, training=asdict(training), **facts)
 
     settings = json.loads(json.dumps(asdict(training)))  # as the metadata file holds them (tuples become lists)
-    folder = cached_folder(cache_root(cache_dir) / name, build, lambda metadata: metadata.get("training") == settings, progress)
+
+    def current(metadata: dict[str, Any]) -> bool:
+        return metadata.get("training") == settings and (tokenizer is None or "tokenizer_config.json" in metadata.get("files", {}))
+
+    folder = cached_folder(cache_root(cache_dir) / name, build, current, progress)
     with quiet_transformers():
         return model_class.from_pretrained(folder, local_files_only=True).eval()
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, optimiser_step
+from .default_model import cached_trained_model, optimiser_step, progress_bar
 
 FILLER = [f"f{i}" for i in range(64)]
 KEYS = [f"k{i}" for i in range(32)]
@@ -137,13 +137,15 @@ def _train(training: NeedleTraining, progress: bool) -> tuple[Any, dict[str, Any
     generator = torch.Generator().manual_seed(training.seed + 1)
     parameters = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
-    for steps, shortest, longest, batch_size in training.phases:
-        for _ in range(steps):
-            length = int(torch.randint(shortest, longest + 1, (1,), generator=generator))
-            batch = [needle_example(length, generator, training.pairs) for _ in range(batch_size)]
-            logits = model(torch.stack([e.input_ids for e in batch])).logits[:, -1]
-            loss = torch.nn.functional.cross_entropy(logits, torch.tensor([e.answer for e in batch]))
-            optimiser_step(optimiser, loss, parameters)
+    with progress_bar(sum(phase[0] for phase in training.phases), "training the needle model", progress) as bar:
+        for steps, shortest, longest, batch_size in training.phases:
+            for _ in range(steps):
+                length = int(torch.randint(shortest, longest + 1, (1,), generator=generator))
+                batch = [needle_example(length, generator, training.pairs) for _ in range(batch_size)]
+                logits = model(torch.stack([e.input_ids for e in batch])).logits[:, -1]
+                loss = torch.nn.functional.cross_entropy(logits, torch.tensor([e.answer for e in batch]))
+                optimiser_step(optimiser, loss, parameters)
+                bar.update()
     model.eval()
     heldout = torch.Generator().manual_seed(999_999)
     accuracy = needle_accuracy(model, [needle_example(2048, heldout, training.pairs) for _ in range(50)])
@@ -165,7 +167,9 @@ def load_needle_model(
     """
     from transformers import LlamaForCausalLM
 
-    model = cached_trained_model(MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress)
+    model = cached_trained_model(
+        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress, needle_tokenizer()
+    )
     return without_positions(model)
 
 

@@ -3,6 +3,7 @@ Captum's LLM interface."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,9 @@ class AnswerExplanation:
             without ``per_token``).
         seconds: method -> wall time.
         methods: method -> how to read its scores.
+        skipped: the prompt tokens left out of the features (``skip``), in order.
+        warnings: what the reader should know about the answer (a generation cut at its
+            token limit).
     """
 
     prompt_tokens: list[str]
@@ -40,6 +44,8 @@ class AnswerExplanation:
     token_attr: dict[str, list[list[float]]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def explain_answer(
@@ -51,20 +57,25 @@ def explain_answer(
     methods: list[str] | None = None,
     per_token: bool = False,
     ig_steps: int = 50,
+    skip: str | None = None,
 ) -> AnswerExplanation:
     """Generate (greedy) or take the answer to ``prompt``, then explain it with each method
     (registry names; ``integrated_gradients`` runs Captum's
     ``LLMGradientAttribution(LayerIntegratedGradients)``). Default: the registered methods.
+    ``skip``: a regular expression; the prompt tokens it matches in full are left out of
+    the features, as Captum's ``skip_tokens`` leaves them out.
     """
-    inp = TextTokenInput(prompt, tokenizer)
+    tokens = TextTokenInput(prompt, tokenizer).values
+    skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
+    inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted(set(skipped)) or None)
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
     answer_ids = _answer(model, tokenizer, inp, target, gen_args)
-    prompt_ids = inp.to_model_input()[0]
     special_ids = set(tokenizer.all_special_ids)
     result = None
     explanation = AnswerExplanation(
-        prompt_tokens=list(inp.values), special=[int(i) in special_ids for i in prompt_ids.tolist()],
-        answer_tokens=[], answer=tokenizer.decode(answer_ids), generated=target is None,
+        prompt_tokens=list(inp.values), special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
+        answer_tokens=[], answer=tokenizer.decode(answer_ids), generated=target is None, skipped=skipped,
+        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
     )
     for name in methods or list(METHODS):
         wrapper, info = _wrapper(model, tokenizer, name)
@@ -82,6 +93,17 @@ def explain_answer(
     if result is not None:
         explanation.answer_tokens = list(result.output_tokens)
     return explanation
+
+
+def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
+    """A warning where generation stopped at ``max_new_tokens`` with no end token: the
+    answer may run on past what the model meant to say, and the explanation covers it all."""
+    if len(answer_ids) < max_new_tokens or tokenizer.eos_token_id in answer_ids.tolist():
+        return []
+    return [
+        f"the answer stopped at --max-new-tokens ({max_new_tokens}) without an end token: it may go on past the "
+        "model's real answer, and the whole-answer scores explain all of it; give --target, or a smaller --max-new-tokens"
+    ]
 
 
 def _answer(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | None, gen_args: dict[str, Any] | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from .evaluate import metric_names, rationale_metrics
 from .explain import length_limit, method_names
-from .text import has_surrogates, terminal_safe
+from .text import count as _count, has_surrogates, terminal_safe
 
 
 class UsageError(ValueError):
@@ -49,9 +49,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="language models: tokens to generate when no --target is given (default: 20)")
     explain.add_argument("--per-token", action="store_true",
                          help="language models: also explain each answer token (one backward each)")
+    explain.add_argument("--skip", metavar="REGEX",
+                         help="language models: leave the prompt tokens this regular expression matches in full out "
+                         "of the explanation, as Captum's skip_tokens does (e.g. '[?.,]|the')")
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
-    explain.add_argument("--methods", help="comma-separated methods to run (default: all): "
-                         + ", ".join(method_names()))
+    explain.add_argument("--json", type=Path, help="also write the tokens, every method's scores and wall times "
+                         "as JSON here")
+    explain.add_argument("--methods", help="comma-separated methods to run (default: the registered methods, and "
+                         "integrated_gradients for classifiers): " + ", ".join(method_names()))
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
@@ -111,17 +116,30 @@ def _sentences(arguments: argparse.Namespace) -> list[str]:
     return sentences
 
 
-def _check_html(path: Path | None) -> None:
-    """Before any work: ``--html`` names a file that can be written."""
+def _check_outputs(arguments: argparse.Namespace) -> None:
+    """Before any work: ``--html`` and ``--json`` name files that can be written."""
+    for option, example in (("html", "report.html"), ("json", "explanation.json")):
+        path = getattr(arguments, option)
+        if path is None:
+            continue
+        if path.is_dir():
+            raise UsageError(f"--{option} {path} is a folder: name the file, e.g. {path / example}")
+        folder = path.parent
+        if not folder.is_dir():
+            raise UsageError(f"--{option} {path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise UsageError(f"--{option} {path}: not writable")
+
+
+def _write_json(path: Path | None, explanation: Any) -> None:
+    """The explanation (a dataclass of tokens, scores and times) as JSON at ``path``."""
     if path is None:
         return
-    if path.is_dir():
-        raise UsageError(f"--html {path} is a folder: name the report file, e.g. {path / 'report.html'}")
-    folder = path.parent
-    if not folder.is_dir():
-        raise UsageError(f"--html {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"--html {path}: not writable")
+    import dataclasses
+    import json
+
+    path.write_text(json.dumps(dataclasses.asdict(explanation), ensure_ascii=False, indent=1), encoding="utf-8")
+    print(terminal_safe(f"JSON written to {path}"))
 
 
 def _check_cache_dir(path: Path | None) -> None:
@@ -161,7 +179,9 @@ def _explain(arguments: argparse.Namespace) -> None:
         value = getattr(arguments, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _check_html(arguments.html)
+    if arguments.skip is not None:
+        raise UsageError("--skip is for a language model's prompt; a classifier's report shows every token")
+    _check_outputs(arguments)
     _check_cache_dir(arguments.cache_dir)
     folder = arguments.model
     if folder is None:
@@ -178,6 +198,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     if arguments.html is not None:
         arguments.html.write_text(render_html(explanations, str(folder)), encoding="utf-8")
         print(terminal_safe(f"HTML report written to {arguments.html}"))
+    _write_json(arguments.json, explanations)
 
 
 def _prompt(arguments: argparse.Namespace) -> str:
@@ -210,22 +231,48 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     prompt = _prompt(arguments)
     if arguments.target is not None and has_surrogates(arguments.target):
         raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
-    if arguments.max_new_tokens < 1 or arguments.ig_steps < 1:
-        raise UsageError("--max-new-tokens and --ig-steps must be at least 1")
+    for option in ("max_new_tokens", "ig_steps"):
+        if getattr(arguments, option) < 1:
+            raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(arguments, option)}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    _check_html(arguments.html)
+    skip = _skip_pattern(arguments.skip)
+    _check_outputs(arguments)
     model, tokenizer = load_causal_lm(arguments.model)
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
     limit = length_limit(model, tokenizer)
-    if prompt_tokens + (1 if arguments.target is not None else arguments.max_new_tokens) > limit:
-        raise UsageError(f"the prompt has {prompt_tokens} tokens; the model takes {limit} in all, answer included")
+    if arguments.target is not None:
+        answer_tokens = len(tokenizer(arguments.target, add_special_tokens=False)["input_ids"])
+        answer = f"--target's {_count(answer_tokens, 'token')}"
+    else:
+        answer_tokens, answer = arguments.max_new_tokens, f"--max-new-tokens {arguments.max_new_tokens}"
+    if prompt_tokens + answer_tokens > limit:
+        raise UsageError(
+            f"the prompt's {_count(prompt_tokens, 'token')} and {answer} are more than the {limit} the model takes"
+        )
     explanation = explain_answer(
-        model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token, arguments.ig_steps
+        model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token,
+        arguments.ig_steps, skip,
     )
+    for warning in explanation.warnings:
+        print(terminal_safe(f"captum-attention: warning: {warning}"), file=sys.stderr)
     print(render_answer_text(explanation, raw=arguments.raw))
     if arguments.html is not None:
         arguments.html.write_text(render_answer_html(explanation, str(arguments.model)), encoding="utf-8")
         print(terminal_safe(f"HTML report written to {arguments.html}"))
+    _write_json(arguments.json, explanation)
+
+
+def _skip_pattern(pattern: str | None) -> str | None:
+    """``--skip`` checked as a regular expression."""
+    if pattern is None:
+        return None
+    import re
+
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise UsageError(f"--skip {pattern!r} is not a regular expression: {error}") from error
+    return pattern
 
 
 def _listed(value: str | None, option: str) -> list[str] | None:

@@ -6,7 +6,7 @@ from html import escape as _escape_markup
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
-from .text import shares, terminal_safe
+from .text import count, shares, terminal_safe, token_labels
 
 
 def escape(text: str) -> str:
@@ -132,28 +132,113 @@ def render_html(explanations: Explanations, model_name: str) -> str:
     return "\n".join(parts)
 
 
-def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list[str], special: list[bool], info: MethodInfo) -> str:
-    """A table: one row per answer token, one coloured cell per prompt token (shared
-    scale over the matrix's words; special tokens uncoloured)."""
-    words = [abs(v) for row in rows for v, is_special in zip(row, special) if not is_special]
+
+
+
+SHOWN_AROUND = 6
+"""A long prompt shows this many tokens either side of each method's top tokens."""
+
+LONG_PROMPT = 200
+"""Prompts of more tokens than this are collapsed around the top tokens."""
+
+TOP_TOKENS = 10
+"""Top tokens per method in the summary, and per row kept in a long prompt's heat matrix."""
+
+NEAR_UNIFORM = 1.5
+"""A row whose largest word score is less than this many times the mean is near uniform."""
+
+
+def _top(scores: list[float], special: list[bool], count: int) -> list[int]:
+    """The positions of the ``count`` highest-scored words."""
+    return sorted((i for i, is_special in enumerate(special) if not is_special), key=lambda i: -scores[i])[:count]
+
+
+def _peak(scores: list[float], special: list[bool]) -> str:
+    """How far the row's largest word score stands above the words' mean: ``×1.1, near
+    uniform`` tells a flat row from a peaked one, which the row's own colour scale hides."""
+    words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
+    mean = sum(words) / len(words) if words else 0.0
+    if mean == 0:
+        return "all 0"
+    ratio = max(words) / mean
+    return f"peak ×{ratio:.1f} the mean" + (", near uniform" if ratio < NEAR_UNIFORM else "")
+
+
+def _shown(keep: set[int], count: int) -> list[int | tuple[int, int]]:
+    """Positions ``0..count-1`` with the runs outside ``keep`` (and its neighbourhoods)
+    folded into ``(first, last)`` pairs; all positions when the prompt is short."""
+    if count <= LONG_PROMPT:
+        return list(range(count))
+    near = {j for i in keep for j in range(i - SHOWN_AROUND, i + SHOWN_AROUND + 1) if 0 <= j < count}
+    shown: list[int | tuple[int, int]] = []
+    for position in range(count):
+        if position in near:
+            shown.append(position)
+        elif shown and isinstance(shown[-1], tuple):
+            shown[-1] = (shown[-1][0], position)
+        else:
+            shown.append((position, position))
+    return shown
+
+
+def _answer_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
+    """The prompt coloured by ``scores`` (a long one folded around its top tokens)."""
+    words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
     scale = max(words or [0.0])
-    header = "".join(f'<th class="col"><bdi>{escape(t)}</bdi></th>' for t in tokens)
+    row_shares = shares(scores, special, info.signed)
+    parts = []
+    for item in _shown(set(_top(scores, special, TOP_TOKENS)), len(tokens)):
+        if isinstance(item, tuple):
+            parts.append(f'<span class="fold">… {item[1] - item[0] + 1} tokens …</span>')
+        else:
+            parts.append(_token(tokens[item], scores[item], row_shares[item], scale, info))
+    return " ".join(parts)
+
+
+def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list[str], special: list[bool], info: MethodInfo) -> str:
+    """A table: one row per answer token, one coloured cell per prompt token, each row on
+    its own scale (its largest word score) with how peaked it is; special tokens
+    uncoloured; a long prompt's columns cut to each row's top tokens."""
+    keep = set().union(*(_top(row, special, TOP_TOKENS) for row in rows))
+    columns = sorted(keep) if len(tokens) > LONG_PROMPT else list(range(len(tokens)))
+    labels = token_labels(tokens)
+    header = "".join(f'<th class="col"><bdi>{escape(labels[i])}</bdi></th>' for i in columns)
     body = []
     for answer_token, row in zip(answer_tokens, rows):
+        words = [abs(v) for v, is_special in zip(row, special) if not is_special]
+        scale = max(words or [0.0])
+        row_shares = shares(row, special, info.signed)
         cells = "".join(
-            f'<td class="cell" title="{_hover(share, v, info)}"'
-            + ("" if is_special else f' style="{_style(v, scale, info)}"')
+            f'<td class="cell" title="{_hover(row_shares[i], row[i], info)}"'
+            + ("" if special[i] else f' style="{_style(row[i], scale, info)}"')
             + "></td>"
-            for v, share, is_special in zip(row, shares(row, special, info.signed), special)
+            for i in columns
         )
-        body.append(f"<tr><th><bdi>{escape(answer_token)}</bdi></th>{cells}</tr>")
-    return f'<table class="matrix"><tr><th></th>{header}</tr>{"".join(body)}</table>'
+        body.append(f'<tr><th><bdi>{escape(answer_token)}</bdi></th>{cells}<td class="peak">{escape(_peak(row, special))}</td></tr>')
+    return f'<table class="matrix"><tr><th></th>{header}<th></th></tr>{"".join(body)}</table>'
+
+
+def _summary(explanation: AnswerExplanation) -> str:
+    """Per method, its top prompt tokens for the whole answer with their shares."""
+    labels, special = token_labels(explanation.prompt_tokens), explanation.special
+    rows = []
+    for method, scores in explanation.seq_attr.items():
+        info = explanation.methods[method]
+        row_shares = shares(scores, special, info.signed)
+        top = ", ".join(
+            f"<bdi>{escape(labels[i])}</bdi>&nbsp;{format(row_shares[i] or 0.0, '+.3f' if info.signed else '.3f')}"
+            for i in _top(scores, special, 5)
+        )
+        rows.append(f"<tr><td>{escape(method)}</td><td>{top}</td><td>{escape(_peak(scores, special))}</td></tr>")
+    return "<table><tr><th>method</th><th>top prompt tokens (share)</th><th>spread</th></tr>" + "".join(rows) + "</table>"
 
 
 _MATRIX_STYLE = """
 table.matrix th.col { writing-mode: vertical-rl; font-weight: normal; font-family: ui-monospace, monospace; }
 table.matrix td.cell { width: 1em; height: 1.2em; padding: 0; border: 1px solid #eee; }
+table.matrix td.peak { white-space: nowrap; color: #555; font-size: 0.85em; padding-left: 0.6em; }
 .scroll { overflow-x: auto; max-width: 100%; }
+.fold { color: #888; font-style: italic; }
 """
 
 
@@ -170,10 +255,18 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         "<title>captum-attention report</title>",
         f"<style>{_STYLE}{_MATRIX_STYLE}</style></head><body>",
         "<h1>captum-attention report</h1>",
-        f"<p>Model: <code>{escape(model_name)}</code>. Prompt: {len(explanation.prompt_tokens)} tokens.</p>",
-        f"<p>Answer ({how}, {len(explanation.answer_tokens)} tokens): <b><bdi>{escape(explanation.answer)}</bdi></b></p>",
-        '<p class="legend">Each method explains the answer\'s log-probability. Colour strength is relative to '
-        "the largest score of the prompt's words; special tokens are left out of the scale. Hover for a score.</p>",
+        f"<p>Model: <code>{escape(model_name)}</code>. Prompt: {count(len(explanation.prompt_tokens), 'token')}"
+        + (f" explained, {len(explanation.skipped)} skipped" if explanation.skipped else "") + ".</p>",
+        f"<p>Answer ({how}, {count(len(explanation.answer_tokens), 'token')}): "
+        f"<b><bdi>{escape(explanation.answer)}</bdi></b></p>",
+        *(f'<p class="note">Warning: {escape(warning)}.</p>' for warning in explanation.warnings),
+        '<p class="legend">Each method explains the answer\'s log-probability. Each row of tokens or cells is '
+        "coloured on its own scale, relative to its largest word score; its spread says how far that peak stands "
+        "above the mean (near uniform below ×1.5, where even faint differences look strong). Special tokens are left "
+        f"out of the scale. Prompts of more than {LONG_PROMPT} tokens show {SHOWN_AROUND} tokens around each "
+        f"method's top {TOP_TOKENS}, and the heat matrices only each row's top {TOP_TOKENS} columns. Hover for a score.</p>",
+        "<h2>Summary</h2>",
+        _summary(explanation),
     ]
     tokens, special = explanation.prompt_tokens, explanation.special
     for method, scores in explanation.seq_attr.items():
@@ -183,10 +276,10 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
             f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_ATTENTION))}; '
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
-        parts.append(f"<p>The whole answer:</p><p>{_token_row(tokens, scores, special, info)}</p>")
+        parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_answer_row(tokens, scores, special, info)}</p>")
         rows = explanation.token_attr.get(method)
         if rows:
-            parts.append("<p>Each answer token (rows) over the prompt's tokens (columns):</p>")
+            parts.append("<p>Each answer token (rows) over the prompt's tokens (columns), each row on its own scale:</p>")
             parts.append(f'<div class="scroll">{_heat_matrix(rows, explanation.answer_tokens, tokens, special, info)}</div>')
         parts.append("</section>")
     parts.append("</body></html>")

@@ -29,6 +29,11 @@ def has_surrogates(text: str) -> bool:
     return any(0xD800 <= ord(char) <= 0xDFFF for char in text)
 
 
+def count(number: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def shares(scores: list[float], special: list[bool], signed: bool) -> list[float | None]:
     """Each word's share of the method's scores over the words (special tokens: None):
     ``s / Σ s`` for non-negative scores, ``s / Σ |s|`` for signed ones; all 0 when the
@@ -102,10 +107,16 @@ def render_text(explanations: Explanations, raw: bool = False) -> str:
         for position, token in enumerate(tokens):
             lines.append("  " + token.ljust(token_width) + "".join(f"  {column[position]}" for column in columns))
         lines.append("")
-    count = len(explanations.sentences)
     times = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in explanations.seconds.items())
-    lines.append(f"wall time for {count} sentence{'s' if count != 1 else ''}: {times}")
+    lines.append(f"wall time for {count(len(explanations.sentences), 'sentence')}: {times}")
     return "\n".join(lines)
+
+
+def token_labels(tokens: list[str]) -> list[str]:
+    """Each token as a report names it: a token the prompt holds more than once with its
+    position, ``token[i]``."""
+    repeated = {token for token, times in Counter(tokens).items() if times > 1}
+    return [token + (f"[{i}]" if token in repeated else "") for i, token in enumerate(tokens)]
 
 
 def _top_tokens(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo, top: int, raw: bool) -> str:
@@ -114,8 +125,8 @@ def _top_tokens(tokens: list[str], scores: list[float], special: list[bool], inf
     values = scores if raw else shares(scores, special, info.signed)
     ranked = sorted(((v, i) for i, v in enumerate(values) if v is not None and not special[i]), reverse=True)[:top]
     number = "{:.3e}" if raw else ("{:+.3f}" if info.signed else "{:.3f}")
-    repeated = {token for token, count in Counter(tokens).items() if count > 1}
-    named = [terminal_safe(tokens[i]) + (f"[{i}]" if tokens[i] in repeated else "") for _, i in ranked]
+    labels = token_labels(tokens)
+    named = [terminal_safe(labels[i]) for _, i in ranked]
     return " | ".join(f"{name} {number.format(v)}" for name, (v, _) in zip(named, ranked))
 
 
@@ -124,11 +135,14 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
     for the whole answer and, where computed, for each answer token."""
     how = "generated (greedy)" if explanation.generated else "given"
     lines = [
-        f"prompt: {len(explanation.prompt_tokens)} tokens; answer, {how}, {len(explanation.answer_tokens)} tokens:",
+        f"prompt: {count(len(explanation.prompt_tokens), 'token')}"
+        + (f" explained, {len(explanation.skipped)} skipped by --skip" if explanation.skipped else "")
+        + f"; answer, {how}, {count(len(explanation.answer_tokens), 'token')}:",
         f"  {terminal_safe(explanation.answer)}",
         "",
         f"top {top} prompt tokens per method, by their share of the method's scores over the prompt's words"
-        + (" (--raw: the scores)" if raw else "") + ":",
+        + (" (--raw: the scores)" if raw else "") + "; a token the prompt holds more than once shows its "
+        "position among the explained tokens, token[i]:",
     ]
     tokens, special = explanation.prompt_tokens, explanation.special
     for method, scores in explanation.seq_attr.items():
