@@ -81,7 +81,9 @@ def feature_ablation(model: tf.LlamaForCausalLM) -> Attribution:
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         template, values = _segment_texts(e)
-        result = llm.attribute(TextTemplateInput(template, values), target=torch.tensor([e.answer]))
+        # use_cached_outputs=False: with the cache, Captum 0.9 on transformers 5.24 reads every answer
+        # token's log-probability after the first wrong (docs/language_models.rst)
+        result = llm.attribute(TextTemplateInput(template, values), target=torch.tensor([e.answer]), use_cached_outputs=False)
         return _on_first_tokens(e, result.seq_attr.float())
 
     return attribute

@@ -71,7 +71,10 @@ def test_rows_match_the_metrics_on_each_example_alone(checkpoint, tmp_path, caps
     examples, _ = ev.read_dataset(data)
     assert [(r["index"], r["method"]) for r in rows] == [(e.index, m) for e in examples for m in ("grad_sam", "raw")]
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert summary.splitlines()[0] == "| method | " + " | ".join(ev.metric_names()) + " |"
+    directions = {"sufficiency": "↓", "decision_flip": "↓"}
+    named = [f"{name} {directions.get(name, '↑')}" for name in ev.metric_names()]
+    assert summary.splitlines()[0] == "| method | " + " | ".join(named) + " |"
+    assert "↑: higher is better, ↓: lower is better" in summary
     assert "| grad_sam | " in capsys.readouterr().out
 
     model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()

@@ -200,9 +200,31 @@ def test_side_by_side_with_captums_feature_ablation():
     model, tokenizer = make_decoder("llama"), make_word_tokenizer()
     inp = TextTokenInput(PROMPT, tokenizer)
     ours = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(inp, target="seven .")
-    theirs = LLMAttribution(FeatureAblation(model), tokenizer).attribute(inp, target="seven .")
+    theirs = LLMAttribution(FeatureAblation(model), tokenizer).attribute(inp, target="seven .", use_cached_outputs=False)
     assert ours.input_tokens == theirs.input_tokens and ours.output_tokens == theirs.output_tokens
     assert ours.seq_attr.shape == theirs.seq_attr.shape and ours.token_attr.shape == theirs.token_attr.shape
+
+
+def test_captums_cached_outputs_read_later_answer_tokens_wrong_which_is_why_the_comparisons_turn_them_off():
+    """Captum 0.9's LLMAttribution with its default use_cached_outputs=True gets the second
+    and later answer tokens' probabilities wrong on transformers 5.24; without the cache they
+    are the model's own. If this starts failing, Captum or transformers fixed it."""
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    inp = TextTokenInput(PROMPT, tokenizer)
+    ids = tokenizer(PROMPT + " seven . the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        log_probs = model(ids).logits.log_softmax(-1)[0]
+    n = ids.shape[1]
+    direct = torch.stack([log_probs[n - 4 + k, ids[0, n - 3 + k]] for k in range(3)]).exp()
+    read = {}
+    for cached in (True, False):
+        seen = []
+        LLMAttribution(FeatureAblation(model), tokenizer).attribute(
+            inp, target="seven . the", use_cached_outputs=cached, _inspect_forward=lambda text, answer, probs: seen.append(probs)
+        )
+        read[cached] = torch.tensor(seen[0][1:])
+    torch.testing.assert_close(read[False], direct, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(read[True][1:], direct[1:], rtol=1e-2)
 
 
 def test_llm_interface_errors_name_the_fix():

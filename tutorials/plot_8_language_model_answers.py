@@ -152,7 +152,9 @@ inp = TextTokenInput(text(e), tokenizer)
 costs = {}
 for label, wrapper, options in (
     ("AttnLRP (ours)", LLMAttentionAttribution(AttnLRP(model), tokenizer), {"per_token": False}),
-    ("FeatureAblation", LLMAttribution(FeatureAblation(model), tokenizer), {}),
+    # without its generation cache: with it, Captum 0.9 on transformers 5.24 reads every answer
+    # token's log-probability after the first wrong
+    ("FeatureAblation", LLMAttribution(FeatureAblation(model), tokenizer), {"use_cached_outputs": False}),
     ("LayerIntegratedGradients", LLMGradientAttribution(LayerIntegratedGradients(model, model.get_input_embeddings()), tokenizer), {"n_steps": 50}),
 ):
     started = time.perf_counter()

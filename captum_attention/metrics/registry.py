@@ -87,6 +87,8 @@ class MetricSpec:
             interventions), not only ``forward_func``.
         task: ``"classification"`` (``evaluate``'s data sets) or ``"generation"`` (a
             language model's answer to a prompt).
+        better: ``"higher"`` or ``"lower"``: which values mean a more faithful (or more
+            plausible) attribution; the summaries say it beside the metric's name.
     """
 
     name: str
@@ -95,6 +97,7 @@ class MetricSpec:
     needs_rationale: bool = False
     needs_model: bool = False
     task: str = "classification"
+    better: str = "higher"
 
 
 METRICS: dict[str, MetricSpec] = {}
@@ -104,7 +107,12 @@ Function = TypeVar("Function", bound=MetricFunction)
 
 
 def register_metric(
-    name: str, description: str, needs_rationale: bool = False, needs_model: bool = False, task: str = "classification"
+    name: str,
+    description: str,
+    needs_rationale: bool = False,
+    needs_model: bool = False,
+    task: str = "classification",
+    better: str = "higher",
 ) -> Callable[[Function], Function]:
     """Decorator: register ``function`` as the metric ``name`` (a second function under the
     same name is an error).
@@ -122,7 +130,9 @@ def register_metric(
             raise ValueError(f"Two metrics are registered as {name!r}: {known.function.__name__} and {function.__name__}.")
         if task not in ("classification", "generation"):
             raise ValueError(f"task must be 'classification' or 'generation', got {task!r}.")
-        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model, task)
+        if better not in ("higher", "lower"):
+            raise ValueError(f"better must be 'higher' or 'lower', got {better!r}.")
+        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model, task, better)
         return function
 
     return add
@@ -141,7 +151,7 @@ def _comprehensiveness(
     return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep))
 
 
-@register_metric("sufficiency", "ERASER sufficiency: AOPC over keeping only the top 1/5/10/20/50% tokens")
+@register_metric("sufficiency", "ERASER sufficiency: AOPC over keeping only the top 1/5/10/20/50% tokens", better="lower")
 def _sufficiency(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
@@ -152,7 +162,7 @@ def _sufficiency(
 
 @register_metric(
     "decision_flip", "fraction of tokens whose attention is erased (every layer, in ranking order) before the decision flips",
-    needs_model=True,
+    needs_model=True, better="lower",
 )
 def _decision_flip(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],

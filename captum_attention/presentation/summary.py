@@ -49,15 +49,21 @@ def summarise(rows: list[dict[str, Any]], methods: Sequence[str], metrics: Seque
 
 
 def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
-    """The summary as a Markdown table: one row per method, ``mean [low, high]`` per metric."""
+    """The summary as a Markdown table: one row per method, ``mean [low, high]`` per metric,
+    each metric's name marked with its direction (↑ higher is better, ↓ lower)."""
+    from ..metrics import METRICS
+
     methods = list(dict.fromkeys(entry["method"] for entry in summary))
     cell = {(e["method"], e["metric"]): e for e in summary}
 
     def shown(entry: dict[str, Any]) -> str:
         return "n/a" if entry["mean"] is None else f"{entry['mean']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
-    lines = ["| method | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    arrows = {"higher": "↑", "lower": "↓"}
+    named = [f"{metric} {arrows[METRICS[metric].better]}" if metric in METRICS else metric for metric in metrics]
+    lines = ["| method | " + " | ".join(named) + " |", "|---" * (len(metrics) + 1) + "|"]
     lines += [f"| {m} | " + " | ".join(shown(cell[m, metric]) for metric in metrics) + " |" for m in methods]
+    lines += ["", "↑: higher is better, ↓: lower is better; mean [95% bootstrap interval] over the examples."]
     return "\n".join(lines) + "\n"
 
 
