@@ -1,4 +1,5 @@
-"""AttnLRP re-implemented from the weights of a tiny BERT and a tiny Llama, for the tests.
+"""AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
+GPT-2, Llama and Qwen2, T5, BART, ViT and DeiT, Swin, SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
 al. expressed by the classic detach tricks instead of the library's hooks and autograd
@@ -39,6 +40,7 @@ class Terms:
     tokens: Tensor
     leaves: list[Tensor] = field(default_factory=list)
     softmax: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    gamma: float = 0.0  # the linear layers' generalised γ-rule (0: the ε-rule, ε → 0)
 
     def leaf(self, tensor: Tensor) -> Tensor:
         """A copy of ``tensor`` (batch first) whose input × gradient is one absorbed term."""
@@ -91,8 +93,34 @@ def _layer_norm(x: Tensor, norm: torch.nn.LayerNorm, terms: Terms) -> Tensor:
 
 
 def _linear(x: Tensor, linear: torch.nn.Linear, terms: Terms) -> Tensor:
-    out = x @ linear.weight.detach().t()
-    return out if linear.bias is None else out + terms.leaf(linear.bias.expand_as(out))
+    return _affine(x, linear.weight.detach(), linear.bias, terms)
+
+
+def _conv1d(x: Tensor, conv, terms: Terms) -> Tensor:
+    """GPT-2's ``Conv1D``: ``x @ W + b`` with ``W`` stored ``(in, out)``."""
+    return _affine(x, conv.weight.detach().t(), conv.bias, terms)
+
+
+def _affine(x: Tensor, weight: Tensor, bias: Tensor | None, terms: Terms) -> Tensor:
+    """``x Wᵀ + b``; under the γ-rule the output keeps its value ``y`` and takes the
+    gradient of ``z' · (y / z').detach()``, ``z'`` the sum of the contributions favoured
+    by the output's sign (x⁺ and x⁻ through ``W + γW^±``, the bias ``b + γb^±``), so that
+    it shares ``y·g`` over them (Montavon et al., 2019; zennit's ``Gamma``; the same 10⁻⁶
+    stabiliser)."""
+    out = x @ weight.t()
+    if terms.gamma == 0:
+        return out if bias is None else out + terms.leaf(bias.expand_as(out))
+    y = (out if bias is None else out + bias).detach()
+    positive, negative = weight + terms.gamma * weight.clamp(min=0), weight + terms.gamma * weight.clamp(max=0)
+    x_positive, x_negative = x.clamp(min=0), x.clamp(max=0)
+    z_up = x_positive @ positive.t() + x_negative @ negative.t()
+    z_down = x_positive @ negative.t() + x_negative @ positive.t()
+    if bias is not None:
+        bias = bias.detach()
+        z_up, z_down = z_up + bias + terms.gamma * bias.clamp(min=0), z_down + bias + terms.gamma * bias.clamp(max=0)
+    z = torch.where(y > 0, z_up, z_down)
+    stabilised = z + 1e-6 * torch.where(z >= 0, 1.0, -1.0)
+    return y + (z - z.detach()) * torch.where(y == 0, 0.0, y / stabilised).detach()
 
 
 def _heads(x: Tensor, heads: int) -> Tensor:
@@ -100,11 +128,11 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.view(batch, length, heads, hidden // heads).transpose(1, 2)
 
 
-def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor) -> Decomposition:
+def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
     """AttnLRP of a ``BertForSequenceClassification`` (absolute positions, GELU)."""
     bert, config = model.bert, model.config
     embeddings = bert.embeddings
-    terms = Terms(embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_())
+    terms = Terms(embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
     length = input_ids.shape[1]
     hidden = terms.tokens + terms.leaf(embeddings.position_embeddings.weight[:length][None].expand(len(input_ids), -1, -1))
     hidden = hidden + terms.leaf(embeddings.token_type_embeddings.weight[0].expand_as(terms.tokens))
@@ -129,13 +157,16 @@ def _rms_norm(x: Tensor, norm) -> Tensor:
     return x * scale * norm.weight.detach()
 
 
-def llama_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None) -> Decomposition:
-    """AttnLRP of a ``LlamaForCausalLM`` (grouped-query attention, rotary positions, SiLU
-    gates), explaining the logit of ``target`` at the last position (prompts padded left);
-    or, with ``span`` ``(B, K)`` (the last K tokens of ``input_ids``), their summed
-    log-probabilities Σ_k log softmax(z at length - K - 1 + k)[span_k]."""
+def llama_relevance(
+    model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None, gamma: float = 0.0
+) -> Decomposition:
+    """AttnLRP of a ``LlamaForCausalLM`` or a ``Qwen2ForCausalLM`` (grouped-query attention,
+    rotary positions, SiLU gates; Qwen2's biased Q, K, V), explaining the logit of
+    ``target`` at the last position (prompts padded left); or, with ``span`` ``(B, K)``
+    (the last K tokens of ``input_ids``), their summed log-probabilities
+    Σ_k log softmax(z at length - K - 1 + k)[span_k]."""
     llama, config = model.model, model.config
-    terms = Terms(llama.embed_tokens.weight.detach()[input_ids].clone().requires_grad_())
+    terms = Terms(llama.embed_tokens.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
     batch, length = input_ids.shape
     positions = torch.arange(length)[None].expand(batch, -1)
     cos, sin = llama.rotary_emb(terms.tokens, positions)
@@ -300,3 +331,195 @@ def reduced_key_relevance(model, pixel_values: Tensor, target: Tensor, names: di
         hidden = _layer_norm(hidden, stage_module.layer_norm, terms)
     logits = _linear(hidden.mean(dim=1), model.classifier, terms)
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def _causal_mask(attention_mask: Tensor) -> Tensor:
+    """``(B, 1, T, T)`` additive: later keys and padding at the float32 minimum."""
+    length = attention_mask.shape[1]
+    visible = torch.ones(length, length).tril().bool()[None, None] & attention_mask[:, None, None, :].bool()
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+
+def _padding_mask(attention_mask: Tensor) -> Tensor:
+    return (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor, terms: Terms) -> Tensor:
+    """``(B, T, H·d)``: the uniform rule on QKᵀ and on A·V, ``bias`` added to the scores."""
+    scores = half(q) @ half(k).transpose(-1, -2) * scale + bias
+    context = half(terms.attention(scores) @ v).transpose(1, 2)
+    return context.reshape(*context.shape[:2], -1)
+
+
+def gpt2_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
+    """AttnLRP of a ``GPT2LMHeadModel`` (``Conv1D`` projections, the tanh GELU, learned
+    positions counted from each prompt's first real token), explaining the logit of
+    ``target`` at the last position (prompts padded left)."""
+    gpt2, config = model.transformer, model.config
+    terms = Terms(gpt2.wte.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
+    positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # left padding: each prompt's first token at 0
+    hidden = terms.tokens + terms.leaf(gpt2.wpe.weight[positions])
+    heads, mask = config.n_head, _causal_mask(attention_mask)
+    for block in gpt2.h:
+        q, k, v = _conv1d(_layer_norm(hidden, block.ln_1, terms), block.attn.c_attn, terms).split(config.n_embd, dim=-1)
+        q, k, v = (_heads(x, heads) for x in (q, k, v))
+        hidden = hidden + _conv1d(_attend(q, k, v, q.shape[-1] ** -0.5, mask, terms), block.attn.c_proj, terms)
+        inner = _conv1d(_layer_norm(hidden, block.ln_2, terms), block.mlp.c_fc, terms)
+        hidden = hidden + _conv1d(identity(lambda x: F.gelu(x, approximate="tanh"), inner), block.mlp.c_proj, terms)
+    logits = _linear(_layer_norm(hidden, gpt2.ln_f, terms)[:, -1], model.lm_head, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def distilbert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
+    """AttnLRP of a ``DistilBertForSequenceClassification`` (post-norm layers, GELU, a ReLU
+    before the classifier)."""
+    bert = model.distilbert
+    terms = Terms(bert.embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
+    length = input_ids.shape[1]
+    hidden = terms.tokens + terms.leaf(bert.embeddings.position_embeddings.weight[:length][None].expand_as(terms.tokens))
+    hidden = _layer_norm(hidden, bert.embeddings.LayerNorm, terms)
+    mask = _padding_mask(attention_mask)
+    for layer in bert.transformer.layer:
+        attention, heads = layer.attention, layer.attention.n_heads
+        q, k, v = (_heads(_linear(hidden, getattr(attention, n), terms), heads) for n in ("q_lin", "k_lin", "v_lin"))
+        context = _attend(q, k, v, q.shape[-1] ** -0.5, mask, terms)
+        hidden = _layer_norm(_linear(context, attention.out_lin, terms) + hidden, layer.sa_layer_norm, terms)
+        inner = identity(F.gelu, _linear(hidden, layer.ffn.lin1, terms))
+        hidden = _layer_norm(_linear(inner, layer.ffn.lin2, terms) + hidden, layer.output_layer_norm, terms)
+    pooled = identity(F.relu, _linear(hidden[:, 0], model.pre_classifier, terms))
+    logits = _linear(pooled, model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def vit_relevance(model, pixel_values: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
+    """AttnLRP of a ``ViTForImageClassification`` or a ``DeiTForImageClassificationWithTeacher``
+    (a class token, DeiT's distillation token, learned positions, pre-norm layers; DeiT's
+    logits the mean of its two heads); the tokens are the patch convolution's outputs."""
+    deit = hasattr(model, "deit")
+    encoder_model = model.deit if deit else model.vit
+    embeddings = encoder_model.embeddings
+    patches = embeddings.patch_embeddings.projection(pixel_values)  # (B, d, rows, columns), bias included
+    terms = Terms(_tokens(patches).detach().clone().requires_grad_(), gamma=gamma)
+    batch = pixel_values.shape[0]
+    special = [embeddings.cls_token] + ([embeddings.distillation_token] if deit else [])
+    hidden = torch.cat([*(terms.leaf(t.expand(batch, -1, -1)) for t in special), terms.tokens], dim=1)
+    hidden = hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1))
+    heads = model.config.num_attention_heads
+    for layer in encoder_model.layers:
+        attention = layer.attention
+        normed = _layer_norm(hidden, layer.layernorm_before, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.o_proj, terms)
+        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.layernorm_after, terms), layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    hidden = _layer_norm(hidden, encoder_model.layernorm, terms)
+    if deit:
+        logits = (_linear(hidden[:, 0], model.cls_classifier, terms) + _linear(hidden[:, 1], model.distillation_classifier, terms)) / 2
+    else:
+        logits = _linear(hidden[:, 0], model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+@dataclass
+class Pair:
+    """The source's and the target's relevance of an encoder-decoder, ``(B, S)`` and ``(B, T)``."""
+
+    source: Tensor
+    target: Tensor
+
+
+def _pair(source_tokens: Tensor, target_tokens: Tensor, explained: Tensor) -> Pair:
+    source_grad, target_grad = torch.autograd.grad(explained.sum(), [source_tokens, target_tokens])
+    return Pair((source_tokens.detach() * source_grad).sum(-1), (target_tokens.detach() * target_grad).sum(-1))
+
+
+def _last_real(hidden: Tensor, mask: Tensor) -> Tensor:
+    """``(B, d)``: each example's hidden state at its last real token (targets padded right)."""
+    return hidden[torch.arange(len(hidden)), mask.sum(dim=1) - 1]
+
+
+def _t5_norm(x: Tensor, norm) -> Tensor:
+    scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.variance_epsilon).detach()
+    return x * scale * norm.weight.detach()
+
+
+def t5_relevance(
+    model, source: Tensor, target_ids: Tensor, source_mask: Tensor, target_mask: Tensor, target: Tensor, gamma: float = 0.0
+) -> Pair:
+    """AttnLRP of a ``T5ForConditionalGeneration`` (relative position biases, RMS norms
+    without a mean, ReLU feed-forward, unscaled scores, the tied head's d^-½), explaining
+    the logit of ``target`` at the last real decoder position."""
+    config, shared = model.config, model.shared.weight.detach()
+    source_tokens = shared[source].clone().requires_grad_()
+    target_tokens = shared[target_ids].clone().requires_grad_()
+    terms = Terms(source_tokens, gamma=gamma)
+    heads = config.num_heads
+
+    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        q, k, v = (_heads(_linear(y, getattr(module, n), terms), heads) for n, y in (("q", x), ("k", memory), ("v", memory)))
+        return _linear(_attend(q, k, v, 1.0, bias, terms), module.o, terms)
+
+    def stack(stack_module, hidden: Tensor, self_bias: Tensor, memory: Tensor | None = None, cross_bias: Tensor | None = None) -> Tensor:
+        for block in stack_module.block:
+            layers = list(block.layer)
+            normed = _t5_norm(hidden, layers[0].layer_norm)
+            hidden = hidden + attend(layers[0].SelfAttention, normed, normed, self_bias)
+            if memory is not None:
+                hidden = hidden + attend(layers[1].EncDecAttention, _t5_norm(hidden, layers[1].layer_norm), memory, cross_bias)
+            ff = layers[-1]
+            inner = identity(F.relu, _linear(_t5_norm(hidden, ff.layer_norm), ff.DenseReluDense.wi, terms))
+            hidden = hidden + _linear(inner, ff.DenseReluDense.wo, terms)
+        return _t5_norm(hidden, stack_module.final_layer_norm)
+
+    def position_bias(stack_module, queries: int, keys: int) -> Tensor:
+        bias = stack_module.block[0].layer[0].SelfAttention.compute_bias(queries, keys).detach()
+        return terms.leaf(bias.expand(len(source), -1, -1, -1))
+
+    encoder, decoder = model.encoder, model.decoder
+    memory = stack(encoder, source_tokens, position_bias(encoder, source.shape[1], source.shape[1]) + _padding_mask(source_mask))
+    self_bias = position_bias(decoder, target_ids.shape[1], target_ids.shape[1]) + _causal_mask(target_mask)
+    hidden = stack(decoder, target_tokens, self_bias, memory, _padding_mask(source_mask))
+    if config.tie_word_embeddings:
+        hidden = hidden * config.d_model**-0.5
+    logits = _linear(_last_real(hidden, target_mask), model.lm_head, terms)
+    return _pair(source_tokens, target_tokens, logits.gather(1, target[:, None])[:, 0])
+
+
+def bart_relevance(
+    model, source: Tensor, target_ids: Tensor, source_mask: Tensor, target_mask: Tensor, target: Tensor, gamma: float = 0.0
+) -> Pair:
+    """AttnLRP of a ``BartForConditionalGeneration`` (learned positions offset by 2, an
+    embedding norm, post-norm layers, GELU, scaled queries, the final logits bias),
+    explaining the logit of ``target`` at the last real decoder position."""
+    config, bart = model.config, model.model
+    shared = bart.shared.weight.detach()
+    source_tokens = shared[source].clone().requires_grad_()
+    target_tokens = shared[target_ids].clone().requires_grad_()
+    terms = Terms(source_tokens, gamma=gamma)
+    heads = config.encoder_attention_heads
+
+    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        q, k, v = (_heads(_linear(y, getattr(module, n), terms), heads) for n, y in (("q_proj", x), ("k_proj", memory), ("v_proj", memory)))
+        return _linear(_attend(q, k, v, q.shape[-1] ** -0.5, bias, terms), module.out_proj, terms)
+
+    def embedded(stack_module, tokens: Tensor) -> Tensor:
+        scale = getattr(stack_module.embed_tokens, "embed_scale", 1.0)
+        positions = stack_module.embed_positions.weight[torch.arange(tokens.shape[1]) + 2]
+        hidden = tokens * scale + terms.leaf(positions[None].expand_as(tokens))
+        return _layer_norm(hidden, stack_module.layernorm_embedding, terms)
+
+    def feed_forward(layer, hidden: Tensor) -> Tensor:
+        inner = identity(F.gelu, _linear(hidden, layer.fc1, terms))
+        return _layer_norm(hidden + _linear(inner, layer.fc2, terms), layer.final_layer_norm, terms)
+
+    memory, padding = embedded(bart.encoder, source_tokens), _padding_mask(source_mask)
+    for layer in bart.encoder.layers:
+        memory = _layer_norm(memory + attend(layer.self_attn, memory, memory, padding), layer.self_attn_layer_norm, terms)
+        memory = feed_forward(layer, memory)
+    hidden, causal = embedded(bart.decoder, target_tokens), _causal_mask(target_mask)
+    for layer in bart.decoder.layers:
+        hidden = _layer_norm(hidden + attend(layer.self_attn, hidden, hidden, causal), layer.self_attn_layer_norm, terms)
+        hidden = _layer_norm(hidden + attend(layer.encoder_attn, hidden, memory, padding), layer.encoder_attn_layer_norm, terms)
+        hidden = feed_forward(layer, hidden)
+    logits = _linear(_last_real(hidden, target_mask), model.lm_head, terms) + terms.leaf(model.final_logits_bias.expand(len(source), -1))
+    return _pair(source_tokens, target_tokens, logits.gather(1, target[:, None])[:, 0])

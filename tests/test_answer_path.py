@@ -71,18 +71,18 @@ def test_an_option_a_method_does_not_take_is_refused_on_every_path(llama, tokeni
 
 @pytest.mark.parametrize("path", ["attribute", "attribute_span", "attribute_continuation", "LLMAttentionAttribution"])
 @pytest.mark.parametrize(
-    "method, option, value",
+    "method, option, value, error",
     [
-        (GradSAM, "axis", "keys"),
-        (GradSAM, "effective", "yes"),
-        (AttentionRollout, "head_fusion", "avg"),
-        (AttentionRollout, "discard_ratio", 1.5),
-        (RawAttention, "layer", 1.0),
-        (TransformerAttribution, "start_layer", "0"),
+        (GradSAM, "axis", "keys", ValueError),
+        (GradSAM, "effective", "yes", TypeError),
+        (AttentionRollout, "head_fusion", "avg", ValueError),
+        (AttentionRollout, "discard_ratio", 1.5, ValueError),
+        (RawAttention, "layer", 1.0, TypeError),
+        (TransformerAttribution, "start_layer", "0", TypeError),
     ],
 )
-def test_a_value_an_option_does_not_take_is_refused_on_every_path(llama, tokenizer, path, method, option, value):
-    with pytest.raises(ValueError, match=f"^{option} must be "):
+def test_a_value_an_option_does_not_take_is_refused_on_every_path(llama, tokenizer, path, method, option, value, error):
+    with pytest.raises(error, match=f"^{option} must be "):
         _calls(method(llama), tokenizer)[path](**{option: value})
 
 

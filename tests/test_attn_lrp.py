@@ -8,7 +8,15 @@ import torch
 from captum.attr import NoiseTunnel
 from conftest import assert_same_state, make_batch, make_model, model_state
 from lm_models import make_decoder, make_prompts
-from lrp_reference import bert_relevance, llama_relevance
+from lrp_reference import (
+    bart_relevance,
+    bert_relevance,
+    distilbert_relevance,
+    gpt2_relevance,
+    llama_relevance,
+    t5_relevance,
+    vit_relevance,
+)
 from test_streaming import FAMILIES, _case
 
 from captum_attention import METHODS, AttnLRP
@@ -68,6 +76,45 @@ def test_attn_lrp_equals_the_reference(case, capture_mode):
 
 
 TARGET = 1  # a class of the classifiers, a token of the language models (BART's pad id is 1: not there)
+
+
+def _reference(family: str, gamma: float):
+    """``(library relevance, reference relevance)`` per embedded sequence for one family of
+    ``test_streaming``'s cases, the reference written from the paper's rules
+    (``lrp_reference``); ``gamma``: the γ-rule in every linear layer."""
+    model, inputs, args, _ = _case(family)
+    if family in ("vit", "deit"):
+        target = torch.tensor([TARGET, TARGET])
+        return model, inputs, args, [vit_relevance(model, inputs, target, gamma).relevance[:, -16:]], lambda r: [r.flatten(1)[:, -16:]]
+    if family in ("t5", "bart"):
+        source, decoder = inputs
+        target = torch.full((len(source),), 5 if family == "bart" else TARGET)
+        reference = {"t5": t5_relevance, "bart": bart_relevance}[family]
+        pair = reference(model, source, decoder, *args, target, gamma)
+        masks = args
+        return model, inputs, args, [pair.source * masks[0], pair.target * masks[1]], list
+    ids, (mask,) = inputs, args
+    target = torch.full((len(ids),), TARGET)
+    reference = {
+        "bert": bert_relevance, "distilbert": distilbert_relevance, "gpt2": gpt2_relevance,
+        "llama": llama_relevance, "qwen2": llama_relevance,
+    }[family]
+    return model, inputs, args, [reference(model, ids, mask, target, gamma=gamma).relevance * mask], lambda r: [r]
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.25])
+@pytest.mark.parametrize("family", ["bert", "distilbert", "gpt2", "qwen2", "t5", "bart", "vit", "deit"])
+def test_every_family_equals_its_reference(family, gamma, capture_mode):
+    """AttnLRP against ``lrp_reference``'s forward of each family written from the rules
+    (GPT-2's ``Conv1D`` and tanh GELU, DistilBERT's ReLU head, Qwen2's biased projections,
+    T5's position biases and RMS norms, BART's post-norm layers and cross-attention, ViT's and
+    DeiT's patch embeddings and special tokens), with the ε-rule and with the γ-rule."""
+    model, inputs, args, expected, parts = _reference(family, gamma)
+    target = 5 if family == "bart" else TARGET
+    actual = parts(AttnLRP(model, gamma=gamma).attribute(inputs, target=target, additional_forward_args=args))
+    for got, want in zip(actual, expected):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -253,3 +300,45 @@ def test_gamma_changes_the_relevance_and_leaves_the_model_as_found(family):
     assert_same_state(before, model_state(model))
     with pytest.raises(ValueError, match="gamma"):
         AttnLRP(model, gamma=-1.0)
+
+
+def _without_gamma_on_conv1d(monkeypatch):
+    """GPT-2's ``Conv1D`` (``torch.addmm``) left to the ordinary gradient under γ."""
+    from captum_attention.capture import lrp
+
+    original = lrp._RuleMode.__torch_function__
+
+    def mutated(self, func, types, args=(), kwargs=None):
+        if func is torch.addmm:
+            return func(*args, **(kwargs or {}))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(lrp._RuleMode, "__torch_function__", mutated)
+
+
+def _without_identity_on_gelu(monkeypatch):
+    """GPT-2's GELU module no longer an activation site (its ordinary gradient instead of
+    the identity rule)."""
+    from transformers.activations import NewGELUActivation
+
+    from captum_attention.capture.adapters.huggingface import HuggingFaceAdapter
+    from captum_attention.capture.adapters.protocol import RelevanceSites
+
+    original = HuggingFaceAdapter.relevance_sites
+
+    def mutated(self, model):
+        sites = original(self, model)
+        return RelevanceSites([m for m in sites.activations if not isinstance(m, NewGELUActivation)], sites.norms)
+
+    monkeypatch.setattr(HuggingFaceAdapter, "relevance_sites", mutated)
+
+
+@pytest.mark.parametrize("mutation, gamma", [(_without_gamma_on_conv1d, 0.25), (_without_identity_on_gelu, 0.0)])
+def test_the_gpt2_reference_catches_a_rule_left_out(monkeypatch, mutation, gamma):
+    """Mutation test: with one of AttnLRP's rules dropped on GPT-2, its relevance leaves the
+    reference's tolerance by far (so ``test_every_family_equals_its_reference`` fails)."""
+    model, inputs, args, (expected,), _ = _reference("gpt2", gamma)
+    mutation(monkeypatch)
+    mutated = AttnLRP(model, gamma=gamma).attribute(inputs, target=TARGET, additional_forward_args=args)
+    scale = expected.abs().max().item()
+    assert (mutated - expected).abs().max().item() > 100 * 1e-5 * scale

@@ -142,9 +142,15 @@ def test_side_by_side_with_layer_integrated_gradients(bert):
     forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
     args = dict(target=1, additional_forward_args=(batch.attention_mask,))
     lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
-    ig_scores = lig.attribute(batch.input_ids, n_steps=8, **args).sum(dim=-1)
+    ig, delta = lig.attribute(batch.input_ids, n_steps=64, return_convergence_delta=True, **args)
     ours = GradSAM(forward, model=model).attribute(batch.input_ids, **args)
-    assert ig_scores.shape == ours.shape == batch.input_ids.shape
+    assert ig.sum(dim=-1).shape == ours.shape == batch.input_ids.shape
+    # the same forward serves both: ours equals the model's own call, IG completes to f(x) - f(0)
+    torch.testing.assert_close(ours, GradSAM(model).attribute(batch.input_ids, **args))
+    with torch.no_grad():
+        gap = forward(batch.input_ids, batch.attention_mask)[:, 1] - forward(torch.zeros_like(batch.input_ids), batch.attention_mask)[:, 1]
+    assert (delta.abs() < 0.05 * gap.abs().max()).all()
+    torch.testing.assert_close(ig.sum(dim=(1, 2)), gap, atol=0.05 * float(gap.abs().max()), rtol=0)
 
 
 def test_readable_names():

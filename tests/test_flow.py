@@ -86,11 +86,42 @@ def test_encoder_decoders_are_refused():
         AttentionFlow(model).attribute((ids, ids))
 
 
-def test_decoders_and_vision_transformers_get_flow_scores():
+def _expected_flows(attentions: tuple[torch.Tensor, ...], row: int, kept: torch.Tensor, sink: int) -> torch.Tensor:
+    """scipy's max flow from each kept token to ``sink`` (an index among the kept tokens)
+    through rollout's graph of the head-mean attention, the kept tokens' block cut out."""
+    n = int(kept.sum())
+    maps = []
+    for attn in attentions:
+        fused = attn[row][:, kept][:, :, kept].mean(0).double().numpy()
+        a_hat = 0.5 * fused + 0.5 * np.eye(n)
+        maps.append(a_hat / a_hat.sum(axis=1, keepdims=True))
+    return torch.tensor([_scipy_flow(maps, j, sink) for j in range(n)])
+
+
+def test_decoders_and_vision_transformers_get_the_max_flow_of_their_own_attention():
+    """A left-padded Llama (sink: the last real token) and a ViT (sink: the class token, the
+    patches' flows on the grid), each against scipy on the model's eager ``output_attentions``."""
+    import copy
+
     from lm_models import make_decoder, make_prompts, make_vision
 
-    prompts = make_prompts(side="left")
-    scores = AttentionFlow(make_decoder("llama")).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
-    assert bool((scores[~prompts.real] == 0).all()) and bool((scores[prompts.real] > 0).all())
-    grid = AttentionFlow(make_vision("vit")).attribute(torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)))
-    assert grid.shape == (2, 4, 4) and bool((grid > 0).all())
+    prompts, model = make_prompts(side="left"), make_decoder("llama")
+    scores = AttentionFlow(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = eager(prompts.input_ids, attention_mask=prompts.attention_mask, output_attentions=True).attentions
+    for row, kept in enumerate(prompts.real):
+        expected = _expected_flows(attentions, row, kept, int(kept.sum()) - 1)
+        torch.testing.assert_close(scores[row, kept].double(), expected, atol=1e-6, rtol=0)
+        assert not scores[row, ~kept].any()
+    vit = make_vision("vit")
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    grid = AttentionFlow(vit).attribute(pixels)
+    eager = copy.deepcopy(vit)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = eager(pixels, output_attentions=True).attentions
+    for row in range(2):
+        expected = _expected_flows(attentions, row, torch.ones(17, dtype=torch.bool), 0)
+        torch.testing.assert_close(grid[row].flatten().double(), expected[1:], atol=1e-6, rtol=0)

@@ -34,36 +34,68 @@ CLEAR = (ValueError, TypeError)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+class Reach:
+    """How many of a property test's examples got past the clear errors to its checks: an
+    implementation that refused every call with a ``ValueError`` would pass the checks of
+    none, and ``assert_share`` fails it."""
+
+    def __init__(self) -> None:
+        self.examples = self.checked = 0
+
+    def refused(self) -> None:
+        self.examples += 1
+
+    def passed(self) -> None:
+        self.examples += 1
+        self.checked += 1
+
+    def assert_share(self, minimum: float) -> None:
+        assert self.examples and self.checked / self.examples >= minimum, (
+            f"{self.checked} of {self.examples} examples reached the checks (at least {minimum:.0%} must)"
+        )
+
+
+DEFECTS = [
+    "empty batch", "int32", "bool", "float64", "3d ids", "mask of another shape", "float mask", "all padding",
+    "target out of range", "float target", "target list of another length", "query outside", "query on padding",
+]
+"""What a malformed call gets wrong, one at a time."""
+
+
 @st.composite
 def calls(draw):
-    batch, seq_len = draw(st.integers(0, 3)), draw(st.integers(1, 9))
-    kind = draw(st.sampled_from(["ids", "int32", "embeddings", "bool", "float64", "3d-ids"]))
+    """``(inputs, mask, target, query_index)``: a well-formed call (token ids or embeddings,
+    no mask, a right-padded or a random mask, any target and query the call allows) about
+    half the time, else a call with one of :data:`DEFECTS`."""
+    defect = draw(st.sampled_from([None] * len(DEFECTS) + DEFECTS))
+    batch = 0 if defect == "empty batch" else draw(st.integers(1, 3))
+    seq_len = draw(st.integers(2, 9))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=generator)
+    ids = torch.randint(1, VOCAB, (batch, seq_len), generator=generator)
+    embeddings = torch.randn(batch, seq_len, 32, generator=generator)
     inputs = {
-        "ids": ids,
-        "int32": ids.int(),
-        "embeddings": torch.randn(batch, seq_len, 32, generator=generator),
-        "bool": ids > VOCAB // 2,
-        "float64": torch.randn(batch, seq_len, 32, generator=generator).double(),
-        "3d-ids": ids[:, :, None],
-    }[kind]
-    mask_kind = draw(st.sampled_from(["none", "random", "wrong-shape", "float"]))
+        "int32": ids.int(), "bool": ids > VOCAB // 2, "float64": embeddings.double(), "3d ids": ids[:, :, None],
+    }.get(defect or "", draw(st.sampled_from([ids, embeddings])))
+    lengths = torch.randint(1, seq_len + 1, (batch,), generator=generator)
+    mask = draw(st.sampled_from(["none", "right-padded", "random"]))
     mask = {
         "none": None,
-        "random": (torch.rand(batch, seq_len, generator=generator) > 0.3).long(),
-        "wrong-shape": torch.ones(batch, seq_len + 1, dtype=torch.long),
-        "float": torch.rand(batch, seq_len, generator=generator).round(),
-    }[mask_kind]
-    target = draw(
-        st.one_of(
-            st.none(),
-            st.integers(-1, NUM_LABELS),
-            st.lists(st.integers(0, NUM_LABELS - 1), min_size=0, max_size=4),
-            st.just(torch.zeros(batch)),
-        )
-    )
-    query_index = draw(st.one_of(st.none(), st.integers(-2, seq_len + 1)))
+        "right-padded": (torch.arange(seq_len)[None, :] < lengths[:, None]).long(),
+        "random": (torch.rand(batch, seq_len, generator=generator) > 0.3).long().index_fill(1, torch.tensor([0]), 1),
+    }[mask]
+    if defect in ("mask of another shape", "float mask", "all padding", "query on padding"):
+        mask = {
+            "mask of another shape": torch.ones(batch, seq_len + 1, dtype=torch.long),
+            "float mask": torch.rand(batch, seq_len, generator=generator).round(),
+            "all padding": torch.zeros(batch, seq_len, dtype=torch.long),
+            "query on padding": torch.ones(batch, seq_len, dtype=torch.long).index_fill(1, torch.tensor([seq_len - 1]), 0),
+        }[defect]
+    target = draw(st.one_of(st.none(), st.integers(0, NUM_LABELS - 1), st.lists(st.integers(0, NUM_LABELS - 1), min_size=batch, max_size=batch)))
+    target = {
+        "target out of range": NUM_LABELS, "float target": torch.zeros(batch), "target list of another length": [0] * (batch + 1),
+    }.get(defect or "", target)
+    valid_query = draw(st.one_of(st.none(), st.just(0)))
+    query_index = {"query outside": seq_len, "query on padding": seq_len - 1}.get(defect or "", valid_query)
     return inputs, mask, target, query_index
 
 
@@ -73,85 +105,109 @@ def _check_scores(scores: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor
         assert bool((scores[mask == 0] == 0).all()), "padding must score 0"
 
 
-@FUZZ
-@given(call=calls(), name=st.sampled_from(sorted(METHODS)), capture=st.sampled_from(["auto", "eager"]))
-def test_attribute_gives_scores_or_a_clear_error(call, name, capture):
-    inputs, mask, target, query_index = call
-    args = None if mask is None else (mask,)
-    try:
-        scores = METHODS[name](MODEL, capture=capture).attribute(
-            inputs, target=target, additional_forward_args=args, query_index=query_index
-        )
-    except CLEAR:
-        return
-    _check_scores(scores, inputs, mask)
+def test_attribute_gives_scores_or_a_clear_error():
+    reach = Reach()
+
+    @FUZZ
+    @given(call=calls(), name=st.sampled_from(sorted(METHODS)), capture=st.sampled_from(["auto", "eager"]))
+    def check(call, name, capture):
+        inputs, mask, target, query_index = call
+        args = None if mask is None else (mask,)
+        try:
+            scores = METHODS[name](MODEL, capture=capture).attribute(
+                inputs, target=target, additional_forward_args=args, query_index=query_index
+            )
+        except CLEAR:
+            reach.refused()
+            return
+        _check_scores(scores, inputs, mask)
+        reach.passed()
+
+    check()
+    reach.assert_share(0.4)
 
 
-@FUZZ
-@given(
-    call=calls(),
-    layers=st.one_of(st.none(), st.integers(-4, 3), st.lists(st.integers(-4, 3), max_size=3)),
-    heads=st.one_of(st.none(), st.lists(st.integers(-5, 4), max_size=3)),
-    nan=st.booleans(),
-)
-def test_metrics_give_results_or_a_clear_error(call, layers, heads, nan):
-    inputs, mask, _, _ = call
-    args = None if mask is None else (mask,)
-    keys = torch.zeros(inputs.shape[:2], dtype=torch.bool)
-    if keys.numel():
-        keys[:, 0] = True
-    ranking = torch.rand(inputs.shape[:2])
-    if nan and ranking.numel():
-        ranking[0, 0] = float("nan")
-    try:
-        erased = attention_erasure(MODEL, inputs, keys, args, layers=layers, heads=heads)
+def test_metrics_give_results_or_a_clear_error():
+    reach = Reach()
+
+    @FUZZ
+    @given(
+        call=calls(),
+        layers=st.one_of(st.none(), st.integers(-3, 2), st.lists(st.integers(-3, 2), min_size=1, max_size=3), st.integers(-5, 4)),
+        heads=st.one_of(st.none(), st.lists(st.integers(-4, 3), min_size=1, max_size=3), st.lists(st.integers(-6, 5), max_size=3)),
+        nan=st.sampled_from([False, False, True]),
+    )
+    def check(call, layers, heads, nan):
+        inputs, mask, _, _ = call
+        args = None if mask is None else (mask,)
+        keys = torch.zeros(inputs.shape[:2], dtype=torch.bool)
+        if keys.numel():
+            keys[:, 0] = True
+        ranking = torch.rand(inputs.shape[:2])
+        if nan and ranking.numel():
+            ranking[0, 0] = float("nan")
+        try:
+            erased = attention_erasure(MODEL, inputs, keys, args, layers=layers, heads=heads)
+            flips = decision_flip_fraction(MODEL, inputs, ranking, args, layers=layers, heads=heads)
+        except CLEAR:
+            reach.refused()
+            return
         assert bool(((erased.js_divergence >= 0) & (erased.js_divergence <= 1)).all())
-        flips = decision_flip_fraction(MODEL, inputs, ranking, args, layers=layers, heads=heads)
         assert flips.removed.shape == (inputs.shape[0],)
-    except CLEAR:
-        return
+        reach.passed()
+
+    check()
+    reach.assert_share(0.3)
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    call=calls(),
-    special=st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")]),
-    keep_all=st.booleans(),
-    metric=st.sampled_from(["comprehensiveness", "sufficiency", "perturbation_curve", "leave_one_out"]),
-)
-def test_token_removal_metrics_give_results_or_a_clear_error(call, special, keep_all, metric):
+def test_token_removal_metrics_give_results_or_a_clear_error():
     """Any attribution (NaN, ±inf included), any mask and any ``keep``: finite values, or one
     clear error; never an all-padding row explained, and nothing removed when every token
     is kept."""
-    inputs, mask, target, _ = call
-    if inputs.is_floating_point() or inputs.dim() != 2:
-        inputs = torch.zeros(inputs.shape[:2], dtype=torch.long) + 5
-    mask = torch.ones_like(inputs) if mask is None or mask.shape != inputs.shape else mask.long()
-    scores = torch.rand(inputs.shape)
-    if scores.numel():
-        scores[0, -1] = special
-    keep = torch.ones_like(inputs, dtype=torch.bool) if keep_all else None
-    originally_empty = (mask == 0).all(dim=1)
-    seen: list[torch.Tensor] = []
+    reach = Reach()
 
-    def forward(ids, attention_mask):
-        seen.append(attention_mask)
-        return MODEL(input_ids=ids, attention_mask=attention_mask).logits
+    @settings(max_examples=150, deadline=None)
+    @given(
+        call=calls(),
+        special=st.sampled_from([0.0, 0.0, 0.0, 0.0, float("nan"), float("inf"), float("-inf")]),
+        keep_all=st.sampled_from([False, False, False, True]),
+        metric=st.sampled_from(["comprehensiveness", "sufficiency", "perturbation_curve", "leave_one_out"]),
+    )
+    def check(call, special, keep_all, metric):
+        inputs, mask, target, _ = call
+        if inputs.is_floating_point() or inputs.dim() != 2:
+            inputs = torch.zeros(inputs.shape[:2], dtype=torch.long) + 5
+        mask = torch.ones_like(inputs) if mask is None or mask.shape != inputs.shape else mask.long()
+        scores = torch.rand(inputs.shape)
+        if scores.numel():
+            scores[0, -1] = special
+        keep = torch.ones_like(inputs, dtype=torch.bool) if keep_all else None
+        originally_empty = (mask == 0).all(dim=1)
+        seen: list[torch.Tensor] = []
 
-    try:
-        if metric == "leave_one_out":
-            values = leave_one_out(forward, inputs, mask, target, keep=keep)
-            assert values.shape == inputs.shape
-        else:
-            function = {"comprehensiveness": comprehensiveness, "sufficiency": sufficiency, "perturbation_curve": perturbation_curve}[metric]
-            result = function(forward, inputs, mask, scores, target, keep=keep)
-            values = result.target_prob if metric == "perturbation_curve" else result
-            assert bool(torch.isfinite(values).all())
-    except CLEAR:
-        return
-    assert not bool(originally_empty.any()), "an all-padding row was explained"
-    if keep_all:
-        assert len(seen) <= 1, "every token is kept: nothing may be removed"
+        def forward(ids, attention_mask):
+            seen.append(attention_mask)
+            return MODEL(input_ids=ids, attention_mask=attention_mask).logits
+
+        try:
+            if metric == "leave_one_out":
+                values = leave_one_out(forward, inputs, mask, target, keep=keep)
+                assert values.shape == inputs.shape
+            else:
+                function = {"comprehensiveness": comprehensiveness, "sufficiency": sufficiency, "perturbation_curve": perturbation_curve}[metric]
+                result = function(forward, inputs, mask, scores, target, keep=keep)
+                values = result.target_prob if metric == "perturbation_curve" else result
+                assert bool(torch.isfinite(values).all())
+        except CLEAR:
+            reach.refused()
+            return
+        assert not bool(originally_empty.any()), "an all-padding row was explained"
+        if keep_all:
+            assert len(seen) <= 1, "every token is kept: nothing may be removed"
+        reach.passed()
+
+    check()
+    reach.assert_share(0.4)
 
 
 _JSON_VALUES = st.recursive(
@@ -191,50 +247,59 @@ def test_the_data_reader_gives_examples_or_one_clear_error(tmp_path_factory, row
     assert skip or not skipped
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=3),
-    answer_len=st.integers(0, 2),
-    special=st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")]),
-    segment_kind=st.sampled_from(["none", "random", "no-anchor", "wrong-shape"]),
-    metric=st.sampled_from(["top_k", "lds", "loo"]),
-    seed=st.integers(0, 2**16),
-)
-def test_context_metrics_give_results_or_a_clear_error(lengths, answer_len, special, segment_kind, metric, seed):
+def test_context_metrics_give_results_or_a_clear_error():
     """Any prompts (empty ones included), answers, attributions (NaN, ±inf) and segments:
     values in their range, or one clear error; never an ablation that leaves no prompt token."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
-    ids = torch.randint(3, VOCAB, mask.shape, generator=generator).masked_fill(mask == 0, 0)
-    answer = torch.randint(3, VOCAB, (len(lengths), answer_len), generator=generator)
-    scores = torch.rand(mask.shape, generator=generator)
-    if scores.numel():
-        scores[0, -1] = special
-    segments = {
-        "none": None,
-        "random": torch.randint(-1, 3, mask.shape, generator=generator),
-        "no-anchor": torch.randint(0, 3, mask.shape, generator=generator),
-        "wrong-shape": torch.zeros(len(lengths), width + 1, dtype=torch.long),
-    }[segment_kind]
-    seen: list[torch.Tensor] = []
+    reach = Reach()
 
-    def forward(input_ids, attention_mask):
-        seen.append(attention_mask)
-        return DECODER(input_ids=input_ids, attention_mask=attention_mask).logits
+    @settings(max_examples=100, deadline=None)
+    @given(
+        lengths=st.lists(st.sampled_from([3, 5, 6, 4, 1, 0]), min_size=1, max_size=3).filter(lambda lengths: max(lengths) > 0),
+        answer_len=st.sampled_from([1, 2, 1, 2, 0]),
+        special=st.sampled_from([0.0, 0.0, 0.0, 0.0, float("nan"), float("inf"), float("-inf")]),
+        segment_kind=st.sampled_from(["none", "anchored", "none", "anchored", "random", "no-anchor", "wrong-shape"]),
+        metric=st.sampled_from(["top_k", "lds", "loo"]),
+        seed=st.integers(0, 2**16),
+    )
+    def check(lengths, answer_len, special, segment_kind, metric, seed):
+        generator = torch.Generator().manual_seed(seed)
+        width = max(lengths)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        ids = torch.randint(3, VOCAB, mask.shape, generator=generator).masked_fill(mask == 0, 0)
+        answer = torch.randint(3, VOCAB, (len(lengths), answer_len), generator=generator)
+        scores = torch.rand(mask.shape, generator=generator)
+        if scores.numel():
+            scores[0, -1] = special
+        segments = {
+            "none": None,
+            "anchored": torch.randint(0, 3, mask.shape, generator=generator).index_fill(1, torch.tensor([width - 1]), -1),
+            "random": torch.randint(-1, 3, mask.shape, generator=generator),
+            "no-anchor": torch.randint(0, 3, mask.shape, generator=generator),
+            "wrong-shape": torch.zeros(len(lengths), width + 1, dtype=torch.long),
+        }[segment_kind]
+        seen: list[torch.Tensor] = []
 
-    try:
-        if metric == "top_k":
-            values = top_k_log_prob_drop(forward, ids, mask, answer, scores, segments=segments)
-            assert bool(torch.isfinite(values).all())
-        elif metric == "lds":
-            values = linear_datamodeling_score(forward, ids, mask, answer, scores, segments, num_ablations=4, seed=seed)
-            assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
-        else:
-            values = leave_one_out_agreement(forward, ids, mask, answer, scores, segments)
-            assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
-        assert values.shape[0] == len(lengths)
-    except CLEAR:
-        return
-    prompt_len = ids.shape[1]
-    assert all(bool((m[:, :prompt_len].sum(dim=1) > 0).all()) for m in seen), "an ablation left no prompt token"
+        def forward(input_ids, attention_mask):
+            seen.append(attention_mask)
+            return DECODER(input_ids=input_ids, attention_mask=attention_mask).logits
+
+        try:
+            if metric == "top_k":
+                values = top_k_log_prob_drop(forward, ids, mask, answer, scores, segments=segments)
+                assert bool(torch.isfinite(values).all())
+            elif metric == "lds":
+                values = linear_datamodeling_score(forward, ids, mask, answer, scores, segments, num_ablations=4, seed=seed)
+                assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
+            else:
+                values = leave_one_out_agreement(forward, ids, mask, answer, scores, segments)
+                assert bool(((values.abs() <= 1 + 1e-6) | values.isnan()).all())
+            assert values.shape[0] == len(lengths)
+        except CLEAR:
+            reach.refused()
+            return
+        prompt_len = ids.shape[1]
+        assert all(bool((m[:, :prompt_len].sum(dim=1) > 0).all()) for m in seen), "an ablation left no prompt token"
+        reach.passed()
+
+    check()
+    reach.assert_share(0.15)

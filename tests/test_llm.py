@@ -203,6 +203,20 @@ def test_side_by_side_with_captums_feature_ablation():
     theirs = LLMAttribution(FeatureAblation(model), tokenizer).attribute(inp, target="seven .", use_cached_outputs=False)
     assert ours.input_tokens == theirs.input_tokens and ours.output_tokens == theirs.output_tokens
     assert ours.seq_attr.shape == theirs.seq_attr.shape and ours.token_attr.shape == theirs.token_attr.shape
+    # Captum's ablation, as the comparisons run it: each token replaced by id 0, the answer's
+    # log-likelihood dropping by exactly that much
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    answer = torch.tensor([tokenizer.convert_tokens_to_ids(["seven", "."])])
+
+    def log_likelihood(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            log_probs = model(torch.cat([ids, answer], dim=1)).logits.log_softmax(-1)[0]
+        n = ids.shape[1]
+        return log_probs[n - 1, answer[0, 0]] + log_probs[n, answer[0, 1]]
+
+    full = log_likelihood(prompt)
+    drops = torch.stack([full - log_likelihood(prompt.index_fill(1, torch.tensor([i]), 0)) for i in range(prompt.shape[1])])
+    torch.testing.assert_close(theirs.seq_attr.float(), drops, rtol=1e-4, atol=1e-5)
 
 
 def test_captums_cached_outputs_read_later_answer_tokens_wrong_which_is_why_the_comparisons_turn_them_off():

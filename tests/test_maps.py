@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +24,7 @@ from captum_attention.maps import (
     rollout_scores,
     transformer_attribution_scores,
 )
+from methods import reference_chefer, reference_grad_sam
 
 
 @st.composite
@@ -58,16 +61,31 @@ def test_rollout_rows_sum_to_one_and_are_non_negative(data, fusion, discard):
     assert (scores[~real] == 0).all()
 
 
+@dataclass
+class _Recorded:
+    attentions: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
 @settings(max_examples=60, deadline=None)
-@given(attention_batches())
-def test_relevance_and_grad_sam_are_non_negative_and_zero_on_padding(data):
+@given(attention_batches(), st.data())
+def test_relevance_and_grad_sam_equal_the_full_matrix_formulas_and_are_non_negative(data, draw):
+    """The batched, padding-masked reductions against ``tests/methods.py``'s per-example
+    full-matrix formulas (each example's real block cut out), on random attention and
+    gradients; then the signs and padding."""
     probs, real, queries = data
-    grads = [torch.randn_like(p) for p in probs]
+    generator = torch.Generator().manual_seed(draw.draw(st.integers(0, 2**16)))
+    grads = [torch.randn(p.shape, generator=generator) for p in probs]
     relevance = transformer_attribution_scores(relevance_layer_maps([relevance_head_mean(p, g) for p, g in zip(probs, grads)], real), queries)
-    assert (relevance >= 0).all() and (relevance[~real] == 0).all()
-    assert (relevance[torch.arange(len(queries)), queries] >= 1).all()
     maps = grad_sam_layer_maps([grad_sam_head_mean(p, g) for p, g in zip(probs, grads)], real)
     scores = grad_sam_scores(maps, [p.shape[1] for p in probs], real)
+    lengths = real.sum(dim=1).tolist()
+    for b, n in enumerate(lengths):
+        one = _Recorded([p[b : b + 1] for p in probs], [g[b : b + 1] for g in grads])
+        torch.testing.assert_close(relevance[b, :n], reference_chefer(one, [n], int(queries[b]))[0])
+        torch.testing.assert_close(scores[b, :n], reference_grad_sam(one, [n])[0])
+    assert (relevance >= 0).all() and (relevance[~real] == 0).all()
+    assert (relevance[torch.arange(len(queries)), queries] >= 1).all()
     assert (scores >= 0).all() and (scores[~real] == 0).all()
 
 

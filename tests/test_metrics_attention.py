@@ -120,6 +120,67 @@ def test_decision_flip_fraction_matches_a_step_by_step_loop(max_batch_size):
     assert (result.attention_mass_removed[result.flipped] > 0).all()
 
 
+def _decoder_case():
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("gpt2", seed=2), make_prompts(lengths=(7, 6, 5, 7), side="left", seed=5)
+    real = prompts.real
+
+    def alone(row: int):
+        kept = real[row]
+        return prompts.input_ids[row : row + 1, kept], (prompts.attention_mask[row : row + 1, kept],), kept
+
+    return model, prompts.input_ids, (prompts.attention_mask,), real, alone
+
+
+def _encoder_decoder_case():
+    from lm_models import make_encoder_decoder
+    from test_encoder_decoder import SOURCE_MASK, TARGET_MASK, make_pair
+
+    model, pair = make_encoder_decoder("bart", seed=1), make_pair(seed=4)
+    real = SOURCE_MASK.bool()
+
+    def alone(row: int):
+        source, target = SOURCE_MASK[row].bool(), TARGET_MASK[row].bool()
+        inputs = (pair.source[row : row + 1, source], pair.target[row : row + 1, target])
+        return inputs, (SOURCE_MASK[row : row + 1, source], TARGET_MASK[row : row + 1, target]), source
+
+    return model, (pair.source, pair.target), pair.args, real, alone
+
+
+def _vision_case():
+    from lm_models import make_vision
+
+    model = make_vision("vit", seed=1)
+    pixels = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    real = torch.ones(3, 17, dtype=torch.bool)
+    return model, pixels, None, real, lambda row: (pixels[row : row + 1], None, real[row])
+
+
+@pytest.mark.parametrize("case", [_decoder_case, _encoder_decoder_case, _vision_case], ids=["decoder", "encoder-decoder", "vit"])
+def test_decision_flips_of_every_family_match_a_step_by_step_loop(case):
+    """As the BERT test above: the batched prefixes against one ``attention_erasure`` call
+    per prefix on each example alone (a decoder's left padding, an encoder-decoder's source
+    keys, a ViT's class and patch tokens)."""
+    model, inputs, args, real, alone = case()
+    ranking = random_ranking(real.shape, seed=3)
+    result = decision_flip_fraction(model, inputs, ranking, args, max_batch_size=4)
+    expected = []
+    for row in range(len(real)):
+        one_inputs, one_args, kept = alone(row)
+        order = ranking[row, kept].argsort(descending=True, stable=True).tolist()
+        n, found = len(order), -1
+        for k in range(1, n):
+            erased = torch.zeros(1, n, dtype=torch.bool)
+            erased[0, order[:k]] = True
+            if attention_erasure(model, one_inputs, erased, one_args).flipped.item():
+                found = k
+                break
+        expected.append(found)
+    assert result.removed.tolist() == expected
+    assert result.flipped.any(), "the test needs a flip"
+
+
 def test_rankings_against_the_reference():
     model = make_model("electra")
     batch = make_batch(model)

@@ -147,7 +147,9 @@ def test_a_model_without_attention_maps_is_refused_in_one_line():
 def test_attn_lrp_reads_patch_convolutions_and_tuple_embeddings_as_patch_tokens():
     """CLIP's classifier names no input embeddings (its patch convolution is found by
     name), SigLIP's are a convolution's (B, d, h, w) output, BEiT-like ones return a tuple:
-    the relevance of each patch token conserves what the patches receive."""
+    each is read as one relevance per patch, on the patch grid. (The values are checked
+    against references written from the rules for ViT, DeiT, Swin, SegFormer and PVTv2:
+    ``tests/test_attn_lrp.py``, ``tests/test_grids.py``.)"""
     for model_type in ("clip", "siglip", "data2vec-vision"):
         architecture = _architecture("image classification", model_type)
         model = build(architecture, implementation="eager" if model_type == "data2vec-vision" else None)

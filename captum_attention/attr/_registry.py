@@ -25,10 +25,13 @@ class Option:
         accepts: whether a value is valid.
         expects: what a valid value is, as the error names it (``"one of ('mean',
             'max', 'min')"``, ``"an int"``).
+        error: what a value it does not accept raises: ``TypeError`` where the option
+            takes one type (a flag, an index), ``ValueError`` where it takes some values.
     """
 
     accepts: Callable[[Any], bool]
     expects: str
+    error: type[Exception] = ValueError
 
 
 def one_of(*choices: Any) -> Option:
@@ -36,8 +39,10 @@ def one_of(*choices: Any) -> Option:
     return Option(lambda value: isinstance(value, type(choices[0])) and value in choices, f"one of {choices}")
 
 
-FLAG = Option(lambda value: isinstance(value, bool), "True or False")
-LAYER = Option(lambda value: isinstance(value, int) and not isinstance(value, bool), "an int (negative counts from the end)")
+FLAG = Option(lambda value: isinstance(value, bool), "True or False", TypeError)
+LAYER = Option(
+    lambda value: isinstance(value, int) and not isinstance(value, bool), "an int (negative counts from the end)", TypeError
+)
 FRACTION = Option(
     lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0, "a number in [0, 1)"
 )
@@ -92,14 +97,14 @@ class MethodSpec:
 
     def check_options(self, options: Mapping[str, Any], where: str) -> None:
         """A ``TypeError`` naming an option ``where`` (``"GradSAM.attribute_span"``) does
-        not take, or a ``ValueError`` naming a value it does not accept."""
+        not take, or the option's error naming a value it does not accept."""
         for name, value in options.items():
             option = self.options.get(name)
             if option is None:
                 known = ", ".join(self.options) or "none"
                 raise TypeError(f"{where} got an unexpected option {name!r}; its options are: {known}.")
             if not option.accepts(value):
-                raise ValueError(f"{name} must be {option.expects}, got {value!r}.")
+                raise option.error(f"{name} must be {option.expects}, got {value!r}.")
 
     @property
     def effective(self) -> bool:

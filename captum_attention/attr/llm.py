@@ -241,14 +241,16 @@ def _marked(inp: TextTemplateInput, text: str) -> list[tuple[tuple[int, int], in
         values: list[Any] = list(inp.values)
         values[index] = f"{_OPEN}{values[index]}{_CLOSE}"
         marked = inp.format_fn(**dict(zip(inp.dict_keys, values))) if inp.dict_keys else inp.format_fn(*values)
-        if marked.replace(_OPEN, "").replace(_CLOSE, "") != text or marked.count(_OPEN) != marked.count(_CLOSE):
+        matches = list(re.finditer(f"{_OPEN}(.*?){_CLOSE}", marked, flags=re.DOTALL))
+        verbatim = all(match.group(1) == str(inp.values[index]) for match in matches)
+        if marked.replace(_OPEN, "").replace(_CLOSE, "") != text or len(matches) != marked.count(_OPEN) or not verbatim:
             raise ValueError(
                 f"The template function changes value {index} ({inp.values[index]!r}) as it places it (it is "
                 "not inserted as a string as it is), so its tokens cannot be found: format the values "
                 "unchanged (a format string such as '{} is {}' may pad and convert them), or use a TextTokenInput."
             )
         removed = 0
-        for match in re.finditer(f"{_OPEN}(.*?){_CLOSE}", marked, flags=re.DOTALL):
+        for match in matches:
             start = match.start() - removed
             spans.append(((start, start + len(match.group(1))), index))
             removed += 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +145,7 @@ class AttentionCapture:
         tensors = [call.kernel.output] if call.kernel is not None else call.pieces
         if not all(isinstance(t, Tensor) and t.requires_grad for t in tensors):
             return None
-        grads = torch.autograd.grad(score, tensors, allow_unused=True, retain_graph=True)
+        grads = torch.autograd.grad(score, cast(list[Tensor], tensors), allow_unused=True, retain_graph=True)
         if any(g is None for g in grads):
             return None
         if call.kernel is not None:

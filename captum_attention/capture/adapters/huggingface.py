@@ -435,7 +435,8 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
         runnable = "eager"  # a sub-model left on sdpa under an eager top config (GOT-OCR2's language model)
     else:
         runnable = _runnable(model, original, wanted)
-    if runnable is None or runnable == original:
+        runnable = None if runnable == original else runnable
+    if runnable is None:  # pinned as each config runs now
         views = {id(c): c._attn_implementation for c in configs if getattr(c, "_attn_implementation", None) is not None}
     else:
         views = {id(config): runnable for config in configs}
