@@ -202,3 +202,31 @@ def test_interventions_inside_window_attention_are_refused_in_one_line():
             intervene()
         assert "\n" not in str(error.value)
         assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("family", ["swin", "segformer"])
+def test_nothing_of_a_call_is_kept_after_it_and_another_thread_reads_its_gradients(family):
+    """The grids noted during a capture live in that capture's context only: after every
+    method, none remain (in this thread or any); the gradient methods' backward reads them
+    in the forward's context, so a gradient read in another thread (as autograd's device
+    threads run hooks) gets the same scores."""
+    import threading
+
+    from captum_attention.capture.adapters import grids
+    from captum_attention.capture.record import record_forward
+    from captum_attention.maps.grad_sam import grad_sam_head_mean
+
+    model, images = _case(family, "shifted")
+    for name in METHODS:
+        METHODS[name](model).attribute(images, target=TARGET)
+        assert grids._NOTES.get() is None
+    assert not [name for name in vars(grids) if name.isupper() and isinstance(vars(grids)[name], dict)]
+    record = record_forward(model, model, (images,), None, track_grad=True)
+    score = record.target_score(TARGET)
+    here = record.capture.gradients(score, retain_graph=True)
+    there: list = []
+    thread = threading.Thread(target=lambda: there.extend(record.capture.gradients(score)))
+    thread.start()
+    thread.join()
+    assert there and all(torch.equal(a, b) for a, b in zip(here, there))
+    assert grad_sam_head_mean(record.attn_maps[0], here[0]).shape[-1] == record.attn_maps[0].shape[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import contextvars
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
@@ -84,6 +85,7 @@ class AttentionCapture:
         self._mask_seen = False
         self._sites: dict[nn.Module, AttentionSite] = {}
         self._stack = ExitStack()
+        self._forward_context: contextvars.Context | None = None  # where the forward ran, once it has
         self._guard = InterruptGuard(_PROTECTED)
         self._lock = model_lock(model)
         self._thread = threading.get_ident()
@@ -97,7 +99,7 @@ class AttentionCapture:
         """Per attention call, ``(batch, heads, queries, keys)``, in the autograd graph."""
         if self.streaming:
             raise RuntimeError("A streaming capture records no probabilities: read kernel_calls.")
-        return [call.stacked(self.adapter) for call in self._calls]
+        return [self._as_heads(call) for call in self._calls]
 
     @property
     def kernel_calls(self) -> list[KernelCall]:
@@ -134,7 +136,7 @@ class AttentionCapture:
             per_call.append(grads[: len(call.pieces)])
             del grads[: len(call.pieces)]
         self._check_used([all(g is not None for g in call_grads) for call_grads in per_call])
-        return [call.stacked(self.adapter, call_grads, gradient=True) for call, call_grads in zip(self._calls, per_call)]
+        return [self._as_heads(call, call_grads, gradient=True) for call, call_grads in zip(self._calls, per_call)]
 
     def rows_read(self, score: Tensor) -> Tensor | None:
         """``(batch, queries)`` bool: the query rows of the last attention call that
@@ -150,7 +152,7 @@ class AttentionCapture:
             return None
         if call.kernel is not None:
             return grads[0].ne(0).flatten(2).any(dim=2)  # (B, Q, H, D)
-        return call.stacked(self.adapter, list(grads), gradient=True).ne(0).any(dim=-1).any(dim=1)
+        return self._as_heads(call, list(grads), gradient=True).ne(0).any(dim=-1).any(dim=1)
 
     def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
@@ -186,8 +188,8 @@ class AttentionCapture:
             arrived[index][piece] = grad
             if all(g is not None for g in arrived[index]):
                 call = self._calls[index]
-                grads = call.stacked(self.adapter, arrived[index], gradient=True)  # type: ignore[arg-type]
-                maps = attn_maps[index] if attn_maps else call.stacked(self.adapter).detach()
+                grads = self._as_heads(call, arrived[index], gradient=True)  # type: ignore[arg-type]
+                maps = attn_maps[index] if attn_maps else self._as_heads(call).detach()
                 for listener in listeners:
                     listener.on_backward(self._call_info(call), maps, grads)
                 reached[index], arrived[index] = True, [None] * len(call.pieces)
@@ -231,11 +233,20 @@ class AttentionCapture:
     def __exit__(self, *exc_info: Any) -> None:
         try:
             try:
+                self._forward_context = contextvars.copy_context()
                 self._stack.close()
             finally:
                 self._lock.release()
         finally:
             self._guard.remove()
+
+    def _as_heads(self, call: "_Call", tensors: list[Tensor] | None = None, gradient: bool = False) -> Tensor:
+        """``call``'s pieces (or tensors shaped like them) as heads, read by the adapter in
+        the context the forward ran in (where an adapter keeps what it noted of the call,
+        e.g. a window's grid), from any thread (autograd's), also after the capture ended."""
+        if self._forward_context is None:
+            return call.stacked(self.adapter, tensors, gradient)
+        return self._forward_context.copy().run(call.stacked, self.adapter, tensors, gradient)
 
     def _lock_model(self) -> None:
         """Wait for other threads' captures of the model to end; an interrupt while
@@ -251,6 +262,7 @@ class AttentionCapture:
         self._sites = {site.module: site for site in sites}
         mask_modules = self.adapter.mask_modules(self.model)
         self._calls, self._open, self._mask_seen = [], [], False
+        self._forward_context = None
         self.model_calls = 0
         self._thread = threading.get_ident()
         self.attention_mask = self.decoder_attention_mask = None

@@ -4,8 +4,9 @@ of SegFormer and PVTv2, in models whose stages merge tokens 2 × 2.
 
 Such a model's layers have no common tokens, and a window or reduced-key layer has no
 ``(N, N)`` map. During a capture a hook notes where each of its calls ran (the stage grid,
-and the window and shift, or the key reduction); the adapter then reads the call's
-probabilities and gradients as maps over the first stage's patches
+and the window and shift, or the key reduction) in a context variable of the capturing
+context, which the capture ends with; the adapter then reads the call's probabilities and
+gradients, in the context the forward ran in, as maps over the first stage's patches
 (:func:`~captum_attention.maps.windows_on_patch_grid`,
 :func:`~captum_attention.maps.reduced_keys_on_patch_grid`): every layer has the same
 tokens, and the methods run unchanged.
@@ -18,11 +19,11 @@ parameters; a reduced-key attention has one of :data:`REDUCTIONS` and ``height``
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import threading
-import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import Tensor, nn
@@ -69,9 +70,18 @@ class ReducedCall:
 
 GridCall = WindowCall | ReducedCall
 
-_CALLS: "weakref.WeakKeyDictionary[nn.Module, dict[int, GridCall]]" = weakref.WeakKeyDictionary()
-"""Per attention module, per thread: the call it last made under a capture (the capture
-reads its probabilities and gradients after the forward)."""
+
+@dataclass(frozen=True)
+class _Notes:
+    """The grid attention modules of the capture's model, and where each of them ran."""
+
+    sites: frozenset[nn.Module]
+    calls: dict[nn.Module, GridCall] = field(default_factory=dict)
+
+
+_NOTES: contextvars.ContextVar[_Notes | None] = contextvars.ContextVar("captum_attention_grid_notes", default=None)
+"""Set by a capture of a grid model for its context; the capture reads its calls'
+probabilities and gradients after the forward in a copy of that context."""
 
 
 def window_layers(model: nn.Module) -> list[nn.Module]:
@@ -123,9 +133,10 @@ def grid_sites(model: nn.Module, found: list[AttentionSite]) -> list[AttentionSi
 
 
 def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitStack) -> None:
-    """Hooks (removed by ``stack``) that note each call's grid for its attention site, in
-    the thread that set them (forgetting the previous call as the call starts). The first
-    call of a forward runs on the first stage's patches."""
+    """Hooks (removed by ``stack``) that note each call's grid for its attention site in
+    this context, for calls in the thread that set them (forgetting the previous call as
+    the call starts); ``stack`` resets the notes. The first call of a forward runs on the
+    first stage's patches."""
     thread = threading.get_ident()
     first_stage: list[tuple[int, int]] = []
     layers = window_layers(model)
@@ -135,11 +146,19 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
         ]
     else:
         pairs = [(module, site, _reduced_call) for module in reduced_key_attentions(model) for site in sites if site.module is module]
+    token = _NOTES.set(_Notes(frozenset(site.module for _, site, _ in pairs)))
+    stack.callback(_reset, token)
+
+    def note(site: AttentionSite, call: GridCall | None) -> None:
+        notes = _NOTES.get()
+        if notes is not None:
+            calls = {module: noted for module, noted in notes.calls.items() if module is not site.module}
+            _NOTES.set(_Notes(notes.sites, calls if call is None else {**calls, site.module: call}))
 
     def forget(site: AttentionSite) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if threading.get_ident() == thread:
-                _CALLS.get(site.module, {}).pop(thread, None)
+                note(site, None)
 
         return hook
 
@@ -150,13 +169,20 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
             stage = _stage(module, args, kwargs)
             if first:
                 first_stage[:] = [stage]
-            _CALLS.setdefault(site.module, {})[thread] = call_of(module, stage, _scale(first_stage[0] if first_stage else stage, stage))
+            note(site, call_of(module, stage, _scale(first_stage[0] if first_stage else stage, stage)))
 
         return hook
 
     for index, (module, site, call_of) in enumerate(pairs):
         stack.callback(module.register_forward_pre_hook(forget(site), with_kwargs=True).remove)
         stack.callback(module.register_forward_hook(noted(site, call_of, index == 0), with_kwargs=True).remove)
+
+
+def _reset(token: contextvars.Token) -> None:
+    try:
+        _NOTES.reset(token)
+    except ValueError:  # the capture ended in another context than it began in
+        _NOTES.set(None)
 
 
 def _stage(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
@@ -203,10 +229,10 @@ def _reduced_call(attention: nn.Module, stage: tuple[int, int], scale: int) -> R
 def on_patch_grid(module: nn.Module, tensor: Tensor, gradient: bool) -> Tensor | None:
     """A grid attention's probabilities (or their gradients) as maps over the first
     stage's patches; None for any other module's."""
-    calls = _CALLS.get(module)
-    if calls is None:
+    notes = _NOTES.get()
+    if notes is None or module not in notes.sites:
         return None
-    call = calls.get(threading.get_ident())
+    call = notes.calls.get(module)
     if call is None:
         raise UnsupportedModelError(
             f"{type(module).__name__} attends over a coarser grid than the image's patches "
