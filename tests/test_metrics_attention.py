@@ -235,3 +235,30 @@ def test_permute_rows_keeps_each_rows_values(seq_len, pad, seed):
     permuted = permute_rows(attn, real, torch.Generator().manual_seed(seed))
     torch.testing.assert_close(permuted.sort(-1).values, attn.sort(-1).values)
     assert (permuted[..., ~real[0]] == 0).all()
+
+
+def _uniform(model):
+    """A copy of ``model`` whose queries are all zero: every attention row is uniform over
+    the keys it sees (its real keys, and under a causal mask those up to it)."""
+    uniform = copy.deepcopy(model)
+    for name, module in uniform.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "query") and isinstance(module, torch.nn.Linear):
+            module.weight.data.zero_()
+            if module.bias is not None:
+                module.bias.data.zero_()
+        if name.endswith("c_attn"):  # GPT-2's Conv1D, (in, 3 · hidden): the queries first
+            hidden = module.weight.shape[1] // 3
+            module.weight.data[:, :hidden] = 0
+            module.bias.data[:hidden] = 0
+    return uniform
+
+
+@pytest.mark.parametrize("case", [_decoder_case, _encoder_decoder_case, _vision_case], ids=["decoder", "encoder-decoder", "vit"])
+def test_permutation_stays_within_the_keys_each_row_sees(case):
+    """Uniform rows (zero queries) are unchanged by any shuffle among the keys a row sees,
+    so the output does not move: a shuffle that reached padding, a causal row's later keys
+    or another sequence's keys would move it. The model itself moves."""
+    model, inputs, args, _, _ = case()
+    flat = attention_permutation(_uniform(model), inputs, args, n_permutations=3)
+    assert flat.median_tvd.max() < 1e-6 and flat.flip_rate.max() == 0
+    assert attention_permutation(model, inputs, args, n_permutations=3).median_tvd.min() > 1e-5

@@ -60,27 +60,30 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
     return kept / total.clamp(min=torch.finfo(kept.dtype).tiny)
 
 
-def permute_rows(attn: Tensor, real: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """Shuffle each query row's weights among the real keys; padding keys stay zero.
+def permute_rows(attn: Tensor, visible: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Shuffle each query row's weights among the keys it sees; the others stay zero.
 
     Jain & Wallace, "Attention is not Explanation", NAACL 2019. Every row (query) of every
-    head gets its own random permutation of the real key positions.
+    head gets its own random permutation of the positions of the keys it sees: its real
+    keys, and under a causal mask only those up to it (a shuffle onto later keys would let
+    a decoder's row read tokens it never sees).
 
     Args:
         attn: ``(B, H, Q, K)`` probabilities; columns after the ``K`` keys (gpt-oss's sink)
             keep their weight.
-        real: ``(B, K)`` bool, True for real (non-padding) keys.
+        visible: ``(B, K)`` bool, True for real (non-padding) keys, or ``(B, Q, K)``: the
+            keys each row sees.
         generator: random generator (on the CPU) for reproducible permutations.
 
     Returns:
-        ``(B, H, T, T)`` probabilities with each row's real entries permuted.
+        ``(B, H, Q, K)`` probabilities with each row's seen entries permuted.
     """
-    batch, num_keys = real.shape
+    num_keys = visible.shape[-1]
     if attn.shape[-1] > num_keys:
-        return torch.cat([permute_rows(attn[..., :num_keys], real, generator), attn[..., num_keys:]], dim=-1)
+        return torch.cat([permute_rows(attn[..., :num_keys], visible, generator), attn[..., num_keys:]], dim=-1)
+    rows = (visible[:, None, None, :] if visible.dim() == 2 else visible[:, None]).expand_as(attn)
     draws = torch.rand(attn.shape, generator=generator).to(attn.device)
-    padded_last = (~real)[:, None, None, :].expand_as(attn)
-    shuffled_keys = draws.masked_fill(padded_last, 2.0).argsort(dim=-1)
-    positions = torch.arange(num_keys, device=attn.device).expand(batch, num_keys)
-    real_keys = positions.masked_fill(~real, num_keys).argsort(dim=-1)[:, None, None, :].expand_as(attn)
-    return torch.zeros_like(attn).scatter_(-1, real_keys, attn.gather(-1, shuffled_keys))
+    shuffled_keys = draws.masked_fill(~rows, 2.0).argsort(dim=-1)
+    positions = torch.arange(num_keys, device=attn.device).expand_as(attn)
+    seen_keys = positions.masked_fill(~rows, num_keys).argsort(dim=-1)
+    return torch.zeros_like(attn).scatter_(-1, seen_keys, attn.gather(-1, shuffled_keys))

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .common import query_weights
 
-RowsTransform = Callable[[Tensor, int, int], Tensor]
+RowsTransform = Callable[[Tensor, int, int, slice], Tensor]
 """``transform(attn_rows (1, 1, r, K), example, head) -> (1, 1, r, K)``: new probabilities for a
 block of one example's and one head's query rows."""
 
@@ -354,7 +354,7 @@ def transformed_output(call: KernelCall, transform: RowsTransform, budget_bytes:
             for _, rows in plane.blocks(block_shape(plane, budget_bytes)):
                 probs = plane.probs(rows)
                 probs = F.pad(probs, (0, call.num_keys - probs.shape[-1]))
-                changed = transform(probs, example, head)
+                changed = transform(probs, example, head, rows)
                 output[example, rows, head] = (changed[0, 0] @ plane.value[0, 0].float()).to(output.dtype)
     return output
 

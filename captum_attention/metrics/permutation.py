@@ -1,7 +1,8 @@
 """Attention permutation (Jain & Wallace, "Attention is not Explanation", NAACL 2019).
 
-Shuffle each real query row's attention weights among the real keys at chosen layers and
-heads and measure how much the output moves; over a data set, per layer, how much the
+Shuffle each real query row's attention weights among the keys it sees (its real keys;
+under a causal mask those up to it) at chosen layers and heads and measure how much the
+output moves; over a data set, per layer, how much the
 accuracy moves (the per-layer study of Vafaie et al., "Is Attention Explanation in
 Transformers?", University of Ottawa).
 """
@@ -33,7 +34,8 @@ class PermutationResult:
 
 
 class _RowPermutation(Probe):
-    """Probe: shuffle each real query row's weights among the real keys at the chosen calls.
+    """Probe: shuffle each real query row's weights among the keys it sees at the chosen
+    calls (:func:`~captum_attention.maps.permute_rows`).
 
     Under eager capture it permutes each call's probabilities at once; under streaming
     capture one example's and head's block of rows at a time. Both draw the generator's
@@ -46,23 +48,25 @@ class _RowPermutation(Probe):
     def __init__(self, run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> None:
         self.run, self.layers, self.heads, self.generator = run, layers, heads, generator
 
-    def _real_keys(self, call_index: int) -> Tensor:
-        return self.run.real_of(self.run.roles[call_index])[1]
+    def _visible_keys(self, call_index: int) -> Tensor:
+        """``(B, Q or 1, K)`` bool: the keys each row of the call sees."""
+        return self.run.visible_keys(call_index)[0]
 
     def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
         if call.index not in self.layers:
             return None
-        changed = permute_rows(attn_probs, self._real_keys(call.index).to(attn_probs.device), self.generator)
+        visible = self._visible_keys(call.index).to(attn_probs.device)
+        changed = permute_rows(attn_probs, visible.expand(-1, attn_probs.shape[-2], -1), self.generator)
         return on_heads(attn_probs, changed, self.run.heads_of(call.index, self.heads), first_head)
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
         if call is None or call.index not in self.layers:
             return None
-        real = self._real_keys(call.index)
+        visible = self._visible_keys(call.index).expand(-1, kernel.num_queries, -1)
         heads = self.run.heads_of(call.index, self.heads)
 
-        def permute(attn_rows: Tensor, example: int, head: int) -> Tensor:
-            changed = permute_rows(attn_rows, real[example : example + 1].to(attn_rows.device), self.generator)
+        def permute(attn_rows: Tensor, example: int, head: int, rows: slice) -> Tensor:
+            changed = permute_rows(attn_rows, visible[example : example + 1, rows].to(attn_rows.device), self.generator)
             return changed if heads is None or head in heads else attn_rows
 
         return transformed_output(kernel, permute)
@@ -83,8 +87,8 @@ def attention_permutation(
     """How far the output moves when attention rows are shuffled.
 
     Each permutation draws, for every example, head and real query row at the chosen
-    layers, an independent shuffle of the weights among the real keys (padding stays
-    out), with a generator seeded by ``seed``.
+    layers, an independent shuffle of the weights among the keys the row sees (padding,
+    and a causal row's later keys, stay out), with a generator seeded by ``seed``.
 
     Args:
         forward_func (Callable): returns logits ``(batch, num_classes)``.
