@@ -41,6 +41,7 @@ import torch
 import transformers as tf
 
 from captum_attention import METHODS
+from captum_attention.attr import REGISTRY
 from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
 from captum_attention.metrics import linear_datamodeling_score, top_k_log_prob_drop
 
@@ -49,7 +50,7 @@ Attribution = Callable[[NeedleExample], torch.Tensor]
 
 
 def our_method(model: tf.LlamaForCausalLM, name: str) -> Attribution:
-    explainer = METHODS[name](model, capture="streaming")
+    explainer = REGISTRY[name](model, capture="streaming")
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         prompt = e.input_ids[None]
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--examples", type=int, default=16)
     parser.add_argument("--peer-examples", type=int, default=4)
     parser.add_argument("--peer-budget", type=float, default=300.0)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
+                        "e.g. norm_attention)")
     parser.add_argument("--peers", nargs="+", default=["feature_ablation", "integrated_gradients", "context_cite"])
     parser.add_argument("--json", type=Path)
     options = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from .inputs import LogProbTarget
 from .kernel import StreamingUnsupported
 from .._compat import UnsupportedModelError
 from .probes import (
+    AttendedValues,
     CallInfo,
     GradientReduction,
     GradMaps,
@@ -31,6 +32,7 @@ from .record import ForwardRecord, OutputGrads, record_forward
 from .recorder import AttentionCapture
 
 __all__ = [
+    "AttendedValues",
     "AdapterBase",
     "AttentionAdapter",
     "AttentionCapture",

@@ -236,12 +236,19 @@ class KeysTransform(Probe):
 
 @dataclass
 class RecordedValues(PerCall):
-    """Per attention call, the ``(B, H, K, Dv)`` values its probabilities weighted
-    (detached), and the adapter's output projection weight ``(hidden, H * Dv)``, or None
-    where it does not know it."""
+    """Per attention call, the ``(B, H / groups, K, Dv)`` values its probabilities weighted
+    (detached; each key-value head serving ``groups`` consecutive query heads, 1 where the
+    values were recorded per head), and the adapter's output projection weight
+    ``(hidden, H * Dv)``, or None where it does not know it."""
 
     values: list[Tensor]
     projections: list[Tensor | None]
+    groups: list[int]
+
+    def per_head(self, call: int) -> Tensor:
+        """``(B, H, K, Dv)``: the call's values, one per query head."""
+        values, groups = self.values[call], self.groups[call]
+        return values if groups == 1 else values.repeat_interleave(groups, dim=1)
 
 
 class ValueRecorder(Probe):
@@ -256,11 +263,18 @@ class ValueRecorder(Probe):
         self._products: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._values: list[Tensor] = []
         self._projections: list[Tensor | None] = []
+        self._groups: list[int] = []
         self._model: nn.Module | None = None
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         self._model = model
-        self._products, self._values, self._projections = {}, [], []
+        self._products, self._values, self._projections, self._groups = {}, [], [], []
+
+    def _record(self, call: CallInfo, values: Tensor, groups: int) -> None:
+        assert self._model is not None
+        self._values.append(values)
+        self._groups.append(groups)
+        self._projections.append(call.adapter.output_projection(self._model, call.module))
 
     def on_product(self, call: CallInfo, left: Tensor, right: Tensor) -> None:
         self._products.setdefault(call.index, []).append((left, right))
@@ -278,12 +292,24 @@ class ValueRecorder(Probe):
                 )
             batch, heads = call.as_heads(piece).shape[:2]
             parts.append(value.detach().reshape(batch, heads, *value.shape[-2:]))
-        self._values.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
-        assert self._model is not None
-        self._projections.append(call.adapter.output_projection(self._model, call.module))
+        self._record(call, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), 1)
 
     def result(self) -> RecordedValues:
-        return RecordedValues(self._values, self._projections)
+        return RecordedValues(self._values, self._projections, self._groups)
+
+
+class AttendedValues(ValueRecorder):
+    """:class:`ValueRecorder` in both capture modes: under streaming capture, the values
+    each kernel call received (per key-value head, with its grouping), for the methods
+    that weigh attention by what it moves."""
+
+    events = frozenset({"product", "call_end", "kernel"})
+    modes = frozenset({"eager", "streaming"})
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        if call is not None and kernel.value is not None:
+            self._record(call, kernel.value.detach(), kernel.groups)
+        return None
 
 
 def _same_tensor(left: Tensor, right: Tensor) -> bool:

@@ -1,0 +1,121 @@
+"""Norm-based attention (Kobayashi et al., EMNLP 2020) against a recomputation written from
+the paper's definition as the authors' code computes it (``summed_weighted_norm``): the
+eager model's ``output_attentions``, its value projections' outputs read by hooks, each
+head's slice of the output projection, one example, head and token at a time."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder, make_encoder_decoder, make_prompts
+
+from captum_attention import LLMAttentionAttribution
+from captum_attention.attr import REGISTRY
+from captum_attention.attr.norm_attention import NormAttention
+
+
+def _values_and_projection(model, family: str):
+    """Per layer: a hook that keeps the values ``(B, heads_kv, T, d)`` and the output
+    projection as ``(hidden, H · d)`` (columns of head m: ``m·d`` to ``(m+1)·d``)."""
+    kept: list[torch.Tensor] = []
+    if family == "bert":
+        layers = [(layer.attention.self.value, layer.attention.output.dense.weight) for layer in model.bert.encoder.layer]
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_attention_heads
+    elif family == "llama":
+        layers = [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight) for layer in model.model.layers]
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    else:  # GPT-2: c_attn's last third, c_proj's (in, out) weight
+        layers = [(block.attn.c_attn, block.attn.c_proj.weight.t()) for block in model.transformer.h]
+        heads = kv_heads = model.config.n_head
+
+    def keep(module, args, output):
+        if family == "gpt2":
+            output = output.split(output.shape[-1] // 3, dim=-1)[2]
+        batch, length, width = output.shape
+        kept.append(output.detach().view(batch, length, kv_heads, width // kv_heads).transpose(1, 2))
+
+    handles = [module.register_forward_hook(keep) for module, _ in layers]
+    return kept, [weight.detach() for _, weight in layers], heads, kv_heads, handles
+
+
+def reference(model, family: str, ids, mask, layer: int, query: int) -> torch.Tensor:
+    """‖Σ_m α^m[q, j] · v^m_j W_O^mᵀ‖ per example and token j, head by head in loops."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    values, projections, heads, kv_heads, handles = _values_and_projection(eager, family)
+    positions = {} if family == "bert" else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}  # left padding
+    try:
+        with torch.no_grad():
+            attentions = eager(ids, attention_mask=mask, output_attentions=True, **positions).attentions
+    finally:
+        for handle in handles:
+            handle.remove()
+    attn, value, projection = attentions[layer], values[layer], projections[layer]
+    head_dim = value.shape[-1]
+    scores = torch.zeros(ids.shape)
+    for b in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            total = torch.zeros(projection.shape[0])
+            for m in range(heads):
+                transformed = projection[:, m * head_dim : (m + 1) * head_dim] @ value[b, m // (heads // kv_heads), j]
+                total += attn[b, m, query, j] * transformed
+            scores[b, j] = total.norm()
+    return scores * mask
+
+
+def _case(family: str):
+    if family == "bert":
+        model = make_model("bert")
+        batch = make_batch(model)
+        return model, batch.input_ids, batch.attention_mask, 0
+    prompts = make_prompts(side="left")
+    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("layer", [-1, 0])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_norm_attention_equals_the_papers_definition(family, layer, capture_mode):
+    model, ids, mask, query = _case(family)
+    before = model_state(model)
+    scores = NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=layer)
+    assert_same_state(before, model_state(model))
+    expected = reference(model, family, ids, mask, layer, query)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_a_span_sums_its_rows_norms_and_the_llm_interface_takes_it():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    explainer = NormAttention(model)
+    args = (prompts.attention_mask,)
+    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
+    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
+    torch.testing.assert_close(span, rows.sum(dim=1))
+    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
+    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    second = reference(model, "llama", ids, mask, -1, ids.shape[1] - 1)
+    torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, rtol=1e-5, atol=1e-6 * second.abs().max().item())
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    tokenizer = make_word_tokenizer()
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
+    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+
+
+def test_registered_out_of_reports_and_clear_refusals():
+    from captum_attention import METHODS
+
+    assert REGISTRY["norm_attention"] is NormAttention and "norm_attention" not in METHODS
+    model, ids, mask, _ = _case("bert")
+    with pytest.raises(ValueError, match="no maps"):
+        NormAttention(model).attribute(ids, additional_forward_args=(mask,), return_maps=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'head_fusion'"):
+        NormAttention(model).attribute(ids, additional_forward_args=(mask,), head_fusion="mean")
+    seq2seq = make_encoder_decoder("t5")
+    with pytest.raises(ValueError, match="one self-attention stack"):
+        NormAttention(seq2seq).attribute((ids[:, :4], ids[:, :3]))
