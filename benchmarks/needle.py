@@ -49,12 +49,13 @@ Attribution = Callable[[NeedleExample], torch.Tensor]
 """``attribute(example) -> (length,)`` token scores whose segment sums rank the segments."""
 
 
-def our_method(model: tf.LlamaForCausalLM, name: str) -> Attribution:
+def our_method(model: tf.LlamaForCausalLM, name: str, options: dict[str, Any] | None = None) -> Attribution:
     explainer = REGISTRY[name](model, capture="streaming")
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         prompt = e.input_ids[None]
-        return explainer.attribute_span(prompt, torch.tensor([[e.answer]]), additional_forward_args=(torch.ones_like(prompt),))[0, :-1]
+        answer = torch.tensor([[e.answer]])
+        return explainer.attribute_span(prompt, answer, additional_forward_args=(torch.ones_like(prompt),), **(options or {}))[0, :-1]
 
     return attribute
 
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
                         "e.g. norm_attention)")
     parser.add_argument("--peers", nargs="+", default=["feature_ablation", "integrated_gradients", "context_cite"])
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
     parser.add_argument("--json", type=Path)
     options = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -199,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"length {length}: the model answers {len(correct)} of {len(candidates)}", flush=True)
         if correct:
             for name in options.methods:
-                row["methods"][name] = evaluate(model, our_method(model, name), correct)
-                print(f"  {name}: {row['methods'][name]}", flush=True)
+                label = name + "".join(f" {key}={value}" for key, value in options.options.get(name, {}).items())
+                row["methods"][label] = evaluate(model, our_method(model, name, options.options.get(name)), correct)
+                print(f"  {label}: {row['methods'][label]}", flush=True)
             for name in options.peers:
                 if name in last and name not in stopped:  # a peer's cost grows at most quadratically in the length
                     shorter, seconds = last[name]
