@@ -55,11 +55,13 @@ from common import (  # noqa: E402
     peak_rss_growth,
 )
 
+from captum_attention import NormAttention  # noqa: E402
 from captum_attention.maps import streaming  # noqa: E402
 from captum_attention.metrics import attention_erasure  # noqa: E402
 
 ERASURE = "attention_erasure"
-STREAMED = [*BASELINE, ERASURE]
+NORM = NormAttention.__name__  # registered, not in METHODS: measured here all the same
+STREAMED = [*BASELINE, NORM, ERASURE]
 
 
 def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
@@ -108,6 +110,7 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     runs = attention_runs(model, ids, mask, eager=length <= options.eager_max, block_memory=options.block_memory)
     erased = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)).to(device) < 0.1
     runs[ERASURE] = lambda: attention_erasure(model, ids, erased, (mask,), capture="streaming")
+    runs[NORM] = lambda: NormAttention(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     return runs
 
 

@@ -24,6 +24,7 @@ A new method or metric adds a probe, never a parameter of the capture.
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
@@ -169,6 +170,43 @@ class GradMode(Probe):
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         stack.enter_context(torch.set_grad_enabled(self.enabled))
+
+
+class LastCallGraph(Probe):
+    """The autograd graph from the last attention call on only, in a forward without
+    gradients (in the capturing thread; :class:`GradMode` restores the mode on exit), so
+    that the output's dependence on that call's rows can be read at the cost of what
+    follows it: under streaming capture from the kernel's output (a fresh leaf: the output
+    projection, one feed-forward, the head), under eager capture from the last attention
+    module's input (its probabilities in the graph)."""
+
+    events = frozenset({"kernel"})
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self._last: nn.Module | None = None
+        self._thread = 0
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        sites = adapter.attention_sites(model)
+        self._last, self._thread = (sites[-1].module if sites else None), threading.get_ident()
+        if self._last is not None and not self.streaming:
+            stack.callback(self._last.register_forward_pre_hook(self._from_input, with_kwargs=True).remove)
+
+    def _from_input(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if threading.get_ident() != self._thread:
+            return None
+        torch.set_grad_enabled(True)
+        if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+        return None
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        if call is None or call.module is not self._last or threading.get_ident() != self._thread:
+            return None
+        output = run_kernel()
+        torch.set_grad_enabled(True)
+        return output.detach().requires_grad_()
 
 
 class MaskShape(Probe):

@@ -27,7 +27,7 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, resolve_targets
 from .kernel import StreamingUnsupported
-from .probes import GradientReduction, GradMaps, GradMode, MaskShape, PerCall, Probe
+from .probes import GradientReduction, GradMaps, GradMode, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
 from .runner import resolve_adapter
 
@@ -329,8 +329,9 @@ def record_forward(
             :class:`AttentionCapture`).
         confirm_rows: where ``query_index`` is None and the model returns one row of
             logits per example, confirm that the default query is a row the logits read
-            (:func:`confirm_query_read`), or raise; the forward then keeps an autograd
-            graph (outside ``torch.inference_mode``, where it is not confirmed).
+            (:func:`confirm_query_read`), or raise; a forward without gradients then keeps
+            the autograd graph of its last attention call on only (:class:`LastCallGraph`;
+            not under ``torch.inference_mode``, where it is not confirmed).
     """
     _check_call(additional_forward_args, track_grad)
     _check_float_inputs(model, inputs)
@@ -339,10 +340,12 @@ def record_forward(
     _warn_if_training(model)
     adapter = resolve_adapter(model, adapter)
     confirm_rows = confirm_rows and query_index is None and not _generates(model) and not torch.is_inference_mode_enabled()
-    grad_mode = GradMode(track_grad or confirm_rows or any(probe.needs_grad for probe in probes))
+    grad_mode = GradMode(track_grad or any(probe.needs_grad for probe in probes))
+    if confirm_rows and not grad_mode.enabled:
+        probes = [*probes, LastCallGraph(streaming)]
     shape_check = [] if text_shape is None else [MaskShape(text_shape)]
     capture = AttentionCapture(
-        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad or confirm_rows
+        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
     )
     with capture:
         output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)

@@ -368,7 +368,8 @@ class AttentionCapture:
             return output
         kernel.output = output
         if not self.track_grad:  # only gradients need the values (dS/dA = dO·Vᵀ) and the output
-            kernel.value = kernel.output = None
+            kernel.value = None
+            kernel.output = output if output.requires_grad else None  # a graph from this call on (LastCallGraph)
         call.kernel = kernel
         return output
 
