@@ -433,6 +433,15 @@ def _pair(source_tokens: Tensor, target_tokens: Tensor, explained: Tensor) -> Pa
     return Pair((source_tokens.detach() * source_grad).sum(-1), (target_tokens.detach() * target_grad).sum(-1))
 
 
+def _projected_attention(
+    module, names: tuple[str, str, str, str], x: Tensor, memory: Tensor, bias: Tensor, heads: int, scale: float, terms: Terms
+) -> Tensor:
+    """An encoder-decoder's attention module: queries from ``x``, keys and values from
+    ``memory`` (``x`` itself for self-attention), projected in and out by ``names``."""
+    q, k, v = (_heads(_linear(y, getattr(module, name), terms), heads) for name, y in zip(names, (x, memory, memory)))
+    return _linear(_attend(q, k, v, scale, bias, terms), getattr(module, names[3]), terms)
+
+
 def _last_real(hidden: Tensor, mask: Tensor) -> Tensor:
     """``(B, d)``: each example's hidden state at its last real token (targets padded right)."""
     return hidden[torch.arange(len(hidden)), mask.sum(dim=1) - 1]
@@ -453,11 +462,9 @@ def t5_relevance(
     source_tokens = shared[source].clone().requires_grad_()
     target_tokens = shared[target_ids].clone().requires_grad_()
     terms = Terms(source_tokens, gamma=gamma)
-    heads = config.num_heads
 
     def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
-        q, k, v = (_heads(_linear(y, getattr(module, n), terms), heads) for n, y in (("q", x), ("k", memory), ("v", memory)))
-        return _linear(_attend(q, k, v, 1.0, bias, terms), module.o, terms)
+        return _projected_attention(module, ("q", "k", "v", "o"), x, memory, bias, config.num_heads, 1.0, terms)
 
     def stack(stack_module, hidden: Tensor, self_bias: Tensor, memory: Tensor | None = None, cross_bias: Tensor | None = None) -> Tensor:
         for block in stack_module.block:
@@ -496,11 +503,11 @@ def bart_relevance(
     source_tokens = shared[source].clone().requires_grad_()
     target_tokens = shared[target_ids].clone().requires_grad_()
     terms = Terms(source_tokens, gamma=gamma)
-    heads = config.encoder_attention_heads
+    head_dim = config.d_model // config.encoder_attention_heads
 
     def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
-        q, k, v = (_heads(_linear(y, getattr(module, n), terms), heads) for n, y in (("q_proj", x), ("k_proj", memory), ("v_proj", memory)))
-        return _linear(_attend(q, k, v, q.shape[-1] ** -0.5, bias, terms), module.out_proj, terms)
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        return _projected_attention(module, names, x, memory, bias, config.encoder_attention_heads, head_dim**-0.5, terms)
 
     def embedded(stack_module, tokens: Tensor) -> Tensor:
         scale = getattr(stack_module.embed_tokens, "embed_scale", 1.0)
