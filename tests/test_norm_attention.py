@@ -119,3 +119,15 @@ def test_registered_out_of_reports_and_clear_refusals():
     seq2seq = make_encoder_decoder("t5")
     with pytest.raises(ValueError, match="one self-attention stack"):
         NormAttention(seq2seq).attribute((ids[:, :4], ids[:, :3]))
+
+
+def test_a_model_whose_output_projection_is_unknown_is_refused_in_one_line(monkeypatch):
+    from captum_attention import UnsupportedModelError
+    from captum_attention.capture.adapters.huggingface import HuggingFaceAdapter
+
+    model, ids, mask, _ = _case("bert")
+    monkeypatch.setattr(HuggingFaceAdapter, "output_projection", lambda self, model, module: None)
+    for capture in ("streaming", "eager"):
+        with pytest.raises(UnsupportedModelError, match="output projection of BertSelfAttention") as refused:
+            NormAttention(model, capture=capture).attribute(ids, additional_forward_args=(mask,))
+        assert "\n" not in str(refused.value)

@@ -8,7 +8,7 @@ import torch
 from captum.attr import Attribution
 from torch import Tensor
 
-from .._compat import TargetType
+from .._compat import TargetType, UnsupportedModelError
 from ..capture import AttendedValues, Probe, RecordedValues
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
@@ -101,7 +101,7 @@ def _weighted_norms(record: ForwardRecord, layer: int, rows_at: Any) -> Tensor:
     recorded = record.result(RecordedValues)
     projection = recorded.projections[chosen]
     if projection is None:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"NormAttention needs the output projection of {type(record.capture.modules[chosen]).__name__}, "
             "which its adapter does not name (output_projection)."
         )
