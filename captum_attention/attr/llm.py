@@ -101,8 +101,8 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             ``input_tokens`` and the answer's ``output_tokens``.
         """
         self.attr_method._check_options(kwargs, "attribute")
-        answer = self.target_tokens(inp, target, gen_args)
-        prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
+        prompt = self._prompt(inp)
+        answer = self._answer(inp, target, gen_args)
         args = (torch.ones_like(prompt),)
         prompt_len = prompt.shape[1]
         span = self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs)
@@ -121,13 +121,18 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             inp=inp,
         )
 
-
     def target_tokens(
         self, inp: InterpretableInput, target: str | Tensor | None = None, gen_args: dict[str, Any] | None = None
     ) -> Tensor:
         """The answer's ``(tokens,)`` ids as :meth:`attribute` explains it: ``target``
         tokenized without special tokens, or generated with ``gen_args`` (Captum's own
         target handling); a clear error for an empty one."""
+        self._prompt(inp)
+        return self._answer(inp, target, gen_args)
+
+    def _prompt(self, inp: InterpretableInput) -> Tensor:
+        """The prompt's ``(1, tokens)`` ids, or a clear error for an input, a model or a
+        prompt this class does not explain (before anything is generated)."""
         if not isinstance(inp, self.SUPPORTED_INPUTS):
             raise TypeError(
                 f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
@@ -138,8 +143,13 @@ class LLMAttentionAttribution(BaseLLMAttribution):
                 "encoder-decoder: call the method's attribute with (input_ids, decoder_input_ids) and query_index "
                 "at each target position."
             )
-        if self._format_model_input(inp.to_model_input())["input_ids"].shape[1] == 0:
+        prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
+        if prompt.shape[1] == 0:
             raise ValueError("The prompt has no tokens: give a non-empty prompt (or a tokenizer that adds a BOS token).")
+        return prompt
+
+    def _answer(self, inp: InterpretableInput, target: str | Tensor | None, gen_args: dict[str, Any] | None) -> Tensor:
+        """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
         answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
         if answer.numel() == 0:
             raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")

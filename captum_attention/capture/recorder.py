@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import contextvars
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast

@@ -66,11 +66,9 @@ def _token(token: str, score: float, share: float | None, scale: float, info: Me
     return f'<span class="tok" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
 
 
-def _token_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
-    words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
-    scale = max(words or [0.0])
-    row_shares = shares(scores, special, info.signed)
-    return " ".join(_token(t, score, share, scale, info) for t, score, share in zip(tokens, scores, row_shares))
+def _scale(scores: list[float], special: list[bool]) -> float:
+    """A row's colour scale: its largest absolute word score (special tokens left out)."""
+    return max((abs(s) for s, is_special in zip(scores, special) if not is_special), default=0.0)
 
 
 def _heading(text: str) -> str:
@@ -102,7 +100,8 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         "<p class=\"legend\">Colour strength is relative to the largest score of the row's words; "
         'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and '
         "not coloured. Under each method: what its colour means. Hover a token for its share of the "
-        "words' scores (as in the terminal table) and the score itself.</p>",
+        f"words' scores (as in the terminal table) and the score itself. Sentences of more than {LONG_PROMPT} "
+        f"tokens show {SHOWN_AROUND} tokens around each method's top {TOP_TOKENS}.</p>",
     ]
     for sentence in explanations.sentences:
         parts.append("<section>")
@@ -130,9 +129,6 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         parts.append("</table></section>")
     parts.append("</body></html>")
     return "\n".join(parts)
-
-
-
 
 
 SHOWN_AROUND = 6
@@ -181,10 +177,10 @@ def _shown(keep: set[int], count: int) -> list[int | tuple[int, int]]:
     return shown
 
 
-def _answer_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
-    """The prompt coloured by ``scores`` (a long one folded around its top tokens)."""
-    words = [abs(s) for s, is_special in zip(scores, special) if not is_special]
-    scale = max(words or [0.0])
+def _token_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
+    """The tokens coloured by ``scores`` on the row's own scale (more than
+    :data:`LONG_PROMPT` of them folded around the top tokens)."""
+    scale = _scale(scores, special)
     row_shares = shares(scores, special, info.signed)
     parts = []
     for item in _shown(set(_top(scores, special, TOP_TOKENS)), len(tokens)):
@@ -205,8 +201,7 @@ def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list
     header = "".join(f'<th class="col"><bdi>{escape(labels[i])}</bdi></th>' for i in columns)
     body = []
     for answer_token, row in zip(answer_tokens, rows):
-        words = [abs(v) for v, is_special in zip(row, special) if not is_special]
-        scale = max(words or [0.0])
+        scale = _scale(row, special)
         row_shares = shares(row, special, info.signed)
         cells = "".join(
             f'<td class="cell" title="{_hover(row_shares[i], row[i], info)}"'
@@ -276,7 +271,7 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
             f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_ATTENTION))}; '
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
-        parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_answer_row(tokens, scores, special, info)}</p>")
+        parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_token_row(tokens, scores, special, info)}</p>")
         rows = explanation.token_attr.get(method)
         if rows:
             parts.append("<p>Each answer token (rows) over the prompt's tokens (columns), each row on its own scale:</p>")
