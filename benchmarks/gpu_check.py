@@ -21,9 +21,11 @@ through the adapter's fallbacks (``architecture_agreement``). ``kernel_agreement
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -57,8 +59,14 @@ def scores(device: str, dtype: torch.dtype, capture: str = "auto") -> dict[str, 
     }
 
 
-def cuda_cost(run) -> tuple[float, int]:
-    """Median milliseconds over 20 runs and peak allocated bytes of one run."""
+def cuda_cost(run, device: str = "cuda") -> tuple[float, int]:
+    """Median milliseconds over 20 runs and peak allocated bytes of one run. On the CPU (a
+    dry run of the device script under ``TRITON_INTERPRET=1``) one timed run and no peak."""
+    if device != "cuda":
+        run()
+        start = time.perf_counter()
+        run()
+        return 1000 * (time.perf_counter() - start), 0
     run()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -225,7 +233,6 @@ def kernel_agreement(device: str = "cuda") -> float:
     measurement on a card); then the same scores on the test suite's tiny Gemma-2 (logit
     softcap) and gpt-oss (sinks) in fp32."""
     from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
-    from captum_attention.maps import streaming
     from captum_attention.metrics import attention_erasure
 
     runs = {
@@ -237,41 +244,70 @@ def kernel_agreement(device: str = "cuda") -> float:
         "AttentionRollout": lambda model, ids, mask: AttentionRollout(model, capture="streaming").attribute(
             ids, additional_forward_args=(mask,)),
         "attention_erasure": lambda model, ids, mask: attention_erasure(
-            model, ids, mask.bool() & (ids % 10 == 0), (mask,), capture="streaming").erased,
+            model, ids, mask.bool() & (ids % 10 == 0), (mask,), capture="streaming").js_divergence,
     }
-    print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms |")
-    print("|---|---|---|---|---|")
+    print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms | reduced by (triton on) |")
+    print("|---|---|---|---|---|---|")
     worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
     for dtype in worst:
         model = benchmark_model(device, dtype)
         ids, mask = benchmark_batch(device)
         for name, run in runs.items():
-            results = {}
-            for on in (False, True):
-                streaming.FUSED_KERNEL_DEVICES["cuda"] = on
-                results[on] = (run(model, ids, mask).float().cpu(), cuda_cost(lambda: run(model, ids, mask))[0])
-            streaming.FUSED_KERNEL_DEVICES["cuda"] = False
-            (eager, eager_ms), (fused, fused_ms) = results[False], results[True]
-            error = (fused - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
-            worst[dtype] = max(worst[dtype], error)
-            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {error:.2e} | {eager_ms:.2f} | {fused_ms:.2f} |")
+            worst[dtype] = max(worst[dtype], _compare_kernels(name, dtype, lambda: run(model, ids, mask), device, timed=True))
     from lm_models import EXPLICIT_DECODERS, make_decoder, make_prompts
 
-    for name in EXPLICIT_DECODERS:  # the logit softcap and the sinks, on tiny decoders with left padding
-        model, prompts = make_decoder(name).to(device), make_prompts(side="left")
+    for decoder in EXPLICIT_DECODERS:  # the logit softcap and the sinks, on tiny decoders with left padding
+        model, prompts = make_decoder(decoder).to(device), make_prompts(side="left")
         ids, mask = prompts.input_ids.to(device), prompts.attention_mask.to(device)
-        for method, run in runs.items():
-            results = {}
-            for on in (False, True):
-                streaming.FUSED_KERNEL_DEVICES["cuda"] = on
-                results[on] = run(model, ids, mask).float().cpu()
-            streaming.FUSED_KERNEL_DEVICES["cuda"] = False
-            error = (results[True] - results[False]).abs().max().item() / max(results[False].abs().max().item(), 1e-30)
+        for name, run in runs.items():
+            error = _compare_kernels(f"{name} ({decoder})", torch.float32, lambda: run(model, ids, mask), device, timed=False)
             worst[torch.float32] = max(worst[torch.float32], error)
-            print(f"| {method} ({name}) | float32 | {error:.2e} | — | — |")
     passed = worst[torch.float32] <= 1e-5 and worst[torch.bfloat16] <= 2e-2
     print(f"\nTriton kernels: fp32 within 1e-5, bf16 within 2e-2 of the eager reductions: {'PASS' if passed else 'FAIL'}")
     return worst[torch.float32]
+
+
+class _Paths(logging.Handler):
+    """The paths that reduced the streaming calls (``maps.streaming``'s debug lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.add(record.getMessage().split(" reduce ")[0])
+
+
+def _compare_kernels(name: str, dtype: torch.dtype, run, device: str, timed: bool) -> float:
+    """One row of :func:`kernel_agreement`: ``run`` with the Triton kernels off, then on;
+    inf where it fails (the error's first line printed), so that the other rows still run."""
+    from captum_attention.maps import streaming
+
+    logger, paths = logging.getLogger(streaming.__name__), _Paths()
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    results = {}
+    try:
+        for on in (False, True):
+            streaming.FUSED_KERNEL_DEVICES[device] = on
+            if on:
+                logger.addHandler(paths)
+            scores = run().float().cpu()
+            results[on] = (scores, cuda_cost(run, device)[0] if timed else float("nan"))
+    except Exception as failure:  # noqa: BLE001 - a kernel that does not compile or launch on this card
+        print(f"| {name} | {str(dtype).removeprefix('torch.')} | fails: {(str(failure).strip().splitlines() or [type(failure).__name__])[0][:120]} | | | |")
+        print(str(failure)[-1500:], file=sys.stderr)
+        return float("inf")
+    finally:
+        streaming.FUSED_KERNEL_DEVICES[device] = False
+        logger.removeHandler(paths)
+        logger.setLevel(level)
+    (eager, eager_ms), (fused, fused_ms) = results[False], results[True]
+    error = (fused - eager).abs().max().item() / max(eager.abs().max().item(), 1e-30)
+    times = f"{eager_ms:.2f} | {fused_ms:.2f}" if timed else "— | —"
+    print(f"| {name} | {str(dtype).removeprefix('torch.')} | {error:.2e} | {times} | "
+          f"{', '.join(sorted(paths.seen)) or '—'} |", flush=True)
+    return error
 
 
 TILE_CHOICES = [(64, 64, 4, 2), (32, 32, 4, 1), (64, 128, 4, 2), (128, 64, 8, 3), (128, 32, 4, 3)]
@@ -317,25 +353,25 @@ def kernel_tiles(device: str = "cuda", length: int = 16384) -> None:
         out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
         out.backward(grad_output.transpose(1, 2))
 
-    forward_ms = cuda_cost(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True))[0]
+    forward_ms = cuda_cost(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True), device)[0]
     print(f"\nOne Llama-1B-shaped layer, {length} tokens, bf16: sdpa forward {forward_ms:.2f} ms, "
-          f"forward+backward {cuda_cost(forward_backward)[0]:.2f} ms")
+          f"forward+backward {cuda_cost(forward_backward, device)[0]:.2f} ms")
     through_sdpa, through_kernel = rollout_by_sdpa_backward(), kernels["rollout's column sums"]().float()
-    print(f"rollout's column step through sdpa's backward (dV = Aᵀ·dO): {cuda_cost(rollout_by_sdpa_backward)[0]:.2f} ms, "
+    print(f"rollout's column step through sdpa's backward (dV = Aᵀ·dO): {cuda_cost(rollout_by_sdpa_backward, device)[0]:.2f} ms, "
           f"max rel. diff from the column sums kernel {float((through_sdpa - through_kernel).abs().max() / through_kernel.abs().max()):.1e}")
     print("\n| tiles (rows, keys, warps, stages) | " + " | ".join(f"{name} ms" for name in kernels) + " | max rel. diff |")
     print("|---|" + "---|" * (len(kernels) + 1))
-    default, first = fused.TILES["cuda"], None
+    default, first = fused.TILES[device], None
     for choice in TILE_CHOICES:
-        fused.TILES["cuda"] = fused.Tiles(*choice)
+        fused.TILES[device] = fused.Tiles(*choice)
         try:
             results = [run().float() for run in kernels.values()]
             first = first or results
             diff = max(float((r - f).abs().max() / f.abs().max().clamp(min=1e-30)) for r, f in zip(results, first))
-            print(f"| {choice} | " + " | ".join(f"{cuda_cost(run)[0]:.2f}" for run in kernels.values()) + f" | {diff:.1e} |", flush=True)
+            print(f"| {choice} | " + " | ".join(f"{cuda_cost(run, device)[0]:.2f}" for run in kernels.values()) + f" | {diff:.1e} |", flush=True)
         except Exception as error:  # noqa: BLE001 - a shape this card cannot launch (registers, shared memory)
             print(f"| {choice} | fails: {str(error).splitlines()[0][:80]} |", flush=True)
-    fused.TILES["cuda"] = default
+    fused.TILES[device] = default
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
-#                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction,
-#                                      # then fp32 with the kernels (at most 9 min 5 s)
+#                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
+#                                      # an answer's rows at 16k with the kernels (at most 9 min 30 s)
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -37,18 +37,27 @@ case "${1:-check}" in
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;
-    kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time
-        timeout 80 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()" \
-            | tee "$out/kernels_check.md" || echo "kernel agreement stopped ($?)"
-        timeout 75 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()" \
-            | tee "$out/kernel_tiles.md" || echo "kernel tiles stopped ($?)"
-        for reduction in triton eager compiled; do
-            timeout 110 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$reduction" \
-                --lengths 4096 16384 32768 --batches 1 8 --batch-length 2048 --eager-max 0 --repeats 2 \
-                --json "$out/llama1b_bf16_$reduction.json" | tee "$out/llama1b_bf16_$reduction.md" \
-                || echo "bf16 $reduction stopped ($?)"
-        done
-        timeout 60 python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype float32 --reduction triton \
-            --lengths 4096 16384 --batches 1 --eager-max 0 --repeats 2 --json "$out/llama1b_fp32_triton.json" \
-            | tee "$out/llama1b_fp32_triton.md" || echo "fp32 triton stopped ($?)" ;;
+    kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time (9 min 30 s
+              # in all); the tables go to one log and the figures to four JSON files (the device tool returns 8 files)
+        log="$out/kernels.md"
+        step() {  # seconds, then the command
+            local limit=$1; shift
+            timeout "$limit" "$@" 2>&1 | tee -a "$log" || echo "stopped ($?): $*" | tee -a "$log"
+        }
+        cat "$out/device.txt" >>"$log"
+        step 100 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()"
+        step 80 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()"
+        runs=("forward (sdpa)" "forward+backward (sdpa)" GradSAM AttentionRollout TransformerAttribution RawAttention
+              attention_erasure NormAttention)
+        bf16() {  # reduction, seconds, repeats, lengths
+            step "$2" python3 benchmarks/scaling.py --model llama-1b --device cuda --dtype bfloat16 --reduction "$1" \
+                --lengths $4 --batches 1 8 --batch-length 2048 --eager-max 0 --repeats "$3" --runs "${runs[@]}" \
+                --json "$out/llama1b_bf16_$1.json"
+        }
+        bf16 triton 150 2 "4096 16384 32768"
+        bf16 eager 105 1 "4096 16384 32768"
+        bf16 compiled 80 1 "4096 16384"
+        CAPTUM_ATTENTION_TRITON=1 step 45 python3 benchmarks/llm_answers.py --model llama-1b --device cuda \
+            --dtype bfloat16 --lengths 16384 --token-rows-max 16384 --methods grad_sam transformer_attribution rollout \
+            --json "$out/llm_answers_llama1b_bf16_triton.json" ;;
 esac

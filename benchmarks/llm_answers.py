@@ -73,9 +73,10 @@ def measure_cuda(run: Callable[[], object], options: argparse.Namespace) -> dict
     try:
         run()  # warm-up
         return measure_here(run, options.repeats, "cuda")
-    except torch.OutOfMemoryError:
+    except Exception as failure:  # noqa: BLE001 - out of memory, or a kernel this card cannot run: the rest go on
         torch.cuda.empty_cache()
-        return {"ms": float("nan"), "MiB": float("nan"), "error": "out of memory"}
+        error = "out of memory" if isinstance(failure, torch.OutOfMemoryError) else str(failure).strip()[:200]
+        return {"ms": float("nan"), "MiB": float("nan"), "error": error}
 
 
 def measure(name: str, length: int, options: argparse.Namespace) -> dict[str, float]:
@@ -126,14 +127,14 @@ def main(argv: list[str] | None = None) -> None:
         if length <= options.token_rows_max:
             names += [f"{m} token_attr" for m in options.methods]
         calls = runs(options, length) if options.device == "cuda" else {}
-        measured = {}
+        measured: dict[str, dict[str, float]] = {}
+        results.append({"length": length, "answer": options.answer, "runs": measured})
         for name in names:
             measured[name] = measure_cuda(calls[name], options) if calls else measure(name, length, options)
             print(f"{length} {name}: {measured[name]}", flush=True)
-        results.append({"length": length, "answer": options.answer, "runs": measured})
-        if options.json:
-            summary = {"device": device, "model": options.model, "dtype": options.dtype, "results": results}
-            options.json.write_text(json.dumps(summary, indent=1))
+            if options.json:  # after every run, so that an interrupted one keeps what it measured
+                summary = {"device": device, "model": options.model, "dtype": options.dtype, "results": results}
+                options.json.write_text(json.dumps(summary, indent=1))
     print()
     print(table(results))
 

@@ -174,9 +174,11 @@ def measure(options: argparse.Namespace, batch: int, length: int) -> dict[str, d
         for name in names:
             try:
                 rows[name] = measure_here(runs[name], options.repeats, options.device)
-            except torch.OutOfMemoryError:
-                rows[name] = {"ms": float("nan"), "MiB": float("nan"), "error": "out of memory"}
-                torch.cuda.empty_cache()
+            except Exception as failure:  # noqa: BLE001 - out of memory, or a kernel this card cannot run: the rest go on
+                error = "out of memory" if isinstance(failure, torch.OutOfMemoryError) else (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+                rows[name] = {"ms": float("nan"), "MiB": float("nan"), "error": error[:200]}
+                if options.device == "cuda":
+                    torch.cuda.empty_cache()
     else:
         rows = {name: measure_in_subprocess(options, name, batch, length) for name in names}
     config = model_config(options.model, length)
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if options.tables:
         for path in options.tables:
             saved = json.loads(path.read_text())
+            if not all({SDPA_FORWARD, SDPA_FORWARD_BACKWARD} <= set(result["runs"]) for result in saved["results"]):
+                print(f"{path.name}: no sdpa baselines to take ratios against, skipped\n")
+                continue
             print(f"{path.name}: {saved['model']} ({saved['dtype']}) on {saved['device']}, "
                   f"{saved.get('reduction', 'default')} block reduction\n\n{table(saved['results'])}\n")
         return []
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "device": device_name, "model": options.model, "dtype": options.dtype, "reduction": options.reduction,
                 "results": results,
             }, indent=1))
-    if not options.runs:  # the table needs the baselines
+    if {SDPA_FORWARD, SDPA_FORWARD_BACKWARD} <= set(options.runs or [SDPA_FORWARD, SDPA_FORWARD_BACKWARD]):  # the ratios' bases
         print()
         print(table(results))
     return results
