@@ -244,7 +244,7 @@ def kernel_agreement(device: str = "cuda") -> float:
         "AttentionRollout": lambda model, ids, mask: AttentionRollout(model, capture="streaming").attribute(
             ids, additional_forward_args=(mask,)),
         "attention_erasure": lambda model, ids, mask: attention_erasure(
-            model, ids, mask.bool() & (ids % 10 == 0), (mask,), capture="streaming").js_divergence,
+            model, ids, mask.bool() & (ids % 10 == 0), (mask,), capture="streaming").erased,
     }
     print("\n| method | dtype | max |triton-eager| / scale | eager ms | triton ms | reduced by (triton on) |")
     print("|---|---|---|---|---|---|")
