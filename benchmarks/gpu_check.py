@@ -227,7 +227,7 @@ def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
 
 
 def kernel_agreement(device: str = "cuda") -> float:
-    """The Triton kernels (``maps.fused``, off by default) against the eager block reductions
+    """The Triton kernels (``maps.fused``; on CUDA by default) against the eager block reductions
     on ``device``: Grad-SAM (both axes), Transformer Attribution, rollout and erasure on the
     benchmark BERT in fp32 and bf16, and the median time of each (the kernels' first
     measurement on a card); then the same scores on the test suite's tiny Gemma-2 (logit
@@ -284,7 +284,7 @@ def _compare_kernels(name: str, dtype: torch.dtype, run, device: str, timed: boo
     from captum_attention.maps import streaming
 
     logger, paths = logging.getLogger(streaming.__name__), _Paths()
-    level = logger.level
+    level, default = logger.level, streaming.FUSED_KERNEL_DEVICES.get(device, False)
     logger.setLevel(logging.DEBUG)
     results = {}
     try:
@@ -299,7 +299,7 @@ def _compare_kernels(name: str, dtype: torch.dtype, run, device: str, timed: boo
         print(str(failure)[-1500:], file=sys.stderr)
         return float("inf")
     finally:
-        streaming.FUSED_KERNEL_DEVICES[device] = False
+        streaming.FUSED_KERNEL_DEVICES[device] = default
         logger.removeHandler(paths)
         logger.setLevel(level)
     (eager, eager_ms), (fused, fused_ms) = results[False], results[True]

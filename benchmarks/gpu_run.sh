@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
-#                                      # an answer's rows at 16k with the kernels (at most 9 min 30 s)
+#                                      # an answer's rows at 16k with the kernels (at most 10 min)
 # Carry the captum wheel (and transformers' for a machine older than 5.24) in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl captum==0.9.0 transformers==5.24.0
@@ -37,16 +37,16 @@ case "${1:-check}" in
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;
-    kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time (9 min 30 s
-              # in all); the tables go to one log and the figures to four JSON files (the device tool returns 8 files)
+    kernels)  # each step under its own time limit, so that one that hangs leaves the rest their time (10 min at
+              # most, about 7 on an H200); the tables go to one log, the figures to four JSON files
         log="$out/kernels.md"
         step() {  # seconds, then the command
             local limit=$1; shift
             timeout "$limit" "$@" 2>&1 | tee -a "$log" || echo "stopped ($?): $*" | tee -a "$log"
         }
         cat "$out/device.txt" >>"$log"
-        step 100 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()"
-        step 80 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()"
+        step 90 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_agreement()"
+        step 60 python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.kernel_tiles()"
         runs=("forward (sdpa)" "forward+backward (sdpa)" GradSAM AttentionRollout TransformerAttribution RawAttention
               attention_erasure NormAttention)
         bf16() {  # reduction, seconds, repeats, lengths
@@ -55,9 +55,9 @@ case "${1:-check}" in
                 --json "$out/llama1b_bf16_$1.json"
         }
         bf16 triton 150 2 "4096 16384 32768"
-        bf16 eager 105 1 "4096 16384 32768"
-        bf16 compiled 80 1 "4096 16384"
-        CAPTUM_ATTENTION_TRITON=1 step 45 python3 benchmarks/llm_answers.py --model llama-1b --device cuda \
+        bf16 eager 100 1 "4096 16384 32768"
+        bf16 compiled 60 1 "4096 16384"
+        step 140 python3 benchmarks/llm_answers.py --model llama-1b --device cuda \
             --dtype bfloat16 --lengths 16384 --token-rows-max 16384 --methods grad_sam transformer_attribution rollout \
             --json "$out/llm_answers_llama1b_bf16_triton.json" ;;
 esac

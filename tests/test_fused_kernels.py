@@ -210,3 +210,49 @@ def test_the_methods_give_the_same_scores_through_the_kernels(family, monkeypatc
     else:  # every method went through the kernels
         assert {"positive_row_sums", "weighted_column_sums", "erased_attention"} <= set(calls)
         assert family == "bart" or {"row_sums", "column_sums"} <= set(calls)
+
+
+def _refusing(error):
+    def launch(*args, **kwargs):
+        raise error
+
+    return launch
+
+
+def test_a_kernel_triton_cannot_launch_leaves_the_block_reductions_with_one_warning(monkeypatch):
+    """Where Triton cannot compile or launch a kernel on a device (too little shared
+    memory, an instruction the card lacks), the kernels turn off for that device with one
+    warning and every method's scores are the block reductions'; other errors, and
+    the interpreter's, are raised as they are."""
+    from test_streaming import _case, _flat, _gradient_scores, _rel_close
+    from triton.runtime.errors import InterpreterError, OutOfResources
+
+    from captum_attention import AttentionRollout
+    from captum_attention.maps import streaming
+    from captum_attention.metrics import attention_erasure
+
+    model, inputs, args, real = _case("llama")
+    erased = real & (torch.arange(real.shape[1]) % 3 == 1)
+
+    def explain():
+        return _flat([
+            *_gradient_scores(model, inputs, args, target=1),
+            AttentionRollout(model, capture="streaming").attribute(inputs, additional_forward_args=args),
+            attention_erasure(model, inputs, erased, args, capture="streaming").erased,
+        ])
+
+    expected = explain()
+    monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
+    for name in ("_launch", "erased_attention"):
+        monkeypatch.setattr(fused, name, _refusing(OutOfResources(300000, 232448, "shared memory")))
+    with pytest.warns(RuntimeWarning, match=r"Triton cannot run the streaming kernels on cpu \(out of resource") as warned:
+        actual = explain()
+    assert len(warned) == 1 and not streaming.FUSED_KERNEL_DEVICES["cpu"]
+    for score, wanted in zip(actual, expected):
+        _rel_close(score, wanted)
+    for error in (ValueError("a bug of ours"), InterpreterError("a kernel the interpreter cannot run")):
+        monkeypatch.setitem(streaming.FUSED_KERNEL_DEVICES, "cpu", True)
+        monkeypatch.setattr(fused, "_launch", _refusing(error))
+        with pytest.raises(type(error)):
+            _gradient_scores(model, inputs, args, target=1)
+        assert streaming.FUSED_KERNEL_DEVICES["cpu"]

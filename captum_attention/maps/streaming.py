@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
@@ -136,12 +137,14 @@ def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | 
     return reduction(*args)
 
 
-FUSED_KERNEL_DEVICES = {"cuda": os.environ.get("CAPTUM_ATTENTION_TRITON") == "1", "cpu": False}
+FUSED_KERNEL_DEVICES = {"cuda": os.environ.get("CAPTUM_ATTENTION_TRITON", "1") != "0", "cpu": False}
 """Whether the Triton kernels of :mod:`~captum_attention.maps.fused` reduce a call's rows,
 per device (where triton is installed and the call is one they handle: no position bias).
-Off on CUDA until they are measured on a card (``CAPTUM_ATTENTION_TRITON=1`` turns them
-on); the tests run them on the CPU under ``TRITON_INTERPRET=1``. Elsewhere the compiled or
-eager block reductions run."""
+On by default on CUDA, where they beat the eager and compiled block reductions
+(``docs/benchmarks.rst``; ``CAPTUM_ATTENTION_TRITON=0`` turns them off); the tests run them
+on the CPU under ``TRITON_INTERPRET=1``. Elsewhere the compiled or eager block reductions
+run, and on a device where Triton cannot compile or launch them
+(:func:`~captum_attention.maps.fused.failed_to_launch`) too, after one warning."""
 
 
 def _fused_kernels(call: KernelCall, gradient: bool = True, compilable: bool = True) -> Any:
@@ -169,6 +172,31 @@ def _fused_kernels(call: KernelCall, gradient: bool = True, compilable: bool = T
     return kernels
 
 
+def _through_kernels(
+    call: KernelCall, reduce: Callable[[Any], Tensor], gradient: bool = True, compilable: bool = True
+) -> Tensor | None:
+    """``reduce(fused)`` where the Triton kernels take ``call`` (:func:`_fused_kernels`);
+    None where they do not, or where Triton cannot compile or launch them on the call's
+    device: then they stay off there (one warning) and the caller's block path runs."""
+    kernels = _fused_kernels(call, gradient, compilable)
+    if kernels is None:
+        return None
+    try:
+        return reduce(kernels)
+    except Exception as failure:
+        if not kernels.failed_to_launch(failure):
+            raise
+        device = _device(call)
+        FUSED_KERNEL_DEVICES[device] = False
+        reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        warnings.warn(
+            f"captum_attention: Triton cannot run the streaming kernels on {device} ({reason}); the block reductions "
+            "run instead, with the same results, more slowly (CAPTUM_ATTENTION_TRITON=0 skips the kernels).",
+            RuntimeWarning, stacklevel=2,
+        )
+        return None
+
+
 def _terms_of(
     call: KernelCall, grad_output: Tensor, rows: slice, heads: slice, real_keys: Tensor
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
@@ -186,9 +214,9 @@ def grad_sam_row_sums(
     check_axis(axis)
     if axis == "key":
         return relevance_rows_into(call, grad_output, real_queries.float() * call.num_heads, real_queries, real_keys, shape)
-    kernels = _fused_kernels(call)
-    if kernels is not None:
-        return kernels.positive_row_sums(call, grad_output, real_keys.float()).sum(dim=1).masked_fill_(~real_queries, 0.0)
+    sums = _through_kernels(call, lambda fused: fused.positive_row_sums(call, grad_output, real_keys.float()).sum(dim=1))
+    if sums is not None:
+        return sums.masked_fill_(~real_queries, 0.0)
     sums = torch.zeros(real_queries.shape, device=real_queries.device)
     for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
@@ -200,11 +228,11 @@ def relevance_rows_into(
 ) -> Tensor:
     """``row·Ā`` ``(B, K)`` for a row vector ``row`` over the call's queries, Ā =
     mean_m((G^m ⊙ A^m)^+) with the non-real keys' columns zeroed."""
-    total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
     row = row.masked_fill(~real_queries, 0.0) / call.num_heads  # the head mean and the non-real queries, folded in
-    kernels = _fused_kernels(call)
-    if kernels is not None:
-        return kernels.weighted_column_sums(call, grad_output, row, real_keys.float())
+    through_kernels = _through_kernels(call, lambda fused: fused.weighted_column_sums(call, grad_output, row, real_keys.float()))
+    if through_kernels is not None:
+        return through_kernels
+    total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
     for heads, rows in call.blocks(shape, reached=row.ne(0) & live_rows(grad_output)):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real_keys))
         total[:, : terms.shape[-1]] += torch.matmul(row[:, None, None, rows] / norm[:, :, None], terms).sum(dim=(1, 2))
@@ -270,9 +298,12 @@ def rollout_row_step(call: KernelCall, row: Tensor, real: Tensor, fusion: str, s
     rollout query row (later layers first), accumulated in float64 as
     :func:`~captum_attention.maps.common.propagate_query_row` does. ``row`` is ``(B, N)``,
     or ``(B, T, N)`` for T rows at once, which share one recomputation of each block."""
-    kernels = _fused_kernels(call, gradient=False, compilable=False) if fusion == "mean" and row.dim() == 2 else None
-    if kernels is not None:
-        return _rollout_row_step_fused(kernels, call, row, real)
+    if fusion == "mean" and row.dim() == 2:
+        through_kernels = _through_kernels(
+            call, lambda fused: _rollout_row_step_fused(fused, call, row, real), gradient=False, compilable=False
+        )
+        if through_kernels is not None:
+            return through_kernels
     rows_at_once = row if row.dim() == 3 else row[:, None]
     step = torch.zeros_like(rows_at_once, dtype=torch.float64)
     for rows, fused in _fused_blocks(call, shape, fusion, real, real, reached=rows_at_once.abs().sum(dim=1)):
@@ -317,8 +348,8 @@ def erased_output(call: KernelCall, erased: Tensor | None, heads: Sequence[int] 
     by the model's kernel, or from the probabilities, one block of rows at a time
     (:meth:`~captum_attention.maps.kernel.KernelCall.erased_output`)."""
     erase = None if erased is None else call.erase_bias(erased, heads)
-    kernels = _fused_kernels(call, compilable=False)
-    return call.erased_output(erase, shape) if kernels is None else kernels.erased_attention(call, erase)
+    output = _through_kernels(call, lambda fused: fused.erased_attention(call, erase), compilable=False)
+    return call.erased_output(erase, shape) if output is None else output
 
 
 def query_row(row_index: Tensor, num_tokens: int) -> Tensor:
