@@ -10,6 +10,7 @@ from .attr import (
     NormAttention,
     RawAttention,
     TransformerAttribution,
+    ValueZeroing,
     upsample_to_image,
 )
 from .capture import (
@@ -41,6 +42,7 @@ __all__ = [
     "RawAttention",
     "TransformerAttribution",
     "UnsupportedModelError",
+    "ValueZeroing",
     "__version__",
     "load_default_model",
     "scores_for_display",

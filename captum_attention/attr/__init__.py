@@ -19,6 +19,7 @@ from .raw_attention import RawAttention  # isort: skip
 from .attention_flow import AttentionFlow  # isort: skip  (registered, not in reports: see its cost)
 from .attn_lrp import AttnLRP  # isort: skip
 from .norm_attention import NormAttention  # isort: skip  (registered, not in reports yet)
+from .value_zeroing import ValueZeroing  # isort: skip  (registered, not in reports yet)
 from .llm import LLMAttentionAttribution
 
 for _module in pkgutil.iter_modules(__path__):
@@ -26,5 +27,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "NormAttention", "RawAttention", "TransformerAttribution", "upsample_to_image",
+    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "upsample_to_image",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
@@ -356,3 +356,56 @@ def _same_tensor(left: Tensor, right: Tensor) -> bool:
     return left is right or (
         left.shape == right.shape and left.stride() == right.stride() and left.data_ptr() == right.data_ptr()
     )
+
+
+@dataclass
+class BlockCall:
+    """One call of a layer: the module, its arguments and its output hidden states
+    ``(B, N, D)`` (detached)."""
+
+    block: nn.Module
+    args: tuple
+    kwargs: dict
+    output: Tensor
+
+
+@dataclass
+class RecordedBlocks:
+    """The layers' calls (:class:`BlockCall`) in the order they ran; ``cache`` keeps what a
+    method derives from them once per forward (Value Zeroing's mixing matrices)."""
+
+    calls: list[BlockCall]
+    cache: dict = field(default_factory=dict)
+
+
+class LayerBlocks(Probe):
+    """Records the call (inputs and output) of each layer that holds an attention module
+    (the adapter's ``layer_block``), in both capture modes: what re-running a layer
+    needs. Calls from other threads are not recorded."""
+
+    def __init__(self) -> None:
+        self._calls: list[BlockCall] = []
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        find = getattr(adapter, "layer_block", None)
+        found = [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
+        blocks = {id(block): block for block in found if block is not None}
+        calls: list[BlockCall] = []
+        self._calls, thread = calls, threading.get_ident()
+        pending: dict[int, tuple[tuple, dict]] = {}
+
+        def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
+            if threading.get_ident() == thread:
+                pending[id(block)] = (args, dict(kwargs))
+
+        def after(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if threading.get_ident() == thread and id(block) in pending:
+                hidden = output[0] if isinstance(output, (tuple, list)) else output
+                calls.append(BlockCall(block, *pending.pop(id(block)), hidden.detach()))
+
+        for block in blocks.values():
+            stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
+            stack.callback(block.register_forward_hook(after, with_kwargs=True).remove)
+
+    def result(self) -> RecordedBlocks:
+        return RecordedBlocks(list(self._calls))

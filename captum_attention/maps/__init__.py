@@ -6,7 +6,7 @@ Each file holds one method's formula; ``common`` holds what they share.
 from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens, up_to
 from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
-from .context_mixing import summed_weighted_norm
+from .context_mixing import summed_weighted_norm, value_zeroing_distances, value_zeroing_mixing
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .effective import effective_attention, null_space_dims
 from .flow import attention_flow_scores
@@ -49,6 +49,8 @@ __all__ = [
     "rollout_scores",
     "summed_weighted_norm",
     "transformer_attribution_scores",
+    "value_zeroing_distances",
+    "value_zeroing_mixing",
     "windows_on_patch_grid",
     "without_self",
 ]

@@ -170,6 +170,12 @@ class AttentionAdapter(Protocol):
         """The activation and normalisation modules AttnLRP's rules act on."""
         ...
 
+    def layer_block(self, model: nn.Module, module: nn.Module) -> nn.Module | None:
+        """The layer (block) that holds the attention ``module``: called with the
+        previous layer's output, it returns this layer's (Value Zeroing re-runs it), or
+        None where the adapter does not know it."""
+        ...
+
 
 class AdapterBase:
     """Defaults for :class:`AttentionAdapter`: subclass and override what differs.
@@ -240,6 +246,23 @@ class AdapterBase:
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         return RelevanceSites([], [])
+
+    def layer_block(self, model: nn.Module, module: nn.Module) -> nn.Module | None:
+        return enclosing_block(model, module)
+
+
+def enclosing_block(model: nn.Module, module: nn.Module) -> nn.Module | None:
+    """The ancestor of ``module`` that is an entry of an ``nn.ModuleList`` (transformers'
+    ``layers``/``layer``/``h``: one layer each), the innermost such; None where no list
+    holds it."""
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    current = module
+    while id(current) in parents:
+        parent = parents[id(current)]
+        if isinstance(parent, nn.ModuleList):
+            return current
+        current = parent
+    return None
 
 
 class AttentionNotFoundError(UnsupportedModelError):

@@ -1,0 +1,179 @@
+"""Value Zeroing as a Captum attribution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.attr import Attribution
+from torch import Tensor, nn
+from transformers.cache_utils import Cache
+
+from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError
+from ..capture import AttentionAdapter, LayerBlocks, Probe, RecordedBlocks
+from ..capture.inputs import QueryIndex
+from ..capture.kernel import KernelInterception
+from ..capture.probes import BlockCall
+from ..capture.record import ForwardRecord
+from ..capture.runner import resolve_adapter
+from ..maps import last_query, propagate_query_row, value_zeroing_distances, value_zeroing_mixing
+from ._base import AttentionAttributionBase, Scores, attribute_method
+from ._registry import MethodSpec
+
+
+class ValueZeroing(AttentionAttributionBase, Attribution):
+    r"""Value Zeroing: how much each token's output moves when another token's value is zeroed.
+
+    Mohebbi, Zuidema, Chrupała & Alishahi, "Quantifying Context Mixing in Transformers",
+    EACL 2023 (https://arxiv.org/abs/2301.12971). Each layer l is re-run on the previous
+    layer's output once per token j with j's value vector zeroed in every head (its keys
+    untouched, so every query still attends to it, and gets nothing from it); token i's
+    mixing of j is the cosine distance its layer output moves, each row normalised:
+
+    .. math::
+
+        C^l_{ij} = \frac{1 - \cos(\tilde{x}^{l,\neg j}_i,\, x^l_i)}
+                        {\sum_k 1 - \cos(\tilde{x}^{l,\neg k}_i,\, x^l_i)}, \qquad
+        r = e_q^\top C^L \cdots C^1
+
+    (the layers rolled out without a residual term: the layer's output already holds it).
+    Unlike the attention weights, it sees the whole layer: the values, the output
+    projection, the residual, the norms and the feed-forward. Its cost is plain: every
+    layer is re-run once per real token, as many re-runs at once as the batch has
+    examples (so that a re-run holds as many tokens as the forward did): about one forward
+    per token, so it suits short inputs; memory stays that of the forward, plus
+    :math:`L \cdot N^2` float32 distances per example. The zeroing runs inside transformers' attention function, so it
+    needs a model whose attention goes through it (the families that stream) and whose
+    adapter names each attention's layer (``layer_block``). Registered
+    (``"value_zeroing"``), not yet in the reports.
+
+    Args:
+        $constructor_args
+
+    Example::
+
+        >>> scores = ValueZeroing(model).attribute(input_ids, additional_forward_args=(mask,))
+        >>> scores.shape  # (batch, seq_len); padding tokens score 0
+    """
+
+    spec = MethodSpec("value_zeroing", "Value Zeroing", encoder_decoder=False, in_reports=False)
+
+    @attribute_method
+    def attribute(
+        self,
+        inputs: Tensor | tuple[Tensor, ...],
+        target: TargetType = None,
+        additional_forward_args: Any = None,
+        query_index: QueryIndex = None,
+        return_maps: bool = False,
+    ) -> Scores | tuple[Scores, list[Tensor]]:
+        r"""Each token's rolled-out Value Zeroing score at the explained query row.
+
+        Args:
+            $inputs
+            $target_ignored
+            $additional_forward_args
+            $query_index
+            return_maps (bool, optional): also return each layer's ``(B, N, N)`` matrix
+                :math:`C^l` (eager capture). Default: False.
+
+        $returns
+        """
+        return self._explain(inputs, None, additional_forward_args, query_index, return_maps)
+
+    def _probes(self, effective: bool) -> list[Probe]:
+        return [*super()._probes(effective), LayerBlocks()]
+
+    def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
+        mixing = _mixing_matrices(self.model, resolve_adapter(self.model, self.adapter), record)
+        return propagate_query_row(mixing, record.query_index), mixing
+
+    def _streamed_scores(self, record: ForwardRecord) -> Scores:
+        return propagate_query_row(_mixing_matrices(self.model, resolve_adapter(self.model, self.adapter), record), record.query_index)
+
+
+def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: ForwardRecord) -> list[Tensor]:
+    """Every layer's :math:`C^l` over the record's real tokens, from distances computed once
+    per forward (an answer's rows, whose real tokens end at each row's query, share them)."""
+    blocks = record.result(RecordedBlocks)
+    if "value_zeroing" not in blocks.cache:
+        if len(blocks.calls) != record.num_calls:
+            raise UnsupportedModelError(
+                f"Value Zeroing re-runs the layer of each attention call, but {type(model).__name__}'s adapter found "
+                f"{len(blocks.calls)} layer calls for {record.num_calls} attention calls (layer_block)."
+            )
+        if model.training:
+            raise ValueError("Value Zeroing compares re-runs of each layer, which dropout would change: call model.eval().")
+        zeroed = _zeroed_tokens(record)
+        blocks.cache["value_zeroing"] = [_layer_distances(model, adapter, call, zeroed) for call in blocks.calls]
+    return [value_zeroing_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
+
+
+def _zeroed_tokens(record: ForwardRecord) -> Tensor:
+    """``(B, N)`` bool, the tokens whose values are zeroed: the real ones, and under a
+    causal record the ones after its last query too (cut from its real tokens when it
+    explains one row of an answer, and real for the next row)."""
+    real = record.target_real
+    if not record.causal:
+        return real
+    positions = torch.arange(real.shape[1], device=real.device)
+    return real | (positions[None, :] > last_query(record.query_index.to(real.device))[:, None])
+
+
+def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, zeroed: Tensor) -> Tensor:
+    if call.output.shape[:2] != zeroed.shape:
+        raise UnsupportedModelError(
+            f"Value Zeroing needs each layer's output over the tokens; {type(call.block).__name__} returned "
+            f"{tuple(call.output.shape)} for {tuple(zeroed.shape)} (batch, tokens)."
+        )
+    examples, tokens = zeroed.to(call.output.device).nonzero(as_tuple=True)
+    batch, length = zeroed.shape
+    distances = torch.zeros(batch, length, length, device=call.output.device)
+    for start in range(0, len(examples), batch):  # re-runs of as many tokens as the forward's
+        chunk, moved = examples[start : start + batch], tokens[start : start + batch]
+        rerun = _rerun_zeroed(model, adapter, call, chunk, moved)
+        distances[chunk, :, moved] = value_zeroing_distances(call.output[chunk], rerun)
+    return distances
+
+
+def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, examples: Tensor, tokens: Tensor) -> Tensor:
+    """``(V, N, D)``: the layer re-run on its recorded inputs of ``examples``, with token
+    ``tokens[v]``'s value vector zeroed in re-run v."""
+    batch = call.output.shape[0]
+    keep = torch.ones(len(tokens), call.output.shape[1], device=call.output.device)
+    keep[torch.arange(len(tokens), device=keep.device), tokens] = 0.0
+    zeroings: list[nn.Module] = []
+
+    def zero_values(module: nn.Module, kernel: Any, run_kernel: Any) -> Tensor:
+        zeroings.append(module)
+        return run_kernel(lambda query, key, value: (query, key, value * keep[:, None, : value.shape[2], None].to(value.dtype)))
+
+    kwargs = _rows(call.kwargs, examples, batch)
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    try:
+        with adapter.prepared(model, streaming=True), KernelInterception(zero_values), torch.no_grad():
+            output = call.block(*_rows(call.args, examples, batch), **kwargs)
+    except StreamingUnsupported as reason:
+        raise UnsupportedModelError(f"Value Zeroing zeroes values inside transformers' sdpa attention, which {reason}.") from None
+    if len(zeroings) != 1:
+        raise UnsupportedModelError(
+            f"Value Zeroing zeroes values inside transformers' sdpa attention, but re-running {type(call.block).__name__} "
+            f"made {len(zeroings)} such calls (one expected)."
+        )
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _rows(value: Any, examples: Tensor, batch: int) -> Any:
+    """``value`` with every tensor of ``batch`` rows (two dimensions or more) taken at
+    ``examples``; tuples, lists and dicts entry by entry; a key-value cache, which the
+    forward filled, None."""
+    if isinstance(value, Cache):
+        return None
+    if isinstance(value, Tensor):
+        return value[examples.to(value.device)] if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(item, examples, batch) for item in value)
+    if isinstance(value, dict):
+        return {name: _rows(item, examples, batch) for name, item in value.items()}
+    return value

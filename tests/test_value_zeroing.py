@@ -1,0 +1,144 @@
+"""Value Zeroing (Mohebbi et al., EACL 2023) against a recomputation written from the
+authors' code: for every layer l and token t, a whole forward of the model with token t's
+value vector zeroed by a hook on layer l's value projection (every head), token i's layer
+output compared with the original by cosine distance (1 - x·y / (|x||y|), as
+``sklearn.metrics.pairwise.cosine_distances``), each row divided by its sum, and the layers
+rolled out without a residual (``compute_joint_attention(..., res=False)``: joint^l = C^l ·
+joint^(l-1)); the explained query's row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder, make_encoder_decoder, make_prompts
+
+from captum_attention import LLMAttentionAttribution, UnsupportedModelError, ValueZeroing
+from captum_attention.attr import METHODS, REGISTRY
+
+
+def _layers(model, family: str):
+    """Per layer: the layer module and the module whose output holds the values (GPT-2:
+    the last third of c_attn's)."""
+    if family == "bert":
+        return [(layer, layer.attention.self.value) for layer in model.bert.encoder.layer]
+    if family == "llama":
+        return [(layer, layer.self_attn.v_proj) for layer in model.model.layers]
+    return [(block, block.attn.c_attn) for block in model.transformer.h]
+
+
+def _layer_outputs(model, family: str, ids, mask, zero=None) -> list[torch.Tensor]:
+    """Every layer's output ``(B, T, D)``; ``zero = (layer, example, token)`` zeroes that
+    token's value vector in that layer."""
+    outputs: list[torch.Tensor] = []
+    handles = []
+    for index, (layer, values) in enumerate(_layers(model, family)):
+        handles.append(layer.register_forward_hook(lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)))
+        if zero is not None and zero[0] == index:
+
+            def zeroed(module, args, out, example=zero[1], token=zero[2]):
+                out = out.clone()
+                width = out.shape[-1] // 3 if family == "gpt2" else out.shape[-1]
+                out[example, token, out.shape[-1] - width :] = 0.0
+                return out
+
+            handles.append(values.register_forward_hook(zeroed))
+    positions = {} if family == "bert" else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}  # left padding
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=mask, **positions)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [output.double() for output in outputs]
+
+
+def reference(model, family: str, ids, mask, query: int) -> torch.Tensor:
+    original = _layer_outputs(model, family, ids, mask)
+    batch, length = ids.shape
+    layers = len(original)
+    mixing = torch.zeros(batch, layers, length, length, dtype=torch.float64)
+    for b in range(batch):
+        for layer in range(layers):
+            for t in range(length):
+                if not mask[b, t]:
+                    continue
+                moved = _layer_outputs(model, family, ids, mask, zero=(layer, b, t))[layer][b]
+                kept = original[layer][b]
+                cosine = (moved * kept).sum(-1) / (moved.norm(dim=-1) * kept.norm(dim=-1))
+                mixing[b, layer, :, t] = torch.where(mask[b].bool(), 1.0 - cosine, 0.0)  # padding rows: 0
+    totals = mixing.sum(dim=-1, keepdim=True)
+    mixing = mixing / torch.where(totals > 0, totals, 1.0)
+    joint = mixing[:, 0]
+    for layer in range(1, layers):
+        joint = mixing[:, layer] @ joint
+    return joint[:, query].float()
+
+
+def _case(family: str):
+    if family == "bert":
+        model = make_model("bert")
+        batch = make_batch(model)
+        return model, batch.input_ids, batch.attention_mask, 0
+    prompts = make_prompts(side="left")
+    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_value_zeroing_equals_the_authors_computation(family, capture_mode):
+    model, ids, mask, query = _case(family)
+    before = model_state(model)
+    scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    expected = reference(model, family, ids, mask, query)
+    assert bool((expected[mask.bool()] > 0).any())
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_every_layers_matrix_and_streaming_equals_eager():
+    model, ids, mask, _ = _case("bert")
+    eager, maps = ValueZeroing(model, capture="eager").attribute(ids, additional_forward_args=(mask,), return_maps=True)
+    streamed = ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6)
+    assert len(maps) == model.config.num_hidden_layers and maps[0].shape == (ids.shape[0], ids.shape[1], ids.shape[1])
+    real = mask.bool()
+    torch.testing.assert_close(maps[0].sum(-1)[real], torch.ones(int(real.sum())))
+
+
+def test_a_span_and_an_answers_rows_share_one_computation():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    explainer = ValueZeroing(model)
+    args = (prompts.attention_mask,)
+    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
+    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
+    torch.testing.assert_close(span, rows.sum(dim=1))
+    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
+    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    second = reference(model, "llama", ids, mask, ids.shape[1] - 1)
+    torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, rtol=1e-5, atol=1e-5 * second.abs().max().item())
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    tokenizer = make_word_tokenizer()
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
+    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+
+
+def test_registered_out_of_reports_and_clear_refusals(monkeypatch):
+    assert REGISTRY["value_zeroing"] is ValueZeroing and "value_zeroing" not in METHODS
+    model, ids, mask, _ = _case("bert")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        ValueZeroing(model).attribute(ids, additional_forward_args=(mask,), layer=0)
+    with pytest.raises(ValueError, match="one self-attention stack"):
+        ValueZeroing(make_encoder_decoder("t5")).attribute((ids[:, :4], ids[:, :3]))
+    model.train()
+    with pytest.raises(ValueError, match=r"call model.eval\(\)"), pytest.warns(UserWarning, match="training mode"):
+        ValueZeroing(model, capture="eager").attribute(ids, additional_forward_args=(mask,))
+    model.eval()
+    from captum_attention.capture.adapters.huggingface import HuggingFaceAdapter
+
+    monkeypatch.setattr(HuggingFaceAdapter, "layer_block", lambda self, model, module: None)
+    with pytest.raises(UnsupportedModelError, match=r"found 0 layer calls for \d+ attention calls") as refused:
+        ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+    assert "\n" not in str(refused.value)
