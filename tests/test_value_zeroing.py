@@ -100,9 +100,10 @@ def test_every_layers_matrix_and_streaming_equals_eager():
     eager, maps = ValueZeroing(model, capture="eager").attribute(ids, additional_forward_args=(mask,), return_maps=True)
     streamed = ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6)
-    assert len(maps) == model.config.num_hidden_layers and maps[0].shape == (ids.shape[0], ids.shape[1], ids.shape[1])
+    assert maps.shape == (ids.shape[0], model.config.num_hidden_layers, ids.shape[1], ids.shape[1])  # (B, L, N, N)
     real = mask.bool()
-    torch.testing.assert_close(maps[0].sum(-1)[real], torch.ones(int(real.sum())))
+    for layer in range(maps.shape[1]):
+        torch.testing.assert_close(maps[:, layer].sum(-1)[real], torch.ones(int(real.sum())))
 
 
 def test_a_span_and_an_answers_rows_share_one_computation():
@@ -141,4 +142,30 @@ def test_registered_out_of_reports_and_clear_refusals(monkeypatch):
     monkeypatch.setattr(HuggingFaceAdapter, "layer_block", lambda self, model, module: None)
     with pytest.raises(UnsupportedModelError, match=r"found 0 layer calls for \d+ attention calls") as refused:
         ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ["distilbert", "qwen2", "vit", "deit", "gemma2", "gpt_oss"])
+def test_the_other_families_stream_as_they_run_eagerly(family):
+    """Breadth: the families of the streaming tests (a logit softcap, sinks, class and
+    distillation tokens) give the same scores in both capture modes, non-negative (0 at
+    padding), each real token's row normalised."""
+    from test_streaming import _case as streaming_case
+
+    model, inputs, args, real = streaming_case(family)
+    eager, maps = ValueZeroing(model, capture="eager").attribute(inputs, additional_forward_args=args, return_maps=True)
+    streamed = ValueZeroing(model, capture="streaming").attribute(inputs, additional_forward_args=args)
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6)
+    assert bool((eager >= 0).all()) and bool((eager > 0).any())
+    if eager.shape == real.shape:  # a vision transformer's scores come on its patch grid
+        assert bool((eager[~real] == 0).all())
+    torch.testing.assert_close(maps[:, -1].sum(-1)[real], torch.ones(int(real.sum())), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_whose_attention_does_not_run_through_transformers_is_refused_in_one_line():
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), num_layers=2, enable_nested_tensor=False
+    ).eval()
+    with pytest.raises(UnsupportedModelError, match="made 0 such calls") as refused:
+        ValueZeroing(encoder).attribute(torch.randn(2, 5, 16))
     assert "\n" not in str(refused.value)
