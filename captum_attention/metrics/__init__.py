@@ -2,7 +2,8 @@
 
 from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adversarial_attention, adversarial_keys
 from .agreement import kendall_tau, spearman
-from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
+from .context import leave_one_out_agreement, linear_datamodeling_score, random_ablations, top_k_log_prob_drop
+from .head_weights import fit_head_weights
 from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
@@ -51,10 +52,12 @@ __all__ = [
     "attention_permutation",
     "attention_ranking",
     "decision_flip_fraction",
+    "fit_head_weights",
     "gradient_attention_ranking",
     "gradient_ranking",
     "identifiability",
     "permutation_accuracy",
+    "random_ablations",
     "random_ranking",
     "token_replacement_perturbation",
     "token_substitution_perturbation",

@@ -231,13 +231,45 @@ def linear_datamodeling_score(
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
     scores = scorer.segment_scores(attributions).masked_fill(~scorer.present, 0.0)
-    generator = torch.Generator().manual_seed(seed)
-    kept = torch.rand(len(input_ids), num_ablations, scorer.present.shape[1], generator=generator) < 0.5
-    kept = kept.to(scorer.present.device) & scorer.present[:, None]
-    rows = scorer.rows.repeat_interleave(num_ablations)
-    actual = scorer.log_probs(rows, (scorer.present[:, None] & ~kept).flatten(0, 1)).view(len(input_ids), num_ablations)
+    kept, actual = _random_ablations(scorer, num_ablations, seed)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
     return spearman(predicted.float().cpu(), actual.cpu())
+
+
+def random_ablations(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    segments: Tensor | None = None,
+    num_ablations: int = 32,
+    seed: int = 0,
+    max_batch_size: int = 64,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""ContextCite's ablations: ``num_ablations`` per example that keep each segment with
+    probability 1/2 (seeded, as :func:`linear_datamodeling_score` draws them), and the
+    answer's :math:`\log p(a \mid x_{\text{kept}})` under each.
+
+    The arguments are :func:`linear_datamodeling_score`'s.
+
+    Returns:
+        ``(kept, log_probs, segments)``: ``(B, A, S)`` bool kept segments (False for a
+        segment an example does not have), ``(B, A)`` log-probabilities, and the ``(B, N)``
+        segment of each prompt token (-1 for the tokens never removed and padding).
+    """
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    kept, log_probs = _random_ablations(scorer, num_ablations, seed)
+    return kept, log_probs, scorer.segments
+
+
+def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    examples, count = len(scorer.ids), scorer.present.shape[1]
+    kept = torch.rand(examples, num_ablations, count, generator=generator) < 0.5
+    kept = kept.to(scorer.present.device) & scorer.present[:, None]
+    rows = scorer.rows.repeat_interleave(num_ablations)
+    actual = scorer.log_probs(rows, (scorer.present[:, None] & ~kept).flatten(0, 1)).view(examples, num_ablations)
+    return kept, actual
 
 
 def leave_one_out_agreement(

@@ -1,0 +1,152 @@
+"""Learned head weights (AT2's idea, Cohen-Wang et al. 2025, on any architecture):
+``LearnedAttention`` against Σ_lh θ_lh Σ_q w_q A^lh_qj from the eager model's
+``output_attentions``; ``HeadWeights.fit`` against the ridge fit written out from the
+definition (ablated prompts built and scored by hand, features from ``output_attentions``);
+a fit interrupted and resumed equals one run through; the weights round-trip through
+safetensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder, make_prompts
+
+from captum_attention import HeadWeights, LearnedAttention, LLMAttentionAttribution
+from captum_attention.attr import METHODS, REGISTRY
+from captum_attention.metrics import head_weights as fitting
+
+
+def _attentions(model, family: str, ids, mask) -> torch.Tensor:
+    """``(L, B, H, T, T)`` from an eager copy's ``output_attentions``."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    positions = {} if family == "bert" else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    with torch.no_grad():
+        return torch.stack(eager(ids, attention_mask=mask, output_attentions=True, **positions).attentions).double()
+
+
+def _case(family: str):
+    if family == "bert":
+        model = make_model("bert")
+        batch = make_batch(model)
+        return model, batch.input_ids, batch.attention_mask, 0
+    prompts = make_prompts(side="left")
+    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_learned_attention_weighs_every_heads_row(family, capture_mode):
+    model, ids, mask, query = _case(family)
+    attentions = _attentions(model, family, ids, mask)
+    theta = torch.randn(attentions.shape[0], attentions.shape[2], generator=torch.Generator().manual_seed(3))
+    before = model_state(model)
+    scores = LearnedAttention(model, weights=HeadWeights(theta)).attribute(ids, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    expected = torch.zeros(ids.shape, dtype=torch.float64)
+    for layer in range(attentions.shape[0]):
+        for head in range(attentions.shape[2]):
+            expected += theta[layer, head].double() * attentions[layer, :, head, query]
+    expected = (expected * mask).float()
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_without_weights_it_is_the_mean_over_layers_and_heads_and_spans_sum_rows():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    explainer = LearnedAttention(model)
+    args = (prompts.attention_mask,)
+    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
+    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
+    torch.testing.assert_close(span, rows.sum(dim=1))
+    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
+    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    mean = _attentions(model, "llama", ids, mask)[:, :, :, -1].mean(dim=(0, 2)).float() * mask
+    torch.testing.assert_close(rows[:, 1, : ids.shape[1]], mean, rtol=1e-5, atol=1e-6)
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    tokenizer = make_word_tokenizer()
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
+    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+
+
+def test_registered_out_of_reports_and_weights_of_another_model_are_refused():
+    assert REGISTRY["learned_attention"] is LearnedAttention and "learned_attention" not in METHODS
+    model, ids, mask, _ = _case("bert")
+    with pytest.raises(ValueError, match=r"head weights are \(2, 2\) \(layers, heads\) but the model's attention has") as refused:
+        LearnedAttention(model, weights=HeadWeights(torch.ones(2, 2))).attribute(ids, additional_forward_args=(mask,))
+    assert "\n" not in str(refused.value)
+
+
+def _examples(count: int = 4):
+    generator = torch.Generator().manual_seed(11)
+    examples = []
+    for index in range(count):
+        prompt = torch.randint(5, 60, (6 + index % 3,), generator=generator)
+        answer = torch.randint(5, 60, (2,), generator=generator)
+        segments = torch.tensor([-1] + [s // 2 for s in range(len(prompt) - 1)])  # BOS kept, pairs of tokens
+        examples.append((prompt, answer, segments))
+    return examples
+
+
+def _log_prob(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
+    ids = torch.cat([prompt, answer])[None]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0].double().log_softmax(-1)
+    return float(sum(logits[len(prompt) - 1 + k, answer[k]] for k in range(len(answer))))
+
+
+def reference_fit(model, examples, num_ablations: int, seed: int, ridge: float) -> torch.Tensor:
+    rows, targets = [], []
+    for index, (prompt, answer, segments) in enumerate(examples):
+        count = int(segments.max()) + 1
+        kept = torch.rand(1, num_ablations, count, generator=torch.Generator().manual_seed(seed + index)) < 0.5
+        outcomes = torch.tensor([_log_prob(model, prompt[(segments < 0) | mask[segments.clamp(min=0)]], answer) for mask in kept[0]], dtype=torch.float64)
+        ids = torch.cat([prompt, answer])[None]
+        attentions = _attentions(model, "llama", ids, torch.ones_like(ids))[:, 0]  # (L, H, T, T)
+        answer_rows = attentions[:, :, len(prompt) - 1 : len(prompt) + len(answer) - 1, : len(prompt)].sum(dim=2)  # (L, H, N)
+        features = torch.stack([answer_rows[..., segments == s].sum(-1) for s in range(count)], dim=-1).flatten(0, 1)
+        design = kept[0].double() @ features.T
+        rows.append(design - design.mean(dim=0))
+        targets.append(outcomes - outcomes.mean())
+    x, y = torch.cat(rows), torch.cat(targets)
+    gram = x.T @ x
+    theta = torch.linalg.solve(gram + ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=torch.float64), x.T @ y)
+    return theta.view(attentions.shape[0], attentions.shape[1]).float()
+
+
+def test_the_fit_is_the_ridge_solution_of_contextcites_objective():
+    model, examples = make_decoder("llama"), _examples()
+    weights = HeadWeights.fit(model, examples, num_ablations=6, seed=4, ridge=1e-2, progress=False)
+    expected = reference_fit(model, examples, 6, 4, 1e-2)
+    torch.testing.assert_close(weights.weights, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    assert weights.settings == {"examples": 4, "num_ablations": 6, "seed": 4, "ridge": 1e-2, "fit": "ridge"}
+
+
+def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(tmp_path, monkeypatch):
+    model, examples = make_decoder("llama"), _examples()
+    whole = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
+    checkpoint = tmp_path / "fit.safetensors"
+    statistics, calls = fitting._example_statistics, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return statistics(*args, **kwargs)
+
+    monkeypatch.setattr(fitting, "_example_statistics", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
+    monkeypatch.setattr(fitting, "_example_statistics", statistics)
+    resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
+    assert torch.equal(resumed.weights, whole.weights)
+    with pytest.raises(ValueError, match="give another checkpoint path, or the same settings"):
+        HeadWeights.fit(model, examples, num_ablations=5, progress=False, checkpoint=checkpoint)
+    saved = resumed.save(tmp_path)
+    assert saved.name == "head_weights.safetensors"
+    loaded = HeadWeights.load(tmp_path)
+    assert torch.equal(loaded.weights, resumed.weights) and loaded.settings == resumed.settings
