@@ -6,7 +6,6 @@ from .attr import (
     AttentionRollout,
     AttnLRP,
     GradSAM,
-    HeadWeights,
     LearnedAttention,
     LLMAttentionAttribution,
     NormAttention,
@@ -24,6 +23,7 @@ from .capture import (
     UnsupportedModelError,
 )
 from .demo import load_default_model
+from .metrics.head_weights import HeadWeights
 from .presentation.display import scores_for_display, special_tokens, token_heatmap
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from .attention_flow import AttentionFlow  # isort: skip  (registered, not in re
 from .attn_lrp import AttnLRP  # isort: skip
 from .norm_attention import NormAttention  # isort: skip  (registered, not in reports yet)
 from .value_zeroing import ValueZeroing  # isort: skip  (registered, not in reports yet)
-from .learned_attention import HeadWeights, LearnedAttention  # isort: skip  (registered, not in reports)
+from .learned_attention import LearnedAttention  # isort: skip  (registered, not in reports)
 from .llm import LLMAttentionAttribution
 
 for _module in pkgutil.iter_modules(__path__):
@@ -28,5 +28,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "HeadWeights", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "upsample_to_image",
+    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "upsample_to_image",
 ]

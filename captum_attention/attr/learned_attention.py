@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from captum.attr import Attribution
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
@@ -18,61 +15,13 @@ from ..maps import query_weights
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 
-if TYPE_CHECKING:
-    from ..metrics.head_weights import Example
 
-WEIGHTS_FILE = "head_weights.safetensors"
-"""The file name :meth:`HeadWeights.save` gives a folder (a model's, say)."""
-
-
-@dataclass
-class HeadWeights:
-    """One coefficient per attention layer and head, ``(L, H)`` float32, and the settings
-    of the fit that gave them (:meth:`fit`), saved with them.
-
-    Attributes:
-        weights: ``(layers, heads)``, in the order of the model's attention calls.
-        settings: how they were fitted (examples, ablations, seed, ridge, ...).
-    """
+@runtime_checkable
+class PerHeadWeights(Protocol):
+    """What holds the coefficients: a ``weights`` tensor ``(layers, heads)``
+    (:class:`~captum_attention.HeadWeights`)."""
 
     weights: Tensor
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def uniform(cls, layers: int, heads: int) -> "HeadWeights":
-        """``1 / (L · H)`` each: the mean attention over every layer and head."""
-        return cls(torch.full((layers, heads), 1.0 / (layers * heads)), {"fit": "uniform"})
-
-    @classmethod
-    def fit(cls, model: nn.Module, examples: Sequence["Example"], **options: Any) -> "HeadWeights":
-        """Fit the coefficients to ContextCite's objective on ablations of ``examples``:
-        :func:`~captum_attention.metrics.head_weights.fit_head_weights` (its options)."""
-        from ..metrics.head_weights import fit_head_weights
-
-        return fit_head_weights(model, examples, **options)
-
-    def save(self, path: str | Path) -> Path:
-        """Write ``path`` (a folder gets :data:`WEIGHTS_FILE`) as safetensors, the settings
-        in its metadata; returns the file's path."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / WEIGHTS_FILE
-        save_file({"weights": self.weights.float().contiguous().cpu()}, str(path), metadata={"settings": json.dumps(self.settings)})
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> "HeadWeights":
-        """Read what :meth:`save` wrote (``path``: the file, or the folder holding it)."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / WEIGHTS_FILE
-        with safe_open(str(path), framework="pt") as saved:
-            metadata = saved.metadata() or {}
-            return cls(saved.get_tensor("weights"), json.loads(metadata.get("settings", "{}")))
 
 
 class LearnedAttention(AttentionAttributionBase, Attribution):
@@ -86,16 +35,16 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         r_j = \sum_{l,h} \theta_{lh} \sum_q w_q A^{lh}_{qj}
 
     over the explained query rows q (their weights :math:`w_q`; an answer's rows for a
-    span), with :math:`\theta` a :class:`HeadWeights` fitted once per model to ablations of
-    the user's own examples (:meth:`HeadWeights.fit`), or the mean over every layer and head
-    without one. One forward, in both capture modes (streaming recomputes only the
+    span), with :math:`\theta` a :class:`~captum_attention.HeadWeights` fitted once per model
+    to ablations of the user's own examples (``HeadWeights.fit``), or the mean over every
+    layer and head without one. One forward, in both capture modes (streaming recomputes only the
     explained rows). Registered (``"learned_attention"``), not in the reports: its
     quality is its fit's.
 
     Args:
         $constructor_args
-        weights (HeadWeights, optional): the coefficients, ``(layers, heads)`` of the
-            model's attention calls. Default: None, uniform (:meth:`HeadWeights.uniform`).
+        weights (HeadWeights or Tensor, optional): the coefficients, ``(layers, heads)``
+            of the model's attention calls. Default: None, uniform: ``1 / (L · H)`` each.
 
     Example::
 
@@ -107,7 +56,7 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
 
     spec = MethodSpec("learned_attention", "Learned Attention", encoder_decoder=False, in_reports=False)
 
-    def __init__(self, forward_func: Any, *args: Any, weights: HeadWeights | None = None, **kwargs: Any) -> None:
+    def __init__(self, forward_func: Any, *args: Any, weights: PerHeadWeights | Tensor | None = None, **kwargs: Any) -> None:
         super().__init__(forward_func, *args, **kwargs)
         self.weights = weights
 
@@ -144,7 +93,9 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
 
     def _weighted(self, rows: Tensor) -> Tensor:
         layers, heads = rows.shape[1:3]
-        weights = self.weights.weights if self.weights is not None else HeadWeights.uniform(layers, heads).weights
+        weights = self.weights.weights if isinstance(self.weights, PerHeadWeights) else self.weights
+        if weights is None:
+            weights = torch.full((layers, heads), 1.0 / (layers * heads))
         if tuple(weights.shape) != (layers, heads):
             raise ValueError(
                 f"The head weights are {tuple(weights.shape)} (layers, heads) but the model's attention has "

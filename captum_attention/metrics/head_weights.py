@@ -1,4 +1,4 @@
-r"""Fit :class:`~captum_attention.attr.learned_attention.HeadWeights` to ContextCite's
+r"""Fit :class:`HeadWeights` to ContextCite's
 objective: per-head coefficients :math:`\theta` whose attention scores predict what
 ablating parts of a prompt does to the answer.
 
@@ -25,20 +25,74 @@ coefficients.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from ..attr.learned_attention import HeadWeights, head_rows
+from ..attr.learned_attention import head_rows
 from ._forward import run_model
 from .context import random_ablations
+
+WEIGHTS_FILE = "head_weights.safetensors"
+"""The file name :meth:`HeadWeights.save` gives a folder (a model's, say)."""
 
 Example = Union[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 """``(prompt_ids (N,), answer_ids (n,))`` or with ``segments (N,)`` (long; -1 for the
 tokens never removed, as :func:`~captum_attention.metrics.linear_datamodeling_score`
 takes them; default: each token its own segment, the first kept)."""
+
+
+@dataclass
+class HeadWeights:
+    """One coefficient per attention layer and head, ``(L, H)`` float32, and the settings
+    of the fit that gave them, saved with them: what
+    :class:`~captum_attention.LearnedAttention` weighs the heads' attention by.
+
+    Attributes:
+        weights: ``(layers, heads)``, in the order of the model's attention calls.
+        settings: how they were fitted (examples, ablations, seed, ridge, ...).
+    """
+
+    weights: Tensor
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def uniform(cls, layers: int, heads: int) -> "HeadWeights":
+        """``1 / (L · H)`` each: the mean attention over every layer and head."""
+        return cls(torch.full((layers, heads), 1.0 / (layers * heads)), {"fit": "uniform"})
+
+    @classmethod
+    def fit(cls, model: nn.Module, examples: Sequence["Example"], **options: Any) -> "HeadWeights":
+        """Fit the coefficients to ContextCite's objective on ablations of ``examples``:
+        :func:`~captum_attention.metrics.head_weights.fit_head_weights` (its options)."""
+        return fit_head_weights(model, examples, **options)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path`` (a folder gets
+        :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`) as safetensors, the settings
+        in its metadata; returns the file's path."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / WEIGHTS_FILE
+        save_file({"weights": self.weights.float().contiguous().cpu()}, str(path), metadata={"settings": json.dumps(self.settings)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeadWeights":
+        """Read what :meth:`save` wrote (``path``: the file, or the folder holding it)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / WEIGHTS_FILE
+        with safe_open(str(path), framework="pt") as saved:
+            metadata = saved.metadata() or {}
+            return cls(saved.get_tensor("weights"), json.loads(metadata.get("settings", "{}")))
 
 
 def fit_head_weights(

@@ -15,7 +15,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .evaluate import metric_names, rationale_metrics
+from .evaluate import answer_metric_names, metric_names, rationale_metrics
 from .explain import length_limit, method_names
 from .text import count as _count, has_surrogates, terminal_safe
 
@@ -69,16 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "evaluate", help="explain and score a data set (resumable; several processes under accelerate launch)"
     )
-    evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional label, optional rationale")
+    evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional label, optional rationale; "
+                          "for a causal language model a .jsonl file: prompt (or segments), optional answer")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
-    evaluate.add_argument("--model", type=Path, help="a local sequence-classification checkpoint folder "
-                          "(default: the embedded sentiment model)")
+    evaluate.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
+                          "checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
                           "integrated_gradients, smoothgrad, shap")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
-                          + ", ".join(metric_names()))
+                          + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
+    evaluate.add_argument("--max-new-tokens", type=int, default=20,
+                          help="for a language model: the longest answer generated for a row without one (default: 20)")
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
@@ -286,18 +289,69 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 
 def _evaluate(arguments: argparse.Namespace) -> None:
     from ..attr import METHODS
-    from .evaluate import Options, check_request, evaluate, merge, read_dataset, summary_markdown
-    from ..loading import load_classifier
+    from .evaluate import Options, check_request, evaluate, merge, read_dataset
+    from ..loading import checkpoint_task, load_classifier
 
+    if arguments.model is not None and checkpoint_task(arguments.model) == "generation":
+        _evaluate_answers(arguments)
+        return
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
         raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
     examples, skipped = read_dataset(arguments.data, arguments.skip_malformed)
-    for problem in skipped:
-        print(terminal_safe(f"captum-attention: skipped {arguments.data}, {problem}"), file=sys.stderr)
+    _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     has_rationales = all(e.rationale is not None for e in examples)
     metrics = _listed(arguments.metrics, "metrics") or [m for m in metric_names() if has_rationales or m not in rationale_metrics()]
     check_request(methods, metrics, examples)
+    state = _evaluation_state(arguments)
+    folder = arguments.model
+    if folder is None:
+        from ..demo.default_model import default_model_path
+
+        folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
+    model, tokenizer = load_classifier(folder)
+    model.to(state.device)
+    examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
+    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals)
+    evaluate(
+        model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
+        state.num_processes, _progress(state, "batches", "batch"), _resuming(state, arguments, "batches"),
+    )
+    _merged(state, arguments, lambda: merge(arguments.output, examples, metrics, options.bootstrap, options.seed), metrics)
+
+
+def _evaluate_answers(arguments: argparse.Namespace) -> None:
+    """``evaluate`` for a causal language model: each row's answer explained over its prompt
+    and scored by the context metrics."""
+    from ..attr import METHODS
+    from ..loading import load_causal_lm
+    from .evaluate import AnswerOptions, evaluate_answers, merge, read_answers
+
+    if arguments.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
+    _report_skipped(arguments, skipped)
+    methods = _listed(arguments.methods, "methods") or list(METHODS)
+    metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
+    state = _evaluation_state(arguments)
+    model, tokenizer = load_causal_lm(arguments.model)
+    model.to(state.device)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens)
+    evaluate_answers(
+        model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
+        state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"),
+    )
+    _merged(state, arguments, lambda: merge(arguments.output, examples, metrics, options.bootstrap, options.seed), metrics)
+
+
+def _report_skipped(arguments: argparse.Namespace, skipped: list[str]) -> None:
+    for problem in skipped:
+        print(terminal_safe(f"captum-attention: skipped {arguments.data}, {problem}"), file=sys.stderr)
+
+
+def _evaluation_state(arguments: argparse.Namespace) -> Any:
+    """The output folder checked (named after the data by default) and this process's state,
+    with a warning where a launcher started fewer processes than asked."""
     if arguments.output is None:
         arguments.output = Path(f"{arguments.data.stem}_evaluation")
     if arguments.output.exists() and not arguments.output.is_dir():
@@ -311,31 +365,33 @@ def _evaluate(arguments: argparse.Namespace) -> None:
             f"{state.num_processes}: add --multi_gpu (Accelerate's torchrun launcher, for CPU processes too)",
             file=sys.stderr,
         )
-    folder = arguments.model
-    if folder is None:
-        from ..demo.default_model import default_model_path
+    return state
 
-        folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
-    model, tokenizer = load_classifier(folder)
-    model.to(state.device)
-    examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
-    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals)
-    progress = None
-    if state.is_main_process:
-        from tqdm.auto import tqdm
 
-        progress = lambda todo: tqdm(todo, desc="batches", unit="batch")  # noqa: E731
+def _progress(state: Any, units: str, unit: str) -> Any:
+    """A progress bar over the main process's work."""
+    if not state.is_main_process:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda todo: tqdm(todo, desc=units, unit=unit)
+
+
+def _resuming(state: Any, arguments: argparse.Namespace, unit: str) -> Any:
     def resuming(done: int, total: int) -> None:
         if state.is_main_process:
-            print(terminal_safe(f"resuming: {done} of {total} batches already done in {arguments.output}"), flush=True)
+            print(terminal_safe(f"resuming: {done} of {total} {unit} already done in {arguments.output}"), flush=True)
 
-    evaluate(
-        model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
-        state.num_processes, progress, resuming,
-    )
+    return resuming
+
+
+def _merged(state: Any, arguments: argparse.Namespace, merge: Any, metrics: list[str]) -> None:
+    """Once every process is done, the main process merges the shards and prints the summary."""
+    from .evaluate import summary_markdown
+
     state.wait_for_everyone()
     if state.is_main_process:
-        summary = merge(arguments.output, examples, metrics, options.bootstrap, options.seed)
+        summary = merge()
         print(summary_markdown(summary, metrics))
         print(terminal_safe(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv"))
 

@@ -106,6 +106,71 @@ def _example(index: int, line: int, row: Any) -> Example:
     return Example(index, line, text, label, None if rationale is None else tuple(rationale))
 
 
+@dataclass(frozen=True)
+class AnswerExample:
+    """One row of a language model's data set: its position, its line, the prompt, and
+    optionally the answer to explain (None: generate it) and the prompt's segments (the
+    parts the context metrics remove; they concatenate to the prompt)."""
+
+    index: int
+    line: int
+    text: str
+    answer: str | None = None
+    segments: tuple[str, ...] | None = None
+
+
+def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[AnswerExample], list[str]]:
+    """The examples of a JSONL file of prompts, and the problems skipped.
+
+    Each row has ``prompt`` (a string), or ``segments`` (a list of strings that make up
+    the prompt, in order), or both (then the segments must join to the prompt); and
+    optionally ``answer``. Malformed rows as :func:`read_dataset` treats them.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"data set not found: {path}")
+    if path.suffix.lower() != ".jsonl":
+        raise DatasetError(f"{path}: give a .jsonl file of prompts (one object per line)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"{path} is not UTF-8 text") from error
+    examples: list[AnswerExample] = []
+    skipped: list[str] = []
+    for line, row in _jsonl_rows(text):
+        try:
+            examples.append(_answer_example(len(examples), line, row))
+        except DatasetError as error:
+            if not skip_malformed:
+                raise DatasetError(f"{path}, line {line}: {error} (pass --skip-malformed to skip such rows)") from None
+            skipped.append(f"line {line}: {error}")
+    if not examples:
+        raise DatasetError(f"{path} has no example" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
+    return examples, skipped
+
+
+def _answer_example(index: int, line: int, row: Any) -> AnswerExample:
+    if isinstance(row, DatasetError):
+        raise row
+    if not isinstance(row, dict):
+        raise DatasetError("a row must be an object with a 'prompt' or 'segments' field")
+    segments = row.get("segments")
+    if segments is not None and (not isinstance(segments, list) or not segments or not all(isinstance(s, str) for s in segments)):
+        raise DatasetError("'segments' must be a non-empty list of strings")
+    prompt = row.get("prompt", "".join(segments) if segments else None)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError("'prompt' is missing or empty")
+    if segments is not None and "".join(segments) != prompt:
+        raise DatasetError("'segments' do not join to 'prompt': give segments that make up the prompt, in order")
+    answer = row.get("answer")
+    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
+        raise DatasetError("'answer' must be a non-empty string (leave it out to generate one)")
+    for name, value in (("prompt", prompt), ("answer", answer or "")):
+        if has_surrogates(value):
+            raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    return AnswerExample(index, line, prompt, answer, None if segments is None else tuple(segments))
+
+
 def unrankable(examples: Sequence[Example], tokenizer: Any, max_length: int) -> list[Example]:
     """The examples with no token a metric can rank: every token of theirs is one of the
     tokenizer's special tokens (a lone emoji becomes ``[CLS] [UNK] [SEP]``)."""

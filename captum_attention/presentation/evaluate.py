@@ -14,6 +14,7 @@ the same rows and numbers as one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -27,14 +28,14 @@ from torch import Tensor
 
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext
-from .dataset import DatasetError, Example, batches, read_dataset, write_atomically
+from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import ReportMethod, ig_baseline, length_limit, method_names, report_methods
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "DatasetError", "Example", "Options", "OtherRunError", "batches", "check_request", "evaluate", "evaluation_methods",
-    "merge", "run_manifest",
+    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "answer_metric_names",
+    "batches", "check_request", "evaluate", "evaluate_answers", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
 
@@ -134,21 +135,27 @@ class EvaluationInterrupted(KeyboardInterrupt):
 
 
 def run_manifest(
-    model: Any, examples: Sequence[Example], methods: Sequence[str], metrics: Sequence[str], options: Options
+    model: Any, examples: Sequence[Any], methods: Sequence[str], metrics: Sequence[str], options: Any
 ) -> dict[str, Any]:
     """What makes two runs the same run (so that one may resume the other): the data's
     hash, the methods, the metrics, the model, the batch size, the methods' budgets and
     the library's version."""
-    rows = [[e.line, e.text, e.label, e.rationale] for e in examples]
+    rows = [list(dataclasses.astuple(e))[1:] for e in examples]  # every field but the position
     return {
         "data": hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest(),
         "methods": list(methods),
         "metrics": list(metrics),
         "model": f"{getattr(model.config, '_name_or_path', '')} ({sum(p.numel() for p in model.parameters())} parameters)",
-        "batch_size": options.batch_size,
-        "budgets": [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.seed],
+        "batch_size": getattr(options, "batch_size", 1),
+        "budgets": _budgets(options),
         "version": _version(),
     }
+
+
+def _budgets(options: Any) -> list[Any]:
+    if isinstance(options, AnswerOptions):
+        return [options.max_new_tokens, options.seed]
+    return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.seed]
 
 
 def _version() -> str:
@@ -297,3 +304,111 @@ def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
 def _number(value: Tensor) -> float | None:
     number = float(value)
     return None if math.isnan(number) else number
+
+
+def answer_metric_names() -> list[str]:
+    """What ``metrics=`` accepts for a language model's answers: the registered metrics of
+    ``task="generation"`` (:data:`captum_attention.metrics.METRICS`)."""
+    return [name for name, spec in METRIC_REGISTRY.items() if spec.task == "generation"]
+
+
+@dataclass
+class AnswerOptions:
+    """How to evaluate answers: the generation's length (for rows without an answer) and
+    the summary's bootstrap."""
+
+    max_new_tokens: int = 20
+    bootstrap: int = 1000
+    seed: int = 0
+
+
+def evaluate_answers(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[AnswerExample],
+    methods: Sequence[str],
+    metrics: Sequence[str],
+    output: str | Path,
+    options: AnswerOptions | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+) -> int:
+    """:func:`evaluate` for a causal language model's answers: each example's answer (given,
+    or generated greedily) explained over its prompt by every method
+    (``attribute_span``: the whole answer's log-probability) and scored by every context
+    metric over the example's segments (each prompt token its own without them; special
+    tokens never removed). One example a shard, resumable, split over processes, merged by
+    :func:`merge` as the classifier's are."""
+    from ..attr import REGISTRY
+
+    options = options or AnswerOptions()
+    unknown = [m for m in methods if m not in REGISTRY] or (["(none given)"] if not methods else [])
+    if unknown:
+        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; choose from {', '.join(REGISTRY)}")
+    unknown = [m for m in metrics if m not in answer_metric_names()] or (["(none given)"] if not metrics else [])
+    if unknown:
+        raise ValueError(f"unknown metric {', '.join(map(repr, unknown))}; choose from {', '.join(answer_metric_names())}")
+    shards = Path(output) / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    _check_same_run(Path(output), run_manifest(model, examples, methods, metrics, options))
+    done = sum(_shard(shards, e.index).exists() for e in examples)
+    if done and on_resume is not None:
+        on_resume(done, len(examples))
+    todo = [e for e in examples if e.index % num_processes == process_index and not _shard(shards, e.index).exists()]
+    explainers = {name: REGISTRY[name](model) for name in methods}
+    try:
+        for example in progress(todo) if progress is not None else todo:
+            rows = _evaluate_answer(model, tokenizer, example, explainers, metrics, options)
+            write_atomically(_shard(shards, example.index), "".join(json.dumps(row) + "\n" for row in rows))
+    except KeyboardInterrupt as interrupt:
+        raise EvaluationInterrupted(sum(_shard(shards, e.index).exists() for e in examples), len(examples)) from interrupt
+    return len(todo)
+
+
+def _evaluate_answer(
+    model: Any, tokenizer: Any, example: AnswerExample, explainers: dict[str, Any], metrics: Sequence[str],
+    options: AnswerOptions,
+) -> list[dict[str, Any]]:
+    device = next(model.parameters()).device
+    encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
+    ids = encoded["input_ids"].to(device)
+    mask = torch.ones_like(ids)
+    answer = _answer_ids(model, tokenizer, example, options.max_new_tokens).to(device)[None]
+    keep = torch.tensor([[int(i) in set(tokenizer.all_special_ids) for i in ids[0].tolist()]], device=device)
+    segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
+    context = MetricContext(model, keep, None, segments)
+    with torch.no_grad():
+        log_probs = model(torch.cat([ids, answer], dim=1)).logits[0, ids.shape[1] - 1 : -1].float().log_softmax(dim=-1)
+    log_prob = float(log_probs.gather(1, answer[0, :, None]).sum())
+    rows = []
+    for name, explainer in explainers.items():
+        scores = explainer.attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]].float().detach()
+        values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
+        rows.append({
+            "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
+            "generated": example.answer is None, "answer_log_prob": log_prob,
+            **{metric: _number(value[0]) for metric, value in values.items()},
+        })
+    return rows
+
+
+def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:
+    """``(n,)``: the given answer tokenized without special tokens, or the greedy generation
+    (Captum's own target handling: :meth:`~captum_attention.LLMAttentionAttribution.target_tokens`)."""
+    from captum.attr import TextTokenInput
+
+    from .answer import _answer
+
+    arguments = None if example.answer is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
+    return _answer(model, tokenizer, TextTokenInput(example.text, tokenizer), example.answer, arguments)
+
+
+def _token_segments(offsets: Tensor, segments: Sequence[str], keep: Tensor) -> Tensor:
+    """``(N,)`` long: the segment holding each token's first character; -1 for the tokens
+    never removed (special tokens, which hold no character)."""
+    ends = torch.tensor([len(s) for s in segments]).cumsum(0)
+    starts = offsets[:, 0].contiguous().to(ends.device)
+    found = torch.searchsorted(ends, starts, right=True).clamp(max=len(segments) - 1)
+    return found.masked_fill(keep.cpu() | (offsets[:, 1] <= offsets[:, 0]), -1).to(keep.device)

@@ -9,10 +9,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .dataset import Example, write_atomically
+from .dataset import AnswerExample, Example, write_atomically
 
 
-def merge(output: str | Path, examples: Sequence[Example], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Merge the shards into ``results.jsonl`` (rows by example, then method) and write the
     summary (``summary.md``, ``summary.csv``); returns the summary rows. Raises where a
     batch's shard is missing (a process that has not finished)."""

@@ -1,0 +1,128 @@
+"""``captum-attention evaluate --model <causal LM> answers.jsonl``: each row's answer
+(given or generated) explained over its prompt by every method and scored by the context
+metrics; rows checked against the metrics computed directly; a killed run resumed, and two
+processes (gloo, through Accelerate), give exactly the rows of one uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from lm_models import WORDS, make_decoder, make_word_tokenizer
+
+from captum_attention import GradSAM
+from captum_attention.metrics import linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.presentation.cli import main
+from captum_attention.presentation.dataset import DatasetError, read_answers
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llm") / "llama"
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _data(folder, count: int = 6):
+    generator = torch.Generator().manual_seed(5)
+    path = folder / "answers.jsonl"
+    with path.open("w") as file:
+        for row in range(count):
+            words = [WORDS[int(i)] for i in torch.randint(3, len(WORDS), (int(torch.randint(4, 9, (1,), generator=generator)),), generator=generator)]
+            if row % 3 == 0:
+                file.write(json.dumps({"prompt": " ".join(words), "answer": "seven"}) + "\n")
+            elif row % 3 == 1:
+                file.write(json.dumps({"segments": [" ".join(words[:2]) + " ", " ".join(words[2:4]) + " ", " ".join(words[4:])]}) + "\n")
+            else:
+                file.write(json.dumps({"prompt": " ".join(words)}) + "\n")
+    return path
+
+
+def _rows(folder):
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
+    data = _data(tmp_path)
+    output = tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "grad_sam,rollout", "--max-new-tokens", "3",
+                 "--output", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "| grad_sam |" in out and "lds ↑" in out
+    rows = _rows(output)
+    assert len(rows) == 6 * 2 and {row["method"] for row in rows} == {"grad_sam", "rollout"}
+    assert [row["generated"] for row in rows if row["method"] == "grad_sam"] == [False, True, True] * 2
+    from captum_attention.loading import load_causal_lm
+
+    model, tokenizer = load_causal_lm(llm)
+    examples, _ = read_answers(data)
+    for example, row in zip(examples[:2], [r for r in rows if r["method"] == "grad_sam"][:2]):
+        ids = tokenizer(example.text, return_tensors="pt").input_ids
+        answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+        mask = torch.ones_like(ids)
+        scores = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+        segments = None
+        if example.segments is not None:  # BOS kept; each word in the segment holding it
+            words = example.text.split()
+            bounds = [len(s.split()) for s in example.segments]
+            segments = torch.tensor([[-1] + [sum(position >= sum(bounds[: k + 1]) for k in range(len(bounds))) for position in range(len(words))]])
+        else:
+            segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])  # each token its own, numbered by position
+        assert row["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+        drop = top_k_log_prob_drop(model, ids, mask, answer, scores, (3,), segments)[0, 0]
+        assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
+
+
+def test_a_killed_run_resumes_to_the_same_bytes_and_two_processes_give_them_too(llm, tmp_path):
+    data = _data(tmp_path, 12)
+    options = ["--model", str(llm), "--methods", "grad_sam,raw", "--metrics", "lds,top_k_log_prob_drop", "--max-new-tokens", "2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options]
+    subprocess.run([*command, "--output", str(tmp_path / "whole")], env=environment, check=True, capture_output=True)
+    shards = tmp_path / "killed" / "shards"
+    process = subprocess.Popen([*command, "--output", str(tmp_path / "killed")], env=environment,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < 2:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = len(list(shards.glob("batch-*.jsonl")))
+    assert 2 <= done < 12, "the run must be killed part way"
+    resumed = subprocess.run([*command, "--output", str(tmp_path / "killed")], env=environment, check=True,
+                             capture_output=True, text=True)
+    assert f"resuming: {done} of 12 answers already done" in resumed.stdout
+    whole = (tmp_path / "whole" / "results.jsonl").read_bytes()
+    assert (tmp_path / "killed" / "results.jsonl").read_bytes() == whole
+    pytest.importorskip("accelerate")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29519"]
+    two = [*launcher, "-m", "captum_attention", "evaluate", str(data), *options, "--output", str(tmp_path / "two")]
+    result = subprocess.run(two, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "two" / "results.jsonl").read_bytes() == whole
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"answer": "seven"}, "'prompt' is missing or empty"),
+    ({"prompt": "the cat", "segments": ["the ", "dog"]}, "'segments' do not join to 'prompt'"),
+    ({"segments": "the cat"}, "'segments' must be a non-empty list of strings"),
+    ({"prompt": "the cat", "answer": ""}, "'answer' must be a non-empty string"),
+])
+def test_bad_rows_get_one_clear_line(llm, tmp_path, capsys, row, message):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DatasetError, match=message):
+        read_answers(data)
+    assert main(["evaluate", str(data), "--model", str(llm), "--output", str(tmp_path / "out")]) != 0
+    error = capsys.readouterr().err
+    assert message in error and "line 1" in error and error.count("\n") == 1
