@@ -176,3 +176,32 @@ def capture_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "eager":
         monkeypatch.setattr(HuggingFaceAdapter, "streams", False)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Llama causal LM and its word-level tokenizer, saved as a local checkpoint."""
+    from lm_models import make_decoder, make_word_tokenizer
+
+    folder = tmp_path_factory.mktemp("llm") / "llama"
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def killed_part_way(command: list[str], shards: Any, at_least: int, environment: dict[str, str]) -> int:
+    """Start ``command``, SIGKILL it once ``shards`` holds ``at_least`` shard files; how
+    many it had written."""
+    import signal
+    import subprocess
+    import time
+
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < at_least:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return len(list(shards.glob("batch-*.jsonl")))

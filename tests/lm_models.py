@@ -166,3 +166,43 @@ def _reference(model: nn.Module, prompts: Prompts, score) -> LMReference:
     explained, targets = score(out.logits)
     grads = torch.autograd.grad(explained, out.attentions)
     return LMReference([a.detach() for a in out.attentions], list(grads), targets)
+
+
+def one_stack_case(family: str):
+    """``(model, ids, mask, query)`` for the single-stack method tests: the test suite's BERT
+    with its right-padded batch (query: the first position), or a tiny decoder with
+    left-padded prompts (query: the last position)."""
+    from conftest import make_batch, make_model
+
+    if family == "bert":
+        model = make_model("bert")
+        batch = make_batch(model)
+        return model, batch.input_ids, batch.attention_mask, 0
+    prompts = make_prompts(side="left")
+    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
+
+
+def explains_through_the_llm_interface(explainer) -> None:
+    """``LLMAttentionAttribution`` takes the explainer: one non-negative score per prompt
+    token of a word-level prompt (BOS included)."""
+    from captum.attr import TextTokenInput
+
+    from captum_attention import LLMAttentionAttribution
+
+    tokenizer = make_word_tokenizer()
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
+    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+
+
+def answer_rows(explainer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An answer of two tokens to the left-padded prompts, explained by ``explainer``: the
+    span is checked to sum the rows; returns the rows ``(B, 2, T)`` and the ids and mask of
+    the prompts with the answer's first token (where the second row explains)."""
+    prompts = make_prompts(side="left")
+    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    args = (prompts.attention_mask,)
+    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
+    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
+    torch.testing.assert_close(span, rows.sum(dim=1))
+    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
+    return rows, ids, torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)

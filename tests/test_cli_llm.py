@@ -16,16 +16,6 @@ from captum_attention.presentation.cli import main
 PROMPT = "the secret code is seven . what is the code ?"
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llm") / "llama"
-    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_explain_generates_the_answer_and_names_each_methods_top_tokens(llm, tmp_path):
     html = tmp_path / "answer.html"
     result = run_cli("explain", "--model", str(llm), PROMPT, "--max-new-tokens", "3", "--per-token", "--html", str(html))

@@ -21,6 +21,8 @@ import pytest
 import torch
 import transformers as tf
 
+from conftest import killed_part_way
+
 from captum_attention import GradSAM
 from captum_attention.metrics import aopc, comprehensiveness, token_f1
 from captum_attention.presentation import evaluate as ev
@@ -101,15 +103,7 @@ def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_p
     command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options]
     subprocess.run([*command, "--output", str(tmp_path / "whole")], env=environment, check=True, capture_output=True)
 
-    shards = tmp_path / "killed" / "shards"
-    process = subprocess.Popen([*command, "--output", str(tmp_path / "killed")], env=environment,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < 3:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    done = len(list(shards.glob("batch-*.jsonl")))
+    done = killed_part_way([*command, "--output", str(tmp_path / "killed")], tmp_path / "killed" / "shards", 3, environment)
     assert 3 <= done < 20, "the run must be killed part way"
     assert not (tmp_path / "killed" / "results.jsonl").exists()
     resumed = subprocess.run([*command, "--output", str(tmp_path / "killed")], env=environment, check=True,

@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from lm_models import WORDS, make_decoder, make_word_tokenizer
+from conftest import killed_part_way
+from lm_models import WORDS
 
 from captum_attention import GradSAM
 from captum_attention.metrics import linear_datamodeling_score, top_k_log_prob_drop
 from captum_attention.presentation.cli import main
 from captum_attention.presentation.dataset import DatasetError, read_answers
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llm") / "llama"
-    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _data(folder, count: int = 6):
@@ -88,15 +77,7 @@ def test_a_killed_run_resumes_to_the_same_bytes_and_two_processes_give_them_too(
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options]
     subprocess.run([*command, "--output", str(tmp_path / "whole")], env=environment, check=True, capture_output=True)
-    shards = tmp_path / "killed" / "shards"
-    process = subprocess.Popen([*command, "--output", str(tmp_path / "killed")], env=environment,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(shards.glob("batch-*.jsonl"))) < 2:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    done = len(list(shards.glob("batch-*.jsonl")))
+    done = killed_part_way([*command, "--output", str(tmp_path / "killed")], tmp_path / "killed" / "shards", 2, environment)
     assert 2 <= done < 12, "the run must be killed part way"
     resumed = subprocess.run([*command, "--output", str(tmp_path / "killed")], env=environment, check=True,
                              capture_output=True, text=True)

@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import make_decoder, make_prompts
+from conftest import assert_same_state, model_state
+from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, one_stack_case
 
-from captum_attention import HeadWeights, LearnedAttention, LLMAttentionAttribution
+from captum_attention import HeadWeights, LearnedAttention
 from captum_attention.attr import METHODS, REGISTRY
 from captum_attention.metrics import head_weights as fitting
 
@@ -28,18 +28,9 @@ def _attentions(model, family: str, ids, mask) -> torch.Tensor:
         return torch.stack(eager(ids, attention_mask=mask, output_attentions=True, **positions).attentions).double()
 
 
-def _case(family: str):
-    if family == "bert":
-        model = make_model("bert")
-        batch = make_batch(model)
-        return model, batch.input_ids, batch.attention_mask, 0
-    prompts = make_prompts(side="left")
-    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
-
-
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_learned_attention_weighs_every_heads_row(family, capture_mode):
-    model, ids, mask, query = _case(family)
+    model, ids, mask, query = one_stack_case(family)
     attentions = _attentions(model, family, ids, mask)
     theta = torch.randn(attentions.shape[0], attentions.shape[2], generator=torch.Generator().manual_seed(3))
     before = model_state(model)
@@ -54,28 +45,17 @@ def test_learned_attention_weighs_every_heads_row(family, capture_mode):
 
 
 def test_without_weights_it_is_the_mean_over_layers_and_heads_and_spans_sum_rows():
-    model, prompts = make_decoder("llama"), make_prompts(side="left")
-    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    model = make_decoder("llama")
     explainer = LearnedAttention(model)
-    args = (prompts.attention_mask,)
-    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
-    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
-    torch.testing.assert_close(span, rows.sum(dim=1))
-    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
-    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    rows, ids, mask = answer_rows(explainer)
     mean = _attentions(model, "llama", ids, mask)[:, :, :, -1].mean(dim=(0, 2)).float() * mask
     torch.testing.assert_close(rows[:, 1, : ids.shape[1]], mean, rtol=1e-5, atol=1e-6)
-    from captum.attr import TextTokenInput
-    from lm_models import make_word_tokenizer
-
-    tokenizer = make_word_tokenizer()
-    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
-    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+    explains_through_the_llm_interface(explainer)
 
 
 def test_registered_out_of_reports_and_weights_of_another_model_are_refused():
     assert REGISTRY["learned_attention"] is LearnedAttention and "learned_attention" not in METHODS
-    model, ids, mask, _ = _case("bert")
+    model, ids, mask, _ = one_stack_case("bert")
     with pytest.raises(ValueError, match=r"head weights are \(2, 2\) \(layers, heads\) but the model's attention has") as refused:
         LearnedAttention(model, weights=HeadWeights(torch.ones(2, 2))).attribute(ids, additional_forward_args=(mask,))
     assert "\n" not in str(refused.value)

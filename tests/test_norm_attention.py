@@ -9,8 +9,8 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import make_decoder, make_encoder_decoder, make_prompts
+from conftest import assert_same_state, model_state
+from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
 
 from captum_attention import LLMAttentionAttribution
 from captum_attention.attr import REGISTRY
@@ -66,19 +66,10 @@ def reference(model, family: str, ids, mask, layer: int, query: int) -> torch.Te
     return scores * mask
 
 
-def _case(family: str):
-    if family == "bert":
-        model = make_model("bert")
-        batch = make_batch(model)
-        return model, batch.input_ids, batch.attention_mask, 0
-    prompts = make_prompts(side="left")
-    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
-
-
 @pytest.mark.parametrize("layer", [-1, 0])
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_norm_attention_equals_the_papers_definition(family, layer, capture_mode):
-    model, ids, mask, query = _case(family)
+    model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
     scores = NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=layer)
     assert_same_state(before, model_state(model))
@@ -88,30 +79,19 @@ def test_norm_attention_equals_the_papers_definition(family, layer, capture_mode
 
 
 def test_a_span_sums_its_rows_norms_and_the_llm_interface_takes_it():
-    model, prompts = make_decoder("llama"), make_prompts(side="left")
-    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    model = make_decoder("llama")
     explainer = NormAttention(model)
-    args = (prompts.attention_mask,)
-    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
-    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
-    torch.testing.assert_close(span, rows.sum(dim=1))
-    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
-    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    rows, ids, mask = answer_rows(explainer)
     second = reference(model, "llama", ids, mask, -1, ids.shape[1] - 1)
     torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, rtol=1e-5, atol=1e-6 * second.abs().max().item())
-    from captum.attr import TextTokenInput
-    from lm_models import make_word_tokenizer
-
-    tokenizer = make_word_tokenizer()
-    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
-    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+    explains_through_the_llm_interface(explainer)
 
 
 def test_registered_out_of_reports_and_clear_refusals():
     from captum_attention import METHODS
 
     assert REGISTRY["norm_attention"] is NormAttention and "norm_attention" not in METHODS
-    model, ids, mask, _ = _case("bert")
+    model, ids, mask, _ = one_stack_case("bert")
     with pytest.raises(ValueError, match="no maps"):
         NormAttention(model).attribute(ids, additional_forward_args=(mask,), return_maps=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'head_fusion'"):
@@ -125,7 +105,7 @@ def test_a_model_whose_output_projection_is_unknown_is_refused_in_one_line(monke
     from captum_attention import UnsupportedModelError
     from captum_attention.capture.adapters.huggingface import HuggingFaceAdapter
 
-    model, ids, mask, _ = _case("bert")
+    model, ids, mask, _ = one_stack_case("bert")
     monkeypatch.setattr(HuggingFaceAdapter, "output_projection", lambda self, model, module: None)
     for capture in ("streaming", "eager"):
         with pytest.raises(UnsupportedModelError, match="output projection of BertSelfAttention") as refused:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import make_decoder, make_encoder_decoder, make_prompts
+from conftest import assert_same_state, model_state
+from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
 
-from captum_attention import LLMAttentionAttribution, UnsupportedModelError, ValueZeroing
+from captum_attention import UnsupportedModelError, ValueZeroing
 from captum_attention.attr import METHODS, REGISTRY
 
 
@@ -75,18 +75,9 @@ def reference(model, family: str, ids, mask, query: int) -> torch.Tensor:
     return joint[:, query].float()
 
 
-def _case(family: str):
-    if family == "bert":
-        model = make_model("bert")
-        batch = make_batch(model)
-        return model, batch.input_ids, batch.attention_mask, 0
-    prompts = make_prompts(side="left")
-    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
-
-
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_value_zeroing_equals_the_authors_computation(family, capture_mode):
-    model, ids, mask, query = _case(family)
+    model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
     scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
     assert_same_state(before, model_state(model))
@@ -96,7 +87,7 @@ def test_value_zeroing_equals_the_authors_computation(family, capture_mode):
 
 
 def test_every_layers_matrix_and_streaming_equals_eager():
-    model, ids, mask, _ = _case("bert")
+    model, ids, mask, _ = one_stack_case("bert")
     eager, maps = ValueZeroing(model, capture="eager").attribute(ids, additional_forward_args=(mask,), return_maps=True)
     streamed = ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6)
@@ -107,28 +98,17 @@ def test_every_layers_matrix_and_streaming_equals_eager():
 
 
 def test_a_span_and_an_answers_rows_share_one_computation():
-    model, prompts = make_decoder("llama"), make_prompts(side="left")
-    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    model = make_decoder("llama")
     explainer = ValueZeroing(model)
-    args = (prompts.attention_mask,)
-    span = explainer.attribute_span(prompts.input_ids, answer, additional_forward_args=args)
-    rows = explainer.attribute_continuation(prompts.input_ids, answer, additional_forward_args=args)
-    torch.testing.assert_close(span, rows.sum(dim=1))
-    ids = torch.cat([prompts.input_ids, answer[:, :1]], dim=1)
-    mask = torch.cat([prompts.attention_mask, torch.ones_like(answer[:, :1])], dim=1)
+    rows, ids, mask = answer_rows(explainer)
     second = reference(model, "llama", ids, mask, ids.shape[1] - 1)
     torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, rtol=1e-5, atol=1e-5 * second.abs().max().item())
-    from captum.attr import TextTokenInput
-    from lm_models import make_word_tokenizer
-
-    tokenizer = make_word_tokenizer()
-    result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
-    assert result.seq_attr.shape == (5,) and bool((result.seq_attr >= 0).all())
+    explains_through_the_llm_interface(explainer)
 
 
 def test_registered_out_of_reports_and_clear_refusals(monkeypatch):
     assert REGISTRY["value_zeroing"] is ValueZeroing and "value_zeroing" not in METHODS
-    model, ids, mask, _ = _case("bert")
+    model, ids, mask, _ = one_stack_case("bert")
     with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
         ValueZeroing(model).attribute(ids, additional_forward_args=(mask,), layer=0)
     with pytest.raises(ValueError, match="one self-attention stack"):

@@ -39,21 +39,31 @@ def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[E
     reported in the second list.
     """
     path = Path(path)
+    text = _text(path, (".jsonl", ".csv"), "give a .jsonl or .csv file (one example per row)")
+    rows = _jsonl_rows(text) if path.suffix.lower() == ".jsonl" else _csv_rows(text)
+    return _examples(path, rows, _example, skip_malformed)
+
+
+def _text(path: Path, suffixes: tuple[str, ...], advice: str) -> str:
+    """The data file's text, or a clear error (missing, another kind of file, not UTF-8)."""
     if not path.is_file():
         raise DatasetError(f"data set not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".csv"):
-        raise DatasetError(f"{path}: give a .jsonl or .csv file (one example per row)")
+    if path.suffix.lower() not in suffixes:
+        raise DatasetError(f"{path}: {advice}")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise DatasetError(f"{path} is not UTF-8 text") from error
-    rows = _jsonl_rows(text) if suffix == ".jsonl" else _csv_rows(text)
-    examples: list[Example] = []
+
+
+def _examples(path: Path, rows: Iterable[tuple[int, Any]], make: Any, skip_malformed: bool) -> tuple[list[Any], list[str]]:
+    """``make(index, line, row)`` of each row; a malformed row stops with its line, or with
+    ``skip_malformed`` is skipped and reported."""
+    examples: list[Any] = []
     skipped: list[str] = []
     for line, row in rows:
         try:
-            examples.append(_example(len(examples), line, row))
+            examples.append(make(len(examples), line, row))
         except DatasetError as error:
             if not skip_malformed:
                 raise DatasetError(f"{path}, line {line}: {error} (pass --skip-malformed to skip such rows)") from None
@@ -127,26 +137,8 @@ def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[A
     optionally ``answer``. Malformed rows as :func:`read_dataset` treats them.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"data set not found: {path}")
-    if path.suffix.lower() != ".jsonl":
-        raise DatasetError(f"{path}: give a .jsonl file of prompts (one object per line)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DatasetError(f"{path} is not UTF-8 text") from error
-    examples: list[AnswerExample] = []
-    skipped: list[str] = []
-    for line, row in _jsonl_rows(text):
-        try:
-            examples.append(_answer_example(len(examples), line, row))
-        except DatasetError as error:
-            if not skip_malformed:
-                raise DatasetError(f"{path}, line {line}: {error} (pass --skip-malformed to skip such rows)") from None
-            skipped.append(f"line {line}: {error}")
-    if not examples:
-        raise DatasetError(f"{path} has no example" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
-    return examples, skipped
+    text = _text(path, (".jsonl",), "give a .jsonl file of prompts (one object per line)")
+    return _examples(path, _jsonl_rows(text), _answer_example, skip_malformed)
 
 
 def _answer_example(index: int, line: int, row: Any) -> AnswerExample:
