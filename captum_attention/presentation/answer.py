@@ -69,7 +69,7 @@ def explain_answer(
     skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
     inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted(set(skipped)) or None)
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
-    answer_ids = _answer(model, tokenizer, inp, target, gen_args)
+    answer_ids = target_ids(model, tokenizer, inp, target, gen_args)
     special_ids = set(tokenizer.all_special_ids)
     result = None
     explanation = AnswerExplanation(
@@ -106,7 +106,7 @@ def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) 
     ]
 
 
-def _answer(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | None, gen_args: dict[str, Any] | None) -> torch.Tensor:
+def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | None, gen_args: dict[str, Any] | None) -> torch.Tensor:
     """The answer's token ids: ``target`` tokenized without special tokens, or the greedy
     generation (Captum's own target handling)."""
     return LLMAttentionAttribution(METHODS["raw"](model), tokenizer).target_tokens(inp, target, gen_args)

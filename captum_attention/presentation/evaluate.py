@@ -376,7 +376,8 @@ def _evaluate_answer(
     ids = encoded["input_ids"].to(device)
     mask = torch.ones_like(ids)
     answer = _answer_ids(model, tokenizer, example, options.max_new_tokens).to(device)[None]
-    keep = torch.tensor([[int(i) in set(tokenizer.all_special_ids) for i in ids[0].tolist()]], device=device)
+    special = set(tokenizer.all_special_ids)
+    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
     segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
     context = MetricContext(model, keep, None, segments)
     with torch.no_grad():
@@ -399,10 +400,10 @@ def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_toke
     (Captum's own target handling: :meth:`~captum_attention.LLMAttentionAttribution.target_tokens`)."""
     from captum.attr import TextTokenInput
 
-    from .answer import _answer
+    from .answer import target_ids
 
     arguments = None if example.answer is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
-    return _answer(model, tokenizer, TextTokenInput(example.text, tokenizer), example.answer, arguments)
+    return target_ids(model, tokenizer, TextTokenInput(example.text, tokenizer), example.answer, arguments)
 
 
 def _token_segments(offsets: Tensor, segments: Sequence[str], keep: Tensor) -> Tensor:
