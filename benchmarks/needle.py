@@ -105,9 +105,11 @@ def integrated_gradients(model: tf.LlamaForCausalLM) -> Attribution:
     return attribute
 
 
-def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float = 0.01) -> Attribution:
+def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float = 0.01, seed: int = 0) -> Attribution:
     """ContextCite's surrogate: Lasso on standardised keep-masks of ``ablations`` random
-    ablations against the answer's logit-probability (reimplemented from the paper)."""
+    ablations against the answer's logit-probability (reimplemented from the paper).
+    ``seed`` 0 draws the same masks as the LDS it is scored by (its first 32 ablations are
+    the LDS's): its LDS is then in-sample; ``calibrated.py`` trains it on seed 1."""
     from sklearn.linear_model import Lasso
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -118,7 +120,7 @@ def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float =
         prompt = e.input_ids[None]
         scorer = _AnswerScorer(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), e.segments[None], 16)
         count = scorer.present.shape[1]
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator().manual_seed(seed)
         kept = torch.rand(ablations, count, generator=generator) < 0.5
         log_p = scorer.log_probs(torch.zeros(ablations, dtype=torch.long), ~kept).double()
         logit_p = (log_p - torch.log1p(-log_p.exp().clamp(max=1 - 1e-12))).numpy()

@@ -12,6 +12,7 @@ from captum_attention import AttnLRP
 from captum_attention.metrics import (
     METRICS,
     MetricContext,
+    calibrated_scores,
     leave_one_out_agreement,
     linear_datamodeling_score,
     top_k_log_prob_drop,
@@ -68,6 +69,33 @@ def test_loo_agreement_and_lds_equal_direct_recomputations():
         predicted = (kept.double() * totals.double()).sum(dim=1)
         expected = stats.spearmanr(predicted, actual).statistic
         assert lds[b].item() == pytest.approx(expected, abs=1e-6, nan_ok=True)
+
+
+def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
+    """The surrogate's fit, recomputed from the ablated prompts by hand and solved as an
+    augmented least-squares problem (rows sqrt(λ) for δ, sqrt(1e-9 λ) for b and α)."""
+    model, prompts, prior = _case(4)
+    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    scores = calibrated_scores(model, prompts.input_ids, prompts.attention_mask, ANSWER, prior, segments,
+                               num_ablations=5, seed=7, ridge=0.5)
+    kept_draws = torch.rand(3, 5, 3, generator=torch.Generator().manual_seed(7)) < 0.5
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], segments[b, real]
+        count = int(seg.max()) + 1
+        p = torch.tensor([float(prior[b, real][seg == s].sum()) for s in range(count)], dtype=torch.float64)
+        kept = kept_draws[b, :, :count].double()
+        y = torch.tensor([_log_prob(model, prompt[(seg < 0) | kept[a].bool()[seg.clamp(min=0)]], ANSWER[b]) for a in range(5)],
+                         dtype=torch.float64)
+        design = torch.cat([torch.ones(5, 1, dtype=torch.float64), (kept @ p)[:, None], kept], dim=1)
+        roots = torch.tensor([1e-9 * 0.5] * 2 + [0.5] * count, dtype=torch.float64).sqrt()
+        solution = torch.linalg.lstsq(torch.cat([design, torch.diag(roots)]), torch.cat([y, torch.zeros(2 + count, dtype=torch.float64)])).solution
+        expected = solution[1] * p + solution[2:]
+        got = torch.stack([scores[b, real][seg == s].sum() for s in range(count)]).double()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        sizes = torch.stack([(seg == s).sum() for s in range(count)])
+        torch.testing.assert_close(scores[b, real][seg >= 0], (expected / sizes)[seg[seg >= 0]].float(), rtol=1e-4, atol=1e-5)
+        assert bool((scores[b, real][seg < 0] == 0).all())
 
 
 def test_an_example_scores_the_same_alone_and_in_a_padded_batch():

@@ -2,7 +2,13 @@
 
 from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adversarial_attention, adversarial_keys
 from .agreement import kendall_tau, spearman
-from .context import leave_one_out_agreement, linear_datamodeling_score, random_ablations, top_k_log_prob_drop
+from .context import (
+    calibrated_scores,
+    leave_one_out_agreement,
+    linear_datamodeling_score,
+    random_ablations,
+    top_k_log_prob_drop,
+)
 from .head_weights import HeadWeights, fit_head_weights
 from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
@@ -51,6 +57,7 @@ __all__ = [
     "attention_erasure",
     "attention_permutation",
     "attention_ranking",
+    "calibrated_scores",
     "HeadWeights",
     "decision_flip_fraction",
     "fit_head_weights",
