@@ -55,13 +55,15 @@ from common import (  # noqa: E402
     peak_rss_growth,
 )
 
-from captum_attention import NormAttention, ValueZeroing  # noqa: E402
+from captum_attention import LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
 from captum_attention.maps import streaming  # noqa: E402
 from captum_attention.metrics import attention_erasure  # noqa: E402
 
 ERASURE = "attention_erasure"
 NORM = NormAttention.__name__  # registered, not in METHODS: measured here all the same
 ZEROING = ValueZeroing.__name__  # one re-run of each layer per token: measured only where --runs names it
+LEARNED = LearnedAttention.__name__  # uniform weights (a fit's cost is its own): measured where --runs names it
+ON_REQUEST = [ZEROING, LEARNED]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -113,6 +115,7 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     runs[ERASURE] = lambda: attention_erasure(model, ids, erased, (mask,), capture="streaming")
     runs[NORM] = lambda: NormAttention(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     runs[ZEROING] = lambda: ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+    runs[LEARNED] = lambda: LearnedAttention(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     return runs
 
 
@@ -169,7 +172,7 @@ def measure(options: argparse.Namespace, batch: int, length: int) -> dict[str, d
     if length <= options.eager_max:
         names += [FORWARD, FORWARD_BACKWARD, *(name + EAGER for name in BASELINE)]
     if options.runs:
-        names = [name for name in names if name in options.runs] + [ZEROING] * (ZEROING in options.runs)
+        names = [name for name in names if name in options.runs] + [name for name in ON_REQUEST if name in options.runs]
     if options.device == "cuda" or options.here:
         runs = workloads(options, batch, length)
         rows = {}

@@ -1,4 +1,5 @@
-"""The import contract of the layers: maps -> capture -> attributions -> metrics -> presentation.
+"""The import contract of the layers: maps -> capture -> attributions -> metrics -> presentation,
+the metrics apart from the attributions.
 
 Each module may import from its own layer and the layers before it, never from a later
 one, lazy imports inside functions included (``_compat`` comes first of all; checkpoint
@@ -14,6 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "captum_attention"
 ORDER = ["_compat", "maps", "capture", "attr", "metrics", "loading", "demo", "presentation"]
+APART = {("metrics", "attr")}
+"""Pairs of layers that never import each other whatever their order: the metrics take any
+attribution tensor and reach the model through the capture alone."""
 
 
 def layer(parts: tuple[str, ...]) -> str | None:
@@ -56,7 +60,7 @@ def violations(package: Path) -> list[str]:
         for target, line in imported_modules(path, package):
             theirs = layer(target)
             theirs = theirs if theirs in ORDER else None  # a name imported from the root
-            if theirs is None or ORDER.index(theirs) > ORDER.index(own):
+            if theirs is None or ORDER.index(theirs) > ORDER.index(own) or (own, theirs) in APART:
                 found.append(
                     f"{path.relative_to(package)}:{line} ({own}) imports {'.'.join(target) or 'the root'} "
                     f"({theirs or 'the package root'})"
@@ -85,3 +89,10 @@ def test_the_contract_catches_wrong_arrows(tmp_path, source, wrong):
     (package / "maps").mkdir(parents=True)
     (package / "maps" / "module.py").write_text(source)
     assert bool(violations(package)) == wrong
+
+
+def test_a_metric_that_imports_an_attribution_is_caught(tmp_path):
+    package = tmp_path / "captum_attention"
+    (package / "metrics").mkdir(parents=True)
+    (package / "metrics" / "module.py").write_text("from ..attr.grad_sam import GradSAM\n")
+    assert violations(package) == ["metrics/module.py:1 (metrics) imports attr.grad_sam (attr)"]

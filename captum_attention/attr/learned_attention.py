@@ -11,7 +11,6 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..maps import query_weights
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 
@@ -86,10 +85,10 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
-        return self._weighted(head_rows(record)), []
+        return self._weighted(record.head_rows()), []
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._weighted(head_rows(record))
+        return self._weighted(record.head_rows())
 
     def _weighted(self, rows: Tensor) -> Tensor:
         layers, heads = rows.shape[1:3]
@@ -103,19 +102,3 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
             )
         return torch.einsum("blhk,lh->bk", rows, weights.to(rows.device, torch.float32))
 
-
-def head_rows(record: ForwardRecord) -> Tensor:
-    """``(B, L, H, K)`` float32: every layer's and head's attention at the record's
-    explained query rows (a span's weighted sum of rows), from the maps (eager) or
-    recomputed from each kernel call (streaming)."""
-    if record.streaming:
-        per_call = [call.rows_at(record.query_index.to(call.query.device)) for call in record.kernel_calls]
-    else:
-        weights = query_weights(record.query_index, record.target_real.shape[1])
-        per_call = [torch.einsum("bq,bhqk->bhk", weights.to(maps.device), maps.float()) for maps in record.attn_maps]
-    if len({tuple(rows.shape) for rows in per_call}) != 1:
-        raise ValueError(
-            "LearnedAttention weighs every attention call's heads, but this model's calls differ in shape "
-            f"({sorted({tuple(rows.shape) for rows in per_call})})."
-        )
-    return torch.stack([rows.float().to(per_call[0].device) for rows in per_call], dim=1)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError, run_forward
-from ..maps.common import last_query, query_rows, real_tokens, up_to, zero_on_later_keys
+from ..maps.common import last_query, query_rows, query_weights, real_tokens, up_to, zero_on_later_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, resolve_targets
@@ -169,6 +169,20 @@ class ForwardRecord:
         with torch.enable_grad():
             grads = self.capture.output_gradients(score, retain_graph=retain_graph)
         return self.with_result(OutputGrads(grads))
+
+    def head_rows(self) -> Tensor:
+        """``(B, L, H, K)`` float32: every call's and head's attention at the explained
+        query rows (a span's weighted sum of rows), from the maps (eager) or recomputed
+        from each kernel call (streaming); an error where the calls differ in shape."""
+        if self.streaming:
+            per_call = [call.rows_at(self.query_index.to(call.query.device)) for call in self.kernel_calls]
+        else:
+            weights = query_weights(self.query_index, self.target_real.shape[1])
+            per_call = [torch.einsum("bq,bhqk->bhk", weights.to(maps.device), maps.float()) for maps in self.attn_maps]
+        shapes = sorted({tuple(rows.shape) for rows in per_call})
+        if len(shapes) != 1:
+            raise ValueError(f"Every attention call's heads are weighed together, but this model's calls differ in shape ({shapes}).")
+        return torch.stack([rows.float().to(per_call[0].device) for rows in per_call], dim=1)
 
     def at_query(self, query_index: Tensor) -> "ForwardRecord":
         """This record explaining ``query_index`` instead (a causal sequence's real tokens

@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..attr.learned_attention import head_rows
 from ._forward import run_model
 from .context import random_ablations
 
@@ -180,7 +179,7 @@ def _segment_features(
     rows = torch.zeros(1, ids.shape[1], device=ids.device)
     rows[0, length - 1 : length + new - 1] = 1.0
     record = run_model(forward, model, ids, (torch.ones_like(ids),)).at_query(rows)
-    per_head = head_rows(record)[0, :, :, :length].double().cpu()  # (L, H, N)
+    per_head = record.head_rows()[0, :, :, :length].double().cpu()  # (L, H, N)
     token_segments = segments[0].cpu()
     summed = torch.zeros(*per_head.shape[:2], count, dtype=torch.float64)
     summed.index_add_(2, token_segments.clamp(min=0), per_head.masked_fill(token_segments < 0, 0.0))
