@@ -85,10 +85,10 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
-        return self._weighted(record.head_rows()), []
+        return self._weighted(record.head_rows()), []  # from the maps or the kernel calls, as the record holds them
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._weighted(record.head_rows())
+        return self._scores(record)[0]
 
     def _weighted(self, rows: Tensor) -> Tensor:
         layers, heads = rows.shape[1:3]

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError
 from ..capture import AttentionAdapter, LayerBlocks, Probe, RecordedBlocks
-from ..capture.inputs import QueryIndex
+from ..capture.inputs import QueryIndex, take_rows
 from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
@@ -42,9 +42,10 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
     layer is re-run once per real token, as many re-runs at once as the batch has
     examples (so that a re-run holds as many tokens as the forward did): about one forward
     per token, so it suits short inputs; memory stays that of the forward, plus
-    :math:`L \cdot N^2` float32 distances per example. The zeroing runs inside transformers' attention function, so it
-    needs a model whose attention goes through it (the families that stream) and whose
-    adapter names each attention's layer (``layer_block``). Registered
+    :math:`L \cdot N^2` float32 distances per example. The zeroing runs inside
+    transformers' attention function, so it needs a model whose attention goes through it
+    (the families that stream) and whose adapter names each attention's layer
+    (``layer_block``). Registered
     (``"value_zeroing"``), not yet in the reports.
 
     Args:
@@ -89,7 +90,7 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
         return propagate_query_row(mixing, record.query_index), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return propagate_query_row(_mixing_matrices(self.model, resolve_adapter(self.model, self.adapter), record), record.query_index)
+        return self._scores(record)[0]  # the layers' re-runs are the same in both modes
 
 
 def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: ForwardRecord) -> list[Tensor]:
@@ -148,12 +149,14 @@ def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, 
         zeroings.append(module)
         return run_kernel(lambda query, key, value: (query, key, value * keep[:, None, : value.shape[2], None].to(value.dtype)))
 
-    kwargs = _rows(call.kwargs, examples, batch)
+    args = take_rows(tuple(None if isinstance(value, Cache) else value for value in call.args), examples, batch, min_dim=2)
+    kwargs = take_rows({name: None if isinstance(value, Cache) else value for name, value in call.kwargs.items()},
+                       examples, batch, min_dim=2)  # a key-value cache, which the forward filled: none
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     try:
         with adapter.prepared(model, streaming=True), KernelInterception(zero_values), torch.no_grad():
-            output = call.block(*_rows(call.args, examples, batch), **kwargs)
+            output = call.block(*args, **kwargs)
     except StreamingUnsupported as reason:
         raise UnsupportedModelError(f"Value Zeroing zeroes values inside transformers' sdpa attention, which {reason}.") from None
     if len(zeroings) != 1:
@@ -163,17 +166,3 @@ def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, 
         )
     return output[0] if isinstance(output, (tuple, list)) else output
 
-
-def _rows(value: Any, examples: Tensor, batch: int) -> Any:
-    """``value`` with every tensor of ``batch`` rows (two dimensions or more) taken at
-    ``examples``; tuples, lists and dicts entry by entry; a key-value cache, which the
-    forward filled, None."""
-    if isinstance(value, Cache):
-        return None
-    if isinstance(value, Tensor):
-        return value[examples.to(value.device)] if value.dim() >= 2 and value.shape[0] == batch else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_rows(item, examples, batch) for item in value)
-    if isinstance(value, dict):
-        return {name: _rows(item, examples, batch) for name, item in value.items()}
-    return value

@@ -67,6 +67,20 @@ def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, tuple[Tens
     return is_tuple, tuple(formatted)
 
 
+def take_rows(value: Any, rows: Tensor, batch: int, min_dim: int = 1) -> Any:
+    """``value`` with every tensor of ``batch`` rows (and at least ``min_dim`` dimensions)
+    taken at ``rows`` (repeats allowed); tuples, lists and dicts entry by entry; anything
+    else as it is. ``min_dim=2`` leaves 1-D tensors alone (a layer's ``cache_position``,
+    whose length may equal the batch)."""
+    if isinstance(value, Tensor):
+        return value.index_select(0, rows.to(value.device)) if value.dim() >= min_dim and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(take_rows(item, rows, batch, min_dim) for item in value)
+    if isinstance(value, dict):
+        return {name: take_rows(item, rows, batch, min_dim) for name, item in value.items()}
+    return value
+
+
 def _check_input(tensor: Tensor, image_ok: bool) -> None:
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise ValueError("inputs is an empty batch: pass at least one example.")

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
-from ..capture.inputs import QueryIndex, format_inputs
+from ..capture.inputs import QueryIndex, format_inputs, take_rows
 from ..capture.runner import CaptureMode, CaptureRunner, resolve_adapter, resolve_model, stream_refusal
 
 
@@ -48,16 +48,9 @@ def select_rows(
     """The examples ``rows`` (with repeats) of the inputs and of every batch-shaped extra argument."""
     tensors = inputs if isinstance(inputs, tuple) else (inputs,)
     batch = tensors[0].shape[0]
-
-    def pick(arg: Any) -> Any:
-        if isinstance(arg, Tensor) and arg.dim() > 0 and arg.shape[0] == batch:
-            return arg.index_select(0, rows.to(arg.device))
-        return arg
-
     extra = format_additional_forward_args(additional_forward_args)
-    extra = None if extra is None else tuple(pick(arg) for arg in extra)
-    picked = tuple(pick(t) for t in tensors)
-    return (picked if isinstance(inputs, tuple) else picked[0]), extra
+    picked = take_rows(tensors, rows, batch)
+    return (picked if isinstance(inputs, tuple) else picked[0]), (None if extra is None else take_rows(extra, rows, batch))
 
 
 def layer_set(layers: int | list[int] | None, num_calls: int) -> set[int]:
