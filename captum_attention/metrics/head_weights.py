@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..capture.inputs import LogProbTarget
 from ._forward import run_model
 from .context import random_ablations
 
@@ -175,10 +176,9 @@ def _segment_features(
     """``(L, H, S)`` float64: each head's attention from the answer's rows (the positions
     that predict its tokens) to each segment's tokens, summed."""
     ids = torch.cat([prompt, answer], dim=1)
-    length, new = prompt.shape[1], answer.shape[1]
-    rows = torch.zeros(1, ids.shape[1], device=ids.device)
-    rows[0, length - 1 : length + new - 1] = 1.0
-    record = run_model(forward, model, ids, (torch.ones_like(ids),)).at_query(rows)
+    length = prompt.shape[1]
+    answer_rows = LogProbTarget(torch.arange(length - 1, ids.shape[1] - 1, device=ids.device)[None], answer)
+    record = run_model(forward, model, ids, (torch.ones_like(ids),)).at_query(answer_rows.query_weights(ids.shape[1]))
     per_head = record.head_rows()[0, :, :, :length].double().cpu()  # (L, H, N)
     token_segments = segments[0].cpu()
     summed = torch.zeros(*per_head.shape[:2], count, dtype=torch.float64)

@@ -289,7 +289,7 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 
 def _evaluate(arguments: argparse.Namespace) -> None:
     from ..attr import METHODS
-    from .evaluate import Options, check_request, evaluate, merge, read_dataset
+    from .evaluate import Options, check_request, evaluate, read_dataset
     from ..loading import checkpoint_task, load_classifier
 
     if arguments.model is not None and checkpoint_task(arguments.model) == "generation":
@@ -317,7 +317,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "batches", "batch"), _resuming(state, arguments, "batches"),
     )
-    _merged(state, arguments, lambda: merge(arguments.output, examples, metrics, options.bootstrap, options.seed), metrics)
+    _merged(state, arguments, examples, metrics, options)
 
 
 def _evaluate_answers(arguments: argparse.Namespace) -> None:
@@ -325,7 +325,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     and scored by the context metrics."""
     from ..attr import METHODS
     from ..loading import load_causal_lm
-    from .evaluate import AnswerOptions, evaluate_answers, merge, read_answers
+    from .evaluate import AnswerOptions, evaluate_answers, read_answers
 
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
@@ -341,7 +341,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"),
     )
-    _merged(state, arguments, lambda: merge(arguments.output, examples, metrics, options.bootstrap, options.seed), metrics)
+    _merged(state, arguments, examples, metrics, options)
 
 
 def _report_skipped(arguments: argparse.Namespace, skipped: list[str]) -> None:
@@ -385,13 +385,13 @@ def _resuming(state: Any, arguments: argparse.Namespace, unit: str) -> Any:
     return resuming
 
 
-def _merged(state: Any, arguments: argparse.Namespace, merge: Any, metrics: list[str]) -> None:
+def _merged(state: Any, arguments: argparse.Namespace, examples: Sequence[Any], metrics: list[str], options: Any) -> None:
     """Once every process is done, the main process merges the shards and prints the summary."""
-    from .evaluate import summary_markdown
+    from .evaluate import merge, summary_markdown
 
     state.wait_for_everyone()
     if state.is_main_process:
-        summary = merge()
+        summary = merge(arguments.output, examples, metrics, options.bootstrap, options.seed)
         print(summary_markdown(summary, metrics))
         print(terminal_safe(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv"))
 

@@ -53,12 +53,8 @@ def rationale_metrics() -> list[str]:
 
 def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[Example]) -> None:
     """A clear error for an unknown method or metric, or plausibility without rationales."""
-    unknown = [m for m in methods if m not in evaluation_methods()]
-    if unknown or not methods:
-        raise ValueError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(evaluation_methods())}")
-    unknown = [m for m in metrics if m not in metric_names()]
-    if unknown or not metrics:
-        raise ValueError(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(metric_names())}")
+    _check_names("method", methods, evaluation_methods())
+    _check_names("metric", metrics, metric_names())
     asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]
     missing = [e.line for e in examples if e.rationale is None]
     if asked and missing:
@@ -66,6 +62,12 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
             f"{', '.join(asked)} need a 'rationale' on every row; line {missing[0]} has none "
             f"({len(missing)} rows in all): add them, or leave these metrics out"
         )
+
+
+def _check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
+    unknown = [name for name in given if name not in known]
+    if unknown or not given:
+        raise ValueError(f"unknown {kind} {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(known)}")
 
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
@@ -107,21 +109,34 @@ def evaluate(
     hears of them (all processes' batches) before the work starts. See :func:`merge`."""
     options = options or Options()
     check_request(methods, metrics, examples)
-    shards = Path(output) / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    _check_same_run(Path(output), run_manifest(model, examples, methods, metrics, options))
-    every = batches(examples, tokenizer, options.batch_size)
-    done = sum(_shard(shards, k).exists() for k in range(len(every)))
-    if done and on_resume is not None:
-        on_resume(done, len(every))
-    todo = [(k, batch) for k, batch in enumerate(every) if k % num_processes == process_index and not _shard(shards, k).exists()]
     explainers = _explainers(model, tokenizer, methods, options)
+    return _sharded(
+        Path(output), run_manifest(model, examples, methods, metrics, options), batches(examples, tokenizer, options.batch_size),
+        lambda batch: _evaluate_batch(model, tokenizer, batch, explainers, metrics), process_index, num_processes,
+        progress, on_resume,
+    )
+
+
+def _sharded(
+    output: Path, manifest: dict[str, Any], units: Sequence[Any], rows_of: Callable[[Any], list[dict[str, Any]]],
+    process_index: int, num_processes: int, progress: Callable[[Iterable[Any]], Iterable[Any]] | None,
+    on_resume: Callable[[int, int], None] | None,
+) -> int:
+    """The shard of unit k is ``rows_of(units[k])``, written by process ``k % num_processes``
+    unless it is there already (``on_resume`` hears how many are); returns how many this
+    process computed. Ctrl-C raises :class:`EvaluationInterrupted`."""
+    shards = output / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    _check_same_run(output, manifest)
+    done = sum(_shard(shards, k).exists() for k in range(len(units)))
+    if done and on_resume is not None:
+        on_resume(done, len(units))
+    todo = [(k, unit) for k, unit in enumerate(units) if k % num_processes == process_index and not _shard(shards, k).exists()]
     try:
-        for k, batch in progress(todo) if progress is not None else todo:
-            rows = _evaluate_batch(model, tokenizer, batch, explainers, metrics)
-            write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows))
+        for k, unit in progress(todo) if progress is not None else todo:
+            write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows_of(unit)))
     except KeyboardInterrupt as interrupt:
-        raise EvaluationInterrupted(sum(_shard(shards, k).exists() for k in range(len(every))), len(every)) from interrupt
+        raise EvaluationInterrupted(sum(_shard(shards, k).exists() for k in range(len(units))), len(units)) from interrupt
     return len(todo)
 
 
@@ -344,27 +359,14 @@ def evaluate_answers(
     from ..attr import REGISTRY
 
     options = options or AnswerOptions()
-    unknown = [m for m in methods if m not in REGISTRY] or (["(none given)"] if not methods else [])
-    if unknown:
-        raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; choose from {', '.join(REGISTRY)}")
-    unknown = [m for m in metrics if m not in answer_metric_names()] or (["(none given)"] if not metrics else [])
-    if unknown:
-        raise ValueError(f"unknown metric {', '.join(map(repr, unknown))}; choose from {', '.join(answer_metric_names())}")
-    shards = Path(output) / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    _check_same_run(Path(output), run_manifest(model, examples, methods, metrics, options))
-    done = sum(_shard(shards, e.index).exists() for e in examples)
-    if done and on_resume is not None:
-        on_resume(done, len(examples))
-    todo = [e for e in examples if e.index % num_processes == process_index and not _shard(shards, e.index).exists()]
+    _check_names("method", methods, list(REGISTRY))
+    _check_names("metric", metrics, answer_metric_names())
     explainers = {name: REGISTRY[name](model) for name in methods}
-    try:
-        for example in progress(todo) if progress is not None else todo:
-            rows = _evaluate_answer(model, tokenizer, example, explainers, metrics, options)
-            write_atomically(_shard(shards, example.index), "".join(json.dumps(row) + "\n" for row in rows))
-    except KeyboardInterrupt as interrupt:
-        raise EvaluationInterrupted(sum(_shard(shards, e.index).exists() for e in examples), len(examples)) from interrupt
-    return len(todo)
+    return _sharded(
+        Path(output), run_manifest(model, examples, methods, metrics, options), examples,
+        lambda example: _evaluate_answer(model, tokenizer, example, explainers, metrics, options), process_index,
+        num_processes, progress, on_resume,
+    )
 
 
 def _evaluate_answer(
