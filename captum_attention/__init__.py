@@ -1,7 +1,9 @@
 """captum-attention: attention-based attributions for transformers, as Captum attributions."""
 
 from .attr import (
+    ALTI,
     METHODS,
+    ALTILogit,
     AttentionFlow,
     AttentionRollout,
     AttnLRP,
@@ -29,6 +31,8 @@ from .presentation.display import scores_for_display, special_tokens, token_heat
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALTI",
+    "ALTILogit",
     "METHODS",
     "AttentionAdapter",
     "AttentionCapture",

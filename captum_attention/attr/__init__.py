@@ -20,6 +20,8 @@ from .attention_flow import AttentionFlow  # isort: skip  (registered, not in re
 from .attn_lrp import AttnLRP  # isort: skip
 from .norm_attention import NormAttention  # isort: skip  (registered, not in reports yet)
 from .value_zeroing import ValueZeroing  # isort: skip  (registered, not in reports yet)
+from .alti import ALTI  # isort: skip  (registered, not in reports yet)
+from .alti_logit import ALTILogit  # isort: skip  (registered, not in reports yet)
 from .learned_attention import LearnedAttention  # isort: skip  (registered, not in reports)
 from .llm import LLMAttentionAttribution
 
@@ -28,5 +30,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "upsample_to_image",
+    "ALTI", "ALTILogit", "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "upsample_to_image",
 ]

@@ -123,9 +123,10 @@ class AttentionAttributionBase:
         for an encoder-decoder."""
         raise NotImplementedError
 
-    def _probes(self, effective: bool) -> list[Probe]:
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
         """Fresh probes for one forward: the values for effective attention, the
-        propagation rules for relevance methods."""
+        propagation rules for relevance methods (``options``: the call's own
+        ``attribute`` options, for a method whose options need more)."""
         probes: list[Probe] = [ValueRecorder()] if effective else []
         if self.spec.needs == "relevance":
             if self.propagation_rules is None:
@@ -135,7 +136,7 @@ class AttentionAttributionBase:
 
     def _eager_reason(self, adapter: AttentionAdapter, effective: bool, return_maps: bool, options: dict[str, Any]) -> str | None:
         """Why this call cannot stream exactly, or None when it can."""
-        reason = stream_refusal(adapter, self._probes(effective))
+        reason = stream_refusal(adapter, self._probes(effective, **options))
         if reason is None and return_maps:
             reason = "return_maps=True needs the full maps"
         if reason is None and not self.spec.streams:
@@ -156,7 +157,7 @@ class AttentionAttributionBase:
         if adapter.is_encoder_decoder(self.model) and not self.spec.encoder_decoder:
             raise ValueError(f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders.")
         reason = self._eager_reason(adapter, effective, return_maps, options)
-        return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective), reason)
+        return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)
 
     def _forward(
         self,
@@ -165,6 +166,7 @@ class AttentionAttributionBase:
         query_index: QueryIndex,
         streaming: bool,
         effective: bool,
+        options: dict[str, Any],
     ) -> ForwardRecord:
         """One forward with the method's probes (in the autograd graph for gradient
         methods); with ``effective=True`` its maps are effective attention; under
@@ -174,7 +176,7 @@ class AttentionAttributionBase:
             check_gradients_possible()
             inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
         record = record_forward(
-            self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective),
+            self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective, **options),
             track_grad=self.spec.needs == "backward", query_index=query_index, streaming=streaming,
             confirm_rows=self.spec.reads_query_row,
         )

@@ -79,8 +79,8 @@ class NormAttention(AttentionAttributionBase, Attribution):
             raise ValueError("NormAttention gives one layer's scores and no maps: leave return_maps=False.")
         return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer)
 
-    def _probes(self, effective: bool) -> list[Probe]:
-        return [*super()._probes(effective), AttendedValues()]
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        return [*super()._probes(effective, **options), AttendedValues()]
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         attn = record.attn_maps[record.call_index(layer)]

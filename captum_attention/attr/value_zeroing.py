@@ -7,16 +7,15 @@ from typing import Any
 import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError
 from ..capture import AttentionAdapter, LayerBlocks, Probe, RecordedBlocks
-from ..capture.inputs import QueryIndex, take_rows
+from ..capture.inputs import QueryIndex
 from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
-from ..maps import last_query, propagate_query_row, value_zeroing_distances, value_zeroing_mixing
+from ..maps import propagate_query_row, value_zeroing_distances, normalised_mixing
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 
@@ -82,8 +81,8 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
         """
         return self._explain(inputs, None, additional_forward_args, query_index, return_maps)
 
-    def _probes(self, effective: bool) -> list[Probe]:
-        return [*super()._probes(effective), LayerBlocks()]
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        return [*super()._probes(effective, **options), LayerBlocks()]
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         mixing = _mixing_matrices(self.model, resolve_adapter(self.model, self.adapter), record)
@@ -105,20 +104,9 @@ def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: Forwar
             )
         if model.training:
             raise ValueError("Value Zeroing compares re-runs of each layer, which dropout would change: call model.eval().")
-        zeroed = _zeroed_tokens(record)
+        zeroed = record.forward_real
         blocks.cache["value_zeroing"] = [_layer_distances(model, adapter, call, zeroed) for call in blocks.calls]
-    return [value_zeroing_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
-
-
-def _zeroed_tokens(record: ForwardRecord) -> Tensor:
-    """``(B, N)`` bool, the tokens whose values are zeroed: the real ones, and under a
-    causal record the ones after its last query too (cut from its real tokens when it
-    explains one row of an answer, and real for the next row)."""
-    real = record.target_real
-    if not record.causal:
-        return real
-    positions = torch.arange(real.shape[1], device=real.device)
-    return real | (positions[None, :] > last_query(record.query_index.to(real.device))[:, None])
+    return [normalised_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
 
 
 def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, zeroed: Tensor) -> Tensor:
@@ -140,7 +128,6 @@ def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCal
 def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, examples: Tensor, tokens: Tensor) -> Tensor:
     """``(V, N, D)``: the layer re-run on its recorded inputs of ``examples``, with token
     ``tokens[v]``'s value vector zeroed in re-run v."""
-    batch = call.output.shape[0]
     keep = torch.ones(len(tokens), call.output.shape[1], device=call.output.device)
     keep[torch.arange(len(tokens), device=keep.device), tokens] = 0.0
     zeroings: list[nn.Module] = []
@@ -149,11 +136,7 @@ def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, 
         zeroings.append(module)
         return run_kernel(lambda query, key, value: (query, key, value * keep[:, None, : value.shape[2], None].to(value.dtype)))
 
-    args = take_rows(tuple(None if isinstance(value, Cache) else value for value in call.args), examples, batch, min_dim=2)
-    kwargs = take_rows({name: None if isinstance(value, Cache) else value for name, value in call.kwargs.items()},
-                       examples, batch, min_dim=2)  # a key-value cache, which the forward filled: none
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
+    args, kwargs = call.rerun_inputs(examples)
     try:
         with adapter.prepared(model, streaming=True), KernelInterception(zero_values), torch.no_grad():
             output = call.block(*args, **kwargs)

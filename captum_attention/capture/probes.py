@@ -31,9 +31,12 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import Cache
 
+from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
+from .inputs import take_rows
 
 Event = str
 """One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``, ``"backward"``."""
@@ -367,6 +370,33 @@ class BlockCall:
     args: tuple
     kwargs: dict
     output: Tensor
+
+    def rerun_inputs(self, examples: Tensor | None = None) -> tuple[tuple, dict]:
+        """The call's arguments for a re-run of the layer (of ``examples`` only, repeats
+        allowed): without the key-value cache the forward filled, and not filling one."""
+        def uncached(value: Any) -> Any:
+            return None if isinstance(value, Cache) else value
+
+        args = tuple(uncached(value) for value in self.args)
+        kwargs = {name: uncached(value) for name, value in self.kwargs.items()}
+        if examples is not None:
+            batch = self.output.shape[0]
+            args, kwargs = take_rows(args, examples, batch, min_dim=2), take_rows(kwargs, examples, batch, min_dim=2)
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    @property
+    def hidden_input(self) -> Tensor:
+        """``(B, N, D)``: the hidden states the layer took (its first argument of the
+        output's shape)."""
+        found = next((value for value in (*self.args, *self.kwargs.values())
+                      if isinstance(value, Tensor) and value.shape == self.output.shape), None)
+        if found is None:
+            raise UnsupportedModelError(
+                f"{type(self.block).__name__} took no hidden states of its output's shape {tuple(self.output.shape)}."
+            )
+        return found.detach()
 
 
 @dataclass

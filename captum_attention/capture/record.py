@@ -184,6 +184,17 @@ class ForwardRecord:
             raise ValueError(f"Every attention call's heads are weighed together, but this model's calls differ in shape ({shapes}).")
         return torch.stack([rows.float().to(per_call[0].device) for rows in per_call], dim=1)
 
+    @property
+    def forward_real(self) -> Tensor:
+        """``(B, N)`` bool, the real tokens of the forward: the record's, and under a
+        causal record the ones after its last query too (cut from its real tokens when
+        it explains one row of an answer, and real for the next row)."""
+        real = self.target_real
+        if not self.causal:
+            return real
+        positions = torch.arange(real.shape[1], device=real.device)
+        return real | (positions[None, :] > last_query(self.query_index.to(real.device))[:, None])
+
     def at_query(self, query_index: Tensor) -> "ForwardRecord":
         """This record explaining ``query_index`` instead (a causal sequence's real tokens
         are cut after it)."""

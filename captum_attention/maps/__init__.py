@@ -6,7 +6,17 @@ Each file holds one method's formula; ``common`` holds what they share.
 from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens, up_to
 from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
-from .context_mixing import summed_weighted_norm, value_zeroing_distances, value_zeroing_mixing
+from .context_mixing import (
+    LinearNorm,
+    alti_contributions,
+    head_vectors,
+    logit_direction,
+    logit_rollout,
+    normalised_mixing,
+    summed_weighted_norm,
+    transformed_vectors,
+    value_zeroing_distances,
+)
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .effective import effective_attention, null_space_dims
 from .flow import attention_flow_scores
@@ -17,6 +27,13 @@ from .vision import patch_grid, reduced_keys_on_patch_grid, windows_on_patch_gri
 from .transformer_attribution import relevance_head_mean, relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
+    "LinearNorm",
+    "alti_contributions",
+    "head_vectors",
+    "logit_direction",
+    "logit_rollout",
+    "normalised_mixing",
+    "transformed_vectors",
     "HEAD_FUSIONS",
     "add_residual",
     "attention_flow_scores",
@@ -50,7 +67,6 @@ __all__ = [
     "summed_weighted_norm",
     "transformer_attribution_scores",
     "value_zeroing_distances",
-    "value_zeroing_mixing",
     "windows_on_patch_grid",
     "without_self",
 ]

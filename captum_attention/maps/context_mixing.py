@@ -1,23 +1,47 @@
-"""Context mixing: attention weighed by what it moves (pure tensor math).
+r"""Context mixing: attention weighed by what it moves (pure tensor math).
 
 Kobayashi, Kuribayashi, Yokoi & Inui, "Attention is Not Only a Weight: Analyzing
 Transformers with Vector Norms", EMNLP 2020: head m of a layer adds
-:math:`\\alpha^m_{ij} f^m(x_j)` to query i, with :math:`f^m(x_j) = v^m_j W_O^{m\\top}` the
+:math:`\alpha^m_{ij} f^m(x_j)` to query i, with :math:`f^m(x_j) = v^m_j W_O^{m\top}` the
 value of token j (its projection's bias included) through head m's slice of the output
 projection. The layer's mixing of token j into query i is the norm of their sum over
-heads, :math:`\\lVert \\sum_m \\alpha^m_{ij} f^m(x_j) \\rVert` (the authors'
+heads, :math:`\lVert \sum_m \alpha^m_{ij} f^m(x_j) \rVert` (the authors'
 ``summed_weighted_norm``; the output projection's bias, shared by every token, left out).
 
 Mohebbi, Zuidema, Chrupała & Alishahi, "Quantifying Context Mixing in Transformers", EACL
 2023 (Value Zeroing): layer l mixes token j into token i by how far token i's layer output
 moves when token j's value vector is zeroed in every head, the layer re-run on the
 previous layer's output,
-:math:`C^l_{ij} = 1 - \\cos(\\tilde{x}^{l,\\neg j}_i, x^l_i)`, each row divided by its sum
-(:func:`value_zeroing_mixing`); the layers' matrices are then rolled out without a residual
+:math:`C^l_{ij} = 1 - \cos(\tilde{x}^{l,\neg j}_i, x^l_i)`, each row divided by its sum
+(:func:`normalised_mixing`); the layers' matrices are then rolled out without a residual
 term (the layer output already holds it).
+
+Kobayashi, Kuribayashi, Yokoi & Inui, "Incorporating Residual and Normalization Layers into
+Analysis of Masked Language Models", EMNLP 2021, and Ferrando, Gállego & Costa-jussà,
+"Measuring the Mixing of Contextual Information in the Transformer", EMNLP 2022 (ALTI): the
+attention block's output at token i, its residual and its norm included, is a sum over the
+tokens j of transformed vectors plus a bias,
+:math:`y_i = \sum_j T_i(x_j) + b_i` with
+:math:`T_i(x_j) = L_i\big(\sum_m \alpha^m_{ij} f^m(x_j) + \delta_{ij} x_j\big)`, where
+:math:`L_i` is the norm after the residual (post-norm layers) as the linear map it is at
+token i's statistics (:class:`LinearNorm`), the identity in pre-norm layers. ALTI's
+contribution of j to i is :math:`\max(0, \lVert y_i \rVert_1 - \lVert y_i - T_i(x_j)
+\rVert_1)`, each row divided by its sum (:func:`alti_contributions`), rolled out over the
+layers without a residual term.
+
+Ferrando, Gállego, Tsiamas & Costa-jussà, "Explaining How Transformers Use Context to Build
+Predictions", ACL 2023 (ALTI-Logit): layer l's attention adds to the logit of token w at
+position q, through token j, :math:`\Delta^l_j = \sum_m \alpha^{lm}_{qj} f^{lm}(x_j)
+\cdot u_q` with :math:`u_q` the unembedding row of w through the final norm's linear map
+at q (:func:`logit_direction`); each layer's share is carried to the input tokens by ALTI's
+rollout of the layers below it, :math:`r = \sum_l \Delta^l C^{l-1} \cdots C^1`
+(:func:`logit_rollout`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +49,7 @@ from torch import Tensor
 
 
 def summed_weighted_norm(rows: Tensor, values: Tensor, projection: Tensor) -> Tensor:
-    """``(B, K)``: :math:`\\lVert \\sum_m \\alpha^m_j f^m(x_j) \\rVert` per key j, in float32.
+    r"""``(B, K)``: :math:`\lVert \sum_m \alpha^m_j f^m(x_j) \rVert` per key j, in float32.
 
     Args:
         rows: ``(B, H, K)`` attention of one query row per example (each head's).
@@ -39,8 +63,8 @@ def summed_weighted_norm(rows: Tensor, values: Tensor, projection: Tensor) -> Te
 
 
 def value_zeroing_distances(original: Tensor, zeroed: Tensor) -> Tensor:
-    """``(V, N)`` float32: how far each token's layer output moves in each re-run,
-    :math:`1 - \\cos(\\tilde{x}^{\\neg j}_i, x_i)` (computed in float64).
+    r"""``(V, N)`` float32: how far each token's layer output moves in each re-run,
+    :math:`1 - \cos(\tilde{x}^{\neg j}_i, x_i)` (computed in float64).
 
     Args:
         original: ``(V, N, D)`` the layer's outputs of the re-runs' examples.
@@ -49,12 +73,101 @@ def value_zeroing_distances(original: Tensor, zeroed: Tensor) -> Tensor:
     return (1.0 - F.cosine_similarity(zeroed.double(), original.double(), dim=-1)).float()
 
 
-def value_zeroing_mixing(distances: Tensor, real: Tensor) -> Tensor:
-    """``(B, N, N)`` float32: one layer's Value Zeroing matrix over the ``real`` tokens
-    ``(B, N)`` bool, from its distances ``(B, N, N)`` (entry ``(b, i, j)``: token i's
-    :func:`value_zeroing_distances` when token j's value is zeroed): the pairs of a
-    non-real token 0, each row divided by its sum (a row without any change stays 0)."""
+def normalised_mixing(contributions: Tensor, real: Tensor) -> Tensor:
+    """``(B, N, N)`` float32: one layer's mixing matrix over the ``real`` tokens ``(B, N)``
+    bool, from its non-negative contributions ``(B, N, N)`` (entry ``(b, i, j)``: what token
+    j gives token i; Value Zeroing's :func:`value_zeroing_distances`, ALTI's
+    :func:`alti_contributions`): the pairs of a non-real token 0, each row divided by its
+    sum (a row without any contribution stays 0)."""
     pairs = real[:, :, None] & real[:, None, :]
-    mixing = torch.where(pairs.to(distances.device), distances.double(), 0.0)
+    mixing = torch.where(pairs.to(contributions.device), contributions.double(), 0.0)
     totals = mixing.sum(dim=-1, keepdim=True)
     return torch.where(totals > 0, mixing / totals.clamp(min=torch.finfo(mixing.dtype).tiny), 0.0).float()
+
+
+@dataclass(frozen=True)
+class LinearNorm:
+    r"""A token-wise norm (LayerNorm, RMSNorm) as the linear map it is at the statistics of
+    the states it normalised: :math:`N(x_i) = L_i(x_i) + \beta` with
+    :math:`L_i(z) = \gamma \odot P(z) \, s_i`, :math:`P` the centring (LayerNorm) or the
+    identity (RMSNorm) and :math:`s_i` one over token i's standard deviation (or root mean
+    square), its epsilon included.
+
+    Attributes:
+        weight: ``(D,)`` float32 :math:`\gamma` as the norm multiplies it.
+        scale: ``(B, N)`` float32 :math:`s_i` per token.
+        centred: whether the norm subtracts the mean.
+        bias: ``(D,)`` float32 :math:`\beta`, or None.
+    """
+
+    weight: Tensor
+    scale: Tensor
+    centred: bool
+    bias: Tensor | None
+
+    def linear(self, vectors: Tensor, rows: slice | None = None) -> Tensor:
+        """:math:`L_i` of ``vectors`` ``(B, r, ..., D)`` whose second dimension is the
+        tokens ``rows`` (default: all)."""
+        if self.centred:
+            vectors = vectors - vectors.mean(dim=-1, keepdim=True)
+        scale = self.scale[:, rows if rows is not None else slice(None)]
+        return vectors * self.weight * scale.reshape(*scale.shape, *[1] * (vectors.dim() - 2))
+
+    def __call__(self, states: Tensor) -> Tensor:
+        """The norm itself, ``(B, N, D)`` from ``(B, N, D)`` states it was measured on."""
+        normed = self.linear(states.float())
+        return normed if self.bias is None else normed + self.bias
+
+
+def head_vectors(values: Tensor, projection: Tensor) -> Tensor:
+    r"""``(B, H, K, D)`` float32 :math:`f^m(x_j) = v^m_j W_O^{m\top}`: each head's value of
+    each key through its slice of the output projection ``(D, H · Dv)``; ``values``
+    ``(B, H, K, Dv)``."""
+    heads, head_dim = values.shape[1], values.shape[-1]
+    per_head = projection.float().reshape(projection.shape[0], heads, head_dim)
+    return torch.einsum("bhkv,dhv->bhkd", values.float(), per_head)
+
+
+def transformed_vectors(
+    rows_probs: Tensor, vectors: Tensor, inputs: Tensor, rows: slice, norm: LinearNorm | None
+) -> Tensor:
+    """``(B, r, N, D)`` float32 :math:`T_i(x_j)` for the query rows ``rows``: the attention
+    ``rows_probs`` ``(B, H, r, N)`` of those rows over :func:`head_vectors` ``vectors``,
+    plus each row's own input (``inputs`` ``(B, N, D)``, the residual), through ``norm``'s
+    linear map (None: a pre-norm layer)."""
+    mixed = torch.einsum("bhik,bhkd->bikd", rows_probs.float(), vectors)
+    own = torch.arange(rows.start, rows.stop, device=mixed.device)
+    mixed[:, own - rows.start, own] += inputs[:, rows].float()
+    return mixed if norm is None else norm.linear(mixed, rows)
+
+
+def alti_contributions(vectors: Tensor, outputs: Tensor) -> Tensor:
+    r"""``(B, r, N)`` float32 ALTI's :math:`\max(0, \lVert y_i \rVert_1 - \lVert y_i -
+    T_i(x_j) \rVert_1)` from :func:`transformed_vectors` ``(B, r, N, D)`` and the block's
+    outputs ``(B, r, D)`` at the same rows."""
+    outputs = outputs.float()[:, :, None, :]
+    return (outputs.abs().sum(dim=-1) - (outputs - vectors).abs().sum(dim=-1)).clamp(min=0.0)
+
+
+def logit_direction(unembedding: Tensor, final_norm: LinearNorm | None, query: Tensor) -> Tensor:
+    r"""``(B, D)`` float32 :math:`u_q`: the direction whose dot product with a vector added
+    to the residual stream at ``query`` ``(B,)`` is what it adds to a logit, the
+    unembedding rows ``(B, D)`` through the final norm's linear map there (its transpose:
+    :math:`P(\gamma \odot U_w) s_q`)."""
+    if final_norm is None:
+        return unembedding.float()
+    weighted = unembedding.float() * final_norm.weight
+    if final_norm.centred:
+        weighted = weighted - weighted.mean(dim=-1, keepdim=True)
+    batch = torch.arange(len(query), device=query.device)
+    return weighted * final_norm.scale[batch, query][:, None]
+
+
+def logit_rollout(layer_logits: Sequence[Tensor], mixing: Sequence[Tensor]) -> Tensor:
+    r"""``(B, N)``: :math:`\sum_l \Delta^l C^{l-1} \cdots C^1` from each layer's
+    ``(B, N)`` logit shares :math:`\Delta^l` and ``(B, N, N)`` mixing matrices
+    :math:`C^l` (in forward order; the last layer's is not used), in float64."""
+    total = layer_logits[-1].double()
+    for shares, layer_mixing in zip(reversed(layer_logits[:-1]), reversed(mixing[:-1])):
+        total = torch.bmm(total[:, None, :], layer_mixing.double())[:, 0] + shares.double()
+    return total.float()

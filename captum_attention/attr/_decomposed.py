@@ -1,0 +1,128 @@
+"""What the methods that decompose an attention block share: each layer's calls, its
+attention rows in either capture mode, and the block written as a sum over tokens
+(:func:`~captum_attention.maps.transformed_vectors`), ALTI's matrices once per forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .._compat import UnsupportedModelError
+from ..capture import RecordedBlocks, RecordedValues
+from ..capture.probes import BlockCall
+from ..capture.record import ForwardRecord
+from ..capture.residual import AttentionResidual, attention_residual
+from ..maps import alti_contributions, head_vectors, normalised_mixing, transformed_vectors
+
+_BLOCK_ELEMENTS = 2**24
+"""How many float32 numbers one block of transformed vectors holds (64 MiB)."""
+
+
+@dataclass
+class LayerSum:
+    """One layer's attention block as a sum over tokens: each head's transformed values
+    :math:`f^m(x_j)` ``(B, H, N, D)`` and where their sum joins the residual."""
+
+    vectors: Tensor
+    residual: AttentionResidual
+
+
+def layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
+    """The recorded call of the layer of each attention call, in order; a refusal in one
+    line where the adapter's ``layer_block`` does not pair them."""
+    blocks = record.result(RecordedBlocks)
+    if len(blocks.calls) != record.num_calls:
+        raise UnsupportedModelError(
+            f"{method} reads the layer of each attention call, but {type(model).__name__}'s adapter found "
+            f"{len(blocks.calls)} layer calls for {record.num_calls} attention calls (layer_block)."
+        )
+    if model.training:
+        raise ValueError(f"{method} re-runs each layer, which dropout would change: call model.eval().")
+    return blocks.calls
+
+
+def attention_rows(record: ForwardRecord, call: int, rows: slice) -> Tensor:
+    """``(B, H, r, N)`` float32 attention of the query rows ``rows`` of one call, from the
+    maps (eager) or recomputed from the kernel call (streaming)."""
+    if not record.streaming:
+        return record.attn_maps[call][:, :, rows].float()
+    kernel = record.kernel_calls[call]
+    probs = kernel.probs(rows)
+    return torch.nn.functional.pad(probs, (0, kernel.num_keys - probs.shape[-1]))
+
+
+def attention_row_at(record: ForwardRecord, call: int, position: Tensor) -> Tensor:
+    """``(B, H, N)`` float32 attention of each example's row ``position[b]``."""
+    if record.streaming:
+        kernel = record.kernel_calls[call]
+        return kernel.rows_at(position.to(kernel.query.device))
+    maps = record.attn_maps[call]
+    return maps[torch.arange(maps.shape[0], device=maps.device), :, position.to(maps.device)].float()
+
+
+def row_blocks(batch: int, tokens: int, width: int) -> Iterator[slice]:
+    """Consecutive query rows, as many at a time as keep one block of transformed vectors
+    ``(B, r, N, D)`` within :data:`_BLOCK_ELEMENTS`."""
+    step = max(1, _BLOCK_ELEMENTS // max(1, batch * tokens * width))
+    return (slice(start, min(start + step, tokens)) for start in range(0, tokens, step))
+
+
+def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
+    """``(B, H, N, D)`` :func:`~captum_attention.maps.head_vectors` of one call (detached)."""
+    recorded = record.result(RecordedValues)
+    projection = recorded.projections[call]
+    if projection is None:
+        raise UnsupportedModelError(
+            f"{method} needs the output projection of {type(record.capture.modules[call]).__name__}, "
+            "which its adapter does not name (output_projection)."
+        )
+    return head_vectors(recorded.per_head(call).detach(), projection.detach())
+
+
+def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
+    """Call ``call``'s layer as a sum over tokens, checked against the model's own states
+    (:func:`~captum_attention.capture.residual.attention_residual`)."""
+    vectors = call_head_vectors(record, call, method)
+    batch, _, tokens, width = vectors.shape
+    sums = torch.cat(
+        [torch.einsum("bhik,bhkd->bid", attention_rows(record, call, rows).to(vectors.device), vectors)
+         for rows in row_blocks(batch, tokens, width)],
+        dim=1,
+    )
+    return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, record.forward_real))
+
+
+def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
+    """:func:`layer_sum` of every layer, in order, one at a time."""
+    for call, block in enumerate(layer_calls(model, record, method)):
+        yield layer_sum(model, record, call, block, method)
+
+
+def alti_matrices(model: nn.Module, record: ForwardRecord, method: str = "ALTI") -> list[Tensor]:
+    """Every layer's ALTI matrix ``(B, N, N)`` over the record's real tokens, from
+    contributions computed once per forward (an answer's rows share them) and, with them,
+    whether each layer is pre-norm."""
+    blocks = record.result(RecordedBlocks)
+    if "alti" not in blocks.cache:
+        blocks.cache["alti"] = [(_contributions(record, call, layer), layer.residual.norm is None)
+                                for call, layer in enumerate(layer_sums(model, record, method))]
+    return [normalised_mixing(contributions, record.target_real) for contributions, _ in blocks.cache["alti"]]
+
+
+def all_pre_norm(record: ForwardRecord) -> bool:
+    """Whether every layer :func:`alti_matrices` decomposed is pre-norm."""
+    return all(pre_norm for _, pre_norm in record.result(RecordedBlocks).cache["alti"])
+
+
+def _contributions(record: ForwardRecord, call: int, layer: LayerSum) -> Tensor:
+    batch, _, tokens, width = layer.vectors.shape
+    residual = layer.residual
+    inputs, outputs = residual.inputs.to(layer.vectors.device), residual.outputs.to(layer.vectors.device)
+    blocks = []
+    for rows in row_blocks(batch, tokens, width):
+        vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
+        blocks.append(alti_contributions(vectors, outputs[:, rows]))
+    return torch.cat(blocks, dim=1)

@@ -1,0 +1,281 @@
+"""Where an attention layer's output joins the residual stream, read from the model's own
+modules: what ALTI and the norm-based attention with the residual decompose.
+
+A layer is re-run on its recorded inputs (:class:`~captum_attention.capture.probes.BlockCall`)
+with a hook on each of its modules. The sum of the layer's input and its attention output
+(that output's bias included) is the input of one of the layer's norms; the layer is
+*pre-norm* when that sum is the residual stream itself (the layer's output is the sum plus
+one of its modules' outputs: Llama, GPT-2) and *post-norm* when the norm's output is (the
+next norm takes it plus one of the modules' outputs: BERT). Any other wiring (a norm on the
+attention output before the residual, Gemma-2; attention and feed-forward in parallel,
+GPT-J) is refused in one line rather than decomposed wrongly.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._compat import UnsupportedModelError
+from ..maps import LinearNorm
+from .adapters import AttentionAdapter
+from .kernel import KernelInterception
+from .probes import BlockCall, Probe
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+@dataclass
+class AttentionResidual:
+    """One layer's attention block as a sum over tokens.
+
+    Attributes:
+        inputs: ``(B, N, D)`` the layer's input :math:`x` (the residual it adds).
+        outputs: ``(B, N, D)`` the residual stream after the attention :math:`y`: the
+            sum of the input and the attention output (pre-norm), or that sum through the
+            norm (post-norm).
+        norm: the post-norm as a :class:`~captum_attention.maps.LinearNorm`, or None.
+    """
+
+    inputs: Tensor
+    outputs: Tensor
+    norm: LinearNorm | None
+
+
+@dataclass
+class _Seen:
+    module: nn.Module
+    inputs: Tensor | None
+    output: Tensor
+
+
+def attention_residual(
+    model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streaming: bool, attention_sums: Tensor, real: Tensor
+) -> AttentionResidual:
+    """Find where the attention output joins the residual in ``call``'s layer.
+
+    Args:
+        model: the model, run as the forward ran it (``adapter.prepared``).
+        adapter: its adapter.
+        call: the layer's recorded call.
+        streaming: whether the forward streamed (the layer is re-run the same way).
+        attention_sums: ``(B, N, D)`` :math:`\\sum_j \\sum_m \\alpha^m_{ij} f^m(x_j)`, the
+            attention output without its bias, as the method computed it.
+        real: ``(B, N)`` bool, the tokens whose rows are compared.
+    """
+    inputs = call.hidden_input
+    seen = _rerun(model, adapter, call, streaming)
+    name = type(call.block).__name__
+    joined = next((s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, inputs, attention_sums, real)), None)
+    if joined is None:
+        raise UnsupportedModelError(
+            f"No norm in {name} takes the sum of its input and its attention output: the attention block "
+            "cannot be written as a sum over tokens (a norm on the attention output, or attention in parallel "
+            "with the feed-forward)."
+        )
+    assert joined.inputs is not None
+    outputs = [s.output for s in seen]
+    if any(_close(joined.inputs + added, call.output, real) for added in outputs):
+        return AttentionResidual(inputs, joined.inputs.detach(), None)
+    if any(s.module is not joined.module and s.inputs is not None and _close(joined.output + added, s.inputs, real)
+           for s in seen if _is_norm(s.module, inputs.shape[-1]) for added in outputs):
+        return AttentionResidual(inputs, joined.output.detach(), linear_norm(joined.module, joined.inputs, joined.output))
+    raise UnsupportedModelError(
+        f"{name} adds its attention output to its input before {type(joined.module).__name__}, but neither that sum "
+        "(pre-norm) nor the norm's output (post-norm) is what the layer carries on."
+    )
+
+
+@dataclass
+class FinalStates:
+    """What a language model's head read, and the norms outside its layers that ran: the
+    final norm and the unembedding (:meth:`unembedding`) as ALTI-Logit needs them.
+
+    Attributes:
+        head: the output embeddings (None where the model has none).
+        head_inputs: ``(B, N, D)`` what the head took, or None.
+        last_output: ``(B, N, D)`` the last layer's output, or None.
+        norms: ``(module, input, output)`` of each norm outside the layers.
+    """
+
+    head: nn.Module | None
+    head_inputs: Tensor | None
+    last_output: Tensor | None
+    norms: list[tuple[nn.Module, Tensor, Tensor]]
+
+    def unembedding(self, real: Tensor) -> tuple[Tensor, Tensor | None, LinearNorm | None]:
+        """The head's weight ``(V, D)``, its bias, and the final norm between the last
+        layer and the head as a :class:`LinearNorm` (None where the head reads the last
+        layer's output itself), checked on the ``real`` tokens; a refusal in one line
+        where the head does not read the last layer through a norm."""
+        weight = getattr(self.head, "weight", None)
+        if self.head_inputs is None or self.last_output is None or not isinstance(weight, Tensor):
+            raise UnsupportedModelError(
+                "ALTI-Logit explains a language model's next-token logit: the model needs output embeddings "
+                "(get_output_embeddings()) that its forward calls."
+            )
+        bias = getattr(self.head, "bias", None)
+        bias = bias.detach() if isinstance(bias, Tensor) else None
+        if _close(self.head_inputs, self.last_output, real):
+            return weight.detach(), bias, None
+        for module, inputs, outputs in self.norms:
+            if _close(outputs, self.head_inputs, real) and _close(inputs, self.last_output, real):
+                return weight.detach(), bias, linear_norm(module, inputs, outputs)
+        raise UnsupportedModelError(
+            f"{type(self.head).__name__} reads neither the last layer's output nor a norm of it: ALTI-Logit cannot "
+            "carry the layers' additions to the logits."
+        )
+
+
+    def check_logits(self, logits: Tensor, positions: Tensor, tokens: Tensor) -> None:
+        """Refuse in one line where the model's ``logits`` ``(B, N, V)`` at ``positions``
+        ``(B, K)`` for ``tokens`` ``(B, K)`` are not the head's own (a logit cap or scale)."""
+        assert self.head_inputs is not None and self.head is not None
+        batch = torch.arange(len(positions), device=positions.device)[:, None]
+        read = self.head_inputs[batch, positions.to(self.head_inputs.device)].float()
+        weight = self.head.weight.detach().float()[tokens.to(read.device)]
+        predicted = (read * weight).sum(dim=-1)
+        bias = getattr(self.head, "bias", None)
+        if isinstance(bias, Tensor):
+            predicted = predicted + bias.detach().float()[tokens.to(read.device)]
+        actual = logits[batch.to(logits.device), positions.to(logits.device), tokens.to(logits.device)]
+        if not _close(predicted, actual.to(predicted.device), None):
+            raise UnsupportedModelError(
+                f"The model's logits are not its {type(self.head).__name__}'s products with the final states "
+                "(a logit cap or scale): ALTI-Logit's shares would not add up to them."
+            )
+
+
+class FinalReadout(Probe):
+    """Records :class:`FinalStates`: the input of the model's output embeddings, the last
+    layer's output and the norms outside the layers (both capture modes)."""
+
+    def __init__(self) -> None:
+        self._states = FinalStates(None, None, None, [])
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        states = self._states = FinalStates(head, None, None, [])
+        find = getattr(adapter, "layer_block", None)
+        blocks = [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
+        inside = {id(module) for block in blocks if block is not None for module in block.modules()}
+
+        def keep_head_input(module: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], Tensor):
+                states.head_inputs = args[0].detach()
+
+        def keep_norm(module: nn.Module, args: tuple, output: Any) -> None:
+            if args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
+                states.norms.append((module, args[0].detach(), output.detach()))
+
+        def keep_last(module: nn.Module, args: tuple, output: Any) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, Tensor):
+                states.last_output = hidden.detach()
+
+        if isinstance(head, nn.Module):
+            stack.callback(head.register_forward_pre_hook(keep_head_input).remove)
+        for module in model.modules():
+            if id(module) not in inside and module is not head and "norm" in type(module).__name__.lower():
+                stack.callback(module.register_forward_hook(keep_norm).remove)
+        last = next((block for block in reversed(blocks) if block is not None), None)
+        if last is not None:
+            stack.callback(last.register_forward_hook(keep_last).remove)
+
+    def result(self) -> FinalStates:
+        return self._states
+
+
+def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNorm:
+    """``module`` (a LayerNorm or an RMSNorm) as the linear map it was on ``inputs``
+    ``(B, N, D)``, checked against the ``outputs`` it gave; a norm of another form is
+    refused in one line."""
+    states = inputs.detach().float()
+    eps = next((float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), 0.0)
+    weight = getattr(module, "weight", None)
+    weights = [torch.ones(states.shape[-1], device=states.device)] if weight is None else [weight.detach().float(), 1.0 + weight.detach().float()]
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach().float()
+    for centred in (True, False):
+        spread = states.var(dim=-1, unbiased=False) if centred else states.pow(2).mean(dim=-1)
+        for gamma in weights:
+            norm = LinearNorm(gamma, (spread + eps).rsqrt(), centred, bias)
+            if _close(norm(states), outputs.float(), None):
+                return norm
+    raise UnsupportedModelError(
+        f"{type(module).__name__} is neither a LayerNorm nor an RMSNorm of its weight: its output cannot be written "
+        "as a linear map of its input at its statistics."
+    )
+
+
+def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streaming: bool) -> list[_Seen]:
+    """Every module of the layer that returned hidden states of the layer's shape (its
+    first input kept), in the order they returned, from one re-run of the layer in the
+    forward's mode (its attention masks are that mode's; streaming, through the kernel the
+    capture ran); the re-run must give the recorded output."""
+    shape = call.output.shape
+    seen: list[_Seen] = []
+
+    def keep(module: nn.Module, args: tuple, output: Any) -> None:
+        hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(hidden, Tensor) and hidden.shape == shape:
+            first = args[0] if args and isinstance(args[0], Tensor) and args[0].shape == shape else None
+            seen.append(_Seen(module, None if first is None else first.detach(), hidden.detach()))
+
+    args, kwargs = call.rerun_inputs()
+    with ExitStack() as stack, torch.no_grad():
+        stack.enter_context(adapter.prepared(model, streaming=streaming))
+        if streaming:
+            stack.enter_context(KernelInterception(lambda module, kernel, run_kernel: run_kernel()))
+        for module in call.block.modules():
+            if module is not call.block:
+                stack.callback(module.register_forward_hook(keep).remove)
+        output = call.block(*args, **kwargs)
+    output = output[0] if isinstance(output, (tuple, list)) else output
+    if not _close(output, call.output, None):
+        raise UnsupportedModelError(
+            f"Re-running {type(call.block).__name__} on its recorded inputs does not give its output (dropout? call model.eval())."
+        )
+    return seen
+
+
+def _is_norm(module: nn.Module, width: int) -> bool:
+    weight = getattr(module, "weight", None)
+    shaped = weight is None or (isinstance(weight, Tensor) and tuple(weight.shape) == (width,))
+    return "norm" in type(module).__name__.lower() and shaped
+
+
+def _joins(states: Tensor | None, inputs: Tensor, attention_sums: Tensor, real: Tensor) -> bool:
+    """Whether ``states`` is the input plus the attention sums plus one bias shared by
+    every real token."""
+    if states is None or states.shape != inputs.shape:
+        return False
+    rows = real.to(states.device)
+    bias = (states.float() - inputs.float() - attention_sums.float())[rows]
+    if not len(bias):
+        return False
+    spread = (bias - bias[:1]).abs().amax()
+    return bool((spread <= _tolerance(states) * states.float()[rows].abs().amax()).item())
+
+
+def _close(actual: Tensor, expected: Tensor, real: Tensor | None) -> bool:
+    """Equal to rounding, on the ``real`` rows (all with None)."""
+    if actual.shape != expected.shape:
+        return False
+    if real is not None:
+        actual, expected = actual[real.to(actual.device)], expected[real.to(expected.device)]
+    if not len(actual):
+        return False
+    reference = expected.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    return bool(((actual.float() - expected.float()).abs().amax() <= _tolerance(actual, expected) * reference).item())
+
+
+def _tolerance(*tensors: Tensor) -> float:
+    """What rounding allows, relative to the scale: 1e-4 in single or double precision,
+    1e-2 in half precision."""
+    return 1e-2 if any(torch.finfo(t.dtype).bits <= 16 for t in tensors) else 1e-4

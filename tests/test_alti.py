@@ -1,0 +1,258 @@
+"""ALTI (Ferrando et al., EMNLP 2022) and ALTI-Logit (Ferrando et al., ACL 2023) against a
+recomputation written from the authors' code (``mt-upc/transformer-contributions``'s
+``ModelWrapper.get_contributions``, ``normalize_contributions(scaling='min_sum')`` and
+``compute_joint_attention``; ``mt-upc/logit-explanations``' ``get_logit_contributions`` and
+``track2input_tokens``): one unpadded example at a time (the authors' batch of one), the
+eager model's ``output_attentions`` and ``output_hidden_states``, the value projections'
+outputs and the norms' inputs read by hooks, the transformed vectors built as the authors'
+einsums build them (their ``l_transform``: centring and γ as matrices, over the standard
+deviation of the norm's input), and compared with the library's batched, padded call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_state, model_state
+from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_word_tokenizer, one_stack_case
+
+from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, UnsupportedModelError
+from captum_attention.attr import METHODS, REGISTRY
+
+
+def _modules(model, family: str):
+    """Per layer, as the authors' config names them: the values' module, the output
+    projection as ``(out, in)`` weight and its bias, the norm after the residual (``ln1``,
+    post-norm only) and the norm that takes the attention block's output (``ln2``)."""
+    if family == "bert":
+        return [(layer.attention.self.value, layer.attention.output.dense.weight, layer.attention.output.dense.bias,
+                 layer.attention.output.LayerNorm, layer.output.LayerNorm) for layer in model.bert.encoder.layer]
+    if family == "llama":
+        return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.post_attention_layernorm)
+                for layer in model.model.layers]
+    return [(block.attn.c_attn, block.attn.c_proj.weight.t(), block.attn.c_proj.bias, None, block.ln_2)
+            for block in model.transformer.h]
+
+
+def _final(model, family: str):
+    """The final norm and the unembedding weight ``(V, D)``."""
+    if family == "llama":
+        return model.model.norm, model.lm_head.weight
+    return model.transformer.ln_f, model.lm_head.weight
+
+
+def _run(model, family: str, ids):
+    """One unpadded example ``(1, T)`` through an eager copy of the model: attentions,
+    hidden states, logits, and per layer the values ``(H_kv, T, d)`` and each hooked norm's
+    input; the final norm's input."""
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("eager")
+    seen: dict = {"values": [], "ln1": [], "ln2": [], "final": []}
+    handles = []
+
+    def keep(name, transform=lambda t: t):
+        return lambda module, args, output: seen[name].append(transform(args[0] if name != "values" else output).detach())
+
+    heads, kv_heads = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
+    for values, _, _, ln1, ln2 in _modules(model, family):
+        third = (lambda t: t[..., 2 * t.shape[-1] // 3 :]) if family == "gpt2" else (lambda t: t)
+        handles.append(values.register_forward_hook(keep("values", third)))
+        handles.append(ln2.register_forward_hook(keep("ln2")))
+        if ln1 is not None:
+            handles.append(ln1.register_forward_hook(keep("ln1")))
+    if family != "bert":
+        handles.append(_final(model, family)[0].register_forward_hook(keep("final")))
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True, output_hidden_states=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    seen["values"] = [v[0].view(v.shape[1], kv_heads, -1).transpose(0, 1) for v in seen["values"]]
+    return out, seen, heads, kv_heads
+
+
+def _l_transform(x, weight, pre_ln_states, centred: bool, eps: float):
+    """The authors' ``l_transform``: x·(I - 1/D)·diag(γ) over each position's deviation."""
+    size = weight.shape[0]
+    mean = torch.eye(size, dtype=x.dtype) - (1.0 / size if centred else 0.0) * torch.ones(size, size, dtype=x.dtype)
+    out = torch.einsum("...e,ef,fg->...g", x, mean, torch.diag(weight.to(x.dtype)))
+    spread = pre_ln_states.var(-1, unbiased=False) if centred else pre_ln_states.pow(2).mean(-1)
+    return out, 1.0 / torch.sqrt(spread + eps)
+
+
+def _layer_vectors(attn, values, weight, heads, kv_heads):
+    """``(T, T, D)`` Σ_h α[h, i, j] v^h_j W_O^hᵀ (the authors' ``summed_weighted_layer``)."""
+    values = values.repeat_interleave(heads // kv_heads, dim=0).double()  # (H, T, d)
+    dense = weight.double().view(weight.shape[0], heads, -1)
+    transformed = torch.einsum("hsv,dhv->hsd", values, dense)
+    return torch.einsum("hks,hsd->hksd", attn.double(), transformed).sum(0)
+
+
+def _alti_layers(model, family: str, ids):
+    """The authors' per-layer contributions, normalised (``min_sum``), for one example."""
+    out, seen, heads, kv_heads = _run(model, family, ids)
+    layers = []
+    for layer, (_, weight, bias, ln1, ln2) in enumerate(_modules(model, family)):
+        hidden = out.hidden_states[layer][0].double()
+        summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
+        residual = summed + torch.einsum("sk,sd->skd", torch.eye(hidden.shape[0], dtype=hidden.dtype), hidden)
+        if ln1 is not None:  # post-norm: T_i(x_j) through LN1's linear map; y: LN1's output
+            pre = seen["ln1"][layer][0].double()
+            vectors, coef = _l_transform(residual, ln1.weight.detach(), pre, True, ln1.eps)
+            vectors = vectors * coef[:, None, None]
+            resultant = ln1(seen["ln1"][layer]).detach()[0].double()
+        else:  # pre-norm: y = Σ_j T_i(x_j) + b_O, the input of the next norm
+            vectors = residual
+            resultant = vectors.sum(1) + (0.0 if bias is None else bias.detach().double())
+            torch.testing.assert_close(resultant, seen["ln2"][layer][0].double(), rtol=1e-5, atol=1e-5)
+        importance = -F.pairwise_distance(vectors, resultant[:, None, :], p=1)
+        contributions = (importance + resultant.abs().sum(-1)[:, None]).clamp(min=0)
+        layers.append(contributions / contributions.sum(-1, keepdim=True))
+    return layers, out, seen
+
+
+def _rollout(layers):
+    joint = [layers[0]]
+    for layer in layers[1:]:
+        joint.append(layer @ joint[-1])
+    return joint
+
+
+def _examples(ids, mask):
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        yield b, real, ids[b, real][None]
+
+
+def reference(model, family: str, ids, mask, query: int) -> torch.Tensor:
+    """ALTI's row of the explained query, per example, at its real positions."""
+    scores = torch.zeros(ids.shape)
+    for b, real, example in _examples(ids, mask):
+        row = query if family == "bert" else int(real.sum()) - 1  # decoders: left padding, the last token
+        layers, _, _ = _alti_layers(model, family, example)
+        scores[b, real] = _rollout(layers)[-1][row].float()
+    return scores
+
+
+def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
+    """ALTI-Logit (``logit_aff_x_j_alti`` summed over layers) for the predicted token, or
+    ``tokens[b]``, at each example's last position."""
+    scores = torch.zeros(ids.shape)
+    final, embed = _final(model, family)
+    centred = family != "llama"  # GPT-2's LayerNorm; Llama's RMSNorm: γ·z / rms
+    for b, real, example in _examples(ids, mask):
+        layers, out, seen = _alti_layers(model, family, example)
+        joint = _rollout(layers)
+        pos = example.shape[1] - 1
+        token = int(out.logits[0, pos].argmax()) if tokens is None else int(tokens[b])
+        pre_lnf = seen["final"][0][0].double()
+        heads, kv_heads = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
+        total = torch.zeros(example.shape[1], dtype=torch.float64)
+        for layer, (_, weight, _, _, _) in enumerate(_modules(model, family)):
+            aff = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
+            lin, coef = _l_transform(aff[pos], final.weight.detach(), pre_lnf[pos], centred, final.eps if centred else final.variance_epsilon)
+            logits = (lin * coef) @ embed.detach()[token].double()  # (T,) Δlogit^l per token j
+            total += logits if layer == 0 else logits @ joint[layer - 1]
+        scores[b, real] = total.float()
+    return scores
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_alti_equals_the_authors_computation(family, capture_mode):
+    model, ids, mask, query = one_stack_case(family)
+    before = model_state(model)
+    scores = ALTI(model).attribute(ids, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    expected = reference(model, family, ids, mask, query)
+    assert expected.abs().sum() > 0 and not scores.requires_grad
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_alti_logit_equals_the_authors_computation(family, capture_mode):
+    model, ids, mask, _ = one_stack_case(family)
+    before = model_state(model)
+    scores = ALTILogit(model).attribute(ids, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    expected = logit_reference(model, family, ids, mask)
+    assert (expected < 0).any() and (expected > 0).any()  # signed, in logit units
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    tokens = torch.tensor([5, 9, 11])
+    chosen = ALTILogit(model).attribute(ids, target=tokens, additional_forward_args=(mask,))
+    torch.testing.assert_close(chosen, logit_reference(model, family, ids, mask, tokens), rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_answers_rows_and_spans_and_the_llm_interface():
+    model = make_decoder("llama")
+    rows, ids, mask = answer_rows(ALTI(model))
+    second = reference(model, "llama", ids, mask, ids.shape[1] - 1)
+    torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, rtol=1e-5, atol=1e-6)
+    logit_rows, ids, mask = answer_rows(ALTILogit(model))
+    expected = logit_reference(model, "llama", ids, mask, tokens=torch.tensor([9, 3, 4]))
+    torch.testing.assert_close(logit_rows[:, 1, : ids.shape[1]], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    tokenizer = make_word_tokenizer()
+    from captum.attr import TextTokenInput
+
+    for explainer in (ALTI(model), ALTILogit(model)):
+        result = LLMAttentionAttribution(explainer, tokenizer).attribute(TextTokenInput("the secret code is", tokenizer), target="seven")
+        assert result.seq_attr.shape == (5,) and bool(result.seq_attr.ne(0).any())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss"])
+def test_streaming_equals_eager_across_families(family):
+    model = make_decoder(family)
+    _, ids, mask, _ = one_stack_case("llama")
+    for method in (ALTI, ALTILogit):
+        eager = method(model, capture="eager").attribute(ids, additional_forward_args=(mask,))
+        streamed = method(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+        torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item())
+        assert bool(eager[~mask.bool()].eq(0).all())
+
+
+def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
+    model, ids, mask, _ = one_stack_case("llama")
+    gemma = make_decoder("gemma2")  # a norm on the attention output before the residual
+    before = model_state(gemma)
+    with pytest.raises(UnsupportedModelError, match="No norm in Gemma2DecoderLayer takes the sum") as refused:
+        ALTI(gemma).attribute(ids, additional_forward_args=(mask,))
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(gemma))
+    bert, bert_ids, bert_mask, _ = one_stack_case("bert")
+    with pytest.raises(UnsupportedModelError, match="next-token logit"):
+        ALTILogit(bert).attribute(bert_ids, additional_forward_args=(bert_mask,))
+    with pytest.raises(ValueError, match="one self-attention stack"):
+        ALTI(make_encoder_decoder("t5")).attribute((ids[:, :4], ids[:, :3]))
+
+
+def test_post_norm_language_models_are_refused_by_alti_logit():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=24)).eval()
+    ids = torch.randint(3, 40, (2, 6))
+    assert ALTI(model).attribute(ids).shape == (2, 6)
+    with pytest.raises(UnsupportedModelError, match="post-norm layers of BertForMaskedLM"):
+        ALTILogit(model).attribute(ids)
+
+
+def test_capped_logits_are_refused(monkeypatch):
+    model, ids, mask, _ = one_stack_case("gpt2")
+    original = type(model).forward
+
+    def capped(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+        return out
+
+    monkeypatch.setattr(type(model), "forward", capped)
+    with pytest.raises(UnsupportedModelError, match="logit cap or scale"):
+        ALTILogit(model).attribute(ids, additional_forward_args=(mask,))
+
+
+def test_registered_out_of_reports():
+    assert REGISTRY["alti"] is ALTI and REGISTRY["alti_logit"] is ALTILogit
+    assert "alti" not in METHODS and "alti_logit" not in METHODS
