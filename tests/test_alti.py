@@ -1,4 +1,5 @@
-"""ALTI (Ferrando et al., EMNLP 2022) and ALTI-Logit (Ferrando et al., ACL 2023) against a
+"""ALTI (Ferrando et al., EMNLP 2022), ALTI-Logit (Ferrando et al., ACL 2023) and the norm-based
+attention with its residual and norm (Kobayashi et al., EMNLP 2021) against a
 recomputation written from the authors' code (``mt-upc/transformer-contributions``'s
 ``ModelWrapper.get_contributions``, ``normalize_contributions(scaling='min_sum')`` and
 ``compute_joint_attention``; ``mt-upc/logit-explanations``' ``get_logit_contributions`` and
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, model_state
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_word_tokenizer, one_stack_case
 
-from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, UnsupportedModelError
+from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY
 
 
@@ -160,6 +161,42 @@ def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
     return scores
 
 
+def residual_norms_reference(model, family: str, ids, mask, query: int, layer: int) -> torch.Tensor:
+    """Kobayashi et al. (2021)'s ``post_ln_norm`` (``residual_weighted_norm`` in a pre-norm
+    layer) at the query row, per example, as their modified ``BertSelfAttention`` computes
+    it: each vector of the sum centred by its own mean, over the norm input's deviation,
+    times γ."""
+    scores = torch.zeros(ids.shape)
+    for b, real, example in _examples(ids, mask):
+        row = query if family == "bert" else int(real.sum()) - 1
+        out, seen, heads, kv_heads = _run(model, family, example)
+        layers = _modules(model, family)
+        layer = layer % len(layers)
+        weight, ln1 = layers[layer][1], layers[layer][3]
+        hidden = out.hidden_states[layer][0].double()  # the layer's input
+        summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
+        residual = summed[row] + torch.eye(hidden.shape[0], dtype=hidden.dtype)[row][:, None] * hidden[row]
+        if ln1 is not None:
+            pre = seen["ln1"][layer][0, row].double()
+            var = (pre - pre.mean()).pow(2).mean()
+            residual = (residual - residual.mean(-1, keepdim=True)) / (var + ln1.eps) ** 0.5 * ln1.weight.detach().double()
+        scores[b, real] = residual.norm(dim=-1).float()
+    return scores
+
+
+@pytest.mark.parametrize("layer", [-1, 0])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, capture_mode):
+    model, ids, mask, query = one_stack_case(family)
+    before = model_state(model)
+    scores = NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=layer, residual=True)
+    assert_same_state(before, model_state(model))
+    expected = residual_norms_reference(model, family, ids, mask, query, layer)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    plain = NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=layer)
+    assert not torch.allclose(plain, scores)
+
+
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_alti_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, query = one_stack_case(family)
@@ -256,3 +293,24 @@ def test_capped_logits_are_refused(monkeypatch):
 def test_registered_out_of_reports():
     assert REGISTRY["alti"] is ALTI and REGISTRY["alti_logit"] is ALTILogit
     assert "alti" not in METHODS and "alti_logit" not in METHODS
+
+
+@pytest.mark.parametrize(
+    "head, model_type",
+    [("causal LM", "opt"), ("sequence classification", "distilbert"), ("image classification", "vit")],
+)
+def test_other_wirings_stream_as_they_run_eager_and_their_rows_sum_to_one(head, model_type):
+    """OPT flattens the tokens before its second norm, DistilBERT names its post-norms
+    differently, ViT is a pre-norm encoder of patches: each found from its own modules."""
+    import zoo
+
+    architecture = next(a for a in zoo.architectures(head) if a.model_type == model_type)
+    case = zoo.runs(zoo.make_case(zoo.build(architecture), architecture))
+    eager = ALTI(case.model, capture="eager").attribute(case.inputs, additional_forward_args=case.args)
+    streamed = ALTI(case.model, capture="streaming").attribute(case.inputs, additional_forward_args=case.args)
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6)
+    totals = eager.flatten(1).sum(dim=1)
+    if head == "image classification":  # the patches' share: the class token's is not on the grid
+        assert bool(((totals > 0.5) & (totals < 1.0)).all())
+    else:
+        torch.testing.assert_close(totals, torch.ones(len(eager)), rtol=1e-5, atol=1e-5)

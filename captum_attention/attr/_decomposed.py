@@ -79,7 +79,14 @@ def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
             f"{method} needs the output projection of {type(record.capture.modules[call]).__name__}, "
             "which its adapter does not name (output_projection)."
         )
-    return head_vectors(recorded.per_head(call).detach(), projection.detach())
+    values = recorded.per_head(call).detach()
+    heads, head_dim = values.shape[1], values.shape[-1]
+    if projection.shape[1] != heads * head_dim:
+        raise UnsupportedModelError(
+            f"{method} splits the output projection of {type(record.capture.modules[call]).__name__} by head, but it "
+            f"takes {projection.shape[1]} features, not its {heads} heads' {heads}×{head_dim} values."
+        )
+    return head_vectors(values, projection.detach())
 
 
 def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
@@ -87,6 +94,11 @@ def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCa
     (:func:`~captum_attention.capture.residual.attention_residual`)."""
     vectors = call_head_vectors(record, call, method)
     batch, _, tokens, width = vectors.shape
+    if width != block.output.shape[-1]:
+        raise UnsupportedModelError(
+            f"{method} adds the attention output to the hidden states of {type(block.block).__name__}, but its output "
+            f"projection gives {width} features and the layer's states have {block.output.shape[-1]} (a bottleneck)."
+        )
     sums = torch.cat(
         [torch.einsum("bhik,bhkd->bid", attention_rows(record, call, rows).to(vectors.device), vectors)
          for rows in row_blocks(batch, tokens, width)],

@@ -6,15 +6,16 @@ from typing import Any, Literal
 
 import torch
 from captum.attr import Attribution
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError
-from ..capture import AttendedValues, Probe, RecordedValues
+from ..capture import AttendedValues, LayerBlocks, Probe, RecordedValues
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..maps import query_weights, summed_weighted_norm
+from ..maps import query_weights, summed_weighted_norm, transformed_vectors
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._registry import LAYER, MethodSpec
+from ._decomposed import attention_rows, layer_calls, layer_sum
+from ._registry import FLAG, LAYER, MethodSpec
 
 
 class NormAttention(AttentionAttributionBase, Attribution):
@@ -35,8 +36,16 @@ class NormAttention(AttentionAttributionBase, Attribution):
     span of rows, the weighted sum of each row's norms). Where raw attention gives a token
     with a small value vector as much as any other, this gives it what it actually adds
     to the query. A forward pass only; the values and the output projection are read from
-    the call (the adapter's ``output_projection``), in both capture modes. Registered
-    (``"norm_attention"``), not yet in the reports.
+    the call (the adapter's ``output_projection``), in both capture modes.
+
+    With ``residual=True``, the variant of Kobayashi, Kuribayashi, Yokoi & Inui,
+    "Incorporating Residual and Normalization Layers into Analysis of Masked Language
+    Models", EMNLP 2021 (https://arxiv.org/abs/2109.07152): the residual and the norm after
+    it join the sum, :math:`r_j = \lVert L_q(\sum_m lpha^{lm}_{qj} f^{lm}(x_j) +
+    \delta_{qj} x_j) Vert_2` (AttnResLn-N; :math:`L_q` the norm's linear map at q, its
+    bias left out, in a post-norm layer; AttnRes-N in a pre-norm layer, which has no norm
+    there), read from the model's own modules as :class:`ALTI` reads them (one re-run of
+    the chosen layer). Registered (``"norm_attention"``), not yet in the reports.
 
     Args:
         $constructor_args
@@ -48,7 +57,7 @@ class NormAttention(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "norm_attention", "Norm-based Attention", options={"layer": LAYER}, encoder_decoder=False, in_reports=False
+        "norm_attention", "Norm-based Attention", options={"layer": LAYER, "residual": FLAG}, encoder_decoder=False, in_reports=False
     )
 
     @attribute_method
@@ -60,6 +69,7 @@ class NormAttention(AttentionAttributionBase, Attribution):
         query_index: QueryIndex = None,
         return_maps: Literal[False] = False,
         layer: int = -1,
+        residual: bool = False,
     ) -> Scores:
         r"""The norm of each token's attention-weighted, transformed value at the query.
 
@@ -72,21 +82,28 @@ class NormAttention(AttentionAttributionBase, Attribution):
                 error. Default: False.
             layer (int, optional): which attention layer (negative counts from the end).
                 Default: -1, the last.
+            residual (bool, optional): add the residual and the norm after it
+                (Kobayashi et al., 2021). Default: False.
 
         $returns
         """
         if return_maps:
             raise ValueError("NormAttention gives one layer's scores and no maps: leave return_maps=False.")
-        return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer)
+        return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer, residual=residual)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        return [*super()._probes(effective, **options), AttendedValues()]
+        blocks = [LayerBlocks()] if options.get("residual") else []
+        return [*super()._probes(effective, **options), AttendedValues(), *blocks]
 
-    def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
+    def _scores(self, record: ForwardRecord, layer: int = -1, residual: bool = False) -> tuple[Tensor, list[Tensor]]:
+        if residual:
+            return _residual_norms(self.model, record, layer), []
         attn = record.attn_maps[record.call_index(layer)]
         return _weighted_norms(record, layer, lambda position: attn[:, :, position]), []
 
-    def _streamed_scores(self, record: ForwardRecord, layer: int = -1) -> Scores:
+    def _streamed_scores(self, record: ForwardRecord, layer: int = -1, residual: bool = False) -> Scores:
+        if residual:
+            return _residual_norms(self.model, record, layer)
         call = record.kernel_calls[record.call_index(layer)]
         batch = record.target_real.shape[0]
         return _weighted_norms(
@@ -111,4 +128,21 @@ def _weighted_norms(record: ForwardRecord, layer: int, rows_at: Any) -> Tensor:
     for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
         norms = summed_weighted_norm(rows_at(position), values, projection).to(weights.device)
         scores[:, : norms.shape[1]] += weights[:, position, None] * norms
+    return scores
+
+
+def _residual_norms(model: nn.Module, record: ForwardRecord, layer: int) -> Tensor:
+    """``(B, T)``: Σ over the explained query rows q (their weights w_q) of
+    ``w_q · ‖T_q(x_j)‖`` at the chosen call (the block with its residual and norm)."""
+    chosen = record.call_index(layer)
+    block = layer_calls(model, record, "NormAttention(residual=True)")[chosen]
+    summed = layer_sum(model, record, chosen, block, "NormAttention")
+    inputs = summed.residual.inputs.to(summed.vectors.device)
+    weights = query_weights(record.query_index, record.target_real.shape[1])
+    scores = torch.zeros(weights.shape, device=weights.device)
+    for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
+        rows = slice(position, position + 1)
+        probs = attention_rows(record, chosen, rows).to(inputs.device)
+        vectors = transformed_vectors(probs, summed.vectors, inputs, rows, summed.residual.norm)
+        scores += weights[:, position, None] * vectors[:, 0].norm(dim=-1).to(weights.device)
     return scores

@@ -326,7 +326,7 @@ class ValueRecorder(Probe):
         for piece in pieces:
             value = next((right for left, right in products if _same_tensor(left, piece)), None)
             if value is None:
-                raise RuntimeError(
+                raise UnsupportedModelError(
                     f"Cannot find the values that {type(call.module).__name__}'s attention "
                     "weights: no torch.matmul/bmm (or @) took its probabilities as the left "
                     "factor."

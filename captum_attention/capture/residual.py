@@ -134,10 +134,11 @@ class FinalStates:
     def check_logits(self, logits: Tensor, positions: Tensor, tokens: Tensor) -> None:
         """Refuse in one line where the model's ``logits`` ``(B, N, V)`` at ``positions``
         ``(B, K)`` for ``tokens`` ``(B, K)`` are not the head's own (a logit cap or scale)."""
-        assert self.head_inputs is not None and self.head is not None
+        head_weight = getattr(self.head, "weight", None)
+        assert self.head_inputs is not None and isinstance(head_weight, Tensor)
         batch = torch.arange(len(positions), device=positions.device)[:, None]
         read = self.head_inputs[batch, positions.to(self.head_inputs.device)].float()
-        weight = self.head.weight.detach().float()[tokens.to(read.device)]
+        weight = head_weight.detach().float()[tokens.to(read.device)]
         predicted = (read * weight).sum(dim=-1)
         bias = getattr(self.head, "bias", None)
         if isinstance(bias, Tensor):
@@ -221,11 +222,16 @@ def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streami
     shape = call.output.shape
     seen: list[_Seen] = []
 
+    def as_states(value: Any) -> Tensor | None:
+        """``value`` as ``(B, N, D)`` states: as it is, or flattened over the tokens (OPT)."""
+        if not isinstance(value, Tensor) or value.shape[-1:] != shape[-1:] or value.numel() != call.output.numel():
+            return None
+        return value.detach().reshape(shape) if value.dim() in (2, 3) else None
+
     def keep(module: nn.Module, args: tuple, output: Any) -> None:
-        hidden = output[0] if isinstance(output, (tuple, list)) and output else output
-        if isinstance(hidden, Tensor) and hidden.shape == shape:
-            first = args[0] if args and isinstance(args[0], Tensor) and args[0].shape == shape else None
-            seen.append(_Seen(module, None if first is None else first.detach(), hidden.detach()))
+        hidden = as_states(output[0] if isinstance(output, (tuple, list)) and output else output)
+        if hidden is not None:
+            seen.append(_Seen(module, as_states(args[0]) if args else None, hidden))
 
     args, kwargs = call.rerun_inputs()
     with ExitStack() as stack, torch.no_grad():
@@ -235,7 +241,13 @@ def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streami
         for module in call.block.modules():
             if module is not call.block:
                 stack.callback(module.register_forward_hook(keep).remove)
-        output = call.block(*args, **kwargs)
+        try:
+            output = call.block(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure of the layer itself is a refusal
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UnsupportedModelError(
+                f"Re-running {type(call.block).__name__} on its recorded inputs fails ({reason})."
+            ) from error
     output = output[0] if isinstance(output, (tuple, list)) else output
     if not _close(output, call.output, None):
         raise UnsupportedModelError(
