@@ -55,7 +55,7 @@ from common import (  # noqa: E402
     peak_rss_growth,
 )
 
-from captum_attention import LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
+from captum_attention import ALTI, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
 from captum_attention.maps import streaming  # noqa: E402
 from captum_attention.metrics import attention_erasure  # noqa: E402
 
@@ -63,7 +63,9 @@ ERASURE = "attention_erasure"
 NORM = NormAttention.__name__  # registered, not in METHODS: measured here all the same
 ZEROING = ValueZeroing.__name__  # one re-run of each layer per token: measured only where --runs names it
 LEARNED = LearnedAttention.__name__  # uniform weights (a fit's cost is its own): measured where --runs names it
-ON_REQUEST = [ZEROING, LEARNED]
+CONTRIBUTIONS = ALTI.__name__  # O(H·N²·D) per layer: measured where --runs names it
+NORM_RESIDUAL = "NormAttention(residual=True)"  # one re-run of the chosen layer: measured where --runs names it
+ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -116,6 +118,10 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     runs[NORM] = lambda: NormAttention(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     runs[ZEROING] = lambda: ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
     runs[LEARNED] = lambda: LearnedAttention(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+    runs[CONTRIBUTIONS] = lambda: ALTI(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+    runs[NORM_RESIDUAL] = lambda: NormAttention(model, capture="streaming").attribute(
+        ids, additional_forward_args=(mask,), residual=True
+    )
     return runs
 
 

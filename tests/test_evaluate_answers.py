@@ -40,6 +40,25 @@ def _rows(folder):
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
+def _check_report(path, rows, methods):
+    """The report holds every method's summary, the best mean of each metric in bold, and
+    win counts that add up to at least one per example and metric."""
+    import re
+    from html import escape
+
+    page = path.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page
+    for method in methods:
+        assert f"<td>{method}</td>" in page
+    for row in rows:
+        assert escape(row["answer"]) in page
+    assert "lds ↑" in page and page.count("<b>") >= 1
+    wins = page.split("<h2>Wins</h2>")[1].split("</table>")[0]
+    counts = [[int(n) for n in re.findall(r"<td>(\d+)</td>", line)] for line in wins.split("<tr>")[2:]]
+    examples = len({row["index"] for row in rows})
+    assert all(total >= examples for total in map(sum, zip(*counts)))
+
+
 def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
     data = _data(tmp_path)
     output = tmp_path / "out"
@@ -49,6 +68,8 @@ def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
     assert "| grad_sam |" in out and "lds ↑" in out
     rows = _rows(output)
     assert len(rows) == 6 * 2 and {row["method"] for row in rows} == {"grad_sam", "rollout"}
+    _check_report(output / "report.html", rows, ["grad_sam", "rollout"])
+    assert "report.html" in out
     assert [row["generated"] for row in rows if row["method"] == "grad_sam"] == [False, True, True] * 2
     from captum_attention.loading import load_causal_lm
 
@@ -91,6 +112,8 @@ def test_a_killed_run_resumes_to_the_same_bytes_and_two_processes_give_them_too(
     result = subprocess.run(two, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "two" / "results.jsonl").read_bytes() == whole
+    report = {name: (tmp_path / name / "report.html").read_text().replace(str(tmp_path / name), "") for name in ("two", "whole")}
+    assert report["two"] == report["whole"]  # the same but for the folder it names
 
 
 @pytest.mark.parametrize("row, message", [

@@ -393,7 +393,10 @@ def _merged(state: Any, arguments: argparse.Namespace, examples: Sequence[Any], 
     if state.is_main_process:
         summary = merge(arguments.output, examples, metrics, options.bootstrap, options.seed)
         print(summary_markdown(summary, metrics))
-        print(terminal_safe(f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv"))
+        print(terminal_safe(
+            f"rows in {arguments.output / 'results.jsonl'}, summary in {arguments.output / 'summary.md'} and .csv, "
+            f"report in {arguments.output / 'report.html'}"
+        ))
 
 
 def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> list[Any]:

@@ -279,3 +279,85 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+SHOWN_ROWS = 500
+"""The evaluation report lists at most this many result rows (``results.jsonl`` has all)."""
+
+
+def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[str], title: str) -> str:
+    """The report of an ``evaluate`` run: per method and metric the mean and its 95%
+    bootstrap interval (the best mean of each metric in bold), how often each method was
+    the best on an example, and the rows themselves (the first :data:`SHOWN_ROWS`)."""
+    from ..metrics import METRICS
+
+    methods = list(dict.fromkeys(entry["method"] for entry in summary))
+    better = {metric: METRICS[metric].better if metric in METRICS else None for metric in metrics}
+    arrows = {"higher": " ↑", "lower": " ↓", None: ""}
+    header = "".join(f"<th>{escape(metric)}{arrows[better[metric]]}</th>" for metric in metrics)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>captum-attention evaluation</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        "<h1>captum-attention evaluation</h1>",
+        f"<p><code>{escape(title)}</code>: {len({row['index'] for row in rows})} examples, "
+        f"{len(methods)} methods. ↑: higher is better, ↓: lower is better.</p>",
+        "<section><h2>Summary</h2>",
+        "<p>Mean over the examples with a value [95% bootstrap interval] (n); the best mean of each metric in bold.</p>",
+        f"<table><tr><th>method</th>{header}</tr>",
+    ]
+    cell = {(entry["method"], entry["metric"]): entry for entry in summary}
+    best = {metric: _best([cell[m, metric]["mean"] for m in methods], better[metric]) for metric in metrics}
+    for method in methods:
+        cells = []
+        for metric in metrics:
+            entry = cell[method, metric]
+            shown = "n/a" if entry["mean"] is None else f"{entry['mean']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}] ({entry['n']})"
+            bold = entry["mean"] is not None and entry["mean"] == best[metric]
+            cells.append(f"<td>{'<b>' + shown + '</b>' if bold else shown}</td>")
+        parts.append(f"<tr><td>{escape(method)}</td>{''.join(cells)}</tr>")
+    parts += ["</table></section>", "<section><h2>Wins</h2>",
+              "<p>On how many examples each method had the best value of each metric (ties count for each).</p>",
+              f"<table><tr><th>method</th>{header}</tr>"]
+    wins = _wins(rows, methods, metrics, better)
+    for method in methods:
+        parts.append(f"<tr><td>{escape(method)}</td>" + "".join(f"<td>{wins[method, metric]}</td>" for metric in metrics) + "</tr>")
+    extra = [key for key in ("answer", "answer_log_prob", "label", "predicted", "probability") if any(key in row for row in rows)]
+    parts += ["</table></section>", "<section><h2>Results</h2>"]
+    if len(rows) > SHOWN_ROWS:
+        parts.append(f'<p class="note">The first {SHOWN_ROWS} of {len(rows)} rows; results.jsonl holds them all.</p>')
+    parts.append("<table><tr><th>line</th><th>method</th>" + "".join(f"<th>{escape(k)}</th>" for k in extra) + header + "</tr>")
+    for row in rows[:SHOWN_ROWS]:
+        shown_extra = "".join(f"<td><bdi>{escape(_value(row.get(key)))}</bdi></td>" for key in extra)
+        values = "".join(f"<td>{escape(_value(row.get(metric)))}</td>" for metric in metrics)
+        parts.append(f"<tr><td>{row.get('line', '')}</td><td>{escape(row['method'])}</td>{shown_extra}{values}</tr>")
+    parts.append("</table></section></body></html>")
+    return "\n".join(parts)
+
+
+def _best(means: list, better: str | None) -> float | None:
+    known = [m for m in means if m is not None]
+    if better is None or not known:
+        return None
+    return max(known) if better == "higher" else min(known)
+
+
+def _wins(rows: list[dict], methods: list[str], metrics: list[str], better: dict) -> dict[tuple[str, str], int]:
+    wins = {(method, metric): 0 for method in methods for metric in metrics}
+    by_example: dict = {}
+    for row in rows:
+        by_example.setdefault(row["index"], []).append(row)
+    for example_rows in by_example.values():
+        for metric in metrics:
+            best = _best([row.get(metric) for row in example_rows], better[metric])
+            for row in example_rows:
+                if best is not None and row.get(metric) == best:
+                    wins[row["method"], metric] += 1
+    return wins
+
+
+def _value(value: object) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

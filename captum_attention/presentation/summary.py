@@ -10,11 +10,13 @@ from typing import Any, Sequence
 import torch
 
 from .dataset import AnswerExample, Example, write_atomically
+from .html import render_evaluation_html
 
 
 def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Merge the shards into ``results.jsonl`` (rows by example, then method) and write the
-    summary (``summary.md``, ``summary.csv``); returns the summary rows. Raises where a
+    summary (``summary.md``, ``summary.csv``) and the report (``report.html``); returns the
+    summary rows. Raises where a
     batch's shard is missing (a process that has not finished)."""
     output = Path(output)
     rows = [json.loads(line) for shard in sorted((output / "shards").glob("batch-*.jsonl")) for line in shard.read_text(encoding="utf-8").splitlines()]
@@ -28,6 +30,7 @@ def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metri
     summary = summarise(rows, methods, metrics, bootstrap, seed)
     write_atomically(output / "summary.md", summary_markdown(summary, metrics))
     write_atomically(output / "summary.csv", _summary_csv(summary))
+    write_atomically(output / "report.html", render_evaluation_html(summary, rows, list(metrics), str(output)))
     return summary
 
 
