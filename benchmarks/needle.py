@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-budget", type=float, default=300.0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
                         "e.g. norm_attention)")
-    parser.add_argument("--peers", nargs="+", default=["feature_ablation", "integrated_gradients", "context_cite"])
+    parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
     parser.add_argument("--json", type=Path)

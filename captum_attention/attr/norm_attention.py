@@ -41,11 +41,16 @@ class NormAttention(AttentionAttributionBase, Attribution):
     With ``residual=True``, the variant of Kobayashi, Kuribayashi, Yokoi & Inui,
     "Incorporating Residual and Normalization Layers into Analysis of Masked Language
     Models", EMNLP 2021 (https://arxiv.org/abs/2109.07152): the residual and the norm after
-    it join the sum, :math:`r_j = \lVert L_q(\sum_m lpha^{lm}_{qj} f^{lm}(x_j) +
-    \delta_{qj} x_j) Vert_2` (AttnResLn-N; :math:`L_q` the norm's linear map at q, its
-    bias left out, in a post-norm layer; AttnRes-N in a pre-norm layer, which has no norm
-    there), read from the model's own modules as :class:`ALTI` reads them (one re-run of
-    the chosen layer). Registered (``"norm_attention"``), not yet in the reports.
+    it join the sum,
+
+    .. math::
+
+        r_j = \Big\lVert L_q\Big(\sum_m \alpha^{lm}_{qj} f^{lm}(x_j) + \delta_{qj} x_j\Big) \Big\rVert_2
+
+    (AttnResLn-N; :math:`L_q` the norm's linear map at q, its bias left out, in a post-norm
+    layer; AttnRes-N in a pre-norm layer, which has no norm there), read from the model's
+    own modules as :class:`~captum_attention.ALTI` reads them (one re-run of the chosen
+    layer). Registered (``"norm_attention"``), not yet in the reports.
 
     Args:
         $constructor_args
