@@ -199,6 +199,49 @@ def answer_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     return worst
 
 
+def context_mixing_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
+    """Worst CPU/CUDA difference of the context-mixing methods registered outside the
+    reports (both capture modes; the decoders' answers too), on the test suite's BERT,
+    GPT-2 and Llama (grouped-query, left padding)."""
+    from lm_models import one_stack_case
+
+    from captum_attention import ALTI, ALTILogit, LearnedAttention, NormAttention, ValueZeroing
+
+    methods = {
+        "NormAttention": (NormAttention, {}), "NormAttention(residual=True)": (NormAttention, {"residual": True}),
+        "ALTI": (ALTI, {}), "ALTILogit": (ALTILogit, {}), "ValueZeroing": (ValueZeroing, {}),
+        "LearnedAttention": (LearnedAttention, {}),
+    }
+    answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
+    print("\n| family | method | capture | sequence | answer span |")
+    print("|---|---|---|---|---|")
+    worst = 0.0
+    for family in ("bert", "gpt2", "llama"):
+        _, ids, mask, _ = one_stack_case(family)
+        models = [one_stack_case(family)[0].to(device) for device in devices]
+        for name, (cls, options) in methods.items():
+            if family == "bert" and cls is ALTILogit:
+                continue
+            for capture in ("streaming", "eager"):
+                errors = []
+                calls = [("attribute", ids)] + ([] if family == "bert" else [("attribute_span", ids)])
+                for call, inputs in calls:
+                    extra = (answer,) if call == "attribute_span" else ()
+                    first, second = (
+                        getattr(cls(built, capture=capture), call)(
+                            inputs.to(device), *(t.to(device) for t in extra),
+                            additional_forward_args=(mask.to(device),), **options,
+                        ).float().cpu()
+                        for built, device in zip(models, devices)
+                    )
+                    errors.append((second - first).abs().max().item() / max(first.abs().max().item(), 1e-30))
+                worst = max(worst, *errors)
+                shown = " | ".join(f"{e:.2e}" for e in errors) + (" | —" if len(errors) == 1 else "")
+                print(f"| {family} | {name} | {capture} | {shown} |")
+    print(f"\ncontext mixing: CPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
+    return worst
+
+
 def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     """Worst CPU/CUDA difference over the families the architecture sweep (``tests/zoo.py``)
     reaches through its fallbacks: attention found through ``output_attentions`` (BLOOM,
