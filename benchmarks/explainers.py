@@ -16,7 +16,7 @@ from captum.attr import InputXGradient, IntegratedGradients, LayerIntegratedGrad
 from tasks import MASK, Task
 from torch import Tensor
 
-from captum_attention import METHODS
+from captum_attention import ALTI, METHODS, NormAttention, ValueZeroing
 from captum_attention.metrics import random_ranking
 from captum_attention.presentation.shap_text import shap_token_values
 
@@ -106,6 +106,10 @@ def methods() -> dict[str, Explainer]:
     return {
         **{cls.get_name(): _ours(cls) for cls in METHODS.values()},
         "Grad-SAM (key axis)": _ours(METHODS["grad_sam"], axis="key"),
+        "Norm-based Attention": _ours(NormAttention),  # registered, not in METHODS: compared here all the same
+        "Norm-based Attention (residual)": _ours(NormAttention, residual=True),
+        "ALTI": _ours(ALTI),
+        "Value Zeroing": _ours(ValueZeroing),
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Gradient × Input": gradient_x_input,
