@@ -1,7 +1,9 @@
 """Encoder-decoder references: Chefer et al.'s co-attention rules, the joint-graph rollout,
 Grad-SAM and raw attention, from the ``(attention, gradient)`` pairs of an eager model's
 ``encoder_attentions``, ``decoder_attentions`` and ``cross_attentions``. Full matrices, one
-example at a time, in float64: a different code path from the library's.
+example at a time, in float64: a different code path from the library's. The explained
+row is the last target token's; with ``span=True`` the sum of every target token's row
+(an answer's span, the gradients then those of its summed objective).
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ def normalised(relevance: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(residual / residual.sum(-1, keepdim=True), nan=0.0) + eye
 
 
-def reference_chefer(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row(matrix: torch.Tensor, span: bool) -> torch.Tensor:
+    return matrix.sum(0) if span else matrix[-1]
+
+
+def reference_chefer(ref: Seq2SeqReference, b: int, span: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     s, t = ref.source_lengths[b], ref.target_lengths[b]
     r_ss = torch.eye(s, dtype=torch.float64)
     for a, g in blocks(ref.encoder, b, s, s):
@@ -46,10 +52,10 @@ def reference_chefer(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch
         self_cam = cam(a, g)
         r_qq, r_qs = r_qq + self_cam @ r_qq, r_qs + self_cam @ r_qs
         r_qs = r_qs + normalised(r_qq).T @ cam(ca, cg) @ normalised(r_ss)
-    return r_qs[-1], r_qq[-1]
+    return _row(r_qs, span), _row(r_qq, span)
 
 
-def reference_joint_rollout(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_joint_rollout(ref: Seq2SeqReference, b: int, span: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     s, t = ref.source_lengths[b], ref.target_lengths[b]
 
     def rollout_step(attn: torch.Tensor) -> torch.Tensor:
@@ -68,10 +74,11 @@ def reference_joint_rollout(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor
         layer = torch.eye(s + t, dtype=torch.float64)
         layer[s:, :s], layer[s:, s:] = 0.5 * ca.mean(0), 0.5 * torch.eye(t, dtype=torch.float64)
         joint = layer @ joint
-    return joint[-1, :s], joint[-1, s:]
+    return _row(joint[s:, :s], span), _row(joint[s:, s:], span)
 
 
-def reference_grad_sam(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_grad_sam(ref: Seq2SeqReference, b: int, span: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row's own (no row is chosen): a span's is its summed objective's."""
     s, t = ref.source_lengths[b], ref.target_lengths[b]
     heads = ref.encoder[0][0].shape[1]
     h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2))  # noqa: E731
@@ -81,13 +88,13 @@ def reference_grad_sam(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, tor
     return source, target
 
 
-def reference_raw(ref: Seq2SeqReference, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_raw(ref: Seq2SeqReference, b: int, span: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     s, t = ref.source_lengths[b], ref.target_lengths[b]
     (a, _), (ca, _) = blocks(ref.decoder, b, t, t)[-1], blocks(ref.cross, b, t, s)[-1]
-    return ca.mean(0)[-1], a.mean(0)[-1]
+    return _row(ca.mean(0), span), _row(a.mean(0), span)
 
 
-SEQ2SEQ_REFERENCES: dict[str, Callable[[Seq2SeqReference, int], tuple[torch.Tensor, torch.Tensor]] | None] = {
+SEQ2SEQ_REFERENCES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None] = {
     "transformer_attribution": reference_chefer,
     "rollout": reference_joint_rollout,
     "grad_sam": reference_grad_sam,
@@ -95,4 +102,4 @@ SEQ2SEQ_REFERENCES: dict[str, Callable[[Seq2SeqReference, int], tuple[torch.Tens
     "attn_lrp": None,  # not a function of the maps: test_attn_lrp.py
 }
 """Per registered method (see ``methods.py``), its encoder-decoder reference: ``(source
-scores, target scores)`` of example ``b``."""
+scores, target scores)`` of example ``b`` (``span=True``: of every target row summed)."""

@@ -255,7 +255,7 @@ class AttentionAttributionBase:
         additional_forward_args: Any = None,
         log_prob: bool = False,
         **options: Any,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
         r"""Explain a continuation of a decoder's prompt, token by token, in one forward.
 
         Row k explains ``continuation[:, k]`` as the next token after the prompt and the
@@ -279,23 +279,36 @@ class AttentionAttributionBase:
             **options: the method's options of ``attribute`` (e.g. ``head_fusion``,
                 ``effective``).
 
+        For an encoder-decoder (T5, BART, Marian, ...), ``inputs`` are the source token
+        ids and ``continuation`` the generated target: the decoder reads the model's
+        ``decoder_start_token_id`` and then the continuation, position k predicting
+        ``continuation[:, k]``, and row k is exactly ``attribute((source, decoder_prefix),
+        target=continuation[:, k])``; ``additional_forward_args`` is the source's
+        attention mask only.
+
         Returns:
             Tensor ``(batch, new_tokens, prompt_len + new_tokens)``: one row of scores per
-            continuation token, 0 at padding and at the token itself and after.
+            continuation token, 0 at padding and at the token itself and after. For an
+            encoder-decoder, ``(source rows (batch, new_tokens, source_len), target rows
+            (batch, new_tokens, new_tokens))``, the target rows over the decoder's inputs
+            (its start token, then the continuation but its last token).
         """
-        record, prompt_len = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        record, first = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
-        positions = prompt_len - 1 + torch.arange(new_tokens, device=record.target_real.device).expand(len(continuation), -1)
-        together = self._streamed_rows(record, positions, **options) if record.streaming and self.spec.needs == "forward" else None
+        positions = first + torch.arange(new_tokens, device=record.target_real.device).expand(len(continuation), -1)
+        streams_rows = record.streaming and self.spec.needs == "forward" and not record.is_encoder_decoder
+        together = self._streamed_rows(record, positions, **options) if streams_rows else None
         if together is not None:
             return torch.stack([_zero_padding(record.at_query(positions[:, k]), together[:, k]) for k in range(new_tokens)], dim=1)
         rows = []
         for step in range(new_tokens):
-            position = torch.full((len(continuation),), prompt_len - 1 + step, device=record.target_real.device)
+            position = positions[:, step]
             token = continuation[:, step].to(record.logits.device)
             target = LogProbTarget(position[:, None], token[:, None]) if log_prob else token
             explained = self._explained(record.at_query(position), target, retain_graph=step < new_tokens - 1)
             rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
+        if record.is_encoder_decoder:
+            return torch.stack([row[0] for row in rows], dim=1), torch.stack([row[1] for row in rows], dim=1)
         return torch.stack(rows, dim=1)
 
     def attribute_span(
@@ -304,7 +317,7 @@ class AttentionAttributionBase:
         continuation: Tensor,
         additional_forward_args: Any = None,
         **options: Any,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
         r"""Explain a whole continuation of a decoder's prompt in one forward (and, for
         gradient methods, one backward).
 
@@ -326,33 +339,46 @@ class AttentionAttributionBase:
                 :meth:`attribute_continuation`. Default: None.
             **options: the method's options of ``attribute``.
 
+        For an encoder-decoder, ``inputs`` are the source token ids and ``continuation``
+        the target, read by the decoder after its start token (as in
+        :meth:`attribute_continuation`); the explained score is the target's
+        log-likelihood given the source, its query rows every decoder position.
+
         Returns:
             Tensor ``(batch, prompt_len + new_tokens)``: the scores of the prompt's and the
             continuation's tokens (0 at padding and at the last continuation token, which
-            no explained position sees).
+            no explained position sees). For an encoder-decoder, ``(source scores (batch,
+            source_len), target scores (batch, new_tokens))``, the target's over the
+            decoder's inputs (its start token, then the continuation but its last token).
         """
-        record, prompt_len = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        record, first = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
-        positions = torch.arange(prompt_len - 1, prompt_len - 1 + new_tokens, device=record.target_real.device)
+        positions = torch.arange(first, first + new_tokens, device=record.target_real.device)
         target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
-        explained = self._explained(record.at_query(target.query_weights(prompt_len + new_tokens)), target)
+        explained = self._explained(record.at_query(target.query_weights(record.target_real.shape[1])), target)
         return _zero_padding(explained, self._method_scores(explained, **options)[0])
 
     def _continuation_record(
         self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any, options: dict[str, Any]
     ) -> tuple[ForwardRecord, int]:
-        """One forward of prompt + continuation (``options`` loses ``effective``, which
-        the record applies)."""
+        """One forward of prompt + continuation (an encoder-decoder's source, and its
+        decoder's start token + continuation), and the first position that predicts the
+        continuation (``options`` loses ``effective``, which the record applies)."""
         self._check_options(options, "attribute_span or attribute_continuation")
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
-        sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
-        _check_vocabulary(resolve_adapter(self.model, self.adapter), self.model, sequence)
-        extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
+        adapter = resolve_adapter(self.model, self.adapter)
         effective = bool(options.pop("effective", False))
+        if adapter.is_encoder_decoder(self.model):
+            decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)
+            _check_vocabulary(adapter, self.model, torch.cat([prompt, decoder], dim=1))
+            return self._recorded((prompt, decoder), extra, None, effective, False, options), 0
+        sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
+        _check_vocabulary(adapter, self.model, sequence)
+        extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, prompt.shape[1])
-        return record, prompt.shape[1]
+        return record, prompt.shape[1] - 1
 
 
 AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__doc__)
@@ -422,14 +448,34 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
 
 def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
     """A decoder-only model, prompts padded on the left."""
-    if record.is_encoder_decoder or not record.causal:
+    if not record.causal:
         raise ValueError(
-            "attribute_continuation and attribute_span need a decoder-only model (causal "
-            "self-attention); for an encoder-decoder, call attribute with query_index at each "
-            "target position."
+            "attribute_continuation and attribute_span explain a generated continuation: they need a decoder "
+            "(causal self-attention) or an encoder-decoder; this model's self-attention sees every token."
         )
     if not bool(record.target_real[:, prompt_len - 1].all()):
         raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
+
+
+def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, additional_forward_args: Any) -> tuple[Tensor, tuple]:
+    """An encoder-decoder's decoder ids, its start token then the continuation but its last
+    token (each position predicts the next), and the forward's masks: the source's (given,
+    or ones) and the decoder's (ones)."""
+    start = getattr(getattr(model, "config", None), "decoder_start_token_id", None)
+    if start is None:
+        raise ValueError(
+            f"{type(model).__name__}'s config has no decoder_start_token_id, the token its decoder starts from: "
+            "set model.config.decoder_start_token_id."
+        )
+    extra = format_additional_forward_args(additional_forward_args) or ()
+    if len(extra) > 1:
+        raise ValueError(
+            "An encoder-decoder's answer takes the source's attention mask only as additional_forward_args "
+            "(the decoder reads its start token and the continuation, all real)."
+        )
+    decoder = torch.cat([torch.full_like(continuation[:, :1], int(start)), continuation[:, :-1]], dim=1)
+    source_mask = extra[0] if extra and extra[0] is not None else torch.ones_like(source)
+    return decoder, (source_mask, torch.ones_like(decoder))
 
 
 def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:

@@ -106,12 +106,14 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         args = (torch.ones_like(prompt),)
         prompt_len = prompt.shape[1]
         span = self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs)
+        assert isinstance(span, Tensor)  # a decoder's (_prompt refuses encoder-decoders)
         features = _FeatureMap(inp, self.tokenizer, prompt)
         token_attr = None
         if per_token:
             rows = self.attr_method.attribute_continuation(
                 prompt, answer[None], additional_forward_args=args, log_prob=True, **kwargs
             )
+            assert isinstance(rows, Tensor)
             token_attr = features.scores(rows[0, :, :prompt_len])
         return LLMAttributionResult(
             seq_attr=features.scores(span[:, :prompt_len])[0],
@@ -140,8 +142,8 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         if resolve_adapter(self.model, self.attr_method.adapter).is_encoder_decoder(self.model):
             raise ValueError(
                 f"LLMAttentionAttribution explains decoder-only language models; {type(self.model).__name__} is an "
-                "encoder-decoder: call the method's attribute with (input_ids, decoder_input_ids) and query_index "
-                "at each target position."
+                "encoder-decoder: call the method's attribute_span(source_ids, target_ids) or "
+                "attribute_continuation(source_ids, target_ids) instead."
             )
         prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
         if prompt.shape[1] == 0:

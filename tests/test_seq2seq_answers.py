@@ -1,0 +1,116 @@
+"""An encoder-decoder's answer (T5, BART): ``attribute_span`` over the source and the
+target prefix against the references of ``seq2seq_reference.py`` with the gradients of the
+answer's summed log-probability (autograd on an eager twin); ``attribute_continuation``'s
+rows against ``attribute`` at each prefix (itself checked against those references in
+``test_encoder_decoder.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_state, assert_scores_close, model_state
+from lm_models import ENCODER_DECODERS, make_encoder_decoder
+from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference
+
+from captum_attention import METHODS as REGISTERED
+
+pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
+
+SOURCE_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+
+
+def _case(name: str):
+    model = make_encoder_decoder(name)
+    generator = torch.Generator().manual_seed(4)
+    source = torch.randint(3, 64, SOURCE_MASK.shape, generator=generator)
+    answer = torch.randint(3, 64, (2, 4), generator=generator)
+    return model, source, answer
+
+
+def _decoder_ids(model, answer: torch.Tensor) -> torch.Tensor:
+    start = torch.full_like(answer[:, :1], model.config.decoder_start_token_id)
+    return torch.cat([start, answer[:, :-1]], dim=1)
+
+
+def span_reference(model, source: torch.Tensor, answer: torch.Tensor) -> Seq2SeqReference:
+    """Maps and their gradients for the answer's summed log-probability, every decoder
+    position predicting the next answer token."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    decoder = _decoder_ids(model, answer)
+    out = eager(input_ids=source, attention_mask=SOURCE_MASK, decoder_input_ids=decoder,
+                decoder_attention_mask=torch.ones_like(decoder), output_attentions=True)
+    objective = out.logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+    groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
+    grads = iter(torch.autograd.grad(objective, [a for group in groups for a in group]))
+    pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
+    return Seq2SeqReference(*pairs, SOURCE_MASK.sum(1).tolist(), [answer.shape[1]] * len(answer))
+
+
+@pytest.fixture(params=ENCODER_DECODERS)
+def name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
+def test_a_span_equals_the_reference_of_the_summed_log_probability(name, method, capture_mode):
+    model, source, answer = _case(name)
+    before = model_state(model)
+    source_scores, target_scores = REGISTERED[method](model).attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
+    assert_same_state(before, model_state(model))
+    assert source_scores.shape == source.shape and target_scores.shape == answer.shape
+    ref = span_reference(model, source, answer)
+    rel = 5e-5 if capture_mode == "streaming" and name == "t5" else 1e-5  # as test_encoder_decoder.py says why
+    for b in range(2):
+        expected_source, expected_target = SEQ2SEQ_REFERENCES[method](ref, b, span=True)
+        s = len(expected_source)
+        assert expected_source.abs().max() > 0
+        assert_scores_close(source_scores[b, :s], expected_source, rel)
+        assert_scores_close(target_scores[b], expected_target, rel)
+        assert (source_scores[b, s:] == 0).all()
+
+
+@pytest.mark.parametrize("method", list(REGISTERED))
+def test_each_row_is_attribute_at_its_prefix(name, method, capture_mode):
+    model, source, answer = _case(name)
+    cls = REGISTERED[method]
+    source_rows, target_rows = cls(model).attribute_continuation(source, answer, additional_forward_args=(SOURCE_MASK,))
+    assert source_rows.shape == (2, 4, 6) and target_rows.shape == (2, 4, 4)
+    decoder = _decoder_ids(model, answer)
+    rel = 5e-5 if capture_mode == "streaming" and name == "t5" else 1e-5  # the prefix's sdpa run is another's
+    for k in range(answer.shape[1]):
+        prefix = decoder[:, : k + 1]
+        target = {"target": answer[:, k]} if cls.spec.uses_target else {}
+        expected_source, expected_target = cls(model).attribute(
+            (source, prefix), additional_forward_args=(SOURCE_MASK, torch.ones_like(prefix)), **target
+        )
+        scale = max(expected_source.abs().max().item(), expected_target.abs().max().item())
+        torch.testing.assert_close(source_rows[:, k], expected_source, rtol=rel, atol=rel * scale)
+        torch.testing.assert_close(target_rows[:, k, : k + 1], expected_target, rtol=rel, atol=rel * scale)
+        assert (target_rows[:, k, k + 1 :] == 0).all()
+
+
+@pytest.mark.parametrize("method", ["rollout", "raw", "attn_lrp"])
+def test_the_span_of_a_method_linear_in_its_rows_sums_the_log_probability_rows(name, method):
+    model, source, answer = _case(name)
+    explainer = REGISTERED[method](model)
+    span = explainer.attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
+    rows = explainer.attribute_continuation(source, answer, additional_forward_args=(SOURCE_MASK,), log_prob=True)
+    for side, side_rows in zip(span, rows):
+        scale = side.abs().max().item()
+        torch.testing.assert_close(side, side_rows.sum(dim=1), rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_wrong_arguments_get_one_clear_line(name):
+    model, source, answer = _case(name)
+    explainer = REGISTERED["grad_sam"](model)
+    with pytest.raises(ValueError, match="the source's attention mask only"):
+        explainer.attribute_span(source, answer, additional_forward_args=(SOURCE_MASK, SOURCE_MASK))
+    with pytest.raises(ValueError, match="continuation must be token ids"):
+        explainer.attribute_span(source, answer[0])
+    no_start = copy.deepcopy(model)
+    no_start.config.decoder_start_token_id = None
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        REGISTERED["grad_sam"](no_start).attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
