@@ -14,7 +14,7 @@ import transformers as tf
 from captum.attr import TextTemplateInput, TextTokenInput
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lm_models import WORDS, make_decoder, make_encoder_decoder, make_word_tokenizer
+from lm_models import WORDS, make_decoder, make_word_tokenizer
 
 from captum_attention import (
     AttentionRollout,
@@ -216,14 +216,6 @@ def test_answer_ids_outside_the_vocabulary_name_the_vocabulary(llama, tokenizer)
         LLMAttentionAttribution(GradSAM(llama), tokenizer).attribute(TextTokenInput("the code", tokenizer), target=torch.tensor([500]))
     with pytest.raises(ValueError, match="Token id -1 is outside"):
         GradSAM(llama).attribute_span(PROMPT, torch.tensor([[-1]]))
-
-
-def test_an_encoder_decoder_is_refused_before_generating(tokenizer):
-    model = make_encoder_decoder("bart")
-    with pytest.raises(ValueError, match="decoder-only language models; BartForConditionalGeneration is an encoder-decoder"):
-        LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(
-            TextTokenInput("the code", tokenizer), gen_args={"max_new_tokens": 2}
-        )
 
 
 def test_an_empty_prompt_is_refused_before_generating(llama):

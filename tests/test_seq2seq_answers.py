@@ -114,3 +114,28 @@ def test_wrong_arguments_get_one_clear_line(name):
     no_start.config.decoder_start_token_id = None
     with pytest.raises(ValueError, match="decoder_start_token_id"):
         REGISTERED["grad_sam"](no_start).attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
+
+
+@pytest.mark.parametrize("method", ["grad_sam", "attn_lrp"])
+def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
+    """``LLMAttentionAttribution`` on BART: the answer is what the decoder generates after
+    its start token; ``seq_attr`` and ``token_attr`` are the source sides of the span and
+    of the log-probability rows."""
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    from captum_attention import LLMAttentionAttribution
+
+    model, tokenizer = make_encoder_decoder("bart"), make_word_tokenizer()
+    before = model_state(model)
+    explainer = REGISTERED[method](model)
+    inp = TextTokenInput("the secret code is", tokenizer)
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(inp, gen_args={"max_new_tokens": 3, "do_sample": False})
+    assert_same_state(before, model_state(model))
+    source = tokenizer("the secret code is", return_tensors="pt").input_ids
+    generated = model.generate(source, attention_mask=torch.ones_like(source), max_new_tokens=3, do_sample=False)[:, 1:]
+    assert result.output_tokens == [tokenizer.decode(t) for t in generated[0]]
+    span = explainer.attribute_span(source, generated, additional_forward_args=(torch.ones_like(source),))[0]
+    rows = explainer.attribute_continuation(source, generated, additional_forward_args=(torch.ones_like(source),), log_prob=True)[0]
+    torch.testing.assert_close(result.seq_attr, span[0])
+    torch.testing.assert_close(result.token_attr, rows[0])

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from captum.attr import InterpretableInput, LLMAttributionResult, TextTemplateInput, TextTokenInput
-from captum.attr._core.llm_attr import BaseLLMAttribution
+from captum.attr._core.llm_attr import DEFAULT_GEN_ARGS, BaseLLMAttribution
 from torch import Tensor
 
 from .._compat import pretty_tokens
@@ -21,8 +21,8 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 
 
 class LLMAttentionAttribution(BaseLLMAttribution):
-    r"""Explain what a causal language model generated, with any attention attribution,
-    through Captum's LLM interface.
+    r"""Explain what a causal language model or an encoder-decoder generated, with any
+    attention attribution, through Captum's LLM interface.
 
     The same call and result as Captum's ``LLMAttribution`` and
     ``LLMGradientAttribution``: ``attribute(inp, target=None, gen_args=None)`` takes a
@@ -41,11 +41,13 @@ class LLMAttentionAttribution(BaseLLMAttribution):
       :meth:`~captum_attention.attr.AttentionAttributionBase.attribute_continuation`.
 
     Unlike Captum's gradient wrapper, the model receives the attention mask, and no token
-    costs a forward of its own.
+    costs a forward of its own. For an encoder-decoder (T5, BART, ...) the prompt is the
+    source, the answer is what the decoder generates after its start token, and the
+    scores are the source tokens' (Captum's own LLM classes are decoder-only).
 
     Args:
         attr_method (AttentionAttributionBase): an attention attribution built on the
-            causal language model itself (``GradSAM(model)``, ``AttnLRP(model)``, ...).
+            language model itself (``GradSAM(model)``, ``AttnLRP(model)``, ...).
         tokenizer: the model's tokenizer (a fast one, for ``TextTemplateInput``, which
             maps tokens to values by their character offsets).
 
@@ -105,15 +107,13 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         answer = self._answer(inp, target, gen_args)
         args = (torch.ones_like(prompt),)
         prompt_len = prompt.shape[1]
-        span = self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs)
-        assert isinstance(span, Tensor)  # a decoder's (_prompt refuses encoder-decoders)
+        span = _prompt_side(self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs))
         features = _FeatureMap(inp, self.tokenizer, prompt)
         token_attr = None
         if per_token:
-            rows = self.attr_method.attribute_continuation(
+            rows = _prompt_side(self.attr_method.attribute_continuation(
                 prompt, answer[None], additional_forward_args=args, log_prob=True, **kwargs
-            )
-            assert isinstance(rows, Tensor)
+            ))
             token_attr = features.scores(rows[0, :, :prompt_len])
         return LLMAttributionResult(
             seq_attr=features.scores(span[:, :prompt_len])[0],
@@ -139,12 +139,6 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             raise TypeError(
                 f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
             )
-        if resolve_adapter(self.model, self.attr_method.adapter).is_encoder_decoder(self.model):
-            raise ValueError(
-                f"LLMAttentionAttribution explains decoder-only language models; {type(self.model).__name__} is an "
-                "encoder-decoder: call the method's attribute_span(source_ids, target_ids) or "
-                "attribute_continuation(source_ids, target_ids) instead."
-            )
         prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
         if prompt.shape[1] == 0:
             raise ValueError("The prompt has no tokens: give a non-empty prompt (or a tokenizer that adds a BOS token).")
@@ -152,10 +146,25 @@ class LLMAttentionAttribution(BaseLLMAttribution):
 
     def _answer(self, inp: InterpretableInput, target: str | Tensor | None, gen_args: dict[str, Any] | None) -> Tensor:
         """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
-        answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
+        if target is None and self._encoder_decoder:
+            answer = self._generated_target(inp, gen_args)
+        else:
+            answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
         if answer.numel() == 0:
             raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
         return answer
+
+
+    @property
+    def _encoder_decoder(self) -> bool:
+        return resolve_adapter(self.model, self.attr_method.adapter).is_encoder_decoder(self.model)
+
+    def _generated_target(self, inp: InterpretableInput, gen_args: dict[str, Any] | None) -> Tensor:
+        """An encoder-decoder's greedy (or ``gen_args``) answer: what its decoder generated
+        after its start token (Captum's generation reads a decoder's past the prompt)."""
+        model_inp = self._format_model_input(inp.to_model_input())
+        generated = self.model.generate(**model_inp, **(gen_args or DEFAULT_GEN_ARGS))  # type: ignore[operator]
+        return generated[0, 1:].to(self.device)
 
 
 class _FeatureMap:
@@ -176,6 +185,11 @@ class _FeatureMap:
         """``(rows, features)`` from ``(rows, tokens)``."""
         summed = token_scores.detach().float().cpu() @ self.weights
         return self.inp.format_attr(summed) if isinstance(self.inp, TextTemplateInput) else summed
+
+
+def _prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+    """A decoder's scores, or an encoder-decoder's source scores (its prompt)."""
+    return scores[0] if isinstance(scores, tuple) else scores
 
 
 def _template_weights(inp: TextTemplateInput, tokenizer: Any, prompt: Tensor) -> Tensor:
