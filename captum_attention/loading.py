@@ -32,7 +32,7 @@ def quiet_transformers() -> Iterator[None]:
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be explained: missing, unreadable, or neither a
-    sequence classifier nor a causal language model."""
+    sequence classifier nor a causal or sequence-to-sequence language model."""
 
 
 _OPTIONS: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
@@ -43,9 +43,10 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def checkpoint_task(path: str | Path) -> str:
-    """``"classification"`` or ``"generation"``: what the local checkpoint's config.json
-    names (a ``*ForSequenceClassification`` or a ``*ForCausalLM``/``*LMHeadModel``
-    architecture).
+    """``"classification"``, ``"generation"`` or ``"seq2seq"``: what the local
+    checkpoint's config.json names (a ``*ForSequenceClassification``, a
+    ``*ForCausalLM``/``*LMHeadModel`` architecture, or the sequence-to-sequence language
+    model transformers registers for its model type: T5, BART, Marian, ...).
 
     Raises:
         CheckpointError: the folder is missing, has no readable config, needs custom
@@ -65,10 +66,14 @@ def checkpoint_task(path: str | Path) -> str:
         return "classification"
     if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
         return "generation"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
+
+    if SEQ2SEQ.get(config.model_type) in architectures:
+        return "seq2seq"
     raise CheckpointError(
         f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence "
-        "classifier nor a causal language model (its config.json names no *ForSequenceClassification, "
-        "*ForCausalLM or *LMHeadModel architecture)."
+        "classifier nor a language model (its config.json names no *ForSequenceClassification, "
+        "*ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
     )
 
 
@@ -87,24 +92,29 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
 
     if checkpoint_task(path) != "classification":
         raise CheckpointError(
-            f"{path} holds a causal language model, not a sequence classifier (its config.json names no "
+            f"{path} holds a language model, not a sequence classifier (its config.json names no "
             "*ForSequenceClassification architecture)."
         )
     return _load(Path(path), AutoModelForSequenceClassification)
 
 
-def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a local causal language model checkpoint, loaded as
-    safely as :func:`load_classifier`.
+def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local causal language model checkpoint (or, with
+    ``seq2seq=True``, a sequence-to-sequence one too), loaded as safely as
+    :func:`load_classifier`.
 
     Raises:
         CheckpointError: as :func:`load_classifier`, for a checkpoint that is not a
-            causal language model.
+            language model of the kind asked.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if checkpoint_task(path) != "generation":
-        raise CheckpointError(f"{path} holds a sequence classifier, not a causal language model.")
+    task = checkpoint_task(path)
+    if task == "seq2seq" and seq2seq:
+        return _load(Path(path), AutoModelForSeq2SeqLM)
+    if task != "generation":
+        kind = "a sequence classifier" if task == "classification" else "a sequence-to-sequence model"
+        raise CheckpointError(f"{path} holds {kind}, not a causal language model.")
     return _load(Path(path), AutoModelForCausalLM)
 
 

@@ -117,3 +117,40 @@ def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
     assert all(len(rows) == 2 and len(rows[0]) == len(written["prompt_tokens"]) for rows in written["token_attr"].values())
     assert main(["explain", "--model", str(llm), PROMPT, "--json", str(tmp_path)]) == 1
     assert "is a folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def seq2seq(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny BART and the word-level tokenizer, saved as a local checkpoint."""
+    from lm_models import make_encoder_decoder
+
+    folder = tmp_path_factory.mktemp("seq2seq") / "bart"
+    make_encoder_decoder("bart").save_pretrained(folder)
+    make_word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens(seq2seq, tmp_path, capsys):
+    html = tmp_path / "answer.html"
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--max-new-tokens", "3", "--per-token", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "answer, generated (greedy), 3 tokens:" in out and out.count(" <- ") == 3 * 5
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--target", "seven", "--methods", "grad_sam", "--raw"]) == 0
+    out = capsys.readouterr().out
+    line = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("Grad-SAM"))) + 1]
+    printed = [(token.split("[")[0], float(value)) for token, value in (cell.split() for cell in line.strip().split(" | "))]
+    from captum.attr import TextTokenInput
+    from lm_models import make_encoder_decoder
+
+    tokenizer = make_word_tokenizer()
+    result = LLMAttentionAttribution(GradSAM(make_encoder_decoder("bart")), tokenizer).attribute(
+        TextTokenInput(PROMPT, tokenizer), target="seven"
+    )
+    words = [(value, token) for token, value in zip(result.input_tokens, result.seq_attr.tolist()) if token != "<s>"]
+    expected = [(token, value) for value, token in sorted(words, reverse=True)[:5]]
+    assert [t for t, _ in printed] == [t for t, _ in expected]
+    torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
+    assert "decoder-only models" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(seq2seq)]) == 1
+    assert "sequence-to-sequence model (explain takes it)" in capsys.readouterr().err

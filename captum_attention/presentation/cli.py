@@ -173,7 +173,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
     from .text import render_text
 
-    if arguments.model is not None and checkpoint_task(arguments.model) == "generation":
+    if arguments.model is not None and checkpoint_task(arguments.model) in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
     sentences = _sentences(arguments)
@@ -224,10 +224,12 @@ def _prompt(arguments: argparse.Namespace) -> str:
 
 
 def _explain_answer(arguments: argparse.Namespace) -> None:
-    """``explain`` for a causal language model: the answer, and each method's prompt tokens."""
+    """``explain`` for a causal or sequence-to-sequence language model: the answer, and
+    each method's prompt (source) tokens."""
     from ..attr import METHODS
     from ..loading import load_causal_lm
     from .answer import explain_answer
+    from .explain import INTEGRATED_GRADIENTS
     from .html import render_answer_html
     from .text import render_answer_text
 
@@ -240,7 +242,13 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
-    model, tokenizer = load_causal_lm(arguments.model)
+    model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    if seq2seq and INTEGRATED_GRADIENTS in methods:
+        raise UsageError(
+            f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
+            f"{arguments.model} holds a sequence-to-sequence model"
+        )
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
     limit = length_limit(model, tokenizer)
     if arguments.target is not None:
@@ -248,7 +256,11 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         answer = f"--target's {_count(answer_tokens, 'token')}"
     else:
         answer_tokens, answer = arguments.max_new_tokens, f"--max-new-tokens {arguments.max_new_tokens}"
-    if prompt_tokens + answer_tokens > limit:
+    if seq2seq and max(prompt_tokens, answer_tokens) > limit:
+        raise UsageError(
+            f"the source's {_count(prompt_tokens, 'token')} or {answer} are more than the {limit} the model takes"
+        )
+    if not seq2seq and prompt_tokens + answer_tokens > limit:
         raise UsageError(
             f"the prompt's {_count(prompt_tokens, 'token')} and {answer} are more than the {limit} the model takes"
         )
@@ -292,7 +304,11 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from .evaluate import Options, check_request, evaluate, read_dataset
     from ..loading import checkpoint_task, load_classifier
 
-    if arguments.model is not None and checkpoint_task(arguments.model) == "generation":
+    task = None if arguments.model is None else checkpoint_task(arguments.model)
+    if task == "seq2seq":
+        raise UsageError(f"evaluate --model takes a causal language model or a classifier; {arguments.model} holds a "
+                         "sequence-to-sequence model (explain takes it)")
+    if task == "generation":
         _evaluate_answers(arguments)
         return
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
