@@ -30,7 +30,7 @@ def _case(name: str):
 
 
 def _decoder_ids(model, answer: torch.Tensor) -> torch.Tensor:
-    start = torch.full_like(answer[:, :1], model.config.decoder_start_token_id)
+    start = torch.full_like(answer[:, :1], model.generation_config.decoder_start_token_id)
     return torch.cat([start, answer[:, :-1]], dim=1)
 
 
@@ -111,7 +111,7 @@ def test_wrong_arguments_get_one_clear_line(name):
     with pytest.raises(ValueError, match="continuation must be token ids"):
         explainer.attribute_span(source, answer[0])
     no_start = copy.deepcopy(model)
-    no_start.config.decoder_start_token_id = None
+    no_start.config.decoder_start_token_id = no_start.generation_config.decoder_start_token_id = None
     with pytest.raises(ValueError, match="decoder_start_token_id"):
         REGISTERED["grad_sam"](no_start).attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
 
@@ -139,3 +139,31 @@ def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
     rows = explainer.attribute_continuation(source, generated, additional_forward_args=(torch.ones_like(source),), log_prob=True)[0]
     torch.testing.assert_close(result.seq_attr, span[0])
     torch.testing.assert_close(result.token_attr, rows[0])
+
+
+@pytest.mark.parametrize(
+    "model_type, reason",
+    [
+        ("led", "found no encoder attention"),  # Longformer's windows in the encoder
+        ("pegasus_x", "returned its attention as a dict"),  # local and global weights apart
+        ("encoder-decoder", "found no cross attention"),  # EncoderDecoderModel: BERT's cross-attention unnamed
+    ],
+)
+def test_encoder_decoders_without_softmax_attention_over_their_tokens_are_refused_in_one_line(model_type, reason):
+    import warnings
+
+    import zoo
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
+
+    from captum_attention import UnsupportedModelError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = zoo.build(zoo.Architecture(model_type, SEQ2SEQ[model_type], "causal LM"))
+    model.generation_config.decoder_start_token_id = 2
+    source, answer = torch.randint(3, 50, (2, 8)), torch.randint(3, 50, (2, 3))
+    before = model_state(model)
+    with pytest.raises(UnsupportedModelError, match=reason) as refused:
+        REGISTERED["grad_sam"](model).attribute_span(source, answer)
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(model))

@@ -461,11 +461,12 @@ def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, addi
     """An encoder-decoder's decoder ids, its start token then the continuation but its last
     token (each position predicts the next), and the forward's masks: the source's (given,
     or ones) and the decoder's (ones)."""
-    start = getattr(getattr(model, "config", None), "decoder_start_token_id", None)
+    starts = [getattr(getattr(model, where, None), "decoder_start_token_id", None) for where in ("generation_config", "config")]
+    start = next((token for token in starts if token is not None), None)
     if start is None:
         raise ValueError(
-            f"{type(model).__name__}'s config has no decoder_start_token_id, the token its decoder starts from: "
-            "set model.config.decoder_start_token_id."
+            f"{type(model).__name__} names no decoder_start_token_id (in its generation_config or config), the token "
+            "its decoder starts from: set model.generation_config.decoder_start_token_id."
         )
     extra = format_additional_forward_args(additional_forward_args) or ()
     if len(extra) > 1:

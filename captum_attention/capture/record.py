@@ -572,6 +572,19 @@ def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, tex
                 "module in ModuleAdapter(..., pooling=[module]))."
             )
     _check_pooling(roles)
+    _check_encoder_decoder(roles)
+
+
+def _check_encoder_decoder(roles: list[str]) -> None:
+    """An encoder-decoder's capture holds each of its three kinds of attention."""
+    kinds = {"encoder", "decoder", "cross"}
+    if kinds & set(roles) and not kinds <= set(roles):
+        missing = ", ".join(sorted(kinds - set(roles)))
+        raise UnsupportedModelError(
+            f"The encoder-decoder's capture found no {missing} attention, which the encoder-decoder rules need: "
+            "its attention there is not softmax attention over its tokens (local or global windows, as LongT5's "
+            "and LED's), or its adapter does not name those modules."
+        )
 
 
 def _check_pooling(roles: list[str]) -> None:

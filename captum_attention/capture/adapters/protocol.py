@@ -209,6 +209,12 @@ class AdapterBase:
         return output[site.output_index] if isinstance(output, (tuple, list)) else output
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
+        if not isinstance(probs, Tensor):
+            raise UnsupportedModelError(
+                f"{type(module).__name__} returned its attention as a {type(probs).__name__}, not one tensor of "
+                "probabilities (separate local and global weights, as PEGASUS-X's): it cannot be read as maps "
+                "over the tokens."
+            )
         return probs.unsqueeze(1) if probs.dim() == 3 else probs
 
     def gradient_as_heads(self, module: nn.Module, grads: Tensor) -> Tensor:
