@@ -147,6 +147,7 @@ def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
         ("led", "found no encoder attention"),  # Longformer's windows in the encoder
         ("pegasus_x", "returned its attention as a dict"),  # local and global weights apart
         ("encoder-decoder", "found no cross attention"),  # EncoderDecoderModel: BERT's cross-attention unnamed
+        ("fsmt", "attended to later target tokens"),  # its decoder drops the causal mask while caching
     ],
 )
 def test_encoder_decoders_without_softmax_attention_over_their_tokens_are_refused_in_one_line(model_type, reason):

@@ -1,5 +1,6 @@
-"""Every architecture transformers registers for three task heads, built tiny from its own
-config class, explained by every registered method and checked.
+"""Every architecture transformers registers for four task heads (sequence classification,
+causal and sequence-to-sequence language models, image classification), built tiny from its
+own config class, explained by every registered method and checked.
 
 An architecture/method pair ends in one of:
 
@@ -48,6 +49,7 @@ HEADS = {
     "sequence classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     "causal LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "image classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "seq2seq LM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
 }
 REL = 1e-4
 """Tolerance relative to the scores' scale: fp32 sdpa and eager forwards of random tiny
@@ -224,7 +226,7 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
         return Case(model, architecture, pixels, None, TEXT_TARGET)
     ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
     ids[:, -1] = 2  # an end of sequence: BART-like classifiers read its position
-    target = LM_TARGET if architecture.head == "causal LM" else TEXT_TARGET
+    target = LM_TARGET if architecture.head in ("causal LM", "seq2seq LM") else TEXT_TARGET
     if getattr(config, "is_encoder_decoder", False):
         decoder_ids = torch.cat([torch.ones_like(ids[:, :1]), ids[:, :-1]], dim=1)  # shifted right
         return Case(model, architecture, (ids, decoder_ids), (torch.ones_like(ids), torch.ones_like(ids)), target)
@@ -419,6 +421,8 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
         case = runs(make_case(build(architecture, implementation=implementation), architecture))
     except NotBuilt as error:
         return {method: Outcome("not built", str(error)) for method in methods}
+    if architecture.head == "seq2seq LM" and not case.encoder_decoder:  # a speech model's language model
+        return {method: Outcome("not built", "not an encoder-decoder: its text model is a causal LM") for method in methods}
     found: dict[str, Outcome] = {}
     expected: Callable[[str], Any] | Exception | None = None
     for method in methods:
@@ -470,8 +474,10 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
     methods = list(next(iter(results.values())))
     lines = [
         "Supported architectures", "=======================", "",
-        "Every architecture transformers registers for three task heads, built tiny from its",
-        "own config class and explained by every registered method (``tests/zoo.py``):",
+        "Every architecture transformers registers for four task heads, built tiny from its",
+        "own config class and explained by every registered method (``tests/zoo.py``; a",
+        "sequence-to-sequence LM at its last target position: its answers' spans and rows",
+        "are checked in ``tests/test_seq2seq_answers.py``):",
         "**exact** equals the ``output_attentions`` + ``autograd`` reference (Swin's windows:",
         "each window attention run through the model's own partition; SegFormer's and PVTv2's",
         "reduced keys: spread by one-hot assignments; both on the first stage's patches;",
@@ -487,7 +493,8 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
         if not rows:
             continue
         counts = {status: sum(o.status == status for _, f in rows for o in f.values()) for status in STATUSES}
-        lines += [head.capitalize(), "-" * len(head), "", ", ".join(f"{n} {s}" for s, n in counts.items() if n) + " (architecture × method).", ""]
+        title = head[0].upper() + head[1:]
+        lines += [title, "-" * len(title), "", ", ".join(f"{n} {s}" for s, n in counts.items() if n) + " (architecture × method).", ""]
         lines += [".. list-table::", "   :header-rows: 1", "", "   * - model type"]
         lines += [f"     - {m}" for m in methods] + ["     - reason"]
         for architecture, found in rows:

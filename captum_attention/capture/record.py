@@ -400,6 +400,12 @@ def record_forward(
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal = _is_causal(capture, attn_maps, target_real)
+    if source_real is not None and logits.dim() == 3 and not causal:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s decoder attended to later target tokens in this forward (a shortcut some "
+            "models take while caching, as FSMT's with use_cache=True), so its logits are no next-token "
+            "predictions: call it with use_cache=False (model.config.use_cache = False)."
+        )
     pooled_from = adapter.mean_pooled_from(model) if query_index is None else None
     if pooled_from is not None:  # the rows the output's mean reads, as a span
         pooled = target_real.clone()
