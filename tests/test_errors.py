@@ -157,3 +157,28 @@ def test_a_compiled_model_gets_the_scores_of_the_model(setup):
     torch.testing.assert_close(
         TransformerAttribution(compiled).attribute(batch.input_ids, **args), TransformerAttribution(model).attribute(batch.input_ids, **args)
     )
+
+
+def test_a_model_attending_over_another_sequence_too_names_both_attentions():
+    """A vision-language model's image encoder attends over the patches, its language model
+    over the tokens: the refusal names both and points at the recipe."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    llava = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2),
+        image_token_id=99)).eval()
+    ids = torch.cat([torch.tensor([[1]]), torch.full((1, 16), 99), torch.tensor([[5, 6, 7]])], dim=1)
+    pixels = torch.randn(1, 3, 32, 32)
+
+    def forward(input_ids, attention_mask):
+        return llava(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixels).logits
+
+    for capture in ("eager", "streaming"):
+        with pytest.raises(UnsupportedModelError, match=r"CLIPAttention \(attention call 0\) attends over 17 positions, "
+                           r"while LlamaAttention \(call 2\) attends over the 20 input tokens") as refused:
+            GradSAM(forward, model=llava, capture=capture).attribute(ids, target=3, additional_forward_args=(torch.ones_like(ids),))
+        assert "\n" not in str(refused.value) and "merged input embeddings" in str(refused.value)

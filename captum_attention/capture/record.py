@@ -388,7 +388,7 @@ def record_forward(
     attn_maps = [] if streaming else [p.detach() for p in capture.attn_probs]
     shapes = [_shape(k) for k in kernel_calls] if streaming else [p.shape for p in attn_maps]
     roles = capture.roles
-    _check_attention(shapes, roles, batch, text_shape)
+    _check_attention(shapes, roles, batch, text_shape, [type(module).__name__ for module in capture.modules])
     if streaming and "pooling" in roles:
         raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
@@ -554,14 +554,27 @@ def _is_causal(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor)
     return zero_on_later_keys(attn_maps[self_calls[0]], real)
 
 
-def _check_attention(shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None) -> None:
+def _check_attention(
+    shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None, names: list[str]
+) -> None:
+    """``names``: the class of each call's module."""
     if not shapes:
         raise RuntimeError(
             "The forward pass ran no attention module of `model`: check that forward_func "
             "calls the model passed as model=..."
         )
-    for shape, role in zip(shapes, roles):
+    over_tokens = [i for i, shape in enumerate(shapes) if text_shape is not None and len(shape) == 4 and shape[-1] == text_shape[1]]
+    for call, (shape, role) in enumerate(zip(shapes, roles)):
         keys_ok = role not in ("self", "pooling") or text_shape is None or shape[-1] == text_shape[1]
+        if not keys_ok and over_tokens and len(shape) == 4 and shape[0] == batch:
+            assert text_shape is not None
+            raise UnsupportedModelError(
+                f"{names[call]} (attention call {call}) attends over {shape[-1]} positions, while "
+                f"{names[over_tokens[0]]} (call {over_tokens[0]}) attends over the {text_shape[1]} input tokens: the "
+                "model runs attention over other positions too (a vision-language model's image encoder, or a "
+                "sequence it shortens), and a capture explains one sequence. For a vision-language model, explain its "
+                "language model on the merged input embeddings (docs/families.rst)."
+            )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
             raise UnsupportedModelError(
