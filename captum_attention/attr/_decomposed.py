@@ -70,8 +70,10 @@ def row_blocks(batch: int, tokens: int, width: int) -> Iterator[slice]:
     return (slice(start, min(start + step, tokens)) for start in range(0, tokens, step))
 
 
-def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
-    """``(B, H, N, D)`` :func:`~captum_attention.maps.head_vectors` of one call (detached)."""
+def call_values(record: ForwardRecord, call: int, method: str) -> tuple[Tensor, Tensor]:
+    """One call's values, one per query head ``(B, H, K, Dv)``, and its output projection
+    ``(D, H · Dv)`` (detached); a refusal in one line where the adapter does not name the
+    projection."""
     recorded = record.result(RecordedValues)
     projection = recorded.projections[call]
     if projection is None:
@@ -79,14 +81,19 @@ def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
             f"{method} needs the output projection of {type(record.capture.modules[call]).__name__}, "
             "which its adapter does not name (output_projection)."
         )
-    values = recorded.per_head(call).detach()
+    return recorded.per_head(call).detach(), projection.detach()
+
+
+def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
+    """``(B, H, N, D)`` :func:`~captum_attention.maps.head_vectors` of one call (detached)."""
+    values, projection = call_values(record, call, method)
     heads, head_dim = values.shape[1], values.shape[-1]
     if projection.shape[1] != heads * head_dim:
         raise UnsupportedModelError(
             f"{method} splits the output projection of {type(record.capture.modules[call]).__name__} by head, but it "
             f"takes {projection.shape[1]} features, not its {heads} heads' {heads}×{head_dim} values."
         )
-    return head_vectors(values, projection.detach())
+    return head_vectors(values, projection)
 
 
 def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
