@@ -189,7 +189,9 @@ def test_a_classifier_that_reads_the_mean_of_its_tokens_is_explained_at_that_mea
         assert _close(explain(case, method), expected(method)), (pooling, method)
 
 
-def test_windowed_attention_is_refused_in_one_line():
+def test_a_shortened_sequence_is_refused_in_one_line_naming_both_attentions():
+    """CANINE attends over its characters, then over a downsampled sequence."""
     found = outcomes(_architecture("sequence classification", "canine"), ["grad_sam", "raw"])
     assert {o.status for o in found.values()} == {"refused"}
-    assert all("not over its tokens" in o.detail for o in found.values())
+    assert all("attends over 2 positions, while CanineSelfAttention (call 0) attends over the 8 input tokens" in o.detail
+               for o in found.values())
