@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh mixing  # CPU/CUDA agreement of the context-mixing methods (NormAttention,
-#                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention), both modes
+#                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention), both modes,
+#                                      # and of encoder-decoders' answers (span and rows)
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
 #                                      # an answer's rows at 16k with the kernels (at most 10 min)
@@ -37,7 +38,7 @@ case "${1:-check}" in
         python3 benchmarks/llm_answers.py --model llama-1b --device cuda --dtype bfloat16 --lengths 4096 16384 \
             --token-rows-max 4096 --json "$out/llm_answers_llama1b_bf16.json" | tee "$out/llm_answers_llama1b_bf16.md" ;;
     mixing)
-        python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement()" \
+        python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement(); gpu_check.seq2seq_answer_agreement()" \
             | tee "$out/mixing_check.md" ;;
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
