@@ -314,3 +314,16 @@ def test_other_wirings_stream_as_they_run_eager_and_their_rows_sum_to_one(head, 
         assert bool(((totals > 0.5) & (totals < 1.0)).all())
     else:
         torch.testing.assert_close(totals, torch.ones(len(eager)), rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_of_a_few_rows_give_the_scores_of_one_block(monkeypatch):
+    from captum_attention.attr import _decomposed
+
+    model, ids, mask, _ = one_stack_case("llama")
+    explainers = [(ALTI(model), {}), (ALTILogit(model), {}), (NormAttention(model), {"residual": True})]
+    whole = [explainer.attribute(ids, additional_forward_args=(mask,), **options) for explainer, options in explainers]
+    monkeypatch.setitem(_decomposed.BLOCK_ELEMENTS, "cpu", 3 * ids.shape[1] * model.config.hidden_size * 2)  # 2 rows
+    assert len(list(_decomposed.row_blocks(3, ids.shape[1], model.config.hidden_size, torch.device("cpu")))) == 4
+    for (explainer, options), expected in zip(explainers, whole):
+        torch.testing.assert_close(explainer.attribute(ids, additional_forward_args=(mask,), **options), expected,
+                                   rtol=1e-5, atol=1e-6)

@@ -17,8 +17,9 @@ from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual
 from ..maps import alti_contributions, head_vectors, normalised_mixing, transformed_vectors
 
-_BLOCK_ELEMENTS = 2**24
-"""How many float32 numbers one block of transformed vectors holds (64 MiB)."""
+BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
+"""How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
+on the CPU, 512 MiB on a card (whose blocks of a few rows each would leave it idle)."""
 
 
 @dataclass
@@ -63,10 +64,11 @@ def attention_row_at(record: ForwardRecord, call: int, position: Tensor) -> Tens
     return maps[torch.arange(maps.shape[0], device=maps.device), :, position.to(maps.device)].float()
 
 
-def row_blocks(batch: int, tokens: int, width: int) -> Iterator[slice]:
+def row_blocks(batch: int, tokens: int, width: int, device: torch.device) -> Iterator[slice]:
     """Consecutive query rows, as many at a time as keep one block of transformed vectors
-    ``(B, r, N, D)`` within :data:`_BLOCK_ELEMENTS`."""
-    step = max(1, _BLOCK_ELEMENTS // max(1, batch * tokens * width))
+    ``(B, r, N, D)`` within :data:`BLOCK_ELEMENTS` of ``device``'s type."""
+    elements = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cpu"])
+    step = max(1, elements // max(1, batch * tokens * width))
     return (slice(start, min(start + step, tokens)) for start in range(0, tokens, step))
 
 
@@ -108,7 +110,7 @@ def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCa
         )
     sums = torch.cat(
         [torch.einsum("bhik,bhkd->bid", attention_rows(record, call, rows).to(vectors.device), vectors)
-         for rows in row_blocks(batch, tokens, width)],
+         for rows in row_blocks(batch, tokens, width, vectors.device)],
         dim=1,
     )
     return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, record.forward_real))
@@ -141,7 +143,7 @@ def _contributions(record: ForwardRecord, call: int, layer: LayerSum) -> Tensor:
     residual = layer.residual
     inputs, outputs = residual.inputs.to(layer.vectors.device), residual.outputs.to(layer.vectors.device)
     blocks = []
-    for rows in row_blocks(batch, tokens, width):
+    for rows in row_blocks(batch, tokens, width, layer.vectors.device):
         vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
         blocks.append(alti_contributions(vectors, outputs[:, rows]))
     return torch.cat(blocks, dim=1)
