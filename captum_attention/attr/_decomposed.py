@@ -108,11 +108,13 @@ def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCa
             f"{method} adds the attention output to the hidden states of {type(block.block).__name__}, but its output "
             f"projection gives {width} features and the layer's states have {block.output.shape[-1]} (a bottleneck)."
         )
-    sums = torch.cat(
-        [torch.einsum("bhik,bhkd->bid", attention_rows(record, call, rows).to(vectors.device), vectors)
-         for rows in row_blocks(batch, tokens, width, vectors.device)],
-        dim=1,
-    )
+    values, projection = call_values(record, call, method)
+    values, projection = values.float().to(vectors.device), projection.float().to(vectors.device)
+    blocks = []
+    for rows in row_blocks(batch, tokens, width, vectors.device):  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
+        heads_out = torch.einsum("bhik,bhkv->bihv", attention_rows(record, call, rows).to(vectors.device), values)
+        blocks.append(heads_out.flatten(2) @ projection.t())
+    sums = torch.cat(blocks, dim=1)
     return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, record.forward_real))
 
 

@@ -17,6 +17,7 @@ from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
 from ..maps import propagate_query_row, value_zeroing_distances, normalised_mixing
 from ._base import AttentionAttributionBase, Scores, attribute_method
+from ._decomposed import layer_calls
 from ._registry import MethodSpec
 
 
@@ -97,15 +98,10 @@ def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: Forwar
     per forward (an answer's rows, whose real tokens end at each row's query, share them)."""
     blocks = record.result(RecordedBlocks)
     if "value_zeroing" not in blocks.cache:
-        if len(blocks.calls) != record.num_calls:
-            raise UnsupportedModelError(
-                f"Value Zeroing re-runs the layer of each attention call, but {type(model).__name__}'s adapter found "
-                f"{len(blocks.calls)} layer calls for {record.num_calls} attention calls (layer_block)."
-            )
-        if model.training:
-            raise ValueError("Value Zeroing compares re-runs of each layer, which dropout would change: call model.eval().")
         zeroed = record.forward_real
-        blocks.cache["value_zeroing"] = [_layer_distances(model, adapter, call, zeroed) for call in blocks.calls]
+        blocks.cache["value_zeroing"] = [
+            _layer_distances(model, adapter, call, zeroed) for call in layer_calls(model, record, "Value Zeroing")
+        ]
     return [normalised_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
 
 
