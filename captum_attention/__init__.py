@@ -14,6 +14,7 @@ from .attr import (
     RawAttention,
     TransformerAttribution,
     ValueZeroing,
+    image_scores,
     upsample_to_image,
 )
 from .capture import (
@@ -52,6 +53,7 @@ __all__ = [
     "UnsupportedModelError",
     "ValueZeroing",
     "__version__",
+    "image_scores",
     "load_default_model",
     "scores_for_display",
     "special_tokens",

@@ -158,17 +158,21 @@ def _rms_norm(x: Tensor, norm) -> Tensor:
 
 
 def llama_relevance(
-    model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None, gamma: float = 0.0
+    model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None, gamma: float = 0.0,
+    embeddings: Tensor | None = None, positions: Tensor | None = None,
 ) -> Decomposition:
     """AttnLRP of a ``LlamaForCausalLM`` or a ``Qwen2ForCausalLM`` (grouped-query attention,
     rotary positions, SiLU gates; Qwen2's biased Q, K, V), explaining the logit of
     ``target`` at the last position (prompts padded left); or, with ``span`` ``(B, K)``
     (the last K tokens of ``input_ids``), their summed log-probabilities
-    Σ_k log softmax(z at length - K - 1 + k)[span_k]."""
+    Σ_k log softmax(z at length - K - 1 + k)[span_k]. ``embeddings``: what the model reads
+    in place of the ids' embeddings (a vision-language model's merged inputs);
+    ``positions``: its position ids (default 0, 1, ...)."""
     llama, config = model.model, model.config
-    terms = Terms(llama.embed_tokens.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
+    tokens = llama.embed_tokens.weight.detach()[input_ids] if embeddings is None else embeddings.detach()
+    terms = Terms(tokens.clone().requires_grad_(), gamma=gamma)
     batch, length = input_ids.shape
-    positions = torch.arange(length)[None].expand(batch, -1)
+    positions = torch.arange(length)[None].expand(batch, -1) if positions is None else positions
     cos, sin = llama.rotary_emb(terms.tokens, positions)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     visible = torch.ones(length, length).tril().bool()[None, None] & attention_mask[:, None, None, :].bool()

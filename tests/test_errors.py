@@ -160,25 +160,26 @@ def test_a_compiled_model_gets_the_scores_of_the_model(setup):
 
 
 def test_a_model_attending_over_another_sequence_too_names_both_attentions():
-    """A vision-language model's image encoder attends over the patches, its language model
-    over the tokens: the refusal names both and points at the recipe."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    """A text encoder and an image encoder in one model attend over different positions:
+    the refusal names both and what to pass."""
+    from lm_models import make_vision
 
-    torch.manual_seed(0)
-    llava = LlavaForConditionalGeneration(LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       image_size=32, patch_size=8),
-        text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2),
-        image_token_id=99)).eval()
-    ids = torch.cat([torch.tensor([[1]]), torch.full((1, 16), 99), torch.tensor([[5, 6, 7]])], dim=1)
-    pixels = torch.randn(1, 3, 32, 32)
+    text, vision = make_model("bert"), make_vision("vit")
+    for part in (text, vision):
+        part.set_attn_implementation("eager")
 
-    def forward(input_ids, attention_mask):
-        return llava(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixels).logits
+    class TextAndImage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text, self.vision = text, vision
 
-    for capture in ("eager", "streaming"):
-        with pytest.raises(UnsupportedModelError, match=r"CLIPAttention \(attention call 0\) attends over 17 positions, "
-                           r"while LlamaAttention \(call 2\) attends over the 20 input tokens") as refused:
-            GradSAM(forward, model=llava, capture=capture).attribute(ids, target=3, additional_forward_args=(torch.ones_like(ids),))
-        assert "\n" not in str(refused.value) and "merged input embeddings" in str(refused.value)
+        def forward(self, input_ids, attention_mask):
+            pixels = torch.zeros(len(input_ids), 3, 16, 16)
+            return self.text(input_ids, attention_mask=attention_mask).logits[:, :3] + self.vision(pixels).logits
+
+    model = TextAndImage().eval()
+    batch = make_batch(text)
+    with pytest.raises(UnsupportedModelError, match=r"ViTAttention \(attention call 3\) attends over 17 positions, "
+                       r"while BertSelfAttention \(call 0\) attends over the 9 input tokens") as refused:
+        GradSAM(model, model=model, capture="eager").attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert "\n" not in str(refused.value) and "ModuleAdapter" in str(refused.value)

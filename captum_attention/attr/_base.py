@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, TypeVar, cast
+from typing import Any, Callable, ClassVar, Mapping, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -451,7 +451,9 @@ def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
     if not record.causal:
         raise ValueError(
             "attribute_continuation and attribute_span explain a generated continuation: they need a decoder "
-            "(causal self-attention) or an encoder-decoder; this model's self-attention sees every token."
+            "(causal self-attention) or an encoder-decoder; this model's self-attention sees later tokens (an encoder, "
+            "or a prefix whose tokens see each other both ways, as the image tokens of PaliGemma or Gemma 3 given "
+            "token_type_ids, whose answers are not explained yet)."
         )
     if not bool(record.target_real[:, prompt_len - 1].all()):
         raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
@@ -508,16 +510,27 @@ def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) 
 
 
 def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:
-    """Every ``(batch, prompt_len)`` tensor argument extended with ``new_tokens`` ones."""
+    """Every ``(batch, prompt_len)`` tensor argument extended with ``new_tokens`` ones; in a
+    mapping of keyword arguments (a vision-language model's inputs), the per-token ones as
+    ``generate`` extends them."""
     extra = format_additional_forward_args(additional_forward_args)
     if extra is None:
         return None
-    return tuple(
-        torch.cat([arg, arg.new_ones(arg.shape[0], new_tokens)], dim=1)
-        if isinstance(arg, Tensor) and tuple(arg.shape) == tuple(prompt_shape)
-        else arg
-        for arg in extra
-    )
+
+    def extended(arg: Any, name: str = "attention_mask") -> Any:
+        if isinstance(arg, Mapping):
+            return {key: extended(value, key) for key, value in arg.items()}
+        if not (isinstance(arg, Tensor) and tuple(arg.shape) == tuple(prompt_shape)):
+            return arg
+        if name.endswith("mm_token_type_ids"):  # the continuation is text
+            tail = arg.new_zeros(arg.shape[0], new_tokens)
+        elif name == "token_type_ids":  # PaliGemma's suffix: the last type repeated
+            tail = arg[:, -1:].expand(-1, new_tokens)
+        else:
+            tail = arg.new_ones(arg.shape[0], new_tokens)
+        return torch.cat([arg, tail], dim=1)
+
+    return tuple(extended(arg) for arg in extra)
 
 
 def _grid_shape(adapter: AttentionAdapter, model: nn.Module, images: Tensor) -> tuple[int, int]:

@@ -1,9 +1,15 @@
-"""Vision Transformers in the attributions: patch-grid scores upsampled to the image."""
+"""Images in the attributions: patch-grid scores upsampled to the image, and a
+vision-language model's token scores placed on its images' grids."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any, Mapping
+
 from captum.attr import LayerAttribution
-from torch import Tensor
+from torch import Tensor, nn
+
+from ..capture.adapters.images import image_token_layout
 
 
 def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear") -> Tensor:
@@ -24,3 +30,55 @@ def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear
     """
     upsampled = LayerAttribution.interpolate(grid_scores[:, None], tuple(images.shape[-2:]), mode)
     return upsampled.permute(0, 2, 3, 1)
+
+
+def image_scores(
+    model: nn.Module, input_ids: Tensor, scores: Tensor, image_inputs: Mapping[str, Any] | None = None
+) -> list[list[Tensor]]:
+    r"""A vision-language model's token scores placed on each image's patch grid.
+
+    The scores of ``attribute``, ``attribute_span`` or ``attribute_continuation`` on a
+    vision-language model (LLaVA, PaliGemma, Gemma 3, Qwen2-VL, Idefics3, ...) are over
+    every token its language model read, each image's tokens among them. This reads, from
+    the family's config and image inputs, which positions hold each image and in what grid
+    they were laid out (:mod:`captum_attention.capture.adapters.images`: LLaVA's one token
+    per patch, Qwen2-VL's 2×2 merge, Idefics3's pixel shuffle per tile, ...) and returns
+    them on that grid. A family whose layout is not known gets its image tokens' scores in
+    sequence order, with a warning, never a guessed grid.
+
+    Args:
+        model (nn.Module): the vision-language model explained.
+        input_ids (Tensor): ``(batch, seq_len)`` token ids as the processor expanded them
+            (one image token per token the image gives the language model).
+        scores (Tensor): ``(batch, seq_len)`` token scores, or ``(batch, rows, seq_len)``
+            token rows from ``attribute_continuation`` (``seq_len`` may extend past the
+            prompt's: the continuation holds no image tokens).
+        image_inputs (Mapping, optional): the image inputs passed to the model
+            (``image_grid_thw`` for Qwen2-VL). Default: None.
+
+    Returns:
+        Per example, per image (per tile for Idefics3 and SmolVLM: the split image's tiles
+        row by row, then the whole image), its scores ``(grid rows, grid columns)``, with
+        a leading axis of token rows for ``(batch, rows, seq_len)`` scores.
+
+    Example::
+
+        >>> inputs = (mask, {"pixel_values": pixels})
+        >>> span = GradSAM(llava).attribute_span(input_ids, answer, additional_forward_args=inputs)
+        >>> first_image = image_scores(llava, input_ids, span)[0][0]  # (24, 24) for LLaVA-1.5
+    """
+    placed: list[list[Tensor]] = []
+    unplaced = False
+    for example, images in enumerate(image_token_layout(model, input_ids, image_inputs or {})):
+        placed.append([])
+        for image in images:
+            tokens = scores[example, ..., image.positions.to(scores.device)]
+            unplaced |= image.grid is None
+            placed[-1].append(tokens if image.grid is None else tokens[..., image.leading :].reshape(*tokens.shape[:-1], *image.grid))
+    if unplaced:
+        warnings.warn(
+            f"The layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
+            "their scores are returned in sequence order, not on a grid.",
+            stacklevel=2,
+        )
+    return placed

@@ -125,7 +125,10 @@ class RelevanceRules(Probe):
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
             stack.callback(module.register_forward_pre_hook(self._enter_module).remove)
             stack.callback(module.register_forward_hook(self._leave_module).remove)
-        for module in adapter.input_embeddings(model):
+        merged = adapter.merged_embeddings(model)
+        if merged is not None:
+            stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
+        for module in [] if merged is not None else adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
 
@@ -164,10 +167,22 @@ class RelevanceRules(Probe):
         first = output[0] if isinstance(output, tuple) and output else output
         if not isinstance(first, Tensor) or not first.is_floating_point() or not self._ours():
             return None
-        embeddings = first.detach().requires_grad_()
-        self.embeddings.append(embeddings)
-        passed_on = embeddings.clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
+        passed_on = self._recorded(first)
         return passed_on if first is output else (passed_on, *output[1:])
+
+    def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The ``inputs_embeds`` the module is called with, detached and recorded."""
+        embeddings = kwargs.get("inputs_embeds")
+        if not isinstance(embeddings, Tensor) or not self._ours():
+            return None
+        return args, {**kwargs, "inputs_embeds": self._recorded(embeddings)}
+
+    def _recorded(self, embeddings: Tensor) -> Tensor:
+        """``embeddings`` detached, requiring grad and recorded; what the model reads in
+        their place."""
+        leaf = embeddings.detach().requires_grad_()
+        self.embeddings.append(leaf)
+        return leaf.clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
 
 
 class _RuleMode(ScopedFunctionMode):

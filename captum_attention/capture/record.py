@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError, run_forward
-from ..maps.common import last_query, query_rows, query_weights, real_tokens, up_to, zero_on_later_keys
+from ..maps.common import has_later_keys, last_query, mask_sees_later_keys, query_rows, query_weights, real_tokens, sees_later_keys, up_to
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, resolve_targets
@@ -537,21 +537,30 @@ def _shape(call: KernelCall) -> torch.Size:
 
 
 def _is_causal(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor) -> bool:
-    """Whether the explained sequence's self-attention is causal: as the adapter says, or,
-    where it cannot tell or says not, from the probabilities when they are recorded
-    (exactly 0 on every later real key: a decoder whose modules say ``is_causal=False``
+    """Whether the explained sequence's self-attention is causal, read from the
+    probabilities when they are recorded, else from the kernel's causal flag or mask.
+
+    Where the adapter says causal, the check is that no real query sees a later real key
+    (a prefix language model lets the prompt's image tokens see each other both ways:
+    PaliGemma's and Gemma 3's, given token types); where it cannot tell or says not, that
+    every later real key gets exactly 0 (a decoder whose modules say ``is_causal=False``
     but mask later keys themselves is causal)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
     if not self_calls:
         return False
     said = capture.causal[self_calls[0]]
-    if said is True:
-        return True
     if capture.streaming:
-        if said is None:
-            raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
-        return False
-    return zero_on_later_keys(attn_maps[self_calls[0]], real)
+        call = capture.kernel_calls[self_calls[0]]
+        if call.causal:
+            return True
+        if call.mask is None:
+            if said is None:
+                raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
+            return said
+        sees = mask_sees_later_keys(call.mask, real)
+    else:
+        sees = sees_later_keys(attn_maps[self_calls[0]], real)
+    return not sees if said is True else has_later_keys(real) and not sees
 
 
 def _check_attention(
@@ -571,9 +580,9 @@ def _check_attention(
             raise UnsupportedModelError(
                 f"{names[call]} (attention call {call}) attends over {shape[-1]} positions, while "
                 f"{names[over_tokens[0]]} (call {over_tokens[0]}) attends over the {text_shape[1]} input tokens: the "
-                "model runs attention over other positions too (a vision-language model's image encoder, or a "
-                "sequence it shortens), and a capture explains one sequence. For a vision-language model, explain its "
-                "language model on the merged input embeddings (docs/families.rst)."
+                "model runs attention over other positions too (an image encoder beside a text model, or a sequence "
+                "it shortens), and a capture explains one sequence: name the attention modules over the tokens, "
+                "adapter=ModuleAdapter([...]), or pass a vision-language model whole (its language model is read)."
             )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"

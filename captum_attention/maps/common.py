@@ -121,16 +121,40 @@ def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device:
 
 
 def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
-    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key.
+    """Whether ``(B, H, T, T)`` attention puts exactly zero weight on every later real key
+    (and there is a later real key to put it on).
 
     A softmax is never exactly 0 unless the key was masked (or, in low precision, its
     weight underflowed: the reason adapters that know say so instead). One head is enough
     (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
     """
-    if attn.shape[-1] < 2:
-        return False
-    later = attn[:, 0].triu(diagonal=1)
+    return has_later_keys(real) and not sees_later_keys(attn, real)
+
+
+def has_later_keys(real: Tensor) -> bool:
+    """Whether some real query has a later real key: an example of two real tokens."""
+    return bool((real.sum(dim=1) >= 2).any())
+
+
+def sees_later_keys(attn: Tensor, real: Tensor) -> bool:
+    """Whether ``(B, H, T, T)`` attention puts weight on a later real key of a real query
+    (its first head read: see :func:`zero_on_later_keys`)."""
     pairs = real[:, :, None] & real[:, None, :]
-    if not bool(pairs.triu(diagonal=1).any()):
-        return False
-    return not bool(later.masked_fill_(~pairs, 0).any())
+    return bool(attn[:, 0].triu(diagonal=1).masked_fill_(~pairs, 0).any())
+
+
+def mask_sees_later_keys(mask: Tensor, real: Tensor, rows_per_block: int = 1024) -> bool:
+    """Whether a kernel's mask (a boolean keep-mask, or an additive one, broadcastable to
+    ``(B, H, T, T)``) lets a real query see a later real key; read in blocks of query rows,
+    so that nothing of ``(T, T)`` floats is made."""
+    batch, length = real.shape
+    full = mask.expand(batch, -1, length, length)
+    keys = torch.arange(length, device=real.device)
+    for start in range(0, length, rows_per_block):
+        rows = slice(start, min(start + rows_per_block, length))
+        block = full[:, 0, rows]
+        keep = block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2
+        later = keys[None, :] > keys[rows, None]
+        if bool((keep.to(real.device) & later & real[:, rows, None] & real[:, None, :]).any()):
+            return True
+    return False

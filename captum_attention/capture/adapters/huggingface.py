@@ -8,7 +8,7 @@ import threading
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from torch import Tensor, nn
 
@@ -16,6 +16,7 @@ from ..._compat import StreamingUnsupported, attn_implementation, implementation
 from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
+from .images import language_model_of
 
 
 
@@ -115,7 +116,7 @@ class HuggingFaceAdapter(AdapterBase):
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
         order = {module: index for index, module in enumerate(model.modules())}
-        return grid_sites(model, sorted(found.values(), key=lambda site: order[site.module]))
+        return grid_sites(model, sorted(_language_model_sites(model, found), key=lambda site: order[site.module]))
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
         """Probabilities as heads; a window or reduced-key attention's as maps over the
@@ -247,6 +248,10 @@ class HuggingFaceAdapter(AdapterBase):
                 modules.append(embedding)
         return modules
 
+    def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
+        """A vision-language model's language model (:mod:`.images`)."""
+        return language_model_of(model)
+
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         """Activations: torch's element-wise modules and every class of transformers'
         activation table (``ACT2CLS``); norms: ``nn.LayerNorm``, ``nn.RMSNorm`` and the
@@ -264,6 +269,26 @@ class HuggingFaceAdapter(AdapterBase):
 
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
         return _prepared(self, model, "sdpa" if streaming else "eager")
+
+
+def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite]) -> list[AttentionSite]:
+    """A vision-language model's sites in its language model, which reads the tokens (its
+    vision tower attends over the patches); every site of any other model."""
+    language_model = language_model_of(model)
+    if language_model is None:
+        return list(found.values())
+    inside = set(language_model.modules())
+    sites = [site for site in found.values() if site.module in inside]
+    if any(site.role == "cross" or _CROSS_STATES & set(inspect.signature(site.module.forward).parameters) for site in sites):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s language model reads the image through cross-attention layers, whose keys are "
+            "the vision tower's outputs rather than tokens of its sequence: its answers are not explained yet."
+        )
+    return sites
+
+
+_CROSS_STATES = {"cross_attention_states", "encoder_hidden_states"}
+"""Forward parameters of an attention module whose keys are another sequence's states."""
 
 
 def _patch_embedding(model: nn.Module) -> nn.Module | None:
@@ -530,10 +555,12 @@ class _KeywordForward:
 
     def __call__(self, *args: Any) -> Any:
         names = self.names
+        args, keywords = _keywords(args)
         if len(args) > len(names):
             raise TypeError(
                 f"{type(self.model).__name__} was given {len(args)} positional inputs; as "
-                f"forward_func it takes at most {len(names)}: {names}. Wrap it in a function "
+                f"forward_func it takes at most {len(names)}: {names}, and a dict of keyword "
+                "arguments last (a vision-language model's image inputs). Wrap it in a function "
                 "to pass more."
             )
         kwargs: dict[str, Any] = {}
@@ -542,9 +569,24 @@ class _KeywordForward:
                 name = name.replace("input_ids", "inputs_embeds")
             kwargs[name] = value
         mask = kwargs.get("attention_mask")
-        if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()):
+        if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()) and not _places_its_own(self.model):
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return self.model(**kwargs)
+        return self.model(**kwargs, **keywords)
+
+
+def _keywords(args: tuple) -> tuple[tuple, dict[str, Any]]:
+    """Positional arguments, and the keyword arguments of a mapping given last (a
+    vision-language model's ``pixel_values``, ``image_grid_thw``, ...: the processor's
+    output)."""
+    if args and isinstance(args[-1], Mapping):
+        return args[:-1], dict(args[-1])
+    return args, {}
+
+
+def _places_its_own(model: nn.Module) -> bool:
+    """Whether the model computes its positions from the mask itself (Qwen2-VL's
+    multimodal rotary positions, ``get_rope_index``), as ``generate`` lets it."""
+    return any(callable(getattr(m, "get_rope_index", None)) for m in (model, getattr(model, "model", None)))
 
 
 _CACHE_PARAMETERS = ("cache", "past_key_values", "past_key_value", "cache_params", "mems")
@@ -563,12 +605,13 @@ class _ByParameterName:
         parameters = inspect.signature(self.model.forward).parameters.values()
         names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         names = [name for name in names if name not in _CACHE_PARAMETERS]
+        args, keywords = _keywords(args)
         if len(args) > len(names):
             raise TypeError(
                 f"{type(self.model).__name__} was given {len(args)} positional inputs; its forward takes "
                 f"at most {len(names)} ({names}). Wrap it in a function to pass more."
             )
-        kwargs = dict(zip(names, args))
+        kwargs = {**dict(zip(names, args)), **keywords}
         if isinstance(kwargs.get("input_ids"), Tensor) and kwargs["input_ids"].is_floating_point():
             kwargs["inputs_embeds"] = kwargs.pop("input_ids")
         return self.model(**kwargs)

@@ -166,6 +166,13 @@ class AttentionAdapter(Protocol):
         transformer's patch embedding), where relevance is read; empty where unknown."""
         ...
 
+    def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
+        """A module whose ``inputs_embeds`` argument holds the embeddings of every
+        explained token, where relevance is read instead of at ``input_embeddings``'
+        outputs: a vision-language model's language model, which reads the text's
+        embeddings and the image's features merged; None for other models."""
+        ...
+
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         """The activation and normalisation modules AttnLRP's rules act on."""
         ...
@@ -249,6 +256,9 @@ class AdapterBase:
 
     def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
         return []
+
+    def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
+        return None
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         return RelevanceSites([], [])

@@ -1,0 +1,183 @@
+"""Vision-language models: the language model a capture explains, and where each image's
+tokens lie in its sequence and on the image's patch grid.
+
+A vision-language model (LLaVA, PaliGemma, Qwen2-VL, Idefics3, ...) encodes its images with
+a vision tower, projects the features and puts them in place of the image tokens of the
+prompt; its language model then reads one sequence, the image's tokens among the text.
+Explaining the answer is explaining that language model: the capture records the language
+model's attention only (the vision tower's runs over other positions), and its scores are
+over every token it read. :func:`image_token_layout` says, per example, which positions
+hold each image's tokens and in what grid they were laid out, from the family's own
+config and image inputs:
+
+- ``llava``, ``paligemma``: one token per patch of the vision tower, row by row (LLaVA's
+  ``"full"`` feature selection keeps CLIP's class token first, outside the grid);
+- ``gemma3``: ``mm_tokens_per_image`` tokens, the patch grid average-pooled to a square;
+- ``qwen2_vl``, ``qwen2_5_vl``: per image ``image_grid_thw`` patches merged
+  ``spatial_merge_size`` × ``spatial_merge_size``, row by row per frame;
+- ``idefics3``, ``smolvlm``: per tile (the split image's tiles row by row, then the whole
+  image), the tile's patches pixel-shuffled by ``scale_factor``: one grid per tile.
+
+A family missing here gets its image tokens' scores without a grid (and a one-line note),
+never a wrong grid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .protocol import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """One image (or tile) of one example: the positions of its tokens in the sequence,
+    and the ``(rows, columns)`` grid they fill row by row after ``leading`` tokens that
+    lie outside it (LLaVA's class token); ``grid`` is None where the family's layout is
+    unknown."""
+
+    positions: Tensor
+    grid: tuple[int, int] | None
+    leading: int = 0
+
+
+def language_model_of(model: nn.Module) -> nn.Module | None:
+    """The language model of a vision-language model (its ``get_decoder()``, a module
+    inside it), else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    if not callable(get_decoder):
+        return None
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+def image_token_id(config: Any) -> int | None:
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
+    """Per example, its images' tokens in order (see the module docstring).
+
+    Raises:
+        ValueError: the model names no image token, or the image tokens in ``input_ids``
+            are not as many as its images' layout needs.
+    """
+    config = model.config
+    token = image_token_id(config)
+    if token is None:
+        raise ValueError(f"{type(model).__name__}'s config names no image token id: its image tokens cannot be found.")
+    held = input_ids == token
+    layout = _LAYOUTS.get(str(getattr(config, "model_type", "")))
+    if layout is None:
+        return [[ImageTokens(row.nonzero().flatten(), None)] if bool(row.any()) else [] for row in held]
+    shapes = layout(config, held, image_inputs)
+    return [_split(row.nonzero().flatten(), per_example, example) for example, (row, per_example) in enumerate(zip(held, shapes))]
+
+
+_Shape = tuple[int, tuple[int, int], int]
+"""An image's token count, grid and leading tokens."""
+
+
+def _split(positions: Tensor, shapes: list[_Shape], example: int) -> list[ImageTokens]:
+    needed = sum(count for count, _, _ in shapes)
+    if needed != len(positions):
+        raise ValueError(
+            f"Example {example} holds {len(positions)} image tokens, but its {len(shapes)} image(s) need {needed}: "
+            "pass the prompt as the model's processor expands it, with its image inputs."
+        )
+    images, start = [], 0
+    for count, grid, leading in shapes:
+        images.append(ImageTokens(positions[start : start + count], grid, leading))
+        start += count
+    return images
+
+
+def _side(config: Any) -> int:
+    vision = config.vision_config
+    size, patch = vision.image_size, vision.patch_size
+    size = size if isinstance(size, int) else size[0]
+    patch = patch if isinstance(patch, int) else patch[0]
+    return size // patch
+
+
+def _fixed(shape: Callable[[Any], _Shape]) -> Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]:
+    """A family whose every image has the same tokens: as many images per example as its
+    image tokens hold."""
+
+    def layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+        count, grid, leading = shape(config)
+        return [[(count, grid, leading)] * -(-int(row.sum()) // count) for row in held]
+
+    return layout
+
+
+def _llava(config: Any) -> _Shape:
+    side = _side(config)
+    leading = int(getattr(config, "vision_feature_select_strategy", "default") == "full")
+    return side * side + leading, (side, side), leading
+
+
+def _paligemma(config: Any) -> _Shape:
+    side = _side(config)
+    return side * side, (side, side), 0
+
+
+def _gemma3(config: Any) -> _Shape:
+    side = math.isqrt(int(config.mm_tokens_per_image))
+    return side * side, (side, side), 0
+
+
+def _idefics3(config: Any) -> _Shape:
+    side = _side(config) // int(config.scale_factor)
+    return side * side, (side, side), 0
+
+
+def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+    """Each image's ``(t, h, w)`` patches from ``image_grid_thw``, in the order of the
+    batch's image tokens, merged ``m × m``: ``t`` frames of ``(h/m, w/m)``."""
+    grids = image_inputs.get("image_grid_thw")
+    if grids is None:
+        raise ValueError(f"{config.model_type} needs image_grid_thw to place its image tokens: pass the processor's image inputs.")
+    merge = int(config.vision_config.spatial_merge_size)
+    remaining = [tuple(int(v) for v in thw) for thw in torch.as_tensor(grids).tolist()]
+    shapes: list[list[_Shape]] = []
+    for row in held:
+        tokens, mine = int(row.sum()), []
+        while tokens > 0 and remaining:
+            frames, height, width = remaining.pop(0)
+            if frames != 1:
+                raise UnsupportedModelError(f"{config.model_type}: an image of {frames} frames is a video; only images are placed on a grid.")
+            mine.append((height * width // merge**2, (height // merge, width // merge), 0))
+            tokens -= mine[-1][0]
+        shapes.append(mine)
+    if remaining:
+        raise ValueError(f"image_grid_thw holds {len(remaining)} image(s) more than the prompts' image tokens: pass the images of these prompts.")
+    return shapes
+
+
+_LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]] = {
+    "llava": _fixed(_llava),
+    "paligemma": _fixed(_paligemma),
+    "gemma3": _fixed(_gemma3),
+    "idefics3": _fixed(_idefics3),
+    "smolvlm": _fixed(_idefics3),
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_vl,
+}
+"""Per ``config.model_type``: the token count, grid and leading tokens of each image of
+each example."""

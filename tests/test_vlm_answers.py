@@ -1,0 +1,207 @@
+"""Vision-language models' answers: the language model's attention explained over the
+prompt's tokens and each image's tokens, and those placed on the image's patch grid.
+
+References come from an eager twin's ``output_attentions`` (the language model's only) and
+``torch.autograd.grad`` of the answer's summed log-probabilities; the grid layouts from
+the model's own computation (a patch changed, the one image token that changes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_state, model_state
+from lrp_reference import llama_relevance
+from test_llm import span_reference
+from torch import nn
+from types import SimpleNamespace
+from vlm_models import ANSWER, FAMILIES, GRIDS, IMAGE, make_vlm, make_vlm_prompt, vlm_span_reference, with_answer
+from methods import MAP_METHODS, METHODS
+
+from captum_attention import ALTI, AttnLRP, GradSAM, NormAttention, RawAttention, TransformerAttribution, ValueZeroing, image_scores
+from captum_attention.capture import UnsupportedModelError
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_span_equals_the_reference_of_the_language_models_attention(family, method):
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    _language_model_inputs(model, prompt)  # transformers installs its own output recorders on a first forward
+    before = model_state(model)
+    scores = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert_same_state(before, model_state(model))
+    sequence = with_answer(prompt)
+    prompt_len = prompt.input_ids.shape[1]
+    expected = span_reference(method, vlm_span_reference(model, family, prompt), sequence.attention_mask.bool(), range(prompt_len - 1, prompt_len + 1))
+    images = sequence.input_ids == IMAGE
+    assert expected[images].abs().max() > 0, "the image tokens are scored"
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_token_rows_are_the_span_split_by_answer_token(family):
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    explainer = RawAttention(model)
+    rows = explainer.attribute_continuation(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    span = explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    torch.testing.assert_close(rows.sum(dim=1), span)
+    grids = image_scores(model, prompt.input_ids, rows, prompt.images)
+    assert [tuple(grid.shape) for grid in grids[1]] == [(2, *GRIDS[family][1])]
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_attn_lrp_reads_relevance_where_the_language_model_reads_the_image():
+    """AttnLRP of LLaVA equals AttnLRP of its Llama on the merged embeddings (text
+    embeddings, the projected image features at the image tokens)."""
+    model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
+    scores = AttnLRP(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    sequence = with_answer(prompt)
+    merged = _language_model_inputs(model, sequence)
+    positions = (sequence.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    language_model = SimpleNamespace(model=model.model.language_model, config=model.config.text_config, lm_head=model.lm_head)
+    expected = llama_relevance(language_model, sequence.input_ids, sequence.attention_mask, None, span=ANSWER, embeddings=merged, positions=positions).relevance
+    expected = expected * sequence.attention_mask
+    expected[:, -1] = 0.0
+    assert expected[sequence.input_ids == IMAGE].abs().max() > 0
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("method", [NormAttention, ALTI, ValueZeroing, TransformerAttribution])
+def test_streaming_equals_eager_for_every_kind_of_method(family, method):
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    streamed, eager = (
+        method(model, capture=capture).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+        for capture in ("streaming", "eager")
+    )
+    assert eager[with_answer(prompt).input_ids == IMAGE].abs().max() > 0
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_image_token_lands_on_its_patches_place_in_the_grid(family):
+    """With the vision tower's attention outputs zeroed, an image token's features depend on
+    its own patches only: changing one patch changes one token, which the grid places
+    where the patch lies (for the merging families, the merged patch's place)."""
+    model = _not_mixing_patches(make_vlm(family))
+    prompt = make_vlm_prompt(family)
+    for example, (rows, columns) in enumerate(GRIDS[family]):
+        for row, column in [(0, 0), (rows - 1, columns - 1), (rows - 1, 0)]:
+            changed = _changed_tokens(model, family, prompt, example, row, column)
+            grid = image_scores(model, prompt.input_ids, changed, prompt.images)[example][0]
+            expected = torch.zeros(rows, columns)
+            expected[row, column] = 1.0
+            torch.testing.assert_close(grid, expected)
+
+
+def test_a_prompt_with_too_few_image_tokens_is_refused_in_one_line():
+    model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
+    short = prompt.input_ids.clone()
+    short[0, short[0].tolist().index(IMAGE)] = 5
+    with pytest.raises(ValueError, match=r"Example 0 holds 15 image tokens, but its 1 image\(s\) need 16") as refused:
+        image_scores(model, short, torch.ones(short.shape), prompt.images)
+    assert "\n" not in str(refused.value)
+
+
+def test_an_unknown_layout_gives_the_image_tokens_in_order_with_a_warning(monkeypatch):
+    from captum_attention.capture.adapters import images
+
+    model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
+    monkeypatch.delitem(images._LAYOUTS, "llava")
+    scores = torch.arange(prompt.input_ids.numel(), dtype=torch.float).view(prompt.input_ids.shape)
+    with pytest.warns(UserWarning, match="layout of llava's image tokens is not known"):
+        placed = image_scores(model, prompt.input_ids, scores, prompt.images)
+    torch.testing.assert_close(placed[1][0], scores[1][prompt.input_ids[1] == IMAGE])
+
+
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_image_tokens_attending_both_ways_are_refused_for_answers(capture):
+    """Gemma 3 given token_type_ids lets an image's tokens see each other both ways: its
+    prompt is not causal, and spans are refused in one line."""
+    model, prompt = make_vlm("gemma3"), make_vlm_prompt("gemma3")
+    images = {**prompt.images, "token_type_ids": (prompt.input_ids == IMAGE).long()}
+    with pytest.raises(ValueError, match="sees later tokens") as refused:
+        GradSAM(model, capture=capture).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, images))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_language_model_reading_the_image_by_cross_attention_is_refused():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MllamaConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+                           image_size=16, patch_size=8, max_num_tiles=4, intermediate_layers_indices=[0], vision_output_dim=64),
+        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0),
+        image_token_index=IMAGE,
+    )
+    model = tf.MllamaForConditionalGeneration(config).eval()
+    ids = torch.tensor([[1, IMAGE, 5, 6]])
+    images = dict(
+        pixel_values=torch.randn(1, 1, 4, 3, 16, 16), aspect_ratio_ids=torch.tensor([[1]]),
+        aspect_ratio_mask=torch.tensor([[[1, 0, 0, 0]]]), cross_attention_mask=torch.ones(1, 4, 1, 4, dtype=torch.long),
+    )
+    for capture in ("streaming", "eager"):
+        with pytest.raises(UnsupportedModelError, match="reads the image through cross-attention layers") as refused:
+            GradSAM(model, capture=capture).attribute_span(ids, ANSWER[:1], additional_forward_args=(torch.ones_like(ids), images))
+        assert "\n" not in str(refused.value)
+
+
+def _language_model_inputs(model: nn.Module, prompt) -> torch.Tensor:
+    """The embeddings the language model reads (a pre-hook on it during a plain forward)."""
+    seen = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw["inputs_embeds"].detach()), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, **prompt.images)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def _not_mixing_patches(model: nn.Module) -> nn.Module:
+    vision = next(getattr(model.model, name) for name in ("vision_tower", "visual", "vision_model") if hasattr(model.model, name))
+    with torch.no_grad():
+        for module in vision.modules():
+            projection = getattr(module, "out_proj", None) or getattr(module, "proj", None)
+            if type(module).__name__.endswith("Attention") and isinstance(projection, nn.Linear):
+                projection.weight.zero_()
+                projection.bias.zero_()
+    return model
+
+
+def _changed_tokens(model: nn.Module, family: str, prompt, example: int, row: int, column: int) -> torch.Tensor:
+    """``(B, T)``: 1 where the language model's input changes when the image patch that
+    lands at (row, column) of the example's grid changes."""
+    if family == "qwen2_vl":
+        return _changed_qwen_tokens(model, prompt, example, row, column)
+    scale = {"gemma3": 2, "idefics3": 2}.get(family, 1)  # patches per grid cell along a side
+    changed = {key: value.clone() for key, value in prompt.images.items()}
+    patch = 8 * scale
+    changed["pixel_values"][example, ..., row * patch : row * patch + 8, column * patch : column * patch + 8] += 1.0
+    before = _language_model_inputs(model, prompt)
+    after = _language_model_inputs(model, SimpleNamespace(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, images=changed))
+    return ((after - before).abs().sum(-1) > 1e-6).float()
+
+
+def _changed_qwen_tokens(model: nn.Module, prompt, example: int, row: int, column: int) -> torch.Tensor:
+    """Qwen2-VL's patches come flattened in its processor's order: both images are made by
+    the processor, and one 4×4-pixel patch of the merged cell changed."""
+    from transformers import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(patch_size=4, temporal_patch_size=2, merge_size=2, do_resize=False)
+    generator = np.random.default_rng(0)
+    images = [generator.random((16, 16, 3)), generator.random((16, 24, 3))]
+    made = processor(images=images, return_tensors="pt")
+    assert made["image_grid_thw"].tolist() == prompt.images["image_grid_thw"].tolist()
+    images[example][row * 8 : row * 8 + 4, column * 8 : column * 8 + 4] += 0.5
+    remade = processor(images=images, return_tensors="pt")
+    inputs = lambda pixels: SimpleNamespace(  # noqa: E731
+        input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, images={**prompt.images, "pixel_values": pixels}
+    )
+    before, after = (_language_model_inputs(model, inputs(m["pixel_values"])) for m in (made, remade))
+    return ((after - before).abs().sum(-1) > 1e-6).float()

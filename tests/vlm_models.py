@@ -1,0 +1,112 @@
+"""Tiny vision-language models (two-layer vision towers and language models, fixed seeds)
+and prompts with their image inputs: two examples padded on the left, one image each;
+Qwen2-VL's two images of different sizes."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers as tf
+from torch import nn
+
+IMAGE = 99  # the image token id
+TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+FAMILIES = ("llava", "paligemma", "gemma3", "qwen2_vl", "idefics3")
+ANSWER = torch.tensor([[8, 9], [11, 12]])
+
+
+def make_vlm(family: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if family == "llava":
+        config: Any = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE)
+        return tf.LlavaForConditionalGeneration(config).eval()
+    if family == "paligemma":
+        config = tf.PaliGemmaConfig(
+            vision_config=tf.SiglipVisionConfig(**VISION), text_config=tf.GemmaConfig(**TEXT, head_dim=8), image_token_id=IMAGE, projection_dim=32
+        )
+        return tf.PaliGemmaForConditionalGeneration(config).eval()
+    if family == "gemma3":
+        config = tf.Gemma3Config(vision_config=dict(VISION), text_config=dict(**TEXT, head_dim=8), mm_tokens_per_image=4, image_token_index=IMAGE)
+        model = tf.Gemma3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # initialised to zeros: no image would reach the language model
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.2)
+        return model
+    if family == "qwen2_vl":
+        config = tf.Qwen2VLConfig(
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
+            text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+            image_token_id=IMAGE, video_token_id=98, vision_start_token_id=97,
+        )
+        return tf.Qwen2VLForConditionalGeneration(config).eval()
+    if family == "idefics3":
+        config = tf.Idefics3Config(vision_config=dict(VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE, scale_factor=2)
+        return tf.Idefics3ForConditionalGeneration(config).eval()
+    raise KeyError(family)
+
+
+TOKENS_PER_IMAGE = {"llava": (16, 16), "paligemma": (16, 16), "gemma3": (4, 4), "idefics3": (4, 4), "qwen2_vl": (4, 6)}
+GRIDS = {"llava": [(4, 4)] * 2, "paligemma": [(4, 4)] * 2, "gemma3": [(2, 2)] * 2, "idefics3": [(2, 2)] * 2, "qwen2_vl": [(2, 2), (2, 3)]}
+
+
+@dataclass
+class VLMPrompt:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    images: dict[str, torch.Tensor]
+
+    @property
+    def args(self) -> tuple:
+        return self.attention_mask, self.images
+
+
+def make_vlm_prompt(family: str, seed: int = 3) -> VLMPrompt:
+    """``[BOS, image tokens, text..., 10 + b]`` per example, padded on the left."""
+    rows = [[1] + [IMAGE] * count + text + [10 + b] for b, (count, text) in enumerate(zip(TOKENS_PER_IMAGE[family], ([5, 6], [7])))]
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, length - len(row) :], mask[b, length - len(row) :] = torch.tensor(row), 1
+    generator = torch.Generator().manual_seed(seed)
+    if family == "qwen2_vl":  # 16×16 and 16×24 pixels: 4×4 and 4×6 patches of 4, merged 2×2
+        grids = torch.tensor([[1, 4, 4], [1, 4, 6]])
+        pixels = torch.randn(16 + 24, 3 * 2 * 4 * 4, generator=generator)
+        return VLMPrompt(ids, mask, {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": (ids == IMAGE).long()})
+    shape = (2, 1, 3, 32, 32) if family == "idefics3" else (2, 3, 32, 32)
+    return VLMPrompt(ids, mask, {"pixel_values": torch.randn(*shape, generator=generator)})
+
+
+def with_answer(prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMPrompt:
+    """The prompt followed by the answer (text: not an image token, nothing to extend but
+    the masks)."""
+    images = dict(prompt.images)
+    if "mm_token_type_ids" in images:
+        images["mm_token_type_ids"] = torch.cat([images["mm_token_type_ids"], torch.zeros_like(answer)], dim=1)
+    return VLMPrompt(
+        torch.cat([prompt.input_ids, answer], dim=1), torch.cat([prompt.attention_mask, torch.ones_like(answer)], dim=1), images
+    )
+
+
+@dataclass
+class VLMReference:
+    attentions: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def vlm_span_reference(model: nn.Module, family: str, prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMReference:
+    """The language model's attention from an eager twin's ``output_attentions``, and its
+    gradient for S = Σ_b Σ_k log p(answer[b, k]): the answer read at its positions."""
+    sequence = with_answer(prompt, answer)
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    positions = {} if family == "qwen2_vl" else {"position_ids": (sequence.attention_mask.cumsum(-1) - 1).clamp(min=0)}
+    out = twin(input_ids=sequence.input_ids, attention_mask=sequence.attention_mask, output_attentions=True, **positions, **sequence.images)
+    length, k = sequence.input_ids.shape[1], answer.shape[1]
+    log_probs = out.logits[:, length - k - 1 : length - 1].log_softmax(dim=-1)
+    assert len(out.attentions) == TEXT["num_hidden_layers"], "the language model's attention only"
+    grads = torch.autograd.grad(log_probs.gather(2, answer[..., None]).sum(), out.attentions)
+    return VLMReference([a.detach() for a in out.attentions], list(grads))
