@@ -69,7 +69,7 @@ def test_attn_lrp_reads_relevance_where_the_language_model_reads_the_image():
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3", "mistral3"])
 @pytest.mark.parametrize("method", [NormAttention, ALTI, ValueZeroing, TransformerAttribution])
 def test_streaming_equals_eager_for_every_kind_of_method(family, method):
     model, prompt = make_vlm(family), make_vlm_prompt(family)
@@ -167,10 +167,10 @@ def _not_mixing_patches(model: nn.Module) -> nn.Module:
     vision = next(getattr(model.model, name) for name in ("vision_tower", "visual", "vision_model") if hasattr(model.model, name))
     with torch.no_grad():
         for module in vision.modules():
-            projection = getattr(module, "out_proj", None) or getattr(module, "proj", None)
+            projection = next((getattr(module, n) for n in ("out_proj", "o_proj", "proj") if hasattr(module, n)), None)
             if type(module).__name__.endswith("Attention") and isinstance(projection, nn.Linear):
-                projection.weight.zero_()
-                projection.bias.zero_()
+                for parameter in projection.parameters():
+                    parameter.zero_()
     return model
 
 
@@ -179,7 +179,7 @@ def _changed_tokens(model: nn.Module, family: str, prompt, example: int, row: in
     lands at (row, column) of the example's grid changes."""
     if family == "qwen2_vl":
         return _changed_qwen_tokens(model, prompt, example, row, column)
-    scale = {"gemma3": 2, "idefics3": 2}.get(family, 1)  # patches per grid cell along a side
+    scale = {"gemma3": 2, "idefics3": 2, "mistral3": 2}.get(family, 1)  # patches per grid cell along a side
     changed = {key: value.clone() for key, value in prompt.images.items()}
     patch = 8 * scale
     changed["pixel_values"][example, ..., row * patch : row * patch + 8, column * patch : column * patch + 8] += 1.0

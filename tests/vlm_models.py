@@ -15,14 +15,18 @@ from torch import nn
 IMAGE = 99  # the image token id
 TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
-FAMILIES = ("llava", "paligemma", "gemma3", "qwen2_vl", "idefics3")
+FAMILIES = ("llava", "llava_full", "paligemma", "gemma3", "qwen2_vl", "idefics3", "mistral3", "pixtral")
 ANSWER = torch.tensor([[8, 9], [11, 12]])
 
 
 def make_vlm(family: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if family == "llava":
-        config: Any = tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE)
+    if family in ("llava", "llava_full"):  # "full": CLIP's class token kept, first of each image's tokens
+        strategy = "full" if family == "llava_full" else "default"
+        config: Any = tf.LlavaConfig(
+            vision_config=tf.CLIPVisionConfig(**VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE,
+            vision_feature_select_strategy=strategy,
+        )
         return tf.LlavaForConditionalGeneration(config).eval()
     if family == "paligemma":
         config = tf.PaliGemmaConfig(
@@ -45,11 +49,25 @@ def make_vlm(family: str, seed: int = 0) -> nn.Module:
     if family == "idefics3":
         config = tf.Idefics3Config(vision_config=dict(VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE, scale_factor=2)
         return tf.Idefics3ForConditionalGeneration(config).eval()
+    if family == "mistral3":  # a Pixtral vision tower: images at their own sizes, patches merged 2 × 2
+        config = tf.Mistral3Config(
+            vision_config=dict(VISION, head_dim=8), text_config=dict(**TEXT, head_dim=8), image_token_index=IMAGE, spatial_merge_size=2
+        )
+        return tf.Mistral3ForConditionalGeneration(config).eval()
+    if family == "pixtral":  # LLaVA with a Pixtral vision tower (Pixtral-12B): images at their own sizes
+        config = tf.LlavaConfig(
+            vision_config=tf.PixtralVisionConfig(**VISION, head_dim=8), text_config=tf.MistralConfig(**TEXT, head_dim=8),
+            image_token_id=IMAGE, vision_feature_select_strategy="full", vision_feature_layer=-1,
+        )
+        return tf.LlavaForConditionalGeneration(config).eval()
     raise KeyError(family)
 
 
-TOKENS_PER_IMAGE = {"llava": (16, 16), "paligemma": (16, 16), "gemma3": (4, 4), "idefics3": (4, 4), "qwen2_vl": (4, 6)}
-GRIDS = {"llava": [(4, 4)] * 2, "paligemma": [(4, 4)] * 2, "gemma3": [(2, 2)] * 2, "idefics3": [(2, 2)] * 2, "qwen2_vl": [(2, 2), (2, 3)]}
+TOKENS_PER_IMAGE = {"llava": (16, 16), "llava_full": (17, 17), "paligemma": (16, 16), "gemma3": (4, 4), "idefics3": (4, 4), "qwen2_vl": (4, 6), "mistral3": (4, 2), "pixtral": (16, 8)}
+GRIDS = {
+    "llava": [(4, 4)] * 2, "llava_full": [(4, 4)] * 2, "paligemma": [(4, 4)] * 2, "gemma3": [(2, 2)] * 2, "idefics3": [(2, 2)] * 2,
+    "qwen2_vl": [(2, 2), (2, 3)], "mistral3": [(2, 2), (2, 1)], "pixtral": [(4, 4), (4, 2)],
+}
 
 
 @dataclass
@@ -77,7 +95,11 @@ def make_vlm_prompt(family: str, seed: int = 3) -> VLMPrompt:
         pixels = torch.randn(16 + 24, 3 * 2 * 4 * 4, generator=generator)
         return VLMPrompt(ids, mask, {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": (ids == IMAGE).long()})
     shape = (2, 1, 3, 32, 32) if family == "idefics3" else (2, 3, 32, 32)
-    return VLMPrompt(ids, mask, {"pixel_values": torch.randn(*shape, generator=generator)})
+    images = {"pixel_values": torch.randn(*shape, generator=generator)}
+    if family in ("mistral3", "pixtral"):  # the second image 32 × 16 pixels, padded to the first's size
+        images["pixel_values"][1, :, :, 16:] = 0.0
+        images["image_sizes"] = torch.tensor([[32, 32], [32, 16]])
+    return VLMPrompt(ids, mask, images)
 
 
 def with_answer(prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMPrompt:

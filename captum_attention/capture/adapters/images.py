@@ -14,7 +14,10 @@ config and image inputs:
   ``"full"`` feature selection keeps CLIP's class token first, outside the grid);
 - ``gemma3``: ``mm_tokens_per_image`` tokens, the patch grid average-pooled to a square;
 - ``qwen2_vl``, ``qwen2_5_vl``: per image ``image_grid_thw`` patches merged
-  ``spatial_merge_size`` × ``spatial_merge_size``, row by row per frame;
+  ``spatial_merge_size`` × ``spatial_merge_size``, row by row;
+- ``mistral3`` (and LLaVA with a Pixtral vision tower): each image at its own size,
+  ``image_sizes`` in patches merged ``spatial_merge_size`` × ``spatial_merge_size`` (none
+  for LLaVA), row by row, the row-break tokens between rows being text;
 - ``idefics3``, ``smolvlm``: per tile (the split image's tiles row by row, then the whole
   image), the tile's patches pixel-shuffled by ``scale_factor``: one grid per tile.
 
@@ -83,14 +86,12 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
         raise ValueError(f"{type(model).__name__}'s config names no image token id: its image tokens cannot be found.")
     held = input_ids == token
     layout = _LAYOUTS.get(str(getattr(config, "model_type", "")))
-    if layout is None:
-        return [[ImageTokens(row.nonzero().flatten(), None)] if bool(row.any()) else [] for row in held]
-    shapes = layout(config, held, image_inputs)
+    shapes = _unplaced(held) if layout is None else layout(config, held, image_inputs)
     return [_split(row.nonzero().flatten(), per_example, example) for example, (row, per_example) in enumerate(zip(held, shapes))]
 
 
-_Shape = tuple[int, tuple[int, int], int]
-"""An image's token count, grid and leading tokens."""
+_Shape = tuple[int, "tuple[int, int] | None", int]
+"""An image's token count, grid (None: unknown) and leading tokens."""
 
 
 def _split(positions: Tensor, shapes: list[_Shape], example: int) -> list[ImageTokens]:
@@ -149,29 +150,67 @@ def _idefics3(config: Any) -> _Shape:
 
 def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
     """Each image's ``(t, h, w)`` patches from ``image_grid_thw``, in the order of the
-    batch's image tokens, merged ``m × m``: ``t`` frames of ``(h/m, w/m)``."""
+    batch's image tokens, merged ``m × m``: ``(h/m, w/m)`` (a video's frames refused)."""
     grids = image_inputs.get("image_grid_thw")
     if grids is None:
         raise ValueError(f"{config.model_type} needs image_grid_thw to place its image tokens: pass the processor's image inputs.")
     merge = int(config.vision_config.spatial_merge_size)
-    remaining = [tuple(int(v) for v in thw) for thw in torch.as_tensor(grids).tolist()]
-    shapes: list[list[_Shape]] = []
+    images: list[_Shape] = []
+    for frames, height, width in torch.as_tensor(grids).tolist():
+        if frames != 1:
+            raise UnsupportedModelError(f"{config.model_type}: an image of {frames} frames is a video; only images are placed on a grid.")
+        images.append((height * width // merge**2, (height // merge, width // merge), 0))
+    return _in_token_order(held, images, "image_grid_thw")
+
+
+def _image_sizes(merge_name: str | None) -> Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]:
+    """Pixtral's images at their own sizes: each ``image_sizes`` ``(height, width)`` in
+    patches, merged ``m × m`` (``config.<merge_name>``, 1 for none), row by row (the
+    row-break tokens between rows are not image tokens)."""
+
+    def layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+        sizes = image_inputs.get("image_sizes")
+        if sizes is None:
+            raise ValueError(f"{config.model_type} needs image_sizes to place its image tokens: pass the processor's image inputs.")
+        side = int(config.vision_config.patch_size) * (int(getattr(config, merge_name)) if merge_name else 1)
+        grids = [(int(height) // side, int(width) // side) for height, width in torch.as_tensor(sizes).tolist()]
+        return _in_token_order(held, [(rows * columns, (rows, columns), 0) for rows, columns in grids], "image_sizes")
+
+    return layout
+
+
+def _in_token_order(held: Tensor, images: list[_Shape], given: str) -> list[list[_Shape]]:
+    """The batch's images, in order, given to its examples by their image tokens."""
+    remaining, shapes = list(images), []
     for row in held:
         tokens, mine = int(row.sum()), []
         while tokens > 0 and remaining:
-            frames, height, width = remaining.pop(0)
-            if frames != 1:
-                raise UnsupportedModelError(f"{config.model_type}: an image of {frames} frames is a video; only images are placed on a grid.")
-            mine.append((height * width // merge**2, (height // merge, width // merge), 0))
+            mine.append(remaining.pop(0))
             tokens -= mine[-1][0]
         shapes.append(mine)
     if remaining:
-        raise ValueError(f"image_grid_thw holds {len(remaining)} image(s) more than the prompts' image tokens: pass the images of these prompts.")
+        raise ValueError(f"{given} holds {len(remaining)} image(s) more than the prompts' image tokens: pass the images of these prompts.")
     return shapes
 
 
+def _llava_layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+    """LLaVA's: a square grid per image, or, with a Pixtral vision tower, each image at its
+    own size."""
+    if getattr(config.vision_config, "model_type", None) != "pixtral":
+        return _fixed(_llava)(config, held, image_inputs)
+    if config.vision_feature_select_strategy == "full":
+        return _image_sizes(None)(config, held, image_inputs)
+    return _unplaced(held)  # the "default" strategy drops the batch's first feature only
+
+
+def _unplaced(held: Tensor) -> list[list[_Shape]]:
+    """Each example's image tokens as one run, without a grid."""
+    return [[(int(row.sum()), None, 0)] if bool(row.any()) else [] for row in held]
+
+
 _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]] = {
-    "llava": _fixed(_llava),
+    "llava": _llava_layout,
+    "mistral3": _image_sizes("spatial_merge_size"),
     "paligemma": _fixed(_paligemma),
     "gemma3": _fixed(_gemma3),
     "idefics3": _fixed(_idefics3),
