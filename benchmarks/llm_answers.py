@@ -3,13 +3,17 @@
 model's own sdpa forward+backward of prompt + answer.
 
     python benchmarks/llm_answers.py [--lengths 4096 16384] [--answer 32]
-        [--methods grad_sam rollout ...] [--token-rows-max 4096] [--model llama|llama-1b]
+        [--methods grad_sam rollout ...] [--token-rows-max 4096] [--model llama|llama-1b|llava]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json out.json]
 
 The model: a Llama of ``scaling.py`` as a causal LM, random weights: ``llama`` (4 layers,
-hidden 256, 8 heads, 4 KV heads, vocabulary 1000) or ``llama-1b`` (shaped like Llama-3.2-1B).
-The baseline: one sdpa forward of prompt + answer and the gradient of the answer's summed
-log-probability to the input embeddings. Time: the median of ``--repeats`` calls after a
+hidden 256, 8 heads, 4 KV heads, vocabulary 1000) or ``llama-1b`` (shaped like Llama-3.2-1B);
+or ``llava``, that Llama as the language model of a LLaVA whose CLIP tower (2 layers,
+hidden 64) makes 1,024 image tokens of a 256 × 256 image, placed after the prompt's first
+token (a prompt of 2,048 tokens is then 1k image tokens and 1k text tokens).
+The baseline: one sdpa forward of prompt + answer (the image through the vision tower
+included) and the gradient of the answer's summed log-probability to the embeddings the
+language model reads. Time: the median of ``--repeats`` calls after a
 warm-up; memory: the peak growth of one call (``scaling.measure_here``), each run in a fresh
 subprocess on CPU, in this process on CUDA. Streaming capture throughout.
 """
@@ -43,21 +47,46 @@ def answer_model(options: argparse.Namespace, max_length: int) -> tf.LlamaForCau
     return model.eval().to(dtype=getattr(torch, options.dtype))
 
 
+IMAGE_TOKEN, IMAGE_SIDE, PATCH = 999, 256, 8
+
+
+def vision_language_model(options: argparse.Namespace, max_length: int) -> tf.LlavaForConditionalGeneration:
+    torch.manual_seed(0)
+    vision = tf.CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=IMAGE_SIDE, patch_size=PATCH)
+    config = tf.LlavaConfig(vision_config=vision, text_config=model_config("llama", max_length), image_token_id=IMAGE_TOKEN)
+    with torch.device(options.device):
+        model = tf.LlavaForConditionalGeneration(config)
+    return model.eval().to(dtype=getattr(torch, options.dtype))
+
+
 def runs(options: argparse.Namespace, length: int) -> dict[str, Callable[[], object]]:
     """Zero-argument calls by name: the baseline, then ``<method> seq_attr`` and
     ``<method> token_attr`` for each registered method."""
     answer = options.answer
-    model = answer_model(options, length + answer)
+    llava = options.model == "llava"
+    model = vision_language_model(options, length + answer) if llava else answer_model(options, length + answer)
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(5, 1000, (1, length), generator=generator).to(options.device)
-    continuation = torch.randint(5, 1000, (1, answer), generator=generator).to(options.device)
-    mask = (torch.ones_like(prompt),)
+    prompt = torch.randint(5, 999, (1, length), generator=generator)
+    images: dict[str, torch.Tensor] = {}
+    if llava:
+        prompt[0, 1 : 1 + (IMAGE_SIDE // PATCH) ** 2] = IMAGE_TOKEN
+        images = {"pixel_values": torch.randn(1, 3, IMAGE_SIDE, IMAGE_SIDE, generator=generator).to(options.device, getattr(torch, options.dtype))}
+    prompt = prompt.to(options.device)
+    continuation = torch.randint(5, 999, (1, answer), generator=generator).to(options.device)
+    mask = (torch.ones_like(prompt), images) if llava else (torch.ones_like(prompt),)
+    reader = model.get_decoder() if llava else model.get_input_embeddings()
 
     def baseline() -> None:
         ids = torch.cat([prompt, continuation], dim=1)
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        logits = model(inputs_embeds=embeds).logits[0, length - 1 : -1].float().log_softmax(dim=-1)
-        torch.autograd.grad(logits.gather(1, continuation[0, :, None]).sum(), embeds)
+        read: list[torch.Tensor] = []
+        hook = (reader.register_forward_pre_hook(_leaf_inputs_embeds(read), with_kwargs=True) if llava
+                else reader.register_forward_hook(lambda module, args, out: read.append(out.detach().requires_grad_()) or read[-1]))
+        try:
+            logits = model(input_ids=ids, **images).logits[0, length - 1 : -1].float().log_softmax(dim=-1)
+        finally:
+            hook.remove()
+        torch.autograd.grad(logits.gather(1, continuation[0, :, None]).sum(), read[0])
 
     calls: dict[str, Callable[[], object]] = {BASELINE: baseline}
     for name, cls in METHODS.items():
@@ -67,6 +96,14 @@ def runs(options: argparse.Namespace, length: int) -> dict[str, Callable[[], obj
             prompt, continuation, additional_forward_args=mask, log_prob=True
         )
     return calls
+
+
+def _leaf_inputs_embeds(read: list[torch.Tensor]) -> Callable[..., object]:
+    """A pre-hook that gives the module its ``inputs_embeds`` as a leaf, kept in ``read``."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        read.append(kwargs["inputs_embeds"].detach().requires_grad_())
+        return args, {**kwargs, "inputs_embeds": read[-1]}
+    return hook
 
 
 def measure_cuda(run: Callable[[], object], options: argparse.Namespace) -> dict[str, float]:
@@ -107,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--token-rows-max", type=int, default=4096, help="longest prompt whose token rows are measured")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--model", default="llama", choices=["llama", "llama-1b"])
+    parser.add_argument("--model", default="llama", choices=["llama", "llama-1b", "llava"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path)
