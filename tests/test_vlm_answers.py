@@ -205,3 +205,95 @@ def _changed_qwen_tokens(model: nn.Module, prompt, example: int, row: int, colum
     )
     before, after = (_language_model_inputs(model, inputs(m["pixel_values"])) for m in (made, remade))
     return ((after - before).abs().sum(-1) > 1e-6).float()
+
+
+def _image_mask_input(size=(64, 64), **segments):
+    """A PIL image and a LLaVA processor function (the image resized to 32 × 32, its 16
+    tokens after BOS, then "cat sat"), segmented in four quadrants unless told."""
+    from captum.attr import ImageMaskInput
+    from PIL import Image
+
+    width, height = size
+    pixels = (np.random.default_rng(0).random((height, width, 3)) * 255).astype("uint8")
+    image = Image.fromarray(pixels)
+
+    def processor_fn(picture):
+        resized = torch.tensor(np.asarray(picture.resize((32, 32))), dtype=torch.float).permute(2, 0, 1)[None] / 255
+        ids = torch.tensor([[1] + [IMAGE] * 16 + [5, 9]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": resized}
+
+    if not segments:
+        quadrants = torch.zeros(height, width, dtype=torch.int32)
+        quadrants[: height // 2, width // 2 :], quadrants[height // 2 :, : width // 2], quadrants[height // 2 :, width // 2 :] = 1, 2, 3
+        segments = {"mask": quadrants}
+    return ImageMaskInput(image=image, processor_fn=processor_fn, **segments)
+
+
+@pytest.mark.parametrize("method", [GradSAM, AttnLRP])
+def test_captums_image_mask_input_scores_each_segment_by_its_image_tokens(method):
+    """Each quadrant of the image is a 2 × 2 block of LLaVA's 4 × 4 patch grid: its score is
+    the block's sum, in seq_attr and in every token row; Captum's plot draws it."""
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    model, inp = make_vlm("llava"), _image_mask_input()
+    answer = torch.tensor([10, 11])
+    result = LLMAttentionAttribution(method(model), make_word_tokenizer()).attribute(inp, target=answer)
+    model_input = inp.to_model_input()
+    images = {"pixel_values": model_input["pixel_values"]}
+    args = (model_input["attention_mask"], images)
+    explainer = method(model)
+    span = explainer.attribute_span(model_input["input_ids"], answer[None], additional_forward_args=args)
+    rows = explainer.attribute_continuation(model_input["input_ids"], answer[None], additional_forward_args=args, log_prob=True)
+    for got, scores in ((result.seq_attr, span), (result.token_attr, rows)):
+        (grid,) = image_scores(model, model_input["input_ids"], scores, images)[0]
+        blocks = grid.reshape(*grid.shape[:-2], 2, 2, 2, 2).sum(dim=(-3, -1)).flatten(-2)
+        torch.testing.assert_close(got, blocks)
+    assert result.input_tokens == [f"image_feature_{i}" for i in range(4)]
+    figure, _ = result.plot_image_heatmap()
+    assert figure is not None
+
+
+def test_segments_that_overlap_share_each_patch_by_their_pixels():
+    """A mask list of the image's left column of patches and its top-left quarter: a patch
+    of both counts wholly in each (Captum's mask_list allows overlapping features)."""
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    left = torch.zeros(64, 64, dtype=torch.bool)
+    left[:, :16] = True
+    quarter = torch.zeros(64, 64, dtype=torch.bool)
+    quarter[:8, :8] = True  # a quarter of the top-left patch
+    model, inp = make_vlm("llava"), _image_mask_input(mask_list=[left, quarter])
+    result = LLMAttentionAttribution(RawAttention(model), make_word_tokenizer()).attribute(inp, target=torch.tensor([10]))
+    model_input = inp.to_model_input()
+    images = {"pixel_values": model_input["pixel_values"]}
+    span = RawAttention(model).attribute_span(model_input["input_ids"], torch.tensor([[10]]), additional_forward_args=(model_input["attention_mask"], images))
+    (grid,) = image_scores(model, model_input["input_ids"], span, images)[0]
+    torch.testing.assert_close(result.seq_attr, torch.stack([grid[:, 0].sum(), grid[0, 0] / 4]))
+
+
+def test_an_image_the_grid_does_not_follow_is_refused_in_one_line():
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    model, inp = make_vlm("llava"), _image_mask_input(size=(64, 32))
+    with pytest.raises(ValueError, match=r"4×4 grid does not follow the 32×64 image's shape") as refused:
+        LLMAttentionAttribution(GradSAM(model), make_word_tokenizer()).attribute(inp, target=torch.tensor([10]))
+    assert "\n" not in str(refused.value)
+
+
+def test_the_segments_compare_with_captums_feature_ablation_on_the_generated_answer():
+    from captum.attr import FeatureAblation, LLMAttribution
+
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    model, inp, tokenizer = make_vlm("llava"), _image_mask_input(), make_word_tokenizer()
+    ours = LLMAttentionAttribution(TransformerAttribution(model), tokenizer)
+    answer = ours.target_tokens(inp, gen_args={"max_new_tokens": 2})
+    result = ours.attribute(inp, gen_args={"max_new_tokens": 2})
+    ablation = LLMAttribution(FeatureAblation(model), tokenizer).attribute(inp, target=answer)
+    assert result.output_tokens == ablation.output_tokens and len(answer) == 2
+    assert result.seq_attr.shape == ablation.seq_attr.shape == (4,)
+    assert result.token_attr.shape == ablation.token_attr.shape == (2, 4)

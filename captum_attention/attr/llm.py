@@ -8,11 +8,13 @@ import warnings
 from typing import Any
 
 import torch
-from captum.attr import InterpretableInput, LLMAttributionResult, TextTemplateInput, TextTokenInput
+import torch.nn.functional as F
+from captum.attr import ImageMaskInput, InterpretableInput, LLMAttributionResult, TextTemplateInput, TextTokenInput
 from captum.attr._core.llm_attr import DEFAULT_GEN_ARGS, BaseLLMAttribution
 from torch import Tensor
 
 from .._compat import pretty_tokens
+from ..capture.adapters.images import image_token_layout
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
 
@@ -45,6 +47,16 @@ class LLMAttentionAttribution(BaseLLMAttribution):
     source, the answer is what the decoder generates after its start token, and the
     scores are the source tokens' (Captum's own LLM classes are decoder-only).
 
+    A vision-language model takes Captum's ``ImageMaskInput`` (its ``processor_fn`` makes
+    the model's inputs from the image): the features are the image's segments, and each
+    segment's score is the sum over the image's tokens of the token's score times the
+    share of its patch's pixels in the segment (the tokens placed on their grid by
+    :func:`~captum_attention.image_scores`; the grid taken to cover the whole image, as
+    processors that resize without cropping make it, which is checked: a grid whose
+    shape does not follow the image's is refused), so that the result compares with
+    Captum's ``LLMAttribution(FeatureAblation(...))`` on the same input and its
+    ``plot_image_heatmap()`` draws it.
+
     Args:
         attr_method (AttentionAttributionBase): an attention attribution built on the
             language model itself (``GradSAM(model)``, ``AttnLRP(model)``, ...).
@@ -62,7 +74,7 @@ class LLMAttentionAttribution(BaseLLMAttribution):
     """
 
     SUPPORTED_METHODS = (AttentionAttributionBase,)
-    SUPPORTED_INPUTS = (TextTokenInput, TextTemplateInput)
+    SUPPORTED_INPUTS = (TextTokenInput, TextTemplateInput, ImageMaskInput)
 
     def __init__(self, attr_method: AttentionAttributionBase, tokenizer: Any) -> None:
         if not isinstance(attr_method, AttentionAttributionBase):
@@ -103,12 +115,12 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             ``input_tokens`` and the answer's ``output_tokens``.
         """
         self.attr_method._check_options(kwargs, "attribute")
-        prompt = self._prompt(inp)
+        prompt, mask, image_inputs = self._prompt(inp)
         answer = self._answer(inp, target, gen_args)
-        args = (torch.ones_like(prompt),)
         prompt_len = prompt.shape[1]
+        features = _FeatureMap(inp, self.tokenizer, prompt, self.model, image_inputs)
+        args = (mask, image_inputs) if image_inputs else (mask,)
         span = _prompt_side(self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs))
-        features = _FeatureMap(inp, self.tokenizer, prompt)
         token_attr = None
         if per_token:
             rows = _prompt_side(self.attr_method.attribute_continuation(
@@ -132,17 +144,26 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         self._prompt(inp)
         return self._answer(inp, target, gen_args)
 
-    def _prompt(self, inp: InterpretableInput) -> Tensor:
-        """The prompt's ``(1, tokens)`` ids, or a clear error for an input, a model or a
-        prompt this class does not explain (before anything is generated)."""
+    def _prompt(self, inp: InterpretableInput) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """The prompt's ``(1, tokens)`` ids, its attention mask and a vision-language
+        model's image inputs by name (empty for text), or a clear error for an input, a
+        model or a prompt this class does not explain (before anything is generated)."""
         if not isinstance(inp, self.SUPPORTED_INPUTS):
             raise TypeError(
-                f"LLMAttentionAttribution takes a TextTokenInput or a TextTemplateInput, got {type(inp).__name__}."
+                "LLMAttentionAttribution takes a TextTokenInput, a TextTemplateInput or an ImageMaskInput, got "
+                f"{type(inp).__name__}."
             )
-        prompt = self._format_model_input(inp.to_model_input())["input_ids"].to(self.device)
+        model_input = {
+            name: value.to(self.device) if isinstance(value, Tensor) else value
+            for name, value in self._format_model_input(inp.to_model_input()).items()
+        }
+        prompt = model_input.pop("input_ids")
         if prompt.shape[1] == 0:
             raise ValueError("The prompt has no tokens: give a non-empty prompt (or a tokenizer that adds a BOS token).")
-        return prompt
+        if prompt.shape[0] != 1:
+            raise ValueError(f"The input makes {prompt.shape[0]} prompts; LLMAttentionAttribution explains one.")
+        mask = model_input.pop("attention_mask", None)
+        return prompt, torch.ones_like(prompt) if mask is None else mask, model_input
 
     def _answer(self, inp: InterpretableInput, target: str | Tensor | None, gen_args: dict[str, Any] | None) -> Tensor:
         """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
@@ -170,14 +191,17 @@ class LLMAttentionAttribution(BaseLLMAttribution):
 class _FeatureMap:
     """How the prompt's tokens make up the input's features: ``(tokens, features)``
     weights, so that ``scores @ weights`` sums each feature's tokens (a template value
-    grouped by ``mask`` spread back to each value, as Captum's ``format_attr`` does)."""
+    grouped by ``mask`` spread back to each value, as Captum's ``format_attr`` does; an
+    image segment's share of each image token)."""
 
-    def __init__(self, inp: InterpretableInput, tokenizer: Any, prompt: Tensor) -> None:
+    def __init__(self, inp: InterpretableInput, tokenizer: Any, prompt: Tensor, model: Any, image_inputs: dict[str, Any]) -> None:
         self.inp = inp
         if isinstance(inp, TextTokenInput):
             kept = torch.ones(prompt.shape[1], dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask[0].cpu().bool()
             self.weights = torch.zeros(prompt.shape[1], inp.n_itp_features)
             self.weights[kept.nonzero().flatten(), torch.arange(int(kept.sum()))] = 1.0
+        elif isinstance(inp, ImageMaskInput):
+            self.weights = _segment_weights(inp, model, prompt, image_inputs)
         else:
             self.weights = _template_weights(inp, tokenizer, prompt)
 
@@ -185,6 +209,31 @@ class _FeatureMap:
         """``(rows, features)`` from ``(rows, tokens)``."""
         summed = token_scores.detach().float().cpu() @ self.weights
         return self.inp.format_attr(summed) if isinstance(self.inp, TextTemplateInput) else summed
+
+
+def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inputs: dict[str, Any]) -> Tensor:
+    """``(tokens, segments)``: each image token's patch, the cell of its grid laid over
+    the whole image, shared among the segments by the fraction of its pixels each holds."""
+    (images,) = image_token_layout(model, prompt.cpu(), image_inputs)
+    grid = images[0].grid if len(images) == 1 else None
+    if grid is None:
+        raise ValueError(
+            f"An ImageMaskInput's image must reach the language model as one grid of tokens; {type(model).__name__}'s "
+            f"prompt holds {len(images)} image(s){' of unknown layout' if len(images) == 1 else ''}."
+        )
+    image = images[0]
+    rows, columns = grid
+    width, height = inp.image.size
+    if round(height * columns / width) != rows and round(width * rows / height) != columns:
+        raise ValueError(
+            f"The image tokens' {rows}×{columns} grid does not follow the {height}×{width} image's shape: its processor "
+            "crops or pads it, and the grid's cells cannot be placed on the image's segments."
+        )
+    masks = torch.stack([mask.float() for mask in inp.get_mask_list()])[:, None]
+    shares = F.adaptive_avg_pool2d(masks, (rows, columns)).reshape(len(masks), rows * columns)
+    weights = torch.zeros(prompt.shape[1], len(masks))
+    weights[image.positions[image.leading :].cpu()] = shares.t()
+    return weights
 
 
 def _prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
