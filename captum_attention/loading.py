@@ -1,5 +1,5 @@
-"""Loading a local checkpoint (a sequence classifier or a causal language model) safely,
-with errors a user can act on."""
+"""Loading a local checkpoint (a sequence classifier, a causal, sequence-to-sequence or
+vision-language model) safely, with errors a user can act on."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def checkpoint_task(path: str | Path) -> str:
-    """``"classification"``, ``"generation"`` or ``"seq2seq"``: what the local
-    checkpoint's config.json names (a ``*ForSequenceClassification``, a
-    ``*ForCausalLM``/``*LMHeadModel`` architecture, or the sequence-to-sequence language
-    model transformers registers for its model type: T5, BART, Marian, ...).
+    """``"classification"``, ``"generation"``, ``"seq2seq"`` or ``"image-text-to-text"``:
+    what the local checkpoint's config.json names (a ``*ForSequenceClassification``, a
+    ``*ForCausalLM``/``*LMHeadModel`` architecture, or the sequence-to-sequence or
+    vision-language model transformers registers for its model type: T5, BART, Marian,
+    ...; LLaVA, Qwen2-VL, ...).
 
     Raises:
         CheckpointError: the folder is missing, has no readable config, needs custom
@@ -70,6 +71,10 @@ def checkpoint_task(path: str | Path) -> str:
 
     if SEQ2SEQ.get(config.model_type) in architectures:
         return "seq2seq"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT
+
+    if IMAGE_TEXT.get(config.model_type) in architectures:
+        return "image-text-to-text"
     raise CheckpointError(
         f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence "
         "classifier nor a language model (its config.json names no *ForSequenceClassification, "
@@ -113,9 +118,25 @@ def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:
     if task == "seq2seq" and seq2seq:
         return _load(Path(path), AutoModelForSeq2SeqLM)
     if task != "generation":
-        kind = "a sequence classifier" if task == "classification" else "a sequence-to-sequence model"
+        kinds = {"classification": "a sequence classifier", "seq2seq": "a sequence-to-sequence model"}
+        kind = kinds.get(task, "a vision-language model (explain it with --image)")
         raise CheckpointError(f"{path} holds {kind}, not a causal language model.")
     return _load(Path(path), AutoModelForCausalLM)
+
+
+def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
+    """``(model, processor)`` from a local vision-language model checkpoint (LLaVA,
+    Qwen2-VL, PaliGemma, ...: an image-text-to-text architecture, with its processor),
+    loaded as safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if checkpoint_task(path) != "image-text-to-text":
+        raise CheckpointError(f"{path} holds no vision-language model (an image-text-to-text architecture): --image is for one.")
+    return _load(Path(path), AutoModelForImageTextToText, AutoProcessor)
 
 
 def _folder(path: str | Path) -> Path:
@@ -128,15 +149,16 @@ def _folder(path: str | Path) -> Path:
     return folder
 
 
-def _load(folder: Path, auto_class: Any) -> tuple[Any, Any]:
-    """The model (weights through safetensors or ``weights_only`` only) and tokenizer."""
+def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tuple[Any, Any]:
+    """The model (weights through safetensors or ``weights_only`` only) and its tokenizer
+    (or ``preprocessor_class``'s preprocessor: a vision-language model's processor)."""
     from transformers import AutoTokenizer
 
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the error says it all
             model = auto_class.from_pretrained(folder, weights_only=True, **_OPTIONS)
-            tokenizer = AutoTokenizer.from_pretrained(folder, **_OPTIONS)
+            tokenizer = (preprocessor_class or AutoTokenizer).from_pretrained(folder, **_OPTIONS)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"could not load the checkpoint in {folder}: its pickled weights hold objects other than "

@@ -132,3 +132,27 @@ def vlm_span_reference(model: nn.Module, family: str, prompt: VLMPrompt, answer:
     assert len(out.attentions) == TEXT["num_hidden_layers"], "the language model's attention only"
     grads = torch.autograd.grad(log_probs.gather(2, answer[..., None]).sum(), out.attentions)
     return VLMReference([a.detach() for a in out.attentions], list(grads))
+
+
+def save_llava_checkpoint(folder) -> nn.Module:
+    """The tiny LLaVA saved with a processor (a word-level tokenizer whose ``<image>`` is
+    the image token, CLIP's image processor at 32 × 32): a checkpoint the command line loads."""
+    from lm_models import WORDS
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocabulary = {word: i for i, word in enumerate(WORDS)} | {f"w{i}": i for i in range(len(WORDS), IMAGE)} | {"<image>": IMAGE}
+    core = Tokenizer(models.WordLevel(vocabulary, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", extra_special_tokens={"image_token": "<image>"}
+    )
+    images = tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = tf.LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+        image_token="<image>", num_additional_image_tokens=1,
+    )
+    model = make_vlm("llava")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model

@@ -82,3 +82,13 @@ def image_scores(
             stacklevel=2,
         )
     return placed
+
+
+def grid_follows_image(grid: tuple[int, int], size: tuple[int, int]) -> bool:
+    """Whether a ``(rows, columns)`` grid of image tokens follows an image of ``(width,
+    height)`` pixels (PIL's order), within a cell along one side: the grid can then be
+    laid over the whole image, as a processor that resizes it whole makes it (one that
+    crops or pads it makes a grid of another shape, for any image but a square)."""
+    rows, columns = grid
+    width, height = size
+    return round(height * columns / width) == rows or round(width * rows / height) == columns

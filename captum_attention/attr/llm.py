@@ -17,6 +17,7 @@ from .._compat import pretty_tokens
 from ..capture.adapters.images import image_token_layout
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
+from ._images import grid_follows_image
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 """Private-use characters that mark one template value in the formatted prompt."""
@@ -224,7 +225,7 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
     image = images[0]
     rows, columns = grid
     width, height = inp.image.size
-    if round(height * columns / width) != rows and round(width * rows / height) != columns:
+    if not grid_follows_image(grid, inp.image.size):
         raise ValueError(
             f"The image tokens' {rows}×{columns} grid does not follow the {height}×{width} image's shape: its processor "
             "crops or pads it, and the grid's cells cannot be placed on the image's segments."

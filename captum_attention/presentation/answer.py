@@ -12,6 +12,7 @@ import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
 from ..attr import METHODS, LLMAttentionAttribution
+from ..attr._images import grid_follows_image
 from .explain import INTEGRATED_GRADIENTS, MethodInfo
 
 
@@ -33,6 +34,12 @@ class AnswerExplanation:
         skipped: the prompt tokens left out of the features (``skip``), in order.
         warnings: what the reader should know about the answer (a generation cut at its
             token limit).
+        image: a vision-language model's image file (its tokens are the prompt token
+            ``<image>``, their scores summed), or None.
+        image_grids: method -> the image tokens' scores for the whole answer on their
+            grid (rows of columns); empty where the family's layout is unknown.
+        grid_covers_image: whether the grid's shape follows the image's (its cells can be
+            laid over the image: a processor that resizes it whole).
     """
 
     prompt_tokens: list[str]
@@ -46,6 +53,9 @@ class AnswerExplanation:
     methods: dict[str, MethodInfo] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    image: str | None = None
+    image_grids: dict[str, list[list[float]]] = field(default_factory=dict)
+    grid_covers_image: bool = False
 
 
 def explain_answer(
@@ -124,3 +134,102 @@ def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
         return LLMGradientAttribution(layer, tokenizer), MethodInfo(uses_target=True, signed=True)
     cls = METHODS[name]
     return LLMAttentionAttribution(cls(model), tokenizer), MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed)
+
+
+IMAGE_TOKEN = "<image>"
+"""How the report shows an image's tokens: one prompt token, their scores summed."""
+
+
+def explain_image_answer(
+    model: Any,
+    processor: Any,
+    prompt: str,
+    image_path: str,
+    target: str | None = None,
+    max_new_tokens: int = 20,
+    methods: list[str] | None = None,
+    per_token: bool = False,
+) -> AnswerExplanation:
+    """A vision-language model's answer to ``prompt`` about the image at ``image_path``
+    (the processor's image token put first where the prompt holds none), explained by each
+    method: the text tokens' scores, the image's tokens summed as one ``<image>`` token,
+    and their scores on the image's grid (:func:`~captum_attention.image_scores`)."""
+    from PIL import Image
+
+    image = Image.open(image_path).convert("RGB")
+    marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
+    text = prompt if marker in prompt else f"{marker} {prompt}"
+    inputs = dict(processor(text=text, images=image, return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+    mask = torch.ones_like(ids) if mask is None else mask
+    tokenizer = processor.tokenizer
+    if target is None:
+        with torch.no_grad():
+            generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        answer_ids = generated[0, ids.shape[1] :]
+    else:
+        answer_ids = torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"])
+    if answer_ids.numel() == 0:
+        raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
+    features, names, special = _image_features(model, ids[0], tokenizer)
+    explanation = AnswerExplanation(
+        prompt_tokens=names, special=special,
+        answer_tokens=[tokenizer.decode([int(i)]) for i in answer_ids], answer=tokenizer.decode(answer_ids), generated=target is None,
+        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [], image=str(image_path),
+    )
+    args = (mask, inputs)
+    for name in methods or list(METHODS):
+        explainer = METHODS[name](model)
+        start = time.perf_counter()
+        span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)[:, : ids.shape[1]]
+        rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None
+        display = _display(name)
+        explanation.seconds[display] = time.perf_counter() - start
+        explanation.methods[display] = MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.spec.signed)
+        explanation.seq_attr[display] = (span[0].detach().float() @ features).tolist()
+        if rows is not None:
+            explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
+        explanation.image_grids.update(_grid(model, ids, span, inputs, display, explanation))
+    if explanation.image_grids:
+        grid = next(iter(explanation.image_grids.values()))
+        explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
+    return explanation
+
+
+def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torch.Tensor, list[str], list[bool]]:
+    """``(tokens, features)`` weights, the features' names and whether each is a special
+    token: each text token its own feature, each run of image tokens one (``<image>``)."""
+    from ..capture.adapters.images import image_token_id
+
+    token_id = image_token_id(model.config)
+    held: list[bool] = ids.eq(-1 if token_id is None else token_id).tolist()
+    special_ids = set(tokenizer.all_special_ids)
+    names: list[str] = []
+    special: list[bool] = []
+    columns: list[int] = []
+    for token, is_image in zip(ids.tolist(), held):
+        if not (is_image and names and names[-1] == IMAGE_TOKEN):
+            names.append(IMAGE_TOKEN if is_image else tokenizer.convert_ids_to_tokens(token))
+            special.append(not is_image and token in special_ids)
+        columns.append(len(names) - 1)
+    features = torch.zeros(len(ids), len(names))
+    features[torch.arange(len(ids)), torch.tensor(columns)] = 1.0
+    return features, names, special
+
+
+def _grid(model: Any, ids: torch.Tensor, span: torch.Tensor, inputs: dict[str, Any], method: str, explanation: AnswerExplanation) -> dict[str, list[list[float]]]:
+    """The first image's grid of ``span``'s scores, or nothing (and a warning, once)
+    where the family's layout is not known."""
+    import warnings as python_warnings
+
+    from ..attr import image_scores
+
+    with python_warnings.catch_warnings(record=True) as caught:
+        python_warnings.simplefilter("always")
+        (grid, *_), = image_scores(model, ids, span.detach().float(), inputs)
+    if grid.dim() != 2:
+        note = str(caught[0].message) if caught else "the image's tokens are not on a grid"
+        if note not in explanation.warnings:
+            explanation.warnings.append(note)
+        return {}
+    return {method: grid.tolist()}

@@ -2,6 +2,7 @@
 
     captum-attention explain "the plot was dull but the acting was superb" --html report.html
     captum-attention explain --model my-llm/ "Where is the key? ..." --per-token   # a language model's answer
+    captum-attention explain --model my-vlm/ --image photo.png "What colour is the square?"
     captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                          "the whole file is the prompt")
     explain.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
                          "checkpoint folder (default: the embedded sentiment model, trained on first use)")
+    explain.add_argument("--image", type=Path, help="vision-language models (--model): the image the prompt asks "
+                         "about; its tokens are explained on their patch grid")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
                           "language model, the answer's text (default: the model's greedy answer)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
@@ -173,7 +176,13 @@ def _explain(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
     from .text import render_text
 
-    if arguments.model is not None and checkpoint_task(arguments.model) in ("generation", "seq2seq"):
+    task = None if arguments.model is None else checkpoint_task(arguments.model)
+    if task == "image-text-to-text":
+        _explain_image_answer(arguments)
+        return
+    if arguments.image is not None:
+        raise UsageError(f"--image is for a vision-language model; {arguments.model or 'the default model'} is not one")
+    if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
     sentences = _sentences(arguments)
@@ -230,8 +239,6 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     from ..loading import load_causal_lm
     from .answer import explain_answer
     from .explain import INTEGRATED_GRADIENTS
-    from .html import render_answer_html
-    from .text import render_answer_text
 
     prompt = _prompt(arguments)
     if arguments.target is not None and has_surrogates(arguments.target):
@@ -268,6 +275,48 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token,
         arguments.ig_steps, skip,
     )
+    _report_answer(arguments, explanation)
+
+
+def _explain_image_answer(arguments: argparse.Namespace) -> None:
+    """``explain`` for a vision-language model: the answer about ``--image``, each method's
+    prompt tokens (the image's as one) and the image's grid."""
+    from ..attr import METHODS
+    from ..loading import load_vision_language_model
+    from .answer import explain_image_answer
+    from .explain import INTEGRATED_GRADIENTS
+
+    prompt = _prompt(arguments)
+    if arguments.image is None:
+        raise UsageError(f"{arguments.model} holds a vision-language model: give the image with --image")
+    if not arguments.image.is_file():
+        raise UsageError(f"--image {arguments.image}: no such file")
+    if arguments.skip is not None:
+        raise UsageError("--skip is not available with --image yet")
+    if arguments.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    methods = list(METHODS) if arguments.methods is None else _methods(arguments)
+    if INTEGRATED_GRADIENTS in methods:
+        raise UsageError(f"{INTEGRATED_GRADIENTS} is not available for vision-language models; choose --methods among "
+                         + ", ".join(METHODS))
+    _check_outputs(arguments)
+    model, processor = load_vision_language_model(arguments.model)
+    try:
+        explanation = explain_image_answer(
+            model, processor, prompt, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
+            arguments.per_token,
+        )
+    except OSError as error:  # PIL cannot read it
+        raise UsageError(f"--image {arguments.image}: {error}") from error
+    _report_answer(arguments, explanation)
+
+
+def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
+    """An answer's explanation: its warnings, the terminal report, and the HTML and JSON
+    files asked for."""
+    from .html import render_answer_html
+    from .text import render_answer_text
+
     for warning in explanation.warnings:
         print(terminal_safe(f"captum-attention: warning: {warning}"), file=sys.stderr)
     print(render_answer_text(explanation, raw=arguments.raw))
@@ -305,9 +354,10 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
-    if task == "seq2seq":
+    if task in ("seq2seq", "image-text-to-text"):
+        kind = "sequence-to-sequence" if task == "seq2seq" else "vision-language"
         raise UsageError(f"evaluate --model takes a causal language model or a classifier; {arguments.model} holds a "
-                         "sequence-to-sequence model (explain takes it)")
+                         f"{kind} model (explain takes it)")
     if task == "generation":
         _evaluate_answers(arguments)
         return

@@ -272,6 +272,9 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
         parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_token_row(tokens, scores, special, info)}</p>")
+        grid = explanation.image_grids.get(method)
+        if grid is not None and explanation.image is not None:
+            parts.append(_image_figure(explanation.image, grid, explanation.grid_covers_image, info))
         rows = explanation.token_attr.get(method)
         if rows:
             parts.append("<p>Each answer token (rows) over the prompt's tokens (columns), each row on its own scale:</p>")
@@ -279,6 +282,52 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+IMAGE_INCHES = 3
+"""The side of an image's figure in the report, in inches (at 100 dpi)."""
+
+
+def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: MethodInfo) -> str:
+    """The image tokens' scores for the whole answer over the image (Captum's blended heat
+    map, the grid upsampled to the image), or on their grid alone where the grid does not
+    follow the image's shape (a processor that crops or pads it), as an embedded PNG."""
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+    from captum.attr import visualization
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from ..attr import upsample_to_image
+
+    scores = torch.tensor(grid)[None]
+    rows, columns = scores.shape[1:]
+    sign = "all" if info.signed else "absolute_value"
+    if covers:
+        image = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float64) / 255
+        upsampled = upsample_to_image(scores, torch.zeros(1, 1, *image.shape[:2]))[0].numpy()
+        figure, _ = visualization.visualize_image_attr(
+            upsampled, image, method="blended_heat_map", sign=sign, use_pyplot=False, alpha_overlay=0.55,
+            cmap=None if info.signed else "Greens",
+            fig_size=(IMAGE_INCHES, IMAGE_INCHES),
+        )
+        caption = f"The image's {rows} × {columns} token grid over the image, the whole answer."
+    else:
+        figure = Figure(figsize=(IMAGE_INCHES, IMAGE_INCHES))
+        axes = figure.add_subplot()
+        peak = float(scores.abs().max()) or 1.0  # green supports, red opposes, as the tokens are coloured
+        axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else "Greens", vmin=-peak if info.signed else 0, vmax=peak)
+        axes.set_axis_off()
+        caption = (f"The image's {rows} × {columns} token grid, the whole answer; not laid over the image, whose "
+                   "shape it does not follow (its processor crops or pads it).")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight", dpi=100)
+    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return (f'<figure><img alt="{escape(caption)}" src="data:image/png;base64,{encoded}">'
+            f"<figcaption>{escape(caption)}</figcaption></figure>")
 
 
 SHOWN_ROWS = 500

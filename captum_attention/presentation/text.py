@@ -149,6 +149,19 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
         info = explanation.methods[method]
         lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms), the whole answer:")
         lines.append(f"  {_top_tokens(tokens, scores, special, info, top, raw)}")
+        grid = explanation.image_grids.get(method)
+        if grid is not None:
+            lines.append(f"  {_peak_cell(grid, info)}")
         for answer_token, row in zip(explanation.answer_tokens, explanation.token_attr.get(method, [])):
             lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {_top_tokens(tokens, row, special, info, min(top, 3), raw)}")
     return "\n".join(lines)
+
+
+def _peak_cell(grid: list[list[float]], info: MethodInfo) -> str:
+    """Where on the image's token grid a method's scores peak, and that cell's share of
+    the image's scores."""
+    values = [abs(v) if info.signed else v for row in grid for v in row]
+    peak = max(range(len(values)), key=values.__getitem__)
+    total = sum(abs(v) for v in values)
+    share = f", {values[peak] / total:.0%} of the image's scores" if total > 0 else ""
+    return f"image: peak at row {peak // len(grid[0])}, column {peak % len(grid[0])} of its {len(grid)} × {len(grid[0])} grid{share}"

@@ -1,0 +1,86 @@
+"""The command line for vision-language models: ``explain --model DIR --image FILE``, the
+answer, each method's prompt tokens (the image's as one) and the image's grid, in the
+terminal, the HTML report (the grid over the image) and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from vlm_models import IMAGE, save_llava_checkpoint
+
+from captum_attention import GradSAM, image_scores
+from captum_attention.presentation.cli import main
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm") / "llava"
+    save_llava_checkpoint(folder)
+    return folder
+
+
+def _image(tmp_path, width=48, height=48):
+    path = tmp_path / f"image_{width}x{height}.png"
+    Image.fromarray((np.random.default_rng(0).random((height, width, 3)) * 255).astype("uint8")).save(path)
+    return path
+
+
+def test_explain_an_answer_about_an_image(llava, tmp_path, capsys):
+    html, report = tmp_path / "answer.html", tmp_path / "answer.json"
+    argv = ["explain", "--model", str(llava), "--image", str(_image(tmp_path)), "what is the cat", "--target", "is a",
+            "--per-token", "--html", str(html), "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "answer, given, 2 tokens:" in out and out.count("image: peak at row") == 5
+    assert out.count(" <- ") == 2 * 5
+    page = html.read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 5 and page.count("4 × 4 token grid over the image, the whole answer.</figcaption>") == 5
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["prompt_tokens"] == ["<s>", "<image>", "what", "is", "the", "cat"]
+    assert explanation["grid_covers_image"] is True
+
+
+def test_the_report_holds_the_methods_scores_of_the_image_tokens(llava, tmp_path, capsys):
+    """The JSON's grid and the <image> token's score are the span's, through the processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is",
+                 "--methods", "grad_sam", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    inputs = dict(processor(text="<image> what is the cat", images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    span = GradSAM(model).attribute_span(ids, torch.tensor([[26]]), additional_forward_args=(mask, inputs))[:, : ids.shape[1]]
+    (grid,) = image_scores(model, ids, span, inputs)[0]
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Grad-SAM"]), grid)
+    image_score = explanation["seq_attr"]["Grad-SAM"][explanation["prompt_tokens"].index("<image>")]
+    torch.testing.assert_close(torch.tensor(image_score), span[0, ids[0] == IMAGE].sum())
+
+
+def test_a_grid_the_image_does_not_follow_is_shown_alone(llava, tmp_path, capsys):
+    """CLIP's processor crops a wide image to its centre: the grid is not laid over it."""
+    html = tmp_path / "wide.html"
+    assert main(["explain", "--model", str(llava), "--image", str(_image(tmp_path, 96, 48)), "what is the cat",
+                 "--target", "is", "--methods", "attn_lrp", "--html", str(html)]) == 0
+    page = html.read_text(encoding="utf-8")
+    assert "not laid over the image" in page and page.count("data:image/png;base64,") == 1
+
+
+def test_clear_errors(llava, tmp_path, capsys, llm):
+    image = _image(tmp_path)
+    assert main(["explain", "--model", str(llava), "what is the cat"]) == 1
+    assert "give the image with --image" in capsys.readouterr().err
+    assert main(["explain", "--model", str(llava), "--image", str(tmp_path / "missing.png"), "what"]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "integrated_gradients"]) == 1
+    assert "not available for vision-language models" in capsys.readouterr().err
+    assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
+    assert "--image is for a vision-language model" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(llava)]) == 1
+    assert "holds a vision-language model (explain takes it)" in capsys.readouterr().err
