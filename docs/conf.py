@@ -7,6 +7,9 @@ without running them.
 
 import datetime
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _gallery_order
 
 project = "captum-attention"
 author = "captum-attention developers"
@@ -46,7 +49,7 @@ sphinx_gallery_conf = {
     "remove_config_comments": True,
     "download_all_examples": False,
     "show_memory": False,
-    "within_subsection_order": "FileNameSortKey",
+    "within_subsection_order": "_gallery_order.TutorialNumberSortKey",
     # no execution-time pages: they pull jQuery, DataTables and Bootstrap from CDNs, and the
     # site works offline
     "write_computation_times": False,

@@ -299,3 +299,42 @@ def test_a_real_row_the_logits_read_is_named_as_the_query_index():
     torch.testing.assert_close(
         RawAttention(forward, model=model).attribute(ids, query_index=1)[:, :2], RawAttention(model).attribute(ids[:, :2])
     )
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", ["rollout", "transformer_attribution", "raw"])
+def test_query_rows_weighed_give_the_weighted_sum_of_the_rows(method):
+    """query_index as a float (batch, seq_len) tensor: the row-reading methods give the
+    weighted sum of their scores for each row (as a span does)."""
+    from conftest import make_batch, make_model
+
+    from captum_attention import METHODS
+
+    model = make_model("bert")
+    batch = make_batch(model)
+    explainer = METHODS[method](model)
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    weights = torch.zeros(batch.input_ids.shape)
+    weights[:, :3] = torch.rand(len(weights), 3, generator=torch.Generator().manual_seed(0))  # rows every example holds
+    rows = [explainer.attribute(batch.input_ids, query_index=row, **args) for row in range(3)]
+    weighed = explainer.attribute(batch.input_ids, query_index=weights, **args)
+    expected = sum(weights[:, row, None] * rows[row] for row in range(3))
+    torch.testing.assert_close(weighed, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("weights, error", [
+    (lambda mask: torch.ones(mask.shape[0], mask.shape[1] + 1), r"shaped \(batch, seq_len\) = \(3, 9\), got \(3, 10\)"),
+    (lambda mask: -mask.float(), "finite and non-negative"),
+    (lambda mask: torch.ones(mask.shape), "weight on padding"),
+    (lambda mask: torch.zeros(mask.shape).index_fill(1, torch.tensor([0]), 1.0).index_fill(0, torch.tensor([1]), 0.0), "gives an example no weight"),
+])
+def test_query_row_weights_out_of_place_are_one_clear_error(weights, error):
+    from conftest import make_batch, make_model
+
+    from captum_attention import AttentionRollout
+
+    model = make_model("bert")
+    batch = make_batch(model)
+    with pytest.raises(ValueError, match=error) as refused:
+        AttentionRollout(model).attribute(batch.input_ids, query_index=weights(batch.attention_mask), additional_forward_args=(batch.attention_mask,))
+    assert "\n" not in str(refused.value)

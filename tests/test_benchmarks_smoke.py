@@ -92,3 +92,16 @@ def test_cold_start_compares_the_first_call_with_a_warm_one(tmp_path):
     )
     (row,) = json.loads(result.read_text())
     assert row["cold_s"] > 0 and row["warm_s"] > 0 and row["cold_compiling_at_once_s"] > 0
+
+
+def test_vlm_pointing_scores_every_method_and_captums_peers(benchmarks_on_path, tmp_path, capsys):
+    import vlm_pointing
+
+    saved = tmp_path / "pointing.json"
+    vlm_pointing.main(["--examples", "6", "--ablation-steps", "4", "--methods", "rollout", "attn_lrp", "--json", str(saved)])
+    results = json.loads(saved.read_text())
+    names = set(results["methods"])
+    assert names == {"Attention Rollout", "AttnLRP", "Attention Rollout → vision tower", vlm_pointing.FEATURE_ABLATION, vlm_pointing.INTEGRATED_GRADIENTS}
+    for row in results["methods"].values():
+        assert 0 <= row["pointing"] <= 1 and row["ms per example"] > 0 and math.isfinite(row["top-4 drop"])
+    assert "| Attention Rollout → vision tower |" in capsys.readouterr().out

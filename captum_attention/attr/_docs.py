@@ -28,13 +28,17 @@ _SHARED_ATTRIBUTE_DOCS = {
         '                ``forward_func``, e.g. ``(attention_mask,)``. Default: None.'
     ),
     "query_index": (
-        'query_index (int or sequence/Tensor of int, optional): the explained\n'
+        'query_index (int, sequence/Tensor of int, or float Tensor, optional): the explained\n'
         '                position (the query row), one for all examples or one per example; for a\n'
         '                language model also where its logits are read. Default: None, the first\n'
         "                real token ([CLS], a ViT's class token) for bidirectional attention, the\n"
         '                last real token for decoders (causal attention) and encoder-decoders; for\n'
         '                a classifier that reads the mean of its tokens (BEiT, CLIP, SigLIP, Swin,\n'
-        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows.'
+        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows.\n'
+        '                A float ``(batch, seq_len)`` tensor weighs the rows instead: the methods that\n'
+        '                read a query row read the weighted sum of rows (as a span does; Grad-SAM\n'
+        "                reads no row), e.g. a language model's image-token scores carried into its\n"
+        '                vision tower (docs/families.rst).'
     ),
     "returns": (
         'Returns:\n'

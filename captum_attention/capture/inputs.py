@@ -159,6 +159,24 @@ def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False)
     return queries.long()
 
 
+def query_row_weights(weights: Tensor, real: Tensor) -> Tensor:
+    """``weights`` ``(B, T)`` of the explained query rows (the methods that read a row read
+    their weighted sum), or a one-line error: another shape, a negative or non-finite
+    weight, weight on padding, or none on an example."""
+    if tuple(weights.shape) != tuple(real.shape):
+        raise ValueError(
+            f"query_index as row weights must be shaped (batch, seq_len) = {tuple(real.shape)}, got {tuple(weights.shape)}."
+        )
+    weights = weights.to(real.device)
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise ValueError("query_index as row weights must be finite and non-negative.")
+    if bool((weights[~real] != 0).any()):
+        raise ValueError("query_index as row weights puts weight on padding: give weight to real tokens only.")
+    if not bool((weights > 0).any(dim=1).all()):
+        raise ValueError("query_index as row weights gives an example no weight: give every example a row.")
+    return weights.float()
+
+
 def _one_per_example(value: Any, batch: int, device: torch.device, name: str, what: str) -> Tensor:
     """``value`` (an int, ints or a tensor of them) as a ``(B,)`` long tensor, or a clear error."""
     values = torch.as_tensor(value, device=device)

@@ -25,7 +25,7 @@ from .._compat import TargetType, UnsupportedModelError, run_forward
 from ..maps.common import has_later_keys, last_query, mask_sees_later_keys, query_rows, query_weights, real_tokens, sees_later_keys, up_to
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, resolve_targets
+from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, query_row_weights, resolve_targets
 from .kernel import StreamingUnsupported
 from .probes import GradientReduction, GradMaps, GradMode, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
@@ -411,6 +411,8 @@ def record_forward(
         pooled = target_real.clone()
         pooled[:, :pooled_from] = False
         queries = pooled.float() / pooled.sum(dim=1, keepdim=True)
+    elif isinstance(query_index, Tensor) and query_index.is_floating_point():  # the rows the caller weighs
+        queries = query_row_weights(query_index, target_real)
     else:
         queries = query_positions(query_index, target_real, causal)
         if confirm_rows and logits.dim() == 2 and roles[-1] in ("self", "decoder"):

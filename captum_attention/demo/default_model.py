@@ -163,8 +163,9 @@ def _load_base(base: Path) -> Any:
 
 def optimiser_step(optimiser: torch.optim.Optimizer, loss: Tensor, parameters: list[torch.nn.Parameter]) -> None:
     """One step of ``optimiser`` on ``loss``. The library never calls ``Tensor.backward``: on
-    the demo models it trains, the gradients are handed to the optimiser explicitly."""
-    for parameter, grad in zip(parameters, torch.autograd.grad(loss, parameters)):
+    the demo models it trains, the gradients are handed to the optimiser explicitly (none
+    to a parameter the loss does not use, as a vision tower's unused pooling norm)."""
+    for parameter, grad in zip(parameters, torch.autograd.grad(loss, parameters, allow_unused=True)):
         parameter.grad = grad
     optimiser.step()
     optimiser.zero_grad(set_to_none=True)

@@ -36,19 +36,25 @@ class ShapeTraining:
     seed: int = 0
 
 
-def shape_images(count: int, seed: int, with_none: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+COLOURS = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+"""Red, green, blue: the squares' colours, by label."""
+
+
+def shape_images(count: int, seed: int, with_none: bool = False, colours: int = 2) -> tuple[Tensor, Tensor, Tensor]:
     """``(images (B, 3, 32, 32) in [0, 1], labels (B,), squares (B, 8, 8) bool)``: the
-    patches each square covers; the same for the same seed."""
+    patches each square covers; the same for the same seed. Labels ``0 .. colours - 1``
+    index :data:`COLOURS` (red and green by default); with ``with_none``, label
+    ``colours`` is an image without a square."""
     generator = torch.Generator().manual_seed(seed)
     images = (0.5 + 0.1 * torch.randn(count, 3, IMAGE, IMAGE, generator=generator)).clamp(0, 1)
-    labels = torch.randint(0, 3 if with_none else 2, (count,), generator=generator)
+    labels = torch.randint(0, colours + with_none, (count,), generator=generator)
     corners = torch.randint(0, IMAGE - SQUARE + 1, (count, 2), generator=generator)
     grid = IMAGE // PATCH
     squares = torch.zeros(count, grid, grid, dtype=torch.bool)
     for row, (top, left) in enumerate(corners.tolist()):
-        if labels[row] == 2:
+        if labels[row] == colours:
             continue
-        colour = torch.tensor([1.0, 0.0, 0.0] if labels[row] == 0 else [0.0, 1.0, 0.0])
+        colour = torch.tensor(COLOURS[int(labels[row])])
         images[row, :, top : top + SQUARE, left : left + SQUARE] = colour[:, None, None]
         squares[row, top // PATCH : (top + SQUARE - 1) // PATCH + 1, left // PATCH : (left + SQUARE - 1) // PATCH + 1] = True
     return images, labels, squares
