@@ -1,6 +1,6 @@
-"""Every architecture transformers registers for four task heads (sequence classification,
-causal and sequence-to-sequence language models, image classification), built tiny from its
-own config class, explained by every registered method and checked.
+"""Every architecture transformers registers for five task heads (sequence classification,
+causal and sequence-to-sequence language models, image classification, image-text-to-text),
+built tiny from its own config class, explained by every registered method and checked.
 
 An architecture/method pair ends in one of:
 
@@ -50,6 +50,7 @@ HEADS = {
     "causal LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "image classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "seq2seq LM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
 REL = 1e-4
 """Tolerance relative to the scores' scale: fp32 sdpa and eager forwards of random tiny
@@ -59,7 +60,7 @@ SEQ_LEN, IMAGE_SIZE, VOCAB = 8, 32, 99
 TEXT_TARGET, LM_TARGET = 1, 5
 
 TINY: dict[str, Any] = dict(
-    hidden_size=32, d_model=32, n_embd=32, embed_dim=32, dim=32, hidden_dim=32, d_embed=32, n_embed=32,
+    hidden_size=32, d_model=32, n_embd=32, embed_dim=32, dim=32, hidden_dim=32, d_embed=32, n_embed=32, out_hidden_size=32,
     num_hidden_layers=2, num_layers=2, n_layer=2, n_layers=2, encoder_layers=2, decoder_layers=2,
     num_decoder_layers=2, num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, encoder_attention_heads=4,
     decoder_attention_heads=4, num_key_value_heads=2, head_dim=8, d_kv=8, kv_channels=8,
@@ -157,6 +158,10 @@ def build(architecture: Architecture, seed: int = 0, implementation: str | None 
     try:
         config_class = CONFIG_MAPPING[architecture.model_type]
         config = config_class(**_tiny_kwargs(config_class, architecture.head))
+        if architecture.head == "image-text-to-text":  # the image token inside the tiny vocabulary
+            for name in ("image_token_id", "image_token_index"):
+                if isinstance(getattr(config, name, None), int):
+                    setattr(config, name, VOCAB - 1)
         if implementation is not None:
             config._attn_implementation = implementation
         torch.manual_seed(seed)
@@ -181,8 +186,9 @@ class Case:
     model: nn.Module
     architecture: Architecture
     inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    args: tuple[torch.Tensor, ...] | None
+    args: tuple[Any, ...] | None
     target: int
+    images: dict[str, torch.Tensor] | None = None  # a vision-language model's image inputs
 
     @property
     def encoder_decoder(self) -> bool:
@@ -195,7 +201,7 @@ class Case:
         if self.encoder_decoder:
             source, target = self.inputs  # type: ignore[misc]
             return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target}
-        return {"input_ids": self.inputs, "attention_mask": torch.ones_like(self.inputs)}  # type: ignore[arg-type]
+        return {"input_ids": self.inputs, "attention_mask": torch.ones_like(self.inputs), **(self.images or {})}  # type: ignore[arg-type]
 
     def score(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 3:  # a language model: the last position's target token
@@ -218,6 +224,8 @@ def runs(case: Case) -> Case:
 def make_case(model: nn.Module, architecture: Architecture) -> Case:
     generator = torch.Generator().manual_seed(1)
     config = model.config
+    if architecture.head == "image-text-to-text":
+        return vision_language_case(model, architecture, generator)
     if architecture.head == "image classification" and model.main_input_name != "input_ids":  # ImageGPT reads colour ids
         vision = getattr(config, "vision_config", config)
         size = getattr(vision, "image_size", IMAGE_SIZE)
@@ -233,6 +241,44 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
     second = list(inspect.signature(model.forward).parameters)[1:2]
     mask = (torch.ones_like(ids),) if second == ["attention_mask"] else None  # else it would land in another argument
     return Case(model, architecture, ids, mask, target)
+
+
+def vision_language_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
+    """One image of the vision tower's size, ``(1, channels, size, size)``, after BOS, as
+    many image tokens as the model's image features, then text; a family that takes its
+    images otherwise (flattened patches, tiles) is not built by this sweep: its tests build
+    it (``tests/test_vlm_answers.py``)."""
+    from captum_attention.capture.adapters.images import image_token_id
+
+    vision = getattr(model.config, "vision_config", None)
+    token = image_token_id(model.config)
+    if vision is None or token is None or not hasattr(model, "get_image_features"):
+        raise NotBuilt("no vision config, image token or get_image_features: not a vision-language model of this sweep's kind")
+    size = getattr(vision, "image_size", IMAGE_SIZE)
+    size = size if isinstance(size, int) else size[0]
+    pixels = torch.randn(1, getattr(vision, "num_channels", 3), size, size, generator=generator)
+    wanted = inspect.signature(model.get_image_features).parameters
+    images = {"pixel_values": pixels[:, None] if "pixel_attention_mask" in wanted else pixels}  # Idefics: images per example
+    if "image_sizes" in wanted:
+        images["image_sizes"] = torch.tensor([[size, size]])
+    if "image_grid_thw" in wanted:  # Qwen2-VL-like: the patches flattened, merged m × m
+        patch, merge = int(vision.patch_size), int(getattr(vision, "spatial_merge_size", 1) or 1)
+        side = max(merge, size // patch // merge * merge)
+        depth = int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
+        channels = next((getattr(vision, n) for n in ("in_channels", "in_chans", "num_channels") if hasattr(vision, n)), 3)
+        images = {"pixel_values": torch.randn(side * side, channels * depth, generator=generator), "image_grid_thw": torch.tensor([[1, side, side]])}
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            features = model.get_image_features(**images)
+    except Exception as error:  # noqa: BLE001 - its images come in another form
+        raise NotBuilt(f"its image features from one (1, C, {size}, {size}) image: {_one_line(error)}") from error
+    features = getattr(features, "pooler_output", features)
+    count = sum(f.shape[-2] if f.dim() == 3 else f.shape[0] for f in (features if isinstance(features, (list, tuple)) else [features]))
+    ids = torch.tensor([[1] + [token] * count + [5, 6, 7]])
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        images["mm_token_type_ids"] = (ids == token).long()
+    return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
 
 
 class NoReference(Exception):
@@ -474,10 +520,14 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
     methods = list(next(iter(results.values())))
     lines = [
         "Supported architectures", "=======================", "",
-        "Every architecture transformers registers for four task heads, built tiny from its",
+        "Every architecture transformers registers for five task heads, built tiny from its",
         "own config class and explained by every registered method (``tests/zoo.py``; a",
         "sequence-to-sequence LM at its last target position: its answers' spans and rows",
-        "are checked in ``tests/test_seq2seq_answers.py``):",
+        "are checked in ``tests/test_seq2seq_answers.py``; an image-text-to-text model at its",
+        "last position, with one image of its vision tower's size, where its image features",
+        "take that image alone: the families whose images come as flattened patches, tiles or",
+        "with a token-type mask are built in ``tests/test_vlm_answers.py``, spans, rows and",
+        "grids included):",
         "**exact** equals the ``output_attentions`` + ``autograd`` reference (Swin's windows:",
         "each window attention run through the model's own partition; SegFormer's and PVTv2's",
         "reduced keys: spread by one-hot assignments; both on the first stage's patches;",

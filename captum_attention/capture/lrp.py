@@ -95,7 +95,9 @@ class RelevanceRules(Probe):
     """Probe: AttnLRP's rules on the model for the calls made while it is active.
 
     The input embeddings are the outputs of the adapter's ``input_embeddings`` modules,
-    recorded in call order (:class:`Embeddings`, the probe's result).
+    recorded in call order (:class:`Embeddings`, the probe's result); or, where the
+    adapter names a ``merged_embeddings`` module and it is called with ``inputs_embeds``
+    (a vision-language model's language model), those.
 
     Args:
         rules (PropagationRules): the rules' functions (the attributions pass
@@ -108,6 +110,7 @@ class RelevanceRules(Probe):
     def __init__(self, rules: PropagationRules) -> None:
         self.rules = rules
         self.embeddings: list[Tensor] = []
+        self.merged: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._thread = threading.get_ident()
@@ -119,7 +122,7 @@ class RelevanceRules(Probe):
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
         self._thread = threading.get_ident()
-        self.embeddings, self.depth = [], 0
+        self.embeddings, self.merged, self.depth = [], [], 0
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
@@ -128,12 +131,14 @@ class RelevanceRules(Probe):
         merged = adapter.merged_embeddings(model)
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
-        for module in [] if merged is not None else adapter.input_embeddings(model):
+        for module in adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
 
     def result(self) -> Embeddings:
-        return Embeddings(self.embeddings)
+        """The merged embeddings where the adapter names a module that read them (a
+        vision-language model's language model), else the input embeddings."""
+        return Embeddings(self.merged or self.embeddings)
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
         return self.attention(run_kernel)
@@ -167,7 +172,7 @@ class RelevanceRules(Probe):
         first = output[0] if isinstance(output, tuple) and output else output
         if not isinstance(first, Tensor) or not first.is_floating_point() or not self._ours():
             return None
-        passed_on = self._recorded(first)
+        passed_on = self._recorded(first, self.embeddings)
         return passed_on if first is output else (passed_on, *output[1:])
 
     def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -175,13 +180,14 @@ class RelevanceRules(Probe):
         embeddings = kwargs.get("inputs_embeds")
         if not isinstance(embeddings, Tensor) or not self._ours():
             return None
-        return args, {**kwargs, "inputs_embeds": self._recorded(embeddings)}
+        return args, {**kwargs, "inputs_embeds": self._recorded(embeddings, self.merged)}
 
-    def _recorded(self, embeddings: Tensor) -> Tensor:
-        """``embeddings`` detached, requiring grad and recorded; what the model reads in
-        their place."""
+    @staticmethod
+    def _recorded(embeddings: Tensor, into: list[Tensor]) -> Tensor:
+        """``embeddings`` detached, requiring grad and kept ``into``; what the model reads
+        in their place."""
         leaf = embeddings.detach().requires_grad_()
-        self.embeddings.append(leaf)
+        into.append(leaf)
         return leaf.clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
 
 
