@@ -14,15 +14,13 @@ processor, pixels in [0, 1]), so that ``captum-attention explain --model <folder
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, optimiser_step
-from .shapes import IMAGE, PATCH, shape_images
+from .default_model import cached_trained_model, measured
+from .shapes import IMAGE, PATCH, ShapeTraining, shape_images, train_on_images
 
 WORDS = ("<pad>", "<s>", "</s>", "<image>", "what", "colour", "is", "the", "square", "?", "red", "green", "blue")
 """The vocabulary: ids are positions."""
@@ -33,17 +31,6 @@ QUESTION = "what colour is the square ?"
 GRID = IMAGE // PATCH
 MODEL_NAME = "coloured-squares-vlm-v1"
 HELDOUT_SEED = 12
-
-
-@dataclass(frozen=True)
-class VLMTraining:
-    """How the model is trained: images, epochs, batch size, learning rate, seed."""
-
-    train_size: int = 3000
-    epochs: int = 3
-    batch_size: int = 64
-    learning_rate: float = 1e-3
-    seed: int = 0
 
 
 def colour_images(count: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,22 +68,16 @@ def answer_log_probs(model: Any, images: Tensor) -> Tensor:
     return logits.float().log_softmax(dim=-1)[:, list(ANSWERS)]
 
 
-def train_colour_vlm(training: VLMTraining = VLMTraining()) -> tuple[Any, float]:
+def train_colour_vlm(training: ShapeTraining = ShapeTraining()) -> tuple[Any, float]:
     """The model trained on :func:`colour_images` (the answer word's cross-entropy), in
     eval mode, and the seconds it took."""
-    model = new_colour_vlm(training.seed)
     images, answers, _ = colour_images(training.train_size, seed=training.seed + 1)
     labels = torch.tensor([ANSWERS.index(int(a)) for a in answers])
-    parameters = list(model.parameters())
-    optimiser = torch.optim.AdamW(parameters, lr=training.learning_rate)
-    generator = torch.Generator().manual_seed(training.seed)
-    start = time.perf_counter()
-    model.train()
-    for _ in range(training.epochs):
-        for rows in torch.randperm(training.train_size, generator=generator).split(training.batch_size):
-            loss = torch.nn.functional.nll_loss(answer_log_probs(model, images[rows]), labels[rows])
-            optimiser_step(optimiser, loss, parameters)
-    return model.eval(), time.perf_counter() - start
+
+    def loss(model: Any, batch: Tensor, targets: Tensor) -> Tensor:
+        return torch.nn.functional.nll_loss(answer_log_probs(model, batch), targets)
+
+    return train_on_images(new_colour_vlm(training.seed), images, labels, loss, training)
 
 
 def colour_accuracy(model: Any, images: Tensor, answers: Tensor) -> float:
@@ -127,24 +108,15 @@ def colour_processor() -> Any:
     )
 
 
-def _build(training: VLMTraining, progress: bool) -> tuple[Any, dict[str, Any]]:
-    model, seconds = train_colour_vlm(training)
-    images, answers, _ = colour_images(500, HELDOUT_SEED)
-    accuracy = colour_accuracy(model, images, answers)
-    if progress:
-        print(f"coloured squares VLM: accuracy {accuracy:.1%} after {seconds:.0f} s", flush=True)
-    return model, {"accuracy": accuracy, "training_seconds": round(seconds, 1)}
-
-
 def load_colour_vlm(
-    cache_dir: str | os.PathLike[str] | None = None, training: VLMTraining = VLMTraining(), progress: bool = True
+    cache_dir: str | os.PathLike[str] | None = None, training: ShapeTraining = ShapeTraining(), progress: bool = True
 ) -> Any:
     """The trained coloured-squares vision-language model (eval mode), trained on first
     use and cached with its processor (the folder: ``colour_vlm_path``).
 
     Args:
         cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
-        training (VLMTraining, optional): how to train it. Default: ``VLMTraining()``.
+        training (ShapeTraining, optional): how to train it (the ViT's settings). Default: ``ShapeTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
 
     Returns:
@@ -153,7 +125,15 @@ def load_colour_vlm(
     from transformers import LlavaForConditionalGeneration
 
     return cached_trained_model(
-        MODEL_NAME, training, lambda: _build(training, progress), LlavaForConditionalGeneration, cache_dir, progress,
+        MODEL_NAME,
+        training,
+        lambda: measured(
+            "coloured squares VLM", lambda: train_colour_vlm(training),
+            lambda model: colour_accuracy(model, *colour_images(500, HELDOUT_SEED)[:2]), progress,
+        ),
+        LlavaForConditionalGeneration,
+        cache_dir,
+        progress,
         tokenizer=colour_processor(),
     )
 

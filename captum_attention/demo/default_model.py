@@ -307,6 +307,19 @@ def default_model_path(
     return cached_folder(folder, build, lambda metadata: metadata.get("budget") == asdict(budget), progress, force)
 
 
+def measured(
+    name: str, train: Callable[[], tuple[Any, float]], accuracy: Callable[[Any], float], progress: bool
+) -> tuple[Any, dict[str, Any]]:
+    """The model ``train()`` returns (with the seconds it took) and the facts its cache
+    keeps: its held-out ``accuracy`` (printed as ``name``'s with ``progress``) and the
+    training time."""
+    model, seconds = train()
+    score = accuracy(model)
+    if progress:
+        print(f"{name}: accuracy {score:.1%} after {seconds:.0f} s", flush=True)
+    return model, {"accuracy": score, "training_seconds": round(seconds, 1)}
+
+
 def cached_trained_model(
     name: str,
     training: Any,

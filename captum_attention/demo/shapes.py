@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, optimiser_step
+from .default_model import cached_trained_model, measured, optimiser_step
 
 LABELS = ("red", "green", "none")
 IMAGE, PATCH, SQUARE = 32, 4, 8
@@ -76,17 +76,27 @@ def new_shape_vit(seed: int = 0) -> Any:
 def train_shape_vit(training: ShapeTraining = ShapeTraining()) -> tuple[Any, float]:
     """A ViT trained on :func:`shape_images` (squares and empty images), in eval mode, and
     the seconds it took."""
-    model = new_shape_vit(training.seed)
     images, labels, _ = shape_images(training.train_size, seed=training.seed + 1, with_none=True)
+
+    def loss(model: Any, batch: Tensor, targets: Tensor) -> Tensor:
+        return torch.nn.functional.cross_entropy(model(pixel_values=batch).logits, targets)
+
+    return train_on_images(new_shape_vit(training.seed), images, labels, loss, training)
+
+
+def train_on_images(
+    model: Any, images: Tensor, labels: Tensor, loss: Callable[[Any, Tensor, Tensor], Tensor], training: ShapeTraining
+) -> tuple[Any, float]:
+    """``model`` trained with AdamW on ``loss(model, images, labels)`` over shuffled
+    batches for ``training.epochs``, in eval mode, and the seconds it took."""
     parameters = list(model.parameters())
     optimiser = torch.optim.AdamW(parameters, lr=training.learning_rate)
     generator = torch.Generator().manual_seed(training.seed)
     start = time.perf_counter()
     model.train()
     for _ in range(training.epochs):
-        for rows in torch.randperm(training.train_size, generator=generator).split(training.batch_size):
-            loss = torch.nn.functional.cross_entropy(model(pixel_values=images[rows]).logits, labels[rows])
-            optimiser_step(optimiser, loss, parameters)
+        for rows in torch.randperm(len(images), generator=generator).split(training.batch_size):
+            optimiser_step(optimiser, loss(model, images[rows], labels[rows]), parameters)
     return model.eval(), time.perf_counter() - start
 
 
@@ -94,14 +104,6 @@ def shape_accuracy(model: Any, images: Tensor, labels: Tensor) -> float:
     """Fraction of ``images`` whose label the model predicts."""
     with torch.no_grad():
         return float((model(pixel_values=images).logits.argmax(-1) == labels).float().mean())
-
-
-def _build(training: ShapeTraining, progress: bool) -> tuple[Any, dict[str, Any]]:
-    model, seconds = train_shape_vit(training)
-    accuracy = shape_accuracy(model, *shape_images(500, HELDOUT_SEED)[:2])
-    if progress:
-        print(f"coloured squares ViT: accuracy {accuracy:.1%} after {seconds:.0f} s", flush=True)
-    return model, {"accuracy": accuracy, "training_seconds": round(seconds, 1)}
 
 
 def load_shape_vit(
@@ -120,5 +122,13 @@ def load_shape_vit(
     from transformers import ViTForImageClassification
 
     return cached_trained_model(
-        MODEL_NAME, training, lambda: _build(training, progress), ViTForImageClassification, cache_dir, progress
+        MODEL_NAME,
+        training,
+        lambda: measured(
+            "coloured squares ViT", lambda: train_shape_vit(training),
+            lambda model: shape_accuracy(model, *shape_images(500, HELDOUT_SEED)[:2]), progress,
+        ),
+        ViTForImageClassification,
+        cache_dir,
+        progress,
     )
