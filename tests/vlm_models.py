@@ -15,7 +15,8 @@ from torch import nn
 IMAGE = 99  # the image token id
 TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
-FAMILIES = ("llava", "llava_full", "paligemma", "gemma3", "qwen2_vl", "idefics3", "mistral3", "pixtral")
+FAMILIES = ("llava", "llava_full", "paligemma", "gemma3", "qwen2_vl", "idefics3", "mistral3", "pixtral", "llava_next")
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's resolutions: tiles of 32 × 32
 ANSWER = torch.tensor([[8, 9], [11, 12]])
 
 
@@ -60,13 +61,20 @@ def make_vlm(family: str, seed: int = 0) -> nn.Module:
             image_token_id=IMAGE, vision_feature_select_strategy="full", vision_feature_layer=-1,
         )
         return tf.LlavaForConditionalGeneration(config).eval()
+    if family == "llava_next":
+        config = tf.LlavaNextConfig(
+            vision_config=tf.CLIPVisionConfig(**VISION), text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE,
+            image_grid_pinpoints=PINPOINTS,
+        )
+        return tf.LlavaNextForConditionalGeneration(config).eval()
     raise KeyError(family)
 
 
-TOKENS_PER_IMAGE = {"llava": (16, 16), "llava_full": (17, 17), "paligemma": (16, 16), "gemma3": (4, 4), "idefics3": (4, 4), "qwen2_vl": (4, 6), "mistral3": (4, 2), "pixtral": (16, 8)}
+TOKENS_PER_IMAGE = {"llava": (16, 16), "llava_full": (17, 17), "paligemma": (16, 16), "gemma3": (4, 4), "idefics3": (4, 4), "qwen2_vl": (4, 6), "mistral3": (4, 2), "pixtral": (16, 8), "llava_next": (52, 56)}
 GRIDS = {
     "llava": [(4, 4)] * 2, "llava_full": [(4, 4)] * 2, "paligemma": [(4, 4)] * 2, "gemma3": [(2, 2)] * 2, "idefics3": [(2, 2)] * 2,
     "qwen2_vl": [(2, 2), (2, 3)], "mistral3": [(2, 2), (2, 1)], "pixtral": [(4, 4), (4, 2)],
+    "llava_next": [(4, 4), (4, 4)],  # the whole image resized; its tiles' grids are (4, 8) and (8, 4)
 }
 
 
@@ -94,6 +102,9 @@ def make_vlm_prompt(family: str, seed: int = 3) -> VLMPrompt:
         grids = torch.tensor([[1, 4, 4], [1, 4, 6]])
         pixels = torch.randn(16 + 24, 3 * 2 * 4 * 4, generator=generator)
         return VLMPrompt(ids, mask, {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": (ids == IMAGE).long()})
+    if family == "llava_next":  # a 32 × 64 and a 64 × 32 image, through the processor
+        pictures = llava_next_pictures(seed)
+        return VLMPrompt(ids, mask, dict(llava_next_processor()(images=pictures, return_tensors="pt", do_rescale=False)))
     shape = (2, 1, 3, 32, 32) if family == "idefics3" else (2, 3, 32, 32)
     images = {"pixel_values": torch.randn(*shape, generator=generator)}
     if family in ("mistral3", "pixtral"):  # the second image 32 × 16 pixels, padded to the first's size
@@ -156,3 +167,19 @@ def save_llava_checkpoint(folder) -> nn.Module:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model
+
+
+def llava_next_processor() -> Any:
+    """LLaVA-NeXT's image processor at tiles of 32 × 32, pixels kept in [0, 1]."""
+    return tf.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=PINPOINTS,
+        image_mean=[0.0] * 3, image_std=[1.0] * 3,
+    )
+
+
+def llava_next_pictures(seed: int = 3) -> list:
+    """A 32 × 64 and a 64 × 32 image (height × width), float ``(H, W, 3)`` in [0, 1]."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    return [generator.random((32, 64, 3)).astype("float32"), generator.random((64, 32, 3)).astype("float32")]

@@ -58,8 +58,9 @@ def image_scores(
 
     Returns:
         Per example, per image (per tile for Idefics3 and SmolVLM: the split image's tiles
-        row by row, then the whole image), its scores ``(grid rows, grid columns)``, with
-        a leading axis of token rows for ``(batch, rows, seq_len)`` scores.
+        row by row, then the whole image; for LLaVA-NeXT the whole image resized, then its
+        tiles as one grid), its scores ``(grid rows, grid columns)``, with a leading axis
+        of token rows for ``(batch, rows, seq_len)`` scores.
 
     Example::
 
@@ -72,9 +73,9 @@ def image_scores(
     for example, images in enumerate(image_token_layout(model, input_ids, image_inputs or {})):
         placed.append([])
         for image in images:
-            tokens = scores[example, ..., image.positions.to(scores.device)]
+            tokens = scores[example, ..., image.grid_positions.to(scores.device)]
             unplaced |= image.grid is None
-            placed[-1].append(tokens if image.grid is None else tokens[..., image.leading :].reshape(*tokens.shape[:-1], *image.grid))
+            placed[-1].append(tokens if image.grid is None else tokens.reshape(*tokens.shape[:-1], *image.grid))
     if unplaced:
         warnings.warn(
             f"The layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "

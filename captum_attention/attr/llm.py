@@ -233,7 +233,7 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
     masks = torch.stack([mask.float() for mask in inp.get_mask_list()])[:, None]
     shares = F.adaptive_avg_pool2d(masks, (rows, columns)).reshape(len(masks), rows * columns)
     weights = torch.zeros(prompt.shape[1], len(masks))
-    weights[image.positions[image.leading :].cpu()] = shares.t()
+    weights[image.grid_positions.cpu()] = shares.t()
     return weights
 
 

@@ -19,7 +19,9 @@ config and image inputs:
   ``image_sizes`` in patches merged ``spatial_merge_size`` × ``spatial_merge_size`` (none
   for LLaVA), row by row, the row-break tokens between rows being text;
 - ``idefics3``, ``smolvlm``: per tile (the split image's tiles row by row, then the whole
-  image), the tile's patches pixel-shuffled by ``scale_factor``: one grid per tile.
+  image), the tile's patches pixel-shuffled by ``scale_factor``: one grid per tile;
+- ``llava_next``: per image two grids, the whole image resized, then its tiles' patches
+  as one grid unpadded to the image's shape, each row followed by a newline feature.
 
 A family missing here gets its image tokens' scores without a grid (and a one-line note),
 never a wrong grid.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -41,12 +43,23 @@ from .protocol import UnsupportedModelError
 class ImageTokens:
     """One image (or tile) of one example: the positions of its tokens in the sequence,
     and the ``(rows, columns)`` grid they fill row by row after ``leading`` tokens that
-    lie outside it (LLaVA's class token); ``grid`` is None where the family's layout is
+    lie outside it (LLaVA's class token), each row followed by ``row_breaks`` tokens of
+    no cell (LLaVA-NeXT's newline feature); ``grid`` is None where the family's layout is
     unknown."""
 
     positions: Tensor
     grid: tuple[int, int] | None
     leading: int = 0
+    row_breaks: int = 0
+
+    @property
+    def grid_positions(self) -> Tensor:
+        """The positions of the grid's cells, row by row (all of them without a grid)."""
+        if self.grid is None:
+            return self.positions
+        rows, columns = self.grid
+        cells = self.positions[self.leading :].view(rows, columns + self.row_breaks)
+        return cells[:, :columns].flatten()
 
 
 def language_model_of(model: nn.Module) -> nn.Module | None:
@@ -90,21 +103,27 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
     return [_split(row.nonzero().flatten(), per_example, example) for example, (row, per_example) in enumerate(zip(held, shapes))]
 
 
-_Shape = tuple[int, "tuple[int, int] | None", int]
-"""An image's token count, grid (None: unknown) and leading tokens."""
+class _Shape(NamedTuple):
+    """An image's token count, grid (None: unknown), leading tokens and tokens after
+    each row (see :class:`ImageTokens`)."""
+
+    tokens: int
+    grid: tuple[int, int] | None
+    leading: int = 0
+    row_breaks: int = 0
 
 
 def _split(positions: Tensor, shapes: list[_Shape], example: int) -> list[ImageTokens]:
-    needed = sum(count for count, _, _ in shapes)
+    needed = sum(shape.tokens for shape in shapes)
     if needed != len(positions):
         raise ValueError(
             f"Example {example} holds {len(positions)} image tokens, but its {len(shapes)} image(s) need {needed}: "
             "pass the prompt as the model's processor expands it, with its image inputs."
         )
     images, start = [], 0
-    for count, grid, leading in shapes:
-        images.append(ImageTokens(positions[start : start + count], grid, leading))
-        start += count
+    for shape in shapes:
+        images.append(ImageTokens(positions[start : start + shape.tokens], shape.grid, shape.leading, shape.row_breaks))
+        start += shape.tokens
     return images
 
 
@@ -121,8 +140,8 @@ def _fixed(shape: Callable[[Any], _Shape]) -> Callable[[Any, Tensor, Mapping[str
     image tokens hold."""
 
     def layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
-        count, grid, leading = shape(config)
-        return [[(count, grid, leading)] * -(-int(row.sum()) // count) for row in held]
+        image = shape(config)
+        return [[image] * -(-int(row.sum()) // image.tokens) for row in held]
 
     return layout
 
@@ -130,22 +149,22 @@ def _fixed(shape: Callable[[Any], _Shape]) -> Callable[[Any, Tensor, Mapping[str
 def _llava(config: Any) -> _Shape:
     side = _side(config)
     leading = int(getattr(config, "vision_feature_select_strategy", "default") == "full")
-    return side * side + leading, (side, side), leading
+    return _Shape(side * side + leading, (side, side), leading)
 
 
 def _paligemma(config: Any) -> _Shape:
     side = _side(config)
-    return side * side, (side, side), 0
+    return _Shape(side * side, (side, side))
 
 
 def _gemma3(config: Any) -> _Shape:
     side = math.isqrt(int(config.mm_tokens_per_image))
-    return side * side, (side, side), 0
+    return _Shape(side * side, (side, side))
 
 
 def _idefics3(config: Any) -> _Shape:
     side = _side(config) // int(config.scale_factor)
-    return side * side, (side, side), 0
+    return _Shape(side * side, (side, side))
 
 
 def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
@@ -159,7 +178,7 @@ def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> lis
     for frames, height, width in torch.as_tensor(grids).tolist():
         if frames != 1:
             raise UnsupportedModelError(f"{config.model_type}: an image of {frames} frames is a video; only images are placed on a grid.")
-        images.append((height * width // merge**2, (height // merge, width // merge), 0))
+        images.append(_Shape(height * width // merge**2, (height // merge, width // merge)))
     return _in_token_order(held, images, "image_grid_thw")
 
 
@@ -174,7 +193,7 @@ def _image_sizes(merge_name: str | None) -> Callable[[Any, Tensor, Mapping[str, 
             raise ValueError(f"{config.model_type} needs image_sizes to place its image tokens: pass the processor's image inputs.")
         side = int(config.vision_config.patch_size) * (int(getattr(config, merge_name)) if merge_name else 1)
         grids = [(int(height) // side, int(width) // side) for height, width in torch.as_tensor(sizes).tolist()]
-        return _in_token_order(held, [(rows * columns, (rows, columns), 0) for rows, columns in grids], "image_sizes")
+        return _in_token_order(held, [_Shape(rows * columns, (rows, columns)) for rows, columns in grids], "image_sizes")
 
     return layout
 
@@ -203,13 +222,35 @@ def _llava_layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) ->
     return _unplaced(held)  # the "default" strategy drops the batch's first feature only
 
 
+def _llava_next(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+    """LLaVA-NeXT's any resolution: per image, the whole image resized (a square grid),
+    then its tiles' patches as one grid over the tiles (laid out by transformers' own
+    ``get_anyres_image_grid_shape``), unpadded to the image's shape (``unpad_image``),
+    each row followed by a newline feature."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    sizes = image_inputs.get("image_sizes")
+    if sizes is None:
+        raise ValueError(f"{config.model_type} needs image_sizes to place its image tokens: pass the processor's image inputs.")
+    if config.vision_feature_select_strategy != "default":
+        return _unplaced(held)
+    side, size = _side(config), config.vision_config.image_size
+    images: list[_Shape] = []
+    for height, width in torch.as_tensor(sizes).tolist():
+        tiles_down, tiles_across = get_anyres_image_grid_shape((height, width), config.image_grid_pinpoints, size)
+        rows, columns = unpad_image(torch.empty(1, tiles_down * side, tiles_across * side), torch.tensor([height, width])).shape[1:]
+        images += [_Shape(side * side, (side, side)), _Shape(rows * (columns + 1), (rows, columns), row_breaks=1)]
+    return _in_token_order(held, images, "image_sizes")
+
+
 def _unplaced(held: Tensor) -> list[list[_Shape]]:
     """Each example's image tokens as one run, without a grid."""
-    return [[(int(row.sum()), None, 0)] if bool(row.any()) else [] for row in held]
+    return [[_Shape(int(row.sum()), None)] if bool(row.any()) else [] for row in held]
 
 
 _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]] = {
     "llava": _llava_layout,
+    "llava_next": _llava_next,
     "mistral3": _image_sizes("spatial_merge_size"),
     "paligemma": _fixed(_paligemma),
     "gemma3": _fixed(_gemma3),
