@@ -84,3 +84,17 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     assert "--image is for a vision-language model" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(llava)]) == 1
     assert "holds a vision-language model (explain takes it)" in capsys.readouterr().err
+
+
+def test_a_family_of_unknown_layout_shows_the_images_summed_score_without_a_grid(llava, tmp_path, capsys, monkeypatch):
+    from captum_attention.capture.adapters import images
+
+    monkeypatch.delitem(images._LAYOUTS, "llava")
+    report, html = tmp_path / "answer.json", tmp_path / "answer.html"
+    assert main(["explain", "--model", str(llava), "--image", str(_image(tmp_path)), "what is the cat", "--target", "is",
+                 "--methods", "raw", "--json", str(report), "--html", str(html)]) == 0
+    captured = capsys.readouterr()
+    assert "the layout of llava's image tokens is not known" in captured.err and "image: peak" not in captured.out
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["image_grids"] == {} and "<image>" in explanation["prompt_tokens"]
+    assert "data:image/png" not in html.read_text(encoding="utf-8")

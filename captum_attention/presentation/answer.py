@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
-from ..attr import METHODS, LLMAttentionAttribution
+from .._compat import pretty_tokens
+from ..attr import METHODS, LLMAttentionAttribution, image_scores
 from ..attr._images import grid_follows_image
 from .explain import INTEGRATED_GRADIENTS, MethodInfo
 
@@ -174,10 +175,16 @@ def explain_image_answer(
     features, names, special = _image_features(model, ids[0], tokenizer)
     explanation = AnswerExplanation(
         prompt_tokens=names, special=special,
-        answer_tokens=[tokenizer.decode([int(i)]) for i in answer_ids], answer=tokenizer.decode(answer_ids), generated=target is None,
+        answer_tokens=pretty_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [], image=str(image_path),
     )
     args = (mask, inputs)
+    has_grid = _has_grid(model, ids, inputs)
+    if not has_grid:
+        explanation.warnings.append(
+            f"the layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
+            "the report shows their summed score, not their grid"
+        )
     for name in methods or list(METHODS):
         explainer = METHODS[name](model)
         start = time.perf_counter()
@@ -189,7 +196,8 @@ def explain_image_answer(
         explanation.seq_attr[display] = (span[0].detach().float() @ features).tolist()
         if rows is not None:
             explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
-        explanation.image_grids.update(_grid(model, ids, span, inputs, display, explanation))
+        if has_grid:
+            explanation.image_grids[display] = image_scores(model, ids, span.detach().float(), inputs)[0][0].tolist()
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
         explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
@@ -217,19 +225,10 @@ def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torc
     return features, names, special
 
 
-def _grid(model: Any, ids: torch.Tensor, span: torch.Tensor, inputs: dict[str, Any], method: str, explanation: AnswerExplanation) -> dict[str, list[list[float]]]:
-    """The first image's grid of ``span``'s scores, or nothing (and a warning, once)
-    where the family's layout is not known."""
-    import warnings as python_warnings
+def _has_grid(model: Any, ids: torch.Tensor, inputs: dict[str, Any]) -> bool:
+    """Whether the prompt's first image's tokens have a known grid
+    (:func:`~captum_attention.capture.adapters.images.image_token_layout`)."""
+    from ..capture.adapters.images import image_token_layout
 
-    from ..attr import image_scores
-
-    with python_warnings.catch_warnings(record=True) as caught:
-        python_warnings.simplefilter("always")
-        (grid, *_), = image_scores(model, ids, span.detach().float(), inputs)
-    if grid.dim() != 2:
-        note = str(caught[0].message) if caught else "the image's tokens are not on a grid"
-        if note not in explanation.warnings:
-            explanation.warnings.append(note)
-        return {}
-    return {method: grid.tolist()}
+    (images,) = image_token_layout(model, ids, inputs)
+    return bool(images) and images[0].grid is not None
