@@ -16,6 +16,7 @@ looks, and *what* it looks for.
 # %%
 # The model and the images
 # ------------------------
+import shutil
 import tempfile
 import warnings
 
@@ -141,12 +142,14 @@ warnings.filterwarnings(
 )  # its default classifier's memory note
 warnings.filterwarnings("ignore", module="captum._utils.models")
 layers = [f"vit.vit.layers.{i}" for i in range(model.config.num_hidden_layers)]
-tcav = TCAV(Logits(model), layers=layers, save_path=tempfile.mkdtemp(prefix="tcav-"))
+activations_folder = tempfile.mkdtemp(prefix="tcav-")  # TCAV stores activations there
+tcav = TCAV(Logits(model), layers=layers, save_path=activations_folder)
 experimental_sets = [[red, random] for random in randoms] + [
     [green, random] for random in randoms
 ]
 empty_images = blot_images(40, None, seed=99)
 scores = tcav.interpret(empty_images, experimental_sets=experimental_sets, target=0)
+shutil.rmtree(activations_folder)
 
 
 def tcav_score(concept_name: str, layer: str) -> float:
