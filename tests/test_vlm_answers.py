@@ -143,14 +143,62 @@ def test_an_unknown_layout_gives_the_image_tokens_in_order_with_a_warning(monkey
     torch.testing.assert_close(placed[1][0], scores[1][prompt.input_ids[1] == IMAGE])
 
 
+def _with_token_types(family: str, prompt) -> tuple:
+    """The prompt with the token types its processor gives (PaliGemma: 0 over the whole
+    prompt, its prefix; Gemma 3: 1 at the image tokens), and the answer's as ``generate``
+    gives them (PaliGemma: 1, its causal suffix; Gemma 3: text, 0)."""
+    types = torch.zeros_like(prompt.input_ids) if family == "paligemma" else (prompt.input_ids == IMAGE).long()
+    answer_types = torch.full_like(ANSWER, 1 if family == "paligemma" else 0)
+    with_types = SimpleNamespace(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, images={**prompt.images, "token_type_ids": types})
+    return with_types, {**prompt.images, "token_type_ids": torch.cat([types, answer_types], dim=1)}
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_a_prefix_seen_both_ways_is_explained_exactly(family, method):
+    """Given token types, PaliGemma's prompt and Gemma 3's images see each other both ways
+    (a prefix language model); the answer after them is causal, and its span equals the
+    reference of the eager twin called with the token types generate would pass."""
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    typed, answered_images = _with_token_types(family, prompt)
+    before = model_state(model)
+    scores = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, typed.images))
+    assert_same_state(before, model_state(model))
+    reference_prompt = SimpleNamespace(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, images=answered_images)
+    reference = vlm_span_reference(model, family, reference_prompt)
+    sequence_mask = torch.cat([prompt.attention_mask, torch.ones_like(ANSWER)], dim=1).bool()
+    pairs = sequence_mask[:, :, None] & sequence_mask[:, None, :]
+    assert (reference.attentions[0][:, 0].triu(1) * pairs).abs().max() > 0, "the image tokens see later ones"
+    prompt_len = prompt.input_ids.shape[1]
+    expected = span_reference(method, reference, sequence_mask, range(prompt_len - 1, prompt_len + 1))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_a_prefix_seen_both_ways_gives_rows_that_sum_to_the_span_and_refuses_what_needs_each_rows_keys():
+    model, prompt = make_vlm("paligemma"), make_vlm_prompt("paligemma")
+    typed, _ = _with_token_types("paligemma", prompt)
+    explainer = RawAttention(model)
+    arguments = (prompt.attention_mask, typed.images)
+    rows = explainer.attribute_continuation(prompt.input_ids, ANSWER, additional_forward_args=arguments)
+    torch.testing.assert_close(rows.sum(dim=1), explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=arguments))
+    with pytest.raises(UnsupportedModelError, match="see each other both ways") as refused:
+        explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=arguments, effective=True)
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("capture", ["streaming", "eager"])
-def test_image_tokens_attending_both_ways_are_refused_for_answers(capture):
-    """Gemma 3 given token_type_ids lets an image's tokens see each other both ways: its
-    prompt is not causal, and spans are refused in one line."""
-    model, prompt = make_vlm("gemma3"), make_vlm_prompt("gemma3")
-    images = {**prompt.images, "token_type_ids": (prompt.input_ids == IMAGE).long()}
-    with pytest.raises(ValueError, match="sees later tokens") as refused:
-        GradSAM(model, capture=capture).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, images))
+def test_token_types_that_put_the_answer_in_the_prefix_are_refused_in_one_line(capture, monkeypatch):
+    """A model whose generate extended PaliGemma's token types by repeating the last (the
+    generic update) would put the answer in the prefix, and let the prompt see it."""
+    from transformers import GenerationMixin
+
+    model, prompt = make_vlm("paligemma"), make_vlm_prompt("paligemma")
+    typed, _ = _with_token_types("paligemma", prompt)
+    monkeypatch.setattr(type(model), "_update_model_kwargs_for_generation", GenerationMixin._update_model_kwargs_for_generation)
+    with pytest.raises(ValueError, match="which the prompt never sees: in this forward it does") as refused:
+        GradSAM(model, capture=capture).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, typed.images))
     assert "\n" not in str(refused.value)
 
 

@@ -375,7 +375,7 @@ class AttentionAttributionBase:
             return self._recorded((prompt, decoder), extra, None, effective, False, options), 0
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         _check_vocabulary(adapter, self.model, sequence)
-        extra = _extend_masks(additional_forward_args, prompt.shape, continuation.shape[1])
+        extra = _extend_masks(adapter, self.model, additional_forward_args, prompt.shape, continuation.shape[1])
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, prompt.shape[1])
         return record, prompt.shape[1] - 1
@@ -447,13 +447,14 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
 
 
 def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
-    """A decoder-only model, prompts padded on the left."""
-    if not record.causal:
+    """A decoder-only model (its prompt's leading tokens may see each other both ways, but
+    not the continuation), prompts padded on the left."""
+    if not record.causal or (record.prefix is not None and bool((record.prefix > prompt_len).any())):
         raise ValueError(
-            "attribute_continuation and attribute_span explain a generated continuation: they need a decoder "
-            "(causal self-attention) or an encoder-decoder; this model's self-attention sees later tokens (an encoder, "
-            "or a prefix whose tokens see each other both ways, as the image tokens of PaliGemma or Gemma 3 given "
-            "token_type_ids, whose answers are not explained yet)."
+            "attribute_continuation and attribute_span explain a generated continuation, which the prompt never sees: "
+            "in this forward it does (an encoder, a decoder made bidirectional, or token types that put the continuation "
+            "in a bidirectional prefix): explain a decoder or an encoder-decoder, with per-token inputs (token_type_ids) "
+            "for the prompt only."
         )
     if not bool(record.target_real[:, prompt_len - 1].all()):
         raise ValueError("Pad the prompts on the left (as for generate): the last prompt token must be real.")
@@ -509,26 +510,20 @@ def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) 
         )
 
 
-def _extend_masks(additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:
-    """Every ``(batch, prompt_len)`` tensor argument extended with ``new_tokens`` ones; in a
-    mapping of keyword arguments (a vision-language model's inputs), the per-token ones as
-    ``generate`` extends them."""
+def _extend_masks(adapter: AttentionAdapter, model: nn.Module, additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:
+    """Every ``(batch, prompt_len)`` tensor argument extended with ``new_tokens`` ones; a
+    mapping of keyword arguments (a vision-language model's inputs) as ``generate`` extends
+    it (the adapter's ``generated_inputs``)."""
     extra = format_additional_forward_args(additional_forward_args)
     if extra is None:
         return None
 
-    def extended(arg: Any, name: str = "attention_mask") -> Any:
+    def extended(arg: Any) -> Any:
         if isinstance(arg, Mapping):
-            return {key: extended(value, key) for key, value in arg.items()}
+            return adapter.generated_inputs(model, arg, prompt_shape[1], new_tokens)
         if not (isinstance(arg, Tensor) and tuple(arg.shape) == tuple(prompt_shape)):
             return arg
-        if name.endswith("mm_token_type_ids"):  # the continuation is text
-            tail = arg.new_zeros(arg.shape[0], new_tokens)
-        elif name == "token_type_ids":  # PaliGemma's suffix: the last type repeated
-            tail = arg[:, -1:].expand(-1, new_tokens)
-        else:
-            tail = arg.new_ones(arg.shape[0], new_tokens)
-        return torch.cat([arg, tail], dim=1)
+        return torch.cat([arg, arg.new_ones(arg.shape[0], new_tokens)], dim=1)
 
     return tuple(extended(arg) for arg in extra)
 

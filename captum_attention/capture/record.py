@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError, run_forward
-from ..maps.common import has_later_keys, last_query, mask_sees_later_keys, query_rows, query_weights, real_tokens, sees_later_keys, up_to
+from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, query_row_weights, resolve_targets
@@ -63,7 +63,8 @@ class ForwardRecord:
         query_index: ``(B,)`` long, the explained query position per example; or, for a
             span, ``(B, T)`` float weights of the explained query rows (every row-reducing
             method reads their weighted sum: :func:`~captum_attention.maps.query_weights`).
-        causal: whether the explained sequence's self-attention never looks ahead.
+        causal: whether the explained sequence's self-attention never looks ahead (but
+            within ``prefix``).
         capture: the capture of the call (its probabilities still in the autograd graph
             when gradients are tracked).
         kernel_calls: streaming records: per attention call, what the kernel received
@@ -71,6 +72,9 @@ class ForwardRecord:
             record.
         results: the probes' results and what was derived from the pass (gradients,
             relevance), by type; read them with :meth:`result`.
+        prefix: for a causal record whose leading tokens see each other both ways (a
+            prefix language model's: PaliGemma's image and prompt, Gemma 3's images),
+            ``(B,)`` long, one past the last key an earlier query sees; else None.
     """
 
     logits: Tensor
@@ -84,6 +88,7 @@ class ForwardRecord:
     capture: AttentionCapture
     kernel_calls: list[KernelCall] = field(default_factory=list)
     results: dict[type, Any] = field(default_factory=dict)
+    prefix: Tensor | None = None
 
     @property
     def streaming(self) -> bool:
@@ -193,13 +198,23 @@ class ForwardRecord:
         if not self.causal:
             return real
         positions = torch.arange(real.shape[1], device=real.device)
-        return real | (positions[None, :] > last_query(self.query_index.to(real.device))[:, None])
+        return real | (positions[None, :] > self._last_seen(self.query_index))
 
     def at_query(self, query_index: Tensor) -> "ForwardRecord":
         """This record explaining ``query_index`` instead (a causal sequence's real tokens
-        are cut after it)."""
-        real = up_to(self.target_real, query_index) if self.causal else self.target_real
-        return replace(self, query_index=query_index, target_real=real)
+        are cut after it, or after the prefix its tokens see both ways)."""
+        if not self.causal:
+            return replace(self, query_index=query_index)
+        positions = torch.arange(self.target_real.shape[1], device=self.target_real.device)
+        return replace(self, query_index=query_index, target_real=self.target_real & (positions[None, :] <= self._last_seen(query_index)))
+
+    def _last_seen(self, query_index: Tensor) -> Tensor:
+        """``(B, 1)``: the last token that the queries up to ``query_index`` (and the
+        tokens they see) can see: the last query, or the prefix's last token."""
+        last = last_query(query_index.to(self.target_real.device))
+        if self.prefix is not None:
+            last = last.maximum(self.prefix.to(last.device) - 1)
+        return last[:, None]
 
     def of_role(self, role: str) -> "ForwardRecord":
         """Only the calls of one role (e.g. the decoder's self-attention)."""
@@ -233,6 +248,12 @@ class ForwardRecord:
         queries, keys = self.real_of(role)
         if not (self.causal and role in ("self", "decoder")):
             return keys[:, None, :], queries
+        if self.prefix is not None:
+            raise UnsupportedModelError(
+                "This forward's leading tokens see each other both ways (a prefix language model's image tokens), and "
+                "which keys each of their rows sees is not tracked: effective attention and the permutation test "
+                "need it; call the model without the token types that make its prefix bidirectional."
+            )
         # the record's real tokens stop at the query; later rows see further
         mask = self.capture.decoder_attention_mask if role == "decoder" else self.capture.attention_mask
         keys = real_tokens(mask, keys.shape[0], keys.shape[1], keys.device)
@@ -399,7 +420,7 @@ def record_forward(
         target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
-    causal = _is_causal(capture, attn_maps, target_real)
+    causal, prefix = _causality(capture, attn_maps, target_real)
     if source_real is not None and logits.dim() == 3 and not causal:
         raise UnsupportedModelError(
             f"{type(model).__name__}'s decoder attended to later target tokens in this forward (a shortcut some "
@@ -420,7 +441,7 @@ def record_forward(
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
-        logits, attn_maps, head_counts, roles, target_real, source_real, queries, causal, capture, kernel_calls, results
+        logits, attn_maps, head_counts, roles, target_real, source_real, queries, causal, capture, kernel_calls, results, prefix
     )
     return record.at_query(queries)
 
@@ -538,31 +559,37 @@ def _shape(call: KernelCall) -> torch.Size:
     return torch.Size((call.query.shape[0], call.num_heads, call.num_queries, call.num_keys))
 
 
-def _is_causal(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor) -> bool:
-    """Whether the explained sequence's self-attention is causal, read from the
-    probabilities when they are recorded, else from the kernel's causal flag or mask.
+def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor) -> tuple[bool, Tensor | None]:
+    """Whether the explained sequence's self-attention is causal, and the prefix its
+    tokens see both ways (see :attr:`ForwardRecord.prefix`), read from the probabilities
+    when they are recorded, else from the kernel's causal flag or mask.
 
-    Where the adapter says causal, the check is that no real query sees a later real key
-    (a prefix language model lets the prompt's image tokens see each other both ways:
-    PaliGemma's and Gemma 3's, given token types); where it cannot tell or says not, that
-    every later real key gets exactly 0 (a decoder whose modules say ``is_causal=False``
-    but mask later keys themselves is causal)."""
+    A decoder-only model whose tokens see later ones is causal after a prefix where the
+    adapter says it is causal or some later key is hidden (a prefix language model lets the
+    prompt's image tokens see each other both ways: PaliGemma's and Gemma 3's, given token
+    types), else an encoder; one whose tokens never do is causal where the adapter says so
+    or there is a later key to hide (a decoder whose modules say ``is_causal=False`` but
+    mask later keys themselves)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
     if not self_calls:
-        return False
+        return False, None
     said = capture.causal[self_calls[0]]
     if capture.streaming:
         call = capture.kernel_calls[self_calls[0]]
         if call.causal:
-            return True
+            return True, None
         if call.mask is None:
             if said is None:
                 raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
-            return said
-        sees = mask_sees_later_keys(call.mask, real)
+            return said, None
+        prefix, hidden = mask_prefix_seen_both_ways(call.mask, real)
     else:
-        sees = sees_later_keys(attn_maps[self_calls[0]], real)
-    return not sees if said is True else has_later_keys(real) and not sees
+        prefix, hidden = prefix_seen_both_ways(attn_maps[self_calls[0]], real)
+    if not bool(prefix.any()):
+        return said is True or has_later_keys(real), None
+    # an encoder-decoder's decoder seeing later tokens took a caching shortcut (refused by the caller)
+    prefix_model = (said is True or hidden) and capture.roles[self_calls[0]] == "self"
+    return (True, prefix) if prefix_model else (False, None)
 
 
 def _check_attention(

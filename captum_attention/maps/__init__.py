@@ -3,7 +3,7 @@
 Each file holds one method's formula; ``common`` holds what they share.
 """
 
-from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens, up_to
+from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens
 from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
 from .context_mixing import (

@@ -108,11 +108,6 @@ def identity_like(maps: Tensor) -> Tensor:
     return torch.eye(maps.shape[-1], dtype=maps.dtype, device=maps.device).expand_as(maps)
 
 
-def up_to(real: Tensor, query_index: Tensor) -> Tensor:
-    """``real`` without the tokens after each example's (last) query position."""
-    return real & (torch.arange(real.shape[1], device=real.device) <= last_query(query_index).to(real.device)[:, None])
-
-
 def real_tokens(attention_mask: Tensor | None, batch: int, seq_len: int, device: torch.device) -> Tensor:
     """``(B, T)`` bool tensor of real tokens: ``attention_mask != 0``, or all True without a mask."""
     if attention_mask is None:
@@ -128,7 +123,7 @@ def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
     weight underflowed: the reason adapters that know say so instead). One head is enough
     (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
     """
-    return has_later_keys(real) and not sees_later_keys(attn, real)
+    return has_later_keys(real) and not bool(prefix_seen_both_ways(attn, real)[0].any())
 
 
 def has_later_keys(real: Tensor) -> bool:
@@ -136,25 +131,38 @@ def has_later_keys(real: Tensor) -> bool:
     return bool((real.sum(dim=1) >= 2).any())
 
 
-def sees_later_keys(attn: Tensor, real: Tensor) -> bool:
-    """Whether ``(B, H, T, T)`` attention puts weight on a later real key of a real query
-    (its first head read: see :func:`zero_on_later_keys`)."""
-    pairs = real[:, :, None] & real[:, None, :]
-    return bool(attn[:, 0].triu(diagonal=1).masked_fill_(~pairs, 0).any())
+def prefix_seen_both_ways(attn: Tensor, real: Tensor) -> tuple[Tensor, bool]:
+    """``(B,)`` long: per example, one past the last real key that ``(B, H, T, T)``
+    attention lets an earlier real query see (its first head read), 0 where none does;
+    and whether some later real key gets exactly 0 (a causal part). Past the prefix every
+    query sees only earlier keys: with a causal part the sequence is causal after a prefix
+    (a prefix language model's, as PaliGemma's image and prompt); without, an encoder's."""
+    later = real[:, :, None] & real[:, None, :] & torch.ones_like(real[0, :, None] & real[0, None, :]).triu(diagonal=1)
+    seen = (attn[:, 0] != 0) & later
+    return _one_past_last_key(seen), bool((later & ~seen).any())
 
 
-def mask_sees_later_keys(mask: Tensor, real: Tensor, rows_per_block: int = 1024) -> bool:
-    """Whether a kernel's mask (a boolean keep-mask, or an additive one, broadcastable to
-    ``(B, H, T, T)``) lets a real query see a later real key; read in blocks of query rows,
-    so that nothing of ``(T, T)`` floats is made."""
+def mask_prefix_seen_both_ways(mask: Tensor, real: Tensor, rows_per_block: int = 1024) -> tuple[Tensor, bool]:
+    """:func:`prefix_seen_both_ways` of a kernel's mask (a boolean keep-mask, or an additive
+    one, broadcastable to ``(B, H, T, T)``), read in blocks of query rows, so that nothing of
+    ``(T, T)`` floats is made."""
     batch, length = real.shape
     full = mask.expand(batch, -1, length, length)
     keys = torch.arange(length, device=real.device)
+    prefix = torch.zeros(batch, dtype=torch.long, device=real.device)
+    hidden = False
     for start in range(0, length, rows_per_block):
         rows = slice(start, min(start + rows_per_block, length))
         block = full[:, 0, rows]
-        keep = block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2
-        later = keys[None, :] > keys[rows, None]
-        if bool((keep.to(real.device) & later & real[:, rows, None] & real[:, None, :]).any()):
-            return True
-    return False
+        keep = (block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2).to(real.device)
+        later = (keys[None, :] > keys[rows, None]) & real[:, rows, None] & real[:, None, :]
+        prefix = prefix.maximum(_one_past_last_key(keep & later))
+        hidden = hidden or bool((later & ~keep).any())
+    return prefix, hidden
+
+
+def _one_past_last_key(seen: Tensor) -> Tensor:
+    """``(B,)`` one past the last key column of ``(B, Q, K)`` bool ``seen`` that holds a True, or 0."""
+    columns = seen.any(dim=1)
+    positions = torch.arange(1, columns.shape[1] + 1, device=columns.device)
+    return (columns * positions).amax(dim=1)

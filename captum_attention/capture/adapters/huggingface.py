@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
-from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument
+from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
 from .images import language_model_of
 
@@ -251,6 +251,17 @@ class HuggingFaceAdapter(AdapterBase):
     def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
         """A vision-language model's language model (:mod:`.images`)."""
         return language_model_of(model)
+
+    def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
+        """As the model's own ``_update_model_kwargs_for_generation`` extends them (PaliGemma
+        marks generated tokens as its causal suffix; the generic update repeats the last
+        token type)."""
+        from transformers.utils import ModelOutput
+
+        update = getattr(model, "_update_model_kwargs_for_generation", None)
+        per_token = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length}
+        generated = update(ModelOutput(), per_token, is_encoder_decoder=False, num_new_tokens=new_tokens) if callable(update) else {}
+        return extended_per_token(inputs, prompt_length, new_tokens, generated)
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         """Activations: torch's element-wise modules and every class of transformers'

@@ -29,8 +29,9 @@ from __future__ import annotations
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from ..._compat import UnsupportedModelError
@@ -173,6 +174,12 @@ class AttentionAdapter(Protocol):
         embeddings and the image's features merged; None for other models."""
         ...
 
+    def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
+        """``inputs``, keyword arguments of a call over prompts of ``prompt_length`` tokens
+        (a vision-language model's image inputs and token types), with each per-token entry
+        extended over ``new_tokens`` generated tokens as ``generate`` extends it."""
+        ...
+
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         """The activation and normalisation modules AttnLRP's rules act on."""
         ...
@@ -260,11 +267,32 @@ class AdapterBase:
     def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
         return None
 
+    def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
+        return extended_per_token(inputs, prompt_length, new_tokens, {})
+
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
         return RelevanceSites([], [])
 
     def layer_block(self, model: nn.Module, module: nn.Module) -> nn.Module | None:
         return enclosing_block(model, module)
+
+
+def extended_per_token(
+    inputs: Mapping[str, Any], prompt_length: int, new_tokens: int, generated: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``inputs`` with each ``(batch, prompt_length)`` tensor extended by ``new_tokens``
+    columns: ``generated``'s entry where it holds the extended tensor, else ones (masks), or
+    zeros for ``mm_token_type_ids`` (generated tokens are text)."""
+    extended = dict(inputs)
+    for key, value in inputs.items():
+        if not (isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length):
+            continue
+        grown = generated.get(key)
+        if not (isinstance(grown, Tensor) and tuple(grown.shape) == (value.shape[0], prompt_length + new_tokens)):
+            tail = value.new_zeros if key.endswith("mm_token_type_ids") else value.new_ones
+            grown = torch.cat([value, tail(value.shape[0], new_tokens)], dim=1)
+        extended[key] = grown
+    return extended
 
 
 def enclosing_block(model: nn.Module, module: nn.Module) -> nn.Module | None:
