@@ -564,12 +564,12 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor)
     tokens see both ways (see :attr:`ForwardRecord.prefix`), read from the probabilities
     when they are recorded, else from the kernel's causal flag or mask.
 
-    A decoder-only model whose tokens see later ones is causal after a prefix where the
-    adapter says it is causal or some later key is hidden (a prefix language model lets the
-    prompt's image tokens see each other both ways: PaliGemma's and Gemma 3's, given token
-    types), else an encoder; one whose tokens never do is causal where the adapter says so
-    or there is a later key to hide (a decoder whose modules say ``is_causal=False`` but
-    mask later keys themselves)."""
+    A decoder-only model whose tokens see later ones is causal after a prefix where, in
+    every example, no token sees the last real token but itself (a prefix language model
+    lets the prompt's image tokens see each other both ways: PaliGemma's and Gemma 3's,
+    given token types, and the answer after them causally), else an encoder; one whose
+    tokens never do is causal where the adapter says so or there is a later key to hide (a
+    decoder whose modules say ``is_causal=False`` but mask later keys themselves)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
     if not self_calls:
         return False, None
@@ -582,13 +582,15 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor)
             if said is None:
                 raise StreamingUnsupported("the adapter cannot tell whether the self-attention is causal")
             return said, None
-        prefix, hidden = mask_prefix_seen_both_ways(call.mask, real)
+        prefix = mask_prefix_seen_both_ways(call.mask, real)
     else:
-        prefix, hidden = prefix_seen_both_ways(attn_maps[self_calls[0]], real)
+        prefix = prefix_seen_both_ways(attn_maps[self_calls[0]], real)
     if not bool(prefix.any()):
         return said is True or has_later_keys(real), None
+    positions = torch.arange(real.shape[1], device=real.device)
+    last_real = positions.masked_fill(~real, -1).amax(dim=1)
     # an encoder-decoder's decoder seeing later tokens took a caching shortcut (refused by the caller)
-    prefix_model = (said is True or hidden) and capture.roles[self_calls[0]] == "self"
+    prefix_model = bool((prefix <= last_real).all()) and capture.roles[self_calls[0]] == "self"
     return (True, prefix) if prefix_model else (False, None)
 
 

@@ -123,7 +123,7 @@ def zero_on_later_keys(attn: Tensor, real: Tensor) -> bool:
     weight underflowed: the reason adapters that know say so instead). One head is enough
     (the mask is shared by all heads), which keeps the check a single pass over ``(B, T, T)``.
     """
-    return has_later_keys(real) and not bool(prefix_seen_both_ways(attn, real)[0].any())
+    return has_later_keys(real) and not bool(prefix_seen_both_ways(attn, real).any())
 
 
 def has_later_keys(real: Tensor) -> bool:
@@ -131,18 +131,17 @@ def has_later_keys(real: Tensor) -> bool:
     return bool((real.sum(dim=1) >= 2).any())
 
 
-def prefix_seen_both_ways(attn: Tensor, real: Tensor) -> tuple[Tensor, bool]:
+def prefix_seen_both_ways(attn: Tensor, real: Tensor) -> Tensor:
     """``(B,)`` long: per example, one past the last real key that ``(B, H, T, T)``
-    attention lets an earlier real query see (its first head read), 0 where none does;
-    and whether some later real key gets exactly 0 (a causal part). Past the prefix every
-    query sees only earlier keys: with a causal part the sequence is causal after a prefix
-    (a prefix language model's, as PaliGemma's image and prompt); without, an encoder's."""
+    attention lets an earlier real query see (its first head read), 0 where none does.
+    Past it every query sees only earlier keys: where it ends before the last real token,
+    the sequence is causal after a prefix (a prefix language model's, as PaliGemma's image
+    and prompt); where it reaches the last, the sequence is an encoder's."""
     later = real[:, :, None] & real[:, None, :] & torch.ones_like(real[0, :, None] & real[0, None, :]).triu(diagonal=1)
-    seen = (attn[:, 0] != 0) & later
-    return _one_past_last_key(seen), bool((later & ~seen).any())
+    return _one_past_last_key((attn[:, 0] != 0) & later)
 
 
-def mask_prefix_seen_both_ways(mask: Tensor, real: Tensor, rows_per_block: int = 1024) -> tuple[Tensor, bool]:
+def mask_prefix_seen_both_ways(mask: Tensor, real: Tensor, rows_per_block: int = 1024) -> Tensor:
     """:func:`prefix_seen_both_ways` of a kernel's mask (a boolean keep-mask, or an additive
     one, broadcastable to ``(B, H, T, T)``), read in blocks of query rows, so that nothing of
     ``(T, T)`` floats is made."""
@@ -150,15 +149,13 @@ def mask_prefix_seen_both_ways(mask: Tensor, real: Tensor, rows_per_block: int =
     full = mask.expand(batch, -1, length, length)
     keys = torch.arange(length, device=real.device)
     prefix = torch.zeros(batch, dtype=torch.long, device=real.device)
-    hidden = False
     for start in range(0, length, rows_per_block):
         rows = slice(start, min(start + rows_per_block, length))
         block = full[:, 0, rows]
         keep = (block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min / 2).to(real.device)
         later = (keys[None, :] > keys[rows, None]) & real[:, rows, None] & real[:, None, :]
         prefix = prefix.maximum(_one_past_last_key(keep & later))
-        hidden = hidden or bool((later & ~keep).any())
-    return prefix, hidden
+    return prefix
 
 
 def _one_past_last_key(seen: Tensor) -> Tensor:
