@@ -1,7 +1,7 @@
 """A needle in a long context, with a known answer: which method points at it, and at what cost?
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
-        [--peer-examples 4] [--peer-budget 300] [--json out.json]
+        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--json out.json]
 
 The task and the model are :mod:`captum_attention.demo.needle`'s: a context of filler
 words holding 8 key-value pairs (``k3=v7``, one token each), then ``?`` and a key; the
@@ -9,23 +9,29 @@ answer is that key's value, so the needle, the asked key's pair, is known. A 2-l
 Llama without position encoding, trained on contexts of 32 to 512 tokens and cached.
 
 Per length, on the examples the model answers correctly: each method's pointing accuracy
-(its top segment is the needle), top-1 and top-3 log-probability drop and LDS
-(:mod:`captum_attention.metrics.context`; segments: each pair, each run of up to 32
-filler words), and its time per example (memory: ``llm_answers.py`` and ``scaling.py``). The peers, on the first ``--peer-examples`` of
-them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)`` over the segments
-(a ``TextTemplateInput``, removed segments deleted), ``LLMGradientAttribution(
-LayerIntegratedGradients)`` over the tokens (50 steps), and ContextCite's algorithm (64
-random ablations keeping each segment with probability 1/2, a Lasso surrogate with
-``alpha=0.01`` on standardised masks), reimplemented from the paper (Cohen-Wang et al.,
-NeurIPS 2024) because the ``context-cite`` package partitions text into sentences and needs
-spaCy. inseq's ``attention`` (``--peers inseq_attention``) runs in an environment of its
-own, since inseq is not among this project's requirements::
+(its top segment is the needle), both over all of them and over those where the needle
+decides the answer (without it the model no longer answers so: in a few contexts it gives
+the same answer with the needle removed, and there no segment is decisive), top-1 and
+top-3 log-probability drop and LDS (:mod:`captum_attention.metrics.context`; segments:
+each pair, each run of up to 32 filler words), and its time per example (memory:
+``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
+``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1). The peers, on the first
+``--peer-examples`` of them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)``
+over the segments (a ``TextTemplateInput``, removed segments deleted),
+``LLMGradientAttribution(LayerIntegratedGradients)`` over the tokens (50 steps), and
+ContextCite's algorithm (64 random ablations keeping each segment with probability 1/2, a
+Lasso surrogate with ``alpha=0.01`` on standardised masks), reimplemented from the paper
+(Cohen-Wang et al., NeurIPS 2024) because the ``context-cite`` package partitions text into
+sentences and needs spaCy. Its ablations are drawn with seed 1, apart from the LDS's own
+(seed 0), so that its LDS is out of sample like every other method's. inseq's ``attention``
+(``--peers inseq_attention``) runs in an environment of its own, since inseq is not among
+this project's requirements::
 
     python -m venv .venv-inseq && .venv-inseq/bin/pip install torch==2.13.0 inseq scikit-learn -e .
     .venv-inseq/bin/python benchmarks/needle.py --methods raw --peers inseq_attention
 
-A peer whose call on one example passes ``--peer-budget`` seconds is stopped for
-the longer lengths (its cost taken to grow with the square of the length), and the table
+A method or peer expected to pass ``--budget`` seconds per example at the next length
+(its cost taken to grow with the square of the length) is stopped there, and the table
 says so.
 """
 
@@ -43,7 +49,7 @@ import transformers as tf
 from captum_attention import METHODS
 from captum_attention.attr import REGISTRY
 from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
-from captum_attention.metrics import linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.metrics import calibrated_scores, linear_datamodeling_score, top_k_log_prob_drop
 
 Attribution = Callable[[NeedleExample], torch.Tensor]
 """``attribute(example) -> (length,)`` token scores whose segment sums rank the segments."""
@@ -58,6 +64,26 @@ def our_method(model: tf.LlamaForCausalLM, name: str, options: dict[str, Any] | 
         return explainer.attribute_span(prompt, answer, additional_forward_args=(torch.ones_like(prompt),), **(options or {}))[0, :-1]
 
     return attribute
+
+
+def calibrated(model: tf.LlamaForCausalLM, forwards: int) -> Attribution:
+    """``metrics.calibrated_scores`` with AttnLRP's span scores as the prior, on ``forwards``
+    ablations of seed 1 (apart from the LDS's)."""
+    prior = our_method(model, "attn_lrp")
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt = e.input_ids[None]
+        return calibrated_scores(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), prior(e)[None],
+                                 e.segments[None], num_ablations=forwards, seed=1)[0]
+
+    return attribute
+
+
+def needle_decides(model: tf.LlamaForCausalLM, e: NeedleExample) -> bool:
+    """Whether the model stops giving its answer once the needle's segment is removed."""
+    with torch.no_grad():
+        logits = model(e.input_ids[e.segments != e.needle][None]).logits[0, -1]
+    return int(logits.argmax()) != e.answer
 
 
 def _segment_texts(e: NeedleExample) -> tuple[str, list[str]]:
@@ -105,11 +131,11 @@ def integrated_gradients(model: tf.LlamaForCausalLM) -> Attribution:
     return attribute
 
 
-def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float = 0.01, seed: int = 0) -> Attribution:
+def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float = 0.01, seed: int = 1) -> Attribution:
     """ContextCite's surrogate: Lasso on standardised keep-masks of ``ablations`` random
     ablations against the answer's logit-probability (reimplemented from the paper).
-    ``seed`` 0 draws the same masks as the LDS it is scored by (its first 32 ablations are
-    the LDS's): its LDS is then in-sample; ``calibrated.py`` trains it on seed 1."""
+    ``seed`` 0 would draw the same masks as the LDS it is scored by (its first 32 ablations
+    the LDS's), an in-sample LDS."""
     from sklearn.linear_model import Lasso
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -153,8 +179,10 @@ def inseq_attention(model: tf.LlamaForCausalLM) -> Attribution:
 
 
 def evaluate(model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[NeedleExample]) -> dict[str, float]:
-    """Pointing accuracy, top-1/top-3 drop, LDS and seconds per example."""
+    """Pointing accuracy (over all ``examples``, and over those where the needle decides the
+    answer), top-1/top-3 drop, LDS and seconds per example; ``each`` holds the values per example."""
     found, drops, lds, seconds = [], [], [], []
+    decides = [needle_decides(model, e) for e in examples]
     for e in examples:
         started = time.perf_counter()
         scores = attribute(e)
@@ -166,8 +194,11 @@ def evaluate(model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[
         drops.append(top_k_log_prob_drop(model, prompt, mask, answer, scores[None], ks=(1, 3), segments=segments)[0])
         lds.append(float(linear_datamodeling_score(model, prompt, mask, answer, scores[None], segments)[0]))
     drop = torch.stack(drops).mean(dim=0)
+    decisive = [f for f, d in zip(found, decides) if d]
+    each = {"points": found, "decides": decides, "top1_drop": [float(d[0]) for d in drops], "lds": lds}
     return {
-        "pointing": sum(found) / len(found), "top1_drop": float(drop[0]), "top3_drop": float(drop[1]),
+        "pointing": sum(found) / len(found), "pointing_decisive": sum(decisive) / max(len(decisive), 1),
+        "decisive": len(decisive), "examples": len(found), "each": each, "top1_drop": float(drop[0]), "top3_drop": float(drop[1]),
         "lds": float(torch.tensor(lds).nanmean()), "seconds": sum(seconds) / len(seconds),
     }
 
@@ -177,9 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192, 16384])
     parser.add_argument("--examples", type=int, default=16)
     parser.add_argument("--peer-examples", type=int, default=4)
-    parser.add_argument("--peer-budget", type=float, default=300.0)
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds per example a method or peer may take")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
                         "e.g. norm_attention)")
+    parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
     parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
@@ -202,22 +234,24 @@ def main(argv: list[str] | None = None) -> None:
         correct = [e for e, p in zip(candidates, predicted) if p == e.answer]
         row: dict[str, Any] = {"length": length, "accuracy": len(correct) / len(candidates), "methods": {}}
         print(f"length {length}: the model answers {len(correct)} of {len(candidates)}", flush=True)
-        if correct:
-            for name in options.methods:
-                label = name + "".join(f" {key}={value}" for key, value in options.options.get(name, {}).items())
-                row["methods"][label] = evaluate(model, our_method(model, name, options.options.get(name)), correct)
-                print(f"  {label}: {row['methods'][label]}", flush=True)
-            for name in options.peers:
-                if name in last and name not in stopped:  # a peer's cost grows at most quadratically in the length
-                    shorter, seconds = last[name]
-                    if seconds * (length / shorter) ** 2 > options.peer_budget:
-                        stopped[name] = f"stopped: {seconds:.0f} s per example at {shorter} tokens, over {options.peer_budget:.0f} s expected"
-                if name in stopped:
-                    row["methods"][name] = {"stopped": stopped[name]}
-                    continue
-                row["methods"][name] = evaluate(model, peers[name](model), correct[: options.peer_examples])
-                last[name] = (length, row["methods"][name]["seconds"])
-                print(f"  {name}: {row['methods'][name]}", flush=True)
+        runs: list[tuple[str, Callable[[], Attribution], list[NeedleExample]]] = [
+            (name + "".join(f" {key}={value}" for key, value in options.options.get(name, {}).items()),
+             lambda name=name: our_method(model, name, options.options.get(name)), correct)
+            for name in options.methods
+        ]
+        runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
+        runs += [(name, lambda name=name: peers[name](model), correct[: options.peer_examples]) for name in options.peers]
+        for label, make, examples in runs if correct else []:
+            if label in last and label not in stopped:  # a method's cost grows at most quadratically in the length
+                shorter, seconds = last[label]
+                if seconds * (length / shorter) ** 2 > options.budget:
+                    stopped[label] = f"stopped: {seconds:.3g} s per example at {shorter} tokens, over {options.budget:.0f} s expected"
+            if label in stopped:
+                row["methods"][label] = {"stopped": stopped[label]}
+                continue
+            row["methods"][label] = evaluate(model, make(), examples)
+            last[label] = (length, row["methods"][label]["seconds"])
+            print(f"  {label}: { {k: v for k, v in row['methods'][label].items() if k != 'each'} }", flush=True)
         results.append(row)
         if options.json:
             options.json.write_text(json.dumps({"device": f"CPU, {torch.get_num_threads()} threads", "results": results}, indent=1))
@@ -226,18 +260,31 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| tokens | model correct | method | points at the needle | top-1 drop | top-3 drop | LDS | s / example |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens | model correct | method | points at the needle | where it decides | top-1 drop | top-3 drop | LDS | s / example |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results:
         for name, values in row["methods"].items():
             if "stopped" in values:
-                lines.append(f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['stopped']} | | | | |")
+                lines.append(f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['stopped']} | | | | | |")
                 continue
             lines.append(
-                f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['pointing']:.0%} | {values['top1_drop']:.2f} "
+                f"| {row['length']} | {row['accuracy']:.0%} | {name} | {values['pointing']:.0%} "
+                f"| {values['pointing_decisive']:.0%} of {values['decisive']} | {values['top1_drop']:.2f} "
                 f"| {values['top3_drop']:.2f} | {values['lds']:.2f} | {values['seconds']:.2f} |"
             )
+    return "\n".join(lines + ["", same_contexts(results)])
+
+
+def same_contexts(results: list[dict]) -> str:
+    """Each method's LDS on the contexts the peers ran on (the first ones of each length)."""
+    lines = ["| tokens | contexts | method | LDS on the peers' contexts |", "|---|---|---|---|"]
+    for row in results:
+        runs = {name: values["each"]["lds"] for name, values in row["methods"].items() if "each" in values}
+        shared = min(map(len, runs.values()), default=0)
+        for name, lds in runs.items():
+            finite = [value for value in lds[:shared] if value == value]  # an LDS is NaN where the scores are constant
+            lines.append(f"| {row['length']} | {shared} | {name} | {sum(finite) / max(len(finite), 1):.2f} |")
     return "\n".join(lines)
 
 

@@ -105,3 +105,29 @@ def test_vlm_pointing_scores_every_method_and_captums_peers(benchmarks_on_path, 
     for row in results["methods"].values():
         assert 0 <= row["pointing"] <= 1 and row["ms per example"] > 0 and math.isfinite(row["top-4 drop"])
     assert "| Attention Rollout → vision tower |" in capsys.readouterr().out
+
+
+def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contexts(benchmarks_on_path):
+    """On an untrained needle model (the benchmark's own is trained for minutes): pointing
+    over the contexts the needle decides, the values per context, and the LDS of each
+    method on the contexts the peers ran on."""
+    import needle
+    import torch
+
+    from captum_attention.demo.needle import _new_model, needle_example
+
+    model = _new_model(0).eval()
+    generator = torch.Generator().manual_seed(0)
+    examples = [needle_example(48, generator) for _ in range(3)]
+    ours = needle.evaluate(model, needle.our_method(model, "attn_lrp"), examples)
+    peer = needle.evaluate(model, needle.context_cite(model, 8), examples[:2])
+    each = ours["each"]
+    assert len(each["lds"]) == ours["examples"] == 3 and len(peer["each"]["lds"]) == 2
+    assert each["decides"] == [needle.needle_decides(model, e) for e in examples]
+    decided = [points for points, decides in zip(each["points"], each["decides"]) if decides]
+    assert ours["decisive"] == len(decided)
+    assert ours["pointing_decisive"] == (sum(decided) / len(decided) if decided else 0.0)
+    printed = needle.table([{"length": 48, "accuracy": 1.0, "methods": {"attn_lrp": ours, "context_cite": peer}}])
+    lds_on_shared = [value for value in each["lds"][:2] if value == value]
+    assert f"| 48 | 2 | attn_lrp | {sum(lds_on_shared) / max(len(lds_on_shared), 1):.2f} |" in printed
+    assert f"| 48 | 2 | context_cite | {peer['lds']:.2f} |" in printed
