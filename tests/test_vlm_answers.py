@@ -281,9 +281,10 @@ def _changed_qwen_tokens(model: nn.Module, prompt, example: int, row: int, colum
     return ((after - before).abs().sum(-1) > 1e-6).float()
 
 
-def _image_mask_input(size=(64, 64), **segments):
+def _image_mask_input(size=(64, 64), token_types=False, **segments):
     """A PIL image and a LLaVA processor function (the image resized to 32 × 32, its 16
-    tokens after BOS, then "cat sat"), segmented in four quadrants unless told."""
+    tokens after BOS, then "cat sat"; with ``token_types``, PaliGemma's too: 0, its prefix),
+    segmented in four quadrants unless told."""
     from captum.attr import ImageMaskInput
     from PIL import Image
 
@@ -294,7 +295,8 @@ def _image_mask_input(size=(64, 64), **segments):
     def processor_fn(picture):
         resized = torch.tensor(np.asarray(picture.resize((32, 32))), dtype=torch.float).permute(2, 0, 1)[None] / 255
         ids = torch.tensor([[1] + [IMAGE] * 16 + [5, 9]])
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": resized}
+        types = {"token_type_ids": torch.zeros_like(ids)} if token_types else {}
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": resized, **types}
 
     if not segments:
         quadrants = torch.zeros(height, width, dtype=torch.int32)
@@ -326,6 +328,23 @@ def test_captums_image_mask_input_scores_each_segment_by_its_image_tokens(method
     assert result.input_tokens == [f"image_feature_{i}" for i in range(4)]
     figure, _ = result.plot_image_heatmap()
     assert figure is not None
+
+
+def test_captums_interface_explains_a_prefix_language_models_answer():
+    """PaliGemma's processor output with its token types (the prompt a bidirectional prefix)
+    through LLMAttentionAttribution: the segments are the span's image grid in blocks."""
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    model, inp = make_vlm("paligemma"), _image_mask_input(token_types=True)
+    answer = torch.tensor([10, 11])
+    result = LLMAttentionAttribution(TransformerAttribution(model), make_word_tokenizer()).attribute(inp, target=answer)
+    model_input = inp.to_model_input()
+    images = {key: model_input[key] for key in ("pixel_values", "token_type_ids")}
+    span = TransformerAttribution(model).attribute_span(model_input["input_ids"], answer[None], additional_forward_args=(model_input["attention_mask"], images))
+    (grid,) = image_scores(model, model_input["input_ids"], span, images)[0]
+    assert grid.abs().max() > 0
+    torch.testing.assert_close(result.seq_attr, grid.reshape(2, 2, 2, 2).sum(dim=(1, 3)).flatten())
 
 
 def test_segments_that_overlap_share_each_patch_by_their_pixels():
