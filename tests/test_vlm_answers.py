@@ -176,6 +176,24 @@ def test_a_prefix_seen_both_ways_is_explained_exactly(family, method):
 
 
 @pytest.mark.usefixtures("capture_mode")
+def test_an_answer_longer_than_the_text_after_the_image_keeps_its_text_token_types():
+    """Generate extends Gemma 3's token types one token at a time, each the last repeated
+    (text); extended by the answer's length at once, transformers' generic update would
+    repeat the last five, reaching back into the image (three answer tokens would see each
+    other both ways)."""
+    model, prompt = make_vlm("gemma3"), make_vlm_prompt("gemma3")
+    answer = torch.tensor([[20, 21, 22, 23, 24], [25, 26, 27, 28, 29]])
+    typed, _ = _with_token_types("gemma3", prompt)
+    scores = RawAttention(model).attribute_span(prompt.input_ids, answer, additional_forward_args=(prompt.attention_mask, typed.images))
+    answered = {**typed.images, "token_type_ids": torch.cat([typed.images["token_type_ids"], torch.zeros_like(answer)], dim=1)}
+    reference = vlm_span_reference(model, "gemma3", SimpleNamespace(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, images=answered), answer)
+    sequence_mask = torch.cat([prompt.attention_mask, torch.ones_like(answer)], dim=1).bool()
+    prompt_len = prompt.input_ids.shape[1]
+    expected = span_reference("raw", reference, sequence_mask, range(prompt_len - 1, prompt_len + 4))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
 def test_a_prefix_seen_both_ways_gives_rows_that_sum_to_the_span_and_refuses_what_needs_each_rows_keys():
     model, prompt = make_vlm("paligemma"), make_vlm_prompt("paligemma")
     typed, _ = _with_token_types("paligemma", prompt)

@@ -253,14 +253,15 @@ class HuggingFaceAdapter(AdapterBase):
         return language_model_of(model)
 
     def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
-        """As the model's own ``_update_model_kwargs_for_generation`` extends them (PaliGemma
-        marks generated tokens as its causal suffix; the generic update repeats the last
-        token type)."""
+        """As the model's own ``_update_model_kwargs_for_generation`` extends them, one token
+        at a time as ``generate`` calls it (PaliGemma marks generated tokens as its causal
+        suffix; the generic update repeats the last token type)."""
         from transformers.utils import ModelOutput
 
         update = getattr(model, "_update_model_kwargs_for_generation", None)
-        per_token = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length}
-        generated = update(ModelOutput(), per_token, is_encoder_decoder=False, num_new_tokens=new_tokens) if callable(update) else {}
+        generated = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length}
+        for _ in range(new_tokens if callable(update) else 0):
+            generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
         return extended_per_token(inputs, prompt_length, new_tokens, generated)
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
