@@ -260,8 +260,9 @@ class HuggingFaceAdapter(AdapterBase):
 
         update: Callable[..., dict[str, Any]] | None = getattr(model, "_update_model_kwargs_for_generation", None)
         generated = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length}
-        for _ in range(new_tokens if update is not None else 0):
-            generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
+        if update is not None:
+            for _ in range(new_tokens):
+                generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
         return extended_per_token(inputs, prompt_length, new_tokens, generated)
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
