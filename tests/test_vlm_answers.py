@@ -206,6 +206,22 @@ def test_a_prefix_seen_both_ways_gives_rows_that_sum_to_the_span_and_refuses_wha
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.usefixtures("capture_mode")
+def test_a_generating_model_whose_whole_prompt_is_its_prefix_explains_its_last_token():
+    """PaliGemma's prompt alone, all of it a prefix that sees itself both ways, is still a
+    generating model's: its logits predict the next token at the last position, which the
+    methods explain by default (an encoder's default would be its first token)."""
+    model, prompt = make_vlm("paligemma"), make_vlm_prompt("paligemma")
+    typed, _ = _with_token_types("paligemma", prompt)
+    arguments = (prompt.attention_mask, typed.images)
+    explainer = TransformerAttribution(model)
+    by_default = explainer.attribute(prompt.input_ids, target=5, additional_forward_args=arguments)
+    last = torch.full((prompt.input_ids.shape[0],), prompt.input_ids.shape[1] - 1)
+    torch.testing.assert_close(by_default, explainer.attribute(prompt.input_ids, target=5, additional_forward_args=arguments, query_index=last))
+    first = (prompt.attention_mask.cumsum(1) == 1).long().argmax(dim=1)
+    assert not torch.allclose(by_default, explainer.attribute(prompt.input_ids, target=5, additional_forward_args=arguments, query_index=first))
+
+
 @pytest.mark.parametrize("capture", ["streaming", "eager"])
 def test_token_types_that_put_the_answer_in_the_prefix_are_refused_in_one_line(capture, monkeypatch):
     """A model whose generate extended PaliGemma's token types by repeating the last (the

@@ -67,7 +67,7 @@ TINY: dict[str, Any] = dict(
     intermediate_size=36, ffn_dim=36, encoder_ffn_dim=36, decoder_ffn_dim=36, d_ff=36, n_inner=36, d_inner=36,
     vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, max_seq_len=64,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, num_labels=3,
-    image_size=IMAGE_SIZE, patch_size=8, window_size=2, depths=[1, 1], num_channels=3, entity_vocab_size=10, num_latents=8, d_latents=32,
+    image_size=IMAGE_SIZE, patch_size=8, projection_dim=32, mm_tokens_per_image=4, window_size=2, depths=[1, 1], num_channels=3, entity_vocab_size=10, num_latents=8, d_latents=32,
     attention_types=[[["global", "local"], 1]], attn_layer_indices=[], layer_types=None,
     initializer_range=0.2, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_intermediate_size=16,
     num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16, q_lora_rank=16,
@@ -278,7 +278,19 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     ids = torch.tensor([[1] + [token] * count + [5, 6, 7]])
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         images["mm_token_type_ids"] = (ids == token).long()
+    if architecture.model_type in PREFIX_TOKEN_TYPES:
+        images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+
+
+PREFIX_TOKEN_TYPES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "paligemma": lambda ids, token: torch.zeros_like(ids),  # the whole prompt its prefix
+    "gemma3": lambda ids, token: (ids == token).long(),  # the image tokens
+    "shieldgemma2": lambda ids, token: (ids == token).long(),
+}
+"""The token types a prefix language model's processor gives a prompt (its bidirectional
+part); without them transformers runs PaliGemma's sdpa attention both ways over the whole
+sequence but its eager attention causally."""
 
 
 class NoReference(Exception):
@@ -388,7 +400,8 @@ def reference(case: Case) -> Callable[[str], Any]:
         raise NoReference("the maps are not square over one sequence")
     tokens = ref.attentions[0].shape[-1]
     lengths = [tokens] * ref.attentions[0].shape[0]
-    query: int | torch.Tensor = tokens - 1 if is_causal(ref.attentions) else 0
+    generates = bool(case.model.can_generate()) if hasattr(case.model, "can_generate") else False
+    query: int | torch.Tensor = tokens - 1 if generates or is_causal(ref.attentions) else 0  # a prefix LM reads its last row too
     pooled_from = mean_pooled_from(case.model)
     if pooled_from is not None:  # the classifier reads the mean of these rows
         query = torch.zeros(tokens)

@@ -420,7 +420,7 @@ def record_forward(
         target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
-    causal, prefix = _causality(capture, attn_maps, target_real)
+    causal, prefix = _causality(capture, attn_maps, target_real, _generates(model))
     if source_real is not None and logits.dim() == 3 and not causal:
         raise UnsupportedModelError(
             f"{type(model).__name__}'s decoder attended to later target tokens in this forward (a shortcut some "
@@ -559,15 +559,16 @@ def _shape(call: KernelCall) -> torch.Size:
     return torch.Size((call.query.shape[0], call.num_heads, call.num_queries, call.num_keys))
 
 
-def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor) -> tuple[bool, Tensor | None]:
+def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor, generates: bool) -> tuple[bool, Tensor | None]:
     """Whether the explained sequence's self-attention is causal, and the prefix its
     tokens see both ways (see :attr:`ForwardRecord.prefix`), read from the probabilities
     when they are recorded, else from the kernel's causal flag or mask.
 
-    A decoder-only model whose tokens see later ones is causal after a prefix where, in
-    every example, no token sees the last real token but itself (a prefix language model
-    lets the prompt's image tokens see each other both ways: PaliGemma's and Gemma 3's,
-    given token types, and the answer after them causally), else an encoder; one whose
+    A decoder-only model whose tokens see later ones is causal after a prefix where it
+    generates (its last position predicts the next token: PaliGemma's prompt, whose tokens
+    all see each other given its token types) or where, in every example, no token sees the
+    last real token but itself (a prefix language model's image tokens see each other both
+    ways, the answer after them causally), else an encoder; one whose
     tokens never do is causal where the adapter says so or there is a later key to hide (a
     decoder whose modules say ``is_causal=False`` but mask later keys themselves)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
@@ -590,7 +591,7 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor)
     positions = torch.arange(real.shape[1], device=real.device)
     last_real = positions.masked_fill(~real, -1).amax(dim=1)
     # an encoder-decoder's decoder seeing later tokens took a caching shortcut (refused by the caller)
-    prefix_model = bool((prefix <= last_real).all()) and capture.roles[self_calls[0]] == "self"
+    prefix_model = (generates or bool((prefix <= last_real).all())) and capture.roles[self_calls[0]] == "self"
     return (True, prefix) if prefix_model else (False, None)
 
 
