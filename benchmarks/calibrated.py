@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from needle import calibrated, context_cite, evaluate, our_method
+from needle import calibrated, context_cite, evaluate, needle_decides, our_method
 
 from captum_attention.demo.needle import load_needle_model, needle_example
 
@@ -38,15 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         correct = [e for e in candidates if int(model(e.input_ids[None]).logits[0, -1].argmax()) == e.answer]
     print(f"{options.length} tokens: {len(correct)} of {len(candidates)} contexts answered correctly", flush=True)
+    decides = [needle_decides(model, e) for e in correct]
     rows = {
-        "attn_lrp": evaluate(model, our_method(model, "attn_lrp"), correct),
-        "context_cite, 64 ablations of the LDS's seed": evaluate(model, context_cite(model, 64, seed=0), correct),
-        "context_cite, 64": evaluate(model, context_cite(model, 64, seed=1), correct),
+        "attn_lrp": evaluate(model, our_method(model, "attn_lrp"), correct, decides),
+        "context_cite, 64 ablations of the LDS's seed": evaluate(model, context_cite(model, 64, seed=0), correct, decides),
+        "context_cite, 64": evaluate(model, context_cite(model, 64, seed=1), correct, decides),
     }
     for forwards in options.forwards:
-        rows[f"calibrated AttnLRP, {forwards}"] = evaluate(model, calibrated(model, forwards), correct)
+        rows[f"calibrated AttnLRP, {forwards}"] = evaluate(model, calibrated(model, forwards), correct, decides)
         if forwards >= 2:
-            rows[f"context_cite, {forwards}"] = evaluate(model, context_cite(model, forwards, seed=1), correct)
+            rows[f"context_cite, {forwards}"] = evaluate(model, context_cite(model, forwards, seed=1), correct, decides)
         for name in [n for n in rows if n.endswith(f", {forwards}")]:
             print(f"  {name}: { {k: v for k, v in rows[name].items() if k != 'each'} }", flush=True)
     if options.json:

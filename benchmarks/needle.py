@@ -178,11 +178,14 @@ def inseq_attention(model: tf.LlamaForCausalLM) -> Attribution:
     return attribute
 
 
-def evaluate(model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[NeedleExample]) -> dict[str, float]:
+def evaluate(
+    model: tf.LlamaForCausalLM, attribute: Attribution, examples: list[NeedleExample], decides: list[bool] | None = None
+) -> dict[str, float]:
     """Pointing accuracy (over all ``examples``, and over those where the needle decides the
-    answer), top-1/top-3 drop, LDS and seconds per example; ``each`` holds the values per example."""
+    answer; ``decides``: :func:`needle_decides` of each, computed once per length by the
+    caller), top-1/top-3 drop, LDS and seconds per example; ``each`` holds the values per example."""
     found, drops, lds, seconds = [], [], [], []
-    decides = [needle_decides(model, e) for e in examples]
+    decides = [needle_decides(model, e) for e in examples] if decides is None else decides[: len(examples)]
     for e in examples:
         started = time.perf_counter()
         scores = attribute(e)
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
         runs += [(name, lambda name=name: peers[name](model), correct[: options.peer_examples]) for name in options.peers]
+        decides = [needle_decides(model, e) for e in correct]
         for label, make, examples in runs if correct else []:
             if label in last and label not in stopped:  # a method's cost grows at most quadratically in the length
                 shorter, seconds = last[label]
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             if label in stopped:
                 row["methods"][label] = {"stopped": stopped[label]}
                 continue
-            row["methods"][label] = evaluate(model, make(), examples)
+            row["methods"][label] = evaluate(model, make(), examples, decides)
             last[label] = (length, row["methods"][label]["seconds"])
             print(f"  {label}: { {k: v for k, v in row['methods'][label].items() if k != 'each'} }", flush=True)
         results.append(row)

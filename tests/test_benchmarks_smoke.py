@@ -127,6 +127,8 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     decided = [points for points, decides in zip(each["points"], each["decides"]) if decides]
     assert ours["decisive"] == len(decided)
     assert ours["pointing_decisive"] == (sum(decided) / len(decided) if decided else 0.0)
+    given = needle.evaluate(model, needle.our_method(model, "attn_lrp"), examples[:2], each["decides"])
+    assert given["each"]["decides"] == each["decides"][:2] and given["each"]["lds"] == each["lds"][:2]
     printed = needle.table([{"length": 48, "accuracy": 1.0, "methods": {"attn_lrp": ours, "context_cite": peer}}])
     lds_on_shared = [value for value in each["lds"][:2] if value == value]
     assert f"| 48 | 2 | attn_lrp | {sum(lds_on_shared) / max(len(lds_on_shared), 1):.2f} |" in printed

@@ -137,7 +137,8 @@ def prefix_seen_both_ways(attn: Tensor, real: Tensor) -> Tensor:
     Past it every query sees only earlier keys: where it ends before the last real token,
     the sequence is causal after a prefix (a prefix language model's, as PaliGemma's image
     and prompt); where it reaches the last, the sequence is an encoder's."""
-    later = real[:, :, None] & real[:, None, :] & torch.ones_like(real[0, :, None] & real[0, None, :]).triu(diagonal=1)
+    length = real.shape[1]
+    later = real[:, :, None] & real[:, None, :] & torch.ones(length, length, dtype=torch.bool, device=real.device).triu(diagonal=1)
     return _one_past_last_key((attn[:, 0] != 0) & later)
 
 
