@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -168,16 +169,24 @@ def llama_relevance(
     Σ_k log softmax(z at length - K - 1 + k)[span_k]. ``embeddings``: what the model reads
     in place of the ids' embeddings (a vision-language model's merged inputs);
     ``positions``: its position ids (default 0, 1, ...)."""
-    llama, config = model.model, model.config
-    tokens = llama.embed_tokens.weight.detach()[input_ids] if embeddings is None else embeddings.detach()
+    tokens = model.model.embed_tokens.weight.detach()[input_ids] if embeddings is None else embeddings.detach()
     terms = Terms(tokens.clone().requires_grad_(), gamma=gamma)
-    batch, length = input_ids.shape
+    return decompose(terms, llama_explained(model, terms, terms.tokens, attention_mask, target, span, positions))
+
+
+def llama_explained(
+    model, terms: Terms, hidden: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    """The explained value ``(B,)`` of :func:`llama_relevance`, computed under the rules
+    from the embeddings ``hidden`` ``(B, T, d)``."""
+    llama, config = model.model, model.config
+    batch, length = hidden.shape[:2]
     positions = torch.arange(length)[None].expand(batch, -1) if positions is None else positions
-    cos, sin = llama.rotary_emb(terms.tokens, positions)
+    cos, sin = llama.rotary_emb(hidden, positions)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     visible = torch.ones(length, length).tril().bool()[None, None] & attention_mask[:, None, None, :].bool()
     mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
-    hidden = terms.tokens
     for layer in llama.layers:
         attention, normed = layer.self_attn, _rms_norm(hidden, layer.input_layernorm)
         q = _heads(_linear(normed, attention.q_proj, terms), heads)
@@ -194,10 +203,47 @@ def llama_relevance(
     normed = _rms_norm(hidden, llama.norm)
     if span is None:
         logits = _linear(normed[:, -1], model.lm_head, terms)
-        return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+        return logits.gather(1, target[:, None])[:, 0]
     read = torch.arange(length - span.shape[1] - 1, length - 1)
     log_probs = _linear(normed[:, read], model.lm_head, terms).log_softmax(dim=-1)
-    return decompose(terms, log_probs.gather(2, span[..., None])[..., 0].sum(dim=1))
+    return log_probs.gather(2, span[..., None])[..., 0].sum(dim=1)
+
+
+def llava_pixel_relevance(
+    model, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor, span: Tensor, baseline: float
+) -> tuple[Tensor, Tensor]:
+    """AttnLRP of a LLaVA (CLIP vision tower, two-layer projector, Llama) carried through
+    the tower to the pixels: ``(token relevance (B, T), pixel relevance (x - baseline)·g
+    shaped as pixel_values)`` for the answer ``span`` (the last tokens of ``input_ids``,
+    padded left). The tower's layers up to ``vision_feature_layer``; CLIP's class token
+    dropped under the "default" feature selection."""
+    config, tower = model.config, model.model.vision_tower
+    pixels = pixel_values.detach().clone().requires_grad_()
+    tokens = model.model.language_model.embed_tokens.weight.detach()[input_ids]
+    terms = Terms(tokens.clone().requires_grad_())
+    patches = _tokens(F.conv2d(pixels, tower.embeddings.patch_embedding.weight.detach(), stride=tower.config.patch_size))
+    batch = len(pixels)
+    hidden = torch.cat([terms.leaf(tower.embeddings.class_embedding.expand(batch, 1, -1)), patches], dim=1)
+    hidden = _layer_norm(hidden + terms.leaf(tower.embeddings.position_embedding.weight.expand(batch, -1, -1)), tower.pre_layrnorm, terms)
+    heads = tower.config.num_attention_heads
+    layers = tower.encoder.layers[: len(tower.encoder.layers) + 1 + config.vision_feature_layer]
+    for layer in layers:
+        attention, normed = layer.self_attn, _layer_norm(hidden, layer.layer_norm1, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.out_proj, terms)
+        normed = _layer_norm(hidden, layer.layer_norm2, terms)
+        inner = identity(lambda x: x * torch.sigmoid(1.702 * x), _linear(normed, layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    features = hidden[:, 1:] if config.vision_feature_select_strategy == "default" else hidden
+    projector = model.model.multi_modal_projector
+    features = _linear(identity(F.gelu, _linear(features, projector.linear_1, terms)), projector.linear_2, terms)
+    image = (input_ids == config.image_token_id)[..., None]
+    merged = terms.tokens.masked_scatter(image, features.reshape(-1, features.shape[-1]))
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    language_model = SimpleNamespace(model=model.model.language_model, config=config.text_config, lm_head=model.lm_head)
+    explained = llama_explained(language_model, terms, merged, attention_mask, None, span, positions)
+    token_grad, pixel_grad = torch.autograd.grad(explained.sum(), [terms.tokens, pixels])
+    return (terms.tokens.detach() * token_grad).sum(dim=-1), (pixel_values - baseline) * pixel_grad
 
 
 def _windows(x: Tensor, window: int) -> Tensor:

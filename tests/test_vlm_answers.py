@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same_state, model_state
-from lrp_reference import llama_relevance
+from lrp_reference import llama_relevance, llava_pixel_relevance
 from test_llm import span_reference
 from torch import nn
 from types import SimpleNamespace
@@ -67,6 +67,48 @@ def test_attn_lrp_reads_relevance_where_the_language_model_reads_the_image():
     expected[:, -1] = 0.0
     assert expected[sequence.input_ids == IMAGE].abs().max() > 0
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("family", ["llava", "llava_full"])
+def test_attn_lrp_through_the_vision_tower_equals_the_rules_written_out(family):
+    """AttnLRP carried through LLaVA's projector and CLIP tower to the pixels equals the
+    rules written out from the weights (tokens and pixels); the image tokens score 0."""
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    _language_model_inputs(model, prompt)  # transformers installs its own output recorders on a first forward
+    before = model_state(model)
+    tokens, pixels = AttnLRP(model).attribute_span(
+        prompt.input_ids, ANSWER, additional_forward_args=prompt.args, through_vision_tower=True, pixel_baselines=0.25
+    )
+    assert_same_state(before, model_state(model))
+    sequence = with_answer(prompt)
+    expected_tokens, expected_pixels = llava_pixel_relevance(
+        model, sequence.input_ids, sequence.attention_mask, prompt.images["pixel_values"], ANSWER, 0.25
+    )
+    expected_tokens = expected_tokens * sequence.attention_mask
+    expected_tokens[:, -1] = 0.0
+    assert pixels.shape == prompt.images["pixel_values"].shape and expected_pixels.abs().max() > 0
+    assert tokens[sequence.input_ids == IMAGE].abs().max() == 0
+    torch.testing.assert_close(pixels, expected_pixels, rtol=1e-5, atol=1e-5 * expected_pixels.abs().max().item())
+    torch.testing.assert_close(tokens, expected_tokens, rtol=1e-5, atol=1e-5 * expected_tokens.abs().max().item())
+
+
+def test_attn_lrp_through_the_vision_tower_gives_rows_and_attribute_and_refuses_without_pixels():
+    model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
+    explainer = AttnLRP(model)
+    options = dict(additional_forward_args=prompt.args, through_vision_tower=True)
+    span_tokens, span_pixels = explainer.attribute_span(prompt.input_ids, ANSWER, **options)
+    row_tokens, row_pixels = explainer.attribute_continuation(prompt.input_ids, ANSWER, log_prob=True, **options)
+    assert row_pixels.shape == (2, ANSWER.shape[1], *prompt.images["pixel_values"].shape[1:])
+    torch.testing.assert_close(row_pixels.sum(dim=1), span_pixels, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(row_tokens.sum(dim=1), span_tokens, rtol=1e-4, atol=1e-6)
+    sequence = with_answer(prompt)
+    last = explainer.attribute(sequence.input_ids, target=ANSWER[:, -1], additional_forward_args=sequence.args, through_vision_tower=True)
+    assert isinstance(last, tuple) and last[1].shape == prompt.images["pixel_values"].shape
+    with pytest.raises(ValueError, match="pixel_values"):
+        explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask,), through_vision_tower=True)
+    with pytest.raises(TypeError, match="pixel_baselines"):
+        explainer.attribute_span(prompt.input_ids, ANSWER, through_vision_tower=True, pixel_baselines="grey")
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3", "mistral3"])

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, format_inputs
-from ..capture.lrp import Embeddings, PropagationRules, RelevanceRules
+from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid, query_rows
@@ -131,7 +131,7 @@ class AttentionAttributionBase:
         if self.spec.needs == "relevance":
             if self.propagation_rules is None:
                 raise TypeError(f"{type(self).__name__} propagates relevance: set self.propagation_rules in __init__.")
-            probes.append(RelevanceRules(self.propagation_rules))
+            probes.append(RelevanceRules(self.propagation_rules, bool(options.get("through_vision_tower"))))
         return probes
 
     def _eager_reason(self, adapter: AttentionAdapter, effective: bool, return_maps: bool, options: dict[str, Any]) -> str | None:
@@ -172,9 +172,14 @@ class AttentionAttributionBase:
         methods); with ``effective=True`` its maps are effective attention; under
         propagation rules, given text embeddings are where relevance is read."""
         relevance = self.spec.needs == "relevance"
+        pixels = None
         if relevance:
             check_gradients_possible()
             inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
+            if options.get("through_vision_tower"):
+                additional_forward_args, pixels = with_pixel_leaf(
+                    format_additional_forward_args(additional_forward_args), options.get("pixel_baselines", 0.0)
+                )
         record = record_forward(
             self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective, **options),
             track_grad=self.spec.needs == "backward", query_index=query_index, streaming=streaming,
@@ -190,7 +195,7 @@ class AttentionAttributionBase:
                     "(input_embeddings), or the forward did not call them. Pass embeddings as inputs instead."
                 )
             record = record.with_result(Embeddings(embeddings))
-        return record
+        return record if pixels is None else record.with_result(pixels)
 
     def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
         """The record ready for the method's reduction: with one backward pass for
@@ -246,7 +251,7 @@ class AttentionAttributionBase:
         scores = _zero_padding(record, scores)
         if tensors[0].dim() == 4:
             scores = patch_grid(scores, _grid_shape(adapter, self.model, tensors[0]))
-        return format_scores(is_tuple or record.is_encoder_decoder, scores, maps, return_maps)
+        return format_scores(is_tuple or isinstance(scores, tuple), scores, maps, return_maps)
 
     def attribute_continuation(
         self,
@@ -307,7 +312,7 @@ class AttentionAttributionBase:
             target = LogProbTarget(position[:, None], token[:, None]) if log_prob else token
             explained = self._explained(record.at_query(position), target, retain_graph=step < new_tokens - 1)
             rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
-        if record.is_encoder_decoder:
+        if isinstance(rows[0], tuple):  # (source, target), or (tokens, pixels)
             return torch.stack([row[0] for row in rows], dim=1), torch.stack([row[1] for row in rows], dim=1)
         return torch.stack(rows, dim=1)
 
@@ -387,29 +392,43 @@ AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__
 @dataclass
 class TokenRelevance:
     """Per embedded sequence (an encoder-decoder's source, then target), the ``(B, T)``
-    relevance of its tokens: input × modified gradient, summed over the hidden size."""
+    relevance of its tokens: input × modified gradient, summed over the hidden size; and,
+    carried through a vision tower, the relevance of each pixel value."""
 
     per_sequence: list[Tensor]
+    pixels: Tensor | None = None
 
 
 def _with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:
-    """The record with the relevance of each embedded sequence for ``target``."""
+    """The record with the relevance of each embedded sequence (and of the pixels the
+    record carried relevance to) for ``target``."""
     embeddings = record.result(Embeddings).tensors
+    pixels = record.results.get(PixelInputs)
     score = record.target_score(target)
     with torch.enable_grad():
-        grads = torch.autograd.grad(score, embeddings, retain_graph=retain_graph, allow_unused=True)
+        grads = torch.autograd.grad(
+            score, embeddings + ([pixels.leaf] if pixels else []), retain_graph=retain_graph, allow_unused=True
+        )
     relevance = [token_relevance(e, torch.zeros_like(e) if g is None else g) for e, g in zip(embeddings, grads)]
-    return record.with_result(TokenRelevance(relevance))
+    if pixels is None:
+        return record.with_result(TokenRelevance(relevance))
+    if grads[-1] is None:
+        raise UnsupportedModelError(
+            f"{type(record.capture.model).__name__}'s explained output does not depend on pixel_values through the "
+            "autograd graph (the image features are computed without gradients): through_vision_tower cannot reach them."
+        )
+    return record.with_result(TokenRelevance(relevance, pixels.relevance(grads[-1])))
 
 
 def _relevance_scores(record: ForwardRecord) -> Scores:
     """The relevance per token, aligned right with the tokens the attention sees (a
     vision transformer's class and distillation tokens, which have no input embedding,
-    get 0); an encoder-decoder's ``(source, target)``."""
-    relevance = record.result(TokenRelevance).per_sequence
+    get 0); an encoder-decoder's ``(source, target)``; with pixels, ``(tokens, pixels)``."""
+    relevance = record.result(TokenRelevance)
     if record.is_encoder_decoder:
-        return _aligned(relevance[0], record.input_real), _aligned(relevance[-1], record.target_real)
-    return _aligned(relevance[0], record.target_real)
+        return _aligned(relevance.per_sequence[0], record.input_real), _aligned(relevance.per_sequence[-1], record.target_real)
+    tokens = _aligned(relevance.per_sequence[0], record.target_real)
+    return tokens if relevance.pixels is None else (tokens, relevance.pixels)
 
 
 def _aligned(relevance: Tensor, real: Tensor) -> Tensor:
@@ -440,9 +459,11 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
         nan_rows = broken.to(side.device)[:, None] & real
         return side.masked_fill(nan_rows, float("nan")).masked_fill(~real, 0.0)
 
-    if isinstance(scores, tuple):
+    if isinstance(scores, tuple) and record.is_encoder_decoder:
         source, target = scores
         return finished(source, record.input_real), finished(target, record.target_real)
+    if isinstance(scores, tuple):  # (tokens, pixels)
+        return finished(scores[0], record.target_real), scores[1]
     return finished(scores, record.target_real)
 
 

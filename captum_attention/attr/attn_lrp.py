@@ -13,7 +13,13 @@ from ..capture.inputs import QueryIndex
 from ..capture.runner import CaptureMode
 from ..maps import lrp
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._registry import MethodSpec
+from ._registry import FLAG, MethodSpec, Option
+
+PIXEL_BASELINES = Option(
+    lambda value: isinstance(value, (int, float, Tensor)) and not isinstance(value, bool),
+    "a number or a tensor broadcastable to pixel_values", TypeError,
+)
+"""AttnLRP's reference image through a vision tower."""
 
 
 class AttnLRP(AttentionAttributionBase, GradientAttribution):
@@ -62,7 +68,10 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         >>> relevance.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("attn_lrp", "AttnLRP", needs="relevance", signed=True, reads_query_row=False)
+    spec = MethodSpec(
+        "attn_lrp", "AttnLRP", needs="relevance", signed=True, reads_query_row=False,
+        options={"through_vision_tower": FLAG, "pixel_baselines": PIXEL_BASELINES},
+    )
 
     def __init__(
         self,
@@ -86,6 +95,8 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         additional_forward_args: Any = None,
         query_index: QueryIndex = None,
         return_maps: Literal[False] = False,
+        through_vision_tower: bool = False,
+        pixel_baselines: float | Tensor = 0.0,
     ) -> Scores:
         r"""AttnLRP relevance of each token for the explained logit.
 
@@ -98,9 +109,24 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
                 example). Default: None, the last real token.
             return_maps (bool, optional): AttnLRP has no attention maps; True is an
                 error. Default: False.
+            through_vision_tower (bool, optional): for a vision-language model, propagate
+                the relevance on through the projector and the vision tower to the
+                ``pixel_values`` in ``additional_forward_args`` (a mapping of the image
+                inputs), instead of stopping at the image tokens the language model reads.
+                Default: False.
+            pixel_baselines (float or Tensor, optional): with ``through_vision_tower``, the
+                reference image :math:`\bar x` (broadcast to ``pixel_values``) whose
+                difference carries the pixels' relevance :math:`(x - \bar x) \odot
+                \tilde g_x`; 0 is the processor's mean colour for images it normalises.
+                Default: 0.
 
         $returns
+            With ``through_vision_tower=True``, the pair ``(token scores, pixel
+            relevance)``, the pixel relevance shaped as ``pixel_values`` (the image tokens
+            then score 0: their relevance is in the pixels).
         """
         if return_maps:
             raise ValueError("AttnLRP propagates relevance to the tokens and has no attention maps: leave return_maps=False.")
-        return self._explain(inputs, target, additional_forward_args, query_index, False)
+        options = {"through_vision_tower": through_vision_tower, "pixel_baselines": pixel_baselines} if through_vision_tower else {}
+        return self._explain(inputs, target, additional_forward_args, query_index, False, **options)
+

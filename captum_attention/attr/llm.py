@@ -116,6 +116,12 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             ``input_tokens`` and the answer's ``output_tokens``.
         """
         self.attr_method._check_options(kwargs, "attribute")
+        if kwargs.get("through_vision_tower"):
+            raise ValueError(
+                "through_vision_tower gives relevance per pixel, which an LLMAttributionResult has no place for: "
+                "call AttnLRP(model).attribute_span(input_ids, answer, additional_forward_args=(mask, image_inputs), "
+                "through_vision_tower=True)."
+            )
         prompt, mask, image_inputs = self._prompt(inp)
         answer = self._answer(inp, target, gen_args)
         prompt_len = prompt.shape[1]

@@ -19,7 +19,9 @@ on an exception or an interrupt. While active:
   (a gated MLP; an eager attention's ``Q·Kᵀ`` and ``A·V``) the uniform rule;
 - forward hooks on the adapter's input-embedding modules record their outputs (detached
   and requiring grad, so that the relevance is read there whatever the parameters'
-  ``requires_grad``; no gradient reaches a parameter).
+  ``requires_grad``; no gradient reaches a parameter). A vision-language model's language
+  model's merged embeddings are recorded so too, where its relevance stops; or, carried
+  through the vision tower, the image inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
 
 Nothing global is patched; other threads run the model's functions unchanged (the mode
 is thread-local, and the hooks act only in the capturing thread).
@@ -30,7 +32,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,37 @@ class Embeddings:
     tensors: list[Tensor]
 
 
+@dataclass
+class PixelInputs:
+    r"""The ``pixel_values`` a forward under the rules read, detached and requiring grad
+    (``leaf``), and the reference image ``baseline`` their relevance is taken against:
+    :math:`(x - \bar x) \odot \tilde g_x`."""
+
+    leaf: Tensor
+    baseline: float | Tensor
+
+    def relevance(self, grad: Tensor) -> Tensor:
+        """Float32 relevance per pixel value, shaped as ``pixel_values``."""
+        return (self.leaf.detach().float() - torch.as_tensor(self.baseline, device=self.leaf.device).float()) * grad.float()
+
+
+def with_pixel_leaf(additional_forward_args: tuple[Any, ...] | None, baseline: float | Tensor) -> tuple[tuple[Any, ...], PixelInputs]:
+    """``additional_forward_args`` with the ``pixel_values`` of its mapping of image
+    inputs replaced by a leaf requiring grad, and that leaf; a clear error where there is
+    no such mapping."""
+    args = tuple(additional_forward_args or ())
+    found = [i for i, arg in enumerate(args) if isinstance(arg, Mapping) and isinstance(arg.get("pixel_values"), Tensor)]
+    if not found or not args[found[0]]["pixel_values"].is_floating_point():
+        raise ValueError(
+            "through_vision_tower propagates relevance to the image's pixel_values: pass the image inputs as a mapping in "
+            "additional_forward_args, e.g. (attention_mask, {\"pixel_values\": pixels}) or the processor's output."
+        )
+    images = args[found[0]]
+    pixels = PixelInputs(images["pixel_values"].detach().requires_grad_(), baseline)
+    replaced = {**images, "pixel_values": pixels.leaf}
+    return args[: found[0]] + (replaced,) + args[found[0] + 1 :], pixels
+
+
 class RelevanceRules(Probe):
     """Probe: AttnLRP's rules on the model for the calls made while it is active.
 
@@ -102,13 +135,17 @@ class RelevanceRules(Probe):
     Args:
         rules (PropagationRules): the rules' functions (the attributions pass
             :mod:`captum_attention.maps.lrp`).
+        through_vision_tower (bool, optional): leave the merged embeddings in the graph,
+            so that relevance reaches the vision tower's inputs (the image tokens' own
+            embeddings then receive none). Default: False.
     """
 
     events = frozenset({"kernel"})
     needs_grad = True
 
-    def __init__(self, rules: PropagationRules) -> None:
+    def __init__(self, rules: PropagationRules, through_vision_tower: bool = False) -> None:
         self.rules = rules
+        self.through_vision_tower = through_vision_tower
         self.embeddings: list[Tensor] = []
         self.merged: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
@@ -128,7 +165,7 @@ class RelevanceRules(Probe):
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
             stack.callback(module.register_forward_pre_hook(self._enter_module).remove)
             stack.callback(module.register_forward_hook(self._leave_module).remove)
-        merged = adapter.merged_embeddings(model)
+        merged = None if self.through_vision_tower else adapter.merged_embeddings(model)
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
         for module in adapter.input_embeddings(model):
