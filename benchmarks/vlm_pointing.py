@@ -18,7 +18,10 @@ whole batch, their image tokens placed on the 8 × 8 grid by ``image_scores``. T
 a query row also run "→ vision tower": their image-token scores weigh the vision tower's
 query rows for the same method over the tower's own attention (``query_index`` as row
 weights; a second pass), which carries the language model's credit from the tokens to the
-patches the tower mixed into them. Beside them:
+patches the tower mixed into them. AttnLRP carries its relevance through the projector and
+the tower to the pixels in the same backward (``through_vision_tower=True``), summed per
+patch, against a grey reference image (the same as Integrated Gradients' baseline) and
+against 0 (black: this processor does not normalise). Beside them:
 Captum's ``LLMAttribution(FeatureAblation)`` over an ``ImageMaskInput`` of the 64 patches
 (a forward per patch, one example at a time), and Captum's ``LayerIntegratedGradients`` on
 the vision tower's patch embedding (the answer's log-probability, ``--ablation-steps``
@@ -72,6 +75,22 @@ def through_vision_tower(model: torch.nn.Module, name: str) -> Callable[[torch.T
         weights = torch.cat([torch.zeros(len(images), 1), image_tokens], dim=1)
         explainer = METHODS[name](lambda pixels: answer_log_prob(model, pixels, answers)[:, None], model=model.model.vision_tower)
         return explainer.attribute(images, target=0, query_index=weights / weights.sum(dim=1, keepdim=True))
+
+    return grids
+
+
+def attn_lrp_pixels(model: torch.nn.Module, reference: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """AttnLRP through the vision tower: the pixels' relevance against ``reference``, summed
+    over the channels and the pixels of each patch."""
+    explainer = METHODS["attn_lrp"](model)
+
+    def grids(images: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+        ids = prompt_ids(len(images))
+        _, pixels = explainer.attribute_span(
+            ids, answers[:, None], additional_forward_args=(torch.ones_like(ids), {"pixel_values": images}),
+            through_vision_tower=True, pixel_baselines=reference,
+        )
+        return torch.nn.functional.avg_pool2d(pixels.sum(dim=1, keepdim=True), PATCH)[:, 0] * PATCH**2
 
     return grids
 
@@ -142,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in options.methods:
         if METHODS[name].spec.reads_query_row and not METHODS[name].spec.signed:
             runs[f"{METHODS[name].get_name()} → vision tower"] = through_vision_tower(model, name)
+    if "attn_lrp" in options.methods:
+        runs["AttnLRP → pixels (grey reference)"] = attn_lrp_pixels(model, 0.5)
+        runs["AttnLRP → pixels (reference 0)"] = attn_lrp_pixels(model, 0.0)
     runs[FEATURE_ABLATION] = feature_ablation(model)
     runs[INTEGRATED_GRADIENTS] = integrated_gradients(model, options.ablation_steps)
     results = {"examples": len(images), "of": options.examples, "methods": {}}

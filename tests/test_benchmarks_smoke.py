@@ -101,7 +101,10 @@ def test_vlm_pointing_scores_every_method_and_captums_peers(benchmarks_on_path, 
     vlm_pointing.main(["--examples", "6", "--ablation-steps", "4", "--methods", "rollout", "attn_lrp", "--json", str(saved)])
     results = json.loads(saved.read_text())
     names = set(results["methods"])
-    assert names == {"Attention Rollout", "AttnLRP", "Attention Rollout → vision tower", vlm_pointing.FEATURE_ABLATION, vlm_pointing.INTEGRATED_GRADIENTS}
+    assert names == {
+        "Attention Rollout", "AttnLRP", "Attention Rollout → vision tower", "AttnLRP → pixels (grey reference)",
+        "AttnLRP → pixels (reference 0)", vlm_pointing.FEATURE_ABLATION, vlm_pointing.INTEGRATED_GRADIENTS,
+    }
     for row in results["methods"].values():
         assert 0 <= row["pointing"] <= 1 and row["ms per example"] > 0 and math.isfinite(row["top-4 drop"])
     assert "| Attention Rollout → vision tower |" in capsys.readouterr().out

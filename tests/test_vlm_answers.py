@@ -93,6 +93,22 @@ def test_attn_lrp_through_the_vision_tower_equals_the_rules_written_out(family):
     torch.testing.assert_close(tokens, expected_tokens, rtol=1e-5, atol=1e-5 * expected_tokens.abs().max().item())
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attn_lrp_through_the_vision_tower_streams_exactly_for_every_family(family):
+    """Every family's tower (CLIP, SigLIP, Pixtral, Qwen2-VL's, Idefics3's tiles, LLaVA-NeXT's
+    any-resolution tiles) takes the rules through its own kernel as through eager products."""
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    (streamed_tokens, streamed), (eager_tokens, eager) = (
+        AttnLRP(model, capture=capture).attribute_span(
+            prompt.input_ids, ANSWER, additional_forward_args=prompt.args, through_vision_tower=True
+        )
+        for capture in ("streaming", "eager")
+    )
+    assert eager.shape == prompt.images["pixel_values"].shape and eager.abs().max() > 0
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+    torch.testing.assert_close(streamed_tokens, eager_tokens, rtol=1e-5, atol=1e-5 * eager_tokens.abs().max().item())
+
+
 def test_attn_lrp_through_the_vision_tower_gives_rows_and_attribute_and_refuses_without_pixels():
     model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
     explainer = AttnLRP(model)
@@ -109,6 +125,11 @@ def test_attn_lrp_through_the_vision_tower_gives_rows_and_attribute_and_refuses_
         explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask,), through_vision_tower=True)
     with pytest.raises(TypeError, match="pixel_baselines"):
         explainer.attribute_span(prompt.input_ids, ANSWER, through_vision_tower=True, pixel_baselines="grey")
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    with pytest.raises(ValueError, match="through_vision_tower gives relevance per pixel"):
+        LLMAttentionAttribution(explainer, make_word_tokenizer()).attribute(_image_mask_input(), target=torch.tensor([10]), through_vision_tower=True)
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3", "mistral3"])

@@ -69,6 +69,16 @@ for name in ("raw attention", "rollout"):
     carried = type(methods[name])(answer_log_prob, model=tower)
     grids[f"{name} → vision tower"] = carried.attribute(images, target=0, query_index=weights / weights.sum(1, keepdim=True))
 
+# %%
+# AttnLRP goes all the way in its one backward: ``through_vision_tower=True`` propagates
+# its relevance through the projector and the tower to the pixels, against a reference
+# image (here grey, the colour the judge below greys patches with). Summed per 4×4 patch,
+# it is a grid.
+_, pixels = methods["AttnLRP"].attribute_span(
+    ids, answers[:, None], additional_forward_args=inputs, through_vision_tower=True, pixel_baselines=0.5
+)
+grids["AttnLRP → pixels"] = torch.nn.functional.avg_pool2d(pixels.sum(dim=1, keepdim=True), 4)[:, 0] * 16
+
 
 # %%
 # The judge: pointing and the top-4 drop
@@ -90,11 +100,13 @@ with torch.no_grad():
 # %%
 # Carried through the vision tower, raw attention and rollout point at the square far
 # more often and their top patches matter far more to the answer than the language model's
-# view alone gives. No method points at the square every time (``benchmarks/vlm_pointing.py``
-# has the full table, Captum's Feature Ablation and Integrated Gradients beside them).
+# view alone gives; AttnLRP carried to the pixels points at it every time.
+# ``benchmarks/vlm_pointing.py`` has the full table on 200 images, Captum's Feature
+# Ablation and Integrated Gradients beside them.
 for name in ("raw attention", "rollout"):
     assert results[f"{name} → vision tower"][0] > results[name][0]
     assert results[f"{name} → vision tower"][1] > results[name][1]
+assert results["AttnLRP → pixels"][0] >= 0.95
 
 # %%
 # One image, each method's grid over it
