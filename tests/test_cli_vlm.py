@@ -35,10 +35,10 @@ def test_explain_an_answer_about_an_image(llava, tmp_path, capsys):
             "--per-token", "--html", str(html), "--json", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "answer, given, 2 tokens:" in out and out.count("image: peak at row") == 5
-    assert out.count(" <- ") == 2 * 5
+    assert "answer, given, 2 tokens:" in out and out.count("image: peak at row") == 6  # five methods and AttnLRP → pixels
+    assert out.count(" <- ") == 2 * 6
     page = html.read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 5 and page.count("4 × 4 token grid over the image, the whole answer.</figcaption>") == 5
+    assert page.count("data:image/png;base64,") == 6 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 6
     explanation = json.loads(report.read_text(encoding="utf-8"))
     assert explanation["prompt_tokens"] == ["<s>", "<image>", "what", "is", "the", "cat"]
     assert explanation["grid_covers_image"] is True
@@ -63,13 +63,42 @@ def test_the_report_holds_the_methods_scores_of_the_image_tokens(llava, tmp_path
     torch.testing.assert_close(torch.tensor(image_score), span[0, ids[0] == IMAGE].sum())
 
 
+def test_attn_lrp_through_the_vision_tower_is_reported_against_a_grey_image(llava, tmp_path, capsys):
+    """The report's ``AttnLRP → pixels``: the span through the tower against the processor's
+    grey image of the same size, its pixels summed per patch and as the <image> token's score."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention import AttnLRP
+
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is",
+                 "--methods", "attn_lrp", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert list(explanation["seq_attr"]) == ["AttnLRP", "AttnLRP → pixels"]
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    picture = Image.open(image).convert("RGB")
+    inputs = dict(processor(text="<image> what is the cat", images=picture, return_tensors="pt"))
+    grey = processor(text="<image> what is the cat", images=Image.new("RGB", picture.size, (128, 128, 128)), return_tensors="pt")
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    tokens, pixels = AttnLRP(model).attribute_span(
+        ids, torch.tensor([[26]]), additional_forward_args=(mask, inputs), through_vision_tower=True, pixel_baselines=grey["pixel_values"]
+    )
+    patches = F.avg_pool2d(pixels.sum(dim=1, keepdim=True), 8)[0, 0] * 64
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["AttnLRP → pixels"]), patches)
+    scores = explanation["seq_attr"]["AttnLRP → pixels"]
+    torch.testing.assert_close(torch.tensor(scores[explanation["prompt_tokens"].index("<image>")]), pixels.sum())
+    torch.testing.assert_close(torch.tensor(scores[explanation["prompt_tokens"].index("cat")]), tokens[0, ids.shape[1] - 1])
+
+
 def test_a_grid_the_image_does_not_follow_is_shown_alone(llava, tmp_path, capsys):
     """CLIP's processor crops a wide image to its centre: the grid is not laid over it."""
     html = tmp_path / "wide.html"
     assert main(["explain", "--model", str(llava), "--image", str(_image(tmp_path, 96, 48)), "what is the cat",
                  "--target", "is", "--methods", "attn_lrp", "--html", str(html)]) == 0
     page = html.read_text(encoding="utf-8")
-    assert "not laid over the image" in page and page.count("data:image/png;base64,") == 1
+    assert "not laid over the image" in page and page.count("data:image/png;base64,") == 2  # AttnLRP, → pixels
 
 
 def test_clear_errors(llava, tmp_path, capsys, llm):

@@ -38,7 +38,8 @@ class AnswerExplanation:
         image: a vision-language model's image file (its tokens are the prompt token
             ``<image>``, their scores summed), or None.
         image_grids: method -> the image tokens' scores for the whole answer on their
-            grid (rows of columns); empty where the family's layout is unknown.
+            grid (rows of columns); empty where the family's layout is unknown. For
+            ``AttnLRP → pixels``, the pixels' relevance summed per patch.
         grid_covers_image: whether the grid's shape follows the image's (its cells can be
             laid over the image: a processor that resizes it whole).
     """
@@ -154,7 +155,11 @@ def explain_image_answer(
     """A vision-language model's answer to ``prompt`` about the image at ``image_path``
     (the processor's image token put first where the prompt holds none), explained by each
     method: the text tokens' scores, the image's tokens summed as one ``<image>`` token,
-    and their scores on the image's grid (:func:`~captum_attention.image_scores`)."""
+    and their scores on the image's grid (:func:`~captum_attention.image_scores`). AttnLRP
+    also runs through the vision tower (``AttnLRP → pixels``: its relevance on the pixels
+    against a uniform grey image of the same size through the same processor, summed per
+    patch), where the processor gives one image as ``(1, channels, height, width)`` pixels
+    and the config names the patch size."""
     from PIL import Image
 
     image = Image.open(image_path).convert("RGB")
@@ -198,10 +203,55 @@ def explain_image_answer(
             explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
         if has_grid:
             explanation.image_grids[display] = image_scores(model, ids, span.detach().float(), inputs)[0][0].tolist()
+        patch = _patch_size(model, inputs)
+        if name == "attn_lrp" and patch is not None:
+            grey = processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+            _add_pixels(explanation, explainer, ids, answer_ids, args, features, patch, grey, per_token)
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
         explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
     return explanation
+
+
+PIXELS = "AttnLRP → pixels"
+"""The report's name for AttnLRP carried through the vision tower."""
+
+
+def _add_pixels(
+    explanation: AnswerExplanation, explainer: Any, ids: torch.Tensor, answer_ids: torch.Tensor, args: tuple,
+    features: torch.Tensor, patch: int, reference: torch.Tensor, per_token: bool,
+) -> None:
+    """AttnLRP through the vision tower against the ``reference`` pixels: the text tokens'
+    scores, the ``<image>`` token's the pixels' summed relevance, and the pixels'
+    relevance summed per patch as the grid."""
+    from ..capture.adapters.images import image_token_id
+
+    image_column = features[ids[0] == image_token_id(explainer.model.config)].argmax(dim=1)[:1]
+    start = time.perf_counter()
+    options = {"additional_forward_args": args, "through_vision_tower": True, "pixel_baselines": reference}
+    tokens, pixels = explainer.attribute_span(ids, answer_ids[None], **options)
+    rows = explainer.attribute_continuation(ids, answer_ids[None], log_prob=True, **options) if per_token else None
+    explanation.seconds[PIXELS] = time.perf_counter() - start
+    explanation.methods[PIXELS] = MethodInfo(uses_target=True, signed=True)
+    scores = tokens[0, : ids.shape[1]].detach().float() @ features
+    explanation.seq_attr[PIXELS] = scores.index_add(0, image_column, pixels.detach().float().sum()[None]).tolist()
+    if rows is not None:
+        row_tokens, row_pixels = rows
+        per_row = row_tokens[0, :, : ids.shape[1]].detach().float() @ features
+        per_row[:, image_column] += row_pixels[0].detach().float().flatten(1).sum(dim=1, keepdim=True)
+        explanation.token_attr[PIXELS] = per_row.tolist()
+    grid = torch.nn.functional.avg_pool2d(pixels[0].detach().float().sum(dim=0)[None, None], patch)[0, 0] * patch**2
+    explanation.image_grids[PIXELS] = grid.tolist()
+
+
+def _patch_size(model: Any, inputs: dict[str, Any]) -> int | None:
+    """The vision tower's patch size, where the processor gave one image as ``(1, channels,
+    height, width)`` pixels that it divides."""
+    pixels = inputs.get("pixel_values")
+    patch = getattr(getattr(model.config, "vision_config", None), "patch_size", None)
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or len(pixels) != 1 or not isinstance(patch, int):
+        return None
+    return patch if pixels.shape[-1] % patch == 0 and pixels.shape[-2] % patch == 0 else None
 
 
 def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torch.Tensor, list[str], list[bool]]:

@@ -314,14 +314,14 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
             cmap=None if info.signed else "Greens",
             fig_size=(IMAGE_INCHES, IMAGE_INCHES),
         )
-        caption = f"The image's {rows} × {columns} token grid over the image, the whole answer."
+        caption = f"The image's {rows} × {columns} grid over the image, the whole answer."
     else:
         figure = Figure(figsize=(IMAGE_INCHES, IMAGE_INCHES))
         axes = figure.add_subplot()
         peak = float(scores.abs().max()) or 1.0  # green supports, red opposes, as the tokens are coloured
         axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else "Greens", vmin=-peak if info.signed else 0, vmax=peak)
         axes.set_axis_off()
-        caption = (f"The image's {rows} × {columns} token grid, the whole answer; not laid over the image, whose "
+        caption = (f"The image's {rows} × {columns} grid, the whole answer; not laid over the image, whose "
                    "shape it does not follow (its processor crops or pads it).")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight", dpi=100)
