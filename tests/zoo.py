@@ -128,9 +128,30 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                 kwargs[name] = list(parameter.default)[: len(TINY["depths"])]
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # latent attention has a key per query head
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", TINY["num_attention_heads"])
+    if "mrope_section" in (getattr(config_class, "ignore_keys_at_rope_validation", None) or set()):
+        kwargs["rope_parameters"] = _tiny_mrope(config_class)
+    if "image_grid_pinpoints" in accepted:  # LLaVA-NeXT's any-resolution tiles: one, of the tiny image's size
+        kwargs["image_grid_pinpoints"] = [[IMAGE_SIZE, IMAGE_SIZE]]
+    layers = inspect.signature(config_class.__init__).parameters.get("vision_feature_layer")
+    if layers is not None and isinstance(layers.default, (list, tuple)):  # VipLLaVA's several layers, in the tiny tower
+        kwargs["vision_feature_layer"] = [-2, -1]
+    if "fullatt_block_indexes" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
+        kwargs["window_size"] = TINY["patch_size"] * 2
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
         kwargs.update({flag: True for flag in ("is_decoder", "causal") if flag in accepted})
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _tiny_mrope(config_class: type) -> dict[str, Any] | None:
+    """Multimodal rotary positions (Qwen2-VL's, GLM-4V's) over the tiny head: the default
+    rope parameters, the rotated half split into temporal, height and width sections (the
+    default sections are the full-size model's); None where the defaults name none, or
+    per layer type."""
+    default = dict(getattr(config_class(), "rope_parameters", None) or {})
+    if not default or any(isinstance(value, dict) for value in default.values()):
+        return None
+    half = int(TINY["head_dim"] * float(default.get("partial_rotary_factor", 1.0))) // 2
+    return {**default, "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]}
 
 
 def _per_stage(config_class: type, name: str, value: Any) -> Any:
@@ -244,10 +265,10 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
 
 
 def vision_language_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
-    """One image of the vision tower's size, ``(1, channels, size, size)``, after BOS, as
-    many image tokens as the model's image features, then text; a family that takes its
-    images otherwise (flattened patches, tiles) is not built by this sweep: its tests build
-    it (``tests/test_vlm_answers.py``)."""
+    """One image of the vision tower's size, ``(1, channels, size, size)`` (flattened
+    patches and their grid where the model takes ``image_grid_thw``; the image and its one
+    tile for LLaVA-NeXT's any-resolution tiles), after BOS, as many image tokens as the
+    model's image features, then text; a family whose images come otherwise is not built."""
     from captum_attention.capture.adapters.images import image_token_id
 
     vision = getattr(model.config, "vision_config", None)
@@ -261,12 +282,17 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     images = {"pixel_values": pixels[:, None] if "pixel_attention_mask" in wanted else pixels}  # Idefics: images per example
     if "image_sizes" in wanted:
         images["image_sizes"] = torch.tensor([[size, size]])
+    if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the image resized, then its one tile
+        images["pixel_values"] = pixels[:, None].expand(-1, 2, -1, -1, -1)
     if "image_grid_thw" in wanted:  # Qwen2-VL-like: the patches flattened, merged m × m
         patch, merge = int(vision.patch_size), int(getattr(vision, "spatial_merge_size", 1) or 1)
         side = max(merge, size // patch // merge * merge)
         depth = int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
         channels = next((getattr(vision, n) for n in ("in_channels", "in_chans", "num_channels") if hasattr(vision, n)), 3)
         images = {"pixel_values": torch.randn(side * side, channels * depth, generator=generator), "image_grid_thw": torch.tensor([[1, side, side]])}
+        inner = getattr(getattr(model, "model", None), "get_image_features", None)
+        if inner is not None and "image_merge_sizes" in inspect.signature(inner).parameters:  # VideoLLaMA 3: the merge per image
+            images["image_merge_sizes"] = torch.tensor([merge])
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -537,10 +563,10 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
         "own config class and explained by every registered method (``tests/zoo.py``; a",
         "sequence-to-sequence LM at its last target position: its answers' spans and rows",
         "are checked in ``tests/test_seq2seq_answers.py``; an image-text-to-text model at its",
-        "last position, with one image of its vision tower's size, where its image features",
-        "take that image alone: the families whose images come as flattened patches, tiles or",
-        "with a token-type mask are built in ``tests/test_vlm_answers.py``, spans, rows and",
-        "grids included):",
+        "last position, with one image of its vision tower's size (as flattened patches with",
+        "their grid for Qwen2-VL's kind, with one tile for LLaVA-NeXT's, with the processor's",
+        "token types for prefix LMs); their spans, rows and grids, two images of different sizes",
+        "and left padding are checked in ``tests/test_vlm_answers.py``):",
         "**exact** equals the ``output_attentions`` + ``autograd`` reference (Swin's windows:",
         "each window attention run through the model's own partition; SegFormer's and PVTv2's",
         "reduced keys: spread by one-hot assignments; both on the first stage's patches;",
@@ -548,7 +574,8 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
         "windows or reduced keys; AttnLRP's references written from the weights are in",
         "``tests/test_attn_lrp.py`` and, for those grids, ``tests/test_grids.py``); **refused** names",
         "its reason in one line; **not built**: transformers itself cannot build or run the tiny",
-        "model here; **error** and **wrong** are defects still open. Generated by::", "",
+        "model here, or the sweep cannot make the inputs its images need (the reason says which);",
+        "**error** and **wrong** are defects still open. Generated by::", "",
         f"    {command}", "",
     ]
     for head in HEADS:
