@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from captum.attr import FeatureAblation, ImageMaskInput, LayerIntegratedGradients, LLMAttribution
 
-from captum_attention import METHODS, image_scores
+from captum_attention import METHODS, image_scores, pixel_scores
 from captum_attention.demo.colour_vlm import GRID, HELDOUT_SEED, colour_images, colour_processor, load_colour_vlm, prompt_ids
 from captum_attention.demo.shapes import PATCH
 
@@ -90,7 +90,7 @@ def attn_lrp_pixels(model: torch.nn.Module, reference: float) -> Callable[[torch
             ids, answers[:, None], additional_forward_args=(torch.ones_like(ids), {"pixel_values": images}),
             through_vision_tower=True, pixel_baselines=reference,
         )
-        return torch.nn.functional.avg_pool2d(pixels.sum(dim=1, keepdim=True), PATCH)[:, 0] * PATCH**2
+        return torch.stack(pixel_scores(model, pixels))
 
     return grids
 

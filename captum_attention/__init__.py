@@ -15,6 +15,7 @@ from .attr import (
     TransformerAttribution,
     ValueZeroing,
     image_scores,
+    pixel_scores,
     upsample_to_image,
 )
 from .capture import (
@@ -55,6 +56,7 @@ __all__ = [
     "__version__",
     "image_scores",
     "load_default_model",
+    "pixel_scores",
     "scores_for_display",
     "special_tokens",
     "token_heatmap",

@@ -18,7 +18,9 @@ from types import SimpleNamespace
 from vlm_models import ANSWER, FAMILIES, GRIDS, IMAGE, make_vlm, make_vlm_prompt, vlm_span_reference, with_answer
 from methods import MAP_METHODS, METHODS
 
-from captum_attention import ALTI, AttnLRP, GradSAM, NormAttention, RawAttention, TransformerAttribution, ValueZeroing, image_scores
+from captum_attention import (
+    ALTI, AttnLRP, GradSAM, NormAttention, RawAttention, TransformerAttribution, ValueZeroing, image_scores, pixel_scores,
+)
 from captum_attention.capture import UnsupportedModelError
 
 
@@ -107,6 +109,37 @@ def test_attn_lrp_through_the_vision_tower_streams_exactly_for_every_family(fami
     assert eager.shape == prompt.images["pixel_values"].shape and eager.abs().max() > 0
     torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
     torch.testing.assert_close(streamed_tokens, eager_tokens, rtol=1e-5, atol=1e-5 * eager_tokens.abs().max().item())
+
+
+def test_pixel_scores_unfold_qwen2_vl_patches_as_its_processor_flattens_them():
+    """A bright patch at (row 1, column 3) of a 4 × 6 patch grid: the flattened row its
+    processor puts it in lands at that cell."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 84, do_normalize=False, do_rescale=False)
+    image = np.zeros((56, 84, 3), dtype=np.float32)
+    image[14:28, 42:56] = 1.0
+    images = processor(images=[image, image[:28, :56]], return_tensors="pt", do_resize=False)
+    config = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2, patch_size=14))
+    first, second = pixel_scores(SimpleNamespace(config=config), images["pixel_values"], images)
+    assert first.shape == (4, 6) and second.shape == (2, 4)
+    assert first.nonzero().tolist() == [[1, 3]] and second.nonzero().tolist() == [[1, 3]]
+
+
+@pytest.mark.parametrize("family", ["llava", "mistral3", "idefics3", "llava_next", "qwen2_vl"])
+def test_pixel_scores_sum_each_patch_of_every_image(family):
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    _, pixels = AttnLRP(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args, through_vision_tower=True)
+    grids = pixel_scores(model, pixels, prompt.images)
+    assert sum(float(grid.sum()) for grid in grids) == pytest.approx(float(pixels.sum()), rel=1e-4, abs=1e-7)
+    if family in ("llava", "mistral3"):  # one image per example, its own patch grid (Pixtral's second cut to 32 × 16 pixels)
+        assert [tuple(g.shape) for g in grids] == [(4, 4), (4, 4) if family == "llava" else (4, 2)]
+        patch = pixels[0, :, 8:16, 16:24].sum()
+        torch.testing.assert_close(grids[0][1, 2], patch)
+    if family == "llava_next":  # per example the resized image, then its tiles
+        assert len(grids) == pixels.shape[0] * pixels.shape[1]
+    with pytest.raises(UnsupportedModelError, match="without a grid"):
+        pixel_scores(model, pixels.flatten()[:10], {})
 
 
 def test_attn_lrp_through_the_vision_tower_gives_rows_and_attribute_and_refuses_without_pixels():

@@ -22,7 +22,7 @@ the answer's log-probability fall; and pointing, whether the top patch lies on t
 import matplotlib.pyplot as plt
 import torch
 
-from captum_attention import AttentionRollout, AttnLRP, RawAttention, TransformerAttribution, image_scores
+from captum_attention import AttentionRollout, AttnLRP, RawAttention, TransformerAttribution, image_scores, pixel_scores
 from captum_attention.demo.colour_vlm import HELDOUT_SEED, WORDS, colour_images, load_colour_vlm, prompt_ids
 
 model = load_colour_vlm()
@@ -72,12 +72,12 @@ for name in ("raw attention", "rollout"):
 # %%
 # AttnLRP goes all the way in its one backward: ``through_vision_tower=True`` propagates
 # its relevance through the projector and the tower to the pixels, against a reference
-# image (here grey, the colour the judge below greys patches with). Summed per 4×4 patch,
-# it is a grid.
+# image (here grey, the colour the judge below greys patches with).
+# :func:`~captum_attention.pixel_scores` sums it per 4×4 patch of the tower.
 _, pixels = methods["AttnLRP"].attribute_span(
     ids, answers[:, None], additional_forward_args=inputs, through_vision_tower=True, pixel_baselines=0.5
 )
-grids["AttnLRP → pixels"] = torch.nn.functional.avg_pool2d(pixels.sum(dim=1, keepdim=True), 4)[:, 0] * 16
+grids["AttnLRP → pixels"] = torch.stack(pixel_scores(model, pixels))
 
 
 # %%

@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 
 from ._base import AttentionAttributionBase, attribute_method
-from ._images import image_scores, upsample_to_image
+from ._images import image_scores, pixel_scores, upsample_to_image
 from ._registry import FLAG, FRACTION, LAYER, METHODS, REGISTRY, MethodSpec, Option, one_of
 # The order of these imports is the order of METHODS (and of the command line's report).
 from .grad_sam import GradSAM  # isort: skip
@@ -30,5 +30,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "ALTI", "ALTILogit", "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "image_scores", "upsample_to_image",
+    "ALTI", "ALTILogit", "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "image_scores", "pixel_scores", "upsample_to_image",
 ]

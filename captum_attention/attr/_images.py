@@ -1,5 +1,5 @@
 """Images in the attributions: patch-grid scores upsampled to the image, and a
-vision-language model's token scores placed on its images' grids."""
+vision-language model's token scores (and pixels' relevance) placed on its images' grids."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from captum.attr import LayerAttribution
 from torch import Tensor, nn
 
-from ..capture.adapters.images import image_token_layout
+from ..capture.adapters.images import image_token_layout, pixel_patch_grids
 
 
 def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear") -> Tensor:
@@ -83,6 +83,35 @@ def image_scores(
             stacklevel=2,
         )
     return placed
+
+
+def pixel_scores(model: nn.Module, pixel_relevance: Tensor, image_inputs: Mapping[str, Any] | None = None) -> list[Tensor]:
+    r"""AttnLRP's relevance of a vision-language model's pixels (``through_vision_tower=True``)
+    summed per patch of its vision tower: one ``(rows, columns)`` grid per image (per tile
+    for tiled images), in the order of ``pixel_values``.
+
+    Images given as ``(..., channels, height, width)`` pixels are pooled by the tower's
+    ``patch_size`` (Pixtral's cut to their ``image_sizes``); Qwen2-VL's flattened patches
+    are unfolded with ``image_grid_thw`` (each ``spatial_merge_size`` × ``spatial_merge_size``
+    block of neighbours consecutive, as its processor flattens them). Other layouts raise
+    one clear error.
+
+    Args:
+        model (nn.Module): the vision-language model explained.
+        pixel_relevance (Tensor): the pixels' relevance, shaped as ``pixel_values``.
+        image_inputs (Mapping, optional): the image inputs passed to the model
+            (``image_grid_thw``, ``image_sizes``). Default: None.
+
+    Returns:
+        list of Tensor ``(rows, columns)``, one per image or tile.
+
+    Example::
+
+        >>> tokens, pixels = AttnLRP(llava).attribute_span(
+        ...     input_ids, answer, additional_forward_args=(mask, images), through_vision_tower=True)
+        >>> first = pixel_scores(llava, pixels, images)[0]  # (24, 24) for LLaVA-1.5
+    """
+    return pixel_patch_grids(model.config, pixel_relevance, image_inputs or {})
 
 
 def grid_follows_image(grid: tuple[int, int], size: tuple[int, int]) -> bool:

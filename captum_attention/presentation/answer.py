@@ -12,7 +12,7 @@ import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
 from .._compat import pretty_tokens
-from ..attr import METHODS, LLMAttentionAttribution, image_scores
+from ..attr import METHODS, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from .explain import INTEGRATED_GRADIENTS, MethodInfo
 
@@ -158,8 +158,8 @@ def explain_image_answer(
     and their scores on the image's grid (:func:`~captum_attention.image_scores`). AttnLRP
     also runs through the vision tower (``AttnLRP → pixels``: its relevance on the pixels
     against a uniform grey image of the same size through the same processor, summed per
-    patch), where the processor gives one image as ``(1, channels, height, width)`` pixels
-    and the config names the patch size."""
+    patch by :func:`~captum_attention.pixel_scores`), where that function knows the
+    pixels' layout."""
     from PIL import Image
 
     image = Image.open(image_path).convert("RGB")
@@ -190,6 +190,7 @@ def explain_image_answer(
             f"the layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
             "the report shows their summed score, not their grid"
         )
+    grey = processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
     for name in methods or list(METHODS):
         explainer = METHODS[name](model)
         start = time.perf_counter()
@@ -203,14 +204,23 @@ def explain_image_answer(
             explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
         if has_grid:
             explanation.image_grids[display] = image_scores(model, ids, span.detach().float(), inputs)[0][0].tolist()
-        patch = _patch_size(model, inputs)
-        if name == "attn_lrp" and patch is not None:
-            grey = processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-            _add_pixels(explanation, explainer, ids, answer_ids, args, features, patch, grey, per_token)
+        if name == "attn_lrp" and has_grid and _pixels_on_grid(model, grey, inputs):
+            _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
         explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
     return explanation
+
+
+def _pixels_on_grid(model: Any, pixels: torch.Tensor, inputs: dict[str, Any]) -> bool:
+    """Whether :func:`~captum_attention.pixel_scores` knows the layout of ``pixels``."""
+    from ..capture import UnsupportedModelError
+
+    try:
+        pixel_scores(model, pixels, inputs)
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 PIXELS = "AttnLRP → pixels"
@@ -219,11 +229,11 @@ PIXELS = "AttnLRP → pixels"
 
 def _add_pixels(
     explanation: AnswerExplanation, explainer: Any, ids: torch.Tensor, answer_ids: torch.Tensor, args: tuple,
-    features: torch.Tensor, patch: int, reference: torch.Tensor, per_token: bool,
+    features: torch.Tensor, reference: torch.Tensor, per_token: bool,
 ) -> None:
     """AttnLRP through the vision tower against the ``reference`` pixels: the text tokens'
-    scores, the ``<image>`` token's the pixels' summed relevance, and the pixels'
-    relevance summed per patch as the grid."""
+    scores, the ``<image>`` token's the pixels' summed relevance, and the first image's
+    pixels' relevance summed per patch as the grid."""
     from ..capture.adapters.images import image_token_id
 
     image_column = features[ids[0] == image_token_id(explainer.model.config)].argmax(dim=1)[:1]
@@ -240,18 +250,7 @@ def _add_pixels(
         per_row = row_tokens[0, :, : ids.shape[1]].detach().float() @ features
         per_row[:, image_column] += row_pixels[0].detach().float().flatten(1).sum(dim=1, keepdim=True)
         explanation.token_attr[PIXELS] = per_row.tolist()
-    grid = torch.nn.functional.avg_pool2d(pixels[0].detach().float().sum(dim=0)[None, None], patch)[0, 0] * patch**2
-    explanation.image_grids[PIXELS] = grid.tolist()
-
-
-def _patch_size(model: Any, inputs: dict[str, Any]) -> int | None:
-    """The vision tower's patch size, where the processor gave one image as ``(1, channels,
-    height, width)`` pixels that it divides."""
-    pixels = inputs.get("pixel_values")
-    patch = getattr(getattr(model.config, "vision_config", None), "patch_size", None)
-    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or len(pixels) != 1 or not isinstance(patch, int):
-        return None
-    return patch if pixels.shape[-1] % patch == 0 and pixels.shape[-2] % patch == 0 else None
+    explanation.image_grids[PIXELS] = pixel_scores(explainer.model, pixels.detach(), args[1])[0].tolist()
 
 
 def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torch.Tensor, list[str], list[bool]]:

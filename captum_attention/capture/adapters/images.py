@@ -261,3 +261,47 @@ _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]
 }
 """Per ``config.model_type``: the token count, grid and leading tokens of each image of
 each example."""
+
+
+def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, Any]) -> list[Tensor]:
+    """Per-pixel values (AttnLRP's relevance through the vision tower) summed per patch of
+    the vision tower, one ``(rows, columns)`` grid per image or tile, in ``pixel_values``'
+    order:
+
+    - ``(..., channels, height, width)`` pixels: each image (LLaVA, PaliGemma, ...) or tile
+      (Idefics3's, LLaVA-NeXT's) pooled by ``patch_size``, an image given its own
+      ``image_sizes`` (Pixtral) cut to them;
+    - flattened patches with ``image_grid_thw`` (Qwen2-VL's kind): each row one patch,
+      ``merge`` × ``merge`` neighbours consecutive, unfolded to the image's grid and summed
+      over its frames.
+
+    Raises:
+        UnsupportedModelError: pixels in another layout, or no patch size in the config.
+    """
+    vision = getattr(config, "vision_config", None)
+    grid_thw = image_inputs.get("image_grid_thw")
+    if grid_thw is not None and pixels.dim() == 2:
+        return _flattened_patch_grids(vision, pixels.flatten(1).sum(dim=1), grid_thw, image_inputs.get("image_merge_sizes"))
+    patch = getattr(vision, "patch_size", None)
+    if pixels.dim() < 4 or not isinstance(patch, int) or pixels.shape[-1] % patch or pixels.shape[-2] % patch:
+        raise UnsupportedModelError(
+            f"pixel_values of shape {tuple(pixels.shape)} are not images of whole {patch}-pixel patches, nor flattened "
+            "patches with an image_grid_thw: the pixels' relevance is returned as it is, without a grid."
+        )
+    images = pixels.sum(dim=-3).flatten(0, -3)
+    grids = torch.nn.functional.avg_pool2d(images[:, None].float(), patch)[:, 0] * patch**2
+    sizes = image_inputs.get("image_sizes")
+    if sizes is not None and pixels.dim() == 4:  # Pixtral: each image padded to the batch's largest
+        return [grid[: math.ceil(int(h) / patch), : math.ceil(int(w) / patch)] for grid, (h, w) in zip(grids, sizes.tolist())]
+    return list(grids)
+
+
+def _flattened_patch_grids(vision: Any, per_patch: Tensor, grid_thw: Tensor, merge_sizes: Tensor | None) -> list[Tensor]:
+    grids, start = [], 0
+    default_merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+    for index, (frames, rows, columns) in enumerate(grid_thw.tolist()):
+        merge = default_merge if merge_sizes is None else int(merge_sizes[index])
+        block = per_patch[start : start + frames * rows * columns].view(frames, rows // merge, columns // merge, merge, merge)
+        grids.append(block.permute(0, 1, 3, 2, 4).reshape(frames, rows, columns).sum(dim=0))
+        start += frames * rows * columns
+    return grids
