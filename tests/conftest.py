@@ -191,6 +191,17 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return folder
 
 
+@pytest.fixture(scope="module")
+def seq2seq(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny BART and the word-level tokenizer, saved as a local checkpoint."""
+    from lm_models import make_encoder_decoder, make_word_tokenizer
+
+    folder = tmp_path_factory.mktemp("seq2seq") / "bart"
+    make_encoder_decoder("bart").save_pretrained(folder)
+    make_word_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def killed_part_way(command: list[str], shards: Any, at_least: int, environment: dict[str, str]) -> int:
     """Start ``command``, SIGKILL it once ``shards`` holds ``at_least`` shard files; how
     many it had written."""

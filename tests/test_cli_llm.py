@@ -119,17 +119,6 @@ def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def seq2seq(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny BART and the word-level tokenizer, saved as a local checkpoint."""
-    from lm_models import make_encoder_decoder
-
-    folder = tmp_path_factory.mktemp("seq2seq") / "bart"
-    make_encoder_decoder("bart").save_pretrained(folder)
-    make_word_tokenizer().save_pretrained(folder)
-    return folder
-
-
 def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens(seq2seq, tmp_path, capsys):
     html = tmp_path / "answer.html"
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--max-new-tokens", "3", "--per-token", "--html", str(html)]) == 0
@@ -152,5 +141,3 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
     assert "decoder-only models" in capsys.readouterr().err
-    assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(seq2seq)]) == 1
-    assert "sequence-to-sequence model (explain takes it)" in capsys.readouterr().err

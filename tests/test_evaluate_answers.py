@@ -92,6 +92,47 @@ def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
         assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
 
 
+def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
+    """BART: each answer explained over the source (the span's source side), the metrics
+    deleting source segments and reading the decoder's log-probabilities; rows equal the
+    metrics computed directly, and those equal the decoder's own log-probabilities."""
+    from captum_attention import TransformerAttribution
+    from captum_attention.loading import load_causal_lm
+    from captum_attention.metrics.context import answer_log_probs
+
+    data, output = _data(tmp_path, 3), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "transformer_attribution,raw",
+                 "--max-new-tokens", "3", "--output", str(output)]) == 0
+    assert "| transformer_attribution |" in capsys.readouterr().out
+    rows = _rows(output)
+    assert len(rows) == 3 * 2
+    model, tokenizer = load_causal_lm(seq2seq, seq2seq=True)
+    examples, _ = read_answers(data)
+    example, row = examples[0], next(r for r in rows if r["method"] == "transformer_attribution" and r["index"] == 0)
+    ids = tokenizer(example.text, return_tensors="pt").input_ids
+    mask = torch.ones_like(ids)
+    answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+    decoder = torch.cat([torch.full_like(answer[:, :1], model.config.decoder_start_token_id), answer[:, :-1]], dim=1)
+    with torch.no_grad():
+        log_probs = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits.log_softmax(-1)
+    expected = float(log_probs.gather(2, answer[..., None]).sum())
+    assert row["answer_log_prob"] == pytest.approx(expected, abs=1e-5)
+    assert float(answer_log_probs(model, ids, mask, answer)[0]) == pytest.approx(expected, abs=1e-5)
+    scores = TransformerAttribution(model).attribute_span(ids, answer, additional_forward_args=(mask,))[0]
+    segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])  # BOS kept, each token its own, numbered by position
+    assert row["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+    top = int(scores[0, 1:].argmax()) + 1  # the top segment deleted by hand, the source closing up
+    kept = torch.cat([ids[:, :top], ids[:, top + 1 :]], dim=1)
+    with torch.no_grad():
+        without = model(input_ids=kept, attention_mask=torch.ones_like(kept), decoder_input_ids=decoder).logits.log_softmax(-1)
+    drop = top_k_log_prob_drop(model, ids, mask, answer, scores, (1,), segments)[0, 0]
+    assert float(drop) == pytest.approx(expected - float(without.gather(2, answer[..., None]).sum()), abs=1e-5)
+    with pytest.raises(ValueError, match="norm_attention explain one self-attention stack"):
+        from captum_attention.presentation.evaluate import evaluate_answers
+
+        evaluate_answers(model, tokenizer, examples, ["norm_attention"], ["lds"], tmp_path / "refused")
+
+
 def test_a_killed_run_resumes_to_the_same_bytes_and_two_processes_give_them_too(llm, tmp_path):
     data = _data(tmp_path, 12)
     options = ["--model", str(llm), "--methods", "grad_sam,raw", "--metrics", "lds,top_k_log_prob_drop", "--max-new-tokens", "2"]

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
-from ..capture.inputs import LogProbTarget, QueryIndex, format_inputs
+from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
@@ -485,20 +485,14 @@ def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, addi
     """An encoder-decoder's decoder ids, its start token then the continuation but its last
     token (each position predicts the next), and the forward's masks: the source's (given,
     or ones) and the decoder's (ones)."""
-    starts = [getattr(getattr(model, where, None), "decoder_start_token_id", None) for where in ("generation_config", "config")]
-    start = next((token for token in starts if token is not None), None)
-    if start is None:
-        raise ValueError(
-            f"{type(model).__name__} names no decoder_start_token_id (in its generation_config or config), the token "
-            "its decoder starts from: set model.generation_config.decoder_start_token_id."
-        )
+    start = decoder_start_token(model)
     extra = format_additional_forward_args(additional_forward_args) or ()
     if len(extra) > 1:
         raise ValueError(
             "An encoder-decoder's answer takes the source's attention mask only as additional_forward_args "
             "(the decoder reads its start token and the continuation, all real)."
         )
-    decoder = torch.cat([torch.full_like(continuation[:, :1], int(start)), continuation[:, :-1]], dim=1)
+    decoder = torch.cat([torch.full_like(continuation[:, :1], start), continuation[:, :-1]], dim=1)
     source_mask = extra[0] if extra and extra[0] is not None else torch.ones_like(source)
     return decoder, (source_mask, torch.ones_like(decoder))
 

@@ -127,10 +127,10 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         prompt_len = prompt.shape[1]
         features = _FeatureMap(inp, self.tokenizer, prompt, self.model, image_inputs)
         args = (mask, image_inputs) if image_inputs else (mask,)
-        span = _prompt_side(self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs))
+        span = prompt_side(self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs))
         token_attr = None
         if per_token:
-            rows = _prompt_side(self.attr_method.attribute_continuation(
+            rows = prompt_side(self.attr_method.attribute_continuation(
                 prompt, answer[None], additional_forward_args=args, log_prob=True, **kwargs
             ))
             token_attr = features.scores(rows[0, :, :prompt_len])
@@ -243,7 +243,7 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
     return weights
 
 
-def _prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+def prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
     """A decoder's scores, or an encoder-decoder's source scores (its prompt)."""
     return scores[0] if isinstance(scores, tuple) else scores
 

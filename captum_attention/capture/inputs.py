@@ -104,6 +104,19 @@ def _check_input(tensor: Tensor, image_ok: bool) -> None:
         raise ValueError("inputs have no tokens (seq_len is 0).")
 
 
+def decoder_start_token(model: Any) -> int:
+    """An encoder-decoder's ``decoder_start_token_id`` (its generation config's, else its
+    config's): the token its decoder reads first; a clear error where it names none."""
+    starts = [getattr(getattr(model, where, None), "decoder_start_token_id", None) for where in ("generation_config", "config")]
+    start = next((token for token in starts if token is not None), None)
+    if start is None:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder_start_token_id (in its generation_config or config), the token "
+            "its decoder starts from: set model.generation_config.decoder_start_token_id."
+        )
+    return int(start)
+
+
 def output_logits(output: Any) -> Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):

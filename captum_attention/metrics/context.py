@@ -14,10 +14,12 @@ sentences, documents) and watches the answer's log-probability
   drop in :math:`\log p(a \mid x)` when each segment alone is removed.
 
 Segments are removed by deletion: the kept tokens close up (prompts stay padded on the
-left) and the answer follows them. Any attribution works: ours, Captum's, a user's
-tensor; a segment's score is the sum of its tokens'. Every ablated sequence of a call is
-evaluated batched; a Hugging Face model gets position ids that follow the padding, so an
-example scores the same alone and in a padded batch.
+left) and the answer follows them; for an encoder-decoder (a model whose config says
+``is_encoder_decoder``) the prompt is the source, its kept tokens padded on the right, and
+the decoder reads its start token and the answer. Any attribution works: ours, Captum's,
+a user's tensor; a segment's score is the sum of its tokens'. Every ablated sequence of a
+call is evaluated batched; a Hugging Face model gets position ids that follow the padding,
+so an example scores the same alone and in a padded batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..capture.inputs import output_logits
+from ..capture.inputs import decoder_start_token, output_logits
 from ._checks import check_rankable
 from .agreement import spearman
 
@@ -74,6 +76,7 @@ class _AnswerScorer:
         if empty:
             raise ValueError(f"Examples {empty} have no segment to remove (all padding or all kept): leave them out.")
         self.rows = torch.arange(len(input_ids), device=input_ids.device)
+        self.encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.original = self.log_probs(self.rows, torch.zeros_like(self.present))
 
     def segment_scores(self, attributions: Tensor) -> Tensor:
@@ -104,29 +107,46 @@ class _AnswerScorer:
         for start in range(0, len(rows), per_forward):
             chunk = rows[start : start + per_forward]
             gone = removed[start : start + per_forward]
-            ids, mask = self._sequences(chunk, gone)
             with torch.no_grad():
-                logits = output_logits(_run(self.forward_func, ids, mask))
-            if logits.dim() != 3:
-                raise ValueError(
-                    f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
-                )
-            new = self.answer.shape[1]
-            read = logits[:, -new - 1 : -1].float().log_softmax(dim=-1)
-            values.append(read.gather(2, self.answer[chunk][..., None]).sum(dim=(1, 2)))
+                logits = self._answer_logits(chunk, gone)
+            values.append(logits.float().log_softmax(dim=-1).gather(2, self.answer[chunk][..., None]).sum(dim=(1, 2)))
         return torch.cat(values)
+
+    def _answer_logits(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
+        new = self.answer.shape[1]
+        if self.encoder_decoder:
+            source, mask = self._kept(rows, removed, padding_side="right")
+            answer = self.answer[rows]
+            start = torch.full_like(answer[:, :1], decoder_start_token(self.forward_func))
+            decoder = torch.cat([start, answer[:, :-1]], dim=1)
+            logits = output_logits(self.forward_func(input_ids=source, attention_mask=mask, decoder_input_ids=decoder))
+        else:
+            logits = output_logits(_run(self.forward_func, *self._sequences(rows, removed)))
+        if logits.dim() != 3:
+            raise ValueError(
+                f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
+            )
+        return logits[:, :new] if self.encoder_decoder else logits[:, -new - 1 : -1]
 
     def _sequences(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor]:
         """Prompts without the removed segments' tokens (left padded), then the answer."""
+        ids, mask = self._kept(rows, removed, padding_side="left")
+        answer = self.answer[rows]
+        return torch.cat([ids, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
+
+    def _kept(self, rows: Tensor, removed: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:
+        """``(ids, mask)`` of the prompts without the removed segments' tokens, padded on
+        ``padding_side``, without the columns that are padding in every row."""
         segments = self.segments[rows]
         gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
         kept = self.real[rows] & ~gone
-        order = kept.int().argsort(dim=1, stable=True)  # padding first, kept tokens in order
+        rank = kept.int() if padding_side == "left" else (~kept).int()
+        order = rank.argsort(dim=1, stable=True)  # padding on its side, kept tokens in order
         ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
         mask = kept.gather(1, order).long()
-        padding = int((mask == 0).all(dim=0).sum())  # columns that are padding in every row
-        answer = self.answer[rows]
-        return torch.cat([ids[:, padding:], answer], dim=1), torch.cat([mask[:, padding:], torch.ones_like(answer)], dim=1)
+        width = int((mask != 0).any(dim=0).sum())
+        return (ids[:, -width:], mask[:, -width:]) if padding_side == "left" else (ids[:, :width], mask[:, :width])
 
 
 def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
@@ -316,6 +336,12 @@ def calibrated_surrogate(kept: Tensor, outcomes: Tensor, prior: Tensor, ridge: f
     penalty[:2] = 1e-9 * ridge
     coefficients = torch.linalg.solve(design.T @ design + torch.diag(penalty), design.T @ outcomes)
     return coefficients[1] * prior + coefficients[2:]
+
+
+def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, answer: Tensor) -> Tensor:
+    r"""``(B,)`` :math:`\log p(a \mid x)` of each answer after its whole prompt (a decoder's,
+    or an encoder-decoder's source), as the context metrics read it."""
+    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, None, len(input_ids)).original
 
 
 def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int) -> tuple[Tensor, Tensor]:

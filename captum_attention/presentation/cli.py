@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
-    evaluate.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
-                          "checkpoint folder (default: the embedded sentiment model)")
+    evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
+                          "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
                           "integrated_gradients, smoothgrad, shap")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
@@ -354,11 +354,10 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
-    if task in ("seq2seq", "image-text-to-text"):
-        kind = "sequence-to-sequence" if task == "seq2seq" else "vision-language"
-        raise UsageError(f"evaluate --model takes a causal language model or a classifier; {arguments.model} holds a "
-                         f"{kind} model (explain takes it)")
-    if task == "generation":
+    if task == "image-text-to-text":
+        raise UsageError(f"evaluate --model takes a language model or a classifier; {arguments.model} holds a "
+                         "vision-language model (explain takes it)")
+    if task in ("generation", "seq2seq"):
         _evaluate_answers(arguments)
         return
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
@@ -387,8 +386,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 
 
 def _evaluate_answers(arguments: argparse.Namespace) -> None:
-    """``evaluate`` for a causal language model: each row's answer explained over its prompt
-    and scored by the context metrics."""
+    """``evaluate`` for a causal or sequence-to-sequence language model: each row's answer
+    explained over its prompt (the source) and scored by the context metrics."""
     from ..attr import METHODS
     from ..loading import load_causal_lm
     from .evaluate import AnswerOptions, evaluate_answers, read_answers
@@ -400,7 +399,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
     state = _evaluation_state(arguments)
-    model, tokenizer = load_causal_lm(arguments.model)
+    model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
     model.to(state.device)
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens)
     evaluate_answers(

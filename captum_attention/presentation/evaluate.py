@@ -26,8 +26,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..attr.llm import prompt_side
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext
+from ..metrics.context import answer_log_probs
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import ReportMethod, ig_baseline, length_limit, method_names, report_methods
@@ -350,17 +352,21 @@ def evaluate_answers(
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     on_resume: Callable[[int, int], None] | None = None,
 ) -> int:
-    """:func:`evaluate` for a causal language model's answers: each example's answer (given,
-    or generated greedily) explained over its prompt by every method
-    (``attribute_span``: the whole answer's log-probability) and scored by every context
-    metric over the example's segments (each prompt token its own without them; special
-    tokens never removed). One example a shard, resumable, split over processes, merged by
-    :func:`merge` as the classifier's are."""
+    """:func:`evaluate` for a language model's answers: each example's answer (given, or
+    generated greedily) explained over its prompt by every method (``attribute_span``: the
+    whole answer's log-probability; an encoder-decoder's over its source) and scored by
+    every context metric over the example's segments (each prompt token its own without
+    them; special tokens never removed). One example a shard, resumable, split over
+    processes, merged by :func:`merge` as the classifier's are."""
     from ..attr import REGISTRY
 
     options = options or AnswerOptions()
     _check_names("method", methods, list(REGISTRY))
     _check_names("metric", metrics, answer_metric_names())
+    if getattr(model.config, "is_encoder_decoder", False):
+        single = [name for name in methods if not REGISTRY[name].spec.encoder_decoder]
+        if single:
+            raise ValueError(f"{', '.join(single)} explain one self-attention stack, not an encoder-decoder's answers: leave them out.")
     explainers = {name: REGISTRY[name](model) for name in methods}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
@@ -382,12 +388,11 @@ def _evaluate_answer(
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
     segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
     context = MetricContext(model, keep, None, segments)
-    with torch.no_grad():
-        log_probs = model(torch.cat([ids, answer], dim=1)).logits[0, ids.shape[1] - 1 : -1].float().log_softmax(dim=-1)
-    log_prob = float(log_probs.gather(1, answer[0, :, None]).sum())
+    log_prob = float(answer_log_probs(model, ids, mask, answer)[0])
     rows = []
     for name, explainer in explainers.items():
-        scores = explainer.attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]].float().detach()
+        span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(mask,)))
+        scores = span[:, : ids.shape[1]].float().detach()
         values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
         rows.append({
             "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
