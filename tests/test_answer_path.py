@@ -87,9 +87,9 @@ def test_a_value_an_option_does_not_take_is_refused_on_every_path(llama, tokeniz
 
 
 @pytest.mark.parametrize("path", ["attribute_span", "attribute_continuation", "LLMAttentionAttribution"])
-def test_attn_lrp_takes_no_options_on_the_span_paths(llama, tokenizer, path):
+def test_attn_lrp_takes_only_its_vision_tower_options_on_the_span_paths(llama, tokenizer, path):
     for option in ("effective", "no_such_option"):
-        with pytest.raises(TypeError, match=f"unexpected option {option!r}; its options are: none"):
+        with pytest.raises(TypeError, match=f"unexpected option {option!r}; its options are: through_vision_tower, pixel_baselines."):
             _calls(AttnLRP(llama), tokenizer)[path](**{option: True})
 
 
