@@ -76,7 +76,8 @@ class _AnswerScorer:
         if empty:
             raise ValueError(f"Examples {empty} have no segment to remove (all padding or all kept): leave them out.")
         self.rows = torch.arange(len(input_ids), device=input_ids.device)
-        self.encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
+        encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
+        self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.original = self.log_probs(self.rows, torch.zeros_like(self.present))
 
     def segment_scores(self, attributions: Tensor) -> Tensor:
@@ -115,10 +116,10 @@ class _AnswerScorer:
     def _answer_logits(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
         new = self.answer.shape[1]
-        if self.encoder_decoder:
+        if self.decoder_start is not None:
             source, mask = self._kept(rows, removed, padding_side="right")
             answer = self.answer[rows]
-            start = torch.full_like(answer[:, :1], decoder_start_token(self.forward_func))
+            start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
             logits = output_logits(self.forward_func(input_ids=source, attention_mask=mask, decoder_input_ids=decoder))
         else:
@@ -127,7 +128,7 @@ class _AnswerScorer:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
             )
-        return logits[:, :new] if self.encoder_decoder else logits[:, -new - 1 : -1]
+        return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
     def _sequences(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor]:
         """Prompts without the removed segments' tokens (left padded), then the answer."""

@@ -190,8 +190,12 @@ def explain_image_answer(
             f"the layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
             "the report shows their summed score, not their grid"
         )
-    grey = processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-    for name in methods or list(METHODS):
+    chosen = methods or list(METHODS)
+    grey = (
+        processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+        if "attn_lrp" in chosen and has_grid else None
+    )
+    for name in chosen:
         explainer = METHODS[name](model)
         start = time.perf_counter()
         span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)[:, : ids.shape[1]]
@@ -204,7 +208,7 @@ def explain_image_answer(
             explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
         if has_grid:
             explanation.image_grids[display] = image_scores(model, ids, span.detach().float(), inputs)[0][0].tolist()
-        if name == "attn_lrp" and has_grid and _pixels_on_grid(model, grey, inputs):
+        if name == "attn_lrp" and grey is not None and _pixels_on_grid(model, grey, inputs):
             _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
