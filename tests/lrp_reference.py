@@ -1,5 +1,5 @@
 """AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
-GPT-2, Llama and Qwen2, T5, BART, ViT and DeiT, Swin, SegFormer and PVTv2.
+GPT-2, Llama and Qwen2, LLaVA and Mllama, T5, BART, ViT and DeiT, Swin, SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
 al. expressed by the classic detach tricks instead of the library's hooks and autograd
@@ -244,6 +244,58 @@ def llava_pixel_relevance(
     explained = llama_explained(language_model, terms, merged, attention_mask, None, span, positions)
     token_grad, pixel_grad = torch.autograd.grad(explained.sum(), [terms.tokens, pixels])
     return (terms.tokens.detach() * token_grad).sum(dim=-1), (pixel_values - baseline) * pixel_grad
+
+
+def mllama_relevance(
+    model, input_ids: Tensor, attention_mask: Tensor, states: Tensor, cross_attention_mask: Tensor, span: Tensor
+) -> tuple[Tensor, Tensor]:
+    """AttnLRP of an Mllama's text model for the answer ``span`` (the last tokens of
+    ``input_ids``, padded left): ``(token relevance (B, T), state relevance (B, S))``, the
+    states being the image features ``(B, S, d)`` its cross-attention layers read. A
+    cross-attention layer: RMS-normed heads of Q and K, the uniform rule on QKᵀ and A·V, its
+    output and its MLP's scaled by their tanh gates (constants), the MLP zeroed on rows that
+    see no image."""
+    from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
+
+    text, config = model.model.language_model, model.config.text_config
+    tokens = text.embed_tokens.weight.detach()[input_ids]
+    terms = Terms(tokens.clone().requires_grad_())
+    leaf = states.detach().clone().requires_grad_()
+    batch, length = input_ids.shape
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cos, sin = text.rotary_emb(tokens, positions)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    per_tile = leaf.shape[1] // (cross_attention_mask.shape[2] * cross_attention_mask.shape[3])
+    cross_bias, row_seen = _prepare_cross_attention_mask(cross_attention_mask, per_tile, torch.float32)
+    hidden = terms.tokens
+    for index, layer in enumerate(text.layers):
+        normed = _rms_norm(hidden, layer.input_layernorm)
+        if index in config.cross_attention_layers:
+            attention = layer.cross_attn
+            q = _rms_norm(_heads(_linear(normed, attention.q_proj, terms), heads), attention.q_norm)
+            k = _rms_norm(_heads(_linear(leaf, attention.k_proj, terms), kv_heads), attention.k_norm)
+            v = _heads(_linear(leaf, attention.v_proj, terms), kv_heads)
+            bias = cross_bias
+        else:
+            attention = layer.self_attn
+            q, k = _heads(_linear(normed, attention.q_proj, terms), heads), _heads(_linear(normed, attention.k_proj, terms), kv_heads)
+            v = _heads(_linear(normed, attention.v_proj, terms), kv_heads)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            bias = _causal_mask(attention_mask)
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        update = _linear(_attend(q, k, v, q.shape[-1] ** -0.5, bias, terms), attention.o_proj, terms)
+        cross = index in config.cross_attention_layers
+        hidden = hidden + (layer.cross_attn_attn_gate.detach().tanh() * update if cross else update)
+        mlp, normed = layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm)
+        gate = identity(F.silu, _linear(normed, mlp.gate_proj, terms))
+        update = _linear(half(gate) * half(_linear(normed, mlp.up_proj, terms)), mlp.down_proj, terms)
+        hidden = hidden + (layer.cross_attn_mlp_gate.detach().tanh() * row_seen[:, 0] * update if cross else update)
+    normed = _rms_norm(hidden, text.norm)
+    read = torch.arange(length - span.shape[1] - 1, length - 1)
+    log_probs = _linear(normed[:, read], model.lm_head, terms).log_softmax(dim=-1)
+    explained = log_probs.gather(2, span[..., None])[..., 0].sum()
+    token_grad, state_grad = torch.autograd.grad(explained, [terms.tokens, leaf])
+    return (terms.tokens.detach() * token_grad).sum(dim=-1), (leaf.detach() * state_grad).sum(dim=-1)
 
 
 def _windows(x: Tensor, window: int) -> Tensor:

@@ -103,3 +103,46 @@ SEQ2SEQ_REFERENCES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]] |
 }
 """Per registered method (see ``methods.py``), its encoder-decoder reference: ``(source
 scores, target scores)`` of example ``b`` (``span=True``: of every target row summed)."""
+
+
+def cross_attending_reference(
+    method: str, layers: list[tuple[str, torch.Tensor, torch.Tensor]], rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source scores (s,), target scores (t,))`` of one example of a decoder without an
+    encoder that cross-attends to s states (Mllama's image features), from its layers in
+    forward order: ``("decoder", attention (H, t, t), gradient)`` or ``("cross",
+    attention (H, t, s), gradient)``, cut to the real tokens up to the last query; the
+    rows ``rows`` (of the t) summed. R^ss is the identity (no encoder layer mixes the
+    states)."""
+    t = layers[0][1].shape[-2]
+    s = next(a for role, a, _ in layers if role == "cross").shape[-1]
+    layers = [(role, a.double(), g.double()) for role, a, g in layers]
+    eye_t = torch.eye(t, dtype=torch.float64)
+    if method == "transformer_attribution":
+        r_qq, r_qs = eye_t, torch.zeros(t, s, dtype=torch.float64)
+        for role, a, g in layers:
+            if role == "cross":
+                r_qs = r_qs + normalised(r_qq).T @ cam(a, g)
+            else:
+                r_qq, r_qs = r_qq + cam(a, g) @ r_qq, r_qs + cam(a, g) @ r_qs
+        return r_qs[rows].sum(0), r_qq[rows].sum(0)
+    if method == "rollout":
+        joint = torch.eye(s + t, dtype=torch.float64)
+        for role, a, _ in layers:
+            layer = torch.eye(s + t, dtype=torch.float64)
+            if role == "cross":  # half on itself, half on the states, renormalised (padding tiles cut)
+                layer[s:, :s], layer[s:, s:] = 0.5 * a.mean(0), 0.5 * eye_t
+                layer[s:] = layer[s:] / layer[s:].sum(-1, keepdim=True)
+            else:
+                step = 0.5 * a.mean(0) + 0.5 * eye_t
+                layer[s:, s:] = step / step.sum(-1, keepdim=True)
+            joint = layer @ joint
+        return joint[s:, :s][rows].sum(0), joint[s:, s:][rows].sum(0)
+    if method == "grad_sam":  # every query row's own; the states are never queries
+        heads = layers[0][1].shape[0]
+        total = sum((a * g.clamp(min=0)).sum(dim=(0, 2)) for _, a, g in layers)
+        return torch.zeros(s, dtype=torch.float64), total / (len(layers) * heads * t)
+    if method == "raw":  # the last layer of each kind
+        last = {role: a for role, a, _ in layers}
+        return last["cross"].mean(0)[rows].sum(0), last["decoder"].mean(0)[rows].sum(0)
+    raise KeyError(method)

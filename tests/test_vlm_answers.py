@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same_state, model_state
-from lrp_reference import llama_relevance, llava_pixel_relevance
+from lrp_reference import llama_relevance, llava_pixel_relevance, mllama_relevance
+from seq2seq_reference import cross_attending_reference
 from test_llm import span_reference
 from torch import nn
 from types import SimpleNamespace
-from vlm_models import ANSWER, FAMILIES, GRIDS, IMAGE, make_vlm, make_vlm_prompt, vlm_span_reference, with_answer
+from vlm_models import (
+    ANSWER, FAMILIES, GRIDS, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt, mllama_span_reference, mllama_states_real,
+    mllama_with_answer, vlm_span_reference, with_answer,
+)
 from methods import MAP_METHODS, METHODS
 
 from captum_attention import (
@@ -332,27 +336,97 @@ def test_token_types_that_put_the_answer_in_the_prefix_are_refused_in_one_line(c
     assert "\n" not in str(refused.value)
 
 
-def test_a_language_model_reading_the_image_by_cross_attention_is_refused():
-    import transformers as tf
+def _mllama_expected(method: str, model: nn.Module, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example, the cross-attending reference over its real text (up to the last
+    query) and the states of its real tiles."""
+    ref = mllama_span_reference(model, prompt)
+    sequence = mllama_with_answer(prompt)
+    states_real, length = mllama_states_real(prompt), sequence.input_ids.shape[1]
+    text_real = sequence.attention_mask.bool() & (torch.arange(length) <= length - 2)
+    source, target = torch.zeros(states_real.shape), torch.zeros(text_real.shape)
+    for b in range(len(text_real)):
+        t, s = text_real[b].nonzero().flatten(), states_real[b].nonzero().flatten()
+        layers = []
+        for attention, grad in zip(ref.attentions, ref.grads):
+            keys = t if attention.shape[-1] == length else s
+            layers.append(("decoder" if attention.shape[-1] == length else "cross", attention[b][:, t][:, :, keys], grad[b][:, t][:, :, keys]))
+        rows = [int((t == p).nonzero()) for p in (length - 3, length - 2)]
+        source[b, s], target[b, t] = (x.float() for x in cross_attending_reference(method, layers, rows))
+    return source, target
 
-    torch.manual_seed(0)
-    config = tf.MllamaConfig(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
-                           image_size=16, patch_size=8, max_num_tiles=4, intermediate_layers_indices=[0], vision_output_dim=64),
-        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0),
-        image_token_index=IMAGE,
-    )
-    model = tf.MllamaForConditionalGeneration(config).eval()
-    ids = torch.tensor([[1, IMAGE, 5, 6]])
-    images = dict(
-        pixel_values=torch.randn(1, 1, 4, 3, 16, 16), aspect_ratio_ids=torch.tensor([[1]]),
-        aspect_ratio_mask=torch.tensor([[[1, 0, 0, 0]]]), cross_attention_mask=torch.ones(1, 4, 1, 4, dtype=torch.long),
-    )
-    for capture in ("streaming", "eager"):
-        with pytest.raises(UnsupportedModelError, match="reads the image through cross-attention layers") as refused:
-            GradSAM(model, capture=capture).attribute_span(ids, ANSWER[:1], additional_forward_args=(torch.ones_like(ids), images))
-        assert "\n" not in str(refused.value)
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_mllamas_span_equals_the_reference_of_its_self_and_cross_attention(method):
+    """Left padding, two images of different tiles in one example, a padding tile and a
+    missing image in the other."""
+    model, prompt = make_mllama(), make_mllama_prompt()
+    before = model_state(model)
+    source, target = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert_same_state(before, model_state(model))
+    expected_source, expected_target = _mllama_expected(method, model, prompt)
+    if method != "grad_sam":
+        assert expected_source.abs().max() > 0, "the image's states are scored"
+    for scores, expected in ((source, expected_source), (target, expected_target)):
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert (source[~mllama_states_real(prompt)] == 0).all(), "padding tiles and the missing image score 0"
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_mllamas_attn_lrp_equals_the_rules_written_out():
+    model, prompt = make_mllama(), make_mllama_prompt()
+    source, target = AttnLRP(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    sequence = mllama_with_answer(prompt)
+    images = {k: v for k, v in prompt.images.items() if k != "cross_attention_mask"}
+    with torch.no_grad():
+        vision = model.model.vision_model(**images).last_hidden_state
+        states = model.model.multi_modal_projector(vision).reshape(len(vision), -1, model.config.text_config.hidden_size)
+    tokens, features = mllama_relevance(model, sequence.input_ids, sequence.attention_mask, states, sequence.images["cross_attention_mask"], ANSWER)
+    real = mllama_states_real(prompt)
+    assert features[real].abs().max() > 0
+    expected_target = (tokens * sequence.attention_mask).masked_fill(torch.arange(tokens.shape[1]) == tokens.shape[1] - 1, 0.0)
+    torch.testing.assert_close(target, expected_target, rtol=1e-5, atol=1e-5 * expected_target.abs().max().item())
+    torch.testing.assert_close(source, features * real, rtol=1e-5, atol=1e-5 * features.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", [*MAP_METHODS, "attn_lrp"])
+def test_mllamas_token_rows_sum_to_its_span_and_its_images_land_on_their_tiles(method):
+    model, prompt = make_mllama(), make_mllama_prompt()
+    explainer = METHODS[method].cls(model)
+    rows = explainer.attribute_continuation(prompt.input_ids, ANSWER, additional_forward_args=prompt.args, log_prob=True)
+    span = explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    if method in ("raw", "rollout"):  # the gradient methods' span is of the summed objective, not of rows
+        for side_rows, side in zip(rows, span):
+            torch.testing.assert_close(side_rows.sum(dim=1), side, rtol=1e-5, atol=1e-6)
+    grids = image_scores(model, prompt.input_ids, span, prompt.images)
+    assert [[tuple(grid.shape) for grid in example] for example in grids] == [[(2, 4)], [(4, 4), (2, 2)]]
+    # the 2 × 2 image's second tile (top right): states 5·1 + 1.. of its first image, cell (0..1, 2..3)
+    torch.testing.assert_close(grids[1][0][:2, 2:].flatten(), span[0][1, 6:10])
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_mllama_given_text_only_is_explained_as_its_self_attention_stack(method):
+    """Without an image its cross-attention layers do not run: a decoder of its self-attention."""
+    model, prompt = make_mllama(), make_mllama_prompt()
+    scores = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask,))
+    text = VLMPrompt(prompt.input_ids, prompt.attention_mask, {})
+    prompt_len = prompt.input_ids.shape[1]
+    real = torch.cat([prompt.attention_mask, torch.ones_like(ANSWER)], dim=1).bool()
+    expected = span_reference(method, vlm_span_reference(model, "mllama", text), real, range(prompt_len - 1, prompt_len + 1))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_mllama_refuses_what_it_cannot_explain_in_one_line():
+    model, prompt = make_mllama(), make_mllama_prompt()
+    with pytest.raises(ValueError, match="through_vision_tower") as refused:
+        AttnLRP(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args, through_vision_tower=True)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="axis='key'") as refused:
+        GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args, axis="key")
+    with pytest.raises(ValueError, match="one self-attention stack") as refused:
+        ALTI(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
 
 
 def _language_model_inputs(model: nn.Module, prompt) -> torch.Tensor:
@@ -458,6 +532,43 @@ def test_captums_image_mask_input_scores_each_segment_by_its_image_tokens(method
     assert result.input_tokens == [f"image_feature_{i}" for i in range(4)]
     figure, _ = result.plot_image_heatmap()
     assert figure is not None
+
+
+@pytest.mark.parametrize("method", [TransformerAttribution, AttnLRP])
+def test_captums_image_mask_input_scores_mllamas_segments_by_its_image_states(method):
+    """A 16 × 32 image cut in two 16-pixel tiles side by side (Mllama's 1 × 2 aspect ratio):
+    its states' grid is 2 × 4 patches, each quadrant a 1 × 2 block of it."""
+    from captum.attr import ImageMaskInput
+    from PIL import Image
+
+    from captum_attention import LLMAttentionAttribution
+    from lm_models import make_word_tokenizer
+
+    model = make_mllama()
+    picture = Image.fromarray((np.random.default_rng(0).random((16, 32, 3)) * 255).astype("uint8"))
+
+    def processor_fn(image):
+        pixels = torch.tensor(np.asarray(image), dtype=torch.float).permute(2, 0, 1) / 255
+        tiles = torch.zeros(1, 1, 4, 3, 16, 16)
+        tiles[0, 0, 0], tiles[0, 0, 1] = pixels[:, :, :16], pixels[:, :, 16:]
+        ids = torch.tensor([[1, IMAGE, 5, 9]])
+        cross = torch.zeros(1, 4, 1, 4, dtype=torch.long)
+        cross[:, 1:, :, :2] = 1
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": tiles, "aspect_ratio_ids": torch.tensor([[2]]),
+                "aspect_ratio_mask": torch.tensor([[[1, 1, 0, 0]]]), "cross_attention_mask": cross}
+
+    quadrants = torch.zeros(16, 32, dtype=torch.int32)
+    quadrants[:8, 16:], quadrants[8:, :16], quadrants[8:, 16:] = 1, 2, 3
+    inp = ImageMaskInput(image=picture, processor_fn=processor_fn, mask=quadrants)
+    answer = torch.tensor([10, 11])
+    result = LLMAttentionAttribution(method(model), make_word_tokenizer()).attribute(inp, target=answer)
+    model_input = inp.to_model_input()
+    images = {k: v for k, v in model_input.items() if k not in ("input_ids", "attention_mask")}
+    states, _ = method(model).attribute_span(model_input["input_ids"], answer[None], additional_forward_args=(model_input["attention_mask"], images))
+    (grid,) = image_scores(model, model_input["input_ids"], states, images)[0]
+    assert grid.shape == (2, 4) and grid.abs().max() > 0
+    torch.testing.assert_close(result.seq_attr, grid.reshape(2, 1, 2, 2).sum(dim=(1, 3)).flatten())
+    assert result.token_attr.shape == (2, 4)
 
 
 def test_captums_interface_explains_a_prefix_language_models_answer():

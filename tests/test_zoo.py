@@ -21,7 +21,7 @@ POPULAR = {
     "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2", "gpt_oss"),
     "image classification": ("vit", "clip", "siglip", "data2vec-vision", "swin", "swinv2", "donut-swin", "segformer", "pvt_v2"),
     "seq2seq LM": ("t5", "bart", "marian", "m2m_100", "pegasus"),
-    "image-text-to-text": ("llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen3_vl", "paligemma", "gemma3"),
+    "image-text-to-text": ("llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen3_vl", "paligemma", "gemma3", "mllama"),
 }
 """The families every user meets, and the ones that once failed or were wrong."""
 

@@ -183,3 +183,80 @@ def llava_next_pictures(seed: int = 3) -> list:
 
     generator = np.random.default_rng(seed)
     return [generator.random((32, 64, 3)).astype("float32"), generator.random((64, 32, 3)).astype("float32")]
+
+
+MLLAMA_TILES = ([2], [4, 1])  # per example, its images' tiles: a 1 × 2, then a 2 × 2 and a 1 × 1 image
+MLLAMA_RATIOS = {2: 2, 4: 6, 1: 1}  # tiles → aspect_ratio_id (1 + index in supported_aspect_ratios)
+
+
+def make_mllama(seed: int = 0) -> nn.Module:
+    """A tiny Mllama: 16-pixel tiles of 2 × 2 patches (5 states each with the class token),
+    three text layers, the second cross-attending, its tanh gates opened (zero at
+    initialisation, which would shut the image out)."""
+    torch.manual_seed(seed)
+    config = tf.MllamaConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+                           image_size=16, patch_size=8, max_num_tiles=4, intermediate_layers_indices=[0], vision_output_dim=64),
+        text_config=dict(TEXT, num_hidden_layers=3, cross_attention_layers=[1], pad_token_id=0),
+        image_token_index=IMAGE,
+    )
+    model = tf.MllamaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                parameter.fill_(0.8)
+    return model
+
+
+def make_mllama_prompt(seed: int = 3) -> VLMPrompt:
+    """``[BOS, image, 5, 6, 10]`` and ``[BOS, image, 7, image, 8, 11]`` padded on the left,
+    their cross-attention mask as Mllama's processor builds it (each image seen from its
+    token on, up to the next image's), padding tiles and the missing image zero."""
+    from transformers.models.mllama.processing_mllama import convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask
+
+    rows = [[1, IMAGE, 5, 6, 10], [1, IMAGE, 7, IMAGE, 8, 11]]
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, length - len(row) :], mask[b, length - len(row) :] = torch.tensor(row), 1
+    spans = [get_cross_attention_token_mask(row.tolist(), IMAGE) for row in ids]
+    cross = convert_sparse_cross_attention_mask_to_dense(spans, [list(t) for t in MLLAMA_TILES], 4, length)
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(2, 2, 4, 3, 16, 16, generator=generator)
+    ratio_ids, ratio_mask = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, 4, dtype=torch.long)
+    for b, tiles in enumerate(MLLAMA_TILES):
+        for i, count in enumerate(tiles):
+            ratio_ids[b, i], ratio_mask[b, i, :count] = MLLAMA_RATIOS[count], 1
+    pixels *= ratio_mask[..., None, None, None]  # the processor's padding tiles are zeros
+    images = dict(pixel_values=pixels, aspect_ratio_ids=ratio_ids, aspect_ratio_mask=ratio_mask, cross_attention_mask=torch.as_tensor(cross))
+    return VLMPrompt(ids, mask, images)
+
+
+def mllama_with_answer(prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMPrompt:
+    """The prompt followed by the answer, each answer token seeing what the last prompt
+    token saw (as Mllama's ``generate`` extends the cross-attention mask)."""
+    cross = prompt.images["cross_attention_mask"]
+    images = dict(prompt.images, cross_attention_mask=torch.cat([cross] + [cross[:, -1:]] * answer.shape[1], dim=1))
+    return VLMPrompt(torch.cat([prompt.input_ids, answer], dim=1), torch.cat([prompt.attention_mask, torch.ones_like(answer)], dim=1), images)
+
+
+def mllama_states_real(prompt: VLMPrompt, per_tile: int = 5) -> torch.Tensor:
+    """``(B, images · tiles · per_tile)``: the vision states of real tiles of present images."""
+    real = prompt.images["aspect_ratio_mask"].bool() & (prompt.images["aspect_ratio_ids"] != 0)[..., None]
+    return real[..., None].expand(*real.shape, per_tile).flatten(1)
+
+
+def mllama_span_reference(model: nn.Module, prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMReference:
+    """The text model's self- and cross-attention in layer order (an eager twin's
+    ``output_attentions``) and their gradients for the answer's summed log-probabilities."""
+    sequence = mllama_with_answer(prompt, answer)
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    positions = (sequence.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = twin(input_ids=sequence.input_ids, attention_mask=sequence.attention_mask, position_ids=positions, output_attentions=True, **sequence.images)
+    length, k = sequence.input_ids.shape[1], answer.shape[1]
+    log_probs = out.logits[:, length - k - 1 : length - 1].log_softmax(dim=-1)
+    assert len(out.attentions) == 3 and out.attentions[1].shape[-1] != length, "self, cross, self"
+    grads = torch.autograd.grad(log_probs.gather(2, answer[..., None]).sum(), out.attentions)
+    return VLMReference([a.detach() for a in out.attentions], list(grads))

@@ -39,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from methods import METHODS, reference_grad_sam  # noqa: E402
-from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference  # noqa: E402
+from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference, cross_attending_reference  # noqa: E402
 from grid_reference import reduced_maps_and_grads, window_layers, window_maps_and_grads  # noqa: E402
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
@@ -135,6 +135,10 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     layers = inspect.signature(config_class.__init__).parameters.get("vision_feature_layer")
     if layers is not None and isinstance(layers.default, (list, tuple)):  # VipLLaVA's several layers, in the tiny tower
         kwargs["vision_feature_layer"] = [-2, -1]
+    if "cross_attention_layers" in accepted:  # Mllama's text model: its last tiny layer cross-attends
+        kwargs["cross_attention_layers"] = [TINY["num_hidden_layers"] - 1]
+    if "intermediate_layers_indices" in accepted:  # Mllama's tower: one intermediate layer of the tiny ones, beside its last
+        kwargs.update(intermediate_layers_indices=[0], vision_output_dim=2 * TINY["hidden_size"])
     if "fullatt_block_indexes" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
         kwargs["window_size"] = TINY["patch_size"] * 2
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
@@ -269,10 +273,12 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     patches and their grid where the model takes ``image_grid_thw``; the image and its one
     tile for LLaVA-NeXT's any-resolution tiles), after BOS, as many image tokens as the
     model's image features, then text; a family whose images come otherwise is not built."""
-    from captum_attention.capture.adapters.images import image_token_id
+    from captum_attention.capture.adapters.images import cross_attends_images, image_token_id
 
     vision = getattr(model.config, "vision_config", None)
     token = image_token_id(model.config)
+    if cross_attends_images(model):
+        return cross_attending_case(model, architecture, generator)
     if vision is None or token is None or not hasattr(model, "get_image_features"):
         raise NotBuilt("no vision config, image token or get_image_features: not a vision-language model of this sweep's kind")
     size = getattr(vision, "image_size", IMAGE_SIZE)
@@ -306,6 +312,27 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         images["mm_token_type_ids"] = (ids == token).long()
     if architecture.model_type in PREFIX_TOKEN_TYPES:
         images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
+    return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+
+
+def cross_attending_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
+    """Mllama's: one image of one tile (of ``max_num_tiles``), its token after BOS, every
+    later token seeing it (as its processor's cross-attention mask says); the tanh gates,
+    zero when built, opened so that the image reaches the output."""
+    vision = model.config.vision_config
+    tiles, size = int(vision.max_num_tiles), int(vision.image_size)
+    pixels = torch.zeros(1, 1, tiles, int(vision.num_channels), size, size)
+    pixels[:, :, 0] = torch.randn(pixels.shape[3:], generator=generator)
+    ids = torch.tensor([[1, VOCAB - 1, 5, 6, 7]])
+    cross = torch.zeros(1, ids.shape[1], 1, tiles, dtype=torch.long)
+    cross[:, 1:, :, 0] = 1
+    mask = torch.zeros(1, 1, tiles, dtype=torch.long)
+    mask[..., 0] = 1
+    images = {"pixel_values": pixels, "aspect_ratio_ids": torch.tensor([[1]]), "aspect_ratio_mask": mask, "cross_attention_mask": cross}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("_gate"):
+                parameter.fill_(0.5)
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
 
 
@@ -415,6 +442,8 @@ def reference(case: Case) -> Callable[[str], Any]:
             return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
         return seq2seq
+    if case.images is not None and "cross_attention_mask" in case.images:
+        return cross_attending_reference_of(case, out)
     if on_grids:  # Swin, SegFormer: every layer on the first stage's patches
         maps, grads = on_grids(case.model, case.keywords(), case.score)
         pairs, without_grads = list(zip(maps, grads)), False
@@ -441,6 +470,28 @@ def reference(case: Case) -> Callable[[str], Any]:
         return METHODS[method].reference(ref, lengths, query)  # type: ignore[misc]
 
     return stack
+
+
+def cross_attending_reference_of(case: Case, out: Any) -> Callable[[str], tuple[torch.Tensor, torch.Tensor]]:
+    """Mllama's references (``seq2seq_reference.py``): its self- and cross-attention in
+    layer order, at the last row, over the states of the image's one real tile."""
+    (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
+    tokens = case.inputs.shape[1]  # type: ignore[union-attr]
+    cross_keys = next(a.shape[-1] for a, _ in pairs if a.shape[-1] != tokens)
+    per_tile = cross_keys // case.images["aspect_ratio_mask"].shape[-1]  # type: ignore[index]
+    real = case.images["aspect_ratio_mask"].bool().repeat_interleave(per_tile, dim=-1).flatten(1)[0]  # type: ignore[index]
+    states = real.nonzero().flatten()
+    layers = [
+        ("decoder", a[0], g[0]) if a.shape[-1] == tokens else ("cross", a[0][..., states], g[0][..., states]) for a, g in pairs
+    ]
+
+    def scores(method: str) -> tuple[torch.Tensor, torch.Tensor]:
+        source, target = cross_attending_reference(method, layers, [tokens - 1])
+        placed = torch.zeros(len(real), dtype=torch.float64)
+        placed[states] = source
+        return placed[None], target[None]
+
+    return scores
 
 
 def explained_output(case: Case) -> float:

@@ -14,6 +14,7 @@ from .._compat import TargetType, UnsupportedModelError, format_additional_forwa
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
+from ..capture.adapters.images import cross_attends_images
 from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid, query_rows
@@ -154,8 +155,11 @@ class AttentionAttributionBase:
     ) -> ForwardRecord:
         """One forward through the capture, in the mode the runner decides."""
         adapter = resolve_adapter(self.model, self.adapter)
-        if adapter.is_encoder_decoder(self.model) and not self.spec.encoder_decoder:
-            raise ValueError(f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders.")
+        if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
+            raise ValueError(
+                f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders nor for a language "
+                "model cross-attending to image features (Mllama)."
+            )
         reason = self._eager_reason(adapter, effective, return_maps, options)
         return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)
 
@@ -177,6 +181,11 @@ class AttentionAttributionBase:
             check_gradients_possible()
             inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
             if options.get("through_vision_tower"):
+                if cross_attends_images(self.model):
+                    raise ValueError(
+                        f"through_vision_tower follows image tokens back into the vision tower; {type(self.model).__name__} "
+                        "cross-attends to its image features instead, and their relevance is the first of the pair it returns."
+                    )
                 additional_forward_args, pixels = with_pixel_leaf(
                     format_additional_forward_args(additional_forward_args), options.get("pixel_baselines", 0.0)
                 )

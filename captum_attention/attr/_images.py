@@ -33,7 +33,7 @@ def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear
 
 
 def image_scores(
-    model: nn.Module, input_ids: Tensor, scores: Tensor, image_inputs: Mapping[str, Any] | None = None
+    model: nn.Module, input_ids: Tensor, scores: Tensor | tuple[Tensor, Tensor], image_inputs: Mapping[str, Any] | None = None
 ) -> list[list[Tensor]]:
     r"""A vision-language model's token scores placed on each image's patch grid.
 
@@ -46,15 +46,22 @@ def image_scores(
     them on that grid. A family whose layout is not known gets its image tokens' scores in
     sequence order, with a warning, never a guessed grid.
 
+    Mllama reads its images by cross-attention, not as tokens: its methods return
+    ``(image-state scores, text scores)`` like an encoder-decoder's ``(source, target)``,
+    and the image-state scores are placed here, each image's tiles put back in place
+    (their class tokens left out).
+
     Args:
         model (nn.Module): the vision-language model explained.
         input_ids (Tensor): ``(batch, seq_len)`` token ids as the processor expanded them
             (one image token per token the image gives the language model).
-        scores (Tensor): ``(batch, seq_len)`` token scores, or ``(batch, rows, seq_len)``
-            token rows from ``attribute_continuation`` (``seq_len`` may extend past the
-            prompt's: the continuation holds no image tokens).
+        scores (Tensor or tuple): ``(batch, seq_len)`` token scores, or ``(batch, rows,
+            seq_len)`` token rows from ``attribute_continuation`` (``seq_len`` may extend
+            past the prompt's: the continuation holds no image tokens); Mllama's pair of
+            ``(image states, text)`` scores or rows.
         image_inputs (Mapping, optional): the image inputs passed to the model
-            (``image_grid_thw`` for Qwen2-VL). Default: None.
+            (``image_grid_thw`` for Qwen2-VL; ``aspect_ratio_ids`` and
+            ``aspect_ratio_mask`` for Mllama). Default: None.
 
     Returns:
         Per example, per image (per tile for Idefics3 and SmolVLM: the split image's tiles
@@ -68,6 +75,8 @@ def image_scores(
         >>> span = GradSAM(llava).attribute_span(input_ids, answer, additional_forward_args=inputs)
         >>> first_image = image_scores(llava, input_ids, span)[0][0]  # (24, 24) for LLaVA-1.5
     """
+    if isinstance(scores, tuple):  # Mllama's (image states, text): the states are placed
+        scores = scores[0]
     placed: list[list[Tensor]] = []
     unplaced = False
     for example, images in enumerate(image_token_layout(model, input_ids, image_inputs or {})):

@@ -140,6 +140,10 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         scores = []
         for roles in sides:
             calls = [i for i, role in enumerate(record.roles) if role in roles]
+            real = record.target_real if roles[0] == "self" else record.input_real
+            if not calls:  # no encoder: image features cross-attended are never queries
+                scores.append(torch.zeros(real.shape, device=real.device))
+                continue
             total = sum(
                 grad_sam_row_sums(
                     record.kernel_calls[i], output_grads[i], *record.real_of(record.roles[i]),
@@ -147,7 +151,6 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
                 )
                 for i in calls
             )
-            real = record.target_real if roles[0] == "self" else record.input_real
             scores.append(grad_sam_normalised(torch.as_tensor(total), [record.head_counts[i] for i in calls], real))
         return scores[0] if len(scores) == 1 else (scores[1], scores[0])
 
@@ -157,11 +160,14 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         """Each map credits its query tokens: encoder maps score the source, decoder self-
         and cross-attention maps (whose queries are target tokens) score the target."""
         _one_stack(record, axis)
-        role_maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
+        role_maps: dict[str, list[Tensor]] = {role: [] for role in dict.fromkeys(record.roles)}
         for head_mean, role in zip(record.result(GradMaps).maps, record.roles):
             role_maps[role] += grad_sam_layer_maps([head_mean], *record.real_of(role))
         heads = dict(zip(record.roles, record.head_counts))
-        source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.input_real)
+        if "encoder" in role_maps:
+            source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.input_real)
+        else:  # no encoder: image features cross-attended are never queries
+            source = torch.zeros(record.input_real.shape, device=record.input_real.device)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
         target = grad_sam_scores(target_maps, target_heads, record.target_real)

@@ -14,7 +14,7 @@ from captum.attr._core.llm_attr import DEFAULT_GEN_ARGS, BaseLLMAttribution
 from torch import Tensor
 
 from .._compat import pretty_tokens
-from ..capture.adapters.images import image_token_layout
+from ..capture.adapters.images import cross_attended_real, cross_attends_images, image_token_layout
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
 from ._images import grid_follows_image
@@ -124,7 +124,6 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             )
         prompt, mask, image_inputs = self._prompt(inp)
         answer = self._answer(inp, target, gen_args)
-        prompt_len = prompt.shape[1]
         features = _FeatureMap(inp, self.tokenizer, prompt, self.model, image_inputs)
         args = (mask, image_inputs) if image_inputs else (mask,)
         span = prompt_side(self.attr_method.attribute_span(prompt, answer[None], additional_forward_args=args, **kwargs))
@@ -133,9 +132,9 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             rows = prompt_side(self.attr_method.attribute_continuation(
                 prompt, answer[None], additional_forward_args=args, log_prob=True, **kwargs
             ))
-            token_attr = features.scores(rows[0, :, :prompt_len])
+            token_attr = features.scores(rows[0])
         return LLMAttributionResult(
-            seq_attr=features.scores(span[:, :prompt_len])[0],
+            seq_attr=features.scores(span)[0],
             token_attr=token_attr,
             input_tokens=list(inp.values),
             output_tokens=pretty_tokens(answer.cpu(), self.tokenizer),
@@ -213,15 +212,18 @@ class _FeatureMap:
             self.weights = _template_weights(inp, tokenizer, prompt)
 
     def scores(self, token_scores: Tensor) -> Tensor:
-        """``(rows, features)`` from ``(rows, tokens)``."""
-        summed = token_scores.detach().float().cpu() @ self.weights
+        """``(rows, features)`` from ``(rows, tokens)`` (the prompt's first, the answer's
+        after them unread)."""
+        summed = token_scores[..., : len(self.weights)].detach().float().cpu() @ self.weights
         return self.inp.format_attr(summed) if isinstance(self.inp, TextTemplateInput) else summed
 
 
 def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inputs: dict[str, Any]) -> Tensor:
     """``(tokens, segments)``: each image token's patch, the cell of its grid laid over
-    the whole image, shared among the segments by the fraction of its pixels each holds."""
+    the whole image, shared among the segments by the fraction of its pixels each holds;
+    for Mllama ``(image states, segments)``, its tiles' patches in their place."""
     (images,) = image_token_layout(model, prompt.cpu(), image_inputs)
+    read = cross_attended_real(model.config, image_inputs).shape[1] if cross_attends_images(model) else prompt.shape[1]
     grid = images[0].grid if len(images) == 1 else None
     if grid is None:
         raise ValueError(
@@ -238,13 +240,14 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
         )
     masks = torch.stack([mask.float() for mask in inp.get_mask_list()])[:, None]
     shares = F.adaptive_avg_pool2d(masks, (rows, columns)).reshape(len(masks), rows * columns)
-    weights = torch.zeros(prompt.shape[1], len(masks))
+    weights = torch.zeros(read, len(masks))  # over the prompt's tokens, or Mllama's image states
     weights[image.grid_positions.cpu()] = shares.t()
     return weights
 
 
 def prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-    """A decoder's scores, or an encoder-decoder's source scores (its prompt)."""
+    """A decoder's scores, or an encoder-decoder's source scores (its prompt); Mllama's
+    image-state scores, where its prompt's image is read."""
     return scores[0] if isinstance(scores, tuple) else scores
 
 

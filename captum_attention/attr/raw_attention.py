@@ -89,7 +89,9 @@ class RawAttention(AttentionAttributionBase, Attribution):
             $query_index
             layer (int, optional): which attention layer (negative counts from the end;
                 for an encoder-decoder, which decoder layer: its self-attention gives the
-                target scores, its cross-attention the source scores). Default: -1, the last.
+                target scores, its cross-attention the source scores; for Mllama, which of
+                its self-attention layers gives the text scores and which of its
+                cross-attention layers the image scores). Default: -1, the last.
             return_maps (bool, optional): also return every layer's head-mean attention.
                 Default: False.
             effective (bool, optional): effective attention instead (Brunner et al.,
@@ -113,21 +115,22 @@ class RawAttention(AttentionAttributionBase, Attribution):
         if not record.is_encoder_decoder:
             return raw_attention_row(record.kernel_calls[record.call_index(layer)], record.query_index, record.target_real)
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
-        chosen = decoder.call_index(layer)
         return (
-            raw_attention_row(cross.kernel_calls[chosen], record.query_index, record.input_real),
-            raw_attention_row(decoder.kernel_calls[chosen], record.query_index, record.target_real),
+            raw_attention_row(cross.kernel_calls[cross.call_index(layer)], record.query_index, record.input_real),
+            raw_attention_row(decoder.kernel_calls[decoder.call_index(layer)], record.query_index, record.target_real),
         )
 
     def _encoder_decoder_scores(
         self, record: ForwardRecord, layer: int = -1
     ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         decoder, cross = record.of_role("decoder"), record.of_role("cross")
-        chosen = decoder.call_index(layer)
         encoder = record.of_role("encoder")
         decoder_maps = raw_attention_maps(decoder.attn_maps, record.target_real)
         cross_maps = raw_attention_maps(cross.attn_maps, record.target_real, record.input_real)
         encoder_maps = raw_attention_maps(encoder.attn_maps, record.input_real)
-        scores = (query_rows(cross_maps[chosen], record.query_index), query_rows(decoder_maps[chosen], record.query_index))
+        scores = (
+            query_rows(cross_maps[cross.call_index(layer)], record.query_index),
+            query_rows(decoder_maps[decoder.call_index(layer)], record.query_index),
+        )
         maps = {"encoder": encoder_maps, "decoder": decoder_maps, "cross": cross_maps}
-        return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items()}
+        return scores, {role: torch.stack(role_maps, dim=1) for role, role_maps in maps.items() if role_maps}

@@ -20,8 +20,9 @@ on an exception or an interrupt. While active:
 - forward hooks on the adapter's input-embedding modules record their outputs (detached
   and requiring grad, so that the relevance is read there whatever the parameters'
   ``requires_grad``; no gradient reaches a parameter). A vision-language model's language
-  model's merged embeddings are recorded so too, where its relevance stops; or, carried
-  through the vision tower, the image inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
+  model's merged embeddings (and the image features Mllama's cross-attends to) are
+  recorded so too, where its relevance stops; or, carried through the vision tower, the
+  image inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
 
 Nothing global is patched; other threads run the model's functions unchanged (the mode
 is thread-local, and the hooks act only in the capturing thread).
@@ -75,7 +76,8 @@ _PRODUCTS = {
     torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm, Tensor.bmm,
 }
 """Products that take the uniform rule when both factors are activations: element-wise
-(gated MLPs) and matrix products (an eager attention's ``Q·Kᵀ`` and ``A·V``)."""
+(gated MLPs) and matrix products (an eager attention's ``Q·Kᵀ`` and ``A·V``). A factor of
+one element is a gate computed from parameters (Mllama's ``tanh(gate)``), a constant."""
 
 
 def _is_activation_tensor(value: Any) -> bool:
@@ -148,6 +150,7 @@ class RelevanceRules(Probe):
         self.through_vision_tower = through_vision_tower
         self.embeddings: list[Tensor] = []
         self.merged: list[Tensor] = []
+        self.sources: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._thread = threading.get_ident()
@@ -159,7 +162,7 @@ class RelevanceRules(Probe):
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
         self._thread = threading.get_ident()
-        self.embeddings, self.merged, self.depth = [], [], 0
+        self.embeddings, self.merged, self.sources, self.depth = [], [], [], 0
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
@@ -174,8 +177,10 @@ class RelevanceRules(Probe):
 
     def result(self) -> Embeddings:
         """The merged embeddings where the adapter names a module that read them (a
-        vision-language model's language model), else the input embeddings."""
-        return Embeddings(self.merged or self.embeddings)
+        vision-language model's language model), else the input embeddings; after the
+        image features a language model cross-attends to (Mllama's), as an
+        encoder-decoder's source comes before its target."""
+        return Embeddings(self.sources + (self.merged or self.embeddings))
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
         return self.attention(run_kernel)
@@ -213,19 +218,27 @@ class RelevanceRules(Probe):
         return passed_on if first is output else (passed_on, *output[1:])
 
     def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """The ``inputs_embeds`` the module is called with, detached and recorded."""
-        embeddings = kwargs.get("inputs_embeds")
-        if not isinstance(embeddings, Tensor) or not self._ours():
+        """The ``inputs_embeds`` the module is called with, and the image features it
+        cross-attends to (Mllama's ``cross_attention_states``), detached and recorded."""
+        if not self._ours():
             return None
-        return args, {**kwargs, "inputs_embeds": self._recorded(embeddings, self.merged)}
+        recorded = {}
+        if isinstance(embeddings := kwargs.get("inputs_embeds"), Tensor):
+            recorded["inputs_embeds"] = self._recorded(embeddings, self.merged)
+        tokens = next((value for value in (kwargs.get("input_ids"), embeddings) if isinstance(value, Tensor)), None)
+        if isinstance(features := kwargs.get("cross_attention_states"), Tensor) and tokens is not None:
+            # Mllama passes them per tile, (B·images·tiles, states, d); its attention reads (B, S, d)
+            recorded["cross_attention_states"] = self._recorded(features, self.sources, batch=tokens.shape[0])
+        return (args, {**kwargs, **recorded}) if recorded else None
 
     @staticmethod
-    def _recorded(embeddings: Tensor, into: list[Tensor]) -> Tensor:
-        """``embeddings`` detached, requiring grad and kept ``into``; what the model reads
-        in their place."""
-        leaf = embeddings.detach().requires_grad_()
+    def _recorded(embeddings: Tensor, into: list[Tensor], batch: int | None = None) -> Tensor:
+        """``embeddings`` detached, requiring grad (``(batch, -1, d)`` where ``batch`` is
+        given) and kept ``into``; what the model reads in their place."""
+        leaf = embeddings.detach()
+        leaf = (leaf if batch is None else leaf.reshape(batch, -1, leaf.shape[-1])).requires_grad_()
         into.append(leaf)
-        return leaf.clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
+        return leaf.view(embeddings.shape).clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
 
 
 class _RuleMode(ScopedFunctionMode):
@@ -245,7 +258,7 @@ class _RuleMode(ScopedFunctionMode):
         if self.relevance.depth > 0:
             result = func(*args, **kwargs)
             return result.detach() if func in (torch.rsqrt, Tensor.rsqrt) else result
-        if func in _PRODUCTS and len(args) == 2 and all(_is_activation_tensor(a) for a in args):
+        if func in _PRODUCTS and len(args) == 2 and all(_is_activation_tensor(a) and a.numel() > 1 for a in args):
             return func(rules.share_gradient(args[0], 0.5), rules.share_gradient(args[1], 0.5))
         if rules.gamma and func is F.linear and _is_activation_tensor(args[0]):
             return rules.linear(*args, **kwargs)

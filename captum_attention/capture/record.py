@@ -409,12 +409,16 @@ def record_forward(
     attn_maps = [] if streaming else [p.detach() for p in capture.attn_probs]
     shapes = [_shape(k) for k in kernel_calls] if streaming else [p.shape for p in attn_maps]
     roles = capture.roles
-    _check_attention(shapes, roles, batch, text_shape, [type(module).__name__ for module in capture.modules])
+    _check_attention(shapes, roles, batch, text_shape, [type(module).__name__ for module in capture.modules], adapter.is_encoder_decoder(model))
     if streaming and "pooling" in roles:
         raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
     source_real = None
-    if "cross" in roles:
+    if "cross" in roles and not adapter.is_encoder_decoder(model):  # a decoder cross-attending to image features
+        cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
+        source_real = real_tokens(capture.cross_attended_mask, batch, cross[-1], device)
+        target_real = real_tokens(capture.attention_mask, batch, cross[-2], device)
+    elif "cross" in roles:
         cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
         source_real = real_tokens(capture.attention_mask, batch, cross[-1], device)
         target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
@@ -596,9 +600,11 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor,
 
 
 def _check_attention(
-    shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None, names: list[str]
+    shapes: list[torch.Size], roles: list[str], batch: int, text_shape: tuple[int, int] | None, names: list[str],
+    encoder_decoder: bool,
 ) -> None:
-    """``names``: the class of each call's module."""
+    """``names``: the class of each call's module; ``encoder_decoder``: whether the model
+    has an encoder (a decoder cross-attending to image features has none)."""
     if not shapes:
         raise RuntimeError(
             "The forward pass ran no attention module of `model`: check that forward_func "
@@ -632,12 +638,13 @@ def _check_attention(
                 "module in ModuleAdapter(..., pooling=[module]))."
             )
     _check_pooling(roles)
-    _check_encoder_decoder(roles)
+    _check_encoder_decoder(roles, encoder_decoder)
 
 
-def _check_encoder_decoder(roles: list[str]) -> None:
-    """An encoder-decoder's capture holds each of its three kinds of attention."""
-    kinds = {"encoder", "decoder", "cross"}
+def _check_encoder_decoder(roles: list[str], encoder_decoder: bool) -> None:
+    """An encoder-decoder's capture holds each of its three kinds of attention (a decoder
+    cross-attending to image features, the two of its own)."""
+    kinds = {"encoder", "decoder", "cross"} if encoder_decoder else {"decoder", "cross"}
     if kinds & set(roles) and not kinds <= set(roles):
         missing = ", ".join(sorted(kinds - set(roles)))
         raise UnsupportedModelError(

@@ -37,7 +37,8 @@ class AttentionCapture:
     encoder-decoder). ``gradients(score)`` gives dS/dA for every call, exactly: it
     differentiates with respect to the very tensors that weighted the values.
     ``attention_mask`` (and ``decoder_attention_mask``) hold the padding masks the model
-    received, or None.
+    received, or None; ``cross_attended_mask`` the real states a decoder without an encoder
+    cross-attends to (Mllama's image features), or None.
 
     Args:
         model (nn.Module): the module holding the attention layers.
@@ -80,6 +81,7 @@ class AttentionCapture:
         self.track_grad = track_grad
         self.attention_mask: Tensor | None = None
         self.decoder_attention_mask: Tensor | None = None
+        self.cross_attended_mask: Tensor | None = None
         self._calls: list[_Call] = []
         self._open: list[_Call] = []
         self._mask_seen = False
@@ -113,7 +115,10 @@ class AttentionCapture:
 
     @property
     def roles(self) -> list[str]:
-        return [call.site.role for call in self._calls]
+        roles: list[str] = [call.site.role for call in self._calls]
+        if "decoder" in roles and "cross" not in roles and not self.adapter.is_encoder_decoder(self.model):
+            return ["self" if role == "decoder" else role for role in roles]  # Mllama given text only
+        return roles
 
     @property
     def causal(self) -> list[bool | None]:
@@ -265,7 +270,7 @@ class AttentionCapture:
         self._forward_context = None
         self.model_calls = 0
         self._thread = threading.get_ident()
-        self.attention_mask = self.decoder_attention_mask = None
+        self.attention_mask = self.decoder_attention_mask = self.cross_attended_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
         mode = "streaming" if self.streaming else "eager"
         refused = next((probe for probe in self.probes if mode not in probe.modes), None)
@@ -432,6 +437,7 @@ class AttentionCapture:
                     "nothing to attribute; drop them from the batch."
                 )
         self.attention_mask, self.decoder_attention_mask = masks.values()
+        self.cross_attended_mask = self.adapter.cross_attended_mask(module, args, kwargs)
 
 _PROTECTED = frozenset({AttentionCapture.__enter__.__code__, AttentionCapture.__exit__.__code__})
 """The capture's set-up and tear-down: an interrupt landing in them is delivered after."""

@@ -104,13 +104,15 @@ def encoder_decoder_rows(
     """Source and target scores of an encoder-decoder: the query rows of ``relevance``'s
     R^qs and R^qq (:func:`encoder_decoder_relevance` or :func:`encoder_decoder_rollout`)
     over the per-call ``(B, Q, K)`` maps (roles ``"encoder"``, ``"decoder"``, ``"cross"``
-    in forward order), and the maps stacked per role, ``(B, L, Q, K)``."""
+    in forward order; no ``"encoder"`` calls for a decoder cross-attending to image
+    features, whose R^ss stays I), and the maps stacked per role, ``(B, L, Q, K)``."""
     encoder_maps = [m for m, role in zip(layer_maps, roles) if role == "encoder"]
     decoder_side = [(m, role) for m, role in zip(layer_maps, roles) if role != "encoder"]
     target_self, target_source = relevance(encoder_maps, [m for m, _ in decoder_side], [r for _, r in decoder_side])
     scores = (query_rows(target_source, query_index), query_rows(target_self, query_index))
-    role_maps = {
+    role_maps: dict[str, Tensor] = {
         role: torch.stack([m for m, r in zip(layer_maps, roles) if r == role], dim=1)
         for role in ("encoder", "decoder", "cross")
+        if role in roles
     }
     return scores, role_maps

@@ -7,7 +7,7 @@ import inspect
 import threading
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from torch import Tensor, nn
@@ -16,7 +16,7 @@ from ..._compat import StreamingUnsupported, attn_implementation, implementation
 from ..guard import SharedPatch
 from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
-from .images import language_model_of
+from .images import CROSS_ATTENDED, cross_attended_real, language_model_of
 
 
 
@@ -210,6 +210,18 @@ class HuggingFaceAdapter(AdapterBase):
     def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         return bound_argument(module.forward, "decoder_attention_mask", args, kwargs)
 
+    def cross_attended_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """Mllama's: its images' real tiles (:func:`.images.cross_attended_real`), from the
+        ``aspect_ratio_ids`` and ``aspect_ratio_mask`` it is called with."""
+        config = getattr(module, "config", None)
+        if getattr(config, "model_type", None) not in CROSS_ATTENDED:
+            return None
+        names = ("aspect_ratio_ids", "aspect_ratio_mask")
+        image_inputs = {name: bound_argument(module.forward, name, args, kwargs) for name in names}
+        if any(value is None for value in image_inputs.values()):
+            return None  # a text-only call: no cross-attention runs
+        return cross_attended_real(config, image_inputs)
+
     streams = True
     propagates_relevance = True
 
@@ -255,11 +267,12 @@ class HuggingFaceAdapter(AdapterBase):
     def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
         """As the model's own ``_update_model_kwargs_for_generation`` extends them, one token
         at a time as ``generate`` calls it (PaliGemma marks generated tokens as its causal
-        suffix; the generic update repeats the last token type)."""
+        suffix; the generic update repeats the last token type; Mllama repeats the last
+        token's ``cross_attention_mask``)."""
         from transformers.utils import ModelOutput
 
         update: Callable[..., dict[str, Any]] | None = getattr(model, "_update_model_kwargs_for_generation", None)
-        generated = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length}
+        generated = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == prompt_length}
         if update is not None:
             for _ in range(new_tokens):
                 generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
@@ -292,7 +305,10 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
         return list(found.values())
     inside = set(language_model.modules())
     sites = [site for site in found.values() if site.module in inside]
-    if any(site.role == "cross" or _CROSS_STATES & set(inspect.signature(site.module.forward).parameters) for site in sites):
+    cross = [site.role == "cross" or bool(_CROSS_STATES & set(inspect.signature(site.module.forward).parameters)) for site in sites]
+    if any(cross) and getattr(model.config, "model_type", None) in CROSS_ATTENDED:
+        return [replace(site, role="cross" if is_cross else "decoder") for site, is_cross in zip(sites, cross)]
+    if any(cross):
         raise UnsupportedModelError(
             f"{type(model).__name__}'s language model reads the image through cross-attention layers, whose keys are "
             "the vision tower's outputs rather than tokens of its sequence: its answers are not explained yet."

@@ -23,6 +23,13 @@ config and image inputs:
 - ``llava_next``: per image two grids, the whole image resized, then its tiles' patches
   as one grid unpadded to the image's shape, each row followed by a newline feature.
 
+Mllama's language model does not read its images as tokens: its cross-attention layers
+attend to the vision tower's states, ``images × tiles × (class token + patches)`` per
+example (:func:`cross_attended_real` says which belong to an image's tiles). Its layout is
+over those states: per image one grid, its tiles' patches put back in place
+(``supported_aspect_ratios[aspect_ratio_ids - 1]`` tiles down and across, row by row, as
+its processor cut them), the tiles' class tokens outside it.
+
 A family missing here gets its image tokens' scores without a grid (and a one-line note),
 never a wrong grid.
 """
@@ -87,13 +94,17 @@ def image_token_id(config: Any) -> int | None:
 
 
 def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
-    """Per example, its images' tokens in order (see the module docstring).
+    """Per example, its images' tokens in order (see the module docstring); for a model
+    that cross-attends to its images (Mllama), its images' positions among the vision
+    states, ``input_ids`` unread.
 
     Raises:
         ValueError: the model names no image token, or the image tokens in ``input_ids``
             are not as many as its images' layout needs.
     """
     config = model.config
+    if cross_attends_images(model):
+        return _mllama_images(config, image_inputs)
     token = image_token_id(config)
     if token is None:
         raise ValueError(f"{type(model).__name__}'s config names no image token id: its image tokens cannot be found.")
@@ -261,6 +272,51 @@ _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]
 }
 """Per ``config.model_type``: the token count, grid and leading tokens of each image of
 each example."""
+
+
+CROSS_ATTENDED = frozenset({"mllama"})
+"""Families whose language model reads the images through cross-attention to the vision
+tower's states (the keys of its ``"cross"`` calls), not as tokens of its sequence."""
+
+
+def cross_attends_images(model: nn.Module) -> bool:
+    """Whether ``model``'s language model reads its images by cross-attention (Mllama)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in CROSS_ATTENDED
+
+
+def _mllama_tiles(config: Any, image_inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, int]:
+    """``aspect_ratio_ids`` ``(B, images)``, ``aspect_ratio_mask`` ``(B, images, tiles)``
+    (real tiles) and the states per tile (class token + patches)."""
+    ids, mask = image_inputs.get("aspect_ratio_ids"), image_inputs.get("aspect_ratio_mask")
+    if ids is None or mask is None:
+        raise ValueError("Mllama's images are placed by their aspect_ratio_ids and aspect_ratio_mask: pass the processor's image inputs.")
+    side = _side(config)
+    return torch.as_tensor(ids), torch.as_tensor(mask), side * side + 1
+
+
+def cross_attended_real(config: Any, image_inputs: Mapping[str, Any]) -> Tensor:
+    """Mllama: ``(B, S)`` bool, which of the vision states its cross-attention layers read
+    belong to a real tile of an image (not a padding tile, not a missing image)."""
+    ids, mask, per_tile = _mllama_tiles(config, image_inputs)
+    real = (mask != 0) & (ids != 0)[..., None]
+    return real.repeat_interleave(per_tile, dim=-1).flatten(1)
+
+
+def _mllama_images(config: Any, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
+    ids, mask, per_tile = _mllama_tiles(config, image_inputs)
+    side, tiles = _side(config), mask.shape[-1]
+    ratios = config.vision_config.supported_aspect_ratios
+    layouts: list[list[ImageTokens]] = []
+    for example_ids in ids.tolist():
+        layouts.append([])
+        for image, ratio_id in enumerate(example_ids):
+            if ratio_id == 0:
+                continue
+            down, across = ratios[ratio_id - 1]
+            first = (image * tiles + torch.arange(down * across)) * per_tile + 1  # each tile's first patch
+            patches = first.view(down, 1, across, 1) + (torch.arange(side)[:, None] * side + torch.arange(side))[None, :, None, :]
+            layouts[-1].append(ImageTokens(patches.flatten(), (down * side, across * side)))
+    return layouts
 
 
 def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, Any]) -> list[Tensor]:

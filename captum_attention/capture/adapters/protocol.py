@@ -149,6 +149,12 @@ class AttentionAdapter(Protocol):
         """Encoder-decoders: the target-side padding mask passed to ``module``, if any."""
         ...
 
+    def cross_attended_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """A decoder that cross-attends to states of no encoder of its own (Mllama's image
+        features): ``(batch, states)``, 1 for the real ones, read from the arguments of
+        one of ``mask_modules``; None for other models."""
+        ...
+
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
         """Context in which ``model`` exposes attention probabilities (``streaming=False``)
         or runs its attention through the ``sdpa`` attention function the streaming
@@ -255,6 +261,9 @@ class AdapterBase:
     def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         return None
 
+    def cross_attended_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        return None
+
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
         return nullcontext()
 
@@ -280,18 +289,21 @@ class AdapterBase:
 def extended_per_token(
     inputs: Mapping[str, Any], prompt_length: int, new_tokens: int, generated: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``inputs`` with each ``(batch, prompt_length)`` tensor extended by ``new_tokens``
-    columns: ``generated``'s entry where it holds the extended tensor, else ones (masks), or
-    zeros for ``mm_token_type_ids`` (generated tokens are text)."""
+    """``inputs`` with each ``(batch, prompt_length, ...)`` tensor extended by
+    ``new_tokens`` along its second axis: ``generated``'s entry where it holds the extended
+    tensor, else, for a ``(batch, prompt_length)`` one, ones (masks), or zeros for
+    ``mm_token_type_ids`` (generated tokens are text)."""
     extended = dict(inputs)
     for key, value in inputs.items():
-        if not (isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == prompt_length):
+        if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == prompt_length):
             continue
         grown = generated.get(key)
-        if not (isinstance(grown, Tensor) and tuple(grown.shape) == (value.shape[0], prompt_length + new_tokens)):
+        shape = (value.shape[0], prompt_length + new_tokens, *value.shape[2:])
+        if isinstance(grown, Tensor) and tuple(grown.shape) == shape:
+            extended[key] = grown
+        elif value.dim() == 2:
             tail = value.new_zeros if key.endswith("mm_token_type_ids") else value.new_ones
-            grown = torch.cat([value, tail(value.shape[0], new_tokens)], dim=1)
-        extended[key] = grown
+            extended[key] = torch.cat([value, tail(value.shape[0], new_tokens)], dim=1)
     return extended
 
 
