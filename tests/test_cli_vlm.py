@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, save_llava_checkpoint
+from vlm_models import IMAGE, save_llava_checkpoint, save_mllama_checkpoint
 
 from captum_attention import GradSAM, image_scores
 from captum_attention.presentation.cli import main
@@ -127,3 +127,38 @@ def test_a_family_of_unknown_layout_shows_the_images_summed_score_without_a_grid
     explanation = json.loads(report.read_text(encoding="utf-8"))
     assert explanation["image_grids"] == {} and "<image>" in explanation["prompt_tokens"]
     assert "data:image/png" not in html.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def mllama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm") / "mllama"
+    save_mllama_checkpoint(folder)
+    return folder
+
+
+def test_explain_mllamas_answer_its_image_read_by_cross_attention(mllama, tmp_path, capsys):
+    """A 20 × 40 image cut in two tiles: the grid is the tiles' 2 × 4 patches, the <image>
+    feature the image states' summed score beside its token's own; Grad-SAM, whose scores
+    follow queries, gives the states none and says so."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention import TransformerAttribution
+
+    image, report, html = _image(tmp_path, 40, 20), tmp_path / "answer.json", tmp_path / "answer.html"
+    assert main(["explain", "--model", str(mllama), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "grad_sam,transformer_attribution,attn_lrp", "--json", str(report), "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "image: every cell of its 2 × 4 grid scores 0" in out and out.count("image: peak at row") == 2
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert list(explanation["seq_attr"]) == ["Grad-SAM", "Transformer Attribution", "AttnLRP"], "no AttnLRP → pixels"
+    model = AutoModelForImageTextToText.from_pretrained(mllama, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(mllama, local_files_only=True)
+    inputs = dict(processor(text="<|image|> what is the cat", images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    states, text = TransformerAttribution(model).attribute_span(ids, torch.tensor([[26, 4]]), additional_forward_args=(mask, inputs))  # "is a"
+    (grid,) = image_scores(model, ids, (states, text), inputs)[0]
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Transformer Attribution"]), grid)
+    image_score = explanation["seq_attr"]["Transformer Attribution"][explanation["prompt_tokens"].index("<image>")]
+    torch.testing.assert_close(torch.tensor(image_score), text[0, : ids.shape[1]][ids[0] == IMAGE].sum() + states.sum())
+    page = html.read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 2 and "grid scores 0 under this method" in page

@@ -145,22 +145,26 @@ def vlm_span_reference(model: nn.Module, family: str, prompt: VLMPrompt, answer:
     return VLMReference([a.detach() for a in out.attentions], list(grads))
 
 
-def save_llava_checkpoint(folder) -> nn.Module:
-    """The tiny LLaVA saved with a processor (a word-level tokenizer whose ``<image>`` is
-    the image token, CLIP's image processor at 32 × 32): a checkpoint the command line loads."""
+def _word_tokenizer(image_token: str) -> Any:
+    """A word-level tokenizer of ``lm_models.WORDS`` whose ``image_token`` is the image token."""
     from lm_models import WORDS
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    vocabulary = {word: i for i, word in enumerate(WORDS)} | {f"w{i}": i for i in range(len(WORDS), IMAGE)} | {"<image>": IMAGE}
+    vocabulary = {word: i for i, word in enumerate(WORDS)} | {f"w{i}": i for i in range(len(WORDS), IMAGE)} | {image_token: IMAGE}
     core = Tokenizer(models.WordLevel(vocabulary, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = tf.PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", extra_special_tokens={"image_token": "<image>"}
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", extra_special_tokens={"image_token": image_token}
     )
+
+
+def save_llava_checkpoint(folder) -> nn.Module:
+    """The tiny LLaVA saved with a processor (a word-level tokenizer whose ``<image>`` is
+    the image token, CLIP's image processor at 32 × 32): a checkpoint the command line loads."""
     images = tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = tf.LlavaProcessor(
-        image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+        image_processor=images, tokenizer=_word_tokenizer("<image>"), patch_size=8, vision_feature_select_strategy="default",
         image_token="<image>", num_additional_image_tokens=1,
     )
     model = make_vlm("llava")
@@ -260,3 +264,14 @@ def mllama_span_reference(model: nn.Module, prompt: VLMPrompt, answer: torch.Ten
     assert len(out.attentions) == 3 and out.attentions[1].shape[-1] != length, "self, cross, self"
     grads = torch.autograd.grad(log_probs.gather(2, answer[..., None]).sum(), out.attentions)
     return VLMReference([a.detach() for a in out.attentions], list(grads))
+
+
+def save_mllama_checkpoint(folder) -> nn.Module:
+    """The tiny Mllama saved with its processor (the word-level tokenizer, ``<|image|>`` its
+    image token; Mllama's image processor cutting images into up to four 16-pixel tiles)."""
+    images = tf.MllamaImageProcessor(size={"height": 16, "width": 16}, max_image_tiles=4)
+    processor = tf.MllamaProcessor(image_processor=images, tokenizer=_word_tokenizer("<|image|>"))
+    model = make_mllama()
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model

@@ -14,6 +14,7 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 from .._compat import pretty_tokens
 from ..attr import METHODS, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
+from ..capture.adapters.images import cross_attends_images
 from .explain import INTEGRATED_GRADIENTS, MethodInfo
 
 
@@ -195,20 +196,21 @@ def explain_image_answer(
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
         if "attn_lrp" in chosen and has_grid else None
     )
+    image_column = _image_column(model, ids, features)
     for name in chosen:
         explainer = METHODS[name](model)
         start = time.perf_counter()
-        span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)[:, : ids.shape[1]]
+        span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)
         rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None
         display = _display(name)
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.spec.signed)
-        explanation.seq_attr[display] = (span[0].detach().float() @ features).tolist()
+        explanation.seq_attr[display] = _feature_scores(span, features, image_column)[0].tolist()
         if rows is not None:
-            explanation.token_attr[display] = (rows[0, :, : ids.shape[1]].detach().float() @ features).tolist()
+            explanation.token_attr[display] = _feature_scores(rows, features, image_column)[0].tolist()
         if has_grid:
-            explanation.image_grids[display] = image_scores(model, ids, span.detach().float(), inputs)[0][0].tolist()
-        if name == "attn_lrp" and grey is not None and _pixels_on_grid(model, grey, inputs):
+            explanation.image_grids[display] = image_scores(model, ids, span, inputs)[0][0].detach().float().tolist()
+        if name == "attn_lrp" and grey is not None and not cross_attends_images(model) and _pixels_on_grid(model, grey, inputs):
             _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
@@ -238,23 +240,36 @@ def _add_pixels(
     """AttnLRP through the vision tower against the ``reference`` pixels: the text tokens'
     scores, the ``<image>`` token's the pixels' summed relevance, and the first image's
     pixels' relevance summed per patch as the grid."""
-    from ..capture.adapters.images import image_token_id
-
-    image_column = features[ids[0] == image_token_id(explainer.model.config)].argmax(dim=1)[:1]
     start = time.perf_counter()
     options = {"additional_forward_args": args, "through_vision_tower": True, "pixel_baselines": reference}
     tokens, pixels = explainer.attribute_span(ids, answer_ids[None], **options)
     rows = explainer.attribute_continuation(ids, answer_ids[None], log_prob=True, **options) if per_token else None
     explanation.seconds[PIXELS] = time.perf_counter() - start
     explanation.methods[PIXELS] = MethodInfo(uses_target=True, signed=True)
-    scores = tokens[0, : ids.shape[1]].detach().float() @ features
-    explanation.seq_attr[PIXELS] = scores.index_add(0, image_column, pixels.detach().float().sum()[None]).tolist()
+    image_column = _image_column(explainer.model, ids, features)
+    explanation.seq_attr[PIXELS] = _feature_scores((pixels, tokens), features, image_column)[0].tolist()
     if rows is not None:
         row_tokens, row_pixels = rows
-        per_row = row_tokens[0, :, : ids.shape[1]].detach().float() @ features
-        per_row[:, image_column] += row_pixels[0].detach().float().flatten(1).sum(dim=1, keepdim=True)
-        explanation.token_attr[PIXELS] = per_row.tolist()
+        explanation.token_attr[PIXELS] = _feature_scores((row_pixels, row_tokens), features, image_column)[0].tolist()
     explanation.image_grids[PIXELS] = pixel_scores(explainer.model, pixels.detach(), args[1])[0].tolist()
+
+
+def _image_column(model: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The ``<image>`` feature of the prompt's first image token, ``(1,)``."""
+    from ..capture.adapters.images import image_token_id
+
+    return features[ids[0] == image_token_id(model.config)].argmax(dim=1)[:1]
+
+
+def _feature_scores(scores: Any, features: torch.Tensor, image_column: torch.Tensor) -> torch.Tensor:
+    """``(1, [rows,] features)``: the prompt tokens' scores summed per feature; for a pair
+    of ``(image relevance, token scores)`` (Mllama's image states, AttnLRP's pixels), the
+    image's summed relevance added to the ``<image>`` feature."""
+    image, tokens = scores if isinstance(scores, tuple) else (None, scores)
+    summed = tokens[..., : features.shape[0]].detach().float() @ features
+    if image is not None:
+        summed[..., image_column] += image.detach().float().reshape(*summed.shape[:-1], -1).sum(dim=-1, keepdim=True)
+    return summed
 
 
 def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torch.Tensor, list[str], list[bool]]:

@@ -305,6 +305,8 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
 
     scores = torch.tensor(grid)[None]
     rows, columns = scores.shape[1:]
+    if not bool(scores.any()):  # Grad-SAM on features no query reads (Mllama's image states)
+        return f'<p class="meaning">Every cell of the image\'s {rows} × {columns} grid scores 0 under this method.</p>'
     sign = "all" if info.signed else "absolute_value"
     if covers:
         image = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float64) / 255

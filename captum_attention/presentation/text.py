@@ -161,7 +161,9 @@ def _peak_cell(grid: list[list[float]], info: MethodInfo) -> str:
     """Where on the image's token grid a method's scores peak, and that cell's share of
     the image's scores."""
     values = [abs(v) if info.signed else v for row in grid for v in row]
-    peak = max(range(len(values)), key=values.__getitem__)
     total = sum(abs(v) for v in values)
-    share = f", {values[peak] / total:.0%} of the image's scores" if total > 0 else ""
+    if total == 0:
+        return f"image: every cell of its {len(grid)} × {len(grid[0])} grid scores 0"
+    peak = max(range(len(values)), key=values.__getitem__)
+    share = f", {values[peak] / total:.0%} of the image's scores"
     return f"image: peak at row {peak // len(grid[0])}, column {peak % len(grid[0])} of its {len(grid)} × {len(grid[0])} grid{share}"
