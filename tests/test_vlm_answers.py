@@ -418,6 +418,30 @@ def test_mllama_given_text_only_is_explained_as_its_self_attention_stack(method)
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("shape, changed, cell", [((16, 32), (8, 16), (1, 2)), ((32, 32), (16, 8), (2, 1))])
+def test_mllamas_image_states_land_where_its_processor_cut_the_tiles(shape, changed, cell):
+    """Mllama's own image processor tiles a picture; one 8 × 8 patch of it changed, the
+    tower's attention kept from mixing patches, changes one state, which image_scores puts
+    at that patch's cell of the image's grid (a 16 × 32 picture: 1 × 2 tiles; 32 × 32: 2 × 2)."""
+    import transformers as tf
+
+    model = _not_mixing_patches(make_mllama())
+    processor = tf.MllamaImageProcessor(size={"height": 16, "width": 16}, max_image_tiles=4, do_rescale=False)
+    picture = np.random.default_rng(0).random((*shape, 3)).astype("float32")
+    edited = picture.copy()
+    edited[changed[0] : changed[0] + 8, changed[1] : changed[1] + 8] = 1.0 - edited[changed[0] : changed[0] + 8, changed[1] : changed[1] + 8]
+    states = []
+    for image in (picture, edited):
+        inputs = {k: v for k, v in processor(images=[[image]], return_tensors="pt").items() if k != "num_tiles"}
+        with torch.no_grad():
+            vision = model.model.vision_model(**inputs).last_hidden_state
+            states.append(model.model.multi_modal_projector(vision).reshape(1, -1, model.config.text_config.hidden_size))
+    moved = (states[1] - states[0]).norm(dim=-1)
+    one_hot = torch.zeros_like(moved).scatter(1, moved.argmax(dim=1, keepdim=True), 1.0)
+    (grid,) = image_scores(model, torch.tensor([[1, IMAGE]]), (one_hot, torch.zeros(1, 2)), inputs)[0]
+    assert divmod(int(grid.argmax()), grid.shape[1]) == cell and grid.sum() == 1
+
+
 def test_mllama_refuses_what_it_cannot_explain_in_one_line():
     model, prompt = make_mllama(), make_mllama_prompt()
     with pytest.raises(ValueError, match="through_vision_tower") as refused:
