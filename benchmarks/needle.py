@@ -1,7 +1,7 @@
 """A needle in a long context, with a known answer: which method points at it, and at what cost?
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
-        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--json out.json]
+        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--json out.json]
 
 The task and the model are :mod:`captum_attention.demo.needle`'s: a context of filler
 words holding 8 key-value pairs (``k3=v7``, one token each), then ``?`` and a key; the
@@ -15,7 +15,9 @@ the same answer with the needle removed, and there no segment is decisive), top-
 top-3 log-probability drop and LDS (:mod:`captum_attention.metrics.context`; segments:
 each pair, each run of up to 32 filler words), and its time per example (memory:
 ``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
-``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1). The peers, on the first
+``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--estimated K`` adds
+``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
+AttnLRP ranks highest deleted exactly). The peers, on the first
 ``--peer-examples`` of them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)``
 over the segments (a ``TextTemplateInput``, removed segments deleted),
 ``LLMGradientAttribution(LayerIntegratedGradients)`` over the tokens (50 steps), and
@@ -49,7 +51,7 @@ import transformers as tf
 from captum_attention import METHODS
 from captum_attention.attr import REGISTRY
 from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
-from captum_attention.metrics import calibrated_scores, linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.metrics import calibrated_scores, leave_one_out_estimates, linear_datamodeling_score, top_k_log_prob_drop
 
 Attribution = Callable[[NeedleExample], torch.Tensor]
 """``attribute(example) -> (length,)`` token scores whose segment sums rank the segments."""
@@ -75,6 +77,19 @@ def calibrated(model: tf.LlamaForCausalLM, forwards: int) -> Attribution:
         prompt = e.input_ids[None]
         return calibrated_scores(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), prior(e)[None],
                                  e.segments[None], num_ablations=forwards, seed=1)[0]
+
+    return attribute
+
+
+def estimated(model: tf.LlamaForCausalLM, exact: int) -> Attribution:
+    """``metrics.leave_one_out_estimates``: KnockoutGradient's first-order effects, the
+    ``exact`` segments AttnLRP ranks highest deleted exactly."""
+    first_order, prior = our_method(model, "knockout_gradient"), our_method(model, "attn_lrp")
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt = e.input_ids[None]
+        return leave_one_out_estimates(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), first_order(e)[None],
+                                       prior(e)[None], e.segments[None], exact=exact)[0]
 
     return attribute
 
@@ -215,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
                         "e.g. norm_attention)")
     parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
+    parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
     parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
@@ -243,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in options.methods
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
+        runs += [(f"leave-one-out estimates, {k} exact", lambda k=k: estimated(model, k), correct) for k in options.estimated]
         runs += [(name, lambda name=name: peers[name](model), correct[: options.peer_examples]) for name in options.peers]
         decides = [needle_decides(model, e) for e in correct]
         for label, make, examples in runs if correct else []:

@@ -14,6 +14,7 @@ from captum_attention.metrics import (
     MetricContext,
     calibrated_scores,
     leave_one_out_agreement,
+    leave_one_out_estimates,
     linear_datamodeling_score,
     top_k_log_prob_drop,
 )
@@ -96,6 +97,34 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         sizes = torch.stack([(seg == s).sum() for s in range(count)])
         torch.testing.assert_close(scores[b, real][seg >= 0], (expected / sizes)[seg[seg >= 0]].float(), rtol=1e-4, atol=1e-5)
         assert bool((scores[b, real][seg < 0] == 0).all())
+
+
+def test_leave_one_out_estimates_delete_the_priors_top_segments_by_hand_and_keep_the_first_order_rest():
+    model, prompts, first_order = _case(5)
+    prior = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(6))
+    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    args = (model, prompts.input_ids, prompts.attention_mask, ANSWER, first_order, prior, segments)
+    scores = leave_one_out_estimates(*args, exact=2)
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], segments[b, real]
+        count = int(seg.max()) + 1
+        magnitude = torch.tensor([float(prior[b, real][seg == s].sum()) for s in range(count)]).abs()
+        chosen = magnitude.argsort(descending=True)[:2].tolist()
+        full = _log_prob(model, prompt, ANSWER[b])
+        for s in range(count):
+            got = scores[b, real][seg == s]
+            if s in chosen:  # deleted by hand, spread evenly
+                effect = full - _log_prob(model, prompt[seg != s], ANSWER[b])
+                torch.testing.assert_close(got, torch.full_like(got, effect / len(got)), rtol=1e-4, atol=1e-5)
+            else:
+                torch.testing.assert_close(got, first_order[b, real][seg == s])
+        assert bool((scores[b, real][seg < 0] == 0).all()) and bool((scores[b][~prompts.real[b]] == 0).all())
+    torch.testing.assert_close(leave_one_out_estimates(*args, exact=0), first_order.masked_fill(segments < 0, 0.0))
+    every = leave_one_out_estimates(*args, exact=3)
+    assert leave_one_out_agreement(model, prompts.input_ids, prompts.attention_mask, ANSWER, every, segments).min() > 0.999
+    with pytest.raises(ValueError, match="exact must be"):
+        leave_one_out_estimates(*args, exact=-1)
 
 
 def test_an_example_scores_the_same_alone_and_in_a_padded_batch():

@@ -26,6 +26,7 @@ from torch import Tensor
 from .kernel import KernelCall, live_rows
 from .common import check_head_fusion, fuse_heads, query_weights
 from .grad_sam import check_axis
+from .knockout import knockout_terms
 
 
 _LOG = logging.getLogger(__name__)
@@ -221,6 +222,19 @@ def grad_sam_row_sums(
     for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
     return sums.masked_fill_(~real_queries, 0.0)
+
+
+def knockout_column_sums(
+    call: KernelCall, grad_output: Tensor, real_queries: Tensor, real_keys: Tensor, shape: Shape
+) -> Tensor:
+    """``(B, K)`` Σ_m Σ_i of :func:`~captum_attention.maps.knockout.knockout_terms` per key
+    column j over the real queries, the non-real keys' columns 0: one call's share of the
+    first-order knockout effect of each key."""
+    total = torch.zeros(real_keys.shape, device=real_keys.device)
+    for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
+        terms = knockout_terms(call.probs(rows, heads), call.grad_probs(grad_output, rows, heads))
+        total[:, : terms.shape[-1]] += torch.einsum("bhrk,br->bk", terms, real_queries[:, rows].float())
+    return total.masked_fill_(~real_keys, 0.0)
 
 
 def relevance_rows_into(

@@ -4,6 +4,7 @@ from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adve
 from .agreement import kendall_tau, spearman
 from .context import (
     calibrated_scores,
+    leave_one_out_estimates,
     leave_one_out_agreement,
     linear_datamodeling_score,
     random_ablations,
@@ -58,6 +59,7 @@ __all__ = [
     "attention_permutation",
     "attention_ranking",
     "calibrated_scores",
+    "leave_one_out_estimates",
     "HeadWeights",
     "decision_flip_fraction",
     "fit_head_weights",

@@ -327,6 +327,58 @@ def calibrated_scores(
     return per_token.masked_fill(~removable, 0.0).float()
 
 
+def leave_one_out_estimates(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    first_order: Tensor,
+    prior: Tensor,
+    segments: Tensor | None = None,
+    exact: int = 2,
+    max_batch_size: int = 64,
+) -> Tensor:
+    r"""Each segment's leave-one-out effect :math:`\log p(a \mid x) - \log p(a \mid x
+    \setminus s)`, exact for the ``exact`` segments ``prior`` ranks highest and first-order
+    for the rest: Feature Ablation's scores for ``exact`` forwards instead of one per
+    segment.
+
+    The first-order effects (``first_order``: :class:`~captum_attention.KnockoutGradient`'s
+    span scores, one forward and backward) rank the many small effects as deleting does,
+    but flatten the large ones, where the attention on a segment or the answer's
+    probability saturates; a one-pass attribution that finds those (``prior``: AttnLRP's
+    span scores, ranked by magnitude) names which segments to delete exactly.
+
+    The other arguments are :func:`linear_datamodeling_score`'s; ``first_order`` and
+    ``prior`` are ``(B, N)`` token scores of the same answer.
+
+    Returns:
+        ``(B, N)`` float32 token scores: the first-order ones, and each exactly deleted
+        segment's effect spread evenly over its tokens; 0 at the tokens never removed and
+        at padding.
+    """
+    if exact < 0:
+        raise ValueError(f"exact must be a number of segments, 0 or more, got {exact}.")
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    if tuple(first_order.shape) != tuple(input_ids.shape):
+        raise ValueError(f"first_order has shape {tuple(first_order.shape)} but the prompts are {tuple(input_ids.shape)}.")
+    ranked = scorer.segment_scores(prior).abs().masked_fill(~scorer.present, -1.0)
+    chosen = ranked.argsort(dim=1, descending=True)[:, :exact]
+    rows = torch.arange(len(input_ids), device=chosen.device)[:, None].expand_as(chosen)
+    picked = scorer.present.gather(1, chosen)
+    rows, chosen = rows[picked], chosen[picked]
+    removed = torch.zeros(len(rows), scorer.present.shape[1], dtype=torch.bool, device=chosen.device)
+    removed[torch.arange(len(rows)), chosen] = True
+    effects = scorer.original[rows] - scorer.log_probs(rows, removed) if len(rows) else scorer.original[:0]
+    removable = scorer.segments >= 0
+    scores = first_order.detach().float().masked_fill(~removable, 0.0)
+    sizes = torch.zeros(scorer.present.shape, device=removable.device).scatter_add_(1, scorer.segments.clamp(min=0), removable.float())
+    for row, segment, effect in zip(rows.tolist(), chosen.tolist(), effects.float().tolist()):
+        tokens = scorer.segments[row] == segment
+        scores[row, tokens] = effect / float(sizes[row, segment])
+    return scores
+
+
 def calibrated_surrogate(kept: Tensor, outcomes: Tensor, prior: Tensor, ridge: float) -> Tensor:
     r"""``(S,)`` float64 :math:`\alpha p + \delta` of :func:`calibrated_scores` for one
     example: ``kept`` ``(A, S)`` 0/1, ``outcomes`` ``(A,)``, ``prior`` ``(S,)``; the intercept
