@@ -92,6 +92,33 @@ def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
         assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
 
 
+def test_leave_one_out_estimates_are_a_method_of_the_answers_run(llm, seq2seq, tmp_path, capsys):
+    """Its rows are the metrics of ``leave_one_out_estimates`` over KnockoutGradient's and
+    AttnLRP's spans, computed directly; an encoder-decoder refuses it in one line."""
+    from captum_attention import AttnLRP, KnockoutGradient
+    from captum_attention.loading import load_causal_lm
+    from captum_attention.metrics import leave_one_out_estimates
+
+    data, output = _data(tmp_path, count=2), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "leave_one_out_estimates", "--max-new-tokens", "3",
+                 "--output", str(output)]) == 0
+    rows = _rows(output)
+    assert [row["method"] for row in rows] == ["leave_one_out_estimates"] * 2
+    model, tokenizer = load_causal_lm(llm)
+    example = read_answers(data)[0][0]  # a prompt without segments: each token its own, BOS kept
+    ids = tokenizer(example.text, return_tensors="pt").input_ids
+    answer = tokenizer(rows[0]["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+    mask, prompt = torch.ones_like(ids), slice(0, ids.shape[1])
+    segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])
+    first_order = KnockoutGradient(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, prompt]
+    prior = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, prompt]
+    scores = leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments)
+    assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "leave_one_out_estimates", "--output",
+                 str(tmp_path / "s2s")]) == 1
+    assert "leave_one_out_estimates explain one self-attention stack" in capsys.readouterr().err
+
+
 def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
     """BART: each answer explained over the source (the span's source side), the metrics
     deleting source segments and reading the decoder's log-probabilities; rows equal the

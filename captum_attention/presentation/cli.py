@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
-                          "integrated_gradients, smoothgrad, shap")
+                          "integrated_gradients, smoothgrad, shap; for a language model's answers, "
+                          "leave_one_out_estimates")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,

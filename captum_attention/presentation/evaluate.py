@@ -29,7 +29,7 @@ from torch import Tensor
 from ..attr.llm import prompt_side
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext
-from ..metrics.context import answer_log_probs
+from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import ReportMethod, ig_baseline, length_limit, method_names, report_methods
@@ -323,6 +323,20 @@ def _number(value: Tensor) -> float | None:
     return None if math.isnan(number) else number
 
 
+ESTIMATES = "leave_one_out_estimates"
+"""The answers' method that is no attribution class:
+:func:`~captum_attention.metrics.leave_one_out_estimates` (KnockoutGradient's first-order
+effects, the two segments AttnLRP ranks highest deleted exactly)."""
+
+
+def answer_method_names() -> list[str]:
+    """What ``methods=`` accepts for a language model's answers: every registered method,
+    and :data:`ESTIMATES`."""
+    from ..attr import REGISTRY
+
+    return [*REGISTRY, ESTIMATES]
+
+
 def answer_metric_names() -> list[str]:
     """What ``metrics=`` accepts for a language model's answers: the registered metrics of
     ``task="generation"`` (:data:`captum_attention.metrics.METRICS`)."""
@@ -361,23 +375,24 @@ def evaluate_answers(
     from ..attr import REGISTRY
 
     options = options or AnswerOptions()
-    _check_names("method", methods, list(REGISTRY))
+    _check_names("method", methods, answer_method_names())
     _check_names("metric", metrics, answer_metric_names())
     if getattr(model.config, "is_encoder_decoder", False):
-        single = [name for name in methods if not REGISTRY[name].spec.encoder_decoder]
+        single = [name for name in methods if name == ESTIMATES or not REGISTRY[name].spec.encoder_decoder]
         if single:
             raise ValueError(f"{', '.join(single)} explain one self-attention stack, not an encoder-decoder's answers: leave them out.")
-    explainers = {name: REGISTRY[name](model) for name in methods}
+    needed = {name for name in methods if name != ESTIMATES} | ({"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set())
+    explainers = {name: REGISTRY[name](model) for name in needed}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
-        lambda example: _evaluate_answer(model, tokenizer, example, explainers, metrics, options), process_index,
+        lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options), process_index,
         num_processes, progress, on_resume,
     )
 
 
 def _evaluate_answer(
-    model: Any, tokenizer: Any, example: AnswerExample, explainers: dict[str, Any], metrics: Sequence[str],
-    options: AnswerOptions,
+    model: Any, tokenizer: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
+    metrics: Sequence[str], options: AnswerOptions,
 ) -> list[dict[str, Any]]:
     device = next(model.parameters()).device
     encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
@@ -389,10 +404,21 @@ def _evaluate_answer(
     segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
     context = MetricContext(model, keep, None, segments)
     log_prob = float(answer_log_probs(model, ids, mask, answer)[0])
+    spans: dict[str, Tensor] = {}
+
+    def span_of(name: str) -> Tensor:
+        if name not in spans:
+            span = prompt_side(explainers[name].attribute_span(ids, answer, additional_forward_args=(mask,)))
+            spans[name] = span[:, : ids.shape[1]].float().detach()
+        return spans[name]
+
     rows = []
-    for name, explainer in explainers.items():
-        span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(mask,)))
-        scores = span[:, : ids.shape[1]].float().detach()
+    for name in methods:
+        if name == ESTIMATES:
+            removable = segments if segments is not None else torch.arange(ids.shape[1], device=device)[None].masked_fill(keep, -1)
+            scores = leave_one_out_estimates(model, ids, mask, answer, span_of("knockout_gradient"), span_of("attn_lrp"), removable)
+        else:
+            scores = span_of(name)
         values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
         rows.append({
             "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
