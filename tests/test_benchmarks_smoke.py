@@ -138,3 +138,19 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     assert f"| 48 | 2 | context_cite | {peer['lds']:.2f} |" in printed
     estimated = needle.evaluate(model, needle.estimated(model, 1), examples[:1])
     assert estimated["examples"] == 1 and len(estimated["each"]["lds"]) == 1
+
+
+def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(benchmarks_on_path):
+    """On an untrained recall model: one sequence's LDS for each method, in [-1, 1] (NaN
+    where a method's scores are constant)."""
+    import recall_estimates
+    import torch
+
+    from captum_attention.demo.recall import RecallTraining, _new_model, recall_batch
+
+    model = _new_model(0).eval()
+    batch = recall_batch(1, RecallTraining(), seed=0)
+    ids, answer = batch.input_ids[:, : int(batch.answer_positions[0, 0])], batch.answers[:, :1]
+    found = recall_estimates.sequence_lds(model, ids, answer)
+    assert list(found) == ["AttnLRP", "KnockoutGradient", "estimates, 1 exact", "estimates, 2 exact", "leave-one-out (every pair deleted)"]
+    assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
