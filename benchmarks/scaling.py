@@ -55,7 +55,7 @@ from common import (  # noqa: E402
     peak_rss_growth,
 )
 
-from captum_attention import ALTI, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
+from captum_attention import ALTI, KnockoutGradient, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
 from captum_attention.maps import streaming  # noqa: E402
 from captum_attention.metrics import attention_erasure  # noqa: E402
 
@@ -65,7 +65,8 @@ ZEROING = ValueZeroing.__name__  # one re-run of each layer per token: measured 
 LEARNED = LearnedAttention.__name__  # uniform weights (a fit's cost is its own): measured where --runs names it
 CONTRIBUTIONS = ALTI.__name__  # O(H·N²·D) per layer: measured where --runs names it
 NORM_RESIDUAL = "NormAttention(residual=True)"  # one re-run of the chosen layer: measured where --runs names it
-ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL]
+KNOCKOUT = KnockoutGradient.__name__  # one forward and backward, as Grad-SAM: measured where --runs names it
+ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -122,6 +123,7 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     runs[NORM_RESIDUAL] = lambda: NormAttention(model, capture="streaming").attribute(
         ids, additional_forward_args=(mask,), residual=True
     )
+    runs[KNOCKOUT] = lambda: KnockoutGradient(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
     return runs
 
 
