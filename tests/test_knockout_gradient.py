@@ -1,7 +1,7 @@
 """KnockoutGradient: each token's first-order knockout effect, checked against the
 attention and gradients of an eager twin (``output_attentions``, ``autograd.grad``), and
-against what it estimates: the slope of the answer's log-probability when the token's
-keys are lowered in every call (a bias on its logits through the model's own mask)."""
+against what it estimates: the slope of the explained logit when the token's keys are
+lowered in every call (a bias on its logits through the model's own mask)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_span_equals_the_reference_of_the_summed_log_probability(decoder):
 
 def test_it_is_the_slope_of_the_log_probability_in_a_bias_on_the_tokens_keys():
     """A left-padded Llama, eager: a 4-D float mask (causal, padding) plus ε on key j's
-    column in every call; d log p / dε at 0 is token j's score."""
+    column in every call; d logit / dε at 0 is token j's score."""
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     scores = KnockoutGradient(model, capture="eager").attribute(prompts.input_ids, target=4, additional_forward_args=(prompts.attention_mask,))
     length = prompts.input_ids.shape[1]
