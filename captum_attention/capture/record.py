@@ -414,14 +414,15 @@ def record_forward(
         raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
     source_real = None
-    if "cross" in roles and not adapter.is_encoder_decoder(model):  # a decoder cross-attending to image features
+    if "cross" in roles:
         cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
-        source_real = real_tokens(capture.cross_attended_mask, batch, cross[-1], device)
-        target_real = real_tokens(capture.attention_mask, batch, cross[-2], device)
-    elif "cross" in roles:
-        cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
-        source_real = real_tokens(capture.attention_mask, batch, cross[-1], device)
-        target_real = real_tokens(capture.decoder_attention_mask, batch, cross[-2], device)
+        source_mask, target_mask = (
+            (capture.attention_mask, capture.decoder_attention_mask)
+            if adapter.is_encoder_decoder(model)
+            else (capture.cross_attended_mask, capture.attention_mask)  # a decoder cross-attending to image features
+        )
+        source_real = real_tokens(source_mask, batch, cross[-1], device)
+        target_real = real_tokens(target_mask, batch, cross[-2], device)
     else:
         target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
     causal, prefix = _causality(capture, attn_maps, target_real, _generates(model))
