@@ -10,16 +10,35 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from .._compat import UnsupportedModelError
-from ..capture import RecordedBlocks, RecordedValues
+from .._compat import TargetType, UnsupportedModelError
+from ..capture import LogProbTarget, RecordedBlocks, RecordedValues
+from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual
-from ..maps import alti_contributions, head_vectors, normalised_mixing, transformed_vectors
+from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing, transformed_vectors
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
 on the CPU, 512 MiB on a card (whose blocks of a few rows each would leave it idle)."""
+
+
+@dataclass
+class LogitReads:
+    """The logits explained: token ``tokens[b, k]`` at position ``positions[b, k]`` of a
+    language model's logits, or class ``tokens[b, 0]`` of a classifier's (positions 0)."""
+
+    positions: Tensor
+    tokens: Tensor
+
+
+def logit_reads(record: ForwardRecord, target: TargetType | LogProbTarget) -> LogitReads:
+    """The logits ``target`` names: an answer's tokens at their positions, else the
+    target class or token at the explained query (the predicted one by default)."""
+    if isinstance(target, LogProbTarget):
+        return LogitReads(target.positions, target.tokens)
+    tokens = resolve_targets(record.explained_logits(), target)
+    return LogitReads(last_query(record.query_index)[:, None], tokens[:, None])
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,16 +15,8 @@ from ..capture.record import ForwardRecord
 from ..capture.residual import FinalReadout, FinalStates
 from ..maps import last_query, logit_direction, logit_rollout
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import all_pre_norm, alti_matrices, attention_row_at, call_head_vectors
+from ._decomposed import LogitReads, logit_reads, all_pre_norm, alti_matrices, attention_row_at, call_head_vectors
 from ._registry import MethodSpec
-
-
-@dataclass
-class LogitReads:
-    """The logits explained: token ``tokens[b, k]`` at position ``positions[b, k]``."""
-
-    positions: Tensor
-    tokens: Tensor
 
 
 class ALTILogit(AttentionAttributionBase, Attribution):
@@ -95,12 +86,7 @@ class ALTILogit(AttentionAttributionBase, Attribution):
                 f"ALTI-Logit explains a language model's next-token logit; {type(self.model).__name__} returns "
                 f"{tuple(record.logits.shape)} logits, not (batch, seq_len, vocab)."
             )
-        if isinstance(target, LogProbTarget):
-            reads = LogitReads(target.positions, target.tokens)
-        else:
-            tokens = resolve_targets(record.explained_logits(), target)
-            reads = LogitReads(last_query(record.query_index)[:, None], tokens[:, None])
-        return super()._explained(record, target, retain_graph).with_result(reads)
+        return super()._explained(record, target, retain_graph).with_result(logit_reads(record, target))
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         mixing = alti_matrices(self.model, record, "ALTI-Logit")

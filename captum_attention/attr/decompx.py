@@ -1,0 +1,150 @@
+"""DecompX as a Captum attribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from captum.attr import Attribution
+from torch import Tensor
+
+from .._compat import TargetType, UnsupportedModelError
+from ..capture import LogProbTarget, Probe
+from ..capture.decomposition import LinearisationPoints, Points, share_outputs
+from ..capture.inputs import QueryIndex
+from ..capture.record import ForwardRecord
+from ..capture.runner import resolve_adapter
+from ._base import AttentionAttributionBase, Scores, attribute_method
+from ._decomposed import LogitReads, attention_rows, logit_reads
+from ._registry import MethodSpec
+
+
+@dataclass
+class ModelCall:
+    """The explained forward's inputs and further arguments, for the forward on the shares."""
+
+    inputs: tuple[Tensor, ...]
+    additional_forward_args: Any
+
+
+class DecompX(AttentionAttributionBase, Attribution):
+    r"""DecompX: each input token's share of the explained logit, carried through every layer.
+
+    Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, "DecompX: Explaining
+    Transformers Decisions by Propagating Token Decomposition", ACL 2023
+    (https://arxiv.org/abs/2306.02873). Every hidden state is kept as a sum of one vector
+    per input token, :math:`x_i = \sum_k x_{i,k}` (in the first layer, :math:`x_{i,k} =
+    \delta_{ik} x_i`), and each module is applied to the shares as the linear map it is
+    at the forward's own point: attention at its probabilities, each norm at its token's
+    statistics, each activation at its zero-origin slope :math:`\mathrm{act}(z)/z`
+    (``GeLU_ZO``; the pooler's ``tanh`` the same way), each bias shared among the tokens
+    by the absolute dot products of their shares with it (``absdot``). The classifier
+    head (pooler included) or the final norm and unembedding follow the last layer, so
+    that token k's score is its share of the explained logit,
+
+    .. math::
+
+        r_k = z_{i,k}[w], \qquad \sum_k r_k = z_i[w] .
+
+    The scores are signed, in logit units, and add up to the logit (checked: a module that
+    bends the states without being linearised, an activation written as a function or a
+    logit cap, is refused in one line). A gated feed-forward (Llama's
+    :math:`\mathrm{act}(W_g x) \odot W_u x`) holds the activation at its value and shares
+    :math:`W_u x`, as the attention holds its probabilities and shares the values; the
+    authors' code covers BERT and RoBERTa, and the rest is this generalisation. An
+    answer's span sums its tokens' logits (not their log-probabilities, whose normaliser is
+    no sum over tokens).
+
+    Cost: one forward of :math:`N + 1` rows per example (a zero input, which carries the
+    value bias, and one row per token's share), through the model's own modules with the
+    attention held at the explained forward's probabilities: about :math:`N` forwards of
+    compute, and :math:`N^2 D_{ff}` numbers at the widest point per example. It suits
+    short inputs (a classifier's sentence, a prompt of a few hundred tokens). It runs
+    inside transformers' sdpa attention, so it needs a family that streams; either
+    capture mode records the probabilities. Registered (``"decompx"``), not in the
+    reports.
+
+    Args:
+        $constructor_args
+
+    Example::
+
+        >>> scores = DecompX(model).attribute(input_ids, target=1, additional_forward_args=(mask,))
+        >>> scores.shape  # (batch, seq_len): each token's share of class 1's logit
+    """
+
+    spec = MethodSpec("decompx", "DecompX", encoder_decoder=False, signed=True, reads_query_row=False, in_reports=False)
+
+    @attribute_method
+    def attribute(
+        self,
+        inputs: Tensor | tuple[Tensor, ...],
+        target: TargetType = None,
+        additional_forward_args: Any = None,
+        query_index: QueryIndex = None,
+        return_maps: Literal[False] = False,
+    ) -> Scores:
+        r"""Each token's share of the target logit.
+
+        Args:
+            $inputs
+            $target
+            $additional_forward_args
+            $query_index
+            return_maps (bool, optional): the method carries shares, not per-layer maps;
+                True is an error. Default: False.
+
+        $returns
+        """
+        if return_maps:
+            raise ValueError("DecompX carries each token's share of the logit, not maps: leave return_maps=False.")
+        return self._explain(inputs, target, additional_forward_args, query_index, False)
+
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        return [*super()._probes(effective, **options), LinearisationPoints()]
+
+    def _forward(self, inputs: tuple[Tensor, ...], additional_forward_args: Any, *args: Any) -> ForwardRecord:
+        record = super()._forward(inputs, additional_forward_args, *args)
+        return record.with_result(ModelCall(inputs, additional_forward_args))
+
+    def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
+        return super()._explained(record, target, retain_graph).with_result(logit_reads(record, target))
+
+    def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
+        if self.model.training:
+            raise ValueError("DecompX re-runs the model, which dropout would change: call model.eval().")
+        call = record.result(ModelCall)
+        tokens = record.target_real.shape[1]
+        probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
+        outputs = share_outputs(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
+                                call.additional_forward_args, record.result(Points), probs)
+        reads = record.result(LogitReads)
+        shares = _read(outputs, reads)
+        _check_sum(shares.sum(dim=1), _read(record.logits.detach().float()[:, None], reads)[:, 0])
+        return shares[:, 1:].to(record.target_real.device), []
+
+    def _streamed_scores(self, record: ForwardRecord) -> Scores:
+        return self._scores(record)[0]
+
+
+def _read(logits: Tensor, reads: LogitReads) -> Tensor:
+    """``(B, S)``: the read logits of ``(B, S, C)`` classifier or ``(B, S, T, V)`` language
+    model logits, summed over an answer's tokens."""
+    tokens = reads.tokens.to(logits.device)
+    if logits.dim() == 3:
+        return logits.gather(2, tokens[:, None, :].expand(-1, logits.shape[1], -1)).sum(dim=-1)
+    batch = torch.arange(logits.shape[0], device=logits.device)[:, None, None]
+    rows = torch.arange(logits.shape[1], device=logits.device)[None, :, None]
+    return logits[batch, rows, reads.positions.to(logits.device)[:, None, :], tokens[:, None, :]].sum(dim=-1)
+
+
+def _check_sum(total: Tensor, logits: Tensor) -> None:
+    """Refuse in one line where the shares do not add up to the logits."""
+    scale = logits.abs().amax().clamp(min=1.0)
+    gap = (total - logits).abs().amax()
+    if gap > 1e-3 * scale:
+        raise UnsupportedModelError(
+            f"DecompX's shares add up to logits {gap.item():.3g} away from the model's: some module bends the states "
+            "without being linearised (an activation written as a function, a logit cap)."
+        )

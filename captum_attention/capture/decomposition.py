@@ -1,0 +1,372 @@
+"""A model run on its input tokens' shares (DecompX), read from the model's own modules.
+
+:class:`LinearisationPoints` records, during the explained forward and from its first
+layer on, what every norm and activation computed. :func:`share_outputs` then runs the
+model once more on a batch of ``1 + N`` rows per example: a zero input (which carries the
+value bias) and each token's share, the first layer's input being each token's own state
+alone. Hooks make each module the linear map it was at the recorded point
+(:mod:`captum_attention.maps.decompx`): the attention at the forward's probabilities, a
+norm at its statistics, an activation at its zero-origin slope (in a gated feed-forward,
+where the activation multiplies another projection, the activation is held at its
+value), a linear map's bias shared by ``absdot``. Modules inside the attention (query,
+key and value projections, their norms) run as they are: the attention reads only the
+values. Whatever else bends the states (an activation written as a function, a logit
+cap) is not linearised, and the shares no longer add up to the logits: the method checks
+that they do and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+import transformers.activations
+from torch import Tensor, nn
+
+from .._compat import StreamingUnsupported, UnsupportedModelError, run_forward
+from ..maps import LinearNorm
+from ..maps.decompx import attended_shares, distribute_bias, zero_origin_slope
+from .adapters import AttentionAdapter
+from .inputs import take_rows
+from .guard import ScopedFunctionMode
+from .kernel import KernelInterception
+from .probes import Probe
+from .residual import linear_norm
+
+_NOT_ACTIVATIONS = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d, nn.MultiheadAttention, nn.GLU)
+
+
+def _activation_classes() -> tuple[type, ...]:
+    """transformers' activation modules and torch's element-wise ones."""
+    named = [value[0] if isinstance(value, tuple) else value for value in transformers.activations.ACT2CLS.values()]
+    elementwise = [cls for cls in vars(nn.modules.activation).values()
+                   if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == nn.modules.activation.__name__
+                   and not issubclass(cls, _NOT_ACTIVATIONS)]
+    return tuple({cls for cls in [*named, *elementwise] if isinstance(cls, type)})
+
+
+FUNCTIONS = 0
+"""The key under which :class:`Points` keeps the activation functions called outside
+activation modules (a classifier head's ``torch.tanh``, an inline ``nn.ReLU()``)."""
+
+_ACTIVATION_FUNCTIONS = frozenset({
+    torch.tanh, Tensor.tanh, F.tanh, torch.relu, Tensor.relu, F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu,
+    F.leaky_relu, F.hardswish, torch.sigmoid, Tensor.sigmoid, F.sigmoid,
+})
+
+
+@dataclass
+class ModelModules:
+    """What the share forward hooks: the layers, in order, the attention modules, and
+    each leaf module's kind (``"norm"``, ``"activation"``, ``"linear"``, or
+    ``"projection"``: an attention's output projection) by ``id`` (modules inside the
+    attention have none), with the modules of a kind in ``hooked``."""
+
+    blocks: list[nn.Module]
+    sites: list[nn.Module]
+    kinds: dict[int, str]
+    hooked: list[nn.Module]
+
+
+def model_modules(model: nn.Module, adapter: AttentionAdapter) -> ModelModules:
+    """The layers and the module kinds of ``model``; a refusal in one line where the
+    adapter does not pair each attention with its layer."""
+    sites = [site.module for site in adapter.attention_sites(model)]
+    find = getattr(adapter, "layer_block", None)
+    blocks = [find(model, site) if find else None for site in sites]
+    if not blocks or any(block is None for block in blocks):
+        raise UnsupportedModelError(
+            f"DecompX runs {type(model).__name__} layer by layer, but its adapter does not name each attention's layer (layer_block)."
+        )
+    inside = {id(module) for site in sites for module in site.modules()}
+    projections = {weight.data_ptr() for site in sites if (weight := adapter.output_projection(model, site)) is not None}
+    activations = _activation_classes()
+    kinds: dict[int, str] = {}
+    hooked: list[nn.Module] = []
+    for module in model.modules():
+        if next(module.children(), None) is not None or isinstance(module, nn.Embedding):
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, Tensor) and weight.data_ptr() in projections:
+            kinds[id(module)] = "projection"
+        elif "norm" in type(module).__name__.lower():  # inside the attention too: a norm after its output (ALBERT)
+            kinds[id(module)] = "norm"
+        elif id(module) in inside:
+            continue
+        elif isinstance(module, activations):
+            kinds[id(module)] = "activation"
+        elif isinstance(weight, Tensor) and weight.dim() == 2:
+            kinds[id(module)] = "linear"
+        if id(module) in kinds:
+            hooked.append(module)
+    return ModelModules([block for block in blocks if block is not None], sites, kinds, hooked)
+
+
+@dataclass
+class Seen:
+    """One call of a module: its input, its output (norms, activations, and linear maps
+    inside a layer) and the layer it ran in (None outside the layers)."""
+
+    inputs: Tensor
+    output: Tensor | None
+    layer: int | None
+
+
+@dataclass
+class Points:
+    """What each module computed in the explained forward, from its first layer on: per
+    module ``id`` (activation functions under :data:`FUNCTIONS`), per call, its input and
+    output (norms and activations) or its input (linear maps, to tell a gated
+    feed-forward)."""
+
+    modules: ModelModules
+    seen: dict[int, list[Seen]] = field(default_factory=dict)
+
+    def gated(self, activation: int, call: int) -> bool:
+        """Whether an activation's call in a layer gates a gated feed-forward: its output
+        times another linear map's output is what a linear map of the same layer takes
+        (Llama's ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
+        seen = self.seen[activation][call]
+        if seen.layer is None or seen.output is None:
+            return False
+        linear = [entry for module, kind in self.modules.kinds.items() if kind == "linear"
+                  for entry in self.seen.get(module, []) if entry.layer == seen.layer]
+        return any(
+            taken.inputs.shape == seen.output.shape == other.output.shape
+            and torch.allclose(taken.inputs, seen.output * other.output, rtol=1e-4, atol=1e-6)
+            for taken in linear for other in linear if other.output is not None
+        )
+
+
+def _hidden_argument(args: tuple, kwargs: dict) -> tuple[Tensor, Callable[[Tensor], tuple[tuple, dict]]]:
+    """A layer's hidden states (its first positional argument, else ``hidden_states``)
+    and how to call it with others instead."""
+    if args and isinstance(args[0], Tensor):
+        return args[0], lambda states: ((states, *args[1:]), kwargs)
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return kwargs["hidden_states"], lambda states: (args, {**kwargs, "hidden_states": states})
+    raise UnsupportedModelError("DecompX could not find a layer's hidden states among its arguments.")
+
+
+ModuleHook = Callable[[int, nn.Module | None, Tensor, Tensor, int | None], Any]
+"""``(key, module, input, output, layer)``, the module None for an activation function,
+the layer None outside the layers; returns the output to use instead, or None."""
+
+
+class _ActivationFunctions(ScopedFunctionMode):
+    """Hands the element-wise activation functions called outside the hooked activation
+    modules and the attention to ``on_call`` (this thread only)."""
+
+    def __init__(self, state: dict[str, int], on_call: ModuleHook) -> None:
+        super().__init__()
+        self.state, self.on_call = state, on_call
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func not in _ACTIVATION_FUNCTIONS or self.state["layer"] < 0 or self.state["inside"] > 0:
+            return output
+        if not (args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
+            return output
+        replaced = self.on_call(FUNCTIONS, None, args[0], output, _layer(self.state))
+        return output if replaced is None else replaced
+
+
+def _layer(state: dict[str, int]) -> int | None:
+    """The index of the layer running, or None between layers (the head)."""
+    return state["layer"] if state["in_layer"] > 0 else None
+
+
+def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHook,
+                      on_block: Callable[[int, tuple, dict], Any] | None = None) -> None:
+    """From the first layer's call on: ``on_call`` after every module of a kind and every
+    activation function outside them, ``on_block`` (the layer's index, its arguments)
+    before every layer's call."""
+    state = {"layer": -1, "inside": 0, "in_layer": 0}
+    blocks, first = {id(block) for block in modules.blocks}, modules.blocks[0]
+
+    def before_block(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if state["layer"] >= 0 or block is first:
+            state["layer"] += 1
+            state["in_layer"] += 1
+            return on_block(state["layer"], args, kwargs) if on_block is not None else None
+        return None
+
+    def after_block(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        state["in_layer"] = max(0, state["in_layer"] - 1)
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        state["inside"] += 1
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        state["inside"] -= 1
+
+    def after(module: nn.Module, args: tuple, output: Any) -> Any:
+        if state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
+            return None
+        if not isinstance(output, Tensor):
+            raise UnsupportedModelError(
+                f"DecompX cannot write {type(module).__name__} as a linear map of the tokens' shares: it returns "
+                f"{type(output).__name__}, not states (a mixture of experts' router)."
+            )
+        return on_call(id(module), module, args[0], output, _layer(state))
+
+    for block in modules.blocks:
+        if id(block) in blocks:
+            blocks.discard(id(block))
+            stack.callback(block.register_forward_pre_hook(before_block, with_kwargs=True).remove)
+            stack.callback(block.register_forward_hook(after_block, with_kwargs=True, always_call=True).remove)
+    for module in modules.hooked:
+        stack.callback(module.register_forward_hook(after).remove)
+    for module in [*modules.sites, *(m for m in modules.hooked if modules.kinds[id(m)] == "activation")]:
+        stack.callback(module.register_forward_pre_hook(enter).remove)
+        stack.callback(module.register_forward_hook(leave, always_call=True).remove)
+    stack.enter_context(_ActivationFunctions(state, on_call))
+
+
+class LinearisationPoints(Probe):
+    """Records :class:`Points` in the explained forward (both capture modes)."""
+
+    def __init__(self) -> None:
+        self._points: Points | None = None
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        modules = model_modules(model, adapter)
+        points = self._points = Points(modules)
+
+        def keep(key: int, module: nn.Module | None, inputs: Tensor, output: Tensor, layer: int | None) -> None:
+            kept = module is None or modules.kinds[key] != "linear" or layer is not None
+            points.seen.setdefault(key, []).append(Seen(inputs.detach(), output.detach() if kept else None, layer))
+
+        _from_first_layer(modules, stack, keep)
+
+    def result(self) -> Points:
+        assert self._points is not None
+        return self._points
+
+
+class _Cursor:
+    """Each module's recorded calls, handed out in the order the share forward calls it."""
+
+    def __init__(self, points: Points) -> None:
+        self.points = points
+        self.calls: dict[int, int] = {}
+
+    def next(self, key: int, module: nn.Module | None) -> tuple[int, Tensor, Tensor | None]:
+        call = self.calls.get(key, 0)
+        seen = self.points.seen.get(key, [])
+        if call >= len(seen):
+            name = "an activation function" if module is None else type(module).__name__
+            raise UnsupportedModelError(f"The forward on the tokens' shares called {name} more often than the explained forward did.")
+        self.calls[key] = call + 1
+        return call, seen[call].inputs, seen[call].output
+
+    def check_done(self) -> None:
+        if any(self.calls.get(module, 0) != len(seen) for module, seen in self.points.seen.items()):
+            raise UnsupportedModelError("The forward on the tokens' shares did not call the model's modules as the explained forward did.")
+
+
+def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
+    """``norm``'s linear map at its statistics ``(B, ...)`` on ``shares`` ``(B, S, ..., D)``,
+    its bias shared by ``absdot``."""
+    if norm.centred:
+        shares = shares - shares.mean(dim=-1, keepdim=True)
+    shares = shares * norm.weight * norm.scale[:, None, ..., None]
+    return shares if norm.bias is None else distribute_bias(shares, norm.bias)
+
+
+def share_outputs(
+    model: nn.Module,
+    adapter: AttentionAdapter,
+    forward_func: Callable[..., Any],
+    inputs: tuple[Tensor, ...],
+    additional_forward_args: Any,
+    points: Points,
+    probs: list[Tensor],
+) -> Tensor:
+    """``(B, 1 + N, ...)``: the model's output on a zero input (index 0) and on each of the
+    ``N`` input tokens' shares, from one forward of ``B·(1 + N)`` rows.
+
+    Args:
+        model: the model, in eval mode.
+        adapter: its adapter.
+        forward_func: called as Captum calls it, returning the logits.
+        inputs: the explained forward's inputs ``(B, N, ...)``.
+        additional_forward_args: its further arguments.
+        points: the explained forward's :class:`Points`.
+        probs: per attention call, ``(B, H, N, N)`` float32 probabilities.
+    """
+    batch, tokens = inputs[0].shape[:2]
+    shares = 1 + tokens
+    rows = torch.arange(batch, device=inputs[0].device).repeat_interleave(shares)
+    cursor, kinds = _Cursor(points), points.modules.kinds
+    layer_input: list[Tensor] = []
+    kernel_calls = [0]
+
+    def by_share(tensor: Tensor) -> Tensor:
+        return tensor.reshape(batch, shares, *tensor.shape[1:])
+
+    def on_block(index: int, args: tuple, kwargs: dict) -> Any:
+        states, called_with = _hidden_argument(args, kwargs)
+        if index > 0:
+            layer_input[:] = [by_share(states)]
+            return None
+        own = torch.eye(tokens, device=states.device, dtype=states.dtype)
+        own = torch.cat([torch.zeros_like(own[:1]), own])[None, :, :, None]  # share k holds token k's state alone
+        first = by_share(states) * own
+        layer_input[:] = [first]
+        return called_with(first.reshape(states.shape))
+
+    def on_call(key: int, module: nn.Module | None, computed_from: Tensor, output: Tensor, layer: int | None) -> Tensor | None:
+        kind = "activation" if module is None else kinds[key]
+        call, seen_input, seen_output = cursor.next(key, module)
+        if kind == "norm":
+            assert module is not None and seen_output is not None
+            shaped = _shaped_norm(linear_norm(module, seen_input, seen_output), by_share(computed_from).float())
+        elif kind == "activation":
+            assert seen_output is not None
+            if points.gated(key, call):
+                shaped = seen_output.float()[:, None].expand(batch, shares, *seen_output.shape[1:])
+            else:
+                shaped = by_share(computed_from).float() * zero_origin_slope(seen_input.float(), seen_output.float())[:, None]
+        else:
+            bias = getattr(module, "bias", None)
+            bias = bias.detach().float() if isinstance(bias, Tensor) else None
+            computed = by_share(output).float()
+            if kind == "linear":
+                if bias is None:
+                    return None
+                shaped = distribute_bias(computed - bias, bias)
+            else:  # the output projection: the zero input's row is the values' and the projection's bias
+                joined = computed[:, :1]
+                attended = computed[:, 1:] - (bias if bias is not None else 0.0)
+                shared = distribute_bias(attended, joined, by=attended + layer_input[0][:, 1:].float())
+                shaped = torch.cat([torch.zeros_like(joined), shared], dim=1)
+        return shaped.reshape(output.shape).to(output.dtype)
+
+    def on_kernel(module: nn.Module, call: Any, run_kernel: Any) -> Tensor:
+        index = kernel_calls[0]
+        kernel_calls[0] += 1
+        if index >= len(probs) or call.value.shape[2] != tokens:
+            raise UnsupportedModelError("DecompX expects one self-attention call over the tokens per layer.")
+        values = by_share(call.value.float())
+        mixed = attended_shares(probs[index].to(values.device), values, call.groups, first_layer=index == 0)
+        return mixed.reshape(batch * shares, *mixed.shape[2:]).to(call.value.dtype)
+
+    repeated = take_rows(inputs, rows, batch, min_dim=2)
+    extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
+    try:
+        with ExitStack() as stack, torch.no_grad():
+            stack.enter_context(adapter.prepared(model, streaming=True))
+            stack.enter_context(KernelInterception(on_kernel))
+            _from_first_layer(points.modules, stack, on_call, on_block)
+            output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
+    except StreamingUnsupported as reason:
+        raise UnsupportedModelError(f"DecompX holds the attention at its probabilities inside transformers' sdpa attention, which {reason}.") from None
+    cursor.check_done()
+    if kernel_calls[0] != len(probs):
+        raise UnsupportedModelError(f"The forward on the tokens' shares made {kernel_calls[0]} attention calls, the explained one {len(probs)}.")
+    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
+    return by_share(logits.detach().float())

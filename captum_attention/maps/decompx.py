@@ -1,0 +1,73 @@
+r"""DecompX: every hidden state as a sum of its input tokens' shares (pure tensor math).
+
+Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, "DecompX: Explaining Transformers
+Decisions by Propagating Token Decomposition", ACL 2023. Token i's state is kept as
+:math:`x_i = \sum_k x_{i,k}`, one vector per input token k, and carried through every
+module as the linear map the module is at the forward's own point:
+
+- attention at its probabilities: :math:`\sum_j \alpha_{ij} W_O W_V x_{j,k}`;
+- a norm at its token's statistics, :math:`\gamma \odot P(x_{i,k})\, s_i`
+  (:class:`~captum_attention.maps.LinearNorm`);
+- an activation neuron by neuron at its zero-origin slope,
+  :math:`x_{i,k} \cdot \mathrm{act}(z_i) / z_i` with :math:`z_i` the actual
+  pre-activation (the authors' ``GeLU_ZO``; their pooler's ``tanh`` the same way);
+- a linear map as itself, its bias :math:`b` shared among the tokens by the absolute
+  dot products of their shares with it (the authors' ``absdot``,
+  :func:`distribute_bias`).
+
+The value projection's bias is carried into the output projection's,
+:math:`b = W_O b_V + b_O` (the probabilities of a row sum to one), and shared at the
+residual sum by the shares of attention and residual together; in the first layer, where
+every token is its own share, each token's value keeps its bias. The shares add up to
+the model's logits exactly, bias included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DOT_FLOOR = 1e-12
+"""What the authors add to the sum of the absolute dot products, and to the
+pre-activation they divide by."""
+
+
+def distribute_bias(shares: Tensor, bias: Tensor, by: Tensor | None = None) -> Tensor:
+    r"""``shares`` ``(B, K, ..., F)`` with ``bias`` (broadcastable to them) added, token k
+    taking :math:`|\langle y_k, b\rangle| / (\sum_{k'} |\langle y_{k'}, b\rangle| + 10^{-12})`
+    of it, with :math:`y` the shares themselves or ``by`` (the authors'
+    ``bias_decomposer``, ``absdot``; at the residual sum, by attention and residual
+    together)."""
+    weights = ((shares if by is None else by) * bias).sum(dim=-1, keepdim=True).abs()
+    weights = weights / (weights.sum(dim=1, keepdim=True) + DOT_FLOOR)
+    return shares + weights * bias
+
+
+def zero_origin_slope(pre_activation: Tensor, activation: Tensor) -> Tensor:
+    r""":math:`\mathrm{act}(z) / (z + 10^{-12})` neuron by neuron (the authors' ``GeLU_ZO``
+    and ``tanh`` ``ZO``)."""
+    return activation / (pre_activation + DOT_FLOOR)
+
+
+def attended_shares(probs: Tensor, values: Tensor, groups: int, first_layer: bool) -> Tensor:
+    r"""``(B, 1 + K, Q, H, Dv)``: the attention output of each share, the kernel's layout.
+
+    Args:
+        probs: ``(B, H, Q, K)`` the forward's attention probabilities.
+        values: ``(B, 1 + K, H / groups, K, Dv)`` the values of a zero input (index 0:
+            the value bias :math:`b_V` at every key) and of each token's share (which the
+            bias joined).
+        groups: query heads per key-value head.
+        first_layer: each token is its own share, and its value keeps the bias.
+
+    The zero input's output is the bias's, :math:`\sum_j \alpha_{ij} b_V` (0 in the first
+    layer, where the tokens hold it); each share's is its values less the bias, mixed.
+    """
+    bias = values[:, :1]
+    shares = values[:, 1:] - bias
+    if first_layer:
+        own = torch.eye(shares.shape[1], device=values.device, dtype=values.dtype)[None, :, None, :, None]
+        shares = shares + own * bias
+        bias = torch.zeros_like(bias)
+    mixed = torch.cat([bias, shares], dim=1).repeat_interleave(groups, dim=2)
+    return torch.einsum("bhqk,bchkd->bcqhd", probs.to(mixed.dtype), mixed)

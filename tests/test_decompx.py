@@ -1,0 +1,268 @@
+"""DecompX (Modarressi et al., ACL 2023) against recomputations written from the authors'
+code (``mohsenfayyaz/DecompX``, ``src/modeling_bert.py`` with the paper's configuration:
+biases included and shared by ``absdot``, both norms, the feed-forward with ``GeLU_ZO``,
+``vector`` aggregation, the pooler's ``tanh`` at its zero-origin slope, the classifier):
+each example's real tokens through an eager copy's attentions and hidden states, module
+by module, with the attribution vectors of shape ``(tokens, tokens, hidden)``. The
+pre-norm language models (GPT-2, Llama, which the authors' code does not cover) follow
+the same rules, written out the same way: each norm's bias shared by ``absdot`` where it
+is added, the value bias in the first layer kept by each token and later carried into the
+output projection's, Llama's gated feed-forward with the activation held."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import answer_rows, make_decoder, make_prompts, make_encoder_decoder, make_word_tokenizer, one_stack_case
+
+from captum_attention import DecompX, UnsupportedModelError
+from captum_attention.attr import METHODS, REGISTRY
+
+
+def _share_bias(vectors, bias, by=None):
+    """The authors' ``bias_decomposer`` (``absdot``) over the token axis -2."""
+    weights = torch.einsum("...kd,...d->...k", vectors if by is None else by, bias).abs()
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-12)
+    return vectors + weights[..., None] * bias
+
+
+def _norm_shares(vectors, states, norm, centred: bool):
+    """The authors' ``ln_decomposer``: each share centred (LayerNorm), divided by the
+    token's standard deviation (or root mean square) of ``states``, times γ; β shared."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if centred:
+        spread = (states - states.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+        vectors = vectors - vectors.mean(-1, keepdim=True)
+    else:
+        spread = states.pow(2).mean(-1, keepdim=True)
+    normed = vectors / (spread[..., None, :] + eps).sqrt() * norm.weight
+    bias = getattr(norm, "bias", None)
+    return normed if bias is None else _share_bias(normed, bias)
+
+
+def _positions(model, mask) -> dict:
+    """A decoder's positions counted from each row's first real token (left padding)."""
+    return {} if model.config.model_type not in ("llama", "gpt2", "qwen2", "gemma2") else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def _eager_run(model, ids, mask):
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        return model, model(ids, attention_mask=mask, output_attentions=True, output_hidden_states=True, **_positions(model, mask))
+
+
+def _value_shares(shares, weight, bias, first: bool, heads: int):
+    """Each token's value of each share ``(H, i, k, dh)``: the first layer's keep their
+    bias at their own token."""
+    values = torch.einsum("ikd,vd->ikv", shares, weight)
+    if first:
+        values = values + torch.eye(shares.shape[0])[..., None] * bias
+    return values.view(*values.shape[:2], heads, -1).permute(2, 0, 1, 3)
+
+
+def _attended(attn, values, out_weight, groups: int):
+    """Σ_j α_ij W_O^h v_{j,k} summed over heads ``(i, k, D)``; ``values`` per key-value head."""
+    values = values.repeat_interleave(groups, dim=0)
+    heads, head_dim = attn.shape[0], values.shape[-1]
+    per_head = out_weight.view(out_weight.shape[0], heads, head_dim)
+    return torch.einsum("hij,hjkv,dhv->ikd", attn, values, per_head)
+
+
+def bert_reference(model, ids, mask, target) -> torch.Tensor:
+    eager, out = _eager_run(model, ids, mask)
+    scores = torch.zeros(ids.shape)
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        shares = None
+        for layer_index, layer in enumerate(eager.bert.encoder.layer):
+            x = out.hidden_states[layer_index][b, real]
+            attn = out.attentions[layer_index][b][:, real][:, :, real]
+            sa, so = layer.attention.self, layer.attention.output
+            heads = sa.num_attention_heads
+            first = shares is None
+            shares = torch.einsum("ik,id->ikd", torch.eye(len(x)), x) if first else shares
+            values = _value_shares(shares, sa.value.weight, sa.value.bias, first, heads)
+            attended = _attended(attn, values, so.dense.weight, 1)
+            joined = so.dense.bias if first else so.dense.weight @ sa.value.bias + so.dense.bias
+            residual = _share_bias(attended + shares, joined)
+            context = torch.einsum("hij,jhv->ihv", attn, sa.value(x).view(len(x), heads, -1)).flatten(1)
+            pre_ln = so.dense(context) + x
+            post_ln = _norm_shares(residual, pre_ln, so.LayerNorm, True)
+            attention_output = so.LayerNorm(pre_ln)
+            z = layer.intermediate.dense(attention_output)
+            a = layer.intermediate.intermediate_act_fn(z)
+            ffn = _share_bias(torch.einsum("ld,ikd->ikl", layer.intermediate.dense.weight, post_ln), layer.intermediate.dense.bias)
+            ffn = ffn * (a / (z + 1e-12))[:, None]
+            ffn = _share_bias(torch.einsum("ikl,dl->ikd", ffn, layer.output.dense.weight), layer.output.dense.bias)
+            shares = _norm_shares(post_ln + ffn, layer.output.dense(a) + attention_output, layer.output.LayerNorm, True)
+        pooler = eager.bert.pooler.dense
+        zp = pooler(out.hidden_states[-1][b, real][0])
+        pooled = _share_bias(torch.einsum("ld,kd->kl", pooler.weight, shares[0]), pooler.bias) * (torch.tanh(zp) / (zp + 1e-12))
+        logits = _share_bias(torch.einsum("cd,kd->kc", eager.classifier.weight, pooled), eager.classifier.bias)
+        scores[b, real] = logits[:, target[b]]
+    return scores
+
+
+def decoder_reference(model, family: str, ids, mask, position: int, tokens) -> torch.Tensor:
+    """The same rules on a pre-norm language model, for the logits of ``tokens`` ``(B,)``
+    at ``position``."""
+    eager, out = _eager_run(model, ids, mask)
+    scores = torch.zeros(ids.shape)
+    layers = eager.model.layers if family == "llama" else eager.transformer.h
+    centred = family == "gpt2"
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        shares = None
+        for layer_index, layer in enumerate(layers):
+            x = out.hidden_states[layer_index][b, real]
+            attn = out.attentions[layer_index][b][:, real][:, :, real]
+            first = shares is None
+            shares = torch.einsum("ik,id->ikd", torch.eye(len(x)), x) if first else shares
+            if family == "llama":
+                ln1, ln2, attention = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn
+                heads, kv_heads = eager.config.num_attention_heads, eager.config.num_key_value_heads
+                v_weight, v_bias = attention.v_proj.weight, torch.zeros(attention.v_proj.out_features)
+                o_weight, o_bias = attention.o_proj.weight, torch.zeros(attention.o_proj.out_features)
+            else:
+                ln1, ln2, attention = layer.ln_1, layer.ln_2, layer.attn
+                heads = kv_heads = eager.config.n_head
+                width = x.shape[-1]
+                v_weight, v_bias = attention.c_attn.weight[:, 2 * width :].t(), attention.c_attn.bias[2 * width :]
+                o_weight, o_bias = attention.c_proj.weight.t(), attention.c_proj.bias
+            normed = _norm_shares(shares, x, ln1, centred)
+            values = _value_shares(normed, v_weight, v_bias, first, kv_heads)
+            attended = _attended(attn, values, o_weight, heads // kv_heads)
+            heads_bias = v_bias.view(kv_heads, -1).repeat_interleave(heads // kv_heads, dim=0).flatten()
+            joined = o_bias if first else o_weight @ heads_bias + o_bias
+            residual = shares + _share_bias(attended, joined, by=attended + shares)
+            after_attention = residual.sum(dim=1)  # equal to the model's, checked by the sum below
+            normed = _norm_shares(residual, after_attention, ln2, centred)
+            states = ln2(after_attention)
+            if family == "llama":
+                mlp = layer.mlp
+                held = mlp.act_fn(mlp.gate_proj(states))
+                up = torch.einsum("fd,ikd->ikf", mlp.up_proj.weight, normed) * held[:, None]
+                ffn = torch.einsum("df,ikf->ikd", mlp.down_proj.weight, up)
+            else:
+                mlp = layer.mlp
+                z = mlp.c_fc(states)
+                a = mlp.act(z)
+                ffn = _share_bias(torch.einsum("df,ikd->ikf", mlp.c_fc.weight, normed), mlp.c_fc.bias) * (a / (z + 1e-12))[:, None]
+                ffn = _share_bias(torch.einsum("fd,ikf->ikd", mlp.c_proj.weight, ffn), mlp.c_proj.bias)
+            shares = residual + ffn
+        final = eager.model.norm if family == "llama" else eager.transformer.ln_f
+        last = shares.sum(dim=1)
+        query = int(real[: position + 1].sum()) - 1
+        normed = _norm_shares(shares, last, final, centred)[query]
+        scores[b, real] = normed @ eager.lm_head.weight[tokens[b]]
+    return scores
+
+
+def test_decompx_equals_the_authors_computation_on_bert(capture_mode):
+    model, ids, mask, _ = one_stack_case("bert")
+    before = model_state(model)
+    target = [1, 0, 1]
+    scores = DecompX(model, capture=capture_mode).attribute(ids, target=target, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    expected = bert_reference(model, ids, mask, target)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
+    logits = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(scores.sum(dim=1), logits[torch.arange(3), target].detach(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decompx_on_language_models_equals_the_same_rules_written_out(family, capture_mode):
+    model, ids, mask, query = one_stack_case(family)
+    before = model_state(model)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, **_positions(model, mask)).logits[:, query]
+    tokens = torch.tensor([5, 9, 3])
+    scores = DecompX(model, capture=capture_mode).attribute(ids, target=tokens.tolist(), additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    torch.testing.assert_close(scores, decoder_reference(model, family, ids, mask, query, tokens), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(scores.sum(dim=1), logits[torch.arange(3), tokens], atol=1e-4, rtol=1e-4)
+    assert bool((scores[mask == 0] == 0).all())
+
+
+def test_one_example_alone_scores_as_in_a_padded_batch():
+    model, ids, mask, query = one_stack_case("llama")
+    explainer = DecompX(model)
+    batched = explainer.attribute(ids, target=[4, 4, 4], additional_forward_args=(mask,))
+    real = mask[2].bool()
+    alone = explainer.attribute(ids[2:3, real], target=4)
+    torch.testing.assert_close(batched[2, real], alone[0], atol=1e-5, rtol=1e-4)
+
+
+def test_answers_spans_and_the_llm_interface():
+    model = make_decoder("llama")
+    explainer = DecompX(model)
+    rows, ids, mask = answer_rows(explainer)  # the span is the rows' sum
+    second = explainer.attribute(ids, target=[9, 3, 4], additional_forward_args=(mask,))
+    torch.testing.assert_close(rows[:, 1, : ids.shape[1]], second, atol=1e-5, rtol=1e-4)
+    from captum.attr import TextTokenInput
+
+    from captum_attention import LLMAttentionAttribution
+
+    tokenizer = make_word_tokenizer()
+    prompt = TextTokenInput("the secret code is", tokenizer)
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(prompt, target="seven")
+    ids = tokenizer("the secret code is", return_tensors="pt").input_ids  # BOS included, as the interface reads it
+    answer = torch.tensor([tokenizer.encode("seven", add_special_tokens=False)])
+    direct = explainer.attribute_span(ids, answer)[0, : ids.shape[1]]
+    torch.testing.assert_close(result.seq_attr, direct, atol=1e-5, rtol=1e-4)  # signed logit shares, as attribute gives them
+
+
+def test_refusals_name_the_problem():
+    encoder_decoder = make_encoder_decoder("t5")
+    with pytest.raises(ValueError, match="one self-attention stack"):
+        DecompX(encoder_decoder).attribute((torch.tensor([[5, 6, 7]]), torch.tensor([[0, 5]])))
+    model, ids, mask, _ = one_stack_case("bert")
+    with pytest.raises(ValueError, match="return_maps"):
+        DecompX(model).attribute(ids, additional_forward_args=(mask,), return_maps=True)
+    model.train()
+    with pytest.raises(ValueError, match="model.eval"):
+        DecompX(model).attribute(ids, additional_forward_args=(mask,))
+    functional = copy.deepcopy(model.eval())
+    intermediate = functional.bert.encoder.layer[0].intermediate
+    del intermediate.intermediate_act_fn
+    intermediate.intermediate_act_fn = lambda t: 0.5 * t * (1.0 + torch.erf(t / 2**0.5))  # GELU through erf, not linearised
+    before = model_state(functional)
+    with pytest.raises(UnsupportedModelError, match="add up to logits"):
+        DecompX(functional).attribute(ids, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(functional))
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra", "albert", "distilbert", "qwen2", "gemma2"])
+def test_other_families_shares_add_up_to_their_logits_in_both_modes(family):
+    """RoBERTa's head calls torch.tanh, DistilBERT's an inline nn.ReLU(), ALBERT shares one
+    layer and norms inside its attention, Gemma-2 caps its logits with tanh and norms the
+    attention output before the residual: all linearised where they run."""
+    if family in ("qwen2", "gemma2"):
+        model, prompts = make_decoder(family), make_prompts(side="left")
+        ids, mask = prompts.input_ids, prompts.attention_mask
+        query = ids.shape[1] - 1
+    else:
+        model = make_model(family)
+        batch = make_batch(model)
+        ids, mask, query = batch.input_ids, batch.attention_mask, None
+    scores = {mode: DecompX(model, capture=mode).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
+              for mode in ("eager", "streaming")}
+    torch.testing.assert_close(scores["eager"], scores["streaming"])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, **_positions(model, mask)).logits
+    logits = logits if query is None else logits[:, query]
+    torch.testing.assert_close(scores["eager"].sum(dim=1), logits[torch.arange(3), torch.tensor([2, 1, 2])], atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixture_of_experts_is_refused_in_one_line():
+    prompts = make_prompts(side="left")
+    with pytest.raises(UnsupportedModelError, match="router"):
+        DecompX(make_decoder("gpt_oss")).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+
+
+def test_registered_out_of_reports():
+    assert REGISTRY["decompx"] is DecompX and "decompx" not in METHODS
