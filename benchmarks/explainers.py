@@ -16,7 +16,7 @@ from captum.attr import InputXGradient, IntegratedGradients, LayerIntegratedGrad
 from tasks import MASK, Task
 from torch import Tensor
 
-from captum_attention import ALTI, METHODS, NormAttention, ValueZeroing
+from captum_attention import ALTI, METHODS, DecompX, NormAttention, ValueZeroing
 from captum_attention.metrics import random_ranking
 from captum_attention.presentation.shap_text import shap_token_values
 
@@ -110,6 +110,7 @@ def methods() -> dict[str, Explainer]:
         "Norm-based Attention (residual)": _ours(NormAttention, residual=True),
         "ALTI": _ours(ALTI),
         "Value Zeroing": _ours(ValueZeroing),
+        "DecompX": _ours(DecompX),
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Gradient × Input": gradient_x_input,

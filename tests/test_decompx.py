@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import answer_rows, make_decoder, make_prompts, make_encoder_decoder, make_word_tokenizer, one_stack_case
+from lm_models import answer_rows, make_decoder, make_prompts, make_vision, make_encoder_decoder, make_word_tokenizer, one_stack_case
 
 from captum_attention import DecompX, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY
@@ -266,3 +266,14 @@ def test_a_mixture_of_experts_is_refused_in_one_line():
 
 def test_registered_out_of_reports():
     assert REGISTRY["decompx"] is DecompX and "decompx" not in METHODS
+
+
+@pytest.mark.parametrize("name", ["vit", "deit"])
+def test_vision_transformers_give_a_patch_grid_in_both_modes(name):
+    """The shares of the patches (DeiT: the class and distillation heads' mean) on the
+    grid; the call itself checks that every token's share adds up to the logit."""
+    model = make_vision(name)
+    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    grids = {mode: DecompX(model, capture=mode).attribute(images, target=[0, 2]) for mode in ("eager", "streaming")}
+    assert grids["eager"].shape == (2, 4, 4)
+    torch.testing.assert_close(grids["eager"], grids["streaming"])

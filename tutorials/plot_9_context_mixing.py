@@ -8,7 +8,9 @@ count more than the weights: what attention moves, the norm of the value through
 output projection (Kobayashi et al., 2020); the residual and the layer norms (Kobayashi et
 al., 2021; ALTI, Ferrando et al., 2022); each layer's addition to the answer's logit
 (ALTI-Logit, Ferrando et al., 2023); how far a token's output moves when another token's
-value is zeroed (Value Zeroing, Mohebbi et al., 2023). Here they are side by side with the
+value is zeroed (Value Zeroing, Mohebbi et al., 2023); each token's share of the logit
+carried through every module, feed-forward layers included (DecompX, Modarressi et al.,
+2023). Here they are side by side with the
 old ones (raw attention, rollout) and with relevance through the whole model (AttnLRP),
 on an answer whose evidence is known: the needle task of the previous tutorial. The judge
 is the model itself: remove segments of the prompt and watch the answer's log-probability
@@ -30,6 +32,7 @@ import torch
 from captum_attention import (
     ALTI,
     ALTILogit,
+    DecompX,
     AttentionRollout,
     AttnLRP,
     NormAttention,
@@ -58,6 +61,7 @@ methods = {
     "ALTI": (ALTI(model), {}),
     "ALTI-Logit": (ALTILogit(model), {}),
     "Value Zeroing": (ValueZeroing(model), {}),
+    "DecompX": (DecompX(model), {}),
     "AttnLRP": (AttnLRP(model), {}),
 }
 
@@ -113,6 +117,14 @@ assert results["ALTI-Logit"]["lds"] > results["ALTI"]["lds"]
 # Value Zeroing, which measures how far each token's output moves, misses the needle on
 # this task: the distractor pairs move the outputs as much.
 assert results["Value Zeroing"]["pointing"] < results["ALTI"]["pointing"]
+
+# %%
+# Carrying each token's share through the feed-forward layers and the head as well
+# (DecompX) points at the needle as AttnLRP does, at about one forward per token; it
+# decomposes the answer's logit, not its log-probability, and predicts the ablations less
+# well than AttnLRP.
+assert results["DecompX"]["pointing"] >= results["ALTI"]["pointing"]
+assert results["DecompX"]["lds"] < results["AttnLRP"]["lds"]
 
 # %%
 # Relevance through the whole model in one backward (AttnLRP) remains the most faithful to

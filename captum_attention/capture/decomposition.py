@@ -293,12 +293,13 @@ def share_outputs(
         model: the model, in eval mode.
         adapter: its adapter.
         forward_func: called as Captum calls it, returning the logits.
-        inputs: the explained forward's inputs ``(B, N, ...)``.
+        inputs: the explained forward's inputs (token ids, embeddings or pixels).
         additional_forward_args: its further arguments.
         points: the explained forward's :class:`Points`.
-        probs: per attention call, ``(B, H, N, N)`` float32 probabilities.
+        probs: per attention call, ``(B, H, N, N)`` float32 probabilities (``N`` tokens:
+            a Vision Transformer's patches and class token).
     """
-    batch, tokens = inputs[0].shape[:2]
+    batch, tokens = probs[0].shape[0], probs[0].shape[-1]
     shares = 1 + tokens
     rows = torch.arange(batch, device=inputs[0].device).repeat_interleave(shares)
     cursor, kinds = _Cursor(points), points.modules.kinds
