@@ -9,7 +9,10 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
-from zoo import EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, explain, make_case, outcomes, reference, runs
+from zoo import (
+    EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain, make_case, outcomes,
+    reference, runs,
+)
 
 from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
 
@@ -46,6 +49,13 @@ def test_popular_family_is_exact(head, model_type):
 @pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
 def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
     _assert_exact_or_refused(architecture)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
+def test_decompx_adds_up_or_is_refused_in_one_line(architecture):
+    outcome = decomposition_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 
 def test_encoder_decoder_classifier_gets_the_decoder_ids_it_was_given():

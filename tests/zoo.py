@@ -604,6 +604,30 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
     return found
 
 
+def decomposition_outcome(architecture: Architecture) -> Outcome:
+    """DecompX on ``architecture``: ``exact`` where its shares add up to the explained
+    logit (the call checks it, else refuses), refused in one line, or an error. A speech
+    model's language model is not built, as in :func:`outcomes`."""
+    from captum_attention import DecompX
+
+    try:
+        case = runs(make_case(build(architecture), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    if architecture.head == "seq2seq LM" and not case.encoder_decoder:
+        return Outcome("not built", "not an encoder-decoder: its text model is a causal LM")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            DecompX(case.model).attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    except (UnsupportedModelError, ValueError) as error:  # ValueError: an encoder-decoder, refused by every single-stack method
+        message = str(error).strip()
+        return Outcome("refused" if "\n" not in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    return Outcome("exact")
+
+
 def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -> str:
     """The support table of ``docs/support.rst``: per head, each architecture's outcome per
     method, and the first reason given."""

@@ -47,9 +47,9 @@ class DecompX(AttentionAttributionBase, Attribution):
 
         r_k = z_{i,k}[w], \qquad \sum_k r_k = z_i[w] .
 
-    The scores are signed, in logit units, and add up to the logit (checked: a module that
-    bends the states without being linearised, an activation written as a function or a
-    logit cap, is refused in one line). A gated feed-forward (Llama's
+    The scores are signed, in logit units, and add up to the logit (checked: what bends the
+    states without being linearised, an activation written out of other functions or a
+    mixture of experts' routing, is refused in one line). A gated feed-forward (Llama's
     :math:`\mathrm{act}(W_g x) \odot W_u x`) holds the activation at its value and shares
     :math:`W_u x`, as the attention holds its probabilities and shares the values; the
     authors' code covers BERT and RoBERTa, and the rest is this generalisation. An
@@ -146,5 +146,5 @@ def _check_sum(total: Tensor, logits: Tensor) -> None:
     if gap > 1e-3 * scale:
         raise UnsupportedModelError(
             f"DecompX's shares add up to logits {gap.item():.3g} away from the model's: some module bends the states "
-            "without being linearised (an activation written as a function, a logit cap)."
+            "without being linearised (an activation written out of other functions, a mixture of experts' routing)."
         )

@@ -6,13 +6,14 @@ model once more on a batch of ``1 + N`` rows per example: a zero input (which ca
 value bias) and each token's share, the first layer's input being each token's own state
 alone. Hooks make each module the linear map it was at the recorded point
 (:mod:`captum_attention.maps.decompx`): the attention at the forward's probabilities, a
-norm at its statistics, an activation at its zero-origin slope (in a gated feed-forward,
-where the activation multiplies another projection, the activation is held at its
-value), a linear map's bias shared by ``absdot``. Modules inside the attention (query,
-key and value projections, their norms) run as they are: the attention reads only the
-values. Whatever else bends the states (an activation written as a function, a logit
-cap) is not linearised, and the shares no longer add up to the logits: the method checks
-that they do and refuses otherwise.
+norm at its statistics, an activation (a module of transformers' or torch's, or one of
+torch's activation functions called outside them, as a head's ``torch.tanh``) at its
+zero-origin slope (in a gated feed-forward, where the activation multiplies another
+projection, the activation is held at its value), a linear map's bias shared by
+``absdot``. The projections inside the attention run as they are: the attention reads
+only the values. Whatever else bends the states (an activation written out of other
+functions, a mixture of experts' routing) is not linearised, and the shares no longer add
+up to the logits: the method checks that they do and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def model_modules(model: nn.Module, adapter: AttentionAdapter) -> ModelModules:
 
 @dataclass
 class Seen:
-    """One call of a module: its input, its output (norms, activations, and linear maps
-    inside a layer) and the layer it ran in (None outside the layers)."""
+    """One call of a module: its input, its output (norms and activations) and the layer
+    it ran in (None outside the layers)."""
 
     inputs: Tensor
     output: Tensor | None
@@ -126,18 +127,17 @@ class Points:
     seen: dict[int, list[Seen]] = field(default_factory=dict)
 
     def gated(self, activation: int, call: int) -> bool:
-        """Whether an activation's call in a layer gates a gated feed-forward: its output
-        times another linear map's output is what a linear map of the same layer takes
-        (Llama's ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
+        """Whether an activation's call in a layer gates a feed-forward: no linear map of
+        the layer takes its output, which is multiplied with another projection first
+        (Llama's ``down_proj(act(gate_proj(x)) * up_proj(x))``, a fused ``gate_up_proj``).
+        Outside the layers (a head's ``tanh``, a logit cap) an activation is never a gate."""
         seen = self.seen[activation][call]
         if seen.layer is None or seen.output is None:
             return False
-        linear = [entry for module, kind in self.modules.kinds.items() if kind == "linear"
-                  for entry in self.seen.get(module, []) if entry.layer == seen.layer]
-        return any(
-            taken.inputs.shape == seen.output.shape == other.output.shape
-            and torch.allclose(taken.inputs, seen.output * other.output, rtol=1e-4, atol=1e-6)
-            for taken in linear for other in linear if other.output is not None
+        return not any(
+            entry.inputs.shape == seen.output.shape and torch.equal(entry.inputs, seen.output)
+            for module, kind in self.modules.kinds.items() if kind in ("linear", "projection")
+            for entry in self.seen.get(module, []) if entry.layer == seen.layer
         )
 
 
@@ -209,7 +209,7 @@ def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHo
         if not isinstance(output, Tensor):
             raise UnsupportedModelError(
                 f"DecompX cannot write {type(module).__name__} as a linear map of the tokens' shares: it returns "
-                f"{type(output).__name__}, not states (a mixture of experts' router)."
+                f"{type(output).__name__}, not states (a mixture of experts' router, a quantised layer)."
             )
         return on_call(id(module), module, args[0], output, _layer(state))
 
@@ -237,7 +237,7 @@ class LinearisationPoints(Probe):
         points = self._points = Points(modules)
 
         def keep(key: int, module: nn.Module | None, inputs: Tensor, output: Tensor, layer: int | None) -> None:
-            kept = module is None or modules.kinds[key] != "linear" or layer is not None
+            kept = module is None or modules.kinds[key] in ("norm", "activation")
             points.seen.setdefault(key, []).append(Seen(inputs.detach(), output.detach() if kept else None, layer))
 
         _from_first_layer(modules, stack, keep)
@@ -266,6 +266,22 @@ class _Cursor:
     def check_done(self) -> None:
         if any(self.calls.get(module, 0) != len(seen) for module, seen in self.points.seen.items()):
             raise UnsupportedModelError("The forward on the tokens' shares did not call the model's modules as the explained forward did.")
+
+
+def _check_rows(value: Any, batch: int, model: nn.Module) -> None:
+    """Refuse in one line where an argument of the forward is not one row per example
+    (flattened image patches), which the forward on the shares could not repeat."""
+    if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] != batch:
+        raise UnsupportedModelError(
+            f"DecompX runs N + 1 copies of each example, but an argument of {type(model).__name__} of shape "
+            f"{tuple(value.shape)} holds no row per example (flattened image patches)."
+        )
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _check_rows(item, batch, model)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_rows(item, batch, model)
 
 
 def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
@@ -307,7 +323,13 @@ def share_outputs(
     kernel_calls = [0]
 
     def by_share(tensor: Tensor) -> Tensor:
-        return tensor.reshape(batch, shares, *tensor.shape[1:])
+        """``(B, 1 + N, M, F)``: a tensor of the share rows, whatever dimensions (or
+        flattening, OPT's) lie between its rows and its features."""
+        return tensor.reshape(batch, shares, -1, tensor.shape[-1])
+
+    def by_example(tensor: Tensor) -> Tensor:
+        """``(B, M, F)``: the explained forward's tensor, as :func:`by_share` lays out one row."""
+        return tensor.reshape(batch, -1, tensor.shape[-1])
 
     def on_block(index: int, args: tuple, kwargs: dict) -> Any:
         states, called_with = _hidden_argument(args, kwargs)
@@ -323,15 +345,18 @@ def share_outputs(
     def on_call(key: int, module: nn.Module | None, computed_from: Tensor, output: Tensor, layer: int | None) -> Tensor | None:
         kind = "activation" if module is None else kinds[key]
         call, seen_input, seen_output = cursor.next(key, module)
+        assert seen_output is not None or kind in ("linear", "projection")
         if kind == "norm":
             assert module is not None and seen_output is not None
-            shaped = _shaped_norm(linear_norm(module, seen_input, seen_output), by_share(computed_from).float())
+            norm = linear_norm(module, by_example(seen_input), by_example(seen_output))
+            shaped = _shaped_norm(norm, by_share(computed_from).float())
+        elif kind == "activation" and points.gated(key, call):
+            assert seen_output is not None
+            shaped = by_example(seen_output).float()[:, None].expand(batch, shares, -1, -1)
         elif kind == "activation":
             assert seen_output is not None
-            if points.gated(key, call):
-                shaped = seen_output.float()[:, None].expand(batch, shares, *seen_output.shape[1:])
-            else:
-                shaped = by_share(computed_from).float() * zero_origin_slope(seen_input.float(), seen_output.float())[:, None]
+            slope = zero_origin_slope(by_example(seen_input).float(), by_example(seen_output).float())
+            shaped = by_share(computed_from).float() * slope[:, None]
         else:
             bias = getattr(module, "bias", None)
             bias = bias.detach().float() if isinstance(bias, Tensor) else None
@@ -347,15 +372,20 @@ def share_outputs(
                 shaped = torch.cat([torch.zeros_like(joined), shared], dim=1)
         return shaped.reshape(output.shape).to(output.dtype)
 
+    sites = {id(site) for site in points.modules.sites}
+
     def on_kernel(module: nn.Module, call: Any, run_kernel: Any) -> Tensor:
+        if id(module) not in sites:  # a vision tower's attention, before the layers
+            return run_kernel()
         index = kernel_calls[0]
         kernel_calls[0] += 1
         if index >= len(probs) or call.value.shape[2] != tokens:
             raise UnsupportedModelError("DecompX expects one self-attention call over the tokens per layer.")
-        values = by_share(call.value.float())
+        values = call.value.float().reshape(batch, shares, *call.value.shape[1:])
         mixed = attended_shares(probs[index].to(values.device), values, call.groups, first_layer=index == 0)
         return mixed.reshape(batch * shares, *mixed.shape[2:]).to(call.value.dtype)
 
+    _check_rows((inputs, additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
     try:
@@ -368,6 +398,9 @@ def share_outputs(
         raise UnsupportedModelError(f"DecompX holds the attention at its probabilities inside transformers' sdpa attention, which {reason}.") from None
     cursor.check_done()
     if kernel_calls[0] != len(probs):
-        raise UnsupportedModelError(f"The forward on the tokens' shares made {kernel_calls[0]} attention calls, the explained one {len(probs)}.")
+        raise UnsupportedModelError(
+            f"DecompX holds the attention at its probabilities inside transformers' sdpa attention function, which "
+            f"{type(model).__name__}'s attention {'does not call' if kernel_calls[0] == 0 else 'calls other than once per layer'}."
+        )
     logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
-    return by_share(logits.detach().float())
+    return logits.detach().float().reshape(batch, shares, *logits.shape[1:])
