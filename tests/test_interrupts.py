@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
 
-from captum_attention import METHODS
+from captum_attention import ALTI, METHODS, DecompX, ValueZeroing
 from captum_attention._compat import attention_function, function_mode_stack, implementation_owner
 from captum_attention.metrics import attention_erasure
 
@@ -60,21 +60,26 @@ def _timed_call(call) -> float:
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.parametrize("methods", ["reported", "re-running"])
 @pytest.mark.parametrize("capture", ["auto", "eager"])
-def test_interrupted_calls_leave_the_model_as_found(capture):
+def test_interrupted_calls_leave_the_model_as_found(capture, methods):
+    """The reported methods and erasure in turn; then the methods that re-run the model or
+    its layers with hooks of their own (DecompX's forward on the shares, Value Zeroing's
+    and ALTI's re-runs of each layer) in turn."""
     model = make_model("bert")
     batch = make_batch(model)
     sdpa = attention_function("sdpa")
     config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
-    names = sorted(METHODS)
+    classes = dict(METHODS) if methods == "reported" else {"decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI}
+    names = sorted(classes)
 
     def call(index: int):
         name = names[index % len(names)]
-        if index % 5 == 4:
+        if index % 5 == 4 and methods == "reported":
             erased = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
             erased[:, 1] = True
             return lambda: attention_erasure(model, batch.input_ids, erased, (batch.attention_mask,), capture=capture)
-        explainer = METHODS[name](model, capture=capture)
+        explainer = classes[name](model, capture=capture)
         return lambda: explainer.attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
 
     durations = sorted(_timed_call(call(i)) for i in range(10))

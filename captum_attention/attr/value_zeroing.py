@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError
 from ..capture import AttentionAdapter, LayerBlocks, Probe, RecordedBlocks
 from ..capture.inputs import QueryIndex
+from ..capture.guard import ModelChanges
 from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
@@ -132,9 +134,14 @@ def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, 
         zeroings.append(module)
         return run_kernel(lambda query, key, value: (query, key, value * keep[:, None, : value.shape[2], None].to(value.dtype)))
 
+    def install(stack: ExitStack) -> None:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(adapter.prepared(model, streaming=True))
+        stack.enter_context(KernelInterception(zero_values))
+
     args, kwargs = call.rerun_inputs(examples)
     try:
-        with adapter.prepared(model, streaming=True), KernelInterception(zero_values), torch.no_grad():
+        with ModelChanges(model, install):
             output = call.block(*args, **kwargs)
     except StreamingUnsupported as reason:
         raise UnsupportedModelError(f"Value Zeroing zeroes values inside transformers' sdpa attention, which {reason}.") from None

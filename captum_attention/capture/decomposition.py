@@ -18,6 +18,7 @@ up to the logits: the method checks that they do and refuses otherwise.
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from ..maps import LinearNorm
 from ..maps.decompx import attended_shares, distribute_bias, zero_origin_slope
 from .adapters import AttentionAdapter
 from .inputs import take_rows
-from .guard import ScopedFunctionMode
+from .guard import ModelChanges, ScopedFunctionMode
 from .kernel import KernelInterception
 from .probes import Probe
 from .residual import linear_norm
@@ -181,13 +182,15 @@ def _layer(state: dict[str, int]) -> int | None:
 
 def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHook,
                       on_block: Callable[[int, tuple, dict], Any] | None = None) -> None:
-    """From the first layer's call on: ``on_call`` after every module of a kind and every
-    activation function outside them, ``on_block`` (the layer's index, its arguments)
-    before every layer's call."""
+    """From the first layer's call on, in this thread: ``on_call`` after every module of a
+    kind and every activation function outside them, ``on_block`` (the layer's index, its
+    arguments) before every layer's call."""
     state = {"layer": -1, "inside": 0, "in_layer": 0}
-    blocks, first = {id(block) for block in modules.blocks}, modules.blocks[0]
+    blocks, first, thread = {id(block) for block in modules.blocks}, modules.blocks[0], threading.get_ident()
 
     def before_block(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != thread:
+            return None
         if state["layer"] >= 0 or block is first:
             state["layer"] += 1
             state["in_layer"] += 1
@@ -195,16 +198,19 @@ def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHo
         return None
 
     def after_block(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        state["in_layer"] = max(0, state["in_layer"] - 1)
+        if threading.get_ident() == thread:
+            state["in_layer"] = max(0, state["in_layer"] - 1)
 
     def enter(module: nn.Module, args: tuple) -> None:
-        state["inside"] += 1
+        if threading.get_ident() == thread:
+            state["inside"] += 1
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        state["inside"] -= 1
+        if threading.get_ident() == thread:
+            state["inside"] -= 1
 
     def after(module: nn.Module, args: tuple, output: Any) -> Any:
-        if state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
+        if threading.get_ident() != thread or state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
             return None
         if not isinstance(output, Tensor):
             raise UnsupportedModelError(
@@ -388,11 +394,14 @@ def share_outputs(
     _check_rows((inputs, additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
+    def install(stack: ExitStack) -> None:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(adapter.prepared(model, streaming=True))
+        stack.enter_context(KernelInterception(on_kernel))
+        _from_first_layer(points.modules, stack, on_call, on_block)
+
     try:
-        with ExitStack() as stack, torch.no_grad():
-            stack.enter_context(adapter.prepared(model, streaming=True))
-            stack.enter_context(KernelInterception(on_kernel))
-            _from_first_layer(points.modules, stack, on_call, on_block)
+        with ModelChanges(model, install):
             output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
     except StreamingUnsupported as reason:
         raise UnsupportedModelError(f"DecompX holds the attention at its probabilities inside transformers' sdpa attention, which {reason}.") from None

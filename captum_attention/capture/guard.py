@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import weakref
+from contextlib import ExitStack
 from types import CodeType, FrameType
 from typing import Any, Callable
 
@@ -173,3 +174,50 @@ class ScopedFunctionMode(TorchFunctionMode):
             restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
         if any(mode is self for mode in function_mode_stack()):
             super().__exit__(*exc_info)
+
+
+class ModelChanges:
+    """Context manager: ``install(stack)`` changes ``model`` (hooks, function modes, its
+    attention implementation), and ``stack`` undoes it on exit; both run whole under
+    interrupts (an :class:`InterruptGuard` holds them back there) and one thread at a time
+    (:func:`model_lock`), as a capture's set-up and tear-down do.
+
+    Args:
+        model: the model changed.
+        install: enters every change into the ``ExitStack`` it is given.
+    """
+
+    def __init__(self, model: nn.Module, install: Callable[[ExitStack], None]) -> None:
+        self.model, self.install = model, install
+        self._guard = InterruptGuard(_MODEL_CHANGES)
+        self._lock = model_lock(model)
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "ModelChanges":
+        self._guard.install()
+        try:
+            while not self._lock.acquire(timeout=0.05):
+                self._guard.deliver_held()  # nothing changed yet: an interrupt while waiting is delivered
+            try:
+                with ExitStack() as stack:
+                    self.install(stack)
+                    self._stack = stack.pop_all()
+            except BaseException:
+                self._lock.release()
+                raise
+        except BaseException:
+            self._guard.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            try:
+                self._stack.close()
+            finally:
+                self._lock.release()
+        finally:
+            self._guard.remove()
+
+
+_MODEL_CHANGES = frozenset({ModelChanges.__enter__.__code__, ModelChanges.__exit__.__code__})

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps import LinearNorm
 from .adapters import AttentionAdapter
+from .guard import ModelChanges
 from .kernel import KernelInterception
 from .probes import BlockCall, Probe
 
@@ -233,14 +234,17 @@ def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streami
         if hidden is not None:
             seen.append(_Seen(module, as_states(args[0]) if args else None, hidden))
 
-    args, kwargs = call.rerun_inputs()
-    with ExitStack() as stack, torch.no_grad():
+    def install(stack: ExitStack) -> None:
+        stack.enter_context(torch.no_grad())
         stack.enter_context(adapter.prepared(model, streaming=streaming))
         if streaming:
             stack.enter_context(KernelInterception(lambda module, kernel, run_kernel: run_kernel()))
         for module in call.block.modules():
             if module is not call.block:
                 stack.callback(module.register_forward_hook(keep).remove)
+
+    args, kwargs = call.rerun_inputs()
+    with ModelChanges(model, install):
         try:
             output = call.block(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the layer itself is a refusal
