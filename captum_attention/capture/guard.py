@@ -22,7 +22,7 @@ import threading
 import weakref
 from contextlib import ExitStack
 from types import CodeType, FrameType
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -176,6 +176,9 @@ class ScopedFunctionMode(TorchFunctionMode):
             super().__exit__(*exc_info)
 
 
+_Changes = TypeVar("_Changes", bound="ModelChanges")
+
+
 class ModelChanges:
     """Context manager: ``install(stack)`` changes ``model`` (hooks, function modes, its
     attention implementation), and ``stack`` undoes it on exit; both run whole under
@@ -193,7 +196,7 @@ class ModelChanges:
         self._lock = model_lock(model)
         self._stack = ExitStack()
 
-    def __enter__(self) -> "ModelChanges":
+    def __enter__(self: _Changes) -> _Changes:
         self._guard.install()
         try:
             while not self._lock.acquire(timeout=0.05):

@@ -15,14 +15,14 @@ from torch import Tensor, nn
 from .._compat import mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
-from .guard import InterruptGuard, ScopedFunctionMode, model_lock
+from .guard import ModelChanges, ScopedFunctionMode
 from ..maps.kernel import KernelCall
 from .kernel import KernelInterception, StreamingUnsupported
 from .probes import CallInfo, Probe, RunKernel
 from .runner import resolve_adapter
 
 
-class AttentionCapture:
+class AttentionCapture(ModelChanges):
     """Context manager that records the post-softmax attention of the calls made inside it.
 
     On entry it asks the adapter for the attention modules (raising before anything is
@@ -86,10 +86,8 @@ class AttentionCapture:
         self._open: list[_Call] = []
         self._mask_seen = False
         self._sites: dict[nn.Module, AttentionSite] = {}
-        self._stack = ExitStack()
         self._forward_context: contextvars.Context | None = None  # where the forward ran, once it has
-        self._guard = InterruptGuard(_PROTECTED)
-        self._lock = model_lock(model)
+        super().__init__(model, self._change_model)
         self._thread = threading.get_ident()
         self.model_calls = 0  # calls of the model itself, to refuse a forward_func that runs it twice
 
@@ -221,30 +219,6 @@ class AttentionCapture:
                 "adapter returns a copy of the tensor that weights the values."
             )
 
-    def __enter__(self) -> "AttentionCapture":
-        self._guard.install()
-        try:
-            self._lock_model()
-            try:
-                self._change_model()
-            except BaseException:
-                self._lock.release()
-                raise
-        except BaseException:
-            self._guard.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        try:
-            try:
-                self._forward_context = contextvars.copy_context()
-                self._stack.close()
-            finally:
-                self._lock.release()
-        finally:
-            self._guard.remove()
-
     def _as_heads(self, call: "_Call", tensors: list[Tensor] | None = None, gradient: bool = False) -> Tensor:
         """``call``'s pieces (or tensors shaped like them) as heads, read by the adapter in
         the context the forward ran in (where an adapter keeps what it noted of the call,
@@ -253,16 +227,9 @@ class AttentionCapture:
             return call.stacked(self.adapter, tensors, gradient)
         return self._forward_context.copy().run(call.stacked, self.adapter, tensors, gradient)
 
-    def _lock_model(self) -> None:
-        """Wait for other threads' captures of the model to end; an interrupt while
-        waiting is delivered at once (nothing has changed yet)."""
-        self._lock = model_lock(self.model)
-        while not self._lock.acquire(timeout=0.05):
-            self._guard.deliver_held()
-
-    def _change_model(self) -> None:
-        """Let the adapter prepare the model and hook its attention modules; ``_stack``
-        undoes it all."""
+    def _change_model(self, stack: ExitStack) -> None:
+        """Let the adapter prepare the model and hook its attention modules; ``stack``
+        undoes it all, after keeping the context the forward ran in."""
         sites = self.adapter.attention_sites(self.model)
         self._sites = {site.module: site for site in sites}
         mask_modules = self.adapter.mask_modules(self.model)
@@ -278,23 +245,25 @@ class AttentionCapture:
             raise StreamingUnsupported(refused.eager_reason)
         if refused is not None:
             raise ValueError(f"{type(refused).__name__} works only under a streaming capture.")
-        with ExitStack() as stack:
-            stack.enter_context(self.adapter.prepared(self.model, self.streaming))
-            if self.streaming:
-                stack.enter_context(KernelInterception(self._on_kernel))
-            for probe in self.probes:
-                probe.enter(self.model, self.adapter, stack)
-            for module in self._sites:
-                # prepend: read the output before any hook of the adapter's rewrites it
-                stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
-                stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
-            for module in mask_modules:
-                hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
-                stack.callback(hook.remove)
-            stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
-            if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
-                stack.enter_context(_SoftmaxInterception(self))
-            self._stack = stack.pop_all()
+        stack.enter_context(self.adapter.prepared(self.model, self.streaming))
+        if self.streaming:
+            stack.enter_context(KernelInterception(self._on_kernel))
+        for probe in self.probes:
+            probe.enter(self.model, self.adapter, stack)
+        for module in self._sites:
+            # prepend: read the output before any hook of the adapter's rewrites it
+            stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
+            stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
+        for module in mask_modules:
+            hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
+            stack.callback(hook.remove)
+        stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
+        if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
+            stack.enter_context(_SoftmaxInterception(self))
+        stack.callback(self._keep_forward_context)  # last in, first out: before the hooks go
+
+    def _keep_forward_context(self) -> None:
+        self._forward_context = contextvars.copy_context()
 
     def _count_model_call(self, module: nn.Module, args: tuple) -> None:
         if self._ours():
@@ -438,10 +407,6 @@ class AttentionCapture:
                 )
         self.attention_mask, self.decoder_attention_mask = masks.values()
         self.cross_attended_mask = self.adapter.cross_attended_mask(module, args, kwargs)
-
-_PROTECTED = frozenset({AttentionCapture.__enter__.__code__, AttentionCapture.__exit__.__code__})
-"""The capture's set-up and tear-down: an interrupt landing in them is delivered after."""
-
 
 @dataclass(eq=False)
 class _Call:
