@@ -277,3 +277,11 @@ def test_vision_transformers_give_a_patch_grid_in_both_modes(name):
     grids = {mode: DecompX(model, capture=mode).attribute(images, target=[0, 2]) for mode in ("eager", "streaming")}
     assert grids["eager"].shape == (2, 4, 4)
     torch.testing.assert_close(grids["eager"], grids["streaming"])
+
+
+def test_half_precision_gives_the_float32_shares_within_its_rounding():
+    model, ids, mask, _ = one_stack_case("llama")
+    full = DecompX(model).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
+    half = DecompX(copy.deepcopy(model).to(torch.bfloat16)).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, full, atol=0.05 * float(full.abs().max()), rtol=0.0)

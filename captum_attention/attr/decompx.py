@@ -121,7 +121,7 @@ class DecompX(AttentionAttributionBase, Attribution):
                                 call.additional_forward_args, record.result(Points), probs)
         reads = record.result(LogitReads)
         shares = _read(outputs, reads)
-        _check_sum(shares.sum(dim=1), _read(record.logits.detach().float()[:, None], reads)[:, 0])
+        _check_sum(shares.sum(dim=1), _read(record.logits.detach().float()[:, None], reads)[:, 0], record.logits.dtype)
         return shares[:, 1:].to(record.target_real.device), []
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
@@ -139,11 +139,18 @@ def _read(logits: Tensor, reads: LogitReads) -> Tensor:
     return logits[batch, rows, reads.positions.to(logits.device)[:, None, :], tokens[:, None, :]].sum(dim=-1)
 
 
-def _check_sum(total: Tensor, logits: Tensor) -> None:
-    """Refuse in one line where the shares do not add up to the logits."""
-    scale = logits.abs().amax().clamp(min=1.0)
+def _check_sum(total: Tensor, logits: Tensor, dtype: torch.dtype) -> None:
+    """Refuse in one line where the shares do not add up to the logits, within what
+    rounding allows in the model's ``dtype`` (1e-3 of their scale; 1e-2 in half
+    precision, where the refusal says to explain the model in float32)."""
+    half = torch.finfo(dtype).bits <= 16
     gap = (total - logits).abs().amax()
-    if gap > 1e-3 * scale:
+    if gap > (1e-2 if half else 1e-3) * logits.abs().amax().clamp(min=1.0):
+        if half:
+            raise UnsupportedModelError(
+                f"DecompX's shares add up to logits {gap.item():.3g} away from the model's in {dtype}, beyond its rounding: "
+                "explain the model in float32 (model.float())."
+            )
         raise UnsupportedModelError(
             f"DecompX's shares add up to logits {gap.item():.3g} away from the model's: some module bends the states "
             "without being linearised (an activation written out of other functions, a mixture of experts' routing)."
