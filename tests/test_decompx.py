@@ -285,3 +285,15 @@ def test_half_precision_gives_the_float32_shares_within_its_rounding():
     half = DecompX(copy.deepcopy(model).to(torch.bfloat16)).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
     assert half.dtype == torch.float32
     torch.testing.assert_close(half, full, atol=0.05 * float(full.abs().max()), rtol=0.0)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_neo", "deberta-v2", "roformer"])
+def test_families_with_their_own_attention_add_up_through_their_softmax(model_type):
+    """Attention outside transformers' sdpa function: the probabilities are held where the
+    eager attention's softmax computes them, and the value bias taken out before the
+    output projection."""
+    from zoo import architectures, decomposition_outcome
+
+    architecture = next(a for a in architectures("sequence classification") if a.model_type == model_type)
+    outcome = decomposition_outcome(architecture)
+    assert outcome.status == "exact", outcome

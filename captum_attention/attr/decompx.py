@@ -60,10 +60,10 @@ class DecompX(AttentionAttributionBase, Attribution):
     value bias, and one row per token's share), through the model's own modules with the
     attention held at the explained forward's probabilities: about :math:`N` forwards of
     compute, and :math:`N^2 D_{ff}` numbers at the widest point per example. It suits
-    short inputs (a classifier's sentence, a prompt of a few hundred tokens). It runs
-    inside transformers' sdpa attention, so it needs a family that streams; either
-    capture mode records the probabilities. Registered (``"decompx"``), not in the
-    reports.
+    short inputs (a classifier's sentence, a prompt of a few hundred tokens). The
+    probabilities are held inside transformers' sdpa function after a streaming capture,
+    and where the attention's softmax computes them after an eager one. Registered
+    (``"decompx"``), not in the reports.
 
     Args:
         $constructor_args
@@ -118,7 +118,7 @@ class DecompX(AttentionAttributionBase, Attribution):
         tokens = record.target_real.shape[1]
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
         outputs = share_outputs(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
-                                call.additional_forward_args, record.result(Points), probs)
+                                call.additional_forward_args, record.result(Points), probs, record.streaming)
         reads = record.result(LogitReads)
         shares = _read(outputs, reads)
         _check_sum(shares.sum(dim=1), _read(record.logits.detach().float()[:, None], reads)[:, 0], record.logits.dtype)

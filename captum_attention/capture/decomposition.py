@@ -5,7 +5,9 @@ layer on, what every norm and activation computed. :func:`share_outputs` then ru
 model once more on a batch of ``1 + N`` rows per example: a zero input (which carries the
 value bias) and each token's share, the first layer's input being each token's own state
 alone. Hooks make each module the linear map it was at the recorded point
-(:mod:`captum_attention.maps.decompx`): the attention at the forward's probabilities, a
+(:mod:`captum_attention.maps.decompx`): the attention at the forward's probabilities
+(inside transformers' sdpa function, or where an eager attention's softmax computes
+them; the value bias taken out of each share's output before the projection), a
 norm at its statistics, an activation (a module of transformers' or torch's, or one of
 torch's activation functions called outside them, as a head's ``torch.tanh``) at its
 zero-origin slope (in a gated feed-forward, where the activation multiplies another
@@ -28,9 +30,9 @@ import torch.nn.functional as F
 import transformers.activations
 from torch import Tensor, nn
 
-from .._compat import StreamingUnsupported, UnsupportedModelError, run_forward
+from .._compat import UnsupportedModelError, run_forward
 from ..maps import LinearNorm
-from ..maps.decompx import attended_shares, distribute_bias, zero_origin_slope
+from ..maps.decompx import distribute_bias, held_attention, unbiased_outputs, zero_origin_slope
 from .adapters import AttentionAdapter
 from .inputs import take_rows
 from .guard import ModelChanges, ScopedFunctionMode
@@ -54,6 +56,7 @@ FUNCTIONS = 0
 """The key under which :class:`Points` keeps the activation functions called outside
 activation modules (a classifier head's ``torch.tanh``, an inline ``nn.ReLU()``)."""
 
+_SOFTMAX = frozenset({torch.softmax, Tensor.softmax, F.softmax})
 _ACTIVATION_FUNCTIONS = frozenset({
     torch.tanh, Tensor.tanh, F.tanh, torch.relu, Tensor.relu, F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu,
     F.leaky_relu, F.hardswish, torch.sigmoid, Tensor.sigmoid, F.sigmoid,
@@ -157,16 +160,20 @@ ModuleHook = Callable[[int, nn.Module | None, Tensor, Tensor, int | None], Any]
 the layer None outside the layers; returns the output to use instead, or None."""
 
 
-class _ActivationFunctions(ScopedFunctionMode):
+class _Functions(ScopedFunctionMode):
     """Hands the element-wise activation functions called outside the hooked activation
-    modules and the attention to ``on_call`` (this thread only)."""
+    modules and the attention to ``on_call``, and a softmax inside the attention to
+    ``on_softmax`` (this thread only)."""
 
-    def __init__(self, state: dict[str, int], on_call: ModuleHook) -> None:
+    def __init__(self, state: dict[str, int], on_call: ModuleHook, on_softmax: Callable[[int, Tensor], Tensor | None] | None) -> None:
         super().__init__()
-        self.state, self.on_call = state, on_call
+        self.state, self.on_call, self.on_softmax = state, on_call, on_softmax
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         output = func(*args, **(kwargs or {}))
+        if func in _SOFTMAX and self.on_softmax is not None and self.state["in_site"] > 0 and isinstance(output, Tensor):
+            held = self.on_softmax(self.state["site"], output)
+            return output if held is None else held
         if func not in _ACTIVATION_FUNCTIONS or self.state["layer"] < 0 or self.state["inside"] > 0:
             return output
         if not (args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
@@ -180,12 +187,20 @@ def _layer(state: dict[str, int]) -> int | None:
     return state["layer"] if state["in_layer"] > 0 else None
 
 
-def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHook,
-                      on_block: Callable[[int, tuple, dict], Any] | None = None) -> None:
+def _from_first_layer(
+    modules: ModelModules,
+    stack: ExitStack,
+    on_call: ModuleHook,
+    on_block: Callable[[int, tuple, dict], Any] | None = None,
+    on_softmax: Callable[[int, Tensor], Tensor | None] | None = None,
+    before_projection: Callable[[int, tuple], Any] | None = None,
+) -> None:
     """From the first layer's call on, in this thread: ``on_call`` after every module of a
-    kind and every activation function outside them, ``on_block`` (the layer's index, its
-    arguments) before every layer's call."""
-    state = {"layer": -1, "inside": 0, "in_layer": 0}
+    kind and every activation function outside them; ``on_block`` (the layer's index, its
+    arguments) before every layer's call; ``on_softmax`` (the attention call's index, the
+    probabilities) on a softmax inside an attention call; ``before_projection`` (the
+    attention call's index, the arguments) before an output projection."""
+    state = {"layer": -1, "inside": 0, "in_layer": 0, "site": -1, "in_site": 0}
     blocks, first, thread = {id(block) for block in modules.blocks}, modules.blocks[0], threading.get_ident()
 
     def before_block(block: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -209,6 +224,20 @@ def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHo
         if threading.get_ident() == thread:
             state["inside"] -= 1
 
+    def enter_site(module: nn.Module, args: tuple) -> None:
+        if threading.get_ident() == thread and state["layer"] >= 0:
+            state["site"] += 1
+            state["in_site"] += 1
+
+    def leave_site(module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() == thread and state["layer"] >= 0:
+            state["in_site"] = max(0, state["in_site"] - 1)
+
+    def projecting(module: nn.Module, args: tuple) -> Any:
+        if threading.get_ident() != thread or state["layer"] < 0 or before_projection is None:
+            return None
+        return before_projection(state["site"], args)
+
     def after(module: nn.Module, args: tuple, output: Any) -> Any:
         if threading.get_ident() != thread or state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
             return None
@@ -229,7 +258,13 @@ def _from_first_layer(modules: ModelModules, stack: ExitStack, on_call: ModuleHo
     for module in [*modules.sites, *(m for m in modules.hooked if modules.kinds[id(m)] == "activation")]:
         stack.callback(module.register_forward_pre_hook(enter).remove)
         stack.callback(module.register_forward_hook(leave, always_call=True).remove)
-    stack.enter_context(_ActivationFunctions(state, on_call))
+    for module in modules.sites:
+        stack.callback(module.register_forward_pre_hook(enter_site).remove)
+        stack.callback(module.register_forward_hook(leave_site, always_call=True).remove)
+    for module in modules.hooked:
+        if modules.kinds[id(module)] == "projection":
+            stack.callback(module.register_forward_pre_hook(projecting).remove)
+    stack.enter_context(_Functions(state, on_call, on_softmax))
 
 
 class LinearisationPoints(Probe):
@@ -307,6 +342,7 @@ def share_outputs(
     additional_forward_args: Any,
     points: Points,
     probs: list[Tensor],
+    streaming: bool,
 ) -> Tensor:
     """``(B, 1 + N, ...)``: the model's output on a zero input (index 0) and on each of the
     ``N`` input tokens' shares, from one forward of ``B·(1 + N)`` rows.
@@ -320,13 +356,14 @@ def share_outputs(
         points: the explained forward's :class:`Points`.
         probs: per attention call, ``(B, H, N, N)`` float32 probabilities (``N`` tokens:
             a Vision Transformer's patches and class token).
+        streaming: hold them inside transformers' sdpa function (the explained forward
+            streamed), else where the eager attention's softmax computes them.
     """
     batch, tokens = probs[0].shape[0], probs[0].shape[-1]
     shares = 1 + tokens
     rows = torch.arange(batch, device=inputs[0].device).repeat_interleave(shares)
     cursor, kinds = _Cursor(points), points.modules.kinds
     layer_input: list[Tensor] = []
-    kernel_calls = [0]
 
     def by_share(tensor: Tensor) -> Tensor:
         """``(B, 1 + N, M, F)``: a tensor of the share rows, whatever dimensions (or
@@ -339,6 +376,11 @@ def share_outputs(
 
     def on_block(index: int, args: tuple, kwargs: dict) -> Any:
         states, called_with = _hidden_argument(args, kwargs)
+        if states.dim() != 3 or states.shape[:2] != (batch * shares, tokens):
+            raise UnsupportedModelError(
+                f"DecompX reads a layer's hidden states as (batch, tokens, width); {type(model).__name__}'s layers take "
+                f"{tuple(states.shape[1:])} per example (several residual streams?)."
+            )
         if index > 0:
             layer_input[:] = [by_share(states)]
             return None
@@ -379,37 +421,54 @@ def share_outputs(
         return shaped.reshape(output.shape).to(output.dtype)
 
     sites = {id(site) for site in points.modules.sites}
+    held: set[int] = set()
+
+    def held_probs(index: int, shape: torch.Size) -> Tensor:
+        if index >= len(probs) or tuple(shape) != (batch * shares, *probs[index].shape[1:]):
+            raise UnsupportedModelError("DecompX expects one self-attention call over the tokens per layer.")
+        held.add(index)
+        return probs[index]
 
     def on_kernel(module: nn.Module, call: Any, run_kernel: Any) -> Tensor:
         if id(module) not in sites:  # a vision tower's attention, before the layers
             return run_kernel()
-        index = kernel_calls[0]
-        kernel_calls[0] += 1
-        if index >= len(probs) or call.value.shape[2] != tokens:
-            raise UnsupportedModelError("DecompX expects one self-attention call over the tokens per layer.")
+        mixing = held_probs(len(held), torch.Size((call.query.shape[0], call.query.shape[1], call.query.shape[2], call.value.shape[2])))
         values = call.value.float().reshape(batch, shares, *call.value.shape[1:])
-        mixed = attended_shares(probs[index].to(values.device), values, call.groups, first_layer=index == 0)
+        mixed = held_attention(mixing.to(values.device), values, call.groups)
         return mixed.reshape(batch * shares, *mixed.shape[2:]).to(call.value.dtype)
+
+    def on_softmax(index: int, computed: Tensor) -> Tensor:
+        mixing = held_probs(index, computed.shape)
+        return mixing.to(computed)[:, None].expand(batch, shares, *mixing.shape[1:]).reshape(computed.shape)
+
+    def before_projection(index: int, args: tuple) -> Any:
+        if index not in held or not args or not isinstance(args[0], Tensor):
+            return None
+        mixing = probs[index]
+        heads = mixing.shape[1]
+        outputs = by_share(args[0]).float()
+        outputs = outputs.reshape(*outputs.shape[:3], heads, -1)
+        fixed = unbiased_outputs(outputs, mixing.to(outputs.device), first_layer=index == 0)
+        return (fixed.reshape(args[0].shape).to(args[0].dtype), *args[1:])
 
     _check_rows((inputs, additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
     def install(stack: ExitStack) -> None:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(adapter.prepared(model, streaming=True))
-        stack.enter_context(KernelInterception(on_kernel))
-        _from_first_layer(points.modules, stack, on_call, on_block)
+        stack.enter_context(adapter.prepared(model, streaming=streaming))
+        if streaming:
+            stack.enter_context(KernelInterception(on_kernel))
+        _from_first_layer(points.modules, stack, on_call, on_block, on_softmax, before_projection)
 
-    try:
-        with ModelChanges(model, install):
-            output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
-    except StreamingUnsupported as reason:
-        raise UnsupportedModelError(f"DecompX holds the attention at its probabilities inside transformers' sdpa attention, which {reason}.") from None
+    with ModelChanges(model, install):
+        output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
     cursor.check_done()
-    if kernel_calls[0] != len(probs):
+    if len(held) != len(probs):
         raise UnsupportedModelError(
-            f"DecompX holds the attention at its probabilities inside transformers' sdpa attention function, which "
-            f"{type(model).__name__}'s attention {'does not call' if kernel_calls[0] == 0 else 'calls other than once per layer'}."
+            f"DecompX holds the attention at its probabilities where transformers' sdpa function or the attention's "
+            f"softmax computes them; {type(model).__name__}'s attention did neither in {len(probs) - len(held)} of its "
+            f"{len(probs)} calls."
         )
     logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
     return logits.detach().float().reshape(batch, shares, *logits.shape[1:])

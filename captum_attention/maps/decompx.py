@@ -49,25 +49,29 @@ def zero_origin_slope(pre_activation: Tensor, activation: Tensor) -> Tensor:
     return activation / (pre_activation + DOT_FLOOR)
 
 
-def attended_shares(probs: Tensor, values: Tensor, groups: int, first_layer: bool) -> Tensor:
-    r"""``(B, 1 + K, Q, H, Dv)``: the attention output of each share, the kernel's layout.
+def held_attention(probs: Tensor, values: Tensor, groups: int) -> Tensor:
+    """``(B, S, Q, H, Dv)``: each of ``S`` rows' values ``(B, S, H / groups, K, Dv)``
+    mixed by the forward's probabilities ``(B, H, Q, K)`` (the same for every row)."""
+    return torch.einsum("bhqk,bshkd->bsqhd", probs.to(values.dtype), values.repeat_interleave(groups, dim=2))
+
+
+def unbiased_outputs(outputs: Tensor, probs: Tensor, first_layer: bool) -> Tensor:
+    r"""``(B, 1 + K, Q, H, Dv)``: the attention outputs of a zero input (index 0) and of
+    each token's share, with the value bias taken out of the shares.
 
     Args:
-        probs: ``(B, H, Q, K)`` the forward's attention probabilities.
-        values: ``(B, 1 + K, H / groups, K, Dv)`` the values of a zero input (index 0:
-            the value bias :math:`b_V` at every key) and of each token's share (which the
-            bias joined).
-        groups: query heads per key-value head.
-        first_layer: each token is its own share, and its value keeps the bias.
-
-    The zero input's output is the bias's, :math:`\sum_j \alpha_{ij} b_V` (0 in the first
-    layer, where the tokens hold it); each share's is its values less the bias, mixed.
+        outputs: ``(B, 1 + K, Q, H, Dv)`` the attention's outputs on those rows, whose
+            values each carry the bias :math:`b_V` (the zero input's output is
+            :math:`\sum_j \alpha_{ij} b_V`, :math:`b_V` where the row sums to one).
+        probs: ``(B, H, Q, K)`` the probabilities that mixed them.
+        first_layer: each token is its own share, and its value keeps the bias: share k
+            gets :math:`\alpha_{ik} b_V` back, and the zero input nothing.
     """
-    bias = values[:, :1]
-    shares = values[:, 1:] - bias
-    if first_layer:
-        own = torch.eye(shares.shape[1], device=values.device, dtype=values.dtype)[None, :, None, :, None]
-        shares = shares + own * bias
-        bias = torch.zeros_like(bias)
-    mixed = torch.cat([bias, shares], dim=1).repeat_interleave(groups, dim=2)
-    return torch.einsum("bhqk,bchkd->bcqhd", probs.to(mixed.dtype), mixed)
+    bias = outputs[:, :1]
+    shares = outputs[:, 1:] - bias
+    if not first_layer:
+        return torch.cat([bias, shares], dim=1)
+    own = probs.permute(0, 3, 2, 1)[..., None].to(outputs.dtype)  # (B, K, Q, H, 1): α_ik per head
+    totals = own.sum(dim=1, keepdim=True)  # Σ_j α_ij: 1, or less where a sink takes a share
+    value_bias = torch.where(totals > 0, bias / totals.clamp(min=torch.finfo(totals.dtype).tiny), 0.0)
+    return torch.cat([torch.zeros_like(bias), shares + own * value_bias], dim=1)
