@@ -37,7 +37,7 @@ from .adapters import AttentionAdapter
 from .inputs import take_rows
 from .guard import ModelChanges, ScopedFunctionMode
 from .kernel import KernelInterception
-from .probes import Probe
+from .probes import Probe, layer_blocks
 from .residual import linear_norm
 
 _NOT_ACTIVATIONS = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d, nn.MultiheadAttention, nn.GLU)
@@ -80,8 +80,7 @@ def model_modules(model: nn.Module, adapter: AttentionAdapter) -> ModelModules:
     """The layers and the module kinds of ``model``; a refusal in one line where the
     adapter does not pair each attention with its layer."""
     sites = [site.module for site in adapter.attention_sites(model)]
-    find = getattr(adapter, "layer_block", None)
-    blocks = [find(model, site) if find else None for site in sites]
+    blocks = layer_blocks(model, adapter)
     if not blocks or any(block is None for block in blocks):
         raise UnsupportedModelError(
             f"DecompX runs {type(model).__name__} layer by layer, but its adapter does not name each attention's layer (layer_block)."

@@ -408,6 +408,13 @@ class RecordedBlocks:
     cache: dict = field(default_factory=dict)
 
 
+def layer_blocks(model: nn.Module, adapter: AttentionAdapter) -> list[nn.Module | None]:
+    """Each attention site's layer (the adapter's ``layer_block``), in the sites' order;
+    None where the adapter does not know it."""
+    find = getattr(adapter, "layer_block", None)
+    return [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
+
+
 class LayerBlocks(Probe):
     """Records the call (inputs and output) of each layer that holds an attention module
     (the adapter's ``layer_block``), in both capture modes: what re-running a layer
@@ -417,9 +424,7 @@ class LayerBlocks(Probe):
         self._calls: list[BlockCall] = []
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
-        find = getattr(adapter, "layer_block", None)
-        found = [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
-        blocks = {id(block): block for block in found if block is not None}
+        blocks = {id(block): block for block in layer_blocks(model, adapter) if block is not None}
         calls: list[BlockCall] = []
         self._calls, thread = calls, threading.get_ident()
         pending: dict[int, tuple[tuple, dict]] = {}

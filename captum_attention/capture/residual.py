@@ -25,7 +25,7 @@ from ..maps import LinearNorm
 from .adapters import AttentionAdapter
 from .guard import ModelChanges
 from .kernel import KernelInterception
-from .probes import BlockCall, Probe
+from .probes import BlockCall, Probe, layer_blocks
 
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 
@@ -163,8 +163,7 @@ class FinalReadout(Probe):
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         states = self._states = FinalStates(head, None, None, [])
-        find = getattr(adapter, "layer_block", None)
-        blocks = [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
+        blocks = layer_blocks(model, adapter)
         inside = {id(module) for block in blocks if block is not None for module in block.modules()}
 
         def keep_head_input(module: nn.Module, args: tuple) -> None:
