@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -137,11 +138,21 @@ class Points:
         seen = self.seen[activation][call]
         if seen.layer is None or seen.output is None:
             return False
+        output = seen.output
         return not any(
-            entry.inputs.shape == seen.output.shape and torch.equal(entry.inputs, seen.output)
-            for module, kind in self.modules.kinds.items() if kind in ("linear", "projection")
-            for entry in self.seen.get(module, []) if entry.layer == seen.layer
+            inputs.shape == output.shape and torch.equal(inputs, output) for inputs in self._linear_inputs.get(seen.layer, [])
         )
+
+    @cached_property
+    def _linear_inputs(self) -> dict[int, list[Tensor]]:
+        """The inputs of the linear maps and output projections, per layer."""
+        by_layer: dict[int, list[Tensor]] = {}
+        for module, kind in self.modules.kinds.items():
+            if kind in ("linear", "projection"):
+                for entry in self.seen.get(module, []):
+                    if entry.layer is not None:
+                        by_layer.setdefault(entry.layer, []).append(entry.inputs)
+        return by_layer
 
 
 def _hidden_argument(args: tuple, kwargs: dict) -> tuple[Tensor, Callable[[Tensor], tuple[tuple, dict]]]:
@@ -200,7 +211,7 @@ def _from_first_layer(
     probabilities) on a softmax inside an attention call; ``before_projection`` (the
     attention call's index, the arguments) before an output projection."""
     state = {"layer": -1, "inside": 0, "in_layer": 0, "site": -1, "in_site": 0}
-    blocks, first, thread = {id(block) for block in modules.blocks}, modules.blocks[0], threading.get_ident()
+    first, thread = modules.blocks[0], threading.get_ident()
 
     def before_block(block: nn.Module, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != thread:
@@ -247,11 +258,9 @@ def _from_first_layer(
             )
         return on_call(id(module), module, args[0], output, _layer(state))
 
-    for block in modules.blocks:
-        if id(block) in blocks:
-            blocks.discard(id(block))
-            stack.callback(block.register_forward_pre_hook(before_block, with_kwargs=True).remove)
-            stack.callback(block.register_forward_hook(after_block, with_kwargs=True, always_call=True).remove)
+    for block in {id(block): block for block in modules.blocks}.values():  # a layer shared by every depth (ALBERT) once
+        stack.callback(block.register_forward_pre_hook(before_block, with_kwargs=True).remove)
+        stack.callback(block.register_forward_hook(after_block, with_kwargs=True, always_call=True).remove)
     for module in modules.hooked:
         stack.callback(module.register_forward_hook(after).remove)
     for module in [*modules.sites, *(m for m in modules.hooked if modules.kinds[id(m)] == "activation")]:
@@ -453,6 +462,7 @@ def share_outputs(
     _check_rows((inputs, additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
+
     def install(stack: ExitStack) -> None:
         stack.enter_context(torch.no_grad())
         stack.enter_context(adapter.prepared(model, streaming=streaming))
