@@ -183,7 +183,7 @@ def test_given_embeddings_and_noise_tunnel():
 def test_registered_and_clear_errors():
     assert METHODS["attn_lrp"] is AttnLRP
     model, ids, args, _ = _case("bert")
-    with pytest.raises(ValueError, match="no attention maps"):
+    with pytest.raises(ValueError, match="no maps"):
         AttnLRP(model).attribute(ids, additional_forward_args=args, return_maps=True)
 
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
 
-from captum_attention import AttentionRollout, GradSAM, ModuleAdapter, RawAttention, TransformerAttribution, UnsupportedModelError
+from captum_attention import (
+    AttentionRollout, AttnLRP, DecompX, GradSAM, KnockoutGradient, LearnedAttention, ModuleAdapter, NormAttention, RawAttention,
+    TransformerAttribution, UnsupportedModelError,
+)
 
 
 @pytest.fixture
@@ -16,6 +19,13 @@ def setup():
     before = model_state(model)
     yield model, batch
     assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("method", [AttnLRP, DecompX, KnockoutGradient, LearnedAttention, NormAttention])
+def test_methods_without_maps_refuse_return_maps_in_one_line(setup, method):
+    model, batch = setup
+    with pytest.raises(ValueError, match=rf"^{method.__name__} [^\n]* has no maps: leave return_maps=False\.$"):
+        method(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,), return_maps=True)
 
 
 def test_target_out_of_range(setup):

@@ -98,6 +98,12 @@ class AttentionAttributionBase:
         spec = getattr(cls, "spec", None)
         return spec.readable_name if spec is not None else cls.__name__
 
+    def _refuse_maps(self, return_maps: bool, gives: str) -> None:
+        """A one-line error for ``return_maps=True`` from a method without per-layer maps;
+        ``gives`` says what it gives instead."""
+        if return_maps:
+            raise ValueError(f"{type(self).__name__} {gives} and has no maps: leave return_maps=False.")
+
     def _check_options(self, options: dict[str, Any], where: str) -> None:
         """A clear error for an option the method does not take or a value it does not
         accept (``where``: the call, as the error names it)."""

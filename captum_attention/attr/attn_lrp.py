@@ -125,8 +125,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
             relevance)``, the pixel relevance shaped as ``pixel_values`` (the image tokens
             then score 0: their relevance is in the pixels).
         """
-        if return_maps:
-            raise ValueError("AttnLRP propagates relevance to the tokens and has no attention maps: leave return_maps=False.")
+        self._refuse_maps(return_maps, "propagates relevance to the tokens")
         options = {"through_vision_tower": through_vision_tower, "pixel_baselines": pixel_baselines} if through_vision_tower else {}
         return self._explain(inputs, target, additional_forward_args, query_index, False, **options)
 

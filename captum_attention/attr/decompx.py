@@ -97,8 +97,7 @@ class DecompX(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        if return_maps:
-            raise ValueError("DecompX carries each token's share of the logit, not maps: leave return_maps=False.")
+        self._refuse_maps(return_maps, "carries each token's share of the logit")
         return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:

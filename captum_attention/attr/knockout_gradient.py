@@ -79,8 +79,7 @@ class KnockoutGradient(AttentionAttributionBase, GradientAttribution):
 
         $returns
         """
-        if return_maps:
-            raise ValueError("KnockoutGradient sums every call into one score per token and has no maps: leave return_maps=False.")
+        self._refuse_maps(return_maps, "sums every call into one score per token")
         return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:

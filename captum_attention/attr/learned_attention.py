@@ -80,8 +80,7 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        if return_maps:
-            raise ValueError("LearnedAttention gives one row of scores and no maps: leave return_maps=False.")
+        self._refuse_maps(return_maps, "gives one row of scores")
         return self._explain(inputs, None, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:

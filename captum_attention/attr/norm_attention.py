@@ -92,8 +92,7 @@ class NormAttention(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        if return_maps:
-            raise ValueError("NormAttention gives one layer's scores and no maps: leave return_maps=False.")
+        self._refuse_maps(return_maps, "gives one layer's scores")
         return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer, residual=residual)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
