@@ -17,6 +17,20 @@ from captum_attention import METHODS
 BATCH, SEQ_LEN = 8, 128
 
 
+def context_cite_weights(kept: torch.Tensor, outcomes: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
+    """ContextCite's surrogate (Cohen-Wang et al., 2024; reimplemented from the paper): a
+    Lasso of ``alpha`` on the standardised keep-masks ``kept`` ``(A, S)`` of ``A`` random
+    ablations against their ``outcomes`` ``(A,)`` (the explained output's logit-probability);
+    ``(S,)`` float32 weights, per unit of a mask."""
+    from sklearn.linear_model import Lasso
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    scaler, lasso = StandardScaler(), Lasso(alpha=alpha, random_state=0)
+    make_pipeline(scaler, lasso).fit(kept.float().numpy(), outcomes.double().numpy())
+    return torch.tensor(lasso.coef_ / scaler.scale_.clip(min=1e-12), dtype=torch.float32)
+
+
 def benchmark_model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tf.PreTrainedModel:
     torch.manual_seed(0)
     config = tf.BertConfig(

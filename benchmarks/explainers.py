@@ -8,21 +8,26 @@ over channels and over each patch.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from captum.attr import InputXGradient, IntegratedGradients, LayerIntegratedGradients, NoiseTunnel, Saliency
+from common import context_cite_weights
 from tasks import MASK, Task
 from torch import Tensor
 
 from captum_attention import ALTI, METHODS, DecompX, NormAttention, ValueZeroing
-from captum_attention.metrics import random_ranking
+from captum_attention.metrics import leave_one_out, random_ranking
+from captum_attention.metrics.context import calibrated_surrogate
+from captum_attention.metrics.token_removal import _Remover
 from captum_attention.presentation.shap_text import shap_token_values
 
 IG_STEPS = 50
 SMOOTHGRAD_SAMPLES = 10
 SHAP_EVALS = 300
+CONTEXT_CITE_ABLATIONS = 64
+CALIBRATED_ABLATIONS = 8
 PATCH = 4
 
 Explainer = Callable[[Task, Tensor], Tensor]
@@ -69,6 +74,14 @@ def smoothgrad(task: Task, target: Tensor) -> Tensor:
     return _patches(scores) if task.is_image else scores.sum(dim=-1)
 
 
+def saliency(task: Task, target: Tensor) -> Tensor:
+    """Captum's ``Saliency``: the gradient's absolute values, summed per token (patch)."""
+    inputs = task.inputs if task.is_image else _embeddings(task)
+    args = None if task.is_image else (task.attention_mask,)
+    scores = Saliency(task.logits).attribute(inputs, target=target, additional_forward_args=args)
+    return _patches(scores) if task.is_image else scores.sum(dim=-1)
+
+
 def gradient_x_input(task: Task, target: Tensor) -> Tensor:
     inputs = task.inputs if task.is_image else _embeddings(task)
     args = None if task.is_image else (task.attention_mask,)
@@ -96,6 +109,75 @@ def shap_partition(task: Task, target: Tensor) -> Tensor:
     return shap_token_values(task.logits, task.tokenizer, task.extra["texts"], target, SHAP_EVALS)
 
 
+def removal(task: Task) -> tuple[Callable[..., Tensor], Tensor, Tensor, dict[str, Any]]:
+    """How the ERASER metrics remove features: ``forward(ids, mask)``, the ids, the mask and
+    the removal arguments. Text: tokens deleted, [CLS]/[SEP] kept. Images: id b·P+p is
+    patch p of image b, -1 a removed patch, set to grey."""
+    if not task.is_image:
+        return task.logits, task.inputs, task.attention_mask, dict(removal="delete", keep=task.keep)
+    rows, columns = task.rationale.shape[1:]
+    count = rows * columns
+    ids = torch.arange(len(task.inputs))[:, None] * count + torch.arange(count)
+
+    def forward(patch_ids: Tensor, mask: Tensor) -> Tensor:
+        image_index = patch_ids.max(dim=1).values // count
+        keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
+        images = task.inputs[image_index].view(-1, 3, rows, PATCH, columns, PATCH)
+        images = (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * PATCH, columns * PATCH)
+        return task.logits(images)
+
+    return forward, ids, torch.ones_like(ids), dict(removal="replace", baseline_token_id=-1)
+
+
+def leave_one_out_deletion(task: Task, target: Tensor) -> Tensor:
+    """Each token's (patch's) leave-one-out drop in the explained probability, removed as
+    the ERASER metrics remove it: one forward per feature."""
+    forward, ids, mask, how = removal(task)
+    return leave_one_out(forward, ids, mask, target, **how).reshape(task.rationale.shape if task.is_image else ids.shape)
+
+
+def _random_ablations(task: Task, target: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor]:
+    """ContextCite's ablations of each example: ``count`` random keep-masks ``(B, count, T)``
+    (each removable feature kept with probability 1/2, seeded), the explained class's
+    logit-probability after each ``(B, count)``, and the removable features ``(B, T)``."""
+    forward, ids, mask, how = removal(task)
+    remover = _Remover(forward, ids, mask, target, how["removal"], how.get("baseline_token_id"), how.get("keep"), 256)
+    generator = torch.Generator().manual_seed(1)
+    kept = torch.rand(len(ids), count, ids.shape[1], generator=generator) < 0.5
+    rows = torch.arange(len(ids)).repeat_interleave(count)
+    probs, _ = remover.evaluate(rows, (remover.removable[:, None, :] & ~kept).flatten(0, 1))
+    probs = probs.double().clamp(1e-12, 1 - 1e-12).view(len(ids), count)
+    return kept, probs.log() - (-probs).log1p(), remover.removable
+
+
+def _fitted(task: Task, target: Tensor, count: int, fit: Callable[[Tensor, Tensor, Tensor], Tensor], prior: Tensor | None = None) -> Tensor:
+    """Per example, ``fit(kept masks (count, S), outcomes (count,), prior (S,))`` over its
+    ``S`` removable features (the prior 0 where none is given), as token (patch) scores."""
+    kept, outcomes, removable = _random_ablations(task, target, count)
+    prior = torch.zeros(removable.shape) if prior is None else prior.detach().reshape(removable.shape)
+    scores = torch.zeros(removable.shape)
+    for b, sources in enumerate(removable):
+        scores[b, sources] = fit(kept[b][:, sources], outcomes[b], prior[b, sources]).float()
+    return scores.reshape(task.rationale.shape if task.is_image else removable.shape)
+
+
+def context_cite(task: Task, target: Tensor) -> Tensor:
+    """ContextCite's algorithm with tokens (patches) as its sources: ``CONTEXT_CITE_ABLATIONS``
+    random ablations and the Lasso surrogate of :func:`common.context_cite_weights`."""
+    return _fitted(task, target, CONTEXT_CITE_ABLATIONS, lambda kept, outcomes, _: context_cite_weights(kept, outcomes))
+
+
+def calibrated_attn_lrp(task: Task, target: Tensor) -> Tensor:
+    """``CALIBRATED_ABLATIONS`` of the same ablations fitted by
+    :func:`captum_attention.metrics.context.calibrated_surrogate` with AttnLRP's scores as
+    the prior (ridge 1), as ``calibrated_scores`` fits an answer's."""
+    prior = _ours(METHODS["attn_lrp"])(task, target)
+    return _fitted(
+        task, target, CALIBRATED_ABLATIONS,
+        lambda kept, outcomes, prior: calibrated_surrogate(kept.double(), outcomes, prior.double(), ridge=1.0), prior,
+    )
+
+
 def random_baseline(task: Task, target: Tensor) -> Tensor:
     shape = task.rationale.shape if task.is_image else task.inputs.shape
     return random_ranking(shape, seed=0)
@@ -113,7 +195,11 @@ def methods() -> dict[str, Explainer]:
         "DecompX": _ours(DecompX),
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
+        "Saliency": saliency,
         "Gradient × Input": gradient_x_input,
         f"SHAP Partition ({SHAP_EVALS} evals)": shap_partition,
+        "Leave-one-out": leave_one_out_deletion,
+        f"ContextCite ({CONTEXT_CITE_ABLATIONS} ablations)": context_cite,
+        f"AttnLRP calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_attn_lrp,
         "Random": random_baseline,
     }

@@ -72,24 +72,6 @@ def forward_backward_seconds(task: Task) -> float:
     return _timed(step, REPEATS)[1]
 
 
-def _patch_removal(task: Task) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Images as "token ids" for the ERASER functions: id b·P+p is patch p of image b, -1 a
-    removed (grey) patch."""
-    rows, columns = task.rationale.shape[1:]
-    count = rows * columns
-    ids = torch.arange(len(task.inputs))[:, None] * count + torch.arange(count)
-    size = explainers.PATCH
-
-    def forward(patch_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        image_index = patch_ids.max(dim=1).values // count
-        keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
-        images = task.inputs[image_index].view(-1, 3, rows, size, columns, size)
-        images = (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * size, columns * size)
-        return task.logits(images)
-
-    return forward, ids, torch.ones_like(ids)
-
-
 def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     if task.is_image:
         flat, gold = scores.flatten(1), task.rationale.flatten(1)
@@ -98,8 +80,6 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
             "pointing game": gold[torch.arange(len(top)), top].float().mean().item(),
             "AUPRC": auprc(flat, gold).nanmean().item(),
         }
-        forward, ids, mask = _patch_removal(task)
-        removal: dict[str, Any] = dict(removal="replace", baseline_token_id=-1)
         prefix = 1
         ranking = torch.cat([torch.full((len(flat), prefix), float("-inf")), flat.float()], dim=1)
         keep = torch.zeros_like(ranking, dtype=torch.bool)
@@ -111,10 +91,9 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
             "token F1": token_f1(scores, task.rationale, include).nanmean().item(),
             "AUPRC": auprc(scores, task.rationale, include).nanmean().item(),
         }
-        forward, ids, mask, flat = task.logits, task.inputs, task.attention_mask, scores
-        removal = dict(removal="delete", keep=task.keep)
-        keep = task.keep
+        flat, keep = scores, task.keep
         flip_args = (task.model, task.inputs, scores, (task.attention_mask,))
+    forward, ids, mask, removal = explainers.removal(task)
     comp = comprehensiveness(forward, ids, mask, flat, target, **removal)
     suff = sufficiency(forward, ids, mask, flat, target, **removal)
     flips = decision_flip_fraction(*flip_args, keep=keep)

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 import transformers as tf
+from common import context_cite_weights
 
 from captum_attention import METHODS
 from captum_attention.attr import REGISTRY
@@ -151,10 +152,6 @@ def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float =
     ablations against the answer's logit-probability (reimplemented from the paper).
     ``seed`` 0 would draw the same masks as the LDS it is scored by (its first 32 ablations
     the LDS's), an in-sample LDS."""
-    from sklearn.linear_model import Lasso
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
     from captum_attention.metrics.context import _AnswerScorer
 
     def attribute(e: NeedleExample) -> torch.Tensor:
@@ -164,11 +161,8 @@ def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float =
         generator = torch.Generator().manual_seed(seed)
         kept = torch.rand(ablations, count, generator=generator) < 0.5
         log_p = scorer.log_probs(torch.zeros(ablations, dtype=torch.long), ~kept).double()
-        logit_p = (log_p - torch.log1p(-log_p.exp().clamp(max=1 - 1e-12))).numpy()
-        scaler, lasso = StandardScaler(), Lasso(alpha=alpha, random_state=0)
-        make_pipeline(scaler, lasso).fit(kept.float().numpy(), logit_p)
-        weights = torch.tensor(lasso.coef_ / scaler.scale_.clip(min=1e-12), dtype=torch.float32)
-        return _on_first_tokens(e, weights)
+        logit_p = log_p - torch.log1p(-log_p.exp().clamp(max=1 - 1e-12))
+        return _on_first_tokens(e, context_cite_weights(kept, logit_p, alpha))
 
     return attribute
 

@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -28,7 +30,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 16 and {"Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX"} <= set(text["methods"])
+    assert len(text["methods"]) == 20 and {"Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX"} <= set(text["methods"])
     for result in results:
         for name, row in result["methods"].items():
             assert 0 <= row["AUPRC"] <= 1, name
@@ -115,7 +117,6 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     over the contexts the needle decides, the values per context, and the LDS of each
     method on the contexts the peers ran on."""
     import needle
-    import torch
 
     from captum_attention.demo.needle import _new_model, needle_example
 
@@ -144,7 +145,6 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     """On an untrained recall model: one sequence's LDS for each method, in [-1, 1] (NaN
     where a method's scores are constant)."""
     import recall_estimates
-    import torch
 
     from captum_attention.demo.recall import RecallTraining, _new_model, recall_batch
 
@@ -154,3 +154,31 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     found = recall_estimates.sequence_lds(model, ids, answer)
     assert list(found) == ["AttnLRP", "KnockoutGradient", "estimates, 1 exact", "estimates, 2 exact", "leave-one-out (every pair deleted)"]
     assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
+
+
+def test_the_ablation_peers_recover_a_model_additive_in_its_tokens(benchmarks_on_path):
+    """On logits whose log-odds are the sum of per-token weights, ContextCite's surrogate
+    finds the weights (up to its Lasso's shrinkage) and leave-one-out the exact drops."""
+    pytest.importorskip("sklearn")
+    import explainers
+    import tasks
+
+    weights = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, 0.25, 2.0, -1.0, 0.75])
+
+    class Additive(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            log_odds = (weights[input_ids] * attention_mask).sum(dim=1)
+            return SimpleNamespace(logits=torch.stack([torch.zeros_like(log_odds), log_odds], dim=1))
+
+    cls, sep, pad = tasks.CLS, tasks.SEP, tasks.PAD
+    ids = torch.tensor([[cls, 4, 5, 6, 7, 8, 9, sep], [cls, 7, 4, 9, sep, pad, pad, pad]])
+    mask = (ids != pad).long()
+    keep = (ids == cls) | (ids == sep)
+    task = tasks.Task("additive", Additive(), ids, mask, torch.ones(2, dtype=torch.long), ~keep & (mask == 1), keep)
+    target = torch.ones(2, dtype=torch.long)
+    removable = (mask == 1) & ~keep
+    expected = weights[ids].masked_fill(~removable, 0.0)
+    torch.testing.assert_close(explainers.context_cite(task, target), expected, atol=0.05, rtol=0.0)
+    total = expected.sum(dim=1, keepdim=True)
+    drops = (torch.sigmoid(total) - torch.sigmoid(total - expected)).masked_fill(~removable, 0.0)
+    torch.testing.assert_close(explainers.leave_one_out_deletion(task, target), drops, atol=1e-6, rtol=0.0)
