@@ -207,7 +207,7 @@ def test_token_removal_metrics_give_results_or_a_clear_error():
         reach.passed()
 
     check()
-    reach.assert_share(0.4)
+    reach.assert_share(0.25)  # about half on average: half the calls are malformed, and most non-finite scores are refused
 
 
 _JSON_VALUES = st.recursive(
