@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from constants import VOCAB
 from conftest import assert_same_state, make_batch, make_model, model_state
 from lm_models import answer_rows, make_decoder, make_prompts, make_vision, make_encoder_decoder, make_word_tokenizer, one_stack_case
 
@@ -45,7 +46,7 @@ def _norm_shares(vectors, states, norm, centred: bool):
 
 def _positions(model, mask) -> dict:
     """A decoder's positions counted from each row's first real token (left padding)."""
-    return {} if model.config.model_type not in ("llama", "gpt2", "qwen2", "gemma2") else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    return {} if model.config.model_type not in ("llama", "gpt2", "qwen2", "gemma2", "olmo") else {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
 
 
 def _eager_run(model, ids, mask):
@@ -297,3 +298,29 @@ def test_families_with_their_own_attention_add_up_through_their_softmax(model_ty
     architecture = next(a for a in architectures("sequence classification") if a.model_type == model_type)
     outcome = decomposition_outcome(architecture)
     assert outcome.status == "exact", outcome
+
+
+def test_a_norm_with_its_epsilon_in_its_code_is_read_through_its_outputs():
+    """OLMo's LayerNorm has no weight, bias or epsilon attribute (1e-5 in its forward):
+    its linear map is found among the common epsilons, checked against its outputs, and
+    DecompX's and ALTI's calls on OLMo add up."""
+    import transformers as tf
+
+    from captum_attention import ALTI
+    from captum_attention.capture.residual import linear_norm
+
+    norm = tf.models.olmo.modeling_olmo.OlmoLayerNorm(16)
+    states = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)) * 1e-2  # the epsilon matters at this scale
+    torch.testing.assert_close(linear_norm(norm, states, norm(states))(states), norm(states))
+    torch.manual_seed(0)
+    model = tf.OlmoForCausalLM(tf.OlmoConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    )).eval()
+    prompts = make_prompts(side="left")
+    ids, mask = prompts.input_ids, prompts.attention_mask
+    scores = DecompX(model).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, **_positions(model, mask)).logits[:, -1]
+    torch.testing.assert_close(scores.sum(dim=1), logits[torch.arange(3), torch.tensor([2, 1, 2])], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(ALTI(model).attribute(ids, additional_forward_args=(mask,))).all()

@@ -28,6 +28,9 @@ from .kernel import KernelInterception
 from .probes import BlockCall, Probe, layer_blocks
 
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+_COMMON_EPS = (1e-5, 1e-6, 1e-12, 0.0)
+"""Tried in turn for a norm that writes its epsilon in its code (OLMo's 1e-5), not in an
+attribute: the check against the norm's outputs decides."""
 
 
 @dataclass
@@ -197,17 +200,18 @@ def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNor
     ``(B, N, D)``, checked against the ``outputs`` it gave; a norm of another form is
     refused in one line."""
     states = inputs.detach().float()
-    eps = next((float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), 0.0)
+    named = [float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)]
     weight = getattr(module, "weight", None)
     weights = [torch.ones(states.shape[-1], device=states.device)] if weight is None else [weight.detach().float(), 1.0 + weight.detach().float()]
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float()
     for centred in (True, False):
         spread = states.var(dim=-1, unbiased=False) if centred else states.pow(2).mean(dim=-1)
-        for gamma in weights:
-            norm = LinearNorm(gamma, (spread + eps).rsqrt(), centred, bias)
-            if _close(norm(states), outputs, None):  # within what the outputs' precision allows
-                return norm
+        for eps in named[:1] or _COMMON_EPS:
+            for gamma in weights:
+                norm = LinearNorm(gamma, (spread + eps).rsqrt(), centred, bias)
+                if _close(norm(states), outputs, None):  # within what the outputs' precision allows
+                    return norm
     raise UnsupportedModelError(
         f"{type(module).__name__} is neither a LayerNorm nor an RMSNorm of its weight: its output cannot be written "
         "as a linear map of its input at its statistics."
