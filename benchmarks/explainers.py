@@ -129,11 +129,16 @@ def removal(task: Task) -> tuple[Callable[..., Tensor], Tensor, Tensor, dict[str
     return forward, ids, torch.ones_like(ids), dict(removal="replace", baseline_token_id=-1)
 
 
+def _as_features(task: Task, scores: Tensor) -> Tensor:
+    """``(B, F)`` scores of the removable features as the task's: per token, or per patch on the grid."""
+    return scores.reshape(task.rationale.shape if task.is_image else task.inputs.shape)
+
+
 def leave_one_out_deletion(task: Task, target: Tensor) -> Tensor:
     """Each token's (patch's) leave-one-out drop in the explained probability, removed as
     the ERASER metrics remove it: one forward per feature."""
     forward, ids, mask, how = removal(task)
-    return leave_one_out(forward, ids, mask, target, **how).reshape(task.rationale.shape if task.is_image else ids.shape)
+    return _as_features(task, leave_one_out(forward, ids, mask, target, **how))
 
 
 def _random_ablations(task: Task, target: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -158,7 +163,7 @@ def _fitted(task: Task, target: Tensor, count: int, fit: Callable[[Tensor, Tenso
     scores = torch.zeros(removable.shape)
     for b, sources in enumerate(removable):
         scores[b, sources] = fit(kept[b][:, sources], outcomes[b], prior[b, sources]).float()
-    return scores.reshape(task.rationale.shape if task.is_image else removable.shape)
+    return _as_features(task, scores)
 
 
 def context_cite(task: Task, target: Tensor) -> Tensor:
