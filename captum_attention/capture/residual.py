@@ -197,17 +197,19 @@ class FinalReadout(Probe):
 
 def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNorm:
     """``module`` (a LayerNorm or an RMSNorm) as the linear map it was on ``inputs``
-    ``(B, N, D)``, checked against the ``outputs`` it gave; a norm of another form is
-    refused in one line."""
+    ``(B, N, D)``, checked against the ``outputs`` it gave (its epsilon its attribute's,
+    else the first of :data:`_COMMON_EPS` they confirm); a norm of another form is refused
+    in one line."""
     states = inputs.detach().float()
-    named = [float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)]
+    named = next((float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), None)
+    epsilons = _COMMON_EPS if named is None else (named,)
     weight = getattr(module, "weight", None)
     weights = [torch.ones(states.shape[-1], device=states.device)] if weight is None else [weight.detach().float(), 1.0 + weight.detach().float()]
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float()
     for centred in (True, False):
         spread = states.var(dim=-1, unbiased=False) if centred else states.pow(2).mean(dim=-1)
-        for eps in named[:1] or _COMMON_EPS:
+        for eps in epsilons:
             for gamma in weights:
                 norm = LinearNorm(gamma, (spread + eps).rsqrt(), centred, bias)
                 if _close(norm(states), outputs, None):  # within what the outputs' precision allows
