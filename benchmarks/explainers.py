@@ -18,9 +18,8 @@ from tasks import MASK, Task
 from torch import Tensor
 
 from captum_attention import ALTI, METHODS, DecompX, NormAttention, ValueZeroing
-from captum_attention.metrics import leave_one_out, random_ranking
+from captum_attention.metrics import ablated_probs, leave_one_out, random_ranking
 from captum_attention.metrics.context import calibrated_surrogate
-from captum_attention.metrics.token_removal import _Remover
 from captum_attention.presentation.shap_text import shap_token_values
 
 IG_STEPS = 50
@@ -146,13 +145,11 @@ def _random_ablations(task: Task, target: Tensor, count: int) -> tuple[Tensor, T
     (each removable feature kept with probability 1/2, seeded), the explained class's
     logit-probability after each ``(B, count)``, and the removable features ``(B, T)``."""
     forward, ids, mask, how = removal(task)
-    remover = _Remover(forward, ids, mask, target, how["removal"], how.get("baseline_token_id"), how.get("keep"), 256)
     generator = torch.Generator().manual_seed(1)
     kept = torch.rand(len(ids), count, ids.shape[1], generator=generator) < 0.5
-    rows = torch.arange(len(ids)).repeat_interleave(count)
-    probs, _ = remover.evaluate(rows, (remover.removable[:, None, :] & ~kept).flatten(0, 1))
-    probs = probs.double().clamp(1e-12, 1 - 1e-12).view(len(ids), count)
-    return kept, probs.log() - (-probs).log1p(), remover.removable
+    probs = ablated_probs(forward, ids, mask, kept, target, **how).double().clamp(1e-12, 1 - 1e-12)
+    removable = (mask != 0) & ~how.get("keep", torch.zeros_like(ids, dtype=torch.bool))
+    return kept, probs.log() - (-probs).log1p(), removable
 
 
 def _fitted(task: Task, target: Tensor, count: int, fit: Callable[[Tensor, Tensor, Tensor], Tensor], prior: Tensor | None = None) -> Tensor:

@@ -12,10 +12,12 @@ from captum_attention import AttnLRP
 from captum_attention.metrics import (
     METRICS,
     MetricContext,
+    ablated_log_probs,
     calibrated_scores,
     leave_one_out_agreement,
     leave_one_out_estimates,
     linear_datamodeling_score,
+    random_ablations,
     top_k_log_prob_drop,
 )
 
@@ -70,6 +72,26 @@ def test_loo_agreement_and_lds_equal_direct_recomputations():
         predicted = (kept.double() * totals.double()).sum(dim=1)
         expected = stats.spearmanr(predicted, actual).statistic
         assert lds[b].item() == pytest.approx(expected, abs=1e-6, nan_ok=True)
+
+
+def test_ablated_log_probs_delete_the_unkept_segments_by_hand_and_serve_the_random_ablations():
+    model, prompts, _ = _case()
+    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    kept = torch.rand(3, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
+    kept[:, 0] = True  # the whole prompt
+    values = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, segments)
+    assert values.shape == (3, 4)
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], segments[b, real]
+        for a in range(4):
+            expected = _log_prob(model, prompt[(seg < 0) | kept[b, a][seg.clamp(min=0)]], ANSWER[b])
+            assert values[b, a].item() == pytest.approx(expected, abs=1e-4)
+    drawn, log_probs, _ = random_ablations(model, prompts.input_ids, prompts.attention_mask, ANSWER, segments, num_ablations=4)
+    again = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, drawn, segments)
+    torch.testing.assert_close(again, log_probs)
+    with pytest.raises(ValueError, match="kept must be a bool tensor"):
+        ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept[:, :, :2], segments)
 
 
 def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():

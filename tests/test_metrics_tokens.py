@@ -11,6 +11,7 @@ from scipy import stats
 from torch import nn
 
 from captum_attention.metrics import (
+    ablated_probs,
     aopc,
     auprc,
     comprehensiveness,
@@ -123,6 +124,20 @@ def test_leave_one_out_by_hand(bag):
         expected = _by_hand(model, ids, mask, target, [(row, {i}) for i in range(n)])
         torch.testing.assert_close(importance[row, :n], expected)
         assert (importance[row, n:] == 0).all()
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_ablated_probs_by_hand(bag, removal):
+    model, ids, mask, target, _ = bag
+    kept = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(3)) < 0.5
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, 0] = True  # never removed, whatever kept says
+    probs = ablated_probs(model, ids, mask, kept, removal=removal, baseline_token_id=0, keep=keep)
+    full = model(ids, mask).softmax(-1).gather(1, target[:, None])
+    removed = [(row, {i for i in range(1, int(mask[row].sum())) if not kept[row, a, i]}) for row in range(2) for a in range(5)]
+    torch.testing.assert_close(probs, full - _by_hand(model, ids, mask, target, removed).view(2, 5))
+    with pytest.raises(ValueError, match="kept must be a bool tensor"):
+        ablated_probs(model, ids, mask, kept[:, :, :4])
 
 
 def test_removal_arguments_are_checked(bag):

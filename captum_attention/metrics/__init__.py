@@ -3,6 +3,7 @@
 from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adversarial_attention, adversarial_keys
 from .agreement import kendall_tau, spearman
 from .context import (
+    ablated_log_probs,
     calibrated_scores,
     leave_one_out_estimates,
     leave_one_out_agreement,
@@ -21,6 +22,7 @@ from .registry import METRICS, MetricContext, MetricSpec, register_metric
 
 from .token_removal import (
     CurveResult,
+    ablated_probs,
     aopc,
     comprehensiveness,
     leave_one_out,
@@ -37,6 +39,8 @@ __all__ = [
     "AdversarialKeysResult",
     "adversarial_attention",
     "adversarial_keys",
+    "ablated_log_probs",
+    "ablated_probs",
     "CurveResult",
     "aopc",
     "auprc",

@@ -92,6 +92,18 @@ class _AnswerScorer:
         summed.scatter_add_(1, self.segments.clamp(min=0), attributions.double().masked_fill(self.segments < 0, 0.0))
         return summed.masked_fill(~self.present, float("-inf"))
 
+    def kept_log_probs(self, kept: Tensor) -> Tensor:
+        """``(B, A)`` log p(answer | prompt with only the segments ``kept[b, a]``), for
+        ``kept`` ``(B, A, S)`` bool."""
+        if kept.dim() != 3 or tuple(kept.shape[::2]) != tuple(self.present.shape) or kept.dtype != torch.bool:
+            raise ValueError(
+                f"kept must be a bool tensor (batch={self.present.shape[0]}, ablations, segments={self.present.shape[1]}), "
+                f"got {kept.dtype} of shape {tuple(kept.shape)}."
+            )
+        examples, ablations = kept.shape[:2]
+        removed = self.present[:, None] & ~kept.to(self.present.device)
+        return self.log_probs(self.rows.repeat_interleave(ablations), removed.flatten(0, 1)).view(examples, ablations)
+
     def log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R,)`` log p(answer | prompt ``rows[r]`` without segments ``removed[r]``); each
         distinct ablation runs once (a repeated one gets the very same value)."""
@@ -391,6 +403,37 @@ def calibrated_surrogate(kept: Tensor, outcomes: Tensor, prior: Tensor, ridge: f
     return coefficients[1] * prior + coefficients[2:]
 
 
+def ablated_log_probs(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    kept: Tensor,
+    segments: Tensor | None = None,
+    max_batch_size: int = 64,
+) -> Tensor:
+    r"""The answer's :math:`\log p(a \mid x_{\text{kept}})` under ablations of your choosing:
+    what the context metrics measure, for a surrogate of your own (SHAP's, ContextCite's)
+    over the same deletions.
+
+    The other arguments are :func:`top_k_log_prob_drop`'s.
+
+    Args:
+        kept (Tensor): ``(batch, ablations, segments)`` bool, the segments each ablation
+            keeps (every other segment deleted); ``segments`` counts the largest example's
+            (a segment an example does not have is ignored).
+
+    Returns:
+        ``(batch, ablations)`` log-probabilities; a repeated ablation runs once.
+
+    Example::
+
+        >>> kept = torch.tensor([[[True, False, True], [False, True, True]]])
+        >>> ablated_log_probs(model, prompt_ids, mask, answer_ids, kept, segments)  # (1, 2)
+    """
+    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size).kept_log_probs(kept)
+
+
 def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, answer: Tensor) -> Tensor:
     r"""``(B,)`` :math:`\log p(a \mid x)` of each answer after its whole prompt (a decoder's,
     or an encoder-decoder's source), as the context metrics read it."""
@@ -402,9 +445,7 @@ def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int) -> t
     examples, count = len(scorer.ids), scorer.present.shape[1]
     kept = torch.rand(examples, num_ablations, count, generator=generator) < 0.5
     kept = kept.to(scorer.present.device) & scorer.present[:, None]
-    rows = scorer.rows.repeat_interleave(num_ablations)
-    actual = scorer.log_probs(rows, (scorer.present[:, None] & ~kept).flatten(0, 1)).view(examples, num_ablations)
-    return kept, actual
+    return kept, scorer.kept_log_probs(kept)
 
 
 def leave_one_out_agreement(

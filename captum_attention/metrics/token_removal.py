@@ -295,3 +295,46 @@ def leave_one_out(
     importance = torch.zeros(input_ids.shape, dtype=after.dtype, device=after.device)
     importance[rows, positions] = remover.original[rows] - after
     return importance
+
+
+def ablated_probs(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    kept: Tensor,
+    target: TargetType = None,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    """The target class's probability under ablations of your choosing, each token removed
+    as the ERASER metrics remove it: for a surrogate of your own (ContextCite's with tokens
+    as its sources, SHAP's) over the same removals.
+
+    The other arguments are :func:`leave_one_out`'s.
+
+    Args:
+        kept (Tensor): ``(batch, ablations, seq_len)`` bool, the tokens each ablation keeps;
+            padding and ``keep`` tokens stay whatever it says.
+
+    Returns:
+        ``(batch, ablations)`` probabilities of the class ``target`` names (default: the
+        predicted one on the whole input).
+
+    Example::
+
+        >>> kept = torch.rand(len(input_ids), 64, input_ids.shape[1]) < 0.5
+        >>> probs = ablated_probs(model, input_ids, attention_mask, kept)  # (batch, 64)
+    """
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    if kept.dim() != 3 or tuple(kept.shape[::2]) != tuple(input_ids.shape) or kept.dtype != torch.bool:
+        raise ValueError(
+            f"kept must be a bool tensor (batch={input_ids.shape[0]}, ablations, seq_len={input_ids.shape[1]}), "
+            f"got {kept.dtype} of shape {tuple(kept.shape)}."
+        )
+    examples, ablations = kept.shape[:2]
+    remove = remover.removable[:, None] & ~kept.to(remover.removable.device)
+    rows = torch.arange(examples, device=remove.device).repeat_interleave(ablations)
+    after, _ = remover.evaluate(rows, remove.flatten(0, 1))
+    return after.view(examples, ablations)
