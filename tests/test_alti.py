@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, model_state
-from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_word_tokenizer, one_stack_case
+from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
 from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY
@@ -247,6 +247,32 @@ def test_streaming_equals_eager_across_families(family):
         streamed = method(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
         torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item())
         assert bool(eager[~mask.bool()].eq(0).all())
+
+
+@pytest.mark.parametrize("method", [ALTI, ALTILogit])
+def test_streaming_descends_the_layers_without_a_whole_matrix_and_equals_eager(method, monkeypatch):
+    """Streaming carries the explained rows down from the top, each layer's matrix used
+    block by block: never built whole (the eager cache would be), for a row, a span and
+    every row of a continuation at once, each equal to eager's full matrices."""
+    from captum_attention.attr import _decomposed
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    ids, mask = prompts.input_ids, prompts.attention_mask
+    continuation = torch.tensor([[7, 8, 9], [9, 10, 3], [11, 12, 4]])
+    calls = {
+        "row": lambda e: e.attribute(ids, additional_forward_args=(mask,)),
+        "span": lambda e: e.attribute_span(ids, continuation, additional_forward_args=(mask,)),
+        "rows": lambda e: e.attribute_continuation(ids, continuation, additional_forward_args=(mask,)),
+    }
+    eager = {name: call(method(model, capture="eager")) for name, call in calls.items()}
+
+    def whole(*args, **kwargs):
+        raise AssertionError("streaming built every layer's whole matrix")
+
+    monkeypatch.setattr(_decomposed, "_contributions", whole)
+    for name, call in calls.items():
+        streamed = call(method(model, capture="streaming"))
+        torch.testing.assert_close(streamed, eager[name], rtol=1e-5, atol=1e-6 * eager[name].abs().max().item())
 
 
 def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():

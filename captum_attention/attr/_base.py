@@ -120,9 +120,10 @@ class AttentionAttributionBase:
         """``(source, target)`` scores and the maps per role for an encoder-decoder."""
         raise NotImplementedError
 
-    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, *args: Any, **options: Any) -> Tensor | None:
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor, *args: Any, **options: Any) -> Tensor | None:
         """A method that needs no backward may answer the rows of several query positions
-        ``(B, T)`` of a decoder at once, ``(B, T, N)``; None: one row at a time."""
+        ``(B, T)`` of a decoder at once, each explaining the continuation token ``tokens``
+        ``(B, T)`` there, ``(B, T, N)``; None: one row at a time."""
         return None
 
     def _streamed_scores(self, record: ForwardRecord, *args: Any, **options: Any) -> Scores:
@@ -317,7 +318,7 @@ class AttentionAttributionBase:
         new_tokens = continuation.shape[1]
         positions = first + torch.arange(new_tokens, device=record.target_real.device).expand(len(continuation), -1)
         streams_rows = record.streaming and self.spec.needs == "forward" and not record.is_encoder_decoder
-        together = self._streamed_rows(record, positions, **options) if streams_rows else None
+        together = self._streamed_rows(record, positions, continuation.to(positions.device), **options) if streams_rows else None
         if together is not None:
             return torch.stack([_zero_padding(record.at_query(positions[:, k]), together[:, k]) for k in range(new_tokens)], dim=1)
         rows = []

@@ -5,7 +5,7 @@ attention rows in either capture mode, and the block written as a sum over token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -159,12 +159,49 @@ def all_pre_norm(record: ForwardRecord) -> bool:
     return all(pre_norm for _, pre_norm in record.result(RecordedBlocks).cache["alti"])
 
 
+def alti_rollout(
+    model: nn.Module, record: ForwardRecord, method: str, rows: Tensor, added: Callable[[int, LayerSum], Tensor] | None = None
+) -> Tensor:
+    r"""``(B, R, N)`` float64: the rows ``rows`` ``(B, R, N)`` (weights over the last
+    layer's outputs) carried down through every layer's ALTI matrix from the top,
+    :math:`v \leftarrow v\, C^l + \Delta^l` (``added(call, layer)``: ALTI-Logit's
+    layer shares ``(B, R, N)``; None: ALTI's rollout, :math:`\Delta^l = 0`).
+
+    Each matrix is computed in blocks of query rows and used at once, a block only where
+    a row weighs on it: no matrix is ever held whole (memory: one block), and a layer
+    whose rows weigh nothing yet (ALTI-Logit's top) costs no contribution at all."""
+    calls = layer_calls(model, record, method)
+    for call in reversed(range(len(calls))):
+        layer = layer_sum(model, record, call, calls[call], method)
+        rows = _times_mixing(record, call, layer, rows.to(layer.vectors.device))
+        if added is not None:
+            rows = rows + added(call, layer).double()
+    return rows
+
+
+def _times_mixing(record: ForwardRecord, call: int, layer: LayerSum, rows: Tensor) -> Tensor:
+    """``rows`` ``(B, R, N)`` times the layer's ALTI matrix, block by block of its rows."""
+    product = torch.zeros_like(rows)
+    weighs = lambda block: bool(rows[:, :, block].any())  # noqa: E731
+    for block, contributions in _contribution_blocks(record, call, layer, weighs):
+        mixing = normalised_mixing(contributions, record.target_real.to(rows.device), block)
+        product += torch.bmm(rows[:, :, block], mixing.double())
+    return product
+
+
 def _contributions(record: ForwardRecord, call: int, layer: LayerSum) -> Tensor:
+    return torch.cat([contributions for _, contributions in _contribution_blocks(record, call, layer)], dim=1)
+
+
+def _contribution_blocks(
+    record: ForwardRecord, call: int, layer: LayerSum, wanted: Callable[[slice], bool] = lambda block: True
+) -> Iterator[tuple[slice, Tensor]]:
+    """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time,
+    for the blocks ``wanted``."""
     batch, _, tokens, width = layer.vectors.shape
     residual = layer.residual
     inputs, outputs = residual.inputs.to(layer.vectors.device), residual.outputs.to(layer.vectors.device)
-    blocks = []
     for rows in row_blocks(batch, tokens, width, layer.vectors.device):
-        vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
-        blocks.append(alti_contributions(vectors, outputs[:, rows]))
-    return torch.cat(blocks, dim=1)
+        if wanted(rows):
+            vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
+            yield rows, alti_contributions(vectors, outputs[:, rows])

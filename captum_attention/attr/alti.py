@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from captum.attr import Attribution
 from torch import Tensor
 
@@ -11,9 +12,9 @@ from .._compat import TargetType
 from ..capture import AttendedValues, LayerBlocks, Probe
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..maps import propagate_query_row
+from ..maps import propagate_query_row, query_weights
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import alti_matrices
+from ._decomposed import alti_matrices, alti_rollout
 from ._registry import MethodSpec
 
 
@@ -41,8 +42,11 @@ class ALTI(AttentionAttributionBase, Attribution):
     checked against its states (a layer of another wiring, such as Gemma-2's norm on the
     attention output, is refused in one line). A forward pass, one re-run of each layer
     (to read its norms) and :math:`O(H N^2 D)` per layer for the transformed vectors, in
-    blocks of query rows; memory: the forward's, plus :math:`L \cdot N^2` float32
-    contributions per example. Both capture modes. Registered (``"alti"``), not yet in the
+    blocks of query rows. Streaming, the explained rows descend the layers from the top,
+    each layer's matrix computed block by block and used at once: memory the forward's
+    and one block's, the top layer only the explained rows' blocks. Eager capture keeps
+    every layer's :math:`N^2` contributions per example, for ``return_maps`` and for an
+    answer's rows to share. Both capture modes. Registered (``"alti"``), not yet in the
     reports.
 
     Args:
@@ -87,4 +91,11 @@ class ALTI(AttentionAttributionBase, Attribution):
         return propagate_query_row(mixing, record.query_index), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._scores(record)[0]
+        rows = query_weights(record.query_index, record.target_real.shape[1], torch.float64)[:, None]
+        return alti_rollout(self.model, record, "ALTI", rows)[:, 0].float()
+
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
+        """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
+        never reaches a later token, so each equals its own prefix's row)."""
+        rows = torch.stack([query_weights(p, record.target_real.shape[1], torch.float64) for p in positions.t()], dim=1)
+        return alti_rollout(self.model, record, "ALTI", rows).float()

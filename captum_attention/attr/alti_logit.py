@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 from captum.attr import Attribution
@@ -10,12 +11,21 @@ from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import AttendedValues, LayerBlocks, LogProbTarget, Probe
-from ..capture.inputs import QueryIndex, resolve_targets
+from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..capture.residual import FinalReadout, FinalStates
-from ..maps import last_query, logit_direction, logit_rollout
+from ..maps import LinearNorm, logit_direction, logit_rollout
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import LogitReads, logit_reads, all_pre_norm, alti_matrices, attention_row_at, call_head_vectors
+from ._decomposed import (
+    LayerSum,
+    LogitReads,
+    all_pre_norm,
+    alti_matrices,
+    alti_rollout,
+    attention_row_at,
+    call_head_vectors,
+    logit_reads,
+)
 from ._registry import MethodSpec
 
 
@@ -91,24 +101,58 @@ class ALTILogit(AttentionAttributionBase, Attribution):
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         mixing = alti_matrices(self.model, record, "ALTI-Logit")
         if not all_pre_norm(record):
-            raise UnsupportedModelError(
-                f"ALTI-Logit adds up what each layer adds to the final residual stream, which the post-norm layers of "
-                f"{type(self.model).__name__} rescale: use ALTI."
-            )
-        final = record.result(FinalStates)
-        weight, _, final_norm = final.unembedding(record.forward_real)
+            raise self._post_norm()
+        shares = self._logit_shares(record)
+        return logit_rollout([shares(call).sum(dim=1) for call in range(record.num_calls)], mixing), mixing
+
+    def _streamed_scores(self, record: ForwardRecord) -> Scores:
+        shares = self._logit_shares(record)
+        return self._descent(record, lambda call: shares(call).sum(dim=1, keepdim=True), 1)[:, 0].float()
+
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
+        """The logit rows of ``tokens`` at ``positions`` ``(B, T)`` of a decoder in one
+        descent (a causal row never reaches a later token)."""
+        explained = self._explained(record, LogProbTarget(positions, tokens))
+        return self._descent(explained, self._logit_shares(explained), positions.shape[1]).float()
+
+    def _descent(self, record: ForwardRecord, shares: Callable[[int], Tensor], rows: int) -> Tensor:
+        """``(B, rows, N)``: :func:`alti_rollout` from no share, each layer adding ``shares``."""
+
+        def added(call: int, layer: LayerSum) -> Tensor:
+            if layer.residual.norm is not None:
+                raise self._post_norm()
+            return shares(call)
+
+        start = torch.zeros(*record.target_real.shape[:1], rows, record.target_real.shape[1], dtype=torch.float64)
+        return alti_rollout(self.model, record, "ALTI-Logit", start, added)
+
+    def _logit_shares(self, record: ForwardRecord) -> Callable[[int], Tensor]:
+        r"""``shares(call)``: the layer's :math:`\Delta^l` ``(B, K, N)`` of each explained logit
+        (the K positions and tokens :class:`LogitReads` names), the unembedding read and the
+        logits checked at the first call."""
         reads = record.result(LogitReads)
-        final.check_logits(record.logits, reads.positions, reads.tokens)
-        shares = []
-        for call in range(record.num_calls):
+
+        @functools.cache
+        def readout() -> tuple[Tensor, LinearNorm | None]:
+            final = record.result(FinalStates)
+            weight, _, final_norm = final.unembedding(record.forward_real)
+            final.check_logits(record.logits, reads.positions, reads.tokens)
+            return weight, final_norm
+
+        def shares(call: int) -> Tensor:
+            weight, final_norm = readout()
             vectors = call_head_vectors(record, call, "ALTI-Logit")
-            share = torch.zeros(vectors.shape[0], vectors.shape[2], device=vectors.device)
+            per_read = []
             for position, token in zip(reads.positions.t(), reads.tokens.t()):
                 direction = logit_direction(weight[token.to(weight.device)], final_norm, position.to(weight.device))
                 rows = attention_row_at(record, call, position).to(vectors.device)
-                share += torch.einsum("bhn,bhnd,bd->bn", rows, vectors, direction.to(vectors.device))
-            shares.append(share)
-        return logit_rollout(shares, mixing), mixing
+                per_read.append(torch.einsum("bhn,bhnd,bd->bn", rows, vectors, direction.to(vectors.device)))
+            return torch.stack(per_read, dim=1)
 
-    def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._scores(record)[0]
+        return shares
+
+    def _post_norm(self) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"ALTI-Logit adds up what each layer adds to the final residual stream, which the post-norm layers of "
+            f"{type(self.model).__name__} rescale: use ALTI."
+        )

@@ -147,12 +147,12 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
         return (source_row, row) if record.is_encoder_decoder else row
 
     def _streamed_rows(
-        self, record: ForwardRecord, positions: Tensor, head_fusion: str = "mean", discard_ratio: float = 0.0,
+        self, record: ForwardRecord, positions: Tensor, tokens: Tensor, head_fusion: str = "mean", discard_ratio: float = 0.0,
         start_layer: int = 0,
     ) -> Tensor | None:
         """The query rows of R at ``positions`` ``(B, T)`` of a decoder, ``(B, T, N)``, from
         one recomputation of each block for all T rows (a causal row never reaches a later
-        token, so each equals its own prefix's row)."""
+        token, so each equals its own prefix's row; rollout reads no target ``tokens``)."""
         if record.is_encoder_decoder:
             return None
         first = record.call_index(start_layer, "start_layer")

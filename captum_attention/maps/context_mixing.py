@@ -73,13 +73,13 @@ def value_zeroing_distances(original: Tensor, zeroed: Tensor) -> Tensor:
     return (1.0 - F.cosine_similarity(zeroed.double(), original.double(), dim=-1)).float()
 
 
-def normalised_mixing(contributions: Tensor, real: Tensor) -> Tensor:
-    """``(B, N, N)`` float32: one layer's mixing matrix over the ``real`` tokens ``(B, N)``
-    bool, from its non-negative contributions ``(B, N, N)`` (entry ``(b, i, j)``: what token
-    j gives token i; Value Zeroing's :func:`value_zeroing_distances`, ALTI's
-    :func:`alti_contributions`): the pairs of a non-real token 0, each row divided by its
-    sum (a row without any contribution stays 0)."""
-    pairs = real[:, :, None] & real[:, None, :]
+def normalised_mixing(contributions: Tensor, real: Tensor, rows: slice = slice(None)) -> Tensor:
+    """``(B, r, N)`` float32: the query rows ``rows`` (default: all) of one layer's mixing
+    matrix over the ``real`` tokens ``(B, N)`` bool, from their non-negative contributions
+    ``(B, r, N)`` (entry ``(b, i, j)``: what token j gives token i; Value Zeroing's
+    :func:`value_zeroing_distances`, ALTI's :func:`alti_contributions`): the pairs of a
+    non-real token 0, each row divided by its sum (a row without any contribution stays 0)."""
+    pairs = real[:, rows, None] & real[:, None, :]
     mixing = torch.where(pairs.to(contributions.device), contributions.double(), 0.0)
     totals = mixing.sum(dim=-1, keepdim=True)
     return torch.where(totals > 0, mixing / totals.clamp(min=torch.finfo(mixing.dtype).tiny), 0.0).float()
