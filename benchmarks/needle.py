@@ -25,7 +25,9 @@ ContextCite's algorithm (64 random ablations keeping each segment with probabili
 Lasso surrogate with ``alpha=0.01`` on standardised masks), reimplemented from the paper
 (Cohen-Wang et al., NeurIPS 2024) because the ``context-cite`` package partitions text into
 sentences and needs spaCy. Its ablations are drawn with seed 1, apart from the LDS's own
-(seed 0), so that its LDS is out of sample like every other method's. inseq's ``attention``
+(seed 0), so that its LDS is out of sample like every other method's; and ``shap``'s
+KernelExplainer over the segments (300 coalitions, as the real-text benchmark's SHAP;
+the question alone as the background). inseq's ``attention``
 (``--peers inseq_attention``) runs in an environment of its own, since inseq is not among
 this project's requirements::
 
@@ -48,11 +50,19 @@ from typing import Any, Callable
 import torch
 import transformers as tf
 from common import context_cite_weights
+from explainers import SHAP_EVALS
 
 from captum_attention import METHODS
 from captum_attention.attr import REGISTRY
 from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
-from captum_attention.metrics import calibrated_scores, leave_one_out_estimates, linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.metrics import (
+    ablated_log_probs,
+    calibrated_scores,
+    leave_one_out_estimates,
+    linear_datamodeling_score,
+    random_ablations,
+    top_k_log_prob_drop,
+)
 
 Attribution = Callable[[NeedleExample], torch.Tensor]
 """``attribute(example) -> (length,)`` token scores whose segment sums rank the segments."""
@@ -152,17 +162,38 @@ def context_cite(model: tf.LlamaForCausalLM, ablations: int = 64, alpha: float =
     ablations against the answer's logit-probability (reimplemented from the paper).
     ``seed`` 0 would draw the same masks as the LDS it is scored by (its first 32 ablations
     the LDS's), an in-sample LDS."""
-    from captum_attention.metrics.context import _AnswerScorer
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         prompt = e.input_ids[None]
-        scorer = _AnswerScorer(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), e.segments[None], 16)
-        count = scorer.present.shape[1]
-        generator = torch.Generator().manual_seed(seed)
-        kept = torch.rand(ablations, count, generator=generator) < 0.5
-        log_p = scorer.log_probs(torch.zeros(ablations, dtype=torch.long), ~kept).double()
+        kept, log_p, _ = random_ablations(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), e.segments[None],
+                                          ablations, seed, max_batch_size=16)
+        log_p = log_p[0].double()
         logit_p = log_p - torch.log1p(-log_p.exp().clamp(max=1 - 1e-12))
-        return _on_first_tokens(e, context_cite_weights(kept, logit_p, alpha))
+        return _on_first_tokens(e, context_cite_weights(kept[0], logit_p, alpha))
+
+    return attribute
+
+
+def kernel_shap(model: tf.LlamaForCausalLM, evaluations: int = SHAP_EVALS, seed: int = 1) -> Attribution:
+    """``shap``'s KernelExplainer over the segments: ``evaluations`` coalitions per example
+    (seeded), a removed segment deleted, the empty context (the question alone) as the
+    background, the answer's log-probability as the output, and AIC-selected features
+    (``l1_reg="aic"``: the default, ten features, would leave most segments at 0)."""
+    import numpy as np
+    import shap
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt, count = e.input_ids[None], int(e.segments.max()) + 1
+        answer, segments = torch.tensor([[e.answer]]), e.segments[None]
+
+        def log_probs(coalitions: np.ndarray) -> np.ndarray:
+            kept = torch.from_numpy(coalitions != 0)[None]
+            return ablated_log_probs(model, prompt, torch.ones_like(prompt), answer, kept, segments, 16)[0].double().numpy()
+
+        np.random.seed(seed)
+        explainer = shap.KernelExplainer(log_probs, np.zeros((1, count)))
+        values = explainer.shap_values(np.ones((1, count)), nsamples=evaluations, l1_reg="aic", silent=True)
+        return _on_first_tokens(e, torch.as_tensor(np.asarray(values)).flatten().float())
 
     return attribute
 
@@ -225,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                         "e.g. norm_attention)")
     parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
     parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
-    parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite"])
+    parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite", "kernel_shap"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
     parser.add_argument("--json", type=Path)
@@ -234,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_needle_model()
     peers = {
         "feature_ablation": feature_ablation, "integrated_gradients": integrated_gradients, "context_cite": context_cite,
-        "inseq_attention": inseq_attention,
+        "kernel_shap": kernel_shap, "inseq_attention": inseq_attention,
     }
     stopped: dict[str, str] = {}
     last: dict[str, tuple[int, float]] = {}
