@@ -182,8 +182,7 @@ def alti_rollout(
 def _times_mixing(record: ForwardRecord, call: int, layer: LayerSum, rows: Tensor) -> Tensor:
     """``rows`` ``(B, R, N)`` times the layer's ALTI matrix, block by block of its rows."""
     product = torch.zeros_like(rows)
-    weighs = lambda block: bool(rows[:, :, block].any())  # noqa: E731
-    for block, contributions in _contribution_blocks(record, call, layer, weighs):
+    for block, contributions in _contribution_blocks(record, call, layer, rows):
         mixing = normalised_mixing(contributions, record.target_real.to(rows.device), block)
         product += torch.bmm(rows[:, :, block], mixing.double())
     return product
@@ -194,14 +193,14 @@ def _contributions(record: ForwardRecord, call: int, layer: LayerSum) -> Tensor:
 
 
 def _contribution_blocks(
-    record: ForwardRecord, call: int, layer: LayerSum, wanted: Callable[[slice], bool] = lambda block: True
+    record: ForwardRecord, call: int, layer: LayerSum, weights: Tensor | None = None
 ) -> Iterator[tuple[slice, Tensor]]:
-    """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time,
-    for the blocks ``wanted``."""
+    """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time:
+    every block, or those where ``weights`` ``(B, R, N)`` weigh on a row."""
     batch, _, tokens, width = layer.vectors.shape
     residual = layer.residual
     inputs, outputs = residual.inputs.to(layer.vectors.device), residual.outputs.to(layer.vectors.device)
     for rows in row_blocks(batch, tokens, width, layer.vectors.device):
-        if wanted(rows):
+        if weights is None or bool(weights[:, :, rows].any()):
             vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
             yield rows, alti_contributions(vectors, outputs[:, rows])
