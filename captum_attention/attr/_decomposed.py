@@ -181,9 +181,9 @@ def alti_rollout(
 
 def _times_mixing(record: ForwardRecord, call: int, layer: LayerSum, rows: Tensor) -> Tensor:
     """``rows`` ``(B, R, N)`` times the layer's ALTI matrix, block by block of its rows."""
-    product = torch.zeros_like(rows)
+    product, real = torch.zeros_like(rows), record.target_real.to(rows.device)
     for block, contributions in _contribution_blocks(record, call, layer, rows):
-        mixing = normalised_mixing(contributions, record.target_real.to(rows.device), block)
+        mixing = normalised_mixing(contributions, real, block)
         product += torch.bmm(rows[:, :, block], mixing.double())
     return product
 

@@ -97,5 +97,5 @@ class ALTI(AttentionAttributionBase, Attribution):
     def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
         """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
         never reaches a later token, so each equals its own prefix's row)."""
-        rows = torch.stack([query_weights(p, record.target_real.shape[1], torch.float64) for p in positions.t()], dim=1)
+        rows = torch.nn.functional.one_hot(positions, record.target_real.shape[1]).double()
         return alti_rollout(self.model, record, "ALTI", rows).float()
