@@ -16,7 +16,7 @@ from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual
-from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing, transformed_vectors
+from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
@@ -198,9 +198,12 @@ def _contribution_blocks(
     """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time:
     every block, or those where ``weights`` ``(B, R, N)`` weigh on a row."""
     batch, _, tokens, width = layer.vectors.shape
-    residual = layer.residual
-    inputs, outputs = residual.inputs.to(layer.vectors.device), residual.outputs.to(layer.vectors.device)
-    for rows in row_blocks(batch, tokens, width, layer.vectors.device):
+    norm, device = layer.residual.norm, layer.vectors.device
+    inputs, outputs = layer.residual.inputs.to(device).float(), layer.residual.outputs.to(device)
+    vectors = layer.vectors if norm is None else norm.features(layer.vectors)
+    residual = inputs if norm is None else norm.linear(inputs)
+    scale = None if norm is None else norm.scale.to(device)
+    for rows in row_blocks(batch, tokens, width, device):
         if weights is None or bool(weights[:, :, rows].any()):
-            vectors = transformed_vectors(attention_rows(record, call, rows).to(inputs.device), layer.vectors, inputs, rows, residual.norm)
-            yield rows, alti_contributions(vectors, outputs[:, rows])
+            probs = attention_rows(record, call, rows).to(device)
+            yield rows, alti_contributions(probs, vectors, residual, outputs[:, rows], rows, scale)

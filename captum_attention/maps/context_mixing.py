@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .streaming import compiled_block
+
 
 def summed_weighted_norm(rows: Tensor, values: Tensor, projection: Tensor) -> Tensor:
     r"""``(B, K)``: :math:`\lVert \sum_m \alpha^m_j f^m(x_j) \rVert` per key j, in float32.
@@ -108,10 +110,15 @@ class LinearNorm:
     def linear(self, vectors: Tensor, rows: slice | None = None) -> Tensor:
         """:math:`L_i` of ``vectors`` ``(B, r, ..., D)`` whose second dimension is the
         tokens ``rows`` (default: all)."""
+        scale = self.scale[:, rows if rows is not None else slice(None)]
+        return self.features(vectors) * scale.reshape(*scale.shape, *[1] * (vectors.dim() - 2))
+
+    def features(self, vectors: Tensor) -> Tensor:
+        r""":math:`\gamma \odot P(z)` of ``vectors`` ``(..., D)``: :math:`L_i` without token
+        i's scale :math:`s_i`, the same for every token."""
         if self.centred:
             vectors = vectors - vectors.mean(dim=-1, keepdim=True)
-        scale = self.scale[:, rows if rows is not None else slice(None)]
-        return vectors * self.weight * scale.reshape(*scale.shape, *[1] * (vectors.dim() - 2))
+        return vectors * self.weight
 
     def __call__(self, states: Tensor) -> Tensor:
         """The norm itself, ``(B, N, D)`` from ``(B, N, D)`` states it was measured on."""
@@ -141,12 +148,59 @@ def transformed_vectors(
     return mixed if norm is None else norm.linear(mixed, rows)
 
 
-def alti_contributions(vectors: Tensor, outputs: Tensor) -> Tensor:
+ALTI_COMPILE_MIN_PAIRS = 512 * 512
+"""Layers of at least this many (query, key) pairs compute ALTI's contributions through
+:func:`~captum_attention.maps.streaming.compiled_block` (on the CPU, once its eager budget is
+spent): one C++ loop over a block of rows that never holds the block's transformed
+vectors, where the eager computation writes and reads them about five times over."""
+
+
+def alti_contributions(
+    rows_probs: Tensor, vectors: Tensor, residual: Tensor, outputs: Tensor, rows: slice, scale: Tensor | None = None
+) -> Tensor:
     r"""``(B, r, N)`` float32 ALTI's :math:`\max(0, \lVert y_i \rVert_1 - \lVert y_i -
-    T_i(x_j) \rVert_1)` from :func:`transformed_vectors` ``(B, r, N, D)`` and the block's
-    outputs ``(B, r, D)`` at the same rows."""
-    outputs = outputs.float()[:, :, None, :]
-    return (outputs.abs().sum(dim=-1) - (outputs - vectors).abs().sum(dim=-1)).clamp(min=0.0)
+    T_i(x_j) \rVert_1)` for the query rows ``rows`` (:func:`transformed_vectors`' :math:`T_i`),
+    summed feature by feature, :math:`\sum_d |y_{id}| - |y_{id} - T_i(x_j)_d|`, so that no
+    two large norms cancel.
+
+    Args:
+        rows_probs: ``(B, H, r, N)`` the rows' attention.
+        vectors: ``(B, H, N, D)`` :func:`head_vectors`, in a post-norm layer through the
+            norm's :meth:`LinearNorm.features`.
+        residual: ``(B, N, D)`` each token's own input, in a post-norm layer through the
+            norm's :meth:`LinearNorm.linear`.
+        outputs: ``(B, r, D)`` the block's outputs :math:`y_i` at the rows.
+        rows: the query rows, as a slice of the keys.
+        scale: ``(B, N)`` the post-norm layer's :attr:`LinearNorm.scale`; None in a
+            pre-norm layer.
+    """
+    probs = rows_probs.float() if scale is None else rows_probs.float() * scale[:, None, rows, None]
+    outputs = outputs.float()
+    device = "cpu" if probs.device.type == "cpu" else "cuda"
+    contributions = compiled_block(_mixed_nearness, device, probs.shape[-1] ** 2 >= ALTI_COMPILE_MIN_PAIRS, probs, vectors, outputs)
+    own = torch.arange(probs.shape[2], device=probs.device)
+    keys = own + rows.start
+    own_vectors = torch.einsum("bhi,bhid->bid", probs[:, :, own, keys], vectors[:, :, keys]) + residual[:, rows].float()
+    contributions[:, own, keys] = _nearness(outputs, own_vectors)
+    return contributions.clamp(min=0.0)
+
+
+def _mixed_nearness(probs: Tensor, vectors: Tensor, outputs: Tensor) -> Tensor:
+    r"""``(B, r, N)`` :func:`_nearness` of each row's output to :math:`\sum_m \alpha^m_{ij}
+    f^m(x_j)` (the residual left out)."""
+    if torch.compiler.is_compiling():  # a sum the compiled loop keeps in registers, never a (B, r, N, D) tensor
+        mixed = probs[:, 0, :, :, None] * vectors[:, 0, None]
+        for head in range(1, vectors.shape[1]):
+            mixed = mixed + probs[:, head, :, :, None] * vectors[:, head, None]
+    else:
+        mixed = torch.einsum("bhik,bhkd->bikd", probs, vectors)
+    return _nearness(outputs[:, :, None], mixed)
+
+
+def _nearness(outputs: Tensor, vectors: Tensor) -> Tensor:
+    r""":math:`\sum_d |y_d| - |y_d - t_d|` over the last dimension, ``outputs`` broadcast
+    against ``vectors``."""
+    return (outputs - vectors).abs_().neg_().add_(outputs.abs()).sum(dim=-1)
 
 
 def logit_direction(unembedding: Tensor, final_norm: LinearNorm | None, query: Tensor) -> Tensor:

@@ -116,8 +116,15 @@ def _compiles(call: KernelCall) -> bool:
 def _block(reduction: Callable[..., Reduced], call: KernelCall, *args: Tensor | None) -> Reduced:
     """``reduction(*args)`` for one block of ``call``, compiled where
     :data:`FUSED_MIN_PAIRS`, :data:`FUSED_DEVICES` and :data:`COMPILE_AFTER_SECONDS` say so."""
-    device = _device(call)
-    if not _compiles(call):
+    return compiled_block(reduction, _device(call), _compiles(call), *args)
+
+
+def compiled_block(reduction: Callable[..., Reduced], device: str, large: bool, *args: Tensor | None) -> Reduced:
+    """``reduction(*args)``, compiled by ``torch.compile`` where the computation is
+    ``large`` (by the caller's threshold) and :data:`FUSED_DEVICES` allows it on ``device``
+    (``"cpu"`` or ``"cuda"``), once this process has spent :data:`COMPILE_AFTER_SECONDS` in
+    eager blocks there; eager where compiling fails."""
+    if not (large and FUSED_DEVICES.get(device, False)):
         return reduction(*args)
     key = (reduction, device)
     if key not in _COMPILED and _EAGER_SECONDS.get(device, 0.0) < COMPILE_AFTER_SECONDS:
