@@ -229,6 +229,25 @@ def test_compiled_contributions_equal_the_authors_computation(family, monkeypatc
         torch.testing.assert_close(logits, wanted, rtol=1e-5, atol=1e-5 * wanted.abs().max().item())
 
 
+def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch):
+    from captum_attention.maps import context_mixing, streaming
+
+    model, ids, mask, _ = one_stack_case("llama")
+    expected = ALTI(model).attribute(ids, additional_forward_args=(mask,))
+    monkeypatch.setattr(context_mixing, "ALTI_COMPILE_MIN_PAIRS", 0)
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(streaming, "_COMPILED", {})
+
+    def no_compiler(function, **options):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler found")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    assert torch.equal(ALTI(model).attribute(ids, additional_forward_args=(mask,)), expected)
+    assert streaming._COMPILED[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_alti_logit_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, _ = one_stack_case(family)
