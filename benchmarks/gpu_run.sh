@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_run.sh mixing  # CPU/CUDA agreement of the context-mixing methods (NormAttention,
 #                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention), both modes,
 #                                      # and of encoder-decoders' answers (span and rows)
+#   bash benchmarks/gpu_run.sh alti    # ALTI's contributions compiled (a Triton kernel there): the context-mixing
+#                                      # agreement with them, then ALTI at 4k and 16k, eager blocks against compiled
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
 #                                      # an answer's rows at 16k with the kernels (at most 10 min)
@@ -40,6 +42,15 @@ case "${1:-check}" in
     mixing)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement(); gpu_check.seq2seq_answer_agreement()" \
             | tee "$out/mixing_check.md" ;;
+    alti)
+        python3 -c "import sys; sys.path[:0] = ['benchmarks']; from captum_attention.maps import context_mixing, streaming
+streaming.FUSED_DEVICES['cuda'], streaming.COMPILE_AFTER_SECONDS, context_mixing.ALTI_COMPILE_MIN_PAIRS = True, 0.0, 0
+import gpu_check; gpu_check.context_mixing_agreement()" | tee "$out/alti_compiled_check.md"
+        for reduction in eager compiled; do
+            python3 benchmarks/scaling.py --model llama --device cuda --lengths 4096 16384 --batches 1 --eager-max 0 \
+                --repeats 3 --reduction "$reduction" --runs "forward (sdpa)" "forward+backward (sdpa)" ALTI \
+                --json "$out/alti_$reduction.json" | tee "$out/alti_$reduction.md"
+        done ;;
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;
