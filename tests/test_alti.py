@@ -21,6 +21,7 @@ from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prom
 
 from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY
+from captum_attention.maps import context_mixing, streaming
 
 
 def _modules(model, family: str):
@@ -208,35 +209,37 @@ def test_alti_equals_the_authors_computation(family, capture_mode):
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
-def test_compiled_contributions_equal_the_authors_computation(family, monkeypatch):
-    """The contributions compiled into one loop per block (as layers of 512+ tokens compute
-    them once the eager budget is spent) give ALTI and ALTI-Logit the authors' figures."""
-    from captum_attention.maps import context_mixing, streaming
-
+@pytest.fixture
+def compiled_contributions(monkeypatch):
+    """Every block's contributions compiled at once, as layers of 512+ tokens compute them
+    once the eager budget is spent; the compiled functions, by (function, device)."""
     monkeypatch.setattr(context_mixing, "ALTI_COMPILE_MIN_PAIRS", 0)
     monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
     monkeypatch.setattr(streaming, "_COMPILED", {})
+    return streaming._COMPILED
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_compiled_contributions_equal_the_authors_computation(family, compiled_contributions):
+    """The contributions compiled into one loop per block give ALTI and ALTI-Logit the
+    authors' figures."""
     model, ids, mask, query = one_stack_case(family)
     expected = reference(model, family, ids, mask, query)
     for capture in ("streaming", "eager"):
         scores = ALTI(model, capture=capture).attribute(ids, additional_forward_args=(mask,))
         torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert streaming._COMPILED[(context_mixing._mixed_nearness, "cpu")] is not None
+    assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is not None
     if family == "llama":
         logits = ALTILogit(model).attribute(ids, additional_forward_args=(mask,))
         wanted = logit_reference(model, family, ids, mask)
         torch.testing.assert_close(logits, wanted, rtol=1e-5, atol=1e-5 * wanted.abs().max().item())
 
 
-def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch):
-    from captum_attention.maps import context_mixing, streaming
-
+def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch, compiled_contributions):
     model, ids, mask, _ = one_stack_case("llama")
+    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", False)
     expected = ALTI(model).attribute(ids, additional_forward_args=(mask,))
-    monkeypatch.setattr(context_mixing, "ALTI_COMPILE_MIN_PAIRS", 0)
-    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
-    monkeypatch.setattr(streaming, "_COMPILED", {})
+    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", True)
 
     def no_compiler(function, **options):
         def fails(*args):
@@ -245,7 +248,7 @@ def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     assert torch.equal(ALTI(model).attribute(ids, additional_forward_args=(mask,)), expected)
-    assert streaming._COMPILED[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
+    assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

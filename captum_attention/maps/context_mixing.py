@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .streaming import compiled_block
+from .streaming import compiled_block, device_kind
 
 
 def summed_weighted_norm(rows: Tensor, values: Tensor, projection: Tensor) -> Tensor:
@@ -176,13 +176,14 @@ def alti_contributions(
     """
     probs = rows_probs.float() if scale is None else rows_probs.float() * scale[:, None, rows, None]
     outputs = outputs.float()
-    device = "cpu" if probs.device.type == "cpu" else "cuda"
     contributions = probs.new_zeros(probs.shape[0], probs.shape[2], probs.shape[3])
-    attended = (probs.abs().amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]
+    attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
         window = slice(int(attended[0]), int(attended[-1]) + 1)
         large = probs.shape[-1] ** 2 >= ALTI_COMPILE_MIN_PAIRS
-        contributions[:, :, window] = compiled_block(_mixed_nearness, device, large, probs[..., window], vectors[:, :, window], outputs)
+        contributions[:, :, window] = compiled_block(
+            _mixed_nearness, device_kind(probs.device), large, probs[..., window], vectors[:, :, window], outputs
+        )
     own = torch.arange(probs.shape[2], device=probs.device)
     keys = own + rows.start
     own_vectors = torch.einsum("bhi,bhid->bid", probs[:, :, own, keys], vectors[:, :, keys]) + residual[:, rows].float()

@@ -103,8 +103,13 @@ _EAGER_SECONDS: dict[str, float] = {}
 :data:`COMPILE_AFTER_SECONDS` counts."""
 
 
+def device_kind(device: torch.device) -> str:
+    """``"cpu"``, else ``"cuda"``: the keys of :data:`FUSED_DEVICES` and the compile budget."""
+    return "cpu" if device.type == "cpu" else "cuda"
+
+
 def _device(call: KernelCall) -> str:
-    return "cpu" if call.query.device.type == "cpu" else "cuda"
+    return device_kind(call.query.device)
 
 
 def _compiles(call: KernelCall) -> bool:
