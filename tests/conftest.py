@@ -156,6 +156,21 @@ def counted(function: Callable[..., Any], calls: list[str]) -> Callable[..., Any
     return counting
 
 
+@pytest.fixture
+def failing_compiler(monkeypatch: pytest.MonkeyPatch) -> str:
+    """``torch.compile`` gives functions that raise, as on a machine without a C++
+    compiler; returns the error's message."""
+    message = "no C++ compiler found"
+
+    def no_compiler(function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        def fails(*args: Any) -> Any:
+            raise RuntimeError(message)
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    return message
+
+
 def assert_same_state(before: dict, after: dict) -> None:
     for key in ("hooks", "training", "attn_implementation", "requires_grad"):
         assert before[key] == after[key], f"model {key} changed"
