@@ -14,7 +14,7 @@ from conftest import assert_same_state, model_state
 from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
 
 from captum_attention import UnsupportedModelError, ValueZeroing
-from captum_attention.attr import METHODS, REGISTRY
+from captum_attention.attr import METHODS, REGISTRY, _decomposed
 
 
 def _layers(model, family: str):
@@ -86,7 +86,10 @@ def test_value_zeroing_equals_the_authors_computation(family, capture_mode):
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_every_layers_matrix_and_streaming_equals_eager():
+def test_every_layers_matrix_and_streaming_equals_eager(monkeypatch):
+    """Streaming carries the row down a layer at a time, here one row of each matrix per
+    block; eager keeps every layer's matrix."""
+    monkeypatch.setattr(_decomposed, "MIXING_BLOCK_ELEMENTS", 1)
     model, ids, mask, _ = one_stack_case("bert")
     eager, maps = ValueZeroing(model, capture="eager").attribute(ids, additional_forward_args=(mask,), return_maps=True)
     streamed = ValueZeroing(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))

@@ -5,7 +5,7 @@ attention rows in either capture mode, and the block written as a sum over token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,10 @@ from ..maps import last_query, alti_contributions, head_vectors, normalised_mixi
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
 on the CPU, 512 MiB on a card (whose blocks of a few rows each would leave it idle)."""
+
+MIXING_BLOCK_ELEMENTS = 2**18
+"""How many entries of a mixing matrix one block of :func:`matrix_blocks` holds: its
+normalisation in float64 then takes a few MiB beside the matrix."""
 
 
 @dataclass
@@ -173,19 +177,32 @@ def alti_rollout(
     calls = layer_calls(model, record, method)
     for call in reversed(range(len(calls))):
         layer = layer_sum(model, record, call, calls[call], method)
-        rows = _times_mixing(record, call, layer, rows.to(layer.vectors.device))
+        rows = rows.to(layer.vectors.device)
+        rows = times_mixing(rows, _contribution_blocks(record, call, layer, rows), record.target_real)
         if added is not None:
             rows = rows + added(call, layer).double()
     return rows
 
 
-def _times_mixing(record: ForwardRecord, call: int, layer: LayerSum, rows: Tensor) -> Tensor:
-    """``rows`` ``(B, R, N)`` times the layer's ALTI matrix, block by block of its rows."""
-    product, real = torch.zeros_like(rows), record.target_real.to(rows.device)
-    for block, contributions in _contribution_blocks(record, call, layer, rows):
-        mixing = normalised_mixing(contributions, real, block)
-        product += torch.bmm(rows[:, :, block], mixing.double())
+def times_mixing(rows: Tensor, blocks: Iterable[tuple[slice, Tensor]], real: Tensor) -> Tensor:
+    """``rows`` ``(B, R, N)`` float64 times one layer's mixing matrix, given as the
+    contributions ``(B, r, N)`` of blocks of its query rows (:func:`normalised_mixing`
+    over the ``real`` tokens ``(B, N)``; a block left out adds nothing): the normalised
+    matrix is never held whole."""
+    product, real = torch.zeros_like(rows), real.to(rows.device)
+    for block, contributions in blocks:
+        product += torch.bmm(rows[:, :, block], normalised_mixing(contributions, real, block).double())
     return product
+
+
+def matrix_blocks(matrix: Tensor) -> Iterator[tuple[slice, Tensor]]:
+    """A layer's ``(B, N, N)`` contributions in blocks of query rows for
+    :func:`times_mixing`, each of at most :data:`MIXING_BLOCK_ELEMENTS` numbers."""
+    batch, tokens = matrix.shape[:2]
+    step = max(1, MIXING_BLOCK_ELEMENTS // max(1, batch * tokens))
+    for start in range(0, tokens, step):
+        rows = slice(start, min(start + step, tokens))
+        yield rows, matrix[:, rows]
 
 
 def _contributions(record: ForwardRecord, call: int, layer: LayerSum) -> Tensor:

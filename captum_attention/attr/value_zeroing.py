@@ -17,9 +17,9 @@ from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
-from ..maps import propagate_query_row, value_zeroing_distances, normalised_mixing
+from ..maps import normalised_mixing, propagate_query_row, query_weights, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import layer_calls
+from ._decomposed import layer_calls, matrix_blocks, times_mixing
 from ._registry import MethodSpec
 
 
@@ -43,8 +43,10 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
     projection, the residual, the norms and the feed-forward. Its cost is plain: every
     layer is re-run once per real token, as many re-runs at once as the batch has
     examples (so that a re-run holds as many tokens as the forward did): about one forward
-    per token, so it suits short inputs; memory stays that of the forward, plus
-    :math:`L \cdot N^2` float32 distances per example. The zeroing runs inside
+    per token, so it suits short inputs; memory stays that of the forward, plus one
+    layer's :math:`N^2` float32 distances per example under streaming capture (the
+    explained rows carried down from the top layer; eager capture keeps every layer's,
+    :math:`L \cdot N^2`, for ``return_maps``). The zeroing runs inside
     transformers' attention function, so it needs a model whose attention goes through it
     (the families that stream) and whose adapter names each attention's layer
     (``layer_block``). Registered
@@ -92,7 +94,24 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
         return propagate_query_row(mixing, record.query_index), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        return self._scores(record)[0]  # the layers' re-runs are the same in both modes
+        rows = query_weights(record.query_index, record.target_real.shape[1], torch.float64)[:, None]
+        return self._rollout(record, rows)[:, 0].float()
+
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
+        """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
+        never reaches a later token, so each equals its own prefix's row)."""
+        rows = torch.nn.functional.one_hot(positions, record.target_real.shape[1]).double()
+        return self._rollout(record, rows).float()
+
+    def _rollout(self, record: ForwardRecord, rows: Tensor) -> Tensor:
+        """``rows`` ``(B, R, N)`` carried down through every layer's :math:`C^l` from the
+        top, each layer's distances computed, used and dropped: one layer's
+        :math:`N^2` held at a time, where the eager record keeps every layer's."""
+        adapter = resolve_adapter(self.model, self.adapter)
+        for call in reversed(layer_calls(self.model, record, "Value Zeroing")):
+            distances = _layer_distances(self.model, adapter, call, record.forward_real)
+            rows = times_mixing(rows.to(distances.device), matrix_blocks(distances), record.target_real)
+        return rows
 
 
 def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: ForwardRecord) -> list[Tensor]:
