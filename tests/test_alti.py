@@ -20,7 +20,7 @@ from conftest import assert_same_state, model_state
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
 from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
-from captum_attention.attr import METHODS, REGISTRY
+from captum_attention.attr import METHODS, REGISTRY, _decomposed
 from captum_attention.maps import context_mixing, streaming
 
 
@@ -379,8 +379,6 @@ def test_other_wirings_stream_as_they_run_eager_and_their_rows_sum_to_one(head, 
 
 
 def test_blocks_of_a_few_rows_give_the_scores_of_one_block(monkeypatch):
-    from captum_attention.attr import _decomposed
-
     model, ids, mask, _ = one_stack_case("llama")
     explainers = [(ALTI(model), {}), (ALTILogit(model), {}), (NormAttention(model), {"residual": True})]
     whole = [explainer.attribute(ids, additional_forward_args=(mask,), **options) for explainer, options in explainers]
@@ -389,3 +387,23 @@ def test_blocks_of_a_few_rows_give_the_scores_of_one_block(monkeypatch):
     for (explainer, options), expected in zip(explainers, whole):
         torch.testing.assert_close(explainer.attribute(ids, additional_forward_args=(mask,), **options), expected,
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_the_sum_over_tokens_is_checked_on_rows_spread_from_first_to_last(monkeypatch):
+    """The layer's sum over tokens is compared with the model's states on a few rows from
+    the first to the last; one wrong attention row among them is refused in one line."""
+    monkeypatch.setattr(_decomposed, "CHECKED_ROWS", 3)
+    model, ids, mask, _ = one_stack_case("llama")
+    checked = _decomposed.checked_rows(ids.shape[1])
+    assert checked.tolist() == [0, round((ids.shape[1] - 1) / 2), ids.shape[1] - 1]
+    assert _decomposed.checked_rows(2).tolist() == [0, 1]
+    original = _decomposed.attention_rows
+
+    def one_wrong_row(record, call, rows):
+        probs = original(record, call, rows)
+        return probs.flip(-1) if rows.start == int(checked[1]) else probs
+
+    monkeypatch.setattr(_decomposed, "attention_rows", one_wrong_row)
+    with pytest.raises(UnsupportedModelError, match="No norm in LlamaDecoderLayer takes the sum") as refused:
+        ALTI(model).attribute(ids, additional_forward_args=(mask,))
+    assert "\n" not in str(refused.value)

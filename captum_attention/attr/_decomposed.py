@@ -22,6 +22,9 @@ BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
 on the CPU, 512 MiB on a card (whose blocks of a few rows each would leave it idle)."""
 
+CHECKED_ROWS = 64
+"""How many query rows :func:`checked_rows` holds."""
+
 MIXING_BLOCK_ELEMENTS = 2**18
 """How many entries of a mixing matrix one block of :func:`matrix_blocks` holds: its
 normalisation in float64 then takes a few MiB beside the matrix."""
@@ -123,9 +126,10 @@ def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
 
 def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
     """Call ``call``'s layer as a sum over tokens, checked against the model's own states
-    (:func:`~captum_attention.capture.residual.attention_residual`)."""
+    (:func:`~captum_attention.capture.residual.attention_residual`) on the
+    :func:`checked_rows`."""
     vectors = call_head_vectors(record, call, method)
-    batch, _, tokens, width = vectors.shape
+    tokens, width = vectors.shape[2:]
     if width != block.output.shape[-1]:
         raise UnsupportedModelError(
             f"{method} adds the attention output to the hidden states of {type(block.block).__name__}, but its output "
@@ -133,12 +137,22 @@ def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCa
         )
     values, projection = call_values(record, call, method)
     values, projection = values.float().to(vectors.device), projection.float().to(vectors.device)
-    blocks = []
-    for rows in row_blocks(batch, tokens, width, vectors.device):  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
-        heads_out = torch.einsum("bhik,bhkv->bihv", attention_rows(record, call, rows).to(vectors.device), values)
-        blocks.append(heads_out.flatten(2) @ projection.t())
-    sums = torch.cat(blocks, dim=1)
-    return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, record.forward_real))
+    checked = checked_rows(tokens)
+    sums = vectors.new_zeros(vectors.shape[0], tokens, width)
+    for row in checked.tolist():  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
+        probs = attention_rows(record, call, slice(row, row + 1)).to(vectors.device)
+        sums[:, row] = torch.einsum("bhk,bhkv->bhv", probs[:, :, 0], values).flatten(1) @ projection.t()
+    compared = torch.zeros_like(record.forward_real)
+    compared[:, checked] = record.forward_real[:, checked]
+    return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, compared))
+
+
+def checked_rows(tokens: int) -> Tensor:
+    """The query rows on which :func:`layer_sum` checks the attention's sum over tokens
+    against the model's states: :data:`CHECKED_ROWS` spread evenly from the first to the
+    last (every row of a shorter input), so that a wrong projection, mask or window shows
+    on some of them, without recomputing every row's attention once more."""
+    return torch.linspace(0, tokens - 1, min(tokens, CHECKED_ROWS)).round().long().unique()
 
 
 def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
