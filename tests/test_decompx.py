@@ -189,6 +189,32 @@ def test_decompx_on_language_models_equals_the_same_rules_written_out(family, ca
     assert bool((scores[mask == 0] == 0).all())
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_model_without_biases_takes_one_backward_for_the_share_forwards_scores(family, capture_mode, monkeypatch):
+    """Without a bias the forward on the shares is linear in the first layer's input, so
+    one backward gives every token's share (Gemma-2: softcapped attention and logits, a
+    norm on the attention output); the forward on N + 1 rows is not run."""
+    import captum_attention.attr.decompx as decompx
+
+    model, prompts = make_decoder(family), make_prompts(side="left")
+    ids, mask = prompts.input_ids, prompts.attention_mask
+    before = model_state(model)
+    with monkeypatch.context() as patched:
+        patched.setattr(decompx, "without_biases", lambda modules: False)
+        shared = DecompX(model, capture=capture_mode).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
+
+    def no_share_forward(*args, **kwargs):
+        raise AssertionError("the forward on the shares ran")
+
+    monkeypatch.setattr(decompx, "share_outputs", no_share_forward)
+    scores = DecompX(model, capture=capture_mode).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    torch.testing.assert_close(scores, shared, atol=1e-5, rtol=1e-4)
+    gpt2 = make_decoder("gpt2")
+    with pytest.raises(AssertionError, match="the forward on the shares ran"):  # biases: shared by absdot, not linear
+        DecompX(gpt2).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
+
+
 def test_one_example_alone_scores_as_in_a_padded_batch():
     model, ids, mask, query = one_stack_case("llama")
     explainer = DecompX(model)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, Probe
-from ..capture.decomposition import LinearisationPoints, Points, share_outputs
+from ..capture.decomposition import LinearisationPoints, Points, gradient_shares, share_outputs, without_biases
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
@@ -60,10 +60,14 @@ class DecompX(AttentionAttributionBase, Attribution):
     value bias, and one row per token's share), through the model's own modules with the
     attention held at the explained forward's probabilities: about :math:`N` forwards of
     compute, and :math:`N^2 D_{ff}` numbers at the widest point per example. It suits
-    short inputs (a classifier's sentence, a prompt of a few hundred tokens). The
-    probabilities are held inside transformers' sdpa function after a streaming capture,
-    and where the attention's softmax computes them after an eager one. Registered
-    (``"decompx"``), not in the reports.
+    short inputs (a classifier's sentence, a prompt of a few hundred tokens). A model
+    without any bias (Llama, Mistral, Gemma) has no bias to share, so the forward on the
+    shares is linear in the first layer's input and each token's share is the gradient of
+    that linear map times its state: one forward and one backward, the held parts
+    detached, at any length (about 1.4× a forward+backward). The probabilities are held
+    inside transformers' sdpa function after a streaming capture, and where the
+    attention's softmax computes them after an eager one. Registered (``"decompx"``), not
+    in the reports.
 
     Args:
         $constructor_args
@@ -113,14 +117,20 @@ class DecompX(AttentionAttributionBase, Attribution):
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         if self.model.training:
             raise ValueError("DecompX re-runs the model, which dropout would change: call model.eval().")
-        call = record.result(ModelCall)
+        call, points, reads = record.result(ModelCall), record.result(Points), record.result(LogitReads)
+        adapter = resolve_adapter(self.model, self.adapter)
+        logits = _read(record.logits.detach().float()[:, None], reads)[:, 0]
         tokens = record.target_real.shape[1]
+        if without_biases(points.modules):
+            scores = gradient_shares(self.model, adapter, self.forward_func, call.inputs, call.additional_forward_args, points,
+                                     record.num_calls, tokens, record.streaming, lambda output: _read(output[:, None], reads)[:, 0])
+            if scores is not None and _adds_up(scores.sum(dim=1), logits, record.logits.dtype):
+                return scores.to(record.target_real.device), []
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
-        outputs = share_outputs(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
-                                call.additional_forward_args, record.result(Points), probs, record.streaming)
-        reads = record.result(LogitReads)
+        outputs = share_outputs(self.model, adapter, self.forward_func, call.inputs, call.additional_forward_args, points,
+                                probs, record.streaming)
         shares = _read(outputs, reads)
-        _check_sum(shares.sum(dim=1), _read(record.logits.detach().float()[:, None], reads)[:, 0], record.logits.dtype)
+        _check_sum(shares.sum(dim=1), logits, record.logits.dtype)
         return shares[:, 1:].to(record.target_real.device), []
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
@@ -138,13 +148,19 @@ def _read(logits: Tensor, reads: LogitReads) -> Tensor:
     return logits[batch, rows, reads.positions.to(logits.device)[:, None, :], tokens[:, None, :]].sum(dim=-1)
 
 
+def _adds_up(total: Tensor, logits: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the shares add up to the logits within what rounding allows in the
+    model's ``dtype`` (1e-3 of their scale; 1e-2 in half precision)."""
+    tolerance = 1e-2 if torch.finfo(dtype).bits <= 16 else 1e-3
+    return bool((total - logits).abs().amax() <= tolerance * logits.abs().amax().clamp(min=1.0))
+
+
 def _check_sum(total: Tensor, logits: Tensor, dtype: torch.dtype) -> None:
-    """Refuse in one line where the shares do not add up to the logits, within what
-    rounding allows in the model's ``dtype`` (1e-3 of their scale; 1e-2 in half
-    precision, where the refusal says to explain the model in float32)."""
+    """Refuse in one line where the shares do not add up to the logits (:func:`_adds_up`;
+    in half precision the refusal says to explain the model in float32)."""
     half = torch.finfo(dtype).bits <= 16
     gap = (total - logits).abs().amax()
-    if gap > (1e-2 if half else 1e-3) * logits.abs().amax().clamp(min=1.0):
+    if not _adds_up(total, logits, dtype):
         if half:
             raise UnsupportedModelError(
                 f"DecompX's shares add up to logits {gap.item():.3g} away from the model's in {dtype}, beyond its rounding: "

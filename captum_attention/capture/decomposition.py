@@ -16,6 +16,11 @@ projection, the activation is held at its value), a linear map's bias shared by
 only the values. Whatever else bends the states (an activation written out of other
 functions, a mixture of experts' routing) is not linearised, and the shares no longer add
 up to the logits: the method checks that they do and refuses otherwise.
+
+A model without any bias (:func:`without_biases`: Llama, Mistral, Gemma) makes that
+forward one linear map of the first layer's input, with nothing to share by ``absdot``:
+:func:`gradient_shares` then runs the model once, the same parts held and detached, and
+reads every token's share from one backward.
 """
 
 from __future__ import annotations
@@ -342,6 +347,101 @@ def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
     return shares if norm.bias is None else distribute_bias(shares, norm.bias)
 
 
+def without_biases(modules: ModelModules) -> bool:
+    """Whether no module of the layers (the attention's projections included) and none
+    after them holds a bias: then the forward on the shares is one linear map of the
+    first layer's input, with no bias to share by ``absdot``, and
+    :func:`gradient_shares` gives its shares from one backward."""
+    inner = (module for block in modules.blocks for module in block.modules())
+    return not any(isinstance(getattr(module, "bias", None), Tensor) for module in (*inner, *modules.hooked))
+
+
+def gradient_shares(
+    model: nn.Module,
+    adapter: AttentionAdapter,
+    forward_func: Callable[..., Any],
+    inputs: tuple[Tensor, ...],
+    additional_forward_args: Any,
+    points: Points,
+    calls: int,
+    tokens: int,
+    streaming: bool,
+    read: Callable[[Tensor], Tensor],
+) -> Tensor | None:
+    r"""``(B, N)``: each token's share of the read logits for a model
+    :func:`without_biases`, from one forward and one backward instead of :math:`N + 1`
+    rows; None where the logits do not reach the first layer's input in the backward (a
+    model that runs part of its forward without gradients).
+
+    The model runs once more as the linear map the forward on the shares applies to
+    every share, its nonlinear parts held at the explained forward's point and out of the
+    backward: the attention's probabilities (its queries and keys detached), each norm's
+    statistics, each gate's activation; an activation that is no gate at its zero-origin
+    slope. Without biases that map is linear, :math:`y = \sum_k J_k x_k` over the first
+    layer's input, so token k's share of a read logit is :math:`(\partial y / \partial
+    x_k)^\top x_k`, what :func:`share_outputs` carries for its row.
+
+    The arguments are :func:`share_outputs`'s, with the explained forward's number of
+    attention ``calls`` and of ``tokens``, and ``read``, the read logits ``(B,)`` of the
+    output logits, in place of its probabilities.
+    """
+    cursor = _Cursor(points)
+    first_input: list[Tensor] = []
+    held: set[int] = set()  # the attention calls held, by index (a softmax inside a kernel call: the same call)
+
+    def on_block(index: int, args: tuple, kwargs: dict) -> Any:
+        states, called_with = _hidden_argument(args, kwargs)
+        _check_states(model, states, len(inputs[0]), tokens)
+        if index > 0:
+            return None
+        first_input[:] = [states.detach().requires_grad_()]
+        return called_with(first_input[0])
+
+    def on_call(key: int, module: nn.Module | None, computed_from: Tensor, output: Tensor, layer: int | None) -> Tensor | None:
+        kind = "activation" if module is None else points.modules.kinds[key]
+        call, seen_input, seen_output = cursor.next(key, module)
+        if kind == "norm":  # over (B, M, F) as the share forward reads it (a norm inside the attention: M = N·H)
+            assert module is not None and seen_output is not None
+            batch, width = computed_from.shape[0], computed_from.shape[-1]
+            norm = linear_norm(module, seen_input.reshape(batch, -1, width), seen_output.reshape(batch, -1, width))
+            return norm.linear(computed_from.float().reshape(batch, -1, width)).reshape(output.shape).to(output.dtype)
+        if kind == "activation" and points.gated(key, call):
+            return output.detach()
+        if kind == "activation":
+            assert seen_output is not None
+            slope = zero_origin_slope(seen_input.float(), seen_output.float())
+            return (computed_from.float() * slope).to(output.dtype)
+        return None
+
+    def on_kernel(module: nn.Module, call: Any, run_kernel: Any) -> Tensor:
+        if id(module) not in sites:  # a vision tower's attention, before the layers
+            return run_kernel()
+        held.add(len(held))
+        return run_kernel(lambda query, key, value: (query.detach(), key.detach(), value))
+
+    def on_softmax(index: int, computed: Tensor) -> Tensor:
+        held.add(index)
+        return computed.detach()
+
+    sites = {id(site) for site in points.modules.sites}
+
+    def install(stack: ExitStack) -> None:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(adapter.prepared(model, streaming=streaming))
+        if streaming:
+            stack.enter_context(KernelInterception(on_kernel))
+        _from_first_layer(points.modules, stack, on_call, on_block, on_softmax)
+
+    with ModelChanges(model, install):
+        read_logits = read(_logits(run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)))
+    cursor.check_done()
+    _check_held(model, len(held), calls)
+    if not read_logits.requires_grad:
+        return None
+    (grad,) = torch.autograd.grad(read_logits.sum(), first_input[0], allow_unused=True)
+    return None if grad is None else (grad.float() * first_input[0].detach().float()).sum(dim=-1)
+
+
 def share_outputs(
     model: nn.Module,
     adapter: AttentionAdapter,
@@ -384,11 +484,7 @@ def share_outputs(
 
     def on_block(index: int, args: tuple, kwargs: dict) -> Any:
         states, called_with = _hidden_argument(args, kwargs)
-        if states.dim() != 3 or states.shape[:2] != (batch * shares, tokens):
-            raise UnsupportedModelError(
-                f"DecompX reads a layer's hidden states as (batch, tokens, width); {type(model).__name__}'s layers take "
-                f"{tuple(states.shape[1:])} per example (several residual streams?)."
-            )
+        _check_states(model, states, batch * shares, tokens)
         if index > 0:
             layer_input[:] = [by_share(states)]
             return None
@@ -473,11 +569,30 @@ def share_outputs(
     with ModelChanges(model, install):
         output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
     cursor.check_done()
-    if len(held) != len(probs):
+    _check_held(model, len(held), len(probs))
+    logits = _logits(output).detach()
+    return logits.reshape(batch, shares, *logits.shape[1:])
+
+
+def _check_states(model: nn.Module, states: Tensor, rows: int, tokens: int) -> None:
+    """Refuse in one line where a layer's hidden states are not ``(rows, tokens, width)``."""
+    if states.dim() != 3 or states.shape[:2] != (rows, tokens):
+        raise UnsupportedModelError(
+            f"DecompX reads a layer's hidden states as (batch, tokens, width); {type(model).__name__}'s layers take "
+            f"{tuple(states.shape[1:])} per example (several residual streams?)."
+        )
+
+
+def _logits(output: Any) -> Tensor:
+    """The float32 logits of a forward's output."""
+    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
+    return logits.float()
+
+
+def _check_held(model: nn.Module, held: int, calls: int) -> None:
+    """Refuse in one line where fewer than all ``calls`` attention calls were held."""
+    if held != calls:
         raise UnsupportedModelError(
             f"DecompX holds the attention at its probabilities where transformers' sdpa function or the attention's "
-            f"softmax computes them; {type(model).__name__}'s attention did neither in {len(probs) - len(held)} of its "
-            f"{len(probs)} calls."
+            f"softmax computes them; {type(model).__name__}'s attention did neither in {calls - held} of its {calls} calls."
         )
-    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
-    return logits.detach().float().reshape(batch, shares, *logits.shape[1:])
