@@ -120,9 +120,10 @@ assert results["Value Zeroing"]["pointing"] < results["ALTI"]["pointing"]
 
 # %%
 # Carrying each token's share through the feed-forward layers and the head as well
-# (DecompX) points at the needle as AttnLRP does, at about one forward per token; it
-# decomposes the answer's logit, not its log-probability, and predicts the ablations less
-# well than AttnLRP.
+# (DecompX) points at the needle as AttnLRP does, at one forward and one backward more on
+# this model, which has no bias (with biases, about one forward per token); it decomposes
+# the answer's logit, not its log-probability, and predicts the ablations less well than
+# AttnLRP.
 assert results["DecompX"]["pointing"] >= results["ALTI"]["pointing"]
 assert results["DecompX"]["lds"] < results["AttnLRP"]["lds"]
 
