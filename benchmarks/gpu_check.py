@@ -205,15 +205,16 @@ def answer_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
 def context_mixing_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     """Worst CPU/CUDA difference of the context-mixing methods registered outside the
     reports (both capture modes; the decoders' answers too), on the test suite's BERT,
-    GPT-2 and Llama (grouped-query, left padding)."""
+    GPT-2 and Llama (grouped-query, left padding; DecompX there through one backward, on
+    the others through the forward on the shares)."""
     from lm_models import one_stack_case
 
-    from captum_attention import ALTI, ALTILogit, LearnedAttention, NormAttention, ValueZeroing
+    from captum_attention import ALTI, ALTILogit, DecompX, LearnedAttention, NormAttention, ValueZeroing
 
     methods = {
         "NormAttention": (NormAttention, {}), "NormAttention(residual=True)": (NormAttention, {"residual": True}),
         "ALTI": (ALTI, {}), "ALTILogit": (ALTILogit, {}), "ValueZeroing": (ValueZeroing, {}),
-        "LearnedAttention": (LearnedAttention, {}),
+        "LearnedAttention": (LearnedAttention, {}), "DecompX": (DecompX, {}),  # Llama's through one backward
     }
     answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
     print("\n| family | method | capture | sequence | answer span |")

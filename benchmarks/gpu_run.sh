@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_run.sh answers # answers' CPU/CUDA agreement; Llama-1B bf16 answer costs
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh mixing  # CPU/CUDA agreement of the context-mixing methods (NormAttention,
-#                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention), both modes,
-#                                      # and of encoder-decoders' answers (span and rows)
+#                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention, DecompX), both
+#                                      # modes, and of encoder-decoders' answers (span and rows); DecompX's
+#                                      # cost through one backward at 4k and 16k tokens
 #   bash benchmarks/gpu_run.sh alti    # ALTI's contributions compiled (a Triton kernel there): the context-mixing
 #                                      # agreement with them, then ALTI at 4k and 16k, eager blocks against compiled
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
@@ -41,7 +42,9 @@ case "${1:-check}" in
             --token-rows-max 4096 --json "$out/llm_answers_llama1b_bf16.json" | tee "$out/llm_answers_llama1b_bf16.md" ;;
     mixing)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement(); gpu_check.seq2seq_answer_agreement()" \
-            | tee "$out/mixing_check.md" ;;
+            | tee "$out/mixing_check.md"
+        python3 benchmarks/scaling.py --model llama --device cuda --lengths 4096 16384 --batches 1 --repeats 3 \
+            --runs "forward (sdpa)" "forward+backward (sdpa)" DecompX --json "$out/decompx.json" | tee "$out/decompx.md" ;;
     alti)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; from captum_attention.maps import context_mixing, streaming
 streaming.FUSED_DEVICES['cuda'], streaming.COMPILE_AFTER_SECONDS, context_mixing.ALTI_COMPILE_MIN_PAIRS = True, 0.0, 0
