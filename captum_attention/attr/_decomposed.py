@@ -16,7 +16,7 @@ from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual
-from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing
+from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing, query_weights
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
@@ -55,6 +55,26 @@ class LayerSum:
 
     vectors: Tensor
     residual: AttentionResidual
+
+
+class RowDescent:
+    """Streaming scores of a method whose layers' mixing matrices are rolled out, from
+    :meth:`_rollout` of the explained row (a span's weighted rows) or of an answer's rows
+    together, carried down from the top layer in one descent."""
+
+    def _rollout(self, record: ForwardRecord, rows: Tensor) -> Tensor:
+        """``rows`` ``(B, R, N)`` float64 times every layer's mixing matrix, top first."""
+        raise NotImplementedError
+
+    def _streamed_scores(self, record: ForwardRecord) -> Tensor:
+        rows = query_weights(record.query_index, record.target_real.shape[1], torch.float64)[:, None]
+        return self._rollout(record, rows)[:, 0].float()
+
+    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
+        """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
+        never reaches a later token, so each equals its own prefix's row)."""
+        rows = torch.nn.functional.one_hot(positions, record.target_real.shape[1]).double()
+        return self._rollout(record, rows).float()
 
 
 def layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:

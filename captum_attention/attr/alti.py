@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from captum.attr import Attribution
 from torch import Tensor
 
@@ -12,13 +11,13 @@ from .._compat import TargetType
 from ..capture import AttendedValues, LayerBlocks, Probe
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..maps import propagate_query_row, query_weights
+from ..maps import propagate_query_row
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import alti_matrices, alti_rollout
+from ._decomposed import RowDescent, alti_matrices, alti_rollout
 from ._registry import MethodSpec
 
 
-class ALTI(AttentionAttributionBase, Attribution):
+class ALTI(RowDescent, AttentionAttributionBase, Attribution):
     r"""ALTI: Aggregation of Layer-wise Token-to-token Interactions.
 
     Ferrando, Gállego & Costa-jussà, "Measuring the Mixing of Contextual Information in the
@@ -90,12 +89,5 @@ class ALTI(AttentionAttributionBase, Attribution):
         mixing = alti_matrices(self.model, record)
         return propagate_query_row(mixing, record.query_index), mixing
 
-    def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        rows = query_weights(record.query_index, record.target_real.shape[1], torch.float64)[:, None]
-        return alti_rollout(self.model, record, "ALTI", rows)[:, 0].float()
-
-    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
-        """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
-        never reaches a later token, so each equals its own prefix's row)."""
-        rows = torch.nn.functional.one_hot(positions, record.target_real.shape[1]).double()
-        return alti_rollout(self.model, record, "ALTI", rows).float()
+    def _rollout(self, record: ForwardRecord, rows: Tensor) -> Tensor:
+        return alti_rollout(self.model, record, "ALTI", rows)

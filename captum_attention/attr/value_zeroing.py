@@ -17,13 +17,13 @@ from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
-from ..maps import normalised_mixing, propagate_query_row, query_weights, value_zeroing_distances
+from ..maps import normalised_mixing, propagate_query_row, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import layer_calls, matrix_blocks, times_mixing
+from ._decomposed import RowDescent, layer_calls, matrix_blocks, times_mixing
 from ._registry import MethodSpec
 
 
-class ValueZeroing(AttentionAttributionBase, Attribution):
+class ValueZeroing(RowDescent, AttentionAttributionBase, Attribution):
     r"""Value Zeroing: how much each token's output moves when another token's value is zeroed.
 
     Mohebbi, Zuidema, Chrupała & Alishahi, "Quantifying Context Mixing in Transformers",
@@ -93,20 +93,9 @@ class ValueZeroing(AttentionAttributionBase, Attribution):
         mixing = _mixing_matrices(self.model, resolve_adapter(self.model, self.adapter), record)
         return propagate_query_row(mixing, record.query_index), mixing
 
-    def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        rows = query_weights(record.query_index, record.target_real.shape[1], torch.float64)[:, None]
-        return self._rollout(record, rows)[:, 0].float()
-
-    def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
-        """The rows at ``positions`` ``(B, T)`` of a decoder in one descent (a causal row
-        never reaches a later token, so each equals its own prefix's row)."""
-        rows = torch.nn.functional.one_hot(positions, record.target_real.shape[1]).double()
-        return self._rollout(record, rows).float()
-
     def _rollout(self, record: ForwardRecord, rows: Tensor) -> Tensor:
-        """``rows`` ``(B, R, N)`` carried down through every layer's :math:`C^l` from the
-        top, each layer's distances computed, used and dropped: one layer's
-        :math:`N^2` held at a time, where the eager record keeps every layer's."""
+        """Each layer's distances computed, used and dropped: one layer's :math:`N^2`
+        held at a time, where the eager record keeps every layer's."""
         adapter = resolve_adapter(self.model, self.adapter)
         for call in reversed(layer_calls(self.model, record, "Value Zeroing")):
             distances = _layer_distances(self.model, adapter, call, record.forward_real)
