@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, Probe
-from ..capture.decomposition import LinearisationPoints, Points, gradient_shares, share_outputs, without_biases
+from ..capture.decomposition import ExplainedRun, LinearisationPoints, Points, gradient_shares, share_outputs, without_biases
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..capture.runner import resolve_adapter
@@ -117,18 +117,17 @@ class DecompX(AttentionAttributionBase, Attribution):
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         if self.model.training:
             raise ValueError("DecompX re-runs the model, which dropout would change: call model.eval().")
-        call, points, reads = record.result(ModelCall), record.result(Points), record.result(LogitReads)
-        adapter = resolve_adapter(self.model, self.adapter)
+        call, reads = record.result(ModelCall), record.result(LogitReads)
+        run = ExplainedRun(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
+                           call.additional_forward_args, record.result(Points), record.streaming)
         logits = _read(record.logits.detach().float()[:, None], reads)[:, 0]
         tokens = record.target_real.shape[1]
-        if without_biases(points.modules):
-            scores = gradient_shares(self.model, adapter, self.forward_func, call.inputs, call.additional_forward_args, points,
-                                     record.num_calls, tokens, record.streaming, lambda output: _read(output[:, None], reads)[:, 0])
+        if without_biases(run.points.modules):
+            scores = gradient_shares(run, record.num_calls, tokens, lambda output: _read(output[:, None], reads)[:, 0])
             if scores is not None and _adds_up(scores.sum(dim=1), logits, record.logits.dtype):
                 return scores.to(record.target_real.device), []
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
-        outputs = share_outputs(self.model, adapter, self.forward_func, call.inputs, call.additional_forward_args, points,
-                                probs, record.streaming)
+        outputs = share_outputs(run, probs)
         shares = _read(outputs, reads)
         _check_sum(shares.sum(dim=1), logits, record.logits.dtype)
         return shares[:, 1:].to(record.target_real.device), []

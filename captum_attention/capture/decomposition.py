@@ -347,6 +347,39 @@ def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
     return shares if norm.bias is None else distribute_bias(shares, norm.bias)
 
 
+@dataclass
+class ExplainedRun:
+    """The explained forward, to be run again with the share forward's hooks: the model
+    (in eval mode), its adapter, Captum's forward function (returning the logits), the
+    inputs (token ids, embeddings or pixels) and further arguments, the :class:`Points`
+    it recorded, and whether it streamed (the attention then held inside transformers'
+    sdpa function, else where the eager attention's softmax computes it)."""
+
+    model: nn.Module
+    adapter: AttentionAdapter
+    forward_func: Callable[..., Any]
+    inputs: tuple[Tensor, ...]
+    additional_forward_args: Any
+    points: Points
+    streaming: bool
+
+    def rerun(self, inputs: Any, additional_forward_args: Any, gradients: bool, on_kernel: Callable[..., Tensor], *hooks: Any) -> Any:
+        """The model's output on ``inputs``, run as the explained forward ran (streaming:
+        each sdpa call through ``on_kernel``) with :func:`_from_first_layer`'s ``hooks``
+        (``on_call``, then optionally ``on_block``, ``on_softmax``, ``before_projection``),
+        the autograd graph kept where ``gradients``; the model as it was afterwards."""
+
+        def install(stack: ExitStack) -> None:
+            stack.enter_context(torch.set_grad_enabled(gradients))
+            stack.enter_context(self.adapter.prepared(self.model, streaming=self.streaming))
+            if self.streaming:
+                stack.enter_context(KernelInterception(on_kernel))
+            _from_first_layer(self.points.modules, stack, *hooks)
+
+        with ModelChanges(self.model, install):
+            return run_forward(self.adapter.keyword_forward(self.forward_func), inputs, None, additional_forward_args)
+
+
 def without_biases(modules: ModelModules) -> bool:
     """Whether no module of the layers (the attention's projections included) and none
     after them holds a bias: then the forward on the shares is one linear map of the
@@ -356,18 +389,7 @@ def without_biases(modules: ModelModules) -> bool:
     return not any(isinstance(getattr(module, "bias", None), Tensor) for module in (*inner, *modules.hooked))
 
 
-def gradient_shares(
-    model: nn.Module,
-    adapter: AttentionAdapter,
-    forward_func: Callable[..., Any],
-    inputs: tuple[Tensor, ...],
-    additional_forward_args: Any,
-    points: Points,
-    calls: int,
-    tokens: int,
-    streaming: bool,
-    read: Callable[[Tensor], Tensor],
-) -> Tensor | None:
+def gradient_shares(run: ExplainedRun, calls: int, tokens: int, read: Callable[[Tensor], Tensor]) -> Tensor | None:
     r"""``(B, N)``: each token's share of the read logits for a model
     :func:`without_biases`, from one forward and one backward instead of :math:`N + 1`
     rows; None where the logits do not reach the first layer's input in the backward (a
@@ -381,17 +403,20 @@ def gradient_shares(
     layer's input, so token k's share of a read logit is :math:`(\partial y / \partial
     x_k)^\top x_k`, what :func:`share_outputs` carries for its row.
 
-    The arguments are :func:`share_outputs`'s, with the explained forward's number of
-    attention ``calls`` and of ``tokens``, and ``read``, the read logits ``(B,)`` of the
-    output logits, in place of its probabilities.
+    Args:
+        run: the explained forward.
+        calls: its number of attention calls.
+        tokens: its number of tokens.
+        read: the read logits ``(B,)`` of the output logits.
     """
+    model, points = run.model, run.points
     cursor = _Cursor(points)
     first_input: list[Tensor] = []
     held: set[int] = set()  # the attention calls held, by index (a softmax inside a kernel call: the same call)
 
     def on_block(index: int, args: tuple, kwargs: dict) -> Any:
         states, called_with = _hidden_argument(args, kwargs)
-        _check_states(model, states, len(inputs[0]), tokens)
+        _check_states(model, states, len(run.inputs[0]), tokens)
         if index > 0:
             return None
         first_input[:] = [states.detach().requires_grad_()]
@@ -424,16 +449,7 @@ def gradient_shares(
         return computed.detach()
 
     sites = {id(site) for site in points.modules.sites}
-
-    def install(stack: ExitStack) -> None:
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(adapter.prepared(model, streaming=streaming))
-        if streaming:
-            stack.enter_context(KernelInterception(on_kernel))
-        _from_first_layer(points.modules, stack, on_call, on_block, on_softmax)
-
-    with ModelChanges(model, install):
-        read_logits = read(_logits(run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)))
+    read_logits = read(_logits(run.rerun(run.inputs, run.additional_forward_args, True, on_kernel, on_call, on_block, on_softmax)))
     cursor.check_done()
     _check_held(model, len(held), calls)
     if not read_logits.requires_grad:
@@ -442,31 +458,16 @@ def gradient_shares(
     return None if grad is None else (grad.float() * first_input[0].detach().float()).sum(dim=-1)
 
 
-def share_outputs(
-    model: nn.Module,
-    adapter: AttentionAdapter,
-    forward_func: Callable[..., Any],
-    inputs: tuple[Tensor, ...],
-    additional_forward_args: Any,
-    points: Points,
-    probs: list[Tensor],
-    streaming: bool,
-) -> Tensor:
+def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
     """``(B, 1 + N, ...)``: the model's output on a zero input (index 0) and on each of the
     ``N`` input tokens' shares, from one forward of ``B·(1 + N)`` rows.
 
     Args:
-        model: the model, in eval mode.
-        adapter: its adapter.
-        forward_func: called as Captum calls it, returning the logits.
-        inputs: the explained forward's inputs (token ids, embeddings or pixels).
-        additional_forward_args: its further arguments.
-        points: the explained forward's :class:`Points`.
+        run: the explained forward.
         probs: per attention call, ``(B, H, N, N)`` float32 probabilities (``N`` tokens:
-            a Vision Transformer's patches and class token).
-        streaming: hold them inside transformers' sdpa function (the explained forward
-            streamed), else where the eager attention's softmax computes them.
+            a Vision Transformer's patches and class token), held where it computed them.
     """
+    model, inputs, points = run.model, run.inputs, run.points
     batch, tokens = probs[0].shape[0], probs[0].shape[-1]
     shares = 1 + tokens
     rows = torch.arange(batch, device=inputs[0].device).repeat_interleave(shares)
@@ -555,19 +556,10 @@ def share_outputs(
         fixed = unbiased_outputs(outputs, mixing.to(outputs.device), first_layer=index == 0)
         return (fixed.reshape(args[0].shape).to(args[0].dtype), *args[1:])
 
-    _check_rows((inputs, additional_forward_args), batch, model)
+    _check_rows((inputs, run.additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
-    extra = take_rows(additional_forward_args, rows, batch, min_dim=2)
-
-    def install(stack: ExitStack) -> None:
-        stack.enter_context(torch.no_grad())
-        stack.enter_context(adapter.prepared(model, streaming=streaming))
-        if streaming:
-            stack.enter_context(KernelInterception(on_kernel))
-        _from_first_layer(points.modules, stack, on_call, on_block, on_softmax, before_projection)
-
-    with ModelChanges(model, install):
-        output = run_forward(adapter.keyword_forward(forward_func), repeated, None, extra)
+    extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
+    output = run.rerun(repeated, extra, False, on_kernel, on_call, on_block, on_softmax, before_projection)
     cursor.check_done()
     _check_held(model, len(held), len(probs))
     logits = _logits(output).detach()
