@@ -32,6 +32,7 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
         ),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**gqa)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa)),
+        "arcee": lambda: tf.ArceeForCausalLM(tf.ArceeConfig(**gqa)),  # no bias, a feed-forward without a gate (ReLU²)
         # a logit softcap small enough to bend the logits, and a window shorter than the prompts
         "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)),
         "gpt_oss": lambda: _with_sinks(tf.GptOssForCausalLM(tf.GptOssConfig(

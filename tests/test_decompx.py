@@ -189,11 +189,12 @@ def test_decompx_on_language_models_equals_the_same_rules_written_out(family, ca
     assert bool((scores[mask == 0] == 0).all())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "arcee"])
 def test_a_model_without_biases_takes_one_backward_for_the_share_forwards_scores(family, capture_mode, monkeypatch):
     """Without a bias the forward on the shares is linear in the first layer's input, so
     one backward gives every token's share (Gemma-2: softcapped attention and logits, a
-    norm on the attention output); the forward on N + 1 rows is not run."""
+    norm on the attention output; Arcee: an activation that gates nothing, at its slope);
+    the forward on N + 1 rows is not run."""
     import captum_attention.attr.decompx as decompx
 
     model, prompts = make_decoder(family), make_prompts(side="left")
@@ -261,6 +262,23 @@ def test_refusals_name_the_problem():
     with pytest.raises(UnsupportedModelError, match="add up to logits"):
         DecompX(functional).attribute(ids, additional_forward_args=(mask,))
     assert_same_state(before, model_state(functional))
+
+
+def test_without_biases_the_forward_on_the_shares_decides_where_the_backward_does_not_add_up(capture_mode, monkeypatch):
+    import captum_attention.attr.decompx as decompx
+
+    model, prompts = copy.deepcopy(make_decoder("llama")), make_prompts(side="left")
+    mlp = model.model.layers[0].mlp
+    del mlp.act_fn
+    mlp.act_fn = lambda t: 0.5 * t * (1.0 + torch.erf(t / 2**0.5))  # GELU through erf, not linearised
+    before = model_state(model)
+    share_forwards = []
+    share_outputs = decompx.share_outputs
+    monkeypatch.setattr(decompx, "share_outputs", lambda *args: share_forwards.append(args) or share_outputs(*args))
+    with pytest.raises(UnsupportedModelError, match="add up to logits"):
+        DecompX(model, capture=capture_mode).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    assert len(share_forwards) == 1
+    assert_same_state(before, model_state(model))
 
 
 @pytest.mark.parametrize("family", ["roberta", "electra", "albert", "distilbert", "qwen2", "gemma2"])

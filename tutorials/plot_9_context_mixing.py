@@ -120,7 +120,7 @@ assert results["Value Zeroing"]["pointing"] < results["ALTI"]["pointing"]
 
 # %%
 # Carrying each token's share through the feed-forward layers and the head as well
-# (DecompX) points at the needle as AttnLRP does, at one forward and one backward more on
+# (DecompX) points at the needle as AttnLRP does, at one forward and one backward on
 # this model, which has no bias (with biases, about one forward per token); it decomposes
 # the answer's logit, not its log-probability, and predicts the ablations less well than
 # AttnLRP.

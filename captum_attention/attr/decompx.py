@@ -11,9 +11,11 @@ from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, Probe
-from ..capture.decomposition import ExplainedRun, LinearisationPoints, Points, gradient_shares, share_outputs, without_biases
+from ..capture.decomposition import (
+    ExplainedRun, FirstLayerInput, LinearisationPoints, Points, ShareGradients, model_modules, share_outputs, without_biases,
+)
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord
+from ..capture.record import ForwardRecord, record_forward
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import LogitReads, attention_rows, logit_reads
@@ -26,6 +28,15 @@ class ModelCall:
 
     inputs: tuple[Tensor, ...]
     additional_forward_args: Any
+
+
+@dataclass
+class GradientShares:
+    """``(B, N)``: each token's share of the read logits, from the backward of a forward
+    under :class:`~captum_attention.capture.decomposition.ShareGradients`, checked to add
+    up to them."""
+
+    scores: Tensor
 
 
 class DecompX(AttentionAttributionBase, Attribution):
@@ -63,10 +74,11 @@ class DecompX(AttentionAttributionBase, Attribution):
     short inputs (a classifier's sentence, a prompt of a few hundred tokens). A model
     without any bias (Llama, Mistral, Gemma) has no bias to share, so the forward on the
     shares is linear in the first layer's input and each token's share is the gradient of
-    that linear map times its state: one forward and one backward, the held parts
-    detached, at any length (about 1.4× a forward+backward). The probabilities are held
-    inside transformers' sdpa function after a streaming capture, and where the
-    attention's softmax computes them after an eager one. Registered (``"decompx"``), not
+    that linear map times its state: the explained forward runs with that map as its
+    backward, and one backward gives every share, at any length (about a
+    forward+backward in time and memory). The probabilities are held inside
+    transformers' sdpa function under a streaming capture, and where the attention's
+    softmax computes them under an eager one. Registered (``"decompx"``), not
     in the reports.
 
     Args:
@@ -105,27 +117,35 @@ class DecompX(AttentionAttributionBase, Attribution):
         return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        return [*super()._probes(effective, **options), LinearisationPoints()]
+        linear = without_biases(model_modules(self.model, resolve_adapter(self.model, self.adapter)))
+        return [*super()._probes(effective, **options), ShareGradients() if linear else LinearisationPoints()]
 
     def _forward(self, inputs: tuple[Tensor, ...], additional_forward_args: Any, *args: Any) -> ForwardRecord:
+        if self.model.training:
+            raise ValueError("DecompX may re-run the model, which dropout would change: call model.eval().")
         record = super()._forward(inputs, additional_forward_args, *args)
         return record.with_result(ModelCall(inputs, additional_forward_args))
 
     def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
-        return super()._explained(record, target, retain_graph).with_result(logit_reads(record, target))
+        record = super()._explained(record, target, retain_graph).with_result(logit_reads(record, target))
+        first = record.results.get(FirstLayerInput)
+        if first is None:
+            return record
+        read_logits = _read(record.logits[:, None], record.result(LogitReads))[:, 0].float()
+        shares = first.shares(self.model, read_logits, record.num_calls, record.target_real.shape[1], retain_graph)
+        if shares is None or not _adds_up(shares.sum(dim=1), read_logits.detach(), record.logits.dtype):
+            return record  # the forward on the shares decides, or refuses
+        return record.with_result(GradientShares(shares))
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
-        if self.model.training:
-            raise ValueError("DecompX re-runs the model, which dropout would change: call model.eval().")
+        found = record.results.get(GradientShares)
+        if found is not None:
+            return found.scores.to(record.target_real.device), []
         call, reads = record.result(ModelCall), record.result(LogitReads)
         run = ExplainedRun(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
-                           call.additional_forward_args, record.result(Points), record.streaming)
+                           call.additional_forward_args, self._points(record), record.streaming)
         logits = _read(record.logits.detach().float()[:, None], reads)[:, 0]
         tokens = record.target_real.shape[1]
-        if without_biases(run.points.modules):
-            scores = gradient_shares(run, record.num_calls, tokens, lambda output: _read(output[:, None], reads)[:, 0])
-            if scores is not None and _adds_up(scores.sum(dim=1), logits, record.logits.dtype):
-                return scores.to(record.target_real.device), []
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
         outputs = share_outputs(run, probs)
         shares = _read(outputs, reads)
@@ -134,6 +154,18 @@ class DecompX(AttentionAttributionBase, Attribution):
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
         return self._scores(record)[0]
+
+    def _points(self, record: ForwardRecord) -> Points:
+        """The points the explained forward recorded; after a forward under
+        :class:`~captum_attention.capture.decomposition.ShareGradients` whose shares did
+        not add up, recorded in one more forward."""
+        if Points in record.results:
+            return record.result(Points)
+        call = record.result(ModelCall)
+        return record_forward(
+            self.forward_func, self.model, call.inputs, call.additional_forward_args, self.adapter,
+            probes=[LinearisationPoints()], streaming=record.streaming,
+        ).result(Points)
 
 
 def _read(logits: Tensor, reads: LogitReads) -> Tensor:

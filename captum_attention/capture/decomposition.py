@@ -19,8 +19,9 @@ up to the logits: the method checks that they do and refuses otherwise.
 
 A model without any bias (:func:`without_biases`: Llama, Mistral, Gemma) makes that
 forward one linear map of the first layer's input, with nothing to share by ``absdot``:
-:func:`gradient_shares` then runs the model once, the same parts held and detached, and
-reads every token's share from one backward.
+the explained forward itself then runs under :class:`ShareGradients`, its values the
+model's own and its backward that map's, and every token's share is read from one
+backward.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from torch import Tensor, nn
 
 from .._compat import UnsupportedModelError, run_forward
 from ..maps import LinearNorm
-from ..maps.decompx import distribute_bias, held_attention, unbiased_outputs, zero_origin_slope
+from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
+from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import take_rows
 from .guard import ModelChanges, ScopedFunctionMode
 from .kernel import KernelInterception
-from .probes import Probe, layer_blocks
+from .probes import CallInfo, Probe, RunKernel, layer_blocks
 from .residual import linear_norm
 
 _NOT_ACTIVATIONS = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d, nn.MultiheadAttention, nn.GLU)
@@ -363,14 +365,14 @@ class ExplainedRun:
     points: Points
     streaming: bool
 
-    def rerun(self, inputs: Any, additional_forward_args: Any, gradients: bool, on_kernel: Callable[..., Tensor], *hooks: Any) -> Any:
-        """The model's output on ``inputs``, run as the explained forward ran (streaming:
-        each sdpa call through ``on_kernel``) with :func:`_from_first_layer`'s ``hooks``
-        (``on_call``, then optionally ``on_block``, ``on_softmax``, ``before_projection``),
-        the autograd graph kept where ``gradients``; the model as it was afterwards."""
+    def rerun(self, inputs: Any, additional_forward_args: Any, on_kernel: Callable[..., Tensor], *hooks: Any) -> Any:
+        """The model's output on ``inputs``, run without gradients as the explained forward
+        ran (streaming: each sdpa call through ``on_kernel``) with
+        :func:`_from_first_layer`'s ``hooks`` (``on_call``, then optionally ``on_block``,
+        ``on_softmax``, ``before_projection``); the model as it was afterwards."""
 
         def install(stack: ExitStack) -> None:
-            stack.enter_context(torch.set_grad_enabled(gradients))
+            stack.enter_context(torch.no_grad())
             stack.enter_context(self.adapter.prepared(self.model, streaming=self.streaming))
             if self.streaming:
                 stack.enter_context(KernelInterception(on_kernel))
@@ -384,78 +386,121 @@ def without_biases(modules: ModelModules) -> bool:
     """Whether no module of the layers (the attention's projections included) and none
     after them holds a bias: then the forward on the shares is one linear map of the
     first layer's input, with no bias to share by ``absdot``, and
-    :func:`gradient_shares` gives its shares from one backward."""
+    :class:`ShareGradients` gives its shares from one backward."""
     inner = (module for block in modules.blocks for module in block.modules())
     return not any(isinstance(getattr(module, "bias", None), Tensor) for module in (*inner, *modules.hooked))
 
 
-def gradient_shares(run: ExplainedRun, calls: int, tokens: int, read: Callable[[Tensor], Tensor]) -> Tensor | None:
-    r"""``(B, N)``: each token's share of the read logits for a model
-    :func:`without_biases`, from one forward and one backward instead of :math:`N + 1`
-    rows; None where the logits do not reach the first layer's input in the backward (a
-    model that runs part of its forward without gradients).
+@dataclass
+class FirstLayerInput:
+    """The first layer's input of a forward under :class:`ShareGradients`, a leaf
+    requiring grad (None where no layer ran), and the attention calls it held."""
 
-    The model runs once more as the linear map the forward on the shares applies to
-    every share, its nonlinear parts held at the explained forward's point and out of the
-    backward: the attention's probabilities (its queries and keys detached), each norm's
-    statistics, each gate's activation; an activation that is no gate at its zero-origin
-    slope. Without biases that map is linear, :math:`y = \sum_k J_k x_k` over the first
-    layer's input, so token k's share of a read logit is :math:`(\partial y / \partial
-    x_k)^\top x_k`, what :func:`share_outputs` carries for its row.
+    leaf: Tensor | None
+    held: int
 
-    Args:
-        run: the explained forward.
-        calls: its number of attention calls.
-        tokens: its number of tokens.
-        read: the read logits ``(B,)`` of the output logits.
-    """
-    model, points = run.model, run.points
-    cursor = _Cursor(points)
-    first_input: list[Tensor] = []
-    held: set[int] = set()  # the attention calls held, by index (a softmax inside a kernel call: the same call)
-
-    def on_block(index: int, args: tuple, kwargs: dict) -> Any:
-        states, called_with = _hidden_argument(args, kwargs)
-        _check_states(model, states, len(run.inputs[0]), tokens)
-        if index > 0:
+    def shares(self, model: nn.Module, read_logits: Tensor, calls: int, tokens: int, retain_graph: bool) -> Tensor | None:
+        r"""``(B, N)``: each token's share of ``read_logits`` ``(B,)``,
+        :math:`(\partial y / \partial x_k)^\top x_k`; None where the logits do not reach
+        the first layer's input in the backward (a model that runs part of its forward
+        without gradients). A refusal in one line where fewer than the ``calls`` attention
+        calls were held, or the layers' states are not ``(B, tokens, width)``."""
+        _check_held(model, self.held, calls)
+        if self.leaf is None or not read_logits.requires_grad:
             return None
-        first_input[:] = [states.detach().requires_grad_()]
-        return called_with(first_input[0])
+        _check_states(model, self.leaf, len(read_logits), tokens)
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(read_logits.sum(), self.leaf, retain_graph=retain_graph, allow_unused=True)
+        return None if grad is None else (grad.float() * self.leaf.detach().float()).sum(dim=-1)
 
-    def on_call(key: int, module: nn.Module | None, computed_from: Tensor, output: Tensor, layer: int | None) -> Tensor | None:
-        kind = "activation" if module is None else points.modules.kinds[key]
-        call, seen_input, seen_output = cursor.next(key, module)
-        if kind == "norm":  # over (B, M, F) as the share forward reads it (a norm inside the attention: M = N·H)
-            assert module is not None and seen_output is not None
-            batch, width = computed_from.shape[0], computed_from.shape[-1]
-            norm = linear_norm(module, seen_input.reshape(batch, -1, width), seen_output.reshape(batch, -1, width))
-            return norm.linear(computed_from.float().reshape(batch, -1, width)).reshape(output.shape).to(output.dtype)
-        if kind == "activation" and points.gated(key, call):
-            return output.detach()
-        if kind == "activation":
-            assert seen_output is not None
-            slope = zero_origin_slope(seen_input.float(), seen_output.float())
-            return (computed_from.float() * slope).to(output.dtype)
-        return None
 
-    def on_kernel(module: nn.Module, call: Any, run_kernel: Any) -> Tensor:
-        if id(module) not in sites:  # a vision tower's attention, before the layers
-            return run_kernel()
-        held.add(len(held))
+class ShareGradients(Probe):
+    r"""Probe: the explained forward as the linear map the forward on the shares applies
+    to every share, for a model :func:`without_biases` (result:
+    :class:`FirstLayerInput`).
+
+    Its values are the model's own; its backward is that map's. The attention's queries
+    and keys are detached (inside transformers' sdpa function, or the softmax's output
+    under eager capture), so its probabilities are held; each norm passes back the
+    gradient of the linear map it is at its statistics; each gate of a feed-forward
+    passes back none; any other activation passes back its zero-origin slope. Without
+    biases that map is linear, :math:`y = \sum_k J_k x_k` over the first layer's input,
+    so token k's share of a read logit is :math:`(\partial y / \partial x_k)^\top x_k`
+    (what :func:`share_outputs` carries for its row), read from one backward.
+
+    Whether an activation gates (:meth:`Points.gated`: no linear map of its layer takes
+    its output) is known only once the layer has run; its backward asks then.
+    """
+
+    events = frozenset({"kernel", "softmax"})
+    needs_grad = True
+
+    def __init__(self) -> None:
+        self._leaf: Tensor | None = None
+        self._held: set[int] = set()
+        self._open_gates: list[tuple[_Gate, Tensor]] = []  # the current layer's activations still taken as gates
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        modules = model_modules(model, adapter)
+        self._kinds, self._leaf, self._held, self._open_gates = modules.kinds, None, set(), []
+        stack.callback(self._open_gates.clear)
+        _from_first_layer(modules, stack, self._on_call, self._on_block)
+
+    def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
+        if call is None:  # a vision tower's attention, before the layers
+            return None
+        self._held.add(call.index)
         return run_kernel(lambda query, key, value: (query.detach(), key.detach(), value))
 
-    def on_softmax(index: int, computed: Tensor) -> Tensor:
-        held.add(index)
-        return computed.detach()
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
+        self._held.add(call.index)
+        return attn_probs.detach()
 
-    sites = {id(site) for site in points.modules.sites}
-    read_logits = read(_logits(run.rerun(run.inputs, run.additional_forward_args, True, on_kernel, on_call, on_block, on_softmax)))
-    cursor.check_done()
-    _check_held(model, len(held), calls)
-    if not read_logits.requires_grad:
-        return None
-    (grad,) = torch.autograd.grad(read_logits.sum(), first_input[0], allow_unused=True)
-    return None if grad is None else (grad.float() * first_input[0].detach().float()).sum(dim=-1)
+    def result(self) -> FirstLayerInput:
+        return FirstLayerInput(self._leaf, len(self._held))
+
+    def _on_block(self, index: int, args: tuple, kwargs: dict) -> Any:
+        self._open_gates.clear()
+        if index > 0:
+            return None
+        states, called_with = _hidden_argument(args, kwargs)
+        self._leaf = states.detach().requires_grad_()
+        return called_with(self._leaf)
+
+    def _on_call(self, key: int, module: nn.Module | None, computed_from: Tensor, output: Tensor, layer: int | None) -> Tensor | None:
+        kind = "activation" if module is None else self._kinds[key]
+        if kind in ("linear", "projection"):
+            self._ungate(computed_from)
+            return None
+        if kind == "norm":  # over (B, M, F) as the share forward reads it (a norm inside the attention: M = N·H)
+            assert module is not None
+            batch, width = computed_from.shape[0], computed_from.shape[-1]
+            norm = linear_norm(module, computed_from.reshape(batch, -1, width), output.reshape(batch, -1, width))
+            return linearised(computed_from, output, lambda x, y: lambda z: norm.linear(z.reshape(batch, -1, width)).reshape(z.shape))
+        gate = _Gate(layer is not None)  # outside the layers (a head's tanh, a logit cap) never a gate
+        if gate.gated:
+            self._open_gates.append((gate, output))
+        return linearised(computed_from, output, lambda x, y: None if gate.gated else _times(zero_origin_slope(x.float(), y.float())))
+
+    def _ungate(self, linear_input: Tensor) -> None:
+        """A linear map of the layer took ``linear_input``: an activation whose output it
+        is does not gate."""
+        for gate, output in self._open_gates:
+            if linear_input.shape == output.shape and torch.equal(linear_input, output):
+                gate.gated = False
+        self._open_gates[:] = [(gate, output) for gate, output in self._open_gates if gate.gated]
+
+
+@dataclass
+class _Gate:
+    """Whether an activation's call is taken as a gate (:meth:`Points.gated`)."""
+
+    gated: bool
+
+
+def _times(slope: Tensor) -> Callable[[Tensor], Tensor]:
+    """The element-wise linear map ``z -> z * slope``."""
+    return lambda z: z * slope
 
 
 def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
@@ -559,7 +604,7 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
     _check_rows((inputs, run.additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
-    output = run.rerun(repeated, extra, False, on_kernel, on_call, on_block, on_softmax, before_projection)
+    output = run.rerun(repeated, extra, on_kernel, on_call, on_block, on_softmax, before_projection)
     cursor.check_done()
     _check_held(model, len(held), len(probs))
     logits = _logits(output).detach()

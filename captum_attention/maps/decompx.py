@@ -24,8 +24,11 @@ the model's logits exactly, bias included.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import Tensor
+from torch.autograd import Function
 
 DOT_FLOOR = 1e-12
 """What the authors add to the sum of the absolute dot products, and to the
@@ -47,6 +50,40 @@ def zero_origin_slope(pre_activation: Tensor, activation: Tensor) -> Tensor:
     r""":math:`\mathrm{act}(z) / (z + 10^{-12})` neuron by neuron (the authors' ``GeLU_ZO``
     and ``tanh`` ``ZO``)."""
     return activation / (pre_activation + DOT_FLOOR)
+
+
+LinearAt = Callable[[Tensor, Tensor], Callable[[Tensor], Tensor] | None]
+"""``at(input, output)``: the linear map a module was at that call, or None where it is
+held (no gradient passes); asked in the backward, so that the forward may decide later."""
+
+
+class _Linearised(Function):
+    """Forward: the module's own ``output``; backward: the vector-Jacobian product of the
+    linear map ``at(x, output)`` gives (none where it gives None)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, output: Tensor, at: LinearAt) -> Tensor:
+        ctx.save_for_backward(x, output)
+        ctx.at = at
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        x, output = ctx.saved_tensors
+        linear = ctx.at(x, output)
+        if linear is None:
+            return None, None, None
+        with torch.enable_grad():
+            leaf = x.detach().float().requires_grad_()
+            (passed,) = torch.autograd.grad(linear(leaf), leaf, grad.float())
+        return passed.to(x.dtype), None, None
+
+
+def linearised(x: Tensor, output: Tensor, at: LinearAt) -> Tensor:
+    """``output`` of a module on ``x``, its values the module's own, its backward the
+    linear map ``at`` names (DecompX's point of that module: a norm at its statistics,
+    an activation at its zero-origin slope, a gate held)."""
+    return _Linearised.apply(x, output.detach(), at)
 
 
 def held_attention(probs: Tensor, values: Tensor, groups: int) -> Tensor:
