@@ -65,6 +65,19 @@ def make_model(family: str, seed: int = 0) -> nn.Module:
     return _configs()[family]().eval()
 
 
+def with_random_biases(model: nn.Module, scale: float = 0.05, seed: int = 3) -> nn.Module:
+    """``model`` with its biases drawn around 0 and its norms' weights around 1 (standard
+    deviation ``scale``), away from transformers' (zero, one) initialisation, under which
+    a method's treatment of biases and norm scales would go untested."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                shift = 1.0 if name.endswith("weight") else 0.0
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale + shift)
+    return model
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor

@@ -172,15 +172,16 @@ def _reference(model: nn.Module, prompts: Prompts, score) -> LMReference:
 def one_stack_case(family: str):
     """``(model, ids, mask, query)`` for the single-stack method tests: the test suite's BERT
     with its right-padded batch (query: the first position), or a tiny decoder with
-    left-padded prompts (query: the last position)."""
-    from conftest import make_batch, make_model
+    left-padded prompts (query: the last position); biases and norm weights drawn at
+    random."""
+    from conftest import make_batch, make_model, with_random_biases
 
     if family == "bert":
-        model = make_model("bert")
+        model = with_random_biases(make_model("bert"), scale=0.3)
         batch = make_batch(model)
         return model, batch.input_ids, batch.attention_mask, 0
     prompts = make_prompts(side="left")
-    return make_decoder(family), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
+    return with_random_biases(make_decoder(family), scale=0.3), prompts.input_ids, prompts.attention_mask, prompts.input_ids.shape[1] - 1
 
 
 def explains_through_the_llm_interface(explainer) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from captum.attr import NoiseTunnel
-from conftest import assert_same_state, make_batch, make_model, model_state
+from conftest import assert_same_state, make_batch, make_model, model_state, with_random_biases
 from lm_models import make_decoder, make_prompts
 from lrp_reference import (
     bart_relevance,
@@ -26,19 +26,8 @@ from captum_attention.maps.lrp import identity_rule, layer_norm_rule, rms_norm_r
 UNIT_ROUNDOFF = 2.0**-24
 
 
-def _with_random_biases(model):
-    """Biases and norm weights drawn away from their (zero, one) initialisation, so that
-    the biases absorb relevance and the norms scale it."""
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "LayerNorm.weight" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return model
-
-
 def _bert_case():
-    model = _with_random_biases(make_model("bert"))
+    model = with_random_biases(make_model("bert"))
     batch = make_batch(model)
     return model, batch.input_ids, batch.attention_mask, torch.tensor([1, 0, 1]), bert_relevance
 

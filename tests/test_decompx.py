@@ -24,8 +24,10 @@ from captum_attention.attr import METHODS, REGISTRY
 
 
 def _share_bias(vectors, bias, by=None):
-    """The authors' ``bias_decomposer`` (``absdot``) over the token axis -2."""
-    weights = torch.einsum("...kd,...d->...k", vectors if by is None else by, bias).abs()
+    """The authors' ``bias_decomposer`` (``absdot``) over the token axis -2 (its weights
+    held in the autograd graph, so that a gradient through the rules is their linear
+    part's)."""
+    weights = torch.einsum("...kd,...d->...k", (vectors if by is None else by).detach(), bias).abs()
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-12)
     return vectors + weights[..., None] * bias
 
@@ -73,7 +75,24 @@ def _attended(attn, values, out_weight, groups: int):
     return torch.einsum("hij,hjkv,dhv->ikd", attn, values, per_head)
 
 
-def bert_reference(model, ids, mask, target) -> torch.Tensor:
+def _first_shares(x, local: bool):
+    """The first layer's shares ``(i, k, D)``, token k's state alone at i = k; a leaf
+    requiring grad where the sensitivity is asked (``local``)."""
+    shares = torch.einsum("ik,id->ikd", torch.eye(len(x)), x)
+    return shares.requires_grad_() if local else shares
+
+
+def _score(logit, first, local: bool):
+    """Each token's share of ``logit`` ``(k,)``; ``local``: the L1 norm of the gradient of
+    its sum at each token's own first-layer share (``first`` ``(i, k, D)``, i = k)."""
+    if not local:
+        return logit.detach()
+    (grad,) = torch.autograd.grad(logit.sum(), first)
+    return grad.diagonal(dim1=0, dim2=1).abs().sum(dim=0)
+
+
+def bert_reference(model, ids, mask, target, local: bool = False) -> torch.Tensor:
+    """``local``: the sensitivity of ``DecompX(multiply_by_inputs=False)`` instead."""
     eager, out = _eager_run(model, ids, mask)
     scores = torch.zeros(ids.shape)
     for b in range(ids.shape[0]):
@@ -85,7 +104,8 @@ def bert_reference(model, ids, mask, target) -> torch.Tensor:
             sa, so = layer.attention.self, layer.attention.output
             heads = sa.num_attention_heads
             first = shares is None
-            shares = torch.einsum("ik,id->ikd", torch.eye(len(x)), x) if first else shares
+            if first:
+                shares = leaf = _first_shares(x, local)
             values = _value_shares(shares, sa.value.weight, sa.value.bias, first, heads)
             attended = _attended(attn, values, so.dense.weight, 1)
             joined = so.dense.bias if first else so.dense.weight @ sa.value.bias + so.dense.bias
@@ -104,13 +124,13 @@ def bert_reference(model, ids, mask, target) -> torch.Tensor:
         zp = pooler(out.hidden_states[-1][b, real][0])
         pooled = _share_bias(torch.einsum("ld,kd->kl", pooler.weight, shares[0]), pooler.bias) * (torch.tanh(zp) / (zp + 1e-12))
         logits = _share_bias(torch.einsum("cd,kd->kc", eager.classifier.weight, pooled), eager.classifier.bias)
-        scores[b, real] = logits[:, target[b]]
+        scores[b, real] = _score(logits[:, target[b]], leaf, local)
     return scores
 
 
-def decoder_reference(model, family: str, ids, mask, position: int, tokens) -> torch.Tensor:
+def decoder_reference(model, family: str, ids, mask, position: int, tokens, local: bool = False) -> torch.Tensor:
     """The same rules on a pre-norm language model, for the logits of ``tokens`` ``(B,)``
-    at ``position``."""
+    at ``position`` (``local``: their sensitivity)."""
     eager, out = _eager_run(model, ids, mask)
     scores = torch.zeros(ids.shape)
     layers = eager.model.layers if family == "llama" else eager.transformer.h
@@ -122,7 +142,8 @@ def decoder_reference(model, family: str, ids, mask, position: int, tokens) -> t
             x = out.hidden_states[layer_index][b, real]
             attn = out.attentions[layer_index][b][:, real][:, :, real]
             first = shares is None
-            shares = torch.einsum("ik,id->ikd", torch.eye(len(x)), x) if first else shares
+            if first:
+                shares = leaf = _first_shares(x, local)
             if family == "llama":
                 ln1, ln2, attention = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn
                 heads, kv_heads = eager.config.num_attention_heads, eager.config.num_key_value_heads
@@ -140,7 +161,7 @@ def decoder_reference(model, family: str, ids, mask, position: int, tokens) -> t
             heads_bias = v_bias.view(kv_heads, -1).repeat_interleave(heads // kv_heads, dim=0).flatten()
             joined = o_bias if first else o_weight @ heads_bias + o_bias
             residual = shares + _share_bias(attended, joined, by=attended + shares)
-            after_attention = residual.sum(dim=1)  # equal to the model's, checked by the sum below
+            after_attention = residual.sum(dim=1).detach()  # equal to the model's, checked by the sum below
             normed = _norm_shares(residual, after_attention, ln2, centred)
             states = ln2(after_attention)
             if family == "llama":
@@ -156,10 +177,10 @@ def decoder_reference(model, family: str, ids, mask, position: int, tokens) -> t
                 ffn = _share_bias(torch.einsum("fd,ikf->ikd", mlp.c_proj.weight, ffn), mlp.c_proj.bias)
             shares = residual + ffn
         final = eager.model.norm if family == "llama" else eager.transformer.ln_f
-        last = shares.sum(dim=1)
+        last = shares.sum(dim=1).detach()
         query = int(real[: position + 1].sum()) - 1
         normed = _norm_shares(shares, last, final, centred)[query]
-        scores[b, real] = normed @ eager.lm_head.weight[tokens[b]]
+        scores[b, real] = _score(normed @ eager.lm_head.weight[tokens[b]], leaf, local)
     return scores
 
 
@@ -187,6 +208,23 @@ def test_decompx_on_language_models_equals_the_same_rules_written_out(family, ca
     torch.testing.assert_close(scores, decoder_reference(model, family, ids, mask, query, tokens), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(scores.sum(dim=1), logits[torch.arange(3), tokens], atol=1e-4, rtol=1e-4)
     assert bool((scores[mask == 0] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_the_sensitivity_equals_the_rules_gradient_written_out(family, capture_mode):
+    """``multiply_by_inputs=False``: the L1 norm of each token's gradient through the
+    written-out rules (their bias shares held), from one backward on any model."""
+    model, ids, mask, query = one_stack_case(family)
+    before = model_state(model)
+    target = [1, 0, 1] if family == "bert" else [5, 9, 3]
+    scores = DecompX(model, capture=capture_mode, multiply_by_inputs=False).attribute(ids, target=target, additional_forward_args=(mask,))
+    assert_same_state(before, model_state(model))
+    if family == "bert":
+        expected = bert_reference(model, ids, mask, target, local=True)
+    else:
+        expected = decoder_reference(model, family, ids, mask, query, torch.tensor(target), local=True)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
+    assert bool((scores[mask == 0] == 0).all()) and bool((scores >= 0).all())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "arcee"])
@@ -326,8 +364,9 @@ def test_vision_transformers_give_a_patch_grid_in_both_modes(name):
 
 def test_half_precision_gives_the_float32_shares_within_its_rounding():
     model, ids, mask, _ = one_stack_case("llama")
-    full = DecompX(model).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
-    half = DecompX(copy.deepcopy(model).to(torch.bfloat16)).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
+    half_model = copy.deepcopy(model).to(torch.bfloat16)
+    full = DecompX(copy.deepcopy(half_model).float()).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))  # the same weights
+    half = DecompX(half_model).attribute(ids, target=[5, 9, 3], additional_forward_args=(mask,))
     assert half.dtype == torch.float32
     torch.testing.assert_close(half, full, atol=0.05 * float(full.abs().max()), rtol=0.0)
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as tf
-from conftest import assert_same_state, model_state
+from conftest import assert_same_state, model_state, with_random_biases
 from lrp_reference import PVT_V2, SEGFORMER, reduced_key_relevance, swin_relevance
 from methods import MAP_METHODS, reference_grad_sam
 from grid_reference import reduced_maps_and_grads, window_maps_and_grads
@@ -155,18 +155,6 @@ def test_window_maps_on_the_patch_grid_by_hand():
     torch.testing.assert_close(shifted.sum(dim=-1), torch.ones(3, 2, 64))
 
 
-def _with_random_biases(model: torch.nn.Module) -> torch.nn.Module:
-    """Biases and norm weights drawn away from their (zero, one) initialisation, so that
-    the biases absorb relevance and the norms scale it."""
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                shift = 1.0 if name.endswith("weight") else 0.0
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05 + shift)
-    return model
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("family", ["swin", "segformer", "pvt_v2"])
 def test_attn_lrp_equals_an_explicit_forward_written_with_the_rules(family, shape):
@@ -174,7 +162,7 @@ def test_attn_lrp_equals_an_explicit_forward_written_with_the_rules(family, shap
     out from the weights, each rule as a detach trick; it conserves the logit term by term,
     and AttnLRP equals its token relevances."""
     model, images = _case(family, shape)
-    model = _with_random_biases(copy.deepcopy(model))
+    model = with_random_biases(copy.deepcopy(model))
     target = torch.tensor([1, 0])
     if family in REDUCED:
         expected = reduced_key_relevance(model, images, target, SEGFORMER if family == "segformer" else PVT_V2)

@@ -53,8 +53,9 @@ def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
-def test_decompx_adds_up_or_is_refused_in_one_line(architecture):
-    outcome = decomposition_outcome(architecture)
+@pytest.mark.parametrize("multiply_by_inputs", [True, False], ids=["shares", "sensitivity"])
+def test_decompx_adds_up_or_is_refused_in_one_line(architecture, multiply_by_inputs):
+    outcome = decomposition_outcome(architecture, multiply_by_inputs)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 

@@ -604,10 +604,11 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
     return found
 
 
-def decomposition_outcome(architecture: Architecture) -> Outcome:
+def decomposition_outcome(architecture: Architecture, multiply_by_inputs: bool = True) -> Outcome:
     """DecompX on ``architecture``: ``exact`` where its shares add up to the explained
-    logit (the call checks it, else refuses), refused in one line, or an error. A speech
-    model's language model is not built, as in :func:`outcomes`."""
+    logit (the call checks it, else refuses; ``multiply_by_inputs=False``: the shares read
+    from its sensitivity's backward), refused in one line, or an error. A speech model's
+    language model is not built, as in :func:`outcomes`."""
     from captum_attention import DecompX
 
     try:
@@ -619,7 +620,8 @@ def decomposition_outcome(architecture: Architecture) -> Outcome:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            DecompX(case.model).attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+            explainer = DecompX(case.model, multiply_by_inputs=multiply_by_inputs)
+            explainer.attribute(case.inputs, target=case.target, additional_forward_args=case.args)
     except (UnsupportedModelError, ValueError) as error:  # ValueError: an encoder-decoder, refused by every single-stack method
         message = str(error).strip()
         return Outcome("refused" if "\n" not in message else "error", message)

@@ -382,51 +382,97 @@ class ExplainedRun:
             return run_forward(self.adapter.keyword_forward(self.forward_func), inputs, None, additional_forward_args)
 
 
+def bias_modules(modules: ModelModules) -> list[nn.Module]:
+    """The modules of the layers (the attention's projections included) and after them
+    that hold a bias."""
+    inner = (module for block in modules.blocks for module in block.modules())
+    found = {id(module): module for module in (*inner, *modules.hooked) if isinstance(getattr(module, "bias", None), Tensor)}
+    return list(found.values())
+
+
 def without_biases(modules: ModelModules) -> bool:
     """Whether no module of the layers (the attention's projections included) and none
     after them holds a bias: then the forward on the shares is one linear map of the
     first layer's input, with no bias to share by ``absdot``, and
     :class:`ShareGradients` gives its shares from one backward."""
-    inner = (module for block in modules.blocks for module in block.modules())
-    return not any(isinstance(getattr(module, "bias", None), Tensor) for module in (*inner, *modules.hooked))
+    return not bias_modules(modules)
+
+
+@dataclass
+class LinearisedGradient:
+    r"""The read logits' gradient through the linear map the forward on the shares
+    applies: :math:`J_k = \partial y / \partial x_k` at each token's first-layer state
+    :math:`x_k` (``grad``, ``states``: ``(B, N, D)`` float32) and the part of the logits
+    the biases add, :math:`\sum_b (\partial y / \partial b)^\top b` (``biases``,
+    ``(B,)``). Where the map is the model's linearisation, they add up to the logits,
+    :math:`y = \sum_k J_k x_k + \text{biases}`."""
+
+    grad: Tensor
+    states: Tensor
+    biases: Tensor
+
+    def shares(self) -> Tensor:
+        r"""``(B, N)``: :math:`J_k^\top x_k`, each token's share without the biases'."""
+        return (self.grad * self.states).sum(dim=-1)
+
+    def sensitivity(self) -> Tensor:
+        r"""``(B, N)``: :math:`\lVert J_k \rVert_1`, how much the logit moves per unit of
+        each token's state (Captum's local attribution, as ``Saliency`` sums it)."""
+        return self.grad.abs().sum(dim=-1)
+
+    def parts(self) -> Tensor:
+        """``(B, N + 1)``: the parts of the logits the map gives back, each token's share
+        and the biases' part last."""
+        return torch.cat([self.shares(), self.biases[:, None]], dim=1)
 
 
 @dataclass
 class FirstLayerInput:
     """The first layer's input of a forward under :class:`ShareGradients`, a leaf
-    requiring grad (None where no layer ran), and the attention calls it held."""
+    requiring grad (None where no layer ran), the attention calls it held, and each
+    biased module call's zero offset (per example, requiring grad) with its bias."""
 
     leaf: Tensor | None
     held: int
+    offsets: list[tuple[Tensor, Tensor]]
 
-    def shares(self, model: nn.Module, read_logits: Tensor, calls: int, tokens: int, retain_graph: bool) -> Tensor | None:
-        r"""``(B, N)``: each token's share of ``read_logits`` ``(B,)``,
-        :math:`(\partial y / \partial x_k)^\top x_k`; None where the logits do not reach
-        the first layer's input in the backward (a model that runs part of its forward
-        without gradients). A refusal in one line where fewer than the ``calls`` attention
-        calls were held, or the layers' states are not ``(B, tokens, width)``."""
+    def gradient(self, model: nn.Module, read_logits: Tensor, calls: int, tokens: int, retain_graph: bool) -> LinearisedGradient | None:
+        """``read_logits`` ``(B,)``'s :class:`LinearisedGradient`; None where the logits
+        do not reach the first layer's input in the backward (a model that runs part of its
+        forward without gradients). A refusal in one line where fewer than the ``calls``
+        attention calls were held, or the layers' states are not ``(B, tokens, width)``."""
         _check_held(model, self.held, calls)
         if self.leaf is None or not read_logits.requires_grad:
             return None
         _check_states(model, self.leaf, len(read_logits), tokens)
+        offsets = [offset for offset, _ in self.offsets]
         with torch.enable_grad():
-            (grad,) = torch.autograd.grad(read_logits.sum(), self.leaf, retain_graph=retain_graph, allow_unused=True)
-        return None if grad is None else (grad.float() * self.leaf.detach().float()).sum(dim=-1)
+            grads = torch.autograd.grad(read_logits.sum(), [self.leaf, *offsets], retain_graph=retain_graph, allow_unused=True)
+        if grads[0] is None:
+            return None
+        batch = len(read_logits)
+        biases = torch.zeros(batch, device=read_logits.device)
+        for grad, (_, bias) in zip(grads[1:], self.offsets):
+            if grad is not None:
+                biases = biases + (grad.float().reshape(batch, -1, grad.shape[-1]) * bias.float()).sum(dim=(1, 2))
+        return LinearisedGradient(grads[0].float(), self.leaf.detach().float(), biases)
 
 
 class ShareGradients(Probe):
     r"""Probe: the explained forward as the linear map the forward on the shares applies
-    to every share, for a model :func:`without_biases` (result:
-    :class:`FirstLayerInput`).
+    to every share (result: :class:`FirstLayerInput`).
 
     Its values are the model's own; its backward is that map's. The attention's queries
     and keys are detached (inside transformers' sdpa function, or the softmax's output
     under eager capture), so its probabilities are held; each norm passes back the
     gradient of the linear map it is at its statistics; each gate of a feed-forward
-    passes back none; any other activation passes back its zero-origin slope. Without
-    biases that map is linear, :math:`y = \sum_k J_k x_k` over the first layer's input,
-    so token k's share of a read logit is :math:`(\partial y / \partial x_k)^\top x_k`
-    (what :func:`share_outputs` carries for its row), read from one backward.
+    passes back none; any other activation passes back its zero-origin slope. That map is
+    linear in the first layer's input and the biases together, :math:`y = \sum_k J_k x_k +
+    \sum_b (\partial y / \partial b)^\top b`, and one backward gives every
+    :math:`J_k` (without biases, token k's share of a read logit is :math:`J_k^\top x_k`,
+    what :func:`share_outputs` carries for its row). Each biased module's output gets a
+    zero offset per example, so that the same backward gives the biases' part and the
+    sum can be checked against the logit.
 
     Whether an activation gates (:meth:`Points.gated`: no linear map of its layer takes
     its output) is known only once the layer has run; its backward asks then.
@@ -438,13 +484,18 @@ class ShareGradients(Probe):
     def __init__(self) -> None:
         self._leaf: Tensor | None = None
         self._held: set[int] = set()
+        self._offsets: list[tuple[Tensor, Tensor]] = []
         self._open_gates: list[tuple[_Gate, Tensor]] = []  # the current layer's activations still taken as gates
+        self._thread = threading.get_ident()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         modules = model_modules(model, adapter)
-        self._kinds, self._leaf, self._held, self._open_gates = modules.kinds, None, set(), []
+        self._kinds, self._leaf, self._held, self._offsets, self._open_gates = modules.kinds, None, set(), [], []
+        self._thread = threading.get_ident()
         stack.callback(self._open_gates.clear)
         _from_first_layer(modules, stack, self._on_call, self._on_block)
+        for module in bias_modules(modules):  # after the hooks above, so that a norm's offset follows its linear map
+            stack.callback(module.register_forward_hook(self._with_offset).remove)
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
         if call is None:  # a vision tower's attention, before the layers
@@ -457,7 +508,22 @@ class ShareGradients(Probe):
         return attn_probs.detach()
 
     def result(self) -> FirstLayerInput:
-        return FirstLayerInput(self._leaf, len(self._held))
+        return FirstLayerInput(self._leaf, len(self._held), self._offsets)
+
+    def _with_offset(self, module: nn.Module, args: tuple, output: Any) -> Tensor | None:
+        """A biased module's output from the first layer on, plus a zero offset per
+        example requiring grad (kept with the bias, whose part of the logit its gradient
+        gives)."""
+        bias = getattr(module, "bias")
+        assert isinstance(bias, Tensor)  # bias_modules chose it for one
+        if threading.get_ident() != self._thread or self._leaf is None or not isinstance(output, Tensor):
+            return None
+        if output.dim() < 2 or not output.is_floating_point() or output.shape[-1] != bias.numel() or output.shape[0] % len(self._leaf):
+            return None  # no bias added to the output, or no rows per example: the check of the sum refuses
+        shape = (output.shape[0], *[1] * (output.dim() - 2), output.shape[-1])
+        offset = torch.zeros(shape, device=output.device, dtype=output.dtype, requires_grad=True)
+        self._offsets.append((offset, bias.detach()))
+        return output + offset
 
     def _on_block(self, index: int, args: tuple, kwargs: dict) -> Any:
         self._open_gates.clear()
@@ -474,6 +540,11 @@ class ShareGradients(Probe):
             return None
         if kind == "norm":  # over (B, M, F) as the share forward reads it (a norm inside the attention: M = N·H)
             assert module is not None
+            if output.shape != computed_from.shape:
+                raise UnsupportedModelError(
+                    f"DecompX reads {type(module).__name__} as a norm, but it returns {tuple(output.shape)} from "
+                    f"{tuple(computed_from.shape)}: no linear map of its input at its statistics."
+                )
             batch, width = computed_from.shape[0], computed_from.shape[-1]
             norm = linear_norm(module, computed_from.reshape(batch, -1, width), output.reshape(batch, -1, width))
             return linearised(computed_from, output, lambda x, y: lambda z: norm.linear(z.reshape(batch, -1, width)).reshape(z.shape))
