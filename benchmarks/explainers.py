@@ -8,6 +8,7 @@ over channels and over each patch.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -195,6 +196,7 @@ def methods() -> dict[str, Explainer]:
         "ALTI": _ours(ALTI),
         "Value Zeroing": _ours(ValueZeroing),
         "DecompX": _ours(DecompX),
+        "DecompX (sensitivity)": _ours(partial(DecompX, multiply_by_inputs=False)),  # type: ignore[arg-type]
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Saliency": saliency,

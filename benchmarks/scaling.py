@@ -67,7 +67,8 @@ CONTRIBUTIONS = ALTI.__name__  # O(H·N²·D) per layer: measured where --runs n
 NORM_RESIDUAL = "NormAttention(residual=True)"  # one re-run of the chosen layer: measured where --runs names it
 KNOCKOUT = KnockoutGradient.__name__  # one forward and backward, as Grad-SAM: measured where --runs names it
 DECOMPOSITION = DecompX.__name__  # one forward of N + 1 rows per example: measured where --runs names it
-ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, DECOMPOSITION]
+SENSITIVITY = "DecompX(multiply_by_inputs=False)"  # one forward and backward on any model: measured where --runs names it
+ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, DECOMPOSITION, SENSITIVITY]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -126,6 +127,9 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     )
     runs[KNOCKOUT] = lambda: KnockoutGradient(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
     runs[DECOMPOSITION] = lambda: DecompX(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
+    runs[SENSITIVITY] = lambda: DecompX(model, capture="streaming", multiply_by_inputs=False).attribute(
+        ids, target=0, additional_forward_args=(mask,)
+    )
     return runs
 
 
