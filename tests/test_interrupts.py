@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+from functools import partial
 import signal
 import threading
 
@@ -65,12 +66,15 @@ def _timed_call(call) -> float:
 def test_interrupted_calls_leave_the_model_as_found(capture, methods):
     """The reported methods and erasure in turn; then the methods that re-run the model or
     its layers with hooks of their own (DecompX's forward on the shares, Value Zeroing's
-    and ALTI's re-runs of each layer) in turn."""
+    and ALTI's re-runs of each layer) and DecompX's sensitivity (its forward's held
+    backward, a zero offset on each bias) in turn."""
     model = make_model("bert")
     batch = make_batch(model)
     sdpa = attention_function("sdpa")
     config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
-    classes = dict(METHODS) if methods == "reported" else {"decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI}
+    classes = dict(METHODS) if methods == "reported" else {
+        "decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "sensitivity": partial(DecompX, multiply_by_inputs=False),
+    }
     names = sorted(classes)
 
     def call(index: int):
