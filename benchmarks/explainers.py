@@ -19,7 +19,7 @@ from tasks import MASK, Task
 from torch import Tensor
 
 from captum_attention import ALTI, METHODS, DecompX, NormAttention, ValueZeroing
-from captum_attention.metrics import ablated_probs, leave_one_out, random_ranking
+from captum_attention.metrics import ablated_probs, greedy_deletion, leave_one_out, random_ranking
 from captum_attention.metrics.context import calibrated_surrogate
 from captum_attention.presentation.shap_text import shap_token_values
 
@@ -28,6 +28,7 @@ SMOOTHGRAD_SAMPLES = 10
 SHAP_EVALS = 300
 CONTEXT_CITE_ABLATIONS = 64
 CALIBRATED_ABLATIONS = 8
+GREEDY_CANDIDATES = (5, 3)
 PATCH = 4
 
 Explainer = Callable[[Task, Tensor], Tensor]
@@ -181,6 +182,18 @@ def calibrated_attn_lrp(task: Task, target: Tensor) -> Tensor:
     )
 
 
+def greedy_over(prior: Explainer) -> Explainer:
+    """:func:`captum_attention.metrics.greedy_deletion` over ``prior``'s scores, with the
+    candidates of ``GREEDY_CANDIDATES`` removed as the ERASER columns remove them."""
+
+    def explain(task: Task, target: Tensor) -> Tensor:
+        forward, ids, mask, how = removal(task)
+        scores = prior(task, target).reshape(ids.shape)
+        return _as_features(task, greedy_deletion(forward, ids, mask, scores, target, GREEDY_CANDIDATES, **how))
+
+    return explain
+
+
 def random_baseline(task: Task, target: Tensor) -> Tensor:
     shape = task.rationale.shape if task.is_image else task.inputs.shape
     return random_ranking(shape, seed=0)
@@ -205,5 +218,7 @@ def methods() -> dict[str, Explainer]:
         "Leave-one-out": leave_one_out_deletion,
         f"ContextCite ({CONTEXT_CITE_ABLATIONS} ablations)": context_cite,
         f"AttnLRP calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_attn_lrp,
+        f"Grad-SAM (key axis), greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["grad_sam"], axis="key")),
+        f"AttnLRP, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["attn_lrp"])),
         "Random": random_baseline,
     }

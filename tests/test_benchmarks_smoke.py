@@ -30,7 +30,9 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 20 and {"Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX"} <= set(text["methods"])
+    assert len(text["methods"]) == 23 and {
+        "Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX", "DecompX (sensitivity)", "AttnLRP, greedy (8 removals)",
+    } <= set(text["methods"])
     for result in results:
         for name, row in result["methods"].items():
             assert 0 <= row["AUPRC"] <= 1, name

@@ -15,6 +15,7 @@ from captum_attention.metrics import (
     aopc,
     auprc,
     comprehensiveness,
+    greedy_deletion,
     iou_f1,
     kendall_tau,
     leave_one_out,
@@ -138,6 +139,56 @@ def test_ablated_probs_by_hand(bag, removal):
     torch.testing.assert_close(probs, full - _by_hand(model, ids, mask, target, removed).view(2, 5))
     with pytest.raises(ValueError, match="kept must be a bool tensor"):
         ablated_probs(model, ids, mask, kept[:, :, :4])
+
+
+class PairBag(BagOfTokens):
+    """The bag, with 4 more on class 2 while tokens 5 and 3 are both present: a pair whose
+    tokens count only together (removing either removes the bonus, then the other counts
+    no more)."""
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        real = (mask != 0) & (ids != 0)
+        both = ((ids == 5) & real).any(dim=1) & ((ids == 3) & real).any(dim=1)
+        return (self.weights[ids] * real[..., None]).sum(dim=1) + 4.0 * both[:, None] * torch.tensor([0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_greedy_deletion_by_hand(bag, removal):
+    """Each step removes the chosen tokens with each of the prior's remaining top
+    candidates and keeps the one that lowers the target most; the rest follow the prior."""
+    _, ids, mask, _, _ = bag
+    model = PairBag()
+    target = model(ids, mask).argmax(dim=1)
+    prior = torch.rand(ids.shape, generator=torch.Generator().manual_seed(4))
+    prior[0, :2] += 1.0  # the pair among the first candidates: the second step must not take its other token
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[0, 7] = keep[1, 3] = True
+    rows_run = []
+
+    def counted(batch_ids, batch_mask):
+        rows_run.append(len(batch_ids))
+        return model(batch_ids, batch_mask)
+
+    def target_prob(row: int, removed: set[int]) -> float:
+        kept = [i for i in range(int(mask[row].sum())) if i not in removed]
+        return float(model(ids[row, kept][None], torch.ones(1, len(kept))).softmax(-1)[0, target[row]])
+
+    ranking = greedy_deletion(counted, ids, mask, prior, candidates=(3, 3), removal=removal, baseline_token_id=0, keep=keep)
+    for row in range(2):
+        n = int(mask[row].sum())
+        by_prior = sorted((i for i in range(n) if not keep[row, i]), key=lambda i: -float(prior[row, i]))
+        chosen: list[int] = []
+        for count in (3, 3):
+            tried = [i for i in by_prior if i not in chosen][:count]
+            chosen.append(min(tried, key=lambda i: target_prob(row, {*chosen, i})))
+        order = ranking[row, :n].masked_fill(keep[row, :n], float("-inf")).argsort(descending=True)[: n - 1].tolist()
+        assert order == chosen + [i for i in by_prior if i not in chosen]
+        assert (ranking[row, n:] == 0).all()
+    assert sum(rows_run) == 2 + (3 + 3) + (3 + 2), "the whole input, then one forward per candidate left to try"
+    with pytest.raises(ValueError, match="candidates must be"):
+        greedy_deletion(model, ids, mask, prior, candidates=())
+    with pytest.raises(ValueError, match="prior has shape"):
+        greedy_deletion(model, ids, mask, prior[:, :4])
 
 
 def test_removal_arguments_are_checked(bag):
