@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -206,7 +207,8 @@ def context_mixing_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> floa
     """Worst CPU/CUDA difference of the context-mixing methods registered outside the
     reports (both capture modes; the decoders' answers too), on the test suite's BERT,
     GPT-2 and Llama (grouped-query, left padding; DecompX there through one backward, on
-    the others through the forward on the shares)."""
+    the others through the forward on the shares; its sensitivity through one backward on
+    all three)."""
     from lm_models import one_stack_case
 
     from captum_attention import ALTI, ALTILogit, DecompX, LearnedAttention, NormAttention, ValueZeroing
@@ -215,6 +217,7 @@ def context_mixing_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> floa
         "NormAttention": (NormAttention, {}), "NormAttention(residual=True)": (NormAttention, {"residual": True}),
         "ALTI": (ALTI, {}), "ALTILogit": (ALTILogit, {}), "ValueZeroing": (ValueZeroing, {}),
         "LearnedAttention": (LearnedAttention, {}), "DecompX": (DecompX, {}),  # Llama's through one backward
+        "DecompX(multiply_by_inputs=False)": (partial(DecompX, multiply_by_inputs=False), {}),  # one backward, biases offset
     }
     answer = torch.tensor([[5, 9], [7, 3], [11, 4]])
     print("\n| family | method | capture | sequence | answer span |")
