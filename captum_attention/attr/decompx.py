@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from captum.attr import Attribution
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
-from ..capture import AttentionAdapter, LogProbTarget, Probe
+from ..capture import LogProbTarget, Probe
 from ..capture.decomposition import (
     ExplainedRun, FirstLayerInput, LinearisationPoints, Points, ShareGradients, model_modules, share_outputs, without_biases,
 )
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord, record_forward
-from ..capture.runner import CaptureMode, resolve_adapter
+from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import LogitReads, attention_rows, logit_reads
 from ._registry import MethodSpec
@@ -107,16 +107,8 @@ class DecompX(AttentionAttributionBase, Attribution):
 
     spec = MethodSpec("decompx", "DecompX", encoder_decoder=False, signed=True, reads_query_row=False, in_reports=False)
 
-    def __init__(
-        self,
-        forward_func: Callable[..., Any],
-        model: nn.Module | None = None,
-        adapter: AttentionAdapter | None = None,
-        capture: CaptureMode = "auto",
-        block_memory: int | None = None,
-        multiply_by_inputs: bool = True,
-    ) -> None:
-        super().__init__(forward_func, model, adapter, capture, block_memory)
+    def __init__(self, forward_func: Any, *args: Any, multiply_by_inputs: bool = True, **kwargs: Any) -> None:
+        super().__init__(forward_func, *args, **kwargs)
         self._multiply_by_inputs = multiply_by_inputs
 
     @property
