@@ -254,6 +254,29 @@ def test_a_model_without_biases_takes_one_backward_for_the_share_forwards_scores
         DecompX(gpt2).attribute(ids, target=[2, 1, 2], additional_forward_args=(mask,))
 
 
+def test_under_no_grad_the_backward_still_runs(monkeypatch):
+    """Captum's NoiseTunnel calls ``attribute`` under ``torch.no_grad``: the shares and the
+    sensitivity still come from the held backward, not from the forward on the shares."""
+    import captum_attention.attr.decompx as decompx
+    from captum.attr import NoiseTunnel
+
+    model, ids, mask, _ = one_stack_case("llama")
+    args = dict(target=[5, 9, 3], additional_forward_args=(mask,))
+    expected = {mode: DecompX(model, multiply_by_inputs=mode).attribute(ids, **args) for mode in (True, False)}
+
+    def no_share_forward(*arguments):
+        raise AssertionError("the forward on the shares ran")
+
+    monkeypatch.setattr(decompx, "share_outputs", no_share_forward)
+    for mode in (True, False):
+        with torch.no_grad():
+            torch.testing.assert_close(DecompX(model, multiply_by_inputs=mode).attribute(ids, **args), expected[mode])
+    embeddings = model.get_input_embeddings()(ids).detach()
+    tunnel = NoiseTunnel(DecompX(model, multiply_by_inputs=False))
+    smoothed = tunnel.attribute(embeddings, nt_type="smoothgrad", nt_samples=2, stdevs=0.01, **args)
+    assert smoothed.shape == ids.shape and bool((smoothed[mask == 0] == 0).all())
+
+
 def test_one_example_alone_scores_as_in_a_padded_batch():
     model, ids, mask, query = one_stack_case("llama")
     explainer = DecompX(model)

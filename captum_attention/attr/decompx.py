@@ -154,7 +154,8 @@ class DecompX(AttentionAttributionBase, Attribution):
         first = record.results.get(FirstLayerInput)
         if first is None:
             return record
-        read_logits = _read(record.logits[:, None], record.result(LogitReads))[:, 0].float()
+        with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
+            read_logits = _read(record.logits[:, None], record.result(LogitReads))[:, 0].float()
         gradient = first.gradient(self.model, read_logits, record.num_calls, record.target_real.shape[1], retain_graph)
         if not self._multiply_by_inputs:
             if gradient is None:
