@@ -214,12 +214,15 @@ def _read(logits: Tensor, reads: LogitReads) -> Tensor:
 def _adds_up(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> bool:
     """Whether each example's parts ``(B, K)`` (the tokens' shares, and the biases') add
     up to its logit ``(B,)`` within what rounding allows in the model's ``dtype``: 1e-3 of
-    the larger of the logit and the parts' absolute sum, whose rounding the sum carries,
-    and at least of 1; in half precision 5e-2, as a bfloat16 forward alone moves a logit
-    by a few percent of that scale."""
-    tolerance = 5e-2 if torch.finfo(dtype).bits <= 16 else 1e-3
-    scale = torch.maximum(parts.abs().sum(dim=1), logits.abs()).clamp(min=1.0)
-    return bool(((parts.sum(dim=1) - logits).abs() <= tolerance * scale).all())
+    the logit (at least of 1) and 1e-5 of the parts' absolute sum, whose rounding the sum
+    carries; in half precision 5e-2 of the larger of the two, as a bfloat16 forward alone
+    moves a logit by a few percent of that scale."""
+    logit_scale, parts_scale = logits.abs().clamp(min=1.0), parts.abs().sum(dim=1)
+    if torch.finfo(dtype).bits <= 16:
+        allowed = 5e-2 * torch.maximum(logit_scale, parts_scale)
+    else:
+        allowed = 1e-3 * logit_scale + 1e-5 * parts_scale
+    return bool(((parts.sum(dim=1) - logits).abs() <= allowed).all())
 
 
 def _check_sum(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> None:
