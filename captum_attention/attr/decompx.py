@@ -155,7 +155,7 @@ class DecompX(AttentionAttributionBase, Attribution):
         if first is None:
             return record
         with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
-            read_logits = _read(record.logits[:, None], record.result(LogitReads))[:, 0].float()
+            read_logits = _read_logits(record)
         gradient = first.gradient(self.model, read_logits, record.num_calls, record.target_real.shape[1], retain_graph)
         if not self._multiply_by_inputs:
             if gradient is None:
@@ -176,7 +176,7 @@ class DecompX(AttentionAttributionBase, Attribution):
         call, reads = record.result(ModelCall), record.result(LogitReads)
         run = ExplainedRun(self.model, resolve_adapter(self.model, self.adapter), self.forward_func, call.inputs,
                            call.additional_forward_args, self._points(record), record.streaming)
-        logits = _read(record.logits.detach().float()[:, None], reads)[:, 0]
+        logits = _read_logits(record).detach()
         tokens = record.target_real.shape[1]
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
         outputs = share_outputs(run, probs)
@@ -209,6 +209,12 @@ def _read(logits: Tensor, reads: LogitReads) -> Tensor:
     batch = torch.arange(logits.shape[0], device=logits.device)[:, None, None]
     rows = torch.arange(logits.shape[1], device=logits.device)[None, :, None]
     return logits[batch, rows, reads.positions.to(logits.device)[:, None, :], tokens[:, None, :]].sum(dim=-1)
+
+
+def _read_logits(record: ForwardRecord) -> Tensor:
+    """``(B,)`` float32: the explained forward's logits that its :class:`LogitReads` name,
+    summed over an answer's tokens, in the autograd graph where the forward built one."""
+    return _read(record.logits[:, None], record.result(LogitReads))[:, 0].float()
 
 
 def _adds_up(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> bool:

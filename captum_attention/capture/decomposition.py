@@ -147,7 +147,7 @@ class Points:
             return False
         output = seen.output
         return not any(
-            inputs.shape == output.shape and torch.equal(inputs, output) for inputs in self._linear_inputs.get(seen.layer, [])
+            takes_output(inputs, output) for inputs in self._linear_inputs.get(seen.layer, [])
         )
 
     @cached_property
@@ -160,6 +160,12 @@ class Points:
                     if entry.layer is not None:
                         by_layer.setdefault(entry.layer, []).append(entry.inputs)
         return by_layer
+
+
+def takes_output(linear_input: Tensor, activation_output: Tensor) -> bool:
+    """Whether a linear map's input is an activation's output: the activation then gates
+    nothing (:meth:`Points.gated`)."""
+    return linear_input.shape == activation_output.shape and torch.equal(linear_input, activation_output)
 
 
 def _hidden_argument(args: tuple, kwargs: dict) -> tuple[Tensor, Callable[[Tensor], tuple[tuple, dict]]]:
@@ -557,7 +563,7 @@ class ShareGradients(Probe):
         """A linear map of the layer took ``linear_input``: an activation whose output it
         is does not gate."""
         for gate, output in self._open_gates:
-            if linear_input.shape == output.shape and torch.equal(linear_input, output):
+            if takes_output(linear_input, output):
                 gate.gated = False
         self._open_gates[:] = [(gate, output) for gate, output in self._open_gates if gate.gated]
 
