@@ -212,8 +212,10 @@ def test_alti_equals_the_authors_computation(family, capture_mode):
 @pytest.fixture
 def compiled_contributions(monkeypatch):
     """Every block's contributions compiled at once, as layers of 512+ tokens compute them
-    once the eager budget is spent; the compiled functions, by (function, device)."""
+    once the eager budget is spent, in pieces of 4 rows and 3 keys; the compiled functions,
+    by (function, device)."""
     monkeypatch.setattr(context_mixing, "ALTI_COMPILE_MIN_PAIRS", 0)
+    monkeypatch.setitem(context_mixing.ALTI_TILE, "cpu", (4, 3))
     monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
     monkeypatch.setattr(streaming, "_COMPILED", {})
     return streaming._COMPILED
@@ -237,9 +239,9 @@ def test_compiled_contributions_equal_the_authors_computation(family, compiled_c
 
 def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch, compiled_contributions, failing_compiler):
     model, ids, mask, _ = one_stack_case("llama")
-    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", False)
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", float("inf"))  # the same pieces, never compiled
     expected = ALTI(model).attribute(ids, additional_forward_args=(mask,))
-    monkeypatch.setitem(streaming.FUSED_DEVICES, "cpu", True)
+    monkeypatch.setattr(streaming, "COMPILE_AFTER_SECONDS", 0.0)
     assert torch.equal(ALTI(model).attribute(ids, additional_forward_args=(mask,)), expected)
     assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
 
@@ -383,7 +385,8 @@ def test_blocks_of_a_few_rows_give_the_scores_of_one_block(monkeypatch):
     explainers = [(ALTI(model), {}), (ALTILogit(model), {}), (NormAttention(model), {"residual": True})]
     whole = [explainer.attribute(ids, additional_forward_args=(mask,), **options) for explainer, options in explainers]
     monkeypatch.setitem(_decomposed.BLOCK_ELEMENTS, "cpu", 3 * ids.shape[1] * model.config.hidden_size * 2)  # 2 rows
-    assert len(list(_decomposed.row_blocks(3, ids.shape[1], model.config.hidden_size, torch.device("cpu")))) == 4
+    row = ids.shape[1] * model.config.hidden_size  # a row's transformed vectors
+    assert len(list(_decomposed.row_blocks(3, ids.shape[1], row, torch.device("cpu")))) == 4
     for (explainer, options), expected in zip(explainers, whole):
         torch.testing.assert_close(explainer.attribute(ids, additional_forward_args=(mask,), **options), expected,
                                    rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual
-from ..maps import last_query, alti_contributions, head_vectors, normalised_mixing, query_weights
+from ..maps import last_query, alti_contributions, alti_tile, head_vectors, normalised_mixing, query_weights
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
@@ -91,14 +91,15 @@ def layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[Bl
     return blocks.calls
 
 
-def attention_rows(record: ForwardRecord, call: int, rows: slice) -> Tensor:
+def attention_rows(record: ForwardRecord, call: int, rows: slice, padded: bool = True) -> Tensor:
     """``(B, H, r, N)`` float32 attention of the query rows ``rows`` of one call, from the
-    maps (eager) or recomputed from the kernel call (streaming)."""
+    maps (eager) or recomputed from the kernel call (streaming; ``padded=False``: only the
+    first K ≤ N keys, up to the last one a causal call's rows attend to, ``(B, H, r, K)``)."""
     if not record.streaming:
         return record.attn_maps[call][:, :, rows].float()
     kernel = record.kernel_calls[call]
     probs = kernel.probs(rows)
-    return torch.nn.functional.pad(probs, (0, kernel.num_keys - probs.shape[-1]))
+    return torch.nn.functional.pad(probs, (0, kernel.num_keys - probs.shape[-1])) if padded else probs
 
 
 def attention_row_at(record: ForwardRecord, call: int, position: Tensor) -> Tensor:
@@ -110,11 +111,12 @@ def attention_row_at(record: ForwardRecord, call: int, position: Tensor) -> Tens
     return maps[torch.arange(maps.shape[0], device=maps.device), :, position.to(maps.device)].float()
 
 
-def row_blocks(batch: int, tokens: int, width: int, device: torch.device) -> Iterator[slice]:
-    """Consecutive query rows, as many at a time as keep one block of transformed vectors
-    ``(B, r, N, D)`` within :data:`BLOCK_ELEMENTS` of ``device``'s type."""
+def row_blocks(batch: int, tokens: int, row_elements: int, device: torch.device, most: int | None = None) -> Iterator[slice]:
+    """Consecutive query rows, as many at a time as keep a block's largest tensor,
+    ``row_elements`` numbers per row of each of ``batch`` examples, within
+    :data:`BLOCK_ELEMENTS` of ``device``'s type, and at ``most`` rows (None: no limit)."""
     elements = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cpu"])
-    step = max(1, elements // max(1, batch * tokens * width))
+    step = max(1, min(elements // max(1, batch * row_elements), most or tokens))
     return (slice(start, min(start + step, tokens)) for start in range(0, tokens, step))
 
 
@@ -248,13 +250,18 @@ def _contribution_blocks(
 ) -> Iterator[tuple[slice, Tensor]]:
     """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time:
     every block, or those where ``weights`` ``(B, R, N)`` weigh on a row."""
-    batch, _, tokens, width = layer.vectors.shape
+    batch, heads, tokens, width = layer.vectors.shape
     norm, device = layer.residual.norm, layer.vectors.device
     inputs, outputs = layer.residual.inputs.to(device).float(), layer.residual.outputs.to(device)
     vectors = layer.vectors if norm is None else norm.features(layer.vectors)
     residual = inputs if norm is None else norm.linear(inputs)
     scale = None if norm is None else norm.scale.to(device)
-    for rows in row_blocks(batch, tokens, width, device):
+    tile = alti_tile(tokens, device)
+    if tile is None:  # a block's transformed vectors (B, r, N, D)
+        blocks = row_blocks(batch, tokens, tokens * width, device)
+    else:  # its attention rows (B, H, r, N), or one piece's transformed vectors
+        blocks = row_blocks(batch, tokens, max(heads * tokens, tile[1] * width), device, most=tile[0])
+    for rows in blocks:
         if weights is None or bool(weights[:, :, rows].any()):
-            probs = attention_rows(record, call, rows).to(device)
+            probs = attention_rows(record, call, rows, padded=False).to(device)
             yield rows, alti_contributions(probs, vectors, residual, outputs[:, rows], rows, scale)

@@ -9,6 +9,7 @@ from .interventions import erase_keys, on_heads, permute_rows
 from .context_mixing import (
     LinearNorm,
     alti_contributions,
+    alti_tile,
     head_vectors,
     logit_direction,
     logit_rollout,
@@ -30,6 +31,7 @@ from .transformer_attribution import relevance_head_mean, relevance_layer_maps, 
 __all__ = [
     "LinearNorm",
     "alti_contributions",
+    "alti_tile",
     "head_vectors",
     "logit_direction",
     "logit_rollout",

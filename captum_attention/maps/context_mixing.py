@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .streaming import compiled_block, device_kind
+from .streaming import FUSED_DEVICES, compiled_block, device_kind
 
 
 def summed_weighted_norm(rows: Tensor, values: Tensor, projection: Tensor) -> Tensor:
@@ -154,6 +154,23 @@ ALTI_COMPILE_MIN_PAIRS = 512 * 512
 spent): one C++ loop over a block of rows that never holds the block's transformed
 vectors, where the eager computation writes and reads them about five times over."""
 
+ALTI_TILE = {"cpu": (128, 64)}
+"""The query rows and keys of one piece of a layer's contributions, per device type, in the
+layers that :data:`ALTI_COMPILE_MIN_PAIRS` compiles (elsewhere a block takes as many rows as
+memory allows, over every key they attend to): 64 keys' vectors of every head (512 KiB at 8
+heads of a 256-wide model) stay in a core's cache while 128 rows read them, where a whole
+row's keys (128 MiB at 16k tokens) came from memory once per row, four times slower,
+compiled or eager."""
+
+
+def alti_tile(tokens: int, device: torch.device) -> tuple[int, int] | None:
+    """The rows and keys of one piece of :func:`alti_contributions` over ``tokens`` keys on
+    ``device`` (:data:`ALTI_TILE`); None where a block takes every key at once."""
+    kind = device_kind(device)
+    if tokens**2 >= ALTI_COMPILE_MIN_PAIRS and FUSED_DEVICES.get(kind, False):
+        return ALTI_TILE.get(kind)
+    return None
+
 
 def alti_contributions(
     rows_probs: Tensor, vectors: Tensor, residual: Tensor, outputs: Tensor, rows: slice, scale: Tensor | None = None
@@ -164,7 +181,8 @@ def alti_contributions(
     two large norms cancel.
 
     Args:
-        rows_probs: ``(B, H, r, N)`` the rows' attention.
+        rows_probs: ``(B, H, r, K)`` the rows' attention over the first K ≤ N keys (the
+            later ones not attended).
         vectors: ``(B, H, N, D)`` :func:`head_vectors`, in a post-norm layer through the
             norm's :meth:`LinearNorm.features`.
         residual: ``(B, N, D)`` each token's own input, in a post-norm layer through the
@@ -176,19 +194,23 @@ def alti_contributions(
     """
     probs = rows_probs.float() if scale is None else rows_probs.float() * scale[:, None, rows, None]
     outputs = outputs.float()
-    contributions = probs.new_zeros(probs.shape[0], probs.shape[2], probs.shape[3])
+    tokens = vectors.shape[2]
+    contributions = probs.new_zeros(probs.shape[0], probs.shape[2], tokens)
     attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
-        window = slice(int(attended[0]), int(attended[-1]) + 1)
-        large = probs.shape[-1] ** 2 >= ALTI_COMPILE_MIN_PAIRS
-        contributions[:, :, window] = compiled_block(
-            _mixed_nearness, device_kind(probs.device), large, probs[..., window], vectors[:, :, window], outputs
-        )
+        first, stop = int(attended[0]), int(attended[-1]) + 1
+        tile = alti_tile(tokens, probs.device)
+        step = tokens if tile is None else tile[1]
+        for start in range(first, stop, step):
+            keys = slice(start, min(start + step, stop))
+            contributions[:, :, keys] = compiled_block(
+                _mixed_nearness, device_kind(probs.device), tile is not None, probs[..., keys], vectors[:, :, keys], outputs
+            )
     own = torch.arange(probs.shape[2], device=probs.device)
     keys = own + rows.start
     own_vectors = torch.einsum("bhi,bhid->bid", probs[:, :, own, keys], vectors[:, :, keys]) + residual[:, rows].float()
     contributions[:, own, keys] = _nearness(outputs, own_vectors)
-    return contributions.clamp(min=0.0)
+    return contributions.clamp_(min=0.0)
 
 
 def _mixed_nearness(probs: Tensor, vectors: Tensor, outputs: Tensor) -> Tensor:
