@@ -277,12 +277,20 @@ def test_answers_rows_and_spans_and_the_llm_interface():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt_oss"])
-def test_streaming_equals_eager_across_families(family):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_streaming_equals_eager_across_families(family, pieces, monkeypatch):
+    """Also with streaming's contributions in pieces of 2 rows and 3 keys (eager: whole
+    blocks), which under gpt-oss's window of 4 keys start past the first key."""
     model = make_decoder(family)
     _, ids, mask, _ = one_stack_case("llama")
     for method in (ALTI, ALTILogit):
         eager = method(model, capture="eager").attribute(ids, additional_forward_args=(mask,))
-        streamed = method(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+        with monkeypatch.context() as patched:
+            if pieces:
+                patched.setattr(context_mixing, "ALTI_COMPILE_MIN_PAIRS", 0)
+                patched.setitem(context_mixing.ALTI_TILE, "cpu", (2, 3))
+                patched.setattr(streaming, "COMPILE_AFTER_SECONDS", float("inf"))
+            streamed = method(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
         torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item())
         assert bool(eager[~mask.bool()].eq(0).all())
 
