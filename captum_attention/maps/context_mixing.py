@@ -165,7 +165,8 @@ compiled or eager."""
 
 def alti_tile(tokens: int, device: torch.device) -> tuple[int, int] | None:
     """The rows and keys of one piece of :func:`alti_contributions` over ``tokens`` keys on
-    ``device`` (:data:`ALTI_TILE`); None where a block takes every key at once."""
+    ``device`` (:data:`ALTI_TILE`); None where a block takes every key at once (a device
+    without pieces computes its compiled blocks whole)."""
     kind = device_kind(device)
     if tokens**2 >= ALTI_COMPILE_MIN_PAIRS and FUSED_DEVICES.get(kind, False):
         return ALTI_TILE.get(kind)
@@ -199,12 +200,12 @@ def alti_contributions(
     attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
         first, stop = int(attended[0]), int(attended[-1]) + 1
-        tile = alti_tile(tokens, probs.device)
+        large, tile = tokens**2 >= ALTI_COMPILE_MIN_PAIRS, alti_tile(tokens, probs.device)
         step = tokens if tile is None else tile[1]
         for start in range(first, stop, step):
             keys = slice(start, min(start + step, stop))
             contributions[:, :, keys] = compiled_block(
-                _mixed_nearness, device_kind(probs.device), tile is not None, probs[..., keys], vectors[:, :, keys], outputs
+                _mixed_nearness, device_kind(probs.device), large, probs[..., keys], vectors[:, :, keys], outputs
             )
     own = torch.arange(probs.shape[2], device=probs.device)
     keys = own + rows.start
