@@ -19,8 +19,10 @@ from ..capture.residual import AttentionResidual, attention_residual
 from ..maps import last_query, alti_contributions, alti_tile, head_vectors, normalised_mixing, query_weights
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
-"""How many float32 numbers one block of transformed vectors holds, per device type: 64 MiB
-on the CPU, 512 MiB on a card (whose blocks of a few rows each would leave it idle)."""
+"""How many float32 numbers a block of query rows' largest tensor holds, per device type (its
+transformed vectors, or where :data:`~captum_attention.maps.context_mixing.ALTI_TILE` cuts
+it in pieces, its attention rows): 64 MiB on the CPU, 512 MiB on a card (whose blocks of a
+few rows each would leave it idle)."""
 
 CHECKED_ROWS = 64
 """How many query rows :func:`checked_rows` holds."""
