@@ -321,6 +321,47 @@ def test_streaming_descends_the_layers_without_a_whole_matrix_and_equals_eager(m
         torch.testing.assert_close(streamed, eager[name], rtol=1e-5, atol=1e-6 * eager[name].abs().max().item())
 
 
+@pytest.mark.parametrize("states", [False, True, -1, 0])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_the_forward_records_the_module_states_of_the_layers_asked_for(family, states):
+    """Each recorded layer's states are its modules' own, in the order they returned: those
+    a hook on every module of the layer sees with the layer's output shape, inputs included
+    where they have it too (nothing wider, such as a feed-forward's inner states)."""
+    from contextlib import ExitStack
+
+    from captum_attention.capture import LayerBlocks, default_adapter
+
+    model, ids, mask, _ = one_stack_case(family)
+    blocks = list(model.bert.encoder.layer if family == "bert" else model.transformer.h)
+    seen: list[list] = [[] for _ in blocks]
+
+    def watch(index):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[-1] == model.config.hidden_size:
+                first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].shape == hidden.shape else None
+                seen[index].append((module, first, hidden))
+        return hook
+
+    probe = LayerBlocks(states)
+    with ExitStack() as stack, torch.no_grad():
+        for index, block in enumerate(blocks):
+            for module in block.modules():
+                if module is not block:
+                    stack.callback(module.register_forward_hook(watch(index)).remove)
+        probe.enter(model, default_adapter(model), stack)
+        model(ids, attention_mask=mask)
+    calls = probe.result().calls
+    layers = list(range(len(blocks))) if states is True else [] if states is False else [range(len(blocks))[states]]
+    assert len(calls) == len(blocks) > 2 and [index for index, call in enumerate(calls) if call.states is not None] == layers
+    for index in layers:
+        recorded = calls[index].states
+        assert [state.module for state in recorded] == [module for module, _, _ in seen[index]]
+        for state, (_, first, hidden) in zip(recorded, seen[index]):
+            assert torch.equal(state.output, hidden) and state.output.shape == calls[index].output.shape
+            assert (state.inputs is None) == (first is None) and (first is None or torch.equal(state.inputs, first))
+
+
 def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
     model, ids, mask, _ = one_stack_case("llama")
     gemma = make_decoder("gemma2")  # a norm on the attention output before the residual

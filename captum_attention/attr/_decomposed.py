@@ -89,7 +89,7 @@ def layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[Bl
             f"{len(blocks.calls)} layer calls for {record.num_calls} attention calls (layer_block)."
         )
     if model.training:
-        raise ValueError(f"{method} re-runs each layer, which dropout would change: call model.eval().")
+        raise ValueError(f"{method} decomposes each layer as it runs without dropout: call model.eval().")
     return blocks.calls
 
 
@@ -148,7 +148,7 @@ def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
     return head_vectors(values, projection)
 
 
-def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
+def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
     """Call ``call``'s layer as a sum over tokens, checked against the model's own states
     (:func:`~captum_attention.capture.residual.attention_residual`) on the
     :func:`checked_rows`."""
@@ -168,7 +168,7 @@ def layer_sum(model: nn.Module, record: ForwardRecord, call: int, block: BlockCa
         sums[:, row] = torch.einsum("bhk,bhkv->bhv", probs[:, :, 0], values).flatten(1) @ projection.t()
     compared = torch.zeros_like(record.forward_real)
     compared[:, checked] = record.forward_real[:, checked]
-    return LayerSum(vectors, attention_residual(model, record.capture.adapter, block, record.streaming, sums, compared))
+    return LayerSum(vectors, attention_residual(block, sums, compared))
 
 
 def checked_rows(tokens: int) -> Tensor:
@@ -182,7 +182,7 @@ def checked_rows(tokens: int) -> Tensor:
 def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
     """:func:`layer_sum` of every layer, in order, one at a time."""
     for call, block in enumerate(layer_calls(model, record, method)):
-        yield layer_sum(model, record, call, block, method)
+        yield layer_sum(record, call, block, method)
 
 
 def alti_matrices(model: nn.Module, record: ForwardRecord, method: str = "ALTI") -> list[Tensor]:
@@ -214,7 +214,7 @@ def alti_rollout(
     whose rows weigh nothing yet (ALTI-Logit's top) costs no contribution at all."""
     calls = layer_calls(model, record, method)
     for call in reversed(range(len(calls))):
-        layer = layer_sum(model, record, call, calls[call], method)
+        layer = layer_sum(record, call, calls[call], method)
         rows = rows.to(layer.vectors.device)
         rows = times_mixing(rows, _contribution_blocks(record, call, layer, rows), record.target_real)
         if added is not None:

@@ -88,7 +88,7 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        return [*super()._probes(effective, **options), AttendedValues(), LayerBlocks(), FinalReadout()]
+        return [*super()._probes(effective, **options), AttendedValues(), LayerBlocks(states=True), FinalReadout()]
 
     def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
         if record.logits.dim() != 3:

@@ -49,8 +49,8 @@ class NormAttention(AttentionAttributionBase, Attribution):
 
     (AttnResLn-N; :math:`L_q` the norm's linear map at q, its bias left out, in a post-norm
     layer; AttnRes-N in a pre-norm layer, which has no norm there), read from the model's
-    own modules as :class:`~captum_attention.ALTI` reads them (one re-run of the chosen
-    layer). Registered (``"norm_attention"``), not yet in the reports.
+    own modules as :class:`~captum_attention.ALTI` reads them (the forward keeps the states
+    of the chosen layer's modules). Registered (``"norm_attention"``), not yet in the reports.
 
     Args:
         $constructor_args
@@ -96,7 +96,7 @@ class NormAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer, residual=residual)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        blocks = [LayerBlocks()] if options.get("residual") else []
+        blocks = [LayerBlocks(states=options.get("layer", -1))] if options.get("residual") else []
         return [*super()._probes(effective, **options), AttendedValues(), *blocks]
 
     def _scores(self, record: ForwardRecord, layer: int = -1, residual: bool = False) -> tuple[Tensor, list[Tensor]]:
@@ -133,7 +133,7 @@ def _residual_norms(model: nn.Module, record: ForwardRecord, layer: int) -> Tens
     ``w_q · ‖T_q(x_j)‖`` at the chosen call (the block with its residual and norm)."""
     chosen = record.call_index(layer)
     block = layer_calls(model, record, "NormAttention(residual=True)")[chosen]
-    summed = layer_sum(model, record, chosen, block, "NormAttention")
+    summed = layer_sum(record, chosen, block, "NormAttention")
     inputs = summed.residual.inputs.to(summed.vectors.device)
     weights = query_weights(record.query_index, record.target_real.shape[1])
     scores = torch.zeros(weights.shape, device=weights.device)

@@ -362,14 +362,27 @@ def _same_tensor(left: Tensor, right: Tensor) -> bool:
 
 
 @dataclass
+class ModuleStates:
+    """One module inside a layer that returned hidden states of the layer's shape
+    ``(B, N, D)``, as the forward ran it: its first input as such states (None where it
+    took none) and its output (both detached)."""
+
+    module: nn.Module
+    inputs: Tensor | None
+    output: Tensor
+
+
+@dataclass
 class BlockCall:
-    """One call of a layer: the module, its arguments and its output hidden states
-    ``(B, N, D)`` (detached)."""
+    """One call of a layer: the module, its arguments, its output hidden states
+    ``(B, N, D)`` (detached) and, where :class:`LayerBlocks` recorded them, the
+    :class:`ModuleStates` of its modules in the order they returned (None otherwise)."""
 
     block: nn.Module
     args: tuple
     kwargs: dict
     output: Tensor
+    states: list[ModuleStates] | None = None
 
     def rerun_inputs(self, examples: Tensor | None = None) -> tuple[tuple, dict]:
         """The call's arguments for a re-run of the layer (of ``examples`` only, repeats
@@ -418,29 +431,85 @@ def layer_blocks(model: nn.Module, adapter: AttentionAdapter) -> list[nn.Module 
 class LayerBlocks(Probe):
     """Records the call (inputs and output) of each layer that holds an attention module
     (the adapter's ``layer_block``), in both capture modes: what re-running a layer
-    needs. Calls from other threads are not recorded."""
+    needs. Calls from other threads are not recorded.
 
-    def __init__(self) -> None:
+    Args:
+        states: also record the :class:`ModuleStates` of the modules inside the layer
+            calls (all: True; one call: its index, negative from the end; none: False),
+            where the residual stream meets the attention output
+            (:func:`~captum_attention.capture.residual.attention_residual`): a few more
+            ``(B, N, D)`` tensors per layer kept, where re-running the layer would
+            compute it all again. Default: False.
+    """
+
+    def __init__(self, states: bool | int = False) -> None:
         self._calls: list[BlockCall] = []
+        self.states = states
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         blocks = {id(block): block for block in layer_blocks(model, adapter) if block is not None}
         calls: list[BlockCall] = []
         self._calls, thread = calls, threading.get_ident()
-        pending: dict[int, tuple[tuple, dict]] = {}
+        pending: dict[int, tuple[tuple, dict, list | None]] = {}
+        wanted = self._wanted_calls(len(blocks))
+        kept: list[tuple[Tensor, list]] = []  # the running layer call's hidden input and states, if it wants them
 
         def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
             if threading.get_ident() == thread:
-                pending[id(block)] = (args, dict(kwargs))
+                hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() == 3), None)
+                seen: list | None = None
+                if len(calls) + len(pending) in wanted and hidden is not None:
+                    seen = []
+                    kept.append((hidden, seen))
+                pending[id(block)] = (args, dict(kwargs), seen)
 
         def after(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if threading.get_ident() == thread and id(block) in pending:
                 hidden = output[0] if isinstance(output, (tuple, list)) else output
-                calls.append(BlockCall(block, *pending.pop(id(block)), hidden.detach()))
+                call_args, call_kwargs, seen = pending.pop(id(block))
+                if seen is not None:
+                    kept.pop()
+                    seen = _as_module_states(seen, hidden)
+                calls.append(BlockCall(block, call_args, call_kwargs, hidden.detach(), seen))
+
+        def inside(module: nn.Module, args: tuple, output: Any) -> None:
+            if threading.get_ident() == thread and kept:
+                layer_input, seen = kept[-1]
+                hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(hidden, Tensor) and hidden.numel() == layer_input.numel():  # never an MLP's wider states
+                    first = args[0] if args and isinstance(args[0], Tensor) and args[0].numel() == hidden.numel() else None
+                    seen.append((module, None if first is None else first.detach(), hidden.detach()))
 
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
             stack.callback(block.register_forward_hook(after, with_kwargs=True).remove)
+            if wanted:
+                for module in block.modules():
+                    if module is not block:
+                        stack.callback(module.register_forward_hook(inside).remove)
+
+    def _wanted_calls(self, layers: int) -> range | list[int]:
+        """The indices of the layer calls whose module states are recorded."""
+        if self.states is True:
+            return range(layers)
+        if self.states is False or not layers:
+            return []
+        return [range(layers)[self.states]]
 
     def result(self) -> RecordedBlocks:
         return RecordedBlocks(list(self._calls))
+
+
+def _as_module_states(seen: list[tuple[nn.Module, Tensor | None, Tensor]], layer_output: Tensor) -> list[ModuleStates]:
+    """The modules of ``seen`` (module, first input, output) whose output has the shape
+    of the layer's output ``(B, N, D)``, as it is or flattened over the tokens (OPT), their
+    inputs where those do too."""
+    shape = layer_output.shape
+
+    def as_states(value: Tensor | None) -> Tensor | None:
+        if value is None or value.shape[-1:] != shape[-1:] or value.numel() != layer_output.numel() or value.dim() not in (2, 3):
+            return None
+        return value.detach().reshape(shape)
+
+    return [ModuleStates(module, as_states(inputs), states)
+            for module, inputs, output in seen if (states := as_states(output)) is not None]

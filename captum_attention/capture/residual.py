@@ -1,8 +1,8 @@
 """Where an attention layer's output joins the residual stream, read from the model's own
 modules: what ALTI and the norm-based attention with the residual decompose.
 
-A layer is re-run on its recorded inputs (:class:`~captum_attention.capture.probes.BlockCall`)
-with a hook on each of its modules. The sum of the layer's input and its attention output
+The forward records the states of each layer's modules
+(:class:`~captum_attention.capture.probes.LayerBlocks` ``(states=...)``). The sum of the layer's input and its attention output
 (that output's bias included) is the input of one of the layer's norms; the layer is
 *pre-norm* when that sum is the residual stream itself (the layer's output is the sum plus
 one of its modules' outputs: Llama, GPT-2) and *post-norm* when the norm's output is (the
@@ -23,8 +23,6 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps import LinearNorm
 from .adapters import AttentionAdapter
-from .guard import ModelChanges
-from .kernel import KernelInterception
 from .probes import BlockCall, Probe, layer_blocks
 
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
@@ -50,30 +48,21 @@ class AttentionResidual:
     norm: LinearNorm | None
 
 
-@dataclass
-class _Seen:
-    module: nn.Module
-    inputs: Tensor | None
-    output: Tensor
-
-
-def attention_residual(
-    model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streaming: bool, attention_sums: Tensor, real: Tensor
-) -> AttentionResidual:
+def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
     """Find where the attention output joins the residual in ``call``'s layer.
 
     Args:
-        model: the model, run as the forward ran it (``adapter.prepared``).
-        adapter: its adapter.
-        call: the layer's recorded call.
-        streaming: whether the forward streamed (the layer is re-run the same way).
+        call: the layer's recorded call, with its modules' states
+            (:class:`~captum_attention.capture.probes.LayerBlocks` ``(states=...)``).
         attention_sums: ``(B, N, D)`` :math:`\\sum_j \\sum_m \\alpha^m_{ij} f^m(x_j)`, the
             attention output without its bias, as the method computed it.
         real: ``(B, N)`` bool, the tokens whose rows are compared.
     """
     inputs = call.hidden_input
-    seen = _rerun(model, adapter, call, streaming)
     name = type(call.block).__name__
+    if call.states is None:
+        raise RuntimeError(f"The states of {name}'s modules were not recorded: capture with LayerBlocks(states=...).")
+    seen = call.states
     joined = next((s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, inputs, attention_sums, real)), None)
     if joined is None:
         raise UnsupportedModelError(
@@ -218,51 +207,6 @@ def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNor
         f"{type(module).__name__} is neither a LayerNorm nor an RMSNorm of its weight: its output cannot be written "
         "as a linear map of its input at its statistics."
     )
-
-
-def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, streaming: bool) -> list[_Seen]:
-    """Every module of the layer that returned hidden states of the layer's shape (its
-    first input kept), in the order they returned, from one re-run of the layer in the
-    forward's mode (its attention masks are that mode's; streaming, through the kernel the
-    capture ran); the re-run must give the recorded output."""
-    shape = call.output.shape
-    seen: list[_Seen] = []
-
-    def as_states(value: Any) -> Tensor | None:
-        """``value`` as ``(B, N, D)`` states: as it is, or flattened over the tokens (OPT)."""
-        if not isinstance(value, Tensor) or value.shape[-1:] != shape[-1:] or value.numel() != call.output.numel():
-            return None
-        return value.detach().reshape(shape) if value.dim() in (2, 3) else None
-
-    def keep(module: nn.Module, args: tuple, output: Any) -> None:
-        hidden = as_states(output[0] if isinstance(output, (tuple, list)) and output else output)
-        if hidden is not None:
-            seen.append(_Seen(module, as_states(args[0]) if args else None, hidden))
-
-    def install(stack: ExitStack) -> None:
-        stack.enter_context(torch.no_grad())
-        stack.enter_context(adapter.prepared(model, streaming=streaming))
-        if streaming:
-            stack.enter_context(KernelInterception(lambda module, kernel, run_kernel: run_kernel()))
-        for module in call.block.modules():
-            if module is not call.block:
-                stack.callback(module.register_forward_hook(keep).remove)
-
-    args, kwargs = call.rerun_inputs()
-    with ModelChanges(model, install):
-        try:
-            output = call.block(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - any failure of the layer itself is a refusal
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UnsupportedModelError(
-                f"Re-running {type(call.block).__name__} on its recorded inputs fails ({reason})."
-            ) from error
-    output = output[0] if isinstance(output, (tuple, list)) else output
-    if not _close(output, call.output, None):
-        raise UnsupportedModelError(
-            f"Re-running {type(call.block).__name__} on its recorded inputs does not give its output (dropout? call model.eval())."
-        )
-    return seen
 
 
 def _is_norm(module: nn.Module, width: int) -> bool:
