@@ -274,7 +274,7 @@ def test_a_lone_surrogate_is_one_line_naming_its_row(checkpoint, tmp_path, capsy
 
 
 def test_ctrl_c_prints_one_line_and_the_rerun_resumes(checkpoint, tmp_path):
-    data = _data(tmp_path, 40)
+    data = _data(tmp_path, 400)  # 200 batches: seconds for the interrupt to land, even on a fast machine
     options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "captum_attention", "evaluate", str(data), *options, "--output", str(tmp_path / "out")]
@@ -288,7 +288,7 @@ def test_ctrl_c_prints_one_line_and_the_rerun_resumes(checkpoint, tmp_path):
     done = len(list(shards.glob("batch-*.jsonl")))
     assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
     last = stderr.strip().splitlines()[-1].split("\r")[-1]
-    assert last == f"captum-attention: interrupted after {done} of 20 batches; rerun the same command to resume"
+    assert last == f"captum-attention: interrupted after {done} of 200 batches; rerun the same command to resume"
 
 
 def test_output_defaults_to_a_folder_named_after_the_data(checkpoint, tmp_path, monkeypatch):
