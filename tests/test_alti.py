@@ -362,6 +362,25 @@ def test_the_forward_records_the_module_states_of_the_layers_asked_for(family, s
             assert (state.inputs is None) == (first is None) and (first is None or torch.equal(state.inputs, first))
 
 
+def test_a_layer_called_twice_gets_the_scores_of_its_copy(capture_mode):
+    """A forward that calls one layer twice (shared weights) is decomposed call by call: its
+    scores equal those of the same model with a copy in the second call's place."""
+    model = make_decoder("llama")
+    model.config.use_cache = False  # the shared layer's cache index would collide
+    prompts = make_prompts(side="left")
+    shared, unshared = copy.deepcopy(model), copy.deepcopy(model)
+    shared.model.layers[2] = shared.model.layers[0]
+    unshared.model.layers[2] = copy.deepcopy(unshared.model.layers[0])
+    unshared.model.layers[2].self_attn.layer_idx = 2
+    runs = [lambda m: ALTI(m).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))]
+    runs += [lambda m, layer=layer: NormAttention(m).attribute(
+        prompts.input_ids, additional_forward_args=(prompts.attention_mask,), residual=True, layer=layer) for layer in (-1, 1)]
+    for run in runs:
+        expected = run(unshared)
+        assert expected.abs().sum() > 0
+        torch.testing.assert_close(run(shared), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
 def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
     model, ids, mask, _ = one_stack_case("llama")
     gemma = make_decoder("gemma2")  # a norm on the attention output before the residual

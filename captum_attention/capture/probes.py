@@ -435,7 +435,8 @@ class LayerBlocks(Probe):
 
     Args:
         states: also record the :class:`ModuleStates` of the modules inside the layer
-            calls (all: True; one call: its index, negative from the end; none: False),
+            calls (all: True; one call: its index in the forward's calls, negative from
+            the end, a layer called twice counted twice; none: False),
             where the residual stream meets the attention output
             (:func:`~captum_attention.capture.residual.attention_residual`): a few more
             ``(B, N, D)`` tensors per layer kept, where re-running the layer would
@@ -451,14 +452,13 @@ class LayerBlocks(Probe):
         calls: list[BlockCall] = []
         self._calls, thread = calls, threading.get_ident()
         pending: dict[int, tuple[tuple, dict, list | None]] = {}
-        wanted = self._wanted_calls(len(blocks))
         kept: list[tuple[Tensor, list]] = []  # the running layer call's hidden input and states, if it wants them
 
         def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
             if threading.get_ident() == thread:
                 hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() == 3), None)
                 seen: list | None = None
-                if len(calls) + len(pending) in wanted and hidden is not None:
+                if self._wanted(len(calls) + len(pending)) and hidden is not None:
                     seen = []
                     kept.append((hidden, seen))
                 pending[id(block)] = (args, dict(kwargs), seen)
@@ -471,30 +471,33 @@ class LayerBlocks(Probe):
                     kept.pop()
                     seen = _as_module_states(seen, hidden)
                 calls.append(BlockCall(block, call_args, call_kwargs, hidden.detach(), seen))
+                if not isinstance(self.states, bool) and self.states < 0:
+                    for older in calls[: self.states]:  # only the last -states calls can be the one asked for
+                        older.states = None
 
         def inside(module: nn.Module, args: tuple, output: Any) -> None:
             if threading.get_ident() == thread and kept:
                 layer_input, seen = kept[-1]
                 hidden = output[0] if isinstance(output, (tuple, list)) and output else output
                 if isinstance(hidden, Tensor) and hidden.numel() == layer_input.numel():  # never an MLP's wider states
-                    first = args[0] if args and isinstance(args[0], Tensor) and args[0].numel() == hidden.numel() else None
-                    seen.append((module, None if first is None else first.detach(), hidden.detach()))
+                    first = args[0] if args and isinstance(args[0], Tensor) else None
+                    kept_input = first.detach() if first is not None and first.numel() == hidden.numel() else None
+                    seen.append((module, kept_input, hidden.detach()))
 
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
             stack.callback(block.register_forward_hook(after, with_kwargs=True).remove)
-            if wanted:
+            if self.states is not False:
                 for module in block.modules():
                     if module is not block:
                         stack.callback(module.register_forward_hook(inside).remove)
 
-    def _wanted_calls(self, layers: int) -> range | list[int]:
-        """The indices of the layer calls whose module states are recorded."""
-        if self.states is True:
-            return range(layers)
-        if self.states is False or not layers:
-            return []
-        return [range(layers)[self.states]]
+    def _wanted(self, index: int) -> bool:
+        """Whether the layer call ``index`` (in the forward's order) records its module
+        states: a negative index records every call's, keeping the last ones only."""
+        if isinstance(self.states, bool):
+            return self.states
+        return self.states < 0 or index == self.states
 
     def result(self) -> RecordedBlocks:
         return RecordedBlocks(list(self._calls))

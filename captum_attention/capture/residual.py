@@ -1,12 +1,13 @@
 """Where an attention layer's output joins the residual stream, read from the model's own
 modules: what ALTI and the norm-based attention with the residual decompose.
 
-The forward records the states of each layer's modules
-(:class:`~captum_attention.capture.probes.LayerBlocks` ``(states=...)``). The sum of the layer's input and its attention output
-(that output's bias included) is the input of one of the layer's norms; the layer is
-*pre-norm* when that sum is the residual stream itself (the layer's output is the sum plus
-one of its modules' outputs: Llama, GPT-2) and *post-norm* when the norm's output is (the
-next norm takes it plus one of the modules' outputs: BERT). Any other wiring (a norm on the
+The forward records the states each module of a layer returns
+(:class:`~captum_attention.capture.probes.LayerBlocks` ``(states=...)``). The sum of the
+layer's input and its attention output (that output's bias included) is the input of one
+of the layer's norms; the layer is *pre-norm* when that sum is the residual stream itself
+(the layer's output is the sum plus one of its modules' outputs: Llama, GPT-2) and
+*post-norm* when the norm's output is (the next norm takes it plus one of the modules'
+outputs: BERT). Any other wiring (a norm on the
 attention output before the residual, Gemma-2; attention and feed-forward in parallel,
 GPT-J) is refused in one line rather than decomposed wrongly.
 """
@@ -61,7 +62,7 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     inputs = call.hidden_input
     name = type(call.block).__name__
     if call.states is None:
-        raise RuntimeError(f"The states of {name}'s modules were not recorded: capture with LayerBlocks(states=...).")
+        raise RuntimeError(f"{name}'s module states were not recorded: capture with LayerBlocks(states=...).")
     seen = call.states
     joined = next((s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, inputs, attention_sums, real)), None)
     if joined is None:
