@@ -41,9 +41,10 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
     checked against its states (a layer of another wiring, such as Gemma-2's norm on the
     attention output, is refused in one line). A forward pass that also keeps the states
     of each layer's modules (to read its norms) and :math:`O(H N^2 D)` per layer for the
-    transformed vectors, in blocks of query rows. Streaming, the explained rows descend the layers from the top,
-    each layer's matrix computed block by block and used at once: memory the forward's
-    and one block's, the top layer only the explained rows' blocks. Eager capture keeps
+    transformed vectors, in blocks of query rows. Streaming, the explained rows descend
+    the layers from the top, each layer's matrix computed block by block and used at
+    once: memory the forward's and one block's, the top layer only the explained rows'
+    blocks. Eager capture keeps
     every layer's :math:`N^2` contributions per example, for ``return_maps`` and for an
     answer's rows to share. Both capture modes. Registered (``"alti"``), not yet in the
     reports.

@@ -471,9 +471,8 @@ class LayerBlocks(Probe):
                     kept.pop()
                     seen = _as_module_states(seen, hidden)
                 calls.append(BlockCall(block, call_args, call_kwargs, hidden.detach(), seen))
-                if not isinstance(self.states, bool) and self.states < 0:
-                    for older in calls[: self.states]:  # only the last -states calls can be the one asked for
-                        older.states = None
+                if not isinstance(self.states, bool) and self.states < 0 and len(calls) > -self.states:
+                    calls[len(calls) - 1 + self.states].states = None  # out of the last -states calls: not the one asked for
 
         def inside(module: nn.Module, args: tuple, output: Any) -> None:
             if threading.get_ident() == thread and kept:
