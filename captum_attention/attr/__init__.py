@@ -24,6 +24,7 @@ from .alti import ALTI  # isort: skip  (registered, not in reports yet)
 from .alti_logit import ALTILogit  # isort: skip  (registered, not in reports yet)
 from .learned_attention import LearnedAttention  # isort: skip  (registered, not in reports)
 from .knockout_gradient import KnockoutGradient  # isort: skip  (registered, not in reports)
+from .knockout_lrp import KnockoutLRP  # isort: skip  (registered, not in reports)
 from .decompx import DecompX  # isort: skip  (registered, not in reports: see its cost)
 from .llm import LLMAttentionAttribution
 
@@ -32,5 +33,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "ALTI", "ALTILogit", "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "DecompX", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "KnockoutGradient", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "image_scores", "pixel_scores", "upsample_to_image",
+    "ALTI", "ALTILogit", "FLAG", "FRACTION", "LAYER", "METHODS", "REGISTRY", "AttentionAttributionBase", "DecompX", "MethodSpec", "Option", "one_of", "attribute_method", "AttentionFlow", "AttentionRollout", "AttnLRP", "GradSAM", "KnockoutGradient", "KnockoutLRP", "LLMAttentionAttribution", "LearnedAttention", "NormAttention", "RawAttention", "TransformerAttribution", "ValueZeroing", "image_scores", "pixel_scores", "upsample_to_image",
 ]

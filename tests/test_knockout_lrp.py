@@ -1,0 +1,85 @@
+"""KnockoutLRP: the first-order knockout effects of an eager twin's attention and
+gradients (``output_attentions``, ``autograd.grad``), with AttnLRP's relevance at the
+tokens of largest relevance, in both capture modes and on every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_word_tokenizer
+from test_knockout_gradient import CONTINUATION, knockout_reference
+from test_llm import _sequence
+
+from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP, LLMAttentionAttribution
+
+
+def decisive_reference(first_order: torch.Tensor, relevance: torch.Tensor, count: int) -> torch.Tensor:
+    """Per row, the ``count`` tokens of largest |relevance| take it; the rest keep ``first_order``."""
+    expected = first_order.clone()
+    for row in range(len(relevance)):
+        for token in relevance[row].abs().argsort(descending=True)[:count].tolist():
+            expected[row, token] = relevance[row, token]
+    return expected
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
+@pytest.mark.parametrize("decisive", [1, 2])
+def test_span_is_the_knockout_reference_with_the_relevance_at_the_decisive_tokens(decoder, decisive):
+    model, prompts = make_decoder(decoder), make_prompts(side="left")
+    args = dict(additional_forward_args=(prompts.attention_mask,))
+    sequence = _sequence(prompts, CONTINUATION)
+    ref = lm_span_reference(model, Prompts(sequence.input_ids, sequence.attention_mask), CONTINUATION)
+    first_order = knockout_reference(ref.attentions, ref.grads, sequence.real, sequence.input_ids.shape[1] - 2)
+    relevance = AttnLRP(model).attribute_span(prompts.input_ids, CONTINUATION, **args)
+    before = model_state(model)
+    scores = KnockoutLRP(model, decisive=decisive).attribute_span(prompts.input_ids, CONTINUATION, **args)
+    assert_same_state(before, model_state(model))
+    expected = decisive_reference(first_order, relevance, decisive)
+    changed = (expected - first_order).abs() > 1e-3 * first_order.abs().max()
+    assert changed.sum(dim=1).tolist() == [decisive] * 3, "the relevance must replace a slope it differs from"
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_each_continuation_row_and_each_example_alone_are_combined_as_the_span():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    args = dict(additional_forward_args=(prompts.attention_mask,))
+    rows = KnockoutLRP(model).attribute_continuation(prompts.input_ids, CONTINUATION, log_prob=True, **args)
+    first_order = KnockoutGradient(model).attribute_continuation(prompts.input_ids, CONTINUATION, log_prob=True, **args)
+    relevance = AttnLRP(model).attribute_continuation(prompts.input_ids, CONTINUATION, log_prob=True, **args)
+    for step in range(CONTINUATION.shape[1]):
+        torch.testing.assert_close(rows[:, step], decisive_reference(first_order[:, step], relevance[:, step], 1))
+    batched = KnockoutLRP(model).attribute(prompts.input_ids, target=4, **args)
+    for b in range(len(prompts.input_ids)):
+        real = prompts.attention_mask[b].bool()
+        alone = KnockoutLRP(model).attribute(prompts.input_ids[b : b + 1, real], target=4)
+        torch.testing.assert_close(batched[b : b + 1, real], alone, rtol=1e-4, atol=1e-5 * alone.abs().max().item())
+
+
+def test_a_classifier_and_the_llm_interface():
+    model = make_model("bert")
+    batch = make_batch(model)
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    scores = KnockoutLRP(model).attribute((batch.input_ids,), **args)
+    assert isinstance(scores, tuple)
+    expected = decisive_reference(KnockoutGradient(model).attribute(batch.input_ids, **args), AttnLRP(model).attribute(batch.input_ids, **args), 1)
+    torch.testing.assert_close(scores[0], expected)
+    assert (scores[0][batch.attention_mask == 0] == 0).all()
+
+    from captum.attr import TextTokenInput
+
+    decoder, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    prompt = TextTokenInput("the secret code is", tokenizer)
+    combined, first_order = (
+        LLMAttentionAttribution(cls(decoder), tokenizer).attribute(prompt, target="seven").seq_attr for cls in (KnockoutLRP, KnockoutGradient)
+    )
+    assert combined.shape == (5,) and int((combined != first_order).sum()) == 1
+
+
+@pytest.mark.parametrize("decisive", [0, -1, 1.5, True])
+def test_decisive_is_a_positive_count(decisive):
+    with pytest.raises(ValueError, match="decisive must be a number of tokens") as refused:
+        KnockoutLRP(make_decoder("llama"), decisive=decisive)
+    assert "\n" not in str(refused.value)
