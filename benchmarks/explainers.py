@@ -18,7 +18,7 @@ from common import context_cite_weights
 from tasks import MASK, Task
 from torch import Tensor
 
-from captum_attention import ALTI, METHODS, DecompX, NormAttention, ValueZeroing
+from captum_attention import ALTI, METHODS, DecompX, KnockoutGradient, KnockoutLRP, NormAttention, ValueZeroing
 from captum_attention.metrics import ablated_probs, greedy_deletion, leave_one_out, random_ranking
 from captum_attention.metrics.context import calibrated_surrogate
 from captum_attention.presentation.shap_text import shap_token_values
@@ -210,6 +210,8 @@ def methods() -> dict[str, Explainer]:
         "Value Zeroing": _ours(ValueZeroing),
         "DecompX": _ours(DecompX),
         "DecompX (sensitivity)": _ours(partial(DecompX, multiply_by_inputs=False)),  # type: ignore[arg-type]
+        KnockoutGradient.get_name(): _ours(KnockoutGradient),
+        KnockoutLRP.get_name(): _ours(KnockoutLRP),
         f"Integrated Gradients ({IG_STEPS} steps)": integrated_gradients,
         f"SmoothGrad ({SMOOTHGRAD_SAMPLES} samples)": smoothgrad,
         "Saliency": saliency,

@@ -7,7 +7,8 @@
 answers correctly (the first asked key; its prompt the pairs, ``;`` and the key), each pair
 is a segment (``;`` and the key never removed), and per method the LDS over 32 seeded half
 ablations (:func:`~captum_attention.metrics.linear_datamodeling_score`): AttnLRP,
-KnockoutGradient, :func:`~captum_attention.metrics.leave_one_out_estimates` with 1 and 2
+KnockoutGradient, KnockoutLRP (the two joined, no deletion),
+:func:`~captum_attention.metrics.leave_one_out_estimates` with 1 and 2
 segments deleted exactly, and every segment deleted (leave-one-out itself, Feature
 Ablation's scores). Here deleting a pair moves the later tokens' positions, which masking
 it (the first-order effect) does not.
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from captum_attention import AttnLRP, KnockoutGradient
+from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP
 from captum_attention.demo.recall import RecallTraining, load_recall_model, recall_batch
 from captum_attention.metrics import leave_one_out_estimates, linear_datamodeling_score
 
@@ -31,11 +32,12 @@ def sequence_lds(model: Any, ids: torch.Tensor, answer: torch.Tensor) -> dict[st
     """Each method's LDS on one prompt ``(1, T)`` (pairs, ``;``, key) and its answer ``(1, 1)``."""
     mask = torch.ones_like(ids)
     segments = torch.arange(ids.shape[1])[None].masked_fill(torch.arange(ids.shape[1]) >= ids.shape[1] - 2, -1)
-    first_order, prior = (
-        explainer(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, :-1] for explainer in (KnockoutGradient, AttnLRP)
+    first_order, prior, joined = (
+        explainer(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, :-1]
+        for explainer in (KnockoutGradient, AttnLRP, KnockoutLRP)
     )
     pairs = int(segments.max()) + 1
-    scores = {"AttnLRP": prior, "KnockoutGradient": first_order}
+    scores = {"AttnLRP": prior, "KnockoutGradient": first_order, "KnockoutLRP": joined}
     for exact, name in ((1, "estimates, 1 exact"), (2, "estimates, 2 exact"), (pairs, "leave-one-out (every pair deleted)")):
         scores[name] = leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments, exact=exact)
     return {name: float(linear_datamodeling_score(model, ids, mask, answer, values, segments)[0]) for name, values in scores.items()}

@@ -55,7 +55,7 @@ from common import (  # noqa: E402
     peak_rss_growth,
 )
 
-from captum_attention import ALTI, DecompX, KnockoutGradient, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
+from captum_attention import ALTI, DecompX, KnockoutGradient, KnockoutLRP, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
 from captum_attention.maps import context_mixing, streaming  # noqa: E402
 from captum_attention.metrics import attention_erasure  # noqa: E402
 
@@ -66,9 +66,10 @@ LEARNED = LearnedAttention.__name__  # uniform weights (a fit's cost is its own)
 CONTRIBUTIONS = ALTI.__name__  # O(H·N²·D) per layer: measured where --runs names it
 NORM_RESIDUAL = "NormAttention(residual=True)"  # one re-run of the chosen layer: measured where --runs names it
 KNOCKOUT = KnockoutGradient.__name__  # one forward and backward, as Grad-SAM: measured where --runs names it
+JOINED = KnockoutLRP.__name__  # KnockoutGradient's and AttnLRP's passes: measured where --runs names it
 DECOMPOSITION = DecompX.__name__  # one forward of N + 1 rows per example: measured where --runs names it
 SENSITIVITY = "DecompX(multiply_by_inputs=False)"  # one forward and backward on any model: measured where --runs names it
-ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, DECOMPOSITION, SENSITIVITY]
+ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, JOINED, DECOMPOSITION, SENSITIVITY]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -126,6 +127,7 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
         ids, additional_forward_args=(mask,), residual=True
     )
     runs[KNOCKOUT] = lambda: KnockoutGradient(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
+    runs[JOINED] = lambda: KnockoutLRP(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
     runs[DECOMPOSITION] = lambda: DecompX(model, capture="streaming").attribute(ids, target=0, additional_forward_args=(mask,))
     runs[SENSITIVITY] = lambda: DecompX(model, capture="streaming", multiply_by_inputs=False).attribute(
         ids, target=0, additional_forward_args=(mask,)

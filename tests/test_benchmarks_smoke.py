@@ -30,8 +30,9 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 23 and {
+    assert len(text["methods"]) == 25 and {
         "Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX", "DecompX (sensitivity)", "AttnLRP, greedy (8 removals)",
+        "Knockout Gradient", "Knockout Gradient + AttnLRP",
     } <= set(text["methods"])
     for result in results:
         for name, row in result["methods"].items():
@@ -154,7 +155,7 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     batch = recall_batch(1, RecallTraining(), seed=0)
     ids, answer = batch.input_ids[:, : int(batch.answer_positions[0, 0])], batch.answers[:, :1]
     found = recall_estimates.sequence_lds(model, ids, answer)
-    assert list(found) == ["AttnLRP", "KnockoutGradient", "estimates, 1 exact", "estimates, 2 exact", "leave-one-out (every pair deleted)"]
+    assert list(found) == ["AttnLRP", "KnockoutGradient", "KnockoutLRP", "estimates, 1 exact", "estimates, 2 exact", "leave-one-out (every pair deleted)"]
     assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
 
 

@@ -27,7 +27,7 @@ from captum.attr import (
     TextTokenInput,
 )
 
-from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutGradient, LLMAttentionAttribution
+from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutGradient, KnockoutLRP, LLMAttentionAttribution
 from captum_attention.demo.needle import (
     WORDS,
     load_needle_model,
@@ -120,11 +120,12 @@ assert found["attn_lrp"] == 1.0
 # The context metrics remove segments and watch the answer's log-probability: the drop
 # when the top segment goes, and ContextCite's linear datamodeling score (Spearman's ρ
 # between the attribution's prediction and the actual log-probability over 32 random
-# half ablations). The last bar: each segment's leave-one-out effect estimated for two
+# half ablations). The last bars: each segment's leave-one-out effect estimated for two
 # passes and three forwards, KnockoutGradient's first-order effects with the two segments
 # AttnLRP ranks highest deleted exactly (``leave_one_out_estimates``), which on the
 # benchmark of :doc:`/language_models` reaches Feature Ablation's LDS at a fraction of its
-# forwards.
+# forwards; and the same first-order effects with AttnLRP's relevance at its top token in
+# place of any deletion (``KnockoutLRP``, two passes).
 scored = [needle_example(512, generator) for _ in range(6)]
 scored = [e for e in scored if needle_accuracy(model, [e]) == 1.0]
 prompts = torch.stack([e.input_ids for e in scored])
@@ -134,12 +135,13 @@ mask = torch.ones_like(prompts)
 spans = {name: cls(model).attribute_span(prompts, answers, additional_forward_args=(mask,))[:, :-1] for name, cls in METHODS.items()}
 first_order = KnockoutGradient(model).attribute_span(prompts, answers, additional_forward_args=(mask,))[:, :-1]
 spans["estimates"] = leave_one_out_estimates(model, prompts, mask, answers, first_order, spans["attn_lrp"], segments)
+spans["knockout_lrp"] = KnockoutLRP(model).attribute_span(prompts, answers, additional_forward_args=(mask,))[:, :-1]
 drops, lds = {}, {}
 for name, scores in spans.items():
     drops[name] = float(top_k_log_prob_drop(model, prompts, mask, answers, scores, ks=(1,), segments=segments).mean())
     lds[name] = float(linear_datamodeling_score(model, prompts, mask, answers, scores, segments).nanmean())
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3))
-names = [METHODS[n].get_name() for n in METHODS] + ["leave-one-out estimates"]
+names = [METHODS[n].get_name() for n in METHODS] + ["leave-one-out estimates", KnockoutLRP.get_name()]
 left.barh(names, list(drops.values()))
 left.set_xlabel("log-probability drop, top segment removed")
 right.barh(names, list(lds.values()))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType
