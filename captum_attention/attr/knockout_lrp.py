@@ -73,7 +73,7 @@ class KnockoutLRP(KnockoutGradient):
             raise ValueError(f"decisive must be a number of tokens, 1 or more, got {decisive!r}.")
         super().__init__(forward_func, model, adapter, capture, block_memory)
         self.decisive = decisive
-        self.relevance = AttnLRP(forward_func, self.model, adapter, capture, block_memory)
+        self.attn_lrp = AttnLRP(forward_func, self.model, adapter, capture, block_memory)
 
     @attribute_method
     def attribute(
@@ -97,25 +97,28 @@ class KnockoutLRP(KnockoutGradient):
         $returns
         """
         first_order = super().attribute(inputs, target, additional_forward_args, query_index, return_maps)
-        relevance = self.relevance.attribute(inputs, target, additional_forward_args, query_index)
+        relevance = self.attn_lrp.attribute(inputs, target, additional_forward_args, query_index)
         return self._decisive(first_order, relevance)
 
     def attribute_continuation(
         self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any = None, log_prob: bool = False, **options: Any
     ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_continuation`'s
+        rows, each with its decisive tokens' AttnLRP relevance (two forwards: the
+        slope's and the relevance's)."""
         first_order = super().attribute_continuation(inputs, continuation, additional_forward_args, log_prob, **options)
-        relevance = self.relevance.attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
+        relevance = self.attn_lrp.attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
         return self._decisive(first_order, relevance)
 
     def attribute_span(
         self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any = None, **options: Any
     ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_span`'s scores,
+        with the decisive tokens' AttnLRP relevance (two forwards and two backwards: the
+        slope's and the relevance's)."""
         first_order = super().attribute_span(inputs, continuation, additional_forward_args, **options)
-        relevance = self.relevance.attribute_span(inputs, continuation, additional_forward_args)
+        relevance = self.attn_lrp.attribute_span(inputs, continuation, additional_forward_args)
         return self._decisive(first_order, relevance)
-
-    attribute_continuation.__doc__ = KnockoutGradient.attribute_continuation.__doc__
-    attribute_span.__doc__ = KnockoutGradient.attribute_span.__doc__
 
     def _decisive(self, first_order: Any, relevance: Any) -> Any:
         """The knockout scores (a tensor, or Captum's tuple of one) with the decisive tokens'
