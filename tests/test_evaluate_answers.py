@@ -119,6 +119,28 @@ def test_leave_one_out_estimates_are_a_method_of_the_answers_run(llm, seq2seq, t
     assert "leave_one_out_estimates explain one self-attention stack" in capsys.readouterr().err
 
 
+def test_knockout_lrp_is_a_method_of_the_answers_run(llm, seq2seq, tmp_path, capsys):
+    """Its rows are the metrics of KnockoutLRP's span scores, computed directly; an
+    encoder-decoder refuses it in one line."""
+    from captum_attention import KnockoutLRP
+    from captum_attention.loading import load_causal_lm
+
+    data, output = _data(tmp_path, count=2), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "knockout_lrp", "--max-new-tokens", "3",
+                 "--output", str(output)]) == 0
+    rows = _rows(output)
+    assert [row["method"] for row in rows] == ["knockout_lrp"] * 2
+    model, tokenizer = load_causal_lm(llm)
+    example = read_answers(data)[0][0]
+    ids = tokenizer(example.text, return_tensors="pt").input_ids
+    answer = tokenizer(rows[0]["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+    mask, segments = torch.ones_like(ids), torch.tensor([[-1] + list(range(1, ids.shape[1]))])
+    scores = KnockoutLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+    assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "knockout_lrp", "--output", str(tmp_path / "s2s")]) == 1
+    assert "knockout_lrp explain one self-attention stack" in capsys.readouterr().err
+
+
 def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
     """BART: each answer explained over the source (the span's source side), the metrics
     deleting source segments and reading the decoder's log-probabilities; rows equal the
