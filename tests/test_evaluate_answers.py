@@ -116,7 +116,7 @@ def test_leave_one_out_estimates_are_a_method_of_the_answers_run(llm, seq2seq, t
     assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
     assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "leave_one_out_estimates", "--output",
                  str(tmp_path / "s2s")]) == 1
-    assert "leave_one_out_estimates explain one self-attention stack" in capsys.readouterr().err
+    assert "leave_one_out_estimates explains one self-attention stack" in capsys.readouterr().err
 
 
 def test_knockout_lrp_is_a_method_of_the_answers_run(llm, seq2seq, tmp_path, capsys):
@@ -138,7 +138,7 @@ def test_knockout_lrp_is_a_method_of_the_answers_run(llm, seq2seq, tmp_path, cap
     scores = KnockoutLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
     assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
     assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "knockout_lrp", "--output", str(tmp_path / "s2s")]) == 1
-    assert "knockout_lrp explain one self-attention stack" in capsys.readouterr().err
+    assert "knockout_lrp explains one self-attention stack" in capsys.readouterr().err
 
 
 def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
@@ -176,7 +176,7 @@ def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2se
         without = model(input_ids=kept, attention_mask=torch.ones_like(kept), decoder_input_ids=decoder).logits.log_softmax(-1)
     drop = top_k_log_prob_drop(model, ids, mask, answer, scores, (1,), segments)[0, 0]
     assert float(drop) == pytest.approx(expected - float(without.gather(2, answer[..., None]).sum()), abs=1e-5)
-    with pytest.raises(ValueError, match="norm_attention explain one self-attention stack"):
+    with pytest.raises(ValueError, match="norm_attention explains one self-attention stack"):
         from captum_attention.presentation.evaluate import evaluate_answers
 
         evaluate_answers(model, tokenizer, examples, ["norm_attention"], ["lds"], tmp_path / "refused")

@@ -380,7 +380,8 @@ def evaluate_answers(
     if getattr(model.config, "is_encoder_decoder", False):
         single = [name for name in methods if name == ESTIMATES or not REGISTRY[name].spec.encoder_decoder]
         if single:
-            raise ValueError(f"{', '.join(single)} explain one self-attention stack, not an encoder-decoder's answers: leave them out.")
+            verb, them = ("explains", "it") if len(single) == 1 else ("explain", "them")
+            raise ValueError(f"{', '.join(single)} {verb} one self-attention stack, not an encoder-decoder's answers: leave {them} out.")
     needed = {name for name in methods if name != ESTIMATES} | ({"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set())
     explainers = {name: REGISTRY[name](model) for name in needed}
     return _sharded(
