@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from captum.attr import NoiseTunnel
 from conftest import assert_same_state, make_batch, make_model, model_state
 from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_word_tokenizer
 from test_knockout_gradient import CONTINUATION, knockout_reference
@@ -67,6 +68,11 @@ def test_a_classifier_and_the_llm_interface():
     expected = decisive_reference(KnockoutGradient(model).attribute(batch.input_ids, **args), AttnLRP(model).attribute(batch.input_ids, **args), 1)
     torch.testing.assert_close(scores[0], expected)
     assert (scores[0][batch.attention_mask == 0] == 0).all()
+    embeds = model.get_input_embeddings()(batch.input_ids).detach()
+    on_embeds = KnockoutLRP(lambda e, mask: model(inputs_embeds=e, attention_mask=mask).logits, model=model)
+    tunnel = NoiseTunnel(on_embeds).attribute(embeds, nt_samples=2, stdevs=0.0, **args)  # no noise: the call itself, twice
+    torch.testing.assert_close(tunnel, on_embeds.attribute(embeds, **args))
+    torch.testing.assert_close(tunnel, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
 
     from captum.attr import TextTokenInput
 
