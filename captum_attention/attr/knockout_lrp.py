@@ -96,8 +96,10 @@ class KnockoutLRP(KnockoutGradient):
 
         $returns
         """
-        first_order = super().attribute(inputs, target, additional_forward_args, query_index, return_maps)
+        self._refuse_maps(return_maps, "sums every call into one score per token")
+        # AttnLRP first, here and below: a model whose relevance it refuses costs no knockout pass
         relevance = self.attn_lrp.attribute(inputs, target, additional_forward_args, query_index)
+        first_order = super().attribute(inputs, target, additional_forward_args, query_index)
         return self._decisive(first_order, relevance)
 
     def attribute_continuation(
@@ -106,8 +108,9 @@ class KnockoutLRP(KnockoutGradient):
         """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_continuation`'s
         rows, each with its decisive tokens' AttnLRP relevance (two forwards: the
         slope's and the relevance's)."""
-        first_order = super().attribute_continuation(inputs, continuation, additional_forward_args, log_prob, **options)
+        self._check_options(options, "attribute_continuation")
         relevance = self.attn_lrp.attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
+        first_order = super().attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
         return self._decisive(first_order, relevance)
 
     def attribute_span(
@@ -116,8 +119,9 @@ class KnockoutLRP(KnockoutGradient):
         """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_span`'s scores,
         with the decisive tokens' AttnLRP relevance (two forwards and two backwards: the
         slope's and the relevance's)."""
-        first_order = super().attribute_span(inputs, continuation, additional_forward_args, **options)
+        self._check_options(options, "attribute_span")
         relevance = self.attn_lrp.attribute_span(inputs, continuation, additional_forward_args)
+        first_order = super().attribute_span(inputs, continuation, additional_forward_args)
         return self._decisive(first_order, relevance)
 
     def _decisive(self, first_order: Any, relevance: Any) -> Any:
