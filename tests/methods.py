@@ -53,6 +53,27 @@ def reference_grad_sam_key_axis(ref, lengths):
     return scores
 
 
+def reference_knockout(ref, lengths):
+    """Σ over layers, heads and query rows i of A_ij (G_ij − Σ_j' A_ij' G_ij'), per key j."""
+    scores = torch.zeros(len(lengths), max(lengths))
+    for b, n in enumerate(lengths):
+        total = torch.zeros(n, dtype=torch.float64)
+        for attn, grad in zip(ref.attentions, ref.grads):
+            a, g = _block(attn, b, n).double(), _block(grad, b, n).double()
+            total += (a * (g - (a * g).sum(-1, keepdim=True))).sum(dim=(0, 1))
+        scores[b, :n] = total.float()
+    return scores
+
+
+def reference_decisive(first_order: torch.Tensor, relevance: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """Per row, the ``count`` tokens of largest |relevance| take it; the rest keep ``first_order``."""
+    expected = first_order.clone()
+    for row in range(len(relevance)):
+        for token in relevance[row].abs().argsort(descending=True)[:count].tolist():
+            expected[row, token] = relevance[row, token]
+    return expected
+
+
 def reference_chefer(ref, lengths, query=0, start_layer=0):
     scores = torch.zeros(len(lengths), max(lengths))
     for b, n in enumerate(lengths):

@@ -8,20 +8,12 @@ import pytest
 import torch
 from captum.attr import NoiseTunnel
 from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_word_tokenizer
+from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_vision, make_word_tokenizer
+from methods import reference_decisive
 from test_knockout_gradient import CONTINUATION, knockout_reference
 from test_llm import _sequence
 
 from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP, LLMAttentionAttribution
-
-
-def decisive_reference(first_order: torch.Tensor, relevance: torch.Tensor, count: int) -> torch.Tensor:
-    """Per row, the ``count`` tokens of largest |relevance| take it; the rest keep ``first_order``."""
-    expected = first_order.clone()
-    for row in range(len(relevance)):
-        for token in relevance[row].abs().argsort(descending=True)[:count].tolist():
-            expected[row, token] = relevance[row, token]
-    return expected
 
 
 @pytest.mark.usefixtures("capture_mode")
@@ -37,7 +29,7 @@ def test_span_is_the_knockout_reference_with_the_relevance_at_the_decisive_token
     before = model_state(model)
     scores = KnockoutLRP(model, decisive=decisive).attribute_span(prompts.input_ids, CONTINUATION, **args)
     assert_same_state(before, model_state(model))
-    expected = decisive_reference(first_order, relevance, decisive)
+    expected = reference_decisive(first_order, relevance, decisive)
     changed = (expected - first_order).abs() > 1e-3 * first_order.abs().max()
     assert changed.sum(dim=1).tolist() == [decisive] * 3, "the relevance must replace a slope it differs from"
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -51,7 +43,7 @@ def test_each_continuation_row_and_each_example_alone_are_combined_as_the_span()
     first_order = KnockoutGradient(model).attribute_continuation(prompts.input_ids, CONTINUATION, log_prob=True, **args)
     relevance = AttnLRP(model).attribute_continuation(prompts.input_ids, CONTINUATION, log_prob=True, **args)
     for step in range(CONTINUATION.shape[1]):
-        torch.testing.assert_close(rows[:, step], decisive_reference(first_order[:, step], relevance[:, step], 1))
+        torch.testing.assert_close(rows[:, step], reference_decisive(first_order[:, step], relevance[:, step], 1))
     batched = KnockoutLRP(model).attribute(prompts.input_ids, target=4, **args)
     for b in range(len(prompts.input_ids)):
         real = prompts.attention_mask[b].bool()
@@ -65,7 +57,7 @@ def test_a_classifier_and_the_llm_interface():
     args = dict(target=1, additional_forward_args=(batch.attention_mask,))
     scores = KnockoutLRP(model).attribute((batch.input_ids,), **args)
     assert isinstance(scores, tuple)
-    expected = decisive_reference(KnockoutGradient(model).attribute(batch.input_ids, **args), AttnLRP(model).attribute(batch.input_ids, **args), 1)
+    expected = reference_decisive(KnockoutGradient(model).attribute(batch.input_ids, **args), AttnLRP(model).attribute(batch.input_ids, **args), 1)
     torch.testing.assert_close(scores[0], expected)
     assert (scores[0][batch.attention_mask == 0] == 0).all()
     embeds = model.get_input_embeddings()(batch.input_ids).detach()
@@ -82,6 +74,17 @@ def test_a_classifier_and_the_llm_interface():
         LLMAttentionAttribution(cls(decoder), tokenizer).attribute(prompt, target="seven").seq_attr for cls in (KnockoutLRP, KnockoutGradient)
     )
     assert combined.shape == (5,) and int((combined != first_order).sum()) == 1
+
+
+def test_an_image_takes_its_decisive_patch_from_the_whole_grid():
+    model = make_vision("vit")
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    scores = KnockoutLRP(model, decisive=2).attribute(pixels, target=1)
+    first_order, relevance = (cls(model).attribute(pixels, target=1) for cls in (KnockoutGradient, AttnLRP))
+    assert scores.shape == (2, 4, 4)
+    expected = reference_decisive(first_order.flatten(1), relevance.flatten(1), 2).view(2, 4, 4)
+    torch.testing.assert_close(scores, expected)
+    assert int((scores != first_order).sum()) == 4  # two patches an image, not two a grid row
 
 
 @pytest.mark.parametrize("decisive", [0, -1, 1.5, True])

@@ -53,6 +53,16 @@ def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
+def test_the_knockout_methods_are_exact_or_refused_in_one_line(architecture):
+    """KnockoutGradient against Σ A(G − ΣAG) from the eager twin; KnockoutLRP against that
+    with AttnLRP's relevance at its top token."""
+    found = outcomes(architecture, ["knockout_gradient", "knockout_lrp"])
+    bad = {m: o for m, o in found.items() if o.status in ("error", "wrong")}
+    assert not bad, f"{architecture.name}: {bad}"
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
 @pytest.mark.parametrize("multiply_by_inputs", [True, False], ids=["shares", "sensitivity"])
 def test_decompx_adds_up_or_is_refused_in_one_line(architecture, multiply_by_inputs):
     outcome = decomposition_outcome(architecture, multiply_by_inputs)

@@ -7,7 +7,9 @@ An architecture/method pair ends in one of:
 - ``exact``: the scores equal a direct re-computation from an eager twin's
   ``output_attentions`` and ``torch.autograd.grad`` (``methods.py`` and
   ``seq2seq_reference.py``), within :data:`REL` of their scale; AttnLRP, which is no
-  function of the maps, gives the same scores streaming and eager;
+  function of the maps, gives the same scores streaming and eager; KnockoutGradient
+  equals Σ A(G − ΣAG) of the twin's maps, and KnockoutLRP that with AttnLRP's relevance
+  at its top token (``test_the_knockout_methods_are_exact_or_refused_in_one_line``);
 - ``refused``: the library raised :class:`~captum_attention.UnsupportedModelError` with a
   one-line reason;
 - ``not built``: transformers itself cannot build or run the tiny model here (a missing
@@ -38,11 +40,12 @@ import transformers as tf
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from methods import METHODS, reference_grad_sam  # noqa: E402
+from methods import METHODS, reference_decisive, reference_grad_sam, reference_knockout  # noqa: E402
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference, cross_attending_reference  # noqa: E402
 from grid_reference import reduced_maps_and_grads, window_layers, window_maps_and_grads  # noqa: E402
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
+from captum_attention.attr import REGISTRY  # noqa: E402
 from captum_attention import UnsupportedModelError  # noqa: E402
 
 HEADS = {
@@ -463,10 +466,16 @@ def reference(case: Case) -> Callable[[str], Any]:
         query[pooled_from:] = 1 / (tokens - pooled_from)
 
     def stack(method: str) -> torch.Tensor:
-        if without_grads and REGISTERED[method].spec.needs != "forward":
+        if without_grads and REGISTRY[method].spec.needs != "forward":
             raise NoReference("the maps carry no gradient")
         if method == "grad_sam":
             return reference_grad_sam(ref, lengths)
+        if method == "knockout_gradient":
+            return reference_knockout(ref, lengths)
+        if method == "knockout_lrp":  # the relevance is AttnLRP's own, which this sweep checks streaming against eager
+            relevance = explain(case, "attn_lrp")
+            relevance = relevance.flatten(1)  # a patch grid: its patches, the last tokens
+            return reference_decisive(reference_knockout(ref, lengths)[:, -relevance.shape[1] :], relevance)
         return METHODS[method].reference(ref, lengths, query)  # type: ignore[misc]
 
     return stack
@@ -529,12 +538,20 @@ class Outcome:
 
 
 def explain(case: Case, method: str, capture: str = "auto") -> Any:
-    cls = REGISTERED[method]
+    cls = REGISTRY[method]
     options: dict[str, Any] = {"target": case.target} if cls.spec.uses_target else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(case.model, capture=capture).attribute(case.inputs, additional_forward_args=case.args, **options)
 
+
+IN_OUTPUT_UNITS = ("knockout_gradient", "knockout_lrp")
+"""Methods whose scores are changes of the explained output, compared within :data:`REL` of
+it where every token's is 0 (a layer of one reduced key, whose knockout changes nothing,
+leaves float32 noise of 1e-9), as AttnLRP's relevances are."""
+
+SINGLE_STACK = "is defined for one self-attention stack"
+"""The ValueError of a method without encoder-decoders (KnockoutGradient) on one: a refusal."""
 
 EAGER_ONLY = "load it with attn_implementation='eager'"
 """The refusal of a model whose maps come only from its eager path: the sweep then
@@ -564,9 +581,10 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
     for method in methods:
         try:
             scores = explain(case, method)
-        except UnsupportedModelError as error:
+        except (UnsupportedModelError, ValueError) as error:
             message = str(error).strip()
-            found[method] = Outcome("refused" if "\n" not in message else "error", message)
+            refused = isinstance(error, UnsupportedModelError) or SINGLE_STACK in message
+            found[method] = Outcome("refused" if refused and "\n" not in message else "error", message)
             continue
         except Exception as error:  # noqa: BLE001 - the defect the sweep reports
             found[method] = Outcome("error", _one_line(error))
@@ -596,7 +614,7 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
             found[method] = Outcome("wrong", f"scores given where there is no reference ({expected})")
         else:
             try:
-                close = _close(scores, expected(method))
+                close = _close(scores, expected(method), floor=explained_output(case) if method in IN_OUTPUT_UNITS else 1e-30)
             except NoReference as error:
                 found[method] = Outcome("wrong", f"scores given where there is no reference ({error})")
                 continue

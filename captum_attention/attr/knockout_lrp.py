@@ -100,7 +100,7 @@ class KnockoutLRP(KnockoutGradient):
         # AttnLRP first, here and below: a model whose relevance it refuses costs no knockout pass
         relevance = self.attn_lrp.attribute(inputs, target, additional_forward_args, query_index)
         first_order = super().attribute(inputs, target, additional_forward_args, query_index)
-        return self._decisive(first_order, relevance)
+        return self._decisive(first_order, relevance, tokens_from=1)
 
     def attribute_continuation(
         self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any = None, log_prob: bool = False, **options: Any
@@ -124,9 +124,15 @@ class KnockoutLRP(KnockoutGradient):
         first_order = super().attribute_span(inputs, continuation, additional_forward_args)
         return self._decisive(first_order, relevance)
 
-    def _decisive(self, first_order: Any, relevance: Any) -> Any:
+    def _decisive(self, first_order: Any, relevance: Any, tokens_from: int = -1) -> Any:
         """The knockout scores (a tensor, or Captum's tuple of one) with the decisive tokens'
-        relevance."""
+        relevance, each row's tokens the dimensions from ``tokens_from`` on (an image's
+        patch grid chosen from as a whole)."""
+
+        def joined(scores: Tensor, relevance: Tensor) -> Tensor:
+            tokens = with_decisive_tokens(scores.flatten(tokens_from), relevance.flatten(tokens_from), self.decisive)
+            return tokens.view_as(scores)
+
         if isinstance(first_order, tuple):
-            return tuple(with_decisive_tokens(f, r, self.decisive) for f, r in zip(first_order, relevance))
-        return with_decisive_tokens(first_order, relevance, self.decisive)
+            return tuple(joined(f, r) for f, r in zip(first_order, relevance))
+        return joined(first_order, relevance)
