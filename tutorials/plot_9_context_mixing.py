@@ -138,4 +138,8 @@ assert results["AttnLRP"]["lds"] == max(r["lds"] for r in results.values())
 # only the mixing rank the rest of the prompt worse than methods that follow the answer's
 # logit. On the measures users choose by, ablation (ContextCite, leave-one-out) still
 # predicts the ablations best when its many forwards are affordable: the benchmark of
-# :doc:`../language_models` compares them at every length.
+# :doc:`../language_models` compares them at every length. Without any ablation, the
+# first-order knockout effects with AttnLRP's relevance at its top token
+# (:class:`~captum_attention.KnockoutLRP`, two passes) come within a standard error of
+# leave-one-out there at 512 and 2,048 tokens: not attention weights, but what removing
+# each token from every attention call would change.
