@@ -87,6 +87,24 @@ def test_an_image_takes_its_decisive_patch_from_the_whole_grid():
     assert int((scores != first_order).sum()) == 4  # two patches an image, not two a grid row
 
 
+def test_an_encoder_decoder_is_refused_as_by_knockout_gradient_before_any_pass():
+    from lm_models import make_encoder_decoder
+
+    model = make_encoder_decoder("bart")
+    source, answer = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 10]])
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        for call in (lambda e: e.attribute_span(source, answer), lambda e: e.attribute_continuation(source, answer),
+                     lambda e: e.attribute((source, answer), target=3)):
+            with pytest.raises(ValueError, match="^KnockoutLRP is defined for one self-attention stack") as refused:
+                call(KnockoutLRP(model))
+            assert "\n" not in str(refused.value)
+    finally:
+        hook.remove()
+    assert not forwards
+
+
 @pytest.mark.parametrize("decisive", [0, -1, 1.5, True])
 def test_decisive_is_a_positive_count(decisive):
     with pytest.raises(ValueError, match="decisive must be a number of tokens") as refused:

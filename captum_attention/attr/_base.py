@@ -17,7 +17,7 @@ from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRu
 from ..capture.adapters.images import cross_attends_images
 from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
-from ..maps import effective_attention, patch_grid, query_rows
+from ..maps import effective_attention, patch_grid
 from ..maps.lrp import token_relevance
 from ._docs import shared_attribute_docs, shared_class_docs
 from ._registry import MethodSpec, register
@@ -151,6 +151,18 @@ class AttentionAttributionBase:
             reason = f"{type(self).__name__} has no streaming reduction"
         return reason or next((why for name, why in self.spec.eager_options.items() if options.get(name)), None)
 
+    def _one_stack_adapter(self) -> AttentionAdapter:
+        """The model's adapter; a one-line error where a method defined for one
+        self-attention stack is given an encoder-decoder or a language model
+        cross-attending to image features."""
+        adapter = resolve_adapter(self.model, self.adapter)
+        if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
+            raise ValueError(
+                f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders nor for a language "
+                "model cross-attending to image features (Mllama)."
+            )
+        return adapter
+
     def _recorded(
         self,
         inputs: tuple[Tensor, ...],
@@ -161,12 +173,7 @@ class AttentionAttributionBase:
         options: dict[str, Any],
     ) -> ForwardRecord:
         """One forward through the capture, in the mode the runner decides."""
-        adapter = resolve_adapter(self.model, self.adapter)
-        if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
-            raise ValueError(
-                f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders nor for a language "
-                "model cross-attending to image features (Mllama)."
-            )
+        adapter = self._one_stack_adapter()
         reason = self._eager_reason(adapter, effective, return_maps, options)
         return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)
 

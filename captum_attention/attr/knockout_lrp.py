@@ -97,7 +97,8 @@ class KnockoutLRP(KnockoutGradient):
         $returns
         """
         self._refuse_maps(return_maps, "sums every call into one score per token")
-        # AttnLRP first, here and below: a model whose relevance it refuses costs no knockout pass
+        # the checks, then AttnLRP, here and below: a model either refuses costs no knockout pass
+        self._one_stack_adapter()
         relevance = self.attn_lrp.attribute(inputs, target, additional_forward_args, query_index)
         first_order = super().attribute(inputs, target, additional_forward_args, query_index)
         return self._decisive(first_order, relevance, tokens_from=1)
@@ -109,6 +110,7 @@ class KnockoutLRP(KnockoutGradient):
         rows, each with its decisive tokens' AttnLRP relevance (two forwards: the
         slope's and the relevance's)."""
         self._check_options(options, "attribute_continuation")
+        self._one_stack_adapter()
         relevance = self.attn_lrp.attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
         first_order = super().attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
         return self._decisive(first_order, relevance)
@@ -120,6 +122,7 @@ class KnockoutLRP(KnockoutGradient):
         with the decisive tokens' AttnLRP relevance (two forwards and two backwards: the
         slope's and the relevance's)."""
         self._check_options(options, "attribute_span")
+        self._one_stack_adapter()
         relevance = self.attn_lrp.attribute_span(inputs, continuation, additional_forward_args)
         first_order = super().attribute_span(inputs, continuation, additional_forward_args)
         return self._decisive(first_order, relevance)
