@@ -92,53 +92,43 @@ def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
         assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
 
 
-def test_leave_one_out_estimates_are_a_method_of_the_answers_run(llm, seq2seq, tmp_path, capsys):
-    """Its rows are the metrics of ``leave_one_out_estimates`` over KnockoutGradient's and
-    AttnLRP's spans, computed directly; an encoder-decoder refuses it in one line."""
+def _estimates(model, ids, mask, answer, segments):
+    """``leave_one_out_estimates`` over KnockoutGradient's and AttnLRP's spans."""
     from captum_attention import AttnLRP, KnockoutGradient
-    from captum_attention.loading import load_causal_lm
     from captum_attention.metrics import leave_one_out_estimates
 
+    first_order, prior = (
+        cls(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]] for cls in (KnockoutGradient, AttnLRP)
+    )
+    return leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments)
+
+
+def _knockout_lrp(model, ids, mask, answer, segments):
+    from captum_attention import KnockoutLRP
+
+    return KnockoutLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+
+
+@pytest.mark.parametrize("method, scored", [("leave_one_out_estimates", _estimates), ("knockout_lrp", _knockout_lrp)])
+def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2seq, tmp_path, capsys, method, scored):
+    """Its rows are the metrics of its scores computed directly; an encoder-decoder refuses
+    it in one line."""
+    from captum_attention.loading import load_causal_lm
+
     data, output = _data(tmp_path, count=2), tmp_path / "out"
-    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "leave_one_out_estimates", "--max-new-tokens", "3",
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", method, "--max-new-tokens", "3",
                  "--output", str(output)]) == 0
     rows = _rows(output)
-    assert [row["method"] for row in rows] == ["leave_one_out_estimates"] * 2
+    assert [row["method"] for row in rows] == [method] * 2
     model, tokenizer = load_causal_lm(llm)
     example = read_answers(data)[0][0]  # a prompt without segments: each token its own, BOS kept
     ids = tokenizer(example.text, return_tensors="pt").input_ids
     answer = tokenizer(rows[0]["answer"], add_special_tokens=False, return_tensors="pt").input_ids
-    mask, prompt = torch.ones_like(ids), slice(0, ids.shape[1])
-    segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])
-    first_order = KnockoutGradient(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, prompt]
-    prior = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, prompt]
-    scores = leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments)
-    assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
-    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "leave_one_out_estimates", "--output",
-                 str(tmp_path / "s2s")]) == 1
-    assert "leave_one_out_estimates explains one self-attention stack" in capsys.readouterr().err
-
-
-def test_knockout_lrp_is_a_method_of_the_answers_run(llm, seq2seq, tmp_path, capsys):
-    """Its rows are the metrics of KnockoutLRP's span scores, computed directly; an
-    encoder-decoder refuses it in one line."""
-    from captum_attention import KnockoutLRP
-    from captum_attention.loading import load_causal_lm
-
-    data, output = _data(tmp_path, count=2), tmp_path / "out"
-    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "knockout_lrp", "--max-new-tokens", "3",
-                 "--output", str(output)]) == 0
-    rows = _rows(output)
-    assert [row["method"] for row in rows] == ["knockout_lrp"] * 2
-    model, tokenizer = load_causal_lm(llm)
-    example = read_answers(data)[0][0]
-    ids = tokenizer(example.text, return_tensors="pt").input_ids
-    answer = tokenizer(rows[0]["answer"], add_special_tokens=False, return_tensors="pt").input_ids
     mask, segments = torch.ones_like(ids), torch.tensor([[-1] + list(range(1, ids.shape[1]))])
-    scores = KnockoutLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+    scores = scored(model, ids, mask, answer, segments)
     assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
-    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "knockout_lrp", "--output", str(tmp_path / "s2s")]) == 1
-    assert "knockout_lrp explains one self-attention stack" in capsys.readouterr().err
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", method, "--output", str(tmp_path / "s2s")]) == 1
+    assert f"{method} explains one self-attention stack" in capsys.readouterr().err
 
 
 def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
