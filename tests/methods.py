@@ -53,16 +53,24 @@ def reference_grad_sam_key_axis(ref, lengths):
     return scores
 
 
-def reference_knockout(ref, lengths):
-    """Σ over layers, heads and query rows i of A_ij (G_ij − Σ_j' A_ij' G_ij'), per key j."""
-    scores = torch.zeros(len(lengths), max(lengths))
-    for b, n in enumerate(lengths):
-        total = torch.zeros(n, dtype=torch.float64)
-        for attn, grad in zip(ref.attentions, ref.grads):
-            a, g = _block(attn, b, n).double(), _block(grad, b, n).double()
+def knockout_reference(attentions, grads, real: torch.Tensor, last: int) -> torch.Tensor:
+    """Per example, over its real tokens up to ``last``: Σ over layers, heads and query rows
+    i of A_ij (G_ij − Σ_j' A_ij' G_ij'), in float64."""
+    scores = torch.zeros(real.shape)
+    for b in range(real.shape[0]):
+        idx = (real[b] & (torch.arange(real.shape[1]) <= last)).nonzero().flatten()
+        total = torch.zeros(len(idx), dtype=torch.float64)
+        for attn, grad in zip(attentions, grads):
+            a, g = attn[b][:, idx][:, :, idx].double(), grad[b][:, idx][:, :, idx].double()
             total += (a * (g - (a * g).sum(-1, keepdim=True))).sum(dim=(0, 1))
-        scores[b, :n] = total.float()
+        scores[b, idx] = total.float()
     return scores
+
+
+def reference_knockout(ref, lengths):
+    """:func:`knockout_reference` over each example's first ``lengths[b]`` tokens."""
+    real = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    return knockout_reference(ref.attentions, ref.grads, real, max(lengths) - 1)
 
 
 def reference_decisive(first_order: torch.Tensor, relevance: torch.Tensor, count: int = 1) -> torch.Tensor:

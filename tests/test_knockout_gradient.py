@@ -8,25 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts
+from methods import knockout_reference
 from test_llm import _sequence
 
 from captum_attention import KnockoutGradient
 
 CONTINUATION = torch.tensor([[5, 6], [7, 8], [9, 10]])
-
-
-def knockout_reference(attentions, grads, real: torch.Tensor, last: int) -> torch.Tensor:
-    """Per example, over its real tokens up to ``last``: Σ over layers, heads and query rows
-    i of A_ij (G_ij − Σ_j' A_ij' G_ij'), in float64."""
-    scores = torch.zeros(real.shape)
-    for b in range(real.shape[0]):
-        idx = (real[b] & (torch.arange(real.shape[1]) <= last)).nonzero().flatten()
-        total = torch.zeros(len(idx), dtype=torch.float64)
-        for attn, grad in zip(attentions, grads):
-            a, g = attn[b][:, idx][:, :, idx].double(), grad[b][:, idx][:, :, idx].double()
-            total += (a * (g - (a * g).sum(-1, keepdim=True))).sum(dim=(0, 1))
-        scores[b, idx] = total.float()
-    return scores
 
 
 @pytest.mark.usefixtures("capture_mode")

@@ -9,8 +9,8 @@ import torch
 from captum.attr import NoiseTunnel
 from conftest import assert_same_state, make_batch, make_model, model_state
 from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_vision, make_word_tokenizer
-from methods import reference_decisive
-from test_knockout_gradient import CONTINUATION, knockout_reference
+from methods import knockout_reference, reference_decisive
+from test_knockout_gradient import CONTINUATION
 from test_llm import _sequence
 
 from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP, LLMAttentionAttribution
