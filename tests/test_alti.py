@@ -326,13 +326,17 @@ def test_streaming_descends_the_layers_without_a_whole_matrix_and_equals_eager(m
 def test_the_forward_records_the_module_states_of_the_layers_asked_for(family, states):
     """Each recorded layer's states are its modules' own, in the order they returned: those
     a hook on every module of the layer sees with the layer's output shape, inputs included
-    where they have it too (nothing wider, such as a feed-forward's inner states)."""
+    where they have it too (nothing wider, such as a feed-forward's inner states), and
+    none of the modules inside the attention module (its projections)."""
     from contextlib import ExitStack
 
     from captum_attention.capture import LayerBlocks, default_adapter
 
     model, ids, mask, _ = one_stack_case(family)
     blocks = list(model.bert.encoder.layer if family == "bert" else model.transformer.h)
+    attention = [block.attention.self if family == "bert" else block.attn for block in blocks]
+    projections = {id(m) for a in attention for m in a.modules() if m is not a}
+    assert len(projections) >= 2 * len(blocks)  # query, key, value (BERT); c_attn, c_proj (GPT-2)
     seen: list[list] = [[] for _ in blocks]
 
     def watch(index):
@@ -347,7 +351,7 @@ def test_the_forward_records_the_module_states_of_the_layers_asked_for(family, s
     with ExitStack() as stack, torch.no_grad():
         for index, block in enumerate(blocks):
             for module in block.modules():
-                if module is not block:
+                if module is not block and id(module) not in projections:
                     stack.callback(module.register_forward_hook(watch(index)).remove)
         probe.enter(model, default_adapter(model), stack)
         model(ids, attention_mask=mask)

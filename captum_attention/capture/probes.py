@@ -440,7 +440,9 @@ class LayerBlocks(Probe):
             where the residual stream meets the attention output
             (:func:`~captum_attention.capture.residual.attention_residual`): a few more
             ``(B, N, D)`` tensors per layer kept, where re-running the layer would
-            compute it all again. Default: False.
+            compute it all again. The modules inside the attention module are left out:
+            the residual joins the attention's output outside it (a layer that adds it
+            inside, as ALBERT's, is then refused in one line). Default: False.
     """
 
     def __init__(self, states: bool | int = False) -> None:
@@ -483,12 +485,15 @@ class LayerBlocks(Probe):
                     kept_input = first.detach() if first is not None and first.numel() == hidden.numel() else None
                     seen.append((module, kept_input, hidden.detach()))
 
+        inside_attention = set() if self.states is False else {
+            id(m) for site in adapter.attention_sites(model) for m in site.module.modules() if m is not site.module
+        }
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
             stack.callback(block.register_forward_hook(after, with_kwargs=True).remove)
             if self.states is not False:
                 for module in block.modules():
-                    if module is not block:
+                    if module is not block and id(module) not in inside_attention:
                         stack.callback(module.register_forward_hook(inside).remove)
 
     def _wanted(self, index: int) -> bool:
