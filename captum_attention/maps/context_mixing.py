@@ -163,12 +163,18 @@ row's keys (128 MiB at 16k tokens) came from memory once per row, four times slo
 compiled or eager."""
 
 
+def _compiles(tokens: int) -> bool:
+    """Whether a layer over ``tokens`` keys is large enough to compile its contributions
+    (:data:`ALTI_COMPILE_MIN_PAIRS`)."""
+    return tokens**2 >= ALTI_COMPILE_MIN_PAIRS
+
+
 def alti_tile(tokens: int, device: torch.device) -> tuple[int, int] | None:
     """The rows and keys of one piece of :func:`alti_contributions` over ``tokens`` keys on
     ``device`` (:data:`ALTI_TILE`); None where a block takes every key at once (a device
     without pieces computes its compiled blocks whole)."""
     kind = device_kind(device)
-    if tokens**2 >= ALTI_COMPILE_MIN_PAIRS and FUSED_DEVICES.get(kind, False):
+    if _compiles(tokens) and FUSED_DEVICES.get(kind, False):
         return ALTI_TILE.get(kind)
     return None
 
@@ -200,7 +206,7 @@ def alti_contributions(
     attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
         first, stop = int(attended[0]), int(attended[-1]) + 1
-        large, tile = tokens**2 >= ALTI_COMPILE_MIN_PAIRS, alti_tile(tokens, probs.device)
+        large, tile = _compiles(tokens), alti_tile(tokens, probs.device)
         step = tokens if tile is None else tile[1]
         for start in range(first, stop, step):
             keys = slice(start, min(start + step, stop))
