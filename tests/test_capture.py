@@ -132,3 +132,29 @@ def test_adapters_keep_no_state_between_calls():
     GradSAM(model, adapter=adapter).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
     RawAttention(model, adapter=adapter, capture="eager").attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
     assert vars(adapter) == before
+
+
+def test_layers_and_projections_follow_a_changed_tree_and_keep_no_model_alive():
+    """Each attention's layer and output projection, found from a map of the model's tree
+    kept per model: a layer replaced, or two layers' attentions swapped, after a first call
+    are found where they are now, and the map keeps neither the model nor its modules alive."""
+    import copy
+    import gc
+    import weakref
+
+    from captum_attention.capture import default_adapter
+    from captum_attention.capture.probes import layer_blocks
+
+    model = make_model("bert")
+    adapter = default_adapter(model)
+    layers = model.bert.encoder.layer
+    assert layer_blocks(model, adapter) == list(layers)
+    layers[1] = copy.deepcopy(layers[1])
+    assert layer_blocks(model, adapter) == list(layers)
+    layers[0].attention, layers[1].attention = layers[1].attention, layers[0].attention
+    assert layer_blocks(model, adapter) == list(layers)
+    assert adapter.output_projection(model, layers[1].attention.self) is layers[1].attention.output.dense.weight
+    gone = weakref.ref(model)
+    del model, layers, adapter
+    gc.collect()
+    assert gone() is None

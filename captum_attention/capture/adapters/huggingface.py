@@ -14,7 +14,10 @@ from torch import Tensor, nn
 
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
 from ..guard import SharedPatch
-from .protocol import AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token
+from .protocol import (
+    AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token,
+    parent_module,
+)
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
 from .images import CROSS_ATTENDED, cross_attended_real, language_model_of
 
@@ -229,8 +232,7 @@ class HuggingFaceAdapter(AdapterBase):
         """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
         ``c_proj``, ``out_lin``), or, where the declared module is the inner
         self-attention (BERT family), its parent's ``output.dense``."""
-        names = {m: name for name, m in model.named_modules()}
-        parent = model.get_submodule(names[module].rpartition(".")[0]) if module in names else None
+        parent = parent_module(model, module)
         candidates = [getattr(module, name, None) for name in _PROJECTIONS]
         if parent is not None:
             candidates.append(getattr(getattr(parent, "output", None), "dense", None))

@@ -27,6 +27,7 @@ metrics never change. Adapters keep no state between calls.
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
@@ -311,13 +312,33 @@ def enclosing_block(model: nn.Module, module: nn.Module) -> nn.Module | None:
     """The ancestor of ``module`` that is an entry of an ``nn.ModuleList`` (transformers'
     ``layers``/``layer``/``h``: one layer each), the innermost such; None where no list
     holds it."""
-    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     current = module
-    while id(current) in parents:
-        parent = parents[id(current)]
+    while (parent := parent_module(model, current)) is not None:
         if isinstance(parent, nn.ModuleList):
             return current
         current = parent
+    return None
+
+
+_PARENTS: "weakref.WeakKeyDictionary[nn.Module, dict[int, weakref.ref[nn.Module]]]" = weakref.WeakKeyDictionary()
+"""Per model (held weakly), each module's parent (held weakly), by the module's id."""
+
+
+def parent_module(model: nn.Module, module: nn.Module) -> nn.Module | None:
+    """The module of ``model`` that holds ``module`` as a child; None for the model itself
+    or a module outside it. Asked once per attention module, the model's tree is walked
+    once, not once each: the map is kept per model, and each answer is checked against the
+    parent's children as they are now (a changed tree is walked again)."""
+    if module is model:
+        return None
+    kept = _PARENTS.get(model)
+    for parents in (kept, None) if kept is not None else (None,):
+        if parents is None:
+            parents = _PARENTS[model] = {id(child): weakref.ref(parent) for parent in model.modules() for child in parent.children()}
+        known = parents.get(id(module))
+        parent = known() if known is not None else None
+        if parent is not None and any(child is module for child in parent.children()):
+            return parent
     return None
 
 
