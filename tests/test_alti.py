@@ -465,18 +465,21 @@ def test_blocks_of_a_few_rows_give_the_scores_of_one_block(monkeypatch):
 
 
 def test_the_sum_over_tokens_is_checked_on_rows_spread_from_first_to_last(monkeypatch):
-    """The layer's sum over tokens is compared with the model's states on a few rows from
-    the first to the last; one wrong attention row among them is refused in one line."""
-    monkeypatch.setattr(_decomposed, "CHECKED_ROWS", 3)
+    """The layer's sum over tokens is compared with the model's states on a few runs of rows
+    from the first to the last; one wrong run of attention rows among them is refused in one line."""
+    monkeypatch.setattr(_decomposed, "CHECKED_ROWS", 6)
+    monkeypatch.setattr(_decomposed, "CHECKED_RUN", 2)
     model, ids, mask, _ = one_stack_case("llama")
-    checked = _decomposed.checked_rows(ids.shape[1])
-    assert checked.tolist() == [0, round((ids.shape[1] - 1) / 2), ids.shape[1] - 1]
-    assert _decomposed.checked_rows(2).tolist() == [0, 1]
+    tokens = ids.shape[1]
+    checked = _decomposed.checked_rows(tokens)
+    middle = round((tokens - 2) / 2)
+    assert tokens > 6 and checked == [slice(0, 2), slice(middle, middle + 2), slice(tokens - 2, tokens)]
+    assert _decomposed.checked_rows(6) == [slice(0, 6)]
     original = _decomposed.attention_rows
 
     def one_wrong_row(record, call, rows):
         probs = original(record, call, rows)
-        return probs.flip(-1) if rows.start == int(checked[1]) else probs
+        return probs.flip(-1) if rows.start == middle else probs
 
     monkeypatch.setattr(_decomposed, "attention_rows", one_wrong_row)
     with pytest.raises(UnsupportedModelError, match="No norm in LlamaDecoderLayer takes the sum") as refused:

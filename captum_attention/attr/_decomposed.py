@@ -27,6 +27,10 @@ few rows each would leave it idle)."""
 CHECKED_ROWS = 64
 """How many query rows :func:`checked_rows` holds."""
 
+CHECKED_RUN = 8
+"""How many consecutive rows each run of :func:`checked_rows` holds (one block of attention
+rows recomputed per run)."""
+
 MIXING_BLOCK_ELEMENTS = 2**18
 """How many entries of a mixing matrix one block of :func:`matrix_blocks` holds: its
 normalisation in float64 then takes a few MiB beside the matrix."""
@@ -161,22 +165,25 @@ def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -
         )
     values, projection = call_values(record, call, method)
     values, projection = values.float().to(vectors.device), projection.float().to(vectors.device)
-    checked = checked_rows(tokens)
     sums = vectors.new_zeros(vectors.shape[0], tokens, width)
-    for row in checked.tolist():  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
-        probs = attention_rows(record, call, slice(row, row + 1)).to(vectors.device)
-        sums[:, row] = torch.einsum("bhk,bhkv->bhv", probs[:, :, 0], values).flatten(1) @ projection.t()
     compared = torch.zeros_like(record.forward_real)
-    compared[:, checked] = record.forward_real[:, checked]
+    for rows in checked_rows(tokens):  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
+        probs = attention_rows(record, call, rows).to(vectors.device)
+        sums[:, rows] = torch.einsum("bhrk,bhkv->brhv", probs, values).flatten(2) @ projection.t()
+        compared[:, rows] = record.forward_real[:, rows]
     return LayerSum(vectors, attention_residual(block, sums, compared))
 
 
-def checked_rows(tokens: int) -> Tensor:
+def checked_rows(tokens: int) -> list[slice]:
     """The query rows on which :func:`layer_sum` checks the attention's sum over tokens
-    against the model's states: :data:`CHECKED_ROWS` spread evenly from the first to the
-    last (every row of a shorter input), so that a wrong projection, mask or window shows
-    on some of them, without recomputing every row's attention once more."""
-    return torch.linspace(0, tokens - 1, min(tokens, CHECKED_ROWS)).round().long().unique()
+    against the model's states: :data:`CHECKED_ROWS` of them, in runs of
+    :data:`CHECKED_RUN` consecutive rows spread evenly from the first row to the last
+    (every row of a shorter input, as one run), so that a wrong projection, mask or window
+    shows on some of them, without recomputing every row's attention once more."""
+    if tokens <= CHECKED_ROWS:
+        return [slice(0, tokens)]
+    starts = torch.linspace(0, tokens - CHECKED_RUN, CHECKED_ROWS // CHECKED_RUN).round().long().tolist()
+    return [slice(start, start + CHECKED_RUN) for start in starts]
 
 
 def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
