@@ -1,6 +1,6 @@
 """Time and peak memory of each method, streaming and eager, against length and batch size.
 
-    python benchmarks/scaling.py [--model llama|bert|llama-1b|gemma2] [--device cpu|cuda]
+    python benchmarks/scaling.py [--model llama|bert|llama-1b|llama-deep|gemma2] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
         [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
         [--reduction default|eager|compiled|triton] [--json out.json]
@@ -9,7 +9,8 @@
 Models (random weights, sequence classifiers, so the explained logit is one class):
 ``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
 heads; ``llama-1b``: shaped like Llama-3.2-1B (16 layers, hidden 2048, 32 heads, 8 KV heads,
-vocabulary cut to 32k); ``gemma2``: the ``llama`` shape with Gemma-2's logit softcap and
+vocabulary cut to 32k); ``llama-deep``: the ``llama``'s width with 32 layers, where a
+method's work per layer shows at short inputs; ``gemma2``: the ``llama`` shape with Gemma-2's logit softcap and
 sliding window, which transformers runs only eagerly, so that its "sdpa" runs are the
 model's own eager attention. For each (batch, length): the model's own sdpa forward and
 forward+backward to the input embeddings, each method streaming (``capture="streaming"``)
@@ -85,6 +86,8 @@ def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
         return tf.Gemma2Config(
             vocab_size=1000, max_position_embeddings=positions, num_labels=2, pad_token_id=0, head_dim=32, **shape
         )
+    if name == "llama-deep":  # the llama's width, 32 layers: where what a method does per layer shows at short inputs
+        shape = {**shape, "num_hidden_layers": 32}
     if name == "llama-1b":
         shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
     return tf.LlamaConfig(
@@ -240,7 +243,7 @@ def table(results: list[dict]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b", "gemma2"])
+    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b", "llama-deep", "gemma2"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
