@@ -68,7 +68,9 @@ top = int(result.seq_attr[1:].argmax()) + 1  # BOS aside
 print("AttnLRP's top prompt token:", result.input_tokens[top])
 assert top == example.needle_position, "AttnLRP points at the needle"
 fig, ax = result.plot_seq_attr()
-fig.set_size_inches(10, 3)
+fig.set_size_inches(10, 3.2)
+plt.setp(ax.get_xticklabels(), rotation=-60)  # every prompt token's label on top, none over the next
+fig.tight_layout()
 
 # %%
 # A longer answer, token by token: ``token_attr`` has one row per answer token, from one
@@ -77,7 +79,11 @@ fig.set_size_inches(10, 3)
 result = llm_attr.attribute(inp, target=f"{WORDS[example.answer]} ? k0")
 print(result.output_tokens, tuple(result.token_attr.shape))
 fig, ax = result.plot_token_attr()
-fig.set_size_inches(10, 3.5)
+fig.set_size_inches(12, 3.8)
+for value in ax.texts:  # Captum writes every cell's value to four decimals
+    value.set_fontsize(7)
+plt.setp(ax.get_xticklabels(), rotation=-60)
+fig.tight_layout()
 
 # %%
 # The whole answer and its tokens
