@@ -10,9 +10,9 @@ Models (random weights, sequence classifiers, so the explained logit is one clas
 ``llama``: 4 layers, hidden 256, 8 heads, 4 KV heads; ``bert``: 6 layers, hidden 384, 12
 heads; ``llama-1b``: shaped like Llama-3.2-1B (16 layers, hidden 2048, 32 heads, 8 KV heads,
 vocabulary cut to 32k); ``llama-deep``: the ``llama``'s width with 32 layers, where a
-method's work per layer shows at short inputs; ``gemma2``: the ``llama`` shape with Gemma-2's logit softcap and
-sliding window, which transformers runs only eagerly, so that its "sdpa" runs are the
-model's own eager attention. For each (batch, length): the model's own sdpa forward and
+method's work per layer shows at short inputs; ``gemma2``: the ``llama`` shape with
+Gemma-2's logit softcap and sliding window, which transformers runs only eagerly, so that
+its "sdpa" runs are the model's own eager attention. For each (batch, length): the model's own sdpa forward and
 forward+backward to the input embeddings, each method streaming (``capture="streaming"``)
 and ``attention_erasure`` streaming (10% of the keys erased: two forwards); up to
 ``--eager-max`` tokens also the eager forward and forward+backward with attentions and each

@@ -87,8 +87,9 @@ class ModelModules:
 def model_modules(model: nn.Module, adapter: AttentionAdapter) -> ModelModules:
     """The layers and the module kinds of ``model``; a refusal in one line where the
     adapter does not pair each attention with its layer."""
-    sites = [site.module for site in adapter.attention_sites(model)]
-    blocks = layer_blocks(model, adapter)
+    attention_sites = adapter.attention_sites(model)
+    sites = [site.module for site in attention_sites]
+    blocks = layer_blocks(model, adapter, attention_sites)
     if not blocks or any(block is None for block in blocks):
         raise UnsupportedModelError(
             f"DecompX runs {type(model).__name__} layer by layer, but its adapter does not name each attention's layer (layer_block)."

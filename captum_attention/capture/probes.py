@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
-from .adapters import AttentionAdapter
+from .adapters import AttentionAdapter, AttentionSite
 from .inputs import take_rows
 
 Event = str
@@ -421,11 +421,12 @@ class RecordedBlocks:
     cache: dict = field(default_factory=dict)
 
 
-def layer_blocks(model: nn.Module, adapter: AttentionAdapter) -> list[nn.Module | None]:
-    """Each attention site's layer (the adapter's ``layer_block``), in the sites' order;
+def layer_blocks(model: nn.Module, adapter: AttentionAdapter, sites: Sequence[AttentionSite] | None = None) -> list[nn.Module | None]:
+    """Each attention site's layer (the adapter's ``layer_block``), in the sites' order
+    (``sites``: the adapter's ``attention_sites``, where the caller has them already);
     None where the adapter does not know it."""
     find = getattr(adapter, "layer_block", None)
-    return [find(model, site.module) if find else None for site in adapter.attention_sites(model)]
+    return [find(model, site.module) if find else None for site in (adapter.attention_sites(model) if sites is None else sites)]
 
 
 class LayerBlocks(Probe):
@@ -450,7 +451,8 @@ class LayerBlocks(Probe):
         self.states = states
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
-        blocks = {id(block): block for block in layer_blocks(model, adapter) if block is not None}
+        sites = adapter.attention_sites(model)
+        blocks = {id(block): block for block in layer_blocks(model, adapter, sites) if block is not None}
         calls: list[BlockCall] = []
         self._calls, thread = calls, threading.get_ident()
         pending: dict[int, tuple[tuple, dict, list | None]] = {}
@@ -486,7 +488,7 @@ class LayerBlocks(Probe):
                     seen.append((module, kept_input, hidden.detach()))
 
         inside_attention = set() if self.states is False else {
-            id(m) for site in adapter.attention_sites(model) for m in site.module.modules() if m is not site.module
+            id(m) for site in sites for m in site.module.modules() if m is not site.module
         }
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
