@@ -131,8 +131,10 @@ def test_each_example_alone_gets_its_batched_relevance_and_the_model_is_left_as_
         one_args = None if args is None else tuple(a[b : b + 1] for a in args)
         alone = AttnLRP(model).attribute(one, target=TARGET, additional_forward_args=one_args)
         for part_alone, part_batched in zip(*(x if pairs else (x,) for x in (alone, batched))):
-            n = part_alone.shape[1]
-            torch.testing.assert_close(part_alone[0], part_batched[b, -n:] if family in ("gpt2", "llama") else part_batched[b, :n], rtol=1e-4, atol=1e-6)
+            n, scale = part_alone.shape[1], part_batched.abs().max().item()
+            expected = part_batched[b, -n:] if family in ("gpt2", "llama") else part_batched[b, :n]
+            # T5 (no attention scaling) rounds the same sums differently in a batch: 2e-5 of the scale on some CPUs
+            torch.testing.assert_close(part_alone[0], expected, rtol=1e-4, atol=5e-5 * scale)
     if not pairs and batched.dim() == 2:
         assert (batched[~real] == 0).all(), "padding scores 0"
 
