@@ -21,7 +21,9 @@ from test_streaming import FAMILIES, _case
 
 from captum_attention import METHODS, AttnLRP
 from captum_attention._compat import attention_function
-from captum_attention.maps.lrp import identity_rule, layer_norm_rule, rms_norm_rule, share_gradient
+from captum_attention.maps.lrp import (
+    RuleSwitch, held_constant, identity_rule, layer_norm_rule, linear_rule, rms_norm_rule, share_gradient,
+)
 
 UNIT_ROUNDOFF = 2.0**-24
 
@@ -203,6 +205,38 @@ def test_each_rule_on_its_own():
     torch.testing.assert_close(grad_x, upstream * weight * scale)
 
 
+def test_each_rule_with_its_switch_off_passes_the_ordinary_gradient():
+    """A rule given a RuleSwitch: on, the rule's backward, as without a switch; off, on the
+    same forward's graph, the ordinary gradient of the operation it stands for."""
+    F = torch.nn.functional
+    generator = torch.Generator().manual_seed(1)
+    x, other = (torch.randn(3, 4, generator=generator, requires_grad=True) for _ in range(2))
+    weight, bias, upstream = (torch.randn(*shape, generator=generator) for shape in ((4,), (4,), (3, 4)))
+    linear_weight = torch.randn(4, 4, generator=generator)
+
+    def rms(x):
+        return torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+
+    cases = {  # (the rule, given a switch or None; the operation)
+        "uniform": (lambda s: share_gradient(x, 0.5, s) * share_gradient(other, 0.5, s), lambda: x * other),
+        "identity": (lambda s: identity_rule(x, F.gelu(x), s), lambda: F.gelu(x)),
+        "held constant": (lambda s: x * held_constant(rms(x), s), lambda: x * rms(x)),
+        "layer norm": (lambda s: layer_norm_rule(x, (4,), weight, bias, 1e-5, s), lambda: F.layer_norm(x, (4,), weight, bias, 1e-5)),
+        "rms norm": (lambda s: rms_norm_rule(x, (4,), weight, 1e-6, s), lambda: F.rms_norm(x, (4,), weight, 1e-6)),
+        "gamma": (lambda s: linear_rule(x, linear_weight, bias, 0.25, switch=s), lambda: F.linear(x, linear_weight, bias)),
+    }
+    for name, (ruled, operation) in cases.items():
+        switch = RuleSwitch()
+        output = ruled(switch)
+        torch.testing.assert_close(output, operation(), msg=name)
+        (relevance_grad,) = torch.autograd.grad(output, x, upstream, retain_graph=True)
+        torch.testing.assert_close(relevance_grad, torch.autograd.grad(ruled(None), x, upstream)[0], msg=name)
+        switch.rules = False
+        (ordinary,) = torch.autograd.grad(operation(), x, upstream)
+        torch.testing.assert_close(torch.autograd.grad(output, x, upstream)[0], ordinary, msg=name)
+        assert not torch.allclose(relevance_grad, ordinary), name
+
+
 def test_another_thread_gets_the_ordinary_gradient_of_the_same_model_during_a_call():
     import threading
 
@@ -262,8 +296,6 @@ def _gamma_relevance_by_loops(x, weight, bias, relevance, gamma):
 
 @pytest.mark.parametrize("gamma", [0.25, 1.0])
 def test_the_gamma_rule_equals_its_definition_and_conserves_without_bias(gamma):
-    from captum_attention.maps.lrp import linear_rule
-
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 6, generator=generator, dtype=torch.float64)
     weight = torch.randn(4, 6, generator=generator, dtype=torch.float64)

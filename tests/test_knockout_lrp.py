@@ -51,6 +51,21 @@ def test_each_continuation_row_and_each_example_alone_are_combined_as_the_span()
         torch.testing.assert_close(batched[b : b + 1, real], alone, rtol=1e-4, atol=1e-5 * alone.abs().max().item())
 
 
+@pytest.mark.usefixtures("capture_mode")
+def test_one_forward_serves_the_relevance_and_the_slope_on_every_path():
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    args = dict(additional_forward_args=(prompts.attention_mask,))
+    explainer, forwards = KnockoutLRP(model), []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        explainer.attribute(prompts.input_ids, target=4, **args)
+        explainer.attribute_span(prompts.input_ids, CONTINUATION, **args)
+        explainer.attribute_continuation(prompts.input_ids, CONTINUATION, **args)
+    finally:
+        hook.remove()
+    assert len(forwards) == 3
+
+
 def test_a_classifier_and_the_llm_interface():
     model = make_model("bert")
     batch = make_batch(model)
@@ -73,7 +88,7 @@ def test_a_classifier_and_the_llm_interface():
     combined, first_order = (
         LLMAttentionAttribution(cls(decoder), tokenizer).attribute(prompt, target="seven").seq_attr for cls in (KnockoutLRP, KnockoutGradient)
     )
-    assert combined.shape == (5,) and int((combined != first_order).sum()) == 1
+    assert combined.shape == (5,) and int(_changed(combined, first_order).sum()) == 1
 
 
 def test_an_image_takes_its_decisive_patch_from_the_whole_grid():
@@ -84,7 +99,7 @@ def test_an_image_takes_its_decisive_patch_from_the_whole_grid():
     assert scores.shape == (2, 4, 4)
     expected = reference_decisive(first_order.flatten(1), relevance.flatten(1), 2).view(2, 4, 4)
     torch.testing.assert_close(scores, expected)
-    assert int((scores != first_order).sum()) == 4  # two patches an image, not two a grid row
+    assert int(_changed(scores, first_order).sum()) == 4  # two patches an image, not two a grid row
 
 
 def test_an_encoder_decoder_is_refused_as_by_knockout_gradient_before_any_pass():
@@ -110,3 +125,9 @@ def test_decisive_is_a_positive_count(decisive):
     with pytest.raises(ValueError, match="decisive must be a number of tokens") as refused:
         KnockoutLRP(make_decoder("llama"), decisive=decisive)
     assert "\n" not in str(refused.value)
+
+
+def _changed(scores, first_order):
+    """Where the scores are not the first-order effects (beyond rounding: the slope comes
+    from a backward on the graph of a forward under AttnLRP's rules)."""
+    return (scores - first_order).abs() > 1e-5 * first_order.abs().max()

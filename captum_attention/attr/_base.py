@@ -189,7 +189,8 @@ class AttentionAttributionBase:
         """One forward with the method's probes (in the autograd graph for gradient
         methods); with ``effective=True`` its maps are effective attention; under
         propagation rules, given text embeddings are where relevance is read."""
-        relevance = self.spec.needs == "relevance"
+        probes = self._probes(effective, **options)
+        relevance = any(isinstance(probe, RelevanceRules) for probe in probes)
         pixels = None
         if relevance:
             check_gradients_possible()
@@ -204,7 +205,7 @@ class AttentionAttributionBase:
                     format_additional_forward_args(additional_forward_args), options.get("pixel_baselines", 0.0)
                 )
         record = record_forward(
-            self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=self._probes(effective, **options),
+            self.forward_func, self.model, inputs, additional_forward_args, self.adapter, probes=probes,
             track_grad=self.spec.needs == "backward", query_index=query_index, streaming=streaming,
             confirm_rows=self.spec.reads_query_row,
         )
@@ -225,7 +226,7 @@ class AttentionAttributionBase:
         ``target`` where the method needs one."""
         needs, reduction = self.spec.needs, self.spec.gradient_reduction
         if needs == "relevance":
-            return _with_relevance(record, target, retain_graph)
+            return with_relevance(record, target, retain_graph)
         if reduction is not None and not record.streaming:
             return record.with_gradients(target, reduction, retain_graph)
         if needs == "backward":
@@ -236,7 +237,7 @@ class AttentionAttributionBase:
         """The scores of an explained record, and the maps ``return_maps`` gives (None
         where the method has none)."""
         if self.spec.needs == "relevance":
-            return _relevance_scores(record), None
+            return relevance_scores(record), None
         if record.streaming:
             return self._streamed_scores(record, **options), None
         if record.is_encoder_decoder:
@@ -422,7 +423,7 @@ class TokenRelevance:
     pixels: Tensor | None = None
 
 
-def _with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:
+def with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:
     """The record with the relevance of each embedded sequence (and of the pixels the
     record carried relevance to) for ``target``."""
     embeddings = record.result(Embeddings).tensors
@@ -443,7 +444,7 @@ def _with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, r
     return record.with_result(TokenRelevance(relevance, pixels.relevance(grads[-1])))
 
 
-def _relevance_scores(record: ForwardRecord) -> Scores:
+def relevance_scores(record: ForwardRecord) -> Scores:
     """The relevance per token, aligned right with the tokens the attention sees (a
     vision transformer's class and distillation tokens, which have no input embedding,
     get 0); an encoder-decoder's ``(source, target)``; with pixels, ``(tokens, pixels)``."""

@@ -7,13 +7,13 @@ from typing import Any, Callable, Literal
 from torch import Tensor, nn
 
 from .._compat import TargetType
-from ..capture import AttentionAdapter
-from ..capture.inputs import QueryIndex
+from ..capture import AttentionAdapter, ForwardRecord, Probe
+from ..capture.inputs import LogProbTarget, QueryIndex
+from ..capture.lrp import RelevanceRules
 from ..capture.runner import CaptureMode
-from ..maps import knockout_head_sum, with_decisive_tokens
-from ._base import Scores, attribute_method
+from ..maps import knockout_head_sum, lrp, with_decisive_tokens
+from ._base import Scores, attribute_method, relevance_scores, with_relevance
 from ._registry import MethodSpec
-from .attn_lrp import AttnLRP
 from .knockout_gradient import KnockoutGradient
 
 
@@ -39,9 +39,11 @@ class KnockoutLRP(KnockoutGradient):
     without the decisive token apart and ranks the rest by their small effects, as
     deleting does. Where the relevance's top token does not decide the answer, the
     surrogate still sets it apart: :func:`~captum_attention.metrics.leave_one_out_estimates`
-    deletes it exactly instead, at one forward more. Two forwards and two backwards (the
-    slope's and the relevance's), in both capture modes; signed, in the units of the
-    explained score. Registered (``"knockout_lrp"``), not in the reports.
+    deletes it exactly instead, at one forward more. One forward, under AttnLRP's rules,
+    and two backwards on its graph: the relevance's, then, the rules switched off
+    (:class:`~captum_attention.maps.lrp.RuleSwitch`), the ordinary gradient's for the
+    slope; in both capture modes; signed, in the units of the explained score. Registered
+    (``"knockout_lrp"``), not in the reports.
 
     Args:
         $constructor_args
@@ -73,7 +75,6 @@ class KnockoutLRP(KnockoutGradient):
             raise ValueError(f"decisive must be a number of tokens, 1 or more, got {decisive!r}.")
         super().__init__(forward_func, model, adapter, capture, block_memory)
         self.decisive = decisive
-        self.attn_lrp = AttnLRP(forward_func, self.model, adapter, capture, block_memory)
 
     @attribute_method
     def attribute(
@@ -97,45 +98,19 @@ class KnockoutLRP(KnockoutGradient):
         $returns
         """
         self._refuse_maps(return_maps, "sums every call into one score per token")
-        # the checks, then AttnLRP, here and below: a model either refuses costs no knockout pass
-        self._one_stack_adapter()
-        relevance = self.attn_lrp.attribute(inputs, target, additional_forward_args, query_index)
-        first_order = super().attribute(inputs, target, additional_forward_args, query_index)
-        return self._decisive(first_order, relevance, tokens_from=1)
+        return self._explain(inputs, target, additional_forward_args, query_index, False)
 
-    def attribute_continuation(
-        self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any = None, log_prob: bool = False, **options: Any
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_continuation`'s
-        rows, each with its decisive tokens' AttnLRP relevance (two forwards: the
-        slope's and the relevance's)."""
-        self._check_options(options, "attribute_continuation")
-        self._one_stack_adapter()
-        relevance = self.attn_lrp.attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
-        first_order = super().attribute_continuation(inputs, continuation, additional_forward_args, log_prob)
-        return self._decisive(first_order, relevance)
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        rules = RelevanceRules(lrp.AttnLRPRules(switch=lrp.RuleSwitch()))
+        return [*super()._probes(effective, **options), rules]
 
-    def attribute_span(
-        self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any = None, **options: Any
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """:meth:`~captum_attention.attr.AttentionAttributionBase.attribute_span`'s scores,
-        with the decisive tokens' AttnLRP relevance (two forwards and two backwards: the
-        slope's and the relevance's)."""
-        self._check_options(options, "attribute_span")
-        self._one_stack_adapter()
-        relevance = self.attn_lrp.attribute_span(inputs, continuation, additional_forward_args)
-        first_order = super().attribute_span(inputs, continuation, additional_forward_args)
-        return self._decisive(first_order, relevance)
+    def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
+        switch = next(probe.rules.switch for probe in record.capture.probes if isinstance(probe, RelevanceRules))
+        switch.rules = True
+        record = with_relevance(record, target, retain_graph=True)
+        switch.rules = False
+        return super()._explained(record, target, retain_graph)
 
-    def _decisive(self, first_order: Any, relevance: Any, tokens_from: int = -1) -> Any:
-        """The knockout scores (a tensor, or Captum's tuple of one) with the decisive tokens'
-        relevance, each row's tokens the dimensions from ``tokens_from`` on (an image's
-        patch grid chosen from as a whole)."""
-
-        def joined(scores: Tensor, relevance: Tensor) -> Tensor:
-            tokens = with_decisive_tokens(scores.flatten(tokens_from), relevance.flatten(tokens_from), self.decisive)
-            return tokens.view_as(scores)
-
-        if isinstance(first_order, tuple):
-            return tuple(joined(f, r) for f, r in zip(first_order, relevance))
-        return joined(first_order, relevance)
+    def _method_scores(self, record: ForwardRecord, **options: Any) -> tuple[Scores, Any]:
+        first_order, maps = super()._method_scores(record, **options)
+        return with_decisive_tokens(first_order, relevance_scores(record), self.decisive), maps

@@ -53,6 +53,8 @@ class PropagationRules(Protocol):
 
     def identity_rule(self, x: Tensor, y: Tensor) -> Tensor: ...
 
+    def held_constant(self, x: Tensor) -> Tensor: ...
+
     def layer_norm_rule(
         self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
         bias: Tensor | None = None, eps: float = 1e-5,
@@ -205,7 +207,7 @@ class RelevanceRules(Probe):
             return None
         self.depth -= 1
         if module in self._activations and args and _is_activation_tensor(args[0]) and isinstance(output, Tensor):
-            return self.rules.identity_rule(args[0], output.detach())
+            return self.rules.identity_rule(args[0], output)
         return None
 
     def _record_embeddings(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -257,7 +259,7 @@ class _RuleMode(ScopedFunctionMode):
             return rules.rms_norm_rule(*args, **kwargs)
         if self.relevance.depth > 0:
             result = func(*args, **kwargs)
-            return result.detach() if func in (torch.rsqrt, Tensor.rsqrt) else result
+            return rules.held_constant(result) if func in (torch.rsqrt, Tensor.rsqrt) else result
         if func in _PRODUCTS and len(args) == 2 and all(_is_activation_tensor(a) and a.numel() > 1 for a in args):
             return func(rules.share_gradient(args[0], 0.5), rules.share_gradient(args[1], 0.5))
         if rules.gamma and func is F.linear and _is_activation_tensor(args[0]):

@@ -28,6 +28,10 @@ only the backward of its operation; the forward values are the model's own.
 Every rule conserves relevance except where a bias (of a linear layer, a norm, the
 attention mask or a position bias) or the softmax absorbs some; the conservation tests
 account for each absorbed term.
+
+A rule given a :class:`RuleSwitch` applies in a backward only while the switch is on, and
+passes the ordinary gradient otherwise, so that one forward under the rules serves a
+relevance backward and an ordinary one (the activations' own graphs are then kept).
 """
 
 from __future__ import annotations
@@ -41,42 +45,85 @@ from torch import Tensor
 from torch.autograd import Function
 
 
+class RuleSwitch:
+    """Whether the backward of the rules built with it applies them (``rules``, the
+    default) or passes the ordinary gradient; read when each backward runs."""
+
+    def __init__(self) -> None:
+        self.rules = True
+
+
+def _applies(switch: RuleSwitch | None) -> bool:
+    return switch is None or switch.rules
+
+
 class _SharedGradient(Function):
     """Forward: ``x`` unchanged (a view); backward: the gradient times ``share``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, share: float) -> Tensor:
-        ctx.share = share
+    def forward(ctx: Any, x: Tensor, share: float, switch: RuleSwitch | None) -> Tensor:
+        ctx.share, ctx.switch = share, switch
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.share, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (grad * ctx.share if _applies(ctx.switch) else grad), None, None
 
 
-def share_gradient(x: Tensor, share: float) -> Tensor:
+def share_gradient(x: Tensor, share: float, switch: RuleSwitch | None = None) -> Tensor:
     """``x``, passing back ``share`` times the gradient it receives."""
-    return _SharedGradient.apply(x, share)
+    return _SharedGradient.apply(x, share, switch)
 
 
 class _IdentityRule(Function):
-    """Forward: ``y``; backward to ``x``: the gradient times ``y / x`` (0 where x = 0)."""
+    """Forward: ``y``; backward to ``x``: the gradient times ``y / x`` (0 where x = 0);
+    with the switch off, the gradient to ``y``, through its own graph."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor) -> Tensor:
-        ctx.save_for_backward(torch.where(x == 0, 0.0, y / x))
+    def forward(ctx: Any, x: Tensor, y: Tensor, switch: RuleSwitch | None) -> Tensor:
+        ctx.save_for_backward(x, y)  # not y / x: both are kept anyway, by f and by the operation reading y
+        ctx.switch = switch
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (ratio,) = ctx.saved_tensors
-        return grad * ratio, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if not _applies(ctx.switch):
+            return None, grad, None
+        x, y = ctx.saved_tensors
+        return grad * torch.where(x == 0, 0.0, y / x), None, None
 
 
-def identity_rule(x: Tensor, y: Tensor) -> Tensor:
+def identity_rule(x: Tensor, y: Tensor, switch: RuleSwitch | None = None) -> Tensor:
     """``y = f(x)`` of an element-wise non-linearity ``f``, with relevance passed through
-    unchanged: :math:`x \\odot g_x = y \\odot g_y`. ``y`` is the model's output, detached."""
-    return _IdentityRule.apply(x, y)
+    unchanged: :math:`x \\odot g_x = y \\odot g_y`. ``y`` is the model's output; its graph
+    is kept only with a ``switch``, which may ask for its ordinary gradient."""
+    return _IdentityRule.apply(x, y if switch is not None else y.detach(), switch)
+
+
+def _ordinary_grad(function: Any, x: Tensor, grad: Tensor, *args: Any) -> Tensor:
+    """The ordinary gradient of ``function(x, *args)`` to ``x``, recomputed."""
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        return torch.autograd.grad(function(leaf, *args), leaf, grad)[0]
+
+
+class _HeldConstant(Function):
+    """Forward: ``x`` unchanged (a view); backward: nothing (or, with the switch off, the
+    gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, switch: RuleSwitch) -> Tensor:
+        ctx.switch = switch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        return (None if _applies(ctx.switch) else grad), None
+
+
+def held_constant(x: Tensor, switch: RuleSwitch | None = None) -> Tensor:
+    """``x`` as a constant of the backward: a normalisation's scale under the rules."""
+    return x.detach() if switch is None else _HeldConstant.apply(x, switch)
 
 
 def _normalised_dims(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, ...]:
@@ -88,26 +135,34 @@ class _LayerNormRule(Function):
     :math:`g_x = (u - \\bar u) / \\sigma` with :math:`u = w \\odot g_y`."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float,
+        switch: RuleSwitch | None,
+    ) -> Tensor:
         dims = _normalised_dims(x, normalized_shape)
-        ctx.dims = dims
-        ctx.save_for_backward(torch.rsqrt(x.float().var(dim=dims, unbiased=False, keepdim=True) + eps), weight)
+        ctx.dims, ctx.switch, ctx.norm = dims, switch, (normalized_shape, eps)
+        inverse_std = torch.rsqrt(x.float().var(dim=dims, unbiased=False, keepdim=True) + eps)
+        ctx.save_for_backward(inverse_std, weight, None if switch is None else x)
         return F.layer_norm(x, normalized_shape, weight, bias, eps)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        inverse_std, weight = ctx.saved_tensors
+        inverse_std, weight, x = ctx.saved_tensors
+        if not _applies(ctx.switch):
+            shape, eps = ctx.norm  # the bias does not change the gradient to x
+            return _ordinary_grad(F.layer_norm, x, grad, shape, weight, None, eps), None, None, None, None, None
         scaled = grad.float() if weight is None else grad.float() * weight.float()
         centred = scaled - scaled.mean(dim=ctx.dims, keepdim=True)
-        return (centred * inverse_std).to(grad.dtype), None, None, None, None
+        return (centred * inverse_std).to(grad.dtype), None, None, None, None, None
 
 
 def layer_norm_rule(
-    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
+    switch: RuleSwitch | None = None,
 ) -> Tensor:
     """``F.layer_norm(x, ...)``, relevance through it by the identity rule on the division
     by the standard deviation (no gradient reaches ``weight`` or ``bias``)."""
-    return _LayerNormRule.apply(x, tuple(normalized_shape), weight, bias, eps)
+    return _LayerNormRule.apply(x, tuple(normalized_shape), weight, bias, eps, switch)
 
 
 class _RMSNormRule(Function):
@@ -115,23 +170,33 @@ class _RMSNormRule(Function):
     :math:`g_x = w \\odot g_y / \\mathrm{rms}(x)`."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None, switch: RuleSwitch | None
+    ) -> Tensor:
         dims = _normalised_dims(x, normalized_shape)
         floor = torch.finfo(x.dtype).eps if eps is None else eps
-        ctx.save_for_backward(torch.rsqrt(x.float().pow(2).mean(dim=dims, keepdim=True) + floor), weight)
+        ctx.switch, ctx.norm = switch, (normalized_shape, eps)
+        inverse_rms = torch.rsqrt(x.float().pow(2).mean(dim=dims, keepdim=True) + floor)
+        ctx.save_for_backward(inverse_rms, weight, None if switch is None else x)
         return F.rms_norm(x, normalized_shape, weight, eps)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        inverse_rms, weight = ctx.saved_tensors
+        inverse_rms, weight, x = ctx.saved_tensors
+        if not _applies(ctx.switch):
+            shape, eps = ctx.norm
+            return _ordinary_grad(F.rms_norm, x, grad, shape, weight, eps), None, None, None, None
         scaled = grad.float() if weight is None else grad.float() * weight.float()
-        return (scaled * inverse_rms).to(grad.dtype), None, None, None
+        return (scaled * inverse_rms).to(grad.dtype), None, None, None, None
 
 
-def rms_norm_rule(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+def rms_norm_rule(
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None,
+    switch: RuleSwitch | None = None,
+) -> Tensor:
     """``F.rms_norm(x, ...)``, relevance through it by the identity rule on the division by
     the root mean square."""
-    return _RMSNormRule.apply(x, tuple(normalized_shape), weight, eps)
+    return _RMSNormRule.apply(x, tuple(normalized_shape), weight, eps, switch)
 
 
 class _GammaLinear(Function):
@@ -142,14 +207,18 @@ class _GammaLinear(Function):
     contributions of the output's own sign count :math:`1 + \gamma` times."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, gamma: float, stabilizer: float) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, gamma: float, stabilizer: float, switch: RuleSwitch | None
+    ) -> Tensor:
         ctx.save_for_backward(x, weight, bias)
-        ctx.gamma, ctx.stabilizer = gamma, stabilizer
+        ctx.gamma, ctx.stabilizer, ctx.switch = gamma, stabilizer, switch
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias = ctx.saved_tensors
+        if not _applies(ctx.switch):
+            return grad @ weight, None, None, None, None, None
         gamma = ctx.gamma
         favour_positive = weight + gamma * weight.clamp(min=0)
         favour_negative = weight + gamma * weight.clamp(max=0)
@@ -167,29 +236,49 @@ class _GammaLinear(Function):
         up, down = share(z_positive, output > 0), share(z_negative, output < 0)
         on_positive = up @ favour_positive + down @ favour_negative
         on_negative = up @ favour_negative + down @ favour_positive
-        return torch.where(x > 0, on_positive, torch.where(x < 0, on_negative, 0.0)), None, None, None, None
+        return torch.where(x > 0, on_positive, torch.where(x < 0, on_negative, 0.0)), None, None, None, None, None
 
 
-def linear_rule(x: Tensor, weight: Tensor, bias: Tensor | None = None, gamma: float = 0.0, stabilizer: float = 1e-6) -> Tensor:
+def linear_rule(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, gamma: float = 0.0, stabilizer: float = 1e-6,
+    switch: RuleSwitch | None = None,
+) -> Tensor:
     """``F.linear(x, weight, bias)`` under the ε-rule with ε → 0 (``gamma=0``: the ordinary
     gradient) or the generalised γ-rule (:class:`_GammaLinear`)."""
-    return F.linear(x, weight, bias) if gamma == 0 else _GammaLinear.apply(x, weight, bias, gamma, stabilizer)
+    return F.linear(x, weight, bias) if gamma == 0 else _GammaLinear.apply(x, weight, bias, gamma, stabilizer, switch)
 
 
 @dataclass(frozen=True)
 class AttnLRPRules:
     """The rules of this module as the capture layer applies them
-    (:class:`~captum_attention.capture.lrp.PropagationRules`), with the linear layers' γ."""
+    (:class:`~captum_attention.capture.lrp.PropagationRules`), with the linear layers' γ
+    and, optionally, the :class:`RuleSwitch` that turns them off in a later backward."""
 
     gamma: float = 0.0
+    switch: RuleSwitch | None = None
 
-    share_gradient = staticmethod(share_gradient)
-    identity_rule = staticmethod(identity_rule)
-    layer_norm_rule = staticmethod(layer_norm_rule)
-    rms_norm_rule = staticmethod(rms_norm_rule)
+    def share_gradient(self, x: Tensor, share: float) -> Tensor:
+        return share_gradient(x, share, self.switch)
+
+    def identity_rule(self, x: Tensor, y: Tensor) -> Tensor:
+        return identity_rule(x, y, self.switch)
+
+    def held_constant(self, x: Tensor) -> Tensor:
+        return held_constant(x, self.switch)
+
+    def layer_norm_rule(
+        self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, bias: Tensor | None = None,
+        eps: float = 1e-5,
+    ) -> Tensor:
+        return layer_norm_rule(x, normalized_shape, weight, bias, eps, self.switch)
+
+    def rms_norm_rule(
+        self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
+    ) -> Tensor:
+        return rms_norm_rule(x, normalized_shape, weight, eps, self.switch)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return linear_rule(x, weight, bias, self.gamma)
+        return linear_rule(x, weight, bias, self.gamma, switch=self.switch)
 
 
 def token_relevance(embeddings: Tensor, grad: Tensor) -> Tensor:
