@@ -24,6 +24,7 @@ from test_encoder_decoder import make_pair
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention._compat import attention_function
+from captum_attention.attr import REGISTRY
 from captum_attention.maps import kernel
 from captum_attention.maps import streaming
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
@@ -514,16 +515,16 @@ def test_an_output_whose_gradient_vanishes_at_the_top_is_explained_as_eager_capt
 
 
 @pytest.mark.parametrize("decoder", ["llama", "gpt2"])
-@pytest.mark.parametrize("method", ["grad_sam", "transformer_attribution"])
+@pytest.mark.parametrize("method", ["grad_sam", "transformer_attribution", "attn_lrp", "knockout_lrp"])
 def test_answers_explained_through_the_rows_backward_equal_eager_capture(decoder, method, monkeypatch):
     """A language model's answer, per token and as a span, streamed with the top layer's
-    backward taken from the answer's rows alone, equals eager capture (grouped heads and
-    left padding for Llama)."""
+    backward taken from the answer's rows alone (under AttnLRP's rules too), equals eager
+    capture (grouped heads and left padding for Llama)."""
     from captum_attention.capture import kernel as capture_kernel
 
     model, prompts = make_decoder(decoder), make_prompts(side="left")
     continuation, args = torch.tensor([[7, 8], [10, 11], [13, 14]]), (prompts.attention_mask,)
-    cls = METHODS[method].cls
+    cls = REGISTRY[method]
     expected = [
         cls(model, capture="eager").attribute_continuation(prompts.input_ids, continuation, args, log_prob=True),
         cls(model, capture="eager").attribute_span(prompts.input_ids, continuation, args),

@@ -89,9 +89,10 @@ def _dispatch(
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
     def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False) -> Tensor:
-        if inputs is None and rows_backward and _rows_backward_applies(call, (query, key, value), attention_mask):
-            return _RowsBackward.apply(query, key, value, call, run)
-        return run(*((query, key, value) if inputs is None else inputs(query, key, value)))
+        used = (query, key, value) if inputs is None else inputs(query, key, value)
+        if rows_backward and _rows_backward_applies(call, used, attention_mask):
+            return _RowsBackward.apply(*used, call, run)
+        return run(*used)
 
     return recorder(module, call, run_kernel), None
 

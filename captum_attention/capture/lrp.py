@@ -190,7 +190,7 @@ class RelevanceRules(Probe):
     def attention(self, run_kernel: Callable[..., Tensor]) -> Tensor:
         """One attention kernel call under the uniform rule on ``Q·Kᵀ`` and ``A·V``."""
         share = self.rules.share_gradient
-        output = run_kernel(lambda query, key, value: (share(query, 0.5), share(key, 0.5), value))
+        output = run_kernel(lambda query, key, value: (share(query, 0.5), share(key, 0.5), value), rows_backward=True)
         return share(output, 0.5)
 
     def _ours(self) -> bool:
