@@ -105,12 +105,15 @@ class KnockoutLRP(KnockoutGradient):
         return [*super()._probes(effective, **options), rules]
 
     def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
-        switch = next(probe.rules.switch for probe in record.capture.probes if isinstance(probe, RelevanceRules))
-        switch.rules = True
+        rules = next(probe.rules for probe in record.capture.probes if isinstance(probe, RelevanceRules))
+        assert isinstance(rules, lrp.AttnLRPRules) and rules.switch is not None  # the rules of _probes
+        rules.switch.rules = True
         record = with_relevance(record, target, retain_graph=True)
-        switch.rules = False
+        rules.switch.rules = False
         return super()._explained(record, target, retain_graph)
 
     def _method_scores(self, record: ForwardRecord, **options: Any) -> tuple[Scores, Any]:
         first_order, maps = super()._method_scores(record, **options)
-        return with_decisive_tokens(first_order, relevance_scores(record), self.decisive), maps
+        relevance = relevance_scores(record)
+        assert isinstance(first_order, Tensor) and isinstance(relevance, Tensor)  # one stack's tokens, no pixels
+        return with_decisive_tokens(first_order, relevance, self.decisive), maps
