@@ -107,23 +107,10 @@ def _ordinary_grad(function: Any, x: Tensor, grad: Tensor, *args: Any) -> Tensor
         return torch.autograd.grad(function(leaf, *args), leaf, grad)[0]
 
 
-class _HeldConstant(Function):
-    """Forward: ``x`` unchanged (a view); backward: nothing (or, with the switch off, the
-    gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, switch: RuleSwitch) -> Tensor:
-        ctx.switch = switch
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        return (None if _applies(ctx.switch) else grad), None
-
-
 def held_constant(x: Tensor, switch: RuleSwitch | None = None) -> Tensor:
-    """``x`` as a constant of the backward: a normalisation's scale under the rules."""
-    return x.detach() if switch is None else _HeldConstant.apply(x, switch)
+    """``x`` as a constant of the backward: a normalisation's scale under the rules (with a
+    switch, a share of 0 of the gradient, so that the switch off passes all of it)."""
+    return x.detach() if switch is None else share_gradient(x, 0.0, switch)
 
 
 def _normalised_dims(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, ...]:
