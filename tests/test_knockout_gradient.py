@@ -16,16 +16,41 @@ from captum_attention import KnockoutGradient
 CONTINUATION = torch.tensor([[5, 6], [7, 8], [9, 10]])
 
 
-@pytest.mark.usefixtures("capture_mode")
-@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
-def test_span_equals_the_reference_of_the_summed_log_probability(decoder):
+def _assert_span_equals_the_reference(decoder: str, capture: str = "auto") -> None:
     model, prompts = make_decoder(decoder), make_prompts(side="left")
     sequence = _sequence(prompts, CONTINUATION)
     ref = lm_span_reference(model, Prompts(sequence.input_ids, sequence.attention_mask), CONTINUATION)
-    scores = KnockoutGradient(model).attribute_span(prompts.input_ids, CONTINUATION, additional_forward_args=(prompts.attention_mask,))
+    explainer = KnockoutGradient(model, capture=capture)
+    scores = explainer.attribute_span(prompts.input_ids, CONTINUATION, additional_forward_args=(prompts.attention_mask,))
     expected = knockout_reference(ref.attentions, ref.grads, sequence.real, sequence.input_ids.shape[1] - 2)
     assert expected.abs().max() > 0
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
+def test_span_equals_the_reference_of_the_summed_log_probability(decoder):
+    _assert_span_equals_the_reference(decoder)
+
+
+@pytest.mark.parametrize("path", ["kernel backward", "recomputed rows"])
+@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
+def test_streamed_slopes_from_the_kernels_backward_or_from_recomputed_rows_equal_the_reference(decoder, path, monkeypatch):
+    """Streaming reads each call's slopes from the kernel's own backward (a zero bias on
+    the keys' logits riding on it) where the call can carry one, else from its rows
+    recomputed block by block: each path alone equals the reference."""
+    from captum_attention.attr import knockout_gradient
+    from captum_attention.capture import kernel, probes
+
+    def not_taken(*args, **kwargs):
+        raise AssertionError(f"streaming left the {path} path")
+
+    if path == "kernel backward":
+        monkeypatch.setattr(knockout_gradient, "knockout_column_sums", not_taken)
+    else:
+        monkeypatch.setattr(probes, "key_bias_applies", lambda call: False)
+        monkeypatch.setattr(kernel, "_with_key_bias", not_taken)
+    _assert_span_equals_the_reference(decoder, capture="streaming")
 
 
 def test_it_is_the_slope_of_the_log_probability_in_a_bias_on_the_tokens_keys():

@@ -500,6 +500,51 @@ def test_a_kernel_call_differentiated_on_few_rows_takes_their_backward_alone(mon
             _rel_close(got, want)
 
 
+@pytest.mark.parametrize("rows_backward", [False, True])
+@pytest.mark.parametrize("scaling", ["keyword", "positional", "default"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_key_bias_rides_on_the_kernel_and_its_gradient_sums_the_logits_gradient(masked, scaling, rows_backward, monkeypatch):
+    """Through the wrapped attention function (grouped heads; causal keys longer than the
+    queries, which transformers crops, or left padding in a float mask), a zero bias on
+    the keys' logits leaves the output as it is, whichever way the model gives the scale,
+    and its gradient is Σ over the rows and each key head's query heads of dS/dlogits,
+    computed here from the explicit probabilities."""
+    from captum_attention.capture import kernel as capture_kernel
+
+    monkeypatch.setattr(capture_kernel, "ROWS_BACKWARD_SHARE", 1.0)
+    generator = torch.Generator().manual_seed(5)
+    queries, keys, dim = 12, 12 if masked else 15, 8
+    query = torch.randn(2, 4, queries, dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, 2, keys, dim, generator=generator, requires_grad=True) for _ in range(2))
+    allowed = torch.ones(queries, queries, dtype=torch.bool).tril()[None, None]
+    mask = None
+    if masked:
+        allowed = allowed & (torch.arange(keys)[None] >= torch.tensor([0, 4])[:, None])[:, None, None, :]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    args, kwargs = {"keyword": ((), {"scaling": dim**-0.5}), "positional": ((0.0, dim**-0.5), {}), "default": ((), {})}[scaling]
+    bias = torch.zeros(2, 2, queries, requires_grad=True)
+
+    def attend(key_bias):
+        recorder = lambda module, call, run_kernel: run_kernel(rows_backward=rows_backward, key_bias=key_bias)  # noqa: E731
+        with capture_kernel.KernelInterception(recorder):
+            return attention_function("sdpa")(module, query, key, value, mask, *args, **kwargs)[0]
+
+    grad_output = torch.randn(2, queries, 4, dim, generator=generator)
+    grad_output[1, :4] = 0.0  # the padding rows: no gradient reaches them in a model
+    output = attend(bias)
+    _rel_close(output, attend(None))
+    (actual,) = torch.autograd.grad(output, bias, grad_output)
+    logits = query @ key[:, :, :queries].repeat_interleave(2, dim=1).transpose(-1, -2) * dim**-0.5
+    probs = (logits + mask if masked else logits.masked_fill(~allowed, -torch.inf)).softmax(dim=-1)  # as the kernel adds it
+    grad_probs = grad_output.transpose(1, 2) @ value[:, :, :queries].repeat_interleave(2, dim=1).transpose(-1, -2)
+    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
+    expected = grad_logits.sum(dim=2).reshape(2, 2, 2, queries).sum(dim=2)
+    assert expected.abs().max() > 0
+    _rel_close(actual, expected.detach())
+
+
 @pytest.mark.parametrize("cls", [GradSAM, TransformerAttribution])
 def test_an_output_whose_gradient_vanishes_at_the_top_is_explained_as_eager_capture_explains_it(cls):
     """BART's padding token has a zero embedding, tied to the output layer: its logit's

@@ -9,11 +9,13 @@ from captum.attr import GradientAttribution
 from torch import Tensor
 
 from .._compat import TargetType
-from ..capture import ForwardRecord, GradMaps, OutputGrads
+from ..capture import ForwardRecord, GradMaps, OutputGrads, Probe
 from ..capture.inputs import QueryIndex
+from ..capture.probes import ZeroKeyBiases
+from ..capture.record import KeyBiasGrads
 from ..maps import knockout_head_sum
 from ..maps.kernel import block_shape
-from ..maps.streaming import knockout_column_sums
+from ..maps.streaming import key_bias_column_sums, knockout_column_sums
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 
@@ -90,9 +92,18 @@ class KnockoutGradient(AttentionAttributionBase, GradientAttribution):
             scores[:, : column_sums.shape[1]] += column_sums.masked_fill(~real_keys.to(head_sum.device), 0.0).to(scores.device)
         return scores, []
 
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        return [*super()._probes(effective, **options), ZeroKeyBiases()]
+
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
         scores = torch.zeros(record.target_real.shape, device=record.target_real.device)
-        for call, grad, role in zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles):
-            column_sums = knockout_column_sums(call, grad, *record.real_of(role), block_shape(call, self.block_memory))
+        slopes = record.results.get(KeyBiasGrads)
+        for index, (call, grad, role) in enumerate(zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles)):
+            real_queries, real_keys = record.real_of(role)
+            bias_grad = None if slopes is None else slopes.grads[index]
+            if bias_grad is None:  # a call that could not carry the bias: its rows recomputed
+                column_sums = knockout_column_sums(call, grad, real_queries, real_keys, block_shape(call, self.block_memory))
+            else:
+                column_sums = key_bias_column_sums(bias_grad, real_keys.to(bias_grad.device))
             scores[:, : column_sums.shape[1]] += column_sums.to(scores.device)
         return scores

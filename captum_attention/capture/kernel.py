@@ -40,9 +40,11 @@ of what the model gave it (the tensors in the autograd graph)."""
 
 Recorder = Callable[[nn.Module, KernelCall, Callable[..., Tensor]], Tensor]
 """``recorder(module, call, run_kernel) -> output``: sees each call of the kernel;
-``run_kernel(inputs=None, rows_backward=False)`` runs it, on the model's tensors or on
-``inputs`` of them (:data:`KernelInputs`); ``rows_backward``: with a backward that skips the
-query rows without gradient (:class:`_RowsBackward`)."""
+``run_kernel(inputs=None, rows_backward=False, key_bias=None)`` runs it, on the model's
+tensors or on ``inputs`` of them (:data:`KernelInputs`); ``rows_backward``: with a backward
+that skips the query rows without gradient (:class:`_RowsBackward`); ``key_bias``: a
+``(B, H / groups, K)`` tensor added to every query's logit of each key
+(:func:`key_bias_applies`)."""
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("captum_attention_kernel", default=None)
 
@@ -86,15 +88,67 @@ def _dispatch(
         if call.explicit:  # keys and values as the call holds them (cropped to a causal call's queries)
             used_query, used_key, used_value = used
             return _ExplicitAttention.apply(used_query, used_key[:, :, : call.num_keys], used_value[:, :, : call.num_keys], call)
+        if used[0].shape[-1] != query.shape[-1]:  # widened by a key bias: the scale stays the model's
+            positional, named = _with_scaling(args, kwargs, call.scale)
+            return original(module, *used, attention_mask, *positional, **named)[0]
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
-    def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False) -> Tensor:
+    def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False, key_bias: Tensor | None = None) -> Tensor:
         used = (query, key, value) if inputs is None else inputs(query, key, value)
+        if key_bias is not None:
+            used = _with_key_bias(used, key_bias, call.scale)
+            _read_from(call, used)
         if rows_backward and _rows_backward_applies(call, used, attention_mask):
-            return _RowsBackward.apply(*used, call, run)
-        return run(*used)
+            output = _RowsBackward.apply(*used, call, run)
+        else:
+            output = run(*used)
+        return output if key_bias is None else output[..., :-1].contiguous()  # contiguous: what the model keeps
 
     return recorder(module, call, run_kernel), None
+
+
+def key_bias_applies(call: KernelCall) -> bool:
+    """Whether ``run_kernel`` can add a key bias to this call: a float32 or float64 call
+    on a CPU that ``scaled_dot_product_attention`` computes (not :attr:`explicit
+    <captum_attention.maps.kernel.KernelCall.explicit>`). The bias rides on one more query
+    and key dimension (query 1, key ``bias / scale``; the values padded with a zero), so
+    the kernel computes the biased logits and its own backward gives the bias's gradient,
+    Σ over the query rows of dS/dlogits, with no pass over the attention of its own
+    (measured on a CPU: the kernel about 15% slower, at any head size). On a GPU the wider
+    heads may leave the flash kernels: not used there until measured."""
+    return (
+        call.query.device.type == "cpu" and call.query.dtype in (torch.float32, torch.float64)
+        and not call.explicit and torch.is_grad_enabled()
+    )
+
+
+def _with_key_bias(used: tuple[Tensor, ...], key_bias: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(query, key, value)`` one dimension wider, so that ``s·q'·k'ᵀ = s·q·kᵀ + bias``
+    (the bias zero-padded to the keys the kernel received) and the values' new dimension
+    is zero."""
+    query, key, value = used
+    bias = F.pad(key_bias, (0, key.shape[2] - key_bias.shape[2]))
+    ones = query.new_ones(*query.shape[:-1], 1)
+    return (
+        torch.cat([query, ones], dim=-1), torch.cat([key, (bias / scale)[..., None].to(key.dtype)], dim=-1),
+        F.pad(value, (0, 1)),
+    )
+
+
+def _read_from(call: KernelCall, widened: tuple[Tensor, ...]) -> None:
+    """The call's query, key and value as views of the widened ones (the same values),
+    which the kernel keeps for its backward: a record of the call holds no copy of its own."""
+    keys = call.num_keys
+    query, key, value = (tensor.detach()[..., :-1] for tensor in widened)
+    call.query, call.key, call.value = query, key[:, :, :keys], value[:, :, :keys]
+
+
+def _with_scaling(args: tuple, kwargs: dict, scale: float) -> tuple[tuple, dict]:
+    """The attention function's arguments after the mask with ``scaling`` (the second,
+    after ``dropout``) set to ``scale``."""
+    if len(args) >= 2:
+        return (args[0], scale, *args[2:]), kwargs
+    return args, {**kwargs, "scaling": scale}
 
 
 ROWS_BACKWARD_SHARE = 1 / 16
@@ -126,7 +180,10 @@ class _RowsBackward(torch.autograd.Function):
         leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
         with torch.enable_grad():
             output = run(*leaves)
-        ctx.call, ctx.leaves, ctx.output = replace(call), leaves, output  # a copy: the recorder sets call.output to ours
+        # a copy of the tensors used (one dimension wider under a key bias): the recorder sets call.output to ours
+        query, key, value = (leaf.detach() for leaf in leaves)
+        used = replace(call, query=query, key=key[:, :, : call.num_keys], value=value[:, :, : call.num_keys])
+        ctx.call, ctx.leaves, ctx.output = used, leaves, output
         return output.detach()
 
     @staticmethod

@@ -11,6 +11,9 @@ receives only the events it declares in :attr:`Probe.events`:
 - ``"product"`` (eager capture): each matrix product computed inside an attention call;
 - ``"kernel"`` (streaming capture): each call of the attention kernel; the probe may
   compute the call's output itself;
+- ``"key_bias"`` (streaming capture): each call of the attention kernel, before the
+  ``"kernel"`` event; the probe may give a bias on each key's logits that the kernel adds,
+  whoever runs it;
 - ``"call_end"``: the end of each attention call, with the tensors that weighted its values;
 - ``"masks"``: the padding masks the model received;
 - ``"backward"``: a backward pass through the capture
@@ -37,14 +40,16 @@ from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
 from .inputs import take_rows
+from .kernel import key_bias_applies
 
 Event = str
-"""One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"call_end"``, ``"masks"``, ``"backward"``."""
+"""One of ``"softmax"``, ``"product"``, ``"kernel"``, ``"key_bias"``, ``"call_end"``,
+``"masks"``, ``"backward"``."""
 
 RunKernel = Callable[..., Tensor]
 """``run_kernel(inputs=None, rows_backward=False)``: runs the model's attention kernel, on
-its own query, key and value or on ``inputs(query, key, value)`` of them (see
-:data:`~captum_attention.capture.kernel.Recorder`)."""
+its own query, key and value or on ``inputs(query, key, value)`` of them, with the call's
+key bias where a probe gave one (see :data:`~captum_attention.capture.kernel.Recorder`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,6 +110,11 @@ class Probe:
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
         """The call's output ``(B, Q, H, Dv)`` computed by the probe, or None for the
         kernel's own. ``call`` is None for kernel calls outside the adapter's modules."""
+        return None
+
+    def key_bias(self, call: CallInfo, kernel: KernelCall) -> Tensor | None:
+        """A ``(B, H / groups, K)`` tensor the kernel adds to every query's logit of each
+        key, or None (:func:`~captum_attention.capture.kernel.key_bias_applies`)."""
         return None
 
     def on_call_end(self, call: CallInfo, pieces: Sequence[Tensor]) -> None:
@@ -273,6 +283,37 @@ class KeysTransform(Probe):
         if new_keys is None:
             return None
         return run_kernel(lambda query, key, value: (query, new_keys(kernel.key), value))
+
+
+@dataclass
+class KeyBiases(PerCall):
+    """Per attention call, the zero ``(B, H / groups, K)`` bias its kernel added to each
+    key's logits, in the autograd graph, or None where the call could not carry one."""
+
+    biases: list[Tensor | None]
+
+
+class ZeroKeyBiases(Probe):
+    """Adds a zero bias to the logits of each key of every kernel call that can carry one
+    (:func:`~captum_attention.capture.kernel.key_bias_applies`), in the autograd graph: a
+    backward's gradient in it is, per key head, the sum over its query heads and the query
+    rows of dS/dlogits (result: :class:`KeyBiases`, in call order). Nothing under an eager
+    capture."""
+
+    events = frozenset({"key_bias"})
+
+    def __init__(self) -> None:
+        self._biases: dict[int, Tensor | None] = {}
+
+    def key_bias(self, call: CallInfo, kernel: KernelCall) -> Tensor | None:
+        bias = None
+        if key_bias_applies(kernel):
+            bias = kernel.query.new_zeros(kernel.key.shape[:3]).requires_grad_()
+        self._biases[call.index] = bias
+        return bias
+
+    def result(self) -> KeyBiases:
+        return KeyBiases([self._biases[index] for index in sorted(self._biases)])
 
 
 @dataclass

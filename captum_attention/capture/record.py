@@ -27,7 +27,7 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, query_row_weights, resolve_targets
 from .kernel import StreamingUnsupported
-from .probes import GradientReduction, GradMaps, GradMode, LastCallGraph, MaskShape, PerCall, Probe
+from .probes import GradientReduction, GradMaps, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
 from .runner import resolve_adapter
 
@@ -43,6 +43,15 @@ class OutputGrads(PerCall):
     (:meth:`ForwardRecord.with_output_gradients`)."""
 
     grads: list[Tensor]
+
+
+@dataclass
+class KeyBiasGrads(PerCall):
+    """Streaming records: per attention call, dS/d(its :class:`KeyBiases`), ``(B, H /
+    groups, K)``: Σ over the query rows and each key head's query heads of dS/dlogits;
+    None where the call carried no bias (:meth:`ForwardRecord.with_output_gradients`)."""
+
+    grads: list[Tensor | None]
 
 
 @dataclass
@@ -169,11 +178,14 @@ class ForwardRecord:
 
     def with_output_gradients(self, target: TargetType | LogProbTarget, retain_graph: bool = False) -> "ForwardRecord":
         """A streaming record with :class:`OutputGrads`: dS/dO of every call for S =
-        :meth:`target_score`."""
+        :meth:`target_score`; and :class:`KeyBiasGrads` where the forward's calls carried
+        :class:`KeyBiases`."""
         score = self.target_score(target)
+        biases = self.results.get(KeyBiases)
         with torch.enable_grad():
-            grads = self.capture.output_gradients(score, retain_graph=retain_graph)
-        return self.with_result(OutputGrads(grads))
+            grads, bias_grads = self.capture.output_gradients(score, retain_graph, biases.biases if biases else ())
+        record = self.with_result(OutputGrads(grads))
+        return record.with_result(KeyBiasGrads(bias_grads)) if biases else record
 
     def head_rows(self) -> Tensor:
         """``(B, L, H, K)`` float32: every call's and head's attention at the explained

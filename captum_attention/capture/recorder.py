@@ -6,6 +6,7 @@ import contextvars
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence, cast
 
 import torch
@@ -157,17 +158,22 @@ class AttentionCapture(ModelChanges):
             return grads[0].ne(0).flatten(2).any(dim=2)  # (B, Q, H, D)
         return self._as_heads(call, list(grads), gradient=True).ne(0).any(dim=-1).any(dim=1)
 
-    def output_gradients(self, score: Tensor, retain_graph: bool = False) -> list[Tensor]:
+    def output_gradients(
+        self, score: Tensor, retain_graph: bool = False, also: Sequence[Tensor | None] = ()
+    ) -> tuple[list[Tensor], list[Tensor | None]]:
         """Streaming mode: dS/dO per attention call, the gradient of the kernel's output
-        ``(batch, queries, heads, head_dim)``, from one backward pass."""
+        ``(batch, queries, heads, head_dim)``, and the gradients of the tensors ``also``
+        (None for a None, or one the score does not reach), from one backward pass."""
         outputs = [call.output for call in self.kernel_calls]
         if not all(isinstance(o, Tensor) for o in outputs):
             raise RuntimeError("Output gradients need AttentionCapture(track_grad=True, streaming=True).")
         if not all(o.requires_grad for o in outputs):  # type: ignore[union-attr]
             raise _no_gradient(self.model)
-        grads = torch.autograd.grad(score, outputs, allow_unused=True, retain_graph=retain_graph)  # type: ignore[arg-type]
-        self._check_used([g is not None for g in grads])
-        return list(grads)  # type: ignore[arg-type]
+        inputs = cast(list[Tensor], [*outputs, *(t for t in also if t is not None)])
+        grads = list(torch.autograd.grad(score, inputs, allow_unused=True, retain_graph=retain_graph))
+        self._check_used([g is not None for g in grads[: len(outputs)]])
+        extra_grads = iter(grads[len(outputs) :])
+        return grads[: len(outputs)], [None if t is None else next(extra_grads) for t in also]  # type: ignore[return-value]
 
     def run_backward(
         self, score: Tensor, listeners: Sequence[Probe], retain_graph: bool = False, attn_maps: Sequence[Tensor] = ()
@@ -333,11 +339,15 @@ class AttentionCapture(ModelChanges):
         call = self._open[-1] if self._open else None
         ours = call is not None and call.kernel is None and any(m is module for m in call.module.modules())
         info = self._call_info(call) if ours and call is not None else None  # None: not ours to record
+        key_bias = None if info is None else next(
+            (bias for probe in self._listening("key_bias") if (bias := probe.key_bias(info, kernel)) is not None), None
+        )
+        run = run_kernel if key_bias is None else partial(run_kernel, key_bias=key_bias)
         output = next(
-            (out for probe in self._listening("kernel") if (out := probe.on_kernel(info, kernel, run_kernel)) is not None),
+            (out for probe in self._listening("kernel") if (out := probe.on_kernel(info, kernel, run)) is not None),
             None,
         )
-        output = run_kernel(rows_backward=self.track_grad) if output is None else output
+        output = run(rows_backward=self.track_grad) if output is None else output
         if call is None or info is None:
             return output
         kernel.output = output
