@@ -87,6 +87,30 @@ def test_a_classifier_is_explained_over_all_its_rows_and_the_model_left_as_found
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+def test_a_head_that_reads_the_padding_rows_is_explained_over_the_real_rows_in_both_modes():
+    """A head that averages every position, padding included: the padding rows' output
+    gradient is not zero, so the kernel's sum over every row is not the real rows' sum, and
+    streaming recomputes those calls' rows instead: eager capture's scores."""
+    from conftest import make_batch, make_model
+
+    model = make_model("bert")
+    batch = make_batch(model)
+    assert not bool(batch.attention_mask.all())
+    weight = torch.randn(model.config.hidden_size, 2, generator=torch.Generator().manual_seed(0))
+
+    def pooled(input_ids, attention_mask):
+        states = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
+        return states.mean(dim=1) @ weight
+
+    streamed, eager = (
+        KnockoutGradient(pooled, model=model, capture=capture).attribute(
+            batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,)
+        )
+        for capture in ("streaming", "eager")
+    )
+    torch.testing.assert_close(streamed, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
 def test_refusals_are_one_line():
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     with pytest.raises(ValueError, match="no maps") as refused:

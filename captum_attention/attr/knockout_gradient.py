@@ -14,7 +14,7 @@ from ..capture.inputs import QueryIndex
 from ..capture.probes import ZeroKeyBiases
 from ..capture.record import KeyBiasGrads
 from ..maps import knockout_head_sum
-from ..maps.kernel import block_shape
+from ..maps.kernel import block_shape, live_rows
 from ..maps.streaming import key_bias_column_sums, knockout_column_sums
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
@@ -101,7 +101,8 @@ class KnockoutGradient(AttentionAttributionBase, GradientAttribution):
         for index, (call, grad, role) in enumerate(zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles)):
             real_queries, real_keys = record.real_of(role)
             bias_grad = None if slopes is None else slopes.grads[index]
-            if bias_grad is None:  # a call that could not carry the bias: its rows recomputed
+            if bias_grad is None or bool((live_rows(grad) & ~real_queries.to(grad.device)).any()):
+                # no bias on this call, or a row it summed that is no real query: the rows recomputed
                 column_sums = knockout_column_sums(call, grad, real_queries, real_keys, block_shape(call, self.block_memory))
             else:
                 column_sums = key_bias_column_sums(bias_grad, real_keys.to(bias_grad.device))

@@ -253,8 +253,8 @@ def key_bias_column_sums(bias_grad: Tensor, real_keys: Tensor) -> Tensor:
     """:func:`knockout_column_sums` ``(B, K)`` from the gradient ``(B, H / groups, K')`` of a
     zero bias on each key's logits (Σ over the query rows of dS/dlogits per key head, its
     query heads summed, which the kernel's own backward gives), the non-real keys' columns
-    0. The rows that are not real queries have no output gradient, so the sum over every
-    row is the sum over the real ones."""
+    0: equal where the rows that are not real queries have no output gradient (the
+    caller checks), so that the sum over every row is the sum over the real ones."""
     total = torch.zeros(real_keys.shape, device=real_keys.device)
     total[:, : bias_grad.shape[-1]] += bias_grad.float().sum(dim=1)
     return total.masked_fill_(~real_keys, 0.0)
