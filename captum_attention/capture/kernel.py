@@ -137,8 +137,9 @@ def _with_key_bias(used: tuple[Tensor, ...], key_bias: Tensor, scale: float) -> 
 
 
 def _read_from(call: KernelCall, widened: tuple[Tensor, ...]) -> None:
-    """The call's query, key and value as views of the widened ones (the same values),
-    which the kernel keeps for its backward: a record of the call holds no copy of its own."""
+    """The call's query, key and value as the kernel runs them: views of the widened ones,
+    which it keeps for its backward, so that a record of the call holds no copy of its own
+    (the model's values, unless a probe's ``inputs`` changed them)."""
     keys = call.num_keys
     query, key, value = (tensor.detach()[..., :-1] for tensor in widened)
     call.query, call.key, call.value = query, key[:, :, :keys], value[:, :, :keys]
