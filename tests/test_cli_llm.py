@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import unicodedata
 
-import pytest
 import torch
 from lm_models import make_decoder, make_word_tokenizer
 from test_cli import run_cli

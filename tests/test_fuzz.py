@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from conftest import make_model
 from constants import NUM_LABELS, VOCAB

@@ -12,7 +12,6 @@ import torch
 from conftest import assert_same_state, model_state
 from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
 
-from captum_attention import LLMAttentionAttribution
 from captum_attention.attr import REGISTRY
 from captum_attention.attr.norm_attention import NormAttention
 

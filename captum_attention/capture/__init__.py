@@ -13,8 +13,7 @@ from .adapters import (
     default_adapter,
 )
 from .inputs import LogProbTarget
-from .kernel import StreamingUnsupported
-from .._compat import UnsupportedModelError
+from .._compat import StreamingUnsupported, UnsupportedModelError
 from .probes import (
     AttendedValues,
     CallInfo,

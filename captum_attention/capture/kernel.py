@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
+from .._compat import attention_function, register_attention_function, sdpa_call
 from ..maps import streaming
 from ..maps.kernel import KernelCall, block_shape, live_rows
 from .guard import SharedPatch
@@ -85,9 +85,9 @@ def _dispatch(
     call = kernel_call(module, query, key, value, attention_mask, *args, **kwargs)
 
     def run(*used: Tensor) -> Tensor:
-        if call.explicit:  # keys and values as the call holds them (cropped to a causal call's queries)
-            used_query, used_key, used_value = used
-            return _ExplicitAttention.apply(used_query, used_key[:, :, : call.num_keys], used_value[:, :, : call.num_keys], call)
+        if call.explicit:  # keys and values as the call holds them
+            seen = call.on(*used)
+            return _ExplicitAttention.apply(seen.query, seen.key, seen.value, call)
         if used[0].shape[-1] != query.shape[-1]:  # widened by a key bias: the scale stays the model's
             positional, named = _with_scaling(args, kwargs, call.scale)
             return original(module, *used, attention_mask, *positional, **named)[0]
@@ -140,9 +140,8 @@ def _read_from(call: KernelCall, widened: tuple[Tensor, ...]) -> None:
     """The call's query, key and value as the kernel runs them: views of the widened ones,
     which it keeps for its backward, so that a record of the call holds no copy of its own
     (the model's values, unless a probe's ``inputs`` changed them)."""
-    keys = call.num_keys
-    query, key, value = (tensor.detach()[..., :-1] for tensor in widened)
-    call.query, call.key, call.value = query, key[:, :, :keys], value[:, :, :keys]
+    seen = call.on(*(tensor.detach()[..., :-1] for tensor in widened))
+    call.query, call.key, call.value = seen.query, seen.key, seen.value
 
 
 def _with_scaling(args: tuple, kwargs: dict, scale: float) -> tuple[tuple, dict]:
@@ -183,9 +182,7 @@ class _RowsBackward(torch.autograd.Function):
         with torch.enable_grad():
             output = run(*leaves)
         # a copy of the tensors used (one dimension wider under a key bias): the recorder sets call.output to ours
-        query, key, value = (leaf.detach() for leaf in leaves)
-        used = replace(call, query=query, key=key[:, :, : call.num_keys], value=value[:, :, : call.num_keys])
-        ctx.call, ctx.leaves, ctx.output = used, leaves, output
+        ctx.call, ctx.leaves, ctx.output = call.on(*(leaf.detach() for leaf in leaves)), leaves, output
         return output.detach()
 
     @staticmethod
@@ -232,7 +229,7 @@ _SDPA = SharedPatch(lambda: attention_function("sdpa"), lambda f: register_atten
 def kernel_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *args: Any, **kwargs: Any) -> KernelCall:
     """What transformers' ``sdpa`` attention function computes for this call, as a
     :class:`~captum_attention.maps.kernel.KernelCall` (see
-    :func:`~captum_attention._compat.sdpa_call`); raises :class:`StreamingUnsupported`
+    :func:`~captum_attention._compat.sdpa_call`); raises :class:`~captum_attention.capture.StreamingUnsupported`
     for anything the recomputation cannot reproduce."""
     call = sdpa_call(module, query, key, value, attention_mask, *args, **kwargs)
     return KernelCall(

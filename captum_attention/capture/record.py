@@ -21,13 +21,12 @@ import captum
 import torch
 from torch import Tensor, nn
 
-from .._compat import TargetType, UnsupportedModelError, run_forward
+from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, run_forward
 from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, query_row_weights, resolve_targets
-from .kernel import StreamingUnsupported
-from .probes import GradientReduction, GradMaps, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
+from .probes import GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
 from .runner import resolve_adapter
 

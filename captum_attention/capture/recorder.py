@@ -7,18 +7,18 @@ import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import mha_forward_with_softmax
+from .._compat import StreamingUnsupported, mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
 from .guard import ModelChanges, ScopedFunctionMode
 from ..maps.kernel import KernelCall
-from .kernel import KernelInterception, StreamingUnsupported
+from .kernel import KernelInterception
 from .probes import CallInfo, Probe, RunKernel
 from .runner import resolve_adapter
 

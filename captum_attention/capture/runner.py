@@ -16,8 +16,8 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from torch import nn
 
+from .._compat import StreamingUnsupported
 from .adapters import AttentionAdapter, default_adapter
-from .kernel import StreamingUnsupported
 from .probes import Probe
 
 logger = logging.getLogger("captum_attention")

@@ -14,7 +14,7 @@ blocks. Pure tensor functions: the streaming capture
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -90,6 +90,11 @@ class KernelCall:
     @property
     def num_keys(self) -> int:
         return self.key.shape[2]
+
+    def on(self, query: Tensor, key: Tensor, value: Tensor) -> KernelCall:
+        """This call on other tensors, their keys and values cropped to the ones the call
+        sees (transformers crops a causal call's keys beyond its queries)."""
+        return replace(self, query=query, key=key[:, :, : self.num_keys], value=value[:, :, : self.num_keys])
 
     def key_span(self, rows: slice) -> int:
         """How many leading keys the query rows ``rows`` can see: all of them, or under the

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
 from ..capture.inputs import QueryIndex, format_inputs, take_rows
-from ..capture.runner import CaptureMode, CaptureRunner, resolve_adapter, resolve_model, stream_refusal
+from ..capture.runner import CaptureMode, CaptureRunner, resolve_adapter, stream_refusal
 
 
 def run_model(

@@ -31,8 +31,9 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
 from ..capture.inputs import QueryIndex
+from ..capture.runner import resolve_model
 from ..maps import on_heads
-from ._forward import js_divergence, layer_set, resolve_model, run_model
+from ._forward import js_divergence, layer_set, run_model
 
 Rows = Literal["all", "query"]
 

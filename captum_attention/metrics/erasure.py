@@ -15,10 +15,11 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.inputs import query_positions
 from ..capture.probes import RunKernel
+from ..capture.runner import resolve_model
 from ..maps import erase_keys, on_heads, streaming
 from ..maps.kernel import KernelCall, block_shape
 from ._checks import check_rankable
-from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model, select_rows
+from ._forward import CaptureMode, js_divergence, layer_set, run_model, select_rows
 
 
 @dataclass

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter
 from ..capture.inputs import format_inputs
 from ..capture import RecordedValues, ValueRecorder, record_forward
+from ..capture.runner import resolve_model
 from ..maps import null_space_dims
-from ._forward import resolve_model
 
 
 @dataclass

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.probes import RunKernel
+from ..capture.runner import resolve_model
 from ..maps import on_heads, permute_rows
 from ..maps.kernel import KernelCall, transformed_output
-from ._forward import CaptureMode, js_divergence, layer_set, resolve_model, run_model
+from ._forward import CaptureMode, js_divergence, layer_set, run_model
 
 
 @dataclass

@@ -17,8 +17,9 @@ from torch import Tensor, nn
 from .._compat import TargetType
 from ..capture import AttentionAdapter, GradMaps, OutputGrads
 from ..capture.record import HeadReduction
+from ..capture.runner import resolve_model
 from ..maps import mask_padding
-from ._forward import CaptureMode, resolve_model, run_model
+from ._forward import CaptureMode, run_model
 
 
 Kind = Literal["attention", "gradient", "gradient_attention"]
