@@ -140,8 +140,9 @@ class DecompX(AttentionAttributionBase, Attribution):
         return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        backward = not self._multiply_by_inputs or without_biases(model_modules(self.model, resolve_adapter(self.model, self.adapter)))
-        return [*super()._probes(effective, **options), ShareGradients() if backward else LinearisationPoints()]
+        modules = model_modules(self.model, resolve_adapter(self.model, self.adapter))  # one walk of the tree per call
+        backward = not self._multiply_by_inputs or without_biases(modules)
+        return [*super()._probes(effective, **options), ShareGradients(modules) if backward else LinearisationPoints(modules)]
 
     def _forward(self, inputs: tuple[Tensor, ...], additional_forward_args: Any, *args: Any) -> ForwardRecord:
         if self.model.training:

@@ -290,13 +290,19 @@ def _from_first_layer(
 
 
 class LinearisationPoints(Probe):
-    """Records :class:`Points` in the explained forward (both capture modes)."""
+    """Records :class:`Points` in the explained forward (both capture modes).
 
-    def __init__(self) -> None:
+    Args:
+        modules (ModelModules, optional): :func:`model_modules` of the model it will run
+            in, where the caller has them; found when it enters otherwise. Default: None.
+    """
+
+    def __init__(self, modules: ModelModules | None = None) -> None:
+        self._modules = modules
         self._points: Points | None = None
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
-        modules = model_modules(model, adapter)
+        modules = self._modules or model_modules(model, adapter)
         points = self._points = Points(modules)
 
         def keep(key: int, module: nn.Module | None, inputs: Tensor, output: Tensor, layer: int | None) -> None:
@@ -483,12 +489,17 @@ class ShareGradients(Probe):
 
     Whether an activation gates (:meth:`Points.gated`: no linear map of its layer takes
     its output) is known only once the layer has run; its backward asks then.
+
+    Args:
+        modules (ModelModules, optional): :func:`model_modules` of the model it will run
+            in, where the caller has them; found when it enters otherwise. Default: None.
     """
 
     events = frozenset({"kernel", "softmax"})
     needs_grad = True
 
-    def __init__(self) -> None:
+    def __init__(self, modules: ModelModules | None = None) -> None:
+        self._modules = modules
         self._leaf: Tensor | None = None
         self._held: set[int] = set()
         self._offsets: list[tuple[Tensor, Tensor]] = []
@@ -496,7 +507,7 @@ class ShareGradients(Probe):
         self._thread = threading.get_ident()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
-        modules = model_modules(model, adapter)
+        modules = self._modules or model_modules(model, adapter)
         self._kinds, self._leaf, self._held, self._offsets, self._open_gates = modules.kinds, None, set(), [], []
         self._thread = threading.get_ident()
         stack.callback(self._open_gates.clear)
