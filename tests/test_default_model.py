@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import signal
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
-from captum_attention.demo import corpus
+from captum_attention.demo import corpus, needle
 from captum_attention.demo import default_model as dm
 
 REDUCED = dm.TrainingBudget(train_size=640, epochs=2, heldout_size=300)
@@ -190,3 +194,36 @@ def test_the_first_run_says_what_it_trains_and_where_it_caches_it(tmp_path, monk
     assert "Fine-tuning the default model" in said and str(folder) in said and "busy machine" in said
     dm.default_model_path(tmp_path, REDUCED, progress=True)
     assert "Fine-tuning" not in capsys.readouterr().err, "a cached model is loaded silently"
+
+
+def test_the_shipped_needle_model_is_what_its_training_gives_and_answers_long_contexts(tmp_path, monkeypatch):
+    """The shipped checkpoint: intact, recorded as trained with ``NeedleTraining()``, shaped
+    as the training builds it, its tokenizer the task's, answering held-out contexts far
+    beyond its training lengths; loaded without training or caching anything."""
+    monkeypatch.setenv(dm.CACHE_ENV, str(tmp_path))
+    metadata = dm.read_metadata(needle.CHECKPOINT)
+    assert metadata is not None and metadata["training"] == json.loads(json.dumps(asdict(needle.NeedleTraining())))
+    model = needle.load_needle_model(progress=False)
+    assert not any(tmp_path.iterdir()), "the shipped model was trained or cached instead of loaded"
+    built = needle._new_model(0)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in built.state_dict().items()}
+    saved_only = ("architectures", "dtype")  # what saving adds to the configuration
+    assert {k: v for k, v in model.config.to_diff_dict().items() if k not in saved_only} == built.config.to_diff_dict()
+    assert not model.training
+    assert bool((model.model.rotary_emb.inv_freq == 0).all()), "position encoding left on"
+    text = "f3 k3=v7 f1 ? k3"
+    assert AutoTokenizer.from_pretrained(needle.CHECKPOINT)(text).input_ids == needle.needle_tokenizer()(text).input_ids
+    generator = torch.Generator().manual_seed(123)
+    assert needle.needle_accuracy(model, [needle.needle_example(length, generator) for length in (512, 4096) for _ in range(8)]) >= 0.9
+
+
+def test_a_damaged_shipped_needle_model_is_refused_in_one_line(tmp_path, monkeypatch):
+    copy = tmp_path / needle.MODEL_NAME
+    shutil.copytree(needle.CHECKPOINT, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(needle, "CHECKPOINT", copy)
+    with pytest.raises(RuntimeError, match="missing or damaged.*reinstall captum-attention"):
+        needle.load_needle_model(progress=False)

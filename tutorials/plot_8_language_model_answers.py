@@ -9,7 +9,7 @@ We explain the answer through Captum's LLM interface, compare the whole answer w
 tokens, find the needle in a long prompt, score the attributions with the context
 metrics, and time Captum's own LLM attributions on the same prompt. The model has no
 position encoding, so the lookup it learned on contexts of up to 2,048 tokens holds far
-beyond them; it trains in about two and a half minutes the first time and is cached.
+beyond them; its weights ship with the package.
 """
 
 # %%
