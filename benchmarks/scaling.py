@@ -1,6 +1,6 @@
 """Time and peak memory of each method, streaming and eager, against length and batch size.
 
-    python benchmarks/scaling.py [--model llama|bert|llama-1b|llama-deep|gemma2] [--device cpu|cuda]
+    python benchmarks/scaling.py [--model llama|bert|llama-1b|llama-deep|gemma2|gpt-oss] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--lengths 1024 2048 4096 8192 16384]
         [--batches 1 4 16] [--batch-length 512] [--eager-max 4096] [--repeats 1]
         [--reduction default|eager|compiled|triton] [--json out.json]
@@ -12,7 +12,9 @@ heads; ``llama-1b``: shaped like Llama-3.2-1B (16 layers, hidden 2048, 32 heads,
 vocabulary cut to 32k); ``llama-deep``: the ``llama``'s width with 32 layers, where a
 method's work per layer shows at short inputs; ``gemma2``: the ``llama`` shape with
 Gemma-2's logit softcap and sliding window, which transformers runs only eagerly, so that
-its "sdpa" runs are the model's own eager attention. For each (batch, length): the model's own sdpa forward and
+its "sdpa" runs are the model's own eager attention; ``gpt-oss``: the ``llama`` shape with
+gpt-oss's attention sinks, alternating 128-token windows and a mixture of 4 experts (2 per
+token), also run eagerly by transformers. For each (batch, length): the model's own sdpa forward and
 forward+backward to the input embeddings, each method streaming (``capture="streaming"``)
 and ``attention_erasure`` streaming (10% of the keys erased: two forwards); up to
 ``--eager-max`` tokens also the eager forward and forward+backward with attentions and each
@@ -74,6 +76,9 @@ ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, JOINED, 
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
+MODELS = ["llama", "bert", "llama-1b", "llama-deep", "gemma2", "gpt-oss"]
+
+
 def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
     positions = max(max_length, 512)
     if name == "bert":
@@ -85,6 +90,11 @@ def model_config(name: str, max_length: int) -> tf.PretrainedConfig:
     if name == "gemma2":  # the Llama's shape with Gemma-2's logit softcap (50) and sliding window (4096)
         return tf.Gemma2Config(
             vocab_size=1000, max_position_embeddings=positions, num_labels=2, pad_token_id=0, head_dim=32, **shape
+        )
+    if name == "gpt-oss":  # the Llama's shape with gpt-oss's sinks, windows and experts
+        return tf.GptOssConfig(
+            vocab_size=1000, max_position_embeddings=positions, num_labels=2, pad_token_id=0, head_dim=32,
+            num_local_experts=4, num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **shape,
         )
     if name == "llama-deep":  # the llama's width, 32 layers: where what a method does per layer shows at short inputs
         shape = {**shape, "num_hidden_layers": 32}
@@ -100,9 +110,10 @@ def scaling_model(name: str, max_length: int, device: str, dtype: torch.dtype) -
     """The model, initialised on ``device`` (a 1B model initialises in seconds on a GPU)."""
     torch.manual_seed(0)
     config = model_config(name, max_length)
-    classifier = {"bert": tf.BertForSequenceClassification, "gemma2": tf.Gemma2ForSequenceClassification}.get(
-        name, tf.LlamaForSequenceClassification
-    )
+    classifier = {
+        "bert": tf.BertForSequenceClassification, "gemma2": tf.Gemma2ForSequenceClassification,
+        "gpt-oss": tf.GptOssForSequenceClassification,
+    }.get(name, tf.LlamaForSequenceClassification)
     with torch.device(device):
         return classifier(config).eval().to(dtype=dtype)
 
@@ -243,7 +254,7 @@ def table(results: list[dict]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "bert", "llama-1b", "llama-deep", "gemma2"])
+    parser.add_argument("--model", default="llama", choices=MODELS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])

@@ -80,6 +80,22 @@ def test_pytest_benchmark_harness_smoke():
     assert "14 passed" in out.stdout  # the sdpa and eager baselines and each registered method in both modes
 
 
+@pytest.mark.parametrize("model", ["llama", "gpt-oss"])
+def test_the_key_bias_and_the_block_reduction_are_timed_in_turns_on_the_same_scores(benchmarks_on_path, tmp_path, model):
+    """On the Llama (sdpa) and on gpt-oss (sinks, computed explicitly): every run timed,
+    both paths' scores the same (the benchmark checks them), the switch put back."""
+    import key_bias_in_turns
+
+    from captum_attention.capture import kernel
+
+    saved = tmp_path / "turns.json"
+    (row,) = key_bias_in_turns.main(["--model", model, "--lengths", "48", "--repeats", "1", "--json", str(saved)])
+    expected = {"forward+backward (sdpa)", *(f"{name}{suffix}" for name in ("KnockoutGradient", "KnockoutLRP") for suffix in ("", key_bias_in_turns.BLOCKS))}
+    assert set(row["seconds"]) == expected and row["ratios"]["forward+backward (sdpa)"] == 1.0
+    assert json.loads(saved.read_text())["results"][0]["length"] == 48
+    assert key_bias_in_turns.probes.key_bias_applies is kernel.key_bias_applies
+
+
 def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
     import flow_cost
 

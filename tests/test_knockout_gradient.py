@@ -34,11 +34,12 @@ def test_span_equals_the_reference_of_the_summed_log_probability(decoder):
 
 
 @pytest.mark.parametrize("path", ["kernel backward", "recomputed rows"])
-@pytest.mark.parametrize("decoder", ["llama", "gpt2"])
+@pytest.mark.parametrize("decoder", ["llama", "gpt2", "gpt_oss"])
 def test_streamed_slopes_from_the_kernels_backward_or_from_recomputed_rows_equal_the_reference(decoder, path, monkeypatch):
     """Streaming reads each call's slopes from the kernel's own backward (a zero bias on
-    the keys' logits riding on it) where the call can carry one, else from its rows
-    recomputed block by block: each path alone equals the reference."""
+    the keys' logits riding on it; for gpt-oss's sinks, on the explicit computation's)
+    where the call can carry one, else from its rows recomputed block by block: each path
+    alone equals the reference."""
     from captum_attention.attr import knockout_gradient
     from captum_attention.capture import kernel, probes
 

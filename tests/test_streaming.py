@@ -545,6 +545,56 @@ def test_a_key_bias_rides_on_the_kernel_and_its_gradient_sums_the_logits_gradien
     _rel_close(actual, expected.detach())
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_key_bias_rides_on_an_explicit_call_with_sinks_and_never_on_a_softcap(masked):
+    """gpt-oss's sinks (one logit per head in every row's softmax), which the explicit
+    computation runs: the bias leaves the output as it is and its gradient is Σ over the
+    rows and each key head's query heads of dS/dlogits, from the explicit probabilities
+    with the sink's column. A softcap would cap the bias too: no bias there."""
+    from captum_attention.capture import kernel as capture_kernel
+
+    generator = torch.Generator().manual_seed(6)
+    queries, dim = 10, 8
+    query = torch.randn(2, 4, queries, dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, 2, queries, dim, generator=generator, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=generator)
+    allowed = torch.ones(queries, queries, dtype=torch.bool).tril()[None, None]
+    mask = None
+    if masked:
+        allowed = allowed & (torch.arange(queries)[None] >= torch.tensor([0, 3])[:, None])[:, None, None, :]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    bias = torch.zeros(2, 2, queries, requires_grad=True)
+    applies = []
+
+    def attend(key_bias, **options):
+        def recorder(module, call, run_kernel):
+            applies.append(capture_kernel.key_bias_applies(call))
+            return run_kernel(key_bias=key_bias)
+
+        with capture_kernel.KernelInterception(recorder):
+            return attention_function("sdpa")(module, query, key, value, mask, scaling=dim**-0.5, **options)[0]
+
+    grad_output = torch.randn(2, queries, 4, dim, generator=generator)
+    grad_output[1, :3] = 0.0  # the padding rows: no gradient reaches them in a model
+    output = attend(bias, s_aux=sinks)
+    _rel_close(output, attend(None, s_aux=sinks))
+    (actual,) = torch.autograd.grad(output, bias, grad_output)
+    logits = query @ key.repeat_interleave(2, dim=1).transpose(-1, -2) * dim**-0.5
+    logits = logits + mask if masked else logits.masked_fill(~allowed, -torch.inf)
+    with_sink = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, queries, 1)], dim=-1)
+    probs = with_sink.softmax(dim=-1)[..., :-1]
+    grad_probs = grad_output.transpose(1, 2) @ value.repeat_interleave(2, dim=1).transpose(-1, -2)
+    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
+    expected = grad_logits.sum(dim=2).reshape(2, 2, 2, queries).sum(dim=2)
+    assert expected.abs().max() > 0 and applies == [True, True]
+    _rel_close(actual, expected.detach())
+    applies.clear()
+    attend(None, softcap=30.0)
+    assert applies == [False]
+
+
 @pytest.mark.parametrize("cls", [GradSAM, TransformerAttribution])
 def test_an_output_whose_gradient_vanishes_at_the_top_is_explained_as_eager_capture_explains_it(cls):
     """BART's padding token has a zero embedding, tied to the output layer: its logit's

@@ -109,17 +109,17 @@ def _dispatch(
 
 def key_bias_applies(call: KernelCall) -> bool:
     """Whether ``run_kernel`` can add a key bias to this call: a float32 or float64 call
-    on a CPU that ``scaled_dot_product_attention`` computes (not :attr:`explicit
-    <captum_attention.maps.kernel.KernelCall.explicit>`). The bias rides on one more query
-    and key dimension (query 1, key ``bias / scale``; the values padded with a zero), so
-    the kernel computes the biased logits and its own backward gives the bias's gradient,
-    Σ over the query rows of dS/dlogits, with no pass over the attention of its own
-    (measured on a CPU with heads 32 wide: the kernel's forward and backward about 15%
-    slower). On a GPU the wider heads may leave the flash kernels: not used there until
-    measured."""
+    on a CPU without a softcap (which would cap the bias too), whether
+    ``scaled_dot_product_attention`` computes it or, with sinks, the explicit computation
+    does. The bias rides on one more query and key dimension (query 1, key ``bias /
+    scale``; the values padded with a zero), so the kernel computes the biased logits and
+    its own backward gives the bias's gradient, Σ over the query rows of dS/dlogits, with
+    no pass over the attention of its own (measured on a CPU with heads 32 wide: the
+    kernel's forward and backward about 15% slower). On a GPU the wider heads may leave
+    the flash kernels: not used there until measured."""
     return (
         call.query.device.type == "cpu" and call.query.dtype in (torch.float32, torch.float64)
-        and not call.explicit and torch.is_grad_enabled()
+        and call.softcap is None and torch.is_grad_enabled()
     )
 
 
