@@ -21,6 +21,7 @@ through the adapter's fallbacks (``architecture_agreement``). ``kernel_agreement
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -455,6 +456,40 @@ def kernel_tiles(device: str = "cuda", length: int = 16384) -> None:
         except Exception as error:  # noqa: BLE001 - a shape this card cannot launch (registers, shared memory)
             print(f"| {choice} | fails: {str(error).splitlines()[0][:80]} |", flush=True)
     fused.TILES[device] = default
+
+
+def widened_heads(device: str = "cuda", length: int = 16384) -> None:
+    """Whether sdpa's fast kernels take heads one dimension wider, as the key bias makes
+    them (:func:`~captum_attention.capture.kernel.key_bias_applies`: query 1, key ``bias /
+    scale``, the values padded with a zero), or padded to the next multiple of 8: one causal
+    layer shaped like Llama-3.2-1B's (32 query heads over 8 key heads of 64), its forward
+    and backward under each sdpa backend alone and under sdpa's own choice, in bf16 and
+    fp32. A backend that refuses a shape says so in its cell."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"sdpa's choice": None, **{b.name.lower(): b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                                         SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)}}
+    generator = torch.Generator(device=device).manual_seed(0)
+    print(f"\nOne Llama-1B-shaped causal layer, {length} tokens: sdpa forward+backward ms by head dimension and backend")
+    print("\n| dtype | head dim | " + " | ".join(backends) + " |")
+    print("|---|---|" + "---|" * len(backends))
+    for dtype in (torch.bfloat16, torch.float32):
+        for width in (64, 65, 72):
+            leaves = [torch.randn(1, heads, length, width, device=device, generator=generator).to(dtype).requires_grad_()
+                      for heads in (32, 8, 8)]
+
+            def forward_backward() -> None:
+                F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).sum().backward()
+
+            cells = []
+            for backend in backends.values():
+                try:
+                    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                        cells.append(f"{cuda_cost(forward_backward, device)[0]:.2f}")
+                except RuntimeError:  # no kernel of this backend takes the shape (its warning says why)
+                    cells.append("refused")
+            print(f"| {str(dtype).removeprefix('torch.')} | {width} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

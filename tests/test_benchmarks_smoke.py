@@ -96,6 +96,17 @@ def test_the_key_bias_and_the_block_reduction_are_timed_in_turns_on_the_same_sco
     assert key_bias_in_turns.probes.key_bias_applies is kernel.key_bias_applies
 
 
+def test_the_widened_heads_are_timed_per_backend_and_refusals_named(benchmarks_on_path, capsys):
+    """The device script's question, run on the CPU: sdpa with heads of 64, 65 and 72."""
+    import gpu_check
+
+    gpu_check.widened_heads("cpu", length=16)
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| bfloat16", "| float32"))]
+    assert [row[1] for row in rows] == ["64", "65", "72"] * 2
+    assert all(float(row[-1].rstrip(" |")) > 0 for row in rows)  # the math backend takes every shape
+    assert any("refused" in row for row in rows), "CUDA's backends refuse a CPU tensor"
+
+
 def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
     import flow_cost
 

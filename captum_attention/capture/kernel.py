@@ -116,7 +116,8 @@ def key_bias_applies(call: KernelCall) -> bool:
     its own backward gives the bias's gradient, Σ over the query rows of dS/dlogits, with
     no pass over the attention of its own (measured on a CPU with heads 32 wide: the
     kernel's forward and backward about 15% slower). On a GPU the wider heads may leave
-    the flash kernels: not used there until measured."""
+    the flash kernels: not used there until measured (``bash benchmarks/gpu_run.sh
+    keybias``)."""
     return (
         call.query.device.type == "cpu" and call.query.dtype in (torch.float32, torch.float64)
         and call.softcap is None and torch.is_grad_enabled()
