@@ -514,15 +514,7 @@ def test_a_key_bias_rides_on_the_kernel_and_its_gradient_sums_the_logits_gradien
     monkeypatch.setattr(capture_kernel, "ROWS_BACKWARD_SHARE", 1.0)
     generator = torch.Generator().manual_seed(5)
     queries, keys, dim = 12, 12 if masked else 15, 8
-    query = torch.randn(2, 4, queries, dim, generator=generator, requires_grad=True)
-    key, value = (torch.randn(2, 2, keys, dim, generator=generator, requires_grad=True) for _ in range(2))
-    allowed = torch.ones(queries, queries, dtype=torch.bool).tril()[None, None]
-    mask = None
-    if masked:
-        allowed = allowed & (torch.arange(keys)[None] >= torch.tensor([0, 4])[:, None])[:, None, None, :]
-        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
+    query, key, value, allowed, mask, module = _grouped_causal_call(generator, queries, keys, 4 if masked else None)
     args, kwargs = {"keyword": ((), {"scaling": dim**-0.5}), "positional": ((0.0, dim**-0.5), {}), "default": ((), {})}[scaling]
     bias = torch.zeros(2, 2, queries, requires_grad=True)
 
@@ -538,11 +530,34 @@ def test_a_key_bias_rides_on_the_kernel_and_its_gradient_sums_the_logits_gradien
     (actual,) = torch.autograd.grad(output, bias, grad_output)
     logits = query @ key[:, :, :queries].repeat_interleave(2, dim=1).transpose(-1, -2) * dim**-0.5
     probs = (logits + mask if masked else logits.masked_fill(~allowed, -torch.inf)).softmax(dim=-1)  # as the kernel adds it
-    grad_probs = grad_output.transpose(1, 2) @ value[:, :, :queries].repeat_interleave(2, dim=1).transpose(-1, -2)
-    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
-    expected = grad_logits.sum(dim=2).reshape(2, 2, 2, queries).sum(dim=2)
+    expected = _summed_logit_grads(probs, grad_output, value[:, :, :queries])
     assert expected.abs().max() > 0
     _rel_close(actual, expected.detach())
+
+
+def _grouped_causal_call(generator, queries, keys, padded=None):
+    """Two examples' query ``(2, 4, queries, 8)``, key and value ``(2, 2, keys, 8)`` (each
+    key head serving two query heads), the causal pattern ``allowed`` over the queries'
+    keys, and with ``padded`` a float mask that also hides the second example's first
+    ``padded`` keys (else None); a causal module of grouped heads."""
+    query = torch.randn(2, 4, queries, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, 2, keys, 8, generator=generator, requires_grad=True) for _ in range(2))
+    allowed = torch.ones(queries, queries, dtype=torch.bool).tril()[None, None]
+    mask = None
+    if padded is not None:
+        allowed = allowed & (torch.arange(keys)[None] >= torch.tensor([0, padded])[:, None])[:, None, None, :]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    return query, key, value, allowed, mask, module
+
+
+def _summed_logit_grads(probs, grad_output, value):
+    """Σ over the rows, and over the two query heads of each key head, of dS/dlogits from
+    the explicit probabilities ``(2, 4, Q, K)``: ``(2, 2, K)``."""
+    grad_probs = grad_output.transpose(1, 2) @ value.repeat_interleave(2, dim=1).transpose(-1, -2)
+    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
+    return grad_logits.sum(dim=2).reshape(2, 2, 2, -1).sum(dim=2)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -555,16 +570,8 @@ def test_a_key_bias_rides_on_an_explicit_call_with_sinks_and_never_on_a_softcap(
 
     generator = torch.Generator().manual_seed(6)
     queries, dim = 10, 8
-    query = torch.randn(2, 4, queries, dim, generator=generator, requires_grad=True)
-    key, value = (torch.randn(2, 2, queries, dim, generator=generator, requires_grad=True) for _ in range(2))
+    query, key, value, allowed, mask, module = _grouped_causal_call(generator, queries, queries, 3 if masked else None)
     sinks = torch.randn(4, generator=generator)
-    allowed = torch.ones(queries, queries, dtype=torch.bool).tril()[None, None]
-    mask = None
-    if masked:
-        allowed = allowed & (torch.arange(queries)[None] >= torch.tensor([0, 3])[:, None])[:, None, None, :]
-        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
     bias = torch.zeros(2, 2, queries, requires_grad=True)
     applies = []
 
@@ -584,10 +591,7 @@ def test_a_key_bias_rides_on_an_explicit_call_with_sinks_and_never_on_a_softcap(
     logits = query @ key.repeat_interleave(2, dim=1).transpose(-1, -2) * dim**-0.5
     logits = logits + mask if masked else logits.masked_fill(~allowed, -torch.inf)
     with_sink = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, queries, 1)], dim=-1)
-    probs = with_sink.softmax(dim=-1)[..., :-1]
-    grad_probs = grad_output.transpose(1, 2) @ value.repeat_interleave(2, dim=1).transpose(-1, -2)
-    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True))
-    expected = grad_logits.sum(dim=2).reshape(2, 2, 2, queries).sum(dim=2)
+    expected = _summed_logit_grads(with_sink.softmax(dim=-1)[..., :-1], grad_output, value)
     assert expected.abs().max() > 0 and applies == [True, True]
     _rel_close(actual, expected.detach())
     applies.clear()
