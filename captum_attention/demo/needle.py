@@ -9,7 +9,7 @@ so that the lookup is by content and holds beyond the lengths it is trained on: 
 of 16 to 64 tokens first, then up to 512, then up to 2,048. It answers 97-100% of held-out
 contexts from 512 to 16,384 tokens.
 
-The model :class:`NeedleTraining` gives ships with the package (:data:`CHECKPOINT`), so
+The model that ``NeedleTraining()`` trains ships with the package (:data:`CHECKPOINT`), so
 that every machine loads the same weights: training on another kind of CPU can give
 weights that differ in their last bits, and through 1,500 steps of training a different
 model (on one such machine Feature Ablation's LDS on the needle benchmark at 2,048 tokens
@@ -44,9 +44,10 @@ FILLER_RUN = 32
 """The most filler words one segment holds."""
 MODEL_NAME = "needle-nope-v1"
 CHECKPOINT = Path(__file__).with_name("models") / MODEL_NAME
-"""The folder of the shipped model (``NeedleTraining()``'s): configuration, weights,
-tokenizer, and the training's settings, accuracy and each file's digest in
-``metadata.json``; a checkpoint that ``from_pretrained`` and the command line take."""
+"""The folder of the shipped model, the one ``NeedleTraining()`` trains, with its
+configuration, weights and tokenizer, and in ``metadata.json`` the training's settings,
+its accuracy and each file's digest; a checkpoint that ``from_pretrained`` and the
+command line take."""
 
 
 @dataclass(frozen=True)
