@@ -348,7 +348,14 @@ def cached_trained_model(
     def current(metadata: dict[str, Any]) -> bool:
         return metadata.get("training") == settings and (tokenizer is None or "tokenizer_config.json" in metadata.get("files", {}))
 
-    folder = cached_folder(cache_root(cache_dir) / name, build, current, progress)
+    return load_checkpoint(cached_folder(cache_root(cache_dir) / name, build, current, progress), model_class)
+
+
+def load_checkpoint(folder: Path, model_class: Any) -> Any:
+    """``model_class.from_pretrained(folder)``, offline and without transformers' load
+    report, in eval mode."""
+    from ..loading import quiet_transformers
+
     with quiet_transformers():
         return model_class.from_pretrained(folder, local_files_only=True).eval()
 

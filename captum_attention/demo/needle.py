@@ -13,9 +13,8 @@ The model that ``NeedleTraining()`` trains ships with the package (:data:`CHECKP
 that every machine loads the same weights: training on another kind of CPU can give
 weights that differ in their last bits, and through 1,500 steps of training a different
 model (on one such machine Feature Ablation's LDS on the needle benchmark at 2,048 tokens
-came out 0.845, not 0.892). Any other training, or
-``trained_here=True``, trains on this machine (about two and a half minutes on two CPU
-cores) and caches the model like the default one.
+came out 0.845, not 0.892). Any other training, or ``trained_here=True``, trains on this
+machine (a few minutes on two CPU cores) and caches the model like the default one.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, optimiser_step, progress_bar, read_metadata
+from .default_model import cached_trained_model, load_checkpoint, optimiser_step, progress_bar, read_metadata
 
 FILLER = [f"f{i}" for i in range(64)]
 KEYS = [f"k{i}" for i in range(32)]
@@ -190,16 +189,13 @@ def load_needle_model(
     """
     from transformers import LlamaForCausalLM
 
-    from ..loading import quiet_transformers
-
     if training == NeedleTraining() and not trained_here:
         if read_metadata(CHECKPOINT) is None:
             raise RuntimeError(
                 f"The shipped needle model at {CHECKPOINT} is missing or damaged (a file differs from its recorded digest): "
                 "reinstall captum-attention, or pass trained_here=True to train one on this machine."
             )
-        with quiet_transformers():
-            return without_positions(LlamaForCausalLM.from_pretrained(CHECKPOINT, local_files_only=True).eval())
+        return without_positions(load_checkpoint(CHECKPOINT, LlamaForCausalLM))
     model = cached_trained_model(
         MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress, needle_tokenizer()
     )
