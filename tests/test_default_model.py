@@ -9,12 +9,13 @@ import shutil
 import signal
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from captum_attention.demo import corpus, needle
+from captum_attention.demo import colour_vlm, corpus, needle, recall, shapes
 from captum_attention.demo import default_model as dm
 
 REDUCED = dm.TrainingBudget(train_size=640, epochs=2, heldout_size=300)
@@ -196,34 +197,96 @@ def test_the_first_run_says_what_it_trains_and_where_it_caches_it(tmp_path, monk
     assert "Fine-tuning" not in capsys.readouterr().err, "a cached model is loaded silently"
 
 
-def test_the_shipped_needle_model_is_what_its_training_gives_and_answers_long_contexts(tmp_path, monkeypatch):
-    """The shipped checkpoint: intact, recorded as trained with ``NeedleTraining()``, shaped
-    as the training builds it, its tokenizer the task's, answering held-out contexts far
-    beyond its training lengths; loaded without training or caching anything."""
+def _shipped_models() -> dict[str, tuple[Any, Callable[..., Any], Callable[[], Any], Callable[[Any], float]]]:
+    """Each shipped model's name: its default training, its loader, an untrained model as
+    its training builds it, and its accuracy on held-out examples."""
+    return {
+        needle.MODEL_NAME: (
+            needle.NeedleTraining(), needle.load_needle_model, lambda: needle._new_model(0),
+            lambda model: needle.needle_accuracy(
+                model, [needle.needle_example(n, torch.Generator().manual_seed(123)) for n in (512, 4096) for _ in range(8)]
+            ),
+        ),
+        recall.MODEL_NAME: (
+            recall.RecallTraining(), recall.load_recall_model, lambda: recall._new_model(0),
+            lambda model: recall.recall_accuracy(model, recall.recall_batch(200, recall.RecallTraining(), seed=recall.HELDOUT_SEED)),
+        ),
+        shapes.MODEL_NAME: (
+            shapes.ShapeTraining(), shapes.load_shape_vit, shapes.new_shape_vit,
+            lambda model: shapes.shape_accuracy(model, *shapes.shape_images(100, shapes.HELDOUT_SEED)[:2]),
+        ),
+        colour_vlm.MODEL_NAME: (
+            shapes.ShapeTraining(), colour_vlm.load_colour_vlm, colour_vlm.new_colour_vlm,
+            lambda model: colour_vlm.colour_accuracy(model, *colour_vlm.colour_images(100, colour_vlm.HELDOUT_SEED)[:2]),
+        ),
+    }
+
+
+def _as_built(config: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration without what saving adds, in it and in its sub-configurations."""
+    saved_only = ("architectures", "dtype")
+    return {k: _as_built(v) if isinstance(v, dict) else v for k, v in config.items() if k not in saved_only}
+
+
+@pytest.mark.parametrize("name", list(_shipped_models()))
+def test_each_shipped_model_is_what_its_default_training_gives_and_loads_without_training(name, tmp_path, monkeypatch):
+    """Each shipped checkpoint: intact, recorded as trained with the default settings,
+    shaped and configured as its training builds it, accurate on held-out examples;
+    loaded without training or caching anything."""
+    training, load, build, accuracy = _shipped_models()[name]
     monkeypatch.setenv(dm.CACHE_ENV, str(tmp_path))
-    metadata = dm.read_metadata(needle.CHECKPOINT)
-    assert metadata is not None and metadata["training"] == json.loads(json.dumps(asdict(needle.NeedleTraining())))
-    model = needle.load_needle_model(progress=False)
+    metadata = dm.read_metadata(dm.SHIPPED / name)
+    assert metadata is not None and metadata["training"] == json.loads(json.dumps(asdict(training)))
+    model = load(progress=False)
     assert not any(tmp_path.iterdir()), "the shipped model was trained or cached instead of loaded"
-    built = needle._new_model(0)
+    built = build()
     assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in built.state_dict().items()}
-    saved_only = ("architectures", "dtype")  # what saving adds to the configuration
-    assert {k: v for k, v in model.config.to_diff_dict().items() if k not in saved_only} == built.config.to_diff_dict()
+    assert _as_built(model.config.to_diff_dict()) == built.config.to_diff_dict()
     assert not model.training
+    assert accuracy(model) >= 0.9
+
+
+def test_the_shipped_needle_model_has_no_positions_and_the_tasks_tokenizer():
+    model = needle.load_needle_model(progress=False)
     assert bool((model.model.rotary_emb.inv_freq == 0).all()), "position encoding left on"
     text = "f3 k3=v7 f1 ? k3"
     assert AutoTokenizer.from_pretrained(needle.CHECKPOINT)(text).input_ids == needle.needle_tokenizer()(text).input_ids
-    generator = torch.Generator().manual_seed(123)
-    assert needle.needle_accuracy(model, [needle.needle_example(length, generator) for length in (512, 4096) for _ in range(8)]) >= 0.9
+    assert needle.CHECKPOINT == dm.SHIPPED / needle.MODEL_NAME
 
 
-def test_a_damaged_shipped_needle_model_is_refused_in_one_line(tmp_path, monkeypatch):
-    copy = tmp_path / needle.MODEL_NAME
-    shutil.copytree(needle.CHECKPOINT, copy)
-    weights = copy / "model.safetensors"
+@pytest.mark.parametrize("name", list(_shipped_models()))
+def test_a_damaged_shipped_model_is_refused_in_one_line(name, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shutil.copytree(dm.SHIPPED, shipped)
+    weights = shipped / name / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    monkeypatch.setattr(needle, "CHECKPOINT", copy)
-    with pytest.raises(RuntimeError, match="missing or damaged.*reinstall captum-attention"):
-        needle.load_needle_model(progress=False)
+    monkeypatch.setattr(dm, "SHIPPED", shipped)
+    monkeypatch.setenv(dm.CACHE_ENV, str(tmp_path / "cache"))
+    load = _shipped_models()[name][1]
+    with pytest.raises(RuntimeError, match=f"shipped {name} model at .* is damaged.*reinstall captum-attention"):
+        load(progress=False)
+    assert not (tmp_path / "cache").exists(), "a damaged shipped model was replaced by training"
+
+
+def test_other_settings_or_trained_here_train_and_cache_instead_of_the_shipped_model(tmp_path, monkeypatch):
+    """The shipped folder serves only its own training's settings: other settings, or
+    ``trained_here``, train once and load from the cache after."""
+    trainings = []
+
+    def fake_train(training, progress):
+        trainings.append(training)
+        return recall._new_model(1).eval(), {"accuracy": 0.0}
+
+    monkeypatch.setattr(recall, "_train", fake_train)
+    shorter = recall.RecallTraining(steps=3)
+    for training, trained_here in ((shorter, False), (recall.RecallTraining(), True)):
+        model = recall.load_recall_model(tmp_path, training, progress=False, trained_here=trained_here)
+        assert trainings[-1] == training and len(trainings) == 1 + (training != shorter)
+        assert dm.read_metadata(tmp_path / recall.MODEL_NAME)["training"] == asdict(training)
+        assert torch.equal(model.lm_head.weight, recall._new_model(1).lm_head.weight)
+        recall.load_recall_model(tmp_path, training, progress=False, trained_here=trained_here)
+        assert len(trainings) == 1 + (training != shorter), "a cached model was trained again"
+    shipped = recall.load_recall_model(tmp_path, progress=False)
+    assert len(trainings) == 2 and not torch.equal(shipped.lm_head.weight, model.lm_head.weight)

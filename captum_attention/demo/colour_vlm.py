@@ -6,20 +6,22 @@ Each noisy grey 32×32 image holds one 8×8 square, red, green or blue, at a ran
 is the square ?`` and the answer the colour's word. The model is a LLaVA: a CLIP vision
 tower (4×4 patches, so 64 image tokens in an 8×8 grid; 2 layers, hidden 64) and a Llama
 language model (2 layers, hidden 64, 4 heads). It learns the task in well under a minute
-on two CPU cores and is cached with its processor (a word-level tokenizer and CLIP's image
-processor, pixels in [0, 1]), so that ``captum-attention explain --model <folder> --image
-...`` takes the folder.
+on two CPU cores. The one ``ShapeTraining()`` gives ships with the package, any other is
+trained on first use and cached; either folder holds its processor (a word-level tokenizer
+and CLIP's image processor, pixels in [0, 1]), so that ``captum-attention explain --model
+<folder> --image ...`` takes it.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, measured
+from .default_model import load_checkpoint, measured, trained_model_folder
 from .shapes import IMAGE, PATCH, ShapeTraining, shape_images, train_on_images
 
 WORDS = ("<pad>", "<s>", "</s>", "<image>", "what", "colour", "is", "the", "square", "?", "red", "green", "blue")
@@ -109,39 +111,50 @@ def colour_processor() -> Any:
 
 
 def load_colour_vlm(
-    cache_dir: str | os.PathLike[str] | None = None, training: ShapeTraining = ShapeTraining(), progress: bool = True
+    cache_dir: str | os.PathLike[str] | None = None,
+    training: ShapeTraining = ShapeTraining(),
+    progress: bool = True,
+    trained_here: bool = False,
 ) -> Any:
-    """The trained coloured-squares vision-language model (eval mode), trained on first
-    use and cached with its processor (the folder: ``colour_vlm_path``).
+    """The trained coloured-squares vision-language model (eval mode): the shipped one
+    (:data:`~captum_attention.demo.default_model.SHIPPED`) for ``ShapeTraining()``, else
+    trained on first use and cached with its processor (the folder: :func:`colour_vlm_path`).
 
     Args:
-        cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
+        cache_dir (path, optional): cache root, for a model trained here. Default: None.
         training (ShapeTraining, optional): how to train it (the ViT's settings). Default: ``ShapeTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
+        trained_here (bool, optional): train (and cache) the model on this machine even
+            where the shipped one is the one asked for. Default: False.
 
     Returns:
         ``LlavaForConditionalGeneration``.
     """
     from transformers import LlavaForConditionalGeneration
 
-    return cached_trained_model(
-        MODEL_NAME,
-        training,
-        lambda: measured(
-            "coloured squares VLM", lambda: train_colour_vlm(training),
-            lambda model: colour_accuracy(model, *colour_images(500, HELDOUT_SEED)[:2]), progress,
-        ),
-        LlavaForConditionalGeneration,
-        cache_dir,
-        progress,
-        tokenizer=colour_processor(),
+    return load_checkpoint(Path(colour_vlm_path(cache_dir, training, progress, trained_here)), LlavaForConditionalGeneration)
+
+
+def colour_vlm_path(
+    cache_dir: str | os.PathLike[str] | None = None,
+    training: ShapeTraining = ShapeTraining(),
+    progress: bool = False,
+    trained_here: bool = False,
+) -> str:
+    """The model's folder, with its processor (a checkpoint the command line takes): the
+    shipped one, or the cached one, trained first if needed (arguments as
+    :func:`load_colour_vlm`'s)."""
+    return str(
+        trained_model_folder(
+            MODEL_NAME,
+            training,
+            lambda: measured(
+                "coloured squares VLM", lambda: train_colour_vlm(training),
+                lambda model: colour_accuracy(model, *colour_images(500, HELDOUT_SEED)[:2]), progress,
+            ),
+            cache_dir,
+            progress,
+            tokenizer=colour_processor(),
+            trained_here=trained_here,
+        )
     )
-
-
-def colour_vlm_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """The cached model's folder (a checkpoint the command line takes), trained first if
-    needed."""
-    from .default_model import cache_root
-
-    load_colour_vlm(cache_dir, progress=False)
-    return str(cache_root(cache_dir) / MODEL_NAME)

@@ -33,6 +33,11 @@ from .corpus import LABELS, Example, generate
 MODEL_NAME = "sentiment-minilm-v1"
 CACHE_ENV = "CAPTUM_ATTENTION_CACHE"
 METADATA = "metadata.json"
+SHIPPED = Path(__file__).with_name("models")
+"""The folder of the demo models that ship with the package, one checkpoint folder per
+model name, each with its training's settings and its files' digests in
+``metadata.json``: the needle, key-value recall, coloured-squares ViT and vision-language
+models as their default trainings give them."""
 
 
 @dataclass(frozen=True)
@@ -328,12 +333,48 @@ def cached_trained_model(
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     tokenizer: Any = None,
+    trained_here: bool = False,
 ) -> Any:
-    """The model ``train()`` returns (with facts for its metadata), trained once for each
-    ``training`` dataclass and cached under ``cache_root(cache_dir) / name`` with
-    ``tokenizer`` beside it (so that the folder is a checkpoint ``from_pretrained`` and the
-    command line take); loaded with ``model_class.from_pretrained``, in eval mode."""
+    """The model ``train()`` returns, from :func:`trained_model_folder`, loaded with
+    ``model_class.from_pretrained``, in eval mode."""
+    return load_checkpoint(trained_model_folder(name, training, train, cache_dir, progress, tokenizer, trained_here), model_class)
+
+
+def trained_model_folder(
+    name: str,
+    training: Any,
+    train: Callable[[], tuple[Any, dict[str, Any]]],
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    tokenizer: Any = None,
+    trained_here: bool = False,
+) -> Path:
+    """The folder of the model ``train()`` returns (with facts for its metadata): the
+    shipped one (``SHIPPED / name``) where it was trained with ``training``'s settings and
+    ``trained_here`` is False, else trained once for each ``training`` dataclass and cached
+    under ``cache_root(cache_dir) / name`` with ``tokenizer`` beside it (so that the folder
+    is a checkpoint ``from_pretrained`` and the command line take).
+
+    Training on another kind of CPU can give weights that differ in their last bits, and
+    through hundreds of steps a different model: the shipped checkpoints make every
+    machine's figures the same.
+
+    Raises:
+        RuntimeError: the shipped folder is damaged (a file differs from its recorded digest).
+    """
     from ..loading import quiet_transformers
+
+    settings = json.loads(json.dumps(asdict(training)))  # as the metadata file holds them (tuples become lists)
+    shipped = SHIPPED / name
+    if not trained_here and shipped.is_dir():
+        metadata = read_metadata(shipped)
+        if metadata is None:
+            raise RuntimeError(
+                f"The shipped {name} model at {shipped} is damaged (a file differs from its recorded digest): "
+                "reinstall captum-attention, or pass trained_here=True to train one on this machine."
+            )
+        if metadata.get("training") == settings:
+            return shipped
 
     def build(staging: Path) -> None:
         model, facts = train()
@@ -343,12 +384,10 @@ def cached_trained_model(
                 tokenizer.save_pretrained(staging)
         write_metadata(staging, model=name, training=asdict(training), **facts)
 
-    settings = json.loads(json.dumps(asdict(training)))  # as the metadata file holds them (tuples become lists)
-
     def current(metadata: dict[str, Any]) -> bool:
         return metadata.get("training") == settings and (tokenizer is None or "tokenizer_config.json" in metadata.get("files", {}))
 
-    return load_checkpoint(cached_folder(cache_root(cache_dir) / name, build, current, progress), model_class)
+    return cached_folder(cache_root(cache_dir) / name, build, current, progress)
 
 
 def load_checkpoint(folder: Path, model_class: Any) -> Any:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .default_model import cached_trained_model, load_checkpoint, optimiser_step, progress_bar, read_metadata
+from .default_model import SHIPPED, cached_trained_model, optimiser_step, progress_bar
 
 FILLER = [f"f{i}" for i in range(64)]
 KEYS = [f"k{i}" for i in range(32)]
@@ -42,7 +41,7 @@ FIRST_PAIR = FIRST_VALUE + len(VALUES)
 FILLER_RUN = 32
 """The most filler words one segment holds."""
 MODEL_NAME = "needle-nope-v1"
-CHECKPOINT = Path(__file__).with_name("models") / MODEL_NAME
+CHECKPOINT = SHIPPED / MODEL_NAME
 """The folder of the shipped model, the one ``NeedleTraining()`` trains, with its
 configuration, weights and tokenizer, and in ``metadata.json`` the training's settings,
 its accuracy and each file's digest; a checkpoint that ``from_pretrained`` and the
@@ -184,20 +183,14 @@ def load_needle_model(
             where the shipped one is the one asked for. Default: False.
 
     Raises:
-        RuntimeError: the shipped checkpoint is missing or one of its files differs from
-            its recorded digest.
+        RuntimeError: the shipped checkpoint is damaged (one of its files differs from its
+            recorded digest).
     """
     from transformers import LlamaForCausalLM
 
-    if training == NeedleTraining() and not trained_here:
-        if read_metadata(CHECKPOINT) is None:
-            raise RuntimeError(
-                f"The shipped needle model at {CHECKPOINT} is missing or damaged (a file differs from its recorded digest): "
-                "reinstall captum-attention, or pass trained_here=True to train one on this machine."
-            )
-        return without_positions(load_checkpoint(CHECKPOINT, LlamaForCausalLM))
     model = cached_trained_model(
-        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress, needle_tokenizer()
+        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress,
+        needle_tokenizer(), trained_here,
     )
     return without_positions(model)
 

@@ -5,7 +5,8 @@ A sequence lists key-value pairs, one token each, then asks for keys:
 which only the pair earlier in the sequence tells: the decisive token of each prediction
 is known. The model (2 layers,
 hidden 64, 4 heads, 2 key-value heads) learns the task in well under a minute on two CPU
-cores and is cached like the default model.
+cores; the one ``RecallTraining()`` gives ships with the package, any other is trained on
+first use and cached like the default model.
 """
 
 from __future__ import annotations
@@ -128,15 +129,21 @@ def _train(training: RecallTraining, progress: bool) -> tuple[Any, dict[str, Any
 
 
 def load_recall_model(
-    cache_dir: str | os.PathLike[str] | None = None, training: RecallTraining = RecallTraining(), progress: bool = True
+    cache_dir: str | os.PathLike[str] | None = None,
+    training: RecallTraining = RecallTraining(),
+    progress: bool = True,
+    trained_here: bool = False,
 ) -> Any:
-    """The trained key-value recall model (``LlamaForCausalLM``, eval mode), trained on first
-    use and cached under :func:`~captum_attention.demo.cache_root`.
+    """The trained key-value recall model (``LlamaForCausalLM``, eval mode): the shipped one
+    (:data:`~captum_attention.demo.default_model.SHIPPED`) for ``RecallTraining()``, else
+    trained on first use and cached under :func:`~captum_attention.demo.cache_root`.
 
     Args:
-        cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
+        cache_dir (path, optional): cache root, for a model trained here. Default: None.
         training (RecallTraining, optional): how to train it. Default: ``RecallTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
+        trained_here (bool, optional): train (and cache) the model on this machine even
+            where the shipped one is the one asked for. Default: False.
 
     Returns:
         ``LlamaForCausalLM``; its vocabulary is :data:`VOCAB`.
@@ -144,5 +151,6 @@ def load_recall_model(
     from transformers import LlamaForCausalLM
 
     return cached_trained_model(
-        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress
+        MODEL_NAME, training, lambda: _train(training, progress), LlamaForCausalLM, cache_dir, progress,
+        trained_here=trained_here,
     )

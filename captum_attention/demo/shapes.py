@@ -3,8 +3,9 @@
 Noisy grey 32×32 images hold one 8×8 square at a random place, red (class 0) or green
 (class 1), or no square (class 2, in training only, so that the model must find the
 square rather than the absence of the other colour). The ViT (4×4 patches, 3 layers,
-hidden 64, 4 heads) learns it in seconds on two CPU cores and is cached like the default
-model.
+hidden 64, 4 heads) learns it in seconds on two CPU cores; the one ``ShapeTraining()``
+gives ships with the package, any other is trained on first use and cached like the
+default model.
 """
 
 from __future__ import annotations
@@ -107,14 +108,21 @@ def shape_accuracy(model: Any, images: Tensor, labels: Tensor) -> float:
 
 
 def load_shape_vit(
-    cache_dir: str | os.PathLike[str] | None = None, training: ShapeTraining = ShapeTraining(), progress: bool = True
+    cache_dir: str | os.PathLike[str] | None = None,
+    training: ShapeTraining = ShapeTraining(),
+    progress: bool = True,
+    trained_here: bool = False,
 ) -> Any:
-    """The trained coloured-squares ViT (eval mode), trained on first use and cached.
+    """The trained coloured-squares ViT (eval mode): the shipped one
+    (:data:`~captum_attention.demo.default_model.SHIPPED`) for ``ShapeTraining()``, else
+    trained on first use and cached.
 
     Args:
-        cache_dir (path, optional): cache root. Default: None (see :func:`~captum_attention.demo.cache_root`).
+        cache_dir (path, optional): cache root, for a model trained here. Default: None.
         training (ShapeTraining, optional): how to train it. Default: ``ShapeTraining()``.
         progress (bool, optional): print the accuracy when training. Default: True.
+        trained_here (bool, optional): train (and cache) the model on this machine even
+            where the shipped one is the one asked for. Default: False.
 
     Returns:
         ``ViTForImageClassification`` with labels :data:`LABELS`.
@@ -131,4 +139,5 @@ def load_shape_vit(
         ViTForImageClassification,
         cache_dir,
         progress,
+        trained_here=trained_here,
     )
