@@ -1,7 +1,11 @@
-"""End-to-end: the command line in a subprocess on a tiny checkpoint saved to a folder."""
+"""End-to-end: the command line on a tiny checkpoint saved to a folder, in this process
+(``main(argv)``, its output captured) and, for the whole path from ``python -m``, in a
+subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -17,6 +21,7 @@ from captum.attr import LayerIntegratedGradients
 
 from captum_attention import METHODS as REGISTERED
 from captum_attention.loading import CheckpointError, load_classifier
+from captum_attention.presentation.cli import main
 from captum_attention.presentation.explain import Explanations, MethodInfo, SentenceExplanation
 from captum_attention.presentation.html import render_html
 from captum_attention.presentation.text import render_text
@@ -49,11 +54,34 @@ def checkpoints(tmp_path_factory):
     return classifier, encoder
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli_process(*args: str) -> subprocess.CompletedProcess:
+    """``python -m captum_attention *args`` in a subprocess (about 4 s of imports)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "captum_attention", *args], capture_output=True, text=True, env=env, timeout=300
     )
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``main(args)`` in this process, with what it prints and its exit status as the
+    subprocess would give them; the settings it changes for the process (the hub offline,
+    transformers' verbosity and progress bars) put back after."""
+    from transformers.utils import logging as hf_logging
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    environment, verbosity, bars = dict(os.environ), hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                status = main(list(args))
+            except SystemExit as exit:  # argparse's usage errors, --help and --version
+                status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+    return subprocess.CompletedProcess(["captum-attention", *args], status, stdout.getvalue(), stderr.getvalue())
 
 
 def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
@@ -76,7 +104,7 @@ def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
 
 def test_explain_prints_the_library_scores(checkpoints, tmp_path):
     classifier, _ = checkpoints
-    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20", "--raw")
+    result = run_cli_process("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20", "--raw")
     assert result.returncode == 0, result.stderr
     assert "Transformer Attribution" in result.stdout and "wall time for 2 sentences" in result.stdout
 
@@ -234,9 +262,14 @@ def test_the_default_table_shows_each_methods_share_of_the_words(checkpoints):
             assert sorted(starred, reverse=True) == positive[:3]  # the strongest support, never a negative share
 
 
-def test_version():
-    result = run_cli("--version")
-    assert result.returncode == 0 and result.stdout.strip() == "captum-attention 0.1.0"
+def test_python_m_gives_the_version_and_one_line_errors():
+    """The whole path from ``python -m``: the imports print nothing, the exit status is the
+    process's."""
+    result = run_cli_process("--version")
+    assert result.returncode == 0 and result.stdout.strip() == "captum-attention 0.1.0" and not result.stderr
+    result = run_cli_process("explain", "fine", "--model", "/nonexistent/\x1b[31mred")
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr == "captum-attention: error: model folder not found: /nonexistent/\\x1b[31mred\n"
 
 
 def test_help_has_no_markup():
