@@ -316,10 +316,26 @@ def test_a_method_without_a_streaming_reduction_runs_eager():
     _rel_close(scores, RawAttention(model, capture="eager").attribute(ids, additional_forward_args=args))
 
 
-@pytest.mark.parametrize("family", ("bert", "llama", "bart", "vit"))
-def test_permutation_through_blocks_of_rows_equals_eager_permutation(family):
-    from captum_attention.metrics import attention_permutation
+_PERMUTATION_BLOCKS = {
+    "every example at once": lambda call: None,
+    "one example at a time": lambda call: 16 * call.num_heads * call.num_queries * call.num_keys,
+    "one head at a time": lambda call: 16 * call.num_queries * call.num_keys,
+    "two rows at a time": lambda call: 32 * call.num_keys,
+}
 
+
+@pytest.mark.parametrize("blocks", list(_PERMUTATION_BLOCKS))
+@pytest.mark.parametrize("family", ("bert", "llama", "bart", "vit"))
+def test_permutation_through_blocks_of_rows_equals_eager_permutation(family, blocks, monkeypatch):
+    """In every size of block (the budget the rows are computed in), the streamed
+    permutations draw the generator's numbers in eager capture's order."""
+    from captum_attention.maps import kernel
+    from captum_attention.metrics import attention_permutation, permutation
+
+    budget = _PERMUTATION_BLOCKS[blocks]
+    monkeypatch.setattr(
+        permutation, "transformed_output", lambda call, transform: kernel.transformed_output(call, transform, budget(call))
+    )
     model, inputs, args, _ = _case(family)
     options = dict(layers=[0, -1], heads=[0, 3], n_permutations=3, seed=4)
     streamed = attention_permutation(model, inputs, args, capture="streaming", **options)

@@ -23,9 +23,11 @@ from torch import Tensor
 
 from .common import query_weights
 
-RowsTransform = Callable[[Tensor, int, int, slice], Tensor]
-"""``transform(attn_rows (1, 1, r, K), example, head) -> (1, 1, r, K)``: new probabilities for a
-block of one example's and one head's query rows."""
+RowsTransform = Callable[[Tensor, slice, slice, slice], Tensor]
+"""``transform(attn_rows (b, h, r, K), examples, heads, rows) -> (b, h, r, K)``: new
+probabilities for a block of the query rows ``rows`` of the examples ``examples`` and the
+query heads ``heads`` (every example and head, or one example's every head, or one head's
+rows)."""
 
 
 def half_bmm_to_float(left: Tensor, right: Tensor) -> Tensor | None:
@@ -325,43 +327,65 @@ def live_rows(grad_output: Tensor) -> Tensor:
     return grad_output.ne(0).any(dim=-1).any(dim=-1)
 
 
-def _plane(call: KernelCall, example: int, head: int) -> KernelCall:
-    """The call restricted to one example and one head."""
+def _part(call: KernelCall, examples: slice, heads: slice) -> KernelCall:
+    """The call restricted to the examples ``examples`` and the query heads ``heads``
+    (every head, or one)."""
 
     def pick(tensor: Tensor | None, head_axis_size: int) -> Tensor | None:
         if tensor is None:
             return None
-        b = example if tensor.shape[0] > 1 else 0
-        h = head // (call.num_heads // head_axis_size) if tensor.shape[1] > 1 else 0
-        return tensor[b : b + 1, h : h + 1]
+        tensor = tensor[examples] if tensor.shape[0] > 1 else tensor
+        if tensor.shape[1] == 1 or heads == slice(None):
+            return tensor
+        head = heads.start // (call.num_heads // head_axis_size)
+        return tensor[:, head : head + 1]
 
     kv_heads = call.key.shape[1]
     return KernelCall(
         pick(call.query, call.num_heads), pick(call.key, kv_heads), pick(call.value, kv_heads),  # type: ignore[arg-type]
         call.scale, pick(call.mask, call.num_heads), call.causal, pick(call.position_bias, call.num_heads),
-        softcap=call.softcap, sinks=pick(call.sinks, call.num_heads),
+        groups=call.groups if heads == slice(None) else 1, softcap=call.softcap, sinks=pick(call.sinks, call.num_heads),
     )
+
+
+def _parts(call: KernelCall, budget_bytes: int) -> Iterator[tuple[slice, slice]]:
+    """``(examples, heads)`` of the parts :func:`transformed_output` computes, in the order
+    ``(example, head)``: every example and head at once where four float32 copies of the
+    call's probabilities fit ``budget_bytes``, else one example's every head where its
+    copies do, else one example's one head at a time."""
+    batch = call.query.shape[0]
+    per_example = 16 * call.num_heads * call.num_queries * call.num_keys
+    if batch * per_example <= budget_bytes:
+        yield slice(None), slice(None)
+        return
+    for example in range(batch):
+        if per_example <= budget_bytes:
+            yield slice(example, example + 1), slice(None)
+            continue
+        for head in range(call.num_heads):
+            yield slice(example, example + 1), slice(head, head + 1)
 
 
 def transformed_output(call: KernelCall, transform: RowsTransform, budget_bytes: int | None = None) -> Tensor:
     """The call's output ``(B, Q, H, Dv)`` with each block of rows of the probabilities
-    replaced by ``transform`` before they weight the values: explicit attention, one
-    example, head and block of query rows at a time (sized by ``budget_bytes``, as
+    replaced by ``transform`` before they weight the values: explicit attention, in blocks
+    within ``budget_bytes`` (default :data:`ONE_HEAD_BLOCK_MEMORY`; every example and head
+    at once where that fits, else :func:`_parts`, in blocks of rows as
     :func:`block_shape`), in the order ``(example, head, row)`` in which eager capture's
     ``(B, H, Q, K)`` tensor holds them."""
     assert call.value is not None
+    budget_bytes = ONE_HEAD_BLOCK_MEMORY if budget_bytes is None else budget_bytes
     batch = call.query.shape[0]
-    output = torch.empty(batch, call.num_queries, call.num_heads, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
-    for example in range(batch):
-        for head in range(call.num_heads):
-            plane = _plane(call, example, head)
-            assert plane.value is not None
-            for _, rows in plane.blocks(block_shape(plane, budget_bytes)):
-                probs = plane.probs(rows)
-                probs = F.pad(probs, (0, call.num_keys - probs.shape[-1]))
-                changed = transform(probs, example, head, rows)
-                output[example, rows, head] = (changed[0, 0] @ plane.value[0, 0].float()).to(output.dtype)
-    return output
+    output = torch.empty(batch, call.num_heads, call.num_queries, call.value.shape[-1], dtype=call.query.dtype, device=call.query.device)
+    for examples, heads in _parts(call, budget_bytes):
+        part = _part(call, examples, heads)
+        assert part.value is not None
+        for _, rows in part.blocks((part.num_heads, block_shape(part, budget_bytes)[1])):
+            probs = F.pad(part.probs(rows), (0, call.num_keys - part.key_span(rows)))
+            changed = transform(probs, examples, heads, rows)
+            values = part._per_key_head(changed, part.value.transpose(-1, -2), slice(None))
+            output[examples, heads, rows] = values.to(output.dtype)
+    return output.transpose(1, 2).contiguous()
 
 
 BLOCK_MEMORY = {"cpu": (16 * 2**20, 64 * 2**20), "cuda": (256 * 2**20, None)}

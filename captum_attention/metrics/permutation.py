@@ -39,7 +39,8 @@ class _RowPermutation(Probe):
     calls (:func:`~captum_attention.maps.permute_rows`).
 
     Under eager capture it permutes each call's probabilities at once; under streaming
-    capture one example's and head's block of rows at a time. Both draw the generator's
+    capture one block of rows at a time (every example's, one example's or one head's).
+    Both draw the generator's
     numbers in the same ``(example, head, row, key)`` order, so the two give the same
     permutations.
     """
@@ -66,9 +67,9 @@ class _RowPermutation(Probe):
         visible = self._visible_keys(call.index).expand(-1, kernel.num_queries, -1)
         heads = self.run.heads_of(call.index, self.heads)
 
-        def permute(attn_rows: Tensor, example: int, head: int, rows: slice) -> Tensor:
-            changed = permute_rows(attn_rows, visible[example : example + 1, rows].to(attn_rows.device), self.generator)
-            return changed if heads is None or head in heads else attn_rows
+        def permute(attn_rows: Tensor, examples: slice, block_heads: slice, rows: slice) -> Tensor:
+            changed = permute_rows(attn_rows, visible[examples, rows].to(attn_rows.device), self.generator)
+            return on_heads(attn_rows, changed, heads, block_heads.start or 0)
 
         return transformed_output(kernel, permute)
 
