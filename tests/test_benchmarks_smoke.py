@@ -186,6 +186,24 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
 
 
+def test_the_lds_ceiling_scores_a_least_squares_fit_and_feature_ablation_on_the_same_ablations(benchmarks_on_path):
+    """The fit recovers an additive outcome's weights; on an untrained needle model, both
+    scorings' LDS on one context lie in [-1, 1]."""
+    import lds_ceiling
+
+    kept = torch.rand(40, 6, generator=torch.Generator().manual_seed(0)) < 0.5
+    weights = torch.tensor([2.0, -1.0, 0.5, 0.0, 3.0, -0.25], dtype=torch.float64)
+    fitted = lds_ceiling.least_squares_weights(kept, 0.7 + kept.double() @ weights)
+    torch.testing.assert_close(fitted, weights)
+
+    from captum_attention.demo.needle import _new_model, needle_example
+
+    model = _new_model(0).eval()
+    found = lds_ceiling.context_lds(model, needle_example(48, torch.Generator().manual_seed(0)), ablations=16)
+    assert list(found) == ["least squares", "Feature Ablation"]
+    assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
+
+
 def test_the_ablation_peers_recover_a_model_additive_in_its_tokens(benchmarks_on_path):
     """On logits whose log-odds are the sum of per-token weights, ContextCite's surrogate
     finds the weights (up to its Lasso's shrinkage) and leave-one-out the exact drops."""
