@@ -74,8 +74,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
                 status = main(list(args))
-            except SystemExit as exit:  # argparse's usage errors, --help and --version
-                status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+            except SystemExit as stopped:  # argparse's usage errors, --help and --version
+                status = stopped.code if isinstance(stopped.code, int) else int(stopped.code is not None)
     finally:
         os.environ.clear()
         os.environ.update(environment)
