@@ -24,17 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from needle import _on_first_tokens
 
 from captum_attention.demo.needle import NeedleExample, load_needle_model, needle_example
 from captum_attention.metrics import ablated_log_probs, linear_datamodeling_score
-
-
-def _on_first_tokens(e: NeedleExample, segment_scores: torch.Tensor) -> torch.Tensor:
-    """``(1, N)`` token scores that sum to ``segment_scores`` per segment."""
-    scores = torch.zeros(1, len(e.input_ids))
-    for index, value in enumerate(segment_scores.tolist()):
-        scores[0, int((e.segments == index).nonzero()[0])] = value
-    return scores
 
 
 def least_squares_weights(kept: torch.Tensor, outcomes: torch.Tensor) -> torch.Tensor:
@@ -56,7 +49,7 @@ def context_lds(model: Any, e: NeedleExample, ablations: int, seed: int = 7) -> 
     deleted = ablated_log_probs(model, prompt, mask, answer, each_deleted[None], segments)[0]
     scores = {"least squares": fitted.float(), "Feature Ablation": deleted[0] - deleted[1:]}
     return {
-        name: float(linear_datamodeling_score(model, prompt, mask, answer, _on_first_tokens(e, values), segments)[0])
+        name: float(linear_datamodeling_score(model, prompt, mask, answer, _on_first_tokens(e, values)[None], segments)[0])
         for name, values in scores.items()
     }
 
