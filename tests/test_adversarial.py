@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, make_batch, make_model, model_state, reference_attention
-from lm_models import make_decoder, make_prompts
+from lm_models import make_decoder, make_encoder_decoder, make_prompts
 from plain_models import make_plain
 from torch import nn
 
 from captum_attention.capture import AttentionCapture, ModuleAdapter, ProbsIntervention, default_adapter
-from captum_attention.metrics import adversarial_attention, adversarial_keys
+from captum_attention.metrics import adversarial, adversarial_attention, adversarial_keys
 
 LENGTHS = (14, 11, 5)
 STEPS = 60
@@ -141,6 +141,36 @@ def test_adversarial_attention_is_deterministic_and_examples_are_independent():
     untouched = [h for h in range(4) if h not in (1, 3)]
     attentions = reference_attention(model, batch).attentions
     assert (found_diff := (first.attention[0][:, untouched] - attentions[0][:, untouched]).abs().max()) <= 1e-6, found_diff
+
+
+@pytest.mark.parametrize("kind", ["decoder, a query row per example", "encoder-decoder pair"])
+def test_each_example_of_a_batch_gets_what_it_gets_alone(kind, monkeypatch):
+    """The starts run side by side on copies of the batch: every copy must carry its own
+    example's inputs, mask and explained row. With start noise that depends only on a
+    key's distance from the last key (not on the batch's shape, as drawn noise does), an
+    example's search is the same in a left-padded batch as alone."""
+
+    def noise_from_the_last_key(shape, generator=None):
+        return torch.sin(1.7 * torch.arange(-shape[-1], 0, dtype=torch.float32)).expand(*shape).clone()
+
+    monkeypatch.setattr(adversarial.torch, "randn", noise_from_the_last_key)
+    if kind == "encoder-decoder pair":
+        model = make_encoder_decoder("bart")
+        source, target = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 12, 2]]), torch.tensor([[2, 5, 6], [2, 7, 8]])
+        inputs, extra, query_index = (source, target), None, None
+        alone = [((source[b : b + 1], target[b : b + 1]), None, None) for b in range(2)]
+    else:
+        model = make_decoder("llama")
+        prompts = make_prompts((7, 5, 6), side="left")
+        inputs, extra, query_index = prompts.input_ids, (prompts.attention_mask,), torch.tensor([3, 5, 4])
+        alone = [(prompts.input_ids[b : b + 1], (prompts.attention_mask[b : b + 1],), int(query_index[b])) for b in range(3)]
+    options = dict(layers=[0, -1], steps=15, epsilon=0.2, rows="query" if query_index is not None else "all")
+    together = adversarial_attention(model, inputs, extra, query_index=query_index, **options)
+    for b, (one_inputs, one_extra, one_query) in enumerate(alone):
+        single = adversarial_attention(model, one_inputs, one_extra, query_index=one_query, **options)
+        assert single.js_divergence.item() > 1e-3, "the search should move the attention"
+        torch.testing.assert_close(together.js_divergence[b : b + 1], single.js_divergence, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(together.tvd[b : b + 1], single.tvd, atol=1e-5, rtol=1e-4)
 
 
 def _bert_with_key_shift(model, ids, mask, layer, shift):

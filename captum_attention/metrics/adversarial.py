@@ -30,10 +30,10 @@ from torch import Tensor, nn
 
 from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
-from ..capture.inputs import QueryIndex
+from ..capture.inputs import QueryIndex, take_rows
 from ..capture.runner import resolve_model
 from ..maps import on_heads
-from ._forward import js_divergence, layer_set, run_model
+from ._forward import js_divergence, layer_set, run_model, select_rows
 
 Rows = Literal["all", "query"]
 
@@ -117,8 +117,10 @@ def adversarial_attention(
     sensitive models; and the inverted attention softmax(−S) (δ = −2·log A plus the
     noise), next to the largest divergence, which wins where the output ignores the
     attention (from there the softmax is saturated and the penalty's gradient small where ε
-    binds). The result is, per example, the best point any run saw that keeps TVD ≤ ε:
-    3·``steps`` forward and backward passes. Eager capture (the softmax's input is needed).
+    binds). The result is, per example, the best point any run saw that keeps TVD ≤ ε.
+    The three starts run side by side, the batch repeated three times: ``steps`` forward
+    and backward passes of three times the batch (and three times its attention maps in
+    memory). Eager capture (the softmax's input is needed).
 
     Args:
         forward_func (Callable): the model's forward; logits ``(batch, classes)`` or a
@@ -166,14 +168,21 @@ def adversarial_attention(
         [n * NEAR_SCALE for n in noise],
         [n * init_scale - 2 * _log_attention(base.attn_maps[c]) for n, c in zip(noise, chosen)],
     ]
-    shifts: list[Tensor] = []
     weights = {c: _row_weights(base, c, heads, rows) for c in chosen}
-    reference = base.explained_probs()
-    weight = torch.full_like(reference[:, 0], penalty)  # λ per example
+    # The starts run side by side: the batch once per start, each copy with its own shifts.
+    batch, count = len(base.explained_probs()), len(starts)
+    copies = torch.arange(batch).repeat(count)
+    search_inputs, search_args = select_rows(inputs, additional_forward_args, copies)
+    search_query = take_rows(query_index, copies, batch)
+    search_weights = {c: w.repeat(count, 1, 1) for c, w in weights.items()}
+    search_attn = {c: base.attn_maps[c].repeat(count, 1, 1, 1) for c in chosen}
+    reference = base.explained_probs().repeat(count, 1)
+    shifts = [torch.cat([start[i] for start in starts]).requires_grad_() for i in range(len(chosen))]
+    weight = torch.full_like(reference[:, 0], penalty)  # λ per example and start
     found: dict[int, list[Tensor]] = {}
 
     def shifted(call: int, attn: Tensor, first_head: int, scores: Tensor | None) -> Tensor:
-        if call not in weights:
+        if call not in search_weights:
             return attn
         if scores is None:
             raise RuntimeError("adversarial_attention needs the softmax's input (the attention logits) of every chosen call.")
@@ -185,7 +194,7 @@ def adversarial_attention(
             )
         masked = scores <= torch.finfo(scores.dtype).min / 2
         new = (scores.float() + shift).masked_fill(masked, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-        rows_kept = weights[call][:, first_head : first_head + attn.shape[1], :, None] > 0
+        rows_kept = search_weights[call][:, first_head : first_head + attn.shape[1], :, None] > 0
         new = on_heads(attn.float(), torch.where(rows_kept, new, attn.float()), base.heads_of(call, heads), first_head)
         found.setdefault(call, []).append(new)
         return new.to(attn.dtype)
@@ -193,21 +202,21 @@ def adversarial_attention(
     def evaluate() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         found.clear()
         run = run_model(
-            forward_func, model, inputs, additional_forward_args, [ProbsIntervention(shifted)], adapter, "eager",
-            track_grad=True, query_index=query_index,
+            forward_func, model, search_inputs, search_args, [ProbsIntervention(shifted)], adapter, "eager",
+            track_grad=True, query_index=search_query,
         )
         tvd = 0.5 * (run.explained_probs() - reference).abs().sum(dim=-1)
-        divergence = torch.stack([_mean_js(base.attn_maps[c], torch.cat(found[c], dim=1), weights[c]) for c in chosen]).mean(0)
+        divergence = torch.stack([_mean_js(search_attn[c], torch.cat(found[c], dim=1), search_weights[c]) for c in chosen]).mean(0)
         excess = (tvd - MARGIN * epsilon).clamp(min=0.0)
         loss = -divergence + weight.clone() * excess
         weight.mul_(torch.where(excess.detach() > 0, PENALTY_GROWTH, 1.0))  # until the example is back within ε
         return loss, divergence.detach(), tvd.detach() <= epsilon, tvd.detach()
 
-    searches = []
-    for start in starts:
-        shifts[:] = [shift.clone().requires_grad_() for shift in start]
-        weight.fill_(penalty)
-        searches.append(_search(shifts, evaluate, steps, lr))
+    value, companion, allowed, at = _search(shifts, evaluate, steps, lr)
+    searches = [
+        (value[start], companion[start], allowed[start], [shift[start] for shift in at])
+        for start in (slice(i * batch, (i + 1) * batch) for i in range(count))
+    ]
     best, aux, ok, best_shifts = functools.reduce(_better, searches)
     attention = []
     for c, shift in zip(chosen, best_shifts):
