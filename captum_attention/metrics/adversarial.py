@@ -169,14 +169,15 @@ def adversarial_attention(
         [n * init_scale - 2 * _log_attention(base.attn_maps[c]) for n, c in zip(noise, chosen)],
     ]
     weights = {c: _row_weights(base, c, heads, rows) for c in chosen}
+    original = base.explained_probs()
     # The starts run side by side: the batch once per start, each copy with its own shifts.
-    batch, count = len(base.explained_probs()), len(starts)
+    batch, count = len(original), len(starts)
     copies = torch.arange(batch).repeat(count)
     search_inputs, search_args = select_rows(inputs, additional_forward_args, copies)
     search_query = take_rows(query_index, copies, batch)
     search_weights = {c: w.repeat(count, 1, 1) for c, w in weights.items()}
     search_attn = {c: base.attn_maps[c].repeat(count, 1, 1, 1) for c in chosen}
-    reference = base.explained_probs().repeat(count, 1)
+    reference = original.repeat(count, 1)
     shifts = [torch.cat([start[i] for start in starts]).requires_grad_() for i in range(len(chosen))]
     weight = torch.full_like(reference[:, 0], penalty)  # λ per example and start
     found: dict[int, list[Tensor]] = {}
