@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from needle import _on_first_tokens
+from needle import _on_first_tokens, answered_contexts
 
-from captum_attention.demo.needle import NeedleExample, load_needle_model, needle_example
-from captum_attention.metrics import ablated_log_probs, linear_datamodeling_score
+from captum_attention.demo.needle import NeedleExample, load_needle_model
+from captum_attention.metrics import ablated_log_probs, leave_one_out_estimates, linear_datamodeling_score
 
 
 def least_squares_weights(kept: torch.Tensor, outcomes: torch.Tensor) -> torch.Tensor:
@@ -45,24 +45,21 @@ def context_lds(model: Any, e: NeedleExample, ablations: int, seed: int = 7) -> 
     count = int(e.segments.max()) + 1
     kept = torch.rand(ablations, count, generator=torch.Generator().manual_seed(seed)) < 0.5
     fitted = least_squares_weights(kept, ablated_log_probs(model, prompt, mask, answer, kept[None], segments)[0])
-    each_deleted = torch.cat([torch.ones(1, count, dtype=torch.bool), ~torch.eye(count, dtype=torch.bool)])
-    deleted = ablated_log_probs(model, prompt, mask, answer, each_deleted[None], segments)[0]
-    scores = {"least squares": fitted.float(), "Feature Ablation": deleted[0] - deleted[1:]}
+    nothing = torch.zeros(prompt.shape)  # every segment deleted exactly: no first-order part, no prior needed
+    scores = {
+        "least squares": _on_first_tokens(e, fitted.float())[None],
+        "Feature Ablation": leave_one_out_estimates(model, prompt, mask, answer, nothing, nothing, segments, exact=count),
+    }
     return {
-        name: float(linear_datamodeling_score(model, prompt, mask, answer, _on_first_tokens(e, values)[None], segments)[0])
-        for name, values in scores.items()
+        name: float(linear_datamodeling_score(model, prompt, mask, answer, values, segments)[0]) for name, values in scores.items()
     }
 
 
 def run(model: Any, length: int, examples: int, ablations: int) -> dict[str, list[float]]:
     """Each scoring's LDS per context of ``benchmarks/needle.py`` at ``length`` that the
     model answers correctly."""
-    generator = torch.Generator().manual_seed(length)
     found: dict[str, list[float]] = {}
-    for e in [needle_example(length, generator) for _ in range(examples)]:
-        with torch.no_grad():
-            if int(model(e.input_ids[None]).logits[0, -1].argmax()) != e.answer:
-                continue
+    for e in answered_contexts(model, length, examples):
         for name, value in context_lds(model, e, ablations).items():
             found.setdefault(name, []).append(value)
     return found

@@ -109,6 +109,15 @@ def estimated(model: tf.LlamaForCausalLM, exact: int) -> Attribution:
     return attribute
 
 
+def answered_contexts(model: tf.LlamaForCausalLM, length: int, count: int) -> list[NeedleExample]:
+    """Of ``count`` contexts of ``length`` tokens (seeded by the length), those the model
+    answers correctly."""
+    generator = torch.Generator().manual_seed(length)
+    candidates = [needle_example(length, generator) for _ in range(count)]
+    with torch.no_grad():
+        return [e for e in candidates if int(model(e.input_ids[None]).logits[0, -1].argmax()) == e.answer]
+
+
 def needle_decides(model: tf.LlamaForCausalLM, e: NeedleExample) -> bool:
     """Whether the model stops giving its answer once the needle's segment is removed."""
     with torch.no_grad():
@@ -278,13 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     last: dict[str, tuple[int, float]] = {}
     results = []
     for length in options.lengths:
-        generator = torch.Generator().manual_seed(length)
-        candidates = [needle_example(length, generator) for _ in range(options.examples)]
-        with torch.no_grad():
-            predicted = [int(model(e.input_ids[None]).logits[0, -1].argmax()) for e in candidates]
-        correct = [e for e, p in zip(candidates, predicted) if p == e.answer]
-        row: dict[str, Any] = {"length": length, "accuracy": len(correct) / len(candidates), "methods": {}}
-        print(f"length {length}: the model answers {len(correct)} of {len(candidates)}", flush=True)
+        correct = answered_contexts(model, length, options.examples)
+        row: dict[str, Any] = {"length": length, "accuracy": len(correct) / options.examples, "methods": {}}
+        print(f"length {length}: the model answers {len(correct)} of {options.examples}", flush=True)
         runs: list[tuple[str, Callable[[], Attribution], list[NeedleExample]]] = [
             (name + "".join(f" {key}={value}" for key, value in options.options.get(name, {}).items()),
              lambda name=name: our_method(model, name, options.options.get(name)), correct)
