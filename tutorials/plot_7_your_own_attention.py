@@ -385,10 +385,12 @@ print(
 # probabilities are, mark a readout whose query is no token. Here the transformer's
 # pooling attention lands on a rationale word far more often than the RNN's, negated
 # sentences included, and Rollout, which carries it down through the blocks, does as
-# well. Permuting the pooling weights moves the RNN's output far more than the
-# transformer's: which states the RNN's weights pick matters more to its decision. Either
-# way, these are statements about one trained model each, not about RNNs or transformers
-# in general: Wiegreffe & Pinter ("Attention is not not Explanation", 2019) show how much
+# well. Permuting the pooling weights changes a fifth or more of both models' decisions:
+# on this task, which states the weights pick matters to the decision. Which of the two
+# moves further is no finding: it changes from one training run to the next (another
+# seed, or a machine whose floating-point sums fall differently, puts either first).
+# These are statements about one trained model each, not about RNNs or transformers in
+# general: Wiegreffe & Pinter ("Attention is not not Explanation", 2019) show how much
 # such results depend on the model and the task.
 #
 # The claims above, checked on every build of these pages:
@@ -402,5 +404,5 @@ assert (
 )
 assert transformer_hits["Attention Rollout"].mean() > 2 * chance
 assert transformer_hits["Raw Attention"].mean() > raw_rnn.mean()
-assert rnn_permuted.median_tvd.median() > transformer_permuted.median_tvd.median()
+assert rnn_permuted.flip_rate.mean() > 0.2 and transformer_permuted.flip_rate.mean() > 0.2
 plt.show()
