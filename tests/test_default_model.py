@@ -7,9 +7,12 @@ import os
 import runpy
 import shutil
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -59,7 +62,7 @@ def test_reduced_budget_training_beats_chance_and_the_cache_is_checked(tmp_path,
     folder = dm.default_model_path(tmp_path, REDUCED, progress=False)
     metadata = json.loads((folder / dm.METADATA).read_text())
     assert metadata["heldout_accuracy"] >= 0.75, metadata["heldout_accuracy"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folder left behind"
+    assert _left_in(tmp_path) == [dm.MODEL_NAME], "staging folder left behind"
 
     # The debate reproduction runs end to end on it (a few sentences).
     script = Path(__file__).parent.parent / "benchmarks" / "reproduce_debate.py"
@@ -127,7 +130,7 @@ def test_force_retrains_and_a_failed_training_leaves_no_partial_cache(tmp_path, 
     monkeypatch.setattr(dm, "train", failing_train)
     with pytest.raises(RuntimeError, match="interrupted"):
         dm.default_model_path(tmp_path, REDUCED, progress=False, force=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [dm.MODEL_NAME], "staging folder left behind"
+    assert _left_in(tmp_path) == [dm.MODEL_NAME], "staging folder left behind"
     assert dm.read_metadata(folder) is not None, "the previous good cache survives a failed rebuild"
 
 
@@ -156,26 +159,44 @@ def test_the_metadata_must_list_exactly_the_folders_files(tmp_path):
     assert dm.read_metadata(folder) is None, "a file the metadata does not list"
 
 
-def test_a_rebuild_that_loses_the_race_uses_the_winners_build(tmp_path, monkeypatch):
-    folder = tmp_path / "model"
+def _left_in(cache: Path) -> list[str]:
+    """The names in a cache root but its build locks."""
+    return sorted(p.name for p in cache.iterdir() if p.name != dm.LOCKS)
 
-    def build_while_another_finishes(staging: Path) -> None:
+
+def test_processes_that_need_the_same_build_at_once_build_it_once(tmp_path, capsys):
+    folder, builds = tmp_path / "model", []
+    first_is_building, second_is_waiting = threading.Event(), threading.Event()
+
+    def slow_build(staging: Path) -> None:
+        builds.append(staging)
+        first_is_building.set()
+        assert second_is_waiting.wait(30), "the second caller never reached the lock"
         _fake_build(staging)
-        winner = tmp_path / "winner"
-        winner.mkdir()
-        _fake_build(winner, b"theirs")
-        real_replace = os.replace
 
-        def replace_after_the_winner(src, dst):
-            monkeypatch.setattr(dm.os, "replace", real_replace)
-            real_replace(winner, dst)  # the other process renames first
-            return real_replace(src, dst)  # fails: the folder is there and not empty
+    def second_caller() -> Path:
+        assert first_is_building.wait(30)
+        with mock.patch.object(dm.FileLock, "acquire", waits_then_acquires(dm.FileLock.acquire, second_is_waiting)):
+            return dm.cached_folder(folder, slow_build, lambda m: True, progress=True)
 
-        monkeypatch.setattr(dm.os, "replace", replace_after_the_winner)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(dm.cached_folder, folder, slow_build, lambda m: True, False)
+        second = pool.submit(second_caller)
+        assert first.result() == second.result() == folder
+    assert len(builds) == 1 and dm.read_metadata(folder) is not None
+    assert f"waiting for another process to finish building model at {folder}" in capsys.readouterr().err
+    assert _left_in(tmp_path) == ["model"], "staging folder left behind"
 
-    assert dm.cached_folder(folder, build_while_another_finishes, lambda m: True, progress=False) == folder
-    assert (folder / "weights.bin").read_bytes() == b"theirs"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "staging folder left behind"
+
+def waits_then_acquires(acquire: Callable[..., Any], waiting: threading.Event) -> Callable[..., Any]:
+    """``FileLock.acquire`` that sets ``waiting`` once a call without a timeout starts."""
+
+    def acquire_noting_the_wait(lock: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("timeout", -1) != 0:
+            waiting.set()
+        return acquire(lock, *args, **kwargs)
+
+    return acquire_noting_the_wait
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals")
@@ -186,7 +207,7 @@ def test_sigterm_during_a_build_leaves_no_temporary_folder(tmp_path):
 
     with pytest.raises(SystemExit):
         dm.cached_folder(tmp_path / "model", terminated, lambda m: True, progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert _left_in(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 

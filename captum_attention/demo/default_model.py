@@ -6,7 +6,8 @@ nothing is downloaded from a model hub. The first use fine-tunes it (about a min
 two CPU cores) and writes it to the cache; later uses load it. The cache folder is
 written under a temporary name and renamed when complete, and every file is checked
 against the checksums in its ``metadata.json`` before use, so a partial or corrupt cache
-is rebuilt, never used.
+is rebuilt, never used. Processes that need the same cached model at once (the ranks of
+``torchrun``) build it once: the others wait on a lock beside it, then load it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from filelock import FileLock, Timeout
 from torch import Tensor
 
 from .corpus import LABELS, Example, generate
@@ -236,28 +238,54 @@ def cached_folder(
 ) -> Path:
     """``folder`` if it holds an intact build that ``current`` accepts, else built anew:
     ``build(staging)`` writes the files and :func:`write_metadata` into a temporary folder,
-    which then replaces ``folder`` in one rename (an interrupted build leaves no half)."""
-    metadata = read_metadata(folder)
-    if not force and metadata is not None and current(metadata):
+    which then replaces ``folder`` in one rename (an interrupted build leaves no half). A
+    build holds :func:`_build_lock`: a second process that needs the folder meanwhile
+    waits for it instead of building it too."""
+    if not force and _holds_current_build(folder, current):
         return folder
-    if folder.exists() and progress and not force:
-        print(f"cached {folder.name} at {folder} is incomplete or outdated: rebuilding it", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        with _terminate_as_exit():
-            build(staging)
-        shutil.rmtree(folder, ignore_errors=True)
+    with _build_lock(folder, progress):
+        if not force and _holds_current_build(folder, current):
+            return folder  # built by the process this one waited for
+        if folder.exists() and progress and not force:
+            print(f"cached {folder.name} at {folder} is incomplete or outdated: rebuilding it", file=sys.stderr)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:
+            with _terminate_as_exit():
+                build(staging)
+            shutil.rmtree(folder, ignore_errors=True)
             os.replace(staging, folder)
-        except OSError:
-            # Another process finished the same build first: theirs is as good as ours.
-            finished = read_metadata(folder)
-            if finished is None or not current(finished):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _holds_current_build(folder: Path, current: Callable[[dict[str, Any]], bool]) -> bool:
+    metadata = read_metadata(folder)
+    return metadata is not None and current(metadata)
+
+
+LOCKS = ".locks"
+"""The folder of the build locks, inside the cache root."""
+
+
+@contextmanager
+def _build_lock(folder: Path, progress: bool) -> Iterator[None]:
+    """Holds the lock ``<cache root>/.locks/<name>.lock`` of ``folder``'s build for the
+    block, waiting (and saying so) while another process holds it."""
+    locks = folder.parent / LOCKS
+    locks.mkdir(exist_ok=True)
+    lock = FileLock(locks / f"{folder.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"waiting for another process to finish building {folder.name} at {folder}", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextmanager
