@@ -144,6 +144,8 @@ def test_the_metadata_must_list_exactly_the_folders_files(tmp_path):
     folder = dm.cached_folder(tmp_path / "model", _fake_build, lambda m: True, progress=False)
     assert dm.read_metadata(folder) is not None
     metadata = json.loads((folder / dm.METADATA).read_text())
+    assert metadata["trained_on"]["threads"] == torch.get_num_threads()
+    assert metadata["trained_on"]["torch"] == torch.__version__
 
     def with_files(files: dict) -> dict | None:
         (folder / dm.METADATA).write_text(json.dumps({**metadata, "files": files}))

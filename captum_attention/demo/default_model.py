@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -226,9 +227,12 @@ def _save(
 
 
 def write_metadata(folder: Path, **facts: Any) -> dict[str, Any]:
-    """``facts`` and the digest of each file in ``folder``, written to its ``metadata.json``."""
+    """``facts``, what the model was trained with (``trained_on``: torch's version, its
+    threads and the processor, on which the weights' last bits depend) and the digest of
+    each file in ``folder``, written to its ``metadata.json``."""
     files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != METADATA}
-    metadata = {**facts, "files": files}
+    trained_on = {"torch": torch.__version__, "threads": torch.get_num_threads(), "processor": platform.machine()}
+    metadata = {**facts, "trained_on": trained_on, "files": files}
     (folder / METADATA).write_text(json.dumps(metadata, indent=2))
     return metadata
 
