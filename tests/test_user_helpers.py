@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -46,7 +48,9 @@ def test_scores_for_display_names_a_mismatched_mask():
 
 
 def test_token_heatmap_draws_one_row_per_method():
-    ax = token_heatmap({"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([1.0, 0.5])}, ["x", "y"], title="t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tensor handed to matplotlib warns under numpy 2
+        ax = token_heatmap({"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([1.0, 0.5])}, ["x", "y"], title="t")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
     assert ax.get_images()[0].get_array().shape == (2, 2)
 

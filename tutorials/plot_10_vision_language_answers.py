@@ -113,12 +113,12 @@ assert results["AttnLRP → pixels"][0] >= 0.95
 # -------------------------------------
 example = 0
 figure, axes = plt.subplots(1, 1 + len(grids), figsize=(2.2 * (1 + len(grids)), 2.6))
-axes[0].imshow(images[example].permute(1, 2, 0))
+axes[0].imshow(images[example].permute(1, 2, 0).numpy())
 axes[0].set_title(f"answer: {WORDS[int(answers[example])]}", fontsize=8)
 for axis, (name, grid) in zip(axes[1:], grids.items()):
     signed = bool((grid[example] < 0).any())
     peak = float(grid[example].abs().max())
-    axis.imshow(grid[example], cmap="RdYlGn" if signed else "Greens", vmin=-peak if signed else 0, vmax=peak)
+    axis.imshow(grid[example].numpy(), cmap="RdYlGn" if signed else "Greens", vmin=-peak if signed else 0, vmax=peak)
     axis.set_title(name.replace(" → ", "\n→ "), fontsize=7)
 for axis in axes:
     axis.set_axis_off()

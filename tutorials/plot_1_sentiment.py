@@ -147,7 +147,7 @@ fig, axes = plt.subplots(layers, heads, figsize=(heads * 1.1, layers * 1.15))
 for layer, attn_probs in enumerate(capture.attn_probs):
     for head in range(heads):
         ax = axes[layer, head]
-        ax.imshow(attn_probs[0, head], cmap="viridis", vmin=0, vmax=1)
+        ax.imshow(attn_probs[0, head].numpy(), cmap="viridis", vmin=0, vmax=1)
         ax.set_xticks([])
         ax.set_yticks([])
         if layer == 0:

@@ -73,7 +73,7 @@ fig, axes = plt.subplots(len(scores), 1, figsize=(9, 4.2), sharex=True)
 for ax, (name, method_scores) in zip(axes, scores.items()):
     values = method_scores[row, :length].masked_fill(~words[row, :length], 0.0)
     colours = ["tab:red" if r else "tab:grey" for r in rationale[row, :length]]
-    ax.bar(range(length), values / values.abs().max(), color=colours)
+    ax.bar(range(length), (values / values.abs().max()).numpy(), color=colours)
     ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
     ax.set_yticks([])
 axes[-1].set_xticks(range(length), tokens, rotation=60, ha="right")

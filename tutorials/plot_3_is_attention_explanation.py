@@ -168,8 +168,8 @@ for layer, found in enumerate(adversarial):
     )
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
-bounds = [f.js_bound.mean() for f in adversarial]
-reached = [f.js_divergence.mean() for f in adversarial]
+bounds = [float(f.js_bound.mean()) for f in adversarial]
+reached = [float(f.js_divergence.mean()) for f in adversarial]
 ax.bar(range(layers), bounds, color="lightgrey", label="largest possible")
 ax.bar(range(layers), reached, color="tab:orange", label="reached, TVD ≤ 0.01")
 ax.set(xlabel="layer", ylabel="JS divergence (bits)", ylim=(0, 1.3))

@@ -57,7 +57,7 @@ for ax, (name, method_scores) in zip(axes, scores.items()):
     row = method_scores[example]
     ax.bar(
         range(len(tokens)),
-        row / row.abs().max(),
+        (row / row.abs().max()).numpy(),
         color=["tab:red" if d else "tab:blue" for d in decisive],
     )
     ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
@@ -104,7 +104,7 @@ rows = METHODS["transformer_attribution"](model).attribute_continuation(
 full_tokens = decode(batch.input_ids[example])
 fig, ax = plt.subplots(figsize=(8, 2.4))
 shown = rows[example] / rows[example].abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-ax.imshow(shown, cmap="Reds", aspect="auto", vmin=0, vmax=1)
+ax.imshow(shown.numpy(), cmap="Reds", aspect="auto", vmin=0, vmax=1)
 ax.set_xticks(range(len(full_tokens)), full_tokens)
 ax.set_yticks(
     range(continuation.shape[1]), [f"→ {t}" for t in decode(continuation[example])]

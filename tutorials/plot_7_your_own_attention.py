@@ -353,12 +353,12 @@ fig, ax = plt.subplots(figsize=(8, 3.8))
 names = list(transformer_scores)
 ax.bar(
     [i - 0.2 for i in range(len(names))],
-    [transformer_hits[n].mean() for n in names],
+    [float(transformer_hits[n].mean()) for n in names],
     0.4,
     label="hand-written transformer",
 )
 rnn_places = [names.index(n) + 0.2 for n in rnn_hits]
-ax.bar(rnn_places, [h.mean() for h in rnn_hits.values()], 0.4, label="RNN")
+ax.bar(rnn_places, [float(h.mean()) for h in rnn_hits.values()], 0.4, label="RNN")
 ax.axhline(chance, color="k", ls="--", lw=0.8, label="chance")
 ax.set_xticks(range(len(names)), names, rotation=20)
 ax.set(ylabel="top token is a rationale word", ylim=(0, 1.3))

@@ -74,7 +74,7 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
 
     if ax is None:
         _, ax = plt.subplots(figsize=(max(8.0, 0.6 * len(tokens)), 0.45 * len(scores) + 1.8))
-    grid = torch.stack([values.detach().float().cpu() for values in scores.values()])
+    grid = torch.stack([values.detach().float().cpu() for values in scores.values()]).numpy()  # a tensor warns in numpy 2
     signed = bool((grid < 0).any())
     image = ax.imshow(grid, cmap="RdBu_r" if signed else "Greens", vmin=-1 if signed else 0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(tokens)), list(tokens), rotation=60, ha="right")
