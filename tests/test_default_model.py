@@ -167,6 +167,8 @@ def _left_in(cache: Path) -> list[str]:
 
 
 def test_processes_that_need_the_same_build_at_once_build_it_once(tmp_path, capsys):
+    """Two threads stand in for the processes: each opens the lock file on its own, and
+    file locks exclude open files, not processes."""
     folder, builds = tmp_path / "model", []
     first_is_building, second_is_waiting = threading.Event(), threading.Event()
 
