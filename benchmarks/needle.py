@@ -1,7 +1,7 @@
 """A needle in a long context, with a known answer: which method points at it, and at what cost?
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
-        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--trained-here]
+        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--estimated-prior attn_lrp] [--trained-here]
         [--json out.json]
 
 The task and the model are :mod:`captum_attention.demo.needle`'s: a context of filler
@@ -21,7 +21,8 @@ each pair, each run of up to 32 filler words), and its time per example (memory:
 ``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
 ``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--estimated K`` adds
 ``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
-AttnLRP ranks highest deleted exactly). The peers, on the first
+AttnLRP ranks highest deleted exactly; ``--estimated-prior knockout_lrp``: those that
+KnockoutLRP's scores rank highest by magnitude). The peers, on the first
 ``--peer-examples`` of them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)``
 over the segments (a ``TextTemplateInput``, removed segments deleted),
 ``LLMGradientAttribution(LayerIntegratedGradients)`` over the tokens (50 steps), and
@@ -96,10 +97,11 @@ def calibrated(model: tf.LlamaForCausalLM, forwards: int) -> Attribution:
     return attribute
 
 
-def estimated(model: tf.LlamaForCausalLM, exact: int) -> Attribution:
+def estimated(model: tf.LlamaForCausalLM, exact: int, prior_method: str = "attn_lrp") -> Attribution:
     """``metrics.leave_one_out_estimates``: KnockoutGradient's first-order effects, the
-    ``exact`` segments AttnLRP ranks highest deleted exactly."""
-    first_order, prior = our_method(model, "knockout_gradient"), our_method(model, "attn_lrp")
+    ``exact`` segments that ``prior_method`` (a registered method) ranks highest by
+    magnitude deleted exactly."""
+    first_order, prior = our_method(model, "knockout_gradient"), our_method(model, prior_method)
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         prompt = e.input_ids[None]
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                         "e.g. norm_attention)")
     parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
     parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
+    parser.add_argument("--estimated-prior", default="attn_lrp", choices=list(REGISTRY),
+                        help="the registered method whose scores choose the segments deleted exactly")
     parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite", "kernel_shap"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
@@ -296,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
             for name in options.methods
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
-        runs += [(f"leave-one-out estimates, {k} exact", lambda k=k: estimated(model, k), correct) for k in options.estimated]
+        by = "" if options.estimated_prior == "attn_lrp" else f" by {options.estimated_prior}"
+        runs += [(f"leave-one-out estimates, {k} exact{by}", lambda k=k: estimated(model, k, options.estimated_prior), correct)
+                 for k in options.estimated]
         runs += [(name, lambda name=name: peers[name](model), correct[: options.peer_examples]) for name in options.peers]
         decides = [needle_decides(model, e) for e in correct]
         for label, make, examples in runs if correct else []:

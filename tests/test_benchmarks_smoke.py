@@ -167,8 +167,9 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     lds_on_shared = [value for value in each["lds"][:2] if value == value]
     assert f"| 48 | 2 | attn_lrp | {sum(lds_on_shared) / max(len(lds_on_shared), 1):.2f} |" in printed
     assert f"| 48 | 2 | context_cite | {peer['lds']:.2f} |" in printed
-    estimated = needle.evaluate(model, needle.estimated(model, 1), examples[:1])
-    assert estimated["examples"] == 1 and len(estimated["each"]["lds"]) == 1
+    for prior in ("attn_lrp", "knockout_lrp"):
+        estimated = needle.evaluate(model, needle.estimated(model, 1, prior), examples[:1])
+        assert estimated["examples"] == 1 and len(estimated["each"]["lds"]) == 1
 
 
 def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(benchmarks_on_path):
