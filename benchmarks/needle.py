@@ -21,8 +21,8 @@ each pair, each run of up to 32 filler words), and its time per example (memory:
 ``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
 ``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--estimated K`` adds
 ``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
-AttnLRP ranks highest deleted exactly; ``--estimated-prior knockout_lrp``: those that
-KnockoutLRP's scores rank highest by magnitude). The peers, on the first
+AttnLRP ranks highest by magnitude deleted exactly; ``--estimated-prior METHOD``: those
+another registered method ranks highest, such as ``knockout_lrp``). The peers, on the first
 ``--peer-examples`` of them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)``
 over the segments (a ``TextTemplateInput``, removed segments deleted),
 ``LLMGradientAttribution(LayerIntegratedGradients)`` over the tokens (50 steps), and
