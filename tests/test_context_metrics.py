@@ -3,9 +3,12 @@ checked against direct re-computations and on a model whose answer is known."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from lm_models import make_decoder, make_prompts
+from conftest import assert_same_state, model_state
+from lm_models import EXPLICIT_DECODERS, make_decoder, make_prompts
 from scipy import stats
 
 from captum_attention import AttnLRP
@@ -13,6 +16,7 @@ from captum_attention.metrics import (
     METRICS,
     MetricContext,
     ablated_log_probs,
+    attention_shares,
     calibrated_scores,
     leave_one_out_agreement,
     leave_one_out_estimates,
@@ -22,6 +26,8 @@ from captum_attention.metrics import (
 )
 
 ANSWER = torch.tensor([[7, 8], [9, 10], [11, 12]])
+SEGMENTS = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+"""Segments of ``make_prompts(side="left")``: the padding and the first real tokens in none."""
 
 
 def _log_prob(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
@@ -54,7 +60,7 @@ def test_top_k_drop_equals_removing_the_tokens_by_hand():
 
 def test_loo_agreement_and_lds_equal_direct_recomputations():
     model, prompts, scores = _case(1)
-    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    segments = SEGMENTS
     loo = leave_one_out_agreement(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, segments)
     lds = linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, segments, num_ablations=8, seed=3)
     generator = torch.Generator().manual_seed(3)
@@ -76,7 +82,7 @@ def test_loo_agreement_and_lds_equal_direct_recomputations():
 
 def test_ablated_log_probs_delete_the_unkept_segments_by_hand_and_serve_the_random_ablations():
     model, prompts, _ = _case()
-    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    segments = SEGMENTS
     kept = torch.rand(3, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
     kept[:, 0] = True  # the whole prompt
     values = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, segments)
@@ -98,7 +104,7 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
     """The surrogate's fit, recomputed from the ablated prompts by hand and solved as an
     augmented least-squares problem (rows sqrt(λ) for δ, sqrt(1e-9 λ) for b and α)."""
     model, prompts, prior = _case(4)
-    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    segments = SEGMENTS
     scores = calibrated_scores(model, prompts.input_ids, prompts.attention_mask, ANSWER, prior, segments,
                                num_ablations=5, seed=7, ridge=0.5)
     kept_draws = torch.rand(3, 5, 3, generator=torch.Generator().manual_seed(7)) < 0.5
@@ -121,17 +127,21 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         assert bool((scores[b, real][seg < 0] == 0).all())
 
 
-def test_leave_one_out_estimates_delete_the_priors_top_segments_by_hand_and_keep_the_first_order_rest():
+@pytest.mark.parametrize("by_share", [False, True])
+def test_leave_one_out_estimates_delete_the_priors_top_segments_by_hand_and_keep_the_first_order_rest(by_share):
     model, prompts, first_order = _case(5)
     prior = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(6))
-    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 1, 1, 2], [-1, -1, -1, -1, -1, 0, 1]])
+    segments = SEGMENTS
+    shares = torch.rand(3, 3, generator=torch.Generator().manual_seed(7)) if by_share else None
     args = (model, prompts.input_ids, prompts.attention_mask, ANSWER, first_order, prior, segments)
-    scores = leave_one_out_estimates(*args, exact=2)
+    scores = leave_one_out_estimates(*args, exact=2, shares=shares)
     for b in range(3):
         real = prompts.real[b].nonzero().flatten()
         prompt, seg = prompts.input_ids[b, real], segments[b, real]
         count = int(seg.max()) + 1
         magnitude = torch.tensor([float(prior[b, real][seg == s].sum()) for s in range(count)]).abs()
+        if by_share:  # the first order is least sure where a segment holds much of a row's attention
+            magnitude = magnitude / (1 - shares[b, :count])
         chosen = magnitude.argsort(descending=True)[:2].tolist()
         full = _log_prob(model, prompt, ANSWER[b])
         for s in range(count):
@@ -147,6 +157,52 @@ def test_leave_one_out_estimates_delete_the_priors_top_segments_by_hand_and_keep
     assert leave_one_out_agreement(model, prompts.input_ids, prompts.attention_mask, ANSWER, every, segments).min() > 0.999
     with pytest.raises(ValueError, match="exact must be"):
         leave_one_out_estimates(*args, exact=-1)
+    with pytest.raises(ValueError, match="give attention_shares"):
+        leave_one_out_estimates(*args, shares=torch.zeros(3, 4))
+
+
+def _shares_by_hand(model, prompt: torch.Tensor, answer: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """Each segment's largest Σ_{j ∈ s} A_ij over the layers, heads and rows i outside s of
+    one unpadded prompt and its answer, from output_attentions."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = reference(torch.cat([prompt, answer])[None], output_attentions=True).attentions
+    seg = torch.cat([seg, torch.full_like(answer, -1)])
+    shares = torch.zeros(int(seg.max()) + 1)
+    for s in range(len(shares)):
+        for attn in attentions:
+            held = attn[0][:, seg != s][..., seg == s].sum(dim=-1)  # (heads, rows outside s)
+            shares[s] = max(float(shares[s]), float(held.max()))
+    return shares
+
+
+@pytest.mark.parametrize("capture", ["eager", "streaming"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", *EXPLICIT_DECODERS])
+def test_attention_shares_are_the_segments_largest_row_sums_of_output_attentions(family, capture):
+    model, prompts = make_decoder(family), make_prompts(side="left")
+    before = model_state(model)
+    shares = attention_shares(model, prompts.input_ids, prompts.attention_mask, ANSWER, SEGMENTS, capture=capture)
+    assert_same_state(before, model_state(model))
+    assert shares.shape == (3, 3)
+    for b in range(3):
+        real = prompts.real[b]
+        expected = _shares_by_hand(model, prompts.input_ids[b, real], ANSWER[b], SEGMENTS[b, real])
+        torch.testing.assert_close(shares[b, : len(expected)], expected, rtol=0, atol=1e-5)
+        assert bool((shares[b, len(expected) :] == 0).all())
+    default = attention_shares(model, prompts.input_ids, prompts.attention_mask, ANSWER, capture=capture)
+    positions = torch.arange(7)  # the first example has no padding: every token its own segment but the first
+    expected = _shares_by_hand(model, prompts.input_ids[0], ANSWER[0], positions.masked_fill(positions == 0, -1))
+    torch.testing.assert_close(default[0], expected, rtol=0, atol=1e-5)
+
+
+def test_attention_shares_refuse_an_encoder_decoder_in_one_line():
+    import transformers as tf
+
+    config = tf.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="decoder-only"):
+        attention_shares(tf.T5ForConditionalGeneration(config).eval(), ids, torch.ones_like(ids), torch.tensor([[8]]))
 
 
 def test_an_example_scores_the_same_alone_and_in_a_padded_batch():

@@ -22,7 +22,7 @@ from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout,
 from .effective import effective_attention, null_space_dims
 from .flow import attention_flow_scores
 from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalised, grad_sam_scores
-from .knockout import knockout_head_sum, knockout_terms, with_decisive_tokens
+from .knockout import knockout_head_sum, knockout_terms, segment_shares, with_decisive_tokens
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
 from .vision import patch_grid, reduced_keys_on_patch_grid, windows_on_patch_grid
@@ -69,6 +69,7 @@ __all__ = [
     "relevance_layer_maps",
     "rollout_layer_maps",
     "rollout_scores",
+    "segment_shares",
     "summed_weighted_norm",
     "transformer_attribution_scores",
     "value_zeroing_distances",

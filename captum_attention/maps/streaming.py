@@ -26,7 +26,7 @@ from torch import Tensor
 from .kernel import KernelCall, live_rows
 from .common import check_head_fusion, fuse_heads, query_weights
 from .grad_sam import check_axis
-from .knockout import knockout_terms
+from .knockout import knockout_terms, segment_shares
 
 
 _LOG = logging.getLogger(__name__)
@@ -247,6 +247,16 @@ def knockout_column_sums(
         terms = knockout_terms(call.probs(rows, heads), call.grad_probs(grad_output, rows, heads))
         total[:, : terms.shape[-1]] += torch.einsum("bhrk,br->bk", terms, real_queries[:, rows].float())
     return total.masked_fill_(~real_keys, 0.0)
+
+
+def segment_share_max(call: KernelCall, key_segments: Tensor, real_queries: Tensor, count: int, shape: Shape) -> Tensor:
+    """:func:`~captum_attention.maps.knockout.segment_shares` ``(B, count)`` of the whole
+    call, a self-attention's (its query rows are its keys, ``key_segments`` ``(B, K)``)."""
+    largest = torch.zeros(len(key_segments), count, device=key_segments.device)
+    for heads, rows in call.blocks(shape):
+        block = segment_shares(call.probs(rows, heads), key_segments, key_segments[:, rows], real_queries[:, rows], count)
+        torch.maximum(largest, block, out=largest)
+    return largest
 
 
 def key_bias_column_sums(bias_grad: Tensor, real_keys: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ from .adversarial import AdversarialAttentionResult, AdversarialKeysResult, adve
 from .agreement import kendall_tau, spearman
 from .context import (
     ablated_log_probs,
+    attention_shares,
     calibrated_scores,
     leave_one_out_estimates,
     leave_one_out_agreement,
@@ -41,6 +42,7 @@ __all__ = [
     "adversarial_attention",
     "adversarial_keys",
     "ablated_log_probs",
+    "attention_shares",
     "ablated_probs",
     "CurveResult",
     "aopc",

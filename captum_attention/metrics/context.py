@@ -28,10 +28,15 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..capture import AttentionAdapter
 from ..capture.inputs import decoder_start_token, output_logits
+from ..maps.kernel import block_shape
+from ..maps.knockout import segment_shares
+from ..maps.streaming import segment_share_max
 from ._checks import check_rankable
+from ._forward import CaptureMode, run_model
 from .agreement import spearman
 
 PAIRS_PER_FORWARD = 2**26
@@ -58,11 +63,7 @@ class _AnswerScorer:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.forward_func, self.max_batch_size = forward_func, max_batch_size
         self.ids, self.real, self.answer = input_ids, attention_mask != 0, answer.to(input_ids.device)
-        if segments is None:
-            first = self.real.int().argmax(dim=1, keepdim=True)
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            segments = positions.masked_fill(positions == first, -1)
-        self.segments = segments.to(input_ids.device).masked_fill(~self.real, -1).long()
+        self.segments = _prompt_segments(self.real, segments)
         anchorless = (~((self.segments < 0) & self.real).any(dim=1)).nonzero().flatten().tolist()
         if anchorless:
             raise ValueError(
@@ -160,6 +161,16 @@ class _AnswerScorer:
         mask = kept.gather(1, order).long()
         width = int((mask != 0).any(dim=0).sum())
         return (ids[:, -width:], mask[:, -width:]) if padding_side == "left" else (ids[:, :width], mask[:, :width])
+
+
+def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
+    """``(B, N)`` long segment of each prompt token, -1 at padding; by default each real
+    token its own, but the first (never removed)."""
+    if segments is None:
+        first = real.int().argmax(dim=1, keepdim=True)
+        positions = torch.arange(real.shape[1], device=real.device).expand_as(real)
+        segments = positions.masked_fill(positions == first, -1)
+    return segments.to(real.device).masked_fill(~real, -1).long()
 
 
 def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
@@ -349,6 +360,7 @@ def leave_one_out_estimates(
     segments: Tensor | None = None,
     exact: int = 2,
     max_batch_size: int = 64,
+    shares: Tensor | None = None,
 ) -> Tensor:
     r"""Each segment's leave-one-out effect :math:`\log p(a \mid x) - \log p(a \mid x
     \setminus s)`, exact for the ``exact`` segments ``prior`` ranks highest and first-order
@@ -361,8 +373,15 @@ def leave_one_out_estimates(
     probability saturates; a one-pass attribution that finds those (``prior``: AttnLRP's
     span scores, ranked by magnitude) names which segments to delete exactly.
 
+    With ``shares`` (:func:`attention_shares`: each segment's largest share :math:`a_s`
+    of one other token's attention), the exact deletions go instead to the segments of
+    largest :math:`|p_s| / (1 - a_s)`: a deletion moves a row in which the segment holds
+    :math:`a_s` of the attention :math:`1 / (1 - a_s)` times as far as its first-order
+    effect says (:mod:`~captum_attention.maps.knockout`), so these are the estimates the
+    first order is least sure of, whose effect may be large.
+
     The other arguments are :func:`linear_datamodeling_score`'s; ``first_order`` and
-    ``prior`` are ``(B, N)`` token scores of the same answer.
+    ``prior`` are ``(B, N)`` token scores of the same answer, ``shares`` ``(B, S)``.
 
     Returns:
         ``(B, N)`` float32 token scores: the first-order ones, and each exactly deleted
@@ -374,7 +393,13 @@ def leave_one_out_estimates(
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
     if tuple(first_order.shape) != tuple(input_ids.shape):
         raise ValueError(f"first_order has shape {tuple(first_order.shape)} but the prompts are {tuple(input_ids.shape)}.")
-    ranked = scorer.segment_scores(prior).abs().masked_fill(~scorer.present, -1.0)
+    ranked = scorer.segment_scores(prior).abs()
+    if shares is not None:
+        if tuple(shares.shape) != tuple(scorer.present.shape):
+            raise ValueError(f"shares has shape {tuple(shares.shape)}, not (batch, segments) = {tuple(scorer.present.shape)}: "
+                             "give attention_shares() of the same prompts and segments.")
+        ranked = ranked / (1.0 - shares.to(ranked)).clamp(min=1e-6)
+    ranked = ranked.masked_fill(~scorer.present, -1.0)
     chosen = ranked.argsort(dim=1, descending=True)[:, :exact]
     rows = torch.arange(len(input_ids), device=chosen.device)[:, None].expand_as(chosen)
     picked = scorer.present.gather(1, chosen)
@@ -389,6 +414,58 @@ def leave_one_out_estimates(
         tokens = scorer.segments[row] == segment
         scores[row, tokens] = effect / float(sizes[row, segment])
     return scores
+
+
+def attention_shares(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    segments: Tensor | None = None,
+    adapter: AttentionAdapter | None = None,
+    capture: CaptureMode = "auto",
+) -> Tensor:
+    r"""Each segment's largest share of one other token's attention: :math:`a_s = \max`
+    over every attention call, head and query row :math:`i` outside :math:`s` (the prompt's
+    and the answer's) of :math:`\sum_{j \in s} A_{ij}`, in one forward of the prompt and
+    its answer. Where :math:`a_s` nears 1, deleting :math:`s` moves that row far more than
+    its first-order effect says (:func:`leave_one_out_estimates`, ``shares``).
+
+    The arguments are :func:`linear_datamodeling_score`'s, for a decoder-only ``model``
+    (called as ``model(input_ids=..., attention_mask=..., position_ids=...)``, like the
+    ablations); ``capture``: ``"streaming"`` recomputes the probabilities one block of
+    rows at a time from what the attention kernel received, at the kernel's memory,
+    ``"eager"`` reads the ``(B, H, N, N)`` maps, ``"auto"`` streams where the model allows.
+
+    Returns:
+        ``(B, S)`` float32 shares in [0, 1], 0 for a segment an example does not have.
+
+    Example::
+
+        >>> shares = attention_shares(model, prompt_ids, mask, answer_ids, segments)  # (1, S)
+    """
+    _check_shapes(input_ids, attention_mask, answer, segments)
+    if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+        raise ValueError("attention_shares reads a decoder-only model's self-attention; this model is an encoder-decoder.")
+    prompt_segments = _prompt_segments(attention_mask != 0, segments)
+    count = max(int(prompt_segments.max()) + 1, 1)
+    answer = answer.to(input_ids.device)
+    ids, mask = torch.cat([input_ids, answer], dim=1), torch.cat([attention_mask, torch.ones_like(answer)], dim=1)
+    key_segments = torch.cat([prompt_segments, torch.full_like(answer, -1)], dim=1)
+    with torch.no_grad():
+        record = run_model(lambda i, m: _run(model, i, m), model, ids, (mask,), adapter=adapter, capture=capture)
+    if any(role != "self" for role in record.roles):
+        raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
+    real = mask != 0
+    shares = torch.zeros(len(ids), count, device=ids.device)
+    for index in range(record.num_calls):
+        if record.streaming:
+            call = record.kernel_calls[index]
+            call_shares = segment_share_max(call, key_segments, real, count, block_shape(call))
+        else:
+            call_shares = segment_shares(record.attn_maps[index], key_segments, key_segments, real, count)
+        torch.maximum(shares, call_shares, out=shares)
+    return shares
 
 
 def calibrated_surrogate(kept: Tensor, outcomes: Tensor, prior: Tensor, ridge: float) -> Tensor:
