@@ -1,7 +1,8 @@
 """A needle in a long context, with a known answer: which method points at it, and at what cost?
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
-        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--estimated-prior attn_lrp] [--trained-here]
+        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--estimated-prior attn_lrp]
+        [--estimated-shares] [--trained-here]
         [--json out.json]
 
 The task and the model are :mod:`captum_attention.demo.needle`'s: a context of filler
@@ -22,7 +23,8 @@ each pair, each run of up to 32 filler words), and its time per example (memory:
 ``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--estimated K`` adds
 ``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
 AttnLRP ranks highest by magnitude deleted exactly; ``--estimated-prior METHOD``: those
-another registered method ranks highest, such as ``knockout_lrp``). The peers, on the first
+another registered method ranks highest, such as ``knockout_lrp``; ``--estimated-shares``:
+highest by that magnitude over one minus the segment's ``metrics.attention_shares``). The peers, on the first
 ``--peer-examples`` of them and the same metrics: Captum's ``LLMAttribution(FeatureAblation)``
 over the segments (a ``TextTemplateInput``, removed segments deleted),
 ``LLMGradientAttribution(LayerIntegratedGradients)`` over the tokens (50 steps), and
@@ -62,6 +64,7 @@ from captum_attention.attr import REGISTRY
 from captum_attention.demo.needle import WORDS, NeedleExample, load_needle_model, needle_example, needle_tokenizer
 from captum_attention.metrics import (
     ablated_log_probs,
+    attention_shares,
     calibrated_scores,
     leave_one_out_estimates,
     linear_datamodeling_score,
@@ -97,16 +100,20 @@ def calibrated(model: tf.LlamaForCausalLM, forwards: int) -> Attribution:
     return attribute
 
 
-def estimated(model: tf.LlamaForCausalLM, exact: int, prior_method: str = "attn_lrp") -> Attribution:
+def estimated(model: tf.LlamaForCausalLM, exact: int, prior_method: str = "attn_lrp", shares: bool = False) -> Attribution:
     """``metrics.leave_one_out_estimates``: KnockoutGradient's first-order effects, the
     ``exact`` segments that ``prior_method`` (a registered method) ranks highest by
-    magnitude deleted exactly."""
-    first_order, prior = our_method(model, "knockout_gradient"), our_method(model, prior_method)
+    magnitude deleted exactly; with ``shares``, highest by magnitude over one minus their
+    ``metrics.attention_shares``."""
+    first_order = our_method(model, "knockout_gradient")
+    prior = first_order if prior_method == "knockout_gradient" else our_method(model, prior_method)
 
     def attribute(e: NeedleExample) -> torch.Tensor:
-        prompt = e.input_ids[None]
-        return leave_one_out_estimates(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), first_order(e)[None],
-                                       prior(e)[None], e.segments[None], exact=exact)[0]
+        prompt, answer, mask, segments = e.input_ids[None], torch.tensor([[e.answer]]), torch.ones_like(e.input_ids[None]), e.segments[None]
+        slopes = first_order(e)[None]
+        prior_scores = slopes if prior is first_order else prior(e)[None]
+        share = attention_shares(model, prompt, mask, answer, segments, capture="streaming") if shares else None
+        return leave_one_out_estimates(model, prompt, mask, answer, slopes, prior_scores, segments, exact=exact, shares=share)[0]
 
     return attribute
 
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
     parser.add_argument("--estimated-prior", default="attn_lrp", choices=list(REGISTRY),
                         help="the registered method whose scores choose the segments deleted exactly")
+    parser.add_argument("--estimated-shares", action="store_true", help="choose them by the prior's magnitude over one "
+                        "minus the segment's attention share (metrics.attention_shares)")
     parser.add_argument("--peers", nargs="*", default=["feature_ablation", "integrated_gradients", "context_cite", "kernel_shap"])
     parser.add_argument("--options", type=json.loads, default={},
                         help='method options as JSON, e.g. \'{"norm_attention": {"layer": 0}}\'')
@@ -300,8 +309,10 @@ def main(argv: list[str] | None = None) -> None:
             for name in options.methods
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
-        by = "" if options.estimated_prior == "attn_lrp" else f" by {options.estimated_prior}"
-        runs += [(f"leave-one-out estimates, {k} exact{by}", lambda k=k: estimated(model, k, options.estimated_prior), correct)
+        by = "" if options.estimated_prior == "attn_lrp" and not options.estimated_shares else f" by {options.estimated_prior}"
+        by += " / (1 - share)" if options.estimated_shares else ""
+        runs += [(f"leave-one-out estimates, {k} exact{by}",
+                  lambda k=k: estimated(model, k, options.estimated_prior, options.estimated_shares), correct)
                  for k in options.estimated]
         runs += [(name, lambda name=name: peers[name](model), correct[: options.peer_examples]) for name in options.peers]
         decides = [needle_decides(model, e) for e in correct]

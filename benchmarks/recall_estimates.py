@@ -9,7 +9,9 @@ is a segment (``;`` and the key never removed), and per method the LDS over 32 s
 ablations (:func:`~captum_attention.metrics.linear_datamodeling_score`): AttnLRP,
 KnockoutGradient, KnockoutLRP (the two joined, no deletion),
 :func:`~captum_attention.metrics.leave_one_out_estimates` with 1 and 2
-segments deleted exactly, and every segment deleted (leave-one-out itself, Feature
+segments deleted exactly (those AttnLRP ranks highest; or, "by share", those of largest
+first-order effect over one minus their :func:`~captum_attention.metrics.attention_shares`),
+and every segment deleted (leave-one-out itself, Feature
 Ablation's scores). Here deleting a pair moves the later tokens' positions, which masking
 it (the first-order effect) does not.
 """
@@ -25,7 +27,7 @@ import torch
 
 from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP
 from captum_attention.demo.recall import RecallTraining, load_recall_model, recall_batch
-from captum_attention.metrics import leave_one_out_estimates, linear_datamodeling_score
+from captum_attention.metrics import attention_shares, leave_one_out_estimates, linear_datamodeling_score
 
 
 def sequence_lds(model: Any, ids: torch.Tensor, answer: torch.Tensor) -> dict[str, float]:
@@ -40,6 +42,11 @@ def sequence_lds(model: Any, ids: torch.Tensor, answer: torch.Tensor) -> dict[st
     scores = {"AttnLRP": prior, "KnockoutGradient": first_order, "KnockoutLRP": joined}
     for exact, name in ((1, "estimates, 1 exact"), (2, "estimates, 2 exact"), (pairs, "leave-one-out (every pair deleted)")):
         scores[name] = leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments, exact=exact)
+    shares = attention_shares(model, ids, mask, answer, segments)
+    for exact in (1, 2):
+        scores[f"estimates, {exact} exact, by share"] = leave_one_out_estimates(
+            model, ids, mask, answer, first_order, first_order, segments, exact=exact, shares=shares
+        )
     return {name: float(linear_datamodeling_score(model, ids, mask, answer, values, segments)[0]) for name, values in scores.items()}
 
 

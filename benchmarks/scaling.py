@@ -60,7 +60,7 @@ from common import (  # noqa: E402
 
 from captum_attention import ALTI, DecompX, KnockoutGradient, KnockoutLRP, LearnedAttention, NormAttention, ValueZeroing  # noqa: E402
 from captum_attention.maps import context_mixing, streaming  # noqa: E402
-from captum_attention.metrics import attention_erasure  # noqa: E402
+from captum_attention.metrics import attention_erasure, attention_shares  # noqa: E402
 
 ERASURE = "attention_erasure"
 NORM = NormAttention.__name__  # registered, not in METHODS: measured here all the same
@@ -72,7 +72,8 @@ KNOCKOUT = KnockoutGradient.__name__  # one forward and backward, as Grad-SAM: m
 JOINED = KnockoutLRP.__name__  # KnockoutGradient's and AttnLRP's passes: measured where --runs names it
 DECOMPOSITION = DecompX.__name__  # one forward of N + 1 rows per example: measured where --runs names it
 SENSITIVITY = "DecompX(multiply_by_inputs=False)"  # one forward and backward on any model: measured where --runs names it
-ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, JOINED, DECOMPOSITION, SENSITIVITY]
+SHARES = attention_shares.__name__  # one forward, each token its own segment: measured where --runs names it
+ON_REQUEST = [ZEROING, LEARNED, CONTRIBUTIONS, NORM_RESIDUAL, KNOCKOUT, JOINED, DECOMPOSITION, SENSITIVITY, SHARES]
 STREAMED = [*BASELINE, NORM, ERASURE]
 
 
@@ -146,6 +147,7 @@ def workloads(options: argparse.Namespace, batch: int, length: int) -> dict[str,
     runs[SENSITIVITY] = lambda: DecompX(model, capture="streaming", multiply_by_inputs=False).attribute(
         ids, target=0, additional_forward_args=(mask,)
     )
+    runs[SHARES] = lambda: attention_shares(model, ids[:, :-1], mask[:, :-1], ids[:, -1:], capture="streaming")
     return runs
 
 

@@ -167,8 +167,8 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     lds_on_shared = [value for value in each["lds"][:2] if value == value]
     assert f"| 48 | 2 | attn_lrp | {sum(lds_on_shared) / max(len(lds_on_shared), 1):.2f} |" in printed
     assert f"| 48 | 2 | context_cite | {peer['lds']:.2f} |" in printed
-    for prior in ("attn_lrp", "knockout_lrp"):
-        estimated = needle.evaluate(model, needle.estimated(model, 1, prior), examples[:1])
+    for prior, shares in (("attn_lrp", False), ("knockout_lrp", False), ("knockout_gradient", True)):
+        estimated = needle.evaluate(model, needle.estimated(model, 1, prior, shares), examples[:1])
         assert estimated["examples"] == 1 and len(estimated["each"]["lds"]) == 1
 
 
@@ -183,7 +183,8 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     batch = recall_batch(1, RecallTraining(), seed=0)
     ids, answer = batch.input_ids[:, : int(batch.answer_positions[0, 0])], batch.answers[:, :1]
     found = recall_estimates.sequence_lds(model, ids, answer)
-    assert list(found) == ["AttnLRP", "KnockoutGradient", "KnockoutLRP", "estimates, 1 exact", "estimates, 2 exact", "leave-one-out (every pair deleted)"]
+    assert list(found) == ["AttnLRP", "KnockoutGradient", "KnockoutLRP", "estimates, 1 exact", "estimates, 2 exact",
+                           "leave-one-out (every pair deleted)", "estimates, 1 exact, by share", "estimates, 2 exact, by share"]
     assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
 
 
