@@ -431,11 +431,17 @@ def attention_shares(
     its answer. Where :math:`a_s` nears 1, deleting :math:`s` moves that row far more than
     its first-order effect says (:func:`leave_one_out_estimates`, ``shares``).
 
-    The arguments are :func:`linear_datamodeling_score`'s, for a decoder-only ``model``
-    (called as ``model(input_ids=..., attention_mask=..., position_ids=...)``, like the
-    ablations); ``capture``: ``"streaming"`` recomputes the probabilities one block of
-    rows at a time from what the attention kernel received, at the kernel's memory,
-    ``"eager"`` reads the ``(B, H, N, N)`` maps, ``"auto"`` streams where the model allows.
+    The other arguments are :func:`linear_datamodeling_score`'s.
+
+    Args:
+        model (nn.Module): a decoder-only language model, called as the ablations call it
+            (a Hugging Face model with ``position_ids`` that skip the left padding).
+        adapter (AttentionAdapter, optional): how to find the model's attention.
+            Default: the built-in one.
+        capture (str, optional): ``"streaming"`` recomputes the probabilities one block
+            of rows at a time from what the attention kernel received, at the kernel's
+            memory; ``"eager"`` reads the ``(B, H, N, N)`` maps; ``"auto"`` streams where
+            the model allows. Default: ``"auto"``.
 
     Returns:
         ``(B, S)`` float32 shares in [0, 1], 0 for a segment an example does not have.
