@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from captum_attention.maps import (
     relevance_layer_maps,
     rollout_layer_maps,
     rollout_scores,
+    segment_shares,
     transformer_attribution_scores,
 )
 from methods import reference_chefer, reference_grad_sam
@@ -165,3 +167,21 @@ def test_erasing_keys_from_scores_equals_renormalising_and_survives_underflow():
     torch.testing.assert_close(survivors, torch.tensor([[[[1.0, 0.0, 0.0]]]]))
     everything = erase_keys(peaked.softmax(-1), torch.ones(1, 3, dtype=torch.bool), peaked)
     assert (everything == 0).all()
+
+
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5), st.integers(1, 6), st.integers(1, 4), st.integers(0, 2**16))
+def test_segment_shares_are_each_segments_largest_row_sum_outside_its_own_rows(batch, heads, rows, keys, count, seed):
+    """Against a loop over examples, segments, heads and rows, on random probabilities,
+    segments (-1: in none; keys beyond the block's) and real rows."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.rand(batch, heads, rows, keys, generator=generator).softmax(dim=-1)
+    key_segments = torch.randint(-1, count, (batch, keys + 2), generator=generator)
+    row_segments = torch.randint(-1, count, (batch, rows), generator=generator)
+    real_rows = torch.rand(batch, rows, generator=generator) < 0.8
+    shares = segment_shares(probs, key_segments, row_segments, real_rows, count)
+    for b in range(batch):
+        for segment in range(count):
+            held = probs[b][..., key_segments[b, :keys] == segment].sum(dim=-1)  # (heads, rows)
+            outside = real_rows[b] & (row_segments[b] != segment)
+            expected = float(held[:, outside].max()) if bool(outside.any()) else 0.0
+            assert float(shares[b, segment]) == pytest.approx(expected, abs=1e-6)
