@@ -109,7 +109,8 @@ def estimated(model: tf.LlamaForCausalLM, exact: int, prior_method: str = "attn_
     prior = first_order if prior_method == "knockout_gradient" else our_method(model, prior_method)
 
     def attribute(e: NeedleExample) -> torch.Tensor:
-        prompt, answer, mask, segments = e.input_ids[None], torch.tensor([[e.answer]]), torch.ones_like(e.input_ids[None]), e.segments[None]
+        prompt, answer, segments = e.input_ids[None], torch.tensor([[e.answer]]), e.segments[None]
+        mask = torch.ones_like(prompt)
         slopes = first_order(e)[None]
         prior_scores = slopes if prior is first_order else prior(e)[None]
         share = attention_shares(model, prompt, mask, answer, segments, capture="streaming") if shares else None

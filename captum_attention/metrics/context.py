@@ -396,8 +396,10 @@ def leave_one_out_estimates(
     ranked = scorer.segment_scores(prior).abs()
     if shares is not None:
         if tuple(shares.shape) != tuple(scorer.present.shape):
-            raise ValueError(f"shares has shape {tuple(shares.shape)}, not (batch, segments) = {tuple(scorer.present.shape)}: "
-                             "give attention_shares() of the same prompts and segments.")
+            raise ValueError(
+                f"shares has shape {tuple(shares.shape)}, not (batch, segments) = {tuple(scorer.present.shape)}: "
+                "give attention_shares() of the same prompts and segments."
+            )
         ranked = ranked / (1.0 - shares.to(ranked)).clamp(min=1e-6)
     ranked = ranked.masked_fill(~scorer.present, -1.0)
     chosen = ranked.argsort(dim=1, descending=True)[:, :exact]
