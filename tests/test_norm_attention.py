@@ -110,3 +110,23 @@ def test_a_model_whose_output_projection_is_unknown_is_refused_in_one_line(monke
         with pytest.raises(UnsupportedModelError, match="output projection of BertSelfAttention") as refused:
             NormAttention(model, capture=capture).attribute(ids, additional_forward_args=(mask,))
         assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_gate_between_the_attention_and_its_projection_is_refused_in_one_line(family, capture_mode):
+    """A forward pre-hook that scales what the last layer's output projection receives
+    (as HY-V4's and Laguna's gates do): the norms of the ungated values would be wrong."""
+    from captum_attention import UnsupportedModelError
+
+    model, ids, mask, _ = one_stack_case(family)
+    projection = model.model.layers[-1].self_attn.o_proj if family == "llama" else model.transformer.h[-1].attn.c_proj
+    handle = projection.register_forward_pre_hook(lambda module, args: (torch.sigmoid(args[0]) * args[0],))
+    try:
+        before = model_state(model)
+        with pytest.raises(UnsupportedModelError, match="receives something other than the heads' attention-weighted values") as refused:
+            NormAttention(model).attribute(ids, additional_forward_args=(mask,))
+        assert "\n" not in str(refused.value)
+        assert_same_state(before, model_state(model))
+        NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=0)  # the first layer has no gate
+    finally:
+        handle.remove()

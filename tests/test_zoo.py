@@ -10,8 +10,8 @@ import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
 from zoo import (
-    EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain, make_case, outcomes,
-    reference, runs,
+    CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
+    make_case, outcomes, reference, runs,
 )
 
 from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
@@ -59,6 +59,26 @@ def test_the_knockout_methods_are_exact_or_refused_in_one_line(architecture):
     found = outcomes(architecture, ["knockout_gradient", "knockout_lrp"])
     bad = {m: o for m, o in found.items() if o.status in ("error", "wrong")}
     assert not bad, f"{architecture.name}: {bad}"
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
+def test_the_context_mixing_methods_are_exact_or_refused_in_one_line(architecture):
+    """LearnedAttention against the twin's maps; the decomposing methods finite and the
+    same in both capture modes where their own checks let them run."""
+    found = outcomes(architecture, ["learned_attention", *CHECKED_BY_THEMSELVES])
+    bad = {m: o for m, o in found.items() if o.status in ("error", "wrong")}
+    assert not bad, f"{architecture.name}: {bad}"
+
+
+@pytest.mark.parametrize("head, model_type", [("causal LM", "hy_v4"), ("causal LM", "laguna"), ("sequence classification", "convbert")])
+def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyper_connections(head, model_type):
+    """HY-V4 and Laguna gate the attention output before its projection (NormAttention
+    refuses), HY-V4 keeps several streams per token (Value Zeroing compares them as one
+    vector), ConvBERT's projection takes convolution heads beside the attention's."""
+    found = outcomes(_architecture(head, model_type), ["learned_attention", *CHECKED_BY_THEMSELVES])
+    assert found["norm_attention"].status in ("refused", "not built"), found
+    assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
 @pytest.mark.zoo

@@ -10,6 +10,11 @@ An architecture/method pair ends in one of:
   function of the maps, gives the same scores streaming and eager; KnockoutGradient
   equals Σ A(G − ΣAG) of the twin's maps, and KnockoutLRP that with AttnLRP's relevance
   at its top token (``test_the_knockout_methods_are_exact_or_refused_in_one_line``);
+  LearnedAttention (uniform weights) equals the mean of the twin's maps' row over every
+  layer and head, and the methods that decompose a layer (:data:`CHECKED_BY_THEMSELVES`),
+  whose calls check their sums against the model's own tensors and refuse where they do
+  not add up, give the same scores streaming and eager
+  (``test_the_context_mixing_methods_are_exact_or_refused_in_one_line``);
 - ``refused``: the library raised :class:`~captum_attention.UnsupportedModelError` with a
   one-line reason;
 - ``not built``: transformers itself cannot build or run the tiny model here (a missing
@@ -40,7 +45,7 @@ import transformers as tf
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from methods import METHODS, reference_decisive, reference_grad_sam, reference_knockout  # noqa: E402
+from methods import METHODS, _row, reference_decisive, reference_grad_sam, reference_knockout  # noqa: E402
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference, cross_attending_reference  # noqa: E402
 from grid_reference import reduced_maps_and_grads, window_layers, window_maps_and_grads  # noqa: E402
 
@@ -472,6 +477,8 @@ def reference(case: Case) -> Callable[[str], Any]:
             return reference_grad_sam(ref, lengths)
         if method == "knockout_gradient":
             return reference_knockout(ref, lengths)
+        if method == "learned_attention":
+            return reference_mean_row(ref, lengths, query)
         if method == "knockout_lrp":  # the relevance is AttnLRP's own, which this sweep checks streaming against eager
             relevance = explain(case, "attn_lrp")
             relevance = relevance.flatten(1)  # a patch grid: its patches, the last tokens
@@ -500,6 +507,19 @@ def cross_attending_reference_of(case: Case, out: Any) -> Callable[[str], tuple[
         placed[states] = source
         return placed[None], target[None]
 
+    return scores
+
+
+def reference_mean_row(ref: StackReference, lengths: list[int], query: int | torch.Tensor) -> torch.Tensor:
+    """LearnedAttention's uniform weights: the explained row of every layer's and head's
+    map, averaged, per example over its real block."""
+    if len({a.shape[1] for a in ref.attentions}) > 1:
+        raise NoReference("the layers have different numbers of heads")
+    heads = len(ref.attentions) * ref.attentions[0].shape[1]
+    scores = torch.zeros(len(lengths), max(lengths))
+    for b, n in enumerate(lengths):
+        summed = sum(a[b, :, :n, :n].double().sum(dim=0) for a in ref.attentions)
+        scores[b, :n] = (_row(summed, query) / heads).float()
     return scores
 
 
@@ -537,9 +557,21 @@ class Outcome:
     detail: str = ""
 
 
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"norm_attention(residual=True)": ("norm_attention", {"residual": True})}
+"""Swept names that are a registered method with options."""
+
+CHECKED_BY_THEMSELVES = ("norm_attention", "norm_attention(residual=True)", "alti", "alti_logit", "value_zeroing")
+"""Methods with no reference from the maps alone (they read the values, the norms, the
+unembedding, or re-run layers), whose calls check their decomposition against the model's
+own tensors (what the output projection received, the layer's states, the logits) and
+refuse where it does not add up; the sweep checks them finite and the same streaming and
+eager (Value Zeroing's re-runs are the model's own layers)."""
+
+
 def explain(case: Case, method: str, capture: str = "auto") -> Any:
-    cls = REGISTRY[method]
-    options: dict[str, Any] = {"target": case.target} if cls.spec.uses_target else {}
+    name, options = VARIANTS.get(method, (method, {}))
+    cls = REGISTRY[name]
+    options = {**options, "target": case.target} if cls.spec.uses_target else dict(options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(case.model, capture=capture).attribute(case.inputs, additional_forward_args=case.args, **options)
@@ -589,9 +621,9 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
         except Exception as error:  # noqa: BLE001 - the defect the sweep reports
             found[method] = Outcome("error", _one_line(error))
             continue
-        if method == "attn_lrp":
+        if method == "attn_lrp" or method in CHECKED_BY_THEMSELVES:
             try:
-                same = _close(scores, explain(case, method, "eager"), floor=explained_output(case))
+                same = _close(scores, explain(case, method, "eager"), floor=explained_output(case) if method == "attn_lrp" else 1e-30)
             except Exception as error:  # noqa: BLE001 - the defect the sweep reports, unless transformers' eager path fails
                 try:
                     eager_output(case)

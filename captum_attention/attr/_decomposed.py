@@ -15,7 +15,7 @@ from ..capture import LogProbTarget, RecordedBlocks, RecordedValues
 from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
-from ..capture.residual import AttentionResidual, attention_residual
+from ..capture.residual import AttentionResidual, attention_residual, equal_to_rounding
 from ..maps import last_query, alti_contributions, alti_tile, head_vectors, normalised_mixing, query_weights
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
@@ -129,27 +129,53 @@ def row_blocks(batch: int, tokens: int, row_elements: int, device: torch.device,
 def call_values(record: ForwardRecord, call: int, method: str) -> tuple[Tensor, Tensor]:
     """One call's values, one per query head ``(B, H, K, Dv)``, and its output projection
     ``(D, H · Dv)`` (detached); a refusal in one line where the adapter does not name the
-    projection."""
+    projection or the projection does not take the heads' values side by side."""
     recorded = record.result(RecordedValues)
-    projection = recorded.projections[call]
+    projection, module = recorded.projections[call], type(record.capture.modules[call]).__name__
     if projection is None:
+        raise UnsupportedModelError(f"{method} needs the output projection of {module}, which its adapter does not name (output_projection).")
+    values = recorded.per_head(call).detach()
+    heads, head_dim = values.shape[1], values.shape[-1]
+    if projection.shape[1] != heads * head_dim:
         raise UnsupportedModelError(
-            f"{method} needs the output projection of {type(record.capture.modules[call]).__name__}, "
-            "which its adapter does not name (output_projection)."
+            f"{method} splits the output projection of {module} by head, but it "
+            f"takes {projection.shape[1]} features, not its {heads} heads' {heads}×{head_dim} values."
         )
-    return recorded.per_head(call).detach(), projection.detach()
+    return values, projection.detach()
 
 
 def call_head_vectors(record: ForwardRecord, call: int, method: str) -> Tensor:
     """``(B, H, N, D)`` :func:`~captum_attention.maps.head_vectors` of one call (detached)."""
-    values, projection = call_values(record, call, method)
-    heads, head_dim = values.shape[1], values.shape[-1]
-    if projection.shape[1] != heads * head_dim:
+    return head_vectors(*call_values(record, call, method))
+
+
+def head_outputs(record: ForwardRecord, call: int, values: Tensor, rows: slice) -> Tensor:
+    r"""``(B, r, H · Dv)`` float32: the heads' attention-weighted values of the query rows
+    ``rows`` side by side, :math:`\sum_k \alpha^m_{ik} v^m_k` for each head m: what the
+    output projection receives."""
+    probs = attention_rows(record, call, rows).to(values.device)
+    return torch.einsum("bhrk,bhkv->brhv", probs, values.float()).flatten(2)
+
+
+def check_projected(record: ForwardRecord, call: int, method: str) -> None:
+    """Refuse in one line unless call ``call``'s output projection received its heads'
+    attention-weighted values on the :func:`checked_rows` (recorded by
+    :class:`~captum_attention.capture.AttendedValues` ``(projected_rows=checked_rows)``):
+    a gate on the attention output before the projection (HY-V4's, Laguna's) is no sum
+    over tokens."""
+    values, _ = call_values(record, call, method)
+    received = record.result(RecordedValues).projected[call]
+    module = type(record.capture.modules[call]).__name__
+    if received is None:
+        raise UnsupportedModelError(f"{method} checks what the output projection of {module} receives, but saw no (batch, tokens, features) input to it.")
+    rows = checked_rows(values.shape[2])
+    sums = torch.cat([head_outputs(record, call, values, r) for r in rows], dim=1)
+    real = torch.cat([record.forward_real[:, r] for r in rows], dim=1)
+    if not equal_to_rounding(sums, received.to(sums.device), real):
         raise UnsupportedModelError(
-            f"{method} splits the output projection of {type(record.capture.modules[call]).__name__} by head, but it "
-            f"takes {projection.shape[1]} features, not its {heads} heads' {heads}×{head_dim} values."
+            f"{method} splits by head what the output projection of {module} receives, but it receives something other "
+            "than the heads' attention-weighted values (a gate or a norm on the attention output)."
         )
-    return head_vectors(values, projection)
 
 
 def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:
@@ -168,8 +194,7 @@ def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -
     sums = vectors.new_zeros(vectors.shape[0], tokens, width)
     compared = torch.zeros_like(record.forward_real)
     for rows in checked_rows(tokens):  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
-        probs = attention_rows(record, call, rows).to(vectors.device)
-        sums[:, rows] = torch.einsum("bhrk,bhkv->brhv", probs, values).flatten(2) @ projection.t()
+        sums[:, rows] = head_outputs(record, call, values, rows) @ projection.t()
         compared[:, rows] = record.forward_real[:, rows]
     return LayerSum(vectors, attention_residual(block, sums, compared))
 

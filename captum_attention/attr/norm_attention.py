@@ -14,7 +14,7 @@ from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps import query_weights, summed_weighted_norm, transformed_vectors
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import attention_rows, call_values, layer_calls, layer_sum
+from ._decomposed import attention_rows, call_values, check_projected, checked_rows, layer_calls, layer_sum
 from ._registry import FLAG, LAYER, MethodSpec
 
 
@@ -96,8 +96,9 @@ class NormAttention(AttentionAttributionBase, Attribution):
         return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer, residual=residual)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
-        blocks = [LayerBlocks(states=options.get("layer", -1))] if options.get("residual") else []
-        return [*super()._probes(effective, **options), AttendedValues(), *blocks]
+        if options.get("residual"):  # the layer's sum is checked against its states
+            return [*super()._probes(effective, **options), AttendedValues(), LayerBlocks(states=options.get("layer", -1))]
+        return [*super()._probes(effective, **options), AttendedValues(projected_rows=checked_rows)]
 
     def _scores(self, record: ForwardRecord, layer: int = -1, residual: bool = False) -> tuple[Tensor, list[Tensor]]:
         if residual:
@@ -119,6 +120,7 @@ def _weighted_norms(record: ForwardRecord, layer: int, rows_at: Any) -> Tensor:
     """``(B, T)``: Σ over the explained query rows q (their weights w_q) of
     ``w_q · summed_weighted_norm`` at the chosen call; ``rows_at(q)`` gives ``(B, H, K)``."""
     chosen = record.call_index(layer)
+    check_projected(record, chosen, "NormAttention")
     values, projection = call_values(record, chosen, "NormAttention")
     weights = query_weights(record.query_index, record.target_real.shape[1])
     scores = torch.zeros(weights.shape, device=weights.device)

@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
+from .adapters.protocol import parent_module
 from .inputs import take_rows
 from .kernel import key_bias_applies
 
@@ -320,12 +321,15 @@ class ZeroKeyBiases(Probe):
 class RecordedValues(PerCall):
     """Per attention call, the ``(B, H / groups, K, Dv)`` values its probabilities weighted
     (detached; each key-value head serving ``groups`` consecutive query heads, 1 where the
-    values were recorded per head), and the adapter's output projection weight
-    ``(hidden, H * Dv)``, or None where it does not know it."""
+    values were recorded per head), the adapter's output projection weight
+    ``(hidden, H * Dv)``, or None where it does not know it, and, where the recorder was
+    given ``projected_rows``, what that projection received on those rows
+    ``(B, rows, features)`` (None where it saw no such input)."""
 
     values: list[Tensor]
     projections: list[Tensor | None]
     groups: list[int]
+    projected: list[Tensor | None] = field(default_factory=list)
 
     def per_head(self, call: int) -> Tensor:
         """``(B, H, K, Dv)``: the call's values, one per query head."""
@@ -335,28 +339,69 @@ class RecordedValues(PerCall):
 
 class ValueRecorder(Probe):
     """Records the values each call's probabilities weight: the right factor of the
-    matrix product whose left factor is the probabilities (eager capture)."""
+    matrix product whose left factor is the probabilities (eager capture).
+
+    Args:
+        projected_rows: also record what each call's output projection receives, on the
+            query rows ``projected_rows(tokens)`` gives (slices), to check that it
+            receives the heads' attention-weighted values and nothing else (a gate on
+            them). Default: None, not recorded.
+    """
 
     events = frozenset({"product", "call_end"})
     modes = frozenset({"eager"})
     eager_reason = "effective attention needs the values and the full maps"
 
-    def __init__(self) -> None:
+    def __init__(self, projected_rows: Callable[[int], list[slice]] | None = None) -> None:
         self._products: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._values: list[Tensor] = []
         self._projections: list[Tensor | None] = []
         self._groups: list[int] = []
         self._model: nn.Module | None = None
+        self.projected_rows = projected_rows
+        self._owners: dict[nn.Module, nn.Module | None] = {}
+        self._received: dict[nn.Module, list[Tensor | None]] = {}
+        self._starts: dict[nn.Module, list[int | None]] = {}
+        self._slots: list[tuple[nn.Module | None, int | None]] = []
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         self._model = model
         self._products, self._values, self._projections, self._groups = {}, [], [], []
+        self._owners, self._received, self._starts, self._slots = {}, {}, {}, []
+        if self.projected_rows is not None:
+            self._watch_projections(model, adapter, stack)
+
+    def _watch_projections(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        rows_of = self.projected_rows
+        assert rows_of is not None
+
+        def keep(projection: nn.Module, args: tuple) -> None:
+            received = args[0] if args and isinstance(args[0], Tensor) and args[0].dim() == 3 else None
+            if received is not None:
+                rows = torch.cat([torch.arange(r.start, r.stop) for r in rows_of(received.shape[1])])
+                received = received.detach()[:, rows.to(received.device)]
+            self._received.setdefault(projection, []).append(received)
+
+        def started(module: nn.Module, args: tuple) -> None:
+            owner = self._owners[module]
+            self._starts.setdefault(module, []).append(len(self._received[owner]) if owner is not None else 0)
+
+        for site in adapter.attention_sites(model):
+            owner = _weight_owner(model, site.module, adapter.output_projection(model, site.module))
+            self._owners[site.module] = owner
+            stack.callback(site.module.register_forward_pre_hook(started).remove)
+            if owner is not None and owner not in self._received:
+                self._received[owner] = []
+                stack.callback(owner.register_forward_pre_hook(keep).remove)
 
     def _record(self, call: CallInfo, values: Tensor, groups: int) -> None:
         assert self._model is not None
         self._values.append(values)
         self._groups.append(groups)
         self._projections.append(call.adapter.output_projection(self._model, call.module))
+        if self.projected_rows is not None:  # the call's start said which of its projection's inputs is its own
+            starts = self._starts.get(call.module) or [None]
+            self._slots.append((self._owners.get(call.module), starts.pop(0)))
 
     def on_product(self, call: CallInfo, left: Tensor, right: Tensor) -> None:
         self._products.setdefault(call.index, []).append((left, right))
@@ -373,11 +418,32 @@ class ValueRecorder(Probe):
                     "factor."
                 )
             batch, heads = call.as_heads(piece).shape[:2]
-            parts.append(value.detach().reshape(batch, heads, *value.shape[-2:]))
+            shape = value.shape[-2:]
+            if value.numel() == batch * shape.numel():  # one value head for every query head, broadcast by the product (Falcon)
+                parts.append(value.detach().reshape(batch, 1, *shape).expand(batch, heads, *shape))
+            else:
+                parts.append(value.detach().reshape(batch, heads, *shape))
         self._record(call, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), 1)
 
     def result(self) -> RecordedValues:
-        return RecordedValues(self._values, self._projections, self._groups)
+        projected = [
+            self._received[owner][seen] if owner is not None and seen is not None and seen < len(self._received[owner]) else None
+            for owner, seen in self._slots
+        ]
+        return RecordedValues(self._values, self._projections, self._groups, projected)
+
+
+def _weight_owner(model: nn.Module, module: nn.Module, weight: Tensor | None) -> nn.Module | None:
+    """The module, inside ``module`` or its parent, whose weight ``weight`` is (or a view
+    of: GPT-2's transposed ``Conv1D``); None where there is none."""
+    if weight is None:
+        return None
+    parent = parent_module(model, module)
+    for candidate in (*module.modules(), *(parent.modules() if parent is not None else ())):
+        own = getattr(candidate, "weight", None)
+        if isinstance(own, Tensor) and (own is weight or getattr(weight, "_base", None) is own):
+            return candidate
+    return None
 
 
 class AttendedValues(ValueRecorder):

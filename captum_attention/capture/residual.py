@@ -73,9 +73,9 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
         )
     assert joined.inputs is not None
     outputs = [s.output for s in seen]
-    if any(_close(joined.inputs + added, call.output, real) for added in outputs):
+    if any(equal_to_rounding(joined.inputs + added, call.output, real) for added in outputs):
         return AttentionResidual(inputs, joined.inputs.detach(), None)
-    if any(s.module is not joined.module and s.inputs is not None and _close(joined.output + added, s.inputs, real)
+    if any(s.module is not joined.module and s.inputs is not None and equal_to_rounding(joined.output + added, s.inputs, real)
            for s in seen if _is_norm(s.module, inputs.shape[-1]) for added in outputs):
         return AttentionResidual(inputs, joined.output.detach(), linear_norm(joined.module, joined.inputs, joined.output))
     raise UnsupportedModelError(
@@ -114,10 +114,10 @@ class FinalStates:
             )
         bias = getattr(self.head, "bias", None)
         bias = bias.detach() if isinstance(bias, Tensor) else None
-        if _close(self.head_inputs, self.last_output, real):
+        if equal_to_rounding(self.head_inputs, self.last_output, real):
             return weight.detach(), bias, None
         for module, inputs, outputs in self.norms:
-            if _close(outputs, self.head_inputs, real) and _close(inputs, self.last_output, real):
+            if equal_to_rounding(outputs, self.head_inputs, real) and equal_to_rounding(inputs, self.last_output, real):
                 return weight.detach(), bias, linear_norm(module, inputs, outputs)
         raise UnsupportedModelError(
             f"{type(self.head).__name__} reads neither the last layer's output nor a norm of it: ALTI-Logit cannot "
@@ -138,7 +138,7 @@ class FinalStates:
         if isinstance(bias, Tensor):
             predicted = predicted + bias.detach().float()[tokens.to(read.device)]
         actual = logits[batch.to(logits.device), positions.to(logits.device), tokens.to(logits.device)]
-        if not _close(predicted, actual.to(predicted.device), None):
+        if not equal_to_rounding(predicted, actual.to(predicted.device), None):
             raise UnsupportedModelError(
                 f"The model's logits are not its {type(self.head).__name__}'s products with the final states "
                 "(a logit cap or scale): ALTI-Logit's shares would not add up to them."
@@ -202,7 +202,7 @@ def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNor
         for eps in epsilons:
             for gamma in weights:
                 norm = LinearNorm(gamma, (spread + eps).rsqrt(), centred, bias)
-                if _close(norm(states), outputs, None):  # within what the outputs' precision allows
+                if equal_to_rounding(norm(states), outputs, None):  # within what the outputs' precision allows
                     return norm
     raise UnsupportedModelError(
         f"{type(module).__name__} is neither a LayerNorm nor an RMSNorm of its weight: its output cannot be written "
@@ -229,7 +229,7 @@ def _joins(states: Tensor | None, inputs: Tensor, attention_sums: Tensor, real: 
     return bool((spread <= _tolerance(states) * states.float()[rows].abs().amax()).item())
 
 
-def _close(actual: Tensor, expected: Tensor, real: Tensor | None) -> bool:
+def equal_to_rounding(actual: Tensor, expected: Tensor, real: Tensor | None) -> bool:
     """Equal to rounding, on the ``real`` rows (all with None)."""
     if actual.shape != expected.shape:
         return False

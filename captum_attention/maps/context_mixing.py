@@ -69,10 +69,11 @@ def value_zeroing_distances(original: Tensor, zeroed: Tensor) -> Tensor:
     :math:`1 - \cos(\tilde{x}^{\neg j}_i, x_i)` (computed in float64).
 
     Args:
-        original: ``(V, N, D)`` the layer's outputs of the re-runs' examples.
-        zeroed: ``(V, N, D)`` the layer's outputs re-run with one token's value zeroed.
+        original: ``(V, N, ...)`` the layer's outputs of the re-runs' examples (a token's
+            several streams, as hyper-connections keep them, compared as one vector).
+        zeroed: ``(V, N, ...)`` the layer's outputs re-run with one token's value zeroed.
     """
-    return (1.0 - F.cosine_similarity(zeroed.double(), original.double(), dim=-1)).float()
+    return (1.0 - F.cosine_similarity(zeroed.double().flatten(2), original.double().flatten(2), dim=-1)).float()
 
 
 def normalised_mixing(contributions: Tensor, real: Tensor, rows: slice = slice(None)) -> Tensor:
