@@ -81,6 +81,12 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
+@pytest.mark.parametrize("head, model_type", [("causal LM", "gpt_neox"), ("sequence classification", "falcon")])
+def test_an_output_projection_named_dense_is_read(head, model_type):
+    found = outcomes(_architecture(head, model_type), ["norm_attention"])
+    assert found["norm_attention"].status == "exact", found
+
+
 @pytest.mark.zoo
 @pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
 @pytest.mark.parametrize("multiply_by_inputs", [True, False], ids=["shares", "sensitivity"])

@@ -230,7 +230,7 @@ class HuggingFaceAdapter(AdapterBase):
 
     def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
         """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
-        ``c_proj``, ``out_lin``), or, where the declared module is the inner
+        ``c_proj``, ``out_lin``, ``dense``), or, where the declared module is the inner
         self-attention (BERT family), its parent's ``output.dense``."""
         parent = parent_module(model, module)
         candidates = [getattr(module, name, None) for name in _PROJECTIONS]
@@ -462,7 +462,7 @@ TORCH_ACTIVATIONS: tuple[type[nn.Module], ...] = (
 )
 """torch's element-wise activation modules."""
 
-_PROJECTIONS = ("o_proj", "out_proj", "o", "c_proj", "out_lin")
+_PROJECTIONS = ("o_proj", "out_proj", "o", "c_proj", "out_lin", "dense")
 """Names transformers' attention modules give their output projection."""
 
 
