@@ -273,3 +273,23 @@ def test_on_a_model_whose_answer_is_known_the_decisive_pair_matters_most(recall)
     assert found.float().mean() >= 0.95, "AttnLRP's answer attribution points at the decisive pair"
     method_drop = top_k_log_prob_drop(model, prompts, mask, answers, span, ks=(1,), segments=segments)[:, 0]
     torch.testing.assert_close(method_drop[found], drop[found])
+
+
+def test_a_model_that_takes_its_cache_second_is_called_by_keyword():
+    """Bloom's forward is ``(input_ids, cache, attention_mask, ...)``: the ablations give
+    the mask by name (positionally it was taken for the cache)."""
+    import transformers as tf
+    from constants import VOCAB
+
+    torch.manual_seed(0)
+    model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)).eval()
+    prompts = make_prompts(side="left")
+    kept = torch.ones(3, 2, 3, dtype=torch.bool)
+    kept[:, 1, 0] = False
+    values = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS)
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], SEGMENTS[b, real]
+        for a in range(2):
+            expected = _log_prob(model, prompt[(seg < 0) | kept[b, a][seg.clamp(min=0)]], ANSWER[b])
+            assert values[b, a].item() == pytest.approx(expected, abs=1e-4)

@@ -106,6 +106,22 @@ def test_deletion_on_a_transformer_equals_the_shortened_sentence():
             torch.testing.assert_close(comp[row, 0], full - short, atol=1e-6, rtol=1e-5)
 
 
+def test_a_classifier_given_as_it_is_gets_the_mask_by_name():
+    """GPT-2's classifier takes its cache second: the model itself as ``forward_func``
+    gives what a function calling it by keyword gives."""
+    import transformers as tf
+    from constants import VOCAB
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, num_labels=2)
+    model = tf.GPT2ForSequenceClassification(config).eval()
+    batch = make_batch(model, lengths=(9, 6))
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    scores = torch.arange(9.0).flip(0).expand(2, 9)
+    expected = comprehensiveness(forward, batch.input_ids, batch.attention_mask, scores, target=1)
+    torch.testing.assert_close(comprehensiveness(model, batch.input_ids, batch.attention_mask, scores, target=1), expected)
+
+
 def test_perturbation_curves_rank_a_faithful_attribution(bag):
     model, ids, mask, target, contributions = bag
     positive = perturbation_curve(model, ids, mask, contributions, most_relevant_first=True)

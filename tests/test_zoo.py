@@ -11,7 +11,7 @@ import transformers as tf
 from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
-    make_case, outcomes, reference, runs,
+    make_case, outcomes, reference, runs, shares_outcome,
 )
 
 from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
@@ -79,6 +79,13 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     found = outcomes(_architecture(head, model_type), ["learned_attention", *CHECKED_BY_THEMSELVES])
     assert found["norm_attention"].status in ("refused", "not built"), found
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("causal LM"), ids=lambda a: a.name)
+def test_attention_shares_are_exact_or_refused_in_one_line(architecture):
+    outcome = shares_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 
 @pytest.mark.parametrize("head, model_type", [("causal LM", "gpt_neox"), ("sequence classification", "falcon")])

@@ -14,7 +14,9 @@ An architecture/method pair ends in one of:
   layer and head, and the methods that decompose a layer (:data:`CHECKED_BY_THEMSELVES`),
   whose calls check their sums against the model's own tensors and refuse where they do
   not add up, give the same scores streaming and eager
-  (``test_the_context_mixing_methods_are_exact_or_refused_in_one_line``);
+  (``test_the_context_mixing_methods_are_exact_or_refused_in_one_line``); a causal LM's
+  :func:`~captum_attention.metrics.attention_shares` equal the largest entries of the
+  twin's maps (:func:`shares_outcome`);
 - ``refused``: the library raised :class:`~captum_attention.UnsupportedModelError` with a
   one-line reason;
 - ``not built``: transformers itself cannot build or run the tiny model here (a missing
@@ -367,8 +369,9 @@ class StackReference:
     grads: list[torch.Tensor]
 
 
-def eager_output(case: Case) -> Any:
-    """The eager twin's output with ``output_attentions``, in the autograd graph."""
+def eager_output(case: Case, **extra: Any) -> Any:
+    """The eager twin's output with ``output_attentions`` (and the ``extra`` arguments),
+    in the autograd graph."""
     twin = copy.deepcopy(case.model)
     try:
         twin.set_attn_implementation("eager")
@@ -377,7 +380,7 @@ def eager_output(case: Case) -> Any:
     inner: list[Any] = []  # the base model's output: some heads return only some of its maps (T5Gemma's classifier)
     hooks = [child.register_forward_hook(lambda _m, _a, out: inner.append(out)) for child in twin.children()]
     try:
-        out = twin(**case.keywords(), output_attentions=True)
+        out = twin(**case.keywords(), **extra, output_attentions=True)
     except Exception as error:  # noqa: BLE001
         raise NotBuilt(_one_line(error)) from error
     finally:
@@ -652,6 +655,50 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
                 continue
             found[method] = Outcome("exact") if close else Outcome("wrong", "scores off the reference")
     return found
+
+
+def shares_outcome(architecture: Architecture, implementation: str | None = None) -> Outcome:
+    """:func:`~captum_attention.metrics.attention_shares` of a causal LM's prompt and a
+    one-token answer, each prompt token its own segment but the first (never removed):
+    ``exact`` where it equals, per token j, the largest A_ij of the eager twin's maps of
+    the prompt and answer over every layer, head and row i ≠ j; refused in one line; or an
+    error. Where the call asks for the eager model, on the model built eager."""
+    from captum_attention.metrics import attention_shares
+
+    try:
+        case = runs(make_case(build(architecture, implementation=implementation), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    prompt = case.inputs
+    assert isinstance(prompt, torch.Tensor)
+    answer = torch.full((prompt.shape[0], 1), LM_TARGET)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shares = attention_shares(case.model, prompt, torch.ones_like(prompt), answer)
+    except (UnsupportedModelError, ValueError) as error:
+        message = str(error).strip()
+        if EAGER_ONLY in message and implementation is None:
+            outcome = shares_outcome(architecture, "eager")
+            return Outcome(outcome.status, f"when loaded with attn_implementation='eager'; {outcome.detail}".rstrip("; "))
+        return Outcome("refused" if "\n" not in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    full = torch.cat([prompt, answer], dim=1)
+    answered = Case(case.model, architecture, full, None, LM_TARGET)
+    takes_positions = "position_ids" in inspect.signature(case.model.forward).parameters  # as generate gives them
+    positions = {"position_ids": torch.arange(full.shape[1]).expand_as(full)} if takes_positions else {}
+    try:
+        maps = [a for a in eager_output(answered, **positions).attentions]
+    except NotBuilt as error:
+        return Outcome("not built", f"eager: {error}")
+    if not maps or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[-1] == full.shape[1] for a in maps):
+        return Outcome("wrong", "shares given where the eager twin returns no maps of the tokens")
+    tokens = prompt.shape[1]
+    others = ~torch.eye(full.shape[1], dtype=torch.bool)[:, :tokens]  # row i, key j < tokens: i ≠ j
+    expected = torch.stack([a.detach().float()[..., :tokens].masked_fill(~others, 0.0).amax(dim=(1, 2)) for a in maps]).amax(dim=0)
+    expected[:, 0] = 0.0
+    return Outcome("exact") if _close(shares, expected) else Outcome("wrong", "shares off the eager twin's maps")
 
 
 def decomposition_outcome(architecture: Architecture, multiply_by_inputs: bool = True) -> Outcome:

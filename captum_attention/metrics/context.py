@@ -174,13 +174,14 @@ def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
 
 
 def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
-    """``forward_func(ids, mask)``; a Hugging Face model also gets position ids that skip
-    the left padding (as ``generate`` gives it)."""
-    parameters = inspect.signature(getattr(forward_func, "forward", forward_func)).parameters
-    if hasattr(forward_func, "config") and "position_ids" in parameters:
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        return forward_func(input_ids=ids, attention_mask=mask, position_ids=positions)
-    return forward_func(ids, mask)
+    """``forward_func(ids, mask)``; a Hugging Face model by keyword (Bloom's and MPT's
+    second argument is the cache), with position ids that skip the left padding where it
+    takes them (as ``generate`` gives it)."""
+    if not hasattr(forward_func, "config"):
+        return forward_func(ids, mask)
+    if "position_ids" in inspect.signature(getattr(forward_func, "forward", forward_func)).parameters:
+        return forward_func(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0))
+    return forward_func(input_ids=ids, attention_mask=mask)
 
 
 def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:

@@ -5,8 +5,9 @@ leave-one-out importance.
 Tokens are removed either by deletion (the remaining tokens close up, the sequence gets
 shorter) or by replacement with a baseline token id (e.g. [MASK] or [PAD]); tokens in
 ``keep`` (special tokens, say) are never removed. These metrics call
-``forward_func(input_ids, attention_mask)`` directly, since removing tokens changes the
-mask; every perturbed sequence of a call is evaluated batched.
+``forward_func(input_ids, attention_mask)`` directly (a Hugging Face model by the names of
+its parameters), since removing tokens changes the mask; every perturbed sequence of a
+call is evaluated batched.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._compat import TargetType
+from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import output_logits, resolve_targets
 from ._checks import check_rankable, with_ties
 
@@ -71,7 +73,8 @@ class _Remover:
             raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-        self.forward_func, self.removal, self.baseline = forward_func, removal, baseline_token_id
+        self.forward_func = HuggingFaceAdapter().keyword_forward(forward_func)  # a cache second (GPT-2, Bloom) is left out
+        self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0
         self.removable = self.real & ~(keep.bool() if keep is not None else torch.zeros_like(self.real))
