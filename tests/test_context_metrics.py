@@ -38,6 +38,17 @@ def _log_prob(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
     return float(logits.gather(1, answer[:, None]).sum())
 
 
+def _assert_deleted_by_hand(model, prompts, kept: torch.Tensor, values: torch.Tensor) -> None:
+    """``values[b, a]`` is log p(answer) of example b's prompt without the segments
+    ``kept[b, a]`` leaves out (:data:`SEGMENTS`), each computed alone and unpadded."""
+    for b in range(kept.shape[0]):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], SEGMENTS[b, real]
+        for a in range(kept.shape[1]):
+            expected = _log_prob(model, prompt[(seg < 0) | kept[b, a][seg.clamp(min=0)]], ANSWER[b])
+            assert values[b, a].item() == pytest.approx(expected, abs=1e-4)
+
+
 def _case(seed: int = 0):
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     scores = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(seed))
@@ -87,12 +98,7 @@ def test_ablated_log_probs_delete_the_unkept_segments_by_hand_and_serve_the_rand
     kept[:, 0] = True  # the whole prompt
     values = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, segments)
     assert values.shape == (3, 4)
-    for b in range(3):
-        real = prompts.real[b].nonzero().flatten()
-        prompt, seg = prompts.input_ids[b, real], segments[b, real]
-        for a in range(4):
-            expected = _log_prob(model, prompt[(seg < 0) | kept[b, a][seg.clamp(min=0)]], ANSWER[b])
-            assert values[b, a].item() == pytest.approx(expected, abs=1e-4)
+    _assert_deleted_by_hand(model, prompts, kept, values)
     drawn, log_probs, _ = random_ablations(model, prompts.input_ids, prompts.attention_mask, ANSWER, segments, num_ablations=4)
     again = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, drawn, segments)
     torch.testing.assert_close(again, log_probs)
@@ -286,10 +292,4 @@ def test_a_model_that_takes_its_cache_second_is_called_by_keyword():
     prompts = make_prompts(side="left")
     kept = torch.ones(3, 2, 3, dtype=torch.bool)
     kept[:, 1, 0] = False
-    values = ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS)
-    for b in range(3):
-        real = prompts.real[b].nonzero().flatten()
-        prompt, seg = prompts.input_ids[b, real], SEGMENTS[b, real]
-        for a in range(2):
-            expected = _log_prob(model, prompt[(seg < 0) | kept[b, a][seg.clamp(min=0)]], ANSWER[b])
-            assert values[b, a].item() == pytest.approx(expected, abs=1e-4)
+    _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS))
