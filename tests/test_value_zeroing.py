@@ -152,3 +152,24 @@ def test_a_model_whose_attention_does_not_run_through_transformers_is_refused_in
     with pytest.raises(UnsupportedModelError, match="made 0 such calls") as refused:
         ValueZeroing(encoder).attribute(torch.randn(2, 5, 16))
     assert "\n" not in str(refused.value)
+
+
+def test_a_layer_whose_rerun_differs_from_its_forward_is_refused_in_one_line(capture_mode):
+    """A layer that reads something besides its arguments (here a hook's call count; Dory's
+    layers do) gives other outputs when re-run: the distances would measure that."""
+    model, ids, mask, _ = one_stack_case("llama")
+    calls = []
+
+    def drift(module, args, output):
+        calls.append(None)
+        return (output[0] + 0.1 * (len(calls) > 1), *output[1:]) if isinstance(output, tuple) else output + 0.1 * (len(calls) > 1)
+
+    handle = model.model.layers[-1].register_forward_hook(drift)
+    try:
+        before = model_state(model)
+        with pytest.raises(UnsupportedModelError, match="re-run with no value zeroed gives other outputs") as refused:
+            ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+        assert "\n" not in str(refused.value)
+        assert_same_state(before, model_state(model))
+    finally:
+        handle.remove()

@@ -16,6 +16,7 @@ from ..capture.guard import ModelChanges
 from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
+from ..capture.residual import equal_to_rounding
 from ..capture.runner import resolve_adapter
 from ..maps import normalised_mixing, propagate_query_row, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
@@ -121,21 +122,28 @@ def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCal
             f"Value Zeroing needs each layer's output over the tokens; {type(call.block).__name__} returned "
             f"{tuple(call.output.shape)} for {tuple(zeroed.shape)} (batch, tokens)."
         )
-    examples, tokens = zeroed.to(call.output.device).nonzero(as_tuple=True)
+    real = zeroed.to(call.output.device)
+    examples, tokens = real.nonzero(as_tuple=True)
     batch, length = zeroed.shape
+    everyone = torch.arange(batch, device=real.device)
+    if not equal_to_rounding(_rerun(model, adapter, call, everyone, torch.ones_like(real, dtype=torch.float32)), call.output, real):
+        raise UnsupportedModelError(
+            f"Value Zeroing re-runs each layer on its recorded inputs, but {type(call.block).__name__} re-run with no value "
+            "zeroed gives other outputs than in the forward (it reads something besides its arguments, as a cache shared "
+            "across layers)."
+        )
     distances = torch.zeros(batch, length, length, device=call.output.device)
     for start in range(0, len(examples), batch):  # re-runs of as many tokens as the forward's
         chunk, moved = examples[start : start + batch], tokens[start : start + batch]
-        rerun = _rerun_zeroed(model, adapter, call, chunk, moved)
-        distances[chunk, :, moved] = value_zeroing_distances(call.output[chunk], rerun)
+        keep = torch.ones(len(moved), length, device=real.device)
+        keep[torch.arange(len(moved), device=keep.device), moved] = 0.0
+        distances[chunk, :, moved] = value_zeroing_distances(call.output[chunk], _rerun(model, adapter, call, chunk, keep))
     return distances
 
 
-def _rerun_zeroed(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, examples: Tensor, tokens: Tensor) -> Tensor:
-    """``(V, N, D)``: the layer re-run on its recorded inputs of ``examples``, with token
-    ``tokens[v]``'s value vector zeroed in re-run v."""
-    keep = torch.ones(len(tokens), call.output.shape[1], device=call.output.device)
-    keep[torch.arange(len(tokens), device=keep.device), tokens] = 0.0
+def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, examples: Tensor, keep: Tensor) -> Tensor:
+    """``(V, N, D)``: the layer re-run on its recorded inputs of ``examples``, each token's
+    value vector scaled by ``keep`` ``(V, N)`` (0: zeroed) in re-run v."""
     zeroings: list[nn.Module] = []
 
     def zero_values(module: nn.Module, kernel: Any, run_kernel: Any) -> Tensor:
