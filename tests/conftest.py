@@ -195,6 +195,18 @@ def assert_same_state(before: dict, after: dict) -> None:
         assert torch.equal(old, new), "a parameter changed"
 
 
+def assert_refused_in_one_line(model: nn.Module, call: Callable[[], object], match: str) -> None:
+    """``call()`` raises :class:`~captum_attention.UnsupportedModelError` matching ``match``
+    in one line and leaves ``model`` as it found it."""
+    from captum_attention import UnsupportedModelError
+
+    before = model_state(model)
+    with pytest.raises(UnsupportedModelError, match=match) as refused:
+        call()
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(model))
+
+
 @pytest.fixture(params=["streaming", "eager"])
 def capture_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test once with the default capture (streaming wherever it is exact) and once

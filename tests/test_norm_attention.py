@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_state, model_state
+from conftest import assert_refused_in_one_line, assert_same_state, model_state
 from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
 
 from captum_attention.attr import REGISTRY
@@ -116,17 +116,12 @@ def test_a_model_whose_output_projection_is_unknown_is_refused_in_one_line(monke
 def test_a_gate_between_the_attention_and_its_projection_is_refused_in_one_line(family, capture_mode):
     """A forward pre-hook that scales what the last layer's output projection receives
     (as HY-V4's and Laguna's gates do): the norms of the ungated values would be wrong."""
-    from captum_attention import UnsupportedModelError
-
     model, ids, mask, _ = one_stack_case(family)
     projection = model.model.layers[-1].self_attn.o_proj if family == "llama" else model.transformer.h[-1].attn.c_proj
     handle = projection.register_forward_pre_hook(lambda module, args: (torch.sigmoid(args[0]) * args[0],))
     try:
-        before = model_state(model)
-        with pytest.raises(UnsupportedModelError, match="receives something other than the heads' attention-weighted values") as refused:
-            NormAttention(model).attribute(ids, additional_forward_args=(mask,))
-        assert "\n" not in str(refused.value)
-        assert_same_state(before, model_state(model))
+        explain = lambda: NormAttention(model).attribute(ids, additional_forward_args=(mask,))  # noqa: E731
+        assert_refused_in_one_line(model, explain, "receives something other than the heads' attention-weighted values")
         NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=0)  # the first layer has no gate
     finally:
         handle.remove()
