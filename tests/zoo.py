@@ -601,7 +601,12 @@ def outcomes(architecture: Architecture, methods: list[str]) -> dict[str, Outcom
     if not any(o.status == "refused" and EAGER_ONLY in o.detail for o in found.values()):
         return found
     eager = _outcomes(architecture, methods, "eager")
-    return {m: Outcome(o.status, f"when loaded with attn_implementation='eager'; {o.detail}".rstrip("; ")) for m, o in eager.items()}
+    return {m: loaded_eager(o) for m, o in eager.items()}
+
+
+def loaded_eager(outcome: Outcome) -> Outcome:
+    """``outcome`` of the model built eager, as its detail then says."""
+    return Outcome(outcome.status, f"when loaded with attn_implementation='eager'; {outcome.detail}".rstrip("; "))
 
 
 def _outcomes(architecture: Architecture, methods: list[str], implementation: str | None = None) -> dict[str, Outcome]:
@@ -679,8 +684,7 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     except (UnsupportedModelError, ValueError) as error:
         message = str(error).strip()
         if EAGER_ONLY in message and implementation is None:
-            outcome = shares_outcome(architecture, "eager")
-            return Outcome(outcome.status, f"when loaded with attn_implementation='eager'; {outcome.detail}".rstrip("; "))
+            return loaded_eager(shares_outcome(architecture, "eager"))
         return Outcome("refused" if "\n" not in message else "error", message)
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))

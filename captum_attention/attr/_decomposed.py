@@ -157,13 +157,13 @@ def head_outputs(record: ForwardRecord, call: int, values: Tensor, rows: slice) 
     return torch.einsum("bhrk,bhkv->brhv", probs, values.float()).flatten(2)
 
 
-def check_projected(record: ForwardRecord, call: int, method: str) -> None:
-    """Refuse in one line unless call ``call``'s output projection received its heads'
-    attention-weighted values on the :func:`checked_rows` (recorded by
-    :class:`~captum_attention.capture.AttendedValues` ``(projected_rows=checked_rows)``):
-    a gate on the attention output before the projection (HY-V4's, Laguna's) is no sum
-    over tokens."""
-    values, _ = call_values(record, call, method)
+def checked_call_values(record: ForwardRecord, call: int, method: str) -> tuple[Tensor, Tensor]:
+    """:func:`call_values`, once the call's output projection is seen to have received its
+    heads' attention-weighted values on the :func:`checked_rows` (recorded by
+    :class:`~captum_attention.capture.AttendedValues` ``(projected_rows=checked_rows)``);
+    else a refusal in one line: a gate on the attention output before the projection
+    (HY-V4's, Laguna's) is no sum over tokens."""
+    values, projection = call_values(record, call, method)
     received = record.result(RecordedValues).projected[call]
     module = type(record.capture.modules[call]).__name__
     if received is None:
@@ -176,6 +176,7 @@ def check_projected(record: ForwardRecord, call: int, method: str) -> None:
             f"{method} splits by head what the output projection of {module} receives, but it receives something other "
             "than the heads' attention-weighted values (a gate or a norm on the attention output)."
         )
+    return values, projection
 
 
 def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -> LayerSum:

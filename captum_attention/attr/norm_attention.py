@@ -14,7 +14,7 @@ from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
 from ..maps import query_weights, summed_weighted_norm, transformed_vectors
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import attention_rows, call_values, check_projected, checked_rows, layer_calls, layer_sum
+from ._decomposed import attention_rows, checked_call_values, checked_rows, layer_calls, layer_sum
 from ._registry import FLAG, LAYER, MethodSpec
 
 
@@ -120,8 +120,7 @@ def _weighted_norms(record: ForwardRecord, layer: int, rows_at: Any) -> Tensor:
     """``(B, T)``: Σ over the explained query rows q (their weights w_q) of
     ``w_q · summed_weighted_norm`` at the chosen call; ``rows_at(q)`` gives ``(B, H, K)``."""
     chosen = record.call_index(layer)
-    check_projected(record, chosen, "NormAttention")
-    values, projection = call_values(record, chosen, "NormAttention")
+    values, projection = checked_call_values(record, chosen, "NormAttention")
     weights = query_weights(record.query_index, record.target_real.shape[1])
     scores = torch.zeros(weights.shape, device=weights.device)
     for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
