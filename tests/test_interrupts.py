@@ -5,7 +5,7 @@ moment of each call; after every call the model's hooks, attention implementatio
 training flags, ``requires_grad``, parameters and ``.grad`` must be exactly as before, and
 transformers' attention registry must hold its own ``sdpa`` function again.
 ``CAPTUM_ATTENTION_INTERRUPTS`` sets the number of calls per capture mode (default 300,
-about 5 s; the four methods and erasure in turn).
+about 5 s; the methods of one group, and erasure, in turn).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import threading
 import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
+from lm_models import make_decoder
 
 from captum_attention import ALTI, METHODS, DecompX, ValueZeroing
+from captum_attention.attr._registry import REGISTRY
 from captum_attention._compat import attention_function, function_mode_stack, implementation_owner
 from captum_attention.metrics import attention_erasure
 
@@ -60,21 +62,18 @@ def _timed_call(call) -> float:
     return time.perf_counter() - start
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
-@pytest.mark.parametrize("methods", ["reported", "re-running"])
-@pytest.mark.parametrize("capture", ["auto", "eager"])
-def test_interrupted_calls_leave_the_model_as_found(capture, methods):
-    """The reported methods and erasure in turn; then the methods that re-run the model or
-    its layers with hooks of their own (DecompX's forward on the shares, Value Zeroing's
-    and ALTI's re-runs of each layer) and DecompX's sensitivity (its forward's held
-    backward, a zero offset on each bias) in turn."""
+def _classifier_calls(methods: str, capture: str):
+    """A BERT classifier and, per call index, a call of one method in turn."""
     model = make_model("bert")
     batch = make_batch(model)
-    sdpa = attention_function("sdpa")
-    config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
-    classes = dict(METHODS) if methods == "reported" else {
-        "decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "sensitivity": partial(DecompX, multiply_by_inputs=False),
-    }
+    args = dict(target=1, additional_forward_args=(batch.attention_mask,))
+    classes = {
+        "reported": dict(METHODS),
+        "re-running": {
+            "decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "sensitivity": partial(DecompX, multiply_by_inputs=False),
+        },
+        "the others": {name: REGISTRY[name] for name in sorted(set(REGISTRY) - set(METHODS) - {"decompx", "value_zeroing", "alti", "alti_logit"})},
+    }[methods]
     names = sorted(classes)
 
     def call(index: int):
@@ -84,7 +83,45 @@ def test_interrupted_calls_leave_the_model_as_found(capture, methods):
             erased[:, 1] = True
             return lambda: attention_erasure(model, batch.input_ids, erased, (batch.attention_mask,), capture=capture)
         explainer = classes[name](model, capture=capture)
-        return lambda: explainer.attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
+        if name == "norm_attention":  # a class-agnostic method, with and without the residual
+            return lambda: explainer.attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,), residual=index % 2 == 0)
+        return lambda: explainer.attribute(batch.input_ids, **args)
+
+    return model, call
+
+
+def _answer_calls(capture: str):
+    """A Llama causal LM (one prompt left-padded) and, per call index, a two-token answer's
+    span explained by each method that explains answers, in turn."""
+    model = make_decoder("llama")
+    generator = torch.Generator().manual_seed(0)
+    prompts, answer = torch.randint(3, 20, (2, 8), generator=generator), torch.randint(3, 20, (2, 2), generator=generator)
+    mask = torch.ones_like(prompts)
+    mask[1, :2] = 0
+    names = sorted(name for name, cls in REGISTRY.items() if name != "attention_flow")
+
+    def call(index: int):
+        name = names[index % len(names)]
+        explainer = REGISTRY[name](model, capture=capture)
+        options = dict(residual=index % 2 == 0) if name == "norm_attention" else {}
+        return lambda: explainer.attribute_span(prompts, answer, additional_forward_args=(mask,), **options)
+
+    return model, call
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.parametrize("methods", ["reported", "re-running", "the others", "answers"])
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+def test_interrupted_calls_leave_the_model_as_found(capture, methods):
+    """The reported methods and erasure in turn; the methods that re-run the model or its
+    layers with hooks of their own (DecompX's forward on the shares, Value Zeroing's and
+    ALTI's re-runs of each layer) and DecompX's sensitivity (its forward's held backward,
+    a zero offset on each bias) in turn; every other registered method in turn (the norms'
+    hooks on the output projections among them); and every method that explains a causal
+    LM's answer, each on a two-token span."""
+    model, call = _answer_calls(capture) if methods == "answers" else _classifier_calls(methods, capture)
+    sdpa = attention_function("sdpa")
+    config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
 
     durations = sorted(_timed_call(call(i)) for i in range(10))
     typical = durations[len(durations) // 2]
