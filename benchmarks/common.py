@@ -17,6 +17,19 @@ from captum_attention import METHODS
 BATCH, SEQ_LEN = 8, 128
 
 
+def device_description(device: str = "cpu") -> str:
+    """The machine a benchmark measured on, for its results: the card's name on CUDA; on the
+    CPU its model name, the vector instructions torch's kernels use and the threads (ratios
+    to the model's own passes differ from one CPU to another)."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    return f"CPU ({model}, {torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+
+
 def context_cite_weights(kept: torch.Tensor, outcomes: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
     """ContextCite's surrogate (Cohen-Wang et al., 2024; reimplemented from the paper): a
     Lasso of ``alpha`` on the standardised keep-masks ``kept`` ``(A, S)`` of ``A`` random

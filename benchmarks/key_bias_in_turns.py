@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SDPA_FORWARD_BACKWARD, TARGET, attention_runs, median_seconds  # noqa: E402
+from common import SDPA_FORWARD_BACKWARD, TARGET, attention_runs, device_description, median_seconds  # noqa: E402
 from scaling import MODELS, scaling_model  # noqa: E402
 
 from captum_attention import KnockoutGradient, KnockoutLRP  # noqa: E402
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append(row)
         print(f"{length} tokens: " + ", ".join(f"{name} {value:.3g} s ({value / base:.2f}×)" for name, value in seconds.items()), flush=True)
         if options.json:
-            options.json.write_text(json.dumps({"model": options.model, "device": f"CPU, {torch.get_num_threads()} threads",
+            options.json.write_text(json.dumps({"model": options.model, "device": device_description(),
                                                 "repeats": options.repeats, "results": results}, indent=1))
     return results
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import device_description
 from needle import _on_first_tokens, answered_contexts
 
 from captum_attention.demo.needle import NeedleExample, load_needle_model
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {length} | {contexts} | {ablations} | {means.get('least squares', float('nan')):.4f} "
               f"| {means.get('Feature Ablation', float('nan')):.4f} |", flush=True)
         if options.json:
-            options.json.write_text(json.dumps({"device": f"CPU, {torch.get_num_threads()} threads", "results": results}, indent=1))
+            options.json.write_text(json.dumps({"device": device_description(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

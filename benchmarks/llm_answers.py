@@ -32,7 +32,7 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MEASURING_ENV  # noqa: E402
+from common import MEASURING_ENV, device_description  # noqa: E402
 from scaling import measure_here, model_config  # noqa: E402
 
 from captum_attention import METHODS  # noqa: E402
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         run()  # warm-up
         print(json.dumps(measure_here(run, options.repeats, "cpu")))
         return
-    device = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    device = device_description(options.device)
     results = []
     for length in options.lengths:
         names = [BASELINE] + [f"{m} seq_attr" for m in options.methods]

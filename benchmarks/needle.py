@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import torch
 import transformers as tf
-from common import context_cite_weights
+from common import context_cite_weights, device_description
 from explainers import SHAP_EVALS
 
 from captum_attention import METHODS
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(row)
         if options.json:
             options.json.write_text(json.dumps(
-                {"device": f"CPU, {torch.get_num_threads()} threads", "weights": weights, "results": results}, indent=1
+                {"device": device_description(), "weights": weights, "results": results}, indent=1
             ))
     print(table(results))
 

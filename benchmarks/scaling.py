@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     SDPA_FORWARD,
     SDPA_FORWARD_BACKWARD,
     attention_runs,
+    device_description,
     peak_rss_growth,
 )
 
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run = workloads(options, options.batches[0], options.lengths[0])[options.one]
         print(json.dumps(measure_here(run, options.repeats, options.device)))
         return []
-    device_name = torch.cuda.get_device_name() if options.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    device_name = device_description(options.device)
     print(f"scaling: {options.model} ({options.dtype}) on {device_name}, torch {torch.__version__}, "
           f"{options.reduction} block reduction\n", flush=True)
     settings = [(1, length) for length in options.lengths]
