@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_run.sh architectures # CPU/CUDA agreement of the adapter's fallbacks
 #   bash benchmarks/gpu_run.sh mixing  # CPU/CUDA agreement of the context-mixing methods (NormAttention,
 #                                      # ALTI, ALTI-Logit, Value Zeroing, LearnedAttention, DecompX), both
-#                                      # modes, and of encoder-decoders' answers (span and rows); DecompX's
-#                                      # cost through one backward at 4k and 16k tokens
+#                                      # modes, and of encoder-decoders' answers (span and rows); every new
+#                                      # method's cost in one run at 4k and 16k tokens (docs/benchmarks.rst's
+#                                      # CPU table, on the card)
 #   bash benchmarks/gpu_run.sh alti    # ALTI's contributions compiled (a Triton kernel there): the context-mixing
 #                                      # agreement with them, then ALTI at 4k and 16k, eager blocks against compiled
 #   bash benchmarks/gpu_run.sh keybias # sdpa's forward+backward with heads one wider (the key bias) or padded
@@ -46,7 +47,8 @@ case "${1:-check}" in
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement(); gpu_check.seq2seq_answer_agreement()" \
             | tee "$out/mixing_check.md"
         python3 benchmarks/scaling.py --model llama --device cuda --lengths 4096 16384 --batches 1 --repeats 3 \
-            --runs "forward (sdpa)" "forward+backward (sdpa)" DecompX --json "$out/decompx.json" | tee "$out/decompx.md" ;;
+            --runs "forward (sdpa)" "forward+backward (sdpa)" NormAttention "NormAttention(residual=True)" LearnedAttention \
+            DecompX KnockoutLRP ALTI --json "$out/context_mixing_one_run.json" | tee "$out/context_mixing_one_run.md" ;;
     alti)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; from captum_attention.maps import context_mixing, streaming
 streaming.FUSED_DEVICES['cuda'], streaming.COMPILE_AFTER_SECONDS, context_mixing.ALTI_COMPILE_MIN_PAIRS = True, 0.0, 0
