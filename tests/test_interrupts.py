@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 from conftest import assert_same_state, make_batch, make_model, model_state
-from lm_models import make_decoder
+from lm_models import make_decoder, make_encoder_decoder
 
 from captum_attention import ALTI, METHODS, DecompX, ValueZeroing
 from captum_attention.attr._registry import REGISTRY
@@ -90,15 +90,18 @@ def _classifier_calls(methods: str, capture: str):
     return model, call
 
 
-def _answer_calls(capture: str):
-    """A Llama causal LM (one prompt left-padded) and, per call index, a two-token answer's
-    span explained by each method that explains answers, in turn."""
-    model = make_decoder("llama")
+def _answer_calls(capture: str, encoder_decoder: bool):
+    """A Llama causal LM (one prompt left-padded) or a BART (one prompt right-padded) and,
+    per call index, a two-token answer's span explained by each method that explains that
+    model's answers, in turn."""
+    model = make_encoder_decoder("bart") if encoder_decoder else make_decoder("llama")
     generator = torch.Generator().manual_seed(0)
     prompts, answer = torch.randint(3, 20, (2, 8), generator=generator), torch.randint(3, 20, (2, 2), generator=generator)
     mask = torch.ones_like(prompts)
-    mask[1, :2] = 0
-    names = sorted(name for name, cls in REGISTRY.items() if name != "attention_flow")
+    mask[1, slice(-2, None) if encoder_decoder else slice(0, 2)] = 0
+    names = sorted(
+        name for name, cls in REGISTRY.items() if name != "attention_flow" and (cls.spec.encoder_decoder or not encoder_decoder)
+    )
 
     def call(index: int):
         name = names[index % len(names)]
@@ -110,7 +113,7 @@ def _answer_calls(capture: str):
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
-@pytest.mark.parametrize("methods", ["reported", "re-running", "the others", "answers"])
+@pytest.mark.parametrize("methods", ["reported", "re-running", "the others", "answers", "encoder-decoder answers"])
 @pytest.mark.parametrize("capture", ["auto", "eager"])
 def test_interrupted_calls_leave_the_model_as_found(capture, methods):
     """The reported methods and erasure in turn; the methods that re-run the model or its
@@ -118,8 +121,11 @@ def test_interrupted_calls_leave_the_model_as_found(capture, methods):
     ALTI's re-runs of each layer) and DecompX's sensitivity (its forward's held backward,
     a zero offset on each bias) in turn; every other registered method in turn (the norms'
     hooks on the output projections among them); and every method that explains a causal
-    LM's answer, each on a two-token span."""
-    model, call = _answer_calls(capture) if methods == "answers" else _classifier_calls(methods, capture)
+    LM's or an encoder-decoder's answer, each on a two-token span."""
+    if methods.endswith("answers"):
+        model, call = _answer_calls(capture, encoder_decoder=methods.startswith("encoder-decoder"))
+    else:
+        model, call = _classifier_calls(methods, capture)
     sdpa = attention_function("sdpa")
     config_property = vars(implementation_owner(type(model.config)))["_attn_implementation"]
 
