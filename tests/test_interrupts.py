@@ -22,11 +22,13 @@ from conftest import assert_same_state, make_batch, make_model, model_state
 from lm_models import make_decoder, make_encoder_decoder
 
 from captum_attention import ALTI, METHODS, DecompX, ValueZeroing
-from captum_attention.attr._registry import REGISTRY
+from captum_attention.attr import REGISTRY
 from captum_attention._compat import attention_function, function_mode_stack, implementation_owner
 from captum_attention.metrics import attention_erasure
 
 CALLS = int(os.environ.get("CAPTUM_ATTENTION_INTERRUPTS", "300"))
+RE_RUNNING = {"decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "sensitivity": partial(DecompX, multiply_by_inputs=False)}
+"""The methods that re-run the model or its layers with hooks of their own, and DecompX's sensitivity."""
 
 
 class _Interrupt:
@@ -69,10 +71,8 @@ def _classifier_calls(methods: str, capture: str):
     args = dict(target=1, additional_forward_args=(batch.attention_mask,))
     classes = {
         "reported": dict(METHODS),
-        "re-running": {
-            "decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "sensitivity": partial(DecompX, multiply_by_inputs=False),
-        },
-        "the others": {name: REGISTRY[name] for name in sorted(set(REGISTRY) - set(METHODS) - {"decompx", "value_zeroing", "alti", "alti_logit"})},
+        "re-running": RE_RUNNING,
+        "the others": {name: cls for name, cls in REGISTRY.items() if name not in {*METHODS, *RE_RUNNING, "alti_logit"}},
     }[methods]
     names = sorted(classes)
 
