@@ -31,6 +31,12 @@ RE_RUNNING = {"decompx": DecompX, "value_zeroing": ValueZeroing, "alti": ALTI, "
 """The methods that re-run the model or its layers with hooks of their own, and DecompX's sensitivity."""
 
 
+def _options(name: str, index: int) -> dict:
+    """The attribute options of call ``index`` of method ``name``: the norms with and
+    without the residual in turn."""
+    return dict(residual=index % 2 == 0) if name == "norm_attention" else {}
+
+
 class _Interrupt:
     """Raises ``KeyboardInterrupt`` in the main thread after ``delay`` seconds (SIGALRM)."""
 
@@ -83,9 +89,7 @@ def _classifier_calls(methods: str, capture: str):
             erased[:, 1] = True
             return lambda: attention_erasure(model, batch.input_ids, erased, (batch.attention_mask,), capture=capture)
         explainer = classes[name](model, capture=capture)
-        if name == "norm_attention":  # a class-agnostic method, with and without the residual
-            return lambda: explainer.attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,), residual=index % 2 == 0)
-        return lambda: explainer.attribute(batch.input_ids, **args)
+        return lambda: explainer.attribute(batch.input_ids, **args, **_options(name, index))
 
     return model, call
 
@@ -106,8 +110,7 @@ def _answer_calls(capture: str, encoder_decoder: bool):
     def call(index: int):
         name = names[index % len(names)]
         explainer = REGISTRY[name](model, capture=capture)
-        options = dict(residual=index % 2 == 0) if name == "norm_attention" else {}
-        return lambda: explainer.attribute_span(prompts, answer, additional_forward_args=(mask,), **options)
+        return lambda: explainer.attribute_span(prompts, answer, additional_forward_args=(mask,), **_options(name, index))
 
     return model, call
 
