@@ -291,6 +291,29 @@ def test_ctrl_c_prints_one_line_and_the_rerun_resumes(checkpoint, tmp_path):
     assert last == f"captum-attention: interrupted after {done} of 200 batches; rerun the same command to resume"
 
 
+class _SwallowsCtrlC:
+    """Ctrl-C inside a finaliser: Python can only report the KeyboardInterrupt there, not
+    raise it, and the code that dropped the object goes on."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # its handler runs in here, at a loop's back edge
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_whose_interrupt_python_swallowed_still_stops_the_run_after_its_batch(tmp_path):
+    def rows_of(unit: int) -> list[dict]:
+        if unit == 1:
+            _SwallowsCtrlC()
+        return [{"unit": unit}]
+
+    with pytest.raises(ev.EvaluationInterrupted) as stopped:
+        ev._sharded(tmp_path, {"run": 1}, list(range(5)), rows_of, 0, 1, None, None)
+    assert (stopped.value.done, stopped.value.total) == (2, 5)
+    assert ev._sharded(tmp_path, {"run": 1}, list(range(5)), lambda unit: [{"unit": unit}], 0, 1, None, None) == 3
+
+
 def test_output_defaults_to_a_folder_named_after_the_data(checkpoint, tmp_path, monkeypatch):
     data = _data(tmp_path, 4)
     monkeypatch.chdir(tmp_path)
