@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
+import signal  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -256,3 +257,13 @@ def killed_part_way(command: list[str], shards: Any, at_least: int, environment:
     process.send_signal(signal.SIGKILL)
     process.wait()
     return len(list(shards.glob("batch-*.jsonl")))
+
+
+class SwallowsCtrlC:
+    """Ctrl-C inside a finaliser: Python can only report the KeyboardInterrupt there, not
+    raise it, and the code that dropped the object goes on."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # its handler runs in here, at a loop's back edge
+            pass

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers as tf
 
-from conftest import killed_part_way
+from conftest import SwallowsCtrlC, killed_part_way
 
 from captum_attention import GradSAM
 from captum_attention.metrics import aopc, comprehensiveness, token_f1
@@ -291,21 +291,11 @@ def test_ctrl_c_prints_one_line_and_the_rerun_resumes(checkpoint, tmp_path):
     assert last == f"captum-attention: interrupted after {done} of 200 batches; rerun the same command to resume"
 
 
-class _SwallowsCtrlC:
-    """Ctrl-C inside a finaliser: Python can only report the KeyboardInterrupt there, not
-    raise it, and the code that dropped the object goes on."""
-
-    def __del__(self) -> None:
-        signal.raise_signal(signal.SIGINT)
-        for _ in range(1000):  # its handler runs in here, at a loop's back edge
-            pass
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_ctrl_c_whose_interrupt_python_swallowed_still_stops_the_run_after_its_batch(tmp_path):
     def rows_of(unit: int) -> list[dict]:
         if unit == 1:
-            _SwallowsCtrlC()
+            SwallowsCtrlC()
         return [{"unit": unit}]
 
     with pytest.raises(ev.EvaluationInterrupted) as stopped:

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_state, model_state
+from conftest import SwallowsCtrlC, assert_same_state, model_state
 from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, one_stack_case
 
 from captum_attention import HeadWeights, LearnedAttention
@@ -130,3 +130,26 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(tmp_
     assert saved.name == "head_weights.safetensors"
     loaded = HeadWeights.load(tmp_path)
     assert torch.equal(loaded.weights, resumed.weights) and loaded.settings == resumed.settings
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_python_swallowed_stops_the_fit_after_its_example_and_the_rerun_resumes(tmp_path, monkeypatch):
+    model, examples = make_decoder("llama"), _examples()
+    whole = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
+    checkpoint = tmp_path / "fit.safetensors"
+    statistics, calls = fitting._example_statistics, []
+
+    def swallowing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            SwallowsCtrlC()
+        return statistics(*args, **kwargs)
+
+    monkeypatch.setattr(fitting, "_example_statistics", swallowing)
+    with pytest.raises(KeyboardInterrupt):
+        HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
+    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3}
+    assert len(calls) == 2 and fitting._resume(checkpoint, settings)[0] == 2
+    monkeypatch.setattr(fitting, "_example_statistics", statistics)
+    resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
+    assert torch.equal(resumed.weights, whole.weights)

@@ -12,6 +12,8 @@ implementation) and restores it on exit. Two things could break that promise:
 capture's protected functions and delivers it once the model is restored;
 :func:`model_lock` serialises the second. :class:`ScopedFunctionMode` is a
 ``TorchFunctionMode`` that an interrupt cannot strand off torch's mode stack.
+:func:`ctrl_c_noticed` tells a long loop (an evaluation, a fit) that Ctrl-C came even where
+Python swallowed its ``KeyboardInterrupt``, so that the loop still stops.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import signal
 import sys
 import threading
 import weakref
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from types import CodeType, FrameType
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -159,6 +161,29 @@ def model_lock(model: nn.Module) -> threading.RLock:
         if lock is None:
             lock = _LOCKS[model] = threading.RLock()
         return lock
+
+
+@contextmanager
+def ctrl_c_noticed() -> Iterator[Callable[[], bool]]:
+    """Whether Ctrl-C came while the block ran, even if its ``KeyboardInterrupt`` never
+    reached the block: raised inside a finaliser or a garbage collector's callback, Python
+    can only report it there. Only the main thread hears signals; elsewhere, or where
+    SIGINT has no Python handler, this never reports one."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield lambda: False
+        return
+    noticed: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        noticed.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(noticed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class ScopedFunctionMode(TorchFunctionMode):

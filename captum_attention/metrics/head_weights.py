@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..capture.guard import ctrl_c_noticed
 from ..capture.inputs import LogProbTarget
 from ._forward import run_model
 from .context import random_ablations
@@ -136,15 +137,18 @@ def fit_head_weights(
     done, sums = _resume(checkpoint, settings)
     from tqdm.auto import tqdm
 
-    for index in tqdm(range(done, len(examples)), initial=done, total=len(examples), disable=not progress, desc="head weights"):
-        design, outcomes, shape = _example_statistics(forward, model, examples[index], num_ablations, seed + index, max_batch_size)
-        if sums is None:
-            sums = {"gram": torch.zeros(design.shape[1], design.shape[1], dtype=torch.float64),
-                    "moment": torch.zeros(design.shape[1], dtype=torch.float64), "shape": torch.tensor(shape)}
-        sums["gram"] += design.T @ design
-        sums["moment"] += design.T @ outcomes
-        if checkpoint is not None:
-            _save(Path(checkpoint), settings, index + 1, sums)
+    with ctrl_c_noticed() as ctrl_c:
+        for index in tqdm(range(done, len(examples)), initial=done, total=len(examples), disable=not progress, desc="head weights"):
+            design, outcomes, shape = _example_statistics(forward, model, examples[index], num_ablations, seed + index, max_batch_size)
+            if sums is None:
+                sums = {"gram": torch.zeros(design.shape[1], design.shape[1], dtype=torch.float64),
+                        "moment": torch.zeros(design.shape[1], dtype=torch.float64), "shape": torch.tensor(shape)}
+            sums["gram"] += design.T @ design
+            sums["moment"] += design.T @ outcomes
+            if checkpoint is not None:
+                _save(Path(checkpoint), settings, index + 1, sums)
+            if ctrl_c():  # its KeyboardInterrupt was swallowed on the way
+                raise KeyboardInterrupt
     assert sums is not None
     gram, moment = sums["gram"], sums["moment"]
     penalty = ridge * float(gram.diagonal().mean().clamp(min=torch.finfo(torch.float64).tiny))

@@ -19,18 +19,15 @@ import hashlib
 import importlib.metadata
 import json
 import math
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from ..attr.llm import prompt_side
+from ..capture.guard import ctrl_c_noticed
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
@@ -139,7 +136,7 @@ def _sharded(
         on_resume(done, len(units))
     todo = [(k, unit) for k, unit in enumerate(units) if k % num_processes == process_index and not _shard(shards, k).exists()]
     try:
-        with _ctrl_c_noticed() as ctrl_c:
+        with ctrl_c_noticed() as ctrl_c:
             for k, unit in progress(todo) if progress is not None else todo:
                 write_atomically(_shard(shards, k), "".join(json.dumps(row) + "\n" for row in rows_of(unit)))
                 if ctrl_c():  # its KeyboardInterrupt was swallowed on the way
@@ -147,29 +144,6 @@ def _sharded(
     except KeyboardInterrupt as interrupt:
         raise EvaluationInterrupted(sum(_shard(shards, k).exists() for k in range(len(units))), len(units)) from interrupt
     return len(todo)
-
-
-@contextmanager
-def _ctrl_c_noticed() -> Iterator[Callable[[], bool]]:
-    """Whether Ctrl-C came while the block ran, even if its ``KeyboardInterrupt`` never
-    reached the block: raised inside a finaliser or a garbage collector's callback, Python
-    can only report it there. Only the main thread hears signals; elsewhere, or where
-    SIGINT has no Python handler, this never reports one."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield lambda: False
-        return
-    noticed: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        noticed.append(signum)
-        previous(signum, frame)
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: bool(noticed)
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class EvaluationInterrupted(KeyboardInterrupt):
