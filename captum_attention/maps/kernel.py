@@ -195,7 +195,7 @@ class KernelCall:
         sinks = self.sink_logits(heads)
         if sinks is None:
             probs = logits.softmax(dim=-1)
-            return probs.nan_to_num_(nan=0.0) if masked else probs
+            return _without_empty_rows(probs) if masked else probs
         top = torch.maximum(logits.amax(dim=-1, keepdim=True), sinks)
         exp = logits.sub_(top).exp_()
         return exp.div_(exp.sum(dim=-1, keepdim=True) + (sinks - top).exp())
@@ -425,3 +425,14 @@ def block_shape(call: KernelCall, budget_bytes: int | None = None) -> tuple[int,
     heads = 1 if one_head else call.num_heads
     per_row = 4 * 4 * call.query.shape[0] * heads * call.num_keys
     return heads, max(1, budget_bytes // max(per_row, 1))
+
+
+def _without_empty_rows(probs: Tensor) -> Tensor:
+    """``probs``, a softmax over the last dimension, with its rows of NaN (every key masked)
+    set to 0, in place. A softmax row is all NaN or all finite, so its first entry tells
+    which; on the CPU the block is written only where there is such a row (writing every
+    block took longer than the softmax itself)."""
+    empty = probs[..., :1].isnan()
+    if probs.device.type != "cpu" or bool(empty.any()):
+        probs.masked_fill_(empty, 0.0)
+    return probs
