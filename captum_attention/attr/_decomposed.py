@@ -16,7 +16,16 @@ from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual, equal_to_rounding
-from ..maps import last_query, alti_contributions, alti_tile, head_vectors, normalised_mixing, query_weights
+from ..maps import (
+    alti_contributions,
+    alti_tile,
+    head_vectors,
+    key_tiles,
+    last_query,
+    normalised_mixing,
+    query_weights,
+    weighted_mixing,
+)
 
 BLOCK_ELEMENTS = {"cpu": 2**24, "cuda": 2**27}
 """How many float32 numbers a block of query rows' largest tensor holds, per device type (its
@@ -262,7 +271,7 @@ def times_mixing(rows: Tensor, blocks: Iterable[tuple[slice, Tensor]], real: Ten
     matrix is never held whole."""
     product, real = torch.zeros_like(rows), real.to(rows.device)
     for block, contributions in blocks:
-        product += torch.bmm(rows[:, :, block], normalised_mixing(contributions, real, block).double())
+        product += weighted_mixing(rows[:, :, block], contributions, real, block)
     return product
 
 
@@ -288,10 +297,10 @@ def _contribution_blocks(
     batch, heads, tokens, width = layer.vectors.shape
     norm, device = layer.residual.norm, layer.vectors.device
     inputs, outputs = layer.residual.inputs.to(device).float(), layer.residual.outputs.to(device)
-    vectors = layer.vectors if norm is None else norm.features(layer.vectors)
     residual = inputs if norm is None else norm.linear(inputs)
     scale = None if norm is None else norm.scale.to(device)
     tile = alti_tile(tokens, device)
+    tiles = key_tiles(layer.vectors if norm is None else norm.features(layer.vectors), tokens if tile is None else tile[1])
     if tile is None:  # a block's transformed vectors (B, r, N, D)
         blocks = row_blocks(batch, tokens, tokens * width, device)
     else:  # its attention rows (B, H, r, N), or one piece's transformed vectors
@@ -299,4 +308,4 @@ def _contribution_blocks(
     for rows in blocks:
         if weights is None or bool(weights[:, :, rows].any()):
             probs = attention_rows(record, call, rows, padded=False).to(device)
-            yield rows, alti_contributions(probs, vectors, residual, outputs[:, rows], rows, scale)
+            yield rows, alti_contributions(probs, tiles, residual, outputs[:, rows], rows, scale)

@@ -7,16 +7,19 @@ from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagat
 from .common import zero_on_later_keys as is_causal
 from .interventions import erase_keys, on_heads, permute_rows
 from .context_mixing import (
+    KeyTiles,
     LinearNorm,
     alti_contributions,
     alti_tile,
     head_vectors,
+    key_tiles,
     logit_direction,
     logit_rollout,
     normalised_mixing,
     summed_weighted_norm,
     transformed_vectors,
     value_zeroing_distances,
+    weighted_mixing,
 )
 from .encoder_decoder import encoder_decoder_relevance, encoder_decoder_rollout, without_self
 from .effective import effective_attention, null_space_dims
@@ -29,14 +32,17 @@ from .vision import patch_grid, reduced_keys_on_patch_grid, windows_on_patch_gri
 from .transformer_attribution import relevance_head_mean, relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
+    "KeyTiles",
     "LinearNorm",
     "alti_contributions",
     "alti_tile",
     "head_vectors",
+    "key_tiles",
     "logit_direction",
     "logit_rollout",
     "normalised_mixing",
     "transformed_vectors",
+    "weighted_mixing",
     "HEAD_FUSIONS",
     "add_residual",
     "attention_flow_scores",

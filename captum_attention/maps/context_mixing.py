@@ -88,6 +88,20 @@ def normalised_mixing(contributions: Tensor, real: Tensor, rows: slice = slice(N
     return torch.where(totals > 0, mixing / totals.clamp(min=torch.finfo(mixing.dtype).tiny), 0.0).float()
 
 
+def weighted_mixing(weights: Tensor, contributions: Tensor, real: Tensor, rows: slice) -> Tensor:
+    """``(B, R, N)`` float64: ``weights`` ``(B, R, r)`` times the query rows ``rows`` of
+    :func:`normalised_mixing`, from their contributions ``(B, r, N)``, the rows never
+    normalised: each row's sum divides its weights instead (one pass over the block
+    where normalising took six)."""
+    kept = contributions.double()
+    if not bool(real.all()):
+        kept.masked_fill_(~real[:, None, :].to(kept.device), 0.0)
+    totals = kept.sum(dim=-1)
+    scale = torch.where(totals > 0, 1.0 / totals.clamp(min=torch.finfo(kept.dtype).tiny), 0.0)
+    scale = scale * real[:, rows].to(scale.device)
+    return torch.bmm(weights * scale[:, None, :], kept)
+
+
 @dataclass(frozen=True)
 class LinearNorm:
     r"""A token-wise norm (LayerNorm, RMSNorm) as the linear map it is at the statistics of
@@ -155,13 +169,15 @@ ALTI_COMPILE_MIN_PAIRS = 512 * 512
 spent): one C++ loop over a block of rows that never holds the block's transformed
 vectors, where the eager computation writes and reads them about five times over."""
 
-ALTI_TILE = {"cpu": (128, 64)}
-"""The query rows and keys of one piece of a layer's contributions, per device type, in the
-layers that :data:`ALTI_COMPILE_MIN_PAIRS` compiles (elsewhere a block takes as many rows as
-memory allows, over every key they attend to): 64 keys' vectors of every head (512 KiB at 8
-heads of a 256-wide model) stay in a core's cache while 128 rows read them, where a whole
-row's keys (128 MiB at 16k tokens) came from memory once per row, four times slower,
-compiled or eager."""
+ALTI_TILE = {"cpu": (128, 32)}
+"""The query rows of one block of a layer's contributions and the keys of one tile
+(:class:`KeyTiles`), per device type, in the layers that :data:`ALTI_COMPILE_MIN_PAIRS`
+compiles (elsewhere a block takes as many rows as memory allows, over every key they
+attend to, as one tile): 32 keys' vectors of every head (256 KiB at 8 heads of a 256-wide
+model) stay in a core's cache while the block's 128 rows read them, where a whole row's
+keys (128 MiB at 16k tokens) came from memory once per row, four times slower, compiled or
+eager. The compiled loop takes the whole block, tile after tile; eagerly, one tile's
+transformed vectors are built at a time."""
 
 
 def _compiles(tokens: int) -> bool:
@@ -180,8 +196,48 @@ def alti_tile(tokens: int, device: torch.device) -> tuple[int, int] | None:
     return None
 
 
+@dataclass(frozen=True)
+class KeyTiles:
+    r"""A layer's :func:`head_vectors` :math:`f^m(x_j)` as ALTI's contributions read them:
+    in tiles of ``size`` consecutive keys, ``vectors`` ``(B, T, H, size, D)``, the last
+    tile's missing keys zero (:func:`key_tiles`). One tile's vectors of every head lie
+    together in memory, where a block of rows reads them over and over."""
+
+    vectors: Tensor
+    size: int
+
+    def of_keys(self, keys: Tensor) -> Tensor:
+        """``(B, H, k, D)`` the vectors of the keys ``keys`` ``(k,)``."""
+        return self.vectors[:, keys // self.size, :, keys % self.size].permute(1, 2, 0, 3)
+
+    def pieces(self, probs: Tensor, first_key: int, stop_key: int) -> tuple[slice, Tensor, Tensor]:
+        """The keys, the attention ``(B, t, H, r, k)`` and the vectors ``(B, t, H, k, D)``
+        of the tiles that hold the keys ``first_key`` to ``stop_key``, from the attention
+        ``probs`` ``(B, H, r, K)`` (keys past K: 0); with one tile, exactly those keys."""
+        if self.vectors.shape[1] == 1:
+            keys = slice(first_key, stop_key)
+            return keys, probs[:, None, ..., keys], self.vectors[..., keys, :]
+        used = slice(first_key // self.size, (stop_key - 1) // self.size + 1)
+        keys = slice(used.start * self.size, used.stop * self.size)
+        block = probs[..., keys]
+        if block.shape[-1] < keys.stop - keys.start:
+            block = F.pad(block, (0, keys.stop - keys.start - block.shape[-1]))
+        laid_out = block.unflatten(-1, (used.stop - used.start, self.size)).permute(0, 3, 1, 2, 4).contiguous()
+        return keys, laid_out, self.vectors[:, used]
+
+
+def key_tiles(vectors: Tensor, size: int) -> KeyTiles:
+    """:class:`KeyTiles` of ``vectors`` ``(B, H, N, D)``, ``size`` keys a tile (N: one
+    tile, the vectors as they are)."""
+    tokens = vectors.shape[2]
+    count = -(-tokens // size)
+    padded = vectors if count * size == tokens else F.pad(vectors, (0, 0, 0, count * size - tokens))
+    laid_out = padded.unflatten(2, (count, size)).transpose(1, 2)
+    return KeyTiles(laid_out if count == 1 else laid_out.contiguous(), size)
+
+
 def alti_contributions(
-    rows_probs: Tensor, vectors: Tensor, residual: Tensor, outputs: Tensor, rows: slice, scale: Tensor | None = None
+    rows_probs: Tensor, tiles: KeyTiles, residual: Tensor, outputs: Tensor, rows: slice, scale: Tensor | None = None
 ) -> Tensor:
     r"""``(B, r, N)`` float32 ALTI's :math:`\max(0, \lVert y_i \rVert_1 - \lVert y_i -
     T_i(x_j) \rVert_1)` for the query rows ``rows`` (:func:`transformed_vectors`' :math:`T_i`),
@@ -191,8 +247,8 @@ def alti_contributions(
     Args:
         rows_probs: ``(B, H, r, K)`` the rows' attention over the first K ≤ N keys (the
             later ones not attended).
-        vectors: ``(B, H, N, D)`` :func:`head_vectors`, in a post-norm layer through the
-            norm's :meth:`LinearNorm.features`.
+        tiles: :func:`key_tiles` of the :func:`head_vectors` ``(B, H, N, D)``, in a
+            post-norm layer through the norm's :meth:`LinearNorm.features`.
         residual: ``(B, N, D)`` each token's own input, in a post-norm layer through the
             norm's :meth:`LinearNorm.linear`.
         outputs: ``(B, r, D)`` the block's outputs :math:`y_i` at the rows.
@@ -202,35 +258,34 @@ def alti_contributions(
     """
     probs = rows_probs.float() if scale is None else rows_probs.float() * scale[:, None, rows, None]
     outputs = outputs.float()
-    tokens = vectors.shape[2]
+    tokens = residual.shape[1]
     contributions = probs.new_zeros(probs.shape[0], probs.shape[2], tokens)
     attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
-        first, stop = int(attended[0]), int(attended[-1]) + 1
-        large, tile = _compiles(tokens), alti_tile(tokens, probs.device)
-        step = tokens if tile is None else tile[1]
-        for start in range(first, stop, step):
-            keys = slice(start, min(start + step, stop))
-            contributions[:, :, keys] = compiled_block(
-                _mixed_nearness, device_kind(probs.device), large, probs[..., keys], vectors[:, :, keys], outputs
-            )
+        keys, attention, vectors = tiles.pieces(probs, int(attended[0]), int(attended[-1]) + 1)
+        near = compiled_block(_mixed_nearness, device_kind(probs.device), _compiles(tokens), attention, vectors, outputs)
+        stop = min(keys.stop, tokens)
+        contributions[:, :, keys.start : stop] = near.transpose(1, 2).flatten(2)[..., : stop - keys.start]
     own = torch.arange(probs.shape[2], device=probs.device)
     keys = own + rows.start
-    own_vectors = torch.einsum("bhi,bhid->bid", probs[:, :, own, keys], vectors[:, :, keys]) + residual[:, rows].float()
+    own_vectors = (probs[:, :, own, keys, None] * tiles.of_keys(keys)).sum(dim=1) + residual[:, rows].float()
     contributions[:, own, keys] = _nearness(outputs, own_vectors)
     return contributions.clamp_(min=0.0)
 
 
 def _mixed_nearness(probs: Tensor, vectors: Tensor, outputs: Tensor) -> Tensor:
-    r"""``(B, r, N)`` :func:`_nearness` of each row's output to :math:`\sum_m \alpha^m_{ij}
-    f^m(x_j)` (the residual left out)."""
-    if torch.compiler.is_compiling():  # a sum the compiled loop keeps in registers, never a (B, r, N, D) tensor
-        mixed = probs[:, 0, :, :, None] * vectors[:, 0, None]
-        for head in range(1, vectors.shape[1]):
-            mixed = mixed + probs[:, head, :, :, None] * vectors[:, head, None]
-    else:
-        mixed = torch.einsum("bhik,bhkd->bikd", probs, vectors)
-    return _nearness(outputs[:, :, None], mixed)
+    r"""``(B, t, r, k)`` :func:`_nearness` of each row's output ``(B, r, D)`` to
+    :math:`\sum_m \alpha^m_{ij} f^m(x_j)` (the residual left out), from the attention
+    ``(B, t, H, r, k)`` and the vectors ``(B, t, H, k, D)`` of t tiles of k keys."""
+    if torch.compiler.is_compiling():  # one loop over the tiles that keeps the sum in registers, never a (B, r, k, D) tensor
+        mixed = probs[:, :, 0, :, :, None] * vectors[:, :, 0, None]
+        for head in range(1, vectors.shape[2]):
+            mixed = mixed + probs[:, :, head, :, :, None] * vectors[:, :, head, None]
+        return _nearness(outputs[:, None, :, None], mixed)
+    return torch.stack(  # eagerly, one tile's transformed vectors (B, r, k, D) at a time
+        [_nearness(outputs[:, :, None], torch.einsum("bhik,bhkd->bikd", probs[:, t], vectors[:, t])) for t in range(probs.shape[1])],
+        dim=1,
+    )
 
 
 def _nearness(outputs: Tensor, vectors: Tensor) -> Tensor:
