@@ -106,21 +106,36 @@ def test_the_fit_is_the_ridge_solution_of_contextcites_objective():
     assert weights.settings == {"examples": 4, "num_ablations": 6, "seed": 4, "ridge": 1e-2, "fit": "ridge"}
 
 
-def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(tmp_path, monkeypatch):
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+INTERRUPTS = {"raised in the third example": (3, _ctrl_c), "swallowed in the second": (2, SwallowsCtrlC)}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("interrupt", list(INTERRUPTS))
+def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(interrupt, tmp_path, monkeypatch):
+    """Ctrl-C stops the fit in the example it lands in; one whose KeyboardInterrupt Python
+    swallowed (in a finaliser) stops it after that example: the checkpoint holds two
+    examples either way."""
     model, examples = make_decoder("llama"), _examples()
     whole = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
     checkpoint = tmp_path / "fit.safetensors"
     statistics, calls = fitting._example_statistics, []
+    at, interrupting = INTERRUPTS[interrupt]
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
+        if len(calls) == at:
+            interrupting()
         return statistics(*args, **kwargs)
 
     monkeypatch.setattr(fitting, "_example_statistics", interrupted)
     with pytest.raises(KeyboardInterrupt):
         HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
+    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3}
+    assert len(calls) == at and fitting._resume(checkpoint, settings)[0] == 2
     monkeypatch.setattr(fitting, "_example_statistics", statistics)
     resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
     assert torch.equal(resumed.weights, whole.weights)
@@ -130,26 +145,3 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(tmp_
     assert saved.name == "head_weights.safetensors"
     loaded = HeadWeights.load(tmp_path)
     assert torch.equal(loaded.weights, resumed.weights) and loaded.settings == resumed.settings
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_ctrl_c_python_swallowed_stops_the_fit_after_its_example_and_the_rerun_resumes(tmp_path, monkeypatch):
-    model, examples = make_decoder("llama"), _examples()
-    whole = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
-    checkpoint = tmp_path / "fit.safetensors"
-    statistics, calls = fitting._example_statistics, []
-
-    def swallowing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            SwallowsCtrlC()
-        return statistics(*args, **kwargs)
-
-    monkeypatch.setattr(fitting, "_example_statistics", swallowing)
-    with pytest.raises(KeyboardInterrupt):
-        HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
-    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3}
-    assert len(calls) == 2 and fitting._resume(checkpoint, settings)[0] == 2
-    monkeypatch.setattr(fitting, "_example_statistics", statistics)
-    resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
-    assert torch.equal(resumed.weights, whole.weights)
