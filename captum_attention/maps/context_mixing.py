@@ -262,10 +262,10 @@ def alti_contributions(
     contributions = probs.new_zeros(probs.shape[0], probs.shape[2], tokens)
     attended = (probs.amax(dim=(0, 1, 2)) > 0).nonzero()[:, 0]  # probabilities (times a norm's scale) are never negative
     if len(attended):  # a key no row attends to adds nothing (T = 0): a causal block's later keys, a window's far ones
-        keys, attention, vectors = tiles.pieces(probs, int(attended[0]), int(attended[-1]) + 1)
+        covered, attention, vectors = tiles.pieces(probs, int(attended[0]), int(attended[-1]) + 1)
         near = compiled_block(_mixed_nearness, device_kind(probs.device), _compiles(tokens), attention, vectors, outputs)
-        stop = min(keys.stop, tokens)
-        contributions[:, :, keys.start : stop] = near.transpose(1, 2).flatten(2)[..., : stop - keys.start]
+        stop = min(covered.stop, tokens)
+        contributions[:, :, covered.start : stop] = near.transpose(1, 2).flatten(2)[..., : stop - covered.start]
     own = torch.arange(probs.shape[2], device=probs.device)
     keys = own + rows.start
     own_vectors = (probs[:, :, own, keys, None] * tiles.of_keys(keys)).sum(dim=1) + residual[:, rows].float()
