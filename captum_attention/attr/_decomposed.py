@@ -17,6 +17,7 @@ from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual, equal_to_rounding
 from ..maps import (
+    KeyTiles,
     alti_contributions,
     alti_tile,
     head_vectors,
@@ -300,12 +301,14 @@ def _contribution_blocks(
     residual = inputs if norm is None else norm.linear(inputs)
     scale = None if norm is None else norm.scale.to(device)
     tile = alti_tile(tokens, device)
-    tiles = key_tiles(layer.vectors if norm is None else norm.features(layer.vectors), tokens if tile is None else tile[1])
+    tiles: KeyTiles | None = None  # laid out at the first block used: a layer whose rows weigh nothing copies nothing
     if tile is None:  # a block's transformed vectors (B, r, N, D)
         blocks = row_blocks(batch, tokens, tokens * width, device)
     else:  # its attention rows (B, H, r, N), or one piece's transformed vectors
         blocks = row_blocks(batch, tokens, max(heads * tokens, tile[1] * width), device, most=tile[0])
     for rows in blocks:
         if weights is None or bool(weights[:, :, rows].any()):
+            if tiles is None:
+                tiles = key_tiles(layer.vectors if norm is None else norm.features(layer.vectors), tokens if tile is None else tile[1])
             probs = attention_rows(record, call, rows, padded=False).to(device)
             yield rows, alti_contributions(probs, tiles, residual, outputs[:, rows], rows, scale)
