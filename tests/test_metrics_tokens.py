@@ -15,6 +15,7 @@ from captum_attention.metrics import (
     aopc,
     auprc,
     comprehensiveness,
+    datamodeling_score,
     greedy_deletion,
     iou_f1,
     kendall_tau,
@@ -155,6 +156,43 @@ def test_ablated_probs_by_hand(bag, removal):
     torch.testing.assert_close(probs, full - _by_hand(model, ids, mask, target, removed).view(2, 5))
     with pytest.raises(ValueError, match="kept must be a bool tensor"):
         ablated_probs(model, ids, mask, kept[:, :, :4])
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_datamodeling_score_by_hand(bag, removal):
+    """The seeded half ablations drawn again, each probability and each summed score by
+    hand, and scipy's Spearman per example."""
+    model, ids, mask, target, _ = bag
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4))
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, 0] = True
+    lds = datamodeling_score(model, ids, mask, scores, num_ablations=6, seed=5, removal=removal, baseline_token_id=0, keep=keep)
+    drawn = torch.rand(2, 6, 8, generator=torch.Generator().manual_seed(5)) < 0.5
+    full = model(ids, mask).softmax(-1).gather(1, target[:, None])
+    for row in range(2):
+        removable = range(1, int(mask[row].sum()))
+        removed = [(row, {i for i in removable if not drawn[row, a, i]}) for a in range(6)]
+        probs = full[row] - _by_hand(model, ids, mask, target, removed)
+        predicted = [sum(float(scores[row, i]) for i in removable if drawn[row, a, i]) for a in range(6)]
+        assert lds[row].item() == pytest.approx(stats.spearmanr(predicted, probs).statistic)
+
+
+def test_datamodeling_score_is_one_for_the_true_additive_evidence(bag):
+    """Two classes of a bag of tokens: the class's probability rises with the sum of the
+    kept tokens' logit margins, so those margins predict every ablation's rank (1), and
+    their opposite ranks them backwards (-1)."""
+    model, ids, mask, _, _ = bag
+    model.weights = model.weights[:, :2].contiguous()
+    target = model(ids, mask).argmax(1)
+    margins = (model.weights[ids, target[:, None]] - model.weights[ids, 1 - target[:, None]]) * mask
+    margins[1, 5] = float("nan")  # padding: never removed, never summed
+    lds = datamodeling_score(model, ids, mask, margins, target)
+    assert lds.tolist() == pytest.approx([1.0, 1.0])
+    assert datamodeling_score(model, ids, mask, -margins, target).tolist() == pytest.approx([-1.0, -1.0])
+    with pytest.raises(ValueError, match="at least 3"):
+        datamodeling_score(model, ids, mask, margins, num_ablations=2)
+    with pytest.raises(ValueError, match="attributions have shape"):
+        datamodeling_score(model, ids, mask, margins[:, :4])
 
 
 class PairBag(BagOfTokens):

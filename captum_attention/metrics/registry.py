@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
 from .plausibility import auprc, token_f1
-from .token_removal import aopc, comprehensiveness, sufficiency
+from .token_removal import aopc, comprehensiveness, datamodeling_score, sufficiency
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,18 @@ def _sufficiency(
 ) -> Tensor:
     mask = additional_forward_args[0]
     return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep))
+
+
+@register_metric(
+    "datamodeling", "LDS: Spearman's rho between the kept tokens' summed scores and the class's probability over 32 "
+    "seeded random half removals",
+)
+def _datamodeling(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    mask = additional_forward_args[0]
+    return datamodeling_score(forward_func, inputs, mask, attributions, target, keep=context.keep)
 
 
 @register_metric(

@@ -1,6 +1,6 @@
 """Faithfulness by removing tokens: ERASER's comprehensiveness, sufficiency and AOPC
-(DeYoung et al., ACL 2020), Chefer et al.'s positive/negative perturbation curves, and
-leave-one-out importance.
+(DeYoung et al., ACL 2020), Chefer et al.'s positive/negative perturbation curves, the
+linear datamodeling score over random half removals, and leave-one-out importance.
 
 Tokens are removed either by deletion (the remaining tokens close up, the sequence gets
 shorter) or by replacement with a baseline token id (e.g. [MASK] or [PAD]); tokens in
@@ -22,6 +22,7 @@ from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import output_logits, resolve_targets
 from ._checks import check_rankable, with_ties
+from .agreement import spearman
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
 DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -119,6 +120,24 @@ class _Remover:
             agree.append(probs.argmax(dim=-1) == self.decision[rows[chunk]])
         return torch.cat(target_prob), torch.cat(agree)
 
+    def check_scores(self, attributions: Tensor) -> None:
+        """A clear error for attributions that are not one finite score per token."""
+        if tuple(attributions.shape) != tuple(self.ids.shape):
+            raise ValueError(
+                f"attributions have shape {tuple(attributions.shape)} but the inputs are "
+                f"{tuple(self.ids.shape)}: give one score per token."
+            )
+        check_rankable(attributions, self.removable, finite=True)
+
+    def kept_probs(self, kept: Tensor) -> Tensor:
+        """``(B, A)``: the target's probability under each of ``kept`` ``(B, A, T)``
+        ablations, every removable token it does not keep removed."""
+        examples, ablations = kept.shape[:2]
+        remove = self.removable[:, None] & ~kept.to(self.removable.device)
+        rows = torch.arange(examples, device=remove.device).repeat_interleave(ablations)
+        after, _ = self.evaluate(rows, remove.flatten(0, 1))
+        return after.view(examples, ablations)
+
     def top_tokens(self, attributions: Tensor, fractions: Sequence[float], most_relevant: bool = True) -> tuple[Tensor, Tensor]:
         """Rows and masks of the top ``fraction`` of each example's removable tokens.
 
@@ -128,12 +147,7 @@ class _Remover:
         a tie is never split by position. Returns ``rows (B·F,)`` and masks ``(B·F, T)``,
         example-major.
         """
-        if tuple(attributions.shape) != tuple(self.ids.shape):
-            raise ValueError(
-                f"attributions have shape {tuple(attributions.shape)} but the inputs are "
-                f"{tuple(self.ids.shape)}: give one score per token."
-            )
-        check_rankable(attributions, self.removable, finite=True)
+        self.check_scores(attributions)
         signed = attributions.float() if most_relevant else -attributions.float()
         order = signed.masked_fill(~self.removable, float("-inf")).argsort(dim=1, descending=True, stable=True)
         positions = torch.arange(self.ids.shape[1], device=order.device).expand_as(order)
@@ -408,8 +422,61 @@ def ablated_probs(
             f"kept must be a bool tensor (batch={input_ids.shape[0]}, ablations, seq_len={input_ids.shape[1]}), "
             f"got {kept.dtype} of shape {tuple(kept.shape)}."
         )
-    examples, ablations = kept.shape[:2]
-    remove = remover.removable[:, None] & ~kept.to(remover.removable.device)
-    rows = torch.arange(examples, device=remove.device).repeat_interleave(ablations)
-    after, _ = remover.evaluate(rows, remove.flatten(0, 1))
-    return after.view(examples, ablations)
+    return remover.kept_probs(kept)
+
+
+def datamodeling_score(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    attributions: Tensor,
+    target: TargetType = None,
+    num_ablations: int = 32,
+    seed: int = 0,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    r"""LDS of a classifier's explanation (Park et al., ICML 2023; ContextCite's measure,
+    Cohen-Wang et al., NeurIPS 2024): Spearman's ρ, over ``num_ablations`` random
+    ablations that keep each removable token with probability 1/2 (seeded), between the
+    kept tokens' summed scores :math:`\sum_{i \text{ kept}} a_i` and the target class's
+    probability with the other tokens removed as the ERASER metrics remove them.
+
+    Where comprehensiveness removes a ranking's top tokens, LDS asks whether the scores
+    add up: whether they predict the effect of removing any half of the tokens, pairs
+    that matter together included. ρ ranks, so the probability, its log or its logit (what
+    ContextCite's surrogate fits) give the same score. For a language model's answer:
+    :func:`~captum_attention.metrics.linear_datamodeling_score`.
+
+    The other arguments are :func:`leave_one_out`'s.
+
+    Args:
+        attributions (Tensor): ``(batch, seq_len)`` token scores, signed or not; NaN and
+            ±inf are refused.
+        num_ablations (int, optional): random ablations per example, one forward each.
+            Default: 32.
+        seed (int, optional): seed of the ablations, the same for every attribution of an
+            example, so that LDS compares them on the same ablations (keep it apart from
+            the seed of any ablations a surrogate is fitted on). Default: 0.
+
+    Returns:
+        ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant (an example with
+        one removable token, or scores that give every ablation the same sum).
+
+    Example::
+
+        >>> scores = AttnLRP(model).attribute(input_ids, additional_forward_args=(mask,))
+        >>> datamodeling_score(model, input_ids, mask, scores, keep=special_tokens).nanmean()
+    """
+    if num_ablations < 3:
+        raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover.check_scores(attributions)
+    generator = torch.Generator().manual_seed(seed)
+    kept = torch.rand(len(input_ids), num_ablations, input_ids.shape[1], generator=generator) < 0.5
+    kept = kept.to(remover.removable.device) & remover.removable[:, None]
+    scores = attributions.detach().double().to(kept.device).masked_fill(~remover.removable, 0.0)
+    predicted = (kept.double() * scores[:, None]).sum(dim=-1)
+    return spearman(predicted.float().cpu(), remover.kept_probs(kept).cpu())
