@@ -12,6 +12,9 @@ model's predicted class:
 - ERASER comprehensiveness and sufficiency (AOPC over bins 1, 5, 10, 20, 50%; text:
   tokens deleted, [CLS]/[SEP] kept; images: patches set to grey) — higher
   comprehensiveness and lower sufficiency are better;
+- LDS: Spearman's rho between the kept features' summed scores and the class's
+  probability over 32 random half removals (seed 0; the ablation methods fit on others,
+  seed 1), removed as above — higher is better;
 - decision flip: erase the attention to the keys in the method's order at every layer
   until the prediction changes (Serrano & Smith); the share of examples that flip and the
   mean fraction of tokens erased at the flip (lower = the ranking finds decisive keys
@@ -44,6 +47,7 @@ from captum_attention.metrics import (  # noqa: E402
     aopc,
     auprc,
     comprehensiveness,
+    datamodeling_score,
     decision_flip_fraction,
     sufficiency,
     token_f1,
@@ -102,6 +106,7 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
         **plausibility,
         "comprehensiveness": aopc(comp).mean().item(),
         "sufficiency": aopc(suff).mean().item(),
+        "LDS": datamodeling_score(forward, ids, mask, flat, target, **removal).nanmean().item(),
         "flipped": flipped,
         "fraction at flip": flips.fraction[flips.flipped].mean().item() if flipped > 0 else float("nan"),
     }
