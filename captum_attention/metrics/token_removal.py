@@ -300,6 +300,8 @@ def leave_one_out(
     """Leave-one-out importance p(y|x) − p(y|x \\ {i}) of each removable token, batched;
     0 for padding and ``keep`` tokens. A ranking source for agreement and erasure.
 
+    The arguments are :func:`comprehensiveness`'s, without ``attributions`` and ``bins``.
+
     Returns:
         ``(batch, seq_len)`` tensor.
     """
@@ -338,7 +340,7 @@ def greedy_deletion(
     negation's pair); the chosen tokens are what removing finds, not necessarily what a
     reader would mark, so the ranking's plausibility is the prior's below them only.
 
-    The other arguments are :func:`leave_one_out`'s.
+    The other arguments are :func:`comprehensiveness`'s.
 
     Args:
         prior (Tensor): ``(batch, seq_len)`` scores, higher first (an attribution).
@@ -401,7 +403,7 @@ def ablated_probs(
     as the ERASER metrics remove it: for a surrogate of your own (ContextCite's with tokens
     as its sources, SHAP's) over the same removals.
 
-    The other arguments are :func:`leave_one_out`'s.
+    The other arguments are :func:`comprehensiveness`'s.
 
     Args:
         kept (Tensor): ``(batch, ablations, seq_len)`` bool, the tokens each ablation keeps;
@@ -450,7 +452,7 @@ def datamodeling_score(
     ContextCite's surrogate fits) give the same score. For a language model's answer:
     :func:`~captum_attention.metrics.linear_datamodeling_score`.
 
-    The other arguments are :func:`leave_one_out`'s.
+    The other arguments are :func:`comprehensiveness`'s.
 
     Args:
         attributions (Tensor): ``(batch, seq_len)`` token scores, signed or not; NaN and
@@ -479,4 +481,4 @@ def datamodeling_score(
     kept = kept.to(remover.removable.device) & remover.removable[:, None]
     scores = attributions.detach().double().to(kept.device).masked_fill(~remover.removable, 0.0)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
-    return spearman(predicted.float().cpu(), remover.kept_probs(kept).cpu())
+    return spearman(predicted.cpu(), remover.kept_probs(kept).cpu())
