@@ -21,6 +21,7 @@ from torch import Tensor
 from captum_attention import ALTI, METHODS, DecompX, KnockoutGradient, KnockoutLRP, NormAttention, ValueZeroing
 from captum_attention.metrics import ablated_probs, greedy_deletion, leave_one_out, random_ranking
 from captum_attention.metrics.context import calibrated_surrogate
+from captum_attention.metrics.token_removal import random_halves
 from captum_attention.presentation.shap_text import shap_token_values
 
 IG_STEPS = 50
@@ -147,10 +148,9 @@ def _random_ablations(task: Task, target: Tensor, count: int) -> tuple[Tensor, T
     (each removable feature kept with probability 1/2, seeded), the explained class's
     logit-probability after each ``(B, count)``, and the removable features ``(B, T)``."""
     forward, ids, mask, how = removal(task)
-    generator = torch.Generator().manual_seed(1)
-    kept = torch.rand(len(ids), count, ids.shape[1], generator=generator) < 0.5
-    probs = ablated_probs(forward, ids, mask, kept, target, **how).double().clamp(1e-12, 1 - 1e-12)
     removable = (mask != 0) & ~how.get("keep", torch.zeros_like(ids, dtype=torch.bool))
+    kept = random_halves(removable, count, seed=1)
+    probs = ablated_probs(forward, ids, mask, kept, target, **how).double().clamp(1e-12, 1 - 1e-12)
     return kept, probs.log() - (-probs).log1p(), removable
 
 

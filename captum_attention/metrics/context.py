@@ -38,6 +38,7 @@ from ..maps.streaming import segment_share_max
 from ._checks import check_rankable
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
+from .token_removal import random_halves
 
 PAIRS_PER_FORWARD = 2**26
 """The most (sequences × length²) one padded forward of ablated prompts holds."""
@@ -527,10 +528,7 @@ def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attent
 
 
 def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    examples, count = len(scorer.ids), scorer.present.shape[1]
-    kept = torch.rand(examples, num_ablations, count, generator=generator) < 0.5
-    kept = kept.to(scorer.present.device) & scorer.present[:, None]
+    kept = random_halves(scorer.present, num_ablations, seed)
     return kept, scorer.kept_log_probs(kept)
 
 

@@ -427,6 +427,15 @@ def ablated_probs(
     return remover.kept_probs(kept)
 
 
+def random_halves(present: Tensor, num_ablations: int, seed: int) -> Tensor:
+    """``(B, A, N)`` bool: ContextCite's ablations, ``num_ablations`` per example, each
+    keeping each of the ``present`` ``(B, N)`` features with probability 1/2 (drawn on the
+    CPU from ``seed``, so that every device draws the same)."""
+    generator = torch.Generator().manual_seed(seed)
+    kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=generator) < 0.5
+    return kept.to(present.device) & present[:, None]
+
+
 def datamodeling_score(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -476,9 +485,7 @@ def datamodeling_score(
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
     remover.check_scores(attributions)
-    generator = torch.Generator().manual_seed(seed)
-    kept = torch.rand(len(input_ids), num_ablations, input_ids.shape[1], generator=generator) < 0.5
-    kept = kept.to(remover.removable.device) & remover.removable[:, None]
+    kept = random_halves(remover.removable, num_ablations, seed)
     scores = attributions.detach().double().to(kept.device).masked_fill(~remover.removable, 0.0)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
     return spearman(predicted.cpu(), remover.kept_probs(kept).cpu())
