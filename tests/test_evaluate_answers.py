@@ -53,6 +53,7 @@ def _check_report(path, rows, methods):
     for row in rows:
         assert escape(row["answer"]) in page
     assert "lds ↑" in page and page.count("<b>") >= 1
+    assert page.count("<table") == page.count('<div class="scroll') == 3, "a table wider than the window widens the page"
     wins = page.split("<h2>Wins</h2>")[1].split("</table>")[0]
     counts = [[int(n) for n in re.findall(r"<td>(\d+)</td>", line)] for line in wins.split("<tr>")[2:]]
     examples = len({row["index"] for row in rows})

@@ -27,6 +27,7 @@ td.time { text-align: right; white-space: nowrap; color: #555; }
 .meaning { color: #555; font-size: 0.9em; }
 .note { color: #8a5a00; }
 h2.sentence { font-size: 1.05em; font-weight: 600; }
+.scroll { overflow-x: auto; max-width: 100%; }
 """
 
 TITLE_CHARACTERS = 80
@@ -232,7 +233,6 @@ _MATRIX_STYLE = """
 table.matrix th.col { writing-mode: vertical-rl; font-weight: normal; font-family: ui-monospace, monospace; }
 table.matrix td.cell { width: 1em; height: 1.2em; padding: 0; border: 1px solid #eee; }
 table.matrix td.peak { white-space: nowrap; color: #555; font-size: 0.85em; padding-left: 0.6em; }
-.scroll { overflow-x: auto; max-width: 100%; }
 .fold { color: #888; font-style: italic; }
 """
 
@@ -332,6 +332,12 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
             f"<figcaption>{escape(caption)}</figcaption></figure>")
 
 
+_EVALUATION_STYLE = """
+.scroll.rows { max-height: 80vh; overflow-y: auto; }
+.scroll.rows th { position: sticky; top: 0; background: #fff; }
+.interval { display: block; white-space: nowrap; color: #555; font-size: 0.85em; }
+"""
+
 SHOWN_ROWS = 500
 """The evaluation report lists at most this many result rows (``results.jsonl`` has all)."""
 
@@ -350,13 +356,14 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         "<title>captum-attention evaluation</title>",
-        f"<style>{_STYLE}</style></head><body>",
+        f"<style>{_STYLE}{_EVALUATION_STYLE}</style></head><body>",
         "<h1>captum-attention evaluation</h1>",
         f"<p><code>{escape(title)}</code>: {len({row['index'] for row in rows})} examples, "
         f"{len(methods)} methods. ↑: higher is better, ↓: lower is better.</p>",
         "<section><h2>Summary</h2>",
-        "<p>Mean over the examples with a value [95% bootstrap interval] (n); the best mean of each metric in bold.</p>",
-        f"<table><tr><th>method</th>{header}</tr>",
+        "<p>Mean over the examples with a value, under it its 95% bootstrap interval and n; the best mean of each "
+        "metric in bold.</p>",
+        f'<div class="scroll"><table><tr><th>method</th>{header}</tr>',
     ]
     cell = {(entry["method"], entry["metric"]): entry for entry in summary}
     best = {metric: _best([cell[m, metric]["mean"] for m in methods], better[metric]) for metric in metrics}
@@ -364,26 +371,30 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
         cells = []
         for metric in metrics:
             entry = cell[method, metric]
-            shown = "n/a" if entry["mean"] is None else f"{entry['mean']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}] ({entry['n']})"
-            bold = entry["mean"] is not None and entry["mean"] == best[metric]
-            cells.append(f"<td>{'<b>' + shown + '</b>' if bold else shown}</td>")
+            if entry["mean"] is None:
+                cells.append("<td>n/a</td>")
+                continue
+            mean = f"{entry['mean']:.3f}"
+            interval = f"[{entry['low']:.3f}, {entry['high']:.3f}] n={entry['n']}"
+            cells.append(f"<td>{'<b>' + mean + '</b>' if entry['mean'] == best[metric] else mean}"
+                         f'<span class="interval">{interval}</span></td>')
         parts.append(f"<tr><td>{escape(method)}</td>{''.join(cells)}</tr>")
-    parts += ["</table></section>", "<section><h2>Wins</h2>",
+    parts += ["</table></div></section>", "<section><h2>Wins</h2>",
               "<p>On how many examples each method had the best value of each metric (ties count for each).</p>",
-              f"<table><tr><th>method</th>{header}</tr>"]
+              f'<div class="scroll"><table><tr><th>method</th>{header}</tr>']
     wins = _wins(rows, methods, metrics, better)
     for method in methods:
         parts.append(f"<tr><td>{escape(method)}</td>" + "".join(f"<td>{wins[method, metric]}</td>" for metric in metrics) + "</tr>")
     extra = [key for key in ("answer", "generated", "answer_log_prob", "label", "predicted", "probability") if any(key in row for row in rows)]
-    parts += ["</table></section>", "<section><h2>Results</h2>"]
+    parts += ["</table></div></section>", "<section><h2>Results</h2>"]
     if len(rows) > SHOWN_ROWS:
         parts.append(f'<p class="note">The first {SHOWN_ROWS} of {len(rows)} rows; results.jsonl holds them all.</p>')
-    parts.append("<table><tr><th>line</th><th>method</th>" + "".join(f"<th>{escape(k)}</th>" for k in extra) + header + "</tr>")
+    parts.append('<div class="scroll rows"><table><tr><th>line</th><th>method</th>' + "".join(f"<th>{escape(k)}</th>" for k in extra) + header + "</tr>")
     for row in rows[:SHOWN_ROWS]:
         shown_extra = "".join(f"<td><bdi>{escape(_value(row.get(key)))}</bdi></td>" for key in extra)
         values = "".join(f"<td>{escape(_value(row.get(metric)))}</td>" for metric in metrics)
         parts.append(f"<tr><td>{row.get('line', '')}</td><td>{escape(row['method'])}</td>{shown_extra}{values}</tr>")
-    parts.append("</table></section></body></html>")
+    parts.append("</table></div></section></body></html>")
     return "\n".join(parts)
 
 
