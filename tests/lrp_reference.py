@@ -129,8 +129,11 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.view(batch, length, heads, hidden // heads).transpose(1, 2)
 
 
-def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
-    """AttnLRP of a ``BertForSequenceClassification`` (absolute positions, GELU)."""
+def bert_relevance(
+    model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0, log_presence: Tensor | None = None
+) -> Decomposition:
+    """AttnLRP of a ``BertForSequenceClassification`` (absolute positions, GELU);
+    ``log_presence`` ``(B, T)``: added to every call's scores of each key."""
     bert, config = model.bert, model.config
     embeddings = bert.embeddings
     terms = Terms(embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
@@ -139,7 +142,7 @@ def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Ten
     hidden = hidden + terms.leaf(embeddings.token_type_embeddings.weight[0].expand_as(terms.tokens))
     hidden = _layer_norm(hidden, embeddings.LayerNorm, terms)
     heads = config.num_attention_heads
-    mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min + _key_bias(log_presence)
     for layer in bert.encoder.layer:
         attention = layer.attention
         q, k, v = (_heads(_linear(hidden, getattr(attention.self, n), terms), heads) for n in ("query", "key", "value"))
@@ -153,6 +156,11 @@ def bert_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Ten
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
 
 
+def _key_bias(log_presence: Tensor | None) -> Tensor | float:
+    """``(B, 1, 1, T)`` added to the scores of each key, or 0."""
+    return 0.0 if log_presence is None else log_presence.float()[:, None, None, :]
+
+
 def _rms_norm(x: Tensor, norm) -> Tensor:
     scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.variance_epsilon).detach()
     return x * scale * norm.weight.detach()
@@ -160,7 +168,7 @@ def _rms_norm(x: Tensor, norm) -> Tensor:
 
 def llama_relevance(
     model, input_ids: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None = None, gamma: float = 0.0,
-    embeddings: Tensor | None = None, positions: Tensor | None = None,
+    embeddings: Tensor | None = None, positions: Tensor | None = None, log_presence: Tensor | None = None,
 ) -> Decomposition:
     """AttnLRP of a ``LlamaForCausalLM`` or a ``Qwen2ForCausalLM`` (grouped-query attention,
     rotary positions, SiLU gates; Qwen2's biased Q, K, V), explaining the logit of
@@ -168,15 +176,16 @@ def llama_relevance(
     (the last K tokens of ``input_ids``), their summed log-probabilities
     Σ_k log softmax(z at length - K - 1 + k)[span_k]. ``embeddings``: what the model reads
     in place of the ids' embeddings (a vision-language model's merged inputs);
-    ``positions``: its position ids (default 0, 1, ...)."""
+    ``positions``: its position ids (default 0, 1, ...); ``log_presence`` ``(B, T)``: added
+    to every call's scores of each key."""
     tokens = model.model.embed_tokens.weight.detach()[input_ids] if embeddings is None else embeddings.detach()
     terms = Terms(tokens.clone().requires_grad_(), gamma=gamma)
-    return decompose(terms, llama_explained(model, terms, terms.tokens, attention_mask, target, span, positions))
+    return decompose(terms, llama_explained(model, terms, terms.tokens, attention_mask, target, span, positions, log_presence))
 
 
 def llama_explained(
     model, terms: Terms, hidden: Tensor, attention_mask: Tensor, target: Tensor | None, span: Tensor | None,
-    positions: Tensor | None = None,
+    positions: Tensor | None = None, log_presence: Tensor | None = None,
 ) -> Tensor:
     """The explained value ``(B,)`` of :func:`llama_relevance`, computed under the rules
     from the embeddings ``hidden`` ``(B, T, d)``."""
@@ -186,7 +195,7 @@ def llama_explained(
     cos, sin = llama.rotary_emb(hidden, positions)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     visible = torch.ones(length, length).tril().bool()[None, None] & attention_mask[:, None, None, :].bool()
-    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min) + _key_bias(log_presence)
     for layer in llama.layers:
         attention, normed = layer.self_attn, _rms_norm(hidden, layer.input_layernorm)
         q = _heads(_linear(normed, attention.q_proj, terms), heads)
@@ -453,15 +462,18 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor, terms: 
     return context.reshape(*context.shape[:2], -1)
 
 
-def gpt2_relevance(model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
+def gpt2_relevance(
+    model, input_ids: Tensor, attention_mask: Tensor, target: Tensor, gamma: float = 0.0, log_presence: Tensor | None = None
+) -> Decomposition:
     """AttnLRP of a ``GPT2LMHeadModel`` (``Conv1D`` projections, the tanh GELU, learned
     positions counted from each prompt's first real token), explaining the logit of
-    ``target`` at the last position (prompts padded left)."""
+    ``target`` at the last position (prompts padded left); ``log_presence`` ``(B, T)``:
+    added to every call's scores of each key."""
     gpt2, config = model.transformer, model.config
     terms = Terms(gpt2.wte.weight.detach()[input_ids].clone().requires_grad_(), gamma=gamma)
     positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # left padding: each prompt's first token at 0
     hidden = terms.tokens + terms.leaf(gpt2.wpe.weight[positions])
-    heads, mask = config.n_head, _causal_mask(attention_mask)
+    heads, mask = config.n_head, _causal_mask(attention_mask) + _key_bias(log_presence)
     for block in gpt2.h:
         q, k, v = _conv1d(_layer_norm(hidden, block.ln_1, terms), block.attn.c_attn, terms).split(config.n_embd, dim=-1)
         q, k, v = (_heads(x, heads) for x in (q, k, v))

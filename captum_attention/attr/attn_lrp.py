@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from .._compat import TargetType
 from ..capture import AttentionAdapter
 from ..capture.inputs import QueryIndex
+from ..capture.probes import KeyPresence, Probe
 from ..capture.runner import CaptureMode
 from ..maps import lrp
 from ._base import AttentionAttributionBase, Scores, attribute_method
@@ -20,6 +21,9 @@ PIXEL_BASELINES = Option(
     "a number or a tensor broadcastable to pixel_values", TypeError,
 )
 """AttnLRP's reference image through a vision tower."""
+
+PRESENCE = Option(lambda value: value is None or isinstance(value, Tensor), "None or a (batch, tokens) tensor", TypeError)
+"""Each token's presence in the attention (:class:`~captum_attention.capture.probes.KeyPresence`)."""
 
 
 class AttnLRP(AttentionAttributionBase, GradientAttribution):
@@ -70,7 +74,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
 
     spec = MethodSpec(
         "attn_lrp", "AttnLRP", needs="relevance", signed=True, reads_query_row=False,
-        options={"through_vision_tower": FLAG, "pixel_baselines": PIXEL_BASELINES},
+        options={"through_vision_tower": FLAG, "pixel_baselines": PIXEL_BASELINES, "presence": PRESENCE},
     )
 
     def __init__(
@@ -97,6 +101,7 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
         return_maps: Literal[False] = False,
         through_vision_tower: bool = False,
         pixel_baselines: float | Tensor = 0.0,
+        presence: Tensor | None = None,
     ) -> Scores:
         r"""AttnLRP relevance of each token for the explained logit.
 
@@ -119,6 +124,16 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
                 difference carries the pixels' relevance :math:`(x - \bar x) \odot
                 \tilde g_x`; 0 is the processor's mean colour for images it normalises.
                 Default: 0.
+            presence (Tensor, optional): ``(batch, tokens)``, each token's presence
+                :math:`p_j \in (0, 1]` in every self-attention call, over the tokens the
+                model reads (with ``attribute_span``, the prompt's and the answer's): the
+                attention every query pays to token j is scaled by :math:`p_j` and each
+                row renormalised, softmax(:math:`QK^\top/\sqrt{d} + \log p_j`), and the
+                model so weighted is explained. Tokens at a low presence (e.g. 0.05, the
+                special tokens at 1) are explained nearly as they act alone, which the
+                effect of removing any half of them follows better than their effect in
+                the whole input does (:doc:`/which_method`). Pass ``target``: the
+                prediction can differ at that presence. Default: None, the model as it is.
 
         $returns
             With ``through_vision_tower=True``, the pair ``(token scores, pixel
@@ -126,6 +141,14 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
             then score 0: their relevance is in the pixels).
         """
         self._refuse_maps(return_maps, "propagates relevance to the tokens")
-        options = {"through_vision_tower": through_vision_tower, "pixel_baselines": pixel_baselines} if through_vision_tower else {}
+        options: dict[str, Any] = {"through_vision_tower": through_vision_tower, "pixel_baselines": pixel_baselines} if through_vision_tower else {}
+        if presence is not None:
+            options["presence"] = presence
         return self._explain(inputs, target, additional_forward_args, query_index, False, **options)
+
+    def _probes(self, effective: bool, **options: Any) -> list[Probe]:
+        presence = options.get("presence")
+        if presence is None:
+            return super()._probes(effective, **options)
+        return [*super()._probes(effective, **options), KeyPresence(presence)]
 

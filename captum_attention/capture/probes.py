@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from .._compat import UnsupportedModelError
+from .._compat import StreamingUnsupported, UnsupportedModelError
+from ..maps.interventions import weigh_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import parent_module
@@ -315,6 +316,54 @@ class ZeroKeyBiases(Probe):
 
     def result(self) -> KeyBiases:
         return KeyBiases([self._biases[index] for index in sorted(self._biases)])
+
+
+class KeyPresence(Probe):
+    r"""Weighs each token's keys by its presence in every self-attention call: the
+    attention a query pays to token j is scaled by :math:`p_j` and its row renormalised
+    (:func:`~captum_attention.maps.weigh_keys`), in the autograd graph. Under an eager
+    capture it replaces the probabilities; under a streaming one the kernel adds
+    :math:`\log p_j` to the keys' logits (as :class:`ZeroKeyBiases` adds its zero), on a
+    call with a logit softcap it cannot (the cap would cap the bias too): the capture falls
+    back to eager there.
+
+    Args:
+        presence: ``(B, T)`` each token's presence in (0, 1], T the tokens the model reads.
+    """
+
+    events = frozenset({"softmax", "key_bias"})
+
+    def __init__(self, presence: Tensor) -> None:
+        if presence.dim() != 2 or not presence.is_floating_point():
+            raise ValueError(f"presence must be a (batch, tokens) float tensor, got shape {tuple(presence.shape)} of {presence.dtype}.")
+        if not bool(((presence > 0) & (presence <= 1)).all()):
+            raise ValueError("presence must lie in (0, 1] for every token (1: as it is; a removed token would be 0, which is no presence).")
+        self.log_presence = presence.detach().double().log()
+
+    def _log_presence(self, call: CallInfo, batch: int, keys: int, device: torch.device) -> Tensor:
+        if call.role not in ("self", "pooling"):
+            raise ValueError(
+                "presence weighs the tokens' keys in one self-attention stack; an encoder-decoder's or a "
+                "cross-attending model's calls are not defined for it: leave presence=None."
+            )
+        if (batch, keys) != tuple(self.log_presence.shape):
+            raise ValueError(
+                f"presence has shape {tuple(self.log_presence.shape)} but an attention call of the model reads {keys} "
+                f"keys for {batch} examples: give one value per example and token the model reads (with "
+                "attribute_span, the prompt's and the answer's)."
+            )
+        return self.log_presence.to(device)
+
+    def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor:
+        keys = attn_probs.shape[-1] - (1 if attn_probs.shape[-1] == self.log_presence.shape[1] + 1 else 0)  # a sink
+        return weigh_keys(attn_probs, self._log_presence(call, attn_probs.shape[0], keys, attn_probs.device), attn_scores)
+
+    def key_bias(self, call: CallInfo, kernel: KernelCall) -> Tensor:
+        if kernel.softcap is not None:
+            raise StreamingUnsupported("presence rides on the keys' logits, which the model's softcap would cap too")
+        batch, key_heads, keys = kernel.key.shape[:3]
+        log_presence = self._log_presence(call, batch, keys, kernel.key.device)
+        return log_presence.to(kernel.query.dtype)[:, None, :].expand(batch, key_heads, keys)
 
 
 @dataclass

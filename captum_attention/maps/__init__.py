@@ -5,7 +5,7 @@ Each file holds one method's formula; ``common`` holds what they share.
 
 from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens
 from .common import zero_on_later_keys as is_causal
-from .interventions import erase_keys, on_heads, permute_rows
+from .interventions import erase_keys, on_heads, permute_rows, weigh_keys
 from .context_mixing import (
     KeyTiles,
     LinearNorm,
@@ -79,6 +79,7 @@ __all__ = [
     "summed_weighted_norm",
     "transformer_attribution_scores",
     "value_zeroing_distances",
+    "weigh_keys",
     "windows_on_patch_grid",
     "with_decisive_tokens",
     "without_self",
