@@ -222,6 +222,36 @@ def test_smoothgrad_and_shap_rows_are_reproducible(checkpoint, tmp_path):
             assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)
 
 
+def test_attn_lrp_at_a_presence_rows_are_its_scores_metrics(checkpoint, tmp_path, capsys):
+    """``attn_lrp_presence``: AttnLRP with the words at ``--presence`` and [CLS]/[SEP] at 1;
+    its rows are the metrics of those scores, not of AttnLRP's own; a presence outside
+    (0, 1] is one line."""
+    from captum_attention import AttnLRP
+
+    data, output = _data(tmp_path, 6), tmp_path / "out"
+    args = [str(data), "--model", str(checkpoint), "--methods", "attn_lrp,attn_lrp_presence", "--metrics", "comprehensiveness"]
+    assert _run(*args, "--presence", "0.1", "--output", str(output)) == 0
+    rows = _rows(output)
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    for example in ev.read_dataset(data)[0]:
+        encoded = tokenizer([example.text], return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        predicted, keep = forward(ids, mask).argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        for method, presence in (("attn_lrp", None), ("attn_lrp_presence", torch.where(keep, 1.0, 0.1))):
+            scores = AttnLRP(forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,), presence=presence)
+            row = next(r for r in rows if r["index"] == example.index and r["method"] == method)
+            expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
+            assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+    by_method = {m: [r["comprehensiveness"] for r in rows if r["method"] == m] for m in ("attn_lrp", "attn_lrp_presence")}
+    assert by_method["attn_lrp"] != by_method["attn_lrp_presence"], "the presence changes the scores"
+    capsys.readouterr()
+    assert _run(*args, "--presence", "0", "--output", str(tmp_path / "zero")) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--presence must lie in (0, 1]" in error
+
+
 @pytest.mark.parametrize(
     "change, named",
     [

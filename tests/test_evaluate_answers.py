@@ -110,7 +110,18 @@ def _knockout_lrp(model, ids, mask, answer, segments):
     return KnockoutLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
 
 
-@pytest.mark.parametrize("method, scored", [("leave_one_out_estimates", _estimates), ("knockout_lrp", _knockout_lrp)])
+def _attn_lrp_at_presence(model, ids, mask, answer, segments):
+    """AttnLRP's span with the prompt's tokens at presence 0.05 (the default), BOS and the answer at 1."""
+    from captum_attention import AttnLRP
+
+    presence = torch.cat([torch.where(segments < 0, 1.0, 0.05), torch.ones(answer.shape)], dim=1)
+    return AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask,), presence=presence)[:, : ids.shape[1]]
+
+
+@pytest.mark.parametrize(
+    "method, scored",
+    [("leave_one_out_estimates", _estimates), ("knockout_lrp", _knockout_lrp), ("attn_lrp_presence", _attn_lrp_at_presence)],
+)
 def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2seq, tmp_path, capsys, method, scored):
     """Its rows are the metrics of its scores computed directly; an encoder-decoder refuses
     it in one line."""

@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
-                          "integrated_gradients, smoothgrad, shap; for a language model's answers, "
-                          "leave_one_out_estimates")
+                          "integrated_gradients, smoothgrad, shap, attn_lrp_presence; for a language model's answers, "
+                          "leave_one_out_estimates, attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
+    evaluate.add_argument("--presence", type=float, default=0.05, help="attn_lrp_presence: each token's presence in every "
+                          "attention call, the special tokens (and an answer) at 1 (default: 0.05)")
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     train = commands.add_parser("train", help="train the default model into the cache now")
@@ -363,6 +365,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         return
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
         raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
+    _check_presence(arguments)
     examples, skipped = read_dataset(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
@@ -378,7 +381,9 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     model, tokenizer = load_classifier(folder)
     model.to(state.device)
     examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
-    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals)
+    options = Options(
+        batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals, presence=arguments.presence
+    )
     evaluate(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "batches", "batch"), _resuming(state, arguments, "batches"),
@@ -395,6 +400,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
 
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    _check_presence(arguments)
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
@@ -402,12 +408,17 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     state = _evaluation_state(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
     model.to(state.device)
-    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence)
     evaluate_answers(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"),
     )
     _merged(state, arguments, examples, metrics, options)
+
+
+def _check_presence(arguments: argparse.Namespace) -> None:
+    if not 0 < arguments.presence <= 1:
+        raise UsageError(f"--presence must lie in (0, 1] (1: each token as it is), got {arguments.presence}")
 
 
 def _report_skipped(arguments: argparse.Namespace, skipped: list[str]) -> None:

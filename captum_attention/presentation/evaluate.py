@@ -74,12 +74,15 @@ def _check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
 
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
+PRESENCE = "attn_lrp_presence"
+"""AttnLRP with each text's tokens (a prompt's) at presence ``options.presence`` in every
+attention call, the special tokens (and an answer) at 1: its ``presence`` option."""
 
 
 def evaluation_methods() -> list[str]:
-    """What ``methods=`` accepts: the registered methods, Integrated Gradients, SmoothGrad
-    and SHAP."""
-    return [*method_names(), SMOOTHGRAD, SHAP]
+    """What ``methods=`` accepts: the registered methods, Integrated Gradients, SmoothGrad,
+    SHAP and AttnLRP at a presence (:data:`PRESENCE`)."""
+    return [*method_names(), SMOOTHGRAD, SHAP, PRESENCE]
 
 
 @dataclass
@@ -90,6 +93,7 @@ class Options:
     ig_steps: int = 50
     smoothgrad_samples: int = 10
     shap_evals: int = 300
+    presence: float = 0.05
     bootstrap: int = 1000
     seed: int = 0
 
@@ -175,8 +179,8 @@ def run_manifest(
 
 def _budgets(options: Any) -> list[Any]:
     if isinstance(options, AnswerOptions):
-        return [options.max_new_tokens, options.seed]
-    return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.seed]
+        return [options.max_new_tokens, options.presence, options.seed]
+    return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.presence, options.seed]
 
 
 def _version() -> str:
@@ -235,7 +239,23 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
         explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
+    if PRESENCE in names:
+        explainers[PRESENCE] = _attn_lrp_at_presence(model, tokenizer, options.presence)
     return {name: explainers[name] for name in names}
+
+
+def _attn_lrp_at_presence(model: Any, tokenizer: Any, presence: float) -> Explainer:
+    from ..attr import AttnLRP
+
+    explainer = AttnLRP(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits, model=model)
+
+    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
+        weights = torch.where(special_tokens(ids, tokenizer) | (mask == 0), 1.0, presence)
+        scores = explainer.attribute(ids, target=targets, additional_forward_args=(mask,), presence=weights)
+        assert isinstance(scores, Tensor)  # one tensor of ids in: one of scores out
+        return scores.detach()
+
+    return explain
 
 
 def _smoothgrad(model: Any, samples: int) -> Explainer:
@@ -335,10 +355,10 @@ effects, the two segments AttnLRP ranks highest deleted exactly)."""
 
 def answer_method_names() -> list[str]:
     """What ``methods=`` accepts for a language model's answers: every registered method,
-    and :data:`ESTIMATES`."""
+    :data:`ESTIMATES` and :data:`PRESENCE`."""
     from ..attr import REGISTRY
 
-    return [*REGISTRY, ESTIMATES]
+    return [*REGISTRY, ESTIMATES, PRESENCE]
 
 
 def answer_metric_names() -> list[str]:
@@ -353,6 +373,7 @@ class AnswerOptions:
     the summary's bootstrap."""
 
     max_new_tokens: int = 20
+    presence: float = 0.05
     bootstrap: int = 1000
     seed: int = 0
 
@@ -382,11 +403,12 @@ def evaluate_answers(
     _check_names("method", methods, answer_method_names())
     _check_names("metric", metrics, answer_metric_names())
     if getattr(model.config, "is_encoder_decoder", False):
-        single = [name for name in methods if name == ESTIMATES or not REGISTRY[name].spec.encoder_decoder]
+        single = [name for name in methods if name in (ESTIMATES, PRESENCE) or not REGISTRY[name].spec.encoder_decoder]
         if single:
             verb, them = ("explains", "it") if len(single) == 1 else ("explain", "them")
             raise ValueError(f"{', '.join(single)} {verb} one self-attention stack, not an encoder-decoder's answers: leave {them} out.")
-    needed = {name for name in methods if name != ESTIMATES} | ({"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set())
+    needed = {name for name in methods if name not in (ESTIMATES, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
+    needed |= {"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: REGISTRY[name](model) for name in needed}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
@@ -413,7 +435,9 @@ def _evaluate_answer(
 
     def span_of(name: str) -> Tensor:
         if name not in spans:
-            span = prompt_side(explainers[name].attribute_span(ids, answer, additional_forward_args=(mask,)))
+            extra = {"presence": _presence(keep, answer, options.presence)} if name == PRESENCE else {}
+            explainer = explainers["attn_lrp" if name == PRESENCE else name]
+            span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(mask,), **extra))
             spans[name] = span[:, : ids.shape[1]].float().detach()
         return spans[name]
 
@@ -431,6 +455,12 @@ def _evaluate_answer(
             **{metric: _number(value[0]) for metric, value in values.items()},
         })
     return rows
+
+
+def _presence(keep: Tensor, answer: Tensor, presence: float) -> Tensor:
+    """``(1, prompt + answer)``: the prompt's tokens at ``presence``, its special tokens
+    (``keep``) and the answer at 1."""
+    return torch.cat([torch.where(keep, 1.0, presence), torch.ones_like(answer, dtype=torch.float)], dim=1)
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:
