@@ -30,6 +30,7 @@ SHAP_EVALS = 300
 CONTEXT_CITE_ABLATIONS = 64
 CALIBRATED_ABLATIONS = 8
 GREEDY_CANDIDATES = (5, 3)
+PRESENCES = (0.1, 0.05)
 PATCH = 4
 
 Explainer = Callable[[Task, Tensor], Tensor]
@@ -39,6 +40,27 @@ def _ours(cls: type, **options: object) -> Explainer:
     def explain(task: Task, target: Tensor) -> Tensor:
         args = None if task.is_image else (task.attention_mask,)
         return cls(task.model).attribute(task.inputs, target=target, additional_forward_args=args, **options)
+
+    return explain
+
+
+def presence(task: Task, value: float) -> Tensor:
+    """Each token's presence: ``value`` for the removable ones (the tokens, the patches),
+    1 for [CLS], [SEP] and padding."""
+    if task.is_image:
+        rows, columns = task.rationale.shape[1:]
+        weights = torch.full((len(task.inputs), 1 + rows * columns), value)
+        weights[:, 0] = 1.0
+        return weights
+    removable = (task.attention_mask != 0) & ~task.keep
+    return torch.where(removable, value, 1.0)
+
+
+def attn_lrp_at_presence(value: float) -> Explainer:
+    """AttnLRP with the removable tokens (patches) at presence ``value`` in every attention call."""
+
+    def explain(task: Task, target: Tensor) -> Tensor:
+        return _ours(METHODS["attn_lrp"], presence=presence(task, value))(task, target)
 
     return explain
 
@@ -222,5 +244,6 @@ def methods() -> dict[str, Explainer]:
         f"AttnLRP calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_attn_lrp,
         f"Grad-SAM (key axis), greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["grad_sam"], axis="key")),
         f"AttnLRP, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["attn_lrp"])),
+        **{f"AttnLRP at presence {value}": attn_lrp_at_presence(value) for value in PRESENCES},
         "Random": random_baseline,
     }

@@ -1,7 +1,7 @@
 """Which explanation to trust: every method on ground-truth tasks, side by side, one run.
 
     python benchmarks/faithfulness.py [--tasks planted order shape sentiment] [--examples 64]
-                                      [--methods NAME ...] [--json results.json]
+                                      [--methods NAME ...] [--sentiment-seed 1] [--json results.json]
 
 For each task (see ``tasks.py``) and each method (see ``explainers.py``), explaining the
 model's predicted class:
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--tasks", nargs="+", default=["planted", "order", "shape", "sentiment"])
     parser.add_argument("--examples", type=int, default=None, help="evaluation examples per task (default: the task's)")
     parser.add_argument("--methods", nargs="+", help="only these methods (names as printed; default: all)")
+    parser.add_argument("--sentiment-seed", type=int, default=1, help="which held-out sentences the sentiment task "
+                        "explains (default: 1)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets, to check that everything runs")
     options = parser.parse_args(argv)
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     for name in options.tasks:
         sizes: dict[str, int] = {} if options.examples is None else {"eval_size": options.examples}
+        if name == "sentiment" and options.sentiment_seed != 1:
+            sizes["seed"] = options.sentiment_seed
         if options.smoke:
             sizes = {"eval_size": 4, "train_size": 200, "epochs": 1}
         result = run_task(tasks.build(name, **sizes), check_accuracy=not options.smoke, only=options.methods)

@@ -1,7 +1,8 @@
 """A needle in a long context, with a known answer: which method points at it, and at what cost?
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
-        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--estimated 2] [--estimated-prior attn_lrp]
+        [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--presence 0.05] [--estimated 2]
+        [--estimated-prior attn_lrp]
         [--estimated-shares] [--trained-here]
         [--json out.json]
 
@@ -20,7 +21,8 @@ the same answer with the needle removed, and there no segment is decisive), top-
 top-3 log-probability drop and LDS (:mod:`captum_attention.metrics.context`; segments:
 each pair, each run of up to 32 filler words), and its time per example (memory:
 ``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
-``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--estimated K`` adds
+``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--presence P`` adds
+AttnLRP with the context's segments at presence P (its ``presence`` option); ``--estimated K`` adds
 ``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
 AttnLRP ranks highest by magnitude deleted exactly; ``--estimated-prior METHOD``: those
 another registered method ranks highest, such as ``knockout_lrp``; ``--estimated-shares``:
@@ -83,6 +85,21 @@ def our_method(model: tf.LlamaForCausalLM, name: str, options: dict[str, Any] | 
         prompt = e.input_ids[None]
         answer = torch.tensor([[e.answer]])
         return explainer.attribute_span(prompt, answer, additional_forward_args=(torch.ones_like(prompt),), **(options or {}))[0, :-1]
+
+    return attribute
+
+
+def at_presence(model: tf.LlamaForCausalLM, value: float) -> Attribution:
+    """AttnLRP with the context's segments at presence ``value`` in every attention call,
+    the question and the answer at 1."""
+    explainer = REGISTRY["attn_lrp"](model, capture="streaming")
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        prompt, answer = e.input_ids[None], torch.tensor([[e.answer]])
+        presence = torch.ones(1, prompt.shape[1] + 1)
+        presence[0, :-1] = torch.where(e.segments >= 0, value, 1.0)
+        args = (torch.ones_like(prompt),)
+        return explainer.attribute_span(prompt, answer, additional_forward_args=args, presence=presence)[0, :-1]
 
     return attribute
 
@@ -278,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="registered methods (also those not in reports, "
                         "e.g. norm_attention)")
     parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
+    parser.add_argument("--presence", type=float, nargs="*", default=[], help="presences of the context's segments of "
+                        "AttnLRP rows (AttnLRP's presence option)")
     parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
     parser.add_argument("--estimated-prior", default="attn_lrp", choices=list(REGISTRY),
                         help="the registered method whose scores choose the segments deleted exactly")
@@ -310,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in options.methods
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
+        runs += [(f"AttnLRP at presence {p}", lambda p=p: at_presence(model, p), correct) for p in options.presence]
         by = "" if options.estimated_prior == "attn_lrp" and not options.estimated_shares else f" by {options.estimated_prior}"
         by += " / (1 - share)" if options.estimated_shares else ""
         runs += [(f"leave-one-out estimates, {k} exact{by}",
