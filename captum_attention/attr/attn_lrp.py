@@ -125,11 +125,12 @@ class AttnLRP(AttentionAttributionBase, GradientAttribution):
                 \tilde g_x`; 0 is the processor's mean colour for images it normalises.
                 Default: 0.
             presence (Tensor, optional): ``(batch, tokens)``, each token's presence
-                :math:`p_j \in (0, 1]` in every self-attention call, over the tokens the
-                model reads (with ``attribute_span``, the prompt's and the answer's): the
-                attention every query pays to token j is scaled by :math:`p_j` and each
-                row renormalised, softmax(:math:`QK^\top/\sqrt{d} + \log p_j`), and the
-                model so weighted is explained. Tokens at a low presence (e.g. 0.05, the
+                :math:`p_j \in (0, 1]` in every attention call of one self-attention stack
+                (not an encoder-decoder's), over the tokens the model reads (with
+                ``attribute_span``, the prompt's and the answer's): the attention every
+                query pays to token j is scaled by :math:`p_j` and each row
+                renormalised, softmax(:math:`QK^\top/\sqrt{d} + \log p_j`), and the model
+                so weighted is explained. Tokens at a low presence (e.g. 0.05, the
                 special tokens at 1) are explained nearly as they act alone, which the
                 effect of removing any half of them follows better than their effect in
                 the whole input does (:doc:`/which_method`). Pass ``target``: the
