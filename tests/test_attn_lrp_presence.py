@@ -120,3 +120,19 @@ def test_a_softcap_sends_presence_to_eager_capture():
         probe.key_bias(call, kernel)
     kernel.softcap = None
     torch.testing.assert_close(probe.key_bias(call, kernel), torch.full((2, 1, 5), 0.5).log())
+
+
+@pytest.mark.parametrize("family", ("bert", "distilbert", "gpt2", "llama", "qwen2", "vit", "deit"))
+def test_streaming_equals_eager_at_a_presence_on_every_single_stack_family(family):
+    """The kernel's log p on the keys (streaming) and the weighted probabilities (eager)
+    give the same relevance on every family of one self-attention stack (the ViT and DeiT:
+    the class, distillation and patch tokens)."""
+    model, inputs, args, real = _case(family)
+    presence = _presence(real)
+    explain = {
+        capture: AttnLRP(model, capture=capture).attribute(inputs, target=1, additional_forward_args=args, presence=presence)
+        for capture in ("streaming", "eager")
+    }
+    as_it_is = AttnLRP(model).attribute(inputs, target=1, additional_forward_args=args)
+    assert (explain["eager"] - as_it_is).abs().max() > 0.01 * as_it_is.abs().max()
+    _close(explain["streaming"], explain["eager"])
