@@ -245,5 +245,6 @@ def methods() -> dict[str, Explainer]:
         f"Grad-SAM (key axis), greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["grad_sam"], axis="key")),
         f"AttnLRP, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["attn_lrp"])),
         **{f"AttnLRP at presence {value}": attn_lrp_at_presence(value) for value in PRESENCES},
+        f"AttnLRP at presence {PRESENCES[-1]}, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(attn_lrp_at_presence(PRESENCES[-1])),
         "Random": random_baseline,
     }

@@ -30,7 +30,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 27 and {
+    assert len(text["methods"]) == 28 and {
         "Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX", "DecompX (sensitivity)", "AttnLRP, greedy (8 removals)",
         "Knockout Gradient", "Knockout Gradient + AttnLRP", "AttnLRP at presence 0.1", "AttnLRP at presence 0.05",
     } <= set(text["methods"])
