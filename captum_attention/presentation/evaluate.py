@@ -369,8 +369,8 @@ def answer_metric_names() -> list[str]:
 
 @dataclass
 class AnswerOptions:
-    """How to evaluate answers: the generation's length (for rows without an answer) and
-    the summary's bootstrap."""
+    """How to evaluate answers: the generation's length (for rows without an answer), the
+    prompt's presence for :data:`PRESENCE` and the summary's bootstrap."""
 
     max_new_tokens: int = 20
     presence: float = 0.05
