@@ -29,6 +29,38 @@ def on_heads(attn: Tensor, changed: Tensor, heads: Sequence[int] | None, first_h
     return torch.where(chosen[None, :, None, None], changed, attn)
 
 
+def weigh_keys(attn: Tensor, log_presence: Tensor, scores: Tensor | None = None) -> Tensor:
+    r"""Scale the attention every query pays to each key by the key's presence, then
+    renormalise rows: the softmax of the scores plus :math:`\log p_j`.
+
+    A key at presence :math:`p_j \in (0, 1]` counts as :math:`p_j` copies of itself in every
+    row's normaliser: :math:`p_j = 1` leaves it as it is, :math:`p_j = 0` removes it
+    (:func:`erase_keys`), and the same presence for every key changes nothing.
+
+    Args:
+        attn: ``(B, H, T, K)`` probabilities; columns after the ``K`` keys (gpt-oss's sink)
+            stay at presence 1.
+        log_presence: ``(B, K)`` the keys' :math:`\log p_j` (0 for a key left as it is,
+            :math:`-\infty` for one removed).
+        scores: ``(B, H, T, K)`` pre-softmax scores, optional: with them the result is the
+            softmax of the weighted scores, exact where the probabilities underflowed.
+
+    Returns:
+        ``(B, H, T, K)`` probabilities; a row whose every key was removed stays zero.
+    """
+    bias = log_presence[:, None, None, :].to(attn.device)
+    if attn.shape[-1] > bias.shape[-1]:
+        bias = torch.nn.functional.pad(bias, (0, attn.shape[-1] - bias.shape[-1]))
+    if scores is not None:
+        # Keys the model masked itself (scores at the dtype's minimum, as transformers
+        # masks) stay out, as they do when renormalising probabilities.
+        masked_by_model = scores <= torch.finfo(scores.dtype).min / 2
+        logits = (scores.float() + bias.float()).masked_fill(masked_by_model, float("-inf"))
+        return torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).to(attn.dtype)
+    weighted = attn * bias.exp().to(attn.dtype)
+    return weighted / weighted.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weighted.dtype).tiny)
+
+
 def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Tensor:
     """Zero the attention every query pays to the ``erased`` keys, then renormalise rows.
 
@@ -46,48 +78,8 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
     Returns:
         ``(B, H, T, T)`` probabilities; a row whose every key was erased stays zero.
     """
-    keys = erased[:, None, None, :]
-    if attn.shape[-1] > keys.shape[-1]:
-        keys = torch.cat([keys, keys.new_zeros(*keys.shape[:-1], attn.shape[-1] - keys.shape[-1])], dim=-1)
-    if scores is not None:
-        # Keys the model masked itself (scores at the dtype's minimum, as transformers
-        # masks) stay out, as they do when renormalising probabilities.
-        masked_by_model = scores <= torch.finfo(scores.dtype).min / 2
-        logits = scores.float().masked_fill(keys | masked_by_model, float("-inf"))
-        return torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).to(attn.dtype)
-    kept = attn.masked_fill(keys, 0.0)
-    total = kept.sum(dim=-1, keepdim=True)
-    return kept / total.clamp(min=torch.finfo(kept.dtype).tiny)
-
-
-def weigh_keys(attn: Tensor, log_presence: Tensor, scores: Tensor | None = None) -> Tensor:
-    r"""Scale the attention every query pays to each key by the key's presence, then
-    renormalise rows: the softmax of the scores plus :math:`\log p_j`.
-
-    A key at presence :math:`p_j \in (0, 1]` counts as :math:`p_j` copies of itself in every
-    row's normaliser, so :math:`p_j \to 0` removes it as :func:`erase_keys` does and
-    :math:`p_j = 1` leaves it as it is; the same presence for every key changes nothing.
-
-    Args:
-        attn: ``(B, H, T, K)`` probabilities; columns after the ``K`` keys (gpt-oss's sink)
-            stay at presence 1.
-        log_presence: ``(B, K)`` the keys' :math:`\log p_j` (0 for a key left as it is).
-        scores: ``(B, H, T, K)`` pre-softmax scores, optional: with them the result is the
-            softmax of the weighted scores, exact where the probabilities underflowed.
-
-    Returns:
-        ``(B, H, T, K)`` probabilities.
-    """
-    bias = log_presence[:, None, None, :].to(attn.device)
-    if attn.shape[-1] > bias.shape[-1]:
-        bias = torch.nn.functional.pad(bias, (0, attn.shape[-1] - bias.shape[-1]))
-    if scores is not None:
-        # Keys the model masked itself (scores at the dtype's minimum) stay out.
-        masked_by_model = scores <= torch.finfo(scores.dtype).min / 2
-        logits = (scores.float() + bias.float()).masked_fill(masked_by_model, float("-inf"))
-        return torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).to(attn.dtype)
-    weighted = attn * bias.exp().to(attn.dtype)
-    return weighted / weighted.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weighted.dtype).tiny)
+    log_presence = torch.zeros(erased.shape, device=erased.device).masked_fill(erased, float("-inf"))
+    return weigh_keys(attn, log_presence, scores)
 
 
 def permute_rows(attn: Tensor, visible: Tensor, generator: torch.Generator | None = None) -> Tensor:
