@@ -1,7 +1,8 @@
 """Which explanation to trust: every method on ground-truth tasks, side by side, one run.
 
     python benchmarks/faithfulness.py [--tasks planted order shape sentiment] [--examples 64]
-                                      [--methods NAME ...] [--sentiment-seed 1] [--json results.json]
+                                      [--methods NAME ...] [--sentiment-seed 1] [--paired NAME]
+                                      [--json results.json]
 
 For each task (see ``tasks.py``) and each method (see ``explainers.py``), explaining the
 model's predicted class:
@@ -22,7 +23,11 @@ model's predicted class:
 - wall time per example, and as a ratio to one forward+backward of the model on the same
   batch.
 
-Prints one Markdown table per task with the command that produced it.
+Prints one Markdown table per task with the command that produced it. With ``--paired
+NAME``, a second table gives, for every other method, the mean of NAME's value minus its
+value on the same examples, with the standard error of that paired difference: whether a
+gap between two methods is larger than the examples' own spread. The JSON keeps each
+example's token F1 (pointing game), comprehensiveness, sufficiency and LDS (``each``).
 """
 
 from __future__ import annotations
@@ -76,14 +81,14 @@ def forward_backward_seconds(task: Task) -> float:
     return _timed(step, REPEATS)[1]
 
 
-def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """The method's mean values, and each example's token F1 (pointing game),
+    comprehensiveness, sufficiency and LDS (NaN where one is undefined)."""
     if task.is_image:
         flat, gold = scores.flatten(1), task.rationale.flatten(1)
         top = flat.argmax(dim=1)
-        plausibility = {
-            "pointing game": gold[torch.arange(len(top)), top].float().mean().item(),
-            "AUPRC": auprc(flat, gold).nanmean().item(),
-        }
+        plausible = {"pointing game": gold[torch.arange(len(top)), top].float()}
+        ranked = auprc(flat, gold)
         prefix = 1
         ranking = torch.cat([torch.full((len(flat), prefix), float("-inf")), flat.float()], dim=1)
         keep = torch.zeros_like(ranking, dtype=torch.bool)
@@ -91,10 +96,8 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
         flip_args: tuple[Any, ...] = (task.model, task.inputs, ranking, None)
     else:
         include = (task.attention_mask != 0) & ~task.keep
-        plausibility = {
-            "token F1": token_f1(scores, task.rationale, include).nanmean().item(),
-            "AUPRC": auprc(scores, task.rationale, include).nanmean().item(),
-        }
+        plausible = {"token F1": token_f1(scores, task.rationale, include)}
+        ranked = auprc(scores, task.rationale, include)
         flat, keep = scores, task.keep
         flip_args = (task.model, task.inputs, scores, (task.attention_mask,))
     forward, ids, mask, removal = explainers.removal(task)
@@ -102,14 +105,36 @@ def evaluate(task: Task, scores: torch.Tensor, target: torch.Tensor) -> dict[str
     suff = sufficiency(forward, ids, mask, flat, target, **removal)
     flips = decision_flip_fraction(*flip_args, keep=keep)
     flipped = flips.flipped.float().mean().item()
+    each = {
+        **plausible,
+        "comprehensiveness": aopc(comp),
+        "sufficiency": aopc(suff),
+        "LDS": datamodeling_score(forward, ids, mask, flat, target, **removal),
+    }
+    means = {name: values.nanmean().item() for name, values in {**each, "AUPRC": ranked}.items()}
     return {
-        **plausibility,
-        "comprehensiveness": aopc(comp).mean().item(),
-        "sufficiency": aopc(suff).mean().item(),
-        "LDS": datamodeling_score(forward, ids, mask, flat, target, **removal).nanmean().item(),
+        **{name: means[name] for name in [*plausible, "AUPRC", "comprehensiveness", "sufficiency", "LDS"]},
         "flipped": flipped,
         "fraction at flip": flips.fraction[flips.flipped].mean().item() if flipped > 0 else float("nan"),
-    }
+    }, {name: values.tolist() for name, values in each.items()}
+
+
+def paired_differences(result: dict[str, Any], reference: str) -> dict[str, dict[str, dict[str, float]]]:
+    """For every other method and each metric kept per example: the mean over examples of
+    ``reference``'s value minus the method's, its standard error, and the examples counted
+    (those where both are defined)."""
+    mine = result["each"][reference]
+    paired: dict[str, dict[str, dict[str, float]]] = {}
+    for name, theirs in result["each"].items():
+        if name == reference:
+            continue
+        paired[name] = {}
+        for metric in mine:
+            difference = torch.tensor(mine[metric]) - torch.tensor(theirs[metric])
+            difference = difference[~difference.isnan()]
+            error = difference.std().item() / len(difference) ** 0.5 if len(difference) > 1 else float("nan")
+            paired[name][metric] = {"mean": difference.mean().item(), "standard error": error, "examples": len(difference)}
+    return paired
 
 
 def run_task(task: Task, check_accuracy: bool = True, only: list[str] | None = None) -> dict[str, Any]:
@@ -119,17 +144,14 @@ def run_task(task: Task, check_accuracy: bool = True, only: list[str] | None = N
     with torch.no_grad():
         target = task.logits(task.inputs, task.attention_mask).argmax(-1)
     baseline = forward_backward_seconds(task)
-    rows = {}
+    rows, each = {}, {}
     for name, method in explainers.methods().items():
         if only and name not in only:
             continue
         repeats = 1 if "SHAP" in name or "Integrated" in name else REPEATS
         scores, seconds = _timed(lambda: method(task, target), repeats)
-        rows[name] = {
-            **evaluate(task, scores.detach(), target),
-            "ms / example": 1000 * seconds / len(target),
-            "× fwd+bwd": seconds / baseline,
-        }
+        means, each[name] = evaluate(task, scores.detach(), target)
+        rows[name] = {**means, "ms / example": 1000 * seconds / len(target), "× fwd+bwd": seconds / baseline}
     return {
         "task": task.name,
         "examples": len(target),
@@ -137,6 +159,7 @@ def run_task(task: Task, check_accuracy: bool = True, only: list[str] | None = N
         "train seconds": task.train_seconds,
         "fwd+bwd ms / example": 1000 * baseline / len(target),
         "methods": rows,
+        "each": each,
     }
 
 
@@ -156,6 +179,21 @@ def markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def paired_markdown(result: dict[str, Any], reference: str) -> str:
+    metrics = list(result["each"][reference])
+    lines = [
+        f"**{result['task']}** — {reference} minus each method on the same examples: mean ± standard error "
+        "(sufficiency: lower is better)",
+        "",
+        "| method | " + " | ".join(metrics) + " |",
+        "|---|" + "---|" * len(metrics),
+    ]
+    for name, differences in result["paired"][reference].items():
+        cells = [f"{d['mean']:+.3f} ± {d['standard error']:.3f}" for d in differences.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["planted", "order", "shape", "sentiment"])
@@ -163,11 +201,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--methods", nargs="+", help="only these methods (names as printed; default: all)")
     parser.add_argument("--sentiment-seed", type=int, default=1, help="which held-out sentences the sentiment task "
                         "explains (default: 1)")
+    parser.add_argument("--paired", metavar="NAME", help="also print this method's paired differences to every other "
+                        "method, with their standard errors")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets, to check that everything runs")
     options = parser.parse_args(argv)
     if options.smoke:
         explainers.IG_STEPS, explainers.SMOOTHGRAD_SAMPLES, explainers.SHAP_EVALS = 4, 2, 40
+    chosen = options.methods or list(explainers.methods())
+    if options.paired and options.paired not in chosen:
+        parser.error(f"--paired {options.paired!r} is not among the methods run: {', '.join(chosen)}.")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     command = "python benchmarks/faithfulness.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []
@@ -181,6 +224,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         result = run_task(tasks.build(name, **sizes), check_accuracy=not options.smoke, only=options.methods)
         results.append(result)
         print(markdown(result, command.strip()), "\n", flush=True)
+        if options.paired:
+            result["paired"] = {options.paired: paired_differences(result, options.paired)}
+            print(paired_markdown(result, options.paired), "\n", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")
     if options.json:
         options.json.write_text(json.dumps(results, indent=1))

@@ -26,7 +26,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     pytest.importorskip("shap")
     import faithfulness
 
-    results = faithfulness.main(["--smoke", "--tasks", "planted", "shape"])
+    results = faithfulness.main(["--smoke", "--tasks", "planted", "shape", "--paired", "AttnLRP"])
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
@@ -40,6 +40,19 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
             assert row["ms / example"] > 0 and math.isfinite(row["× fwd+bwd"])
     printed = capsys.readouterr().out
     assert "| SHAP Partition (40 evals) |" in printed and "python benchmarks/faithfulness.py --smoke" in printed
+    paired = text["paired"]["AttnLRP"]
+    assert "AttnLRP" not in paired and len(paired) == 27
+    assert list(paired["Grad-SAM"]) == ["token F1", "comprehensiveness", "sufficiency", "LDS"]
+    for metric in paired["Grad-SAM"]:
+        mine, theirs = torch.tensor(text["each"]["AttnLRP"][metric]), torch.tensor(text["each"]["Grad-SAM"][metric])
+        difference = (mine - theirs)[~(mine - theirs).isnan()]
+        assert paired["Grad-SAM"][metric]["mean"] == pytest.approx(difference.mean().item())
+        assert paired["Grad-SAM"][metric]["standard error"] == pytest.approx(difference.std().item() / len(difference) ** 0.5)
+        assert text["methods"]["AttnLRP"][metric] == pytest.approx(mine.nanmean().item())
+    assert "AttnLRP minus each method on the same examples" in printed and "| Grad-SAM | " in printed
+    with pytest.raises(SystemExit):
+        faithfulness.main(["--smoke", "--tasks", "planted", "--methods", "Saliency", "--paired", "AttnLRP"])
+    assert "--paired 'AttnLRP' is not among the methods run: Saliency." in capsys.readouterr().err
 
 
 def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path, tmp_path, capsys, monkeypatch):
