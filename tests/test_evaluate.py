@@ -135,20 +135,50 @@ def test_csv_input_and_summary_confidence_intervals(checkpoint, tmp_path):
     data.write_text("text,label\nthe film was good,1\nthe plot was dull,0\n\"a superb, great story\",1\n")
     assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "rollout") == 0
     lines = (tmp_path / "out" / "summary.csv").read_text().splitlines()
-    assert lines[0] == "method,metric,n,mean,low,high"
+    assert lines[0] == "method,metric,n,mean,low,high,best,difference,difference_low,difference_high"
     assert [line.split(",")[1] for line in lines[1:]] == [m for m in ev.metric_names() if m not in ev.rationale_metrics()]
     for line in lines[1:]:
-        _, metric, n, mean, low, high = line.split(",")
+        _, metric, n, mean, low, high, best, *difference = line.split(",")
+        assert best == "rollout" and difference == ["", "", ""], "one method: the best of every metric"
         if metric != "decision_flip":
             assert int(n) == 3 and float(low) <= float(mean) <= float(high)
 
 
 def test_bootstrap_interval_is_seeded_and_covers_the_mean():
-    rows = [{"method": "m", "x": float(v)} for v in range(20)]
+    rows = [{"method": "m", "index": v, "x": float(v)} for v in range(20)]
     first = ev.summarise(rows, ["m"], ["x"], bootstrap=500, seed=1)[0]
     assert first == ev.summarise(rows, ["m"], ["x"], bootstrap=500, seed=1)[0]
     assert first["mean"] == 9.5 and first["low"] < 9.5 < first["high"]
     assert 6.5 < first["low"] and first["high"] < 12.5  # the standard error is about 1.3
+
+
+def test_paired_difference_to_the_best_sees_what_the_separate_intervals_hide():
+    """b trails a by exactly 0.05 on every example: the separate intervals overlap, the
+    paired one is [-0.05, -0.05]. Where a metric's lower values are better, the best is the
+    lowest mean; an example without a value leaves the pairs it would be part of."""
+    spread = [0.1 * k for k in range(10)]
+    rows = []
+    for index, value in enumerate(spread):
+        rows.append({"method": "a", "index": index, "comprehensiveness": value, "sufficiency": value})
+        rows.append({"method": "b", "index": index, "comprehensiveness": value - 0.05,
+                     "sufficiency": None if index == 0 else value + 0.2 * (index % 2)})
+    summary = ev.summarise(rows, ["a", "b"], ["comprehensiveness", "sufficiency"], bootstrap=400, seed=3)
+    cell = {(e["method"], e["metric"]): e for e in summary}
+    a, b = cell["a", "comprehensiveness"], cell["b", "comprehensiveness"]
+    assert b["low"] < a["mean"] < b["high"], "the separate intervals overlap"
+    assert a["best"] == b["best"] == "a" and a["difference"] is None
+    assert b["difference"]["n"] == 10
+    assert b["difference"]["mean"] == pytest.approx(-0.05) and b["difference"]["low"] == pytest.approx(-0.05)
+    assert b["difference"]["high"] == pytest.approx(-0.05)
+    suff_a, suff_b = cell["a", "sufficiency"], cell["b", "sufficiency"]
+    assert suff_a["best"] == "a" and suff_b["n"] == 9 and suff_b["difference"]["n"] == 9
+    odd = [0.2 * (index % 2) for index in range(1, 10)]
+    assert suff_b["difference"]["mean"] == pytest.approx(sum(odd) / 9)
+    assert 0 <= suff_b["difference"]["low"] < suff_b["difference"]["mean"] < suff_b["difference"]["high"] <= 0.2
+    markdown = ev.summary_markdown(summary, ["comprehensiveness", "sufficiency"])
+    assert "| method | comprehensiveness ↑ − best | sufficiency ↓ − best |" in markdown
+    assert "| a | best | best |" in markdown and "| b | -0.050 [-0.050, -0.050] | +0.111 [" in markdown
+    assert ev.summarise(rows, ["a", "b"], ["comprehensiveness", "sufficiency"], bootstrap=400, seed=3) == summary
 
 
 @pytest.mark.parametrize(

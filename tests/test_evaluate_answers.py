@@ -41,8 +41,8 @@ def _rows(folder):
 
 
 def _check_report(path, rows, methods):
-    """The report holds every method's summary, the best mean of each metric in bold, and
-    win counts that add up to at least one per example and metric."""
+    """The report holds every method's summary, the best mean of each metric in bold, the
+    differences to the best, and win counts that add up to at least one per example and metric."""
     import re
     from html import escape
 
@@ -53,7 +53,9 @@ def _check_report(path, rows, methods):
     for row in rows:
         assert escape(row["answer"]) in page
     assert "lds ↑" in page and page.count("<b>") >= 1
-    assert page.count("<table") == page.count('<div class="scroll') == 3, "a table wider than the window widens the page"
+    assert page.count("<table") == page.count('<div class="scroll') == 4, "a table wider than the window widens the page"
+    against = page.split("<h2>Against the best</h2>")[1].split("</table>")[0]
+    assert against.count("<td>best</td>") >= 1 and against.count("<tr>") == len(methods) + 1
     wins = page.split("<h2>Wins</h2>")[1].split("</table>")[0]
     counts = [[int(n) for n in re.findall(r"<td>(\d+)</td>", line)] for line in wins.split("<tr>")[2:]]
     examples = len({row["index"] for row in rows})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from html import escape as _escape_markup
+from typing import Any
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
@@ -344,8 +345,9 @@ SHOWN_ROWS = 500
 
 def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[str], title: str) -> str:
     """The report of an ``evaluate`` run: per method and metric the mean and its 95%
-    bootstrap interval (the best mean of each metric in bold), how often each method was
-    the best on an example, and the rows themselves (the first :data:`SHOWN_ROWS`)."""
+    bootstrap interval (the best mean of each metric in bold), each method's paired
+    difference to the best, how often each method was the best on an example, and the rows
+    themselves (the first :data:`SHOWN_ROWS`)."""
     from ..metrics import METRICS
 
     methods = list(dict.fromkeys(entry["method"] for entry in summary))
@@ -379,6 +381,15 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
             cells.append(f"<td>{'<b>' + mean + '</b>' if entry['mean'] == best[metric] else mean}"
                          f'<span class="interval">{interval}</span></td>')
         parts.append(f"<tr><td>{escape(method)}</td>{''.join(cells)}</tr>")
+    paired = [metric for metric in metrics if any("best" in cell[m, metric] for m in methods)]
+    if paired and len(methods) > 1:
+        parts += ["</table></div></section>", "<section><h2>Against the best</h2>",
+                  "<p>Each method's value minus the best method's on the same examples: the mean, under it its 95% "
+                  "bootstrap interval. An interval that holds 0: these examples do not tell the two apart.</p>",
+                  '<div class="scroll"><table><tr><th>method</th>'
+                  + "".join(f"<th>{escape(metric)}{arrows[better[metric]]}</th>" for metric in paired) + "</tr>"]
+        for method in methods:
+            parts.append(f"<tr><td>{escape(method)}</td>" + "".join(_difference_cell(cell[method, metric]) for metric in paired) + "</tr>")
     parts += ["</table></div></section>", "<section><h2>Wins</h2>",
               "<p>On how many examples each method had the best value of each metric (ties count for each).</p>",
               f'<div class="scroll"><table><tr><th>method</th>{header}</tr>']
@@ -396,6 +407,25 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
         parts.append(f"<tr><td>{row.get('line', '')}</td><td>{escape(row['method'])}</td>{shown_extra}{values}</tr>")
     parts.append("</table></div></section></body></html>")
     return "\n".join(parts)
+
+
+def difference_parts(entry: dict[str, Any]) -> tuple[str, str]:
+    """An entry's paired difference to its metric's best method as the summaries show it:
+    the mean (or "best", "n/a", "" where the metric has no direction) and its interval."""
+    if "best" not in entry:
+        return "", ""
+    difference = entry["difference"]
+    if difference is None:
+        return "best", ""
+    if difference["mean"] is None:
+        return "n/a", ""
+    mean, low, high = (f"{round(difference[key], 3) + 0.0:+.3f}" for key in ("mean", "low", "high"))  # + 0.0: no "-0.000"
+    return mean, f"[{low}, {high}]"
+
+
+def _difference_cell(entry: dict[str, Any]) -> str:
+    mean, interval = difference_parts(entry)
+    return f"<td>{escape(mean)}" + (f'<span class="interval">{escape(interval)}</span>' if interval else "") + "</td>"
 
 
 def _best(means: list, better: str | None) -> float | None:

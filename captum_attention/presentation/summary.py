@@ -1,5 +1,6 @@
 """The results of ``evaluate``: merging the shards and summarising each method and metric
-(mean and 95% bootstrap confidence interval)."""
+(mean and 95% bootstrap confidence interval, and the paired difference to the metric's
+best method on the same examples)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .dataset import AnswerExample, Example, write_atomically
-from .html import render_evaluation_html
+from .html import difference_parts, render_evaluation_html
 
 
 def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
@@ -34,26 +35,58 @@ def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metri
     return summary
 
 
+def _mean_and_interval(values: list[float], bootstrap: int, generator: torch.Generator) -> dict[str, Any]:
+    """``n``, the mean and its 95% percentile bootstrap interval (``low``, ``high``); None
+    for each where there are no values."""
+    if not values:
+        return {"n": 0, "mean": None, "low": None, "high": None}
+    sample = torch.tensor(values, dtype=torch.float64)
+    resamples = sample[torch.randint(len(sample), (bootstrap, len(sample)), generator=generator)].mean(dim=1)
+    low, high = torch.quantile(resamples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"n": len(sample), "mean": sample.mean().item(), "low": low, "high": high}
+
+
 def summarise(rows: list[dict[str, Any]], methods: Sequence[str], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Per method and metric: the mean over examples (those with a value) and its 95%
-    percentile bootstrap confidence interval (``bootstrap`` resamples, seeded)."""
+    percentile bootstrap confidence interval (``bootstrap`` resamples, seeded). For a metric
+    with a direction, also ``best``, the method of the best mean, and ``difference``: the
+    method's value minus the best's on the examples where both have one, its mean and
+    bootstrap interval (None for the best itself); an interval that holds 0 says that these
+    examples do not tell the two methods apart, however far apart their own intervals."""
+    from ..metrics import METRICS
+
     generator = torch.Generator().manual_seed(seed)
-    summary = []
-    for method in methods:
-        for metric in metrics:
-            values = torch.tensor([row[metric] for row in rows if row["method"] == method and row.get(metric) is not None], dtype=torch.float64)
-            if len(values) == 0:
-                summary.append({"method": method, "metric": metric, "n": 0, "mean": None, "low": None, "high": None})
-                continue
-            resamples = values[torch.randint(len(values), (bootstrap, len(values)), generator=generator)].mean(dim=1)
-            low, high = torch.quantile(resamples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-            summary.append({"method": method, "metric": metric, "n": len(values), "mean": values.mean().item(), "low": low, "high": high})
-    return summary
+    by_example = {(row["method"], row["index"]): row for row in rows}
+    indices = list(dict.fromkeys(row["index"] for row in rows))
+
+    def values(method: str, metric: str) -> dict[int, float]:
+        found = (by_example.get((method, index)) for index in indices)
+        return {row["index"]: row[metric] for row in found if row is not None and row.get(metric) is not None}
+
+    summary: list[dict[str, Any]] = []
+    for metric in metrics:
+        per_method = {method: values(method, metric) for method in methods}
+        entries = {method: {"method": method, "metric": metric, **_mean_and_interval(list(per_method[method].values()), bootstrap, generator)}
+                   for method in methods}
+        better = METRICS[metric].better if metric in METRICS else None
+        ranked = [method for method in methods if entries[method]["mean"] is not None]
+        if better is not None and ranked:
+            sign = 1.0 if better == "higher" else -1.0
+            best = max(ranked, key=lambda method: sign * entries[method]["mean"])
+            for method in methods:
+                common = [index for index in per_method[method] if index in per_method[best]]
+                differences = [per_method[method][index] - per_method[best][index] for index in common]
+                entries[method]["best"] = best
+                entries[method]["difference"] = None if method == best else _mean_and_interval(differences, bootstrap, generator)
+        summary += entries.values()
+    return sorted(summary, key=lambda entry: (methods.index(entry["method"]), metrics.index(entry["metric"])))
 
 
 def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
     """The summary as a Markdown table: one row per method, ``mean [low, high]`` per metric,
-    each metric's name marked with its direction (↑ higher is better, ↓ lower)."""
+    each metric's name marked with its direction (↑ higher is better, ↓ lower); then, with
+    more than one method, each method's paired difference to the best of each metric with
+    a direction."""
     from ..metrics import METRICS
 
     methods = list(dict.fromkeys(entry["method"] for entry in summary))
@@ -67,10 +100,20 @@ def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> s
     lines = ["| method | " + " | ".join(named) + " |", "|---" * (len(metrics) + 1) + "|"]
     lines += [f"| {m} | " + " | ".join(shown(cell[m, metric]) for metric in metrics) + " |" for m in methods]
     lines += ["", "↑: higher is better, ↓: lower is better; mean [95% bootstrap interval] over the examples."]
+    paired = [(metric, name) for metric, name in zip(metrics, named) if any("best" in cell[m, metric] for m in methods)]
+    if paired and len(methods) > 1:
+        lines += ["", "| method | " + " | ".join(f"{name} − best" for _, name in paired) + " |", "|---" * (len(paired) + 1) + "|"]
+        lines += [f"| {m} | " + " | ".join(" ".join(difference_parts(cell[m, metric])).strip() for metric, _ in paired) + " |" for m in methods]
+        lines += ["", "Each method's value minus the best method's on the same examples: mean [95% bootstrap interval]; "
+                  "an interval that holds 0: these examples do not tell the two apart."]
     return "\n".join(lines) + "\n"
 
 
 def _summary_csv(summary: list[dict[str, Any]]) -> str:
-    lines = ["method,metric,n,mean,low,high"]
-    lines += [",".join("" if e[k] is None else str(e[k]) for k in ("method", "metric", "n", "mean", "low", "high")) for e in summary]
+    lines = ["method,metric,n,mean,low,high,best,difference,difference_low,difference_high"]
+    for entry in summary:
+        difference = entry.get("difference") or {}
+        fields = [entry[k] for k in ("method", "metric", "n", "mean", "low", "high")]
+        fields += [entry.get("best"), *(difference.get(k) for k in ("mean", "low", "high"))]
+        lines.append(",".join("" if field is None else str(field) for field in fields))
     return "\n".join(lines) + "\n"
