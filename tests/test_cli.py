@@ -135,6 +135,39 @@ def test_explain_prints_the_library_scores(checkpoints, tmp_path):
             )
 
 
+def test_attn_lrp_at_a_presence_on_request(checkpoints, tmp_path):
+    """``--methods attn_lrp_presence``: AttnLRP with the words at ``--presence`` and the
+    special tokens and padding at 1, under its own name; not among the defaults."""
+    classifier, _ = checkpoints
+    path = tmp_path / "presence.json"
+    result = run_cli("explain", *SENTENCES, "--model", str(classifier), "--methods", "attn_lrp,attn_lrp_presence",
+                     "--presence", "0.2", "--raw", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "AttnLRP at presence 0.2" in result.stdout
+    written = json.loads(path.read_text(encoding="utf-8"))
+    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
+    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    targets = forward(ids, mask).argmax(1)
+    words = ~torch.isin(ids, torch.tensor(tokenizer.all_special_ids)) & (mask == 1)
+    presence = torch.where(words, 0.2, 1.0)
+    expected = REGISTERED["attn_lrp"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,),
+                                                                     presence=presence).detach()
+    plain = REGISTERED["attn_lrp"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,))
+    for row, sentence in enumerate(written["sentences"]):
+        length = int(mask[row].sum())
+        scores = torch.tensor(sentence["scores"]["AttnLRP at presence 0.2"])
+        torch.testing.assert_close(scores, expected[row, :length], rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(scores, plain[row, :length].detach(), rtol=0.05), "the presence moves the scores"
+    default = run_cli("explain", SENTENCES[1], "--model", str(classifier), "--ig-steps", "2")
+    assert default.returncode == 0 and "presence" not in default.stdout
+    for value in ("0", "1.5"):
+        refused = run_cli("explain", SENTENCES[1], "--model", str(classifier), "--presence", value)
+        assert refused.returncode == 1 and f"--presence must lie in (0, 1] (1: each token as it is), got {float(value)}" in refused.stderr
+
+
 class _Collector(HTMLParser):
     def __init__(self) -> None:
         super().__init__()

@@ -105,6 +105,31 @@ def test_skip_leaves_the_matching_tokens_out_as_captums_skip_tokens(llm, capsys)
     assert "--skip '(' is not a regular expression" in capsys.readouterr().err
 
 
+def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down(llm, tmp_path, capsys):
+    """The prompt's tokens (the skipped ones too) at ``--presence``, its special tokens and
+    the answer at 1: the LLM interface's seq_attr of AttnLRP with that presence."""
+    import json
+
+    from captum.attr import TextTokenInput
+
+    from captum_attention import AttnLRP
+
+    path = tmp_path / "presence.json"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", "attn_lrp_presence",
+                 "--presence", "0.1", "--skip", "the", "--per-token", "--json", str(path)]) == 0
+    written = json.loads(path.read_text(encoding="utf-8"))
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    inp = TextTokenInput(PROMPT, tokenizer, skip_tokens=["the"])
+    prompt = inp.to_model_input()
+    presence = torch.cat([torch.where(prompt == tokenizer.bos_token_id, 1.0, 0.1), torch.ones(1, 2)], dim=1)
+    assert presence[0, 1:-2].eq(0.1).all() and presence[0, 0] == 1
+    expected = LLMAttentionAttribution(AttnLRP(model), tokenizer).attribute(inp, target="seven .", presence=presence)
+    torch.testing.assert_close(torch.tensor(written["seq_attr"]["AttnLRP at presence 0.1"]), expected.seq_attr)
+    torch.testing.assert_close(torch.tensor(written["token_attr"]["AttnLRP at presence 0.1"]), expected.token_attr)
+    plain = LLMAttentionAttribution(AttnLRP(model), tokenizer).attribute(inp, target="seven .")
+    assert not torch.allclose(expected.seq_attr, plain.seq_attr, rtol=0.05), "the presence moves the scores"
+
+
 def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
     import json
 
@@ -140,3 +165,5 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
     assert "decoder-only models" in capsys.readouterr().err
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence"]) == 1
+    assert "attn_lrp_presence weighs the keys of one self-attention stack" in capsys.readouterr().err

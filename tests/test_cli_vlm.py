@@ -109,6 +109,8 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     assert "no such file" in capsys.readouterr().err
     assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "integrated_gradients"]) == 1
     assert "not available for vision-language models" in capsys.readouterr().err
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "attn_lrp_presence"]) == 1
+    assert "attn_lrp_presence is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
     assert "--image is for a vision-language model" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(llava)]) == 1

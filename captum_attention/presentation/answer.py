@@ -15,7 +15,7 @@ from .._compat import pretty_tokens
 from ..attr import METHODS, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
-from .explain import INTEGRATED_GRADIENTS, MethodInfo
+from .explain import INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, presence_display, presence_weights
 
 
 @dataclass
@@ -71,12 +71,14 @@ def explain_answer(
     per_token: bool = False,
     ig_steps: int = 50,
     skip: str | None = None,
+    presence: float = 0.05,
 ) -> AnswerExplanation:
     """Generate (greedy) or take the answer to ``prompt``, then explain it with each method
     (registry names; ``integrated_gradients`` runs Captum's
-    ``LLMGradientAttribution(LayerIntegratedGradients)``). Default: the registered methods.
-    ``skip``: a regular expression; the prompt tokens it matches in full are left out of
-    the features, as Captum's ``skip_tokens`` leaves them out.
+    ``LLMGradientAttribution(LayerIntegratedGradients)``; ``attn_lrp_presence`` AttnLRP
+    with the prompt's tokens at ``presence``, its special tokens and the answer at 1).
+    Default: the registered methods. ``skip``: a regular expression; the prompt tokens it
+    matches in full are left out of the features, as Captum's ``skip_tokens`` leaves them out.
     """
     tokens = TextTokenInput(prompt, tokenizer).values
     skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
@@ -92,12 +94,13 @@ def explain_answer(
     )
     for name in methods or list(METHODS):
         wrapper, info = _wrapper(model, tokenizer, name)
+        options = {"presence": _presence(inp, answer_ids, tokenizer, presence)} if name == PRESENCE else {}
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
             result = wrapper.attribute(inp, target=answer_ids, n_steps=ig_steps)
         else:
-            result = wrapper.attribute(inp, target=answer_ids, per_token=per_token)
-        display = _display(name)
+            result = wrapper.attribute(inp, target=answer_ids, per_token=per_token, **options)
+        display = presence_display(presence) if name == PRESENCE else _display(name)
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = info
         explanation.seq_attr[display] = result.seq_attr.float().tolist()
@@ -129,13 +132,21 @@ def _display(name: str) -> str:
     return "Integrated Gradients" if name == INTEGRATED_GRADIENTS else METHODS[name].get_name()
 
 
+def _presence(inp: TextTokenInput, answer_ids: torch.Tensor, tokenizer: Any, presence: float) -> torch.Tensor:
+    """``(1, prompt + answer)`` presences: the prompt's tokens (skipped ones too) at
+    ``presence``, its special tokens and the answer at 1."""
+    prompt = inp.to_model_input()
+    weights = presence_weights(prompt, torch.ones_like(prompt), tokenizer, presence)
+    return torch.cat([weights, torch.ones(1, len(answer_ids))], dim=1)
+
+
 def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
     """The LLM attribution of method ``name`` and how to read it (every score explains the
     answer's log-probability, so each uses the target)."""
     if name == INTEGRATED_GRADIENTS:
         layer = LayerIntegratedGradients(model, model.get_input_embeddings())
         return LLMGradientAttribution(layer, tokenizer), MethodInfo(uses_target=True, signed=True)
-    cls = METHODS[name]
+    cls = METHODS["attn_lrp" if name == PRESENCE else name]
     return LLMAttentionAttribution(cls(model), tokenizer), MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed)
 
 

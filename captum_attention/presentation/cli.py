@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .evaluate import answer_metric_names, metric_names, rationale_metrics
-from .explain import length_limit, method_names
+from .explain import INTEGRATED_GRADIENTS, PRESENCE, default_method_names, length_limit, method_names
 from .text import count as _count, has_surrogates, terminal_safe
 
 
@@ -28,6 +28,10 @@ class UsageError(ValueError):
 CACHE_HELP = (
     "cache folder for the default model (default: $CAPTUM_ATTENTION_CACHE, else "
     "$XDG_CACHE_HOME/captum-attention, else ~/.cache/captum-attention)"
+)
+PRESENCE_HELP = (
+    f"{PRESENCE}: each token's presence in every attention call, the special tokens (and an answer) at 1 "
+    "(default: 0.05)"
 )
 
 
@@ -59,13 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", type=Path, help="also write the tokens, every method's scores and wall times "
                          "as JSON here")
     explain.add_argument("--methods", help="comma-separated methods to run (default: the registered methods, and "
-                         "integrated_gradients for classifiers): " + ", ".join(method_names()))
+                         "integrated_gradients for classifiers): " + ", ".join(default_method_names())
+                         + "; also attn_lrp_presence (not for a vision-language model)")
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
     explain.add_argument("--ig-batch-size", type=int,
                          help="Integrated Gradients' internal batch size: steps x sentences evaluated "
                          "per forward (default: all at once)")
+    explain.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
     explain.add_argument("--raw", action="store_true",
                          help="print the methods' scores themselves instead of each method's share of the words")
     explain.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
@@ -89,8 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
-    evaluate.add_argument("--presence", type=float, default=0.05, help="attn_lrp_presence: each token's presence in every "
-                          "attention call, the special tokens (and an answer) at 1 (default: 0.05)")
+    evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     train = commands.add_parser("train", help="train the default model into the cache now")
@@ -164,7 +169,7 @@ def _check_cache_dir(path: Path | None) -> None:
 
 def _methods(arguments: argparse.Namespace) -> list[str]:
     if arguments.methods is None:
-        return method_names()
+        return default_method_names()
     chosen = [name.strip() for name in arguments.methods.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in method_names()]
     if unknown or not chosen:
@@ -190,6 +195,7 @@ def _explain(arguments: argparse.Namespace) -> None:
         return
     sentences = _sentences(arguments)
     methods = _methods(arguments)
+    _check_presence(arguments)
     for name in ("ig_steps", "batch_size", "ig_batch_size"):
         value = getattr(arguments, name)
         if value is not None and value < 1:
@@ -207,7 +213,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     target = resolve_target(arguments.target, model.config.id2label)
     explanations = explain(
         model, tokenizer, sentences, target, arguments.ig_steps, methods=methods,
-        batch_size=arguments.batch_size, ig_batch_size=arguments.ig_batch_size,
+        batch_size=arguments.batch_size, ig_batch_size=arguments.ig_batch_size, presence=arguments.presence,
     )
     print(render_text(explanations, raw=arguments.raw))
     if arguments.html is not None:
@@ -241,7 +247,6 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     from ..attr import METHODS
     from ..loading import load_causal_lm
     from .answer import explain_answer
-    from .explain import INTEGRATED_GRADIENTS
 
     prompt = _prompt(arguments)
     if arguments.target is not None and has_surrogates(arguments.target):
@@ -250,6 +255,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         if getattr(arguments, option) < 1:
             raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(arguments, option)}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
+    _check_presence(arguments)
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
@@ -259,6 +265,9 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
             f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
             f"{arguments.model} holds a sequence-to-sequence model"
         )
+    if seq2seq and PRESENCE in methods:
+        raise UsageError(f"{PRESENCE} weighs the keys of one self-attention stack; {arguments.model} holds a "
+                         "sequence-to-sequence model")
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
     limit = length_limit(model, tokenizer)
     if arguments.target is not None:
@@ -276,7 +285,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         )
     explanation = explain_answer(
         model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token,
-        arguments.ig_steps, skip,
+        arguments.ig_steps, skip, arguments.presence,
     )
     _report_answer(arguments, explanation)
 
@@ -287,7 +296,6 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     from ..attr import METHODS
     from ..loading import load_vision_language_model
     from .answer import explain_image_answer
-    from .explain import INTEGRATED_GRADIENTS
 
     prompt = _prompt(arguments)
     if arguments.image is None:
@@ -299,9 +307,10 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    if INTEGRATED_GRADIENTS in methods:
-        raise UsageError(f"{INTEGRATED_GRADIENTS} is not available for vision-language models; choose --methods among "
-                         + ", ".join(METHODS))
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE):
+        if unavailable in methods:
+            raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
+                             + ", ".join(METHODS))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
     try:

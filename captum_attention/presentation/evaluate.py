@@ -33,7 +33,7 @@ from ..metrics import MetricContext
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
-from .explain import ReportMethod, ig_baseline, length_limit, method_names, report_methods
+from .explain import PRESENCE, ReportMethod, ig_baseline, length_limit, method_names, report_methods
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
@@ -74,15 +74,12 @@ def _check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
 
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
-PRESENCE = "attn_lrp_presence"
-"""AttnLRP with each text's tokens (a prompt's) at presence ``options.presence`` in every
-attention call, the special tokens (and an answer) at 1: its ``presence`` option."""
 
 
 def evaluation_methods() -> list[str]:
-    """What ``methods=`` accepts: the registered methods, Integrated Gradients, SmoothGrad,
-    SHAP and AttnLRP at a presence (:data:`PRESENCE`)."""
-    return [*method_names(), SMOOTHGRAD, SHAP, PRESENCE]
+    """What ``methods=`` accepts: the registered methods, Integrated Gradients, AttnLRP at
+    a presence (:data:`PRESENCE`, at ``options.presence``), SmoothGrad and SHAP."""
+    return [*method_names(), SMOOTHGRAD, SHAP]
 
 
 @dataclass
@@ -229,7 +226,7 @@ Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
 
 def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
-    chosen = report_methods(model, options.ig_steps, [n for n in names if n in method_names()])
+    chosen = report_methods(model, options.ig_steps, [n for n in names if n in method_names()], None, tokenizer, options.presence)
 
     def from_report(method: ReportMethod) -> Explainer:
         return lambda ids, mask, targets, texts: method.run(ids, mask, targets, ig_baseline(ids, tokenizer)).detach()
@@ -239,23 +236,7 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
         explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
-    if PRESENCE in names:
-        explainers[PRESENCE] = _attn_lrp_at_presence(model, tokenizer, options.presence)
     return {name: explainers[name] for name in names}
-
-
-def _attn_lrp_at_presence(model: Any, tokenizer: Any, presence: float) -> Explainer:
-    from ..attr import AttnLRP
-
-    explainer = AttnLRP(lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits, model=model)
-
-    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
-        weights = torch.where(special_tokens(ids, tokenizer) | (mask == 0), 1.0, presence)
-        scores = explainer.attribute(ids, target=targets, additional_forward_args=(mask,), presence=weights)
-        assert isinstance(scores, Tensor)  # one tensor of ids in: one of scores out
-        return scores.detach()
-
-    return explain
 
 
 def _smoothgrad(model: Any, samples: int) -> Explainer:

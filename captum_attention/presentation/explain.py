@@ -14,6 +14,9 @@ from .display import special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
 """The Captum baseline the report adds to the registered methods."""
+PRESENCE = "attn_lrp_presence"
+"""AttnLRP with each text's tokens (a prompt's) at a presence in every attention call, the
+special tokens (and an answer) at 1: its ``presence`` option, on request."""
 
 
 @dataclass
@@ -93,16 +96,34 @@ def _attention_method(explainer: Any) -> Method:
     return run
 
 
-def method_names() -> list[str]:
-    """What ``--methods`` accepts: the registered methods, then Integrated Gradients."""
+def default_method_names() -> list[str]:
+    """What a report runs by default: the registered methods, then Integrated Gradients."""
     return [*METHODS, INTEGRATED_GRADIENTS]
 
 
+def method_names() -> list[str]:
+    """What ``--methods`` accepts: the defaults, then AttnLRP at a presence (:data:`PRESENCE`)."""
+    return [*default_method_names(), PRESENCE]
+
+
+def presence_display(presence: float) -> str:
+    """The name :data:`PRESENCE` is shown under."""
+    return f"AttnLRP at presence {presence:g}"
+
+
+def presence_weights(ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, presence: float) -> torch.Tensor:
+    """``ids``-shaped presences: ``presence`` for the text's tokens, 1 for the special
+    tokens and the padding."""
+    return torch.where(special_tokens(ids, tokenizer) | (mask == 0), 1.0, presence)
+
+
 def report_methods(
-    model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None
+    model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None, tokenizer: Any = None,
+    presence: float = 0.05,
 ) -> dict[str, ReportMethod]:
     """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
-    in the registry's order, Integrated Gradients last)."""
+    in the registry's order, then Integrated Gradients, then :data:`PRESENCE`, whose
+    ``presence`` needs the ``tokenizer`` to keep the special tokens at 1)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
@@ -130,6 +151,15 @@ def report_methods(
         methods[INTEGRATED_GRADIENTS] = ReportMethod(
             "Integrated Gradients", integrated_gradients, MethodInfo(uses_target=True, signed=True)
         )
+    if PRESENCE in names:
+        attn_lrp = METHODS["attn_lrp"](forward, model=model)
+
+        def at_presence(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+            weights = presence_weights(ids, mask, tokenizer, presence)
+            return attn_lrp.attribute(ids, target=targets, additional_forward_args=(mask,), presence=weights)
+
+        spec = METHODS["attn_lrp"].spec
+        methods[PRESENCE] = ReportMethod(presence_display(presence), at_presence, MethodInfo(spec.uses_target, spec.signed))
     return methods
 
 
@@ -155,12 +185,14 @@ def explain(
     methods: list[str] | None = None,
     batch_size: int = 16,
     ig_batch_size: int | None = None,
+    presence: float = 0.05,
 ) -> Explanations:
-    """Run each method (by registry name, see :func:`method_names`; default: all) on
-    ``sentences``, ``batch_size`` sentences at a time; sentences longer than the model
-    takes (:func:`length_limit`) are cut, and say so."""
+    """Run each method (by registry name, see :func:`method_names`; default:
+    :func:`default_method_names`) on ``sentences``, ``batch_size`` sentences at a time;
+    sentences longer than the model takes (:func:`length_limit`) are cut, and say so.
+    ``presence``: the text's tokens' presence for :data:`PRESENCE`."""
     limit = length_limit(model, tokenizer)
-    chosen = report_methods(model, ig_steps, methods or method_names(), ig_batch_size)
+    chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence)
     if sentences:  # one untimed call per method first: the times then exclude warm-up (lazy imports, compiling)
         _explain_batch(model, tokenizer, sentences[:1], target, limit, chosen)
     results: list[SentenceExplanation] = []
