@@ -13,6 +13,7 @@ import sys
 import unicodedata
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,18 +103,24 @@ def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
     return tables
 
 
+def _saved_classifier(folder: Path) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The saved classifier, its forward, its tokenizer, SENTENCES' ids and mask, and the
+    predicted classes: what the command line explains."""
+    model = tf.BertForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(folder)
+    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    return model, forward, tokenizer, ids, mask, forward(ids, mask).argmax(1)
+
+
 def test_explain_prints_the_library_scores(checkpoints, tmp_path):
     classifier, _ = checkpoints
     result = run_cli_process("explain", *SENTENCES, "--model", str(classifier), "--ig-steps", "20", "--raw")
     assert result.returncode == 0, result.stderr
     assert "Transformer Attribution" in result.stdout and "wall time for 2 sentences" in result.stdout
 
-    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
-    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
-    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-    ids, mask = encoded["input_ids"], encoded["attention_mask"]
-    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
-    targets = forward(ids, mask).argmax(1)
+    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier)
     expected = {
         name: cls(forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,))
         for name, cls in METHODS.items()
@@ -145,12 +152,7 @@ def test_attn_lrp_at_a_presence_on_request(checkpoints, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "AttnLRP at presence 0.2" in result.stdout
     written = json.loads(path.read_text(encoding="utf-8"))
-    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
-    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
-    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-    ids, mask = encoded["input_ids"], encoded["attention_mask"]
-    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
-    targets = forward(ids, mask).argmax(1)
+    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier)
     words = ~torch.isin(ids, torch.tensor(tokenizer.all_special_ids)) & (mask == 1)
     presence = torch.where(words, 0.2, 1.0)
     expected = REGISTERED["attn_lrp"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,),
