@@ -1,8 +1,8 @@
 """Which explanation to trust: every method on ground-truth tasks, side by side, one run.
 
     python benchmarks/faithfulness.py [--tasks planted order shape sentiment] [--examples 64]
-                                      [--methods NAME ...] [--sentiment-seed 1] [--paired NAME]
-                                      [--json results.json]
+                                      [--methods NAME ...] [--sentiment-seed 1] [--sentiment-model-seed 0]
+                                      [--paired NAME] [--json results.json]
 
 For each task (see ``tasks.py``) and each method (see ``explainers.py``), explaining the
 model's predicted class:
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--methods", nargs="+", help="only these methods (names as printed; default: all)")
     parser.add_argument("--sentiment-seed", type=int, default=1, help="which held-out sentences the sentiment task "
                         "explains (default: 1)")
+    parser.add_argument("--sentiment-model-seed", type=int, default=0, help="the sentiment model: 0 the default "
+                        "model, another seed its fine-tuning from that seed (trained and cached on first use)")
     parser.add_argument("--paired", metavar="NAME", help="also print this method's paired differences to every other "
                         "method, with their standard errors")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         sizes: dict[str, int] = {} if options.examples is None else {"eval_size": options.examples}
         if name == "sentiment" and options.sentiment_seed != 1:
             sizes["seed"] = options.sentiment_seed
+        if name == "sentiment" and options.sentiment_model_seed:
+            sizes["model_seed"] = options.sentiment_model_seed
         if options.smoke:
             sizes = {"eval_size": 4, "train_size": 200, "epochs": 1}
         result = run_task(tasks.build(name, **sizes), check_accuracy=not options.smoke, only=options.methods)
