@@ -15,7 +15,7 @@ from .._compat import pretty_tokens
 from ..attr import METHODS, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
-from .explain import INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, presence_display, presence_weights
+from .explain import INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, presence_display, span_presence
 
 
 @dataclass
@@ -94,7 +94,7 @@ def explain_answer(
     )
     for name in methods or list(METHODS):
         wrapper, info = _wrapper(model, tokenizer, name)
-        options = {"presence": _presence(inp, answer_ids, tokenizer, presence)} if name == PRESENCE else {}
+        options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
             result = wrapper.attribute(inp, target=answer_ids, n_steps=ig_steps)
@@ -130,14 +130,6 @@ def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | No
 
 def _display(name: str) -> str:
     return "Integrated Gradients" if name == INTEGRATED_GRADIENTS else METHODS[name].get_name()
-
-
-def _presence(inp: TextTokenInput, answer_ids: torch.Tensor, tokenizer: Any, presence: float) -> torch.Tensor:
-    """``(1, prompt + answer)`` presences: the prompt's tokens (skipped ones too) at
-    ``presence``, its special tokens and the answer at 1."""
-    prompt = inp.to_model_input()
-    weights = presence_weights(prompt, torch.ones_like(prompt), tokenizer, presence)
-    return torch.cat([weights, torch.ones(1, len(answer_ids))], dim=1)
 
 
 def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:

@@ -33,7 +33,7 @@ from ..metrics import MetricContext
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
-from .explain import PRESENCE, ReportMethod, ig_baseline, length_limit, method_names, report_methods
+from .explain import PRESENCE, ReportMethod, ig_baseline, length_limit, method_names, report_methods, span_presence
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
@@ -416,7 +416,7 @@ def _evaluate_answer(
 
     def span_of(name: str) -> Tensor:
         if name not in spans:
-            extra = {"presence": _presence(keep, answer, options.presence)} if name == PRESENCE else {}
+            extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
             explainer = explainers["attn_lrp" if name == PRESENCE else name]
             span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(mask,), **extra))
             spans[name] = span[:, : ids.shape[1]].float().detach()
@@ -436,12 +436,6 @@ def _evaluate_answer(
             **{metric: _number(value[0]) for metric, value in values.items()},
         })
     return rows
-
-
-def _presence(keep: Tensor, answer: Tensor, presence: float) -> Tensor:
-    """``(1, prompt + answer)``: the prompt's tokens at ``presence``, its special tokens
-    (``keep``) and the answer at 1."""
-    return torch.cat([torch.where(keep, 1.0, presence), torch.ones_like(answer, dtype=torch.float)], dim=1)
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:

@@ -117,6 +117,13 @@ def presence_weights(ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, pres
     return torch.where(special_tokens(ids, tokenizer) | (mask == 0), 1.0, presence)
 
 
+def span_presence(prompt_ids: torch.Tensor, answer_length: int, tokenizer: Any, presence: float) -> torch.Tensor:
+    """``(batch, prompt + answer)`` presences for an answer's span: the prompt's tokens at
+    ``presence``, its special tokens and the answer's tokens at 1."""
+    weights = presence_weights(prompt_ids, torch.ones_like(prompt_ids), tokenizer, presence)
+    return torch.cat([weights, weights.new_ones(len(prompt_ids), answer_length)], dim=1)
+
+
 def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None, tokenizer: Any = None,
     presence: float = 0.05,
