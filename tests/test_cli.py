@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import unicodedata
@@ -168,6 +169,51 @@ def test_attn_lrp_at_a_presence_on_request(checkpoints, tmp_path):
     for value in ("0", "1.5"):
         refused = run_cli("explain", SENTENCES[1], "--model", str(classifier), "--presence", value)
         assert refused.returncode == 1 and f"--presence must lie in (0, 1] (1: each token as it is), got {float(value)}" in refused.stderr
+
+
+def test_every_registered_method_on_request(checkpoints, tmp_path):
+    """``--methods`` takes every registered method, each under its own name with the
+    library's scores; Learned Attention reads the head weights saved beside the model (a
+    note says where there are none); ALTI-Logit, which explains a next-token logit, is
+    refused before any work."""
+    from captum_attention import HeadWeights
+    from captum_attention.attr import REGISTRY
+
+    folder = tmp_path / "classifier"
+    shutil.copytree(checkpoints[0], folder)
+    chosen = ["attention_flow", "norm_attention", "value_zeroing", "alti", "learned_attention", "knockout_gradient",
+              "knockout_lrp", "decompx"]
+    assert set(chosen) == set(REGISTRY) - set(REGISTERED) - {"alti_logit"}, "every other registered method"
+    path = tmp_path / "registered.json"
+    result = run_cli("explain", *SENTENCES, "--model", str(folder), "--methods", ",".join(chosen), "--raw", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "no head weights beside the model" in result.stderr
+    model, forward, _, ids, mask, targets = _saved_classifier(folder)
+    weights = HeadWeights(torch.rand(2, 4, generator=torch.Generator().manual_seed(0)), {})
+    weights.save(folder)
+    fitted = run_cli("explain", *SENTENCES, "--model", str(folder), "--methods", "learned_attention", "--raw", "--json",
+                     str(tmp_path / "fitted.json"))
+    assert fitted.returncode == 0 and "head weights" not in fitted.stderr
+    written = json.loads(path.read_text(encoding="utf-8"))
+    written_fitted = json.loads((tmp_path / "fitted.json").read_text(encoding="utf-8"))
+    learned = REGISTRY["learned_attention"](forward, model=model, weights=weights)
+    for name in chosen:
+        explainer = REGISTRY[name](forward, model=model)
+        expected = explainer.attribute(ids, target=targets, additional_forward_args=(mask,)).detach()
+        for row, sentence in enumerate(written["sentences"]):
+            length = int(mask[row].sum())
+            torch.testing.assert_close(torch.tensor(sentence["scores"][explainer.get_name()]), expected[row, :length], rtol=1e-4, atol=1e-7)
+    expected = learned.attribute(ids, additional_forward_args=(mask,)).detach()
+    for row, sentence in enumerate(written_fitted["sentences"]):
+        length = int(mask[row].sum())
+        scores = torch.tensor(sentence["scores"]["Learned Attention"])
+        torch.testing.assert_close(scores, expected[row, :length], rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(scores, torch.tensor(written["sentences"][row]["scores"]["Learned Attention"]), rtol=0.05)
+    assert written["methods"]["DecompX"] == {"uses_target": True, "signed": True}, "DecompX decomposes the class's logit"
+    assert written["methods"]["ALTI"] == {"uses_target": False, "signed": False}
+    refused = run_cli("explain", SENTENCES[1], "--model", str(folder), "--methods", "attn_lrp,alti_logit")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert "alti_logit explains a language model's next-token logit, not a classifier's: leave it out." in refused.stderr
 
 
 class _Collector(HTMLParser):

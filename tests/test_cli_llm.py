@@ -130,6 +130,33 @@ def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down
     assert not torch.allclose(expected.seq_attr, plain.seq_attr, rtol=0.05), "the presence moves the scores"
 
 
+def test_every_registered_method_explains_the_answer_on_request(llm, tmp_path, capsys):
+    """``--methods`` takes any registered method: its whole-answer and per-token scores are
+    the LLM interface's; Attention Flow, which has no span, is refused before any work."""
+    import json
+
+    from captum.attr import TextTokenInput
+
+    from captum_attention.attr import REGISTRY
+
+    chosen = ["norm_attention", "value_zeroing", "alti", "alti_logit", "learned_attention", "knockout_gradient", "knockout_lrp", "decompx"]
+    path = tmp_path / "registered.json"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", ",".join(chosen), "--per-token",
+                 "--json", str(path)]) == 0
+    written = json.loads(path.read_text(encoding="utf-8"))
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    for name in chosen:
+        expected = LLMAttentionAttribution(REGISTRY[name](model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target="seven .")
+        display = REGISTRY[name].get_name()
+        torch.testing.assert_close(torch.tensor(written["seq_attr"][display]), expected.seq_attr)
+        torch.testing.assert_close(torch.tensor(written["token_attr"][display]), expected.token_attr)
+    assert written["methods"]["ALTI-Logit"] == {"uses_target": True, "signed": True}
+    capsys.readouterr()
+    assert main(["explain", "--model", str(llm), PROMPT, "--methods", "raw,attention_flow"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "attention_flow explains one answer token at a time, not a whole answer: leave it out." in captured.err
+
+
 def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
     import json
 
@@ -165,5 +192,5 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
     assert "decoder-only models" in capsys.readouterr().err
-    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence"]) == 1
-    assert "attn_lrp_presence weighs the keys of one self-attention stack" in capsys.readouterr().err
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence,alti,grad_sam"]) == 1
+    assert "attn_lrp_presence, alti explain one self-attention stack, not an encoder-decoder's answers" in capsys.readouterr().err

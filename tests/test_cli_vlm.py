@@ -164,3 +164,29 @@ def test_explain_mllamas_answer_its_image_read_by_cross_attention(mllama, tmp_pa
     torch.testing.assert_close(torch.tensor(image_score), text[0, : ids.shape[1]][ids[0] == IMAGE].sum() + states.sum())
     page = html.read_text(encoding="utf-8")
     assert page.count("data:image/png;base64,") == 2 and "grid scores 0 under this method" in page
+
+
+def test_a_registered_method_outside_the_defaults_on_request(llava, mllama, tmp_path, capsys):
+    """``--methods`` takes any registered method for LLaVA, its image's grid included (ALTI's
+    grid is :func:`image_scores` of its span scores); Mllama, which cross-attends to the
+    image's states, refuses the one-stack methods in one line before any work."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention import ALTI
+
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "cat",
+                 "--methods", "alti,knockout_lrp", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert list(explanation["seq_attr"]) == list(explanation["image_grids"]) == ["ALTI", "Knockout Gradient + AttnLRP"]
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    inputs = dict(processor(text=f"{processor.image_token} what is the cat", images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("cat", add_special_tokens=False)["input_ids"]])
+    span = ALTI(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["ALTI"]), image_scores(model, ids, span, inputs)[0][0])
+    capsys.readouterr()
+    assert main(["explain", "--model", str(mllama), "--image", str(image), "what", "--methods", "attn_lrp,alti"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "alti explains one self-attention stack" in captured.err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -280,6 +281,44 @@ def test_attn_lrp_at_a_presence_rows_are_its_scores_metrics(checkpoint, tmp_path
     assert _run(*args, "--presence", "0", "--output", str(tmp_path / "zero")) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--presence must lie in (0, 1]" in error
+
+
+def test_a_registered_method_outside_the_defaults_is_its_own_metrics(checkpoint, tmp_path, capsys):
+    """``--methods`` takes any registered method: DecompX's and ALTI's rows are the metrics
+    of their scores computed directly; ALTI-Logit (a next-token logit) is refused in one
+    line before any work; Learned Attention's head weights belong to the run."""
+    from captum_attention import HeadWeights
+    from captum_attention.attr import REGISTRY
+
+    data, output = _data(tmp_path, 4), tmp_path / "out"
+    args = [str(data), "--model", str(checkpoint), "--methods", "decompx,alti", "--metrics", "comprehensiveness"]
+    assert _run(*args, "--output", str(output)) == 0
+    rows = _rows(output)
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    for example in ev.read_dataset(data)[0]:
+        encoded = tokenizer([example.text], return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        predicted, keep = forward(ids, mask).argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        for method in ("decompx", "alti"):
+            scores = REGISTRY[method](forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,))
+            row = next(r for r in rows if r["index"] == example.index and r["method"] == method)
+            expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
+            assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+    capsys.readouterr()
+    assert _run(str(data), "--model", str(checkpoint), "--methods", "alti_logit", "--output", str(tmp_path / "logit")) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "alti_logit explains a language model's next-token logit, not a classifier's" in error
+    assert not (tmp_path / "logit").exists(), "refused before any work"
+    folder = tmp_path / "classifier"
+    shutil.copytree(checkpoint, folder)
+    learned = [str(data), "--model", str(folder), "--methods", "learned_attention", "--output", str(tmp_path / "learned")]
+    assert _run(*learned) == 0
+    assert "learned_attention weighs every layer and head alike" in capsys.readouterr().err
+    HeadWeights(torch.rand(2, 4, generator=torch.Generator().manual_seed(0)), {}).save(folder)
+    assert _run(*learned) == 1
+    assert "head_weights: uniform there" in capsys.readouterr().err, "the fitted weights make another run"
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,13 @@ def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2se
     assert f"{method} explains one self-attention stack" in capsys.readouterr().err
 
 
+def test_attention_flow_is_refused_for_answers_before_any_work(llm, tmp_path, capsys):
+    data, output = _data(tmp_path, count=2), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "raw,attention_flow", "--output", str(output)]) == 1
+    assert "attention_flow explains one answer token at a time, not a whole answer" in capsys.readouterr().err
+    assert not output.exists()
+
+
 def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2seq, tmp_path, capsys):
     """BART: each answer explained over the source (the span's source side), the metrics
     deleting source segments and reading the decoder's log-probabilities; rows equal the

@@ -359,7 +359,8 @@ class AttentionAttributionBase:
         and raw attention's span scores are exactly the sum of
         :meth:`attribute_continuation`'s rows; the gradient methods take dS/dA of the
         summed objective (Grad-SAM credits every token's own row, as for one position;
-        AttnLRP propagates S). Attention Flow (a max-flow to one sink) has no span.
+        AttnLRP propagates S). Attention Flow (a max-flow to one sink) has no span
+        (``spec.spans``).
 
         Args:
             inputs (Tensor): prompt token ids ``(batch, prompt_len)``, padded on the left.
@@ -380,6 +381,11 @@ class AttentionAttributionBase:
             source_len), target scores (batch, new_tokens))``, the target's over the
             decoder's inputs (its start token, then the continuation but its last token).
         """
+        if not self.spec.spans:
+            raise ValueError(
+                f"{self.get_name()} explains one query token at a time and has no span: explain each "
+                "token with attribute_continuation instead of attribute_span."
+            )
         record, first = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
         positions = torch.arange(first, first + new_tokens, device=record.target_real.device)

@@ -3,8 +3,9 @@
 Each attribution class declares one :class:`MethodSpec` (``spec = MethodSpec(...)``). The
 base class reads it to run the method (which capture, which backward, which reduction),
 and the registry reads it to list the method: :data:`REGISTRY` holds every named method,
-:data:`METHODS` those shown in reports (the command line, ``evaluate``, the benchmarks and
-the shared test tables read it instead of listing the methods themselves).
+:data:`METHODS` those reports show by default (the command line, ``evaluate``, the
+benchmarks and the shared test tables read them instead of listing the methods
+themselves; ``--methods`` takes any of :data:`REGISTRY`).
 """
 
 from __future__ import annotations
@@ -66,12 +67,19 @@ class MethodSpec:
         streams: whether the method has a streaming reduction (``_streamed_scores``); else
             ``capture="auto"`` runs it eager.
         encoder_decoder: whether it explains encoder-decoders (source and target scores).
+        classifiers: whether it explains a classifier's logit (ALTI-Logit explains a
+            language model's next-token logit alone).
+        spans: whether ``attribute_span`` explains a whole answer (Attention Flow, a
+            maximum flow into one query token, explains one answer token at a time).
         signed: whether its scores take both signs (reports colour them so).
+        reads_target: whether a method without a backward still explains the target's
+            score (DecompX and ALTI-Logit decompose the explained logit).
         reads_query_row: whether its scores read the explained query's row (rollout,
             raw attention, Transformer Attribution); the default row is then confirmed
             against the rows the logits read.
-        in_reports: listed in :data:`METHODS` (command line, ``evaluate``, benchmarks);
-            False keeps a costly method registered (:data:`REGISTRY`) but out of reports.
+        in_reports: listed in :data:`METHODS` (the reports' defaults, benchmarks);
+            False keeps a method registered (:data:`REGISTRY`: the command line and
+            ``evaluate`` take it by name) but out of the defaults.
         options: the options of ``attribute`` beyond Captum's arguments, name ->
             :class:`Option`; :meth:`check_options` checks every call's options against
             them (``attribute``, ``attribute_span``, ``attribute_continuation``,
@@ -85,7 +93,10 @@ class MethodSpec:
     gradient_reduction: Callable[[Tensor, Tensor], Tensor] | None = None
     streams: bool = True
     encoder_decoder: bool = True
+    classifiers: bool = True
+    spans: bool = True
     signed: bool = False
+    reads_target: bool = False
     reads_query_row: bool = True
     in_reports: bool = True
     options: Mapping[str, Option] = field(default_factory=dict)
@@ -120,15 +131,15 @@ class MethodSpec:
     @property
     def uses_target(self) -> bool:
         """Whether the scores depend on ``target``."""
-        return self.uses_backward
+        return self.uses_backward or self.reads_target
 
 
 REGISTRY: dict[str, Any] = {}
 """Registry name -> attribution class, every named method, in registration order."""
 
 METHODS: dict[str, Any] = {}
-"""Registry name (e.g. ``"grad_sam"``) -> attribution class, the methods shown in reports
-(``spec.in_reports``), in registration order."""
+"""Registry name (e.g. ``"grad_sam"``) -> attribution class, the methods reports show by
+default (``spec.in_reports``), in registration order."""
 
 
 def register(cls: Any) -> None:

@@ -51,7 +51,7 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "attention_flow", "Attention Flow", streams=False, encoder_decoder=False, in_reports=False,
+        "attention_flow", "Attention Flow", streams=False, encoder_decoder=False, spans=False, in_reports=False,
         options={"head_fusion": one_of(*HEAD_FUSIONS), "start_layer": LAYER},
     )
 
@@ -112,11 +112,6 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
         )
 
     def _scores(self, record: ForwardRecord, head_fusion: str = "mean", start_layer: int = 0) -> tuple[Tensor, list[Tensor]]:
-        if record.query_index.dim() == 2:
-            raise ValueError(
-                "Attention Flow is a maximum flow into one query token and has no span: explain "
-                "each token with attribute_continuation instead of attribute_span."
-            )
         first = record.call_index(start_layer, "start_layer")
         maps = rollout_stack_maps(record.attn_maps, record.pooling, record.target_real, record.query_index, head_fusion)
         token_maps, readout = record.readout(maps, first)

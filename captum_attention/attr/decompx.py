@@ -105,7 +105,9 @@ class DecompX(AttentionAttributionBase, Attribution):
         ...                                                        additional_forward_args=(mask,))
     """
 
-    spec = MethodSpec("decompx", "DecompX", encoder_decoder=False, signed=True, reads_query_row=False, in_reports=False)
+    spec = MethodSpec(
+        "decompx", "DecompX", encoder_decoder=False, signed=True, reads_target=True, reads_query_row=False, in_reports=False
+    )
 
     def __init__(self, forward_func: Any, *args: Any, multiply_by_inputs: bool = True, **kwargs: Any) -> None:
         super().__init__(forward_func, *args, **kwargs)

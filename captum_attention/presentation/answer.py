@@ -12,10 +12,12 @@ import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
 from .._compat import pretty_tokens
-from ..attr import METHODS, LLMAttentionAttribution, image_scores, pixel_scores
+from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
-from .explain import INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, presence_display, span_presence
+from .explain import (
+    INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, check_methods, presence_display, registered_method, span_presence,
+)
 
 
 @dataclass
@@ -77,9 +79,12 @@ def explain_answer(
     (registry names; ``integrated_gradients`` runs Captum's
     ``LLMGradientAttribution(LayerIntegratedGradients)``; ``attn_lrp_presence`` AttnLRP
     with the prompt's tokens at ``presence``, its special tokens and the answer at 1).
-    Default: the registered methods. ``skip``: a regular expression; the prompt tokens it
-    matches in full are left out of the features, as Captum's ``skip_tokens`` leaves them out.
+    Default: the methods of reports (:data:`~captum_attention.METHODS`). ``skip``: a
+    regular expression; the prompt tokens it matches in full are left out of the features,
+    as Captum's ``skip_tokens`` leaves them out.
     """
+    chosen = methods or list(METHODS)
+    check_methods(chosen, answers=True, one_stack=not getattr(model.config, "is_encoder_decoder", False))
     tokens = TextTokenInput(prompt, tokenizer).values
     skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
     inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted(set(skipped)) or None)
@@ -92,7 +97,7 @@ def explain_answer(
         answer_tokens=[], answer=tokenizer.decode(answer_ids), generated=target is None, skipped=skipped,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
     )
-    for name in methods or list(METHODS):
+    for name in chosen:
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
         start = time.perf_counter()
@@ -129,7 +134,7 @@ def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | No
 
 
 def _display(name: str) -> str:
-    return "Integrated Gradients" if name == INTEGRATED_GRADIENTS else METHODS[name].get_name()
+    return "Integrated Gradients" if name == INTEGRATED_GRADIENTS else REGISTRY[name].get_name()
 
 
 def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
@@ -138,8 +143,8 @@ def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
     if name == INTEGRATED_GRADIENTS:
         layer = LayerIntegratedGradients(model, model.get_input_embeddings())
         return LLMGradientAttribution(layer, tokenizer), MethodInfo(uses_target=True, signed=True)
-    cls = METHODS["attn_lrp" if name == PRESENCE else name]
-    return LLMAttentionAttribution(cls(model), tokenizer), MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed)
+    explainer = registered_method("attn_lrp" if name == PRESENCE else name, model)
+    return LLMAttentionAttribution(explainer, tokenizer), MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.spec.signed)
 
 
 IMAGE_TOKEN = "<image>"
@@ -166,6 +171,8 @@ def explain_image_answer(
     pixels' layout."""
     from PIL import Image
 
+    chosen = methods or list(METHODS)
+    check_methods(chosen, answers=True, one_stack=not cross_attends_images(model))
     image = Image.open(image_path).convert("RGB")
     marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
     text = prompt if marker in prompt else f"{marker} {prompt}"
@@ -194,14 +201,13 @@ def explain_image_answer(
             f"the layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
             "the report shows their summed score, not their grid"
         )
-    chosen = methods or list(METHODS)
     grey = (
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
         if "attn_lrp" in chosen and has_grid else None
     )
     image_column = _image_column(model, ids, features)
     for name in chosen:
-        explainer = METHODS[name](model)
+        explainer = registered_method(name, model)
         start = time.perf_counter()
         span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)
         rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .evaluate import answer_metric_names, metric_names, rationale_metrics
-from .explain import INTEGRATED_GRADIENTS, PRESENCE, default_method_names, length_limit, method_names
+from .explain import INTEGRATED_GRADIENTS, PRESENCE, check_methods, default_method_names, length_limit, method_names
 from .text import count as _count, has_surrogates, terminal_safe
 
 
@@ -62,9 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
     explain.add_argument("--json", type=Path, help="also write the tokens, every method's scores and wall times "
                          "as JSON here")
-    explain.add_argument("--methods", help="comma-separated methods to run (default: the registered methods, and "
+    explain.add_argument("--methods", help="comma-separated methods to run (default: the methods of reports, and "
                          "integrated_gradients for classifiers): " + ", ".join(default_method_names())
-                         + "; also attn_lrp_presence (not for a vision-language model)")
+                         + "; also " + ", ".join(_more_methods()) + " (attn_lrp_presence: not for a vision-language "
+                         "model)")
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
@@ -85,9 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
-    evaluate.add_argument("--methods", help="comma-separated methods (default: the registered ones); also "
-                          "integrated_gradients, smoothgrad, shap, attn_lrp_presence; for a language model's answers, "
-                          "leave_one_out_estimates, attn_lrp_presence")
+    evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
+                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods()]) + ", smoothgrad, shap; for a language "
+                          "model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
@@ -101,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train the default model into the cache now")
     train.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     return parser
+
+
+def _more_methods() -> list[str]:
+    """What ``--methods`` takes beyond the defaults."""
+    return [name for name in method_names() if name not in default_method_names()]
 
 
 def _visible(text: str) -> bool:
@@ -195,6 +201,7 @@ def _explain(arguments: argparse.Namespace) -> None:
         return
     sentences = _sentences(arguments)
     methods = _methods(arguments)
+    check_methods(methods, answers=False)
     _check_presence(arguments)
     for name in ("ig_steps", "batch_size", "ig_batch_size"):
         value = getattr(arguments, name)
@@ -210,6 +217,7 @@ def _explain(arguments: argparse.Namespace) -> None:
 
         folder = default_model_path(arguments.cache_dir)
     model, tokenizer = load_classifier(folder)
+    _note_uniform_head_weights(model, methods)
     target = resolve_target(arguments.target, model.config.id2label)
     explanations = explain(
         model, tokenizer, sentences, target, arguments.ig_steps, methods=methods,
@@ -259,15 +267,13 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    _note_uniform_head_weights(model, methods)
     seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
     if seq2seq and INTEGRATED_GRADIENTS in methods:
         raise UsageError(
             f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
             f"{arguments.model} holds a sequence-to-sequence model"
         )
-    if seq2seq and PRESENCE in methods:
-        raise UsageError(f"{PRESENCE} weighs the keys of one self-attention stack; {arguments.model} holds a "
-                         "sequence-to-sequence model")
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
     limit = length_limit(model, tokenizer)
     if arguments.target is not None:
@@ -293,7 +299,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
 def _explain_image_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a vision-language model: the answer about ``--image``, each method's
     prompt tokens (the image's as one) and the image's grid."""
-    from ..attr import METHODS
+    from ..attr import METHODS, REGISTRY
     from ..loading import load_vision_language_model
     from .answer import explain_image_answer
 
@@ -310,9 +316,10 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     for unavailable in (INTEGRATED_GRADIENTS, PRESENCE):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
-                             + ", ".join(METHODS))
+                             + ", ".join(REGISTRY))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
+    _note_uniform_head_weights(model, methods)
     try:
         explanation = explain_image_answer(
             model, processor, prompt, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
@@ -336,6 +343,16 @@ def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
         arguments.html.write_text(render_answer_html(explanation, str(arguments.model)), encoding="utf-8")
         print(terminal_safe(f"HTML report written to {arguments.html}"))
     _write_json(arguments.json, explanation)
+
+
+def _note_uniform_head_weights(model: Any, methods: list[str]) -> None:
+    """A note where learned_attention runs without head weights saved beside the model."""
+    from .explain import saved_head_weights
+
+    if "learned_attention" in methods and saved_head_weights(model) is None:
+        print("captum-attention: note: no head weights beside the model (head_weights.safetensors): learned_attention "
+              "weighs every layer and head alike; fit them with HeadWeights.fit and save them into the model's folder",
+              file=sys.stderr)
 
 
 def _skip_pattern(pattern: str | None) -> str | None:
@@ -388,6 +405,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 
         folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
     model, tokenizer = load_classifier(folder)
+    if state.is_main_process:
+        _note_uniform_head_weights(model, methods)
     model.to(state.device)
     examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(
@@ -416,6 +435,8 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
     state = _evaluation_state(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    if state.is_main_process:
+        _note_uniform_head_weights(model, methods)
     model.to(state.device)
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence)
     evaluate_answers(

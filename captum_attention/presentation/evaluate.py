@@ -33,7 +33,10 @@ from ..metrics import MetricContext
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
-from .explain import PRESENCE, ReportMethod, ig_baseline, length_limit, method_names, report_methods, span_presence
+from .explain import (
+    PRESENCE, ReportMethod, check_methods, ig_baseline, length_limit, method_names, registered_method, report_methods,
+    saved_head_weights, span_presence,
+)
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
@@ -57,6 +60,7 @@ def rationale_metrics() -> list[str]:
 def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[Example]) -> None:
     """A clear error for an unknown method or metric, or plausibility without rationales."""
     _check_names("method", methods, evaluation_methods())
+    check_methods(methods, answers=False)
     _check_names("metric", metrics, metric_names())
     asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]
     missing = [e.line for e in examples if e.rationale is None]
@@ -160,8 +164,8 @@ def run_manifest(
     model: Any, examples: Sequence[Any], methods: Sequence[str], metrics: Sequence[str], options: Any
 ) -> dict[str, Any]:
     """What makes two runs the same run (so that one may resume the other): the data's
-    hash, the methods, the metrics, the model, the batch size, the methods' budgets and
-    the library's version."""
+    hash, the methods, the metrics, the model, the batch size, the methods' budgets, the
+    head weights Learned Attention reads and the library's version."""
     rows = [list(dataclasses.astuple(e))[1:] for e in examples]  # every field but the position
     return {
         "data": hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest(),
@@ -170,8 +174,15 @@ def run_manifest(
         "model": f"{getattr(model.config, '_name_or_path', '')} ({sum(p.numel() for p in model.parameters())} parameters)",
         "batch_size": getattr(options, "batch_size", 1),
         "budgets": _budgets(options),
+        "head_weights": _head_weights_digest(model) if "learned_attention" in methods else None,
         "version": _version(),
     }
+
+
+def _head_weights_digest(model: Any) -> str:
+    """The SHA-256 of the head weights saved beside ``model``, or ``"uniform"``."""
+    path = saved_head_weights(model)
+    return "uniform" if path is None else hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _budgets(options: Any) -> list[Any]:
@@ -378,19 +389,14 @@ def evaluate_answers(
     every context metric over the example's segments (each prompt token its own without
     them; special tokens never removed). One example a shard, resumable, split over
     processes, merged by :func:`merge` as the classifier's are."""
-    from ..attr import REGISTRY
-
     options = options or AnswerOptions()
     _check_names("method", methods, answer_method_names())
     _check_names("metric", metrics, answer_metric_names())
-    if getattr(model.config, "is_encoder_decoder", False):
-        single = [name for name in methods if name in (ESTIMATES, PRESENCE) or not REGISTRY[name].spec.encoder_decoder]
-        if single:
-            verb, them = ("explains", "it") if len(single) == 1 else ("explain", "them")
-            raise ValueError(f"{', '.join(single)} {verb} one self-attention stack, not an encoder-decoder's answers: leave {them} out.")
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    check_methods(methods, answers=True, one_stack=not encoder_decoder, one_stack_only=(ESTIMATES, PRESENCE))
     needed = {name for name in methods if name not in (ESTIMATES, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
     needed |= {"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set()
-    explainers = {name: REGISTRY[name](model) for name in needed}
+    explainers = {name: registered_method(name, model) for name in needed}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
         lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options), process_index,

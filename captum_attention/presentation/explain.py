@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from captum.attr import LayerIntegratedGradients
 
-from ..attr import METHODS
+from ..attr import METHODS, REGISTRY
+from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from .display import special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
@@ -97,13 +99,56 @@ def _attention_method(explainer: Any) -> Method:
 
 
 def default_method_names() -> list[str]:
-    """What a report runs by default: the registered methods, then Integrated Gradients."""
+    """What a report runs by default: the methods of reports (:data:`~captum_attention.METHODS`),
+    then Integrated Gradients."""
     return [*METHODS, INTEGRATED_GRADIENTS]
 
 
 def method_names() -> list[str]:
-    """What ``--methods`` accepts: the defaults, then AttnLRP at a presence (:data:`PRESENCE`)."""
-    return [*default_method_names(), PRESENCE]
+    """What ``--methods`` accepts: every registered method (:data:`~captum_attention.attr.REGISTRY`),
+    Integrated Gradients, then AttnLRP at a presence (:data:`PRESENCE`)."""
+    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE]
+
+
+def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, one_stack_only: Collection[str] = (PRESENCE,)) -> None:
+    """Before any work, a one-line ``ValueError`` where a method of ``names`` cannot explain
+    what is asked: a classifier's logit (``answers`` False; ALTI-Logit explains a next-token
+    logit), a whole answer (``answers``; Attention Flow explains one answer token at a
+    time), or the answer of a model with more than one attention stack (``one_stack``
+    False: an encoder-decoder, a language model cross-attending to image features; the
+    registered methods whose ``spec.encoder_decoder`` is False, and ``one_stack_only``)."""
+    specs = {name: REGISTRY[name].spec for name in names if name in REGISTRY}
+    refused = {
+        "a language model's next-token logit, not a classifier's":
+            [] if answers else [name for name, spec in specs.items() if not spec.classifiers],
+        "one answer token at a time, not a whole answer": [name for name, spec in specs.items() if answers and not spec.spans],
+        "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
+            [] if one_stack else [n for n in names if n in one_stack_only or (n in specs and not specs[n].encoder_decoder)],
+    }
+    problems = [
+        f"{', '.join(listed)} {'explains' if len(listed) == 1 else 'explain'} {what}: leave {'it' if len(listed) == 1 else 'them'} out"
+        for what, listed in refused.items()
+        if listed
+    ]
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
+def saved_head_weights(model: Any) -> Path | None:
+    """The head weights saved beside ``model``'s checkpoint (``HeadWeights.save`` into its
+    folder, :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`), or None."""
+    path = Path(getattr(model, "name_or_path", "") or ".") / WEIGHTS_FILE
+    return path if getattr(model, "name_or_path", "") and path.is_file() else None
+
+
+def registered_method(name: str, model: Any, forward: Callable[..., Any] | None = None) -> Any:
+    """The registered method ``name`` explaining ``forward`` (default: the model itself);
+    :class:`~captum_attention.LearnedAttention` with the head weights saved beside the model
+    (:func:`saved_head_weights`), uniform where there are none."""
+    cls = REGISTRY[name]
+    weights = saved_head_weights(model) if name == "learned_attention" else None
+    extra = {} if weights is None else {"weights": HeadWeights.load(weights)}
+    return cls(model, **extra) if forward is None else cls(forward, model=model, **extra)
 
 
 def presence_display(presence: float) -> str:
@@ -138,10 +183,10 @@ def report_methods(
     methods = {
         name: ReportMethod(
             cls.get_name(),
-            _attention_method(cls(forward, model=model)),
+            _attention_method(registered_method(name, model, forward)),
             MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed),
         )
-        for name, cls in METHODS.items()
+        for name, cls in REGISTRY.items()
         if name in names
     }
     if INTEGRATED_GRADIENTS in names:
