@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -253,6 +254,23 @@ def test_smoothgrad_and_shap_rows_are_reproducible(checkpoint, tmp_path):
             assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)
 
 
+def _assert_comprehensiveness_rows(checkpoint: Path, data: Path, rows: list[dict], scorers: dict[str, Callable[..., Any]]) -> None:
+    """Each method's row of each example holds the comprehensiveness of
+    ``scorers[method](forward, model, ids, mask, predicted, keep)`` on that example alone."""
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    for example in ev.read_dataset(data)[0]:
+        encoded = tokenizer([example.text], return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        predicted, keep = forward(ids, mask).argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        for method, scored in scorers.items():
+            scores = scored(forward, model, ids, mask, predicted, keep)
+            row = next(r for r in rows if r["index"] == example.index and r["method"] == method)
+            expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
+            assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+
+
 def test_attn_lrp_at_a_presence_rows_are_its_scores_metrics(checkpoint, tmp_path, capsys):
     """``attn_lrp_presence``: AttnLRP with the words at ``--presence`` and [CLS]/[SEP] at 1;
     its rows are the metrics of those scores, not of AttnLRP's own; a presence outside
@@ -263,18 +281,12 @@ def test_attn_lrp_at_a_presence_rows_are_its_scores_metrics(checkpoint, tmp_path
     args = [str(data), "--model", str(checkpoint), "--methods", "attn_lrp,attn_lrp_presence", "--metrics", "comprehensiveness"]
     assert _run(*args, "--presence", "0.1", "--output", str(output)) == 0
     rows = _rows(output)
-    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
-    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
-    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
-    for example in ev.read_dataset(data)[0]:
-        encoded = tokenizer([example.text], return_tensors="pt")
-        ids, mask = encoded["input_ids"], encoded["attention_mask"]
-        predicted, keep = forward(ids, mask).argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
-        for method, presence in (("attn_lrp", None), ("attn_lrp_presence", torch.where(keep, 1.0, 0.1))):
-            scores = AttnLRP(forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,), presence=presence)
-            row = next(r for r in rows if r["index"] == example.index and r["method"] == method)
-            expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
-            assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+    _assert_comprehensiveness_rows(checkpoint, data, rows, {
+        "attn_lrp": lambda forward, model, ids, mask, predicted, keep: AttnLRP(forward, model=model).attribute(
+            ids, target=predicted, additional_forward_args=(mask,)),
+        "attn_lrp_presence": lambda forward, model, ids, mask, predicted, keep: AttnLRP(forward, model=model).attribute(
+            ids, target=predicted, additional_forward_args=(mask,), presence=torch.where(keep, 1.0, 0.1)),
+    })
     by_method = {m: [r["comprehensiveness"] for r in rows if r["method"] == m] for m in ("attn_lrp", "attn_lrp_presence")}
     assert by_method["attn_lrp"] != by_method["attn_lrp_presence"], "the presence changes the scores"
     capsys.readouterr()
@@ -293,19 +305,11 @@ def test_a_registered_method_outside_the_defaults_is_its_own_metrics(checkpoint,
     data, output = _data(tmp_path, 4), tmp_path / "out"
     args = [str(data), "--model", str(checkpoint), "--methods", "decompx,alti", "--metrics", "comprehensiveness"]
     assert _run(*args, "--output", str(output)) == 0
-    rows = _rows(output)
-    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
-    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
-    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
-    for example in ev.read_dataset(data)[0]:
-        encoded = tokenizer([example.text], return_tensors="pt")
-        ids, mask = encoded["input_ids"], encoded["attention_mask"]
-        predicted, keep = forward(ids, mask).argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
-        for method in ("decompx", "alti"):
-            scores = REGISTRY[method](forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,))
-            row = next(r for r in rows if r["index"] == example.index and r["method"] == method)
-            expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
-            assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+    _assert_comprehensiveness_rows(checkpoint, data, _rows(output), {
+        method: lambda forward, model, ids, mask, predicted, keep, cls=REGISTRY[method]: cls(forward, model=model).attribute(
+            ids, target=predicted, additional_forward_args=(mask,))
+        for method in ("decompx", "alti")
+    })
     capsys.readouterr()
     assert _run(str(data), "--model", str(checkpoint), "--methods", "alti_logit", "--output", str(tmp_path / "logit")) == 1
     error = capsys.readouterr().err
