@@ -251,7 +251,7 @@ def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
     assert text.count("Prediction:") == 2 and " ms" in text
     assert '<span class="tok special" title=' in page and "[CLS]</span>" in page
     assert not any("special" in span and "background" in span for span in page.split("<span")), "a special token coloured"
-    assert "the attention alone, the same for every class" in text and "green supports, red opposes" in text
+    assert "from the forward pass alone, the same for every class" in text and "green supports, red opposes" in text
     assert '<h2 class="sentence"><bdi>' in page and "unicode-bidi: isolate" in page
 
 

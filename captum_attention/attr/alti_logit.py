@@ -62,7 +62,9 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("alti_logit", "ALTI-Logit", encoder_decoder=False, classifiers=False, signed=True, reads_target=True, in_reports=False)
+    spec = MethodSpec(
+        "alti_logit", "ALTI-Logit", encoder_decoder=False, classifiers=False, signed=True, reads_target=True, in_reports=False
+    )
 
     @attribute_method
     def attribute(

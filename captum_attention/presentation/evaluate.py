@@ -58,7 +58,9 @@ def rationale_metrics() -> list[str]:
 
 
 def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[Example]) -> None:
-    """A clear error for an unknown method or metric, or plausibility without rationales."""
+    """A clear error for an unknown method or metric, a method that cannot explain a
+    classifier (:func:`~captum_attention.presentation.explain.check_methods`), or
+    plausibility without rationales."""
     _check_names("method", methods, evaluation_methods())
     check_methods(methods, answers=False)
     _check_names("metric", metrics, metric_names())

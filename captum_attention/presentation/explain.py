@@ -121,7 +121,8 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, o
     refused = {
         "a language model's next-token logit, not a classifier's":
             [] if answers else [name for name, spec in specs.items() if not spec.classifiers],
-        "one answer token at a time, not a whole answer": [name for name, spec in specs.items() if answers and not spec.spans],
+        "one answer token at a time, not a whole answer":
+            [name for name, spec in specs.items() if not spec.spans] if answers else [],
         "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
             [] if one_stack else [n for n in names if n in one_stack_only or (n in specs and not specs[n].encoder_decoder)],
     }
@@ -137,8 +138,9 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, o
 def saved_head_weights(model: Any) -> Path | None:
     """The head weights saved beside ``model``'s checkpoint (``HeadWeights.save`` into its
     folder, :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`), or None."""
-    path = Path(getattr(model, "name_or_path", "") or ".") / WEIGHTS_FILE
-    return path if getattr(model, "name_or_path", "") and path.is_file() else None
+    folder = getattr(model, "name_or_path", "")
+    path = Path(folder) / WEIGHTS_FILE if folder else None
+    return path if path is not None and path.is_file() else None
 
 
 def registered_method(name: str, model: Any, forward: Callable[..., Any] | None = None) -> Any:

@@ -79,10 +79,10 @@ def _heading(text: str) -> str:
 
 
 def _meaning(
-    info: MethodInfo, explained: str = "the explained class", attention: str = "the attention alone, the same for every class"
+    info: MethodInfo, explained: str = "the explained class", untargeted: str = "from the forward pass alone, the same for every class"
 ) -> str:
     if not info.uses_target:
-        return f"blue: {attention}"
+        return f"blue: {untargeted}"
     if info.signed:
         return f"green supports, red opposes {explained}"
     return f"green: support for {explained} (never negative)"
@@ -238,7 +238,7 @@ table.matrix td.peak { white-space: nowrap; color: #555; font-size: 0.85em; padd
 """
 
 
-_ANSWER_ATTENTION = "the attention alone, read at the answer's positions, whatever its tokens"
+_ANSWER_UNTARGETED = "from the forward pass alone, read at the answer's positions, whatever its tokens"
 
 
 def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
@@ -269,7 +269,7 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         info = explanation.methods[method]
         parts.append(f"<section><h2>{escape(method)}</h2>")
         parts.append(
-            f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_ATTENTION))}; '
+            f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_UNTARGETED))}; '
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
         parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_token_row(tokens, scores, special, info)}</p>")
