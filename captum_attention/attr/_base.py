@@ -89,6 +89,12 @@ class AttentionAttributionBase:
         self._runner = CaptureRunner(capture, type(self).__name__)
 
     @property
+    def signed(self) -> bool:
+        """Whether this explainer's scores take both signs (``spec.signed``; a method whose
+        settings decide it says so itself)."""
+        return self.spec.signed
+
+    @property
     def last_capture(self) -> str:
         """``"streaming"``, or ``"eager: <why>"``, after each call; ``""`` before the first."""
         return self._runner.last

@@ -59,6 +59,15 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         super().__init__(forward_func, *args, **kwargs)
         self.weights = weights
 
+    @property
+    def signed(self) -> bool:
+        """Whether a coefficient is negative: a fit's scores then take both signs."""
+        weights = self._coefficients()
+        return weights is not None and bool((weights < 0).any())
+
+    def _coefficients(self) -> Tensor | None:
+        return self.weights.weights if isinstance(self.weights, PerHeadWeights) else self.weights
+
     @attribute_method
     def attribute(
         self,
@@ -91,7 +100,7 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
 
     def _weighted(self, rows: Tensor) -> Tensor:
         layers, heads = rows.shape[1:3]
-        weights = self.weights.weights if isinstance(self.weights, PerHeadWeights) else self.weights
+        weights = self._coefficients()
         if weights is None:
             weights = torch.full((layers, heads), 1.0 / (layers * heads))
         if tuple(weights.shape) != (layers, heads):

@@ -99,6 +99,20 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
+    fit = commands.add_parser(
+        "fit-head-weights", help="fit learned_attention's head weights on a file of answers and save them beside the model"
+    )
+    fit.add_argument("data", type=Path, help="a .jsonl file as evaluate takes for a language model: prompt (or "
+                     "segments), optional answer")
+    fit.add_argument("--model", type=Path, required=True, help="a local causal language model checkpoint folder; the "
+                     "weights are saved into it (head_weights.safetensors), where explain and evaluate read them")
+    fit.add_argument("--ablations", type=int, default=32, help="random ablations per answer, one forward each (default: 32)")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the ablations (default: 0)")
+    fit.add_argument("--ridge", type=float, default=1e-3, help="ridge penalty, relative to the mean diagonal of the "
+                     "normal equations (default: 0.001)")
+    fit.add_argument("--max-new-tokens", type=int, default=20,
+                     help="the longest answer generated for a row without one (default: 20)")
+    fit.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     train = commands.add_parser("train", help="train the default model into the cache now")
     train.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     return parser
@@ -351,7 +365,7 @@ def _note_uniform_head_weights(model: Any, methods: list[str]) -> None:
 
     if "learned_attention" in methods and saved_head_weights(model) is None:
         print("captum-attention: note: no head weights beside the model (head_weights.safetensors): learned_attention "
-              "weighs every layer and head alike; fit them with HeadWeights.fit and save them into the model's folder",
+              "weighs every layer and head alike; fit them with captum-attention fit-head-weights ANSWERS --model DIR",
               file=sys.stderr)
 
 
@@ -565,6 +579,35 @@ def _launcher_processes() -> int | None:
     return None
 
 
+def _fit_head_weights(arguments: argparse.Namespace) -> None:
+    """``fit-head-weights``: Learned Attention's head weights fitted on a file of answers,
+    saved into the model's folder; a rerun of an interrupted fit resumes it."""
+    from ..loading import checkpoint_task, load_causal_lm
+    from .dataset import read_answers
+    from .fit import FitOptions, fit_beside_model
+
+    task = checkpoint_task(arguments.model)
+    if task != "generation":
+        raise UsageError(f"fit-head-weights takes a decoder-only language model (learned_attention explains one "
+                         f"self-attention stack); {arguments.model} holds a {task} model")
+    if arguments.ablations < 2:
+        raise UsageError(f"--ablations must be at least 2 (each answer's mean is removed), got {arguments.ablations}")
+    if arguments.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    if not arguments.ridge >= 0:
+        raise UsageError(f"--ridge must be 0 or more, got {arguments.ridge}")
+    if not os.access(arguments.model, os.W_OK):
+        raise UsageError(f"cannot write the head weights into {arguments.model}: the folder is not writable")
+    examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
+    _report_skipped(arguments, skipped)
+    model, tokenizer = load_causal_lm(arguments.model)
+    options = FitOptions(arguments.ablations, arguments.seed, arguments.ridge, arguments.max_new_tokens)
+    weights, path = fit_beside_model(model, tokenizer, examples, arguments.model, options)
+    layers, heads = weights.weights.shape
+    print(terminal_safe(f"head weights ({layers} layers × {heads} heads, fitted on {_count(len(examples), 'answer')}, "
+                        f"{arguments.ablations} ablations each) written to {path}"))
+
+
 def _train(arguments: argparse.Namespace) -> None:
     from ..demo.default_model import default_model_path, read_metadata
 
@@ -589,15 +632,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             _explain(arguments)
         elif arguments.command == "evaluate":
             _evaluate(arguments)
+        elif arguments.command == "fit-head-weights":
+            _fit_head_weights(arguments)
         else:
             _train(arguments)
     except (UsageError, CheckpointError, ValueError, RuntimeError) as error:
         print(terminal_safe(f"captum-attention: error: {error}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback
-        from .evaluate import EvaluationInterrupted
+        from .evaluate import ResumableInterrupt
 
-        print(f"captum-attention: {interrupt if isinstance(interrupt, EvaluationInterrupted) else 'interrupted'}", file=sys.stderr)
+        print(f"captum-attention: {interrupt if isinstance(interrupt, ResumableInterrupt) else 'interrupted'}", file=sys.stderr)
         return 130
     except OSError as error:  # the file system said no: a path, a permission, a full disk
         where = f": {error.filename}" if error.filename else ""

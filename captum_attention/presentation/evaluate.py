@@ -153,7 +153,11 @@ def _sharded(
     return len(todo)
 
 
-class EvaluationInterrupted(KeyboardInterrupt):
+class ResumableInterrupt(KeyboardInterrupt):
+    """Ctrl-C during a run that the same command resumes; the message says so."""
+
+
+class EvaluationInterrupted(ResumableInterrupt):
     """Ctrl-C during :func:`evaluate`: ``done`` of ``total`` batches have their shards
     written (all processes'); the same call resumes from there."""
 
@@ -168,17 +172,27 @@ def run_manifest(
     """What makes two runs the same run (so that one may resume the other): the data's
     hash, the methods, the metrics, the model, the batch size, the methods' budgets, the
     head weights Learned Attention reads and the library's version."""
-    rows = [list(dataclasses.astuple(e))[1:] for e in examples]  # every field but the position
     return {
-        "data": hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest(),
+        "data": data_digest(examples),
         "methods": list(methods),
         "metrics": list(metrics),
-        "model": f"{getattr(model.config, '_name_or_path', '')} ({sum(p.numel() for p in model.parameters())} parameters)",
+        "model": model_identity(model),
         "batch_size": getattr(options, "batch_size", 1),
         "budgets": _budgets(options),
         "head_weights": _head_weights_digest(model) if "learned_attention" in methods else None,
         "version": _version(),
     }
+
+
+def data_digest(examples: Sequence[Any]) -> str:
+    """The SHA-256 of the rows, every field but their position."""
+    rows = [list(dataclasses.astuple(e))[1:] for e in examples]
+    return hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest()
+
+
+def model_identity(model: Any) -> str:
+    """The model's folder and its number of parameters."""
+    return f"{getattr(model.config, '_name_or_path', '')} ({sum(p.numel() for p in model.parameters())} parameters)"
 
 
 def _head_weights_digest(model: Any) -> str:
@@ -410,14 +424,8 @@ def _evaluate_answer(
     model: Any, tokenizer: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
     metrics: Sequence[str], options: AnswerOptions,
 ) -> list[dict[str, Any]]:
-    device = next(model.parameters()).device
-    encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
-    ids = encoded["input_ids"].to(device)
+    ids, answer, keep, segments = answer_tensors(model, tokenizer, example, options.max_new_tokens)
     mask = torch.ones_like(ids)
-    answer = _answer_ids(model, tokenizer, example, options.max_new_tokens).to(device)[None]
-    special = set(tokenizer.all_special_ids)
-    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
-    segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
     context = MetricContext(model, keep, None, segments)
     log_prob = float(answer_log_probs(model, ids, mask, answer)[0])
     spans: dict[str, Tensor] = {}
@@ -433,7 +441,7 @@ def _evaluate_answer(
     rows = []
     for name in methods:
         if name == ESTIMATES:
-            removable = segments if segments is not None else torch.arange(ids.shape[1], device=device)[None].masked_fill(keep, -1)
+            removable = removable_segments(keep, segments)
             scores = leave_one_out_estimates(model, ids, mask, answer, span_of("knockout_gradient"), span_of("attn_lrp"), removable)
         else:
             scores = span_of(name)
@@ -444,6 +452,31 @@ def _evaluate_answer(
             **{metric: _number(value[0]) for metric, value in values.items()},
         })
     return rows
+
+
+def answer_tensors(
+    model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """An answer row on the model's device: the prompt's ids ``(1, N)``, the answer's ``(1,
+    n)`` (given, or generated greedily), which prompt tokens are never removed (the special
+    tokens) ``(1, N)``, and the segment of each prompt token ``(1, N)`` (-1: never removed)
+    where the row names segments, else None."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
+    ids = encoded["input_ids"].to(device)
+    answer = _answer_ids(model, tokenizer, example, max_new_tokens).to(device)[None]
+    special = set(tokenizer.all_special_ids)
+    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
+    segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
+    return ids, answer, keep, segments
+
+
+def removable_segments(keep: Tensor, segments: Tensor | None) -> Tensor:
+    """``segments``, or where the row names none each prompt token its own segment; -1 for
+    the tokens never removed (``keep``)."""
+    if segments is not None:
+        return segments
+    return torch.arange(keep.shape[1], device=keep.device)[None].masked_fill(keep, -1)
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:

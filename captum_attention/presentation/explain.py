@@ -182,14 +182,12 @@ def report_methods(
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
+    explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
         name: ReportMethod(
-            cls.get_name(),
-            _attention_method(registered_method(name, model, forward)),
-            MethodInfo(uses_target=cls.spec.uses_target, signed=cls.spec.signed),
+            explainer.get_name(), _attention_method(explainer), MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.signed)
         )
-        for name, cls in REGISTRY.items()
-        if name in names
+        for name, explainer in explainers.items()
     }
     if INTEGRATED_GRADIENTS in names:
         lig = LayerIntegratedGradients(forward, model.get_input_embeddings())

@@ -46,8 +46,8 @@ def shares(scores: list[float], special: list[bool], signed: bool) -> list[float
 def _legend(methods: dict[str, MethodInfo]) -> str:
     groups = {
         "for the explained class, >= 0": [n for n, i in methods.items() if i.uses_target and not i.signed],
-        "for the explained class, signed: + supports, - opposes it": [n for n, i in methods.items() if i.uses_target and i.signed],
-        "from the forward pass alone, the same for every class": [n for n, i in methods.items() if not i.uses_target],
+        "for the explained class, signed: + supports, - opposes it": [n for n, i in methods.items() if i.signed],
+        "from the forward pass alone, the same for every class": [n for n, i in methods.items() if not i.uses_target and not i.signed],
     }
     described = "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in groups.items() if names)
     return (
