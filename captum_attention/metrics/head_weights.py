@@ -74,13 +74,12 @@ class HeadWeights:
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (a folder gets
         :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`) as safetensors, the settings
-        in its metadata; returns the file's path."""
-        from safetensors.torch import save_file
-
+        in its metadata, through a temporary file moved over it (an interruption leaves the
+        previous file whole); returns the file's path."""
         path = Path(path)
         if path.is_dir():
             path = path / WEIGHTS_FILE
-        save_file({"weights": self.weights.float().contiguous().cpu()}, str(path), metadata={"settings": json.dumps(self.settings)})
+        _save_whole(path, {"weights": self.weights.float().contiguous().cpu()}, {"settings": json.dumps(self.settings)})
         return path
 
     @classmethod
@@ -207,10 +206,15 @@ def _resume(checkpoint: str | Path | None, settings: dict[str, Any]) -> tuple[in
 
 
 def _save(checkpoint: Path, settings: dict[str, Any], done: int, sums: dict[str, Tensor]) -> None:
-    """The running sums, written to a temporary file and moved over the checkpoint (an
-    interruption leaves the previous checkpoint whole)."""
+    """The running sums, with the settings and how many examples they hold."""
+    _save_whole(checkpoint, sums, {"settings": json.dumps(settings), "done": str(done)})
+
+
+def _save_whole(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """``tensors`` as safetensors at ``path``, written to a temporary file moved over it (an
+    interruption leaves the previous file whole)."""
     from safetensors.torch import save_file
 
-    partial = checkpoint.with_name(checkpoint.name + ".partial")
-    save_file(sums, str(partial), metadata={"settings": json.dumps(settings), "done": str(done)})
-    partial.replace(checkpoint)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=metadata)
+    partial.replace(path)
