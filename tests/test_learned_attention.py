@@ -145,3 +145,23 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(inte
     assert saved.name == "head_weights.safetensors"
     loaded = HeadWeights.load(tmp_path)
     assert torch.equal(loaded.weights, resumed.weights) and loaded.settings == resumed.settings
+
+
+def test_a_save_interrupted_mid_write_leaves_the_previous_weights_whole(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    first = HeadWeights(torch.ones(2, 4), {"fit": "first"})
+    first.save(tmp_path)
+    write = safetensors.torch.save_file
+
+    def cut_short(tensors, path, metadata=None):
+        write(tensors, path, metadata=metadata)
+        with open(path, "r+b") as written:
+            written.truncate(10)  # what Ctrl-C during the write leaves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        HeadWeights(torch.zeros(2, 4), {"fit": "second"}).save(tmp_path)
+    loaded = HeadWeights.load(tmp_path)
+    assert torch.equal(loaded.weights, first.weights) and loaded.settings == {"fit": "first"}
