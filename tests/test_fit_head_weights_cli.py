@@ -106,3 +106,14 @@ def test_what_it_cannot_fit_is_refused_in_one_line(folder, seq2seq, tmp_path, ca
     assert "fit-head-weights takes a decoder-only language model" in capsys.readouterr().err
     assert main(["fit-head-weights", str(data), "--model", str(folder), "--ablations", "1"]) == 1
     assert "--ablations must be at least 2" in capsys.readouterr().err
+
+
+def test_an_answer_with_no_tokens_is_named_by_its_line_in_the_fit_and_in_evaluate(folder, tmp_path, capsys, monkeypatch):
+    from captum_attention.presentation import evaluate
+
+    monkeypatch.setattr(evaluate, "_answer_ids", lambda *args: torch.zeros(0, dtype=torch.long))
+    message = "line 1: the answer has no tokens (the model ended its answer at once): give the row an answer"
+    assert main(["fit-head-weights", str(_data(tmp_path)), "--model", str(folder)]) == 1
+    assert message in capsys.readouterr().err
+    assert main(["evaluate", str(_data(tmp_path)), "--model", str(folder), "--methods", "raw", "--output", str(tmp_path / "out")]) == 1
+    assert message in capsys.readouterr().err, "evaluate reads its rows through the same helper"

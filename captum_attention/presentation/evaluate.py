@@ -458,13 +458,16 @@ def answer_tensors(
     model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """An answer row on the model's device: the prompt's ids ``(1, N)``, the answer's ``(1,
-    n)`` (given, or generated greedily), which prompt tokens are never removed (the special
-    tokens) ``(1, N)``, and the segment of each prompt token ``(1, N)`` (-1: never removed)
-    where the row names segments, else None."""
+    n)`` (given, or generated greedily; a ``ValueError`` naming the row's line where it has
+    no tokens), which prompt tokens are never removed (the special tokens) ``(1, N)``, and
+    the segment of each prompt token ``(1, N)`` (-1: never removed) where the row names
+    segments, else None."""
     device = next(model.parameters()).device
     encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
     ids = encoded["input_ids"].to(device)
     answer = _answer_ids(model, tokenizer, example, max_new_tokens).to(device)[None]
+    if answer.shape[1] == 0:
+        raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
     special = set(tokenizer.all_special_ids)
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
     segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
