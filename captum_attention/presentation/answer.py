@@ -144,7 +144,7 @@ def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
         layer = LayerIntegratedGradients(model, model.get_input_embeddings())
         return LLMGradientAttribution(layer, tokenizer), MethodInfo(uses_target=True, signed=True)
     explainer = registered_method("attn_lrp" if name == PRESENCE else name, model)
-    return LLMAttentionAttribution(explainer, tokenizer), MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.signed)
+    return LLMAttentionAttribution(explainer, tokenizer), MethodInfo.of(explainer)
 
 
 IMAGE_TOKEN = "<image>"
@@ -213,7 +213,7 @@ def explain_image_answer(
         rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None
         display = _display(name)
         explanation.seconds[display] = time.perf_counter() - start
-        explanation.methods[display] = MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.signed)
+        explanation.methods[display] = MethodInfo.of(explainer)
         explanation.seq_attr[display] = _feature_scores(span, features, image_column)[0].tolist()
         if rows is not None:
             explanation.token_attr[display] = _feature_scores(rows, features, image_column)[0].tolist()

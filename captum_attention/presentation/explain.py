@@ -54,6 +54,17 @@ class MethodInfo:
     uses_target: bool
     signed: bool
 
+    @classmethod
+    def of(cls, explainer: Any) -> "MethodInfo":
+        """How to read the scores of ``explainer``, an attribution of the library."""
+        return cls(uses_target=explainer.spec.uses_target, signed=explainer.signed)
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether the scores are the forward pass's alone (the same for every class),
+        non-negative: the reports colour them blue."""
+        return not self.uses_target and not self.signed
+
 
 @dataclass
 class Explanations:
@@ -185,7 +196,7 @@ def report_methods(
     explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
         name: ReportMethod(
-            explainer.get_name(), _attention_method(explainer), MethodInfo(uses_target=explainer.spec.uses_target, signed=explainer.signed)
+            explainer.get_name(), _attention_method(explainer), MethodInfo.of(explainer)
         )
         for name, explainer in explainers.items()
     }

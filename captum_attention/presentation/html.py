@@ -40,7 +40,7 @@ DARK_CELL = 0.55
 
 def _colour(score: float, scale: float, info: MethodInfo) -> str:
     strength = 0.0 if scale == 0 else min(abs(score) / scale, 1.0)
-    if not info.uses_target and not info.signed:
+    if info.forward_only:
         rgb = "40, 90, 200"  # blue: the forward pass's mixing, not support for a class
     else:
         rgb = "0, 140, 60" if score >= 0 else "210, 40, 40"
@@ -81,10 +81,10 @@ def _heading(text: str) -> str:
 def _meaning(
     info: MethodInfo, explained: str = "the explained class", untargeted: str = "from the forward pass alone, the same for every class"
 ) -> str:
+    if info.forward_only:
+        return f"blue: {untargeted}"
     if info.signed:
         return f"green supports, red opposes {explained}"
-    if not info.uses_target:
-        return f"blue: {untargeted}"
     return f"green: support for {explained} (never negative)"
 
 

@@ -47,7 +47,7 @@ def _legend(methods: dict[str, MethodInfo]) -> str:
     groups = {
         "for the explained class, >= 0": [n for n, i in methods.items() if i.uses_target and not i.signed],
         "for the explained class, signed: + supports, - opposes it": [n for n, i in methods.items() if i.signed],
-        "from the forward pass alone, the same for every class": [n for n, i in methods.items() if not i.uses_target and not i.signed],
+        "from the forward pass alone, the same for every class": [n for n, i in methods.items() if i.forward_only],
     }
     described = "; ".join(f"{', '.join(names)}: {meaning}" for meaning, names in groups.items() if names)
     return (
