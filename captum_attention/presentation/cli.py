@@ -330,7 +330,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     for unavailable in (INTEGRATED_GRADIENTS, PRESENCE):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
-                             + ", ".join(REGISTRY))
+                             + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
     _note_uniform_head_weights(model, methods)
