@@ -371,6 +371,9 @@ def test_unwritable_outputs_are_refused_before_any_work(checkpoints, tmp_path):
     args = ("explain", "the film", "--model", str(classifier))
     _one_line_error(run_cli(*args, "--html", str(tmp_path / "missing" / "r.html")), "does not exist")
     _one_line_error(run_cli(*args, "--html", str(tmp_path)), "is a folder")
+    _one_line_error(run_cli(*args, "--methods", " , "), "--methods is empty")
+    _one_line_error(run_cli(*args, "--methods", "raw,nonsense"), "unknown method 'nonsense'; choose from grad_sam")
+    _one_line_error(run_cli(*args, "--methods", "lime,raw,shapley"), "unknown methods 'lime', 'shapley'; choose")
     a_file = tmp_path / "file"
     a_file.write_text("x")
     _one_line_error(run_cli("explain", "the film", "--cache-dir", str(a_file)), "is a file, not a folder")

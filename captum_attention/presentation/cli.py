@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .evaluate import answer_metric_names, metric_names, rationale_metrics
-from .explain import INTEGRATED_GRADIENTS, PRESENCE, check_methods, default_method_names, length_limit, method_names
+from .explain import (
+    INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
+)
 from .text import count as _count, has_surrogates, terminal_safe
 
 
@@ -188,13 +190,10 @@ def _check_cache_dir(path: Path | None) -> None:
 
 
 def _methods(arguments: argparse.Namespace) -> list[str]:
-    if arguments.methods is None:
+    chosen = _listed(arguments.methods, "methods")
+    if chosen is None:
         return default_method_names()
-    chosen = [name.strip() for name in arguments.methods.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in method_names()]
-    if unknown or not chosen:
-        named = ", ".join(map(repr, unknown)) or "nothing"
-        raise UsageError(f"--methods: {named} is not a method; choose from {', '.join(method_names())}")
+    check_names("method", chosen, method_names())
     return chosen
 
 

@@ -34,7 +34,7 @@ from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    PRESENCE, ReportMethod, check_methods, ig_baseline, length_limit, method_names, registered_method, report_methods,
+    PRESENCE, ReportMethod, check_methods, check_names, ig_baseline, length_limit, method_names, registered_method, report_methods,
     saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
@@ -61,9 +61,9 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
     """A clear error for an unknown method or metric, a method that cannot explain a
     classifier (:func:`~captum_attention.presentation.explain.check_methods`), or
     plausibility without rationales."""
-    _check_names("method", methods, evaluation_methods())
+    check_names("method", methods, evaluation_methods())
     check_methods(methods, answers=False)
-    _check_names("metric", metrics, metric_names())
+    check_names("metric", metrics, metric_names())
     asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]
     missing = [e.line for e in examples if e.rationale is None]
     if asked and missing:
@@ -71,12 +71,6 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
             f"{', '.join(asked)} need a 'rationale' on every row; line {missing[0]} has none "
             f"({len(missing)} rows in all): add them, or leave these metrics out"
         )
-
-
-def _check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
-    unknown = [name for name in given if name not in known]
-    if unknown or not given:
-        raise ValueError(f"unknown {kind} {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(known)}")
 
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
@@ -406,8 +400,8 @@ def evaluate_answers(
     them; special tokens never removed). One example a shard, resumable, split over
     processes, merged by :func:`merge` as the classifier's are."""
     options = options or AnswerOptions()
-    _check_names("method", methods, answer_method_names())
-    _check_names("metric", metrics, answer_metric_names())
+    check_names("method", methods, answer_method_names())
+    check_names("metric", metrics, answer_metric_names())
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     check_methods(methods, answers=True, one_stack=not encoder_decoder, one_stack_only=(ESTIMATES, PRESENCE))
     needed = {name for name in methods if name not in (ESTIMATES, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())

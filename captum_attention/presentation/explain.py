@@ -121,6 +121,15 @@ def method_names() -> list[str]:
     return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE]
 
 
+def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
+    """A one-line ``ValueError`` naming what of ``given`` is not among ``known`` (``kind``:
+    "method", "metric"), and the choices."""
+    unknown = [name for name in given if name not in known]
+    if unknown or not given:
+        named = f"{kind}s {', '.join(map(repr, unknown))}" if len(unknown) > 1 else f"{kind} {repr(unknown[0]) if unknown else '(none given)'}"
+        raise ValueError(f"unknown {named}; choose from {', '.join(known)}")
+
+
 def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, one_stack_only: Collection[str] = (PRESENCE,)) -> None:
     """Before any work, a one-line ``ValueError`` where a method of ``names`` cannot explain
     what is asked: a classifier's logit (``answers`` False; ALTI-Logit explains a next-token
