@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         options.json.write_text(json.dumps({"length": options.length, "examples": len(correct), "results": rows}, indent=1))
     print("\n| method | forwards | points at the needle | top-1 drop | LDS | s / example |\n|---|---|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | | {row['pointing']:.0%} | {row['top1_drop']:.2f} | {row['lds']:.2f} | {row['seconds']:.2f} |")
+        forwards = re.search(r", (\d+)", name)
+        print(f"| {name} | {forwards.group(1) if forwards else 1} | {row['pointing']:.0%} | {row['top1_drop']:.2f} | {row['lds']:.2f} "
+              f"| {row['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if options.paired and options.paired not in chosen:
         parser.error(f"--paired {options.paired!r} is not among the methods run: {', '.join(chosen)}.")
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    command = "python benchmarks/faithfulness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/faithfulness.py", *(argv if argv is not None else sys.argv[1:])])
     results = []
     start = time.perf_counter()
     for name in options.tasks:
