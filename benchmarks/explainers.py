@@ -196,11 +196,10 @@ def context_cite(task: Task, target: Tensor) -> Tensor:
 def calibrated_attn_lrp(task: Task, target: Tensor) -> Tensor:
     """``CALIBRATED_ABLATIONS`` of the same ablations fitted by
     :func:`captum_attention.metrics.context.calibrated_surrogate` with AttnLRP's scores as
-    the prior (ridge 1), as ``calibrated_scores`` fits an answer's."""
+    the prior (its default ridge), as ``calibrated_scores`` fits an answer's."""
     prior = _ours(METHODS["attn_lrp"])(task, target)
     return _fitted(
-        task, target, CALIBRATED_ABLATIONS,
-        lambda kept, outcomes, prior: calibrated_surrogate(kept.double(), outcomes, prior.double(), ridge=1.0), prior,
+        task, target, CALIBRATED_ABLATIONS, lambda kept, outcomes, prior: calibrated_surrogate(kept.double(), outcomes, prior.double()), prior,
     )
 
 

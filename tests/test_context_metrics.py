@@ -108,9 +108,12 @@ def test_ablated_log_probs_delete_the_unkept_segments_by_hand_and_serve_the_rand
 
 def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
     """The surrogate's fit, recomputed from the ablated prompts by hand and solved as an
-    augmented least-squares problem (rows sqrt(λ) for δ, sqrt(1e-9 λ) for b and α)."""
+    augmented least-squares problem (rows sqrt(λ S²) for δ, sqrt(1e-9 λ S²) for b and α);
+    the prior as it is where the fit's α is not positive."""
     model, prompts, prior = _case(4)
+    prior[1] = -prior[1]  # the ablations then contradict this example's prior
     segments = SEGMENTS
+    scales = []
     scores = calibrated_scores(model, prompts.input_ids, prompts.attention_mask, ANSWER, prior, segments,
                                num_ablations=5, seed=7, ridge=0.5)
     kept_draws = torch.rand(3, 5, 3, generator=torch.Generator().manual_seed(7)) < 0.5
@@ -123,14 +126,16 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         y = torch.tensor([_log_prob(model, prompt[(seg < 0) | kept[a].bool()[seg.clamp(min=0)]], ANSWER[b]) for a in range(5)],
                          dtype=torch.float64)
         design = torch.cat([torch.ones(5, 1, dtype=torch.float64), (kept @ p)[:, None], kept], dim=1)
-        roots = torch.tensor([1e-9 * 0.5] * 2 + [0.5] * count, dtype=torch.float64).sqrt()
+        roots = torch.tensor([1e-9 * 0.5 * count**2] * 2 + [0.5 * count**2] * count, dtype=torch.float64).sqrt()
         solution = torch.linalg.lstsq(torch.cat([design, torch.diag(roots)]), torch.cat([y, torch.zeros(2 + count, dtype=torch.float64)])).solution
-        expected = solution[1] * p + solution[2:]
+        scales.append(float(solution[1]))
+        expected = solution[1] * p + solution[2:] if solution[1] > 0 else p
         got = torch.stack([scores[b, real][seg == s].sum() for s in range(count)]).double()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         sizes = torch.stack([(seg == s).sum() for s in range(count)])
         torch.testing.assert_close(scores[b, real][seg >= 0], (expected / sizes)[seg[seg >= 0]].float(), rtol=1e-4, atol=1e-5)
         assert bool((scores[b, real][seg < 0] == 0).all())
+    assert min(scales) < 0 < max(scales), scales  # both branches
 
 
 @pytest.mark.parametrize("by_share", [False, True])
