@@ -221,6 +221,10 @@ def test_unknown_methods_metrics_and_missing_rationales_are_refused(checkpoint, 
     assert "unknown method 'gradsam'" in capsys.readouterr().err
     assert _run(*base, "--metrics", "aopc2") == 1
     assert "unknown metric 'aopc2'" in capsys.readouterr().err
+    assert _run(*base, "--methods", "raw,lime,shapley") == 1
+    assert "unknown methods 'lime', 'shapley'; choose from grad_sam" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^no method given; choose from grad_sam"):
+        ev.check_request([], ["comprehensiveness"], [])
     assert _run(*base, "--metrics", "token_f1") == 1
     assert "need a 'rationale' on every row; line 1 has none" in capsys.readouterr().err
 

@@ -125,9 +125,10 @@ def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
     """A one-line ``ValueError`` naming what of ``given`` is not among ``known`` (``kind``:
     "method", "metric"), and the choices."""
     unknown = [name for name in given if name not in known]
-    if unknown or not given:
-        named = f"{kind}s {', '.join(map(repr, unknown))}" if len(unknown) > 1 else f"{kind} {repr(unknown[0]) if unknown else '(none given)'}"
-        raise ValueError(f"unknown {named}; choose from {', '.join(known)}")
+    if given and not unknown:
+        return
+    named = f"unknown {kind}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}" if unknown else f"no {kind} given"
+    raise ValueError(f"{named}; choose from {', '.join(known)}")
 
 
 def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, one_stack_only: Collection[str] = (PRESENCE,)) -> None:
