@@ -19,8 +19,7 @@ from tasks import MASK, Task
 from torch import Tensor
 
 from captum_attention import ALTI, METHODS, DecompX, KnockoutGradient, KnockoutLRP, NormAttention, ValueZeroing
-from captum_attention.metrics import ablated_probs, greedy_deletion, leave_one_out, random_ranking
-from captum_attention.metrics.context import calibrated_surrogate
+from captum_attention.metrics import ablated_probs, calibrated_attribution, greedy_deletion, leave_one_out, random_ranking
 from captum_attention.metrics.token_removal import random_halves
 from captum_attention.presentation.shap_text import shap_token_values
 
@@ -165,42 +164,33 @@ def leave_one_out_deletion(task: Task, target: Tensor) -> Tensor:
     return _as_features(task, leave_one_out(forward, ids, mask, target, **how))
 
 
-def _random_ablations(task: Task, target: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor]:
-    """ContextCite's ablations of each example: ``count`` random keep-masks ``(B, count, T)``
-    (each removable feature kept with probability 1/2, seeded), the explained class's
-    logit-probability after each ``(B, count)``, and the removable features ``(B, T)``."""
+def context_cite(task: Task, target: Tensor) -> Tensor:
+    """ContextCite's algorithm with tokens (patches) as its sources: ``CONTEXT_CITE_ABLATIONS``
+    random ablations (each removable feature kept with probability 1/2, seed 1) and the
+    Lasso surrogate of :func:`common.context_cite_weights` on the explained class's
+    logit-probability after each, per example over its removable features."""
     forward, ids, mask, how = removal(task)
     removable = (mask != 0) & ~how.get("keep", torch.zeros_like(ids, dtype=torch.bool))
-    kept = random_halves(removable, count, seed=1)
+    kept = random_halves(removable, CONTEXT_CITE_ABLATIONS, seed=1)
     probs = ablated_probs(forward, ids, mask, kept, target, **how).double().clamp(1e-12, 1 - 1e-12)
-    return kept, probs.log() - (-probs).log1p(), removable
-
-
-def _fitted(task: Task, target: Tensor, count: int, fit: Callable[[Tensor, Tensor, Tensor], Tensor], prior: Tensor | None = None) -> Tensor:
-    """Per example, ``fit(kept masks (count, S), outcomes (count,), prior (S,))`` over its
-    ``S`` removable features (the prior 0 where none is given), as token (patch) scores."""
-    kept, outcomes, removable = _random_ablations(task, target, count)
-    prior = torch.zeros(removable.shape) if prior is None else prior.detach().reshape(removable.shape)
+    outcomes = probs.log() - (-probs).log1p()
     scores = torch.zeros(removable.shape)
     for b, sources in enumerate(removable):
-        scores[b, sources] = fit(kept[b][:, sources], outcomes[b], prior[b, sources]).float()
+        scores[b, sources] = context_cite_weights(kept[b][:, sources], outcomes[b]).float()
     return _as_features(task, scores)
 
 
-def context_cite(task: Task, target: Tensor) -> Tensor:
-    """ContextCite's algorithm with tokens (patches) as its sources: ``CONTEXT_CITE_ABLATIONS``
-    random ablations and the Lasso surrogate of :func:`common.context_cite_weights`."""
-    return _fitted(task, target, CONTEXT_CITE_ABLATIONS, lambda kept, outcomes, _: context_cite_weights(kept, outcomes))
+def calibrated_over(prior: Explainer) -> Explainer:
+    """:func:`captum_attention.metrics.calibrated_attribution` over ``prior``'s scores: its
+    surrogate fitted on ``CALIBRATED_ABLATIONS`` of ContextCite's ablations (seed 1), the
+    features removed as the ERASER columns remove them."""
 
+    def explain(task: Task, target: Tensor) -> Tensor:
+        forward, ids, mask, how = removal(task)
+        scores = prior(task, target).reshape(ids.shape)
+        return _as_features(task, calibrated_attribution(forward, ids, mask, scores, target, CALIBRATED_ABLATIONS, **how))
 
-def calibrated_attn_lrp(task: Task, target: Tensor) -> Tensor:
-    """``CALIBRATED_ABLATIONS`` of the same ablations fitted by
-    :func:`captum_attention.metrics.context.calibrated_surrogate` with AttnLRP's scores as
-    the prior (its default ridge), as ``calibrated_scores`` fits an answer's."""
-    prior = _ours(METHODS["attn_lrp"])(task, target)
-    return _fitted(
-        task, target, CALIBRATED_ABLATIONS, lambda kept, outcomes, prior: calibrated_surrogate(kept.double(), outcomes, prior.double()), prior,
-    )
+    return explain
 
 
 def greedy_over(prior: Explainer) -> Explainer:
@@ -240,10 +230,13 @@ def methods() -> dict[str, Explainer]:
         f"SHAP Partition ({SHAP_EVALS} evals)": shap_partition,
         "Leave-one-out": leave_one_out_deletion,
         f"ContextCite ({CONTEXT_CITE_ABLATIONS} ablations)": context_cite,
-        f"AttnLRP calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_attn_lrp,
+        f"AttnLRP calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_over(_ours(METHODS["attn_lrp"])),
         f"Grad-SAM (key axis), greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["grad_sam"], axis="key")),
         f"AttnLRP, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(_ours(METHODS["attn_lrp"])),
         **{f"AttnLRP at presence {value}": attn_lrp_at_presence(value) for value in PRESENCES},
         f"AttnLRP at presence {PRESENCES[-1]}, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(attn_lrp_at_presence(PRESENCES[-1])),
+        f"AttnLRP at presence {PRESENCES[-1]}, calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_over(
+            attn_lrp_at_presence(PRESENCES[-1])
+        ),
         "Random": random_baseline,
     }

@@ -30,9 +30,10 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 28 and {
+    assert len(text["methods"]) == 29 and {
         "Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX", "DecompX (sensitivity)", "AttnLRP, greedy (8 removals)",
         "Knockout Gradient", "Knockout Gradient + AttnLRP", "AttnLRP at presence 0.1", "AttnLRP at presence 0.05",
+        "AttnLRP at presence 0.05, calibrated (8 ablations)",
     } <= set(text["methods"])
     for result in results:
         for name, row in result["methods"].items():
@@ -41,7 +42,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     printed = capsys.readouterr().out
     assert "| SHAP Partition (40 evals) |" in printed and "python benchmarks/faithfulness.py --smoke" in printed
     paired = text["paired"]["AttnLRP"]
-    assert "AttnLRP" not in paired and len(paired) == 27
+    assert "AttnLRP" not in paired and len(paired) == 28
     assert list(paired["Grad-SAM"]) == ["token F1", "comprehensiveness", "sufficiency", "LDS"]
     for metric in paired["Grad-SAM"]:
         mine, theirs = torch.tensor(text["each"]["AttnLRP"][metric]), torch.tensor(text["each"]["Grad-SAM"][metric])

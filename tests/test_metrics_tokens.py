@@ -14,6 +14,7 @@ from captum_attention.metrics import (
     ablated_probs,
     aopc,
     auprc,
+    calibrated_attribution,
     comprehensiveness,
     datamodeling_score,
     greedy_deletion,
@@ -175,6 +176,43 @@ def test_datamodeling_score_by_hand(bag, removal):
         probs = full[row] - _by_hand(model, ids, mask, target, removed)
         predicted = [sum(float(scores[row, i]) for i in removable if drawn[row, a, i]) for a in range(6)]
         assert lds[row].item() == pytest.approx(stats.spearmanr(predicted, probs).statistic)
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_calibrated_attribution_by_hand(bag, removal):
+    """The seeded half ablations drawn again, each logit-probability by hand, the surrogate
+    solved as an augmented least-squares problem (rows sqrt(λ S²) for δ, sqrt(1e-9 λ S²)
+    for b and α); the prior as it is where α is not positive (the second example's prior
+    is its evidence reversed)."""
+    model, ids, mask, target, contributions = bag
+    prior = contributions * torch.tensor([[1.0], [-1.0]])
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, 0] = True
+    scores = calibrated_attribution(model, ids, mask, prior, num_ablations=5, seed=2, ridge=0.3, removal=removal,
+                                    baseline_token_id=0, keep=keep)
+    drawn = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(2)) < 0.5
+    full = model(ids, mask).softmax(-1).gather(1, target[:, None])
+    scales = []
+    for row in range(2):
+        removable = list(range(1, int(mask[row].sum())))
+        count = len(removable)
+        removed = [(row, {i for i in removable if not drawn[row, a, i]}) for a in range(5)]
+        probs = (full[row] - _by_hand(model, ids, mask, target, removed)).double()
+        y = probs.log() - (1 - probs).log()
+        kept = drawn[row][:, removable].double()
+        p = prior[row, removable].double()
+        design = torch.cat([torch.ones(5, 1, dtype=torch.float64), (kept @ p)[:, None], kept], dim=1)
+        roots = torch.tensor([1e-9 * 0.3 * count**2] * 2 + [0.3 * count**2] * count, dtype=torch.float64).sqrt()
+        solution = torch.linalg.lstsq(torch.cat([design, torch.diag(roots)]), torch.cat([y, torch.zeros(2 + count, dtype=torch.float64)])).solution
+        scales.append(float(solution[1]))
+        expected = solution[1] * p + solution[2:] if solution[1] > 0 else p
+        torch.testing.assert_close(scores[row, removable], expected.float(), rtol=1e-4, atol=1e-5)
+        assert bool((scores[row, [i for i in range(8) if i not in removable]] == 0).all())
+    assert scales[1] < 0 < scales[0], scales  # both branches
+    with pytest.raises(ValueError, match="ridge positive"):
+        calibrated_attribution(model, ids, mask, prior, ridge=0.0)
+    with pytest.raises(ValueError, match="attributions have shape"):
+        calibrated_attribution(model, ids, mask, prior[:, :4])
 
 
 def test_datamodeling_score_is_one_for_the_true_additive_evidence(bag):

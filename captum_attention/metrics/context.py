@@ -38,6 +38,7 @@ from ..maps.streaming import segment_share_max
 from ._checks import check_rankable
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
+from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 from .token_removal import random_halves
 
 PAIRS_PER_FORWARD = 2**26
@@ -308,13 +309,6 @@ def random_ablations(
     return kept, log_probs, scorer.segments
 
 
-CALIBRATION_RIDGE = 0.2
-"""The default penalty per squared segment of :func:`calibrated_scores`: on 8 ablations,
-AttnLRP calibrated scores an LDS at or above AttnLRP's alone on the needle task at 512 to
-16,384 tokens (by at most 0.01) and on the four ground-truth tasks (by 0.003-0.008)
-(``benchmarks/needle.py --calibrated 8``, ``benchmarks/faithfulness.py``)."""
-
-
 def calibrated_scores(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -327,23 +321,24 @@ def calibrated_scores(
     ridge: float = CALIBRATION_RIDGE,
     max_batch_size: int = 64,
 ) -> Tensor:
-    r"""An attribution calibrated on a few ablations: ContextCite's linear surrogate with
-    a prior (any one-pass attribution's segment scores :math:`p`) in place of its sparsity.
+    r"""A language model's answer explained by an attribution calibrated on a few
+    ablations: :func:`~captum_attention.metrics.surrogate.calibrated_surrogate` (ContextCite's
+    linear surrogate with the prior's segment scores in place of its sparsity) fitted to
+    the answer's log-probability under ``num_ablations`` random ablations
+    (:func:`random_ablations`, seeded ``seed``; keep it apart from the seed an LDS is
+    measured with). The score of segment :math:`s` is :math:`\alpha p_s + \delta_s`, spread
+    evenly over its tokens; the prior's where the ablations reverse it. For a classifier's
+    prediction: :func:`~captum_attention.metrics.calibrated_attribution`.
 
-    Over ``num_ablations`` random ablations (:func:`random_ablations`, seeded ``seed``;
-    keep it apart from the seed an LDS is measured with), the answer's log-probability is
-    fitted as :math:`y_a = b + \alpha \, m_a^\top p + m_a^\top \delta` by least squares
-    with the penalty :math:`\lambda S^2 \lVert \delta \rVert^2` (``ridge`` :math:`\lambda`,
-    :math:`S` the example's segments; :math:`b` and :math:`\alpha` nearly free), so that
-    few ablations rescale the prior and move only the segments they are sure of, the less
-    the more segments share them. The score of segment :math:`s` is
-    :math:`\alpha p_s + \delta_s`, spread evenly over its tokens. Where the fit's
-    :math:`\alpha` is not positive, the few ablations contradict the prior's direction
-    and the prior is kept as it is: reversed, its ranking fell far below it (LDS 0.32
-    against 0.83 on one ablation per needle context; on 4-6 of 64 sentences at 8).
+    The other arguments are :func:`linear_datamodeling_score`'s.
 
-    The other arguments are :func:`linear_datamodeling_score`'s; ``prior`` is ``(B, N)``
-    token scores, summed per segment.
+    Args:
+        prior (Tensor): ``(B, N)`` token scores of a one-pass attribution of the same
+            answer, summed per segment.
+        num_ablations (int, optional): the ablations fitted on, one forward each. Default: 8.
+        seed (int, optional): their seed. Default: 1.
+        ridge (float, optional): the surrogate's :math:`\lambda`. Default:
+            :data:`~captum_attention.metrics.surrogate.CALIBRATION_RIDGE`.
 
     Returns:
         ``(B, N)`` float32 token scores; 0 at the tokens never removed and at padding.
@@ -486,21 +481,6 @@ def attention_shares(
             call_shares = segment_shares(record.attn_maps[index], key_segments, key_segments, real, count)
         torch.maximum(shares, call_shares, out=shares)
     return shares
-
-
-def calibrated_surrogate(kept: Tensor, outcomes: Tensor, prior: Tensor, ridge: float = CALIBRATION_RIDGE) -> Tensor:
-    r"""``(S,)`` float64 :math:`\alpha p + \delta` of :func:`calibrated_scores` for one
-    example, or ``prior`` where :math:`\alpha \le 0`: ``kept`` ``(A, S)`` 0/1 over the
-    example's ``S`` segments, ``outcomes`` ``(A,)``, ``prior`` ``(S,)``; the penalty on
-    :math:`\delta` is ``ridge`` :math:`S^2`, the intercept's and :math:`\alpha`'s 1e-9 of
-    it, enough to fix them where the ablations cannot (a single one)."""
-    design = torch.cat([torch.ones_like(outcomes)[:, None], (kept @ prior)[:, None], kept], dim=1)
-    penalty = torch.full((design.shape[1],), ridge * kept.shape[1] ** 2, dtype=design.dtype)
-    penalty[:2] *= 1e-9
-    coefficients = torch.linalg.solve(design.T @ design + torch.diag(penalty), design.T @ outcomes)
-    if coefficients[1] <= 0:
-        return prior.clone()
-    return coefficients[1] * prior + coefficients[2:]
 
 
 def ablated_log_probs(

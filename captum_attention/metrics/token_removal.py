@@ -23,6 +23,7 @@ from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import output_logits, resolve_targets
 from ._checks import check_rankable, with_ties
 from .agreement import spearman
+from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
 DEFAULT_STEPS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -434,6 +435,66 @@ def random_halves(present: Tensor, num_ablations: int, seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=generator) < 0.5
     return kept.to(present.device) & present[:, None]
+
+
+def calibrated_attribution(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prior: Tensor,
+    target: TargetType = None,
+    num_ablations: int = 8,
+    seed: int = 1,
+    ridge: float = CALIBRATION_RIDGE,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+    max_batch_size: int = 256,
+) -> Tensor:
+    r"""A classifier's prediction explained by an attribution calibrated on a few
+    ablations: :func:`~captum_attention.metrics.surrogate.calibrated_surrogate`
+    (ContextCite's linear surrogate with the prior's token scores in place of its
+    sparsity) fitted to the target class's logit-probability :math:`\log p - \log(1 - p)`
+    under ``num_ablations`` random ablations that keep each removable token with
+    probability 1/2 (:func:`random_halves`, seeded ``seed``; keep it apart from the seed an
+    LDS is measured with), the other tokens removed as the ERASER metrics remove them.
+    Each token scores :math:`\alpha p_i + \delta_i`; the prior's where the ablations
+    reverse it. For a language model's answer:
+    :func:`~captum_attention.metrics.calibrated_scores`.
+
+    The other arguments are :func:`comprehensiveness`'s.
+
+    Args:
+        prior (Tensor): ``(batch, seq_len)`` token scores of a one-pass attribution of the
+            same prediction (AttnLRP at a presence, for instance).
+        num_ablations (int, optional): the ablations fitted on, one forward each. Default: 8.
+        seed (int, optional): their seed. Default: 1.
+        ridge (float, optional): the surrogate's :math:`\lambda`. Default:
+            :data:`~captum_attention.metrics.surrogate.CALIBRATION_RIDGE`.
+
+    Returns:
+        ``(batch, seq_len)`` float32 scores; 0 at padding and at the ``keep`` tokens.
+
+    Example::
+
+        >>> presence = torch.where(special_tokens, 1.0, 0.05)  # the words at 0.05 in every attention call
+        >>> prior = AttnLRP(model).attribute(input_ids, additional_forward_args=(mask,), presence=presence)
+        >>> scores = calibrated_attribution(model, input_ids, mask, prior, keep=special_tokens)
+        >>> datamodeling_score(model, input_ids, mask, scores, keep=special_tokens).nanmean()
+    """
+    if num_ablations < 1 or ridge <= 0:
+        raise ValueError(f"num_ablations must be at least 1 and ridge positive, got {num_ablations} and {ridge}.")
+    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover.check_scores(prior)
+    kept = random_halves(remover.removable, num_ablations, seed)
+    probs = remover.kept_probs(kept).double().clamp(1e-12, 1 - 1e-12)
+    outcomes = probs.log() - (-probs).log1p()
+    scores = torch.zeros(prior.shape, dtype=torch.float64, device=kept.device)
+    for b, removable in enumerate(remover.removable):
+        scores[b, removable] = calibrated_surrogate(
+            kept[b][:, removable].double(), outcomes[b].to(kept.device), prior[b, removable].detach().double().to(kept.device), ridge
+        )
+    return scores.float()
 
 
 def datamodeling_score(
