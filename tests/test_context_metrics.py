@@ -4,6 +4,7 @@ checked against direct re-computations and on a model whose answer is known."""
 from __future__ import annotations
 
 import copy
+import zlib
 
 import pytest
 import torch
@@ -116,13 +117,13 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
     scales = []
     scores = calibrated_scores(model, prompts.input_ids, prompts.attention_mask, ANSWER, prior, segments,
                                num_ablations=5, seed=7, ridge=0.5)
-    kept_draws = torch.rand(3, 5, 3, generator=torch.Generator().manual_seed(7)) < 0.5
     for b in range(3):
         real = prompts.real[b].nonzero().flatten()
         prompt, seg = prompts.input_ids[b, real], segments[b, real]
         count = int(seg.max()) + 1
         p = torch.tensor([float(prior[b, real][seg == s].sum()) for s in range(count)], dtype=torch.float64)
-        kept = kept_draws[b, :, :count].double()
+        own_seed = zlib.crc32(torch.stack([prompt, seg], dim=-1).numpy().astype("int64").tobytes(), 7)  # each example's alone
+        kept = (torch.rand(5, count, generator=torch.Generator().manual_seed(own_seed)) < 0.5).double()
         y = torch.tensor([_log_prob(model, prompt[(seg < 0) | kept[a].bool()[seg.clamp(min=0)]], ANSWER[b]) for a in range(5)],
                          dtype=torch.float64)
         design = torch.cat([torch.ones(5, 1, dtype=torch.float64), (kept @ p)[:, None], kept], dim=1)
@@ -136,6 +137,11 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         torch.testing.assert_close(scores[b, real][seg >= 0], (expected / sizes)[seg[seg >= 0]].float(), rtol=1e-4, atol=1e-5)
         assert bool((scores[b, real][seg < 0] == 0).all())
     assert min(scales) < 0 < max(scales), scales  # both branches
+    for b in range(3):  # the same scores alone as in the padded batch
+        real = prompts.real[b].nonzero().flatten()
+        alone = calibrated_scores(model, prompts.input_ids[b, real][None], torch.ones(1, len(real), dtype=torch.long), ANSWER[b : b + 1],
+                                  prior[b, real][None], segments[b, real][None], num_ablations=5, seed=7, ridge=0.5)
+        torch.testing.assert_close(alone[0], scores[b, real], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("by_share", [False, True])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -182,24 +183,25 @@ def test_datamodeling_score_by_hand(bag, removal):
 def test_calibrated_attribution_by_hand(bag, removal):
     """The seeded half ablations drawn again, each logit-probability by hand, the surrogate
     solved as an augmented least-squares problem (rows sqrt(λ S²) for δ, sqrt(1e-9 λ S²)
-    for b and α); the prior as it is where α is not positive (the second example's prior
+    for b and α); the prior as it is where α is not positive (the first example's prior
     is its evidence reversed)."""
     model, ids, mask, target, contributions = bag
-    prior = contributions * torch.tensor([[1.0], [-1.0]])
+    prior = contributions * torch.tensor([[-1.0], [1.0]])
     keep = torch.zeros_like(mask, dtype=torch.bool)
     keep[:, 0] = True
     scores = calibrated_attribution(model, ids, mask, prior, num_ablations=5, seed=2, ridge=0.3, removal=removal,
                                     baseline_token_id=0, keep=keep)
-    drawn = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(2)) < 0.5
     full = model(ids, mask).softmax(-1).gather(1, target[:, None])
     scales = []
     for row in range(2):
         removable = list(range(1, int(mask[row].sum())))
         count = len(removable)
-        removed = [(row, {i for i in removable if not drawn[row, a, i]}) for a in range(5)]
+        own_seed = zlib.crc32(ids[row, : int(mask[row].sum())].numpy().astype("int64").tobytes(), 2)  # each example's alone
+        drawn = torch.rand(5, count, generator=torch.Generator().manual_seed(own_seed)) < 0.5
+        removed = [(row, {i for j, i in enumerate(removable) if not drawn[a, j]}) for a in range(5)]
         probs = (full[row] - _by_hand(model, ids, mask, target, removed)).double()
         y = probs.log() - (1 - probs).log()
-        kept = drawn[row][:, removable].double()
+        kept = drawn.double()
         p = prior[row, removable].double()
         design = torch.cat([torch.ones(5, 1, dtype=torch.float64), (kept @ p)[:, None], kept], dim=1)
         roots = torch.tensor([1e-9 * 0.3 * count**2] * 2 + [0.3 * count**2] * count, dtype=torch.float64).sqrt()
@@ -208,7 +210,11 @@ def test_calibrated_attribution_by_hand(bag, removal):
         expected = solution[1] * p + solution[2:] if solution[1] > 0 else p
         torch.testing.assert_close(scores[row, removable], expected.float(), rtol=1e-4, atol=1e-5)
         assert bool((scores[row, [i for i in range(8) if i not in removable]] == 0).all())
-    assert scales[1] < 0 < scales[0], scales  # both branches
+    assert scales[0] < 0 < scales[1], scales  # both branches
+    short = int(mask[1].sum())  # the second example alone, unpadded: the same draws, the same scores
+    alone = calibrated_attribution(model, ids[1:, :short], mask[1:, :short], prior[1:, :short], target[1:], num_ablations=5, seed=2,
+                                   ridge=0.3, removal=removal, baseline_token_id=0, keep=keep[1:, :short])
+    torch.testing.assert_close(alone[0], scores[1, :short])
     with pytest.raises(ValueError, match="ridge positive"):
         calibrated_attribution(model, ids, mask, prior, ridge=0.0)
     with pytest.raises(ValueError, match="attributions have shape"):

@@ -39,7 +39,7 @@ from ._checks import check_rankable
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
-from .token_removal import random_halves
+from .token_removal import example_seeds, random_halves
 
 PAIRS_PER_FORWARD = 2**26
 """The most (sequences × length²) one padded forward of ablated prompts holds."""
@@ -325,8 +325,9 @@ def calibrated_scores(
     ablations: :func:`~captum_attention.metrics.surrogate.calibrated_surrogate` (ContextCite's
     linear surrogate with the prior's segment scores in place of its sparsity) fitted to
     the answer's log-probability under ``num_ablations`` random ablations
-    (:func:`random_ablations`, seeded ``seed``; keep it apart from the seed an LDS is
-    measured with). The score of segment :math:`s` is :math:`\alpha p_s + \delta_s`, spread
+    (:func:`random_ablations`, each example's drawn alone from ``seed``, its tokens and
+    their segments, so that its scores do not depend on the batch; keep the seed apart
+    from the one an LDS is measured with). The score of segment :math:`s` is :math:`\alpha p_s + \delta_s`, spread
     evenly over its tokens; the prior's where the ablations reverse it. For a classifier's
     prediction: :func:`~captum_attention.metrics.calibrated_attribution`.
 
@@ -347,7 +348,7 @@ def calibrated_scores(
         raise ValueError(f"num_ablations must be at least 1 and ridge positive, got {num_ablations} and {ridge}.")
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
     prior_segments = scorer.segment_scores(prior)
-    kept, actual = _random_ablations(scorer, num_ablations, seed)
+    kept, actual = _random_ablations(scorer, num_ablations, seed, alone=True)
     calibrated = torch.zeros_like(prior_segments)
     for b, present in enumerate(scorer.present):
         calibrated[b, present] = calibrated_surrogate(kept[b][:, present].double(), actual[b].double(), prior_segments[b, present], ridge)
@@ -520,8 +521,11 @@ def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attent
     return _AnswerScorer(forward_func, input_ids, attention_mask, answer, None, len(input_ids)).original
 
 
-def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int) -> tuple[Tensor, Tensor]:
-    kept = random_halves(scorer.present, num_ablations, seed)
+def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
+    """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed,
+    of its real prompt tokens and their segments (:func:`example_seeds`)."""
+    own = example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed) if alone else None
+    kept = random_halves(scorer.present, num_ablations, seed, own)
     return kept, scorer.kept_log_probs(kept)
 
 

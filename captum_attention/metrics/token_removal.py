@@ -12,6 +12,7 @@ call is evaluated batched.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -428,13 +429,28 @@ def ablated_probs(
     return remover.kept_probs(kept)
 
 
-def random_halves(present: Tensor, num_ablations: int, seed: int) -> Tensor:
+def random_halves(present: Tensor, num_ablations: int, seed: int, example_seeds: Tensor | None = None) -> Tensor:
     """``(B, A, N)`` bool: ContextCite's ablations, ``num_ablations`` per example, each
     keeping each of the ``present`` ``(B, N)`` features with probability 1/2 (drawn on the
-    CPU from ``seed``, so that every device draws the same)."""
-    generator = torch.Generator().manual_seed(seed)
-    kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=generator) < 0.5
-    return kept.to(present.device) & present[:, None]
+    CPU from ``seed``, so that every device draws the same). With ``example_seeds``
+    (``(B,)``, :func:`example_seeds`), each example's are drawn alone, from its own seed,
+    over its present features in order: the same in any batch and under any padding, as an
+    attribution fitted on them must be."""
+    if example_seeds is None:
+        kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=torch.Generator().manual_seed(seed)) < 0.5
+        return kept.to(present.device) & present[:, None]
+    kept = torch.zeros(present.shape[0], num_ablations, present.shape[1], dtype=torch.bool)
+    for row, (features, own) in enumerate(zip(present.cpu(), example_seeds.tolist())):
+        kept[row][:, features] = torch.rand(num_ablations, int(features.sum()), generator=torch.Generator().manual_seed(own)) < 0.5
+    return kept.to(present.device)
+
+
+def example_seeds(input_ids: Tensor, real: Tensor, seed: int) -> Tensor:
+    """``(B,)`` one seed per example, the CRC-32 of its ``real`` tokens' ids started from
+    ``seed``: the same whatever batch or padding the example comes in, and different
+    examples' ablations drawn apart (one seed for all would give every example the same
+    pattern of removals, and an average over examples the luck of one draw)."""
+    return torch.tensor([zlib.crc32(ids[mask].long().cpu().numpy().tobytes(), seed) for ids, mask in zip(input_ids, real.bool())])
 
 
 def calibrated_attribution(
@@ -456,8 +472,10 @@ def calibrated_attribution(
     (ContextCite's linear surrogate with the prior's token scores in place of its
     sparsity) fitted to the target class's logit-probability :math:`\log p - \log(1 - p)`
     under ``num_ablations`` random ablations that keep each removable token with
-    probability 1/2 (:func:`random_halves`, seeded ``seed``; keep it apart from the seed an
-    LDS is measured with), the other tokens removed as the ERASER metrics remove them.
+    probability 1/2 (:func:`random_halves`, each example's drawn alone from ``seed`` and its
+    tokens, :func:`example_seeds`, so that its scores do not depend on the batch or the
+    padding; keep the seed apart from the one an LDS is measured with), the other tokens
+    removed as the ERASER metrics remove them.
     Each token scores :math:`\alpha p_i + \delta_i`; the prior's where the ablations
     reverse it. For a language model's answer:
     :func:`~captum_attention.metrics.calibrated_scores`.
@@ -486,7 +504,7 @@ def calibrated_attribution(
         raise ValueError(f"num_ablations must be at least 1 and ridge positive, got {num_ablations} and {ridge}.")
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
     remover.check_scores(prior)
-    kept = random_halves(remover.removable, num_ablations, seed)
+    kept = random_halves(remover.removable, num_ablations, seed, example_seeds(input_ids, remover.real, seed))
     probs = remover.kept_probs(kept).double().clamp(1e-12, 1 - 1e-12)
     outcomes = probs.log() - (-probs).log1p()
     scores = torch.zeros(prior.shape, dtype=torch.float64, device=kept.device)
