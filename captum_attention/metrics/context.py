@@ -327,9 +327,10 @@ def calibrated_scores(
     the answer's log-probability under ``num_ablations`` random ablations
     (:func:`random_ablations`, each example's drawn alone from ``seed``, its tokens and
     their segments, so that its scores do not depend on the batch; keep the seed apart
-    from the one an LDS is measured with). The score of segment :math:`s` is :math:`\alpha p_s + \delta_s`, spread
-    evenly over its tokens; the prior's where the ablations reverse it. For a classifier's
-    prediction: :func:`~captum_attention.metrics.calibrated_attribution`.
+    from the one an LDS is measured with). The score of segment :math:`s` is
+    :math:`\alpha p_s + \delta_s`, spread evenly over its tokens; the prior's where the
+    ablations reverse it. For a classifier's prediction:
+    :func:`~captum_attention.metrics.calibrated_attribution`.
 
     The other arguments are :func:`linear_datamodeling_score`'s.
 
@@ -524,7 +525,9 @@ def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attent
 def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
     """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed,
     of its real prompt tokens and their segments (:func:`example_seeds`)."""
-    own = example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed) if alone else None
+    own = None
+    if alone:
+        own = example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
     kept = random_halves(scorer.present, num_ablations, seed, own)
     return kept, scorer.kept_log_probs(kept)
 

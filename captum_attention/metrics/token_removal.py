@@ -429,18 +429,18 @@ def ablated_probs(
     return remover.kept_probs(kept)
 
 
-def random_halves(present: Tensor, num_ablations: int, seed: int, example_seeds: Tensor | None = None) -> Tensor:
+def random_halves(present: Tensor, num_ablations: int, seed: int, own_seeds: Tensor | None = None) -> Tensor:
     """``(B, A, N)`` bool: ContextCite's ablations, ``num_ablations`` per example, each
     keeping each of the ``present`` ``(B, N)`` features with probability 1/2 (drawn on the
-    CPU from ``seed``, so that every device draws the same). With ``example_seeds``
-    (``(B,)``, :func:`example_seeds`), each example's are drawn alone, from its own seed,
-    over its present features in order: the same in any batch and under any padding, as an
-    attribution fitted on them must be."""
-    if example_seeds is None:
+    CPU from ``seed``, so that every device draws the same). With ``own_seeds`` (``(B,)``,
+    :func:`example_seeds`, in place of ``seed``), each example's are drawn alone, from its
+    own seed, over its present features in order: the same in any batch and under any
+    padding, as an attribution fitted on them must be."""
+    if own_seeds is None:
         kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=torch.Generator().manual_seed(seed)) < 0.5
         return kept.to(present.device) & present[:, None]
     kept = torch.zeros(present.shape[0], num_ablations, present.shape[1], dtype=torch.bool)
-    for row, (features, own) in enumerate(zip(present.cpu(), example_seeds.tolist())):
+    for row, (features, own) in enumerate(zip(present.cpu(), own_seeds.tolist())):
         kept[row][:, features] = torch.rand(num_ablations, int(features.sum()), generator=torch.Generator().manual_seed(own)) < 0.5
     return kept.to(present.device)
 
