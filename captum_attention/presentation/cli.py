@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
-                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods()]) + ", smoothgrad, shap; for a language "
+                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods()]) + ", smoothgrad, shap, attn_lrp_presence_calibrated; for a language "
                           "model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))

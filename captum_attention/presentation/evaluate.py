@@ -29,7 +29,7 @@ from torch import Tensor
 from ..attr.llm import prompt_side
 from ..capture.guard import ctrl_c_noticed
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext
+from ..metrics import MetricContext, calibrated_attribution
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
@@ -73,13 +73,15 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
         )
 
 
-SMOOTHGRAD, SHAP = "smoothgrad", "shap"
+SMOOTHGRAD, SHAP, CALIBRATED = "smoothgrad", "shap", "attn_lrp_presence_calibrated"
 
 
 def evaluation_methods() -> list[str]:
     """What ``methods=`` accepts: the registered methods, Integrated Gradients, AttnLRP at
-    a presence (:data:`PRESENCE`, at ``options.presence``), SmoothGrad and SHAP."""
-    return [*method_names(), SMOOTHGRAD, SHAP]
+    a presence (:data:`PRESENCE`, at ``options.presence``), SmoothGrad, SHAP, and AttnLRP at
+    that presence calibrated on 8 random half removals (:data:`CALIBRATED`,
+    :func:`~captum_attention.metrics.calibrated_attribution`)."""
+    return [*method_names(), SMOOTHGRAD, SHAP, CALIBRATED]
 
 
 @dataclass
@@ -247,7 +249,8 @@ Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
 
 def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
-    chosen = report_methods(model, options.ig_steps, [n for n in names if n in method_names()], None, tokenizer, options.presence)
+    reported = [n for n in names if n in method_names()] + ([PRESENCE] if CALIBRATED in names else [])
+    chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence)
 
     def from_report(method: ReportMethod) -> Explainer:
         return lambda ids, mask, targets, texts: method.run(ids, mask, targets, ig_baseline(ids, tokenizer)).detach()
@@ -257,7 +260,24 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
         explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
+    if CALIBRATED in names:
+        explainers[CALIBRATED] = _calibrated(model, tokenizer, explainers[PRESENCE])
     return {name: explainers[name] for name in names}
+
+
+def _calibrated(model: Any, tokenizer: Any, at_presence: Explainer) -> Explainer:
+    """``at_presence``'s scores calibrated on 8 random half removals of the words, the
+    special tokens kept as the metrics keep them (each example's removals its own: the
+    same scores in any batch)."""
+
+    def forward(ids: Tensor, mask: Tensor) -> Tensor:
+        return model(input_ids=ids, attention_mask=mask).logits
+
+    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
+        prior = at_presence(ids, mask, targets, texts)
+        return calibrated_attribution(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
+
+    return explain
 
 
 def _smoothgrad(model: Any, samples: int) -> Explainer:
