@@ -34,7 +34,7 @@ from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    PRESENCE, ReportMethod, check_methods, check_names, ig_baseline, length_limit, method_names, registered_method, report_methods,
+    PRESENCE, ReportMethod, check_methods, check_names, classifier_forward, ig_baseline, length_limit, method_names, registered_method, report_methods,
     saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
@@ -269,9 +269,7 @@ def _calibrated(model: Any, tokenizer: Any, at_presence: Explainer) -> Explainer
     """``at_presence``'s scores calibrated on 8 random half removals of the words, the
     special tokens kept as the metrics keep them (each example's removals its own: the
     same scores in any batch)."""
-
-    def forward(ids: Tensor, mask: Tensor) -> Tensor:
-        return model(input_ids=ids, attention_mask=mask).logits
+    forward = classifier_forward(model)
 
     def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
         prior = at_presence(ids, mask, targets, texts)
@@ -326,10 +324,7 @@ def _evaluate_batch(
     encoded = tokenizer(texts, padding=True, truncation=True, max_length=length_limit(model, tokenizer), return_tensors="pt")
     device = next(model.parameters()).device
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-
-    def forward(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
-
+    forward = classifier_forward(model)
     with torch.no_grad():
         probabilities = forward(ids, mask).float().softmax(dim=-1)
     predicted = probabilities.argmax(dim=-1)

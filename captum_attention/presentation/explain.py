@@ -192,6 +192,15 @@ def span_presence(prompt_ids: torch.Tensor, answer_length: int, tokenizer: Any, 
     return torch.cat([weights, weights.new_ones(len(prompt_ids), answer_length)], dim=1)
 
 
+def classifier_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``forward(ids, mask)``: the classifier's logits, its inputs passed by name."""
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask).logits
+
+    return forward
+
+
 def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None, tokenizer: Any = None,
     presence: float = 0.05,
@@ -199,10 +208,7 @@ def report_methods(
     """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
     in the registry's order, then Integrated Gradients, then :data:`PRESENCE`, whose
     ``presence`` needs the ``tokenizer`` to keep the special tokens at 1)."""
-
-    def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask).logits
-
+    forward = classifier_forward(model)
     explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
         name: ReportMethod(
