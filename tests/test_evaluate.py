@@ -299,28 +299,35 @@ def test_attn_lrp_at_a_presence_rows_are_its_scores_metrics(checkpoint, tmp_path
     assert error.count("\n") == 1 and "--presence must lie in (0, 1]" in error
 
 
-def test_calibrated_presence_rows_are_its_scores_metrics(checkpoint, tmp_path):
-    """``attn_lrp_presence_calibrated``: AttnLRP at ``--presence`` calibrated on 8 random
-    half removals by ``calibrated_attribution``, the special tokens kept. Each example's
-    removals are its own, so its rows equal the scores computed on it alone, whatever
-    batch it came in."""
-    from captum_attention import AttnLRP
-    from captum_attention.metrics import calibrated_attribution
+@pytest.mark.parametrize("method, refine", [("attn_lrp_presence_calibrated", "calibrated_attribution"), ("attn_lrp_presence_greedy", "greedy_deletion")])
+def test_refined_presence_rows_are_its_scores_metrics(checkpoint, tmp_path, monkeypatch, method, refine):
+    """``attn_lrp_presence_calibrated`` and ``attn_lrp_presence_greedy``: AttnLRP at
+    ``--presence`` refined on 8 removals by ``calibrated_attribution`` (random halves) or
+    ``greedy_deletion``, the special tokens kept. Each example's removals are its own, so
+    its rows equal the scores computed on it alone, whatever batch it came in; the
+    presence's own row shares its backward, one a batch."""
+    from captum_attention import AttnLRP, metrics
+    from captum_attention.attr import attn_lrp
 
+    presence_calls = []
+    attribute = attn_lrp.AttnLRP.attribute
+    monkeypatch.setattr(attn_lrp.AttnLRP, "attribute", lambda self, *a, **k: presence_calls.append(1) or attribute(self, *a, **k))
     data, output = _data(tmp_path, 6), tmp_path / "out"
-    args = [str(data), "--model", str(checkpoint), "--methods", "attn_lrp_presence,attn_lrp_presence_calibrated",
+    args = [str(data), "--model", str(checkpoint), "--methods", f"attn_lrp_presence,{method}",
             "--metrics", "comprehensiveness", "--batch-size", "4", "--presence", "0.1", "--output", str(output)]
     assert _run(*args) == 0
+    assert len(presence_calls) == 2, "one presence backward for each of the two batches"
+    monkeypatch.undo()
     rows = _rows(output)
 
-    def calibrated(forward, model, ids, mask, predicted, keep):
+    def refined(forward, model, ids, mask, predicted, keep):
         prior = AttnLRP(forward, model=model).attribute(
             ids, target=predicted, additional_forward_args=(mask,), presence=torch.where(keep, 1.0, 0.1))
-        return calibrated_attribution(forward, ids, mask, prior, predicted, keep=keep)
+        return getattr(metrics, refine)(forward, ids, mask, prior, predicted, keep=keep)
 
-    _assert_comprehensiveness_rows(checkpoint, data, rows, {"attn_lrp_presence_calibrated": calibrated})
-    by_method = {m: [r["comprehensiveness"] for r in rows if r["method"] == m] for m in ("attn_lrp_presence", "attn_lrp_presence_calibrated")}
-    assert by_method["attn_lrp_presence"] != by_method["attn_lrp_presence_calibrated"], "the removals change the scores"
+    _assert_comprehensiveness_rows(checkpoint, data, rows, {method: refined})
+    by_method = {m: [r["comprehensiveness"] for r in rows if r["method"] == m] for m in ("attn_lrp_presence", method)}
+    assert by_method["attn_lrp_presence"] != by_method[method], "the removals change the scores"
 
 
 def test_a_registered_method_outside_the_defaults_is_its_own_metrics(checkpoint, tmp_path, capsys):

@@ -16,7 +16,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .evaluate import answer_metric_names, metric_names, rationale_metrics
+from .evaluate import REFINED, SHAP, SMOOTHGRAD, answer_metric_names, metric_names, rationale_metrics
 from .explain import (
     INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
 )
@@ -89,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
-                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods()]) + ", smoothgrad, shap, attn_lrp_presence_calibrated; for a language "
-                          "model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
+                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods(), SMOOTHGRAD, SHAP, *REFINED]) + "; for a "
+                          "language model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..attr.llm import prompt_side
 from ..capture.guard import ctrl_c_noticed
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext, calibrated_attribution
+from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
@@ -73,15 +73,20 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
         )
 
 
-SMOOTHGRAD, SHAP, CALIBRATED = "smoothgrad", "shap", "attn_lrp_presence_calibrated"
+SMOOTHGRAD, SHAP = "smoothgrad", "shap"
+CALIBRATED, GREEDY = "attn_lrp_presence_calibrated", "attn_lrp_presence_greedy"
+REFINED: dict[str, Callable[..., Tensor]] = {CALIBRATED: calibrated_attribution, GREEDY: greedy_deletion}
+"""The methods that refine :data:`PRESENCE`'s scores with a few removals of the words, and
+how: each takes ``(forward, ids, mask, prior, target, keep=...)``."""
 
 
 def evaluation_methods() -> list[str]:
     """What ``methods=`` accepts: the registered methods, Integrated Gradients, AttnLRP at
     a presence (:data:`PRESENCE`, at ``options.presence``), SmoothGrad, SHAP, and AttnLRP at
-    that presence calibrated on 8 random half removals (:data:`CALIBRATED`,
-    :func:`~captum_attention.metrics.calibrated_attribution`)."""
-    return [*method_names(), SMOOTHGRAD, SHAP, CALIBRATED]
+    that presence refined by 8 removals: calibrated on random halves (:data:`CALIBRATED`,
+    :func:`~captum_attention.metrics.calibrated_attribution`), or its top tokens chosen by
+    greedy deletion (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
+    return [*method_names(), SMOOTHGRAD, SHAP, *REFINED]
 
 
 @dataclass
@@ -249,7 +254,8 @@ Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
 
 def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
-    reported = [n for n in names if n in method_names()] + ([PRESENCE] if CALIBRATED in names else [])
+    refined = [n for n in names if n in REFINED]
+    reported = [n for n in names if n in method_names()] + ([PRESENCE] if refined and PRESENCE not in names else [])
     chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence)
 
     def from_report(method: ReportMethod) -> Explainer:
@@ -260,20 +266,35 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
         explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
-    if CALIBRATED in names:
-        explainers[CALIBRATED] = _calibrated(model, tokenizer, explainers[PRESENCE])
+    if refined:
+        explainers[PRESENCE] = _once_per_batch(explainers[PRESENCE])
+        for name in refined:
+            explainers[name] = _refined(model, tokenizer, explainers[PRESENCE], REFINED[name])
     return {name: explainers[name] for name in names}
 
 
-def _calibrated(model: Any, tokenizer: Any, at_presence: Explainer) -> Explainer:
-    """``at_presence``'s scores calibrated on 8 random half removals of the words, the
-    special tokens kept as the metrics keep them (each example's removals its own: the
-    same scores in any batch)."""
+def _once_per_batch(explain: Explainer) -> Explainer:
+    """``explain``, computed once for a batch however many methods ask for its scores (a
+    batch comes to every method as the same tensors)."""
+    last: list[Any] = []
+
+    def cached(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
+        if not (last and last[0] is ids and last[1] is mask and last[2] is targets):
+            last[:] = [ids, mask, targets, explain(ids, mask, targets, texts)]
+        return last[3]
+
+    return cached
+
+
+def _refined(model: Any, tokenizer: Any, at_presence: Explainer, refine: Callable[..., Tensor]) -> Explainer:
+    """``at_presence``'s scores refined by ``refine`` (:data:`REFINED`) on its 8 removals of
+    the words, the special tokens kept as the metrics keep them. Each example's removals
+    depend on it alone: the same scores in any batch."""
     forward = classifier_forward(model)
 
     def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
         prior = at_presence(ids, mask, targets, texts)
-        return calibrated_attribution(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
+        return refine(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
 
     return explain
 
