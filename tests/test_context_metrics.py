@@ -223,14 +223,19 @@ def test_attention_shares_refuse_an_encoder_decoder_in_one_line():
 
 
 def test_an_example_scores_the_same_alone_and_in_a_padded_batch():
+    """The top-k drop, and the LDS with ``per_example`` (each example's ablations drawn
+    from its own seed): the same alone as in the padded batch."""
     model, prompts, scores = _case(2)
     together = top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores)
+    own = dict(num_ablations=8, per_example=True)
+    lds = linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, SEGMENTS, **own)
     for b in range(3):
         real = prompts.real[b]
-        alone = top_k_log_prob_drop(
-            model, prompts.input_ids[b : b + 1, real], prompts.attention_mask[b : b + 1, real], ANSWER[b : b + 1], scores[b : b + 1, real]
-        )
+        one = (prompts.input_ids[b : b + 1, real], prompts.attention_mask[b : b + 1, real], ANSWER[b : b + 1])
+        alone = top_k_log_prob_drop(model, *one, scores[b : b + 1, real])
         torch.testing.assert_close(together[b : b + 1], alone, atol=1e-4, rtol=1e-4)
+        lds_alone = linear_datamodeling_score(model, *one, scores[b : b + 1, real], SEGMENTS[b : b + 1, real], **own)
+        assert lds_alone.item() == pytest.approx(lds[b].item(), abs=1e-6)
 
 
 def test_registered_for_generation_and_out_of_the_classifier_evaluation():

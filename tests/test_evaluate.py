@@ -9,6 +9,7 @@ give exactly the rows of one uninterrupted single-process run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import runpy
 import shutil
@@ -26,7 +27,7 @@ import transformers as tf
 from conftest import SwallowsCtrlC, killed_part_way
 
 from captum_attention import GradSAM
-from captum_attention.metrics import aopc, comprehensiveness, token_f1
+from captum_attention.metrics import aopc, comprehensiveness, datamodeling_score, token_f1
 from captum_attention.presentation import evaluate as ev
 from captum_attention.presentation.cli import main
 
@@ -93,6 +94,9 @@ def test_rows_match_the_metrics_on_each_example_alone(checkpoint, tmp_path, caps
         row = next(r for r in rows if r["index"] == example.index and r["method"] == "grad_sam")
         expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
         assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+        lds = datamodeling_score(forward, ids, mask, scores, predicted, keep=keep, per_example=True).item()  # its own draws
+        assert (row["datamodeling"] is None) == math.isnan(lds)
+        assert row["datamodeling"] is None or row["datamodeling"] == pytest.approx(lds, abs=1e-6)
         rationale = torch.tensor([[False] + [w in example.rationale for w in example.text.split()] + [False]])
         assert row["token_f1"] == pytest.approx(token_f1(scores, rationale, (mask == 1) & ~keep).item(), abs=1e-6)
         assert row["predicted"] == int(predicted)

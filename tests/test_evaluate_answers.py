@@ -90,7 +90,7 @@ def test_rows_are_the_metrics_of_each_answer_alone(llm, tmp_path, capsys):
             segments = torch.tensor([[-1] + [sum(position >= sum(bounds[: k + 1]) for k in range(len(bounds))) for position in range(len(words))]])
         else:
             segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])  # each token its own, numbered by position
-        assert row["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+        assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, scores, segments), abs=1e-6)
         drop = top_k_log_prob_drop(model, ids, mask, answer, scores, (3,), segments)[0, 0]
         assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
 
@@ -140,7 +140,7 @@ def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2se
     answer = tokenizer(rows[0]["answer"], add_special_tokens=False, return_tensors="pt").input_ids
     mask, segments = torch.ones_like(ids), torch.tensor([[-1] + list(range(1, ids.shape[1]))])
     scores = scored(model, ids, mask, answer, segments)
-    assert rows[0]["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+    assert rows[0]["lds"] == pytest.approx(_lds(model, ids, mask, answer, scores, segments), abs=1e-6)
     assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", method, "--output", str(tmp_path / "s2s")]) == 1
     assert f"{method} explains one self-attention stack" in capsys.readouterr().err
 
@@ -180,7 +180,7 @@ def test_a_sequence_to_sequence_models_answers_are_scored_over_its_source(seq2se
     assert float(answer_log_probs(model, ids, mask, answer)[0]) == pytest.approx(expected, abs=1e-5)
     scores = TransformerAttribution(model).attribute_span(ids, answer, additional_forward_args=(mask,))[0]
     segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])  # BOS kept, each token its own, numbered by position
-    assert row["lds"] == pytest.approx(float(linear_datamodeling_score(model, ids, mask, answer, scores, segments)[0]), abs=1e-6)
+    assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, scores, segments), abs=1e-6)
     top = int(scores[0, 1:].argmax()) + 1  # the top segment deleted by hand, the source closing up
     kept = torch.cat([ids[:, :top], ids[:, top + 1 :]], dim=1)
     with torch.no_grad():
@@ -231,3 +231,8 @@ def test_bad_rows_get_one_clear_line(llm, tmp_path, capsys, row, message):
     assert main(["evaluate", str(data), "--model", str(llm), "--output", str(tmp_path / "out")]) != 0
     error = capsys.readouterr().err
     assert message in error and "line 1" in error and error.count("\n") == 1
+
+
+def _lds(model, ids, mask, answer, scores, segments) -> float:
+    """The ``lds`` metric's value for one answer: its own ablations."""
+    return float(linear_datamodeling_score(model, ids, mask, answer, scores, segments, per_example=True)[0])

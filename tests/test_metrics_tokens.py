@@ -160,23 +160,37 @@ def test_ablated_probs_by_hand(bag, removal):
         ablated_probs(model, ids, mask, kept[:, :, :4])
 
 
+@pytest.mark.parametrize("per_example", [False, True])
 @pytest.mark.parametrize("removal", ["delete", "replace"])
-def test_datamodeling_score_by_hand(bag, removal):
-    """The seeded half ablations drawn again, each probability and each summed score by
-    hand, and scipy's Spearman per example."""
+def test_datamodeling_score_by_hand(bag, removal, per_example):
+    """The seeded half ablations drawn again (over the batch's padded shape, or with
+    ``per_example`` each example's over its removable tokens from the CRC-32 of its
+    tokens), each probability and each summed score by hand, and scipy's Spearman per
+    example; with ``per_example`` the padded example alone scores the same."""
     model, ids, mask, target, _ = bag
     scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4))
     keep = torch.zeros_like(mask, dtype=torch.bool)
     keep[:, 0] = True
-    lds = datamodeling_score(model, ids, mask, scores, num_ablations=6, seed=5, removal=removal, baseline_token_id=0, keep=keep)
+    options = dict(num_ablations=6, seed=5, removal=removal, baseline_token_id=0)
+    lds = datamodeling_score(model, ids, mask, scores, keep=keep, per_example=per_example, **options)
     drawn = torch.rand(2, 6, 8, generator=torch.Generator().manual_seed(5)) < 0.5
     full = model(ids, mask).softmax(-1).gather(1, target[:, None])
     for row in range(2):
-        removable = range(1, int(mask[row].sum()))
+        length = int(mask[row].sum())
+        removable = range(1, length)
+        if per_example:
+            own_seed = zlib.crc32(ids[row, :length].numpy().astype("int64").tobytes(), 5)
+            drawn[row] = False
+            drawn[row, :, 1:length] = torch.rand(6, length - 1, generator=torch.Generator().manual_seed(own_seed)) < 0.5
         removed = [(row, {i for i in removable if not drawn[row, a, i]}) for a in range(6)]
         probs = full[row] - _by_hand(model, ids, mask, target, removed)
         predicted = [sum(float(scores[row, i]) for i in removable if drawn[row, a, i]) for a in range(6)]
         assert lds[row].item() == pytest.approx(stats.spearmanr(predicted, probs).statistic)
+    if per_example:
+        short = int(mask[1].sum())
+        alone = datamodeling_score(model, ids[1:, :short], mask[1:, :short], scores[1:, :short], keep=keep[1:, :short],
+                                   per_example=True, **options)
+        assert alone[0].item() == pytest.approx(lds[1].item())
 
 
 @pytest.mark.parametrize("removal", ["delete", "replace"])

@@ -259,6 +259,7 @@ def linear_datamodeling_score(
     num_ablations: int = 32,
     seed: int = 0,
     max_batch_size: int = 64,
+    per_example: bool = False,
 ) -> Tensor:
     r"""LDS (ContextCite): Spearman's ρ, over ``num_ablations`` random ablations that keep
     each segment with probability 1/2 (seeded), between :math:`\sum_{s \text{ kept}}
@@ -270,6 +271,12 @@ def linear_datamodeling_score(
         num_ablations (int, optional): random ablations per example. Default: 32.
         seed (int, optional): seed of the ablations (the same for every attribution of
             an example, so that LDS compares them on the same ablations). Default: 0.
+        per_example (bool, optional): draw each example's ablations alone, from ``seed``
+            and its prompt's tokens and segments
+            (:func:`~captum_attention.metrics.token_removal.example_seeds`), so that its
+            score is the same in any batch and under any padding, as the registered
+            ``lds`` metric draws them. Default: False: drawn over the batch's padded
+            shape, as the benchmarks' figures were.
 
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
@@ -278,7 +285,7 @@ def linear_datamodeling_score(
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
     scores = scorer.segment_scores(attributions).masked_fill(~scorer.present, 0.0)
-    kept, actual = _random_ablations(scorer, num_ablations, seed)
+    kept, actual = _random_ablations(scorer, num_ablations, seed, per_example)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
     return spearman(predicted.float().cpu(), actual.cpu())
 

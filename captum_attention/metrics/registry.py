@@ -162,14 +162,14 @@ def _sufficiency(
 
 @register_metric(
     "datamodeling", "LDS: Spearman's rho between the kept tokens' summed scores and the class's probability over 32 "
-    "seeded random half removals",
+    "seeded random half removals, each example's its own",
 )
 def _datamodeling(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    return datamodeling_score(forward_func, inputs, mask, attributions, target, keep=context.keep)
+    return datamodeling_score(forward_func, inputs, mask, attributions, target, keep=context.keep, per_example=True)
 
 
 @register_metric(
@@ -222,13 +222,16 @@ def _top_k_log_prob_drop(
     return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments())[:, 0]
 
 
-@register_metric("lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations", task="generation")
+@register_metric(
+    "lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations, each example's its own", task="generation"
+)
 def _lds(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, context.prompt_segments())
+    segments = context.prompt_segments()
+    return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True)
 
 
 @register_metric("loo_agreement", "Spearman's rho with the segments' leave-one-out log-probability drops", task="generation")

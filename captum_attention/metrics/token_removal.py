@@ -527,6 +527,7 @@ def datamodeling_score(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    per_example: bool = False,
 ) -> Tensor:
     r"""LDS of a classifier's explanation (Park et al., ICML 2023; ContextCite's measure,
     Cohen-Wang et al., NeurIPS 2024): Spearman's ρ, over ``num_ablations`` random
@@ -550,6 +551,11 @@ def datamodeling_score(
         seed (int, optional): seed of the ablations, the same for every attribution of an
             example, so that LDS compares them on the same ablations (keep it apart from
             the seed of any ablations a surrogate is fitted on). Default: 0.
+        per_example (bool, optional): draw each example's ablations alone, from ``seed``
+            and its tokens (:func:`example_seeds`), so that its score is the same in any
+            batch and under any padding, as the registered ``datamodeling`` metric (and
+            ``captum-attention evaluate``) draws them. Default: False: drawn over the
+            batch's padded shape, as the benchmarks' figures were.
 
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant (an example with
@@ -564,7 +570,8 @@ def datamodeling_score(
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
     remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
     remover.check_scores(attributions)
-    kept = random_halves(remover.removable, num_ablations, seed)
+    own_seeds = example_seeds(input_ids, remover.real, seed) if per_example else None
+    kept = random_halves(remover.removable, num_ablations, seed, own_seeds)
     scores = attributions.detach().double().to(kept.device).masked_fill(~remover.removable, 0.0)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
     return spearman(predicted.cpu(), remover.kept_probs(kept).cpu())
