@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -256,10 +257,35 @@ def test_smoothgrad_and_shap_rows_are_reproducible(checkpoint, tmp_path):
     first = _rows(tmp_path / "a")
     assert [(r["index"], r["method"]) for r in first] == [(i, m) for i in range(5) for m in ("smoothgrad", "shap")]
     assert all(r["comprehensiveness"] is not None and r["token_f1"] is not None for r in first)
-    assert first == _rows(tmp_path / "again"), "SmoothGrad's noise is fixed per batch"
-    for one, other in zip(first, _rows(tmp_path / "other")):
-        if one["method"] == "shap":  # SHAP explains each text alone: the batches do not matter
-            assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)
+    assert first == _rows(tmp_path / "again")
+    for one, other in zip(first, _rows(tmp_path / "other")):  # each text explained alone: the batches do not matter
+        assert one["comprehensiveness"] == pytest.approx(other["comprehensiveness"], abs=1e-5)
+
+
+def test_smoothgrad_explains_each_text_alone_with_its_own_noise(checkpoint, tmp_path):
+    """In a padded batch, each text's SmoothGrad scores are NoiseTunnel over Saliency on
+    it alone: σ = 0.1 · its embeddings' spread, the noise seeded by the CRC-32 of its ids."""
+    from captum.attr import NoiseTunnel, Saliency
+
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+    texts = [e.text for e in ev.read_dataset(_data(tmp_path, 3))[0]]
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    assert not bool(mask.all()), "a padded batch"
+    targets = torch.tensor([0, 1, 1])
+    state = torch.random.get_rng_state()
+    scores = ev._smoothgrad(model, 4)(ids, mask, targets, texts)
+    assert torch.equal(torch.random.get_rng_state(), state), "the caller's random state is left as it was"
+    tunnel = NoiseTunnel(Saliency(lambda e, m: model(inputs_embeds=e, attention_mask=m).logits))
+    for row in range(3):
+        length = int(mask[row].sum())
+        embeddings = model.get_input_embeddings()(ids[row : row + 1, :length]).detach()
+        torch.manual_seed(zlib.crc32(ids[row, :length].numpy().astype("int64").tobytes(), 0))
+        expected = tunnel.attribute(embeddings, nt_type="smoothgrad", nt_samples=4, stdevs=0.1 * float(embeddings.std()),
+                                    target=targets[row : row + 1], additional_forward_args=(mask[row : row + 1, :length],))
+        torch.testing.assert_close(scores[row, :length], expected[0].sum(dim=-1))
+        assert not scores[row, length:].any()
 
 
 def _assert_comprehensiveness_rows(checkpoint: Path, data: Path, rows: list[dict], scorers: dict[str, Callable[..., Any]]) -> None:

@@ -31,6 +31,7 @@ from ..capture.guard import ctrl_c_noticed
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs, leave_one_out_estimates
+from ..metrics.token_removal import example_seeds
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
@@ -301,7 +302,9 @@ def _refined(model: Any, tokenizer: Any, at_presence: Explainer, refine: Callabl
 
 def _smoothgrad(model: Any, samples: int) -> Explainer:
     """SmoothGrad (Captum's ``NoiseTunnel`` over ``Saliency``) on the word embeddings,
-    σ = 0.1 · their standard deviation, summed over the hidden dimension."""
+    summed over the hidden dimension; each example alone, unpadded, with σ = 0.1 · its
+    embeddings' standard deviation and noise from its own seed (:func:`example_seeds`):
+    the same scores in any batch, under any padding and in any process."""
     from captum.attr import NoiseTunnel, Saliency
 
     def forward(embeddings: Tensor, mask: Tensor) -> Tensor:
@@ -310,17 +313,18 @@ def _smoothgrad(model: Any, samples: int) -> Explainer:
     tunnel = NoiseTunnel(Saliency(forward))
 
     def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
-        embeddings = model.get_input_embeddings()(ids).detach()
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(0)  # the same noise for a batch whichever process runs it
-        try:
-            scores = tunnel.attribute(
-                embeddings, nt_type="smoothgrad", nt_samples=samples, stdevs=0.1 * float(embeddings.std()),
-                target=targets, additional_forward_args=(mask,),
-            )
-        finally:
-            torch.random.set_rng_state(generator_state)
-        return scores.sum(dim=-1).detach()
+        scores = torch.zeros(ids.shape, device=ids.device)
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # every device manual_seed seeds
+            for row, own_seed in enumerate(example_seeds(ids, mask, 0).tolist()):
+                real = mask[row] != 0
+                embeddings = model.get_input_embeddings()(ids[row, real][None]).detach()
+                torch.manual_seed(own_seed)
+                smoothed = tunnel.attribute(
+                    embeddings, nt_type="smoothgrad", nt_samples=samples, stdevs=0.1 * float(embeddings.std()),
+                    target=targets[row : row + 1], additional_forward_args=(mask[row : row + 1, real],),
+                )
+                scores[row, real] = smoothed[0].sum(dim=-1).detach()
+        return scores
 
     return explain
 
