@@ -437,6 +437,21 @@ def test_a_rerun_into_the_same_output_resumes_only_the_same_run(checkpoint, tmp_
     assert "resuming: 2 of 2 batches" in capsys.readouterr().out
 
 
+def test_rows_of_an_earlier_kind_are_not_resumed_into(checkpoint, tmp_path, capsys):
+    data, output = _data(tmp_path, count=6), tmp_path / "out"
+    args = [str(data), "--model", str(checkpoint), "--output", str(output), "--methods", "raw", "--metrics", "datamodeling"]
+    assert _run(*args) == 0
+    manifest = output / "manifest.json"
+    recorded = json.loads(manifest.read_text())
+    assert recorded["rows_version"] == ev.ROWS_VERSION
+    del recorded["rows_version"]
+    manifest.write_text(json.dumps(recorded))
+    capsys.readouterr()
+    assert _run(*args) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"rows_version: None there, {ev.ROWS_VERSION} now" in error
+
+
 def test_a_row_with_no_token_to_rank_is_refused_before_any_work_or_skipped(checkpoint, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "good film"}\n{"text": "\U0001f642"}\n{"text": "dull plot"}\n')

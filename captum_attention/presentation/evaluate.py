@@ -41,7 +41,8 @@ from .explain import (
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "answer_metric_names",
+    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
+    "answer_metric_names",
     "batches", "check_request", "evaluate", "evaluate_answers", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
@@ -168,12 +169,19 @@ class EvaluationInterrupted(ResumableInterrupt):
         self.done, self.total = done, total
 
 
+ROWS_VERSION = 2
+"""How the rows are computed: raised whenever a method's scores or a metric's draws change
+for the same example, so that a run is never resumed into rows of two kinds. 2: each
+example's LDS removals and SmoothGrad noise drawn from its own seed; manifests written
+before had no such entry."""
+
+
 def run_manifest(
     model: Any, examples: Sequence[Any], methods: Sequence[str], metrics: Sequence[str], options: Any
 ) -> dict[str, Any]:
     """What makes two runs the same run (so that one may resume the other): the data's
     hash, the methods, the metrics, the model, the batch size, the methods' budgets, the
-    head weights Learned Attention reads and the library's version."""
+    head weights Learned Attention reads, the library's version and :data:`ROWS_VERSION`."""
     return {
         "data": data_digest(examples),
         "methods": list(methods),
@@ -183,6 +191,7 @@ def run_manifest(
         "budgets": _budgets(options),
         "head_weights": _head_weights_digest(model) if "learned_attention" in methods else None,
         "version": _version(),
+        "rows_version": ROWS_VERSION,
     }
 
 
