@@ -171,6 +171,35 @@ def test_attn_lrp_at_a_presence_on_request(checkpoints, tmp_path):
         assert refused.returncode == 1 and f"--presence must lie in (0, 1] (1: each token as it is), got {float(value)}" in refused.stderr
 
 
+def test_the_presence_calibrated_on_request_is_calibrated_attribution(checkpoints, tmp_path):
+    """``--methods attn_lrp_presence_calibrated``: the presence's scores calibrated on 8
+    random removals of the words (special tokens kept), each sentence's the same alone as
+    in the batch."""
+    from captum_attention.metrics import calibrated_attribution
+
+    classifier, _ = checkpoints
+    name = "AttnLRP at presence 0.2, calibrated"
+    paths = [tmp_path / "batch.json", tmp_path / "alone.json"]
+    for path, sentences in zip(paths, (SENTENCES, SENTENCES[:1])):
+        result = run_cli("explain", *sentences, "--model", str(classifier), "--methods", "attn_lrp_presence_calibrated",
+                         "--presence", "0.2", "--raw", "--json", str(path))
+        assert result.returncode == 0, result.stderr
+    written = json.loads(paths[0].read_text(encoding="utf-8"))
+    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier)
+    special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+    presence = torch.where(~special & (mask == 1), 0.2, 1.0)
+    prior = REGISTERED["attn_lrp"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,),
+                                                                  presence=presence).detach()
+    expected = calibrated_attribution(forward, ids, mask, prior, targets, keep=special)
+    for row, sentence in enumerate(written["sentences"]):
+        length = int(mask[row].sum())
+        torch.testing.assert_close(torch.tensor(sentence["scores"][name]), expected[row, :length], rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(expected[row, :length], prior[row, :length], rtol=0.05), "the removals move the scores"
+    alone = json.loads(paths[1].read_text(encoding="utf-8"))["sentences"][0]["scores"][name]
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(written["sentences"][0]["scores"][name]), rtol=1e-4, atol=1e-6)
+    assert written["methods"][name] == {"uses_target": True, "signed": True}
+
+
 def test_every_registered_method_on_request(checkpoints, tmp_path):
     """``--methods`` takes every registered method, each under its own name with the
     library's scores; Learned Attention reads the head weights saved beside the model (a

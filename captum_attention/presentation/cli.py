@@ -16,9 +16,9 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .evaluate import REFINED, SHAP, SMOOTHGRAD, answer_metric_names, metric_names, rationale_metrics
+from .evaluate import GREEDY, SHAP, SMOOTHGRAD, answer_metric_names, metric_names, rationale_metrics
 from .explain import (
-    INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
+    CALIBRATED, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
 )
 from .text import count as _count, has_surrogates, terminal_safe
 
@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--methods", help="comma-separated methods to run (default: the methods of reports, and "
                          "integrated_gradients for classifiers): " + ", ".join(default_method_names())
                          + "; also " + ", ".join(_more_methods()) + " (attn_lrp_presence: not for a vision-language "
-                         "model)")
+                         "model; attn_lrp_presence_calibrated, the presence calibrated on 8 removals of the words: "
+                         "classifiers only)")
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
@@ -89,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
-                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods(), SMOOTHGRAD, SHAP, *REFINED]) + "; for a "
+                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods(), SMOOTHGRAD, SHAP, GREEDY]) + "; for a "
                           "language model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
@@ -276,6 +277,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         if getattr(arguments, option) < 1:
             raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(arguments, option)}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
+    check_methods(methods, answers=True)
     _check_presence(arguments)
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
@@ -326,7 +328,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE):
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
                              + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))

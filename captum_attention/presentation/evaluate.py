@@ -35,8 +35,8 @@ from ..metrics.token_removal import example_seeds
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    PRESENCE, ReportMethod, check_methods, check_names, classifier_forward, ig_baseline, length_limit, method_names, registered_method, report_methods,
-    saved_head_weights, span_presence,
+    CALIBRATED, PRESENCE, ReportMethod, check_methods, check_names, classifier_forward, ig_baseline, length_limit, method_names,
+    refined_method, registered_method, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -76,19 +76,19 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
 
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
-CALIBRATED, GREEDY = "attn_lrp_presence_calibrated", "attn_lrp_presence_greedy"
+GREEDY = "attn_lrp_presence_greedy"
 REFINED: dict[str, Callable[..., Tensor]] = {CALIBRATED: calibrated_attribution, GREEDY: greedy_deletion}
 """The methods that refine :data:`PRESENCE`'s scores with a few removals of the words, and
 how: each takes ``(forward, ids, mask, prior, target, keep=...)``."""
 
 
 def evaluation_methods() -> list[str]:
-    """What ``methods=`` accepts: the registered methods, Integrated Gradients, AttnLRP at
-    a presence (:data:`PRESENCE`, at ``options.presence``), SmoothGrad, SHAP, and AttnLRP at
-    that presence refined by 8 removals: calibrated on random halves (:data:`CALIBRATED`,
-    :func:`~captum_attention.metrics.calibrated_attribution`), or its top tokens chosen by
-    greedy deletion (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
-    return [*method_names(), SMOOTHGRAD, SHAP, *REFINED]
+    """What ``methods=`` accepts: ``explain``'s (:func:`~captum_attention.presentation.explain.method_names`:
+    the registered methods, Integrated Gradients, AttnLRP at a presence, at
+    ``options.presence``, and that presence calibrated on 8 random removals of the words),
+    SmoothGrad, SHAP, and the presence's top tokens chosen by greedy deletion over 8
+    removals (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
+    return [*method_names(), SMOOTHGRAD, SHAP, GREEDY]
 
 
 @dataclass
@@ -265,7 +265,7 @@ Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
 def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
     refined = [n for n in names if n in REFINED]
-    reported = [n for n in names if n in method_names()] + ([PRESENCE] if refined and PRESENCE not in names else [])
+    reported = [n for n in names if n in method_names() and n not in REFINED] + ([PRESENCE] if refined and PRESENCE not in names else [])
     chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence)
 
     def from_report(method: ReportMethod) -> Explainer:
@@ -279,7 +279,7 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
     if refined:
         explainers[PRESENCE] = _once_per_batch(explainers[PRESENCE])
         for name in refined:
-            explainers[name] = _refined(model, tokenizer, explainers[PRESENCE], REFINED[name])
+            explainers[name] = refined_method(explainers[PRESENCE], REFINED[name], classifier_forward(model), tokenizer)
     return {name: explainers[name] for name in names}
 
 
@@ -294,19 +294,6 @@ def _once_per_batch(explain: Explainer) -> Explainer:
         return last[3]
 
     return cached
-
-
-def _refined(model: Any, tokenizer: Any, at_presence: Explainer, refine: Callable[..., Tensor]) -> Explainer:
-    """``at_presence``'s scores refined by ``refine`` (:data:`REFINED`) on its 8 removals of
-    the words, the special tokens kept as the metrics keep them. Each example's removals
-    depend on it alone: the same scores in any batch."""
-    forward = classifier_forward(model)
-
-    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
-        prior = at_presence(ids, mask, targets, texts)
-        return refine(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
-
-    return explain
 
 
 def _smoothgrad(model: Any, samples: int) -> Explainer:

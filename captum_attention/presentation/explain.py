@@ -11,6 +11,7 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
+from ..metrics import calibrated_attribution
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from .display import special_tokens
 
@@ -19,6 +20,9 @@ INTEGRATED_GRADIENTS = "integrated_gradients"
 PRESENCE = "attn_lrp_presence"
 """AttnLRP with each text's tokens (a prompt's) at a presence in every attention call, the
 special tokens (and an answer) at 1: its ``presence`` option, on request."""
+CALIBRATED = "attn_lrp_presence_calibrated"
+"""A classifier's :data:`PRESENCE` calibrated on 8 random removals of the words
+(:func:`~captum_attention.metrics.calibrated_attribution`), on request."""
 
 
 @dataclass
@@ -117,8 +121,9 @@ def default_method_names() -> list[str]:
 
 def method_names() -> list[str]:
     """What ``--methods`` accepts: every registered method (:data:`~captum_attention.attr.REGISTRY`),
-    Integrated Gradients, then AttnLRP at a presence (:data:`PRESENCE`)."""
-    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE]
+    Integrated Gradients, AttnLRP at a presence (:data:`PRESENCE`), then, for classifiers, that
+    presence calibrated (:data:`CALIBRATED`)."""
+    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED]
 
 
 def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
@@ -142,6 +147,7 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, o
     refused = {
         "a language model's next-token logit, not a classifier's":
             [] if answers else [name for name, spec in specs.items() if not spec.classifiers],
+        "a classifier's prediction, not an answer": [CALIBRATED] if answers and CALIBRATED in names else [],
         "one answer token at a time, not a whole answer":
             [name for name, spec in specs.items() if not spec.spans] if answers else [],
         "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
@@ -179,6 +185,22 @@ def presence_display(presence: float) -> str:
     return f"AttnLRP at presence {presence:g}"
 
 
+def refined_method(
+    at_presence: Callable[..., torch.Tensor], refine: Callable[..., torch.Tensor], forward: Callable[..., Any], tokenizer: Any
+) -> Callable[..., torch.Tensor]:
+    """``run(ids, mask, targets, extra)``: ``at_presence(ids, mask, targets, extra)``'s scores
+    refined by ``refine`` (:func:`~captum_attention.metrics.calibrated_attribution`,
+    :func:`~captum_attention.metrics.greedy_deletion`) on its 8 removals of the words, the
+    special tokens kept as the metrics keep them. Each example's removals depend on it
+    alone: the same scores in any batch."""
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, extra: Any) -> torch.Tensor:
+        prior = at_presence(ids, mask, targets, extra)
+        return refine(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
+
+    return run
+
+
 def presence_weights(ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, presence: float) -> torch.Tensor:
     """``ids``-shaped presences: ``presence`` for the text's tokens, 1 for the special
     tokens and the padding."""
@@ -206,8 +228,9 @@ def report_methods(
     presence: float = 0.05,
 ) -> dict[str, ReportMethod]:
     """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
-    in the registry's order, then Integrated Gradients, then :data:`PRESENCE`, whose
-    ``presence`` needs the ``tokenizer`` to keep the special tokens at 1)."""
+    in the registry's order, then Integrated Gradients, then :data:`PRESENCE` and
+    :data:`CALIBRATED`, whose ``presence`` needs the ``tokenizer`` to keep the special
+    tokens at 1)."""
     forward = classifier_forward(model)
     explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
@@ -230,15 +253,22 @@ def report_methods(
         methods[INTEGRATED_GRADIENTS] = ReportMethod(
             "Integrated Gradients", integrated_gradients, MethodInfo(uses_target=True, signed=True)
         )
+    if PRESENCE not in names and CALIBRATED not in names:
+        return methods
+    attn_lrp = METHODS["attn_lrp"](forward, model=model)
+
+    def at_presence(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+        weights = presence_weights(ids, mask, tokenizer, presence)
+        return attn_lrp.attribute(ids, target=targets, additional_forward_args=(mask,), presence=weights)
+
+    spec = METHODS["attn_lrp"].spec
     if PRESENCE in names:
-        attn_lrp = METHODS["attn_lrp"](forward, model=model)
-
-        def at_presence(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-            weights = presence_weights(ids, mask, tokenizer, presence)
-            return attn_lrp.attribute(ids, target=targets, additional_forward_args=(mask,), presence=weights)
-
-        spec = METHODS["attn_lrp"].spec
         methods[PRESENCE] = ReportMethod(presence_display(presence), at_presence, MethodInfo(spec.uses_target, spec.signed))
+    if CALIBRATED in names:
+        methods[CALIBRATED] = ReportMethod(
+            f"{presence_display(presence)}, calibrated", refined_method(at_presence, calibrated_attribution, forward, tokenizer),
+            MethodInfo(uses_target=True, signed=True),
+        )
     return methods
 
 
