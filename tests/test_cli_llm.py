@@ -130,6 +130,48 @@ def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down
     assert not torch.allclose(expected.seq_attr, plain.seq_attr, rtol=0.05), "the presence moves the scores"
 
 
+def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path, capsys):
+    """``--methods leave_one_out_estimates``: KnockoutGradient's first-order leave-one-out
+    effects, the two prompt tokens AttnLRP ranks highest deleted exactly (the BOS token
+    and the ``--skip`` tokens never removed); refused for a classifier before any work."""
+    import json
+
+    from captum.attr import TextTokenInput
+
+    from captum_attention import AttnLRP, KnockoutGradient
+
+    path = tmp_path / "estimates.json"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", "leave_one_out_estimates",
+                 "--skip", "[.]", "--per-token", "--json", str(path)]) == 0
+    written = json.loads(path.read_text(encoding="utf-8"))
+    scores = torch.tensor(written["seq_attr"]["Leave-one-out estimates"])
+    assert written["answer_tokens"] == ["seven", "."] and "Leave-one-out estimates" not in written["token_attr"]
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    inp = TextTokenInput(PROMPT, tokenizer, skip_tokens=["."])  # AttnLRP's second of all tokens
+    prompt, answer = inp.to_model_input(), torch.tensor([tokenizer.convert_tokens_to_ids(["seven", "."])])
+    features = inp.itp_mask[0]
+    removable = features & (prompt[0] != tokenizer.bos_token_id)
+
+    def log_prob(ids: torch.Tensor) -> float:
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([ids, answer], dim=1)).logits[0, ids.shape[1] - 1 : -1]
+        return float(logits.log_softmax(-1).gather(1, answer[0][:, None]).sum())
+
+    mask = torch.ones_like(prompt)
+    span = lambda method: method.attribute_span(prompt, answer, additional_forward_args=(mask,))[0, : prompt.shape[1]].detach()  # noqa: E731
+    first_order, prior = span(KnockoutGradient(model)), span(AttnLRP(model))
+    exact = prior.abs().masked_fill(~removable, -1).argsort(descending=True)[:2]
+    expected = first_order.clone()
+    for position in exact.tolist():
+        expected[position] = log_prob(prompt) - log_prob(prompt[:, torch.arange(prompt.shape[1]) != position])
+    expected = expected.masked_fill(~removable, 0.0)[features]
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
+    assert (scores != first_order[features]).sum() >= 2, "the exact deletions replace the first order"
+    assert run_cli("explain", "--methods", "leave_one_out_estimates", "good").stderr.count("\n") == 1
+    refused = run_cli("explain", "good", "--methods", "leave_one_out_estimates").stderr
+    assert "leave_one_out_estimates explains a language model's answer, not a classifier's prediction: leave it out." in refused
+
+
 def test_every_registered_method_explains_the_answer_on_request(llm, tmp_path, capsys):
     """``--methods`` takes any registered method: its whole-answer and per-token scores are
     the LLM interface's; Attention Flow, which has no span, is refused before any work."""
@@ -196,5 +238,8 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
     assert "decoder-only models" in capsys.readouterr().err
-    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence,alti,grad_sam"]) == 1
-    assert "attn_lrp_presence, alti explain one self-attention stack, not an encoder-decoder's answers" in capsys.readouterr().err
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence,alti,leave_one_out_estimates"]) == 1
+    assert (
+        "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder's answers"
+        in capsys.readouterr().err
+    )

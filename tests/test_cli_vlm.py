@@ -111,8 +111,9 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     refusal = capsys.readouterr().err
     assert "not available for vision-language models" in refusal
     assert "grad_sam" in refusal and "attention_flow" not in refusal  # only what explains a whole answer
-    assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "attn_lrp_presence"]) == 1
-    assert "attn_lrp_presence is not available for vision-language models" in capsys.readouterr().err
+    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "leave_one_out_estimates"):
+        assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", method]) == 1
+        assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
     assert "--image is for a vision-language model" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(llava)]) == 1

@@ -16,7 +16,8 @@ from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pix
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
 from .explain import (
-    INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, check_methods, presence_display, registered_method, span_presence,
+    ESTIMATES, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates, check_methods, presence_display,
+    registered_method, removable_segments, span_presence,
 )
 
 
@@ -91,29 +92,44 @@ def explain_answer(
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
     answer_ids = target_ids(model, tokenizer, inp, target, gen_args)
     special_ids = set(tokenizer.all_special_ids)
-    result = None
     explanation = AnswerExplanation(
         prompt_tokens=list(inp.values), special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
-        answer_tokens=[], answer=tokenizer.decode(answer_ids), generated=target is None, skipped=skipped,
+        answer_tokens=pretty_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
+        generated=target is None, skipped=skipped,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
     )
     for name in chosen:
+        display = presence_display(presence) if name == PRESENCE else _display(name)
+        start = time.perf_counter()
+        if name == ESTIMATES:
+            explanation.seq_attr[display] = _estimates(model, inp, answer_ids, special_ids).tolist()
+            explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
+            explanation.seconds[display] = time.perf_counter() - start
+            continue
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
-        start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
             result = wrapper.attribute(inp, target=answer_ids, n_steps=ig_steps)
         else:
             result = wrapper.attribute(inp, target=answer_ids, per_token=per_token, **options)
-        display = presence_display(presence) if name == PRESENCE else _display(name)
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = info
         explanation.seq_attr[display] = result.seq_attr.float().tolist()
         if per_token and result.token_attr is not None:
             explanation.token_attr[display] = result.token_attr.float().tolist()
-    if result is not None:
-        explanation.answer_tokens = list(result.output_tokens)
     return explanation
+
+
+def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, special_ids: set[int]) -> torch.Tensor:
+    """``(features,)``: :data:`~captum_attention.presentation.explain.ESTIMATES` of the
+    prompt's features, each token its own segment; the special tokens and the skipped
+    ones are never removed."""
+    device = next(model.parameters()).device
+    ids = inp.to_model_input().to(device)
+    features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
+    keep = torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype, device=device)) | ~features
+    scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None))
+    return scores[features].float().cpu()
 
 
 def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
@@ -134,7 +150,7 @@ def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | No
 
 
 def _display(name: str) -> str:
-    return "Integrated Gradients" if name == INTEGRATED_GRADIENTS else REGISTRY[name].get_name()
+    return {INTEGRATED_GRADIENTS: "Integrated Gradients", ESTIMATES: "Leave-one-out estimates"}.get(name) or REGISTRY[name].get_name()
 
 
 def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:

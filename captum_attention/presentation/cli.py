@@ -16,9 +16,10 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .evaluate import GREEDY, SHAP, SMOOTHGRAD, answer_metric_names, metric_names, rationale_metrics
+from ..attr import METHODS
+from .evaluate import answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
-    CALIBRATED, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
+    CALIBRATED, ESTIMATES, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
 )
 from .text import count as _count, has_surrogates, terminal_safe
 
@@ -68,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                          "integrated_gradients for classifiers): " + ", ".join(default_method_names())
                          + "; also " + ", ".join(_more_methods()) + " (attn_lrp_presence: not for a vision-language "
                          "model; attn_lrp_presence_calibrated, the presence calibrated on 8 removals of the words: "
-                         "classifiers only)")
+                         "classifiers only; leave_one_out_estimates, first-order leave-one-out effects with AttnLRP's "
+                         "top 2 tokens deleted exactly: a causal language model's answer only)")
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
@@ -90,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
                           "language model checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
-                          + ", ".join([INTEGRATED_GRADIENTS, *_more_methods(), SMOOTHGRAD, SHAP, GREEDY]) + "; for a "
+                          + ", ".join(name for name in evaluation_methods() if name not in METHODS)
+                          + "; for a "
                           "language model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
@@ -266,7 +269,6 @@ def _prompt(arguments: argparse.Namespace) -> str:
 def _explain_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a causal or sequence-to-sequence language model: the answer, and
     each method's prompt (source) tokens."""
-    from ..attr import METHODS
     from ..loading import load_causal_lm
     from .answer import explain_answer
 
@@ -314,7 +316,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
 def _explain_image_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a vision-language model: the answer about ``--image``, each method's
     prompt tokens (the image's as one) and the image's grid."""
-    from ..attr import METHODS, REGISTRY
+    from ..attr import REGISTRY
     from ..loading import load_vision_language_model
     from .answer import explain_image_answer
 
@@ -328,7 +330,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED):
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, ESTIMATES):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
                              + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))
@@ -393,7 +395,6 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 
 
 def _evaluate(arguments: argparse.Namespace) -> None:
-    from ..attr import METHODS
     from .evaluate import Options, check_request, evaluate, read_dataset
     from ..loading import checkpoint_task, load_classifier
 
@@ -437,7 +438,6 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 def _evaluate_answers(arguments: argparse.Namespace) -> None:
     """``evaluate`` for a causal or sequence-to-sequence language model: each row's answer
     explained over its prompt (the source) and scored by the context metrics."""
-    from ..attr import METHODS
     from ..loading import load_causal_lm
     from .evaluate import AnswerOptions, evaluate_answers, read_answers
 

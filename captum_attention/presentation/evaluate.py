@@ -26,17 +26,17 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..attr.llm import prompt_side
 from ..capture.guard import ctrl_c_noticed
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
-from ..metrics.context import answer_log_probs, leave_one_out_estimates
+from ..metrics.context import answer_log_probs
 from ..metrics.token_removal import example_seeds
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    CALIBRATED, PRESENCE, ReportMethod, check_methods, check_names, classifier_forward, ig_baseline, length_limit, method_names,
-    refined_method, registered_method, report_methods, saved_head_weights, span_presence,
+    CALIBRATED, ESTIMATES, PRESENCE, ReportMethod, answer_estimates, check_methods, check_names, classifier_forward,
+    ig_baseline, length_limit, method_names, prompt_span, refined_method, registered_method, removable_segments,
+    report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -83,12 +83,12 @@ how: each takes ``(forward, ids, mask, prior, target, keep=...)``."""
 
 
 def evaluation_methods() -> list[str]:
-    """What ``methods=`` accepts: ``explain``'s (:func:`~captum_attention.presentation.explain.method_names`:
+    """What ``methods=`` accepts: ``explain``'s for classifiers (:func:`~captum_attention.presentation.explain.method_names`:
     the registered methods, Integrated Gradients, AttnLRP at a presence, at
     ``options.presence``, and that presence calibrated on 8 random removals of the words),
     SmoothGrad, SHAP, and the presence's top tokens chosen by greedy deletion over 8
     removals (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
-    return [*method_names(), SMOOTHGRAD, SHAP, GREEDY]
+    return [*(name for name in method_names() if name != ESTIMATES), SMOOTHGRAD, SHAP, GREEDY]
 
 
 @dataclass
@@ -385,12 +385,6 @@ def _number(value: Tensor) -> float | None:
     return None if math.isnan(number) else number
 
 
-ESTIMATES = "leave_one_out_estimates"
-"""The answers' method that is no attribution class:
-:func:`~captum_attention.metrics.leave_one_out_estimates` (KnockoutGradient's first-order
-effects, the two segments AttnLRP ranks highest deleted exactly)."""
-
-
 def answer_method_names() -> list[str]:
     """What ``methods=`` accepts for a language model's answers: every registered method,
     :data:`ESTIMATES` and :data:`PRESENCE`."""
@@ -439,7 +433,7 @@ def evaluate_answers(
     check_names("method", methods, answer_method_names())
     check_names("metric", metrics, answer_metric_names())
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    check_methods(methods, answers=True, one_stack=not encoder_decoder, one_stack_only=(ESTIMATES, PRESENCE))
+    check_methods(methods, answers=True, one_stack=not encoder_decoder)
     needed = {name for name in methods if name not in (ESTIMATES, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
     needed |= {"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
@@ -463,16 +457,13 @@ def _evaluate_answer(
     def span_of(name: str) -> Tensor:
         if name not in spans:
             extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
-            explainer = explainers["attn_lrp" if name == PRESENCE else name]
-            span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(mask,), **extra))
-            spans[name] = span[:, : ids.shape[1]].float().detach()
+            spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, **extra)
         return spans[name]
 
     rows = []
     for name in methods:
         if name == ESTIMATES:
-            removable = removable_segments(keep, segments)
-            scores = leave_one_out_estimates(model, ids, mask, answer, span_of("knockout_gradient"), span_of("attn_lrp"), removable)
+            scores = answer_estimates(model, ids, answer, removable_segments(keep, segments), span_of)
         else:
             scores = span_of(name)
         values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
@@ -502,14 +493,6 @@ def answer_tensors(
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
     segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
     return ids, answer, keep, segments
-
-
-def removable_segments(keep: Tensor, segments: Tensor | None) -> Tensor:
-    """``segments``, or where the row names none each prompt token its own segment; -1 for
-    the tokens never removed (``keep``)."""
-    if segments is not None:
-        return segments
-    return torch.arange(keep.shape[1], device=keep.device)[None].masked_fill(keep, -1)
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
-from ..metrics import calibrated_attribution
+from ..attr.llm import prompt_side
+from ..metrics import calibrated_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from .display import special_tokens
 
@@ -23,6 +24,11 @@ special tokens (and an answer) at 1: its ``presence`` option, on request."""
 CALIBRATED = "attn_lrp_presence_calibrated"
 """A classifier's :data:`PRESENCE` calibrated on 8 random removals of the words
 (:func:`~captum_attention.metrics.calibrated_attribution`), on request."""
+ESTIMATES = "leave_one_out_estimates"
+"""A language model's answer explained by
+:func:`~captum_attention.metrics.leave_one_out_estimates` (KnockoutGradient's first-order
+effects, the two segments AttnLRP ranks highest deleted exactly): :func:`answer_estimates`,
+on request."""
 
 
 @dataclass
@@ -122,8 +128,9 @@ def default_method_names() -> list[str]:
 def method_names() -> list[str]:
     """What ``--methods`` accepts: every registered method (:data:`~captum_attention.attr.REGISTRY`),
     Integrated Gradients, AttnLRP at a presence (:data:`PRESENCE`), then, for classifiers, that
-    presence calibrated (:data:`CALIBRATED`)."""
-    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED]
+    presence calibrated (:data:`CALIBRATED`), for answers the leave-one-out estimates
+    (:data:`ESTIMATES`)."""
+    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, ESTIMATES]
 
 
 def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
@@ -136,22 +143,24 @@ def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
     raise ValueError(f"{named}; choose from {', '.join(known)}")
 
 
-def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True, one_stack_only: Collection[str] = (PRESENCE,)) -> None:
+def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True) -> None:
     """Before any work, a one-line ``ValueError`` where a method of ``names`` cannot explain
     what is asked: a classifier's logit (``answers`` False; ALTI-Logit explains a next-token
-    logit), a whole answer (``answers``; Attention Flow explains one answer token at a
-    time), or the answer of a model with more than one attention stack (``one_stack``
-    False: an encoder-decoder, a language model cross-attending to image features; the
-    registered methods whose ``spec.encoder_decoder`` is False, and ``one_stack_only``)."""
+    logit; :data:`ESTIMATES` an answer), a whole answer (``answers``; Attention Flow explains
+    one answer token at a time; :data:`CALIBRATED` a classifier), or the answer of a model
+    with more than one attention stack (``one_stack`` False: an encoder-decoder, a language
+    model cross-attending to image features; the registered methods whose
+    ``spec.encoder_decoder`` is False, :data:`PRESENCE` and :data:`ESTIMATES`)."""
     specs = {name: REGISTRY[name].spec for name in names if name in REGISTRY}
     refused = {
         "a language model's next-token logit, not a classifier's":
             [] if answers else [name for name, spec in specs.items() if not spec.classifiers],
-        "a classifier's prediction, not an answer": [CALIBRATED] if answers and CALIBRATED in names else [],
+        "a language model's answer, not a classifier's prediction": [] if answers else [n for n in names if n == ESTIMATES],
+        "a classifier's prediction, not an answer": [n for n in names if n == CALIBRATED] if answers else [],
         "one answer token at a time, not a whole answer":
             [name for name, spec in specs.items() if not spec.spans] if answers else [],
         "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
-            [] if one_stack else [n for n in names if n in one_stack_only or (n in specs and not specs[n].encoder_decoder)],
+            [] if one_stack else [n for n in names if n in (PRESENCE, ESTIMATES) or (n in specs and not specs[n].encoder_decoder)],
     }
     problems = [
         f"{', '.join(listed)} {'explains' if len(listed) == 1 else 'explain'} {what}: leave {'it' if len(listed) == 1 else 'them'} out"
@@ -212,6 +221,37 @@ def span_presence(prompt_ids: torch.Tensor, answer_length: int, tokenizer: Any, 
     ``presence``, its special tokens and the answer's tokens at 1."""
     weights = presence_weights(prompt_ids, torch.ones_like(prompt_ids), tokenizer, presence)
     return torch.cat([weights, weights.new_ones(len(prompt_ids), answer_length)], dim=1)
+
+
+def prompt_span(explainer: Any, ids: torch.Tensor, answer: torch.Tensor, **options: Any) -> torch.Tensor:
+    """``(1, N)`` float: ``explainer``'s scores of the prompt's ``N`` tokens ``ids`` for the
+    whole ``answer`` (``attribute_span``; an encoder-decoder's source side), detached."""
+    span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(torch.ones_like(ids),), **options))
+    return span[:, : ids.shape[1]].float().detach()
+
+
+def removable_segments(keep: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """``segments``, or where the row names none each prompt token its own segment; -1 for
+    the tokens never removed (``keep``)."""
+    if segments is not None:
+        return segments
+    return torch.arange(keep.shape[1], device=keep.device)[None].masked_fill(keep, -1)
+
+
+def answer_estimates(
+    model: Any, ids: torch.Tensor, answer: torch.Tensor, segments: torch.Tensor,
+    span_of: Callable[[str], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:data:`ESTIMATES`: ``(1, N)`` scores of the prompt ``ids`` for ``answer`` over the
+    ``segments`` (:func:`removable_segments`), from KnockoutGradient's and AttnLRP's
+    :func:`prompt_span` (``span_of(name)``; default: computed here)."""
+
+    def computed(name: str) -> torch.Tensor:
+        return prompt_span(registered_method(name, model), ids, answer)
+
+    spans = span_of or computed
+    mask = torch.ones_like(ids)
+    return leave_one_out_estimates(model, ids, mask, answer, spans("knockout_gradient"), spans("attn_lrp"), segments)
 
 
 def classifier_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
