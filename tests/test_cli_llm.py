@@ -167,8 +167,12 @@ def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path
     expected = expected.masked_fill(~removable, 0.0)[features]
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
     assert (scores != first_order[features]).sum() >= 2, "the exact deletions replace the first order"
-    assert run_cli("explain", "--methods", "leave_one_out_estimates", "good").stderr.count("\n") == 1
+    capsys.readouterr()
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "leave_one_out_estimates",
+                 "--skip", ".*"]) == 1
+    assert "leave_one_out_estimates has no prompt token to delete: every one is a special token or skipped" in capsys.readouterr().err
     refused = run_cli("explain", "good", "--methods", "leave_one_out_estimates").stderr
+    assert refused.count("\n") == 1
     assert "leave_one_out_estimates explains a language model's answer, not a classifier's prediction: leave it out." in refused
 
 

@@ -128,6 +128,8 @@ def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, specia
     ids = inp.to_model_input().to(device)
     features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
     keep = torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype, device=device)) | ~features
+    if keep.all():
+        raise ValueError(f"{ESTIMATES} has no prompt token to delete: every one is a special token or skipped; skip fewer")
     scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None))
     return scores[features].float().cpu()
 
