@@ -89,9 +89,11 @@ def explain_answer(
     tokens = TextTokenInput(prompt, tokenizer).values
     skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
     inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted(set(skipped)) or None)
+    special_ids = set(tokenizer.all_special_ids)
+    if skipped and all(int(i) in special_ids for i in inp.itp_tensor[0].tolist()):
+        raise ValueError(f"skip {skip!r} matches every prompt token but the special ones, leaving none to explain: skip fewer")
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
     answer_ids = target_ids(model, tokenizer, inp, target, gen_args)
-    special_ids = set(tokenizer.all_special_ids)
     explanation = AnswerExplanation(
         prompt_tokens=list(inp.values), special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=pretty_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
@@ -128,8 +130,6 @@ def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, specia
     ids = inp.to_model_input().to(device)
     features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
     keep = torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype, device=device)) | ~features
-    if keep.all():
-        raise ValueError(f"{ESTIMATES} has no prompt token to delete: every one is a special token or skipped; skip fewer")
     scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None))
     return scores[features].float().cpu()
 
