@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import unicodedata
 
+import pytest
 import torch
 from lm_models import make_decoder, make_word_tokenizer
 from test_cli import run_cli
@@ -134,22 +135,30 @@ def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down
     assert not torch.allclose(expected.seq_attr, plain.seq_attr, rtol=0.05), "the presence moves the scores"
 
 
-def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "method, display, exact, by_share",
+    [("leave_one_out_estimates", "Leave-one-out estimates", 2, False),
+     ("leave_one_out_estimates_by_share", "Leave-one-out estimates, by share", 7, True)],
+)
+def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path, method, display, exact, by_share):
     """``--methods leave_one_out_estimates``: KnockoutGradient's first-order leave-one-out
-    effects, the two prompt tokens AttnLRP ranks highest deleted exactly (the BOS token
-    and the ``--skip`` tokens never removed); refused for a classifier before any work."""
+    effects, the two prompt tokens AttnLRP ranks highest deleted exactly; ``..._by_share``:
+    the seven of largest first-order effect over one minus their attention share (the BOS
+    token and the ``--skip`` tokens never removed). Refused for a classifier before any
+    work."""
     import json
 
     from captum.attr import TextTokenInput
 
     from captum_attention import AttnLRP, KnockoutGradient
+    from captum_attention.metrics import attention_shares
 
     path = tmp_path / "estimates.json"
-    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", "leave_one_out_estimates",
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", method,
                  "--skip", "[.]", "--per-token", "--json", str(path)]) == 0
     written = json.loads(path.read_text(encoding="utf-8"))
-    scores = torch.tensor(written["seq_attr"]["Leave-one-out estimates"])
-    assert written["answer_tokens"] == ["seven", "."] and "Leave-one-out estimates" not in written["token_attr"]
+    scores = torch.tensor(written["seq_attr"][display])
+    assert written["answer_tokens"] == ["seven", "."] and display not in written["token_attr"]
     model, tokenizer = make_decoder("llama"), make_word_tokenizer()
     inp = TextTokenInput(PROMPT, tokenizer, skip_tokens=["."])  # AttnLRP's second of all tokens
     prompt, answer = inp.to_model_input(), torch.tensor([tokenizer.convert_tokens_to_ids(["seven", "."])])
@@ -163,17 +172,22 @@ def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path
 
     mask = torch.ones_like(prompt)
     span = lambda method: method.attribute_span(prompt, answer, additional_forward_args=(mask,))[0, : prompt.shape[1]].detach()  # noqa: E731
-    first_order, prior = span(KnockoutGradient(model)), span(AttnLRP(model))
-    exact = prior.abs().masked_fill(~removable, -1).argsort(descending=True)[:2]
+    first_order = span(KnockoutGradient(model))
+    if by_share:
+        segments = torch.arange(prompt.shape[1]).masked_fill(~removable, -1)[None]
+        ranked = first_order.abs() / (1 - attention_shares(model, prompt, mask, answer, segments)[0])
+    else:
+        ranked = span(AttnLRP(model)).abs()
+    chosen = ranked.masked_fill(~removable, -1).argsort(descending=True)[:exact]
     expected = first_order.clone()
-    for position in exact.tolist():
+    for position in chosen.tolist():
         expected[position] = log_prob(prompt) - log_prob(prompt[:, torch.arange(prompt.shape[1]) != position])
     expected = expected.masked_fill(~removable, 0.0)[features]
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
-    assert (scores != first_order[features]).sum() >= 2, "the exact deletions replace the first order"
-    refused = run_cli("explain", "good", "--methods", "leave_one_out_estimates").stderr
+    assert (scores != first_order[features]).sum() >= exact, "the exact deletions replace the first order"
+    refused = run_cli("explain", "good", "--methods", method).stderr
     assert refused.count("\n") == 1
-    assert "leave_one_out_estimates explains a language model's answer, not a classifier's prediction: leave it out." in refused
+    assert f"{method} explains a language model's answer, not a classifier's prediction: leave it out." in refused
 
 
 def test_every_registered_method_explains_the_answer_on_request(llm, tmp_path, capsys):

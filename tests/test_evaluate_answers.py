@@ -106,6 +106,17 @@ def _estimates(model, ids, mask, answer, segments):
     return leave_one_out_estimates(model, ids, mask, answer, first_order, prior, segments)
 
 
+def _estimates_by_share(model, ids, mask, answer, segments):
+    """``leave_one_out_estimates`` over KnockoutGradient's span alone, its 7 segments of
+    largest effect over one minus their ``attention_shares`` deleted exactly."""
+    from captum_attention import KnockoutGradient
+    from captum_attention.metrics import attention_shares, leave_one_out_estimates
+
+    first_order = KnockoutGradient(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+    shares = attention_shares(model, ids, mask, answer, segments)
+    return leave_one_out_estimates(model, ids, mask, answer, first_order, first_order, segments, exact=7, shares=shares)
+
+
 def _knockout_lrp(model, ids, mask, answer, segments):
     from captum_attention import KnockoutLRP
 
@@ -122,7 +133,10 @@ def _attn_lrp_at_presence(model, ids, mask, answer, segments):
 
 @pytest.mark.parametrize(
     "method, scored",
-    [("leave_one_out_estimates", _estimates), ("knockout_lrp", _knockout_lrp), ("attn_lrp_presence", _attn_lrp_at_presence)],
+    [
+        ("leave_one_out_estimates", _estimates), ("leave_one_out_estimates_by_share", _estimates_by_share),
+        ("knockout_lrp", _knockout_lrp), ("attn_lrp_presence", _attn_lrp_at_presence),
+    ],
 )
 def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2seq, tmp_path, capsys, method, scored):
     """Its rows are the metrics of its scores computed directly; an encoder-decoder refuses

@@ -16,8 +16,8 @@ from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pix
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
 from .explain import (
-    ESTIMATES, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates, check_methods, presence_display,
-    registered_method, removable_segments, span_presence,
+    ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
+    check_methods, presence_display, registered_method, removable_segments, span_presence,
 )
 
 
@@ -103,8 +103,8 @@ def explain_answer(
     for name in chosen:
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
-        if name == ESTIMATES:
-            explanation.seq_attr[display] = _estimates(model, inp, answer_ids, special_ids).tolist()
+        if name in ESTIMATES_OF_ANSWERS:
+            explanation.seq_attr[display] = _estimates(model, inp, answer_ids, special_ids, name != ESTIMATES).tolist()
             explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
             explanation.seconds[display] = time.perf_counter() - start
             continue
@@ -122,15 +122,16 @@ def explain_answer(
     return explanation
 
 
-def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, special_ids: set[int]) -> torch.Tensor:
-    """``(features,)``: :data:`~captum_attention.presentation.explain.ESTIMATES` of the
-    prompt's features, each token its own segment; the special tokens and the skipped
-    ones are never removed."""
+def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, special_ids: set[int], by_share: bool) -> torch.Tensor:
+    """``(features,)``: :data:`~captum_attention.presentation.explain.ESTIMATES` (``by_share``:
+    :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`) of the prompt's
+    features, each token its own segment; the special tokens and the skipped ones are never
+    removed."""
     device = next(model.parameters()).device
     ids = inp.to_model_input().to(device)
     features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
     keep = torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype, device=device)) | ~features
-    scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None))
+    scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None), by_share)
     return scores[features].float().cpu()
 
 
@@ -152,7 +153,9 @@ def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | No
 
 
 def _display(name: str) -> str:
-    return {INTEGRATED_GRADIENTS: "Integrated Gradients", ESTIMATES: "Leave-one-out estimates"}.get(name) or REGISTRY[name].get_name()
+    names = {INTEGRATED_GRADIENTS: "Integrated Gradients", ESTIMATES: "Leave-one-out estimates",
+             ESTIMATES_BY_SHARE: "Leave-one-out estimates, by share"}
+    return names.get(name) or REGISTRY[name].get_name()
 
 
 def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 from ..attr import METHODS
 from .evaluate import answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
-    CALIBRATED, ESTIMATES, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names, length_limit, method_names,
+    CALIBRATED, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
+    length_limit, method_names,
 )
 from .text import count as _count, has_surrogates, terminal_safe
 
@@ -70,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                          + "; also " + ", ".join(_more_methods()) + " (attn_lrp_presence: not for a vision-language "
                          "model; attn_lrp_presence_calibrated, the presence calibrated on 8 removals of the words: "
                          "classifiers only; leave_one_out_estimates, first-order leave-one-out effects with AttnLRP's "
-                         "top 2 tokens deleted exactly: a causal language model's answer only)")
+                         "top 2 tokens deleted exactly, and leave_one_out_estimates_by_share, with the 7 tokens of "
+                         "largest effect over one minus their attention share deleted: a causal language model's "
+                         "answer only)")
     explain.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     explain.add_argument("--batch-size", type=int, default=16,
                          help="sentences explained together; lower it to use less memory (default: 16)")
@@ -94,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
                           + ", ".join(name for name in evaluation_methods() if name not in METHODS)
                           + "; for a "
-                          "language model's answers, every registered method, leave_one_out_estimates and attn_lrp_presence")
+                          "language model's answers, every registered method, leave_one_out_estimates, "
+                          "leave_one_out_estimates_by_share and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
@@ -330,7 +334,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, ESTIMATES):
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, *ESTIMATES_OF_ANSWERS):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
                              + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))

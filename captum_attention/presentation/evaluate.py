@@ -34,9 +34,9 @@ from ..metrics.token_removal import example_seeds
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    CALIBRATED, ESTIMATES, PRESENCE, ReportMethod, answer_estimates, check_methods, check_names, classifier_forward,
-    ig_baseline, length_limit, method_names, prompt_span, refined_method, registered_method, removable_segments,
-    report_methods, saved_head_weights, span_presence,
+    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, PRESENCE, ReportMethod, answer_estimates, check_methods, check_names,
+    classifier_forward, ig_baseline, length_limit, method_names, prompt_span, refined_method, registered_method,
+    removable_segments, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -88,7 +88,7 @@ def evaluation_methods() -> list[str]:
     ``options.presence``, and that presence calibrated on 8 random removals of the words),
     SmoothGrad, SHAP, and the presence's top tokens chosen by greedy deletion over 8
     removals (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
-    return [*(name for name in method_names() if name != ESTIMATES), SMOOTHGRAD, SHAP, GREEDY]
+    return [*(name for name in method_names() if name not in ESTIMATES_OF_ANSWERS), SMOOTHGRAD, SHAP, GREEDY]
 
 
 @dataclass
@@ -387,10 +387,11 @@ def _number(value: Tensor) -> float | None:
 
 def answer_method_names() -> list[str]:
     """What ``methods=`` accepts for a language model's answers: every registered method,
-    :data:`ESTIMATES` and :data:`PRESENCE`."""
+    the leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`,
+    :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`) and :data:`PRESENCE`."""
     from ..attr import REGISTRY
 
-    return [*REGISTRY, ESTIMATES, PRESENCE]
+    return [*REGISTRY, *ESTIMATES_OF_ANSWERS, PRESENCE]
 
 
 def answer_metric_names() -> list[str]:
@@ -434,8 +435,9 @@ def evaluate_answers(
     check_names("metric", metrics, answer_metric_names())
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     check_methods(methods, answers=True, one_stack=not encoder_decoder)
-    needed = {name for name in methods if name not in (ESTIMATES, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
-    needed |= {"knockout_gradient", "attn_lrp"} if ESTIMATES in methods else set()
+    needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
+    needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()
+    needed |= {"attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
@@ -462,8 +464,8 @@ def _evaluate_answer(
 
     rows = []
     for name in methods:
-        if name == ESTIMATES:
-            scores = answer_estimates(model, ids, answer, removable_segments(keep, segments), span_of)
+        if name in ESTIMATES_OF_ANSWERS:
+            scores = answer_estimates(model, ids, answer, removable_segments(keep, segments), name != ESTIMATES, span_of)
         else:
             scores = span_of(name)
         values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
