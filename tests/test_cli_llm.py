@@ -154,8 +154,10 @@ def test_the_leave_one_out_estimates_explain_the_answer_on_request(llm, tmp_path
     from captum_attention.metrics import attention_shares
 
     path = tmp_path / "estimates.json"
-    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", method,
-                 "--skip", "[.]", "--per-token", "--json", str(path)]) == 0
+    html = tmp_path / "estimates.html"
+    assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven .", "--methods", f"grad_sam,{method}",
+                 "--skip", "[.]", "--per-token", "--json", str(path), "--html", str(html)]) == 0
+    assert html.read_text(encoding="utf-8").count("this method explains the whole answer only") == 1, "its section, not Grad-SAM's"
     written = json.loads(path.read_text(encoding="utf-8"))
     scores = torch.tensor(written["seq_attr"][display])
     assert written["answer_tokens"] == ["seven", "."] and display not in written["token_attr"]

@@ -280,6 +280,8 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         if rows:
             parts.append("<p>Each answer token (rows) over the prompt's tokens (columns), each row on its own scale:</p>")
             parts.append(f'<div class="scroll">{_heat_matrix(rows, explanation.answer_tokens, tokens, special, info)}</div>')
+        elif explanation.token_attr:
+            parts.append('<p class="meaning">No rows per answer token: this method explains the whole answer only.</p>')
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
