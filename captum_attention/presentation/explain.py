@@ -38,6 +38,8 @@ a standard error from 512 to 4,096 tokens."""
 SHARE_DELETIONS = 7
 """The exact deletions of :data:`ESTIMATES_BY_SHARE`."""
 ESTIMATES_OF_ANSWERS = (ESTIMATES, ESTIMATES_BY_SHARE)
+"""The leave-one-out estimates: a decoder-only language model's answers take them, a
+classifier and an encoder-decoder refuse them."""
 
 
 @dataclass
