@@ -15,6 +15,7 @@ from .._compat import pretty_tokens
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
+from .display import special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
     check_methods, presence_display, registered_method, removable_segments, span_presence,
@@ -104,7 +105,7 @@ def explain_answer(
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
         if name in ESTIMATES_OF_ANSWERS:
-            explanation.seq_attr[display] = _estimates(model, inp, answer_ids, special_ids, name != ESTIMATES).tolist()
+            explanation.seq_attr[display] = _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES).tolist()
             explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
             explanation.seconds[display] = time.perf_counter() - start
             continue
@@ -122,7 +123,7 @@ def explain_answer(
     return explanation
 
 
-def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, special_ids: set[int], by_share: bool) -> torch.Tensor:
+def _estimates(model: Any, tokenizer: Any, inp: TextTokenInput, answer_ids: torch.Tensor, by_share: bool) -> torch.Tensor:
     """``(features,)``: :data:`~captum_attention.presentation.explain.ESTIMATES` (``by_share``:
     :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`) of the prompt's
     features, each token its own segment; the special tokens and the skipped ones are never
@@ -130,7 +131,7 @@ def _estimates(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, specia
     device = next(model.parameters()).device
     ids = inp.to_model_input().to(device)
     features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
-    keep = torch.isin(ids, torch.tensor(sorted(special_ids), dtype=ids.dtype, device=device)) | ~features
+    keep = special_tokens(ids, tokenizer) | ~features
     scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None), by_share)
     return scores[features].float().cpu()
 
