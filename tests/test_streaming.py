@@ -328,7 +328,7 @@ _PERMUTATION_BLOCKS = {
 @pytest.mark.parametrize("family", ("bert", "llama", "bart", "vit"))
 def test_permutation_through_blocks_of_rows_equals_eager_permutation(family, blocks, monkeypatch):
     """In every size of block (the budget the rows are computed in), the streamed
-    permutations draw the generator's numbers in eager capture's order."""
+    permutations are eager capture's: each entry's draw is hashed from where it is."""
     from captum_attention.maps import kernel
     from captum_attention.metrics import attention_permutation, permutation
 

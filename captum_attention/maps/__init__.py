@@ -5,6 +5,7 @@ Each file holds one method's formula; ``common`` holds what they share.
 
 from .common import HEAD_FUSIONS, fuse_heads, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens
 from .common import zero_on_later_keys as is_causal
+from .draws import hashed_draws, hashed_normal, real_ranks
 from .interventions import erase_keys, on_heads, permute_rows, weigh_keys
 from .context_mixing import (
     KeyTiles,
@@ -54,6 +55,8 @@ __all__ = [
     "fuse_heads",
     "is_causal",
     "grad_sam_head_mean",
+    "hashed_draws",
+    "hashed_normal",
     "grad_sam_layer_maps",
     "grad_sam_normalised",
     "grad_sam_scores",
@@ -69,6 +72,7 @@ __all__ = [
     "query_rows",
     "query_weights",
     "raw_attention_maps",
+    "real_ranks",
     "real_tokens",
     "reduced_keys_on_patch_grid",
     "relevance_head_mean",

@@ -82,7 +82,7 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
     return weigh_keys(attn, log_presence, scores)
 
 
-def permute_rows(attn: Tensor, visible: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def permute_rows(attn: Tensor, visible: Tensor, draws: Tensor) -> Tensor:
     """Shuffle each query row's weights among the keys it sees; the others stay zero.
 
     Jain & Wallace, "Attention is not Explanation", NAACL 2019. Every row (query) of every
@@ -95,17 +95,19 @@ def permute_rows(attn: Tensor, visible: Tensor, generator: torch.Generator | Non
             keep their weight.
         visible: ``(B, K)`` bool, True for real (non-padding) keys, or ``(B, Q, K)``: the
             keys each row sees.
-        generator: random generator (on the CPU) for reproducible permutations.
+        draws: ``(B, H, Q, K)`` random numbers (or broadcast to it), one per entry: each
+            row's seen keys take, in the order of their positions, the weights of the seen
+            keys in the order of their draws (ties in the order of the positions), e.g.
+            :func:`~captum_attention.maps.draws.hashed_draws`, the same in any batch.
 
     Returns:
         ``(B, H, Q, K)`` probabilities with each row's seen entries permuted.
     """
     num_keys = visible.shape[-1]
     if attn.shape[-1] > num_keys:
-        return torch.cat([permute_rows(attn[..., :num_keys], visible, generator), attn[..., num_keys:]], dim=-1)
+        return torch.cat([permute_rows(attn[..., :num_keys], visible, draws[..., :num_keys]), attn[..., num_keys:]], dim=-1)
     rows = (visible[:, None, None, :] if visible.dim() == 2 else visible[:, None]).expand_as(attn)
-    draws = torch.rand(attn.shape, generator=generator).to(attn.device)
-    shuffled_keys = draws.masked_fill(~rows, 2.0).argsort(dim=-1)
-    positions = torch.arange(num_keys, device=attn.device).expand_as(attn)
-    seen_keys = positions.masked_fill(~rows, num_keys).argsort(dim=-1)
-    return torch.zeros_like(attn).scatter_(-1, seen_keys, attn.gather(-1, shuffled_keys))
+    unseen_last = float("inf") if draws.is_floating_point() else torch.iinfo(torch.long).max
+    shuffled_keys = draws.to(attn.device).expand_as(attn).masked_fill(~rows, unseen_last).argsort(dim=-1, stable=True)
+    seen_rank = (rows.long().cumsum(dim=-1) - 1).clamp(min=0)  # a seen key's place among the row's seen keys
+    return attn.gather(-1, shuffled_keys.gather(-1, seen_rank)).masked_fill(~rows, 0.0)

@@ -11,6 +11,8 @@ from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
 from ..capture.inputs import QueryIndex, format_inputs, take_rows
 from ..capture.runner import CaptureMode, CaptureRunner, resolve_adapter, stream_refusal
+from ..maps import real_ranks
+from .token_removal import example_seeds
 
 
 def run_model(
@@ -81,3 +83,24 @@ def js_divergence(p: Tensor, q: Tensor) -> Tensor:
         return torch.where(a > 0, a * (a.clamp(min=1e-30).log2() - b.clamp(min=1e-30).log2()), 0.0).sum(-1)
 
     return (0.5 * kl(p, middle) + 0.5 * kl(q, middle)).clamp(min=0.0).float()
+
+
+def example_seeds_of(inputs: Tensor | tuple[Tensor, ...], run: ForwardRecord, seed: int) -> Tensor:
+    """``(B,)`` each example's seed: :func:`~captum_attention.metrics.token_removal.example_seeds`
+    of each input in turn, over its real positions where it is laid out along the tokens
+    (the first input along the source's, a sequence-to-sequence model's others along the
+    target's)."""
+    seeds: int | Tensor = seed
+    for position, tensor in enumerate(inputs if isinstance(inputs, tuple) else (inputs,)):
+        real = run.input_real if position == 0 else run.target_real
+        seeds = example_seeds(tensor, real if tensor.dim() >= 2 and tensor.shape[1] == real.shape[1] else None, seeds)
+    assert isinstance(seeds, Tensor)
+    return seeds
+
+
+def ranks_of(run: ForwardRecord, call: int) -> tuple[Tensor, Tensor]:
+    """``(B, Q or 1)`` and ``(B, K)`` long: each query row's and key's place among the real
+    tokens of the call's queries and keys (:func:`~captum_attention.maps.real_ranks`), the
+    coordinates of per-example draws that padding does not move."""
+    queries, keys = run.real_of(run.roles[call])
+    return real_ranks(queries), real_ranks(keys)

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.probes import RunKernel
 from ..capture.runner import resolve_model
-from ..maps import on_heads, permute_rows
+from ..maps import hashed_draws, on_heads, permute_rows
 from ..maps.kernel import KernelCall, transformed_output
-from ._forward import CaptureMode, js_divergence, layer_set, run_model
+from ._forward import CaptureMode, example_seeds_of, js_divergence, layer_set, ranks_of, run_model
 
 
 @dataclass
@@ -40,25 +40,38 @@ class _RowPermutation(Probe):
 
     Under eager capture it permutes each call's probabilities at once; under streaming
     capture one block of rows at a time (every example's, one example's or one head's).
-    Both draw the generator's
-    numbers in the same ``(example, head, row, key)`` order, so the two give the same
-    permutations.
+    Each entry's draw is hashed from its example's seed, the permutation's number, the
+    call, the head and the row's and key's places among the real tokens
+    (:func:`~captum_attention.maps.draws.hashed_draws`), so the two modes give the same
+    permutations, and an example gets the same alone as in any batch, under any padding.
     """
 
     events = frozenset({"softmax", "kernel"})
 
-    def __init__(self, run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, generator: torch.Generator) -> None:
-        self.run, self.layers, self.heads, self.generator = run, layers, heads, generator
+    def __init__(self, run: ForwardRecord, layers: set[int], heads: Sequence[int] | None, seeds: Tensor, number: int) -> None:
+        self.run, self.layers, self.heads, self.seeds, self.number = run, layers, heads, seeds, number
 
     def _visible_keys(self, call_index: int) -> Tensor:
         """``(B, Q or 1, K)`` bool: the keys each row of the call sees."""
         return self.run.visible_keys(call_index)[0]
 
+    def _draws(self, call_index: int, examples: slice, first_head: int, num_heads: int, rows: slice) -> Tensor:
+        """``(b, h, q, K)`` int64: the draws of a block of the call's probabilities."""
+        query_ranks, key_ranks = ranks_of(self.run, call_index)
+        query_ranks, key_ranks = query_ranks[examples, rows], key_ranks[examples]
+        heads = torch.arange(first_head, first_head + num_heads, device=key_ranks.device)
+        seeds = self.seeds[examples].to(key_ranks.device)
+        return hashed_draws(
+            seeds[:, None, None, None], call_index, self.number, heads[None, :, None, None],
+            query_ranks[:, None, :, None], key_ranks[:, None, None, :],
+        )
+
     def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor | None:
         if call.index not in self.layers:
             return None
-        visible = self._visible_keys(call.index).to(attn_probs.device)
-        changed = permute_rows(attn_probs, visible.expand(-1, attn_probs.shape[-2], -1), self.generator)
+        visible = self._visible_keys(call.index).to(attn_probs.device).expand(-1, attn_probs.shape[-2], -1)
+        draws = self._draws(call.index, slice(None), first_head, attn_probs.shape[1], slice(None))
+        changed = permute_rows(attn_probs, visible, draws)
         return on_heads(attn_probs, changed, self.run.heads_of(call.index, self.heads), first_head)
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
@@ -68,8 +81,10 @@ class _RowPermutation(Probe):
         heads = self.run.heads_of(call.index, self.heads)
 
         def permute(attn_rows: Tensor, examples: slice, block_heads: slice, rows: slice) -> Tensor:
-            changed = permute_rows(attn_rows, visible[examples, rows].to(attn_rows.device), self.generator)
-            return on_heads(attn_rows, changed, heads, block_heads.start or 0)
+            first_head = block_heads.start or 0
+            draws = self._draws(call.index, examples, first_head, attn_rows.shape[1], rows)
+            changed = permute_rows(attn_rows, visible[examples, rows].to(attn_rows.device), draws)
+            return on_heads(attn_rows, changed, heads, first_head)
 
         return transformed_output(kernel, permute)
 
@@ -90,7 +105,9 @@ def attention_permutation(
 
     Each permutation draws, for every example, head and real query row at the chosen
     layers, an independent shuffle of the weights among the keys the row sees (padding,
-    and a causal row's later keys, stay out), with a generator seeded by ``seed``.
+    and a causal row's later keys, stay out), drawn from ``seed`` and the example's own
+    inputs: an example's permutations, and so its result, are the same alone as in any
+    batch, under left or right padding, and in both capture modes.
 
     Args:
         forward_func (Callable): returns logits ``(batch, num_classes)``.
@@ -100,7 +117,8 @@ def attention_permutation(
         layers (int or list of int, optional): layers to permute. Default: all.
         heads (sequence of int, optional): heads to permute. Default: all.
         n_permutations (int, optional): permutations per example. Default: 20.
-        seed (int, optional): seed of the permutations. Default: 0.
+        seed (int, optional): seed of the permutations, with each example's own
+            inputs. Default: 0.
         adapter (AttentionAdapter, optional): how to find the attention.
         capture (str, optional): ``"streaming"`` permutes blocks of recomputed rows and
             weights the values with them (the same permutations as ``"eager"``, which
@@ -117,14 +135,14 @@ def attention_permutation(
     original_probs = original.explained_probs()
     chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
-    generator = torch.Generator().manual_seed(seed)
+    seeds = example_seeds_of(inputs, original, seed)
     permuted = torch.stack(
         [
             run_model(
                 forward_func, model, inputs, additional_forward_args,
-                [_RowPermutation(original, chosen, heads, generator)], adapter, capture,
+                [_RowPermutation(original, chosen, heads, seeds, number)], adapter, capture,
             ).explained_probs()
-            for _ in range(n_permutations)
+            for number in range(n_permutations)
         ]
     )  # (n_permutations, B, C)
     tvd = 0.5 * (permuted - original_probs).abs().sum(dim=-1)
@@ -151,7 +169,8 @@ def permutation_accuracy(
         model (nn.Module, optional): module holding the attention. Default: forward_func.
         layers (sequence, optional): the settings to compare, each a layer, a list of
             layers or None (all). Default: each layer alone, then all layers.
-        seed (int, optional): seed of the permutations. Default: 0.
+        seed (int, optional): seed of the permutations, with each example's own
+            inputs (its result does not depend on the batch it comes in). Default: 0.
         progress (bool, optional): show a progress bar. Default: True.
         adapter (AttentionAdapter, optional): how to find the attention.
         capture (str, optional): ``"streaming"`` permutes blocks of recomputed rows and
@@ -165,17 +184,17 @@ def permutation_accuracy(
     from tqdm.auto import tqdm
 
     model = resolve_model(forward_func, model)
-    generator = torch.Generator().manual_seed(seed)
     correct: dict[str, float] = {}
     total = 0
     for ids, mask, labels in tqdm(data, desc="permuting attention", disable=not progress):
         original = run_model(forward_func, model, ids, (mask,), adapter=adapter, capture=capture)
         settings = layers if layers is not None else [*range(original.num_calls), None]
         outcomes = {"original": original.explained_probs()}
-        for setting in settings:
+        seeds = example_seeds_of(ids, original, seed)
+        for number, setting in enumerate(settings):
             chosen = layer_set(setting, original.num_calls)
             name = "all layers" if setting is None else f"layer {setting}"
-            permutation = _RowPermutation(original, chosen, None, generator)
+            permutation = _RowPermutation(original, chosen, None, seeds, number)
             outcomes[name] = run_model(forward_func, model, ids, (mask,), [permutation], adapter, capture).explained_probs()
         for name, probs in outcomes.items():
             hits = (probs.argmax(dim=-1).cpu() == labels.cpu()).sum().item()

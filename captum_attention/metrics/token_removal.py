@@ -445,12 +445,22 @@ def random_halves(present: Tensor, num_ablations: int, seed: int, own_seeds: Ten
     return kept.to(present.device)
 
 
-def example_seeds(input_ids: Tensor, real: Tensor, seed: int) -> Tensor:
-    """``(B,)`` one seed per example, the CRC-32 of its ``real`` tokens' ids started from
-    ``seed``: the same whatever batch or padding the example comes in, and different
-    examples' ablations drawn apart (one seed for all would give every example the same
-    pattern of removals, and an average over examples the luck of one draw)."""
-    return torch.tensor([zlib.crc32(ids[mask].long().cpu().numpy().tobytes(), seed) for ids, mask in zip(input_ids, real.bool())])
+def example_seeds(input_ids: Tensor, real: Tensor | None, seed: int | Tensor) -> Tensor:
+    """``(B,)`` one seed per example, the CRC-32 of its ``real`` tokens (ids, or the rows of
+    embeddings or pixels; every position where ``real`` is None) started from ``seed`` (or
+    from each example's own, ``(B,)``, to chain several inputs): the same whatever batch or
+    padding the example comes in, and different examples' ablations drawn apart (one seed
+    for all would give every example the same pattern of removals, and an average over
+    examples the luck of one draw)."""
+    starts = seed.tolist() if isinstance(seed, Tensor) else [seed] * len(input_ids)
+    rows = list(input_ids) if real is None else [ids[mask] for ids, mask in zip(input_ids, real.bool())]
+    return torch.tensor([zlib.crc32(_as_bytes(row), start) for row, start in zip(rows, starts)])
+
+
+def _as_bytes(values: Tensor) -> bytes:
+    """The values' bytes, integers as int64 and floats as float32 (bfloat16 has no NumPy type)."""
+    values = values.detach().float() if values.is_floating_point() else values.long()
+    return values.cpu().contiguous().numpy().tobytes()
 
 
 def calibrated_attribution(
