@@ -19,7 +19,7 @@ from plain_models import make_plain
 from torch import nn
 
 from captum_attention.capture import AttentionCapture, ModuleAdapter, ProbsIntervention, default_adapter
-from captum_attention.metrics import adversarial, adversarial_attention, adversarial_keys
+from captum_attention.metrics import adversarial_attention, adversarial_keys
 
 LENGTHS = (14, 11, 5)
 STEPS = 60
@@ -144,16 +144,11 @@ def test_adversarial_attention_is_deterministic_and_examples_are_independent():
 
 
 @pytest.mark.parametrize("kind", ["decoder, a query row per example", "encoder-decoder pair"])
-def test_each_example_of_a_batch_gets_what_it_gets_alone(kind, monkeypatch):
+def test_each_example_of_a_batch_gets_what_it_gets_alone(kind):
     """The starts run side by side on copies of the batch: every copy must carry its own
-    example's inputs, mask and explained row. With start noise that depends only on a
-    key's distance from the last key (not on the batch's shape, as drawn noise does), an
-    example's search is the same in a left-padded batch as alone."""
-
-    def noise_from_the_last_key(shape, generator=None):
-        return torch.sin(1.7 * torch.arange(-shape[-1], 0, dtype=torch.float32)).expand(*shape).clone()
-
-    monkeypatch.setattr(adversarial.torch, "randn", noise_from_the_last_key)
+    example's inputs, mask and explained row; and each example's start noise is drawn
+    from its own tokens and the places of its real rows and keys, so its search is the
+    same in a left-padded batch as alone."""
     if kind == "encoder-decoder pair":
         model = make_encoder_decoder("bart")
         source, target = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 12, 2]]), torch.tensor([[2, 5, 6], [2, 7, 8]])
@@ -214,6 +209,13 @@ def test_keys_of_grouped_query_decoders_move_per_key_head():
     assert (shift[~prompts.real.unsqueeze(1).expand(-1, 2, -1)] == 0).all()
     again = adversarial_keys(model, prompts.input_ids, (prompts.attention_mask,), layers=[0], heads=[1], steps=10)
     assert torch.equal(moved.distance, again.distance)
+    for b in range(2):  # each example's start is drawn from its own tokens: the same search alone
+        real = prompts.real[b]
+        alone = adversarial_keys(
+            model, prompts.input_ids[b : b + 1, real], (prompts.attention_mask[b : b + 1, real],), layers=[0], heads=[1], steps=10
+        )
+        torch.testing.assert_close(alone.distance, moved.distance[b : b + 1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(alone.key_shifts[0], moved.key_shifts[0][b : b + 1, :, real], atol=1e-5, rtol=1e-4)
 
 
 def test_bad_options_get_clear_errors():

@@ -12,7 +12,8 @@
 
 Both optimise per-example tensors with Adam for a fixed number of steps, batched (each
 example's loss depends on its own tensors only and Adam is element-wise, so the examples
-of a batch do not influence each other), deterministic under ``seed``. The model's
+of a batch do not influence each other), each from a random start drawn from ``seed``
+and the example's own inputs: an example's search is the same alone as in any batch. The model's
 parameters and their ``.grad`` are never touched: gradients are taken with
 ``torch.autograd.grad`` with respect to the searched tensors only.
 """
@@ -32,8 +33,8 @@ from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
 from ..capture.inputs import QueryIndex, take_rows
 from ..capture.runner import resolve_model
-from ..maps import on_heads
-from ._forward import js_divergence, layer_set, run_model, select_rows
+from ..maps import hashed_normal, on_heads
+from ._forward import example_seeds_of, js_divergence, layer_set, ranks_of, run_model, select_rows
 
 Rows = Literal["all", "query"]
 
@@ -140,7 +141,8 @@ def adversarial_attention(
         lr (float, optional): Adam's learning rate. Default: 0.3.
         penalty (float, optional): λ, the weight of the TVD excess. Default: 10.0.
         init_scale (float, optional): standard deviation of δ's random start. Default: 1.0.
-        seed (int, optional): seed of the random start. Default: 0.
+        seed (int, optional): seed of the random start, with each example's own inputs
+            (its start, and so its result, do not depend on the batch). Default: 0.
         query_index (int or Tensor, optional): the explained position (decoders).
             Default: None, the default position.
         adapter (AttentionAdapter, optional): how to find the attention.
@@ -161,8 +163,8 @@ def adversarial_attention(
         base = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture="eager", query_index=query_index)
     chosen = sorted(layer_set(layers, base.num_calls))
     base.check_heads(heads, chosen)
-    generator = torch.Generator().manual_seed(seed)
-    noise = [torch.randn(base.attn_maps[c].shape, generator=generator).to(base.attn_maps[c].device) for c in chosen]
+    seeds = example_seeds_of(inputs, base, seed)
+    noise = [_attention_noise(base, c, seeds, base.attn_maps[c]) for c in chosen]
     starts = [
         [n * init_scale for n in noise],
         [n * NEAR_SCALE for n in noise],
@@ -269,7 +271,8 @@ def adversarial_keys(
         steps (int, optional): optimisation steps. Default: 100.
         lr (float, optional): Adam's learning rate. Default: 0.1.
         init_scale (float, optional): standard deviation of δ's random start. Default: 0.01.
-        seed (int, optional): seed of the random start. Default: 0.
+        seed (int, optional): seed of the random start, with each example's own inputs
+            (its start, and so its result, do not depend on the batch). Default: 0.
         query_index (int or Tensor, optional): the explained position (decoders).
         adapter (AttentionAdapter, optional): how to find the attention.
 
@@ -295,10 +298,8 @@ def adversarial_keys(
     for c in chosen:
         _check_key_heads(heads, key_heads[c], c)
     masks = {c: _key_mask(base, c, heads, keys[c]) for c in chosen}
-    generator = torch.Generator().manual_seed(seed)
-    shifts = [
-        (torch.randn(keys[c].shape, generator=generator) * init_scale).to(keys[c].device).requires_grad_() for c in chosen
-    ]
+    seeds = example_seeds_of(inputs, base, seed)
+    shifts = [(_key_noise(base, c, seeds, keys[c]) * init_scale).requires_grad_() for c in chosen]
     decision = base.explained_logits().argmax(dim=-1)
     key_norm = _distance([keys[c] * masks[c] for c in chosen])
 
@@ -436,6 +437,29 @@ def _key_mask(base: ForwardRecord, call: int, heads: Sequence[int] | None, key: 
     on = torch.zeros(key.shape[1], dtype=torch.bool, device=key.device)
     on[[h % key.shape[1] for h in heads] if heads is not None else slice(None)] = True
     return (real_keys[:, None, :, None] & on[None, :, None, None]).float()
+
+
+def _attention_noise(base: ForwardRecord, call: int, seeds: Tensor, attn: Tensor) -> Tensor:
+    """``(B, H, Q, K)`` standard normal draws for the call's attention logits, hashed from
+    each example's seed, the head and the row's and key's places among its real tokens:
+    the same start in any batch, under any padding."""
+    query_ranks, key_ranks = (ranks.to(attn.device) for ranks in ranks_of(base, call))
+    key_ranks = F.pad(key_ranks, (0, attn.shape[-1] - key_ranks.shape[-1]), value=key_ranks.shape[-1])  # a sink's column
+    heads = torch.arange(attn.shape[1], device=attn.device)
+    return hashed_normal(
+        seeds.to(attn.device)[:, None, None, None], call, heads[None, :, None, None],
+        query_ranks[:, None, :, None], key_ranks[:, None, None, :],
+    )
+
+
+def _key_noise(base: ForwardRecord, call: int, seeds: Tensor, key: Tensor) -> Tensor:
+    """``(B, KV heads, K, D)`` standard normal draws for the call's keys, hashed as
+    :func:`_attention_noise` draws, from the key head, the key's place and the feature."""
+    key_ranks = ranks_of(base, call)[1].to(key.device)
+    heads, features = torch.arange(key.shape[1], device=key.device), torch.arange(key.shape[-1], device=key.device)
+    return hashed_normal(
+        seeds.to(key.device)[:, None, None, None], call, heads[None, :, None, None], key_ranks[:, None, :, None], features,
+    ).to(key.dtype)
 
 
 def _distance(shifts: list[Tensor]) -> Tensor:
