@@ -1,6 +1,7 @@
 """Reproduce three claims of the "is attention explanation?" debate on the default model.
 
     python benchmarks/reproduce_debate.py [--examples 200] [--adversarial 32] [--steps 50] [--model PATH]
+                                          [--json results.json]
 
 On held-out sentences of the generated sentiment corpus (sentiment words never seen in
 training), rankings from the last layer's [CLS] row, erasing the attention paid to the
@@ -27,6 +28,7 @@ corpus's rationales. Prints the numbers; the README compares them with the paper
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 from pathlib import Path
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the cached default model)")
     parser.add_argument("--adversarial", type=int, default=32, help="sentences for (d) (default 32)")
     parser.add_argument("--steps", type=int, default=50, help="optimisation steps for (d) (default 50)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
     options = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     width = max(map(len, results))
     for name, value in results.items():
         print(f"{name:{width}}  {value:8.3f}")
+    if options.json:
+        options.json.write_text(json.dumps(results, indent=1))
     return results
 
 
