@@ -92,6 +92,42 @@ def test_infidelity_with_token_replacement(bert):
     torch.testing.assert_close(value, expected)
 
 
+def test_an_examples_infidelity_does_not_depend_on_its_batch(bert):
+    """Each example's perturbations are drawn from its own tokens and how many of its
+    samples came before: alone and unpadded, in the padded batch, and with Captum's
+    samples split over several calls (``max_examples_per_batch``), the same values."""
+    model, batch = bert
+    forward = lambda ids, mask: model(ids, attention_mask=mask).logits  # noqa: E731
+    scores = TransformerAttribution(model).attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
+
+    def value(ids, mask, explained, **options):
+        perturb = token_replacement_perturbation(2, 0.3, protected_ids=[0], seed=7)
+        return infidelity(forward, perturb, ids, explained, target=1, additional_forward_args=(mask,), n_perturb_samples=6, **options)
+
+    together = value(batch.input_ids, batch.attention_mask, scores)
+    torch.testing.assert_close(value(batch.input_ids, batch.attention_mask, scores, max_examples_per_batch=6), together)
+    for row, length in enumerate(batch.lengths):
+        alone = value(batch.input_ids[row : row + 1, :length], batch.attention_mask[row : row + 1, :length], scores[row : row + 1, :length])
+        torch.testing.assert_close(alone, together[row : row + 1], atol=1e-6, rtol=1e-4)
+
+
+def test_substitutions_are_drawn_per_example_from_the_allowed_ids():
+    """The same example gets the same substitutions in any batch and under left padding;
+    every substitute is an allowed id, and over many draws each allowed id turns up."""
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 0, 0], [1, 9, 8, 7, 6, 5, 4, 3]])
+    perturb = token_substitution_perturbation(12, 1.0, protected_ids=[0, 1])
+    swapped = perturb(ids)
+    assert (swapped[ids <= 1] == ids[ids <= 1]).all() and (swapped[ids > 1] > 1).all()
+    first = token_substitution_perturbation(12, 1.0, protected_ids=[0, 1], seed=0)(ids)
+    reordered = token_substitution_perturbation(12, 1.0, protected_ids=[0, 1], seed=0)(ids.flip(0))
+    assert torch.equal(first, reordered.flip(0))
+    left_padded = torch.tensor([[0, 0, 1, 5, 6, 7, 8, 9]])
+    moved = token_substitution_perturbation(12, 1.0, protected_ids=[0, 1], seed=0)(left_padded)
+    assert torch.equal(moved[0, 2:], first[0, :6])
+    many = token_substitution_perturbation(12, 1.0, protected_ids=[0, 1], seed=0)(ids[1:].repeat(100, 1))
+    assert set(many[:, 1:].unique().tolist()) == set(range(2, 12))
+
+
 def test_sensitivity_max_with_token_substitution(bert):
     model, batch = bert
     explainer = GradSAM(model)

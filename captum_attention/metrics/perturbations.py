@@ -13,6 +13,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..maps.draws import DRAW_RANGE, hashed_draws, real_ranks
+from .token_removal import example_seeds
+
 Inputs = Tensor | tuple[Tensor, ...]
 
 
@@ -31,24 +34,36 @@ def _like_inputs(inputs: Inputs, ids: Tensor) -> Inputs:
 
 
 class _TokenSampler:
-    """Draws which tokens to perturb: each unprotected token with ``probability``."""
+    """Draws which tokens to perturb: each unprotected token with ``probability``.
+
+    Each example's draws are hashed (:func:`~captum_attention.maps.draws.hashed_draws`)
+    from ``seed`` with its unprotected tokens (:func:`~captum_attention.metrics.token_removal.example_seeds`), how many
+    perturbations of it were drawn before (Captum asks for an example's ``n`` samples as
+    ``n`` copies, possibly over several calls) and each token's place among its
+    unprotected tokens: an example's perturbations are the same whatever batch, padding
+    (protected) or ``max_examples_per_batch`` it comes in.
+    """
 
     def __init__(self, probability: float, protected_ids: Sequence[int], seed: int | None) -> None:
         if not 0.0 < probability <= 1.0:
             raise ValueError(f"probability must be in (0, 1], got {probability}.")
         self.probability = probability
         self.protected_ids = torch.tensor(list(protected_ids), dtype=torch.long)
-        self.generator = torch.Generator()
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        self.seed = int(torch.randint(2**31, ())) if seed is None else seed
+        self.drawn: dict[int, int] = {}  # an example's seed -> perturbations drawn for it so far
 
-    def positions(self, ids: Tensor) -> Tensor:
-        draws = torch.rand(ids.shape, generator=self.generator).to(ids.device)
-        protected = torch.isin(ids, self.protected_ids.to(ids.device))
-        return (draws < self.probability) & ~protected
-
-    def integers(self, high: int, shape: torch.Size, device: torch.device) -> Tensor:
-        return torch.randint(0, high, shape, generator=self.generator).to(device)
+    def draws(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Which tokens of ``ids`` to perturb (bool, like ``ids``), and one more draw per
+        token in ``[0, DRAW_RANGE)`` (for what replaces it)."""
+        unprotected = ~torch.isin(ids, self.protected_ids.to(ids.device))
+        seeds = example_seeds(ids, unprotected, self.seed)
+        samples = []
+        for seed in seeds.tolist():
+            samples.append(self.drawn.get(seed, 0))
+            self.drawn[seed] = samples[-1] + 1
+        where = (seeds.to(ids.device)[:, None], torch.tensor(samples, device=ids.device)[:, None], real_ranks(unprotected))
+        chosen = hashed_draws(*where, 0) < self.probability * DRAW_RANGE
+        return chosen & unprotected, hashed_draws(*where, 1)
 
 
 def token_replacement_perturbation(
@@ -70,7 +85,8 @@ def token_replacement_perturbation(
         probability (float, optional): chance that each token is replaced. Default: 0.15.
         protected_ids (sequence of int, optional): ids never replaced (padding, [CLS],
             [SEP], ...). Default: ().
-        seed (int, optional): seed of the function's own generator. Default: None.
+        seed (int, optional): seed of the draws, with each example's own tokens (None:
+            a random one). Default: None.
 
     Returns:
         ``perturb_func(inputs) -> (indicator, perturbed_inputs)``, shaped like ``inputs``.
@@ -86,7 +102,7 @@ def token_replacement_perturbation(
 
     def perturb(inputs: Inputs) -> tuple[Inputs, Inputs]:
         ids = _token_ids(inputs)
-        replaced = sampler.positions(ids)
+        replaced, _ = sampler.draws(ids)
         perturbed = ids.masked_fill(replaced, replacement_id)
         indicator = replaced.float()
         return _like_inputs(inputs, indicator), _like_inputs(inputs, perturbed)
@@ -111,7 +127,8 @@ def token_substitution_perturbation(
         probability (float, optional): chance that each token is swapped. Default: 0.1.
         protected_ids (sequence of int, optional): ids never swapped and never drawn.
             Default: ().
-        seed (int, optional): seed of the function's own generator. Default: None.
+        seed (int, optional): seed of the draws, with each example's own tokens (None:
+            a random one). Default: None.
 
     Returns:
         ``perturb_func(inputs) -> perturbed_inputs``, shaped like ``inputs``.
@@ -130,8 +147,8 @@ def token_substitution_perturbation(
 
     def perturb(inputs: Inputs) -> Inputs:
         ids = _token_ids(inputs)
-        swapped = sampler.positions(ids)
-        substitutes = allowed.to(ids.device)[sampler.integers(len(allowed), ids.shape, ids.device)]
+        swapped, draws = sampler.draws(ids)
+        substitutes = allowed.to(ids.device)[draws % len(allowed)]
         return _like_inputs(inputs, torch.where(swapped, substitutes, ids))
 
     return perturb
