@@ -14,7 +14,7 @@ import sys
 import unicodedata
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -104,12 +104,14 @@ def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
     return tables
 
 
-def _saved_classifier(folder: Path) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The saved classifier, its forward, its tokenizer, SENTENCES' ids and mask, and the
-    predicted classes: what the command line explains."""
+def _saved_classifier(
+    folder: Path, sentences: Sequence[str] = tuple(SENTENCES)
+) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The saved classifier, its forward, its tokenizer, the ``sentences``' ids and mask, and
+    the predicted classes: what the command line explains."""
     model = tf.BertForSequenceClassification.from_pretrained(folder).eval()
     tokenizer = tf.BertTokenizerFast.from_pretrained(folder)
-    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    encoded = tokenizer(list(sentences), padding=True, return_tensors="pt")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
     return model, forward, tokenizer, ids, mask, forward(ids, mask).argmax(1)
@@ -174,18 +176,22 @@ def test_attn_lrp_at_a_presence_on_request(checkpoints, tmp_path):
 def test_the_presence_calibrated_on_request_is_calibrated_attribution(checkpoints, tmp_path):
     """``--methods attn_lrp_presence_calibrated``: the presence's scores calibrated on 8
     random removals of the words (special tokens kept), each sentence's the same alone as
-    in the batch."""
+    in the batch. Where the removals reverse the prior's direction ("a film" on this
+    model) the scores are the prior's, and a note says so in the terminal and the JSON."""
     from captum_attention.metrics import calibrated_attribution
 
     classifier, _ = checkpoints
     name = "AttnLRP at presence 0.2, calibrated"
+    kept_prior = "a film"
     paths = [tmp_path / "batch.json", tmp_path / "alone.json"]
-    for path, sentences in zip(paths, (SENTENCES, SENTENCES[:1])):
+    printed = []
+    for path, sentences in zip(paths, ([*SENTENCES, kept_prior], SENTENCES[:1])):
         result = run_cli("explain", *sentences, "--model", str(classifier), "--methods", "attn_lrp_presence_calibrated",
                          "--presence", "0.2", "--raw", "--json", str(path))
         assert result.returncode == 0, result.stderr
+        printed.append(result.stdout)
     written = json.loads(paths[0].read_text(encoding="utf-8"))
-    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier)
+    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier, [*SENTENCES, kept_prior])
     special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
     presence = torch.where(~special & (mask == 1), 0.2, 1.0)
     prior = REGISTERED["attn_lrp"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,),
@@ -194,7 +200,15 @@ def test_the_presence_calibrated_on_request_is_calibrated_attribution(checkpoint
     for row, sentence in enumerate(written["sentences"]):
         length = int(mask[row].sum())
         torch.testing.assert_close(torch.tensor(sentence["scores"][name]), expected[row, :length], rtol=1e-4, atol=1e-6)
-        assert not torch.allclose(expected[row, :length], prior[row, :length], rtol=0.05), "the removals move the scores"
+        words = ~special[row, :length]
+        if sentence["text"] == kept_prior:
+            assert torch.equal(expected[row, :length][words], prior[row, :length][words]), "this one keeps its prior"
+            assert sentence["notes"] == {name: "its random removals reversed the prior's direction (fitted scale ≤ 0), "
+                                         "so these are the uncalibrated presence's scores"}
+        else:
+            assert not torch.allclose(expected[row, :length], prior[row, :length], rtol=0.05), "the removals move the scores"
+            assert sentence["notes"] == {}
+    assert printed[0].count(f"note: {name}: its random removals reversed the prior's direction") == 1
     alone = json.loads(paths[1].read_text(encoding="utf-8"))["sentences"][0]["scores"][name]
     torch.testing.assert_close(torch.tensor(alone), torch.tensor(written["sentences"][0]["scores"][name]), rtol=1e-4, atol=1e-6)
     assert written["methods"][name] == {"uses_target": True, "signed": True}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union, overload
 
 import torch
 from captum.attr import LayerIntegratedGradients
@@ -52,6 +52,8 @@ class SentenceExplanation:
             (``len(tokens)``), else None.
         all_unknown: whether every word became the tokenizer's unknown token (an
             all-emoji sentence for a BERT vocabulary): the scores then explain no text.
+        notes: what a method says of its scores on this sentence, by the method's shown
+            name (the calibrated presence where it kept its prior).
     """
 
     text: str
@@ -65,6 +67,7 @@ class SentenceExplanation:
     probabilities: dict[str, float] = field(default_factory=dict)
     cut_from: int | None = None
     all_unknown: bool = False
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,27 @@ def resolve_target(target: str | None, id2label: dict[int, str]) -> int | None:
     return index
 
 
-Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``run(ids, mask, targets, ig_baseline) -> (batch, seq_len)`` scores."""
+@dataclass
+class NotedScores:
+    """``(batch, seq_len)`` scores with a note per example (None where there is nothing
+    to say), shown beside the method's scores."""
+
+    scores: torch.Tensor
+    notes: list[str | None]
+
+
+Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Union[torch.Tensor, NotedScores]]
+"""``run(ids, mask, targets, ig_baseline) -> (batch, seq_len)`` scores, or
+:class:`NotedScores`."""
+
+def plain_scores(result: torch.Tensor | NotedScores) -> torch.Tensor:
+    """A :data:`Method`'s scores, without the notes of :class:`NotedScores`."""
+    return result.scores if isinstance(result, NotedScores) else result
+
+
+Refine = Callable[..., torch.Tensor]
+Note = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[Union[str, None]]]
+"""``note(prior, refined, removable) -> one note (or None) per example``."""
 
 
 @dataclass(frozen=True)
@@ -207,20 +229,47 @@ def presence_display(presence: float) -> str:
     return f"AttnLRP at presence {presence:g}"
 
 
+@overload
 def refined_method(
-    at_presence: Callable[..., torch.Tensor], refine: Callable[..., torch.Tensor], forward: Callable[..., Any], tokenizer: Any
-) -> Callable[..., torch.Tensor]:
+    at_presence: Callable[..., torch.Tensor], refine: Refine, forward: Callable[..., Any], tokenizer: Any, note: None = None
+) -> Callable[..., torch.Tensor]: ...
+
+
+@overload
+def refined_method(
+    at_presence: Callable[..., torch.Tensor], refine: Refine, forward: Callable[..., Any], tokenizer: Any, note: Note
+) -> Callable[..., NotedScores]: ...
+
+
+def refined_method(
+    at_presence: Callable[..., torch.Tensor], refine: Refine, forward: Callable[..., Any], tokenizer: Any, note: Note | None = None
+) -> Callable[..., torch.Tensor | NotedScores]:
     """``run(ids, mask, targets, extra)``: ``at_presence(ids, mask, targets, extra)``'s scores
     refined by ``refine`` (:func:`~captum_attention.metrics.calibrated_attribution`,
     :func:`~captum_attention.metrics.greedy_deletion`) on its 8 removals of the words, the
-    special tokens kept as the metrics keep them. Each example's removals depend on it
-    alone: the same scores in any batch."""
+    special tokens kept as the metrics keep them; with ``note``, as :class:`NotedScores`
+    with its notes on the prior and the refined scores. Each example's removals depend on
+    it alone: the same scores in any batch."""
 
-    def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, extra: Any) -> torch.Tensor:
+    def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, extra: Any) -> torch.Tensor | NotedScores:
         prior = at_presence(ids, mask, targets, extra)
-        return refine(forward, ids, mask, prior, targets, keep=special_tokens(ids, tokenizer))
+        keep = special_tokens(ids, tokenizer)
+        refined = refine(forward, ids, mask, prior, targets, keep=keep)
+        return refined if note is None else NotedScores(refined, note(prior, refined, (mask != 0) & ~keep))
 
     return run
+
+
+def calibration_notes(prior: torch.Tensor, calibrated: torch.Tensor, removable: torch.Tensor) -> list[str | None]:
+    """Where :func:`~captum_attention.metrics.calibrated_attribution` kept the prior (its
+    removals reversed the prior's direction, a fitted scale α ≤ 0, and it returns
+    the prior itself): a note saying so; None elsewhere."""
+    kept_prior = ((calibrated == prior.float()) | ~removable).all(dim=1) & removable.any(dim=1)
+    return [
+        "its random removals reversed the prior's direction (fitted scale ≤ 0), so these are the uncalibrated presence's scores"
+        if kept else None
+        for kept in kept_prior.tolist()
+    ]
 
 
 def presence_weights(ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, presence: float) -> torch.Tensor:
@@ -324,7 +373,8 @@ def report_methods(
         methods[PRESENCE] = ReportMethod(presence_display(presence), at_presence, MethodInfo(spec.uses_target, spec.signed))
     if CALIBRATED in names:
         methods[CALIBRATED] = ReportMethod(
-            f"{presence_display(presence)}, calibrated", refined_method(at_presence, calibrated_attribution, forward, tokenizer),
+            f"{presence_display(presence)}, calibrated",
+            refined_method(at_presence, calibrated_attribution, forward, tokenizer, calibration_notes),
             MethodInfo(uses_target=True, signed=True),
         )
     return methods
@@ -406,10 +456,14 @@ def _explain_batch(
     seconds = {}
     for method in methods.values():
         begin = time.perf_counter()
-        scores = method.run(ids, mask, targets, baseline).detach()
+        scored = method.run(ids, mask, targets, baseline)
         seconds[method.display] = time.perf_counter() - begin
-        for row, result in enumerate(results):
+        scores = plain_scores(scored).detach()
+        notes = scored.notes if isinstance(scored, NotedScores) else [None] * len(results)
+        for row, (result, note) in enumerate(zip(results, notes)):
             result.scores[method.display] = scores[row, : len(result.tokens)].tolist()
+            if note is not None:
+                result.notes[method.display] = note
     return results, seconds
 
 

@@ -120,6 +120,7 @@ def render_html(explanations: Explanations, model_name: str) -> str:
                 f'<p class="note">Cut to the model\'s {len(sentence.tokens)} tokens (of {sentence.cut_from}): '
                 "the rest is neither seen nor explained.</p>"
             )
+        parts += [f'<p class="note"><bdi>{escape(method)}</bdi>: {escape(note)}.</p>' for method, note in sentence.notes.items()]
         parts.append("<table><tr><th>method</th><th>wall time</th><th>tokens</th></tr>")
         for method, seconds in explanations.seconds.items():
             info = explanations.methods[method]

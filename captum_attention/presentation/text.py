@@ -73,6 +73,7 @@ def _sentence_header(sentence: SentenceExplanation) -> list[str]:
             f"nothing after {terminal_safe(sentence.tokens[-2] if len(sentence.tokens) > 1 else sentence.tokens[-1])!r} "
             "is seen or explained"
         )
+    lines += [f"  note: {terminal_safe(method)}: {terminal_safe(note)}" for method, note in sentence.notes.items()]
     return lines
 
 
