@@ -46,9 +46,11 @@ def hashed_draws(seeds: Tensor | int, *coordinates: Tensor | int) -> Tensor:
         coordinates: integer tensors (or ints), broadcast together: where the draw is.
 
     Returns:
-        The draws, on the device and of the broadcast shape of the arguments.
+        The draws, of the broadcast shape of the arguments, on the device of the first
+        tensor among them.
     """
-    draws = _mix(torch.as_tensor(seeds).long() & _MASK)
+    device = next((value.device for value in (seeds, *coordinates) if isinstance(value, Tensor)), None)
+    draws = _mix(torch.as_tensor(seeds, device=device).long() & _MASK)
     for coordinate in coordinates:
         draws = _round(draws ^ _mix(torch.as_tensor(coordinate, device=draws.device).long() & _MASK))
     return draws
