@@ -8,7 +8,9 @@ its wheel, and transformers' if the machine's is older than this package needs):
 
 Prints, for the benchmark BERT (6 layers, 384 wide, 12 heads) on 8 × 128 tokens:
 the largest difference of each method relative to its score scale (the target is 1e-5
-in fp32) between CUDA streaming, CUDA eager and CPU eager capture, the bf16/fp32
+in fp32) between CUDA streaming, CUDA eager and CPU eager capture (and of attention
+erasure, comprehensiveness and the permutation test, whose draws are hashed alike on
+both devices), the bf16/fp32
 difference of streaming on CUDA, and median CUDA time and peak memory of each run
 against its baseline (``common.ALL_BASELINES``). Then the same
 CPU/CUDA agreement for the other families, on the tiny models of the test suite
@@ -50,7 +52,7 @@ from common import (  # noqa: E402
 )
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
-from captum_attention.metrics import attention_erasure, comprehensiveness, random_ranking  # noqa: E402
+from captum_attention.metrics import attention_erasure, attention_permutation, comprehensiveness, random_ranking  # noqa: E402
 
 METHODS = {cls.__name__: (cls, {"target": 1}) for cls in REGISTERED.values()}
 
@@ -118,8 +120,10 @@ def main() -> None:
         metric_gaps[device] = (
             attention_erasure(model, ids, erased, (mask,)).js_divergence.cpu(),
             comprehensiveness(forward, ids, mask, random_ranking(ids.shape, seed=1).to(device)).cpu(),
+            attention_permutation(model, ids, (mask,), n_permutations=3).median_tvd.cpu(),  # the same hashed draws
         )
-    for name, cpu_value, gpu_value in zip(("attention_erasure JS", "comprehensiveness"), metric_gaps["cpu"], metric_gaps["cuda"]):
+    names = ("attention_erasure JS", "comprehensiveness", "attention_permutation median TVD")
+    for name, cpu_value, gpu_value in zip(names, metric_gaps["cpu"], metric_gaps["cuda"]):
         print(f"{name}: max |cuda-cpu| = {(gpu_value - cpu_value).abs().max().item():.2e}")
 
     ids, mask = benchmark_batch("cuda")
