@@ -13,8 +13,8 @@
 Both optimise per-example tensors with Adam for a fixed number of steps, batched (each
 example's loss depends on its own tensors only and Adam is element-wise, so the examples
 of a batch do not influence each other), each from a random start drawn from ``seed``
-and the example's own inputs: an example's search is the same alone as in any batch. The model's
-parameters and their ``.grad`` are never touched: gradients are taken with
+and the example's own inputs: an example's search is the same alone as in any batch.
+The model's parameters and their ``.grad`` are never touched: gradients are taken with
 ``torch.autograd.grad`` with respect to the searched tensors only.
 """
 

@@ -37,11 +37,12 @@ class _TokenSampler:
     """Draws which tokens to perturb: each unprotected token with ``probability``.
 
     Each example's draws are hashed (:func:`~captum_attention.maps.draws.hashed_draws`)
-    from ``seed`` with its unprotected tokens (:func:`~captum_attention.metrics.token_removal.example_seeds`), how many
-    perturbations of it were drawn before (Captum asks for an example's ``n`` samples as
-    ``n`` copies, possibly over several calls) and each token's place among its
-    unprotected tokens: an example's perturbations are the same whatever batch, padding
-    (protected) or ``max_examples_per_batch`` it comes in.
+    from ``seed`` with its unprotected tokens
+    (:func:`~captum_attention.metrics.token_removal.example_seeds`), how many perturbations
+    of it were drawn before (Captum asks for an example's ``n`` samples as ``n`` copies,
+    possibly over several calls) and each token's place among its unprotected tokens: an
+    example's perturbations are the same whatever batch, padding (protected) or
+    ``max_examples_per_batch`` it comes in.
     """
 
     def __init__(self, probability: float, protected_ids: Sequence[int], seed: int | None) -> None:

@@ -125,6 +125,7 @@ Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Unio
 """``run(ids, mask, targets, ig_baseline) -> (batch, seq_len)`` scores, or
 :class:`NotedScores`."""
 
+
 def plain_scores(result: torch.Tensor | NotedScores) -> torch.Tensor:
     """A :data:`Method`'s scores, without the notes of :class:`NotedScores`."""
     return result.scores if isinstance(result, NotedScores) else result
