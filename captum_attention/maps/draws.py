@@ -48,6 +48,13 @@ def hashed_draws(seeds: Tensor | int, *coordinates: Tensor | int) -> Tensor:
     Returns:
         The draws, of the broadcast shape of the arguments, on the device of the first
         tensor among them.
+
+    Example::
+
+        >>> seeds = example_seeds(input_ids, attention_mask, seed=0)  # (B,), from each example's tokens
+        >>> places = real_ranks(attention_mask.bool())  # (B, N), each token's place among the real ones
+        >>> draws = hashed_draws(seeds[:, None, None], places[:, :, None], places[:, None, :])  # (B, rows, keys)
+        >>> order = draws.masked_fill(attention_mask[:, None] == 0, DRAW_RANGE).argsort(dim=-1)
     """
     device = next((value.device for value in (seeds, *coordinates) if isinstance(value, Tensor)), None)
     draws = _mix(torch.as_tensor(seeds, device=device).long() & _MASK)
@@ -57,8 +64,15 @@ def hashed_draws(seeds: Tensor | int, *coordinates: Tensor | int) -> Tensor:
 
 
 def hashed_normal(seeds: Tensor | int, *coordinates: Tensor | int) -> Tensor:
-    """float32 standard normal draws (Box-Muller over two :func:`hashed_draws`), of the
-    broadcast shape of the arguments."""
+    """float32 standard normal draws (Box-Muller over two :func:`hashed_draws`).
+
+    Args:
+        seeds: as :func:`hashed_draws` takes them.
+        coordinates: as :func:`hashed_draws` takes them.
+
+    Returns:
+        The draws, of the broadcast shape of the arguments.
+    """
     first = (hashed_draws(seeds, *coordinates, 0).double() + 0.5) / DRAW_RANGE
     second = hashed_draws(seeds, *coordinates, 1).double() / DRAW_RANGE
     return ((-2.0 * first.log()).sqrt() * torch.cos(2.0 * math.pi * second)).float()
