@@ -35,7 +35,7 @@ from .dataset import AnswerExample, DatasetError, Example, batches, read_answers
 from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, PRESENCE, ReportMethod, answer_estimates, check_methods, check_names,
-    classifier_forward, ig_baseline, length_limit, method_names, plain_scores, prompt_span, refined_method,
+    classifier_forward, ig_baseline, length_limit, method_names, noted, prompt_span, refined_method,
     registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
@@ -269,7 +269,7 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
     chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence)
 
     def from_report(method: ReportMethod) -> Explainer:
-        return lambda ids, mask, targets, texts: plain_scores(method.run(ids, mask, targets, ig_baseline(ids, tokenizer))).detach()
+        return lambda ids, mask, targets, texts: noted(method.run(ids, mask, targets, ig_baseline(ids, tokenizer))).scores.detach()
 
     explainers = {name: from_report(method) for name, method in chosen.items()}
     if SMOOTHGRAD in names:

@@ -126,9 +126,9 @@ Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Unio
 :class:`NotedScores`."""
 
 
-def plain_scores(result: torch.Tensor | NotedScores) -> torch.Tensor:
-    """A :data:`Method`'s scores, without the notes of :class:`NotedScores`."""
-    return result.scores if isinstance(result, NotedScores) else result
+def noted(result: torch.Tensor | NotedScores) -> NotedScores:
+    """A :data:`Method`'s result as :class:`NotedScores` (no notes where it gave scores alone)."""
+    return result if isinstance(result, NotedScores) else NotedScores(result, [None] * len(result))
 
 
 Refine = Callable[..., torch.Tensor]
@@ -457,11 +457,10 @@ def _explain_batch(
     seconds = {}
     for method in methods.values():
         begin = time.perf_counter()
-        scored = method.run(ids, mask, targets, baseline)
+        scored = noted(method.run(ids, mask, targets, baseline))
         seconds[method.display] = time.perf_counter() - begin
-        scores = plain_scores(scored).detach()
-        notes = scored.notes if isinstance(scored, NotedScores) else [None] * len(results)
-        for row, (result, note) in enumerate(zip(results, notes)):
+        scores = scored.scores.detach()
+        for row, (result, note) in enumerate(zip(results, scored.notes)):
             result.scores[method.display] = scores[row, : len(result.tokens)].tolist()
             if note is not None:
                 result.notes[method.display] = note
