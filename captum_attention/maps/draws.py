@@ -73,8 +73,9 @@ def hashed_normal(seeds: Tensor | int, *coordinates: Tensor | int) -> Tensor:
     Returns:
         The draws, of the broadcast shape of the arguments.
     """
-    first = (hashed_draws(seeds, *coordinates, 0).double() + 0.5) / DRAW_RANGE
-    second = hashed_draws(seeds, *coordinates, 1).double() / DRAW_RANGE
+    shared = hashed_draws(seeds, *coordinates)  # the two draws' last coordinates, 0 and 1, joined below
+    first, second = (_round(shared ^ _mix(torch.tensor(last, device=shared.device))).double() / DRAW_RANGE for last in (0, 1))
+    first = first + 0.5 / DRAW_RANGE  # never 0: its log is taken
     return ((-2.0 * first.log()).sqrt() * torch.cos(2.0 * math.pi * second)).float()
 
 
