@@ -452,6 +452,41 @@ def test_rows_of_an_earlier_kind_are_not_resumed_into(checkpoint, tmp_path, caps
     assert error.count("\n") == 1 and f"rows_version: None there, {ev.ROWS_VERSION} now" in error
 
 
+def test_a_model_trained_again_into_the_same_folder_is_another_run(checkpoint, tmp_path, capsys):
+    folder, data, output = tmp_path / "classifier", _data(tmp_path, count=6), tmp_path / "out"
+    shutil.copytree(checkpoint, folder)
+    args = [str(data), "--model", str(folder), "--output", str(output), "--methods", "raw", "--metrics", "token_f1"]
+    assert _run(*args) == 0
+    first = (output / "results.jsonl").read_text()
+    model = tf.AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * 1e-3)
+    model.save_pretrained(folder)
+    capsys.readouterr()
+    assert _run(*args) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "model: " in error and "name a new --output" in error
+    assert (output / "results.jsonl").read_text() == first
+
+
+def test_the_weights_digest_reads_the_values_not_the_device_or_the_object():
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20)
+    model = tf.BertModel(config).eval()
+    same = tf.BertModel(config).eval()
+    same.load_state_dict(model.state_dict())
+    assert ev.weights_digest(same) == ev.weights_digest(model)
+    with torch.no_grad():
+        same.encoder.layer[0].output.dense.weight.mul_(1.0001)
+    assert ev.weights_digest(same) != ev.weights_digest(model), "one tensor trained again"
+    same.load_state_dict(model.state_dict())
+    assert ev.weights_digest(same.to(torch.bfloat16)) != ev.weights_digest(model), "cast"
+    with torch.device("meta"):
+        offloaded = tf.BertModel(config)
+    assert len(ev.weights_digest(offloaded)) == 64
+
+
 def test_a_row_with_no_token_to_rank_is_refused_before_any_work_or_skipped(checkpoint, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "good film"}\n{"text": "\U0001f642"}\n{"text": "dull plot"}\n')
