@@ -28,6 +28,7 @@ import transformers as tf
 from conftest import SwallowsCtrlC, killed_part_way
 
 from captum_attention import GradSAM
+from captum_attention.loading import weights_digest
 from captum_attention.metrics import aopc, comprehensiveness, datamodeling_score, token_f1
 from captum_attention.presentation import evaluate as ev
 from captum_attention.presentation.cli import main
@@ -476,15 +477,15 @@ def test_the_weights_digest_reads_the_values_not_the_device_or_the_object():
     model = tf.BertModel(config).eval()
     same = tf.BertModel(config).eval()
     same.load_state_dict(model.state_dict())
-    assert ev.weights_digest(same) == ev.weights_digest(model)
+    assert weights_digest(same) == weights_digest(model)
     with torch.no_grad():
         same.encoder.layer[0].output.dense.weight.mul_(1.0001)
-    assert ev.weights_digest(same) != ev.weights_digest(model), "one tensor trained again"
+    assert weights_digest(same) != weights_digest(model), "one tensor trained again"
     same.load_state_dict(model.state_dict())
-    assert ev.weights_digest(same.to(torch.bfloat16)) != ev.weights_digest(model), "cast"
+    assert weights_digest(same.to(torch.bfloat16)) != weights_digest(model), "cast"
     with torch.device("meta"):
         offloaded = tf.BertModel(config)
-    assert len(ev.weights_digest(offloaded)) == 64
+    assert len(weights_digest(offloaded)) == 64
 
 
 def test_a_row_with_no_token_to_rank_is_refused_before_any_work_or_skipped(checkpoint, tmp_path, capsys):

@@ -117,3 +117,24 @@ def test_an_answer_with_no_tokens_is_named_by_its_line_in_the_fit_and_in_evaluat
     assert message in capsys.readouterr().err
     assert main(["evaluate", str(_data(tmp_path)), "--model", str(folder), "--methods", "raw", "--output", str(tmp_path / "out")]) == 1
     assert message in capsys.readouterr().err, "evaluate reads its rows through the same helper"
+
+
+def test_head_weights_beside_a_model_trained_again_are_refused(folder, tmp_path, capsys):
+    assert main(["fit-head-weights", str(_data(tmp_path)), "--model", str(folder), "--ablations", str(ABLATIONS)]) == 0
+    model, _ = load_causal_lm(folder)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.001)
+    model.save_pretrained(folder)
+    capsys.readouterr()
+    explain = ["explain", "--model", str(folder), PROMPT, "--target", "seven", "--methods", "learned_attention"]
+    assert main(explain) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "fitted to another model" in error and "fit-head-weights" in error
+    answers = tmp_path / "one.jsonl"
+    answers.write_text(json.dumps({"prompt": PROMPT, "answer": "seven"}) + "\n", encoding="utf-8")
+    output = tmp_path / "evaluation"
+    evaluate = ["evaluate", str(answers), "--model", str(folder), "--methods", "learned_attention", "--output", str(output)]
+    assert main(evaluate) == 1
+    assert "fitted to another model" in capsys.readouterr().err
+    assert not (output / "shards").exists(), "refused before any work"

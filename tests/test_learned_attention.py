@@ -16,6 +16,7 @@ from lm_models import answer_rows, explains_through_the_llm_interface, make_deco
 
 from captum_attention import HeadWeights, LearnedAttention
 from captum_attention.attr import METHODS, REGISTRY
+from captum_attention.loading import fitted_model
 from captum_attention.metrics import head_weights as fitting
 
 
@@ -103,7 +104,24 @@ def test_the_fit_is_the_ridge_solution_of_contextcites_objective():
     weights = HeadWeights.fit(model, examples, num_ablations=6, seed=4, ridge=1e-2, progress=False)
     expected = reference_fit(model, examples, 6, 4, 1e-2)
     torch.testing.assert_close(weights.weights, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    assert weights.settings == {"examples": 4, "num_ablations": 6, "seed": 4, "ridge": 1e-2, "fit": "ridge"}
+    assert weights.settings == {
+        "examples": 4, "num_ablations": 6, "seed": 4, "ridge": 1e-2, "model": fitted_model(model), "fit": "ridge"
+    }
+
+
+def test_a_fit_is_refused_for_the_model_trained_again_and_taken_for_it_cast():
+    model, examples = make_decoder("llama"), _examples()
+    weights = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
+    LearnedAttention(model, weights=weights)
+    trained_again = copy.deepcopy(model)
+    with torch.no_grad():
+        trained_again.model.layers[0].mlp.down_proj.weight.mul_(1.001)
+    with pytest.raises(ValueError, match="fitted to another model.*trained again since.*fit-head-weights") as refused:
+        LearnedAttention(trained_again, weights=weights)
+    assert "\n" not in str(refused.value)
+    LearnedAttention(copy.deepcopy(model).to(torch.bfloat16), weights=weights)  # another dtype: taken as it is
+    LearnedAttention(trained_again, weights=weights.weights)  # a bare tensor records no model
+    LearnedAttention(trained_again, weights=HeadWeights(weights.weights, {"fit": "ridge"}))  # nor a fit without it
 
 
 def _ctrl_c() -> None:
@@ -134,7 +152,7 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(inte
     monkeypatch.setattr(fitting, "_example_statistics", interrupted)
     with pytest.raises(KeyboardInterrupt):
         HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
-    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3}
+    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3, "model": fitted_model(model)}
     assert len(calls) == at and fitting._resume(checkpoint, settings)[0] == 2
     monkeypatch.setattr(fitting, "_example_statistics", statistics)
     resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)

@@ -11,6 +11,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
+from ..loading import check_fitted_model
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 
@@ -43,7 +44,9 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
     Args:
         $constructor_args
         weights (HeadWeights or Tensor, optional): the coefficients, ``(layers, heads)``
-            of the model's attention calls. Default: None, uniform: ``1 / (L · H)`` each.
+            of the model's attention calls; a fit recorded for other weights of the
+            model in the same dtype (trained again since) is refused. Default: None,
+            uniform: ``1 / (L · H)`` each.
 
     Example::
 
@@ -57,6 +60,9 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
 
     def __init__(self, forward_func: Any, *args: Any, weights: PerHeadWeights | Tensor | None = None, **kwargs: Any) -> None:
         super().__init__(forward_func, *args, **kwargs)
+        recorded = getattr(weights, "settings", {}).get("model")
+        refit = "fit them on this model (HeadWeights.fit, or captum-attention fit-head-weights ANSWERS --model DIR)"
+        check_fitted_model(recorded, self.model, "These head weights", refit)
         self.weights = weights
 
     @property

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..capture.guard import ctrl_c_noticed
 from ..capture.inputs import LogProbTarget
+from ..loading import fitted_model
 from ._forward import run_model
 from .context import random_ablations
 
@@ -125,14 +126,18 @@ def fit_head_weights(
             Default: ``model``.
 
     Returns:
-        HeadWeights, with the fit's settings.
+        HeadWeights, with the fit's settings; among them ``model``, the digest of the
+        model's weights (``captum_attention.loading.fitted_model``), by which
+        :class:`~captum_attention.LearnedAttention` refuses them for a model trained again.
     """
     if not examples:
         raise ValueError("Fitting head weights needs at least one example.")
     if num_ablations < 2:
         raise ValueError(f"num_ablations must be at least 2 (each example's mean is removed), got {num_ablations}.")
     forward = forward_func or model
-    settings = {"examples": len(examples), "num_ablations": num_ablations, "seed": seed, "ridge": ridge}
+    settings = {
+        "examples": len(examples), "num_ablations": num_ablations, "seed": seed, "ridge": ridge, "model": fitted_model(model),
+    }
     done, sums = _resume(checkpoint, settings)
     from tqdm.auto import tqdm
 

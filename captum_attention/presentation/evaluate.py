@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..capture.guard import ctrl_c_noticed
+from ..loading import weights_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs
@@ -201,33 +202,12 @@ def data_digest(examples: Sequence[Any]) -> str:
     return hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest()
 
 
-WEIGHT_SAMPLES = 64
-"""How many values of each of the model's tensors :func:`weights_digest` reads."""
-
-
 def model_identity(model: Any) -> str:
     """The model's folder, its number of parameters and :func:`weights_digest`'s first 16
     hex digits: a model trained again into the same folder, or loaded in another dtype, is
     another model."""
     size = sum(p.numel() for p in model.parameters())
     return f"{getattr(model.config, '_name_or_path', '')} ({size} parameters, weights {weights_digest(model)[:16]})"
-
-
-def weights_digest(model: Any) -> str:
-    """The SHA-256 of each parameter's and buffer's name, dtype and shape and the bytes of
-    :data:`WEIGHT_SAMPLES` of its values, evenly spaced: the same on any device (bytes, no
-    arithmetic), read in a few milliseconds whatever the model's size, and different for
-    weights trained again or cast. A tensor left on the meta device (offloaded) gives its
-    name, dtype and shape only."""
-    digest = hashlib.sha256()
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode("utf-8"))
-        if tensor.device.type != "meta" and tensor.numel():
-            flat = tensor.detach().reshape(-1)
-            count = min(flat.numel(), WEIGHT_SAMPLES)
-            places = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
-            digest.update(flat[places].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _head_weights_digest(model: Any) -> str:
