@@ -37,13 +37,15 @@ WEIGHT_SAMPLES = 64
 
 
 def weights_digest(model: Any) -> str:
-    """The SHA-256 of each parameter's and buffer's name, dtype and shape and the bytes of
-    :data:`WEIGHT_SAMPLES` of its values, evenly spaced: the same on any device (bytes, no
-    arithmetic), read in a few milliseconds whatever the model's size, and different for
-    weights trained again or cast. A tensor left on the meta device (offloaded) gives its
-    name, dtype and shape only."""
+    """The SHA-256 of each tensor's name, dtype and shape in the model's ``state_dict``
+    (its parameters and the buffers it saves; not those it computes at construction, which
+    a model may leave uninitialised) and the bytes of :data:`WEIGHT_SAMPLES` of its values,
+    evenly spaced: the same on any device (bytes, no arithmetic), read in a few
+    milliseconds whatever the model's size, and different for weights trained again or
+    cast. A tensor left on the meta device (offloaded) gives its name, dtype and shape
+    only."""
     digest = hashlib.sha256()
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    for name, tensor in model.state_dict(keep_vars=True).items():
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode("utf-8"))
         if tensor.device.type != "meta" and tensor.numel():
             flat = tensor.detach().reshape(-1)
