@@ -10,7 +10,7 @@ from conftest import assert_same_state, assert_scores_close, make_batch, model_s
 from plain_models import PatchClassifier, make_plain
 from methods import MAP_METHODS as METHODS
 
-from captum_attention import GradSAM, TransformerAttribution
+from captum_attention import AttnLRP, GradSAM, KnockoutLRP, TransformerAttribution, UnsupportedModelError
 from captum_attention.capture import AttentionNotFoundError, ModuleAdapter, MultiheadAttentionAdapter
 from captum_attention.metrics import attention_erasure, attention_permutation
 
@@ -159,6 +159,17 @@ def test_a_failing_call_leaves_multihead_attention_as_found():
         GradSAM(failing, model=model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
     assert_same_state(before, model_state(model))
     assert model(batch.input_ids, batch.attention_mask).shape == (3, 3)  # still callable as before
+
+
+@pytest.mark.parametrize("cls", [AttnLRP, KnockoutLRP])
+def test_the_relevance_methods_refuse_plain_attention_in_one_line_and_leave_it_as_found(kind, cls):
+    model = make_plain(kind)
+    batch = make_batch(model)
+    before = model_state(model)
+    with pytest.raises(UnsupportedModelError, match="AttnLRP's rules cover transformers' attention") as refused:
+        cls(model, adapter=adapter_for(model)).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(model))
 
 
 class PatchGridAdapter(MultiheadAttentionAdapter):

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .guard import ScopedFunctionMode
@@ -159,7 +160,7 @@ class RelevanceRules(Probe):
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         if not getattr(adapter, "propagates_relevance", False):
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"AttnLRP's rules cover transformers' attention (the Hugging Face families, "
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
