@@ -18,7 +18,10 @@ CPU/CUDA agreement for the other families, on the tiny models of the test suite
 language model's answer (``attribute_span`` and ``attribute_continuation`` rows, both
 capture modes, GPT-2 and Llama with left padding), and of the architectures reached
 through the adapter's fallbacks (``architecture_agreement``). ``kernel_agreement`` and
-``kernel_tiles`` check and time the Triton kernels (``gpu_run.sh kernels``).
+``kernel_tiles`` check and time the Triton kernels (``gpu_run.sh kernels``). ``main`` and
+the agreement checks take the two devices: on ``("cpu", "cpu")`` they run dry, as
+``tests/test_benchmarks_smoke.py`` runs them, so that a script error shows before a card
+is lent.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from common import (  # noqa: E402
 )
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
+from captum_attention._compat import UnsupportedModelError  # noqa: E402
 from captum_attention.metrics import attention_erasure, attention_permutation, comprehensiveness, random_ranking  # noqa: E402
 
 METHODS = {cls.__name__: (cls, {"target": 1}) for cls in REGISTERED.values()}
@@ -70,7 +74,6 @@ def cuda_cost(run, device: str = "cuda") -> tuple[float, int]:
     """Median milliseconds over 20 runs and peak allocated bytes of one run. On the CPU (a
     dry run of the device script under ``TRITON_INTERPRET=1``) one timed run and no peak."""
     if device != "cuda":
-        run()
         start = time.perf_counter()
         run()
         return 1000 * (time.perf_counter() - start), 0
@@ -92,49 +95,64 @@ def cuda_cost(run, device: str = "cuda") -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
+def main(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
+    """The benchmark BERT's scores, metrics and costs on ``devices[1]`` against
+    ``devices[0]`` (on ``("cpu", "cpu")`` a dry run of the device script); returns the worst
+    difference of the fp32 scores relative to their scale."""
+    reference, device = devices
+    if device == "cuda" and not torch.cuda.is_available():
         sys.exit("No CUDA device: run this on the GPU machine.")
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, batch {BATCH} x {SEQ_LEN}")
-    cpu = scores("cpu", torch.float32, "eager")
-    gpu, gpu_eager = scores("cuda", torch.float32, "streaming"), scores("cuda", torch.float32, "eager")
-    bf16 = scores("cuda", torch.bfloat16, "streaming")
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"device: {name}, torch {torch.__version__}, batch {BATCH} x {SEQ_LEN}")
+    cpu = scores(reference, torch.float32, "eager")
+    gpu, gpu_eager = scores(device, torch.float32, "streaming"), scores(device, torch.float32, "eager")
+    bf16 = scores(device, torch.bfloat16, "streaming")
     print("\n| method | streaming cuda vs eager cpu (fp32) | eager cuda vs eager cpu | streaming bf16 vs fp32 |")
     print("|---|---|---|---|")
     worst = 0.0
-    for name in METHODS:
-        scale = cpu[name].abs().max().item()
-        fp32_error = (gpu[name] - cpu[name]).abs().max().item() / scale
-        eager_error = (gpu_eager[name] - cpu[name]).abs().max().item() / scale
-        bf16_error = (bf16[name] - gpu[name]).abs().max().item() / scale
+    for method in METHODS:
+        scale = cpu[method].abs().max().item()
+        fp32_error = (gpu[method] - cpu[method]).abs().max().item() / scale
+        eager_error = (gpu_eager[method] - cpu[method]).abs().max().item() / scale
+        bf16_error = (bf16[method] - gpu[method]).abs().max().item() / scale
         worst = max(worst, fp32_error, eager_error)
-        print(f"| {name} | {fp32_error:.2e} | {eager_error:.2e} | {bf16_error:.2e} |")
+        print(f"| {method} | {fp32_error:.2e} | {eager_error:.2e} | {bf16_error:.2e} |")
     print(f"\nCPU/CUDA agreement within 1e-5 of the score scale: {'PASS' if worst <= 1e-5 else 'FAIL'}")
 
     metric_gaps = {}
-    for device in ("cpu", "cuda"):
-        model = benchmark_model(device)
-        ids, mask = benchmark_batch(device)
-        erased = random_ranking(ids.shape, seed=0).to(device) > 0.7
+    for key, on in zip(("cpu", "cuda"), devices):
+        model = benchmark_model(on)
+        ids, mask = benchmark_batch(on)
+        erased = random_ranking(ids.shape, seed=0).to(on) > 0.7
         forward = lambda i, m, model=model: model(i, attention_mask=m).logits  # noqa: E731
-        metric_gaps[device] = (
+        metric_gaps[key] = (
             attention_erasure(model, ids, erased, (mask,)).js_divergence.cpu(),
-            comprehensiveness(forward, ids, mask, random_ranking(ids.shape, seed=1).to(device)).cpu(),
+            comprehensiveness(forward, ids, mask, random_ranking(ids.shape, seed=1).to(on)).cpu(),
             attention_permutation(model, ids, (mask,), n_permutations=3).median_tvd.cpu(),  # the same hashed draws
         )
     names = ("attention_erasure JS", "comprehensiveness", "attention_permutation median TVD")
-    for name, cpu_value, gpu_value in zip(names, metric_gaps["cpu"], metric_gaps["cuda"]):
-        print(f"{name}: max |cuda-cpu| = {(gpu_value - cpu_value).abs().max().item():.2e}")
+    for metric, cpu_value, gpu_value in zip(names, metric_gaps["cpu"], metric_gaps["cuda"]):
+        print(f"{metric}: max |cuda-cpu| = {(gpu_value - cpu_value).abs().max().item():.2e}")
 
-    ids, mask = benchmark_batch("cuda")
-    costs = {name: cuda_cost(run) for name, run in attention_runs(benchmark_model("cuda"), ids, mask).items()}
+    ids, mask = benchmark_batch(device)
+    costs = {run_name: cuda_cost(run, device) for run_name, run in attention_runs(benchmark_model(device), ids, mask).items()}
     print("\n| run | median ms | x baseline time | x baseline peak memory |")
     print("|---|---|---|---|")
-    for name in (SDPA_FORWARD, SDPA_FORWARD_BACKWARD, FORWARD, FORWARD_BACKWARD):
-        print(f"| {name} | {costs[name][0]:.2f} | | |")
-    for name, baseline in ALL_BASELINES.items():
-        (ms, peak), (base_ms, base_peak) = costs[name], costs[baseline]
-        print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak:.2f} |")
+    for run_name in (SDPA_FORWARD, SDPA_FORWARD_BACKWARD, FORWARD, FORWARD_BACKWARD):
+        print(f"| {run_name} | {costs[run_name][0]:.2f} | | |")
+    for run_name, baseline in ALL_BASELINES.items():
+        (ms, peak), (base_ms, base_peak) = costs[run_name], costs[baseline]
+        print(f"| {run_name} | {ms:.2f} | {ms / base_ms:.2f} | {peak / base_peak if base_peak else float('nan'):.2f} |")
+    return worst
+
+
+def _refused_or(explain) -> object:
+    """``explain()``'s scores, or "refused: " and the library's one-line refusal (a method
+    that does not cover a family says so on every device)."""
+    try:
+        return explain()
+    except UnsupportedModelError as refusal:
+        return f"refused: {str(refusal).splitlines()[0][:80]}"
 
 
 def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
@@ -142,7 +160,7 @@ def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
     from lm_models import make_decoder, make_encoder_decoder, make_prompts, make_vision
     from plain_models import make_plain
 
-    prompts = make_prompts(side="left")
+    prompts, right_padded = make_prompts(side="left"), make_prompts(side="right")  # the MHA classifier reads position 0
     pair = (torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]), torch.tensor([[4, 5, 6], [7, 8, 0]]))
     pair_masks = ((pair[0] != 0).long(), (pair[1] != 0).long())
     cases = {
@@ -150,7 +168,7 @@ def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
         "llama (GQA)": (lambda: make_decoder("llama"), prompts.input_ids, (prompts.attention_mask,)),
         "t5": (lambda: make_encoder_decoder("t5"), pair, pair_masks),
         "vit": (lambda: make_vision("vit"), torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)), None),
-        "nn.MultiheadAttention": (lambda: make_plain("mha"), prompts.input_ids, (prompts.attention_mask,)),
+        "nn.MultiheadAttention": (lambda: make_plain("mha"), right_padded.input_ids, (right_padded.attention_mask,)),
     }
     print("\n| family | method | max |cuda-cpu| / scale |")
     print("|---|---|---|")
@@ -161,12 +179,13 @@ def family_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
             model = build().to(device)
             moved = tuple(t.to(device) for t in inputs) if isinstance(inputs, tuple) else inputs.to(device)
             moved_args = None if args is None else tuple(t.to(device) for t in args)
-            results[key] = {
-                name: cls(model).attribute(moved, additional_forward_args=moved_args)
-                for name, (cls, _) in METHODS.items()
-            }
+            results[key] = {name: _refused_or(lambda: cls(model).attribute(moved, additional_forward_args=moved_args))
+                            for name, (cls, _) in METHODS.items()}
         for name in METHODS:
             cpu_scores, gpu_scores = results["cpu"][name], results["cuda"][name]
+            if isinstance(cpu_scores, str) or isinstance(gpu_scores, str):
+                print(f"| {family} | {name} | {cpu_scores if isinstance(cpu_scores, str) else gpu_scores} |")
+                continue
             pairs = zip(cpu_scores, gpu_scores) if isinstance(cpu_scores, tuple) else [(cpu_scores, gpu_scores)]
             error = max(
                 (g.cpu() - c).abs().max().item() / max(c.abs().max().item(), 1e-30) for c, g in pairs
@@ -302,7 +321,7 @@ def architecture_agreement(devices: tuple[str, str] = ("cpu", "cuda")) -> float:
         for key, device in zip(("cpu", "cuda"), devices):
             case = zoo.make_case(zoo.build(architecture).to(device), architecture)
             moved = tuple(t.to(device) for t in case.inputs) if isinstance(case.inputs, tuple) else case.inputs.to(device)
-            case.inputs, case.args = moved, tuple(t.to(device) for t in case.args)
+            case.inputs, case.args = moved, None if case.args is None else tuple(t.to(device) for t in case.args)
             cases[key] = case
         for name in REGISTERED:
             cpu_scores, gpu_scores = (zoo.explain(cases[key], name) for key in ("cpu", "cuda"))

@@ -110,6 +110,23 @@ def test_the_key_bias_and_the_block_reduction_are_timed_in_turns_on_the_same_sco
     assert key_bias_in_turns.probes.key_bias_applies is kernel.key_bias_applies
 
 
+def test_the_device_checks_run_dry_on_the_cpu(benchmarks_on_path, capsys):
+    """``gpu_run.sh``'s agreement checks with the CPU in the card's place: each runs to its
+    verdict (a method a family does not support is named as refused), so that a card's
+    few minutes go to measuring, not to a script's error. Streaming against eager on the
+    CPU within 1e-5; the same device and mode, exactly."""
+    import gpu_check
+
+    assert gpu_check.main(("cpu", "cpu")) <= 1e-5
+    checks = (gpu_check.family_agreement, gpu_check.answer_agreement, gpu_check.context_mixing_agreement,
+              gpu_check.seq2seq_answer_agreement, gpu_check.architecture_agreement)
+    assert [check(("cpu", "cpu")) for check in checks] == [0.0] * len(checks)
+    printed = capsys.readouterr().out
+    assert printed.count("PASS") == 1 + len(checks) and "FAIL" not in printed
+    assert "| nn.MultiheadAttention | AttnLRP | refused: AttnLRP's rules cover" in printed
+    assert "attention_permutation median TVD: max |cuda-cpu| = 0.00e+00" in printed
+
+
 def test_the_widened_heads_are_timed_per_backend_and_refusals_named(benchmarks_on_path, capsys):
     """The device script's question, run on the CPU: sdpa with heads of 64, 65 and 72."""
     import gpu_check
