@@ -28,7 +28,7 @@ import transformers as tf
 from conftest import SwallowsCtrlC, killed_part_way
 
 from captum_attention import GradSAM
-from captum_attention.loading import weights_digest
+from captum_attention.capture.identity import weights_digest
 from captum_attention.metrics import aopc, comprehensiveness, datamodeling_score, token_f1
 from captum_attention.presentation import evaluate as ev
 from captum_attention.presentation.cli import main

@@ -16,7 +16,7 @@ from lm_models import answer_rows, explains_through_the_llm_interface, make_deco
 
 from captum_attention import HeadWeights, LearnedAttention
 from captum_attention.attr import METHODS, REGISTRY
-from captum_attention.loading import fitted_model
+from captum_attention.capture.identity import fitted_model
 from captum_attention.metrics import head_weights as fitting
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord
-from ..loading import check_fitted_model
+from ..capture.identity import check_fitted_model
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._registry import MethodSpec
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..capture.guard import ctrl_c_noticed
 from ..capture.inputs import LogProbTarget
-from ..loading import fitted_model
+from ..capture.identity import fitted_model
 from ._forward import run_model
 from .context import random_ablations
 
@@ -127,7 +127,7 @@ def fit_head_weights(
 
     Returns:
         HeadWeights, with the fit's settings; among them ``model``, the digest of the
-        model's weights (``captum_attention.loading.fitted_model``), by which
+        model's weights (``captum_attention.capture.identity.fitted_model``), by which
         :class:`~captum_attention.LearnedAttention` refuses them for a model trained again.
     """
     if not examples:

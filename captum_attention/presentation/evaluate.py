@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..capture.guard import ctrl_c_noticed
-from ..loading import weights_digest
+from ..capture.identity import weights_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs
