@@ -3,6 +3,7 @@ vision-language model) safely, with errors a user can act on."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import warnings
@@ -28,6 +29,30 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+CHECKPOINT_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+    "chat_template.json",
+)
+"""The files of a checkpoint folder besides its weights that decide what the model computes
+on a text or an image: its configuration, tokenizer and processor."""
+
+
+def checkpoint_files_digest(folder: str | Path) -> str:
+    """The SHA-256 of the names and contents of the :data:`CHECKPOINT_FILES` in ``folder``
+    (no file: the digest of nothing): a tokenizer or configuration saved again into the
+    folder changes it; a report or data file written there does not."""
+    digest = hashlib.sha256()
+    root = Path(folder) if folder else None
+    for name in CHECKPOINT_FILES:
+        path = None if root is None else root / name
+        if path is not None and path.is_file():
+            digest.update(f"{name} {path.stat().st_size}\n".encode("utf-8"))
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class CheckpointError(ValueError):

@@ -471,6 +471,22 @@ def test_a_model_trained_again_into_the_same_folder_is_another_run(checkpoint, t
     assert (output / "results.jsonl").read_text() == first
 
 
+def test_a_tokenizer_saved_again_is_another_run_and_a_report_written_beside_it_is_not(checkpoint, tmp_path, capsys):
+    folder, data, output = tmp_path / "classifier", _data(tmp_path, count=6), tmp_path / "out"
+    shutil.copytree(checkpoint, folder)
+    args = [str(data), "--model", str(folder), "--output", str(output), "--methods", "raw", "--metrics", "token_f1"]
+    assert _run(*args) == 0
+    (folder / "report.html").write_text("<p>an explanation written into the model's folder</p>")
+    capsys.readouterr()
+    assert _run(*args) == 0 and "resuming: " in capsys.readouterr().out
+    tokenizer = tf.AutoTokenizer.from_pretrained(folder)
+    tokenizer.model_max_length = 6  # reads fewer tokens of each text
+    tokenizer.save_pretrained(folder)
+    assert _run(*args) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "model: " in error and "name a new --output" in error
+
+
 def test_the_weights_digest_reads_the_values_not_the_device_or_the_object():
     torch.manual_seed(0)
     config = tf.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import weights_digest
+from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs
@@ -203,11 +204,14 @@ def data_digest(examples: Sequence[Any]) -> str:
 
 
 def model_identity(model: Any) -> str:
-    """The model's folder, its number of parameters and :func:`weights_digest`'s first 16
-    hex digits: a model trained again into the same folder, or loaded in another dtype, is
-    another model."""
-    size = sum(p.numel() for p in model.parameters())
-    return f"{getattr(model.config, '_name_or_path', '')} ({size} parameters, weights {weights_digest(model)[:16]})"
+    """The model's folder, its number of parameters and the first 16 hex digits of
+    :func:`~captum_attention.capture.identity.weights_digest` and of
+    :func:`~captum_attention.loading.checkpoint_files_digest` (its configuration, tokenizer
+    and processor): a model trained again into the same folder, loaded in another dtype,
+    or tokenized otherwise, is another model."""
+    folder, size = getattr(model.config, "_name_or_path", ""), sum(p.numel() for p in model.parameters())
+    files = checkpoint_files_digest(folder)[:16]
+    return f"{folder} ({size} parameters, weights {weights_digest(model)[:16]}, files {files})"
 
 
 def _head_weights_digest(model: Any) -> str:
