@@ -1,7 +1,7 @@
 """GPU check: CUDA scores equal CPU scores, bf16 works, and what each method costs there.
 
-One command for the device tool (captum is not installed on the lent GPU machines; carry
-its wheel, and transformers' if the machine's is older than this package needs):
+One command for a GPU machine (where captum is not installed, carry its wheel, and
+transformers' if the machine's is older than this package needs):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py
@@ -20,8 +20,8 @@ capture modes, GPT-2 and Llama with left padding), and of the architectures reac
 through the adapter's fallbacks (``architecture_agreement``). ``kernel_agreement`` and
 ``kernel_tiles`` check and time the Triton kernels (``gpu_run.sh kernels``). ``main`` and
 the agreement checks take the two devices: on ``("cpu", "cpu")`` they run dry, as
-``tests/test_benchmarks_smoke.py`` runs them, so that a script error shows before a card
-is lent.
+``tests/test_benchmarks_smoke.py`` runs them, so that a script error shows before the
+script runs on a card.
 """
 
 from __future__ import annotations
