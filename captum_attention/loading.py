@@ -46,11 +46,9 @@ def checkpoint_files_digest(folder: str | Path) -> str:
     (no file: the digest of nothing): a tokenizer or configuration saved again into the
     folder changes it; a report or data file written there does not."""
     digest = hashlib.sha256()
-    root = Path(folder) if folder else None
-    for name in CHECKPOINT_FILES:
-        path = None if root is None else root / name
-        if path is not None and path.is_file():
-            digest.update(f"{name} {path.stat().st_size}\n".encode("utf-8"))
+    for path in [Path(folder) / name for name in CHECKPOINT_FILES] if folder else []:
+        if path.is_file():
+            digest.update(f"{path.name} {path.stat().st_size}\n".encode("utf-8"))
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
