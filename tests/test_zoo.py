@@ -14,7 +14,7 @@ from zoo import (
     make_case, outcomes, reference, runs, shares_outcome,
 )
 
-from captum_attention import METHODS, GradSAM, RawAttention, UnsupportedModelError
+from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
 from captum_attention.capture.adapters.huggingface import returned_attention
 
 POPULAR = {
@@ -80,6 +80,18 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     found = outcomes(_architecture(head, model_type), ["learned_attention", *CHECKED_BY_THEMSELVES])
     assert found["norm_attention"].status in ("refused", "not built"), found
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
+
+
+def test_knockout_lrp_takes_attn_lrps_relevance_where_a_norm_module_returns_its_scale_alone():
+    """HY-V4's hyper-connections multiply by the scale their norm module returns: a constant
+    under AttnLRP's rules, also under the switch with which KnockoutLRP turns them off for
+    its second backward (it once halved the relevance through that product)."""
+    architecture = _architecture("causal LM", "hy_v4")
+    case = runs(make_case(build(architecture), architecture))
+    every_token = KnockoutLRP(case.model, decisive=case.inputs.shape[1])
+    relevance = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    taken = every_token.attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    torch.testing.assert_close(taken, relevance, rtol=0, atol=1e-6 * float(relevance.abs().max()))
 
 
 @pytest.mark.zoo

@@ -33,11 +33,12 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
@@ -87,6 +88,18 @@ def _is_activation_tensor(value: Any) -> bool:
     """A tensor computed from the inputs: it requires grad and is not a leaf (parameters
     are leaves)."""
     return isinstance(value, Tensor) and value.requires_grad and value.grad_fn is not None and value.is_floating_point()
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in a function's arguments or result (nested in tuples, lists and dicts)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 @dataclass
@@ -156,6 +169,7 @@ class RelevanceRules(Probe):
         self.sources: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
+        self._held = WeakTensorKeyDictionary()
         self._thread = threading.get_ident()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
@@ -166,6 +180,7 @@ class RelevanceRules(Probe):
             )
         self._thread = threading.get_ident()
         self.embeddings, self.merged, self.sources, self.depth = [], [], [], 0
+        self._held = WeakTensorKeyDictionary()
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
@@ -184,6 +199,32 @@ class RelevanceRules(Probe):
         image features a language model cross-attends to (Mllama's), as an
         encoder-decoder's source comes before its target."""
         return Embeddings(self.sources + (self.merged or self.embeddings))
+
+    def is_activation(self, value: Any) -> bool:
+        """Whether a rule treats ``value`` as an activation (:func:`_is_activation_tensor`):
+        not where it is a held constant, or computed from held constants only. Rules with a
+        :class:`~captum_attention.maps.lrp.RuleSwitch` keep a held constant's graph (its
+        ordinary gradient passes once the switch is off), so that it still requires grad;
+        without one it is detached, and a norm module that returns its scale alone
+        (HY-V4's) multiplies an activation by a constant: with a switch, by a constant all
+        the same, not as a product of two activations sharing the relevance."""
+        return _is_activation_tensor(value) and value not in self._held
+
+    def hold(self, constant: Tensor) -> Tensor:
+        """A held constant (the rules' ``held_constant``), remembered where it keeps its graph."""
+        if constant.requires_grad:
+            self._held[constant] = True
+        return constant
+
+    def carry(self, result: Any, args: tuple, kwargs: dict) -> Any:
+        """``result``, its tensors held where every argument requiring grad is held: as
+        detaching would have made them constants."""
+        if self._held:
+            inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+            if inputs and all(t in self._held for t in inputs):
+                for tensor in _tensors(result):
+                    self.hold(tensor)
+        return result
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
         return self.attention(run_kernel)
@@ -207,7 +248,7 @@ class RelevanceRules(Probe):
         if not self._ours():
             return None
         self.depth -= 1
-        if module in self._activations and args and _is_activation_tensor(args[0]) and isinstance(output, Tensor):
+        if module in self._activations and args and self.is_activation(args[0]) and isinstance(output, Tensor):
             return self.rules.identity_rule(args[0], output)
         return None
 
@@ -253,19 +294,21 @@ class _RuleMode(ScopedFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        rules = self.relevance.rules
-        if func is F.layer_norm and _is_activation_tensor(args[0]):
+        rules, activation = self.relevance.rules, self.relevance.is_activation
+        if func is F.layer_norm and activation(args[0]):
             return rules.layer_norm_rule(*args, **kwargs)
-        if func is F.rms_norm and _is_activation_tensor(args[0]):
+        if func is F.rms_norm and activation(args[0]):
             return rules.rms_norm_rule(*args, **kwargs)
         if self.relevance.depth > 0:
             result = func(*args, **kwargs)
-            return rules.held_constant(result) if func in (torch.rsqrt, Tensor.rsqrt) else result
-        if func in _PRODUCTS and len(args) == 2 and all(_is_activation_tensor(a) and a.numel() > 1 for a in args):
+            if func in (torch.rsqrt, Tensor.rsqrt):
+                return self.relevance.hold(rules.held_constant(result))
+            return self.relevance.carry(result, args, kwargs)
+        if func in _PRODUCTS and len(args) == 2 and all(activation(a) and a.numel() > 1 for a in args):
             return func(rules.share_gradient(args[0], 0.5), rules.share_gradient(args[1], 0.5))
-        if rules.gamma and func is F.linear and _is_activation_tensor(args[0]):
+        if rules.gamma and func is F.linear and activation(args[0]):
             return rules.linear(*args, **kwargs)
-        if rules.gamma and func is torch.addmm and not kwargs and len(args) == 3 and _is_activation_tensor(args[1]):
+        if rules.gamma and func is torch.addmm and not kwargs and len(args) == 3 and activation(args[1]):
             bias, x, weight = args  # GPT-2's Conv1D: x·W + b, a linear layer with W transposed
             return rules.linear(x, weight.t(), bias)
-        return func(*args, **kwargs)
+        return self.relevance.carry(func(*args, **kwargs), args, kwargs)
