@@ -31,6 +31,7 @@ is thread-local, and the hooks act only in the capturing thread).
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -38,7 +39,6 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
@@ -169,7 +169,7 @@ class RelevanceRules(Probe):
         self.sources: list[Tensor] = []
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
-        self._held = WeakTensorKeyDictionary()
+        self._held: dict[int, weakref.ref[Tensor]] = {}  # by id, each checked against its tensor
         self._thread = threading.get_ident()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
@@ -180,7 +180,7 @@ class RelevanceRules(Probe):
             )
         self._thread = threading.get_ident()
         self.embeddings, self.merged, self.sources, self.depth = [], [], [], 0
-        self._held = WeakTensorKeyDictionary()
+        self._held = {}
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)
         for module in dict.fromkeys([*sites.activations, *sites.norms]):
@@ -208,22 +208,32 @@ class RelevanceRules(Probe):
         without one it is detached, and a norm module that returns its scale alone
         (HY-V4's) multiplies an activation by a constant: with a switch, by a constant all
         the same, not as a product of two activations sharing the relevance."""
-        return _is_activation_tensor(value) and value not in self._held
+        return _is_activation_tensor(value) and not self._is_held(value)
+
+    def _is_held(self, tensor: Tensor) -> bool:
+        held = self._held.get(id(tensor))
+        return held is not None and held() is tensor
 
     def hold(self, constant: Tensor) -> Tensor:
         """A held constant (the rules' ``held_constant``), remembered where it keeps its graph."""
         if constant.requires_grad:
-            self._held[constant] = True
+            self._held[id(constant)] = weakref.ref(constant)
         return constant
 
     def carry(self, result: Any, args: tuple, kwargs: dict) -> Any:
         """``result``, its tensors held where every argument requiring grad is held: as
         detaching would have made them constants."""
-        if self._held:
-            inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-            if inputs and all(t in self._held for t in inputs):
-                for tensor in _tensors(result):
-                    self.hold(tensor)
+        if not self._held:
+            return result
+        from_held = False
+        for tensor in _tensors((args, kwargs)):
+            if tensor.requires_grad:
+                if not self._is_held(tensor):
+                    return result
+                from_held = True
+        if from_held:
+            for tensor in _tensors(result):
+                self.hold(tensor)
         return result
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor:
