@@ -124,6 +124,24 @@ def test_a_fit_is_refused_for_the_model_trained_again_and_taken_for_it_cast():
     LearnedAttention(trained_again, weights=HeadWeights(weights.weights, {"fit": "ridge"}))  # nor a fit without it
 
 
+def test_offloaded_weights_are_compared_by_their_layout():
+    """A model whose weights wait on the meta device (offloaded by Accelerate) has no
+    values to compare: its fit is taken where the tensors' names and shapes match, at the
+    fit or now, and refused where they do not."""
+    model, examples = make_decoder("llama"), _examples()
+    weights = HeadWeights.fit(model, examples, num_ablations=4, progress=False)
+    offloaded = copy.deepcopy(model)
+    down_proj = offloaded.model.layers[0].mlp.down_proj
+    down_proj.weight = torch.nn.Parameter(torch.empty_like(down_proj.weight, device="meta"))
+    assert fitted_model(offloaded)["offloaded"] and fitted_model(offloaded)["weights"] != fitted_model(model)["weights"]
+    LearnedAttention(offloaded, weights=weights)  # fitted whole, explained offloaded
+    LearnedAttention(model, weights=HeadWeights(weights.weights, {**weights.settings, "model": fitted_model(offloaded)}))
+    other = copy.deepcopy(offloaded)
+    other.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    with pytest.raises(ValueError, match="another model.*layout.*offloaded weights are not compared.*fit-head-weights"):
+        LearnedAttention(other, weights=weights)
+
+
 def _ctrl_c() -> None:
     raise KeyboardInterrupt
 
