@@ -56,6 +56,25 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     assert "--paired 'AttnLRP' is not among the methods run: Saliency." in capsys.readouterr().err
 
 
+def test_calibrated_text_gives_each_budgets_lds_and_its_paired_difference_to_contextcite(benchmarks_on_path, capsys):
+    import calibrated_text
+
+    result = calibrated_text.main(["--smoke", "--forwards", "1", "4"])
+    assert result["reference"] == "ContextCite, 4" and list(result["rows"]) == [
+        "AttnLRP at presence 0.05", "calibrated, 1", "ContextCite, 1", "calibrated, 4", "ContextCite, 4",
+    ]
+    reference = torch.tensor(result["each"]["ContextCite, 4"])
+    for name, row in result["rows"].items():
+        values = torch.tensor(result["each"][name])
+        difference = (values - reference)[~(values - reference).isnan()]
+        assert row["defined on"] == int((~values.isnan()).sum())
+        assert row["forwards"] == (int(name.split(", ")[1]) if ", " in name else 1)
+        if len(difference):
+            assert row["difference"] == pytest.approx(difference.mean().item()) and row["LDS"] == pytest.approx(values.nanmean().item())
+    assert result["rows"]["ContextCite, 4"]["difference"] == 0
+    assert "| calibrated, 4 | 4 |" in capsys.readouterr().out
+
+
 def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path, tmp_path, capsys, monkeypatch):
     import scaling
 
