@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import explainers  # noqa: E402
 import tasks  # noqa: E402
+from faithfulness import paired_difference  # noqa: E402
 
 from captum_attention.metrics import datamodeling_score  # noqa: E402
 
@@ -84,12 +85,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _row(forwards: int, values: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
     """The mean LDS over the examples where it is defined, and the paired difference to the
     reference's over those where both are, with its standard error."""
-    both = ~values.isnan() & ~reference.isnan()
-    difference = (values - reference)[both]
+    paired = paired_difference(values, reference)
     return {
         "forwards": forwards, "LDS": values.nanmean().item(), "defined on": int((~values.isnan()).sum()),
-        "difference": difference.mean().item() if len(difference) else float("nan"),
-        "standard error": (difference.std() / len(difference) ** 0.5).item() if len(difference) > 1 else float("nan"),
+        "difference": paired["mean"], "standard error": paired["standard error"],
     }
 
 

@@ -131,11 +131,18 @@ def paired_differences(result: dict[str, Any], reference: str) -> dict[str, dict
             continue
         paired[name] = {}
         for metric in mine:
-            difference = torch.tensor(mine[metric]) - torch.tensor(theirs[metric])
-            difference = difference[~difference.isnan()]
-            error = difference.std().item() / len(difference) ** 0.5 if len(difference) > 1 else float("nan")
-            paired[name][metric] = {"mean": difference.mean().item(), "standard error": error, "examples": len(difference)}
+            paired[name][metric] = paired_difference(torch.tensor(mine[metric]), torch.tensor(theirs[metric]))
     return paired
+
+
+def paired_difference(mine: torch.Tensor, theirs: torch.Tensor) -> dict[str, float]:
+    """The mean over examples of ``mine`` minus ``theirs``, its standard error, and the
+    examples counted (those where both are defined)."""
+    difference = mine - theirs
+    difference = difference[~difference.isnan()]
+    error = difference.std().item() / len(difference) ** 0.5 if len(difference) > 1 else float("nan")
+    return {"mean": difference.mean().item() if len(difference) else float("nan"), "standard error": error,
+            "examples": len(difference)}
 
 
 def run_task(task: Task, check_accuracy: bool = True, only: list[str] | None = None) -> dict[str, Any]:
