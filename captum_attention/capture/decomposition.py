@@ -26,7 +26,6 @@ backward.
 
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -43,7 +42,7 @@ from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .inputs import take_rows
-from .guard import ModelChanges, ScopedFunctionMode
+from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from .kernel import KernelInterception
 from .probes import CallInfo, Probe, RunKernel, layer_blocks
 from .residual import linear_norm
@@ -225,10 +224,10 @@ def _from_first_layer(
     probabilities) on a softmax inside an attention call; ``before_projection`` (the
     attention call's index, the arguments) before an output projection."""
     state = {"layer": -1, "inside": 0, "in_layer": 0, "site": -1, "in_site": 0}
-    first, thread = modules.blocks[0], threading.get_ident()
+    first, thread = modules.blocks[0], current_thread()
 
     def before_block(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if threading.get_ident() != thread:
+        if current_thread() != thread:
             return None
         if state["layer"] >= 0 or block is first:
             state["layer"] += 1
@@ -237,33 +236,33 @@ def _from_first_layer(
         return None
 
     def after_block(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if threading.get_ident() == thread:
+        if current_thread() == thread:
             state["in_layer"] = max(0, state["in_layer"] - 1)
 
     def enter(module: nn.Module, args: tuple) -> None:
-        if threading.get_ident() == thread:
+        if current_thread() == thread:
             state["inside"] += 1
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        if threading.get_ident() == thread:
+        if current_thread() == thread:
             state["inside"] -= 1
 
     def enter_site(module: nn.Module, args: tuple) -> None:
-        if threading.get_ident() == thread and state["layer"] >= 0:
+        if current_thread() == thread and state["layer"] >= 0:
             state["site"] += 1
             state["in_site"] += 1
 
     def leave_site(module: nn.Module, args: tuple, output: Any) -> None:
-        if threading.get_ident() == thread and state["layer"] >= 0:
+        if current_thread() == thread and state["layer"] >= 0:
             state["in_site"] = max(0, state["in_site"] - 1)
 
     def projecting(module: nn.Module, args: tuple) -> Any:
-        if threading.get_ident() != thread or state["layer"] < 0 or before_projection is None:
+        if current_thread() != thread or state["layer"] < 0 or before_projection is None:
             return None
         return before_projection(state["site"], args)
 
     def after(module: nn.Module, args: tuple, output: Any) -> Any:
-        if threading.get_ident() != thread or state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
+        if current_thread() != thread or state["layer"] < 0 or not (args and isinstance(args[0], Tensor)):
             return None
         if not isinstance(output, Tensor):
             raise UnsupportedModelError(
@@ -504,12 +503,12 @@ class ShareGradients(Probe):
         self._held: set[int] = set()
         self._offsets: list[tuple[Tensor, Tensor]] = []
         self._open_gates: list[tuple[_Gate, Tensor]] = []  # the current layer's activations still taken as gates
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         modules = self._modules or model_modules(model, adapter)
         self._kinds, self._leaf, self._held, self._offsets, self._open_gates = modules.kinds, None, set(), [], []
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
         stack.callback(self._open_gates.clear)
         _from_first_layer(modules, stack, self._on_call, self._on_block)
         for module in bias_modules(modules):  # after the hooks above, so that a norm's offset follows its linear map
@@ -534,7 +533,7 @@ class ShareGradients(Probe):
         gives)."""
         bias = getattr(module, "bias")
         assert isinstance(bias, Tensor)  # bias_modules chose it for one
-        if threading.get_ident() != self._thread or self._leaf is None or not isinstance(output, Tensor):
+        if current_thread() != self._thread or self._leaf is None or not isinstance(output, Tensor):
             return None
         if output.dim() < 2 or not output.is_floating_point() or output.shape[-1] != bias.numel() or output.shape[0] % len(self._leaf):
             return None  # no bias added to the output, or no rows per example: the check of the sum refuses

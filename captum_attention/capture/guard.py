@@ -26,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 from types import CodeType, FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -151,6 +152,14 @@ class SharedPatch:
 
 _LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
 _LOCKS_LOCK = threading.Lock()
+
+
+@torch.compiler.disable
+def current_thread() -> int:
+    """This thread's identifier, by which a capture's hooks tell the capturing thread's
+    forward from another thread's. Run outside ``torch.compile``'s tracing, which cannot
+    trace :func:`threading.get_ident` (it warned, and broke the graph all the same)."""
+    return threading.get_ident()
 
 
 def model_lock(model: nn.Module) -> threading.RLock:

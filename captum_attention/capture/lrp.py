@@ -30,7 +30,6 @@ is thread-local, and the hooks act only in the capturing thread).
 
 from __future__ import annotations
 
-import threading
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .guard import ScopedFunctionMode
+from .guard import ScopedFunctionMode, current_thread
 from .probes import CallInfo, Probe, RunKernel
 
 
@@ -170,7 +169,7 @@ class RelevanceRules(Probe):
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._held: dict[int, weakref.ref[Tensor]] = {}  # by id, each checked against its tensor
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         if not getattr(adapter, "propagates_relevance", False):
@@ -178,7 +177,7 @@ class RelevanceRules(Probe):
                 f"AttnLRP's rules cover transformers' attention (the Hugging Face families, "
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
         self.embeddings, self.merged, self.sources, self.depth = [], [], [], 0
         self._held = {}
         sites = adapter.relevance_sites(model)
@@ -248,7 +247,7 @@ class RelevanceRules(Probe):
     def _ours(self) -> bool:
         """Whether the forward running is the capturing thread's (the hooks are on the
         model; another thread's forward goes through them untouched)."""
-        return threading.get_ident() == self._thread
+        return current_thread() == self._thread
 
     def _enter_module(self, module: nn.Module, args: tuple) -> None:
         if self._ours():

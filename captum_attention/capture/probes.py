@@ -27,7 +27,6 @@ A new method or metric adds a probe, never a parameter of the capture.
 
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
@@ -41,6 +40,7 @@ from ..maps.interventions import weigh_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import parent_module
+from .guard import current_thread
 from .inputs import take_rows
 from .kernel import key_bias_applies
 
@@ -204,12 +204,12 @@ class LastCallGraph(Probe):
 
     def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
         sites = adapter.attention_sites(model)
-        self._last, self._thread = (sites[-1].module if sites else None), threading.get_ident()
+        self._last, self._thread = (sites[-1].module if sites else None), current_thread()
         if self._last is not None and not self.streaming:
             stack.callback(self._last.register_forward_pre_hook(self._from_input, with_kwargs=True).remove)
 
     def _from_input(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        if threading.get_ident() != self._thread:
+        if current_thread() != self._thread:
             return None
         torch.set_grad_enabled(True)
         if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
@@ -217,7 +217,7 @@ class LastCallGraph(Probe):
         return None
 
     def on_kernel(self, call: CallInfo | None, kernel: KernelCall, run_kernel: RunKernel) -> Tensor | None:
-        if call is None or call.module is not self._last or threading.get_ident() != self._thread:
+        if call is None or call.module is not self._last or current_thread() != self._thread:
             return None
         output = run_kernel()
         torch.set_grad_enabled(True)
@@ -610,12 +610,12 @@ class LayerBlocks(Probe):
         sites = adapter.attention_sites(model)
         blocks = {id(block): block for block in layer_blocks(model, adapter, sites) if block is not None}
         calls: list[BlockCall] = []
-        self._calls, thread = calls, threading.get_ident()
+        self._calls, thread = calls, current_thread()
         pending: dict[int, tuple[tuple, dict, list | None]] = {}
         kept: list[tuple[Tensor, list]] = []  # the running layer call's hidden input and states, if it wants them
 
         def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
-            if threading.get_ident() == thread:
+            if current_thread() == thread:
                 hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() == 3), None)
                 seen: list | None = None
                 if self._wanted(len(calls) + len(pending)) and hidden is not None:
@@ -624,7 +624,7 @@ class LayerBlocks(Probe):
                 pending[id(block)] = (args, dict(kwargs), seen)
 
         def after(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if threading.get_ident() == thread and id(block) in pending:
+            if current_thread() == thread and id(block) in pending:
                 hidden = output[0] if isinstance(output, (tuple, list)) else output
                 call_args, call_kwargs, seen = pending.pop(id(block))
                 if seen is not None:
@@ -635,7 +635,7 @@ class LayerBlocks(Probe):
                     calls[len(calls) - 1 + self.states].states = None  # out of the last -states calls: not the one asked for
 
         def inside(module: nn.Module, args: tuple, output: Any) -> None:
-            if threading.get_ident() == thread and kept:
+            if current_thread() == thread and kept:
                 layer_input, seen = kept[-1]
                 hidden = output[0] if isinstance(output, (tuple, list)) and output else output
                 if isinstance(hidden, Tensor) and hidden.numel() == layer_input.numel():  # never an MLP's wider states

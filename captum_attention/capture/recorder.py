@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,7 +15,7 @@ from torch import Tensor, nn
 from .._compat import StreamingUnsupported, mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
-from .guard import ModelChanges, ScopedFunctionMode
+from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from ..maps.kernel import KernelCall
 from .kernel import KernelInterception
 from .probes import CallInfo, Probe, RunKernel
@@ -89,7 +88,7 @@ class AttentionCapture(ModelChanges):
         self._sites: dict[nn.Module, AttentionSite] = {}
         self._forward_context: contextvars.Context | None = None  # where the forward ran, once it has
         super().__init__(model, self._change_model)
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
         self.model_calls = 0  # calls of the model itself, to refuse a forward_func that runs it twice
 
     def _listening(self, event: str) -> list[Probe]:
@@ -242,7 +241,7 @@ class AttentionCapture(ModelChanges):
         self._calls, self._open, self._mask_seen = [], [], False
         self._forward_context = None
         self.model_calls = 0
-        self._thread = threading.get_ident()
+        self._thread = current_thread()
         self.attention_mask = self.decoder_attention_mask = self.cross_attended_mask = None
         from_softmax = self.adapter.probs_source == "softmax"
         mode = "streaming" if self.streaming else "eager"
@@ -278,7 +277,7 @@ class AttentionCapture(ModelChanges):
     def _ours(self) -> bool:
         """Whether a hooked call runs in the capture's thread (another thread's forward of
         the same modules is not recorded)."""
-        return threading.get_ident() == self._thread
+        return current_thread() == self._thread
 
     def _open_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if not self._ours():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +28,7 @@ from typing import Any, Callable
 from torch import Tensor, nn
 
 from ...maps import reduced_keys_on_patch_grid, windows_on_patch_grid
+from ..guard import current_thread
 from .protocol import AttentionSite, UnsupportedModelError, bound_argument
 
 
@@ -137,7 +137,7 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
     this context, for calls in the thread that set them (forgetting the previous call as
     the call starts); ``stack`` resets the notes. The first call of a forward runs on the
     first stage's patches."""
-    thread = threading.get_ident()
+    thread = current_thread()
     first_stage: list[tuple[int, int]] = []
     layers = window_layers(model)
     if layers:
@@ -157,14 +157,14 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
 
     def forget(site: AttentionSite) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if threading.get_ident() == thread:
+            if current_thread() == thread:
                 note(site, None)
 
         return hook
 
     def noted(site: AttentionSite, call_of: Callable[..., GridCall], first: bool) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if threading.get_ident() != thread:
+            if current_thread() != thread:
                 return
             stage = _stage(module, args, kwargs)
             if first:
