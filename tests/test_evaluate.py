@@ -504,6 +504,18 @@ def test_the_weights_digest_reads_the_values_not_the_device_or_the_object():
     assert len(weights_digest(offloaded)) == 64
 
 
+def test_a_run_names_weights_offloaded_whose_values_it_could_not_read():
+    """A resume refused because other weights are offloaded says why, not only that the
+    digests differ."""
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20)
+    model = tf.BertModel(config).eval()
+    assert "offloaded" not in ev.model_identity(model)
+    dense = model.encoder.layer[0].output.dense
+    dense.weight = torch.nn.Parameter(torch.empty_like(dense.weight, device="meta"))
+    assert "(some offloaded, their values unread)" in ev.model_identity(model)
+
+
 def test_a_row_with_no_token_to_rank_is_refused_before_any_work_or_skipped(checkpoint, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "good film"}\n{"text": "\U0001f642"}\n{"text": "dull plot"}\n')

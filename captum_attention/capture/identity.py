@@ -33,13 +33,19 @@ def weights_digest(model: Any, values: bool = True) -> str:
     return digest.hexdigest()
 
 
+def is_offloaded(model: Any) -> bool:
+    """Whether some of the model's tensors wait on the meta device (offloaded by
+    Accelerate): :func:`weights_digest` cannot read their values."""
+    return any(t.device.type == "meta" for t in model.state_dict(keep_vars=True).values())
+
+
 def fitted_model(model: Any) -> dict[str, Any]:
     """What a fit to ``model`` records of it: :func:`weights_digest`, the digest of its
-    layout alone (``values=False``), whether some of its tensors are offloaded (on the meta
-    device, their values unread) and the dtype of its first floating-point parameter."""
+    layout alone (``values=False``), whether some of its tensors are offloaded
+    (:func:`is_offloaded`) and the dtype of its first floating-point parameter."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    offloaded = any(t.device.type == "meta" for t in model.state_dict(keep_vars=True).values())
-    return {"weights": weights_digest(model), "layout": weights_digest(model, values=False), "offloaded": offloaded, "dtype": str(dtype)}
+    return {"weights": weights_digest(model), "layout": weights_digest(model, values=False), "offloaded": is_offloaded(model),
+            "dtype": str(dtype)}
 
 
 def check_fitted_model(recorded: dict[str, Any] | None, model: Any, fitted: str, refit: str) -> None:

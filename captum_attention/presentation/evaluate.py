@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..capture.guard import ctrl_c_noticed
-from ..capture.identity import weights_digest
+from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
@@ -208,10 +208,13 @@ def model_identity(model: Any) -> str:
     :func:`~captum_attention.capture.identity.weights_digest` and of
     :func:`~captum_attention.loading.checkpoint_files_digest` (its configuration, tokenizer
     and processor): a model trained again into the same folder, loaded in another dtype,
-    or tokenized otherwise, is another model."""
+    or tokenized otherwise, is another model. So is the same model with other weights
+    offloaded, whose values are not read: the identity says so, and a refused resume names
+    the cause."""
     folder, size = getattr(model.config, "_name_or_path", ""), sum(p.numel() for p in model.parameters())
     files = checkpoint_files_digest(folder)[:16]
-    return f"{folder} ({size} parameters, weights {weights_digest(model)[:16]}, files {files})"
+    weights = weights_digest(model)[:16] + (" (some offloaded, their values unread)" if is_offloaded(model) else "")
+    return f"{folder} ({size} parameters, weights {weights}, files {files})"
 
 
 def _head_weights_digest(model: Any) -> str:
