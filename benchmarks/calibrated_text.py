@@ -1,7 +1,7 @@
 """Attention-calibrated surrogates on real text: LDS against the number of forwards.
 
     python benchmarks/calibrated_text.py [--examples 128] [--seed 1] [--presence 0.05]
-        [--forwards 1 4 8 16 32 64] [--json out.json] [--smoke]
+        [--forwards 1 4 8 16 32 64] [--draws 1] [--json out.json] [--smoke]
 
 The default sentiment model on ``--examples`` held-out sentences (``tasks.build('sentiment',
 ...)``; ``--seed``: which ones), each explained for its predicted class. For each number of
@@ -10,9 +10,12 @@ forwards A: AttnLRP at ``--presence`` calibrated on A random ablations
 surrogate on A ablations (``explainers.context_cite``), both drawn with seed 1, apart from
 the LDS's own (``metrics.datamodeling_score``: 32 random halves of seed 0, the faithfulness
 benchmark's); beside them AttnLRP at that presence alone (one forward and one backward).
-Each row's paired difference to ContextCite on the most forwards, with its standard error,
-says whether it is above or below it. ``--smoke``: the planted task's model, trained on
-1,000 sentences, on 4 examples instead, to check that everything runs.
+Each row's paired differences to ContextCite on the most forwards and to the presence
+alone, with their standard errors, say whether it is above or below them. With several
+``--draws`` (seeds of both surrogates' ablations, in place of 1) each draw has its rows,
+and "mean over draws" averages each sentence's LDS over them, ContextCite's reference
+too: what a surrogate gains whichever ablations are drawn. ``--smoke``: the planted task's
+model, trained on 1,000 sentences, on 4 examples instead, to check that everything runs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--presence", type=float, default=explainers.PRESENCES[-1])
     parser.add_argument("--forwards", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--draws", type=int, nargs="+", default=[1])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     options = parser.parse_args(argv)
@@ -62,33 +66,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def given_prior(task: tasks.Task, target: torch.Tensor) -> torch.Tensor:  # computed once, for every budget
         return prior
 
-    each = {f"AttnLRP at presence {options.presence}": (1, lds(task, prior, target))}
+    presence = f"AttnLRP at presence {options.presence}"
+    each = {presence: (1, lds(task, prior, target))}
+    surrogates = {
+        "calibrated": lambda forwards, seed: explainers.calibrated_over(given_prior, forwards, seed)(task, target),
+        "ContextCite": lambda forwards, seed: explainers.context_cite(task, target, forwards, seed),
+    }
     for forwards in options.forwards:
-        calibrated = explainers.calibrated_over(given_prior, forwards)(task, target)
-        each[f"calibrated, {forwards}"] = (forwards, lds(task, calibrated, target))
-        each[f"ContextCite, {forwards}"] = (forwards, lds(task, explainers.context_cite(task, target, forwards), target))
-    reference = f"ContextCite, {max(options.forwards)}"
-    rows = {name: _row(forwards, values, each[reference][1]) for name, (forwards, values) in each.items()}
+        for name, surrogate in surrogates.items():
+            draws = {seed: lds(task, surrogate(forwards, seed), target) for seed in options.draws}
+            if len(draws) == 1:
+                each[f"{name}, {forwards}"] = (forwards, draws[options.draws[0]])
+            else:
+                each.update({f"{name}, {forwards}, draw {seed}": (forwards, values) for seed, values in draws.items()})
+                each[f"{name}, {forwards}, mean over draws"] = (forwards, torch.stack(list(draws.values())).nanmean(0))
+    reference = f"ContextCite, {max(options.forwards)}" + (", mean over draws" if len(options.draws) > 1 else "")
+    rows = {name: _row(forwards, values, each[reference][1], each[presence][1]) for name, (forwards, values) in each.items()}
     command = "python benchmarks/calibrated_text.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = {"command": command, "examples": len(target), "accuracy": task.accuracy, "reference": reference, "rows": rows,
               "each": {name: values.tolist() for name, (_, values) in each.items()}}
     if options.json:
         options.json.write_text(json.dumps(result, indent=1))
     print(f"{command}\n\n{len(target)} sentences; paired differences to {reference}\n")
-    print("| method | forwards | LDS | defined on | minus the reference | standard error |\n|---|---|---|---|---|---|")
+    print("| method | forwards | LDS | defined on | minus the reference | standard error | minus the presence | standard error |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['forwards']} | {row['LDS']:.3f} | {row['defined on']} | {row['difference']:+.3f} | "
-              f"{row['standard error']:.3f} |")
+              f"{row['standard error']:.3f} | {row['minus the presence']:+.3f} | {row['its standard error']:.3f} |")
     return result
 
 
-def _row(forwards: int, values: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
-    """The mean LDS over the examples where it is defined, and the paired difference to the
-    reference's over those where both are, with its standard error."""
-    paired = paired_difference(values, reference)
+def _row(forwards: int, values: torch.Tensor, reference: torch.Tensor, presence: torch.Tensor) -> dict[str, float]:
+    """The mean LDS over the examples where it is defined, and the paired differences to the
+    reference's and to the presence's over those where both are, with their standard errors."""
+    paired, gain = paired_difference(values, reference), paired_difference(values, presence)
     return {
         "forwards": forwards, "LDS": values.nanmean().item(), "defined on": int((~values.isnan()).sum()),
         "difference": paired["mean"], "standard error": paired["standard error"],
+        "minus the presence": gain["mean"], "its standard error": gain["standard error"],
     }
 
 

@@ -164,14 +164,14 @@ def leave_one_out_deletion(task: Task, target: Tensor) -> Tensor:
     return _as_features(task, leave_one_out(forward, ids, mask, target, **how))
 
 
-def context_cite(task: Task, target: Tensor, ablations: int = CONTEXT_CITE_ABLATIONS) -> Tensor:
+def context_cite(task: Task, target: Tensor, ablations: int = CONTEXT_CITE_ABLATIONS, seed: int = 1) -> Tensor:
     """ContextCite's algorithm with tokens (patches) as its sources: ``ablations``
-    random ablations (each removable feature kept with probability 1/2, seed 1) and the
+    random ablations (each removable feature kept with probability 1/2, of ``seed``) and the
     Lasso surrogate of :func:`common.context_cite_weights` on the explained class's
     logit-probability after each, per example over its removable features."""
     forward, ids, mask, how = removal(task)
     removable = (mask != 0) & ~how.get("keep", torch.zeros_like(ids, dtype=torch.bool))
-    kept = random_halves(removable, ablations, seed=1)
+    kept = random_halves(removable, ablations, seed=seed)
     probs = ablated_probs(forward, ids, mask, kept, target, **how).double().clamp(1e-12, 1 - 1e-12)
     outcomes = probs.log() - (-probs).log1p()
     scores = torch.zeros(removable.shape)
@@ -180,15 +180,15 @@ def context_cite(task: Task, target: Tensor, ablations: int = CONTEXT_CITE_ABLAT
     return _as_features(task, scores)
 
 
-def calibrated_over(prior: Explainer, ablations: int = CALIBRATED_ABLATIONS) -> Explainer:
+def calibrated_over(prior: Explainer, ablations: int = CALIBRATED_ABLATIONS, seed: int = 1) -> Explainer:
     """:func:`captum_attention.metrics.calibrated_attribution` over ``prior``'s scores: its
-    surrogate fitted on ``ablations`` random ablations (seed 1, each example's drawn alone),
-    the features removed as the ERASER columns remove them."""
+    surrogate fitted on ``ablations`` random ablations (of ``seed``, each example's drawn
+    alone), the features removed as the ERASER columns remove them."""
 
     def explain(task: Task, target: Tensor) -> Tensor:
         forward, ids, mask, how = removal(task)
         scores = prior(task, target).reshape(ids.shape)
-        return _as_features(task, calibrated_attribution(forward, ids, mask, scores, target, ablations, **how))
+        return _as_features(task, calibrated_attribution(forward, ids, mask, scores, target, ablations, seed=seed, **how))
 
     return explain
 

@@ -63,16 +63,31 @@ def test_calibrated_text_gives_each_budgets_lds_and_its_paired_difference_to_con
     assert result["reference"] == "ContextCite, 4" and list(result["rows"]) == [
         "AttnLRP at presence 0.05", "calibrated, 1", "ContextCite, 1", "calibrated, 4", "ContextCite, 4",
     ]
-    reference = torch.tensor(result["each"]["ContextCite, 4"])
+    reference, presence = (torch.tensor(result["each"][name]) for name in ("ContextCite, 4", "AttnLRP at presence 0.05"))
     for name, row in result["rows"].items():
         values = torch.tensor(result["each"][name])
-        difference = (values - reference)[~(values - reference).isnan()]
         assert row["defined on"] == int((~values.isnan()).sum())
         assert row["forwards"] == (int(name.split(", ")[1]) if ", " in name else 1)
-        if len(difference):
-            assert row["difference"] == pytest.approx(difference.mean().item()) and row["LDS"] == pytest.approx(values.nanmean().item())
+        for against, key in ((reference, "difference"), (presence, "minus the presence")):
+            difference = (values - against)[~(values - against).isnan()]
+            if len(difference):
+                assert row[key] == pytest.approx(difference.mean().item()) and row["LDS"] == pytest.approx(values.nanmean().item())
     assert result["rows"]["ContextCite, 4"]["difference"] == 0
     assert "| calibrated, 4 | 4 |" in capsys.readouterr().out
+
+
+def test_calibrated_text_averages_each_sentences_lds_over_the_draws(benchmarks_on_path):
+    import calibrated_text
+
+    result = calibrated_text.main(["--smoke", "--forwards", "4", "--draws", "1", "2"])
+    assert result["reference"] == "ContextCite, 4, mean over draws" and list(result["rows"]) == [
+        "AttnLRP at presence 0.05", *(f"{name}, 4, {draw}" for name in ("calibrated", "ContextCite")
+                                      for draw in ("draw 1", "draw 2", "mean over draws")),
+    ]
+    for name in ("calibrated", "ContextCite"):
+        draws = torch.tensor([result["each"][f"{name}, 4, draw {seed}"] for seed in (1, 2)])
+        assert not torch.equal(*draws.nan_to_num(2.0))  # other ablations, other scores (NaN: LDS undefined)
+        torch.testing.assert_close(torch.tensor(result["each"][f"{name}, 4, mean over draws"]), draws.nanmean(0))
 
 
 def test_scaling_reports_time_and_memory_ratios(benchmarks_on_path, tmp_path, capsys, monkeypatch):
