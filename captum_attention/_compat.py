@@ -148,7 +148,9 @@ def runnable_implementation(model: nn.Module, wanted: str) -> str | None:
     (transformers' own check, which may fall back from sdpa to eager and raises where the
     model supports neither), or None for a model that chooses its attention classes at
     construction and cannot be switched (private ``_can_set_attn_implementation`` and
-    ``_check_and_adjust_attn_implementation``; checked on 5.24)."""
+    ``_check_and_adjust_attn_implementation``; checked on 5.24). A ``torch.compile``-d model
+    is the model it wraps (``_orig_mod``), which its forward runs."""
+    model = getattr(model, "_orig_mod", model)
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if can_switch is None or not can_switch():
         return None

@@ -253,6 +253,10 @@ class AttentionCapture(ModelChanges):
         stack.enter_context(self.adapter.prepared(self.model, self.streaming))
         if self.streaming:
             stack.enter_context(KernelInterception(self._on_kernel))
+        else:
+            # The eager probabilities enter the graph through the hooks' returned tensors,
+            # which a compiled graph (torch.compile) does not use: its Python code runs instead.
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         for probe in self.probes:
             probe.enter(self.model, self.adapter, stack)
         for module in self._sites:
