@@ -143,14 +143,21 @@ def attn_implementation(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The model a ``torch.compile``-d one wraps (``OptimizedModule._orig_mod``), whose
+    forward it runs and whose class and weights are the model's; any other module itself."""
+    wrapped = getattr(model, "_orig_mod", None)
+    return wrapped if isinstance(wrapped, nn.Module) else model
+
+
 def runnable_implementation(model: nn.Module, wanted: str) -> str | None:
     """The implementation ``model`` would run if switched to ``wanted`` at run time
     (transformers' own check, which may fall back from sdpa to eager and raises where the
     model supports neither), or None for a model that chooses its attention classes at
     construction and cannot be switched (private ``_can_set_attn_implementation`` and
-    ``_check_and_adjust_attn_implementation``; checked on 5.24). A ``torch.compile``-d model
-    is the model it wraps (``_orig_mod``), which its forward runs."""
-    model = getattr(model, "_orig_mod", model)
+    ``_check_and_adjust_attn_implementation``; checked on 5.24); of a compiled model, the
+    model it wraps (:func:`uncompiled`)."""
+    model = uncompiled(model)
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if can_switch is None or not can_switch():
         return None

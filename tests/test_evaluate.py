@@ -499,6 +499,7 @@ def test_the_weights_digest_reads_the_values_not_the_device_or_the_object():
     assert weights_digest(same) != weights_digest(model), "one tensor trained again"
     same.load_state_dict(model.state_dict())
     assert weights_digest(same.to(torch.bfloat16)) != weights_digest(model), "cast"
+    assert weights_digest(torch.compile(model)) == weights_digest(model), "compiled: the same weights"
     with torch.device("meta"):
         offloaded = tf.BertModel(config)
     assert len(weights_digest(offloaded)) == 64

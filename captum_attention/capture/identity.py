@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .._compat import uncompiled
+
 
 WEIGHT_SAMPLES = 64
 """How many values of each of a model's tensors :func:`weights_digest` reads."""
@@ -21,9 +23,10 @@ def weights_digest(model: Any, values: bool = True) -> str:
     evenly spaced: the same on any device (bytes, no arithmetic), read in a few
     milliseconds whatever the model's size, and different for weights trained again or
     cast. A tensor left on the meta device (offloaded) gives its name, dtype and shape
-    only; every tensor does with ``values=False`` (the model's layout)."""
+    only; every tensor does with ``values=False`` (the model's layout). A ``torch.compile``-d
+    model has the digest of the model it wraps."""
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in uncompiled(model).state_dict(keep_vars=True).items():
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode("utf-8"))
         if values and tensor.device.type != "meta" and tensor.numel():
             flat = tensor.detach().reshape(-1)
