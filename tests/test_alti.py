@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, model_state
+from constants import VOCAB
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
 from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
@@ -34,15 +35,43 @@ def _modules(model, family: str):
     if family == "llama":
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.post_attention_layernorm)
                 for layer in model.model.layers]
+    if family == "gemma2":  # the sum of the input and the normed attention output: the feed-forward's norm's input
+        return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.pre_feedforward_layernorm)
+                for layer in model.model.layers]
     return [(block.attn.c_attn, block.attn.c_proj.weight.t(), block.attn.c_proj.bias, None, block.ln_2)
             for block in model.transformer.h]
 
 
+def _attention_norms(model, family: str):
+    """Per layer, the norm on the attention output before the residual (Gemma-2's
+    ``post_attention_layernorm``), or None."""
+    if family == "gemma2":
+        return [layer.post_attention_layernorm for layer in model.model.layers]
+    return [None] * len(_modules(model, family))
+
+
 def _final(model, family: str):
     """The final norm and the unembedding weight ``(V, D)``."""
-    if family == "llama":
+    if family in ("llama", "gemma2"):
         return model.model.norm, model.lm_head.weight
     return model.transformer.ln_f, model.lm_head.weight
+
+
+def _rms_params(norm, family: str):
+    """An RMSNorm's γ and ε as it computes them (Gemma's multiplies by 1 + its weight)."""
+    weight = norm.weight.detach().double()
+    return (1.0 + weight, norm.eps) if family == "gemma2" else (weight, norm.variance_epsilon)
+
+
+def _through_attention_norm(model, family: str, layer: int, seen, vectors, rows):
+    """``vectors`` ``(r, ..., D)`` of the query ``rows`` through the layer's norm on the
+    attention output as the linear map it is at those rows' statistics (none: unchanged)."""
+    norm = _attention_norms(model, family)[layer]
+    if norm is None:
+        return vectors
+    gamma, eps = _rms_params(norm, family)
+    out, coef = _l_transform(vectors, gamma, seen["lna"][layer][0, rows].double(), False, eps)
+    return out * coef.reshape(-1, *[1] * (vectors.dim() - 1))
 
 
 def _run(model, family: str, ids):
@@ -51,7 +80,7 @@ def _run(model, family: str, ids):
     input; the final norm's input."""
     model = copy.deepcopy(model)
     model.set_attn_implementation("eager")
-    seen: dict = {"values": [], "ln1": [], "ln2": [], "final": []}
+    seen: dict = {"values": [], "ln1": [], "ln2": [], "lna": [], "final": []}
     handles = []
 
     def keep(name, transform=lambda t: t):
@@ -64,6 +93,9 @@ def _run(model, family: str, ids):
         handles.append(ln2.register_forward_hook(keep("ln2")))
         if ln1 is not None:
             handles.append(ln1.register_forward_hook(keep("ln1")))
+    for norm in _attention_norms(model, family):
+        if norm is not None:
+            handles.append(norm.register_forward_hook(keep("lna")))
     if family != "bert":
         handles.append(_final(model, family)[0].register_forward_hook(keep("final")))
     try:
@@ -100,6 +132,7 @@ def _alti_layers(model, family: str, ids):
     for layer, (_, weight, bias, ln1, ln2) in enumerate(_modules(model, family)):
         hidden = out.hidden_states[layer][0].double()
         summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
+        summed = _through_attention_norm(model, family, layer, seen, summed, slice(None))
         residual = summed + torch.einsum("sk,sd->skd", torch.eye(hidden.shape[0], dtype=hidden.dtype), hidden)
         if ln1 is not None:  # post-norm: T_i(x_j) through LN1's linear map; y: LN1's output
             pre = seen["ln1"][layer][0].double()
@@ -144,7 +177,7 @@ def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
     ``tokens[b]``, at each example's last position."""
     scores = torch.zeros(ids.shape)
     final, embed = _final(model, family)
-    centred = family != "llama"  # GPT-2's LayerNorm; Llama's RMSNorm: γ·z / rms
+    centred = family == "gpt2"  # GPT-2's LayerNorm; Llama's and Gemma's RMSNorm: γ·z / rms
     for b, real, example in _examples(ids, mask):
         layers, out, seen = _alti_layers(model, family, example)
         joint = _rollout(layers)
@@ -155,7 +188,9 @@ def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
         total = torch.zeros(example.shape[1], dtype=torch.float64)
         for layer, (_, weight, _, _, _) in enumerate(_modules(model, family)):
             aff = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
-            lin, coef = _l_transform(aff[pos], final.weight.detach(), pre_lnf[pos], centred, final.eps if centred else final.variance_epsilon)
+            aff = _through_attention_norm(model, family, layer, seen, aff[pos : pos + 1], slice(pos, pos + 1))[0]
+            gamma, eps = (final.weight.detach(), final.eps) if centred else _rms_params(final, family)
+            lin, coef = _l_transform(aff, gamma, pre_lnf[pos], centred, eps)
             logits = (lin * coef) @ embed.detach()[token].double()  # (T,) Δlogit^l per token j
             total += logits if layer == 0 else logits @ joint[layer - 1]
         scores[b, real] = total.float()
@@ -176,7 +211,8 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
         weight, ln1 = layers[layer][1], layers[layer][3]
         hidden = out.hidden_states[layer][0].double()  # the layer's input
         summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
-        residual = summed[row] + torch.eye(hidden.shape[0], dtype=hidden.dtype)[row][:, None] * hidden[row]
+        summed = _through_attention_norm(model, family, layer, seen, summed[row : row + 1], slice(row, row + 1))[0]
+        residual = summed + torch.eye(hidden.shape[0], dtype=hidden.dtype)[row][:, None] * hidden[row]
         if ln1 is not None:
             pre = seen["ln1"][layer][0, row].double()
             var = (pre - pre.mean()).pow(2).mean()
@@ -186,7 +222,7 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
 
 
 @pytest.mark.parametrize("layer", [-1, 0])
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2"])
 def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -198,7 +234,7 @@ def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, c
     assert not torch.allclose(plain, scores)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2"])
 def test_alti_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -246,9 +282,10 @@ def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch, compiled
     assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
 def test_alti_logit_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, _ = one_stack_case(family)
+    model.config.final_logit_softcapping = None  # Gemma-2's logit cap (refused below) off: Gemma-3's and OLMo-2's wiring
     before = model_state(model)
     scores = ALTILogit(model).attribute(ids, additional_forward_args=(mask,))
     assert_same_state(before, model_state(model))
@@ -386,13 +423,17 @@ def test_a_layer_called_twice_gets_the_scores_of_its_copy(capture_mode):
 
 
 def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
     model, ids, mask, _ = one_stack_case("llama")
-    gemma = make_decoder("gemma2")  # a norm on the attention output before the residual
-    before = model_state(gemma)
-    with pytest.raises(UnsupportedModelError, match="No norm in Gemma2DecoderLayer takes the sum") as refused:
-        ALTI(gemma).attribute(ids, additional_forward_args=(mask,))
+    torch.manual_seed(0)  # attention beside the feed-forward: no norm takes the attention output or its sum
+    parallel = GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)).eval()
+    before = model_state(parallel)
+    with pytest.raises(UnsupportedModelError, match="No norm in GPTJBlock takes the sum of its input and its attention output, "
+                       "nor the attention output before a residual") as refused:
+        ALTI(parallel).attribute(ids, additional_forward_args=(mask,))
     assert "\n" not in str(refused.value)
-    assert_same_state(before, model_state(gemma))
+    assert_same_state(before, model_state(parallel))
     bert, bert_ids, bert_mask, _ = one_stack_case("bert")
     with pytest.raises(UnsupportedModelError, match="next-token logit"):
         ALTILogit(bert).attribute(bert_ids, additional_forward_args=(bert_mask,))

@@ -296,9 +296,9 @@ def _contribution_blocks(
     """The layer's ALTI contributions ``(B, r, N)``, one block of query rows at a time:
     every block, or those where ``weights`` ``(B, R, N)`` weigh on a row."""
     batch, heads, tokens, width = layer.vectors.shape
-    norm, device = layer.residual.norm, layer.vectors.device
+    norm, device = layer.residual.mixing_norm, layer.vectors.device
     inputs, outputs = layer.residual.inputs.to(device).float(), layer.residual.outputs.to(device)
-    residual = inputs if norm is None else norm.linear(inputs)
+    residual = inputs if layer.residual.norm is None else layer.residual.norm.linear(inputs)
     scale = None if norm is None else norm.scale.to(device)
     tile = alti_tile(tokens, device)
     tiles: KeyTiles | None = None  # laid out at the first block used: a layer whose rows weigh nothing copies nothing

@@ -27,8 +27,9 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
     :math:`T_i(x_j) = L_i\big(\sum_m \alpha^m_{ij} f^m(x_j) + \delta_{ij} x_j\big)`
     (:math:`f^m(x_j)`: token j's value through head m's slice of the output projection;
     :math:`L_i`: the norm after the residual as the linear map it is at token i, in a
-    post-norm layer such as BERT's, the identity in a pre-norm layer such as Llama's).
-    Token j's share of token i is how close :math:`T_i(x_j)` lies to :math:`y_i` in the
+    post-norm layer such as BERT's, the identity in a pre-norm layer such as Llama's; a
+    norm on the attention output before the residual, Gemma-2's, maps the attention's
+    terms alone, as the linear map it is at token i). Token j's share of token i is how close :math:`T_i(x_j)` lies to :math:`y_i` in the
     Manhattan distance, the layers rolled out without a residual term:
 
     .. math::
@@ -38,8 +39,8 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
         \qquad r = e_q^\top C^L \cdots C^1 .
 
     Where each layer's output joins the residual is read from the model's own modules and
-    checked against its states (a layer of another wiring, such as Gemma-2's norm on the
-    attention output, is refused in one line). A forward pass that also keeps the states
+    checked against its states (a layer of another wiring, such as GPT-J's attention
+    beside the feed-forward, is refused in one line). A forward pass that also keeps the states
     of each layer's modules (to read its norms) and :math:`O(H N^2 D)` per layer for the
     transformed vectors, in blocks of query rows. Streaming, the explained rows descend
     the layers from the top, each layer's matrix computed block by block and used at

@@ -23,7 +23,7 @@ from ._decomposed import (
     alti_matrices,
     alti_rollout,
     attention_row_at,
-    call_head_vectors,
+    layer_sums,
     logit_reads,
 )
 from ._registry import MethodSpec
@@ -105,11 +105,12 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         if not all_pre_norm(record):
             raise self._post_norm()
         shares = self._logit_shares(record)
-        return logit_rollout([shares(call).sum(dim=1) for call in range(record.num_calls)], mixing), mixing
+        layers = enumerate(layer_sums(self.model, record, "ALTI-Logit"))
+        return logit_rollout([shares(call, layer).sum(dim=1) for call, layer in layers], mixing), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
         shares = self._logit_shares(record)
-        return self._descent(record, lambda call: shares(call).sum(dim=1, keepdim=True), 1)[:, 0].float()
+        return self._descent(record, lambda call, layer: shares(call, layer).sum(dim=1, keepdim=True), 1)[:, 0].float()
 
     def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
         """The logit rows of ``tokens`` at ``positions`` ``(B, T)`` of a decoder in one
@@ -117,21 +118,22 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         explained = self._explained(record, LogProbTarget(positions, tokens))
         return self._descent(explained, self._logit_shares(explained), positions.shape[1]).float()
 
-    def _descent(self, record: ForwardRecord, shares: Callable[[int], Tensor], rows: int) -> Tensor:
+    def _descent(self, record: ForwardRecord, shares: Callable[[int, LayerSum], Tensor], rows: int) -> Tensor:
         """``(B, rows, N)``: :func:`alti_rollout` from no share, each layer adding ``shares``."""
 
         def added(call: int, layer: LayerSum) -> Tensor:
             if layer.residual.norm is not None:
                 raise self._post_norm()
-            return shares(call)
+            return shares(call, layer)
 
         start = torch.zeros(*record.target_real.shape[:1], rows, record.target_real.shape[1], dtype=torch.float64)
         return alti_rollout(self.model, record, "ALTI-Logit", start, added)
 
-    def _logit_shares(self, record: ForwardRecord) -> Callable[[int], Tensor]:
-        r"""``shares(call)``: the layer's :math:`\Delta^l` ``(B, K, N)`` of each explained logit
-        (the K positions and tokens :class:`LogitReads` names), the unembedding read and the
-        logits checked at the first call."""
+    def _logit_shares(self, record: ForwardRecord) -> Callable[[int, LayerSum], Tensor]:
+        r"""``shares(call, layer)``: the layer's :math:`\Delta^l` ``(B, K, N)`` of each
+        explained logit (the K positions and tokens :class:`LogitReads` names), through the
+        layer's norm on the attention output where it has one; the unembedding read and
+        the logits checked at the first call."""
         reads = record.result(LogitReads)
 
         @functools.cache
@@ -141,13 +143,16 @@ class ALTILogit(AttentionAttributionBase, Attribution):
             final.check_logits(record.logits, reads.positions, reads.tokens)
             return weight, final_norm
 
-        def shares(call: int) -> Tensor:
+        def shares(call: int, layer: LayerSum) -> Tensor:
             weight, final_norm = readout()
-            vectors = call_head_vectors(record, call, "ALTI-Logit")
+            norm = layer.residual.attention_norm
+            vectors = layer.vectors if norm is None else norm.features(layer.vectors)
             per_read = []
             for position, token in zip(reads.positions.t(), reads.tokens.t()):
                 direction = logit_direction(weight[token.to(weight.device)], final_norm, position.to(weight.device))
                 rows = attention_row_at(record, call, position).to(vectors.device)
+                if norm is not None:  # the norm's scale at the query row
+                    rows = rows * norm.scale.to(rows.device).gather(1, position.to(rows.device)[:, None])[:, :, None]
                 per_read.append(torch.einsum("bhn,bhnd,bd->bn", rows, vectors, direction.to(vectors.device)))
             return torch.stack(per_read, dim=1)
 

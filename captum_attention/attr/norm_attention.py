@@ -48,7 +48,8 @@ class NormAttention(AttentionAttributionBase, Attribution):
         r_j = \Big\lVert L_q\Big(\sum_m \alpha^{lm}_{qj} f^{lm}(x_j) + \delta_{qj} x_j\Big) \Big\rVert_2
 
     (AttnResLn-N; :math:`L_q` the norm's linear map at q, its bias left out, in a post-norm
-    layer; AttnRes-N in a pre-norm layer, which has no norm there), read from the model's
+    layer; AttnRes-N in a pre-norm layer, which has no norm there; a norm on the attention
+    output before the residual, Gemma-2's, maps the attention's terms alone), read from the model's
     own modules as :class:`~captum_attention.ALTI` reads them (the forward keeps the states
     of the chosen layer's modules). Registered (``"norm_attention"``), not yet in the reports.
 
@@ -141,6 +142,6 @@ def _residual_norms(model: nn.Module, record: ForwardRecord, layer: int) -> Tens
     for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
         rows = slice(position, position + 1)
         probs = attention_rows(record, chosen, rows).to(inputs.device)
-        vectors = transformed_vectors(probs, summed.vectors, inputs, rows, summed.residual.norm)
+        vectors = transformed_vectors(probs, summed.vectors, inputs, rows, summed.residual.norm, summed.residual.attention_norm)
         scores += weights[:, position, None] * vectors[:, 0].norm(dim=-1).to(weights.device)
     return scores

@@ -7,9 +7,11 @@ layer's input and its attention output (that output's bias included) is the inpu
 of the layer's norms; the layer is *pre-norm* when that sum is the residual stream itself
 (the layer's output is the sum plus one of its modules' outputs: Llama, GPT-2) and
 *post-norm* when the norm's output is (the next norm takes it plus one of the modules'
-outputs: BERT). Any other wiring (a norm on the
-attention output before the residual, Gemma-2; attention and feed-forward in parallel,
-GPT-J) is refused in one line rather than decomposed wrongly.
+outputs: BERT). Where no norm takes that sum, a norm may take the attention output alone
+before the residual (Gemma-2 and 3, OLMo-2): the layer is then pre-norm with that norm on
+the attention's side of the sum, if the layer's output is the sum plus one of its
+modules' outputs. Any other wiring (attention and feed-forward in parallel, GPT-J) is
+refused in one line rather than decomposed wrongly.
 """
 
 from __future__ import annotations
@@ -42,11 +44,20 @@ class AttentionResidual:
             sum of the input and the attention output (pre-norm), or that sum through the
             norm (post-norm).
         norm: the post-norm as a :class:`~captum_attention.maps.LinearNorm`, or None.
+        attention_norm: the norm on the attention output before the residual (Gemma-2),
+            as a :class:`~captum_attention.maps.LinearNorm`, or None.
     """
 
     inputs: Tensor
     outputs: Tensor
     norm: LinearNorm | None
+    attention_norm: LinearNorm | None = None
+
+    @property
+    def mixing_norm(self) -> LinearNorm | None:
+        """The norm every token's attention vector passes through: the post-norm or the
+        norm on the attention output (a layer has at most one of them), or None."""
+        return self.norm if self.norm is not None else self.attention_norm
 
 
 def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
@@ -64,15 +75,12 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     if call.states is None:
         raise RuntimeError(f"{name}'s module states were not recorded: capture with LayerBlocks(states=...).")
     seen = call.states
-    joined = next((s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, inputs, attention_sums, real)), None)
-    if joined is None:
-        raise UnsupportedModelError(
-            f"No norm in {name} takes the sum of its input and its attention output: the attention block "
-            "cannot be written as a sum over tokens (a norm on the attention output, or attention in parallel "
-            "with the feed-forward)."
-        )
-    assert joined.inputs is not None
+    width = inputs.shape[-1]
+    joined = next((s for s in seen if _is_norm(s.module, width) and _joins(s.inputs, inputs, attention_sums, real)), None)
     outputs = [s.output for s in seen]
+    if joined is None:
+        return _normed_attention(call, attention_sums, real)
+    assert joined.inputs is not None
     if any(equal_to_rounding(joined.inputs + added, call.output, real) for added in outputs):
         return AttentionResidual(inputs, joined.inputs.detach(), None)
     if any(s.module is not joined.module and s.inputs is not None and equal_to_rounding(joined.output + added, s.inputs, real)
@@ -81,6 +89,25 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     raise UnsupportedModelError(
         f"{name} adds its attention output to its input before {type(joined.module).__name__}, but neither that sum "
         "(pre-norm) nor the norm's output (post-norm) is what the layer carries on."
+    )
+
+
+def _normed_attention(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
+    """``call``'s layer where a norm takes the attention output alone and the layer carries
+    on its input plus that norm's output (Gemma-2's ``post_attention_layernorm``, OLMo-2's);
+    a refusal in one line where no norm does."""
+    inputs, seen, name = call.hidden_input, call.states or [], type(call.block).__name__
+    outputs = [s.output for s in seen]
+    zero = torch.zeros_like(inputs)
+    for normed in (s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, zero, attention_sums, real)):
+        summed = inputs + normed.output
+        if any(equal_to_rounding(summed + added, call.output, real) for added in outputs):
+            assert normed.inputs is not None
+            return AttentionResidual(inputs, summed.detach(), None, linear_norm(normed.module, normed.inputs, normed.output))
+    raise UnsupportedModelError(
+        f"No norm in {name} takes the sum of its input and its attention output, nor the attention output before "
+        "a residual the layer carries on: the attention block cannot be written as a sum over tokens (attention "
+        "in parallel with the feed-forward, or a scaled residual)."
     )
 
 

@@ -151,13 +151,17 @@ def head_vectors(values: Tensor, projection: Tensor) -> Tensor:
 
 
 def transformed_vectors(
-    rows_probs: Tensor, vectors: Tensor, inputs: Tensor, rows: slice, norm: LinearNorm | None
+    rows_probs: Tensor, vectors: Tensor, inputs: Tensor, rows: slice, norm: LinearNorm | None,
+    attention_norm: LinearNorm | None = None,
 ) -> Tensor:
     """``(B, r, N, D)`` float32 :math:`T_i(x_j)` for the query rows ``rows``: the attention
-    ``rows_probs`` ``(B, H, r, N)`` of those rows over :func:`head_vectors` ``vectors``,
-    plus each row's own input (``inputs`` ``(B, N, D)``, the residual), through ``norm``'s
-    linear map (None: a pre-norm layer)."""
+    ``rows_probs`` ``(B, H, r, N)`` of those rows over :func:`head_vectors` ``vectors``
+    (through ``attention_norm``'s linear map: a norm on the attention output before the
+    residual), plus each row's own input (``inputs`` ``(B, N, D)``, the residual), through
+    ``norm``'s linear map (None: a pre-norm layer)."""
     mixed = torch.einsum("bhik,bhkd->bikd", rows_probs.float(), vectors)
+    if attention_norm is not None:
+        mixed = attention_norm.linear(mixed, rows)
     own = torch.arange(rows.start, rows.stop, device=mixed.device)
     mixed[:, own - rows.start, own] += inputs[:, rows].float()
     return mixed if norm is None else norm.linear(mixed, rows)
@@ -248,13 +252,14 @@ def alti_contributions(
         rows_probs: ``(B, H, r, K)`` the rows' attention over the first K ≤ N keys (the
             later ones not attended).
         tiles: :func:`key_tiles` of the :func:`head_vectors` ``(B, H, N, D)``, in a
-            post-norm layer through the norm's :meth:`LinearNorm.features`.
+            post-norm layer (or one with a norm on the attention output) through the
+            norm's :meth:`LinearNorm.features`.
         residual: ``(B, N, D)`` each token's own input, in a post-norm layer through the
             norm's :meth:`LinearNorm.linear`.
         outputs: ``(B, r, D)`` the block's outputs :math:`y_i` at the rows.
         rows: the query rows, as a slice of the keys.
-        scale: ``(B, N)`` the post-norm layer's :attr:`LinearNorm.scale`; None in a
-            pre-norm layer.
+        scale: ``(B, N)`` that norm's :attr:`LinearNorm.scale`; None in a pre-norm layer
+            without one.
     """
     probs = rows_probs.float() if scale is None else rows_probs.float() * scale[:, None, rows, None]
     outputs = outputs.float()
