@@ -30,6 +30,12 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
                 initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
             )
         ),
+        "gptj": lambda: tf.GPTJForCausalLM(  # attention beside the feed-forward, both reading one norm
+            tf.GPTJConfig(
+                vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=64,
+                initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            )
+        ),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**gqa)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa)),
         "arcee": lambda: tf.ArceeForCausalLM(tf.ArceeConfig(**gqa)),  # no bias, a feed-forward without a gate (ReLU²)

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, model_state
-from constants import VOCAB
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
 from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
@@ -35,6 +34,8 @@ def _modules(model, family: str):
     if family == "llama":
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.post_attention_layernorm)
                 for layer in model.model.layers]
+    if family == "gptj":  # attention beside the feed-forward: no norm takes the sum (its check: _run's "beside")
+        return [(block.attn.v_proj, block.attn.out_proj.weight, None, None, block.ln_1) for block in model.transformer.h]
     if family == "gemma2":  # the sum of the input and the normed attention output: the feed-forward's norm's input
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.pre_feedforward_layernorm)
                 for layer in model.model.layers]
@@ -80,7 +81,7 @@ def _run(model, family: str, ids):
     input; the final norm's input."""
     model = copy.deepcopy(model)
     model.set_attn_implementation("eager")
-    seen: dict = {"values": [], "ln1": [], "ln2": [], "lna": [], "final": []}
+    seen: dict = {"values": [], "ln1": [], "ln2": [], "lna": [], "mlp": [], "beside": [], "final": []}
     handles = []
 
     def keep(name, transform=lambda t: t):
@@ -96,6 +97,11 @@ def _run(model, family: str, ids):
     for norm in _attention_norms(model, family):
         if norm is not None:
             handles.append(norm.register_forward_hook(keep("lna")))
+    if family == "gptj":  # each block's output less its feed-forward's: the stream the attention alone leaves
+        for block in model.transformer.h:
+            handles.append(block.mlp.register_forward_hook(lambda module, args, output: seen["mlp"].append(output.detach())))
+            handles.append(block.register_forward_hook(
+                lambda module, args, output: seen["beside"].append((output[0] if isinstance(output, tuple) else output).detach() - seen["mlp"][-1])))
     if family != "bert":
         handles.append(_final(model, family)[0].register_forward_hook(keep("final")))
     try:
@@ -142,7 +148,8 @@ def _alti_layers(model, family: str, ids):
         else:  # pre-norm: y = Σ_j T_i(x_j) + b_O, the input of the next norm
             vectors = residual
             resultant = vectors.sum(1) + (0.0 if bias is None else bias.detach().double())
-            torch.testing.assert_close(resultant, seen["ln2"][layer][0].double(), rtol=1e-5, atol=1e-5)
+            expected = seen["beside" if family == "gptj" else "ln2"][layer][0].double()
+            torch.testing.assert_close(resultant, expected, rtol=1e-5, atol=1e-5)
         importance = -F.pairwise_distance(vectors, resultant[:, None, :], p=1)
         contributions = (importance + resultant.abs().sum(-1)[:, None]).clamp(min=0)
         layers.append(contributions / contributions.sum(-1, keepdim=True))
@@ -177,7 +184,7 @@ def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
     ``tokens[b]``, at each example's last position."""
     scores = torch.zeros(ids.shape)
     final, embed = _final(model, family)
-    centred = family == "gpt2"  # GPT-2's LayerNorm; Llama's and Gemma's RMSNorm: γ·z / rms
+    centred = family in ("gpt2", "gptj")  # their LayerNorm; Llama's and Gemma's RMSNorm: γ·z / rms
     for b, real, example in _examples(ids, mask):
         layers, out, seen = _alti_layers(model, family, example)
         joint = _rollout(layers)
@@ -222,7 +229,7 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
 
 
 @pytest.mark.parametrize("layer", [-1, 0])
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj"])
 def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -234,7 +241,7 @@ def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, c
     assert not torch.allclose(plain, scores)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj"])
 def test_alti_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -282,7 +289,7 @@ def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch, compiled
     assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "gptj"])
 def test_alti_logit_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, _ = one_stack_case(family)
     model.config.final_logit_softcapping = None  # Gemma-2's logit cap (refused below) off: Gemma-3's and OLMo-2's wiring
@@ -423,17 +430,16 @@ def test_a_layer_called_twice_gets_the_scores_of_its_copy(capture_mode):
 
 
 def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
-    from transformers import GPTJConfig, GPTJForCausalLM
-
     model, ids, mask, _ = one_stack_case("llama")
-    torch.manual_seed(0)  # attention beside the feed-forward: no norm takes the attention output or its sum
-    parallel = GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)).eval()
-    before = model_state(parallel)
-    with pytest.raises(UnsupportedModelError, match="No norm in GPTJBlock takes the sum of its input and its attention output, "
-                       "nor the attention output before a residual") as refused:
-        ALTI(parallel).attribute(ids, additional_forward_args=(mask,))
+    scaled = make_decoder("llama")
+    scaled.model.layers[1].self_attn.register_forward_hook(  # the attention's branch scaled (MiniCPM-3's scale_depth)
+        lambda module, args, output: (output[0] * 0.5, *output[1:]))
+    before = model_state(scaled)
+    with pytest.raises(UnsupportedModelError, match="No norm in LlamaDecoderLayer takes the sum of its input and its attention "
+                       "output, nor the attention output before a residual") as refused:
+        ALTI(scaled).attribute(ids, additional_forward_args=(mask,))
     assert "\n" not in str(refused.value)
-    assert_same_state(before, model_state(parallel))
+    assert_same_state(before, model_state(scaled))
     bert, bert_ids, bert_mask, _ = one_stack_case("bert")
     with pytest.raises(UnsupportedModelError, match="next-token logit"):
         ALTILogit(bert).attribute(bert_ids, additional_forward_args=(bert_mask,))

@@ -39,8 +39,9 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
         \qquad r = e_q^\top C^L \cdots C^1 .
 
     Where each layer's output joins the residual is read from the model's own modules and
-    checked against its states (a layer of another wiring, such as GPT-J's attention
-    beside the feed-forward, is refused in one line). A forward pass that also keeps the states
+    checked against its states (attention beside the feed-forward, GPT-J's, leaves the
+    input plus the attention output; a layer of another wiring, such as a scaled
+    residual, is refused in one line). A forward pass that also keeps the states
     of each layer's modules (to read its norms) and :math:`O(H N^2 D)` per layer for the
     transformed vectors, in blocks of query rows. Streaming, the explained rows descend
     the layers from the top, each layer's matrix computed block by block and used at

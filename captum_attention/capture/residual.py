@@ -10,8 +10,11 @@ of the layer's norms; the layer is *pre-norm* when that sum is the residual stre
 outputs: BERT). Where no norm takes that sum, a norm may take the attention output alone
 before the residual (Gemma-2 and 3, OLMo-2): the layer is then pre-norm with that norm on
 the attention's side of the sum, if the layer's output is the sum plus one of its
-modules' outputs. Any other wiring (attention and feed-forward in parallel, GPT-J) is
-refused in one line rather than decomposed wrongly.
+modules' outputs. Or the layer adds its attention output and its feed-forward's to its
+input at once (GPT-J, GPT-NeoX, Phi, CodeGen, Cohere: attention beside the feed-forward):
+the residual stream the attention alone leaves, the input plus the attention output, is
+then the sum, as in a pre-norm layer before its feed-forward. Any other wiring (a scaled
+residual) is refused in one line rather than decomposed wrongly.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     joined = next((s for s in seen if _is_norm(s.module, width) and _joins(s.inputs, inputs, attention_sums, real)), None)
     outputs = [s.output for s in seen]
     if joined is None:
-        return _normed_attention(call, attention_sums, real)
+        return _sum_without_its_norm(call, attention_sums, real)
     assert joined.inputs is not None
     if any(equal_to_rounding(joined.inputs + added, call.output, real) for added in outputs):
         return AttentionResidual(inputs, joined.inputs.detach(), None)
@@ -92,22 +95,26 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     )
 
 
-def _normed_attention(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
-    """``call``'s layer where a norm takes the attention output alone and the layer carries
-    on its input plus that norm's output (Gemma-2's ``post_attention_layernorm``, OLMo-2's);
-    a refusal in one line where no norm does."""
+def _sum_without_its_norm(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
+    """``call``'s layer where no norm takes its input plus its attention output: a norm
+    takes the attention output alone and the layer carries on its input plus that norm's
+    output (Gemma-2's ``post_attention_layernorm``, OLMo-2's), or the layer's output is its
+    input plus the attention output plus another module's (GPT-J's feed-forward beside
+    the attention); a refusal in one line where neither holds."""
     inputs, seen, name = call.hidden_input, call.states or [], type(call.block).__name__
-    outputs = [s.output for s in seen]
     zero = torch.zeros_like(inputs)
-    for normed in (s for s in seen if _is_norm(s.module, inputs.shape[-1]) and _joins(s.inputs, zero, attention_sums, real)):
-        summed = inputs + normed.output
-        if any(equal_to_rounding(summed + added, call.output, real) for added in outputs):
-            assert normed.inputs is not None
-            return AttentionResidual(inputs, summed.detach(), None, linear_norm(normed.module, normed.inputs, normed.output))
+    for state in seen:
+        normed = _is_norm(state.module, inputs.shape[-1]) and _joins(state.inputs, zero, attention_sums, real)
+        if not normed and not _joins(state.output, zero, attention_sums, real):
+            continue
+        summed = inputs + state.output
+        if any(other is not state and equal_to_rounding(summed + other.output, call.output, real) for other in seen):
+            norm = linear_norm(state.module, state.inputs, state.output) if normed and state.inputs is not None else None
+            return AttentionResidual(inputs, summed.detach(), None, norm)
     raise UnsupportedModelError(
         f"No norm in {name} takes the sum of its input and its attention output, nor the attention output before "
-        "a residual the layer carries on: the attention block cannot be written as a sum over tokens (attention "
-        "in parallel with the feed-forward, or a scaled residual)."
+        "a residual the layer carries on, nor does the layer add its attention output beside another module's: "
+        "the attention block cannot be written as a sum over tokens (a scaled residual)."
     )
 
 
