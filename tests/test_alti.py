@@ -410,6 +410,25 @@ def test_the_forward_records_the_module_states_of_the_layers_asked_for(family, s
             assert (state.inputs is None) == (first is None) and (first is None or torch.equal(state.inputs, first))
 
 
+def test_a_module_output_changed_in_place_after_its_use_is_read_as_it_was(capture_mode):
+    """Falcon adds its attention output into its feed-forward's output in place: the states
+    a forward keeps are copies, so such a layer gets the scores of one that does not."""
+    model, ids, mask, _ = one_stack_case("gptj")
+    expected = ALTI(model).attribute(ids, additional_forward_args=(mask,))
+    outputs: list = []
+
+    def keep(module, args, output) -> None:
+        outputs.append(output)
+
+    def change_in_place(module, args, output) -> None:  # after the block used it
+        outputs.pop().add_(1.0)
+
+    for block in model.transformer.h:
+        block.mlp.register_forward_hook(keep)
+        block.register_forward_hook(change_in_place)
+    torch.testing.assert_close(ALTI(model).attribute(ids, additional_forward_args=(mask,)), expected, rtol=0, atol=0)
+
+
 def test_a_layer_called_twice_gets_the_scores_of_its_copy(capture_mode):
     """A forward that calls one layer twice (shared weights) is decomposed call by call: its
     scores equal those of the same model with a copy in the second call's place."""

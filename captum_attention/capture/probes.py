@@ -595,9 +595,10 @@ class LayerBlocks(Probe):
             calls (all: True; one call: its index in the forward's calls, negative from
             the end, a layer called twice counted twice; none: False),
             where the residual stream meets the attention output
-            (:func:`~captum_attention.capture.residual.attention_residual`): a few more
-            ``(B, N, D)`` tensors per layer kept, where re-running the layer would
-            compute it all again. The modules inside the attention module are left out:
+            (:func:`~captum_attention.capture.residual.attention_residual`): copies of a
+            few more ``(B, N, D)`` tensors per layer kept (a layer may add into a
+            module's output in place once it has used it), where re-running the layer
+            would compute it all again. The modules inside the attention module are left out:
             the residual joins the attention's output outside it (a layer that adds it
             inside, as ALBERT's, is then refused in one line). Default: False.
     """
@@ -612,7 +613,7 @@ class LayerBlocks(Probe):
         calls: list[BlockCall] = []
         self._calls, thread = calls, current_thread()
         pending: dict[int, tuple[tuple, dict, list | None]] = {}
-        kept: list[tuple[Tensor, list]] = []  # the running layer call's hidden input and states, if it wants them
+        kept: list[tuple[Tensor, list, list]] = []  # the running layer call's hidden input, states, and its last copy
 
         def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
             if current_thread() == thread:
@@ -620,7 +621,7 @@ class LayerBlocks(Probe):
                 seen: list | None = None
                 if self._wanted(len(calls) + len(pending)) and hidden is not None:
                     seen = []
-                    kept.append((hidden, seen))
+                    kept.append((hidden, seen, []))
                 pending[id(block)] = (args, dict(kwargs), seen)
 
         def after(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -636,12 +637,12 @@ class LayerBlocks(Probe):
 
         def inside(module: nn.Module, args: tuple, output: Any) -> None:
             if current_thread() == thread and kept:
-                layer_input, seen = kept[-1]
+                layer_input, seen, last = kept[-1]
                 hidden = output[0] if isinstance(output, (tuple, list)) and output else output
                 if isinstance(hidden, Tensor) and hidden.numel() == layer_input.numel():  # never an MLP's wider states
                     first = args[0] if args and isinstance(args[0], Tensor) else None
                     kept_input = first.detach() if first is not None and first.numel() == hidden.numel() else None
-                    seen.append((module, kept_input, hidden.detach()))
+                    seen.append((module, kept_input, _copy_once(hidden, last)))
 
         inside_attention = set() if self.states is False else {
             id(m) for site in sites for m in site.module.modules() if m is not site.module
@@ -663,6 +664,16 @@ class LayerBlocks(Probe):
 
     def result(self) -> RecordedBlocks:
         return RecordedBlocks(list(self._calls))
+
+
+def _copy_once(states: Tensor, last: list) -> Tensor:
+    """A detached copy of ``states`` (a layer may add into a module's output in place once
+    it has used it, as Falcon's does), the ``last`` one ``[tensor, version, copy]`` again
+    where a module returned the tensor the one before returned, unchanged (a dropout in
+    eval returns its input, a feed-forward its last projection's output)."""
+    if not last or last[0] is not states or last[1] != states._version:
+        last[:] = [states, states._version, states.detach().clone()]
+    return last[2]
 
 
 def _as_module_states(seen: list[tuple[nn.Module, Tensor | None, Tensor]], layer_output: Tensor) -> list[ModuleStates]:

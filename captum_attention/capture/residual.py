@@ -11,7 +11,7 @@ outputs: BERT). Where no norm takes that sum, a norm may take the attention outp
 before the residual (Gemma-2 and 3, OLMo-2): the layer is then pre-norm with that norm on
 the attention's side of the sum, if the layer's output is the sum plus one of its
 modules' outputs. Or the layer adds its attention output and its feed-forward's to its
-input at once (GPT-J, GPT-NeoX, Phi, CodeGen, Cohere: attention beside the feed-forward):
+input at once (GPT-J, GPT-NeoX, Phi, Falcon, Cohere: attention beside the feed-forward):
 the residual stream the attention alone leaves, the input plus the attention output, is
 then the sum, as in a pre-norm layer before its feed-forward. Any other wiring (a scaled
 residual) is refused in one line rather than decomposed wrongly.
