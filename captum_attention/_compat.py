@@ -33,6 +33,12 @@ from torch.overrides import _get_current_function_mode_stack as function_mode_st
 from torch.overrides import _pop_mode_temporarily
 
 
+def in_place_count(tensor: Tensor) -> int:
+    """How many times ``tensor`` was changed in place: autograd's version counter
+    (``Tensor._version``, checked on torch 2.13)."""
+    return int(tensor._version)
+
+
 def restore_popped_mode(mode: Any) -> None:
     """Put ``mode`` back on torch's mode stack where an interrupt stranded it popped.
 

@@ -29,8 +29,9 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
     :math:`L_i`: the norm after the residual as the linear map it is at token i, in a
     post-norm layer such as BERT's, the identity in a pre-norm layer such as Llama's; a
     norm on the attention output before the residual, Gemma-2's, maps the attention's
-    terms alone, as the linear map it is at token i). Token j's share of token i is how close :math:`T_i(x_j)` lies to :math:`y_i` in the
-    Manhattan distance, the layers rolled out without a residual term:
+    terms alone, as the linear map it is at token i). Token j's share of token i is how
+    close :math:`T_i(x_j)` lies to :math:`y_i` in the Manhattan distance, the layers
+    rolled out without a residual term:
 
     .. math::
 

@@ -49,9 +49,9 @@ class NormAttention(AttentionAttributionBase, Attribution):
 
     (AttnResLn-N; :math:`L_q` the norm's linear map at q, its bias left out, in a post-norm
     layer; AttnRes-N in a pre-norm layer, which has no norm there; a norm on the attention
-    output before the residual, Gemma-2's, maps the attention's terms alone), read from the model's
-    own modules as :class:`~captum_attention.ALTI` reads them (the forward keeps the states
-    of the chosen layer's modules). Registered (``"norm_attention"``), not yet in the reports.
+    output before the residual, Gemma-2's, maps the attention's terms alone), read from
+    the model's own modules as :class:`~captum_attention.ALTI` reads them (the forward
+    keeps the states of the chosen layer's modules). Registered (``"norm_attention"``), not yet in the reports.
 
     Args:
         $constructor_args

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from .._compat import StreamingUnsupported, UnsupportedModelError
+from .._compat import StreamingUnsupported, UnsupportedModelError, in_place_count
 from ..maps.interventions import weigh_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
@@ -598,9 +598,10 @@ class LayerBlocks(Probe):
             (:func:`~captum_attention.capture.residual.attention_residual`): copies of a
             few more ``(B, N, D)`` tensors per layer kept (a layer may add into a
             module's output in place once it has used it), where re-running the layer
-            would compute it all again. The modules inside the attention module are left out:
-            the residual joins the attention's output outside it (a layer that adds it
-            inside, as ALBERT's, is then refused in one line). Default: False.
+            would compute it all again. The modules inside the attention module are
+            left out: the residual joins the attention's output outside it (a layer
+            that adds it inside, as ALBERT's, is then refused in one line). Default:
+            False.
     """
 
     def __init__(self, states: bool | int = False) -> None:
@@ -671,8 +672,8 @@ def _copy_once(states: Tensor, last: list) -> Tensor:
     it has used it, as Falcon's does), the ``last`` one ``[tensor, version, copy]`` again
     where a module returned the tensor the one before returned, unchanged (a dropout in
     eval returns its input, a feed-forward its last projection's output)."""
-    if not last or last[0] is not states or last[1] != states._version:
-        last[:] = [states, states._version, states.detach().clone()]
+    if not last or last[0] is not states or last[1] != in_place_count(states):
+        last[:] = [states, in_place_count(states), states.detach().clone()]
     return last[2]
 
 
