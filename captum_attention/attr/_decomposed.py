@@ -18,6 +18,7 @@ from ..capture.record import ForwardRecord
 from ..capture.residual import AttentionResidual, attention_residual, equal_to_rounding
 from ..maps import (
     KeyTiles,
+    LinearNorm,
     alti_contributions,
     alti_tile,
     head_vectors,
@@ -231,17 +232,18 @@ def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator
 def alti_matrices(model: nn.Module, record: ForwardRecord, method: str = "ALTI") -> list[Tensor]:
     """Every layer's ALTI matrix ``(B, N, N)`` over the record's real tokens, from
     contributions computed once per forward (an answer's rows share them) and, with them,
-    whether each layer is pre-norm."""
+    each layer's norms (:func:`layer_norms`)."""
     blocks = record.result(RecordedBlocks)
     if "alti" not in blocks.cache:
-        blocks.cache["alti"] = [(_contributions(record, call, layer), layer.residual.norm is None)
+        blocks.cache["alti"] = [(_contributions(record, call, layer), layer.residual.norm, layer.residual.attention_norm)
                                 for call, layer in enumerate(layer_sums(model, record, method))]
-    return [normalised_mixing(contributions, record.target_real) for contributions, _ in blocks.cache["alti"]]
+    return [normalised_mixing(contributions, record.target_real) for contributions, _, _ in blocks.cache["alti"]]
 
 
-def all_pre_norm(record: ForwardRecord) -> bool:
-    """Whether every layer :func:`alti_matrices` decomposed is pre-norm."""
-    return all(pre_norm for _, pre_norm in record.result(RecordedBlocks).cache["alti"])
+def layer_norms(record: ForwardRecord) -> list[tuple[LinearNorm | None, LinearNorm | None]]:
+    """Each layer :func:`alti_matrices` decomposed: its post-norm and its norm on the
+    attention output (:class:`~captum_attention.capture.residual.AttentionResidual`)."""
+    return [(norm, attention_norm) for _, norm, attention_norm in record.result(RecordedBlocks).cache["alti"]]
 
 
 def alti_rollout(

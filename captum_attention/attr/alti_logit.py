@@ -19,14 +19,17 @@ from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import (
     LayerSum,
     LogitReads,
-    all_pre_norm,
     alti_matrices,
     alti_rollout,
     attention_row_at,
-    layer_sums,
+    call_head_vectors,
+    layer_norms,
     logit_reads,
 )
 from ._registry import MethodSpec
+
+Shares = Callable[[int, Tensor, LinearNorm | None], Tensor]
+"""A layer's logit shares from its call, head vectors and norm on the attention output."""
 
 
 class ALTILogit(AttentionAttributionBase, Attribution):
@@ -102,15 +105,18 @@ class ALTILogit(AttentionAttributionBase, Attribution):
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         mixing = alti_matrices(self.model, record, "ALTI-Logit")
-        if not all_pre_norm(record):
+        norms = layer_norms(record)
+        if any(norm is not None for norm, _ in norms):
             raise self._post_norm()
         shares = self._logit_shares(record)
-        layers = enumerate(layer_sums(self.model, record, "ALTI-Logit"))
-        return logit_rollout([shares(call, layer).sum(dim=1) for call, layer in layers], mixing), mixing
+        added = [shares(call, call_head_vectors(record, call, "ALTI-Logit"), attention_norm).sum(dim=1)
+                 for call, (_, attention_norm) in enumerate(norms)]
+        return logit_rollout(added, mixing), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
         shares = self._logit_shares(record)
-        return self._descent(record, lambda call, layer: shares(call, layer).sum(dim=1, keepdim=True), 1)[:, 0].float()
+        summed: Shares = lambda call, vectors, norm: shares(call, vectors, norm).sum(dim=1, keepdim=True)
+        return self._descent(record, summed, 1)[:, 0].float()
 
     def _streamed_rows(self, record: ForwardRecord, positions: Tensor, tokens: Tensor) -> Tensor:
         """The logit rows of ``tokens`` at ``positions`` ``(B, T)`` of a decoder in one
@@ -118,22 +124,23 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         explained = self._explained(record, LogProbTarget(positions, tokens))
         return self._descent(explained, self._logit_shares(explained), positions.shape[1]).float()
 
-    def _descent(self, record: ForwardRecord, shares: Callable[[int, LayerSum], Tensor], rows: int) -> Tensor:
+    def _descent(self, record: ForwardRecord, shares: Shares, rows: int) -> Tensor:
         """``(B, rows, N)``: :func:`alti_rollout` from no share, each layer adding ``shares``."""
 
         def added(call: int, layer: LayerSum) -> Tensor:
             if layer.residual.norm is not None:
                 raise self._post_norm()
-            return shares(call, layer)
+            return shares(call, layer.vectors, layer.residual.attention_norm)
 
         start = torch.zeros(*record.target_real.shape[:1], rows, record.target_real.shape[1], dtype=torch.float64)
         return alti_rollout(self.model, record, "ALTI-Logit", start, added)
 
-    def _logit_shares(self, record: ForwardRecord) -> Callable[[int, LayerSum], Tensor]:
-        r"""``shares(call, layer)``: the layer's :math:`\Delta^l` ``(B, K, N)`` of each
-        explained logit (the K positions and tokens :class:`LogitReads` names), through the
-        layer's norm on the attention output where it has one; the unembedding read and
-        the logits checked at the first call."""
+    def _logit_shares(self, record: ForwardRecord) -> Shares:
+        r"""``shares(call, vectors, attention_norm)``: the layer's :math:`\Delta^l` ``(B, K,
+        N)`` of each explained logit (the K positions and tokens :class:`LogitReads` names)
+        from its :func:`~captum_attention.maps.head_vectors`, through its norm on the
+        attention output where it has one; the unembedding read and the logits checked at
+        the first call."""
         reads = record.result(LogitReads)
 
         @functools.cache
@@ -143,10 +150,9 @@ class ALTILogit(AttentionAttributionBase, Attribution):
             final.check_logits(record.logits, reads.positions, reads.tokens)
             return weight, final_norm
 
-        def shares(call: int, layer: LayerSum) -> Tensor:
+        def shares(call: int, vectors: Tensor, norm: LinearNorm | None) -> Tensor:
             weight, final_norm = readout()
-            norm = layer.residual.attention_norm
-            vectors = layer.vectors if norm is None else norm.features(layer.vectors)
+            vectors = vectors if norm is None else norm.features(vectors)
             per_read = []
             for position, token in zip(reads.positions.t(), reads.tokens.t()):
                 direction = logit_direction(weight[token.to(weight.device)], final_norm, position.to(weight.device))

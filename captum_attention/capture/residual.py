@@ -80,14 +80,14 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     seen = call.states
     width = inputs.shape[-1]
     joined = next((s for s in seen if _is_norm(s.module, width) and _joins(s.inputs, inputs, attention_sums, real)), None)
-    outputs = [s.output for s in seen]
     if joined is None:
         return _sum_without_its_norm(call, attention_sums, real)
     assert joined.inputs is not None
+    outputs = [s.output for s in seen]
     if any(equal_to_rounding(joined.inputs + added, call.output, real) for added in outputs):
         return AttentionResidual(inputs, joined.inputs.detach(), None)
     if any(s.module is not joined.module and s.inputs is not None and equal_to_rounding(joined.output + added, s.inputs, real)
-           for s in seen if _is_norm(s.module, inputs.shape[-1]) for added in outputs):
+           for s in seen if _is_norm(s.module, width) for added in outputs):
         return AttentionResidual(inputs, joined.output.detach(), linear_norm(joined.module, joined.inputs, joined.output))
     raise UnsupportedModelError(
         f"{name} adds its attention output to its input before {type(joined.module).__name__}, but neither that sum "
