@@ -41,6 +41,10 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
         "arcee": lambda: tf.ArceeForCausalLM(tf.ArceeConfig(**gqa)),  # no bias, a feed-forward without a gate (ReLU²)
         # a logit softcap small enough to bend the logits, and a window shorter than the prompts
         "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)),
+        # each layer's output times its own number (the larger Gemma-4s: no per-layer input, no key-value sharing)
+        "gemma4": lambda: _with_layer_scalars(tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(
+            **gqa, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0, sliding_window=4,
+        ))),
         "gpt_oss": lambda: _with_sinks(tf.GptOssForCausalLM(tf.GptOssConfig(
             **gqa, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -51,6 +55,14 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
 
 EXPLICIT_DECODERS = ("gemma2", "gpt_oss")
 """Decoders whose attention sdpa cannot compute: Gemma-2's logit softcap, gpt-oss's sinks."""
+
+
+def _with_layer_scalars(model: nn.Module) -> nn.Module:
+    """Gemma-4 with each layer's ``layer_scalar`` (one at initialisation) away from one."""
+    with torch.no_grad():
+        for layer, scalar in zip(model.model.layers, (0.6, 1.7, 0.8)):
+            layer.layer_scalar.fill_(scalar)
+    return model
 
 
 def _with_sinks(model: nn.Module) -> nn.Module:

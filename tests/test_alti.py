@@ -39,6 +39,9 @@ def _modules(model, family: str):
     if family == "gemma2":  # the sum of the input and the normed attention output: the feed-forward's norm's input
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.pre_feedforward_layernorm)
                 for layer in model.model.layers]
+    if family == "gemma4":  # Gemma-2's wiring, the values through their norm
+        return [(layer.self_attn.v_norm, layer.self_attn.o_proj.weight, None, None, layer.pre_feedforward_layernorm)
+                for layer in model.model.layers]
     return [(block.attn.c_attn, block.attn.c_proj.weight.t(), block.attn.c_proj.bias, None, block.ln_2)
             for block in model.transformer.h]
 
@@ -46,14 +49,24 @@ def _modules(model, family: str):
 def _attention_norms(model, family: str):
     """Per layer, the norm on the attention output before the residual (Gemma-2's
     ``post_attention_layernorm``), or None."""
-    if family == "gemma2":
+    if family in ("gemma2", "gemma4"):
         return [layer.post_attention_layernorm for layer in model.model.layers]
     return [None] * len(_modules(model, family))
 
 
+def _reach(model, family: str) -> list[float]:
+    """Per layer, the product of the numbers it and the layers above multiply their
+    outputs by (Gemma-4's ``layer_scalar``): what its attention adds reaches the final
+    norm times it."""
+    if family != "gemma4":
+        return [1.0] * len(_modules(model, family))
+    scalars = torch.tensor([float(layer.layer_scalar) for layer in model.model.layers], dtype=torch.float64)
+    return scalars.flip(0).cumprod(0).flip(0).tolist()
+
+
 def _final(model, family: str):
     """The final norm and the unembedding weight ``(V, D)``."""
-    if family in ("llama", "gemma2"):
+    if family in ("llama", "gemma2", "gemma4"):
         return model.model.norm, model.lm_head.weight
     return model.transformer.ln_f, model.lm_head.weight
 
@@ -193,12 +206,13 @@ def logit_reference(model, family: str, ids, mask, tokens=None) -> torch.Tensor:
         pre_lnf = seen["final"][0][0].double()
         heads, kv_heads = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
         total = torch.zeros(example.shape[1], dtype=torch.float64)
+        reach = _reach(model, family)
         for layer, (_, weight, _, _, _) in enumerate(_modules(model, family)):
             aff = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
             aff = _through_attention_norm(model, family, layer, seen, aff[pos : pos + 1], slice(pos, pos + 1))[0]
             gamma, eps = (final.weight.detach(), final.eps) if centred else _rms_params(final, family)
             lin, coef = _l_transform(aff, gamma, pre_lnf[pos], centred, eps)
-            logits = (lin * coef) @ embed.detach()[token].double()  # (T,) Δlogit^l per token j
+            logits = (lin * coef) @ embed.detach()[token].double() * reach[layer]  # (T,) Δlogit^l per token j
             total += logits if layer == 0 else logits @ joint[layer - 1]
         scores[b, real] = total.float()
     return scores
@@ -229,7 +243,7 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
 
 
 @pytest.mark.parametrize("layer", [-1, 0])
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
 def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -241,7 +255,7 @@ def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, c
     assert not torch.allclose(plain, scores)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj"])
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
 def test_alti_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -289,7 +303,7 @@ def test_a_failing_compiler_leaves_the_contributions_eager(monkeypatch, compiled
     assert compiled_contributions[(context_mixing._mixed_nearness, "cpu")] is None, "a failure is remembered"
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "gptj"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "gptj", "gemma4"])
 def test_alti_logit_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, _ = one_stack_case(family)
     model.config.final_logit_softcapping = None  # Gemma-2's logit cap (refused below) off: Gemma-3's and OLMo-2's wiring
@@ -464,6 +478,65 @@ def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
         ALTILogit(bert).attribute(bert_ids, additional_forward_args=(bert_mask,))
     with pytest.raises(ValueError, match="one self-attention stack"):
         ALTI(make_encoder_decoder("t5")).attribute((ids[:, :4], ids[:, :3]))
+
+
+def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(capture_mode):
+    """Gemma-4's key-value sharing: its last two layers weight the values of the first two,
+    computed from those layers' inputs, not from the inputs ALTI's rollout carries each
+    layer's vectors through."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0, num_kv_shared_layers=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0,
+    )).eval()
+    prompts = make_prompts(side="left")
+    before = model_state(model)
+    for method in (ALTI, ALTILogit):
+        with pytest.raises(UnsupportedModelError, match=r"call 2 of Gemma4ForCausalLM weights the values of call 0 \(key-value "
+                           "sharing across layers\)") as refused:
+            method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+        assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("layer_types, refusal", [
+    (["full_attention", "linear_attention", "full_attention"], "the input of OlmoHybridForCausalLM's attention layer 1 is not the output of its attention layer 0"),
+    (["linear_attention", "full_attention", "full_attention"], "stack also has OlmoHybridLinearAttentionDecoderLayer layers without attention"),
+    (["full_attention", "full_attention", "linear_attention"], "stack also has OlmoHybridLinearAttentionDecoderLayer layers without attention"),
+])
+def test_tokens_mixed_outside_the_attention_layers_are_refused_by_the_rollouts(layer_types, refusal):
+    """A hybrid's linear attention (a gated delta rule) mixes tokens in layers the rollout
+    of the attention layers would skip, between them, before or after them."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    torch.manual_seed(0)
+    model = OlmoHybridForCausalLM(OlmoHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=layer_types, pad_token_id=0,
+    )).eval()
+    prompts = make_prompts(side="left")
+    for method in (ALTI, ALTILogit):
+        with pytest.raises(UnsupportedModelError, match=refusal) as refused:
+            method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+        assert "\n" not in str(refused.value)
+
+
+def test_a_layer_skipped_between_the_attention_layers_is_no_refusal():
+    """Mllama's cross-attention layer between two self-attention layers, skipped without an
+    image: the stream passes it unchanged, and the rollout covers every layer that ran."""
+    from transformers import MllamaForCausalLM, MllamaTextConfig
+
+    torch.manual_seed(0)
+    model = MllamaForCausalLM(MllamaTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        cross_attention_layers=[1], pad_token_id=0,
+    )).eval()
+    prompts = make_prompts(side="left")
+    scores = ALTI(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    torch.testing.assert_close(scores.sum(-1), torch.ones(scores.shape[0]))
 
 
 def test_post_norm_language_models_are_refused_by_alti_logit():

@@ -5,13 +5,14 @@ attention rows in either capture mode, and the block written as a sum over token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, RecordedBlocks, RecordedValues
+from ..capture.adapters.protocol import parent_module
 from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
@@ -223,27 +224,84 @@ def checked_rows(tokens: int) -> list[slice]:
     return [slice(start, start + CHECKED_RUN) for start in starts]
 
 
+def _only_attention_mixes(model: nn.Module, calls: list[BlockCall], real: Tensor, method: str) -> None:
+    """A refusal in one line where tokens may mix outside the attention layers, which a
+    rollout of them would skip: a layer without attention before the first of them or
+    after the last in their stack (a hybrid's linear attention, convolution or state-space
+    layer: OLMo-Hybrid's, LFM2's), or anything between two of them that changes the
+    residual stream (each one's input must be the previous one's output; a layer skipped
+    for want of its input, as Mllama's cross-attention without an image, passes)."""
+    name = type(model).__name__
+    blocks = {id(call.block) for call in calls}
+    others = []
+    for stack in {id(parent): parent for call in calls if isinstance(parent := parent_module(model, call.block), nn.ModuleList)}.values():
+        used = [index for index, layer in enumerate(stack) if id(layer) in blocks]
+        others += [type(layer).__name__ for index, layer in enumerate(stack) if not used[0] <= index <= used[-1]]
+    if others:
+        raise UnsupportedModelError(
+            f"{method} rolls out the layers with attention, but {name}'s stack also has {', '.join(sorted(set(others)))} "
+            "layers without attention before or after them, which may mix tokens."
+        )
+    for index, (earlier, later) in enumerate(zip(calls, calls[1:])):
+        if not equal_to_rounding(later.hidden_input, earlier.output, real):
+            raise UnsupportedModelError(
+                f"{method} rolls out the layers with attention, but the input of {name}'s attention layer {index + 1} "
+                f"is not the output of its attention layer {index}: something between them changes the residual stream."
+            )
+
+
 def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
     """:func:`layer_sum` of every layer, in order, one at a time."""
-    for call, block in enumerate(layer_calls(model, record, method)):
+    for call, block in enumerate(decomposed_layer_calls(model, record, method)):
         yield layer_sum(record, call, block, method)
+
+
+def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
+    """:func:`layer_calls`, for a rollout of the layers' decompositions over the values they
+    weight: a refusal in one line where tokens mix outside the attention layers
+    (:func:`_only_attention_mixes`), or where a layer's attention weights the values of
+    another (Gemma-4's and Gemma-3n's key-value sharing), whose vectors come from that
+    layer's input, not from this layer's that the rollout carries them through."""
+    calls = layer_calls(model, record, method)
+    _only_attention_mixes(model, calls, record.forward_real, method)
+    values = record.result(RecordedValues).values
+    for call, own in enumerate(values):
+        for earlier in range(call):
+            other = values[earlier]
+            if own.shape == other.shape and torch.equal(own[..., :1, :], other[..., :1, :]) and torch.equal(own, other):
+                raise UnsupportedModelError(
+                    f"{method} rolls out each layer's vectors through that layer's input, but attention call {call} of "
+                    f"{type(model).__name__} weights the values of call {earlier} (key-value sharing across layers)."
+                )
+    return calls
+
+
+class LayerJoin(NamedTuple):
+    """How a layer's attention output joins the residual stream, without its states
+    (:class:`~captum_attention.capture.residual.AttentionResidual`): its post-norm, its
+    norm on the attention output and the number it multiplies its output by."""
+
+    norm: LinearNorm | None
+    attention_norm: LinearNorm | None
+    scale: float
 
 
 def alti_matrices(model: nn.Module, record: ForwardRecord, method: str = "ALTI") -> list[Tensor]:
     """Every layer's ALTI matrix ``(B, N, N)`` over the record's real tokens, from
     contributions computed once per forward (an answer's rows share them) and, with them,
-    each layer's norms (:func:`layer_norms`)."""
+    how each layer joins the residual (:func:`layer_joins`)."""
     blocks = record.result(RecordedBlocks)
     if "alti" not in blocks.cache:
-        blocks.cache["alti"] = [(_contributions(record, call, layer), layer.residual.norm, layer.residual.attention_norm)
-                                for call, layer in enumerate(layer_sums(model, record, method))]
-    return [normalised_mixing(contributions, record.target_real) for contributions, _, _ in blocks.cache["alti"]]
+        blocks.cache["alti"] = [
+            (_contributions(record, call, layer), LayerJoin(layer.residual.norm, layer.residual.attention_norm, layer.residual.scale))
+            for call, layer in enumerate(layer_sums(model, record, method))
+        ]
+    return [normalised_mixing(contributions, record.target_real) for contributions, _ in blocks.cache["alti"]]
 
 
-def layer_norms(record: ForwardRecord) -> list[tuple[LinearNorm | None, LinearNorm | None]]:
-    """Each layer :func:`alti_matrices` decomposed: its post-norm and its norm on the
-    attention output (:class:`~captum_attention.capture.residual.AttentionResidual`)."""
-    return [(norm, attention_norm) for _, norm, attention_norm in record.result(RecordedBlocks).cache["alti"]]
+def layer_joins(record: ForwardRecord) -> list[LayerJoin]:
+    """How each layer :func:`alti_matrices` decomposed joins the residual stream."""
+    return [join for _, join in record.result(RecordedBlocks).cache["alti"]]
 
 
 def alti_rollout(
@@ -257,7 +315,7 @@ def alti_rollout(
     Each matrix is computed in blocks of query rows and used at once, a block only where
     a row weighs on it: no matrix is ever held whole (memory: one block), and a layer
     whose rows weigh nothing yet (ALTI-Logit's top) costs no contribution at all."""
-    calls = layer_calls(model, record, method)
+    calls = decomposed_layer_calls(model, record, method)
     for call in reversed(range(len(calls))):
         layer = layer_sum(record, call, calls[call], method)
         rows = rows.to(layer.vectors.device)

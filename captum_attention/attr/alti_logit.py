@@ -23,7 +23,7 @@ from ._decomposed import (
     alti_rollout,
     attention_row_at,
     call_head_vectors,
-    layer_norms,
+    layer_joins,
     logit_reads,
 )
 from ._registry import MethodSpec
@@ -47,6 +47,10 @@ class ALTILogit(AttentionAttributionBase, Attribution):
     .. math::
 
         r = \sum_l \Delta^l \, C^{l-1} \cdots C^1 .
+
+    A layer that multiplies its output by a number :math:`s^l` (Gemma-4's
+    ``layer_scalar``) multiplies all that reaches it: :math:`\Delta^l` is taken times
+    :math:`s^l s^{l+1} \cdots`.
 
     Scores are in logit units and signed (a token can argue against w); the feed-forward
     layers' and the biases' shares are not among them. ``target`` names w (default: the
@@ -105,12 +109,13 @@ class ALTILogit(AttentionAttributionBase, Attribution):
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         mixing = alti_matrices(self.model, record, "ALTI-Logit")
-        norms = layer_norms(record)
-        if any(norm is not None for norm, _ in norms):
+        joins = layer_joins(record)
+        if any(join.norm is not None for join in joins):
             raise self._post_norm()
         shares = self._logit_shares(record)
-        added = [shares(call, call_head_vectors(record, call, "ALTI-Logit"), attention_norm).sum(dim=1)
-                 for call, (_, attention_norm) in enumerate(norms)]
+        reach = torch.tensor([join.scale for join in joins], dtype=torch.float64).flip(0).cumprod(0).flip(0).tolist()
+        added = [shares(call, call_head_vectors(record, call, "ALTI-Logit"), join.attention_norm).sum(dim=1) * reach[call]
+                 for call, join in enumerate(joins)]
         return logit_rollout(added, mixing), mixing
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
@@ -125,12 +130,17 @@ class ALTILogit(AttentionAttributionBase, Attribution):
         return self._descent(explained, self._logit_shares(explained), positions.shape[1]).float()
 
     def _descent(self, record: ForwardRecord, shares: Shares, rows: int) -> Tensor:
-        """``(B, rows, N)``: :func:`alti_rollout` from no share, each layer adding ``shares``."""
+        """``(B, rows, N)``: :func:`alti_rollout` from no share, each layer adding ``shares``
+        times the numbers it and the layers above multiply their outputs by (the rollout
+        descends from the top)."""
+        reach = 1.0
 
         def added(call: int, layer: LayerSum) -> Tensor:
+            nonlocal reach
             if layer.residual.norm is not None:
                 raise self._post_norm()
-            return shares(call, layer.vectors, layer.residual.attention_norm)
+            reach *= layer.residual.scale
+            return shares(call, layer.vectors, layer.residual.attention_norm) * reach
 
         start = torch.zeros(*record.target_real.shape[:1], rows, record.target_real.shape[1], dtype=torch.float64)
         return alti_rollout(self.model, record, "ALTI-Logit", start, added)

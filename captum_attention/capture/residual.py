@@ -13,8 +13,11 @@ the attention's side of the sum, if the layer's output is the sum plus one of it
 modules' outputs. Or the layer adds its attention output and its feed-forward's to its
 input at once (GPT-J, GPT-NeoX, Phi, Falcon, Cohere: attention beside the feed-forward):
 the residual stream the attention alone leaves, the input plus the attention output, is
-then the sum, as in a pre-norm layer before its feed-forward. Any other wiring (a scaled
-residual) is refused in one line rather than decomposed wrongly.
+then the sum, as in a pre-norm layer before its feed-forward. A pre-norm layer may
+multiply its output by one number (Gemma-4's ``layer_scalar``): the number is kept
+(:attr:`AttentionResidual.scale`). Any other wiring (a residual scaled inside the layer,
+a second branch after the feed-forward) is refused in one line rather than decomposed
+wrongly.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps import LinearNorm
 from .adapters import AttentionAdapter
-from .probes import BlockCall, Probe, layer_blocks
+from .probes import BlockCall, ModuleStates, Probe, layer_blocks
+
+_SAME_SCALE = 1e-6
+"""How far from one a fitted output scale may be and be one (single precision's rounding)."""
 
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 _COMMON_EPS = (1e-5, 1e-6, 1e-12, 0.0)
@@ -49,12 +55,16 @@ class AttentionResidual:
         norm: the post-norm as a :class:`~captum_attention.maps.LinearNorm`, or None.
         attention_norm: the norm on the attention output before the residual (Gemma-2),
             as a :class:`~captum_attention.maps.LinearNorm`, or None.
+        scale: the number the layer multiplies its output by (Gemma-4's
+            ``layer_scalar``; 1 for most): what the attention adds to the residual
+            stream reaches the next layer times it.
     """
 
     inputs: Tensor
     outputs: Tensor
     norm: LinearNorm | None
     attention_norm: LinearNorm | None = None
+    scale: float = 1.0
 
     @property
     def mixing_norm(self) -> LinearNorm | None:
@@ -83,9 +93,10 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     if joined is None:
         return _sum_without_its_norm(call, attention_sums, real)
     assert joined.inputs is not None
+    scale = _output_scale(joined.inputs, [s for s in seen if s is not joined], call.output, real)
+    if scale is not None:
+        return AttentionResidual(inputs, joined.inputs.detach(), None, scale=scale)
     outputs = [s.output for s in seen]
-    if any(equal_to_rounding(joined.inputs + added, call.output, real) for added in outputs):
-        return AttentionResidual(inputs, joined.inputs.detach(), None)
     if any(s.module is not joined.module and s.inputs is not None and equal_to_rounding(joined.output + added, s.inputs, real)
            for s in seen if _is_norm(s.module, width) for added in outputs):
         return AttentionResidual(inputs, joined.output.detach(), linear_norm(joined.module, joined.inputs, joined.output))
@@ -108,9 +119,10 @@ def _sum_without_its_norm(call: BlockCall, attention_sums: Tensor, real: Tensor)
         if not normed and not _joins(state.output, zero, attention_sums, real):
             continue
         summed = inputs + state.output
-        if any(other is not state and equal_to_rounding(summed + other.output, call.output, real) for other in seen):
+        scale = _output_scale(summed, [other for other in seen if other is not state], call.output, real)
+        if scale is not None:
             norm = linear_norm(state.module, state.inputs, state.output) if normed and state.inputs is not None else None
-            return AttentionResidual(inputs, summed.detach(), None, norm)
+            return AttentionResidual(inputs, summed.detach(), None, norm, scale)
     raise UnsupportedModelError(
         f"No norm in {name} takes the sum of its input and its attention output, nor the attention output before "
         "a residual the layer carries on, nor does the layer add its attention output beside another module's: "
@@ -242,6 +254,23 @@ def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNor
         f"{type(module).__name__} is neither a LayerNorm nor an RMSNorm of its weight: its output cannot be written "
         "as a linear map of its input at its statistics."
     )
+
+
+def _output_scale(summed: Tensor, others: list[ModuleStates], output: Tensor, real: Tensor) -> float | None:
+    """The number :math:`s` with ``output`` :math:`= s\\,(` ``summed`` :math:`+` one of
+    ``others``' outputs :math:`)` on the ``real`` rows: 1 for most layers, Gemma-4's
+    ``layer_scalar``, fitted by least squares (so that in half precision a number near
+    one is not taken for one); None where there is none."""
+    rows = real.to(output.device)
+    for other in others:
+        if other.output.shape != summed.shape:
+            continue
+        states = summed + other.output
+        carried, wanted = states[rows].double().flatten(), output[rows].double().flatten()
+        scale = float(carried @ wanted / (carried @ carried).clamp(min=torch.finfo(torch.float64).tiny))
+        if equal_to_rounding(scale * states, output, real):
+            return 1.0 if abs(scale - 1.0) <= _SAME_SCALE else scale
+    return None
 
 
 def _is_norm(module: nn.Module, width: int) -> bool:
