@@ -41,7 +41,7 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
         "arcee": lambda: tf.ArceeForCausalLM(tf.ArceeConfig(**gqa)),  # no bias, a feed-forward without a gate (ReLU²)
         # a logit softcap small enough to bend the logits, and a window shorter than the prompts
         "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)),
-        # each layer's output times its own number (the larger Gemma-4s: no per-layer input, no key-value sharing)
+        # each layer's output times its own number (no per-layer input's branch, no key-value sharing)
         "gemma4": lambda: _with_layer_scalars(tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(
             **gqa, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0, sliding_window=4,
         ))),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, model_state
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
-from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError
+from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError, ValueZeroing
 from captum_attention.attr import METHODS, REGISTRY, _decomposed
 from captum_attention.maps import context_mixing, streaming
 
@@ -502,14 +502,14 @@ def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(ca
     assert_same_state(before, model_state(model))
 
 
-@pytest.mark.parametrize("layer_types, refusal", [
-    (["full_attention", "linear_attention", "full_attention"], "the input of OlmoHybridForCausalLM's attention layer 1 is not the output of its attention layer 0"),
-    (["linear_attention", "full_attention", "full_attention"], "stack also has OlmoHybridLinearAttentionDecoderLayer layers without attention"),
-    (["full_attention", "full_attention", "linear_attention"], "stack also has OlmoHybridLinearAttentionDecoderLayer layers without attention"),
+@pytest.mark.parametrize("layer_types", [
+    ["full_attention", "linear_attention", "full_attention"],
+    ["linear_attention", "full_attention", "full_attention"],
+    ["full_attention", "full_attention", "linear_attention"],
 ])
-def test_tokens_mixed_outside_the_attention_layers_are_refused_by_the_rollouts(layer_types, refusal):
-    """A hybrid's linear attention (a gated delta rule) mixes tokens in layers the rollout
-    of the attention layers would skip, between them, before or after them."""
+def test_a_stack_with_layers_without_attention_is_refused_by_the_rollouts(layer_types):
+    """A hybrid's linear attention (a gated delta rule) mixes tokens in layers a rollout of
+    the attention layers would skip: between them, before or after them."""
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
     torch.manual_seed(0)
@@ -518,10 +518,23 @@ def test_tokens_mixed_outside_the_attention_layers_are_refused_by_the_rollouts(l
         layer_types=layer_types, pad_token_id=0,
     )).eval()
     prompts = make_prompts(side="left")
-    for method in (ALTI, ALTILogit):
-        with pytest.raises(UnsupportedModelError, match=refusal) as refused:
+    for method in (ALTI, ALTILogit, ValueZeroing):
+        with pytest.raises(UnsupportedModelError, match="stack also has OlmoHybridLinearAttentionDecoderLayer layers without "
+                           "attention, which may mix tokens") as refused:
             method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
         assert "\n" not in str(refused.value)
+
+
+def test_a_stream_changed_between_two_attention_layers_is_refused_by_the_decompositions(capture_mode):
+    """Tokens mixed between two layers outside any layer (each token given a share of the
+    one before it), which ALTI's rollout would skip."""
+    model, ids, mask, _ = one_stack_case("llama")
+    model.model.layers[1].register_forward_pre_hook(
+        lambda module, args: (args[0] + 0.5 * torch.roll(args[0], 1, dims=1), *args[1:]))
+    for method in (ALTI, ALTILogit):
+        with pytest.raises(UnsupportedModelError, match="the input of LlamaForCausalLM's attention layer 1 is not the output "
+                           "of its attention layer 0: something between them changes the residual stream"):
+            method(model).attribute(ids, additional_forward_args=(mask,))
 
 
 def test_a_layer_skipped_between_the_attention_layers_is_no_refusal():

@@ -205,11 +205,9 @@ def layer_sum(record: ForwardRecord, call: int, block: BlockCall, method: str) -
     values, projection = call_values(record, call, method)
     values, projection = values.float().to(vectors.device), projection.float().to(vectors.device)
     sums = vectors.new_zeros(vectors.shape[0], tokens, width)
-    compared = torch.zeros_like(record.forward_real)
     for rows in checked_rows(tokens):  # Σ_h (α_h V_h) W_O^h, not every f^h(x_j)
         sums[:, rows] = head_outputs(record, call, values, rows) @ projection.t()
-        compared[:, rows] = record.forward_real[:, rows]
-    return LayerSum(vectors, attention_residual(block, sums, compared))
+    return LayerSum(vectors, attention_residual(block, sums, checked_real(record.forward_real)))
 
 
 def checked_rows(tokens: int) -> list[slice]:
@@ -224,30 +222,30 @@ def checked_rows(tokens: int) -> list[slice]:
     return [slice(start, start + CHECKED_RUN) for start in starts]
 
 
-def _only_attention_mixes(model: nn.Module, calls: list[BlockCall], real: Tensor, method: str) -> None:
-    """A refusal in one line where tokens may mix outside the attention layers, which a
-    rollout of them would skip: a layer without attention before the first of them or
-    after the last in their stack (a hybrid's linear attention, convolution or state-space
-    layer: OLMo-Hybrid's, LFM2's), or anything between two of them that changes the
-    residual stream (each one's input must be the previous one's output; a layer skipped
-    for want of its input, as Mllama's cross-attention without an image, passes)."""
-    name = type(model).__name__
-    blocks = {id(call.block) for call in calls}
-    others = []
-    for stack in {id(parent): parent for call in calls if isinstance(parent := parent_module(model, call.block), nn.ModuleList)}.values():
-        used = [index for index, layer in enumerate(stack) if id(layer) in blocks]
-        others += [type(layer).__name__ for index, layer in enumerate(stack) if not used[0] <= index <= used[-1]]
+def rolled_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
+    """:func:`layer_calls`, for a rollout of the layers' matrices: a refusal in one line
+    where the stack of the attention layers holds a layer without attention (a hybrid's
+    linear attention, convolution or state-space layers: OLMo-Hybrid's, LFM2's), whose
+    mixing of the tokens the rollout would skip."""
+    calls = layer_calls(model, record, method)
+    adapter = record.capture.adapter
+    holding = {id(adapter.layer_block(model, site.module)) for site in adapter.attention_sites(model)}
+    stacks = {id(parent): parent for call in calls if isinstance(parent := parent_module(model, call.block), nn.ModuleList)}
+    others = sorted({type(layer).__name__ for stack in stacks.values() for layer in stack if id(layer) not in holding})
     if others:
         raise UnsupportedModelError(
-            f"{method} rolls out the layers with attention, but {name}'s stack also has {', '.join(sorted(set(others)))} "
-            "layers without attention before or after them, which may mix tokens."
+            f"{method} rolls out the layers with attention, but {type(model).__name__}'s stack also has "
+            f"{', '.join(others)} layers without attention, which may mix tokens."
         )
-    for index, (earlier, later) in enumerate(zip(calls, calls[1:])):
-        if not equal_to_rounding(later.hidden_input, earlier.output, real):
-            raise UnsupportedModelError(
-                f"{method} rolls out the layers with attention, but the input of {name}'s attention layer {index + 1} "
-                f"is not the output of its attention layer {index}: something between them changes the residual stream."
-            )
+    return calls
+
+
+def checked_real(real: Tensor) -> Tensor:
+    """``real`` ``(B, N)`` on the :func:`checked_rows` alone (False elsewhere)."""
+    compared = torch.zeros_like(real)
+    for rows in checked_rows(real.shape[1]):
+        compared[:, rows] = real[:, rows]
+    return compared
 
 
 def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator[LayerSum]:
@@ -257,13 +255,22 @@ def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator
 
 
 def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
-    """:func:`layer_calls`, for a rollout of the layers' decompositions over the values they
-    weight: a refusal in one line where tokens mix outside the attention layers
-    (:func:`_only_attention_mixes`), or where a layer's attention weights the values of
-    another (Gemma-4's and Gemma-3n's key-value sharing), whose vectors come from that
-    layer's input, not from this layer's that the rollout carries them through."""
-    calls = layer_calls(model, record, method)
-    _only_attention_mixes(model, calls, record.forward_real, method)
+    """:func:`rolled_layer_calls`, for a rollout of the layers' decompositions, each carried
+    through the previous layer's output: a refusal in one line where anything between two
+    attention layers changes the residual stream (each one's input must be the previous
+    one's output, on the :func:`checked_rows`; a layer skipped for want of its input, as
+    Mllama's cross-attention without an image, passes), or where a layer's attention
+    weights the values of another (Gemma-4's and Gemma-3n's key-value sharing), whose
+    vectors come from that layer's input, not from this layer's."""
+    calls = rolled_layer_calls(model, record, method)
+    real = checked_real(record.forward_real)
+    for index, (earlier, later) in enumerate(zip(calls, calls[1:])):
+        if not equal_to_rounding(later.hidden_input, earlier.output, real):
+            raise UnsupportedModelError(
+                f"{method} rolls out the layers with attention, but the input of {type(model).__name__}'s attention layer "
+                f"{index + 1} is not the output of its attention layer {index}: something between them changes the "
+                "residual stream."
+            )
     values = record.result(RecordedValues).values
     for call, own in enumerate(values):
         for earlier in range(call):
