@@ -273,12 +273,12 @@ def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str)
             )
     values = record.result(RecordedValues).values
     for call, own in enumerate(values):
-        for earlier in range(call):
-            other = values[earlier]
+        for source in range(call):
+            other = values[source]
             if own.shape == other.shape and torch.equal(own[..., :1, :], other[..., :1, :]) and torch.equal(own, other):
                 raise UnsupportedModelError(
                     f"{method} rolls out each layer's vectors through that layer's input, but attention call {call} of "
-                    f"{type(model).__name__} weights the values of call {earlier} (key-value sharing across layers)."
+                    f"{type(model).__name__} weights the values of call {source} (key-value sharing across layers)."
                 )
     return calls
 
