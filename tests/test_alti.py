@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, model_state
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
-from captum_attention import ALTI, ALTILogit, LLMAttentionAttribution, NormAttention, UnsupportedModelError, ValueZeroing
+from captum_attention import ALTI, ALTILogit, GradSAM, LLMAttentionAttribution, NormAttention, RawAttention, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY, _decomposed
 from captum_attention.maps import context_mixing, streaming
 
@@ -509,7 +509,8 @@ def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(ca
 ])
 def test_a_stack_with_layers_without_attention_is_refused_by_the_rollouts(layer_types):
     """A hybrid's linear attention (a gated delta rule) mixes tokens in layers a rollout of
-    the attention layers would skip: between them, before or after them."""
+    the attention layers would skip: between them, before or after them. Every method that
+    rolls the attention layers out refuses it, and the others run."""
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
     torch.manual_seed(0)
@@ -518,11 +519,17 @@ def test_a_stack_with_layers_without_attention_is_refused_by_the_rollouts(layer_
         layer_types=layer_types, pad_token_id=0,
     )).eval()
     prompts = make_prompts(side="left")
-    for method in (ALTI, ALTILogit, ValueZeroing):
-        with pytest.raises(UnsupportedModelError, match="stack also has OlmoHybridLinearAttentionDecoderLayer layers without "
+    rolling = [cls for cls in REGISTRY.values() if cls.spec.rolls_out]
+    assert {cls.spec.name for cls in rolling} == {"rollout", "transformer_attribution", "attention_flow", "alti", "alti_logit",
+                                                  "value_zeroing"}
+    for method in rolling:
+        with pytest.raises(UnsupportedModelError, match=f"{method.spec.readable_name} rolls out the layers with attention, but "
+                           "OlmoHybridForCausalLM's stack also has OlmoHybridLinearAttentionDecoderLayer layers without "
                            "attention, which may mix tokens") as refused:
             method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
         assert "\n" not in str(refused.value)
+    for method in (GradSAM, RawAttention):
+        assert method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,)).shape == prompts.input_ids.shape
 
 
 def test_a_stream_changed_between_two_attention_layers_is_refused_by_the_decompositions(capture_mode):

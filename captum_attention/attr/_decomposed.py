@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, RecordedBlocks, RecordedValues
-from ..capture.adapters.protocol import parent_module
 from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
@@ -222,24 +221,6 @@ def checked_rows(tokens: int) -> list[slice]:
     return [slice(start, start + CHECKED_RUN) for start in starts]
 
 
-def rolled_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
-    """:func:`layer_calls`, for a rollout of the layers' matrices: a refusal in one line
-    where the stack of the attention layers holds a layer without attention (a hybrid's
-    linear attention, convolution or state-space layers: OLMo-Hybrid's, LFM2's), whose
-    mixing of the tokens the rollout would skip."""
-    calls = layer_calls(model, record, method)
-    adapter = record.capture.adapter
-    holding = {id(adapter.layer_block(model, site.module)) for site in adapter.attention_sites(model)}
-    stacks = {id(parent): parent for call in calls if isinstance(parent := parent_module(model, call.block), nn.ModuleList)}
-    others = sorted({type(layer).__name__ for stack in stacks.values() for layer in stack if id(layer) not in holding})
-    if others:
-        raise UnsupportedModelError(
-            f"{method} rolls out the layers with attention, but {type(model).__name__}'s stack also has "
-            f"{', '.join(others)} layers without attention, which may mix tokens."
-        )
-    return calls
-
-
 def checked_real(real: Tensor) -> Tensor:
     """``real`` ``(B, N)`` on the :func:`checked_rows` alone (False elsewhere)."""
     compared = torch.zeros_like(real)
@@ -255,14 +236,15 @@ def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator
 
 
 def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
-    """:func:`rolled_layer_calls`, for a rollout of the layers' decompositions, each carried
-    through the previous layer's output: a refusal in one line where anything between two
-    attention layers changes the residual stream (each one's input must be the previous
+    """:func:`layer_calls`, for a rollout of the layers' decompositions, each carried
+    through the previous layer's output (the base class has refused a stack with layers
+    without attention, ``MethodSpec.rolls_out``): a refusal in one line where anything
+    between two attention layers changes the residual stream (each one's input must be the previous
     one's output, on the :func:`checked_rows`; a layer skipped for want of its input, as
     Mllama's cross-attention without an image, passes), or where a layer's attention
     weights the values of another (Gemma-4's and Gemma-3n's key-value sharing), whose
     vectors come from that layer's input, not from this layer's."""
-    calls = rolled_layer_calls(model, record, method)
+    calls = layer_calls(model, record, method)
     real = checked_real(record.forward_real)
     for index, (earlier, later) in enumerate(zip(calls, calls[1:])):
         if not equal_to_rounding(later.hidden_input, earlier.output, real):

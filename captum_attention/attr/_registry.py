@@ -77,6 +77,10 @@ class MethodSpec:
         reads_query_row: whether its scores read the explained query's row (rollout,
             raw attention, Transformer Attribution); the default row is then confirmed
             against the rows the logits read.
+        rolls_out: whether its scores carry the explained row down through every attention
+            layer (rollout, Transformer Attribution, Attention Flow, ALTI, ALTI-Logit, Value
+            Zeroing): refused in one line where the attention layers' stack also holds
+            layers without attention, whose mixing of the tokens a rollout would skip.
         in_reports: listed in :data:`METHODS` (the reports' defaults, benchmarks);
             False keeps a method registered (:data:`REGISTRY`: the command line and
             ``evaluate`` take it by name) but out of the defaults.
@@ -98,6 +102,7 @@ class MethodSpec:
     signed: bool = False
     reads_target: bool = False
     reads_query_row: bool = True
+    rolls_out: bool = False
     in_reports: bool = True
     options: Mapping[str, Option] = field(default_factory=dict)
     eager_options: dict[str, str] = field(default_factory=dict)

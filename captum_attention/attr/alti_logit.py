@@ -70,7 +70,8 @@ class ALTILogit(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "alti_logit", "ALTI-Logit", encoder_decoder=False, classifiers=False, signed=True, reads_target=True, in_reports=False
+        "alti_logit", "ALTI-Logit", encoder_decoder=False, classifiers=False, signed=True, reads_target=True, rolls_out=True,
+        in_reports=False,
     )
 
     @attribute_method

@@ -51,7 +51,7 @@ class AttentionFlow(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "attention_flow", "Attention Flow", streams=False, encoder_decoder=False, spans=False, in_reports=False,
+        "attention_flow", "Attention Flow", streams=False, encoder_decoder=False, spans=False, rolls_out=True, in_reports=False,
         options={"head_fusion": one_of(*HEAD_FUSIONS), "start_layer": LAYER},
     )
 

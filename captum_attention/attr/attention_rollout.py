@@ -51,7 +51,7 @@ class AttentionRollout(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "rollout", "Attention Rollout",
+        "rollout", "Attention Rollout", rolls_out=True,
         options={"head_fusion": one_of(*HEAD_FUSIONS), "discard_ratio": FRACTION, "start_layer": LAYER},
         eager_options={"discard_ratio": "discard_ratio ranks every entry of each fused map"},
     )

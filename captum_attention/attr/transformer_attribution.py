@@ -61,7 +61,7 @@ class TransformerAttribution(AttentionAttributionBase, GradientAttribution):
 
     spec = MethodSpec(
         "transformer_attribution", "Transformer Attribution", needs="backward", gradient_reduction=relevance_head_mean,
-        options={"start_layer": LAYER},
+        rolls_out=True, options={"start_layer": LAYER},
     )
 
     @overload

@@ -20,7 +20,7 @@ from ..capture.residual import equal_to_rounding
 from ..capture.runner import resolve_adapter
 from ..maps import normalised_mixing, propagate_query_row, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
-from ._decomposed import RowDescent, matrix_blocks, rolled_layer_calls, times_mixing
+from ._decomposed import RowDescent, layer_calls, matrix_blocks, times_mixing
 from ._registry import MethodSpec
 
 
@@ -62,7 +62,7 @@ class ValueZeroing(RowDescent, AttentionAttributionBase, Attribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("value_zeroing", "Value Zeroing", encoder_decoder=False, in_reports=False)
+    spec = MethodSpec("value_zeroing", "Value Zeroing", encoder_decoder=False, rolls_out=True, in_reports=False)
 
     @attribute_method
     def attribute(
@@ -98,7 +98,7 @@ class ValueZeroing(RowDescent, AttentionAttributionBase, Attribution):
         """Each layer's distances computed, used and dropped: one layer's :math:`N^2`
         held at a time, where the eager record keeps every layer's."""
         adapter = resolve_adapter(self.model, self.adapter)
-        for call in reversed(rolled_layer_calls(self.model, record, "Value Zeroing")):
+        for call in reversed(layer_calls(self.model, record, "Value Zeroing")):
             distances = _layer_distances(self.model, adapter, call, record.forward_real)
             rows = times_mixing(rows.to(distances.device), matrix_blocks(distances), record.target_real)
         return rows
@@ -111,7 +111,7 @@ def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: Forwar
     if "value_zeroing" not in blocks.cache:
         zeroed = record.forward_real
         blocks.cache["value_zeroing"] = [
-            _layer_distances(model, adapter, call, zeroed) for call in rolled_layer_calls(model, record, "Value Zeroing")
+            _layer_distances(model, adapter, call, zeroed) for call in layer_calls(model, record, "Value Zeroing")
         ]
     return [normalised_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
 
