@@ -21,6 +21,8 @@ from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prom
 
 from captum_attention import ALTI, ALTILogit, GradSAM, LLMAttentionAttribution, NormAttention, RawAttention, UnsupportedModelError
 from captum_attention.attr import METHODS, REGISTRY, _decomposed
+from captum_attention.capture.adapters import HuggingFaceAdapter
+from captum_attention.capture.adapters.mixing import tokens_mixed_outside_attention
 from captum_attention.maps import context_mixing, streaming
 
 
@@ -523,13 +525,67 @@ def test_a_stack_with_layers_without_attention_is_refused_by_the_rollouts(layer_
     assert {cls.spec.name for cls in rolling} == {"rollout", "transformer_attribution", "attention_flow", "alti", "alti_logit",
                                                   "value_zeroing"}
     for method in rolling:
-        with pytest.raises(UnsupportedModelError, match=f"{method.spec.readable_name} rolls out the layers with attention, but "
-                           "OlmoHybridForCausalLM's stack also has OlmoHybridLinearAttentionDecoderLayer layers without "
-                           "attention, which may mix tokens") as refused:
+        with pytest.raises(UnsupportedModelError, match=f"{method.spec.readable_name} rolls out the attention layers, but "
+                           "OlmoHybridForCausalLM also mixes tokens outside them \\(OlmoHybridLinearAttentionDecoderLayer "
+                           "layers without attention\\): use AttnLRP") as refused:
             method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
         assert "\n" not in str(refused.value)
     for method in (GradSAM, RawAttention):
         assert method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,)).shape == prompts.input_ids.shape
+
+
+def _falcon_h1() -> torch.nn.Module:
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    return FalconH1ForCausalLM(FalconH1Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, pad_token_id=0,
+    ))
+
+
+def _convbert() -> torch.nn.Module:
+    from transformers import ConvBertConfig, ConvBertForSequenceClassification
+
+    return ConvBertForSequenceClassification(ConvBertConfig(
+        vocab_size=64, hidden_size=32, embedding_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        conv_kernel_size=3, num_labels=2, pad_token_id=0,
+    ))
+
+
+@pytest.mark.parametrize("build, mixer", [
+    (_falcon_h1, "FalconH1Mixer"),  # a state-space branch beside the attention in every layer
+    (_convbert, "SeparableConv1D"),  # convolution heads beside the attention heads
+])
+def test_a_convolution_over_the_tokens_inside_the_attention_layers_is_refused_by_the_rollouts(build, mixer):
+    """A convolution whose windows overlap along the tokens mixes them inside the attention
+    layers, outside the attention probabilities; every method that rolls the layers out
+    (and explains this kind of model) refuses it, and the others run."""
+    torch.manual_seed(0)
+    model = build().eval()
+    classifier = mixer == "SeparableConv1D"
+    prompts = make_prompts(side="right" if classifier else "left")
+    before = model_state(model)
+    for method in [cls for cls in REGISTRY.values() if cls.spec.rolls_out and (cls.spec.classifiers or not classifier)]:
+        with pytest.raises(UnsupportedModelError, match=f"{method.spec.readable_name} rolls out the attention layers, but "
+                           f"{type(model).__name__} also mixes tokens outside them \\(a convolution over the tokens in {mixer}\\)"):
+            method(model).attribute(prompts.input_ids, target=0 if classifier else None,
+                                    additional_forward_args=(prompts.attention_mask,))
+    for method in (GradSAM, RawAttention):
+        scores = method(model).attribute(prompts.input_ids, target=0 if classifier else None,
+                                         additional_forward_args=(prompts.attention_mask,))
+        assert scores.shape == prompts.input_ids.shape
+    assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("kernel, stride, mixes", [(1, 1, False), (2, 2, False), (3, 1, True), (3, 2, True)])
+def test_a_convolution_mixes_the_tokens_where_its_windows_overlap(kernel, stride, mixes):
+    """Kernel 1 (a projection per token, as SqueezeBERT's) or a stride equal to the kernel
+    (cells merged, as SegFormer's reduced keys) mix nothing; overlapping windows do."""
+    model, _, _, _ = one_stack_case("llama")
+    model = copy.deepcopy(model)
+    model.model.layers[1].mlp.add_module("conv", torch.nn.Conv1d(4, 4, kernel, stride=stride))
+    found = tokens_mixed_outside_attention(model, HuggingFaceAdapter())
+    assert found == ("a convolution over the tokens in LlamaMLP" if mixes else None)
 
 
 def test_a_stream_changed_between_two_attention_layers_is_refused_by_the_decompositions(capture_mode):

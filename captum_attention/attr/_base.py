@@ -15,7 +15,7 @@ from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, Va
 from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import cross_attends_images
-from ..capture.adapters.protocol import layers_without_attention
+from ..capture.adapters.mixing import tokens_mixed_outside_attention
 from ..capture.record import check_gradients_possible
 from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
 from ..maps import effective_attention, patch_grid
@@ -181,10 +181,10 @@ class AttentionAttributionBase:
     ) -> ForwardRecord:
         """One forward through the capture, in the mode the runner decides."""
         adapter = self._one_stack_adapter()
-        if self.spec.rolls_out and (others := layers_without_attention(self.model, adapter)):
+        if self.spec.rolls_out and (mixers := tokens_mixed_outside_attention(self.model, adapter)):
             raise UnsupportedModelError(
-                f"{self.get_name()} rolls out the layers with attention, but {type(self.model).__name__}'s stack also has "
-                f"{', '.join(others)} layers without attention, which may mix tokens: use AttnLRP, Grad-SAM or raw attention."
+                f"{self.get_name()} rolls out the attention layers, but {type(self.model).__name__} also mixes "
+                f"tokens outside them ({mixers}): use AttnLRP, Grad-SAM or raw attention."
             )
         reason = self._eager_reason(adapter, effective, return_maps, options)
         return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)

@@ -4,7 +4,8 @@
 defaults (:class:`AdapterBase`); each built-in family has its own module:
 :mod:`.huggingface` (with :mod:`.grids`: Swin's windows and SegFormer's reduced keys
 placed on the image's patches), :mod:`.module` (modules a user names), :mod:`.multihead`
-(``torch.nn.MultiheadAttention``).
+(``torch.nn.MultiheadAttention``); :mod:`.mixing` reads what mixes the tokens besides the
+attention.
 """
 
 from __future__ import annotations

@@ -308,39 +308,18 @@ def extended_per_token(
     return extended
 
 
-def enclosing_block(model: nn.Module, module: nn.Module) -> nn.Module | None:
+def enclosing_block(model: nn.Module, module: nn.Module, outermost: bool = False) -> nn.Module | None:
     """The ancestor of ``module`` that is an entry of an ``nn.ModuleList`` (transformers'
-    ``layers``/``layer``/``h``: one layer each), the innermost such; None where no list
-    holds it."""
-    current = module
+    ``layers``/``layer``/``h``: one layer each), the innermost such, or the outermost (T5's
+    block rather than its sub-layers); None where no list holds it."""
+    block, current = None, module
     while (parent := parent_module(model, current)) is not None:
         if isinstance(parent, nn.ModuleList):
-            return current
+            if not outermost:
+                return current
+            block = current
         current = parent
-    return None
-
-
-def layers_without_attention(model: nn.Module, adapter: AttentionAdapter) -> list[str]:
-    """The class names of the layers, in the lists that hold the model's attention layers,
-    that hold no attention module of the adapter's: a hybrid's linear attention,
-    convolution or state-space layers; empty for most models. A layer is the outermost
-    entry of an ``nn.ModuleList`` around an attention module (T5's block, not the sub-layers
-    of the block, its feed-forward among them)."""
-    layers = [_outermost_layer(model, site.module) for site in adapter.attention_sites(model)]
-    holding = {id(layer) for layer in layers}
-    stacks = {id(parent): parent for layer in layers if layer is not None and isinstance(parent := parent_module(model, layer), nn.ModuleList)}
-    return sorted({type(layer).__name__ for stack in stacks.values() for layer in stack if id(layer) not in holding})
-
-
-def _outermost_layer(model: nn.Module, module: nn.Module) -> nn.Module | None:
-    """The outermost ancestor of ``module`` that is an entry of an ``nn.ModuleList``; None
-    where no list holds it."""
-    layer, current = None, module
-    while (parent := parent_module(model, current)) is not None:
-        if isinstance(parent, nn.ModuleList):
-            layer = current
-        current = parent
-    return layer
+    return block
 
 
 _PARENTS: "weakref.WeakKeyDictionary[nn.Module, dict[int, weakref.ref[nn.Module]]]" = weakref.WeakKeyDictionary()
