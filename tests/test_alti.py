@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from conftest import assert_same_state, model_state
 from lm_models import answer_rows, make_decoder, make_encoder_decoder, make_prompts, make_word_tokenizer, one_stack_case
 
-from captum_attention import ALTI, ALTILogit, GradSAM, LLMAttentionAttribution, NormAttention, RawAttention, UnsupportedModelError
+from captum_attention import (
+    ALTI, ALTILogit, GradSAM, LLMAttentionAttribution, NormAttention, RawAttention, UnsupportedModelError, ValueZeroing,
+)
 from captum_attention.attr import METHODS, REGISTRY, _decomposed
 from captum_attention.capture.adapters import HuggingFaceAdapter
 from captum_attention.capture.adapters.mixing import tokens_mixed_outside_attention
@@ -485,7 +487,7 @@ def test_layers_that_are_not_a_sum_over_tokens_are_refused_in_one_line():
 def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(capture_mode):
     """Gemma-4's key-value sharing: its last two layers weight the values of the first two,
     computed from those layers' inputs, not from the inputs ALTI's rollout carries each
-    layer's vectors through."""
+    layer's vectors through (nor those Value Zeroing re-runs each layer on)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(0)
@@ -501,6 +503,9 @@ def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(ca
                            "sharing across layers\)") as refused:
             method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
         assert "\n" not in str(refused.value)
+    with pytest.raises(UnsupportedModelError, match="Value Zeroing zeroes each layer's own values, but attention calls 2, 3 of "
+                       "Gemma4ForCausalLM reuse an earlier layer's keys and values"):  # streaming ran, zeroing them as its own
+        ValueZeroing(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
     assert_same_state(before, model_state(model))
 
 

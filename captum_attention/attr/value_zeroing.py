@@ -17,6 +17,7 @@ from ..capture.kernel import KernelInterception
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
 from ..capture.residual import equal_to_rounding
+from ..capture.adapters.mixing import calls_sharing_values
 from ..capture.runner import resolve_adapter
 from ..maps import normalised_mixing, propagate_query_row, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
@@ -98,7 +99,7 @@ class ValueZeroing(RowDescent, AttentionAttributionBase, Attribution):
         """Each layer's distances computed, used and dropped: one layer's :math:`N^2`
         held at a time, where the eager record keeps every layer's."""
         adapter = resolve_adapter(self.model, self.adapter)
-        for call in reversed(layer_calls(self.model, record, "Value Zeroing")):
+        for call in reversed(_value_calls(self.model, adapter, record)):
             distances = _layer_distances(self.model, adapter, call, record.forward_real)
             rows = times_mixing(rows.to(distances.device), matrix_blocks(distances), record.target_real)
         return rows
@@ -110,10 +111,19 @@ def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: Forwar
     blocks = record.result(RecordedBlocks)
     if "value_zeroing" not in blocks.cache:
         zeroed = record.forward_real
-        blocks.cache["value_zeroing"] = [
-            _layer_distances(model, adapter, call, zeroed) for call in layer_calls(model, record, "Value Zeroing")
-        ]
+        blocks.cache["value_zeroing"] = [_layer_distances(model, adapter, call, zeroed) for call in _value_calls(model, adapter, record)]
     return [normalised_mixing(distances, record.target_real) for distances in blocks.cache["value_zeroing"]]
+
+
+def _value_calls(model: nn.Module, adapter: AttentionAdapter, record: ForwardRecord) -> list[BlockCall]:
+    """The layer call of each attention call; a refusal in one line where a layer zeroes
+    values another layer computed (key-value sharing), which its re-run would take for its own."""
+    if shared := calls_sharing_values(model, adapter):
+        raise UnsupportedModelError(
+            f"Value Zeroing zeroes each layer's own values, but attention calls {', '.join(map(str, shared))} of {type(model).__name__} reuse an "
+            "earlier layer's keys and values (key-value sharing across layers), computed from that layer's input."
+        )
+    return layer_calls(model, record, "Value Zeroing")
 
 
 def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, zeroed: Tensor) -> Tensor:

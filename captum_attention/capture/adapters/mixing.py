@@ -44,3 +44,10 @@ def tokens_mixed_outside_attention(model: nn.Module, adapter: AttentionAdapter) 
         [f"a convolution over the tokens in {', '.join(convolving)}"] if convolving else []
     )
     return " and ".join(found) or None
+
+
+def calls_sharing_values(model: nn.Module, adapter: AttentionAdapter) -> list[int]:
+    """The attention calls, in the adapter's order, whose keys and values are an earlier
+    layer's (transformers' ``is_kv_shared_layer``: Gemma-3n's and Gemma-4's key-value
+    sharing), computed from that layer's input rather than their own."""
+    return [index for index, site in enumerate(adapter.attention_sites(model)) if getattr(site.module, "is_kv_shared_layer", False) is True]
