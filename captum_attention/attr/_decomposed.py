@@ -237,13 +237,13 @@ def layer_sums(model: nn.Module, record: ForwardRecord, method: str) -> Iterator
 
 def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str) -> list[BlockCall]:
     """:func:`layer_calls`, for a rollout of the layers' decompositions, each carried
-    through the previous layer's output (the base class has refused a stack with layers
-    without attention, ``MethodSpec.rolls_out``): a refusal in one line where anything
-    between two attention layers changes the residual stream (each one's input must be the previous
-    one's output, on the :func:`checked_rows`; a layer skipped for want of its input, as
-    Mllama's cross-attention without an image, passes), or where a layer's attention
-    weights the values of another (Gemma-4's and Gemma-3n's key-value sharing), whose
-    vectors come from that layer's input, not from this layer's."""
+    through the previous layer's output (the base class has refused a model whose tokens
+    also mix outside its attention, ``MethodSpec.rolls_out``): a refusal in one line where
+    anything between two attention layers changes the residual stream (each one's input
+    must be the previous one's output, on the :func:`checked_rows`; a layer skipped for
+    want of its input, as Mllama's cross-attention without an image, passes), or where a
+    layer's attention weights the values of another (Gemma-4's and Gemma-3n's key-value
+    sharing), whose vectors come from that layer's input, not from this layer's."""
     calls = layer_calls(model, record, method)
     real = checked_real(record.forward_real)
     for index, (earlier, later) in enumerate(zip(calls, calls[1:])):

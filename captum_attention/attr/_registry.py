@@ -79,8 +79,9 @@ class MethodSpec:
             against the rows the logits read.
         rolls_out: whether its scores carry the explained row down through every attention
             layer (rollout, Transformer Attribution, Attention Flow, ALTI, ALTI-Logit, Value
-            Zeroing): refused in one line where the attention layers' stack also holds
-            layers without attention, whose mixing of the tokens a rollout would skip.
+            Zeroing): refused in one line where the tokens also mix outside the attention
+            (layers without attention in the attention layers' stack, a convolution over the
+            tokens inside the attention layers), which a rollout would skip.
         in_reports: listed in :data:`METHODS` (the reports' defaults, benchmarks);
             False keeps a method registered (:data:`REGISTRY`: the command line and
             ``evaluate`` take it by name) but out of the defaults.
