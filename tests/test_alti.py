@@ -500,7 +500,7 @@ def test_layers_that_weight_another_layers_values_are_refused_by_the_rollouts(ca
     before = model_state(model)
     for method in (ALTI, ALTILogit):
         with pytest.raises(UnsupportedModelError, match=r"call 2 of Gemma4ForCausalLM weights the values of call 0 \(key-value "
-                           "sharing across layers\)") as refused:
+                           r"sharing across layers\)") as refused:
             method(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
         assert "\n" not in str(refused.value)
     with pytest.raises(UnsupportedModelError, match="Value Zeroing zeroes each layer's own values, but attention calls 2, 3 of "
