@@ -117,10 +117,12 @@ def _mixing_matrices(model: nn.Module, adapter: AttentionAdapter, record: Forwar
 
 def _value_calls(model: nn.Module, adapter: AttentionAdapter, record: ForwardRecord) -> list[BlockCall]:
     """The layer call of each attention call; a refusal in one line where a layer zeroes
-    values another layer computed (key-value sharing), which its re-run would take for its own."""
+    values another layer computed (key-value sharing), which its re-run would take for
+    its own."""
     if shared := calls_sharing_values(model, adapter):
+        calls = ", ".join(map(str, shared))
         raise UnsupportedModelError(
-            f"Value Zeroing zeroes each layer's own values, but attention calls {', '.join(map(str, shared))} of {type(model).__name__} reuse an "
+            f"Value Zeroing zeroes each layer's own values, but attention calls {calls} of {type(model).__name__} reuse an "
             "earlier layer's keys and values (key-value sharing across layers), computed from that layer's input."
         )
     return layer_calls(model, record, "Value Zeroing")
