@@ -17,6 +17,7 @@ from captum_attention.metrics import (
     auprc,
     calibrated_attribution,
     comprehensiveness,
+    context_averaged_attribution,
     datamodeling_score,
     greedy_deletion,
     iou_f1,
@@ -233,6 +234,59 @@ def test_calibrated_attribution_by_hand(bag, removal):
         calibrated_attribution(model, ids, mask, prior, ridge=0.0)
     with pytest.raises(ValueError, match="attributions have shape"):
         calibrated_attribution(model, ids, mask, prior[:, :4])
+
+
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_context_averaged_attribution_by_hand(bag, removal):
+    """The seeded halves drawn again with their complements, each context's inputs built
+    by hand and scored by a position-dependent attribution (the token's evidence times
+    1 + its position / 10, so that a score mapped back to the wrong token shows), summed
+    per token over the contexts that keep it; both sums and the prior as shares of their
+    absolute totals. Each context is one call on the whole batch."""
+    model, ids, mask, target, contributions = bag
+    prior = contributions * torch.tensor([[0.5], [-2.0]]) + 0.1
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, 0] = True
+    calls = []
+
+    def positional(context_ids, context_mask):
+        calls.append((context_ids.clone(), context_mask.clone()))
+        evidence = model.weights[context_ids, target[:, None]] * context_mask
+        return evidence * (1 + torch.arange(context_ids.shape[1]) / 10)
+
+    scores = context_averaged_attribution(positional, ids, mask, prior, num_contexts=6, seed=2, removal=removal,
+                                          baseline_token_id=0, keep=keep)
+    assert len(calls) == 6 and all(tuple(call[0].shape) == (2, 8) for call in calls)
+    for row in range(2):
+        length = int(mask[row].sum())
+        removable = list(range(1, length))
+        own_seed = zlib.crc32(ids[row, :length].numpy().astype("int64").tobytes(), 2)
+        drawn = torch.rand(3, len(removable), generator=torch.Generator().manual_seed(own_seed)) < 0.5
+        summed = torch.zeros(8, dtype=torch.float64)
+        for kept_of_removable in [*drawn, *~drawn]:
+            kept = [0] + [i for i, k in zip(removable, kept_of_removable.tolist()) if k]
+            position = {i: (place if removal == "delete" else i) for place, i in enumerate(kept)}
+            for i in kept[1:]:
+                summed[i] += float(model.weights[ids[row, i], target[row]]) * (1 + position[i] / 10)
+        p = prior[row].double().clone()
+        p[[i for i in range(8) if i not in removable]] = 0.0
+        expected = summed / summed.abs().sum() + p / p.abs().sum()
+        torch.testing.assert_close(scores[row], expected.float())
+    short = int(mask[1].sum())  # the second example alone, unpadded: the same contexts, the same scores
+    target = target[1:]  # what positional reads
+    alone = context_averaged_attribution(positional, ids[1:, :short].clone(), mask[1:, :short].clone(), prior[1:, :short],
+                                         num_contexts=6, seed=2, removal=removal, baseline_token_id=0, keep=keep[1:, :short])
+    torch.testing.assert_close(alone[0], scores[1, :short])
+    with pytest.raises(ValueError, match="num_contexts must be even"):
+        context_averaged_attribution(positional, ids, mask, prior, num_contexts=3)
+    with pytest.raises(ValueError, match="prior has shape"):
+        context_averaged_attribution(positional, ids, mask, prior[:, :4])
+    with pytest.raises(ValueError, match="attribute_func returned shape"):
+        context_averaged_attribution(lambda i, m: positional(i, m)[:, :4], ids, mask, prior)
+    with pytest.raises(ValueError, match="attribute_func returned NaN or ±inf"):
+        context_averaged_attribution(lambda i, m: positional(i, m) / 0.0, ids, mask, prior)
+    with pytest.raises(ValueError, match="removal='replace' needs baseline_token_id"):
+        context_averaged_attribution(positional, ids, mask, prior, removal="replace")
 
 
 def test_datamodeling_score_is_one_for_the_true_additive_evidence(bag):

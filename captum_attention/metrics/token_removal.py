@@ -56,10 +56,7 @@ class _Remover:
         keep: Tensor | None,
         max_batch_size: int,
     ) -> None:
-        if removal not in ("delete", "replace"):
-            raise ValueError(f"removal must be 'delete' or 'replace', got {removal!r}.")
-        if removal == "replace" and baseline_token_id is None:
-            raise ValueError("removal='replace' needs baseline_token_id (e.g. the [MASK] or [PAD] id).")
+        _check_removal(removal, baseline_token_id)
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
@@ -103,14 +100,8 @@ class _Remover:
         return probs.gather(1, targets[:, None]).squeeze(1)
 
     def _perturb(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
-        ids, mask = self.ids[rows], self.mask[rows]
-        if self.removal == "replace":
-            return ids.masked_fill(remove, int(self.baseline)), mask  # type: ignore[arg-type]
-        kept = self.real[rows] & ~remove
-        order = (~kept).int().argsort(dim=1, stable=True)  # kept tokens first, in order
-        lengths = kept.sum(dim=1, keepdim=True)
-        new_mask = (torch.arange(ids.shape[1], device=ids.device) < lengths).to(mask.dtype)
-        return ids.gather(1, order).masked_fill(new_mask == 0, 0), new_mask
+        ids, mask, _ = removed(self.ids[rows], self.mask[rows], remove, self.removal, self.baseline)
+        return ids, mask
 
     def evaluate(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
         """Target probability and unchanged decision after removing ``remove`` from ``rows``."""
@@ -160,6 +151,29 @@ class _Remover:
         remove = ranks[:, None, :] < counts[:, :, None]  # (B, F, T)
         rows = torch.arange(len(order), device=order.device).repeat_interleave(len(fractions))
         return rows, remove.flatten(0, 1)
+
+
+def _check_removal(removal: str, baseline_token_id: int | None) -> None:
+    if removal not in ("delete", "replace"):
+        raise ValueError(f"removal must be 'delete' or 'replace', got {removal!r}.")
+    if removal == "replace" and baseline_token_id is None:
+        raise ValueError("removal='replace' needs baseline_token_id (e.g. the [MASK] or [PAD] id).")
+
+
+def removed(
+    input_ids: Tensor, attention_mask: Tensor, remove: Tensor, removal: str, baseline_token_id: int | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The inputs with the ``remove`` tokens removed, and ``(B, T)`` where each position's
+    token came from: deleted (the kept tokens first, in order, then padding) or replaced
+    by ``baseline_token_id`` in place."""
+    if removal == "replace":
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return input_ids.masked_fill(remove, int(baseline_token_id)), attention_mask, positions  # type: ignore[arg-type]
+    kept = (attention_mask != 0) & ~remove
+    positions = (~kept).int().argsort(dim=1, stable=True)
+    lengths = kept.sum(dim=1, keepdim=True)
+    new_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) < lengths).to(attention_mask.dtype)
+    return input_ids.gather(1, positions).masked_fill(new_mask == 0, 0), new_mask, positions
 
 
 def _check_bins(bins: Sequence[float]) -> list[float]:
@@ -523,6 +537,89 @@ def calibrated_attribution(
             kept[b][:, removable].double(), outcomes[b].to(kept.device), prior[b, removable].detach().double().to(kept.device), ridge
         )
     return scores.float()
+
+
+def context_averaged_attribution(
+    attribute_func: Callable[[Tensor, Tensor], Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prior: Tensor,
+    num_contexts: int = 8,
+    seed: int = 1,
+    removal: str = "delete",
+    baseline_token_id: int | None = None,
+    keep: Tensor | None = None,
+) -> Tensor:
+    r"""A classifier's prediction explained in random half contexts: an attribution of
+    each input with about half of its removable tokens removed, averaged per token over the
+    contexts that keep it, plus a one-pass prior.
+
+    The contexts come in complementary pairs: :math:`A/2` random halves
+    (:func:`random_halves`, each example's drawn alone from ``seed`` and its tokens,
+    :func:`example_seeds`) and the halves they leave out, so that every removable token is
+    kept in exactly :math:`A/2` of them; the other tokens are removed as the ERASER metrics
+    remove them. With :math:`r_i^{(a)}` token i's score in context a, the result is
+
+    .. math::
+
+        s_i = \frac{R_i}{\sum_j |R_j|} + \frac{p_i}{\sum_j |p_j|},
+        \qquad R_i = \sum_{a \text{ keeps } i} r_i^{(a)},
+
+    over the removable tokens (:math:`R_i / (A/2)` is token i's mean score in the contexts
+    that keep it): its share in the contexts the LDS samples, where it acts beside some of
+    the others, and in the prior (AttnLRP at a low presence, where it acts nearly alone).
+
+    The other arguments are :func:`comprehensiveness`'s.
+
+    Args:
+        attribute_func (Callable): ``(input_ids, attention_mask) -> (batch, seq_len)``
+            scores of one attribution for the same examples in the same order (pass the
+            explained class as a fixed ``target``: the prediction may change without
+            half the tokens). Called ``num_contexts`` times, once per context, on the
+            whole batch.
+        prior (Tensor): ``(batch, seq_len)`` token scores of a one-pass attribution of the
+            same prediction.
+        num_contexts (int, optional): :math:`A`, even. Default: 8.
+        seed (int, optional): the contexts' seed (keep it apart from the one an LDS is
+            measured with). Default: 1.
+
+    Returns:
+        ``(batch, seq_len)`` float32 scores; 0 at padding and at the ``keep`` tokens.
+
+    Example::
+
+        >>> lrp = AttnLRP(model)
+        >>> explain = lambda ids, mask: lrp.attribute(ids, target=target, additional_forward_args=(mask,))
+        >>> presence = torch.where(special_tokens, 1.0, 0.05)
+        >>> prior = lrp.attribute(input_ids, target=target, additional_forward_args=(mask,), presence=presence)
+        >>> scores = context_averaged_attribution(explain, input_ids, mask, prior, keep=special_tokens)
+    """
+    if num_contexts < 2 or num_contexts % 2:
+        raise ValueError(f"num_contexts must be even and at least 2 (complementary pairs), got {num_contexts}.")
+    _check_removal(removal, baseline_token_id)
+    removable = (attention_mask != 0) & ~(keep.bool() if keep is not None else torch.zeros_like(input_ids, dtype=torch.bool))
+    if tuple(prior.shape) != tuple(input_ids.shape):
+        raise ValueError(f"prior has shape {tuple(prior.shape)} but the inputs are {tuple(input_ids.shape)}: give one score per token.")
+    check_rankable(prior, removable, name="prior", finite=True)
+    halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
+    contexts = torch.cat([halves, removable[:, None] & ~halves], dim=1)
+    summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
+    for kept in contexts.unbind(dim=1):
+        ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id)
+        scores = attribute_func(ids, mask).detach()
+        if tuple(scores.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attribute_func returned shape {tuple(scores.shape)} for inputs {tuple(input_ids.shape)}: one score per token.")
+        scores = scores.double().masked_fill(mask == 0, 0.0)  # a context that keeps no token is all padding
+        if not bool(scores.isfinite().all()):
+            raise ValueError("attribute_func returned NaN or ±inf for a context's tokens: give finite scores (torch.nan_to_num).")
+        in_place = torch.zeros_like(summed).scatter_(1, positions.to(summed.device), scores)
+        summed += in_place.masked_fill(~kept, 0.0)
+
+    def shares(scores: Tensor) -> Tensor:
+        scores = scores.masked_fill(~removable, 0.0)
+        return scores / scores.abs().sum(dim=1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+    return (shares(summed) + shares(prior.detach().double())).float()
 
 
 def datamodeling_score(
