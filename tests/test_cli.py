@@ -214,6 +214,34 @@ def test_the_presence_calibrated_on_request_is_calibrated_attribution(checkpoint
     assert written["methods"][name] == {"uses_target": True, "signed": True}
 
 
+def test_half_contexts_on_request_are_context_averaged_attribution(checkpoints, tmp_path):
+    """``--methods attn_lrp_half_contexts``: the presence's scores beside AttnLRP in 8 random
+    half contexts of the words (special tokens kept), each sentence's the same alone as in
+    the batch."""
+    from captum_attention.metrics import context_averaged_attribution
+
+    classifier, _ = checkpoints
+    name = "AttnLRP at presence 0.2, in half contexts"
+    paths = [tmp_path / "batch.json", tmp_path / "alone.json"]
+    for path, sentences in zip(paths, (SENTENCES, SENTENCES[:1])):
+        result = run_cli("explain", *sentences, "--model", str(classifier), "--methods", "attn_lrp_half_contexts",
+                         "--presence", "0.2", "--raw", "--json", str(path))
+        assert result.returncode == 0, result.stderr
+    written = json.loads(paths[0].read_text(encoding="utf-8"))
+    model, forward, tokenizer, ids, mask, targets = _saved_classifier(classifier, SENTENCES)
+    special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+    lrp = REGISTERED["attn_lrp"](forward, model=model)
+    prior = lrp.attribute(ids, target=targets, additional_forward_args=(mask,), presence=torch.where(~special & (mask == 1), 0.2, 1.0))
+    in_context = lambda i, m: lrp.attribute(i, target=targets, additional_forward_args=(m,))  # noqa: E731
+    expected = context_averaged_attribution(in_context, ids, mask, prior.detach(), keep=special)
+    for row, sentence in enumerate(written["sentences"]):
+        length = int(mask[row].sum())
+        torch.testing.assert_close(torch.tensor(sentence["scores"][name]), expected[row, :length], rtol=1e-4, atol=1e-6)
+    alone = json.loads(paths[1].read_text(encoding="utf-8"))["sentences"][0]["scores"][name]
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(written["sentences"][0]["scores"][name]), rtol=1e-4, atol=1e-6)
+    assert written["methods"][name] == {"uses_target": True, "signed": True}
+
+
 def test_every_registered_method_on_request(checkpoints, tmp_path):
     """``--methods`` takes every registered method, each under its own name with the
     library's scores; Learned Attention reads the head weights saved beside the model (a

@@ -217,10 +217,11 @@ def test_every_registered_method_explains_the_answer_on_request(llm, tmp_path, c
     assert main(["explain", "--model", str(llm), PROMPT, "--methods", "raw,attention_flow"]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and "attention_flow explains one answer token at a time, not a whole answer: leave it out." in captured.err
-    assert main(["explain", "--model", str(llm), PROMPT, "--methods", "raw,attn_lrp_presence_calibrated"]) == 1
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1
-    assert "attn_lrp_presence_calibrated explains a classifier's prediction, not an answer: leave it out." in captured.err
+    for classifiers_only in ("attn_lrp_presence_calibrated", "attn_lrp_half_contexts"):
+        assert main(["explain", "--model", str(llm), PROMPT, "--methods", f"raw,{classifiers_only}"]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert f"{classifiers_only} explains a classifier's prediction, not an answer: leave it out." in captured.err
 
 
 def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):

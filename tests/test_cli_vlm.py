@@ -111,7 +111,8 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     refusal = capsys.readouterr().err
     assert "not available for vision-language models" in refusal
     assert "grad_sam" in refusal and "attention_flow" not in refusal  # only what explains a whole answer
-    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "leave_one_out_estimates", "leave_one_out_estimates_by_share"):
+    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "attn_lrp_half_contexts", "leave_one_out_estimates",
+                   "leave_one_out_estimates_by_share"):
         assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", method]) == 1
         assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1

@@ -379,6 +379,36 @@ def test_refined_presence_rows_are_its_scores_metrics(checkpoint, tmp_path, monk
     assert by_method["attn_lrp_presence"] != by_method[method], "the removals change the scores"
 
 
+def test_half_contexts_rows_are_context_averaged_attributions_metrics(checkpoint, tmp_path, monkeypatch):
+    """``attn_lrp_half_contexts``: AttnLRP at ``--presence`` beside AttnLRP in 8 random half
+    contexts of the words (``context_averaged_attribution``, the special tokens kept), each
+    example's contexts its own, so its rows equal the scores computed on it alone; one
+    presence backward a batch and one call a context."""
+    from captum_attention import AttnLRP, metrics
+    from captum_attention.attr import attn_lrp
+
+    calls = []
+    attribute = attn_lrp.AttnLRP.attribute
+    monkeypatch.setattr(attn_lrp.AttnLRP, "attribute", lambda self, *a, **k: calls.append("presence" in k) or attribute(self, *a, **k))
+    data, output = _data(tmp_path, 6), tmp_path / "out"
+    args = [str(data), "--model", str(checkpoint), "--methods", "attn_lrp_presence,attn_lrp_half_contexts",
+            "--metrics", "comprehensiveness", "--batch-size", "4", "--presence", "0.1", "--output", str(output)]
+    assert _run(*args) == 0
+    assert sorted(calls) == [False] * 16 + [True] * 2, "8 contexts and one presence backward for each of the two batches"
+    monkeypatch.undo()
+    rows = _rows(output)
+
+    def in_half_contexts(forward, model, ids, mask, predicted, keep):
+        lrp = AttnLRP(forward, model=model)
+        prior = lrp.attribute(ids, target=predicted, additional_forward_args=(mask,), presence=torch.where(keep, 1.0, 0.1))
+        in_context = lambda i, m: lrp.attribute(i, target=predicted, additional_forward_args=(m,))  # noqa: E731
+        return metrics.context_averaged_attribution(in_context, ids, mask, prior, keep=keep)
+
+    _assert_comprehensiveness_rows(checkpoint, data, rows, {"attn_lrp_half_contexts": in_half_contexts})
+    by_method = {m: [r["comprehensiveness"] for r in rows if r["method"] == m] for m in ("attn_lrp_presence", "attn_lrp_half_contexts")}
+    assert by_method["attn_lrp_presence"] != by_method["attn_lrp_half_contexts"], "the contexts change the scores"
+
+
 def test_a_registered_method_outside_the_defaults_is_its_own_metrics(checkpoint, tmp_path, capsys):
     """``--methods`` takes any registered method: DecompX's and ALTI's rows are the metrics
     of their scores computed directly; ALTI-Logit (a next-token logit) is refused in one

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from ..attr import METHODS
 from .evaluate import answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
-    CALIBRATED, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
+    CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
     length_limit, method_names,
 )
 from .text import count as _count, has_surrogates, terminal_safe
@@ -69,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--methods", help="comma-separated methods to run (default: the methods of reports, and "
                          "integrated_gradients for classifiers): " + ", ".join(default_method_names())
                          + "; also " + ", ".join(_more_methods()) + " (attn_lrp_presence: not for a vision-language "
-                         "model; attn_lrp_presence_calibrated, the presence calibrated on 8 removals of the words: "
-                         "classifiers only; leave_one_out_estimates, first-order leave-one-out effects with AttnLRP's "
+                         "model; attn_lrp_presence_calibrated, the presence calibrated on 8 removals of the words, "
+                         "and attn_lrp_half_contexts, the presence beside AttnLRP in 8 random half contexts of the "
+                         "words: classifiers only; leave_one_out_estimates, first-order leave-one-out effects with AttnLRP's "
                          "top 2 tokens deleted exactly, and leave_one_out_estimates_by_share, with the 7 tokens of "
                          "largest effect over one minus their attention share deleted: a causal language model's "
                          "answer only)")
@@ -334,7 +335,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, *ESTIMATES_OF_ANSWERS):
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY, *ESTIMATES_OF_ANSWERS):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
                              + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..attr import METHODS
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
@@ -36,8 +37,8 @@ from ..metrics.token_removal import example_seeds
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, PRESENCE, ReportMethod, answer_estimates, check_methods, check_names,
-    classifier_forward, ig_baseline, length_limit, method_names, noted, prompt_span, refined_method,
+    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
+    check_names, classifier_forward, ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method,
     registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
@@ -79,15 +80,21 @@ def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequ
 
 SMOOTHGRAD, SHAP = "smoothgrad", "shap"
 GREEDY = "attn_lrp_presence_greedy"
-REFINED: dict[str, Callable[..., Tensor]] = {CALIBRATED: calibrated_attribution, GREEDY: greedy_deletion}
+REFINED: dict[str, Callable[[Any], Callable[..., Tensor]]] = {
+    CALIBRATED: lambda attn_lrp: calibrated_attribution,
+    GREEDY: lambda attn_lrp: greedy_deletion,
+    HALF_CONTEXTS: in_half_contexts,
+}
 """The methods that refine :data:`PRESENCE`'s scores with a few removals of the words, and
-how: each takes ``(forward, ids, mask, prior, target, keep=...)``."""
+how, given the model's AttnLRP: each refinement takes ``(forward, ids, mask, prior, target,
+keep=...)``."""
 
 
 def evaluation_methods() -> list[str]:
     """What ``methods=`` accepts: ``explain``'s for classifiers (:func:`~captum_attention.presentation.explain.method_names`:
     the registered methods, Integrated Gradients, AttnLRP at a presence, at
-    ``options.presence``, and that presence calibrated on 8 random removals of the words),
+    ``options.presence``, that presence calibrated on 8 random removals of the words, and
+    beside AttnLRP in 8 random half contexts of them),
     SmoothGrad, SHAP, and the presence's top tokens chosen by greedy deletion over 8
     removals (:data:`GREEDY`, :func:`~captum_attention.metrics.greedy_deletion`)."""
     return [*(name for name in method_names() if name not in ESTIMATES_OF_ANSWERS), SMOOTHGRAD, SHAP, GREEDY]
@@ -289,8 +296,10 @@ def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Optio
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
     if refined:
         explainers[PRESENCE] = _once_per_batch(explainers[PRESENCE])
+        forward = classifier_forward(model)
+        attn_lrp = METHODS["attn_lrp"](forward, model=model)
         for name in refined:
-            explainers[name] = refined_method(explainers[PRESENCE], REFINED[name], classifier_forward(model), tokenizer)
+            explainers[name] = refined_method(explainers[PRESENCE], REFINED[name](attn_lrp), forward, tokenizer)
     return {name: explainers[name] for name in names}
 
 

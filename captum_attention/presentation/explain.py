@@ -12,7 +12,7 @@ from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
-from ..metrics import attention_shares, calibrated_attribution, leave_one_out_estimates
+from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from .display import special_tokens
 
@@ -24,6 +24,11 @@ special tokens (and an answer) at 1: its ``presence`` option, on request."""
 CALIBRATED = "attn_lrp_presence_calibrated"
 """A classifier's :data:`PRESENCE` calibrated on 8 random removals of the words
 (:func:`~captum_attention.metrics.calibrated_attribution`), on request."""
+HALF_CONTEXTS = "attn_lrp_half_contexts"
+"""A classifier's :data:`PRESENCE` beside AttnLRP in 8 random half contexts of the words
+(:func:`~captum_attention.metrics.context_averaged_attribution`), on request."""
+CLASSIFIERS_ONLY = (CALIBRATED, HALF_CONTEXTS)
+"""The methods that explain a classifier's prediction, not an answer."""
 ESTIMATES = "leave_one_out_estimates"
 """A language model's answer explained by
 :func:`~captum_attention.metrics.leave_one_out_estimates` (KnockoutGradient's first-order
@@ -162,9 +167,9 @@ def default_method_names() -> list[str]:
 def method_names() -> list[str]:
     """What ``--methods`` accepts: every registered method (:data:`~captum_attention.attr.REGISTRY`),
     Integrated Gradients, AttnLRP at a presence (:data:`PRESENCE`), then, for classifiers, that
-    presence calibrated (:data:`CALIBRATED`), for answers the leave-one-out estimates
-    (:data:`ESTIMATES`, :data:`ESTIMATES_BY_SHARE`)."""
-    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE, CALIBRATED, *ESTIMATES_OF_ANSWERS]
+    presence calibrated (:data:`CALIBRATED`) and beside half contexts (:data:`HALF_CONTEXTS`),
+    for answers the leave-one-out estimates (:data:`ESTIMATES`, :data:`ESTIMATES_BY_SHARE`)."""
+    return [*REGISTRY, INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY, *ESTIMATES_OF_ANSWERS]
 
 
 def check_names(kind: str, given: Sequence[str], known: Sequence[str]) -> None:
@@ -181,7 +186,7 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True) -
     """Before any work, a one-line ``ValueError`` where a method of ``names`` cannot explain
     what is asked: a classifier's logit (``answers`` False; ALTI-Logit explains a next-token
     logit; the estimates an answer), a whole answer (``answers``; Attention Flow explains
-    one answer token at a time; :data:`CALIBRATED` a classifier), or the answer of a model
+    one answer token at a time; :data:`CLASSIFIERS_ONLY` a classifier), or the answer of a model
     with more than one attention stack (``one_stack`` False: an encoder-decoder, a language
     model cross-attending to image features; the registered methods whose
     ``spec.encoder_decoder`` is False, :data:`PRESENCE` and the estimates)."""
@@ -190,7 +195,7 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True) -
         "a language model's next-token logit, not a classifier's":
             [] if answers else [name for name, spec in specs.items() if not spec.classifiers],
         "a language model's answer, not a classifier's prediction": [] if answers else [n for n in names if n in ESTIMATES_OF_ANSWERS],
-        "a classifier's prediction, not an answer": [n for n in names if n == CALIBRATED] if answers else [],
+        "a classifier's prediction, not an answer": [n for n in names if n in CLASSIFIERS_ONLY] if answers else [],
         "one answer token at a time, not a whole answer":
             [name for name, spec in specs.items() if not spec.spans] if answers else [],
         "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
@@ -259,6 +264,22 @@ def refined_method(
         return refined if note is None else NotedScores(refined, note(prior, refined, (mask != 0) & ~keep))
 
     return run
+
+
+def in_half_contexts(attn_lrp: Any) -> Refine:
+    """A refinement as :func:`refined_method` takes it: the prior beside ``attn_lrp``
+    (AttnLRP) in 8 random half contexts of the words
+    (:func:`~captum_attention.metrics.context_averaged_attribution`), each context one call
+    on the batch, explaining the same targets."""
+
+    def refine(forward: Callable[..., Any], ids: torch.Tensor, mask: torch.Tensor, prior: torch.Tensor,
+               targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        def in_context(context_ids: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
+            return attn_lrp.attribute(context_ids, target=targets, additional_forward_args=(context_mask,))
+
+        return context_averaged_attribution(in_context, ids, mask, prior, keep=keep)
+
+    return refine
 
 
 def calibration_notes(prior: torch.Tensor, calibrated: torch.Tensor, removable: torch.Tensor) -> list[str | None]:
@@ -337,8 +358,8 @@ def report_methods(
 ) -> dict[str, ReportMethod]:
     """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
     in the registry's order, then Integrated Gradients, then :data:`PRESENCE` and
-    :data:`CALIBRATED`, whose ``presence`` needs the ``tokenizer`` to keep the special
-    tokens at 1)."""
+    :data:`CALIBRATED` and :data:`HALF_CONTEXTS`, whose ``presence`` needs the ``tokenizer``
+    to keep the special tokens at 1)."""
     forward = classifier_forward(model)
     explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
@@ -361,7 +382,7 @@ def report_methods(
         methods[INTEGRATED_GRADIENTS] = ReportMethod(
             "Integrated Gradients", integrated_gradients, MethodInfo(uses_target=True, signed=True)
         )
-    if PRESENCE not in names and CALIBRATED not in names:
+    if PRESENCE not in names and not set(CLASSIFIERS_ONLY) & set(names):
         return methods
     attn_lrp = METHODS["attn_lrp"](forward, model=model)
 
@@ -376,6 +397,12 @@ def report_methods(
         methods[CALIBRATED] = ReportMethod(
             f"{presence_display(presence)}, calibrated",
             refined_method(at_presence, calibrated_attribution, forward, tokenizer, calibration_notes),
+            MethodInfo(uses_target=True, signed=True),
+        )
+    if HALF_CONTEXTS in names:
+        methods[HALF_CONTEXTS] = ReportMethod(
+            f"{presence_display(presence)}, in half contexts",
+            refined_method(at_presence, in_half_contexts(attn_lrp), forward, tokenizer),
             MethodInfo(uses_target=True, signed=True),
         )
     return methods
