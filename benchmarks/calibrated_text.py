@@ -7,9 +7,13 @@ The default sentiment model on ``--examples`` held-out sentences (``tasks.build(
 ...)``; ``--seed``: which ones), each explained for its predicted class. For each number of
 forwards A: AttnLRP at ``--presence`` calibrated on A random ablations
 (``metrics.calibrated_attribution``, ``explainers.calibrated_over``) and ContextCite's Lasso
-surrogate on A ablations (``explainers.context_cite``), both drawn with seed 1, apart from
-the LDS's own (``metrics.datamodeling_score``: 32 random halves of seed 0, the faithfulness
-benchmark's); beside them AttnLRP at that presence alone (one forward and one backward).
+surrogate on A ablations (``explainers.context_cite``), and, for an even A, AttnLRP in A
+random half contexts with the presence's scores ("in half contexts":
+``metrics.context_averaged_attribution``, ``explainers.context_averaged_over``; a forward
+and a backward per context), all drawn with seed 1, apart from the LDS's own
+(``metrics.datamodeling_score``: 32 random halves of seed 0, the faithfulness benchmark's);
+beside them AttnLRP at that presence alone (one forward and one backward). Each method's
+seconds over the sentences (one draw) are printed and saved beside its rows.
 Each row's paired differences to ContextCite on the most forwards and to the presence
 alone, with their standard errors, say whether it is above or below them. With several
 ``--draws`` (seeds of both surrogates' ablations, in place of 1) each draw has its rows,
@@ -24,6 +28,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,8 @@ import tasks  # noqa: E402
 from faithfulness import paired_difference  # noqa: E402
 
 from captum_attention.metrics import datamodeling_score  # noqa: E402
+
+HALVES = "in half contexts"
 
 
 def lds(task: tasks.Task, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -61,20 +68,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         task = tasks.build("sentiment", eval_size=options.examples, seed=options.seed)
     with torch.no_grad():
         target = task.logits(task.inputs, task.attention_mask).argmax(-1)
+    started = time.perf_counter()
     prior = explainers.attn_lrp_at_presence(options.presence)(task, target).detach()
+    presence = f"AttnLRP at presence {options.presence}"
+    seconds = {presence: time.perf_counter() - started}
 
     def given_prior(task: tasks.Task, target: torch.Tensor) -> torch.Tensor:  # computed once, for every budget
         return prior
 
-    presence = f"AttnLRP at presence {options.presence}"
     each = {presence: (1, lds(task, prior, target))}
     surrogates = {
         "calibrated": lambda forwards, seed: explainers.calibrated_over(given_prior, forwards, seed)(task, target),
         "ContextCite": lambda forwards, seed: explainers.context_cite(task, target, forwards, seed),
+        HALVES: lambda forwards, seed: explainers.context_averaged_over(given_prior, forwards, seed)(task, target),
     }
     for forwards in options.forwards:
         for name, surrogate in surrogates.items():
-            draws = {seed: lds(task, surrogate(forwards, seed), target) for seed in options.draws}
+            if name == HALVES and forwards % 2:
+                continue
+            started = time.perf_counter()
+            scores = {seed: surrogate(forwards, seed) for seed in options.draws}
+            seconds[f"{name}, {forwards}"] = (time.perf_counter() - started) / len(options.draws)
+            draws = {seed: lds(task, values, target) for seed, values in scores.items()}
             if len(draws) == 1:
                 each[f"{name}, {forwards}"] = (forwards, draws[options.draws[0]])
             else:
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference = f"ContextCite, {max(options.forwards)}" + (", mean over draws" if len(options.draws) > 1 else "")
     rows = {name: _row(forwards, values, each[reference][1], each[presence][1]) for name, (forwards, values) in each.items()}
     command = "python benchmarks/calibrated_text.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command, "examples": len(target), "accuracy": task.accuracy, "reference": reference, "rows": rows,
+    result = {"command": command, "examples": len(target), "accuracy": task.accuracy, "reference": reference, "rows": rows, "seconds": seconds,
               "each": {name: values.tolist() for name, (_, values) in each.items()}}
     if options.json:
         options.json.write_text(json.dumps(result, indent=1))
@@ -93,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, row in rows.items():
         print(f"| {name} | {row['forwards']} | {row['LDS']:.3f} | {row['defined on']} | {row['difference']:+.3f} | "
               f"{row['standard error']:.3f} | {row['minus the presence']:+.3f} | {row['its standard error']:.3f} |")
+    print("\nseconds over the sentences (one draw each; the prior once, apart from the surrogates): " + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
     return result
 
 

@@ -19,7 +19,14 @@ from tasks import MASK, Task
 from torch import Tensor
 
 from captum_attention import ALTI, METHODS, DecompX, KnockoutGradient, KnockoutLRP, NormAttention, ValueZeroing
-from captum_attention.metrics import ablated_probs, calibrated_attribution, greedy_deletion, leave_one_out, random_ranking
+from captum_attention.metrics import (
+    ablated_probs,
+    calibrated_attribution,
+    context_averaged_attribution,
+    greedy_deletion,
+    leave_one_out,
+    random_ranking,
+)
 from captum_attention.metrics.token_removal import random_halves
 from captum_attention.presentation.shap_text import shap_token_values
 
@@ -138,18 +145,22 @@ def removal(task: Task) -> tuple[Callable[..., Tensor], Tensor, Tensor, dict[str
     patch p of image b, -1 a removed patch, set to grey."""
     if not task.is_image:
         return task.logits, task.inputs, task.attention_mask, dict(removal="delete", keep=task.keep)
-    rows, columns = task.rationale.shape[1:]
-    count = rows * columns
+    count = task.rationale[0].numel()
     ids = torch.arange(len(task.inputs))[:, None] * count + torch.arange(count)
 
     def forward(patch_ids: Tensor, mask: Tensor) -> Tensor:
-        image_index = patch_ids.max(dim=1).values // count
-        keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
-        images = task.inputs[image_index].view(-1, 3, rows, PATCH, columns, PATCH)
-        images = (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * PATCH, columns * PATCH)
-        return task.logits(images)
+        return task.logits(_greyed(task, patch_ids))
 
     return forward, ids, torch.ones_like(ids), dict(removal="replace", baseline_token_id=-1)
+
+
+def _greyed(task: Task, patch_ids: Tensor) -> Tensor:
+    """The images :func:`removal`'s patch ids stand for, each removed patch (-1) grey."""
+    rows, columns = task.rationale.shape[1:]
+    image_index = patch_ids.max(dim=1).values // (rows * columns)
+    keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
+    images = task.inputs[image_index].view(-1, 3, rows, PATCH, columns, PATCH)
+    return (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * PATCH, columns * PATCH)
 
 
 def _as_features(task: Task, scores: Tensor) -> Tensor:
@@ -189,6 +200,26 @@ def calibrated_over(prior: Explainer, ablations: int = CALIBRATED_ABLATIONS, see
         forward, ids, mask, how = removal(task)
         scores = prior(task, target).reshape(ids.shape)
         return _as_features(task, calibrated_attribution(forward, ids, mask, scores, target, ablations, seed=seed, **how))
+
+    return explain
+
+
+def context_averaged_over(prior: Explainer, contexts: int = CALIBRATED_ABLATIONS, seed: int = 1) -> Explainer:
+    """:func:`captum_attention.metrics.context_averaged_attribution`: AttnLRP in ``contexts``
+    random half contexts (complementary pairs of ``seed``, each example's drawn alone),
+    the other features removed as the ERASER columns remove them, with ``prior``'s scores."""
+
+    def explain(task: Task, target: Tensor) -> Tensor:
+        lrp = METHODS["attn_lrp"](task.model)
+
+        def in_context(ids: Tensor, mask: Tensor) -> Tensor:
+            if task.is_image:
+                return lrp.attribute(_greyed(task, ids), target=target).reshape(ids.shape)
+            return lrp.attribute(ids, target=target, additional_forward_args=(mask,))
+
+        forward, ids, mask, how = removal(task)
+        scores = prior(task, target).reshape(ids.shape)
+        return _as_features(task, context_averaged_attribution(in_context, ids, mask, scores, contexts, seed, **how))
 
     return explain
 
@@ -236,6 +267,9 @@ def methods() -> dict[str, Explainer]:
         **{f"AttnLRP at presence {value}": attn_lrp_at_presence(value) for value in PRESENCES},
         f"AttnLRP at presence {PRESENCES[-1]}, greedy ({sum(GREEDY_CANDIDATES)} removals)": greedy_over(attn_lrp_at_presence(PRESENCES[-1])),
         f"AttnLRP at presence {PRESENCES[-1]}, calibrated ({CALIBRATED_ABLATIONS} ablations)": calibrated_over(
+            attn_lrp_at_presence(PRESENCES[-1])
+        ),
+        f"AttnLRP at presence {PRESENCES[-1]}, in half contexts ({CALIBRATED_ABLATIONS})": context_averaged_over(
             attn_lrp_at_presence(PRESENCES[-1])
         ),
         "Random": random_baseline,

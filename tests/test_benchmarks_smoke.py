@@ -30,10 +30,10 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     text, image = results
     assert {"token F1", "AUPRC", "comprehensiveness", "sufficiency", "flipped", "× fwd+bwd"} <= set(text["methods"]["Grad-SAM"])
     assert "pointing game" in image["methods"]["Transformer Attribution"]
-    assert len(text["methods"]) == 29 and {
+    assert len(text["methods"]) == 30 and {
         "Grad-SAM (key axis)", "AttnLRP", "ALTI", "Value Zeroing", "DecompX", "DecompX (sensitivity)", "AttnLRP, greedy (8 removals)",
         "Knockout Gradient", "Knockout Gradient + AttnLRP", "AttnLRP at presence 0.1", "AttnLRP at presence 0.05",
-        "AttnLRP at presence 0.05, calibrated (8 ablations)",
+        "AttnLRP at presence 0.05, calibrated (8 ablations)", "AttnLRP at presence 0.05, in half contexts (8)",
     } <= set(text["methods"])
     for result in results:
         for name, row in result["methods"].items():
@@ -42,7 +42,7 @@ def test_faithfulness_tables_for_text_and_images(benchmarks_on_path, capsys):
     printed = capsys.readouterr().out
     assert "| SHAP Partition (40 evals) |" in printed and "python benchmarks/faithfulness.py --smoke" in printed
     paired = text["paired"]["AttnLRP"]
-    assert "AttnLRP" not in paired and len(paired) == 28
+    assert "AttnLRP" not in paired and len(paired) == 29
     assert list(paired["Grad-SAM"]) == ["token F1", "comprehensiveness", "sufficiency", "LDS"]
     for metric in paired["Grad-SAM"]:
         mine, theirs = torch.tensor(text["each"]["AttnLRP"][metric]), torch.tensor(text["each"]["Grad-SAM"][metric])
@@ -61,8 +61,9 @@ def test_calibrated_text_gives_each_budgets_lds_and_its_paired_difference_to_con
 
     result = calibrated_text.main(["--smoke", "--forwards", "1", "4"])
     assert result["reference"] == "ContextCite, 4" and list(result["rows"]) == [
-        "AttnLRP at presence 0.05", "calibrated, 1", "ContextCite, 1", "calibrated, 4", "ContextCite, 4",
-    ]
+        "AttnLRP at presence 0.05", "calibrated, 1", "ContextCite, 1", "calibrated, 4", "ContextCite, 4", "in half contexts, 4",
+    ]  # half contexts come in complementary pairs: none for an odd budget
+    assert list(result["seconds"]) == ["AttnLRP at presence 0.05", *(name for name in result["rows"] if ", " in name)]
     reference, presence = (torch.tensor(result["each"][name]) for name in ("ContextCite, 4", "AttnLRP at presence 0.05"))
     for name, row in result["rows"].items():
         values = torch.tensor(result["each"][name])
@@ -81,10 +82,10 @@ def test_calibrated_text_averages_each_sentences_lds_over_the_draws(benchmarks_o
 
     result = calibrated_text.main(["--smoke", "--forwards", "4", "--draws", "1", "2"])
     assert result["reference"] == "ContextCite, 4, mean over draws" and list(result["rows"]) == [
-        "AttnLRP at presence 0.05", *(f"{name}, 4, {draw}" for name in ("calibrated", "ContextCite")
+        "AttnLRP at presence 0.05", *(f"{name}, 4, {draw}" for name in ("calibrated", "ContextCite", "in half contexts")
                                       for draw in ("draw 1", "draw 2", "mean over draws")),
     ]
-    for name in ("calibrated", "ContextCite"):
+    for name in ("calibrated", "ContextCite", "in half contexts"):
         draws = torch.tensor([result["each"][f"{name}, 4, draw {seed}"] for seed in (1, 2)])
         assert not torch.equal(*draws.nan_to_num(2.0))  # other ablations, other scores (NaN: LDS undefined)
         torch.testing.assert_close(torch.tensor(result["each"][f"{name}, 4, mean over draws"]), draws.nanmean(0))
