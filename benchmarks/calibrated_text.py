@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference = f"ContextCite, {max(options.forwards)}" + (", mean over draws" if len(options.draws) > 1 else "")
     rows = {name: _row(forwards, values, each[reference][1], each[presence][1]) for name, (forwards, values) in each.items()}
     command = "python benchmarks/calibrated_text.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command, "examples": len(target), "accuracy": task.accuracy, "reference": reference, "rows": rows, "seconds": seconds,
-              "each": {name: values.tolist() for name, (_, values) in each.items()}}
+    result = {"command": command, "examples": len(target), "accuracy": task.accuracy, "reference": reference, "rows": rows,
+              "seconds": seconds, "each": {name: values.tolist() for name, (_, values) in each.items()}}
     if options.json:
         options.json.write_text(json.dumps(result, indent=1))
     print(f"{command}\n\n{len(target)} sentences; paired differences to {reference}\n")
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, row in rows.items():
         print(f"| {name} | {row['forwards']} | {row['LDS']:.3f} | {row['defined on']} | {row['difference']:+.3f} | "
               f"{row['standard error']:.3f} | {row['minus the presence']:+.3f} | {row['its standard error']:.3f} |")
-    print("\nseconds over the sentences (one draw each; the prior once, apart from the surrogates): " + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
+    print("\nseconds over the sentences (one draw each; the prior once, apart from the surrogates): "
+          + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
     return result
 
 

@@ -599,7 +599,9 @@ def context_averaged_attribution(
     _check_removal(removal, baseline_token_id)
     removable = (attention_mask != 0) & ~(keep.bool() if keep is not None else torch.zeros_like(input_ids, dtype=torch.bool))
     if tuple(prior.shape) != tuple(input_ids.shape):
-        raise ValueError(f"prior has shape {tuple(prior.shape)} but the inputs are {tuple(input_ids.shape)}: give one score per token.")
+        raise ValueError(
+            f"prior has shape {tuple(prior.shape)} but the inputs are {tuple(input_ids.shape)}: give one score per token."
+        )
     check_rankable(prior, removable, name="prior", finite=True)
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
     contexts = torch.cat([halves, removable[:, None] & ~halves], dim=1)
@@ -608,7 +610,9 @@ def context_averaged_attribution(
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id)
         scores = attribute_func(ids, mask).detach()
         if tuple(scores.shape) != tuple(input_ids.shape):
-            raise ValueError(f"attribute_func returned shape {tuple(scores.shape)} for inputs {tuple(input_ids.shape)}: one score per token.")
+            raise ValueError(
+                f"attribute_func returned shape {tuple(scores.shape)} for inputs {tuple(input_ids.shape)}: one score per token."
+            )
         scores = scores.double().masked_fill(mask == 0, 0.0)  # a context that keeps no token is all padding
         if not bool(scores.isfinite().all()):
             raise ValueError("attribute_func returned NaN or ±inf for a context's tokens: give finite scores (torch.nan_to_num).")
