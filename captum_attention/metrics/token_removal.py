@@ -77,7 +77,7 @@ class _Remover:
         self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0
-        self.removable = self.real & ~(keep.bool() if keep is not None else torch.zeros_like(self.real))
+        self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
         probs = self._probs(input_ids, attention_mask)
         self.targets = resolve_targets(probs, target)
@@ -158,6 +158,12 @@ def _check_removal(removal: str, baseline_token_id: int | None) -> None:
         raise ValueError(f"removal must be 'delete' or 'replace', got {removal!r}.")
     if removal == "replace" and baseline_token_id is None:
         raise ValueError("removal='replace' needs baseline_token_id (e.g. the [MASK] or [PAD] id).")
+
+
+def _removable(attention_mask: Tensor, keep: Tensor | None) -> Tensor:
+    """The real tokens outside ``keep``: those the metrics may remove."""
+    real = attention_mask != 0
+    return real & ~(keep.bool() if keep is not None else torch.zeros_like(real))
 
 
 def removed(
@@ -597,7 +603,7 @@ def context_averaged_attribution(
     if num_contexts < 2 or num_contexts % 2:
         raise ValueError(f"num_contexts must be even and at least 2 (complementary pairs), got {num_contexts}.")
     _check_removal(removal, baseline_token_id)
-    removable = (attention_mask != 0) & ~(keep.bool() if keep is not None else torch.zeros_like(input_ids, dtype=torch.bool))
+    removable = _removable(attention_mask, keep)
     if tuple(prior.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"prior has shape {tuple(prior.shape)} but the inputs are {tuple(input_ids.shape)}: give one score per token."
@@ -613,11 +619,10 @@ def context_averaged_attribution(
             raise ValueError(
                 f"attribute_func returned shape {tuple(scores.shape)} for inputs {tuple(input_ids.shape)}: one score per token."
             )
-        scores = scores.double().masked_fill(mask == 0, 0.0)  # a context that keeps no token is all padding
-        if not bool(scores.isfinite().all()):
+        in_place = torch.zeros_like(summed).scatter_(1, positions.to(summed.device), scores.double()).masked_fill(~kept, 0.0)
+        if not bool(in_place.isfinite().all()):  # only the kept tokens' scores count: padding's may be anything
             raise ValueError("attribute_func returned NaN or ±inf for a context's tokens: give finite scores (torch.nan_to_num).")
-        in_place = torch.zeros_like(summed).scatter_(1, positions.to(summed.device), scores)
-        summed += in_place.masked_fill(~kept, 0.0)
+        summed += in_place
 
     def shares(scores: Tensor) -> Tensor:
         scores = scores.masked_fill(~removable, 0.0)
