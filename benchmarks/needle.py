@@ -2,7 +2,7 @@
 
     python benchmarks/needle.py [--lengths 512 2048 4096 8192 16384] [--examples 16]
         [--peer-examples 4] [--budget 300] [--methods ...] [--calibrated 8] [--presence 0.05] [--estimated 2]
-        [--estimated-prior attn_lrp]
+        [--estimated-prior attn_lrp] [--half-contexts 8] [--half-contexts-method attn_lrp]
         [--estimated-shares] [--trained-here]
         [--json out.json]
 
@@ -22,7 +22,10 @@ top-3 log-probability drop and LDS (:mod:`captum_attention.metrics.context`; seg
 each pair, each run of up to 32 filler words), and its time per example (memory:
 ``llm_answers.py`` and ``scaling.py``). ``--calibrated A`` adds
 ``metrics.calibrated_scores`` over AttnLRP on A ablations (seed 1); ``--presence P`` adds
-AttnLRP with the context's segments at presence P (its ``presence`` option); ``--estimated K`` adds
+AttnLRP with the context's segments at presence P (its ``presence`` option);
+``--half-contexts A`` adds ``metrics.context_averaged_scores``: AttnLRP
+(``--half-contexts-method``) in A random half contexts of the segments (seed 1), beside
+its scores on the whole prompt; ``--estimated K`` adds
 ``metrics.leave_one_out_estimates`` (KnockoutGradient's first-order effects, the K segments
 AttnLRP ranks highest by magnitude deleted exactly; ``--estimated-prior METHOD``: those
 another registered method ranks highest, such as ``knockout_lrp``; ``--estimated-shares``:
@@ -68,6 +71,7 @@ from captum_attention.metrics import (
     ablated_log_probs,
     attention_shares,
     calibrated_scores,
+    context_averaged_scores,
     leave_one_out_estimates,
     linear_datamodeling_score,
     random_ablations,
@@ -113,6 +117,26 @@ def calibrated(model: tf.LlamaForCausalLM, forwards: int) -> Attribution:
         prompt = e.input_ids[None]
         return calibrated_scores(model, prompt, torch.ones_like(prompt), torch.tensor([[e.answer]]), prior(e)[None],
                                  e.segments[None], num_ablations=forwards, seed=1)[0]
+
+    return attribute
+
+
+def in_half_contexts(model: tf.LlamaForCausalLM, contexts: int, method: str = "attn_lrp") -> Attribution:
+    """``metrics.context_averaged_scores``: ``method``'s span scores in ``contexts`` random
+    half contexts of the segments (seed 1, apart from the LDS's), beside its scores on the
+    whole prompt as the prior."""
+    explainer = REGISTRY[method](model, capture="streaming")
+    prior = our_method(model, method)
+
+    def attribute(e: NeedleExample) -> torch.Tensor:
+        answer = torch.tensor([[e.answer]])
+
+        def explain(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return explainer.attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+
+        prompt = e.input_ids[None]
+        return context_averaged_scores(model, explain, prompt, torch.ones_like(prompt), answer, prior(e)[None], e.segments[None],
+                                       num_contexts=contexts, seed=1)[0]
 
     return attribute
 
@@ -297,6 +321,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrated", type=int, nargs="*", default=[], help="ablations of calibrated AttnLRP rows")
     parser.add_argument("--presence", type=float, nargs="*", default=[], help="presences of the context's segments of "
                         "AttnLRP rows (AttnLRP's presence option)")
+    parser.add_argument("--half-contexts", type=int, nargs="*", default=[], help="contexts (even) of rows in random half "
+                        "contexts (metrics.context_averaged_scores)")
+    parser.add_argument("--half-contexts-method", default="attn_lrp", choices=list(REGISTRY),
+                        help="the registered method run in the half contexts and on the whole prompt (the prior)")
     parser.add_argument("--estimated", type=int, nargs="*", default=[], help="exact deletions of leave-one-out estimate rows")
     parser.add_argument("--estimated-prior", default="attn_lrp", choices=list(REGISTRY),
                         help="the registered method whose scores choose the segments deleted exactly")
@@ -330,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
         runs += [(f"calibrated AttnLRP, {a} ablations", lambda a=a: calibrated(model, a), correct) for a in options.calibrated]
         runs += [(f"AttnLRP at presence {p}", lambda p=p: at_presence(model, p), correct) for p in options.presence]
+        runs += [(f"{options.half_contexts_method} in {a} half contexts",
+                  lambda a=a: in_half_contexts(model, a, options.half_contexts_method), correct) for a in options.half_contexts]
         by = "" if options.estimated_prior == "attn_lrp" and not options.estimated_shares else f" by {options.estimated_prior}"
         by += " / (1 - share)" if options.estimated_shares else ""
         runs += [(f"leave-one-out estimates, {k} exact{by}",

@@ -236,6 +236,8 @@ def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contex
     for prior, shares in (("attn_lrp", False), ("knockout_lrp", False), ("knockout_gradient", True)):
         estimated = needle.evaluate(model, needle.estimated(model, 1, prior, shares), examples[:1])
         assert estimated["examples"] == 1 and len(estimated["each"]["lds"]) == 1
+    halves = needle.in_half_contexts(model, 2)(examples[0])
+    assert halves.shape == examples[0].input_ids.shape and bool(halves[examples[0].segments < 0].eq(0).all())
 
 
 def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(benchmarks_on_path):

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 from conftest import assert_same_state, model_state
-from lm_models import EXPLICIT_DECODERS, make_decoder, make_prompts
+from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_prompts
 from scipy import stats
 
 from captum_attention import AttnLRP
@@ -19,6 +19,7 @@ from captum_attention.metrics import (
     ablated_log_probs,
     attention_shares,
     calibrated_scores,
+    context_averaged_scores,
     leave_one_out_agreement,
     leave_one_out_estimates,
     linear_datamodeling_score,
@@ -142,6 +143,59 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         alone = calibrated_scores(model, prompts.input_ids[b, real][None], torch.ones(1, len(real), dtype=torch.long), ANSWER[b : b + 1],
                                   prior[b, real][None], segments[b, real][None], num_ablations=5, seed=7, ridge=0.5)
         torch.testing.assert_close(alone[0], scores[b, real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_context_averaged_scores_by_hand(family):
+    """The seeded halves of the segments drawn again with their complements, each
+    context's prompt built by hand and scored by a position-dependent attribution (a
+    token's weight times 1 + its place among the real tokens / 10, so that a score mapped
+    back to the wrong token shows), summed per token over the contexts that keep it; the
+    sums and the prior as shares of their absolute totals. Each context is one call on the
+    whole batch, padded as the model reads it (an encoder's source on the right)."""
+    model = make_decoder("llama") if family == "llama" else make_encoder_decoder("t5")
+    prompts = make_prompts(side="left")
+    weights = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+    prior = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(9))
+    calls = []
+
+    def positional(ids, mask):
+        calls.append(mask.clone())
+        return weights[ids] * (1 + (mask.cumsum(dim=1) - 1) / 10) * mask
+
+    scores = context_averaged_scores(model, positional, prompts.input_ids, prompts.attention_mask, ANSWER, prior, SEGMENTS,
+                                     num_contexts=6, seed=2)
+    assert len(calls) == 6
+    padded_side = 0 if family == "t5" else -1
+    assert all(bool(mask[:, padded_side].all()) for mask in calls)
+    for b in range(3):
+        real = prompts.real[b].nonzero().flatten()
+        prompt, seg = prompts.input_ids[b, real], SEGMENTS[b, real]
+        count = int(seg.max()) + 1
+        own_seed = zlib.crc32(torch.stack([prompt, seg], dim=-1).numpy().astype("int64").tobytes(), 2)
+        drawn = torch.rand(3, count, generator=torch.Generator().manual_seed(own_seed)) < 0.5
+        summed = torch.zeros(len(real), dtype=torch.float64)
+        for kept_segments in [*drawn, *~drawn]:
+            kept = [i for i in range(len(real)) if seg[i] < 0 or kept_segments[seg[i]]]
+            for place, i in enumerate(kept):
+                if seg[i] >= 0:
+                    summed[i] += float(weights[prompt[i]]) * (1 + place / 10)
+        p = prior[b, real].double().masked_fill(seg < 0, 0.0)
+        expected = summed / summed.abs().sum() + p / p.abs().sum()
+        torch.testing.assert_close(scores[b, real], expected.float())
+        assert bool((scores[b][~prompts.real[b]] == 0).all())
+        alone = context_averaged_scores(model, positional, prompt[None], torch.ones(1, len(real), dtype=torch.long), ANSWER[b : b + 1],
+                                        prior[b, real][None], seg[None], num_contexts=6, seed=2)
+        torch.testing.assert_close(alone[0], scores[b, real])
+    args = (model, positional, prompts.input_ids, prompts.attention_mask, ANSWER)
+    with pytest.raises(ValueError, match="num_contexts must be even"):
+        context_averaged_scores(*args, prior, SEGMENTS, num_contexts=5)
+    with pytest.raises(ValueError, match="attributions have shape"):
+        context_averaged_scores(*args, prior[:, :4], SEGMENTS)
+    with pytest.raises(ValueError, match="attribute_func returned shape"):
+        context_averaged_scores(model, lambda i, m: positional(i, m)[:, :1], *args[2:], prior, SEGMENTS)
+    with pytest.raises(ValueError, match="attribute_func returned NaN"):
+        context_averaged_scores(model, lambda i, m: positional(i, m) / 0.0, *args[2:], prior, SEGMENTS)
 
 
 @pytest.mark.parametrize("by_share", [False, True])

@@ -25,7 +25,8 @@ so an example scores the same alone and in a padded batch.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from functools import cached_property
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,7 @@ from ._checks import check_rankable
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
-from .token_removal import example_seeds, random_halves
+from .token_removal import complemented, example_seeds, prior_and_context_shares, random_halves, scores_in_context
 
 PAIRS_PER_FORWARD = 2**26
 """The most (sequences × length²) one padded forward of ablated prompts holds."""
@@ -81,7 +82,11 @@ class _AnswerScorer:
         self.rows = torch.arange(len(input_ids), device=input_ids.device)
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
-        self.original = self.log_probs(self.rows, torch.zeros_like(self.present))
+
+    @cached_property
+    def original(self) -> Tensor:
+        """``(B,)`` log p(answer | whole prompt)."""
+        return self.log_probs(self.rows, torch.zeros_like(self.present))
 
     def segment_scores(self, attributions: Tensor) -> Tensor:
         """``(B, S)`` the sum of each segment's token scores (-inf where absent)."""
@@ -132,7 +137,7 @@ class _AnswerScorer:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
         new = self.answer.shape[1]
         if self.decoder_start is not None:
-            source, mask = self._kept(rows, removed, padding_side="right")
+            source, mask, _ = self._kept(rows, removed, padding_side="right")
             answer = self.answer[rows]
             start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
@@ -147,13 +152,14 @@ class _AnswerScorer:
 
     def _sequences(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor]:
         """Prompts without the removed segments' tokens (left padded), then the answer."""
-        ids, mask = self._kept(rows, removed, padding_side="left")
+        ids, mask, _ = self._kept(rows, removed, padding_side="left")
         answer = self.answer[rows]
         return torch.cat([ids, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
 
-    def _kept(self, rows: Tensor, removed: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:
-        """``(ids, mask)`` of the prompts without the removed segments' tokens, padded on
-        ``padding_side``, without the columns that are padding in every row."""
+    def _kept(self, rows: Tensor, removed: Tensor, padding_side: str) -> tuple[Tensor, Tensor, Tensor]:
+        """``(ids, mask, positions)`` of the prompts without the removed segments' tokens,
+        padded on ``padding_side``, without the columns that are padding in every row;
+        ``positions``: the prompt position each column's token came from."""
         segments = self.segments[rows]
         gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
         kept = self.real[rows] & ~gone
@@ -162,7 +168,16 @@ class _AnswerScorer:
         ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
         mask = kept.gather(1, order).long()
         width = int((mask != 0).any(dim=0).sum())
-        return (ids[:, -width:], mask[:, -width:]) if padding_side == "left" else (ids[:, :width], mask[:, :width])
+        columns = slice(-width, None) if padding_side == "left" else slice(0, width)
+        return ids[:, columns], mask[:, columns], order[:, columns]
+
+    def contexts(self, kept: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """For each ``(B, S)`` bool of ``kept`` ``(B, A, S)``: the prompts with only those
+        segments (and the tokens never removed), padded as the model reads them, and the
+        prompt position of each column's token (:meth:`_kept`)."""
+        padding_side = "left" if self.decoder_start is None else "right"
+        for segments in kept.unbind(dim=1):
+            yield self._kept(self.rows, self.present & ~segments.to(self.present.device), padding_side)
 
 
 def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
@@ -366,6 +381,72 @@ def calibrated_scores(
     return per_token.masked_fill(~removable, 0.0).float()
 
 
+def context_averaged_scores(
+    forward_func: Callable[..., Any],
+    attribute_func: Callable[[Tensor, Tensor], Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    prior: Tensor,
+    segments: Tensor | None = None,
+    num_contexts: int = 8,
+    seed: int = 1,
+) -> Tensor:
+    r"""A language model's answer explained in random half contexts: an attribution of the
+    answer with about half of the prompt's segments deleted, summed per token over the
+    contexts that keep it, plus a one-pass prior. The counterpart of
+    :func:`~captum_attention.metrics.context_averaged_attribution` for a classifier, whose
+    formula it shares: :math:`s_i = R_i / \sum_j |R_j| + p_i / \sum_j |p_j|` over the
+    removable tokens, :math:`R_i` token i's scores summed over the :math:`A/2` contexts that
+    keep it.
+
+    The contexts come in complementary pairs: :math:`A/2` random halves of the segments
+    (:func:`random_ablations`' draws, each example's alone from ``seed``, its tokens and
+    their segments, as :func:`calibrated_scores` draws them) and the halves they leave out.
+    Each context is deleted as the context metrics delete segments: the kept tokens close
+    up, padded on the left (an encoder-decoder's source on the right), the columns every
+    row pads dropped.
+
+    The other arguments are :func:`linear_datamodeling_score`'s; ``forward_func`` (the
+    model) runs no forward here: its config says whether the prompt is an encoder's source.
+
+    Args:
+        attribute_func (Callable): ``(input_ids, attention_mask) -> (batch, context_len)``
+            prompt-token scores of the same answer (its span, ``answer``) for a batch of
+            deleted prompts, the examples in the same order. Called ``num_contexts``
+            times, once per context, on the whole batch.
+        prior (Tensor): ``(B, N)`` prompt-token scores of a one-pass attribution of the
+            same answer.
+        num_contexts (int, optional): :math:`A`, even. Default: 8.
+        seed (int, optional): the contexts' seed (keep it apart from the one an LDS is
+            measured with). Default: 1.
+
+    Returns:
+        ``(B, N)`` float32 token scores; 0 at the tokens never removed and at padding.
+
+    Example::
+
+        >>> lrp = AttnLRP(model)
+        >>> def explain(ids, mask):
+        ...     return lrp.attribute_span(ids, answer_ids, additional_forward_args=(mask,))[:, : ids.shape[1]]
+        >>> prior = explain(prompt_ids, mask)
+        >>> scores = context_averaged_scores(model, explain, prompt_ids, mask, answer_ids, prior, segments)
+        >>> linear_datamodeling_score(model, prompt_ids, mask, answer_ids, scores, segments)
+    """
+    if num_contexts < 2 or num_contexts % 2:
+        raise ValueError(f"num_contexts must be even and at least 2 (complementary pairs), got {num_contexts}.")
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size=1)
+    removable = scorer.segments >= 0
+    scorer.segment_scores(prior)  # checks the prior's shape and values
+    halves = random_halves(scorer.present, num_contexts // 2, seed, _own_seeds(scorer, seed))
+    kept_segments = complemented(halves, scorer.present)
+    summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
+    for context, (ids, mask, positions) in zip(kept_segments.unbind(dim=1), scorer.contexts(kept_segments)):
+        kept = context.to(removable.device).gather(1, scorer.segments.clamp(min=0)) & removable
+        summed += scores_in_context(attribute_func, ids, mask, positions, kept)
+    return prior_and_context_shares(summed, prior, removable)
+
+
 def leave_one_out_estimates(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -532,11 +613,13 @@ def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attent
 def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
     """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed,
     of its real prompt tokens and their segments (:func:`example_seeds`)."""
-    own = None
-    if alone:
-        own = example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
-    kept = random_halves(scorer.present, num_ablations, seed, own)
+    kept = random_halves(scorer.present, num_ablations, seed, _own_seeds(scorer, seed) if alone else None)
     return kept, scorer.kept_log_probs(kept)
+
+
+def _own_seeds(scorer: _AnswerScorer, seed: int) -> Tensor:
+    """``(B,)`` each example's seed, from ``seed``, its real prompt tokens and their segments."""
+    return example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
 
 
 def leave_one_out_agreement(

@@ -610,25 +610,46 @@ def context_averaged_attribution(
         )
     check_rankable(prior, removable, name="prior", finite=True)
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
-    contexts = torch.cat([halves, removable[:, None] & ~halves], dim=1)
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
-    for kept in contexts.unbind(dim=1):
+    for kept in complemented(halves, removable).unbind(dim=1):
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id)
-        scores = attribute_func(ids, mask).detach()
-        if tuple(scores.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attribute_func returned shape {tuple(scores.shape)} for inputs {tuple(input_ids.shape)}: one score per token."
-            )
-        in_place = torch.zeros_like(summed).scatter_(1, positions.to(summed.device), scores.double()).masked_fill(~kept, 0.0)
-        if not bool(in_place.isfinite().all()):  # only the kept tokens' scores count: padding's may be anything
-            raise ValueError("attribute_func returned NaN or ±inf for a context's tokens: give finite scores (torch.nan_to_num).")
-        summed += in_place
+        summed += scores_in_context(attribute_func, ids, mask, positions, kept)
+    return prior_and_context_shares(summed, prior, removable)
+
+
+def complemented(halves: Tensor, present: Tensor) -> Tensor:
+    """``(B, 2H, F)``: the ``(B, H, F)`` halves of the ``present`` features, then the halves
+    they leave out, so that each present feature is kept in exactly H of them."""
+    return torch.cat([halves, present[:, None] & ~halves], dim=1)
+
+
+def scores_in_context(
+    attribute_func: Callable[[Tensor, Tensor], Tensor], ids: Tensor, mask: Tensor, positions: Tensor, kept: Tensor
+) -> Tensor:
+    """``attribute_func(ids, mask)``'s scores of one context of an input, ``(B, N)``
+    float64 in the input's own positions: ``positions[b, t]``, the input position of the
+    context's token ``t`` (at most N of them); 0 wherever ``kept`` is False."""
+    scores = attribute_func(ids, mask).detach()
+    if tuple(scores.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"attribute_func returned shape {tuple(scores.shape)} for a context of shape {tuple(ids.shape)}: one score per token."
+        )
+    in_place = torch.zeros(kept.shape, dtype=torch.float64, device=kept.device)
+    in_place.scatter_(1, positions.to(kept.device), scores.double().to(kept.device))
+    in_place = in_place.masked_fill(~kept, 0.0)
+    if not bool(in_place.isfinite().all()):  # only the kept tokens' scores count: padding's may be anything
+        raise ValueError("attribute_func returned NaN or ±inf for a context's tokens: give finite scores (torch.nan_to_num).")
+    return in_place
+
+
+def prior_and_context_shares(summed: Tensor, prior: Tensor, removable: Tensor) -> Tensor:
+    """``R_i / sum|R| + p_i / sum|p|`` over the ``removable`` tokens (0 elsewhere), float32."""
 
     def shares(scores: Tensor) -> Tensor:
         scores = scores.masked_fill(~removable, 0.0)
         return scores / scores.abs().sum(dim=1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
 
-    return (shares(summed) + shares(prior.detach().double())).float()
+    return (shares(summed) + shares(prior.detach().double().to(summed.device))).float()
 
 
 def datamodeling_score(
