@@ -145,6 +145,24 @@ def test_calibrated_scores_are_the_penalised_least_squares_fit_written_out():
         torch.testing.assert_close(alone[0], scores[b, real], rtol=1e-4, atol=1e-5)
 
 
+def test_each_examples_own_draws_do_not_depend_on_the_left_padding():
+    """The default segments are the tokens' columns, which the left padding shifts: an
+    example's own ablations (LDS per example, the calibrated scores, the half contexts)
+    are the same alone and unpadded as in the padded batch."""
+    model, prompts, scores = _case(2)
+    scores = scores.abs()  # a prior the calibration keeps its own way
+    args = (prompts.input_ids, prompts.attention_mask, ANSWER, scores)
+    lds = linear_datamodeling_score(model, *args, num_ablations=8, per_example=True)
+    calibrated = calibrated_scores(model, *args, num_ablations=4)
+    halves = context_averaged_scores(model, lambda ids, mask: ids.float().sin() * mask, *args)
+    for b in range(3):
+        real = prompts.real[b]
+        alone = (prompts.input_ids[b, real][None], torch.ones(1, int(real.sum()), dtype=torch.long), ANSWER[b : b + 1], scores[b, real][None])
+        assert linear_datamodeling_score(model, *alone, num_ablations=8, per_example=True)[0].item() == pytest.approx(lds[b].item(), abs=1e-6)
+        torch.testing.assert_close(calibrated_scores(model, *alone, num_ablations=4)[0], calibrated[b, real], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(context_averaged_scores(model, lambda ids, mask: ids.float().sin() * mask, *alone)[0], halves[b, real])
+
+
 @pytest.mark.parametrize("family", ["llama", "t5"])
 def test_context_averaged_scores_by_hand(family):
     """The seeded halves of the segments drawn again with their complements, each

@@ -618,8 +618,12 @@ def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alon
 
 
 def _own_seeds(scorer: _AnswerScorer, seed: int) -> Tensor:
-    """``(B,)`` each example's seed, from ``seed``, its real prompt tokens and their segments."""
-    return example_seeds(torch.stack([scorer.ids, scorer.segments], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
+    """``(B,)`` each example's seed, from ``seed``, its real prompt tokens and their
+    segments numbered 0, 1, ... in order among its own (the default segments are the
+    tokens' columns, which the left padding shifts)."""
+    numbered = (scorer.present.long().cumsum(dim=1) - 1).gather(1, scorer.segments.clamp(min=0))
+    numbered = numbered.masked_fill(scorer.segments < 0, -1)
+    return example_seeds(torch.stack([scorer.ids, numbered], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
 
 
 def leave_one_out_agreement(
