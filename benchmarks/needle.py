@@ -126,7 +126,6 @@ def in_half_contexts(model: tf.LlamaForCausalLM, contexts: int, method: str = "a
     half contexts of the segments (seed 1, apart from the LDS's), beside its scores on the
     whole prompt as the prior."""
     explainer = REGISTRY[method](model, capture="streaming")
-    prior = our_method(model, method)
 
     def attribute(e: NeedleExample) -> torch.Tensor:
         answer = torch.tensor([[e.answer]])
@@ -134,8 +133,8 @@ def in_half_contexts(model: tf.LlamaForCausalLM, contexts: int, method: str = "a
         def explain(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return explainer.attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
 
-        prompt = e.input_ids[None]
-        return context_averaged_scores(model, explain, prompt, torch.ones_like(prompt), answer, prior(e)[None], e.segments[None],
+        prompt, mask = e.input_ids[None], torch.ones_like(e.input_ids[None])
+        return context_averaged_scores(model, explain, prompt, mask, answer, explain(prompt, mask), e.segments[None],
                                        num_contexts=contexts, seed=1)[0]
 
     return attribute

@@ -150,7 +150,7 @@ def test_each_examples_own_draws_do_not_depend_on_the_left_padding():
     example's own ablations (LDS per example, the calibrated scores, the half contexts)
     are the same alone and unpadded as in the padded batch."""
     model, prompts, scores = _case(2)
-    scores = scores.abs()  # a prior the calibration keeps its own way
+    scores = scores.abs()  # a prior the ablations fit (not kept as it is) in the first and last examples
     args = (prompts.input_ids, prompts.attention_mask, ANSWER, scores)
     lds = linear_datamodeling_score(model, *args, num_ablations=8, per_example=True)
     calibrated = calibrated_scores(model, *args, num_ablations=4)
