@@ -11,9 +11,10 @@ KnockoutGradient, KnockoutLRP (the two joined, no deletion),
 :func:`~captum_attention.metrics.leave_one_out_estimates` with 1 and 2
 segments deleted exactly (those AttnLRP ranks highest; or, "by share", those of largest
 first-order effect over one minus their :func:`~captum_attention.metrics.attention_shares`),
-and every segment deleted (leave-one-out itself, Feature
-Ablation's scores). Here deleting a pair moves the later tokens' positions, which masking
-it (the first-order effect) does not.
+every segment deleted (leave-one-out itself, Feature Ablation's scores), and AttnLRP in 8
+random half contexts of the pairs beside its scores on the whole prompt
+(:func:`~captum_attention.metrics.context_averaged_scores`, seed 1). Here deleting a pair
+moves the later tokens' positions, which masking it (the first-order effect) does not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import torch
 
 from captum_attention import AttnLRP, KnockoutGradient, KnockoutLRP
 from captum_attention.demo.recall import RecallTraining, load_recall_model, recall_batch
-from captum_attention.metrics import attention_shares, leave_one_out_estimates, linear_datamodeling_score
+from captum_attention.metrics import (
+    attention_shares,
+    context_averaged_scores,
+    leave_one_out_estimates,
+    linear_datamodeling_score,
+)
 
 
 def sequence_lds(model: Any, ids: torch.Tensor, answer: torch.Tensor) -> dict[str, float]:
@@ -47,6 +53,12 @@ def sequence_lds(model: Any, ids: torch.Tensor, answer: torch.Tensor) -> dict[st
         scores[f"estimates, {exact} exact, by share"] = leave_one_out_estimates(
             model, ids, mask, answer, first_order, first_order, segments, exact=exact, shares=shares
         )
+    lrp = AttnLRP(model)
+
+    def in_context(context_ids: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
+        return lrp.attribute_span(context_ids, answer, additional_forward_args=(context_mask,))[:, : context_ids.shape[1]]
+
+    scores["AttnLRP in 8 half contexts"] = context_averaged_scores(model, in_context, ids, mask, answer, prior, segments)
     return {name: float(linear_datamodeling_score(model, ids, mask, answer, values, segments)[0]) for name, values in scores.items()}
 
 

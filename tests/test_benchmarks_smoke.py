@@ -252,7 +252,8 @@ def test_recall_estimates_give_every_methods_lds_and_leave_one_out_is_its_own(be
     ids, answer = batch.input_ids[:, : int(batch.answer_positions[0, 0])], batch.answers[:, :1]
     found = recall_estimates.sequence_lds(model, ids, answer)
     assert list(found) == ["AttnLRP", "KnockoutGradient", "KnockoutLRP", "estimates, 1 exact", "estimates, 2 exact",
-                           "leave-one-out (every pair deleted)", "estimates, 1 exact, by share", "estimates, 2 exact, by share"]
+                           "leave-one-out (every pair deleted)", "estimates, 1 exact, by share", "estimates, 2 exact, by share",
+                           "AttnLRP in 8 half contexts"]
     assert all(-1.0 <= value <= 1.0 for value in found.values() if value == value)
 
 
