@@ -613,6 +613,9 @@ def context_averaged_attribution(
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for kept in complemented(halves, removable).unbind(dim=1):
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id)
+        if removal == "delete":  # the kept tokens come first: no pass spent on the columns that pad every row
+            width = max(int((mask != 0).sum(dim=1).max()), 1)
+            ids, mask, positions = ids[:, :width], mask[:, :width], positions[:, :width]
         summed += scores_in_context(attribute_func, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
 
