@@ -122,6 +122,30 @@ def test_every_method_and_metric_gives_an_example_the_same_row_in_any_batch(chec
             assert row[metric] is None or row[metric] == pytest.approx(other[metric], abs=1e-4), (row["method"], metric)
 
 
+def test_a_decoder_classifier_padded_with_its_own_id_gives_each_example_its_row_alone(tmp_path):
+    """GPT-2's classifier finds its last token by config.pad_token_id (1 here, not 0): the
+    rows the metrics and the refined methods shorten by deletion are padded with it, so a
+    batch of 4 gives each example the row it gets alone."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = tf.BertTokenizerFast(vocab=str(vocab))
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=len(WORDS) + 5, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=1, num_labels=2)
+    tf.GPT2ForSequenceClassification(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    methods = "grad_sam,attn_lrp_presence_calibrated,attn_lrp_half_contexts,attn_lrp_presence_greedy"
+    common = [str(_data(tmp_path, 6)), "--model", str(folder), "--methods", methods]
+    assert _run(*common, "--batch-size", "4", "--output", str(tmp_path / "four")) == 0
+    assert _run(*common, "--batch-size", "1", "--output", str(tmp_path / "one")) == 0
+    key = lambda row: (row["index"], row["method"])  # noqa: E731
+    for row, other in zip(sorted(_rows(tmp_path / "four"), key=key), sorted(_rows(tmp_path / "one"), key=key)):
+        assert key(row) == key(other)
+        for metric in ev.metric_names():
+            assert row[metric] is None or row[metric] == pytest.approx(other[metric], abs=1e-4), (row["method"], metric)
+
+
 def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_path):
     data = _data(tmp_path, 40)
     options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]

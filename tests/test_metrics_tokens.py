@@ -126,6 +126,94 @@ def test_a_classifier_given_as_it_is_gets_the_mask_by_name():
     torch.testing.assert_close(comprehensiveness(model, batch.input_ids, batch.attention_mask, scores, target=1), expected)
 
 
+def _gpt2_classifier(pad_token_id: int) -> nn.Module:
+    import transformers as tf
+    from constants import VOCAB
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=pad_token_id, num_labels=2
+    )
+    return tf.GPT2ForSequenceClassification(config).eval()
+
+
+def _comprehensiveness_alone(forward, ids, mask, scores, keep, share):
+    """p(y|x) - p(y|x without its top ⌈share·n⌉ removable tokens), each example alone, unpadded."""
+    drops = []
+    with torch.no_grad():
+        for row in range(len(ids)):
+            real = mask[row].bool()
+            removable = real & ~keep[row]
+            count = math.ceil(share * int(removable.sum()))
+            top = scores[row].masked_fill(~removable, float("-inf")).argsort(descending=True)[:count]
+            kept = real.clone()
+            kept[top] = False
+            full = forward(ids[row : row + 1, real], mask[row : row + 1, real]).softmax(-1)[0, 1]
+            short = forward(ids[row : row + 1, kept], mask[row : row + 1, kept]).softmax(-1)[0, 1]
+            drops.append(full - short)
+    return torch.stack(drops)
+
+
+def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
+    """GPT-2's classifier reads the last token that is not its config.pad_token_id: the rows
+    deletion shortens are padded with that id (the model's, the one the inputs are padded
+    with, or ``pad_token_id``), so that each example is scored as it is alone; a guessed id
+    the model would misread is refused."""
+    from captum_attention.metrics import METRICS, MetricContext
+
+    model = _gpt2_classifier(pad_token_id=3)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    ids = torch.randint(4, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[0, :2] = True  # 7 removable tokens against 9: the rows keep 4 and 5 tokens, one row padded
+    scores = torch.randn(2, 9, generator=torch.Generator().manual_seed(2))
+    expected = _comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5)
+    by_model = comprehensiveness(model, ids, mask, scores, target=1, bins=(50,), keep=keep)
+    torch.testing.assert_close(by_model[:, 0], expected, atol=1e-6, rtol=1e-5)
+    given = comprehensiveness(forward, ids, mask, scores, target=1, bins=(50,), keep=keep, pad_token_id=3)
+    torch.testing.assert_close(given[:, 0], expected, atol=1e-6, rtol=1e-5)
+    registered = METRICS["comprehensiveness"].function(forward, ids, scores, (mask,), torch.ones(2).long(), MetricContext(model, keep))
+    torch.testing.assert_close(registered, comprehensiveness(forward, ids, mask, scores, 1, keep=keep, pad_token_id=3).mean(dim=1))
+    with pytest.raises(ValueError, match="token id 0 .* pass pad_token_id=<the id the model pads with>"):
+        comprehensiveness(forward, ids, mask, scores, target=1, keep=keep)
+    padded_ids, padded_mask = ids.clone(), mask.clone()
+    padded_ids[1, 7:], padded_mask[1, 7:] = 3, 0  # the inputs' own padding tells the id
+    from_inputs = comprehensiveness(forward, padded_ids, padded_mask, scores, target=1, bins=(50,))
+    no_keep = torch.zeros_like(keep)
+    torch.testing.assert_close(from_inputs[:, 0], _comprehensiveness_alone(forward, padded_ids, padded_mask, scores, no_keep, 0.5))
+
+
+def test_a_forward_that_leaves_the_mask_out_is_refused_for_deletion(bag):
+    model, ids, mask, target, _ = bag
+    unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731
+    with pytest.raises(ValueError, match="token id 5 .* let forward_func pass the mask"):
+        comprehensiveness(unmasked, ids, mask, torch.randn(ids.shape), target, pad_token_id=5)
+    comprehensiveness(unmasked, ids, mask, torch.randn(ids.shape), target, removal="replace", baseline_token_id=0)
+
+
+def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():
+    """Each example's half-context scores as alone, the contexts padded with the
+    classifier's pad id; where the inputs hold no padding and no id is given, the guess
+    0 is checked (a column of it moves GPT-2's scores) and refused."""
+    from captum_attention import AttnLRP
+
+    model = _gpt2_classifier(pad_token_id=3)
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    explainer = AttnLRP(forward, model=model)
+    ids = torch.randint(4, 40, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    prior = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+
+    explain = lambda i, m: explainer.attribute(i, target=1, additional_forward_args=(m,))  # noqa: E731
+    batched = context_averaged_attribution(explain, ids, mask, prior, pad_token_id=3)
+    for row in range(3):
+        alone = context_averaged_attribution(explain, ids[row : row + 1], mask[row : row + 1], prior[row : row + 1])
+        torch.testing.assert_close(batched[row : row + 1], alone, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="token id 0 .* moves attribute_func's scores"):
+        context_averaged_attribution(explain, ids, mask, prior)
+
+
 def test_perturbation_curves_rank_a_faithful_attribution(bag):
     model, ids, mask, target, contributions = bag
     positive = perturbation_curve(model, ids, mask, contributions, most_relevant_first=True)
@@ -353,7 +441,8 @@ def test_greedy_deletion_by_hand(bag, removal):
         order = ranking[row, :n].masked_fill(keep[row, :n], float("-inf")).argsort(descending=True)[: n - 1].tolist()
         assert order == chosen + [i for i in by_prior if i not in chosen]
         assert (ranking[row, n:] == 0).all()
-    assert sum(rows_run) == 2 + (3 + 3) + (3 + 2), "the whole input, then one forward per candidate left to try"
+    padding_check = 2 if removal == "delete" else 0  # the first example alone and padded on the right
+    assert sum(rows_run) == 2 + padding_check + (3 + 3) + (3 + 2), "the whole input, then one forward per candidate left to try"
     with pytest.raises(ValueError, match="candidates must be"):
         greedy_deletion(model, ids, mask, prior, candidates=())
     with pytest.raises(ValueError, match="prior has shape"):

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
 from .plausibility import auprc, token_f1
-from .token_removal import aopc, comprehensiveness, datamodeling_score, sufficiency
+from .token_removal import aopc, comprehensiveness, configured_pad_id, datamodeling_score, sufficiency
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,8 @@ def _comprehensiveness(
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep))
+    pad_token_id = configured_pad_id(context.model)
+    return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id))
 
 
 @register_metric("sufficiency", "ERASER sufficiency: AOPC over keeping only the top 1/5/10/20/50% tokens", better="lower")
@@ -157,7 +158,8 @@ def _sufficiency(
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep))
+    pad_token_id = configured_pad_id(context.model)
+    return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id))
 
 
 @register_metric(
@@ -169,7 +171,10 @@ def _datamodeling(
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     mask = additional_forward_args[0]
-    return datamodeling_score(forward_func, inputs, mask, attributions, target, keep=context.keep, per_example=True)
+    return datamodeling_score(
+        forward_func, inputs, mask, attributions, target, keep=context.keep, per_example=True,
+        pad_token_id=configured_pad_id(context.model),
+    )
 
 
 @register_metric(

@@ -55,6 +55,7 @@ class _Remover:
         baseline_token_id: int | None,
         keep: Tensor | None,
         max_batch_size: int,
+        pad_token_id: int | None,
     ) -> None:
         _check_removal(removal, baseline_token_id)
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
@@ -79,12 +80,15 @@ class _Remover:
         self.real = attention_mask != 0
         self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
+        self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
         probs = self._probs(input_ids, attention_mask)
         self.targets = resolve_targets(probs, target)
         self.original = self.target_probs(probs, self.targets)
         self.decision = probs.argmax(dim=-1)
+        if removal == "delete":
+            self._check_padding_unread()
 
-    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
+    def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():
             logits = output_logits(self.forward_func(ids, mask))
         if logits.dim() != 2:
@@ -93,14 +97,35 @@ class _Remover:
                 "for a language model, wrap it to return the logits of the explained position "
                 "(removing tokens moves the positions)."
             )
-        return logits.float().softmax(dim=-1)
+        return logits
+
+    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
+        return self._logits(ids, mask).float().softmax(dim=-1)
+
+    def _check_padding_unread(self) -> None:
+        """A one-line error where padding the first example on the right moves its output:
+        deleting tokens pads the shortened rows there, and every deletion would be scored on
+        what the padding changes (a decoder classifier that finds its last token by a pad id
+        other than the one filled in; a forward that leaves the attention mask out)."""
+        real = self.real[0]
+        ids, mask = self.ids[:1, real], self.mask[:1, real]
+        alone = self._logits(ids, mask)
+        padded = self._logits(*_with_padding_column(ids, mask, self.pad))
+        moved = float((alone.float().softmax(dim=-1) - padded.float().softmax(dim=-1)).abs().max())
+        if moved > max(1e-4, 8 * torch.finfo(alone.dtype).eps):
+            raise ValueError(
+                f"Padding example 0 on the right with token id {self.pad} (attention mask 0) moves its "
+                f"probabilities by up to {moved:.2g}, and deleting tokens pads rows there: pass "
+                "pad_token_id=<the id the model pads with> (a decoder classifier finds its last token by "
+                "config.pad_token_id), let forward_func pass the mask to the model, or use removal='replace'."
+            )
 
     @staticmethod
     def target_probs(probs: Tensor, targets: Tensor) -> Tensor:
         return probs.gather(1, targets[:, None]).squeeze(1)
 
     def _perturb(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
-        ids, mask, _ = removed(self.ids[rows], self.mask[rows], remove, self.removal, self.baseline)
+        ids, mask, _ = removed(self.ids[rows], self.mask[rows], remove, self.removal, self.baseline, self.pad)
         return ids, mask
 
     def evaluate(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
@@ -167,11 +192,11 @@ def _removable(attention_mask: Tensor, keep: Tensor | None) -> Tensor:
 
 
 def removed(
-    input_ids: Tensor, attention_mask: Tensor, remove: Tensor, removal: str, baseline_token_id: int | None
+    input_ids: Tensor, attention_mask: Tensor, remove: Tensor, removal: str, baseline_token_id: int | None, pad_token_id: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The inputs with the ``remove`` tokens removed, and ``(B, T)`` where each position's
-    token came from: deleted (the kept tokens first, in order, then padding) or replaced
-    by ``baseline_token_id`` in place."""
+    token came from: deleted (the kept tokens first, in order, then ``pad_token_id``) or
+    replaced by ``baseline_token_id`` in place."""
     if removal == "replace":
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return input_ids.masked_fill(remove, int(baseline_token_id)), attention_mask, positions  # type: ignore[arg-type]
@@ -179,7 +204,32 @@ def removed(
     positions = (~kept).int().argsort(dim=1, stable=True)
     lengths = kept.sum(dim=1, keepdim=True)
     new_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) < lengths).to(attention_mask.dtype)
-    return input_ids.gather(1, positions).masked_fill(new_mask == 0, 0), new_mask, positions
+    return input_ids.gather(1, positions).masked_fill(new_mask == 0, pad_token_id), new_mask, positions
+
+
+def padding_id(forward_func: Any, input_ids: Tensor, attention_mask: Tensor, pad_token_id: int | None) -> int:
+    """The id that pads the rows tokens were deleted from: ``pad_token_id`` where given,
+    else the ``config.pad_token_id`` of ``forward_func`` (the model, or a method of it), else
+    the one id the inputs are padded with, else 0."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    model = forward_func if isinstance(forward_func, torch.nn.Module) else getattr(forward_func, "__self__", None)
+    configured = configured_pad_id(model)
+    if configured is not None:
+        return configured
+    padding = input_ids[attention_mask == 0].unique()
+    return int(padding[0]) if len(padding) == 1 else 0
+
+
+def _with_padding_column(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """The inputs followed by one column of ``pad_id`` padding (mask 0)."""
+    return torch.cat([ids, ids.new_full((len(ids), 1), pad_id)], dim=1), torch.cat([mask, mask.new_zeros((len(mask), 1))], dim=1)
+
+
+def configured_pad_id(model: Any) -> int | None:
+    """``model.config.pad_token_id`` where it is an id (not negative), else None."""
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad_id if isinstance(pad_id, int) and not isinstance(pad_id, bool) and pad_id >= 0 else None
 
 
 def _check_bins(bins: Sequence[float]) -> list[float]:
@@ -207,6 +257,7 @@ def comprehensiveness(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     r"""ERASER comprehensiveness: p(y|x) − p(y|x \ r_k) for the top-k% tokens r_k.
 
@@ -224,11 +275,19 @@ def comprehensiveness(
         baseline_token_id (int, optional): replacement id for removal="replace".
         keep (Tensor, optional): ``(batch, seq_len)`` bool, tokens never removed.
         max_batch_size (int, optional): sequences per forward. Default: 256.
+        pad_token_id (int, optional): the id that pads the rows tokens were deleted from
+            (they close up on the left). Default: None: the ``config.pad_token_id`` of
+            ``forward_func`` where it is the model (or one of its methods), else the id
+            the inputs are padded with, else 0; a model whose output moves when the first
+            example is padded so is refused in one line (a decoder classifier finds its
+            last token by its pad id).
 
     Returns:
         ``(batch, len(bins))`` tensor.
     """
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     return _drop_per_bin(remover, attributions, bins, remove_top=True)
 
 
@@ -243,12 +302,15 @@ def sufficiency(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     """ERASER sufficiency: p(y|x) − p(y|r_k), keeping only the top-k% tokens (and ``keep``).
 
     Arguments as for :func:`comprehensiveness`. Returns ``(batch, len(bins))``.
     """
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     return _drop_per_bin(remover, attributions, bins, remove_top=False)
 
 
@@ -270,6 +332,7 @@ def perturbation_curve(
     baseline_token_id: int | None = 0,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> CurveResult:
     """Chefer et al.'s positive (most relevant first) or negative perturbation test.
 
@@ -281,8 +344,8 @@ def perturbation_curve(
 
     Args:
         forward_func (Callable): ``forward_func(input_ids, attention_mask)`` returns logits.
-        input_ids, attention_mask, attributions, target, keep, max_batch_size: as for
-            :func:`comprehensiveness`.
+        input_ids, attention_mask, attributions, target, keep, max_batch_size, pad_token_id:
+            as for :func:`comprehensiveness`.
         steps (sequence of float, optional): percentages removed. Default: 10..90.
         most_relevant_first (bool, optional): positive (True) or negative test.
         removal (str, optional): "replace" (default, with ``baseline_token_id``, 0 by
@@ -292,7 +355,9 @@ def perturbation_curve(
     Returns:
         CurveResult.
     """
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     fractions = _check_bins(steps)
     rows, remove = remover.top_tokens(attributions, fractions, most_relevant_first)
     after, agree = remover.evaluate(rows, remove)
@@ -318,6 +383,7 @@ def leave_one_out(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     """Leave-one-out importance p(y|x) − p(y|x \\ {i}) of each removable token, batched;
     0 for padding and ``keep`` tokens. A ranking source for agreement and erasure.
@@ -327,7 +393,9 @@ def leave_one_out(
     Returns:
         ``(batch, seq_len)`` tensor.
     """
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     if not bool(remover.removable.any()):
         raise ValueError("keep covers every real token: there is no token to leave out.")
     rows, positions = remover.removable.nonzero(as_tuple=True)
@@ -349,6 +417,7 @@ def greedy_deletion(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     """A ranking whose top tokens are the ones that, removed together, lower the target's
     probability most, found greedily among those a one-pass attribution ``prior`` ranks
@@ -381,7 +450,9 @@ def greedy_deletion(
     """
     if not candidates or any(int(count) < 1 for count in candidates):
         raise ValueError(f"candidates must be one or more positive counts of tokens to try per step, got {tuple(candidates)}.")
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     if tuple(prior.shape) != tuple(input_ids.shape):
         raise ValueError(f"prior has shape {tuple(prior.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
     check_rankable(prior, remover.removable, "prior")
@@ -420,6 +491,7 @@ def ablated_probs(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     """The target class's probability under ablations of your choosing, each token removed
     as the ERASER metrics remove it: for a surrogate of your own (ContextCite's with tokens
@@ -440,7 +512,9 @@ def ablated_probs(
         >>> kept = torch.rand(len(input_ids), 64, input_ids.shape[1]) < 0.5
         >>> probs = ablated_probs(model, input_ids, attention_mask, kept)  # (batch, 64)
     """
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     if kept.dim() != 3 or tuple(kept.shape[::2]) != tuple(input_ids.shape) or kept.dtype != torch.bool:
         raise ValueError(
             f"kept must be a bool tensor (batch={input_ids.shape[0]}, ablations, seq_len={input_ids.shape[1]}), "
@@ -496,6 +570,7 @@ def calibrated_attribution(
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
     max_batch_size: int = 256,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     r"""A classifier's prediction explained by an attribution calibrated on a few
     ablations: :func:`~captum_attention.metrics.surrogate.calibrated_surrogate`
@@ -532,7 +607,9 @@ def calibrated_attribution(
     """
     if num_ablations < 1 or ridge <= 0:
         raise ValueError(f"num_ablations must be at least 1 and ridge positive, got {num_ablations} and {ridge}.")
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     remover.check_scores(prior)
     kept = random_halves(remover.removable, num_ablations, seed, example_seeds(input_ids, remover.real, seed))
     probs = remover.kept_probs(kept).double().clamp(1e-12, 1 - 1e-12)
@@ -555,6 +632,7 @@ def context_averaged_attribution(
     removal: str = "delete",
     baseline_token_id: int | None = None,
     keep: Tensor | None = None,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     r"""A classifier's prediction explained in random half contexts: an attribution of
     each input with about half of its removable tokens removed, averaged per token over the
@@ -588,6 +666,11 @@ def context_averaged_attribution(
         num_contexts (int, optional): :math:`A`, even. Default: 8.
         seed (int, optional): the contexts' seed (keep it apart from the one an LDS is
             measured with). Default: 1.
+        pad_token_id (int, optional): the id that pads the contexts' rows. Default: None:
+            the id the inputs are padded with; where they hold no padding, 0, once two
+            calls more have shown that a column of it after the inputs leaves their scores
+            unchanged (a decoder classifier that finds its last token by another pad id is
+            refused in one line).
 
     Returns:
         ``(batch, seq_len)`` float32 scores; 0 at padding and at the ``keep`` tokens.
@@ -610,14 +693,31 @@ def context_averaged_attribution(
         )
     check_rankable(prior, removable, name="prior", finite=True)
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
+    pad_id = padding_id(attribute_func, input_ids, attention_mask, pad_token_id)
+    if removal == "delete" and pad_token_id is None and len(input_ids) > 1 and bool((attention_mask != 0).all()):
+        _confirm_padding_unread(attribute_func, input_ids, attention_mask, pad_id)  # the id is a guess: no padding to learn it from
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for kept in complemented(halves, removable).unbind(dim=1):
-        ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id)
+        ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id, pad_id)
         if removal == "delete":  # the kept tokens come first: no pass spent on the columns that pad every row
             width = max(int((mask != 0).sum(dim=1).max()), 1)
             ids, mask, positions = ids[:, :width], mask[:, :width], positions[:, :width]
         summed += scores_in_context(attribute_func, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
+
+
+def _confirm_padding_unread(attribute_func: Callable[[Tensor, Tensor], Tensor], ids: Tensor, mask: Tensor, pad_id: int) -> None:
+    """A one-line error where one column of ``pad_id`` padding (mask 0) after the inputs
+    moves their scores: the contexts pad their shortened rows so."""
+    scores = attribute_func(ids, mask).detach().double()
+    padded = attribute_func(*_with_padding_column(ids, mask, pad_id)).detach().double()[:, :-1]
+    moved = float((scores - padded).abs().max())
+    if moved > 1e-3 * float(scores.abs().max()):
+        raise ValueError(
+            f"A column of padding with token id {pad_id} (attention mask 0) after the inputs moves attribute_func's scores "
+            f"by up to {moved:.2g}, and the contexts pad their rows so: pass pad_token_id=<the id the model pads with> "
+            "(a decoder classifier finds its last token by config.pad_token_id) or use removal='replace'."
+        )
 
 
 def complemented(halves: Tensor, present: Tensor) -> Tensor:
@@ -668,6 +768,7 @@ def datamodeling_score(
     keep: Tensor | None = None,
     max_batch_size: int = 256,
     per_example: bool = False,
+    pad_token_id: int | None = None,
 ) -> Tensor:
     r"""LDS of a classifier's explanation (Park et al., ICML 2023; ContextCite's measure,
     Cohen-Wang et al., NeurIPS 2024): Spearman's ρ, over ``num_ablations`` random
@@ -708,7 +809,9 @@ def datamodeling_score(
     """
     if num_ablations < 3:
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
-    remover = _Remover(forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size)
+    remover = _Remover(
+        forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
+    )
     remover.check_scores(attributions)
     own_seeds = example_seeds(input_ids, remover.real, seed) if per_example else None
     kept = random_halves(remover.removable, num_ablations, seed, own_seeds)

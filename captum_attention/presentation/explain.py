@@ -260,7 +260,7 @@ def refined_method(
     def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, extra: Any) -> torch.Tensor | NotedScores:
         prior = at_presence(ids, mask, targets, extra)
         keep = special_tokens(ids, tokenizer)
-        refined = refine(forward, ids, mask, prior, targets, keep=keep)
+        refined = refine(forward, ids, mask, prior, targets, keep=keep, pad_token_id=tokenizer.pad_token_id)
         return refined if note is None else NotedScores(refined, note(prior, refined, (mask != 0) & ~keep))
 
     return run
@@ -273,11 +273,11 @@ def in_half_contexts(attn_lrp: Any) -> Refine:
     on the batch, explaining the same targets."""
 
     def refine(forward: Callable[..., Any], ids: torch.Tensor, mask: torch.Tensor, prior: torch.Tensor,
-               targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+               targets: torch.Tensor, keep: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
         def in_context(context_ids: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
             return attn_lrp.attribute(context_ids, target=targets, additional_forward_args=(context_mask,))
 
-        return context_averaged_attribution(in_context, ids, mask, prior, keep=keep)
+        return context_averaged_attribution(in_context, ids, mask, prior, keep=keep, pad_token_id=pad_token_id)
 
     return refine
 
