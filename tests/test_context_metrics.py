@@ -310,6 +310,30 @@ def test_an_example_scores_the_same_alone_and_in_a_padded_batch():
         assert lds_alone.item() == pytest.approx(lds[b].item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_forward_without_position_ids_is_confirmed_or_refused_on_the_left_padding(family):
+    """Deleting segments pads the prompts on the left. Llama's rotary positions are
+    relative: a forward_func that gives it no position ids scores each example as alone.
+    GPT-2's are absolute: the padding would shift them, so such a forward_func is refused
+    in one line, where the model itself (given position ids that skip the padding) scores
+    each example as alone."""
+    model, prompts = make_decoder(family), make_prompts(side="left")
+    scores = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(2))
+    plain = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    by_model = top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
+    for b in range(3):
+        real = prompts.real[b]
+        alone = top_k_log_prob_drop(model, prompts.input_ids[b : b + 1, real], prompts.attention_mask[b : b + 1, real],
+                                    ANSWER[b : b + 1], scores[b : b + 1, real], ks=(2,))
+        torch.testing.assert_close(by_model[b : b + 1], alone, atol=1e-4, rtol=1e-4)
+    if family == "gpt2":
+        with pytest.raises(ValueError, match="left of example 0's prompt moves .* pass the Hugging Face model itself"):
+            top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
+    else:
+        by_plain = top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
+        torch.testing.assert_close(by_plain, by_model, atol=1e-4, rtol=1e-4)
+
+
 def test_registered_for_generation_and_out_of_the_classifier_evaluation():
     from captum_attention.presentation.evaluate import metric_names
 

@@ -82,6 +82,8 @@ class _AnswerScorer:
         self.rows = torch.arange(len(input_ids), device=input_ids.device)
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
+        self.padding_side = "left" if self.decoder_start is None else "right"
+        self.padding_confirmed = False
 
     @cached_property
     def original(self) -> Tensor:
@@ -128,56 +130,79 @@ class _AnswerScorer:
         for start in range(0, len(rows), per_forward):
             chunk = rows[start : start + per_forward]
             gone = removed[start : start + per_forward]
-            with torch.no_grad():
-                logits = self._answer_logits(chunk, gone)
-            values.append(logits.float().log_softmax(dim=-1).gather(2, self.answer[chunk][..., None]).sum(dim=(1, 2)))
+            prompts, mask, _ = self._kept(chunk, gone)
+            values.append(self._answer_log_probs(prompts, mask, self.answer[chunk]))
         return torch.cat(values)
 
-    def _answer_logits(self, rows: Tensor, removed: Tensor) -> Tensor:
+    def _answer_log_probs(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
+        """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``."""
+        with torch.no_grad():
+            logits = self._answer_logits(prompts, mask, answer)
+        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum(dim=(1, 2))
+
+    def _answer_logits(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
-        new = self.answer.shape[1]
+        new = answer.shape[1]
         if self.decoder_start is not None:
-            source, mask, _ = self._kept(rows, removed, padding_side="right")
-            answer = self.answer[rows]
             start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
-            logits = output_logits(self.forward_func(input_ids=source, attention_mask=mask, decoder_input_ids=decoder))
+            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
         else:
-            logits = output_logits(_run(self.forward_func, *self._sequences(rows, removed)))
+            sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
+            logits = output_logits(_run(self.forward_func, sequences, sequence_mask))
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
-    def _sequences(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor]:
-        """Prompts without the removed segments' tokens (left padded), then the answer."""
-        ids, mask, _ = self._kept(rows, removed, padding_side="left")
-        answer = self.answer[rows]
-        return torch.cat([ids, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
+    def _confirm_padding_unread(self) -> None:
+        """A one-line error where one column of padding on the prompts' padding side moves
+        the first example's answer log-probability: deleting segments pads the shortened
+        prompts there (a forward that gives a model with absolute positions no position ids
+        that skip the left padding; one that leaves the attention mask out)."""
+        prompt = self.ids[:1, self.real[0]]
+        mask = torch.ones_like(prompt)
+        column = (torch.zeros_like(prompt[:, :1]), torch.zeros_like(mask[:, :1]))
+        parts = [column, (prompt, mask)] if self.padding_side == "left" else [(prompt, mask), column]
+        padded_prompt, padded_mask = (torch.cat(part, dim=1) for part in zip(*parts))
+        alone = float(self._answer_log_probs(prompt, mask, self.answer[:1])[0])
+        moved = abs(float(self._answer_log_probs(padded_prompt, padded_mask, self.answer[:1])[0]) - alone)
+        if moved > 1e-3 * max(1.0, abs(alone)):
+            raise ValueError(
+                f"A column of padding (attention mask 0) on the {self.padding_side} of example 0's prompt moves its "
+                f"answer's log-probability by {moved:.2g}, and deleting segments pads the prompts there: pass the "
+                "Hugging Face model itself as forward_func (it gets position ids that skip the left padding, as "
+                "generate gives them), or a forward_func that gives its model the mask and such position ids."
+            )
+        self.padding_confirmed = True
 
-    def _kept(self, rows: Tensor, removed: Tensor, padding_side: str) -> tuple[Tensor, Tensor, Tensor]:
+    def _kept(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(ids, mask, positions)`` of the prompts without the removed segments' tokens,
-        padded on ``padding_side``, without the columns that are padding in every row;
-        ``positions``: the prompt position each column's token came from."""
+        padded on :attr:`padding_side` (a decoder's prompts on the left, an encoder's source on
+        the right), without the columns that are padding in every row; ``positions``: the
+        prompt position each column's token came from. The first padding is confirmed
+        unread (:meth:`_confirm_padding_unread`)."""
         segments = self.segments[rows]
         gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
         kept = self.real[rows] & ~gone
-        rank = kept.int() if padding_side == "left" else (~kept).int()
+        rank = kept.int() if self.padding_side == "left" else (~kept).int()
         order = rank.argsort(dim=1, stable=True)  # padding on its side, kept tokens in order
         ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
         mask = kept.gather(1, order).long()
         width = int((mask != 0).any(dim=0).sum())
-        columns = slice(-width, None) if padding_side == "left" else slice(0, width)
-        return ids[:, columns], mask[:, columns], order[:, columns]
+        columns = slice(-width, None) if self.padding_side == "left" else slice(0, width)
+        ids, mask, order = ids[:, columns], mask[:, columns], order[:, columns]
+        if not self.padding_confirmed and bool((mask == 0).any()):
+            self._confirm_padding_unread()
+        return ids, mask, order
 
     def contexts(self, kept: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """For each ``(B, S)`` bool of ``kept`` ``(B, A, S)``: the prompts with only those
         segments (and the tokens never removed), padded as the model reads them, and the
         prompt position of each column's token (:meth:`_kept`)."""
-        padding_side = "left" if self.decoder_start is None else "right"
         for segments in kept.unbind(dim=1):
-            yield self._kept(self.rows, self.present & ~segments.to(self.present.device), padding_side)
+            yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
 
 
 def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
