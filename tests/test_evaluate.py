@@ -32,6 +32,7 @@ from captum_attention.capture.identity import weights_digest
 from captum_attention.metrics import aopc, comprehensiveness, datamodeling_score, token_f1
 from captum_attention.presentation import evaluate as ev
 from captum_attention.presentation.cli import main
+from captum_attention.presentation.explain import explain
 
 WORDS = "the a film plot was is not very good bad dull superb acting story great awful".split()
 
@@ -124,19 +125,23 @@ def test_every_method_and_metric_gives_an_example_the_same_row_in_any_batch(chec
 
 def test_a_decoder_classifier_padded_with_its_own_id_gives_each_example_its_row_alone(tmp_path):
     """GPT-2's classifier finds its last token by config.pad_token_id (1 here, not 0): the
-    rows the metrics and the refined methods shorten by deletion are padded with it, so a
-    batch of 4 gives each example the row it gets alone."""
+    rows the metrics and the refined methods shorten by deletion are padded with it. Its
+    positions are absolute: the batches are padded on the right although its tokenizer pads
+    on the left (SHAP's values placed so too). A batch of 4 gives each example the row it
+    gets alone, in ``evaluate`` and in ``explain``."""
     folder = tmp_path / "gpt2"
     folder.mkdir()
     vocab = folder / "vocab.txt"
     vocab.write_text("\n".join(["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    tokenizer = tf.BertTokenizerFast(vocab=str(vocab))
+    tokenizer = tf.BertTokenizerFast(vocab=str(vocab), padding_side="left")
     torch.manual_seed(0)
     config = tf.GPT2Config(vocab_size=len(WORDS) + 5, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=1, num_labels=2)
-    tf.GPT2ForSequenceClassification(config).eval().save_pretrained(folder)
+    model = tf.GPT2ForSequenceClassification(config).eval()
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    methods = "grad_sam,attn_lrp_presence_calibrated,attn_lrp_half_contexts,attn_lrp_presence_greedy"
-    common = [str(_data(tmp_path, 6)), "--model", str(folder), "--methods", methods]
+    methods = "grad_sam,attn_lrp_presence_calibrated,attn_lrp_half_contexts,attn_lrp_presence_greedy,shap"
+    data = _data(tmp_path, 6)
+    common = [str(data), "--model", str(folder), "--methods", methods, "--shap-evals", "40"]
     assert _run(*common, "--batch-size", "4", "--output", str(tmp_path / "four")) == 0
     assert _run(*common, "--batch-size", "1", "--output", str(tmp_path / "one")) == 0
     key = lambda row: (row["index"], row["method"])  # noqa: E731
@@ -144,6 +149,13 @@ def test_a_decoder_classifier_padded_with_its_own_id_gives_each_example_its_row_
         assert key(row) == key(other)
         for metric in ev.metric_names():
             assert row[metric] is None or row[metric] == pytest.approx(other[metric], abs=1e-4), (row["method"], metric)
+    texts = [e.text for e in ev.read_dataset(data)[0]]
+    together = explain(model, tokenizer, texts, methods=["grad_sam", "attn_lrp"], batch_size=4).sentences
+    for sentence in together:
+        alone = explain(model, tokenizer, [sentence.text], methods=["grad_sam", "attn_lrp"]).sentences[0]
+        assert sentence.probability == pytest.approx(alone.probability, abs=1e-5)
+        for name, scores in sentence.scores.items():
+            assert scores == pytest.approx(alone.scores[name], abs=1e-5), name
 
 
 def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_path):

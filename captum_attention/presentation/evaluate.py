@@ -38,8 +38,8 @@ from .dataset import AnswerExample, DatasetError, Example, batches, read_answers
 from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
-    check_names, classifier_forward, ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method,
-    registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
+    check_names, classifier_forward, classifier_inputs, ig_baseline, in_half_contexts, length_limit, method_names, noted,
+    prompt_span, refined_method, registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -362,7 +362,7 @@ def _evaluate_batch(
     model: Any, tokenizer: Any, batch: list[Example], explainers: dict[str, Explainer], metrics: Sequence[str]
 ) -> list[dict[str, Any]]:
     texts = [e.text for e in batch]
-    encoded = tokenizer(texts, padding=True, truncation=True, max_length=length_limit(model, tokenizer), return_tensors="pt")
+    encoded = classifier_inputs(tokenizer, texts, truncation=True, max_length=length_limit(model, tokenizer))
     device = next(model.parameters()).device
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     forward = classifier_forward(model)

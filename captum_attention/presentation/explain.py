@@ -343,6 +343,13 @@ def answer_estimates(
     return leave_one_out_estimates(model, ids, mask, answer, first_order, spans("attn_lrp"), segments)
 
 
+def classifier_inputs(tokenizer: Any, texts: Sequence[str], **options: Any) -> Any:
+    """``tokenizer(texts)`` as tensors, padded on the right whatever side the tokenizer pads
+    by default: a decoder classifier finds its last token before its pad id, GPT-2's absolute
+    positions would shift under left padding, and the metrics' deletions pad on the right."""
+    return tokenizer(list(texts), padding=True, padding_side="right", return_tensors="pt", **options)
+
+
 def classifier_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``forward(ids, mask)``: the classifier's logits, its inputs passed by name."""
 
@@ -454,7 +461,7 @@ def _explain_batch(
     model: Any, tokenizer: Any, sentences: list[str], target: int | None, limit: int,
     methods: dict[str, ReportMethod],
 ) -> tuple[list[SentenceExplanation], dict[str, float]]:
-    encoded = tokenizer(sentences, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+    encoded = classifier_inputs(tokenizer, sentences, truncation=True, max_length=limit)
     full_lengths = [len(ids) for ids in tokenizer(sentences, truncation=False)["input_ids"]]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():

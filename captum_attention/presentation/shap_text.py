@@ -2,8 +2,9 @@
 
 ``shap``'s text masker masks the tokenizer's own tokens, so with the model's tokenizer its
 values line up one to one with the model's tokens (``[CLS]`` and ``[SEP]`` included). This
-puts them in the ``(batch, seq_len)`` layout of ``tokenizer(texts, padding=True)``, which
-every metric of :mod:`captum_attention.metrics` takes.
+puts them in the ``(batch, seq_len)`` layout of the texts padded on the right
+(:func:`~captum_attention.presentation.explain.classifier_inputs`), which every metric of
+:mod:`captum_attention.metrics` takes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from .explain import classifier_inputs
 
 
 def shap_token_values(
@@ -32,7 +35,7 @@ def shap_token_values(
         max_evals (int, optional): model evaluations per text. Default: 300.
 
     Returns:
-        ``(batch, seq_len)`` float32, aligned with ``tokenizer(texts, padding=True)``, 0 at
+        ``(batch, seq_len)`` float32, aligned with the texts padded on the right, 0 at
         padding.
 
     Raises:
@@ -42,11 +45,11 @@ def shap_token_values(
     import shap
 
     def probabilities(strings: Sequence[str]) -> np.ndarray:
-        encoded = tokenizer(list(strings), padding=True, return_tensors="pt")
+        encoded = classifier_inputs(tokenizer, strings)
         with torch.no_grad():
             return forward_func(encoded["input_ids"], encoded["attention_mask"]).softmax(-1).float().numpy()
 
-    encoded = tokenizer(list(texts), padding=True, return_tensors="pt")
+    encoded = classifier_inputs(tokenizer, texts)
     explainer = shap.Explainer(probabilities, shap.maskers.Text(tokenizer), algorithm="partition")
     explanation = explainer(list(texts), max_evals=max_evals, silent=True)
     scores = torch.zeros(encoded["input_ids"].shape)
