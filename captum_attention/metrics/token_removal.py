@@ -194,16 +194,18 @@ def _removable(attention_mask: Tensor, keep: Tensor | None) -> Tensor:
 def removed(
     input_ids: Tensor, attention_mask: Tensor, remove: Tensor, removal: str, baseline_token_id: int | None, pad_token_id: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The inputs with the ``remove`` tokens removed, and ``(B, T)`` where each position's
-    token came from: deleted (the kept tokens first, in order, then ``pad_token_id``) or
-    replaced by ``baseline_token_id`` in place."""
+    """The inputs with the ``remove`` tokens removed, and ``(B, T')`` where each position's
+    token came from: deleted (the kept tokens first, in order, then ``pad_token_id``; no
+    column that pads every row, so ``T' <= T``) or replaced by ``baseline_token_id`` in place."""
     if removal == "replace":
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return input_ids.masked_fill(remove, int(baseline_token_id)), attention_mask, positions  # type: ignore[arg-type]
     kept = (attention_mask != 0) & ~remove
     positions = (~kept).int().argsort(dim=1, stable=True)
     lengths = kept.sum(dim=1, keepdim=True)
-    new_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) < lengths).to(attention_mask.dtype)
+    width = max(int(lengths.max()), 1)
+    positions = positions[:, :width]
+    new_mask = (torch.arange(width, device=input_ids.device) < lengths).to(attention_mask.dtype)
     return input_ids.gather(1, positions).masked_fill(new_mask == 0, pad_token_id), new_mask, positions
 
 
@@ -699,9 +701,6 @@ def context_averaged_attribution(
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for kept in complemented(halves, removable).unbind(dim=1):
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id, pad_id)
-        if removal == "delete":  # the kept tokens come first: no pass spent on the columns that pad every row
-            width = max(int((mask != 0).sum(dim=1).max()), 1)
-            ids, mask, positions = ids[:, :width], mask[:, :width], positions[:, :width]
         summed += scores_in_context(attribute_func, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
 
