@@ -85,7 +85,7 @@ class _Remover:
         self.targets = resolve_targets(probs, target)
         self.original = self.target_probs(probs, self.targets)
         self.decision = probs.argmax(dim=-1)
-        if removal == "delete":
+        if removal == "delete" and len(input_ids) > 1:  # one example's deletions are never padded
             self._check_padding_unread()
 
     def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
