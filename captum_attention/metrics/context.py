@@ -138,7 +138,7 @@ class _AnswerScorer:
         """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``."""
         with torch.no_grad():
             logits = self._answer_logits(prompts, mask, answer)
-        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum(dim=(1, 2))
+        return _summed_log_probs(logits, answer)
 
     def _answer_logits(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
@@ -166,9 +166,13 @@ class _AnswerScorer:
         column = (torch.zeros_like(prompt[:, :1]), torch.zeros_like(mask[:, :1]))
         parts = [column, (prompt, mask)] if self.padding_side == "left" else [(prompt, mask), column]
         padded_prompt, padded_mask = (torch.cat(part, dim=1) for part in zip(*parts))
-        alone = float(self._answer_log_probs(prompt, mask, self.answer[:1])[0])
-        moved = abs(float(self._answer_log_probs(padded_prompt, padded_mask, self.answer[:1])[0]) - alone)
-        if moved > 1e-3 * max(1.0, abs(alone)):
+        answer = self.answer[:1]
+        with torch.no_grad():
+            alone_logits = self._answer_logits(prompt, mask, answer)
+            padded_logits = self._answer_logits(padded_prompt, padded_mask, answer)
+        alone = float(_summed_log_probs(alone_logits, answer)[0])
+        moved = abs(float(_summed_log_probs(padded_logits, answer)[0]) - alone)
+        if moved > max(1e-3, 8 * torch.finfo(alone_logits.dtype).eps) * max(1.0, abs(alone)):
             raise ValueError(
                 f"A column of padding (attention mask 0) on the {self.padding_side} of example 0's prompt moves its "
                 f"answer's log-probability by {moved:.2g}, and deleting segments pads the prompts there: pass the "
@@ -203,6 +207,11 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
+
+
+def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
+    """``(R,)`` the answer tokens' log-probabilities under ``logits`` ``(R, answer tokens, vocab)``, summed."""
+    return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum(dim=(1, 2))
 
 
 def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
