@@ -112,6 +112,31 @@ def test_rollout_options(setup):
         AttentionRollout(model).attribute(batch.input_ids, discard_ratio=1.0)
 
 
+def test_an_encoder_decoder_given_one_input_is_told_to_pass_the_pair():
+    """Captum's second positional input of an encoder-decoder is the decoder's ids: one
+    input, its mask among the extra arguments, is refused in one line by the methods and by
+    the metrics that run the model, not read with the mask as the decoder's ids."""
+    import transformers as tf
+
+    from captum_attention.metrics import attention_erasure
+
+    torch.manual_seed(0)
+    config = tf.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        num_labels=2,
+    )
+    model = tf.BartForSequenceClassification(config).eval()
+    ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids[:, -1] = 2
+    mask = torch.ones_like(ids)
+    pair = r"is an encoder-decoder: pass inputs=\(input_ids, decoder_input_ids\)"
+    with pytest.raises(TypeError, match=pair):
+        GradSAM(model).attribute(ids, target=1, additional_forward_args=(mask,))
+    with pytest.raises(TypeError, match=pair):
+        attention_erasure(model, ids, torch.zeros_like(ids, dtype=torch.bool), (mask,))
+
+
 def test_forward_func_not_returning_logits(setup):
     model, batch = setup
     explainer = GradSAM(lambda ids: model(ids).logits[:, 0], model=model)

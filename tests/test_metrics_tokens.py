@@ -184,6 +184,31 @@ def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     torch.testing.assert_close(from_inputs[:, 0], _comprehensiveness_alone(forward, padded_ids, padded_mask, scores, no_keep, 0.5))
 
 
+def test_an_encoder_decoder_classifier_given_as_it_is_gets_its_mask_as_the_mask():
+    """BART's classifier takes its mask second (its decoder's ids come from the input ids):
+    the model itself as ``forward_func`` is scored as each example is alone, never with the
+    mask where the decoder's ids go."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        num_labels=2,
+    )
+    model = tf.BartForSequenceClassification(config).eval()
+    forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids[:, -1] = 2  # the end of sequence it reads, kept
+    mask = torch.ones_like(ids)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, -1] = True
+    keep[0, :2] = True  # the rows keep 6 and 5 tokens: one padded
+    scores = torch.randn(2, 9, generator=torch.Generator().manual_seed(2))
+    by_model = comprehensiveness(model, ids, mask, scores, target=1, bins=(50,), keep=keep)
+    torch.testing.assert_close(by_model[:, 0], _comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5), atol=1e-6, rtol=1e-5)
+
+
 def test_a_forward_that_leaves_the_mask_out_is_refused_for_deletion(bag):
     model, ids, mask, target, _ = bag
     unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731

@@ -17,7 +17,9 @@ from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRu
 from ..capture.adapters.images import cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
 from ..capture.record import check_gradients_possible
-from ..capture.runner import CaptureMode, CaptureRunner, check_capture_mode, resolve_adapter, resolve_model, stream_refusal
+from ..capture.runner import (
+    CaptureMode, CaptureRunner, check_capture_mode, check_input_pair, resolve_adapter, resolve_model, stream_refusal,
+)
 from ..maps import effective_attention, patch_grid
 from ..maps.lrp import token_relevance
 from ._docs import shared_attribute_docs, shared_class_docs
@@ -273,11 +275,7 @@ class AttentionAttributionBase:
         effective = bool(options.pop("effective", False))
         is_tuple, tensors = format_inputs(inputs)
         adapter = resolve_adapter(self.model, self.adapter)
-        if adapter.is_encoder_decoder(self.model) and len(tensors) != 2:
-            raise TypeError(
-                f"{type(self.model).__name__} is an encoder-decoder: pass inputs=(input_ids, "
-                "decoder_input_ids) and get (source scores, target scores) back."
-            )
+        check_input_pair(adapter, self.model, tensors, " and get (source scores, target scores) back")
         record = self._explained(
             self._recorded(tensors, additional_forward_args, query_index, effective, return_maps, options), target
         )

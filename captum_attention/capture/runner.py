@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
-from torch import nn
+from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported
 from .adapters import AttentionAdapter, default_adapter
@@ -51,6 +51,16 @@ def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who
 def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> AttentionAdapter:
     """``adapter``, or the built-in one for ``model``."""
     return adapter if adapter is not None else default_adapter(model)
+
+
+def check_input_pair(adapter: AttentionAdapter, model: nn.Module, tensors: tuple[Tensor, ...], returned: str = "") -> None:
+    """A one-line error where an encoder-decoder gets one input: its second positional
+    input is the decoder's ids (a classifier's too), not the mask."""
+    if adapter.is_encoder_decoder(model) and len(tensors) != 2:
+        raise TypeError(
+            f"{type(model).__name__} is an encoder-decoder: pass inputs=(input_ids, decoder_input_ids){returned} "
+            "(a classifier's decoder_input_ids: its input_ids shifted right, as it makes them itself)."
+        )
 
 
 def stream_refusal(adapter: AttentionAdapter, probes: Sequence[Probe] = ()) -> str | None:

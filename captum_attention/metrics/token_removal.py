@@ -74,7 +74,7 @@ class _Remover:
             raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-        self.forward_func = HuggingFaceAdapter().keyword_forward(forward_func)  # a cache second (GPT-2, Bloom) is left out
+        self.forward_func = HuggingFaceAdapter().named_forward(forward_func)  # a cache second (GPT-2, Bloom) is left out
         self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0

@@ -190,6 +190,16 @@ class HuggingFaceAdapter(AdapterBase):
             return _ByParameterName(forward_func)
         return _KeywordForward(forward_func, encoder_decoder)
 
+    def named_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """A Hugging Face model called with ``(input_ids, attention_mask)`` by the names of
+        its forward's parameters in order, cache parameters left out, whatever the model (an
+        encoder-decoder classifier's second parameter is its mask, where
+        :meth:`keyword_forward` gives Captum's second input, the decoder's ids); other
+        forward functions as they are."""
+        from transformers import PreTrainedModel
+
+        return _ByParameterName(forward_func) if isinstance(forward_func, PreTrainedModel) else forward_func
+
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
         overlapping patch embedding, a convolution of stride ``strides[0]`` padded by half its
