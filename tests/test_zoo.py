@@ -11,7 +11,7 @@ import transformers as tf
 from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
-    make_case, outcomes, reference, runs, shares_outcome,
+    make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
 )
 
 from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
@@ -266,3 +266,18 @@ def test_a_shortened_sequence_is_refused_in_one_line_naming_both_attentions():
     assert {o.status for o in found.values()} == {"refused"}
     assert all("attends over 2 positions, while CanineSelfAttention (call 0) attends over the 8 input tokens" in o.detail
                for o in found.values())
+
+
+@pytest.mark.parametrize("model_type, status", [("gpt2", "exact"), ("bart", "exact"), ("xlnet", "refused")])
+def test_deleting_tokens_from_a_padded_batch_is_exact_or_refused(model_type, status):
+    """GPT-2 finds its last token by its pad id, BART's mask is no decoder input, XLNet
+    reads its last position, which the right padding moves."""
+    outcome = removal_outcome(_architecture("sequence classification", model_type))
+    assert outcome.status == status, outcome
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("sequence classification"), ids=lambda a: a.name)
+def test_deleting_tokens_is_exact_or_refused_in_one_line_on_every_classifier(architecture):
+    outcome = removal_outcome(architecture)
+    assert outcome.status not in ("error", "wrong"), f"{architecture.name}: {outcome}"

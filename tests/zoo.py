@@ -35,6 +35,7 @@ import copy
 import inspect
 import json
 import logging
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -703,6 +704,56 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     expected = torch.stack([a.detach().float()[..., :tokens].masked_fill(~others, 0.0).amax(dim=(1, 2)) for a in maps]).amax(dim=0)
     expected[:, 0] = 0.0
     return Outcome("exact") if _close(shares, expected) else Outcome("wrong", "shares off the eager twin's maps")
+
+
+def removal_outcome(architecture: Architecture) -> Outcome:
+    """ERASER comprehensiveness of a sequence classifier given as it is, on a batch whose
+    deletions leave one row shorter (padded) than the other, the last token (an end of
+    sequence that BART-like classifiers read) kept: ``exact`` where it equals each example
+    alone and unpadded, refused in one line (the padding moves the model's output), ``not
+    built`` where the model cannot run on token ids and a mask alone, else an error or wrong."""
+    from captum_attention.metrics import comprehensiveness
+
+    try:
+        case = runs(make_case(build(architecture), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    ids = case.inputs[0] if isinstance(case.inputs, tuple) else case.inputs
+    assert isinstance(ids, torch.Tensor)
+    mask = torch.ones_like(ids)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, -1] = True
+    keep[0, :2] = True  # 5 removable tokens against 7: the rows keep 5 and 4
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+
+    def alone(row: int, kept: torch.Tensor) -> torch.Tensor:
+        logits = case.model(input_ids=ids[row : row + 1, kept], attention_mask=mask[row : row + 1, kept]).logits
+        return logits.float().softmax(dim=-1)[0, TEXT_TARGET]
+
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            alone(0, torch.ones(ids.shape[1], dtype=torch.bool))
+    except Exception as error:  # noqa: BLE001 - the model itself takes more than ids and a mask
+        return Outcome("not built", f"the model itself fails on ids and a mask: {_one_line(error)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            drops = comprehensiveness(case.model, ids, mask, scores, target=TEXT_TARGET, bins=(50,), keep=keep)[:, 0]
+    except ValueError as error:
+        message = str(error).strip()
+        return Outcome("refused" if "\n" not in message and "pass pad_token_id" in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    expected = []
+    with torch.no_grad():
+        for row in range(len(ids)):
+            removable = ~keep[row]
+            count = math.ceil(0.5 * int(removable.sum()))
+            kept = torch.ones(ids.shape[1], dtype=torch.bool)
+            kept[scores[row].masked_fill(~removable, float("-inf")).argsort(descending=True)[:count]] = False
+            expected.append(alone(row, torch.ones_like(kept)) - alone(row, kept))
+    return Outcome("exact") if torch.allclose(drops, torch.stack(expected), atol=1e-5) else Outcome("wrong", "off each example alone")
 
 
 def decomposition_outcome(architecture: Architecture, multiply_by_inputs: bool = True) -> Outcome:

@@ -5,8 +5,8 @@ linear datamodeling score over random half removals, and leave-one-out importanc
 Tokens are removed either by deletion (the remaining tokens close up, the sequence gets
 shorter) or by replacement with a baseline token id (e.g. [MASK] or [PAD]); tokens in
 ``keep`` (special tokens, say) are never removed. These metrics call
-``forward_func(input_ids, attention_mask)`` directly (a Hugging Face model by the names of
-its parameters), since removing tokens changes the mask; every perturbed sequence of a
+``forward_func(input_ids, attention_mask)`` directly (a Hugging Face model given both by
+name), since removing tokens changes the mask; every perturbed sequence of a
 call is evaluated batched.
 """
 
@@ -74,7 +74,7 @@ class _Remover:
             raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-        self.forward_func = HuggingFaceAdapter().named_forward(forward_func)  # a cache second (GPT-2, Bloom) is left out
+        self.forward_func = HuggingFaceAdapter().named_forward(forward_func)
         self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0

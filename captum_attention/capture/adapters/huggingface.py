@@ -191,14 +191,14 @@ class HuggingFaceAdapter(AdapterBase):
         return _KeywordForward(forward_func, encoder_decoder)
 
     def named_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
-        """A Hugging Face model called with ``(input_ids, attention_mask)`` by the names of
-        its forward's parameters in order, cache parameters left out, whatever the model (an
-        encoder-decoder classifier's second parameter is its mask, where
-        :meth:`keyword_forward` gives Captum's second input, the decoder's ids); other
-        forward functions as they are."""
+        """A Hugging Face model called as ``forward_func(input_ids, attention_mask)`` with
+        those two by name, whatever the model's parameters in between (GPT-2's cache, X-MOD's
+        language ids, RoCBert's shape ids) and whatever it is (an encoder-decoder
+        classifier's mask stays its mask, where :meth:`keyword_forward` gives Captum's second
+        input, the decoder's ids); other forward functions as they are."""
         from transformers import PreTrainedModel
 
-        return _ByParameterName(forward_func) if isinstance(forward_func, PreTrainedModel) else forward_func
+        return _IdsAndMask(forward_func) if isinstance(forward_func, PreTrainedModel) else forward_func
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
@@ -632,6 +632,17 @@ def _places_its_own(model: nn.Module) -> bool:
 
 _CACHE_PARAMETERS = ("cache", "past_key_values", "past_key_value", "cache_params", "mems")
 """Forward parameters that hold a generation cache, never one of Captum's positional inputs."""
+
+
+@dataclass(frozen=True)
+class _IdsAndMask:
+    """A Hugging Face model given token ids and their mask by name (see
+    :meth:`HuggingFaceAdapter.named_forward`)."""
+
+    model: nn.Module
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)
 
 
 @dataclass(frozen=True)
