@@ -45,6 +45,13 @@ def _configs() -> dict[str, Callable[[], nn.Module]]:
         "albert": lambda: tf.AlbertForSequenceClassification(
             tf.AlbertConfig(**common, embedding_size=24)
         ),
+        "bart": lambda: tf.BartForSequenceClassification(  # an encoder-decoder: its decoder reads the input ids shifted
+            tf.BartConfig(
+                vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
+                num_labels=NUM_LABELS, pad_token_id=1, bos_token_id=0, eos_token_id=2, init_std=0.3,
+            )
+        ),
         "distilbert": lambda: tf.DistilBertForSequenceClassification(
             tf.DistilBertConfig(
                 vocab_size=VOCAB,

@@ -116,17 +116,9 @@ def test_an_encoder_decoder_given_one_input_is_told_to_pass_the_pair():
     """Captum's second positional input of an encoder-decoder is the decoder's ids: one
     input, its mask among the extra arguments, is refused in one line by the methods and by
     the metrics that run the model, not read with the mask as the decoder's ids."""
-    import transformers as tf
-
     from captum_attention.metrics import attention_erasure
 
-    torch.manual_seed(0)
-    config = tf.BartConfig(
-        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        num_labels=2,
-    )
-    model = tf.BartForSequenceClassification(config).eval()
+    model = make_model("bart")
     ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(1))
     ids[:, -1] = 2
     mask = torch.ones_like(ids)

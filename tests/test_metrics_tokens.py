@@ -188,17 +188,11 @@ def test_an_encoder_decoder_classifier_given_as_it_is_gets_its_mask_as_the_mask(
     """BART's classifier takes its mask second (its decoder's ids come from the input ids):
     the model itself as ``forward_func`` is scored as each example is alone, never with the
     mask where the decoder's ids go."""
-    import transformers as tf
+    from constants import VOCAB
 
-    torch.manual_seed(0)
-    config = tf.BartConfig(
-        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        num_labels=2,
-    )
-    model = tf.BartForSequenceClassification(config).eval()
+    model = make_model("bart")
     forward = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
-    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     ids[:, -1] = 2  # the end of sequence it reads, kept
     mask = torch.ones_like(ids)
     keep = torch.zeros_like(ids, dtype=torch.bool)
