@@ -158,6 +158,37 @@ def test_a_decoder_classifier_padded_with_its_own_id_gives_each_example_its_row_
             assert scores == pytest.approx(alone.scores[name], abs=1e-5), name
 
 
+def test_a_classifiers_batches_are_padded_on_the_side_it_reads_them_alone(tmp_path):
+    """GPT-2 on the right (its positions are absolute), XLNet on the left (it reads its last
+    position), whatever side the tokenizer pads on; FNet, which mixes every position, is
+    refused in one line: padded on either side, it reads another text."""
+    from captum_attention.presentation.explain import classifier_inputs, classifier_padding_side
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    texts = [" ".join(WORDS[:2]), " ".join(WORDS[2:7])]
+    sizes = dict(vocab_size=len(WORDS) + 5, pad_token_id=1, num_labels=2)
+    torch.manual_seed(0)
+    models = {
+        "right": tf.GPT2ForSequenceClassification(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **sizes)),
+        "left": tf.XLNetForSequenceClassification(tf.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=48, **sizes)),
+    }
+    for default in ("left", "right"):
+        tokenizer = tf.BertTokenizerFast(vocab=str(vocab), padding_side=default)
+        for side, model in models.items():
+            model.eval()
+            assert classifier_padding_side(model, tokenizer, texts[0]) == side
+            batch = classifier_inputs(model, tokenizer, texts)
+            with torch.no_grad():
+                together = model(**batch).logits
+                for row, text in enumerate(texts):
+                    alone = model(**tokenizer([text], return_tensors="pt")).logits
+                    torch.testing.assert_close(together[row : row + 1], alone, atol=1e-5, rtol=1e-4)
+    fnet = tf.FNetForSequenceClassification(tf.FNetConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=48, **sizes))
+    with pytest.raises(ValueError, match="move when it is padded, by .* on the right and .* on the left: .* --batch-size 1"):
+        classifier_padding_side(fnet.eval(), tokenizer, texts[0])
+
+
 def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_path):
     data = _data(tmp_path, 40)
     options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]

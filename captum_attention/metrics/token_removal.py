@@ -108,11 +108,8 @@ class _Remover:
         what the padding changes (a decoder classifier that finds its last token by a pad id
         other than the one filled in; a forward that leaves the attention mask out)."""
         real = self.real[0]
-        ids, mask = self.ids[:1, real], self.mask[:1, real]
-        alone = self._logits(ids, mask)
-        padded = self._logits(*_with_padding_column(ids, mask, self.pad))
-        moved = float((alone.float().softmax(dim=-1) - padded.float().softmax(dim=-1)).abs().max())
-        if moved > max(1e-4, 8 * torch.finfo(alone.dtype).eps):
+        moved, tolerance = padding_shift(self.forward_func, self.ids[:1, real], self.mask[:1, real], self.pad, "right")
+        if moved > tolerance:
             raise ValueError(
                 f"Padding example 0 on the right with token id {self.pad} (attention mask 0) moves its "
                 f"probabilities by up to {moved:.2g}, and deleting tokens pads rows there: pass "
@@ -223,9 +220,23 @@ def padding_id(forward_func: Any, input_ids: Tensor, attention_mask: Tensor, pad
     return int(padding[0]) if len(padding) == 1 else 0
 
 
-def _with_padding_column(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
-    """The inputs followed by one column of ``pad_id`` padding (mask 0)."""
-    return torch.cat([ids, ids.new_full((len(ids), 1), pad_id)], dim=1), torch.cat([mask, mask.new_zeros((len(mask), 1))], dim=1)
+def padding_shift(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor, pad_id: int, side: str) -> tuple[float, float]:
+    """How far one column of ``pad_id`` padding (mask 0) on ``side`` moves the class
+    probabilities ``forward_func`` gives the unpadded ``(1, N)`` ``ids``, and the rounding
+    its logits' precision allows."""
+    with torch.no_grad():
+        alone = output_logits(forward_func(ids, mask))
+        padded = output_logits(forward_func(*_with_padding_column(ids, mask, pad_id, side)))
+    moved = float((alone.float().softmax(dim=-1) - padded.float().softmax(dim=-1)).abs().max())
+    return moved, max(1e-4, 8 * torch.finfo(alone.dtype).eps)
+
+
+def _with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
+    """The inputs with one column of ``pad_id`` padding (mask 0) on ``side``."""
+    column, zeros = ids.new_full((len(ids), 1), pad_id), mask.new_zeros((len(mask), 1))
+    if side == "left":
+        return torch.cat([column, ids], dim=1), torch.cat([zeros, mask], dim=1)
+    return torch.cat([ids, column], dim=1), torch.cat([mask, zeros], dim=1)
 
 
 def configured_pad_id(model: Any) -> int | None:

@@ -38,7 +38,7 @@ from .dataset import AnswerExample, DatasetError, Example, batches, read_answers
 from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
-    check_names, classifier_forward, classifier_inputs, ig_baseline, in_half_contexts, length_limit, method_names, noted,
+    check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit, method_names, noted,
     prompt_span, refined_method, registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
@@ -353,7 +353,8 @@ def _shap(model: Any, tokenizer: Any, evals: int) -> Explainer:
         return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
 
     def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
-        return shap_token_values(forward, tokenizer, texts, targets.cpu(), evals).to(ids.device)
+        side = classifier_padding_side(model, tokenizer, texts[0])
+        return shap_token_values(forward, tokenizer, texts, targets.cpu(), evals, side).to(ids.device)
 
     return explain
 
@@ -362,7 +363,7 @@ def _evaluate_batch(
     model: Any, tokenizer: Any, batch: list[Example], explainers: dict[str, Explainer], metrics: Sequence[str]
 ) -> list[dict[str, Any]]:
     texts = [e.text for e in batch]
-    encoded = classifier_inputs(tokenizer, texts, truncation=True, max_length=length_limit(model, tokenizer))
+    encoded = classifier_inputs(model, tokenizer, texts, truncation=True, max_length=length_limit(model, tokenizer))
     device = next(model.parameters()).device
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     forward = classifier_forward(model)

@@ -14,6 +14,7 @@ from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
+from ..metrics.token_removal import padding_shift
 from .display import special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
@@ -343,11 +344,33 @@ def answer_estimates(
     return leave_one_out_estimates(model, ids, mask, answer, first_order, spans("attn_lrp"), segments)
 
 
-def classifier_inputs(tokenizer: Any, texts: Sequence[str], **options: Any) -> Any:
-    """``tokenizer(texts)`` as tensors, padded on the right whatever side the tokenizer pads
-    by default: a decoder classifier finds its last token before its pad id, GPT-2's absolute
-    positions would shift under left padding, and the metrics' deletions pad on the right."""
-    return tokenizer(list(texts), padding=True, padding_side="right", return_tensors="pt", **options)
+def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[str], **options: Any) -> Any:
+    """``tokenizer(texts)`` as tensors, padded on the side where the model reads each text
+    as it reads it alone (:func:`classifier_padding_side`), whatever side the tokenizer pads
+    by default."""
+    side = classifier_padding_side(model, tokenizer, texts[0], **options) if len(texts) > 1 else "right"
+    return tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
+
+
+def classifier_padding_side(model: Any, tokenizer: Any, text: str, **options: Any) -> str:
+    """``"right"`` where one column of padding there leaves the classifier's probabilities
+    for ``text`` alone where they were (GPT-2's absolute positions would shift under left
+    padding; the metrics' deletions pad on the right), else ``"left"`` where it does there
+    (XLNet reads its last position); a one-line error where padding moves them on either
+    side."""
+    encoded = tokenizer([text], return_tensors="pt", **options)
+    device = next(model.parameters()).device
+    ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    shifts = {}
+    for side in ("right", "left"):
+        moved, tolerance = padding_shift(classifier_forward(model), ids, mask, tokenizer.pad_token_id, side)
+        if moved <= tolerance:
+            return side
+        shifts[side] = moved
+    raise ValueError(
+        f"{type(model).__name__}'s probabilities for one text move when it is padded, by {shifts['right']:.2g} on the right "
+        f"and {shifts['left']:.2g} on the left: its batches would not read each text as it reads it alone; use --batch-size 1."
+    )
 
 
 def classifier_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -461,7 +484,7 @@ def _explain_batch(
     model: Any, tokenizer: Any, sentences: list[str], target: int | None, limit: int,
     methods: dict[str, ReportMethod],
 ) -> tuple[list[SentenceExplanation], dict[str, float]]:
-    encoded = classifier_inputs(tokenizer, sentences, truncation=True, max_length=limit)
+    encoded = classifier_inputs(model, tokenizer, sentences, truncation=True, max_length=limit)
     full_lengths = [len(ids) for ids in tokenizer(sentences, truncation=False)["input_ids"]]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():

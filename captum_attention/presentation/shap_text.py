@@ -2,7 +2,7 @@
 
 ``shap``'s text masker masks the tokenizer's own tokens, so with the model's tokenizer its
 values line up one to one with the model's tokens (``[CLS]`` and ``[SEP]`` included). This
-puts them in the ``(batch, seq_len)`` layout of the texts padded on the right
+puts them in the ``(batch, seq_len)`` layout of the texts padded as the model reads them
 (:func:`~captum_attention.presentation.explain.classifier_inputs`), which every metric of
 :mod:`captum_attention.metrics` takes.
 """
@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .explain import classifier_inputs
 
 
 def shap_token_values(
@@ -24,6 +23,7 @@ def shap_token_values(
     texts: Sequence[str],
     target: Tensor,
     max_evals: int = 300,
+    padding_side: str = "right",
 ) -> Tensor:
     """SHAP's Partition explainer on each text, the values of each example's ``target`` class.
 
@@ -33,9 +33,12 @@ def shap_token_values(
         texts (sequence of str): the inputs.
         target (Tensor): ``(batch,)`` the class explained per text.
         max_evals (int, optional): model evaluations per text. Default: 300.
+        padding_side (str, optional): where the texts are padded, as the model reads them
+            (:func:`~captum_attention.presentation.explain.classifier_padding_side`).
+            Default: ``"right"``.
 
     Returns:
-        ``(batch, seq_len)`` float32, aligned with the texts padded on the right, 0 at
+        ``(batch, seq_len)`` float32, aligned with the texts padded on ``padding_side``, 0 at
         padding.
 
     Raises:
@@ -45,11 +48,11 @@ def shap_token_values(
     import shap
 
     def probabilities(strings: Sequence[str]) -> np.ndarray:
-        encoded = classifier_inputs(tokenizer, strings)
+        encoded = tokenizer(list(strings), padding=True, padding_side=padding_side, return_tensors="pt")
         with torch.no_grad():
             return forward_func(encoded["input_ids"], encoded["attention_mask"]).softmax(-1).float().numpy()
 
-    encoded = classifier_inputs(tokenizer, texts)
+    encoded = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt")
     explainer = shap.Explainer(probabilities, shap.maskers.Text(tokenizer), algorithm="partition")
     explanation = explainer(list(texts), max_evals=max_evals, silent=True)
     scores = torch.zeros(encoded["input_ids"].shape)
@@ -60,5 +63,6 @@ def shap_token_values(
                 f"SHAP masked {values.shape[0]} tokens of text {row} but the tokenizer gives {real}: "
                 "pass the model's own tokenizer, and texts it does not truncate."
             )
-        scores[row, :real] = torch.from_numpy(np.asarray(values[:, int(target[row])], dtype=np.float32))
+        columns = encoded["attention_mask"][row].nonzero().flatten()
+        scores[row, columns] = torch.from_numpy(np.asarray(values[:, int(target[row])], dtype=np.float32))
     return scores
