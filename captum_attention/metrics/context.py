@@ -40,7 +40,9 @@ from ._checks import check_rankable
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
-from .token_removal import complemented, example_seeds, prior_and_context_shares, random_halves, scores_in_context
+from .token_removal import (
+    complemented, example_seeds, prior_and_context_shares, random_halves, scores_in_context, with_padding_column,
+)
 
 PAIRS_PER_FORWARD = 2**26
 """The most (sequences × length²) one padded forward of ablated prompts holds."""
@@ -163,9 +165,7 @@ class _AnswerScorer:
         that skip the left padding; one that leaves the attention mask out)."""
         prompt = self.ids[:1, self.real[0]]
         mask = torch.ones_like(prompt)
-        column = (torch.zeros_like(prompt[:, :1]), torch.zeros_like(mask[:, :1]))
-        parts = [column, (prompt, mask)] if self.padding_side == "left" else [(prompt, mask), column]
-        padded_prompt, padded_mask = (torch.cat(part, dim=1) for part in zip(*parts))
+        padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side)
         answer = self.answer[:1]
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, answer)

@@ -226,12 +226,12 @@ def padding_shift(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor, p
     its logits' precision allows."""
     with torch.no_grad():
         alone = output_logits(forward_func(ids, mask))
-        padded = output_logits(forward_func(*_with_padding_column(ids, mask, pad_id, side)))
+        padded = output_logits(forward_func(*with_padding_column(ids, mask, pad_id, side)))
     moved = float((alone.float().softmax(dim=-1) - padded.float().softmax(dim=-1)).abs().max())
     return moved, max(1e-4, 8 * torch.finfo(alone.dtype).eps)
 
 
-def _with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
+def with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
     """The inputs with one column of ``pad_id`` padding (mask 0) on ``side``."""
     column, zeros = ids.new_full((len(ids), 1), pad_id), mask.new_zeros((len(mask), 1))
     if side == "left":
@@ -720,7 +720,7 @@ def _confirm_padding_unread(attribute_func: Callable[[Tensor, Tensor], Tensor], 
     """A one-line error where one column of ``pad_id`` padding (mask 0) after the inputs
     moves their scores: the contexts pad their shortened rows so."""
     scores = attribute_func(ids, mask).detach().double()
-    padded = attribute_func(*_with_padding_column(ids, mask, pad_id)).detach().double()[:, :-1]
+    padded = attribute_func(*with_padding_column(ids, mask, pad_id)).detach().double()[:, :-1]
     moved = float((scores - padded).abs().max())
     if moved > 1e-3 * float(scores.abs().max()):
         raise ValueError(

@@ -38,8 +38,9 @@ from .dataset import AnswerExample, DatasetError, Example, batches, read_answers
 from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
-    check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit, method_names, noted,
-    prompt_span, refined_method, registered_method, removable_segments, report_methods, saved_head_weights, span_presence,
+    check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit,
+    method_names, noted, prompt_span, refined_method, registered_method, removable_segments, report_methods,
+    saved_head_weights, span_presence,
 )
 from .summary import merge, summarise, summary_markdown
 

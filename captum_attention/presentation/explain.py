@@ -357,7 +357,9 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: str, **options: An
     for ``text`` alone where they were (GPT-2's absolute positions would shift under left
     padding; the metrics' deletions pad on the right), else ``"left"`` where it does there
     (XLNet reads its last position); a one-line error where padding moves them on either
-    side."""
+    side. A tokenizer without a pad token keeps its own side (its padding refuses itself)."""
+    if tokenizer.pad_token_id is None:
+        return str(tokenizer.padding_side)
     encoded = tokenizer([text], return_tensors="pt", **options)
     device = next(model.parameters()).device
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)

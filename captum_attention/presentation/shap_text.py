@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 
-
 def shap_token_values(
     forward_func: Callable[[Tensor, Tensor], Tensor],
     tokenizer: Any,
