@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 from conftest import make_batch, make_model
+from removal_reference import comprehensiveness_alone
 from scipy import stats
 from torch import nn
 
@@ -137,23 +138,6 @@ def _gpt2_classifier(pad_token_id: int) -> nn.Module:
     return tf.GPT2ForSequenceClassification(config).eval()
 
 
-def _comprehensiveness_alone(forward, ids, mask, scores, keep, share):
-    """p(y|x) - p(y|x without its top ⌈share·n⌉ removable tokens), each example alone, unpadded."""
-    drops = []
-    with torch.no_grad():
-        for row in range(len(ids)):
-            real = mask[row].bool()
-            removable = real & ~keep[row]
-            count = math.ceil(share * int(removable.sum()))
-            top = scores[row].masked_fill(~removable, float("-inf")).argsort(descending=True)[:count]
-            kept = real.clone()
-            kept[top] = False
-            full = forward(ids[row : row + 1, real], mask[row : row + 1, real]).softmax(-1)[0, 1]
-            short = forward(ids[row : row + 1, kept], mask[row : row + 1, kept]).softmax(-1)[0, 1]
-            drops.append(full - short)
-    return torch.stack(drops)
-
-
 def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     """GPT-2's classifier reads the last token that is not its config.pad_token_id: the rows
     deletion shortens are padded with that id (the model's, the one the inputs are padded
@@ -168,7 +152,7 @@ def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[0, :2] = True  # 7 removable tokens against 9: the rows keep 4 and 5 tokens, one row padded
     scores = torch.randn(2, 9, generator=torch.Generator().manual_seed(2))
-    expected = _comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5)
+    expected = comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5, 1)
     by_model = comprehensiveness(model, ids, mask, scores, target=1, bins=(50,), keep=keep)
     torch.testing.assert_close(by_model[:, 0], expected, atol=1e-6, rtol=1e-5)
     given = comprehensiveness(forward, ids, mask, scores, target=1, bins=(50,), keep=keep, pad_token_id=3)
@@ -181,7 +165,7 @@ def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     padded_ids[1, 7:], padded_mask[1, 7:] = 3, 0  # the inputs' own padding tells the id
     from_inputs = comprehensiveness(forward, padded_ids, padded_mask, scores, target=1, bins=(50,))
     no_keep = torch.zeros_like(keep)
-    torch.testing.assert_close(from_inputs[:, 0], _comprehensiveness_alone(forward, padded_ids, padded_mask, scores, no_keep, 0.5))
+    torch.testing.assert_close(from_inputs[:, 0], comprehensiveness_alone(forward, padded_ids, padded_mask, scores, no_keep, 0.5, 1))
 
 
 def test_an_encoder_decoder_classifier_given_as_it_is_gets_its_mask_as_the_mask():
@@ -200,7 +184,7 @@ def test_an_encoder_decoder_classifier_given_as_it_is_gets_its_mask_as_the_mask(
     keep[0, :2] = True  # the rows keep 6 and 5 tokens: one padded
     scores = torch.randn(2, 9, generator=torch.Generator().manual_seed(2))
     by_model = comprehensiveness(model, ids, mask, scores, target=1, bins=(50,), keep=keep)
-    torch.testing.assert_close(by_model[:, 0], _comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(by_model[:, 0], comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5, 1), atol=1e-6, rtol=1e-5)
 
 
 def test_a_forward_that_leaves_the_mask_out_is_refused_for_deletion(bag):

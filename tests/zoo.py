@@ -35,7 +35,6 @@ import copy
 import inspect
 import json
 import logging
-import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from methods import METHODS, _row, reference_decisive, reference_grad_sam, reference_knockout  # noqa: E402
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference, cross_attending_reference  # noqa: E402
 from grid_reference import reduced_maps_and_grads, window_layers, window_maps_and_grads  # noqa: E402
+from removal_reference import comprehensiveness_alone  # noqa: E402
 
 from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention.attr import REGISTRY  # noqa: E402
@@ -726,14 +726,13 @@ def removal_outcome(architecture: Architecture) -> Outcome:
     keep[0, :2] = True  # 5 removable tokens against 7: the rows keep 5 and 4
     scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
 
-    def alone(row: int, kept: torch.Tensor) -> torch.Tensor:
-        logits = case.model(input_ids=ids[row : row + 1, kept], attention_mask=mask[row : row + 1, kept]).logits
-        return logits.float().softmax(dim=-1)[0, TEXT_TARGET]
+    def forward(row_ids: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
+        return case.model(input_ids=row_ids, attention_mask=row_mask).logits
 
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            alone(0, torch.ones(ids.shape[1], dtype=torch.bool))
+            forward(ids, mask)
     except Exception as error:  # noqa: BLE001 - the model itself takes more than ids and a mask
         return Outcome("not built", f"the model itself fails on ids and a mask: {_one_line(error)}")
     try:
@@ -745,15 +744,8 @@ def removal_outcome(architecture: Architecture) -> Outcome:
         return Outcome("refused" if "\n" not in message and "pass pad_token_id" in message else "error", message)
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
-    expected = []
-    with torch.no_grad():
-        for row in range(len(ids)):
-            removable = ~keep[row]
-            count = math.ceil(0.5 * int(removable.sum()))
-            kept = torch.ones(ids.shape[1], dtype=torch.bool)
-            kept[scores[row].masked_fill(~removable, float("-inf")).argsort(descending=True)[:count]] = False
-            expected.append(alone(row, torch.ones_like(kept)) - alone(row, kept))
-    return Outcome("exact") if torch.allclose(drops, torch.stack(expected), atol=1e-5) else Outcome("wrong", "off each example alone")
+    expected = comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5, TEXT_TARGET)
+    return Outcome("exact") if torch.allclose(drops, expected, atol=1e-5) else Outcome("wrong", "off each example alone")
 
 
 def decomposition_outcome(architecture: Architecture, multiply_by_inputs: bool = True) -> Outcome:

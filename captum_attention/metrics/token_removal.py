@@ -86,9 +86,9 @@ class _Remover:
         self.original = self.target_probs(probs, self.targets)
         self.decision = probs.argmax(dim=-1)
         if removal == "delete" and len(input_ids) > 1:  # one example's deletions are never padded
-            self._check_padding_unread()
+            self._confirm_padding_unread()
 
-    def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
+    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():
             logits = output_logits(self.forward_func(ids, mask))
         if logits.dim() != 2:
@@ -97,12 +97,9 @@ class _Remover:
                 "for a language model, wrap it to return the logits of the explained position "
                 "(removing tokens moves the positions)."
             )
-        return logits
+        return logits.float().softmax(dim=-1)
 
-    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
-        return self._logits(ids, mask).float().softmax(dim=-1)
-
-    def _check_padding_unread(self) -> None:
+    def _confirm_padding_unread(self) -> None:
         """A one-line error where padding the first example on the right moves its output:
         deleting tokens pads the shortened rows there, and every deletion would be scored on
         what the padding changes (a decoder classifier that finds its last token by a pad id
@@ -291,9 +288,9 @@ def comprehensiveness(
         pad_token_id (int, optional): the id that pads the rows tokens were deleted from
             (they close up on the left). Default: None: the ``config.pad_token_id`` of
             ``forward_func`` where it is the model (or one of its methods), else the id
-            the inputs are padded with, else 0; a model whose output moves when the first
-            example is padded so is refused in one line (a decoder classifier finds its
-            last token by its pad id).
+            the inputs are padded with, else 0. Given a batch, a model whose output moves
+            when its first example is padded so is refused in one line (a decoder
+            classifier finds its last token by its pad id).
 
     Returns:
         ``(batch, len(bins))`` tensor.
