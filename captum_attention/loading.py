@@ -112,9 +112,12 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
     weights through safetensors or ``torch.load(weights_only=True)`` only, and never
     contacts a model hub (``local_files_only=True``).
 
+    A tokenizer saved without a pad token (GPT-2's, often) pads with the model's own
+    ``config.pad_token_id``: the id the classifier finds its last token by.
+
     Raises:
         CheckpointError: the folder is missing, has no config, or is not a sequence
-            classifier.
+            classifier; or neither its tokenizer nor its config names a padding token.
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -123,7 +126,28 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
             f"{path} holds a language model, not a sequence classifier (its config.json names no "
             "*ForSequenceClassification architecture)."
         )
-    return _load(Path(path), AutoModelForSequenceClassification)
+    model, tokenizer = _load(Path(path), AutoModelForSequenceClassification)
+    return model, _padding_as_configured(model, tokenizer, path)
+
+
+def _padding_as_configured(model: Any, tokenizer: Any, path: str | Path) -> Any:
+    """``tokenizer``, padding with ``model.config.pad_token_id`` where it names no pad token
+    itself; one line where neither names one (texts are padded in batches, and Integrated
+    Gradients' baseline is the padding token)."""
+    from .metrics.token_removal import configured_pad_id
+
+    if tokenizer.pad_token_id is not None:
+        return tokenizer
+    pad_id = configured_pad_id(model)
+    pad_token = None if pad_id is None else tokenizer.convert_ids_to_tokens(pad_id)
+    if pad_token is None:
+        raise CheckpointError(
+            f"{path}: neither its tokenizer nor its config.json names a padding token, which batches and "
+            "Integrated Gradients' baseline need: set \"pad_token_id\" in config.json to the id the model "
+            "was trained to pad with (GPT-2's usual one: its end-of-text id)"
+        )
+    tokenizer.pad_token = pad_token
+    return tokenizer
 
 
 def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:

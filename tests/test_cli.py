@@ -356,6 +356,34 @@ def test_a_checkpoint_that_needs_custom_code_is_one_line(tmp_path):
     assert "trust_remote_code" not in message and "http" not in message
 
 
+@pytest.mark.parametrize("pad_token_id", [0, None])
+def test_a_tokenizer_without_a_pad_token_pads_as_the_config_says(tmp_path, pad_token_id):
+    """GPT-2's classifiers are often saved with a tokenizer that has no pad token: the
+    model's config.pad_token_id (the id it finds its last token by) pads its batches, and
+    they equal each sentence alone; with neither, one line names the fix."""
+    config = tf.GPT2Config(vocab_size=len(WORDS) + 5, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                           num_labels=2, pad_token_id=pad_token_id)
+    torch.manual_seed(0)
+    tf.GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer = _tokenizer(tmp_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    if pad_token_id is None:
+        with pytest.raises(CheckpointError) as raised:
+            load_classifier(tmp_path)
+        assert 'set "pad_token_id" in config.json' in str(raised.value) and "\n" not in str(raised.value)
+        return
+    from captum_attention.presentation.explain import explain
+
+    model, loaded = load_classifier(tmp_path)
+    assert loaded.pad_token == "[PAD]" and loaded.pad_token_id == pad_token_id
+    together = explain(model, loaded, SENTENCES, methods=["attn_lrp", "integrated_gradients"], batch_size=2).sentences
+    for sentence in together:
+        alone = explain(model, loaded, [sentence.text], methods=["attn_lrp", "integrated_gradients"]).sentences[0]
+        for name, scores in sentence.scores.items():
+            assert scores == pytest.approx(alone.scores[name], abs=1e-5), name
+
+
 def test_reports_show_control_characters_as_escapes():
     sentence = SentenceExplanation(
         text="bad \u202efilm\x1b[31m", tokens=["[CLS]", "bad", "\u202efilm\x1b[31m", "[SEP]"], label="neg\x07",
