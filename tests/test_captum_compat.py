@@ -10,7 +10,8 @@ from captum.metrics import infidelity, sensitivity_max
 from conftest import make_batch, make_model
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
-from captum_attention.metrics import token_replacement_perturbation, token_substitution_perturbation
+from captum_attention.attr._registry import REGISTRY
+from captum_attention.metrics import comprehensiveness, token_replacement_perturbation, token_substitution_perturbation
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
 
@@ -50,6 +51,25 @@ def test_noise_tunnel_smoothgrad_over_embeddings(bert, cls):
     torch.testing.assert_close(smoothed, expected)
     assert not torch.allclose(smoothed, explainer.attribute(embeds, **args)), "noise had no effect"
     assert (smoothed[batch.attention_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("name", [name for name in REGISTRY if name != "alti_logit"])  # ALTI-Logit: language models
+def test_one_score_per_example_is_explained_as_its_class(bert, name):
+    """A forward that returns one score per example (``(batch,)``, Captum's SQuAD tutorial's
+    kind) is explained with ``target=None`` as the logits with that score's class as target;
+    a target beyond it is refused in one line by a method that reads the target, and the
+    score by the metrics, which read class probabilities."""
+    model, batch = bert
+    mask = batch.attention_mask
+    cls = REGISTRY[name]
+    expected = cls(model).attribute(batch.input_ids, target=2, additional_forward_args=(mask,))
+    scores = cls(lambda ids, m: model(ids, attention_mask=m).logits[:, 2], model=model)
+    torch.testing.assert_close(scores.attribute(batch.input_ids, additional_forward_args=(mask,)), expected, rtol=0, atol=0)
+    if name == "grad_sam":
+        with pytest.raises(ValueError, match="returns one score per example, so target must be 0 or None"):
+            scores.attribute(batch.input_ids, target=1, additional_forward_args=(mask,))
+        with pytest.raises(ValueError, match=r"must return logits .* got \(3,\)"):
+            comprehensiveness(scores.forward_func, batch.input_ids, mask, expected)
 
 
 def test_embeddings_and_token_ids_give_the_same_scores(bert):

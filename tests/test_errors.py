@@ -131,8 +131,8 @@ def test_an_encoder_decoder_given_one_input_is_told_to_pass_the_pair():
 
 def test_forward_func_not_returning_logits(setup):
     model, batch = setup
-    explainer = GradSAM(lambda ids: model(ids).logits[:, 0], model=model)
-    with pytest.raises(ValueError, match=r"logits of shape \(batch, num_classes\)"):
+    explainer = GradSAM(lambda ids: model(ids).logits.sum(), model=model)
+    with pytest.raises(ValueError, match=r"logits of shape \(batch, num_classes\).* or one score per example \(3,\), got \(\)"):
         explainer.attribute(batch.input_ids, target=0)
 
 

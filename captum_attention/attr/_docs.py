@@ -55,8 +55,9 @@ _SHARED_ATTRIBUTE_DOCS = {
 _CONSTRUCTOR_DOCS = {
     "constructor_args": (
         'forward_func (Callable): returns logits ``(batch, num_classes)`` (a language\n'
-        '            model\'s ``(batch, seq_len, vocab)``); a Hugging Face model (its ``.logits`` is\n'
-        '            used) or any function of ``(inputs, *additional_forward_args)``.\n'
+        '            model\'s ``(batch, seq_len, vocab)``), or one score per example ``(batch,)``,\n'
+        '            explained with ``target=None`` as in Captum; a Hugging Face model (its\n'
+        '            ``.logits`` is used) or any function of ``(inputs, *additional_forward_args)``.\n'
         '        model (nn.Module, optional): the module holding the attention layers. Default:\n'
         '            ``forward_func`` when it is a module.\n'
         '        adapter (AttentionAdapter, optional): how to find the attention (and, for\n'

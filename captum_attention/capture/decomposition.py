@@ -41,7 +41,7 @@ from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .inputs import take_rows
+from .inputs import output_logits, take_rows
 from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from .kernel import KernelInterception
 from .probes import CallInfo, Probe, RunKernel, layer_blocks
@@ -695,7 +695,7 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
     output = run.rerun(repeated, extra, on_kernel, on_call, on_block, on_softmax, before_projection)
     cursor.check_done()
     _check_held(model, len(held), len(probs))
-    logits = _logits(output).detach()
+    logits = output_logits(output, batch * shares).detach().float()
     return logits.reshape(batch, shares, *logits.shape[1:])
 
 
@@ -706,12 +706,6 @@ def _check_states(model: nn.Module, states: Tensor, rows: int, tokens: int) -> N
             f"DecompX reads a layer's hidden states as (batch, tokens, width); {type(model).__name__}'s layers take "
             f"{tuple(states.shape[1:])} per example (several residual streams?)."
         )
-
-
-def _logits(output: Any) -> Tensor:
-    """The float32 logits of a forward's output."""
-    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
-    return logits.float()
 
 
 def _check_held(model: nn.Module, held: int, calls: int) -> None:

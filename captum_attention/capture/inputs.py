@@ -117,15 +117,21 @@ def decoder_start_token(model: Any) -> int:
     return int(start)
 
 
-def output_logits(output: Any) -> Tensor:
+def output_logits(output: Any, batch: int | None = None) -> Tensor:
+    """The logits in ``output``: ``(batch, num_classes)``, or ``(batch, seq_len, vocab)``
+    for a language model. Given the ``batch`` size, one score per example (``(batch,)``,
+    as Captum's methods take it with ``target=None``) too, as one class: ``(batch, 1)``."""
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
+    if batch is not None and isinstance(logits, Tensor) and logits.dim() == 1 and logits.shape[0] == batch:
+        return logits.unsqueeze(1)
     if not isinstance(logits, Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        scores = "" if batch is None else f", or one score per example ({batch},)"
         raise ValueError(
             f"forward_func must return logits of shape (batch, num_classes), or "
-            f"(batch, seq_len, vocab) for language models, got {shape}. Wrap the model so "
+            f"(batch, seq_len, vocab) for language models{scores}, got {shape}. Wrap the model so "
             "that it returns the logits to explain."
         )
     return logits
@@ -140,6 +146,11 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
         raise TypeError(f"target must hold ints (class indices), got {target!r}.")
     targets = _one_per_example(target, batch, logits.device, "target", "class indices")
     bad = ((targets < 0) | (targets >= num_classes)).nonzero().flatten().tolist()
+    if bad and num_classes == 1:
+        raise ValueError(
+            f"target {targets[bad[0]].item()} is out of range: forward_func returns one score per example, "
+            "so target must be 0 or None."
+        )
     if bad:
         raise ValueError(
             f"target {targets[bad[0]].item()} is out of range: the model has {num_classes} "

@@ -415,7 +415,7 @@ def record_forward(
         )
     if capture.attention_mask is None:
         _warn_if_padded(model, inputs[0])
-    logits = output_logits(output)
+    logits = output_logits(output, batch)
     kernel_calls = capture.kernel_calls if streaming else []
     attn_maps = [] if streaming else [p.detach() for p in capture.attn_probs]
     shapes = [_shape(k) for k in kernel_calls] if streaming else [p.shape for p in attn_maps]
