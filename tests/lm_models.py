@@ -85,13 +85,15 @@ WORDS = [
 """The tiny decoders' vocabulary as words (ids 0, 1, 2: padding, BOS, EOS)."""
 
 
-def make_word_tokenizer() -> tf.PreTrainedTokenizerFast:
-    """A whitespace word-level fast tokenizer over :data:`WORDS` that prepends BOS."""
+def make_word_tokenizer(bos: bool = True) -> tf.PreTrainedTokenizerFast:
+    """A whitespace word-level fast tokenizer over :data:`WORDS` that prepends BOS (with
+    ``bos=False`` none, as GPT-2's and Qwen's add none)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if bos:
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 

@@ -159,6 +159,46 @@ def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2se
     assert f"{method} explains one self-attention stack" in capsys.readouterr().err
 
 
+def test_a_prompt_without_bos_keeps_its_first_token(llm, tmp_path):
+    """A tokenizer that adds no BOS (GPT-2's, Qwen's) leaves a prompt no special token to
+    keep: its first token is never removed, as the metrics keep it by default, for the
+    metrics, the estimates and the head weights' fit (each stopped at "no prompt token that
+    is never removed" before), its named segments included."""
+    import shutil
+
+    from lm_models import make_word_tokenizer
+
+    from captum_attention.loading import load_causal_lm
+
+    folder = tmp_path / "no_bos"
+    shutil.copytree(llm, folder)
+    make_word_tokenizer(bos=False).save_pretrained(folder)
+    data, output = _data(tmp_path, count=2), tmp_path / "out"
+    methods = ["grad_sam", "leave_one_out_estimates"]
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", ",".join(methods), "--max-new-tokens", "3",
+                 "--output", str(output)]) == 0
+    model, tokenizer = load_causal_lm(folder)
+    for example in read_answers(data)[0]:
+        ids = tokenizer(example.text, return_tensors="pt").input_ids
+        assert int(ids[0, 0]) != tokenizer.bos_token_id
+        if example.segments is None:  # each token its own, the first kept
+            segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])
+        else:  # each word in the segment holding it, the first kept
+            bounds = torch.tensor([len(s.split()) for s in example.segments]).cumsum(0)
+            segments = torch.searchsorted(bounds, torch.arange(ids.shape[1]), right=True)[None]
+            segments[0, 0] = -1
+        for method in methods:
+            row = next(r for r in _rows(output) if r["index"] == example.index and r["method"] == method)
+            answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+            mask = torch.ones_like(ids)
+            if method == "grad_sam":
+                scores = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+            else:
+                scores = _estimates(model, ids, mask, answer, segments)
+            assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, scores, segments), abs=1e-6), method
+    assert main(["fit-head-weights", str(data), "--model", str(folder), "--ablations", "2", "--max-new-tokens", "3"]) == 0
+
+
 def test_attention_flow_is_refused_for_answers_before_any_work(llm, tmp_path, capsys):
     data, output = _data(tmp_path, count=2), tmp_path / "out"
     assert main(["evaluate", str(data), "--model", str(llm), "--methods", "raw,attention_flow", "--output", str(output)]) == 1

@@ -473,6 +473,7 @@ def _evaluate_answer(
     metrics: Sequence[str], options: AnswerOptions,
 ) -> list[dict[str, Any]]:
     ids, answer, keep, segments = answer_tensors(model, tokenizer, example, options.max_new_tokens)
+    segments = removable_segments(keep, segments)
     mask = torch.ones_like(ids)
     context = MetricContext(model, keep, None, segments)
     log_prob = float(answer_log_probs(model, ids, mask, answer)[0])
@@ -487,7 +488,7 @@ def _evaluate_answer(
     rows = []
     for name in methods:
         if name in ESTIMATES_OF_ANSWERS:
-            scores = answer_estimates(model, ids, answer, removable_segments(keep, segments), name != ESTIMATES, span_of)
+            scores = answer_estimates(model, ids, answer, segments, name != ESTIMATES, span_of)
         else:
             scores = span_of(name)
         values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}

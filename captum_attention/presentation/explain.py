@@ -316,11 +316,15 @@ def prompt_span(explainer: Any, ids: torch.Tensor, answer: torch.Tensor, **optio
 
 
 def removable_segments(keep: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-    """``segments``, or where the row names none each prompt token its own segment; -1 for
-    the tokens never removed (``keep``)."""
-    if segments is not None:
-        return segments
-    return torch.arange(keep.shape[1], device=keep.device)[None].masked_fill(keep, -1)
+    """``segments``, or where the rows name none each prompt token its own segment; -1 for
+    the tokens never removed (``keep``) and, in a row that keeps none (a tokenizer that
+    adds no BOS: GPT-2's, Qwen's), its first token, as the context metrics keep it by
+    default: an ablation of every segment would leave nothing to predict the answer from."""
+    if segments is None:
+        segments = torch.arange(keep.shape[1], device=keep.device)[None].expand_as(keep)
+    removable = segments.masked_fill(keep, -1)
+    removable[:, 0] = torch.where((removable < 0).any(dim=1), removable[:, 0], -1)
+    return removable
 
 
 def answer_estimates(
