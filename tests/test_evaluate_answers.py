@@ -287,6 +287,25 @@ def test_bad_rows_get_one_clear_line(llm, tmp_path, capsys, row, message):
     assert message in error and "line 1" in error and error.count("\n") == 1
 
 
+def test_a_row_longer_than_the_model_takes_is_one_line_or_skipped(llm, tmp_path, capsys):
+    """A prompt and answer past the model's 64 positions stop ``evaluate`` and
+    ``fit-head-weights`` before any work with the row's line (an index error deep in the
+    embeddings before), or with ``--skip-malformed`` are skipped and reported."""
+    data = tmp_path / "answers.jsonl"
+    rows = [{"prompt": " ".join(WORDS[3:13]), "answer": "seven"}, {"prompt": " ".join([WORDS[5]] * 70), "answer": "seven"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    message = "line 2: the prompt's 71 tokens and the answer's 1 token are more than the 64 the model takes"
+    output = tmp_path / "out"
+    for command in (["evaluate", "--output", str(output)], ["fit-head-weights", "--ablations", "2"]):
+        assert main([*command, str(data), "--model", str(llm)]) == 1
+        error = capsys.readouterr().err
+        assert message in error and "--skip-malformed" in error and error.count("\n") == 1, error
+    assert not output.exists()
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "raw", "--skip-malformed", "--output", str(output)]) == 0
+    assert f"skipped {data}, {message}" in capsys.readouterr().err
+    assert [row["line"] for row in _rows(output)] == [1]
+
+
 def _lds(model, ids, mask, answer, scores, segments) -> float:
     """The ``lds`` metric's value for one answer: its own ablations."""
     return float(linear_datamodeling_score(model, ids, mask, answer, scores, segments, per_example=True)[0])

@@ -296,21 +296,9 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
             f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
             f"{arguments.model} holds a sequence-to-sequence model"
         )
-    prompt_tokens = len(tokenizer(prompt)["input_ids"])
-    limit = length_limit(model, tokenizer)
-    if arguments.target is not None:
-        answer_tokens = len(tokenizer(arguments.target, add_special_tokens=False)["input_ids"])
-        answer = f"--target's {_count(answer_tokens, 'token')}"
-    else:
-        answer_tokens, answer = arguments.max_new_tokens, f"--max-new-tokens {arguments.max_new_tokens}"
-    if seq2seq and max(prompt_tokens, answer_tokens) > limit:
-        raise UsageError(
-            f"the source's {_count(prompt_tokens, 'token')} or {answer} are more than the {limit} the model takes"
-        )
-    if not seq2seq and prompt_tokens + answer_tokens > limit:
-        raise UsageError(
-            f"the prompt's {_count(prompt_tokens, 'token')} and {answer} are more than the {limit} the model takes"
-        )
+    too_long = _answer_too_long(model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, "--target")
+    if too_long is not None:
+        raise UsageError(too_long)
     explanation = explain_answer(
         model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token,
         arguments.ig_steps, skip, arguments.presence,
@@ -455,6 +443,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
     state = _evaluation_state(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    examples = _answers_that_fit(examples, model, tokenizer, arguments)
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)
@@ -464,6 +453,42 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"),
     )
     _merged(state, arguments, examples, metrics, options)
+
+
+def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None, max_new_tokens: int, named: str) -> str | None:
+    """What is wrong where the prompt and the answer (given, ``named`` so in the message,
+    else ``max_new_tokens`` of it) are more tokens than the model takes (an
+    encoder-decoder: the source or the answer); else None."""
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    limit = length_limit(model, tokenizer)
+    if answer is not None:
+        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        shown = f"{named}'s {_count(answer_tokens, 'token')}"
+    else:
+        answer_tokens, shown = max_new_tokens, f"--max-new-tokens {max_new_tokens}"
+    if getattr(model.config, "is_encoder_decoder", False):
+        if max(prompt_tokens, answer_tokens) > limit:
+            return f"the source's {_count(prompt_tokens, 'token')} or {shown} are more than the {limit} the model takes"
+    elif prompt_tokens + answer_tokens > limit:
+        return f"the prompt's {_count(prompt_tokens, 'token')} and {shown} are more than the {limit} the model takes"
+    return None
+
+
+def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
+    """The rows whose prompt and answer the model takes; the others refused before any
+    work, or with ``--skip-malformed`` skipped and reported."""
+    kept = []
+    for example in examples:
+        too_long = _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer")
+        if too_long is None:
+            kept.append(example)
+        elif arguments.skip_malformed:
+            print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: {too_long}"), file=sys.stderr)
+        else:
+            raise UsageError(f"{arguments.data}, line {example.line}: {too_long}: shorten it, or pass --skip-malformed to skip such rows")
+    if not kept:
+        raise UsageError(f"{arguments.data} has no row the model takes whole")
+    return kept
 
 
 def _check_presence(arguments: argparse.Namespace) -> None:
@@ -607,6 +632,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
     model, tokenizer = load_causal_lm(arguments.model)
+    examples = _answers_that_fit(examples, model, tokenizer, arguments)
     options = FitOptions(arguments.ablations, arguments.seed, arguments.ridge, arguments.max_new_tokens)
     weights, path = fit_beside_model(model, tokenizer, examples, arguments.model, options)
     layers, heads = weights.weights.shape
