@@ -123,6 +123,22 @@ def test_every_method_and_metric_gives_an_example_the_same_row_in_any_batch(chec
             assert row[metric] is None or row[metric] == pytest.approx(other[metric], abs=1e-4), (row["method"], metric)
 
 
+def test_texts_longer_than_the_model_takes_are_cut_and_said_so(checkpoint, tmp_path, capsys):
+    """Texts past the model's 64 positions are explained and scored cut there, as explain
+    cuts them, and one line says which (none for a data set that fits)."""
+    data = tmp_path / "data.jsonl"
+    texts = ["the film was good", " ".join(["the plot was dull"] * 20), " ".join(["superb acting"] * 40)]
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    assert _run(str(data), "--model", str(checkpoint), "--methods", "raw", "--metrics", "comprehensiveness",
+                "--output", str(tmp_path / "out")) == 0
+    error = capsys.readouterr().err
+    assert f"{data}: 2 texts (line 2 and 1 more) longer than the 64 tokens the model takes, explained and scored cut there" in error
+    assert len(_rows(tmp_path / "out")) == 3
+    data.write_text(json.dumps({"text": texts[0]}) + "\n")
+    assert _run(str(data), "--model", str(checkpoint), "--methods", "raw", "--output", str(tmp_path / "short")) == 0
+    assert "longer than" not in capsys.readouterr().err
+
+
 def test_a_decoder_classifier_padded_with_its_own_id_gives_each_example_its_row_alone(tmp_path):
     """GPT-2's classifier finds its last token by config.pad_token_id (1 here, not 0): the
     rows the metrics and the refined methods shorten by deletion are padded with it. Its

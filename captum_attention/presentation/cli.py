@@ -418,6 +418,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)
     examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
+    if state.is_main_process:
+        _report_cut(examples, tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(
         batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals, presence=arguments.presence
     )
@@ -568,6 +570,22 @@ def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: a
     if not kept:
         raise UsageError(f"{arguments.data} has no row with a token to rank")
     return kept
+
+
+def _report_cut(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> None:
+    """One line where texts are longer than the model takes: they are explained and scored
+    cut there, as ``explain`` cuts a sentence."""
+    from ..loading import quiet_transformers
+
+    with quiet_transformers():  # its note on sequences longer than the model takes: said here, once
+        lengths = [len(ids) for ids in tokenizer([e.text for e in examples])["input_ids"]]
+    cut = [example.line for example, length in zip(examples, lengths) if length > max_length]
+    if cut:
+        lines = f"line {cut[0]}" + (f" and {len(cut) - 1} more" if len(cut) > 1 else "")
+        print(terminal_safe(
+            f"captum-attention: {arguments.data}: {_count(len(cut), 'text')} ({lines}) longer than the {max_length} tokens "
+            "the model takes, explained and scored cut there"
+        ), file=sys.stderr)
 
 
 class _SingleProcess:
