@@ -125,3 +125,35 @@ def test_a_gate_between_the_attention_and_its_projection_is_refused_in_one_line(
         NormAttention(model).attribute(ids, additional_forward_args=(mask,), layer=0)  # the first layer has no gate
     finally:
         handle.remove()
+
+
+class _Int8Linear(torch.nn.Linear):
+    """As bitsandbytes' 8-bit layer holds it: an ``nn.Linear`` whose weight is int8, with
+    a scale per output row."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        scale = linear.weight.detach().abs().amax(dim=1, keepdim=True) / 127
+        self.weight = torch.nn.Parameter((linear.weight.detach() / scale).round().to(torch.int8), requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.float() * self.scale, self.bias)
+
+
+@pytest.mark.parametrize("name", ["norm_attention", "alti", "alti_logit"])
+def test_a_quantized_output_projection_is_refused_not_read_as_its_integers(name):
+    """Read as its weight, an int8 projection gave norms on the integers' scale (NormAttention
+    returned scores with no error); the methods that read the weight refuse it, and Value
+    Zeroing and DecompX, which run it, explain the model."""
+    model, ids, mask, _ = one_stack_case("llama")
+    model = copy.deepcopy(model)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = _Int8Linear(layer.self_attn.o_proj).eval()
+    answer = torch.tensor([[5], [6], [7]])[: len(ids)]
+    explain = lambda: REGISTRY[name](model).attribute_span(ids, answer, additional_forward_args=(mask,))  # noqa: E731
+    assert_refused_in_one_line(model, explain, "output projection of LlamaAttention as a floating-point weight.*merge_and_unload")
+    if name == "alti":
+        for runs_it in ("value_zeroing", "decompx"):
+            assert torch.isfinite(REGISTRY[runs_it](model).attribute_span(ids, answer, additional_forward_args=(mask,))).all()

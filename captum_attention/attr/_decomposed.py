@@ -144,7 +144,11 @@ def call_values(record: ForwardRecord, call: int, method: str) -> tuple[Tensor, 
     recorded = record.result(RecordedValues)
     projection, module = recorded.projections[call], type(record.capture.modules[call]).__name__
     if projection is None:
-        raise UnsupportedModelError(f"{method} needs the output projection of {module}, which its adapter does not name (output_projection).")
+        raise UnsupportedModelError(
+            f"{method} needs the output projection of {module} as a floating-point weight, which its adapter does not "
+            "give (output_projection): one wrapped by PEFT's adapters is read once they are merged "
+            "(model.merge_and_unload()); a quantized one is not read."
+        )
     values = recorded.per_head(call).detach()
     heads, head_dim = values.shape[1], values.shape[-1]
     if projection.shape[1] != heads * head_dim:

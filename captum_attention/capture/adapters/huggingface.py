@@ -241,16 +241,22 @@ class HuggingFaceAdapter(AdapterBase):
     def output_projection(self, model: nn.Module, module: nn.Module) -> Tensor | None:
         """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
         ``c_proj``, ``out_lin``, ``dense``), or, where the declared module is the inner
-        self-attention (BERT family), its parent's ``output.dense``."""
+        self-attention (BERT family), its parent's ``output.dense``: its floating-point
+        weight, None where it holds none as a plain linear layer does (wrapped by PEFT's
+        adapters, or quantized: bitsandbytes' layers are ``nn.Linear`` with packed integer
+        weights)."""
         parent = parent_module(model, module)
         candidates = [getattr(module, name, None) for name in _PROJECTIONS]
         if parent is not None:
             candidates.append(getattr(getattr(parent, "output", None), "dense", None))
         projection = next((c for c in candidates if isinstance(c, nn.Module)), None)
-        if isinstance(projection, nn.Linear):
-            return projection.weight
+        weight = getattr(projection, "weight", None)
+        if not isinstance(weight, Tensor) or not weight.is_floating_point():
+            return None
+        if isinstance(projection, nn.Linear) and tuple(weight.shape) == (projection.out_features, projection.in_features):
+            return weight
         if type(projection).__name__ == "Conv1D":  # GPT-2's (in, out) weight
-            return projection.weight.t()  # type: ignore[union-attr, operator]
+            return weight.t()
         return None
 
     def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
