@@ -33,10 +33,11 @@ from torch.overrides import _get_current_function_mode_stack as function_mode_st
 from torch.overrides import _pop_mode_temporarily
 
 
-def in_place_count(tensor: Tensor) -> int:
+def in_place_count(tensor: Tensor) -> int | None:
     """How many times ``tensor`` was changed in place: autograd's version counter
-    (``Tensor._version``, checked on torch 2.13)."""
-    return int(tensor._version)
+    (``Tensor._version``, checked on torch 2.13); None for a tensor made under
+    ``torch.inference_mode()``, which keeps none."""
+    return None if tensor.is_inference() else int(tensor._version)
 
 
 def restore_popped_mode(mode: Any) -> None:

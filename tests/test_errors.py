@@ -12,6 +12,7 @@ from captum_attention import (
     AttentionRollout, AttnLRP, DecompX, GradSAM, KnockoutGradient, LearnedAttention, ModuleAdapter, NormAttention, RawAttention,
     TransformerAttribution, UnsupportedModelError,
 )
+from captum_attention.attr import REGISTRY
 
 
 @pytest.fixture
@@ -160,6 +161,30 @@ def test_gradient_methods_under_inference_mode(setup, method):
         method(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
     with torch.no_grad():  # gradients are enabled for the explanation itself
         method(model).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_under_inference_mode_a_forward_method_explains_and_a_gradient_method_says_why(name, capture_mode):
+    """On a Llama without biases (DecompX's shares then read by a backward elsewhere): each
+    method that needs one forward gives under ``torch.inference_mode()`` the scores it gives
+    outside it (ALTI stopped at a tensor's version counter, DecompX at a tensor saved for
+    backward); each that needs a backward refuses in one line."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    method = REGISTRY[name](model)
+    if name == "attention_flow" and capture_mode == "streaming":
+        pytest.skip("eager capture only: checked in the eager run")
+    options = {"residual": True} if name == "norm_attention" else {}  # the layers' states read, as ALTI reads them
+    explain = lambda: method.attribute(prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,), **options)  # noqa: E731
+    if method.spec.needs != "forward":
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="switches off: call it outside inference_mode") as refused:
+            explain()
+        assert "\n" not in str(refused.value)
+        return
+    expected = explain()
+    with torch.inference_mode():
+        torch.testing.assert_close(explain(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_additional_forward_args_as_a_dict(setup):

@@ -15,7 +15,7 @@ from ..capture.decomposition import (
     ExplainedRun, FirstLayerInput, LinearisationPoints, Points, ShareGradients, model_modules, share_outputs, without_biases,
 )
 from ..capture.inputs import QueryIndex
-from ..capture.record import ForwardRecord, record_forward
+from ..capture.record import ForwardRecord, check_gradients_possible, record_forward
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import LogitReads, attention_rows, logit_reads
@@ -143,7 +143,10 @@ class DecompX(AttentionAttributionBase, Attribution):
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
         modules = model_modules(self.model, resolve_adapter(self.model, self.adapter))  # one walk of the tree per call
-        backward = not self._multiply_by_inputs or without_biases(modules)
+        # under inference_mode, where no backward runs, a model without biases takes the forward on the shares too
+        backward = not self._multiply_by_inputs or (without_biases(modules) and not torch.is_inference_mode_enabled())
+        if backward:
+            check_gradients_possible()
         return [*super()._probes(effective, **options), ShareGradients(modules) if backward else LinearisationPoints(modules)]
 
     def _forward(self, inputs: tuple[Tensor, ...], additional_forward_args: Any, *args: Any) -> ForwardRecord:

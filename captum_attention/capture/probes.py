@@ -671,9 +671,11 @@ def _copy_once(states: Tensor, last: list) -> Tensor:
     """A detached copy of ``states`` (a layer may add into a module's output in place once
     it has used it, as Falcon's does), the ``last`` one ``[tensor, version, copy]`` again
     where a module returned the tensor the one before returned, unchanged (a dropout in
-    eval returns its input, a feed-forward its last projection's output)."""
-    if not last or last[0] is not states or last[1] != in_place_count(states):
-        last[:] = [states, in_place_count(states), states.detach().clone()]
+    eval returns its input, a feed-forward its last projection's output); copied each
+    time where no count says it is unchanged (an inference tensor)."""
+    version = in_place_count(states)
+    if version is None or not last or last[0] is not states or last[1] != version:
+        last[:] = [states, version, states.detach().clone()]
     return last[2]
 
 
