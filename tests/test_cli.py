@@ -515,6 +515,17 @@ def test_terminal_control_sequences_are_shown_escaped(checkpoints):
     _one_line_error(run_cli("explain", "\u200b\u200d \x07", "--model", str(classifier)), "no visible character")
 
 
+def test_a_file_with_a_byte_order_mark_reads_as_without(checkpoints, tmp_path):
+    """A --file saved by an editor that writes a byte-order mark (and CRLF line ends): its
+    first sentence is the sentence, not the mark and the sentence."""
+    classifier, _ = checkpoints
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(SENTENCES).encode("utf-8") + b"\r\n")
+    path = tmp_path / "out.json"
+    assert run_cli("explain", "--file", str(sentences), "--model", str(classifier), "--methods", "raw", "--json", str(path)).returncode == 0
+    assert [sentence["text"] for sentence in json.loads(path.read_text())["sentences"]] == SENTENCES
+
+
 def test_a_sentence_longer_than_the_model_takes_is_cut_and_says_so(checkpoints):
     classifier, _ = checkpoints
     long = " ".join(["the plot was dull"] * 30)  # 120 words, the model takes 64 tokens

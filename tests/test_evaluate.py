@@ -253,6 +253,22 @@ def test_csv_input_and_summary_confidence_intervals(checkpoint, tmp_path):
             assert int(n) == 3 and float(low) <= float(mean) <= float(high)
 
 
+@pytest.mark.parametrize("name, content", [
+    ("data.csv", "text,label\r\nthe film was good,1\r\nthe plot was dull,0\r\n"),  # Excel's "CSV UTF-8"
+    ("data.jsonl", '{"text": "the film was good", "label": 1}\n{"text": "the plot was dull", "label": 0}\n'),
+])
+def test_a_byte_order_mark_is_not_part_of_the_data(tmp_path, name, content):
+    """Some editors and spreadsheets write a byte-order mark first: the CSV's header was
+    then not 'text' and the first JSON line not JSON; read as without it."""
+    data = tmp_path / name
+    data.write_bytes(b"\xef\xbb\xbf" + content.encode("utf-8"))
+    examples, skipped = ev.read_dataset(data)
+    assert [(e.text, e.label) for e in examples] == [("the film was good", 1), ("the plot was dull", 0)] and not skipped
+    answers = tmp_path / "answers.jsonl"
+    answers.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "the film", "answer": "was"}\n')
+    assert [(e.text, e.answer) for e in ev.read_answers(answers)[0]] == [("the film", "was")]
+
+
 def test_bootstrap_interval_is_seeded_and_covers_the_mean():
     rows = [{"method": "m", "index": v, "x": float(v)} for v in range(20)]
     first = ev.summarise(rows, ["m"], ["x"], bootstrap=500, seed=1)[0]

@@ -150,11 +150,7 @@ def _sentences(arguments: argparse.Namespace) -> list[str]:
         if not _visible(sentence):
             raise UsageError(f"sentence {position} has no visible character (only spaces, control or zero-width characters)")
     if arguments.file is not None:
-        try:
-            lines = arguments.file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-            raise UsageError(f"cannot read --file {arguments.file}: {reason}") from error
+        lines = _file_text(arguments.file).splitlines()
         sentences += [line for line in lines if _visible(line)]
     if not sentences:
         raise UsageError("no sentence to explain: pass sentences as arguments or --file")
@@ -261,11 +257,7 @@ def _prompt(arguments: argparse.Namespace) -> str:
             raise UsageError(f"a language model explains one prompt at a time; got {len(arguments.sentences)} "
                              "(quote the prompt, or pass --file)")
         return _sentences(arguments)[0]
-    try:
-        prompt = arguments.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-        raise UsageError(f"cannot read --file {arguments.file}: {reason}") from error
+    prompt = _file_text(arguments.file)
     if not _visible(prompt):
         raise UsageError(f"--file {arguments.file} holds no visible text")
     return prompt.strip()
@@ -365,6 +357,16 @@ def _note_uniform_head_weights(model: Any, methods: list[str]) -> None:
               file=sys.stderr)
 
 
+def _file_text(path: Path) -> str:
+    """``--file``'s text, without the byte-order mark some editors write first; one line
+    where it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise UsageError(f"cannot read --file {path}: {reason}") from error
+
+
 def _skip_pattern(pattern: str | None) -> str | None:
     """``--skip`` checked as a regular expression."""
     if pattern is None:
@@ -418,8 +420,6 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)
     examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
-    if state.is_main_process:
-        _report_cut(examples, tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(
         batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals, presence=arguments.presence
     )
@@ -427,6 +427,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "batches", "batch"), _resuming(state, arguments, "batches"),
     )
+    if state.is_main_process:
+        _report_cut(examples, tokenizer, length_limit(model, tokenizer), arguments)
     _merged(state, arguments, examples, metrics, options)
 
 

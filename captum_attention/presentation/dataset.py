@@ -45,13 +45,15 @@ def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[E
 
 
 def _text(path: Path, suffixes: tuple[str, ...], advice: str) -> str:
-    """The data file's text, or a clear error (missing, another kind of file, not UTF-8)."""
+    """The data file's text, without the byte-order mark some editors and spreadsheets
+    write first (Excel's "CSV UTF-8"), or a clear error (missing, another kind of file, not
+    UTF-8)."""
     if not path.is_file():
         raise DatasetError(f"data set not found: {path}")
     if path.suffix.lower() not in suffixes:
         raise DatasetError(f"{path}: {advice}")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise DatasetError(f"{path} is not UTF-8 text") from error
 
