@@ -532,9 +532,19 @@ def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_toke
 
 
 def _token_segments(offsets: Tensor, segments: Sequence[str], keep: Tensor) -> Tensor:
-    """``(N,)`` long: the segment holding each token's first character; -1 for the tokens
-    never removed (special tokens, which hold no character)."""
+    """``(N,)`` long: the segment holding each token's first character other than a space
+    (byte-level tokenizers that do not trim their offsets, GPT-2's, Llama-3's, Qwen2's,
+    start a word's token at the space before it, which ends the segment before); -1 for the
+    tokens never removed (special tokens, which hold no character)."""
+    text = "".join(segments)
     ends = torch.tensor([len(s) for s in segments]).cumsum(0)
-    starts = offsets[:, 0].contiguous().to(ends.device)
+    starts = torch.tensor([_first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
     found = torch.searchsorted(ends, starts, right=True).clamp(max=len(segments) - 1)
     return found.masked_fill(keep.cpu() | (offsets[:, 1] <= offsets[:, 0]), -1).to(keep.device)
+
+
+def _first_visible(text: str, start: int, end: int) -> int:
+    """The position of ``text[start:end]``'s first character other than a space (``start``
+    where it has none)."""
+    stripped = text[start:end].lstrip()
+    return end - len(stripped) if stripped else start
