@@ -110,6 +110,36 @@ def test_skip_leaves_the_matching_tokens_out_as_captums_skip_tokens(llm, capsys)
         assert error.count("\n") == 1 and f"skip {every_word!r} matches every prompt token but the special ones" in error
 
 
+def test_a_byte_level_tokenizers_tokens_are_shown_and_skipped_as_words(tmp_path):
+    """GPT-2's, Llama-3's and Qwen2's tokens carry their space as a mark ("Ġthe"): --skip
+    'the' matched only a prompt's first word, and the report showed the marks. The prompt's
+    tokens are shown, and matched, as Captum shows the answer's ("the"); the scores are
+    those of Captum's skip_tokens with every " the" left out."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from captum.attr import TextTokenInput
+    from captum_attention.presentation.answer import explain_answer
+
+    prompt = "the cat sat on the mat, the dog sat on the"
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    core.post_processor = processors.ByteLevel(trim_offsets=False)
+    core.train_from_iterator([prompt + " mat."] * 20, trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    raw = tokenizer.convert_ids_to_tokens(tokenizer.encode(prompt))
+    assert "Ġthe" in raw and "Ġmat" in raw
+    explanation = explain_answer(model, tokenizer, prompt, " mat", methods=["grad_sam"], skip="the|,")
+    words = [token.replace("Ġ", "") for token in raw]
+    assert explanation.skipped == [w for w in words if w in ("the", ",")] and explanation.skipped.count("the") == 4
+    assert explanation.prompt_tokens == [w for w in words if w not in ("the", ",")]
+    inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted({t for t, w in zip(raw, words) if w in ("the", ",")}))
+    expected = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(inp, target=" mat")
+    torch.testing.assert_close(torch.tensor(explanation.seq_attr["Grad-SAM"]), expected.seq_attr)
+
+
 def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down(llm, tmp_path, capsys):
     """The prompt's tokens (the skipped ones too) at ``--presence``, its special tokens and
     the answer at 1: the LLM interface's seq_attr of AttnLRP with that presence."""

@@ -87,16 +87,20 @@ def explain_answer(
     """
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not getattr(model.config, "is_encoder_decoder", False))
-    tokens = TextTokenInput(prompt, tokenizer).values
-    skipped = [t for t in tokens if skip is not None and re.fullmatch(skip, t)]
-    inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted(set(skipped)) or None)
+    ids = tokenizer.encode(prompt, return_tensors="pt")[0]
+    shown = pretty_tokens(ids, tokenizer)  # as the answer's tokens are shown: " the", not GPT-2's "Ġthe"
+    skip_ids = sorted({token for token, text in zip(ids.tolist(), shown) if skip is not None and re.fullmatch(skip, text.strip())})
+    inp = TextTokenInput(prompt, tokenizer, skip_tokens=skip_ids or None)
+    kept = [True] * len(shown) if inp.itp_mask is None else inp.itp_mask[0].tolist()
+    skipped = [text for text, is_kept in zip(shown, kept) if not is_kept]
     special_ids = set(tokenizer.all_special_ids)
     if skipped and all(int(i) in special_ids for i in inp.itp_tensor[0].tolist()):
         raise ValueError(f"skip {skip!r} matches every prompt token but the special ones, leaving none to explain: skip fewer")
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
     answer_ids = target_ids(model, tokenizer, inp, target, gen_args)
     explanation = AnswerExplanation(
-        prompt_tokens=list(inp.values), special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
+        prompt_tokens=[text for text, is_kept in zip(shown, kept) if is_kept],
+        special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=pretty_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
@@ -314,9 +318,9 @@ def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torc
     names: list[str] = []
     special: list[bool] = []
     columns: list[int] = []
-    for token, is_image in zip(ids.tolist(), held):
+    for token, text, is_image in zip(ids.tolist(), pretty_tokens(ids, tokenizer), held):
         if not (is_image and names and names[-1] == IMAGE_TOKEN):
-            names.append(IMAGE_TOKEN if is_image else tokenizer.convert_ids_to_tokens(token))
+            names.append(IMAGE_TOKEN if is_image else text)
             special.append(not is_image and token in special_ids)
         columns.append(len(names) - 1)
     features = torch.zeros(len(ids), len(names))

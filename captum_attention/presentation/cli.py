@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--per-token", action="store_true",
                          help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--skip", metavar="REGEX",
-                         help="language models: leave the prompt tokens this regular expression matches in full out "
-                         "of the explanation, as Captum's skip_tokens does (e.g. '[?.,]|the')")
+                         help="language models: leave the prompt tokens this regular expression matches in full, "
+                         "as the report shows them (without the space marks of GPT-2's tokens), out of the explanation, as Captum's "
+                         "skip_tokens does (e.g. '[?.,]|the')")
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
     explain.add_argument("--json", type=Path, help="also write the tokens, every method's scores and wall times "
                          "as JSON here")
