@@ -312,7 +312,9 @@ def test_paired_difference_to_the_best_sees_what_the_separate_intervals_hide():
         ("", ".jsonl", "has no example"),
         ('{"text": "good film"}\n{"text": \n', ".jsonl", "line 2: not JSON"),
         ('{"text": ""}\n', ".jsonl", "line 1: 'text' is missing or empty"),
-        ('{"text": "good", "label": "positive"}\n', ".jsonl", "line 1: 'label' must be a class index"),
+        ('{"text": "good", "label": [1]}\n', ".jsonl", "line 1: 'label' must be a class index or a label's name"),
+        ('{"text": "good", "label": "positive"}\n', ".jsonl", "line 1: 'label' 'positive' is not a label of this model (labels: 0=LABEL_0"),
+        ("text,label\ngood,2\n", ".csv", "line 2: 'label' '2' is not a label of this model"),
         ('{"text": "good", "rationale": "good"}\n', ".jsonl", "line 1: 'rationale' must be a list of words"),
         ("sentence,label\ngood,1\n", ".csv", "header row with a 'text' column"),
         ("good film\n", ".txt", "give a .jsonl or .csv file"),
@@ -325,6 +327,19 @@ def test_bad_data_gets_one_clear_line(checkpoint, tmp_path, capsys, content, suf
     error = capsys.readouterr().err
     assert message in error and len(error.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists(), "nothing is written before the input is checked"
+
+
+def test_labels_by_name_or_index_are_the_models_class_indices(checkpoint, tmp_path, capsys):
+    """A label may name one of the model's labels, in any case (IMDB's CSVs say
+    "positive"), or be its index, also as 1.0 (pandas' int column with gaps): each row holds
+    the index; one the model does not have is skipped with --skip-malformed."""
+    data = tmp_path / "data.jsonl"
+    rows = [{"text": "good film", "label": "label_1"}, {"text": "dull plot", "label": "LABEL_0"}, {"text": "a film", "label": 1.0},
+            {"text": "the plot", "label": "1"}, {"text": "the acting", "label": "neutral"}, {"text": "great story"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert _run(str(data), "--model", str(checkpoint), "--output", str(tmp_path / "out"), "--methods", "raw", "--skip-malformed") == 0
+    assert "skipped " + str(data) + ", line 5: 'label' 'neutral' is not a label of this model" in capsys.readouterr().err
+    assert sorted((r["line"], r["label"]) for r in _rows(tmp_path / "out")) == [(1, 1), (2, 0), (3, 1), (4, 1), (6, None)]
 
 
 def test_malformed_rows_can_be_skipped(checkpoint, tmp_path, capsys):

@@ -420,7 +420,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)
-    examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
+    examples = _rankable(_labelled(examples, model.config.id2label, arguments), tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(
         batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals, presence=arguments.presence
     )
@@ -572,6 +572,29 @@ def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: a
     kept = [e for e in examples if e not in skipped]
     if not kept:
         raise UsageError(f"{arguments.data} has no row with a token to rank")
+    return kept
+
+
+def _labelled(examples: list[Any], id2label: dict[int, str], arguments: argparse.Namespace) -> list[Any]:
+    """The examples with each label as the model's class index (a label's name mapped by the
+    model's labels); one that is no label of the model refused before any work with its
+    line, or with ``--skip-malformed`` skipped and reported."""
+    import dataclasses
+
+    from .explain import resolve_target
+
+    kept = []
+    for example in examples:
+        try:
+            label = None if example.label is None else resolve_target(str(example.label), id2label, "'label'")
+        except ValueError as error:
+            if not arguments.skip_malformed:
+                raise UsageError(f"{arguments.data}, line {example.line}: {error} (pass --skip-malformed to skip such rows)") from None
+            print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: {error}"), file=sys.stderr)
+            continue
+        kept.append(dataclasses.replace(example, label=label))
+    if not kept:
+        raise UsageError(f"{arguments.data} has no row whose label is one of the model's")
     return kept
 
 

@@ -21,19 +21,21 @@ class DatasetError(ValueError):
 @dataclass(frozen=True)
 class Example:
     """One row of a data set: its position (0-based, over the kept rows), the line it came
-    from, the text, and optionally its label (a class index) and rationale words."""
+    from, the text, and optionally its label (a class index, or a label's name until the
+    model's labels map it) and rationale words."""
 
     index: int
     line: int
     text: str
-    label: int | None = None
+    label: int | str | None = None
     rationale: tuple[str, ...] | None = None
 
 
 def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[Example], list[str]]:
     """The examples of a JSONL or CSV file (by its suffix), and the problems skipped.
 
-    Each row has ``text``, optionally ``label`` (an int) and ``rationale`` (a list of
+    Each row has ``text``, optionally ``label`` (a class index, or the name of one of the
+    model's labels, kept as a string) and ``rationale`` (a list of
     words in JSONL; words separated by spaces in CSV). A malformed row raises
     :class:`DatasetError` naming its line, or with ``skip_malformed`` is skipped and
     reported in the second list.
@@ -107,11 +109,12 @@ def _example(index: int, line: int, row: Any) -> Example:
     label = row.get("label")
     if label in (None, ""):
         label = None
-    else:
-        try:
-            label = int(label)
-        except (TypeError, ValueError):
-            raise DatasetError(f"'label' must be a class index, got {label!r}") from None
+    elif isinstance(label, float) and label.is_integer():  # 1.0, as pandas writes an int column with gaps
+        label = int(label)
+    elif isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise DatasetError(f"'label' must be a class index or a label's name, got {label!r}")
+    elif isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        label = int(label)
     rationale = row.get("rationale")
     if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
         raise DatasetError("'rationale' must be a list of words")

@@ -106,15 +106,17 @@ class Explanations:
     methods: dict[str, MethodInfo] = field(default_factory=dict)
 
 
-def resolve_target(target: str | None, id2label: dict[int, str]) -> int | None:
-    """``--target`` as a class index: an index or a label name; None keeps the prediction."""
+def resolve_target(target: str | None, id2label: dict[int, str], name: str = "target") -> int | None:
+    """``--target`` (a row's label, ``name``) as a class index: an index or a label name, in
+    any case; None keeps the prediction."""
     if target is None:
         return None
-    by_name = {name.lower(): index for index, name in id2label.items()}
-    index = int(target) if target.lstrip("-").isdigit() else by_name.get(target.lower(), -1)
+    by_name = {label.lower(): index for index, label in id2label.items()}
+    text = target.strip()
+    index = int(text) if text.lstrip("-").isdigit() else by_name.get(text.lower(), -1)
     if index not in id2label:
-        labels = ", ".join(f"{i}={name}" for i, name in sorted(id2label.items()))
-        raise ValueError(f"target {target!r} is not a label of this model (labels: {labels})")
+        labels = ", ".join(f"{i}={label}" for i, label in sorted(id2label.items()))
+        raise ValueError(f"{name} {target!r} is not a label of this model (labels: {labels})")
     return index
 
 
