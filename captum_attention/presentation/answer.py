@@ -89,7 +89,9 @@ def explain_answer(
     check_methods(chosen, answers=True, one_stack=not getattr(model.config, "is_encoder_decoder", False))
     ids = tokenizer.encode(prompt, return_tensors="pt")[0]
     shown = pretty_tokens(ids, tokenizer)  # as the answer's tokens are shown: " the", not GPT-2's "Ġthe"
-    skip_ids = sorted({token for token, text in zip(ids.tolist(), shown) if skip is not None and re.fullmatch(skip, text.strip())})
+    skip_ids = sorted({
+        token for token, text in zip(ids.tolist(), shown) if skip is not None and re.fullmatch(skip, text.strip())
+    })
     inp = TextTokenInput(prompt, tokenizer, skip_tokens=skip_ids or None)
     kept = [True] * len(shown) if inp.itp_mask is None else inp.itp_mask[0].tolist()
     skipped = [text for text, is_kept in zip(shown, kept) if not is_kept]

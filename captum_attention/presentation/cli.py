@@ -62,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--skip", metavar="REGEX",
                          help="language models: leave the prompt tokens this regular expression matches in full, "
-                         "as the report shows them (without the space marks of GPT-2's tokens), out of the explanation, as Captum's "
-                         "skip_tokens does (e.g. '[?.,]|the')")
+                         "as the report shows them (without the space marks of GPT-2's tokens), out of the "
+                         "explanation, as Captum's skip_tokens does (e.g. '[?.,]|the')")
     explain.add_argument("--html", type=Path, help="also write a self-contained HTML report here")
     explain.add_argument("--json", type=Path, help="also write the tokens, every method's scores and wall times "
                          "as JSON here")
@@ -420,7 +420,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)
-    examples = _rankable(_labelled(examples, model.config.id2label, arguments), tokenizer, length_limit(model, tokenizer), arguments)
+    examples = _labelled(examples, model.config.id2label, arguments)
+    examples = _rankable(examples, tokenizer, length_limit(model, tokenizer), arguments)
     options = Options(
         batch_size=arguments.batch_size, ig_steps=arguments.ig_steps, shap_evals=arguments.shap_evals, presence=arguments.presence
     )
@@ -480,20 +481,12 @@ def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None
 
 
 def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
-    """The rows whose prompt and answer the model takes; the others refused before any
-    work, or with ``--skip-malformed`` skipped and reported."""
-    kept = []
-    for example in examples:
-        too_long = _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer")
-        if too_long is None:
-            kept.append(example)
-        elif arguments.skip_malformed:
-            print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: {too_long}"), file=sys.stderr)
-        else:
-            raise UsageError(f"{arguments.data}, line {example.line}: {too_long}: shorten it, or pass --skip-malformed to skip such rows")
-    if not kept:
-        raise UsageError(f"{arguments.data} has no row the model takes whole")
-    return kept
+    """The rows whose prompt and answer the model takes (:func:`_kept_rows`)."""
+    checked = [
+        (example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer"))
+        for example in examples
+    ]
+    return _kept_rows(checked, arguments, "no row the model takes whole")
 
 
 def _check_presence(arguments: argparse.Namespace) -> None:
@@ -556,46 +549,52 @@ def _merged(state: Any, arguments: argparse.Namespace, examples: Sequence[Any], 
         ))
 
 
-def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> list[Any]:
-    """The examples a metric can rank; the others refused before any work, or with
-    ``--skip-malformed`` skipped and reported."""
-    from .dataset import unrankable
-
-    skipped = unrankable(examples, tokenizer, max_length)
-    if skipped and not arguments.skip_malformed:
+def _kept_rows(checked: list[tuple[Any, str | None]], arguments: argparse.Namespace, none_left: str) -> list[Any]:
+    """The examples of ``checked`` (each with what is wrong with it, or None) with nothing
+    wrong; the first other refused before any work with its line, or with
+    ``--skip-malformed`` each skipped and reported; ``none_left`` says what the data set
+    lacks where none is kept."""
+    wrong = [(example, problem) for example, problem in checked if problem is not None]
+    if wrong and not arguments.skip_malformed:
+        example, problem = wrong[0]
+        more = f" ({len(wrong)} rows in all)" if len(wrong) > 1 else ""
         raise UsageError(
-            f"{arguments.data}, line {skipped[0].line}: no token to rank (every token is special or unknown to the "
-            f"tokenizer; {len(skipped)} rows in all): remove such rows, or pass --skip-malformed to skip them"
+            f"{arguments.data}, line {example.line}: {problem}{more}: fix or remove such rows, or pass "
+            "--skip-malformed to skip them"
         )
-    for example in skipped:
-        print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: no token to rank"), file=sys.stderr)
-    kept = [e for e in examples if e not in skipped]
+    for example, problem in wrong:
+        print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: {problem}"), file=sys.stderr)
+    kept = [example for example, problem in checked if problem is None]
     if not kept:
-        raise UsageError(f"{arguments.data} has no row with a token to rank")
+        raise UsageError(f"{arguments.data} has {none_left}")
     return kept
 
 
+def _rankable(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> list[Any]:
+    """The examples a metric can rank (:func:`_kept_rows`)."""
+    from .dataset import unrankable
+
+    unranked = unrankable(examples, tokenizer, max_length)
+    problem = "no token to rank (every token is special or unknown to the tokenizer)"
+    return _kept_rows([(e, problem if e in unranked else None) for e in examples], arguments, "no row with a token to rank")
+
+
 def _labelled(examples: list[Any], id2label: dict[int, str], arguments: argparse.Namespace) -> list[Any]:
-    """The examples with each label as the model's class index (a label's name mapped by the
-    model's labels); one that is no label of the model refused before any work with its
-    line, or with ``--skip-malformed`` skipped and reported."""
+    """The examples with each label as the model's class index, a label's name mapped by
+    the model's labels; those whose label is none of the model's refused or skipped
+    (:func:`_kept_rows`)."""
     import dataclasses
 
     from .explain import resolve_target
 
-    kept = []
-    for example in examples:
+    def checked(example: Any) -> tuple[Any, str | None]:
         try:
             label = None if example.label is None else resolve_target(str(example.label), id2label, "'label'")
         except ValueError as error:
-            if not arguments.skip_malformed:
-                raise UsageError(f"{arguments.data}, line {example.line}: {error} (pass --skip-malformed to skip such rows)") from None
-            print(terminal_safe(f"captum-attention: skipped {arguments.data}, line {example.line}: {error}"), file=sys.stderr)
-            continue
-        kept.append(dataclasses.replace(example, label=label))
-    if not kept:
-        raise UsageError(f"{arguments.data} has no row whose label is one of the model's")
-    return kept
+            return example, str(error)
+        return dataclasses.replace(example, label=label), None
+
+    return _kept_rows([checked(example) for example in examples], arguments, "no row whose label is one of the model's")
 
 
 def _report_cut(examples: list[Any], tokenizer: Any, max_length: int, arguments: argparse.Namespace) -> None:
