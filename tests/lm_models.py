@@ -97,6 +97,20 @@ def make_word_tokenizer(bos: bool = True) -> tf.PreTrainedTokenizerFast:
     return tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def make_byte_level_tokenizer(text: str, trim_offsets: bool = False) -> tf.PreTrainedTokenizerFast:
+    """A byte-level BPE fast tokenizer trained on ``text``, as GPT-2's, Llama-3's and
+    Qwen2's are: its tokens carry their space as a mark ("Ġthe"), and (unless
+    ``trim_offsets``) a token's offsets start at that space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    core.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator([text] * 20, trainer)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+
+
 def make_encoder_decoder(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "t5":

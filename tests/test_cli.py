@@ -384,6 +384,35 @@ def test_a_tokenizer_without_a_pad_token_pads_as_the_config_says(tmp_path, pad_t
             assert scores == pytest.approx(alone.scores[name], abs=1e-5), name
 
 
+def test_a_classifiers_tokens_are_shown_as_words(tmp_path):
+    """A byte-level tokenizer's tokens (RoBERTa's, GPT-2's "Ġfilm") are shown without
+    their space mark, as the answers' tokens are; a WordPiece continuation keeps its "##"."""
+    from lm_models import make_byte_level_tokenizer
+
+    from captum_attention.presentation.explain import explain
+
+    sentence = "the film was good, the plot was dull"
+    tokenizer = make_byte_level_tokenizer(sentence)
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=2,
+                           pad_token_id=tokenizer.pad_token_id)
+    model = tf.GPT2ForSequenceClassification(config).eval()
+    raw = tokenizer.convert_ids_to_tokens(tokenizer(sentence).input_ids)
+    assert "Ġfilm" in raw
+    shown = explain(model, tokenizer, [sentence], methods=["raw"]).sentences[0].tokens
+    assert shown == [token.replace("Ġ", "") for token in raw]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "film", "act", "##ing"]) + "\n")
+    wordpiece = tf.BertTokenizerFast(vocab=str(vocab))
+    bert_config = tf.BertConfig(vocab_size=len(wordpiece), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=48)
+    bert = tf.BertForSequenceClassification(bert_config).eval()
+    assert explain(bert, wordpiece, ["the film acting"], methods=["raw"]).sentences[0].tokens == [
+        "[CLS]", "the", "film", "act", "##ing", "[SEP]"
+    ]
+
+
 def test_reports_show_control_characters_as_escapes():
     sentence = SentenceExplanation(
         text="bad \u202efilm\x1b[31m", tokens=["[CLS]", "bad", "\u202efilm\x1b[31m", "[SEP]"], label="neg\x07",

@@ -116,17 +116,13 @@ def test_a_byte_level_tokenizers_tokens_are_shown_and_skipped_as_words(tmp_path)
     tokens are shown, and matched, as Captum shows the answer's ("the"); the scores are
     those of Captum's skip_tokens with every " the" left out."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from lm_models import make_byte_level_tokenizer
 
     from captum.attr import TextTokenInput
     from captum_attention.presentation.answer import explain_answer
 
     prompt = "the cat sat on the mat, the dog sat on the"
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    core.post_processor = processors.ByteLevel(trim_offsets=False)
-    core.train_from_iterator([prompt + " mat."] * 20, trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    tokenizer = make_byte_level_tokenizer(prompt + " mat.")
     torch.manual_seed(0)
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
     raw = tokenizer.convert_ids_to_tokens(tokenizer.encode(prompt))

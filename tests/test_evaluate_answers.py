@@ -204,19 +204,13 @@ def test_each_token_is_in_the_segment_that_holds_its_word(trim_offsets):
     """A byte-level tokenizer that does not trim its offsets (GPT-2's, Llama-3's, Qwen2's)
     starts the token of a segment's first word at the space that ends the segment before:
     it was counted in that segment. Each token belongs where its word is."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-    from lm_models import make_decoder
+    from lm_models import make_byte_level_tokenizer, make_decoder
 
     from captum_attention.presentation.dataset import AnswerExample
     from captum_attention.presentation.evaluate import answer_tensors
 
     segments = ("The meeting moved to Tuesday. ", "Lunch is at noon. ", "When is the meeting?")
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    core.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
-    core.train_from_iterator(["".join(segments)] * 20, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    tokenizer = make_byte_level_tokenizer("".join(segments), trim_offsets)
     example = AnswerExample(0, 1, "".join(segments), " Tuesday", segments)
     ids, _, _, found = answer_tensors(make_decoder("llama"), tokenizer, example, 1)
     words = [tokenizer.convert_tokens_to_string([token]).strip() for token in tokenizer.convert_ids_to_tokens(ids[0])]

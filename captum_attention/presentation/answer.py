@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
-from .._compat import pretty_tokens
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
-from .display import special_tokens
+from .display import readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
     check_methods, presence_display, registered_method, removable_segments, span_presence,
@@ -88,7 +87,7 @@ def explain_answer(
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not getattr(model.config, "is_encoder_decoder", False))
     ids = tokenizer.encode(prompt, return_tensors="pt")[0]
-    shown = pretty_tokens(ids, tokenizer)  # as the answer's tokens are shown: " the", not GPT-2's "Ġthe"
+    shown = readable_tokens(ids, tokenizer)  # "the", not GPT-2's "Ġthe"
     skip_ids = sorted({
         token for token, text in zip(ids.tolist(), shown) if skip is not None and re.fullmatch(skip, text.strip())
     })
@@ -103,7 +102,7 @@ def explain_answer(
     explanation = AnswerExplanation(
         prompt_tokens=[text for text, is_kept in zip(shown, kept) if is_kept],
         special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
-        answer_tokens=pretty_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
+        answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
     )
@@ -219,7 +218,7 @@ def explain_image_answer(
     features, names, special = _image_features(model, ids[0], tokenizer)
     explanation = AnswerExplanation(
         prompt_tokens=names, special=special,
-        answer_tokens=pretty_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
+        answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [], image=str(image_path),
     )
     args = (mask, inputs)
@@ -320,7 +319,7 @@ def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torc
     names: list[str] = []
     special: list[bool] = []
     columns: list[int] = []
-    for token, text, is_image in zip(ids.tolist(), pretty_tokens(ids, tokenizer), held):
+    for token, text, is_image in zip(ids.tolist(), readable_tokens(ids, tokenizer), held):
         if not (is_image and names and names[-1] == IMAGE_TOKEN):
             names.append(IMAGE_TOKEN if is_image else text)
             special.append(not is_image and token in special_ids)

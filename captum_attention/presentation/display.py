@@ -13,12 +13,24 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from .._compat import pretty_tokens
+
 
 def special_tokens(input_ids: Tensor, tokenizer: Any) -> Tensor:
     """``input_ids``-shaped bool tensor, True at the tokenizer's special tokens
     (``[CLS]``, ``[SEP]``, padding, ...)."""
     special_ids = torch.tensor(sorted(tokenizer.all_special_ids), device=input_ids.device)
     return torch.isin(input_ids, special_ids)
+
+
+def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
+    """Token ids as the reports show them: as Captum's LLM results show tokens, without
+    the space marks of byte-level and SentencePiece tokens (GPT-2's and RoBERTa's ``Ġthe``,
+    XLM-R's ``▁the``: ``the``), a WordPiece continuation with its ``##`` (BERT's ``##ing``),
+    and a token that shows as nothing (a lone space mark) as it is."""
+    raw = tokenizer.convert_ids_to_tokens(ids.tolist())
+    shown = pretty_tokens(ids, tokenizer)
+    return [token if token.startswith("##") or not text.strip() else text for token, text in zip(raw, shown)]
 
 
 def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bool = False) -> Tensor:

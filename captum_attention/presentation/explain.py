@@ -15,7 +15,7 @@ from ..attr.llm import prompt_side
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift
-from .display import special_tokens
+from .display import readable_tokens, special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
 """The Captum baseline the report adds to the registered methods."""
@@ -507,7 +507,7 @@ def _explain_batch(
         results.append(
             SentenceExplanation(
                 text=text,
-                tokens=tokenizer.convert_ids_to_tokens(row_ids),
+                tokens=readable_tokens(ids[row, :length], tokenizer),
                 label=id2label[int(predicted[row])],
                 probability=float(probabilities[row, predicted[row]]),
                 target=int(targets[row]),
