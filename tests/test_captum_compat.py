@@ -10,7 +10,7 @@ from captum.metrics import infidelity, sensitivity_max
 from conftest import make_batch, make_model
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
-from captum_attention.attr._registry import REGISTRY
+from captum_attention.attr import REGISTRY
 from captum_attention.metrics import comprehensiveness, token_replacement_perturbation, token_substitution_perturbation
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager

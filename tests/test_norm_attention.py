@@ -148,7 +148,6 @@ def test_a_quantized_output_projection_is_refused_not_read_as_its_integers(name)
     returned scores with no error); the methods that read the weight refuse it, and Value
     Zeroing and DecompX, which run it, explain the model."""
     model, ids, mask, _ = one_stack_case("llama")
-    model = copy.deepcopy(model)
     for layer in model.model.layers:
         layer.self_attn.o_proj = _Int8Linear(layer.self_attn.o_proj).eval()
     answer = torch.tensor([[5], [6], [7]])[: len(ids)]
