@@ -31,7 +31,7 @@ from .capture import (
 )
 from .demo import load_default_model
 from .metrics.head_weights import HeadWeights
-from .presentation.display import scores_for_display, special_tokens, token_heatmap
+from .presentation.display import readable_tokens, scores_for_display, special_tokens, token_heatmap
 
 __version__ = "0.1.0"
 
@@ -63,6 +63,7 @@ __all__ = [
     "image_scores",
     "load_default_model",
     "pixel_scores",
+    "readable_tokens",
     "scores_for_display",
     "special_tokens",
     "token_heatmap",

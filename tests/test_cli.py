@@ -389,6 +389,7 @@ def test_a_classifiers_tokens_are_shown_as_words(tmp_path):
     their space mark, as the answers' tokens are; a WordPiece continuation keeps its "##"."""
     from lm_models import make_byte_level_tokenizer
 
+    from captum_attention import readable_tokens
     from captum_attention.presentation.explain import explain
 
     sentence = "the film was good, the plot was dull"
@@ -402,6 +403,7 @@ def test_a_classifiers_tokens_are_shown_as_words(tmp_path):
     assert "Ġfilm" in raw
     shown = explain(model, tokenizer, [sentence], methods=["raw"]).sentences[0].tokens
     assert shown == [token.replace("Ġ", "") for token in raw]
+    assert readable_tokens(torch.tensor(tokenizer(sentence).input_ids), tokenizer) == shown
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "film", "act", "##ing"]) + "\n")
     wordpiece = tf.BertTokenizerFast(vocab=str(vocab))

@@ -24,10 +24,24 @@ def special_tokens(input_ids: Tensor, tokenizer: Any) -> Tensor:
 
 
 def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
-    """Token ids as the reports show them: as Captum's LLM results show tokens, without
-    the space marks of byte-level and SentencePiece tokens (GPT-2's and RoBERTa's ``Ġthe``,
-    XLM-R's ``▁the``: ``the``), a WordPiece continuation with its ``##`` (BERT's ``##ing``),
-    and a token that shows as nothing (a lone space mark) as it is."""
+    """Token ids as words, as the reports show them and Captum's LLM results show an
+    answer's tokens: without the space marks of byte-level and SentencePiece tokens
+    (GPT-2's and RoBERTa's ``Ġthe``, XLM-R's ``▁the``: ``the``), a WordPiece continuation
+    with its ``##`` (BERT's ``##ing``), a token that shows as nothing (a lone space mark)
+    as it is.
+
+    Args:
+        ids (Tensor): ``(seq_len,)`` token ids of one text.
+        tokenizer: its Hugging Face tokenizer.
+
+    Returns:
+        One string per id.
+
+    Example::
+
+        >>> tokens = readable_tokens(input_ids[0], tokenizer)
+        >>> token_heatmap({"AttnLRP": scores[0]}, tokens)
+    """
     raw = tokenizer.convert_ids_to_tokens(ids.tolist())
     shown = pretty_tokens(ids, tokenizer)
     return [token if token.startswith("##") or not text.strip() else text for token, text in zip(raw, shown)]
