@@ -114,7 +114,8 @@ def test_a_byte_level_tokenizers_tokens_are_shown_and_skipped_as_words(tmp_path)
     """GPT-2's, Llama-3's and Qwen2's tokens carry their space as a mark ("Ġthe"): --skip
     'the' matched only a prompt's first word, and the report showed the marks. The prompt's
     tokens are shown, and matched, as Captum shows the answer's ("the"); the scores are
-    those of Captum's skip_tokens with every " the" left out."""
+    those of Captum's skip_tokens with every " the" left out. An answer given without the
+    space these tokenizers do not add is read glued to the prompt, and the report says so."""
     import transformers as tf
     from lm_models import make_byte_level_tokenizer
 
@@ -134,6 +135,9 @@ def test_a_byte_level_tokenizers_tokens_are_shown_and_skipped_as_words(tmp_path)
     inp = TextTokenInput(prompt, tokenizer, skip_tokens=sorted({t for t, w in zip(raw, words) if w in ("the", ",")}))
     expected = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(inp, target=" mat")
     torch.testing.assert_close(torch.tensor(explanation.seq_attr["Grad-SAM"]), expected.seq_attr)
+    assert explanation.warnings == []
+    glued = explain_answer(model, tokenizer, prompt, "mat", methods=["raw"]).warnings  # "the" + "mat": "themat"
+    assert len(glued) == 1 and "read glued to the prompt's last word, as 'themat': begin it with a space (' mat')" in glued[0]
 
 
 def test_attn_lrp_at_a_presence_explains_the_answer_with_the_prompt_weighed_down(llm, tmp_path, capsys):

@@ -219,6 +219,27 @@ def test_each_token_is_in_the_segment_that_holds_its_word(trim_offsets):
     assert found[0].tolist() == expected, list(zip(words, found[0].tolist()))
 
 
+def test_answers_read_glued_to_their_prompt_are_named_in_one_line(tmp_path, capsys):
+    """On a byte-level tokenizer, an answer given without its space is read glued to the
+    prompt's last word ("the" and "mat": "themat"): evaluate and fit-head-weights say which."""
+    import transformers as tf
+    from lm_models import make_byte_level_tokenizer
+
+    folder, data = tmp_path / "gpt2", tmp_path / "answers.jsonl"
+    tokenizer = make_byte_level_tokenizer("the cat sat on the mat.")
+    torch.manual_seed(0)
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [{"prompt": "the cat sat on the", "answer": "mat"}, {"prompt": "the cat sat on the", "answer": " mat"},
+            {"prompt": "the cat sat on the "}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for command in (["evaluate", "--methods", "raw", "--max-new-tokens", "2", "--output", str(tmp_path / "out")],
+                    ["fit-head-weights", "--ablations", "2", "--max-new-tokens", "2"]):
+        assert main([*command, str(data), "--model", str(folder)]) == 0
+        error = capsys.readouterr().err
+        assert "warning: " + str(data) + ": 1 answer (line 1) read glued to the prompt's last word" in error, error
+
+
 def test_attention_flow_is_refused_for_answers_before_any_work(llm, tmp_path, capsys):
     data, output = _data(tmp_path, count=2), tmp_path / "out"
     assert main(["evaluate", str(data), "--model", str(llm), "--methods", "raw,attention_flow", "--output", str(output)]) == 1

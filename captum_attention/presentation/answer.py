@@ -104,7 +104,7 @@ def explain_answer(
         special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
-        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
+        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _glued(model, tokenizer, ids, target, answer_ids),
     )
     for name in chosen:
         display = presence_display(presence) if name == PRESENCE else _display(name)
@@ -141,6 +141,15 @@ def _estimates(model: Any, tokenizer: Any, inp: TextTokenInput, answer_ids: torc
     return scores[features].float().cpu()
 
 
+def _glued(model: Any, tokenizer: Any, prompt_ids: torch.Tensor, target: str, answer_ids: torch.Tensor) -> list[str]:
+    """:func:`glued_answer`'s warning, for a decoder-only model's given answer (an
+    encoder-decoder's answer is its decoder's own text)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return []
+    warning = glued_answer(tokenizer, prompt_ids.tolist(), target, answer_ids.tolist())
+    return [] if warning is None else [warning]
+
+
 def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
     """A warning where generation stopped at ``max_new_tokens`` with no end token: the
     answer may run on past what the model meant to say, and the explanation covers it all."""
@@ -150,6 +159,22 @@ def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) 
         f"the answer stopped at --max-new-tokens ({max_new_tokens}) without an end token: it may go on past the "
         "model's real answer, and the whole-answer scores explain all of it; give --target, or a smaller --max-new-tokens"
     ]
+
+
+def glued_answer(tokenizer: Any, prompt_ids: list[int], answer: str, answer_ids: list[int]) -> str | None:
+    """A warning where a given ``answer`` is read glued to the prompt's last word, which is
+    rarely the answer meant: GPT-2's and Qwen's tokenizers put no space before it ("is" and
+    "Paris" read "isParis"; SentencePiece's add one themselves); else None."""
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    joined = tokenizer.decode(prompt_ids + answer_ids, skip_special_tokens=True)
+    after = joined[len(prompt):] if joined.startswith(prompt) else ""
+    if not (prompt.strip() and after.strip() and prompt[-1].isalnum() and after[0].isalnum()):
+        return None
+    read = prompt.split()[-1] + after.split()[0]
+    return (
+        f"the answer {answer!r} is read glued to the prompt's last word, as {read!r}: begin it with a space "
+        f"({' ' + answer!r}) if the model writes one there"
+    )
 
 
 def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | None, gen_args: dict[str, Any] | None) -> torch.Tensor:

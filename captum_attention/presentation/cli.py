@@ -452,6 +452,7 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
+        _note_glued_answers(examples, model, tokenizer, arguments)
     model.to(state.device)
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence)
     evaluate_answers(
@@ -487,6 +488,27 @@ def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments
         for example in examples
     ]
     return _kept_rows(checked, arguments, "no row the model takes whole")
+
+
+def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:
+    """One line where given answers are read glued to their prompt's last word
+    (:func:`~captum_attention.presentation.answer.glued_answer`)."""
+    from .answer import glued_answer
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return
+    glued = [
+        example.line for example in examples if example.answer is not None and glued_answer(
+            tokenizer, tokenizer(example.text)["input_ids"], example.answer,
+            tokenizer(example.answer, add_special_tokens=False)["input_ids"],
+        )
+    ]
+    if glued:
+        lines = f"line {glued[0]}" + (f" and {len(glued) - 1} more" if len(glued) > 1 else "")
+        print(terminal_safe(
+            f"captum-attention: warning: {arguments.data}: {_count(len(glued), 'answer')} ({lines}) read glued to the "
+            "prompt's last word (no space between them): begin each with a space if the model writes one there"
+        ), file=sys.stderr)
 
 
 def _check_presence(arguments: argparse.Namespace) -> None:
@@ -676,6 +698,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
     _report_skipped(arguments, skipped)
     model, tokenizer = load_causal_lm(arguments.model)
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
+    _note_glued_answers(examples, model, tokenizer, arguments)
     options = FitOptions(arguments.ablations, arguments.seed, arguments.ridge, arguments.max_new_tokens)
     weights, path = fit_beside_model(model, tokenizer, examples, arguments.model, options)
     layers, heads = weights.weights.shape
