@@ -104,7 +104,9 @@ def explain_answer(
         special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
-        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _glued(model, tokenizer, ids, target, answer_ids),
+        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _listed(
+            glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist())
+        ),
     )
     for name in chosen:
         display = presence_display(presence) if name == PRESENCE else _display(name)
@@ -141,12 +143,7 @@ def _estimates(model: Any, tokenizer: Any, inp: TextTokenInput, answer_ids: torc
     return scores[features].float().cpu()
 
 
-def _glued(model: Any, tokenizer: Any, prompt_ids: torch.Tensor, target: str, answer_ids: torch.Tensor) -> list[str]:
-    """:func:`glued_answer`'s warning, for a decoder-only model's given answer (an
-    encoder-decoder's answer is its decoder's own text)."""
-    if getattr(model.config, "is_encoder_decoder", False):
-        return []
-    warning = glued_answer(tokenizer, prompt_ids.tolist(), target, answer_ids.tolist())
+def _listed(warning: str | None) -> list[str]:
     return [] if warning is None else [warning]
 
 
@@ -161,10 +158,13 @@ def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) 
     ]
 
 
-def glued_answer(tokenizer: Any, prompt_ids: list[int], answer: str, answer_ids: list[int]) -> str | None:
-    """A warning where a given ``answer`` is read glued to the prompt's last word, which is
-    rarely the answer meant: GPT-2's and Qwen's tokenizers put no space before it ("is" and
-    "Paris" read "isParis"; SentencePiece's add one themselves); else None."""
+def glued_answer(model: Any, tokenizer: Any, prompt_ids: list[int], answer: str, answer_ids: list[int]) -> str | None:
+    """A warning where a decoder-only ``model``'s given ``answer`` is read glued to the
+    prompt's last word, which is rarely the answer meant: GPT-2's and Qwen's tokenizers put
+    no space before it ("is" and "Paris" read "isParis"; SentencePiece's add one
+    themselves); else None (an encoder-decoder's answer is its decoder's own text)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None
     prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
     joined = tokenizer.decode(prompt_ids + answer_ids, skip_special_tokens=True)
     after = joined[len(prompt):] if joined.startswith(prompt) else ""

@@ -495,11 +495,9 @@ def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, argumen
     (:func:`~captum_attention.presentation.answer.glued_answer`)."""
     from .answer import glued_answer
 
-    if getattr(model.config, "is_encoder_decoder", False):
-        return
     glued = [
         example.line for example in examples if example.answer is not None and glued_answer(
-            tokenizer, tokenizer(example.text)["input_ids"], example.answer,
+            model, tokenizer, tokenizer(example.text)["input_ids"], example.answer,
             tokenizer(example.answer, add_special_tokens=False)["input_ids"],
         )
     ]
