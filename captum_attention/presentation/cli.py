@@ -501,12 +501,17 @@ def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, argumen
             tokenizer(example.answer, add_special_tokens=False)["input_ids"],
         )
     ]
-    if glued:
-        lines = f"line {glued[0]}" + (f" and {len(glued) - 1} more" if len(glued) > 1 else "")
-        print(terminal_safe(
-            f"captum-attention: warning: {arguments.data}: {_count(len(glued), 'answer')} ({lines}) read glued to the "
-            "prompt's last word (no space between them): begin each with a space if the model writes one there"
-        ), file=sys.stderr)
+    _warn_of_rows(arguments, glued, "answer", "read glued to the prompt's last word (no space between them): begin each "
+                  "with a space if the model writes one there")
+
+
+def _warn_of_rows(arguments: argparse.Namespace, lines: list[int], counted: str, says: str) -> None:
+    """One warning naming how many rows (the first by its line) of what is ``counted``
+    ``says`` holds of; nothing where there are none."""
+    if lines:
+        where = f"line {lines[0]}" + (f" and {len(lines) - 1} more" if len(lines) > 1 else "")
+        print(terminal_safe(f"captum-attention: warning: {arguments.data}: {_count(len(lines), counted)} ({where}) {says}"),
+              file=sys.stderr)
 
 
 def _check_presence(arguments: argparse.Namespace) -> None:
@@ -625,12 +630,7 @@ def _report_cut(examples: list[Any], tokenizer: Any, max_length: int, arguments:
     with quiet_transformers():  # its note on sequences longer than the model takes: said here, once
         lengths = [len(ids) for ids in tokenizer([e.text for e in examples])["input_ids"]]
     cut = [example.line for example, length in zip(examples, lengths) if length > max_length]
-    if cut:
-        lines = f"line {cut[0]}" + (f" and {len(cut) - 1} more" if len(cut) > 1 else "")
-        print(terminal_safe(
-            f"captum-attention: {arguments.data}: {_count(len(cut), 'text')} ({lines}) longer than the {max_length} tokens "
-            "the model takes, explained and scored cut there"
-        ), file=sys.stderr)
+    _warn_of_rows(arguments, cut, "text", f"longer than the {max_length} tokens the model takes, explained and scored cut there")
 
 
 class _SingleProcess:
