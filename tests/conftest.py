@@ -124,14 +124,18 @@ class Reference:
     targets: torch.Tensor
 
 
-def reference_attention(model: nn.Module, batch: Batch, target: int | None = None) -> Reference:
-    """Recompute attention and its gradient independently of captum_attention."""
+def reference_attention(
+    model: nn.Module, batch: Batch, target: int | None = None, queries: torch.Tensor | None = None
+) -> Reference:
+    """Recompute attention and its gradient independently of captum_attention (the
+    logits at ``queries``, one position per example, of a model with logits at every
+    position)."""
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
     out = ref(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True
     )
-    logits = out.logits
+    logits = out.logits if queries is None else out.logits[torch.arange(len(queries)), queries]
     targets = logits.argmax(1) if target is None else torch.full((len(logits),), target)
     score = logits[torch.arange(len(logits)), targets].sum()
     grads = torch.autograd.grad(score, out.attentions)

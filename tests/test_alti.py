@@ -627,9 +627,9 @@ def test_post_norm_language_models_are_refused_by_alti_logit():
     model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                        intermediate_size=24)).eval()
     ids = torch.randint(3, 40, (2, 6))
-    assert ALTI(model).attribute(ids).shape == (2, 6)
+    assert ALTI(model).attribute(ids, query_index=3).shape == (2, 6)
     with pytest.raises(UnsupportedModelError, match="post-norm layers of BertForMaskedLM"):
-        ALTILogit(model).attribute(ids)
+        ALTILogit(model).attribute(ids, query_index=3)
 
 
 def test_capped_logits_are_refused(monkeypatch):

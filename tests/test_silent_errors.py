@@ -1,6 +1,7 @@
 """Inputs that once gave a plausible-looking wrong result now give the right one, a warning
 or a clear error: half precision, non-finite inputs, a forward that runs the model twice,
-padding without a mask, modules left in training mode."""
+padding without a mask, modules left in training mode, a bidirectional model's logits at
+every position."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_batch, make_model
+from conftest import assert_scores_close, make_batch, make_model, reference_attention
+from constants import NUM_LABELS, VOCAB
+from methods import reference_grad_sam
 from torch import nn
 
 from captum_attention import METHODS
@@ -117,3 +120,28 @@ def test_a_submodule_left_in_training_mode_gets_a_warning():
     batch = make_batch(model)
     with pytest.warns(UserWarning, match=r"training mode \(bert\.encoder\.layer\.1"):
         _attribute(model, "raw", batch)
+
+
+def _per_position_model(head: str) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM, BertForTokenClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=48, num_labels=NUM_LABELS, initializer_range=0.3)
+    return (BertForMaskedLM if head == "masked_lm" else BertForTokenClassification)(config).eval()
+
+
+@pytest.mark.parametrize("head", ["masked_lm", "token_classifier"])
+@pytest.mark.parametrize("capture", ["eager", "streaming"])
+def test_a_bidirectional_model_with_logits_at_every_position_explains_the_position_asked_for(head, capture):
+    model = _per_position_model(head)
+    batch = make_batch(model)
+    explainer = METHODS["grad_sam"](model, capture=capture)
+    with pytest.raises(ValueError, match="logits at every position .* pass query_index"):
+        explainer.attribute(batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,))
+    queries = torch.tensor([5, 2, 3])  # a [MASK] or tagged token of each example
+    scores = explainer.attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,), query_index=queries
+    )
+    expected = reference_grad_sam(reference_attention(model, batch, TARGET, queries), batch.lengths)
+    assert_scores_close(scores, expected)

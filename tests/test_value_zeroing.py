@@ -150,7 +150,7 @@ def test_a_model_whose_attention_does_not_run_through_transformers_is_refused_in
         torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), num_layers=2, enable_nested_tensor=False
     ).eval()
     with pytest.raises(UnsupportedModelError, match="made 0 such calls") as refused:
-        ValueZeroing(encoder).attribute(torch.randn(2, 5, 16))
+        ValueZeroing(encoder).attribute(torch.randn(2, 5, 16), query_index=0)
     assert "\n" not in str(refused.value)
 
 

@@ -34,7 +34,9 @@ _SHARED_ATTRIBUTE_DOCS = {
         "                real token ([CLS], a ViT's class token) for bidirectional attention, the\n"
         '                last real token for decoders (causal attention) and encoder-decoders; for\n'
         '                a classifier that reads the mean of its tokens (BEiT, CLIP, SigLIP, Swin,\n'
-        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows.\n'
+        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows;\n'
+        '                none for a bidirectional model with logits at every position (a masked\n'
+        "                language model's [MASK], a token classifier's tag): pass it.\n"
         '                A float ``(batch, seq_len)`` tensor weighs the rows instead: the methods that\n'
         '                read a query row read the weighted sum of rows (as a span does; Grad-SAM\n'
         "                reads no row), e.g. a language model's image-token scores carried into its\n"

@@ -444,6 +444,13 @@ def record_forward(
             "predictions: call it with use_cache=False (model.config.use_cache = False)."
         )
     pooled_from = adapter.mean_pooled_from(model) if query_index is None else None
+    if logits.dim() == 3 and not causal and query_index is None and pooled_from is None:
+        raise ValueError(
+            f"{type(model).__name__} returns logits at every position and its attention sees both ways (a masked "
+            "language model or a token classifier), so no position is explained by default: pass query_index, the "
+            "position whose logits to explain (the [MASK] token's, the tagged token's), or a forward_func that returns "
+            "that position's logits."
+        )
     if pooled_from is not None:  # the rows the output's mean reads, as a span
         pooled = target_real.clone()
         pooled[:, :pooled_from] = False
