@@ -563,3 +563,78 @@ def test_a_sentence_longer_than_the_model_takes_is_cut_and_says_so(checkpoints):
     result = run_cli("explain", long, "--model", str(classifier), "--methods", "raw")
     assert result.returncode == 0, result.stderr
     assert "note: cut to the model's 64 tokens (of 122)" in result.stdout
+
+
+def test_text_pairs_are_explained_as_the_model_reads_them(checkpoints, tmp_path):
+    """``--pair-separator``: each sentence's two texts tokenized as a pair, with the token
+    type ids of the second text, as transformers' pipelines give them to the model."""
+    classifier, _ = checkpoints
+    pairs = [("the plot was dull", "the acting was superb"), ("what a film", "superb")]
+    path = tmp_path / "pairs.json"
+    result = run_cli("explain", *(f"{first} ||| {second}" for first, second in pairs), "--model", str(classifier),
+                     "--pair-separator", "|||", "--methods", "grad_sam,attn_lrp,integrated_gradients", "--ig-steps", "8",
+                     "--raw", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "the plot was dull ‖ the acting was superb" in result.stdout
+
+    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
+    encoded = tokenizer(pairs, padding=True, return_tensors="pt")
+    ids, mask, types = encoded["input_ids"], encoded["attention_mask"], encoded["token_type_ids"]
+    forward = lambda i, m, t: model(input_ids=i, attention_mask=m, token_type_ids=t).logits  # noqa: E731
+    probabilities = forward(ids, mask, types).softmax(-1)
+    assert not torch.allclose(probabilities, forward(ids, mask, torch.zeros_like(types)).softmax(-1), atol=0.01)
+    targets = probabilities.argmax(-1)
+    expected = {
+        name: REGISTERED[name](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask, types))
+        for name in ("grad_sam", "attn_lrp")
+    }
+    baseline = torch.where(torch.isin(ids, torch.tensor(tokenizer.all_special_ids)), ids, tokenizer.pad_token_id)
+    integrated = LayerIntegratedGradients(forward, model.get_input_embeddings()).attribute(
+        ids, baselines=baseline, target=targets, additional_forward_args=(mask, types), n_steps=8
+    ).sum(-1)
+    written = json.loads(path.read_text(encoding="utf-8"))
+    for row, sentence in enumerate(written["sentences"]):
+        length = int(mask[row].sum())
+        assert (sentence["text"], sentence["text_pair"]) == pairs[row]
+        assert sentence["tokens"] == tokenizer.convert_ids_to_tokens(ids[row, :length].tolist())
+        assert list(sentence["probabilities"].values()) == pytest.approx(probabilities[row].tolist(), abs=1e-5)
+        for name, scores in expected.items():
+            shown = sentence["scores"][REGISTERED[name].get_name()]
+            torch.testing.assert_close(torch.tensor(shown), scores[row, :length].detach(), rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(sentence["scores"]["Integrated Gradients"]), integrated[row, :length].detach(),
+                                   rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("sentence, separator, message", [
+    ("the plot was dull", "|||", "sentence 1 is not two texts parted by '|||'"),
+    ("the plot ||| ", "|||", "sentence 1 is not two texts parted by '|||'"),
+    ("the plot ||| dull", " ", "--pair-separator is empty or blank"),
+])
+def test_a_sentence_that_is_not_a_pair_is_one_line(checkpoints, sentence, separator, message):
+    _one_line_error(run_cli("explain", sentence, "--model", str(checkpoints[0]), "--pair-separator", separator), message)
+
+
+def test_pairs_whose_token_types_the_ids_do_not_give_are_refused(checkpoints):
+    """A tokenizer that marks a pair's texts otherwise than 0 up to the first separator and
+    1 after it (here its first separator already 1): token removals could not follow its
+    types, so the pair is refused in one line."""
+    from tokenizers.processors import TemplateProcessing
+
+    from captum_attention.presentation.explain import classifier_inputs, types_separator
+
+    classifier, _ = checkpoints
+    model = tf.BertForSequenceClassification.from_pretrained(classifier).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(classifier)
+    pairs = [("the plot was dull", "superb")]
+    separator = types_separator(tokenizer, pairs)
+    assert separator == tokenizer.sep_token_id and types_separator(tokenizer, ["the plot"]) is None
+    classifier_inputs(model, tokenizer, pairs, separator)
+    specials = [(token, tokenizer.convert_tokens_to_ids(token)) for token in ("[CLS]", "[SEP]")]
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP]:1 $B:1 [SEP]:1", special_tokens=specials
+    )
+    with pytest.raises(ValueError, match="marks a pair's texts by token types other than") as refused:
+        classifier_inputs(model, tokenizer, pairs, separator)
+    assert "\n" not in str(refused.value)
+

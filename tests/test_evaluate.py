@@ -732,3 +732,62 @@ def test_a_launcher_that_started_fewer_processes_than_asked_is_named(checkpoint,
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "accelerate launch was asked for 2 processes but started 1: add --multi_gpu" in result.stderr
+
+
+def _pair_types(ids: torch.Tensor, mask: torch.Tensor, separator: int) -> torch.Tensor:
+    """Token type 1 from after each row's first separator on, written out row by row."""
+    types = torch.zeros_like(ids)
+    for row in range(len(ids)):
+        positions = (ids[row] == separator).nonzero().flatten().tolist()
+        if positions:
+            types[row, positions[0] + 1 :] = 1
+    return types * mask
+
+
+def test_text_pairs_rows_are_the_metrics_of_each_pair_alone(checkpoint, tmp_path, capsys):
+    """Rows with a ``text_pair`` (beside rows without one) are explained as the tokenizer
+    pairs them, token types included, and the token removals keep each token's type; a
+    rationale may name words of either text; SHAP, which masks one text, is refused."""
+    from captum.attr import NoiseTunnel, Saliency
+
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"text": "the film was dull", "text_pair": "the story is great", "rationale": ["great"]},
+            {"text": "a good plot", "text_pair": "not bad", "rationale": ["good", "bad"]},
+            {"text": "awful acting", "rationale": ["awful"]}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = [str(data), "--model", str(checkpoint), "--metrics", "comprehensiveness,token_f1", "--batch-size", "2"]
+    assert _run(*args, "--methods", "grad_sam,smoothgrad", "--output", str(tmp_path / "out")) == 0
+    written = _rows(tmp_path / "out")
+
+    model = tf.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(checkpoint)
+
+    def forward(ids, mask):
+        return model(input_ids=ids, attention_mask=mask, token_type_ids=_pair_types(ids, mask, tokenizer.sep_token_id)).logits
+
+    tunnel = NoiseTunnel(Saliency(lambda e, m, t: model(inputs_embeds=e, attention_mask=m, token_type_ids=t).logits))
+    for index, row in enumerate(rows):
+        encoded = tokenizer(row["text"], row.get("text_pair"), return_tensors="pt")
+        ids, mask, types = encoded["input_ids"], encoded["attention_mask"], encoded["token_type_ids"]
+        assert torch.equal(_pair_types(ids, mask, tokenizer.sep_token_id), types)
+        probabilities = forward(ids, mask).detach().softmax(-1)
+        predicted, keep = probabilities.argmax(-1), torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        embeddings = model.get_input_embeddings()(ids).detach()
+        torch.manual_seed(zlib.crc32(ids[0].numpy().astype("int64").tobytes(), 0))
+        scores = {
+            "grad_sam": GradSAM(forward, model=model).attribute(ids, target=predicted, additional_forward_args=(mask,)),
+            "smoothgrad": tunnel.attribute(embeddings, nt_type="smoothgrad", nt_samples=10, stdevs=0.1 * float(embeddings.std()),
+                                           target=predicted, additional_forward_args=(mask, types)).sum(-1),
+        }
+        words = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+        rationale = torch.tensor([[word in row["rationale"] for word in words]])
+        for method, scored in scores.items():
+            got = next(r for r in written if r["index"] == index and r["method"] == method)
+            assert got["probability"] == pytest.approx(float(probabilities.max()), abs=1e-5)
+            expected = aopc(comprehensiveness(forward, ids, mask, scored, predicted, keep=keep)).item()
+            assert got["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+            assert got["token_f1"] == pytest.approx(token_f1(scored, rationale, (mask == 1) & ~keep).item(), abs=1e-6)
+    capsys.readouterr()
+    assert _run(*args, "--methods", "grad_sam,shap", "--output", str(tmp_path / "shap")) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "shap masks one text and line 1 holds a pair" in error

@@ -60,7 +60,7 @@ def test_html_headings_are_short_dark_cells_white_and_hover_shows_the_share():
 def test_wall_times_exclude_a_warm_up_call(monkeypatch):
     calls = []
 
-    def fake_batch(model, tokenizer, sentences, target, limit, methods):
+    def fake_batch(model, tokenizer, sentences, target, limit, methods, separator):
         calls.append(len(sentences))
         return [], {}
 

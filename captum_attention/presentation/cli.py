@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                          "the whole file is the prompt")
     explain.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
                          "checkpoint folder (default: the embedded sentiment model, trained on first use)")
+    explain.add_argument("--pair-separator", metavar="SEP",
+                         help="classifiers of text pairs (NLI, paraphrase): each sentence holds the two texts the model "
+                         "reads together, split at its first SEP (e.g. --pair-separator '|||'), and tokenized as a pair")
     explain.add_argument("--image", type=Path, help="vision-language models (--model): the image the prompt asks "
                          "about; its tokens are explained on their patch grid")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
@@ -89,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "evaluate", help="explain and score a data set (resumable; several processes under accelerate launch)"
     )
-    evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional label, optional rationale; "
+    evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional text_pair (the second text of a pair: an "
+                          "NLI model's hypothesis), optional label, optional rationale; "
                           "for a causal language model a .jsonl file: prompt (or segments), optional answer")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
@@ -158,6 +162,24 @@ def _sentences(arguments: argparse.Namespace) -> list[str]:
     return sentences
 
 
+def _pairs(sentences: list[str], separator: str | None) -> list[str | tuple[str, str]]:
+    """Each sentence split at its first ``separator`` into the pair of texts a classifier
+    reads together (``--pair-separator``); the sentences as they are without one."""
+    if separator is None:
+        return list(sentences)
+    if not separator.strip():
+        raise UsageError("--pair-separator is empty or blank: give the characters that part the two texts, e.g. '|||'")
+    pairs: list[str | tuple[str, str]] = []
+    for position, sentence in enumerate(sentences, start=1):
+        first, found, second = sentence.partition(separator)
+        if not found or not first.strip() or not second.strip():
+            raise UsageError(
+                f"sentence {position} is not two texts parted by {separator!r}: {terminal_safe(sentence)}"
+            )
+        pairs.append((first.strip(), second.strip()))
+    return pairs
+
+
 def _check_outputs(arguments: argparse.Namespace) -> None:
     """Before any work: ``--html`` and ``--json`` name files that can be written."""
     for option, example in (("html", "report.html"), ("json", "explanation.json")):
@@ -210,6 +232,8 @@ def _explain(arguments: argparse.Namespace) -> None:
     from .text import render_text
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
+    if arguments.pair_separator is not None and task not in (None, "classification"):
+        raise UsageError("--pair-separator is for a classifier of text pairs; a language model explains one prompt")
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
@@ -218,7 +242,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
-    sentences = _sentences(arguments)
+    sentences = _pairs(_sentences(arguments), arguments.pair_separator)
     methods = _methods(arguments)
     check_methods(methods, answers=False)
     _check_presence(arguments)
@@ -628,7 +652,7 @@ def _report_cut(examples: list[Any], tokenizer: Any, max_length: int, arguments:
     from ..loading import quiet_transformers
 
     with quiet_transformers():  # its note on sequences longer than the model takes: said here, once
-        lengths = [len(ids) for ids in tokenizer([e.text for e in examples])["input_ids"]]
+        lengths = [len(ids) for ids in tokenizer([e.inputs for e in examples])["input_ids"]]
     cut = [example.line for example, length in zip(examples, lengths) if length > max_length]
     _warn_of_rows(arguments, cut, "text", f"longer than the {max_length} tokens the model takes, explained and scored cut there")
 

@@ -22,21 +22,29 @@ class DatasetError(ValueError):
 class Example:
     """One row of a data set: its position (0-based, over the kept rows), the line it came
     from, the text, and optionally its label (a class index, or a label's name until the
-    model's labels map it) and rationale words."""
+    model's labels map it), rationale words and the second text of a pair the classifier
+    reads with the first (an NLI model's hypothesis)."""
 
     index: int
     line: int
     text: str
     label: int | str | None = None
     rationale: tuple[str, ...] | None = None
+    text_pair: str | None = None
+
+    @property
+    def inputs(self) -> str | tuple[str, str]:
+        """What the tokenizer reads: the text, or the pair ``(text, text_pair)``."""
+        return self.text if self.text_pair is None else (self.text, self.text_pair)
 
 
 def read_dataset(path: str | Path, skip_malformed: bool = False) -> tuple[list[Example], list[str]]:
     """The examples of a JSONL or CSV file (by its suffix), and the problems skipped.
 
-    Each row has ``text``, optionally ``label`` (a class index, or the name of one of the
-    model's labels, kept as a string) and ``rationale`` (a list of
-    words in JSONL; words separated by spaces in CSV). A malformed row raises
+    Each row has ``text``, optionally ``text_pair`` (the second text of a pair, as
+    transformers' tokenizers and pipelines name it), ``label`` (a class index, or the name
+    of one of the model's labels, kept as a string) and ``rationale`` (a list of words, of
+    either text, in JSONL; words separated by spaces in CSV). A malformed row raises
     :class:`DatasetError` naming its line, or with ``skip_malformed`` is skipped and
     reported in the second list.
     """
@@ -104,8 +112,14 @@ def _example(index: int, line: int, row: Any) -> Example:
     text = row.get("text")
     if not isinstance(text, str) or not text.strip():
         raise DatasetError("'text' is missing or empty")
-    if has_surrogates(text):
-        raise DatasetError("'text' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    text_pair = row.get("text_pair")
+    if text_pair == "":  # a CSV row without one
+        text_pair = None
+    if text_pair is not None and (not isinstance(text_pair, str) or not text_pair.strip()):
+        raise DatasetError("'text_pair' must be a non-empty string (leave it out for one text)")
+    for name, value in (("text", text), ("text_pair", text_pair or "")):
+        if has_surrogates(value):
+            raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
     label = row.get("label")
     if label in (None, ""):
         label = None
@@ -118,7 +132,7 @@ def _example(index: int, line: int, row: Any) -> Example:
     rationale = row.get("rationale")
     if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
         raise DatasetError("'rationale' must be a list of words")
-    return Example(index, line, text, label, None if rationale is None else tuple(rationale))
+    return Example(index, line, text, label, None if rationale is None else tuple(rationale), text_pair)
 
 
 @dataclass(frozen=True)
@@ -172,13 +186,13 @@ def unrankable(examples: Sequence[Example], tokenizer: Any, max_length: int) -> 
     """The examples with no token a metric can rank: every token of theirs is one of the
     tokenizer's special tokens (a lone emoji becomes ``[CLS] [UNK] [SEP]``)."""
     special = set(tokenizer.all_special_ids)
-    encoded = tokenizer([e.text for e in examples], truncation=True, max_length=max_length)["input_ids"]
+    encoded = tokenizer([e.inputs for e in examples], truncation=True, max_length=max_length)["input_ids"]
     return [e for e, ids in zip(examples, encoded) if all(i in special for i in ids)]
 
 
 def batches(examples: Sequence[Example], tokenizer: Any, batch_size: int) -> list[list[Example]]:
     """The examples in length-sorted buckets of ``batch_size`` (ties in file order)."""
-    lengths = [len(ids) for ids in tokenizer([e.text for e in examples], truncation=True)["input_ids"]]
+    lengths = [len(ids) for ids in tokenizer([e.inputs for e in examples], truncation=True)["input_ids"]]
     order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
     return [[examples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
 

@@ -39,8 +39,8 @@ from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
     check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit,
-    method_names, noted, prompt_span, refined_method, registered_method, removable_segments, report_methods,
-    saved_head_weights, span_presence,
+    Text, method_names, noted, pair_token_types, prompt_span, refined_method, registered_method, removable_segments,
+    report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -65,11 +65,16 @@ def rationale_metrics() -> list[str]:
 
 def check_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[Example]) -> None:
     """A clear error for an unknown method or metric, a method that cannot explain a
-    classifier (:func:`~captum_attention.presentation.explain.check_methods`), or
-    plausibility without rationales."""
+    classifier (:func:`~captum_attention.presentation.explain.check_methods`), SHAP on text
+    pairs, or plausibility without rationales."""
     check_names("method", methods, evaluation_methods())
     check_methods(methods, answers=False)
     check_names("metric", metrics, metric_names())
+    pairs = [e.line for e in examples if e.text_pair is not None]
+    if SHAP in methods and pairs:
+        raise ValueError(
+            f"shap masks one text and line {pairs[0]} holds a pair ('text_pair'): leave shap out of --methods for text pairs"
+        )
     asked = [m for m in metrics if METRIC_REGISTRY[m].needs_rationale]
     missing = [e.line for e in examples if e.rationale is None]
     if asked and missing:
@@ -132,10 +137,11 @@ def evaluate(
     hears of them (all processes' batches) before the work starts. See :func:`merge`."""
     options = options or Options()
     check_request(methods, metrics, examples)
-    explainers = _explainers(model, tokenizer, methods, options)
+    separator = types_separator(tokenizer, [e.inputs for e in examples])
+    explainers = _explainers(model, tokenizer, methods, options, separator)
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), batches(examples, tokenizer, options.batch_size),
-        lambda batch: _evaluate_batch(model, tokenizer, batch, explainers, metrics), process_index, num_processes,
+        lambda batch: _evaluate_batch(model, tokenizer, batch, explainers, metrics, separator), process_index, num_processes,
         progress, on_resume,
     )
 
@@ -278,26 +284,28 @@ def _shard(folder: Path, batch: int) -> Path:
     return folder / f"batch-{batch:06d}.jsonl"
 
 
-Explainer = Callable[[Tensor, Tensor, Tensor, list[str]], Tensor]
+Explainer = Callable[[Tensor, Tensor, Tensor, list[Text]], Tensor]
 
 
-def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options) -> dict[str, Explainer]:
-    """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores."""
+def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options, separator: int | None = None) -> dict[str, Explainer]:
+    """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores, of
+    :func:`~captum_attention.presentation.explain.classifier_forward` with the text pairs'
+    ``separator``."""
     refined = [n for n in names if n in REFINED]
     reported = [n for n in names if n in method_names() and n not in REFINED] + ([PRESENCE] if refined and PRESENCE not in names else [])
-    chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence)
+    chosen = report_methods(model, options.ig_steps, reported, None, tokenizer, options.presence, separator)
 
     def from_report(method: ReportMethod) -> Explainer:
         return lambda ids, mask, targets, texts: noted(method.run(ids, mask, targets, ig_baseline(ids, tokenizer))).scores.detach()
 
     explainers = {name: from_report(method) for name, method in chosen.items()}
     if SMOOTHGRAD in names:
-        explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples)
+        explainers[SMOOTHGRAD] = _smoothgrad(model, options.smoothgrad_samples, separator)
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
     if refined:
         explainers[PRESENCE] = _once_per_batch(explainers[PRESENCE])
-        forward = classifier_forward(model)
+        forward = classifier_forward(model, separator)
         attn_lrp = METHODS["attn_lrp"](forward, model=model)
         for name in refined:
             explainers[name] = refined_method(explainers[PRESENCE], REFINED[name](attn_lrp), forward, tokenizer)
@@ -309,7 +317,7 @@ def _once_per_batch(explain: Explainer) -> Explainer:
     batch comes to every method as the same tensors)."""
     last: list[Any] = []
 
-    def cached(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
+    def cached(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[Text]) -> Tensor:
         if not (last and last[0] is ids and last[1] is mask and last[2] is targets):
             last[:] = [ids, mask, targets, explain(ids, mask, targets, texts)]
         return last[3]
@@ -317,28 +325,31 @@ def _once_per_batch(explain: Explainer) -> Explainer:
     return cached
 
 
-def _smoothgrad(model: Any, samples: int) -> Explainer:
+def _smoothgrad(model: Any, samples: int, separator: int | None = None) -> Explainer:
     """SmoothGrad (Captum's ``NoiseTunnel`` over ``Saliency``) on the word embeddings,
     summed over the hidden dimension; each example alone, unpadded, with σ = 0.1 · its
     embeddings' standard deviation and noise from its own seed (:func:`example_seeds`):
-    the same scores in any batch, under any padding and in any process."""
+    the same scores in any batch, under any padding and in any process. Given the text
+    pairs' ``separator``, their token types as :func:`pair_token_types` reads them."""
     from captum.attr import NoiseTunnel, Saliency
 
-    def forward(embeddings: Tensor, mask: Tensor) -> Tensor:
-        return model(inputs_embeds=embeddings, attention_mask=mask).logits
+    def forward(embeddings: Tensor, mask: Tensor, types: Tensor | None) -> Tensor:
+        return model(inputs_embeds=embeddings, attention_mask=mask, **({} if types is None else {"token_type_ids": types})).logits
 
     tunnel = NoiseTunnel(Saliency(forward))
 
-    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
+    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[Text]) -> Tensor:
         scores = torch.zeros(ids.shape, device=ids.device)
         with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # every device manual_seed seeds
             for row, own_seed in enumerate(example_seeds(ids, mask, 0).tolist()):
                 real = mask[row] != 0
-                embeddings = model.get_input_embeddings()(ids[row, real][None]).detach()
+                row_ids, row_mask = ids[row, real][None], mask[row : row + 1, real]
+                embeddings = model.get_input_embeddings()(row_ids).detach()
+                types = None if separator is None else pair_token_types(row_ids, row_mask, separator)
                 torch.manual_seed(own_seed)
                 smoothed = tunnel.attribute(
                     embeddings, nt_type="smoothgrad", nt_samples=samples, stdevs=0.1 * float(embeddings.std()),
-                    target=targets[row : row + 1], additional_forward_args=(mask[row : row + 1, real],),
+                    target=targets[row : row + 1], additional_forward_args=(row_mask, types),
                 )
                 scores[row, real] = smoothed[0].sum(dim=-1).detach()
         return scores
@@ -353,21 +364,24 @@ def _shap(model: Any, tokenizer: Any, evals: int) -> Explainer:
         device = next(model.parameters()).device
         return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
 
-    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[str]) -> Tensor:
-        side = classifier_padding_side(model, tokenizer, texts[0])
-        return shap_token_values(forward, tokenizer, texts, targets.cpu(), evals, side).to(ids.device)
+    def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[Text]) -> Tensor:
+        singles = [text for text in texts if isinstance(text, str)]
+        assert len(singles) == len(texts)  # check_request refuses SHAP on pairs
+        side = classifier_padding_side(model, tokenizer, singles[0])
+        return shap_token_values(forward, tokenizer, singles, targets.cpu(), evals, side).to(ids.device)
 
     return explain
 
 
 def _evaluate_batch(
-    model: Any, tokenizer: Any, batch: list[Example], explainers: dict[str, Explainer], metrics: Sequence[str]
+    model: Any, tokenizer: Any, batch: list[Example], explainers: dict[str, Explainer], metrics: Sequence[str],
+    separator: int | None = None,
 ) -> list[dict[str, Any]]:
-    texts = [e.text for e in batch]
-    encoded = classifier_inputs(model, tokenizer, texts, truncation=True, max_length=length_limit(model, tokenizer))
+    texts = [e.inputs for e in batch]
+    encoded = classifier_inputs(model, tokenizer, texts, separator, truncation=True, max_length=length_limit(model, tokenizer))
     device = next(model.parameters()).device
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    forward = classifier_forward(model)
+    forward = classifier_forward(model, separator)
     with torch.no_grad():
         probabilities = forward(ids, mask).float().softmax(dim=-1)
     predicted = probabilities.argmax(dim=-1)
@@ -390,15 +404,18 @@ def _evaluate_batch(
 
 def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
     """``(batch, seq_len)`` bool: tokens of the words named in each example's rationale
-    (compared case-insensitively, word by word as the tokenizer splits them)."""
+    (compared case-insensitively, word by word as the tokenizer splits them), in either
+    text of a pair."""
     marked = torch.zeros(encoded["input_ids"].shape, dtype=torch.bool)
     for row, example in enumerate(batch):
         wanted = {w.lower() for w in example.rationale or ()}
         for position, word in enumerate(encoded.word_ids(row)):
             if word is None:
                 continue
-            span = encoded.word_to_chars(row, word)
-            marked[row, position] = example.text[span.start : span.end].lower() in wanted
+            sequence = encoded.token_to_sequence(row, position)
+            span = encoded.word_to_chars(row, word, sequence_index=sequence)
+            text = example.text if sequence == 0 else str(example.text_pair)
+            marked[row, position] = text[span.start : span.end].lower() in wanted
     return marked
 
 

@@ -30,6 +30,9 @@ HALF_CONTEXTS = "attn_lrp_half_contexts"
 (:func:`~captum_attention.metrics.context_averaged_attribution`), on request."""
 CLASSIFIERS_ONLY = (CALIBRATED, HALF_CONTEXTS)
 """The methods that explain a classifier's prediction, not an answer."""
+Text = Union[str, tuple[str, str]]
+"""A classifier's input: one text, or a pair it reads together (an NLI model's premise
+and hypothesis), tokenized as the tokenizer pairs them."""
 ESTIMATES = "leave_one_out_estimates"
 """A language model's answer explained by
 :func:`~captum_attention.metrics.leave_one_out_estimates` (KnockoutGradient's first-order
@@ -60,6 +63,7 @@ class SentenceExplanation:
             all-emoji sentence for a BERT vocabulary): the scores then explain no text.
         notes: what a method says of its scores on this sentence, by the method's shown
             name (the calibrated presence where it kept its prior).
+        text_pair: the second text of a pair the classifier read with ``text``, else None.
     """
 
     text: str
@@ -74,6 +78,12 @@ class SentenceExplanation:
     cut_from: int | None = None
     all_unknown: bool = False
     notes: dict[str, str] = field(default_factory=dict)
+    text_pair: str | None = None
+
+    @property
+    def shown_text(self) -> str:
+        """The text as the reports show it: a pair's two texts joined by " ‖ "."""
+        return self.text if self.text_pair is None else f"{self.text} ‖ {self.text_pair}"
 
 
 @dataclass(frozen=True)
@@ -350,15 +360,48 @@ def answer_estimates(
     return leave_one_out_estimates(model, ids, mask, answer, first_order, spans("attn_lrp"), segments)
 
 
-def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[str], **options: Any) -> Any:
+def types_separator(tokenizer: Any, texts: Sequence[Text]) -> int | None:
+    """The separator token after which :func:`pair_token_types` gives a pair's second text
+    token type 1: the tokenizer's, where ``texts`` hold a pair and the tokenizer gives
+    token type ids (BERT's; RoBERTa's gives none); else None, no token types."""
+    if not any(isinstance(text, tuple) for text in texts) or "token_type_ids" not in tokenizer.model_input_names:
+        return None
+    if tokenizer.sep_token_id is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} gives token type ids but has no separator token to tell a pair's texts apart by."
+        )
+    return int(tokenizer.sep_token_id)
+
+
+def pair_token_types(ids: torch.Tensor, mask: torch.Tensor, separator: int) -> torch.Tensor:
+    """``(batch, seq_len)`` token type ids of text pairs as BERT's tokenizers give them: 0 up
+    to a row's first ``separator`` token, 1 after it, 0 at padding. Read from the ids, they
+    follow the tokens wherever a metric deletes some (the separators always stay)."""
+    is_separator = (ids == separator).long()
+    after_first = is_separator.cumsum(dim=1) - is_separator > 0
+    return (after_first & (mask != 0)).long()
+
+
+def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separator: int | None = None, **options: Any) -> Any:
     """``tokenizer(texts)`` as tensors, padded on the side where the model reads each text
     as it reads it alone (:func:`classifier_padding_side`), whatever side the tokenizer pads
-    by default."""
-    side = classifier_padding_side(model, tokenizer, texts[0], **options) if len(texts) > 1 else "right"
-    return tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
+    by default; given the ``separator`` of the run's text pairs (:func:`types_separator`),
+    a one-line error where the tokenizer's token types are not :func:`pair_token_types` of
+    the ids."""
+    side = classifier_padding_side(model, tokenizer, texts[0], separator, **options) if len(texts) > 1 else "right"
+    encoded = tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
+    if separator is not None:
+        given = encoded["token_type_ids"].masked_fill(encoded["attention_mask"] == 0, 0)
+        if not torch.equal(pair_token_types(encoded["input_ids"], encoded["attention_mask"], separator), given):
+            raise ValueError(
+                f"{type(tokenizer).__name__} marks a pair's texts by token types other than 0 before its first separator "
+                "token and 1 after it, which the token removals cannot follow: explain the pair with the Python API, "
+                "passing its token_type_ids."
+            )
+    return encoded
 
 
-def classifier_padding_side(model: Any, tokenizer: Any, text: str, **options: Any) -> str:
+def classifier_padding_side(model: Any, tokenizer: Any, text: Text, separator: int | None = None, **options: Any) -> str:
     """``"right"`` where one column of padding there leaves the classifier's probabilities
     for ``text`` alone where they were (GPT-2's absolute positions would shift under left
     padding; the metrics' deletions pad on the right), else ``"left"`` where it does there
@@ -371,7 +414,7 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: str, **options: An
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     shifts = {}
     for side in ("right", "left"):
-        moved, tolerance = padding_shift(classifier_forward(model), ids, mask, tokenizer.pad_token_id, side)
+        moved, tolerance = padding_shift(classifier_forward(model, separator), ids, mask, tokenizer.pad_token_id, side)
         if moved <= tolerance:
             return side
         shifts[side] = moved
@@ -381,24 +424,28 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: str, **options: An
     )
 
 
-def classifier_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``forward(ids, mask)``: the classifier's logits, its inputs passed by name."""
+def classifier_forward(model: Any, separator: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``forward(ids, mask)``: the classifier's logits, its inputs passed by name; given
+    the ``separator`` of text pairs (:func:`types_separator`), their token types too
+    (:func:`pair_token_types`)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask).logits
+        types = {} if separator is None else {"token_type_ids": pair_token_types(ids, mask, separator)}
+        return model(input_ids=ids, attention_mask=mask, **types).logits
 
     return forward
 
 
 def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None, tokenizer: Any = None,
-    presence: float = 0.05,
+    presence: float = 0.05, separator: int | None = None,
 ) -> dict[str, ReportMethod]:
     """Registry name -> :class:`ReportMethod`, for the methods ``names`` (registry names,
     in the registry's order, then Integrated Gradients, then :data:`PRESENCE` and
     :data:`CALIBRATED` and :data:`HALF_CONTEXTS`, whose ``presence`` needs the ``tokenizer``
-    to keep the special tokens at 1)."""
-    forward = classifier_forward(model)
+    to keep the special tokens at 1), explaining :func:`classifier_forward` with the text
+    pairs' ``separator``."""
+    forward = classifier_forward(model, separator)
     explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
     methods = {
         name: ReportMethod(
@@ -462,7 +509,7 @@ def length_limit(model: Any, tokenizer: Any) -> int:
 def explain(
     model: Any,
     tokenizer: Any,
-    sentences: list[str],
+    sentences: Sequence[Text],
     target: int | None = None,
     ig_steps: int = 50,
     methods: list[str] | None = None,
@@ -471,17 +518,21 @@ def explain(
     presence: float = 0.05,
 ) -> Explanations:
     """Run each method (by registry name, see :func:`method_names`; default:
-    :func:`default_method_names`) on ``sentences``, ``batch_size`` sentences at a time;
-    sentences longer than the model takes (:func:`length_limit`) are cut, and say so.
-    ``presence``: the text's tokens' presence for :data:`PRESENCE`."""
+    :func:`default_method_names`) on ``sentences`` (texts, or pairs of texts the model reads
+    together), ``batch_size`` sentences at a time; sentences longer than the model takes
+    (:func:`length_limit`) are cut, and say so. ``presence``: the text's tokens' presence
+    for :data:`PRESENCE`."""
     limit = length_limit(model, tokenizer)
-    chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence)
+    separator = types_separator(tokenizer, sentences)
+    chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence, separator)
     if sentences:  # one untimed call per method first: the times then exclude warm-up (lazy imports, compiling)
-        _explain_batch(model, tokenizer, sentences[:1], target, limit, chosen)
+        _explain_batch(model, tokenizer, sentences[:1], target, limit, chosen, separator)
     results: list[SentenceExplanation] = []
     seconds = dict.fromkeys((method.display for method in chosen.values()), 0.0)
     for start in range(0, len(sentences), batch_size):
-        batch_results, batch_seconds = _explain_batch(model, tokenizer, sentences[start : start + batch_size], target, limit, chosen)
+        batch_results, batch_seconds = _explain_batch(
+            model, tokenizer, sentences[start : start + batch_size], target, limit, chosen, separator
+        )
         results += batch_results
         for name, spent in batch_seconds.items():
             seconds[name] += spent
@@ -489,14 +540,14 @@ def explain(
 
 
 def _explain_batch(
-    model: Any, tokenizer: Any, sentences: list[str], target: int | None, limit: int,
-    methods: dict[str, ReportMethod],
+    model: Any, tokenizer: Any, sentences: Sequence[Text], target: int | None, limit: int,
+    methods: dict[str, ReportMethod], separator: int | None = None,
 ) -> tuple[list[SentenceExplanation], dict[str, float]]:
-    encoded = classifier_inputs(model, tokenizer, sentences, truncation=True, max_length=limit)
-    full_lengths = [len(ids) for ids in tokenizer(sentences, truncation=False)["input_ids"]]
+    encoded = classifier_inputs(model, tokenizer, sentences, separator, truncation=True, max_length=limit)
+    full_lengths = [len(ids) for ids in tokenizer(list(sentences), truncation=False)["input_ids"]]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():
-        probabilities = model(input_ids=ids, attention_mask=mask).logits.float().softmax(dim=-1)
+        probabilities = classifier_forward(model, separator)(ids, mask).float().softmax(dim=-1)
     predicted = probabilities.argmax(dim=-1)
     targets = predicted if target is None else torch.full_like(predicted, target)
     id2label = model.config.id2label
@@ -506,7 +557,8 @@ def _explain_batch(
         row_ids = ids[row, :length].tolist()
         results.append(
             SentenceExplanation(
-                text=text,
+                text=text[0] if isinstance(text, tuple) else text,
+                text_pair=text[1] if isinstance(text, tuple) else None,
                 tokens=readable_tokens(ids[row, :length], tokenizer),
                 label=id2label[int(predicted[row])],
                 probability=float(probabilities[row, predicted[row]]),

@@ -61,7 +61,7 @@ def _legend(methods: dict[str, MethodInfo]) -> str:
 def _sentence_header(sentence: SentenceExplanation) -> list[str]:
     probabilities = ", ".join(f"{terminal_safe(label)} {p:.3f}" for label, p in sentence.probabilities.items())
     lines = [
-        terminal_safe(sentence.text),
+        terminal_safe(sentence.shown_text),
         f"  prediction: {terminal_safe(sentence.label)} (p={sentence.probability:.3f}; {probabilities}); "
         f"explaining: {terminal_safe(sentence.target_label)}",
     ]
