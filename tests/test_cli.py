@@ -638,3 +638,24 @@ def test_pairs_whose_token_types_the_ids_do_not_give_are_refused(checkpoints):
         classifier_inputs(model, tokenizer, pairs, separator)
     assert "\n" not in str(refused.value)
 
+
+
+def test_a_batch_padded_on_the_left_shows_each_sentences_tokens_and_scores(checkpoints, monkeypatch):
+    """A classifier that reads its last position is padded on the left
+    (``classifier_padding_side``): each row of the report holds that sentence's tokens and
+    their scores, not the padding before them."""
+    from captum_attention.presentation import explain as explain_module
+
+    monkeypatch.setattr(explain_module, "classifier_padding_side", lambda *args, **kwargs: "left")
+    model, _, tokenizer, _, _, _ = _saved_classifier(checkpoints[0])
+    explanations = explain_module.explain(model, tokenizer, SENTENCES, methods=["grad_sam"])
+    encoded = tokenizer(SENTENCES, padding=True, padding_side="left", return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    assert not bool(mask[:, 0].all()), "a row padded on the left"
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    targets = forward(ids, mask).argmax(-1)
+    expected = REGISTERED["grad_sam"](forward, model=model).attribute(ids, target=targets, additional_forward_args=(mask,))
+    for row, sentence in enumerate(explanations.sentences):
+        real = mask[row] != 0
+        assert sentence.tokens == tokenizer.convert_ids_to_tokens(ids[row, real].tolist())
+        torch.testing.assert_close(torch.tensor(sentence.scores["Grad-SAM"]), expected[row, real].detach())

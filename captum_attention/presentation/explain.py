@@ -552,14 +552,15 @@ def _explain_batch(
     targets = predicted if target is None else torch.full_like(predicted, target)
     id2label = model.config.id2label
     results = []
+    real = mask != 0  # on either side of the padding (classifier_padding_side)
     for row, text in enumerate(sentences):
-        length = int(mask[row].sum())
-        row_ids = ids[row, :length].tolist()
+        length = int(real[row].sum())
+        row_ids = ids[row, real[row]].tolist()
         results.append(
             SentenceExplanation(
                 text=text[0] if isinstance(text, tuple) else text,
                 text_pair=text[1] if isinstance(text, tuple) else None,
-                tokens=readable_tokens(ids[row, :length], tokenizer),
+                tokens=readable_tokens(ids[row, real[row]], tokenizer),
                 label=id2label[int(predicted[row])],
                 probability=float(probabilities[row, predicted[row]]),
                 target=int(targets[row]),
@@ -578,7 +579,7 @@ def _explain_batch(
         seconds[method.display] = time.perf_counter() - begin
         scores = scored.scores.detach()
         for row, (result, note) in enumerate(zip(results, scored.notes)):
-            result.scores[method.display] = scores[row, : len(result.tokens)].tolist()
+            result.scores[method.display] = scores[row, real[row]].tolist()
             if note is not None:
                 result.notes[method.display] = note
     return results, seconds
