@@ -294,3 +294,51 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
         "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder's answers"
         in capsys.readouterr().err
     )
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}question {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}answer{% endif %}"
+)
+
+
+def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, capsys):
+    """``--chat``: the prompt is the user's message in the tokenizer's chat template, read
+    with the template's one BOS (the tokenizer adds it; the template writes it too), as
+    ``apply_chat_template`` tokenizes it; the template's text pasted in a file is read the
+    same way, not with two BOS tokens; a tokenizer without a template, or a classifier, is
+    refused in one line."""
+    import json
+    import shutil
+
+    from lm_models import WORDS
+
+    folder = tmp_path / "instruct"
+    shutil.copytree(llm, folder)
+    tokenizer = make_word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    chat, pasted = tmp_path / "chat.json", tmp_path / "pasted.json"
+    args = ["--model", str(folder), "--target", "seven", "--methods", "grad_sam", "--raw"]
+    assert main(["explain", *args, PROMPT, "--chat", "--json", str(chat)]) == 0
+    template = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    assert template.startswith("<s>question")
+    prompt_file = tmp_path / "template.txt"
+    prompt_file.write_text(template, encoding="utf-8")
+    assert main(["explain", *args, "--file", str(prompt_file), "--json", str(pasted)]) == 0
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    assert ids[0, :2].tolist() == [1, WORDS.index("question")], "one BOS"
+    answer = torch.tensor([[WORDS.index("seven")]])
+    expected = GradSAM(make_decoder("llama")).attribute_span(ids, answer, additional_forward_args=(torch.ones_like(ids),))
+    for path in (chat, pasted):
+        written = json.loads(path.read_text(encoding="utf-8"))
+        assert written["prompt_tokens"] == tokenizer.convert_ids_to_tokens(ids[0].tolist())
+        torch.testing.assert_close(torch.tensor(written["seq_attr"]["Grad-SAM"]), expected[0, : ids.shape[1]], rtol=1e-4, atol=1e-8)
+    capsys.readouterr()
+    assert main(["explain", "--model", str(llm), PROMPT, "--chat"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "has no chat template (a base model's tokenizer): leave --chat out" in error
+    assert main(["explain", "the plot was dull", "--chat"]) == 1
+    assert "--chat is for a language model's prompt" in capsys.readouterr().err

@@ -350,3 +350,22 @@ def test_a_row_longer_than_the_model_takes_is_one_line_or_skipped(llm, tmp_path,
 def _lds(model, ids, mask, answer, scores, segments) -> float:
     """The ``lds`` metric's value for one answer: its own ablations."""
     return float(linear_datamodeling_score(model, ids, mask, answer, scores, segments, per_example=True)[0])
+
+
+def test_a_prompt_beginning_with_the_bos_text_is_read_with_one_bos(llm, tmp_path):
+    """A prompt written with the BOS token's text first (a chat template's text pasted in),
+    which the tokenizer adds itself, gives the rows of the prompt without it: one BOS, not
+    two, its segments cut alike (a first segment of the BOS alone left out)."""
+    plain = _data(tmp_path, count=3)
+    pasted = tmp_path / "pasted.jsonl"
+    rows = [json.loads(line) for line in plain.read_text().splitlines()]
+    for row in rows:
+        if "segments" in row:
+            row["segments"] = ["<s>", *row["segments"]]
+        else:
+            row["prompt"] = "<s>" + row["prompt"]
+    pasted.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for data in (plain, pasted):
+        assert main(["evaluate", str(data), "--model", str(llm), "--methods", "grad_sam", "--max-new-tokens", "3",
+                     "--output", str(tmp_path / data.stem)]) == 0
+    assert _rows(tmp_path / "pasted") == _rows(tmp_path / "answers")

@@ -177,6 +177,31 @@ def glued_answer(model: Any, tokenizer: Any, prompt_ids: list[int], answer: str,
     )
 
 
+def chat_prompt(tokenizer: Any, message: str) -> str:
+    """``message`` as the user's turn in the tokenizer's chat template, with the generation
+    prompt after it (what an instruct model was trained to answer), as text the tokenizer
+    reads back to the template's tokens (:func:`without_added_bos`); a one-line error for a
+    tokenizer without a chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template (a base model's tokenizer): leave --chat out, and the prompt "
+            "is read as it is"
+        )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    return without_added_bos(tokenizer, str(text))
+
+
+def without_added_bos(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` without the BOS token's text it begins with where the tokenizer adds that
+    token itself (Llama's, Gemma's, Mistral's, with a chat template's text pasted in), so
+    that the model reads one BOS, as the template means, not two."""
+    bos = tokenizer.bos_token
+    if not bos or not prompt.startswith(bos):
+        return prompt
+    doubled = tokenizer(prompt)["input_ids"][:2] == [tokenizer.bos_token_id] * 2
+    return prompt[len(bos):] if doubled else prompt
+
+
 def target_ids(model: Any, tokenizer: Any, inp: TextTokenInput, target: str | None, gen_args: dict[str, Any] | None) -> torch.Tensor:
     """The answer's token ids: ``target`` tokenized without special tokens, or the greedy
     generation (Captum's own target handling)."""

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                           "language model, the answer's text (default: the model's greedy answer)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
+    explain.add_argument("--chat", action="store_true",
+                         help="language models: put the prompt in the tokenizer's chat template as the user's message, "
+                         "with the generation prompt, as an instruct model reads it")
     explain.add_argument("--per-token", action="store_true",
                          help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--skip", metavar="REGEX",
@@ -234,6 +237,8 @@ def _explain(arguments: argparse.Namespace) -> None:
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     if arguments.pair_separator is not None and task not in (None, "classification"):
         raise UsageError("--pair-separator is for a classifier of text pairs; a language model explains one prompt")
+    if arguments.chat and task not in ("generation", "seq2seq"):
+        raise UsageError("--chat is for a language model's prompt (a causal or sequence-to-sequence checkpoint)")
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
@@ -292,9 +297,9 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a causal or sequence-to-sequence language model: the answer, and
     each method's prompt (source) tokens."""
     from ..loading import load_causal_lm
-    from .answer import explain_answer
+    from .answer import chat_prompt, explain_answer, without_added_bos
 
-    prompt = _prompt(arguments)
+    message = _prompt(arguments)
     if arguments.target is not None and has_surrogates(arguments.target):
         raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
     for option in ("max_new_tokens", "ig_steps"):
@@ -306,6 +311,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    prompt = chat_prompt(tokenizer, message) if arguments.chat else without_added_bos(tokenizer, message)
     _note_uniform_head_weights(model, methods)
     seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
     if seq2seq and INTEGRATED_GRADIENTS in methods:
@@ -506,12 +512,33 @@ def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None
 
 
 def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
-    """The rows whose prompt and answer the model takes (:func:`_kept_rows`)."""
+    """The rows whose prompt and answer the model takes (:func:`_kept_rows`), each prompt
+    read with one BOS (:func:`_with_one_bos`)."""
+    examples = [_with_one_bos(example, tokenizer) for example in examples]
     checked = [
         (example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer"))
         for example in examples
     ]
     return _kept_rows(checked, arguments, "no row the model takes whole")
+
+
+def _with_one_bos(example: Any, tokenizer: Any) -> Any:
+    """The answer row without the BOS token's text its prompt (and so its segments) begins
+    with where the tokenizer adds that token itself
+    (:func:`~captum_attention.presentation.answer.without_added_bos`)."""
+    import dataclasses
+
+    from .answer import without_added_bos
+
+    prompt = without_added_bos(tokenizer, example.text)
+    if prompt == example.text or example.segments is None:
+        return dataclasses.replace(example, text=prompt)
+    cut, segments = len(example.text) - len(prompt), []
+    for segment in example.segments:
+        dropped = min(cut, len(segment))
+        cut -= dropped
+        segments += [segment[dropped:]] if segment[dropped:] else []
+    return dataclasses.replace(example, text=prompt, segments=tuple(segments))
 
 
 def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:
