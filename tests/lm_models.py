@@ -97,6 +97,14 @@ def make_word_tokenizer(bos: bool = True) -> tf.PreTrainedTokenizerFast:
     return tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}question {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}answer{% endif %}"
+)
+"""A chat template in :data:`WORDS`: "<s>question MESSAGE answer", its BOS written as
+Llama's, Gemma's and Mistral's templates write theirs."""
+
+
 def make_byte_level_tokenizer(text: str, trim_offsets: bool = False) -> tf.PreTrainedTokenizerFast:
     """A byte-level BPE fast tokenizer trained on ``text``, as GPT-2's, Llama-3's and
     Qwen2's are: its tokens carry their space as a mark ("Ġthe"), and (unless

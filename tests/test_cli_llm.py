@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 import torch
-from lm_models import make_decoder, make_word_tokenizer
+from lm_models import CHAT_TEMPLATE, make_decoder, make_word_tokenizer
 from test_cli import run_cli
 
 from captum_attention import GradSAM, LLMAttentionAttribution
@@ -294,12 +294,6 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
         "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder's answers"
         in capsys.readouterr().err
     )
-
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}question {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}answer{% endif %}"
-)
 
 
 def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, capsys):

@@ -369,3 +369,54 @@ def test_a_prompt_beginning_with_the_bos_text_is_read_with_one_bos(llm, tmp_path
         assert main(["evaluate", str(data), "--model", str(llm), "--methods", "grad_sam", "--max-new-tokens", "3",
                      "--output", str(tmp_path / data.stem)]) == 0
     assert _rows(tmp_path / "pasted") == _rows(tmp_path / "answers")
+
+
+def test_chat_scores_each_rows_message_in_the_chat_template(llm, tmp_path, capsys):
+    """``--chat`` (evaluate, fit-head-weights): each prompt is the user's message in the
+    chat template; the template's tokens are never removed, the segments make up the
+    message; a template that changes the message, or a classifier, is refused in one line."""
+    import shutil
+
+    from lm_models import CHAT_TEMPLATE, make_word_tokenizer
+
+    from captum_attention.loading import load_causal_lm
+
+    folder = tmp_path / "instruct"
+    shutil.copytree(llm, folder)
+    tokenizer = make_word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    data, output = _data(tmp_path, count=2), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "grad_sam", "--max-new-tokens", "3", "--chat",
+                 "--output", str(output)]) == 0
+    model, tokenizer = load_causal_lm(folder)
+    for example in read_answers(data)[0]:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": example.text}], add_generation_prompt=True)
+        ids = torch.tensor([encoded["input_ids"]])
+        words = example.text.split()
+        assert tokenizer.convert_ids_to_tokens(ids[0].tolist()) == ["<s>", "question", *words, "answer"]
+        if example.segments is None:
+            in_message = list(range(2, 2 + len(words)))
+        else:
+            bounds = torch.tensor([len(s.split()) for s in example.segments]).cumsum(0)
+            in_message = torch.searchsorted(bounds, torch.arange(len(words)), right=True).tolist()
+        segments = torch.tensor([[-1, -1, *in_message, -1]])  # the template's tokens never removed
+        row = next(r for r in _rows(output) if r["index"] == example.index)
+        answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+        mask = torch.ones_like(ids)
+        scores = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask,))[:, : ids.shape[1]]
+        assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, scores, segments), abs=1e-6)
+        drop = top_k_log_prob_drop(model, ids, mask, answer, scores, (3,), segments)[0, 0]
+        assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
+    assert main(["fit-head-weights", str(data), "--model", str(folder), "--ablations", "2", "--max-new-tokens", "3", "--chat"]) == 0
+    capsys.readouterr()
+    trimming = make_word_tokenizer()
+    trimming.chat_template = CHAT_TEMPLATE.replace("message['content']", "message['content'] | trim")
+    trimming.save_pretrained(folder)
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_text(json.dumps({"prompt": "the cat is here ", "answer": "seven"}) + "\n")
+    assert main(["evaluate", str(spaced), "--model", str(folder), "--chat", "--output", str(tmp_path / "trim")]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "line 1: the chat template changes the prompt's text" in error
+    assert main(["evaluate", str(spaced), "--chat", "--output", str(tmp_path / "classifier")]) == 1
+    assert "--chat is for a language model's prompts" in capsys.readouterr().err

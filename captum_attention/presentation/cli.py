@@ -33,6 +33,10 @@ CACHE_HELP = (
     "cache folder for the default model (default: $CAPTUM_ATTENTION_CACHE, else "
     "$XDG_CACHE_HOME/captum-attention, else ~/.cache/captum-attention)"
 )
+CHAT_HELP = (
+    "put each prompt in the tokenizer's chat template as the user's message, with the generation prompt, as an "
+    "instruct model reads it"
+)
 PRESENCE_HELP = (
     f"{PRESENCE}: each token's presence in every attention call, the special tokens (and an answer) at 1 "
     "(default: 0.05)"
@@ -61,9 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                           "language model, the answer's text (default: the model's greedy answer)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
-    explain.add_argument("--chat", action="store_true",
-                         help="language models: put the prompt in the tokenizer's chat template as the user's message, "
-                         "with the generation prompt, as an instruct model reads it")
+    explain.add_argument("--chat", action="store_true", help="language models: " + CHAT_HELP)
     explain.add_argument("--per-token", action="store_true",
                          help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--skip", metavar="REGEX",
@@ -112,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
                           + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
                           help="for a language model: the longest answer generated for a row without one (default: 20)")
+    evaluate.add_argument("--chat", action="store_true", help="for a language model: " + CHAT_HELP)
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
@@ -131,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
                      "normal equations (default: 0.001)")
     fit.add_argument("--max-new-tokens", type=int, default=20,
                      help="the longest answer generated for a row without one (default: 20)")
+    fit.add_argument("--chat", action="store_true", help=CHAT_HELP)
     fit.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     train = commands.add_parser("train", help="train the default model into the cache now")
     train.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
@@ -431,6 +435,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if task in ("generation", "seq2seq"):
         _evaluate_answers(arguments)
         return
+    if arguments.chat:
+        raise UsageError("--chat is for a language model's prompts; a classifier reads each text as it is")
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
         raise UsageError("--batch-size, --ig-steps and --shap-evals must be at least 1")
     _check_presence(arguments)
@@ -513,8 +519,11 @@ def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None
 
 def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
     """The rows whose prompt and answer the model takes (:func:`_kept_rows`), each prompt
-    read with one BOS (:func:`_with_one_bos`)."""
+    read with one BOS (:func:`_with_one_bos`), in the chat template with ``--chat``
+    (:func:`_in_chat_template`)."""
     examples = [_with_one_bos(example, tokenizer) for example in examples]
+    if arguments.chat:
+        examples = [_in_chat_template(example, tokenizer) for example in examples]
     checked = [
         (example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer"))
         for example in examples
@@ -539,6 +548,30 @@ def _with_one_bos(example: Any, tokenizer: Any) -> Any:
         cut -= dropped
         segments += [segment[dropped:]] if segment[dropped:] else []
     return dataclasses.replace(example, text=prompt, segments=tuple(segments))
+
+
+_MESSAGE = "\ue000"
+"""A private-use character: the message whose place in the chat template marks where a
+row's prompt goes."""
+
+
+def _in_chat_template(example: Any, tokenizer: Any) -> Any:
+    """The answer row with its prompt as the user's message in the tokenizer's chat
+    template (:func:`~captum_attention.presentation.answer.chat_prompt`), the message's
+    characters marked (the template around them is never removed; the segments make up
+    the message); a template that changes the message's text is refused."""
+    import dataclasses
+
+    from .answer import chat_prompt
+
+    before, marked, after = chat_prompt(tokenizer, _MESSAGE).partition(_MESSAGE)
+    templated = chat_prompt(tokenizer, example.text)
+    if not marked or templated != before + example.text + after:
+        raise ValueError(
+            f"line {example.line}: the chat template changes the prompt's text (it trims or rewrites it), so its segments "
+            "and removals cannot be placed in it: put the prompts in the template in the file, without --chat"
+        )
+    return dataclasses.replace(example, text=templated, message=(len(before), len(before) + len(example.text)))
 
 
 def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:

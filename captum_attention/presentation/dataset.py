@@ -138,14 +138,17 @@ def _example(index: int, line: int, row: Any) -> Example:
 @dataclass(frozen=True)
 class AnswerExample:
     """One row of a language model's data set: its position, its line, the prompt, and
-    optionally the answer to explain (None: generate it) and the prompt's segments (the
-    parts the context metrics remove; they concatenate to the prompt)."""
+    optionally the answer to explain (None: generate it), the prompt's segments (the
+    parts the context metrics remove; they concatenate to the prompt) and, where the prompt
+    is the user's message put in a chat template, the characters of ``text`` that hold the
+    message (the segments make up the message; the template around it is never removed)."""
 
     index: int
     line: int
     text: str
     answer: str | None = None
     segments: tuple[str, ...] | None = None
+    message: tuple[int, int] | None = None
 
 
 def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[AnswerExample], list[str]]:

@@ -524,16 +524,25 @@ def answer_tensors(
     n)`` (given, or generated greedily; a ``ValueError`` naming the row's line where it has
     no tokens), which prompt tokens are never removed (the special tokens) ``(1, N)``, and
     the segment of each prompt token ``(1, N)`` (-1: never removed) where the row names
-    segments, else None."""
+    segments, else None. A chat template's tokens around the row's message are kept as
+    the special tokens are."""
     device = next(model.parameters()).device
-    encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=example.segments is not None)
+    offsets_needed = example.segments is not None or example.message is not None
+    encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=offsets_needed)
     ids = encoded["input_ids"].to(device)
     answer = _answer_ids(model, tokenizer, example, max_new_tokens).to(device)[None]
     if answer.shape[1] == 0:
         raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
     special = set(tokenizer.all_special_ids)
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
-    segments = None if example.segments is None else _token_segments(encoded["offset_mapping"][0], example.segments, keep[0])[None]
+    if example.message is not None:
+        keep |= _outside(encoded["offset_mapping"][0], example.text, example.message).to(device)[None]
+    segments = None
+    if example.segments is not None:
+        offsets = encoded["offset_mapping"][0]
+        if example.message is not None:  # the segments make up the message
+            offsets = (offsets - example.message[0]).clamp(0, example.message[1] - example.message[0])
+        segments = _token_segments(offsets, example.segments, keep[0])[None]
     return ids, answer, keep, segments
 
 
@@ -558,6 +567,13 @@ def _token_segments(offsets: Tensor, segments: Sequence[str], keep: Tensor) -> T
     starts = torch.tensor([_first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
     found = torch.searchsorted(ends, starts, right=True).clamp(max=len(segments) - 1)
     return found.masked_fill(keep.cpu() | (offsets[:, 1] <= offsets[:, 0]), -1).to(keep.device)
+
+
+def _outside(offsets: Tensor, text: str, span: tuple[int, int]) -> Tensor:
+    """``(N,)`` bool: the tokens whose first character other than a space lies outside the
+    characters ``span`` of ``text``."""
+    starts = torch.tensor([_first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
+    return (starts < span[0]) | (starts >= span[1])
 
 
 def _first_visible(text: str, start: int, end: int) -> int:
