@@ -562,7 +562,11 @@ def test_a_sentence_longer_than_the_model_takes_is_cut_and_says_so(checkpoints):
     long = " ".join(["the plot was dull"] * 30)  # 120 words, the model takes 64 tokens
     result = run_cli("explain", long, "--model", str(classifier), "--methods", "raw")
     assert result.returncode == 0, result.stderr
-    assert "note: cut to the model's 64 tokens (of 122)" in result.stdout
+    assert "note: cut to the model's 64 tokens (of 122); nothing after 'plot' is seen or explained" in result.stdout
+    pair = run_cli("explain", f"{long} ||| what a film", "--model", str(classifier), "--methods", "raw", "--pair-separator", "|||")
+    assert pair.returncode == 0, pair.stderr
+    assert "note: cut to the model's 64 tokens (of 126); the longer text's last tokens are neither seen nor explained" in pair.stdout
+    assert pair.stdout.count("[SEP]") == 2 and "film" in pair.stdout, "the second text is read whole"
 
 
 def test_text_pairs_are_explained_as_the_model_reads_them(checkpoints, tmp_path):

@@ -116,9 +116,10 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         if sentence.all_unknown:
             parts.append('<p class="note">Every word is unknown to the tokenizer: the model saw no word of this text.</p>')
         if sentence.cut_from is not None:
+            lost = "the longer text's last tokens are" if sentence.text_pair is not None else "the rest is"
             parts.append(
                 f'<p class="note">Cut to the model\'s {len(sentence.tokens)} tokens (of {sentence.cut_from}): '
-                "the rest is neither seen nor explained.</p>"
+                f"{escape(lost)} neither seen nor explained.</p>"
             )
         parts += [f'<p class="note"><bdi>{escape(method)}</bdi>: {escape(note)}.</p>' for method, note in sentence.notes.items()]
         parts.append("<table><tr><th>method</th><th>wall time</th><th>tokens</th></tr>")

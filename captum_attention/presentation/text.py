@@ -68,11 +68,12 @@ def _sentence_header(sentence: SentenceExplanation) -> list[str]:
     if sentence.all_unknown:
         lines.append("  warning: every word is unknown to the tokenizer, so the model saw no word of this text")
     if sentence.cut_from is not None:
-        lines.append(
-            f"  note: cut to the model's {len(sentence.tokens)} tokens (of {sentence.cut_from}); "
-            f"nothing after {terminal_safe(sentence.tokens[-2] if len(sentence.tokens) > 1 else sentence.tokens[-1])!r} "
-            "is seen or explained"
+        last = terminal_safe(sentence.tokens[-2] if len(sentence.tokens) > 1 else sentence.tokens[-1])
+        lost = (
+            "the longer text's last tokens are neither seen nor explained" if sentence.text_pair is not None
+            else f"nothing after {last!r} is seen or explained"
         )
+        lines.append(f"  note: cut to the model's {len(sentence.tokens)} tokens (of {sentence.cut_from}); {lost}")
     lines += [f"  note: {terminal_safe(method)}: {terminal_safe(note)}" for method, note in sentence.notes.items()]
     return lines
 
