@@ -194,3 +194,38 @@ def test_a_registered_method_outside_the_defaults_on_request(llava, mllama, tmp_
     assert main(["explain", "--model", str(mllama), "--image", str(image), "what", "--methods", "attn_lrp,alti"]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and "alti explains one self-attention stack" in captured.err
+
+
+def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llava, tmp_path, capsys):
+    """``--chat`` with ``--image``: the image and the prompt are the user's turn in the
+    processor's chat template, read with the template's one BOS; a processor without a
+    template is refused in one line."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tmp_path / "instruct"
+    shutil.copytree(llava, folder)
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    processor.chat_template = (
+        "<s>{% for message in messages %}question {% for item in message['content'] %}{% if item['type'] == 'image' %}"
+        "<image> {% else %}{{ item['text'] }}{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}answer{% endif %}"
+    )
+    processor.save_pretrained(folder)
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is", "--chat",
+                 "--methods", "grad_sam", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["prompt_tokens"] == ["<s>", "question", "<image>", "what", "is", "the", "cat", "answer"]
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    inputs = dict(processor(text="question <image> what is the cat answer", images=Image.open(image).convert("RGB"),
+                            return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    assert (ids[0, :2] == torch.tensor([1, 1])).sum() == 1, "one BOS"
+    span = GradSAM(model).attribute_span(ids, torch.tensor([[26]]), additional_forward_args=(mask, inputs))[:, : ids.shape[1]]
+    text_scores = [s for s, token in zip(explanation["seq_attr"]["Grad-SAM"], explanation["prompt_tokens"]) if token != "<image>"]
+    torch.testing.assert_close(torch.tensor(text_scores), span[0, ids[0] != IMAGE])
+    capsys.readouterr()
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--chat"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "LlavaProcessor has no chat template" in error

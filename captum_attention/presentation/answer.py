@@ -177,17 +177,19 @@ def glued_answer(model: Any, tokenizer: Any, prompt_ids: list[int], answer: str,
     )
 
 
-def chat_prompt(tokenizer: Any, message: str) -> str:
-    """``message`` as the user's turn in the tokenizer's chat template, with the generation
-    prompt after it (what an instruct model was trained to answer), as text the tokenizer
-    reads back to the template's tokens (:func:`without_added_bos`); a one-line error for a
-    tokenizer without a chat template."""
-    if getattr(tokenizer, "chat_template", None) is None:
+def chat_prompt(tokenizer: Any, message: str | list[dict[str, str]], templates: Any = None) -> str:
+    """``message`` (text, or a vision-language model's list of an image and text) as the
+    user's turn in the chat template of ``templates`` (default: the tokenizer; a
+    processor), with the generation prompt after it (what an instruct model was trained to
+    answer), as text the tokenizer reads back to the template's tokens
+    (:func:`without_added_bos`); a one-line error where there is no chat template."""
+    templates = tokenizer if templates is None else templates
+    if getattr(templates, "chat_template", None) is None:
         raise ValueError(
-            f"{type(tokenizer).__name__} has no chat template (a base model's tokenizer): leave --chat out, and the prompt "
+            f"{type(templates).__name__} has no chat template (a base model's): leave --chat out, and the prompt "
             "is read as it is"
         )
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    text = templates.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
     return without_added_bos(tokenizer, str(text))
 
 
@@ -237,9 +239,11 @@ def explain_image_answer(
     max_new_tokens: int = 20,
     methods: list[str] | None = None,
     per_token: bool = False,
+    chat: bool = False,
 ) -> AnswerExplanation:
     """A vision-language model's answer to ``prompt`` about the image at ``image_path``
-    (the processor's image token put first where the prompt holds none), explained by each
+    (the processor's image token put first where the prompt holds none; with ``chat``, the
+    image and the prompt as the user's turn in the processor's chat template), explained by each
     method: the text tokens' scores, the image's tokens summed as one ``<image>`` token,
     and their scores on the image's grid (:func:`~captum_attention.image_scores`). AttnLRP
     also runs through the vision tower (``AttnLRP → pixels``: its relevance on the pixels
@@ -252,7 +256,10 @@ def explain_image_answer(
     check_methods(chosen, answers=True, one_stack=not cross_attends_images(model))
     image = Image.open(image_path).convert("RGB")
     marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
-    text = prompt if marker in prompt else f"{marker} {prompt}"
+    if chat:
+        text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
+    else:
+        text = prompt if marker in prompt else f"{marker} {prompt}"
     inputs = dict(processor(text=text, images=image, return_tensors="pt"))
     ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
     mask = torch.ones_like(ids) if mask is None else mask

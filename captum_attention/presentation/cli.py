@@ -241,8 +241,8 @@ def _explain(arguments: argparse.Namespace) -> None:
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     if arguments.pair_separator is not None and task not in (None, "classification"):
         raise UsageError("--pair-separator is for a classifier of text pairs; a language model explains one prompt")
-    if arguments.chat and task not in ("generation", "seq2seq"):
-        raise UsageError("--chat is for a language model's prompt (a causal or sequence-to-sequence checkpoint)")
+    if arguments.chat and task not in ("generation", "seq2seq", "image-text-to-text"):
+        raise UsageError("--chat is for a language model's prompt (a causal, sequence-to-sequence or vision-language checkpoint)")
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
@@ -360,7 +360,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     try:
         explanation = explain_image_answer(
             model, processor, prompt, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
-            arguments.per_token,
+            arguments.per_token, arguments.chat,
         )
     except OSError as error:  # PIL cannot read it
         raise UsageError(f"--image {arguments.image}: {error}") from error
