@@ -333,6 +333,6 @@ def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, c
     capsys.readouterr()
     assert main(["explain", "--model", str(llm), PROMPT, "--chat"]) == 1
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "has no chat template (a base model's): leave --chat out" in error
+    assert error.count("\n") == 1 and "the model's tokenizer (" in error and "has no chat template (a base model's): leave --chat out" in error
     assert main(["explain", "the plot was dull", "--chat"]) == 1
     assert "--chat is for a language model's prompt" in capsys.readouterr().err

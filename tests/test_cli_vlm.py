@@ -228,4 +228,4 @@ def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llav
     capsys.readouterr()
     assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--chat"]) == 1
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "LlavaProcessor has no chat template" in error
+    assert error.count("\n") == 1 and "the model's processor (LlavaProcessor) has no chat template" in error

@@ -185,9 +185,10 @@ def chat_prompt(tokenizer: Any, message: str | list[dict[str, str]], templates: 
     (:func:`without_added_bos`); a one-line error where there is no chat template."""
     templates = tokenizer if templates is None else templates
     if getattr(templates, "chat_template", None) is None:
+        holder = "tokenizer" if templates is tokenizer else "processor"
         raise ValueError(
-            f"{type(templates).__name__} has no chat template (a base model's): leave --chat out, and the prompt "
-            "is read as it is"
+            f"the model's {holder} ({type(templates).__name__}) has no chat template (a base model's): leave --chat out, "
+            "and the prompt is read as it is"
         )
     text = templates.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
     return without_added_bos(tokenizer, str(text))
