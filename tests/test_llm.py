@@ -125,7 +125,7 @@ def test_attention_flow_has_no_span():
 # Captum's LLM interface ---------------------------------------------------------------
 
 from captum.attr import FeatureAblation, LLMAttribution, TextTemplateInput, TextTokenInput  # noqa: E402
-from lm_models import make_word_tokenizer  # noqa: E402
+from lm_models import WORDS, make_word_tokenizer  # noqa: E402
 
 from captum_attention import GradSAM, LLMAttentionAttribution  # noqa: E402
 
@@ -250,3 +250,21 @@ def test_llm_interface_errors_name_the_fix():
         LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(reversing, target="seven")
     with pytest.raises(ValueError, match="no tokens"):
         LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(PROMPT, tokenizer), target=torch.tensor([], dtype=torch.long))
+
+
+def test_a_prompt_whose_text_begins_with_the_bos_it_gets_again_is_warned_about():
+    """A chat template's text pasted into a TextTokenInput begins with the BOS token's text,
+    and the tokenizer adds another: the model would read two; the warning names the fix,
+    which gives the template's tokens, and no warning."""
+    import warnings
+
+    model, tokenizer = make_decoder("llama"), make_word_tokenizer()
+    explainer = LLMAttentionAttribution(GradSAM(model), tokenizer)
+    with pytest.warns(UserWarning, match="begins with two BOS tokens") as caught:
+        explainer.attribute(TextTokenInput("<s>" + PROMPT, tokenizer), target="seven", per_token=False)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = TextTokenInput(("<s>" + PROMPT).removeprefix(tokenizer.bos_token), tokenizer)
+        assert fixed.inp_tensor[0, :2].tolist() == [tokenizer.bos_token_id, WORDS.index(PROMPT.split()[0])]
+        explainer.attribute(fixed, target="seven", per_token=False)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._compat import pretty_tokens
 from ..capture.adapters.images import cross_attended_real, cross_attends_images, image_token_layout
+from ..capture.record import warn_user
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
 from ._images import grid_follows_image
@@ -168,6 +169,13 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             raise ValueError("The prompt has no tokens: give a non-empty prompt (or a tokenizer that adds a BOS token).")
         if prompt.shape[0] != 1:
             raise ValueError(f"The input makes {prompt.shape[0]} prompts; LLMAttentionAttribution explains one.")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None and prompt.shape[1] > 1 and prompt[0, :2].tolist() == [bos, bos]:
+            warn_user(
+                "The prompt begins with two BOS tokens: its text begins with the BOS token's (a chat template's) and the "
+                "tokenizer adds another. Give the text without it, e.g. TextTokenInput(text.removeprefix(tokenizer.bos_token), "
+                "tokenizer), to explain what the model reads from its template."
+            )
         mask = model_input.pop("attention_mask", None)
         return prompt, torch.ones_like(prompt) if mask is None else mask, model_input
 
