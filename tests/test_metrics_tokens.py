@@ -483,3 +483,36 @@ def test_plausibility_by_hand():
     assert auprc(scores, rationale).item() == pytest.approx((1 + 1 + 0.75) / 3)
     # predicted spans [0,1) [2,3) [4,5); gold spans [0,1) [2,4): [0,1) matches, [2,3) has IOU 1/2 (not > 0.5)
     assert iou_f1(scores, rationale).item() == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+
+
+def test_a_text_pairs_token_types_follow_its_tokens_through_deletion(tmp_path):
+    """``pair_token_types`` gives the tokenizer's token type ids of text pairs (padded on
+    either side), and a forward that reads them so deletes a word of either text as
+    tokenizing the shortened pair does."""
+    from transformers import BertTokenizerFast
+
+    from captum_attention.metrics import pair_token_types
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"a man sleeps person rests the dog".split()]))
+    tokenizer = BertTokenizerFast(vocab=str(vocab))
+    pairs = [("a man sleeps", "the person rests"), ("the dog", "a man")]
+    for side in ("right", "left"):
+        encoded = tokenizer(pairs, padding=True, padding_side=side, return_tensors="pt")
+        types = pair_token_types(encoded["input_ids"], encoded["attention_mask"], tokenizer.sep_token_id)
+        assert torch.equal(types, encoded["token_type_ids"] * encoded["attention_mask"])
+    model = make_model("bert")
+    encoded = tokenizer(pairs[:1], return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+
+    def forward(i, m):
+        return model(input_ids=i, attention_mask=m, token_type_ids=pair_token_types(i, m, tokenizer.sep_token_id)).logits
+
+    special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+    for word, shortened in ((1, ("man sleeps", "the person rests")), (6, ("a man sleeps", "the rests"))):
+        scores = torch.zeros(ids.shape).index_fill(1, torch.tensor([word]), 1.0)
+        drop = comprehensiveness(forward, ids, mask, scores, target=1, bins=(10,), keep=special)
+        with torch.no_grad():
+            whole = model(**encoded).logits.softmax(-1)[0, 1]
+            short = model(**tokenizer(*shortened, return_tensors="pt")).logits.softmax(-1)[0, 1]
+        torch.testing.assert_close(drop[0, 0], whole - short, atol=1e-6, rtol=1e-5)

@@ -32,6 +32,7 @@ from .token_removal import (
     datamodeling_score,
     greedy_deletion,
     leave_one_out,
+    pair_token_types,
     perturbation_curve,
     sufficiency,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "leave_one_out",
     "leave_one_out_agreement",
     "linear_datamodeling_score",
+    "pair_token_types",
     "perturbation_curve",
     "spearman",
     "sufficiency",

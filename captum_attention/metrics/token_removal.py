@@ -236,6 +236,32 @@ def with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "rig
     return torch.cat([ids, column], dim=1), torch.cat([mask, zeros], dim=1)
 
 
+def pair_token_types(input_ids: Tensor, attention_mask: Tensor, separator: int) -> Tensor:
+    """Token type ids of text pairs as BERT's tokenizers give them, read from the ids: 0 up
+    to a row's first ``separator`` token, 1 after it, 0 at padding. A ``forward_func`` that
+    computes them so follows the tokens wherever a metric removes some (keep the
+    separators), where fixed token type ids would be read at the wrong positions.
+
+    Args:
+        input_ids (Tensor): ``(batch, seq_len)`` token ids.
+        attention_mask (Tensor): ``(batch, seq_len)``, 1 for real tokens.
+        separator (int): the separator token's id (``tokenizer.sep_token_id``).
+
+    Returns:
+        ``(batch, seq_len)`` long tensor.
+
+    Example::
+
+        >>> def forward(ids, mask):
+        ...     types = pair_token_types(ids, mask, tokenizer.sep_token_id)
+        ...     return model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        >>> comprehensiveness(forward, ids, mask, scores, keep=special)
+    """
+    is_separator = (input_ids == separator).long()
+    after_first = is_separator.cumsum(dim=1) - is_separator > 0
+    return (after_first & (attention_mask != 0)).long()
+
+
 def configured_pad_id(model: Any) -> int | None:
     """``model.config.pad_token_id`` where it is an id (not negative), else None."""
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)

@@ -33,13 +33,13 @@ from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs
-from ..metrics.token_removal import example_seeds
+from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
     check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit,
-    Text, method_names, noted, pair_token_types, prompt_span, refined_method, registered_method, removable_segments,
+    Text, method_names, noted, prompt_span, refined_method, registered_method, removable_segments,
     report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .summary import merge, summarise, summary_markdown
@@ -330,7 +330,7 @@ def _smoothgrad(model: Any, samples: int, separator: int | None = None) -> Expla
     summed over the hidden dimension; each example alone, unpadded, with σ = 0.1 · its
     embeddings' standard deviation and noise from its own seed (:func:`example_seeds`):
     the same scores in any batch, under any padding and in any process. Given the text
-    pairs' ``separator``, their token types as :func:`pair_token_types` reads them."""
+    pairs' ``separator``, their token types as :func:`~captum_attention.metrics.pair_token_types` reads them."""
     from captum.attr import NoiseTunnel, Saliency
 
     def forward(embeddings: Tensor, mask: Tensor, types: Tensor | None) -> Tensor:

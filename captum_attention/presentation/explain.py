@@ -14,7 +14,7 @@ from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
-from ..metrics.token_removal import padding_shift
+from ..metrics.token_removal import padding_shift, pair_token_types
 from .display import readable_tokens, special_tokens
 
 INTEGRATED_GRADIENTS = "integrated_gradients"
@@ -361,7 +361,7 @@ def answer_estimates(
 
 
 def types_separator(tokenizer: Any, texts: Sequence[Text]) -> int | None:
-    """The separator token after which :func:`pair_token_types` gives a pair's second text
+    """The separator token after which :func:`~captum_attention.metrics.pair_token_types` gives a pair's second text
     token type 1: the tokenizer's, where ``texts`` hold a pair and the tokenizer gives
     token type ids (BERT's; RoBERTa's gives none); else None, no token types."""
     if not any(isinstance(text, tuple) for text in texts) or "token_type_ids" not in tokenizer.model_input_names:
@@ -373,20 +373,11 @@ def types_separator(tokenizer: Any, texts: Sequence[Text]) -> int | None:
     return int(tokenizer.sep_token_id)
 
 
-def pair_token_types(ids: torch.Tensor, mask: torch.Tensor, separator: int) -> torch.Tensor:
-    """``(batch, seq_len)`` token type ids of text pairs as BERT's tokenizers give them: 0 up
-    to a row's first ``separator`` token, 1 after it, 0 at padding. Read from the ids, they
-    follow the tokens wherever a metric deletes some (the separators always stay)."""
-    is_separator = (ids == separator).long()
-    after_first = is_separator.cumsum(dim=1) - is_separator > 0
-    return (after_first & (mask != 0)).long()
-
-
 def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separator: int | None = None, **options: Any) -> Any:
     """``tokenizer(texts)`` as tensors, padded on the side where the model reads each text
     as it reads it alone (:func:`classifier_padding_side`), whatever side the tokenizer pads
     by default; given the ``separator`` of the run's text pairs (:func:`types_separator`),
-    a one-line error where the tokenizer's token types are not :func:`pair_token_types` of
+    a one-line error where the tokenizer's token types are not :func:`~captum_attention.metrics.pair_token_types` of
     the ids."""
     side = classifier_padding_side(model, tokenizer, texts[0], separator, **options) if len(texts) > 1 else "right"
     encoded = tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
@@ -427,7 +418,7 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: Text, separator: i
 def classifier_forward(model: Any, separator: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``forward(ids, mask)``: the classifier's logits, its inputs passed by name; given
     the ``separator`` of text pairs (:func:`types_separator`), their token types too
-    (:func:`pair_token_types`)."""
+    (:func:`~captum_attention.metrics.pair_token_types`)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         types = {} if separator is None else {"token_type_ids": pair_token_types(ids, mask, separator)}
