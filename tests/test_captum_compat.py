@@ -11,7 +11,7 @@ from conftest import make_batch, make_model
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention.attr import REGISTRY
-from captum_attention.metrics import comprehensiveness, token_replacement_perturbation, token_substitution_perturbation
+from captum_attention.metrics import token_replacement_perturbation, token_substitution_perturbation
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
 
@@ -57,8 +57,8 @@ def test_noise_tunnel_smoothgrad_over_embeddings(bert, cls):
 def test_one_score_per_example_is_explained_as_its_class(bert, name):
     """A forward that returns one score per example (``(batch,)``, Captum's SQuAD tutorial's
     kind) is explained with ``target=None`` as the logits with that score's class as target;
-    a target beyond it is refused in one line by a method that reads the target, and the
-    score by the metrics, which read class probabilities."""
+    a target beyond it is refused in one line by a method that reads the target; the
+    metrics read the score as one logit, its sigmoid (``test_one_logit_is_read_as_its_sigmoid``)."""
     model, batch = bert
     mask = batch.attention_mask
     cls = REGISTRY[name]
@@ -68,8 +68,6 @@ def test_one_score_per_example_is_explained_as_its_class(bert, name):
     if name == "grad_sam":
         with pytest.raises(ValueError, match="returns one score per example, so target must be 0 or None"):
             scores.attribute(batch.input_ids, target=1, additional_forward_args=(mask,))
-        with pytest.raises(ValueError, match=r"must return logits .* got \(3,\)"):
-            comprehensiveness(scores.forward_func, batch.input_ids, mask, expected)
 
 
 def test_embeddings_and_token_ids_give_the_same_scores(bert):

@@ -663,3 +663,32 @@ def test_a_batch_padded_on_the_left_shows_each_sentences_tokens_and_scores(check
         real = mask[row] != 0
         assert sentence.tokens == tokenizer.convert_ids_to_tokens(ids[row, real].tolist())
         torch.testing.assert_close(torch.tensor(sentence.scores["Grad-SAM"]), expected[row, real].detach())
+
+
+@pytest.mark.parametrize("config, output", [
+    (dict(num_labels=1), "p"),
+    (dict(num_labels=3, problem_type="multi_label_classification"), "p"),
+    (dict(num_labels=1, problem_type="regression"), "score"),
+])
+def test_a_classifiers_outputs_are_shown_as_transformers_pipeline_gives_them(tmp_path, config, output):
+    """One logit (a binary classifier or reward model) and a multi-label model's labels read
+    as their sigmoids, a regression model's as its score, as the text-classification
+    pipeline reads them: not a softmax over one logit (always 1) or over labels that are
+    each their own."""
+    folder = tmp_path / "classifier"
+    torch.manual_seed(0)
+    tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, initializer_range=0.3, **config,
+    )).save_pretrained(folder)
+    _tokenizer(tmp_path).save_pretrained(folder)
+    path = tmp_path / "out.json"
+    result = run_cli("explain", SENTENCES[0], "--model", str(folder), "--methods", "grad_sam", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    model, _, tokenizer, *_ = _saved_classifier(folder)
+    pipeline = tf.pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None)
+    (scored,) = pipeline([SENTENCES[0]])
+    expected = {entry["label"]: entry["score"] for entry in scored}
+    written = json.loads(path.read_text(encoding="utf-8"))["sentences"][0]
+    assert written["probabilities"] == pytest.approx(expected, abs=1e-5)
+    assert written["output"] == output and f"({output}={written['probability']:.3f};" in result.stdout

@@ -791,3 +791,45 @@ def test_text_pairs_rows_are_the_metrics_of_each_pair_alone(checkpoint, tmp_path
     assert _run(*args, "--methods", "grad_sam,shap", "--output", str(tmp_path / "shap")) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "shap masks one text and line 1 holds a pair" in error
+
+
+def test_a_one_logit_classifier_is_scored_by_its_sigmoid_and_others_refused(tmp_path, capsys):
+    """One logit (a binary classifier or reward model): its rows' probabilities and metrics
+    read its sigmoid, as transformers' pipelines read it (a softmax over one logit is
+    always 1, every metric 0); a regression or multi-label model, whose outputs are no
+    class probabilities, is refused in one line before any work."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    sizes = dict(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                 max_position_embeddings=64, initializer_range=0.3)
+    folders = {}
+    for name, config in (("one", dict(num_labels=1)), ("regression", dict(num_labels=1, problem_type="regression")),
+                         ("multi", dict(num_labels=3, problem_type="multi_label_classification"))):
+        torch.manual_seed(0)
+        folders[name] = tmp_path / name
+        tf.BertForSequenceClassification(tf.BertConfig(**sizes, **config)).save_pretrained(folders[name])
+        tf.BertTokenizerFast(vocab=str(vocab)).save_pretrained(folders[name])
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("the film was good", "a dull plot", "great acting")))
+    assert _run(str(data), "--model", str(folders["one"]), "--methods", "grad_sam", "--metrics", "comprehensiveness",
+                "--output", str(tmp_path / "out")) == 0
+    model = tf.BertForSequenceClassification.from_pretrained(folders["one"]).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(folders["one"])
+    as_two_classes = lambda ids, mask: torch.cat([model(input_ids=ids, attention_mask=mask).logits, torch.zeros(len(ids), 1)], -1)  # noqa: E731
+    for example in ev.read_dataset(data)[0]:
+        encoded = tokenizer([example.text], return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        keep = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        scores = GradSAM(model).attribute(ids, target=0, additional_forward_args=(mask,))
+        row = next(r for r in _rows(tmp_path / "out") if r["index"] == example.index)
+        assert row["predicted"] == 0
+        assert row["probability"] == pytest.approx(float(model(**encoded).logits.detach().sigmoid()), abs=1e-6)
+        expected = aopc(comprehensiveness(as_two_classes, ids, mask, scores, 0, keep=keep)).item()
+        assert row["comprehensiveness"] == pytest.approx(expected, abs=1e-6) and expected != 0
+    capsys.readouterr()
+    for name, says in (("regression", "a regression model's scores are no probabilities"),
+                       ("multi", "a multi-label model's labels each have their own sigmoid")):
+        assert _run(str(data), "--model", str(folders[name]), "--methods", "grad_sam", "--output", str(tmp_path / name / "out")) == 1
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and says in error and "problem_type" in error
+        assert not (tmp_path / name / "out").exists()

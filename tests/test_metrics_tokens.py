@@ -516,3 +516,33 @@ def test_a_text_pairs_token_types_follow_its_tokens_through_deletion(tmp_path):
             whole = model(**encoded).logits.softmax(-1)[0, 1]
             short = model(**tokenizer(*shortened, return_tensors="pt")).logits.softmax(-1)[0, 1]
         torch.testing.assert_close(drop[0, 0], whole - short, atol=1e-6, rtol=1e-5)
+
+
+def test_one_logit_is_read_as_its_sigmoid():
+    """A model with one logit (a binary classifier or reward model), or a forward with one
+    score per example, is read as transformers' pipelines read it: its sigmoid, beside
+    its complement where a metric compares distributions; a softmax over one logit would
+    be 1 whatever the tokens, and every metric 0."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from captum_attention.metrics import attention_erasure
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, num_labels=1,
+        initializer_range=0.3,
+    )).eval()
+    batch = make_batch(model, lengths=(7, 5))
+    ids, mask = batch.input_ids, batch.attention_mask
+    scores = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    two_classes = lambda i, m: torch.cat([model(i, attention_mask=m).logits, torch.zeros(len(i), 1)], -1)  # noqa: E731
+    expected = comprehensiveness(two_classes, ids, mask, scores, target=0)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(comprehensiveness(model, ids, mask, scores), expected)
+    one_score = lambda i, m: model(i, attention_mask=m).logits[:, 0]  # noqa: E731
+    torch.testing.assert_close(comprehensiveness(one_score, ids, mask, scores), expected)
+    erased = attention_erasure(model, ids, scores > 0.5, (mask,))
+    with torch.no_grad():
+        own = model(ids, attention_mask=mask).logits.sigmoid()
+    torch.testing.assert_close(erased.original, torch.cat([own, 1 - own], -1))
+

@@ -137,6 +137,18 @@ def output_logits(output: Any, batch: int | None = None) -> Tensor:
     return logits
 
 
+def class_probabilities(logits: Tensor) -> Tensor:
+    """``(B, C)`` float32 class probabilities of ``(B, C)`` logits: their softmax; for one
+    logit per example (a binary classifier or a reward model with one output, whose softmax
+    is always 1) its sigmoid, as transformers' pipelines read one logit, beside its
+    complement: ``[σ(z), 1 − σ(z)]``, the logit's own class 0 as its target is."""
+    logits = logits.float()
+    if logits.shape[-1] == 1:
+        own = logits.sigmoid()
+        return torch.cat([own, 1 - own], dim=-1)
+    return logits.softmax(dim=-1)
+
+
 def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
     """Captum's ``target`` as a ``(B,)`` long tensor of class indices; None = predicted class."""
     batch, num_classes = logits.shape

@@ -25,7 +25,9 @@ from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, r
 from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .inputs import LogProbTarget, QueryIndex, output_logits, query_positions, query_row_weights, resolve_targets
+from .inputs import (
+    LogProbTarget, QueryIndex, class_probabilities, output_logits, query_positions, query_row_weights, resolve_targets,
+)
 from .probes import GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
 from .runner import resolve_adapter
@@ -149,8 +151,10 @@ class ForwardRecord:
         return torch.isfinite(self.explained_logits()).all(dim=-1)
 
     def explained_probs(self) -> Tensor:
-        """``(B, C)`` float32 softmax of :meth:`explained_logits`."""
-        return self.explained_logits().float().softmax(dim=-1)
+        """``(B, C)`` float32 class probabilities of :meth:`explained_logits`
+        (:func:`~captum_attention.capture.inputs.class_probabilities`: one logit's sigmoid
+        beside its complement)."""
+        return class_probabilities(self.explained_logits())
 
     def target_score(self, target: TargetType | LogProbTarget) -> Tensor:
         """S: the sum over examples of the ``target`` logit at the explained position

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
-from ..capture.inputs import output_logits, resolve_targets
+from ..capture.inputs import class_probabilities, output_logits, resolve_targets
 from ._checks import check_rankable, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
@@ -81,23 +81,24 @@ class _Remover:
         self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
-        probs = self._probs(input_ids, attention_mask)
-        self.targets = resolve_targets(probs, target)
+        logits = self._logits(input_ids, attention_mask)
+        probs = class_probabilities(logits)
+        self.targets = resolve_targets(logits, target)
         self.original = self.target_probs(probs, self.targets)
         self.decision = probs.argmax(dim=-1)
         if removal == "delete" and len(input_ids) > 1:  # one example's deletions are never padded
             self._confirm_padding_unread()
 
-    def _probs(self, ids: Tensor, mask: Tensor) -> Tensor:
+    def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():
-            logits = output_logits(self.forward_func(ids, mask))
+            logits = output_logits(self.forward_func(ids, mask), len(ids))
         if logits.dim() != 2:
             raise ValueError(
                 f"Token-removal metrics need logits (batch, classes), got {tuple(logits.shape)}: "
                 "for a language model, wrap it to return the logits of the explained position "
                 "(removing tokens moves the positions)."
             )
-        return logits.float().softmax(dim=-1)
+        return logits
 
     def _confirm_padding_unread(self) -> None:
         """A one-line error where padding the first example on the right moves its output:
@@ -127,7 +128,7 @@ class _Remover:
         target_prob, agree = [], []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = slice(start, start + self.max_batch_size)
-            probs = self._probs(*self._perturb(rows[chunk], remove[chunk]))
+            probs = class_probabilities(self._logits(*self._perturb(rows[chunk], remove[chunk])))
             target_prob.append(self.target_probs(probs, self.targets[rows[chunk]]))
             agree.append(probs.argmax(dim=-1) == self.decision[rows[chunk]])
         return torch.cat(target_prob), torch.cat(agree)
@@ -222,9 +223,9 @@ def padding_shift(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor, p
     probabilities ``forward_func`` gives the unpadded ``(1, N)`` ``ids``, and the rounding
     its logits' precision allows."""
     with torch.no_grad():
-        alone = output_logits(forward_func(ids, mask))
-        padded = output_logits(forward_func(*with_padding_column(ids, mask, pad_id, side)))
-    moved = float((alone.float().softmax(dim=-1) - padded.float().softmax(dim=-1)).abs().max())
+        alone = output_logits(forward_func(ids, mask), len(ids))
+        padded = output_logits(forward_func(*with_padding_column(ids, mask, pad_id, side)), len(ids))
+    moved = float((class_probabilities(alone) - class_probabilities(padded)).abs().max())
     return moved, max(1e-4, 8 * torch.finfo(alone.dtype).eps)
 
 

@@ -39,7 +39,7 @@ from .display import special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
     check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit,
-    Text, method_names, noted, prompt_span, refined_method, registered_method, removable_segments,
+    Text, check_probabilities, class_outputs, method_names, noted, prompt_span, refined_method, registered_method, removable_segments,
     report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .summary import merge, summarise, summary_markdown
@@ -137,6 +137,7 @@ def evaluate(
     hears of them (all processes' batches) before the work starts. See :func:`merge`."""
     options = options or Options()
     check_request(methods, metrics, examples)
+    check_probabilities(model)
     separator = types_separator(tokenizer, [e.inputs for e in examples])
     explainers = _explainers(model, tokenizer, methods, options, separator)
     return _sharded(
@@ -383,8 +384,8 @@ def _evaluate_batch(
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     forward = classifier_forward(model, separator)
     with torch.no_grad():
-        probabilities = forward(ids, mask).float().softmax(dim=-1)
-    predicted = probabilities.argmax(dim=-1)
+        logits = forward(ids, mask)
+    probabilities, predicted = class_outputs(model.config, logits), logits.argmax(dim=-1)
     rationale = None
     if any(METRIC_REGISTRY[m].needs_rationale for m in metrics):
         rationale = _rationale_tokens(encoded, batch).to(device)

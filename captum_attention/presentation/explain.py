@@ -56,7 +56,11 @@ class SentenceExplanation:
     """What one sentence's report shows.
 
     Attributes:
-        probabilities: the model's probability of each class label.
+        probabilities: the model's probability of each class label, as transformers'
+            text-classification pipeline gives it (:func:`class_outputs`): a regression
+            model's scores themselves.
+        output: how ``probability`` and ``probabilities`` read: ``"p"``, or ``"score"`` for
+            a regression model's.
         cut_from: the sentence's token count when it was cut to the model's length limit
             (``len(tokens)``), else None.
         all_unknown: whether every word became the tokenizer's unknown token (an
@@ -79,6 +83,7 @@ class SentenceExplanation:
     all_unknown: bool = False
     notes: dict[str, str] = field(default_factory=dict)
     text_pair: str | None = None
+    output: str = "p"
 
     @property
     def shown_text(self) -> str:
@@ -415,6 +420,39 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: Text, separator: i
     )
 
 
+def class_outputs(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``(B, C)`` float32: the classifier's outputs as transformers' text-classification
+    pipeline gives them: a regression model's logits themselves, a sigmoid per label for a
+    multi-label model or one with one logit, else the softmax over the classes."""
+    logits = logits.float()
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression":
+        return logits
+    if problem == "multi_label_classification" or logits.shape[-1] == 1:
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+def check_probabilities(model: Any) -> None:
+    """A one-line error for a classifier whose outputs the metrics cannot read as the
+    explained class's probability: a regression model's scores, a multi-label model's
+    labels (each its own sigmoid; the metrics' softmax would mix them)."""
+    problem = getattr(model.config, "problem_type", None)
+    says = {
+        "regression": "a regression model's scores are no probabilities: explain it with explain",
+        "multi_label_classification": (
+            "a multi-label model's labels each have their own sigmoid, which a softmax over the labels would mix: explain "
+            "it with explain, or score one label with the Python metrics of a forward that returns its logit alone "
+            "(read as its sigmoid)"
+        ),
+    }
+    if problem in says:
+        raise ValueError(
+            f"the metrics compare the explained class's probability, and {type(model).__name__} is configured with "
+            f"problem_type {problem!r}: {says[problem]}"
+        )
+
+
 def classifier_forward(model: Any, separator: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``forward(ids, mask)``: the classifier's logits, its inputs passed by name; given
     the ``separator`` of text pairs (:func:`types_separator`), their token types too
@@ -538,8 +576,9 @@ def _explain_batch(
     full_lengths = [len(ids) for ids in tokenizer(list(sentences), truncation=False)["input_ids"]]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():
-        probabilities = classifier_forward(model, separator)(ids, mask).float().softmax(dim=-1)
-    predicted = probabilities.argmax(dim=-1)
+        logits = classifier_forward(model, separator)(ids, mask)
+    probabilities = class_outputs(model.config, logits)
+    predicted = logits.argmax(dim=-1)
     targets = predicted if target is None else torch.full_like(predicted, target)
     id2label = model.config.id2label
     results = []
@@ -560,6 +599,7 @@ def _explain_batch(
                 probabilities={id2label[c]: float(p) for c, p in enumerate(probabilities[row].tolist())},
                 cut_from=full_lengths[row] if full_lengths[row] > length else None,
                 all_unknown=_all_unknown(row_ids, tokenizer),
+                output="score" if getattr(model.config, "problem_type", None) == "regression" else "p",
             )
         )
     baseline = ig_baseline(ids, tokenizer)

@@ -110,7 +110,7 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         parts.append(f'<h2 class="sentence"><bdi>{escape(_heading(sentence.shown_text))}</bdi></h2>')
         probabilities = ", ".join(f"<bdi>{escape(label)}</bdi> {p:.3f}" for label, p in sentence.probabilities.items())
         parts.append(
-            f"<p>Prediction: <b><bdi>{escape(sentence.label)}</bdi></b> (p = {sentence.probability:.3f}; "
+            f"<p>Prediction: <b><bdi>{escape(sentence.label)}</bdi></b> ({sentence.output} = {sentence.probability:.3f}; "
             f"{probabilities}); explaining <b><bdi>{escape(sentence.target_label)}</bdi></b>.</p>"
         )
         if sentence.all_unknown:

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..capture.inputs import class_probabilities
+
 
 def shap_token_values(
     forward_func: Callable[[Tensor, Tensor], Tensor],
@@ -49,7 +51,7 @@ def shap_token_values(
     def probabilities(strings: Sequence[str]) -> np.ndarray:
         encoded = tokenizer(list(strings), padding=True, padding_side=padding_side, return_tensors="pt")
         with torch.no_grad():
-            return forward_func(encoded["input_ids"], encoded["attention_mask"]).softmax(-1).float().numpy()
+            return class_probabilities(forward_func(encoded["input_ids"], encoded["attention_mask"])).numpy()
 
     encoded = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt")
     explainer = shap.Explainer(probabilities, shap.maskers.Text(tokenizer), algorithm="partition")

@@ -62,7 +62,7 @@ def _sentence_header(sentence: SentenceExplanation) -> list[str]:
     probabilities = ", ".join(f"{terminal_safe(label)} {p:.3f}" for label, p in sentence.probabilities.items())
     lines = [
         terminal_safe(sentence.shown_text),
-        f"  prediction: {terminal_safe(sentence.label)} (p={sentence.probability:.3f}; {probabilities}); "
+        f"  prediction: {terminal_safe(sentence.label)} ({sentence.output}={sentence.probability:.3f}; {probabilities}); "
         f"explaining: {terminal_safe(sentence.target_label)}",
     ]
     if sentence.all_unknown:
