@@ -366,9 +366,10 @@ def answer_estimates(
 
 
 def types_separator(tokenizer: Any, texts: Sequence[Text]) -> int | None:
-    """The separator token after which :func:`~captum_attention.metrics.pair_token_types` gives a pair's second text
-    token type 1: the tokenizer's, where ``texts`` hold a pair and the tokenizer gives
-    token type ids (BERT's; RoBERTa's gives none); else None, no token types."""
+    """The separator token after which
+    :func:`~captum_attention.metrics.pair_token_types` gives a pair's second text token
+    type 1: the tokenizer's, where ``texts`` hold a pair and the tokenizer gives token type
+    ids (BERT's; RoBERTa's gives none); else None, no token types."""
     if not any(isinstance(text, tuple) for text in texts) or "token_type_ids" not in tokenizer.model_input_names:
         return None
     if tokenizer.sep_token_id is None:
@@ -382,8 +383,8 @@ def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separat
     """``tokenizer(texts)`` as tensors, padded on the side where the model reads each text
     as it reads it alone (:func:`classifier_padding_side`), whatever side the tokenizer pads
     by default; given the ``separator`` of the run's text pairs (:func:`types_separator`),
-    a one-line error where the tokenizer's token types are not :func:`~captum_attention.metrics.pair_token_types` of
-    the ids."""
+    a one-line error where the tokenizer's token types are not
+    :func:`~captum_attention.metrics.pair_token_types` of the ids."""
     side = classifier_padding_side(model, tokenizer, texts[0], separator, **options) if len(texts) > 1 else "right"
     encoded = tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
     if separator is not None:
