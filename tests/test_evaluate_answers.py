@@ -418,5 +418,6 @@ def test_chat_scores_each_rows_message_in_the_chat_template(llm, tmp_path, capsy
     assert main(["evaluate", str(spaced), "--model", str(folder), "--chat", "--output", str(tmp_path / "trim")]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "line 1: the chat template changes the prompt's text" in error
+    assert "pass --skip-malformed to skip them" in error
     assert main(["evaluate", str(spaced), "--chat", "--output", str(tmp_path / "classifier")]) == 1
     assert "--chat is for a language model's prompts" in capsys.readouterr().err

@@ -520,15 +520,17 @@ def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None
 def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
     """The rows whose prompt and answer the model takes (:func:`_kept_rows`), each prompt
     read with one BOS (:func:`_with_one_bos`), in the chat template with ``--chat``
-    (:func:`_in_chat_template`)."""
-    examples = [_with_one_bos(example, tokenizer) for example in examples]
-    if arguments.chat:
-        examples = [_in_chat_template(example, tokenizer) for example in examples]
-    checked = [
-        (example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer"))
-        for example in examples
-    ]
-    return _kept_rows(checked, arguments, "no row the model takes whole")
+    (:func:`_in_chat_template`: a row whose message the template changes is refused too)."""
+
+    def checked(example: Any) -> tuple[Any, str | None]:
+        example = _with_one_bos(example, tokenizer)
+        if arguments.chat:
+            example, changed = _in_chat_template(example, tokenizer)
+            if changed is not None:
+                return example, changed
+        return example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer")
+
+    return _kept_rows([checked(example) for example in examples], arguments, "no row the model takes whole")
 
 
 def _with_one_bos(example: Any, tokenizer: Any) -> Any:
@@ -555,11 +557,12 @@ _MESSAGE = "\ue000"
 row's prompt goes."""
 
 
-def _in_chat_template(example: Any, tokenizer: Any) -> Any:
+def _in_chat_template(example: Any, tokenizer: Any) -> tuple[Any, str | None]:
     """The answer row with its prompt as the user's message in the tokenizer's chat
     template (:func:`~captum_attention.presentation.answer.chat_prompt`), the message's
     characters marked (the template around them is never removed; the segments make up
-    the message); a template that changes the message's text is refused."""
+    the message), and None; where the template changes the message's text, the row as it
+    is and what is wrong."""
     import dataclasses
 
     from .answer import chat_prompt
@@ -567,11 +570,11 @@ def _in_chat_template(example: Any, tokenizer: Any) -> Any:
     before, marked, after = chat_prompt(tokenizer, _MESSAGE).partition(_MESSAGE)
     templated = chat_prompt(tokenizer, example.text)
     if not marked or templated != before + example.text + after:
-        raise ValueError(
-            f"line {example.line}: the chat template changes the prompt's text (it trims or rewrites it), so its segments "
-            "and removals cannot be placed in it: put the prompts in the template in the file, without --chat"
+        return example, (
+            "the chat template changes the prompt's text (it trims or rewrites it), so its segments and removals cannot be "
+            "placed in it; put the prompt in the template in the file, without --chat"
         )
-    return dataclasses.replace(example, text=templated, message=(len(before), len(before) + len(example.text)))
+    return dataclasses.replace(example, text=templated, message=(len(before), len(before) + len(example.text))), None
 
 
 def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:
