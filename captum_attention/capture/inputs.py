@@ -141,7 +141,7 @@ def class_probabilities(logits: Tensor) -> Tensor:
     """``(B, C)`` float32 class probabilities of ``(B, C)`` logits: their softmax; for one
     logit per example (a binary classifier or a reward model with one output, whose softmax
     is always 1) its sigmoid, as transformers' pipelines read one logit, beside its
-    complement: ``[σ(z), 1 − σ(z)]``, the logit's own class 0 as its target is."""
+    complement, ``[σ(z), 1 − σ(z)]``: the logit's own class first, at index 0, its target."""
     logits = logits.float()
     if logits.shape[-1] == 1:
         own = logits.sigmoid()

@@ -37,10 +37,10 @@ from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import special_tokens
 from .explain import (
-    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, answer_estimates, check_methods,
-    check_names, classifier_forward, classifier_inputs, classifier_padding_side, ig_baseline, in_half_contexts, length_limit,
-    Text, check_probabilities, class_outputs, method_names, noted, prompt_span, refined_method, registered_method, removable_segments,
-    report_methods, saved_head_weights, span_presence, types_separator,
+    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, Text, answer_estimates, check_methods,
+    check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs, classifier_padding_side,
+    ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method, registered_method,
+    removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .summary import merge, summarise, summary_markdown
 
@@ -288,7 +288,9 @@ def _shard(folder: Path, batch: int) -> Path:
 Explainer = Callable[[Tensor, Tensor, Tensor, list[Text]], Tensor]
 
 
-def _explainers(model: Any, tokenizer: Any, names: Sequence[str], options: Options, separator: int | None = None) -> dict[str, Explainer]:
+def _explainers(
+    model: Any, tokenizer: Any, names: Sequence[str], options: Options, separator: int | None = None
+) -> dict[str, Explainer]:
     """Method name -> ``explain(ids, mask, targets, texts) -> (batch, seq_len)`` scores, of
     :func:`~captum_attention.presentation.explain.classifier_forward` with the text pairs'
     ``separator``."""
@@ -331,7 +333,8 @@ def _smoothgrad(model: Any, samples: int, separator: int | None = None) -> Expla
     summed over the hidden dimension; each example alone, unpadded, with σ = 0.1 · its
     embeddings' standard deviation and noise from its own seed (:func:`example_seeds`):
     the same scores in any batch, under any padding and in any process. Given the text
-    pairs' ``separator``, their token types as :func:`~captum_attention.metrics.pair_token_types` reads them."""
+    pairs' ``separator``, their token types as
+    :func:`~captum_attention.metrics.pair_token_types` reads them."""
     from captum.attr import NoiseTunnel, Saliency
 
     def forward(embeddings: Tensor, mask: Tensor, types: Tensor | None) -> Tensor:
