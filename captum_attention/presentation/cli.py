@@ -522,10 +522,12 @@ def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments
     read with one BOS (:func:`_with_one_bos`), in the chat template with ``--chat``
     (:func:`_in_chat_template`: a row whose message the template changes is refused too)."""
 
+    template = _chat_template_around(tokenizer) if arguments.chat else None
+
     def checked(example: Any) -> tuple[Any, str | None]:
         example = _with_one_bos(example, tokenizer)
-        if arguments.chat:
-            example, changed = _in_chat_template(example, tokenizer)
+        if template is not None:
+            example, changed = _in_chat_template(example, tokenizer, template)
             if changed is not None:
                 return example, changed
         return example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer")
@@ -557,19 +559,29 @@ _MESSAGE = "\ue000"
 row's prompt goes."""
 
 
-def _in_chat_template(example: Any, tokenizer: Any) -> tuple[Any, str | None]:
+def _chat_template_around(tokenizer: Any) -> tuple[str, str]:
+    """The text the tokenizer's chat template puts before and after a user's message
+    (:func:`~captum_attention.presentation.answer.chat_prompt`), or ``("", "")`` where it
+    does not hold the message as given."""
+    from .answer import chat_prompt
+
+    before, marked, after = chat_prompt(tokenizer, _MESSAGE).partition(_MESSAGE)
+    return (before, after) if marked else ("", "")
+
+
+def _in_chat_template(example: Any, tokenizer: Any, around: tuple[str, str]) -> tuple[Any, str | None]:
     """The answer row with its prompt as the user's message in the tokenizer's chat
-    template (:func:`~captum_attention.presentation.answer.chat_prompt`), the message's
-    characters marked (the template around them is never removed; the segments make up
-    the message), and None; where the template changes the message's text, the row as it
-    is and what is wrong."""
+    template, which puts ``around`` (:func:`_chat_template_around`) before and after it,
+    the message's characters marked (the template around them is never removed; the
+    segments make up the message), and None; where the template changes the message's
+    text, the row as it is and what is wrong."""
     import dataclasses
 
     from .answer import chat_prompt
 
-    before, marked, after = chat_prompt(tokenizer, _MESSAGE).partition(_MESSAGE)
+    before, after = around
     templated = chat_prompt(tokenizer, example.text)
-    if not marked or templated != before + example.text + after:
+    if templated != before + example.text + after:
         return example, (
             "the chat template changes the prompt's text (it trims or rewrites it), so its segments and removals cannot be "
             "placed in it; put the prompt in the template in the file, without --chat"

@@ -12,6 +12,7 @@ from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
+from ..capture.inputs import class_probabilities
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift, pair_token_types
@@ -425,13 +426,12 @@ def class_outputs(config: Any, logits: torch.Tensor) -> torch.Tensor:
     """``(B, C)`` float32: the classifier's outputs as transformers' text-classification
     pipeline gives them: a regression model's logits themselves, a sigmoid per label for a
     multi-label model or one with one logit, else the softmax over the classes."""
-    logits = logits.float()
     problem = getattr(config, "problem_type", None)
     if problem == "regression":
-        return logits
-    if problem == "multi_label_classification" or logits.shape[-1] == 1:
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
+        return logits.float()
+    if problem == "multi_label_classification":
+        return logits.float().sigmoid()
+    return class_probabilities(logits)[:, : logits.shape[-1]]  # one logit: its sigmoid alone
 
 
 def check_probabilities(model: Any) -> None:
