@@ -145,3 +145,21 @@ def test_a_bidirectional_model_with_logits_at_every_position_explains_the_positi
     )
     expected = reference_grad_sam(reference_attention(model, batch, TARGET, queries), batch.lengths)
     assert_scores_close(scores, expected)
+
+
+def test_attention_erasure_metrics_read_the_decision_at_the_position_asked_for():
+    from captum_attention.metrics import attention_erasure, decision_flip_fraction
+
+    model = _per_position_model("masked_lm")
+    batch = make_batch(model)
+    args, query, ranking = (batch.attention_mask,), 2, torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    result = decision_flip_fraction(model, batch.input_ids, ranking, args, query_index=query)
+    at_query = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits[:, query]  # noqa: E731
+    expected = decision_flip_fraction(at_query, batch.input_ids, ranking, args, model=model, query_index=query)
+    assert result.flipped.any()
+    torch.testing.assert_close(result.removed, expected.removed)
+    torch.testing.assert_close(result.attention_mass_removed, expected.attention_mass_removed, equal_nan=True)
+    erased = ranking > 0.5
+    erasure = attention_erasure(model, batch.input_ids, erased, args, query_index=query)
+    torch.testing.assert_close(erasure.erased, attention_erasure(at_query, batch.input_ids, erased, args, model=model).erased)
+    assert (erasure.js_divergence > 0).all()

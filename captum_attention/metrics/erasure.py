@@ -13,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
-from ..capture.inputs import query_positions
 from ..capture.probes import RunKernel
 from ..capture.runner import resolve_model
 from ..maps import erase_keys, on_heads, streaming
@@ -98,6 +97,7 @@ def attention_erasure(
     model: nn.Module | None = None,
     layers: int | list[int] | None = None,
     heads: Sequence[int] | None = None,
+    query_index: int | None = None,
     adapter: AttentionAdapter | None = None,
     capture: CaptureMode = "auto",
 ) -> ErasureResult:
@@ -118,6 +118,9 @@ def attention_erasure(
         layers (int or list of int, optional): attention layers to erase at (negative
             counts from the end). Default: None, all layers.
         heads (sequence of int, optional): heads to erase at. Default: None, all heads.
+        query_index (int, optional): the position whose output is compared (a masked
+            LM's or a token classifier's token; a decoder's prefix). Default: None, the
+            first real token (a decoder's last).
         adapter (AttentionAdapter, optional): how to find the attention.
         capture (str, optional): ``"streaming"`` erases through the model's own kernel
             (the erased keys get a score of -inf, block by block: no ``(heads, N, N)``
@@ -134,13 +137,17 @@ def attention_erasure(
         >>> attention_erasure(model, ids, erased, (mask,)).flipped.float().mean()
     """
     model = resolve_model(forward_func, model)
-    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
+    original = run_model(
+        forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture, query_index=query_index
+    )
     original_probs = original.explained_probs()
     _check_keys(erased_keys, original.input_real, "erased_keys")
     chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
-    erased = run_model(forward_func, model, inputs, additional_forward_args, [erasure], adapter, capture).explained_probs()
+    erased = run_model(
+        forward_func, model, inputs, additional_forward_args, [erasure], adapter, capture, query_index=query_index
+    ).explained_probs()
     return ErasureResult(
         js_divergence=js_divergence(original_probs, erased),
         flipped=original_probs.argmax(dim=-1) != erased.argmax(dim=-1),
@@ -186,8 +193,10 @@ def decision_flip_fraction(
         heads (sequence of int, optional): heads to erase at. Default: all.
         keep (Tensor, optional): ``(batch, seq_len)`` bool, positions never erased (e.g.
             special tokens). Default: None.
-        query_index (int, optional): query row for ``attention_mass_removed``. Default:
-            None, the explained position (first real token; a decoder's last).
+        query_index (int, optional): the explained position: the decision read there (a
+            masked LM's or a token classifier's token; a decoder's prefix) and its query
+            row for ``attention_mass_removed``. Default: None, the first real token (a
+            decoder's last).
         max_batch_size (int, optional): rows per forward. Default: 64.
         adapter (AttentionAdapter, optional): how to find the attention.
         capture (str, optional): as for :func:`attention_erasure`. Default: ``"auto"``.
@@ -198,20 +207,23 @@ def decision_flip_fraction(
     model = resolve_model(forward_func, model)
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-    original = run_model(forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture)
+    original = run_model(
+        forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture, query_index=query_index
+    )
     _check_keys(ranking, original.input_real, "ranking")
     check_rankable(ranking, original.input_real, "ranking")
     if keep is not None:
         _check_keys(keep, original.input_real, "keep")
     chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
-    explained = original if query_index is None else original.at_query(query_positions(query_index, original.target_real))
     plan = _plan_prefixes(ranking, original.input_real, keep)
 
     def erased_output(rows: Tensor, erased: Tensor) -> Tensor:
         chunk_inputs, chunk_args = select_rows(inputs, additional_forward_args, rows)
         erasure = _KeyErasure(erased, chosen, heads, original)
-        return run_model(forward_func, model, chunk_inputs, chunk_args, [erasure], adapter, capture).explained_probs()
+        return run_model(
+            forward_func, model, chunk_inputs, chunk_args, [erasure], adapter, capture, query_index=query_index
+        ).explained_probs()
 
     decision = original.explained_probs().argmax(dim=-1).cpu()
     flips = _evaluate_prefixes(plan, decision, erased_output, max_batch_size)
@@ -222,7 +234,7 @@ def decision_flip_fraction(
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
     fraction = torch.where(flipped, removed / original.input_real.sum(1).cpu(), torch.nan)
-    mass = _attention_mass(explained, chosen, plan.ranks < removed[:, None])
+    mass = _attention_mass(original, chosen, plan.ranks < removed[:, None])
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)
 
 
