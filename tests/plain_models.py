@@ -1,5 +1,5 @@
-"""Hand-written attention models: nn.MultiheadAttention, a textbook Head/MultiHeadAttention, and
-attention pooling (an RNN's additive attention, a transformer's learned-query readout)."""
+"""Hand-written attention models: nn.MultiheadAttention, a textbook Head/MultiHeadAttention, a
+module calling F.scaled_dot_product_attention, and attention pooling (an RNN's additive attention, a transformer's learned-query readout)."""
 
 from __future__ import annotations
 
@@ -125,6 +125,53 @@ class TextbookClassifier(nn.Module):
                 head.saved = None
 
 
+class SdpaAttention(nn.Module):
+    """Multi-head attention through ``F.scaled_dot_product_attention``, as timm's, DINOv2's
+    and nanoGPT's modules are written: 4 query heads over 2 key-value heads
+    (``enable_gqa``), the padding masked by a boolean mask. ``saved`` (the test's
+    reference only) runs the same attention written out, keeping its probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key_value, self.proj = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.saved: list[torch.Tensor] | None = None
+        self.dropout = 0.0  # passed in eval mode too, as some hand-written modules do (tests set it)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        head_dim = DIM // HEADS
+        q = self.query(x).view(batch, seq_len, HEADS, head_dim).transpose(1, 2)
+        k, v = self.key_value(x).view(batch, seq_len, 2, HEADS // 2, head_dim).permute(2, 0, 3, 1, 4)
+        mask = (attention_mask != 0)[:, None, None, :]
+        if self.saved is None:
+            mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout, enable_gqa=True)
+        else:
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+            probs = (q @ k.transpose(-2, -1) / math.sqrt(head_dim)).masked_fill(~mask, float("-inf")).softmax(-1)
+            self.saved.append(probs)
+            mixed = probs @ v
+        return self.proj(mixed.transpose(1, 2).reshape(batch, seq_len, DIM))
+
+
+class SdpaClassifier(TextbookClassifier):
+    """The textbook classifier with :class:`SdpaAttention` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SdpaAttention() for _ in range(LAYERS))
+
+    def reference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Logits and, per block, its ``(B, H, T, T)`` probabilities, written out."""
+        for block in self.blocks:
+            block.saved = []
+        try:
+            logits = self(input_ids, attention_mask)
+            return logits, [[block.saved[0]] for block in self.blocks]
+        finally:
+            for block in self.blocks:
+                block.saved = None
+
+
 class AdditiveAttention(nn.Module):
     """Bahdanau-style additive attention pooling: score_t = v·tanh(W h_t); returns the
     context vector and the ``(B, 1, T)`` weights (one query, which is not a token)."""
@@ -221,6 +268,7 @@ def make_plain(kind: str, seed: int = 0) -> nn.Module:
         "mha": MHAClassifier,
         "mha_seq_first": lambda: MHAClassifier(batch_first=False),
         "textbook": TextbookClassifier,
+        "sdpa": SdpaClassifier,
         "rnn": RNNClassifier,
         "pooled_textbook": PooledTextbookClassifier,
     }

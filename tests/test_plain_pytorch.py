@@ -1,4 +1,5 @@
-"""Plain PyTorch attention: nn.MultiheadAttention and a user's textbook module via ModuleAdapter."""
+"""Plain PyTorch attention: nn.MultiheadAttention, and a user's textbook module or one calling
+F.scaled_dot_product_attention via ModuleAdapter."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from conftest import assert_same_state, assert_scores_close, make_batch, model_state
 from plain_models import PatchClassifier, make_plain
 from methods import MAP_METHODS as METHODS
@@ -14,10 +16,10 @@ from captum_attention import AttnLRP, GradSAM, KnockoutLRP, TransformerAttributi
 from captum_attention.capture import AttentionNotFoundError, ModuleAdapter, MultiheadAttentionAdapter
 from captum_attention.metrics import attention_erasure, attention_permutation
 
-KINDS = ("mha", "mha_seq_first", "textbook")
+KINDS = ("mha", "mha_seq_first", "textbook", "sdpa")
 TARGET = 1
 def adapter_for(model):
-    if hasattr(model.blocks[0], "heads"):  # the textbook module: name it, probabilities from its softmaxes
+    if not isinstance(model.blocks[0], nn.MultiheadAttention):  # name the module: probabilities from its softmaxes
         return ModuleAdapter(list(model.blocks), probs="softmax", mask_module=model)
     return None  # nn.MultiheadAttention is found on its own
 
@@ -202,3 +204,48 @@ def test_an_image_model_without_a_patch_grid_gets_a_clear_error():
     model = PatchClassifier().eval()
     with pytest.raises(ValueError, match="patch grid.*adapter"):
         GradSAM(model).attribute(torch.randn(1, 3, 12, 16), target=TARGET)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attn_mask": "bool"}, {"attn_mask": "float"}, {"is_causal": True}, {"enable_gqa": True, "scale": 0.3},
+        {"attn_mask": "rows"},  # a query row whose keys are all masked
+    ],
+    ids=["bool-mask", "float-mask", "causal", "gqa-scale", "masked-row"],
+)
+def test_the_explicit_sdpa_equals_the_fused_kernel_in_values_and_gradients(options):
+    """What the capture runs in place of F.scaled_dot_product_attention, its probabilities
+    handed to the capture: the kernel's output and gradients, a fully masked row's zeros too."""
+    import torch.nn.functional as F
+
+    from captum_attention.capture.recorder import _explicit_sdpa
+
+    generator = torch.Generator().manual_seed(0)
+    key_heads = 2 if options.get("enable_gqa") else 4
+    query = torch.randn(2, 4, 5, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, key_heads, 6, 8, generator=generator, requires_grad=True) for _ in range(2))
+    masks = {
+        "bool": torch.rand(2, 1, 5, 6, generator=generator) > 0.3,
+        "float": torch.randn(2, 4, 5, 6, generator=generator),
+        "rows": torch.ones(2, 1, 5, 6, dtype=torch.bool).index_fill(2, torch.tensor([3]), False),
+    }
+    kwargs = {**options, "attn_mask": masks[options["attn_mask"]]} if "attn_mask" in options else dict(options)
+    recorded = []
+    explicit = _explicit_sdpa(lambda probs, scores: recorded.append(probs) or probs, torch.matmul, query, key, value, **kwargs)
+    fused = F.scaled_dot_product_attention(query, key, value, **kwargs)
+    torch.testing.assert_close(explicit, fused, atol=1e-6, rtol=1e-5)
+    weights = torch.randn(fused.shape, generator=generator)
+    explicit_grads = torch.autograd.grad((explicit * weights).sum(), (query, key, value))
+    fused_grads = torch.autograd.grad((fused * weights).sum(), (query, key, value))
+    for ours, theirs in zip(explicit_grads, fused_grads):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert recorded[0].shape == (2, 4, 5, 6) and torch.isfinite(recorded[0]).all()
+
+
+def test_a_module_calling_sdpa_with_dropout_is_refused_in_one_line():
+    model = make_plain("sdpa")
+    batch = make_batch(model)
+    model.blocks[1].dropout = 0.1
+    with pytest.raises(UnsupportedModelError, match=r"dropout_p=0\.1: its output is random; call model\.eval\(\)"):
+        GradSAM(model, adapter=adapter_for(model)).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))

@@ -389,7 +389,7 @@ class AttentionCapture(ModelChanges):
         elif not call.pieces:
             raise RuntimeError(
                 f"{type(module).__name__} computed no softmax, so there are no attention "
-                "probabilities to record: name the module that calls the softmax."
+                "probabilities to record: name the module that calls the softmax (or F.scaled_dot_product_attention)."
             )
         info = self._call_info(call)
         for probe in self._listening("call_end"):
@@ -459,7 +459,9 @@ class _SoftmaxInterception(ScopedFunctionMode):
     model's own masking, scaling and value weighting exact for any eager implementation.
     ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) dispatches as a whole,
     which would hide its softmax, so it runs as a private copy of the same function whose
-    softmax is visible (nothing global is patched).
+    softmax is visible (nothing global is patched). A fused
+    ``F.scaled_dot_product_attention`` inside an attention module's call hides it too: it
+    runs as the computation PyTorch documents for it (:func:`_explicit_sdpa`).
     """
 
     def __init__(self, capture: AttentionCapture) -> None:
@@ -470,22 +472,64 @@ class _SoftmaxInterception(ScopedFunctionMode):
         def softmax(*args: Any, **kwargs: Any) -> Tensor:
             return capture._on_softmax(F.softmax(*args, **kwargs), args[0] if args else kwargs.get("input"))
 
-        def bmm(left: Tensor, right: Tensor) -> Tensor:
-            if self.products:
-                capture._on_product(left, right)
-            return torch.bmm(left, right)
+        def product(matmul: Any) -> Any:
+            def reported(left: Tensor, right: Tensor) -> Tensor:
+                if self.products:
+                    capture._on_product(left, right)
+                return matmul(left, right)
 
-        self._mha_forward = mha_forward_with_softmax(softmax, bmm)
+            return reported
+
+        self._mha_forward = mha_forward_with_softmax(softmax, product(torch.bmm))
+        self._sdpa = partial(_explicit_sdpa, capture._on_softmax, product(torch.matmul))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.multi_head_attention_forward:
             return self._mha_forward(*args, **(kwargs or {}))
+        if func is F.scaled_dot_product_attention and self.capture._open:
+            return self._sdpa(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
         if func in _PRODUCTS and self.products and len(args) == 2:
             self.capture._on_product(*args)
         if func not in _SOFTMAXES:
             return result
         return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
+
+
+def _explicit_sdpa(
+    record: Any,
+    product: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` as PyTorch documents it, its probabilities
+    handed to ``record(probs, scores)`` (which returns the tensor that weights the values)
+    and its two matrix products computed by ``product``; a row whose keys are all masked
+    weights no value, as the fused kernel's (PyTorch's reference gives NaN there)."""
+    if dropout_p:
+        raise UnsupportedModelError(
+            f"an attention module calls F.scaled_dot_product_attention with dropout_p={dropout_p}: its output is random; "
+            "call model.eval() (and pass dropout_p only in training)."
+        )
+    if is_causal and attn_mask is not None:
+        raise ValueError("F.scaled_dot_product_attention takes attn_mask or is_causal=True, not both.")
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    scores = product(query, key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    live = scores.amax(dim=-1, keepdim=True) > float("-inf")
+    probs = torch.where(live, F.softmax(scores.masked_fill(~live, 0.0), dim=-1), 0.0)  # no NaN, nor its gradient
+    return product(record(probs, scores), value)
 
 
 def _no_gradient(model: nn.Module) -> UnsupportedModelError:

@@ -35,5 +35,6 @@ def default_adapter(model: nn.Module) -> AttentionAdapter:
         f"{type(model).__name__} is neither a Hugging Face model nor has nn.MultiheadAttention "
         "modules, so its attention cannot be found automatically. Pass "
         "adapter=ModuleAdapter([...your attention modules...], probs=...) (probs='softmax' "
-        "for modules that call F.softmax inline), or implement the AttentionAdapter protocol."
+        "for modules that call F.softmax or F.scaled_dot_product_attention inside), or implement the "
+        "AttentionAdapter protocol."
     )

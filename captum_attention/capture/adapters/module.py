@@ -16,10 +16,15 @@ class ModuleAdapter(AdapterBase):
     modules whose calls compute the attention, in forward order, and say where the
     post-softmax probabilities are: a function of each call's output, or
     ``probs="softmax"`` for modules that compute them inline with ``F.softmax`` /
-    ``torch.softmax`` / ``Tensor.softmax`` and do not return them. With ``"softmax"``,
-    each softmax inside one call of a named module is recorded (the very tensor the
-    module goes on to use) and several softmaxes in one call are stacked as heads, so a
-    textbook ``MultiHeadAttention`` made of one ``Head`` module per head is named once.
+    ``torch.softmax`` / ``Tensor.softmax``, or call ``F.scaled_dot_product_attention``,
+    and do not return them. With ``"softmax"``, each softmax inside one call of a named
+    module is recorded (the very tensor the module goes on to use) and several softmaxes
+    in one call are stacked as heads, so a textbook ``MultiHeadAttention`` made of one
+    ``Head`` module per head is named once. A call of the fused
+    ``F.scaled_dot_product_attention`` (timm's, DINOv2's, nanoGPT's modules) runs for the
+    capture as the computation PyTorch documents for it, its masks, causal mask, scale and
+    grouped-query heads included, and its softmax is recorded so (a module passing it a
+    ``dropout_p`` is refused: call ``model.eval()``).
 
     Args:
         modules (sequence of nn.Module): the attention modules, in forward order. A module
