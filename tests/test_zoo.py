@@ -82,6 +82,16 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
+@pytest.mark.parametrize("head, model_type", [("causal LM", "qwen3_next"), ("sequence classification", "jamba")])
+def test_a_hybrid_with_linear_attention_is_built_with_an_attention_layer(head, model_type):
+    """Qwen3-Next's and Jamba's first tiny layers would hold no attention (the model then
+    fails): the sweep builds one of linear attention, then one of attention, where the
+    methods that read the attention are exact and those that roll the layers out refuse."""
+    found = outcomes(_architecture(head, model_type), list(METHODS))
+    assert {found[m].status for m in ("grad_sam", "raw", "attn_lrp")} == {"exact"}, found
+    assert found["rollout"].status == "refused" and "mixes tokens outside them" in found["rollout"].detail, found
+
+
 def test_knockout_lrp_takes_attn_lrps_relevance_where_a_norm_module_returns_its_scale_alone():
     """HY-V4's hyper-connections multiply by the scale their norm module returns: a constant
     under AttnLRP's rules, also under the switch with which KnockoutLRP turns them off for

@@ -146,6 +146,10 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     layers = inspect.signature(config_class.__init__).parameters.get("vision_feature_layer")
     if layers is not None and isinstance(layers.default, (list, tuple)):  # VipLLaVA's several layers, in the tiny tower
         kwargs["vision_feature_layer"] = [-2, -1]
+    if "layer_types" in accepted and (hybrid := _tiny_layer_types(config_class)) is not None:
+        kwargs["layer_types"] = hybrid
+    if "attn_layer_period" in accepted:  # Jamba: attention every 8th layer from the 5th; the tiny model's second
+        kwargs.update(attn_layer_period=2, attn_layer_offset=1)
     if "cross_attention_layers" in accepted:  # Mllama's text model: its last tiny layer cross-attends
         kwargs["cross_attention_layers"] = [TINY["num_hidden_layers"] - 1]
     if "intermediate_layers_indices" in accepted:  # Mllama's tower: one intermediate layer of the tiny ones, beside its last
@@ -155,6 +159,26 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
         kwargs.update({flag: True for flag in ("is_decoder", "causal") if flag in accepted})
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+SOFTMAX_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+"""The layer types of hybrid models whose calls are softmax attention."""
+
+
+def _tiny_layer_types(config_class: type) -> list[str] | None:
+    """The two tiny layers of a hybrid (Qwen3-Next, Qwen3.5, Kimi-Linear, Bailing, LFM3)
+    whose two layers of its own pattern would hold none of its attention (linear
+    attention or convolutions alone): one of its first kind, then one of its attention;
+    None for any other model."""
+    try:
+        tiny = getattr(config_class(num_hidden_layers=TINY["num_hidden_layers"]), "layer_types", None)
+        default = getattr(config_class(), "layer_types", None)
+    except Exception:  # noqa: BLE001 - a config that does not build so is no hybrid of this kind
+        return None
+    if not isinstance(tiny, list) or not isinstance(default, list) or any(kind in SOFTMAX_LAYERS for kind in tiny):
+        return None
+    attention = next((kind for kind in default if kind in SOFTMAX_LAYERS), None)
+    return None if attention is None else [tiny[0], attention]
 
 
 def _tiny_mrope(config_class: type) -> dict[str, Any] | None:
