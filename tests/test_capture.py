@@ -122,6 +122,41 @@ def test_module_adapter_on_a_hand_written_model():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+@pytest.mark.parametrize("capture", ["eager", "streaming"])
+def test_the_tensors_a_forward_keeps_in_the_model_are_put_back(capture):
+    """RecurrentGemma keeps its recurrent and convolution states as module attributes,
+    which a forward in the autograd graph leaves tied to the call's graph (the model then
+    no longer deep-copies); a module that keeps its probabilities adds one. After a call
+    both hold what they held before it, and the model copies."""
+    import copy
+
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.RecurrentGemmaConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=32, block_types=["recurrent", "attention"], attention_window_size=16,
+    )
+    model = tf.RecurrentGemmaForCausalLM(config).eval()
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)  # the states it keeps between calls, as a user's earlier call leaves them
+    attention = model.model.layers[1].temporal_block
+    keeping = attention.forward
+
+    def kept(*args, **kwargs):
+        out = keeping(*args, **kwargs)
+        attention.last_output = out[0] if isinstance(out, tuple) else out
+        return out
+
+    attention.forward = kept
+    before = model_state(model)
+    GradSAM(model, capture=capture).attribute(ids, additional_forward_args=(torch.ones_like(ids),))
+    assert_same_state(before, model_state(model))
+    assert not hasattr(attention, "last_output")
+    copy.deepcopy(model)
+
+
 def test_adapters_keep_no_state_between_calls():
     from captum_attention.capture import HuggingFaceAdapter
 

@@ -150,6 +150,8 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["layer_types"] = hybrid
     if "attn_layer_period" in accepted:  # Jamba: attention every 8th layer from the 5th; the tiny model's second
         kwargs.update(attn_layer_period=2, attn_layer_offset=1)
+    if "block_types" in accepted:  # RecurrentGemma: two recurrent blocks, then attention; the tiny model's second
+        kwargs["block_types"] = ["recurrent", "attention"]
     if "cross_attention_layers" in accepted:  # Mllama's text model: its last tiny layer cross-attends
         kwargs["cross_attention_layers"] = [TINY["num_hidden_layers"] - 1]
     if "intermediate_layers_indices" in accepted:  # Mllama's tower: one intermediate layer of the tiny ones, beside its last
