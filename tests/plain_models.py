@@ -136,6 +136,7 @@ class SdpaAttention(nn.Module):
         self.query, self.key_value, self.proj = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
         self.saved: list[torch.Tensor] | None = None
         self.dropout = 0.0  # passed in eval mode too, as some hand-written modules do (tests set it)
+        self.causal = False  # tests set it: a causal decoder's additive float mask, padding included
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -143,11 +144,15 @@ class SdpaAttention(nn.Module):
         q = self.query(x).view(batch, seq_len, HEADS, head_dim).transpose(1, 2)
         k, v = self.key_value(x).view(batch, seq_len, 2, HEADS // 2, head_dim).permute(2, 0, 3, 1, 4)
         mask = (attention_mask != 0)[:, None, None, :]
+        if self.causal:
+            mask = mask & torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).tril()
+            mask = torch.zeros(mask.shape, device=x.device).masked_fill(~mask, float("-inf"))
         if self.saved is None:
             mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout, enable_gqa=True)
         else:
             k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-            probs = (q @ k.transpose(-2, -1) / math.sqrt(head_dim)).masked_fill(~mask, float("-inf")).softmax(-1)
+            scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+            probs = (scores + mask if self.causal else scores.masked_fill(~mask, float("-inf"))).softmax(-1)
             self.saved.append(probs)
             mixed = probs @ v
         return self.proj(mixed.transpose(1, 2).reshape(batch, seq_len, DIM))
@@ -159,6 +164,14 @@ class SdpaClassifier(TextbookClassifier):
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(SdpaAttention() for _ in range(LAYERS))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
+        for block in self.blocks:
+            x = x + block(x, attention_mask)
+        # token 0, or as a causal decoder its last real token (the padding on the right)
+        read = attention_mask.sum(dim=1) - 1 if self.blocks[0].causal else torch.zeros_like(attention_mask[:, 0])
+        return self.classifier(torch.tanh(x[torch.arange(len(x)), read]))
 
     def reference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Logits and, per block, its ``(B, H, T, T)`` probabilities, written out."""

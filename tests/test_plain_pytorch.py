@@ -249,3 +249,38 @@ def test_a_module_calling_sdpa_with_dropout_is_refused_in_one_line():
     model.blocks[1].dropout = 0.1
     with pytest.raises(UnsupportedModelError, match=r"dropout_p=0\.1: its output is random; call model\.eval\(\)"):
         GradSAM(model, adapter=adapter_for(model)).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bool-mask", "causal-float-mask"])
+def test_modules_calling_sdpa_stream_and_equal_the_eager_capture(causal):
+    """The named modules' F.scaled_dot_product_attention runs as the module asked under a
+    streaming capture (``auto`` picks it): every map method, the knockout slope, erasure
+    and decision flips equal the eager capture's; a module with an explicit softmax is
+    refused streaming in one line and runs eager under ``auto``."""
+    from captum_attention import KnockoutGradient, RawAttention
+    from captum_attention.metrics import decision_flip_fraction, random_ranking
+
+    model = make_plain("sdpa")
+    for block in model.blocks:
+        block.causal = causal
+    batch = make_batch(model)
+    args = (batch.attention_mask,)
+    adapter = adapter_for(model)
+    for cls in [*(spec.cls for spec in METHODS.values()), KnockoutGradient]:
+        eager = cls(model, adapter=adapter, capture="eager").attribute(batch.input_ids, target=TARGET, additional_forward_args=args)
+        streamed = cls(model, adapter=adapter)
+        scores = streamed.attribute(batch.input_ids, target=TARGET, additional_forward_args=args)
+        assert streamed.last_capture == "streaming", (cls, streamed.last_capture)
+        assert_scores_close(scores, eager)
+    erased = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3
+    runs = {c: attention_erasure(model, batch.input_ids, erased, args, adapter=adapter, capture=c) for c in ("eager", "streaming")}
+    torch.testing.assert_close(runs["streaming"].erased, runs["eager"].erased, atol=1e-6, rtol=1e-5)
+    ranking = random_ranking(batch.input_ids.shape)
+    flips = {c: decision_flip_fraction(model, batch.input_ids, ranking, args, adapter=adapter, capture=c) for c in ("eager", "streaming")}
+    assert torch.equal(flips["streaming"].removed, flips["eager"].removed)
+    textbook = make_plain("textbook")
+    with pytest.raises(ValueError, match="did not call transformers' sdpa attention function nor F.scaled_dot_product_attention"):
+        RawAttention(textbook, adapter=adapter_for(textbook), capture="streaming").attribute(batch.input_ids, additional_forward_args=args)
+    explainer = RawAttention(textbook, adapter=adapter_for(textbook))
+    explainer.attribute(batch.input_ids, additional_forward_args=args)
+    assert explainer.last_capture.startswith("eager: "), explainer.last_capture

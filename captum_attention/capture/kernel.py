@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import attention_function, register_attention_function, sdpa_call
+from .._compat import StreamingUnsupported, attention_function, register_attention_function, sdpa_call
 from ..maps import streaming
 from ..maps.kernel import KernelCall, block_shape, live_rows
 from .guard import SharedPatch
@@ -93,8 +93,52 @@ def _dispatch(
             return original(module, *used, attention_mask, *positional, **named)[0]
         return original(module, *used, attention_mask, *args, **kwargs)[0]
 
+    return _recorded(recorder, module, call, run, (query, key, value), attention_mask), None
+
+
+def plain_sdpa(
+    recorder: Recorder,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """A call of ``F.scaled_dot_product_attention`` inside the attention ``module`` (one a
+    :class:`~captum_attention.capture.ModuleAdapter` names) through ``recorder``, as
+    :func:`_dispatch` hands on transformers' calls: the kernel runs as the module asked,
+    and its output ``(B, H, Q, D)`` is what the function returns."""
+    if dropout_p:
+        raise StreamingUnsupported(f"{type(module).__name__} calls F.scaled_dot_product_attention with dropout_p={dropout_p}")
+    groups = query.shape[1] // key.shape[1] if enable_gqa else 1
+    if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
+        raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
+    kernel_scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+    call = KernelCall(query.detach(), key.detach(), value.detach(), kernel_scale, attn_mask, bool(is_causal), None, groups)
+
+    def run(used_query: Tensor, used_key: Tensor, used_value: Tensor) -> Tensor:  # (B, Q, H, D), as transformers' return it
+        output = F.scaled_dot_product_attention(
+            used_query, used_key, used_value, attn_mask=attn_mask, is_causal=is_causal, scale=kernel_scale,
+            enable_gqa=enable_gqa,
+        )
+        return output.transpose(1, 2)
+
+    return _recorded(recorder, module, call, run, (query, key, value), attn_mask).transpose(1, 2)
+
+
+def _recorded(
+    recorder: Recorder, module: nn.Module, call: KernelCall, run: Callable[..., Tensor], tensors: tuple[Tensor, Tensor, Tensor],
+    attention_mask: Tensor | None,
+) -> Tensor:
+    """The output of one kernel ``call`` (``run`` on the model's query, key and value
+    ``tensors``) as ``recorder`` has it computed (see :data:`Recorder`)."""
+
     def run_kernel(inputs: KernelInputs | None = None, rows_backward: bool = False, key_bias: Tensor | None = None) -> Tensor:
-        used = (query, key, value) if inputs is None else inputs(query, key, value)
+        used = tensors if inputs is None else inputs(*tensors)
         if key_bias is not None:
             used = _with_key_bias(used, key_bias, call.scale)
             _read_from(call, used)
@@ -104,7 +148,7 @@ def _dispatch(
             output = run(*used)
         return output if key_bias is None else output[..., :-1].contiguous()  # contiguous: what the model keeps
 
-    return recorder(module, call, run_kernel), None
+    return recorder(module, call, run_kernel)
 
 
 def key_bias_applies(call: KernelCall) -> bool:

@@ -17,7 +17,7 @@ from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
 from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from ..maps.kernel import KernelCall
-from .kernel import KernelInterception
+from .kernel import KernelInterception, plain_sdpa
 from .probes import CallInfo, Probe, RunKernel
 from .runner import resolve_adapter
 
@@ -253,6 +253,8 @@ class AttentionCapture(ModelChanges):
         stack.enter_context(self.adapter.prepared(self.model, self.streaming))
         if self.streaming:
             stack.enter_context(KernelInterception(self._on_kernel))
+            if from_softmax:  # a named module's F.scaled_dot_product_attention
+                stack.enter_context(_PlainKernelInterception(self))
         else:
             # The eager probabilities enter the graph through the hooks' returned tensors,
             # which a compiled graph (torch.compile) does not use: its Python code runs instead.
@@ -367,7 +369,8 @@ class AttentionCapture(ModelChanges):
         if self.streaming:
             if call.kernel is None:
                 raise StreamingUnsupported(
-                    f"{type(module).__name__} did not call transformers' sdpa attention function"
+                    f"{type(module).__name__} did not call transformers' sdpa attention function nor "
+                    "F.scaled_dot_product_attention"
                 )
             self._calls.append(call)
             return
@@ -494,6 +497,24 @@ class _SoftmaxInterception(ScopedFunctionMode):
         if func not in _SOFTMAXES:
             return result
         return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
+
+
+class _PlainKernelInterception(ScopedFunctionMode):
+    """Streaming capture: hands each ``F.scaled_dot_product_attention`` call inside a named
+    attention module's call to the capture (:func:`~captum_attention.capture.kernel.plain_sdpa`);
+    a second in one call (two attentions in one module) cannot be one call's record."""
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is not F.scaled_dot_product_attention or not self.capture._open:
+            return func(*args, **(kwargs or {}))
+        call = self.capture._open[-1]
+        if call.kernel is not None:
+            raise StreamingUnsupported(f"{type(call.module).__name__} calls F.scaled_dot_product_attention more than once")
+        return plain_sdpa(self.capture._on_kernel, call.module, *args, **(kwargs or {}))
 
 
 def _explicit_sdpa(

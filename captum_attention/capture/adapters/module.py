@@ -21,10 +21,11 @@ class ModuleAdapter(AdapterBase):
     module is recorded (the very tensor the module goes on to use) and several softmaxes
     in one call are stacked as heads, so a textbook ``MultiHeadAttention`` made of one
     ``Head`` module per head is named once. A call of the fused
-    ``F.scaled_dot_product_attention`` (timm's, DINOv2's, nanoGPT's modules) runs for the
-    capture as the computation PyTorch documents for it, its masks, causal mask, scale and
-    grouped-query heads included, and its softmax is recorded so (a module passing it a
-    ``dropout_p`` is refused: call ``model.eval()``).
+    ``F.scaled_dot_product_attention`` (timm's, DINOv2's, nanoGPT's modules) streams: the
+    kernel runs as the module asked and each call is recorded, as transformers' ``sdpa``
+    calls are; under an eager capture it runs as the computation PyTorch documents for it,
+    its masks, causal mask, scale and grouped-query heads included, and its softmax is
+    recorded so (a module passing it a ``dropout_p`` is refused: call ``model.eval()``).
 
     Args:
         modules (sequence of nn.Module): the attention modules, in forward order. A module
@@ -71,6 +72,7 @@ class ModuleAdapter(AdapterBase):
         self.modules = list(modules)
         self.probs = probs
         self.probs_source = "softmax" if probs == "softmax" else "output"
+        self.streams = probs == "softmax"  # where the modules call F.scaled_dot_product_attention
         self.mask_module = mask_module
         self.mask_argument = mask_argument
         self.pooling = list(pooling)

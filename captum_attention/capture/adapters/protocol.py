@@ -90,7 +90,9 @@ class AttentionAdapter(Protocol):
             call's output; ``"softmax"`` when they are the outputs of the softmaxes
             computed inside each call (several softmaxes in one call are stacked as heads).
         streams: whether the family's attention runs through transformers' ``sdpa``
-            attention function, so that a streaming capture can record it.
+            attention function (or, with ``probs_source`` ``"softmax"``, through
+            ``F.scaled_dot_product_attention`` inside each call), so that a streaming
+            capture can record it.
         propagates_relevance: whether AttnLRP's propagation rules are checked on the
             family's attention (its kernel's inputs and output, or its explicit products)
             and ``input_embeddings`` names where relevance is read.
