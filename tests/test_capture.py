@@ -126,7 +126,7 @@ def test_module_adapter_on_a_hand_written_model():
 def test_the_tensors_a_forward_keeps_in_the_model_are_put_back(capture):
     """RecurrentGemma keeps its recurrent and convolution states as module attributes,
     which a forward in the autograd graph leaves tied to the call's graph (the model then
-    no longer deep-copies); a module that keeps its probabilities adds one. After a call
+    no longer deep-copies); a module that keeps its last output adds one. After a call
     both hold what they held before it, and the model copies."""
     import copy
 
