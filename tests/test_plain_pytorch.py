@@ -219,6 +219,7 @@ def test_the_explicit_sdpa_equals_the_fused_kernel_in_values_and_gradients(optio
     handed to the capture: the kernel's output and gradients, a fully masked row's zeros too."""
     import torch.nn.functional as F
 
+    from captum_attention.capture.kernel import SdpaArguments
     from captum_attention.capture.recorder import _explicit_sdpa
 
     generator = torch.Generator().manual_seed(0)
@@ -232,7 +233,8 @@ def test_the_explicit_sdpa_equals_the_fused_kernel_in_values_and_gradients(optio
     }
     kwargs = {**options, "attn_mask": masks[options["attn_mask"]]} if "attn_mask" in options else dict(options)
     recorded = []
-    explicit = _explicit_sdpa(lambda probs, scores: recorded.append(probs) or probs, torch.matmul, query, key, value, **kwargs)
+    arguments = SdpaArguments(query, key, value, **kwargs)
+    explicit = _explicit_sdpa(lambda probs, scores: recorded.append(probs) or probs, torch.matmul, arguments)
     fused = F.scaled_dot_product_attention(query, key, value, **kwargs)
     torch.testing.assert_close(explicit, fused, atol=1e-6, rtol=1e-5)
     weights = torch.randn(fused.shape, generator=generator)
@@ -248,7 +250,9 @@ def test_a_module_calling_sdpa_with_dropout_is_refused_in_one_line():
     batch = make_batch(model)
     model.blocks[1].dropout = 0.1
     with pytest.raises(UnsupportedModelError, match=r"dropout_p=0\.1: its output is random; call model\.eval\(\)"):
-        GradSAM(model, adapter=adapter_for(model)).attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
+        GradSAM(model, adapter=adapter_for(model)).attribute(
+            batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,)
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bool-mask", "causal-float-mask"])
@@ -267,20 +271,24 @@ def test_modules_calling_sdpa_stream_and_equal_the_eager_capture(causal):
     args = (batch.attention_mask,)
     adapter = adapter_for(model)
     for cls in [*(spec.cls for spec in METHODS.values()), KnockoutGradient]:
-        eager = cls(model, adapter=adapter, capture="eager").attribute(batch.input_ids, target=TARGET, additional_forward_args=args)
+        eager = cls(model, adapter=adapter, capture="eager").attribute(
+            batch.input_ids, target=TARGET, additional_forward_args=args
+        )
         streamed = cls(model, adapter=adapter)
         scores = streamed.attribute(batch.input_ids, target=TARGET, additional_forward_args=args)
         assert streamed.last_capture == "streaming", (cls, streamed.last_capture)
         assert_scores_close(scores, eager)
     erased = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3
-    runs = {c: attention_erasure(model, batch.input_ids, erased, args, adapter=adapter, capture=c) for c in ("eager", "streaming")}
+    modes = ("eager", "streaming")
+    runs = {c: attention_erasure(model, batch.input_ids, erased, args, adapter=adapter, capture=c) for c in modes}
     torch.testing.assert_close(runs["streaming"].erased, runs["eager"].erased, atol=1e-6, rtol=1e-5)
     ranking = random_ranking(batch.input_ids.shape)
-    flips = {c: decision_flip_fraction(model, batch.input_ids, ranking, args, adapter=adapter, capture=c) for c in ("eager", "streaming")}
+    flips = {c: decision_flip_fraction(model, batch.input_ids, ranking, args, adapter=adapter, capture=c) for c in modes}
     assert torch.equal(flips["streaming"].removed, flips["eager"].removed)
     textbook = make_plain("textbook")
     with pytest.raises(ValueError, match="did not call transformers' sdpa attention function nor F.scaled_dot_product_attention"):
-        RawAttention(textbook, adapter=adapter_for(textbook), capture="streaming").attribute(batch.input_ids, additional_forward_args=args)
+        streamed = RawAttention(textbook, adapter=adapter_for(textbook), capture="streaming")
+        streamed.attribute(batch.input_ids, additional_forward_args=args)
     explainer = RawAttention(textbook, adapter=adapter_for(textbook))
     explainer.attribute(batch.input_ids, additional_forward_args=args)
     assert explainer.last_capture.startswith("eager: "), explainer.last_capture

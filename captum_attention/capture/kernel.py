@@ -21,7 +21,7 @@ forward or another thread) is kept, not reverted.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -96,38 +96,56 @@ def _dispatch(
     return _recorded(recorder, module, call, run, (query, key, value), attention_mask), None
 
 
-def plain_sdpa(
-    recorder: Recorder,
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
+@dataclass(frozen=True)
+class SdpaArguments:
+    """One call's arguments of ``F.scaled_dot_product_attention``, as it takes them
+    (``SdpaArguments(*args, **kwargs)``)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    @property
+    def kernel_scale(self) -> float:
+        """The factor on ``query @ key^T``: ``scale``, else one over the root of the head width."""
+        return float(self.query.shape[-1] ** -0.5 if self.scale is None else self.scale)
+
+    @property
+    def groups(self) -> int:
+        """How many consecutive query heads each key head serves."""
+        return self.query.shape[1] // self.key.shape[1] if self.enable_gqa else 1
+
+
+def plain_sdpa(recorder: Recorder, module: nn.Module, arguments: SdpaArguments) -> Tensor:
     """A call of ``F.scaled_dot_product_attention`` inside the attention ``module`` (one a
     :class:`~captum_attention.capture.ModuleAdapter` names) through ``recorder``, as
-    :func:`_dispatch` hands on transformers' calls: the kernel runs as the module asked,
-    and its output ``(B, H, Q, D)`` is what the function returns."""
-    if dropout_p:
-        raise StreamingUnsupported(f"{type(module).__name__} calls F.scaled_dot_product_attention with dropout_p={dropout_p}")
-    groups = query.shape[1] // key.shape[1] if enable_gqa else 1
-    if groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
+    transformers' calls are handed on: the kernel runs as the module asked, and its output
+    ``(B, H, Q, D)`` is what the function returns."""
+    query, key, value, mask = arguments.query, arguments.key, arguments.value, arguments.attn_mask
+    if arguments.dropout_p:
+        raise StreamingUnsupported(
+            f"{type(module).__name__} calls F.scaled_dot_product_attention with dropout_p={arguments.dropout_p}"
+        )
+    if arguments.groups * key.shape[1] != query.shape[1] or value.shape[1] != key.shape[1]:
         raise StreamingUnsupported(f"{query.shape[1]} query heads over {key.shape[1]} key heads")
-    kernel_scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
-    call = KernelCall(query.detach(), key.detach(), value.detach(), kernel_scale, attn_mask, bool(is_causal), None, groups)
+    call = KernelCall(
+        query.detach(), key.detach(), value.detach(), arguments.kernel_scale, mask, bool(arguments.is_causal), None,
+        arguments.groups,
+    )
 
     def run(used_query: Tensor, used_key: Tensor, used_value: Tensor) -> Tensor:  # (B, Q, H, D), as transformers' return it
         output = F.scaled_dot_product_attention(
-            used_query, used_key, used_value, attn_mask=attn_mask, is_causal=is_causal, scale=kernel_scale,
-            enable_gqa=enable_gqa,
+            used_query, used_key, used_value, attn_mask=mask, is_causal=arguments.is_causal, scale=arguments.kernel_scale,
+            enable_gqa=arguments.enable_gqa,
         )
         return output.transpose(1, 2)
 
-    return _recorded(recorder, module, call, run, (query, key, value), attn_mask).transpose(1, 2)
+    return _recorded(recorder, module, call, run, (query, key, value), mask).transpose(1, 2)
 
 
 def _recorded(

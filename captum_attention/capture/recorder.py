@@ -17,7 +17,7 @@ from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
 from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from ..maps.kernel import KernelCall
-from .kernel import KernelInterception, plain_sdpa
+from .kernel import KernelInterception, SdpaArguments, plain_sdpa
 from .probes import CallInfo, Probe, RunKernel
 from .runner import resolve_adapter
 
@@ -490,7 +490,7 @@ class _SoftmaxInterception(ScopedFunctionMode):
         if func is F.multi_head_attention_forward:
             return self._mha_forward(*args, **(kwargs or {}))
         if func is F.scaled_dot_product_attention and self.capture._open:
-            return self._sdpa(*args, **(kwargs or {}))
+            return self._sdpa(SdpaArguments(*args, **(kwargs or {})))
         result = func(*args, **(kwargs or {}))
         if func in _PRODUCTS and self.products and len(args) == 2:
             self.capture._on_product(*args)
@@ -514,37 +514,26 @@ class _PlainKernelInterception(ScopedFunctionMode):
         call = self.capture._open[-1]
         if call.kernel is not None:
             raise StreamingUnsupported(f"{type(call.module).__name__} calls F.scaled_dot_product_attention more than once")
-        return plain_sdpa(self.capture._on_kernel, call.module, *args, **(kwargs or {}))
+        return plain_sdpa(self.capture._on_kernel, call.module, SdpaArguments(*args, **(kwargs or {})))
 
 
-def _explicit_sdpa(
-    record: Any,
-    product: Any,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
+def _explicit_sdpa(record: Any, product: Any, arguments: SdpaArguments) -> Tensor:
     """``F.scaled_dot_product_attention`` as PyTorch documents it, its probabilities
     handed to ``record(probs, scores)`` (which returns the tensor that weights the values)
     and its two matrix products computed by ``product``; a row whose keys are all masked
     weights no value, as the fused kernel's (PyTorch's reference gives NaN there)."""
-    if dropout_p:
+    query, attn_mask = arguments.query, arguments.attn_mask
+    if arguments.dropout_p:
         raise UnsupportedModelError(
-            f"an attention module calls F.scaled_dot_product_attention with dropout_p={dropout_p}: its output is random; "
-            "call model.eval() (and pass dropout_p only in training)."
+            f"an attention module calls F.scaled_dot_product_attention with dropout_p={arguments.dropout_p}: its output is "
+            "random; call model.eval() (and pass dropout_p only in training)."
         )
-    if is_causal and attn_mask is not None:
+    if arguments.is_causal and attn_mask is not None:
         raise ValueError("F.scaled_dot_product_attention takes attn_mask or is_causal=True, not both.")
-    if enable_gqa:
-        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
-    scores = product(query, key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    if is_causal:
+    key = arguments.key.repeat_interleave(arguments.groups, dim=-3)
+    value = arguments.value.repeat_interleave(arguments.groups, dim=-3)
+    scores = product(query, key.transpose(-2, -1)) * arguments.kernel_scale
+    if arguments.is_causal:
         attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
