@@ -126,8 +126,9 @@ def test_module_adapter_on_a_hand_written_model():
 def test_the_tensors_a_forward_keeps_in_the_model_are_put_back(capture):
     """RecurrentGemma keeps its recurrent and convolution states as module attributes,
     which a forward in the autograd graph leaves tied to the call's graph (the model then
-    no longer deep-copies); a module that keeps its last output adds one. After a call
-    both hold what they held before it, and the model copies."""
+    no longer deep-copies); a module that keeps its last output adds one, and counts its
+    calls beside it (a cache's length). After a call every one holds what it held before
+    it, and the model copies."""
     import copy
 
     import transformers as tf
@@ -143,17 +144,19 @@ def test_the_tensors_a_forward_keeps_in_the_model_are_put_back(capture):
         model(ids)  # the states it keeps between calls, as a user's earlier call leaves them
     attention = model.model.layers[1].temporal_block
     keeping = attention.forward
+    attention.calls = 0
 
     def kept(*args, **kwargs):
         out = keeping(*args, **kwargs)
         attention.last_output = out[0] if isinstance(out, tuple) else out
+        attention.calls += 1
         return out
 
     attention.forward = kept
     before = model_state(model)
     GradSAM(model, capture=capture).attribute(ids, additional_forward_args=(torch.ones_like(ids),))
     assert_same_state(before, model_state(model))
-    assert not hasattr(attention, "last_output")
+    assert not hasattr(attention, "last_output") and attention.calls == 0
     copy.deepcopy(model)
 
 

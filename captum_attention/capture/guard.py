@@ -237,7 +237,7 @@ class ModelChanges:
                 self._guard.deliver_held()  # nothing changed yet: an interrupt while waiting is delivered
             try:
                 with ExitStack() as stack:
-                    stack.callback(tensor_attributes_restorer(self.model))
+                    stack.callback(attributes_restorer(self.model))
                     self.install(stack)
                     self._stack = stack.pop_all()
             except BaseException:
@@ -258,27 +258,26 @@ class ModelChanges:
             self._guard.remove()
 
 
-def tensor_attributes_restorer(model: nn.Module) -> Callable[[], None]:
-    """What puts back the tensors ``model``'s modules hold now as plain attributes (neither
-    parameters nor buffers: RecurrentGemma's recurrent states, a cache or the probabilities
-    a forward keeps), and takes away those a forward adds: a forward in the autograd graph
-    would otherwise leave them tied to the call's graph, its memory held and the model no
-    longer copyable."""
-    held = [
-        (module, {name: value for name, value in vars(module).items() if value is None or isinstance(value, torch.Tensor)})
-        for module in model.modules()
-    ]
+def attributes_restorer(model: nn.Module) -> Callable[[], None]:
+    """What puts back every attribute ``model``'s modules hold now (a shallow copy of each
+    module's ``__dict__``: RecurrentGemma's recurrent states, a cache and the length it
+    was built for, the probabilities a forward keeps) and takes away those a forward adds.
+    A forward in the autograd graph would otherwise leave such tensors tied to the call's
+    graph, its memory held and the model no longer copyable; restoring a cache without
+    its length would leave it inconsistent, so every attribute is put back."""
+    held = [(module, dict(vars(module))) for module in model.modules()]
 
     def restore() -> None:
         for module, before in held:
             attributes = vars(module)
-            for name in [n for n, value in attributes.items() if isinstance(value, torch.Tensor) and before.get(n) is not value]:
-                if name in before:
-                    attributes[name] = before[name]
-                else:
-                    del attributes[name]
+            for name in [name for name in attributes if name not in before]:
+                del attributes[name]
+            attributes.update({name: value for name, value in before.items() if attributes.get(name, _ABSENT) is not value})
 
     return restore
+
+
+_ABSENT = object()
 
 
 _MODEL_CHANGES = frozenset({ModelChanges.__enter__.__code__, ModelChanges.__exit__.__code__})
