@@ -171,7 +171,7 @@ def model_state(model: nn.Module) -> dict:
         "tensor attributes": [
             (name, key, value) for name, module in model.named_modules() for key, value in vars(module).items()
             if isinstance(value, torch.Tensor)
-        ],
+        ] + [(name, "buffer", buffer) for name, buffer in model.named_buffers()],
     }
 
 

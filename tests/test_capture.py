@@ -160,6 +160,30 @@ def test_the_tensors_a_forward_keeps_in_the_model_are_put_back(capture):
     copy.deepcopy(model)
 
 
+def test_a_dynamic_rotary_embedding_is_left_as_found_with_the_length_it_was_built_for():
+    """A dynamic rotary embedding grows its frequencies (a buffer) and the length they were
+    built for (an attribute) on a long input: both are put back together, so the model
+    reads a short input afterwards exactly as before (putting back only the length left
+    the grown frequencies in place, and the short input read at them)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    model = tf.LlamaForCausalLM(config).eval()
+    short, long = torch.randint(3, 100, (1, 8)), torch.randint(3, 100, (1, 40))
+    with torch.no_grad():
+        before = model(short).logits
+    frequencies = model.model.rotary_emb.inv_freq
+    GradSAM(model).attribute(long)
+    assert model.model.rotary_emb.inv_freq is frequencies
+    with torch.no_grad():
+        torch.testing.assert_close(model(short).logits, before, rtol=0, atol=0)
+
+
 def test_adapters_keep_no_state_between_calls():
     from captum_attention.capture import HuggingFaceAdapter
 

@@ -259,22 +259,28 @@ class ModelChanges:
 
 
 def attributes_restorer(model: nn.Module) -> Callable[[], None]:
-    """What puts back every attribute ``model``'s modules hold now (a shallow copy of each
-    module's ``__dict__``: RecurrentGemma's recurrent states, a cache and the length it
-    was built for, the probabilities a forward keeps) and takes away those a forward adds.
-    A forward in the autograd graph would otherwise leave such tensors tied to the call's
-    graph, its memory held and the model no longer copyable; restoring a cache without
-    its length would leave it inconsistent, so every attribute is put back."""
-    held = [(module, dict(vars(module))) for module in model.modules()]
+    """What puts back every attribute and buffer ``model``'s modules hold now (shallow
+    copies of each module's ``__dict__`` and buffers: RecurrentGemma's recurrent states,
+    a cache and the length it was built for, a dynamic rotary embedding's frequencies and
+    the length they were grown to, the probabilities a forward keeps) and takes away those
+    a forward adds. A forward in the autograd graph would otherwise leave such tensors tied
+    to the call's graph, its memory held and the model no longer copyable; putting back a
+    part of what a forward changes would leave the rest inconsistent with it."""
+    held = [(module, dict(vars(module)), dict(module._buffers)) for module in model.modules()]
 
     def restore() -> None:
-        for module, before in held:
-            attributes = vars(module)
-            for name in [name for name in attributes if name not in before]:
-                del attributes[name]
-            attributes.update({name: value for name, value in before.items() if attributes.get(name, _ABSENT) is not value})
+        for module, attributes, buffers in held:
+            _put_back(vars(module), attributes)
+            _put_back(module._buffers, buffers)
 
     return restore
+
+
+def _put_back(current: dict[str, Any], before: dict[str, Any]) -> None:
+    """``current`` holding ``before``'s entries again, the same objects, and no other."""
+    for name in [name for name in current if name not in before]:
+        del current[name]
+    current.update({name: value for name, value in before.items() if current.get(name, _ABSENT) is not value})
 
 
 _ABSENT = object()
