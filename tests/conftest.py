@@ -168,10 +168,11 @@ def model_state(model: nn.Module) -> dict:
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "params": [p.detach().clone() for p in model.parameters()],
-        "tensor attributes": [
-            (name, key, value) for name, module in model.named_modules() for key, value in vars(module).items()
-            if isinstance(value, torch.Tensor)
-        ] + [(name, "buffer", buffer) for name, buffer in model.named_buffers()],
+        "graph-tied tensors": [
+            (name, key) for name, module in model.named_modules()
+            for key, value in (*vars(module).items(), *module._buffers.items())
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None
+        ],
     }
 
 
@@ -209,8 +210,7 @@ def assert_same_state(before: dict, after: dict) -> None:
             assert torch.equal(old, new), "a parameter's .grad changed"
     for old, new in zip(before["params"], after["params"]):
         assert torch.equal(old, new), "a parameter changed"
-    held = [(name, key, id(value)) for name, key, value in before["tensor attributes"]]
-    assert held == [(name, key, id(value)) for name, key, value in after["tensor attributes"]], "a module's tensor attribute changed"
+    assert before["graph-tied tensors"] == after["graph-tied tensors"], "a module kept a tensor tied to the call's graph"
 
 
 def assert_refused_in_one_line(model: nn.Module, call: Callable[[], object], match: str) -> None:

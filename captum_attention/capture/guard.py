@@ -237,7 +237,7 @@ class ModelChanges:
                 self._guard.deliver_held()  # nothing changed yet: an interrupt while waiting is delivered
             try:
                 with ExitStack() as stack:
-                    stack.callback(attributes_restorer(self.model))
+                    stack.callback(graph_cutter(self.model))
                     self.install(stack)
                     self._stack = stack.pop_all()
             except BaseException:
@@ -258,32 +258,28 @@ class ModelChanges:
             self._guard.remove()
 
 
-def attributes_restorer(model: nn.Module) -> Callable[[], None]:
-    """What puts back every attribute and buffer ``model``'s modules hold now (shallow
-    copies of each module's ``__dict__`` and buffers: RecurrentGemma's recurrent states,
-    a cache and the length it was built for, a dynamic rotary embedding's frequencies and
-    the length they were grown to, the probabilities a forward keeps) and takes away those
-    a forward adds. A forward in the autograd graph would otherwise leave such tensors tied
-    to the call's graph, its memory held and the model no longer copyable; putting back a
-    part of what a forward changes would leave the rest inconsistent with it."""
-    held = [(module, dict(vars(module)), dict(module._buffers)) for module in model.modules()]
+def graph_cutter(model: nn.Module) -> Callable[[], None]:
+    """What cuts from the autograd graph the tensors a forward leaves in ``model``'s
+    modules, as attributes or buffers (RecurrentGemma's recurrent states, the
+    probabilities a module keeps): a forward in the call's graph would otherwise leave
+    them tied to it, its memory held and the model no longer copyable. Each keeps the
+    values the forward gave it, as a forward without gradients leaves them, so that they
+    stay consistent with what else the forward changed (a cache's length, hooks a library
+    installs once); tensors the model held before the call are left alone."""
+    # by identity, the objects themselves kept so that no id is reused by a new tensor meanwhile
+    held = [
+        (module, {id(value): value for value in (*vars(module).values(), *module._buffers.values())})
+        for module in model.modules()
+    ]
 
-    def restore() -> None:
-        for module, attributes, buffers in held:
-            _put_back(vars(module), attributes)
-            _put_back(module._buffers, buffers)
+    def cut() -> None:
+        for module, before in held:
+            for values in (vars(module), module._buffers):
+                for name, value in list(values.items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in before:
+                        values[name] = value.detach()
 
-    return restore
-
-
-def _put_back(current: dict[str, Any], before: dict[str, Any]) -> None:
-    """``current`` holding ``before``'s entries again, the same objects, and no other."""
-    for name in [name for name in current if name not in before]:
-        del current[name]
-    current.update({name: value for name, value in before.items() if current.get(name, _ABSENT) is not value})
-
-
-_ABSENT = object()
+    return cut
 
 
 _MODEL_CHANGES = frozenset({ModelChanges.__enter__.__code__, ModelChanges.__exit__.__code__})
