@@ -168,6 +168,7 @@ def model_state(model: nn.Module) -> dict:
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "params": [p.detach().clone() for p in model.parameters()],
+        "own forwards": [(name, vars(module).get("forward")) for name, module in model.named_modules()],
         "graph-tied tensors": [
             (name, key) for name, module in model.named_modules()
             for key, value in (*vars(module).items(), *module._buffers.items())

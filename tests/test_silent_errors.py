@@ -5,11 +5,12 @@ every position."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
-from conftest import assert_scores_close, make_batch, make_model, reference_attention
+from conftest import assert_same_state, assert_scores_close, make_batch, make_model, model_state, reference_attention
 from constants import NUM_LABELS, VOCAB
 from methods import reference_grad_sam
 from torch import nn
@@ -71,23 +72,66 @@ def test_padding_scores_stay_zero_when_a_real_token_is_not_finite(name, capture)
 
 
 class _TwoPasses(nn.Module):
-    def __init__(self, model):
+    def __init__(self, model, direct=False):
         super().__init__()
-        self.model = model
+        self.model, self.direct = model, direct
 
     def forward(self, input_ids, attention_mask):
-        first = self.model(input_ids, attention_mask=attention_mask).logits
-        return (first + self.model(input_ids, attention_mask=attention_mask).logits) / 2
+        run = self.model.forward if self.direct else self.model
+        first = run(input_ids, attention_mask=attention_mask).logits
+        return (first + run(input_ids, attention_mask=attention_mask).logits) / 2
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["called", "forward called directly"])
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_a_forward_that_runs_the_model_twice_is_refused(name):
+def test_a_forward_that_runs_the_model_twice_is_refused(name, direct):
+    """Also where the forward is called directly, past the model's hooks, as
+    sentence-transformers calls it (a similarity of two encoded sentences): the passes'
+    layers were chained as one model's."""
     model = make_model("bert")
     batch = make_batch(model)
     with pytest.raises(ValueError, match="ran BertForSequenceClassification 2 times"):
-        METHODS[name](_TwoPasses(model), model=model).attribute(
+        METHODS[name](_TwoPasses(model, direct), model=model).attribute(
             batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
         )
+
+
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_the_mask_of_a_forward_called_directly_is_read(name, capture):
+    """sentence-transformers calls its model's ``forward`` directly, past every hook: the
+    padding mask it passes was not seen, and the padding explained as text."""
+    model = make_model("bert")
+    batch = make_batch(model)
+    encoder = model.bert
+    direct = lambda ids, mask: model.classifier(encoder.forward(ids, attention_mask=mask).pooler_output)  # noqa: E731
+    before = model_state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = METHODS[name](direct, model=encoder, capture=capture).attribute(
+            batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+        )
+    assert_same_state(before, model_state(model))
+    assert_scores_close(scores, _attribute(model, name, batch, capture=capture))
+    assert bool((scores[batch.attention_mask == 0] == 0).all())
+
+
+def test_a_forward_the_model_already_holds_is_kept():
+    """accelerate's offloading hooks replace a module's ``forward`` on the instance."""
+    model = make_model("bert")
+    batch = make_batch(model)
+    calls = []
+
+    @functools.wraps(model.forward)
+    def own_forward(*args, **kwargs):
+        calls.append(len(args) + len(kwargs))
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = own_forward
+    scores = _attribute(model, "grad_sam", batch)
+    assert vars(model)["forward"] is own_forward and calls
+    del model.forward
+    assert_scores_close(scores, _attribute(model, "grad_sam", batch))
 
 
 def test_padded_ids_without_a_mask_get_a_warning():

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextvars
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Sequence, cast
+from functools import partial, wraps
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -265,10 +265,10 @@ class AttentionCapture(ModelChanges):
             # prepend: read the output before any hook of the adapter's rewrites it
             stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
             stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
-        for module in mask_modules:
-            hook = module.register_forward_pre_hook(self._record_masks, with_kwargs=True)
-            stack.callback(hook.remove)
-        stack.callback(self.model.register_forward_pre_hook(self._count_model_call).remove)
+        observers: dict[nn.Module, list[ForwardObserver]] = {module: [self._record_masks] for module in mask_modules}
+        observers.setdefault(self.model, []).append(self._count_model_call)
+        for module, observing in observers.items():
+            stack.enter_context(_observed_forward(module, observing))
         if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
             stack.enter_context(_SoftmaxInterception(self))
         stack.callback(self._keep_forward_context)  # last in, first out: before the hooks go
@@ -276,7 +276,7 @@ class AttentionCapture(ModelChanges):
     def _keep_forward_context(self) -> None:
         self._forward_context = contextvars.copy_context()
 
-    def _count_model_call(self, module: nn.Module, args: tuple) -> None:
+    def _count_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._ours():
             self.model_calls += 1
 
@@ -423,6 +423,35 @@ class AttentionCapture(ModelChanges):
                 )
         self.attention_mask, self.decoder_attention_mask = masks.values()
         self.cross_attended_mask = self.adapter.cross_attended_mask(module, args, kwargs)
+
+ForwardObserver = Callable[[nn.Module, tuple, dict], None]
+
+
+@contextmanager
+def _observed_forward(module: nn.Module, observers: list[ForwardObserver]) -> Iterator[None]:
+    """``module``'s forward with each of ``observers`` shown its arguments first, whether
+    it is called as ``module(...)`` or as ``module.forward(...)``: sentence-transformers
+    calls its model's forward directly, past every hook, so a hook would miss the padding
+    mask and the passes of a forward that encodes two sentences."""
+    own = vars(module).get("forward")  # a forward the instance already holds (accelerate's)
+    forward_call = module.forward
+
+    @wraps(forward_call)  # its signature stays readable (``bound_argument``)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        for observe in observers:
+            observe(module, args, kwargs)
+        return forward_call(*args, **kwargs)
+
+    vars(module)["forward"] = forward
+    try:
+        yield
+    finally:
+        if vars(module).get("forward") is forward:
+            if own is None:
+                del vars(module)["forward"]
+            else:
+                vars(module)["forward"] = own
+
 
 @dataclass(eq=False)
 class _Call:
