@@ -28,12 +28,16 @@ def test_a_hand_solved_two_layer_graph():
     torch.testing.assert_close(scores, torch.tensor([[0.8, 0.4]]))
 
 
-def _scipy_flow(maps: list[np.ndarray], source: int, sink: int) -> float:
-    """Max flow with scipy's solver on the same layered graph (nodes layer·n + token)."""
+def _scipy_flow(maps: list[np.ndarray], source: int, sink: int | np.ndarray) -> float:
+    """Max flow with scipy's solver on the same layered graph (nodes layer·n + token), to
+    the top layer's token ``sink`` or, given weights, to a node they feed from the top."""
     n, layers = maps[0].shape[0], len(maps)
-    capacity = np.zeros(((layers + 1) * n, (layers + 1) * n), dtype=np.int64)
+    capacity = np.zeros(((layers + 1) * n + 1, (layers + 1) * n + 1), dtype=np.int64)
     for layer, a_hat in enumerate(maps, start=1):
         capacity[(layer - 1) * n : layer * n, layer * n : (layer + 1) * n] = np.rint(a_hat.T * SCALE)
+    if isinstance(sink, np.ndarray):
+        capacity[layers * n : (layers + 1) * n, -1] = np.rint(sink * SCALE)
+        return maximum_flow(csr_matrix(capacity), source, capacity.shape[0] - 1).flow_value / SCALE
     return maximum_flow(csr_matrix(capacity), source, layers * n + sink).flow_value / SCALE
 
 
@@ -55,6 +59,26 @@ def test_flow_equals_an_independent_max_flow_on_the_models_attention():
         assert not scores[b, n:].any()
     rollout = AttentionRollout(model).attribute(batch.input_ids, additional_forward_args=(batch.attention_mask,))
     assert not torch.allclose(scores, rollout), "flow is not rollout"
+
+
+def test_an_output_read_from_weighted_rows_feeds_the_sink_from_them():
+    """``query_index`` as row weights (a mean-pooled output's rows): the flow goes into a
+    sink fed by the top layer's tokens with those weights, as a pooling readout's."""
+    model = make_model("bert")
+    batch = make_batch(model)
+    weights = batch.attention_mask / batch.attention_mask.sum(dim=1, keepdim=True)
+    weights[0, 1] *= 3  # and not only a mean
+    scores = AttentionFlow(model).attribute(
+        batch.input_ids, additional_forward_args=(batch.attention_mask,), query_index=weights
+    )
+    ref = reference_attention(model, batch, target=0)
+    for b, n in enumerate(batch.lengths):
+        maps = []
+        for attn in ref.attentions:
+            a_hat = 0.5 * attn[b, :, :n, :n].mean(0).double().numpy() + 0.5 * np.eye(n)
+            maps.append(a_hat / a_hat.sum(axis=1, keepdims=True))
+        expected = [_scipy_flow(maps, j, weights[b, :n].double().numpy()) for j in range(n)]
+        torch.testing.assert_close(scores[b, :n].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
 def test_a_padded_batch_gives_each_example_its_own_flow():

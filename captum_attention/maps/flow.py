@@ -48,7 +48,8 @@ def attention_flow_scores(
         layer_maps: per-layer ``(B, T, T)`` capacities Â^1 .. Â^L in forward order
             (:func:`~captum_attention.maps.rollout_layer_maps`).
         real: ``(B, T)`` bool, the tokens of each example's graph.
-        query_index: ``(B,)``, the explained position (the sink at the top layer).
+        query_index: ``(B,)``, the explained position (the sink at the top layer);
+            unused with ``readout``.
         readout: ``(B, T)`` pooling row over the top layer's tokens, used as the
             capacities into the sink instead of the query position; optional.
 
@@ -60,7 +61,8 @@ def attention_flow_scores(
     for b in range(real.shape[0]):
         tokens = real[b].nonzero().flatten().tolist()
         example_readout = None if readout is None else readout[b, tokens].tolist()
-        graph, sink = _flow_graph([m[b] for m in maps], tokens, example_readout, int(query_index[b]))
+        query = int(query_index[b]) if example_readout is None else -1
+        graph, sink = _flow_graph([m[b] for m in maps], tokens, example_readout, query)
         for j in tokens:
             source = (0, j)
             if source in graph and sink in graph:
