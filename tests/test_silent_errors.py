@@ -10,12 +10,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same_state, assert_scores_close, make_batch, make_model, model_state, reference_attention
+from conftest import (
+    assert_same_state, assert_scores_close, make_batch, make_model, model_state, reference_attention, with_random_biases,
+)
 from constants import NUM_LABELS, VOCAB
 from methods import reference_grad_sam
 from torch import nn
 
 from captum_attention import METHODS
+from captum_attention.attr import REGISTRY
 from captum_attention.maps import grad_sam_head_mean, relevance_head_mean
 
 TARGET = 1
@@ -114,6 +117,41 @@ def test_the_mask_of_a_forward_called_directly_is_read(name, capture):
     assert_same_state(before, model_state(model))
     assert_scores_close(scores, _attribute(model, name, batch, capture=capture))
     assert bool((scores[batch.attention_mask == 0] == 0).all())
+
+
+def _mean_pooled(model):
+    """The classifier's head on the mean of the tokens' outputs (a sentence embedding's
+    pooling), not on [CLS]'s."""
+
+    def forward(ids, mask):
+        states = model.bert(ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(states.dtype)
+        return model.classifier((states * weights).sum(dim=1) / weights.sum(dim=1))
+
+    return forward
+
+
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+@pytest.mark.parametrize("name", sorted(n for n, m in REGISTRY.items() if m.spec.reads_query_row and n != "alti_logit"))
+def test_an_output_pooled_over_the_tokens_is_not_explained_at_its_first_row(name, capture):
+    """The methods that read one row explained [CLS]'s row alone of a mean over every
+    token's; they ask for the mean's row weights, and explain the mean given them."""
+    model = with_random_biases(make_model("bert"))
+    batch = make_batch(model)
+    explainer = REGISTRY[name](_mean_pooled(model), model=model.bert, capture=capture)
+    args = dict(target=TARGET, additional_forward_args=(batch.attention_mask,))
+    with pytest.raises(ValueError, match=r"example 0 read positions 0-8, not position 0 alone.*attention_mask / attention_mask"):
+        explainer.attribute(batch.input_ids, **args)
+    if name == "attention_flow":
+        return  # a max flow is not linear in the rows: its sink fed by them is tested in test_flow
+    mean_rows = batch.attention_mask / batch.attention_mask.sum(dim=1, keepdim=True)
+    last = torch.tensor(batch.lengths) - 1
+    at_rows = torch.stack([  # (query, batch, tokens); a query past an example's end weighs 0 there
+        explainer.attribute(batch.input_ids, query_index=last.clamp(max=query), **args)
+        for query in range(batch.input_ids.shape[1])
+    ])
+    expected = (mean_rows.t()[..., None] * at_rows).sum(dim=0)
+    assert_scores_close(explainer.attribute(batch.input_ids, query_index=mean_rows, **args), expected)
 
 
 def test_a_forward_the_model_already_holds_is_kept():

@@ -36,11 +36,15 @@ _SHARED_ATTRIBUTE_DOCS = {
         '                a classifier that reads the mean of its tokens (BEiT, CLIP, SigLIP, Swin,\n'
         '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows;\n'
         '                none for a bidirectional model with logits at every position (a masked\n'
-        "                language model's [MASK], a token classifier's tag): pass it.\n"
+        "                language model's [MASK], a token classifier's tag): pass it. Where\n"
+        '                a bidirectional text model\'s output reads several rows (a pooling in\n'
+        "                forward_func, a sentence embedding's mean), the methods that read a row\n"
+        '                refuse the default.\n'
         '                A float ``(batch, seq_len)`` tensor weighs the rows instead: the methods that\n'
         '                read a query row read the weighted sum of rows (as a span does; Grad-SAM\n'
-        "                reads no row), e.g. a language model's image-token scores carried into its\n"
-        '                vision tower (docs/families.rst).'
+        "                reads no row; Attention Flow's sink is fed by them), e.g. mask /\n"
+        "                mask.sum(dim=1, keepdim=True) for a mean, or a language model's image-token\n"
+        '                scores carried into its vision tower (docs/families.rst).'
     ),
     "returns": (
         'Returns:\n'

@@ -464,7 +464,8 @@ def record_forward(
     else:
         queries = query_positions(query_index, target_real, causal)
         if confirm_rows and logits.dim() == 2 and roles[-1] in ("self", "decoder"):
-            confirm_query_read(capture, logits, queries, target_real, getattr(getattr(model, "config", None), "pad_token_id", None))
+            pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+            confirm_query_read(capture, logits, queries, target_real, pad_id, one_row=not causal and text_shape is not None)
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
@@ -528,33 +529,54 @@ def _generates(model: nn.Module) -> bool:
     return bool(callable(can_generate) and can_generate())
 
 
-def confirm_query_read(capture: AttentionCapture, logits: Tensor, queries: Tensor, real: Tensor, pad_id: Any) -> None:
-    """A one-line error where the default query row is not among the rows the logits read
-    (found from the gradient of the logits with respect to the last attention call's
-    output): a decoder classifier that finds its last token by ``config.pad_token_id`` reads
-    a padding position when the batch is padded with another id; an encoder read at its
-    first position, when padded on the left."""
+def confirm_query_read(
+    capture: AttentionCapture, logits: Tensor, queries: Tensor, real: Tensor, pad_id: Any, one_row: bool
+) -> None:
+    """A one-line error where the rows the logits read (found from the gradient of the
+    logits with respect to the last attention call's output) are not the default query
+    row: a decoder classifier that finds its last token by ``config.pad_token_id`` reads a
+    padding position when the batch is padded with another id; an encoder read at its
+    first position, when padded on the left; with ``one_row`` (a bidirectional text model,
+    whose heads read one token unless the adapter says they pool), an output that pools
+    several rows (a sentence embedding's mean over the tokens), of which the methods that
+    read one row would explain only the first. Image classifiers whose heads read the class
+    token beside others (DeiT's distillation token, DINOv2's patch mean) are explained at
+    the class token, as their family's documentation says."""
     with torch.enable_grad():
         read = capture.rows_read(logits.sum())
     if read is None:
         return
     batch = torch.arange(len(queries), device=read.device)
-    missed = (~read[batch, queries.to(read.device)] & read.any(dim=1)).nonzero().flatten().tolist()
-    if not missed:
+    missed = ~read[batch, queries.to(read.device)] & read.any(dim=1)
+    pooled = read.sum(dim=1) > 1 if one_row else torch.zeros_like(missed)
+    wrong = (missed | pooled).nonzero().flatten().tolist()
+    if not wrong:
         return
-    example = missed[0]
+    example = wrong[0]
     rows = read[example].nonzero().flatten().tolist()
-    where = f"position {rows[0]}" if len(rows) == 1 else f"positions {rows}"
-    if bool(real[example, rows].all()):
-        fix = f"pass query_index={rows[-1]} to explain the row it reads"
-    else:
+    where = f"position {rows[0]}" if len(rows) == 1 else f"positions {_listed(rows)}"
+    if not bool(real[example, rows].all()):
         fix = f"{where} is padding by the attention mask: pad where and with what the model expects" + (
             f" (its config.pad_token_id is {pad_id})" if pad_id is not None else ""
         )
+    elif len(rows) == 1:
+        fix = f"pass query_index={rows[0]} to explain the row it reads"
+    else:
+        fix = (
+            "pass query_index as (batch, seq_len) weights of the rows it reads, e.g. "
+            "attention_mask / attention_mask.sum(dim=1, keepdim=True) for a mean over the tokens"
+        )
     raise ValueError(
-        f"The logits of example {example} read {where}, not position {int(queries[example])}, which the methods "
-        f"explain by default: {fix}."
+        f"The logits of example {example} read {where}, not position {int(queries[example])} alone, which the "
+        f"methods that read one row explain by default: {fix}."
     )
+
+
+def _listed(positions: list[int]) -> str:
+    """``[0, 1, 2, 3]`` as "0-3", other lists as written, cut after eight."""
+    if positions == list(range(positions[0], positions[-1] + 1)):
+        return f"{positions[0]}-{positions[-1]}"
+    return str(positions[:8])[:-1] + (", ...]" if len(positions) > 8 else "]")
 
 
 def _warn_if_training(model: nn.Module) -> None:

@@ -143,8 +143,9 @@ class AttentionCapture(ModelChanges):
 
     def rows_read(self, score: Tensor) -> Tensor | None:
         """``(batch, queries)`` bool: the query rows of the last attention call that
-        ``score`` depends on (after it, the tokens no longer mix, so these are the rows the
-        output reads); None where that call is not in the autograd graph. The backward
+        ``score`` depends on, by a finite gradient other than 0 (after it, the tokens no
+        longer mix, so these are the rows the output reads); None where that call is not in
+        the autograd graph. The backward
         runs from the score to that call only (the head and the last layer's feed-forward)."""
         call = self._calls[-1]
         tensors = [call.kernel.output] if call.kernel is not None else call.pieces
@@ -154,8 +155,8 @@ class AttentionCapture(ModelChanges):
         if any(g is None for g in grads):
             return None
         if call.kernel is not None:
-            return grads[0].ne(0).flatten(2).any(dim=2)  # (B, Q, H, D)
-        return self._as_heads(call, list(grads), gradient=True).ne(0).any(dim=-1).any(dim=1)
+            return _nonzero(grads[0]).flatten(2).any(dim=2)  # (B, Q, H, D)
+        return _nonzero(self._as_heads(call, list(grads), gradient=True)).any(dim=-1).any(dim=1)
 
     def output_gradients(
         self, score: Tensor, retain_graph: bool = False, also: Sequence[Tensor | None] = ()
@@ -423,6 +424,12 @@ class AttentionCapture(ModelChanges):
                 )
         self.attention_mask, self.decoder_attention_mask = masks.values()
         self.cross_attended_mask = self.adapter.cross_attended_mask(module, args, kwargs)
+
+def _nonzero(gradient: Tensor) -> Tensor:
+    """Where ``gradient`` is finite and not 0: a non-finite value (a NaN spread through
+    the attention) says nothing of which rows are read."""
+    return gradient.ne(0) & gradient.isfinite()
+
 
 ForwardObserver = Callable[[nn.Module, tuple, dict], None]
 
