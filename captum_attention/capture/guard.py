@@ -12,8 +12,10 @@ implementation) and restores it on exit. Two things could break that promise:
 capture's protected functions and delivers it once the model is restored;
 :func:`model_lock` serialises the second. :class:`ScopedFunctionMode` is a
 ``TorchFunctionMode`` that an interrupt cannot strand off torch's mode stack.
-:func:`ctrl_c_noticed` tells a long loop (an evaluation, a fit) that Ctrl-C came even where
-Python swallowed its ``KeyboardInterrupt``, so that the loop still stops.
+:func:`every_forward` runs a hook at every call of a module's forward, also a direct one
+past the module's hooks. :func:`ctrl_c_noticed` tells a long loop (an evaluation, a fit)
+that Ctrl-C came even where Python swallowed its ``KeyboardInterrupt``, so that the loop
+still stops.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import threading
 import weakref
 from contextlib import ExitStack, contextmanager
+from functools import wraps
 from types import CodeType, FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -208,6 +211,37 @@ class ScopedFunctionMode(TorchFunctionMode):
             restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
         if any(mode is self for mode in function_mode_stack()):
             super().__exit__(*exc_info)
+
+
+ForwardPreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
+
+
+@contextmanager
+def every_forward(module: nn.Module, hook: ForwardPreHook) -> Iterator[None]:
+    """``hook(module, args, kwargs)`` run at every call of ``module``'s forward, as a
+    forward pre-hook with keyword arguments runs, and returning new ``(args, kwargs)`` or
+    None as it may, also where the forward is called directly (``module.forward(...)``:
+    sentence-transformers calls its model so, past every hook). The instance's own
+    ``forward`` (accelerate's) is wrapped, and put back on exit."""
+    own = vars(module).get("forward")
+    forward_call = module.forward
+
+    @wraps(forward_call)  # its signature stays readable
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        changed = hook(module, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        return forward_call(*args, **kwargs)
+
+    vars(module)["forward"] = forward
+    try:
+        yield
+    finally:
+        if vars(module).get("forward") is forward:
+            if own is None:
+                del vars(module)["forward"]
+            else:
+                vars(module)["forward"] = own
 
 
 _Changes = TypeVar("_Changes", bound="ModelChanges")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextvars
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from functools import partial, wraps
-from typing import Any, Callable, Iterator, Sequence, cast
+from functools import partial
+from typing import Any, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .._compat import StreamingUnsupported, mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
-from .guard import ModelChanges, ScopedFunctionMode, current_thread
+from .guard import ModelChanges, ScopedFunctionMode, current_thread, every_forward
 from ..maps.kernel import KernelCall
 from .kernel import KernelInterception, SdpaArguments, plain_sdpa
 from .probes import CallInfo, Probe, RunKernel
@@ -266,10 +266,9 @@ class AttentionCapture(ModelChanges):
             # prepend: read the output before any hook of the adapter's rewrites it
             stack.callback(module.register_forward_hook(self._close_call, prepend=True).remove)
             stack.callback(module.register_forward_pre_hook(self._open_call, with_kwargs=True).remove)
-        observers: dict[nn.Module, list[ForwardObserver]] = {module: [self._record_masks] for module in mask_modules}
-        observers.setdefault(self.model, []).append(self._count_model_call)
-        for module, observing in observers.items():
-            stack.enter_context(_observed_forward(module, observing))
+        for module in mask_modules:
+            stack.enter_context(every_forward(module, self._record_masks))
+        stack.enter_context(every_forward(self.model, self._count_model_call))
         if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
             stack.enter_context(_SoftmaxInterception(self))
         stack.callback(self._keep_forward_context)  # last in, first out: before the hooks go
@@ -429,35 +428,6 @@ def _nonzero(gradient: Tensor) -> Tensor:
     """Where ``gradient`` is finite and not 0: a non-finite value (a NaN spread through
     the attention) says nothing of which rows are read."""
     return gradient.ne(0) & gradient.isfinite()
-
-
-ForwardObserver = Callable[[nn.Module, tuple, dict], None]
-
-
-@contextmanager
-def _observed_forward(module: nn.Module, observers: list[ForwardObserver]) -> Iterator[None]:
-    """``module``'s forward with each of ``observers`` shown its arguments first, whether
-    it is called as ``module(...)`` or as ``module.forward(...)``: sentence-transformers
-    calls its model's forward directly, past every hook, so a hook would miss the padding
-    mask and the passes of a forward that encodes two sentences."""
-    own = vars(module).get("forward")  # a forward the instance already holds (accelerate's)
-    forward_call = module.forward
-
-    @wraps(forward_call)  # its signature stays readable (``bound_argument``)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        for observe in observers:
-            observe(module, args, kwargs)
-        return forward_call(*args, **kwargs)
-
-    vars(module)["forward"] = forward
-    try:
-        yield
-    finally:
-        if vars(module).get("forward") is forward:
-            if own is None:
-                del vars(module)["forward"]
-            else:
-                vars(module)["forward"] = own
 
 
 @dataclass(eq=False)

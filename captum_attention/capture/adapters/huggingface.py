@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from torch import Tensor, nn
 
 from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
-from ..guard import SharedPatch
+from ..guard import SharedPatch, every_forward
 from .protocol import (
     AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token,
     parent_module,
@@ -357,7 +357,7 @@ def _prepared(adapter: HuggingFaceAdapter, model: nn.Module, implementation: str
         )
     with _implementation(model, implementation), ExitStack() as stack:
         if _RETURNED.get(model, (None, ReturnedAttention(())))[1].sites:
-            stack.callback(model.register_forward_pre_hook(_output_attentions, with_kwargs=True).remove)
+            stack.enter_context(every_forward(model, _output_attentions))
         if grids:
             note_grid_calls(model, adapter.attention_sites(model), stack)
         yield
