@@ -1,7 +1,8 @@
 """Inputs that once gave a plausible-looking wrong result now give the right one, a warning
 or a clear error: half precision, non-finite inputs, a forward that runs the model twice,
-padding without a mask, modules left in training mode, a bidirectional model's logits at
-every position."""
+a model whose forward is called directly (sentence-transformers'), an output pooled over
+the tokens, padding without a mask, modules left in training mode, a bidirectional model's
+logits at every position."""
 
 from __future__ import annotations
 

@@ -145,8 +145,8 @@ class AttentionCapture(ModelChanges):
         """``(batch, queries)`` bool: the query rows of the last attention call that
         ``score`` depends on, by a finite gradient other than 0 (after it, the tokens no
         longer mix, so these are the rows the output reads); None where that call is not in
-        the autograd graph. The backward
-        runs from the score to that call only (the head and the last layer's feed-forward)."""
+        the autograd graph. The backward runs from the score to that call only (the head
+        and the last layer's feed-forward)."""
         call = self._calls[-1]
         tensors = [call.kernel.output] if call.kernel is not None else call.pieces
         if not all(isinstance(t, Tensor) and t.requires_grad for t in tensors):
@@ -423,6 +423,7 @@ class AttentionCapture(ModelChanges):
                 )
         self.attention_mask, self.decoder_attention_mask = masks.values()
         self.cross_attended_mask = self.adapter.cross_attended_mask(module, args, kwargs)
+
 
 def _nonzero(gradient: Tensor) -> Tensor:
     """Where ``gradient`` is finite and not 0: a non-finite value (a NaN spread through
