@@ -537,8 +537,9 @@ def _explicit_sdpa(record: Any, product: Any, arguments: SdpaArguments) -> Tenso
         )
     if arguments.is_causal and attn_mask is not None:
         raise ValueError("F.scaled_dot_product_attention takes attn_mask or is_causal=True, not both.")
-    key = arguments.key.repeat_interleave(arguments.groups, dim=-3)
-    value = arguments.value.repeat_interleave(arguments.groups, dim=-3)
+    key, value = arguments.key, arguments.value
+    if arguments.groups > 1:
+        key, value = key.repeat_interleave(arguments.groups, dim=-3), value.repeat_interleave(arguments.groups, dim=-3)
     scores = product(query, key.transpose(-2, -1)) * arguments.kernel_scale
     if arguments.is_causal:
         attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()

@@ -21,8 +21,11 @@ from torch import Tensor
 _SINK = "sink"
 
 
-def _flow_graph(layer_maps: list[Tensor], tokens: list[int], readout: list[float] | None, query: int) -> tuple[nx.DiGraph, object]:
-    """The layered graph of one example's real ``tokens`` and its sink node."""
+def _flow_graph(
+    layer_maps: list[Tensor], tokens: list[int], readout: list[float] | None, query: int | None
+) -> tuple[nx.DiGraph, object]:
+    """The layered graph of one example's real ``tokens`` and its sink node: the top
+    layer's ``query``, or a node ``readout`` feeds."""
     graph = nx.DiGraph()
     for layer, layer_map in enumerate(layer_maps, start=1):
         capacities = layer_map[tokens][:, tokens].tolist()
@@ -61,7 +64,7 @@ def attention_flow_scores(
     for b in range(real.shape[0]):
         tokens = real[b].nonzero().flatten().tolist()
         example_readout = None if readout is None else readout[b, tokens].tolist()
-        query = int(query_index[b]) if example_readout is None else -1
+        query = int(query_index[b]) if example_readout is None else None
         graph, sink = _flow_graph([m[b] for m in maps], tokens, example_readout, query)
         for j in tokens:
             source = (0, j)
