@@ -157,14 +157,27 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return wrapped if isinstance(wrapped, nn.Module) else model
 
 
+def transformers_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers models in ``model``: the model itself where it is one,
+    else those a wrapper holds (a compiled model's, a PEFT model's, the backbone of the
+    user's own module)."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}." if outer else "") for outer, _ in found)
+        if not inside and isinstance(module, PreTrainedModel):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
 def runnable_implementation(model: nn.Module, wanted: str) -> str | None:
-    """The implementation ``model`` would run if switched to ``wanted`` at run time
-    (transformers' own check, which may fall back from sdpa to eager and raises where the
-    model supports neither), or None for a model that chooses its attention classes at
-    construction and cannot be switched (private ``_can_set_attn_implementation`` and
-    ``_check_and_adjust_attn_implementation``; checked on 5.24); of a compiled model, the
-    model it wraps (:func:`uncompiled`)."""
-    model = uncompiled(model)
+    """The implementation the transformers model ``model`` would run if switched to
+    ``wanted`` at run time (transformers' own check, which may fall back from sdpa to eager
+    and raises where the model supports neither), or None for a model that chooses its
+    attention classes at construction and cannot be switched (private
+    ``_can_set_attn_implementation`` and ``_check_and_adjust_attn_implementation``; checked
+    on 5.24)."""
     can_switch = getattr(type(model), "_can_set_attn_implementation", None)
     if can_switch is None or not can_switch():
         return None

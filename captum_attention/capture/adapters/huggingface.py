@@ -8,11 +8,19 @@ import threading
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 from torch import Tensor, nn
 
-from ..._compat import StreamingUnsupported, attn_implementation, implementation_owner, model_configs, recorder_specs, runnable_implementation
+from ..._compat import (
+    StreamingUnsupported,
+    attn_implementation,
+    implementation_owner,
+    model_configs,
+    recorder_specs,
+    runnable_implementation,
+    transformers_models,
+)
 from ..guard import SharedPatch, every_forward
 from .protocol import (
     AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token,
@@ -90,6 +98,8 @@ class HuggingFaceAdapter(AdapterBase):
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__} cannot be explained through attention maps: {reason}.")
         encoder = _encoder_of(model)
+        if encoder is None:
+            _refuse_a_held_encoder_decoder(model)
         encoder_modules = set(encoder.modules()) if encoder is not None else set()
         found: dict[nn.Module, AttentionSite] = {}
         declared: list[str] = []
@@ -106,16 +116,16 @@ class HuggingFaceAdapter(AdapterBase):
                 if role == "self" and encoder is not None:
                     role = "encoder" if module in encoder_modules else "decoder"
                 found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
+        returned = [] if found else [returned_attention(inner) for inner in transformers_models(model)]
+        for module, index, cross in (site for r in returned for site in r.sites):
+            role = "cross" if cross else "encoder" if module in encoder_modules else "decoder" if encoder is not None else "self"
+            found[module] = AttentionSite(module, role, self.is_causal(module), index)
         if not found:
-            returned = returned_attention(model)
-            for module, index, cross in returned.sites:
-                role = "cross" if cross else "encoder" if module in encoder_modules else "decoder" if encoder is not None else "self"
-                found[module] = AttentionSite(module, role, self.is_causal(module), index)
-        if not found:
+            reason = "; ".join(r.reason for r in returned) or "it holds no transformers model"
             raise AttentionNotFoundError(
                 f"No attention maps found in {type(model).__name__}: it declares no attention "
                 f"modules in `_can_record_outputs` under {self.kinds} (declared: "
-                f"{sorted(set(declared)) or 'none'}) and {returned.reason}. If its attention "
+                f"{sorted(set(declared)) or 'none'}) and {reason}. If its attention "
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
         order = {module: index for index, module in enumerate(model.modules())}
@@ -178,27 +188,27 @@ class HuggingFaceAdapter(AdapterBase):
         does. Other Hugging Face models (classifiers, image models) get the arguments by the
         names of their forward's parameters in order, cache parameters left out (GPT-2's
         classifier takes its cache second; Captum's second argument is the
-        mask), float embeddings in the place of ``input_ids`` as ``inputs_embeds``; other
-        forward functions are returned as they are.
+        mask), float embeddings in the place of ``input_ids`` as ``inputs_embeds``; a PEFT
+        model is called as the model it wraps; other forward functions are returned as
+        they are.
         """
-        from transformers import PreTrainedModel
-
-        if not isinstance(forward_func, PreTrainedModel):
+        model = _called_as(forward_func)
+        if model is None:
             return forward_func
-        encoder_decoder = self.is_encoder_decoder(forward_func)
-        if not (encoder_decoder or forward_func.can_generate()):
-            return _ByParameterName(forward_func)
-        return _KeywordForward(forward_func, encoder_decoder)
+        called = cast(nn.Module, forward_func)
+        encoder_decoder = self.is_encoder_decoder(model)
+        if not (encoder_decoder or model.can_generate()):
+            return _ByParameterName(called)
+        return _KeywordForward(called, encoder_decoder)
 
     def named_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
         """A Hugging Face model called as ``forward_func(input_ids, attention_mask)`` with
         those two by name, whatever the model's parameters in between (GPT-2's cache, X-MOD's
         language ids, RoCBert's shape ids) and whatever it is (an encoder-decoder
         classifier's mask stays its mask, where :meth:`keyword_forward` gives Captum's second
-        input, the decoder's ids); other forward functions as they are."""
-        from transformers import PreTrainedModel
-
-        return _IdsAndMask(forward_func) if isinstance(forward_func, PreTrainedModel) else forward_func
+        input, the decoder's ids), a PEFT model as the model it wraps; other forward
+        functions as they are."""
+        return forward_func if _called_as(forward_func) is None else _IdsAndMask(cast(nn.Module, forward_func))
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
@@ -261,8 +271,14 @@ class HuggingFaceAdapter(AdapterBase):
 
     def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
         """``get_input_embeddings()`` of the encoder and the decoder (one module where they
-        share it, as T5's ``shared``), else of the model."""
-        owners = [getattr(model, "get_encoder")(), getattr(model, "get_decoder")()] if self.is_encoder_decoder(model) else [model]
+        share it, as T5's ``shared``), else of the model; of a module that names none (the
+        user's own around a backbone), those of the transformers models it holds."""
+        models = [model] if hasattr(model, "get_input_embeddings") else transformers_models(model)
+        owners = [
+            owner
+            for inner in models
+            for owner in ([getattr(inner, "get_encoder")(), getattr(inner, "get_decoder")()] if self.is_encoder_decoder(inner) else [inner])
+        ]
         modules: list[nn.Module] = []
         for owner in owners:
             try:
@@ -356,8 +372,9 @@ def _prepared(adapter: HuggingFaceAdapter, model: nn.Module, implementation: str
             "its attention runs per shifted window or over reduced keys, read from the eager probabilities"
         )
     with _implementation(model, implementation), ExitStack() as stack:
-        if _RETURNED.get(model, (None, ReturnedAttention(())))[1].sites:
-            stack.enter_context(every_forward(model, _output_attentions))
+        for inner in transformers_models(model):
+            if _RETURNED.get(inner, (None, ReturnedAttention(())))[1].sites:
+                stack.enter_context(every_forward(inner, _output_attentions))
         if grids:
             note_grid_calls(model, adapter.attention_sites(model), stack)
         yield
@@ -493,7 +510,33 @@ switching it to ``eager`` or ``sdpa`` would explain another model."""
 def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
     """``model`` running the attention implementation ``wanted`` in this context only,
     pinned there also when it already runs it (another thread's
-    ``set_attn_implementation`` during the call changes the model for the others only)."""
+    ``set_attn_implementation`` during the call changes the model for the others only).
+    A wrapper (a PEFT model, the user's own module) has each transformers model it holds
+    switched."""
+    views: dict[int, str] = {}
+    for inner in transformers_models(model):
+        views.update(_views(inner, wanted))
+    if not views:
+        yield
+        return
+    patches: list[SharedPatch] = []
+    token = None
+    try:
+        for owner in {implementation_owner(type(config)) for config in model_configs(model)}:
+            patches.append(_view_patch(owner))
+            patches[-1].acquire()
+        token = _VIEWED.set({**_VIEWED.get(), **views})
+        yield
+    finally:
+        if token is not None:
+            _VIEWED.reset(token)
+        for patch in patches:
+            patch.release()
+
+
+def _views(model: nn.Module, wanted: str) -> dict[int, str]:
+    """The implementation each config (by ``id``) of the transformers model ``model``
+    reports while it runs ``wanted``, or runs as it is where it cannot switch."""
     original = attn_implementation(model)
     if original is not None and original not in EXACT_IMPLEMENTATIONS:
         raise ValueError(
@@ -509,25 +552,8 @@ def _implementation(model: nn.Module, wanted: str) -> Iterator[None]:
         runnable = _runnable(model, original, wanted)
         runnable = None if runnable == original else runnable
     if runnable is None:  # pinned as each config runs now
-        views = {id(c): c._attn_implementation for c in configs if getattr(c, "_attn_implementation", None) is not None}
-    else:
-        views = {id(config): runnable for config in configs}
-    if not views:
-        yield
-        return
-    patches: list[SharedPatch] = []
-    token = None
-    try:
-        for owner in {implementation_owner(type(config)) for config in configs}:
-            patches.append(_view_patch(owner))
-            patches[-1].acquire()
-        token = _VIEWED.set({**_VIEWED.get(), **views})
-        yield
-    finally:
-        if token is not None:
-            _VIEWED.reset(token)
-        for patch in patches:
-            patch.release()
+        return {id(c): c._attn_implementation for c in configs if getattr(c, "_attn_implementation", None) is not None}
+    return {id(config): runnable for config in configs}
 
 
 EXPLICIT_FAMILIES = frozenset({
@@ -630,6 +656,19 @@ def _keywords(args: tuple) -> tuple[tuple, dict[str, Any]]:
     return args, {}
 
 
+def _called_as(forward_func: Callable[..., Any]) -> Any:
+    """The transformers model whose arguments ``forward_func`` takes by name: the model
+    itself, or the one a PEFT model wraps (``get_base_model()``, which its forward passes
+    every keyword argument to); None for other functions."""
+    from transformers import PreTrainedModel
+
+    if isinstance(forward_func, PreTrainedModel):
+        return forward_func
+    base = getattr(forward_func, "get_base_model", None) if isinstance(forward_func, nn.Module) else None
+    model = base() if callable(base) else None
+    return model if isinstance(model, PreTrainedModel) else None
+
+
 def _places_its_own(model: nn.Module) -> bool:
     """Whether the model computes its positions from the mask itself (Qwen2-VL's
     multimodal rotary positions, ``get_rope_index``), as ``generate`` lets it."""
@@ -673,6 +712,19 @@ class _ByParameterName:
         if isinstance(kwargs.get("input_ids"), Tensor) and kwargs["input_ids"].is_floating_point():
             kwargs["inputs_embeds"] = kwargs.pop("input_ids")
         return self.model(**kwargs)
+
+
+def _refuse_a_held_encoder_decoder(model: nn.Module) -> None:
+    """A one-line error for a module that holds an encoder-decoder (the user's own around
+    one): its source and target are explained as the two inputs of the encoder-decoder's
+    call, which a module of other inputs does not give."""
+    held = next((inner for inner in transformers_models(model) if inner is not model and _encoder_of(inner) is not None), None)
+    if held is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} holds the encoder-decoder {type(held).__name__}, whose source and target "
+            f"are explained as its call's two inputs: pass model=<the {type(held).__name__}>, a forward_func "
+            "of (input_ids, decoder_input_ids, *additional_forward_args) and inputs=(input_ids, decoder_input_ids)."
+        )
 
 
 def _encoder_of(model: nn.Module) -> nn.Module | None:

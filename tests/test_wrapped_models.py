@@ -1,0 +1,172 @@
+"""Transformers models inside other modules: the user's own module around a backbone, a
+PEFT model, a backbone whose attention is read from what it returns. Each is switched to
+the attention the capture runs, as the bare model is, and explained as it is."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from conftest import assert_refused_in_one_line, assert_same_state, assert_scores_close, make_batch, make_model, model_state
+from constants import NUM_LABELS, VOCAB
+from lm_models import make_decoder, make_encoder_decoder, make_prompts
+from torch import nn
+
+from captum_attention.attr import REGISTRY
+
+TARGET = 1
+
+
+class Classifier(nn.Module):
+    """The user's own classifier: a transformers backbone (sdpa, as loaded) and a head."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(ids, attention_mask=mask).last_hidden_state[:, 0])
+
+
+def _attribute(model, name, batch, capture):
+    return REGISTRY[name](model, capture=capture).attribute(
+        batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,)
+    )
+
+
+def _head(model: nn.Module) -> nn.Module:
+    """BERT's pooler and classifier, read from [CLS]'s output."""
+    return nn.Sequential(model.bert.pooler.dense, nn.Tanh(), model.classifier)
+
+
+CLASSIFIER_METHODS = sorted(set(REGISTRY) - {"alti_logit"})  # ALTI-Logit explains a language model's logit
+
+
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+@pytest.mark.parametrize("name", CLASSIFIER_METHODS)
+def test_a_backbone_inside_the_users_module_runs_either_capture(name, capture):
+    """Its sdpa backbone ran no eager attention for an eager capture (every method refused:
+    no probabilities returned), nor for Attention Flow, which reads them."""
+    model = make_model("bert")
+    assert model.config._attn_implementation == "sdpa"
+    batch = make_batch(model)
+    wrapped = Classifier(model.bert, _head(model)).eval()
+    before = model_state(wrapped)
+    scores = _attribute(wrapped, name, batch, capture)
+    assert_same_state(before, model_state(wrapped))
+    assert model.config._attn_implementation == "sdpa"
+    assert_scores_close(scores, _attribute(model, name, batch, capture))
+
+
+@pytest.mark.parametrize("name", ["grad_sam", "raw"])
+def test_a_backbone_whose_attention_is_returned_is_found_inside_the_users_module(name):
+    """DeBERTa declares no attention modules: they are found by a probe forward of the
+    backbone with ``output_attentions=True``, which the user's module does not take."""
+    torch.manual_seed(0)
+    config = tf.DebertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        num_labels=NUM_LABELS, pad_token_id=0,
+    )
+    model = tf.DebertaForSequenceClassification(config).eval()
+    batch = make_batch(model)
+    head = lambda states: model.classifier(model.pooler(states[:, None]))  # noqa: E731
+    wrapped = Classifier(model.deberta, head).eval()
+    assert_scores_close(_attribute(wrapped, name, batch, "auto"), _attribute(model, name, batch, "auto"))
+
+
+CLASSIFIER_METHODS = sorted(set(REGISTRY) - {"alti_logit"})  # ALTI-Logit explains a language model's logit
+
+
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+@pytest.mark.parametrize("name", CLASSIFIER_METHODS)
+def test_a_peft_model_is_explained_as_its_merged_model(name, capture):
+    """A classifier with LoRA on its queries and values: the PEFT model equals the model its
+    adapters merge into (``merge_and_unload``), in either capture."""
+    peft = pytest.importorskip("peft")
+    model = make_model("bert")
+    lora = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=4, target_modules=["query", "value"], init_lora_weights=False)
+    torch.manual_seed(2)
+    wrapped = peft.get_peft_model(model, lora).eval()
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    batch = make_batch(merged)
+    before = model_state(wrapped)
+    scores = _attribute(wrapped, name, batch, capture)
+    assert_same_state(before, model_state(wrapped))
+    assert_scores_close(scores, _attribute(merged, name, batch, capture))
+
+
+def _lora(peft, model: nn.Module, task: str, targets: list[str]) -> nn.Module:
+    torch.manual_seed(2)
+    lora = peft.LoraConfig(task_type=getattr(peft.TaskType, task), r=4, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(model, lora).eval()
+
+
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("family", sorted(LORA_TARGETS))
+def test_a_peft_language_model_is_explained_as_its_merged_model(family, name, capture):
+    """LoRA on a Llama's queries and values (grouped-query attention) and on GPT-2's
+    query-key-value projection, left padding: the PEFT model is called as the model it
+    wraps, so GPT-2's absolute positions are counted over the real tokens (positional
+    arguments gave it the padded positions, silently)."""
+    peft = pytest.importorskip("peft")
+    wrapped = _lora(peft, make_decoder(family), "CAUSAL_LM", LORA_TARGETS[family])
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    prompts = make_prompts()
+    before = model_state(wrapped)
+    scores = [
+        REGISTRY[name](model, capture=capture).attribute(
+            prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+        )
+        for model in (wrapped, merged)
+    ]
+    assert_same_state(before, model_state(wrapped))
+    assert_scores_close(*scores)
+
+
+@pytest.mark.parametrize("name", ["norm_attention", "alti", "alti_logit"])
+def test_a_peft_output_projection_is_refused_until_merged(name):
+    """The methods that read the output projection's weight do not read LoRA's base weight
+    alone: they refuse, naming ``merge_and_unload``."""
+    peft = pytest.importorskip("peft")
+    wrapped = _lora(peft, make_decoder("llama"), "CAUSAL_LM", ["o_proj"])
+    prompts = make_prompts()
+    explain = lambda: REGISTRY[name](wrapped).attribute(  # noqa: E731
+        prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+    )
+    assert_refused_in_one_line(wrapped, explain, "output projection of LlamaAttention as a floating-point weight.*merge_and_unload")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, method in REGISTRY.items() if method.spec.encoder_decoder))
+def test_a_peft_encoder_decoder_is_explained_as_its_merged_model(name):
+    """A T5 with LoRA on its queries and values, an answer's span: given positionally, its
+    forward took the decoder's ids as the mask (refused only where their lengths
+    differed). In float64: merged weights round differently in float32."""
+    peft = pytest.importorskip("peft")
+    wrapped = _lora(peft, make_encoder_decoder("t5"), "SEQ_2_SEQ_LM", ["q", "v"]).double()
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    prompts = make_prompts(side="right")
+    answer = torch.tensor([[5, 9, 4, 8, 6, 3], [7, 3, 9, 9, 5, 4], [11, 4, 6, 5, 3, 7]])  # the decoder's 7 ids: the prompts' length
+    source, target = (
+        REGISTRY[name](model).attribute_span(prompts.input_ids, answer, additional_forward_args=(prompts.attention_mask,))
+        for model in (wrapped, merged)
+    )
+    for actual, expected in zip(source, target):
+        assert_scores_close(actual, expected)
+
+
+def test_a_module_around_an_encoder_decoder_is_refused_in_one_line():
+    """Its source and target are the encoder-decoder's two inputs, which the module's own
+    call does not give: the capture found no decoder attention and said so, misleadingly."""
+    wrapped = Classifier(make_encoder_decoder("bart"), nn.Identity())
+    wrapped.forward = lambda ids, mask: wrapped.backbone(ids, attention_mask=mask).logits[:, -1]  # its decoder's ids made from ids
+    prompts = make_prompts(side="right")
+    explain = lambda: REGISTRY["grad_sam"](wrapped).attribute(  # noqa: E731
+        prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+    )
+    assert_refused_in_one_line(wrapped, explain, "Classifier holds the encoder-decoder BartForConditionalGeneration.*model=<the Bart")
