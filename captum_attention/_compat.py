@@ -171,6 +171,19 @@ def transformers_models(model: nn.Module) -> list[nn.Module]:
     return [module for _, module in found]
 
 
+def called_transformers_model(forward_func: Callable[..., Any]) -> Any:
+    """The transformers model whose arguments ``forward_func`` takes by name: the model
+    itself, or the one a PEFT model wraps (``get_base_model()``; a PEFT model's forward
+    passes every keyword argument on to it); None for other functions."""
+    from transformers import PreTrainedModel
+
+    if isinstance(forward_func, PreTrainedModel):
+        return forward_func
+    base = getattr(forward_func, "get_base_model", None) if isinstance(forward_func, nn.Module) else None
+    model = base() if callable(base) else None
+    return model if isinstance(model, PreTrainedModel) else None
+
+
 def runnable_implementation(model: nn.Module, wanted: str) -> str | None:
     """The implementation the transformers model ``model`` would run if switched to
     ``wanted`` at run time (transformers' own check, which may fall back from sdpa to eager

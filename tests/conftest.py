@@ -45,6 +45,9 @@ def _configs() -> dict[str, Callable[[], nn.Module]]:
         "albert": lambda: tf.AlbertForSequenceClassification(
             tf.AlbertConfig(**common, embedding_size=24)
         ),
+        "deberta": lambda: tf.DebertaForSequenceClassification(  # its attention is read from what it returns
+            tf.DebertaConfig(**common, pad_token_id=0)
+        ),
         "bart": lambda: tf.BartForSequenceClassification(  # an encoder-decoder: its decoder reads the input ids shifted
             tf.BartConfig(
                 vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

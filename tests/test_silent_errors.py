@@ -125,16 +125,9 @@ def test_a_family_whose_attention_is_returned_is_explained_through_a_direct_forw
     """DeBERTa's attention is read from what it returns with ``output_attentions=True``,
     which the capture asks of its forward: asked through a hook alone, a direct call (a
     cross-encoder's under sentence-transformers) returned no probabilities."""
-    import transformers as tf
-
     from captum_attention.capture.adapters.huggingface import returned_attention
 
-    torch.manual_seed(0)
-    config = tf.DebertaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        num_labels=NUM_LABELS, pad_token_id=0,
-    )
-    model = tf.DebertaForSequenceClassification(config).eval()
+    model = make_model("deberta")
     batch = make_batch(model)
     assert returned_attention(model).sites
     direct = lambda ids, mask: model.forward(ids, attention_mask=mask).logits  # noqa: E731

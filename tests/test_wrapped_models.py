@@ -1,20 +1,22 @@
-"""Transformers models inside other modules: the user's own module around a backbone, a
-PEFT model, a backbone whose attention is read from what it returns. Each is switched to
-the attention the capture runs, as the bare model is, and explained as it is."""
+"""Transformers models inside other modules: the user's own module around a backbone (one
+whose attention is read from what it returns included) and PEFT models (a classifier,
+language models, an encoder-decoder, the context metrics' own forwards) are explained as
+the bare or merged model is; a module around an encoder-decoder is refused in one line."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
-import transformers as tf
 from conftest import assert_refused_in_one_line, assert_same_state, assert_scores_close, make_batch, make_model, model_state
-from constants import NUM_LABELS, VOCAB
 from lm_models import make_decoder, make_encoder_decoder, make_prompts
 from torch import nn
 
 from captum_attention.attr import REGISTRY
+from captum_attention.metrics import top_k_log_prob_drop
+from captum_attention.metrics.context import answer_log_probs
 
 TARGET = 1
 
@@ -64,12 +66,7 @@ def test_a_backbone_inside_the_users_module_runs_either_capture(name, capture):
 def test_a_backbone_whose_attention_is_returned_is_found_inside_the_users_module(name):
     """DeBERTa declares no attention modules: they are found by a probe forward of the
     backbone with ``output_attentions=True``, which the user's module does not take."""
-    torch.manual_seed(0)
-    config = tf.DebertaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        num_labels=NUM_LABELS, pad_token_id=0,
-    )
-    model = tf.DebertaForSequenceClassification(config).eval()
+    model = make_model("deberta")
     batch = make_batch(model)
     head = lambda states: model.classifier(model.pooler(states[:, None]))  # noqa: E731
     wrapped = Classifier(model.deberta, head).eval()
@@ -99,7 +96,10 @@ def test_a_peft_model_is_explained_as_its_merged_model(name, capture):
 
 def _lora(peft, model: nn.Module, task: str, targets: list[str]) -> nn.Module:
     torch.manual_seed(2)
-    lora = peft.LoraConfig(task_type=getattr(peft.TaskType, task), r=4, target_modules=targets, init_lora_weights=False)
+    conv1d = type(model).__name__.startswith("GPT2")  # GPT-2's projections hold (in, out) weights
+    lora = peft.LoraConfig(
+        task_type=getattr(peft.TaskType, task), r=4, target_modules=targets, init_lora_weights=False, fan_in_fan_out=conv1d
+    )
     return peft.get_peft_model(model, lora).eval()
 
 
@@ -163,10 +163,24 @@ def test_a_peft_encoder_decoder_is_explained_as_its_merged_model(name):
 def test_a_module_around_an_encoder_decoder_is_refused_in_one_line():
     """Its source and target are the encoder-decoder's two inputs, which the module's own
     call does not give: the capture found no decoder attention and said so, misleadingly."""
-    wrapped = Classifier(make_encoder_decoder("bart"), nn.Identity())
+    wrapped = Classifier(make_encoder_decoder("bart"), nn.Identity()).eval()
     wrapped.forward = lambda ids, mask: wrapped.backbone(ids, attention_mask=mask).logits[:, -1]  # its decoder's ids made from ids
     prompts = make_prompts(side="right")
     explain = lambda: REGISTRY["grad_sam"](wrapped).attribute(  # noqa: E731
         prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
     )
     assert_refused_in_one_line(wrapped, explain, "Classifier holds the encoder-decoder BartForConditionalGeneration.*model=<the Bart")
+
+
+def test_the_context_metrics_of_a_peft_language_model_equal_its_merged_models():
+    """The metrics' own forwards call a PEFT model as the model it wraps: GPT-2's positions
+    counted over the real tokens of the left-padded, ablated prompts."""
+    peft = pytest.importorskip("peft")
+    wrapped = _lora(peft, make_decoder("gpt2"), "CAUSAL_LM", LORA_TARGETS["gpt2"])
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    prompts = make_prompts()
+    answer = torch.tensor([[7, 8], [9, 10], [11, 12]])
+    scores = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    args = (prompts.input_ids, prompts.attention_mask, answer)
+    for metric in (answer_log_probs, functools.partial(top_k_log_prob_drop, attributions=scores, ks=(1, 2))):
+        torch.testing.assert_close(metric(wrapped, *args), metric(merged, *args), rtol=1e-5, atol=1e-5)

@@ -567,7 +567,7 @@ def confirm_query_read(
             "attention_mask / attention_mask.sum(dim=1, keepdim=True) for a mean over the tokens"
         )
     raise ValueError(
-        f"The logits of example {example} read {where}, not position {int(queries[example])} alone, which the "
+        f"The output of example {example} read {where}, not position {int(queries[example])} alone, which the "
         f"methods that read one row explain by default: {fix}."
     )
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .._compat import called_transformers_model
 from ..capture import AttentionAdapter
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
@@ -225,12 +226,13 @@ def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
 
 
 def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
-    """``forward_func(ids, mask)``; a Hugging Face model by keyword (Bloom's and MPT's
-    second argument is the cache), with position ids that skip the left padding where it
-    takes them (as ``generate`` gives it)."""
-    if not hasattr(forward_func, "config"):
+    """``forward_func(ids, mask)``; a Hugging Face model (or a PEFT model, as the model it
+    wraps) by keyword (Bloom's and MPT's second argument is the cache), with position ids
+    that skip the left padding where it takes them (as ``generate`` gives it)."""
+    model = called_transformers_model(forward_func)
+    if model is None:
         return forward_func(ids, mask)
-    if "position_ids" in inspect.signature(getattr(forward_func, "forward", forward_func)).parameters:
+    if "position_ids" in inspect.signature(model.forward).parameters:
         return forward_func(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0))
     return forward_func(input_ids=ids, attention_mask=mask)
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..._compat import (
     StreamingUnsupported,
     attn_implementation,
+    called_transformers_model,
     implementation_owner,
     model_configs,
     recorder_specs,
@@ -192,7 +193,7 @@ class HuggingFaceAdapter(AdapterBase):
         model is called as the model it wraps; other forward functions are returned as
         they are.
         """
-        model = _called_as(forward_func)
+        model = called_transformers_model(forward_func)
         if model is None:
             return forward_func
         called = cast(nn.Module, forward_func)
@@ -208,7 +209,7 @@ class HuggingFaceAdapter(AdapterBase):
         classifier's mask stays its mask, where :meth:`keyword_forward` gives Captum's second
         input, the decoder's ids), a PEFT model as the model it wraps; other forward
         functions as they are."""
-        return forward_func if _called_as(forward_func) is None else _IdsAndMask(cast(nn.Module, forward_func))
+        return forward_func if called_transformers_model(forward_func) is None else _IdsAndMask(cast(nn.Module, forward_func))
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
@@ -654,19 +655,6 @@ def _keywords(args: tuple) -> tuple[tuple, dict[str, Any]]:
     if args and isinstance(args[-1], Mapping):
         return args[:-1], dict(args[-1])
     return args, {}
-
-
-def _called_as(forward_func: Callable[..., Any]) -> Any:
-    """The transformers model whose arguments ``forward_func`` takes by name: the model
-    itself, or the one a PEFT model wraps (``get_base_model()``, which its forward passes
-    every keyword argument to); None for other functions."""
-    from transformers import PreTrainedModel
-
-    if isinstance(forward_func, PreTrainedModel):
-        return forward_func
-    base = getattr(forward_func, "get_base_model", None) if isinstance(forward_func, nn.Module) else None
-    model = base() if callable(base) else None
-    return model if isinstance(model, PreTrainedModel) else None
 
 
 def _places_its_own(model: nn.Module) -> bool:
