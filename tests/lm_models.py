@@ -146,7 +146,12 @@ def make_vision(name: str, seed: int = 0) -> nn.Module:
     )
     if name == "vit":
         return tf.ViTForImageClassification(tf.ViTConfig(**common)).eval()
-    return tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(**common)).eval()
+    model = tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(**common)).eval()
+    embeddings = model.deit.embeddings
+    with torch.no_grad():  # built at zero, the class and distillation tokens would be one token twice
+        for parameter in (embeddings.cls_token, embeddings.distillation_token, embeddings.position_embeddings):
+            parameter.normal_(std=0.3)
+    return model
 
 
 @dataclass

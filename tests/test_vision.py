@@ -1,4 +1,5 @@
-"""Vision Transformers (ViT; DeiT with its distillation token): patch-grid scores."""
+"""Vision Transformers (ViT; DeiT with its distillation token; DINOv2): patch-grid scores,
+and the rows a classifier reads explained by default."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from types import SimpleNamespace
 import matplotlib
 import pytest
 import torch
+import transformers as tf
 from captum.attr import visualization
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import VISION, make_vision
 from methods import MAP_METHODS as METHODS
 
 from captum_attention import GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from captum_attention.attr import REGISTRY
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
@@ -61,7 +64,7 @@ def test_prefix_token_scores_are_in_the_maps(name):
     model = make_vision(name)
     pixels = images()
     scores, maps = RawAttention(model).attribute(pixels, return_maps=True)
-    row = maps[:, -1, 0]  # the last layer's [CLS] row, every token
+    row = maps[:, -1, : prefix_tokens(name)].mean(dim=1)  # the last layer's rows the logits read: [CLS] (and DeiT's distillation token)
     assert row.shape == (2, prefix_tokens(name) + GRID * GRID)
     torch.testing.assert_close(scores, row[:, prefix_tokens(name):].reshape(2, GRID, GRID))
 
@@ -114,3 +117,46 @@ def test_metrics_on_patch_tokens(name):
     assert flips.removed.shape == (2,)
     with pytest.raises(ValueError, match="per\\s+class/distillation/patch token"):
         attention_erasure(model, pixels, torch.zeros(2, 3, dtype=torch.bool))
+
+
+def _dinov2(registers: int):
+    common = dict(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, mlp_ratio=2, initializer_range=0.3, num_labels=3,
+    )
+    torch.manual_seed(0)
+    if registers:
+        return tf.Dinov2WithRegistersForImageClassification(tf.Dinov2WithRegistersConfig(**common, num_register_tokens=registers)).eval()
+    return tf.Dinov2ForImageClassification(tf.Dinov2Config(**common)).eval()
+
+
+def _rows_read(tokens: int, model) -> torch.Tensor:
+    """The rows the logits read, from each model's forward: DeiT's two heads averaged, one
+    on each of its first two tokens; DINOv2's head on its class token beside its patches'
+    mean (the tokens after the class and register tokens), taken as halves."""
+    weights = torch.zeros(2, tokens)
+    if isinstance(model, tf.DeiTForImageClassificationWithTeacher):
+        weights[:, :2] = 0.5
+    else:
+        patches = 1 + getattr(model.config, "num_register_tokens", 0)
+        weights[:, 0], weights[:, patches:] = 0.5, 0.5 / (tokens - patches)
+    return weights
+
+
+ROW_METHODS = sorted(n for n, m in REGISTRY.items() if m.spec.reads_query_row and n not in ("alti_logit", "attention_flow"))
+
+
+@pytest.mark.parametrize("method", ROW_METHODS)
+@pytest.mark.parametrize("case", ["deit", "dinov2", "dinov2 with registers"])
+def test_a_classifier_that_reads_several_rows_is_explained_at_them(case, method):
+    """By default, at the rows its logits read, weighted as it reads them, not at the
+    class token alone (half of what DeiT's logits read)."""
+    model = make_vision("deit") if case == "deit" else _dinov2(2 if "registers" in case else 0)
+    pixels = images()
+    explainer = REGISTRY[method](model)
+    prefix = 2 if case == "deit" else 1 + getattr(model.config, "num_register_tokens", 0)
+    tokens = prefix + GRID * GRID
+    scores = explainer.attribute(pixels, target=TARGET)
+    weighted = explainer.attribute(pixels, target=TARGET, query_index=_rows_read(tokens, model))
+    assert_scores_close(scores, weighted)
+    assert not torch.allclose(scores, explainer.attribute(pixels, target=TARGET, query_index=0))

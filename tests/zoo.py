@@ -452,6 +452,27 @@ MEAN_FROM = {
 ``hidden[:, 1:].mean(1)`` (BEiT-like models under their default ``use_mean_pooling``)."""
 
 
+def read_rows(model: nn.Module, tokens: int) -> torch.Tensor | None:
+    """The weights of the rows ``model``'s logits read, as its forward computes them, where
+    it reads several: a mean (:func:`mean_pooled_from`); DeiT with its teacher,
+    ``(cls_classifier(h[:, 0]) + distillation_classifier(h[:, 1])) / 2``; DINOv2,
+    ``classifier(cat([h[:, 0], h[:, 1 + registers:].mean(1)]))``, its class token and its
+    patches' mean taken as halves. None where it reads one row."""
+    weights = torch.zeros(tokens)
+    pooled_from = mean_pooled_from(model)
+    name = type(model).__name__
+    if pooled_from is not None:
+        weights[pooled_from:] = 1 / (tokens - pooled_from)
+    elif name == "DeiTForImageClassificationWithTeacher":
+        weights[:2] = 0.5
+    elif name in ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification"):
+        patches_from = 1 + getattr(model.config, "num_register_tokens", 0)
+        weights[0], weights[patches_from:] = 0.5, 0.5 / (tokens - patches_from)
+    else:
+        return None
+    return weights
+
+
 def mean_pooled_from(model: nn.Module) -> int | None:
     """The first token of the mean ``model``'s output reads; None where it reads one token."""
     if getattr(model.config, "classifier_pooling", None) in ("mean", "late"):  # ModernBERT, EuroBERT
@@ -495,10 +516,9 @@ def reference(case: Case) -> Callable[[str], Any]:
     lengths = [tokens] * ref.attentions[0].shape[0]
     generates = bool(case.model.can_generate()) if hasattr(case.model, "can_generate") else False
     query: int | torch.Tensor = tokens - 1 if generates or is_causal(ref.attentions) else 0  # a prefix LM reads its last row too
-    pooled_from = mean_pooled_from(case.model)
-    if pooled_from is not None:  # the classifier reads the mean of these rows
-        query = torch.zeros(tokens)
-        query[pooled_from:] = 1 / (tokens - pooled_from)
+    rows = read_rows(case.model, tokens)
+    if rows is not None:  # the classifier reads these rows
+        query = rows
 
     def stack(method: str) -> torch.Tensor:
         if without_grads and REGISTRY[method].spec.needs != "forward":

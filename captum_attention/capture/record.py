@@ -447,18 +447,16 @@ def record_forward(
             "models take while caching, as FSMT's with use_cache=True), so its logits are no next-token "
             "predictions: call it with use_cache=False (model.config.use_cache = False)."
         )
-    pooled_from = adapter.mean_pooled_from(model) if query_index is None else None
-    if logits.dim() == 3 and not causal and query_index is None and pooled_from is None:
+    readout = adapter.readout_rows(model, target_real) if query_index is None else None
+    if logits.dim() == 3 and not causal and query_index is None and readout is None:
         raise ValueError(
             f"{type(model).__name__} returns logits at every position and its attention sees both ways (a masked "
             "language model or a token classifier), so no position is explained by default: pass query_index, the "
             "position whose logits to explain (the [MASK] token's, the tagged token's), or a forward_func that returns "
             "that position's logits."
         )
-    if pooled_from is not None:  # the rows the output's mean reads, as a span
-        pooled = target_real.clone()
-        pooled[:, :pooled_from] = False
-        queries = pooled.float() / pooled.sum(dim=1, keepdim=True)
+    if readout is not None:  # the rows the output reads, weighted as it reads them
+        queries = readout
     elif isinstance(query_index, Tensor) and query_index.is_floating_point():  # the rows the caller weighs
         queries = query_row_weights(query_index, target_real)
     else:
@@ -539,9 +537,8 @@ def confirm_query_read(
     first position, when padded on the left; with ``one_row`` (a bidirectional text model,
     whose heads read one token unless the adapter says they pool), an output that pools
     several rows (a sentence embedding's mean over the tokens), of which the methods that
-    read one row would explain only the first. Image classifiers whose heads read the class
-    token beside others (DeiT's distillation token, DINOv2's patch mean) are explained at
-    the class token, as their family's documentation says."""
+    read one row would explain only the first. (Image classifiers whose heads read several
+    rows are read there by the adapter's ``readout_rows``.)"""
     with torch.enable_grad():
         read = capture.rows_read(logits.sum())
     if read is None:

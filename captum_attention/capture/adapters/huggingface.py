@@ -55,6 +55,26 @@ _MEAN_POOLING_CLASSIFIERS = {
 """Classifiers that read the mean of their tokens from the given one on (after CLIP's class
 token), where no config flag says so."""
 
+def _mean_pooled_from(model: nn.Module) -> int | None:
+    """Where a classifier reads the mean of its tokens, the first token of that mean:
+    shifted-window models (Swin, the last stage's tokens), :data:`_MEAN_POOLING_CLASSIFIERS`,
+    ``use_mean_pooling`` image and video classifiers (BEiT and Data2Vec-Vision after their
+    class token, VideoMAE) and text classifiers whose ``classifier_pooling`` averages the
+    tokens or their logits (ModernBERT's ``"mean"``, EuroBERT's ``"mean"`` and ``"late"``);
+    None for the others."""
+    name = type(model).__name__
+    if window_layers(model):
+        return 0
+    if name in _MEAN_POOLING_CLASSIFIERS:
+        return _MEAN_POOLING_CLASSIFIERS[name]
+    config = getattr(model, "config", None)
+    if getattr(config, "classifier_pooling", None) in ("mean", "late") and name.endswith("ForSequenceClassification"):
+        return 0
+    if getattr(config, "use_mean_pooling", False) and name.endswith(("ForImageClassification", "ForVideoClassification")):
+        return int(any(n.split(".")[-1] == "cls_token" for n, _ in model.named_parameters()))
+    return None
+
+
 class HuggingFaceAdapter(AdapterBase):
     """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
     decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
@@ -142,22 +162,27 @@ class HuggingFaceAdapter(AdapterBase):
         on_grid = on_patch_grid(module, grads, gradient=True)
         return super().as_heads(module, grads) if on_grid is None else on_grid
 
-    def mean_pooled_from(self, model: nn.Module) -> int | None:
-        """Classifiers that read the mean of their tokens: shifted-window models (Swin, the
-        last stage's tokens), :data:`_MEAN_POOLING_CLASSIFIERS`, ``use_mean_pooling`` image
-        and video classifiers (BEiT and Data2Vec-Vision after their class token, VideoMAE)
-        and text classifiers whose ``classifier_pooling`` averages the tokens or their
-        logits (ModernBERT's ``"mean"``, EuroBERT's ``"mean"`` and ``"late"``)."""
+    def readout_rows(self, model: nn.Module, real: Tensor) -> Tensor | None:
+        """Classifiers that read the mean of their tokens (:func:`_mean_pooled_from`), each
+        real token from the first of the mean on weighing alike; DeiT's classifier with
+        its teacher, the average of two heads on its class and distillation tokens, 1/2
+        each; DINOv2's, a linear head on its class token beside its patches' mean (after
+        the register tokens), 1/2 on the class token and 1/2 over the patches."""
         name = type(model).__name__
-        if window_layers(model):
-            return 0
-        if name in _MEAN_POOLING_CLASSIFIERS:
-            return _MEAN_POOLING_CLASSIFIERS[name]
-        config = getattr(model, "config", None)
-        if getattr(config, "classifier_pooling", None) in ("mean", "late") and name.endswith("ForSequenceClassification"):
-            return 0
-        if getattr(config, "use_mean_pooling", False) and name.endswith(("ForImageClassification", "ForVideoClassification")):
-            return int(any(n.split(".")[-1] == "cls_token" for n, _ in model.named_parameters()))
+        first = _mean_pooled_from(model)
+        rows = real.float()
+        if first is not None:
+            rows[:, :first] = 0
+            return rows / rows.sum(dim=1, keepdim=True)
+        if name == "DeiTForImageClassificationWithTeacher":
+            rows[:, 2:] = 0
+            return rows / 2
+        if name in ("Dinov2ForImageClassification", "Dinov2WithRegistersForImageClassification"):
+            start = 1 + int(getattr(model.config, "num_register_tokens", 0))
+            patches = rows[:, start:] / rows[:, start:].sum(dim=1, keepdim=True)
+            rows[:, 1:] = 0
+            rows[:, start:] = patches
+            return rows / 2
         return None
 
     def read_probs(self, site: AttentionSite, output: Any) -> Tensor | None:

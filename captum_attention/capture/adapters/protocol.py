@@ -14,8 +14,8 @@ An adapter answers the family questions for the capture layer, and nothing else 
    records (``prepared(model, streaming)``, a context manager that restores the model);
 5. how to call the model's forward with Captum's positional arguments
    (``keyword_forward``), whether it is an encoder-decoder (``is_encoder_decoder``) and,
-   for image models, the patch grid of an input (``patch_grid``), and whether the output
-   reads the mean of its tokens (``mean_pooled_from``);
+   for image models, the patch grid of an input (``patch_grid``), and which rows the
+   output reads where it reads several (``readout_rows``);
 6. which weight maps an attention module's concatenated head outputs back to the
    hidden size (``output_projection``, for effective attention), and where the input
    embeddings are (``input_embeddings``, for relevance propagation).
@@ -134,10 +134,12 @@ class AttentionAdapter(Protocol):
         model has no patch grid."""
         ...
 
-    def mean_pooled_from(self, model: nn.Module) -> int | None:
-        """Where the model's output reads the mean of its tokens rather than one token, the
-        first token of that mean (the default explained row is then the mean of those
-        rows); None where it reads one token."""
+    def readout_rows(self, model: nn.Module, real: Tensor) -> Tensor | None:
+        """Where the model's output reads several of its tokens' states rather than one
+        (the mean of its tokens, two heads' average), the ``(batch, seq_len)`` weights of
+        those rows, each example's summing to 1: the default explained row is then their
+        weighted sum. ``real`` holds the real tokens (``(batch, seq_len)`` bool). None
+        where the output reads one token."""
         ...
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -252,7 +254,7 @@ class AdapterBase:
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         return None
 
-    def mean_pooled_from(self, model: nn.Module) -> int | None:
+    def readout_rows(self, model: nn.Module, real: Tensor) -> Tensor | None:
         return None
 
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
