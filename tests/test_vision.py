@@ -160,3 +160,24 @@ def test_a_classifier_that_reads_several_rows_is_explained_at_them(case, method)
     weighted = explainer.attribute(pixels, target=TARGET, query_index=_rows_read(tokens, model))
     assert_scores_close(scores, weighted)
     assert not torch.allclose(scores, explainer.attribute(pixels, target=TARGET, query_index=0))
+
+
+@pytest.mark.parametrize("method", ROW_METHODS)
+def test_an_image_output_pooled_over_the_patches_is_not_explained_at_the_class_token(method):
+    """A ``forward_func`` that reads the mean of a ViT's patch states: the methods that
+    read one row refuse its class token, and explain the mean given its row weights."""
+    model = make_vision("vit")
+    pixels = images()
+
+    def patch_mean(pixel_values):
+        states = model.vit(pixel_values).last_hidden_state
+        return model.classifier(states[:, 1:].mean(dim=1))
+
+    explainer = REGISTRY[method](patch_mean, model=model)
+    with pytest.raises(ValueError, match=r"example 0 read positions 1-16, not position 0 alone"):
+        explainer.attribute(pixels, target=TARGET)
+    rows = torch.zeros(2, 1 + GRID * GRID)
+    rows[:, 1:] = 1 / GRID**2
+    scores = explainer.attribute(pixels, target=TARGET, query_index=rows)
+    by_rows = sum(rows[0, q] * explainer.attribute(pixels, target=TARGET, query_index=q) for q in range(1, 1 + GRID * GRID))
+    assert_scores_close(scores, by_rows)

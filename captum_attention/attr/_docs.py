@@ -33,13 +33,13 @@ _SHARED_ATTRIBUTE_DOCS = {
         '                language model also where its logits are read. Default: None, the first\n'
         "                real token ([CLS], a ViT's class token) for bidirectional attention, the\n"
         '                last real token for decoders (causal attention) and encoder-decoders; for\n'
-        '                a classifier that reads the mean of its tokens (BEiT, CLIP, SigLIP, Swin,\n'
-        '                ModernBERT with ``classifier_pooling="mean"``, ...) the mean of those rows;\n'
-        '                none for a bidirectional model with logits at every position (a masked\n'
-        "                language model's [MASK], a token classifier's tag): pass it. Where\n"
-        '                a bidirectional text model\'s output reads several rows (a pooling in\n'
-        "                forward_func, a sentence embedding's mean), the methods that read a row\n"
-        '                refuse the default.\n'
+        '                a classifier that reads several rows (BEiT, CLIP, SigLIP, Swin, ModernBERT\n'
+        '                with ``classifier_pooling="mean"``: their mean; DeiT with its teacher,\n'
+        '                DINOv2) those rows, weighted as it reads them; none for a bidirectional\n'
+        "                model with logits at every position (a masked language model's [MASK], a\n"
+        "                token classifier's tag): pass it. Where another bidirectional model's\n"
+        "                output reads several rows (a pooling in forward_func, a sentence\n"
+        "                embedding's mean), the methods that read a row refuse the default.\n"
         '                A float ``(batch, seq_len)`` tensor weighs the rows instead: the methods that\n'
         '                read a query row read the weighted sum of rows (as a span does; Grad-SAM\n'
         "                reads no row; Attention Flow's sink is fed by them), e.g. mask /\n"

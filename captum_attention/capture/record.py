@@ -463,7 +463,7 @@ def record_forward(
         queries = query_positions(query_index, target_real, causal)
         if confirm_rows and logits.dim() == 2 and roles[-1] in ("self", "decoder"):
             pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-            confirm_query_read(capture, logits, queries, target_real, pad_id, one_row=not causal and text_shape is not None)
+            confirm_query_read(capture, logits, queries, target_real, pad_id, one_row=not causal)
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
@@ -534,11 +534,11 @@ def confirm_query_read(
     logits with respect to the last attention call's output) are not the default query
     row: a decoder classifier that finds its last token by ``config.pad_token_id`` reads a
     padding position when the batch is padded with another id; an encoder read at its
-    first position, when padded on the left; with ``one_row`` (a bidirectional text model,
-    whose heads read one token unless the adapter says they pool), an output that pools
-    several rows (a sentence embedding's mean over the tokens), of which the methods that
-    read one row would explain only the first. (Image classifiers whose heads read several
-    rows are read there by the adapter's ``readout_rows``.)"""
+    first position, when padded on the left; with ``one_row`` (bidirectional attention,
+    whose heads read one token unless the adapter's ``readout_rows`` names several), an
+    output that pools several rows (a sentence embedding's mean over the tokens, a
+    pooling in ``forward_func``), of which the methods that read one row would explain
+    only the first."""
     with torch.enable_grad():
         read = capture.rows_read(logits.sum())
     if read is None:
