@@ -18,6 +18,7 @@ from lrp_reference import (
     vit_relevance,
 )
 from test_streaming import FAMILIES, _case
+from zoo import architectures, build, explain, make_case
 
 from captum_attention import METHODS, AttnLRP
 from captum_attention._compat import attention_function
@@ -148,6 +149,28 @@ def test_frozen_parameters_change_nothing():
         parameter.requires_grad_(False)
     torch.testing.assert_close(AttnLRP(model).attribute(ids, target=TARGET, additional_forward_args=args), expected)
     assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["causal LM/falcon", "image classification/swinv2", "causal LM/jamba", "causal LM/qwen3_next"])
+def test_weights_multiplied_by_hand_are_weights_to_the_rules(name, capture_mode):
+    """Falcon's linear layers compute ``x @ weight.T``, SwinV2 scales its attention by
+    ``exp(logit_scale)``, the state-space and gated layers of Jamba and Qwen3-Next by
+    ``exp(A_log)`` and the like: a tensor computed from the weights alone was taken for an
+    activation, and its product with one got the rule of two activations (half the
+    relevance to the weights), where frozen weights gave the linear rule (Falcon's
+    relevance moved by more than its own scale). A weight-only factor is a constant."""
+    head, model_type = name.split("/")
+    architecture = next(a for a in architectures(head) if a.model_type == model_type)
+    case = make_case(build(architecture), architecture)
+    expected = explain(case, "attn_lrp")
+    for parameter in case.model.parameters():
+        parameter.requires_grad_(False)
+    for actual, frozen in zip(_tuple(explain(case, "attn_lrp")), _tuple(expected)):
+        torch.testing.assert_close(actual, frozen, rtol=1e-5, atol=1e-5 * float(frozen.abs().max()))
+
+
+def _tuple(scores):
+    return scores if isinstance(scores, tuple) else (scores,)
 
 
 def test_continuation_rows_equal_the_prefixes_explained_alone():

@@ -129,6 +129,31 @@ def test_a_peft_language_model_is_explained_as_its_merged_model(family, name, ca
     assert_scores_close(*scores)
 
 
+@pytest.mark.parametrize("capture", ["auto", "eager"])
+@pytest.mark.parametrize("name", ["attn_lrp", "knockout_lrp"])
+def test_ia3_scales_are_weights_to_the_relevance_rules(name, capture):
+    """PEFT's IA3 multiplies the keys, values and the feed-forward's input by a learned
+    vector computed from its weights alone (``ia3_l.flatten()``): AttnLRP took that product
+    for one of two activations and gave the vector half the relevance (0.4-0.8 of the
+    scale off the merged model's); a weight-only factor is a linear map."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(2)
+    ia3 = peft.IA3Config(
+        task_type=peft.TaskType.CAUSAL_LM, target_modules=["k_proj", "v_proj", "down_proj"],
+        feedforward_modules=["down_proj"], init_ia3_weights=False,
+    )
+    wrapped = peft.get_peft_model(make_decoder("llama"), ia3).eval().double()  # merged weights round otherwise
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    prompts = make_prompts(lengths=(7, 7, 7))  # unpadded: transformers' eager float64 attention gives padded rows NaN
+    scores = [
+        REGISTRY[name](model, capture=capture).attribute(
+            prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+        )
+        for model in (wrapped, merged)
+    ]
+    assert_scores_close(*scores)
+
+
 @pytest.mark.parametrize("name", ["norm_attention", "alti", "alti_logit"])
 def test_a_peft_output_projection_is_refused_until_merged(name):
     """The methods that read the output projection's weight do not read LoRA's base weight

@@ -220,17 +220,17 @@ class RelevanceRules(Probe):
         return constant
 
     def carry(self, result: Any, args: tuple, kwargs: dict) -> Any:
-        """``result``, its tensors held where every argument requiring grad is held: as
-        detaching would have made them constants."""
-        if not self._held:
-            return result
-        from_held = False
+        """``result``, its tensors held where every argument requiring grad is held or a
+        parameter: as detaching would have made them constants. A tensor computed from
+        the weights alone (PEFT's IA3 scale, ``ia3_l.flatten()``) is no activation, and an
+        activation times it is a linear map, not a product of two activations."""
+        from_constants = False
         for tensor in _tensors((args, kwargs)):
             if tensor.requires_grad:
-                if not self._is_held(tensor):
+                if not (isinstance(tensor, nn.Parameter) or self._is_held(tensor)):
                     return result
-                from_held = True
-        if from_held:
+                from_constants = True
+        if from_constants:
             for tensor in _tensors(result):
                 self.hold(tensor)
         return result
