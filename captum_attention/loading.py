@@ -73,12 +73,18 @@ def checkpoint_task(path: str | Path) -> str:
     ...; LLaVA, Qwen2-VL, ...).
 
     Raises:
-        CheckpointError: the folder is missing, has no readable config, needs custom
-            code, or names neither kind of architecture.
+        CheckpointError: the folder is missing, holds a PEFT adapter alone, has no
+            readable config, needs custom code, or names neither kind of architecture.
     """
     from transformers import AutoConfig
 
     folder = _folder(path)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise CheckpointError(
+            f"{folder} holds a PEFT adapter, not a model: merge it into its base model and save that "
+            "(PeftModel.from_pretrained(base_model, folder).merge_and_unload().save_pretrained(merged), the "
+            "tokenizer beside it), then pass the merged folder."
+        )
     try:
         config = AutoConfig.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
