@@ -1,7 +1,8 @@
 """Transformers models inside other modules: the user's own module around a backbone (one
-whose attention is read from what it returns included) and PEFT models (a classifier,
-language models, an encoder-decoder, the context metrics' own forwards) are explained as
-the bare or merged model is; a module around an encoder-decoder is refused in one line."""
+whose attention is read from what it returns included) and PEFT models (LoRA on a
+classifier, language models and an encoder-decoder, the context metrics' own forwards;
+IA3 under AttnLRP) are explained as the bare or merged model is; a module around an
+encoder-decoder and a PEFT model that learns a prompt are refused in one line."""
 
 from __future__ import annotations
 
@@ -209,3 +210,17 @@ def test_the_context_metrics_of_a_peft_language_model_equal_its_merged_models():
     args = (prompts.input_ids, prompts.attention_mask, answer)
     for metric in (answer_log_probs, functools.partial(top_k_log_prob_drop, attributions=scores, ks=(1, 2))):
         torch.testing.assert_close(metric(wrapped, *args), metric(merged, *args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig"])
+def test_a_peft_model_that_learns_a_prompt_is_refused_in_one_line(kind):
+    """Its forward adds virtual tokens no input stands for: the refusal was that the mask,
+    lengthened inside PEFT's forward, did not fit the inputs it was given with."""
+    peft = pytest.importorskip("peft")
+    config = getattr(peft, kind)(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=3)
+    wrapped = peft.get_peft_model(make_decoder("llama"), config).eval()
+    prompts = make_prompts()
+    explain = lambda: REGISTRY["grad_sam"](wrapped).attribute(  # noqa: E731
+        prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+    )
+    assert_refused_in_one_line(wrapped, explain, "adds 3 virtual tokens of PEFT's .*TUNING inside its forward")

@@ -118,6 +118,7 @@ class HuggingFaceAdapter(AdapterBase):
         reason = OUT_OF_SCOPE.get(str(getattr(getattr(model, "config", None), "model_type", "")))
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__} cannot be explained through attention maps: {reason}.")
+        _refuse_virtual_tokens(model)
         encoder = _encoder_of(model)
         if encoder is None:
             _refuse_a_held_encoder_decoder(model)
@@ -725,6 +726,19 @@ class _ByParameterName:
         if isinstance(kwargs.get("input_ids"), Tensor) and kwargs["input_ids"].is_floating_point():
             kwargs["inputs_embeds"] = kwargs.pop("input_ids")
         return self.model(**kwargs)
+
+
+def _refuse_virtual_tokens(model: nn.Module) -> None:
+    """A one-line error for a PEFT model that learns a prompt (prompt, prefix or p-tuning):
+    its forward adds virtual tokens that no input token stands for (``active_peft_config``
+    of peft's ``PeftModel``)."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} adds {getattr(config, 'num_virtual_tokens', 'its')} virtual tokens of PEFT's "
+            f"{getattr(config, 'peft_type', 'prompt learning')} inside its forward, which no input token stands for: "
+            "a model that learns a prompt is not explained (a LoRA adapter, merged or not, is)."
+        )
 
 
 def _refuse_a_held_encoder_decoder(model: nn.Module) -> None:
