@@ -223,4 +223,4 @@ def test_a_peft_model_that_learns_a_prompt_is_refused_in_one_line(kind):
     explain = lambda: REGISTRY["grad_sam"](wrapped).attribute(  # noqa: E731
         prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
     )
-    assert_refused_in_one_line(wrapped, explain, "adds 3 virtual tokens of PEFT's .*TUNING inside its forward")
+    assert_refused_in_one_line(wrapped, explain, "adds 3 virtual tokens of PEFT's (PROMPT|PREFIX)_TUNING inside its forward")

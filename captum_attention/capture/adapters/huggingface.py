@@ -734,9 +734,10 @@ def _refuse_virtual_tokens(model: nn.Module) -> None:
     of peft's ``PeftModel``)."""
     config = getattr(model, "active_peft_config", None)
     if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config, "peft_type", "prompt learning")
         raise UnsupportedModelError(
             f"{type(model).__name__} adds {getattr(config, 'num_virtual_tokens', 'its')} virtual tokens of PEFT's "
-            f"{getattr(config, 'peft_type', 'prompt learning')} inside its forward, which no input token stands for: "
+            f"{getattr(kind, 'value', kind)} inside its forward, which no input token stands for: "
             "a model that learns a prompt is not explained (a LoRA adapter, merged or not, is)."
         )
 
