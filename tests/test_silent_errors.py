@@ -172,6 +172,27 @@ def test_an_output_pooled_over_the_tokens_is_not_explained_at_its_first_row(name
     assert_scores_close(explainer.attribute(batch.input_ids, query_index=mean_rows, **args), expected)
 
 
+@pytest.mark.parametrize("name", ["rollout", "raw"])
+def test_per_position_scores_are_told_to_pass_the_target_as_query_index(name):
+    """A question-answering model's start logits (one per token, each read from its own
+    row) read every row together: the fix is the target's position, not a mean."""
+    from transformers import BertForQuestionAnswering
+
+    config = make_model("bert").config
+    config.num_labels = 2  # start and end
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(config).eval()
+    batch = make_batch(model)
+    start_logits = lambda ids, mask: model(ids, attention_mask=mask).start_logits  # noqa: E731
+    explainer = METHODS[name](start_logits, model=model)
+    args = dict(target=3, additional_forward_args=(batch.attention_mask,))
+    with pytest.raises(ValueError, match=r"read positions 0-8, .*one score per position.*pass query_index=target"):
+        explainer.attribute(batch.input_ids, **args)
+    as_tokens = METHODS[name](lambda ids, mask: model(ids, attention_mask=mask).start_logits[:, :, None], model=model)
+    expected = as_tokens.attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,), query_index=3)
+    assert_scores_close(explainer.attribute(batch.input_ids, query_index=3, **args), expected)
+
+
 def test_a_forward_the_model_already_holds_is_kept():
     """accelerate's offloading hooks replace a module's ``forward`` on the instance."""
     model = make_model("bert")

@@ -538,7 +538,8 @@ def confirm_query_read(
     whose heads read one token unless the adapter's ``readout_rows`` names several), an
     output that pools several rows (a sentence embedding's mean over the tokens, a
     pooling in ``forward_func``), of which the methods that read one row would explain
-    only the first."""
+    only the first; the error says to pass the target's position where the output holds
+    one score per token, each read from its own row (a question-answering model's)."""
     with torch.enable_grad():
         read = capture.rows_read(logits.sum())
     if read is None:
@@ -558,6 +559,11 @@ def confirm_query_read(
         )
     elif len(rows) == 1:
         fix = f"pass query_index={rows[0]} to explain the row it reads"
+    elif _scores_per_position(capture, logits, real, example, rows):
+        fix = (
+            "its outputs are one score per position, each read from its own row (a question-answering model's "
+            "start or end logits): pass query_index=target, the position whose score is explained"
+        )
     else:
         fix = (
             "pass query_index as (batch, seq_len) weights of the rows it reads, e.g. "
@@ -567,6 +573,16 @@ def confirm_query_read(
         f"The output of example {example} read {where}, not position {int(queries[example])} alone, which the "
         f"methods that read one row explain by default: {fix}."
     )
+
+
+def _scores_per_position(capture: AttentionCapture, logits: Tensor, real: Tensor, example: int, rows: list[int]) -> bool:
+    """Whether ``example``'s logits hold one score per token, the score at a read row
+    reading that row alone (checked at the first read row)."""
+    if logits.shape[-1] != real.shape[1]:
+        return False
+    with torch.enable_grad():
+        read = capture.rows_read(logits[example, rows[0]])
+    return read is not None and read[example].nonzero().flatten().tolist() == [rows[0]]
 
 
 def _listed(positions: list[int]) -> str:
