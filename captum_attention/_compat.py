@@ -285,6 +285,30 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., 
     return copy
 
 
+SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
+"""torch's softmax functions, as a torch-function mode sees them."""
+
+
+def attention_softmax(func: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
+    """``func(*args, **kwargs)``, one of :data:`SOFTMAXES` inside an attention call, with
+    scores below the lower precision a softmax is asked for (``dtype=``) clamped to that
+    precision's least value first. transformers' eager attention (checked on 5.24) takes
+    the softmax of float64 scores in float32, where its padding mask of
+    ``finfo(float64).min`` overflows to -inf: a row of padding alone (a left-padded causal
+    model's first rows) gives NaN, which reaches the real tokens through the next layer's
+    zero weights, where the model run with sdpa stays finite. Clamped, every row with a
+    score above that least value is bit for bit the same, and such a row is uniform, as in
+    float32."""
+    dtype = kwargs.get("dtype")
+    scores = args[0] if args else kwargs.get("input")
+    if not (isinstance(dtype, torch.dtype) and isinstance(scores, Tensor) and scores.dtype.is_floating_point):
+        return func(*args, **kwargs)
+    if torch.finfo(dtype).bits >= torch.finfo(scores.dtype).bits:
+        return func(*args, **kwargs)
+    clamped = scores.clamp_min(torch.finfo(dtype).min)
+    return func(clamped, *args[1:], **kwargs) if args else func(**{**kwargs, "input": clamped})
+
+
 class StreamingUnsupported(RuntimeError):
     """The call cannot be explained without materialising the attention (see the message)."""
 

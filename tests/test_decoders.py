@@ -11,6 +11,7 @@ from lm_models import DECODERS, lm_reference, make_decoder, make_encoder_decoder
 from methods import MAP_METHODS, METHODS, reference_grad_sam_key_axis
 
 from captum_attention import GradSAM
+from captum_attention.attr._registry import REGISTRY
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
@@ -71,6 +72,21 @@ def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
         alone = explainer.attribute(prompts.input_ids[b : b + 1, real])
         torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
         assert (together[b, ~real] == 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_a_float64_left_padded_batch_matches_each_prompt_alone(name):
+    """transformers' eager attention takes a float64 model's softmax in float32, where the
+    padding mask overflows and the first rows of a left-padded prompt (padding alone) gave
+    NaN, spread to its real tokens: NaN scores, or a refusal naming a norm or a re-run."""
+    model = make_decoder("llama").double()
+    prompts = make_prompts(side="left")
+    explainer = REGISTRY[name](model)
+    together = explainer.attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    for b in range(3):
+        real = prompts.real[b]
+        alone = explainer.attribute(prompts.input_ids[b : b + 1, real])
+        torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import transformers.activations
 from torch import Tensor, nn
 
-from .._compat import UnsupportedModelError, run_forward
+from .._compat import SOFTMAXES, UnsupportedModelError, attention_softmax, run_forward
 from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
@@ -63,7 +63,6 @@ FUNCTIONS = 0
 """The key under which :class:`Points` keeps the activation functions called outside
 activation modules (a classifier head's ``torch.tanh``, an inline ``nn.ReLU()``)."""
 
-_SOFTMAX = frozenset({torch.softmax, Tensor.softmax, F.softmax})
 _ACTIVATION_FUNCTIONS = frozenset({
     torch.tanh, Tensor.tanh, F.tanh, torch.relu, Tensor.relu, F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu,
     F.leaky_relu, F.hardswish, torch.sigmoid, Tensor.sigmoid, F.sigmoid,
@@ -193,8 +192,9 @@ class _Functions(ScopedFunctionMode):
         self.state, self.on_call, self.on_softmax = state, on_call, on_softmax
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        if func in _SOFTMAX and self.on_softmax is not None and self.state["in_site"] > 0 and isinstance(output, Tensor):
+        in_attention = func in SOFTMAXES and self.state["in_site"] > 0
+        output = attention_softmax(func, args, kwargs or {}) if in_attention else func(*args, **(kwargs or {}))
+        if in_attention and self.on_softmax is not None and isinstance(output, Tensor):
             held = self.on_softmax(self.state["site"], output)
             return output if held is None else held
         if func not in _ACTIVATION_FUNCTIONS or self.state["layer"] < 0 or self.state["inside"] > 0:

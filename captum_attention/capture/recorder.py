@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import StreamingUnsupported, mha_forward_with_softmax
+from .._compat import SOFTMAXES, StreamingUnsupported, attention_softmax, mha_forward_with_softmax
 from .adapters import AttentionAdapter, AttentionSite
 from .adapters.protocol import UnsupportedModelError
 from .guard import ModelChanges, ScopedFunctionMode, current_thread, every_forward
@@ -269,7 +269,9 @@ class AttentionCapture(ModelChanges):
         for module in mask_modules:
             stack.enter_context(every_forward(module, self._record_masks))
         stack.enter_context(every_forward(self.model, self._count_model_call))
-        if not self.streaming and (from_softmax or self._listening("softmax") or self._listening("product")):
+        if not self.streaming and (
+            from_softmax or self._listening("softmax") or self._listening("product") or _in_float64(self.model)
+        ):  # a float64 model's softmax in float32 overflows (see attention_softmax)
             stack.enter_context(_SoftmaxInterception(self))
         stack.callback(self._keep_forward_context)  # last in, first out: before the hooks go
 
@@ -454,11 +456,14 @@ class _Call:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def _in_float64(model: nn.Module) -> bool:
+    return any(p.dtype == torch.float64 for p in model.parameters())
+
+
 def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
-_SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
 _PRODUCTS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
 
 
@@ -498,12 +503,13 @@ class _SoftmaxInterception(ScopedFunctionMode):
             return self._mha_forward(*args, **(kwargs or {}))
         if func is F.scaled_dot_product_attention and self.capture._open:
             return self._sdpa(SdpaArguments(*args, **(kwargs or {})))
+        if func in SOFTMAXES and self.capture._open:
+            probs = attention_softmax(func, args, kwargs or {})
+            return self.capture._on_softmax(probs, args[0] if args else (kwargs or {}).get("input"))
         result = func(*args, **(kwargs or {}))
         if func in _PRODUCTS and self.products and len(args) == 2:
             self.capture._on_product(*args)
-        if func not in _SOFTMAXES:
-            return result
-        return self.capture._on_softmax(result, args[0] if args else (kwargs or {}).get("input"))
+        return result
 
 
 class _PlainKernelInterception(ScopedFunctionMode):
