@@ -8,6 +8,7 @@ import json
 import pickle
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,7 +36,7 @@ CHECKPOINT_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
     "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json", "chat_template.jinja",
-    "chat_template.json",
+    "chat_template.json", "adapter_config.json",
 )
 """The files of a checkpoint folder besides its weights that decide what the model computes
 on a text or an image: its configuration, tokenizer and processor."""
@@ -72,19 +73,22 @@ def checkpoint_task(path: str | Path) -> str:
     vision-language model transformers registers for its model type: T5, BART, Marian,
     ...; LLaVA, Qwen2-VL, ...).
 
+    A folder that holds a PEFT adapter alone (``adapter_config.json``, no model weights)
+    has its adapter's task (``task_type``), else its base model's.
+
     Raises:
-        CheckpointError: the folder is missing, holds a PEFT adapter alone, has no
-            readable config, needs custom code, or names neither kind of architecture.
+        CheckpointError: the folder is missing, has no readable config, needs custom
+            code, or names neither kind of architecture; or it holds a PEFT adapter whose
+            base model is not here (see :func:`peft_adapter`).
     """
+    adapter = peft_adapter(path)
+    return _config_task(_folder(path)) if adapter is None else adapter.task
+
+
+def _config_task(folder: Path) -> str:
+    """The task of the checkpoint in ``folder`` by its config.json (see :func:`checkpoint_task`)."""
     from transformers import AutoConfig
 
-    folder = _folder(path)
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise CheckpointError(
-            f"{folder} holds a PEFT adapter, not a model: merge it into its base model and save that "
-            "(PeftModel.from_pretrained(base_model, folder).merge_and_unload().save_pretrained(merged), the "
-            "tokenizer beside it), then pass the merged folder."
-        )
     try:
         config = AutoConfig.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
@@ -109,6 +113,87 @@ def checkpoint_task(path: str | Path) -> str:
         "classifier nor a language model (its config.json names no *ForSequenceClassification, "
         "*ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
     )
+
+
+_PEFT_TASKS = {"SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq"}
+"""The PEFT task types that decide the task whatever the base model's config names (a
+classifier is often trained from a pretrained encoder whose config names its masked-LM head)."""
+
+_VIRTUAL_TOKENS = ("PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT", "CPT")
+"""PEFT methods that learn tokens or states no input token stands for, and cannot be merged."""
+
+
+_MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The files that hold a whole model's weights (a folder with an adapter beside them is the model)."""
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A folder that holds a PEFT adapter alone, and the checkpoint of its base model.
+
+    Attributes:
+        folder: the adapter's folder (``adapter_config.json`` and its weights).
+        base: the base model's checkpoint folder (``base_model_name_or_path``: a folder,
+            or a model in the local Hugging Face cache).
+        task: what :func:`checkpoint_task` says of the merged model.
+        task_type: the adapter's ``task_type`` (``"SEQ_CLS"``, ``"CAUSAL_LM"``, ...), or None.
+    """
+
+    folder: Path
+    base: Path
+    task: str
+    task_type: str | None
+
+
+def peft_adapter(path: str | Path) -> PeftAdapter | None:
+    """The PEFT adapter saved alone in ``path`` (``adapter_config.json``, no model weights;
+    a config.json beside it is the base's, as some trainers save it), or None for any
+    other folder.
+
+    Raises:
+        CheckpointError: the adapter learns virtual tokens (prompt or prefix tuning),
+            which cannot be merged, or its base model is neither a folder nor in the local
+            Hugging Face cache.
+    """
+    folder = _folder(path)
+    if not (folder / "adapter_config.json").is_file() or any((folder / name).is_file() for name in _MODEL_WEIGHTS):
+        return None
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{folder}/adapter_config.json is unreadable: {_first_line(error)}") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder}/adapter_config.json holds no object of settings.")
+    method = str(config.get("peft_type"))
+    if method in _VIRTUAL_TOKENS:
+        raise CheckpointError(
+            f"{folder} holds a {method} adapter, whose learned virtual tokens no input token stands for and "
+            "which cannot be merged into its base model: explain a LoRA-like adapter, or the base model."
+        )
+    base = _adapter_base(folder, config.get("base_model_name_or_path"), config.get("revision"))
+    task_type = config.get("task_type")
+    task = _PEFT_TASKS.get(str(task_type)) or _config_task(base)
+    return PeftAdapter(folder, base, task, task_type)
+
+
+def _adapter_base(folder: Path, name: Any, revision: Any) -> Path:
+    """The checkpoint folder of an adapter's base model: ``name`` as a folder, else as a
+    model in the local Hugging Face cache (never downloaded)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{folder}/adapter_config.json names no base_model_name_or_path: set it to the base model's folder.")
+    if Path(name).expanduser().is_dir():
+        return _folder(Path(name).expanduser())
+    from huggingface_hub import snapshot_download
+
+    try:
+        cached = snapshot_download(name, revision=revision or None, local_files_only=True)
+    except Exception as error:  # huggingface_hub's errors for an id not cached, or not an id
+        raise CheckpointError(
+            f"{folder} holds a PEFT adapter of {name!r}, which is neither a folder nor a model in the local "
+            "Hugging Face cache (nothing is downloaded): set base_model_name_or_path in its adapter_config.json "
+            "to the base model's folder."
+        ) from error
+    return _folder(cached)
 
 
 def load_classifier(path: str | Path) -> tuple[Any, Any]:
@@ -204,14 +289,47 @@ def _folder(path: str | Path) -> Path:
 
 def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tuple[Any, Any]:
     """The model (weights through safetensors or ``weights_only`` only) and its tokenizer
-    (or ``preprocessor_class``'s preprocessor: a vision-language model's processor)."""
+    (or ``preprocessor_class``'s preprocessor: a vision-language model's processor); a
+    PEFT adapter's base model with the adapter merged into it. Refused where a weight
+    of the model is in no file: it would be random."""
     from transformers import AutoTokenizer
 
+    adapter = peft_adapter(folder)
+    weights = folder if adapter is None else adapter.base
+    preprocessor = adapter.base if adapter is not None and not _has_preprocessor(folder) else folder
+    with _loading_errors(weights):
+        model, info = auto_class.from_pretrained(weights, weights_only=True, output_loading_info=True, **_OPTIONS)
+        labels = None if adapter is None or adapter.task_type != "SEQ_CLS" else _saved_label_count(model, adapter.folder)
+        if labels not in (None, model.config.num_labels):
+            model, info = auto_class.from_pretrained(
+                weights, weights_only=True, output_loading_info=True, num_labels=labels, **_OPTIONS
+            )
+        tokenizer = (preprocessor_class or AutoTokenizer).from_pretrained(preprocessor, **_OPTIONS)
+    missing = set(info["missing_keys"])
+    if adapter is not None:
+        model = _merged(model, adapter)
+        missing -= set(_saved_shapes(adapter.folder))
+    if missing:
+        shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        cause = (
+            "in none of its files" if adapter is None else
+            f"neither in its base model {adapter.base} nor in the adapter (train it with them in modules_to_save, "
+            "or merge it and save the whole model)"
+        )
+        raise CheckpointError(f"{folder}: the model's {shown} are {cause}, so they would be random.")
+    return model.eval(), tokenizer
+
+
+@contextmanager
+def _loading_errors(folder: Path) -> Iterator[None]:
+    """transformers' and PEFT's loading errors as one :class:`CheckpointError` line, their
+    logs and warnings off."""
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the error says it all
-            model = auto_class.from_pretrained(folder, weights_only=True, **_OPTIONS)
-            tokenizer = (preprocessor_class or AutoTokenizer).from_pretrained(folder, **_OPTIONS)
+            yield
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"could not load the checkpoint in {folder}: its pickled weights hold objects other than "
@@ -220,9 +338,63 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
         ) from error
     except SafetensorError as error:
         raise CheckpointError(f"could not load the checkpoint in {folder}: its safetensors file is truncated or corrupt ({error}).") from error
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"could not load the checkpoint in {folder}: {_first_line(error)}") from error
-    return model.eval(), tokenizer
+
+
+_PREPROCESSOR_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json",
+)
+
+
+def _has_preprocessor(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer or processor of its own (an adapter saved with one)."""
+    return any((folder / name).is_file() for name in _PREPROCESSOR_FILES)
+
+
+def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The names (without PEFT's ``base_model.model.``) and shapes of the tensors an
+    adapter saved: its own and its ``modules_to_save``."""
+    safetensors, pickled = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    with _loading_errors(folder):
+        if safetensors.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(safetensors), framework="pt") as saved:
+                shapes = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}
+        elif pickled.is_file():
+            import torch
+
+            shapes = {key: tuple(t.shape) for key, t in torch.load(pickled, map_location="cpu", weights_only=True).items()}
+        else:
+            raise CheckpointError(f"{folder} holds no adapter weights (adapter_model.safetensors or adapter_model.bin).")
+    return {key.removeprefix("base_model.model."): shape for key, shape in shapes.items()}
+
+
+def _saved_label_count(model: Any, folder: Path) -> int | None:
+    """The number of labels of the classifier head an adapter saved (its output layer:
+    the linear layer of the base classifier with one output per label), or None."""
+    from torch import nn
+
+    shapes = _saved_shapes(folder)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.out_features == model.config.num_labels and f"{name}.weight" in shapes:
+            return shapes[f"{name}.weight"][0]
+    return None
+
+
+def _merged(model: Any, adapter: PeftAdapter) -> Any:
+    """``model`` with ``adapter`` merged into its weights, named after the adapter's folder
+    (where the learned head weights and an evaluation's identity are read)."""
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise CheckpointError(f"{adapter.folder} holds a PEFT adapter, which needs the peft package: pip install peft") from error
+    with _loading_errors(adapter.folder):
+        merged = PeftModel.from_pretrained(model, adapter.folder).merge_and_unload()
+    merged.name_or_path = merged.config._name_or_path = str(adapter.folder)
+    return merged
 
 
 def _first_line(error: BaseException) -> str:

@@ -356,16 +356,6 @@ def test_a_checkpoint_that_needs_custom_code_is_one_line(tmp_path):
     assert "trust_remote_code" not in message and "http" not in message
 
 
-def test_a_peft_adapters_folder_is_one_line_naming_the_merge(tmp_path):
-    """A LoRA adapter saved alone (adapter_config.json, no config.json): it was "not a
-    Hugging Face checkpoint (no readable config.json)"."""
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "base"}))
-    with pytest.raises(CheckpointError) as raised:
-        load_classifier(tmp_path)
-    message = str(raised.value)
-    assert "holds a PEFT adapter, not a model" in message and "merge_and_unload()" in message and "\n" not in message
-
-
 @pytest.mark.parametrize("pad_token_id", [0, None])
 def test_a_tokenizer_without_a_pad_token_pads_as_the_config_says(tmp_path, pad_token_id):
     """GPT-2's classifiers are often saved with a tokenizer that has no pad token: the
