@@ -285,6 +285,13 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., 
     return copy
 
 
+def hooked_modules(model: nn.Module) -> list[str]:
+    """The names of ``model``'s modules that carry forward hooks or forward pre-hooks
+    (``Module._forward_hooks`` and ``_forward_pre_hooks``, checked on torch 2.13): outside a
+    capture, the user's own."""
+    return [name or type(model).__name__ for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
 SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)
 """torch's softmax functions, as a torch-function mode sees them."""
 

@@ -18,7 +18,7 @@ from constants import NUM_LABELS, VOCAB
 from methods import reference_grad_sam
 from torch import nn
 
-from captum_attention import METHODS
+from captum_attention import METHODS, UnsupportedModelError
 from captum_attention.attr import REGISTRY
 from captum_attention.maps import grad_sam_head_mean, relevance_head_mean
 
@@ -191,6 +191,28 @@ def test_per_position_scores_are_told_to_pass_the_target_as_query_index(name):
     as_tokens = METHODS[name](lambda ids, mask: model(ids, attention_mask=mask).start_logits[:, :, None], model=model)
     expected = as_tokens.attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,), query_index=3)
     assert_scores_close(explainer.attribute(batch.input_ids, query_index=3, **args), expected)
+
+
+@pytest.mark.parametrize("name", ["alti", "norm_attention"])
+def test_a_refusal_of_parts_that_do_not_add_up_names_the_users_hook(name):
+    """A hook that ablates a head (its share of the attention output set to 0): the parts
+    read from the weights no longer add up, and the refusal says which module's hook."""
+    model = make_model("bert")
+    batch = make_batch(model)
+
+    def without_head_1(module, args, output):
+        context = output[0].clone()
+        context[..., 8:16] = 0
+        return (context, *output[1:])
+
+    handle = model.bert.encoder.layer[2].attention.self.register_forward_hook(without_head_1)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"\(bert\.encoder\.layer\.2\.attention\.self carries a forward hook: .* remove it"):
+            REGISTRY[name](model).attribute(batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,))
+        assert list(model.bert.encoder.layer[2].attention.self._forward_hooks.values()) == [without_head_1]
+    finally:
+        handle.remove()
+    REGISTRY[name](model).attribute(batch.input_ids, target=TARGET, additional_forward_args=(batch.attention_mask,))
 
 
 def test_a_forward_the_model_already_holds_is_kept():

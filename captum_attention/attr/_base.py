@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output
+from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
@@ -249,7 +249,21 @@ class AttentionAttributionBase:
 
     def _method_scores(self, record: ForwardRecord, **options: Any) -> tuple[Scores, Any]:
         """The scores of an explained record, and the maps ``return_maps`` gives (None
-        where the method has none)."""
+        where the method has none); a refusal of the model's parts (a sum that does not
+        add up) names the modules that carry a hook of the user's."""
+        try:
+            return self._reduced(record, **options)
+        except UnsupportedModelError as error:
+            hooked = hooked_modules(self.model)
+            if not hooked:
+                raise
+            shown = ", ".join(hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+            raise UnsupportedModelError(
+                f"{str(error).rstrip('.')} ({shown} carries a forward hook: where it changes what the module returns, the "
+                "parts read from the weights no longer add up to what the model computes; remove it while explaining)."
+            ) from error
+
+    def _reduced(self, record: ForwardRecord, **options: Any) -> tuple[Scores, Any]:
         if self.spec.needs == "relevance":
             return relevance_scores(record), None
         if record.streaming:
