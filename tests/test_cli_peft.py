@@ -148,3 +148,27 @@ def test_adapters_that_cannot_be_merged_or_found_are_one_line(encoder, tmp_path)
     _refused(tmp_path / "lost", r"adapter of 'no-such/model', which is neither a folder nor a model in the local Hugging Face cache")
     result = run_cli("explain", "a film", "--model", str(tmp_path / "lost"))
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+
+
+def test_a_base_model_named_by_its_hub_id_is_read_from_the_local_cache(lora_classifier, encoder, tmp_path, monkeypatch):
+    """An adapter trained from a hub model names its id; the cached snapshot serves (the
+    hub is never asked)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    adapter, merged = lora_classifier
+    snapshot = tmp_path / "hub" / "models--tiny--encoder" / "snapshots" / "0123abcd"
+    shutil.copytree(encoder, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    by_id = tmp_path / "adapter"
+    shutil.copytree(adapter, by_id)
+    settings = json.loads((by_id / "adapter_config.json").read_text())
+    (by_id / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": "tiny/encoder"}))
+    model, tokenizer = load_classifier(by_id)
+    expected, _ = load_classifier(merged)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, expected(**batch).logits, atol=1e-5, rtol=1e-4)
