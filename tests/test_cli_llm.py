@@ -330,7 +330,12 @@ def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, c
         written = json.loads(path.read_text(encoding="utf-8"))
         assert written["prompt_tokens"] == tokenizer.convert_ids_to_tokens(ids[0].tolist())
         torch.testing.assert_close(torch.tensor(written["seq_attr"]["Grad-SAM"]), expected[0, : ids.shape[1]], rtol=1e-4, atol=1e-8)
-    capsys.readouterr()
+    template = [token in ("<s>", "question", "answer") for token in written["prompt_tokens"]]
+    assert json.loads(chat.read_text(encoding="utf-8"))["template"] == template and written["template"] == []
+    in_chat, as_pasted = capsys.readouterr().out.split("prompt: ")[1:]
+    assert "the chat template's 3 tokens left out" in in_chat and "the chat template's" not in as_pasted
+    top = in_chat.splitlines()[-2]  # Grad-SAM's top tokens, the template's not among them
+    assert top.startswith("  ") and not any(f" {token} " in f" {top} " for token in ("question", "answer"))
     assert main(["explain", "--model", str(llm), PROMPT, "--chat"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "the model's tokenizer (" in error and "has no chat template (a base model's): leave --chat out" in error

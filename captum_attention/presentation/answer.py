@@ -46,6 +46,9 @@ class AnswerExplanation:
             ``AttnLRP → pixels``, the pixels' relevance summed per patch.
         grid_covers_image: whether the grid's shape follows the image's (its cells can be
             laid over the image: a processor that resizes it whole).
+        template: per prompt token, whether the chat template wrote it rather than the
+            user's message (``--chat``; empty otherwise): left out of the scale and of the
+            top tokens, as the special tokens are.
     """
 
     prompt_tokens: list[str]
@@ -62,6 +65,13 @@ class AnswerExplanation:
     image: str | None = None
     image_grids: dict[str, list[list[float]]] = field(default_factory=dict)
     grid_covers_image: bool = False
+    template: list[bool] = field(default_factory=list)
+
+    @property
+    def left_out(self) -> list[bool]:
+        """Per prompt token, whether the reports leave it out of the scale and of the top
+        tokens: a special token, or one the chat template wrote."""
+        return [special or (i < len(self.template) and self.template[i]) for i, special in enumerate(self.special)]
 
 
 def explain_answer(
@@ -75,6 +85,7 @@ def explain_answer(
     ig_steps: int = 50,
     skip: str | None = None,
     presence: float = 0.05,
+    message: str | None = None,
 ) -> AnswerExplanation:
     """Generate (greedy) or take the answer to ``prompt``, then explain it with each method
     (registry names; ``integrated_gradients`` runs Captum's
@@ -82,7 +93,9 @@ def explain_answer(
     with the prompt's tokens at ``presence``, its special tokens and the answer at 1).
     Default: the methods of reports (:data:`~captum_attention.METHODS`). ``skip``: a
     regular expression; the prompt tokens it matches in full are left out of the features,
-    as Captum's ``skip_tokens`` leaves them out.
+    as Captum's ``skip_tokens`` leaves them out. ``message``: the user's message, where
+    ``prompt`` is it in a chat template (:func:`chat_prompt`): the template's own tokens
+    are marked (:attr:`AnswerExplanation.template`).
     """
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not getattr(model.config, "is_encoder_decoder", False))
@@ -104,6 +117,9 @@ def explain_answer(
         special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
+        template=[] if message is None else [
+            wrote for wrote, is_kept in zip(written_by_template(tokenizer, prompt, message, ids.tolist()), kept) if is_kept
+        ],
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _listed(
             glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist())
         ),
@@ -192,6 +208,21 @@ def chat_prompt(tokenizer: Any, message: str | list[dict[str, str]], templates: 
         )
     text = templates.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
     return without_added_bos(tokenizer, str(text))
+
+
+def written_by_template(tokenizer: Any, prompt: str, message: str, ids: list[int]) -> list[bool]:
+    """Per token ``ids`` of ``prompt``, whether the chat template wrote it: no character of
+    it lies in the user's ``message`` (its last place in ``prompt``), by the tokenizer's
+    offsets; none is marked where the tokenizer gives no offsets, reads ``prompt`` to other
+    ids, or the template changed the message's text."""
+    start = prompt.rfind(message) if message else -1
+    if start < 0 or not getattr(tokenizer, "is_fast", False):
+        return [False] * len(ids)
+    encoded = tokenizer(prompt, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != ids:
+        return [False] * len(ids)
+    end = start + len(message)
+    return [not (first < end and last > start) for first, last in encoded["offset_mapping"]]
 
 
 def without_added_bos(tokenizer: Any, prompt: str) -> str:

@@ -328,7 +328,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
         raise UsageError(too_long)
     explanation = explain_answer(
         model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, methods, arguments.per_token,
-        arguments.ig_steps, skip, arguments.presence,
+        arguments.ig_steps, skip, arguments.presence, message if arguments.chat else None,
     )
     _report_answer(arguments, explanation)
 

@@ -219,7 +219,7 @@ def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list
 
 def _summary(explanation: AnswerExplanation) -> str:
     """Per method, its top prompt tokens for the whole answer with their shares."""
-    labels, special = token_labels(explanation.prompt_tokens), explanation.special
+    labels, special = token_labels(explanation.prompt_tokens), explanation.left_out
     rows = []
     for method, scores in explanation.seq_attr.items():
         info = explanation.methods[method]
@@ -260,13 +260,14 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         *(f'<p class="note">Warning: {escape(warning)}.</p>' for warning in explanation.warnings),
         '<p class="legend">Each method explains the answer\'s log-probability. Each row of tokens or cells is '
         "coloured on its own scale, relative to its largest word score; its spread says how far that peak stands "
-        "above the mean (near uniform below ×1.5, where even faint differences look strong). Special tokens are left "
+        "above the mean (near uniform below ×1.5, where even faint differences look strong). Special tokens "
+        + ("and the chat template's own are" if any(explanation.template) else "are") + " left "
         f"out of the scale. Prompts of more than {LONG_PROMPT} tokens show {SHOWN_AROUND} tokens around each "
         f"method's top {TOP_TOKENS}, and the heat matrices only each row's top {TOP_TOKENS} columns. Hover for a score.</p>",
         "<h2>Summary</h2>",
         _summary(explanation),
     ]
-    tokens, special = explanation.prompt_tokens, explanation.special
+    tokens, special = explanation.prompt_tokens, explanation.left_out
     for method, scores in explanation.seq_attr.items():
         info = explanation.methods[method]
         parts.append(f"<section><h2>{escape(method)}</h2>")

@@ -143,10 +143,12 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
         f"  {terminal_safe(explanation.answer)}",
         "",
         f"top {top} prompt tokens per method, by their share of the method's scores over the prompt's words"
+        + (f" (the chat template's {count(sum(explanation.template), 'token')} left out, as the special ones)"
+           if any(explanation.template) else "")
         + (" (--raw: the scores)" if raw else "") + "; a token the prompt holds more than once shows its "
         "position among the explained tokens, token[i]:",
     ]
-    tokens, special = explanation.prompt_tokens, explanation.special
+    tokens, special = explanation.prompt_tokens, explanation.left_out
     for method, scores in explanation.seq_attr.items():
         info = explanation.methods[method]
         lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms), the whole answer:")
