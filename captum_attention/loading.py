@@ -313,10 +313,11 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
         shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         cause = (
             "in none of its files" if adapter is None else
-            f"neither in its base model {adapter.base} nor in the adapter (train it with them in modules_to_save, "
-            "or merge it and save the whole model)"
+            f"neither in its base model {adapter.base} nor in the adapter (name them in modules_to_save when "
+            "training it, or merge it and save the whole model)"
         )
-        raise CheckpointError(f"{folder}: the model's {shown} are {cause}, so they would be random.")
+        verb, pronoun = ("is", "it") if len(missing) == 1 else ("are", "they")
+        raise CheckpointError(f"{folder}: the model's {shown} {verb} {cause}, so {pronoun} would be random.")
     return model.eval(), tokenizer
 
 
