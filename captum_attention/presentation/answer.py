@@ -14,7 +14,7 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images
-from .display import readable_tokens, special_tokens
+from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
     check_methods, presence_display, registered_method, removable_segments, span_presence,
@@ -211,18 +211,18 @@ def chat_prompt(tokenizer: Any, message: str | list[dict[str, str]], templates: 
 
 
 def written_by_template(tokenizer: Any, prompt: str, message: str, ids: list[int]) -> list[bool]:
-    """Per token ``ids`` of ``prompt``, whether the chat template wrote it: no character of
-    it lies in the user's ``message`` (its last place in ``prompt``), by the tokenizer's
-    offsets; none is marked where the tokenizer gives no offsets, reads ``prompt`` to other
-    ids, or the template changed the message's text."""
+    """Per token ``ids`` of ``prompt``, whether the chat template wrote it, as ``evaluate``
+    tells them apart (:func:`~captum_attention.presentation.display.outside_span`: its
+    first visible character lies outside the user's ``message``, at its last place in
+    ``prompt``); none is marked where the tokenizer gives no offsets, reads ``prompt`` to
+    other ids, or the template changed the message's text."""
     start = prompt.rfind(message) if message else -1
     if start < 0 or not getattr(tokenizer, "is_fast", False):
         return [False] * len(ids)
-    encoded = tokenizer(prompt, return_offsets_mapping=True)
-    if list(encoded["input_ids"]) != ids:
+    encoded = tokenizer(prompt, return_offsets_mapping=True, return_tensors="pt")
+    if encoded["input_ids"][0].tolist() != ids:
         return [False] * len(ids)
-    end = start + len(message)
-    return [not (first < end and last > start) for first, last in encoded["offset_mapping"]]
+    return outside_span(encoded["offset_mapping"][0], prompt, (start, start + len(message))).tolist()
 
 
 def without_added_bos(tokenizer: Any, prompt: str) -> str:

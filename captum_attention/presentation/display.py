@@ -110,3 +110,18 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
         ax.set_title(title, fontsize=10)
     ax.figure.tight_layout()
     return ax
+
+
+def outside_span(offsets: Tensor, text: str, span: tuple[int, int]) -> Tensor:
+    """``(N,)`` bool: the tokens (their character ``offsets`` ``(N, 2)`` in ``text``) whose
+    first character other than a space lies outside the characters ``span`` of ``text``:
+    a chat template's own tokens around the user's message."""
+    starts = torch.tensor([first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
+    return (starts < span[0]) | (starts >= span[1])
+
+
+def first_visible(text: str, start: int, end: int) -> int:
+    """The position of ``text[start:end]``'s first character other than a space (``start``
+    where it has none)."""
+    stripped = text[start:end].lstrip()
+    return end - len(stripped) if stripped else start

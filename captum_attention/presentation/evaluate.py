@@ -35,7 +35,7 @@ from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
-from .display import special_tokens
+from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, Text, answer_estimates, check_methods,
     check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs, classifier_padding_side,
@@ -540,7 +540,7 @@ def answer_tensors(
     special = set(tokenizer.all_special_ids)
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
     if example.message is not None:
-        keep |= _outside(encoded["offset_mapping"][0], example.text, example.message).to(device)[None]
+        keep |= outside_span(encoded["offset_mapping"][0], example.text, example.message).to(device)[None]
     segments = None
     if example.segments is not None:
         offsets = encoded["offset_mapping"][0]
@@ -568,20 +568,6 @@ def _token_segments(offsets: Tensor, segments: Sequence[str], keep: Tensor) -> T
     tokens never removed (special tokens, which hold no character)."""
     text = "".join(segments)
     ends = torch.tensor([len(s) for s in segments]).cumsum(0)
-    starts = torch.tensor([_first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
+    starts = torch.tensor([first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
     found = torch.searchsorted(ends, starts, right=True).clamp(max=len(segments) - 1)
     return found.masked_fill(keep.cpu() | (offsets[:, 1] <= offsets[:, 0]), -1).to(keep.device)
-
-
-def _outside(offsets: Tensor, text: str, span: tuple[int, int]) -> Tensor:
-    """``(N,)`` bool: the tokens whose first character other than a space lies outside the
-    characters ``span`` of ``text``."""
-    starts = torch.tensor([_first_visible(text, start, end) for start, end in offsets.tolist()], dtype=torch.long)
-    return (starts < span[0]) | (starts >= span[1])
-
-
-def _first_visible(text: str, start: int, end: int) -> int:
-    """The position of ``text[start:end]``'s first character other than a space (``start``
-    where it has none)."""
-    stripped = text[start:end].lstrip()
-    return end - len(stripped) if stripped else start
