@@ -217,6 +217,7 @@ def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llav
                  "--methods", "grad_sam", "--json", str(report)]) == 0
     explanation = json.loads(report.read_text(encoding="utf-8"))
     assert explanation["prompt_tokens"] == ["<s>", "question", "<image>", "what", "is", "the", "cat", "answer"]
+    assert explanation["template"] == [True, True, False, False, False, False, False, True], "the user's image and text"
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
     inputs = dict(processor(text="question <image> what is the cat answer", images=Image.open(image).convert("RGB"),
                             return_tensors="pt"))

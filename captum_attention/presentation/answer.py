@@ -304,9 +304,10 @@ def explain_image_answer(
         answer_ids = torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"])
     if answer_ids.numel() == 0:
         raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
-    features, names, special = _image_features(model, ids[0], tokenizer)
+    template = _template_tokens(model, tokenizer, text, prompt, ids[0]) if chat else None
+    features, names, special, written = _image_features(model, ids[0], tokenizer, template)
     explanation = AnswerExplanation(
-        prompt_tokens=names, special=special,
+        prompt_tokens=names, special=special, template=written if chat else [],
         answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [], image=str(image_path),
     )
@@ -397,25 +398,52 @@ def _feature_scores(scores: Any, features: torch.Tensor, image_column: torch.Ten
     return summed
 
 
-def _image_features(model: Any, ids: torch.Tensor, tokenizer: Any) -> tuple[torch.Tensor, list[str], list[bool]]:
-    """``(tokens, features)`` weights, the features' names and whether each is a special
-    token: each text token its own feature, each run of image tokens one (``<image>``)."""
+def _image_tokens(model: Any, ids: torch.Tensor) -> list[bool]:
+    """Per token of ``ids``, whether it is one of the image's."""
     from ..capture.adapters.images import image_token_id
 
     token_id = image_token_id(model.config)
-    held: list[bool] = ids.eq(-1 if token_id is None else token_id).tolist()
+    return ids.eq(-1 if token_id is None else token_id).tolist()
+
+
+def _template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:
+    """Per token of the processor's ``ids`` (the image's tokens expanded), whether the chat
+    template wrote it (:func:`written_by_template` on the templated ``text`` as the
+    tokenizer reads it, its text tokens matched in order with those of ``ids``); none
+    where they differ (a processor that adds tokens of its own)."""
+    plain = tokenizer(text)["input_ids"]
+    is_image = _image_tokens(model, ids)
+    image_ids = set(ids[torch.tensor(is_image, dtype=torch.bool)].tolist())
+    text_marks = [(token, wrote) for token, wrote in zip(plain, written_by_template(tokenizer, text, message, plain))
+                  if token not in image_ids]
+    if [token for token, image in zip(ids.tolist(), is_image) if not image] != [token for token, _ in text_marks]:
+        return [False] * len(ids)
+    marks = iter(wrote for _, wrote in text_marks)
+    return [False if image else next(marks) for image in is_image]
+
+
+def _image_features(
+    model: Any, ids: torch.Tensor, tokenizer: Any, template: list[bool] | None = None
+) -> tuple[torch.Tensor, list[str], list[bool], list[bool]]:
+    """``(tokens, features)`` weights, the features' names, whether each is a special
+    token, and whether the chat template wrote it (per token: ``template``; none given:
+    none): each text token its own feature, each run of image tokens one (``<image>``)."""
+    held = _image_tokens(model, ids)
     special_ids = set(tokenizer.all_special_ids)
     names: list[str] = []
     special: list[bool] = []
+    written: list[bool] = []
     columns: list[int] = []
-    for token, text, is_image in zip(ids.tolist(), readable_tokens(ids, tokenizer), held):
+    marks = template or [False] * len(ids)
+    for token, text, is_image, wrote in zip(ids.tolist(), readable_tokens(ids, tokenizer), held, marks):
         if not (is_image and names and names[-1] == IMAGE_TOKEN):
             names.append(IMAGE_TOKEN if is_image else text)
             special.append(not is_image and token in special_ids)
+            written.append(wrote)
         columns.append(len(names) - 1)
     features = torch.zeros(len(ids), len(names))
     features[torch.arange(len(ids)), torch.tensor(columns)] = 1.0
-    return features, names, special
+    return features, names, special, written
 
 
 def _has_grid(model: Any, ids: torch.Tensor, inputs: dict[str, Any]) -> bool:
