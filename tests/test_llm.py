@@ -100,12 +100,17 @@ def test_token_rows_with_log_prob_equal_one_token_spans():
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_span_and_all_token_rows_each_run_the_model_once(method):
+    """Once the model's left padding is confirmed (its first left-padded call runs one
+    prompt alone and padded: :meth:`_KeywordForward.confirm_left_padding`)."""
     model, prompts = make_decoder("llama"), make_prompts(side="left")
+    explainer = METHODS[method].cls(model)
+    args = dict(additional_forward_args=(prompts.attention_mask,))
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        explainer = METHODS[method].cls(model)
-        args = dict(additional_forward_args=(prompts.attention_mask,))
+        explainer.attribute_span(prompts.input_ids, CONTINUATION[:, :1], **args)
+        assert len(calls) == 3, "the confirmation's two forwards, then the explanation's"
+        calls.clear()
         explainer.attribute_span(prompts.input_ids, CONTINUATION, **args)
         assert len(calls) == 1
         explainer.attribute_continuation(prompts.input_ids, CONTINUATION, **args)

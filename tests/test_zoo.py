@@ -11,7 +11,7 @@ import transformers as tf
 from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
-    make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
+    left_padding_outcome, make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
 )
 
 from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
@@ -110,6 +110,22 @@ def test_attention_shares_are_exact_or_refused_in_one_line(architecture):
     outcome = shares_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
+
+
+@pytest.mark.parametrize("model_type, status", [("qwen2", "exact"), ("gpt2", "exact"), ("roberta", "exact"), ("xlm", "refused")])
+def test_a_left_padded_batch_is_each_prompt_alone_or_refused(model_type, status):
+    """Position ids over the real tokens (Qwen2's rotary positions, GPT-2's absolute
+    ones); none for RoBERTa, which counts them from the ids past the padding; XLM reads
+    its learned positions from the first column either way."""
+    outcome = left_padding_outcome(_architecture("causal LM", model_type))
+    assert outcome.status == status, outcome
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("causal LM"), ids=lambda a: a.name)
+def test_a_left_padded_batch_is_each_prompt_alone_or_refused_on_every_causal_lm(architecture):
+    outcome = left_padding_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 @pytest.mark.parametrize("head, model_type", [("causal LM", "gpt_neox"), ("sequence classification", "falcon")])
 def test_an_output_projection_named_dense_is_read(head, model_type):

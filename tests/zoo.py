@@ -752,6 +752,45 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     return Outcome("exact") if _close(shares, expected) else Outcome("wrong", "shares off the eager twin's maps")
 
 
+def left_padding_outcome(architecture: Architecture, implementation: str | None = None) -> Outcome:
+    """Grad-SAM on a causal LM's batch of two prompts, the second left-padded by two
+    columns: ``exact`` where its real tokens' scores equal the prompt's alone and unpadded
+    (and the first prompt's its own alone), refused in one line, ``not built`` (the model
+    itself fails on the padded batch), or else wrong or an error. Where the call asks for the eager model, on the model built eager."""
+    try:
+        case = runs(make_case(build(architecture, implementation=implementation), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    ids = case.inputs
+    assert isinstance(ids, torch.Tensor)
+    if "attention_mask" not in inspect.signature(case.model.forward).parameters:
+        return Outcome("not built", "its forward takes no attention mask")
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    padded = ids.masked_fill(mask == 0, 0)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            case.model(input_ids=padded, attention_mask=mask)
+    except Exception as error:  # noqa: BLE001 - the model itself fails on a mask with zeros
+        return Outcome("not built", f"the model itself fails on a left-padded mask: {_one_line(error)}")
+    explainer = REGISTRY["grad_sam"](case.model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            together = explainer.attribute(padded, target=case.target, additional_forward_args=(mask,))
+            alone = [explainer.attribute(padded[b : b + 1, mask[b] != 0], target=case.target) for b in range(2)]
+    except (UnsupportedModelError, ValueError) as error:
+        message = str(error).strip()
+        if EAGER_ONLY in message and implementation is None:
+            return loaded_eager(left_padding_outcome(architecture, "eager"))
+        return Outcome("refused" if "\n" not in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    rows = [together[b : b + 1, mask[b] != 0] for b in range(2)]
+    return Outcome("exact") if all(_close(r, a) for r, a in zip(rows, alone)) else Outcome("wrong", "off each prompt alone")
+
+
 def removal_outcome(architecture: Architecture) -> Outcome:
     """ERASER comprehensiveness of a sequence classifier given as it is, on a batch whose
     deletions leave one row shorter (padded) than the other, the last token (an end of

@@ -21,7 +21,7 @@ import captum
 import torch
 from torch import Tensor, nn
 
-from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, run_forward
+from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, format_additional_forward_args, run_forward
 from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
@@ -405,11 +405,15 @@ def record_forward(
     if confirm_rows and not grad_mode.enabled:
         probes = [*probes, LastCallGraph(streaming)]
     shape_check = [] if text_shape is None else [MaskShape(text_shape)]
+    keyword_forward = adapter.keyword_forward(forward_func)
+    confirm_left_padding = getattr(keyword_forward, "confirm_left_padding", None)
+    if confirm_left_padding is not None:  # it runs the model: before the capture
+        confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
     capture = AttentionCapture(
         model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
     )
     with capture:
-        output = run_forward(adapter.keyword_forward(forward_func), inputs, None, additional_forward_args)
+        output = run_forward(keyword_forward, inputs, None, additional_forward_args)
     if capture.model_calls > 1:
         raise ValueError(
             f"forward_func ran {type(model).__name__} {capture.model_calls} times in one call. The "

@@ -24,15 +24,14 @@ so an example scores the same alone and in a padded batch.
 
 from __future__ import annotations
 
-import inspect
 from functools import cached_property
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .._compat import called_transformers_model
 from ..capture import AttentionAdapter
+from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
@@ -152,7 +151,7 @@ class _AnswerScorer:
             logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
-            logits = output_logits(_run(self.forward_func, sequences, sequence_mask))
+            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask))
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
@@ -168,6 +167,9 @@ class _AnswerScorer:
         mask = torch.ones_like(prompt)
         padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side)
         answer = self.answer[:1]
+        confirm_left_padding = getattr(_by_name(self.forward_func), "confirm_left_padding", None)
+        if self.decoder_start is None and confirm_left_padding is not None:  # a Hugging Face model's own check
+            confirm_left_padding(torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1))
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, answer)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, answer)
@@ -225,16 +227,13 @@ def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:
     return segments.to(real.device).masked_fill(~real, -1).long()
 
 
-def _run(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor) -> Any:
-    """``forward_func(ids, mask)``; a Hugging Face model (or a PEFT model, as the model it
-    wraps) by keyword (Bloom's and MPT's second argument is the cache), with position ids
-    that skip the left padding where it takes them (as ``generate`` gives it)."""
-    model = called_transformers_model(forward_func)
-    if model is None:
-        return forward_func(ids, mask)
-    if "position_ids" in inspect.signature(model.forward).parameters:
-        return forward_func(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0))
-    return forward_func(input_ids=ids, attention_mask=mask)
+def _by_name(forward_func: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward_func`` called as ``(ids, mask)``: a Hugging Face model (or a PEFT model, as
+    the model it wraps) by name (Bloom's and MPT's second parameter is the cache), a
+    left-padded prompt with position ids over its real tokens, as ``generate`` gives them
+    (:meth:`~captum_attention.capture.adapters.HuggingFaceAdapter.keyword_forward`); any
+    other function as it is."""
+    return HuggingFaceAdapter().keyword_forward(forward_func)
 
 
 def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
@@ -594,7 +593,7 @@ def attention_shares(
     ids, mask = torch.cat([input_ids, answer], dim=1), torch.cat([attention_mask, torch.ones_like(answer)], dim=1)
     key_segments = torch.cat([prompt_segments, torch.full_like(answer, -1)], dim=1)
     with torch.no_grad():
-        record = run_model(lambda i, m: _run(model, i, m), model, ids, (mask,), adapter=adapter, capture=capture)
+        record = run_model(_by_name(model), model, ids, (mask,), adapter=adapter, capture=capture)
     if any(role != "self" for role in record.roles):
         raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
     real = mask != 0

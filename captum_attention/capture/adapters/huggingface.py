@@ -10,12 +10,14 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
+import torch
 from torch import Tensor, nn
 
 from ..._compat import (
     StreamingUnsupported,
     attn_implementation,
     called_transformers_model,
+    hooked_modules,
     implementation_owner,
     model_configs,
     recorder_specs,
@@ -654,6 +656,53 @@ class _KeywordForward:
         return ["input_ids", "attention_mask"]
 
     def __call__(self, *args: Any) -> Any:
+        kwargs, keywords = self._named(args)
+        if self._positions_given(kwargs) and self.model not in _NATIVE_POSITIONS:
+            kwargs["position_ids"] = _real_positions(kwargs["attention_mask"])
+        return self.model(**kwargs, **keywords)
+
+    def confirm_left_padding(self, *args: Any) -> None:
+        """Before a causal model's first left-padded call (outside any capture: it runs the
+        model), that the first left-padded prompt's next-token logits equal the prompt's
+        alone: with position ids over its real tokens, as ``generate`` gives them, or, where
+        those move them and the model's own positions do not (RoBERTa's, counted from the
+        ids), with none from then on; else a one-line error (a decoder with learned
+        positions and no position ids: BART's, Marian's, XLM's). A model in training mode,
+        whose dropout tells any two forwards apart, is not checked (the capture warns of it)."""
+        kwargs, keywords = self._named(args)
+        if keywords or self.model in _CONFIRMED or self.model.training or not self._positions_given(kwargs):
+            return  # keywords: a vision-language model's inputs, whose left padding its tests check
+        _refuse_virtual_tokens(self.model)  # they move every position: that is the refusal to give
+        mask = kwargs["attention_mask"]
+        padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
+        if not bool(padded.any()):
+            return
+        row = int(padded.nonzero()[0])
+        one = {name: value[row : row + 1] for name, value in kwargs.items()}
+        real = mask[row] != 0
+        with torch.no_grad():
+            alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
+            given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
+            if _same_logits(given, alone):
+                _CONFIRMED.add(self.model)
+                return
+            native = _next_token_logits(self.model(**one))
+        if _same_logits(native, alone):
+            _NATIVE_POSITIONS.add(self.model)
+            _CONFIRMED.add(self.model)
+            return
+        moved = _moved(given, alone)
+        hooked = hooked_modules(self.model)
+        hook = f", or the forward hook on {', '.join(hooked[:3])} reads the padding" if hooked else ""
+        raise UnsupportedModelError(
+            f"{type(self.model).__name__} reads a left-padded prompt otherwise than the prompt alone: its next-token "
+            f"logits move by {moved:.2g} of their scale, with or without position ids over the real tokens (it counts "
+            f"positions from the first column, as learned positions read without position ids do, or reads the padding "
+            f"tokens{hook}). Pad its prompts on the right, or explain each alone."
+        )
+
+    def _named(self, args: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Captum's positional inputs by name, and the keyword arguments of a mapping given last."""
         names = self.names
         args, keywords = _keywords(args)
         if len(args) > len(names):
@@ -668,10 +717,47 @@ class _KeywordForward:
             if isinstance(value, Tensor) and value.is_floating_point() and name.endswith("input_ids"):
                 name = name.replace("input_ids", "inputs_embeds")
             kwargs[name] = value
+        return kwargs, keywords
+
+    def _positions_given(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a causal model's prompts are padded on the left, where position ids over
+        the real tokens are given (not to a model that places its tokens itself)."""
         mask = kwargs.get("attention_mask")
-        if not self.encoder_decoder and isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any()) and not _places_its_own(self.model):
-            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return self.model(**kwargs, **keywords)
+        left_padded = isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any())
+        return not self.encoder_decoder and left_padded and not _places_its_own(self.model)
+
+
+_CONFIRMED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Causal models whose left padding :meth:`_KeywordForward.confirm_left_padding` checked."""
+_NATIVE_POSITIONS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Of those, the ones that place a left-padded prompt's tokens right without position ids
+(RoBERTa's, counting positions from the ids), where given ones would move them."""
+
+
+def _real_positions(mask: Tensor) -> Tensor:
+    """Position ids over the real tokens of padded prompts, as ``generate`` gives them."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _next_token_logits(output: Any) -> Tensor:
+    """The logits at the last position of a causal model's output."""
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return logits[:, -1]
+
+
+def _same_logits(actual: Tensor, expected: Tensor) -> bool:
+    """Equal within the rounding of a forward: 1e-4 of the logits' scale in float32 and
+    float64, four units of the last place in half precision (kernels picked by sequence
+    length round differently; a position read wrong moves a trained model's logits far
+    more)."""
+    tolerance = max(1e-4, 4 * torch.finfo(expected.dtype).eps)
+    return bool(_moved(actual, expected) <= tolerance)
+
+
+def _moved(actual: Tensor, expected: Tensor) -> float:
+    """The largest difference of two sets of logits, relative to the scale of the second."""
+    actual, expected = actual.float(), expected.float()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
 
 
 def _keywords(args: tuple) -> tuple[tuple, dict[str, Any]]:
