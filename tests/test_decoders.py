@@ -61,9 +61,7 @@ def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
     assert_scores_close(scores, per_example(reference, ref, prompts.real, queries))
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
-    model = make_decoder(decoder)
+def assert_left_padded_batch_is_each_prompt_alone(model, method: str) -> None:
     prompts = make_prompts(side="left")
     explainer = METHODS[method].cls(model)
     together = explainer.attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
@@ -72,6 +70,11 @@ def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
         alone = explainer.attribute(prompts.input_ids[b : b + 1, real])
         torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
         assert (together[b, ~real] == 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_left_padded_batch_matches_each_prompt_alone(decoder, method):
+    assert_left_padded_batch_is_each_prompt_alone(make_decoder(decoder), method)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -250,14 +253,9 @@ def test_the_left_padding_check_allows_half_precisions_rounding_only(dtype):
     with pytest.raises(UnsupportedModelError, match="reads a left-padded prompt otherwise than the prompt alone"):
         GradSAM(make_learned_position_decoder("bart").to(dtype)).attribute(prompts.input_ids, **args)
 
+
 @pytest.mark.parametrize("method", METHODS)
 def test_roberta_as_a_causal_lm_explains_a_left_padded_batch_as_each_prompt_alone(method):
     """RoBERTa counts positions from the ids past the padding: given none, a left-padded
     prompt is read as alone, where position ids over the real tokens would move it."""
-    model, prompts = make_learned_position_decoder("roberta"), make_prompts(side="left")
-    explainer = METHODS[method].cls(model)
-    together = explainer.attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
-    for b in range(3):
-        real = prompts.real[b]
-        alone = explainer.attribute(prompts.input_ids[b : b + 1, real])
-        torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
+    assert_left_padded_batch_is_each_prompt_alone(make_learned_position_decoder("roberta"), method)

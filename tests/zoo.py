@@ -709,6 +709,15 @@ def _outcomes(architecture: Architecture, methods: list[str], implementation: st
     return found
 
 
+def refusal_outcome(error: Exception, built_eager: Callable[[], Outcome] | None) -> Outcome:
+    """``refused`` for a one-line error, else ``error``; where it asks for the eager model
+    and ``built_eager`` is given, that check on the model built eager."""
+    message = str(error).strip()
+    if EAGER_ONLY in message and built_eager is not None:
+        return loaded_eager(built_eager())
+    return Outcome("refused" if "\n" not in message else "error", message)
+
+
 def shares_outcome(architecture: Architecture, implementation: str | None = None) -> Outcome:
     """:func:`~captum_attention.metrics.attention_shares` of a causal LM's prompt and a
     one-token answer, each prompt token its own segment but the first (never removed):
@@ -729,10 +738,7 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
             warnings.simplefilter("ignore")
             shares = attention_shares(case.model, prompt, torch.ones_like(prompt), answer)
     except (UnsupportedModelError, ValueError) as error:
-        message = str(error).strip()
-        if EAGER_ONLY in message and implementation is None:
-            return loaded_eager(shares_outcome(architecture, "eager"))
-        return Outcome("refused" if "\n" not in message else "error", message)
+        return refusal_outcome(error, None if implementation else lambda: shares_outcome(architecture, "eager"))
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
     full = torch.cat([prompt, answer], dim=1)
@@ -781,10 +787,7 @@ def left_padding_outcome(architecture: Architecture, implementation: str | None 
             together = explainer.attribute(padded, target=case.target, additional_forward_args=(mask,))
             alone = [explainer.attribute(padded[b : b + 1, mask[b] != 0], target=case.target) for b in range(2)]
     except (UnsupportedModelError, ValueError) as error:
-        message = str(error).strip()
-        if EAGER_ONLY in message and implementation is None:
-            return loaded_eager(left_padding_outcome(architecture, "eager"))
-        return Outcome("refused" if "\n" not in message else "error", message)
+        return refusal_outcome(error, None if implementation else lambda: left_padding_outcome(architecture, "eager"))
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
     rows = [together[b : b + 1, mask[b] != 0] for b in range(2)]
