@@ -655,3 +655,35 @@ def test_the_segments_compare_with_captums_feature_ablation_on_the_generated_ans
     assert result.output_tokens == ablation.output_tokens and len(answer) == 2
     assert result.seq_attr.shape == ablation.seq_attr.shape == (4,)
     assert result.token_attr.shape == ablation.token_attr.shape == (2, 4)
+
+
+def _row_images(prompt: VLMPrompt, row: int, real: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Example ``row``'s own image inputs (Qwen2-VL's: its image's rows of flattened
+    patches and its grid), its token types on its real tokens."""
+    images = {}
+    for name, value in prompt.images.items():
+        if name == "mm_token_type_ids":
+            images[name] = value[row : row + 1, real]
+        elif name == "pixel_values" and "image_grid_thw" in prompt.images:
+            patches = prompt.images["image_grid_thw"].prod(dim=1).tolist()
+            images[name] = value[sum(patches[:row]) : sum(patches[: row + 1])]
+        else:
+            images[name] = value[row : row + 1]
+    return images
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "paligemma"])  # its whole prompt is a prefix: tested above
+def test_a_left_padded_batch_explains_each_example_as_alone(family):
+    """Each example's prompt and image, unpadded and alone, give its row of the padded batch."""
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    explainer = GradSAM(model)
+    together = explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    for row in range(2):
+        real = prompt.attention_mask[row] != 0
+        alone = explainer.attribute_span(
+            prompt.input_ids[row : row + 1, real], ANSWER[row : row + 1],
+            additional_forward_args=(prompt.attention_mask[row : row + 1, real], _row_images(prompt, row, real)),
+        )
+        kept = torch.cat([real, torch.ones(ANSWER.shape[1], dtype=torch.bool)])
+        assert alone.abs().max() > 0
+        torch.testing.assert_close(together[row : row + 1, kept], alone, rtol=1e-5, atol=1e-6 * alone.abs().max().item())
