@@ -92,6 +92,22 @@ def test_a_float64_left_padded_batch_matches_each_prompt_alone(name):
         torch.testing.assert_close(together[b, real], alone[0], atol=1e-6, rtol=1e-4)
 
 
+def test_the_left_padding_check_of_a_float64_model_loaded_eager_confirms_it_once():
+    """The check runs the model outside the capture, where transformers' eager softmax in
+    float32 would make the padded prompt's logits NaN and confirm nothing (the check then
+    run again at every call): it clamps as the capture does."""
+    model = make_decoder("llama").double()
+    model.set_attn_implementation("eager")
+    assert_left_padded_batch_is_each_prompt_alone(model, "grad_sam")
+    prompts, calls = make_prompts(side="left"), []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        GradSAM(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_continuation_rows_equal_explaining_each_prefix(decoder, method):
     model = make_decoder(decoder)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import function_mode_stack, restore_popped_mode
+from .._compat import SOFTMAXES, attention_softmax, function_mode_stack, restore_popped_mode
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 
@@ -211,6 +211,18 @@ class ScopedFunctionMode(TorchFunctionMode):
             restore_popped_mode(self)  # an interrupt inside torch's dispatch stranded it popped
         if any(mode is self for mode in function_mode_stack()):
             super().__exit__(*exc_info)
+
+
+class ClampedSoftmax(ScopedFunctionMode):
+    """Every softmax taken as :func:`~captum_attention._compat.attention_softmax` takes an
+    attention's: a float64 model run outside a capture (a check before it) gives what it
+    gives inside one, where transformers' eager softmax in float32 would give NaN. Only
+    scores below float32's least value change, and only rows of nothing but those."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in SOFTMAXES:
+            return attention_softmax(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
 
 
 ForwardPreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]

@@ -24,7 +24,7 @@ from ..._compat import (
     runnable_implementation,
     transformers_models,
 )
-from ..guard import SharedPatch, every_forward
+from ..guard import ClampedSoftmax, SharedPatch, every_forward
 from .protocol import (
     AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token,
     parent_module,
@@ -680,9 +680,11 @@ class _KeywordForward:
         row = int(padded.nonzero()[0])
         one = {name: value[row : row + 1] for name, value in kwargs.items()}
         real = mask[row] != 0
-        with torch.no_grad():
+        with torch.no_grad(), ClampedSoftmax():  # as the capture runs a float64 model
             alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
             given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
+            if not bool(alone.isfinite().all() and given.isfinite().all()):
+                return  # the capture refuses the model's non-finite outputs itself, naming where they arise
             if _same_logits(given, alone):
                 _CONFIRMED.add(self.model)
                 return
