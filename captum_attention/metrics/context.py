@@ -169,7 +169,10 @@ class _AnswerScorer:
         answer = self.answer[:1]
         confirm_left_padding = getattr(_by_name(self.forward_func), "confirm_left_padding", None)
         if self.decoder_start is None and confirm_left_padding is not None:  # a Hugging Face model's own check
-            confirm_left_padding(torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1))
+            confirm_left_padding(
+                torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1),
+                advice="Deleting segments pads the prompts on the left: the context metrics cannot score this model's answers.",
+            )
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, answer)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, answer)

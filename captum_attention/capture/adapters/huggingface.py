@@ -661,14 +661,15 @@ class _KeywordForward:
             kwargs["position_ids"] = _real_positions(kwargs["attention_mask"])
         return self.model(**kwargs, **keywords)
 
-    def confirm_left_padding(self, *args: Any) -> None:
+    def confirm_left_padding(self, *args: Any, advice: str = "Pad its prompts on the right, or explain each alone.") -> None:
         """Before a causal model's first left-padded call (outside any capture: it runs the
         model), that the first left-padded prompt's next-token logits equal the prompt's
         alone: with position ids over its real tokens, as ``generate`` gives them, or, where
         those move them and the model's own positions do not (RoBERTa's, counted from the
         ids), with none from then on; else a one-line error (a decoder with learned
-        positions and no position ids: BART's, Marian's, XLM's). A model in training mode,
-        whose dropout tells any two forwards apart, is not checked (the capture warns of it)."""
+        positions and no position ids: BART's, Marian's, XLM's), ending with ``advice``. A
+        model in training mode, whose dropout tells any two forwards apart, is not checked
+        (the capture warns of it)."""
         kwargs, keywords = self._named(args)
         if keywords or self.model in _CONFIRMED or self.model.training or not self._positions_given(kwargs):
             return  # keywords: a vision-language model's inputs, whose left padding its tests check
@@ -700,7 +701,7 @@ class _KeywordForward:
             f"{type(self.model).__name__} reads a left-padded prompt otherwise than the prompt alone: its next-token "
             f"logits move by {moved:.2g} of their scale, with or without position ids over the real tokens (it counts "
             f"positions from the first column, as learned positions read without position ids do, or reads the padding "
-            f"tokens{hook}). Pad its prompts on the right, or explain each alone."
+            f"tokens{hook}). {advice}"
         )
 
     def _named(self, args: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
