@@ -12,7 +12,7 @@ from conftest import assert_same_state, model_state
 from lm_models import EXPLICIT_DECODERS, make_decoder, make_encoder_decoder, make_learned_position_decoder, make_prompts
 from scipy import stats
 
-from captum_attention import AttnLRP, UnsupportedModelError
+from captum_attention import AttnLRP, GradSAM, UnsupportedModelError
 from captum_attention.metrics import (
     METRICS,
     MetricContext,
@@ -311,12 +311,12 @@ def test_an_example_scores_the_same_alone_and_in_a_padded_batch():
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_forward_without_position_ids_is_confirmed_or_refused_on_the_left_padding(family):
+def test_a_forward_without_position_ids_scores_each_example_as_alone(family):
     """Deleting segments pads the prompts on the left. Llama's rotary positions are
-    relative: a forward_func that gives it no position ids scores each example as alone.
-    GPT-2's are absolute: the padding would shift them, so such a forward_func is refused
-    in one line, where the model itself (given position ids that skip the padding) scores
-    each example as alone."""
+    relative: a forward_func that gives it no position ids reads the padding as alone.
+    GPT-2's are absolute: the padding would shift them, so such a forward_func's deletions
+    run in batches of one length, unpadded; the model itself gets position ids that skip
+    the padding. Either way each example scores as alone."""
     model, prompts = make_decoder(family), make_prompts(side="left")
     scores = torch.randn(prompts.input_ids.shape, generator=torch.Generator().manual_seed(2))
     plain = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
@@ -326,28 +326,35 @@ def test_a_forward_without_position_ids_is_confirmed_or_refused_on_the_left_padd
         alone = top_k_log_prob_drop(model, prompts.input_ids[b : b + 1, real], prompts.attention_mask[b : b + 1, real],
                                     ANSWER[b : b + 1], scores[b : b + 1, real], ks=(2,))
         torch.testing.assert_close(by_model[b : b + 1], alone, atol=1e-4, rtol=1e-4)
-    if family == "gpt2":
-        with pytest.raises(ValueError, match="left of example 0's prompt moves .* pass the Hugging Face model itself"):
-            top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
-    else:
-        by_plain = top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
-        torch.testing.assert_close(by_plain, by_model, atol=1e-4, rtol=1e-4)
+    by_plain = top_k_log_prob_drop(plain, prompts.input_ids, prompts.attention_mask, ANSWER, scores, ks=(2,))
+    torch.testing.assert_close(by_plain, by_model, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["roberta", "whisper", "bart"])
-def test_a_decoder_with_learned_positions_deletes_segments_by_hand_or_is_refused_in_one_line(family):
+@pytest.mark.parametrize("family", ["roberta", "whisper", "bart", "xlm"])
+def test_a_decoder_with_learned_positions_deletes_segments_as_by_hand(family):
     """Deleting segments pads the prompts on the left. RoBERTa, as a causal LM, counts
     positions from the ids past the padding, Whisper's decoder reads the position ids
-    given: each shortened prompt scores as alone. BART's decoder counts them from the first
-    column, given position ids or not, and is refused before any score."""
+    given: padded batches score each shortened prompt as alone. BART's decoder and XLM
+    count them from the first column, given position ids or not: their deletions run in
+    batches of one length, unpadded."""
     model, prompts = make_learned_position_decoder(family), make_prompts(side="left")
     kept = torch.rand(3, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
-    args = (prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS)
-    if family == "bart":
-        with pytest.raises(UnsupportedModelError, match="reads a left-padded prompt otherwise than the prompt alone: .* the context metrics cannot score this model.s answers"):
-            ablated_log_probs(model, *args)
-    else:
-        _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, *args))
+    _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS))
+
+
+def test_the_contexts_of_several_examples_are_refused_for_a_model_that_reads_the_padding():
+    """The contexts are explained as batches: padded where the examples keep different
+    lengths, which BART's decoder reads. One example's contexts need no padding."""
+    model, prompts = make_learned_position_decoder("bart"), make_prompts(side="left")
+    prior = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(3))
+    explain = lambda ids, mask: GradSAM(model).attribute(ids, additional_forward_args=(mask,))  # noqa: E731
+    args = (prompts.input_ids, prompts.attention_mask, ANSWER, prior, SEGMENTS)
+    with pytest.raises(UnsupportedModelError, match="reads a left-padded prompt otherwise .* give one example at a time"):
+        context_averaged_scores(model, explain, *args, num_contexts=2)
+    real = prompts.real[1]
+    one = (prompts.input_ids[1:2, real], prompts.attention_mask[1:2, real], ANSWER[1:2], prior[1:2, real], SEGMENTS[1:2, real])
+    scores = context_averaged_scores(model, explain, *one, num_contexts=2)
+    assert scores.isfinite().all() and scores.abs().sum() > 0
 
 
 def test_registered_for_generation_and_out_of_the_classifier_evaluation():

@@ -101,7 +101,7 @@ def test_token_rows_with_log_prob_equal_one_token_spans():
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_span_and_all_token_rows_each_run_the_model_once(method):
     """Once the model's left padding is confirmed (its first left-padded call runs one
-    prompt alone and padded: :meth:`_KeywordForward.confirm_left_padding`)."""
+    prompt alone and padded: :meth:`_KeywordForward.left_padding_read`)."""
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     explainer = METHODS[method].cls(model)
     args = dict(additional_forward_args=(prompts.attention_mask,))

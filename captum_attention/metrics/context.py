@@ -19,7 +19,9 @@ left) and the answer follows them; for an encoder-decoder (a model whose config 
 the decoder reads its start token and the answer. Any attribution works: ours, Captum's,
 a user's tensor; a segment's score is the sum of its tokens'. Every ablated sequence of a
 call is evaluated batched; a Hugging Face model gets position ids that follow the padding,
-so an example scores the same alone and in a padded batch.
+so an example scores the same alone and in a padded batch. Where one column of padding
+moves the first example's answer (a model or forward that reads the padding), the batches
+hold deletions of one length, unpadded.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import decoder_start_token, output_logits
@@ -85,7 +88,7 @@ class _AnswerScorer:
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.padding_side = "left" if self.decoder_start is None else "right"
-        self.padding_confirmed = False
+        self.padding_read: str | None | bool = False  # False: not yet checked; None: unread; else how it is read
 
     @cached_property
     def original(self) -> Tensor:
@@ -125,16 +128,19 @@ class _AnswerScorer:
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """Padded batches hold at most ``PAIRS_PER_FORWARD`` query-key pairs (a padding mask
         makes the attention kernel materialise them): long prompts go one at a time,
-        without padding."""
-        values = []
+        without padding. For a model that reads the padding (:meth:`_padding_read`), each
+        batch holds prompts of one length, unpadded."""
         width = self.ids.shape[1] + self.answer.shape[1]
         per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
-        for start in range(0, len(rows), per_forward):
-            chunk = rows[start : start + per_forward]
-            gone = removed[start : start + per_forward]
-            prompts, mask, _ = self._kept(chunk, gone)
-            values.append(self._answer_log_probs(prompts, mask, self.answer[chunk]))
-        return torch.cat(values)
+        lengths = self._kept_tokens(rows, removed).sum(dim=1)
+        order = torch.arange(len(rows), device=rows.device)
+        if per_forward > 1 and bool((lengths != lengths[0]).any()) and self._padding_read() is not None:
+            order = lengths.argsort(stable=True)
+        values = torch.empty(len(rows), device=rows.device)
+        for chunk in _batches(order, lengths[order] if self.padding_read else None, per_forward):
+            prompts, mask, _ = self._kept(rows[chunk], removed[chunk])
+            values[chunk] = self._answer_log_probs(prompts, mask, self.answer[rows[chunk]]).to(values.device)
+        return values
 
     def _answer_log_probs(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
         """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``."""
@@ -158,44 +164,53 @@ class _AnswerScorer:
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
-    def _confirm_padding_unread(self) -> None:
-        """A one-line error where one column of padding on the prompts' padding side moves
-        the first example's answer log-probability: deleting segments pads the shortened
-        prompts there (a forward that gives a model with absolute positions no position ids
-        that skip the left padding; one that leaves the attention mask out)."""
+    def _padding_read(self) -> str | None:
+        """How one column of padding on the prompts' padding side moves the first
+        example's answer log-probability, or None where it does not; decided once.
+        Deleting segments pads the shortened prompts there: a Hugging Face decoder that
+        reads a left-padded prompt otherwise than alone (learned positions counted from the
+        first column: BART's, XLM's); a forward that gives a model with absolute positions
+        no position ids that skip the left padding, or leaves the attention mask out."""
+        if self.padding_read is False:
+            self.padding_read = self._padding_reason()
+        return self.padding_read  # type: ignore[return-value]
+
+    def _padding_reason(self) -> str | None:
         prompt = self.ids[:1, self.real[0]]
         mask = torch.ones_like(prompt)
         padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side)
         answer = self.answer[:1]
-        confirm_left_padding = getattr(_by_name(self.forward_func), "confirm_left_padding", None)
-        if self.decoder_start is None and confirm_left_padding is not None:  # a Hugging Face model's own check
-            confirm_left_padding(
-                torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1),
-                advice="Deleting segments pads the prompts on the left: the context metrics cannot score this model's answers.",
-            )
+        left_padding_read = getattr(_by_name(self.forward_func), "left_padding_read", None)
+        if self.decoder_start is None and left_padding_read is not None:  # a Hugging Face model's own check
+            reason = left_padding_read(torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1))
+            if reason is not None:
+                return reason
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, answer)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, answer)
         alone = float(_summed_log_probs(alone_logits, answer)[0])
         moved = abs(float(_summed_log_probs(padded_logits, answer)[0]) - alone)
         if moved > max(1e-3, 8 * torch.finfo(alone_logits.dtype).eps) * max(1.0, abs(alone)):
-            raise ValueError(
+            return (
                 f"A column of padding (attention mask 0) on the {self.padding_side} of example 0's prompt moves its "
-                f"answer's log-probability by {moved:.2g}, and deleting segments pads the prompts there: pass the "
-                "Hugging Face model itself as forward_func (it gets position ids that skip the left padding, as "
-                "generate gives them), or a forward_func that gives its model the mask and such position ids."
+                f"answer's log-probability by {moved:.2g}."
             )
-        self.padding_confirmed = True
+        return None
+
+    def _kept_tokens(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """``(R, N)`` bool: the real prompt tokens of examples ``rows`` that the removed
+        segments leave."""
+        segments = self.segments[rows]
+        gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
+        return self.real[rows] & ~gone
 
     def _kept(self, rows: Tensor, removed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(ids, mask, positions)`` of the prompts without the removed segments' tokens,
         padded on :attr:`padding_side` (a decoder's prompts on the left, an encoder's source on
         the right), without the columns that are padding in every row; ``positions``: the
-        prompt position each column's token came from. The first padding is confirmed
-        unread (:meth:`_confirm_padding_unread`)."""
-        segments = self.segments[rows]
-        gone = removed.gather(1, segments.clamp(min=0)) & (segments >= 0)
-        kept = self.real[rows] & ~gone
+        prompt position each column's token came from. Padding is refused in one line for a
+        model that reads it (:meth:`_padding_read`)."""
+        kept = self._kept_tokens(rows, removed)
         rank = kept.int() if self.padding_side == "left" else (~kept).int()
         order = rank.argsort(dim=1, stable=True)  # padding on its side, kept tokens in order
         ids = self.ids[rows].gather(1, order).masked_fill(~kept.gather(1, order), 0)
@@ -203,8 +218,11 @@ class _AnswerScorer:
         width = int((mask != 0).any(dim=0).sum())
         columns = slice(-width, None) if self.padding_side == "left" else slice(0, width)
         ids, mask, order = ids[:, columns], mask[:, columns], order[:, columns]
-        if not self.padding_confirmed and bool((mask == 0).any()):
-            self._confirm_padding_unread()
+        if bool((mask == 0).any()) and self._padding_read() is not None:
+            raise UnsupportedModelError(
+                f"{self._padding_read()} The contexts of several examples are padded there: give one example at a time "
+                "(its contexts need no padding)."
+            )
         return ids, mask, order
 
     def contexts(self, kept: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
@@ -213,6 +231,18 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
+
+
+def _batches(order: Tensor, lengths: Tensor | None, size: int) -> Iterator[Tensor]:
+    """``order`` in runs of at most ``size``; with ``lengths`` (of ``order``'s entries,
+    sorted), each run of one length."""
+    start = 0
+    while start < len(order):
+        stop = min(start + size, len(order))
+        if lengths is not None:
+            stop = min(stop, int(torch.searchsorted(lengths, lengths[start], right=True)))
+        yield order[start:stop]
+        start = stop
 
 
 def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:

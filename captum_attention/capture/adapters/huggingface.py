@@ -661,23 +661,30 @@ class _KeywordForward:
             kwargs["position_ids"] = _real_positions(kwargs["attention_mask"])
         return self.model(**kwargs, **keywords)
 
-    def confirm_left_padding(self, *args: Any, advice: str = "Pad its prompts on the right, or explain each alone.") -> None:
+    def confirm_left_padding(self, *args: Any) -> None:
         """Before a causal model's first left-padded call (outside any capture: it runs the
-        model), that the first left-padded prompt's next-token logits equal the prompt's
-        alone: with position ids over its real tokens, as ``generate`` gives them, or, where
-        those move them and the model's own positions do not (RoBERTa's, counted from the
-        ids), with none from then on; else a one-line error (a decoder with learned
-        positions and no position ids: BART's, Marian's, XLM's), ending with ``advice``. A
-        model in training mode, whose dropout tells any two forwards apart, is not checked
-        (the capture warns of it)."""
+        model), a one-line error where it reads a left-padded prompt otherwise than the
+        prompt alone (:meth:`left_padding_read`)."""
+        reason = self.left_padding_read(*args)
+        if reason is not None:
+            raise UnsupportedModelError(f"{reason} Pad its prompts on the right, or explain each alone.")
+
+    def left_padding_read(self, *args: Any) -> str | None:
+        """Whether the first left-padded prompt's next-token logits differ from the prompt's
+        alone, and how (None where they do not): with position ids over its real tokens, as
+        ``generate`` gives them, or, where those move them and the model's own positions do
+        not (RoBERTa's, counted from the ids), with none from then on. A decoder with
+        learned positions and no position ids (BART's, Marian's, XLM's) reads the padding.
+        Decided once per model; a model in training mode, whose dropout tells any two
+        forwards apart, is not checked (the capture warns of it)."""
         kwargs, keywords = self._named(args)
         if keywords or self.model in _CONFIRMED or self.model.training or not self._positions_given(kwargs):
-            return  # keywords: a vision-language model's inputs, whose left padding its tests check
+            return None  # keywords: a vision-language model's inputs, whose left padding its tests check
         _refuse_virtual_tokens(self.model)  # they move every position: that is the refusal to give
         mask = kwargs["attention_mask"]
         padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
         if not bool(padded.any()):
-            return
+            return None
         row = int(padded.nonzero()[0])
         one = {name: value[row : row + 1] for name, value in kwargs.items()}
         real = mask[row] != 0
@@ -685,23 +692,22 @@ class _KeywordForward:
             alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
             given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
             if not bool(alone.isfinite().all() and given.isfinite().all()):
-                return  # the capture refuses the model's non-finite outputs itself, naming where they arise
+                return None  # the capture refuses the model's non-finite outputs itself, naming where they arise
             if _same_logits(given, alone):
                 _CONFIRMED.add(self.model)
-                return
+                return None
             native = _next_token_logits(self.model(**one))
         if _same_logits(native, alone):
             _NATIVE_POSITIONS.add(self.model)
             _CONFIRMED.add(self.model)
-            return
-        moved = _moved(given, alone)
+            return None
         hooked = hooked_modules(self.model)
         hook = f", or the forward hook on {', '.join(hooked[:3])} reads the padding" if hooked else ""
-        raise UnsupportedModelError(
+        return (
             f"{type(self.model).__name__} reads a left-padded prompt otherwise than the prompt alone: its next-token "
-            f"logits move by {moved:.2g} of their scale, with or without position ids over the real tokens (it counts "
-            f"positions from the first column, as learned positions read without position ids do, or reads the padding "
-            f"tokens{hook}). {advice}"
+            f"logits move by {_moved(given, alone):.2g} of their scale, with or without position ids over the real tokens "
+            f"(it counts positions from the first column, as learned positions read without position ids do, or reads "
+            f"the padding tokens{hook})."
         )
 
     def _named(self, args: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -731,7 +737,7 @@ class _KeywordForward:
 
 
 _CONFIRMED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Causal models whose left padding :meth:`_KeywordForward.confirm_left_padding` checked."""
+"""Causal models whose left padding :meth:`_KeywordForward.left_padding_read` found unread."""
 _NATIVE_POSITIONS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Of those, the ones that place a left-padded prompt's tokens right without position ids
 (RoBERTa's, counting positions from the ids), where given ones would move them."""
