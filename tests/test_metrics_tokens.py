@@ -141,8 +141,8 @@ def _gpt2_classifier(pad_token_id: int) -> nn.Module:
 def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     """GPT-2's classifier reads the last token that is not its config.pad_token_id: the rows
     deletion shortens are padded with that id (the model's, the one the inputs are padded
-    with, or ``pad_token_id``), so that each example is scored as it is alone; a guessed id
-    the model would misread is refused."""
+    with, or ``pad_token_id``), so that each example is scored as it is alone; with a
+    guessed id the model would misread, the deletions run in batches of one length, unpadded."""
     from captum_attention.metrics import METRICS, MetricContext
 
     model = _gpt2_classifier(pad_token_id=3)
@@ -159,8 +159,8 @@ def test_deleted_rows_are_padded_with_the_id_a_decoder_classifier_reads():
     torch.testing.assert_close(given[:, 0], expected, atol=1e-6, rtol=1e-5)
     registered = METRICS["comprehensiveness"].function(forward, ids, scores, (mask,), torch.ones(2).long(), MetricContext(model, keep))
     torch.testing.assert_close(registered, comprehensiveness(forward, ids, mask, scores, 1, keep=keep, pad_token_id=3).mean(dim=1))
-    with pytest.raises(ValueError, match="token id 0 .* pass pad_token_id=<the id the model pads with>"):
-        comprehensiveness(forward, ids, mask, scores, target=1, keep=keep)
+    guessed = comprehensiveness(forward, ids, mask, scores, target=1, bins=(50,), keep=keep)  # pads with 0, which it reads
+    torch.testing.assert_close(guessed[:, 0], expected, atol=1e-6, rtol=1e-5)  # each length in its own batch, unpadded
     padded_ids, padded_mask = ids.clone(), mask.clone()
     padded_ids[1, 7:], padded_mask[1, 7:] = 3, 0  # the inputs' own padding tells the id
     from_inputs = comprehensiveness(forward, padded_ids, padded_mask, scores, target=1, bins=(50,))
@@ -187,12 +187,18 @@ def test_an_encoder_decoder_classifier_given_as_it_is_gets_its_mask_as_the_mask(
     torch.testing.assert_close(by_model[:, 0], comprehensiveness_alone(forward, ids, mask, scores, keep, 0.5, 1), atol=1e-6, rtol=1e-5)
 
 
-def test_a_forward_that_leaves_the_mask_out_is_refused_for_deletion(bag):
+def test_a_forward_that_leaves_the_mask_out_deletes_as_each_example_alone(bag):
+    """It reads the padding deletion would add: the example itself and its deletions run
+    in batches of one length, unpadded."""
     model, ids, mask, target, _ = bag
     unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731
-    with pytest.raises(ValueError, match="token id 5 .* let forward_func pass the mask"):
-        comprehensiveness(unmasked, ids, mask, torch.randn(ids.shape), target, pad_token_id=5)
-    comprehensiveness(unmasked, ids, mask, torch.randn(ids.shape), target, removal="replace", baseline_token_id=0)
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4))
+    drops = comprehensiveness(unmasked, ids, mask, scores, target, bins=(50,), pad_token_id=5)[:, 0]
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for row in range(len(ids)):
+        one = (ids[row : row + 1], mask[row : row + 1], scores[row : row + 1], keep[row : row + 1])
+        expected = comprehensiveness_alone(unmasked, *one, 0.5, int(target[row]))
+        torch.testing.assert_close(drops[row : row + 1], expected, atol=1e-6, rtol=1e-5)
 
 
 def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():

@@ -44,7 +44,7 @@ from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 from .token_removal import (
-    complemented, example_seeds, prior_and_context_shares, random_halves, scores_in_context, with_padding_column,
+    complemented, example_seeds, length_batches, prior_and_context_shares, random_halves, scores_in_context, with_padding_column,
 )
 
 PAIRS_PER_FORWARD = 2**26
@@ -137,7 +137,7 @@ class _AnswerScorer:
         if per_forward > 1 and bool((lengths != lengths[0]).any()) and self._padding_read() is not None:
             order = lengths.argsort(stable=True)
         values = torch.empty(len(rows), device=rows.device)
-        for chunk in _batches(order, lengths[order] if self.padding_read else None, per_forward):
+        for chunk in length_batches(order, lengths[order] if self.padding_read else None, per_forward):
             prompts, mask, _ = self._kept(rows[chunk], removed[chunk])
             values[chunk] = self._answer_log_probs(prompts, mask, self.answer[rows[chunk]]).to(values.device)
         return values
@@ -231,18 +231,6 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
-
-
-def _batches(order: Tensor, lengths: Tensor | None, size: int) -> Iterator[Tensor]:
-    """``order`` in runs of at most ``size``; with ``lengths`` (of ``order``'s entries,
-    sorted), each run of one length."""
-    start = 0
-    while start < len(order):
-        stop = min(start + size, len(order))
-        if lengths is not None:
-            stop = min(stop, int(torch.searchsorted(lengths, lengths[start], right=True)))
-        yield order[start:stop]
-        start = stop
 
 
 def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:

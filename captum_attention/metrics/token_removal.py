@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -81,13 +81,16 @@ class _Remover:
         self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
-        logits = self._logits(input_ids, attention_mask)
+        self.padding_read = removal == "delete" and len(input_ids) > 1 and self._padding_moves()
+        rows = torch.arange(len(input_ids), device=input_ids.device)
+        if self.padding_read:  # each example unpadded, as its deletions are
+            logits = self._rows_logits(rows, torch.zeros_like(self.real))
+        else:
+            logits = self._logits(input_ids, attention_mask)
         probs = class_probabilities(logits)
         self.targets = resolve_targets(logits, target)
         self.original = self.target_probs(probs, self.targets)
         self.decision = probs.argmax(dim=-1)
-        if removal == "delete" and len(input_ids) > 1:  # one example's deletions are never padded
-            self._confirm_padding_unread()
 
     def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():
@@ -100,20 +103,32 @@ class _Remover:
             )
         return logits
 
-    def _confirm_padding_unread(self) -> None:
-        """A one-line error where padding the first example on the right moves its output:
-        deleting tokens pads the shortened rows there, and every deletion would be scored on
-        what the padding changes (a decoder classifier that finds its last token by a pad id
-        other than the one filled in; a forward that leaves the attention mask out)."""
+    def _padding_moves(self) -> bool:
+        """Whether padding the first example on the right moves its output: deleting tokens
+        pads the shortened rows there (a decoder classifier that finds its last token by a
+        pad id other than the one filled in; a model that reads its last position, XLNet's;
+        a forward that leaves the attention mask out). Its deletions then run in batches of
+        one length, unpadded."""
         real = self.real[0]
         moved, tolerance = padding_shift(self.forward_func, self.ids[:1, real], self.mask[:1, real], self.pad, "right")
-        if moved > tolerance:
-            raise ValueError(
-                f"Padding example 0 on the right with token id {self.pad} (attention mask 0) moves its "
-                f"probabilities by up to {moved:.2g}, and deleting tokens pads rows there: pass "
-                "pad_token_id=<the id the model pads with> (a decoder classifier finds its last token by "
-                "config.pad_token_id), let forward_func pass the mask to the model, or use removal='replace'."
-            )
+        return moved > tolerance
+
+    def _rows_logits(self, rows: Tensor, remove: Tensor) -> Tensor:
+        """``(R, C)`` logits of examples ``rows`` without their ``remove`` tokens, in
+        batches of ``max_batch_size``; where the padding is read, of one length each."""
+        order = torch.arange(len(rows), device=rows.device)
+        lengths = None
+        if self.padding_read and self.removal == "delete":
+            kept = (self.real[rows] & ~remove).sum(dim=1)
+            order = kept.argsort(stable=True)
+            lengths = kept[order]
+        logits: Tensor | None = None
+        for chunk in length_batches(order, lengths, self.max_batch_size):
+            chunk_logits = self._logits(*self._perturb(rows[chunk], remove[chunk]))
+            logits = chunk_logits.new_empty(len(rows), chunk_logits.shape[1]) if logits is None else logits
+            logits[chunk.to(logits.device)] = chunk_logits
+        assert logits is not None  # rows is never empty
+        return logits
 
     @staticmethod
     def target_probs(probs: Tensor, targets: Tensor) -> Tensor:
@@ -125,13 +140,9 @@ class _Remover:
 
     def evaluate(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
         """Target probability and unchanged decision after removing ``remove`` from ``rows``."""
-        target_prob, agree = [], []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = slice(start, start + self.max_batch_size)
-            probs = class_probabilities(self._logits(*self._perturb(rows[chunk], remove[chunk])))
-            target_prob.append(self.target_probs(probs, self.targets[rows[chunk]]))
-            agree.append(probs.argmax(dim=-1) == self.decision[rows[chunk]])
-        return torch.cat(target_prob), torch.cat(agree)
+        probs = class_probabilities(self._rows_logits(rows, remove))
+        targets, decision = self.targets[rows].to(probs.device), self.decision[rows].to(probs.device)
+        return self.target_probs(probs, targets), probs.argmax(dim=-1) == decision
 
     def check_scores(self, attributions: Tensor) -> None:
         """A clear error for attributions that are not one finite score per token."""
@@ -171,6 +182,18 @@ class _Remover:
         remove = ranks[:, None, :] < counts[:, :, None]  # (B, F, T)
         rows = torch.arange(len(order), device=order.device).repeat_interleave(len(fractions))
         return rows, remove.flatten(0, 1)
+
+
+def length_batches(order: Tensor, lengths: Tensor | None, size: int) -> Iterator[Tensor]:
+    """``order`` in runs of at most ``size``; with ``lengths`` (of ``order``'s entries,
+    sorted), each run of one length: a batch that needs no padding."""
+    start = 0
+    while start < len(order):
+        stop = min(start + size, len(order))
+        if lengths is not None:
+            stop = min(stop, int(torch.searchsorted(lengths, lengths[start], right=True)))
+        yield order[start:stop]
+        start = stop
 
 
 def _check_removal(removal: str, baseline_token_id: int | None) -> None:
