@@ -81,12 +81,10 @@ class _Remover:
         self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
+        logits = self._logits(input_ids, attention_mask)  # first: a clear error for logits of another shape
         self.padding_read = removal == "delete" and len(input_ids) > 1 and self._padding_moves()
-        rows = torch.arange(len(input_ids), device=input_ids.device)
         if self.padding_read:  # each example unpadded, as its deletions are
-            logits = self._rows_logits(rows, torch.zeros_like(self.real))
-        else:
-            logits = self._logits(input_ids, attention_mask)
+            logits = self._rows_logits(torch.arange(len(input_ids), device=input_ids.device), torch.zeros_like(self.real))
         probs = class_probabilities(logits)
         self.targets = resolve_targets(logits, target)
         self.original = self.target_probs(probs, self.targets)
