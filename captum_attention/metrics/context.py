@@ -88,7 +88,6 @@ class _AnswerScorer:
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.padding_side = "left" if self.decoder_start is None else "right"
-        self.padding_read: str | None | bool = False  # False: not yet checked; None: unread; else how it is read
 
     @cached_property
     def original(self) -> Tensor:
@@ -128,16 +127,15 @@ class _AnswerScorer:
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """Padded batches hold at most ``PAIRS_PER_FORWARD`` query-key pairs (a padding mask
         makes the attention kernel materialise them): long prompts go one at a time,
-        without padding. For a model that reads the padding (:meth:`_padding_read`), each
+        without padding. For a model that reads the padding (:attr:`padding_read`), each
         batch holds prompts of one length, unpadded."""
         width = self.ids.shape[1] + self.answer.shape[1]
         per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
         lengths = self._kept_tokens(rows, removed).sum(dim=1)
-        order = torch.arange(len(rows), device=rows.device)
-        if per_forward > 1 and bool((lengths != lengths[0]).any()) and self._padding_read() is not None:
-            order = lengths.argsort(stable=True)
+        by_length = per_forward > 1 and bool((lengths != lengths[0]).any()) and self.padding_read is not None
+        order = lengths.argsort(stable=True) if by_length else torch.arange(len(rows), device=rows.device)
         values = torch.empty(len(rows), device=rows.device)
-        for chunk in length_batches(order, lengths[order] if self.padding_read else None, per_forward):
+        for chunk in length_batches(order, lengths[order] if by_length else None, per_forward):
             prompts, mask, _ = self._kept(rows[chunk], removed[chunk])
             values[chunk] = self._answer_log_probs(prompts, mask, self.answer[rows[chunk]]).to(values.device)
         return values
@@ -164,18 +162,14 @@ class _AnswerScorer:
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
-    def _padding_read(self) -> str | None:
+    @cached_property
+    def padding_read(self) -> str | None:
         """How one column of padding on the prompts' padding side moves the first
-        example's answer log-probability, or None where it does not; decided once.
-        Deleting segments pads the shortened prompts there: a Hugging Face decoder that
-        reads a left-padded prompt otherwise than alone (learned positions counted from the
-        first column: BART's, XLM's); a forward that gives a model with absolute positions
-        no position ids that skip the left padding, or leaves the attention mask out."""
-        if self.padding_read is False:
-            self.padding_read = self._padding_reason()
-        return self.padding_read  # type: ignore[return-value]
-
-    def _padding_reason(self) -> str | None:
+        example's answer log-probability, or None where it does not. Deleting segments
+        pads the shortened prompts there: a Hugging Face decoder that reads a left-padded
+        prompt otherwise than alone (learned positions counted from the first column:
+        BART's, XLM's); a forward that gives a model with absolute positions no position
+        ids that skip the left padding, or leaves the attention mask out."""
         prompt = self.ids[:1, self.real[0]]
         mask = torch.ones_like(prompt)
         padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side)
@@ -209,7 +203,7 @@ class _AnswerScorer:
         padded on :attr:`padding_side` (a decoder's prompts on the left, an encoder's source on
         the right), without the columns that are padding in every row; ``positions``: the
         prompt position each column's token came from. Padding is refused in one line for a
-        model that reads it (:meth:`_padding_read`)."""
+        model that reads it (:attr:`padding_read`)."""
         kept = self._kept_tokens(rows, removed)
         rank = kept.int() if self.padding_side == "left" else (~kept).int()
         order = rank.argsort(dim=1, stable=True)  # padding on its side, kept tokens in order
@@ -218,9 +212,9 @@ class _AnswerScorer:
         width = int((mask != 0).any(dim=0).sum())
         columns = slice(-width, None) if self.padding_side == "left" else slice(0, width)
         ids, mask, order = ids[:, columns], mask[:, columns], order[:, columns]
-        if bool((mask == 0).any()) and self._padding_read() is not None:
+        if bool((mask == 0).any()) and self.padding_read is not None:
             raise UnsupportedModelError(
-                f"{self._padding_read()} The contexts of several examples are padded there: give one example at a time "
+                f"{self.padding_read} The contexts of several examples are padded there: give one example at a time "
                 "(its contexts need no padding)."
             )
         return ids, mask, order
