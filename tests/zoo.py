@@ -743,10 +743,8 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
         return Outcome("error", _one_line(error))
     full = torch.cat([prompt, answer], dim=1)
     answered = Case(case.model, architecture, full, None, LM_TARGET)
-    takes_positions = "position_ids" in inspect.signature(case.model.forward).parameters  # as generate gives them
-    positions = {"position_ids": torch.arange(full.shape[1]).expand_as(full)} if takes_positions else {}
-    try:
-        maps = [a for a in eager_output(answered, **positions).attentions]
+    try:  # the model's own forward, as an unpadded prompt is explained (RoBERTa's positions counted from the ids)
+        maps = [a for a in eager_output(answered).attentions]
     except NotBuilt as error:
         return Outcome("not built", f"eager: {error}")
     if not maps or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[-1] == full.shape[1] for a in maps):
