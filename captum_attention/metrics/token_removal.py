@@ -116,7 +116,7 @@ class _Remover:
         batches of ``max_batch_size``; where the padding is read, of one length each."""
         order = torch.arange(len(rows), device=rows.device)
         lengths = None
-        if self.padding_read and self.removal == "delete":
+        if self.padding_read:  # only ever set for deletion
             kept = (self.real[rows] & ~remove).sum(dim=1)
             order = kept.argsort(stable=True)
             lengths = kept[order]
