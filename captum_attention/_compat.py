@@ -285,11 +285,20 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., 
     return copy
 
 
+def forward_hooks(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Each of ``model``'s modules that carries forward hooks or forward pre-hooks
+    (``Module._forward_hooks`` and ``_forward_pre_hooks``, checked on torch 2.13), by name,
+    with the hooks' handle ids (unique in the process): outside a capture, the user's own."""
+    return [
+        (name or type(model).__name__, (*m._forward_pre_hooks, *m._forward_hooks))
+        for name, m in model.named_modules()
+        if m._forward_hooks or m._forward_pre_hooks
+    ]
+
+
 def hooked_modules(model: nn.Module) -> list[str]:
-    """The names of ``model``'s modules that carry forward hooks or forward pre-hooks
-    (``Module._forward_hooks`` and ``_forward_pre_hooks``, checked on torch 2.13): outside a
-    capture, the user's own."""
-    return [name or type(model).__name__ for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    """The names of ``model``'s modules that carry the user's forward hooks (:func:`forward_hooks`)."""
+    return [name for name, _ in forward_hooks(model)]
 
 
 SOFTMAXES = (F.softmax, torch.softmax, Tensor.softmax)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import DECODERS, lm_reference, make_decoder, make_encoder_decoder, make_learned_position_decoder, make_prompts
 from methods import MAP_METHODS, METHODS, reference_grad_sam_key_axis
@@ -61,6 +64,18 @@ def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
     assert_scores_close(scores, per_example(reference, ref, prompts.real, queries))
 
 
+@contextmanager
+def counted_calls(model: torch.nn.Module) -> Iterator[list[int]]:
+    """The calls of ``model`` itself in the block, counted by a global hook (one on the model
+    would be the user's, which the left-padding check probes again)."""
+    calls: list[int] = []
+    handle = register_module_forward_pre_hook(lambda module, args: calls.append(1) if module is model else None)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def assert_left_padded_batch_is_each_prompt_alone(model, method: str) -> None:
     prompts = make_prompts(side="left")
     explainer = METHODS[method].cls(model)
@@ -99,12 +114,9 @@ def test_the_left_padding_check_of_a_float64_model_loaded_eager_confirms_it_once
     model = make_decoder("llama").double()
     model.set_attn_implementation("eager")
     assert_left_padded_batch_is_each_prompt_alone(model, "grad_sam")
-    prompts, calls = make_prompts(side="left"), []
-    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
+    prompts = make_prompts(side="left")
+    with counted_calls(model) as calls:
         GradSAM(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
-    finally:
-        handle.remove()
     assert len(calls) == 1
 
 
@@ -243,14 +255,30 @@ def test_a_left_padded_prompt_that_a_decoder_reads_at_other_positions_is_refused
 
 def test_a_hook_that_carries_the_padding_into_the_prompt_is_named_in_the_refusal():
     """A forward pre-hook of the user's that mixes each token with the one before it reads
-    the left padding into the first real token: the refusal says which module carries it."""
+    the left padding into the first real token: the refusal says which module carries it,
+    whether the model was checked before the hook came (explained) or not, and the model is
+    explained again once it is removed."""
     model, prompts = make_decoder("llama"), make_prompts(side="left")
+    args = dict(additional_forward_args=(prompts.attention_mask,))
+    GradSAM(model).attribute(prompts.input_ids, **args)
     handle = model.model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] + torch.roll(args[0], 1, dims=1), *args[1:]))
     try:
         with pytest.raises(UnsupportedModelError, match="or the forward hook on model.layers.1 reads the padding"):
-            GradSAM(model).attribute(prompts.input_ids, additional_forward_args=(prompts.attention_mask,))
+            GradSAM(model).attribute(prompts.input_ids, **args)
     finally:
         handle.remove()
+    assert_left_padded_batch_is_each_prompt_alone(model, "grad_sam")
+
+
+def test_a_model_that_reads_the_left_padding_is_probed_once():
+    """The check's verdict is kept per model: a second left-padded call is refused without
+    running the model, as a confirmed model runs it once."""
+    model, prompts = make_learned_position_decoder("bart"), make_prompts(side="left")
+    args = dict(additional_forward_args=(prompts.attention_mask,))
+    for expected_calls in (3, 0):
+        with counted_calls(model) as calls, pytest.raises(UnsupportedModelError, match="reads a left-padded prompt"):
+            GradSAM(model).attribute(prompts.input_ids, **args)
+        assert len(calls) == expected_calls
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_left_padding_check_allows_half_precisions_rounding_only(dtype):

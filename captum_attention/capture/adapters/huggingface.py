@@ -17,6 +17,7 @@ from ..._compat import (
     StreamingUnsupported,
     attn_implementation,
     called_transformers_model,
+    forward_hooks,
     hooked_modules,
     implementation_owner,
     model_configs,
@@ -657,7 +658,8 @@ class _KeywordForward:
 
     def __call__(self, *args: Any) -> Any:
         kwargs, keywords = self._named(args)
-        if self._positions_given(kwargs) and self.model not in _NATIVE_POSITIONS:
+        verdict = _PADDING_VERDICTS.get(self.model)
+        if self._positions_given(kwargs) and not (verdict is not None and verdict.native_positions):
             kwargs["position_ids"] = _real_positions(kwargs["attention_mask"])
         return self.model(**kwargs, **keywords)
 
@@ -675,39 +677,49 @@ class _KeywordForward:
         ``generate`` gives them, or, where those move them and the model's own positions do
         not (RoBERTa's, counted from the ids), with none from then on. A decoder with
         learned positions and no position ids (BART's, Marian's, XLM's) reads the padding.
-        Decided once per model; a model in training mode, whose dropout tells any two
+        Decided once per model, its dtype and the user's forward hooks on it (a hook added
+        or removed is probed again); a model in training mode, whose dropout tells any two
         forwards apart, is not checked (the capture warns of it)."""
         kwargs, keywords = self._named(args)
-        if keywords or self.model in _CONFIRMED or self.model.training or not self._positions_given(kwargs):
+        if keywords or self.model.training or not self._positions_given(kwargs):
             return None  # keywords: a vision-language model's inputs, whose left padding its tests check
         _refuse_virtual_tokens(self.model)  # they move every position: that is the refusal to give
         mask = kwargs["attention_mask"]
         padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
         if not bool(padded.any()):
             return None
-        row = int(padded.nonzero()[0])
-        one = {name: value[row : row + 1] for name, value in kwargs.items()}
-        real = mask[row] != 0
+        conditions = _verdict_conditions(self.model)
+        verdict = _PADDING_VERDICTS.get(self.model)
+        if verdict is None or verdict.conditions != conditions:
+            row = int(padded.nonzero()[0])
+            verdict = self._probe({name: value[row : row + 1] for name, value in kwargs.items()}, conditions)
+            if verdict is None:
+                return None  # the capture refuses the model's non-finite outputs itself, naming where they arise
+            _PADDING_VERDICTS[self.model] = verdict
+        return verdict.reason
+
+    def _probe(self, one: dict[str, Tensor], conditions: tuple) -> _PaddingVerdict | None:
+        """The verdict on one left-padded prompt ``one``: its next-token logits padded, with
+        and without position ids, against the prompt's alone (None where any is not finite)."""
+        real = one["attention_mask"][0] != 0
         with torch.no_grad(), ClampedSoftmax():  # as the capture runs a float64 model
             alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
             given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
             if not bool(alone.isfinite().all() and given.isfinite().all()):
-                return None  # the capture refuses the model's non-finite outputs itself, naming where they arise
-            if _same_logits(given, alone):
-                _CONFIRMED.add(self.model)
                 return None
+            if _same_logits(given, alone):
+                return _PaddingVerdict(conditions, None)
             native = _next_token_logits(self.model(**one))
         if _same_logits(native, alone):
-            _NATIVE_POSITIONS.add(self.model)
-            _CONFIRMED.add(self.model)
-            return None
+            return _PaddingVerdict(conditions, None, native_positions=True)
         hooked = hooked_modules(self.model)
         hook = f", or the forward hook on {', '.join(hooked[:3])} reads the padding" if hooked else ""
-        return (
+        return _PaddingVerdict(
+            conditions,
             f"{type(self.model).__name__} reads a left-padded prompt otherwise than the prompt alone: its next-token "
             f"logits move by {_moved(given, alone):.2g} of their scale, with or without position ids over the real tokens "
             f"(it counts positions from the first column, as learned positions read without position ids do, or reads "
-            f"the padding tokens{hook})."
+            f"the padding tokens{hook}).",
         )
 
     def _named(self, args: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -736,11 +748,26 @@ class _KeywordForward:
         return not self.encoder_decoder and left_padded and not _places_its_own(self.model)
 
 
-_CONFIRMED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Causal models whose left padding :meth:`_KeywordForward.left_padding_read` found unread."""
-_NATIVE_POSITIONS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Of those, the ones that place a left-padded prompt's tokens right without position ids
-(RoBERTa's, counting positions from the ids), where given ones would move them."""
+@dataclass(frozen=True)
+class _PaddingVerdict:
+    """What :meth:`_KeywordForward.left_padding_read` found for a causal model under
+    ``conditions`` (:func:`_verdict_conditions`): the ``reason`` it reads a left-padded
+    prompt otherwise than alone (None: it does not), and whether it places the prompt's
+    tokens right only without position ids (RoBERTa's, counting positions from the ids)."""
+
+    conditions: tuple
+    reason: str | None
+    native_positions: bool = False
+
+
+_PADDING_VERDICTS: weakref.WeakKeyDictionary[nn.Module, _PaddingVerdict] = weakref.WeakKeyDictionary()
+
+
+def _verdict_conditions(model: nn.Module) -> tuple:
+    """What a verdict on ``model``'s left padding holds for: its parameters' dtype and the
+    user's forward hooks (by handle id: one removed and added again is another hook)."""
+    dtypes = sorted({str(parameter.dtype) for parameter in model.parameters()})
+    return tuple(dtypes), tuple(forward_hooks(model))
 
 
 def _real_positions(mask: Tensor) -> Tensor:
