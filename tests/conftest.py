@@ -10,13 +10,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
 import signal  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.nn.modules.module import register_module_forward_pre_hook  # noqa: E402
 
 from constants import NUM_LABELS, VOCAB  # noqa: E402
 
@@ -151,6 +153,18 @@ def assert_scores_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
     """Close up to ``rel`` of the scores' scale (Grad-SAM scores can be tiny)."""
     scale = expected.abs().max().clamp(min=1e-30)
     torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rel, atol=rel * scale.item())
+
+
+@contextmanager
+def counted_calls(model: nn.Module) -> Iterator[list[int]]:
+    """The calls of ``model`` itself in the block, counted by a global hook (one on the model
+    would be the user's, which the left-padding check probes again)."""
+    calls: list[int] = []
+    handle = register_module_forward_pre_hook(lambda module, args: calls.append(1) if module is model else None)
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 def model_state(model: nn.Module) -> dict:

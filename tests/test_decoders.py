@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Iterator
 
 import pytest
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
-from conftest import assert_same_state, assert_scores_close, model_state
+from conftest import assert_same_state, assert_scores_close, counted_calls, model_state
 from lm_models import DECODERS, lm_reference, make_decoder, make_encoder_decoder, make_learned_position_decoder, make_prompts
 from methods import MAP_METHODS, METHODS, reference_grad_sam_key_axis
 
@@ -62,18 +59,6 @@ def test_any_position_and_token_and_no_score_on_future_tokens(decoder, method):
     future = torch.arange(7) > queries[:, None]
     assert (scores[future] == 0).all()
     assert_scores_close(scores, per_example(reference, ref, prompts.real, queries))
-
-
-@contextmanager
-def counted_calls(model: torch.nn.Module) -> Iterator[list[int]]:
-    """The calls of ``model`` itself in the block, counted by a global hook (one on the model
-    would be the user's, which the left-padding check probes again)."""
-    calls: list[int] = []
-    handle = register_module_forward_pre_hook(lambda module, args: calls.append(1) if module is model else None)
-    try:
-        yield calls
-    finally:
-        handle.remove()
 
 
 def assert_left_padded_batch_is_each_prompt_alone(model, method: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from captum.attr import NoiseTunnel
-from conftest import assert_same_state, make_batch, make_model, model_state
+from conftest import assert_same_state, counted_calls, make_batch, make_model, model_state
 from lm_models import Prompts, lm_span_reference, make_decoder, make_prompts, make_vision, make_word_tokenizer
 from methods import knockout_reference, reference_decisive
 from test_knockout_gradient import CONTINUATION
@@ -55,15 +55,12 @@ def test_each_continuation_row_and_each_example_alone_are_combined_as_the_span()
 def test_one_forward_serves_the_relevance_and_the_slope_on_every_path():
     model, prompts = make_decoder("llama"), make_prompts(side="left")
     args = dict(additional_forward_args=(prompts.attention_mask,))
-    explainer, forwards = KnockoutLRP(model), []
+    explainer = KnockoutLRP(model)
     explainer.attribute(prompts.input_ids, target=4, **args)  # the left padding confirmed once (two forwards)
-    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
+    with counted_calls(model) as forwards:
         explainer.attribute(prompts.input_ids, target=4, **args)
         explainer.attribute_span(prompts.input_ids, CONTINUATION, **args)
         explainer.attribute_continuation(prompts.input_ids, CONTINUATION, **args)
-    finally:
-        hook.remove()
     assert len(forwards) == 3
 
 
