@@ -173,6 +173,15 @@ def test_the_widened_heads_are_timed_per_backend_and_refusals_named(benchmarks_o
     assert any("refused" in row for row in rows), "CUDA's backends refuse a CPU tensor"
 
 
+def test_deletions_batched_by_length_cost_more_forwards_for_the_same_numbers(benchmarks_on_path, capsys):
+    import length_batches
+
+    rows = length_batches.main(["--smoke"])  # it checks that both ways give the same numbers
+    assert [row["metric"] for row in rows] == ["comprehensiveness", "LDS (32 halves)", "leave-one-out", "LDS (64 ablations)", "top-k drop"]
+    assert all(row["length_forwards"] > row["padded_forwards"] for row in rows)
+    assert "time ratio" in capsys.readouterr().out
+
+
 def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
     import flow_cost
 

@@ -342,6 +342,22 @@ def test_a_decoder_with_learned_positions_deletes_segments_as_by_hand(family):
     _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS))
 
 
+def test_a_forward_that_reads_the_padding_faintly_deletes_segments_as_by_hand():
+    """Each column of padding moves the last example's answer a little (less than the
+    rounding allowed under one column, more under the padding its batch and deletions
+    get) and the first example's not at all: the check pads the shortest example's
+    shortened prompt to the batch's width, so the deletions run unpadded."""
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+
+    def faint(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        return logits + 0.005 * (mask == 0).sum(dim=1)[:, None, None] * (torch.arange(logits.shape[-1]) == ANSWER[2, 0])
+
+    kept = torch.rand(3, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
+    _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(faint, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS))
+
+
 def test_the_contexts_of_several_examples_are_refused_for_a_model_that_reads_the_padding():
     """The contexts are explained as batches: padded where the examples keep different
     lengths, which BART's decoder reads. One example's contexts need no padding."""

@@ -205,6 +205,33 @@ def test_a_classifiers_batches_are_padded_on_the_side_it_reads_them_alone(tmp_pa
         classifier_padding_side(fnet.eval(), tokenizer, texts[0])
 
 
+class _FaintlyPadded(tf.BertForSequenceClassification):
+    """BERT whose logits move faintly with each column of padding: for one column by less
+    than the rounding the check allows (1e-4 in probability), for five by more."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        output = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        output.logits = output.logits + 1.5e-4 * (attention_mask == 0).sum(dim=1, keepdim=True) * torch.tensor([1.0, -1.0])
+        return output
+
+
+def test_a_classifier_that_reads_a_batchs_padding_faintly_has_its_batches_refused(tmp_path):
+    """The side is chosen on the batch's shortest text padded to its longest: BERT that reads
+    the right padding faintly (and the left by its positions) is refused in one line."""
+    from captum_attention.presentation.explain import classifier_inputs
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = tf.BertTokenizerFast(vocab=str(vocab))
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=len(WORDS) + 5, pad_token_id=1, num_labels=2, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=48)
+    model = _FaintlyPadded(config).eval()
+    texts = [" ".join(WORDS[2:12]), " ".join(WORDS[:2])]
+    with pytest.raises(ValueError, match="move when it is padded, by .* on the right and .* on the left: .* --batch-size 1"):
+        classifier_inputs(model, tokenizer, texts)
+
+
 def test_a_killed_run_resumes_without_losing_or_repeating_rows(checkpoint, tmp_path):
     data = _data(tmp_path, 40)
     options = ["--model", str(checkpoint), "--methods", "grad_sam,integrated_gradients", "--ig-steps", "20", "--batch-size", "2"]

@@ -201,6 +201,36 @@ def test_a_forward_that_leaves_the_mask_out_deletes_as_each_example_alone(bag):
         torch.testing.assert_close(drops[row : row + 1], expected, atol=1e-6, rtol=1e-5)
 
 
+def test_a_forward_that_reads_the_padding_faintly_deletes_as_each_example_alone(bag):
+    """One column of padding after the first example moves its output by 3e-6, within the
+    rounding allowed (1e-4), the padding its batch and deletions get by more: the check pads
+    a shortened example to the batch's width, so each runs unpadded."""
+    model, ids, mask, target, _ = bag
+    model.weights[0] = torch.tensor([3e-4, -3e-4, 0.0])  # the padding id's faint weight
+    unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4))
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for bins in [(50,), (10, 30, 60, 100)]:
+        drops = comprehensiveness(unmasked, ids, mask, scores, target, bins=bins)
+        for row in range(len(ids)):
+            one = (ids[row : row + 1], mask[row : row + 1], scores[row : row + 1], keep[row : row + 1])
+            expected = torch.stack([comprehensiveness_alone(unmasked, *one, k / 100, int(target[row])) for k in bins], dim=1)
+            torch.testing.assert_close(drops[row : row + 1], expected, atol=1e-7, rtol=1e-6)
+
+
+def test_a_single_examples_deletions_are_unpadded_where_the_padding_is_read(bag):
+    """One example's deletions of several lengths share a batch: for a forward that leaves
+    the mask out, each length runs alone."""
+    model, ids, mask, target, _ = bag
+    unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(5))
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    bins = (10, 30, 60)
+    drops = comprehensiveness(unmasked, ids[:1], mask[:1], scores[:1], target[:1], bins=bins, pad_token_id=5)
+    expected = torch.stack([comprehensiveness_alone(unmasked, ids[:1], mask[:1], scores[:1], keep[:1], k / 100, int(target[0])) for k in bins], dim=1)
+    torch.testing.assert_close(drops, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():
     """Each example's half-context scores as alone, the contexts padded with the
     classifier's pad id; where the inputs hold no padding and no id is given, the guess
@@ -450,7 +480,7 @@ def test_greedy_deletion_by_hand(bag, removal):
         order = ranking[row, :n].masked_fill(keep[row, :n], float("-inf")).argsort(descending=True)[: n - 1].tolist()
         assert order == chosen + [i for i in by_prior if i not in chosen]
         assert (ranking[row, n:] == 0).all()
-    padding_check = 2 if removal == "delete" else 0  # the first example alone and padded on the right
+    padding_check = 2 if removal == "delete" else 0  # the shortest example shortened, alone and padded on the right
     assert sum(rows_run) == 2 + padding_check + (3 + 3) + (3 + 2), "the whole input, then one forward per candidate left to try"
     with pytest.raises(ValueError, match="candidates must be"):
         greedy_deletion(model, ids, mask, prior, candidates=())

@@ -19,9 +19,9 @@ left) and the answer follows them; for an encoder-decoder (a model whose config 
 the decoder reads its start token and the answer. Any attribution works: ours, Captum's,
 a user's tensor; a segment's score is the sum of its tokens'. Every ablated sequence of a
 call is evaluated batched; a Hugging Face model gets position ids that follow the padding,
-so an example scores the same alone and in a padded batch. Where one column of padding
-moves the first example's answer (a model or forward that reads the padding), the batches
-hold deletions of one length, unpadded.
+so an example scores the same alone and in a padded batch. Where padding moves a
+shortened prompt's answer (a model or forward that reads the padding), the batches hold
+deletions of one length, unpadded.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 from .token_removal import (
-    complemented, example_seeds, length_batches, prior_and_context_shares, random_halves, scores_in_context, with_padding_column,
+    complemented, example_seeds, length_batches, padding_probe, prior_and_context_shares, random_halves, scores_in_context,
+    with_padding_column,
 )
 
 PAIRS_PER_FORWARD = 2**26
@@ -164,16 +165,17 @@ class _AnswerScorer:
 
     @cached_property
     def padding_read(self) -> str | None:
-        """How one column of padding on the prompts' padding side moves the first
-        example's answer log-probability, or None where it does not. Deleting segments
-        pads the shortened prompts there: a Hugging Face decoder that reads a left-padded
-        prompt otherwise than alone (learned positions counted from the first column:
-        BART's, XLM's); a forward that gives a model with absolute positions no position
-        ids that skip the left padding, or leaves the attention mask out."""
-        prompt = self.ids[:1, self.real[0]]
+        """How padding on the prompts' padding side moves a shortened prompt's answer
+        log-probability (:func:`~captum_attention.metrics.token_removal.padding_probe`), or
+        None where it does not. Deleting segments pads the shortened prompts there: a
+        Hugging Face decoder that reads a left-padded prompt otherwise than alone (learned
+        positions counted from the first column: BART's, XLM's); a forward that gives a
+        model with absolute positions no position ids that skip the left padding, or leaves
+        the attention mask out."""
+        row, prompt, columns = padding_probe(self.ids, self.real, self.segments >= 0, self.padding_side)
         mask = torch.ones_like(prompt)
-        padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side)
-        answer = self.answer[:1]
+        padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side, columns)
+        answer = self.answer[row : row + 1]
         left_padding_read = getattr(_by_name(self.forward_func), "left_padding_read", None)
         if self.decoder_start is None and left_padding_read is not None:  # a Hugging Face model's own check
             reason = left_padding_read(torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1))
@@ -186,7 +188,7 @@ class _AnswerScorer:
         moved = abs(float(_summed_log_probs(padded_logits, answer)[0]) - alone)
         if moved > max(1e-3, 8 * torch.finfo(alone_logits.dtype).eps) * max(1.0, abs(alone)):
             return (
-                f"A column of padding (attention mask 0) on the {self.padding_side} of example 0's prompt moves its "
+                f"Padding (attention mask 0) on the {self.padding_side} of example {row}'s shortened prompt moves its "
                 f"answer's log-probability by {moved:.2g}."
             )
         return None

@@ -82,8 +82,8 @@ class _Remover:
         self.max_batch_size = max_batch_size
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
         logits = self._logits(input_ids, attention_mask)  # first: a clear error for logits of another shape
-        self.padding_read = removal == "delete" and len(input_ids) > 1 and self._padding_moves()
-        if self.padding_read:  # each example unpadded, as its deletions are
+        self.padding_read = removal == "delete" and self._padding_moves()
+        if self.padding_read and len(input_ids) > 1:  # each example unpadded, as its deletions are
             logits = self._rows_logits(torch.arange(len(input_ids), device=input_ids.device), torch.zeros_like(self.real))
         probs = class_probabilities(logits)
         self.targets = resolve_targets(logits, target)
@@ -102,13 +102,13 @@ class _Remover:
         return logits
 
     def _padding_moves(self) -> bool:
-        """Whether padding the first example on the right moves its output: deleting tokens
-        pads the shortened rows there (a decoder classifier that finds its last token by a
-        pad id other than the one filled in; a model that reads its last position, XLNet's;
-        a forward that leaves the attention mask out). Its deletions then run in batches of
-        one length, unpadded."""
-        real = self.real[0]
-        moved, tolerance = padding_shift(self.forward_func, self.ids[:1, real], self.mask[:1, real], self.pad, "right")
+        """Whether padding on the right moves a shortened example's output (:func:`padding_probe`):
+        deleting tokens pads the shortened rows there (a decoder classifier that finds its
+        last token by a pad id other than the one filled in; a model that reads its last
+        position, XLNet's; a forward that leaves the attention mask out). The deletions
+        then run in batches of one length, unpadded."""
+        _, row, columns = padding_probe(self.ids, self.real, self.removable, "right")
+        moved, tolerance = padding_shift(self.forward_func, row, torch.ones_like(self.mask[:1, : row.shape[1]]), self.pad, "right", columns)
         return moved > tolerance
 
     def _rows_logits(self, rows: Tensor, remove: Tensor) -> Tensor:
@@ -239,20 +239,37 @@ def padding_id(forward_func: Any, input_ids: Tensor, attention_mask: Tensor, pad
     return int(padding[0]) if len(padding) == 1 else 0
 
 
-def padding_shift(forward_func: Callable[..., Any], ids: Tensor, mask: Tensor, pad_id: int, side: str) -> tuple[float, float]:
-    """How far one column of ``pad_id`` padding (mask 0) on ``side`` moves the class
+def padding_shift(
+    forward_func: Callable[..., Any], ids: Tensor, mask: Tensor, pad_id: int, side: str, columns: int = 1
+) -> tuple[float, float]:
+    """How far ``columns`` columns of ``pad_id`` padding (mask 0) on ``side`` move the class
     probabilities ``forward_func`` gives the unpadded ``(1, N)`` ``ids``, and the rounding
     its logits' precision allows."""
     with torch.no_grad():
         alone = output_logits(forward_func(ids, mask), len(ids))
-        padded = output_logits(forward_func(*with_padding_column(ids, mask, pad_id, side)), len(ids))
+        padded = output_logits(forward_func(*with_padding_column(ids, mask, pad_id, side, columns)), len(ids))
     moved = float((class_probabilities(alone) - class_probabilities(padded)).abs().max())
     return moved, max(1e-4, 8 * torch.finfo(alone.dtype).eps)
 
 
-def with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
-    """The inputs with one column of ``pad_id`` padding (mask 0) on ``side``."""
-    column, zeros = ids.new_full((len(ids), 1), pad_id), mask.new_zeros((len(mask), 1))
+def padding_probe(ids: Tensor, real: Tensor, removable: Tensor, side: str) -> tuple[int, Tensor, int]:
+    """A row on which to test whether a model reads the padding that deletions add on
+    ``side``: the shortest example (its index), its real tokens less the half of its
+    ``removable`` ones towards ``side`` (``(1, N')``, in order), and the columns of padding
+    that fill them to the batch's width (at least one). A model that reads padding only
+    faintly (a random one; a forward that leaves the mask out) moves its output by more
+    under the padding a deletion gets than under one column."""
+    row = int(real.sum(dim=1).argmin())
+    positions = removable[row].nonzero().flatten()
+    deleted = positions[len(positions) - len(positions) // 2 :] if side == "right" else positions[: len(positions) // 2]
+    kept = real[row].clone()
+    kept[deleted] = False
+    return row, ids[row, kept][None], max(ids.shape[1] - int(kept.sum()), 1)
+
+
+def with_padding_column(ids: Tensor, mask: Tensor, pad_id: int, side: str = "right", columns: int = 1) -> tuple[Tensor, Tensor]:
+    """The inputs with ``columns`` columns of ``pad_id`` padding (mask 0) on ``side``."""
+    column, zeros = ids.new_full((len(ids), columns), pad_id), mask.new_zeros((len(mask), columns))
     if side == "left":
         return torch.cat([column, ids], dim=1), torch.cat([zeros, mask], dim=1)
     return torch.cat([ids, column], dim=1), torch.cat([mask, zeros], dim=1)

@@ -386,7 +386,11 @@ def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separat
     by default; given the ``separator`` of the run's text pairs (:func:`types_separator`),
     a one-line error where the tokenizer's token types are not
     :func:`~captum_attention.metrics.pair_token_types` of the ids."""
-    side = classifier_padding_side(model, tokenizer, texts[0], separator, **options) if len(texts) > 1 else "right"
+    side = "right"
+    if len(texts) > 1:
+        lengths = [len(ids) for ids in tokenizer(list(texts), **options)["input_ids"]]
+        shortest = min(range(len(texts)), key=lengths.__getitem__)
+        side = classifier_padding_side(model, tokenizer, texts[shortest], separator, max(lengths) - lengths[shortest], **options)
     encoded = tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
     if separator is not None:
         given = encoded["token_type_ids"].masked_fill(encoded["attention_mask"] == 0, 0)
@@ -399,12 +403,16 @@ def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separat
     return encoded
 
 
-def classifier_padding_side(model: Any, tokenizer: Any, text: Text, separator: int | None = None, **options: Any) -> str:
-    """``"right"`` where one column of padding there leaves the classifier's probabilities
-    for ``text`` alone where they were (GPT-2's absolute positions would shift under left
-    padding; the metrics' deletions pad on the right), else ``"left"`` where it does there
-    (XLNet reads its last position); a one-line error where padding moves them on either
-    side. A tokenizer without a pad token keeps its own side (its padding refuses itself)."""
+def classifier_padding_side(
+    model: Any, tokenizer: Any, text: Text, separator: int | None = None, columns: int = 1, **options: Any
+) -> str:
+    """``"right"`` where ``columns`` columns of padding there (at least one: a batch's
+    shortest text is padded by as many as it is shorter than the longest) leave the
+    classifier's probabilities for ``text`` alone where they were (GPT-2's absolute
+    positions would shift under left padding; the metrics' deletions pad on the right),
+    else ``"left"`` where they do there (XLNet reads its last position); a one-line error
+    where padding moves them on either side. A tokenizer without a pad token keeps its own
+    side (its padding refuses itself)."""
     if tokenizer.pad_token_id is None:
         return str(tokenizer.padding_side)
     encoded = tokenizer([text], return_tensors="pt", **options)
@@ -412,7 +420,9 @@ def classifier_padding_side(model: Any, tokenizer: Any, text: Text, separator: i
     ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     shifts = {}
     for side in ("right", "left"):
-        moved, tolerance = padding_shift(classifier_forward(model, separator), ids, mask, tokenizer.pad_token_id, side)
+        moved, tolerance = padding_shift(
+            classifier_forward(model, separator), ids, mask, tokenizer.pad_token_id, side, max(columns, 1)
+        )
         if moved <= tolerance:
             return side
         shifts[side] = moved
