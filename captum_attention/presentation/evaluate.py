@@ -37,8 +37,8 @@ from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import first_visible, outside_span, special_tokens
 from .explain import (
-    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, Text, answer_estimates, check_methods,
-    check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs, classifier_padding_side,
+    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, Text, answer_estimates, batch_padding_side,
+    check_methods, check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs,
     ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
@@ -371,7 +371,7 @@ def _shap(model: Any, tokenizer: Any, evals: int) -> Explainer:
     def explain(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[Text]) -> Tensor:
         singles = [text for text in texts if isinstance(text, str)]
         assert len(singles) == len(texts)  # check_request refuses SHAP on pairs
-        side = classifier_padding_side(model, tokenizer, singles[0])
+        side = batch_padding_side(model, tokenizer, singles)
         return shap_token_values(forward, tokenizer, singles, targets.cpu(), evals, side).to(ids.device)
 
     return explain

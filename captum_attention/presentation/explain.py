@@ -386,11 +386,7 @@ def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separat
     by default; given the ``separator`` of the run's text pairs (:func:`types_separator`),
     a one-line error where the tokenizer's token types are not
     :func:`~captum_attention.metrics.pair_token_types` of the ids."""
-    side = "right"
-    if len(texts) > 1:
-        lengths = [len(ids) for ids in tokenizer(list(texts), **options)["input_ids"]]
-        shortest = min(range(len(texts)), key=lengths.__getitem__)
-        side = classifier_padding_side(model, tokenizer, texts[shortest], separator, max(lengths) - lengths[shortest], **options)
+    side = batch_padding_side(model, tokenizer, texts, separator, **options) if len(texts) > 1 else "right"
     encoded = tokenizer(list(texts), padding=True, padding_side=side, return_tensors="pt", **options)
     if separator is not None:
         given = encoded["token_type_ids"].masked_fill(encoded["attention_mask"] == 0, 0)
@@ -401,6 +397,14 @@ def classifier_inputs(model: Any, tokenizer: Any, texts: Sequence[Text], separat
                 "passing its token_type_ids."
             )
     return encoded
+
+
+def batch_padding_side(model: Any, tokenizer: Any, texts: Sequence[Text], separator: int | None = None, **options: Any) -> str:
+    """The side to pad ``texts`` on (:func:`classifier_padding_side`), tested on the
+    shortest padded to the longest's length (by one column at least)."""
+    lengths = [len(ids) for ids in tokenizer(list(texts), **options)["input_ids"]]
+    shortest = min(range(len(texts)), key=lengths.__getitem__)
+    return classifier_padding_side(model, tokenizer, texts[shortest], separator, max(lengths) - lengths[shortest], **options)
 
 
 def classifier_padding_side(
