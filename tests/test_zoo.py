@@ -12,6 +12,7 @@ from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
     left_padding_outcome, make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
+    vision_language_left_padding_outcome,
 )
 
 from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
@@ -126,6 +127,14 @@ def test_a_left_padded_batch_is_each_prompt_alone_or_refused(model_type, status)
 def test_a_left_padded_batch_is_each_prompt_alone_or_refused_on_every_causal_lm(architecture):
     outcome = left_padding_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("image-text-to-text"), ids=lambda a: a.name)
+def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refused(architecture):
+    outcome = vision_language_left_padding_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
 
 @pytest.mark.parametrize("head, model_type", [("causal LM", "gpt_neox"), ("sequence classification", "falcon")])
 def test_an_output_projection_named_dense_is_read(head, model_type):

@@ -792,6 +792,89 @@ def left_padding_outcome(architecture: Architecture, implementation: str | None 
     return Outcome("exact") if all(_close(r, a) for r, a in zip(rows, alone)) else Outcome("wrong", "off each prompt alone")
 
 
+def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
+    """Grad-SAM on an image-text-to-text model's batch of two examples with the same image,
+    the first prompt two text tokens shorter and left-padded by two columns: ``exact``
+    where each example's real tokens score as that prompt and image alone, unpadded,
+    refused in one line, ``not built`` (the sweep's image inputs, or the model itself on the
+    padded batch, or its own logits off each example's alone: HunYuan-VL's second example,
+    padded or not), or else wrong or an error."""
+    try:
+        case = runs(make_case(build(architecture), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    short = case.inputs
+    assert isinstance(short, torch.Tensor) and case.images is not None
+    long = torch.cat([short, torch.tensor([[8, 9]])], dim=1)
+    ids = torch.cat([torch.cat([torch.zeros_like(short[:, :2]), short], dim=1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    rows = [_example_images(case, short, architecture), _example_images(case, long, architecture)]
+    batch = _batched_images(case.images, rows, mask)
+    explainer = REGISTRY["grad_sam"](case.model)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            together_logits = case.model(input_ids=ids, attention_mask=mask, **batch).logits[:, -1]
+            alone_logits = [case.model(input_ids=i, attention_mask=torch.ones_like(i), **r).logits[:, -1] for i, r in zip((short, long), rows)]
+    except Exception as error:  # noqa: BLE001 - the model itself fails on a left-padded batch
+        return Outcome("not built", f"the model itself fails on a left-padded batch: {_one_line(error)}")
+    if not _close(together_logits, torch.cat(alone_logits)):  # as generate runs it: the sweep's batch is not its layout
+        return Outcome("not built", "the model itself gives the batch's examples other logits than each alone")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            together = explainer.attribute(ids, target=case.target, additional_forward_args=(mask, batch))
+            alone = [
+                explainer.attribute(row_ids, target=case.target, additional_forward_args=(torch.ones_like(row_ids), images))
+                for row_ids, images in zip((short, long), rows)
+            ]
+    except (UnsupportedModelError, ValueError) as error:
+        return refusal_outcome(error, None)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    parts = together if isinstance(together, tuple) else (together,)  # Mllama's: the image's, the tokens'
+
+    def row(part: torch.Tensor, b: int) -> torch.Tensor:
+        return part[b : b + 1, mask[b] != 0] if part.shape[1] == ids.shape[1] else part[b : b + 1]
+
+    padded_rows = [tuple(row(part, b) for part in parts) for b in range(2)]
+    alone_rows = [a if isinstance(a, tuple) else (a,) for a in alone]
+    return Outcome("exact") if all(_close(r, a) for r, a in zip(padded_rows, alone_rows)) else Outcome("wrong", "off each example alone")
+
+
+def _example_images(case: Case, ids: torch.Tensor, architecture: Architecture) -> dict[str, torch.Tensor]:
+    """The sweep's image inputs for the prompt ``ids`` (its token types; Mllama's
+    cross-attention mask, each later token seeing the image)."""
+    from captum_attention.capture.adapters.images import image_token_id
+
+    assert case.images is not None
+    images = dict(case.images)
+    token = image_token_id(case.model.config)
+    if "mm_token_type_ids" in images:
+        images["mm_token_type_ids"] = (ids == token).long()
+    if "token_type_ids" in images:
+        images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
+    if "cross_attention_mask" in images:
+        cross = images["cross_attention_mask"]
+        images["cross_attention_mask"] = torch.cat([cross, cross[:, -1:].expand(-1, ids.shape[1] - cross.shape[1], -1, -1)], dim=1)
+    return images
+
+
+def _batched_images(images: dict[str, torch.Tensor], rows: list[dict[str, torch.Tensor]], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The examples' image inputs as one batch: per-token inputs left-padded as ``mask``
+    (zeros), flattened patches and their grids (Qwen2-VL's) one image after the other,
+    the rest stacked on the batch's axis."""
+    batch = {}
+    for name in images:
+        values = [row[name] for row in rows]
+        if name in ("mm_token_type_ids", "token_type_ids", "cross_attention_mask"):
+            width = mask.shape[1]
+            values = [torch.cat([v.new_zeros((1, width - v.shape[1], *v.shape[2:])), v], dim=1) for v in values]
+        batch[name] = torch.cat(values)
+    return batch
+
+
 def removal_outcome(architecture: Architecture) -> Outcome:
     """ERASER comprehensiveness of a sequence classifier given as it is, on a batch whose
     deletions leave one row shorter (padded) than the other, the last token (an end of
