@@ -107,8 +107,8 @@ class _Remover:
         last token by a pad id other than the one filled in; a model that reads its last
         position, XLNet's; a forward that leaves the attention mask out). The deletions
         then run in batches of one length, unpadded."""
-        _, row, columns = padding_probe(self.ids, self.real, self.removable, "right")
-        moved, tolerance = padding_shift(self.forward_func, row, torch.ones_like(self.mask[:1, : row.shape[1]]), self.pad, "right", columns)
+        _, shortened, columns = padding_probe(self.ids, self.real, self.removable, "right")
+        moved, tolerance = padding_shift(self.forward_func, shortened, self.mask.new_ones(shortened.shape), self.pad, "right", columns)
         return moved > tolerance
 
     def _rows_logits(self, rows: Tensor, remove: Tensor) -> Tensor:
