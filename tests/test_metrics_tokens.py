@@ -253,6 +253,19 @@ def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():
         context_averaged_attribution(explain, ids, mask, prior)
 
 
+def test_the_guessed_pad_id_of_the_half_contexts_is_checked_under_a_contexts_padding(bag):
+    """A function whose scores the padding moves faintly: by 3e-4 of their scale for one
+    column (within the 1e-3 allowed), by more under the padding a half context gets, which
+    the check now adds to a shortened example: the guess is refused."""
+    model = bag[0]
+    model.weights[0] = torch.tensor([3e-4, 0.0, 0.0])  # the guessed id's faint weight
+    ids = torch.tensor([[5, 3, 7, 1, 9, 2, 11, 4], [6, 8, 10, 2, 3, 7, 9, 4]])
+    mask = torch.ones_like(ids)
+    explain = lambda i, m: model(i, torch.ones_like(m)).softmax(-1)[:, :1] * torch.ones_like(i)  # noqa: E731
+    with pytest.raises(ValueError, match="token id 0 .* after a shortened example moves attribute_func's scores"):
+        context_averaged_attribution(explain, ids, mask, torch.randn(2, 8))
+
+
 def test_perturbation_curves_rank_a_faithful_attribution(bag):
     model, ids, mask, target, contributions = bag
     positive = perturbation_curve(model, ids, mask, contributions, most_relevant_first=True)

@@ -743,7 +743,7 @@ def context_averaged_attribution(
             measured with). Default: 1.
         pad_token_id (int, optional): the id that pads the contexts' rows. Default: None:
             the id the inputs are padded with; where they hold no padding, 0, once two
-            calls more have shown that a column of it after the inputs leaves their scores
+            calls more have shown that padding with it leaves a shortened example's scores
             unchanged (a decoder classifier that finds its last token by another pad id is
             refused in one line).
 
@@ -770,7 +770,7 @@ def context_averaged_attribution(
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
     pad_id = padding_id(attribute_func, input_ids, attention_mask, pad_token_id)
     if removal == "delete" and pad_token_id is None and len(input_ids) > 1 and bool((attention_mask != 0).all()):
-        _confirm_padding_unread(attribute_func, input_ids, attention_mask, pad_id)  # the id is a guess: no padding to learn it from
+        _confirm_padding_unread(attribute_func, input_ids, attention_mask, removable, pad_id)  # the id is a guess: no padding to learn it from
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for kept in complemented(halves, removable).unbind(dim=1):
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id, pad_id)
@@ -778,15 +778,20 @@ def context_averaged_attribution(
     return prior_and_context_shares(summed, prior, removable)
 
 
-def _confirm_padding_unread(attribute_func: Callable[[Tensor, Tensor], Tensor], ids: Tensor, mask: Tensor, pad_id: int) -> None:
-    """A one-line error where one column of ``pad_id`` padding (mask 0) after the inputs
-    moves their scores: the contexts pad their shortened rows so."""
-    scores = attribute_func(ids, mask).detach().double()
-    padded = attribute_func(*with_padding_column(ids, mask, pad_id)).detach().double()[:, :-1]
-    moved = float((scores - padded).abs().max())
+def _confirm_padding_unread(
+    attribute_func: Callable[[Tensor, Tensor], Tensor], ids: Tensor, mask: Tensor, removable: Tensor, pad_id: int
+) -> None:
+    """A one-line error where ``pad_id`` padding (mask 0) moves the scores of a shortened
+    example (:func:`padding_probe`), given in every row of the batch (``attribute_func``
+    may hold one target per example): the contexts pad their shortened rows so."""
+    _, shortened, columns = padding_probe(ids, mask != 0, removable, "right")
+    rows, rows_mask = shortened.repeat(len(ids), 1), mask.new_ones((len(ids), shortened.shape[1]))
+    scores = attribute_func(rows, rows_mask).detach().double()
+    padded = attribute_func(*with_padding_column(rows, rows_mask, pad_id, "right", columns)).detach().double()
+    moved = float((scores - padded[:, : rows.shape[1]]).abs().max())
     if moved > 1e-3 * float(scores.abs().max()):
         raise ValueError(
-            f"A column of padding with token id {pad_id} (attention mask 0) after the inputs moves attribute_func's scores "
+            f"Padding with token id {pad_id} (attention mask 0) after a shortened example moves attribute_func's scores "
             f"by up to {moved:.2g}, and the contexts pad their rows so: pass pad_token_id=<the id the model pads with> "
             "(a decoder classifier finds its last token by config.pad_token_id) or use removal='replace'."
         )
