@@ -353,9 +353,10 @@ def comprehensiveness(
         pad_token_id (int, optional): the id that pads the rows tokens were deleted from
             (they close up on the left). Default: None: the ``config.pad_token_id`` of
             ``forward_func`` where it is the model (or one of its methods), else the id
-            the inputs are padded with, else 0. Given a batch, a model whose output moves
-            when its first example is padded so is refused in one line (a decoder
-            classifier finds its last token by its pad id).
+            the inputs are padded with, else 0. Where padding with it moves the output of
+            the batch's shortest example, shortened as a deletion shortens it (a decoder
+            classifier finds its last token by its pad id; a forward without the mask),
+            each example and its deletions run in batches of one length, unpadded.
 
     Returns:
         ``(batch, len(bins))`` tensor.
