@@ -13,6 +13,8 @@
 #                                      # agreement with them, then ALTI at 4k and 16k, eager blocks against compiled
 #   bash benchmarks/gpu_run.sh keybias # sdpa's forward+backward with heads one wider (the key bias) or padded
 #                                      # to 8, per backend, bf16 and fp32: whether the key bias can ride on a card
+#   bash benchmarks/gpu_run.sh padding # the deletion metrics' batches of one length against padded batches
+#                                      # (benchmarks/length_batches.py on the card)
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
 #                                      # an answer's rows at 16k with the kernels (at most 10 min)
@@ -61,6 +63,8 @@ import gpu_check; gpu_check.context_mixing_agreement()" | tee "$out/alti_compile
     keybias)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.widened_heads()" \
             | tee "$out/widened_heads.md" ;;
+    padding)
+        python3 benchmarks/length_batches.py --device cuda | tee "$out/length_batches.md" ;;
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;

@@ -1,7 +1,7 @@
 """The cost of exact deletions for a model that reads the padding: batches of one length,
 unpadded, against padded batches, on the same model and the same deletions.
 
-    python benchmarks/length_batches.py [--repeats 3]
+    python benchmarks/length_batches.py [--repeats 3] [--device cuda]
 
 Where one column of padding moves a model's output (a ``forward_func`` that leaves the
 attention mask or the position ids out, a decoder with learned positions, a classifier
@@ -51,12 +51,12 @@ class Counted:
 Metrics = dict[str, Callable[[Counted], torch.Tensor]]
 
 
-def classifier_metrics(smoke: bool) -> tuple[Metrics, dict[str, Counted]]:
-    model = benchmark_model()
-    ids, mask = benchmark_batch()
+def classifier_metrics(smoke: bool, device: str) -> tuple[Metrics, dict[str, Counted]]:
+    model = benchmark_model(device)
+    ids, mask = benchmark_batch(device)
     if smoke:  # two examples of 6 and 12 tokens
-        ids, mask = ids[:2, :12], (torch.arange(12)[None, :] < torch.tensor([[6], [12]])).long()
-    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+        ids, mask = ids[:2, :12], (torch.arange(12, device=device)[None, :] < torch.tensor([[6], [12]], device=device)).long()
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2)).to(device)
     metrics = {
         "comprehensiveness": lambda f: comprehensiveness(f, ids, mask, scores, target=0),
         "LDS (32 halves)": lambda f: datamodeling_score(f, ids, mask, scores, target=0),
@@ -69,10 +69,10 @@ def classifier_metrics(smoke: bool) -> tuple[Metrics, dict[str, Counted]]:
     return metrics, forwards
 
 
-def answer_metrics(smoke: bool) -> tuple[Metrics, dict[str, Counted]]:
+def answer_metrics(smoke: bool, device: str) -> tuple[Metrics, dict[str, Counted]]:
     torch.manual_seed(0)
     config = tf.GPT2Config(vocab_size=5000, n_embd=256, n_layer=4, n_head=4, n_positions=1024, bos_token_id=1, eos_token_id=2)
-    model = tf.GPT2LMHeadModel(config).eval()
+    model = tf.GPT2LMHeadModel(config).eval().to(device)
     generator = torch.Generator().manual_seed(3)
     width, count = (32, 2) if smoke else (512, 8)
     lengths = torch.linspace(width * 3 // 4, width, count).long()
@@ -84,6 +84,7 @@ def answer_metrics(smoke: bool) -> tuple[Metrics, dict[str, Counted]]:
     segments[positions[None, :].expand_as(mask) == start] = -1  # the first token stays
     answer = torch.randint(10, 5000, (count, 4), generator=generator)
     scores = torch.randn(ids.shape, generator=generator)
+    ids, mask, segments, answer, scores = (t.to(device) for t in (ids, mask, segments, answer, scores))
     metrics = {
         "LDS (64 ablations)": lambda f: linear_datamodeling_score(f, ids, mask, answer, scores, segments, num_ablations=64),
         "top-k drop": lambda f: top_k_log_prob_drop(f, ids, mask, answer, scores, segments=segments),
@@ -99,13 +100,15 @@ def answer_metrics(smoke: bool) -> tuple[Metrics, dict[str, Counted]]:
     return metrics, forwards
 
 
-def measure(metric: Callable[[Counted], Any], forward: Counted, repeats: int) -> tuple[float, int, torch.Tensor]:
+def measure(metric: Callable[[Counted], Any], forward: Counted, repeats: int, device: str) -> tuple[float, int, torch.Tensor]:
     seconds = []
     for _ in range(repeats):
         forward.calls = 0
         begin = time.perf_counter()
         with torch.no_grad():
             value = metric(forward)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - begin)
     return sorted(seconds)[len(seconds) // 2], forward.calls, value
 
@@ -114,16 +117,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a few short examples, once (a check that it runs)")
+    parser.add_argument("--device", default="cpu")
     options = parser.parse_args(argv)
     repeats = 1 if options.smoke else options.repeats
-    print(f"# {device_description()}")
+    print(f"# {device_description(options.device)}")
     print(f"{'task':<11} {'metric':<20} {'padded':>14} {'by length':>18} {'time ratio':>10}")
     rows = []
     for task, build in (("classifier", classifier_metrics), ("answers", answer_metrics)):
-        metrics, forwards = build(options.smoke)
+        metrics, forwards = build(options.smoke, options.device)
         for name, metric in metrics.items():
             (padded_s, padded_calls, padded), (length_s, length_calls, by_length) = (
-                measure(metric, forward, repeats) for forward in forwards.values()
+                measure(metric, forward, repeats, options.device) for forward in forwards.values()
             )
             torch.testing.assert_close(by_length, padded, atol=2e-4, rtol=1e-3)
             rows.append(dict(task=task, metric=name, padded_forwards=padded_calls, length_forwards=length_calls,
