@@ -810,7 +810,7 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     rows = [_example_images(case, short, architecture), _example_images(case, long, architecture)]
-    batch = _batched_images(case.images, rows, mask)
+    batch = _batched_images(rows, ids.shape[1])
     explainer = REGISTRY["grad_sam"](case.model)
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -819,7 +819,7 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
             alone_logits = [case.model(input_ids=i, attention_mask=torch.ones_like(i), **r).logits[:, -1] for i, r in zip((short, long), rows)]
     except Exception as error:  # noqa: BLE001 - the model itself fails on a left-padded batch
         return Outcome("not built", f"the model itself fails on a left-padded batch: {_one_line(error)}")
-    if not _close(together_logits, torch.cat(alone_logits)):  # as generate runs it: the sweep's batch is not its layout
+    if not _close(together_logits, torch.cat(alone_logits)):  # the model's own batch differs: nothing to match
         return Outcome("not built", "the model itself gives the batch's examples other logits than each alone")
     try:
         with warnings.catch_warnings():
@@ -835,10 +835,10 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
         return Outcome("error", _one_line(error))
     parts = together if isinstance(together, tuple) else (together,)  # Mllama's: the image's, the tokens'
 
-    def row(part: torch.Tensor, b: int) -> torch.Tensor:
+    def example_part(part: torch.Tensor, b: int) -> torch.Tensor:
         return part[b : b + 1, mask[b] != 0] if part.shape[1] == ids.shape[1] else part[b : b + 1]
 
-    padded_rows = [tuple(row(part, b) for part in parts) for b in range(2)]
+    padded_rows = [tuple(example_part(part, b) for part in parts) for b in range(2)]
     alone_rows = [a if isinstance(a, tuple) else (a,) for a in alone]
     return Outcome("exact") if all(_close(r, a) for r, a in zip(padded_rows, alone_rows)) else Outcome("wrong", "off each example alone")
 
@@ -861,15 +861,14 @@ def _example_images(case: Case, ids: torch.Tensor, architecture: Architecture) -
     return images
 
 
-def _batched_images(images: dict[str, torch.Tensor], rows: list[dict[str, torch.Tensor]], mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The examples' image inputs as one batch: per-token inputs left-padded as ``mask``
-    (zeros), flattened patches and their grids (Qwen2-VL's) one image after the other,
-    the rest stacked on the batch's axis."""
+def _batched_images(rows: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+    """The examples' image inputs as one batch ``width`` tokens wide: per-token inputs
+    left-padded with zeros, flattened patches and their grids (Qwen2-VL's) one image after
+    the other, the rest stacked on the batch's axis."""
     batch = {}
-    for name in images:
+    for name in rows[0]:
         values = [row[name] for row in rows]
         if name in ("mm_token_type_ids", "token_type_ids", "cross_attention_mask"):
-            width = mask.shape[1]
             values = [torch.cat([v.new_zeros((1, width - v.shape[1], *v.shape[2:])), v], dim=1) for v in values]
         batch[name] = torch.cat(values)
     return batch
