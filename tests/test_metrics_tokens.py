@@ -256,7 +256,7 @@ def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():
 def test_the_guessed_pad_id_of_the_half_contexts_is_checked_under_a_contexts_padding(bag):
     """A function whose scores the padding moves faintly: by 3e-4 of their scale for one
     column (within the 1e-3 allowed), by more under the padding a half context gets, which
-    the check now adds to a shortened example: the guess is refused."""
+    the check adds to a shortened example: the guess is refused."""
     model = bag[0]
     model.weights[0] = torch.tensor([3e-4, 0.0, 0.0])  # the guessed id's faint weight
     ids = torch.tensor([[5, 3, 7, 1, 9, 2, 11, 4], [6, 8, 10, 2, 3, 7, 9, 4]])
