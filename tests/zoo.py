@@ -156,6 +156,11 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["cross_attention_layers"] = [TINY["num_hidden_layers"] - 1]
     if "intermediate_layers_indices" in accepted:  # Mllama's tower: one intermediate layer of the tiny ones, beside its last
         kwargs.update(intermediate_layers_indices=[0], vision_output_dim=2 * TINY["hidden_size"])
+    if "pixel_shuffle_ratio" in accepted and "projector_input_dim" in accepted:  # Llama 4's tower: its pixel shuffle
+        ratio = inspect.signature(config_class.__init__).parameters["pixel_shuffle_ratio"].default  # reads hidden / ratio²
+        hidden = TINY["hidden_size"]
+        kwargs.update(intermediate_size=int(hidden / ratio**2), projector_input_dim=hidden, projector_output_dim=hidden,
+                      vision_output_dim=hidden)
     if "fullatt_block_indexes" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
         kwargs["window_size"] = TINY["patch_size"] * 2
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
