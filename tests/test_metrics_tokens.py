@@ -253,6 +253,19 @@ def test_the_half_contexts_of_a_decoder_classifier_are_padded_with_its_id():
         context_averaged_attribution(explain, ids, mask, prior)
 
 
+def test_one_padded_example_whose_padding_is_read_scores_its_real_tokens_alone(bag):
+    """A batch of one example given with its padding: where the model reads the padding,
+    the example itself, as its deletions, is scored unpadded."""
+    model, ids, mask, target, _ = bag
+    model.weights[0] = torch.tensor([0.5, -0.5, 0.0])  # the padding id read by a forward without the mask
+    unmasked = lambda i, m: model(i, torch.ones_like(m))  # noqa: E731
+    scores = torch.randn(ids.shape, generator=torch.Generator().manual_seed(6))
+    one = (ids[1:], mask[1:], scores[1:])
+    drops = comprehensiveness(unmasked, *one, target[1:], bins=(50,))
+    expected = comprehensiveness_alone(unmasked, *one, torch.zeros_like(ids[1:], dtype=torch.bool), 0.5, int(target[1]))
+    torch.testing.assert_close(drops[:, 0], expected, atol=1e-6, rtol=1e-5)
+
+
 def test_the_guessed_pad_id_of_the_half_contexts_is_checked_under_a_contexts_padding(bag):
     """A function whose scores the padding moves faintly: by 3e-4 of their scale for one
     column (within the 1e-3 allowed), by more under the padding a half context gets, which

@@ -83,7 +83,7 @@ class _Remover:
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
         logits = self._logits(input_ids, attention_mask)  # first: a clear error for logits of another shape
         self.padding_read = removal == "delete" and self._padding_moves()
-        if self.padding_read and len(input_ids) > 1:  # each example unpadded, as its deletions are
+        if self.padding_read and bool((attention_mask == 0).any()):  # each example unpadded, as its deletions are
             logits = self._rows_logits(torch.arange(len(input_ids), device=input_ids.device), torch.zeros_like(self.real))
         probs = class_probabilities(logits)
         self.targets = resolve_targets(logits, target)
