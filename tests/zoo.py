@@ -78,7 +78,7 @@ TINY: dict[str, Any] = dict(
     intermediate_size=36, ffn_dim=36, encoder_ffn_dim=36, decoder_ffn_dim=36, d_ff=36, n_inner=36, d_inner=36,
     vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, max_seq_len=64,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, num_labels=3,
-    image_size=IMAGE_SIZE, patch_size=8, projection_dim=32, mm_tokens_per_image=4, window_size=2, depths=[1, 1], num_channels=3, entity_vocab_size=10, num_latents=8, d_latents=32,
+    image_size=IMAGE_SIZE, patch_size=8, projection_dim=32, projection_hidden_size=32, mm_tokens_per_image=4, window_size=2, depths=[1, 1], num_channels=3, entity_vocab_size=10, num_latents=8, d_latents=32,
     attention_types=[[["global", "local"], 1]], attn_layer_indices=[], layer_types=None,
     initializer_range=0.2, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_intermediate_size=16,
     num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16, q_lora_rank=16,
@@ -163,6 +163,10 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                       vision_output_dim=hidden)
     if "fullatt_block_indexes" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
         kwargs["window_size"] = TINY["patch_size"] * 2
+    if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
+        kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
+    if config_class.model_type == "paddleocr_vl_text":  # its rotary splits into sections its defaults do not name
+        kwargs["rope_parameters"] = {**config_class().rope_parameters, "mrope_section": [1, 1, TINY["head_dim"] // 2 - 2]}
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
         kwargs.update({flag: True for flag in ("is_decoder", "causal") if flag in accepted})
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -330,14 +334,28 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     images = {"pixel_values": pixels[:, None] if "pixel_attention_mask" in wanted else pixels}  # Idefics: images per example
     if "image_sizes" in wanted:
         images["image_sizes"] = torch.tensor([[size, size]])
+    if architecture.model_type in TILE_MASKED:
+        images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
+    if "spatial_shapes" in wanted:  # LFM2-VL (SigLIP2's native sizes): patches flattened, their grid and mask
+        patch, side = int(vision.patch_size), 2 * int(model.config.downsample_factor)
+        pixels = torch.rand(1, side * side, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
+        images = {"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]]), "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
     if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the image resized, then its one tile
         images["pixel_values"] = pixels[:, None].expand(-1, 2, -1, -1, -1)
+    if "image_position_ids" in wanted:  # Gemma 4: patches flattened per image and their (x, y), pooled k × k
+        patch, pool = int(vision.patch_size), int(vision.pooling_kernel_size)
+        patch, side = (patch, 2 * pool) if hasattr(vision, "num_hidden_layers") else (patch * pool, 2)  # no tower: k × k in one
+        grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), dim=-1)
+        images = {"pixel_values": torch.rand(1, side * side, 3 * patch * patch, generator=generator), "image_position_ids": grid.reshape(1, -1, 2)}
     if "image_grid_thw" in wanted:  # Qwen2-VL-like: the patches flattened, merged m × m
-        patch, merge = int(vision.patch_size), int(getattr(vision, "spatial_merge_size", 1) or 1)
+        patch, merge = int(vision.patch_size), _first_setting(vision, ("spatial_merge_size", "merge_size", "merge_kernel_size"))
         side = max(merge, size // patch // merge * merge)
-        depth = int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
-        channels = next((getattr(vision, n) for n in ("in_channels", "in_chans", "num_channels") if hasattr(vision, n)), 3)
-        images = {"pixel_values": torch.randn(side * side, channels * depth, generator=generator), "image_grid_thw": torch.tensor([[1, side, side]])}
+        depth = _first_setting(vision, ("temporal_patch_size", "patch_temporal")) * patch * patch
+        channels = _first_setting(vision, ("in_channels", "in_chans", "num_channels"), 3)
+        pixels = torch.randn(side * side, channels * depth, generator=generator)
+        if architecture.model_type in PATCHES_AS_IMAGES:
+            pixels = pixels.view(side * side, channels, patch, patch)
+        images = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
         inner = getattr(getattr(model, "model", None), "get_image_features", None)
         if inner is not None and "image_merge_sizes" in inspect.signature(inner).parameters:  # VideoLLaMA 3: the merge per image
             images["image_merge_sizes"] = torch.tensor([merge])
@@ -376,6 +394,19 @@ def cross_attending_case(model: nn.Module, architecture: Architecture, generator
             if name.endswith("_gate"):
                 parameter.fill_(0.5)
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+
+
+def _first_setting(config: Any, names: tuple[str, ...], default: int = 1) -> int:
+    """The first of ``names`` that ``config`` sets (a square kernel's side), else ``default``."""
+    value = next((getattr(config, name) for name in names if getattr(config, name, None)), default)
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+PATCHES_AS_IMAGES = {"paddleocr_vl", "kimi_k25"}
+"""Qwen2-VL-like families whose flattened patches come as ``(patches, channels, p, p)``."""
+
+TILE_MASKED = {"granite_docling"}
+"""Families whose images come as tiles with a ``(batch, tiles)`` mask of the real ones."""
 
 
 PREFIX_TOKEN_TYPES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
@@ -964,9 +995,10 @@ def support_rst(results: dict[Architecture, dict[str, Outcome]], command: str) -
         "sequence-to-sequence LM at its last target position: its answers' spans and rows",
         "are checked in ``tests/test_seq2seq_answers.py``; an image-text-to-text model at its",
         "last position, with one image of its vision tower's size (as flattened patches with",
-        "their grid for Qwen2-VL's kind, with one tile for LLaVA-NeXT's, with the processor's",
-        "token types for prefix LMs, as one real tile of a tiled image with its cross-attention",
-        "mask for Mllama); their spans, rows and grids, two images of different sizes",
+        "their grid for Qwen2-VL's kind, with their positions for Gemma 4's and SigLIP2's native",
+        "sizes, with one tile for LLaVA-NeXT's, with the processor's token types for prefix LMs,",
+        "as one real tile of a tiled image with its mask or cross-attention mask for Idefics 3's",
+        "kind and Mllama); their spans, rows and grids, two images of different sizes",
         "and left padding are checked in ``tests/test_vlm_answers.py``):",
         "**exact** equals the ``output_attentions`` + ``autograd`` reference (Swin's windows:",
         "each window attention run through the model's own partition; SegFormer's and PVTv2's",
