@@ -161,7 +161,7 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         hidden = TINY["hidden_size"]
         kwargs.update(intermediate_size=int(hidden / ratio**2), projector_input_dim=hidden, projector_output_dim=hidden,
                       vision_output_dim=hidden)
-    if "fullatt_block_indexes" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
+    if "window_size" in accepted and "spatial_merge_size" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
         kwargs["window_size"] = TINY["patch_size"] * 2
     if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
         kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
@@ -233,6 +233,8 @@ def build(architecture: Architecture, seed: int = 0, implementation: str | None 
             for name in ("image_token_id", "image_token_index"):
                 if isinstance(getattr(config, name, None), int):
                     setattr(config, name, VOCAB - 1)
+            if architecture.model_type in BOUNDED_IMAGES:
+                (config.image_start_token_id,), (config.image_end_token_id,) = BOUNDED_IMAGES[architecture.model_type]
         if implementation is not None:
             config._attn_implementation = implementation
         torch.manual_seed(seed)
@@ -367,7 +369,8 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         raise NotBuilt(f"its image features from one (1, C, {size}, {size}) image: {_one_line(error)}") from error
     features = getattr(features, "pooler_output", features)
     count = sum(f.shape[-2] if f.dim() == 3 else f.shape[0] for f in (features if isinstance(features, (list, tuple)) else [features]))
-    ids = torch.tensor([[1] + [token] * count + [5, 6, 7]])
+    start, end = BOUNDED_IMAGES.get(architecture.model_type, ((), ()))
+    ids = torch.tensor([[1, *start, *[token] * count, *end, 5, 6, 7]])
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         images["mm_token_type_ids"] = (ids == token).long()
     if architecture.model_type in PREFIX_TOKEN_TYPES:
@@ -404,6 +407,10 @@ def _first_setting(config: Any, names: tuple[str, ...], default: int = 1) -> int
 
 PATCHES_AS_IMAGES = {"paddleocr_vl", "kimi_k25"}
 """Qwen2-VL-like families whose flattened patches come as ``(patches, channels, p, p)``."""
+
+BOUNDED_IMAGES = {"ovis2_5": ((VOCAB - 3,), (VOCAB - 2,))}
+"""The tokens around an image that a family's forward requires (Ovis2.5's, embedded as
+its visual indicators), inside the tiny vocabulary."""
 
 TILE_MASKED = {"granite_docling"}
 """Families whose images come as tiles with a ``(batch, tiles)`` mask of the real ones."""
