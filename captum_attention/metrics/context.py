@@ -21,13 +21,15 @@ a user's tensor; a segment's score is the sum of its tokens'. Every ablated sequ
 call is evaluated batched; a Hugging Face model gets position ids that follow the padding,
 so an example scores the same alone and in a padded batch. Where padding moves a
 shortened prompt's answer (a model or forward that reads the padding), the batches hold
-deletions of one length, unpadded.
+deletions of one length, unpadded. A vision-language model's answer is scored one example
+at a time, with its ``image_inputs``: its image's tokens never removed, the image inputs
+given with every ablated prompt.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +37,8 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
+from ..capture.adapters.images import image_token_id
+from ..capture.adapters.protocol import extended_per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
@@ -66,13 +70,17 @@ class _AnswerScorer:
         answer: Tensor,
         segments: Tensor | None,
         max_batch_size: int,
+        image_inputs: Mapping[str, Tensor] | None = None,
     ) -> None:
         _check_shapes(input_ids, attention_mask, answer, segments)
+        self.image_inputs = _one_example_images(image_inputs, input_ids)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.forward_func, self.max_batch_size = forward_func, max_batch_size
         self.ids, self.real, self.answer = input_ids, attention_mask != 0, answer.to(input_ids.device)
         self.segments = _prompt_segments(self.real, segments)
+        if self.image_inputs:
+            self.segments = self.segments.masked_fill(_image_tokens(forward_func, input_ids, segments), -1)
         anchorless = (~((self.segments < 0) & self.real).any(dim=1)).nonzero().flatten().tolist()
         if anchorless:
             raise ValueError(
@@ -89,6 +97,8 @@ class _AnswerScorer:
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.padding_side = "left" if self.decoder_start is None else "right"
+        if self.image_inputs and self.decoder_start is not None:
+            raise ValueError("image_inputs are a vision-language decoder's; an encoder-decoder's answer is scored from its source alone.")
 
     @cached_property
     def original(self) -> Tensor:
@@ -137,18 +147,19 @@ class _AnswerScorer:
         order = lengths.argsort(stable=True) if by_length else torch.arange(len(rows), device=rows.device)
         values = torch.empty(len(rows), device=rows.device)
         for chunk in length_batches(order, lengths[order] if by_length else None, per_forward):
-            prompts, mask, _ = self._kept(rows[chunk], removed[chunk])
-            values[chunk] = self._answer_log_probs(prompts, mask, self.answer[rows[chunk]]).to(values.device)
+            prompts, mask, positions = self._kept(rows[chunk], removed[chunk])
+            values[chunk] = self._answer_log_probs(prompts, mask, positions, self.answer[rows[chunk]]).to(values.device)
         return values
 
-    def _answer_log_probs(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
+    def _answer_log_probs(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor) -> Tensor:
         """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``."""
         with torch.no_grad():
-            logits = self._answer_logits(prompts, mask, answer)
+            logits = self._answer_logits(prompts, mask, positions, answer)
         return _summed_log_probs(logits, answer)
 
-    def _answer_logits(self, prompts: Tensor, mask: Tensor, answer: Tensor) -> Tensor:
-        """``(R, answer tokens, vocab)``: the logits that predict each answer token."""
+    def _answer_logits(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor) -> Tensor:
+        """``(R, answer tokens, vocab)``: the logits that predict each answer token, the
+        prompts' columns holding the prompt tokens at ``positions``."""
         new = answer.shape[1]
         if self.decoder_start is not None:
             start = torch.full_like(answer[:, :1], self.decoder_start)
@@ -156,12 +167,35 @@ class _AnswerScorer:
             logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
-            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask))
+            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._images(positions, mask, new)))
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
+
+    def _images(self, positions: Tensor, mask: Tensor, new: int) -> tuple[dict[str, Tensor], ...]:
+        """The example's image inputs for prompts whose columns hold its prompt tokens at
+        ``positions`` (padding where ``mask`` is 0), then ``new`` answer tokens: per-token
+        ones (``(1, prompt_len, ...)``: token types, Mllama's cross-attention mask) follow
+        the kept tokens, 0 at padding, and extend over the answer as the attributions'
+        (the adapter's ``generated_inputs``: as the model's ``generate`` extends them); the
+        others are repeated for every prompt. Empty without image inputs."""
+        if not self.image_inputs:
+            return ()
+        rows, width = positions.shape
+        images, per_token = {}, {}
+        for name, value in self.image_inputs.items():
+            if value.dim() < 2 or value.shape[1] != self.ids.shape[1]:
+                images[name] = torch.cat([value] * rows)
+                continue
+            axes = (1,) * (value.dim() - 2)
+            index = positions.view(rows, width, *axes).expand(rows, width, *value.shape[2:]).to(value.device)
+            padding = mask.view(rows, width, *axes).to(value.device) == 0
+            per_token[name] = value.expand(rows, *value.shape[1:]).gather(1, index).masked_fill(padding, 0)
+        model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
+        grown = HuggingFaceAdapter().generated_inputs(model, per_token, width, new) if model is not None else extended_per_token(per_token, width, new, {})
+        return ({**images, **grown},)
 
     @cached_property
     def padding_read(self) -> str | None:
@@ -172,18 +206,23 @@ class _AnswerScorer:
         positions counted from the first column: BART's, XLM's); a forward that gives a
         model with absolute positions no position ids that skip the left padding, or leaves
         the attention mask out."""
-        row, prompt, columns = padding_probe(self.ids, self.real, self.segments >= 0, self.padding_side)
+        removable = self.segments >= 0
+        row, prompt, columns = padding_probe(self.ids, self.real, removable, self.padding_side)
+        grid = torch.arange(self.ids.shape[1], device=self.ids.device).expand_as(self.ids)
+        positions = padding_probe(grid, self.real, removable, self.padding_side)[1]
         mask = torch.ones_like(prompt)
         padded_prompt, padded_mask = with_padding_column(prompt, mask, 0, self.padding_side, columns)
+        padded_positions = with_padding_column(positions, mask, 0, self.padding_side, columns)[0]
         answer = self.answer[row : row + 1]
         left_padding_read = getattr(_by_name(self.forward_func), "left_padding_read", None)
         if self.decoder_start is None and left_padding_read is not None:  # a Hugging Face model's own check
-            reason = left_padding_read(torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1))
+            sequence, sequence_mask = torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1)
+            reason = left_padding_read(sequence, sequence_mask, *self._images(padded_positions, padded_mask, answer.shape[1]))
             if reason is not None:
                 return reason
         with torch.no_grad():
-            alone_logits = self._answer_logits(prompt, mask, answer)
-            padded_logits = self._answer_logits(padded_prompt, padded_mask, answer)
+            alone_logits = self._answer_logits(prompt, mask, positions, answer)
+            padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer)
         alone = float(_summed_log_probs(alone_logits, answer)[0])
         moved = abs(float(_summed_log_probs(padded_logits, answer)[0]) - alone)
         if moved > max(1e-3, 8 * torch.finfo(alone_logits.dtype).eps) * max(1.0, abs(alone)):
@@ -253,6 +292,34 @@ def _by_name(forward_func: Callable[..., Any]) -> Callable[..., Any]:
     return HuggingFaceAdapter().keyword_forward(forward_func)
 
 
+def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Tensor) -> dict[str, Tensor] | None:
+    """``image_inputs`` as a dict, checked: tensors, for a batch of one prompt."""
+    if image_inputs is None:
+        return None
+    if not isinstance(image_inputs, Mapping) or not all(isinstance(value, Tensor) for value in image_inputs.values()):
+        raise TypeError("image_inputs must be a dict of tensors: the processor's output besides input_ids and attention_mask.")
+    if len(input_ids) != 1:
+        raise ValueError(
+            f"image_inputs are one example's, but the prompts are a batch of {len(input_ids)}: score a vision-language "
+            "model's answers one example at a time, each with its own image inputs."
+        )
+    return dict(image_inputs)
+
+
+def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None) -> Tensor:
+    """``(B, N)`` bool: the prompt's image tokens (the model's config names their id), never
+    removed: the model reads as many as its image inputs give features. Where the config
+    names none, the given ``segments`` are trusted to keep them (-1); without them, a
+    one-line error."""
+    token = image_token_id(getattr(forward_func, "config", None))
+    if token is None and segments is None:
+        raise ValueError(
+            "forward_func's config names no image token (image_token_id), so the context metrics cannot keep the "
+            "image's tokens: give them segment -1 in segments."
+        )
+    return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+
+
 def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
     if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.numel() == 0:
         raise TypeError("input_ids must be a non-empty batch of prompt token ids (batch, prompt_len), padded on the left.")
@@ -278,6 +345,7 @@ def top_k_log_prob_drop(
     ks: Sequence[int] = DEFAULT_KS,
     segments: Tensor | None = None,
     max_batch_size: int = 64,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Top-k log-probability drop: :math:`\log p(a \mid x) - \log p(a \mid x \setminus
     \text{top}_k)`, the top k segments by attribution removed (ties broken by position).
@@ -296,6 +364,12 @@ def top_k_log_prob_drop(
             one such token to predict the answer from). Default: each token its own
             segment, the first real token (BOS) never removed.
         max_batch_size (int, optional): sequences per forward. Default: 64.
+        image_inputs (dict, optional): a vision-language model's image inputs for the one
+            prompt given (the processor's output besides ``input_ids`` and
+            ``attention_mask``): given with every ablated prompt (to a function
+            ``forward_func``, as a third argument), per-token ones (``(1, prompt_len,
+            ...)``) following the kept tokens; the image's tokens (the config's
+            ``image_token_id``) are never removed. Default: None.
 
     Returns:
         ``(batch, len(ks))``: the drop per k (k capped at the example's segment count).
@@ -307,7 +381,7 @@ def top_k_log_prob_drop(
     """
     if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"ks are numbers of segments, each at least 1; got {list(ks)}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     order = scorer.segment_scores(attributions).argsort(dim=1, descending=True, stable=True)
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     removed = torch.stack([(ranks < k) & scorer.present for k in ks], dim=1)  # (B, K, S)
@@ -327,6 +401,7 @@ def linear_datamodeling_score(
     seed: int = 0,
     max_batch_size: int = 64,
     per_example: bool = False,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""LDS (ContextCite): Spearman's ρ, over ``num_ablations`` random ablations that keep
     each segment with probability 1/2 (seeded), between :math:`\sum_{s \text{ kept}}
@@ -350,7 +425,7 @@ def linear_datamodeling_score(
     """
     if num_ablations < 3:
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     scores = scorer.segment_scores(attributions).masked_fill(~scorer.present, 0.0)
     kept, actual = _random_ablations(scorer, num_ablations, seed, per_example)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
@@ -366,6 +441,7 @@ def random_ablations(
     num_ablations: int = 32,
     seed: int = 0,
     max_batch_size: int = 64,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""ContextCite's ablations: ``num_ablations`` per example that keep each segment with
     probability 1/2 (seeded, as :func:`linear_datamodeling_score` draws them), and the
@@ -378,7 +454,7 @@ def random_ablations(
         segment an example does not have), ``(B, A)`` log-probabilities, and the ``(B, N)``
         segment of each prompt token (-1 for the tokens never removed and padding).
     """
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     kept, log_probs = _random_ablations(scorer, num_ablations, seed)
     return kept, log_probs, scorer.segments
 
@@ -394,6 +470,7 @@ def calibrated_scores(
     seed: int = 1,
     ridge: float = CALIBRATION_RIDGE,
     max_batch_size: int = 64,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""A language model's answer explained by an attribution calibrated on a few
     ablations: :func:`~captum_attention.metrics.surrogate.calibrated_surrogate` (ContextCite's
@@ -421,7 +498,7 @@ def calibrated_scores(
     """
     if num_ablations < 1 or ridge <= 0:
         raise ValueError(f"num_ablations must be at least 1 and ridge positive, got {num_ablations} and {ridge}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     prior_segments = scorer.segment_scores(prior)
     kept, actual = _random_ablations(scorer, num_ablations, seed, alone=True)
     calibrated = torch.zeros_like(prior_segments)
@@ -510,6 +587,7 @@ def leave_one_out_estimates(
     exact: int = 2,
     max_batch_size: int = 64,
     shares: Tensor | None = None,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Each segment's leave-one-out effect :math:`\log p(a \mid x) - \log p(a \mid x
     \setminus s)`, exact for the ``exact`` segments ``prior`` ranks highest and first-order
@@ -539,7 +617,7 @@ def leave_one_out_estimates(
     """
     if exact < 0:
         raise ValueError(f"exact must be a number of segments, 0 or more, got {exact}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     if tuple(first_order.shape) != tuple(input_ids.shape):
         raise ValueError(f"first_order has shape {tuple(first_order.shape)} but the prompts are {tuple(input_ids.shape)}.")
     ranked = scorer.segment_scores(prior).abs()
@@ -633,6 +711,7 @@ def ablated_log_probs(
     kept: Tensor,
     segments: Tensor | None = None,
     max_batch_size: int = 64,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""The answer's :math:`\log p(a \mid x_{\text{kept}})` under ablations of your choosing:
     what the context metrics measure, for a surrogate of your own (SHAP's, ContextCite's)
@@ -653,13 +732,20 @@ def ablated_log_probs(
         >>> kept = torch.tensor([[[True, False, True], [False, True, True]]])
         >>> ablated_log_probs(model, prompt_ids, mask, answer_ids, kept, segments)  # (1, 2)
     """
-    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size).kept_log_probs(kept)
+    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs).kept_log_probs(kept)
 
 
-def answer_log_probs(forward_func: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, answer: Tensor) -> Tensor:
+def answer_log_probs(
+    forward_func: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    answer: Tensor,
+    image_inputs: Mapping[str, Tensor] | None = None,
+) -> Tensor:
     r"""``(B,)`` :math:`\log p(a \mid x)` of each answer after its whole prompt (a decoder's,
-    or an encoder-decoder's source), as the context metrics read it."""
-    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, None, len(input_ids)).original
+    or an encoder-decoder's source), as the context metrics read it (``image_inputs`` as
+    :func:`top_k_log_prob_drop`'s)."""
+    return _AnswerScorer(forward_func, input_ids, attention_mask, answer, None, len(input_ids), image_inputs).original
 
 
 def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
@@ -686,6 +772,7 @@ def leave_one_out_agreement(
     attributions: Tensor,
     segments: Tensor | None = None,
     max_batch_size: int = 64,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Spearman's ρ between the segments' scores and their leave-one-out effects
     :math:`\log p(a \mid x) - \log p(a \mid x \setminus s)`.
@@ -695,7 +782,7 @@ def leave_one_out_agreement(
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN with fewer than two segments or a constant side.
     """
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
     scores = scorer.segment_scores(attributions)
     count = scorer.present.shape[1]
     rows, segment = scorer.present.nonzero(as_tuple=True)

@@ -1,0 +1,123 @@
+"""The context metrics on a vision-language model's answer: each ablated prompt scored with
+the example's image inputs, its image's tokens never removed, against the model run on
+each ablated prompt alone (its per-token image inputs cut to the kept tokens, extended
+over the answer as ``generate`` extends them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, model_state
+from vlm_models import ANSWER, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt
+
+from captum_attention.metrics import ablated_log_probs, linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.metrics.context import answer_log_probs
+
+FAMILIES = ("llava", "qwen2_vl", "gemma3", "idefics3", "mistral3", "llava_next", "mllama")
+
+
+def one_example(prompt: VLMPrompt, b: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Example ``b`` of a padded batch alone: its real tokens ``(1, n)`` and its image inputs
+    (Qwen2-VL's flattened patches split by its images' grids)."""
+    real = prompt.attention_mask[b] != 0
+    images = {}
+    for name, value in prompt.images.items():
+        if name == "pixel_values" and "image_grid_thw" in prompt.images:
+            images[name] = value.split(prompt.images["image_grid_thw"].prod(-1).tolist())[b]
+        elif value.dim() >= 2 and value.shape[1] == prompt.input_ids.shape[1]:
+            images[name] = value[b : b + 1, real]
+        else:
+            images[name] = value[b : b + 1]
+    return prompt.input_ids[b : b + 1, real], images
+
+
+def family_example(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """A tiny model and its first example, with Gemma 3's token types (1 at the image's
+    tokens) as its processor gives them."""
+    if family == "mllama":
+        model, prompt = make_mllama(), make_mllama_prompt()
+    else:
+        model, prompt = make_vlm(family), make_vlm_prompt(family)
+    ids, images = one_example(prompt, 0)
+    if family == "gemma3":
+        images["token_type_ids"] = (ids == IMAGE).long()
+    return model, ids, images
+
+
+def alone_log_prob(model: torch.nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor], kept: torch.Tensor) -> float:
+    """log p(ANSWER[0] | the prompt's ``kept`` tokens), the model run on them alone."""
+    answer = ANSWER[:1]
+    sequence = torch.cat([ids[:, kept], answer], dim=1)
+    inputs = {}
+    for name, value in images.items():
+        if value.dim() >= 2 and value.shape[1] == ids.shape[1]:
+            value = value[:, kept]
+            tail = value[:, -1:] if name == "cross_attention_mask" else torch.zeros_like(value[:, :1])  # the answer: text
+            value = torch.cat([value] + [tail] * answer.shape[1], dim=1)
+        inputs[name] = value
+    with torch.no_grad():
+        logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+    log_probs = logits[:, -answer.shape[1] - 1 : -1].float().log_softmax(dim=-1)
+    return float(log_probs.gather(2, answer[..., None]).sum())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ablated_prompts_are_scored_as_each_alone_with_the_image_kept(family):
+    model, ids, images = family_example(family)
+    whole = alone_log_prob(model, ids, images, torch.ones(ids.shape[1], dtype=torch.bool))  # transformers installs its own output recorders on a first forward
+    before = model_state(model)
+    n = ids.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    kept = torch.rand(1, 6, n, generator=generator) > 0.5
+    kept[0, 0] = True  # the whole prompt, beside deletions of other lengths: the batch is left-padded
+    values = ablated_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], kept, image_inputs=images)
+    assert_same_state(before, model_state(model))
+    image = ids[0] == IMAGE
+    for a in range(kept.shape[1]):
+        tokens = kept[0, a] | image
+        tokens[0] = True  # BOS, never removed
+        assert abs(float(values[0, a]) - alone_log_prob(model, ids, images, tokens)) < 1e-4, (family, a)
+    assert float(values[0, 0]) == pytest.approx(whole, abs=1e-4)
+    assert len({round(float(v), 4) for v in values[0]}) > 2, "the deletions must move the answer"
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_top_k_log_prob_drop_removes_the_top_text_tokens_and_keeps_the_image(family):
+    model, ids, images = family_example(family)
+    scores = torch.arange(ids.shape[1], dtype=torch.float32)[None].flip(1)  # the image's tokens score highest
+    drops = top_k_log_prob_drop(model, ids, torch.ones_like(ids), ANSWER[:1], scores, ks=(1, 2), image_inputs=images)
+    whole = torch.ones(ids.shape[1], dtype=torch.bool)
+    text = ((ids[0] != IMAGE) & (torch.arange(ids.shape[1]) > 0)).nonzero().flatten()
+    for column, k in enumerate((1, 2)):
+        kept = whole.clone()
+        kept[text[:k]] = False  # the highest-scored text tokens come first
+        expected = alone_log_prob(model, ids, images, whole) - alone_log_prob(model, ids, images, kept)
+        assert abs(float(drops[0, column]) - expected) < 1e-4
+    assert float(answer_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], images)[0]) == pytest.approx(
+        alone_log_prob(model, ids, images, whole), abs=1e-4
+    )
+
+
+def test_image_inputs_of_one_example_refuse_a_batch_of_several():
+    model, prompt = make_vlm("llava"), make_vlm_prompt("llava")
+    with pytest.raises(ValueError, match="one example at a time"):
+        linear_datamodeling_score(
+            model, prompt.input_ids, prompt.attention_mask, ANSWER, torch.rand(prompt.input_ids.shape), image_inputs=prompt.images
+        )
+
+
+def test_a_function_without_the_image_token_needs_the_images_tokens_kept_by_segments():
+    model, ids, images = family_example("llava")
+
+    def forward(input_ids, attention_mask, image_inputs):
+        return model(input_ids=input_ids, attention_mask=attention_mask, **image_inputs)
+
+    with pytest.raises(ValueError, match="segment -1"):
+        answer_log_probs(forward, ids, torch.ones_like(ids), ANSWER[:1], images)
+    segments = torch.arange(ids.shape[1])[None].masked_fill((ids == IMAGE) | (torch.arange(ids.shape[1]) == 0), -1)
+    kept = torch.ones(1, 1, ids.shape[1], dtype=torch.bool)
+    kept[0, 0, -2] = False
+    value = ablated_log_probs(forward, ids, torch.ones_like(ids), ANSWER[:1], kept, segments, image_inputs=images)
+    expected = torch.ones(ids.shape[1], dtype=torch.bool)
+    expected[-2] = False
+    assert float(value[0, 0]) == pytest.approx(alone_log_prob(model, ids, images, expected), abs=1e-4)
