@@ -5,12 +5,14 @@ over the answer as ``generate`` extends them)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import assert_same_state, model_state
 from vlm_models import ANSWER, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt
 
-from captum_attention.metrics import ablated_log_probs, linear_datamodeling_score, top_k_log_prob_drop
+from captum_attention.metrics import ablated_log_probs, attention_shares, linear_datamodeling_score, top_k_log_prob_drop
 from captum_attention.metrics.context import answer_log_probs
 
 FAMILIES = ("llava", "qwen2_vl", "gemma3", "idefics3", "mistral3", "llava_next", "mllama")
@@ -44,19 +46,26 @@ def family_example(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str
     return model, ids, images
 
 
-def alone_log_prob(model: torch.nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor], kept: torch.Tensor) -> float:
-    """log p(ANSWER[0] | the prompt's ``kept`` tokens), the model run on them alone."""
-    answer = ANSWER[:1]
+def alone_inputs(ids: torch.Tensor, images: dict[str, torch.Tensor], kept: torch.Tensor, answer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's inputs for the prompt's ``kept`` tokens and the answer after them: the
+    per-token image inputs cut to those tokens, the answer's text (its cross-attention
+    mask the last prompt token's, as Mllama's ``generate`` extends it)."""
     sequence = torch.cat([ids[:, kept], answer], dim=1)
-    inputs = {}
+    inputs = {"input_ids": sequence, "attention_mask": torch.ones_like(sequence)}
     for name, value in images.items():
         if value.dim() >= 2 and value.shape[1] == ids.shape[1]:
             value = value[:, kept]
-            tail = value[:, -1:] if name == "cross_attention_mask" else torch.zeros_like(value[:, :1])  # the answer: text
+            tail = value[:, -1:] if name == "cross_attention_mask" else torch.zeros_like(value[:, :1])
             value = torch.cat([value] + [tail] * answer.shape[1], dim=1)
         inputs[name] = value
+    return inputs
+
+
+def alone_log_prob(model: torch.nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor], kept: torch.Tensor) -> float:
+    """log p(ANSWER[0] | the prompt's ``kept`` tokens), the model run on them alone."""
+    answer = ANSWER[:1]
     with torch.no_grad():
-        logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+        logits = model(**alone_inputs(ids, images, kept, answer)).logits
     log_probs = logits[:, -answer.shape[1] - 1 : -1].float().log_softmax(dim=-1)
     return float(log_probs.gather(2, answer[..., None]).sum())
 
@@ -121,3 +130,33 @@ def test_a_function_without_the_image_token_needs_the_images_tokens_kept_by_segm
     expected = torch.ones(ids.shape[1], dtype=torch.bool)
     expected[-2] = False
     assert float(value[0, 0]) == pytest.approx(alone_log_prob(model, ids, images, expected), abs=1e-4)
+
+
+@pytest.mark.parametrize("capture", ["eager", "streaming"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_attention_shares_of_a_padded_batch_are_each_examples_from_output_attentions(family, capture):
+    """Each segment's largest share of another token's attention, the image's tokens keys
+    of no segment, against an eager twin's ``output_attentions`` of each example alone."""
+    model, prompt = make_vlm(family), make_vlm_prompt(family)
+    images = dict(prompt.images)
+    if family == "gemma3":
+        images["token_type_ids"] = (prompt.input_ids == IMAGE).long()
+    shares = attention_shares(model, prompt.input_ids, prompt.attention_mask, ANSWER, capture=capture, image_inputs=images)
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    width = prompt.input_ids.shape[1]
+    for b in range(2):
+        ids, own = one_example(dict_prompt(prompt, images), b)
+        pad = width - ids.shape[1]
+        with torch.no_grad():
+            attentions = twin(**alone_inputs(ids, own, torch.ones(ids.shape[1], dtype=torch.bool), ANSWER[b : b + 1]), output_attentions=True).attentions
+        columns = torch.arange(ids.shape[1])
+        segments = torch.cat([columns.masked_fill((ids[0] == IMAGE) | (columns == 0), -1), torch.full((ANSWER.shape[1],), -1)])
+        for s in range(ids.shape[1]):
+            held = max(float(attn[0][:, segments != s][..., segments == s].sum(dim=-1).max()) for attn in attentions) if (segments == s).any() else 0.0
+            assert abs(float(shares[b, pad + s]) - held) < 1e-5, (family, b, s)
+        assert float(shares[b, : pad + 1].abs().max()) == 0.0  # padding and BOS: no segment
+
+
+def dict_prompt(prompt: VLMPrompt, images: dict[str, torch.Tensor]) -> VLMPrompt:
+    return VLMPrompt(prompt.input_ids, prompt.attention_mask, images)

@@ -292,18 +292,24 @@ def _by_name(forward_func: Callable[..., Any]) -> Callable[..., Any]:
     return HuggingFaceAdapter().keyword_forward(forward_func)
 
 
-def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Tensor) -> dict[str, Tensor] | None:
-    """``image_inputs`` as a dict, checked: tensors, for a batch of one prompt."""
+def _image_dict(image_inputs: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
+    """``image_inputs`` as a dict, checked: tensors."""
     if image_inputs is None:
         return None
     if not isinstance(image_inputs, Mapping) or not all(isinstance(value, Tensor) for value in image_inputs.values()):
         raise TypeError("image_inputs must be a dict of tensors: the processor's output besides input_ids and attention_mask.")
-    if len(input_ids) != 1:
+    return dict(image_inputs)
+
+
+def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Tensor) -> dict[str, Tensor] | None:
+    """``image_inputs`` as a dict (:func:`_image_dict`), for a batch of one prompt."""
+    image_inputs = _image_dict(image_inputs)
+    if image_inputs is not None and len(input_ids) != 1:
         raise ValueError(
             f"image_inputs are one example's, but the prompts are a batch of {len(input_ids)}: score a vision-language "
             "model's answers one example at a time, each with its own image inputs."
         )
-    return dict(image_inputs)
+    return image_inputs
 
 
 def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None) -> Tensor:
@@ -653,6 +659,7 @@ def attention_shares(
     segments: Tensor | None = None,
     adapter: AttentionAdapter | None = None,
     capture: CaptureMode = "auto",
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Each segment's largest share of one other token's attention: :math:`a_s = \max`
     over every attention call, head and query row :math:`i` outside :math:`s` (the prompt's
@@ -671,6 +678,9 @@ def attention_shares(
             of rows at a time from what the attention kernel received, at the kernel's
             memory; ``"eager"`` reads the ``(B, H, N, N)`` maps; ``"auto"`` streams where
             the model allows. Default: ``"auto"``.
+        image_inputs (dict, optional): a vision-language model's image inputs for the
+            prompts (a batch of them here), as :func:`top_k_log_prob_drop`'s: the image's
+            tokens are keys of no segment. Default: None.
 
     Returns:
         ``(B, S)`` float32 shares in [0, 1], 0 for a segment an example does not have.
@@ -682,13 +692,17 @@ def attention_shares(
     _check_shapes(input_ids, attention_mask, answer, segments)
     if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
         raise ValueError("attention_shares reads a decoder-only model's self-attention; this model is an encoder-decoder.")
+    images = _image_dict(image_inputs)
     prompt_segments = _prompt_segments(attention_mask != 0, segments)
+    if images:
+        prompt_segments = prompt_segments.masked_fill(_image_tokens(model, input_ids, segments), -1)
     count = max(int(prompt_segments.max()) + 1, 1)
     answer = answer.to(input_ids.device)
     ids, mask = torch.cat([input_ids, answer], dim=1), torch.cat([attention_mask, torch.ones_like(answer)], dim=1)
     key_segments = torch.cat([prompt_segments, torch.full_like(answer, -1)], dim=1)
+    extra = (mask,) if not images else (mask, HuggingFaceAdapter().generated_inputs(model, images, input_ids.shape[1], answer.shape[1]))
     with torch.no_grad():
-        record = run_model(_by_name(model), model, ids, (mask,), adapter=adapter, capture=capture)
+        record = run_model(_by_name(model), model, ids, extra, adapter=adapter, capture=capture)
     if any(role != "self" for role in record.roles):
         raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
     real = mask != 0
