@@ -117,8 +117,6 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
         assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
     assert "--image is for a vision-language model" in capsys.readouterr().err
-    assert main(["evaluate", str(tmp_path / "data.jsonl"), "--model", str(llava)]) == 1
-    assert "holds a vision-language model (explain takes it)" in capsys.readouterr().err
 
 
 def test_a_family_of_unknown_layout_shows_the_images_summed_score_without_a_grid(llava, tmp_path, capsys, monkeypatch):
@@ -230,3 +228,84 @@ def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llav
     assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--chat"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "the model's processor (LlavaProcessor) has no chat template" in error
+
+
+def _answers(tmp_path, rows):
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data
+
+
+def test_evaluate_scores_answers_about_images_as_the_metrics_do_directly(llava, tmp_path):
+    """Each row's answer about its image: Grad-SAM's span, and its top-3 drop against the
+    model run without the three highest-scored text tokens (the image's never removed)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention.metrics import linear_datamodeling_score
+
+    _image(tmp_path)
+    rows = [{"prompt": "what is the cat", "image": "image_48x48.png", "answer": "is a"},
+            {"prompt": "<image> the cat is what", "image": str(_image(tmp_path, 64, 48))}]
+    out = tmp_path / "out"
+    assert main(["evaluate", str(_answers(tmp_path, rows)), "--model", str(llava), "--methods", "grad_sam,attn_lrp",
+                 "--max-new-tokens", "2", "--output", str(out)]) == 0
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["method"], r["generated"]) for r in results] == [
+        (0, "grad_sam", False), (0, "attn_lrp", False), (1, "grad_sam", True), (1, "attn_lrp", True)]
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    inputs = dict(processor(text="<image> what is the cat", images=Image.open(tmp_path / "image_48x48.png").convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    span = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))[0, : ids.shape[1]]
+    text = [i for i in range(1, ids.shape[1]) if int(ids[0, i]) != IMAGE]  # BOS and the image's tokens stay
+    removed = sorted(text, key=lambda i: (-float(span[i]), i))[:3]
+    kept = [i for i in range(ids.shape[1]) if i not in removed]
+
+    def log_prob(columns):
+        sequence = torch.cat([ids[:, columns], answer], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+        return float(logits[0, -3:-1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
+
+    whole = list(range(ids.shape[1]))
+    assert results[0]["answer_log_prob"] == pytest.approx(log_prob(whole), abs=1e-5)
+    assert results[0]["top_k_log_prob_drop"] == pytest.approx(log_prob(whole) - log_prob(kept), abs=1e-4)
+    segments = torch.arange(ids.shape[1])[None].masked_fill(torch.arange(ids.shape[1]) == 0, -1)
+    lds = linear_datamodeling_score(model, ids, mask, answer, span[None], segments, per_example=True, image_inputs=inputs)
+    assert results[0]["lds"] == pytest.approx(float(lds[0]), abs=1e-6)
+
+
+def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
+    rows = [{"prompt": "what is the cat", "image": _image(tmp_path).name, "answer": "is a"}]
+    data, out = _answers(tmp_path, rows), tmp_path / "out"
+    command = ["evaluate", str(data), "--model", str(llava), "--methods", "raw", "--metrics", "top_k_log_prob_drop", "--output", str(out)]
+    assert main(command) == 0
+    first = (out / "results.jsonl").read_bytes()
+    assert main(command) == 0
+    assert "resuming: 1 of 1 answers already done" in capsys.readouterr().out
+    assert (out / "results.jsonl").read_bytes() == first
+    Image.fromarray(np.zeros((48, 48, 3), dtype="uint8")).save(tmp_path / "image_48x48.png")  # another picture, the same file
+    assert main(command) != 0
+    assert "holds another run (data:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "what is the cat"}], "every row needs an 'image' (line 1 has none)"),
+    ([{"prompt": "what is the cat", "image": "missing.png"}], "'image' missing.png: no such file"),
+    ([{"segments": ["what is ", "the cat"], "image": "image_48x48.png"}], "'segments' are not read for a vision-language model's rows yet"),
+])
+def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(llava, tmp_path, capsys, rows, message):
+    _image(tmp_path)
+    assert main(["evaluate", str(_answers(tmp_path, rows)), "--model", str(llava), "--output", str(tmp_path / "out")]) != 0
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+
+
+def test_evaluate_refuses_chat_and_presence_for_a_vision_language_model(llava, tmp_path, capsys):
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": _image(tmp_path).name}])
+    for extra, message in ((["--chat"], "--chat is not read for a vision-language model's rows yet"),
+                           (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models")):
+        assert main(["evaluate", str(data), "--model", str(llava), "--output", str(tmp_path / "out"), *extra]) != 0
+        error = capsys.readouterr().err
+        assert message in error and error.count("\n") == 1

@@ -421,3 +421,12 @@ def test_chat_scores_each_rows_message_in_the_chat_template(llm, tmp_path, capsy
     assert "pass --skip-malformed to skip them" in error
     assert main(["evaluate", str(spaced), "--chat", "--output", str(tmp_path / "classifier")]) == 1
     assert "--chat is for a language model's prompts" in capsys.readouterr().err
+
+
+def test_rows_with_images_are_refused_for_a_language_model_in_one_line(llm, tmp_path, capsys):
+    (tmp_path / "cat.png").write_bytes(b"not read")
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"prompt": "the cat", "image": "cat.png"}) + "\n")
+    assert main(["evaluate", str(data), "--model", str(llm), "--output", str(tmp_path / "out")]) != 0
+    error = capsys.readouterr().err
+    assert "rows name an 'image' (line 1)" in error and "holds no vision-language model" in error and error.count("\n") == 1

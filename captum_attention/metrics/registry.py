@@ -223,8 +223,8 @@ def _top_k_log_prob_drop(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    mask = additional_forward_args[0]
-    return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments())[:, 0]
+    mask, images = _mask_and_images(additional_forward_args)
+    return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments(), image_inputs=images)[:, 0]
 
 
 @register_metric(
@@ -234,9 +234,9 @@ def _lds(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    mask = additional_forward_args[0]
+    mask, images = _mask_and_images(additional_forward_args)
     segments = context.prompt_segments()
-    return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True)
+    return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True, image_inputs=images)
 
 
 @register_metric("loo_agreement", "Spearman's rho with the segments' leave-one-out log-probability drops", task="generation")
@@ -244,8 +244,15 @@ def _loo_agreement(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    mask = additional_forward_args[0]
-    return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments())
+    mask, images = _mask_and_images(additional_forward_args)
+    return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments(), image_inputs=images)
+
+
+def _mask_and_images(additional_forward_args: tuple[Any, ...]) -> tuple[Tensor, dict[str, Tensor] | None]:
+    """An answer metric's attention mask, and a vision-language model's image inputs where
+    a dict follows it (``(mask, image_inputs)``, as the attributions take them)."""
+    images = additional_forward_args[1] if len(additional_forward_args) > 1 else None
+    return additional_forward_args[0], images if isinstance(images, dict) else None
 
 
 def top_share(scores: Tensor, include: Tensor, share: float = ERASED_SHARE) -> Tensor:

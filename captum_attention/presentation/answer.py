@@ -287,21 +287,9 @@ def explain_image_answer(
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not cross_attends_images(model))
     image = Image.open(image_path).convert("RGB")
-    marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
-    if chat:
-        text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
-    else:
-        text = prompt if marker in prompt else f"{marker} {prompt}"
-    inputs = dict(processor(text=text, images=image, return_tensors="pt"))
-    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
-    mask = torch.ones_like(ids) if mask is None else mask
+    text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat)
     tokenizer = processor.tokenizer
-    if target is None:
-        with torch.no_grad():
-            generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        answer_ids = generated[0, ids.shape[1] :]
-    else:
-        answer_ids = torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"])
+    answer_ids = image_answer_ids(model, tokenizer, ids, mask, inputs, target, max_new_tokens)
     if answer_ids.numel() == 0:
         raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
     template = _template_tokens(model, tokenizer, text, prompt, ids[0]) if chat else None
@@ -404,6 +392,33 @@ def _image_tokens(model: Any, ids: torch.Tensor) -> list[bool]:
 
     token_id = image_token_id(model.config)
     return ids.eq(-1 if token_id is None else token_id).tolist()
+
+
+def image_prompt_inputs(processor: Any, prompt: str, image: Any, chat: bool = False) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The processor's inputs for ``prompt`` about the PIL ``image`` (the processor's image
+    token put first where the prompt holds none; with ``chat``, the image and the prompt as
+    the user's turn in its chat template): the text it read, the ids ``(1, N)`` (the
+    image's tokens expanded), the attention mask and the image inputs."""
+    marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
+    if chat:
+        text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
+    else:
+        text = prompt if marker in prompt else f"{marker} {prompt}"
+    inputs = dict(processor(text=text, images=image, return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+    return text, ids, torch.ones_like(ids) if mask is None else mask, inputs
+
+
+def image_answer_ids(
+    model: Any, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], target: str | None, max_new_tokens: int
+) -> torch.Tensor:
+    """``(n,)``: ``target`` tokenized without special tokens, or the model's greedy answer
+    to the prompt ``ids`` with its image ``inputs``."""
+    if target is not None:
+        return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    with torch.no_grad():
+        generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return generated[0, ids.shape[1] :]
 
 
 def _template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:

@@ -429,11 +429,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
-    if task == "image-text-to-text":
-        raise UsageError(f"evaluate --model takes a language model or a classifier; {arguments.model} holds a "
-                         "vision-language model (explain takes it)")
-    if task in ("generation", "seq2seq"):
-        _evaluate_answers(arguments)
+    if task in ("generation", "seq2seq", "image-text-to-text"):
+        _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
     if arguments.chat:
         raise UsageError("--chat is for a language model's prompts; a classifier reads each text as it is")
@@ -470,10 +467,11 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     _merged(state, arguments, examples, metrics, options)
 
 
-def _evaluate_answers(arguments: argparse.Namespace) -> None:
+def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> None:
     """``evaluate`` for a causal or sequence-to-sequence language model: each row's answer
-    explained over its prompt (the source) and scored by the context metrics."""
-    from ..loading import load_causal_lm
+    explained over its prompt (the source) and scored by the context metrics; for a
+    vision-language model (``vision``), over its prompt about the row's image."""
+    from ..loading import load_causal_lm, load_vision_language_model
     from .evaluate import AnswerOptions, evaluate_answers, read_answers
 
     if arguments.max_new_tokens < 1:
@@ -483,9 +481,15 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
+    _check_image_rows(examples, arguments, vision, methods)
     state = _evaluation_state(arguments)
-    model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
-    examples = _answers_that_fit(examples, model, tokenizer, arguments)
+    processor = None
+    if vision:
+        model, processor = load_vision_language_model(arguments.model)
+        tokenizer = processor.tokenizer
+    else:
+        model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+        examples = _answers_that_fit(examples, model, tokenizer, arguments)
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
         _note_glued_answers(examples, model, tokenizer, arguments)
@@ -493,9 +497,30 @@ def _evaluate_answers(arguments: argparse.Namespace) -> None:
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence)
     evaluate_answers(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
-        state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"),
+        state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"), processor,
     )
     _merged(state, arguments, examples, metrics, options)
+
+
+def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool, methods: list[str]) -> None:
+    """A one-line error where the rows' images do not suit the model: a vision-language
+    model's rows each need an ``image`` (and name no segments, and no --chat, yet); another
+    model's none."""
+    with_image = [e.line for e in examples if e.image is not None]
+    if not vision:
+        if with_image:
+            raise UsageError(f"rows name an 'image' (line {with_image[0]}), but {arguments.model} holds no vision-language model")
+        return
+    without = [e.line for e in examples if e.image is None]
+    if without:
+        raise UsageError(f"{arguments.model} holds a vision-language model: every row needs an 'image' (line {without[0]} has none)")
+    if any(e.segments is not None for e in examples):
+        raise UsageError("'segments' are not read for a vision-language model's rows yet: give each row its prompt alone")
+    if arguments.chat:
+        raise UsageError("--chat is not read for a vision-language model's rows yet: write the chat template into each "
+                         "prompt, with the processor's image token where the image goes")
+    if PRESENCE in methods:
+        raise UsageError(f"{PRESENCE} is not available for vision-language models; leave it out of --methods")
 
 
 def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None, max_new_tokens: int, named: str) -> str | None:

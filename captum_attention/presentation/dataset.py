@@ -4,6 +4,7 @@ length, and writing results so that a file is either whole or absent."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import tempfile
@@ -141,7 +142,9 @@ class AnswerExample:
     optionally the answer to explain (None: generate it), the prompt's segments (the
     parts the context metrics remove; they concatenate to the prompt) and, where the prompt
     is the user's message put in a chat template, the characters of ``text`` that hold the
-    message (the segments make up the message; the template around it is never removed)."""
+    message (the segments make up the message; the template around it is never removed);
+    for a vision-language model, the image file the prompt is about and the SHA-256 of its
+    bytes (two runs on other images are not the same run)."""
 
     index: int
     line: int
@@ -149,6 +152,8 @@ class AnswerExample:
     answer: str | None = None
     segments: tuple[str, ...] | None = None
     message: tuple[int, int] | None = None
+    image: str | None = None
+    image_sha256: str | None = None
 
 
 def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[AnswerExample], list[str]]:
@@ -156,14 +161,15 @@ def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[A
 
     Each row has ``prompt`` (a string), or ``segments`` (a list of strings that make up
     the prompt, in order), or both (then the segments must join to the prompt); and
-    optionally ``answer``. Malformed rows as :func:`read_dataset` treats them.
+    optionally ``answer``, and ``image`` (a vision-language model's image file, relative to
+    the JSONL file's folder or absolute). Malformed rows as :func:`read_dataset` treats them.
     """
     path = Path(path)
     text = _text(path, (".jsonl",), "give a .jsonl file of prompts (one object per line)")
-    return _examples(path, _jsonl_rows(text), _answer_example, skip_malformed)
+    return _examples(path, _jsonl_rows(text), lambda index, line, row: _answer_example(index, line, row, path.parent), skip_malformed)
 
 
-def _answer_example(index: int, line: int, row: Any) -> AnswerExample:
+def _answer_example(index: int, line: int, row: Any, folder: Path) -> AnswerExample:
     if isinstance(row, DatasetError):
         raise row
     if not isinstance(row, dict):
@@ -182,7 +188,20 @@ def _answer_example(index: int, line: int, row: Any) -> AnswerExample:
     for name, value in (("prompt", prompt), ("answer", answer or "")):
         if has_surrogates(value):
             raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
-    return AnswerExample(index, line, prompt, answer, None if segments is None else tuple(segments))
+    image, digest = _image_file(row.get("image"), folder)
+    return AnswerExample(index, line, prompt, answer, None if segments is None else tuple(segments), None, image, digest)
+
+
+def _image_file(image: Any, folder: Path) -> tuple[str | None, str | None]:
+    """A row's ``image`` resolved against the data's ``folder``, and the SHA-256 of its bytes."""
+    if image is None:
+        return None, None
+    if not isinstance(image, str) or not image.strip():
+        raise DatasetError("'image' must be the path of an image file")
+    path = folder / image
+    if not path.is_file():
+        raise DatasetError(f"'image' {image}: no such file (paths are read from the data file's folder)")
+    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def unrankable(examples: Sequence[Example], tokenizer: Any, max_length: int) -> list[Example]:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..attr import METHODS
+from ..capture.adapters.images import cross_attends_images
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
@@ -213,8 +214,13 @@ def run_manifest(
 
 
 def data_digest(examples: Sequence[Any]) -> str:
-    """The SHA-256 of the rows, every field but their position."""
-    rows = [list(dataclasses.astuple(e))[1:] for e in examples]
+    """The SHA-256 of the rows, every field but their position; an image by its bytes'
+    digest, wherever its file lies (a row without one as before images were read)."""
+    rows = [
+        [value for field, value in zip(dataclasses.fields(e), dataclasses.astuple(e))
+         if field.name not in ("index", "image") and not (field.name == "image_sha256" and value is None)]
+        for e in examples
+    ]
     return hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest()
 
 
@@ -466,53 +472,64 @@ def evaluate_answers(
     num_processes: int = 1,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     on_resume: Callable[[int, int], None] | None = None,
+    processor: Any = None,
 ) -> int:
     """:func:`evaluate` for a language model's answers: each example's answer (given, or
     generated greedily) explained over its prompt by every method (``attribute_span``: the
     whole answer's log-probability; an encoder-decoder's over its source) and scored by
     every context metric over the example's segments (each prompt token its own without
     them; special tokens never removed). One example a shard, resumable, split over
-    processes, merged by :func:`merge` as the classifier's are."""
+    processes, merged by :func:`merge` as the classifier's are. With a vision-language
+    model's ``processor``, each example's prompt is about its ``image``: the image's tokens
+    are scored but never removed."""
     options = options or AnswerOptions()
     check_names("method", methods, answer_method_names())
     check_names("metric", metrics, answer_metric_names())
-    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    check_methods(methods, answers=True, one_stack=not encoder_decoder)
+    two_stacks = bool(getattr(model.config, "is_encoder_decoder", False)) or cross_attends_images(model)
+    check_methods(methods, answers=True, one_stack=not two_stacks)
+    if processor is not None and PRESENCE in methods:
+        raise ValueError(f"{PRESENCE} is not available for a vision-language model's answers; leave it out of the methods.")
     needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
     needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()
     needed |= {"attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
-        lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options), process_index,
+        lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options, processor), process_index,
         num_processes, progress, on_resume,
     )
 
 
 def _evaluate_answer(
     model: Any, tokenizer: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
-    metrics: Sequence[str], options: AnswerOptions,
+    metrics: Sequence[str], options: AnswerOptions, processor: Any = None,
 ) -> list[dict[str, Any]]:
-    ids, answer, keep, segments = answer_tensors(model, tokenizer, example, options.max_new_tokens)
+    images = None
+    if processor is None:
+        ids, answer, keep, segments = answer_tensors(model, tokenizer, example, options.max_new_tokens)
+    else:
+        ids, answer, keep, images = image_answer_tensors(model, processor, example, options.max_new_tokens)
+        segments = None
     segments = removable_segments(keep, segments)
     mask = torch.ones_like(ids)
+    args = (mask,) if images is None else (mask, images)
     context = MetricContext(model, keep, None, segments)
-    log_prob = float(answer_log_probs(model, ids, mask, answer)[0])
+    log_prob = float(answer_log_probs(model, ids, mask, answer, images)[0])
     spans: dict[str, Tensor] = {}
 
     def span_of(name: str) -> Tensor:
         if name not in spans:
             extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
-            spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, **extra)
+            spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, images, **extra)
         return spans[name]
 
     rows = []
     for name in methods:
         if name in ESTIMATES_OF_ANSWERS:
-            scores = answer_estimates(model, ids, answer, segments, name != ESTIMATES, span_of)
+            scores = answer_estimates(model, ids, answer, segments, name != ESTIMATES, span_of, images)
         else:
             scores = span_of(name)
-        values = {m: METRIC_REGISTRY[m].function(model, ids, scores, (mask,), answer, context) for m in metrics}
+        values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
         rows.append({
             "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
             "generated": example.answer is None, "answer_log_prob": log_prob,
@@ -548,6 +565,33 @@ def answer_tensors(
             offsets = (offsets - example.message[0]).clamp(0, example.message[1] - example.message[0])
         segments = _token_segments(offsets, example.segments, keep[0])[None]
     return ids, answer, keep, segments
+
+
+def image_answer_tensors(
+    model: Any, processor: Any, example: AnswerExample, max_new_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+    """A vision-language model's answer row on its device: the prompt's ids ``(1, N)`` as
+    the processor expands them with the row's image (:func:`image_prompt_inputs`), the
+    answer's ``(1, n)`` (given, or generated greedily), the special tokens ``(1, N)``
+    (never removed; the image's tokens the context metrics keep themselves) and the image
+    inputs."""
+    from PIL import Image
+
+    from .answer import image_answer_ids, image_prompt_inputs
+
+    if example.image is None:
+        raise ValueError(f"line {example.line}: a vision-language model's row needs an 'image'")
+    device = next(model.parameters()).device
+    with Image.open(example.image) as picture:
+        _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"))
+    ids, mask = ids.to(device), mask.to(device)
+    images = {name: value.to(device) if isinstance(value, Tensor) else value for name, value in inputs.items()}
+    answer = image_answer_ids(model, processor.tokenizer, ids, mask, images, example.answer, max_new_tokens).to(device)[None]
+    if answer.shape[1] == 0:
+        raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
+    special = set(processor.tokenizer.all_special_ids)
+    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
+    return ids, answer, keep, images
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:

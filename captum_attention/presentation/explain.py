@@ -326,10 +326,14 @@ def span_presence(prompt_ids: torch.Tensor, answer_length: int, tokenizer: Any, 
     return torch.cat([weights, weights.new_ones(len(prompt_ids), answer_length)], dim=1)
 
 
-def prompt_span(explainer: Any, ids: torch.Tensor, answer: torch.Tensor, **options: Any) -> torch.Tensor:
+def prompt_span(
+    explainer: Any, ids: torch.Tensor, answer: torch.Tensor, image_inputs: dict[str, Any] | None = None, **options: Any
+) -> torch.Tensor:
     """``(1, N)`` float: ``explainer``'s scores of the prompt's ``N`` tokens ``ids`` for the
-    whole ``answer`` (``attribute_span``; an encoder-decoder's source side), detached."""
-    span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=(torch.ones_like(ids),), **options))
+    whole ``answer`` (``attribute_span``; an encoder-decoder's source side; a
+    vision-language model's with its ``image_inputs``), detached."""
+    args = (torch.ones_like(ids),) if image_inputs is None else (torch.ones_like(ids), image_inputs)
+    span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=args, **options))
     return span[:, : ids.shape[1]].float().detach()
 
 
@@ -347,23 +351,25 @@ def removable_segments(keep: torch.Tensor, segments: torch.Tensor | None) -> tor
 
 def answer_estimates(
     model: Any, ids: torch.Tensor, answer: torch.Tensor, segments: torch.Tensor, by_share: bool = False,
-    span_of: Callable[[str], torch.Tensor] | None = None,
+    span_of: Callable[[str], torch.Tensor] | None = None, image_inputs: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """:data:`ESTIMATES` (``by_share``: :data:`ESTIMATES_BY_SHARE`): ``(1, N)`` scores of the
     prompt ``ids`` for ``answer`` over the ``segments`` (:func:`removable_segments`), from
     KnockoutGradient's and AttnLRP's :func:`prompt_span` (``span_of(name)``; default:
-    computed here)."""
+    computed here); a vision-language model's with its ``image_inputs``."""
 
     def computed(name: str) -> torch.Tensor:
-        return prompt_span(registered_method(name, model), ids, answer)
+        return prompt_span(registered_method(name, model), ids, answer, image_inputs)
 
     spans = span_of or computed
     mask = torch.ones_like(ids)
     first_order = spans("knockout_gradient")
     if by_share:
-        shares = attention_shares(model, ids, mask, answer, segments)
-        return leave_one_out_estimates(model, ids, mask, answer, first_order, first_order, segments, SHARE_DELETIONS, shares=shares)
-    return leave_one_out_estimates(model, ids, mask, answer, first_order, spans("attn_lrp"), segments)
+        shares = attention_shares(model, ids, mask, answer, segments, image_inputs=image_inputs)
+        return leave_one_out_estimates(
+            model, ids, mask, answer, first_order, first_order, segments, SHARE_DELETIONS, shares=shares, image_inputs=image_inputs
+        )
+    return leave_one_out_estimates(model, ids, mask, answer, first_order, spans("attn_lrp"), segments, image_inputs=image_inputs)
 
 
 def types_separator(tokenizer: Any, texts: Sequence[Text]) -> int | None:
