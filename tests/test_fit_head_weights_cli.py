@@ -106,6 +106,11 @@ def test_what_it_cannot_fit_is_refused_in_one_line(folder, seq2seq, tmp_path, ca
     assert "fit-head-weights takes a decoder-only language model" in capsys.readouterr().err
     assert main(["fit-head-weights", str(data), "--model", str(folder), "--ablations", "1"]) == 1
     assert "--ablations must be at least 2" in capsys.readouterr().err
+    (tmp_path / "cat.png").write_bytes(b"not read")
+    pictured = tmp_path / "pictured.jsonl"
+    pictured.write_text(json.dumps({"prompt": "the cat", "image": "cat.png"}) + "\n")
+    assert main(["fit-head-weights", str(pictured), "--model", str(folder)]) == 1
+    assert "rows name an 'image' (line 1)" in capsys.readouterr().err
 
 
 def test_an_answer_with_no_tokens_is_named_by_its_line_in_the_fit_and_in_evaluate(folder, tmp_path, capsys, monkeypatch):

@@ -818,6 +818,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
         raise UsageError(f"cannot write the head weights into {arguments.model}: the folder is not writable")
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
+    _check_image_rows(examples, arguments, False, [])
     model, tokenizer = load_causal_lm(arguments.model)
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
     _note_glued_answers(examples, model, tokenizer, arguments)
