@@ -293,6 +293,7 @@ def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
 @pytest.mark.parametrize("rows, message", [
     ([{"prompt": "what is the cat"}], "every row needs an 'image' (line 1 has none)"),
     ([{"prompt": "what is the cat", "image": "missing.png"}], "'image' missing.png: no such file"),
+    ([{"prompt": "what is the cat", "image": "answers.jsonl"}], "'image' answers.jsonl: not an image PIL reads"),
     ([{"segments": ["what is ", "the cat"], "image": "image_48x48.png"}], "'segments' are not read for a vision-language model's rows yet"),
 ])
 def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(llava, tmp_path, capsys, rows, message):

@@ -198,9 +198,16 @@ def _image_file(image: Any, folder: Path) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(image, str) or not image.strip():
         raise DatasetError("'image' must be the path of an image file")
+    from PIL import Image, UnidentifiedImageError
+
     path = folder / image
     if not path.is_file():
         raise DatasetError(f"'image' {image}: no such file (paths are read from the data file's folder)")
+    try:
+        with Image.open(path) as picture:
+            picture.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as error:  # PIL's verify raises SyntaxError on broken files
+        raise DatasetError(f"'image' {image}: not an image PIL reads ({error})") from None
     return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
