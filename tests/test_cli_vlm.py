@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from vlm_models import IMAGE, save_llava_checkpoint, save_mllama_checkpoint
 
-from captum_attention import GradSAM, image_scores
+from captum_attention import GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
 
 
@@ -194,13 +194,11 @@ def test_a_registered_method_outside_the_defaults_on_request(llava, mllama, tmp_
     assert captured.out == "" and "alti explains one self-attention stack" in captured.err
 
 
-def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llava, tmp_path, capsys):
-    """``--chat`` with ``--image``: the image and the prompt are the user's turn in the
-    processor's chat template, read with the template's one BOS; a processor without a
-    template is refused in one line."""
+def _instruct(llava, tmp_path):
+    """The tiny LLaVA with a chat template: ``<s>question <image> {prompt} answer``."""
     import shutil
 
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
     folder = tmp_path / "instruct"
     shutil.copytree(llava, folder)
@@ -210,6 +208,16 @@ def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llav
         "<image> {% else %}{{ item['text'] }}{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}answer{% endif %}"
     )
     processor.save_pretrained(folder)
+    return folder, processor
+
+
+def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llava, tmp_path, capsys):
+    """``--chat`` with ``--image``: the image and the prompt are the user's turn in the
+    processor's chat template, read with the template's one BOS; a processor without a
+    template is refused in one line."""
+    from transformers import AutoModelForImageTextToText
+
+    folder, processor = _instruct(llava, tmp_path)
     image, report = _image(tmp_path), tmp_path / "answer.json"
     assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is", "--chat",
                  "--methods", "grad_sam", "--json", str(report)]) == 0
@@ -303,10 +311,42 @@ def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(l
     assert message in error and error.count("\n") == 1
 
 
-def test_evaluate_refuses_chat_and_presence_for_a_vision_language_model(llava, tmp_path, capsys):
+def test_evaluate_refuses_presence_and_chat_without_a_template_for_a_vision_language_model(llava, tmp_path, capsys):
     data = _answers(tmp_path, [{"prompt": "what is the cat", "image": _image(tmp_path).name}])
-    for extra, message in ((["--chat"], "--chat is not read for a vision-language model's rows yet"),
+    for extra, message in ((["--chat"], "the model's processor (LlavaProcessor) has no chat template"),
                            (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models")):
         assert main(["evaluate", str(data), "--model", str(llava), "--output", str(tmp_path / "out"), *extra]) != 0
         error = capsys.readouterr().err
         assert message in error and error.count("\n") == 1
+
+
+def test_evaluate_with_chat_never_removes_the_templates_tokens(llava, tmp_path):
+    """``--chat``: the image and the prompt as the user's turn; the top-3 drop removes the
+    prompt's own words only, never the template's (``question``, ``answer``)."""
+    from transformers import AutoModelForImageTextToText
+
+    folder, processor = _instruct(llava, tmp_path)
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": _image(tmp_path).name, "answer": "is a"}])
+    out = tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(folder), "--chat", "--methods", "raw", "--metrics", "top_k_log_prob_drop",
+                 "--output", str(out)]) == 0
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    inputs = dict(processor(text="question <image> what is the cat answer", images=Image.open(tmp_path / "image_48x48.png").convert("RGB"),
+                            return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))[0, : ids.shape[1]]
+    words = [i for i, token in enumerate(ids[0].tolist()) if token in processor.tokenizer.convert_tokens_to_ids(["what", "is", "the", "cat"])]
+    assert len(words) == 4
+    removed = sorted(words, key=lambda i: (-float(span[i]), i))[:3]
+    kept = [i for i in range(ids.shape[1]) if i not in removed]
+
+    def log_prob(columns):
+        sequence = torch.cat([ids[:, columns], answer], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+        return float(logits[0, -3:-1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
+
+    whole = list(range(ids.shape[1]))
+    assert row["top_k_log_prob_drop"] == pytest.approx(log_prob(whole) - log_prob(kept), abs=1e-4)

@@ -292,7 +292,7 @@ def explain_image_answer(
     answer_ids = image_answer_ids(model, tokenizer, ids, mask, inputs, target, max_new_tokens)
     if answer_ids.numel() == 0:
         raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
-    template = _template_tokens(model, tokenizer, text, prompt, ids[0]) if chat else None
+    template = image_template_tokens(model, tokenizer, text, prompt, ids[0]) if chat else None
     features, names, special, written = _image_features(model, ids[0], tokenizer, template)
     explanation = AnswerExplanation(
         prompt_tokens=names, special=special, template=written if chat else [],
@@ -421,7 +421,7 @@ def image_answer_ids(
     return generated[0, ids.shape[1] :]
 
 
-def _template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:
+def image_template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:
     """Per token of the processor's ``ids`` (the image's tokens expanded), whether the chat
     template wrote it (:func:`written_by_template` on the templated ``text`` as the
     tokenizer reads it, its text tokens matched in order with those of ``ids``); none

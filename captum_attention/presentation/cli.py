@@ -487,6 +487,9 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     if vision:
         model, processor = load_vision_language_model(arguments.model)
         tokenizer = processor.tokenizer
+        if arguments.chat:
+            examples = _kept_rows([_in_image_chat_template(example, processor) for example in examples], arguments,
+                                  "no row the chat template keeps whole")
     else:
         model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
         examples = _answers_that_fit(examples, model, tokenizer, arguments)
@@ -516,9 +519,6 @@ def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision
         raise UsageError(f"{arguments.model} holds a vision-language model: every row needs an 'image' (line {without[0]} has none)")
     if any(e.segments is not None for e in examples):
         raise UsageError("'segments' are not read for a vision-language model's rows yet: give each row its prompt alone")
-    if arguments.chat:
-        raise UsageError("--chat is not read for a vision-language model's rows yet: write the chat template into each "
-                         "prompt, with the processor's image token where the image goes")
     if PRESENCE in methods:
         raise UsageError(f"{PRESENCE} is not available for vision-language models; leave it out of --methods")
 
@@ -612,6 +612,25 @@ def _in_chat_template(example: Any, tokenizer: Any, around: tuple[str, str]) -> 
             "placed in it; put the prompt in the template in the file, without --chat"
         )
     return dataclasses.replace(example, text=templated, message=(len(before), len(before) + len(example.text))), None
+
+
+def _in_image_chat_template(example: Any, processor: Any) -> tuple[Any, str | None]:
+    """A vision-language model's answer row with its image and prompt as the user's turn in
+    the processor's chat template, the prompt's characters marked as the message (the
+    template's tokens are never removed), and None; where the template does not hold the
+    prompt's text as given, the row as it is and what is wrong."""
+    import dataclasses
+
+    from .answer import chat_prompt
+
+    try:
+        templated = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": example.text}], processor)
+    except ValueError as error:  # no chat template: every row alike
+        raise UsageError(str(error)) from None
+    start = templated.rfind(example.text)
+    if start < 0:
+        return example, "the chat template changes the prompt's text (it trims or rewrites it); put the prompt in the template in the file, without --chat"
+    return dataclasses.replace(example, text=templated, message=(start, start + len(example.text))), None
 
 
 def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:

@@ -572,12 +572,12 @@ def image_answer_tensors(
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
     """A vision-language model's answer row on its device: the prompt's ids ``(1, N)`` as
     the processor expands them with the row's image (:func:`image_prompt_inputs`), the
-    answer's ``(1, n)`` (given, or generated greedily), the special tokens ``(1, N)``
-    (never removed; the image's tokens the context metrics keep themselves) and the image
-    inputs."""
+    answer's ``(1, n)`` (given, or generated greedily), the tokens never removed ``(1,
+    N)`` (the special tokens, and a chat template's around the row's message; the image's
+    tokens the context metrics keep themselves) and the image inputs."""
     from PIL import Image
 
-    from .answer import image_answer_ids, image_prompt_inputs
+    from .answer import image_answer_ids, image_prompt_inputs, image_template_tokens
 
     if example.image is None:
         raise ValueError(f"line {example.line}: a vision-language model's row needs an 'image'")
@@ -591,6 +591,9 @@ def image_answer_tensors(
         raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
     special = set(processor.tokenizer.all_special_ids)
     keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
+    if example.message is not None:
+        message = example.text[example.message[0] : example.message[1]]
+        keep |= torch.tensor([image_template_tokens(model, processor.tokenizer, example.text, message, ids[0].cpu())], device=device)
     return ids, answer, keep, images
 
 
