@@ -507,8 +507,8 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
 
 def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool, methods: list[str]) -> None:
     """A one-line error where the rows' images do not suit the model: a vision-language
-    model's rows each need an ``image`` (and name no segments, and no --chat, yet); another
-    model's none."""
+    model's rows each need an ``image`` (and name no segments yet, nor
+    ``attn_lrp_presence`` among the methods); another model's none."""
     with_image = [e.line for e in examples if e.image is not None]
     if not vision:
         if with_image:
