@@ -146,7 +146,7 @@ def test_attention_shares_of_a_padded_batch_are_each_examples_from_output_attent
     twin.set_attn_implementation("eager")
     width = prompt.input_ids.shape[1]
     for b in range(2):
-        ids, own = one_example(dict_prompt(prompt, images), b)
+        ids, own = one_example(VLMPrompt(prompt.input_ids, prompt.attention_mask, images), b)
         pad = width - ids.shape[1]
         with torch.no_grad():
             attentions = twin(**alone_inputs(ids, own, torch.ones(ids.shape[1], dtype=torch.bool), ANSWER[b : b + 1]), output_attentions=True).attentions
@@ -156,7 +156,3 @@ def test_attention_shares_of_a_padded_batch_are_each_examples_from_output_attent
             held = max(float(attn[0][:, segments != s][..., segments == s].sum(dim=-1).max()) for attn in attentions) if (segments == s).any() else 0.0
             assert abs(float(shares[b, pad + s]) - held) < 1e-5, (family, b, s)
         assert float(shares[b, : pad + 1].abs().max()) == 0.0  # padding and BOS: no segment
-
-
-def dict_prompt(prompt: VLMPrompt, images: dict[str, torch.Tensor]) -> VLMPrompt:
-    return VLMPrompt(prompt.input_ids, prompt.attention_mask, images)
