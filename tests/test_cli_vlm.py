@@ -302,7 +302,6 @@ def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
     ([{"prompt": "what is the cat"}], "every row needs an 'image' (line 1 has none)"),
     ([{"prompt": "what is the cat", "image": "missing.png"}], "'image' missing.png: no such file"),
     ([{"prompt": "what is the cat", "image": "answers.jsonl"}], "'image' answers.jsonl: not an image PIL reads"),
-    ([{"segments": ["what is ", "the cat"], "image": "image_48x48.png"}], "'segments' are not read for a vision-language model's rows yet"),
 ])
 def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(llava, tmp_path, capsys, rows, message):
     _image(tmp_path)
@@ -350,3 +349,47 @@ def test_evaluate_with_chat_never_removes_the_templates_tokens(llava, tmp_path):
 
     whole = list(range(ids.shape[1]))
     assert row["top_k_log_prob_drop"] == pytest.approx(log_prob(whole) - log_prob(kept), abs=1e-4)
+
+
+def test_evaluate_removes_a_rows_segments_about_an_image_whole(llava, tmp_path):
+    """Segments of the prompt's text (the image's marker inside the first): the top-3 drop
+    removes the three segments of highest summed score, each with all its tokens; the
+    image's tokens are never removed."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    segments = ["<image> what ", "is the ", "cat ", "is"]
+    data = _answers(tmp_path, [{"segments": segments, "image": _image(tmp_path).name, "answer": "a"}])
+    out = tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llava), "--methods", "grad_sam", "--metrics", "top_k_log_prob_drop",
+                 "--output", str(out)]) == 0
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    inputs = dict(processor(text="".join(segments), images=Image.open(tmp_path / "image_48x48.png").convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("a", add_special_tokens=False)["input_ids"]])
+    span = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))[0, : ids.shape[1]]
+    words = ids.shape[1] - 5  # BOS, the image's tokens, then "what", "is the", "cat", "is": one token a word
+    owner = [-1] * words + [0, 1, 1, 2, 3]
+    assert int(ids[0, words - 1]) == IMAGE and int(ids[0, words]) != IMAGE
+    summed = {s: sum(float(span[i]) for i in range(ids.shape[1]) if owner[i] == s) for s in range(4)}
+    removed = sorted(summed, key=lambda s: (-summed[s], s))[:3]
+    kept = [i for i in range(ids.shape[1]) if owner[i] not in removed]
+
+    def log_prob(columns):
+        sequence = torch.cat([ids[:, columns], answer], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+        return float(logits[0, -2].log_softmax(-1)[answer[0, 0]])
+
+    assert row["top_k_log_prob_drop"] == pytest.approx(log_prob(list(range(ids.shape[1]))) - log_prob(kept), abs=1e-4)
+
+
+def test_segments_a_processor_cannot_place_are_refused_with_the_rows_line(llava, tmp_path, capsys, monkeypatch):
+    from captum_attention.presentation import answer
+
+    monkeypatch.setattr(answer, "on_expanded_tokens", lambda *args: None)  # as where a processor adds tokens around the image
+    data = _answers(tmp_path, [{"segments": ["<image> what ", "is the cat"], "image": _image(tmp_path).name, "answer": "a"}])
+    assert main(["evaluate", str(data), "--model", str(llava), "--methods", "raw", "--output", str(tmp_path / "out")]) != 0
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "line 1: the processor adds tokens of its own around the image" in error  # before any work

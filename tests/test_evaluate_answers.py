@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 from conftest import killed_part_way
 from lm_models import WORDS
 
@@ -424,7 +425,7 @@ def test_chat_scores_each_rows_message_in_the_chat_template(llm, tmp_path, capsy
 
 
 def test_rows_with_images_are_refused_for_a_language_model_in_one_line(llm, tmp_path, capsys):
-    (tmp_path / "cat.png").write_bytes(b"not read")
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat.png")
     data = tmp_path / "answers.jsonl"
     data.write_text(json.dumps({"prompt": "the cat", "image": "cat.png"}) + "\n")
     assert main(["evaluate", str(data), "--model", str(llm), "--output", str(tmp_path / "out")]) != 0

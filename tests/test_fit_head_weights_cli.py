@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from captum.attr import TextTokenInput
 
 from captum_attention import HeadWeights, LearnedAttention, LLMAttentionAttribution
@@ -106,7 +107,7 @@ def test_what_it_cannot_fit_is_refused_in_one_line(folder, seq2seq, tmp_path, ca
     assert "fit-head-weights takes a decoder-only language model" in capsys.readouterr().err
     assert main(["fit-head-weights", str(data), "--model", str(folder), "--ablations", "1"]) == 1
     assert "--ablations must be at least 2" in capsys.readouterr().err
-    (tmp_path / "cat.png").write_bytes(b"not read")
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat.png")
     pictured = tmp_path / "pictured.jsonl"
     pictured.write_text(json.dumps({"prompt": "the cat", "image": "cat.png"}) + "\n")
     assert main(["fit-head-weights", str(pictured), "--model", str(folder)]) == 1

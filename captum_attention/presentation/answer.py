@@ -424,17 +424,25 @@ def image_answer_ids(
 def image_template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:
     """Per token of the processor's ``ids`` (the image's tokens expanded), whether the chat
     template wrote it (:func:`written_by_template` on the templated ``text`` as the
-    tokenizer reads it, its text tokens matched in order with those of ``ids``); none
-    where they differ (a processor that adds tokens of its own)."""
+    tokenizer reads it, placed by :func:`on_expanded_tokens`); none where the text tokens
+    differ (a processor that adds tokens of its own)."""
     plain = tokenizer(text)["input_ids"]
+    marks = on_expanded_tokens(model, plain, written_by_template(tokenizer, text, message, plain), ids, False)
+    return [False] * len(ids) if marks is None else marks
+
+
+def on_expanded_tokens(model: Any, plain: list[int], values: list[Any], ids: torch.Tensor, image_value: Any) -> list[Any] | None:
+    """``values``, one per token of a prompt as the tokenizer reads it (``plain``), placed on
+    the processor's ``ids`` (the image's tokens expanded): the text tokens matched in
+    order, ``image_value`` at the image's; None where the text tokens differ (a processor
+    that adds tokens of its own around the image)."""
     is_image = _image_tokens(model, ids)
     image_ids = set(ids[torch.tensor(is_image, dtype=torch.bool)].tolist())
-    text_marks = [(token, wrote) for token, wrote in zip(plain, written_by_template(tokenizer, text, message, plain))
-                  if token not in image_ids]
-    if [token for token, image in zip(ids.tolist(), is_image) if not image] != [token for token, _ in text_marks]:
-        return [False] * len(ids)
-    marks = iter(wrote for _, wrote in text_marks)
-    return [False if image else next(marks) for image in is_image]
+    text = [(token, value) for token, value in zip(plain, values) if token not in image_ids]
+    if [token for token, image in zip(ids.tolist(), is_image) if not image] != [token for token, _ in text]:
+        return None
+    placed = iter(value for _, value in text)
+    return [image_value if image else next(placed) for image in is_image]
 
 
 def _image_features(

@@ -472,7 +472,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     explained over its prompt (the source) and scored by the context metrics; for a
     vision-language model (``vision``), over its prompt about the row's image."""
     from ..loading import load_causal_lm, load_vision_language_model
-    from .evaluate import AnswerOptions, evaluate_answers, read_answers
+    from .evaluate import AnswerOptions, evaluate_answers, image_row_problem, read_answers
 
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
@@ -490,6 +490,8 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         if arguments.chat:
             examples = _kept_rows([_in_image_chat_template(example, processor) for example in examples], arguments,
                                   "no row the chat template keeps whole")
+        examples = _kept_rows([(example, image_row_problem(model, processor, example)) for example in examples], arguments,
+                              "no row whose segments the processor's tokens keep")
     else:
         model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
         examples = _answers_that_fit(examples, model, tokenizer, arguments)
@@ -507,8 +509,8 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
 
 def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool, methods: list[str]) -> None:
     """A one-line error where the rows' images do not suit the model: a vision-language
-    model's rows each need an ``image`` (and name no segments yet, nor
-    ``attn_lrp_presence`` among the methods); another model's none."""
+    model's rows each need an ``image`` (and ``attn_lrp_presence`` is not among the
+    methods); another model's none."""
     with_image = [e.line for e in examples if e.image is not None]
     if not vision:
         if with_image:
@@ -517,8 +519,6 @@ def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision
     without = [e.line for e in examples if e.image is None]
     if without:
         raise UsageError(f"{arguments.model} holds a vision-language model: every row needs an 'image' (line {without[0]} has none)")
-    if any(e.segments is not None for e in examples):
-        raise UsageError("'segments' are not read for a vision-language model's rows yet: give each row its prompt alone")
     if PRESENCE in methods:
         raise UsageError(f"{PRESENCE} is not available for vision-language models; leave it out of --methods")
 

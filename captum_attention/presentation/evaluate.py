@@ -508,8 +508,7 @@ def _evaluate_answer(
     if processor is None:
         ids, answer, keep, segments = answer_tensors(model, tokenizer, example, options.max_new_tokens)
     else:
-        ids, answer, keep, images = image_answer_tensors(model, processor, example, options.max_new_tokens)
-        segments = None
+        ids, answer, keep, segments, images = image_answer_tensors(model, processor, example, options.max_new_tokens)
     segments = removable_segments(keep, segments)
     mask = torch.ones_like(ids)
     args = (mask,) if images is None else (mask, images)
@@ -548,53 +547,107 @@ def answer_tensors(
     segments, else None. A chat template's tokens around the row's message are kept as
     the special tokens are."""
     device = next(model.parameters()).device
+    ids, keep, segments = _read_prompt(tokenizer, example)
+    answer = _answer_ids(model, tokenizer, example, max_new_tokens).to(device)[None]
+    _check_answer(answer, example)
+    return ids.to(device)[None], answer, keep.to(device)[None], None if segments is None else segments.to(device)[None]
+
+
+def _read_prompt(tokenizer: Any, example: AnswerExample) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The row's prompt as the tokenizer reads it: its ids ``(N,)``, the tokens never
+    removed (the special tokens, and a chat template's around the row's message) and each
+    token's segment where the row names segments (-1: never removed), else None."""
     offsets_needed = example.segments is not None or example.message is not None
     encoded = tokenizer(example.text, return_tensors="pt", return_offsets_mapping=offsets_needed)
-    ids = encoded["input_ids"].to(device)
-    answer = _answer_ids(model, tokenizer, example, max_new_tokens).to(device)[None]
-    if answer.shape[1] == 0:
-        raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
+    ids = encoded["input_ids"][0]
     special = set(tokenizer.all_special_ids)
-    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
+    keep = torch.tensor([int(i) in special for i in ids.tolist()])
     if example.message is not None:
-        keep |= outside_span(encoded["offset_mapping"][0], example.text, example.message).to(device)[None]
+        keep |= outside_span(encoded["offset_mapping"][0], example.text, example.message)
     segments = None
     if example.segments is not None:
         offsets = encoded["offset_mapping"][0]
         if example.message is not None:  # the segments make up the message
             offsets = (offsets - example.message[0]).clamp(0, example.message[1] - example.message[0])
-        segments = _token_segments(offsets, example.segments, keep[0])[None]
-    return ids, answer, keep, segments
+        segments = _token_segments(offsets, example.segments, keep)
+    return ids, keep, segments
+
+
+def _check_answer(answer: Tensor, example: AnswerExample) -> None:
+    if answer.shape[1] == 0:
+        raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
 
 
 def image_answer_tensors(
     model: Any, processor: Any, example: AnswerExample, max_new_tokens: int
-) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, dict[str, Any]]:
     """A vision-language model's answer row on its device: the prompt's ids ``(1, N)`` as
     the processor expands them with the row's image (:func:`image_prompt_inputs`), the
-    answer's ``(1, n)`` (given, or generated greedily), the tokens never removed ``(1,
-    N)`` (the special tokens, and a chat template's around the row's message; the image's
-    tokens the context metrics keep themselves) and the image inputs."""
+    answer's ``(1, n)`` (given, or generated greedily), the tokens never removed and the
+    segments (:func:`_placed_on_image_prompt`), and the image inputs."""
+    from .answer import image_answer_ids
+
+    device = next(model.parameters()).device
+    ids, mask, inputs = _image_prompt(processor, example)
+    try:
+        keep, segments = _placed_on_image_prompt(model, processor.tokenizer, example, ids[0])
+    except ValueError as error:
+        raise ValueError(f"line {example.line}: {error}") from None
+    images = {name: value.to(device) if isinstance(value, Tensor) else value for name, value in inputs.items()}
+    answer = image_answer_ids(model, processor.tokenizer, ids.to(device), mask.to(device), images, example.answer, max_new_tokens)
+    answer = answer.to(device)[None]
+    _check_answer(answer, example)
+    placed = None if segments is None else segments.to(device)[None]
+    return ids.to(device), answer, keep.to(device)[None], placed, images
+
+
+def image_row_problem(model: Any, processor: Any, example: AnswerExample) -> str | None:
+    """What keeps a vision-language model's row from being read (its chat template's tokens
+    or its segments not placeable on the processor's tokens: :func:`_placed_on_image_prompt`),
+    or None; found before any work."""
+    if example.message is None and example.segments is None:
+        return None
+    try:
+        _placed_on_image_prompt(model, processor.tokenizer, example, _image_prompt(processor, example)[0][0])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _image_prompt(processor: Any, example: AnswerExample) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """The processor's ids ``(1, N)``, mask and image inputs of the row's prompt about its image."""
     from PIL import Image
 
-    from .answer import image_answer_ids, image_prompt_inputs, image_template_tokens
+    from .answer import image_prompt_inputs
 
     if example.image is None:
         raise ValueError(f"line {example.line}: a vision-language model's row needs an 'image'")
-    device = next(model.parameters()).device
     with Image.open(example.image) as picture:
         _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"))
-    ids, mask = ids.to(device), mask.to(device)
-    images = {name: value.to(device) if isinstance(value, Tensor) else value for name, value in inputs.items()}
-    answer = image_answer_ids(model, processor.tokenizer, ids, mask, images, example.answer, max_new_tokens).to(device)[None]
-    if answer.shape[1] == 0:
-        raise ValueError(f"line {example.line}: the answer has no tokens (the model ended its answer at once): give the row an answer")
-    special = set(processor.tokenizer.all_special_ids)
-    keep = torch.tensor([[int(i) in special for i in ids[0].tolist()]], device=device)
-    if example.message is not None:
-        message = example.text[example.message[0] : example.message[1]]
-        keep |= torch.tensor([image_template_tokens(model, processor.tokenizer, example.text, message, ids[0].cpu())], device=device)
-    return ids, answer, keep, images
+    return ids, mask, inputs
+
+
+def _placed_on_image_prompt(model: Any, tokenizer: Any, example: AnswerExample, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The tokens never removed ``(N,)`` and the segments ``(N,)`` (or None) of the row as
+    :func:`_read_prompt` reads them from its text, placed on the processor's ``ids``
+    (:func:`~captum_attention.presentation.answer.on_expanded_tokens`: the image's tokens
+    kept, of no segment). A ``ValueError`` where a processor that adds tokens of its own
+    around the image leaves a chat template's tokens or the segments unplaceable; without
+    either, the special tokens are kept."""
+    from .answer import on_expanded_tokens
+
+    plain, plain_keep, plain_segments = _read_prompt(tokenizer, example)
+    keep = on_expanded_tokens(model, plain.tolist(), plain_keep.tolist(), ids, True)
+    segments = None if plain_segments is None else on_expanded_tokens(model, plain.tolist(), plain_segments.tolist(), ids, -1)
+    if keep is not None and (plain_segments is None or segments is not None):
+        return torch.tensor(keep), None if segments is None else torch.tensor(segments)
+    if example.message is not None or example.segments is not None:
+        raise ValueError(
+            "the processor adds tokens of its own around the image, so the chat template's tokens and the row's segments "
+            "cannot be placed on the model's tokens: leave --chat and the segments out"
+        )
+    special = set(tokenizer.all_special_ids)
+    return torch.tensor([int(i) in special for i in ids.tolist()]), None
 
 
 def _answer_ids(model: Any, tokenizer: Any, example: AnswerExample, max_new_tokens: int) -> Tensor:
