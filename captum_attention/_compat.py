@@ -288,12 +288,21 @@ def mha_forward_with_softmax(softmax: Callable[..., Tensor], bmm: Callable[..., 
 def forward_hooks(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """Each of ``model``'s modules that carries forward hooks or forward pre-hooks
     (``Module._forward_hooks`` and ``_forward_pre_hooks``, checked on torch 2.13), by name,
-    with the hooks' handle ids (unique in the process): outside a capture, the user's own."""
-    return [
-        (name or type(model).__name__, (*m._forward_pre_hooks, *m._forward_hooks))
-        for name, m in model.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks
-    ]
+    with the hooks' handle ids (unique in the process): outside a capture, the user's own.
+    transformers' output recorders (:data:`OUTPUT_RECORDERS`) are left out."""
+    found = []
+    for name, module in model.named_modules():
+        hooks = [*module._forward_pre_hooks.items(), *module._forward_hooks.items()]
+        ids = tuple(handle for handle, hook in hooks if getattr(hook, "__module__", None) != OUTPUT_RECORDERS)
+        if ids:
+            found.append((name or type(model).__name__, ids))
+    return found
+
+
+OUTPUT_RECORDERS = "transformers.utils.output_capturing"
+"""The module of the forward hooks transformers installs on a model's modules to collect
+``output_attentions``/``output_hidden_states`` (checked on 5.25): they return nothing and
+record only while transformers collects, so they change no output."""
 
 
 def hooked_modules(model: nn.Module) -> list[str]:

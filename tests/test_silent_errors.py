@@ -306,3 +306,26 @@ def test_attention_erasure_metrics_read_the_decision_at_the_position_asked_for()
     erasure = attention_erasure(model, batch.input_ids, erased, args, query_index=query)
     torch.testing.assert_close(erasure.erased, attention_erasure(at_query, batch.input_ids, erased, args, model=model).erased)
     assert (erasure.js_divergence > 0).all()
+
+
+def test_transformers_output_recorders_are_not_called_the_users_hooks():
+    """transformers installs inert forward hooks on a model's modules the first time it is
+    asked for ``output_hidden_states`` or ``output_attentions``: a refusal must not blame
+    them, nor the left-padding verdict count them; a hook of the user's still counts."""
+    from vlm_models import ANSWER, make_vlm, make_vlm_prompt
+
+    from captum_attention._compat import forward_hooks
+
+    model, prompt = make_vlm("qwen2_vl"), make_vlm_prompt("qwen2_vl")
+    with torch.no_grad():
+        model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, **prompt.images, output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules()), "transformers' recorders are installed"
+    assert forward_hooks(model) == []
+    with pytest.raises(UnsupportedModelError) as refused:
+        REGISTRY["decompx"](model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert "holds no row per example" in str(refused.value) and "forward hook" not in str(refused.value)
+    handle = model.model.visual.register_forward_hook(lambda module, args, output: None)
+    try:
+        assert [name for name, _ in forward_hooks(model)] == ["model.visual"]
+    finally:
+        handle.remove()
