@@ -13,7 +13,7 @@ from conftest import assert_same_state, model_state
 from vlm_models import ANSWER, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt
 
 from captum_attention.metrics import ablated_log_probs, attention_shares, linear_datamodeling_score, top_k_log_prob_drop
-from captum_attention.metrics.context import answer_log_probs
+from captum_attention.metrics.context import answer_log_probs, context_averaged_scores
 
 FAMILIES = ("llava", "qwen2_vl", "gemma3", "idefics3", "mistral3", "llava_next", "mllama")
 
@@ -156,3 +156,27 @@ def test_attention_shares_of_a_padded_batch_are_each_examples_from_output_attent
             held = max(float(attn[0][:, segments != s][..., segments == s].sum(dim=-1).max()) for attn in attentions) if (segments == s).any() else 0.0
             assert abs(float(shares[b, pad + s]) - held) < 1e-5, (family, b, s)
         assert float(shares[b, : pad + 1].abs().max()) == 0.0  # padding and BOS: no segment
+
+
+def test_context_averaged_scores_give_each_context_its_image_inputs():
+    """Every context keeps the image's tokens and gets the image with its token types cut
+    to the kept tokens; the scores follow the formula (each removable token kept in half
+    the contexts: its context share is its summed score's)."""
+    model, ids, images = family_example("qwen2_vl")
+    calls = []
+
+    def explain(context_ids, context_mask, context_images):
+        calls.append((context_ids, context_images))
+        return context_ids.float()  # a score that follows each token
+
+    prior = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    scores = context_averaged_scores(model, explain, ids, torch.ones_like(ids), ANSWER[:1], prior, num_contexts=4, image_inputs=images)
+    assert len(calls) == 4
+    for context_ids, context_images in calls:
+        assert int((context_ids == IMAGE).sum()) == int((ids == IMAGE).sum())
+        assert torch.equal(context_images["mm_token_type_ids"], (context_ids == IMAGE).long())
+        assert torch.equal(context_images["pixel_values"], images["pixel_values"])
+    removable = (ids != IMAGE) & (torch.arange(ids.shape[1]) > 0)
+    expected = ids.double() / ids[removable].sum() + prior.double() / prior[removable].abs().sum()
+    torch.testing.assert_close(scores[removable], expected[removable].float())
+    assert bool((scores[~removable] == 0).all())

@@ -301,6 +301,11 @@ def _image_dict(image_inputs: Mapping[str, Tensor] | None) -> dict[str, Tensor] 
     return dict(image_inputs)
 
 
+def _with_images(attribute_func: Callable[..., Tensor], images: dict[str, Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``attribute_func`` called on one context with its ``images`` third."""
+    return lambda ids, mask: attribute_func(ids, mask, images)
+
+
 def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Tensor) -> dict[str, Tensor] | None:
     """``image_inputs`` as a dict (:func:`_image_dict`), for a batch of one prompt."""
     image_inputs = _image_dict(image_inputs)
@@ -526,6 +531,7 @@ def context_averaged_scores(
     segments: Tensor | None = None,
     num_contexts: int = 8,
     seed: int = 1,
+    image_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""A language model's answer explained in random half contexts: an attribution of the
     answer with about half of the prompt's segments deleted, summed per token over the
@@ -555,6 +561,10 @@ def context_averaged_scores(
         num_contexts (int, optional): :math:`A`, even. Default: 8.
         seed (int, optional): the contexts' seed (keep it apart from the one an LDS is
             measured with). Default: 1.
+        image_inputs (dict, optional): a vision-language model's image inputs for the one
+            prompt given, as :func:`top_k_log_prob_drop`'s; ``attribute_func`` then takes
+            them third, ``(input_ids, attention_mask, image_inputs)``, its per-token ones
+            following each context's kept tokens. Default: None.
 
     Returns:
         ``(B, N)`` float32 token scores; 0 at the tokens never removed and at padding.
@@ -570,7 +580,7 @@ def context_averaged_scores(
     """
     if num_contexts < 2 or num_contexts % 2:
         raise ValueError(f"num_contexts must be even and at least 2 (complementary pairs), got {num_contexts}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size=1)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, 1, image_inputs)
     removable = scorer.segments >= 0
     scorer.segment_scores(prior)  # checks the prior's shape and values
     halves = random_halves(scorer.present, num_contexts // 2, seed, _own_seeds(scorer, seed))
@@ -578,7 +588,8 @@ def context_averaged_scores(
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for context, (ids, mask, positions) in zip(kept_segments.unbind(dim=1), scorer.contexts(kept_segments)):
         kept = context.to(removable.device).gather(1, scorer.segments.clamp(min=0)) & removable
-        summed += scores_in_context(attribute_func, ids, mask, positions, kept)
+        explain = attribute_func if not scorer.image_inputs else _with_images(attribute_func, scorer._images(positions, mask, 0)[0])
+        summed += scores_in_context(explain, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
 
 
