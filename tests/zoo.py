@@ -165,6 +165,8 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["window_size"] = TINY["patch_size"] * 2
     if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
         kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
+    if "projector_patch_to_query_dict" in accepted:  # Aria's projector: queries per image by its patch count, the tiny image's
+        kwargs["projector_patch_to_query_dict"] = {(IMAGE_SIZE // TINY["patch_size"]) ** 2: 4}
     if config_class.model_type == "paddleocr_vl_text":  # its rotary splits into sections its defaults do not name
         kwargs["rope_parameters"] = {**config_class().rope_parameters, "mrope_section": [1, 1, TINY["head_dim"] // 2 - 2]}
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
