@@ -238,6 +238,20 @@ def test_chat_puts_the_image_and_the_prompt_in_the_processors_chat_template(llav
     assert error.count("\n") == 1 and "the model's processor (LlavaProcessor) has no chat template" in error
 
 
+def _alone_log_prob(model, ids, inputs, answer, columns) -> float:
+    """log p(answer | the prompt's tokens at ``columns``), the model run on them alone with
+    the image inputs."""
+    sequence = torch.cat([ids[:, columns], answer], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
+    return float(logits[0, -answer.shape[1] - 1 : -1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
+
+
+def _drop_alone(model, ids, inputs, answer, kept) -> float:
+    """How far log p(answer) falls from the whole prompt to its tokens at ``kept``."""
+    return _alone_log_prob(model, ids, inputs, answer, list(range(ids.shape[1]))) - _alone_log_prob(model, ids, inputs, answer, kept)
+
+
 def _answers(tmp_path, rows):
     data = tmp_path / "answers.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -270,15 +284,9 @@ def test_evaluate_scores_answers_about_images_as_the_metrics_do_directly(llava, 
     removed = sorted(text, key=lambda i: (-float(span[i]), i))[:3]
     kept = [i for i in range(ids.shape[1]) if i not in removed]
 
-    def log_prob(columns):
-        sequence = torch.cat([ids[:, columns], answer], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
-        return float(logits[0, -3:-1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
-
     whole = list(range(ids.shape[1]))
-    assert results[0]["answer_log_prob"] == pytest.approx(log_prob(whole), abs=1e-5)
-    assert results[0]["top_k_log_prob_drop"] == pytest.approx(log_prob(whole) - log_prob(kept), abs=1e-4)
+    assert results[0]["answer_log_prob"] == pytest.approx(_alone_log_prob(model, ids, inputs, answer, whole), abs=1e-5)
+    assert results[0]["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, ids, inputs, answer, kept), abs=1e-4)
     segments = torch.arange(ids.shape[1])[None].masked_fill(torch.arange(ids.shape[1]) == 0, -1)
     lds = linear_datamodeling_score(model, ids, mask, answer, span[None], segments, per_example=True, image_inputs=inputs)
     assert results[0]["lds"] == pytest.approx(float(lds[0]), abs=1e-6)
@@ -341,14 +349,7 @@ def test_evaluate_with_chat_never_removes_the_templates_tokens(llava, tmp_path):
     removed = sorted(words, key=lambda i: (-float(span[i]), i))[:3]
     kept = [i for i in range(ids.shape[1]) if i not in removed]
 
-    def log_prob(columns):
-        sequence = torch.cat([ids[:, columns], answer], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
-        return float(logits[0, -3:-1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
-
-    whole = list(range(ids.shape[1]))
-    assert row["top_k_log_prob_drop"] == pytest.approx(log_prob(whole) - log_prob(kept), abs=1e-4)
+    assert row["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, ids, inputs, answer, kept), abs=1e-4)
 
 
 def test_evaluate_removes_a_rows_segments_about_an_image_whole(llava, tmp_path):
@@ -376,13 +377,7 @@ def test_evaluate_removes_a_rows_segments_about_an_image_whole(llava, tmp_path):
     removed = sorted(summed, key=lambda s: (-summed[s], s))[:3]
     kept = [i for i in range(ids.shape[1]) if owner[i] not in removed]
 
-    def log_prob(columns):
-        sequence = torch.cat([ids[:, columns], answer], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
-        return float(logits[0, -2].log_softmax(-1)[answer[0, 0]])
-
-    assert row["top_k_log_prob_drop"] == pytest.approx(log_prob(list(range(ids.shape[1]))) - log_prob(kept), abs=1e-4)
+    assert row["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, ids, inputs, answer, kept), abs=1e-4)
 
 
 def test_segments_a_processor_cannot_place_are_refused_with_the_rows_line(llava, tmp_path, capsys, monkeypatch):
