@@ -144,7 +144,7 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     if "image_grid_pinpoints" in accepted:  # LLaVA-NeXT's any-resolution tiles: one, of the tiny image's size
         kwargs["image_grid_pinpoints"] = [[IMAGE_SIZE, IMAGE_SIZE]]
     layers = inspect.signature(config_class.__init__).parameters.get("vision_feature_layer")
-    if layers is not None and isinstance(layers.default, (list, tuple)):  # VipLLaVA's several layers, in the tiny tower
+    if layers is not None and _takes_list(layers):  # VipLLaVA's and Molmo2's several layers, in the tiny tower
         kwargs["vision_feature_layer"] = [-2, -1]
     if "layer_types" in accepted and (hybrid := _tiny_layer_types(config_class)) is not None:
         kwargs["layer_types"] = hybrid
@@ -208,14 +208,23 @@ def _tiny_mrope(config_class: type) -> dict[str, Any] | None:
 
 def _per_stage(config_class: type, name: str, value: Any) -> Any:
     """``value`` once per stage (two, as ``depths``) where the config takes a list (Swin's
-    ``num_heads``)."""
+    ``num_heads``; ERNIE-4.5-VL's experts' width per modality, Molmo2's image size, typed
+    as lists alone)."""
     try:
-        default = inspect.signature(config_class.__init__).parameters[name].default
+        parameter = inspect.signature(config_class.__init__).parameters[name]
     except (KeyError, TypeError, ValueError):
         return value
-    if isinstance(default, (list, tuple)) and not isinstance(value, (list, tuple)):
+    if value is not None and _takes_list(parameter) and not isinstance(value, (list, tuple)):
         return [value] * len(TINY["depths"])
     return value
+
+
+def _takes_list(parameter: inspect.Parameter) -> bool:
+    """Whether a config's parameter takes a list: its default is one, or its type names
+    lists alone (or None)."""
+    kinds = [kind.strip() for kind in str(parameter.annotation).split("|") if kind.strip() != "None"]
+    lists_only = bool(kinds) and all(kind.startswith(("list[", "tuple[")) for kind in kinds)
+    return isinstance(parameter.default, (list, tuple)) or lists_only
 
 
 class NotBuilt(Exception):
