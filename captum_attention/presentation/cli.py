@@ -481,7 +481,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
-    _check_image_rows(examples, arguments, vision, methods)
+    _check_image_rows(examples, arguments, vision)
     state = _evaluation_state(arguments)
     processor = None
     if vision:
@@ -507,10 +507,9 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     _merged(state, arguments, examples, metrics, options)
 
 
-def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool, methods: list[str]) -> None:
+def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool) -> None:
     """A one-line error where the rows' images do not suit the model: a vision-language
-    model's rows each need an ``image`` (and ``attn_lrp_presence`` is not among the
-    methods); another model's none."""
+    model's rows each need an ``image``, another model's none."""
     with_image = [e.line for e in examples if e.image is not None]
     if not vision:
         if with_image:
@@ -519,8 +518,6 @@ def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision
     without = [e.line for e in examples if e.image is None]
     if without:
         raise UsageError(f"{arguments.model} holds a vision-language model: every row needs an 'image' (line {without[0]} has none)")
-    if PRESENCE in methods:
-        raise UsageError(f"{PRESENCE} is not available for vision-language models; leave it out of --methods")
 
 
 def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None, max_new_tokens: int, named: str) -> str | None:
@@ -837,7 +834,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
         raise UsageError(f"cannot write the head weights into {arguments.model}: the folder is not writable")
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
-    _check_image_rows(examples, arguments, False, [])
+    _check_image_rows(examples, arguments, False)
     model, tokenizer = load_causal_lm(arguments.model)
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
     _note_glued_answers(examples, model, tokenizer, arguments)

@@ -488,7 +488,7 @@ def evaluate_answers(
     two_stacks = bool(getattr(model.config, "is_encoder_decoder", False)) or cross_attends_images(model)
     check_methods(methods, answers=True, one_stack=not two_stacks)
     if processor is not None and PRESENCE in methods:
-        raise ValueError(f"{PRESENCE} is not available for a vision-language model's answers; leave it out of the methods.")
+        raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
     needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
     needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()
     needed |= {"attn_lrp"} if ESTIMATES in methods else set()
