@@ -167,20 +167,21 @@ class _AnswerScorer:
             logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
-            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._images(positions, mask, new)))
+            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new)))
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
-    def _images(self, positions: Tensor, mask: Tensor, new: int) -> tuple[dict[str, Tensor], ...]:
-        """The example's image inputs for prompts whose columns hold its prompt tokens at
+    def _image_args(self, positions: Tensor, mask: Tensor, new: int) -> tuple[dict[str, Tensor], ...]:
+        """The arguments after the ids and mask: the example's image inputs (none without
+        them) for prompts whose columns hold its prompt tokens at
         ``positions`` (padding where ``mask`` is 0), then ``new`` answer tokens: per-token
         ones (``(1, prompt_len, ...)``: token types, Mllama's cross-attention mask) follow
         the kept tokens, 0 at padding, and extend over the answer as the attributions'
         (the adapter's ``generated_inputs``: as the model's ``generate`` extends them); the
-        others are repeated for every prompt. Empty without image inputs."""
+        others are repeated for every prompt."""
         if not self.image_inputs:
             return ()
         rows, width = positions.shape
@@ -217,7 +218,7 @@ class _AnswerScorer:
         left_padding_read = getattr(_by_name(self.forward_func), "left_padding_read", None)
         if self.decoder_start is None and left_padding_read is not None:  # a Hugging Face model's own check
             sequence, sequence_mask = torch.cat([padded_prompt, answer], dim=1), torch.cat([padded_mask, torch.ones_like(answer)], dim=1)
-            reason = left_padding_read(sequence, sequence_mask, *self._images(padded_positions, padded_mask, answer.shape[1]))
+            reason = left_padding_read(sequence, sequence_mask, *self._image_args(padded_positions, padded_mask, answer.shape[1]))
             if reason is not None:
                 return reason
         with torch.no_grad():
@@ -301,9 +302,10 @@ def _image_dict(image_inputs: Mapping[str, Tensor] | None) -> dict[str, Tensor] 
     return dict(image_inputs)
 
 
-def _with_images(attribute_func: Callable[..., Tensor], images: dict[str, Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-    """``attribute_func`` called on one context with its ``images`` third."""
-    return lambda ids, mask: attribute_func(ids, mask, images)
+def _with_args(attribute_func: Callable[..., Tensor], extra: tuple[Any, ...]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``attribute_func`` called on one context with the ``extra`` arguments (its image
+    inputs, or none) after the ids and mask."""
+    return lambda ids, mask: attribute_func(ids, mask, *extra)
 
 
 def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Tensor) -> dict[str, Tensor] | None:
@@ -588,7 +590,7 @@ def context_averaged_scores(
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for context, (ids, mask, positions) in zip(kept_segments.unbind(dim=1), scorer.contexts(kept_segments)):
         kept = context.to(removable.device).gather(1, scorer.segments.clamp(min=0)) & removable
-        explain = attribute_func if not scorer.image_inputs else _with_images(attribute_func, scorer._images(positions, mask, 0)[0])
+        explain = _with_args(attribute_func, scorer._image_args(positions, mask, 0))
         summed += scores_in_context(explain, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
 
