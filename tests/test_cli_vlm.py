@@ -388,3 +388,23 @@ def test_segments_a_processor_cannot_place_are_refused_with_the_rows_line(llava,
     assert main(["evaluate", str(data), "--model", str(llava), "--methods", "raw", "--output", str(tmp_path / "out")]) != 0
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "line 1: the processor adds tokens of its own around the image" in error  # before any work
+
+
+def test_prompts_longer_than_the_model_takes_with_the_images_tokens_are_refused_before_any_work(llava, tmp_path, capsys):
+    """The language model's 2,048 positions hold the prompt's 4 words but not its 2,048 with
+    the image's 16 tokens: ``evaluate`` names the row (``--skip-malformed`` skips it),
+    ``explain`` refuses the prompt, as they do a language model's."""
+    long_prompt = " ".join(["what is the cat"] * 512)
+    rows = [{"prompt": prompt, "image": _image(tmp_path).name, "answer": "is"} for prompt in ("what is the cat", long_prompt)]
+    data, out = _answers(tmp_path, rows), tmp_path / "out"
+    command = ["evaluate", str(data), "--model", str(llava), "--methods", "raw", "--metrics", "top_k_log_prob_drop", "--output", str(out)]
+    message = "the prompt's 2065 tokens and the answer's 1 token are more than the 2048 the model takes (the image's tokens counted)"
+    assert main(command) != 0
+    error = capsys.readouterr().err
+    assert f"line 2: {message}" in error and error.count("\n") == 1
+    assert main([*command, "--skip-malformed"]) == 0
+    assert f"skipped {data}, line 2: {message}" in capsys.readouterr().err
+    assert [json.loads(line)["line"] for line in (out / "results.jsonl").read_text().splitlines()] == [1]
+    assert main(["explain", "--model", str(llava), "--image", str(_image(tmp_path)), long_prompt, "--target", "is"]) == 1
+    error = capsys.readouterr().err
+    assert message.replace("the answer's", "the target's") in error and error.count("\n") == 1

@@ -17,7 +17,7 @@ from ..capture.adapters.images import cross_attends_images
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
-    check_methods, presence_display, registered_method, removable_segments, span_presence,
+    answer_too_long, check_methods, presence_display, registered_method, removable_segments, span_presence,
 )
 
 
@@ -289,6 +289,9 @@ def explain_image_answer(
     image = Image.open(image_path).convert("RGB")
     text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat)
     tokenizer = processor.tokenizer
+    too_long = image_answer_too_long(model, tokenizer, ids.shape[1], target, max_new_tokens, "the target")
+    if too_long is not None:
+        raise ValueError(too_long)
     answer_ids = image_answer_ids(model, tokenizer, ids, mask, inputs, target, max_new_tokens)
     if answer_ids.numel() == 0:
         raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
@@ -407,6 +410,15 @@ def image_prompt_inputs(processor: Any, prompt: str, image: Any, chat: bool = Fa
     inputs = dict(processor(text=text, images=image, return_tensors="pt"))
     ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
     return text, ids, torch.ones_like(ids) if mask is None else mask, inputs
+
+
+def image_answer_too_long(
+    model: Any, tokenizer: Any, prompt_tokens: int, answer: str | None, max_new_tokens: int, named: str
+) -> str | None:
+    """:func:`~captum_attention.presentation.explain.answer_too_long` for a prompt of
+    ``prompt_tokens`` tokens as the processor expands them with the image, saying so."""
+    too_long = answer_too_long(model, tokenizer, prompt_tokens, answer, max_new_tokens, named)
+    return None if too_long is None else f"{too_long} (the image's tokens counted)"
 
 
 def image_answer_ids(

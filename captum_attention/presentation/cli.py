@@ -20,7 +20,7 @@ from ..attr import METHODS
 from .evaluate import answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
-    length_limit, method_names,
+    answer_too_long, length_limit, method_names,
 )
 from .text import count as _count, has_surrogates, terminal_safe
 
@@ -323,7 +323,8 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
             f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
             f"{arguments.model} holds a sequence-to-sequence model"
         )
-    too_long = _answer_too_long(model, tokenizer, prompt, arguments.target, arguments.max_new_tokens, "--target")
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    too_long = answer_too_long(model, tokenizer, prompt_tokens, arguments.target, arguments.max_new_tokens, "--target")
     if too_long is not None:
         raise UsageError(too_long)
     explanation = explain_answer(
@@ -490,8 +491,8 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         if arguments.chat:
             examples = _kept_rows([_in_image_chat_template(example, processor) for example in examples], arguments,
                                   "no row the chat template keeps whole")
-        examples = _kept_rows([(example, image_row_problem(model, processor, example)) for example in examples], arguments,
-                              "no row whose segments the processor's tokens keep")
+        checked = [(example, image_row_problem(model, processor, example, arguments.max_new_tokens)) for example in examples]
+        examples = _kept_rows(checked, arguments, "no row the model takes whole")
     else:
         model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
         examples = _answers_that_fit(examples, model, tokenizer, arguments)
@@ -520,25 +521,6 @@ def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision
         raise UsageError(f"{arguments.model} holds a vision-language model: every row needs an 'image' (line {without[0]} has none)")
 
 
-def _answer_too_long(model: Any, tokenizer: Any, prompt: str, answer: str | None, max_new_tokens: int, named: str) -> str | None:
-    """What is wrong where the prompt and the answer (given, ``named`` so in the message,
-    else ``max_new_tokens`` of it) are more tokens than the model takes (an
-    encoder-decoder: the source or the answer); else None."""
-    prompt_tokens = len(tokenizer(prompt)["input_ids"])
-    limit = length_limit(model, tokenizer)
-    if answer is not None:
-        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-        shown = f"{named}'s {_count(answer_tokens, 'token')}"
-    else:
-        answer_tokens, shown = max_new_tokens, f"--max-new-tokens {max_new_tokens}"
-    if getattr(model.config, "is_encoder_decoder", False):
-        if max(prompt_tokens, answer_tokens) > limit:
-            return f"the source's {_count(prompt_tokens, 'token')} or {shown} are more than the {limit} the model takes"
-    elif prompt_tokens + answer_tokens > limit:
-        return f"the prompt's {_count(prompt_tokens, 'token')} and {shown} are more than the {limit} the model takes"
-    return None
-
-
 def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> list[Any]:
     """The rows whose prompt and answer the model takes (:func:`_kept_rows`), each prompt
     read with one BOS (:func:`_with_one_bos`), in the chat template with ``--chat``
@@ -552,7 +534,8 @@ def _answers_that_fit(examples: list[Any], model: Any, tokenizer: Any, arguments
             example, changed = _in_chat_template(example, tokenizer, template)
             if changed is not None:
                 return example, changed
-        return example, _answer_too_long(model, tokenizer, example.text, example.answer, arguments.max_new_tokens, "the answer")
+        prompt_tokens = len(tokenizer(example.text)["input_ids"])
+        return example, answer_too_long(model, tokenizer, prompt_tokens, example.answer, arguments.max_new_tokens, "the answer")
 
     return _kept_rows([checked(example) for example in examples], arguments, "no row the model takes whole")
 

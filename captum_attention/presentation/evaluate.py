@@ -601,14 +601,20 @@ def image_answer_tensors(
     return ids.to(device), answer, keep.to(device)[None], placed, images
 
 
-def image_row_problem(model: Any, processor: Any, example: AnswerExample) -> str | None:
-    """What keeps a vision-language model's row from being read (its chat template's tokens
-    or its segments not placeable on the processor's tokens: :func:`_placed_on_image_prompt`),
-    or None; found before any work."""
-    if example.message is None and example.segments is None:
-        return None
+def image_row_problem(model: Any, processor: Any, example: AnswerExample, max_new_tokens: int) -> str | None:
+    """What keeps a vision-language model's row from being read, found before any work:
+    its prompt, the image's tokens expanded, and its answer more tokens than the model
+    takes (:func:`~captum_attention.presentation.answer.image_answer_too_long`), or its chat
+    template's tokens or its segments not placeable on the processor's tokens
+    (:func:`_placed_on_image_prompt`); else None."""
+    from .answer import image_answer_too_long
+
+    ids = _image_prompt(processor, example)[0][0]
+    too_long = image_answer_too_long(model, processor.tokenizer, len(ids), example.answer, max_new_tokens, "the answer")
+    if too_long is not None or (example.message is None and example.segments is None):
+        return too_long
     try:
-        _placed_on_image_prompt(model, processor.tokenizer, example, _image_prompt(processor, example)[0][0])
+        _placed_on_image_prompt(model, processor.tokenizer, example, ids)
     except ValueError as error:
         return str(error)
     return None

@@ -549,11 +549,36 @@ def ig_baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
 
 
 def length_limit(model: Any, tokenizer: Any) -> int:
-    """The most tokens the model takes: the tokenizer's ``model_max_length`` where it is
-    set, else the model's ``max_position_embeddings``."""
-    limits = [getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    """The most tokens the model takes: the smaller of the tokenizer's ``model_max_length``
+    and the model's ``max_position_embeddings`` (a vision-language model's: its language
+    model's) where set, else 512."""
+    config = getattr(model.config, "text_config", None) or model.config
+    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     known = [int(limit) for limit in limits if isinstance(limit, int) and 0 < limit < 1_000_000]
     return min(known) if known else 512
+
+
+def answer_too_long(
+    model: Any, tokenizer: Any, prompt_tokens: int, answer: str | None, max_new_tokens: int, named: str
+) -> str | None:
+    """What is wrong where a prompt of ``prompt_tokens`` tokens and the answer (given,
+    ``named`` so in the message, else ``max_new_tokens`` of it) are more tokens than the
+    model takes (:func:`length_limit`; an encoder-decoder: the source or the answer); else
+    None."""
+    from .text import count
+
+    limit = length_limit(model, tokenizer)
+    if answer is not None:
+        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        shown = f"{named}'s {count(answer_tokens, 'token')}"
+    else:
+        answer_tokens, shown = max_new_tokens, f"--max-new-tokens {max_new_tokens}"
+    if getattr(model.config, "is_encoder_decoder", False):
+        if max(prompt_tokens, answer_tokens) > limit:
+            return f"the source's {count(prompt_tokens, 'token')} or {shown} are more than the {limit} the model takes"
+    elif prompt_tokens + answer_tokens > limit:
+        return f"the prompt's {count(prompt_tokens, 'token')} and {shown} are more than the {limit} the model takes"
+    return None
 
 
 def explain(
