@@ -736,7 +736,8 @@ def context_averaged_attribution(
             scores of one attribution for the same examples in the same order (pass the
             explained class as a fixed ``target``: the prediction may change without
             half the tokens). Called ``num_contexts`` times, once per context, on the
-            whole batch.
+            whole batch; it must pass the mask on to the model (a context's shortened
+            rows are padded; only a batch without padding is checked for it).
         prior (Tensor): ``(batch, seq_len)`` token scores of a one-pass attribution of the
             same prediction.
         num_contexts (int, optional): :math:`A`, even. Default: 8.
