@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
-from ..capture.adapters.images import image_token_id
+from ..capture.adapters.images import image_marker_ids, image_token_id
 from ..capture.adapters.protocol import extended_per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
@@ -142,6 +142,8 @@ class _AnswerScorer:
         batch holds prompts of one length, unpadded."""
         width = self.ids.shape[1] + self.answer.shape[1]
         per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
+        if per_forward > 1 and len(rows) > 1 and self.image_inputs and self.rows_read_together:
+            per_forward = 1  # each ablation alone: the model's batches tell its rows apart
         lengths = self._kept_tokens(rows, removed).sum(dim=1)
         by_length = per_forward > 1 and bool((lengths != lengths[0]).any()) and self.padding_read is not None
         order = lengths.argsort(stable=True) if by_length else torch.arange(len(rows), device=rows.device)
@@ -224,14 +226,27 @@ class _AnswerScorer:
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, positions, answer)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer)
-        alone = float(_summed_log_probs(alone_logits, answer)[0])
-        moved = abs(float(_summed_log_probs(padded_logits, answer)[0]) - alone)
-        if moved > max(1e-3, 8 * torch.finfo(alone_logits.dtype).eps) * max(1.0, abs(alone)):
+        moved = _moved(_summed_log_probs(alone_logits, answer)[0], _summed_log_probs(padded_logits, answer)[0], alone_logits.dtype)
+        if moved is not None:
             return (
                 f"Padding (attention mask 0) on the {self.padding_side} of example {row}'s shortened prompt moves its "
                 f"answer's log-probability by {moved:.2g}."
             )
         return None
+
+    @cached_property
+    def rows_read_together(self) -> bool:
+        """Whether a batch moves a row's answer log-probability: the second of two copies of
+        the first example's whole prompt, its image inputs repeated as the ablations'
+        batches repeat them, against the first (a vision-language model that places a
+        batch's images or positions otherwise than each example's alone, HunYuan-VL's).
+        Where it does, the ablations run one at a time."""
+        rows = self.rows.new_zeros(2)
+        prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
+        with torch.no_grad():
+            logits = self._answer_logits(prompts, mask, positions, self.answer[rows])
+        first, second = _summed_log_probs(logits, self.answer[rows])
+        return _moved(first, second, logits.dtype) is not None
 
     def _kept_tokens(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R, N)`` bool: the real prompt tokens of examples ``rows`` that the removed
@@ -267,6 +282,13 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
+
+
+def _moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> float | None:
+    """How far ``other`` is from the log-probability ``reference``, where farther than the
+    logits' ``dtype`` explains; else None."""
+    moved = abs(float(other) - float(reference))
+    return moved if moved > max(1e-3, 8 * torch.finfo(dtype).eps) * max(1.0, abs(float(reference))) else None
 
 
 def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
@@ -320,17 +342,21 @@ def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Te
 
 
 def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None) -> Tensor:
-    """``(B, N)`` bool: the prompt's image tokens (the model's config names their id), never
-    removed: the model reads as many as its image inputs give features. Where the config
-    names none, the given ``segments`` are trusted to keep them (-1); without them, a
-    one-line error."""
-    token = image_token_id(getattr(forward_func, "config", None))
-    if token is None and segments is None:
-        raise ValueError(
-            "forward_func's config names no image token (image_token_id), so the context metrics cannot keep the "
-            "image's tokens: give them segment -1 in segments."
-        )
-    return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+    """``(B, N)`` bool: the tokens of the prompt's images, never removed: its image tokens
+    (the model's config names their id; the model reads as many as its image inputs give
+    features) and the markers around or inside them that the config names
+    (:func:`~captum_attention.capture.adapters.images.image_marker_ids`: a family may fail
+    without them, or place the image otherwise). Where the config names no image token,
+    the given ``segments`` are trusted to keep them (-1); without them, a one-line error."""
+    config = getattr(forward_func, "config", None)
+    if image_token_id(config) is None:
+        if segments is None:
+            raise ValueError(
+                "forward_func's config names no image token (image_token_id), so the context metrics cannot keep the "
+                "image's tokens: give them segment -1 in segments."
+            )
+        return torch.zeros_like(input_ids, dtype=torch.bool)
+    return torch.isin(input_ids, torch.tensor(image_marker_ids(config), device=input_ids.device))
 
 
 def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
@@ -382,7 +408,10 @@ def top_k_log_prob_drop(
             ``attention_mask``): given with every ablated prompt (to a function
             ``forward_func``, as a third argument), per-token ones (``(1, prompt_len,
             ...)``) following the kept tokens; the image's tokens (the config's
-            ``image_token_id``) are never removed. Default: None.
+            ``image_token_id``, and the markers it names around them: Qwen2-VL's vision
+            start and end, Gemma 3's begin and end of image) are never removed; where the
+            model's batches tell their rows apart (HunYuan-VL's), the ablations run one
+            at a time. Default: None.
 
     Returns:
         ``(batch, len(ks))``: the drop per k (k capped at the example's segment count).

@@ -93,6 +93,22 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
+IMAGE_MARKERS = (
+    "boi_token_id", "boi_token_index", "eoi_token_id", "eoi_token_index", "image_start_token_id", "image_end_token_id",
+    "low_res_image_start_token_id", "vision_start_token_id", "vision_end_token_id", "im_start_id", "im_end_id", "im_newline_id",
+)
+"""The config fields that name the tokens a family's processor puts around or inside an
+image's tokens (Gemma 3's begin and end of image, Qwen2-VL's vision start and end, GLM-4V's,
+Ovis2.5's and Molmo2's image start and end, HunYuan-VL's image start, end and newlines)."""
+
+
+def image_marker_ids(config: Any) -> list[int]:
+    """The ids of the tokens that make up an image's span in a prompt: its image token
+    (:func:`image_token_id`) and the markers the config names (:data:`IMAGE_MARKERS`)."""
+    named = [image_token_id(config), *(getattr(config, name, None) for name in IMAGE_MARKERS)]
+    return [value for value in named if isinstance(value, int) and not isinstance(value, bool)]
+
+
 def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
     """Per example, its images' tokens in order (see the module docstring); for a model
     that cross-attends to its images (Mllama), its images' positions among the vision
