@@ -180,3 +180,20 @@ def test_context_averaged_scores_give_each_context_its_image_inputs():
     expected = ids.double() / ids[removable].sum() + prior.double() / prior[removable].abs().sum()
     torch.testing.assert_close(scores[removable], expected[removable].float())
     assert bool((scores[~removable] == 0).all())
+
+
+def test_whether_a_batch_tells_its_rows_apart_is_decided_once_per_model_dtype_and_image_shapes(monkeypatch):
+    from captum_attention.metrics import context
+
+    model, ids, images = family_example("llava")
+    checks = []
+    second_row_moved = context._AnswerScorer._second_row_moved
+    monkeypatch.setattr(context._AnswerScorer, "_second_row_moved", lambda self: checks.append(1) or second_row_moved(self))
+    kept = torch.ones(1, 2, ids.shape[1], dtype=torch.bool)
+    kept[0, 1, -2] = False
+    for prompt in (ids, ids[:, :-1]):  # another prompt, the same image
+        ablated_log_probs(model, prompt, torch.ones_like(prompt), ANSWER[:1], kept[..., : prompt.shape[1]], image_inputs=images)
+    assert len(checks) == 1
+    doubled = {name: value.double() if value.is_floating_point() else value for name, value in images.items()}
+    ablated_log_probs(model.double(), ids, torch.ones_like(ids), ANSWER[:1], kept, image_inputs=doubled)
+    assert len(checks) == 2, "another dtype: decided again"

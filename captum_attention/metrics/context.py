@@ -28,6 +28,7 @@ given with every ablated prompt.
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
+from ..capture.adapters.huggingface import verdict_conditions
 from ..capture.adapters.images import image_marker_ids, image_token_id
 from ..capture.adapters.protocol import extended_per_token
 from ..capture.inputs import decoder_start_token, output_logits
@@ -240,7 +242,22 @@ class _AnswerScorer:
         the first example's whole prompt, its image inputs repeated as the ablations'
         batches repeat them, against the first (a vision-language model that places a
         batch's images or positions otherwise than each example's alone, HunYuan-VL's).
-        Where it does, the ablations run one at a time."""
+        Where it does, the ablations run one at a time. Decided once per model, its
+        dtype, the user's forward hooks and its image inputs' names and shapes (the
+        per-token ones' aside: they follow the prompt's length)."""
+        model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
+        if model is None:
+            return self._second_row_moved()
+        width = self.ids.shape[1]
+        shapes = tuple(sorted((name, () if value.dim() >= 2 and value.shape[1] == width else tuple(value.shape))
+                              for name, value in self.image_inputs.items()))
+        verdicts = _BATCH_VERDICTS.setdefault(model, {})
+        key = (verdict_conditions(model), shapes)
+        if key not in verdicts:
+            verdicts[key] = self._second_row_moved()
+        return verdicts[key]
+
+    def _second_row_moved(self) -> bool:
         rows = self.rows.new_zeros(2)
         prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
         with torch.no_grad():
@@ -282,6 +299,10 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
+
+
+_BATCH_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
+"""Per model, :attr:`_AnswerScorer.rows_read_together`'s verdicts."""
 
 
 def _moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> float | None:

@@ -688,7 +688,7 @@ class _KeywordForward:
         padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
         if not bool(padded.any()):
             return None
-        conditions = _verdict_conditions(self.model)
+        conditions = verdict_conditions(self.model)
         verdict = _PADDING_VERDICTS.get(self.model)
         if verdict is None or verdict.conditions != conditions:
             row = int(padded.nonzero()[0])
@@ -751,7 +751,7 @@ class _KeywordForward:
 @dataclass(frozen=True)
 class _PaddingVerdict:
     """What :meth:`_KeywordForward.left_padding_read` found for a causal model under
-    ``conditions`` (:func:`_verdict_conditions`): the ``reason`` it reads a left-padded
+    ``conditions`` (:func:`verdict_conditions`): the ``reason`` it reads a left-padded
     prompt otherwise than alone (None: it does not), and whether it places the prompt's
     tokens right only without position ids (RoBERTa's, counting positions from the ids)."""
 
@@ -763,9 +763,10 @@ class _PaddingVerdict:
 _PADDING_VERDICTS: weakref.WeakKeyDictionary[nn.Module, _PaddingVerdict] = weakref.WeakKeyDictionary()
 
 
-def _verdict_conditions(model: nn.Module) -> tuple:
-    """What a verdict on ``model``'s left padding holds for: its parameters' dtype and the
-    user's forward hooks (by handle id: one removed and added again is another hook)."""
+def verdict_conditions(model: nn.Module) -> tuple:
+    """What a verdict on how ``model`` reads its inputs (its left padding, its batches)
+    holds for: its parameters' dtype and the user's forward hooks (by handle id: one
+    removed and added again is another hook)."""
     dtypes = sorted({str(parameter.dtype) for parameter in model.parameters()})
     return tuple(dtypes), tuple(forward_hooks(model))
 
