@@ -136,11 +136,12 @@ def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refu
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "mllama", "hunyuan_vl", "ovis2_5"])
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "mllama", "hunyuan_vl", "ovis2_5", "minicpmv4_6"])
 def test_the_ablations_of_a_prompt_about_an_image_are_each_ablated_prompt_alone(model_type):
-    """HunYuan-VL scores the second of two copies of a prompt otherwise than the first: its
-    ablations run one at a time; Ovis2.5 fails without its image's start and end tokens,
-    which are never removed."""
+    """HunYuan-VL scores the second of two copies of a prompt otherwise than the first, and
+    MiniCPM-V fails on them (it packs a batch's images into one row): their ablations run
+    one at a time; Ovis2.5 fails without its image's start and end tokens, which are never
+    removed."""
     outcome = vision_language_ablation_outcome(_architecture("image-text-to-text", model_type))
     assert outcome.status == "exact", outcome
 
@@ -150,6 +151,12 @@ def test_the_ablations_of_a_prompt_about_an_image_are_each_ablated_prompt_alone(
 def test_the_ablations_of_a_prompt_about_an_image_are_each_alone_or_refused_on_every_vision_language_model(architecture):
     outcome = vision_language_ablation_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+def test_decompx_refuses_a_model_that_fails_on_copies_of_its_image_inputs_in_one_line():
+    outcome = decomposition_outcome(_architecture("image-text-to-text", "minicpmv4_6"))
+    assert outcome.status == "refused", outcome
+    assert "fails on copies of its image inputs" in outcome.detail
 
 
 @pytest.mark.parametrize("head, model_type", [("causal LM", "gpt_neox"), ("sequence classification", "falcon")])

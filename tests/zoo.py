@@ -148,6 +148,8 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vision_feature_layer"] = [-2, -1]
     if "layer_types" in accepted and (hybrid := _tiny_layer_types(config_class)) is not None:
         kwargs["layer_types"] = hybrid
+    if "global_attn_indexes" in accepted:  # SAM's windowed tower (DeepSeek-VL's high-resolution one): its global layer among the tiny ones
+        kwargs["global_attn_indexes"] = [TINY["num_hidden_layers"] - 1]
     if "attn_layer_period" in accepted:  # Jamba: attention every 8th layer from the 5th; the tiny model's second
         kwargs.update(attn_layer_period=2, attn_layer_offset=1)
     if "block_types" in accepted:  # RecurrentGemma: two recurrent blocks, then attention; the tiny model's second
@@ -242,10 +244,12 @@ def build(architecture: Architecture, seed: int = 0, implementation: str | None 
         config = config_class(**_tiny_kwargs(config_class, architecture.head))
         if architecture.head == "image-text-to-text":  # the image token inside the tiny vocabulary
             for name in ("image_token_id", "image_token_index"):
-                if isinstance(getattr(config, name, None), int):
+                if hasattr(config, name) and (getattr(config, name) is None or isinstance(getattr(config, name), int)):
                     setattr(config, name, VOCAB - 1)
             if architecture.model_type in BOUNDED_IMAGES:
                 (config.image_start_token_id,), (config.image_end_token_id,) = BOUNDED_IMAGES[architecture.model_type]
+            if architecture.model_type in OMNI_THINKERS and not hasattr(config, "vision_start_token_id"):
+                config.vision_start_token_id = VOCAB - 2  # their checkpoints' configs carry it; the config class does not
         if implementation is not None:
             config._attn_implementation = implementation
         torch.manual_seed(seed)
@@ -338,13 +342,24 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     token = image_token_id(model.config)
     if cross_attends_images(model):
         return cross_attending_case(model, architecture, generator)
-    if vision is None or token is None or not hasattr(model, "get_image_features"):
+    image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+    if vision is None or token is None or image_features is None:  # DeepSeek-VL, Janus: their base model's
         raise NotBuilt("no vision config, image token or get_image_features: not a vision-language model of this sweep's kind")
     size = getattr(vision, "image_size", IMAGE_SIZE)
     size = size if isinstance(size, int) else size[0]
     pixels = torch.randn(1, getattr(vision, "num_channels", 3), size, size, generator=generator)
-    wanted = inspect.signature(model.get_image_features).parameters
+    inner = getattr(getattr(model, "model", None), "get_image_features", None)
+    wanted = dict(inspect.signature(image_features).parameters)
+    if inner is not None and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in wanted.values()):  # MiniCPM-V's outer one names none
+        wanted = dict(inspect.signature(inner).parameters)
     images = {"pixel_values": pixels[:, None] if "pixel_attention_mask" in wanted else pixels}  # Idefics: images per example
+    if "high_res_pixel_values" in wanted:  # DeepSeek-VL's hybrid: the image again for its high-resolution tower
+        high = model.config.high_res_vision_config
+        images["high_res_pixel_values"] = torch.randn(1, getattr(high, "num_channels", 3), high.image_size, high.image_size, generator=generator)
+    if "target_sizes" in wanted:  # MiniCPM-V: each image's patch grid
+        images["target_sizes"] = torch.tensor([[size // vision.patch_size] * 2])
+    if "qformer_input_ids" in wanted:  # InstructBLIP: the instruction its Q-Former reads beside the image
+        images.update(qformer_input_ids=torch.tensor([[5, 6, 7]]), qformer_attention_mask=torch.ones(1, 3, dtype=torch.long))
     if "image_sizes" in wanted:
         images["image_sizes"] = torch.tensor([[size, size]])
     if architecture.model_type in TILE_MASKED:
@@ -369,13 +384,12 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         if architecture.model_type in PATCHES_AS_IMAGES:
             pixels = pixels.view(side * side, channels, patch, patch)
         images = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
-        inner = getattr(getattr(model, "model", None), "get_image_features", None)
         if inner is not None and "image_merge_sizes" in inspect.signature(inner).parameters:  # VideoLLaMA 3: the merge per image
             images["image_merge_sizes"] = torch.tensor([merge])
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            features = model.get_image_features(**images)
+            features = image_features(**images)
     except Exception as error:  # noqa: BLE001 - its images come in another form
         raise NotBuilt(f"its image features from one (1, C, {size}, {size}) image: {_one_line(error)}") from error
     features = getattr(features, "pooler_output", features)
@@ -427,6 +441,9 @@ TILE_MASKED = {"granite_docling"}
 """Families whose images come as tiles with a ``(batch, tiles)`` mask of the real ones."""
 
 
+OMNI_THINKERS = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
+"""Qwen's omni models' thinkers, whose rotary positions read ``vision_start_token_id``."""
+
 PREFIX_TOKEN_TYPES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
     "paligemma": lambda ids, token: torch.zeros_like(ids),  # the whole prompt its prefix
     "gemma3": lambda ids, token: (ids == token).long(),  # the image tokens
@@ -472,6 +489,8 @@ def eager_output(case: Case, **extra: Any) -> Any:
         if full is not None:
             out = SimpleNamespace(logits=out.logits, encoder_attentions=full.encoder_attentions,
                                   decoder_attentions=full.decoder_attentions, cross_attentions=full.cross_attentions)
+    if not hasattr(out, "attentions") and hasattr(out, "language_model_outputs"):  # BLIP-2's: its language model's maps
+        out = SimpleNamespace(logits=out.logits, attentions=out.language_model_outputs.attentions)
     return out
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import transformers.activations
 from torch import Tensor, nn
 
-from .._compat import SOFTMAXES, UnsupportedModelError, attention_softmax, run_forward
+from .._compat import SOFTMAXES, UnsupportedModelError, attention_softmax, format_additional_forward_args, run_forward
 from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
@@ -692,7 +692,16 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
     _check_rows((inputs, run.additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
-    output = run.rerun(repeated, extra, on_kernel, on_call, on_block, on_softmax, before_projection)
+    try:
+        output = run.rerun(repeated, extra, on_kernel, on_call, on_block, on_softmax, before_projection)
+    except RuntimeError as error:
+        if not any(isinstance(arg, dict) for arg in format_additional_forward_args(run.additional_forward_args) or ()):
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsupportedModelError(
+            f"DecompX runs N + 1 copies of each example, but {type(model).__name__} fails on copies of its image inputs "
+            f"(it lays a batch's images out otherwise): {reason}"
+        ) from None
     cursor.check_done()
     _check_held(model, len(held), len(probs))
     logits = output_logits(output, batch * shares).detach().float()

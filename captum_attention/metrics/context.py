@@ -241,8 +241,9 @@ class _AnswerScorer:
         """Whether a batch moves a row's answer log-probability: the second of two copies of
         the first example's whole prompt, its image inputs repeated as the ablations'
         batches repeat them, against the first (a vision-language model that places a
-        batch's images or positions otherwise than each example's alone, HunYuan-VL's).
-        Where it does, the ablations run one at a time. Decided once per model, its
+        batch's images or positions otherwise than each example's alone, HunYuan-VL's), or
+        the model fails on that batch (MiniCPM-V, which packs a batch's images into one
+        row). Where it does, the ablations run one at a time. Decided once per model, its
         dtype, the user's forward hooks and its image inputs' names and shapes (the
         per-token ones' aside: they follow the prompt's length)."""
         model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
@@ -260,8 +261,11 @@ class _AnswerScorer:
     def _second_row_moved(self) -> bool:
         rows = self.rows.new_zeros(2)
         prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
-        with torch.no_grad():
-            logits = self._answer_logits(prompts, mask, positions, self.answer[rows])
+        try:
+            with torch.no_grad():
+                logits = self._answer_logits(prompts, mask, positions, self.answer[rows])
+        except RuntimeError:  # the model packs a batch's images otherwise (MiniCPM-V's): each alone runs
+            return True
         first, second = _summed_log_probs(logits, self.answer[rows])
         return _moved(first, second, logits.dtype) is not None
 
