@@ -251,7 +251,7 @@ class _AnswerScorer:
             return self._second_row_moved()
         width = self.ids.shape[1]
         shapes = tuple(sorted((name, () if value.dim() >= 2 and value.shape[1] == width else tuple(value.shape))
-                              for name, value in self.image_inputs.items()))
+                              for name, value in (self.image_inputs or {}).items()))
         verdicts = _BATCH_VERDICTS.setdefault(model, {})
         key = (verdict_conditions(model), shapes)
         if key not in verdicts:
