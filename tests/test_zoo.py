@@ -106,10 +106,17 @@ def test_knockout_lrp_takes_attn_lrps_relevance_where_a_norm_module_returns_its_
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("architecture", architectures("causal LM"), ids=lambda a: a.name)
+@pytest.mark.parametrize("architecture", architectures("causal LM") + architectures("image-text-to-text"), ids=lambda a: a.name)
 def test_attention_shares_are_exact_or_refused_in_one_line(architecture):
     outcome = shares_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+@pytest.mark.parametrize("model_type", ["llava", "paligemma", "qwen2_vl"])
+def test_attention_shares_of_a_prompt_about_an_image_are_the_eager_maps(model_type):
+    """PaliGemma's answer is its causal suffix (token type 1), as its ``generate`` types it."""
+    outcome = shares_outcome(_architecture("image-text-to-text", model_type))
+    assert outcome.status == "exact", outcome
 
 
 

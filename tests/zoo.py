@@ -441,6 +441,10 @@ TILE_MASKED = {"granite_docling"}
 """Families whose images come as tiles with a ``(batch, tiles)`` mask of the real ones."""
 
 
+GENERATED_TOKEN_TYPES = {"paligemma": 1}
+"""The token type a family's ``generate`` gives the answer's tokens (PaliGemma's causal
+suffix), where it is not its prompt's text's."""
+
 OMNI_THINKERS = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Qwen's omni models' thinkers, whose rotary positions read ``vision_start_token_id``."""
 
@@ -796,7 +800,10 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     one-token answer, each prompt token its own segment but the first (never removed):
     ``exact`` where it equals, per token j, the largest A_ij of the eager twin's maps of
     the prompt and answer over every layer, head and row i ≠ j; refused in one line; or an
-    error. Where the call asks for the eager model, on the model built eager."""
+    error. Where the call asks for the eager model, on the model built eager. An
+    image-text-to-text model's prompt is read with its image inputs, the image's tokens
+    and markers of no segment (0), its answer typed as ``generate`` types it."""
+    from captum_attention.capture.adapters.images import image_marker_ids
     from captum_attention.metrics import attention_shares
 
     try:
@@ -809,23 +816,28 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            shares = attention_shares(case.model, prompt, torch.ones_like(prompt), answer)
+            shares = attention_shares(case.model, prompt, torch.ones_like(prompt), answer, image_inputs=case.images)
     except (UnsupportedModelError, ValueError) as error:
         return refusal_outcome(error, None if implementation else lambda: shares_outcome(architecture, "eager"))
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
     full = torch.cat([prompt, answer], dim=1)
-    answered = Case(case.model, architecture, full, None, LM_TARGET)
+    tokens = prompt.shape[1]
+    images = None if case.images is None else _example_images(case, full, architecture)
+    if images is not None and architecture.model_type in GENERATED_TOKEN_TYPES:
+        images["token_type_ids"][:, tokens:] = GENERATED_TOKEN_TYPES[architecture.model_type]
+    answered = Case(case.model, architecture, full, None if images is None else (torch.ones_like(full), images), LM_TARGET, images)
     try:  # the model's own forward, as an unpadded prompt is explained (RoBERTa's positions counted from the ids)
         maps = [a for a in eager_output(answered).attentions]
     except NotBuilt as error:
         return Outcome("not built", f"eager: {error}")
     if not maps or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[-1] == full.shape[1] for a in maps):
         return Outcome("wrong", "shares given where the eager twin returns no maps of the tokens")
-    tokens = prompt.shape[1]
     others = ~torch.eye(full.shape[1], dtype=torch.bool)[:, :tokens]  # row i, key j < tokens: i ≠ j
     expected = torch.stack([a.detach().float()[..., :tokens].masked_fill(~others, 0.0).amax(dim=(1, 2)) for a in maps]).amax(dim=0)
     expected[:, 0] = 0.0
+    if images is not None:
+        expected = expected.masked_fill(torch.isin(prompt, torch.tensor(image_marker_ids(case.model.config))), 0.0)
     return Outcome("exact") if _close(shares, expected) else Outcome("wrong", "shares off the eager twin's maps")
 
 
