@@ -12,7 +12,7 @@ from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
     left_padding_outcome, make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
-    vision_language_ablation_outcome, vision_language_left_padding_outcome,
+    ablation_outcome, vision_language_left_padding_outcome,
 )
 
 from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
@@ -143,21 +143,33 @@ def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refu
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "mllama", "hunyuan_vl", "ovis2_5", "minicpmv4_6"])
-def test_the_ablations_of_a_prompt_about_an_image_are_each_ablated_prompt_alone(model_type):
+@pytest.mark.parametrize("head, model_type", [
+    ("image-text-to-text", "llava"), ("image-text-to-text", "qwen2_vl"), ("image-text-to-text", "mllama"),
+    ("image-text-to-text", "hunyuan_vl"), ("image-text-to-text", "ovis2_5"), ("image-text-to-text", "minicpmv4_6"),
+    ("causal LM", "qwen2"), ("causal LM", "xlm"), ("causal LM", "dory"),
+])
+def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_type):
     """HunYuan-VL scores the second of two copies of a prompt otherwise than the first, and
     MiniCPM-V fails on them (it packs a batch's images into one row): their ablations run
     one at a time; Ovis2.5 fails without its image's start and end tokens, which are never
-    removed."""
-    outcome = vision_language_ablation_outcome(_architecture("image-text-to-text", model_type))
+    removed. XLM reads the left padding, and Dory's sliding-window attention fails on it:
+    their ablations run in batches of one length, unpadded."""
+    outcome = ablation_outcome(_architecture(head, model_type))
     assert outcome.status == "exact", outcome
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("architecture", architectures("image-text-to-text"), ids=lambda a: a.name)
-def test_the_ablations_of_a_prompt_about_an_image_are_each_alone_or_refused_on_every_vision_language_model(architecture):
-    outcome = vision_language_ablation_outcome(architecture)
+@pytest.mark.parametrize("architecture", architectures("causal LM") + architectures("image-text-to-text"), ids=lambda a: a.name)
+def test_the_ablations_of_a_prompt_are_each_alone_or_refused_on_every_causal_and_vision_language_model(architecture):
+    outcome = ablation_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+def test_a_model_that_fails_on_a_left_padded_prompt_refuses_a_padded_batch_in_one_line():
+    model = build(_architecture("causal LM", "dory"))
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+    with pytest.raises(UnsupportedModelError, match=r"DoryForCausalLM fails on a left-padded prompt \(.*\)\. Pad its prompts on the right"):
+        GradSAM(model).attribute(ids, additional_forward_args=((ids != 0).long(),))
 
 
 def test_decompx_refuses_a_model_that_fails_on_copies_of_its_image_inputs_in_one_line():

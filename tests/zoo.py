@@ -928,14 +928,14 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
     return Outcome("exact") if all(_close(r, a) for r, a in zip(padded_rows, alone_rows)) else Outcome("wrong", "off each example alone")
 
 
-def vision_language_ablation_outcome(architecture: Architecture) -> Outcome:
-    """The context metrics' ablations of an image-text-to-text model's prompt, its image
-    inputs given (:func:`~captum_attention.metrics.ablated_log_probs`): the whole prompt,
-    then two of its three text tokens deleted, then the third, in one left-padded batch.
-    ``exact`` where each equals the answer's log-probability after the prompt with those
-    tokens deleted, run alone (its per-token image inputs those of the kept tokens),
-    refused in one line, ``not built`` (the sweep's image inputs, or the model itself on
-    the shortened prompt), else wrong or an error."""
+def ablation_outcome(architecture: Architecture) -> Outcome:
+    """The context metrics' ablations of a causal LM's prompt, or an image-text-to-text
+    model's with its image inputs given (:func:`~captum_attention.metrics.ablated_log_probs`):
+    the whole prompt, then two of its last three tokens deleted, then the third, in one
+    left-padded batch. ``exact`` where each equals the answer's log-probability after the
+    prompt with those tokens deleted, run alone (its per-token image inputs those of the
+    kept tokens), refused in one line, ``not built`` (the sweep's inputs, or the model
+    itself on the shortened prompt), else wrong or an error."""
     from captum_attention.metrics import ablated_log_probs
     from captum_attention.metrics.context import answer_log_probs
 
@@ -943,15 +943,18 @@ def vision_language_ablation_outcome(architecture: Architecture) -> Outcome:
         case = runs(make_case(build(architecture), architecture))
     except NotBuilt as error:
         return Outcome("not built", str(error))
-    ids, images = case.inputs, case.images
-    assert isinstance(ids, torch.Tensor) and images is not None
+    if case.encoder_decoder or not isinstance(case.inputs, torch.Tensor):
+        return Outcome("not built", "an encoder-decoder: its answers are scored from the source (tests/test_seq2seq_answers.py)")
+    ids, images = case.inputs[:1], case.images
     answer = torch.tensor([[8, 9]])
     kept = torch.ones(1, 3, ids.shape[1], dtype=torch.bool)
-    kept[0, 1, -3:-1] = False  # the text tokens 5 and 6
-    kept[0, 2, -1] = False  # the text token 7
+    kept[0, 1, -3:-1] = False  # the image-text prompt's text tokens 5 and 6
+    kept[0, 2, -1] = False  # its text token 7
 
     def alone(tokens: torch.Tensor) -> torch.Tensor:
-        cut = {name: value[:, tokens] if value.dim() >= 2 and value.shape[1] == ids.shape[1] else value for name, value in images.items()}
+        cut = None if images is None else {
+            name: value[:, tokens] if value.dim() >= 2 and value.shape[1] == ids.shape[1] else value for name, value in images.items()
+        }
         return answer_log_probs(case.model, ids[:, tokens], torch.ones_like(ids[:, tokens]), answer, cut)
 
     try:
@@ -964,7 +967,7 @@ def vision_language_ablation_outcome(architecture: Architecture) -> Outcome:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             values = ablated_log_probs(case.model, ids, torch.ones_like(ids), answer, kept, image_inputs=images)[0]
-    except ValueError as error:
+    except ValueError as error:  # UnsupportedModelError among them
         message = str(error).strip()
         return Outcome("refused" if "\n" not in message else "error", message)
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports

@@ -700,16 +700,21 @@ class _KeywordForward:
 
     def _probe(self, one: dict[str, Tensor], conditions: tuple) -> _PaddingVerdict | None:
         """The verdict on one left-padded prompt ``one``: its next-token logits padded, with
-        and without position ids, against the prompt's alone (None where any is not finite)."""
+        and without position ids, against the prompt's alone (None where any is not finite;
+        a model that fails on the padded prompt reads it otherwise, by that failure)."""
         real = one["attention_mask"][0] != 0
         with torch.no_grad(), ClampedSoftmax():  # as the capture runs a float64 model
             alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
-            given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
-            if not bool(alone.isfinite().all() and given.isfinite().all()):
-                return None
-            if _same_logits(given, alone):
-                return _PaddingVerdict(conditions, None)
-            native = _next_token_logits(self.model(**one))
+            try:
+                given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
+                if not bool(alone.isfinite().all() and given.isfinite().all()):
+                    return None
+                if _same_logits(given, alone):
+                    return _PaddingVerdict(conditions, None)
+                native = _next_token_logits(self.model(**one))
+            except RuntimeError as error:  # its own attention fails on a padding mask (Dory's sliding windows)
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                return _PaddingVerdict(conditions, f"{type(self.model).__name__} fails on a left-padded prompt ({reason}).")
         if _same_logits(native, alone):
             return _PaddingVerdict(conditions, None, native_positions=True)
         hooked = hooked_modules(self.model)
