@@ -146,7 +146,7 @@ def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refu
 @pytest.mark.parametrize("head, model_type", [
     ("image-text-to-text", "llava"), ("image-text-to-text", "qwen2_vl"), ("image-text-to-text", "mllama"),
     ("image-text-to-text", "hunyuan_vl"), ("image-text-to-text", "ovis2_5"), ("image-text-to-text", "minicpmv4_6"),
-    ("causal LM", "qwen2"), ("causal LM", "xlm"), ("causal LM", "dory"),
+    ("causal LM", "qwen2"), ("causal LM", "xlm"), ("causal LM", "dory"), ("seq2seq LM", "t5"), ("seq2seq LM", "bart"),
 ])
 def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_type):
     """HunYuan-VL scores the second of two copies of a prompt otherwise than the first, and
@@ -159,8 +159,10 @@ def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_typ
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("architecture", architectures("causal LM") + architectures("image-text-to-text"), ids=lambda a: a.name)
-def test_the_ablations_of_a_prompt_are_each_alone_or_refused_on_every_causal_and_vision_language_model(architecture):
+@pytest.mark.parametrize(
+    "architecture", [a for head in ("causal LM", "seq2seq LM", "image-text-to-text") for a in architectures(head)], ids=lambda a: a.name
+)
+def test_the_ablations_of_a_prompt_are_each_alone_or_refused_on_every_language_model(architecture):
     outcome = ablation_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 

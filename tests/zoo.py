@@ -929,8 +929,8 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
 
 
 def ablation_outcome(architecture: Architecture) -> Outcome:
-    """The context metrics' ablations of a causal LM's prompt, or an image-text-to-text
-    model's with its image inputs given (:func:`~captum_attention.metrics.ablated_log_probs`):
+    """The context metrics' ablations of a causal LM's prompt (an encoder-decoder's source),
+    or an image-text-to-text model's with its image inputs given (:func:`~captum_attention.metrics.ablated_log_probs`):
     the whole prompt, then two of its last three tokens deleted, then the third, in one
     left-padded batch. ``exact`` where each equals the answer's log-probability after the
     prompt with those tokens deleted, run alone (its per-token image inputs those of the
@@ -943,9 +943,11 @@ def ablation_outcome(architecture: Architecture) -> Outcome:
         case = runs(make_case(build(architecture), architecture))
     except NotBuilt as error:
         return Outcome("not built", str(error))
-    if case.encoder_decoder or not isinstance(case.inputs, torch.Tensor):
-        return Outcome("not built", "an encoder-decoder: its answers are scored from the source (tests/test_seq2seq_answers.py)")
-    ids, images = case.inputs[:1], case.images
+    source = case.inputs[0] if case.encoder_decoder else case.inputs  # an encoder-decoder's answer: from its source
+    assert isinstance(source, torch.Tensor)
+    if case.encoder_decoder and getattr(case.model.generation_config, "decoder_start_token_id", None) is None:
+        case.model.generation_config.decoder_start_token_id = case.model.config.pad_token_id  # T5's checkpoints start from padding
+    ids, images = source[:1], case.images
     answer = torch.tensor([[8, 9]])
     kept = torch.ones(1, 3, ids.shape[1], dtype=torch.bool)
     kept[0, 1, -3:-1] = False  # the image-text prompt's text tokens 5 and 6
