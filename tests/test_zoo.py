@@ -174,6 +174,14 @@ def test_a_model_that_fails_on_a_left_padded_prompt_refuses_a_padded_batch_in_on
         GradSAM(model).attribute(ids, additional_forward_args=((ids != 0).long(),))
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "video_llama_3"])
+def test_decompx_repeats_one_examples_flattened_patches_for_its_copies(model_type):
+    """Qwen2-VL's patches and image grid, VideoLLaMA 3's per-image merge sizes too: the
+    shares add up to the explained logit (the call checks it, else refuses)."""
+    outcome = decomposition_outcome(_architecture("image-text-to-text", model_type))
+    assert outcome.status == "exact", outcome
+
+
 def test_decompx_refuses_a_model_that_fails_on_copies_of_its_image_inputs_in_one_line():
     outcome = decomposition_outcome(_architecture("image-text-to-text", "minicpmv4_6"))
     assert outcome.status == "refused", outcome

@@ -337,12 +337,13 @@ class _Cursor:
 
 
 def _check_rows(value: Any, batch: int, model: nn.Module) -> None:
-    """Refuse in one line where an argument of the forward is not one row per example
-    (flattened image patches), which the forward on the shares could not repeat."""
+    """Refuse in one line where an argument of the forward of several examples is not one
+    row per example (flattened image patches), which the forward on the shares could not
+    repeat per example."""
     if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] != batch:
         raise UnsupportedModelError(
             f"DecompX runs N + 1 copies of each example, but an argument of {type(model).__name__} of shape "
-            f"{tuple(value.shape)} holds no row per example (flattened image patches)."
+            f"{tuple(value.shape)} holds no row per example (flattened image patches): give one example at a time."
         )
     if isinstance(value, (tuple, list)):
         for item in value:
@@ -350,6 +351,20 @@ def _check_rows(value: Any, batch: int, model: nn.Module) -> None:
     elif isinstance(value, dict):
         for item in value.values():
             _check_rows(item, batch, model)
+
+
+def _one_example_copies(value: Any, copies: int, keyword: bool = False) -> Any:
+    """One example's forward arguments for ``copies`` copies of it: each tensor of two or
+    more dimensions tiled along its first (its rows, or a vision-language model's flattened
+    patches and image grids, whose first axis counts images, one example's all), and a 1-D
+    one too among the keyword arguments (per image: VideoLLaMA 3's merge sizes)."""
+    if isinstance(value, Tensor):
+        return value.repeat(copies, *[1] * (value.dim() - 1)) if value.dim() >= 2 or (keyword and value.dim() == 1) else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_one_example_copies(item, copies, keyword) for item in value)
+    if isinstance(value, dict):
+        return {name: _one_example_copies(item, copies, True) for name, item in value.items()}
+    return value
 
 
 def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
@@ -689,9 +704,12 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
         fixed = unbiased_outputs(outputs, mixing.to(outputs.device), first_layer=index == 0)
         return (fixed.reshape(args[0].shape).to(args[0].dtype), *args[1:])
 
-    _check_rows((inputs, run.additional_forward_args), batch, model)
     repeated = take_rows(inputs, rows, batch, min_dim=2)
-    extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
+    if batch == 1:  # its copies: every row, flattened patch and image grid of the one example repeated
+        extra = _one_example_copies(run.additional_forward_args, shares)
+    else:
+        _check_rows((inputs, run.additional_forward_args), batch, model)
+        extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
     try:
         output = run.rerun(repeated, extra, on_kernel, on_call, on_block, on_softmax, before_projection)
     except RuntimeError as error:
