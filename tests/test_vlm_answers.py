@@ -687,3 +687,15 @@ def test_a_left_padded_batch_explains_each_example_as_alone(family):
         kept = torch.cat([real, torch.ones(ANSWER.shape[1], dtype=torch.bool)])
         assert alone.abs().max() > 0
         torch.testing.assert_close(together[row : row + 1, kept], alone, rtol=1e-5, atol=1e-6 * alone.abs().max().item())
+
+
+def test_a_left_padded_batch_the_model_reads_otherwise_than_each_alone_is_refused_in_one_line():
+    """PaliGemma without its token types reads a left-padded prompt otherwise than the
+    prompt alone (its next-token logits move by about 1e-3 of their scale): the batch is
+    refused, as a language model's would be; with them (as its processor gives them) it is
+    explained. The verdict is kept per set of image inputs."""
+    model, prompt = make_vlm("paligemma"), make_vlm_prompt("paligemma")
+    untyped = {name: value for name, value in prompt.images.items() if name != "token_type_ids"}
+    with pytest.raises(UnsupportedModelError, match=r"reads a left-padded prompt otherwise than the prompt alone.*\. Pad its prompts on the right"):
+        GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, untyped))
+    GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)

@@ -26,7 +26,9 @@ POPULAR = {
     "causal LM": ("bigbird_pegasus", "qwen2", "xlm", "ctrl", "got_ocr2", "deepseek_v2", "gpt_oss"),
     "image classification": ("vit", "clip", "siglip", "data2vec-vision", "swin", "swinv2", "donut-swin", "segformer", "pvt_v2"),
     "seq2seq LM": ("t5", "bart", "marian", "m2m_100", "pegasus"),
-    "image-text-to-text": ("llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen3_vl", "paligemma", "gemma3", "mllama"),
+    "image-text-to-text": (
+        "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen3_vl", "paligemma", "gemma3", "mllama", "blip-2", "fuyu", "kosmos-2",
+    ),
 }
 """The families every user meets, and the ones that once failed or were wrong."""
 
@@ -146,6 +148,7 @@ def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refu
 @pytest.mark.parametrize("head, model_type", [
     ("image-text-to-text", "llava"), ("image-text-to-text", "qwen2_vl"), ("image-text-to-text", "mllama"),
     ("image-text-to-text", "hunyuan_vl"), ("image-text-to-text", "ovis2_5"), ("image-text-to-text", "minicpmv4_6"),
+    ("image-text-to-text", "kosmos-2"),
     ("causal LM", "qwen2"), ("causal LM", "xlm"), ("causal LM", "dory"), ("seq2seq LM", "t5"), ("seq2seq LM", "bart"),
 ])
 def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_type):

@@ -110,15 +110,19 @@ def make_vlm_prompt(family: str, seed: int = 3) -> VLMPrompt:
     if family in ("mistral3", "pixtral"):  # the second image 32 × 16 pixels, padded to the first's size
         images["pixel_values"][1, :, :, 16:] = 0.0
         images["image_sizes"] = torch.tensor([[32, 32], [32, 16]])
+    if family == "paligemma":  # as its processor types them: the prompt is its prefix, padding 0 too
+        images["token_type_ids"] = torch.zeros_like(ids)
     return VLMPrompt(ids, mask, images)
 
 
 def with_answer(prompt: VLMPrompt, answer: torch.Tensor = ANSWER) -> VLMPrompt:
-    """The prompt followed by the answer (text: not an image token, nothing to extend but
-    the masks)."""
+    """The prompt followed by the answer (text: not an image token; PaliGemma's suffix, as
+    its ``generate`` types it)."""
     images = dict(prompt.images)
     if "mm_token_type_ids" in images:
         images["mm_token_type_ids"] = torch.cat([images["mm_token_type_ids"], torch.zeros_like(answer)], dim=1)
+    if "token_type_ids" in images:
+        images["token_type_ids"] = torch.cat([images["token_type_ids"], torch.ones_like(answer)], dim=1)
     return VLMPrompt(
         torch.cat([prompt.input_ids, answer], dim=1), torch.cat([prompt.attention_mask, torch.ones_like(answer)], dim=1), images
     )

@@ -343,6 +343,10 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     if cross_attends_images(model):
         return cross_attending_case(model, architecture, generator)
     image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+    if architecture.model_type in LINEAR_PATCHES and token is not None and image_features is not None:
+        return linear_patches_case(model, architecture, generator, image_features, token)
+    if architecture.model_type in POSITION_MASKED:  # Kosmos-2: its images' positions marked by a mask, not by a token
+        token = VOCAB - 1
     if vision is None or token is None or image_features is None:  # DeepSeek-VL, Janus: their base model's
         raise NotBuilt("no vision config, image token or get_image_features: not a vision-language model of this sweep's kind")
     size = getattr(vision, "image_size", IMAGE_SIZE)
@@ -398,8 +402,29 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     ids = torch.tensor([[1, *start, *[token] * count, *end, 5, 6, 7]])
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         images["mm_token_type_ids"] = (ids == token).long()
+    if architecture.model_type in POSITION_MASKED:
+        images[POSITION_MASKED[architecture.model_type]] = (ids == token).long()
     if architecture.model_type in PREFIX_TOKEN_TYPES:
         images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
+    return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+
+
+POSITION_MASKED = {"kosmos-2": "image_embeds_position_mask", "kosmos-2.5": "image_embeds_position_mask"}
+"""Families whose image features replace the positions a mask marks (the sweep's prompt
+puts its image tokens there)."""
+
+LINEAR_PATCHES = ("fuyu",)
+"""Families without a vision tower, whose image features are a linear map of the image's
+flattened patches (Fuyu's)."""
+
+
+def linear_patches_case(model: nn.Module, architecture: Architecture, generator: torch.Generator, image_features: Callable[..., Any], token: int) -> Case:
+    """Fuyu's: four patches of ``patch_size²`` pixels, flattened, one image token each
+    after BOS, then text."""
+    config = model.config
+    patches = torch.randn(1, 4, config.num_channels * config.patch_size**2, generator=generator)
+    images = {"pixel_values": patches}
+    ids = torch.tensor([[1, *[token] * patches.shape[1], 5, 6, 7]])
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
 
 
@@ -803,7 +828,7 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     error. Where the call asks for the eager model, on the model built eager. An
     image-text-to-text model's prompt is read with its image inputs, the image's tokens
     and markers of no segment (0), its answer typed as ``generate`` types it."""
-    from captum_attention.capture.adapters.images import image_marker_ids
+    from captum_attention.capture.adapters.images import image_marker_ids, marked_image_positions
     from captum_attention.metrics import attention_shares
 
     try:
@@ -836,8 +861,10 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
     others = ~torch.eye(full.shape[1], dtype=torch.bool)[:, :tokens]  # row i, key j < tokens: i ≠ j
     expected = torch.stack([a.detach().float()[..., :tokens].masked_fill(~others, 0.0).amax(dim=(1, 2)) for a in maps]).amax(dim=0)
     expected[:, 0] = 0.0
-    if images is not None:
-        expected = expected.masked_fill(torch.isin(prompt, torch.tensor(image_marker_ids(case.model.config))), 0.0)
+    if images is not None:  # the image's tokens and markers, or the positions a mask gives its features (Kosmos-2's)
+        marked = marked_image_positions(case.images, prompt.shape)
+        image = torch.isin(prompt, torch.tensor(image_marker_ids(case.model.config)))
+        expected = expected.masked_fill(image if marked is None else image | marked, 0.0)
     return Outcome("exact") if _close(shares, expected) else Outcome("wrong", "shares off the eager twin's maps")
 
 
@@ -991,6 +1018,8 @@ def _example_images(case: Case, ids: torch.Tensor, architecture: Architecture) -
         images["mm_token_type_ids"] = (ids == token).long()
     if "token_type_ids" in images:
         images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
+    if architecture.model_type in POSITION_MASKED:
+        images[POSITION_MASKED[architecture.model_type]] = (ids == VOCAB - 1).long()
     if "cross_attention_mask" in images:
         cross = images["cross_attention_mask"]
         images["cross_attention_mask"] = torch.cat([cross, cross[:, -1:].expand(-1, ids.shape[1] - cross.shape[1], -1, -1)], dim=1)
@@ -1004,7 +1033,7 @@ def _batched_images(rows: list[dict[str, torch.Tensor]], width: int) -> dict[str
     batch = {}
     for name in rows[0]:
         values = [row[name] for row in rows]
-        if name in ("mm_token_type_ids", "token_type_ids", "cross_attention_mask"):
+        if name in ("mm_token_type_ids", "token_type_ids", "cross_attention_mask", "image_embeds_position_mask"):
             values = [torch.cat([v.new_zeros((1, width - v.shape[1], *v.shape[2:])), v], dim=1) for v in values]
         batch[name] = torch.cat(values)
     return batch

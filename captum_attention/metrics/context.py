@@ -39,7 +39,7 @@ from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import verdict_conditions
-from ..capture.adapters.images import image_marker_ids, image_token_id
+from ..capture.adapters.images import image_marker_ids, image_token_id, marked_image_positions
 from ..capture.adapters.protocol import extended_per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
@@ -82,7 +82,7 @@ class _AnswerScorer:
         self.ids, self.real, self.answer = input_ids, attention_mask != 0, answer.to(input_ids.device)
         self.segments = _prompt_segments(self.real, segments)
         if self.image_inputs:
-            self.segments = self.segments.masked_fill(_image_tokens(forward_func, input_ids, segments), -1)
+            self.segments = self.segments.masked_fill(_image_tokens(forward_func, input_ids, segments, self.image_inputs), -1)
         anchorless = (~((self.segments < 0) & self.real).any(dim=1)).nonzero().flatten().tolist()
         if anchorless:
             raise ValueError(
@@ -366,22 +366,26 @@ def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Te
     return image_inputs
 
 
-def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None) -> Tensor:
+def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None, images: Mapping[str, Tensor]) -> Tensor:
     """``(B, N)`` bool: the tokens of the prompt's images, never removed: its image tokens
     (the model's config names their id; the model reads as many as its image inputs give
     features) and the markers around or inside them that the config names
     (:func:`~captum_attention.capture.adapters.images.image_marker_ids`: a family may fail
-    without them, or place the image otherwise). Where the config names no image token,
-    the given ``segments`` are trusted to keep them (-1); without them, a one-line error."""
+    without them, or place the image otherwise), or the positions an image input marks
+    (:func:`~captum_attention.capture.adapters.images.marked_image_positions`: Kosmos-2's).
+    Where neither names them, the given ``segments`` are trusted to keep them (-1); without
+    them, a one-line error."""
     config = getattr(forward_func, "config", None)
+    marked = marked_image_positions(images, input_ids.shape)
     if image_token_id(config) is None:
-        if segments is None:
+        if marked is None and segments is None:
             raise ValueError(
                 "forward_func's config names no image token (image_token_id), so the context metrics cannot keep the "
                 "image's tokens: give them segment -1 in segments."
             )
-        return torch.zeros_like(input_ids, dtype=torch.bool)
-    return torch.isin(input_ids, torch.tensor(image_marker_ids(config), device=input_ids.device))
+        return marked if marked is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+    tokens = torch.isin(input_ids, torch.tensor(image_marker_ids(config), device=input_ids.device))
+    return tokens if marked is None else tokens | marked
 
 
 def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
@@ -762,7 +766,7 @@ def attention_shares(
     images = _image_dict(image_inputs)
     prompt_segments = _prompt_segments(attention_mask != 0, segments)
     if images:
-        prompt_segments = prompt_segments.masked_fill(_image_tokens(model, input_ids, segments), -1)
+        prompt_segments = prompt_segments.masked_fill(_image_tokens(model, input_ids, segments, images), -1)
     count = max(int(prompt_segments.max()) + 1, 1)
     answer = answer.to(input_ids.device)
     ids, mask = torch.cat([input_ids, answer], dim=1), torch.cat([attention_mask, torch.ones_like(answer)], dim=1)

@@ -369,7 +369,8 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
         return list(found.values())
     inside = set(language_model.modules())
     sites = [site for site in found.values() if site.module in inside]
-    cross = [site.role == "cross" or bool(_CROSS_STATES & set(inspect.signature(site.module.forward).parameters)) for site in sites]
+    names = {module: name for name, module in model.named_modules()}
+    cross = [site.role == "cross" or _takes_other_states(site.module, names[site.module]) for site in sites]
     if any(cross) and getattr(model.config, "model_type", None) in CROSS_ATTENDED:
         return [replace(site, role="cross" if is_cross else "decoder") for site, is_cross in zip(sites, cross)]
     if any(cross):
@@ -382,6 +383,13 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
 
 _CROSS_STATES = {"cross_attention_states", "encoder_hidden_states"}
 """Forward parameters of an attention module whose keys are another sequence's states."""
+
+
+def _takes_other_states(module: nn.Module, name: str) -> bool:
+    """Whether an attention module reads another sequence's states: its forward takes them
+    (:data:`_CROSS_STATES`), unless the model calls it its self-attention (Kosmos-2's
+    ``self_attn``, one class for both)."""
+    return bool(_CROSS_STATES & set(inspect.signature(module.forward).parameters)) and name.split(".")[-1] != "self_attn"
 
 
 def _patch_embedding(model: nn.Module) -> nn.Module | None:
@@ -679,39 +687,48 @@ class _KeywordForward:
         learned positions and no position ids (BART's, Marian's, XLM's) reads the padding.
         Decided once per model, its dtype and the user's forward hooks on it (a hook added
         or removed is probed again); a model in training mode, whose dropout tells any two
-        forwards apart, is not checked (the capture warns of it)."""
+        forwards apart, is not checked (the capture warns of it). A vision-language model's
+        prompt is probed with its image inputs (Kosmos-2 counts its positions from the ids,
+        as RoBERTa does), where they hold one row per example; flattened patches of several
+        examples are not checked."""
         kwargs, keywords = self._named(args)
-        if keywords or self.model.training or not self._positions_given(kwargs):
-            return None  # keywords: a vision-language model's inputs, whose left padding its tests check
+        if self.model.training or not self._positions_given(kwargs):
+            return None
         _refuse_virtual_tokens(self.model)  # they move every position: that is the refusal to give
         mask = kwargs["attention_mask"]
         padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
         if not bool(padded.any()):
             return None
-        conditions = verdict_conditions(self.model)
+        conditions = (*verdict_conditions(self.model), tuple(sorted(keywords)))  # the image inputs' names: PaliGemma's token types
         verdict = _PADDING_VERDICTS.get(self.model)
         if verdict is None or verdict.conditions != conditions:
             row = int(padded.nonzero()[0])
-            verdict = self._probe({name: value[row : row + 1] for name, value in kwargs.items()}, conditions)
+            images = _example_inputs(keywords, row, len(mask))
+            if images is None:
+                return None
+            verdict = self._probe({name: value[row : row + 1] for name, value in kwargs.items()}, conditions, images)
             if verdict is None:
                 return None  # the capture refuses the model's non-finite outputs itself, naming where they arise
             _PADDING_VERDICTS[self.model] = verdict
         return verdict.reason
 
-    def _probe(self, one: dict[str, Tensor], conditions: tuple) -> _PaddingVerdict | None:
-        """The verdict on one left-padded prompt ``one``: its next-token logits padded, with
-        and without position ids, against the prompt's alone (None where any is not finite;
-        a model that fails on the padded prompt reads it otherwise, by that failure)."""
+    def _probe(self, one: dict[str, Tensor], conditions: tuple, images: dict[str, Any]) -> _PaddingVerdict | None:
+        """The verdict on one left-padded prompt ``one`` (with its ``images``, a
+        vision-language model's): its next-token logits padded, with and without position
+        ids, against the prompt's alone (None where any is not finite; a model that fails on
+        the padded prompt reads it otherwise, by that failure)."""
         real = one["attention_mask"][0] != 0
+        width = len(real)
+        alone_images = {name: value[:, real] if _per_token(value, width) else value for name, value in images.items()}
         with torch.no_grad(), ClampedSoftmax():  # as the capture runs a float64 model
-            alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}))
+            alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}, **alone_images))
             try:
-                given = _next_token_logits(self.model(**one, position_ids=_real_positions(one["attention_mask"])))
+                given = _next_token_logits(self.model(**one, **images, position_ids=_real_positions(one["attention_mask"])))
                 if not bool(alone.isfinite().all() and given.isfinite().all()):
                     return None
                 if _same_logits(given, alone):
                     return _PaddingVerdict(conditions, None)
-                native = _next_token_logits(self.model(**one))
+                native = _next_token_logits(self.model(**one, **images))
             except RuntimeError as error:  # its own attention fails on a padding mask (Dory's sliding windows)
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 return _PaddingVerdict(conditions, f"{type(self.model).__name__} fails on a left-padded prompt ({reason}).")
@@ -751,6 +768,25 @@ class _KeywordForward:
         mask = kwargs.get("attention_mask")
         left_padded = isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any())
         return not self.encoder_decoder and left_padded and not _places_its_own(self.model)
+
+
+def _per_token(value: Any, width: int) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == width
+
+
+def _example_inputs(keywords: dict[str, Any], row: int, batch: int) -> dict[str, Any] | None:
+    """The keyword inputs (a vision-language model's image inputs) of example ``row`` of a
+    batch, or None where one of them holds no row per example (flattened patches of
+    several examples)."""
+    taken: dict[str, Any] = {}
+    for name, value in keywords.items():
+        if not isinstance(value, Tensor) or batch == 1:
+            taken[name] = value
+        elif value.dim() >= 1 and value.shape[0] == batch:
+            taken[name] = value[row : row + 1]
+        else:
+            return None
+    return taken
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,21 @@ def image_marker_ids(config: Any) -> list[int]:
     return [value for value in named if isinstance(value, int) and not isinstance(value, bool)]
 
 
+IMAGE_POSITION_MASKS = ("image_embeds_position_mask",)
+"""The image inputs that mark, per token, where a family's image features replace the
+tokens' embeddings (Kosmos-2's), whatever those tokens' ids."""
+
+
+def marked_image_positions(image_inputs: Mapping[str, Any] | None, shape: torch.Size) -> Tensor | None:
+    """``shape`` bool: the prompt's positions an image input of :data:`IMAGE_POSITION_MASKS`
+    marks, or None where none is given."""
+    for name in IMAGE_POSITION_MASKS:
+        value = (image_inputs or {}).get(name)
+        if isinstance(value, Tensor) and tuple(value.shape) == tuple(shape):
+            return value != 0
+    return None
+
+
 def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
     """Per example, its images' tokens in order (see the module docstring); for a model
     that cross-attends to its images (Mllama), its images' positions among the vision

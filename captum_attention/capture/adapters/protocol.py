@@ -291,13 +291,18 @@ class AdapterBase:
         return enclosing_block(model, module)
 
 
+TEXT_MARKED_ZERO = ("mm_token_type_ids", "image_embeds_position_mask")
+"""Per-token inputs in which a text token is 0: the multimodal token types, Kosmos-2's
+image positions (its ``generate`` appends zeros)."""
+
+
 def extended_per_token(
     inputs: Mapping[str, Any], prompt_length: int, new_tokens: int, generated: Mapping[str, Any]
 ) -> dict[str, Any]:
     """``inputs`` with each ``(batch, prompt_length, ...)`` tensor extended by
     ``new_tokens`` along its second axis: ``generated``'s entry where it holds the extended
     tensor, else, for a ``(batch, prompt_length)`` one, ones (masks), or zeros for
-    ``mm_token_type_ids`` (generated tokens are text)."""
+    :data:`TEXT_MARKED_ZERO` (generated tokens are text)."""
     extended = dict(inputs)
     for key, value in inputs.items():
         if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == prompt_length):
@@ -307,7 +312,7 @@ def extended_per_token(
         if isinstance(grown, Tensor) and tuple(grown.shape) == shape:
             extended[key] = grown
         elif value.dim() == 2:
-            tail = value.new_zeros if key.endswith("mm_token_type_ids") else value.new_ones
+            tail = value.new_zeros if key.endswith(TEXT_MARKED_ZERO) else value.new_ones
             extended[key] = torch.cat([value, tail(value.shape[0], new_tokens)], dim=1)
     return extended
 
