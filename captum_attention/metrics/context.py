@@ -313,7 +313,7 @@ def _moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> float | None
     """How far ``other`` is from the log-probability ``reference``, where farther than the
     logits' ``dtype`` explains; else None."""
     moved = abs(float(other) - float(reference))
-    return moved if moved > max(1e-3, 8 * torch.finfo(dtype).eps) * max(1.0, abs(float(reference))) else None
+    return moved if moved > max(1e-4, 8 * torch.finfo(dtype).eps) * max(1.0, abs(float(reference))) else None
 
 
 def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
