@@ -185,6 +185,15 @@ def test_decompx_repeats_one_examples_flattened_patches_for_its_copies(model_typ
     assert outcome.status == "exact", outcome
 
 
+def test_a_language_model_that_cross_attends_to_its_images_with_attention_no_output_declares_is_refused():
+    """Idefics' gated cross-attention runs the class of its self-attention, declared for no
+    output: the capture would read the self-attention alone (and AttnLRP's rules miss the
+    cross-attention's softmax)."""
+    found = outcomes(_architecture("image-text-to-text", "idefics"), list(METHODS))
+    assert {o.status for o in found.values()} == {"refused"}, found
+    assert all("reads the image through cross-attention layers (model.gated_cross_attn_layers.0.cross_attn)" in o.detail for o in found.values())
+
+
 def test_decompx_refuses_a_model_that_fails_on_copies_of_its_image_inputs_in_one_line():
     outcome = decomposition_outcome(_architecture("image-text-to-text", "minicpmv4_6"))
     assert outcome.status == "refused", outcome

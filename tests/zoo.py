@@ -343,6 +343,11 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     if cross_attends_images(model):
         return cross_attending_case(model, architecture, generator)
     image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+    if architecture.model_type == "idefics":  # its images read by gated cross-attention, as its image mask says
+        size = vision.image_size
+        images = {"pixel_values": torch.randn(1, 1, 3, size, size, generator=generator), "image_attention_mask": torch.ones(1, 4, 1, dtype=torch.long)}
+        ids = torch.tensor([[1, 5, 6, 7]])
+        return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
     if architecture.model_type in LINEAR_PATCHES and token is not None and image_features is not None:
         return linear_patches_case(model, architecture, generator, image_features, token)
     if architecture.model_type in POSITION_MASKED:  # Kosmos-2: its images' positions marked by a mask, not by a token

@@ -373,10 +373,13 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
     cross = [site.role == "cross" or _takes_other_states(site.module, names[site.module]) for site in sites]
     if any(cross) and getattr(model.config, "model_type", None) in CROSS_ATTENDED:
         return [replace(site, role="cross" if is_cross else "decoder") for site, is_cross in zip(sites, cross)]
-    if any(cross):
+    read = {site.module for site in sites}
+    unread = [name for module, name in names.items() if module in inside and module not in read and type(module) in {type(m) for m in read}]
+    if any(cross) or unread:  # Idefics' gated cross-attention: the class of its self-attention, declared for none of its outputs
         raise UnsupportedModelError(
-            f"{type(model).__name__}'s language model reads the image through cross-attention layers, whose keys are "
-            "the vision tower's outputs rather than tokens of its sequence: its answers are not explained yet."
+            f"{type(model).__name__}'s language model reads the image through cross-attention layers"
+            f"{f' ({unread[0]})' if unread else ''}, whose keys are the vision tower's outputs rather than tokens of its "
+            "sequence: its answers are not explained yet."
         )
     return sites
 
