@@ -70,6 +70,7 @@ __all__ = [
     "pretty_tokens",
     "runnable_implementation",
     "declared_outputs",
+    "error_line",
     "format_additional_forward_args",
     "format_output",
     "format_tensor_into_tuples",
@@ -341,6 +342,13 @@ class StreamingUnsupported(RuntimeError):
 class UnsupportedModelError(ValueError):
     """A model the library cannot explain exactly (no softmax attention maps, attention it
     cannot read or reproduce); the message says why in one line."""
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its class's name where it has none): what a
+    one-line refusal quotes of a failure."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 from safetensors import SafetensorError
 
+from ._compat import error_line
+
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
@@ -93,7 +95,7 @@ def _config_task(folder: Path) -> str:
         config = AutoConfig.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
         raise CheckpointError(
-            f"{folder} is not a Hugging Face checkpoint (no readable config.json): {_first_line(error)}"
+            f"{folder} is not a Hugging Face checkpoint (no readable config.json): {error_line(error)}"
         ) from error
     architectures = config.architectures or []
     if any(name.endswith("ForSequenceClassification") for name in architectures):
@@ -161,7 +163,7 @@ def peft_adapter(path: str | Path) -> PeftAdapter | None:
     try:
         config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{folder}/adapter_config.json is unreadable: {_first_line(error)}") from error
+        raise CheckpointError(f"{folder}/adapter_config.json is unreadable: {error_line(error)}") from error
     if not isinstance(config, dict):
         raise CheckpointError(f"{folder}/adapter_config.json holds no object of settings.")
     method = str(config.get("peft_type"))
@@ -340,7 +342,7 @@ def _loading_errors(folder: Path) -> Iterator[None]:
     except SafetensorError as error:
         raise CheckpointError(f"could not load the checkpoint in {folder}: its safetensors file is truncated or corrupt ({error}).") from error
     except (OSError, ValueError, RuntimeError) as error:
-        raise CheckpointError(f"could not load the checkpoint in {folder}: {_first_line(error)}") from error
+        raise CheckpointError(f"could not load the checkpoint in {folder}: {error_line(error)}") from error
 
 
 _PREPROCESSOR_FILES = (
@@ -396,11 +398,6 @@ def _merged(model: Any, adapter: PeftAdapter) -> Any:
         merged = PeftModel.from_pretrained(model, adapter.folder).merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = str(adapter.folder)
     return merged
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _refuse_custom_code(folder: Path) -> None:

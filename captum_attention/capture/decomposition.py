@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import transformers.activations
 from torch import Tensor, nn
 
-from .._compat import SOFTMAXES, UnsupportedModelError, attention_softmax, format_additional_forward_args, run_forward
+from .._compat import SOFTMAXES, UnsupportedModelError, attention_softmax, error_line, format_additional_forward_args, run_forward
 from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
@@ -715,7 +715,7 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
     except RuntimeError as error:
         if not any(isinstance(arg, dict) for arg in format_additional_forward_args(run.additional_forward_args) or ()):
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = error_line(error)
         raise UnsupportedModelError(
             f"DecompX runs N + 1 copies of each example, but {type(model).__name__} fails on copies of its image inputs "
             f"(it lays a batch's images out otherwise): {reason}"

@@ -17,6 +17,7 @@ from ..._compat import (
     StreamingUnsupported,
     attn_implementation,
     called_transformers_model,
+    error_line,
     forward_hooks,
     hooked_modules,
     implementation_owner,
@@ -473,7 +474,7 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
             with torch.no_grad(), _implementation(model, "eager"):
                 output = model(**inputs, output_attentions=True)
         except Exception as error:  # noqa: BLE001 - any failure means: not found this way
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = error_line(error)
             return ReturnedAttention((), f"a probe forward with output_attentions=True failed ({reason[:120]})")
     with torch.no_grad():
         as_loaded = model(**inputs)[0]
@@ -619,7 +620,7 @@ def _runnable(model: nn.Module, original: str | None, wanted: str) -> str | None
             raise
         if all(getattr(config, "model_type", None) in EXPLICIT_FAMILIES for config in model_configs(model)):
             return wanted
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = error_line(error)
         raise StreamingUnsupported(f"{type(model).__name__} cannot run sdpa attention ({reason})") from error
 
 
@@ -733,7 +734,7 @@ class _KeywordForward:
                     return _PaddingVerdict(conditions, None)
                 native = _next_token_logits(self.model(**one, **images))
             except RuntimeError as error:  # its own attention fails on a padding mask (Dory's sliding windows)
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                reason = error_line(error)
                 return _PaddingVerdict(conditions, f"{type(self.model).__name__} fails on a left-padded prompt ({reason}).")
         if _same_logits(native, alone):
             return _PaddingVerdict(conditions, None, native_positions=True)
