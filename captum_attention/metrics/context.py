@@ -40,7 +40,7 @@ from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import verdict_conditions
 from ..capture.adapters.images import image_marker_ids, image_token_id, marked_image_positions
-from ..capture.adapters.protocol import extended_per_token
+from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
@@ -189,17 +189,17 @@ class _AnswerScorer:
         if not self.image_inputs:
             return ()
         rows, width = positions.shape
-        images, per_token = {}, {}
+        images, token_inputs = {}, {}
         for name, value in self.image_inputs.items():
-            if value.dim() < 2 or value.shape[1] != self.ids.shape[1]:
+            if not per_token(value, self.ids.shape[1]):
                 images[name] = torch.cat([value] * rows)
                 continue
             axes = (1,) * (value.dim() - 2)
             index = positions.view(rows, width, *axes).expand(rows, width, *value.shape[2:]).to(value.device)
             padding = mask.view(rows, width, *axes).to(value.device) == 0
-            per_token[name] = value.expand(rows, *value.shape[1:]).gather(1, index).masked_fill(padding, 0)
+            token_inputs[name] = value.expand(rows, *value.shape[1:]).gather(1, index).masked_fill(padding, 0)
         model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
-        grown = HuggingFaceAdapter().generated_inputs(model, per_token, width, new) if model is not None else extended_per_token(per_token, width, new, {})
+        grown = HuggingFaceAdapter().generated_inputs(model, token_inputs, width, new) if model is not None else extended_per_token(token_inputs, width, new, {})
         return ({**images, **grown},)
 
     @cached_property
@@ -250,8 +250,7 @@ class _AnswerScorer:
         if model is None:
             return self._second_row_moved()
         width = self.ids.shape[1]
-        shapes = tuple(sorted((name, () if value.dim() >= 2 and value.shape[1] == width else tuple(value.shape))
-                              for name, value in (self.image_inputs or {}).items()))
+        shapes = tuple(sorted((name, () if per_token(value, width) else tuple(value.shape)) for name, value in (self.image_inputs or {}).items()))
         verdicts = _BATCH_VERDICTS.setdefault(model, {})
         key = (verdict_conditions(model), shapes)
         if key not in verdicts:

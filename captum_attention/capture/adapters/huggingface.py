@@ -28,7 +28,7 @@ from ..._compat import (
 )
 from ..guard import ClampedSoftmax, SharedPatch, every_forward
 from .protocol import (
-    AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token,
+    AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token, per_token,
     parent_module,
 )
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
@@ -337,7 +337,7 @@ class HuggingFaceAdapter(AdapterBase):
         from transformers.utils import ModelOutput
 
         update: Callable[..., dict[str, Any]] | None = getattr(model, "_update_model_kwargs_for_generation", None)
-        generated = {key: value for key, value in inputs.items() if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == prompt_length}
+        generated = {key: value for key, value in inputs.items() if per_token(value, prompt_length)}
         if update is not None:
             for _ in range(new_tokens):
                 generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
@@ -723,7 +723,7 @@ class _KeywordForward:
         the padded prompt reads it otherwise, by that failure)."""
         real = one["attention_mask"][0] != 0
         width = len(real)
-        alone_images = {name: value[:, real] if _per_token(value, width) else value for name, value in images.items()}
+        alone_images = {name: value[:, real] if per_token(value, width) else value for name, value in images.items()}
         with torch.no_grad(), ClampedSoftmax():  # as the capture runs a float64 model
             alone = _next_token_logits(self.model(**{name: value[:, real] for name, value in one.items()}, **alone_images))
             try:
@@ -772,10 +772,6 @@ class _KeywordForward:
         mask = kwargs.get("attention_mask")
         left_padded = isinstance(mask, Tensor) and bool((mask[:, 0] == 0).any())
         return not self.encoder_decoder and left_padded and not _places_its_own(self.model)
-
-
-def _per_token(value: Any, width: int) -> bool:
-    return isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == width
 
 
 def _example_inputs(keywords: dict[str, Any], row: int, batch: int) -> dict[str, Any] | None:

@@ -291,6 +291,12 @@ class AdapterBase:
         return enclosing_block(model, module)
 
 
+def per_token(value: Any, width: int) -> bool:
+    """Whether ``value`` is a per-token input of a ``width``-token prompt: a tensor
+    ``(batch, width, ...)`` (token types, masks, Mllama's cross-attention mask)."""
+    return isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == width
+
+
 TEXT_MARKED_ZERO = ("mm_token_type_ids", "image_embeds_position_mask")
 """Per-token inputs in which a text token is 0: the multimodal token types, Kosmos-2's
 image positions (its ``generate`` appends zeros)."""
@@ -305,7 +311,7 @@ def extended_per_token(
     :data:`TEXT_MARKED_ZERO` (generated tokens are text)."""
     extended = dict(inputs)
     for key, value in inputs.items():
-        if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == prompt_length):
+        if not per_token(value, prompt_length):
             continue
         grown = generated.get(key)
         shape = (value.shape[0], prompt_length + new_tokens, *value.shape[2:])
