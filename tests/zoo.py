@@ -343,13 +343,10 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     if cross_attends_images(model):
         return cross_attending_case(model, architecture, generator)
     image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
-    if architecture.model_type == "idefics":  # its images read by gated cross-attention, as its image mask says
-        size = vision.image_size
-        images = {"pixel_values": torch.randn(1, 1, 3, size, size, generator=generator), "image_attention_mask": torch.ones(1, 4, 1, dtype=torch.long)}
-        ids = torch.tensor([[1, 5, 6, 7]])
-        return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+    if architecture.model_type == "idefics":
+        return gated_cross_attention_case(model, architecture, generator)
     if architecture.model_type in LINEAR_PATCHES and token is not None and image_features is not None:
-        return linear_patches_case(model, architecture, generator, image_features, token)
+        return linear_patches_case(model, architecture, generator, token)
     if architecture.model_type in POSITION_MASKED:  # Kosmos-2: its images' positions marked by a mask, not by a token
         token = VOCAB - 1
     if vision is None or token is None or image_features is None:  # DeepSeek-VL, Janus: their base model's
@@ -423,13 +420,22 @@ LINEAR_PATCHES = ("fuyu",)
 flattened patches (Fuyu's)."""
 
 
-def linear_patches_case(model: nn.Module, architecture: Architecture, generator: torch.Generator, image_features: Callable[..., Any], token: int) -> Case:
+def linear_patches_case(model: nn.Module, architecture: Architecture, generator: torch.Generator, token: int) -> Case:
     """Fuyu's: four patches of ``patch_size²`` pixels, flattened, one image token each
     after BOS, then text."""
     config = model.config
     patches = torch.randn(1, 4, config.num_channels * config.patch_size**2, generator=generator)
     images = {"pixel_values": patches}
     ids = torch.tensor([[1, *[token] * patches.shape[1], 5, 6, 7]])
+    return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
+
+
+def gated_cross_attention_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
+    """Idefics': one image of the tower's size, read by the gated cross-attention of every
+    token, as its image attention mask says; the prompt holds no image token."""
+    size = model.config.vision_config.image_size
+    images = {"pixel_values": torch.randn(1, 1, 3, size, size, generator=generator), "image_attention_mask": torch.ones(1, 4, 1, dtype=torch.long)}
+    ids = torch.tensor([[1, 5, 6, 7]])
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
 
 
