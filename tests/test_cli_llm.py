@@ -336,6 +336,10 @@ def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, c
     assert "the chat template's 3 tokens left out" in in_chat and "the chat template's" not in as_pasted
     top = in_chat.splitlines()[-2]  # Grad-SAM's top tokens, the template's not among them
     assert top.startswith("  ") and not any(f" {token} " in f" {top} " for token in ("question", "answer"))
+    estimates = tmp_path / "estimates.json"
+    assert main(["explain", *args[:4], "--methods", "leave_one_out_estimates", PROMPT, "--chat", "--json", str(estimates)]) == 0
+    scores = json.loads(estimates.read_text(encoding="utf-8"))["seq_attr"]["Leave-one-out estimates"]
+    assert [score == 0 for score in scores] == template, "the template's tokens are never removed, as evaluate keeps them"
     assert main(["explain", "--model", str(llm), PROMPT, "--chat"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "the model's tokenizer (" in error and "has no chat template (a base model's): leave --chat out" in error

@@ -111,8 +111,7 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     refusal = capsys.readouterr().err
     assert "not available for vision-language models" in refusal
     assert "grad_sam" in refusal and "attention_flow" not in refusal  # only what explains a whole answer
-    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "attn_lrp_half_contexts", "leave_one_out_estimates",
-                   "leave_one_out_estimates_by_share"):
+    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "attn_lrp_half_contexts"):
         assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", method]) == 1
         assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
@@ -245,6 +244,44 @@ def _alone_log_prob(model, ids, inputs, answer, columns) -> float:
     with torch.no_grad():
         logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), **inputs).logits
     return float(logits[0, -answer.shape[1] - 1 : -1].log_softmax(-1).gather(1, answer[0][:, None]).sum())
+
+
+def test_the_leave_one_out_estimates_explain_an_answer_about_an_image(llava, tmp_path, capsys):
+    """``--methods leave_one_out_estimates`` with ``--image --chat``: KnockoutGradient's
+    first-order effects, the two words AttnLRP ranks highest deleted exactly, the image and
+    the template's tokens never removed (the <image> token scores 0, with a warning, and
+    has no grid)."""
+    from transformers import AutoModelForImageTextToText
+
+    from captum_attention import AttnLRP, KnockoutGradient
+
+    folder, processor = _instruct(llava, tmp_path)
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a", "--chat",
+                 "--methods", "leave_one_out_estimates", "--json", str(report)]) == 0
+    assert "the leave-one-out estimates never remove the image" in capsys.readouterr().err
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["prompt_tokens"] == ["<s>", "question", "<image>", "what", "is", "the", "cat", "answer"]
+    assert explanation["image_grids"] == {}
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    inputs = dict(processor(text="question <image> what is the cat answer", images=Image.open(image).convert("RGB"),
+                            return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    words = [i for i, token in enumerate(ids[0].tolist()) if token in processor.tokenizer.convert_tokens_to_ids(["what", "is", "the", "cat"])]
+    assert len(words) == 4
+
+    def span(method) -> torch.Tensor:
+        return method.attribute_span(ids, answer, additional_forward_args=(mask, inputs))[0, : ids.shape[1]].detach()
+
+    expected = torch.zeros(ids.shape[1])
+    expected[words] = span(KnockoutGradient(model))[words]
+    relevance = span(AttnLRP(model))
+    for deleted in sorted(words, key=lambda i: -float(relevance[i].abs()))[:2]:
+        expected[deleted] = _drop_alone(model, ids, inputs, answer, [i for i in range(ids.shape[1]) if i != deleted])
+    text_scores = [s for s, token in zip(explanation["seq_attr"]["Leave-one-out estimates"], explanation["prompt_tokens"]) if token != "<image>"]
+    torch.testing.assert_close(torch.tensor(text_scores), expected[ids[0] != IMAGE], rtol=1e-4, atol=1e-5)
+    assert explanation["seq_attr"]["Leave-one-out estimates"][2] == 0.0
 
 
 def _drop_alone(model, ids, inputs, answer, kept) -> float:

@@ -112,14 +112,13 @@ def explain_answer(
         raise ValueError(f"skip {skip!r} matches every prompt token but the special ones, leaving none to explain: skip fewer")
     gen_args = None if target is not None else {"max_new_tokens": max_new_tokens, "do_sample": False}
     answer_ids = target_ids(model, tokenizer, inp, target, gen_args)
+    written = None if message is None else written_by_template(tokenizer, prompt, message, ids.tolist())
     explanation = AnswerExplanation(
         prompt_tokens=[text for text, is_kept in zip(shown, kept) if is_kept],
         special=[int(i) in special_ids for i in inp.itp_tensor[0].tolist()],
         answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
-        template=[] if message is None else [
-            wrote for wrote, is_kept in zip(written_by_template(tokenizer, prompt, message, ids.tolist()), kept) if is_kept
-        ],
+        template=[] if written is None else [wrote for wrote, is_kept in zip(written, kept) if is_kept],
         warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _listed(
             glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist())
         ),
@@ -128,7 +127,7 @@ def explain_answer(
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
         if name in ESTIMATES_OF_ANSWERS:
-            explanation.seq_attr[display] = _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES).tolist()
+            explanation.seq_attr[display] = _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written).tolist()
             explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
             explanation.seconds[display] = time.perf_counter() - start
             continue
@@ -146,17 +145,39 @@ def explain_answer(
     return explanation
 
 
-def _estimates(model: Any, tokenizer: Any, inp: TextTokenInput, answer_ids: torch.Tensor, by_share: bool) -> torch.Tensor:
+def _estimates(
+    model: Any, tokenizer: Any, inp: TextTokenInput, answer_ids: torch.Tensor, by_share: bool, written: list[bool] | None = None
+) -> torch.Tensor:
     """``(features,)``: :data:`~captum_attention.presentation.explain.ESTIMATES` (``by_share``:
     :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`) of the prompt's
-    features, each token its own segment; the special tokens and the skipped ones are never
-    removed."""
+    features, each token its own segment; the special tokens, the skipped ones and those
+    the chat template wrote (``written``, per token) are never removed, as ``evaluate``
+    keeps them."""
+    ids = inp.to_model_input()
+    features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask
+    keep = special_tokens(ids, tokenizer) | ~features | _per_token_flags(written, ids)
+    return _prompt_estimates(model, ids, answer_ids, keep, by_share)[features]
+
+
+def _prompt_estimates(
+    model: Any, ids: torch.Tensor, answer_ids: torch.Tensor, keep: torch.Tensor, by_share: bool,
+    image_inputs: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """``(1, N)`` float32 on the CPU: the estimates (``by_share``: by share) of the prompt
+    ``ids`` ``(1, N)`` for ``answer_ids`` ``(n,)``, each token its own segment but those of
+    ``keep`` (and a vision-language model's image tokens, which the context metrics never
+    remove), run on the model's device."""
     device = next(model.parameters()).device
-    ids = inp.to_model_input().to(device)
-    features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.to(device)
-    keep = special_tokens(ids, tokenizer) | ~features
-    scores = answer_estimates(model, ids, answer_ids.to(device)[None], removable_segments(keep, None), by_share)
-    return scores[features].float().cpu()
+    images = None if image_inputs is None else {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in image_inputs.items()
+    }
+    segments = removable_segments(keep.to(device), None)
+    return answer_estimates(model, ids.to(device), answer_ids.to(device)[None], segments, by_share, image_inputs=images).float().cpu()
+
+
+def _per_token_flags(flags: list[bool] | None, ids: torch.Tensor) -> torch.Tensor:
+    """``flags`` (one per token of ``ids``, or None: all False) as a tensor shaped as ``ids``."""
+    return torch.zeros_like(ids, dtype=torch.bool) if flags is None else torch.tensor(flags, device=ids.device).reshape(ids.shape)
 
 
 def _listed(warning: str | None) -> list[str]:
@@ -281,7 +302,9 @@ def explain_image_answer(
     also runs through the vision tower (``AttnLRP → pixels``: its relevance on the pixels
     against a uniform grey image of the same size through the same processor, summed per
     patch by :func:`~captum_attention.pixel_scores`), where that function knows the
-    pixels' layout."""
+    pixels' layout. The leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`)
+    never remove the image, as the context metrics never do: its ``<image>`` token scores 0
+    there, and they have no grid."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -314,9 +337,20 @@ def explain_image_answer(
         if "attn_lrp" in chosen and has_grid else None
     )
     image_column = _image_column(model, ids, features)
+    if set(ESTIMATES_OF_ANSWERS) & set(chosen):
+        explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
+                                    "the image 0")
     for name in chosen:
-        explainer = registered_method(name, model)
         start = time.perf_counter()
+        if name in ESTIMATES_OF_ANSWERS:
+            keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
+            scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
+            display = _display(name)
+            explanation.seconds[display] = time.perf_counter() - start
+            explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
+            explanation.seq_attr[display] = _feature_scores(scores, features, image_column)[0].tolist()
+            continue
+        explainer = registered_method(name, model)
         span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)
         rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None
         display = _display(name)

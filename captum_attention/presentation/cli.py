@@ -351,10 +351,10 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY, *ESTIMATES_OF_ANSWERS):
+    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
-                             + ", ".join(name for name, cls in REGISTRY.items() if cls.spec.spans))
+                             + ", ".join([*(name for name, cls in REGISTRY.items() if cls.spec.spans), *ESTIMATES_OF_ANSWERS]))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
     _note_uniform_head_weights(model, methods)
