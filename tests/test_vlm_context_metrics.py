@@ -197,3 +197,50 @@ def test_whether_a_batch_tells_its_rows_apart_is_decided_once_per_model_dtype_an
     doubled = {name: value.double() if value.is_floating_point() else value for name, value in images.items()}
     ablated_log_probs(model.double(), ids, torch.ones_like(ids), ANSWER[:1], kept, image_inputs=doubled)
     assert len(checks) == 2, "another dtype: decided again"
+
+
+def _tower_rows(model: torch.nn.Module, call, monkeypatch) -> int:
+    """How many rows (images, or Qwen2-VL's patches) the vision tower reads during ``call()``
+    (counted in its forward: a hook would be the user's, which the verdicts on the model's
+    batches depend on)."""
+    tower = getattr(model.model, "vision_tower", None) or model.model.visual
+    rows = []
+    forward = type(tower).forward
+
+    def counted(self, *args, **kwargs):
+        rows.append(len(args[0] if args else kwargs["pixel_values"]))
+        return forward(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(tower), "forward", counted)
+        call()
+    return sum(rows)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_the_ablated_prompts_take_the_images_encoded_once(family, monkeypatch):
+    """The ablations of a prompt about an image take it through the vision tower once
+    (transformers' ``mm_encoder_outputs``), not once per ablated prompt and per forward of
+    the padding's check, with the values of the tower rerun per prompt; a model whose
+    forward fails on its encoded images reruns it."""
+    from captum_attention.metrics import context
+
+    model, ids, images = family_example(family)
+    kept = torch.rand(1, 6, ids.shape[1], generator=torch.Generator().manual_seed(0)) > 0.5
+
+    def ablations() -> torch.Tensor:
+        return ablated_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], kept, image_inputs=images)
+
+    one_image = _tower_rows(model, lambda: answer_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], images), monkeypatch)
+    ablations()  # decides, once per model, that the encoded images score the prompt as the pixels do
+    encoded_values = ablations()
+    assert _tower_rows(model, ablations, monkeypatch) == one_image, "the images encoded once"
+    with monkeypatch.context() as patch:
+        patch.setattr(context._AnswerScorer, "_takes_encoded_images", lambda self: False)
+        plain_rows = _tower_rows(model, ablations, monkeypatch)
+    monkeypatch.setattr(model, "_expand_multimodal_outputs", lambda *args, **kwargs: 1 / 0)
+    context._BATCH_VERDICTS.pop(model, None)
+    ablations()
+    rerun_values = ablations()
+    assert _tower_rows(model, ablations, monkeypatch) == plain_rows > one_image, "the tower per ablated prompt"
+    torch.testing.assert_close(encoded_values, rerun_values, rtol=1e-5, atol=1e-5)

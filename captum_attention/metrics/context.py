@@ -28,6 +28,7 @@ given with every ablated prompt.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -39,7 +40,7 @@ from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import verdict_conditions
-from ..capture.adapters.images import image_marker_ids, image_token_id, marked_image_positions
+from ..capture.adapters.images import ENCODED_IMAGES, TOWER_INPUTS, image_marker_ids, image_token_id, marked_image_positions
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
@@ -146,24 +147,27 @@ class _AnswerScorer:
         per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
         if per_forward > 1 and len(rows) > 1 and self.image_inputs and self.rows_read_together:
             per_forward = 1  # each ablation alone: the model's batches tell its rows apart
+        encoded = len(rows) > 1 and self.encoded_images_reused
         lengths = self._kept_tokens(rows, removed).sum(dim=1)
         by_length = per_forward > 1 and bool((lengths != lengths[0]).any()) and self.padding_read is not None
         order = lengths.argsort(stable=True) if by_length else torch.arange(len(rows), device=rows.device)
         values = torch.empty(len(rows), device=rows.device)
         for chunk in length_batches(order, lengths[order] if by_length else None, per_forward):
             prompts, mask, positions = self._kept(rows[chunk], removed[chunk])
-            values[chunk] = self._answer_log_probs(prompts, mask, positions, self.answer[rows[chunk]]).to(values.device)
+            values[chunk] = self._answer_log_probs(prompts, mask, positions, self.answer[rows[chunk]], encoded).to(values.device)
         return values
 
-    def _answer_log_probs(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor) -> Tensor:
-        """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``."""
+    def _answer_log_probs(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor, encoded: bool = False) -> Tensor:
+        """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``
+        (``encoded``: the images given encoded, :attr:`encoded_images`)."""
         with torch.no_grad():
-            logits = self._answer_logits(prompts, mask, positions, answer)
+            logits = self._answer_logits(prompts, mask, positions, answer, encoded)
         return _summed_log_probs(logits, answer)
 
-    def _answer_logits(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor) -> Tensor:
+    def _answer_logits(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor, encoded: bool = False) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token, the
-        prompts' columns holding the prompt tokens at ``positions``."""
+        prompts' columns holding the prompt tokens at ``positions`` (``encoded``: the
+        images given encoded, :attr:`encoded_images`)."""
         new = answer.shape[1]
         if self.decoder_start is not None:
             start = torch.full_like(answer[:, :1], self.decoder_start)
@@ -171,26 +175,30 @@ class _AnswerScorer:
             logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
-            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new)))
+            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new, encoded)))
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."
             )
         return logits[:, :new] if self.decoder_start is not None else logits[:, -new - 1 : -1]
 
-    def _image_args(self, positions: Tensor, mask: Tensor, new: int) -> tuple[dict[str, Tensor], ...]:
+    def _image_args(self, positions: Tensor, mask: Tensor, new: int, encoded: bool = False) -> tuple[dict[str, Any], ...]:
         """The arguments after the ids and mask: the example's image inputs (none without
         them) for prompts whose columns hold its prompt tokens at
         ``positions`` (padding where ``mask`` is 0), then ``new`` answer tokens: per-token
         ones (``(1, prompt_len, ...)``: token types, Mllama's cross-attention mask) follow
         the kept tokens, 0 at padding, and extend over the answer as the attributions'
         (the adapter's ``generated_inputs``: as the model's ``generate`` extends them); the
-        others are repeated for every prompt."""
+        others are repeated for every prompt, the tower's own replaced by
+        :attr:`encoded_images` where ``encoded``."""
         if not self.image_inputs:
             return ()
         rows, width = positions.shape
-        images, token_inputs = {}, {}
+        images: dict[str, Any] = {ENCODED_IMAGES: self._encoded_copies(rows)} if encoded else {}
+        token_inputs = {}
         for name, value in self.image_inputs.items():
+            if encoded and name in TOWER_INPUTS:
+                continue
             if not per_token(value, self.ids.shape[1]):
                 images[name] = torch.cat([value] * rows)
                 continue
@@ -198,7 +206,7 @@ class _AnswerScorer:
             index = positions.view(rows, width, *axes).expand(rows, width, *value.shape[2:]).to(value.device)
             padding = mask.view(rows, width, *axes).to(value.device) == 0
             token_inputs[name] = value.expand(rows, *value.shape[1:]).gather(1, index).masked_fill(padding, 0)
-        model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
+        model = self._model
         grown = HuggingFaceAdapter().generated_inputs(model, token_inputs, width, new) if model is not None else extended_per_token(token_inputs, width, new, {})
         return ({**images, **grown},)
 
@@ -226,8 +234,8 @@ class _AnswerScorer:
             if reason is not None:
                 return reason
         with torch.no_grad():
-            alone_logits = self._answer_logits(prompt, mask, positions, answer)
-            padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer)
+            alone_logits = self._answer_logits(prompt, mask, positions, answer, self.encoded_images_reused)
+            padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer, self.encoded_images_reused)
         moved = _moved(_summed_log_probs(alone_logits, answer)[0], _summed_log_probs(padded_logits, answer)[0], alone_logits.dtype)
         if moved is not None:
             return (
@@ -246,16 +254,92 @@ class _AnswerScorer:
         row). Where it does, the ablations run one at a time. Decided once per model, its
         dtype, the user's forward hooks and its image inputs' names and shapes (the
         per-token ones' aside: they follow the prompt's length)."""
-        model = self.forward_func if isinstance(self.forward_func, nn.Module) else None
+        model = self._model
         if model is None:
             return self._second_row_moved()
-        width = self.ids.shape[1]
-        shapes = tuple(sorted((name, () if per_token(value, width) else tuple(value.shape)) for name, value in (self.image_inputs or {}).items()))
         verdicts = _BATCH_VERDICTS.setdefault(model, {})
-        key = (verdict_conditions(model), shapes)
+        key = self._verdict_key()
         if key not in verdicts:
             verdicts[key] = self._second_row_moved()
         return verdicts[key]
+
+    def _verdict_key(self) -> tuple:
+        """What a verdict on the model's batches holds for: its dtype and the user's hooks
+        (:func:`~captum_attention.capture.adapters.huggingface.verdict_conditions`), the image
+        inputs' names and shapes (the per-token ones' aside: they follow the prompt's length)."""
+        width = self.ids.shape[1]
+        shapes = tuple(sorted((name, () if per_token(value, width) else tuple(value.shape)) for name, value in (self.image_inputs or {}).items()))
+        return verdict_conditions(self._model), shapes
+
+    @cached_property
+    def encoded_images(self) -> dict[str, Any] | None:
+        """The example's images through the model's vision tower once, as transformers'
+        ``generate`` encodes them before its first step (``mm_encoder_outputs``), or None
+        where the model takes no encoded images (Mllama, Idefics, Kosmos-2; a function
+        around the model) or encoding them fails: every ablated prompt about the same image
+        then reruns the tower on it."""
+        if not self._takes_encoded_images():
+            return None
+        try:
+            with torch.no_grad():
+                encoded = self._model._prepare_multimodal_encoder_kwargs_for_generation(dict(self.image_inputs or {}))
+        except Exception:  # noqa: BLE001 - its own forward encodes them as it does
+            return None
+        return encoded.get(ENCODED_IMAGES) or None
+
+    @property
+    def _model(self) -> Any:
+        """``forward_func`` where it is a module (a transformers model), else None."""
+        return self.forward_func if isinstance(self.forward_func, nn.Module) else None
+
+    def _takes_encoded_images(self) -> bool:
+        """Whether the model is a transformers model whose forward takes encoded images and
+        the image inputs hold what its tower reads."""
+        model = self._model
+        takes_encoded = getattr(model, "_supports_mm_encoder_outputs", None)
+        return (
+            takes_encoded is not None and hasattr(model, "_prepare_multimodal_encoder_kwargs_for_generation")
+            and hasattr(model, "_expand_multimodal_outputs") and takes_encoded()
+            and bool(set(TOWER_INPUTS) & set(self.image_inputs or {}))
+        )
+
+    def _encoded_copies(self, rows: int) -> dict[str, Any]:
+        """:attr:`encoded_images` for ``rows`` prompts about the same images (``generate``'s
+        own expansion, as for beams: it changes the outputs it is given, so copies)."""
+        assert self.encoded_images is not None  # encoded only where there are (encoded_images_reused)
+        outputs = {modality: copy.copy(output) for modality, output in self.encoded_images.items()}
+        return self._model._expand_multimodal_outputs(self.ids, outputs, expand_size=rows)
+
+    @cached_property
+    def encoded_images_reused(self) -> bool:
+        """Whether the ablations take :attr:`encoded_images` instead of rerunning the tower
+        per prompt: where the model scores the whole prompt so as it scores it from its
+        image inputs (within the logits' precision), two copies of it where its batches
+        read their rows apart (:attr:`rows_read_together`), else one. Decided once per
+        model, as :attr:`rows_read_together`; a model that fails on its encoded images
+        (BLIP-2's forward requires the pixels) or scores them otherwise reruns the tower."""
+        if not self._takes_encoded_images():
+            return False
+        key = ("encoded", *self._verdict_key())
+        verdicts = _BATCH_VERDICTS.setdefault(self._model, {})
+        if key not in verdicts:
+            verdicts[key] = self._encoded_images_match()
+        return verdicts[key] and self.encoded_images is not None
+
+    def _encoded_images_match(self) -> bool:
+        if self.encoded_images is None:
+            return False
+        rows = self.rows.new_zeros(1 if self.rows_read_together else 2)
+        prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
+        answer = self.answer[rows]
+        try:
+            with torch.no_grad():
+                reference = self._answer_logits(prompts, mask, positions, answer)
+                encoded = self._answer_logits(prompts, mask, positions, answer, encoded=True)
+        except Exception:  # noqa: BLE001 - the forward refuses encoded images: its tower reruns
+            return False
+        pairs = zip(_summed_log_probs(reference, answer), _summed_log_probs(encoded, answer))
+        return all(_moved(first, second, reference.dtype) is None for first, second in pairs)
 
     def _second_row_moved(self) -> bool:
         rows = self.rows.new_zeros(2)

@@ -32,7 +32,7 @@ from .protocol import (
     parent_module,
 )
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
-from .images import CROSS_ATTENDED, cross_attended_real, language_model_of
+from .images import CROSS_ATTENDED, ENCODED_IMAGES, TOWER_INPUTS, cross_attended_real, language_model_of
 
 
 
@@ -703,7 +703,8 @@ class _KeywordForward:
         padded = (mask[:, 0] == 0) & (mask != 0).any(dim=1)
         if not bool(padded.any()):
             return None
-        conditions = (*verdict_conditions(self.model), tuple(sorted(keywords)))  # the image inputs' names: PaliGemma's token types
+        # the image inputs' names (PaliGemma's token types), whether the tower reads the images or they come encoded
+        conditions = (*verdict_conditions(self.model), tuple(sorted(set(keywords) - {*TOWER_INPUTS, ENCODED_IMAGES})))
         verdict = _PADDING_VERDICTS.get(self.model)
         if verdict is None or verdict.conditions != conditions:
             row = int(padded.nonzero()[0])
@@ -777,9 +778,11 @@ class _KeywordForward:
 def _example_inputs(keywords: dict[str, Any], row: int, batch: int) -> dict[str, Any] | None:
     """The keyword inputs (a vision-language model's image inputs) of example ``row`` of a
     batch, or None where one of them holds no row per example (flattened patches of
-    several examples)."""
+    several examples, their images encoded together)."""
     taken: dict[str, Any] = {}
     for name, value in keywords.items():
+        if name == ENCODED_IMAGES and batch > 1:
+            return None  # the batch's images, encoded together
         if not isinstance(value, Tensor) or batch == 1:
             taken[name] = value
         elif value.dim() >= 1 and value.shape[0] == batch:

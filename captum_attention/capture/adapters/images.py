@@ -109,6 +109,14 @@ def image_marker_ids(config: Any) -> list[int]:
     return [value for value in named if isinstance(value, int) and not isinstance(value, bool)]
 
 
+TOWER_INPUTS = ("pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches")
+"""The image inputs a family's vision tower reads (Fuyu's patches among them), which a
+model given its images already encoded (transformers' ``mm_encoder_outputs``, as
+``generate`` encodes them once before its first step) takes no more."""
+
+ENCODED_IMAGES = "mm_encoder_outputs"
+"""The keyword under which a transformers model takes its images encoded by its tower."""
+
 IMAGE_POSITION_MASKS = ("image_embeds_position_mask",)
 """The image inputs that mark, per token, where a family's image features replace the
 tokens' embeddings (Kosmos-2's), whatever those tokens' ids."""
