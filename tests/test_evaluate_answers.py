@@ -52,7 +52,8 @@ def _check_report(path, rows, methods):
     for method in methods:
         assert f"<td>{method}</td>" in page
     for row in rows:
-        assert escape(row["answer"]) in page
+        assert f'<td class="answer"><bdi>{escape(row["answer"])}</bdi></td>' in page, "the answers' column kept wide"
+    assert ".rows td.answer { min-width:" in page
     assert "lds ↑" in page and page.count("<b>") >= 1
     assert page.count("<table") == page.count('<div class="scroll') == 4, "a table wider than the window widens the page"
     against = page.split("<h2>Against the best</h2>")[1].split("</table>")[0]

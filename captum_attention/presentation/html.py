@@ -342,6 +342,7 @@ _EVALUATION_STYLE = """
 .scroll.rows { max-height: 80vh; overflow-y: auto; }
 .scroll.rows th { position: sticky; top: 0; background: #fff; }
 .interval { display: block; white-space: nowrap; color: #555; font-size: 0.85em; }
+.rows td.answer { min-width: 16em; }
 """
 
 SHOWN_ROWS = 500
@@ -407,7 +408,7 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
         parts.append(f'<p class="note">The first {SHOWN_ROWS} of {len(rows)} rows; results.jsonl holds them all.</p>')
     parts.append('<div class="scroll rows"><table><tr><th>line</th><th>method</th>' + "".join(f"<th>{escape(k)}</th>" for k in extra) + header + "</tr>")
     for row in rows[:SHOWN_ROWS]:
-        shown_extra = "".join(f"<td><bdi>{escape(_value(row.get(key)))}</bdi></td>" for key in extra)
+        shown_extra = "".join(f'<td class="{key}"><bdi>{escape(_value(row.get(key)))}</bdi></td>' for key in extra)
         values = "".join(f"<td>{escape(_value(row.get(metric)))}</td>" for metric in metrics)
         parts.append(f"<tr><td>{row.get('line', '')}</td><td>{escape(row['method'])}</td>{shown_extra}{values}</tr>")
     parts.append("</table></div></section></body></html>")
