@@ -329,27 +329,40 @@ class _AnswerScorer:
     def _encoded_images_match(self) -> bool:
         if self.encoded_images is None:
             return False
-        rows = self.rows.new_zeros(1 if self.rows_read_together else 2)
-        prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
-        answer = self.answer[rows]
+        copies = 1 if self.rows_read_together else 2
+        prompts, mask, positions, answer = (value[:copies] for value in self._two_copies)
         try:
             with torch.no_grad():
-                reference = self._answer_logits(prompts, mask, positions, answer)
+                reference = self._two_copies_logits if copies == 2 else self._answer_logits(prompts, mask, positions, answer)
                 encoded = self._answer_logits(prompts, mask, positions, answer, encoded=True)
         except Exception:  # noqa: BLE001 - the forward refuses encoded images: its tower reruns
             return False
+        assert reference is not None  # two copies ran, or rows_read_together
         pairs = zip(_summed_log_probs(reference, answer), _summed_log_probs(encoded, answer))
         return all(_moved(first, second, reference.dtype) is None for first, second in pairs)
 
-    def _second_row_moved(self) -> bool:
+    @cached_property
+    def _two_copies(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The first example's whole prompt twice, as the ablations' batches give it: the
+        ids, mask and positions (:meth:`_kept`) and the answers."""
         rows = self.rows.new_zeros(2)
-        prompts, mask, positions = self._kept(rows, torch.zeros_like(self.present[rows]))
+        return (*self._kept(rows, torch.zeros_like(self.present[rows])), self.answer[rows])
+
+    @cached_property
+    def _two_copies_logits(self) -> Tensor | None:
+        """The answer's logits after :attr:`_two_copies`, the image inputs repeated, or None
+        where the model fails on that batch."""
         try:
             with torch.no_grad():
-                logits = self._answer_logits(prompts, mask, positions, self.answer[rows])
-        except RuntimeError:  # the model packs a batch's images otherwise (MiniCPM-V's): each alone runs
+                return self._answer_logits(*self._two_copies)
+        except RuntimeError:  # the model packs a batch's images otherwise (MiniCPM-V's)
+            return None
+
+    def _second_row_moved(self) -> bool:
+        logits = self._two_copies_logits
+        if logits is None:  # each alone runs
             return True
-        first, second = _summed_log_probs(logits, self.answer[rows])
+        first, second = _summed_log_probs(logits, self._two_copies[3])
         return _moved(first, second, logits.dtype) is not None
 
     def _kept_tokens(self, rows: Tensor, removed: Tensor) -> Tensor:
