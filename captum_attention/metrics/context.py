@@ -298,9 +298,9 @@ class _AnswerScorer:
         model = self._model
         takes_encoded = getattr(model, "_supports_mm_encoder_outputs", None)
         return (
-            takes_encoded is not None and hasattr(model, "_prepare_multimodal_encoder_kwargs_for_generation")
+            bool(set(TOWER_INPUTS) & set(self.image_inputs or {})) and takes_encoded is not None
+            and hasattr(model, "_prepare_multimodal_encoder_kwargs_for_generation")
             and hasattr(model, "_expand_multimodal_outputs") and takes_encoded()
-            and bool(set(TOWER_INPUTS) & set(self.image_inputs or {}))
         )
 
     def _encoded_copies(self, rows: int) -> dict[str, Any]:
