@@ -127,9 +127,7 @@ def explain_answer(
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
         if name in ESTIMATES_OF_ANSWERS:
-            explanation.seq_attr[display] = _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written).tolist()
-            explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
-            explanation.seconds[display] = time.perf_counter() - start
+            _add_estimates(explanation, display, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written), start)
             continue
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
@@ -173,6 +171,14 @@ def _prompt_estimates(
     }
     segments = removable_segments(keep.to(device), None)
     return answer_estimates(model, ids.to(device), answer_ids.to(device)[None], segments, by_share, image_inputs=images).float().cpu()
+
+
+def _add_estimates(explanation: AnswerExplanation, display: str, scores: torch.Tensor, start: float) -> None:
+    """The estimates' ``scores`` (one per feature) in ``explanation`` under ``display``,
+    timed from ``start``: signed, explaining the answer's log-probability."""
+    explanation.seconds[display] = time.perf_counter() - start
+    explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
+    explanation.seq_attr[display] = scores.tolist()
 
 
 def _per_token_flags(flags: list[bool] | None, ids: torch.Tensor) -> torch.Tensor:
@@ -345,10 +351,7 @@ def explain_image_answer(
         if name in ESTIMATES_OF_ANSWERS:
             keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
             scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
-            display = _display(name)
-            explanation.seconds[display] = time.perf_counter() - start
-            explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
-            explanation.seq_attr[display] = _feature_scores(scores, features, image_column)[0].tolist()
+            _add_estimates(explanation, _display(name), _feature_scores(scores, features, image_column)[0], start)
             continue
         explainer = registered_method(name, model)
         span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)
