@@ -355,10 +355,11 @@ def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(l
     assert message in error and error.count("\n") == 1
 
 
-def test_evaluate_refuses_presence_and_chat_without_a_template_for_a_vision_language_model(llava, tmp_path, capsys):
+def test_evaluate_refuses_presence_integrated_gradients_and_chat_without_a_template_for_a_vision_language_model(llava, tmp_path, capsys):
     data = _answers(tmp_path, [{"prompt": "what is the cat", "image": _image(tmp_path).name}])
     for extra, message in ((["--chat"], "the model's processor (LlavaProcessor) has no chat template"),
-                           (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models")):
+                           (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models"),
+                           (["--methods", "integrated_gradients"], "integrated_gradients explains a decoder-only language model's text prompt")):
         assert main(["evaluate", str(data), "--model", str(llava), "--output", str(tmp_path / "out"), *extra]) != 0
         error = capsys.readouterr().err
         assert message in error and error.count("\n") == 1

@@ -161,6 +161,35 @@ def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2se
     assert f"{method} explains one self-attention stack" in capsys.readouterr().err
 
 
+def test_integrated_gradients_of_the_answers_run_is_captums_llm_attribution(llm, seq2seq, tmp_path, capsys):
+    """``--methods integrated_gradients``: the scores are the ``seq_attr`` of Captum's
+    ``LLMGradientAttribution(LayerIntegratedGradients)`` (one run per answer token, summed),
+    and the rows their metrics; an encoder-decoder is refused in one line."""
+    from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
+
+    from captum_attention.loading import load_causal_lm
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    data, output = _data(tmp_path, count=3), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(llm), "--methods", "integrated_gradients", "--ig-steps", "8",
+                 "--max-new-tokens", "3", "--output", str(output)]) == 0
+    row = _rows(output)[2]  # a generated answer of 3 tokens
+    model, tokenizer = load_causal_lm(llm)
+    example = read_answers(data)[0][2]
+    ids = tokenizer(example.text, return_tensors="pt").input_ids
+    answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+    assert answer.shape[1] > 1, "several answer tokens: Captum's runs summed"
+    captum = LLMGradientAttribution(LayerIntegratedGradients(model, model.get_input_embeddings()), tokenizer)
+    expected = captum.attribute(TextTokenInput(example.text, tokenizer), target=answer[0], n_steps=8).seq_attr[None].float()
+    torch.testing.assert_close(answer_integrated_gradients(model, ids, answer, 8), expected, rtol=1e-4, atol=1e-5)
+    mask, segments = torch.ones_like(ids), torch.tensor([[-1] + list(range(1, ids.shape[1]))])
+    assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, expected, segments), abs=1e-6)
+    drop = top_k_log_prob_drop(model, ids, mask, answer, expected, (3,), segments)[0, 0]
+    assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "integrated_gradients", "--output", str(tmp_path / "s2s")]) == 1
+    assert "integrated_gradients explains a decoder-only language model's text prompt" in capsys.readouterr().err
+
+
 def test_a_prompt_without_bos_keeps_its_first_token(llm, tmp_path):
     """A tokenizer that adds no BOS (GPT-2's, Qwen's) leaves a prompt no special token to
     keep: its first token is never removed, as the metrics keep it by default, for the

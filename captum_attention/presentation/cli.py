@@ -255,10 +255,7 @@ def _explain(arguments: argparse.Namespace) -> None:
     methods = _methods(arguments)
     check_methods(methods, answers=False)
     _check_presence(arguments)
-    for name in ("ig_steps", "batch_size", "ig_batch_size"):
-        value = getattr(arguments, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    _check_counts(arguments, "ig_steps", "batch_size", "ig_batch_size")
     if arguments.skip is not None:
         raise UsageError("--skip is for a language model's prompt; a classifier's report shows every token")
     _check_outputs(arguments)
@@ -297,6 +294,15 @@ def _prompt(arguments: argparse.Namespace) -> str:
     return prompt.strip()
 
 
+def _check_counts(arguments: argparse.Namespace, *options: str) -> None:
+    """A one-line error where one of ``options`` (a number of steps, tokens or rows; None:
+    not given) is below 1."""
+    for option in options:
+        value = getattr(arguments, option)
+        if value is not None and value < 1:
+            raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+
+
 def _explain_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a causal or sequence-to-sequence language model: the answer, and
     each method's prompt (source) tokens."""
@@ -306,9 +312,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     message = _prompt(arguments)
     if arguments.target is not None and has_surrogates(arguments.target):
         raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
-    for option in ("max_new_tokens", "ig_steps"):
-        if getattr(arguments, option) < 1:
-            raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(arguments, option)}")
+    _check_counts(arguments, "max_new_tokens", "ig_steps")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
     check_methods(methods, answers=True)
     _check_presence(arguments)
@@ -348,8 +352,7 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
         raise UsageError(f"--image {arguments.image}: no such file")
     if arguments.skip is not None:
         raise UsageError("--skip is not available with --image yet")
-    if arguments.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    _check_counts(arguments, "max_new_tokens")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
     for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY):
         if unavailable in methods:
@@ -475,8 +478,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     from ..loading import load_causal_lm, load_vision_language_model
     from .evaluate import AnswerOptions, evaluate_answers, image_row_problem, read_answers
 
-    if arguments.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    _check_counts(arguments, "max_new_tokens", "ig_steps")
     _check_presence(arguments)
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
@@ -500,7 +502,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         _note_uniform_head_weights(model, methods)
         _note_glued_answers(examples, model, tokenizer, arguments)
     model.to(state.device)
-    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence, ig_steps=arguments.ig_steps)
     evaluate_answers(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"), processor,
@@ -809,8 +811,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
                          f"self-attention stack); {arguments.model} holds a {task} model")
     if arguments.ablations < 2:
         raise UsageError(f"--ablations must be at least 2 (each answer's mean is removed), got {arguments.ablations}")
-    if arguments.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    _check_counts(arguments, "max_new_tokens")
     if not arguments.ridge >= 0:
         raise UsageError(f"--ridge must be 0 or more, got {arguments.ridge}")
     if not os.access(arguments.model, os.W_OK):

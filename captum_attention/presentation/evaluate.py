@@ -38,7 +38,8 @@ from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import first_visible, outside_span, special_tokens
 from .explain import (
-    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, PRESENCE, ReportMethod, Text, answer_estimates, batch_padding_side,
+    CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
+    answer_estimates, answer_integrated_gradients, batch_padding_side,
     check_methods, check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs,
     ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
@@ -246,7 +247,7 @@ def _head_weights_digest(model: Any) -> str:
 
 def _budgets(options: Any) -> list[Any]:
     if isinstance(options, AnswerOptions):
-        return [options.max_new_tokens, options.presence, options.seed]
+        return [options.max_new_tokens, options.presence, options.ig_steps, options.seed]
     return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.presence, options.seed]
 
 
@@ -437,10 +438,11 @@ def _number(value: Tensor) -> float | None:
 def answer_method_names() -> list[str]:
     """What ``methods=`` accepts for a language model's answers: every registered method,
     the leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`,
-    :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`) and :data:`PRESENCE`."""
+    :data:`~captum_attention.presentation.explain.ESTIMATES_BY_SHARE`), :data:`PRESENCE` and
+    Integrated Gradients (:func:`~captum_attention.presentation.explain.answer_integrated_gradients`)."""
     from ..attr import REGISTRY
 
-    return [*REGISTRY, *ESTIMATES_OF_ANSWERS, PRESENCE]
+    return [*REGISTRY, *ESTIMATES_OF_ANSWERS, PRESENCE, INTEGRATED_GRADIENTS]
 
 
 def answer_metric_names() -> list[str]:
@@ -452,10 +454,12 @@ def answer_metric_names() -> list[str]:
 @dataclass
 class AnswerOptions:
     """How to evaluate answers: the generation's length (for rows without an answer), the
-    prompt's presence for :data:`PRESENCE` and the summary's bootstrap."""
+    prompt's presence for :data:`PRESENCE`, Integrated Gradients' steps and the summary's
+    bootstrap."""
 
     max_new_tokens: int = 20
     presence: float = 0.05
+    ig_steps: int = 50
     bootstrap: int = 1000
     seed: int = 0
 
@@ -489,7 +493,13 @@ def evaluate_answers(
     check_methods(methods, answers=True, one_stack=not two_stacks)
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
-    needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE)} | ({"attn_lrp"} if PRESENCE in methods else set())
+    if INTEGRATED_GRADIENTS in methods and (processor is not None or two_stacks):
+        raise ValueError(
+            f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's text prompt (Captum's LLMGradientAttribution "
+            "takes no other); leave it out of the methods."
+        )
+    needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE, INTEGRATED_GRADIENTS)}
+    needed |= {"attn_lrp"} if PRESENCE in methods else set()
     needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()
     needed |= {"attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
@@ -517,6 +527,8 @@ def _evaluate_answer(
     spans: dict[str, Tensor] = {}
 
     def span_of(name: str) -> Tensor:
+        if name == INTEGRATED_GRADIENTS and name not in spans:
+            spans[name] = answer_integrated_gradients(model, ids, answer, options.ig_steps)
         if name not in spans:
             extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
             spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, images, **extra)
