@@ -236,7 +236,7 @@ def test_the_ablated_prompts_take_the_images_encoded_once(family, monkeypatch):
     encoded_values = ablations()
     assert _tower_rows(model, ablations, monkeypatch) == one_image, "the images encoded once"
     with monkeypatch.context() as patch:
-        patch.setattr(context._AnswerScorer, "_takes_encoded_images", lambda self: False)
+        patch.setattr(context, "takes_encoded_images", lambda model, images: False)
         plain_rows = _tower_rows(model, ablations, monkeypatch)
     monkeypatch.setattr(model, "_expand_multimodal_outputs", lambda *args, **kwargs: 1 / 0)
     context._BATCH_VERDICTS.pop(model, None)

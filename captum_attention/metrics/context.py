@@ -28,7 +28,6 @@ given with every ablated prompt.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -40,7 +39,10 @@ from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import verdict_conditions
-from ..capture.adapters.images import ENCODED_IMAGES, TOWER_INPUTS, image_marker_ids, image_token_id, marked_image_positions
+from ..capture.adapters.images import (
+    ENCODED_IMAGES, TOWER_INPUTS, encoded_copies, encoded_images, image_marker_ids, image_token_id, marked_image_positions,
+    takes_encoded_images,
+)
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import decoder_start_token, output_logits
 from ..maps.kernel import block_shape
@@ -194,7 +196,10 @@ class _AnswerScorer:
         if not self.image_inputs:
             return ()
         rows, width = positions.shape
-        images: dict[str, Any] = {ENCODED_IMAGES: self._encoded_copies(rows)} if encoded else {}
+        images: dict[str, Any] = {}
+        if encoded:
+            assert self.encoded_images is not None  # encoded only where there are (encoded_images_reused)
+            images[ENCODED_IMAGES] = encoded_copies(self._model, self.ids, self.encoded_images, rows)
         token_inputs = {}
         for name, value in self.image_inputs.items():
             if encoded and name in TOWER_INPUTS:
@@ -273,42 +278,17 @@ class _AnswerScorer:
 
     @cached_property
     def encoded_images(self) -> dict[str, Any] | None:
-        """The example's images through the model's vision tower once, as transformers'
-        ``generate`` encodes them before its first step (``mm_encoder_outputs``), or None
-        where the model takes no encoded images (Mllama, Idefics, Kosmos-2; a function
-        around the model) or encoding them fails: every ablated prompt about the same image
-        then reruns the tower on it."""
-        if not self._takes_encoded_images():
-            return None
-        try:
-            with torch.no_grad():
-                encoded = self._model._prepare_multimodal_encoder_kwargs_for_generation(dict(self.image_inputs or {}))
-        except Exception:  # noqa: BLE001 - its own forward encodes them as it does
-            return None
-        return encoded.get(ENCODED_IMAGES) or None
+        """The example's images through the model's vision tower once
+        (:func:`~captum_attention.capture.adapters.images.encoded_images`), or None where the
+        model takes no encoded images (Mllama, Idefics, Kosmos-2; a function around the
+        model) or encoding them fails: every ablated prompt about the same image then
+        reruns the tower on it."""
+        return encoded_images(self._model, self.image_inputs or {})
 
     @property
     def _model(self) -> Any:
         """``forward_func`` where it is a module (a transformers model), else None."""
         return self.forward_func if isinstance(self.forward_func, nn.Module) else None
-
-    def _takes_encoded_images(self) -> bool:
-        """Whether the model is a transformers model whose forward takes encoded images and
-        the image inputs hold what its tower reads."""
-        model = self._model
-        takes_encoded = getattr(model, "_supports_mm_encoder_outputs", None)
-        return (
-            bool(set(TOWER_INPUTS) & set(self.image_inputs or {})) and takes_encoded is not None
-            and hasattr(model, "_prepare_multimodal_encoder_kwargs_for_generation")
-            and hasattr(model, "_expand_multimodal_outputs") and takes_encoded()
-        )
-
-    def _encoded_copies(self, rows: int) -> dict[str, Any]:
-        """:attr:`encoded_images` for ``rows`` prompts about the same images (``generate``'s
-        own expansion, as for beams: it changes the outputs it is given, so copies)."""
-        assert self.encoded_images is not None  # encoded only where there are (encoded_images_reused)
-        outputs = {modality: copy.copy(output) for modality, output in self.encoded_images.items()}
-        return self._model._expand_multimodal_outputs(self.ids, outputs, expand_size=rows)
 
     @cached_property
     def encoded_images_reused(self) -> bool:
@@ -318,7 +298,7 @@ class _AnswerScorer:
         read their rows apart (:attr:`rows_read_together`), else one. Decided once per
         model, as :attr:`rows_read_together`; a model that fails on its encoded images
         (BLIP-2's forward requires the pixels) or scores them otherwise reruns the tower."""
-        if not self._takes_encoded_images():
+        if not takes_encoded_images(self._model, self.image_inputs):
             return False
         key = ("encoded", *self._verdict_key())
         verdicts = _BATCH_VERDICTS.setdefault(self._model, {})

@@ -36,6 +36,7 @@ never a wrong grid.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
@@ -116,6 +117,41 @@ model given its images already encoded (transformers' ``mm_encoder_outputs``, as
 
 ENCODED_IMAGES = "mm_encoder_outputs"
 """The keyword under which a transformers model takes its images encoded by its tower."""
+
+
+def takes_encoded_images(model: Any, image_inputs: Mapping[str, Any] | None) -> bool:
+    """Whether ``model`` is a transformers model whose forward takes its images encoded
+    (:data:`ENCODED_IMAGES`) and ``image_inputs`` hold what its tower reads."""
+    takes = getattr(model, "_supports_mm_encoder_outputs", None)
+    return (
+        bool(set(TOWER_INPUTS) & set(image_inputs or {})) and takes is not None
+        and hasattr(model, "_prepare_multimodal_encoder_kwargs_for_generation")
+        and hasattr(model, "_expand_multimodal_outputs") and takes()
+    )
+
+
+def encoded_images(model: Any, image_inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One example's images through ``model``'s vision tower once, as transformers'
+    ``generate`` encodes them before its first step (:data:`ENCODED_IMAGES`), or None where
+    the model takes none (:func:`takes_encoded_images`) or encoding them fails."""
+    if not takes_encoded_images(model, image_inputs):
+        return None
+    try:
+        with torch.no_grad():
+            encoded = model._prepare_multimodal_encoder_kwargs_for_generation(dict(image_inputs))
+    except Exception:  # noqa: BLE001 - its own forward encodes them as it does
+        return None
+    return encoded.get(ENCODED_IMAGES) or None
+
+
+def encoded_copies(model: Any, input_ids: Tensor, encoded: Mapping[str, Any], copies: int) -> dict[str, Any]:
+    """One example's ``encoded`` images (:func:`encoded_images`) for ``copies`` rows, repeated
+    as ``generate`` repeats them for its beams (it changes the outputs it is given: copies
+    of them), to be given as :data:`ENCODED_IMAGES` in place of the :data:`TOWER_INPUTS`.
+    ``input_ids``: the example's ``(1, N)``, which place its images."""
+    outputs = {modality: copy.copy(output) for modality, output in encoded.items()}
+    return model._expand_multimodal_outputs(input_ids, outputs, expand_size=copies)
+
 
 IMAGE_POSITION_MASKS = ("image_embeds_position_mask",)
 """The image inputs that mark, per token, where a family's image features replace the
