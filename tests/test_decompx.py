@@ -430,3 +430,31 @@ def test_a_norm_with_its_epsilon_in_its_code_is_read_through_its_outputs():
         logits = model(ids, attention_mask=mask, **_positions(model, mask)).logits[:, -1]
     torch.testing.assert_close(scores.sum(dim=1), logits[torch.arange(3), torch.tensor([2, 1, 2])], atol=1e-4, rtol=1e-4)
     assert torch.isfinite(ALTI(model).attribute(ids, additional_forward_args=(mask,))).all()
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_one_examples_copies_take_its_images_encoded_once(family, monkeypatch):
+    """DecompX's N + 1 copies of one example about an image take it through the vision
+    tower once (transformers' ``mm_encoder_outputs``) beside the explained forward, not
+    once per copy, with the shares of the copies that carry the pixels; where the encoded
+    images fail the forward, the copies carry them."""
+    from vlm_models import ANSWER, family_example, tower_rows
+
+    from captum_attention.attr import decompx
+
+    model, ids, images = family_example(family)
+    args = (torch.ones_like(ids), images)
+    tokens = ids.shape[1] + ANSWER.shape[1]
+
+    def span() -> torch.Tensor:
+        return DecompX(model).attribute_span(ids, ANSWER[:1], additional_forward_args=args)
+
+    encoded, one_image = span(), tower_rows(model, lambda: model(input_ids=ids, **images), monkeypatch)
+    assert tower_rows(model, span, monkeypatch) == 2 * one_image, "the explained forward, and the images encoded once"
+    with monkeypatch.context() as patch:
+        patch.setattr(decompx, "encoded_images", lambda model, images: None)
+        carried = span()
+        assert tower_rows(model, span, monkeypatch) == (2 + tokens) * one_image, "the explained forward, and each copy"
+    torch.testing.assert_close(encoded, carried, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(model, "_expand_multimodal_outputs", lambda *args, **kwargs: 1 / 0)
+    torch.testing.assert_close(span(), carried, rtol=1e-5, atol=1e-6)

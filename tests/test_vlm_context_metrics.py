@@ -10,40 +10,12 @@ import copy
 import pytest
 import torch
 from conftest import assert_same_state, model_state
-from vlm_models import ANSWER, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt
+from vlm_models import ANSWER, IMAGE, VLMPrompt, family_example, make_vlm, make_vlm_prompt, one_example, tower_rows
 
 from captum_attention.metrics import ablated_log_probs, attention_shares, linear_datamodeling_score, top_k_log_prob_drop
 from captum_attention.metrics.context import answer_log_probs, context_averaged_scores
 
 FAMILIES = ("llava", "qwen2_vl", "gemma3", "idefics3", "mistral3", "llava_next", "mllama")
-
-
-def one_example(prompt: VLMPrompt, b: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Example ``b`` of a padded batch alone: its real tokens ``(1, n)`` and its image inputs
-    (Qwen2-VL's flattened patches split by its images' grids)."""
-    real = prompt.attention_mask[b] != 0
-    images = {}
-    for name, value in prompt.images.items():
-        if name == "pixel_values" and "image_grid_thw" in prompt.images:
-            images[name] = value.split(prompt.images["image_grid_thw"].prod(-1).tolist())[b]
-        elif value.dim() >= 2 and value.shape[1] == prompt.input_ids.shape[1]:
-            images[name] = value[b : b + 1, real]
-        else:
-            images[name] = value[b : b + 1]
-    return prompt.input_ids[b : b + 1, real], images
-
-
-def family_example(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
-    """A tiny model and its first example, with Gemma 3's token types (1 at the image's
-    tokens) as its processor gives them."""
-    if family == "mllama":
-        model, prompt = make_mllama(), make_mllama_prompt()
-    else:
-        model, prompt = make_vlm(family), make_vlm_prompt(family)
-    ids, images = one_example(prompt, 0)
-    if family == "gemma3":
-        images["token_type_ids"] = (ids == IMAGE).long()
-    return model, ids, images
 
 
 def alone_inputs(ids: torch.Tensor, images: dict[str, torch.Tensor], kept: torch.Tensor, answer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -199,24 +171,6 @@ def test_whether_a_batch_tells_its_rows_apart_is_decided_once_per_model_dtype_an
     assert len(checks) == 2, "another dtype: decided again"
 
 
-def _tower_rows(model: torch.nn.Module, call, monkeypatch) -> int:
-    """How many rows (images, or Qwen2-VL's patches) the vision tower reads during ``call()``
-    (counted in its forward: a hook would be the user's, which the verdicts on the model's
-    batches depend on)."""
-    tower = getattr(model.model, "vision_tower", None) or model.model.visual
-    rows = []
-    forward = type(tower).forward
-
-    def counted(self, *args, **kwargs):
-        rows.append(len(args[0] if args else kwargs["pixel_values"]))
-        return forward(self, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(type(tower), "forward", counted)
-        call()
-    return sum(rows)
-
-
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
 def test_the_ablated_prompts_take_the_images_encoded_once(family, monkeypatch):
     """The ablations of a prompt about an image take it through the vision tower once
@@ -231,16 +185,16 @@ def test_the_ablated_prompts_take_the_images_encoded_once(family, monkeypatch):
     def ablations() -> torch.Tensor:
         return ablated_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], kept, image_inputs=images)
 
-    one_image = _tower_rows(model, lambda: answer_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], images), monkeypatch)
+    one_image = tower_rows(model, lambda: answer_log_probs(model, ids, torch.ones_like(ids), ANSWER[:1], images), monkeypatch)
     ablations()  # decides, once per model, that the encoded images score the prompt as the pixels do
     encoded_values = ablations()
-    assert _tower_rows(model, ablations, monkeypatch) == one_image, "the images encoded once"
+    assert tower_rows(model, ablations, monkeypatch) == one_image, "the images encoded once"
     with monkeypatch.context() as patch:
         patch.setattr(context, "takes_encoded_images", lambda model, images: False)
-        plain_rows = _tower_rows(model, ablations, monkeypatch)
+        plain_rows = tower_rows(model, ablations, monkeypatch)
     monkeypatch.setattr(model, "_expand_multimodal_outputs", lambda *args, **kwargs: 1 / 0)
     context._BATCH_VERDICTS.pop(model, None)
     ablations()
     rerun_values = ablations()
-    assert _tower_rows(model, ablations, monkeypatch) == plain_rows > one_image, "the tower per ablated prompt"
+    assert tower_rows(model, ablations, monkeypatch) == plain_rows > one_image, "the tower per ablated prompt"
     torch.testing.assert_close(encoded_values, rerun_values, rtol=1e-5, atol=1e-5)

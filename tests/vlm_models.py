@@ -279,3 +279,49 @@ def save_mllama_checkpoint(folder) -> nn.Module:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model
+
+
+def tower_rows(model: torch.nn.Module, call, monkeypatch) -> int:
+    """How many rows (images, or Qwen2-VL's patches) the vision tower reads during ``call()``
+    (counted in its forward: a hook would be the user's, which the verdicts on the model's
+    batches depend on)."""
+    tower = getattr(model.model, "vision_tower", None) or model.model.visual
+    rows = []
+    forward = type(tower).forward
+
+    def counted(self, *args, **kwargs):
+        rows.append(len(args[0] if args else kwargs["pixel_values"]))
+        return forward(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(tower), "forward", counted)
+        call()
+    return sum(rows)
+
+
+def one_example(prompt: VLMPrompt, b: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Example ``b`` of a padded batch alone: its real tokens ``(1, n)`` and its image inputs
+    (Qwen2-VL's flattened patches split by its images' grids)."""
+    real = prompt.attention_mask[b] != 0
+    images = {}
+    for name, value in prompt.images.items():
+        if name == "pixel_values" and "image_grid_thw" in prompt.images:
+            images[name] = value.split(prompt.images["image_grid_thw"].prod(-1).tolist())[b]
+        elif value.dim() >= 2 and value.shape[1] == prompt.input_ids.shape[1]:
+            images[name] = value[b : b + 1, real]
+        else:
+            images[name] = value[b : b + 1]
+    return prompt.input_ids[b : b + 1, real], images
+
+
+def family_example(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """A tiny model and its first example, with Gemma 3's token types (1 at the image's
+    tokens) as its processor gives them."""
+    if family == "mllama":
+        model, prompt = make_mllama(), make_mllama_prompt()
+    else:
+        model, prompt = make_vlm(family), make_vlm_prompt(family)
+    ids, images = one_example(prompt, 0)
+    if family == "gemma3":
+        images["token_type_ids"] = (ids == IMAGE).long()
+    return model, ids, images

@@ -11,8 +11,10 @@ from torch import Tensor
 
 from .._compat import TargetType, UnsupportedModelError
 from ..capture import LogProbTarget, Probe
+from ..capture.adapters.images import encoded_images
 from ..capture.decomposition import (
-    ExplainedRun, FirstLayerInput, LinearisationPoints, Points, ShareGradients, model_modules, share_outputs, without_biases,
+    ExplainedRun, FirstLayerInput, LinearisationPoints, Points, ShareGradients, model_modules, one_example_images, share_outputs,
+    without_biases,
 )
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord, check_gradients_possible, record_forward
@@ -185,8 +187,7 @@ class DecompX(AttentionAttributionBase, Attribution):
         logits = _read_logits(record).detach()
         tokens = record.target_real.shape[1]
         probs = [attention_rows(record, index, slice(0, tokens)) for index in range(record.num_calls)]
-        outputs = share_outputs(run, probs)
-        shares = _read(outputs, reads)
+        shares = _read_shares(run, probs, reads, logits, record.logits.dtype)
         _check_sum(shares, logits, record.logits.dtype)
         return shares[:, 1:].to(record.target_real.device), []
 
@@ -204,6 +205,23 @@ class DecompX(AttentionAttributionBase, Attribution):
             self.forward_func, self.model, call.inputs, call.additional_forward_args, self.adapter,
             probes=[LinearisationPoints()], streaming=record.streaming,
         ).result(Points)
+
+
+def _read_shares(run: ExplainedRun, probs: list[Tensor], reads: LogitReads, logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(B, 1 + N)``: the read logits of the forward on the shares (:func:`share_outputs`).
+    One example's images go through the vision tower once, its copies taking them encoded,
+    where its shares then add up to its ``logits``; else, or where that forward fails, every
+    copy carries the images' inputs (and reruns the tower)."""
+    images = one_example_images(run)
+    encoded = None if images is None else encoded_images(run.model, images)
+    if encoded is not None:
+        try:
+            shares = _read(share_outputs(run, probs, encoded), reads)
+        except Exception:  # noqa: BLE001 - the forward takes them otherwise (BLIP-2's requires the pixels)
+            shares = None
+        if shares is not None and _adds_up(shares, logits, dtype):
+            return shares
+    return _read(share_outputs(run, probs), reads)
 
 
 def _read(logits: Tensor, reads: LogitReads) -> Tensor:

@@ -41,6 +41,7 @@ from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
+from .adapters.images import ENCODED_IMAGES, TOWER_INPUTS, encoded_copies
 from .inputs import output_logits, take_rows
 from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from .kernel import KernelInterception
@@ -357,14 +358,35 @@ def _one_example_copies(value: Any, copies: int, keyword: bool = False) -> Any:
     """One example's forward arguments for ``copies`` copies of it: each tensor of two or
     more dimensions tiled along its first (its rows, or a vision-language model's flattened
     patches and image grids, whose first axis counts images, one example's all), and a 1-D
-    one too among the keyword arguments (per image: VideoLLaMA 3's merge sizes)."""
+    one too among the keyword arguments (per image: VideoLLaMA 3's merge sizes); its images
+    given encoded (:data:`~captum_attention.capture.adapters.images.ENCODED_IMAGES`) as
+    they are, already for every copy."""
     if isinstance(value, Tensor):
         return value.repeat(copies, *[1] * (value.dim() - 1)) if value.dim() >= 2 or (keyword and value.dim() == 1) else value
     if isinstance(value, (tuple, list)):
         return type(value)(_one_example_copies(item, copies, keyword) for item in value)
     if isinstance(value, dict):
-        return {name: _one_example_copies(item, copies, True) for name, item in value.items()}
+        return {name: item if name == ENCODED_IMAGES else _one_example_copies(item, copies, True) for name, item in value.items()}
     return value
+
+
+def _with_encoded(value: Any, encoded: Any) -> Any:
+    """Forward arguments whose image inputs (a mapping among them) take the ``encoded``
+    images in place of the vision tower's inputs."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_with_encoded(item, encoded) for item in value)
+    if isinstance(value, dict):
+        return {**{name: item for name, item in value.items() if name not in TOWER_INPUTS}, ENCODED_IMAGES: encoded}
+    return value
+
+
+def one_example_images(run: ExplainedRun) -> dict[str, Any] | None:
+    """The image inputs of an explained forward of one example (a mapping among its
+    arguments), or None."""
+    if len(run.inputs[0]) != 1:
+        return None
+    found = [value for value in format_additional_forward_args(run.additional_forward_args) or () if isinstance(value, dict)]
+    return found[-1] if found else None
 
 
 def _shaped_norm(norm: LinearNorm, shares: Tensor) -> Tensor:
@@ -606,7 +628,7 @@ def _times(slope: Tensor) -> Callable[[Tensor], Tensor]:
     return lambda z: z * slope
 
 
-def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
+def share_outputs(run: ExplainedRun, probs: list[Tensor], encoded: dict[str, Any] | None = None) -> Tensor:
     """``(B, 1 + N, ...)``: the model's output on a zero input (index 0) and on each of the
     ``N`` input tokens' shares, from one forward of ``B·(1 + N)`` rows.
 
@@ -614,6 +636,9 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
         run: the explained forward.
         probs: per attention call, ``(B, H, N, N)`` float32 probabilities (``N`` tokens:
             a Vision Transformer's patches and class token), held where it computed them.
+        encoded: one example's images encoded once
+            (:func:`~captum_attention.capture.adapters.images.encoded_images`), given to
+            its copies in place of the vision tower's inputs; None: the copies carry them.
     """
     model, inputs, points = run.model, run.inputs, run.points
     batch, tokens = probs[0].shape[0], probs[0].shape[-1]
@@ -706,7 +731,10 @@ def share_outputs(run: ExplainedRun, probs: list[Tensor]) -> Tensor:
 
     repeated = take_rows(inputs, rows, batch, min_dim=2)
     if batch == 1:  # its copies: every row, flattened patch and image grid of the one example repeated
-        extra = _one_example_copies(run.additional_forward_args, shares)
+        args = run.additional_forward_args
+        if encoded is not None:
+            args = _with_encoded(args, encoded_copies(model, inputs[0], encoded, shares))
+        extra = _one_example_copies(args, shares)
     else:
         _check_rows((inputs, run.additional_forward_args), batch, model)
         extra = take_rows(run.additional_forward_args, rows, batch, min_dim=2)
