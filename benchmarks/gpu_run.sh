@@ -15,6 +15,8 @@
 #                                      # to 8, per backend, bf16 and fp32: whether the key bias can ride on a card
 #   bash benchmarks/gpu_run.sh padding # the deletion metrics' batches of one length against padded batches
 #                                      # (benchmarks/length_batches.py on the card)
+#   bash benchmarks/gpu_run.sh vlm     # a vision-language answer's context metrics, the tower rerun per ablated
+#                                      # prompt against the images encoded once (benchmarks/vlm_context_metrics.py)
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
 #                                      # an answer's rows at 16k with the kernels (at most 10 min)
@@ -65,6 +67,9 @@ import gpu_check; gpu_check.context_mixing_agreement()" | tee "$out/alti_compile
             | tee "$out/widened_heads.md" ;;
     padding)
         python3 benchmarks/length_batches.py --device cuda | tee "$out/length_batches.md" ;;
+    vlm)
+        python3 benchmarks/vlm_context_metrics.py --device cuda --json "$out/vlm_context_metrics.json" \
+            | tee "$out/vlm_context_metrics.md" ;;
     architectures)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.architecture_agreement()" \
             | tee "$out/architectures_check.md" ;;

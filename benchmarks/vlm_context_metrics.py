@@ -2,7 +2,7 @@
 every ablated prompt reruns it, against the images encoded once.
 
     python benchmarks/vlm_context_metrics.py [--tower-layers 12] [--image-size 336]
-        [--ablations 32] [--repeats 3] [--json out.json]
+        [--ablations 32] [--repeats 3] [--device cpu] [--json out.json]
 
 A LLaVA of random weights in the proportions of the small open models (SmolVLM's and
 LLaVA-Interleave's: a tower as wide as a ViT-B/14, 576 patches of a 336-pixel image, before
@@ -20,7 +20,7 @@ one forward of the whole prompt with its image, in one run:
   ablated prompt given the pixels again.
 
 The two give the same values (checked here within 1e-4). The JSON keeps the command, the
-machine and every time.
+machine and every time. Not measured on a GPU yet: ``bash benchmarks/gpu_run.sh vlm``.
 """
 
 from __future__ import annotations
@@ -67,21 +67,26 @@ def timed(call: Callable[[], torch.Tensor], repeats: int) -> tuple[torch.Tensor,
     for _ in range(repeats):
         start = time.perf_counter()
         result = call()
+        if result.is_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return result, statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tower-layers", type=int, default=12)
     parser.add_argument("--image-size", type=int, default=336)
     parser.add_argument("--ablations", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path)
-    arguments = parser.parse_args()
+    arguments = parser.parse_args(argv)
     model, ids, images, answer = build(arguments.tower_layers, arguments.image_size)
+    model, ids, answer = model.to(arguments.device), ids.to(arguments.device), answer.to(arguments.device)
+    images = {name: value.to(arguments.device) for name, value in images.items()}
     mask = torch.ones_like(ids)
-    scores = torch.randn(ids.shape)
+    scores = torch.randn(ids.shape, device=ids.device)
     calls: dict[str, Callable[[], torch.Tensor]] = {
         "forward": lambda: model(input_ids=torch.cat([ids, answer], 1), **images).logits[0, -1],
         f"LDS ({arguments.ablations} ablations)": lambda: linear_datamodeling_score(
@@ -97,15 +102,17 @@ def main() -> None:
                 per_prompt, per_prompt_s = timed(call, arguments.repeats)
             torch.testing.assert_close(encoded, per_prompt, rtol=1e-4, atol=1e-4)
             rows[name] = {"encoded_once_s": encoded_s, "tower_per_prompt_s": per_prompt_s}
-    command = "python " + shlex.join(sys.argv)
-    print(f"`{command}` ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)\n")
+    command = "python benchmarks/vlm_context_metrics.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    print(f"`{command.strip()}` ({torch.cuda.get_device_name() if arguments.device.startswith('cuda') else cpu})\n")
     print("| call | tower per prompt | encoded once | speed-up |\n|---|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['tower_per_prompt_s']:.2f} s | {row['encoded_once_s']:.2f} s | "
               f"{row['tower_per_prompt_s'] / row['encoded_once_s']:.1f}× |")
     if arguments.json is not None:
-        arguments.json.write_text(json.dumps({"command": command, "machine": platform.platform(),
+        arguments.json.write_text(json.dumps({"command": command.strip(), "machine": platform.platform(),
                                               "threads": torch.get_num_threads(), "rows": rows}, indent=2) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -182,6 +182,15 @@ def test_deletions_batched_by_length_cost_more_forwards_for_the_same_numbers(ben
     assert "time ratio" in capsys.readouterr().out
 
 
+def test_a_vision_language_answers_metrics_are_timed_both_ways_with_the_same_values(benchmarks_on_path, capsys):
+    import vlm_context_metrics
+
+    rows = vlm_context_metrics.main(["--tower-layers", "1", "--image-size", "56", "--ablations", "4", "--repeats", "1"])
+    assert list(rows) == ["forward", "LDS (4 ablations)", "top-k drop (k = 1, 3, 5)"]  # it checks that both give the same values
+    assert all(row["encoded_once_s"] > 0 and row["tower_per_prompt_s"] > 0 for row in rows.values())
+    assert "| LDS (4 ablations) |" in capsys.readouterr().out
+
+
 def test_flow_cost_reports_both_times(benchmarks_on_path, capsys):
     import flow_cost
 
