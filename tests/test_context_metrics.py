@@ -444,3 +444,39 @@ def test_a_model_that_takes_its_cache_second_is_called_by_keyword():
     kept = torch.ones(3, 2, 3, dtype=torch.bool)
     kept[:, 1, 0] = False
     _assert_deleted_by_hand(model, prompts, kept, ablated_log_probs(model, prompts.input_ids, prompts.attention_mask, ANSWER, kept, SEGMENTS))
+
+
+def test_a_shared_scope_runs_each_set_of_ablations_once_with_the_values_of_each_call_alone(monkeypatch):
+    """``shared_ablations`` (``evaluate``'s, per answer): three methods' LDS, leave-one-out
+    agreement and the answer's log-probability run the whole prompt, LDS's ablations and
+    the deletions once, not per method, and give what each call gives alone."""
+    from captum_attention.metrics.context import answer_log_probs, shared_ablations
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    ids, mask = prompts.input_ids, prompts.attention_mask
+    scores = [torch.randn(ids.shape, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    rows = []
+    forward = type(model).forward
+
+    def counted(self, *args, **kwargs):
+        rows.append(len(kwargs["input_ids"] if "input_ids" in kwargs else args[0]))
+        return forward(self, *args, **kwargs)
+
+    def metrics() -> list[torch.Tensor]:
+        values = [answer_log_probs(model, ids, mask, ANSWER)]
+        for attributions in scores:
+            values.append(linear_datamodeling_score(model, ids, mask, ANSWER, attributions, SEGMENTS, per_example=True))
+            values.append(leave_one_out_agreement(model, ids, mask, ANSWER, attributions, SEGMENTS))
+        return values
+
+    answer_log_probs(model, ids, mask, ANSWER)  # the model's verdicts on padding, kept per model
+    monkeypatch.setattr(type(model), "forward", counted)
+    alone, alone_rows = metrics(), sum(rows)
+    rows.clear()
+    with shared_ablations():
+        shared = metrics()
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+    assert sum(rows) < alone_rows / 2, (sum(rows), alone_rows)
+    rows.clear()
+    metrics()
+    assert sum(rows) == alone_rows, "outside the scope, each call runs its own"

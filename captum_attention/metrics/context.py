@@ -29,6 +29,7 @@ given with every ablated prompt.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -136,9 +137,34 @@ class _AnswerScorer:
 
     def log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R,)`` log p(answer | prompt ``rows[r]`` without segments ``removed[r]``); each
-        distinct ablation runs once (a repeated one gets the very same value)."""
+        distinct ablation runs once (a repeated one gets the very same value), and a set
+        run before in a :func:`shared_ablations` scope not again."""
         distinct, index = torch.unique(torch.cat([rows[:, None], removed.long()], dim=1), dim=0, return_inverse=True)
-        return self._distinct_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
+        return self._stored_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
+
+    @cached_property
+    def _shared(self) -> dict[Any, Any] | None:
+        """What the active :func:`shared_ablations` scope holds for these prompts, answers,
+        segments, model and image inputs, or None outside one."""
+        if not _SHARED_SCOPES:
+            return None
+        key = (
+            id(self.forward_func), *(_content(t) for t in (self.ids, self.real, self.answer, self.segments)),
+            tuple(sorted((name, id(value)) for name, value in (self.image_inputs or {}).items())),
+        )
+        return _SHARED_SCOPES[-1].setdefault(key, {})
+
+    def _stored_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """:meth:`_distinct_log_probs`, taken from the active :func:`shared_ablations` scope
+        where it ran these very ablations before. Whole sets only: a set run in other
+        batches would differ in the last bits of its padded rows, and a metric's ranks
+        (LDS's) with them."""
+        if self._shared is None:
+            return self._distinct_log_probs(rows, removed)
+        key = (_content(rows), _content(removed))
+        if key not in self._shared:
+            self._shared[key] = self._distinct_log_probs(rows, removed)
+        return self._shared[key]
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """Padded batches hold at most ``PAIRS_PER_FORWARD`` query-key pairs (a padding mask
@@ -283,7 +309,13 @@ class _AnswerScorer:
         model takes no encoded images (Mllama, Idefics, Kosmos-2; a function around the
         model) or encoding them fails: every ablated prompt about the same image then
         reruns the tower on it."""
-        return encoded_images(self._model, self.image_inputs or {})
+        shared = self._shared
+        if shared is not None and "encoded images" in shared:
+            return shared["encoded images"]
+        encoded = encoded_images(self._model, self.image_inputs or {})
+        if shared is not None:
+            shared["encoded images"] = encoded
+        return encoded
 
     @property
     def _model(self) -> Any:
@@ -379,6 +411,31 @@ class _AnswerScorer:
         prompt position of each column's token (:meth:`_kept`)."""
         for segments in kept.unbind(dim=1):
             yield self._kept(self.rows, self.present & ~segments.to(self.present.device))
+
+
+_SHARED_SCOPES: list[dict[Any, Any]] = []
+"""The active :func:`shared_ablations` scopes, innermost last."""
+
+
+@contextmanager
+def shared_ablations() -> Iterator[None]:
+    """Within it, the context metrics' calls on the same prompts, answers, segments, model
+    and image inputs (one example's, scored for several methods: ``evaluate``'s) share
+    their sets of ablations' answer log-probabilities and the images' encoding: the whole
+    prompt, LDS's seeded ablations and the leave-one-out deletions run once, whichever
+    metric or method asks for them, with the values each call would compute alone. The
+    model and the image inputs must not change inside it (the image inputs are known by
+    identity)."""
+    _SHARED_SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SHARED_SCOPES.pop()
+
+
+def _content(tensor: Tensor) -> tuple:
+    """A tensor's shape, dtype and values, as a key."""
+    return tuple(tensor.shape), str(tensor.dtype), tensor.detach().cpu().numpy().tobytes()
 
 
 _BATCH_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()

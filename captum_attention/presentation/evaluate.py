@@ -33,7 +33,7 @@ from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
-from ..metrics.context import answer_log_probs
+from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import first_visible, outside_span, special_tokens
@@ -523,7 +523,6 @@ def _evaluate_answer(
     mask = torch.ones_like(ids)
     args = (mask,) if images is None else (mask, images)
     context = MetricContext(model, keep, None, segments)
-    log_prob = float(answer_log_probs(model, ids, mask, answer, images)[0])
     spans: dict[str, Tensor] = {}
 
     def span_of(name: str) -> Tensor:
@@ -535,17 +534,19 @@ def _evaluate_answer(
         return spans[name]
 
     rows = []
-    for name in methods:
-        if name in ESTIMATES_OF_ANSWERS:
-            scores = answer_estimates(model, ids, answer, segments, name != ESTIMATES, span_of, images)
-        else:
-            scores = span_of(name)
-        values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
-        rows.append({
-            "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
-            "generated": example.answer is None, "answer_log_prob": log_prob,
-            **{metric: _number(value[0]) for metric, value in values.items()},
-        })
+    with shared_ablations():  # the methods' metrics run each ablation of the row once
+        log_prob = float(answer_log_probs(model, ids, mask, answer, images)[0])
+        for name in methods:
+            if name in ESTIMATES_OF_ANSWERS:
+                scores = answer_estimates(model, ids, answer, segments, name != ESTIMATES, span_of, images)
+            else:
+                scores = span_of(name)
+            values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
+            rows.append({
+                "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
+                "generated": example.answer is None, "answer_log_prob": log_prob,
+                **{metric: _number(value[0]) for metric, value in values.items()},
+            })
     return rows
 
 
