@@ -145,11 +145,11 @@ class _AnswerScorer:
     @cached_property
     def _shared(self) -> dict[Any, Any] | None:
         """What the active :func:`shared_ablations` scope holds for these prompts, answers,
-        segments, model and image inputs, or None outside one."""
+        segments, model, batch size and image inputs, or None outside one."""
         if not _SHARED_SCOPES:
             return None
         key = (
-            id(self.forward_func), *(_content(t) for t in (self.ids, self.real, self.answer, self.segments)),
+            id(self.forward_func), self.max_batch_size, *(_content(t) for t in (self.ids, self.real, self.answer, self.segments)),
             tuple(sorted((name, id(value)) for name, value in (self.image_inputs or {}).items())),
         )
         return _SHARED_SCOPES[-1].setdefault(key, {})
