@@ -145,23 +145,24 @@ class _AnswerScorer:
     @cached_property
     def _shared(self) -> dict[Any, Any] | None:
         """What the active :func:`shared_ablations` scope holds for these prompts, answers,
-        segments, model, batch size and image inputs, or None outside one."""
+        model and image inputs (whatever their segments), or None outside one."""
         if not _SHARED_SCOPES:
             return None
         key = (
-            id(self.forward_func), self.max_batch_size, *(_content(t) for t in (self.ids, self.real, self.answer, self.segments)),
+            id(self.forward_func), *(_content(t) for t in (self.ids, self.real, self.answer)),
             tuple(sorted((name, id(value)) for name, value in (self.image_inputs or {}).items())),
         )
         return _SHARED_SCOPES[-1].setdefault(key, {})
 
     def _stored_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """:meth:`_distinct_log_probs`, taken from the active :func:`shared_ablations` scope
-        where it ran these very ablations before. Whole sets only: a set run in other
-        batches would differ in the last bits of its padded rows, and a metric's ranks
-        (LDS's) with them."""
+        where it ran these very ablations before in batches of as many, known by the
+        tokens they keep (so a call with other segments shares them too). Whole sets only:
+        a set run in other batches would differ in the last bits of its padded rows, and a
+        metric's ranks (LDS's) with them."""
         if self._shared is None:
             return self._distinct_log_probs(rows, removed)
-        key = (_content(rows), _content(removed))
+        key = (self._per_forward(len(rows)), _content(rows), _content(self._kept_tokens(rows, removed)))
         if key not in self._shared:
             self._shared[key] = self._distinct_log_probs(rows, removed)
         return self._shared[key]
@@ -171,8 +172,7 @@ class _AnswerScorer:
         makes the attention kernel materialise them): long prompts go one at a time,
         without padding. For a model that reads the padding (:attr:`padding_read`), each
         batch holds prompts of one length, unpadded."""
-        width = self.ids.shape[1] + self.answer.shape[1]
-        per_forward = max(1, min(self.max_batch_size, PAIRS_PER_FORWARD // width**2))
+        per_forward = self._per_forward(len(rows))
         if per_forward > 1 and len(rows) > 1 and self.image_inputs and self.rows_read_together:
             per_forward = 1  # each ablation alone: the model's batches tell its rows apart
         encoded = len(rows) > 1 and self.encoded_images_reused
@@ -184,6 +184,12 @@ class _AnswerScorer:
             prompts, mask, positions = self._kept(rows[chunk], removed[chunk])
             values[chunk] = self._answer_log_probs(prompts, mask, positions, self.answer[rows[chunk]], encoded).to(values.device)
         return values
+
+    def _per_forward(self, rows: int) -> int:
+        """How many of ``rows`` prompts one padded forward holds: at most ``max_batch_size``
+        and ``PAIRS_PER_FORWARD`` query-key pairs."""
+        width = self.ids.shape[1] + self.answer.shape[1]
+        return max(1, min(rows, self.max_batch_size, PAIRS_PER_FORWARD // width**2))
 
     def _answer_log_probs(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor, encoded: bool = False) -> Tensor:
         """``(R,)`` log p(answer | prompt) of the ``prompts`` as padded by ``mask``
@@ -419,7 +425,7 @@ _SHARED_SCOPES: list[dict[Any, Any]] = []
 
 @contextmanager
 def shared_ablations() -> Iterator[None]:
-    """Within it, the context metrics' calls on the same prompts, answers, segments, model
+    """Within it, the context metrics' calls on the same prompts, answers, model, batch size
     and image inputs (one example's, scored for several methods: ``evaluate``'s) share
     their sets of ablations' answer log-probabilities and the images' encoding: the whole
     prompt, LDS's seeded ablations and the leave-one-out deletions run once, whichever
