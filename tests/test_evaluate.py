@@ -524,7 +524,8 @@ def test_half_contexts_rows_are_context_averaged_attributions_metrics(checkpoint
     """``attn_lrp_half_contexts``: AttnLRP at ``--presence`` beside AttnLRP in 8 random half
     contexts of the words (``context_averaged_attribution``, the special tokens kept), each
     example's contexts its own, so its rows equal the scores computed on it alone; one
-    presence backward a batch and one call a context."""
+    presence backward a batch, one call a context and one more (the first context with as
+    much padding again: the check that padding leaves its scores alone)."""
     from captum_attention import AttnLRP, metrics
     from captum_attention.attr import attn_lrp
 
@@ -535,7 +536,7 @@ def test_half_contexts_rows_are_context_averaged_attributions_metrics(checkpoint
     args = [str(data), "--model", str(checkpoint), "--methods", "attn_lrp_presence,attn_lrp_half_contexts",
             "--metrics", "comprehensiveness", "--batch-size", "4", "--presence", "0.1", "--output", str(output)]
     assert _run(*args) == 0
-    assert sorted(calls) == [False] * 16 + [True] * 2, "8 contexts and one presence backward for each of the two batches"
+    assert sorted(calls) == [False] * 18 + [True] * 2, "8 contexts, the check and one presence backward for each of the two batches"
     monkeypatch.undo()
     rows = _rows(output)
 

@@ -29,6 +29,7 @@ from captum_attention.metrics import (
     sufficiency,
     token_f1,
 )
+from captum_attention.metrics.token_removal import with_padding_column
 
 VOCAB, CLASSES = 12, 3
 
@@ -266,17 +267,25 @@ def test_one_padded_example_whose_padding_is_read_scores_its_real_tokens_alone(b
     torch.testing.assert_close(drops[:, 0], expected, atol=1e-6, rtol=1e-5)
 
 
-def test_the_guessed_pad_id_of_the_half_contexts_is_checked_under_a_contexts_padding(bag):
-    """A function whose scores the padding moves faintly: by 3e-4 of their scale for one
-    column (within the 1e-3 allowed), by more under the padding a half context gets, which
-    the check adds to a shortened example: the guess is refused."""
+def test_half_contexts_refuse_a_function_that_padding_moves_faintly(bag):
+    """Padded inputs (a long and a short example) and a function that leaves the mask out,
+    whose scores the padding moves faintly: within the 1e-3 of their scale allowed for one
+    column, beyond it under the padding the first context's short row holds, which the
+    check adds again: refused, where such contexts were scored padded, unchecked. The
+    same function given the mask runs."""
     model = bag[0]
-    model.weights[0] = torch.tensor([3e-4, 0.0, 0.0])  # the guessed id's faint weight
-    ids = torch.tensor([[5, 3, 7, 1, 9, 2, 11, 4], [6, 8, 10, 2, 3, 7, 9, 4]])
-    mask = torch.ones_like(ids)
-    explain = lambda i, m: model(i, torch.ones_like(m)).softmax(-1)[:, :1] * torch.ones_like(i)  # noqa: E731
-    with pytest.raises(ValueError, match="token id 0 .* after a shortened example moves attribute_func's scores"):
-        context_averaged_attribution(explain, ids, mask, torch.randn(2, 8))
+    model.weights[0] = torch.tensor([1e-3, 0.0, 0.0])  # the padding id's faint weight
+    ids = torch.tensor([[5, 3, 7, 1, 9, 2, 11, 4, 6, 8, 10, 2, 3, 7, 9, 4], [6, 8] + [0] * 14])
+    mask = (ids != 0).long()
+    unmasked = lambda i, m: model(i, torch.ones_like(m)).softmax(-1)[:, :1] * m  # noqa: E731
+    short = (ids[1:, :2], mask[1:, :2])
+    one_column = unmasked(*with_padding_column(*short, 0))[:, :2] - unmasked(*short)
+    assert 0 < float(one_column.abs().max()) < 1e-3 * float(unmasked(ids, mask).max())
+    prior = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="token id 0 .* after a context's rows moves attribute_func's scores"):
+        context_averaged_attribution(unmasked, ids, mask, prior)
+    masked = lambda i, m: model(i, m).softmax(-1)[:, :1] * m  # noqa: E731
+    assert context_averaged_attribution(masked, ids, mask, prior).isfinite().all()
 
 
 def test_perturbation_curves_rank_a_faithful_attribution(bag):
@@ -395,7 +404,9 @@ def test_context_averaged_attribution_by_hand(bag, removal):
     by hand and scored by a position-dependent attribution (the token's evidence times
     1 + its position / 10, so that a score mapped back to the wrong token shows), summed
     per token over the contexts that keep it; both sums and the prior as shares of their
-    absolute totals. Each context is one call on the whole batch."""
+    absolute totals. Each context is one call on the whole batch; deleted, the first is
+    called once more with as much padding again (the check that padding leaves the scores
+    of the real tokens alone)."""
     model, ids, mask, target, contributions = bag
     prior = contributions * torch.tensor([[0.5], [-2.0]]) + 0.1
     keep = torch.zeros_like(mask, dtype=torch.bool)
@@ -409,6 +420,10 @@ def test_context_averaged_attribution_by_hand(bag, removal):
 
     scores = context_averaged_attribution(positional, ids, mask, prior, num_contexts=6, seed=2, removal=removal,
                                           baseline_token_id=0, keep=keep)
+    if removal == "delete":
+        (check_ids, check_mask), padding = calls.pop(1), int((calls[0][1] == 0).sum(dim=1).max())
+        torch.testing.assert_close(check_ids, torch.cat([calls[0][0], torch.zeros(2, padding, dtype=ids.dtype)], dim=1))
+        torch.testing.assert_close(check_mask, torch.cat([calls[0][1], torch.zeros(2, padding, dtype=mask.dtype)], dim=1))
     assert len(calls) == 6
     widths = [int(call[1].sum(dim=1).max()) if removal == "delete" else 8 for call in calls]  # deleted: no all-padding column
     assert [tuple(call[0].shape) for call in calls] == [(2, width) for width in widths]

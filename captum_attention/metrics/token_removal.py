@@ -735,19 +735,19 @@ def context_averaged_attribution(
         attribute_func (Callable): ``(input_ids, attention_mask) -> (batch, seq_len)``
             scores of one attribution for the same examples in the same order (pass the
             explained class as a fixed ``target``: the prediction may change without
-            half the tokens). Called ``num_contexts`` times, once per context, on the
-            whole batch; it must pass the mask on to the model (a context's shortened
-            rows are padded; only a batch without padding is checked for it).
+            half the tokens). Called once per context, on the whole batch; it must pass
+            the mask on to the model: the shortened rows of several examples' contexts
+            are padded, so there the first context is scored once more with as much
+            padding again, and a function that padding moves is refused in one line.
         prior (Tensor): ``(batch, seq_len)`` token scores of a one-pass attribution of the
             same prediction.
         num_contexts (int, optional): :math:`A`, even. Default: 8.
         seed (int, optional): the contexts' seed (keep it apart from the one an LDS is
             measured with). Default: 1.
         pad_token_id (int, optional): the id that pads the contexts' rows. Default: None:
-            the id the inputs are padded with; where they hold no padding, 0, once two
-            calls more have shown that padding with it leaves a shortened example's scores
-            unchanged (a decoder classifier that finds its last token by another pad id is
-            refused in one line).
+            the id the inputs are padded with; where they hold no padding, 0 (the check
+            of ``attribute_func`` refuses a decoder classifier that finds its last token
+            by another pad id).
 
     Returns:
         ``(batch, seq_len)`` float32 scores; 0 at padding and at the ``keep`` tokens.
@@ -771,32 +771,41 @@ def context_averaged_attribution(
     check_rankable(prior, removable, name="prior", finite=True)
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
     pad_id = padding_id(attribute_func, input_ids, attention_mask, pad_token_id)
-    if removal == "delete" and pad_token_id is None and len(input_ids) > 1 and bool((attention_mask != 0).all()):
-        _confirm_padding_unread(attribute_func, input_ids, attention_mask, removable, pad_id)  # the id is a guess: no padding to learn it from
+    padded = removal == "delete" and len(input_ids) > 1  # one example's contexts hold no padding
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
-    for kept in complemented(halves, removable).unbind(dim=1):
+    for index, kept in enumerate(complemented(halves, removable).unbind(dim=1)):
         ids, mask, positions = removed(input_ids, attention_mask, removable & ~kept, removal, baseline_token_id, pad_id)
-        summed += scores_in_context(attribute_func, ids, mask, positions, kept)
+        explain = _padding_checked(attribute_func, pad_id) if padded and index == 0 else attribute_func
+        summed += scores_in_context(explain, ids, mask, positions, kept)
     return prior_and_context_shares(summed, prior, removable)
 
 
-def _confirm_padding_unread(
-    attribute_func: Callable[[Tensor, Tensor], Tensor], ids: Tensor, mask: Tensor, removable: Tensor, pad_id: int
-) -> None:
-    """A one-line error where ``pad_id`` padding (mask 0) moves the scores of a shortened
-    example (:func:`padding_probe`), given in every row of the batch (``attribute_func``
-    may hold one target per example): the contexts pad their shortened rows so."""
-    _, shortened, columns = padding_probe(ids, mask != 0, removable, "right")
-    rows, rows_mask = shortened.repeat(len(ids), 1), mask.new_ones((len(ids), shortened.shape[1]))
-    scores = attribute_func(rows, rows_mask).detach().double()
-    padded = attribute_func(*with_padding_column(rows, rows_mask, pad_id, "right", columns)).detach().double()
-    moved = float((scores - padded[:, : rows.shape[1]]).abs().max())
-    if moved > 1e-3 * float(scores.abs().max()):
-        raise ValueError(
-            f"Padding with token id {pad_id} (attention mask 0) after a shortened example moves attribute_func's scores "
-            f"by up to {moved:.2g}, and the contexts pad their rows so: pass pad_token_id=<the id the model pads with> "
-            "(a decoder classifier finds its last token by config.pad_token_id) or use removal='replace'."
-        )
+def _padding_checked(attribute_func: Callable[[Tensor, Tensor], Tensor], pad_id: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """``attribute_func``, refusing in one line where as many columns of ``pad_id`` padding
+    (mask 0) more as a context's rows hold at most (at least one) move the scores of their
+    tokens: the contexts' own padding then moves them too (a function that leaves the mask
+    out, a pad id the model does not pad with). Costs one call more."""
+
+    def explain(ids: Tensor, mask: Tensor) -> Tensor:
+        scores = attribute_func(ids, mask)
+        columns = max(int((mask == 0).sum(dim=1).max()), 1)
+        padded = attribute_func(*with_padding_column(ids, mask, pad_id, "right", columns))
+        if tuple(scores.shape) != tuple(ids.shape) or tuple(padded.shape) != (len(ids), ids.shape[1] + columns):
+            return scores  # scores_in_context names the shape
+        real = mask != 0
+        shift = (scores.detach().double() - padded.detach().double()[:, : ids.shape[1]]).masked_fill(~real, 0.0).abs().max()
+        scale = scores.detach().double().masked_fill(~real, 0.0).abs().max()
+        if float(shift) > 1e-3 * float(scale):
+            raise ValueError(
+                f"Padding with token id {pad_id} (attention mask 0) after a context's rows moves attribute_func's scores of "
+                f"their tokens by up to {float(shift):.2g}, and the contexts pad their shortened rows so: pass the attention "
+                "mask on to the model in attribute_func, pass pad_token_id=<the id the model pads with> (a decoder "
+                "classifier finds its last token by config.pad_token_id), explain one example at a time, or use "
+                "removal='replace'."
+            )
+        return scores
+
+    return explain
 
 
 def complemented(halves: Tensor, present: Tensor) -> Tensor:
