@@ -85,6 +85,17 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
+def test_the_residual_decompositions_refuse_layers_that_carry_several_streams_per_token():
+    """GLM-5-Next's layers take and return ``(B, N, S, D)`` hidden states (hyper-connections
+    as a dimension of their own): NormAttention with the residual refuses in one line, as
+    the decompositions of one residual vector per token must, and the methods that read
+    the attention alone are exact."""
+    found = outcomes(_architecture("image-text-to-text", "glm5_next"), ["norm_attention", "norm_attention(residual=True)", "attn_lrp"])
+    assert {found[m].status for m in ("norm_attention", "attn_lrp")} == {"exact"}, found
+    residual = found["norm_attention(residual=True)"]
+    assert residual.status == "refused" and "several streams per token" in residual.detail, found
+
+
 @pytest.mark.parametrize("head, model_type", [("causal LM", "qwen3_next"), ("sequence classification", "jamba")])
 def test_a_hybrid_with_linear_attention_is_built_with_an_attention_layer(head, model_type):
     """Qwen3-Next's and Jamba's first tiny layers would hold no attention (the model then

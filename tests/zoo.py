@@ -83,6 +83,7 @@ TINY: dict[str, Any] = dict(
     initializer_range=0.2, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_intermediate_size=16,
     num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16, q_lora_rank=16,
     kv_lora_rank=16, qk_rope_head_dim=4, rotary_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
 )
 """Constructor arguments of a tiny model, passed where a config class takes them (under
 their own or their ``attribute_map`` name). Widths are multiples of 4: the experts'
@@ -165,6 +166,9 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                       vision_output_dim=hidden)
     if "window_size" in accepted and "spatial_merge_size" in accepted:  # Qwen2.5-VL's windows: one merged patch each, at the tiny patch size
         kwargs["window_size"] = TINY["patch_size"] * 2
+    if "index_kpool" in accepted:  # GLM-5-Next: no rotary part in its indexed attention, keys pooled in pairs, linear layers of tiny heads
+        kwargs.update(qk_rope_head_dim=0, index_topk=4, index_kpool=2, index_head_dim=8, index_n_heads=2, linear_head_dim=8,
+                      linear_num_heads=4)
     if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
         kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
     if "projector_patch_to_query_dict" in accepted:  # Aria's projector: queries per image by its patch count, the tiny image's

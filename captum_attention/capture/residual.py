@@ -85,6 +85,12 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     """
     inputs = call.hidden_input
     name = type(call.block).__name__
+    if inputs.dim() != 3:
+        raise UnsupportedModelError(
+            f"{name} carries hidden states of shape {tuple(inputs.shape)}, several streams per token (hyper-connections), "
+            "where the decomposition follows one residual vector per token: the attention block cannot be written as a "
+            "sum over tokens."
+        )
     if call.states is None:
         raise RuntimeError(f"{name}'s module states were not recorded: capture with LayerBlocks(states=...).")
     seen = call.states
