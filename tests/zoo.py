@@ -169,6 +169,17 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     if "index_kpool" in accepted:  # GLM-5-Next: no rotary part in its indexed attention, keys pooled in pairs, linear layers of tiny heads
         kwargs.update(qk_rope_head_dim=0, index_topk=4, index_kpool=2, index_head_dim=8, index_n_heads=2, linear_head_dim=8,
                       linear_num_heads=4)
+    if config_class.model_type == "cohere_compass_text":  # interleaved multimodal rotary positions per layer type
+        kwargs["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}
+    if config_class.model_type == "step3p5":  # Step3p7's text model: its mask is built for sliding layers whether or not it has any
+        kwargs["sliding_window"] = 4
+    if config_class.model_type == "deepseek_ocr2_text":  # a dense layer, then one of experts (no default list)
+        kwargs["mlp_layer_types"] = ["dense", "sparse"]
+    if config_class.model_type == "granite4_vision":  # its tower's features enter the tiny LM's layers
+        kwargs.update(deepstack_layer_map=[[0, 0], [1, 1]], spatial_target_layers=[0, 1, 0, 1], downsample_rate="1/2")
+        kwargs["vision_config"] = {**kwargs["vision_config"], "hidden_size": 64}  # its Q-Former has one head per 64 features
+    if config_class.model_type == "deepseek_ocr2_sam_vision_model":  # DeepSeek-OCR-2's SAM neck's channels end at the tiny encoder's width
+        kwargs["downsample_channels"] = [16, TINY["hidden_size"]]
     if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
         kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
     if "projector_patch_to_query_dict" in accepted:  # Aria's projector: queries per image by its patch count, the tiny image's
@@ -402,7 +413,10 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
             features = image_features(**images)
     except Exception as error:  # noqa: BLE001 - its images come in another form
         raise NotBuilt(f"its image features from one (1, C, {size}, {size}) image: {_one_line(error)}") from error
+    deepstack = getattr(features, "deepstack_features", None)  # Granite 4 Vision's: (LM layer, features) pairs alone
     features = getattr(features, "pooler_output", features)
+    if features is None and deepstack:
+        features = deepstack[0][1]
     count = sum(f.shape[-2] if f.dim() == 3 else f.shape[0] for f in (features if isinstance(features, (list, tuple)) else [features]))
     start, end = BOUNDED_IMAGES.get(architecture.model_type, ((), ()))
     ids = torch.tensor([[1, *start, *[token] * count, *end, 5, 6, 7]])
