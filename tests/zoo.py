@@ -180,8 +180,12 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vision_config"] = {**kwargs["vision_config"], "hidden_size": 64}  # its Q-Former has one head per 64 features
     if config_class.model_type == "deepseek_ocr2_sam_vision_model":  # DeepSeek-OCR-2's SAM neck's channels end at the tiny encoder's width
         kwargs["downsample_channels"] = [16, TINY["hidden_size"]]
-    if config_class.model_type == "muse_glimmer":  # its adapter reads the tower's patches merged 2 × 2
+    if config_class.model_type == "muse_spark_audio":  # Muse Spark's audio pyramid: one stage per tiny layer
+        kwargs.update(patch_sizes=[4, 2], hidden_sizes=[16, 32])
+    if config_class.model_type in ("muse_glimmer", "muse_spark"):  # their adapters read the tower's patches merged 2 × 2
         kwargs["out_hidden_size"] = 4 * TINY["hidden_size"]
+    if config_class.model_type == "muse_spark":
+        kwargs["projector_hidden_size"] = TINY["hidden_size"]
     if "projector_patch_to_query_dict" in accepted:  # Aria's projector: queries per image by its patch count, the tiny image's
         kwargs["projector_patch_to_query_dict"] = {(IMAGE_SIZE // TINY["patch_size"]) ** 2: 4}
     if config_class.model_type == "paddleocr_vl_text":  # its rotary splits into sections its defaults do not name
@@ -216,10 +220,12 @@ def _tiny_mrope(config_class: type) -> dict[str, Any] | None:
     rope parameters, the rotated half split into temporal, height and width sections (the
     default sections are the full-size model's); None where the defaults name none, or
     per layer type."""
-    default = dict(getattr(config_class(), "rope_parameters", None) or {})
+    config = config_class()
+    default = dict(getattr(config, "rope_parameters", None) or {})
     if not default or any(isinstance(value, dict) for value in default.values()):
         return None
-    half = int(TINY["head_dim"] * float(default.get("partial_rotary_factor", 1.0))) // 2
+    rotated = TINY["qk_rope_head_dim"] if hasattr(config, "qk_rope_head_dim") else TINY["head_dim"]  # HY-V4-VL's latent attention
+    half = int(rotated * float(default.get("partial_rotary_factor", 1.0))) // 2
     return {**default, "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]}
 
 
