@@ -107,11 +107,11 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
     assert "give the image with --image" in capsys.readouterr().err
     assert main(["explain", "--model", str(llava), "--image", str(tmp_path / "missing.png"), "what"]) == 1
     assert "no such file" in capsys.readouterr().err
-    assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "integrated_gradients"]) == 1
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", "attn_lrp_presence"]) == 1
     refusal = capsys.readouterr().err
-    assert "not available for vision-language models" in refusal
-    assert "grad_sam" in refusal and "attention_flow" not in refusal  # only what explains a whole answer
-    for method in ("attn_lrp_presence", "attn_lrp_presence_calibrated", "attn_lrp_half_contexts"):
+    assert "attn_lrp_presence is not available for vision-language models" in refusal
+    assert "grad_sam" in refusal and "integrated_gradients" in refusal and "attention_flow" not in refusal  # what explains a whole answer
+    for method in ("attn_lrp_presence_calibrated", "attn_lrp_half_contexts"):
         assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", method]) == 1
         assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
@@ -284,6 +284,40 @@ def test_the_leave_one_out_estimates_explain_an_answer_about_an_image(llava, tmp
     assert explanation["seq_attr"]["Leave-one-out estimates"][2] == 0.0
 
 
+def test_integrated_gradients_explain_and_evaluate_an_answer_about_an_image_with_the_image_held(llava, tmp_path, capsys):
+    """``--methods integrated_gradients`` with ``--image``: the words' scores are
+    ``answer_integrated_gradients`` with the processor's image inputs (checked against
+    autograd in ``test_vlm_answers.py``), the <image> token 0 with a warning, no grid;
+    ``evaluate`` gives the same scores' metrics for a row about that image."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    image, report, out = _image(tmp_path), tmp_path / "answer.json", tmp_path / "out"
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "integrated_gradients", "--ig-steps", "4", "--json", str(report)]) == 0
+    assert "Integrated Gradients holds the image" in capsys.readouterr().err
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    inputs = dict(processor(text="<image> what is the cat", images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids, _ = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    expected = answer_integrated_gradients(model, ids, answer, 4, inputs)
+    scores, shown = explanation["seq_attr"]["Integrated Gradients"], explanation["prompt_tokens"]
+    assert scores[shown.index("<image>")] == 0.0 and explanation["image_grids"] == {}
+    words = [score for score, token in zip(scores, shown) if token != "<image>"]
+    torch.testing.assert_close(torch.tensor(words), expected[0, ids[0] != IMAGE], rtol=1e-4, atol=1e-6)
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(llava), "--methods", "integrated_gradients", "--ig-steps", "4",
+                 "--output", str(out)]) == 0
+    row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    text = [i for i in range(1, ids.shape[1]) if int(ids[0, i]) != IMAGE]  # BOS and the image's tokens stay
+    removed = sorted(text, key=lambda i: (-float(expected[0, i]), i))[:3]
+    kept = [i for i in range(ids.shape[1]) if i not in removed]
+    assert row["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, ids, inputs, answer, kept), abs=1e-4)
+
+
 def _drop_alone(model, ids, inputs, answer, kept) -> float:
     """How far log p(answer) falls from the whole prompt to its tokens at ``kept``."""
     return _alone_log_prob(model, ids, inputs, answer, list(range(ids.shape[1]))) - _alone_log_prob(model, ids, inputs, answer, kept)
@@ -355,11 +389,10 @@ def test_evaluate_refuses_rows_a_vision_language_model_cannot_read_in_one_line(l
     assert message in error and error.count("\n") == 1
 
 
-def test_evaluate_refuses_presence_integrated_gradients_and_chat_without_a_template_for_a_vision_language_model(llava, tmp_path, capsys):
+def test_evaluate_refuses_presence_and_chat_without_a_template_for_a_vision_language_model(llava, tmp_path, capsys):
     data = _answers(tmp_path, [{"prompt": "what is the cat", "image": _image(tmp_path).name}])
     for extra, message in ((["--chat"], "the model's processor (LlavaProcessor) has no chat template"),
-                           (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models"),
-                           (["--methods", "integrated_gradients"], "integrated_gradients explains a decoder-only language model's text prompt")):
+                           (["--methods", "attn_lrp_presence"], "attn_lrp_presence is not available for vision-language models")):
         assert main(["evaluate", str(data), "--model", str(llava), "--output", str(tmp_path / "out"), *extra]) != 0
         error = capsys.readouterr().err
         assert message in error and error.count("\n") == 1

@@ -187,7 +187,7 @@ def test_integrated_gradients_of_the_answers_run_is_captums_llm_attribution(llm,
     drop = top_k_log_prob_drop(model, ids, mask, answer, expected, (3,), segments)[0, 0]
     assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
     assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "integrated_gradients", "--output", str(tmp_path / "s2s")]) == 1
-    assert "integrated_gradients explains a decoder-only language model's text prompt" in capsys.readouterr().err
+    assert "integrated_gradients explains a decoder-only language model's prompt" in capsys.readouterr().err
 
 
 def test_a_prompt_without_bos_keeps_its_first_token(llm, tmp_path):

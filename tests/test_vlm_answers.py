@@ -17,7 +17,7 @@ from test_llm import span_reference
 from torch import nn
 from types import SimpleNamespace
 from vlm_models import (
-    ANSWER, FAMILIES, GRIDS, IMAGE, VLMPrompt, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt, mllama_span_reference, mllama_states_real,
+    ANSWER, FAMILIES, GRIDS, IMAGE, VLMPrompt, family_example, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt, mllama_span_reference, mllama_states_real,
     mllama_with_answer, vlm_span_reference, with_answer,
 )
 from methods import MAP_METHODS, METHODS
@@ -699,3 +699,41 @@ def test_a_left_padded_batch_the_model_reads_otherwise_than_each_alone_is_refuse
     with pytest.raises(UnsupportedModelError, match=r"reads a left-padded prompt otherwise than the prompt alone.*\. Pad its prompts on the right"):
         GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=(prompt.attention_mask, untyped))
     GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+
+
+@pytest.mark.parametrize("family", ["llava", "paligemma", "gemma3", "qwen2_vl", "idefics3", "mistral3"])
+def test_integrated_gradients_of_an_answer_hold_the_image(family):
+    """``answer_integrated_gradients`` with the image inputs: Captum's Gauss-Legendre rule
+    written out, each step the input embeddings' output moved from the baseline (the
+    prompt's text tokens at id 0, its image tokens kept) to the prompt's own, and the
+    answer's log-probability differentiated there by autograd, with the image inputs
+    extended over the answer as each family's ``generate`` types it (PaliGemma's suffix
+    1, the others' text 0); the image's tokens score 0."""
+    from captum.attr._utils.approximation_methods import approximation_parameters
+
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    model, ids, images = family_example(family)
+    answer, steps = ANSWER[:1], 6
+    sequence = torch.cat([ids, answer], dim=1)
+    baseline = sequence.clone()
+    baseline[:, : ids.shape[1]] = ids.masked_fill(ids != IMAGE, 0)
+    embeddings = model.get_input_embeddings()
+    actual, start = embeddings(sequence).detach(), embeddings(baseline).detach()
+    typed = torch.ones_like(answer) if family == "paligemma" else torch.zeros_like(answer)
+    extended = {name: torch.cat([value, typed], dim=1) if name.endswith("token_type_ids") else value for name, value in images.items()}
+    step_sizes, alphas = approximation_parameters("gausslegendre")
+    integral = torch.zeros_like(actual)
+    for alpha, weight in zip(alphas(steps), step_sizes(steps)):
+        moved = (start + alpha * (actual - start)).requires_grad_(True)
+        handle = embeddings.register_forward_hook(lambda module, args, output: moved)
+        try:
+            logits = model(input_ids=sequence, **extended).logits[:, ids.shape[1] - 1 : -1]
+        finally:
+            handle.remove()
+        log_prob = logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+        integral += weight * torch.autograd.grad(log_prob, moved)[0]
+    expected = (integral * (actual - start)).sum(dim=-1)[:, : ids.shape[1]]
+    scores = answer_integrated_gradients(model, ids, answer, steps, images)
+    assert expected.abs().max() > 0 and bool((scores[ids == IMAGE] == 0).all())
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)

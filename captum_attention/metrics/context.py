@@ -86,7 +86,7 @@ class _AnswerScorer:
         self.ids, self.real, self.answer = input_ids, attention_mask != 0, answer.to(input_ids.device)
         self.segments = _prompt_segments(self.real, segments)
         if self.image_inputs:
-            self.segments = self.segments.masked_fill(_image_tokens(forward_func, input_ids, segments, self.image_inputs), -1)
+            self.segments = self.segments.masked_fill(kept_image_tokens(forward_func, input_ids, segments, self.image_inputs), -1)
         anchorless = (~((self.segments < 0) & self.real).any(dim=1)).nonzero().flatten().tolist()
         if anchorless:
             raise ValueError(
@@ -505,7 +505,7 @@ def _one_example_images(image_inputs: Mapping[str, Tensor] | None, input_ids: Te
     return image_inputs
 
 
-def _image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None, images: Mapping[str, Tensor]) -> Tensor:
+def kept_image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segments: Tensor | None, images: Mapping[str, Tensor]) -> Tensor:
     """``(B, N)`` bool: the tokens of the prompt's images, never removed: its image tokens
     (the model's config names their id; the model reads as many as its image inputs give
     features) and the markers around or inside them that the config names
@@ -905,7 +905,7 @@ def attention_shares(
     images = _image_dict(image_inputs)
     prompt_segments = _prompt_segments(attention_mask != 0, segments)
     if images:
-        prompt_segments = prompt_segments.masked_fill(_image_tokens(model, input_ids, segments, images), -1)
+        prompt_segments = prompt_segments.masked_fill(kept_image_tokens(model, input_ids, segments, images), -1)
     count = max(int(prompt_segments.max()) + 1, 1)
     answer = answer.to(input_ids.device)
     ids, mask = torch.cat([input_ids, answer], dim=1), torch.cat([attention_mask, torch.ones_like(answer)], dim=1)

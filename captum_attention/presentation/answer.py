@@ -17,7 +17,7 @@ from ..capture.adapters.images import cross_attends_images
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
-    answer_too_long, check_methods, presence_display, registered_method, removable_segments, span_presence,
+    answer_integrated_gradients, answer_too_long, check_methods, presence_display, registered_method, removable_segments, span_presence,
 )
 
 
@@ -127,7 +127,7 @@ def explain_answer(
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
         if name in ESTIMATES_OF_ANSWERS:
-            _add_estimates(explanation, display, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written), start)
+            _add_signed(explanation, display, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written), start)
             continue
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
@@ -173,9 +173,10 @@ def _prompt_estimates(
     return answer_estimates(model, ids.to(device), answer_ids.to(device)[None], segments, by_share, image_inputs=images).float().cpu()
 
 
-def _add_estimates(explanation: AnswerExplanation, display: str, scores: torch.Tensor, start: float) -> None:
-    """The estimates' ``scores`` (one per feature) in ``explanation`` under ``display``,
-    timed from ``start``: signed, explaining the answer's log-probability."""
+def _add_signed(explanation: AnswerExplanation, display: str, scores: torch.Tensor, start: float) -> None:
+    """A method's signed ``scores`` of the answer's log-probability (the estimates',
+    Integrated Gradients' of an image's answer), one per feature, in ``explanation`` under
+    ``display``, timed from ``start``."""
     explanation.seconds[display] = time.perf_counter() - start
     explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
     explanation.seq_attr[display] = scores.tolist()
@@ -299,6 +300,7 @@ def explain_image_answer(
     methods: list[str] | None = None,
     per_token: bool = False,
     chat: bool = False,
+    ig_steps: int = 50,
 ) -> AnswerExplanation:
     """A vision-language model's answer to ``prompt`` about the image at ``image_path``
     (the processor's image token put first where the prompt holds none; with ``chat``, the
@@ -309,8 +311,9 @@ def explain_image_answer(
     against a uniform grey image of the same size through the same processor, summed per
     patch by :func:`~captum_attention.pixel_scores`), where that function knows the
     pixels' layout. The leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`)
-    never remove the image, as the context metrics never do: its ``<image>`` token scores 0
-    there, and they have no grid."""
+    never remove the image, as the context metrics never do, and Integrated Gradients
+    (``ig_steps`` steps) holds it (:func:`~captum_attention.presentation.explain.answer_integrated_gradients`):
+    its ``<image>`` token scores 0 there, and they have no grid or rows per answer token."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -346,12 +349,18 @@ def explain_image_answer(
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
                                     "the image 0")
+    if INTEGRATED_GRADIENTS in chosen:
+        explanation.warnings.append("Integrated Gradients holds the image (its tokens keep their ids in the baseline): it "
+                                    "scores the prompt's words, the image 0")
     for name in chosen:
         start = time.perf_counter()
-        if name in ESTIMATES_OF_ANSWERS:
-            keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
-            scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
-            _add_estimates(explanation, _display(name), _feature_scores(scores, features, image_column)[0], start)
+        if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS):
+            if name == INTEGRATED_GRADIENTS:
+                scores = answer_integrated_gradients(model, ids, answer_ids[None], ig_steps, inputs)
+            else:
+                keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
+                scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
+            _add_signed(explanation, _display(name), _feature_scores(scores, features, image_column)[0], start)
             continue
         explainer = registered_method(name, model)
         span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)

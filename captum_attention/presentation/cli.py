@@ -352,19 +352,20 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
         raise UsageError(f"--image {arguments.image}: no such file")
     if arguments.skip is not None:
         raise UsageError("--skip is not available with --image yet")
-    _check_counts(arguments, "max_new_tokens")
+    _check_counts(arguments, "max_new_tokens", "ig_steps")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    for unavailable in (INTEGRATED_GRADIENTS, PRESENCE, *CLASSIFIERS_ONLY):
+    for unavailable in (PRESENCE, *CLASSIFIERS_ONLY):
         if unavailable in methods:
             raise UsageError(f"{unavailable} is not available for vision-language models; choose --methods among "
-                             + ", ".join([*(name for name, cls in REGISTRY.items() if cls.spec.spans), *ESTIMATES_OF_ANSWERS]))
+                             + ", ".join([*(name for name, cls in REGISTRY.items() if cls.spec.spans), *ESTIMATES_OF_ANSWERS,
+                                          INTEGRATED_GRADIENTS]))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
     _note_uniform_head_weights(model, methods)
     try:
         explanation = explain_image_answer(
             model, processor, prompt, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
-            arguments.per_token, arguments.chat,
+            arguments.per_token, arguments.chat, arguments.ig_steps,
         )
     except OSError as error:  # PIL cannot read it
         raise UsageError(f"--image {arguments.image}: {error}") from error

@@ -493,9 +493,9 @@ def evaluate_answers(
     check_methods(methods, answers=True, one_stack=not two_stacks)
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
-    if INTEGRATED_GRADIENTS in methods and (processor is not None or two_stacks):
+    if INTEGRATED_GRADIENTS in methods and bool(getattr(model.config, "is_encoder_decoder", False)):
         raise ValueError(
-            f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's text prompt (Captum's LLMGradientAttribution "
+            f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's prompt (Captum's LLMGradientAttribution "
             "takes no other); leave it out of the methods."
         )
     needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE, INTEGRATED_GRADIENTS)}
@@ -527,7 +527,7 @@ def _evaluate_answer(
 
     def span_of(name: str) -> Tensor:
         if name == INTEGRATED_GRADIENTS and name not in spans:
-            spans[name] = answer_integrated_gradients(model, ids, answer, options.ig_steps)
+            spans[name] = answer_integrated_gradients(model, ids, answer, options.ig_steps, images)
         if name not in spans:
             extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
             spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, images, **extra)

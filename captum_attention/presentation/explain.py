@@ -12,8 +12,10 @@ from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
+from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
+from ..metrics.context import kept_image_tokens
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift, pair_token_types
 from .display import readable_tokens, special_tokens
@@ -342,22 +344,32 @@ IG_TOKENS_PER_BATCH = 8192
 holds: its backward keeps every layer's activations of them."""
 
 
-def answer_integrated_gradients(model: Any, ids: torch.Tensor, answer: torch.Tensor, steps: int) -> torch.Tensor:
+def answer_integrated_gradients(
+    model: Any, ids: torch.Tensor, answer: torch.Tensor, steps: int, image_inputs: dict[str, Any] | None = None
+) -> torch.Tensor:
     """``(1, N)`` float: Integrated Gradients of the whole ``answer``'s log-probability over
     the prompt ``ids`` ``(1, N)`` of a decoder-only language model: Captum's
     ``LayerIntegratedGradients`` on the input embeddings, ``steps`` steps, every prompt token
     at id 0 in the baseline, summed over the embedding. That is the ``seq_attr`` of
     Captum's ``LLMGradientAttribution`` (which ``explain`` runs), in one run instead of one
-    per answer token: the integral is linear in the explained score. Detached."""
+    per answer token: the integral is linear in the explained score. A vision-language
+    model's with its ``image_inputs`` (one example), the image held: the image's tokens
+    (:func:`~captum_attention.metrics.context.kept_image_tokens`, as the context metrics
+    keep them) keep their ids in the baseline, so they score 0, and each step runs alone
+    with the example's image inputs. Detached."""
+    images = {} if image_inputs is None else HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], answer.shape[1])
 
     def log_prob(prompts: torch.Tensor) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
-        logits = model(input_ids=torch.cat([prompts, answers], dim=1)).logits[:, prompts.shape[1] - 1 : -1]
+        logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
         return logits.float().log_softmax(dim=-1).gather(2, answers[..., None]).sum(dim=(1, 2))
 
-    per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (ids.shape[1] + answer.shape[1])))
+    if image_inputs is None:
+        baselines, per_batch = torch.zeros_like(ids), max(1, min(steps, IG_TOKENS_PER_BATCH // (ids.shape[1] + answer.shape[1])))
+    else:
+        baselines, per_batch = ids.masked_fill(~kept_image_tokens(model, ids, None, image_inputs), 0), 1
     scores = LayerIntegratedGradients(log_prob, model.get_input_embeddings()).attribute(
-        ids, baselines=torch.zeros_like(ids), n_steps=steps, internal_batch_size=per_batch
+        ids, baselines=baselines, n_steps=steps, internal_batch_size=per_batch
     )
     return scores[:, : ids.shape[1]].sum(dim=-1).float().detach()  # the answer's embeddings are the baseline's too
 
