@@ -83,7 +83,7 @@ TINY: dict[str, Any] = dict(
     initializer_range=0.2, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_intermediate_size=16,
     num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16, q_lora_rank=16,
     kv_lora_rank=16, qk_rope_head_dim=4, rotary_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2, text_hidden_size=32,
 )
 """Constructor arguments of a tiny model, passed where a config class takes them (under
 their own or their ``attribute_map`` name). Widths are multiples of 4: the experts'
@@ -180,6 +180,9 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vision_config"] = {**kwargs["vision_config"], "hidden_size": 64}  # its Q-Former has one head per 64 features
     if config_class.model_type == "deepseek_ocr2_sam_vision_model":  # DeepSeek-OCR-2's SAM neck's channels end at the tiny encoder's width
         kwargs["downsample_channels"] = [16, TINY["hidden_size"]]
+    if config_class.model_type == "nemotron_h_omni":  # its tower's default setting, which the tiny one repeats, and its width
+        kwargs["vision_config"] = {**kwargs["vision_config"], "video_temporal_patch_size": 2}
+        kwargs.update(vision_hidden_size=TINY["hidden_size"], projector_hidden_size=TINY["hidden_size"])
     if config_class.model_type == "muse_spark_audio":  # Muse Spark's audio pyramid: one stage per tiny layer
         kwargs.update(patch_sizes=[4, 2], hidden_sizes=[16, 32])
     if config_class.model_type in ("muse_glimmer", "muse_spark"):  # their adapters read the tower's patches merged 2 × 2
@@ -395,6 +398,10 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         patch, side = int(vision.patch_size), 2 * int(model.config.downsample_factor)
         pixels = torch.rand(1, side * side, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
         images = {"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]]), "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
+    if "image_grid_hw" in wanted:  # Nemotron-H Omni (RADIO): patches flattened, their grid, shuffled 2 × 2 after the tower
+        patch = int(vision.patch_size)
+        pixels = torch.rand(16, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
+        images = {"pixel_values": pixels, "image_grid_hw": torch.tensor([[4, 4]])}
     if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the image resized, then its one tile
         images["pixel_values"] = pixels[:, None].expand(-1, 2, -1, -1, -1)
     if "image_position_ids" in wanted:  # Gemma 4: patches flattened per image and their (x, y), pooled k × k
@@ -411,6 +418,10 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         if architecture.model_type in PATCHES_AS_IMAGES:
             pixels = pixels.view(side * side, channels, patch, patch)
         images = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+        if architecture.model_type == "inkling2":  # its grid counts merged tokens, each token's pixels with their channels last
+            tokens = side // merge
+            pixels = torch.randn(tokens * tokens, patch * merge, patch * merge, channels, generator=generator)
+            images = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, tokens, tokens]])}
         if inner is not None and "image_merge_sizes" in inspect.signature(inner).parameters:  # VideoLLaMA 3: the merge per image
             images["image_merge_sizes"] = torch.tensor([merge])
     try:
