@@ -454,6 +454,8 @@ def test_context_averaged_attribution_by_hand(bag, removal):
         context_averaged_attribution(positional, ids, mask, prior[:, :4])
     with pytest.raises(ValueError, match="attribute_func returned shape"):
         context_averaged_attribution(lambda i, m: positional(i, m)[:, :4], ids, mask, prior)
+    with pytest.raises(ValueError, match="attribute_func returned shape .* for a context of shape"):  # the check's padding trimmed
+        context_averaged_attribution(lambda i, m: positional(i, m)[:, : int(m.sum(dim=1).max())], ids, mask, prior)
     with pytest.raises(ValueError, match="attribute_func returned NaN or ±inf"):
         context_averaged_attribution(lambda i, m: positional(i, m) / 0.0, ids, mask, prior)
     with pytest.raises(ValueError, match="removal='replace' needs baseline_token_id"):

@@ -788,10 +788,14 @@ def _padding_checked(attribute_func: Callable[[Tensor, Tensor], Tensor], pad_id:
 
     def explain(ids: Tensor, mask: Tensor) -> Tensor:
         scores = attribute_func(ids, mask)
-        columns = max(int((mask == 0).sum(dim=1).max()), 1)
-        padded = attribute_func(*with_padding_column(ids, mask, pad_id, "right", columns))
-        if tuple(scores.shape) != tuple(ids.shape) or tuple(padded.shape) != (len(ids), ids.shape[1] + columns):
+        if tuple(scores.shape) != tuple(ids.shape):
             return scores  # scores_in_context names the shape
+        more_ids, more_mask = with_padding_column(ids, mask, pad_id, "right", max(int((mask == 0).sum(dim=1).max()), 1))
+        padded = attribute_func(more_ids, more_mask)
+        if tuple(padded.shape) != tuple(more_ids.shape):
+            raise ValueError(
+                f"attribute_func returned shape {tuple(padded.shape)} for a context of shape {tuple(more_ids.shape)}: one score per token."
+            )
         real = mask != 0
         shift = (scores.detach().double() - padded.detach().double()[:, : ids.shape[1]]).masked_fill(~real, 0.0).abs().max()
         scale = scores.detach().double().masked_fill(~real, 0.0).abs().max()
