@@ -180,6 +180,8 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vision_config"] = {**kwargs["vision_config"], "hidden_size": 64}  # its Q-Former has one head per 64 features
     if config_class.model_type == "deepseek_ocr2_sam_vision_model":  # DeepSeek-OCR-2's SAM neck's channels end at the tiny encoder's width
         kwargs["downsample_channels"] = [16, TINY["hidden_size"]]
+    if config_class.model_type == "kosmos-2.5":  # its image's latent queries, as many as the tiny image has patches
+        kwargs["latent_query_num"] = 16
     if config_class.model_type == "nemotron_h_omni":  # its tower's default setting, which the tiny one repeats, and its width
         kwargs["vision_config"] = {**kwargs["vision_config"], "video_temporal_patch_size": 2}
         kwargs.update(vision_hidden_size=TINY["hidden_size"], projector_hidden_size=TINY["hidden_size"])
@@ -398,6 +400,15 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         patch, side = int(vision.patch_size), 2 * int(model.config.downsample_factor)
         pixels = torch.rand(1, side * side, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
         images = {"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]]), "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
+    if "flattened_patches" in wanted:  # Kosmos-2.5: one image's patches flattened after their row and column (1-based)
+        grid = torch.tensor([[row, column] for row in range(1, 5) for column in range(1, 5)], dtype=torch.float)
+        patches = torch.rand(1, len(grid), int(vision.patch_embed_hidden_size), generator=generator)
+        images = {"flattened_patches": torch.cat([grid[None], patches], dim=-1)}
+    if "image_token_pooling" in wanted:  # Molmo2: one crop's patches flattened, each image token pooling 2 × 2 of them
+        patch, side = int(vision.patch_size), size // int(vision.patch_size)
+        pixels = torch.rand(1, side * side, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
+        pooled = [[(2 * r + i) * side + 2 * c + j for i in range(2) for j in range(2)] for r in range(side // 2) for c in range(side // 2)]
+        images = {"pixel_values": pixels, "image_token_pooling": torch.tensor(pooled), "image_grids": torch.tensor([[side // 2, side // 2, 0, 0]])}
     if "image_grid_hw" in wanted:  # Nemotron-H Omni (RADIO): patches flattened, their grid, shuffled 2 × 2 after the tower
         patch = int(vision.patch_size)
         pixels = torch.rand(16, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
