@@ -159,13 +159,13 @@ def test_a_left_padded_batch_of_images_and_prompts_is_each_example_alone_or_refu
 @pytest.mark.parametrize("head, model_type", [
     ("image-text-to-text", "llava"), ("image-text-to-text", "qwen2_vl"), ("image-text-to-text", "mllama"),
     ("image-text-to-text", "hunyuan_vl"), ("image-text-to-text", "ovis2_5"), ("image-text-to-text", "minicpmv4_6"),
-    ("image-text-to-text", "kosmos-2"),
+    ("image-text-to-text", "kosmos-2"), ("image-text-to-text", "molmo2"),
     ("causal LM", "qwen2"), ("causal LM", "xlm"), ("causal LM", "dory"), ("seq2seq LM", "t5"), ("seq2seq LM", "bart"),
 ])
 def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_type):
     """HunYuan-VL scores the second of two copies of a prompt otherwise than the first, and
-    MiniCPM-V fails on them (it packs a batch's images into one row): their ablations run
-    one at a time; Ovis2.5 fails without its image's start and end tokens, which are never
+    MiniCPM-V fails on them (it packs a batch's images into one row), as Molmo2 does (it
+    asks for the crops of several images): their ablations run one at a time; Ovis2.5 fails without its image's start and end tokens, which are never
     removed. XLM reads the left padding, and Dory's sliding-window attention fails on it:
     their ablations run in batches of one length, unpadded."""
     outcome = ablation_outcome(_architecture(head, model_type))

@@ -373,7 +373,7 @@ class _AnswerScorer:
         try:
             with torch.no_grad():
                 return self._answer_logits(*self._two_copies)
-        except RuntimeError:  # the model packs a batch's images otherwise (MiniCPM-V's)
+        except (RuntimeError, ValueError):  # the model lays a batch's images out otherwise (MiniCPM-V's; Molmo2 asks for their crops)
             return None
 
     def _second_row_moved(self) -> bool:
