@@ -85,6 +85,26 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
+def test_integrated_gradients_of_an_answer_about_an_image_copy_the_embeddings_they_move():
+    """Kosmos-2 writes its image's features into the input embeddings in place, which
+    Captum's moved embeddings (a leaf that requires grad) would not allow: they are copied
+    first, and the image's positions (its mask's) score 0. Idefics extends its image mask
+    over generated tokens from its forward's outputs, which one forward of prompt and
+    answer has none of: refused in one line."""
+    from captum_attention.metrics.context import kept_image_tokens
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    answer = torch.tensor([[8, 9]])
+    kosmos, idefics = _architecture("image-text-to-text", "kosmos-2"), _architecture("image-text-to-text", "idefics")
+    case = make_case(build(kosmos), kosmos)
+    scores = answer_integrated_gradients(case.model, case.inputs[:1], answer, 4, case.images)
+    held = kept_image_tokens(case.model, case.inputs[:1], None, case.images)
+    assert bool(held.any()) and bool((scores[held] == 0).all()) and float(scores[~held].abs().max()) > 0
+    case = make_case(build(idefics), idefics)
+    with pytest.raises(UnsupportedModelError, match="extends its inputs over generated tokens from its forward's outputs"):
+        answer_integrated_gradients(case.model, case.inputs[:1], answer, 4, case.images)
+
+
 def test_the_residual_decompositions_refuse_layers_that_carry_several_streams_per_token():
     """GLM-5-Next's layers take and return ``(B, N, S, D)`` hidden states (hyper-connections
     as a dimension of their own): NormAttention with the residual refuses in one line, as

@@ -359,16 +359,23 @@ def answer_integrated_gradients(
     with the example's image inputs. Detached."""
     images = {} if image_inputs is None else HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], answer.shape[1])
 
+    embeddings = model.get_input_embeddings()
+
     def log_prob(prompts: torch.Tensor) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
-        logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
+        # a copy of the embeddings Captum moves: Kosmos-2 writes its image's features into them in place
+        copied = embeddings.register_forward_hook(lambda module, args, output: output.clone())
+        try:
+            logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
+        finally:
+            copied.remove()
         return logits.float().log_softmax(dim=-1).gather(2, answers[..., None]).sum(dim=(1, 2))
 
     if image_inputs is None:
         baselines, per_batch = torch.zeros_like(ids), max(1, min(steps, IG_TOKENS_PER_BATCH // (ids.shape[1] + answer.shape[1])))
     else:
         baselines, per_batch = ids.masked_fill(~kept_image_tokens(model, ids, None, image_inputs), 0), 1
-    scores = LayerIntegratedGradients(log_prob, model.get_input_embeddings()).attribute(
+    scores = LayerIntegratedGradients(log_prob, embeddings).attribute(
         ids, baselines=baselines, n_steps=steps, internal_batch_size=per_batch
     )
     return scores[:, : ids.shape[1]].sum(dim=-1).float().detach()  # the answer's embeddings are the baseline's too

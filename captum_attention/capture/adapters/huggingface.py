@@ -331,16 +331,24 @@ class HuggingFaceAdapter(AdapterBase):
 
     def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
         """As the model's own ``_update_model_kwargs_for_generation`` extends them, one token
-        at a time as ``generate`` calls it (PaliGemma marks generated tokens as its causal
-        suffix; the generic update repeats the last token type; Mllama repeats the last
-        token's ``cross_attention_mask``)."""
+        at a time as ``generate`` calls it without a cache, the whole sequence at each step
+        (PaliGemma marks generated tokens as its causal suffix; the generic update repeats
+        the last token type; Mllama repeats the last token's ``cross_attention_mask``). An
+        update that reads the forward's own outputs (Idefics' image states) is refused in
+        one line."""
         from transformers.utils import ModelOutput
 
         update: Callable[..., dict[str, Any]] | None = getattr(model, "_update_model_kwargs_for_generation", None)
         generated = {key: value for key, value in inputs.items() if per_token(value, prompt_length)}
         if update is not None:
-            for _ in range(new_tokens):
-                generated = update(ModelOutput(), generated, is_encoder_decoder=False, num_new_tokens=1)
+            try:
+                for _ in range(new_tokens):
+                    generated = update(ModelOutput(), {**generated, "use_cache": False}, is_encoder_decoder=False, num_new_tokens=1)
+            except AttributeError as error:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__} extends its inputs over generated tokens from its forward's outputs ({error}): "
+                    "its image inputs cannot be extended over the answer as generate extends them."
+                ) from error
         return extended_per_token(inputs, prompt_length, new_tokens, generated)
 
     def relevance_sites(self, model: nn.Module) -> RelevanceSites:
