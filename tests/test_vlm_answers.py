@@ -18,7 +18,7 @@ from torch import nn
 from types import SimpleNamespace
 from vlm_models import (
     ANSWER, FAMILIES, GRIDS, IMAGE, VLMPrompt, family_example, make_mllama, make_mllama_prompt, make_vlm, make_vlm_prompt, mllama_span_reference, mllama_states_real,
-    mllama_with_answer, vlm_span_reference, with_answer,
+    mllama_with_answer, tower_rows, vlm_span_reference, with_answer,
 )
 from methods import MAP_METHODS, METHODS
 
@@ -737,3 +737,17 @@ def test_integrated_gradients_of_an_answer_hold_the_image(family):
     scores = answer_integrated_gradients(model, ids, answer, steps, images)
     assert expected.abs().max() > 0 and bool((scores[ids == IMAGE] == 0).all())
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_integrated_gradients_of_an_answer_encode_the_image_once(monkeypatch):
+    """LLaVA's steps take its image encoded once by the vision tower (and once more from the
+    pixels, which shows the encoded image gives the answer the same log-probability), not
+    at each of the steps and the baseline's forward: the same scores as the tower rerun."""
+    from captum_attention.presentation import explain
+
+    model, ids, images = family_example("llava")
+    scores = {}
+    rows = tower_rows(model, lambda: scores.update(once=explain.answer_integrated_gradients(model, ids, ANSWER[:1], 6, images)), monkeypatch)
+    assert rows == 2
+    monkeypatch.setattr(explain, "encoded_images", lambda model, images: None)
+    torch.testing.assert_close(scores["once"], explain.answer_integrated_gradients(model, ids, ANSWER[:1], 6, images), rtol=1e-4, atol=1e-6)

@@ -13,6 +13,7 @@ from captum.attr import LayerIntegratedGradients
 from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
 from ..capture.adapters import HuggingFaceAdapter
+from ..capture.adapters.images import ENCODED_IMAGES, TOWER_INPUTS, encoded_images
 from ..capture.inputs import class_probabilities
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens
@@ -356,12 +357,11 @@ def answer_integrated_gradients(
     model's with its ``image_inputs`` (one example), the image held: the image's tokens
     (:func:`~captum_attention.metrics.context.kept_image_tokens`, as the context metrics
     keep them) keep their ids in the baseline, so they score 0, and each step runs alone
-    with the example's image inputs. Detached."""
-    images = {} if image_inputs is None else HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], answer.shape[1])
-
+    with the image, encoded once by the vision tower where the model then gives the
+    answer the log-probability it gives from the pixels (:func:`_held_images`). Detached."""
     embeddings = model.get_input_embeddings()
 
-    def log_prob(prompts: torch.Tensor) -> torch.Tensor:
+    def log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
         # a copy of the embeddings Captum moves: Kosmos-2 writes its image's features into them in place
         copied = embeddings.register_forward_hook(lambda module, args, output: output.clone())
@@ -372,13 +372,34 @@ def answer_integrated_gradients(
         return logits.float().log_softmax(dim=-1).gather(2, answers[..., None]).sum(dim=(1, 2))
 
     if image_inputs is None:
+        images: dict[str, Any] = {}
         baselines, per_batch = torch.zeros_like(ids), max(1, min(steps, IG_TOKENS_PER_BATCH // (ids.shape[1] + answer.shape[1])))
     else:
+        images = _held_images(model, ids, HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], answer.shape[1]), log_prob)
         baselines, per_batch = ids.masked_fill(~kept_image_tokens(model, ids, None, image_inputs), 0), 1
-    scores = LayerIntegratedGradients(log_prob, embeddings).attribute(
+    scores = LayerIntegratedGradients(lambda prompts: log_prob(prompts, images), embeddings).attribute(
         ids, baselines=baselines, n_steps=steps, internal_batch_size=per_batch
     )
     return scores[:, : ids.shape[1]].sum(dim=-1).float().detach()  # the answer's embeddings are the baseline's too
+
+
+def _held_images(
+    model: Any, ids: torch.Tensor, images: dict[str, Any], log_prob: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+) -> dict[str, Any]:
+    """One example's image inputs for the ``(1, N)`` prompt ``ids``, their tower inputs
+    replaced by the images encoded once (:func:`~captum_attention.capture.adapters.images.encoded_images`,
+    as ``generate`` encodes them) where ``log_prob`` of the whole prompt is then the same
+    within 1e-4 of its size (at least 1); else as given, the tower rerun by every forward."""
+    encoded = encoded_images(model, images)
+    if encoded is None:
+        return images
+    held = {**{name: value for name, value in images.items() if name not in TOWER_INPUTS}, ENCODED_IMAGES: encoded}
+    try:
+        with torch.no_grad():
+            given, reused = float(log_prob(ids, images)), float(log_prob(ids, held))
+    except Exception:  # noqa: BLE001 - the forward refuses encoded images (BLIP-2's requires the pixels)
+        return images
+    return held if abs(given - reused) <= 1e-4 * max(1.0, abs(given)) else images
 
 
 def removable_segments(keep: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
