@@ -41,7 +41,7 @@ from ..maps import LinearNorm
 from ..maps.decompx import distribute_bias, held_attention, linearised, unbiased_outputs, zero_origin_slope
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
-from .adapters.images import ENCODED_IMAGES, TOWER_INPUTS, encoded_copies
+from .adapters.images import ENCODED_IMAGES, encoded_copies, with_encoded_images
 from .inputs import output_logits, take_rows
 from .guard import ModelChanges, ScopedFunctionMode, current_thread
 from .kernel import KernelInterception
@@ -376,7 +376,7 @@ def _with_encoded(value: Any, encoded: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_with_encoded(item, encoded) for item in value)
     if isinstance(value, dict):
-        return {**{name: item for name, item in value.items() if name not in TOWER_INPUTS}, ENCODED_IMAGES: encoded}
+        return with_encoded_images(value, encoded)
     return value
 
 

@@ -13,7 +13,7 @@ from captum.attr import LayerIntegratedGradients
 from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
 from ..capture.adapters import HuggingFaceAdapter
-from ..capture.adapters.images import ENCODED_IMAGES, TOWER_INPUTS, encoded_images
+from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens
@@ -393,7 +393,7 @@ def _held_images(
     encoded = encoded_images(model, images)
     if encoded is None:
         return images
-    held = {**{name: value for name, value in images.items() if name not in TOWER_INPUTS}, ENCODED_IMAGES: encoded}
+    held = with_encoded_images(images, encoded)
     try:
         with torch.no_grad():
             given, reused = float(log_prob(ids, images)), float(log_prob(ids, held))

@@ -144,6 +144,13 @@ def encoded_images(model: Any, image_inputs: Mapping[str, Any]) -> dict[str, Any
     return encoded.get(ENCODED_IMAGES) or None
 
 
+def with_encoded_images(image_inputs: Mapping[str, Any], encoded: Any) -> dict[str, Any]:
+    """``image_inputs`` that take the images ``encoded`` (:data:`ENCODED_IMAGES`, from
+    :func:`encoded_images` or :func:`encoded_copies`) in place of what the tower reads
+    (:data:`TOWER_INPUTS`)."""
+    return {**{name: value for name, value in image_inputs.items() if name not in TOWER_INPUTS}, ENCODED_IMAGES: encoded}
+
+
 def encoded_copies(model: Any, input_ids: Tensor, encoded: Mapping[str, Any], copies: int) -> dict[str, Any]:
     """One example's ``encoded`` images (:func:`encoded_images`) for ``copies`` rows, repeated
     as ``generate`` repeats them for its beams (it changes the outputs it is given: copies
