@@ -196,7 +196,7 @@ class _AnswerScorer:
         (``encoded``: the images given encoded, :attr:`encoded_images`)."""
         with torch.no_grad():
             logits = self._answer_logits(prompts, mask, positions, answer, encoded)
-        return _summed_log_probs(logits, answer)
+        return summed_log_probs(logits, answer)
 
     def _answer_logits(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor, encoded: bool = False) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token, the
@@ -273,7 +273,7 @@ class _AnswerScorer:
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, positions, answer, self.encoded_images_reused)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer, self.encoded_images_reused)
-        moved = _moved(_summed_log_probs(alone_logits, answer)[0], _summed_log_probs(padded_logits, answer)[0], alone_logits.dtype)
+        moved = log_prob_moved(summed_log_probs(alone_logits, answer)[0], summed_log_probs(padded_logits, answer)[0], alone_logits.dtype)
         if moved is not None:
             return (
                 f"Padding (attention mask 0) on the {self.padding_side} of example {row}'s shortened prompt moves its "
@@ -356,8 +356,8 @@ class _AnswerScorer:
         except Exception:  # noqa: BLE001 - the forward refuses encoded images: its tower reruns
             return False
         assert reference is not None  # two copies ran, or rows_read_together
-        pairs = zip(_summed_log_probs(reference, answer), _summed_log_probs(encoded, answer))
-        return all(_moved(first, second, reference.dtype) is None for first, second in pairs)
+        pairs = zip(summed_log_probs(reference, answer), summed_log_probs(encoded, answer))
+        return all(log_prob_moved(first, second, reference.dtype) is None for first, second in pairs)
 
     @cached_property
     def _two_copies(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -380,8 +380,8 @@ class _AnswerScorer:
         logits = self._two_copies_logits
         if logits is None:  # each alone runs
             return True
-        first, second = _summed_log_probs(logits, self._two_copies[3])
-        return _moved(first, second, logits.dtype) is not None
+        first, second = summed_log_probs(logits, self._two_copies[3])
+        return log_prob_moved(first, second, logits.dtype) is not None
 
     def _kept_tokens(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R, N)`` bool: the real prompt tokens of examples ``rows`` that the removed
@@ -448,14 +448,14 @@ _BATCH_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]]" = wea
 """Per model, :attr:`_AnswerScorer.rows_read_together`'s verdicts."""
 
 
-def _moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> float | None:
+def log_prob_moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> float | None:
     """How far ``other`` is from the log-probability ``reference``, where farther than the
     logits' ``dtype`` explains; else None."""
     moved = abs(float(other) - float(reference))
     return moved if moved > max(1e-4, 8 * torch.finfo(dtype).eps) * max(1.0, abs(float(reference))) else None
 
 
-def _summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
+def summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
     """``(R,)`` the answer tokens' log-probabilities under ``logits`` ``(R, answer tokens, vocab)``, summed."""
     return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum(dim=(1, 2))
 

@@ -489,11 +489,11 @@ def evaluate_answers(
     options = options or AnswerOptions()
     check_names("method", methods, answer_method_names())
     check_names("metric", metrics, answer_metric_names())
-    two_stacks = bool(getattr(model.config, "is_encoder_decoder", False)) or cross_attends_images(model)
-    check_methods(methods, answers=True, one_stack=not two_stacks)
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    check_methods(methods, answers=True, one_stack=not (seq2seq or cross_attends_images(model)))
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
-    if INTEGRATED_GRADIENTS in methods and bool(getattr(model.config, "is_encoder_decoder", False)):
+    if INTEGRATED_GRADIENTS in methods and seq2seq:
         raise ValueError(
             f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's prompt (Captum's LLMGradientAttribution "
             "takes no other); leave it out of the methods."

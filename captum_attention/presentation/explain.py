@@ -16,7 +16,7 @@ from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
-from ..metrics.context import kept_image_tokens
+from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift, pair_token_types
 from .display import readable_tokens, special_tokens
@@ -369,7 +369,7 @@ def answer_integrated_gradients(
             logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
         finally:
             copied.remove()
-        return logits.float().log_softmax(dim=-1).gather(2, answers[..., None]).sum(dim=(1, 2))
+        return summed_log_probs(logits, answers)
 
     if image_inputs is None:
         images: dict[str, Any] = {}
@@ -389,17 +389,18 @@ def _held_images(
     """One example's image inputs for the ``(1, N)`` prompt ``ids``, their tower inputs
     replaced by the images encoded once (:func:`~captum_attention.capture.adapters.images.encoded_images`,
     as ``generate`` encodes them) where ``log_prob`` of the whole prompt is then the same
-    within 1e-4 of its size (at least 1); else as given, the tower rerun by every forward."""
+    within the logits' precision (:func:`~captum_attention.metrics.context.log_prob_moved`,
+    as the context metrics decide it); else as given, the tower rerun by every forward."""
     encoded = encoded_images(model, images)
     if encoded is None:
         return images
     held = with_encoded_images(images, encoded)
     try:
         with torch.no_grad():
-            given, reused = float(log_prob(ids, images)), float(log_prob(ids, held))
+            given, reused = log_prob(ids, images), log_prob(ids, held)
     except Exception:  # noqa: BLE001 - the forward refuses encoded images (BLIP-2's requires the pixels)
         return images
-    return held if abs(given - reused) <= 1e-4 * max(1.0, abs(given)) else images
+    return held if log_prob_moved(given, reused, model.get_input_embeddings().weight.dtype) is None else images
 
 
 def removable_segments(keep: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
