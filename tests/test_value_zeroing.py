@@ -8,13 +8,17 @@ joint^(l-1)); the explained query's row."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import assert_refused_in_one_line, assert_same_state, model_state
-from lm_models import answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, one_stack_case
+from lm_models import (
+    answer_rows, explains_through_the_llm_interface, make_decoder, make_encoder_decoder, make_prompts, one_stack_case,
+)
 
 from captum_attention import UnsupportedModelError, ValueZeroing
-from captum_attention.attr import METHODS, REGISTRY, _decomposed
+from captum_attention.attr import METHODS, REGISTRY, _decomposed, value_zeroing
 
 
 def _layers(model, family: str):
@@ -109,6 +113,23 @@ def test_a_span_and_an_answers_rows_share_one_computation():
     explains_through_the_llm_interface(explainer)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_a_token_no_query_reads_moves_no_output(family):
+    """Causal attention: zeroing a later token's value leaves every earlier output as it
+    was, so those distances are 0 to the last bits of float32 (1 - cos of vectors equal
+    but for a few units of the last place: below 5e-14 of the row). They are measured from
+    the layer re-run with nothing zeroed; measured from the eager forward's own outputs,
+    another kernel's rounding, they were 1.4-6e-13."""
+    model = make_decoder(family)
+    prompts = make_prompts(side="left")
+    _, maps = ValueZeroing(model, capture="eager").attribute(
+        prompts.input_ids, additional_forward_args=(prompts.attention_mask,), return_maps=True
+    )
+    later = torch.ones(maps.shape[-2:], dtype=torch.bool).triu(1)
+    assert float(maps[..., later].abs().max()) < 5e-14
+    assert bool((maps[..., ~later] > 1e-6).any())
+
+
 def test_registered_out_of_reports_and_clear_refusals(monkeypatch):
     assert REGISTRY["value_zeroing"] is ValueZeroing and "value_zeroing" not in METHODS
     model, ids, mask, _ = one_stack_case("bert")
@@ -171,3 +192,71 @@ def test_a_layer_whose_rerun_differs_from_its_forward_is_refused_in_one_line(cap
         assert_refused_in_one_line(model, explain, "re-run with no value zeroed gives other outputs")
     finally:
         handle.remove()
+
+
+def _bfloat16_llama_case():
+    """A bfloat16 Llama (transformers' initialisation, whose bfloat16 forward stays within
+    rounding of its float32 one) and 64 tokens; its float64 twin with the same (bfloat16)
+    weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    twin = LlamaForCausalLM(config).eval()
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(3, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    return model, twin.double(), ids, torch.ones_like(ids)
+
+
+def test_half_precision_layers_are_re_run_as_float32_copies(capture_mode):
+    """A distance is that of two nearly equal outputs (one token's value of 64 removed), so
+    the re-runs' rounding weighs about 64 times more in it than in the outputs: re-run in
+    bfloat16, the scores were 3% of their scale away from the float64 recomputation of
+    the same weights; float32 copies of the layers bring them within 1e-3. The copies run
+    the user's hooks (shared, not copied: this one holds a lock, which cannot be copied).
+    The model keeps its weights, dtype and hooks."""
+    model, twin, ids, mask = _bfloat16_llama_case()
+    counters = [_Counter() for _ in model.model.layers]
+    handles = [layer.register_forward_hook(counter) for layer, counter in zip(model.model.layers, counters)]
+    try:
+        before = model_state(model)
+        scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+        assert_same_state(before, model_state(model))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert all(counter.calls == 1 + 1 + ids.shape[1] for counter in counters)  # the forward, a re-run unzeroed, one per token
+    expected = reference(twin, "llama", ids, mask, ids.shape[1] - 1)
+    torch.testing.assert_close(scores.float(), expected, rtol=0, atol=1e-3 * expected.abs().max().item())
+
+
+class _Counter:
+    """A hook that counts its calls under a lock (so it cannot be deep-copied); as a
+    forward pre-hook it also casts the module's input to ``cast`` where given."""
+
+    def __init__(self, cast: torch.dtype | None = None) -> None:
+        self.lock, self.calls, self.cast = threading.Lock(), 0, cast
+
+    def __call__(self, module, args, *output):
+        with self.lock:
+            self.calls += 1
+        return (args[0].to(self.cast), *args[1:]) if self.cast is not None else None
+
+
+def test_a_half_precision_layer_whose_copy_fails_is_re_run_as_it_is(monkeypatch):
+    """A forward pre-hook of the user's that casts a projection's input to bfloat16 (the
+    hooks are shared with the copies) makes the float32 copies fail: the layers are then
+    re-run in their own dtype, as without the copies."""
+    model, _, ids, mask = _bfloat16_llama_case()
+    ids, mask = ids[:, :12], mask[:, :12]
+    handles = [layer.self_attn.q_proj.register_forward_pre_hook(_Counter(torch.bfloat16)) for layer in model.model.layers]
+    try:
+        scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+        monkeypatch.setattr(value_zeroing, "_half_precision", lambda block: False)
+        torch.testing.assert_close(scores, ValueZeroing(model).attribute(ids, additional_forward_args=(mask,)), rtol=0, atol=0)
+    finally:
+        for handle in handles:
+            handle.remove()
