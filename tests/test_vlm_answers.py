@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_state, model_state
+from conftest import assert_refused_in_one_line, assert_same_state, model_state
 from lrp_reference import llama_relevance, llava_pixel_relevance, mllama_relevance
 from seq2seq_reference import cross_attending_reference
 from test_llm import span_reference
@@ -751,3 +751,23 @@ def test_integrated_gradients_of_an_answer_encode_the_image_once(monkeypatch):
     assert rows == 2
     monkeypatch.setattr(explain, "encoded_images", lambda model, images: None)
     torch.testing.assert_close(scores["once"], explain.answer_integrated_gradients(model, ids, ANSWER[:1], 6, images), rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_that_puts_image_features_before_the_tokens_is_refused_in_one_line(capture_mode):
+    """GIT's text model attends over its image's features and then the tokens, positions
+    no input token stands for: refused naming them (it was refused as windowed attention);
+    the tokens alone are explained."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=16)
+    config = tf.GitConfig(vision_config=vision, vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    model = tf.GitForCausalLM(config).eval()
+    ids = torch.randint(3, 99, (1, 6))
+    args = (torch.ones_like(ids), {"pixel_values": torch.randn(1, 3, 32, 32)})
+    for explain in (lambda: AttnLRP(model).attribute(ids, additional_forward_args=args),
+                    lambda: AttnLRP(model).attribute_span(ids, torch.tensor([[5, 7]]), additional_forward_args=args)):
+        assert_refused_in_one_line(model, explain, r"GitSelfAttention \(attention call 2\) attends over 1[13] positions for the [68] "
+                                                   "input tokens: the model adds positions of its own")
+    assert AttnLRP(model).attribute(ids, additional_forward_args=args[:1]).abs().sum() > 0

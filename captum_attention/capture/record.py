@@ -684,6 +684,16 @@ def _check_attention(
                 "it shortens), and a capture explains one sequence: name the attention modules over the tokens, "
                 "adapter=ModuleAdapter([...]), or pass a vision-language model whole (its language model is read)."
             )
+        longer = [i for i, (s, r) in enumerate(zip(shapes, roles)) if r == "self" and len(s) == 4 and s[0] == batch
+                  and text_shape is not None and s[-1] > text_shape[1]]
+        if not keys_ok and not over_tokens and longer:
+            assert text_shape is not None
+            raise UnsupportedModelError(
+                f"{names[longer[0]]} (attention call {longer[0]}) attends over {shapes[longer[0]][-1]} positions for the "
+                f"{text_shape[1]} input tokens: the model adds positions of its own to the tokens (image features before "
+                "them, as GIT's), which no input token stands for; not explained yet (the tokens alone, without the image "
+                "inputs, are)."
+            )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
             raise UnsupportedModelError(
