@@ -180,6 +180,10 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vision_config"] = {**kwargs["vision_config"], "hidden_size": 64}  # its Q-Former has one head per 64 features
     if config_class.model_type == "deepseek_ocr2_sam_vision_model":  # DeepSeek-OCR-2's SAM neck's channels end at the tiny encoder's width
         kwargs["downsample_channels"] = [16, TINY["hidden_size"]]
+    if config_class.model_type == "chameleon":  # its images as codes of a tiny VQ-VAE (16 per image), named in the vocabulary
+        kwargs["vq_config"] = dict(embed_dim=8, num_embeddings=8, resolution=IMAGE_SIZE, base_channels=32, latent_channels=8,
+                                   channel_multiplier=[1, 1, 1, 1], num_res_blocks=1)
+        kwargs["vocabulary_map"] = {"<image>": VOCAB - 1, **{_image_code_name(code): VOCAB - 20 + code for code in range(8)}}
     if config_class.model_type == "kosmos-2.5":  # its image's latent queries, as many as the tiny image has patches
         kwargs["latent_query_num"] = 16
     if config_class.model_type == "nemotron_h_omni":  # its tower's default setting, which the tiny one repeats, and its width
@@ -198,6 +202,11 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
     if head == "causal LM":  # encoders' LM heads (BertLMHeadModel, XLM) as transformers' tests build them
         kwargs.update({flag: True for flag in ("is_decoder", "causal") if flag in accepted})
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _image_code_name(code: int) -> str:
+    """Chameleon's vocabulary name of its VQ-VAE's code: its digits as letters (0: A)."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(digit)) for digit in str(code)) + "Z"
 
 
 SOFTMAX_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
@@ -364,7 +373,7 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     model's image features, then text; a family whose images come otherwise is not built."""
     from captum_attention.capture.adapters.images import cross_attends_images, image_token_id
 
-    vision = getattr(model.config, "vision_config", None)
+    vision = getattr(model.config, "vision_config", None) or getattr(model.config, "vq_config", None)  # Chameleon: a VQ-VAE
     token = image_token_id(model.config)
     if cross_attends_images(model):
         return cross_attending_case(model, architecture, generator)

@@ -375,7 +375,8 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
     vision tower attends over the patches); every site of any other model."""
     language_model = language_model_of(model)
     if language_model is None:
-        return list(found.values())
+        images = {module for image_model in _image_models(model) for module in image_model.modules()}
+        return [site for site in found.values() if site.module not in images]
     inside = set(language_model.modules())
     sites = [site for site in found.values() if site.module in inside]
     names = {module: name for name, module in model.named_modules()}
@@ -391,6 +392,23 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
             "sequence: its answers are not explained yet."
         )
     return sites
+
+
+IMAGE_CONFIGS = ("vision_config", "vq_config")
+"""The sub-configs of a model that reads tokens whose sub-models read its images (GIT's
+image encoder, Chameleon's VQ-VAE, which turns an image into codes of its vocabulary)."""
+
+
+def _image_models(model: nn.Module) -> list[nn.Module]:
+    """The sub-models of a decoder that reads tokens (not an encoder-decoder) built from
+    its image sub-configs (:data:`IMAGE_CONFIGS`): their attention runs over an image's
+    patches or features, not over the tokens."""
+    config = getattr(model, "config", None)
+    if getattr(model, "main_input_name", None) != "input_ids" or getattr(config, "is_encoder_decoder", False):
+        return []
+    kinds = tuple(type(sub) for name in IMAGE_CONFIGS if (sub := getattr(config, name, None)) is not None)
+    return [module for module in model.modules() if module is not model and isinstance(getattr(module, "config", None), kinds)
+            and hasattr(module, "main_input_name")] if kinds else []
 
 
 _CROSS_STATES = {"cross_attention_states", "encoder_hidden_states"}

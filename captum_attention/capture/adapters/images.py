@@ -260,6 +260,13 @@ def _idefics3(config: Any) -> _Shape:
     return _Shape(side * side, (side, side))
 
 
+def _chameleon(config: Any) -> _Shape:
+    """Its VQ-VAE's codes, row by row: the image halved once per stage after the first."""
+    vq = config.vq_config
+    side = int(vq.resolution) // 2 ** (len(vq.channel_multiplier) - 1)
+    return _Shape(side * side, (side, side))
+
+
 def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
     """Each image's ``(t, h, w)`` patches from ``image_grid_thw``, in the order of the
     batch's image tokens, merged ``m × m``: ``(h/m, w/m)`` (a video's frames refused)."""
@@ -349,6 +356,7 @@ _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]
     "gemma3": _fixed(_gemma3),
     "idefics3": _fixed(_idefics3),
     "smolvlm": _fixed(_idefics3),
+    "chameleon": _fixed(_chameleon),
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
 }
