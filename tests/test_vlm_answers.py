@@ -773,49 +773,57 @@ def test_a_model_that_puts_image_features_before_the_tokens_is_refused_in_one_li
     assert AttnLRP(model).attribute(ids, additional_forward_args=args[:1]).abs().sum() > 0
 
 
-def _tiny_chameleon() -> nn.Module:
-    """Chameleon with a tiny VQ-VAE (8 codes, 32-pixel images halved three times: 4 × 4
-    codes), its codes named in the vocabulary as its checkpoints name them."""
+def _tiny_vq_model(family: str) -> nn.Module:
+    """Chameleon or Emu3 with a tiny VQ-VAE (8 codes, 32-pixel images halved three times:
+    4 × 4 codes; Emu3's rows each ended by its end-of-line token), its codes named in the
+    vocabulary as its checkpoints name them."""
     import transformers as tf
 
-    def name(code: int) -> str:
+    def chameleon_name(code: int) -> str:
         return "IMGIMG" + "".join(chr(ord("A") + int(digit)) for digit in str(code)) + "Z"
 
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                initializer_range=0.2)
+    vq = dict(embed_dim=8, latent_channels=8, base_channels=32, channel_multiplier=[1, 1, 1, 1], num_res_blocks=1)
     torch.manual_seed(0)
-    config = tf.ChameleonConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.2,
-        vq_config=dict(embed_dim=8, num_embeddings=8, resolution=32, base_channels=32, latent_channels=8,
-                       channel_multiplier=[1, 1, 1, 1], num_res_blocks=1),
-        vocabulary_map={"<image>": 98, **{name(code): 79 + code for code in range(8)}},
-    )
-    return tf.ChameleonForConditionalGeneration(config).eval()
+    if family == "chameleon":
+        config = tf.ChameleonConfig(**text, vq_config=dict(vq, num_embeddings=8, resolution=32),
+                                    vocabulary_map={"<image>": 98, **{chameleon_name(code): 79 + code for code in range(8)}})
+        return tf.ChameleonForConditionalGeneration(config).eval()
+    config = tf.Emu3Config(text_config=text, vq_config=dict(vq, codebook_size=8, attn_resolutions=[], hidden_size=32, num_attention_heads=4),
+                           vocabulary_map={"<image>": 98, "<|extra_200|>": 97, **{f"<|visual token {code:06d}|>": 79 + code for code in range(8)}})
+    return tf.Emu3ForConditionalGeneration(config).eval()
 
 
-def test_chameleons_image_codes_are_read_by_its_language_model_and_land_on_their_grid(capture_mode):
-    """Chameleon turns an image into codes of its vocabulary with a VQ-VAE, whose own
-    attention (over the image's latent grid) is not read (it was taken for the language
-    model's: every method failed). Grad-SAM equals its formula on the eager twin's maps
-    and gradients, the image's tokens scored; each code lands on its place in the
-    VQ-VAE's latent grid."""
-    model = _tiny_chameleon()
+@pytest.mark.parametrize("family", ["chameleon", "emu3"])
+def test_image_codes_of_a_vq_vae_are_read_by_the_language_model_and_land_on_their_grid(family, capture_mode):
+    """Chameleon and Emu3 turn an image into codes of their vocabulary with a VQ-VAE, whose
+    own attention (over the image's latent grid) is not read (it was taken for the language
+    model's: every method failed). Grad-SAM equals its formula on the eager twin's maps and
+    gradients, the image's tokens scored; each code lands on its place in the VQ-VAE's
+    latent grid (Emu3's end-of-line tokens left out)."""
+    model = _tiny_vq_model(family)
     pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    ids = torch.tensor([[1, *[98] * 16, 5, 6, 7]])
+    images = {"pixel_values": pixels} if family == "chameleon" else {"pixel_values": pixels, "image_sizes": torch.tensor([[32, 32]])}
+    per_row = 4 if family == "chameleon" else 5
+    ids = torch.tensor([[1, *[98] * 4 * per_row, 5, 6, 7]])
     mask = torch.ones_like(ids)
     before = model_state(model)
-    scores = GradSAM(model).attribute(ids, target=7, additional_forward_args=(mask, {"pixel_values": pixels}))
+    scores = GradSAM(model).attribute(ids, target=7, additional_forward_args=(mask, images))
     assert_same_state(before, model_state(model))
-    twin = _tiny_chameleon()
+    twin = _tiny_vq_model(family)
     twin.set_attn_implementation("eager")
-    out = twin(input_ids=ids, attention_mask=mask, pixel_values=pixels, output_attentions=True)
+    out = twin(input_ids=ids, attention_mask=mask, **images, output_attentions=True)
     assert all(maps.shape[-1] == ids.shape[1] for maps in out.attentions)
     grads = torch.autograd.grad(out.logits[0, -1, 7], out.attentions)
     expected = reference_grad_sam(SimpleNamespace(attentions=out.attentions, grads=grads), [ids.shape[1]])
     assert scores[ids == 98].abs().max() > 0
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     with torch.no_grad():
-        latent = model.model.vqmodel.encode(pixels, return_dict=True).quantized_last_hidden_state.shape[-2:]
+        encoded = model.model.vqmodel.encode(**images, return_dict=True)
+    latent = encoded.quantized_last_hidden_state.shape[-2:] if family == "chameleon" else encoded.image_tokens[0].shape
     numbered = torch.zeros(ids.shape)
-    numbered[ids == 98] = torch.arange(1.0, 17.0)
-    grid = image_scores(model, ids, numbered, {"pixel_values": pixels})[0][0]
-    torch.testing.assert_close(grid, torch.arange(1.0, 17.0).view(*latent))
+    numbered[ids == 98] = torch.arange(1.0, 4 * per_row + 1)
+    grid = image_scores(model, ids, numbered, images)[0][0]
+    torch.testing.assert_close(grid, torch.arange(1.0, 4 * per_row + 1).view(4, per_row)[:, :4].reshape(latent))

@@ -184,6 +184,11 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["vq_config"] = dict(embed_dim=8, num_embeddings=8, resolution=IMAGE_SIZE, base_channels=32, latent_channels=8,
                                    channel_multiplier=[1, 1, 1, 1], num_res_blocks=1)
         kwargs["vocabulary_map"] = {"<image>": VOCAB - 1, **{_image_code_name(code): VOCAB - 20 + code for code in range(8)}}
+    if config_class.model_type == "emu3":  # its images as codes of a tiny VQ-VAE (4 × 4, an end of line after each row)
+        kwargs["vq_config"] = dict(codebook_size=8, embed_dim=8, latent_channels=8, base_channels=32, channel_multiplier=[1, 1, 1, 1],
+                                   num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=4)
+        kwargs["vocabulary_map"] = {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2,
+                                    **{f"<|visual token {code:06d}|>": VOCAB - 20 + code for code in range(8)}}
     if config_class.model_type == "kosmos-2.5":  # its image's latent queries, as many as the tiny image has patches
         kwargs["latent_query_num"] = 16
     if config_class.model_type == "nemotron_h_omni":  # its tower's default setting, which the tiny one repeats, and its width

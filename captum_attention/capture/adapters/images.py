@@ -261,9 +261,8 @@ def _idefics3(config: Any) -> _Shape:
 
 
 def _chameleon(config: Any) -> _Shape:
-    """Its VQ-VAE's codes, row by row: the image halved once per stage after the first."""
-    vq = config.vq_config
-    side = int(vq.resolution) // 2 ** (len(vq.channel_multiplier) - 1)
+    """Its VQ-VAE's codes of its square images, row by row."""
+    side = int(config.vq_config.resolution) // _vq_codes(config)
     return _Shape(side * side, (side, side))
 
 
@@ -282,20 +281,31 @@ def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> lis
     return _in_token_order(held, images, "image_grid_thw")
 
 
-def _image_sizes(merge_name: str | None) -> Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]:
-    """Pixtral's images at their own sizes: each ``image_sizes`` ``(height, width)`` in
-    patches, merged ``m × m`` (``config.<merge_name>``, 1 for none), row by row (the
-    row-break tokens between rows are not image tokens)."""
+def _image_sizes(pixels_per_token: Callable[[Any], int], row_breaks: int = 0) -> Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]:
+    """Images at their own sizes: each ``image_sizes`` ``(height, width)`` in pixels,
+    ``pixels_per_token(config)`` pixels a token's side, row by row, ``row_breaks`` tokens
+    of the image's after each row (Emu3's end of line; Pixtral's row breaks are text)."""
 
     def layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
         sizes = image_inputs.get("image_sizes")
         if sizes is None:
             raise ValueError(f"{config.model_type} needs image_sizes to place its image tokens: pass the processor's image inputs.")
-        side = int(config.vision_config.patch_size) * (int(getattr(config, merge_name)) if merge_name else 1)
+        side = pixels_per_token(config)
         grids = [(int(height) // side, int(width) // side) for height, width in torch.as_tensor(sizes).tolist()]
-        return _in_token_order(held, [_Shape(rows * columns, (rows, columns)) for rows, columns in grids], "image_sizes")
+        images = [_Shape(rows * (columns + row_breaks), (rows, columns), 0, row_breaks) for rows, columns in grids]
+        return _in_token_order(held, images, "image_sizes")
 
     return layout
+
+
+def _pixtral_patches(merge_name: str | None) -> Callable[[Any], int]:
+    """Pixtral's patches, merged ``m × m`` (``config.<merge_name>``, 1 for none)."""
+    return lambda config: int(config.vision_config.patch_size) * (int(getattr(config, merge_name)) if merge_name else 1)
+
+
+def _vq_codes(config: Any) -> int:
+    """A VQ-VAE's code per pixels: the image halved once per stage after the first."""
+    return 2 ** (len(config.vq_config.channel_multiplier) - 1)
 
 
 def _in_token_order(held: Tensor, images: list[_Shape], given: str) -> list[list[_Shape]]:
@@ -318,7 +328,7 @@ def _llava_layout(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) ->
     if getattr(config.vision_config, "model_type", None) != "pixtral":
         return _fixed(_llava)(config, held, image_inputs)
     if config.vision_feature_select_strategy == "full":
-        return _image_sizes(None)(config, held, image_inputs)
+        return _image_sizes(_pixtral_patches(None))(config, held, image_inputs)
     return _unplaced(held)  # the "default" strategy drops the batch's first feature only
 
 
@@ -351,12 +361,13 @@ def _unplaced(held: Tensor) -> list[list[_Shape]]:
 _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]]]] = {
     "llava": _llava_layout,
     "llava_next": _llava_next,
-    "mistral3": _image_sizes("spatial_merge_size"),
+    "mistral3": _image_sizes(_pixtral_patches("spatial_merge_size")),
     "paligemma": _fixed(_paligemma),
     "gemma3": _fixed(_gemma3),
     "idefics3": _fixed(_idefics3),
     "smolvlm": _fixed(_idefics3),
     "chameleon": _fixed(_chameleon),
+    "emu3": _image_sizes(_vq_codes, row_breaks=1),
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
 }
