@@ -17,6 +17,8 @@
 #                                      # (benchmarks/length_batches.py on the card)
 #   bash benchmarks/gpu_run.sh vlm     # a vision-language answer's context metrics, the tower rerun per ablated
 #                                      # prompt against the images encoded once (benchmarks/vlm_context_metrics.py)
+#   bash benchmarks/gpu_run.sh zeroing # Value Zeroing of a bfloat16 model: its layers re-run as float32 copies
+#                                      # against bfloat16 re-runs, time and error (benchmarks/value_zeroing_precision.py)
 #   bash benchmarks/gpu_run.sh kernels # the Triton kernels against the eager reductions and their launch shapes
 #                                      # timed; Llama-1B bf16 (4k-32k and 8 x 2k) with each block reduction;
 #                                      # an answer's rows at 16k with the kernels (at most 10 min)
@@ -47,6 +49,9 @@ case "${1:-check}" in
             | tee "$out/answers_check.md"
         python3 benchmarks/llm_answers.py --model llama-1b --device cuda --dtype bfloat16 --lengths 4096 16384 \
             --token-rows-max 4096 --json "$out/llm_answers_llama1b_bf16.json" | tee "$out/llm_answers_llama1b_bf16.md" ;;
+    zeroing)
+        python3 benchmarks/value_zeroing_precision.py --device cuda --lengths 256 1024 --repeats 3 \
+            --json "$out/value_zeroing_precision.json" | tee "$out/value_zeroing_precision.md" ;;
     mixing)
         python3 -c "import sys; sys.path[:0] = ['benchmarks']; import gpu_check; gpu_check.context_mixing_agreement(); gpu_check.seq2seq_answer_agreement()" \
             | tee "$out/mixing_check.md"

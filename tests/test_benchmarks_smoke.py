@@ -319,3 +319,13 @@ def test_the_ablation_peers_recover_a_model_additive_in_its_tokens(benchmarks_on
     total = expected.sum(dim=1, keepdim=True)
     drops = (torch.sigmoid(total) - torch.sigmoid(total - expected)).masked_fill(~removable, 0.0)
     torch.testing.assert_close(explainers.leave_one_out_deletion(task, target), drops, atol=1e-6, rtol=0.0)
+
+
+def test_value_zeroing_precision_gives_each_ways_cost_and_error(benchmarks_on_path, capsys):
+    import value_zeroing_precision
+
+    (row,) = value_zeroing_precision.main(["--lengths", "24", "--repeats", "1", "--device", "cpu"])
+    copies, as_is = row["float32 copies"], row["bfloat16 re-runs"]
+    assert copies["error / scale"] < as_is["error / scale"] / 3  # the float32 copies are the precise way
+    assert copies["× fwd+bwd"] > 1 and as_is["× fwd+bwd"] > 1 and row["forward+backward ms"] > 0
+    assert "| 24 | " in capsys.readouterr().out
