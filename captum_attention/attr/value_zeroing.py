@@ -158,7 +158,7 @@ def _rerun_block(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, r
 
     A distance is that of two nearly equal outputs (one token's value of N removed), so
     the re-runs' rounding weighs about N times more in it than in the outputs: in half
-    precision it ran to 3-9% of the scores' scale at 128-512 tokens. A layer whose
+    precision it ran to 3-9% of the scores' scale at 64-512 tokens. A layer whose
     weights are all half precision is re-run as a float32 copy, on its recorded inputs
     made float32, where that copy runs and gives the forward's outputs to rounding; else
     (and in single precision) the model's own layer."""
@@ -191,7 +191,8 @@ def _float32_copy(model: nn.Module, block: nn.Module) -> nn.Module:
     shared: list[Any] = list(model_configs(model))
     for module in block.modules():
         shared.extend(hook for hooks in _hook_dicts(module) for hook in hooks.values())
-        shared.append(getattr(module, "_hf_hook", None))
+        if hasattr(module, "_hf_hook"):
+            shared.append(module._hf_hook)
     return copy.deepcopy(block, memo={id(kept): kept for kept in shared}).float()
 
 
@@ -201,12 +202,15 @@ def _hook_dicts(module: nn.Module) -> list[dict]:
 
 def _half_precision(block: nn.Module) -> bool:
     weights = list(block.parameters())
-    return bool(weights) and all(w.is_floating_point() and torch.finfo(w.dtype).bits <= 16 for w in weights)
+    return bool(weights) and all(map(_is_half, weights))
 
 
 def _single_precision(value: Any) -> Any:
-    half = isinstance(value, Tensor) and value.is_floating_point() and torch.finfo(value.dtype).bits <= 16
-    return value.float() if half else value
+    return value.float() if isinstance(value, Tensor) and _is_half(value) else value
+
+
+def _is_half(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() and torch.finfo(tensor.dtype).bits <= 16
 
 
 def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, block: nn.Module, examples: Tensor, keep: Tensor) -> Tensor:

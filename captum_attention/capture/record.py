@@ -673,6 +673,8 @@ def _check_attention(
             "calls the model passed as model=..."
         )
     over_tokens = [i for i, shape in enumerate(shapes) if text_shape is not None and len(shape) == 4 and shape[-1] == text_shape[1]]
+    longer = [i for i, (shape, role) in enumerate(zip(shapes, roles)) if role == "self" and len(shape) == 4 and shape[0] == batch
+              and text_shape is not None and shape[-1] > text_shape[1]]
     for call, (shape, role) in enumerate(zip(shapes, roles)):
         keys_ok = role not in ("self", "pooling") or text_shape is None or shape[-1] == text_shape[1]
         if not keys_ok and over_tokens and len(shape) == 4 and shape[0] == batch:
@@ -684,8 +686,6 @@ def _check_attention(
                 "it shortens), and a capture explains one sequence: name the attention modules over the tokens, "
                 "adapter=ModuleAdapter([...]), or pass a vision-language model whole (its language model is read)."
             )
-        longer = [i for i, (s, r) in enumerate(zip(shapes, roles)) if r == "self" and len(s) == 4 and s[0] == batch
-                  and text_shape is not None and s[-1] > text_shape[1]]
         if not keys_ok and not over_tokens and longer:
             assert text_shape is not None
             raise UnsupportedModelError(
