@@ -249,12 +249,13 @@ class _Counter:
 def test_a_half_precision_layer_whose_copy_fails_is_re_run_as_it_is(monkeypatch):
     """A forward pre-hook of the user's that casts a projection's input to bfloat16 (the
     hooks are shared with the copies) makes the float32 copies fail: the layers are then
-    re-run in their own dtype, as without the copies."""
+    re-run in their own dtype, as without the copies, with a warning that says so."""
     model, _, ids, mask = _bfloat16_llama_case()
     ids, mask = ids[:, :12], mask[:, :12]
     handles = [layer.self_attn.q_proj.register_forward_pre_hook(_Counter(torch.bfloat16)) for layer in model.model.layers]
     try:
-        scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
+        with pytest.warns(UserWarning, match=r"re-runs LlamaDecoderLayer in torch.bfloat16: its float32 copy could not be run"):
+            scores = ValueZeroing(model).attribute(ids, additional_forward_args=(mask,))
         monkeypatch.setattr(value_zeroing, "_half_precision", lambda block: False)
         torch.testing.assert_close(scores, ValueZeroing(model).attribute(ids, additional_forward_args=(mask,)), rtol=0, atol=0)
     finally:
