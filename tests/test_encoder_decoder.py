@@ -47,21 +47,26 @@ def make_pair(seed: int = 3) -> Seq2Seq:
     return Seq2Seq(source, target)
 
 
-def reference(model, pair: Seq2Seq, target: torch.Tensor | None = None) -> Seq2SeqReference:
+def reference(
+    model, pair: Seq2Seq, target: torch.Tensor | None = None, masks: tuple[torch.Tensor, torch.Tensor] = (SOURCE_MASK, TARGET_MASK),
+    images: dict[str, torch.Tensor] | None = None,
+) -> Seq2SeqReference:
+    """From the eager twin's maps and gradients; ``images``: a vision-language model's."""
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
+    source_mask, target_mask = masks
     out = ref(
-        input_ids=pair.source, attention_mask=SOURCE_MASK, decoder_input_ids=pair.target,
-        decoder_attention_mask=TARGET_MASK, output_attentions=True,
+        input_ids=pair.source, attention_mask=source_mask, decoder_input_ids=pair.target,
+        decoder_attention_mask=target_mask, output_attentions=True, **(images or {}),
     )
-    queries = TARGET_MASK.sum(1) - 1
-    logits = out.logits[torch.arange(2), queries]
+    queries = target_mask.sum(1) - 1
+    logits = out.logits[torch.arange(len(queries)), queries]
     targets = logits.argmax(-1) if target is None else target
     groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
     flat = [a for group in groups for a in group]
     grads = iter(torch.autograd.grad(logits.gather(1, targets[:, None]).sum(), flat))
     pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
-    return Seq2SeqReference(*pairs, SOURCE_MASK.sum(1).tolist(), (queries + 1).tolist())
+    return Seq2SeqReference(*pairs, source_mask.sum(1).tolist(), (queries + 1).tolist())
 
 
 def test_every_registered_method_has_an_encoder_decoder_reference():
@@ -168,3 +173,41 @@ def test_decision_flip_and_permutation_on_source_tokens(name):
     assert ((flips.fraction[flips.flipped] > 0) & (flips.fraction[flips.flipped] <= 1)).all()
     permuted = attention_permutation(model, (pair.source, pair.target), pair.args, n_permutations=3)
     assert (permuted.median_tvd > 0).all()
+
+
+def _tiny_florence2() -> torch.nn.Module:
+    """Florence-2: a DaViT vision tower (two stages, windows of 2) whose features take the
+    place of the image's tokens in a BART encoder's input."""
+    import transformers as tf
+
+    vision = dict(depths=[1, 1], embed_dim=[32, 32], num_heads=[4, 4], num_groups=[4, 4], patch_size=[8, 8], patch_stride=[4, 2],
+                  patch_padding=[3, 1], patch_prenorm=[False, True], window_size=2, projection_dim=32, max_position_embeddings=64)
+    text = dict(model_type="bart", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                encoder_ffn_dim=36, decoder_ffn_dim=36, vocab_size=99, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    return tf.Florence2ForConditionalGeneration(tf.Florence2Config(vision_config=vision, text_config=text, image_token_id=98)).eval()
+
+
+@pytest.mark.parametrize("method", [name for name, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
+def test_florence2s_image_tokens_in_its_encoders_input_are_explained(method):
+    """Florence-2 puts its image's features in its encoder's input at its image tokens. Its
+    vision tower's windowed attention is not read (every method was refused, naming the
+    tower's windows or its convolutions): the source scores, the image's tokens among
+    them, and the target scores equal the references from the eager twin's maps."""
+    model = _tiny_florence2()
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        features = model.model.get_image_features(**images)
+    count = getattr(features, "pooler_output", features).shape[1]
+    pair = Seq2Seq(torch.tensor([[1, *[98] * count, 5, 6, 7]]), torch.tensor([[1, 9, 10]]))
+    masks = (torch.ones_like(pair.source), torch.ones_like(pair.target))
+    cls = REGISTERED[method]
+    target = torch.tensor([5]) if cls.spec.uses_target else None
+    before = model_state(model)
+    source, target_scores = cls(model).attribute((pair.source, pair.target), target=target, additional_forward_args=(*masks, images))
+    assert_same_state(before, model_state(model))
+    expected_source, expected_target = SEQ2SEQ_REFERENCES[method](reference(model, pair, target, masks, images), 0)
+    assert expected_source[1 : 1 + count].abs().max() > 0
+    assert_scores_close(source[0], expected_source)
+    assert_scores_close(target_scores[0], expected_target)

@@ -34,19 +34,22 @@ def _decoder_ids(model, answer: torch.Tensor) -> torch.Tensor:
     return torch.cat([start, answer[:, :-1]], dim=1)
 
 
-def span_reference(model, source: torch.Tensor, answer: torch.Tensor) -> Seq2SeqReference:
+def span_reference(
+    model, source: torch.Tensor, answer: torch.Tensor, source_mask: torch.Tensor = SOURCE_MASK,
+    images: dict[str, torch.Tensor] | None = None,
+) -> Seq2SeqReference:
     """Maps and their gradients for the answer's summed log-probability, every decoder
-    position predicting the next answer token."""
+    position predicting the next answer token; ``images``: a vision-language model's."""
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     decoder = _decoder_ids(model, answer)
-    out = eager(input_ids=source, attention_mask=SOURCE_MASK, decoder_input_ids=decoder,
-                decoder_attention_mask=torch.ones_like(decoder), output_attentions=True)
+    out = eager(input_ids=source, attention_mask=source_mask, decoder_input_ids=decoder,
+                decoder_attention_mask=torch.ones_like(decoder), output_attentions=True, **(images or {}))
     objective = out.logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
     groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
     grads = iter(torch.autograd.grad(objective, [a for group in groups for a in group]))
     pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
-    return Seq2SeqReference(*pairs, SOURCE_MASK.sum(1).tolist(), [answer.shape[1]] * len(answer))
+    return Seq2SeqReference(*pairs, source_mask.sum(1).tolist(), [answer.shape[1]] * len(answer))
 
 
 @pytest.fixture(params=ENCODER_DECODERS)
@@ -168,3 +171,24 @@ def test_encoder_decoders_without_softmax_attention_over_their_tokens_are_refuse
         REGISTERED["grad_sam"](model).attribute_span(source, answer)
     assert "\n" not in str(refused.value)
     assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
+def test_a_span_of_florence2_with_its_image_equals_the_reference(method):
+    """Florence-2's image inputs go last, after the source's mask (they were refused): the
+    span's source scores, the image's tokens among them, and its target scores equal the
+    references of the summed log-probability with the image given."""
+    from test_encoder_decoder import _tiny_florence2
+
+    model = _tiny_florence2()
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        features = model.model.get_image_features(**images)
+    count = getattr(features, "pooler_output", features).shape[1]
+    source, answer = torch.tensor([[1, *[98] * count, 5, 6, 7]]), torch.tensor([[9, 10, 11]])
+    mask = torch.ones_like(source)
+    source_scores, target_scores = REGISTERED[method](model).attribute_span(source, answer, additional_forward_args=(mask, images))
+    expected_source, expected_target = SEQ2SEQ_REFERENCES[method](span_reference(model, source, answer, mask, images), 0, span=True)
+    assert expected_source[1 : 1 + count].abs().max() > 0
+    assert_scores_close(source_scores[0], expected_source)
+    assert_scores_close(target_scores[0], expected_target)

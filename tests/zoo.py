@@ -189,6 +189,11 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                                    num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=4)
         kwargs["vocabulary_map"] = {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2,
                                     **{f"<|visual token {code:06d}|>": VOCAB - 20 + code for code in range(8)}}
+    if config_class.model_type == "florence_vision":  # Florence-2's DaViT: every per-stage list as long as depths
+        for name, parameter in inspect.signature(config_class.__init__).parameters.items():
+            if name not in kwargs and isinstance(parameter.default, (list, tuple)) and len(parameter.default) > len(TINY["depths"]):
+                kwargs[name] = list(parameter.default)[: len(TINY["depths"])]
+        kwargs["num_groups"] = kwargs["num_heads"]
     if config_class.model_type == "kosmos-2.5":  # its image's latent queries, as many as the tiny image has patches
         kwargs["latent_query_num"] = 16
     if config_class.model_type == "nemotron_h_omni":  # its tower's default setting, which the tiny one repeats, and its width
@@ -328,7 +333,7 @@ class Case:
             return {"pixel_values": self.inputs}
         if self.encoder_decoder:
             source, target = self.inputs  # type: ignore[misc]
-            return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target}
+            return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target, **(self.images or {})}
         return {"input_ids": self.inputs, "attention_mask": torch.ones_like(self.inputs), **(self.images or {})}  # type: ignore[arg-type]
 
     def score(self, logits: torch.Tensor) -> torch.Tensor:
@@ -468,10 +473,15 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
         images[POSITION_MASKED[architecture.model_type]] = (ids == token).long()
     if architecture.model_type in PREFIX_TOKEN_TYPES:
         images["token_type_ids"] = PREFIX_TOKEN_TYPES[architecture.model_type](ids, token)
+    if getattr(model.config, "is_encoder_decoder", False):  # Florence-2: the image's tokens in the encoder's input
+        answer = torch.tensor([[1, 5, 6]])
+        return Case(model, architecture, (ids, answer), (torch.ones_like(ids), torch.ones_like(answer), images), LM_TARGET, images)
     return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
 
 
 POSITION_MASKED = {"kosmos-2": "image_embeds_position_mask", "kosmos-2.5": "image_embeds_position_mask"}
+
+ENCODER_DECODER_IMAGES = "an encoder-decoder, its image in the encoder's input: this sweep reads a decoder's prompt"
 """Families whose image features replace the positions a mask marks (the sweep's prompt
 puts its image tokens there)."""
 
@@ -906,6 +916,8 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
         case = runs(make_case(build(architecture, implementation=implementation), architecture))
     except NotBuilt as error:
         return Outcome("not built", str(error))
+    if case.encoder_decoder:  # Florence-2
+        return Outcome("not built", ENCODER_DECODER_IMAGES)
     prompt = case.inputs
     assert isinstance(prompt, torch.Tensor)
     answer = torch.full((prompt.shape[0], 1), LM_TARGET)
@@ -986,6 +998,8 @@ def vision_language_left_padding_outcome(architecture: Architecture) -> Outcome:
         case = runs(make_case(build(architecture), architecture))
     except NotBuilt as error:
         return Outcome("not built", str(error))
+    if case.encoder_decoder:  # Florence-2
+        return Outcome("not built", ENCODER_DECODER_IMAGES)
     short = case.inputs
     assert isinstance(short, torch.Tensor) and case.images is not None
     long = torch.cat([short, torch.tensor([[8, 9]])], dim=1)

@@ -537,18 +537,21 @@ def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
 
 def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, additional_forward_args: Any) -> tuple[Tensor, tuple]:
     """An encoder-decoder's decoder ids, its start token then the continuation but its last
-    token (each position predicts the next), and the forward's masks: the source's (given,
-    or ones) and the decoder's (ones)."""
+    token (each position predicts the next), and the forward's arguments: the source's mask
+    (given, or ones), the decoder's (ones), and a vision-language model's image inputs where
+    given last (Florence-2's, which its encoder reads)."""
     start = decoder_start_token(model)
     extra = format_additional_forward_args(additional_forward_args) or ()
+    images = extra[-1:] if extra and isinstance(extra[-1], Mapping) else ()
+    extra = extra[: len(extra) - len(images)]
     if len(extra) > 1:
         raise ValueError(
-            "An encoder-decoder's answer takes the source's attention mask only as additional_forward_args "
-            "(the decoder reads its start token and the continuation, all real)."
+            "An encoder-decoder's answer takes the source's attention mask only as additional_forward_args, and a "
+            "vision-language model's image inputs last (the decoder reads its start token and the continuation, all real)."
         )
     decoder = torch.cat([torch.full_like(continuation[:, :1], start), continuation[:, :-1]], dim=1)
     source_mask = extra[0] if extra and extra[0] is not None else torch.ones_like(source)
-    return decoder, (source_mask, torch.ones_like(decoder))
+    return decoder, (source_mask, torch.ones_like(decoder), *images)
 
 
 def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:

@@ -372,7 +372,8 @@ class HuggingFaceAdapter(AdapterBase):
 
 def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite]) -> list[AttentionSite]:
     """A vision-language model's sites in its language model, which reads the tokens (its
-    vision tower attends over the patches); every site of any other model."""
+    vision tower attends over the patches); of a model that names none, every site but its
+    image sub-models' (:func:`_image_models`)."""
     language_model = language_model_of(model)
     if language_model is None:
         images = {module for image_model in _image_models(model) for module in image_model.modules()}
@@ -396,17 +397,19 @@ def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite
 
 IMAGE_CONFIGS = ("vision_config", "vq_config")
 """The sub-configs of a model that reads tokens whose sub-models read its images (GIT's
-image encoder, Chameleon's VQ-VAE, which turns an image into codes of its vocabulary)."""
+image encoder, Chameleon's VQ-VAE, which turns an image into codes of its vocabulary,
+Florence-2's vision tower)."""
 
 
 def _image_models(model: nn.Module) -> list[nn.Module]:
-    """The sub-models of a decoder that reads tokens (not an encoder-decoder) built from
-    its image sub-configs (:data:`IMAGE_CONFIGS`): their attention runs over an image's
-    patches or features, not over the tokens."""
+    """The sub-models of a model that reads tokens (a decoder, or an encoder-decoder whose
+    encoder reads the image's features among its tokens) built from its image sub-configs
+    (:data:`IMAGE_CONFIGS`): their attention runs over an image's patches or features, not
+    over the tokens."""
     from transformers import PreTrainedModel
 
     config = getattr(model, "config", None)
-    if getattr(model, "main_input_name", None) != "input_ids" or getattr(config, "is_encoder_decoder", False):
+    if getattr(model, "main_input_name", None) != "input_ids":
         return []
     kinds = tuple(type(sub) for name in IMAGE_CONFIGS if (sub := getattr(config, name, None)) is not None)
     return [module for module in model.modules() if module is not model and isinstance(module, PreTrainedModel)
