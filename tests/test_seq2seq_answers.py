@@ -177,7 +177,8 @@ def test_encoder_decoders_without_softmax_attention_over_their_tokens_are_refuse
 def test_a_span_of_florence2_with_its_image_equals_the_reference(method):
     """Florence-2's image inputs go last, after the source's mask (they were refused): the
     span's source scores, the image's tokens among them, and its target scores equal the
-    references of the summed log-probability with the image given."""
+    references of the summed log-probability with the image given; a row of the answer is
+    ``attribute`` at its prefix with the image."""
     from test_encoder_decoder import _tiny_florence2
 
     model = _tiny_florence2()
@@ -192,3 +193,9 @@ def test_a_span_of_florence2_with_its_image_equals_the_reference(method):
     assert expected_source[1 : 1 + count].abs().max() > 0
     assert_scores_close(source_scores[0], expected_source)
     assert_scores_close(target_scores[0], expected_target)
+    cls = REGISTERED[method]
+    source_rows, _ = cls(model).attribute_continuation(source, answer, additional_forward_args=(mask, images))
+    prefix = _decoder_ids(model, answer)[:, :2]
+    target = {"target": answer[:, 1]} if cls.spec.uses_target else {}
+    expected_row, _ = cls(model).attribute((source, prefix), additional_forward_args=(mask, torch.ones_like(prefix), images), **target)
+    assert_scores_close(source_rows[:, 1], expected_row)
