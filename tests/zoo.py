@@ -133,8 +133,9 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                 kwargs[key] = {**_tiny_kwargs(type(default)), "model_type": default.model_type}
         elif isinstance(sub_class, type):
             kwargs[key] = _tiny_kwargs(sub_class)
-    if "num_encoder_blocks" in accepted:  # SegFormer, PVT: every per-stage list as long as depths
-        kwargs["num_encoder_blocks"] = len(TINY["depths"])
+    if "num_encoder_blocks" in accepted or config_class.model_type == "florence_vision":  # every per-stage list as long as depths
+        if "num_encoder_blocks" in accepted:  # SegFormer, PVT (Florence-2's DaViT names no count)
+            kwargs["num_encoder_blocks"] = len(TINY["depths"])
         for name, parameter in inspect.signature(config_class.__init__).parameters.items():
             if name not in kwargs and isinstance(parameter.default, (list, tuple)) and len(parameter.default) > len(TINY["depths"]):
                 kwargs[name] = list(parameter.default)[: len(TINY["depths"])]
@@ -189,10 +190,7 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
                                    num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=4)
         kwargs["vocabulary_map"] = {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2,
                                     **{f"<|visual token {code:06d}|>": VOCAB - 20 + code for code in range(8)}}
-    if config_class.model_type == "florence_vision":  # Florence-2's DaViT: every per-stage list as long as depths
-        for name, parameter in inspect.signature(config_class.__init__).parameters.items():
-            if name not in kwargs and isinstance(parameter.default, (list, tuple)) and len(parameter.default) > len(TINY["depths"]):
-                kwargs[name] = list(parameter.default)[: len(TINY["depths"])]
+    if config_class.model_type == "florence_vision":  # Florence-2's DaViT: its channel attention's groups, one per head
         kwargs["num_groups"] = kwargs["num_heads"]
     if config_class.model_type == "kosmos-2.5":  # its image's latent queries, as many as the tiny image has patches
         kwargs["latent_query_num"] = 16
@@ -480,10 +478,11 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
 
 
 POSITION_MASKED = {"kosmos-2": "image_embeds_position_mask", "kosmos-2.5": "image_embeds_position_mask"}
-
-ENCODER_DECODER_IMAGES = "an encoder-decoder, its image in the encoder's input: this sweep reads a decoder's prompt"
 """Families whose image features replace the positions a mask marks (the sweep's prompt
 puts its image tokens there)."""
+
+ENCODER_DECODER_IMAGES = "an encoder-decoder, its image in the encoder's input: this sweep reads a decoder's prompt"
+"""Why the sweeps of a decoder's prompt do not build Florence-2's case."""
 
 LINEAR_PATCHES = ("fuyu",)
 """Families without a vision tower, whose image features are a linear map of the image's
