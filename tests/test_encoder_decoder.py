@@ -211,3 +211,22 @@ def test_florence2s_image_tokens_in_its_encoders_input_are_explained(method):
     assert expected_source[1 : 1 + count].abs().max() > 0
     assert_scores_close(source[0], expected_source)
     assert_scores_close(target_scores[0], expected_target)
+
+
+def test_florence2s_image_tokens_land_on_its_vision_towers_grid():
+    """Florence-2's image tokens: the mean of its features first, then its vision tower's
+    last stage row by row; ``image_scores`` places them on that stage's grid (the mean
+    left out), for an image that is not square too."""
+    from captum_attention import image_scores
+
+    model = _tiny_florence2()
+    for height, width in ((32, 32), (32, 64)):
+        images = {"pixel_values": torch.randn(1, 3, height, width, generator=torch.Generator().manual_seed(0))}
+        with torch.no_grad():
+            grid = model.model.vision_tower(images["pixel_values"]).last_hidden_state.shape[-2:]
+        count = 1 + grid.numel()
+        source = torch.tensor([[1, *[98] * count, 5, 6, 7]])
+        numbered = torch.zeros(source.shape)
+        numbered[source == 98] = torch.arange(float(count))
+        (placed,) = image_scores(model, source, numbered, images)[0]
+        torch.testing.assert_close(placed, torch.arange(1.0, count).view(*grid))

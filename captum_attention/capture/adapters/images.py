@@ -266,6 +266,19 @@ def _chameleon(config: Any) -> _Shape:
     return _Shape(side * side, (side, side))
 
 
+def _florence2(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
+    """Florence-2's: per image, the mean of its features first, then its DaViT's last
+    stage row by row, each stage's patch convolution shrinking the image."""
+    pixels = image_inputs.get("pixel_values")
+    if not isinstance(pixels, Tensor):
+        raise ValueError("florence2 needs pixel_values to place its image tokens: pass the processor's image inputs.")
+    vision = config.vision_config
+    rows, columns = pixels.shape[-2:]
+    for size, stride, padding in zip(vision.patch_size, vision.patch_stride, vision.patch_padding):
+        rows, columns = (rows + 2 * padding - size) // stride + 1, (columns + 2 * padding - size) // stride + 1
+    return _in_token_order(held, [_Shape(1 + rows * columns, (rows, columns), 1)] * len(pixels), "pixel_values")
+
+
 def _qwen2_vl(config: Any, held: Tensor, image_inputs: Mapping[str, Any]) -> list[list[_Shape]]:
     """Each image's ``(t, h, w)`` patches from ``image_grid_thw``, in the order of the
     batch's image tokens, merged ``m × m``: ``(h/m, w/m)`` (a video's frames refused)."""
@@ -368,6 +381,7 @@ _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]
     "smolvlm": _fixed(_idefics3),
     "chameleon": _fixed(_chameleon),
     "emu3": _image_sizes(_vq_codes, row_breaks=1),
+    "florence2": _florence2,
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
 }
