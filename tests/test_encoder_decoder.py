@@ -176,17 +176,11 @@ def test_decision_flip_and_permutation_on_source_tokens(name):
 
 
 def _tiny_florence2() -> torch.nn.Module:
-    """Florence-2: a DaViT vision tower (two stages, windows of 2) whose features take the
-    place of the image's tokens in a BART encoder's input."""
-    import transformers as tf
+    """The architecture sweep's Florence-2: a DaViT vision tower (two stages, windows of 2)
+    whose features take the place of the image's tokens (98) in a BART encoder's input."""
+    import zoo
 
-    vision = dict(depths=[1, 1], embed_dim=[32, 32], num_heads=[4, 4], num_groups=[4, 4], patch_size=[8, 8], patch_stride=[4, 2],
-                  patch_padding=[3, 1], patch_prenorm=[False, True], window_size=2, projection_dim=32, max_position_embeddings=64)
-    text = dict(model_type="bart", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                encoder_ffn_dim=36, decoder_ffn_dim=36, vocab_size=99, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                eos_token_id=2, decoder_start_token_id=1)
-    torch.manual_seed(0)
-    return tf.Florence2ForConditionalGeneration(tf.Florence2Config(vision_config=vision, text_config=text, image_token_id=98)).eval()
+    return zoo.build(next(a for a in zoo.architectures("image-text-to-text") if a.model_type == "florence2"))
 
 
 @pytest.mark.parametrize("method", [name for name, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])

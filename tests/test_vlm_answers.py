@@ -774,26 +774,12 @@ def test_a_model_that_puts_image_features_before_the_tokens_is_refused_in_one_li
 
 
 def _tiny_vq_model(family: str) -> nn.Module:
-    """Chameleon or Emu3 with a tiny VQ-VAE (8 codes, 32-pixel images halved three times:
-    4 × 4 codes; Emu3's rows each ended by its end-of-line token), its codes named in the
-    vocabulary as its checkpoints name them."""
-    import transformers as tf
+    """The architecture sweep's Chameleon or Emu3: a tiny VQ-VAE (8 codes, 32-pixel images
+    halved three times: 4 × 4 codes; Emu3's rows each ended by its end-of-line token), its
+    codes named in the vocabulary as its checkpoints name them, the image token 98."""
+    import zoo
 
-    def chameleon_name(code: int) -> str:
-        return "IMGIMG" + "".join(chr(ord("A") + int(digit)) for digit in str(code)) + "Z"
-
-    text = dict(vocab_size=99, hidden_size=32, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                initializer_range=0.2)
-    vq = dict(embed_dim=8, latent_channels=8, base_channels=32, channel_multiplier=[1, 1, 1, 1], num_res_blocks=1)
-    torch.manual_seed(0)
-    if family == "chameleon":
-        config = tf.ChameleonConfig(**text, vq_config=dict(vq, num_embeddings=8, resolution=32),
-                                    vocabulary_map={"<image>": 98, **{chameleon_name(code): 79 + code for code in range(8)}})
-        return tf.ChameleonForConditionalGeneration(config).eval()
-    config = tf.Emu3Config(text_config=text, vq_config=dict(vq, codebook_size=8, attn_resolutions=[], hidden_size=32, num_attention_heads=4),
-                           vocabulary_map={"<image>": 98, "<|extra_200|>": 97, **{f"<|visual token {code:06d}|>": 79 + code for code in range(8)}})
-    return tf.Emu3ForConditionalGeneration(config).eval()
+    return zoo.build(next(a for a in zoo.architectures("image-text-to-text") if a.model_type == family))
 
 
 @pytest.mark.parametrize("family", ["chameleon", "emu3"])

@@ -19,6 +19,7 @@ from ..capture.decomposition import (
 from ..capture.inputs import QueryIndex
 from ..capture.record import ForwardRecord, check_gradients_possible, record_forward
 from ..capture.runner import resolve_adapter
+from ..maps import half_precision
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import LogitReads, attention_rows, logit_reads
 from ._registry import MethodSpec
@@ -248,7 +249,7 @@ def _adds_up(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> bool:
     carries; in half precision 5e-2 of the larger of the two, as a bfloat16 forward alone
     moves a logit by a few percent of that scale."""
     logit_scale, parts_scale = logits.abs().clamp(min=1.0), parts.abs().sum(dim=1)
-    if torch.finfo(dtype).bits <= 16:
+    if half_precision(dtype):
         allowed = 5e-2 * torch.maximum(logit_scale, parts_scale)
     else:
         allowed = 1e-3 * logit_scale + 1e-5 * parts_scale
@@ -258,7 +259,7 @@ def _adds_up(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> bool:
 def _check_sum(parts: Tensor, logits: Tensor, dtype: torch.dtype) -> None:
     """Refuse in one line where the parts do not add up to the logits (:func:`_adds_up`;
     in half precision the refusal says to explain the model in float32)."""
-    half = torch.finfo(dtype).bits <= 16
+    half = half_precision(dtype)
     gap = (parts.sum(dim=1) - logits).abs().amax()
     if not _adds_up(parts, logits, dtype):
         if half:

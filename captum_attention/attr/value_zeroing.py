@@ -22,7 +22,7 @@ from ..capture.record import ForwardRecord
 from ..capture.residual import equal_to_rounding
 from ..capture.adapters.mixing import calls_sharing_values
 from ..capture.runner import resolve_adapter
-from ..maps import normalised_mixing, propagate_query_row, value_zeroing_distances
+from ..maps import half_precision, normalised_mixing, propagate_query_row, value_zeroing_distances
 from ._base import AttentionAttributionBase, Scores, attribute_method
 from ._decomposed import RowDescent, layer_calls, matrix_blocks, times_mixing
 from ._registry import MethodSpec
@@ -210,15 +210,11 @@ def _hook_dicts(module: nn.Module) -> list[dict]:
 
 def _half_precision(block: nn.Module) -> bool:
     weights = list(block.parameters())
-    return bool(weights) and all(map(_is_half, weights))
+    return bool(weights) and all(half_precision(weight.dtype) for weight in weights)
 
 
 def _single_precision(value: Any) -> Any:
-    return value.float() if isinstance(value, Tensor) and _is_half(value) else value
-
-
-def _is_half(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() and torch.finfo(tensor.dtype).bits <= 16
+    return value.float() if isinstance(value, Tensor) and half_precision(value.dtype) else value
 
 
 def _rerun(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, block: nn.Module, examples: Tensor, keep: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import UnsupportedModelError
-from ..maps import LinearNorm
+from ..maps import LinearNorm, half_precision
 from .adapters import AttentionAdapter
 from .probes import BlockCall, ModuleStates, Probe, layer_blocks
 
@@ -313,4 +313,4 @@ def equal_to_rounding(actual: Tensor, expected: Tensor, real: Tensor | None) -> 
 def _tolerance(*tensors: Tensor) -> float:
     """What rounding allows, relative to the scale: 1e-4 in single or double precision,
     1e-2 in half precision."""
-    return 1e-2 if any(torch.finfo(t.dtype).bits <= 16 for t in tensors) else 1e-4
+    return 1e-2 if any(half_precision(t.dtype) for t in tensors) else 1e-4

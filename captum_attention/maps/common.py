@@ -16,6 +16,11 @@ HeadFusion = Literal["mean", "max", "min"]
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
 
 
+def half_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating type of 16 bits or fewer (bfloat16, float16)."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits <= 16
+
+
 def fuse_heads(attn: Tensor, fusion: str = "mean") -> Tensor:
     """Reduce ``(B, H, T, T)`` maps over heads by ``fusion`` ("mean", "max" or "min")."""
     if fusion == "mean":

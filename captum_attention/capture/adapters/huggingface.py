@@ -406,14 +406,11 @@ def _image_models(model: nn.Module) -> list[nn.Module]:
     encoder reads the image's features among its tokens) built from its image sub-configs
     (:data:`IMAGE_CONFIGS`): their attention runs over an image's patches or features, not
     over the tokens."""
-    from transformers import PreTrainedModel
-
     config = getattr(model, "config", None)
     if getattr(model, "main_input_name", None) != "input_ids":
         return []
     kinds = tuple(type(sub) for name in IMAGE_CONFIGS if (sub := getattr(config, name, None)) is not None)
-    return [module for module in model.modules() if module is not model and isinstance(module, PreTrainedModel)
-            and isinstance(module.config, kinds)] if kinds else []
+    return [sub for sub in HuggingFaceAdapter._pretrained_models(model) if sub is not model and isinstance(sub.config, kinds)] if kinds else []
 
 
 _CROSS_STATES = {"cross_attention_states", "encoder_hidden_states"}
