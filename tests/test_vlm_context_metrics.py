@@ -198,3 +198,53 @@ def test_the_ablated_prompts_take_the_images_encoded_once(family, monkeypatch):
     rerun_values = ablations()
     assert tower_rows(model, ablations, monkeypatch) == plain_rows > one_image, "the tower per ablated prompt"
     torch.testing.assert_close(encoded_values, rerun_values, rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_decoders_ablated_sources_are_scored_with_its_image():
+    """Florence-2's image features take its image tokens' place in the encoder's source:
+    each ablated source is scored with the image inputs, its image's tokens never removed,
+    as the model scores that source alone (they were refused: an encoder-decoder's answer
+    was scored from its source alone); top-k drop and the contexts follow."""
+    from test_encoder_decoder import _tiny_florence2
+
+    from captum_attention.capture.inputs import decoder_start_token
+
+    model = _tiny_florence2()
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        count = model.model.get_image_features(**images).pooler_output.shape[1]
+    image_token = model.config.image_token_id
+    ids, answer = torch.tensor([[1, *[image_token] * count, 5, 6, 7, 8, 9]]), torch.tensor([[9, 10, 11]])
+    decoder = torch.cat([torch.tensor([[decoder_start_token(model)]]), answer[:, :-1]], dim=1)
+
+    def alone(tokens: torch.Tensor) -> float:
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, tokens], decoder_input_ids=decoder, **images).logits
+        return float(logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum())
+
+    before = model_state(model)
+    kept = torch.rand(1, 6, ids.shape[1], generator=torch.Generator().manual_seed(0)) > 0.5
+    kept[0, 0] = True
+    values = ablated_log_probs(model, ids, torch.ones_like(ids), answer, kept, image_inputs=images)
+    assert_same_state(before, model_state(model))
+    image = ids[0] == image_token
+    for a in range(kept.shape[1]):
+        tokens = kept[0, a] | image
+        tokens[0] = True  # BOS, never removed
+        assert abs(float(values[0, a]) - alone(tokens)) < 1e-5, a
+    assert len({round(float(v), 6) for v in values[0]}) > 2, "the deletions must move the answer"
+    scores = torch.arange(ids.shape[1], dtype=torch.float32)[None].flip(1)  # the image's tokens score highest
+    drop = top_k_log_prob_drop(model, ids, torch.ones_like(ids), answer, scores, ks=(2,), image_inputs=images)
+    without_top_two = torch.ones(ids.shape[1], dtype=torch.bool)
+    without_top_two[[1 + count, 2 + count]] = False
+    whole = torch.ones(ids.shape[1], dtype=torch.bool)
+    assert abs(float(drop[0, 0]) - (alone(whole) - alone(without_top_two))) < 1e-5
+    calls = []
+
+    def explain(context_ids, context_mask, context_images):
+        calls.append((context_ids, context_images))
+        return context_ids.float()
+
+    context_averaged_scores(model, explain, ids, torch.ones_like(ids), answer, scores, num_contexts=2, image_inputs=images)
+    assert [int((context_ids == image_token).sum()) for context_ids, _ in calls] == [count, count]
+    assert all(torch.equal(context_images["pixel_values"], images["pixel_values"]) for _, context_images in calls)

@@ -103,8 +103,6 @@ class _AnswerScorer:
         encoder_decoder = bool(getattr(getattr(forward_func, "config", None), "is_encoder_decoder", False))
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.padding_side = "left" if self.decoder_start is None else "right"
-        if self.image_inputs and self.decoder_start is not None:
-            raise ValueError("image_inputs are a vision-language decoder's; an encoder-decoder's answer is scored from its source alone.")
 
     @cached_property
     def original(self) -> Tensor:
@@ -206,7 +204,8 @@ class _AnswerScorer:
         if self.decoder_start is not None:
             start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
-            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder))
+            images = self._image_args(positions, mask, 0, encoded)
+            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder, **(images[0] if images else {})))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
             logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new, encoded)))
