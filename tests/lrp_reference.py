@@ -1,5 +1,5 @@
 """AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
-GPT-2, Llama and Qwen2, LLaVA and Mllama, T5, BART, ViT and DeiT, Swin, SegFormer and PVTv2.
+GPT-2, Llama and Qwen2, LLaVA and Mllama, T5, BART and Florence-2, ViT and DeiT, Swin, SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
 al. expressed by the classic detach tricks instead of the library's hooks and autograd
@@ -607,14 +607,19 @@ def t5_relevance(
 
 
 def bart_relevance(
-    model, source: Tensor, target_ids: Tensor, source_mask: Tensor, target_mask: Tensor, target: Tensor, gamma: float = 0.0
+    model, source: Tensor, target_ids: Tensor, source_mask: Tensor, target_mask: Tensor, target: Tensor, gamma: float = 0.0,
+    source_embeddings: Tensor | None = None,
 ) -> Pair:
     """AttnLRP of a ``BartForConditionalGeneration`` (learned positions offset by 2, an
     embedding norm, post-norm layers, GELU, scaled queries, the final logits bias),
-    explaining the logit of ``target`` at the last real decoder position."""
-    config, bart = model.config, model.model
+    explaining the logit of ``target`` at the last real decoder position. With
+    ``source_embeddings``, the encoder reads them as they are, in place of the ``source``
+    tokens' (Florence-2's: its tokens' embeddings with the image's features at its image
+    tokens, its language model a BART without a final logits bias)."""
+    bart = getattr(model.model, "language_model", model.model)
+    config = bart.config
     shared = bart.shared.weight.detach()
-    source_tokens = shared[source].clone().requires_grad_()
+    source_tokens = (shared[source] if source_embeddings is None else source_embeddings.detach()).clone().requires_grad_()
     target_tokens = shared[target_ids].clone().requires_grad_()
     terms = Terms(source_tokens, gamma=gamma)
     head_dim = config.d_model // config.encoder_attention_heads
@@ -623,8 +628,8 @@ def bart_relevance(
         names = ("q_proj", "k_proj", "v_proj", "out_proj")
         return _projected_attention(module, names, x, memory, bias, config.encoder_attention_heads, head_dim**-0.5, terms)
 
-    def embedded(stack_module, tokens: Tensor) -> Tensor:
-        scale = getattr(stack_module.embed_tokens, "embed_scale", 1.0)
+    def embedded(stack_module, tokens: Tensor, scaled: bool = False) -> Tensor:
+        scale = 1.0 if scaled else getattr(stack_module.embed_tokens, "embed_scale", 1.0)
         positions = stack_module.embed_positions.weight[torch.arange(tokens.shape[1]) + 2]
         hidden = tokens * scale + terms.leaf(positions[None].expand_as(tokens))
         return _layer_norm(hidden, stack_module.layernorm_embedding, terms)
@@ -633,7 +638,7 @@ def bart_relevance(
         inner = identity(F.gelu, _linear(hidden, layer.fc1, terms))
         return _layer_norm(hidden + _linear(inner, layer.fc2, terms), layer.final_layer_norm, terms)
 
-    memory, padding = embedded(bart.encoder, source_tokens), _padding_mask(source_mask)
+    memory, padding = embedded(bart.encoder, source_tokens, source_embeddings is not None), _padding_mask(source_mask)
     for layer in bart.encoder.layers:
         memory = _layer_norm(memory + attend(layer.self_attn, memory, memory, padding), layer.self_attn_layer_norm, terms)
         memory = feed_forward(layer, memory)
@@ -642,5 +647,7 @@ def bart_relevance(
         hidden = _layer_norm(hidden + attend(layer.self_attn, hidden, hidden, causal), layer.self_attn_layer_norm, terms)
         hidden = _layer_norm(hidden + attend(layer.encoder_attn, hidden, memory, padding), layer.encoder_attn_layer_norm, terms)
         hidden = feed_forward(layer, hidden)
-    logits = _linear(_last_real(hidden, target_mask), model.lm_head, terms) + terms.leaf(model.final_logits_bias.expand(len(source), -1))
+    logits = _linear(_last_real(hidden, target_mask), model.lm_head, terms)
+    if hasattr(model, "final_logits_bias"):
+        logits = logits + terms.leaf(model.final_logits_bias.expand(len(source), -1))
     return _pair(source_tokens, target_tokens, logits.gather(1, target[:, None])[:, 0])

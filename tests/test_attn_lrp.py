@@ -94,6 +94,31 @@ def _reference(family: str, gamma: float):
     return model, inputs, args, [reference(model, ids, mask, target, gamma=gamma).relevance * mask], lambda r: [r]
 
 
+def test_florence2s_image_tokens_hold_the_relevance_of_the_image_features_its_encoder_reads(capture_mode):
+    """Florence-2's encoder reads its tokens' embeddings with the image's features in place
+    of its image tokens. The relevance stops there, as a decoder's merged embeddings hold
+    it (the image tokens scored 0: relevance was read at the tokens' own embeddings, which
+    the features replace): the source's scores, the image's tokens among them, and the
+    target's equal BART's reference run from those merged embeddings."""
+    from test_encoder_decoder import _tiny_florence2
+
+    model = _tiny_florence2()
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        features = model.model.get_image_features(**images).pooler_output
+        count = features.shape[1]
+        source = torch.tensor([[1, *[model.config.image_token_id] * count, 5, 6, 7]])
+        embedded = model.get_input_embeddings()(source)
+        merged = embedded.masked_scatter((source == model.config.image_token_id)[..., None].expand_as(embedded), features)
+    decoder = torch.tensor([[1, 9, 10]])
+    masks = (torch.ones_like(source), torch.ones_like(decoder))
+    expected = bart_relevance(model, source, decoder, *masks, torch.tensor([5]), source_embeddings=merged)
+    actual = AttnLRP(model).attribute((source, decoder), target=5, additional_forward_args=(*masks, images))
+    assert expected.source[0, 1 : 1 + count].abs().min() > 0
+    for got, want in zip(actual, (expected.source, expected.target)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("gamma", [0.0, 0.25])
 @pytest.mark.parametrize("family", ["bert", "distilbert", "gpt2", "qwen2", "t5", "bart", "vit", "deit"])
 def test_every_family_equals_its_reference(family, gamma, capture_mode):

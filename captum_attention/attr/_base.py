@@ -480,6 +480,11 @@ def relevance_scores(record: ForwardRecord) -> Scores:
     get 0); an encoder-decoder's ``(source, target)``; with pixels, ``(tokens, pixels)``."""
     relevance = record.result(TokenRelevance)
     if record.is_encoder_decoder:
+        if len(relevance.per_sequence) < 2:
+            raise UnsupportedModelError(
+                f"{type(record.capture.model).__name__}'s decoder embedded its tokens through no module AttnLRP found "
+                "(the input embeddings of its get_encoder() and get_decoder()): its target's relevance cannot be read."
+            )
         return _aligned(relevance.per_sequence[0], record.input_real), _aligned(relevance.per_sequence[-1], record.target_real)
     tokens = _aligned(relevance.per_sequence[0], record.target_real)
     return tokens if relevance.pixels is None else (tokens, relevance.pixels)

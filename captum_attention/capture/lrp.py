@@ -147,7 +147,8 @@ class RelevanceRules(Probe):
     The input embeddings are the outputs of the adapter's ``input_embeddings`` modules,
     recorded in call order (:class:`Embeddings`, the probe's result); or, where the
     adapter names a ``merged_embeddings`` module and it is called with ``inputs_embeds``
-    (a vision-language model's language model), those.
+    (a vision-language model's language model), those: an encoder-decoder's (Florence-2's
+    encoder) in place of its source's, its target's recorded after them.
 
     Args:
         rules (PropagationRules): the rules' functions (the attributions pass
@@ -166,6 +167,8 @@ class RelevanceRules(Probe):
         self.embeddings: list[Tensor] = []
         self.merged: list[Tensor] = []
         self.sources: list[Tensor] = []
+        self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
+        self.encoder_decoder = False
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._held: dict[int, weakref.ref[Tensor]] = {}  # by id, each checked against its tensor
@@ -178,7 +181,8 @@ class RelevanceRules(Probe):
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
         self._thread = current_thread()
-        self.embeddings, self.merged, self.sources, self.depth = [], [], [], 0
+        self.embeddings, self.merged, self.sources, self.depth, self.targets_from = [], [], [], 0, 0
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._held = {}
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)
@@ -194,10 +198,14 @@ class RelevanceRules(Probe):
 
     def result(self) -> Embeddings:
         """The merged embeddings where the adapter names a module that read them (a
-        vision-language model's language model), else the input embeddings; after the
-        image features a language model cross-attends to (Mllama's), as an
-        encoder-decoder's source comes before its target."""
-        return Embeddings(self.sources + (self.merged or self.embeddings))
+        vision-language model's language model; an encoder-decoder's encoder, its target's
+        embeddings after them), else the input embeddings; after the image features a
+        language model cross-attends to (Mllama's), as an encoder-decoder's source comes
+        before its target."""
+        if not self.merged:
+            return Embeddings(self.sources + self.embeddings)
+        targets = self.embeddings[self.targets_from :] if self.encoder_decoder else []
+        return Embeddings(self.sources + self.merged + targets)
 
     def is_activation(self, value: Any) -> bool:
         """Whether a rule treats ``value`` as an activation (:func:`_is_activation_tensor`):
@@ -278,6 +286,7 @@ class RelevanceRules(Probe):
         recorded = {}
         if isinstance(embeddings := kwargs.get("inputs_embeds"), Tensor):
             recorded["inputs_embeds"] = self._recorded(embeddings, self.merged)
+            self.targets_from = len(self.embeddings)
         tokens = next((value for value in (kwargs.get("input_ids"), embeddings) if isinstance(value, Tensor)), None)
         if isinstance(features := kwargs.get("cross_attention_states"), Tensor) and tokens is not None:
             # Mllama passes them per tile, (B·images·tiles, states, d); its attention reads (B, S, d)

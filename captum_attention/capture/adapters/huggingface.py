@@ -303,12 +303,14 @@ class HuggingFaceAdapter(AdapterBase):
     def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
         """``get_input_embeddings()`` of the encoder and the decoder (one module where they
         share it, as T5's ``shared``), else of the model; of a module that names none (the
-        user's own around a backbone), those of the transformers models it holds."""
+        user's own around a backbone), those of the transformers models it holds. An
+        encoder-decoder whose ``get_decoder()`` is its whole language model (Florence-2's
+        BART) names that model's decoder."""
         models = [model] if hasattr(model, "get_input_embeddings") else transformers_models(model)
         owners = [
             owner
             for inner in models
-            for owner in ([getattr(inner, "get_encoder")(), getattr(inner, "get_decoder")()] if self.is_encoder_decoder(inner) else [inner])
+            for owner in ([getattr(inner, "get_encoder")(), self._decoder_stack(inner)] if self.is_encoder_decoder(inner) else [inner])
         ]
         modules: list[nn.Module] = []
         for owner in owners:
@@ -325,8 +327,21 @@ class HuggingFaceAdapter(AdapterBase):
                 modules.append(embedding)
         return modules
 
+    def _decoder_stack(self, model: nn.Module) -> nn.Module:
+        """An encoder-decoder's decoder: its ``get_decoder()``, or that module's own where it
+        is an encoder-decoder itself (Florence-2's language model)."""
+        decoder = getattr(model, "get_decoder")()
+        while decoder is not model and self.is_encoder_decoder(decoder) and callable(getattr(decoder, "get_decoder", None)):
+            model, decoder = decoder, decoder.get_decoder()
+        return decoder
+
     def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
-        """A vision-language model's language model (:mod:`.images`)."""
+        """A vision-language model's language model (:mod:`.images`); an encoder-decoder's
+        encoder where it reads the image's features among its tokens (Florence-2's)."""
+        if getattr(model.config, "is_encoder_decoder", False) and _image_models(model):
+            get_encoder = getattr(model, "get_encoder", None)
+            encoder = get_encoder() if callable(get_encoder) else None
+            return encoder if isinstance(encoder, nn.Module) else None
         return language_model_of(model)
 
     def generated_inputs(self, model: nn.Module, inputs: Mapping[str, Any], prompt_length: int, new_tokens: int) -> dict[str, Any]:
