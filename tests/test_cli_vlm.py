@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from vlm_models import IMAGE, save_llava_checkpoint, save_mllama_checkpoint
 
-from captum_attention import GradSAM, RawAttention, image_scores
+from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
 
 
@@ -68,8 +68,6 @@ def test_attn_lrp_through_the_vision_tower_is_reported_against_a_grey_image(llav
     grey image of the same size, its pixels summed per patch and as the <image> token's score."""
     import torch.nn.functional as F
     from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from captum_attention import AttnLRP
 
     image, report = _image(tmp_path), tmp_path / "answer.json"
     assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is",
@@ -253,7 +251,7 @@ def test_the_leave_one_out_estimates_explain_an_answer_about_an_image(llava, tmp
     has no grid)."""
     from transformers import AutoModelForImageTextToText
 
-    from captum_attention import AttnLRP, KnockoutGradient
+    from captum_attention import KnockoutGradient
 
     folder, processor = _instruct(llava, tmp_path)
     image, report = _image(tmp_path), tmp_path / "answer.json"
@@ -479,3 +477,74 @@ def test_prompts_longer_than_the_model_takes_with_the_images_tokens_are_refused_
     assert main(["explain", "--model", str(llava), "--image", str(_image(tmp_path)), long_prompt, "--target", "is"]) == 1
     error = capsys.readouterr().err
     assert message.replace("the answer's", "the target's") in error and error.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def florence2(tmp_path_factory):
+    from vlm_models import save_florence2_checkpoint
+
+    folder = tmp_path_factory.mktemp("vlm") / "florence2"
+    save_florence2_checkpoint(folder)
+    return folder
+
+
+def _florence2_inputs(folder, image, prompt):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    inputs = dict(processor(text=prompt, images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    return model, processor, inputs.pop("input_ids"), inputs.pop("attention_mask"), inputs
+
+
+def test_explain_an_encoder_decoders_answer_about_an_image(florence2, tmp_path, capsys):
+    """Florence-2's processor puts the image first itself (the prompt is given to it as it
+    is: the image token put before it failed), its answer is its decoder's: the source's
+    scores (the image's as one token) and the grid are the span's over the source,
+    Integrated Gradients' are ``answer_integrated_gradients`` (checked against autograd in
+    ``test_vlm_answers.py``); a generated answer is what its decoder wrote after its start
+    token."""
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    image, report = _image(tmp_path), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(florence2), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "grad_sam,attn_lrp,integrated_gradients", "--ig-steps", "4", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["prompt_tokens"] == ["<image>", "<s>", "what", "is", "the", "cat", "</s>"]
+    model, processor, ids, mask, inputs = _florence2_inputs(florence2, image, "what is the cat")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    for name, cls in (("Grad-SAM", GradSAM), ("AttnLRP", AttnLRP)):
+        source, _ = cls(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))
+        (grid,) = image_scores(model, ids, source, inputs)[0]
+        torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), grid)
+        shown = [source[0, ids[0] == IMAGE].sum(), *source[0, ids[0] != IMAGE]]
+        torch.testing.assert_close(torch.tensor(explanation["seq_attr"][name]), torch.stack(shown))
+    assert explanation["seq_attr"]["AttnLRP"][0] != 0.0, "the image's tokens hold the relevance of its features"
+    expected = answer_integrated_gradients(model, ids, answer, 4, inputs)
+    torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Integrated Gradients"][1:]), expected[0, ids[0] != IMAGE])
+    assert main(["explain", "--model", str(florence2), "--image", str(image), "what is the cat", "--methods", "raw",
+                 "--max-new-tokens", "3", "--json", str(report)]) == 0
+    with torch.no_grad():
+        generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=3, do_sample=False)
+    assert json.loads(report.read_text(encoding="utf-8"))["answer"] == processor.tokenizer.decode(generated[0, 1:])
+
+
+def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp_path):
+    """``evaluate`` on Florence-2's rows: the metrics of each method's source scores, as the
+    context metrics give them directly with the image inputs (they were refused), and
+    Integrated Gradients of an image's answer among the methods."""
+    from captum_attention.metrics import top_k_log_prob_drop
+
+    image, out = _image(tmp_path), tmp_path / "out"
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(florence2), "--methods", "grad_sam,integrated_gradients",
+                 "--ig-steps", "4", "--output", str(out)]) == 0
+    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    model, processor, ids, mask, inputs = _florence2_inputs(florence2, image, "what is the cat")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    source, _ = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))
+    keep = torch.tensor([[token in processor.tokenizer.all_special_ids for token in ids[0].tolist()]])
+    segments = torch.arange(ids.shape[1])[None].masked_fill(keep, -1)
+    drop = top_k_log_prob_drop(model, ids, mask, answer, source, ks=(3,), segments=segments, image_inputs=inputs)
+    assert rows["grad_sam"]["top_k_log_prob_drop"] == pytest.approx(float(drop[0, 0]), abs=1e-5)
+    assert set(rows) == {"grad_sam", "integrated_gradients"}

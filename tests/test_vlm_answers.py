@@ -739,6 +739,53 @@ def test_integrated_gradients_of_an_answer_hold_the_image(family):
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_integrated_gradients_of_an_encoder_decoders_answer_hold_its_image():
+    """Florence-2's answer: the same rule written out over its source's token embeddings,
+    its decoder reading its start token and the answer (the source and the answer were
+    read as one decoder's sequence); the image's tokens score 0."""
+    from captum.attr._utils.approximation_methods import approximation_parameters
+    from test_encoder_decoder import _tiny_florence2
+
+    from captum_attention.capture.inputs import decoder_start_token
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    model = _tiny_florence2()
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    image = model.config.image_token_id
+    ids, answer, steps = torch.tensor([[1, *[image] * 5, 5, 6, 7]]), torch.tensor([[9, 10, 11]]), 6
+    decoder = torch.cat([torch.tensor([[decoder_start_token(model)]]), answer[:, :-1]], dim=1)
+    embeddings = model.get_input_embeddings()
+    actual, start = embeddings(ids).detach(), embeddings(ids.masked_fill(ids != image, 0)).detach()
+    step_sizes, alphas = approximation_parameters("gausslegendre")
+    integral = torch.zeros_like(actual)
+    for alpha, weight in zip(alphas(steps), step_sizes(steps)):
+        moved = (start + alpha * (actual - start)).requires_grad_(True)
+        handle = embeddings.register_forward_hook(lambda module, args, output: moved)
+        try:
+            logits = model(input_ids=ids, decoder_input_ids=decoder, **images).logits
+        finally:
+            handle.remove()
+        log_prob = logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+        integral += weight * torch.autograd.grad(log_prob, moved)[0]
+    expected = (integral * (actual - start)).sum(dim=-1)
+    scores = answer_integrated_gradients(model, ids, answer, steps, images)
+    assert expected.abs().max() > 0 and bool((scores[ids == image] == 0).all())
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_integrated_gradients_where_the_prompt_is_not_embedded_once_are_refused_in_one_line():
+    """T5's forward embeds its source with its encoder's own module, never calling the
+    model's input embeddings, which Integrated Gradients would move (Captum's bare
+    assertion before)."""
+    from lm_models import make_encoder_decoder
+
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    with pytest.raises(ValueError, match="calls its input embeddings") as refused:
+        answer_integrated_gradients(make_encoder_decoder("t5"), torch.tensor([[5, 6, 7]]), torch.tensor([[8]]), 4)
+    assert "\n" not in str(refused.value)
+
+
 def test_integrated_gradients_of_an_answer_encode_the_image_once(monkeypatch):
     """LLaVA's steps take its image encoded once by the vision tower (and once more from the
     pixels, which shows the encoded image gives the answer the same log-probability), not

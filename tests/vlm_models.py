@@ -177,6 +177,28 @@ def save_llava_checkpoint(folder) -> nn.Module:
     return model
 
 
+def save_florence2_checkpoint(folder) -> nn.Module:
+    """A tiny Florence-2 (the architecture sweep's DaViT tower and BART, its vocabulary this
+    module's) saved with its processor (the word-level tokenizer, CLIP's image processor at
+    32 × 32, whose images the tower turns into 5 tokens: their mean, then a 2 × 2 grid)."""
+    torch.manual_seed(0)
+    vision = dict(
+        depths=[1, 1], patch_size=[8, 8], patch_stride=[4, 2], patch_padding=[3, 1], patch_prenorm=[False, True],
+        embed_dim=[32, 32], num_heads=[4, 4], num_groups=[4, 4], window_size=2, projection_dim=32, max_position_embeddings=64,
+    )
+    text = dict(
+        vocab_size=TEXT["vocab_size"], d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2,
+    )
+    model = tf.Florence2ForConditionalGeneration(tf.Florence2Config(text_config=text, vision_config=vision, image_token_id=IMAGE)).eval()
+    images = tf.CLIPImageProcessorPil(size={"height": 32, "width": 32}, do_center_crop=False)
+    images.image_seq_length = 5
+    model.save_pretrained(folder)
+    tf.Florence2Processor(image_processor=images, tokenizer=_word_tokenizer("<image>")).save_pretrained(folder)
+    return model
+
+
 def llava_next_processor() -> Any:
     """LLaVA-NeXT's image processor at tiles of 32 × 32, pixels kept in [0, 1]."""
     return tf.LlavaNextImageProcessorPil(

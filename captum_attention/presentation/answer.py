@@ -317,7 +317,7 @@ def explain_image_answer(
     from PIL import Image
 
     chosen = methods or list(METHODS)
-    check_methods(chosen, answers=True, one_stack=not cross_attends_images(model))
+    check_methods(chosen, answers=True, one_stack=not several_stacks(model))
     image = Image.open(image_path).convert("RGB")
     text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat)
     tokenizer = processor.tokenizer
@@ -363,8 +363,10 @@ def explain_image_answer(
             _add_signed(explanation, _display(name), _feature_scores(scores, features, image_column)[0], start)
             continue
         explainer = registered_method(name, model)
-        span = explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args)
-        rows = explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True) if per_token else None
+        span = prompt_scores(model, explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args))
+        rows = prompt_scores(
+            model, explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True)
+        ) if per_token else None
         display = _display(name)
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = MethodInfo.of(explainer)
@@ -379,6 +381,19 @@ def explain_image_answer(
         grid = next(iter(explanation.image_grids.values()))
         explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
     return explanation
+
+
+def several_stacks(model: Any) -> bool:
+    """Whether a vision-language ``model``'s answer is read through more than one attention
+    stack: an encoder-decoder's (Florence-2's), or a language model's cross-attending to
+    its image (Mllama's)."""
+    return bool(getattr(model.config, "is_encoder_decoder", False)) or cross_attends_images(model)
+
+
+def prompt_scores(model: Any, scores: Any) -> Any:
+    """A method's scores of the prompt and the answer, ``(1, [rows,] N + n)``; an
+    encoder-decoder's pair of source and target scores as its source's, ``(1, [rows,] N)``."""
+    return scores[0] if getattr(model.config, "is_encoder_decoder", False) else scores
 
 
 def _pixels_on_grid(model: Any, pixels: torch.Tensor, inputs: dict[str, Any]) -> bool:
@@ -445,15 +460,25 @@ def _image_tokens(model: Any, ids: torch.Tensor) -> list[bool]:
 
 def image_prompt_inputs(processor: Any, prompt: str, image: Any, chat: bool = False) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The processor's inputs for ``prompt`` about the PIL ``image`` (the processor's image
-    token put first where the prompt holds none; with ``chat``, the image and the prompt as
-    the user's turn in its chat template): the text it read, the ids ``(1, N)`` (the
-    image's tokens expanded), the attention mask and the image inputs."""
+    token put first where the prompt holds none, or the prompt as it is where the processor
+    refuses that because it places the image itself, as Florence-2's does; with ``chat``,
+    the image and the prompt as the user's turn in its chat template): the text it read,
+    the ids ``(1, N)`` (the image's tokens expanded), the attention mask and the image
+    inputs."""
     marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
     if chat:
         text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
     else:
         text = prompt if marker in prompt else f"{marker} {prompt}"
-    inputs = dict(processor(text=text, images=image, return_tensors="pt"))
+    try:
+        inputs = dict(processor(text=text, images=image, return_tensors="pt"))
+    except ValueError as marked:
+        if text == prompt or chat:
+            raise
+        try:
+            inputs, text = dict(processor(text=prompt, images=image, return_tensors="pt")), prompt
+        except ValueError:
+            raise marked from None
     ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
     return text, ids, torch.ones_like(ids) if mask is None else mask, inputs
 
@@ -471,11 +496,14 @@ def image_answer_ids(
     model: Any, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], target: str | None, max_new_tokens: int
 ) -> torch.Tensor:
     """``(n,)``: ``target`` tokenized without special tokens, or the model's greedy answer
-    to the prompt ``ids`` with its image ``inputs``."""
+    to the prompt ``ids`` with its image ``inputs`` (an encoder-decoder's: its decoder's
+    tokens after its start token)."""
     if target is not None:
         return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
     with torch.no_grad():
         generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    if getattr(model.config, "is_encoder_decoder", False):
+        return generated[0, 1:]  # its decoder's, after the start token
     return generated[0, ids.shape[1] :]
 
 

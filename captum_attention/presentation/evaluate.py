@@ -493,7 +493,7 @@ def evaluate_answers(
     check_methods(methods, answers=True, one_stack=not (seq2seq or cross_attends_images(model)))
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
-    if INTEGRATED_GRADIENTS in methods and seq2seq:
+    if INTEGRATED_GRADIENTS in methods and seq2seq and processor is None:
         raise ValueError(
             f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's prompt (Captum's LLMGradientAttribution "
             "takes no other); leave it out of the methods."

@@ -14,7 +14,7 @@ from ..attr import METHODS, REGISTRY
 from ..attr.llm import prompt_side
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
-from ..capture.inputs import class_probabilities
+from ..capture.inputs import class_probabilities, decoder_start_token
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
@@ -349,7 +349,8 @@ def answer_integrated_gradients(
     model: Any, ids: torch.Tensor, answer: torch.Tensor, steps: int, image_inputs: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """``(1, N)`` float: Integrated Gradients of the whole ``answer``'s log-probability over
-    the prompt ``ids`` ``(1, N)`` of a decoder-only language model: Captum's
+    the prompt ``ids`` ``(1, N)`` of a decoder-only language model (an encoder-decoder's
+    source, its decoder reading its start token and the answer): Captum's
     ``LayerIntegratedGradients`` on the input embeddings, ``steps`` steps, every prompt token
     at id 0 in the baseline, summed over the embedding. That is the ``seq_attr`` of
     Captum's ``LLMGradientAttribution`` (which ``explain`` runs), in one run instead of one
@@ -360,22 +361,34 @@ def answer_integrated_gradients(
     with the image, encoded once by the vision tower where the model then gives the
     answer the log-probability it gives from the pixels (:func:`_held_images`). Detached."""
     embeddings = model.get_input_embeddings()
+    start = decoder_start_token(model) if getattr(model.config, "is_encoder_decoder", False) else None
 
     def log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
+        calls: list[int] = []
         # a copy of the embeddings Captum moves: Kosmos-2 writes its image's features into them in place
-        copied = embeddings.register_forward_hook(lambda module, args, output: output.clone())
+        copied = embeddings.register_forward_hook(lambda module, args, output: calls.append(1) or output.clone())
         try:
-            logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
+            if start is None:
+                logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
+            else:
+                decoder = torch.cat([torch.full_like(answers[:, :1], start), answers[:, :-1]], dim=1)
+                logits = model(input_ids=prompts, decoder_input_ids=decoder, **images).logits
         finally:
             copied.remove()
+        if len(calls) != 1:  # an encoder-decoder's source may be embedded elsewhere (T5's), or its answer here too
+            raise ValueError(
+                f"{type(model).__name__}'s forward calls its input embeddings (get_input_embeddings()) {len(calls)} times, "
+                "not once for the prompt: Integrated Gradients cannot move the prompt's embeddings alone."
+            )
         return summed_log_probs(logits, answers)
 
     if image_inputs is None:
         images: dict[str, Any] = {}
         baselines, per_batch = torch.zeros_like(ids), max(1, min(steps, IG_TOKENS_PER_BATCH // (ids.shape[1] + answer.shape[1])))
     else:
-        images = _held_images(model, ids, HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], answer.shape[1]), log_prob)
+        new_tokens = answer.shape[1] if start is None else 0  # an encoder-decoder's image inputs are its source's
+        images = _held_images(model, ids, HuggingFaceAdapter().generated_inputs(model, image_inputs, ids.shape[1], new_tokens), log_prob)
         baselines, per_batch = ids.masked_fill(~kept_image_tokens(model, ids, None, image_inputs), 0), 1
     scores = LayerIntegratedGradients(lambda prompts: log_prob(prompts, images), embeddings).attribute(
         ids, baselines=baselines, n_steps=steps, internal_batch_size=per_batch
