@@ -94,6 +94,51 @@ def _reference(family: str, gamma: float):
     return model, inputs, args, [reference(model, ids, mask, target, gamma=gamma).relevance * mask], lambda r: [r]
 
 
+@pytest.mark.parametrize("model_type", ["persimmon", "llama"])
+def test_embeddings_given_as_inputs_are_explained_as_the_ids_they_embed(model_type, capture_mode):
+    """Given as inputs, the embeddings were leaves, which the rules take for weights:
+    Persimmon's first layer norm, which reads them directly, lost its rule (relevance off by
+    up to 0.3 of the scale). The model now reads copies of them, as it reads the recorded
+    output of its input embeddings."""
+    model = build(next(a for a in architectures("causal LM") if a.model_type == model_type))
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        embedded = model.get_input_embeddings()(ids)
+    expected = AttnLRP(model).attribute(ids, target=5)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(AttnLRP(model).attribute(embedded, target=5), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["chameleon", "emu3", "fuyu"])
+def test_image_features_scattered_into_the_embeddings_hold_their_relevance(model_type, capture_mode):
+    """Chameleon, Emu3 and Fuyu scatter the image's features (its codes' embeddings, its
+    projected patches) into the embeddings inside the model, which names no language model
+    reading them: relevance was read at the tokens' own embeddings, which the features
+    overwrite (the image's tokens scored 0). The embeddings with the features scattered in
+    are now where relevance stops: the scores equal AttnLRP given those embeddings (the
+    first layer's input) as inputs."""
+    from captum_attention.capture.adapters.images import image_token_id
+
+    architecture = next(a for a in architectures("image-text-to-text") if a.model_type == model_type)
+    case = make_case(build(architecture), architecture)
+    first_layer = next(module for name, module in case.model.named_modules() if name.endswith("layers.0"))
+    merged = []
+    handle = first_layer.register_forward_pre_hook(
+        lambda module, args, kwargs: merged.append((args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            case.model(input_ids=case.inputs, **case.images)
+    finally:
+        handle.remove()
+    mask = torch.ones_like(case.inputs)
+    scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
+    expected = AttnLRP(case.model).attribute(merged[0], target=case.target, additional_forward_args=(mask,))
+    image = case.inputs == image_token_id(case.model.config)
+    assert bool(image.any()) and bool((expected[image] != 0).all())
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
 def test_florence2s_image_tokens_hold_the_relevance_of_the_image_features_its_encoder_reads(capture_mode):
     """Florence-2's encoder reads its tokens' embeddings with the image's features in place
     of its image tokens. The relevance stops there, as a decoder's merged embeddings hold

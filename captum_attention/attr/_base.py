@@ -205,10 +205,12 @@ class AttentionAttributionBase:
         propagation rules, given text embeddings are where relevance is read."""
         probes = self._probes(effective, **options)
         relevance = any(isinstance(probe, RelevanceRules) for probe in probes)
-        pixels = None
+        pixels, given = None, inputs
         if relevance:
             check_gradients_possible()
-            inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
+            given = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
+            with torch.enable_grad():  # the model reads copies: computed from the inputs, activations to the rules (a leaf is a weight's kind)
+                inputs = tuple(t.clone() if t.requires_grad else t for t in given)
             if options.get("through_vision_tower"):
                 if cross_attends_images(self.model):
                     raise ValueError(
@@ -226,7 +228,7 @@ class AttentionAttributionBase:
         if effective:
             record = with_effective_attention(record)
         if relevance:
-            embeddings = [t for t in inputs if t.requires_grad] + record.result(Embeddings).tensors
+            embeddings = [t for t in given if t.requires_grad] + record.result(Embeddings).tensors
             if not embeddings:
                 raise ValueError(
                     f"No input embeddings of {type(self.model).__name__} were seen: its adapter names none "

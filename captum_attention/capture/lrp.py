@@ -169,6 +169,8 @@ class RelevanceRules(Probe):
         self.sources: list[Tensor] = []
         self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
         self.encoder_decoder = False
+        self.scatters_merged = False  # whether an image's features scattered into the embeddings are recorded
+        self._passed_on: list[weakref.ref[Tensor]] = []  # the embeddings the model received from the input embeddings
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._held: dict[int, weakref.ref[Tensor]] = {}  # by id, each checked against its tensor
@@ -192,6 +194,7 @@ class RelevanceRules(Probe):
         merged = None if self.through_vision_tower else adapter.merged_embeddings(model)
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
+        self.scatters_merged, self._passed_on = merged is None and not self.through_vision_tower, []
         for module in adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
@@ -276,7 +279,23 @@ class RelevanceRules(Probe):
         if not isinstance(first, Tensor) or not first.is_floating_point() or not self._ours():
             return None
         passed_on = self._recorded(first, self.embeddings)
+        self._passed_on.append(weakref.ref(passed_on))
         return passed_on if first is output else (passed_on, *output[1:])
+
+    def merges_into_embeddings(self, func: Callable[..., Any], args: tuple) -> bool:
+        """Whether ``func`` scatters an image's features into the embeddings the model
+        received (``inputs_embeds.masked_scatter(image_mask, features)``, inside a model that
+        names no language model reading them: Chameleon's, Emu3's, Fuyu's), where the
+        merged embeddings are to be recorded."""
+        return (
+            self.scatters_merged and func is Tensor.masked_scatter and bool(args)
+            and any(passed() is args[0] for passed in self._passed_on) and self._ours()
+        )
+
+    def record_scattered(self, merged: Tensor) -> Tensor:
+        """The embeddings with the image's features scattered in, recorded as the merged
+        embeddings where relevance stops, as a language model's ``inputs_embeds`` are."""
+        return self._recorded(merged, self.merged)
 
     def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The ``inputs_embeds`` the module is called with, and the image features it
@@ -313,6 +332,8 @@ class _RuleMode(ScopedFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         rules, activation = self.relevance.rules, self.relevance.is_activation
+        if self.relevance.merges_into_embeddings(func, args):
+            return self.relevance.record_scattered(func(*args, **kwargs))
         if func is F.layer_norm and activation(args[0]):
             return rules.layer_norm_rule(*args, **kwargs)
         if func is F.rms_norm and activation(args[0]):
