@@ -365,9 +365,13 @@ def answer_integrated_gradients(
 
     def log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
-        calls: list[int] = []
-        # a copy of the embeddings Captum moves: Kosmos-2 writes its image's features into them in place
-        copied = embeddings.register_forward_hook(lambda module, args, output: calls.append(1) or output.clone())
+        calls: list[torch.Tensor] = []
+
+        def copied_output(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+            calls.append(output)
+            return output.clone()  # a copy of the embeddings Captum moves: Kosmos-2 writes its image's features into them in place
+
+        copied = embeddings.register_forward_hook(copied_output)
         try:
             if start is None:
                 logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
