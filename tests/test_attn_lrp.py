@@ -139,6 +139,53 @@ def test_image_features_scattered_into_the_embeddings_hold_their_relevance(model
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
+def test_image_features_added_deeper_hold_their_relevance(capture_mode):
+    """Qwen3-VL adds its vision tower's intermediate features to the image's tokens after
+    its first layers (deepstack): their relevance, which flowed into the tower, was lost,
+    and the image's tokens held only their embeddings'. Each token now holds its merged
+    embedding's relevance and the added features', each the feature times the gradient of
+    the hidden states it was added to (read by hooks on the layers' inputs)."""
+    import copy
+
+    architecture = next(a for a in architectures("image-text-to-text") if a.model_type == "qwen3_vl")
+    config = copy.deepcopy(build(architecture).config)
+    config.vision_config.deepstack_visual_indexes = [0, 1]  # both of the tiny tower's layers, added after the text's first two
+    config.text_config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    case = make_case(build(architecture).__class__(config).eval(), architecture)
+    language_model = case.model.model.language_model
+    given = {}
+    handle = language_model.register_forward_pre_hook(lambda module, args, kwargs: given.update(kwargs), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            case.model(input_ids=case.inputs, **case.images)
+    finally:
+        handle.remove()
+    grads = {}
+
+    def gradient_of_input(index):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad: grads.__setitem__(index, grad))
+        return hook
+
+    modules = [*language_model.layers, language_model.norm]
+    handles = [module.register_forward_pre_hook(gradient_of_input(i), with_kwargs=True) for i, module in enumerate(modules)]
+    try:
+        mask = torch.ones_like(case.inputs)
+        scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
+    finally:
+        for handle in handles:
+            handle.remove()
+    image = given["visual_pos_masks"]
+    expected = (given["inputs_embeds"] * grads[0]).sum(dim=-1)
+    added = [(features * grads[k + 1][image]).sum(dim=-1) for k, features in enumerate(given["deepstack_visual_embeds"])]
+    assert len(added) == 2 and all(bool((share != 0).all()) for share in added)
+    expected[image] += sum(added)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
 def test_florence2s_image_tokens_hold_the_relevance_of_the_image_features_its_encoder_reads(capture_mode):
     """Florence-2's encoder reads its tokens' embeddings with the image's features in place
     of its image tokens. The relevance stops there, as a decoder's merged embeddings hold

@@ -228,13 +228,13 @@ class AttentionAttributionBase:
         if effective:
             record = with_effective_attention(record)
         if relevance:
-            embeddings = [t for t in given if t.requires_grad] + record.result(Embeddings).tensors
-            if not embeddings:
+            embeddings = record.result(Embeddings).after([t for t in given if t.requires_grad])
+            if not embeddings.tensors:
                 raise ValueError(
                     f"No input embeddings of {type(self.model).__name__} were seen: its adapter names none "
                     "(input_embeddings), or the forward did not call them. Pass embeddings as inputs instead."
                 )
-            record = record.with_result(Embeddings(embeddings))
+            record = record.with_result(embeddings)
         return record if pixels is None else record.with_result(pixels)
 
     def _explained(self, record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool = False) -> ForwardRecord:
@@ -458,14 +458,20 @@ class TokenRelevance:
 def with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:
     """The record with the relevance of each embedded sequence (and of the pixels the
     record carried relevance to) for ``target``."""
-    embeddings = record.result(Embeddings).tensors
+    recorded = record.result(Embeddings)
+    embeddings, injected = recorded.tensors, [i.features for i in recorded.injected]
     pixels = record.results.get(PixelInputs)
     score = record.target_score(target)
     with torch.enable_grad():
         grads = torch.autograd.grad(
-            score, embeddings + ([pixels.leaf] if pixels else []), retain_graph=retain_graph, allow_unused=True
+            score, embeddings + injected + ([pixels.leaf] if pixels else []), retain_graph=retain_graph, allow_unused=True
         )
     relevance = [token_relevance(e, torch.zeros_like(e) if g is None else g) for e, g in zip(embeddings, grads)]
+    for place, grad in zip(recorded.injected, grads[len(embeddings) :]):
+        if grad is not None:  # the injected features' relevance, held by the tokens they were added to
+            relevance[place.into] = relevance[place.into].masked_scatter(
+                place.positions, relevance[place.into][place.positions] + token_relevance(place.features, grad)
+            )
     if pixels is None:
         return record.with_result(TokenRelevance(relevance))
     if grads[-1] is None:

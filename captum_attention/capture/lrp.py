@@ -20,9 +20,11 @@ on an exception or an interrupt. While active:
 - forward hooks on the adapter's input-embedding modules record their outputs (detached
   and requiring grad, so that the relevance is read there whatever the parameters'
   ``requires_grad``; no gradient reaches a parameter). A vision-language model's language
-  model's merged embeddings (and the image features Mllama's cross-attends to) are
-  recorded so too, where its relevance stops; or, carried through the vision tower, the
-  image inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
+  model's merged embeddings (and the image features Mllama's cross-attends to, or those
+  a deepstack adds between its layers) are recorded so too, where its relevance stops; so
+  are a model's embeddings with an image's features scattered in where no language model
+  module reads them (Chameleon's); or, carried through the vision tower, the image
+  inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
 
 Nothing global is patched; other threads run the model's functions unchanged (the mode
 is thread-local, and the hooks act only in the capturing thread).
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
@@ -102,12 +104,36 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 
 @dataclass
+class Injected:
+    """Image features a language model adds to its hidden states at the image's tokens
+    between its layers (Qwen3-VL's deepstack), detached and requiring grad: ``features``
+    ``(n, d)``, one row per ``True`` of ``positions`` ``(B, T)`` in row-major order, added
+    to the tokens of the embeddings ``into`` (an index of :attr:`Embeddings.tensors`)."""
+
+    features: Tensor
+    positions: Tensor
+    into: int
+
+
+@dataclass
 class Embeddings:
     """The input embeddings ``(B, T, d)`` a forward under the rules produced (an
     encoder-decoder's source, then target), detached and requiring grad: where relevance
-    is read."""
+    is read; and the image features injected deeper, whose relevance their tokens hold."""
 
     tensors: list[Tensor]
+    injected: list[Injected] = field(default_factory=list)
+
+    def after(self, leading: list[Tensor]) -> Embeddings:
+        """These embeddings after ``leading`` others (the inputs given as embeddings)."""
+        shifted = [Injected(i.features, i.positions, i.into + len(leading)) for i in self.injected]
+        return Embeddings(leading + self.tensors, shifted)
+
+
+INJECTED_FEATURES = (("deepstack_visual_embeds", "visual_pos_masks"), ("deepstack_features", "vision_mask"))
+"""The keyword arguments of a language model that add image features to its hidden states
+deeper than its embeddings, each with the mask of the tokens they are added to (Qwen3-VL's
+and its kin's deepstack, a list per layer; Granite 4 Vision's, a dict by layer)."""
 
 
 @dataclass
@@ -167,6 +193,7 @@ class RelevanceRules(Probe):
         self.embeddings: list[Tensor] = []
         self.merged: list[Tensor] = []
         self.sources: list[Tensor] = []
+        self.injected: list[Injected] = []
         self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
         self.encoder_decoder = False
         self.scatters_merged = False  # whether an image's features scattered into the embeddings are recorded
@@ -184,6 +211,7 @@ class RelevanceRules(Probe):
             )
         self._thread = current_thread()
         self.embeddings, self.merged, self.sources, self.depth, self.targets_from = [], [], [], 0, 0
+        self.injected = []
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._held = {}
         sites = adapter.relevance_sites(model)
@@ -208,7 +236,8 @@ class RelevanceRules(Probe):
         if not self.merged:
             return Embeddings(self.sources + self.embeddings)
         targets = self.embeddings[self.targets_from :] if self.encoder_decoder else []
-        return Embeddings(self.sources + self.merged + targets)
+        injected = [Injected(i.features, i.positions, len(self.sources)) for i in self.injected]
+        return Embeddings(self.sources + self.merged + targets, injected)
 
     def is_activation(self, value: Any) -> bool:
         """Whether a rule treats ``value`` as an activation (:func:`_is_activation_tensor`):
@@ -306,11 +335,27 @@ class RelevanceRules(Probe):
         if isinstance(embeddings := kwargs.get("inputs_embeds"), Tensor):
             recorded["inputs_embeds"] = self._recorded(embeddings, self.merged)
             self.targets_from = len(self.embeddings)
+            for name, mask_name in INJECTED_FEATURES:
+                features, mask = kwargs.get(name), kwargs.get(mask_name)
+                if features and isinstance(mask, Tensor):
+                    recorded[name] = self._recorded_injections(features, mask if mask.dim() == 2 else mask.any(dim=-1))
         tokens = next((value for value in (kwargs.get("input_ids"), embeddings) if isinstance(value, Tensor)), None)
         if isinstance(features := kwargs.get("cross_attention_states"), Tensor) and tokens is not None:
             # Mllama passes them per tile, (B·images·tiles, states, d); its attention reads (B, S, d)
             recorded["cross_attention_states"] = self._recorded(features, self.sources, batch=tokens.shape[0])
         return (args, {**kwargs, **recorded}) if recorded else None
+
+    def _recorded_injections(self, features: Any, positions: Tensor) -> Any:
+        """Each of ``features`` (a list, or a dict by layer) detached, requiring grad and kept
+        as :class:`Injected` at ``positions``; what the language model reads in their place."""
+        def recorded(tensor: Tensor) -> Tensor:
+            leaf = tensor.detach().requires_grad_()
+            self.injected.append(Injected(leaf, positions.detach(), 0))
+            return leaf.clone()
+
+        if isinstance(features, Mapping):
+            return {key: recorded(value) for key, value in features.items()}
+        return [recorded(value) for value in features]
 
     @staticmethod
     def _recorded(embeddings: Tensor, into: list[Tensor], batch: int | None = None) -> Tensor:
