@@ -139,6 +139,43 @@ def test_image_features_scattered_into_the_embeddings_hold_their_relevance(model
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
+def test_image_features_written_over_the_embeddings_hold_their_relevance(capture_mode):
+    """Kosmos-2 writes its image's features over its image tokens' embeddings in place
+    (``inputs_embeds[mask] = image_embeds``): the image's tokens scored 0. Each token now
+    holds its embedding's relevance, or the feature's written over it: the embeddings with
+    the features written in, times the embedding scale and the gradient of the first
+    layer's input (the positions added there hold none), read by a hook."""
+    architecture = next(a for a in architectures("image-text-to-text") if a.model_type == "kosmos-2")
+    case = make_case(build(architecture), architecture)
+    text = case.model.text_model.model
+    given, grads = {}, {}
+    handle = text.register_forward_pre_hook(lambda module, args, kwargs: given.update(kwargs), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            case.model(input_ids=case.inputs, **case.images)
+    finally:
+        handle.remove()
+
+    def gradient_of_input(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: grads.__setitem__("first", grad))
+
+    handle = text.layers[0].register_forward_pre_hook(gradient_of_input, with_kwargs=True)
+    try:
+        mask = torch.ones_like(case.inputs)
+        scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
+    finally:
+        handle.remove()
+    image = given["image_embeds_position_mask"].bool()
+    with torch.no_grad():
+        merged = text.embed_tokens(case.inputs)
+        merged[image] = given["image_embeds"].reshape(-1, merged.shape[-1])
+    expected = (merged * text.embed_scale * grads["first"]).sum(dim=-1)
+    assert bool((expected[image] != 0).all())
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
 def test_image_features_added_deeper_hold_their_relevance(capture_mode):
     """Qwen3-VL adds its vision tower's intermediate features to the image's tokens after
     its first layers (deepstack): their relevance, which flowed into the tower, was lost,

@@ -91,6 +91,11 @@ def _is_activation_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad and value.grad_fn is not None and value.is_floating_point()
 
 
+def _token_mask(index: Any, embeddings: Tensor) -> bool:
+    """Whether ``index`` is a ``(B, T)`` bool mask of the ``(B, T, d)`` embeddings' tokens."""
+    return isinstance(index, Tensor) and index.dtype == torch.bool and tuple(index.shape) == tuple(embeddings.shape[:2])
+
+
 def _tensors(value: Any) -> Iterator[Tensor]:
     """The tensors in a function's arguments or result (nested in tuples, lists and dicts)."""
     if isinstance(value, Tensor):
@@ -196,8 +201,9 @@ class RelevanceRules(Probe):
         self.injected: list[Injected] = []
         self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
         self.encoder_decoder = False
-        self.scatters_merged = False  # whether an image's features scattered into the embeddings are recorded
-        self._passed_on: list[weakref.ref[Tensor]] = []  # the embeddings the model received from the input embeddings
+        self.follows_merges = False  # whether an image's features merged into the embeddings are recorded
+        self.names_merged = False  # whether the adapter names a module that reads the merged embeddings
+        self._passed_on: list[tuple[weakref.ref[Tensor], int]] = []  # the embeddings the model received, by index
         self.depth = 0  # how many activation or norm modules the forward is inside
         self._activations: set[nn.Module] = set()
         self._held: dict[int, weakref.ref[Tensor]] = {}  # by id, each checked against its tensor
@@ -222,7 +228,7 @@ class RelevanceRules(Probe):
         merged = None if self.through_vision_tower else adapter.merged_embeddings(model)
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
-        self.scatters_merged, self._passed_on = merged is None and not self.through_vision_tower, []
+        self.follows_merges, self.names_merged, self._passed_on = not self.through_vision_tower, merged is not None, []
         for module in adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
@@ -233,10 +239,10 @@ class RelevanceRules(Probe):
         embeddings after them), else the input embeddings; after the image features a
         language model cross-attends to (Mllama's), as an encoder-decoder's source comes
         before its target."""
+        injected = [Injected(i.features, i.positions, len(self.sources) + i.into) for i in self.injected]
         if not self.merged:
-            return Embeddings(self.sources + self.embeddings)
+            return Embeddings(self.sources + self.embeddings, injected)
         targets = self.embeddings[self.targets_from :] if self.encoder_decoder else []
-        injected = [Injected(i.features, i.positions, len(self.sources)) for i in self.injected]
         return Embeddings(self.sources + self.merged + targets, injected)
 
     def is_activation(self, value: Any) -> bool:
@@ -308,23 +314,39 @@ class RelevanceRules(Probe):
         if not isinstance(first, Tensor) or not first.is_floating_point() or not self._ours():
             return None
         passed_on = self._recorded(first, self.embeddings)
-        self._passed_on.append(weakref.ref(passed_on))
+        self._passed_on.append((weakref.ref(passed_on), len(self.embeddings) - 1))
         return passed_on if first is output else (passed_on, *output[1:])
 
-    def merges_into_embeddings(self, func: Callable[..., Any], args: tuple) -> bool:
-        """Whether ``func`` scatters an image's features into the embeddings the model
-        received (``inputs_embeds.masked_scatter(image_mask, features)``, inside a model that
-        names no language model reading them: Chameleon's, Emu3's, Fuyu's), where the
-        merged embeddings are to be recorded."""
-        return (
-            self.scatters_merged and func is Tensor.masked_scatter and bool(args)
-            and any(passed() is args[0] for passed in self._passed_on) and self._ours()
-        )
+    def merge(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """``(True, result)`` where ``func`` merges an image's features into the embeddings
+        the model received and is run here so that the features' relevance is kept; else
+        ``(False, None)``:
 
-    def record_scattered(self, merged: Tensor) -> Tensor:
-        """The embeddings with the image's features scattered in, recorded as the merged
-        embeddings where relevance stops, as a language model's ``inputs_embeds`` are."""
-        return self._recorded(merged, self.merged)
+        - ``inputs_embeds.masked_scatter(image_mask, features)`` inside a model that names
+          no language model reading the merged embeddings (Chameleon's, Emu3's, Fuyu's): they
+          are recorded where relevance stops, as a language model's ``inputs_embeds`` are;
+        - ``inputs_embeds[image_mask] = features`` (Kosmos-2's, in place; Kosmos-2.5's on a
+          copy, whose copies are followed): the features are recorded as
+          :class:`Injected` at the mask's tokens;
+        """
+        into = self._embeddings_index(args[0]) if self.follows_merges and args and self._ours() else None
+        if into is None:
+            return False, None
+        if func is Tensor.masked_scatter and not self.names_merged:
+            return True, self._recorded(func(*args, **kwargs), self.merged)
+        if func is Tensor.clone:
+            copy = func(*args, **kwargs)
+            self._passed_on.append((weakref.ref(copy), into))
+            return True, copy
+        if func is Tensor.__setitem__ and len(args) == 3 and _token_mask(args[1], args[0]) and isinstance(args[2], Tensor):
+            leaf = args[2].detach().requires_grad_()
+            self.injected.append(Injected(leaf, args[1].detach(), into))
+            return True, func(args[0], args[1], leaf.clone())
+        return False, None
+
+    def _embeddings_index(self, tensor: Any) -> int | None:
+        """Which recorded embeddings ``tensor`` is as the model received them, or None."""
+        return next((index for passed, index in self._passed_on if passed() is tensor), None)
 
     def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The ``inputs_embeds`` the module is called with, and the image features it
@@ -377,8 +399,9 @@ class _RuleMode(ScopedFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         rules, activation = self.relevance.rules, self.relevance.is_activation
-        if self.relevance.merges_into_embeddings(func, args):
-            return self.relevance.record_scattered(func(*args, **kwargs))
+        merged, result = self.relevance.merge(func, args, kwargs)
+        if merged:
+            return result
         if func is F.layer_norm and activation(args[0]):
             return rules.layer_norm_rule(*args, **kwargs)
         if func is F.rms_norm and activation(args[0]):
