@@ -12,7 +12,7 @@ from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
     left_padding_outcome, make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
-    ablation_outcome, vision_language_left_padding_outcome,
+    ablation_outcome, image_relevance_outcome, vision_language_left_padding_outcome,
 )
 
 from captum_attention import METHODS, AttnLRP, GradSAM, KnockoutLRP, RawAttention, UnsupportedModelError
@@ -198,6 +198,16 @@ def test_the_ablations_of_a_prompt_are_each_ablated_prompt_alone(head, model_typ
 )
 def test_the_ablations_of_a_prompt_are_each_alone_or_refused_on_every_language_model(architecture):
     outcome = ablation_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("image-text-to-text"), ids=lambda a: a.name)
+def test_attn_lrps_image_tokens_hold_relevance_wherever_the_image_moves_the_logits(architecture):
+    """Streaming against eager cannot show relevance read where the image's features do not
+    reach (both read it there): Chameleon's, Emu3's, Fuyu's, Kosmos-2's and Granite 4
+    Vision's image tokens scored 0, Florence-2's too."""
+    outcome = image_relevance_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 

@@ -1090,6 +1090,51 @@ def ablation_outcome(architecture: Architecture) -> Outcome:
     return Outcome("exact")
 
 
+def image_relevance_outcome(architecture: Architecture) -> Outcome:
+    """AttnLRP of an image-text-to-text model's case: ``exact`` where the image's tokens
+    (the config's image token, or the positions an image input marks; an encoder-decoder's
+    among its source's) hold relevance, ``not built`` where the image does not move the
+    logits (its tiny projection zero at initialisation: no relevance to hold), refused in
+    one line, else ``wrong`` (the image moves the logits and its tokens score 0: relevance
+    read where the image's features do not reach) or an error."""
+    from captum_attention.capture.adapters.images import image_token_id, marked_image_positions
+
+    try:
+        case = runs(make_case(build(architecture), architecture))
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    assert case.images is not None
+    tower_input = next((name for name in ("pixel_values", "flattened_patches") if name in case.images), None)
+    if tower_input is None:
+        return Outcome("not built", "the case gives no pixels to move")
+    moved = {**case.images, tower_input: case.images[tower_input] + 1.0}
+    ids = case.inputs[0] if case.encoder_decoder else case.inputs
+    keywords = {"decoder_input_ids": case.inputs[1]} if case.encoder_decoder else {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        difference = (case.model(input_ids=ids, **keywords, **case.images).logits
+                      - case.model(input_ids=ids, **keywords, **moved).logits).abs().max()
+    if float(difference) < 1e-6:
+        return Outcome("not built", "the image does not move the tiny model's logits")
+    try:
+        scores = explain(case, "attn_lrp")
+    except (UnsupportedModelError, ValueError) as error:
+        message = str(error).strip()
+        return Outcome("refused" if "\n" not in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    tokens = scores[0] if isinstance(scores, tuple) else scores
+    token = image_token_id(case.model.config)
+    image = torch.zeros_like(ids, dtype=torch.bool) if token is None else ids == token
+    marked = marked_image_positions(case.images, ids.shape)
+    image = image if marked is None else image | marked
+    if not bool(image.any()):
+        return Outcome("not built", "no image token in the case's prompt")
+    if float(tokens[..., : ids.shape[1]][image].abs().sum()) == 0.0:
+        return Outcome("wrong", f"the image moves the logits by {float(difference):.2g}, and its tokens score 0")
+    return Outcome("exact")
+
+
 def _example_images(case: Case, ids: torch.Tensor, architecture: Architecture) -> dict[str, torch.Tensor]:
     """The sweep's image inputs for the prompt ``ids`` (its token types; Mllama's
     cross-attention mask, each later token seeing the image)."""
