@@ -338,7 +338,7 @@ class HuggingFaceAdapter(AdapterBase):
     def merged_embeddings(self, model: nn.Module) -> nn.Module | None:
         """A vision-language model's language model (:mod:`.images`); an encoder-decoder's
         encoder where it reads the image's features among its tokens (Florence-2's)."""
-        if getattr(model.config, "is_encoder_decoder", False) and _image_models(model):
+        if self.is_encoder_decoder(model) and _image_models(model):
             get_encoder = getattr(model, "get_encoder", None)
             encoder = get_encoder() if callable(get_encoder) else None
             return encoder if isinstance(encoder, nn.Module) else None
