@@ -7,6 +7,8 @@ the model's own computation (a patch changed, the one image token that changes).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -701,6 +703,28 @@ def test_a_left_padded_batch_the_model_reads_otherwise_than_each_alone_is_refuse
     GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
 
 
+def gauss_legendre_scores(
+    embeddings: nn.Module, actual: torch.Tensor, start: torch.Tensor, steps: int, log_prob: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """Captum's Gauss-Legendre rule written out: at each step the output of ``embeddings``
+    moved from ``start`` to ``actual``, the answer's ``log_prob()`` of the model run so
+    differentiated there by autograd; the integral times ``actual - start``, summed over the
+    embedding."""
+    from captum.attr._utils.approximation_methods import approximation_parameters
+
+    step_sizes, alphas = approximation_parameters("gausslegendre")
+    integral = torch.zeros_like(actual)
+    for alpha, weight in zip(alphas(steps), step_sizes(steps)):
+        moved = (start + alpha * (actual - start)).requires_grad_(True)
+        handle = embeddings.register_forward_hook(lambda module, args, output: moved)
+        try:
+            value = log_prob()
+        finally:
+            handle.remove()
+        integral += weight * torch.autograd.grad(value, moved)[0]
+    return (integral * (actual - start)).sum(dim=-1)
+
+
 @pytest.mark.parametrize("family", ["llava", "paligemma", "gemma3", "qwen2_vl", "idefics3", "mistral3"])
 def test_integrated_gradients_of_an_answer_hold_the_image(family):
     """``answer_integrated_gradients`` with the image inputs: Captum's Gauss-Legendre rule
@@ -709,8 +733,6 @@ def test_integrated_gradients_of_an_answer_hold_the_image(family):
     answer's log-probability differentiated there by autograd, with the image inputs
     extended over the answer as each family's ``generate`` types it (PaliGemma's suffix
     1, the others' text 0); the image's tokens score 0."""
-    from captum.attr._utils.approximation_methods import approximation_parameters
-
     from captum_attention.presentation.explain import answer_integrated_gradients
 
     model, ids, images = family_example(family)
@@ -722,18 +744,12 @@ def test_integrated_gradients_of_an_answer_hold_the_image(family):
     actual, start = embeddings(sequence).detach(), embeddings(baseline).detach()
     typed = torch.ones_like(answer) if family == "paligemma" else torch.zeros_like(answer)
     extended = {name: torch.cat([value, typed], dim=1) if name.endswith("token_type_ids") else value for name, value in images.items()}
-    step_sizes, alphas = approximation_parameters("gausslegendre")
-    integral = torch.zeros_like(actual)
-    for alpha, weight in zip(alphas(steps), step_sizes(steps)):
-        moved = (start + alpha * (actual - start)).requires_grad_(True)
-        handle = embeddings.register_forward_hook(lambda module, args, output: moved)
-        try:
-            logits = model(input_ids=sequence, **extended).logits[:, ids.shape[1] - 1 : -1]
-        finally:
-            handle.remove()
-        log_prob = logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
-        integral += weight * torch.autograd.grad(log_prob, moved)[0]
-    expected = (integral * (actual - start)).sum(dim=-1)[:, : ids.shape[1]]
+
+    def log_prob() -> torch.Tensor:
+        logits = model(input_ids=sequence, **extended).logits[:, ids.shape[1] - 1 : -1]
+        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+
+    expected = gauss_legendre_scores(embeddings, actual, start, steps, log_prob)[:, : ids.shape[1]]
     scores = answer_integrated_gradients(model, ids, answer, steps, images)
     assert expected.abs().max() > 0 and bool((scores[ids == IMAGE] == 0).all())
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)
@@ -743,7 +759,6 @@ def test_integrated_gradients_of_an_encoder_decoders_answer_hold_its_image():
     """Florence-2's answer: the same rule written out over its source's token embeddings,
     its decoder reading its start token and the answer (the source and the answer were
     read as one decoder's sequence); the image's tokens score 0."""
-    from captum.attr._utils.approximation_methods import approximation_parameters
     from test_encoder_decoder import _tiny_florence2
 
     from captum_attention.capture.inputs import decoder_start_token
@@ -756,18 +771,12 @@ def test_integrated_gradients_of_an_encoder_decoders_answer_hold_its_image():
     decoder = torch.cat([torch.tensor([[decoder_start_token(model)]]), answer[:, :-1]], dim=1)
     embeddings = model.get_input_embeddings()
     actual, start = embeddings(ids).detach(), embeddings(ids.masked_fill(ids != image, 0)).detach()
-    step_sizes, alphas = approximation_parameters("gausslegendre")
-    integral = torch.zeros_like(actual)
-    for alpha, weight in zip(alphas(steps), step_sizes(steps)):
-        moved = (start + alpha * (actual - start)).requires_grad_(True)
-        handle = embeddings.register_forward_hook(lambda module, args, output: moved)
-        try:
-            logits = model(input_ids=ids, decoder_input_ids=decoder, **images).logits
-        finally:
-            handle.remove()
-        log_prob = logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
-        integral += weight * torch.autograd.grad(log_prob, moved)[0]
-    expected = (integral * (actual - start)).sum(dim=-1)
+
+    def log_prob() -> torch.Tensor:
+        logits = model(input_ids=ids, decoder_input_ids=decoder, **images).logits
+        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+
+    expected = gauss_legendre_scores(embeddings, actual, start, steps, log_prob)
     scores = answer_integrated_gradients(model, ids, answer, steps, images)
     assert expected.abs().max() > 0 and bool((scores[ids == image] == 0).all())
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-6)
