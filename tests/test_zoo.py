@@ -205,8 +205,8 @@ def test_the_ablations_of_a_prompt_are_each_alone_or_refused_on_every_language_m
 @pytest.mark.parametrize("architecture", architectures("image-text-to-text"), ids=lambda a: a.name)
 def test_attn_lrps_image_tokens_hold_relevance_wherever_the_image_moves_the_logits(architecture):
     """Streaming against eager cannot show relevance read where the image's features do not
-    reach (both read it there): Chameleon's, Emu3's, Fuyu's, Kosmos-2's and Granite 4
-    Vision's image tokens scored 0, Florence-2's too."""
+    reach (both read it there): Chameleon's, Emu3's, Fuyu's, Kosmos-2's, Kosmos-2.5's and
+    Granite 4 Vision's image tokens scored 0, Florence-2's too."""
     outcome = image_relevance_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 

@@ -23,8 +23,9 @@ on an exception or an interrupt. While active:
   model's merged embeddings (and the image features Mllama's cross-attends to, or those
   a deepstack adds between its layers) are recorded so too, where its relevance stops; so
   are a model's embeddings with an image's features scattered in where no language model
-  module reads them (Chameleon's); or, carried through the vision tower, the image
-  inputs' ``pixel_values`` (:func:`with_pixel_leaf`).
+  module reads them (Chameleon's), and features written over the embeddings (Kosmos-2's);
+  or, carried through the vision tower, the image inputs' ``pixel_values``
+  (:func:`with_pixel_leaf`).
 
 Nothing global is patched; other threads run the model's functions unchanged (the mode
 is thread-local, and the hooks act only in the capturing thread).
@@ -327,7 +328,7 @@ class RelevanceRules(Probe):
           are recorded where relevance stops, as a language model's ``inputs_embeds`` are;
         - ``inputs_embeds[image_mask] = features`` (Kosmos-2's, in place; Kosmos-2.5's on a
           copy, whose copies are followed): the features are recorded as
-          :class:`Injected` at the mask's tokens;
+          :class:`Injected` at the mask's tokens.
         """
         into = self._embeddings_index(args[0]) if self.follows_merges and args and self._ours() else None
         if into is None:

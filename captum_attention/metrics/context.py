@@ -204,8 +204,8 @@ class _AnswerScorer:
         if self.decoder_start is not None:
             start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
-            images = self._image_args(positions, mask, 0, encoded)
-            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder, **(images[0] if images else {})))
+            images = next(iter(self._image_args(positions, mask, 0, encoded)), {})  # the source's
+            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder, **images))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
             logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new, encoded)))

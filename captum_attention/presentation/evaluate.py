@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from ..attr import METHODS
-from ..capture.adapters.images import cross_attends_images
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
@@ -486,11 +485,13 @@ def evaluate_answers(
     processes, merged by :func:`merge` as the classifier's are. With a vision-language
     model's ``processor``, each example's prompt is about its ``image``: the image's tokens
     are scored but never removed."""
+    from .answer import several_stacks
+
     options = options or AnswerOptions()
     check_names("method", methods, answer_method_names())
     check_names("metric", metrics, answer_metric_names())
     seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
-    check_methods(methods, answers=True, one_stack=not (seq2seq or cross_attends_images(model)))
+    check_methods(methods, answers=True, one_stack=not several_stacks(model))
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
     if INTEGRATED_GRADIENTS in methods and seq2seq and processor is None:
