@@ -287,8 +287,19 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     expected = [(token, value) for value, token in sorted(words, reverse=True)[:5]]
     assert [t for t, _ in printed] == [t for t, _ in expected]
     torch.testing.assert_close(torch.tensor([v for _, v in printed]), torch.tensor([v for _, v in expected]), rtol=1e-3, atol=0)
-    assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "integrated_gradients"]) == 1
-    assert "decoder-only models" in capsys.readouterr().err
+    import json
+
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    report = tmp_path / "ig.json"
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--target", "seven", "--methods", "integrated_gradients",
+                 "--ig-steps", "4", "--json", str(report)]) == 0
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    answer = tokenizer("seven", add_special_tokens=False, return_tensors="pt").input_ids
+    expected = answer_integrated_gradients(make_encoder_decoder("bart"), ids, answer, 4)[0]
+    written = json.loads(report.read_text(encoding="utf-8"))["seq_attr"]["Integrated Gradients"]
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(torch.tensor(written), expected, rtol=1e-4, atol=1e-6)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence,alti,leave_one_out_estimates"]) == 1
     assert (
         "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder's answers"

@@ -164,7 +164,9 @@ def test_a_single_stack_method_of_the_answers_run_is_its_own_metrics(llm, seq2se
 def test_integrated_gradients_of_the_answers_run_is_captums_llm_attribution(llm, seq2seq, tmp_path, capsys):
     """``--methods integrated_gradients``: the scores are the ``seq_attr`` of Captum's
     ``LLMGradientAttribution(LayerIntegratedGradients)`` (one run per answer token, summed),
-    and the rows their metrics; an encoder-decoder is refused in one line."""
+    and the rows their metrics; an encoder-decoder's are ``answer_integrated_gradients``
+    over its source (checked against autograd in ``test_seq2seq_answers.py``), which
+    Captum's class does not take."""
     from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
 
     from captum_attention.loading import load_causal_lm
@@ -186,8 +188,18 @@ def test_integrated_gradients_of_the_answers_run_is_captums_llm_attribution(llm,
     assert row["lds"] == pytest.approx(_lds(model, ids, mask, answer, expected, segments), abs=1e-6)
     drop = top_k_log_prob_drop(model, ids, mask, answer, expected, (3,), segments)[0, 0]
     assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
-    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "integrated_gradients", "--output", str(tmp_path / "s2s")]) == 1
-    assert "integrated_gradients explains a decoder-only language model's prompt" in capsys.readouterr().err
+    s2s = tmp_path / "s2s"
+    assert main(["evaluate", str(data), "--model", str(seq2seq), "--methods", "integrated_gradients", "--ig-steps", "8",
+                 "--max-new-tokens", "3", "--output", str(s2s)]) == 0
+    row = _rows(s2s)[0]
+    model, tokenizer = load_causal_lm(seq2seq, seq2seq=True)
+    example = read_answers(data)[0][0]
+    ids = tokenizer(example.text, return_tensors="pt").input_ids
+    answer = tokenizer(row["answer"], add_special_tokens=False, return_tensors="pt").input_ids
+    scores = answer_integrated_gradients(model, ids, answer, 8)
+    segments = torch.tensor([[-1] + list(range(1, ids.shape[1]))])  # BOS kept, each token its own
+    drop = top_k_log_prob_drop(model, ids, torch.ones_like(ids), answer, scores, (3,), segments)[0, 0]
+    assert row["top_k_log_prob_drop"] == pytest.approx(float(drop), abs=1e-5)
 
 
 def test_a_prompt_without_bos_keeps_its_first_token(llm, tmp_path):

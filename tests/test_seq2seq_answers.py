@@ -199,3 +199,29 @@ def test_a_span_of_florence2_with_its_image_equals_the_reference(method):
     target = {"target": answer[:, 1]} if cls.spec.uses_target else {}
     expected_row, _ = cls(model).attribute((source, prefix), additional_forward_args=(mask, torch.ones_like(prefix), images), **target)
     assert_scores_close(source_rows[:, 1], expected_row)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(family):
+    """An encoder-decoder's answer: the written-out Gauss-Legendre rule over the module that
+    embeds its source (its encoder's own: transformers' T5 and BART never call the model's
+    input embeddings, where Integrated Gradients had nothing to move), every source token
+    at id 0 in the baseline, the decoder reading its start token and the answer."""
+    from lm_models import make_encoder_decoder
+    from test_vlm_answers import gauss_legendre_scores
+
+    from captum_attention.presentation.explain import answer_integrated_gradients
+
+    model = make_encoder_decoder(family)
+    source, answer, steps = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 10]]), 6
+    decoder = _decoder_ids(model, answer)
+    embeddings = model.get_encoder().get_input_embeddings()
+    actual, start = embeddings(source).detach(), embeddings(torch.zeros_like(source)).detach()
+
+    def log_prob() -> torch.Tensor:
+        logits = model(input_ids=source, decoder_input_ids=decoder).logits
+        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+
+    expected = gauss_legendre_scores(embeddings, actual, start, steps, log_prob)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(answer_integrated_gradients(model, source, answer, steps), expected, rtol=1e-4, atol=1e-6)

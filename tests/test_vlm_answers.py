@@ -783,15 +783,17 @@ def test_integrated_gradients_of_an_encoder_decoders_answer_hold_its_image():
 
 
 def test_integrated_gradients_where_the_prompt_is_not_embedded_once_are_refused_in_one_line():
-    """T5's forward embeds its source with its encoder's own module, never calling the
-    model's input embeddings, which Integrated Gradients would move (Captum's bare
-    assertion before)."""
+    """A T5 whose source and answer go through one embedding module (as it was tied before
+    transformers 5): moving it would move the answer's embeddings too (Captum's assertion,
+    or a silently wrong integral, before)."""
     from lm_models import make_encoder_decoder
 
     from captum_attention.presentation.explain import answer_integrated_gradients
 
-    with pytest.raises(ValueError, match="calls its input embeddings") as refused:
-        answer_integrated_gradients(make_encoder_decoder("t5"), torch.tensor([[5, 6, 7]]), torch.tensor([[8]]), 4)
+    model = make_encoder_decoder("t5")
+    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
+    with pytest.raises(ValueError, match="calls the module that embeds its prompt .* 2 times") as refused:
+        answer_integrated_gradients(model, torch.tensor([[5, 6, 7]]), torch.tensor([[8]]), 4)
     assert "\n" not in str(refused.value)
 
 

@@ -129,6 +129,9 @@ def explain_answer(
         if name in ESTIMATES_OF_ANSWERS:
             _add_signed(explanation, display, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written), start)
             continue
+        if name == INTEGRATED_GRADIENTS and getattr(model.config, "is_encoder_decoder", False):
+            _add_signed(explanation, display, _source_integrated_gradients(model, inp, answer_ids, ig_steps), start)
+            continue
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
         if name == INTEGRATED_GRADIENTS:
@@ -155,6 +158,17 @@ def _estimates(
     features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask
     keep = special_tokens(ids, tokenizer) | ~features | _per_token_flags(written, ids)
     return _prompt_estimates(model, ids, answer_ids, keep, by_share)[features]
+
+
+def _source_integrated_gradients(model: Any, inp: TextTokenInput, answer_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """``(features,)``: Integrated Gradients of an encoder-decoder's answer over its source's
+    features (:func:`~captum_attention.presentation.explain.answer_integrated_gradients`;
+    Captum's ``LLMGradientAttribution`` takes decoder-only models)."""
+    ids = inp.to_model_input()
+    features = torch.ones_like(ids, dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask.bool()
+    device = next(model.parameters()).device
+    scores = answer_integrated_gradients(model, ids.to(device), answer_ids.to(device)[None], steps)
+    return scores.cpu()[features.cpu()]
 
 
 def _prompt_estimates(

@@ -321,12 +321,6 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
     prompt = chat_prompt(tokenizer, message) if arguments.chat else without_added_bos(tokenizer, message)
     _note_uniform_head_weights(model, methods)
-    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
-    if seq2seq and INTEGRATED_GRADIENTS in methods:
-        raise UsageError(
-            f"{INTEGRATED_GRADIENTS} runs Captum's LLMGradientAttribution, which takes decoder-only models; "
-            f"{arguments.model} holds a sequence-to-sequence model"
-        )
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
     too_long = answer_too_long(model, tokenizer, prompt_tokens, arguments.target, arguments.max_new_tokens, "--target")
     if too_long is not None:

@@ -490,15 +490,9 @@ def evaluate_answers(
     options = options or AnswerOptions()
     check_names("method", methods, answer_method_names())
     check_names("metric", metrics, answer_metric_names())
-    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
     check_methods(methods, answers=True, one_stack=not several_stacks(model))
     if processor is not None and PRESENCE in methods:
         raise ValueError(f"{PRESENCE} is not available for vision-language models; leave it out of the methods.")
-    if INTEGRATED_GRADIENTS in methods and seq2seq and processor is None:
-        raise ValueError(
-            f"{INTEGRATED_GRADIENTS} explains a decoder-only language model's prompt (Captum's LLMGradientAttribution "
-            "takes no other); leave it out of the methods."
-        )
     needed = {name for name in methods if name not in (*ESTIMATES_OF_ANSWERS, PRESENCE, INTEGRATED_GRADIENTS)}
     needed |= {"attn_lrp"} if PRESENCE in methods else set()
     needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()

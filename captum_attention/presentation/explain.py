@@ -351,7 +351,9 @@ def answer_integrated_gradients(
     """``(1, N)`` float: Integrated Gradients of the whole ``answer``'s log-probability over
     the prompt ``ids`` ``(1, N)`` of a decoder-only language model (an encoder-decoder's
     source, its decoder reading its start token and the answer): Captum's
-    ``LayerIntegratedGradients`` on the input embeddings, ``steps`` steps, every prompt token
+    ``LayerIntegratedGradients`` on the module that embeds the prompt
+    (:func:`_prompt_embeddings`; a forward that calls it other than once is refused in one
+    line), ``steps`` steps, every prompt token
     at id 0 in the baseline, summed over the embedding. That is the ``seq_attr`` of
     Captum's ``LLMGradientAttribution`` (which ``explain`` runs), in one run instead of one
     per answer token: the integral is linear in the explained score. A vision-language
@@ -360,11 +362,20 @@ def answer_integrated_gradients(
     keep them) keep their ids in the baseline, so they score 0, and each step runs alone
     with the image, encoded once by the vision tower where the model then gives the
     answer the log-probability it gives from the pixels (:func:`_held_images`). Detached."""
-    embeddings = model.get_input_embeddings()
     start = decoder_start_token(model) if getattr(model.config, "is_encoder_decoder", False) else None
 
-    def log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
+    def answer_log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
+        if start is None:
+            logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
+        else:
+            decoder = torch.cat([torch.full_like(answers[:, :1], start), answers[:, :-1]], dim=1)
+            logits = model(input_ids=prompts, decoder_input_ids=decoder, **images).logits
+        return summed_log_probs(logits, answers)
+
+    embeddings = _prompt_embeddings(model, start is not None, lambda: answer_log_prob(ids, image_inputs or {}))
+
+    def log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         calls: list[torch.Tensor] = []
 
         def copied_output(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -373,19 +384,15 @@ def answer_integrated_gradients(
 
         copied = embeddings.register_forward_hook(copied_output)
         try:
-            if start is None:
-                logits = model(input_ids=torch.cat([prompts, answers], dim=1), **images).logits[:, prompts.shape[1] - 1 : -1]
-            else:
-                decoder = torch.cat([torch.full_like(answers[:, :1], start), answers[:, :-1]], dim=1)
-                logits = model(input_ids=prompts, decoder_input_ids=decoder, **images).logits
+            value = answer_log_prob(prompts, images)
         finally:
             copied.remove()
-        if len(calls) != 1:  # an encoder-decoder's source may be embedded elsewhere (T5's), or its answer here too
+        if len(calls) != 1:
             raise ValueError(
-                f"{type(model).__name__}'s forward calls its input embeddings (get_input_embeddings()) {len(calls)} times, "
-                "not once for the prompt: Integrated Gradients cannot move the prompt's embeddings alone."
+                f"{type(model).__name__}'s forward calls the module that embeds its prompt ({type(embeddings).__name__}) "
+                f"{len(calls)} times, not once: Integrated Gradients cannot move the prompt's embeddings alone."
             )
-        return summed_log_probs(logits, answers)
+        return value
 
     if image_inputs is None:
         images: dict[str, Any] = {}
@@ -398,6 +405,30 @@ def answer_integrated_gradients(
         ids, baselines=baselines, n_steps=steps, internal_batch_size=per_batch
     )
     return scores[:, : ids.shape[1]].sum(dim=-1).float().detach()  # the answer's embeddings are the baseline's too
+
+
+def _prompt_embeddings(model: Any, encoder_decoder: bool, run: Callable[[], torch.Tensor]) -> torch.nn.Module:
+    """The module that embeds the prompt: the model's input embeddings; an
+    encoder-decoder's, or its encoder's own where one forward (``run``) calls only that
+    once (T5's and BART's encoders embed with modules of their own; Florence-2 embeds its
+    source with the model's before merging the image in)."""
+    embeddings = model.get_input_embeddings()
+    encoder_embeddings = model.get_encoder().get_input_embeddings() if encoder_decoder else embeddings
+    if encoder_embeddings is embeddings:
+        return embeddings
+    calls = {id(embeddings): 0, id(encoder_embeddings): 0}
+
+    def counted(module: Any, args: Any, output: Any) -> None:
+        calls[id(module)] += 1
+
+    handles = [module.register_forward_hook(counted) for module in (embeddings, encoder_embeddings)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return encoder_embeddings if calls[id(encoder_embeddings)] == 1 and calls[id(embeddings)] == 0 else embeddings
 
 
 def _held_images(
