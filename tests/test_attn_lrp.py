@@ -109,6 +109,40 @@ def test_embeddings_given_as_inputs_are_explained_as_the_ids_they_embed(model_ty
     torch.testing.assert_close(AttnLRP(model).attribute(embedded, target=5), expected, rtol=1e-5, atol=1e-6)
 
 
+def _inputs_given(case, module) -> tuple[list, dict]:
+    """The positional and keyword arguments ``module`` receives in one forward of the case."""
+    given: list = []
+    handle = module.register_forward_pre_hook(lambda module, args, kwargs: given.append((args, kwargs)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            case.model(input_ids=case.inputs, **case.images)
+    finally:
+        handle.remove()
+    return given[0]
+
+
+def _relevance_and_input_gradients(case, modules) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """AttnLRP of the case, and the gradient its backward gives each module's input hidden
+    states (read by hooks)."""
+    grads: dict[int, torch.Tensor] = {}
+
+    def gradient_of_input(index):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad: grads.__setitem__(index, grad))
+        return hook
+
+    handles = [module.register_forward_pre_hook(gradient_of_input(i), with_kwargs=True) for i, module in enumerate(modules)]
+    try:
+        mask = torch.ones_like(case.inputs)
+        scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return scores, [grads[i] for i in range(len(modules))]
+
+
 @pytest.mark.parametrize("model_type", ["chameleon", "emu3", "fuyu"])
 def test_image_features_scattered_into_the_embeddings_hold_their_relevance(model_type, capture_mode):
     """Chameleon, Emu3 and Fuyu scatter the image's features (its codes' embeddings, its
@@ -122,18 +156,11 @@ def test_image_features_scattered_into_the_embeddings_hold_their_relevance(model
     architecture = next(a for a in architectures("image-text-to-text") if a.model_type == model_type)
     case = make_case(build(architecture), architecture)
     first_layer = next(module for name, module in case.model.named_modules() if name.endswith("layers.0"))
-    merged = []
-    handle = first_layer.register_forward_pre_hook(
-        lambda module, args, kwargs: merged.append((args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True
-    )
-    try:
-        with torch.no_grad():
-            case.model(input_ids=case.inputs, **case.images)
-    finally:
-        handle.remove()
+    args, kwargs = _inputs_given(case, first_layer)
+    merged = args[0] if args else kwargs["hidden_states"]
     mask = torch.ones_like(case.inputs)
     scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
-    expected = AttnLRP(case.model).attribute(merged[0], target=case.target, additional_forward_args=(mask,))
+    expected = AttnLRP(case.model).attribute(merged, target=case.target, additional_forward_args=(mask,))
     image = case.inputs == image_token_id(case.model.config)
     assert bool(image.any()) and bool((expected[image] != 0).all())
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
@@ -148,30 +175,13 @@ def test_image_features_written_over_the_embeddings_hold_their_relevance(capture
     architecture = next(a for a in architectures("image-text-to-text") if a.model_type == "kosmos-2")
     case = make_case(build(architecture), architecture)
     text = case.model.text_model.model
-    given, grads = {}, {}
-    handle = text.register_forward_pre_hook(lambda module, args, kwargs: given.update(kwargs), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            case.model(input_ids=case.inputs, **case.images)
-    finally:
-        handle.remove()
-
-    def gradient_of_input(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: grads.__setitem__("first", grad))
-
-    handle = text.layers[0].register_forward_pre_hook(gradient_of_input, with_kwargs=True)
-    try:
-        mask = torch.ones_like(case.inputs)
-        scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
-    finally:
-        handle.remove()
+    given = _inputs_given(case, text)[1]
+    scores, (first,) = _relevance_and_input_gradients(case, [text.layers[0]])
     image = given["image_embeds_position_mask"].bool()
     with torch.no_grad():
         merged = text.embed_tokens(case.inputs)
         merged[image] = given["image_embeds"].reshape(-1, merged.shape[-1])
-    expected = (merged * text.embed_scale * grads["first"]).sum(dim=-1)
+    expected = (merged * text.embed_scale * first).sum(dim=-1)
     assert bool((expected[image] != 0).all())
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
@@ -191,30 +201,8 @@ def test_image_features_added_deeper_hold_their_relevance(capture_mode):
     torch.manual_seed(0)
     case = make_case(build(architecture).__class__(config).eval(), architecture)
     language_model = case.model.model.language_model
-    given = {}
-    handle = language_model.register_forward_pre_hook(lambda module, args, kwargs: given.update(kwargs), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            case.model(input_ids=case.inputs, **case.images)
-    finally:
-        handle.remove()
-    grads = {}
-
-    def gradient_of_input(index):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if hidden.requires_grad:
-                hidden.register_hook(lambda grad: grads.__setitem__(index, grad))
-        return hook
-
-    modules = [*language_model.layers, language_model.norm]
-    handles = [module.register_forward_pre_hook(gradient_of_input(i), with_kwargs=True) for i, module in enumerate(modules)]
-    try:
-        mask = torch.ones_like(case.inputs)
-        scores = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=(mask, case.images))
-    finally:
-        for handle in handles:
-            handle.remove()
+    given = _inputs_given(case, language_model)[1]
+    scores, grads = _relevance_and_input_gradients(case, [*language_model.layers, language_model.norm])
     image = given["visual_pos_masks"]
     expected = (given["inputs_embeds"] * grads[0]).sum(dim=-1)
     added = [(features * grads[k + 1][image]).sum(dim=-1) for k, features in enumerate(given["deepstack_visual_embeds"])]

@@ -202,7 +202,6 @@ class RelevanceRules(Probe):
         self.injected: list[Injected] = []
         self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
         self.encoder_decoder = False
-        self.follows_merges = False  # whether an image's features merged into the embeddings are recorded
         self.names_merged = False  # whether the adapter names a module that reads the merged embeddings
         self._passed_on: list[tuple[weakref.ref[Tensor], int]] = []  # the embeddings the model received, by index
         self.depth = 0  # how many activation or norm modules the forward is inside
@@ -229,7 +228,7 @@ class RelevanceRules(Probe):
         merged = None if self.through_vision_tower else adapter.merged_embeddings(model)
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
-        self.follows_merges, self.names_merged, self._passed_on = not self.through_vision_tower, merged is not None, []
+        self.names_merged, self._passed_on = merged is not None, []
         for module in adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
@@ -330,7 +329,7 @@ class RelevanceRules(Probe):
           copy, whose copies are followed): the features are recorded as
           :class:`Injected` at the mask's tokens.
         """
-        into = self._embeddings_index(args[0]) if self.follows_merges and args and self._ours() else None
+        into = self._embeddings_index(args[0]) if not self.through_vision_tower and args and self._ours() else None
         if into is None:
             return False, None
         if func is Tensor.masked_scatter and not self.names_merged:
