@@ -1,5 +1,5 @@
 """AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
-GPT-2, Llama and Qwen2, LLaVA and Mllama, T5, BART and Florence-2, ViT and DeiT, Swin, SegFormer and PVTv2.
+GPT-2, Llama and Qwen2, LLaVA, Mllama and BLIP, T5, BART and Florence-2, ViT and DeiT, Swin, SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
 al. expressed by the classic detach tricks instead of the library's hooks and autograd
@@ -651,3 +651,38 @@ def bart_relevance(
     if hasattr(model, "final_logits_bias"):
         logits = logits + terms.leaf(model.final_logits_bias.expand(len(source), -1))
     return _pair(source_tokens, target_tokens, logits.gather(1, target[:, None])[:, 0])
+
+
+def blip_relevance(model, input_ids: Tensor, states: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """AttnLRP of a BLIP captioner's text decoder for the answer ``span`` (the last tokens
+    of ``input_ids``, unpadded): ``(token relevance (B, T), state relevance (B, S))``, the
+    states being the vision tower's outputs ``(B, S, d)`` that every layer cross-attends
+    to. A BERT layer (absolute positions, post-norm, GELU) with a cross-attention block
+    after its causal self-attention; the language-model head's transform (dense, GELU,
+    norm) before the vocabulary."""
+    text = model.text_decoder
+    embeddings, heads = text.bert.embeddings, text.config.num_attention_heads
+    terms = Terms(embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_())
+    leaf = states.detach().clone().requires_grad_()
+    length = input_ids.shape[1]
+    hidden = terms.tokens + terms.leaf(embeddings.position_embeddings.weight[:length][None].expand(len(input_ids), -1, -1))
+    hidden = _layer_norm(hidden, embeddings.LayerNorm, terms)
+    causal = _causal_mask(torch.ones_like(input_ids))
+
+    def block(attention, queries: Tensor, memory: Tensor, bias: Tensor | float) -> Tensor:
+        q = _heads(_linear(queries, attention.self.query, terms), heads)
+        k, v = (_heads(_linear(memory, getattr(attention.self, n), terms), heads) for n in ("key", "value"))
+        context = _attend(q, k, v, q.shape[-1] ** -0.5, bias, terms)
+        return _layer_norm(_linear(context, attention.output.dense, terms) + queries, attention.output.LayerNorm, terms)
+
+    for layer in text.bert.encoder.layer:
+        hidden = block(layer.crossattention, block(layer.attention, hidden, hidden, causal), leaf, 0.0)
+        inner = identity(F.gelu, _linear(hidden, layer.intermediate.dense, terms))
+        hidden = _layer_norm(_linear(inner, layer.output.dense, terms) + hidden, layer.output.LayerNorm, terms)
+    transform = text.cls.predictions.transform
+    read = torch.arange(length - span.shape[1] - 1, length - 1)
+    hidden = _layer_norm(identity(F.gelu, _linear(hidden[:, read], transform.dense, terms)), transform.LayerNorm, terms)
+    log_probs = _linear(hidden, text.cls.predictions.decoder, terms).log_softmax(dim=-1)
+    explained = log_probs.gather(2, span[..., None])[..., 0].sum()
+    token_grad, state_grad = torch.autograd.grad(explained, [terms.tokens, leaf])
+    return (terms.tokens.detach() * token_grad).sum(dim=-1), (leaf.detach() * state_grad).sum(dim=-1)

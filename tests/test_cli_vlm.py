@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, save_llava_checkpoint, save_mllama_checkpoint
+from vlm_models import IMAGE, save_blip_checkpoint, save_llava_checkpoint, save_mllama_checkpoint
 
 from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
@@ -548,3 +548,17 @@ def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp
     drop = top_k_log_prob_drop(model, ids, mask, answer, source, ks=(3,), segments=segments, image_inputs=inputs)
     assert rows["grad_sam"]["top_k_log_prob_drop"] == pytest.approx(float(drop[0, 0]), abs=1e-5)
     assert set(rows) == {"grad_sam", "integrated_gradients"}
+
+
+def test_a_captioner_whose_prompt_holds_no_image_token_is_refused_in_one_line(tmp_path, capsys):
+    """BLIP's reports would have no token to place its image at: explain and evaluate
+    refuse its checkpoint before any work, naming where it is explained."""
+    folder = tmp_path / "blip"
+    save_blip_checkpoint(folder)
+    image = _image(tmp_path)
+    data = _answers(tmp_path, [{"prompt": "a cat", "image": image.name, "answer": "is a"}])
+    for argv in (["explain", "--model", str(folder), "--image", str(image), "a cat"], ["evaluate", str(data), "--model", str(folder)]):
+        assert main(argv) == 1
+        refusal = capsys.readouterr().err.strip()
+        assert "BlipForConditionalGeneration cross-attends to its image and its prompt holds no image token" in refusal
+        assert "\n" not in refusal and "docs/families.rst" in refusal

@@ -347,3 +347,61 @@ def family_example(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict[str
     if family == "gemma3":
         images["token_type_ids"] = (ids == IMAGE).long()
     return model, ids, images
+
+
+def make_blip(seed: int = 0) -> nn.Module:
+    """A tiny BLIP captioner: a two-layer ViT over 32 × 32 images in 4 × 4 patches of 8
+    (17 states with the class token), a two-layer text decoder cross-attending to them in
+    every layer; ``[BOS]`` is 1 and ``[SEP]`` 2, as its ``generate`` reads them."""
+    torch.manual_seed(seed)
+    text = dict(TEXT, encoder_hidden_size=32, bos_token_id=1, sep_token_id=2, pad_token_id=0)
+    text.pop("num_key_value_heads")
+    return tf.BlipForConditionalGeneration(tf.BlipConfig(text_config=text, vision_config=VISION)).eval()
+
+
+def make_blip_prompt(seed: int = 3) -> VLMPrompt:
+    """``[BOS, 5, 6, 10]`` and ``[BOS, 7, 11]`` padded on the left, one image each."""
+    rows = [[1, 5, 6, 10], [1, 7, 11]]
+    ids = torch.zeros(len(rows), 4, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, 4 - len(row) :] = torch.tensor(row)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return VLMPrompt(ids, (ids != 0).long(), {"pixel_values": pixels})
+
+
+def blip_span_reference(model: nn.Module, input_ids: torch.Tensor, pixels: torch.Tensor, answer: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """One unpadded example's text decoder, read from its ``output_attentions``: per layer
+    ``("decoder", self-attention, gradient)`` then ``("cross", cross-attention over the
+    image's states, gradient)``, ``(heads, queries, keys)``, the gradients of the answer's
+    summed log-probabilities."""
+    sequence = torch.cat([input_ids, answer], dim=1)
+    states = model.vision_model(pixel_values=pixels).last_hidden_state
+    out = model.text_decoder(input_ids=sequence, encoder_hidden_states=states, output_attentions=True)
+    length, k = sequence.shape[1], answer.shape[1]
+    log_probs = out.logits[:, length - k - 1 : length - 1].log_softmax(dim=-1)
+    maps = [m for pair in zip(out.attentions, out.cross_attentions) for m in pair]
+    grads = torch.autograd.grad(log_probs.gather(2, answer[..., None]).sum(), maps)
+    return [(role, m[0].detach(), g[0]) for role, m, g in zip(["decoder", "cross"] * len(out.attentions), maps, grads)]
+
+
+def save_blip_checkpoint(folder) -> nn.Module:
+    """The tiny BLIP saved with its processor: a WordPiece tokenizer of ``lm_models.WORDS``
+    (``<pad>`` 0, ``<s>`` 1 its BOS, ``</s>`` 2 its [SEP], ``[CLS]`` 99 what the processor
+    puts first) and BLIP's image processor at 32 × 32."""
+    from pathlib import Path
+
+    from lm_models import WORDS
+
+    vocabulary = [*WORDS, *(f"w{i}" for i in range(len(WORDS), IMAGE)), "[CLS]"]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "vocab.txt").write_text("\n".join(vocabulary) + "\n", encoding="utf-8")
+    tokenizer = tf.BertTokenizerFast(
+        str(Path(folder) / "vocab.txt"), do_lower_case=False, unk_token="<pad>", sep_token="</s>", pad_token="<pad>",
+        cls_token="[CLS]", mask_token="<pad>", bos_token="<s>",
+    )
+    images = tf.BlipImageProcessorPil(size={"height": 32, "width": 32})
+    processor = tf.BlipProcessor(image_processor=images, tokenizer=tokenizer)
+    model = make_blip()
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model

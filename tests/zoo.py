@@ -55,6 +55,7 @@ from removal_reference import comprehensiveness_alone  # noqa: E402
 from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention.attr import REGISTRY  # noqa: E402
 from captum_attention import UnsupportedModelError  # noqa: E402
+from captum_attention.capture.adapters.images import cross_attends_images  # noqa: E402
 
 HEADS = {
     "sequence classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
@@ -379,7 +380,7 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     patches and their grid where the model takes ``image_grid_thw``; the image and its one
     tile for LLaVA-NeXT's any-resolution tiles), after BOS, as many image tokens as the
     model's image features, then text; a family whose images come otherwise is not built."""
-    from captum_attention.capture.adapters.images import cross_attends_images, image_token_id
+    from captum_attention.capture.adapters.images import image_token_id
 
     vision = getattr(model.config, "vision_config", None) or getattr(model.config, "vq_config", None)  # Chameleon: a VQ-VAE
     token = image_token_id(model.config)
@@ -511,8 +512,14 @@ def gated_cross_attention_case(model: nn.Module, architecture: Architecture, gen
 def cross_attending_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
     """Mllama's: one image of one tile (of ``max_num_tiles``), its token after BOS, every
     later token seeing it (as its processor's cross-attention mask says); the tanh gates,
-    zero when built, opened so that the image reaches the output."""
+    zero when built, opened so that the image reaches the output. BLIP's: one image of the
+    tower's size, which every token reads; no image token."""
     vision = model.config.vision_config
+    if architecture.model_type == "blip":
+        size = int(vision.image_size)
+        images = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
+        ids = torch.tensor([[1, 5, 6, 7]])
+        return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
     tiles, size = int(vision.max_num_tiles), int(vision.image_size)
     pixels = torch.zeros(1, 1, tiles, int(vision.num_channels), size, size)
     pixels[:, :, 0] = torch.randn(pixels.shape[3:], generator=generator)
@@ -600,6 +607,9 @@ def eager_output(case: Case, **extra: Any) -> Any:
                                   decoder_attentions=full.decoder_attentions, cross_attentions=full.cross_attentions)
     if not hasattr(out, "attentions") and hasattr(out, "language_model_outputs"):  # BLIP-2's: its language model's maps
         out = SimpleNamespace(logits=out.logits, attentions=out.language_model_outputs.attentions)
+    text = next((o for o in inner if getattr(o, "cross_attentions", None)), None)  # maps, not None nor an empty tuple
+    if text is not None and not case.encoder_decoder and cross_attends_images(case.model):  # BLIP's text decoder: per layer, self- then cross-attention
+        out = SimpleNamespace(logits=out.logits, attentions=[m for pair in zip(text.attentions, text.cross_attentions) for m in pair])
     return out
 
 
@@ -683,7 +693,7 @@ def reference(case: Case) -> Callable[[str], Any]:
             return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
         return seq2seq
-    if case.images is not None and "cross_attention_mask" in case.images:
+    if case.images is not None and cross_attends_images(case.model):
         return cross_attending_reference_of(case, out)
     if on_grids:  # Swin, SegFormer: every layer on the first stage's patches
         maps, grads = on_grids(case.model, case.keywords(), case.score)
@@ -721,13 +731,16 @@ def reference(case: Case) -> Callable[[str], Any]:
 
 
 def cross_attending_reference_of(case: Case, out: Any) -> Callable[[str], tuple[torch.Tensor, torch.Tensor]]:
-    """Mllama's references (``seq2seq_reference.py``): its self- and cross-attention in
-    layer order, at the last row, over the states of the image's one real tile."""
+    """Mllama's and BLIP's references (``seq2seq_reference.py``): the self- and
+    cross-attention in layer order, at the last row, over the states of Mllama's one real
+    tile, of BLIP's image."""
     (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
     tokens = case.inputs.shape[1]  # type: ignore[union-attr]
     cross_keys = next(a.shape[-1] for a, _ in pairs if a.shape[-1] != tokens)
-    per_tile = cross_keys // case.images["aspect_ratio_mask"].shape[-1]  # type: ignore[index]
-    real = case.images["aspect_ratio_mask"].bool().repeat_interleave(per_tile, dim=-1).flatten(1)[0]  # type: ignore[index]
+    real = torch.ones(cross_keys, dtype=torch.bool)
+    if "aspect_ratio_mask" in case.images:  # type: ignore[operator]
+        per_tile = cross_keys // case.images["aspect_ratio_mask"].shape[-1]  # type: ignore[index]
+        real = case.images["aspect_ratio_mask"].bool().repeat_interleave(per_tile, dim=-1).flatten(1)[0]  # type: ignore[index]
     states = real.nonzero().flatten()
     layers = [
         ("decoder", a[0], g[0]) if a.shape[-1] == tokens else ("cross", a[0][..., states], g[0][..., states]) for a, g in pairs
@@ -1093,7 +1106,7 @@ def ablation_outcome(architecture: Architecture) -> Outcome:
 def image_relevance_outcome(architecture: Architecture) -> Outcome:
     """AttnLRP of an image-text-to-text model's case: ``exact`` where the image's tokens
     (the config's image token, or the positions an image input marks; an encoder-decoder's
-    among its source's) hold relevance, ``not built`` where the image does not move the
+    among its source's; the states a cross-attending model reads) hold relevance, ``not built`` where the image does not move the
     logits (its tiny projection zero at initialisation: no relevance to hold), refused in
     one line, else ``wrong`` (the image moves the logits and its tokens score 0: relevance
     read where the image's features do not reach) or an error."""
@@ -1123,14 +1136,18 @@ def image_relevance_outcome(architecture: Architecture) -> Outcome:
         return Outcome("refused" if "\n" not in message else "error", message)
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
-    tokens = scores[0] if isinstance(scores, tuple) else scores
-    token = image_token_id(case.model.config)
-    image = torch.zeros_like(ids, dtype=torch.bool) if token is None else ids == token
-    marked = marked_image_positions(case.images, ids.shape)
-    image = image if marked is None else image | marked
-    if not bool(image.any()):
-        return Outcome("not built", "no image token in the case's prompt")
-    if float(tokens[..., : ids.shape[1]][image].abs().sum()) == 0.0:
+    if cross_attends_images(case.model):  # Mllama, BLIP: the image's states are the first of the pair
+        held = scores[0]
+    else:
+        tokens = scores[0] if isinstance(scores, tuple) else scores
+        token = image_token_id(case.model.config)
+        image = torch.zeros_like(ids, dtype=torch.bool) if token is None else ids == token
+        marked = marked_image_positions(case.images, ids.shape)
+        image = image if marked is None else image | marked
+        if not bool(image.any()):
+            return Outcome("not built", "no image token in the case's prompt")
+        held = tokens[..., : ids.shape[1]][image]
+    if float(held.abs().sum()) == 0.0:
         return Outcome("wrong", f"the image moves the logits by {float(difference):.2g}, and its tokens score 0")
     return Outcome("exact")
 

@@ -14,7 +14,7 @@ from .._compat import TargetType, UnsupportedModelError, format_additional_forwa
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
-from ..capture.adapters.images import cross_attends_images
+from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
 from ..capture.record import check_gradients_possible
 from ..capture.runner import (
@@ -434,6 +434,7 @@ class AttentionAttributionBase:
             decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)
             _check_vocabulary(adapter, self.model, torch.cat([prompt, decoder], dim=1))
             return self._recorded((prompt, decoder), extra, None, effective, False, options), 0
+        check_captioner_prompt(self.model, prompt)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         _check_vocabulary(adapter, self.model, sequence)
         extra = _extend_masks(adapter, self.model, additional_forward_args, prompt.shape, continuation.shape[1])

@@ -350,7 +350,8 @@ class RelevanceRules(Probe):
 
     def _record_merged_embeddings(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The ``inputs_embeds`` the module is called with, and the image features it
-        cross-attends to (Mllama's ``cross_attention_states``), detached and recorded."""
+        cross-attends to (Mllama's ``cross_attention_states``, BLIP's
+        ``encoder_hidden_states``), detached and recorded."""
         if not self._ours():
             return None
         recorded = {}
@@ -362,9 +363,10 @@ class RelevanceRules(Probe):
                 if features and isinstance(mask, Tensor):
                     recorded[name] = self._recorded_injections(features, mask if mask.dim() == 2 else mask.any(dim=-1))
         tokens = next((value for value in (kwargs.get("input_ids"), embeddings) if isinstance(value, Tensor)), None)
-        if isinstance(features := kwargs.get("cross_attention_states"), Tensor) and tokens is not None:
-            # Mllama passes them per tile, (B·images·tiles, states, d); its attention reads (B, S, d)
-            recorded["cross_attention_states"] = self._recorded(features, self.sources, batch=tokens.shape[0])
+        for name in CROSS_ATTENDED_STATES:
+            if isinstance(features := kwargs.get(name), Tensor) and tokens is not None:
+                # Mllama passes them per tile, (B·images·tiles, states, d); its attention reads (B, S, d)
+                recorded[name] = self._recorded(features, self.sources, batch=tokens.shape[0])
         return (args, {**kwargs, **recorded}) if recorded else None
 
     def _recorded_injections(self, features: Any, positions: Tensor) -> Any:
@@ -387,6 +389,11 @@ class RelevanceRules(Probe):
         leaf = (leaf if batch is None else leaf.reshape(batch, -1, leaf.shape[-1])).requires_grad_()
         into.append(leaf)
         return leaf.view(embeddings.shape).clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
+
+
+CROSS_ATTENDED_STATES = ("cross_attention_states", "encoder_hidden_states")
+"""The keywords in which a vision-language model's language model is given the image
+states it cross-attends to (Mllama's, BLIP's)."""
 
 
 class _RuleMode(ScopedFunctionMode):

@@ -185,6 +185,9 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
             are not as many as its images' layout needs.
     """
     config = model.config
+    if config.model_type == "blip":
+        examples, rows, columns = _blip_patches(config, image_inputs)
+        return [[ImageTokens(1 + torch.arange(rows * columns), (rows, columns))] for _ in range(examples)]
     if cross_attends_images(model):
         return _mllama_images(config, image_inputs)
     token = image_token_id(config)
@@ -389,14 +392,40 @@ _LAYOUTS: dict[str, Callable[[Any, Tensor, Mapping[str, Any]], list[list[_Shape]
 each example."""
 
 
-CROSS_ATTENDED = frozenset({"mllama"})
+CROSS_ATTENDED = frozenset({"mllama", "blip"})
 """Families whose language model reads the images through cross-attention to the vision
 tower's states (the keys of its ``"cross"`` calls), not as tokens of its sequence."""
 
 
 def cross_attends_images(model: nn.Module) -> bool:
-    """Whether ``model``'s language model reads its images by cross-attention (Mllama)."""
+    """Whether ``model``'s language model reads its images by cross-attention (Mllama, BLIP)."""
     return getattr(getattr(model, "config", None), "model_type", None) in CROSS_ATTENDED
+
+
+def check_captioner_prompt(model: nn.Module, prompt: Tensor) -> None:
+    """A one-line error for a BLIP prompt that its ``generate`` never reads: it puts
+    ``bos_token_id`` in place of the processor's first token ([CLS]) and drops the last
+    ([SEP]), so an answer follows that prompt, not the processor's."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "blip":
+        return
+    text = config.text_config
+    if bool((prompt[:, -1] == text.sep_token_id).any()) or not bool((prompt == text.bos_token_id).any(dim=1).all()):
+        raise ValueError(
+            f"BLIP's generate reads a prompt that starts with bos_token_id ({text.bos_token_id}) and has no final "
+            f"[SEP] ({text.sep_token_id}), and its answers follow that prompt: explain it as generate reads it, "
+            "ids = input_ids[:, :-1].clone(); ids[:, 0] = bos_token_id (one prompt, or prompts padded on the left)."
+        )
+
+
+def _blip_patches(config: Any, image_inputs: Mapping[str, Any]) -> tuple[int, int, int]:
+    """BLIP: the examples, and the rows and columns of patches of the one image each
+    gives its vision tower (after its class token)."""
+    pixels = image_inputs.get("pixel_values")
+    if pixels is None:
+        raise ValueError("BLIP's text decoder cross-attends to its image's states: pass the processor's pixel_values.")
+    patch = config.vision_config.patch_size
+    return pixels.shape[0], pixels.shape[-2] // patch, pixels.shape[-1] // patch
 
 
 def _mllama_tiles(config: Any, image_inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, int]:
@@ -410,8 +439,12 @@ def _mllama_tiles(config: Any, image_inputs: Mapping[str, Any]) -> tuple[Tensor,
 
 
 def cross_attended_real(config: Any, image_inputs: Mapping[str, Any]) -> Tensor:
-    """Mllama: ``(B, S)`` bool, which of the vision states its cross-attention layers read
-    belong to a real tile of an image (not a padding tile, not a missing image)."""
+    """``(B, S)`` bool, which of the vision states the cross-attention layers read belong
+    to an image: Mllama's real tiles (not a padding tile, not a missing image), every
+    state of BLIP's one image."""
+    if config.model_type == "blip":
+        examples, rows, columns = _blip_patches(config, image_inputs)
+        return torch.ones(examples, 1 + rows * columns, dtype=torch.bool)
     ids, mask, per_tile = _mllama_tiles(config, image_inputs)
     real = (mask != 0) & (ids != 0)[..., None]
     return real.repeat_interleave(per_tile, dim=-1).flatten(1)

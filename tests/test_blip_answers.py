@@ -1,0 +1,105 @@
+"""A BLIP captioner's answers: its text decoder cross-attends to the vision tower's states
+in every layer (the same module class for both attentions), explained as Mllama's are,
+``(image-state scores, text scores)``, against references read from its own
+``output_attentions`` and AttnLRP's rules written out, each example alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, model_state
+from lrp_reference import blip_relevance
+from methods import MAP_METHODS, METHODS
+from seq2seq_reference import cross_attending_reference
+from vlm_models import ANSWER, blip_span_reference, make_blip, make_blip_prompt
+
+from captum_attention import AttnLRP, GradSAM, image_scores
+
+
+def _alone(prompt, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example ``b``'s real prompt tokens ``(1, t)`` and its image ``(1, 3, 32, 32)``."""
+    return prompt.input_ids[b : b + 1, prompt.attention_mask[b].bool()], prompt.images["pixel_values"][b : b + 1]
+
+
+def _expected(method: str, model, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example, the cross-attending reference of the example alone: its 17 states,
+    and its tokens placed right-aligned in the padded prompt and answer."""
+    length = prompt.input_ids.shape[1] + ANSWER.shape[1]
+    source, target = torch.zeros(len(ANSWER), 17), torch.zeros(len(ANSWER), length)
+    for b in range(len(ANSWER)):
+        ids, pixels = _alone(prompt, b)
+        layers = blip_span_reference(model, ids, pixels, ANSWER[b : b + 1])
+        t = ids.shape[1] + ANSWER.shape[1] - 1  # the queries: up to the last answer token's reader
+        layers = [(role, a[:, :t, : t if role == "decoder" else None], g[:, :t, : t if role == "decoder" else None]) for role, a, g in layers]
+        states, tokens = cross_attending_reference(method, layers, [t - 2, t - 1])
+        source[b], target[b, length - t - 1 : length - 1] = states.float(), tokens.float()
+    return source, target
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", MAP_METHODS)
+def test_blips_span_equals_the_reference_of_its_self_and_cross_attention(method):
+    """Two examples, one padded on the left: each equals its reference alone; the image's
+    class token and patches are scored (Grad-SAM's follow queries: none)."""
+    model, prompt = make_blip(), make_blip_prompt()
+    before = model_state(model)
+    source, target = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert_same_state(before, model_state(model))
+    expected_source, expected_target = _expected(method, model, prompt)
+    if method != "grad_sam":
+        assert expected_source.abs().max() > 0, "the image's states are scored"
+    for scores, expected in ((source, expected_source), (target, expected_target)):
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_blips_attn_lrp_equals_the_rules_written_out():
+    model, prompt = make_blip(), make_blip_prompt()
+    source, target = AttnLRP(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    for b in range(len(ANSWER)):
+        ids, pixels = _alone(prompt, b)
+        with torch.no_grad():
+            states = model.vision_model(pixel_values=pixels).last_hidden_state
+        tokens, features = blip_relevance(model, torch.cat([ids, ANSWER[b : b + 1]], dim=1), states, ANSWER[b : b + 1])
+        assert features.abs().max() > 0
+        expected = tokens[0].masked_fill(torch.arange(tokens.shape[1]) == tokens.shape[1] - 1, 0.0)
+        scale = max(features.abs().max().item(), expected.abs().max().item())
+        torch.testing.assert_close(target[b, target.shape[1] - len(expected) :], expected, rtol=1e-5, atol=1e-5 * scale)
+        assert (target[b, : target.shape[1] - len(expected)] == 0).all(), "the padding scores 0"
+        torch.testing.assert_close(source[b], features[0], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_blips_image_states_land_on_its_patch_grid():
+    """The class token outside the grid, the 4 × 4 patches row by row; the tokens' rows
+    (``attribute_continuation``) placed the same way."""
+    model, prompt = make_blip(), make_blip_prompt()
+    explainer = METHODS["transformer_attribution"].cls(model)
+    states, text = explainer.attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    grids = image_scores(model, prompt.input_ids, (states, text), prompt.images)
+    assert [len(images) for images in grids] == [1, 1]
+    for b, (grid,) in enumerate(grids):
+        torch.testing.assert_close(grid, states[b, 1:].view(4, 4))
+    rows = explainer.attribute_continuation(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    (row_grid,) = image_scores(model, prompt.input_ids, rows, prompt.images)[0]
+    torch.testing.assert_close(row_grid, rows[0][0, :, 1:].view(-1, 4, 4))
+
+
+def test_blip_needs_its_pixels():
+    model, prompt = make_blip(), make_blip_prompt()
+    with pytest.raises(ValueError, match="pass the processor's pixel_values"):
+        image_scores(model, prompt.input_ids, (torch.zeros(2, 17), torch.zeros(2, 6)), {})
+    scores = GradSAM(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert scores[0].shape == (2, 17)
+
+
+@pytest.mark.parametrize("change", ["sep", "cls"])
+def test_blip_refuses_the_processors_prompt_which_generate_never_reads(change):
+    """The processor's ``[CLS] ... [SEP]`` (here 3 and 2): BLIP's ``generate`` reads
+    ``[BOS] ...`` instead, so an answer explained after the processor's prompt would be
+    explained after a prompt that never produced it."""
+    model, prompt = make_blip(), make_blip_prompt()
+    ids = prompt.input_ids[:1, :]
+    ids = torch.cat([ids, torch.tensor([[2]])], dim=1) if change == "sep" else ids.masked_fill(ids == 1, 3)
+    with pytest.raises(ValueError, match=r"BLIP's generate reads a prompt that starts with bos_token_id \(1\)") as refused:
+        GradSAM(model).attribute_span(ids, ANSWER[:1], additional_forward_args=(torch.ones_like(ids), {"pixel_values": prompt.images["pixel_values"][:1]}))
+    assert "\n" not in str(refused.value)
