@@ -163,8 +163,14 @@ class AttentionAttributionBase:
     def _one_stack_adapter(self) -> AttentionAdapter:
         """The model's adapter; a one-line error where a method defined for one
         self-attention stack is given an encoder-decoder or a language model
-        cross-attending to image features."""
+        cross-attending to image features, and where an encoder-decoder's encoder reads
+        an image rather than tokens (a ``VisionEncoderDecoderModel``'s)."""
         adapter = resolve_adapter(self.model, self.adapter)
+        if adapter.is_encoder_decoder(self.model) and getattr(self.model, "main_input_name", None) == "pixel_values":
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s encoder reads an image (pixel_values), not tokens, and an encoder-decoder "
+                "is explained over its source's tokens: an image encoder before a text decoder is not explained yet."
+            )
         if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
             raise ValueError(
                 f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders nor for a language "
@@ -428,7 +434,7 @@ class AttentionAttributionBase:
         self._check_options(options, "attribute_span or attribute_continuation")
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
-        adapter = resolve_adapter(self.model, self.adapter)
+        adapter = self._one_stack_adapter()
         effective = bool(options.pop("effective", False))
         if adapter.is_encoder_decoder(self.model):
             decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)

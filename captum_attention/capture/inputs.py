@@ -96,10 +96,8 @@ def _check_input(tensor: Tensor, image_ok: bool) -> None:
             "token ids (integer, (batch, seq_len)) nor embeddings (float, (batch, seq_len, hidden))."
         )
     if tensor.is_floating_point() and tensor.dim() not in ((3, 4) if image_ok else (3,)):
-        raise TypeError(
-            f"float inputs must be embeddings (batch, seq_len, hidden) or images (batch, "
-            f"channels, height, width), got shape {tuple(tensor.shape)}."
-        )
+        images = "or images (batch, channels, height, width)" if image_ok else "(an encoder-decoder's pair: an image is no source)"
+        raise TypeError(f"float inputs must be embeddings (batch, seq_len, hidden) {images}, got shape {tuple(tensor.shape)}.")
     if tensor.dim() in (2, 3) and tensor.shape[1] == 0:
         raise ValueError("inputs have no tokens (seq_len is 0).")
 
