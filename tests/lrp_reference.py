@@ -1,5 +1,6 @@
 """AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
-GPT-2, Llama and Qwen2, LLaVA, Mllama and BLIP, T5, BART and Florence-2, ViT and DeiT, Swin, SegFormer and PVTv2.
+GPT-2, Llama and Qwen2, LLaVA, Mllama and BLIP, T5, BART and Florence-2, ViT and DeiT, a ViT before a GPT-2, Swin,
+SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
 al. expressed by the classic detach tricks instead of the library's hooks and autograd
@@ -686,3 +687,42 @@ def blip_relevance(model, input_ids: Tensor, states: Tensor, span: Tensor) -> tu
     explained = log_probs.gather(2, span[..., None])[..., 0].sum()
     token_grad, state_grad = torch.autograd.grad(explained, [terms.tokens, leaf])
     return (terms.tokens.detach() * token_grad).sum(dim=-1), (leaf.detach() * state_grad).sum(dim=-1)
+
+
+def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """AttnLRP of a ``VisionEncoderDecoderModel`` of a ViT and a GPT-2 that cross-attends to
+    its states (one width: no projection between them), for the decoder's answer ``span``
+    (each decoder position predicting the next token): ``(patch relevance (B, P), decoder
+    token relevance (B, T))``, the patches' taken at the patch convolution's outputs."""
+    vit, gpt2 = model.encoder, model.decoder.transformer
+    embeddings = vit.embeddings
+    patches = _tokens(embeddings.patch_embeddings.projection(pixel_values)).detach().clone().requires_grad_()
+    terms = Terms(gpt2.wte.weight.detach()[decoder_ids].clone().requires_grad_())
+    batch = pixel_values.shape[0]
+    hidden = torch.cat([terms.leaf(embeddings.cls_token.expand(batch, -1, -1)), patches], dim=1)
+    hidden = hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1))
+    heads = vit.config.num_attention_heads
+    for layer in vit.layers:
+        attention = layer.attention
+        normed = _layer_norm(hidden, layer.layernorm_before, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.o_proj, terms)
+        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.layernorm_after, terms), layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    states = _layer_norm(hidden, vit.layernorm, terms)
+    config, length = model.decoder.config, decoder_ids.shape[1]
+    hidden = terms.tokens + terms.leaf(gpt2.wpe.weight[:length][None].expand(batch, -1, -1))
+    causal, width = _causal_mask(torch.ones_like(decoder_ids)), config.n_embd
+    for block in gpt2.h:
+        q, k, v = _conv1d(_layer_norm(hidden, block.ln_1, terms), block.attn.c_attn, terms).split(width, dim=-1)
+        hidden = hidden + _conv1d(_attend(*(_heads(x, config.n_head) for x in (q, k, v)), (width // config.n_head) ** -0.5, causal, terms), block.attn.c_proj, terms)
+        cross = block.crossattention
+        q = _heads(_conv1d(_layer_norm(hidden, block.ln_cross_attn, terms), cross.q_attn, terms), config.n_head)
+        k, v = (_heads(x, config.n_head) for x in _conv1d(states, cross.c_attn, terms).split(width, dim=-1))
+        hidden = hidden + _conv1d(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), cross.c_proj, terms)
+        inner = _conv1d(_layer_norm(hidden, block.ln_2, terms), block.mlp.c_fc, terms)
+        hidden = hidden + _conv1d(identity(lambda x: F.gelu(x, approximate="tanh"), inner), block.mlp.c_proj, terms)
+    log_probs = _linear(_layer_norm(hidden, gpt2.ln_f, terms), model.decoder.lm_head, terms).log_softmax(dim=-1)
+    explained = log_probs.gather(2, span[..., None])[..., 0].sum()
+    patch_grad, token_grad = torch.autograd.grad(explained, [patches, terms.tokens])
+    return (patches.detach() * patch_grad).sum(dim=-1), (terms.tokens.detach() * token_grad).sum(dim=-1)

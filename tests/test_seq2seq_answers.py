@@ -226,22 +226,3 @@ def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(fami
     assert expected.abs().max() > 0
     torch.testing.assert_close(answer_integrated_gradients(model, source, answer, steps), expected, rtol=1e-4, atol=1e-6)
 
-
-@pytest.mark.parametrize("method", ["grad_sam", "attn_lrp"])
-def test_an_encoder_decoder_whose_encoder_reads_an_image_is_refused_in_one_line(method):
-    """A ``VisionEncoderDecoderModel`` (a ViT before a GPT-2 that cross-attends to it): its
-    source is pixels, which no call explains yet; a span and a pair are refused in one
-    line, the model left as found."""
-    from conftest import assert_refused_in_one_line
-    from transformers import GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
-
-    torch.manual_seed(0)
-    encoder = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
-    decoder = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True, is_decoder=True)
-    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id, config.pad_token_id = 1, 0
-    model = VisionEncoderDecoderModel(config).eval()
-    explainer, pixels = REGISTERED[method](model), torch.randn(1, 3, 32, 32)
-    assert_refused_in_one_line(model, lambda: explainer.attribute_span(pixels, torch.tensor([[9, 10]])), "encoder reads an image")
-    with pytest.raises(TypeError, match="an image is no source"):
-        explainer.attribute((pixels, torch.tensor([[1, 9]])), target=10)

@@ -166,11 +166,6 @@ class AttentionAttributionBase:
         cross-attending to image features, and where an encoder-decoder's encoder reads
         an image rather than tokens (a ``VisionEncoderDecoderModel``'s)."""
         adapter = resolve_adapter(self.model, self.adapter)
-        if adapter.is_encoder_decoder(self.model) and getattr(self.model, "main_input_name", None) == "pixel_values":
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__}'s encoder reads an image (pixel_values), not tokens, and an encoder-decoder "
-                "is explained over its source's tokens: an image encoder before a text decoder is not explained yet."
-            )
         if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
             raise ValueError(
                 f"{type(self).__name__} is defined for one self-attention stack, not for encoder-decoders nor for a language "
@@ -306,7 +301,7 @@ class AttentionAttributionBase:
         scores, maps = self._method_scores(record, **options)
         scores = _zero_padding(record, scores)
         if tensors[0].dim() == 4:
-            scores = patch_grid(scores, _grid_shape(adapter, self.model, tensors[0]))
+            scores = _on_patch_grid(adapter, self.model, tensors[0], scores)
         return format_scores(is_tuple or isinstance(scores, tuple), scores, maps, return_maps)
 
     def attribute_continuation(
@@ -369,7 +364,8 @@ class AttentionAttributionBase:
             explained = self._explained(record.at_query(position), target, retain_graph=step < new_tokens - 1)
             rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
         if isinstance(rows[0], tuple):  # (source, target), or (tokens, pixels)
-            return torch.stack([row[0] for row in rows], dim=1), torch.stack([row[1] for row in rows], dim=1)
+            stacked = torch.stack([row[0] for row in rows], dim=1), torch.stack([row[1] for row in rows], dim=1)
+            return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, stacked) if inputs.dim() == 4 else stacked
         return torch.stack(rows, dim=1)
 
     def attribute_span(
@@ -423,7 +419,8 @@ class AttentionAttributionBase:
         positions = torch.arange(first, first + new_tokens, device=record.target_real.device)
         target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
         explained = self._explained(record.at_query(target.query_weights(record.target_real.shape[1])), target)
-        return _zero_padding(explained, self._method_scores(explained, **options)[0])
+        scores = _zero_padding(explained, self._method_scores(explained, **options)[0])
+        return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, scores) if inputs.dim() == 4 else scores
 
     def _continuation_record(
         self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any, options: dict[str, Any]
@@ -438,7 +435,7 @@ class AttentionAttributionBase:
         effective = bool(options.pop("effective", False))
         if adapter.is_encoder_decoder(self.model):
             decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)
-            _check_vocabulary(adapter, self.model, torch.cat([prompt, decoder], dim=1))
+            _check_vocabulary(adapter, self.model, decoder if prompt.is_floating_point() else torch.cat([prompt, decoder], dim=1))
             return self._recorded((prompt, decoder), extra, None, effective, False, options), 0
         check_captioner_prompt(self.model, prompt)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
@@ -558,8 +555,9 @@ def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:
 def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, additional_forward_args: Any) -> tuple[Tensor, tuple]:
     """An encoder-decoder's decoder ids, its start token then the continuation but its last
     token (each position predicts the next), and the forward's arguments: the source's mask
-    (given, or ones), the decoder's (ones), and a vision-language model's image inputs where
-    given last (Florence-2's, which its encoder reads)."""
+    (given, or ones; none for an encoder that reads pixels), the decoder's (ones), and a
+    vision-language model's image inputs where given last (Florence-2's, which its encoder
+    reads)."""
     start = decoder_start_token(model)
     extra = format_additional_forward_args(additional_forward_args) or ()
     images = extra[-1:] if extra and isinstance(extra[-1], Mapping) else ()
@@ -570,6 +568,13 @@ def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, addi
             "vision-language model's image inputs last (the decoder reads its start token and the continuation, all real)."
         )
     decoder = torch.cat([torch.full_like(continuation[:, :1], start), continuation[:, :-1]], dim=1)
+    if source.dim() == 4:  # an image encoder's pixels, all real
+        if extra:
+            raise ValueError(
+                "An encoder-decoder whose encoder reads the image (pixel_values) takes no source mask: leave "
+                "additional_forward_args out (its decoder reads its start token and the continuation, all real)."
+            )
+        return decoder, (torch.ones_like(decoder), *images)
     source_mask = extra[0] if extra and extra[0] is not None else torch.ones_like(source)
     return decoder, (source_mask, torch.ones_like(decoder), *images)
 
@@ -618,6 +623,14 @@ def _extend_masks(adapter: AttentionAdapter, model: nn.Module, additional_forwar
         return torch.cat([arg, arg.new_ones(arg.shape[0], new_tokens)], dim=1)
 
     return tuple(extended(arg) for arg in extra)
+
+
+def _on_patch_grid(adapter: AttentionAdapter, model: nn.Module, images: Tensor, scores: Any) -> Any:
+    """Scores over the tokens of ``images`` ``(..., T)`` on their patch grid ``(..., rows,
+    columns)``, the prefix tokens dropped: an image model's, or an encoder-decoder's source
+    scores where its encoder reads the image (the target's as they are)."""
+    grid = _grid_shape(adapter, model, images)
+    return (patch_grid(scores[0], grid), scores[1]) if isinstance(scores, tuple) else patch_grid(scores, grid)
 
 
 def _grid_shape(adapter: AttentionAdapter, model: nn.Module, images: Tensor) -> tuple[int, int]:

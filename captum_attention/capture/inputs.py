@@ -62,8 +62,8 @@ def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, tuple[Tens
             + (f" of length {len(inputs)}" if isinstance(inputs, tuple) else "")
             + ". Pass further model inputs through additional_forward_args."
         )
-    for tensor in formatted:
-        _check_input(tensor, image_ok=len(formatted) == 1)
+    for index, tensor in enumerate(formatted):
+        _check_input(tensor, image_ok=index == 0)
     return is_tuple, tuple(formatted)
 
 
@@ -96,7 +96,7 @@ def _check_input(tensor: Tensor, image_ok: bool) -> None:
             "token ids (integer, (batch, seq_len)) nor embeddings (float, (batch, seq_len, hidden))."
         )
     if tensor.is_floating_point() and tensor.dim() not in ((3, 4) if image_ok else (3,)):
-        images = "or images (batch, channels, height, width)" if image_ok else "(an encoder-decoder's pair: an image is no source)"
+        images = "or images (batch, channels, height, width)" if image_ok else "(an encoder-decoder's target is no image)"
         raise TypeError(f"float inputs must be embeddings (batch, seq_len, hidden) {images}, got shape {tuple(tensor.shape)}.")
     if tensor.dim() in (2, 3) and tensor.shape[1] == 0:
         raise ValueError("inputs have no tokens (seq_len is 0).")

@@ -249,7 +249,9 @@ class HuggingFaceAdapter(AdapterBase):
         strides = getattr(config, "strides", None)
         if isinstance(strides, (list, tuple)) and isinstance(getattr(config, "patch_sizes", None), (list, tuple)):
             return -(-images.shape[-2] // strides[0]), -(-images.shape[-1] // strides[0])
-        patch = getattr(getattr(config, "vision_config", config), "patch_size", None)  # CLIP, SigLIP: the image tower's
+        # CLIP, SigLIP: the image tower's; a VisionEncoderDecoderModel: its encoder's
+        patch = next((getattr(c, "patch_size", None) for c in (getattr(config, "vision_config", None), getattr(config, "encoder", None), config)
+                      if getattr(c, "patch_size", None) is not None), None)
         if patch is None:
             return None
         rows, columns = (patch, patch) if isinstance(patch, int) else tuple(patch)
@@ -707,6 +709,8 @@ class _KeywordForward:
 
     @property
     def names(self) -> list[str]:
+        if self.encoder_decoder and getattr(self.model, "main_input_name", None) == "pixel_values":
+            return ["pixel_values", "decoder_input_ids", "decoder_attention_mask"]
         if self.encoder_decoder:
             return ["input_ids", "decoder_input_ids", "attention_mask", "decoder_attention_mask"]
         return ["input_ids", "attention_mask"]
