@@ -185,7 +185,7 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
             are not as many as its images' layout needs.
     """
     config = model.config
-    if config.model_type == "blip":
+    if getattr(config, "model_type", None) == "blip":
         examples, rows, columns = _blip_patches(config, image_inputs)
         return [[ImageTokens(1 + torch.arange(rows * columns), (rows, columns))] for _ in range(examples)]
     if cross_attends_images(model):
@@ -397,7 +397,7 @@ CROSS_ATTENDED = frozenset({"mllama", "blip"})
 tower's states (the keys of its ``"cross"`` calls), not as tokens of its sequence."""
 
 
-def cross_attends_images(model: nn.Module) -> bool:
+def cross_attends_images(model: Any) -> bool:
     """Whether ``model``'s language model reads its images by cross-attention (Mllama, BLIP)."""
     return getattr(getattr(model, "config", None), "model_type", None) in CROSS_ATTENDED
 
@@ -406,7 +406,7 @@ def check_captioner_prompt(model: nn.Module, prompt: Tensor) -> None:
     """A one-line error for a BLIP prompt that its ``generate`` never reads: it puts
     ``bos_token_id`` in place of the processor's first token ([CLS]) and drops the last
     ([SEP]), so an answer follows that prompt, not the processor's."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "blip":
         return
     text = config.text_config
