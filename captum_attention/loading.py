@@ -270,23 +270,13 @@ def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
     loaded as safely as :func:`load_classifier`.
 
     Raises:
-        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind; for
-            a model whose prompt holds no image token (BLIP's captioner, which
-            cross-attends to its image), which the command line does not explain.
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from .capture.adapters.images import cross_attends_images, image_token_id
-
     if checkpoint_task(path) != "image-text-to-text":
         raise CheckpointError(f"{path} holds no vision-language model (an image-text-to-text architecture): --image is for one.")
-    model, processor = _load(Path(path), AutoModelForImageTextToText, AutoProcessor)
-    if cross_attends_images(model) and image_token_id(model.config) is None:
-        raise CheckpointError(
-            f"{type(model).__name__} cross-attends to its image and its prompt holds no image token, which the command "
-            "line's reports place the image at: explain its answers from Python (docs/families.rst)."
-        )
-    return model, processor
+    return _load(Path(path), AutoModelForImageTextToText, AutoProcessor)
 
 
 def _folder(path: str | Path) -> Path:

@@ -103,3 +103,21 @@ def test_blip_refuses_the_processors_prompt_which_generate_never_reads(change):
     with pytest.raises(ValueError, match=r"BLIP's generate reads a prompt that starts with bos_token_id \(1\)") as refused:
         GradSAM(model).attribute_span(ids, ANSWER[:1], additional_forward_args=(torch.ones_like(ids), {"pixel_values": prompt.images["pixel_values"][:1]}))
     assert "\n" not in str(refused.value)
+
+
+def test_blips_ablated_prompts_are_scored_as_each_alone_with_its_image():
+    """A prompt of 3 tokens, as many as the image's channels: the pixels are the image's,
+    never cut as a per-token input would be (they were, and the tower failed)."""
+    from captum_attention.metrics import ablated_log_probs
+
+    model, prompt = make_blip(), make_blip_prompt()
+    ids, pixels = _alone(prompt, 1)
+    assert ids.shape[1] == pixels.shape[1] == 3
+    kept = torch.tensor([[[True, True, True], [True, False, True], [True, True, False]]])
+    values = ablated_log_probs(model, ids, torch.ones_like(ids), ANSWER[1:], kept, image_inputs={"pixel_values": pixels})
+    for a, tokens in enumerate(kept[0]):
+        sequence = torch.cat([ids[:, tokens], ANSWER[1:]], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, pixel_values=pixels).logits
+        expected = logits[:, -3:-1].log_softmax(dim=-1).gather(2, ANSWER[1:, :, None]).sum()
+        assert abs(float(values[0, a]) - float(expected)) < 1e-5, a

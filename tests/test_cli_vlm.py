@@ -550,15 +550,63 @@ def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp
     assert set(rows) == {"grad_sam", "integrated_gradients"}
 
 
-def test_a_captioner_whose_prompt_holds_no_image_token_is_refused_in_one_line(tmp_path, capsys):
-    """BLIP's reports would have no token to place its image at: explain and evaluate
-    refuse its checkpoint before any work, naming where it is explained."""
-    folder = tmp_path / "blip"
+
+@pytest.fixture(scope="module")
+def blip(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm") / "blip"
     save_blip_checkpoint(folder)
+    return folder
+
+
+def _blip_read(blip, image, prompt):
+    """The tiny BLIP, the prompt as its ``generate`` reads it ([BOS] in place of the
+    processor's [CLS], no [SEP]) and its image inputs."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(blip, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(blip, local_files_only=True)
+    inputs = dict(processor(text=prompt, images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    assert int(ids[0, 0]) == IMAGE and int(ids[0, -1]) == 2, "the processor's [CLS] ... [SEP]"
+    read = torch.cat([torch.tensor([[1]]), ids[:, 1:-1]], dim=1)
+    return model, processor, read, inputs
+
+
+def test_explain_blips_caption_after_the_prompt_its_generate_reads(blip, tmp_path):
+    """BLIP's prompt holds no image token: the report's ``<image>``, first, holds the image
+    states' summed score, the words theirs, the grid :func:`image_scores`'; the caption is
+    what ``generate`` gives after the prompt it reads."""
+    from captum_attention import METHODS
+
+    image, report = _image(tmp_path), tmp_path / "caption.json"
+    assert main(["explain", "--model", str(blip), "--image", str(image), "the cat is", "--max-new-tokens", "3",
+                 "--methods", "rollout,attn_lrp", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model, processor, read, inputs = _blip_read(blip, image, "the cat is")
+    generated = model.generate(input_ids=torch.cat([read, torch.tensor([[2]])], dim=1), **inputs, max_new_tokens=3, do_sample=False)
+    answer = generated[:, read.shape[1] :]
+    assert explanation["answer"] == processor.tokenizer.decode(answer[0])
+    assert explanation["prompt_tokens"] == ["<image>", "<s>", "the", "cat", "is"]
+    for name, method in (("Attention Rollout", "rollout"), ("AttnLRP", "attn_lrp")):
+        states, text = METHODS[method](model).attribute_span(read, answer, additional_forward_args=(torch.ones_like(read), inputs))
+        expected = torch.tensor([float(states.sum()), *text[0, : read.shape[1]].tolist()])
+        torch.testing.assert_close(torch.tensor(explanation["seq_attr"][name]), expected, rtol=1e-5, atol=1e-7)
+        (grid,) = image_scores(model, read, (states, text), inputs)[0]
+        torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), grid, rtol=1e-5, atol=1e-9)
+
+
+def test_evaluate_scores_blips_captions_as_the_model_does_alone(blip, tmp_path):
+    """A prompt of 3 tokens as generate reads it, as many as the image's channels (its
+    pixels were cut as a per-token input): the top-3 drop removes both words, [BOS] kept,
+    against the model run on [BOS] alone with the pixels."""
     image = _image(tmp_path)
-    data = _answers(tmp_path, [{"prompt": "a cat", "image": image.name, "answer": "is a"}])
-    for argv in (["explain", "--model", str(folder), "--image", str(image), "a cat"], ["evaluate", str(data), "--model", str(folder)]):
-        assert main(argv) == 1
-        refusal = capsys.readouterr().err.strip()
-        assert "BlipForConditionalGeneration cross-attends to its image and its prompt holds no image token" in refusal
-        assert "\n" not in refusal and "docs/families.rst" in refusal
+    out = tmp_path / "out"
+    data = _answers(tmp_path, [{"prompt": "the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(blip), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
+                 "--output", str(out)]) == 0
+    (result,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    model, processor, read, inputs = _blip_read(blip, image, "the cat")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    assert read.shape[1] == inputs["pixel_values"].shape[1] == 3
+    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2]), abs=1e-5)
+    assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)

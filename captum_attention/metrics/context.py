@@ -235,7 +235,7 @@ class _AnswerScorer:
         for name, value in self.image_inputs.items():
             if encoded and name in TOWER_INPUTS:
                 continue
-            if not per_token(value, self.ids.shape[1]):
+            if not per_token(value, self.ids.shape[1], name):
                 images[name] = torch.cat([value] * rows)
                 continue
             axes = (1,) * (value.dim() - 2)
@@ -304,7 +304,7 @@ class _AnswerScorer:
         (:func:`~captum_attention.capture.adapters.huggingface.verdict_conditions`), the image
         inputs' names and shapes (the per-token ones' aside: they follow the prompt's length)."""
         width = self.ids.shape[1]
-        shapes = tuple(sorted((name, () if per_token(value, width) else tuple(value.shape)) for name, value in (self.image_inputs or {}).items()))
+        shapes = tuple(sorted((name, () if per_token(value, width, name) else tuple(value.shape)) for name, value in (self.image_inputs or {}).items()))
         return verdict_conditions(self._model), shapes
 
     @cached_property

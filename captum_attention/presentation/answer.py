@@ -13,7 +13,7 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
-from ..capture.adapters.images import cross_attends_images
+from ..capture.adapters.images import cross_attends_images, image_outside_prompt, prompt_as_generated
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
@@ -333,12 +333,13 @@ def explain_image_answer(
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not several_stacks(model))
     image = Image.open(image_path).convert("RGB")
-    text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat)
+    text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat, marked=not image_outside_prompt(model))
     tokenizer = processor.tokenizer
     too_long = image_answer_too_long(model, tokenizer, ids.shape[1], target, max_new_tokens, "the target")
     if too_long is not None:
         raise ValueError(too_long)
     answer_ids = image_answer_ids(model, tokenizer, ids, mask, inputs, target, max_new_tokens)
+    ids, mask = prompt_as_generated(model, ids, mask)
     if answer_ids.numel() == 0:
         raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
     template = image_template_tokens(model, tokenizer, text, prompt, ids[0]) if chat else None
@@ -447,9 +448,12 @@ def _add_pixels(
 
 
 def _image_column(model: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The ``<image>`` feature of the prompt's first image token, ``(1,)``."""
+    """The ``<image>`` feature of the prompt's first image token, ``(1,)`` (the first
+    feature where no token stands for the image: BLIP's)."""
     from ..capture.adapters.images import image_token_id
 
+    if image_outside_prompt(model):
+        return torch.tensor([0])
     return features[ids[0] == image_token_id(model.config)].argmax(dim=1)[:1]
 
 
@@ -472,18 +476,20 @@ def _image_tokens(model: Any, ids: torch.Tensor) -> list[bool]:
     return ids.eq(-1 if token_id is None else token_id).tolist()
 
 
-def image_prompt_inputs(processor: Any, prompt: str, image: Any, chat: bool = False) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
+def image_prompt_inputs(
+    processor: Any, prompt: str, image: Any, chat: bool = False, marked: bool = True
+) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The processor's inputs for ``prompt`` about the PIL ``image`` (the processor's image
-    token put first where the prompt holds none, or the prompt as it is where the processor
-    refuses that because it places the image itself, as Florence-2's does; with ``chat``,
-    the image and the prompt as the user's turn in its chat template): the text it read,
-    the ids ``(1, N)`` (the image's tokens expanded), the attention mask and the image
-    inputs."""
+    token put first where the prompt holds none and the model reads one (``marked``), or
+    the prompt as it is where the processor refuses that because it places the image
+    itself, as Florence-2's does; with ``chat``, the image and the prompt as the user's
+    turn in its chat template): the text it read, the ids ``(1, N)`` (the image's tokens
+    expanded), the attention mask and the image inputs."""
     marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
     if chat:
         text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
     else:
-        text = prompt if marker in prompt else f"{marker} {prompt}"
+        text = prompt if marker in prompt or not marked else f"{marker} {prompt}"
     try:
         inputs = dict(processor(text=text, images=image, return_tensors="pt"))
     except ValueError as marked:
@@ -510,15 +516,16 @@ def image_answer_ids(
     model: Any, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], target: str | None, max_new_tokens: int
 ) -> torch.Tensor:
     """``(n,)``: ``target`` tokenized without special tokens, or the model's greedy answer
-    to the prompt ``ids`` with its image ``inputs`` (an encoder-decoder's: its decoder's
-    tokens after its start token)."""
+    to the processor's prompt ``ids`` with its image ``inputs`` (an encoder-decoder's: its
+    decoder's tokens after its start token; BLIP's: after the prompt its ``generate``
+    reads, :func:`~captum_attention.capture.adapters.images.prompt_as_generated`)."""
     if target is not None:
         return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    with torch.no_grad():
-        generated = model.generate(input_ids=ids, attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.no_grad():  # a copy of the ids: BLIP's generate writes into the ids it is given
+        generated = model.generate(input_ids=ids.clone(), attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
     if getattr(model.config, "is_encoder_decoder", False):
         return generated[0, 1:]  # its decoder's, after the start token
-    return generated[0, ids.shape[1] :]
+    return generated[0, prompt_as_generated(model, ids)[0].shape[1] :]
 
 
 def image_template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:
@@ -566,6 +573,8 @@ def _image_features(
         columns.append(len(names) - 1)
     features = torch.zeros(len(ids), len(names))
     features[torch.arange(len(ids)), torch.tensor(columns)] = 1.0
+    if image_outside_prompt(model):  # the image first, though no token stands for it (BLIP's)
+        return torch.cat([torch.zeros(len(ids), 1), features], dim=1), [IMAGE_TOKEN, *names], [False, *special], [False, *written]
     return features, names, special, written
 
 

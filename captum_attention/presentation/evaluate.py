@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..attr import METHODS
+from ..capture.adapters.images import image_outside_prompt, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
@@ -596,7 +597,7 @@ def image_answer_tensors(
     from .answer import image_answer_ids
 
     device = next(model.parameters()).device
-    ids, mask, inputs = _image_prompt(processor, example)
+    ids, mask, inputs = _image_prompt(model, processor, example)
     try:
         keep, segments = _placed_on_image_prompt(model, processor.tokenizer, example, ids[0])
     except ValueError as error:
@@ -605,8 +606,8 @@ def image_answer_tensors(
     answer = image_answer_ids(model, processor.tokenizer, ids.to(device), mask.to(device), images, example.answer, max_new_tokens)
     answer = answer.to(device)[None]
     _check_answer(answer, example)
-    placed = None if segments is None else segments.to(device)[None]
-    return ids.to(device), answer, keep.to(device)[None], placed, images
+    ids, keep, *placed = prompt_as_generated(model, ids, keep, *([] if segments is None else [segments]))
+    return ids.to(device), answer, keep.to(device)[None], placed[0].to(device)[None] if placed else None, images
 
 
 def image_row_problem(model: Any, processor: Any, example: AnswerExample, max_new_tokens: int) -> str | None:
@@ -617,7 +618,7 @@ def image_row_problem(model: Any, processor: Any, example: AnswerExample, max_ne
     (:func:`_placed_on_image_prompt`); else None."""
     from .answer import image_answer_too_long
 
-    ids = _image_prompt(processor, example)[0][0]
+    ids = _image_prompt(model, processor, example)[0][0]
     too_long = image_answer_too_long(model, processor.tokenizer, len(ids), example.answer, max_new_tokens, "the answer")
     if too_long is not None or (example.message is None and example.segments is None):
         return too_long
@@ -628,8 +629,9 @@ def image_row_problem(model: Any, processor: Any, example: AnswerExample, max_ne
     return None
 
 
-def _image_prompt(processor: Any, example: AnswerExample) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """The processor's ids ``(1, N)``, mask and image inputs of the row's prompt about its image."""
+def _image_prompt(model: Any, processor: Any, example: AnswerExample) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """The processor's ids ``(1, N)``, mask and image inputs of the row's prompt about its
+    image (its image token put first where the model reads one)."""
     from PIL import Image
 
     from .answer import image_prompt_inputs
@@ -637,7 +639,7 @@ def _image_prompt(processor: Any, example: AnswerExample) -> tuple[Tensor, Tenso
     if example.image is None:
         raise ValueError(f"line {example.line}: a vision-language model's row needs an 'image'")
     with Image.open(example.image) as picture:
-        _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"))
+        _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"), marked=not image_outside_prompt(model))
     return ids, mask, inputs
 
 

@@ -356,7 +356,7 @@ class HuggingFaceAdapter(AdapterBase):
         from transformers.utils import ModelOutput
 
         update: Callable[..., dict[str, Any]] | None = getattr(model, "_update_model_kwargs_for_generation", None)
-        generated = {key: value for key, value in inputs.items() if per_token(value, prompt_length)}
+        generated = {key: value for key, value in inputs.items() if per_token(value, prompt_length, key)}
         if update is not None:
             try:
                 for _ in range(new_tokens):

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .protocol import UnsupportedModelError
+from .protocol import TOWER_INPUTS, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,6 @@ def image_marker_ids(config: Any) -> list[int]:
     named = [image_token_id(config), *(getattr(config, name, None) for name in IMAGE_MARKERS)]
     return [value for value in named if isinstance(value, int) and not isinstance(value, bool)]
 
-
-TOWER_INPUTS = ("pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches")
-"""The image inputs a family's vision tower reads (Fuyu's patches among them), which a
-model given its images already encoded (transformers' ``mm_encoder_outputs``, as
-``generate`` encodes them once before its first step) takes no more."""
 
 ENCODED_IMAGES = "mm_encoder_outputs"
 """The keyword under which a transformers model takes its images encoded by its tower."""
@@ -400,6 +395,24 @@ tower's states (the keys of its ``"cross"`` calls), not as tokens of its sequenc
 def cross_attends_images(model: Any) -> bool:
     """Whether ``model``'s language model reads its images by cross-attention (Mllama, BLIP)."""
     return getattr(getattr(model, "config", None), "model_type", None) in CROSS_ATTENDED
+
+
+def image_outside_prompt(model: nn.Module) -> bool:
+    """Whether ``model`` reads its image with no token of its prompt standing for it (BLIP's
+    captioner, which cross-attends to it)."""
+    return cross_attends_images(model) and image_token_id(model.config) is None
+
+
+def prompt_as_generated(model: nn.Module, ids: Tensor, *per_token: Tensor) -> tuple[Tensor, ...]:
+    """The processor's prompt ``ids`` ``(B, N)`` as the model's ``generate`` reads it, and
+    ``per_token`` values ``(..., N)`` cut as it is: BLIP's with ``bos_token_id`` in place of
+    its first token and without its last ([SEP]); any other model's as given."""
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "blip":
+        return (ids, *per_token)
+    read = ids[:, :-1].clone()
+    read[:, 0] = config.text_config.bos_token_id
+    return (read, *(value[..., :-1] for value in per_token))
 
 
 def check_captioner_prompt(model: nn.Module, prompt: Tensor) -> None:

@@ -291,10 +291,18 @@ class AdapterBase:
         return enclosing_block(model, module)
 
 
-def per_token(value: Any, width: int) -> bool:
-    """Whether ``value`` is a per-token input of a ``width``-token prompt: a tensor
-    ``(batch, width, ...)`` (token types, masks, Mllama's cross-attention mask)."""
-    return isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == width
+TOWER_INPUTS = ("pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches")
+"""The image inputs a family's vision tower reads (Fuyu's patches among them), which a
+model given its images already encoded (transformers' ``mm_encoder_outputs``, as
+``generate`` encodes them once before its first step) takes no more."""
+
+
+def per_token(value: Any, width: int, name: str = "") -> bool:
+    """Whether ``value`` (the input ``name``) is a per-token input of a ``width``-token
+    prompt: a tensor ``(batch, width, ...)`` (token types, masks, Mllama's cross-attention
+    mask), not one of the :data:`TOWER_INPUTS` (pixels of 3 channels for a prompt of 3
+    tokens)."""
+    return isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == width and name not in TOWER_INPUTS
 
 
 TEXT_MARKED_ZERO = ("mm_token_type_ids", "image_embeds_position_mask")
@@ -311,7 +319,7 @@ def extended_per_token(
     :data:`TEXT_MARKED_ZERO` (generated tokens are text)."""
     extended = dict(inputs)
     for key, value in inputs.items():
-        if not per_token(value, prompt_length):
+        if not per_token(value, prompt_length, key):
             continue
         grown = generated.get(key)
         shape = (value.shape[0], prompt_length + new_tokens, *value.shape[2:])
