@@ -506,6 +506,19 @@ def distilbert_relevance(model, input_ids: Tensor, attention_mask: Tensor, targe
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
 
 
+def _vit_layers(encoder_model, hidden: Tensor, terms: Terms) -> Tensor:
+    """A ViT's (or DeiT's) pre-norm layers over ``hidden``, then its final norm."""
+    heads = encoder_model.config.num_attention_heads
+    for layer in encoder_model.layers:
+        attention = layer.attention
+        normed = _layer_norm(hidden, layer.layernorm_before, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.o_proj, terms)
+        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.layernorm_after, terms), layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    return _layer_norm(hidden, encoder_model.layernorm, terms)
+
+
 def vit_relevance(model, pixel_values: Tensor, target: Tensor, gamma: float = 0.0) -> Decomposition:
     """AttnLRP of a ``ViTForImageClassification`` or a ``DeiTForImageClassificationWithTeacher``
     (a class token, DeiT's distillation token, learned positions, pre-norm layers; DeiT's
@@ -518,16 +531,7 @@ def vit_relevance(model, pixel_values: Tensor, target: Tensor, gamma: float = 0.
     batch = pixel_values.shape[0]
     special = [embeddings.cls_token] + ([embeddings.distillation_token] if deit else [])
     hidden = torch.cat([*(terms.leaf(t.expand(batch, -1, -1)) for t in special), terms.tokens], dim=1)
-    hidden = hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1))
-    heads = model.config.num_attention_heads
-    for layer in encoder_model.layers:
-        attention = layer.attention
-        normed = _layer_norm(hidden, layer.layernorm_before, terms)
-        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
-        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.o_proj, terms)
-        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.layernorm_after, terms), layer.mlp.fc1, terms))
-        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
-    hidden = _layer_norm(hidden, encoder_model.layernorm, terms)
+    hidden = _vit_layers(encoder_model, hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1)), terms)
     if deit:
         logits = (_linear(hidden[:, 0], model.cls_classifier, terms) + _linear(hidden[:, 1], model.distillation_classifier, terms)) / 2
     else:
@@ -700,16 +704,7 @@ def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: T
     terms = Terms(gpt2.wte.weight.detach()[decoder_ids].clone().requires_grad_())
     batch = pixel_values.shape[0]
     hidden = torch.cat([terms.leaf(embeddings.cls_token.expand(batch, -1, -1)), patches], dim=1)
-    hidden = hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1))
-    heads = vit.config.num_attention_heads
-    for layer in vit.layers:
-        attention = layer.attention
-        normed = _layer_norm(hidden, layer.layernorm_before, terms)
-        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
-        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.o_proj, terms)
-        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.layernorm_after, terms), layer.mlp.fc1, terms))
-        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
-    states = _layer_norm(hidden, vit.layernorm, terms)
+    states = _vit_layers(vit, hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1)), terms)
     config, length = model.decoder.config, decoder_ids.shape[1]
     hidden = terms.tokens + terms.leaf(gpt2.wpe.weight[:length][None].expand(batch, -1, -1))
     causal, width = _causal_mask(torch.ones_like(decoder_ids)), config.n_embd
