@@ -163,8 +163,7 @@ class AttentionAttributionBase:
     def _one_stack_adapter(self) -> AttentionAdapter:
         """The model's adapter; a one-line error where a method defined for one
         self-attention stack is given an encoder-decoder or a language model
-        cross-attending to image features, and where an encoder-decoder's encoder reads
-        an image rather than tokens (a ``VisionEncoderDecoderModel``'s)."""
+        cross-attending to image features."""
         adapter = resolve_adapter(self.model, self.adapter)
         if (adapter.is_encoder_decoder(self.model) or cross_attends_images(self.model)) and not self.spec.encoder_decoder:
             raise ValueError(

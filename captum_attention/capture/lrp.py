@@ -141,6 +141,10 @@ INJECTED_FEATURES = (("deepstack_visual_embeds", "visual_pos_masks"), ("deepstac
 deeper than its embeddings, each with the mask of the tokens they are added to (Qwen3-VL's
 and its kin's deepstack, a list per layer; Granite 4 Vision's, a dict by layer)."""
 
+CROSS_ATTENDED_STATES = ("cross_attention_states", "encoder_hidden_states")
+"""The keywords in which a vision-language model's language model is given the image
+states it cross-attends to (Mllama's, BLIP's)."""
+
 
 @dataclass
 class PixelInputs:
@@ -389,11 +393,6 @@ class RelevanceRules(Probe):
         leaf = (leaf if batch is None else leaf.reshape(batch, -1, leaf.shape[-1])).requires_grad_()
         into.append(leaf)
         return leaf.view(embeddings.shape).clone()  # not the leaf itself: some models scale it in place (CTRL, GIT)
-
-
-CROSS_ATTENDED_STATES = ("cross_attention_states", "encoder_hidden_states")
-"""The keywords in which a vision-language model's language model is given the image
-states it cross-attends to (Mllama's, BLIP's)."""
 
 
 class _RuleMode(ScopedFunctionMode):

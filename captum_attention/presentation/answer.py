@@ -333,7 +333,7 @@ def explain_image_answer(
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=not several_stacks(model))
     image = Image.open(image_path).convert("RGB")
-    text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat, marked=not image_outside_prompt(model))
+    text, ids, mask, inputs = image_prompt_inputs(processor, prompt, image, chat, with_image_token=not image_outside_prompt(model))
     tokenizer = processor.tokenizer
     too_long = image_answer_too_long(model, tokenizer, ids.shape[1], target, max_new_tokens, "the target")
     if too_long is not None:
@@ -477,19 +477,20 @@ def _image_tokens(model: Any, ids: torch.Tensor) -> list[bool]:
 
 
 def image_prompt_inputs(
-    processor: Any, prompt: str, image: Any, chat: bool = False, marked: bool = True
+    processor: Any, prompt: str, image: Any, chat: bool = False, with_image_token: bool = True
 ) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The processor's inputs for ``prompt`` about the PIL ``image`` (the processor's image
-    token put first where the prompt holds none and the model reads one (``marked``), or
-    the prompt as it is where the processor refuses that because it places the image
-    itself, as Florence-2's does; with ``chat``, the image and the prompt as the user's
-    turn in its chat template): the text it read, the ids ``(1, N)`` (the image's tokens
-    expanded), the attention mask and the image inputs."""
+    token put first where the prompt holds none and the model reads one,
+    ``with_image_token``: BLIP's reads none; the prompt as it is where the processor
+    refuses that because it places the image itself, as Florence-2's does; with ``chat``,
+    the image and the prompt as the user's turn in its chat template): the text it read,
+    the ids ``(1, N)`` (the image's tokens expanded), the attention mask and the image
+    inputs."""
     marker = getattr(processor, "image_token", None) or IMAGE_TOKEN
     if chat:
         text = chat_prompt(processor.tokenizer, [{"type": "image"}, {"type": "text", "text": prompt}], processor)
     else:
-        text = prompt if marker in prompt or not marked else f"{marker} {prompt}"
+        text = prompt if marker in prompt or not with_image_token else f"{marker} {prompt}"
     try:
         inputs = dict(processor(text=text, images=image, return_tensors="pt"))
     except ValueError as marked:

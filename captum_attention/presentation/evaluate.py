@@ -591,9 +591,10 @@ def image_answer_tensors(
     model: Any, processor: Any, example: AnswerExample, max_new_tokens: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, dict[str, Any]]:
     """A vision-language model's answer row on its device: the prompt's ids ``(1, N)`` as
-    the processor expands them with the row's image (:func:`image_prompt_inputs`), the
-    answer's ``(1, n)`` (given, or generated greedily), the tokens never removed and the
-    segments (:func:`_placed_on_image_prompt`), and the image inputs."""
+    the processor expands them with the row's image (:func:`image_prompt_inputs`) and the
+    model's ``generate`` reads them (BLIP's: [BOS] first, no [SEP]), the answer's ``(1, n)``
+    (given, or generated greedily), the tokens never removed and the segments
+    (:func:`_placed_on_image_prompt`), and the image inputs."""
     from .answer import image_answer_ids
 
     device = next(model.parameters()).device
@@ -639,7 +640,7 @@ def _image_prompt(model: Any, processor: Any, example: AnswerExample) -> tuple[T
     if example.image is None:
         raise ValueError(f"line {example.line}: a vision-language model's row needs an 'image'")
     with Image.open(example.image) as picture:
-        _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"), marked=not image_outside_prompt(model))
+        _, ids, mask, inputs = image_prompt_inputs(processor, example.text, picture.convert("RGB"), with_image_token=not image_outside_prompt(model))
     return ids, mask, inputs
 
 

@@ -437,7 +437,8 @@ _CROSS_STATES = {"cross_attention_states", "encoder_hidden_states"}
 def _takes_other_states(module: nn.Module, name: str) -> bool:
     """Whether an attention module reads another sequence's states: its forward takes them
     (:data:`_CROSS_STATES`), unless the model calls it its self-attention (Kosmos-2's
-    ``self_attn``, one class for both)."""
+    ``self_attn``, BLIP's ``attention.self`` beside its ``crossattention.self``: one class
+    for both)."""
     return bool(_CROSS_STATES & set(inspect.signature(module.forward).parameters)) and name.split(".")[-1] != "self_attn" and not name.endswith("attention.self")
 
 
