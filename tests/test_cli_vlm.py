@@ -550,7 +550,6 @@ def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp
     assert set(rows) == {"grad_sam", "integrated_gradients"}
 
 
-
 @pytest.fixture(scope="module")
 def blip(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vlm") / "blip"
