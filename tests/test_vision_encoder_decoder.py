@@ -120,3 +120,19 @@ def test_what_it_cannot_take_is_refused_in_one_line():
         METHODS["grad_sam"](model).attribute((PIXELS, PIXELS))
     trocr = make_captioner("trocr")
     assert_refused_in_one_line(trocr, lambda: METHODS["grad_sam"](trocr).attribute_span(PIXELS, ANSWER), "found no cross, decoder attention")
+
+
+def test_an_encoder_in_shifted_windows_is_refused_in_one_line():
+    """Donut's (a DonutSwin before an MBart decoder): its windows are placed on an image
+    classifier's patches only; the capture took every site for the encoder's (the
+    decoder's were dropped) and failed naming an eager kernel that changes nothing."""
+    torch.manual_seed(0)
+    encoder = tf.DonutSwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2)
+    decoder = tf.MBartConfig(vocab_size=100, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                             is_decoder=True, add_cross_attention=True)
+    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    donut = tf.VisionEncoderDecoderModel(config).eval()
+    for method in ("grad_sam", "attn_lrp"):
+        explainer = METHODS[method](donut)
+        assert_refused_in_one_line(donut, lambda: explainer.attribute_span(PIXELS, ANSWER), "encoder attends in shifted windows")

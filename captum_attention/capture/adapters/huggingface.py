@@ -154,6 +154,11 @@ class HuggingFaceAdapter(AdapterBase):
                 f"{sorted(set(declared)) or 'none'}) and {reason}. If its attention "
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
+        if encoder is not None and window_layers(encoder):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s encoder attends in shifted windows (Swin's, Donut's), which are placed on its "
+                "image's patches for an image classifier only: an encoder-decoder's windowed source is not explained yet."
+            )
         order = {module: index for index, module in enumerate(model.modules())}
         return grid_sites(model, sorted(_language_model_sites(model, found), key=lambda site: order[site.module]))
 
