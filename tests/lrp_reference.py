@@ -693,19 +693,35 @@ def blip_relevance(model, input_ids: Tensor, states: Tensor, span: Tensor) -> tu
     return (terms.tokens.detach() * token_grad).sum(dim=-1), (leaf.detach() * state_grad).sum(dim=-1)
 
 
-def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
-    """AttnLRP of a ``VisionEncoderDecoderModel`` of a ViT and a GPT-2 that cross-attends to
-    its states (one width: no projection between them), for the decoder's answer ``span``
-    (each decoder position predicting the next token): ``(patch relevance (B, P), decoder
-    token relevance (B, T))``, the patches' taken at the patch convolution's outputs."""
-    vit, gpt2 = model.encoder, model.decoder.transformer
+def _captioner_source(model, pixel_values: Tensor, decoder_tokens: Tensor) -> tuple[Tensor, Terms, Tensor]:
+    """A ``VisionEncoderDecoderModel``'s ViT: the patch convolution's outputs (a leaf), the
+    terms with the decoder's token embeddings ``decoder_tokens``, and the states its
+    decoder cross-attends to (one width: no projection between them)."""
+    vit = model.encoder
     embeddings = vit.embeddings
     patches = _tokens(embeddings.patch_embeddings.projection(pixel_values)).detach().clone().requires_grad_()
-    terms = Terms(gpt2.wte.weight.detach()[decoder_ids].clone().requires_grad_())
+    terms = Terms(decoder_tokens.detach().clone().requires_grad_())
     batch = pixel_values.shape[0]
     hidden = torch.cat([terms.leaf(embeddings.cls_token.expand(batch, -1, -1)), patches], dim=1)
-    states = _vit_layers(vit, hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1)), terms)
-    config, length = model.decoder.config, decoder_ids.shape[1]
+    return patches, terms, _vit_layers(vit, hidden + terms.leaf(embeddings.position_embeddings.expand(batch, -1, -1)), terms)
+
+
+def _caption_relevance(patches: Tensor, terms: Terms, log_probs: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """``(patch relevance (B, P), decoder token relevance (B, T))`` of the answer ``span``'s
+    summed log-probability."""
+    explained = log_probs.gather(2, span[..., None])[..., 0].sum()
+    patch_grad, token_grad = torch.autograd.grad(explained, [patches, terms.tokens])
+    return (patches.detach() * patch_grad).sum(dim=-1), (terms.tokens.detach() * token_grad).sum(dim=-1)
+
+
+def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """AttnLRP of a ``VisionEncoderDecoderModel`` of a ViT and a GPT-2 that cross-attends to
+    its states, for the decoder's answer ``span`` (each decoder position predicting the
+    next token): ``(patch relevance (B, P), decoder token relevance (B, T))``, the patches'
+    taken at the patch convolution's outputs."""
+    gpt2 = model.decoder.transformer
+    patches, terms, states = _captioner_source(model, pixel_values, gpt2.wte.weight[decoder_ids])
+    config, (batch, length) = model.decoder.config, decoder_ids.shape
     hidden = terms.tokens + terms.leaf(gpt2.wpe.weight[:length][None].expand(batch, -1, -1))
     causal, width = _causal_mask(torch.ones_like(decoder_ids)), config.n_embd
     for block in gpt2.h:
@@ -718,6 +734,31 @@ def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: T
         inner = _conv1d(_layer_norm(hidden, block.ln_2, terms), block.mlp.c_fc, terms)
         hidden = hidden + _conv1d(identity(lambda x: F.gelu(x, approximate="tanh"), inner), block.mlp.c_proj, terms)
     log_probs = _linear(_layer_norm(hidden, gpt2.ln_f, terms), model.decoder.lm_head, terms).log_softmax(dim=-1)
-    explained = log_probs.gather(2, span[..., None])[..., 0].sum()
-    patch_grad, token_grad = torch.autograd.grad(explained, [patches, terms.tokens])
-    return (patches.detach() * patch_grad).sum(dim=-1), (terms.tokens.detach() * token_grad).sum(dim=-1)
+    return _caption_relevance(patches, terms, log_probs, span)
+
+
+def vit_trocr_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """As :func:`vit_gpt2_relevance`, for a ViT before TrOCR's decoder (BART's layers:
+    scaled token embeddings, its own positions, an embedding norm, post-norm layers,
+    GELU, the output projection), whose attention is written out by hand (``bmm``,
+    ``softmax``) instead of through an attention function."""
+    decoder = model.decoder.model.decoder
+    patches, terms, states = _captioner_source(model, pixel_values, decoder.embed_tokens.weight[decoder_ids])
+    config = model.decoder.config
+    heads, head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+    hidden = terms.tokens * decoder.embed_tokens.embed_scale + terms.leaf(decoder.embed_positions(decoder_ids))
+    if decoder.layernorm_embedding is not None:
+        hidden = _layer_norm(hidden, decoder.layernorm_embedding, terms)
+    causal = _causal_mask(torch.ones_like(decoder_ids))
+
+    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        return _projected_attention(module, names, x, memory, bias, heads, head_dim**-0.5, terms)
+
+    for layer in decoder.layers:
+        hidden = _layer_norm(hidden + attend(layer.self_attn, hidden, hidden, causal), layer.self_attn_layer_norm, terms)
+        hidden = _layer_norm(hidden + attend(layer.encoder_attn, hidden, states, torch.zeros(())), layer.encoder_attn_layer_norm, terms)
+        inner = identity(F.gelu, _linear(hidden, layer.fc1, terms))
+        hidden = _layer_norm(hidden + _linear(inner, layer.fc2, terms), layer.final_layer_norm, terms)
+    log_probs = _linear(hidden, model.decoder.output_projection, terms).log_softmax(dim=-1)
+    return _caption_relevance(patches, terms, log_probs, span)

@@ -1,7 +1,7 @@
 """An image encoder before a text decoder (``VisionEncoderDecoderModel``: a ViT before a
-GPT-2 or a BERT decoder that cross-attends to it): its answer is explained over the
-image's patches, on their grid, and the decoder's tokens, against references read from
-its own ``output_attentions`` and AttnLRP's rules written out."""
+GPT-2, a BERT or a TrOCR decoder that cross-attends to it): its answer is explained over
+the image's patches, on their grid, and the decoder's tokens, against references read
+from its own ``output_attentions`` and AttnLRP's rules written out."""
 
 from __future__ import annotations
 
@@ -11,32 +11,14 @@ import pytest
 import torch
 import transformers as tf
 from conftest import assert_refused_in_one_line, assert_same_state, model_state
-from lrp_reference import vit_gpt2_relevance
+from lrp_reference import vit_gpt2_relevance, vit_trocr_relevance
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference
+from vlm_models import DECODERS, make_captioner
 
 from captum_attention import METHODS, AttnLRP
 
 PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 ANSWER = torch.tensor([[8, 9, 10], [11, 12, 13]])
-DECODERS = {
-    "gpt2": lambda: tf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True, is_decoder=True),
-    "bert": lambda: tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                  add_cross_attention=True, is_decoder=True),
-    "trocr": lambda: tf.TrOCRConfig(vocab_size=100, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
-                                    cross_attention_hidden_size=32),
-}
-
-
-def make_captioner(decoder: str) -> tf.VisionEncoderDecoderModel:
-    """A two-layer ViT over 32 × 32 images in 4 × 4 patches of 8 (17 states with its class
-    token) before a two-layer decoder; the decoder starts from token 1."""
-    torch.manual_seed(0)
-    encoder = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
-    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, DECODERS[decoder]())
-    config.decoder_start_token_id, config.pad_token_id = 1, 0
-    return tf.VisionEncoderDecoderModel(config).eval()
-
-
 def _decoder_ids(answer: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(answer[:, :1]), answer[:, :-1]], dim=1)
 
@@ -54,7 +36,7 @@ def span_reference(model, pixels: torch.Tensor, answer: torch.Tensor) -> Seq2Seq
 
 
 @pytest.mark.usefixtures("capture_mode")
-@pytest.mark.parametrize("decoder", ["gpt2", "bert"])
+@pytest.mark.parametrize("decoder", list(DECODERS))
 @pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
 def test_a_captions_span_equals_the_reference_with_the_patches_on_their_grid(decoder, method):
     model = make_captioner(decoder)
@@ -73,9 +55,10 @@ def test_a_captions_span_equals_the_reference_with_the_patches_on_their_grid(dec
 
 
 @pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("decoder", ["gpt2", "trocr"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_each_row_is_attribute_at_its_prefix(method):
-    model, cls = make_captioner("gpt2"), METHODS[method]
+def test_each_row_is_attribute_at_its_prefix(decoder, method):
+    model, cls = make_captioner(decoder), METHODS[method]
     patch_rows, token_rows = cls(model).attribute_continuation(PIXELS, ANSWER)
     assert patch_rows.shape == (2, 3, 4, 4) and token_rows.shape == (2, 3, 3)
     decoder = _decoder_ids(ANSWER)
@@ -89,10 +72,11 @@ def test_each_row_is_attribute_at_its_prefix(method):
 
 
 @pytest.mark.usefixtures("capture_mode")
-def test_attn_lrp_equals_the_rules_written_out_at_the_patch_convolution():
-    model = make_captioner("gpt2")
+@pytest.mark.parametrize("decoder, reference", [("gpt2", vit_gpt2_relevance), ("trocr", vit_trocr_relevance)])
+def test_attn_lrp_equals_the_rules_written_out_at_the_patch_convolution(decoder, reference):
+    model = make_captioner(decoder)
     patches, tokens = AttnLRP(model).attribute_span(PIXELS, ANSWER)
-    expected_patches, expected_tokens = vit_gpt2_relevance(model, PIXELS, _decoder_ids(ANSWER), ANSWER)
+    expected_patches, expected_tokens = reference(model, PIXELS, _decoder_ids(ANSWER), ANSWER)
     assert expected_patches.abs().max() > 0
     scale = max(expected_patches.abs().max().item(), expected_tokens.abs().max().item())
     torch.testing.assert_close(patches.flatten(1), expected_patches, rtol=1e-5, atol=1e-5 * scale)
@@ -110,8 +94,9 @@ def test_a_generated_caption_is_explained_after_the_decoders_start_token():
 
 
 def test_what_it_cannot_take_is_refused_in_one_line():
-    """A source mask (every patch is real); images as the target; a decoder whose attention
-    no declaration names (TrOCR's, found through no ``_can_record_outputs``)."""
+    """A source mask (every patch is real); images as the target; a streaming capture of a
+    decoder that writes its attention out by hand (TrOCR's: no attention function to
+    stream through)."""
     model = make_captioner("gpt2")
     with pytest.raises(ValueError, match="takes no source mask") as refused:
         METHODS["grad_sam"](model).attribute_span(PIXELS, ANSWER, additional_forward_args=(torch.ones(2, 17),))
@@ -119,7 +104,11 @@ def test_what_it_cannot_take_is_refused_in_one_line():
     with pytest.raises(TypeError, match="an encoder-decoder's target is no image"):
         METHODS["grad_sam"](model).attribute((PIXELS, PIXELS))
     trocr = make_captioner("trocr")
-    assert_refused_in_one_line(trocr, lambda: METHODS["grad_sam"](trocr).attribute_span(PIXELS, ANSWER), "found no cross, decoder attention")
+    before = model_state(trocr)
+    with pytest.raises(ValueError, match="capture='streaming' is not possible here: TrOCRAttention did not call") as refused:
+        METHODS["grad_sam"](trocr, capture="streaming").attribute_span(PIXELS, ANSWER)
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(trocr))
 
 
 def test_an_encoder_in_shifted_windows_is_refused_in_one_line():

@@ -405,3 +405,39 @@ def save_blip_checkpoint(folder) -> nn.Module:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model
+
+
+DECODERS = {
+    "gpt2": lambda vocab: tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True, is_decoder=True),
+    "bert": lambda vocab: tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, add_cross_attention=True, is_decoder=True),
+    "trocr": lambda vocab: tf.TrOCRConfig(vocab_size=vocab, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                          decoder_ffn_dim=64, cross_attention_hidden_size=32),
+}
+"""The text decoders an image captioner's ViT is put before (TrOCR's declares no attention
+modules and computes its attention by hand)."""
+
+
+def make_captioner(decoder: str, vocab: int = 100) -> tf.VisionEncoderDecoderModel:
+    """A two-layer ViT over 32 × 32 images in 4 × 4 patches of 8 (17 states with its class
+    token) before a two-layer ``decoder`` of ``vocab`` tokens; the decoder starts from token 1."""
+    torch.manual_seed(0)
+    encoder = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
+    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, DECODERS[decoder](vocab))
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    model = tf.VisionEncoderDecoderModel(config).eval()
+    model.generation_config.decoder_start_token_id, model.generation_config.pad_token_id = 1, 0
+    return model
+
+
+def save_captioner_checkpoint(folder, decoder: str) -> nn.Module:
+    """The tiny captioner (:func:`make_captioner`, the vocabulary ``lm_models.WORDS``) saved
+    with the word-level tokenizer and ViT's image processor at 32 × 32, as captioners'
+    checkpoints hold them (no processor of both)."""
+    from lm_models import WORDS, make_word_tokenizer
+
+    model = make_captioner(decoder, len(WORDS))
+    model.save_pretrained(folder)
+    make_word_tokenizer().save_pretrained(folder)
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return model

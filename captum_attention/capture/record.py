@@ -635,8 +635,9 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor,
     all see each other given its token types) or where, in every example, no token sees the
     last real token but itself (a prefix language model's image tokens see each other both
     ways, the answer after them causally), else an encoder; one whose
-    tokens never do is causal where the adapter says so or there is a later key to hide (a
-    decoder whose modules say ``is_causal=False`` but mask later keys themselves)."""
+    tokens never do is causal where the adapter says so, where there is a later key to hide (a
+    decoder whose modules say ``is_causal=False`` but mask later keys themselves) or where it
+    is an encoder-decoder's decoder (TrOCR's, whose modules say nothing, on one token)."""
     self_calls = [i for i, role in enumerate(capture.roles) if role in ("self", "decoder")]
     if not self_calls:
         return False, None
@@ -652,8 +653,8 @@ def _causality(capture: AttentionCapture, attn_maps: list[Tensor], real: Tensor,
         prefix = mask_prefix_seen_both_ways(call.mask, real)
     else:
         prefix = prefix_seen_both_ways(attn_maps[self_calls[0]], real)
-    if not bool(prefix.any()):
-        return said is True or has_later_keys(real), None
+    if not bool(prefix.any()):  # an encoder-decoder's decoder of one token saw no later one
+        return said is True or has_later_keys(real) or capture.roles[self_calls[0]] == "decoder", None
     positions = torch.arange(real.shape[1], device=real.device)
     last_real = positions.masked_fill(~real, -1).amax(dim=1)
     # an encoder-decoder's decoder seeing later tokens took a caching shortcut (refused by the caller)

@@ -142,7 +142,10 @@ class HuggingFaceAdapter(AdapterBase):
                 if role == "self" and encoder is not None:
                     role = "encoder" if module in encoder_modules else "decoder"
                 found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
-        returned = [] if found else [returned_attention(inner) for inner in transformers_models(model)]
+        probed = [(inner, inner) for inner in transformers_models(model)] if not found else [
+            (inner, model) for inner in _undeclared_decoders(model, encoder, found, self.kinds)
+        ]
+        returned = [returned_attention(inner, run) for inner, run in probed]
         for module, index, cross in (site for r in returned for site in r.sites):
             role = "cross" if cross else "encoder" if module in encoder_modules else "decoder" if encoder is not None else "self"
             found[module] = AttentionSite(module, role, self.is_causal(module), index)
@@ -465,7 +468,7 @@ def _prepared(adapter: HuggingFaceAdapter, model: nn.Module, implementation: str
             "its attention runs per shifted window or over reduced keys, read from the eager probabilities"
         )
     with _implementation(model, implementation), ExitStack() as stack:
-        for inner in transformers_models(model):
+        for inner in adapter._pretrained_models(model):
             if _RETURNED.get(inner, (None, ReturnedAttention(())))[1].sites:
                 stack.enter_context(every_forward(inner, _output_attentions))
         if grids:
@@ -491,26 +494,31 @@ _RETURNED: "weakref.WeakKeyDictionary[nn.Module, tuple[str | None, ReturnedAtten
 """Per model: the attention implementation it was probed under, and what was found."""
 
 
-def returned_attention(model: nn.Module) -> ReturnedAttention:
+def returned_attention(model: nn.Module, run: nn.Module | None = None) -> ReturnedAttention:
     """The second way to the attention of a transformers model that declares none: one
     eager forward of a 4-token probe input with ``output_attentions=True``, matching each
     returned map, by identity, to the innermost module whose output holds it (the tensor
-    that weighted the values, under eager attention). Cached per model and attention
-    implementation (a model reloaded or switched to eager is probed again)."""
+    that weighted the values, under eager attention). A sub-model (an encoder-decoder's
+    decoder, given its encoder's states) is probed through the forward of the model that
+    holds it, ``run``, with ``output_attentions=True`` given to the sub-model alone (a
+    model that declares its attention keeps transformers' recording hooks once asked for
+    them). Cached per model and attention implementation (a model reloaded or switched to
+    eager is probed again)."""
     implementation = attn_implementation(model)
     cached = _RETURNED.get(model)
     if cached is None or cached[0] != implementation:
-        cached = _RETURNED[model] = (implementation, _probe_returned_attention(model))
+        cached = _RETURNED[model] = (implementation, _probe_returned_attention(model, run or model))
     return cached[1]
 
 
-def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
+def _probe_returned_attention(model: nn.Module, run: nn.Module) -> ReturnedAttention:
     import torch
 
-    inputs = _probe_inputs(model)
+    inputs = _probe_inputs(run)
     if inputs is None:
         return ReturnedAttention((), "no probe input can be built for it (neither token ids nor pixel values)")
     first_output: dict[int, tuple[nn.Module, int, Tensor]] = {}  # the tensor kept alive: ids stay unique
+    returned: list[Any] = []
 
     def keep(module: nn.Module, args: tuple, output: Any) -> None:
         if isinstance(output, (tuple, list)):
@@ -519,27 +527,30 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
                     first_output.setdefault(id(item), (module, index, item))
 
     with ExitStack() as stack:
-        for module in model.modules():
+        for module in run.modules():
             stack.callback(module.register_forward_hook(keep).remove)
+        stack.callback(model.register_forward_hook(lambda module, args, output: returned.append(output)).remove)
         try:
-            with torch.no_grad(), _implementation(model, "eager"):
-                output = model(**inputs, output_attentions=True)
+            with torch.no_grad(), _implementation(run, "eager"), every_forward(model, _output_attentions):
+                as_probed = run(**inputs)[0]
         except Exception as error:  # noqa: BLE001 - any failure means: not found this way
             reason = error_line(error)
             return ReturnedAttention((), f"a probe forward with output_attentions=True failed ({reason[:120]})")
     with torch.no_grad():
-        as_loaded = model(**inputs)[0]
-    if not torch.allclose(output[0], as_loaded, rtol=1e-3, atol=1e-4 * float(as_loaded.abs().max())):
+        as_loaded = run(**inputs)[0]
+    output = returned[0]
+    if not torch.allclose(as_probed, as_loaded, rtol=1e-3, atol=1e-4 * float(as_loaded.abs().max())):
         return ReturnedAttention((), (
             "its output_attentions come from another attention path than the "
             f"{attn_implementation(model)!r} one it runs (its outputs differ); load it with "
             "attn_implementation='eager'"
         ))
     sites: dict[nn.Module, tuple[nn.Module, int, bool]] = {}
+    inside = set(model.modules())
     for key in ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions"):
         for attention in _flattened(getattr(output, key, None) or ()):
             holder = first_output.get(id(attention)) if isinstance(attention, Tensor) and attention.dim() == 4 else None
-            if holder is not None and holder[2] is attention and holder[0] is not model:
+            if holder is not None and holder[2] is attention and holder[0] is not model and holder[0] in inside:
                 sites.setdefault(holder[0], (holder[0], holder[1], key == "cross_attentions"))
     if not sites:
         reason = "its output_attentions hold no (batch, heads, queries, keys) map a module returns"
@@ -548,6 +559,28 @@ def _probe_returned_attention(model: nn.Module) -> ReturnedAttention:
         return ReturnedAttention((), reason)
     order = {module: index for index, module in enumerate(model.modules())}
     return ReturnedAttention(tuple(sorted(sites.values(), key=lambda site: order[site[0]])))
+
+
+def _undeclared_decoders(
+    model: nn.Module, encoder: nn.Module | None, found: Mapping[nn.Module, AttentionSite], kinds: Sequence[str]
+) -> list[nn.Module]:
+    """The outermost transformers sub-models of an encoder-decoder whose attention no
+    declaration found, where it found its encoder's alone: a decoder that declares none
+    (TrOCR's, after a ViT that does), probed through the whole model's forward."""
+    from transformers import PreTrainedModel
+
+    if encoder is None or any(site.role != "encoder" for site in found.values()):
+        return []
+    undeclared: list[nn.Module] = []
+    inside: set[nn.Module] = set()
+    for inner in model.modules():  # outer models before the ones they hold
+        if inner is model or inner in inside or not isinstance(inner, PreTrainedModel) or recorder_specs(type(inner), kinds):
+            continue
+        modules = set(inner.modules())
+        if not modules & found.keys():
+            undeclared.append(inner)
+            inside |= modules
+    return undeclared
 
 
 def _flattened(maps: Any) -> Iterator[Any]:
@@ -575,11 +608,15 @@ def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:
             inputs["decoder_input_ids"] = ids
         return inputs
     if name == "pixel_values":
-        vision = getattr(config, "vision_config", config)
+        vision = getattr(config, "vision_config", None) or getattr(config, "encoder", None) or config  # a VisionEncoderDecoder's: its encoder's
         size = getattr(vision, "image_size", 224)
         height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
         channels = getattr(vision, "num_channels", 3)
-        return {"pixel_values": torch.zeros(1, channels, height, width, device=device, dtype=parameter.dtype if parameter is not None else None)}
+        inputs = {"pixel_values": torch.zeros(1, channels, height, width, device=device, dtype=parameter.dtype if parameter is not None else None)}
+        if getattr(config, "is_encoder_decoder", False):  # an image encoder before a text decoder
+            vocab = int(getattr(getattr(config, "decoder", config), "vocab_size", None) or 8)
+            inputs["decoder_input_ids"] = torch.arange(4, device=device).remainder(vocab)[None]
+        return inputs
     return None
 
 
