@@ -69,11 +69,12 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def checkpoint_task(path: str | Path) -> str:
-    """``"classification"``, ``"generation"``, ``"seq2seq"`` or ``"image-text-to-text"``:
-    what the local checkpoint's config.json names (a ``*ForSequenceClassification``, a
-    ``*ForCausalLM``/``*LMHeadModel`` architecture, or the sequence-to-sequence or
-    vision-language model transformers registers for its model type: T5, BART, Marian,
-    ...; LLaVA, Qwen2-VL, ...).
+    """``"classification"``, ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or
+    ``"image-text-to-text"``: what the local checkpoint's config.json names (a
+    ``*ForSequenceClassification``, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
+    image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
+    captioners, TrOCR), or the sequence-to-sequence or vision-language model transformers
+    registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
 
     A folder that holds a PEFT adapter alone (``adapter_config.json``, no model weights)
     has its adapter's task (``task_type``), else its base model's.
@@ -106,6 +107,8 @@ def _config_task(folder: Path) -> str:
 
     if SEQ2SEQ.get(config.model_type) in architectures:
         return "seq2seq"
+    if config.model_type == CAPTIONER_TYPE:
+        return "image-to-text"
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT
 
     if IMAGE_TEXT.get(config.model_type) in architectures:
@@ -115,6 +118,10 @@ def _config_task(folder: Path) -> str:
         "classifier nor a language model (its config.json names no *ForSequenceClassification, "
         "*ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
     )
+
+
+CAPTIONER_TYPE = "vision-encoder-decoder"
+"""The model type of an image encoder before a text decoder, which reads no prompt."""
 
 
 _PEFT_TASKS = {"SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq"}
@@ -258,7 +265,8 @@ def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:
     if task == "seq2seq" and seq2seq:
         return _load(Path(path), AutoModelForSeq2SeqLM)
     if task != "generation":
-        kinds = {"classification": "a sequence classifier", "seq2seq": "a sequence-to-sequence model"}
+        kinds = {"classification": "a sequence classifier", "seq2seq": "a sequence-to-sequence model",
+                 "image-to-text": "an image captioner (explain its captions with --image)"}
         kind = kinds.get(task, "a vision-language model (explain it with --image)")
         raise CheckpointError(f"{path} holds {kind}, not a causal language model.")
     return _load(Path(path), AutoModelForCausalLM)
@@ -277,6 +285,24 @@ def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
     if checkpoint_task(path) != "image-text-to-text":
         raise CheckpointError(f"{path} holds no vision-language model (an image-text-to-text architecture): --image is for one.")
     return _load(Path(path), AutoModelForImageTextToText, AutoProcessor)
+
+
+def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, image processor)`` from a local checkpoint of an image encoder
+    before a text decoder (``VisionEncoderDecoderModel``: a ViT-GPT-2 captioner, TrOCR),
+    loaded as safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
+
+    if checkpoint_task(path) != "image-to-text":
+        raise CheckpointError(f"{path} holds no image encoder before a text decoder (a vision-encoder-decoder checkpoint).")
+    model, image_processor = _load(Path(path), VisionEncoderDecoderModel, AutoImageProcessor)
+    with _loading_errors(Path(path)):
+        tokenizer = AutoTokenizer.from_pretrained(path, **_OPTIONS)
+    return model, tokenizer, image_processor
 
 
 def _folder(path: str | Path) -> Path:

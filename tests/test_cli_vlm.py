@@ -4,13 +4,14 @@ terminal, the HTML report (the grid over the image) and JSON."""
 
 from __future__ import annotations
 
+import html as html_module
 import json
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, save_blip_checkpoint, save_llava_checkpoint, save_mllama_checkpoint
+from vlm_models import IMAGE, save_blip_checkpoint, save_captioner_checkpoint, save_llava_checkpoint, save_mllama_checkpoint
 
 from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
@@ -565,7 +566,8 @@ def _blip_read(blip, image, prompt):
     model = AutoModelForImageTextToText.from_pretrained(blip, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(blip, local_files_only=True)
     inputs = dict(processor(text=prompt, images=Image.open(image).convert("RGB"), return_tensors="pt"))
-    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask")
     assert int(ids[0, 0]) == IMAGE and int(ids[0, -1]) == 2, "the processor's [CLS] ... [SEP]"
     read = torch.cat([torch.tensor([[1]]), ids[:, 1:-1]], dim=1)
     return model, processor, read, inputs
@@ -609,3 +611,56 @@ def test_evaluate_scores_blips_captions_as_the_model_does_alone(blip, tmp_path):
     assert read.shape[1] == inputs["pixel_values"].shape[1] == 3
     assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2]), abs=1e-5)
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "trocr"])
+def captioner(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm") / f"captioner_{request.param}"
+    save_captioner_checkpoint(folder, request.param)
+    return folder
+
+
+def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_path):
+    """An image encoder before a text decoder (a ViT before GPT-2's or TrOCR's) reads no
+    prompt: the caption is what ``generate`` writes after the decoder's start token, the
+    report's one prompt token ``<image>`` holds the patches' summed score, the grid and
+    the spread the grid's (the checkpoint failed with an AttributeError)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
+
+    from captum_attention import METHODS
+
+    image, report, html = _image(tmp_path), tmp_path / "caption.json", tmp_path / "caption.html"
+    assert main(["explain", "--model", str(captioner), "--image", str(image), "--max-new-tokens", "3",
+                 "--methods", "rollout,attn_lrp", "--json", str(report), "--html", str(html)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model = VisionEncoderDecoderModel.from_pretrained(captioner, local_files_only=True).eval()
+    processor = AutoImageProcessor.from_pretrained(captioner, local_files_only=True)
+    pixels = processor(images=Image.open(image).convert("RGB"), return_tensors="pt")["pixel_values"]
+    answer = model.generate(pixel_values=pixels, max_new_tokens=3, do_sample=False)[:, 1:]
+    assert explanation["answer"] == AutoTokenizer.from_pretrained(captioner, local_files_only=True).decode(answer[0])
+    assert explanation["prompt_tokens"] == ["<image>"] and explanation["grid_covers_image"] is True
+    for name, method in (("Attention Rollout", "rollout"), ("AttnLRP", "attn_lrp")):
+        patches, _ = METHODS[method](model).attribute_span(pixels, answer)
+        torch.testing.assert_close(torch.tensor(explanation["seq_attr"][name]), patches[0].sum()[None], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), patches[0], rtol=1e-5, atol=1e-9)
+    page = html.read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 2 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 2
+    cells = [abs(cell) for row in explanation["image_grids"]["AttnLRP"] for cell in row]
+    assert f"the image's patches: peak ×{max(cells) / (sum(cells) / len(cells)):.1f} the mean" in html_module.unescape(page)
+
+
+def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path, capsys):
+    image = _image(tmp_path)
+    assert main(["explain", "--model", str(captioner), "--image", str(image), "what is the cat"]) == 1
+    assert "holds an image captioner, which reads no prompt: give only --image" in capsys.readouterr().err
+    assert main(["explain", "--model", str(captioner)]) == 1
+    assert "holds an image captioner: give the image with --image" in capsys.readouterr().err
+    assert main(["explain", "--model", str(captioner), "--image", str(image), "--per-token"]) == 1
+    assert "--per-token is not available for an image captioner yet" in capsys.readouterr().err
+    assert main(["explain", "--model", str(captioner), "--image", str(image), "--methods", "leave_one_out_estimates"]) == 1
+    refusal = capsys.readouterr().err
+    assert "leave_one_out_estimates is not available for an image captioner" in refusal and "attn_lrp" in refusal
+    data = _answers(tmp_path, [{"prompt": "", "image": image.name}])
+    assert main(["evaluate", str(data), "--model", str(captioner), "--output", str(tmp_path / "out")]) == 1
+    assert "holds an image captioner, which reads no prompt, and evaluate's metrics" in capsys.readouterr().err
+

@@ -398,6 +398,55 @@ def explain_image_answer(
     return explanation
 
 
+def explain_caption(
+    model: Any,
+    tokenizer: Any,
+    image_processor: Any,
+    image_path: str,
+    target: str | None = None,
+    max_new_tokens: int = 20,
+    methods: list[str] | None = None,
+) -> AnswerExplanation:
+    """An image captioner's caption of the image at ``image_path`` (an image encoder before
+    a text decoder, ``VisionEncoderDecoderModel``: it reads no prompt), generated greedily
+    or given (``target``), explained by each method over the image's patches: their summed
+    score as the one prompt token ``<image>``, and their scores on the encoder's patch
+    grid, for the whole caption."""
+    from PIL import Image
+
+    chosen = methods or list(METHODS)
+    check_methods(chosen, answers=True, one_stack=False)
+    image = Image.open(image_path).convert("RGB")
+    pixels = image_processor(images=image, return_tensors="pt")["pixel_values"].to(model.dtype)
+    too_long = answer_too_long(model, tokenizer, 0, target, max_new_tokens, "the target")
+    if too_long is not None:
+        raise ValueError(too_long)
+    if target is None:
+        with torch.no_grad():
+            answer_ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False)[0, 1:]
+    else:
+        answer_ids = torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if answer_ids.numel() == 0:
+        raise ValueError("The caption has no tokens: give a non-empty target, or generate at least one token.")
+    explanation = AnswerExplanation(
+        prompt_tokens=[IMAGE_TOKEN], special=[False], answer_tokens=readable_tokens(answer_ids, tokenizer),
+        answer=tokenizer.decode(answer_ids), generated=target is None, image=str(image_path),
+        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
+    )
+    for name in chosen:
+        start = time.perf_counter()
+        explainer = registered_method(name, model)
+        patches, _ = explainer.attribute_span(pixels, answer_ids[None])
+        display = _display(name)
+        explanation.seconds[display] = time.perf_counter() - start
+        explanation.methods[display] = MethodInfo.of(explainer)
+        explanation.seq_attr[display] = [patches[0].sum().item()]
+        explanation.image_grids[display] = patches[0].detach().float().tolist()
+    grid = next(iter(explanation.image_grids.values()))
+    explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
+    return explanation
+
+
 def several_stacks(model: Any) -> bool:
     """Whether a vision-language ``model``'s answer is read through more than one attention
     stack: an encoder-decoder's (Florence-2's), or a language model's cross-attending to

@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="classifiers of text pairs (NLI, paraphrase): each sentence holds the two texts the model "
                          "reads together, split at its first SEP (e.g. --pair-separator '|||'), and tokenized as a pair")
     explain.add_argument("--image", type=Path, help="vision-language models (--model): the image the prompt asks "
-                         "about; its tokens are explained on their patch grid")
+                         "about; its tokens are explained on their patch grid. An image captioner (an image encoder "
+                         "before a text decoder) takes the image alone, no prompt")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
                           "language model, the answer's text (default: the model's greedy answer)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
@@ -246,6 +247,9 @@ def _explain(arguments: argparse.Namespace) -> None:
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
+    if task == "image-to-text":
+        _explain_caption(arguments)
+        return
     if arguments.image is not None:
         raise UsageError(f"--image is for a vision-language model; {arguments.model or 'the default model'} is not one")
     if task in ("generation", "seq2seq"):
@@ -366,6 +370,43 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
+def _explain_caption(arguments: argparse.Namespace) -> None:
+    """``explain`` for an image captioner (an image encoder before a text decoder): the
+    caption of ``--image``, each method's scores of the image's patches, summed and on
+    their grid."""
+    from ..attr import REGISTRY
+    from ..loading import load_captioner
+    from .answer import explain_caption
+
+    if arguments.sentences or arguments.file is not None:
+        raise UsageError(f"{arguments.model} holds an image captioner, which reads no prompt: give only --image "
+                         "(and --target to explain a caption of your own)")
+    if arguments.image is None:
+        raise UsageError(f"{arguments.model} holds an image captioner: give the image with --image")
+    if not arguments.image.is_file():
+        raise UsageError(f"--image {arguments.image}: no such file")
+    if arguments.skip is not None or arguments.chat:
+        raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
+    if arguments.per_token:
+        raise UsageError("--per-token is not available for an image captioner yet: each caption token's row would "
+                         "hold the image's one summed score, and the report draws no grid per token")
+    _check_counts(arguments, "max_new_tokens")
+    methods = list(METHODS) if arguments.methods is None else _methods(arguments)
+    spans = [name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder]
+    unavailable = [name for name in methods if name not in spans]
+    if unavailable:
+        raise UsageError(f"{unavailable[0]} is not available for an image captioner; choose --methods among {', '.join(spans)}")
+    _check_outputs(arguments)
+    model, tokenizer, image_processor = load_captioner(arguments.model)
+    try:
+        explanation = explain_caption(
+            model, tokenizer, image_processor, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
+        )
+    except OSError as error:  # PIL cannot read it
+        raise UsageError(f"--image {arguments.image}: {error}") from error
+    _report_answer(arguments, explanation)
+
+
 def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
     """An answer's explanation: its warnings, the terminal report, and the HTML and JSON
     files asked for."""
@@ -431,6 +472,9 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if task in ("generation", "seq2seq", "image-text-to-text"):
         _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
+    if task == "image-to-text":
+        raise UsageError(f"{arguments.model} holds an image captioner, which reads no prompt, and evaluate's metrics "
+                         "remove a prompt's words: explain its captions with explain --image")
     if arguments.chat:
         raise UsageError("--chat is for a language model's prompts; a classifier reads each text as it is")
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:

@@ -665,8 +665,8 @@ def ig_baseline(ids: torch.Tensor, tokenizer: Any) -> torch.Tensor:
 def length_limit(model: Any, tokenizer: Any) -> int:
     """The most tokens the model takes: the smaller of the tokenizer's ``model_max_length``
     and the model's ``max_position_embeddings`` (a vision-language model's: its language
-    model's) where set, else 512."""
-    config = getattr(model.config, "text_config", None) or model.config
+    model's; an image captioner's: its decoder's) where set, else 512."""
+    config = getattr(model.config, "text_config", None) or getattr(model.config, "decoder", None) or model.config
     limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     known = [int(limit) for limit in limits if isinstance(limit, int) and 0 < limit < 1_000_000]
     return min(known) if known else 512

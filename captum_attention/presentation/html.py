@@ -217,6 +217,16 @@ def _heat_matrix(rows: list[list[float]], answer_tokens: list[str], tokens: list
     return f'<table class="matrix"><tr><th></th>{header}<th></th></tr>{"".join(body)}</table>'
 
 
+def _answer_spread(explanation: AnswerExplanation, method: str) -> str:
+    """How peaked a method's scores for the whole answer are: over the prompt's words; over
+    the image's grid where the image is the prompt's one token (an image captioner's)."""
+    grid = explanation.image_grids.get(method)
+    if grid is not None and len(explanation.prompt_tokens) == 1:
+        cells = [cell for row in grid for cell in row]
+        return f"the image's patches: {_peak(cells, [False] * len(cells))}"
+    return _peak(explanation.seq_attr[method], explanation.left_out)
+
+
 def _summary(explanation: AnswerExplanation) -> str:
     """Per method, its top prompt tokens for the whole answer with their shares."""
     labels, special = token_labels(explanation.prompt_tokens), explanation.left_out
@@ -228,7 +238,7 @@ def _summary(explanation: AnswerExplanation) -> str:
             f"<bdi>{escape(labels[i])}</bdi>&nbsp;{format(row_shares[i] or 0.0, '+.3f' if info.signed else '.3f')}"
             for i in _top(scores, special, 5)
         )
-        rows.append(f"<tr><td>{escape(method)}</td><td>{top}</td><td>{escape(_peak(scores, special))}</td></tr>")
+        rows.append(f"<tr><td>{escape(method)}</td><td>{top}</td><td>{escape(_answer_spread(explanation, method))}</td></tr>")
     return "<table><tr><th>method</th><th>top prompt tokens (share)</th><th>spread</th></tr>" + "".join(rows) + "</table>"
 
 
@@ -275,7 +285,9 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
             f'<p class="meaning">{escape(_meaning(info, "the answer", _ANSWER_UNTARGETED))}; '
             f"{explanation.seconds[method] * 1000:.0f} ms.</p>"
         )
-        parts.append(f"<p>The whole answer ({escape(_peak(scores, special))}):</p><p>{_token_row(tokens, scores, special, info)}</p>")
+        parts.append(
+            f"<p>The whole answer ({escape(_answer_spread(explanation, method))}):</p><p>{_token_row(tokens, scores, special, info)}</p>"
+        )
         grid = explanation.image_grids.get(method)
         if grid is not None and explanation.image is not None:
             parts.append(_image_figure(explanation.image, grid, explanation.grid_covers_image, info))
