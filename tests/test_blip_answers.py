@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_state, model_state
 from lrp_reference import blip_relevance
 from methods import MAP_METHODS, METHODS
 from seq2seq_reference import cross_attending_reference
-from vlm_models import ANSWER, blip_span_reference, make_blip, make_blip_prompt
+from vlm_models import ANSWER, blip_span_reference, check_cross_attending_span, make_blip, make_blip_prompt
 
 from captum_attention import AttnLRP, GradSAM, image_scores
 
@@ -42,14 +41,7 @@ def test_blips_span_equals_the_reference_of_its_self_and_cross_attention(method)
     """Two examples, one padded on the left: each equals its reference alone; the image's
     class token and patches are scored (Grad-SAM's follow queries: none)."""
     model, prompt = make_blip(), make_blip_prompt()
-    before = model_state(model)
-    source, target = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
-    assert_same_state(before, model_state(model))
-    expected_source, expected_target = _expected(method, model, prompt)
-    if method != "grad_sam":
-        assert expected_source.abs().max() > 0, "the image's states are scored"
-    for scores, expected in ((source, expected_source), (target, expected_target)):
-        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    check_cross_attending_span(method, model, prompt, _expected(method, model, prompt))
 
 
 @pytest.mark.usefixtures("capture_mode")

@@ -441,3 +441,22 @@ def save_captioner_checkpoint(folder, decoder: str) -> nn.Module:
     make_word_tokenizer().save_pretrained(folder)
     tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
     return model
+
+
+def check_cross_attending_span(method: str, model: nn.Module, prompt: Any, expected: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``attribute_span`` of :data:`ANSWER` after ``prompt`` by a model that cross-attends to
+    its image's states (Mllama, BLIP) leaves the model as it found it and equals the
+    ``expected`` ``(state scores, text scores)`` within 1e-5 of each one's largest; the
+    states' scores returned."""
+    from conftest import assert_same_state, model_state
+    from methods import METHODS
+
+    before = model_state(model)
+    source, target = METHODS[method].cls(model).attribute_span(prompt.input_ids, ANSWER, additional_forward_args=prompt.args)
+    assert_same_state(before, model_state(model))
+    if method != "grad_sam":  # Grad-SAM's scores follow the queries: the states are none
+        assert expected[0].abs().max() > 0, "the image's states are scored"
+    for scores, wanted in zip((source, target), expected):
+        torch.testing.assert_close(scores, wanted, rtol=1e-5, atol=1e-5 * wanted.abs().max().item())
+    return source
+
