@@ -36,32 +36,40 @@ def test_explain_an_answer_about_an_image(llava, tmp_path, capsys):
             "--per-token", "--html", str(html), "--json", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "answer, given, 2 tokens:" in out and out.count("image: peak at row") == 6  # five methods and AttnLRP → pixels
+    # five methods and AttnLRP → pixels, the five with a grid per answer token too
+    assert "answer, given, 2 tokens:" in out and out.count("image: peak at row") == 6 + 5 * 2
     assert out.count(" <- ") == 2 * 6
     page = html.read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 6 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 6
+    assert page.count("data:image/png;base64,") == 6 + 5 * 2 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 6
+    assert page.count("Each answer token's grid over the image") == 5
     explanation = json.loads(report.read_text(encoding="utf-8"))
     assert explanation["prompt_tokens"] == ["<s>", "<image>", "what", "is", "the", "cat"]
     assert explanation["grid_covers_image"] is True
 
 
 def test_the_report_holds_the_methods_scores_of_the_image_tokens(llava, tmp_path, capsys):
-    """The JSON's grid and the <image> token's score are the span's, through the processor."""
+    """The JSON's grid and the <image> token's score are the span's, through the processor;
+    each answer token's grid the continuation's row's."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     image, report = _image(tmp_path), tmp_path / "answer.json"
-    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is",
-                 "--methods", "grad_sam", "--json", str(report)]) == 0
+    assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "grad_sam", "--per-token", "--json", str(report)]) == 0
     explanation = json.loads(report.read_text(encoding="utf-8"))
     model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
     inputs = dict(processor(text="<image> what is the cat", images=Image.open(image).convert("RGB"), return_tensors="pt"))
     ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
-    span = GradSAM(model).attribute_span(ids, torch.tensor([[26]]), additional_forward_args=(mask, inputs))[:, : ids.shape[1]]
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    span = GradSAM(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs))[:, : ids.shape[1]]
     (grid,) = image_scores(model, ids, span, inputs)[0]
     torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Grad-SAM"]), grid)
     image_score = explanation["seq_attr"]["Grad-SAM"][explanation["prompt_tokens"].index("<image>")]
     torch.testing.assert_close(torch.tensor(image_score), span[0, ids[0] == IMAGE].sum())
+    rows = GradSAM(model).attribute_continuation(ids, answer, additional_forward_args=(mask, inputs), log_prob=True)
+    (token_grids,) = image_scores(model, ids, rows, inputs)[0]
+    assert token_grids.shape == (2, *grid.shape)
+    torch.testing.assert_close(torch.tensor(explanation["token_grids"]["Grad-SAM"]), token_grids)
 
 
 def test_attn_lrp_through_the_vision_tower_is_reported_against_a_grey_image(llava, tmp_path, capsys):
@@ -624,13 +632,14 @@ def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_pat
     """An image encoder before a text decoder (a ViT before GPT-2's or TrOCR's) reads no
     prompt: the caption is what ``generate`` writes after the decoder's start token, the
     report's one prompt token ``<image>`` holds the patches' summed score, the grid and
-    the spread the grid's (the checkpoint failed with an AttributeError)."""
+    the spread the grid's, each caption token's grid the continuation's row (the
+    checkpoint failed with an AttributeError)."""
     from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
     from captum_attention import METHODS
 
     image, report, html = _image(tmp_path), tmp_path / "caption.json", tmp_path / "caption.html"
-    assert main(["explain", "--model", str(captioner), "--image", str(image), "--max-new-tokens", "3",
+    assert main(["explain", "--model", str(captioner), "--image", str(image), "--max-new-tokens", "3", "--per-token",
                  "--methods", "rollout,attn_lrp", "--json", str(report), "--html", str(html)]) == 0
     explanation = json.loads(report.read_text(encoding="utf-8"))
     model = VisionEncoderDecoderModel.from_pretrained(captioner, local_files_only=True).eval()
@@ -643,8 +652,12 @@ def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_pat
         patches, _ = METHODS[method](model).attribute_span(pixels, answer)
         torch.testing.assert_close(torch.tensor(explanation["seq_attr"][name]), patches[0].sum()[None], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), patches[0], rtol=1e-5, atol=1e-9)
+        rows, _ = METHODS[method](model).attribute_continuation(pixels, answer, log_prob=True)
+        torch.testing.assert_close(torch.tensor(explanation["token_grids"][name]), rows[0], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(explanation["token_attr"][name]), rows[0].sum(dim=(-2, -1))[:, None], rtol=1e-5, atol=1e-7)
     page = html.read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 2 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 2
+    assert page.count("data:image/png;base64,") == 2 + 2 * 3 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 2
+    assert "Each answer token (rows) over the prompt" not in page, "one prompt token: the grids alone"
     cells = [abs(cell) for row in explanation["image_grids"]["AttnLRP"] for cell in row]
     assert f"the image's patches: peak ×{max(cells) / (sum(cells) / len(cells)):.1f} the mean" in html_module.unescape(page)
 
@@ -655,8 +668,6 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
     assert "holds an image captioner, which reads no prompt: give only --image" in capsys.readouterr().err
     assert main(["explain", "--model", str(captioner)]) == 1
     assert "holds an image captioner: give the image with --image" in capsys.readouterr().err
-    assert main(["explain", "--model", str(captioner), "--image", str(image), "--per-token"]) == 1
-    assert "--per-token is not available for an image captioner yet" in capsys.readouterr().err
     assert main(["explain", "--model", str(captioner), "--image", str(image), "--methods", "leave_one_out_estimates"]) == 1
     refusal = capsys.readouterr().err
     assert "leave_one_out_estimates is not available for an image captioner" in refusal and "attn_lrp" in refusal

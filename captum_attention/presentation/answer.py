@@ -44,6 +44,8 @@ class AnswerExplanation:
         image_grids: method -> the image tokens' scores for the whole answer on their
             grid (rows of columns); empty where the family's layout is unknown. For
             ``AttnLRP → pixels``, the pixels' relevance summed per patch.
+        token_grids: method -> per answer token, the image tokens' scores for that token
+            on their grid (with ``per_token``, where ``image_grids`` holds the whole answer's).
         grid_covers_image: whether the grid's shape follows the image's (its cells can be
             laid over the image: a processor that resizes it whole).
         template: per prompt token, whether the chat template wrote it rather than the
@@ -64,6 +66,7 @@ class AnswerExplanation:
     warnings: list[str] = field(default_factory=list)
     image: str | None = None
     image_grids: dict[str, list[list[float]]] = field(default_factory=dict)
+    token_grids: dict[str, list[list[list[float]]]] = field(default_factory=dict)
     grid_covers_image: bool = False
     template: list[bool] = field(default_factory=list)
 
@@ -390,6 +393,8 @@ def explain_image_answer(
             explanation.token_attr[display] = _feature_scores(rows, features, image_column)[0].tolist()
         if has_grid:
             explanation.image_grids[display] = image_scores(model, ids, span, inputs)[0][0].detach().float().tolist()
+            if rows is not None:
+                explanation.token_grids[display] = image_scores(model, ids, rows, inputs)[0][0].detach().float().tolist()
         if name == "attn_lrp" and grey is not None and not cross_attends_images(model) and _pixels_on_grid(model, grey, inputs):
             _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
@@ -406,12 +411,13 @@ def explain_caption(
     target: str | None = None,
     max_new_tokens: int = 20,
     methods: list[str] | None = None,
+    per_token: bool = False,
 ) -> AnswerExplanation:
     """An image captioner's caption of the image at ``image_path`` (an image encoder before
     a text decoder, ``VisionEncoderDecoderModel``: it reads no prompt), generated greedily
     or given (``target``), explained by each method over the image's patches: their summed
     score as the one prompt token ``<image>``, and their scores on the encoder's patch
-    grid, for the whole caption."""
+    grid, for the whole caption and (``per_token``) for each of its tokens."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -437,11 +443,15 @@ def explain_caption(
         start = time.perf_counter()
         explainer = registered_method(name, model)
         patches, _ = explainer.attribute_span(pixels, answer_ids[None])
+        rows = explainer.attribute_continuation(pixels, answer_ids[None], log_prob=True)[0][0] if per_token else None
         display = _display(name)
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = MethodInfo.of(explainer)
         explanation.seq_attr[display] = [patches[0].sum().item()]
         explanation.image_grids[display] = patches[0].detach().float().tolist()
+        if rows is not None:
+            explanation.token_attr[display] = rows.sum(dim=(-2, -1))[:, None].tolist()
+            explanation.token_grids[display] = rows.detach().float().tolist()
     grid = next(iter(explanation.image_grids.values()))
     explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
     return explanation

@@ -387,9 +387,6 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
         raise UsageError(f"--image {arguments.image}: no such file")
     if arguments.skip is not None or arguments.chat:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
-    if arguments.per_token:
-        raise UsageError("--per-token is not available for an image captioner yet: each caption token's row would "
-                         "hold the image's one summed score, and the report draws no grid per token")
     _check_counts(arguments, "max_new_tokens")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
     spans = [name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder]
@@ -401,6 +398,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     try:
         explanation = explain_caption(
             model, tokenizer, image_processor, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
+            arguments.per_token,
         )
     except OSError as error:  # PIL cannot read it
         raise UsageError(f"--image {arguments.image}: {error}") from error

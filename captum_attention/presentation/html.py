@@ -29,6 +29,8 @@ td.time { text-align: right; white-space: nowrap; color: #555; }
 .note { color: #8a5a00; }
 h2.sentence { font-size: 1.05em; font-weight: 600; }
 .scroll { overflow-x: auto; max-width: 100%; }
+.grids { display: flex; flex-wrap: wrap; gap: 0.8em; }
+.grids figure { margin: 0; max-width: 12em; font-size: 0.85em; }
 """
 
 TITLE_CHARACTERS = 80
@@ -292,10 +294,17 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
         if grid is not None and explanation.image is not None:
             parts.append(_image_figure(explanation.image, grid, explanation.grid_covers_image, info))
         rows = explanation.token_attr.get(method)
-        if rows:
+        token_grids = explanation.token_grids.get(method) if explanation.image is not None else None
+        if rows and not (token_grids and len(tokens) == 1):  # an image captioner's rows: the grids alone
             parts.append("<p>Each answer token (rows) over the prompt's tokens (columns), each row on its own scale:</p>")
             parts.append(f'<div class="scroll">{_heat_matrix(rows, explanation.answer_tokens, tokens, special, info)}</div>')
-        elif explanation.token_attr:
+        if rows and token_grids and explanation.image is not None:
+            where = "over the image" if explanation.grid_covers_image else "alone (not laid over the image: see above)"
+            parts.append(f"<p>Each answer token's grid {where}, on its own scale:</p><div class=\"grids\">" + "".join(
+                _image_figure(explanation.image, grid, explanation.grid_covers_image, info, TOKEN_IMAGE_INCHES, answer_token)
+                for answer_token, grid in zip(explanation.answer_tokens, token_grids)
+            ) + "</div>")
+        elif explanation.token_attr and not rows:
             parts.append('<p class="meaning">No rows per answer token: this method explains the whole answer only.</p>')
         parts.append("</section>")
     parts.append("</body></html>")
@@ -305,11 +314,18 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
 IMAGE_INCHES = 3
 """The side of an image's figure in the report, in inches (at 100 dpi)."""
 
+TOKEN_IMAGE_INCHES = 1.5
+"""The side of each answer token's figure."""
 
-def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: MethodInfo) -> str:
-    """The image tokens' scores for the whole answer over the image (Captum's blended heat
-    map, the grid upsampled to the image), or on their grid alone where the grid does not
-    follow the image's shape (a processor that crops or pads it), as an embedded PNG."""
+
+def _image_figure(
+    image_path: str, grid: list[list[float]], covers: bool, info: MethodInfo, inches: float = IMAGE_INCHES,
+    label: str | None = None,
+) -> str:
+    """The image tokens' scores for the whole answer (or the answer token ``label``, its
+    caption) over the image (Captum's blended heat map, the grid upsampled to the image),
+    or on their grid alone where the grid does not follow the image's shape (a processor
+    that crops or pads it), as an embedded PNG ``inches`` wide."""
     import base64
     import io
 
@@ -324,7 +340,7 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
     scores = torch.tensor(grid)[None]
     rows, columns = scores.shape[1:]
     if not bool(scores.any()):  # Grad-SAM on features no query reads (Mllama's image states)
-        return f'<p class="meaning">Every cell of the image\'s {rows} × {columns} grid scores 0 under this method.</p>'
+        return f'<p class="meaning">Every cell of the image\'s {rows} × {columns} grid scores 0 under this method{"" if label is None else ", " + escape(label)}.</p>'
     sign = "all" if info.signed else "absolute_value"
     if covers:
         image = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float64) / 255
@@ -332,11 +348,11 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
         figure, _ = visualization.visualize_image_attr(
             upsampled, image, method="blended_heat_map", sign=sign, use_pyplot=False, alpha_overlay=0.55,
             cmap=None if info.signed else "Greens",
-            fig_size=(IMAGE_INCHES, IMAGE_INCHES),
+            fig_size=(inches, inches),
         )
         caption = f"The image's {rows} × {columns} grid over the image, the whole answer."
     else:
-        figure = Figure(figsize=(IMAGE_INCHES, IMAGE_INCHES))
+        figure = Figure(figsize=(inches, inches))
         axes = figure.add_subplot()
         peak = float(scores.abs().max()) or 1.0  # green supports, red opposes, as the tokens are coloured
         axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else "Greens", vmin=-peak if info.signed else 0, vmax=peak)
@@ -346,6 +362,7 @@ def _image_figure(image_path: str, grid: list[list[float]], covers: bool, info: 
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight", dpi=100)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+    caption = caption if label is None else label
     return (f'<figure><img alt="{escape(caption)}" src="data:image/png;base64,{encoded}">'
             f"<figcaption>{escape(caption)}</figcaption></figure>")
 

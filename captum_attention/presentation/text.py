@@ -156,8 +156,11 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
         grid = explanation.image_grids.get(method)
         if grid is not None:
             lines.append(f"  {_peak_cell(grid, info)}")
-        for answer_token, row in zip(explanation.answer_tokens, explanation.token_attr.get(method, [])):
-            lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {_top_tokens(tokens, row, special, info, min(top, 3), raw)}")
+        token_grids = explanation.token_grids.get(method, [])
+        for i, (answer_token, row) in enumerate(zip(explanation.answer_tokens, explanation.token_attr.get(method, []))):
+            shown = [] if len(tokens) == 1 and token_grids else [_top_tokens(tokens, row, special, info, min(top, 3), raw)]
+            shown += [_peak_cell(token_grids[i], info)] if token_grids else []
+            lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {'; '.join(shown)}")
     return "\n".join(lines)
 
 
