@@ -61,11 +61,9 @@ def on_patches(stage_map: torch.Tensor, stage: tuple[int, int], scale: int) -> t
     return assign @ stage_map @ assign.T / scale**2
 
 
-def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every window layer's attention and its gradient of ``score(logits)``, float64, on
-    the first stage's patches, from an eager twin of ``model`` with ``output_attentions``."""
-    twin = copy.deepcopy(model).double()
-    twin.set_attn_implementation("eager")
+def _window_run(twin: nn.Module, keywords: dict[str, Any]) -> tuple[Any, list[tuple[nn.Module, tuple[int, int], torch.Tensor]]]:
+    """The eager float64 ``twin``'s output with ``output_attentions`` and each window
+    layer's call: the layer, its stage grid and its window probabilities."""
     layers = window_layers(twin)
     calls: list[tuple[nn.Module, tuple[int, int], torch.Tensor]] = []
     stages: dict[nn.Module, tuple[int, int]] = {}
@@ -79,12 +77,14 @@ def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any
     hooks = [layer.register_forward_pre_hook(on_layer, with_kwargs=True) for layer in layers]
     hooks += [layer.attention.register_forward_hook(on_attention(layer)) for layer in layers]
     try:
-        logits = twin(**{k: v.double() for k, v in keywords.items()}, output_attentions=True).logits
+        out = twin(**{k: v.double() if v.is_floating_point() else v for k, v in keywords.items()}, output_attentions=True)
     finally:
         for hook in hooks:
             hook.remove()
-    grads = torch.autograd.grad(score(logits), [probs for _, _, probs in calls])
-    batch = logits.shape[0]
+    return out, calls
+
+
+def _on_first_stage(calls, grads, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     first = calls[0][1]
     maps, map_grads = [], []
     for (layer, stage, probs), grad in zip(calls, grads):
@@ -92,6 +92,41 @@ def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any
         maps.append(on_patches(dense_stage_map(layer, probs.detach(), stage, batch), stage, scale))
         map_grads.append(on_patches(dense_stage_map(layer, grad, stage, batch), stage, scale))
     return maps, map_grads
+
+
+def _eager_twin(model: nn.Module) -> nn.Module:
+    twin = copy.deepcopy(model).double()
+    twin.set_attn_implementation("eager")
+    return twin
+
+
+def window_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every window layer's attention and its gradient of ``score(logits)``, float64, on
+    the first stage's patches, from an eager twin of ``model`` with ``output_attentions``."""
+    out, calls = _window_run(_eager_twin(model), keywords)
+    grads = torch.autograd.grad(score(out.logits), [probs for _, _, probs in calls])
+    return _on_first_stage(calls, grads, out.logits.shape[0])
+
+
+def window_encoder_decoder_maps(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list, list, list]:
+    """An encoder-decoder with a window encoder (Donut's): ``(encoder, decoder, cross)``
+    lists of ``(map, gradient of score(logits))`` pairs, float64, from an eager twin; the
+    encoder's on the first stage's patches, the cross-attention's keys (the last stage's
+    tokens) shared among the patches merged into them (``M·Kᵀ / scale²``, gradients
+    ``G·Kᵀ``)."""
+    out, calls = _window_run(_eager_twin(model), keywords)
+    decoder, cross = list(out.decoder_attentions), list(out.cross_attentions)
+    grads = torch.autograd.grad(score(out.logits), [probs for _, _, probs in calls] + decoder + cross)
+    batch = out.logits.shape[0]
+    encoder = list(zip(*_on_first_stage(calls, grads[: len(calls)], batch)))
+    stage, scale = calls[-1][1], calls[0][1][0] // calls[-1][1][0]
+    keys = _assignment(stage, scale)
+    cross_grads = grads[len(calls) + len(decoder):]
+    return (
+        encoder,
+        [(a.detach(), g) for a, g in zip(decoder, grads[len(calls) : len(calls) + len(decoder)])],
+        [(a.detach() @ keys.T / scale**2, g @ keys.T) for a, g in zip(cross, cross_grads)],
+    )
 
 
 def reduced_maps_and_grads(model: nn.Module, keywords: dict[str, Any], score: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -321,27 +321,56 @@ def _unwindows(x: Tensor, window: int, batch: int, rows: int, columns: int) -> T
     return x.permute(0, 1, 3, 2, 4, 5).reshape(batch, rows, columns, channels)
 
 
-def _swin_block(block, hidden: Tensor, stage: tuple[int, int], terms: Terms) -> Tensor:
-    attention, (rows, columns) = block.attention, stage
+@dataclass
+class _SwinParts:
+    """A shifted-window block's projections, relative position bias and feed-forward, as
+    Swin (``q_proj``, ..., ``mlp``) and Donut-Swin (``self.query``, ..., ``intermediate``)
+    name them."""
+
+    projections: tuple  # query, key, value, output
+    bias: Tensor  # (heads, w², w²)
+    scaling: float
+    heads: int
+    feed_forward: tuple  # in, out
+
+
+def _swin_parts(block) -> _SwinParts:
+    attention = block.attention
+    projections = tuple(getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    bias = attention.relative_position_bias()
+    return _SwinParts(projections, bias, attention.scaling, attention.num_attention_heads, (block.mlp.fc1, block.mlp.fc2))
+
+
+def _donut_swin_parts(block) -> _SwinParts:
+    attention = block.attention.self
+    projections = (attention.query, attention.key, attention.value, block.attention.output.dense)
+    side = attention.window_size[0] * attention.window_size[1]
+    bias = attention.relative_position_bias_table[attention.relative_position_index.view(-1)].view(side, side, -1).permute(2, 0, 1)
+    scaling = attention.attention_head_size**-0.5
+    return _SwinParts(projections, bias, scaling, attention.num_attention_heads, (block.intermediate.dense, block.output.dense))
+
+
+def _swin_block(block, hidden: Tensor, stage: tuple[int, int], terms: Terms, parts=_swin_parts) -> Tensor:
+    (rows, columns), named = stage, parts(block)
     window, shift = int(block.window_size), int(block.shift_size)
     batch, _, channels = hidden.shape
     x = _layer_norm(hidden, block.layernorm_before, terms).view(batch, rows, columns, channels)
     x = F.pad(x, (0, 0, 0, -columns % window, 0, -rows % window))
     padded_rows, padded_columns = x.shape[1:3]
     x = _windows(torch.roll(x, shifts=(-shift, -shift), dims=(1, 2)), window)
-    heads = attention.num_attention_heads
-    q, k, v = (_heads(_linear(x, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
-    scores = half(q) @ half(k).transpose(-1, -2) * attention.scaling
-    scores = scores + terms.leaf(attention.relative_position_bias().expand_as(scores))
+    heads, (query, key, value, output) = named.heads, named.projections
+    q, k, v = (_heads(_linear(x, projection, terms), heads) for projection in (query, key, value))
+    scores = half(q) @ half(k).transpose(-1, -2) * named.scaling
+    scores = scores + terms.leaf(named.bias.expand_as(scores))
     mask = block.get_attn_mask(padded_rows, padded_columns, dtype=x.dtype, device=x.device)
     if mask is not None:  # the shifted windows' -100 between regions that are not neighbours
         scores = scores + terms.leaf(mask[None, :, None].expand(batch, -1, heads, -1, -1).reshape(scores.shape))
     context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(x.shape)
-    out = _unwindows(_linear(context, attention.o_proj, terms), window, batch, padded_rows, padded_columns)
+    out = _unwindows(_linear(context, output, terms), window, batch, padded_rows, padded_columns)
     out = torch.roll(out, shifts=(shift, shift), dims=(1, 2))[:, :rows, :columns].reshape(batch, rows * columns, channels)
     hidden = hidden + out
-    inner = identity(F.gelu, _linear(_layer_norm(hidden, block.layernorm_after, terms), block.mlp.fc1, terms))
-    return hidden + _linear(inner, block.mlp.fc2, terms)
+    inner = identity(F.gelu, _linear(_layer_norm(hidden, block.layernorm_after, terms), named.feed_forward[0], terms))
+    return hidden + _linear(inner, named.feed_forward[1], terms)
 
 
 def _swin_merge(merge, hidden: Tensor, stage: tuple[int, int], terms: Terms) -> Tensor:
@@ -351,19 +380,25 @@ def _swin_merge(merge, hidden: Tensor, stage: tuple[int, int], terms: Terms) -> 
     return _linear(_layer_norm(x.reshape(batch, -1, 4 * channels), merge.norm, terms), merge.reduction, terms)
 
 
+def _swin_stages(swin, hidden: Tensor, stage: tuple[int, int], terms: Terms, parts=_swin_parts) -> Tensor:
+    """A Swin encoder's stages over the normed patch embeddings ``hidden``: blocks, then a
+    merge of 2 × 2 tokens after every stage but the last."""
+    for layer in swin.encoder.layers:
+        for block in layer.blocks:
+            hidden = _swin_block(block, hidden, stage, terms, parts)
+        if layer.downsample is not None:
+            hidden = _swin_merge(layer.downsample, hidden, stage, terms)
+            stage = (stage[0] // 2, stage[1] // 2)
+    return hidden
+
+
 def swin_relevance(model, pixel_values: Tensor, target: Tensor) -> Decomposition:
     """AttnLRP of a ``SwinForImageClassification`` (relative position bias, shifted windows,
     patch merging, mean pooling); the tokens are the patch embeddings' outputs."""
     swin = model.swin
     tokens, stage = swin.embeddings.patch_embeddings(pixel_values)
     terms = Terms(tokens.detach().clone().requires_grad_())
-    hidden = _layer_norm(terms.tokens, swin.embeddings.norm, terms)
-    for layer in swin.encoder.layers:
-        for block in layer.blocks:
-            hidden = _swin_block(block, hidden, stage, terms)
-        if layer.downsample is not None:
-            hidden = _swin_merge(layer.downsample, hidden, stage, terms)
-            stage = (stage[0] // 2, stage[1] // 2)
+    hidden = _swin_stages(swin, _layer_norm(terms.tokens, swin.embeddings.norm, terms), stage, terms)
     pooled = _layer_norm(hidden, swin.layernorm, terms).mean(dim=1)
     logits = _linear(pooled, model.classifier, terms)
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
@@ -762,3 +797,36 @@ def vit_trocr_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: 
         hidden = _layer_norm(hidden + _linear(inner, layer.fc2, terms), layer.final_layer_norm, terms)
     log_probs = _linear(hidden, model.decoder.output_projection, terms).log_softmax(dim=-1)
     return _caption_relevance(patches, terms, log_probs, span)
+
+
+def donut_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """AttnLRP of Donut: a ``VisionEncoderDecoderModel`` of a Donut-Swin (no final norm)
+    and an MBart decoder (scaled token embeddings, learned positions offset by 2, an
+    embedding norm, pre-norm layers, a final norm), for the decoder's answer ``span``:
+    ``(patch relevance (B, P), decoder token relevance (B, T))``, the patches' taken at the
+    patch embeddings' outputs."""
+    swin, decoder = model.encoder, model.decoder.model.decoder
+    tokens, stage = swin.embeddings.patch_embeddings(pixel_values)
+    patches = tokens.detach().clone().requires_grad_()
+    terms = Terms(decoder.embed_tokens.weight[decoder_ids].detach().clone().requires_grad_())
+    states = _swin_stages(swin, _layer_norm(patches, swin.embeddings.norm, terms), stage, terms, _donut_swin_parts)
+    config = model.decoder.config
+    heads, head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+    positions = decoder.embed_positions.weight[torch.arange(decoder_ids.shape[1]) + 2]
+    hidden = terms.tokens * decoder.embed_tokens.embed_scale + terms.leaf(positions[None].expand_as(terms.tokens))
+    hidden = _layer_norm(hidden, decoder.layernorm_embedding, terms)
+    causal = _causal_mask(torch.ones_like(decoder_ids))
+
+    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        return _projected_attention(module, names, x, memory, bias, heads, head_dim**-0.5, terms)
+
+    for layer in decoder.layers:
+        normed = _layer_norm(hidden, layer.self_attn_layer_norm, terms)
+        hidden = hidden + attend(layer.self_attn, normed, normed, causal)
+        hidden = hidden + attend(layer.encoder_attn, _layer_norm(hidden, layer.encoder_attn_layer_norm, terms), states, torch.zeros(()))
+        inner = identity(F.gelu, _linear(_layer_norm(hidden, layer.final_layer_norm, terms), layer.fc1, terms))
+        hidden = hidden + _linear(inner, layer.fc2, terms)
+    log_probs = _linear(_layer_norm(hidden, decoder.layer_norm, terms), model.decoder.lm_head, terms).log_softmax(dim=-1)
+    return _caption_relevance(patches, terms, log_probs, span)
+

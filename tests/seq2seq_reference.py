@@ -78,13 +78,13 @@ def reference_joint_rollout(ref: Seq2SeqReference, b: int, span: bool = False) -
 
 
 def reference_grad_sam(ref: Seq2SeqReference, b: int, span: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query row's own (no row is chosen): a span's is its summed objective's."""
+    """Every query row's own (no row is chosen): a span's is its summed objective's; the
+    heads of each layer averaged (an encoder may have fewer than its decoder: Donut's)."""
     s, t = ref.source_lengths[b], ref.target_lengths[b]
-    heads = ref.encoder[0][0].shape[1]
-    h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2))  # noqa: E731
-    source = sum(h(a, g) for a, g in blocks(ref.encoder, b, s, s)) / (len(ref.encoder) * heads * s)
+    h = lambda a, g: (a * g.clamp(min=0)).sum(dim=(0, 2)) / a.shape[0]  # noqa: E731
+    source = sum(h(a, g) for a, g in blocks(ref.encoder, b, s, s)) / (len(ref.encoder) * s)
     target_maps = blocks(ref.decoder, b, t, t) + blocks(ref.cross, b, t, s)
-    target = sum(h(a, g) for a, g in target_maps) / (len(target_maps) * heads * t)
+    target = sum(h(a, g) for a, g in target_maps) / (len(target_maps) * t)
     return source, target
 
 

@@ -621,7 +621,7 @@ def test_evaluate_scores_blips_captions_as_the_model_does_alone(blip, tmp_path):
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "trocr"])
+@pytest.fixture(scope="module", params=["gpt2", "trocr", "donut"])
 def captioner(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vlm") / f"captioner_{request.param}"
     save_captioner_checkpoint(folder, request.param)
@@ -629,8 +629,8 @@ def captioner(request, tmp_path_factory):
 
 
 def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_path):
-    """An image encoder before a text decoder (a ViT before GPT-2's or TrOCR's) reads no
-    prompt: the caption is what ``generate`` writes after the decoder's start token, the
+    """An image encoder before a text decoder (a ViT before GPT-2's or TrOCR's, Donut's
+    Swin before its MBart) reads no prompt: the caption is what ``generate`` writes after the decoder's start token, the
     report's one prompt token ``<image>`` holds the patches' summed score, the grid and
     the spread the grid's, each caption token's grid the continuation's row (the
     checkpoint failed with an AttributeError)."""
@@ -655,8 +655,8 @@ def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_pat
         rows, _ = METHODS[method](model).attribute_continuation(pixels, answer, log_prob=True)
         torch.testing.assert_close(torch.tensor(explanation["token_grids"][name]), rows[0], rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(torch.tensor(explanation["token_attr"][name]), rows[0].sum(dim=(-2, -1))[:, None], rtol=1e-5, atol=1e-7)
-    page = html.read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 2 + 2 * 3 and page.count("4 × 4 grid over the image, the whole answer.</figcaption>") == 2
+    page, side = html.read_text(encoding="utf-8"), len(explanation["image_grids"]["AttnLRP"])
+    assert page.count("data:image/png;base64,") == 2 + 2 * 3 and page.count(f"{side} × {side} grid over the image, the whole answer.</figcaption>") == 2
     assert "Each answer token (rows) over the prompt" not in page, "one prompt token: the grids alone"
     cells = [abs(cell) for row in explanation["image_grids"]["AttnLRP"] for cell in row]
     assert f"the image's patches: peak ×{max(cells) / (sum(cells) / len(cells)):.1f} the mean" in html_module.unescape(page)

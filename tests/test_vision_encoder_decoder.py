@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-import transformers as tf
-from conftest import assert_refused_in_one_line, assert_same_state, model_state
-from lrp_reference import vit_gpt2_relevance, vit_trocr_relevance
+from conftest import assert_same_state, model_state
+from grid_reference import window_encoder_decoder_maps
+from lrp_reference import donut_relevance, vit_gpt2_relevance, vit_trocr_relevance
 from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference
-from vlm_models import DECODERS, make_captioner
+from vlm_models import DECODERS, DONUT, make_captioner
 
 from captum_attention import METHODS, AttnLRP
 
@@ -55,12 +55,13 @@ def test_a_captions_span_equals_the_reference_with_the_patches_on_their_grid(dec
 
 
 @pytest.mark.usefixtures("capture_mode")
-@pytest.mark.parametrize("decoder", ["gpt2", "trocr"])
+@pytest.mark.parametrize("decoder", ["gpt2", "trocr", DONUT])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_each_row_is_attribute_at_its_prefix(decoder, method):
     model, cls = make_captioner(decoder), METHODS[method]
     patch_rows, token_rows = cls(model).attribute_continuation(PIXELS, ANSWER)
-    assert patch_rows.shape == (2, 3, 4, 4) and token_rows.shape == (2, 3, 3)
+    grid = (8, 8) if decoder == DONUT else (4, 4)
+    assert patch_rows.shape == (2, 3, *grid) and token_rows.shape == (2, 3, 3)
     decoder = _decoder_ids(ANSWER)
     for k in range(ANSWER.shape[1]):
         prefix = decoder[:, : k + 1]
@@ -111,17 +112,54 @@ def test_what_it_cannot_take_is_refused_in_one_line():
     assert_same_state(before, model_state(trocr))
 
 
-def test_an_encoder_in_shifted_windows_is_refused_in_one_line():
-    """Donut's (a DonutSwin before an MBart decoder): its windows are placed on an image
-    classifier's patches only; the capture took every site for the encoder's (the
-    decoder's were dropped) and failed naming an eager kernel that changes nothing."""
-    torch.manual_seed(0)
-    encoder = tf.DonutSwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2)
-    decoder = tf.MBartConfig(vocab_size=100, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
-                             is_decoder=True, add_cross_attention=True)
-    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id, config.pad_token_id = 1, 0
-    donut = tf.VisionEncoderDecoderModel(config).eval()
-    for method in ("grad_sam", "attn_lrp"):
-        explainer = METHODS[method](donut)
-        assert_refused_in_one_line(donut, lambda: explainer.attribute_span(PIXELS, ANSWER), "encoder attends in shifted windows")
+def donut_span_reference(model, pixels: torch.Tensor, answer: torch.Tensor) -> Seq2SeqReference:
+    """Donut's maps and their gradients for the answer's summed log-probability, the
+    windows' and the cross-attention's keys placed on the 8 × 8 first-stage patches by
+    another road (``grid_reference``)."""
+    def objective(logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+
+    pairs = window_encoder_decoder_maps(model, {"pixel_values": pixels, "decoder_input_ids": _decoder_ids(answer)}, objective)
+    return Seq2SeqReference(*pairs, [64] * len(pixels), [answer.shape[1]] * len(pixels))
+
+
+@pytest.mark.usefixtures("capture_mode")
+@pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
+def test_donuts_span_equals_the_reference_on_its_first_stage_patches(method):
+    """An encoder in shifted windows (Donut's Swin, which declares no attention, before an
+    MBart that does): its windows and the decoder's keys (the last stage's 4 × 4 tokens)
+    on the first stage's 8 × 8 patches. It was refused: the capture took every site for
+    the encoder's."""
+    model = make_captioner(DONUT)
+    before = model_state(model)
+    patches, tokens = METHODS[method](model).attribute_span(PIXELS, ANSWER)
+    assert_same_state(before, model_state(model))
+    assert patches.shape == (2, 8, 8) and tokens.shape == ANSWER.shape
+    ref = donut_span_reference(model, PIXELS, ANSWER)
+    for b in range(2):
+        expected_states, expected_tokens = (x.float() for x in SEQ2SEQ_REFERENCES[method](ref, b, span=True))
+        assert expected_states.abs().max() > 0
+        scale = max(expected_states.abs().max().item(), expected_tokens.abs().max().item())
+        torch.testing.assert_close(patches[b], expected_states.view(8, 8), rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(tokens[b], expected_tokens, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.usefixtures("capture_mode")
+def test_donuts_attn_lrp_equals_the_rules_written_out_at_its_patch_embeddings():
+    model = make_captioner(DONUT)
+    patches, tokens = AttnLRP(model).attribute_span(PIXELS, ANSWER)
+    expected_patches, expected_tokens = donut_relevance(model, PIXELS, _decoder_ids(ANSWER), ANSWER)
+    assert expected_patches.abs().max() > 0
+    scale = max(expected_patches.abs().max().item(), expected_tokens.abs().max().item())
+    torch.testing.assert_close(patches.flatten(1), expected_patches, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(tokens, expected_tokens, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_donut_streams_nothing_its_windows_need_their_probabilities():
+    model = make_captioner(DONUT)
+    before = model_state(model)
+    with pytest.raises(ValueError, match="capture='streaming' is not possible here: its attention runs per shifted window") as refused:
+        METHODS["rollout"](model, capture="streaming").attribute_span(PIXELS, ANSWER)
+    assert "\n" not in str(refused.value)
+    assert_same_state(before, model_state(model))
+

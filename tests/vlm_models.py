@@ -417,13 +417,27 @@ DECODERS = {
 """The text decoders an image captioner's ViT is put before (TrOCR's declares no attention
 modules and computes its attention by hand)."""
 
+DONUT = "donut"
+"""The captioner of a Donut-Swin (shifted windows; 8 × 8 patches of 4, merged to 4 × 4,
+two heads) before an MBart decoder (four heads), as Donut and Nougat are."""
+
+
+def _captioner_config(decoder: str, vocab: int) -> tf.VisionEncoderDecoderConfig:
+    if decoder == DONUT:
+        encoder = tf.DonutSwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
+        text = tf.MBartConfig(vocab_size=vocab, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                              is_decoder=True, add_cross_attention=True)
+        return tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, text)
+    encoder = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
+    return tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, DECODERS[decoder](vocab))
+
 
 def make_captioner(decoder: str, vocab: int = 100) -> tf.VisionEncoderDecoderModel:
     """A two-layer ViT over 32 × 32 images in 4 × 4 patches of 8 (17 states with its class
-    token) before a two-layer ``decoder`` of ``vocab`` tokens; the decoder starts from token 1."""
+    token) before a two-layer ``decoder`` of ``vocab`` tokens (or, for :data:`DONUT`,
+    Donut's); the decoder starts from token 1."""
     torch.manual_seed(0)
-    encoder = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
-    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, DECODERS[decoder](vocab))
+    config = _captioner_config(decoder, vocab)
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     model = tf.VisionEncoderDecoderModel(config).eval()
     model.generation_config.decoder_start_token_id, model.generation_config.pad_token_id = 1, 0

@@ -29,7 +29,7 @@ from .grad_sam import grad_sam_head_mean, grad_sam_layer_maps, grad_sam_normalis
 from .knockout import knockout_head_sum, knockout_terms, segment_shares, with_decisive_tokens
 from .raw import raw_attention_maps
 from .rollout import add_residual, discard_lowest, rollout_layer_maps, rollout_scores
-from .vision import patch_grid, reduced_keys_on_patch_grid, windows_on_patch_grid
+from .vision import patch_grid, reduced_keys_on_patch_grid, stage_keys_on_patch_grid, windows_on_patch_grid
 from .transformer_attribution import relevance_head_mean, relevance_layer_maps, transformer_attribution_scores
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "real_ranks",
     "real_tokens",
     "reduced_keys_on_patch_grid",
+    "stage_keys_on_patch_grid",
     "relevance_head_mean",
     "relevance_layer_maps",
     "rollout_layer_maps",

@@ -76,6 +76,30 @@ def windows_on_patch_grid(window_maps: Tensor, stage: tuple[int, int], window: i
     return blocks.expand(-1, -1, -1, scale, -1, scale, -1, scale, -1, scale).reshape(batch, heads, patches, patches)
 
 
+def stage_keys_on_patch_grid(maps: Tensor, stage: tuple[int, int], scale: int) -> Tensor:
+    r"""Attention over a stage's tokens ``(B, H, Q, rows·columns)`` (a decoder's
+    cross-attention to a window encoder's last stage, Donut's) as maps over the first
+    stage's patches, ``(B, H, Q, N)`` with ``N = rows·scale · columns·scale``: each key's
+    weight shared equally among the ``scale × scale`` patches merged into it,
+
+    .. math:: \tilde A_{qj} = A_{q\,t(j)} / \mathrm{scale}^2,
+
+    so rows keep their sums.
+
+    Args:
+        maps: ``(B, heads, queries, rows·columns)``, keys row-major.
+        stage: ``(rows, columns)`` of the stage's tokens.
+        scale: first-stage patches per stage token along each side.
+
+    Returns:
+        ``(B, heads, queries, N)`` tensor, patches in row-major order.
+    """
+    rows, columns = stage
+    batch, heads, queries = maps.shape[:3]
+    cells = maps.reshape(batch, heads, queries, rows, 1, columns, 1) / scale**2
+    return cells.expand(-1, -1, -1, -1, scale, -1, scale).reshape(batch, heads, queries, rows * columns * scale**2)
+
+
 def reduced_keys_on_patch_grid(maps: Tensor, stage: tuple[int, int], reduction: int, scale: int) -> Tensor:
     r"""One stage's attention over spatially reduced keys ``(B, H, N_s, N_s / reduction²)``
     as maps over the first stage's patches, ``(B, H, N, N)`` with

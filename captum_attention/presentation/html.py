@@ -341,6 +341,7 @@ def _image_figure(
     rows, columns = scores.shape[1:]
     if not bool(scores.any()):  # Grad-SAM on features no query reads (Mllama's image states)
         return f'<p class="meaning">Every cell of the image\'s {rows} × {columns} grid scores 0 under this method{"" if label is None else ", " + escape(label)}.</p>'
+    scores = scores / scores.abs().max()  # drawn relative to its peak; Captum warns of tiny scales
     sign = "all" if info.signed else "absolute_value"
     if covers:
         image = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float64) / 255

@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from ...maps import reduced_keys_on_patch_grid, windows_on_patch_grid
+from ...maps import reduced_keys_on_patch_grid, stage_keys_on_patch_grid, windows_on_patch_grid
 from ..guard import current_thread
-from .protocol import AttentionSite, UnsupportedModelError, bound_argument
+from .protocol import AttentionSite, Role, UnsupportedModelError, bound_argument
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,24 @@ class ReducedCall:
         return self.maps(grads) * self.reduction**2
 
 
-GridCall = WindowCall | ReducedCall
+@dataclass(frozen=True)
+class StageKeysCall:
+    """A cross-attention whose keys are the tokens of a window encoder's last stage (an
+    encoder-decoder's: Donut's decoder reading its Swin), and how many first-stage patches
+    each of them stands for along a side."""
+
+    stage: tuple[int, int]
+    scale: int
+
+    def maps(self, probs: Tensor) -> Tensor:
+        return stage_keys_on_patch_grid(probs, self.stage, self.scale)
+
+    def gradients(self, grads: Tensor) -> Tensor:
+        """The gradient is a query's alone, the map shared among the key's patches."""
+        return self.maps(grads) * self.scale**2
+
+
+GridCall = WindowCall | ReducedCall | StageKeysCall
 
 
 @dataclass(frozen=True)
@@ -115,21 +132,25 @@ def on_grids(model: nn.Module) -> bool:
     return bool(window_layers(model) or reduced_key_attentions(model))
 
 
-def grid_sites(model: nn.Module, found: list[AttentionSite]) -> list[AttentionSite]:
+def grid_sites(model: nn.Module, found: list[AttentionSite], role: Role = "self") -> list[AttentionSite]:
     """The sites of a window model: one per window layer, the module of the found sites'
     class inside its ``attention`` (Swin-v2 and Donut-Swin declare the inner
     self-attention), else the ``attention`` itself, whose output holds the probabilities
-    second (Swin declares whole stages); other models' sites as found."""
+    second (Swin declares whole stages), with ``role`` (an encoder-decoder's window
+    encoder: ``"encoder"``); then the found sites outside the window layers (its
+    decoder's); other models' sites as found."""
     layers = window_layers(model)
     if not layers:
         return found
     index_of = {type(site.module): site.output_index for site in found}
+    in_windows = {module for layer in layers for module in layer.modules()}
     sites = []
     for layer in layers:
         attention: nn.Module = getattr(layer, "attention")
         inner = next((m for m in attention.modules() if type(m) in index_of), None)
-        sites.append(AttentionSite(inner, "self", False, index_of[type(inner)]) if inner else AttentionSite(attention, "self", False, 1))
-    return sites
+        sites.append(AttentionSite(inner, role, False, index_of[type(inner)]) if inner else AttentionSite(attention, role, False, 1))
+    outside = [site for site in found if not in_windows & set(site.module.modules())]
+    return sites + outside
 
 
 def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitStack) -> None:
@@ -139,6 +160,7 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
     first stage's patches."""
     thread = current_thread()
     first_stage: list[tuple[int, int]] = []
+    last_call: list[GridCall] = []
     layers = window_layers(model)
     if layers:
         pairs: list[tuple[nn.Module, AttentionSite, Callable[..., GridCall]]] = [
@@ -146,7 +168,8 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
         ]
     else:
         pairs = [(module, site, _reduced_call) for module in reduced_key_attentions(model) for site in sites if site.module is module]
-    token = _NOTES.set(_Notes(frozenset(site.module for _, site, _ in pairs)))
+    cross = [site for site in sites if site.role == "cross"] if layers else []  # keys: the last stage's tokens
+    token = _NOTES.set(_Notes(frozenset(site.module for site in [*(site for _, site, _ in pairs), *cross])))
     stack.callback(_reset, token)
 
     def note(site: AttentionSite, call: GridCall | None) -> None:
@@ -169,13 +192,24 @@ def note_grid_calls(model: nn.Module, sites: list[AttentionSite], stack: ExitSta
             stage = _stage(module, args, kwargs)
             if first:
                 first_stage[:] = [stage]
-            note(site, call_of(module, stage, _scale(first_stage[0] if first_stage else stage, stage)))
+            last_call[:] = [call_of(module, stage, _scale(first_stage[0] if first_stage else stage, stage))]
+            note(site, last_call[0])
+
+        return hook
+
+    def keys_noted(site: AttentionSite) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if current_thread() == thread and last_call:
+                note(site, StageKeysCall(last_call[0].stage, last_call[0].scale))
 
         return hook
 
     for index, (module, site, call_of) in enumerate(pairs):
         stack.callback(module.register_forward_pre_hook(forget(site), with_kwargs=True).remove)
         stack.callback(module.register_forward_hook(noted(site, call_of, index == 0), with_kwargs=True).remove)
+    for site in cross:
+        stack.callback(site.module.register_forward_pre_hook(forget(site), with_kwargs=True).remove)
+        stack.callback(site.module.register_forward_hook(keys_noted(site), with_kwargs=True).remove)
 
 
 def _reset(token: contextvars.Token) -> None:

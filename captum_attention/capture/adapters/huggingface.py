@@ -61,13 +61,14 @@ token), where no config flag says so."""
 
 def _mean_pooled_from(model: nn.Module) -> int | None:
     """Where a classifier reads the mean of its tokens, the first token of that mean:
-    shifted-window models (Swin, the last stage's tokens), :data:`_MEAN_POOLING_CLASSIFIERS`,
+    shifted-window classifiers (Swin, the last stage's tokens; not an encoder-decoder with
+    a window encoder, Donut, whose decoder's rows are read), :data:`_MEAN_POOLING_CLASSIFIERS`,
     ``use_mean_pooling`` image and video classifiers (BEiT and Data2Vec-Vision after their
     class token, VideoMAE) and text classifiers whose ``classifier_pooling`` averages the
     tokens or their logits (ModernBERT's ``"mean"``, EuroBERT's ``"mean"`` and ``"late"``);
     None for the others."""
     name = type(model).__name__
-    if window_layers(model):
+    if window_layers(model) and _encoder_of(model) is None:
         return 0
     if name in _MEAN_POOLING_CLASSIFIERS:
         return _MEAN_POOLING_CLASSIFIERS[name]
@@ -143,7 +144,7 @@ class HuggingFaceAdapter(AdapterBase):
                     role = "encoder" if module in encoder_modules else "decoder"
                 found[module] = AttentionSite(module, role, self.is_causal(module), spec.index)
         probed = [(inner, inner) for inner in transformers_models(model)] if not found else [
-            (inner, model) for inner in _undeclared_decoders(model, encoder, found, self.kinds)
+            (inner, model) for inner in _undeclared_parts(model, encoder, found, self.kinds)
         ]
         returned = [returned_attention(inner, run) for inner, run in probed]
         for module, index, cross in (site for r in returned for site in r.sites):
@@ -157,13 +158,9 @@ class HuggingFaceAdapter(AdapterBase):
                 f"{sorted(set(declared)) or 'none'}) and {reason}. If its attention "
                 "lives elsewhere, name the modules: adapter=ModuleAdapter([...attention modules...])."
             )
-        if encoder is not None and window_layers(encoder):
-            raise UnsupportedModelError(
-                f"{type(model).__name__}'s encoder attends in shifted windows (Swin's, Donut's), which are placed on its "
-                "image's patches for an image classifier only: an encoder-decoder's windowed source is not explained yet."
-            )
         order = {module: index for index, module in enumerate(model.modules())}
-        return grid_sites(model, sorted(_language_model_sites(model, found), key=lambda site: order[site.module]))
+        ordered = sorted(_language_model_sites(model, found), key=lambda site: order[site.module])
+        return grid_sites(model, ordered, "encoder" if encoder is not None else "self")
 
     def as_heads(self, module: nn.Module, probs: Tensor) -> Tensor:
         """Probabilities as heads; a window or reduced-key attention's as maps over the
@@ -561,15 +558,14 @@ def _probe_returned_attention(model: nn.Module, run: nn.Module) -> ReturnedAtten
     return ReturnedAttention(tuple(sorted(sites.values(), key=lambda site: order[site[0]])))
 
 
-def _undeclared_decoders(
-    model: nn.Module, encoder: nn.Module | None, found: Mapping[nn.Module, AttentionSite], kinds: Sequence[str]
-) -> list[nn.Module]:
-    """The outermost transformers sub-models of an encoder-decoder whose attention no
-    declaration found, where it found its encoder's alone: a decoder that declares none
-    (TrOCR's, after a ViT that does), probed through the whole model's forward."""
+def _undeclared_parts(model: nn.Module, encoder: nn.Module | None, found: Mapping[nn.Module, AttentionSite], kinds: Sequence[str]) -> list[nn.Module]:
+    """The outermost transformers sub-models of an encoder-decoder that declare no
+    attention and hold none of the ``found`` sites: an encoder or a decoder that declares
+    none beside one that does (TrOCR's decoder after a ViT, Donut's Swin before an MBart),
+    probed through the whole model's forward."""
     from transformers import PreTrainedModel
 
-    if encoder is None or any(site.role != "encoder" for site in found.values()):
+    if encoder is None:
         return []
     undeclared: list[nn.Module] = []
     inside: set[nn.Module] = set()
