@@ -155,6 +155,25 @@ def test_window_maps_on_the_patch_grid_by_hand():
     torch.testing.assert_close(shifted.sum(dim=-1), torch.ones(3, 2, 64))
 
 
+def test_a_decoders_keys_on_the_last_stage_on_the_patch_grid_by_hand():
+    """Three queries over a 2×2 last stage, each token 2×2 patches of a 4×4 grid (patch p =
+    4·row + column): every patch of key t takes t's weight / 4; a stage of other keys is
+    refused in one line."""
+    from captum_attention.capture.adapters.grids import StageKeysCall
+
+    maps = torch.rand(2, 5, 3, 4).softmax(dim=-1)
+    on_patches = StageKeysCall((2, 2), 2).maps(maps)
+    assert on_patches.shape == (2, 5, 3, 16)
+    torch.testing.assert_close(on_patches.sum(dim=-1), torch.ones(2, 5, 3))
+    for token, patches in ((0, (0, 1, 4, 5)), (1, (2, 3, 6, 7)), (2, (8, 9, 12, 13)), (3, (10, 11, 14, 15))):
+        for patch in patches:
+            torch.testing.assert_close(on_patches[..., patch], maps[..., token] / 4)
+    torch.testing.assert_close(StageKeysCall((2, 2), 2).gradients(maps)[..., 5], maps[..., 0])
+    with pytest.raises(UnsupportedModelError, match="reads 3 keys where the window encoder's last stage holds 2×2") as refused:
+        StageKeysCall((2, 2), 2).maps(maps[..., :3])
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("family", ["swin", "segformer", "pvt_v2"])
 def test_attn_lrp_equals_an_explicit_forward_written_with_the_rules(family, shape):

@@ -1,6 +1,8 @@
 """Attention over a coarser grid than the image's first patches, placed back on those
 patches: Swin's shifted windows (Swin, Swin-v2, Donut-Swin) and the spatially reduced keys
-of SegFormer and PVTv2, in models whose stages merge tokens 2 × 2.
+of SegFormer and PVTv2, in models whose stages merge tokens 2 × 2; and a decoder's
+cross-attention to a window encoder's last stage (Donut's), each key shared among the
+patches merged into it.
 
 Such a model's layers have no common tokens, and a window or reduced-key layer has no
 ``(N, N)`` map. During a capture a hook notes where each of its calls ran (the stage grid,
@@ -78,6 +80,11 @@ class StageKeysCall:
     scale: int
 
     def maps(self, probs: Tensor) -> Tensor:
+        if probs.shape[-1] != self.stage[0] * self.stage[1]:
+            raise UnsupportedModelError(
+                f"A cross-attention reads {probs.shape[-1]} keys where the window encoder's last stage holds "
+                f"{self.stage[0]}×{self.stage[1]} tokens: its keys cannot be placed on the image's patches."
+            )
         return stage_keys_on_patch_grid(probs, self.stage, self.scale)
 
     def gradients(self, grads: Tensor) -> Tensor:
