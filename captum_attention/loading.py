@@ -120,6 +120,12 @@ def _config_task(folder: Path) -> str:
     )
 
 
+TASK_KINDS = {
+    "classification": "a sequence classifier", "generation": "a causal language model", "seq2seq": "a sequence-to-sequence model",
+    "image-to-text": "an image captioner", "image-text-to-text": "a vision-language model",
+}
+"""What a user calls the model of each :func:`checkpoint_task`."""
+
 CAPTIONER_TYPE = "vision-encoder-decoder"
 """The model type of an image encoder before a text decoder, which reads no prompt."""
 
@@ -265,10 +271,8 @@ def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:
     if task == "seq2seq" and seq2seq:
         return _load(Path(path), AutoModelForSeq2SeqLM)
     if task != "generation":
-        kinds = {"classification": "a sequence classifier", "seq2seq": "a sequence-to-sequence model",
-                 "image-to-text": "an image captioner (explain its captions with --image)"}
-        kind = kinds.get(task, "a vision-language model (explain it with --image)")
-        raise CheckpointError(f"{path} holds {kind}, not a causal language model.")
+        hint = " (explain it with --image)" if task.startswith("image") else ""
+        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}{hint}, not a causal language model.")
     return _load(Path(path), AutoModelForCausalLM)
 
 

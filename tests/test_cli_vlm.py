@@ -674,4 +674,8 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
     data = _answers(tmp_path, [{"prompt": "", "image": image.name}])
     assert main(["evaluate", str(data), "--model", str(captioner), "--output", str(tmp_path / "out")]) == 1
     assert "holds an image captioner, which reads no prompt, and evaluate's metrics" in capsys.readouterr().err
+    from captum_attention.loading import CheckpointError, load_causal_lm
+
+    with pytest.raises(CheckpointError, match="holds an image captioner \\(explain it with --image\\), not a causal language model"):
+        load_causal_lm(captioner)
 

@@ -838,14 +838,14 @@ def _launcher_processes() -> int | None:
 def _fit_head_weights(arguments: argparse.Namespace) -> None:
     """``fit-head-weights``: Learned Attention's head weights fitted on a file of answers,
     saved into the model's folder; a rerun of an interrupted fit resumes it."""
-    from ..loading import checkpoint_task, load_causal_lm
+    from ..loading import TASK_KINDS, checkpoint_task, load_causal_lm
     from .dataset import read_answers
     from .fit import FitOptions, fit_beside_model
 
     task = checkpoint_task(arguments.model)
     if task != "generation":
         raise UsageError(f"fit-head-weights takes a decoder-only language model (learned_attention explains one "
-                         f"self-attention stack); {arguments.model} holds a {task} model")
+                         f"self-attention stack); {arguments.model} holds {TASK_KINDS[task]}")
     if arguments.ablations < 2:
         raise UsageError(f"--ablations must be at least 2 (each answer's mean is removed), got {arguments.ablations}")
     _check_counts(arguments, "max_new_tokens")
