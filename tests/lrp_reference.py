@@ -772,6 +772,18 @@ def vit_gpt2_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: T
     return _caption_relevance(patches, terms, log_probs, span)
 
 
+def _decoder_attention(config, terms: Terms):
+    """A BART-style decoder's attention module (``q_proj``, ``k_proj``, ``v_proj``,
+    ``out_proj``) run on queries ``x`` and keys and values ``memory`` under the rules."""
+    heads = config.decoder_attention_heads
+
+    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        return _projected_attention(module, names, x, memory, bias, heads, (config.d_model // heads) ** -0.5, terms)
+
+    return attend
+
+
 def vit_trocr_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
     """As :func:`vit_gpt2_relevance`, for a ViT before TrOCR's decoder (BART's layers:
     scaled token embeddings, its own positions, an embedding norm, post-norm layers,
@@ -779,17 +791,11 @@ def vit_trocr_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: 
     ``softmax``) instead of through an attention function."""
     decoder = model.decoder.model.decoder
     patches, terms, states = _captioner_source(model, pixel_values, decoder.embed_tokens.weight[decoder_ids])
-    config = model.decoder.config
-    heads, head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+    attend = _decoder_attention(model.decoder.config, terms)
     hidden = terms.tokens * decoder.embed_tokens.embed_scale + terms.leaf(decoder.embed_positions(decoder_ids))
     if decoder.layernorm_embedding is not None:
         hidden = _layer_norm(hidden, decoder.layernorm_embedding, terms)
     causal = _causal_mask(torch.ones_like(decoder_ids))
-
-    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
-        names = ("q_proj", "k_proj", "v_proj", "out_proj")
-        return _projected_attention(module, names, x, memory, bias, heads, head_dim**-0.5, terms)
-
     for layer in decoder.layers:
         hidden = _layer_norm(hidden + attend(layer.self_attn, hidden, hidden, causal), layer.self_attn_layer_norm, terms)
         hidden = _layer_norm(hidden + attend(layer.encoder_attn, hidden, states, torch.zeros(())), layer.encoder_attn_layer_norm, terms)
@@ -810,17 +816,11 @@ def donut_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tens
     patches = tokens.detach().clone().requires_grad_()
     terms = Terms(decoder.embed_tokens.weight[decoder_ids].detach().clone().requires_grad_())
     states = _swin_stages(swin, _layer_norm(patches, swin.embeddings.norm, terms), stage, terms, _donut_swin_parts)
-    config = model.decoder.config
-    heads, head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+    attend = _decoder_attention(model.decoder.config, terms)
     positions = decoder.embed_positions.weight[torch.arange(decoder_ids.shape[1]) + 2]
     hidden = terms.tokens * decoder.embed_tokens.embed_scale + terms.leaf(positions[None].expand_as(terms.tokens))
     hidden = _layer_norm(hidden, decoder.layernorm_embedding, terms)
     causal = _causal_mask(torch.ones_like(decoder_ids))
-
-    def attend(module, x: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
-        names = ("q_proj", "k_proj", "v_proj", "out_proj")
-        return _projected_attention(module, names, x, memory, bias, heads, head_dim**-0.5, terms)
-
     for layer in decoder.layers:
         normed = _layer_norm(hidden, layer.self_attn_layer_norm, terms)
         hidden = hidden + attend(layer.self_attn, normed, normed, causal)
