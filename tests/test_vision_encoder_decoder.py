@@ -19,6 +19,8 @@ from captum_attention import METHODS, AttnLRP
 
 PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
 ANSWER = torch.tensor([[8, 9, 10], [11, 12, 13]])
+
+
 def _decoder_ids(answer: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(answer[:, :1]), answer[:, :-1]], dim=1)
 
@@ -35,22 +37,38 @@ def span_reference(model, pixels: torch.Tensor, answer: torch.Tensor) -> Seq2Seq
     return Seq2SeqReference(*pairs, [17] * len(pixels), [answer.shape[1]] * len(pixels))
 
 
+def donut_span_reference(model, pixels: torch.Tensor, answer: torch.Tensor) -> Seq2SeqReference:
+    """Donut's maps and their gradients for the answer's summed log-probability, the
+    windows' and the cross-attention's keys placed on the 8 × 8 first-stage patches by
+    another road (``grid_reference``)."""
+    def objective(logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+
+    pairs = window_encoder_decoder_maps(model, {"pixel_values": pixels, "decoder_input_ids": _decoder_ids(answer)}, objective)
+    return Seq2SeqReference(*pairs, [64] * len(pixels), [answer.shape[1]] * len(pixels))
+
+
 @pytest.mark.usefixtures("capture_mode")
-@pytest.mark.parametrize("decoder", list(DECODERS))
+@pytest.mark.parametrize("decoder", [*DECODERS, DONUT])
 @pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
 def test_a_captions_span_equals_the_reference_with_the_patches_on_their_grid(decoder, method):
-    model = make_captioner(decoder)
+    """A ViT's 4 × 4 patches after its class token; Donut's 8 × 8 first-stage patches, its
+    windows and the decoder's keys (the last stage's 4 × 4 tokens) placed there (its Swin
+    declares no attention, its MBart does: it was refused, the capture taking every site
+    for the encoder's)."""
+    model, donut = make_captioner(decoder), decoder == DONUT
     before = model_state(model)
     patches, tokens = METHODS[method](model).attribute_span(PIXELS, ANSWER)
     assert_same_state(before, model_state(model))
-    assert patches.shape == (2, 4, 4) and tokens.shape == ANSWER.shape
-    ref = span_reference(model, PIXELS, ANSWER)
+    grid, first_patch = ((8, 8), 0) if donut else ((4, 4), 1)
+    assert patches.shape == (2, *grid) and tokens.shape == ANSWER.shape
+    ref = (donut_span_reference if donut else span_reference)(model, PIXELS, ANSWER)
     for b in range(2):
         expected_states, expected_tokens = (x.float() for x in SEQ2SEQ_REFERENCES[method](ref, b, span=True))
         if method != "grad_sam":
             assert expected_states.abs().max() > 0
         scale = max(expected_states.abs().max().item(), expected_tokens.abs().max().item())
-        torch.testing.assert_close(patches[b], expected_states[1:].view(4, 4), rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(patches[b], expected_states[first_patch:].view(grid), rtol=1e-5, atol=1e-5 * scale)
         torch.testing.assert_close(tokens[b], expected_tokens, rtol=1e-5, atol=1e-5 * scale)
 
 
@@ -110,38 +128,6 @@ def test_what_it_cannot_take_is_refused_in_one_line():
         METHODS["grad_sam"](trocr, capture="streaming").attribute_span(PIXELS, ANSWER)
     assert "\n" not in str(refused.value)
     assert_same_state(before, model_state(trocr))
-
-
-def donut_span_reference(model, pixels: torch.Tensor, answer: torch.Tensor) -> Seq2SeqReference:
-    """Donut's maps and their gradients for the answer's summed log-probability, the
-    windows' and the cross-attention's keys placed on the 8 × 8 first-stage patches by
-    another road (``grid_reference``)."""
-    def objective(logits: torch.Tensor) -> torch.Tensor:
-        return logits.log_softmax(dim=-1).gather(2, answer[..., None]).sum()
-
-    pairs = window_encoder_decoder_maps(model, {"pixel_values": pixels, "decoder_input_ids": _decoder_ids(answer)}, objective)
-    return Seq2SeqReference(*pairs, [64] * len(pixels), [answer.shape[1]] * len(pixels))
-
-
-@pytest.mark.usefixtures("capture_mode")
-@pytest.mark.parametrize("method", [m for m, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
-def test_donuts_span_equals_the_reference_on_its_first_stage_patches(method):
-    """An encoder in shifted windows (Donut's Swin, which declares no attention, before an
-    MBart that does): its windows and the decoder's keys (the last stage's 4 × 4 tokens)
-    on the first stage's 8 × 8 patches. It was refused: the capture took every site for
-    the encoder's."""
-    model = make_captioner(DONUT)
-    before = model_state(model)
-    patches, tokens = METHODS[method](model).attribute_span(PIXELS, ANSWER)
-    assert_same_state(before, model_state(model))
-    assert patches.shape == (2, 8, 8) and tokens.shape == ANSWER.shape
-    ref = donut_span_reference(model, PIXELS, ANSWER)
-    for b in range(2):
-        expected_states, expected_tokens = (x.float() for x in SEQ2SEQ_REFERENCES[method](ref, b, span=True))
-        assert expected_states.abs().max() > 0
-        scale = max(expected_states.abs().max().item(), expected_tokens.abs().max().item())
-        torch.testing.assert_close(patches[b], expected_states.view(8, 8), rtol=1e-5, atol=1e-5 * scale)
-        torch.testing.assert_close(tokens[b], expected_tokens, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_donut_streams_nothing_its_windows_need_their_probabilities():
