@@ -628,11 +628,32 @@ def captioner(request, tmp_path_factory):
     return folder
 
 
+def _caption_integrated_gradients(model, processor, image, answer, steps):
+    """Captum's IntegratedGradients of the caption's log-probability over the pixels
+    against the processor's grey image, summed over channels and per first-stage patch."""
+    from captum.attr import IntegratedGradients
+
+    rgb = Image.open(image).convert("RGB")
+    pixels = processor(images=rgb, return_tensors="pt")["pixel_values"]
+    grey = processor(images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    decoder = torch.cat([torch.ones_like(answer[:, :1]), answer[:, :-1]], dim=1)
+
+    def log_prob(images):
+        logits = model(pixel_values=images, decoder_input_ids=decoder.expand(len(images), -1)).logits
+        return logits.log_softmax(dim=-1).gather(2, answer.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
+
+    pixel_attr = IntegratedGradients(log_prob).attribute(pixels, baselines=grey, n_steps=steps)[0].sum(dim=0)
+    patch = model.config.encoder.patch_size
+    rows, columns = pixel_attr.shape[0] // patch, pixel_attr.shape[1] // patch
+    return pixel_attr.reshape(rows, patch, columns, patch).sum(dim=(1, 3)).detach()
+
+
 def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_path):
     """An image encoder before a text decoder (a ViT before GPT-2's or TrOCR's, Donut's
     Swin before its MBart) reads no prompt: the caption is what ``generate`` writes after the decoder's start token, the
     report's one prompt token ``<image>`` holds the patches' summed score, the grid and
-    the spread the grid's, each caption token's grid the continuation's row (the
+    the spread the grid's, each caption token's grid the continuation's row, Integrated
+    Gradients' grid Captum's on the pixels against a grey image, summed per patch (the
     checkpoint failed with an AttributeError)."""
     from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
@@ -640,7 +661,7 @@ def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_pat
 
     image, report, html = _image(tmp_path), tmp_path / "caption.json", tmp_path / "caption.html"
     assert main(["explain", "--model", str(captioner), "--image", str(image), "--max-new-tokens", "3", "--per-token",
-                 "--methods", "rollout,attn_lrp", "--json", str(report), "--html", str(html)]) == 0
+                 "--methods", "rollout,attn_lrp,integrated_gradients", "--ig-steps", "4", "--json", str(report), "--html", str(html)]) == 0
     explanation = json.loads(report.read_text(encoding="utf-8"))
     model = VisionEncoderDecoderModel.from_pretrained(captioner, local_files_only=True).eval()
     processor = AutoImageProcessor.from_pretrained(captioner, local_files_only=True)
@@ -655,8 +676,12 @@ def test_explain_a_captioners_caption_over_the_images_patches(captioner, tmp_pat
         rows, _ = METHODS[method](model).attribute_continuation(pixels, answer, log_prob=True)
         torch.testing.assert_close(torch.tensor(explanation["token_grids"][name]), rows[0], rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(torch.tensor(explanation["token_attr"][name]), rows[0].sum(dim=(-2, -1))[:, None], rtol=1e-5, atol=1e-7)
+    grid = _caption_integrated_gradients(model, processor, image, answer, steps=4)
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Integrated Gradients"]), grid, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Integrated Gradients"]), grid.sum()[None], rtol=1e-4, atol=1e-6)
     page, side = html.read_text(encoding="utf-8"), len(explanation["image_grids"]["AttnLRP"])
-    assert page.count("data:image/png;base64,") == 2 + 2 * 3 and page.count(f"{side} × {side} grid over the image, the whole answer.</figcaption>") == 2
+    assert "Integrated Gradients" not in explanation["token_attr"], "the whole caption only"
+    assert page.count("data:image/png;base64,") == 3 + 2 * 3 and page.count(f"{side} × {side} grid over the image, the whole answer.</figcaption>") == 3
     assert "Each answer token (rows) over the prompt" not in page, "one prompt token: the grids alone"
     cells = [abs(cell) for row in explanation["image_grids"]["AttnLRP"] for cell in row]
     assert f"the image's patches: peak ×{max(cells) / (sum(cells) / len(cells)):.1f} the mean" in html_module.unescape(page)

@@ -14,9 +14,11 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images, image_outside_prompt, prompt_as_generated
+from ..capture.inputs import decoder_start_token
+from ..metrics.context import summed_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
-    ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
+    ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
     answer_integrated_gradients, answer_too_long, check_methods, presence_display, registered_method, removable_segments, span_presence,
 )
 
@@ -412,12 +414,16 @@ def explain_caption(
     max_new_tokens: int = 20,
     methods: list[str] | None = None,
     per_token: bool = False,
+    ig_steps: int = 50,
 ) -> AnswerExplanation:
     """An image captioner's caption of the image at ``image_path`` (an image encoder before
     a text decoder, ``VisionEncoderDecoderModel``: it reads no prompt), generated greedily
     or given (``target``), explained by each method over the image's patches: their summed
     score as the one prompt token ``<image>``, and their scores on the encoder's patch
-    grid, for the whole caption and (``per_token``) for each of its tokens."""
+    grid, for the whole caption and (``per_token``) for each of its tokens.
+    ``integrated_gradients`` runs Captum's ``IntegratedGradients`` on the pixels against a
+    uniform grey image of the same size through the same processor (``ig_steps`` steps),
+    summed per patch (:func:`~captum_attention.pixel_scores`), for the whole caption."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -441,6 +447,12 @@ def explain_caption(
     )
     for name in chosen:
         start = time.perf_counter()
+        if name == INTEGRATED_GRADIENTS:
+            grey = image_processor(images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+            (grid,) = pixel_scores(model, caption_integrated_gradients(model, pixels, answer_ids[None], grey.to(pixels.dtype), ig_steps))
+            _add_signed(explanation, _display(name), grid.sum()[None], start)
+            explanation.image_grids[_display(name)] = grid.tolist()
+            continue
         explainer = registered_method(name, model)
         patches, _ = explainer.attribute_span(pixels, answer_ids[None])
         rows = explainer.attribute_continuation(pixels, answer_ids[None], log_prob=True)[0][0] if per_token else None
@@ -455,6 +467,27 @@ def explain_caption(
     grid = next(iter(explanation.image_grids.values()))
     explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
     return explanation
+
+
+def caption_integrated_gradients(
+    model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """Captum's ``IntegratedGradients`` of the whole ``caption``'s ``(1, n)``
+    log-probability over an image captioner's ``pixels`` ``(1, channels, height, width)``
+    against ``baseline`` pixels, ``steps`` steps; its decoder reads its start token and the
+    caption. Shaped as ``pixels``, detached."""
+    from captum.attr import IntegratedGradients
+
+    start = decoder_start_token(model)
+
+    def log_prob(images: torch.Tensor) -> torch.Tensor:
+        captions = caption.expand(len(images), -1)
+        decoder = torch.cat([torch.full_like(captions[:, :1], start), captions[:, :-1]], dim=1)
+        return summed_log_probs(model(pixel_values=images, decoder_input_ids=decoder).logits, captions)
+
+    patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(model.config.encoder, "patch_size", 16)) ** 2
+    per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))
+    return IntegratedGradients(log_prob).attribute(pixels, baselines=baseline, n_steps=steps, internal_batch_size=per_batch).detach()
 
 
 def several_stacks(model: Any) -> bool:

@@ -388,8 +388,9 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     if arguments.skip is not None or arguments.chat:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
     _check_counts(arguments, "max_new_tokens")
+    _check_counts(arguments, "ig_steps")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    spans = [name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder]
+    spans = [*(name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder), INTEGRATED_GRADIENTS]
     unavailable = [name for name in methods if name not in spans]
     if unavailable:
         raise UsageError(f"{unavailable[0]} is not available for an image captioner; choose --methods among {', '.join(spans)}")
@@ -398,7 +399,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     try:
         explanation = explain_caption(
             model, tokenizer, image_processor, str(arguments.image), arguments.target, arguments.max_new_tokens, methods,
-            arguments.per_token,
+            arguments.per_token, arguments.ig_steps,
         )
     except OSError as error:  # PIL cannot read it
         raise UsageError(f"--image {arguments.image}: {error}") from error

@@ -495,7 +495,7 @@ def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, An
     Raises:
         UnsupportedModelError: pixels in another layout, or no patch size in the config.
     """
-    vision = getattr(config, "vision_config", None)
+    vision = getattr(config, "vision_config", None) or getattr(config, "encoder", None)  # a VisionEncoderDecoder's: its encoder's
     grid_thw = image_inputs.get("image_grid_thw")
     if grid_thw is not None and pixels.dim() == 2:
         return _flattened_patch_grids(vision, pixels.flatten(1).sum(dim=1), grid_thw, image_inputs.get("image_merge_sizes"))
