@@ -449,9 +449,9 @@ def explain_caption(
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
             grey = image_processor(images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-            (grid,) = pixel_scores(model, caption_integrated_gradients(model, pixels, answer_ids[None], grey.to(pixels.dtype), ig_steps))
-            _add_signed(explanation, _display(name), grid.sum()[None], start)
-            explanation.image_grids[_display(name)] = grid.tolist()
+            (summed,) = pixel_scores(model, caption_integrated_gradients(model, pixels, answer_ids[None], grey.to(pixels.dtype), ig_steps))
+            _add_signed(explanation, _display(name), summed.sum()[None], start)
+            explanation.image_grids[_display(name)] = summed.tolist()
             continue
         explainer = registered_method(name, model)
         patches, _ = explainer.attribute_span(pixels, answer_ids[None])
@@ -464,8 +464,8 @@ def explain_caption(
         if rows is not None:
             explanation.token_attr[display] = rows.sum(dim=(-2, -1))[:, None].tolist()
             explanation.token_grids[display] = rows.detach().float().tolist()
-    grid = next(iter(explanation.image_grids.values()))
-    explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
+    first = next(iter(explanation.image_grids.values()))
+    explanation.grid_covers_image = grid_follows_image((len(first), len(first[0])), image.size)
     return explanation
 
 
