@@ -73,7 +73,7 @@ def checkpoint_task(path: str | Path) -> str:
     ``"image-text-to-text"``: what the local checkpoint's config.json names (a
     ``*ForSequenceClassification``, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
     image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
-    captioners, TrOCR), or the sequence-to-sequence or vision-language model transformers
+    captioners, TrOCR, Donut), or the sequence-to-sequence or vision-language model transformers
     registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
 
     A folder that holds a PEFT adapter alone (``adapter_config.json``, no model weights)
@@ -293,8 +293,8 @@ def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, image processor)`` from a local checkpoint of an image encoder
-    before a text decoder (``VisionEncoderDecoderModel``: a ViT-GPT-2 captioner, TrOCR),
-    loaded as safely as :func:`load_classifier`.
+    before a text decoder (``VisionEncoderDecoderModel``: a ViT-GPT-2 captioner, TrOCR,
+    Donut), loaded as safely as :func:`load_classifier`.
 
     Raises:
         CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.

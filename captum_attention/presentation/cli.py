@@ -387,8 +387,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
         raise UsageError(f"--image {arguments.image}: no such file")
     if arguments.skip is not None or arguments.chat:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
-    _check_counts(arguments, "max_new_tokens")
-    _check_counts(arguments, "ig_steps")
+    _check_counts(arguments, "max_new_tokens", "ig_steps")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
     spans = [*(name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder), INTEGRATED_GRADIENTS]
     unavailable = [name for name in methods if name not in spans]
