@@ -13,7 +13,7 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
-from ..capture.adapters.images import cross_attends_images, image_outside_prompt, prompt_as_generated
+from ..capture.adapters.images import cross_attends_images, image_encoder_config, image_outside_prompt, prompt_as_generated
 from ..capture.inputs import decoder_start_token
 from ..metrics.context import summed_log_probs
 from .display import outside_span, readable_tokens, special_tokens
@@ -485,7 +485,7 @@ def caption_integrated_gradients(
         decoder = torch.cat([torch.full_like(captions[:, :1], start), captions[:, :-1]], dim=1)
         return summed_log_probs(model(pixel_values=images, decoder_input_ids=decoder).logits, captions)
 
-    patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(model.config.encoder, "patch_size", 16)) ** 2
+    patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(image_encoder_config(model.config), "patch_size", 16)) ** 2
     per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))
     return IntegratedGradients(log_prob).attribute(pixels, baselines=baseline, n_steps=steps, internal_batch_size=per_batch).detach()
 

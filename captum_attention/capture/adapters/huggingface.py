@@ -32,7 +32,7 @@ from .protocol import (
     parent_module,
 )
 from .grids import grid_sites, note_grid_calls, on_grids, on_patch_grid, window_layers
-from .images import CROSS_ATTENDED, ENCODED_IMAGES, TOWER_INPUTS, cross_attended_real, language_model_of
+from .images import CROSS_ATTENDED, ENCODED_IMAGES, TOWER_INPUTS, cross_attended_real, image_encoder_config, language_model_of
 
 
 
@@ -254,8 +254,7 @@ class HuggingFaceAdapter(AdapterBase):
         strides = getattr(config, "strides", None)
         if isinstance(strides, (list, tuple)) and isinstance(getattr(config, "patch_sizes", None), (list, tuple)):
             return -(-images.shape[-2] // strides[0]), -(-images.shape[-1] // strides[0])
-        # CLIP, SigLIP: the image tower's; a VisionEncoderDecoderModel: its encoder's
-        patch = next((getattr(c, "patch_size", None) for c in (getattr(config, "vision_config", None), getattr(config, "encoder", None), config)
+        patch = next((getattr(c, "patch_size", None) for c in (image_encoder_config(config), config)
                       if getattr(c, "patch_size", None) is not None), None)
         if patch is None:
             return None
@@ -604,7 +603,7 @@ def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:
             inputs["decoder_input_ids"] = ids
         return inputs
     if name == "pixel_values":
-        vision = getattr(config, "vision_config", None) or getattr(config, "encoder", None) or config  # a VisionEncoderDecoder's: its encoder's
+        vision = image_encoder_config(config) or config
         size = getattr(vision, "image_size", 224)
         height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
         channels = getattr(vision, "num_channels", 3)

@@ -70,6 +70,13 @@ class ImageTokens:
         return cells[:, :columns].flatten()
 
 
+def image_encoder_config(config: Any) -> Any:
+    """The config of a model's image encoder: its ``vision_config`` (CLIP, SigLIP, the
+    vision-language models) or a ``VisionEncoderDecoderModel``'s ``encoder``; None where
+    it names neither."""
+    return getattr(config, "vision_config", None) or getattr(config, "encoder", None)
+
+
 def language_model_of(model: nn.Module) -> nn.Module | None:
     """The language model of a vision-language model (its ``get_decoder()``, a module
     inside it), else None."""
@@ -495,7 +502,7 @@ def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, An
     Raises:
         UnsupportedModelError: pixels in another layout, or no patch size in the config.
     """
-    vision = getattr(config, "vision_config", None) or getattr(config, "encoder", None)  # a VisionEncoderDecoder's: its encoder's
+    vision = image_encoder_config(config)
     grid_thw = image_inputs.get("image_grid_thw")
     if grid_thw is not None and pixels.dim() == 2:
         return _flattened_patch_grids(vision, pixels.flatten(1).sum(dim=1), grid_thw, image_inputs.get("image_merge_sizes"))
