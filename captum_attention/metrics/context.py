@@ -65,7 +65,87 @@ DEFAULT_KS = (1, 3, 5)
 """The segment counts :func:`top_k_log_prob_drop` removes by default."""
 
 
-class _AnswerScorer:
+class AblationScorer:
+    """An answer's log-probability after removing sets of an example's features (a
+    prompt's segments, an image's patches), batched; each distinct set runs once, and in a
+    :func:`shared_ablations` scope once for every call on the same inputs. A subclass says
+    how a set is removed (:meth:`_distinct_log_probs`), what identifies its inputs and its
+    sets, and how features are scored and seeded."""
+
+    present: Tensor  # (B, S) bool: the features each example has
+    rows: Tensor  # (B,) the examples' indices
+
+    @cached_property
+    def original(self) -> Tensor:
+        """``(B,)`` log p(answer | every feature)."""
+        return self.log_probs(self.rows, torch.zeros_like(self.present))
+
+    def segment_scores(self, attributions: Tensor) -> Tensor:
+        """``(B, S)`` each feature's score (-inf where absent), checked."""
+        raise NotImplementedError
+
+    def own_seeds(self, seed: int) -> Tensor:
+        """``(B,)`` each example's seed from ``seed`` and its own inputs
+        (:func:`~captum_attention.metrics.token_removal.example_seeds`)."""
+        raise NotImplementedError
+
+    def kept_log_probs(self, kept: Tensor) -> Tensor:
+        """``(B, A)`` log p(answer | only the features ``kept[b, a]``), for ``kept``
+        ``(B, A, S)`` bool."""
+        if kept.dim() != 3 or tuple(kept.shape[::2]) != tuple(self.present.shape) or kept.dtype != torch.bool:
+            raise ValueError(
+                f"kept must be a bool tensor (batch={self.present.shape[0]}, ablations, segments={self.present.shape[1]}), "
+                f"got {kept.dtype} of shape {tuple(kept.shape)}."
+            )
+        examples, ablations = kept.shape[:2]
+        removed = self.present[:, None] & ~kept.to(self.present.device)
+        return self.log_probs(self.rows.repeat_interleave(ablations), removed.flatten(0, 1)).view(examples, ablations)
+
+    def log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """``(R,)`` log p(answer | example ``rows[r]`` without features ``removed[r]``); each
+        distinct ablation runs once (a repeated one gets the very same value), and a set
+        run before in a :func:`shared_ablations` scope not again."""
+        distinct, index = torch.unique(torch.cat([rows[:, None], removed.long()], dim=1), dim=0, return_inverse=True)
+        return self._stored_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
+
+    @cached_property
+    def _shared(self) -> dict[Any, Any] | None:
+        """What the active :func:`shared_ablations` scope holds for these inputs
+        (:meth:`_identity`), or None outside one."""
+        if not _SHARED_SCOPES:
+            return None
+        return _SHARED_SCOPES[-1].setdefault(self._identity(), {})
+
+    def _stored_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """:meth:`_distinct_log_probs`, taken from the active :func:`shared_ablations` scope
+        where it ran these very ablations before in batches of as many, known by
+        :meth:`_ablation_key`. Whole sets only: a set run in other batches would differ in
+        the last bits of its padded rows, and a metric's ranks (LDS's) with them."""
+        if self._shared is None:
+            return self._distinct_log_probs(rows, removed)
+        key = (self._per_forward(len(rows)), _content(rows), _content(self._ablation_key(rows, removed)))
+        if key not in self._shared:
+            self._shared[key] = self._distinct_log_probs(rows, removed)
+        return self._shared[key]
+
+    def _identity(self) -> tuple:
+        """What makes two scorers' ablations the same: the model and the inputs."""
+        raise NotImplementedError
+
+    def _ablation_key(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """What tells two ablations' inputs apart (by default the removed features)."""
+        return removed
+
+    def _per_forward(self, rows: int) -> int:
+        """How many of ``rows`` ablations one forward holds."""
+        raise NotImplementedError
+
+    def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """``(R,)`` :meth:`log_probs` of distinct ablations, run batched."""
+        raise NotImplementedError
+
+
+class _AnswerScorer(AblationScorer):
     """The answer's log-probability after deleting token sets from the prompts, batched."""
 
     def __init__(
@@ -104,11 +184,6 @@ class _AnswerScorer:
         self.decoder_start = decoder_start_token(forward_func) if encoder_decoder else None  # None: a decoder-only model
         self.padding_side = "left" if self.decoder_start is None else "right"
 
-    @cached_property
-    def original(self) -> Tensor:
-        """``(B,)`` log p(answer | whole prompt)."""
-        return self.log_probs(self.rows, torch.zeros_like(self.present))
-
     def segment_scores(self, attributions: Tensor) -> Tensor:
         """``(B, S)`` the sum of each segment's token scores (-inf where absent)."""
         if tuple(attributions.shape) != tuple(self.ids.shape):
@@ -121,49 +196,24 @@ class _AnswerScorer:
         summed.scatter_add_(1, self.segments.clamp(min=0), attributions.double().masked_fill(self.segments < 0, 0.0))
         return summed.masked_fill(~self.present, float("-inf"))
 
-    def kept_log_probs(self, kept: Tensor) -> Tensor:
-        """``(B, A)`` log p(answer | prompt with only the segments ``kept[b, a]``), for
-        ``kept`` ``(B, A, S)`` bool."""
-        if kept.dim() != 3 or tuple(kept.shape[::2]) != tuple(self.present.shape) or kept.dtype != torch.bool:
-            raise ValueError(
-                f"kept must be a bool tensor (batch={self.present.shape[0]}, ablations, segments={self.present.shape[1]}), "
-                f"got {kept.dtype} of shape {tuple(kept.shape)}."
-            )
-        examples, ablations = kept.shape[:2]
-        removed = self.present[:, None] & ~kept.to(self.present.device)
-        return self.log_probs(self.rows.repeat_interleave(ablations), removed.flatten(0, 1)).view(examples, ablations)
+    def own_seeds(self, seed: int) -> Tensor:
+        """``(B,)`` each example's seed, from ``seed``, its real prompt tokens and their
+        segments numbered 0, 1, ... in order among its own (the default segments are the
+        tokens' columns, which the left padding shifts)."""
+        numbered = (self.present.long().cumsum(dim=1) - 1).gather(1, self.segments.clamp(min=0))
+        numbered = numbered.masked_fill(self.segments < 0, -1)
+        return example_seeds(torch.stack([self.ids, numbered], dim=-1), self.real[..., None].expand(-1, -1, 2), seed)
 
-    def log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
-        """``(R,)`` log p(answer | prompt ``rows[r]`` without segments ``removed[r]``); each
-        distinct ablation runs once (a repeated one gets the very same value), and a set
-        run before in a :func:`shared_ablations` scope not again."""
-        distinct, index = torch.unique(torch.cat([rows[:, None], removed.long()], dim=1), dim=0, return_inverse=True)
-        return self._stored_log_probs(distinct[:, 0], distinct[:, 1:].bool())[index]
-
-    @cached_property
-    def _shared(self) -> dict[Any, Any] | None:
-        """What the active :func:`shared_ablations` scope holds for these prompts, answers,
-        model and image inputs (whatever their segments), or None outside one."""
-        if not _SHARED_SCOPES:
-            return None
-        key = (
+    def _identity(self) -> tuple:
+        """The prompts, answers, model and image inputs (whatever their segments)."""
+        return (
             id(self.forward_func), *(_content(t) for t in (self.ids, self.real, self.answer)),
             tuple(sorted((name, id(value)) for name, value in (self.image_inputs or {}).items())),
         )
-        return _SHARED_SCOPES[-1].setdefault(key, {})
 
-    def _stored_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
-        """:meth:`_distinct_log_probs`, taken from the active :func:`shared_ablations` scope
-        where it ran these very ablations before in batches of as many, known by the
-        tokens they keep (so a call with other segments shares them too). Whole sets only:
-        a set run in other batches would differ in the last bits of its padded rows, and a
-        metric's ranks (LDS's) with them."""
-        if self._shared is None:
-            return self._distinct_log_probs(rows, removed)
-        key = (self._per_forward(len(rows)), _content(rows), _content(self._kept_tokens(rows, removed)))
-        if key not in self._shared:
-            self._shared[key] = self._distinct_log_probs(rows, removed)
-        return self._shared[key]
+    def _ablation_key(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """The tokens an ablation keeps (so a call with other segments shares it too)."""
+        return self._kept_tokens(rows, removed)
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """Padded batches hold at most ``PAIRS_PER_FORWARD`` query-key pairs (a padding mask
@@ -589,14 +639,24 @@ def top_k_log_prob_drop(
         >>> span = AttnLRP(model).attribute_span(prompt_ids, answer_ids, additional_forward_args=(mask,))
         >>> top_k_log_prob_drop(model, prompt_ids, mask, answer_ids, span[:, :prompt_ids.shape[1]])
     """
+    check_ks(ks)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
+    return top_k_drops(scorer, attributions, ks)
+
+
+def check_ks(ks: Sequence[int]) -> None:
+    """A clear error for ``ks`` that are not counts of features."""
     if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"ks are numbers of segments, each at least 1; got {list(ks)}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
+
+
+def top_k_drops(scorer: AblationScorer, attributions: Tensor, ks: Sequence[int]) -> Tensor:
+    """``(B, len(ks))``: :func:`top_k_log_prob_drop` over ``scorer``'s features."""
     order = scorer.segment_scores(attributions).argsort(dim=1, descending=True, stable=True)
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     removed = torch.stack([(ranks < k) & scorer.present for k in ks], dim=1)  # (B, K, S)
     rows = scorer.rows.repeat_interleave(len(ks))
-    after = scorer.log_probs(rows, removed.flatten(0, 1)).view(len(input_ids), len(ks))
+    after = scorer.log_probs(rows, removed.flatten(0, 1)).view(len(scorer.rows), len(ks))
     return scorer.original[:, None] - after
 
 
@@ -633,9 +693,19 @@ def linear_datamodeling_score(
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
     """
+    check_ablation_count(num_ablations)
+    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
+    return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
+
+
+def check_ablation_count(num_ablations: int) -> None:
+    """A clear error for too few ablations to rank."""
     if num_ablations < 3:
         raise ValueError(f"num_ablations must be at least 3 (a rank correlation), got {num_ablations}.")
-    scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
+
+
+def datamodeling_scores(scorer: AblationScorer, attributions: Tensor, num_ablations: int, seed: int, per_example: bool) -> Tensor:
+    """``(B,)``: :func:`linear_datamodeling_score` over ``scorer``'s features."""
     scores = scorer.segment_scores(attributions).masked_fill(~scorer.present, 0.0)
     kept, actual = _random_ablations(scorer, num_ablations, seed, per_example)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
@@ -782,7 +852,7 @@ def context_averaged_scores(
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, 1, image_inputs)
     removable = scorer.segments >= 0
     scorer.segment_scores(prior)  # checks the prior's shape and values
-    halves = random_halves(scorer.present, num_contexts // 2, seed, _own_seeds(scorer, seed))
+    halves = random_halves(scorer.present, num_contexts // 2, seed, scorer.own_seeds(seed))
     kept_segments = complemented(halves, scorer.present)
     summed = torch.zeros(input_ids.shape, dtype=torch.float64, device=input_ids.device)
     for context, (ids, mask, positions) in zip(kept_segments.unbind(dim=1), scorer.contexts(kept_segments)):
@@ -972,20 +1042,11 @@ def answer_log_probs(
     return _AnswerScorer(forward_func, input_ids, attention_mask, answer, None, len(input_ids), image_inputs).original
 
 
-def _random_ablations(scorer: _AnswerScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
+def _random_ablations(scorer: AblationScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
     """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed,
     of its real prompt tokens and their segments (:func:`example_seeds`)."""
-    kept = random_halves(scorer.present, num_ablations, seed, _own_seeds(scorer, seed) if alone else None)
+    kept = random_halves(scorer.present, num_ablations, seed, scorer.own_seeds(seed) if alone else None)
     return kept, scorer.kept_log_probs(kept)
-
-
-def _own_seeds(scorer: _AnswerScorer, seed: int) -> Tensor:
-    """``(B,)`` each example's seed, from ``seed``, its real prompt tokens and their
-    segments numbered 0, 1, ... in order among its own (the default segments are the
-    tokens' columns, which the left padding shifts)."""
-    numbered = (scorer.present.long().cumsum(dim=1) - 1).gather(1, scorer.segments.clamp(min=0))
-    numbered = numbered.masked_fill(scorer.segments < 0, -1)
-    return example_seeds(torch.stack([scorer.ids, numbered], dim=-1), scorer.real[..., None].expand(-1, -1, 2), seed)
 
 
 def leave_one_out_agreement(
@@ -1007,6 +1068,11 @@ def leave_one_out_agreement(
         ``(batch,)``: ρ in [-1, 1]; NaN with fewer than two segments or a constant side.
     """
     scorer = _AnswerScorer(forward_func, input_ids, attention_mask, answer, segments, max_batch_size, image_inputs)
+    return leave_one_out_agreements(scorer, attributions)
+
+
+def leave_one_out_agreements(scorer: AblationScorer, attributions: Tensor) -> Tensor:
+    """``(B,)``: :func:`leave_one_out_agreement` over ``scorer``'s features."""
     scores = scorer.segment_scores(attributions)
     count = scorer.present.shape[1]
     rows, segment = scorer.present.nonzero(as_tuple=True)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
+from .patches import patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
 from .plausibility import auprc, token_f1
 from .token_removal import aopc, comprehensiveness, configured_pad_id, datamodeling_score, sufficiency
 
@@ -42,12 +43,16 @@ class MetricContext:
             where the data has none.
         segments: ``(batch, seq_len)`` long, the segment of each prompt token for the
             context metrics (-1: never removed), or None: each token its own segment.
+        baseline_pixels: an image captioner's pixels that a removed patch takes (a grey
+            image through its processor), or None: the context metrics then remove a
+            prompt's segments, not the patches of ``inputs``, its pixels.
     """
 
     model: nn.Module
     keep: Tensor
     rationale: Tensor | None = None
     segments: Tensor | None = None
+    baseline_pixels: Tensor | None = None
 
     def included(self, mask: Tensor) -> Tensor:
         """``(batch, seq_len)`` bool: the real tokens a metric ranks (not padding, not kept)."""
@@ -218,32 +223,45 @@ def _auprc(
     return auprc(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
 
 
-@register_metric("top_k_log_prob_drop", "drop of the answer's log-probability when the top 3 prompt segments are removed", task="generation")
+@register_metric(
+    "top_k_log_prob_drop", "drop of the answer's log-probability when the top 3 prompt segments (a caption's: image patches) are removed",
+    task="generation",
+)
 def _top_k_log_prob_drop(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
+    if context.baseline_pixels is not None:
+        return top_k_patch_log_prob_drop(forward_func, inputs, target, attributions, context.baseline_pixels, (3,))[:, 0]
     mask, images = _mask_and_images(additional_forward_args)
     return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments(), image_inputs=images)[:, 0]
 
 
 @register_metric(
-    "lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations, each example's its own", task="generation"
+    "lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations (of a caption's image patches), each "
+    "example's its own", task="generation",
 )
 def _lds(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
+    if context.baseline_pixels is not None:
+        return patch_datamodeling_score(forward_func, inputs, target, attributions, context.baseline_pixels, per_example=True)
     mask, images = _mask_and_images(additional_forward_args)
     segments = context.prompt_segments()
     return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True, image_inputs=images)
 
 
-@register_metric("loo_agreement", "Spearman's rho with the segments' leave-one-out log-probability drops", task="generation")
+@register_metric(
+    "loo_agreement", "Spearman's rho with the segments' (a caption's: image patches') leave-one-out log-probability drops",
+    task="generation",
+)
 def _loo_agreement(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
+    if context.baseline_pixels is not None:
+        return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, context.baseline_pixels)
     mask, images = _mask_and_images(additional_forward_args)
     return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments(), image_inputs=images)
 

@@ -1,0 +1,208 @@
+r"""Context metrics over an image's patches: does an attribution over the image an image
+captioner reads (an image encoder before a text decoder, ``VisionEncoderDecoderModel``:
+ViT-GPT-2, TrOCR, Donut) say which parts of it the caption rests on? Each metric is its
+prompt counterpart in :mod:`~captum_attention.metrics.context`, the features being the
+cells of the attribution's grid (the encoder's patches) instead of a prompt's segments,
+and a cell removed by taking its pixels from a baseline image (a grey one, through the
+same processor) instead of deleting tokens:
+
+- :func:`top_k_patch_log_prob_drop`: grey the k highest-scored patches; how far does
+  :math:`\log p(a \mid x)` fall?
+- :func:`patch_datamodeling_score`: LDS over random ablations that grey each patch with
+  probability 1/2.
+- :func:`patch_leave_one_out_agreement`: Spearman's ρ between the patches' scores and the
+  drop when each patch alone is greyed.
+
+The caption :math:`a` is read by the decoder after its start token, teacher-forced; every
+ablated image of a call is evaluated batched, and in a
+:func:`~captum_attention.metrics.context.shared_ablations` scope each set of greyed patches runs
+once for every method and metric.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..capture.inputs import decoder_start_token
+from ._checks import check_rankable
+from .context import (
+    DEFAULT_KS,
+    AblationScorer,
+    _content,
+    check_ablation_count,
+    check_ks,
+    datamodeling_scores,
+    leave_one_out_agreements,
+    summed_log_probs,
+    top_k_drops,
+)
+from .token_removal import example_seeds
+
+
+class _PatchScorer(AblationScorer):
+    """The caption's log-probability after greying sets of the image's patches, batched."""
+
+    def __init__(
+        self, model: Any, pixel_values: Tensor, caption: Tensor, grid: Sequence[int], baseline: Tensor, max_batch_size: int
+    ) -> None:
+        if not pixel_values.is_floating_point() or pixel_values.dim() != 4:
+            raise ValueError(f"pixel_values must be float pixels (batch, channels, height, width), got {pixel_values.dtype} "
+                             f"of shape {tuple(pixel_values.shape)}.")
+        if caption.dim() != 2 or caption.shape[0] != pixel_values.shape[0] or caption.shape[1] == 0 or caption.is_floating_point():
+            raise ValueError(f"caption must be token ids (batch={pixel_values.shape[0]}, caption_len >= 1), got "
+                             f"{caption.dtype} of shape {tuple(caption.shape)}.")
+        if baseline.dim() != 4 or baseline.shape[0] not in (1, pixel_values.shape[0]) or baseline.shape[1:] != pixel_values.shape[1:]:
+            raise ValueError(f"baseline_pixel_values must be shaped as pixel_values {tuple(pixel_values.shape)} (or one image "
+                             f"of that size), got {tuple(baseline.shape)}.")
+        if len(grid) != 2:
+            raise ValueError(f"attributions must be patch scores (batch, rows, columns), got {len(grid) + 1} dimensions.")
+        rows, columns = grid
+        height, width = pixel_values.shape[-2:]
+        if height % rows or width % columns:
+            raise ValueError(
+                f"a grid of {rows}x{columns} patches does not tile {height}x{width} pixels: give the scores on the "
+                "encoder's patch grid (attribute_span's, pixel_scores')."
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
+        self.model, self.pixels, self.caption, self.grid = model, pixel_values, caption.to(pixel_values.device), (rows, columns)
+        self.baseline = baseline.to(pixel_values.device, pixel_values.dtype).expand_as(pixel_values)
+        self.max_batch_size = max_batch_size
+        self.present = torch.ones(len(pixel_values), rows * columns, dtype=torch.bool, device=pixel_values.device)
+        self.rows = torch.arange(len(pixel_values), device=pixel_values.device)
+
+    def segment_scores(self, attributions: Tensor) -> Tensor:
+        """``(B, P)`` the patches' scores, row by row of the grid."""
+        if tuple(attributions.shape) != (len(self.pixels), *self.grid):
+            raise ValueError(f"attributions have shape {tuple(attributions.shape)}; give one score per patch, "
+                             f"({len(self.pixels)}, {self.grid[0]}, {self.grid[1]}).")
+        flat = attributions.flatten(1)
+        check_rankable(flat.float(), self.present, finite=True)
+        return flat.double()
+
+    def own_seeds(self, seed: int) -> Tensor:
+        """``(B,)`` each example's seed from ``seed`` and its pixels."""
+        return example_seeds(self.pixels.flatten(1), None, seed)
+
+    def _identity(self) -> tuple:
+        return ("patches", id(self.model), self.grid, *(_content(t) for t in (self.pixels, self.caption, self.baseline)))
+
+    def _per_forward(self, rows: int) -> int:
+        return max(1, min(rows, self.max_batch_size))
+
+    def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
+        start = decoder_start_token(self.model)
+        values = torch.empty(len(rows), device=rows.device)
+        for first in range(0, len(rows), self._per_forward(len(rows))):
+            chunk = slice(first, first + self._per_forward(len(rows)))
+            caption = self.caption[rows[chunk]]
+            decoder = torch.cat([torch.full_like(caption[:, :1], start), caption[:, :-1]], dim=1)
+            with torch.no_grad():
+                logits = self.model(pixel_values=self._greyed(rows[chunk], removed[chunk]), decoder_input_ids=decoder).logits
+            values[chunk] = summed_log_probs(logits, caption).to(values.device)
+        return values
+
+    def _greyed(self, rows: Tensor, removed: Tensor) -> Tensor:
+        """The images of examples ``rows`` with the pixels of their ``removed`` patches
+        taken from the baseline."""
+        height, width = self.pixels.shape[-2:]
+        cells = removed.view(len(rows), *self.grid)
+        covered = cells.repeat_interleave(height // self.grid[0], dim=1).repeat_interleave(width // self.grid[1], dim=2)
+        return torch.where(covered[:, None], self.baseline[rows], self.pixels[rows])
+
+
+def top_k_patch_log_prob_drop(
+    model: Any,
+    pixel_values: Tensor,
+    caption: Tensor,
+    attributions: Tensor,
+    baseline_pixel_values: Tensor,
+    ks: Sequence[int] = DEFAULT_KS,
+    max_batch_size: int = 16,
+) -> Tensor:
+    r"""Top-k log-probability drop over an image's patches: :math:`\log p(a \mid x) - \log
+    p(a \mid x \text{ with its top}_k \text{ patches greyed})` (ties broken by position).
+
+    Args:
+        model: the image captioner (a ``VisionEncoderDecoderModel``), called as
+            ``model(pixel_values=..., decoder_input_ids=...)``.
+        pixel_values (Tensor): ``(batch, channels, height, width)``, as its processor gives them.
+        caption (Tensor): ``(batch, caption_len)`` the caption's token ids, read after the
+            decoder's start token.
+        attributions (Tensor): ``(batch, rows, columns)`` patch scores on a grid that tiles
+            the pixels (the encoder's patch grid, as ``attribute_span`` gives it), higher =
+            more important; NaN and ±inf refused.
+        baseline_pixel_values (Tensor): the pixels a removed patch takes, shaped as
+            ``pixel_values`` (or one image): a uniform grey image through the same
+            processor, say.
+        ks (sequence of int, optional): numbers of patches greyed. Default: (1, 3, 5).
+        max_batch_size (int, optional): images per forward. Default: 16.
+
+    Returns:
+        ``(batch, len(ks))``: the drop per k.
+
+    Example::
+
+        >>> patches, _ = AttnLRP(captioner).attribute_span(pixels, caption)
+        >>> grey = image_processor(images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+        >>> top_k_patch_log_prob_drop(captioner, pixels, caption, patches, grey)
+    """
+    check_ks(ks)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    return top_k_drops(scorer, attributions, ks)
+
+
+def patch_datamodeling_score(
+    model: Any,
+    pixel_values: Tensor,
+    caption: Tensor,
+    attributions: Tensor,
+    baseline_pixel_values: Tensor,
+    num_ablations: int = 32,
+    seed: int = 0,
+    max_batch_size: int = 16,
+    per_example: bool = False,
+) -> Tensor:
+    r"""LDS over an image's patches: Spearman's ρ, over ``num_ablations`` random ablations
+    that grey each patch with probability 1/2 (seeded), between the kept patches' summed
+    scores and the caption's actual :math:`\log p(a \mid x_{\text{kept}})`.
+
+    The other arguments are :func:`top_k_patch_log_prob_drop`'s.
+
+    Args:
+        num_ablations (int, optional): random ablations per example. Default: 32.
+        seed (int, optional): seed of the ablations. Default: 0.
+        per_example (bool, optional): draw each example's ablations alone, from ``seed``
+            and its pixels, so that its score is the same in any batch (as the registered
+            ``lds`` metric draws them). Default: False.
+
+    Returns:
+        ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
+    """
+    check_ablation_count(num_ablations)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
+
+
+def patch_leave_one_out_agreement(
+    model: Any,
+    pixel_values: Tensor,
+    caption: Tensor,
+    attributions: Tensor,
+    baseline_pixel_values: Tensor,
+    max_batch_size: int = 16,
+) -> Tensor:
+    r"""Spearman's ρ between the patches' scores and their leave-one-out effects
+    :math:`\log p(a \mid x) - \log p(a \mid x \text{ with patch } s \text{ greyed})`: one
+    forward per patch.
+
+    The arguments are :func:`top_k_patch_log_prob_drop`'s, without ``ks``.
+
+    Returns:
+        ``(batch,)``: ρ in [-1, 1]; NaN where a side is constant.
+    """
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    return leave_one_out_agreements(scorer, attributions)

@@ -1,0 +1,136 @@
+"""The context metrics over an image captioner's patches, against the model run by hand on
+each image with its patches greyed one block of pixels at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, model_state
+from scipy.stats import spearmanr
+from vlm_models import DONUT, make_captioner
+
+from captum_attention import AttnLRP
+from captum_attention.metrics import (
+    MetricContext,
+    METRICS,
+    patch_datamodeling_score,
+    patch_leave_one_out_agreement,
+    top_k_patch_log_prob_drop,
+)
+from captum_attention.metrics.context import shared_ablations
+from captum_attention.metrics.token_removal import example_seeds, random_halves
+
+PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+GREY = torch.full((1, 3, 32, 32), 0.25)
+CAPTION = torch.tensor([[8, 9, 10], [11, 12, 13]])
+SCORES = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(5))
+
+
+def caption_log_prob(model, pixels: torch.Tensor, caption: torch.Tensor) -> float:
+    """log p(caption | one image), the decoder reading its start token (1) and the caption."""
+    decoder = torch.cat([torch.ones(1, 1, dtype=torch.long), caption[None, :-1]], dim=1)
+    with torch.no_grad():
+        logits = model(pixel_values=pixels[None], decoder_input_ids=decoder).logits[0].double()
+    return float(sum(logits[k].log_softmax(-1)[token] for k, token in enumerate(caption.tolist())))
+
+
+def greyed(pixels: torch.Tensor, patches: list[int], grid: int = 4) -> torch.Tensor:
+    """One image with the pixels of ``patches`` (row by row of the ``grid``) made grey."""
+    image = pixels.clone()
+    side = pixels.shape[-1] // grid
+    for patch in patches:
+        row, column = divmod(patch, grid)
+        image[:, row * side : (row + 1) * side, column * side : (column + 1) * side] = GREY[0, :, :side, :side]
+    return image
+
+
+@pytest.fixture(scope="module")
+def captioner():
+    return make_captioner("gpt2")
+
+
+def test_the_top_k_drop_greys_the_highest_scored_patches(captioner):
+    before = model_state(captioner)
+    drops = top_k_patch_log_prob_drop(captioner, PIXELS, CAPTION, SCORES, GREY, ks=(1, 3))
+    assert_same_state(before, model_state(captioner))
+    for example in range(2):
+        order = SCORES[example].flatten().argsort(descending=True).tolist()
+        whole = caption_log_prob(captioner, PIXELS[example], CAPTION[example])
+        for column, k in enumerate((1, 3)):
+            after = caption_log_prob(captioner, greyed(PIXELS[example], order[:k]), CAPTION[example])
+            assert drops[example, column].item() == pytest.approx(whole - after, abs=1e-4)
+    assert drops.abs().max() > 1e-3, "greying patches moves the caption"
+
+
+def test_the_lds_ranks_the_kept_patches_scores_against_the_greyed_images(captioner):
+    lds = patch_datamodeling_score(captioner, PIXELS, CAPTION, SCORES, GREY, num_ablations=8, seed=4, per_example=True)
+    present = torch.ones(2, 16, dtype=torch.bool)
+    kept = random_halves(present, 8, 4, example_seeds(PIXELS.flatten(1), None, 4))
+    for example in range(2):
+        actual = [
+            caption_log_prob(captioner, greyed(PIXELS[example], (~keep).nonzero().flatten().tolist()), CAPTION[example])
+            for keep in kept[example]
+        ]
+        predicted = (kept[example].double() * SCORES[example].flatten().double()).sum(dim=1)
+        assert lds[example].item() == pytest.approx(spearmanr(predicted, actual).statistic, abs=1e-6)
+
+
+def test_each_examples_lds_is_its_own_in_any_batch(captioner):
+    together = patch_datamodeling_score(captioner, PIXELS, CAPTION, SCORES, GREY, num_ablations=6, per_example=True)
+    alone = patch_datamodeling_score(captioner, PIXELS[1:], CAPTION[1:], SCORES[1:], GREY, num_ablations=6, per_example=True)
+    assert together[1].item() == pytest.approx(alone[0].item(), abs=1e-6)
+
+
+def test_leave_one_out_agreement_ranks_each_greyed_patchs_drop(captioner):
+    agreement = patch_leave_one_out_agreement(captioner, PIXELS, CAPTION, SCORES, GREY)
+    for example in range(2):
+        whole = caption_log_prob(captioner, PIXELS[example], CAPTION[example])
+        effects = [whole - caption_log_prob(captioner, greyed(PIXELS[example], [p]), CAPTION[example]) for p in range(16)]
+        assert agreement[example].item() == pytest.approx(spearmanr(SCORES[example].flatten(), effects).statistic, abs=1e-5)
+
+
+def test_donuts_first_stage_patches_are_greyed_on_their_grid():
+    """Donut's scores lie on its first stage's 8 × 8 patches of 4 pixels."""
+    donut = make_captioner(DONUT)
+    patches, _ = AttnLRP(donut).attribute_span(PIXELS[:1], CAPTION[:1])
+    assert patches.shape == (1, 8, 8)
+    drop = top_k_patch_log_prob_drop(donut, PIXELS[:1], CAPTION[:1], patches, GREY, ks=(2,))
+    order = patches[0].flatten().argsort(descending=True).tolist()
+    whole = caption_log_prob(donut, PIXELS[0], CAPTION[0])
+    assert drop[0, 0].item() == pytest.approx(whole - caption_log_prob(donut, greyed(PIXELS[0], order[:2], grid=8), CAPTION[0]), abs=1e-4)
+
+
+def test_the_registered_metrics_grey_patches_where_the_context_holds_a_baseline(captioner):
+    """``evaluate``'s metrics for a captioner: the same values as the functions, each
+    ablation run once for every metric and method in a shared scope."""
+    calls = []
+    handle = captioner.register_forward_hook(lambda *_: calls.append(1))
+    context = MetricContext(captioner, torch.zeros(1, 0, dtype=torch.bool), baseline_pixels=GREY)
+    try:
+        with shared_ablations():
+            values = {name: METRICS[name].function(captioner, PIXELS[:1], SCORES[:1], (), CAPTION[:1], context)
+                      for name in ("top_k_log_prob_drop", "lds", "loo_agreement")}
+            first = len(calls)
+            again = METRICS["loo_agreement"].function(captioner, PIXELS[:1], -SCORES[:1], (), CAPTION[:1], context)
+    finally:
+        handle.remove()
+    assert len(calls) == first, "another method's scores reuse the greyed images' log-probabilities"
+    assert again.item() == pytest.approx(-values["loo_agreement"].item(), abs=1e-6)
+    expected = {
+        "top_k_log_prob_drop": top_k_patch_log_prob_drop(captioner, PIXELS[:1], CAPTION[:1], SCORES[:1], GREY, ks=(3,))[:, 0],
+        "lds": patch_datamodeling_score(captioner, PIXELS[:1], CAPTION[:1], SCORES[:1], GREY, per_example=True),
+        "loo_agreement": patch_leave_one_out_agreement(captioner, PIXELS[:1], CAPTION[:1], SCORES[:1], GREY),
+    }
+    for name, value in values.items():
+        assert value.item() == pytest.approx(expected[name].item(), abs=1e-6), name
+
+
+@pytest.mark.parametrize("scores, baseline, message", [
+    (torch.zeros(2, 3, 3), GREY, "does not tile 32x32 pixels"),
+    (torch.zeros(2, 16), GREY, "patch scores \\(batch, rows, columns\\)"),
+    (torch.zeros(2, 4, 4), torch.zeros(1, 3, 16, 16), "baseline_pixel_values must be shaped as pixel_values"),
+    (torch.full((2, 4, 4), float("nan")), GREY, "NaN"),
+])
+def test_scores_off_the_grid_and_a_baseline_of_another_size_are_refused(captioner, scores, baseline, message):
+    with pytest.raises(ValueError, match=message):
+        top_k_patch_log_prob_drop(captioner, PIXELS, CAPTION, scores, baseline)
