@@ -696,11 +696,65 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
     assert main(["explain", "--model", str(captioner), "--image", str(image), "--methods", "leave_one_out_estimates"]) == 1
     refusal = capsys.readouterr().err
     assert "leave_one_out_estimates is not available for an image captioner" in refusal and "attn_lrp" in refusal
-    data = _answers(tmp_path, [{"prompt": "", "image": image.name}])
+    data = _answers(tmp_path, [{"prompt": "a cat", "image": image.name}])
     assert main(["evaluate", str(data), "--model", str(captioner), "--output", str(tmp_path / "out")]) == 1
-    assert "holds an image captioner, which reads no prompt, and evaluate's metrics" in capsys.readouterr().err
+    assert "line 1: an image captioner reads no prompt: leave 'prompt' and 'segments' out" in capsys.readouterr().err
+    data = _answers(tmp_path, [{"image": image.name}])
+    assert main(["evaluate", str(data), "--model", str(captioner), "--methods", "alti", "--output", str(tmp_path / "out")]) == 1
+    assert "alti is not available for an image captioner" in capsys.readouterr().err
     from captum_attention.loading import CheckpointError, load_causal_lm
 
     with pytest.raises(CheckpointError, match="holds an image captioner \\(explain it with --image\\), not a causal language model"):
         load_causal_lm(captioner)
 
+
+
+def test_evaluate_scores_a_captioners_patches_as_the_patch_metrics_do_directly(captioner, tmp_path, capsys):
+    """Each row's caption of its image (generated, or its ``answer``): AttnLRP's span and
+    Integrated Gradients' grid (Captum's, by hand) scored by the patch metrics, a removed
+    patch's pixels the processor's grey image's (the checkpoint was refused: evaluate's
+    metrics removed a prompt's words); a run with a shard lost resumes to the same bytes."""
+    from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
+
+    from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
+
+    image = _image(tmp_path)
+    data = _answers(tmp_path, [{"image": image.name}, {"image": image.name, "answer": "the cat"}])
+    argv = ["evaluate", str(data), "--model", str(captioner), "--methods", "attn_lrp,integrated_gradients", "--ig-steps", "4",
+            "--max-new-tokens", "3", "--output", str(tmp_path / "out")]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    model = VisionEncoderDecoderModel.from_pretrained(captioner, local_files_only=True).eval()
+    processor = AutoImageProcessor.from_pretrained(captioner, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(captioner, local_files_only=True)
+    rgb = Image.open(image).convert("RGB")
+    pixels = processor(images=rgb, return_tensors="pt")["pixel_values"]
+    grey = processor(images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    captions = [model.generate(pixel_values=pixels, max_new_tokens=3, do_sample=False)[:, 1:],
+                torch.tensor([tokenizer("the cat", add_special_tokens=False)["input_ids"]])]
+    assert [(row["index"], row["method"], row["generated"]) for row in rows] == [
+        (0, "attn_lrp", True), (0, "integrated_gradients", True), (1, "attn_lrp", False), (1, "integrated_gradients", False)]
+    for row in rows:
+        caption = captions[row["index"]]
+        assert row["answer"] == tokenizer.decode(caption[0])
+        decoder = torch.cat([torch.ones_like(caption[:, :1]), caption[:, :-1]], dim=1)
+        with torch.no_grad():
+            logits = model(pixel_values=pixels, decoder_input_ids=decoder).logits
+        assert row["answer_log_prob"] == pytest.approx(logits.log_softmax(-1).gather(2, caption[..., None]).sum().item(), abs=1e-5)
+        if row["method"] == "attn_lrp":
+            scores = AttnLRP(model).attribute_span(pixels, caption)[0]
+        else:
+            scores = _caption_integrated_gradients(model, processor, image, caption, steps=4)[None]
+        expected = {
+            "top_k_log_prob_drop": top_k_patch_log_prob_drop(model, pixels, caption, scores, grey, ks=(3,))[0, 0],
+            "lds": patch_datamodeling_score(model, pixels, caption, scores, grey, per_example=True)[0],
+            "loo_agreement": patch_leave_one_out_agreement(model, pixels, caption, scores, grey)[0],
+        }
+        for metric, value in expected.items():
+            assert row[metric] == pytest.approx(value.item(), abs=2e-4), (row["method"], metric)
+    whole = (tmp_path / "out" / "results.jsonl").read_bytes()
+    (tmp_path / "out" / "shards" / "batch-000001.jsonl").unlink()
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "resuming: 1 of 2 captions already done" in capsys.readouterr().out
+    assert (tmp_path / "out" / "results.jsonl").read_bytes() == whole

@@ -94,15 +94,10 @@ class _PatchScorer(AblationScorer):
         return max(1, min(rows, self.max_batch_size))
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
-        start = decoder_start_token(self.model)
         values = torch.empty(len(rows), device=rows.device)
         for first in range(0, len(rows), self._per_forward(len(rows))):
             chunk = slice(first, first + self._per_forward(len(rows)))
-            caption = self.caption[rows[chunk]]
-            decoder = torch.cat([torch.full_like(caption[:, :1], start), caption[:, :-1]], dim=1)
-            with torch.no_grad():
-                logits = self.model(pixel_values=self._greyed(rows[chunk], removed[chunk]), decoder_input_ids=decoder).logits
-            values[chunk] = summed_log_probs(logits, caption).to(values.device)
+            values[chunk] = caption_log_probs(self.model, self._greyed(rows[chunk], removed[chunk]), self.caption[rows[chunk]])
         return values
 
     def _greyed(self, rows: Tensor, removed: Tensor) -> Tensor:
@@ -112,6 +107,19 @@ class _PatchScorer(AblationScorer):
         cells = removed.view(len(rows), *self.grid)
         covered = cells.repeat_interleave(height // self.grid[0], dim=1).repeat_interleave(width // self.grid[1], dim=2)
         return torch.where(covered[:, None], self.baseline[rows], self.pixels[rows])
+
+
+def caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor) -> Tensor:
+    """``(B,)`` an image captioner's :math:`\\log p(a \\mid x)` of each ``caption``
+    ``(B, n)`` of its ``pixel_values``, its decoder reading its start token and the caption."""
+    with torch.no_grad():
+        return summed_log_probs(model(pixel_values=pixel_values, decoder_input_ids=caption_decoder_ids(model, caption)).logits, caption)
+
+
+def caption_decoder_ids(model: Any, caption: Tensor) -> Tensor:
+    """``(B, n)`` what the decoder reads to predict each token of ``caption`` ``(B, n)``:
+    its start token, then the caption but its last token."""
+    return torch.cat([torch.full_like(caption[:, :1], decoder_start_token(model)), caption[:, :-1]], dim=1)
 
 
 def top_k_patch_log_prob_drop(

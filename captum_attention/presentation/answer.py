@@ -14,8 +14,8 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
 from ..capture.adapters.images import cross_attends_images, image_encoder_config, image_outside_prompt, prompt_as_generated
-from ..capture.inputs import decoder_start_token
 from ..metrics.context import summed_log_probs
+from ..metrics.patches import caption_decoder_ids
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
@@ -429,17 +429,8 @@ def explain_caption(
     chosen = methods or list(METHODS)
     check_methods(chosen, answers=True, one_stack=False)
     image = Image.open(image_path).convert("RGB")
-    pixels = image_processor(images=image, return_tensors="pt")["pixel_values"].to(model.dtype)
-    too_long = answer_too_long(model, tokenizer, 0, target, max_new_tokens, "the target")
-    if too_long is not None:
-        raise ValueError(too_long)
-    if target is None:
-        with torch.no_grad():
-            answer_ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False)[0, 1:]
-    else:
-        answer_ids = torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    if answer_ids.numel() == 0:
-        raise ValueError("The caption has no tokens: give a non-empty target, or generate at least one token.")
+    pixels, grey = caption_pixels(model, image_processor, image)
+    answer_ids = caption_ids(model, tokenizer, pixels, target, max_new_tokens, "the target")
     explanation = AnswerExplanation(
         prompt_tokens=[IMAGE_TOKEN], special=[False], answer_tokens=readable_tokens(answer_ids, tokenizer),
         answer=tokenizer.decode(answer_ids), generated=target is None, image=str(image_path),
@@ -448,8 +439,7 @@ def explain_caption(
     for name in chosen:
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
-            grey = image_processor(images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-            (summed,) = pixel_scores(model, caption_integrated_gradients(model, pixels, answer_ids[None], grey.to(pixels.dtype), ig_steps))
+            summed = caption_integrated_gradients(model, pixels, answer_ids[None], grey, ig_steps)[0]
             _add_signed(explanation, _display(name), summed.sum()[None], start)
             explanation.image_grids[_display(name)] = summed.tolist()
             continue
@@ -469,25 +459,53 @@ def explain_caption(
     return explanation
 
 
+def caption_pixels(model: Any, image_processor: Any, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image captioner's ``pixel_values`` ``(1, channels, height, width)`` of the PIL
+    ``image``, and those of a uniform grey image of its size through the same processor:
+    the baseline its Integrated Gradients start from and its removed patches take."""
+    from PIL import Image
+
+    def processed(picture: Any) -> torch.Tensor:
+        return image_processor(images=picture, return_tensors="pt")["pixel_values"].to(model.device, model.dtype)
+
+    return processed(image), processed(Image.new("RGB", image.size, (128, 128, 128)))
+
+
+def caption_ids(model: Any, tokenizer: Any, pixels: torch.Tensor, caption: str | None, max_new_tokens: int, given: str) -> torch.Tensor:
+    """The ``(n,)`` token ids of the ``caption`` (``given``: what the error calls it), or of
+    the caption generated greedily from ``pixels`` after the decoder's start token; a
+    ``ValueError`` where it is longer than the decoder takes or has no tokens."""
+    too_long = answer_too_long(model, tokenizer, 0, caption, max_new_tokens, given)
+    if too_long is not None:
+        raise ValueError(too_long)
+    if caption is None:
+        with torch.no_grad():
+            ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False)[0, 1:]
+    else:
+        ids = torch.tensor(tokenizer(caption, add_special_tokens=False)["input_ids"], dtype=torch.long, device=pixels.device)
+    if ids.numel() == 0:
+        raise ValueError(f"The caption has no tokens: give a non-empty {given.removeprefix('the ')}, or generate at least one token.")
+    return ids
+
+
 def caption_integrated_gradients(
     model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int
 ) -> torch.Tensor:
     """Captum's ``IntegratedGradients`` of the whole ``caption``'s ``(1, n)``
     log-probability over an image captioner's ``pixels`` ``(1, channels, height, width)``
-    against ``baseline`` pixels, ``steps`` steps; its decoder reads its start token and the
-    caption. Shaped as ``pixels``, detached."""
+    against ``baseline`` pixels, ``steps`` steps (its decoder reads its start token and the
+    caption), summed per patch of its encoder (:func:`~captum_attention.pixel_scores`):
+    ``(1, rows, columns)``, detached."""
     from captum.attr import IntegratedGradients
-
-    start = decoder_start_token(model)
 
     def log_prob(images: torch.Tensor) -> torch.Tensor:
         captions = caption.expand(len(images), -1)
-        decoder = torch.cat([torch.full_like(captions[:, :1], start), captions[:, :-1]], dim=1)
-        return summed_log_probs(model(pixel_values=images, decoder_input_ids=decoder).logits, captions)
+        return summed_log_probs(model(pixel_values=images, decoder_input_ids=caption_decoder_ids(model, captions)).logits, captions)
 
     patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(image_encoder_config(model.config), "patch_size", 16)) ** 2
     per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))
-    return IntegratedGradients(log_prob).attribute(pixels, baselines=baseline, n_steps=steps, internal_batch_size=per_batch).detach()
+    gradients = IntegratedGradients(log_prob).attribute(pixels, baselines=baseline, n_steps=steps, internal_batch_size=per_batch)
+    return torch.stack(pixel_scores(model, gradients.detach()))
 
 
 def several_stacks(model: Any) -> bool:

@@ -100,12 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional text_pair (the second text of a pair: an "
                           "NLI model's hypothesis), optional label, optional rationale; "
-                          "for a causal language model a .jsonl file: prompt (or segments), optional answer")
+                          "for a causal language model a .jsonl file: prompt (or segments), optional answer (and "
+                          "image, for a vision-language model); for an image captioner: image, optional answer")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
-    evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal or sequence-to-sequence "
-                          "language model checkpoint folder (default: the embedded sentiment model)")
+    evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal, sequence-to-sequence, "
+                          "vision-language or image-captioning checkpoint folder (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
                           + ", ".join(name for name in evaluation_methods() if name not in METHODS)
                           + "; for a "
@@ -374,7 +375,6 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     """``explain`` for an image captioner (an image encoder before a text decoder): the
     caption of ``--image``, each method's scores of the image's patches, summed and on
     their grid."""
-    from ..attr import REGISTRY
     from ..loading import load_captioner
     from .answer import explain_caption
 
@@ -389,10 +389,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
     _check_counts(arguments, "max_new_tokens", "ig_steps")
     methods = list(METHODS) if arguments.methods is None else _methods(arguments)
-    spans = [*(name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder), INTEGRATED_GRADIENTS]
-    unavailable = [name for name in methods if name not in spans]
-    if unavailable:
-        raise UsageError(f"{unavailable[0]} is not available for an image captioner; choose --methods among {', '.join(spans)}")
+    _check_caption_methods(methods)
     _check_outputs(arguments)
     model, tokenizer, image_processor = load_captioner(arguments.model)
     try:
@@ -471,8 +468,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
         _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
     if task == "image-to-text":
-        raise UsageError(f"{arguments.model} holds an image captioner, which reads no prompt, and evaluate's metrics "
-                         "remove a prompt's words: explain its captions with explain --image")
+        _evaluate_captions(arguments)
+        return
     if arguments.chat:
         raise UsageError("--chat is for a language model's prompts; a classifier reads each text as it is")
     if min(arguments.batch_size, arguments.ig_steps, arguments.shap_evals) < 1:
@@ -545,6 +542,44 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"), processor,
     )
     _merged(state, arguments, examples, metrics, options)
+
+
+def _evaluate_captions(arguments: argparse.Namespace) -> None:
+    """``evaluate`` for an image captioner: each row's caption of its image explained over
+    the image's patches and scored by the context metrics, patches greyed."""
+    from ..loading import load_captioner
+    from .evaluate import AnswerOptions, evaluate_captions, read_answers
+
+    _check_counts(arguments, "max_new_tokens", "ig_steps")
+    if arguments.chat:
+        raise UsageError("--chat is for a prompt; an image captioner reads none")
+    examples, skipped = read_answers(arguments.data, arguments.skip_malformed, captions=True)
+    _report_skipped(arguments, skipped)
+    methods = _listed(arguments.methods, "methods") or list(METHODS)
+    _check_caption_methods(methods)
+    metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
+    state = _evaluation_state(arguments)
+    model, tokenizer, image_processor = load_captioner(arguments.model)
+    checked = [(example, answer_too_long(model, tokenizer, 0, example.answer, arguments.max_new_tokens, "the answer"))
+               for example in examples]
+    examples = _kept_rows(checked, arguments, "no row the model takes whole")
+    model.to(state.device)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps)
+    evaluate_captions(
+        model, tokenizer, image_processor, examples, methods, metrics, arguments.output, options, state.process_index,
+        state.num_processes, _progress(state, "captions", "caption"), _resuming(state, arguments, "captions"),
+    )
+    _merged(state, arguments, examples, metrics, options)
+
+
+def _check_caption_methods(methods: list[str]) -> None:
+    """A one-line error for a method that cannot explain an image captioner's caption."""
+    from .evaluate import caption_method_names
+
+    available = caption_method_names()
+    unavailable = [name for name in methods if name not in available]
+    if unavailable:
+        raise UsageError(f"{unavailable[0]} is not available for an image captioner; choose --methods among {', '.join(available)}")
 
 
 def _check_image_rows(examples: list[Any], arguments: argparse.Namespace, vision: bool) -> None:

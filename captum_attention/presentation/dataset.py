@@ -156,17 +156,42 @@ class AnswerExample:
     image_sha256: str | None = None
 
 
-def read_answers(path: str | Path, skip_malformed: bool = False) -> tuple[list[AnswerExample], list[str]]:
+def read_answers(path: str | Path, skip_malformed: bool = False, captions: bool = False) -> tuple[list[AnswerExample], list[str]]:
     """The examples of a JSONL file of prompts, and the problems skipped.
 
     Each row has ``prompt`` (a string), or ``segments`` (a list of strings that make up
     the prompt, in order), or both (then the segments must join to the prompt); and
     optionally ``answer``, and ``image`` (a vision-language model's image file, relative to
-    the JSONL file's folder or absolute). Malformed rows as :func:`read_dataset` treats them.
+    the JSONL file's folder or absolute). With ``captions`` (an image captioner's rows),
+    each row has an ``image`` and optionally its caption as ``answer``, and no prompt.
+    Malformed rows as :func:`read_dataset` treats them.
     """
     path = Path(path)
     text = _text(path, (".jsonl",), "give a .jsonl file of prompts (one object per line)")
-    return _examples(path, _jsonl_rows(text), lambda index, line, row: _answer_example(index, line, row, path.parent), skip_malformed)
+    example = _caption_example if captions else _answer_example
+    return _examples(path, _jsonl_rows(text), lambda index, line, row: example(index, line, row, path.parent), skip_malformed)
+
+
+def _caption_example(index: int, line: int, row: Any, folder: Path) -> AnswerExample:
+    if isinstance(row, DatasetError):
+        raise row
+    if not isinstance(row, dict) or row.get("image") is None:
+        raise DatasetError("a row must be an object with an 'image' field (the image to caption)")
+    if "prompt" in row or "segments" in row:
+        raise DatasetError("an image captioner reads no prompt: leave 'prompt' and 'segments' out (its features are the image's patches)")
+    answer = _answer_text(row)
+    image, digest = _image_file(row["image"], folder)
+    return AnswerExample(index, line, "", answer, None, None, image, digest)
+
+
+def _answer_text(row: dict[str, Any]) -> str | None:
+    """A row's ``answer``, checked (None: generate one)."""
+    answer = row.get("answer")
+    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
+        raise DatasetError("'answer' must be a non-empty string (leave it out to generate one)")
+    if answer is not None and has_surrogates(answer):
+        raise DatasetError("'answer' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    return answer
 
 
 def _answer_example(index: int, line: int, row: Any, folder: Path) -> AnswerExample:
@@ -182,12 +207,9 @@ def _answer_example(index: int, line: int, row: Any, folder: Path) -> AnswerExam
         raise DatasetError("'prompt' is missing or empty")
     if segments is not None and "".join(segments) != prompt:
         raise DatasetError("'segments' do not join to 'prompt': give segments that make up the prompt, in order")
-    answer = row.get("answer")
-    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
-        raise DatasetError("'answer' must be a non-empty string (leave it out to generate one)")
-    for name, value in (("prompt", prompt), ("answer", answer or "")):
-        if has_surrogates(value):
-            raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    if has_surrogates(prompt):
+        raise DatasetError("'prompt' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    answer = _answer_text(row)
     image, digest = _image_file(row.get("image"), folder)
     return AnswerExample(index, line, prompt, answer, None if segments is None else tuple(segments), None, image, digest)
 

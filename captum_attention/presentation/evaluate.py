@@ -34,6 +34,7 @@ from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs, shared_ablations
+from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
 from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
 from .display import first_visible, outside_span, special_tokens
@@ -48,8 +49,8 @@ from .summary import merge, summarise, summary_markdown
 
 __all__ = [
     "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
-    "answer_metric_names",
-    "batches", "check_request", "evaluate", "evaluate_answers", "evaluation_methods", "merge", "read_answers", "run_manifest",
+    "answer_metric_names", "caption_method_names",
+    "batches", "check_request", "evaluate", "evaluate_answers", "evaluate_captions", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
 
@@ -540,6 +541,80 @@ def _evaluate_answer(
             values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
             rows.append({
                 "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
+                "generated": example.answer is None, "answer_log_prob": log_prob,
+                **{metric: _number(value[0]) for metric, value in values.items()},
+            })
+    return rows
+
+
+def caption_method_names() -> list[str]:
+    """What ``methods=`` accepts for an image captioner's captions: the registered methods
+    that explain an encoder-decoder's answer over its source, and Integrated Gradients
+    (:func:`~captum_attention.presentation.answer.caption_integrated_gradients`)."""
+    from ..attr import REGISTRY
+
+    return [*(name for name, cls in REGISTRY.items() if cls.spec.spans and cls.spec.encoder_decoder), INTEGRATED_GRADIENTS]
+
+
+def evaluate_captions(
+    model: Any,
+    tokenizer: Any,
+    image_processor: Any,
+    examples: Sequence[AnswerExample],
+    methods: Sequence[str],
+    metrics: Sequence[str],
+    output: str | Path,
+    options: AnswerOptions | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+) -> int:
+    """:func:`evaluate_answers` for an image captioner (an image encoder before a text
+    decoder, ``VisionEncoderDecoderModel``): each row's caption of its ``image`` (given as
+    its ``answer``, or generated greedily) explained over the image's patches by every
+    method, and scored by every context metric with the patches as the features, a removed
+    patch's pixels taken from a uniform grey image through the same ``image_processor``
+    (:mod:`~captum_attention.metrics.patches`). Resumable and split over processes as
+    :func:`evaluate_answers`."""
+    options = options or AnswerOptions()
+    check_names("method", methods, caption_method_names())
+    check_names("metric", metrics, answer_metric_names())
+    explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
+    return _sharded(
+        Path(output), run_manifest(model, examples, methods, metrics, options), examples,
+        lambda example: _evaluate_caption(model, tokenizer, image_processor, example, methods, explainers, metrics, options),
+        process_index, num_processes, progress, on_resume,
+    )
+
+
+def _evaluate_caption(
+    model: Any, tokenizer: Any, image_processor: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
+    metrics: Sequence[str], options: AnswerOptions,
+) -> list[dict[str, Any]]:
+    from PIL import Image
+
+    from .answer import caption_ids, caption_integrated_gradients, caption_pixels
+
+    assert example.image is not None  # read_answers(captions=True) requires one
+    with Image.open(example.image) as picture:
+        pixels, grey = caption_pixels(model, image_processor, picture.convert("RGB"))
+    try:
+        caption = caption_ids(model, tokenizer, pixels, example.answer, options.max_new_tokens, "the answer")[None]
+    except ValueError as error:
+        raise ValueError(f"line {example.line}: {error}") from None
+    context = MetricContext(model, torch.zeros(1, 0, dtype=torch.bool, device=pixels.device), baseline_pixels=grey)
+    rows = []
+    with shared_ablations():  # the methods' metrics grey each set of patches once
+        log_prob = float(caption_log_probs(model, pixels, caption)[0])
+        for name in methods:
+            if name == INTEGRATED_GRADIENTS:
+                scores = caption_integrated_gradients(model, pixels, caption, grey, options.ig_steps)
+            else:
+                scores = explainers[name].attribute_span(pixels, caption)[0].detach()
+            values = {m: METRIC_REGISTRY[m].function(model, pixels, scores, (), caption, context) for m in metrics}
+            rows.append({
+                "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(caption[0]),
                 "generated": example.answer is None, "answer_log_prob": log_prob,
                 **{metric: _number(value[0]) for metric, value in values.items()},
             })
