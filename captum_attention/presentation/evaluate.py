@@ -539,12 +539,17 @@ def _evaluate_answer(
             else:
                 scores = span_of(name)
             values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
-            rows.append({
-                "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(answer[0]),
-                "generated": example.answer is None, "answer_log_prob": log_prob,
-                **{metric: _number(value[0]) for metric, value in values.items()},
-            })
+            rows.append(_answer_row(example, name, tokenizer.decode(answer[0]), log_prob, values))
     return rows
+
+
+def _answer_row(example: AnswerExample, method: str, answer: str, log_prob: float, values: dict[str, Tensor]) -> dict[str, Any]:
+    """One row of ``results.jsonl`` for an answer (a caption): the example, the method, the
+    answer's text, whether it was generated, its log-probability and each metric's value."""
+    return {
+        "index": example.index, "line": example.line, "method": method, "answer": answer, "generated": example.answer is None,
+        "answer_log_prob": log_prob, **{metric: _number(value[0]) for metric, value in values.items()},
+    }
 
 
 def caption_method_names() -> list[str]:
@@ -613,11 +618,7 @@ def _evaluate_caption(
             else:
                 scores = explainers[name].attribute_span(pixels, caption)[0].detach()
             values = {m: METRIC_REGISTRY[m].function(model, pixels, scores, (), caption, context) for m in metrics}
-            rows.append({
-                "index": example.index, "line": example.line, "method": name, "answer": tokenizer.decode(caption[0]),
-                "generated": example.answer is None, "answer_log_prob": log_prob,
-                **{metric: _number(value[0]) for metric, value in values.items()},
-            })
+            rows.append(_answer_row(example, name, tokenizer.decode(caption[0]), log_prob, values))
     return rows
 
 
