@@ -712,8 +712,9 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
 def test_evaluate_scores_a_captioners_patches_as_the_patch_metrics_do_directly(captioner, tmp_path, capsys):
     """Each row's caption of its image (generated, or its ``answer``): AttnLRP's span and
     Integrated Gradients' grid (Captum's, by hand) scored by the patch metrics, a removed
-    patch's pixels the processor's grey image's (the checkpoint was refused: evaluate's
-    metrics removed a prompt's words); a run with a shard lost resumes to the same bytes."""
+    patch's pixels the processor's grey image's, Donut's 8 × 8 patches pooled into the 4 × 4
+    regions asked for (the checkpoint was refused: evaluate's metrics removed a prompt's
+    words); a run with a shard lost resumes to the same bytes."""
     from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
     from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
@@ -721,7 +722,7 @@ def test_evaluate_scores_a_captioners_patches_as_the_patch_metrics_do_directly(c
     image = _image(tmp_path)
     data = _answers(tmp_path, [{"image": image.name}, {"image": image.name, "answer": "the cat"}])
     argv = ["evaluate", str(data), "--model", str(captioner), "--methods", "attn_lrp,integrated_gradients", "--ig-steps", "4",
-            "--max-new-tokens", "3", "--output", str(tmp_path / "out")]
+            "--max-new-tokens", "3", "--regions", "4", "--output", str(tmp_path / "out")]
     assert main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     model = VisionEncoderDecoderModel.from_pretrained(captioner, local_files_only=True).eval()
@@ -745,10 +746,11 @@ def test_evaluate_scores_a_captioners_patches_as_the_patch_metrics_do_directly(c
             scores = AttnLRP(model).attribute_span(pixels, caption)[0]
         else:
             scores = _caption_integrated_gradients(model, processor, image, caption, steps=4)[None]
+        regions = (4, 4) if scores.shape[1] > 4 else None  # Donut's 8 × 8 first-stage patches pooled by --regions 4
         expected = {
-            "top_k_log_prob_drop": top_k_patch_log_prob_drop(model, pixels, caption, scores, grey, ks=(3,))[0, 0],
-            "lds": patch_datamodeling_score(model, pixels, caption, scores, grey, per_example=True)[0],
-            "loo_agreement": patch_leave_one_out_agreement(model, pixels, caption, scores, grey)[0],
+            "top_k_log_prob_drop": top_k_patch_log_prob_drop(model, pixels, caption, scores, grey, ks=(3,), regions=regions)[0, 0],
+            "lds": patch_datamodeling_score(model, pixels, caption, scores, grey, per_example=True, regions=regions)[0],
+            "loo_agreement": patch_leave_one_out_agreement(model, pixels, caption, scores, grey, regions=regions)[0],
         }
         for metric, value in expected.items():
             assert row[metric] == pytest.approx(value.item(), abs=2e-4), (row["method"], metric)

@@ -11,8 +11,9 @@ from vlm_models import DONUT, make_captioner
 
 from captum_attention import AttnLRP
 from captum_attention.metrics import (
-    MetricContext,
     METRICS,
+    MetricContext,
+    PatchRemoval,
     patch_datamodeling_score,
     patch_leave_one_out_agreement,
     top_k_patch_log_prob_drop,
@@ -89,6 +90,28 @@ def test_leave_one_out_agreement_ranks_each_greyed_patchs_drop(captioner):
         assert agreement[example].item() == pytest.approx(spearmanr(SCORES[example].flatten(), effects).statistic, abs=1e-5)
 
 
+def test_regions_pool_whole_patches_as_evenly_as_the_grid_allows(captioner):
+    """3 × 3 regions of the 4 × 4 patches: rows (and columns) of patches {0, 1}, {2}, {3};
+    a region scores its patches' sum and is greyed whole."""
+    groups = [[0, 1], [2], [3]]
+    regions = [[row * 4 + column for row in rows for column in columns] for rows in groups for columns in groups]
+    drops = top_k_patch_log_prob_drop(captioner, PIXELS, CAPTION, SCORES, GREY, ks=(1, 2), regions=(3, 3))
+    agreement = patch_leave_one_out_agreement(captioner, PIXELS, CAPTION, SCORES, GREY, regions=(3, 3))
+    checked = 0
+    for example in range(2):
+        summed = torch.stack([SCORES[example].flatten()[region].sum() for region in regions])
+        order = summed.argsort(descending=True).tolist()
+        whole = caption_log_prob(captioner, PIXELS[example], CAPTION[example])
+        for column, k in enumerate((1, 2)):
+            patches = [patch for region in order[:k] for patch in regions[region]]
+            assert drops[example, column].item() == pytest.approx(whole - caption_log_prob(captioner, greyed(PIXELS[example], patches), CAPTION[example]), abs=1e-4)
+        effects = [whole - caption_log_prob(captioner, greyed(PIXELS[example], region), CAPTION[example]) for region in regions]
+        if min(abs(a - b) for i, a in enumerate(effects) for b in effects[:i]) > 1e-5:  # else float32 may break a tie either way
+            checked += 1
+            assert agreement[example].item() == pytest.approx(spearmanr(summed, effects).statistic, abs=1e-5)
+    assert checked >= 1
+
+
 def test_donuts_first_stage_patches_are_greyed_on_their_grid():
     """Donut's scores lie on its first stage's 8 × 8 patches of 4 pixels."""
     donut = make_captioner(DONUT)
@@ -105,7 +128,7 @@ def test_the_registered_metrics_grey_patches_where_the_context_holds_a_baseline(
     ablation run once for every metric and method in a shared scope."""
     calls = []
     handle = captioner.register_forward_hook(lambda *_: calls.append(1))
-    context = MetricContext(captioner, torch.zeros(1, 0, dtype=torch.bool), baseline_pixels=GREY)
+    context = MetricContext(captioner, torch.zeros(1, 0, dtype=torch.bool), patches=PatchRemoval(GREY))
     try:
         with shared_ablations():
             values = {name: METRICS[name].function(captioner, PIXELS[:1], SCORES[:1], (), CAPTION[:1], context)
@@ -134,3 +157,9 @@ def test_the_registered_metrics_grey_patches_where_the_context_holds_a_baseline(
 def test_scores_off_the_grid_and_a_baseline_of_another_size_are_refused(captioner, scores, baseline, message):
     with pytest.raises(ValueError, match=message):
         top_k_patch_log_prob_drop(captioner, PIXELS, CAPTION, scores, baseline)
+
+
+@pytest.mark.parametrize("regions", [(5, 4), (0, 2), (2,)])
+def test_regions_beyond_the_patches_are_refused(captioner, regions):
+    with pytest.raises(ValueError, match="regions must be \\(rows, columns\\) of at least 1 and at most the 4x4 patches"):
+        patch_leave_one_out_agreement(captioner, PIXELS, CAPTION, SCORES, GREY, regions=regions)

@@ -14,7 +14,7 @@ from .context import (
     top_k_log_prob_drop,
 )
 from .head_weights import HeadWeights, fit_head_weights
-from .patches import patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
+from .patches import PatchRemoval, patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
 from .identifiability import IdentifiabilityResult, identifiability
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
@@ -68,6 +68,7 @@ __all__ = [
     "token_f1",
     "top_k_log_prob_drop",
     "top_k_patch_log_prob_drop",
+    "PatchRemoval",
     "patch_datamodeling_score",
     "patch_leave_one_out_agreement",
     "ErasureResult",

@@ -4,7 +4,8 @@ ViT-GPT-2, TrOCR, Donut) say which parts of it the caption rests on? Each metric
 prompt counterpart in :mod:`~captum_attention.metrics.context`, the features being the
 cells of the attribution's grid (the encoder's patches) instead of a prompt's segments,
 and a cell removed by taking its pixels from a baseline image (a grey one, through the
-same processor) instead of deleting tokens:
+same processor) instead of deleting tokens; a fine grid's patches may be pooled into
+coarser regions (``regions``), each one feature:
 
 - :func:`top_k_patch_log_prob_drop`: grey the k highest-scored patches; how far does
   :math:`\log p(a \mid x)` fall?
@@ -21,6 +22,7 @@ once for every method and metric.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -42,11 +44,24 @@ from .context import (
 from .token_removal import example_seeds
 
 
+@dataclass(frozen=True)
+class PatchRemoval:
+    """How the registered context metrics remove an image captioner's features
+    (:class:`~captum_attention.metrics.MetricContext`'s ``patches``): a removed patch's
+    pixels are ``baseline_pixels``'s (a grey image through the captioner's processor), and
+    the patches are pooled into ``regions`` (rows, columns; None: each patch its own)."""
+
+    baseline_pixels: Tensor
+    regions: tuple[int, int] | None = None
+
+
 class _PatchScorer(AblationScorer):
-    """The caption's log-probability after greying sets of the image's patches, batched."""
+    """The caption's log-probability after greying sets of the image's patches (or of
+    regions of them), batched."""
 
     def __init__(
-        self, model: Any, pixel_values: Tensor, caption: Tensor, grid: Sequence[int], baseline: Tensor, max_batch_size: int
+        self, model: Any, pixel_values: Tensor, caption: Tensor, grid: Sequence[int], baseline: Tensor, max_batch_size: int,
+        regions: Sequence[int] | None = None,
     ) -> None:
         if not pixel_values.is_floating_point() or pixel_values.dim() != 4:
             raise ValueError(f"pixel_values must be float pixels (batch, channels, height, width), got {pixel_values.dtype} "
@@ -66,29 +81,41 @@ class _PatchScorer(AblationScorer):
                 f"a grid of {rows}x{columns} patches does not tile {height}x{width} pixels: give the scores on the "
                 "encoder's patch grid (attribute_span's, pixel_scores')."
             )
+        regions = (rows, columns) if regions is None else tuple(regions)
+        if len(regions) != 2 or not all(isinstance(n, int) and 1 <= n <= most for n, most in zip(regions, grid)):
+            raise ValueError(f"regions must be (rows, columns) of at least 1 and at most the {rows}x{columns} patches, got {regions}.")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.model, self.pixels, self.caption, self.grid = model, pixel_values, caption.to(pixel_values.device), (rows, columns)
         self.baseline = baseline.to(pixel_values.device, pixel_values.dtype).expand_as(pixel_values)
-        self.max_batch_size = max_batch_size
-        self.present = torch.ones(len(pixel_values), rows * columns, dtype=torch.bool, device=pixel_values.device)
-        self.rows = torch.arange(len(pixel_values), device=pixel_values.device)
+        self.max_batch_size, self.regions = max_batch_size, regions
+        device = pixel_values.device
+        row_region = torch.arange(rows, device=device) * regions[0] // rows  # as even as whole patches allow
+        column_region = torch.arange(columns, device=device) * regions[1] // columns
+        self.patch_region = (row_region[:, None] * regions[1] + column_region[None, :]).flatten()  # (rows * columns,)
+        pixel_rows = row_region[torch.arange(height, device=device) // (height // rows)]
+        pixel_columns = column_region[torch.arange(width, device=device) // (width // columns)]
+        self.pixel_region = pixel_rows[:, None] * regions[1] + pixel_columns[None, :]  # (height, width)
+        self.present = torch.ones(len(pixel_values), regions[0] * regions[1], dtype=torch.bool, device=device)
+        self.rows = torch.arange(len(pixel_values), device=device)
 
     def segment_scores(self, attributions: Tensor) -> Tensor:
-        """``(B, P)`` the patches' scores, row by row of the grid."""
+        """``(B, F)`` each region's summed patch scores (each patch's where every patch is
+        its own region), row by row."""
         if tuple(attributions.shape) != (len(self.pixels), *self.grid):
             raise ValueError(f"attributions have shape {tuple(attributions.shape)}; give one score per patch, "
                              f"({len(self.pixels)}, {self.grid[0]}, {self.grid[1]}).")
         flat = attributions.flatten(1)
-        check_rankable(flat.float(), self.present, finite=True)
-        return flat.double()
+        check_rankable(flat.float(), torch.ones_like(flat, dtype=torch.bool), finite=True)
+        summed = torch.zeros(self.present.shape, dtype=torch.float64, device=flat.device)
+        return summed.scatter_add_(1, self.patch_region.to(flat.device).expand_as(flat), flat.double())
 
     def own_seeds(self, seed: int) -> Tensor:
         """``(B,)`` each example's seed from ``seed`` and its pixels."""
         return example_seeds(self.pixels.flatten(1), None, seed)
 
     def _identity(self) -> tuple:
-        return ("patches", id(self.model), self.grid, *(_content(t) for t in (self.pixels, self.caption, self.baseline)))
+        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in (self.pixels, self.caption, self.baseline)))
 
     def _per_forward(self, rows: int) -> int:
         return max(1, min(rows, self.max_batch_size))
@@ -101,11 +128,9 @@ class _PatchScorer(AblationScorer):
         return values
 
     def _greyed(self, rows: Tensor, removed: Tensor) -> Tensor:
-        """The images of examples ``rows`` with the pixels of their ``removed`` patches
+        """The images of examples ``rows`` with the pixels of their ``removed`` regions
         taken from the baseline."""
-        height, width = self.pixels.shape[-2:]
-        cells = removed.view(len(rows), *self.grid)
-        covered = cells.repeat_interleave(height // self.grid[0], dim=1).repeat_interleave(width // self.grid[1], dim=2)
+        covered = removed[:, self.pixel_region]  # (R, height, width)
         return torch.where(covered[:, None], self.baseline[rows], self.pixels[rows])
 
 
@@ -130,6 +155,7 @@ def top_k_patch_log_prob_drop(
     baseline_pixel_values: Tensor,
     ks: Sequence[int] = DEFAULT_KS,
     max_batch_size: int = 16,
+    regions: tuple[int, int] | None = None,
 ) -> Tensor:
     r"""Top-k log-probability drop over an image's patches: :math:`\log p(a \mid x) - \log
     p(a \mid x \text{ with its top}_k \text{ patches greyed})` (ties broken by position).
@@ -146,8 +172,13 @@ def top_k_patch_log_prob_drop(
         baseline_pixel_values (Tensor): the pixels a removed patch takes, shaped as
             ``pixel_values`` (or one image): a uniform grey image through the same
             processor, say.
-        ks (sequence of int, optional): numbers of patches greyed. Default: (1, 3, 5).
+        ks (sequence of int, optional): numbers of patches (regions) greyed. Default: (1, 3, 5).
         max_batch_size (int, optional): images per forward. Default: 16.
+        regions (tuple of int, optional): ``(rows, columns)``: the patches pooled into that
+            many regions, as even as whole patches allow (a grid of 14 rows into 8: regions
+            of one and two patch rows), each region one feature scoring the sum of its
+            patches': for a grid whose patches are too small to tell much alone (Donut's 4-pixel
+            patches), or for fewer leave-one-out forwards. Default: None, each patch its own.
 
     Returns:
         ``(batch, len(ks))``: the drop per k.
@@ -159,7 +190,7 @@ def top_k_patch_log_prob_drop(
         >>> top_k_patch_log_prob_drop(captioner, pixels, caption, patches, grey)
     """
     check_ks(ks)
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
     return top_k_drops(scorer, attributions, ks)
 
 
@@ -173,6 +204,7 @@ def patch_datamodeling_score(
     seed: int = 0,
     max_batch_size: int = 16,
     per_example: bool = False,
+    regions: tuple[int, int] | None = None,
 ) -> Tensor:
     r"""LDS over an image's patches: Spearman's ρ, over ``num_ablations`` random ablations
     that grey each patch with probability 1/2 (seeded), between the kept patches' summed
@@ -191,7 +223,7 @@ def patch_datamodeling_score(
         ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
     """
     check_ablation_count(num_ablations)
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
     return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
 
 
@@ -202,15 +234,16 @@ def patch_leave_one_out_agreement(
     attributions: Tensor,
     baseline_pixel_values: Tensor,
     max_batch_size: int = 16,
+    regions: tuple[int, int] | None = None,
 ) -> Tensor:
     r"""Spearman's ρ between the patches' scores and their leave-one-out effects
     :math:`\log p(a \mid x) - \log p(a \mid x \text{ with patch } s \text{ greyed})`: one
-    forward per patch.
+    forward per patch (region).
 
     The arguments are :func:`top_k_patch_log_prob_drop`'s, without ``ks``.
 
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN where a side is constant.
     """
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
     return leave_one_out_agreements(scorer, attributions)

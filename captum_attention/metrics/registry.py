@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
-from .patches import patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
+from .patches import PatchRemoval, patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
 from .plausibility import auprc, token_f1
 from .token_removal import aopc, comprehensiveness, configured_pad_id, datamodeling_score, sufficiency
 
@@ -43,16 +43,16 @@ class MetricContext:
             where the data has none.
         segments: ``(batch, seq_len)`` long, the segment of each prompt token for the
             context metrics (-1: never removed), or None: each token its own segment.
-        baseline_pixels: an image captioner's pixels that a removed patch takes (a grey
-            image through its processor), or None: the context metrics then remove a
-            prompt's segments, not the patches of ``inputs``, its pixels.
+        patches: for an image captioner, whose ``inputs`` are its pixels, how the context
+            metrics remove its patches (:class:`~captum_attention.metrics.patches.PatchRemoval`);
+            None: they remove a prompt's segments.
     """
 
     model: nn.Module
     keep: Tensor
     rationale: Tensor | None = None
     segments: Tensor | None = None
-    baseline_pixels: Tensor | None = None
+    patches: PatchRemoval | None = None
 
     def included(self, mask: Tensor) -> Tensor:
         """``(batch, seq_len)`` bool: the real tokens a metric ranks (not padding, not kept)."""
@@ -231,8 +231,10 @@ def _top_k_log_prob_drop(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    if context.baseline_pixels is not None:
-        return top_k_patch_log_prob_drop(forward_func, inputs, target, attributions, context.baseline_pixels, (3,))[:, 0]
+    if context.patches is not None:
+        removal = context.patches
+        return top_k_patch_log_prob_drop(forward_func, inputs, target, attributions, removal.baseline_pixels, (3,),
+                                         regions=removal.regions)[:, 0]
     mask, images = _mask_and_images(additional_forward_args)
     return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments(), image_inputs=images)[:, 0]
 
@@ -245,8 +247,10 @@ def _lds(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    if context.baseline_pixels is not None:
-        return patch_datamodeling_score(forward_func, inputs, target, attributions, context.baseline_pixels, per_example=True)
+    if context.patches is not None:
+        removal = context.patches
+        return patch_datamodeling_score(forward_func, inputs, target, attributions, removal.baseline_pixels, per_example=True,
+                                        regions=removal.regions)
     mask, images = _mask_and_images(additional_forward_args)
     segments = context.prompt_segments()
     return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True, image_inputs=images)
@@ -260,8 +264,9 @@ def _loo_agreement(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
     target: Tensor, context: MetricContext,
 ) -> Tensor:
-    if context.baseline_pixels is not None:
-        return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, context.baseline_pixels)
+    if context.patches is not None:
+        removal = context.patches
+        return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, removal.baseline_pixels, regions=removal.regions)
     mask, images = _mask_and_images(additional_forward_args)
     return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments(), image_inputs=images)
 

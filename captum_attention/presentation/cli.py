@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
     evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
+    evaluate.add_argument("--regions", type=int, default=16,
+                          help="for an image captioner: the context metrics pool a grid of more patches a side into this "
+                          "many regions a side, each region one feature (default: 16)")
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     fit = commands.add_parser(
@@ -548,9 +551,9 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     """``evaluate`` for an image captioner: each row's caption of its image explained over
     the image's patches and scored by the context metrics, patches greyed."""
     from ..loading import load_captioner
-    from .evaluate import AnswerOptions, evaluate_captions, read_answers
+    from .evaluate import CaptionOptions, evaluate_captions, read_answers
 
-    _check_counts(arguments, "max_new_tokens", "ig_steps")
+    _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
     if arguments.chat:
         raise UsageError("--chat is for a prompt; an image captioner reads none")
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed, captions=True)
@@ -564,7 +567,7 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
                for example in examples]
     examples = _kept_rows(checked, arguments, "no row the model takes whole")
     model.to(state.device)
-    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps)
+    options = CaptionOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps, regions=arguments.regions)
     evaluate_captions(
         model, tokenizer, image_processor, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "captions", "caption"), _resuming(state, arguments, "captions"),

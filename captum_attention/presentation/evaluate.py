@@ -32,7 +32,7 @@ from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext, calibrated_attribution, greedy_deletion
+from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
@@ -48,7 +48,7 @@ from .explain import (
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
+    "AnswerExample", "AnswerOptions", "CaptionOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
     "answer_metric_names", "caption_method_names",
     "batches", "check_request", "evaluate", "evaluate_answers", "evaluate_captions", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
@@ -247,6 +247,8 @@ def _head_weights_digest(model: Any) -> str:
 
 
 def _budgets(options: Any) -> list[Any]:
+    if isinstance(options, CaptionOptions):
+        return [options.max_new_tokens, options.ig_steps, options.regions, options.seed]
     if isinstance(options, AnswerOptions):
         return [options.max_new_tokens, options.presence, options.ig_steps, options.seed]
     return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.presence, options.seed]
@@ -543,6 +545,13 @@ def _evaluate_answer(
     return rows
 
 
+def pooled_regions(grid: Sequence[int], most: int) -> tuple[int, int] | None:
+    """The regions a ``grid`` of patches is pooled into for the context metrics: at most
+    ``most`` a side; None where the grid has no more (each patch its own)."""
+    rows, columns = grid
+    return None if max(rows, columns) <= most else (min(rows, most), min(columns, most))
+
+
 def _answer_row(example: AnswerExample, method: str, answer: str, log_prob: float, values: dict[str, Tensor]) -> dict[str, Any]:
     """One row of ``results.jsonl`` for an answer (a caption): the example, the method, the
     answer's text, whether it was generated, its log-probability and each metric's value."""
@@ -550,6 +559,14 @@ def _answer_row(example: AnswerExample, method: str, answer: str, log_prob: floa
         "index": example.index, "line": example.line, "method": method, "answer": answer, "generated": example.answer is None,
         "answer_log_prob": log_prob, **{metric: _number(value[0]) for metric, value in values.items()},
     }
+
+
+@dataclass
+class CaptionOptions(AnswerOptions):
+    """How to evaluate captions: :class:`AnswerOptions`, and into how many regions a side
+    the context metrics pool a patch grid larger than that (each region one feature)."""
+
+    regions: int = 16
 
 
 def caption_method_names() -> list[str]:
@@ -569,7 +586,7 @@ def evaluate_captions(
     methods: Sequence[str],
     metrics: Sequence[str],
     output: str | Path,
-    options: AnswerOptions | None = None,
+    options: CaptionOptions | None = None,
     process_index: int = 0,
     num_processes: int = 1,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
@@ -580,9 +597,10 @@ def evaluate_captions(
     its ``answer``, or generated greedily) explained over the image's patches by every
     method, and scored by every context metric with the patches as the features, a removed
     patch's pixels taken from a uniform grey image through the same ``image_processor``
-    (:mod:`~captum_attention.metrics.patches`). Resumable and split over processes as
-    :func:`evaluate_answers`."""
-    options = options or AnswerOptions()
+    (:mod:`~captum_attention.metrics.patches`), a grid of more patches a side than
+    ``options.regions`` pooled into that many regions a side. Resumable and split over
+    processes as :func:`evaluate_answers`."""
+    options = options or CaptionOptions()
     check_names("method", methods, caption_method_names())
     check_names("metric", metrics, answer_metric_names())
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
@@ -595,7 +613,7 @@ def evaluate_captions(
 
 def _evaluate_caption(
     model: Any, tokenizer: Any, image_processor: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
-    metrics: Sequence[str], options: AnswerOptions,
+    metrics: Sequence[str], options: CaptionOptions,
 ) -> list[dict[str, Any]]:
     from PIL import Image
 
@@ -608,7 +626,7 @@ def _evaluate_caption(
         caption = caption_ids(model, tokenizer, pixels, example.answer, options.max_new_tokens, "the answer")[None]
     except ValueError as error:
         raise ValueError(f"line {example.line}: {error}") from None
-    context = MetricContext(model, torch.zeros(1, 0, dtype=torch.bool, device=pixels.device), baseline_pixels=grey)
+    keep = torch.zeros(1, 0, dtype=torch.bool, device=pixels.device)
     rows = []
     with shared_ablations():  # the methods' metrics grey each set of patches once
         log_prob = float(caption_log_probs(model, pixels, caption)[0])
@@ -617,6 +635,7 @@ def _evaluate_caption(
                 scores = caption_integrated_gradients(model, pixels, caption, grey, options.ig_steps)
             else:
                 scores = explainers[name].attribute_span(pixels, caption)[0].detach()
+            context = MetricContext(model, keep, patches=PatchRemoval(grey, pooled_regions(scores.shape[1:], options.regions)))
             values = {m: METRIC_REGISTRY[m].function(model, pixels, scores, (), caption, context) for m in metrics}
             rows.append(_answer_row(example, name, tokenizer.decode(caption[0]), log_prob, values))
     return rows
