@@ -226,6 +226,19 @@ def test_vlm_pointing_scores_every_method_and_captums_peers(benchmarks_on_path, 
     assert "| Attention Rollout → vision tower |" in capsys.readouterr().out
 
 
+def test_caption_pointing_scores_every_method_with_the_patch_metrics(benchmarks_on_path, tmp_path, capsys):
+    import caption_pointing
+
+    saved = tmp_path / "caption.json"
+    caption_pointing.main(["--examples", "4", "--ig-steps", "2", "--train-size", "64", "--confidence", "0", "--json", str(saved)])
+    results = json.loads(saved.read_text())
+    assert [row["method"] for row in results["rows"]] == [
+        "grad_sam", "rollout", "transformer_attribution", "raw", "attn_lrp", caption_pointing.INTEGRATED_GRADIENTS]
+    for row in results["rows"]:
+        assert 0 <= row["pointing"] <= 1 and row["ms per example"] > 0 and math.isfinite(row["top-4 drop"])
+    assert "| attn_lrp |" in capsys.readouterr().out
+
+
 def test_needle_points_where_the_needle_decides_and_compares_on_the_peers_contexts(benchmarks_on_path):
     """On an untrained needle model (the benchmark's own is trained for minutes): pointing
     over the contexts the needle decides, the values per context, and the LDS of each
