@@ -29,6 +29,7 @@ given with every ablated prompt.
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -65,7 +66,7 @@ DEFAULT_KS = (1, 3, 5)
 """The segment counts :func:`top_k_log_prob_drop` removes by default."""
 
 
-class AblationScorer:
+class AblationScorer(ABC):
     """An answer's log-probability after removing sets of an example's features (a
     prompt's segments, an image's patches), batched; each distinct set runs once, and in a
     :func:`shared_ablations` scope once for every call on the same inputs. A subclass says
@@ -80,14 +81,14 @@ class AblationScorer:
         """``(B,)`` log p(answer | every feature)."""
         return self.log_probs(self.rows, torch.zeros_like(self.present))
 
+    @abstractmethod
     def segment_scores(self, attributions: Tensor) -> Tensor:
         """``(B, S)`` each feature's score (-inf where absent), checked."""
-        raise NotImplementedError
 
+    @abstractmethod
     def own_seeds(self, seed: int) -> Tensor:
         """``(B,)`` each example's seed from ``seed`` and its own inputs
         (:func:`~captum_attention.metrics.token_removal.example_seeds`)."""
-        raise NotImplementedError
 
     def kept_log_probs(self, kept: Tensor) -> Tensor:
         """``(B, A)`` log p(answer | only the features ``kept[b, a]``), for ``kept``
@@ -128,21 +129,21 @@ class AblationScorer:
             self._shared[key] = self._distinct_log_probs(rows, removed)
         return self._shared[key]
 
+    @abstractmethod
     def _identity(self) -> tuple:
         """What makes two scorers' ablations the same: the model and the inputs."""
-        raise NotImplementedError
 
     def _ablation_key(self, rows: Tensor, removed: Tensor) -> Tensor:
         """What tells two ablations' inputs apart (by default the removed features)."""
         return removed
 
+    @abstractmethod
     def _per_forward(self, rows: int) -> int:
         """How many of ``rows`` ablations one forward holds."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         """``(R,)`` :meth:`log_probs` of distinct ablations, run batched."""
-        raise NotImplementedError
 
 
 class _AnswerScorer(AblationScorer):
@@ -1043,8 +1044,8 @@ def answer_log_probs(
 
 
 def _random_ablations(scorer: AblationScorer, num_ablations: int, seed: int, alone: bool = False) -> tuple[Tensor, Tensor]:
-    """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed,
-    of its real prompt tokens and their segments (:func:`example_seeds`)."""
+    """The ablations of :func:`random_halves`; ``alone``: each example's from its own seed
+    (:meth:`AblationScorer.own_seeds`)."""
     kept = random_halves(scorer.present, num_ablations, seed, scorer.own_seeds(seed) if alone else None)
     return kept, scorer.kept_log_probs(kept)
 
