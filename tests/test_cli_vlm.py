@@ -702,6 +702,8 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
     data = _answers(tmp_path, [{"image": image.name}])
     assert main(["evaluate", str(data), "--model", str(captioner), "--methods", "alti", "--output", str(tmp_path / "out")]) == 1
     assert "alti is not available for an image captioner" in capsys.readouterr().err
+    assert main(["evaluate", str(_answers(tmp_path, [{"prompt": "a cat"}])), "--regions", "4", "--output", str(tmp_path / "out")]) == 1
+    assert "--regions is for an image captioner's patches" in capsys.readouterr().err
     from captum_attention.loading import CheckpointError, load_causal_lm
 
     with pytest.raises(CheckpointError, match="holds an image captioner \\(explain it with --image\\), not a causal language model"):

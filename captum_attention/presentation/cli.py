@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..attr import METHODS
-from .evaluate import answer_metric_names, evaluation_methods, metric_names, rationale_metrics
+from .evaluate import CaptionOptions, answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
     answer_too_long, length_limit, method_names,
@@ -121,9 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
     evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
-    evaluate.add_argument("--regions", type=int, default=16,
+    evaluate.add_argument("--regions", type=int,
                           help="for an image captioner: the context metrics pool a grid of more patches a side into this "
-                          "many regions a side, each region one feature (default: 16)")
+                          f"many regions a side, each region one feature (default: {CaptionOptions.regions})")
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     fit = commands.add_parser(
@@ -467,11 +467,13 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from ..loading import checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
-    if task in ("generation", "seq2seq", "image-text-to-text"):
-        _evaluate_answers(arguments, vision=task == "image-text-to-text")
-        return
     if task == "image-to-text":
         _evaluate_captions(arguments)
+        return
+    if arguments.regions is not None:
+        raise UsageError("--regions is for an image captioner's patches; this model reads no image alone")
+    if task in ("generation", "seq2seq", "image-text-to-text"):
+        _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
     if arguments.chat:
         raise UsageError("--chat is for a language model's prompts; a classifier reads each text as it is")
@@ -551,7 +553,7 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     """``evaluate`` for an image captioner: each row's caption of its image explained over
     the image's patches and scored by the context metrics, patches greyed."""
     from ..loading import load_captioner
-    from .evaluate import CaptionOptions, evaluate_captions, read_answers
+    from .evaluate import evaluate_captions, read_answers
 
     _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
     if arguments.chat:
@@ -567,7 +569,8 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
                for example in examples]
     examples = _kept_rows(checked, arguments, "no row the model takes whole")
     model.to(state.device)
-    options = CaptionOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps, regions=arguments.regions)
+    options = CaptionOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps,
+                             regions=arguments.regions or CaptionOptions.regions)
     evaluate_captions(
         model, tokenizer, image_processor, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "captions", "caption"), _resuming(state, arguments, "captions"),
