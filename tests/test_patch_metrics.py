@@ -82,6 +82,24 @@ def test_each_examples_lds_is_its_own_in_any_batch(captioner):
     assert together[1].item() == pytest.approx(alone[0].item(), abs=1e-6)
 
 
+def test_large_images_go_fewer_to_a_forward(captioner, monkeypatch):
+    """The greyed images of one forward hold at most ``VALUES_PER_FORWARD`` pixel values:
+    with room for one 32 × 32 image, each of the 16 leave-one-out images runs alone, with
+    the same values."""
+    from captum_attention.metrics import patches
+
+    batched = patch_leave_one_out_agreement(captioner, PIXELS[:1], CAPTION[:1], SCORES[:1], GREY)
+    sizes = []
+    handle = captioner.register_forward_pre_hook(lambda _, args, kwargs: sizes.append(len(kwargs["pixel_values"])), with_kwargs=True)
+    monkeypatch.setattr(patches, "VALUES_PER_FORWARD", 3 * 32 * 32)
+    try:
+        alone = patch_leave_one_out_agreement(captioner, PIXELS[:1], CAPTION[:1], SCORES[:1], GREY)
+    finally:
+        handle.remove()
+    assert set(sizes) == {1} and len(sizes) == 17  # the whole image, then each patch greyed
+    assert alone.item() == pytest.approx(batched.item(), abs=1e-6)
+
+
 def test_leave_one_out_agreement_ranks_each_greyed_patchs_drop(captioner):
     agreement = patch_leave_one_out_agreement(captioner, PIXELS, CAPTION, SCORES, GREY)
     for example in range(2):

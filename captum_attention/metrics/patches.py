@@ -44,6 +44,11 @@ from .context import (
 from .token_removal import example_seeds
 
 
+VALUES_PER_FORWARD = 2**24
+"""The most pixel values (channels × height × width, summed over the images) one forward of
+greyed images holds."""
+
+
 @dataclass(frozen=True)
 class PatchRemoval:
     """How the registered context metrics remove an image captioner's features
@@ -118,7 +123,9 @@ class _PatchScorer(AblationScorer):
         return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in (self.pixels, self.caption, self.baseline)))
 
     def _per_forward(self, rows: int) -> int:
-        return max(1, min(rows, self.max_batch_size))
+        """At most ``max_batch_size`` images and :data:`VALUES_PER_FORWARD` pixel values
+        (a document reader's 2560 × 1920 images go one at a time)."""
+        return max(1, min(rows, self.max_batch_size, VALUES_PER_FORWARD // self.pixels[0].numel()))
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
         values = torch.empty(len(rows), device=rows.device)
