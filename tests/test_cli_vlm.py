@@ -762,3 +762,38 @@ def test_evaluate_scores_a_captioners_patches_as_the_patch_metrics_do_directly(c
     assert main(argv) == 0
     assert "resuming: 1 of 2 captions already done" in capsys.readouterr().out
     assert (tmp_path / "out" / "results.jsonl").read_bytes() == whole
+
+
+def test_a_registered_metric_scores_captions_only_where_it_says_it_removes_patches(captioner, tmp_path, capsys):
+    """A generation metric registered for a prompt's segments is refused for captions in
+    one line (it was handed the pixels and failed with its own error); one registered with
+    ``patches=True`` gets the pixels, the patch grid's scores and the grey image."""
+    from captum_attention.metrics import METRICS, register_metric
+
+    seen = []
+
+    @register_metric("prompt_only", "a prompt's metric", task="generation")
+    def prompt_only(forward_func, inputs, attributions, additional_forward_args, target, context):
+        raise AssertionError("never called for a caption")
+
+    @register_metric("patch_count", "patches scored", task="generation", patches=True)
+    def patch_count(forward_func, inputs, attributions, additional_forward_args, target, context):
+        seen.append((inputs.dim(), attributions.dim(), context.patches.baseline_pixels.shape == inputs.shape))
+        return torch.tensor([float(attributions[0].numel())])
+
+    try:
+        data = _answers(tmp_path, [{"image": _image(tmp_path).name}])
+        argv = ["evaluate", str(data), "--model", str(captioner), "--methods", "rollout", "--max-new-tokens", "2",
+                "--output", str(tmp_path / "out")]
+        assert main([*argv, "--metrics", "patch_count,prompt_only"]) == 1
+        refusal = capsys.readouterr().err.strip()
+        assert "metric 'prompt_only' removes a prompt's segments" in refusal and "patches=True" in refusal and "\n" not in refusal
+        assert not (tmp_path / "out").exists() and not seen
+        assert main([*argv, "--metrics", "patch_count"]) == 0
+        row = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+        assert seen == [(4, 3, True)] and row["patch_count"] > 1
+        with pytest.raises(ValueError, match="patches=True is for a metric of task='generation'"):
+            register_metric("patch_classifier", "refused", patches=True)(patch_count)
+    finally:
+        METRICS.pop("prompt_only", None)
+        METRICS.pop("patch_count", None)

@@ -94,6 +94,9 @@ class MetricSpec:
             language model's answer to a prompt).
         better: ``"higher"`` or ``"lower"``: which values mean a more faithful (or more
             plausible) attribution; the summaries say it beside the metric's name.
+        patches: a ``"generation"`` metric that also scores an image captioner's
+            caption: its ``inputs`` are then the pixels, ``attributions`` the patch grid's
+            scores and ``context.patches`` says how to remove patches.
     """
 
     name: str
@@ -103,6 +106,7 @@ class MetricSpec:
     needs_model: bool = False
     task: str = "classification"
     better: str = "higher"
+    patches: bool = False
 
 
 METRICS: dict[str, MetricSpec] = {}
@@ -118,9 +122,10 @@ def register_metric(
     needs_model: bool = False,
     task: str = "classification",
     better: str = "higher",
+    patches: bool = False,
 ) -> Callable[[Function], Function]:
     """Decorator: register ``function`` as the metric ``name`` (a second function under the
-    same name is an error).
+    same name is an error); the arguments are :class:`MetricSpec`'s.
 
     Example::
 
@@ -137,7 +142,9 @@ def register_metric(
             raise ValueError(f"task must be 'classification' or 'generation', got {task!r}.")
         if better not in ("higher", "lower"):
             raise ValueError(f"better must be 'higher' or 'lower', got {better!r}.")
-        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model, task, better)
+        if patches and task != "generation":
+            raise ValueError("patches=True is for a metric of task='generation': a caption is an answer.")
+        METRICS[name] = MetricSpec(name, function, description, needs_rationale, needs_model, task, better, patches)
         return function
 
     return add
@@ -225,7 +232,7 @@ def _auprc(
 
 @register_metric(
     "top_k_log_prob_drop", "drop of the answer's log-probability when the top 3 prompt segments (a caption's: image patches) are removed",
-    task="generation",
+    task="generation", patches=True,
 )
 def _top_k_log_prob_drop(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
@@ -241,7 +248,7 @@ def _top_k_log_prob_drop(
 
 @register_metric(
     "lds", "ContextCite's linear datamodeling score over 32 seeded random half ablations (of a caption's image patches), each "
-    "example's its own", task="generation",
+    "example's its own", task="generation", patches=True,
 )
 def _lds(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
@@ -258,7 +265,7 @@ def _lds(
 
 @register_metric(
     "loo_agreement", "Spearman's rho with the segments' (a caption's: image patches') leave-one-out log-probability drops",
-    task="generation",
+    task="generation", patches=True,
 )
 def _loo_agreement(
     forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],

@@ -553,7 +553,7 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     """``evaluate`` for an image captioner: each row's caption of its image explained over
     the image's patches and scored by the context metrics, patches greyed."""
     from ..loading import load_captioner
-    from .evaluate import evaluate_captions, read_answers
+    from .evaluate import caption_metric_names, check_caption_metrics, evaluate_captions, read_answers
 
     _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
     if arguments.chat:
@@ -562,7 +562,8 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
     _check_caption_methods(methods)
-    metrics = _listed(arguments.metrics, "metrics") or answer_metric_names()
+    metrics = _listed(arguments.metrics, "metrics") or caption_metric_names()
+    check_caption_metrics(metrics)  # before the model loads
     state = _evaluation_state(arguments)
     model, tokenizer, image_processor = load_captioner(arguments.model)
     checked = [(example, answer_too_long(model, tokenizer, 0, example.answer, arguments.max_new_tokens, "the answer"))

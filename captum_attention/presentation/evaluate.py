@@ -49,7 +49,7 @@ from .summary import merge, summarise, summary_markdown
 
 __all__ = [
     "AnswerExample", "AnswerOptions", "CaptionOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
-    "answer_metric_names", "caption_method_names",
+    "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics",
     "batches", "check_request", "evaluate", "evaluate_answers", "evaluate_captions", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
@@ -561,6 +561,24 @@ def _answer_row(example: AnswerExample, method: str, answer: str, log_prob: floa
     }
 
 
+def caption_metric_names() -> list[str]:
+    """What ``metrics=`` accepts for an image captioner's captions: the registered metrics
+    of ``task="generation"`` that also score a caption over its patches (``patches=True``)."""
+    return [name for name, spec in METRIC_REGISTRY.items() if spec.task == "generation" and spec.patches]
+
+
+def check_caption_metrics(metrics: Sequence[str]) -> None:
+    """A one-line ``ValueError`` for a metric ``evaluate_captions`` cannot score: one
+    registered for a prompt's segments only, or unknown."""
+    for_prompts = [name for name in metrics if name in answer_metric_names() and name not in caption_metric_names()]
+    if for_prompts:
+        raise ValueError(
+            f"metric {for_prompts[0]!r} removes a prompt's segments, and an image captioner reads none: choose among "
+            f"{', '.join(caption_metric_names())}, or register it with patches=True to score captions over their patches"
+        )
+    check_names("metric", metrics, caption_metric_names())
+
+
 @dataclass
 class CaptionOptions(AnswerOptions):
     """How to evaluate captions: :class:`AnswerOptions`, and into how many regions a side
@@ -602,7 +620,7 @@ def evaluate_captions(
     processes as :func:`evaluate_answers`."""
     options = options or CaptionOptions()
     check_names("method", methods, caption_method_names())
-    check_names("metric", metrics, answer_metric_names())
+    check_caption_metrics(metrics)
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
     return _sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
