@@ -18,8 +18,9 @@ from ..metrics.context import summed_log_probs
 from ..metrics.patches import caption_decoder_ids
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
-    ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, MethodInfo, answer_estimates,
-    answer_integrated_gradients, answer_too_long, check_methods, presence_display, registered_method, removable_segments, span_presence,
+    ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo,
+    answer_estimates, answer_integrated_gradients, answer_too_long, check_methods, presence_display, registered_method,
+    removable_segments, span_presence,
 )
 
 
@@ -132,10 +133,10 @@ def explain_answer(
         display = presence_display(presence) if name == PRESENCE else _display(name)
         start = time.perf_counter()
         if name in ESTIMATES_OF_ANSWERS:
-            _add_signed(explanation, display, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written), start)
+            _add_method(explanation, display, SIGNED, start, _estimates(model, tokenizer, inp, answer_ids, name != ESTIMATES, written))
             continue
         if name == INTEGRATED_GRADIENTS and getattr(model.config, "is_encoder_decoder", False):
-            _add_signed(explanation, display, _source_integrated_gradients(model, inp, answer_ids, ig_steps), start)
+            _add_method(explanation, display, SIGNED, start, _source_integrated_gradients(model, inp, answer_ids, ig_steps))
             continue
         wrapper, info = _wrapper(model, tokenizer, name)
         options = {"presence": span_presence(inp.to_model_input(), len(answer_ids), tokenizer, presence)} if name == PRESENCE else {}
@@ -143,11 +144,7 @@ def explain_answer(
             result = wrapper.attribute(inp, target=answer_ids, n_steps=ig_steps)
         else:
             result = wrapper.attribute(inp, target=answer_ids, per_token=per_token, **options)
-        explanation.seconds[display] = time.perf_counter() - start
-        explanation.methods[display] = info
-        explanation.seq_attr[display] = result.seq_attr.float().tolist()
-        if per_token and result.token_attr is not None:
-            explanation.token_attr[display] = result.token_attr.float().tolist()
+        _add_method(explanation, display, info, start, result.seq_attr, result.token_attr if per_token else None)
     return explanation
 
 
@@ -192,13 +189,23 @@ def _prompt_estimates(
     return answer_estimates(model, ids.to(device), answer_ids.to(device)[None], segments, by_share, image_inputs=images).float().cpu()
 
 
-def _add_signed(explanation: AnswerExplanation, display: str, scores: torch.Tensor, start: float) -> None:
-    """A method's signed ``scores`` of the answer's log-probability (the estimates',
-    Integrated Gradients' of an image's answer), one per feature, in ``explanation`` under
-    ``display``, timed from ``start``."""
+def _add_method(
+    explanation: AnswerExplanation, display: str, info: MethodInfo, start: float, scores: torch.Tensor,
+    rows: torch.Tensor | None = None, grid: torch.Tensor | None = None, row_grids: torch.Tensor | None = None,
+) -> None:
+    """A method's results in ``explanation`` under ``display``, timed from ``start``: its
+    ``scores`` of the whole answer, one per feature, and where given each answer token's
+    (``rows``), and the image grid of the whole answer (``grid``) and of each answer token
+    (``row_grids``)."""
     explanation.seconds[display] = time.perf_counter() - start
-    explanation.methods[display] = MethodInfo(uses_target=True, signed=True)
-    explanation.seq_attr[display] = scores.tolist()
+    explanation.methods[display] = info
+    explanation.seq_attr[display] = scores.detach().float().tolist()
+    if rows is not None:
+        explanation.token_attr[display] = rows.detach().float().tolist()
+    if grid is not None:
+        explanation.image_grids[display] = grid.detach().float().tolist()
+    if row_grids is not None:
+        explanation.token_grids[display] = row_grids.detach().float().tolist()
 
 
 def _per_token_flags(flags: list[bool] | None, ids: torch.Tensor) -> torch.Tensor:
@@ -300,7 +307,7 @@ def _wrapper(model: Any, tokenizer: Any, name: str) -> tuple[Any, MethodInfo]:
     answer's log-probability, so each uses the target)."""
     if name == INTEGRATED_GRADIENTS:
         layer = LayerIntegratedGradients(model, model.get_input_embeddings())
-        return LLMGradientAttribution(layer, tokenizer), MethodInfo(uses_target=True, signed=True)
+        return LLMGradientAttribution(layer, tokenizer), SIGNED
     explainer = registered_method("attn_lrp" if name == PRESENCE else name, model)
     return LLMAttentionAttribution(explainer, tokenizer), MethodInfo.of(explainer)
 
@@ -380,23 +387,19 @@ def explain_image_answer(
             else:
                 keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
                 scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
-            _add_signed(explanation, _display(name), _feature_scores(scores, features, image_column)[0], start)
+            _add_method(explanation, _display(name), SIGNED, start, _feature_scores(scores, features, image_column)[0])
             continue
         explainer = registered_method(name, model)
         span = prompt_scores(model, explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args))
         rows = prompt_scores(
             model, explainer.attribute_continuation(ids, answer_ids[None], additional_forward_args=args, log_prob=True)
         ) if per_token else None
-        display = _display(name)
-        explanation.seconds[display] = time.perf_counter() - start
-        explanation.methods[display] = MethodInfo.of(explainer)
-        explanation.seq_attr[display] = _feature_scores(span, features, image_column)[0].tolist()
-        if rows is not None:
-            explanation.token_attr[display] = _feature_scores(rows, features, image_column)[0].tolist()
-        if has_grid:
-            explanation.image_grids[display] = image_scores(model, ids, span, inputs)[0][0].detach().float().tolist()
-            if rows is not None:
-                explanation.token_grids[display] = image_scores(model, ids, rows, inputs)[0][0].detach().float().tolist()
+        _add_method(
+            explanation, _display(name), MethodInfo.of(explainer), start, _feature_scores(span, features, image_column)[0],
+            None if rows is None else _feature_scores(rows, features, image_column)[0],
+            image_scores(model, ids, span, inputs)[0][0] if has_grid else None,
+            image_scores(model, ids, rows, inputs)[0][0] if has_grid and rows is not None else None,
+        )
         if name == "attn_lrp" and grey is not None and not cross_attends_images(model) and _pixels_on_grid(model, grey, inputs):
             _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
@@ -440,20 +443,13 @@ def explain_caption(
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
             summed = caption_integrated_gradients(model, pixels, answer_ids[None], grey, ig_steps)[0]
-            _add_signed(explanation, _display(name), summed.sum()[None], start)
-            explanation.image_grids[_display(name)] = summed.tolist()
+            _add_method(explanation, _display(name), SIGNED, start, summed.sum()[None], grid=summed)
             continue
         explainer = registered_method(name, model)
-        patches, _ = explainer.attribute_span(pixels, answer_ids[None])
+        patches = explainer.attribute_span(pixels, answer_ids[None])[0][0]
         rows = explainer.attribute_continuation(pixels, answer_ids[None], log_prob=True)[0][0] if per_token else None
-        display = _display(name)
-        explanation.seconds[display] = time.perf_counter() - start
-        explanation.methods[display] = MethodInfo.of(explainer)
-        explanation.seq_attr[display] = [patches[0].sum().item()]
-        explanation.image_grids[display] = patches[0].detach().float().tolist()
-        if rows is not None:
-            explanation.token_attr[display] = rows.sum(dim=(-2, -1))[:, None].tolist()
-            explanation.token_grids[display] = rows.detach().float().tolist()
+        _add_method(explanation, _display(name), MethodInfo.of(explainer), start, patches.sum()[None],
+                    None if rows is None else rows.sum(dim=(-2, -1))[:, None], patches, rows)
     first = next(iter(explanation.image_grids.values()))
     explanation.grid_covers_image = grid_follows_image((len(first), len(first[0])), image.size)
     return explanation
@@ -547,14 +543,12 @@ def _add_pixels(
     options = {"additional_forward_args": args, "through_vision_tower": True, "pixel_baselines": reference}
     tokens, pixels = explainer.attribute_span(ids, answer_ids[None], **options)
     rows = explainer.attribute_continuation(ids, answer_ids[None], log_prob=True, **options) if per_token else None
-    explanation.seconds[PIXELS] = time.perf_counter() - start
-    explanation.methods[PIXELS] = MethodInfo(uses_target=True, signed=True)
     image_column = _image_column(explainer.model, ids, features)
-    explanation.seq_attr[PIXELS] = _feature_scores((pixels, tokens), features, image_column)[0].tolist()
-    if rows is not None:
-        row_tokens, row_pixels = rows
-        explanation.token_attr[PIXELS] = _feature_scores((row_pixels, row_tokens), features, image_column)[0].tolist()
-    explanation.image_grids[PIXELS] = pixel_scores(explainer.model, pixels.detach(), args[1])[0].tolist()
+    _add_method(
+        explanation, PIXELS, SIGNED, start, _feature_scores((pixels, tokens), features, image_column)[0],
+        None if rows is None else _feature_scores((rows[1], rows[0]), features, image_column)[0],
+        pixel_scores(explainer.model, pixels.detach(), args[1])[0],
+    )
 
 
 def _image_column(model: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

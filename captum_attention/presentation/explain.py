@@ -115,6 +115,12 @@ class MethodInfo:
         return not self.uses_target and not self.signed
 
 
+SIGNED = MethodInfo(uses_target=True, signed=True)
+"""How to read signed scores of the explained class or answer that no registered method
+gives (Integrated Gradients', the estimates', AttnLRP's at a presence refined by removals,
+AttnLRP's on the pixels)."""
+
+
 @dataclass
 class Explanations:
     """Explanations of a batch of sentences, each method's wall time over all of them, and
@@ -628,9 +634,7 @@ def report_methods(
                 internal_batch_size=ig_batch_size,
             ).sum(dim=-1)
 
-        methods[INTEGRATED_GRADIENTS] = ReportMethod(
-            "Integrated Gradients", integrated_gradients, MethodInfo(uses_target=True, signed=True)
-        )
+        methods[INTEGRATED_GRADIENTS] = ReportMethod("Integrated Gradients", integrated_gradients, SIGNED)
     if PRESENCE not in names and not set(CLASSIFIERS_ONLY) & set(names):
         return methods
     attn_lrp = METHODS["attn_lrp"](forward, model=model)
@@ -646,13 +650,13 @@ def report_methods(
         methods[CALIBRATED] = ReportMethod(
             f"{presence_display(presence)}, calibrated",
             refined_method(at_presence, calibrated_attribution, forward, tokenizer, calibration_notes),
-            MethodInfo(uses_target=True, signed=True),
+            SIGNED,
         )
     if HALF_CONTEXTS in names:
         methods[HALF_CONTEXTS] = ReportMethod(
             f"{presence_display(presence)}, in half contexts",
             refined_method(at_presence, in_half_contexts(attn_lrp), forward, tokenizer),
-            MethodInfo(uses_target=True, signed=True),
+            SIGNED,
         )
     return methods
 
