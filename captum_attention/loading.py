@@ -99,8 +99,14 @@ def _config_task(folder: Path) -> str:
             f"{folder} is not a Hugging Face checkpoint (no readable config.json): {error_line(error)}"
         ) from error
     architectures = config.architectures or []
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT
+
+    from .capture.adapters.images import IMAGE_FEATURES_FIRST
+
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         return "classification"
+    if config.model_type in IMAGE_FEATURES_FIRST and IMAGE_TEXT.get(config.model_type) in architectures:
+        return "image-text-to-text"  # GIT's causal LM reads an image
     if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
         return "generation"
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
@@ -109,8 +115,6 @@ def _config_task(folder: Path) -> str:
         return "seq2seq"
     if config.model_type == CAPTIONER_TYPE:
         return "image-to-text"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT
-
     if IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"
     raise CheckpointError(

@@ -231,19 +231,7 @@ def llava_pixel_relevance(
     pixels = pixel_values.detach().clone().requires_grad_()
     tokens = model.model.language_model.embed_tokens.weight.detach()[input_ids]
     terms = Terms(tokens.clone().requires_grad_())
-    patches = _tokens(F.conv2d(pixels, tower.embeddings.patch_embedding.weight.detach(), stride=tower.config.patch_size))
-    batch = len(pixels)
-    hidden = torch.cat([terms.leaf(tower.embeddings.class_embedding.expand(batch, 1, -1)), patches], dim=1)
-    hidden = _layer_norm(hidden + terms.leaf(tower.embeddings.position_embedding.weight.expand(batch, -1, -1)), tower.pre_layrnorm, terms)
-    heads = tower.config.num_attention_heads
-    layers = tower.encoder.layers[: len(tower.encoder.layers) + 1 + config.vision_feature_layer]
-    for layer in layers:
-        attention, normed = layer.self_attn, _layer_norm(hidden, layer.layer_norm1, terms)
-        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
-        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.out_proj, terms)
-        normed = _layer_norm(hidden, layer.layer_norm2, terms)
-        inner = identity(lambda x: x * torch.sigmoid(1.702 * x), _linear(normed, layer.mlp.fc1, terms))
-        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    hidden = _clip_tower(tower, pixels, tower.encoder.layers[: len(tower.encoder.layers) + 1 + config.vision_feature_layer], terms)
     features = hidden[:, 1:] if config.vision_feature_select_strategy == "default" else hidden
     projector = model.model.multi_modal_projector
     features = _linear(identity(F.gelu, _linear(features, projector.linear_1, terms)), projector.linear_2, terms)
@@ -254,6 +242,24 @@ def llava_pixel_relevance(
     explained = llama_explained(language_model, terms, merged, attention_mask, None, span, positions)
     token_grad, pixel_grad = torch.autograd.grad(explained.sum(), [terms.tokens, pixels])
     return (terms.tokens.detach() * token_grad).sum(dim=-1), (pixel_values - baseline) * pixel_grad
+
+
+def _clip_tower(tower, pixels: Tensor, layers, terms: Terms) -> Tensor:
+    """A CLIP vision transformer's states after ``layers`` of its encoder, from the patch
+    convolution's outputs of the ``pixels`` leaf (class token, positions, pre-norm, QuickGELU)."""
+    patches = _tokens(F.conv2d(pixels, tower.embeddings.patch_embedding.weight.detach(), stride=tower.config.patch_size))
+    batch = len(pixels)
+    hidden = torch.cat([terms.leaf(tower.embeddings.class_embedding.expand(batch, 1, -1)), patches], dim=1)
+    hidden = _layer_norm(hidden + terms.leaf(tower.embeddings.position_embedding.weight.expand(batch, -1, -1)), tower.pre_layrnorm, terms)
+    heads = tower.config.num_attention_heads
+    for layer in layers:
+        attention, normed = layer.self_attn, _layer_norm(hidden, layer.layer_norm1, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, q.shape[-1] ** -0.5, torch.zeros(()), terms), attention.out_proj, terms)
+        normed = _layer_norm(hidden, layer.layer_norm2, terms)
+        inner = identity(lambda x: x * torch.sigmoid(1.702 * x), _linear(normed, layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    return hidden
 
 
 def mllama_relevance(
@@ -830,3 +836,52 @@ def donut_relevance(model, pixel_values: Tensor, decoder_ids: Tensor, span: Tens
     log_probs = _linear(_layer_norm(hidden, decoder.layer_norm, terms), model.decoder.lm_head, terms).log_softmax(dim=-1)
     return _caption_relevance(patches, terms, log_probs, span)
 
+
+
+def git_relevance(model, input_ids: Tensor, features: Tensor, span: Tensor) -> tuple[Tensor, Tensor]:
+    """AttnLRP of a GIT's text model for the answer ``span`` (the last tokens of
+    ``input_ids``, unpadded): ``(image feature relevance (B, F), token relevance (B, T))``,
+    the features being the visual projection's outputs ``(B, F, d)``."""
+    terms = Terms(model.git.embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_())
+    leaf = features.detach().clone().requires_grad_()
+    feature_grad, token_grad = torch.autograd.grad(_git_explained(model, terms, leaf, input_ids, span), [leaf, terms.tokens])
+    return (leaf.detach() * feature_grad).sum(dim=-1), (terms.tokens.detach() * token_grad).sum(dim=-1)
+
+
+def git_pixel_relevance(model, input_ids: Tensor, pixel_values: Tensor, span: Tensor, baseline: float) -> tuple[Tensor, Tensor]:
+    """:func:`git_relevance` carried through GIT's image encoder (a CLIP vision
+    transformer, its post-norm) and its visual projection (linear, norm) to the pixels:
+    ``(token relevance (B, T), pixel relevance (x - baseline)·g shaped as pixel_values)``."""
+    terms = Terms(model.git.embeddings.word_embeddings.weight.detach()[input_ids].clone().requires_grad_())
+    pixels = pixel_values.detach().clone().requires_grad_()
+    vision, projection = model.git.image_encoder.vision_model, model.git.visual_projection.visual_projection
+    hidden = _layer_norm(_clip_tower(vision, pixels, vision.encoder.layers, terms), vision.post_layernorm, terms)
+    features = _layer_norm(_linear(hidden, projection[0], terms), projection[1], terms)
+    token_grad, pixel_grad = torch.autograd.grad(_git_explained(model, terms, features, input_ids, span), [terms.tokens, pixels])
+    return (terms.tokens.detach() * token_grad).sum(dim=-1), (pixel_values - baseline) * pixel_grad
+
+
+def _git_explained(model, terms: Terms, features: Tensor, input_ids: Tensor, span: Tensor) -> Tensor:
+    """The summed log-probability of ``span`` under the rules: the image's ``features``
+    first, then the tokens' embeddings (``terms.tokens`` with their positions, normed);
+    the image's positions see each other both ways and no token, each token sees them and
+    the tokens up to it; BERT layers (post-norm, GELU), then the output head."""
+    git, heads = model.git, model.config.num_attention_heads
+    images, length = features.shape[1], input_ids.shape[1]
+    positions = terms.leaf(git.embeddings.position_embeddings.weight[:length][None].expand(len(input_ids), -1, -1))
+    hidden = torch.cat([features, _layer_norm(terms.tokens + positions, git.embeddings.LayerNorm, terms)], dim=1)
+    total = images + length
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    visible[:, :images] = True
+    visible[images:, images:] = torch.ones(length, length).tril().bool()
+    bias = torch.zeros(total, total).masked_fill(~visible, torch.finfo(torch.float32).min)
+    for layer in git.encoder.layer:
+        attention = layer.attention
+        q, k, v = (_heads(_linear(hidden, getattr(attention.self, n), terms), heads) for n in ("query", "key", "value"))
+        context = _attend(q, k, v, q.shape[-1] ** -0.5, bias, terms)
+        hidden = _layer_norm(_linear(context, attention.output.dense, terms) + hidden, attention.output.LayerNorm, terms)
+        inner = identity(F.gelu, _linear(hidden, layer.intermediate.dense, terms))
+        hidden = _layer_norm(_linear(inner, layer.output.dense, terms) + hidden, layer.output.LayerNorm, terms)
+    read = torch.arange(total - span.shape[1] - 1, total - 1)
+    log_probs = _linear(hidden[:, read], model.output, terms).log_softmax(dim=-1)
+    return log_probs.gather(2, span[..., None])[..., 0].sum()

@@ -32,9 +32,10 @@ def _modules(model, family: str):
     """Per layer, as the authors' config names them: the values' module, the output
     projection as ``(out, in)`` weight and its bias, the norm after the residual (``ln1``,
     post-norm only) and the norm that takes the attention block's output (``ln2``)."""
-    if family == "bert":
+    if family in ("bert", "git"):  # GIT's text model: BERT's layers
+        layers = model.bert.encoder.layer if family == "bert" else model.git.encoder.layer
         return [(layer.attention.self.value, layer.attention.output.dense.weight, layer.attention.output.dense.bias,
-                 layer.attention.output.LayerNorm, layer.output.LayerNorm) for layer in model.bert.encoder.layer]
+                 layer.attention.output.LayerNorm, layer.output.LayerNorm) for layer in layers]
     if family == "llama":
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.post_attention_layernorm)
                 for layer in model.model.layers]
@@ -119,7 +120,7 @@ def _run(model, family: str, ids):
             handles.append(block.mlp.register_forward_hook(lambda module, args, output: seen["mlp"].append(output.detach())))
             handles.append(block.register_forward_hook(
                 lambda module, args, output: seen["beside"].append((output[0] if isinstance(output, tuple) else output).detach() - seen["mlp"][-1])))
-    if family != "bert":
+    if family not in ("bert", "git"):
         handles.append(_final(model, family)[0].register_forward_hook(keep("final")))
     try:
         with torch.no_grad():
@@ -230,20 +231,26 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
     scores = torch.zeros(ids.shape)
     for b, real, example in _examples(ids, mask):
         row = query if family == "bert" else int(real.sum()) - 1
-        out, seen, heads, kv_heads = _run(model, family, example)
-        layers = _modules(model, family)
-        layer = layer % len(layers)
-        weight, ln1 = layers[layer][1], layers[layer][3]
-        hidden = out.hidden_states[layer][0].double()  # the layer's input
-        summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
-        summed = _through_attention_norm(model, family, layer, seen, summed[row : row + 1], slice(row, row + 1))[0]
-        residual = summed + torch.eye(hidden.shape[0], dtype=hidden.dtype)[row][:, None] * hidden[row]
-        if ln1 is not None:
-            pre = seen["ln1"][layer][0, row].double()
-            var = (pre - pre.mean()).pow(2).mean()
-            residual = (residual - residual.mean(-1, keepdim=True)) / (var + ln1.eps) ** 0.5 * ln1.weight.detach().double()
-        scores[b, real] = residual.norm(dim=-1).float()
+        scores[b, real] = example_residual_norms(model, family, example, row, layer)
     return scores
+
+
+def example_residual_norms(model, family: str, example, row: int, layer: int) -> torch.Tensor:
+    """:func:`residual_norms_reference` of one unpadded example ``(1, T)`` at its ``row``,
+    over every position the layer attends to."""
+    out, seen, heads, kv_heads = _run(model, family, example)
+    layers = _modules(model, family)
+    layer = layer % len(layers)
+    weight, ln1 = layers[layer][1], layers[layer][3]
+    hidden = out.hidden_states[layer][0].double()  # the layer's input
+    summed = _layer_vectors(out.attentions[layer][0], seen["values"][layer], weight.detach(), heads, kv_heads)
+    summed = _through_attention_norm(model, family, layer, seen, summed[row : row + 1], slice(row, row + 1))[0]
+    residual = summed + torch.eye(hidden.shape[0], dtype=hidden.dtype)[row][:, None] * hidden[row]
+    if ln1 is not None:
+        pre = seen["ln1"][layer][0, row].double()
+        var = (pre - pre.mean()).pow(2).mean()
+        residual = (residual - residual.mean(-1, keepdim=True)) / (var + ln1.eps) ** 0.5 * ln1.weight.detach().double()
+    return residual.norm(dim=-1).float()
 
 
 @pytest.mark.parametrize("layer", [-1, 0])

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, save_blip_checkpoint, save_captioner_checkpoint, save_llava_checkpoint, save_mllama_checkpoint
+from vlm_models import (
+    IMAGE, save_blip_checkpoint, save_captioner_checkpoint, save_git_checkpoint, save_llava_checkpoint, save_mllama_checkpoint,
+)
 
 from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
@@ -618,6 +620,91 @@ def test_evaluate_scores_blips_captions_as_the_model_does_alone(blip, tmp_path):
     answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
     assert read.shape[1] == inputs["pixel_values"].shape[1] == 3
     assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2]), abs=1e-5)
+    assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def git(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm") / "git"
+    save_git_checkpoint(folder)
+    return folder
+
+
+def _git_read(git, image, prompt):
+    """The GIT checkpoint, its processor, the prompt as its ``generate`` reads it ([CLS] and
+    the words, the processor's [SEP] dropped) and the image inputs."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(git, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(git, local_files_only=True)
+    inputs = dict(processor(text=prompt, images=Image.open(image).convert("RGB"), return_tensors="pt"))
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask")
+    assert int(ids[0, 0]) == 1 and int(ids[0, -1]) == 2, "the processor's [CLS] ... [SEP]"
+    return model, processor, ids[:, :-1], inputs
+
+
+def test_explain_gits_answer_with_its_image_features_first(git, tmp_path):
+    """A GIT checkpoint (a GitForCausalLM) was refused with --image ("holds no
+    vision-language model"): its text model reads the image's features before the
+    prompt. The report's ``<image>``, first, holds the features' summed score, the words
+    theirs, the grid :func:`image_scores`'; AttnLRP through the image encoder its pixels'
+    relevance; the answer is what ``generate`` gives after [CLS] and the words."""
+    from captum_attention import METHODS
+
+    image, report = _image(tmp_path, 32, 32), tmp_path / "answer.json"
+    assert main(["explain", "--model", str(git), "--image", str(image), "the cat is", "--max-new-tokens", "3",
+                 "--methods", "rollout,attn_lrp", "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model, processor, read, inputs = _git_read(git, image, "the cat is")
+    answer = model.generate(input_ids=read, **inputs, max_new_tokens=3, do_sample=False)[:, read.shape[1] :]
+    assert explanation["answer"] == processor.tokenizer.decode(answer[0])
+    assert explanation["prompt_tokens"] == ["<image>", "<s>", "the", "cat", "is"]
+    args = (torch.ones_like(read), inputs)
+    for name, method in (("Attention Rollout", "rollout"), ("AttnLRP", "attn_lrp")):
+        features, text = METHODS[method](model).attribute_span(read, answer, additional_forward_args=args)
+        expected = torch.tensor([float(features.sum()), *text[0, : read.shape[1]].tolist()])
+        torch.testing.assert_close(torch.tensor(explanation["seq_attr"][name]), expected, rtol=1e-5, atol=1e-7)
+        (grid,) = image_scores(model, read, (features, text), inputs)[0]
+        torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), grid, rtol=1e-5, atol=1e-9)
+    grey = processor(text="the cat is", images=Image.new("RGB", (32, 32), (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    text, pixels = AttnLRP(model).attribute_span(read, answer, additional_forward_args=args, through_vision_tower=True,
+                                                 pixel_baselines=grey)
+    expected = torch.tensor([float(pixels.sum()), *text[0, : read.shape[1]].tolist()])
+    torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["AttnLRP → pixels"]), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_explain_captions_with_gits_start_token_alone_and_refuses_a_models_missing_prompt(git, llava, tmp_path, capsys):
+    """Without a prompt, a model that reads its image outside the prompt (GIT) captions it
+    after [CLS] alone; one whose prompt holds the image (LLaVA) is refused in one line."""
+    image, report = _image(tmp_path, 32, 32), tmp_path / "caption.json"
+    assert main(["explain", "--model", str(git), "--image", str(image), "--max-new-tokens", "3", "--methods", "raw",
+                 "--json", str(report)]) == 0
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    model, processor, read, inputs = _git_read(git, image, "")
+    assert read.tolist() == [[1]]
+    caption = model.generate(input_ids=read, **inputs, max_new_tokens=3, do_sample=False)[:, 1:]
+    assert explanation["answer"] == processor.tokenizer.decode(caption[0]) and explanation["prompt_tokens"] == ["<image>", "<s>"]
+    features, text = RawAttention(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
+    torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Raw Attention"]), torch.tensor([float(features.sum()), float(text[0, 0])]))
+    capsys.readouterr()
+    assert main(["explain", "--model", str(llava), "--image", str(image)]) == 1
+    assert capsys.readouterr().err.strip().endswith("answers a prompt about the image: give the prompt (quoted), or --file")
+
+
+def test_evaluate_scores_gits_answers_as_the_model_does_alone(git, tmp_path):
+    """The top-3 drop removes GIT's three words, [CLS] and the image kept, against the
+    model run on [CLS] alone with the pixels."""
+    image = _image(tmp_path, 32, 32)
+    out = tmp_path / "out"
+    data = _answers(tmp_path, [{"prompt": "the cat is", "image": image.name, "answer": "a dog"}])
+    assert main(["evaluate", str(data), "--model", str(git), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
+                 "--output", str(out)]) == 0
+    (result,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    model, processor, read, inputs = _git_read(git, image, "the cat is")
+    answer = torch.tensor([processor.tokenizer("a dog", add_special_tokens=False)["input_ids"]])
+    assert read.shape[1] == 4
+    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2, 3]), abs=1e-5)
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
 
 

@@ -804,22 +804,20 @@ def test_integrated_gradients_of_an_answer_encode_the_image_once(monkeypatch):
     torch.testing.assert_close(scores["once"], explain.answer_integrated_gradients(model, ids, ANSWER[:1], 6, images), rtol=1e-4, atol=1e-6)
 
 
-def test_a_model_that_puts_image_features_before_the_tokens_is_refused_in_one_line(capture_mode):
-    """GIT's text model attends over its image's features and then the tokens, positions
-    no input token stands for: refused naming them (it was refused as windowed attention);
-    the tokens alone are explained."""
-    import transformers as tf
+def test_a_model_that_adds_positions_of_unknown_place_is_refused_in_one_line(capture_mode, monkeypatch):
+    """A text model that attends over more positions than its tokens, in a family not known
+    to put them before the tokens (GIT's known place taken away here), is refused naming
+    them; the tokens alone are explained."""
+    from captum_attention.capture.adapters import images
+    from vlm_models import make_git
 
-    torch.manual_seed(0)
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=16)
-    config = tf.GitConfig(vision_config=vision, vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=37, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    model = tf.GitForCausalLM(config).eval()
+    monkeypatch.setattr(images, "IMAGE_FEATURES_FIRST", {})
+    model = make_git()
     ids = torch.randint(3, 99, (1, 6))
     args = (torch.ones_like(ids), {"pixel_values": torch.randn(1, 3, 32, 32)})
     for explain in (lambda: AttnLRP(model).attribute(ids, additional_forward_args=args),
                     lambda: AttnLRP(model).attribute_span(ids, torch.tensor([[5, 7]]), additional_forward_args=args)):
-        assert_refused_in_one_line(model, explain, r"GitSelfAttention \(attention call 2\) attends over 1[13] positions for the [68] "
+        assert_refused_in_one_line(model, explain, r"GitSelfAttention \(attention call 0\) attends over 1[13] positions for the [68] "
                                                    "input tokens: the model adds positions of its own")
     assert AttnLRP(model).attribute(ids, additional_forward_args=args[:1]).abs().sum() > 0
 

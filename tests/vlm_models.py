@@ -407,6 +407,46 @@ def save_blip_checkpoint(folder) -> nn.Module:
     return model
 
 
+GIT_IMAGE_SIZE, GIT_PATCH = 32, 16
+GIT_FEATURES = (GIT_IMAGE_SIZE // GIT_PATCH) ** 2 + 1
+"""GIT's image features before its tokens: its image encoder's class token and 2 × 2 patches."""
+
+
+def make_git(seed: int = 0, frames: int | None = None) -> nn.Module:
+    """A tiny GIT: a two-layer CLIP image encoder over 32 × 32 images in 2 × 2 patches of
+    16, its features projected and put before the tokens of a two-layer text model;
+    ``<s>`` (1) its BOS, ``</s>`` (2) its EOS (the [SEP] its processor ends a prompt with);
+    ``frames``: a video's, each frame's features after the last's."""
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=GIT_IMAGE_SIZE,
+                  patch_size=GIT_PATCH)
+    config = tf.GitConfig(vision_config=vision, vocab_size=IMAGE + 1, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          num_image_with_embedding=frames)
+    return tf.GitForCausalLM(config).eval()
+
+
+def save_git_checkpoint(folder) -> nn.Module:
+    """The tiny GIT saved with its processor: a WordPiece tokenizer of ``lm_models.WORDS``
+    (``<s>`` its [CLS], ``</s>`` its [SEP]) and CLIP's image processor at 32 × 32."""
+    from pathlib import Path
+
+    from lm_models import WORDS
+
+    vocabulary = [*WORDS, *(f"w{i}" for i in range(len(WORDS), IMAGE + 1))]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "vocab.txt").write_text("\n".join(vocabulary) + "\n", encoding="utf-8")
+    tokenizer = tf.BertTokenizerFast(
+        str(Path(folder) / "vocab.txt"), do_lower_case=False, unk_token="<pad>", sep_token="</s>", pad_token="<pad>",
+        cls_token="<s>", mask_token="<pad>", model_input_names=["input_ids", "attention_mask"],  # as GIT's checkpoints' tokenizer
+    )
+    images = tf.CLIPImageProcessorPil(size={"shortest_edge": GIT_IMAGE_SIZE}, crop_size={"height": GIT_IMAGE_SIZE, "width": GIT_IMAGE_SIZE})
+    model = make_git()
+    model.save_pretrained(folder)
+    tf.GitProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
+    return model
+
+
 DECODERS = {
     "gpt2": lambda vocab: tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True, is_decoder=True),
     "bert": lambda vocab: tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

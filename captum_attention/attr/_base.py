@@ -298,7 +298,7 @@ class AttentionAttributionBase:
         if not record.is_encoder_decoder and len(tensors) != 1:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
         scores, maps = self._method_scores(record, **options)
-        scores = _zero_padding(record, scores)
+        scores = leading_apart(record, _zero_padding(record, scores))
         if tensors[0].dim() == 4:
             scores = _on_patch_grid(adapter, self.model, tensors[0], scores)
         return format_scores(is_tuple or isinstance(scores, tuple), scores, maps, return_maps)
@@ -361,8 +361,8 @@ class AttentionAttributionBase:
             token = continuation[:, step].to(record.logits.device)
             target = LogProbTarget(position[:, None], token[:, None]) if log_prob else token
             explained = self._explained(record.at_query(position), target, retain_graph=step < new_tokens - 1)
-            rows.append(_zero_padding(explained, self._method_scores(explained, **options)[0]))
-        if isinstance(rows[0], tuple):  # (source, target), or (tokens, pixels)
+            rows.append(leading_apart(explained, _zero_padding(explained, self._method_scores(explained, **options)[0])))
+        if isinstance(rows[0], tuple):  # (source, target), (tokens, pixels), or (leading positions, tokens)
             stacked = torch.stack([row[0] for row in rows], dim=1), torch.stack([row[1] for row in rows], dim=1)
             return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, stacked) if inputs.dim() == 4 else stacked
         return torch.stack(rows, dim=1)
@@ -418,7 +418,7 @@ class AttentionAttributionBase:
         positions = torch.arange(first, first + new_tokens, device=record.target_real.device)
         target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
         explained = self._explained(record.at_query(target.query_weights(record.target_real.shape[1])), target)
-        scores = _zero_padding(explained, self._method_scores(explained, **options)[0])
+        scores = leading_apart(explained, _zero_padding(explained, self._method_scores(explained, **options)[0]))
         return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, scores) if inputs.dim() == 4 else scores
 
     def _continuation_record(
@@ -441,8 +441,8 @@ class AttentionAttributionBase:
         _check_vocabulary(adapter, self.model, sequence)
         extra = _extend_masks(adapter, self.model, additional_forward_args, prompt.shape, continuation.shape[1])
         record = self._recorded((sequence,), extra, None, effective, False, options)
-        _check_continuation_record(record, prompt.shape[1])
-        return record, prompt.shape[1] - 1
+        _check_continuation_record(record, record.leading + prompt.shape[1])
+        return record, record.leading + prompt.shape[1] - 1
 
 
 AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__doc__)
@@ -488,7 +488,8 @@ def with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, re
 def relevance_scores(record: ForwardRecord) -> Scores:
     """The relevance per token, aligned right with the tokens the attention sees (a
     vision transformer's class and distillation tokens, which have no input embedding,
-    get 0); an encoder-decoder's ``(source, target)``; with pixels, ``(tokens, pixels)``."""
+    get 0), after the image features a model puts before its tokens (GIT's); an
+    encoder-decoder's ``(source, target)``; with pixels, ``(tokens, pixels)``."""
     relevance = record.result(TokenRelevance)
     if record.is_encoder_decoder:
         if len(relevance.per_sequence) < 2:
@@ -497,7 +498,11 @@ def relevance_scores(record: ForwardRecord) -> Scores:
                 "(the input embeddings of its get_encoder() and get_decoder()): its target's relevance cannot be read."
             )
         return _aligned(relevance.per_sequence[0], record.input_real), _aligned(relevance.per_sequence[-1], record.target_real)
-    tokens = _aligned(relevance.per_sequence[0], record.target_real)
+    if record.leading and len(relevance.per_sequence) > 1:  # GIT's image features, then its tokens
+        features, text = relevance.per_sequence[0], relevance.per_sequence[-1]
+        tokens = torch.cat([features, _aligned(text, record.target_real[:, record.leading :])], dim=1)
+    else:
+        tokens = _aligned(relevance.per_sequence[0], record.target_real)
     return tokens if relevance.pixels is None else (tokens, relevance.pixels)
 
 
@@ -516,6 +521,19 @@ def with_effective_attention(record: ForwardRecord) -> ForwardRecord:
         for call, (attn, values, projection) in enumerate(zip(record.attn_maps, recorded.values, recorded.projections))
     ]
     return replace(record, attn_maps=maps)
+
+
+def leading_apart(record: ForwardRecord, scores: Any) -> Any:
+    """``scores`` over a record's positions as ``(leading positions' scores, the input
+    tokens' scores)`` where the model put positions before the tokens (GIT's image
+    features: their scores first, as a model that cross-attends to its image's states gives
+    them); with pixels, ``(the input tokens' scores, pixels)`` (the features passed their
+    relevance on to the pixels); else as they are."""
+    if not record.leading:
+        return scores
+    if isinstance(scores, tuple):  # (tokens, pixels): a model with leading positions is no encoder-decoder
+        return scores[0][..., record.leading :], scores[1]
+    return scores[..., : record.leading], scores[..., record.leading :]
 
 
 def _zero_padding(record: ForwardRecord, scores: Any) -> Any:

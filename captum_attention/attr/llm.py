@@ -14,7 +14,7 @@ from captum.attr._core.llm_attr import DEFAULT_GEN_ARGS, BaseLLMAttribution
 from torch import Tensor
 
 from .._compat import pretty_tokens
-from ..capture.adapters.images import cross_attended_real, cross_attends_images, image_token_layout
+from ..capture.adapters.images import cross_attended_real, image_read_apart, image_token_layout
 from ..capture.record import warn_user
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
@@ -229,9 +229,10 @@ class _FeatureMap:
 def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inputs: dict[str, Any]) -> Tensor:
     """``(tokens, segments)``: each image token's patch, the cell of its grid laid over
     the whole image, shared among the segments by the fraction of its pixels each holds;
-    for Mllama ``(image states, segments)``, its tiles' patches in their place."""
+    for a model that reads its image apart from its tokens ``(image states, segments)``
+    (Mllama's tiles' patches in their place, BLIP's states, GIT's features)."""
     (images,) = image_token_layout(model, prompt.cpu(), image_inputs)
-    read = cross_attended_real(model.config, image_inputs).shape[1] if cross_attends_images(model) else prompt.shape[1]
+    read = cross_attended_real(model.config, image_inputs).shape[1] if image_read_apart(model) else prompt.shape[1]
     grid = images[0].grid if len(images) == 1 else None
     if grid is None:
         raise ValueError(
@@ -248,14 +249,15 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
         )
     masks = torch.stack([mask.float() for mask in inp.get_mask_list()])[:, None]
     shares = F.adaptive_avg_pool2d(masks, (rows, columns)).reshape(len(masks), rows * columns)
-    weights = torch.zeros(read, len(masks))  # over the prompt's tokens, or Mllama's image states
+    weights = torch.zeros(read, len(masks))  # over the prompt's tokens, or the image states read apart
     weights[image.grid_positions.cpu()] = shares.t()
     return weights
 
 
 def prompt_side(scores: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-    """A decoder's scores, or an encoder-decoder's source scores (its prompt); Mllama's
-    image-state scores, where its prompt's image is read."""
+    """A decoder's scores, or an encoder-decoder's source scores (its prompt); the scores
+    of the image a model reads apart from its tokens (Mllama's states, GIT's features),
+    where its prompt's image is read."""
     return scores[0] if isinstance(scores, tuple) else scores
 
 

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
+from .adapters.images import leading_image_features
 from .guard import ScopedFunctionMode, current_thread
 from .probes import CallInfo, Probe, RunKernel
 
@@ -203,6 +204,7 @@ class RelevanceRules(Probe):
         self.embeddings: list[Tensor] = []
         self.merged: list[Tensor] = []
         self.sources: list[Tensor] = []
+        self.leading: list[Tensor] = []  # the image features a model puts before its tokens (GIT's)
         self.injected: list[Injected] = []
         self.targets_from = 0  # an encoder-decoder's: the first embeddings recorded after the merged ones
         self.encoder_decoder = False
@@ -220,7 +222,7 @@ class RelevanceRules(Probe):
                 f"HuggingFaceAdapter); {type(adapter).__name__} models are not supported."
             )
         self._thread = current_thread()
-        self.embeddings, self.merged, self.sources, self.depth, self.targets_from = [], [], [], 0, 0
+        self.embeddings, self.merged, self.sources, self.leading, self.depth, self.targets_from = [], [], [], [], 0, 0
         self.injected = []
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._held = {}
@@ -233,6 +235,9 @@ class RelevanceRules(Probe):
         if merged is not None:
             stack.callback(merged.register_forward_pre_hook(self._record_merged_embeddings, with_kwargs=True).remove)
         self.names_merged, self._passed_on = merged is not None, []
+        leading = None if self.through_vision_tower else leading_image_features(model)
+        if leading is not None:
+            stack.callback(leading.register_forward_hook(self._record_leading).remove)
         for module in adapter.input_embeddings(model):
             stack.callback(module.register_forward_hook(self._record_embeddings).remove)
         stack.enter_context(_RuleMode(self))
@@ -245,7 +250,7 @@ class RelevanceRules(Probe):
         before its target."""
         injected = [Injected(i.features, i.positions, len(self.sources) + i.into) for i in self.injected]
         if not self.merged:
-            return Embeddings(self.sources + self.embeddings, injected)
+            return Embeddings(self.sources + self.leading + self.embeddings, injected)
         targets = self.embeddings[self.targets_from :] if self.encoder_decoder else []
         return Embeddings(self.sources + self.merged + targets, injected)
 
@@ -320,6 +325,13 @@ class RelevanceRules(Probe):
         passed_on = self._recorded(first, self.embeddings)
         self._passed_on.append((weakref.ref(passed_on), len(self.embeddings) - 1))
         return passed_on if first is output else (passed_on, *output[1:])
+
+    def _record_leading(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The image features the model puts before its tokens (GIT's visual projection's
+        output), detached and recorded."""
+        if not isinstance(output, Tensor) or not self._ours():
+            return None
+        return self._recorded(output, self.leading)
 
     def merge(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
         """``(True, result)`` where ``func`` merges an image's features into the embeddings

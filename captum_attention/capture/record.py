@@ -19,12 +19,14 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
 
 import captum
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, format_additional_forward_args, run_forward
 from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
+from .adapters.images import leading_image_features
 from .inputs import (
     LogProbTarget, QueryIndex, class_probabilities, output_logits, query_positions, query_row_weights, resolve_targets,
 )
@@ -85,6 +87,9 @@ class ForwardRecord:
         prefix: for a causal record whose leading tokens see each other both ways (a
             prefix language model's: PaliGemma's image and prompt, Gemma 3's images),
             ``(B,)`` long, one past the last key an earlier query sees; else None.
+        leading: how many positions the model put before the input tokens, which no input
+            token stands for (GIT's image features); every position of the record counts
+            them, the inputs' ``(B, N)`` tokens are its last N.
     """
 
     logits: Tensor
@@ -99,6 +104,7 @@ class ForwardRecord:
     kernel_calls: list[KernelCall] = field(default_factory=list)
     results: dict[type, Any] = field(default_factory=dict)
     prefix: Tensor | None = None
+    leading: int = 0
 
     @property
     def streaming(self) -> bool:
@@ -428,7 +434,9 @@ def record_forward(
     attn_maps = [] if streaming else [p.detach() for p in capture.attn_probs]
     shapes = [_shape(k) for k in kernel_calls] if streaming else [p.shape for p in attn_maps]
     roles = capture.roles
-    _check_attention(shapes, roles, batch, text_shape, [type(module).__name__ for module in capture.modules], adapter.is_encoder_decoder(model))
+    leading = _leading_positions(model, shapes, roles, text_shape)
+    seen_shape = text_shape if text_shape is None else (batch, leading + text_shape[1])
+    _check_attention(shapes, roles, batch, seen_shape, [type(module).__name__ for module in capture.modules], adapter.is_encoder_decoder(model))
     if streaming and "pooling" in roles:
         raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
@@ -443,7 +451,8 @@ def record_forward(
         source_real = real_tokens(source_mask, batch, cross[-1], device)
         target_real = real_tokens(target_mask, batch, cross[-2], device)
     else:
-        target_real = real_tokens(capture.attention_mask, batch, shapes[0][-1], device)
+        target_real = F.pad(real_tokens(capture.attention_mask, batch, shapes[0][-1] - leading, device), (leading, 0), value=True)
+    query_index = in_record_positions(query_index, leading)
     causal, prefix = _causality(capture, attn_maps, target_real, _generates(model))
     if source_real is not None and logits.dim() == 3 and not causal:
         raise UnsupportedModelError(
@@ -471,9 +480,33 @@ def record_forward(
     head_counts = [shape[1] for shape in shapes]
     results = {type(r): r for r in (probe.result() for probe in probes) if r is not None}
     record = ForwardRecord(
-        logits, attn_maps, head_counts, roles, target_real, source_real, queries, causal, capture, kernel_calls, results, prefix
+        logits, attn_maps, head_counts, roles, target_real, source_real, queries, causal, capture, kernel_calls, results, prefix,
+        leading,
     )
     return record.at_query(queries)
+
+
+def _leading_positions(model: nn.Module, shapes: list[torch.Size], roles: list[str], text_shape: tuple[int, int] | None) -> int:
+    """How many positions ``model`` put before the input tokens in this forward: the keys
+    of its first self-attention beyond the tokens, where it is known to put its image's
+    features there (:func:`~captum_attention.capture.adapters.images.leading_image_features`:
+    GIT's, given ``pixel_values``); else 0."""
+    if text_shape is None or leading_image_features(model) is None:
+        return 0
+    keys = next((shape[-1] for shape, role in zip(shapes, roles) if role == "self" and len(shape) == 4), text_shape[1])
+    return max(0, keys - text_shape[1])
+
+
+def in_record_positions(query_index: QueryIndex, leading: int) -> QueryIndex:
+    """``query_index`` given over the input tokens, as positions of a record that puts
+    ``leading`` positions before them (row weights padded with zeros there)."""
+    if not leading or query_index is None:
+        return query_index
+    if isinstance(query_index, Tensor) and query_index.is_floating_point():
+        return F.pad(query_index, (leading, 0))
+    if isinstance(query_index, Tensor | int):
+        return query_index + leading
+    return [position + leading for position in query_index]
 
 
 def _check_call(additional_forward_args: Any, track_grad: bool) -> None:
@@ -691,9 +724,9 @@ def _check_attention(
             assert text_shape is not None
             raise UnsupportedModelError(
                 f"{names[longer[0]]} (attention call {longer[0]}) attends over {shapes[longer[0]][-1]} positions for the "
-                f"{text_shape[1]} input tokens: the model adds positions of its own to the tokens (image features before "
-                "them, as GIT's), which no input token stands for; not explained yet (the tokens alone, without the image "
-                "inputs, are)."
+                f"{text_shape[1]} input tokens: the model adds positions of its own to the tokens, which no input token "
+                "stands for, and its family is not known to put them before the tokens (GIT's image features are); not "
+                "explained yet (the tokens alone, without the image inputs, are)."
             )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"

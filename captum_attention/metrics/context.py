@@ -42,8 +42,8 @@ from ..capture import AttentionAdapter
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import verdict_conditions
 from ..capture.adapters.images import (
-    ENCODED_IMAGES, TOWER_INPUTS, cross_attends_images, encoded_copies, encoded_images, image_marker_ids, image_token_id, marked_image_positions,
-    takes_encoded_images,
+    ENCODED_IMAGES, TOWER_INPUTS, encoded_copies, encoded_images, image_marker_ids, image_outside_prompt, image_token_id,
+    marked_image_positions, takes_encoded_images,
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import decoder_start_token, output_logits
@@ -563,12 +563,12 @@ def kept_image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segme
     without them, or place the image otherwise), or the positions an image input marks
     (:func:`~captum_attention.capture.adapters.images.marked_image_positions`: Kosmos-2's).
     Where neither names them, the given ``segments`` are trusted to keep them (-1); without
-    them, a one-line error. A model that cross-attends to its image without an image
-    token in its prompt (BLIP's) keeps none."""
+    them, a one-line error. A model that reads its image without an image token in its
+    prompt (BLIP's, GIT's) keeps none."""
     config = getattr(forward_func, "config", None)
     marked = marked_image_positions(images, input_ids.shape)
     if image_token_id(config) is None:
-        if marked is None and segments is None and not cross_attends_images(forward_func):
+        if marked is None and segments is None and not image_outside_prompt(forward_func):
             raise ValueError(
                 "forward_func's config names no image token (image_token_id), so the context metrics cannot keep the "
                 "image's tokens: give them segment -1 in segments."

@@ -622,15 +622,19 @@ def image_answer_ids(
 ) -> torch.Tensor:
     """``(n,)``: ``target`` tokenized without special tokens, or the model's greedy answer
     to the processor's prompt ``ids`` with its image ``inputs`` (an encoder-decoder's: its
-    decoder's tokens after its start token; BLIP's: after the prompt its ``generate``
-    reads, :func:`~captum_attention.capture.adapters.images.prompt_as_generated`)."""
+    decoder's tokens after its start token; BLIP's and GIT's: after the prompt their
+    ``generate`` reads, :func:`~captum_attention.capture.adapters.images.prompt_as_generated`;
+    BLIP's ``generate`` cuts the processor's prompt so itself, GIT's is given it cut)."""
     if target is not None:
         return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    read, read_mask = prompt_as_generated(model, ids, mask)
+    given, given_mask = (ids, mask) if getattr(model.config, "model_type", None) == "blip" else (read, read_mask)
     with torch.no_grad():  # a copy of the ids: BLIP's generate writes into the ids it is given
-        generated = model.generate(input_ids=ids.clone(), attention_mask=mask, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        generated = model.generate(input_ids=given.clone(), attention_mask=given_mask, **inputs, max_new_tokens=max_new_tokens,
+                                   do_sample=False)
     if getattr(model.config, "is_encoder_decoder", False):
         return generated[0, 1:]  # its decoder's, after the start token
-    return generated[0, prompt_as_generated(model, ids)[0].shape[1] :]
+    return generated[0, read.shape[1] :]
 
 
 def image_template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:

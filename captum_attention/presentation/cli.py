@@ -344,10 +344,11 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a vision-language model: the answer about ``--image``, each method's
     prompt tokens (the image's as one) and the image's grid."""
     from ..attr import REGISTRY
+    from ..capture.adapters.images import image_outside_prompt
     from ..loading import load_vision_language_model
     from .answer import explain_image_answer
 
-    prompt = _prompt(arguments)
+    prompt = _prompt(arguments) if arguments.sentences or arguments.file is not None else None
     if arguments.image is None:
         raise UsageError(f"{arguments.model} holds a vision-language model: give the image with --image")
     if not arguments.image.is_file():
@@ -363,6 +364,9 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
                                           INTEGRATED_GRADIENTS]))
     _check_outputs(arguments)
     model, processor = load_vision_language_model(arguments.model)
+    if prompt is None and not image_outside_prompt(model):
+        raise UsageError(f"{arguments.model} answers a prompt about the image: give the prompt (quoted), or --file")
+    prompt = prompt or ""  # a caption: GIT's and BLIP's after their start token alone
     _note_uniform_head_weights(model, methods)
     try:
         explanation = explain_image_answer(

@@ -393,13 +393,13 @@ class HuggingFaceAdapter(AdapterBase):
 
 def _language_model_sites(model: nn.Module, found: dict[nn.Module, AttentionSite]) -> list[AttentionSite]:
     """A vision-language model's sites in its language model, which reads the tokens (its
-    vision tower attends over the patches); of a model that names none, every site but its
-    image sub-models' (:func:`_image_models`)."""
+    vision tower attends over the patches), but its image sub-models'
+    (:func:`_image_models`); of a model that names none, every site but theirs."""
     language_model = language_model_of(model)
+    images = {module for image_model in _image_models(model) for module in image_model.modules()}
     if language_model is None:
-        images = {module for image_model in _image_models(model) for module in image_model.modules()}
         return [site for site in found.values() if site.module not in images]
-    inside = set(language_model.modules())
+    inside = set(language_model.modules()) - images  # GIT's holds its image encoder
     sites = [site for site in found.values() if site.module in inside]
     names = {module: name for name, module in model.named_modules()}
     cross = [site.role == "cross" or _takes_other_states(site.module, names[site.module]) for site in sites]

@@ -187,9 +187,8 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
             are not as many as its images' layout needs.
     """
     config = model.config
-    if getattr(config, "model_type", None) == "blip":
-        examples, rows, columns = _blip_patches(config, image_inputs)
-        return [[ImageTokens(1 + torch.arange(rows * columns), (rows, columns))] for _ in range(examples)]
+    if getattr(config, "model_type", None) in ("blip", "git"):
+        return _class_token_then_patches(config, image_inputs)
     if cross_attends_images(model):
         return _mllama_images(config, image_inputs)
     token = image_token_id(config)
@@ -404,18 +403,45 @@ def cross_attends_images(model: Any) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in CROSS_ATTENDED
 
 
-def image_outside_prompt(model: nn.Module) -> bool:
+IMAGE_FEATURES_FIRST = {"git": "GitProjection"}
+"""Families whose text model reads the image's features as positions of its own before the
+prompt's tokens, with no token of the prompt standing for them (GIT's), by the class of the
+module whose output those features are."""
+
+
+def leading_image_features(model: Any) -> nn.Module | None:
+    """The module whose output ``model`` puts before its prompt's token embeddings (GIT's
+    visual projection), or None for a model that reads its image otherwise or not at all."""
+    found = IMAGE_FEATURES_FIRST.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+    if found is None or not isinstance(model, nn.Module):
+        return None
+    return next((module for module in model.modules() if type(module).__name__ == found), None)
+
+
+def image_read_apart(model: Any) -> bool:
+    """Whether ``model``'s scores of its image come apart from its prompt tokens', first of
+    a pair: the states it cross-attends to (Mllama's, BLIP's), the features it puts before
+    its tokens (GIT's)."""
+    return cross_attends_images(model) or leading_image_features(model) is not None
+
+
+def image_outside_prompt(model: Any) -> bool:
     """Whether ``model`` reads its image with no token of its prompt standing for it (BLIP's
-    captioner, which cross-attends to it)."""
-    return cross_attends_images(model) and image_token_id(model.config) is None
+    captioner, which cross-attends to it; GIT, which puts its features before the tokens)."""
+    return image_read_apart(model) and image_token_id(model.config) is None
 
 
 def prompt_as_generated(model: nn.Module, ids: Tensor, *per_token: Tensor) -> tuple[Tensor, ...]:
     """The processor's prompt ``ids`` ``(B, N)`` as the model's ``generate`` reads it, and
     ``per_token`` values ``(..., N)`` cut as it is: BLIP's with ``bos_token_id`` in place of
-    its first token and without its last ([SEP]); any other model's as given."""
+    its first token and without its last ([SEP]); GIT's without the [SEP] its processor
+    ends it with (its ``eos_token_id``: GIT answers a question after ``[CLS]`` and the
+    question, and captions after ``[CLS]`` alone); any other model's as given."""
     config: Any = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "blip":
+    model_type = getattr(config, "model_type", None)
+    if model_type == "git" and ids.shape[1] > 1 and bool((ids[:, -1] == config.eos_token_id).all()):
+        return (ids[:, :-1], *(value[..., :-1] for value in per_token))
+    if model_type != "blip":
         return (ids, *per_token)
     read = ids[:, :-1].clone()
     read[:, 0] = config.text_config.bos_token_id
@@ -443,9 +469,21 @@ def _blip_patches(config: Any, image_inputs: Mapping[str, Any]) -> tuple[int, in
     gives its vision tower (after its class token)."""
     pixels = image_inputs.get("pixel_values")
     if pixels is None:
-        raise ValueError("BLIP's text decoder cross-attends to its image's states: pass the processor's pixel_values.")
+        raise ValueError(f"{config.model_type.upper()} reads its image's features: pass the processor's pixel_values.")
     patch = config.vision_config.patch_size
     return pixels.shape[0], pixels.shape[-2] // patch, pixels.shape[-1] // patch
+
+
+def _class_token_then_patches(config: Any, image_inputs: Mapping[str, Any]) -> list[list[ImageTokens]]:
+    """Per example, the patches of each image (of each frame of a video's ``(B, frames,
+    channels, height, width)`` pixels) among the image features the text model reads, each
+    image's class token first and left out: BLIP's states, GIT's features before its
+    tokens."""
+    examples, rows, columns = _blip_patches(config, image_inputs)
+    pixels = image_inputs["pixel_values"]
+    frames, per_image = pixels.shape[1] if pixels.dim() == 5 else 1, 1 + rows * columns
+    images = [ImageTokens(frame * per_image + 1 + torch.arange(rows * columns), (rows, columns)) for frame in range(frames)]
+    return [list(images) for _ in range(examples)]
 
 
 def _mllama_tiles(config: Any, image_inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, int]:
@@ -459,12 +497,12 @@ def _mllama_tiles(config: Any, image_inputs: Mapping[str, Any]) -> tuple[Tensor,
 
 
 def cross_attended_real(config: Any, image_inputs: Mapping[str, Any]) -> Tensor:
-    """``(B, S)`` bool, which of the vision states the cross-attention layers read belong
-    to an image: Mllama's real tiles (not a padding tile, not a missing image), every
-    state of BLIP's one image."""
-    if config.model_type == "blip":
-        examples, rows, columns = _blip_patches(config, image_inputs)
-        return torch.ones(examples, 1 + rows * columns, dtype=torch.bool)
+    """``(B, S)`` bool, which of the image states a model reads apart from its tokens
+    belong to an image: Mllama's real tiles (not a padding tile, not a missing image),
+    every state of BLIP's one image, every feature GIT puts before its tokens."""
+    if config.model_type in ("blip", "git"):
+        images = _class_token_then_patches(config, image_inputs)
+        return torch.ones(len(images), len(images[0]) * (1 + images[0][0].positions.numel()), dtype=torch.bool)
     ids, mask, per_tile = _mllama_tiles(config, image_inputs)
     real = (mask != 0) & (ids != 0)[..., None]
     return real.repeat_interleave(per_tile, dim=-1).flatten(1)
