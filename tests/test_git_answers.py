@@ -289,3 +289,51 @@ def test_captums_image_mask_input_scores_each_segment_by_gits_features():
     torch.testing.assert_close(result.seq_attr, features[0, 1:])
     rows, _ = AttnLRP(model).attribute_continuation(model_input["input_ids"], answer[None], additional_forward_args=args, log_prob=True)
     torch.testing.assert_close(result.token_attr, rows[0, :, 1:])
+
+
+def test_gits_per_token_arguments_count_its_tokens_its_features_untouched(monkeypatch):
+    """``presence`` weighs GIT's tokens, its features fully present; the attention shares
+    are each word's largest share of another row's attention; erasing a token's key equals
+    GIT run with that token masked; a decision flip never erases the features and counts
+    its fraction over the tokens (each asked for one value per position GIT attends over,
+    or failed)."""
+    from captum_attention.metrics import attention_erasure, attention_shares, decision_flip_fraction
+
+    model, prompt = make_git(), _prompt()
+    ids, pixels = prompt.input_ids[:1], prompt.pixels[:1]
+    mask, images, answer = torch.ones_like(ids), {"pixel_values": pixels}, ANSWER[:1]
+    presence = torch.full((1, ids.shape[1] + answer.shape[1]), 0.3)
+    weighed = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, images), presence=presence)
+    everywhere = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, images),
+                                               presence=torch.cat([torch.ones(1, FEATURES), presence], dim=1))
+    plain = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, images))
+    for side, same, other in zip(weighed, everywhere, plain):
+        torch.testing.assert_close(side, same)
+        assert not torch.allclose(side, other)
+    shares = attention_shares(model, ids, mask, answer, image_inputs=images)
+    reference, total = _reference(model, SimpleNamespace(input_ids=ids, pixels=pixels), answer)
+    tokens = FEATURES + torch.arange(1, ids.shape[1])  # the first token (the BOS) is never removed
+    rows = torch.stack([attn[0] for attn in reference.attentions])  # (layers, heads, queries, keys)
+    others = ~torch.eye(total, dtype=torch.bool)
+    expected = torch.stack([rows[..., j].masked_fill(~others[:, j], 0).amax() for j in tokens.tolist()])
+    torch.testing.assert_close(shares[0, 1:], expected, rtol=1e-5, atol=1e-6)
+    erased = torch.zeros_like(ids, dtype=torch.bool)
+    erased[0, 3] = True
+    result = attention_erasure(model, ids, erased, (mask, images))
+    masked = mask.masked_fill(erased, 0)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=masked, pixel_values=pixels).logits[:, -1].softmax(-1)
+    torch.testing.assert_close(result.erased, expected, rtol=1e-5, atol=1e-7)
+    from captum_attention.metrics import erasure
+
+    erasures = []
+    original = erasure._KeyErasure.__init__
+    monkeypatch.setattr(erasure._KeyErasure, "__init__", lambda self, erased, *rest: (erasures.append(erased), original(self, erased, *rest))[1])
+    ranking = torch.arange(ids.shape[1], 0, -1)[None].float()
+    flip = decision_flip_fraction(model, ids, ranking, (mask, images), model=model)
+    assert erasures and all(e.shape[1] == FEATURES + ids.shape[1] and not e[:, :FEATURES].any() for e in erasures)
+    assert max(int(e.sum(dim=1).max()) for e in erasures) == ids.shape[1], "every token, the features left"
+    if bool(flip.flipped[0]):
+        assert flip.fraction[0].item() == pytest.approx(flip.removed[0].item() / ids.shape[1])
+    else:
+        assert int(flip.removed[0]) == -1 and bool(flip.fraction[0].isnan())

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
@@ -39,6 +40,7 @@ from .._compat import StreamingUnsupported, UnsupportedModelError, in_place_coun
 from ..maps.interventions import weigh_keys
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter, AttentionSite
+from .adapters.images import leading_image_features
 from .adapters.protocol import parent_module
 from .guard import current_thread
 from .inputs import take_rows
@@ -328,7 +330,8 @@ class KeyPresence(Probe):
     back to eager there.
 
     Args:
-        presence: ``(B, T)`` each token's presence in (0, 1], T the tokens the model reads.
+        presence: ``(B, T)`` each token's presence in (0, 1], T the tokens the model reads
+            (the image features a model puts before them, GIT's, fully present).
     """
 
     events = frozenset({"softmax", "key_bias"})
@@ -339,6 +342,10 @@ class KeyPresence(Probe):
         if not bool(((presence > 0) & (presence <= 1)).all()):
             raise ValueError("presence must lie in (0, 1] for every token (1: as it is; a removed token would be 0, which is no presence).")
         self.log_presence = presence.detach().double().log()
+        self.features_first = False
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        self.features_first = leading_image_features(model) is not None
 
     def _log_presence(self, call: CallInfo, batch: int, keys: int, device: torch.device) -> Tensor:
         if call.role not in ("self", "pooling"):
@@ -346,6 +353,9 @@ class KeyPresence(Probe):
                 "presence weighs the tokens' keys in one self-attention stack; an encoder-decoder's or a "
                 "cross-attending model's calls are not defined for it: leave presence=None."
             )
+        tokens = self.log_presence.shape[1]
+        if self.features_first and batch == self.log_presence.shape[0] and keys > tokens:
+            return F.pad(self.log_presence, (keys - tokens, 0)).to(device)
         if (batch, keys) != tuple(self.log_presence.shape):
             raise ValueError(
                 f"presence has shape {tuple(self.log_presence.shape)} but an attention call of the model reads {keys} "
@@ -355,7 +365,8 @@ class KeyPresence(Probe):
         return self.log_presence.to(device)
 
     def on_softmax(self, call: CallInfo, attn_probs: Tensor, first_head: int, attn_scores: Tensor | None) -> Tensor:
-        keys = attn_probs.shape[-1] - (1 if attn_probs.shape[-1] == self.log_presence.shape[1] + 1 else 0)  # a sink
+        sink = not self.features_first and attn_probs.shape[-1] == self.log_presence.shape[1] + 1
+        keys = attn_probs.shape[-1] - (1 if sink else 0)
         return weigh_keys(attn_probs, self._log_presence(call, attn_probs.shape[0], keys, attn_probs.device), attn_scores)
 
     def key_bias(self, call: CallInfo, kernel: KernelCall) -> Tensor:

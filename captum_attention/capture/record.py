@@ -134,6 +134,11 @@ class ForwardRecord:
     def is_encoder_decoder(self) -> bool:
         return self.source_real is not None
 
+    def over_positions(self, per_token: Tensor, fill: Any) -> Tensor:
+        """``per_token`` ``(B, N)`` values of the input tokens over the record's positions:
+        ``fill`` at the positions the model put before them (GIT's image features)."""
+        return F.pad(per_token, (self.leading, 0), value=fill) if self.leading else per_token
+
     @property
     def input_real(self) -> Tensor:
         """``(B, T)`` bool real tokens of the inputs that per-token arguments (erased keys,

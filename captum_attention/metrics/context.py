@@ -986,7 +986,7 @@ def attention_shares(
         record = run_model(_by_name(model), model, ids, extra, adapter=adapter, capture=capture)
     if any(role != "self" for role in record.roles):
         raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
-    real = mask != 0
+    real, key_segments = record.over_positions(mask != 0, True), record.over_positions(key_segments, -1)  # GIT's features: no segment
     shares = torch.zeros(len(ids), count, device=ids.device)
     for index in range(record.num_calls):
         if record.streaming:

@@ -141,7 +141,8 @@ def attention_erasure(
         forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture, query_index=query_index
     )
     original_probs = original.explained_probs()
-    _check_keys(erased_keys, original.input_real, "erased_keys")
+    _check_keys(erased_keys, original.input_real[:, original.leading :], "erased_keys")
+    erased_keys = original.over_positions(erased_keys.to(original.input_real.device), False)
     chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     erasure = _KeyErasure(erased_keys.bool(), chosen, heads, original)
@@ -210,10 +211,14 @@ def decision_flip_fraction(
     original = run_model(
         forward_func, model, inputs, additional_forward_args, adapter=adapter, capture=capture, query_index=query_index
     )
-    _check_keys(ranking, original.input_real, "ranking")
-    check_rankable(ranking, original.input_real, "ranking")
+    tokens_real = original.input_real[:, original.leading :]
+    _check_keys(ranking, tokens_real, "ranking")
+    check_rankable(ranking, tokens_real, "ranking")
     if keep is not None:
-        _check_keys(keep, original.input_real, "keep")
+        _check_keys(keep, tokens_real, "keep")
+    if original.leading:  # GIT's image features: never erased
+        ranking = original.over_positions(ranking.to(tokens_real.device), float("-inf"))
+        keep = original.over_positions(torch.zeros_like(tokens_real) if keep is None else keep.to(tokens_real.device).bool(), True)
     chosen = layer_set(layers, original.num_calls)
     original.check_heads(heads, chosen)
     plan = _plan_prefixes(ranking, original.input_real, keep)
@@ -233,7 +238,7 @@ def decision_flip_fraction(
     )
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
-    fraction = torch.where(flipped, removed / original.input_real.sum(1).cpu(), torch.nan)
+    fraction = torch.where(flipped, removed / tokens_real.sum(1).cpu(), torch.nan)
     mass = _attention_mass(original, chosen, plan.ranks < removed[:, None])
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)
 
