@@ -19,11 +19,16 @@ from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
 from captum_attention.presentation.cli import main
 
 
+def _saved(tmp_path_factory, name: str, save) -> object:
+    """A checkpoint folder ``name`` the tiny model's ``save`` wrote."""
+    folder = tmp_path_factory.mktemp("vlm") / name
+    save(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm") / "llava"
-    save_llava_checkpoint(folder)
-    return folder
+    return _saved(tmp_path_factory, "llava", save_llava_checkpoint)
 
 
 def _image(tmp_path, width=48, height=48):
@@ -143,9 +148,7 @@ def test_a_family_of_unknown_layout_shows_the_images_summed_score_without_a_grid
 
 @pytest.fixture(scope="module")
 def mllama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm") / "mllama"
-    save_mllama_checkpoint(folder)
-    return folder
+    return _saved(tmp_path_factory, "mllama", save_mllama_checkpoint)
 
 
 def test_explain_mllamas_answer_its_image_read_by_cross_attention(mllama, tmp_path, capsys):
@@ -494,9 +497,7 @@ def test_prompts_longer_than_the_model_takes_with_the_images_tokens_are_refused_
 def florence2(tmp_path_factory):
     from vlm_models import save_florence2_checkpoint
 
-    folder = tmp_path_factory.mktemp("vlm") / "florence2"
-    save_florence2_checkpoint(folder)
-    return folder
+    return _saved(tmp_path_factory, "florence2", save_florence2_checkpoint)
 
 
 def _florence2_inputs(folder, image, prompt):
@@ -563,9 +564,7 @@ def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp
 
 @pytest.fixture(scope="module")
 def blip(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm") / "blip"
-    save_blip_checkpoint(folder)
-    return folder
+    return _saved(tmp_path_factory, "blip", save_blip_checkpoint)
 
 
 def _blip_read(blip, image, prompt):
@@ -606,28 +605,9 @@ def test_explain_blips_caption_after_the_prompt_its_generate_reads(blip, tmp_pat
         torch.testing.assert_close(torch.tensor(explanation["image_grids"][name]), grid, rtol=1e-5, atol=1e-9)
 
 
-def test_evaluate_scores_blips_captions_as_the_model_does_alone(blip, tmp_path):
-    """A prompt of 3 tokens as generate reads it, as many as the image's channels (its
-    pixels were cut as a per-token input): the top-3 drop removes both words, [BOS] kept,
-    against the model run on [BOS] alone with the pixels."""
-    image = _image(tmp_path)
-    out = tmp_path / "out"
-    data = _answers(tmp_path, [{"prompt": "the cat", "image": image.name, "answer": "is a"}])
-    assert main(["evaluate", str(data), "--model", str(blip), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
-                 "--output", str(out)]) == 0
-    (result,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    model, processor, read, inputs = _blip_read(blip, image, "the cat")
-    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
-    assert read.shape[1] == inputs["pixel_values"].shape[1] == 3
-    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2]), abs=1e-5)
-    assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
-
-
 @pytest.fixture(scope="module")
 def git(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm") / "git"
-    save_git_checkpoint(folder)
-    return folder
+    return _saved(tmp_path_factory, "git", save_git_checkpoint)
 
 
 def _git_read(git, image, prompt):
@@ -692,27 +672,30 @@ def test_explain_captions_with_gits_start_token_alone_and_refuses_a_models_missi
     assert capsys.readouterr().err.strip().endswith("answers a prompt about the image: give the prompt (quoted), or --file")
 
 
-def test_evaluate_scores_gits_answers_as_the_model_does_alone(git, tmp_path):
-    """The top-3 drop removes GIT's three words, [CLS] and the image kept, against the
-    model run on [CLS] alone with the pixels."""
-    image = _image(tmp_path, 32, 32)
-    out = tmp_path / "out"
-    data = _answers(tmp_path, [{"prompt": "the cat is", "image": image.name, "answer": "a dog"}])
-    assert main(["evaluate", str(data), "--model", str(git), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
+@pytest.mark.parametrize("family", ["blip", "git"])
+def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(family, request, tmp_path):
+    """BLIP (a prompt of 3 tokens as generate reads it, as many as the image's channels: its
+    pixels were cut as a per-token input) and GIT: the top-3 drop removes the words, the
+    start token and the image kept, against the model run on the start token alone with
+    the pixels."""
+    folder, read_prompt = request.getfixturevalue(family), _blip_read if family == "blip" else _git_read
+    prompt, size = ("the cat", 48) if family == "blip" else ("the cat is", 32)
+    image, out = _image(tmp_path, size, size), tmp_path / "out"
+    data = _answers(tmp_path, [{"prompt": prompt, "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
                  "--output", str(out)]) == 0
     (result,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    model, processor, read, inputs = _git_read(git, image, "the cat is")
-    answer = torch.tensor([processor.tokenizer("a dog", add_special_tokens=False)["input_ids"]])
-    assert read.shape[1] == 4
-    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, [0, 1, 2, 3]), abs=1e-5)
+    model, processor, read, inputs = read_prompt(folder, image, prompt)
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    assert read.shape[1] == len(prompt.split()) + 1 and (family == "git" or inputs["pixel_values"].shape[1] == 3)
+    every = list(range(read.shape[1]))
+    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, every), abs=1e-5)
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "trocr", "donut"])
 def captioner(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm") / f"captioner_{request.param}"
-    save_captioner_checkpoint(folder, request.param)
-    return folder
+    return _saved(tmp_path_factory, f"captioner_{request.param}", lambda folder: save_captioner_checkpoint(folder, request.param))
 
 
 def _caption_integrated_gradients(model, processor, image, answer, steps):
