@@ -55,7 +55,7 @@ from removal_reference import comprehensiveness_alone  # noqa: E402
 from captum_attention import METHODS as REGISTERED  # noqa: E402
 from captum_attention.attr import REGISTRY  # noqa: E402
 from captum_attention import UnsupportedModelError  # noqa: E402
-from captum_attention.capture.adapters.images import cross_attends_images  # noqa: E402
+from captum_attention.capture.adapters.images import cross_attends_images, image_read_apart, leading_image_features  # noqa: E402
 
 HEADS = {
     "sequence classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
@@ -379,7 +379,8 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     """One image of the vision tower's size, ``(1, channels, size, size)`` (flattened
     patches and their grid where the model takes ``image_grid_thw``; the image and its one
     tile for LLaVA-NeXT's any-resolution tiles), after BOS, as many image tokens as the
-    model's image features, then text; a family whose images come otherwise is not built."""
+    model's image features, then text (GIT's: no image token, its features before the
+    text); a family whose images come otherwise is not built."""
     from captum_attention.capture.adapters.images import image_token_id
 
     vision = getattr(model.config, "vision_config", None) or getattr(model.config, "vq_config", None)  # Chameleon: a VQ-VAE
@@ -389,6 +390,11 @@ def vision_language_case(model: nn.Module, architecture: Architecture, generator
     image_features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
     if architecture.model_type == "idefics":
         return gated_cross_attention_case(model, architecture, generator)
+    if leading_image_features(model) is not None:  # GIT: the image's features before the tokens, no image token
+        size = int(vision.image_size)
+        images = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
+        ids = torch.tensor([[1, 5, 6, 7]])
+        return Case(model, architecture, ids, (torch.ones_like(ids), images), LM_TARGET, images)
     if architecture.model_type in LINEAR_PATCHES and token is not None and image_features is not None:
         return linear_patches_case(model, architecture, generator, token)
     if architecture.model_type in POSITION_MASKED:  # Kosmos-2: its images' positions marked by a mask, not by a token
@@ -706,26 +712,32 @@ def reference(case: Case) -> Callable[[str], Any]:
         raise NoReference("the maps are not square over one sequence")
     tokens = ref.attentions[0].shape[-1]
     lengths = [tokens] * ref.attentions[0].shape[0]
+    leading = tokens - case.inputs.shape[1] if case.images is not None and leading_image_features(case.model) else 0  # type: ignore[union-attr]
+
+    def apart(scores: torch.Tensor) -> Any:
+        """GIT's: ``(image feature scores, token scores)``, as its methods return them."""
+        return (scores[:, :leading], scores[:, leading:]) if leading else scores
+
     generates = bool(case.model.can_generate()) if hasattr(case.model, "can_generate") else False
     query: int | torch.Tensor = tokens - 1 if generates or is_causal(ref.attentions) else 0  # a prefix LM reads its last row too
     rows = read_rows(case.model, tokens)
     if rows is not None:  # the classifier reads these rows
         query = rows
 
-    def stack(method: str) -> torch.Tensor:
+    def stack(method: str) -> Any:
         if without_grads and REGISTRY[method].spec.needs != "forward":
             raise NoReference("the maps carry no gradient")
         if method == "grad_sam":
-            return reference_grad_sam(ref, lengths)
+            return apart(reference_grad_sam(ref, lengths))
         if method == "knockout_gradient":
-            return reference_knockout(ref, lengths)
+            return apart(reference_knockout(ref, lengths))
         if method == "learned_attention":
-            return reference_mean_row(ref, lengths, query)
+            return apart(reference_mean_row(ref, lengths, query))
         if method == "knockout_lrp":  # the relevance is AttnLRP's own, which this sweep checks streaming against eager
             relevance = explain(case, "attn_lrp")
-            relevance = relevance.flatten(1)  # a patch grid: its patches, the last tokens
-            return reference_decisive(reference_knockout(ref, lengths)[:, -relevance.shape[1] :], relevance)
-        return METHODS[method].reference(ref, lengths, query)  # type: ignore[misc]
+            relevance = torch.cat(relevance, dim=1) if isinstance(relevance, tuple) else relevance.flatten(1)  # a patch grid: the last tokens
+            return apart(reference_decisive(reference_knockout(ref, lengths)[:, -relevance.shape[1] :], relevance))
+        return apart(METHODS[method].reference(ref, lengths, query))  # type: ignore[misc]
 
     return stack
 
@@ -951,6 +963,8 @@ def shares_outcome(architecture: Architecture, implementation: str | None = None
         maps = [a for a in eager_output(answered).attentions]
     except NotBuilt as error:
         return Outcome("not built", f"eager: {error}")
+    leading = maps[0].shape[-1] - full.shape[1] if maps and leading_image_features(case.model) else 0  # GIT's image features
+    maps = [a[..., leading:, leading:] for a in maps]  # their rows never attend to the tokens
     if not maps or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[-1] == full.shape[1] for a in maps):
         return Outcome("wrong", "shares given where the eager twin returns no maps of the tokens")
     others = ~torch.eye(full.shape[1], dtype=torch.bool)[:, :tokens]  # row i, key j < tokens: i ≠ j
@@ -1136,7 +1150,7 @@ def image_relevance_outcome(architecture: Architecture) -> Outcome:
         return Outcome("refused" if "\n" not in message else "error", message)
     except Exception as error:  # noqa: BLE001 - the defect the sweep reports
         return Outcome("error", _one_line(error))
-    if cross_attends_images(case.model):  # Mllama, BLIP: the image's states are the first of the pair
+    if image_read_apart(case.model):  # Mllama, BLIP, GIT: the image's states (features) are the first of the pair
         held = scores[0]
     else:
         tokens = scores[0] if isinstance(scores, tuple) else scores
