@@ -76,10 +76,11 @@ def test_gits_rows_sum_to_its_span_and_attribute_reads_the_last_token():
     assert [tuple(side.shape) for side in rows] == [(2, 2, FEATURES), (2, 2, 8)]
     for side_rows, side in zip(rows, span):
         torch.testing.assert_close(side_rows.sum(dim=1), side)
-    features, tokens = explainer.attribute(prompt.input_ids, additional_forward_args=prompt.args)
+    (features, tokens), maps = explainer.attribute(prompt.input_ids, additional_forward_args=prompt.args, return_maps=True)
     reference, total = _reference(model, SimpleNamespace(input_ids=prompt.input_ids[:, :-1], pixels=prompt.pixels), prompt.input_ids[:, -1:])
     expected = reference.attentions[-1].mean(dim=1)[:, -1]
     torch.testing.assert_close(torch.cat([features, tokens], dim=1), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(maps[:, -1].float(), reference.attentions[-1].mean(dim=1), rtol=1e-5, atol=1e-6)  # its whole sequence
     earlier = torch.cat(explainer.attribute(prompt.input_ids, additional_forward_args=prompt.args, query_index=2), dim=1)
     row = reference.attentions[-1].mean(dim=1)[:, FEATURES + 2]  # the prompt's third token's row, in GIT's positions
     torch.testing.assert_close(earlier, row, rtol=1e-5, atol=1e-6)

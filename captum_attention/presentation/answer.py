@@ -13,7 +13,9 @@ from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTo
 
 from ..attr import METHODS, REGISTRY, LLMAttentionAttribution, image_scores, pixel_scores
 from ..attr._images import grid_follows_image
-from ..capture.adapters.images import cross_attends_images, image_encoder_config, image_outside_prompt, prompt_as_generated
+from ..capture.adapters.images import (
+    cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
+)
 from ..metrics.context import summed_log_probs
 from ..metrics.patches import caption_decoder_ids
 from .display import outside_span, readable_tokens, special_tokens
@@ -623,18 +625,16 @@ def image_answer_ids(
     """``(n,)``: ``target`` tokenized without special tokens, or the model's greedy answer
     to the processor's prompt ``ids`` with its image ``inputs`` (an encoder-decoder's: its
     decoder's tokens after its start token; BLIP's and GIT's: after the prompt their
-    ``generate`` reads, :func:`~captum_attention.capture.adapters.images.prompt_as_generated`;
-    BLIP's ``generate`` cuts the processor's prompt so itself, GIT's is given it cut)."""
+    ``generate`` reads, :func:`~captum_attention.capture.adapters.images.generate_inputs`)."""
     if target is not None:
         return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    read, read_mask = prompt_as_generated(model, ids, mask)
-    given, given_mask = (ids, mask) if getattr(model.config, "model_type", None) == "blip" else (read, read_mask)
+    given, given_mask = generate_inputs(model, ids, mask)
     with torch.no_grad():  # a copy of the ids: BLIP's generate writes into the ids it is given
         generated = model.generate(input_ids=given.clone(), attention_mask=given_mask, **inputs, max_new_tokens=max_new_tokens,
                                    do_sample=False)
     if getattr(model.config, "is_encoder_decoder", False):
         return generated[0, 1:]  # its decoder's, after the start token
-    return generated[0, read.shape[1] :]
+    return generated[0, prompt_as_generated(model, ids)[0].shape[1] :]
 
 
 def image_template_tokens(model: Any, tokenizer: Any, text: str, message: str, ids: torch.Tensor) -> list[bool]:

@@ -448,6 +448,17 @@ def prompt_as_generated(model: nn.Module, ids: Tensor, *per_token: Tensor) -> tu
     return (read, *(value[..., :-1] for value in per_token))
 
 
+def generate_inputs(model: nn.Module, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The processor's prompt ``ids`` and ``mask`` as to give them to the model's
+    ``generate``: BLIP's as the processor gives them (its ``generate`` cuts them itself),
+    any other model's as its ``generate`` reads them (:func:`prompt_as_generated`: GIT's
+    without its [SEP])."""
+    if getattr(getattr(model, "config", None), "model_type", None) == "blip":
+        return ids, mask
+    read, read_mask = prompt_as_generated(model, ids, mask)
+    return read, read_mask
+
+
 def check_captioner_prompt(model: nn.Module, prompt: Tensor) -> None:
     """A one-line error for a BLIP prompt that its ``generate`` never reads: it puts
     ``bos_token_id`` in place of the processor's first token ([CLS]) and drops the last
