@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_same_state, model_state
 from scipy.stats import spearmanr
-from vlm_models import DONUT, make_captioner
+from vlm_models import DONUT, make_blip, make_captioner
 
 from captum_attention import AttnLRP
 from captum_attention.metrics import (
@@ -61,6 +61,32 @@ def test_the_top_k_drop_greys_the_highest_scored_patches(captioner):
             after = caption_log_prob(captioner, greyed(PIXELS[example], order[:k]), CAPTION[example])
             assert drops[example, column].item() == pytest.approx(whole - after, abs=1e-4)
     assert drops.abs().max() > 1e-3, "greying patches moves the caption"
+
+
+def test_a_vision_language_captioner_reads_its_prompt_then_the_caption_with_the_greyed_image():
+    """BLIP, given ``prompt_ids`` (its start token, once for the batch): each example's
+    caption after the start token, its image's top-k patches greyed, the text decoder
+    run by hand on each image's states."""
+    model, start = make_blip(), torch.tensor([[1]])
+    before = model_state(model)
+    drops = top_k_patch_log_prob_drop(model, PIXELS, CAPTION, SCORES, GREY, ks=(1, 3), prompt_ids=start)
+    assert_same_state(before, model_state(model))
+
+    def by_hand(pixels: torch.Tensor, caption: torch.Tensor) -> float:
+        with torch.no_grad():
+            states = model.vision_model(pixel_values=pixels[None]).last_hidden_state
+            logits = model.text_decoder(input_ids=torch.cat([start[0], caption])[None], encoder_hidden_states=states).logits[0]
+        return float(sum(logits[k].double().log_softmax(-1)[token] for k, token in enumerate(caption.tolist())))
+
+    for example in range(2):
+        order = SCORES[example].flatten().argsort(descending=True).tolist()
+        whole = by_hand(PIXELS[example], CAPTION[example])
+        for column, k in enumerate((1, 3)):
+            after = by_hand(greyed(PIXELS[example], order[:k]), CAPTION[example])
+            assert drops[example, column].item() == pytest.approx(whole - after, abs=1e-4)
+    assert drops.abs().max() > 1e-3, "greying patches moves the caption"
+    with pytest.raises(ValueError, match="prompt_ids must be token ids \\(1 or batch=2, prompt_len >= 1\\)"):
+        top_k_patch_log_prob_drop(model, PIXELS, CAPTION, SCORES, GREY, prompt_ids=torch.ones(1, 1))
 
 
 def test_the_lds_ranks_the_kept_patches_scores_against_the_greyed_images(captioner):

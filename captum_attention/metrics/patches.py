@@ -1,6 +1,8 @@
 r"""Context metrics over an image's patches: does an attribution over the image an image
 captioner reads (an image encoder before a text decoder, ``VisionEncoderDecoderModel``:
-ViT-GPT-2, TrOCR, Donut) say which parts of it the caption rests on? Each metric is its
+ViT-GPT-2, TrOCR, Donut; or a vision-language model that reads its image apart from its
+prompt and captions it after its start token, BLIP's and GIT's) say which parts of it the
+caption rests on? Each metric is its
 prompt counterpart in :mod:`~captum_attention.metrics.context`, the features being the
 cells of the attribution's grid (the encoder's patches) instead of a prompt's segments,
 and a cell removed by taking its pixels from a baseline image (a grey one, through the
@@ -14,7 +16,8 @@ coarser regions (``regions``), each one feature:
 - :func:`patch_leave_one_out_agreement`: Spearman's ρ between the patches' scores and the
   drop when each patch alone is greyed.
 
-The caption :math:`a` is read by the decoder after its start token, teacher-forced; every
+The caption :math:`a` is read by the decoder after its start token (a vision-language
+model's: after the ``prompt_ids`` its ``generate`` reads, GIT's [CLS]), teacher-forced; every
 ablated image of a call is evaluated batched, and in a
 :func:`~captum_attention.metrics.context.shared_ablations` scope each set of greyed patches runs
 once for every method and metric.
@@ -28,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..capture.inputs import decoder_start_token
+from ..capture.inputs import decoder_start_token, output_logits
 from ._checks import check_rankable
 from .context import (
     DEFAULT_KS,
@@ -53,11 +56,14 @@ greyed images holds."""
 class PatchRemoval:
     """How the registered context metrics remove an image captioner's features
     (:class:`~captum_attention.metrics.MetricContext`'s ``patches``): a removed patch's
-    pixels are ``baseline_pixels``'s (a grey image through the captioner's processor), and
-    the patches are pooled into ``regions`` (rows, columns; None: each patch its own)."""
+    pixels are ``baseline_pixels``'s (a grey image through the captioner's processor), the
+    patches are pooled into ``regions`` (rows, columns; None: each patch its own), and a
+    vision-language captioner reads ``prompt_ids`` ``(1, n)`` before the caption (None: an
+    image encoder before a text decoder, which reads its start token)."""
 
     baseline_pixels: Tensor
     regions: tuple[int, int] | None = None
+    prompt_ids: Tensor | None = None
 
 
 class _PatchScorer(AblationScorer):
@@ -66,7 +72,7 @@ class _PatchScorer(AblationScorer):
 
     def __init__(
         self, model: Any, pixel_values: Tensor, caption: Tensor, grid: Sequence[int], baseline: Tensor, max_batch_size: int,
-        regions: Sequence[int] | None = None,
+        regions: Sequence[int] | None = None, prompt_ids: Tensor | None = None,
     ) -> None:
         if not pixel_values.is_floating_point() or pixel_values.dim() != 4:
             raise ValueError(f"pixel_values must be float pixels (batch, channels, height, width), got {pixel_values.dtype} "
@@ -77,6 +83,10 @@ class _PatchScorer(AblationScorer):
         if baseline.dim() != 4 or baseline.shape[0] not in (1, pixel_values.shape[0]) or baseline.shape[1:] != pixel_values.shape[1:]:
             raise ValueError(f"baseline_pixel_values must be shaped as pixel_values {tuple(pixel_values.shape)} (or one image "
                              f"of that size), got {tuple(baseline.shape)}.")
+        if prompt_ids is not None and (prompt_ids.dim() != 2 or prompt_ids.shape[0] not in (1, len(pixel_values))
+                                       or prompt_ids.shape[1] == 0 or prompt_ids.is_floating_point()):
+            raise ValueError(f"prompt_ids must be token ids (1 or batch={len(pixel_values)}, prompt_len >= 1), got "
+                             f"{prompt_ids.dtype} of shape {tuple(prompt_ids.shape)}.")
         if len(grid) != 2:
             raise ValueError(f"attributions must be patch scores (batch, rows, columns), got {len(grid) + 1} dimensions.")
         rows, columns = grid
@@ -92,6 +102,7 @@ class _PatchScorer(AblationScorer):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.model, self.pixels, self.caption, self.grid = model, pixel_values, caption.to(pixel_values.device), (rows, columns)
+        self.prompt = None if prompt_ids is None else prompt_ids.to(pixel_values.device).expand(len(pixel_values), -1)
         self.baseline = baseline.to(pixel_values.device, pixel_values.dtype).expand_as(pixel_values)
         self.max_batch_size, self.regions = max_batch_size, regions
         device = pixel_values.device
@@ -120,7 +131,8 @@ class _PatchScorer(AblationScorer):
         return example_seeds(self.pixels.flatten(1), None, seed)
 
     def _identity(self) -> tuple:
-        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in (self.pixels, self.caption, self.baseline)))
+        read = (self.pixels, self.caption, self.baseline) if self.prompt is None else (self.pixels, self.caption, self.baseline, self.prompt)
+        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in read))
 
     def _per_forward(self, rows: int) -> int:
         """At most ``max_batch_size`` images and :data:`VALUES_PER_FORWARD` pixel values
@@ -131,7 +143,8 @@ class _PatchScorer(AblationScorer):
         values = torch.empty(len(rows), device=rows.device)
         for first in range(0, len(rows), self._per_forward(len(rows))):
             chunk = slice(first, first + self._per_forward(len(rows)))
-            values[chunk] = caption_log_probs(self.model, self._greyed(rows[chunk], removed[chunk]), self.caption[rows[chunk]])
+            prompt = None if self.prompt is None else self.prompt[rows[chunk]]
+            values[chunk] = caption_log_probs(self.model, self._greyed(rows[chunk], removed[chunk]), self.caption[rows[chunk]], prompt)
         return values
 
     def _greyed(self, rows: Tensor, removed: Tensor) -> Tensor:
@@ -141,11 +154,23 @@ class _PatchScorer(AblationScorer):
         return torch.where(covered[:, None], self.baseline[rows], self.pixels[rows])
 
 
-def caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor) -> Tensor:
+def caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None) -> Tensor:
     """``(B,)`` an image captioner's :math:`\\log p(a \\mid x)` of each ``caption``
-    ``(B, n)`` of its ``pixel_values``, its decoder reading its start token and the caption."""
+    ``(B, n)`` of its ``pixel_values``, without gradients (:func:`read_caption_log_probs`)."""
     with torch.no_grad():
+        return read_caption_log_probs(model, pixel_values, caption, prompt_ids)
+
+
+def read_caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None) -> Tensor:
+    """``(B,)`` an image captioner's :math:`\\log p(a \\mid x)` of each ``caption``
+    ``(B, n)`` of its ``pixel_values``: an image encoder before a text decoder's, its decoder
+    reading its start token and the caption; a vision-language model's (``prompt_ids``
+    ``(1 or B, m)``), its language model reading the prompt, then the caption, with the image."""
+    if prompt_ids is None:
         return summed_log_probs(model(pixel_values=pixel_values, decoder_input_ids=caption_decoder_ids(model, caption)).logits, caption)
+    sequences = torch.cat([prompt_ids.expand(len(caption), -1), caption], dim=1)
+    logits = output_logits(model(input_ids=sequences, attention_mask=torch.ones_like(sequences), pixel_values=pixel_values))
+    return summed_log_probs(logits[:, -caption.shape[1] - 1 : -1], caption)
 
 
 def caption_decoder_ids(model: Any, caption: Tensor) -> Tensor:
@@ -163,13 +188,16 @@ def top_k_patch_log_prob_drop(
     ks: Sequence[int] = DEFAULT_KS,
     max_batch_size: int = 16,
     regions: tuple[int, int] | None = None,
+    prompt_ids: Tensor | None = None,
 ) -> Tensor:
     r"""Top-k log-probability drop over an image's patches: :math:`\log p(a \mid x) - \log
     p(a \mid x \text{ with its top}_k \text{ patches greyed})` (ties broken by position).
 
     Args:
-        model: the image captioner (a ``VisionEncoderDecoderModel``), called as
-            ``model(pixel_values=..., decoder_input_ids=...)``.
+        model: the image captioner: a ``VisionEncoderDecoderModel``, called as
+            ``model(pixel_values=..., decoder_input_ids=...)``; or, with ``prompt_ids``, a
+            vision-language model (BLIP's, GIT's), called as ``model(input_ids=...,
+            attention_mask=..., pixel_values=...)``.
         pixel_values (Tensor): ``(batch, channels, height, width)``, as its processor gives them.
         caption (Tensor): ``(batch, caption_len)`` the caption's token ids, read after the
             decoder's start token.
@@ -186,6 +214,10 @@ def top_k_patch_log_prob_drop(
             of one and two patch rows), each region one feature scoring the sum of its
             patches': for a grid whose patches are too small to tell much alone (Donut's 4-pixel
             patches), or for fewer leave-one-out forwards. Default: None, each patch its own.
+        prompt_ids (Tensor, optional): ``(1 or batch, prompt_len)`` the tokens a
+            vision-language captioner reads before the caption, as its ``generate`` reads
+            them (GIT's [CLS], BLIP's start token). Default: None, an image encoder before
+            a text decoder.
 
     Returns:
         ``(batch, len(ks))``: the drop per k.
@@ -197,7 +229,8 @@ def top_k_patch_log_prob_drop(
         >>> top_k_patch_log_prob_drop(captioner, pixels, caption, patches, grey)
     """
     check_ks(ks)
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
+                          prompt_ids)
     return top_k_drops(scorer, attributions, ks)
 
 
@@ -212,6 +245,7 @@ def patch_datamodeling_score(
     max_batch_size: int = 16,
     per_example: bool = False,
     regions: tuple[int, int] | None = None,
+    prompt_ids: Tensor | None = None,
 ) -> Tensor:
     r"""LDS over an image's patches: Spearman's ρ, over ``num_ablations`` random ablations
     that grey each patch with probability 1/2 (seeded), between the kept patches' summed
@@ -230,7 +264,8 @@ def patch_datamodeling_score(
         ``(batch,)``: ρ in [-1, 1]; NaN where either side is constant.
     """
     check_ablation_count(num_ablations)
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
+                          prompt_ids)
     return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
 
 
@@ -242,6 +277,7 @@ def patch_leave_one_out_agreement(
     baseline_pixel_values: Tensor,
     max_batch_size: int = 16,
     regions: tuple[int, int] | None = None,
+    prompt_ids: Tensor | None = None,
 ) -> Tensor:
     r"""Spearman's ρ between the patches' scores and their leave-one-out effects
     :math:`\log p(a \mid x) - \log p(a \mid x \text{ with patch } s \text{ greyed})`: one
@@ -252,5 +288,6 @@ def patch_leave_one_out_agreement(
     Returns:
         ``(batch,)``: ρ in [-1, 1]; NaN where a side is constant.
     """
-    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions)
+    scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
+                          prompt_ids)
     return leave_one_out_agreements(scorer, attributions)

@@ -241,7 +241,7 @@ def _top_k_log_prob_drop(
     if context.patches is not None:
         removal = context.patches
         return top_k_patch_log_prob_drop(forward_func, inputs, target, attributions, removal.baseline_pixels, (3,),
-                                         regions=removal.regions)[:, 0]
+                                         regions=removal.regions, prompt_ids=removal.prompt_ids)[:, 0]
     mask, images = _mask_and_images(additional_forward_args)
     return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments(), image_inputs=images)[:, 0]
 
@@ -257,7 +257,7 @@ def _lds(
     if context.patches is not None:
         removal = context.patches
         return patch_datamodeling_score(forward_func, inputs, target, attributions, removal.baseline_pixels, per_example=True,
-                                        regions=removal.regions)
+                                        regions=removal.regions, prompt_ids=removal.prompt_ids)
     mask, images = _mask_and_images(additional_forward_args)
     segments = context.prompt_segments()
     return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True, image_inputs=images)
@@ -273,7 +273,8 @@ def _loo_agreement(
 ) -> Tensor:
     if context.patches is not None:
         removal = context.patches
-        return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, removal.baseline_pixels, regions=removal.regions)
+        return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, removal.baseline_pixels,
+                                             regions=removal.regions, prompt_ids=removal.prompt_ids)
     mask, images = _mask_and_images(additional_forward_args)
     return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments(), image_inputs=images)
 
