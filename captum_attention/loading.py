@@ -88,16 +88,39 @@ def checkpoint_task(path: str | Path) -> str:
     return _config_task(_folder(path)) if adapter is None else adapter.task
 
 
-def _config_task(folder: Path) -> str:
-    """The task of the checkpoint in ``folder`` by its config.json (see :func:`checkpoint_task`)."""
+def captions_alone(path: str | Path) -> bool:
+    """Whether the local checkpoint captions an image with no prompt: an image encoder
+    before a text decoder, or a vision-language model that reads its image apart from its
+    prompt (:data:`~captum_attention.capture.adapters.images.IMAGE_APART_FROM_PROMPT`:
+    BLIP's, GIT's), which captions after its start token alone.
+
+    Raises:
+        CheckpointError: as :func:`checkpoint_task`.
+    """
+    from .capture.adapters.images import IMAGE_APART_FROM_PROMPT
+
+    task = checkpoint_task(path)
+    if task != "image-text-to-text":
+        return task == "image-to-text"
+    adapter = peft_adapter(path)
+    return _config(_folder(path) if adapter is None else adapter.base).model_type in IMAGE_APART_FROM_PROMPT
+
+
+def _config(folder: Path) -> Any:
+    """The config.json of the checkpoint in ``folder``."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(folder, **_OPTIONS)
+        return AutoConfig.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
         raise CheckpointError(
             f"{folder} is not a Hugging Face checkpoint (no readable config.json): {error_line(error)}"
         ) from error
+
+
+def _config_task(folder: Path) -> str:
+    """The task of the checkpoint in ``folder`` by its config.json (see :func:`checkpoint_task`)."""
+    config = _config(folder)
     architectures = config.architectures or []
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT
 
@@ -296,17 +319,22 @@ def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
 
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:
-    """``(model, tokenizer, image processor)`` from a local checkpoint of an image encoder
-    before a text decoder (``VisionEncoderDecoderModel``: a ViT-GPT-2 captioner, TrOCR,
-    Donut), loaded as safely as :func:`load_classifier`.
+    """``(model, tokenizer, image processor)`` from a local checkpoint of a model that
+    captions an image with no prompt (:func:`captions_alone`): an image encoder before a
+    text decoder (``VisionEncoderDecoderModel``: a ViT-GPT-2 captioner, TrOCR, Donut), or
+    BLIP's or GIT's vision-language model (its processor's tokenizer and image processor),
+    loaded as safely as :func:`load_classifier`.
 
     Raises:
         CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
     """
     from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
-    if checkpoint_task(path) != "image-to-text":
-        raise CheckpointError(f"{path} holds no image encoder before a text decoder (a vision-encoder-decoder checkpoint).")
+    if not captions_alone(path):
+        raise CheckpointError(f"{path} holds no image captioner (an image encoder before a text decoder, BLIP or GIT).")
+    if checkpoint_task(path) == "image-text-to-text":
+        model, processor = load_vision_language_model(path)
+        return model, processor.tokenizer, processor.image_processor
     model, image_processor = _load(Path(path), VisionEncoderDecoderModel, AutoImageProcessor)
     with _loading_errors(Path(path)):
         tokenizer = AutoTokenizer.from_pretrained(path, **_OPTIONS)

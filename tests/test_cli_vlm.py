@@ -693,6 +693,72 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
 
 
+@pytest.mark.parametrize("family", ["blip", "git"])
+def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family, request, tmp_path):
+    """Rows without a prompt, for BLIP or GIT, which caption after their start token alone
+    (such rows were refused: "'prompt' is missing or empty"): the caption ``generate``
+    writes, with the log-probability it scored, or the row's; AttnLRP's image states
+    (features) on their grid and Integrated Gradients' pixels summed per patch (Captum's,
+    by hand), each scored by its top-3 drop against the model run with those patches
+    greyed by hand, and by the patch metrics called directly."""
+    from captum.attr import IntegratedGradients
+
+    from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement
+
+    folder, read_prompt = request.getfixturevalue(family), _blip_read if family == "blip" else _git_read
+    size, out = 48 if family == "blip" else 32, tmp_path / "out"
+    image = _image(tmp_path, size, size)
+    data = _answers(tmp_path, [{"image": image.name}, {"image": image.name, "answer": "the cat"}])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "attn_lrp,integrated_gradients", "--ig-steps", "4",
+                 "--max-new-tokens", "3", "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    model, processor, read, inputs = read_prompt(folder, image, "")
+    assert read.tolist() == [[1]], "the start token alone"
+    pixels, patch = inputs["pixel_values"], model.config.vision_config.patch_size
+    grey = processor(images=Image.new("RGB", (size, size), (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    given = read if family == "git" else torch.cat([read, torch.tensor([[2]])], dim=1)  # BLIP's generate drops the last
+    generated = model.generate(input_ids=given, **inputs, max_new_tokens=3, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+    captions = [generated.sequences[:, read.shape[1] :], torch.tensor([processor.tokenizer("the cat", add_special_tokens=False)["input_ids"]])]
+    scored = sum(float(step.log_softmax(-1)[0, token]) for step, token in zip(generated.logits, captions[0][0]))
+    assert [(row["index"], row["method"], row["generated"]) for row in rows] == [
+        (0, "attn_lrp", True), (0, "integrated_gradients", True), (1, "attn_lrp", False), (1, "integrated_gradients", False)]
+
+    def log_prob(images, caption):
+        sequence = torch.cat([read, caption], dim=1).expand(len(images), -1)
+        logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images).logits
+        return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
+
+    for row in rows:
+        caption = captions[row["index"]]
+        assert row["answer"] == processor.tokenizer.decode(caption[0])
+        expected_log_prob = scored if row["generated"] else _alone_log_prob(model, read, inputs, caption, [0])
+        assert row["answer_log_prob"] == pytest.approx(expected_log_prob, abs=1e-5)
+        if row["method"] == "attn_lrp":
+            span = AttnLRP(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
+            grid = image_scores(model, read, span, inputs)[0][0].detach()
+        else:
+            pixel_attr = IntegratedGradients(lambda images: log_prob(images, caption)).attribute(pixels, baselines=grey, n_steps=4)
+            rows_, columns = pixels.shape[-2] // patch, pixels.shape[-1] // patch
+            grid = pixel_attr[0].sum(dim=0).reshape(rows_, patch, columns, patch).sum(dim=(1, 3)).detach()
+        assert grid.shape == (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
+        top = sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]
+        greyed = pixels.clone()
+        for index in top:
+            r, c = divmod(index, grid.shape[1])
+            greyed[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = grey[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch]
+        with torch.no_grad():
+            drop = float(log_prob(pixels, caption) - log_prob(greyed, caption))
+        assert abs(drop) > 1e-3, "the image moves the caption"
+        assert row["top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), row["method"]
+        direct = {
+            "lds": patch_datamodeling_score(model, pixels, caption, grid[None], grey, per_example=True, prompt_ids=read)[0],
+            "loo_agreement": patch_leave_one_out_agreement(model, pixels, caption, grid[None], grey, prompt_ids=read)[0],
+        }
+        for metric, value in direct.items():
+            assert row[metric] == pytest.approx(value.item(), abs=2e-4), (row["method"], metric)
+
+
 @pytest.fixture(scope="module", params=["gpt2", "trocr", "donut"])
 def captioner(request, tmp_path_factory):
     return _saved(tmp_path_factory, f"captioner_{request.param}", lambda folder: save_captioner_checkpoint(folder, request.param))

@@ -16,8 +16,7 @@ from ..attr._images import grid_follows_image
 from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
-from ..metrics.context import summed_log_probs
-from ..metrics.patches import caption_decoder_ids
+from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo,
@@ -469,36 +468,69 @@ def caption_pixels(model: Any, image_processor: Any, image: Any) -> tuple[torch.
     return processed(image), processed(Image.new("RGB", image.size, (128, 128, 128)))
 
 
+def caption_prompt(model: Any, tokenizer: Any) -> torch.Tensor | None:
+    """``(1, n)`` the tokens a vision-language captioner reads before its caption, as its
+    ``generate`` reads them (GIT's [CLS], BLIP's start token: an empty prompt's,
+    :func:`~captum_attention.capture.adapters.images.prompt_as_generated`); None for an image
+    encoder before a text decoder, which reads its start token."""
+    if not image_outside_prompt(model):
+        return None
+    return prompt_as_generated(model, _empty_prompt(model, tokenizer))[0]
+
+
+def _empty_prompt(model: Any, tokenizer: Any) -> torch.Tensor:
+    """``(1, n)`` the ids an empty prompt's processor gives (BLIP's and GIT's [CLS] [SEP])."""
+    return tokenizer("", return_tensors="pt")["input_ids"].to(model.device)
+
+
 def caption_ids(model: Any, tokenizer: Any, pixels: torch.Tensor, caption: str | None, max_new_tokens: int, given: str) -> torch.Tensor:
     """The ``(n,)`` token ids of the ``caption`` (``given``: what the error calls it), or of
-    the caption generated greedily from ``pixels`` after the decoder's start token; a
-    ``ValueError`` where it is longer than the decoder takes or has no tokens."""
-    too_long = answer_too_long(model, tokenizer, 0, caption, max_new_tokens, given)
+    the caption generated greedily from ``pixels`` (after the decoder's start token; a
+    vision-language captioner's after :func:`caption_prompt`); a ``ValueError`` where it is
+    longer than the model takes or has no tokens."""
+    prompt = caption_prompt(model, tokenizer)
+    too_long = answer_too_long(model, tokenizer, 0 if prompt is None else prompt.shape[1], caption, max_new_tokens, given)
     if too_long is not None:
         raise ValueError(too_long)
-    if caption is None:
+    if caption is not None:
+        ids = torch.tensor(tokenizer(caption, add_special_tokens=False)["input_ids"], dtype=torch.long, device=pixels.device)
+    elif prompt is None:
         with torch.no_grad():
             ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False)[0, 1:]
     else:
-        ids = torch.tensor(tokenizer(caption, add_special_tokens=False)["input_ids"], dtype=torch.long, device=pixels.device)
+        empty = _empty_prompt(model, tokenizer)
+        ids = image_answer_ids(model, tokenizer, empty, torch.ones_like(empty), {"pixel_values": pixels}, None, max_new_tokens)
     if ids.numel() == 0:
         raise ValueError(f"The caption has no tokens: give a non-empty {given.removeprefix('the ')}, or generate at least one token.")
     return ids
 
 
+def caption_patch_scores(explainer: Any, pixels: torch.Tensor, caption: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+    """``(1, rows, columns)`` a method's scores of the image's patches for the whole
+    ``caption`` ``(1, n)`` of ``pixels``: an image encoder before a text decoder's
+    (``prompt`` None) as ``attribute_span`` gives them; a vision-language captioner's, read
+    after ``prompt``, its image's on their grid (:func:`~captum_attention.image_scores`),
+    detached."""
+    if prompt is None:
+        return explainer.attribute_span(pixels, caption)[0].detach()
+    inputs = {"pixel_values": pixels}
+    span = explainer.attribute_span(prompt, caption, additional_forward_args=(torch.ones_like(prompt), inputs))
+    return image_scores(explainer.model, prompt, span, inputs)[0][0][None].detach()
+
+
 def caption_integrated_gradients(
-    model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int
+    model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int, prompt: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Captum's ``IntegratedGradients`` of the whole ``caption``'s ``(1, n)``
     log-probability over an image captioner's ``pixels`` ``(1, channels, height, width)``
     against ``baseline`` pixels, ``steps`` steps (its decoder reads its start token and the
-    caption), summed per patch of its encoder (:func:`~captum_attention.pixel_scores`):
-    ``(1, rows, columns)``, detached."""
+    caption; a vision-language captioner's language model ``prompt``, :func:`caption_prompt`,
+    and the caption), summed per patch of its image encoder
+    (:func:`~captum_attention.pixel_scores`): ``(1, rows, columns)``, detached."""
     from captum.attr import IntegratedGradients
 
     def log_prob(images: torch.Tensor) -> torch.Tensor:
-        captions = caption.expand(len(images), -1)
-        return summed_log_probs(model(pixel_values=images, decoder_input_ids=caption_decoder_ids(model, captions)).logits, captions)
+        return read_caption_log_probs(model, images, caption.expand(len(images), -1), prompt)
 
     patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(image_encoder_config(model.config), "patch_size", 16)) ** 2
     per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))

@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("data", type=Path, help="a .jsonl or .csv file: text, optional text_pair (the second text of a pair: an "
                           "NLI model's hypothesis), optional label, optional rationale; "
                           "for a causal language model a .jsonl file: prompt (or segments), optional answer (and "
-                          "image, for a vision-language model); for an image captioner: image, optional answer")
+                          "image, for a vision-language model); for an image captioner (and BLIP's or GIT's captions, rows "
+                          "without a prompt): image, optional answer")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
@@ -467,15 +468,16 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 
 
 def _evaluate(arguments: argparse.Namespace) -> None:
+    from .dataset import holds_prompts
     from .evaluate import Options, check_request, evaluate, read_dataset
-    from ..loading import checkpoint_task, load_classifier
+    from ..loading import captions_alone, checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
-    if task == "image-to-text":
+    if task == "image-to-text" or (task == "image-text-to-text" and captions_alone(arguments.model) and not holds_prompts(arguments.data)):
         _evaluate_captions(arguments)
         return
     if arguments.regions is not None:
-        raise UsageError("--regions is for an image captioner's patches; this model reads no image alone")
+        raise UsageError("--regions is for an image captioner's patches (rows without a prompt): these rows are scored over their prompts")
     if task in ("generation", "seq2seq", "image-text-to-text"):
         _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
@@ -557,6 +559,7 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     """``evaluate`` for an image captioner: each row's caption of its image explained over
     the image's patches and scored by the context metrics, patches greyed."""
     from ..loading import load_captioner
+    from .answer import caption_prompt
     from .evaluate import caption_metric_names, check_caption_metrics, evaluate_captions, read_answers
 
     _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
@@ -570,7 +573,9 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
     check_caption_metrics(metrics)  # before the model loads
     state = _evaluation_state(arguments)
     model, tokenizer, image_processor = load_captioner(arguments.model)
-    checked = [(example, answer_too_long(model, tokenizer, 0, example.answer, arguments.max_new_tokens, "the answer"))
+    prompt = caption_prompt(model, tokenizer)
+    read = 0 if prompt is None else prompt.shape[1]
+    checked = [(example, answer_too_long(model, tokenizer, read, example.answer, arguments.max_new_tokens, "the answer"))
                for example in examples]
     examples = _kept_rows(checked, arguments, "no row the model takes whole")
     model.to(state.device)

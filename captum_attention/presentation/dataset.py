@@ -172,6 +172,17 @@ def read_answers(path: str | Path, skip_malformed: bool = False, captions: bool 
     return _examples(path, _jsonl_rows(text), lambda index, line, row: example(index, line, row, path.parent), skip_malformed)
 
 
+def holds_prompts(path: str | Path) -> bool:
+    """Whether a row of the JSONL file of answers at ``path`` gives a prompt (``prompt`` or
+    ``segments``): a model that captions an image alone reads rows that give none as
+    captions. True for a file :func:`read_answers` cannot read (it says why)."""
+    try:
+        text = _text(Path(path), (".jsonl",), "")
+    except DatasetError:
+        return True
+    return any(isinstance(row, dict) and ("prompt" in row or "segments" in row) for _, row in _jsonl_rows(text))
+
+
 def _caption_example(index: int, line: int, row: Any, folder: Path) -> AnswerExample:
     if isinstance(row, DatasetError):
         raise row

@@ -611,7 +611,9 @@ def evaluate_captions(
     on_resume: Callable[[int, int], None] | None = None,
 ) -> int:
     """:func:`evaluate_answers` for an image captioner (an image encoder before a text
-    decoder, ``VisionEncoderDecoderModel``): each row's caption of its ``image`` (given as
+    decoder, ``VisionEncoderDecoderModel``; or BLIP's or GIT's vision-language model, which
+    captions after its start token alone, :func:`~captum_attention.presentation.answer.caption_prompt`):
+    each row's caption of its ``image`` (given as
     its ``answer``, or generated greedily) explained over the image's patches by every
     method, and scored by every context metric with the patches as the features, a removed
     patch's pixels taken from a uniform grey image through the same ``image_processor``
@@ -635,7 +637,7 @@ def _evaluate_caption(
 ) -> list[dict[str, Any]]:
     from PIL import Image
 
-    from .answer import caption_ids, caption_integrated_gradients, caption_pixels
+    from .answer import caption_ids, caption_integrated_gradients, caption_patch_scores, caption_pixels, caption_prompt
 
     assert example.image is not None  # read_answers(captions=True) requires one
     with Image.open(example.image) as picture:
@@ -644,16 +646,18 @@ def _evaluate_caption(
         caption = caption_ids(model, tokenizer, pixels, example.answer, options.max_new_tokens, "the answer")[None]
     except ValueError as error:
         raise ValueError(f"line {example.line}: {error}") from None
+    prompt = caption_prompt(model, tokenizer)
     keep = torch.zeros(1, 0, dtype=torch.bool, device=pixels.device)
     rows = []
     with shared_ablations():  # the methods' metrics grey each set of patches once
-        log_prob = float(caption_log_probs(model, pixels, caption)[0])
+        log_prob = float(caption_log_probs(model, pixels, caption, prompt)[0])
         for name in methods:
             if name == INTEGRATED_GRADIENTS:
-                scores = caption_integrated_gradients(model, pixels, caption, grey, options.ig_steps)
+                scores = caption_integrated_gradients(model, pixels, caption, grey, options.ig_steps, prompt)
             else:
-                scores = explainers[name].attribute_span(pixels, caption)[0].detach()
-            context = MetricContext(model, keep, patches=PatchRemoval(grey, pooled_regions(scores.shape[1:], options.regions)))
+                scores = caption_patch_scores(explainers[name], pixels, caption, prompt)
+            removal = PatchRemoval(grey, pooled_regions(scores.shape[1:], options.regions), prompt)
+            context = MetricContext(model, keep, patches=removal)
             values = {m: METRIC_REGISTRY[m].function(model, pixels, scores, (), caption, context) for m in metrics}
             rows.append(_answer_row(example, name, tokenizer.decode(caption[0]), log_prob, values))
     return rows

@@ -187,7 +187,7 @@ def image_token_layout(model: nn.Module, input_ids: Tensor, image_inputs: Mappin
             are not as many as its images' layout needs.
     """
     config = model.config
-    if getattr(config, "model_type", None) in ("blip", "git"):
+    if image_outside_prompt(model):
         return _class_token_then_patches(config, image_inputs)
     if cross_attends_images(model):
         return _mllama_images(config, image_inputs)
@@ -425,10 +425,17 @@ def image_read_apart(model: Any) -> bool:
     return cross_attends_images(model) or leading_image_features(model) is not None
 
 
+IMAGE_APART_FROM_PROMPT = frozenset({"blip", "git"})
+"""Families whose language model reads one image (each frame of a video) as its class token
+and patches apart from the prompt, no token of the prompt standing for it: BLIP's states,
+which it cross-attends to, and GIT's features, put before its tokens. They caption an image
+after their start token alone."""
+
+
 def image_outside_prompt(model: Any) -> bool:
-    """Whether ``model`` reads its image with no token of its prompt standing for it (BLIP's
-    captioner, which cross-attends to it; GIT, which puts its features before the tokens)."""
-    return image_read_apart(model) and image_token_id(model.config) is None
+    """Whether ``model`` reads its image with no token of its prompt standing for it
+    (:data:`IMAGE_APART_FROM_PROMPT`)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in IMAGE_APART_FROM_PROMPT
 
 
 def prompt_as_generated(model: nn.Module, ids: Tensor, *per_token: Tensor) -> tuple[Tensor, ...]:
@@ -511,7 +518,7 @@ def cross_attended_real(config: Any, image_inputs: Mapping[str, Any]) -> Tensor:
     """``(B, S)`` bool, which of the image states a model reads apart from its tokens
     belong to an image: Mllama's real tiles (not a padding tile, not a missing image),
     every state of BLIP's one image, every feature GIT puts before its tokens."""
-    if config.model_type in ("blip", "git"):
+    if config.model_type in IMAGE_APART_FROM_PROMPT:
         images = _class_token_then_patches(config, image_inputs)
         return torch.ones(len(images), len(images[0]) * (1 + images[0][0].positions.numel()), dtype=torch.bool)
     ids, mask, per_tile = _mllama_tiles(config, image_inputs)
