@@ -656,10 +656,13 @@ def test_explain_gits_answer_with_its_image_features_first(git, tmp_path):
 
 def test_explain_captions_with_gits_start_token_alone_and_refuses_a_models_missing_prompt(git, llava, tmp_path, capsys):
     """Without a prompt, a model that reads its image outside the prompt (GIT) captions it
-    after [CLS] alone; one whose prompt holds the image (LLaVA) is refused in one line."""
+    after [CLS] alone, Integrated Gradients on its pixels against the grey image (Captum's,
+    by hand; it held the image and scored nothing); one whose prompt holds the image
+    (LLaVA) is refused in one line."""
     image, report = _image(tmp_path, 32, 32), tmp_path / "caption.json"
-    assert main(["explain", "--model", str(git), "--image", str(image), "--max-new-tokens", "3", "--methods", "raw",
-                 "--json", str(report)]) == 0
+    assert main(["explain", "--model", str(git), "--image", str(image), "--max-new-tokens", "3", "--methods",
+                 "raw,integrated_gradients", "--ig-steps", "4", "--json", str(report)]) == 0
+    assert "Integrated Gradients holds the image" not in capsys.readouterr().err
     explanation = json.loads(report.read_text(encoding="utf-8"))
     model, processor, read, inputs = _git_read(git, image, "")
     assert read.tolist() == [[1]]
@@ -667,6 +670,12 @@ def test_explain_captions_with_gits_start_token_alone_and_refuses_a_models_missi
     assert explanation["answer"] == processor.tokenizer.decode(caption[0]) and explanation["prompt_tokens"] == ["<image>", "<s>"]
     features, text = RawAttention(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
     torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Raw Attention"]), torch.tensor([float(features.sum()), float(text[0, 0])]))
+    grey = processor(images=Image.new("RGB", (32, 32), (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    grid = _read_apart_integrated_gradients(model, read, inputs["pixel_values"], grey, caption, steps=4)
+    assert grid.abs().sum() > 1e-3, "the pixels move the caption"
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Integrated Gradients"]), grid, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Integrated Gradients"]), torch.tensor([float(grid.sum()), 0.0]),
+                               rtol=1e-4, atol=1e-6)
     capsys.readouterr()
     assert main(["explain", "--model", str(llava), "--image", str(image)]) == 1
     assert capsys.readouterr().err.strip().endswith("answers a prompt about the image: give the prompt (quoted), or --file")
@@ -693,6 +702,26 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
 
 
+def _read_apart_log_prob(model, read, images, caption):
+    """``(images,)`` log p(caption | read, each image), BLIP or GIT run on the prompt
+    ``read`` and the caption with each image's pixels."""
+    sequence = torch.cat([read, caption], dim=1).expand(len(images), -1)
+    logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images).logits
+    return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
+
+
+def _read_apart_integrated_gradients(model, read, pixels, grey, caption, steps):
+    """Captum's IntegratedGradients of the caption's log-probability after ``read`` over
+    BLIP's or GIT's pixels against the grey ones, summed over channels and per patch."""
+    from captum.attr import IntegratedGradients
+
+    pixel_attr = IntegratedGradients(lambda images: _read_apart_log_prob(model, read, images, caption)).attribute(
+        pixels, baselines=grey, n_steps=steps)
+    patch = model.config.vision_config.patch_size
+    rows, columns = pixels.shape[-2] // patch, pixels.shape[-1] // patch
+    return pixel_attr[0].sum(dim=0).reshape(rows, patch, columns, patch).sum(dim=(1, 3)).detach()
+
+
 @pytest.mark.parametrize("family", ["blip", "git"])
 def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family, request, tmp_path):
     """Rows without a prompt, for BLIP or GIT, which caption after their start token alone
@@ -701,8 +730,6 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
     (features) on their grid and Integrated Gradients' pixels summed per patch (Captum's,
     by hand), each scored by its top-3 drop against the model run with those patches
     greyed by hand, and by the patch metrics called directly."""
-    from captum.attr import IntegratedGradients
-
     from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement
 
     folder, read_prompt = request.getfixturevalue(family), _blip_read if family == "blip" else _git_read
@@ -724,11 +751,6 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
     assert [(row["index"], row["method"], row["generated"]) for row in rows] == [
         (0, "attn_lrp", True), (0, "integrated_gradients", True), (1, "attn_lrp", False), (1, "integrated_gradients", False)]
 
-    def log_prob(images, caption):
-        sequence = torch.cat([read, caption], dim=1).expand(len(images), -1)
-        logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images).logits
-        return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
-
     for row in rows:
         caption = captions[row["index"]]
         assert row["answer"] == processor.tokenizer.decode(caption[0])
@@ -738,9 +760,7 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
             span = AttnLRP(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
             grid = image_scores(model, read, span, inputs)[0][0].detach()
         else:
-            pixel_attr = IntegratedGradients(lambda images: log_prob(images, caption)).attribute(pixels, baselines=grey, n_steps=4)
-            rows_, columns = pixels.shape[-2] // patch, pixels.shape[-1] // patch
-            grid = pixel_attr[0].sum(dim=0).reshape(rows_, patch, columns, patch).sum(dim=(1, 3)).detach()
+            grid = _read_apart_integrated_gradients(model, read, pixels, grey, caption, steps=4)
         assert grid.shape == (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
         top = sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]
         greyed = pixels.clone()
@@ -748,7 +768,7 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
             r, c = divmod(index, grid.shape[1])
             greyed[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = grey[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch]
         with torch.no_grad():
-            drop = float(log_prob(pixels, caption) - log_prob(greyed, caption))
+            drop = float(_read_apart_log_prob(model, read, pixels, caption) - _read_apart_log_prob(model, read, greyed, caption))
         assert abs(drop) > 1e-3, "the image moves the caption"
         assert row["top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), row["method"]
         direct = {

@@ -340,7 +340,10 @@ def explain_image_answer(
     pixels' layout. The leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`)
     never remove the image, as the context metrics never do, and Integrated Gradients
     (``ig_steps`` steps) holds it (:func:`~captum_attention.presentation.explain.answer_integrated_gradients`):
-    its ``<image>`` token scores 0 there, and they have no grid or rows per answer token."""
+    its ``<image>`` token scores 0 there, and they have no grid or rows per answer token.
+    BLIP's or GIT's caption (an empty ``prompt``) rests on the image alone: Integrated
+    Gradients then runs on the pixels against the grey image, summed per patch as its grid
+    and as ``<image>``'s score (:func:`caption_integrated_gradients`), the start token 0."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -369,19 +372,27 @@ def explain_image_answer(
             f"the layout of {getattr(model.config, 'model_type', type(model).__name__)}'s image tokens is not known: "
             "the report shows their summed score, not their grid"
         )
+    captioning = not prompt.strip() and image_outside_prompt(model)  # nothing but the image to score
     grey = (
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-        if "attn_lrp" in chosen and has_grid else None
+        if ("attn_lrp" in chosen and has_grid) or (captioning and INTEGRATED_GRADIENTS in chosen) else None
     )
     image_column = _image_column(model, ids, features)
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
                                     "the image 0")
-    if INTEGRATED_GRADIENTS in chosen:
+    if INTEGRATED_GRADIENTS in chosen and not captioning:
         explanation.warnings.append("Integrated Gradients holds the image (its tokens keep their ids in the baseline): it "
                                     "scores the prompt's words, the image 0")
     for name in chosen:
         start = time.perf_counter()
+        if name == INTEGRATED_GRADIENTS and captioning:
+            assert grey is not None  # made for it above
+            grid = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
+            summed = torch.zeros(features.shape[1])
+            summed[image_column] = grid.sum()
+            _add_method(explanation, _display(name), SIGNED, start, summed, grid=grid)
+            continue
         if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS):
             if name == INTEGRATED_GRADIENTS:
                 scores = answer_integrated_gradients(model, ids, answer_ids[None], ig_steps, inputs)
