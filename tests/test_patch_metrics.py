@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import assert_same_state, model_state
 from scipy.stats import spearmanr
-from vlm_models import DONUT, make_blip, make_captioner
+from vlm_models import DONUT, IMAGE, make_blip, make_captioner, make_vlm
 
-from captum_attention import AttnLRP
+from captum_attention import AttnLRP, image_scores
 from captum_attention.metrics import (
     METRICS,
     MetricContext,
@@ -87,6 +87,31 @@ def test_a_vision_language_captioner_reads_its_prompt_then_the_caption_with_the_
     assert drops.abs().max() > 1e-3, "greying patches moves the caption"
     with pytest.raises(ValueError, match="prompt_ids must be token ids \\(1 or batch=2, prompt_len >= 1\\)"):
         top_k_patch_log_prob_drop(model, PIXELS, CAPTION, SCORES, GREY, prompt_ids=torch.ones(1, 1))
+
+
+def test_a_vision_language_models_answer_about_its_image_is_scored_over_the_images_patches():
+    """LLaVA's answer after its prompt (BOS, the image's 16 tokens, two words), given as
+    ``prompt_ids``: AttnLRP's image tokens on their 4 × 4 grid (:func:`image_scores`),
+    which tiles the pixels; the top-k drop against the model run by hand on each image
+    with those patches greyed."""
+    model = make_vlm("llava")
+    ids = torch.tensor([[1, *[IMAGE] * 16, 5, 6]])
+    answer = torch.tensor([[8, 9]])
+    images = {"pixel_values": PIXELS[:1]}
+    span = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(torch.ones_like(ids), images))
+    (grid,) = image_scores(model, ids, span, images)[0]
+    drops = top_k_patch_log_prob_drop(model, PIXELS[:1], answer, grid[None].detach(), GREY, ks=(1, 3), prompt_ids=ids)
+
+    def by_hand(pixels: torch.Tensor) -> float:
+        sequence = torch.cat([ids, answer], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, pixel_values=pixels[None]).logits[0, ids.shape[1] - 1 : -1].double()
+        return float(sum(logits[k].log_softmax(-1)[token] for k, token in enumerate(answer[0].tolist())))
+
+    order = grid.flatten().argsort(descending=True).tolist()
+    for column, k in enumerate((1, 3)):
+        assert drops[0, column].item() == pytest.approx(by_hand(PIXELS[0]) - by_hand(greyed(PIXELS[0], order[:k])), abs=1e-4)
+    assert drops.abs().max() > 1e-3, "greying patches moves the answer"
 
 
 def test_the_lds_ranks_the_kept_patches_scores_against_the_greyed_images(captioner):

@@ -1,8 +1,9 @@
 r"""Context metrics over an image's patches: does an attribution over the image an image
 captioner reads (an image encoder before a text decoder, ``VisionEncoderDecoderModel``:
 ViT-GPT-2, TrOCR, Donut; or a vision-language model that reads its image apart from its
-prompt and captions it after its start token, BLIP's and GIT's) say which parts of it the
-caption rests on? Each metric is its
+prompt and captions it after its start token, BLIP's and GIT's; or a vision-language
+model's answer about its image, given its prompt) say which parts of it the caption rests
+on? Each metric is its
 prompt counterpart in :mod:`~captum_attention.metrics.context`, the features being the
 cells of the attribution's grid (the encoder's patches) instead of a prompt's segments,
 and a cell removed by taking its pixels from a baseline image (a grey one, through the
@@ -216,8 +217,9 @@ def top_k_patch_log_prob_drop(
             patches), or for fewer leave-one-out forwards. Default: None, each patch its own.
         prompt_ids (Tensor, optional): ``(1 or batch, prompt_len)`` the tokens a
             vision-language captioner reads before the caption, as its ``generate`` reads
-            them (GIT's [CLS], BLIP's start token). Default: None, an image encoder before
-            a text decoder.
+            them (GIT's [CLS], BLIP's start token), or the prompt of a vision-language
+            model's answer about its image, as its processor expanded it. Default: None, an
+            image encoder before a text decoder.
 
     Returns:
         ``(batch, len(ks))``: the drop per k.
