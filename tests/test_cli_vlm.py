@@ -686,20 +686,30 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     """BLIP (a prompt of 3 tokens as generate reads it, as many as the image's channels: its
     pixels were cut as a per-token input) and GIT: the top-3 drop removes the words, the
     start token and the image kept, against the model run on the start token alone with
-    the pixels."""
+    the pixels; of a longer prompt, the three words the method's token scores rank highest
+    (they were ranked by the image's scores)."""
+    from captum_attention import AttentionRollout
+
     folder, read_prompt = request.getfixturevalue(family), _blip_read if family == "blip" else _git_read
     prompt, size = ("the cat", 48) if family == "blip" else ("the cat is", 32)
+    longer = "the cat is on the mat"
     image, out = _image(tmp_path, size, size), tmp_path / "out"
-    data = _answers(tmp_path, [{"prompt": prompt, "image": image.name, "answer": "is a"}])
+    data = _answers(tmp_path, [{"prompt": prompt, "image": image.name, "answer": "is a"},
+                               {"prompt": longer, "image": image.name, "answer": "is a"}])
     assert main(["evaluate", str(data), "--model", str(folder), "--methods", "rollout", "--metrics", "top_k_log_prob_drop",
                  "--output", str(out)]) == 0
-    (result,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    short, long = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     model, processor, read, inputs = read_prompt(folder, image, prompt)
     answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
     assert read.shape[1] == len(prompt.split()) + 1 and (family == "git" or inputs["pixel_values"].shape[1] == 3)
     every = list(range(read.shape[1]))
-    assert result["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, every), abs=1e-5)
-    assert result["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
+    assert short["answer_log_prob"] == pytest.approx(_alone_log_prob(model, read, inputs, answer, every), abs=1e-5)
+    assert short["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, [0]), abs=1e-4)
+    _, _, read, inputs = read_prompt(folder, image, longer)
+    _, tokens = AttentionRollout(model).attribute_span(read, answer, additional_forward_args=(torch.ones_like(read), inputs))
+    words = sorted(range(1, read.shape[1]), key=lambda i: (-float(tokens[0, i]), i))
+    kept = [i for i in range(read.shape[1]) if i not in words[:3]]
+    assert long["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, kept), abs=1e-4)
 
 
 def _read_apart_log_prob(model, read, images, caption):

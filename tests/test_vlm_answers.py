@@ -862,3 +862,22 @@ def test_image_codes_of_a_vq_vae_are_read_by_the_language_model_and_land_on_thei
     numbered[ids == 98] = torch.arange(1.0, 4 * per_row + 1)
     grid = image_scores(model, ids, numbered, images)[0][0]
     torch.testing.assert_close(grid, torch.arange(1.0, 4 * per_row + 1).view(4, per_row)[:, :4].reshape(latent))
+
+
+@pytest.mark.parametrize("family", ["blip", "git"])
+def test_a_prompts_span_of_a_model_that_reads_its_image_apart_is_its_tokens(family):
+    """``prompt_span``, which ``evaluate``'s metrics and the leave-one-out estimates rank a
+    vision-language model's prompt by, gives the prompt tokens' scores of a model that
+    reads its image apart (BLIP's states, GIT's features: the first of its pairs); it gave
+    the image's scores, cut to the prompt's length."""
+    from vlm_models import make_blip, make_git
+
+    from captum_attention.presentation.explain import prompt_span
+
+    model = make_blip() if family == "blip" else make_git()
+    ids, answer = torch.tensor([[1, 5, 6, 7, 9]]), torch.tensor([[8, 10]])
+    images = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
+    image, tokens = AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(torch.ones_like(ids), images))
+    span = prompt_span(AttnLRP(model), ids, answer, images)
+    torch.testing.assert_close(span, tokens[:, : ids.shape[1]].detach())
+    assert not torch.allclose(span, image[:, : ids.shape[1]].detach(), atol=1e-3)

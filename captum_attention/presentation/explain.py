@@ -11,7 +11,6 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
-from ..attr.llm import prompt_side
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities, decoder_start_token
@@ -340,9 +339,12 @@ def prompt_span(
 ) -> torch.Tensor:
     """``(1, N)`` float: ``explainer``'s scores of the prompt's ``N`` tokens ``ids`` for the
     whole ``answer`` (``attribute_span``; an encoder-decoder's source side; a
-    vision-language model's with its ``image_inputs``), detached."""
+    vision-language model's with its ``image_inputs``, the tokens' side where it reads its
+    image apart: Mllama's, BLIP's, GIT's), detached."""
     args = (torch.ones_like(ids),) if image_inputs is None else (torch.ones_like(ids), image_inputs)
-    span = prompt_side(explainer.attribute_span(ids, answer, additional_forward_args=args, **options))
+    span = explainer.attribute_span(ids, answer, additional_forward_args=args, **options)
+    if isinstance(span, tuple):  # (source, target), or (image states or features, tokens)
+        span = span[0] if getattr(explainer.model.config, "is_encoder_decoder", False) else span[1]
     return span[:, : ids.shape[1]].float().detach()
 
 
