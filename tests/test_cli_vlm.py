@@ -375,6 +375,52 @@ def test_evaluate_scores_answers_about_images_as_the_metrics_do_directly(llava, 
     assert results[0]["lds"] == pytest.approx(float(lds[0]), abs=1e-6)
 
 
+def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava, tmp_path):
+    """A vision-language model's rows get each patch metric over the image as well
+    (``image_`` before its name): AttnLRP's image tokens on their grid, the top-3 drop
+    against the model run by hand on the image with those patches greyed (the processor's
+    grey image's pixels), the LDS and leave-one-out agreement the patch metrics' called
+    with the prompt; methods that score no image (Integrated Gradients holds it, the
+    estimates never remove it) have none; the summary gives each its direction."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement
+
+    image, out = _image(tmp_path), tmp_path / "out"
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(llava), "--methods", "attn_lrp,integrated_gradients,leave_one_out_estimates",
+                 "--ig-steps", "4", "--output", str(out)]) == 0
+    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    rgb = Image.open(image).convert("RGB")
+    inputs = dict(processor(text="<image> what is the cat", images=rgb, return_tensors="pt"))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    pixels = inputs["pixel_values"]
+    grey = processor(text="<image>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    (grid,) = image_scores(model, ids, AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs)), inputs)[0]
+    side = pixels.shape[-1] // grid.shape[1]
+    greyed = pixels.clone()
+    for index in sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]:
+        r, c = divmod(index, grid.shape[1])
+        greyed[..., r * side : (r + 1) * side, c * side : (c + 1) * side] = grey[..., r * side : (r + 1) * side, c * side : (c + 1) * side]
+    whole = list(range(ids.shape[1]))
+    drop = _alone_log_prob(model, ids, inputs, answer, whole) - _alone_log_prob(model, ids, {"pixel_values": greyed}, answer, whole)
+    assert abs(drop) > 1e-3, "the image moves the answer"
+    row = rows["attn_lrp"]
+    assert row["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4)
+    scores = grid[None].detach()
+    assert row["image_lds"] == pytest.approx(float(patch_datamodeling_score(model, pixels, answer, scores, grey, per_example=True,
+                                                                             prompt_ids=ids)[0]), abs=1e-6)
+    assert row["image_loo_agreement"] == pytest.approx(float(patch_leave_one_out_agreement(model, pixels, answer, scores, grey,
+                                                                                           prompt_ids=ids)[0]), abs=1e-6)
+    for method in ("integrated_gradients", "leave_one_out_estimates"):
+        assert [rows[method][f"image_{metric}"] for metric in ("top_k_log_prob_drop", "lds", "loo_agreement")] == [None] * 3
+    assert "| method | top_k_log_prob_drop ↑ | lds ↑ | loo_agreement ↑ | image_top_k_log_prob_drop ↑ | image_lds ↑ | image_loo_agreement ↑ |" in (
+        out / "summary.md").read_text()
+
+
 def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
     rows = [{"prompt": "what is the cat", "image": _image(tmp_path).name, "answer": "is a"}]
     data, out = _answers(tmp_path, rows), tmp_path / "out"
@@ -560,6 +606,7 @@ def test_evaluate_scores_an_encoder_decoders_answers_about_images(florence2, tmp
     drop = top_k_log_prob_drop(model, ids, mask, answer, source, ks=(3,), segments=segments, image_inputs=inputs)
     assert rows["grad_sam"]["top_k_log_prob_drop"] == pytest.approx(float(drop[0, 0]), abs=1e-5)
     assert set(rows) == {"grad_sam", "integrated_gradients"}
+    assert rows["grad_sam"]["image_top_k_log_prob_drop"] is None, "an encoder-decoder's answer follows no prompt: not greyed"
 
 
 @pytest.fixture(scope="module")
@@ -710,6 +757,7 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     words = sorted(range(1, read.shape[1]), key=lambda i: (-float(tokens[0, i]), i))
     kept = [i for i in range(read.shape[1]) if i not in words[:3]]
     assert long["top_k_log_prob_drop"] == pytest.approx(_drop_alone(model, read, inputs, answer, kept), abs=1e-4)
+    assert short["image_top_k_log_prob_drop"] is not None and set(short) - set(long) == set(), "the image's patches scored too"
 
 
 def _read_apart_log_prob(model, read, images, caption):
@@ -869,7 +917,7 @@ def test_a_captioner_refuses_what_it_cannot_read_in_one_line(captioner, tmp_path
     assert main(["evaluate", str(data), "--model", str(captioner), "--methods", "alti", "--output", str(tmp_path / "out")]) == 1
     assert "alti is not available for an image captioner" in capsys.readouterr().err
     assert main(["evaluate", str(_answers(tmp_path, [{"prompt": "a cat"}])), "--regions", "4", "--output", str(tmp_path / "out")]) == 1
-    assert "--regions is for an image captioner's patches" in capsys.readouterr().err
+    assert "--regions is for an image's patches; this model reads no image" in capsys.readouterr().err
     from captum_attention.loading import CheckpointError, load_causal_lm
 
     with pytest.raises(CheckpointError, match="holds an image captioner \\(explain it with --image\\), not a causal language model"):

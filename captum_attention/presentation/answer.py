@@ -388,10 +388,10 @@ def explain_image_answer(
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS and captioning:
             assert grey is not None  # made for it above
-            grid = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
+            patches = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
             summed = torch.zeros(features.shape[1])
-            summed[image_column] = grid.sum()
-            _add_method(explanation, _display(name), SIGNED, start, summed, grid=grid)
+            summed[image_column] = patches.sum()
+            _add_method(explanation, _display(name), SIGNED, start, summed, grid=patches)
             continue
         if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS):
             if name == INTEGRATED_GRADIENTS:

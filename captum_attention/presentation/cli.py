@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..attr import METHODS
-from .evaluate import CaptionOptions, answer_metric_names, evaluation_methods, metric_names, rationale_metrics
+from .evaluate import AnswerOptions, answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
     answer_too_long, length_limit, method_names,
@@ -123,8 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
     evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
     evaluate.add_argument("--regions", type=int,
-                          help="for an image captioner: the context metrics pool a grid of more patches a side into this "
-                          f"many regions a side, each region one feature (default: {CaptionOptions.regions})")
+                          help="for an image's patches (an image captioner's captions, a vision-language model's answers): "
+                          "the context metrics pool a grid of more patches a side into this many regions a side, each "
+                          f"region one feature (default: {AnswerOptions.regions})")
     evaluate.add_argument("--skip-malformed", action="store_true", help="skip malformed rows instead of stopping")
     evaluate.add_argument("--cache-dir", type=Path, help=CACHE_HELP)
     fit = commands.add_parser(
@@ -476,8 +477,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if task == "image-to-text" or (task == "image-text-to-text" and captions_alone(arguments.model) and not holds_prompts(arguments.data)):
         _evaluate_captions(arguments)
         return
-    if arguments.regions is not None:
-        raise UsageError("--regions is for an image captioner's patches (rows without a prompt): these rows are scored over their prompts")
+    if arguments.regions is not None and task != "image-text-to-text":
+        raise UsageError("--regions is for an image's patches; this model reads no image")
     if task in ("generation", "seq2seq", "image-text-to-text"):
         _evaluate_answers(arguments, vision=task == "image-text-to-text")
         return
@@ -521,9 +522,9 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     explained over its prompt (the source) and scored by the context metrics; for a
     vision-language model (``vision``), over its prompt about the row's image."""
     from ..loading import load_causal_lm, load_vision_language_model
-    from .evaluate import AnswerOptions, evaluate_answers, image_row_problem, read_answers
+    from .evaluate import evaluate_answers, image_metric_names, image_row_problem, read_answers
 
-    _check_counts(arguments, "max_new_tokens", "ig_steps")
+    _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
     _check_presence(arguments)
     examples, skipped = read_answers(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
@@ -547,12 +548,13 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         _note_uniform_head_weights(model, methods)
         _note_glued_answers(examples, model, tokenizer, arguments)
     model.to(state.device)
-    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence, ig_steps=arguments.ig_steps)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence, ig_steps=arguments.ig_steps,
+                            regions=arguments.regions or AnswerOptions.regions)
     evaluate_answers(
         model, tokenizer, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "answers", "answer"), _resuming(state, arguments, "answers"), processor,
     )
-    _merged(state, arguments, examples, metrics, options)
+    _merged(state, arguments, examples, [*metrics, *(image_metric_names(metrics) if vision else [])], options)
 
 
 def _evaluate_captions(arguments: argparse.Namespace) -> None:
@@ -579,8 +581,8 @@ def _evaluate_captions(arguments: argparse.Namespace) -> None:
                for example in examples]
     examples = _kept_rows(checked, arguments, "no row the model takes whole")
     model.to(state.device)
-    options = CaptionOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps,
-                             regions=arguments.regions or CaptionOptions.regions)
+    options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, ig_steps=arguments.ig_steps,
+                            regions=arguments.regions or AnswerOptions.regions)
     evaluate_captions(
         model, tokenizer, image_processor, examples, methods, metrics, arguments.output, options, state.process_index,
         state.num_processes, _progress(state, "captions", "caption"), _resuming(state, arguments, "captions"),

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..attr import METHODS
-from ..capture.adapters.images import image_outside_prompt, prompt_as_generated
+from ..attr import METHODS, image_scores
+from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
@@ -40,16 +40,17 @@ from .dataset import AnswerExample, DatasetError, Example, batches, read_answers
 from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
-    answer_estimates, answer_integrated_gradients, batch_padding_side,
+    answer_estimates, answer_integrated_gradients, answer_span, batch_padding_side,
     check_methods, check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs,
-    ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_span, refined_method, registered_method,
+    ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_of, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
+from .html import IMAGE_METRIC_PREFIX
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "AnswerExample", "AnswerOptions", "CaptionOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
-    "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics",
+    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
+    "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics", "image_metric_names",
     "batches", "check_request", "evaluate", "evaluate_answers", "evaluate_captions", "evaluation_methods", "merge", "read_answers", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
@@ -189,11 +190,13 @@ class EvaluationInterrupted(ResumableInterrupt):
         self.done, self.total = done, total
 
 
-ROWS_VERSION = 2
+ROWS_VERSION = 3
 """How the rows are computed: raised whenever a method's scores or a metric's draws change
 for the same example, so that a run is never resumed into rows of two kinds. 2: each
 example's LDS removals and SmoothGrad noise drawn from its own seed; manifests written
-before had no such entry."""
+before had no such entry. 3: a vision-language model's rows scored over the image's
+patches too (:func:`image_metric_names`), and ranked by the prompt tokens' scores where it
+reads its image apart."""
 
 
 def run_manifest(
@@ -247,10 +250,8 @@ def _head_weights_digest(model: Any) -> str:
 
 
 def _budgets(options: Any) -> list[Any]:
-    if isinstance(options, CaptionOptions):
-        return [options.max_new_tokens, options.ig_steps, options.regions, options.seed]
     if isinstance(options, AnswerOptions):
-        return [options.max_new_tokens, options.presence, options.ig_steps, options.seed]
+        return [options.max_new_tokens, options.presence, options.ig_steps, options.regions, options.seed]
     return [options.ig_steps, options.smoothgrad_samples, options.shap_evals, options.presence, options.seed]
 
 
@@ -456,13 +457,15 @@ def answer_metric_names() -> list[str]:
 
 @dataclass
 class AnswerOptions:
-    """How to evaluate answers: the generation's length (for rows without an answer), the
-    prompt's presence for :data:`PRESENCE`, Integrated Gradients' steps and the summary's
-    bootstrap."""
+    """How to evaluate answers (and captions): the generation's length (for rows without an
+    answer), the prompt's presence for :data:`PRESENCE`, Integrated Gradients' steps, into
+    how many regions a side the context metrics pool an image's patch grid larger than
+    that (each region one feature), and the summary's bootstrap."""
 
     max_new_tokens: int = 20
     presence: float = 0.05
     ig_steps: int = 50
+    regions: int = 16
     bootstrap: int = 1000
     seed: int = 0
 
@@ -488,7 +491,11 @@ def evaluate_answers(
     them; special tokens never removed). One example a shard, resumable, split over
     processes, merged by :func:`merge` as the classifier's are. With a vision-language
     model's ``processor``, each example's prompt is about its ``image``: the image's tokens
-    are scored but never removed."""
+    are scored but never removed, and each row holds the metrics over the image's patches
+    too (:func:`image_metric_names`: merge with them to summarise them), as
+    :func:`evaluate_captions` scores captions; empty where they cannot be computed exactly
+    (an encoder-decoder, image inputs other than one image's pixels, a grid that does not
+    tile them; a method that scores no image)."""
     from .answer import several_stacks
 
     options = options or AnswerOptions()
@@ -522,15 +529,16 @@ def _evaluate_answer(
     mask = torch.ones_like(ids)
     args = (mask,) if images is None else (mask, images)
     context = MetricContext(model, keep, None, segments)
-    spans: dict[str, Tensor] = {}
+    removal = None if images is None else _image_removal(model, processor, example, ids, images)
+    spans: dict[str, Any] = {}  # each method's answer_span (Integrated Gradients': its prompt scores)
 
     def span_of(name: str) -> Tensor:
         if name == INTEGRATED_GRADIENTS and name not in spans:
             spans[name] = answer_integrated_gradients(model, ids, answer, options.ig_steps, images)
         if name not in spans:
             extra = {"presence": span_presence(ids, answer.shape[1], tokenizer, options.presence)} if name == PRESENCE else {}
-            spans[name] = prompt_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, images, **extra)
-        return spans[name]
+            spans[name] = answer_span(explainers["attn_lrp" if name == PRESENCE else name], ids, answer, images, **extra)
+        return prompt_of(model, spans[name], ids.shape[1])
 
     rows = []
     with shared_ablations():  # the methods' metrics run each ablation of the row once
@@ -541,8 +549,60 @@ def _evaluate_answer(
             else:
                 scores = span_of(name)
             values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
+            if images is not None:
+                image_span = None if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS) else spans[name]
+                values |= _image_values(model, ids, images, answer, image_span, removal, metrics, options.regions)
             rows.append(_answer_row(example, name, tokenizer.decode(answer[0]), log_prob, values))
     return rows
+
+
+def image_metric_names(metrics: Sequence[str]) -> list[str]:
+    """The columns a vision-language model's rows add to ``metrics``: each metric that also
+    scores an image's patches (``patches=True``) over the row's image, ``image_`` before its
+    name (:func:`evaluate_answers`)."""
+    return [f"{IMAGE_METRIC_PREFIX}{name}" for name in metrics if METRIC_REGISTRY[name].patches]
+
+
+def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tensor, images: dict[str, Any]) -> PatchRemoval | None:
+    """How the image metrics grey the patches of a vision-language model's row (a grey
+    image through its processor's image processor; the prompt ``ids`` read before the
+    answer); None where they cannot be computed exactly: an encoder-decoder (its answer
+    does not follow the prompt), image inputs other than one image's ``(1, channels,
+    height, width)`` pixels, or an image whose grid of tokens does not tile its pixels."""
+    from PIL import Image
+
+    from .answer import caption_pixels
+
+    pixels = images.get("pixel_values")
+    if getattr(model.config, "is_encoder_decoder", False) or set(images) != {"pixel_values"} or not isinstance(pixels, Tensor):
+        return None
+    if pixels.dim() != 4 or len(pixels) != 1:
+        return None
+    (layout,) = image_token_layout(model, ids, images)
+    if len(layout) != 1 or layout[0].grid is None or pixels.shape[-2] % layout[0].grid[0] or pixels.shape[-1] % layout[0].grid[1]:
+        return None
+    assert example.image is not None  # a vision-language model's row names one
+    with Image.open(example.image) as picture:
+        _, grey = caption_pixels(model, processor.image_processor, picture.convert("RGB"))
+    return PatchRemoval(grey, None, ids) if grey.shape == pixels.shape else None
+
+
+def _image_values(
+    model: Any, ids: Tensor, images: dict[str, Any], answer: Tensor, span: Any, removal: PatchRemoval | None,
+    metrics: Sequence[str], regions: int,
+) -> dict[str, Tensor]:
+    """The image metrics of one method's ``span`` (None: a method that scores no image) over
+    the image's patches, its scores placed on the image's grid; NaN where they cannot be
+    computed (``removal`` None: :func:`_image_removal`)."""
+    if removal is None or span is None:
+        return {name: torch.tensor([math.nan]) for name in image_metric_names(metrics)}
+    grid = image_scores(model, ids, span, images)[0][0][None].detach()
+    kept = torch.zeros(1, 0, dtype=torch.bool, device=ids.device)
+    context = MetricContext(model, kept, patches=dataclasses.replace(removal, regions=pooled_regions(grid.shape[1:], regions)))
+    return {
+        f"{IMAGE_METRIC_PREFIX}{name}": METRIC_REGISTRY[name].function(model, images["pixel_values"], grid, (), answer, context)
+        for name in metrics if METRIC_REGISTRY[name].patches
+    }
 
 
 def pooled_regions(grid: Sequence[int], most: int) -> tuple[int, int] | None:
@@ -579,14 +639,6 @@ def check_caption_metrics(metrics: Sequence[str]) -> None:
     check_names("metric", metrics, caption_metric_names())
 
 
-@dataclass
-class CaptionOptions(AnswerOptions):
-    """How to evaluate captions: :class:`AnswerOptions`, and into how many regions a side
-    the context metrics pool a patch grid larger than that (each region one feature)."""
-
-    regions: int = 16
-
-
 def caption_method_names() -> list[str]:
     """What ``methods=`` accepts for an image captioner's captions: the registered methods
     that explain an encoder-decoder's answer over its source, and Integrated Gradients
@@ -604,7 +656,7 @@ def evaluate_captions(
     methods: Sequence[str],
     metrics: Sequence[str],
     output: str | Path,
-    options: CaptionOptions | None = None,
+    options: AnswerOptions | None = None,
     process_index: int = 0,
     num_processes: int = 1,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
@@ -620,7 +672,7 @@ def evaluate_captions(
     (:mod:`~captum_attention.metrics.patches`), a grid of more patches a side than
     ``options.regions`` pooled into that many regions a side. Resumable and split over
     processes as :func:`evaluate_answers`."""
-    options = options or CaptionOptions()
+    options = options or AnswerOptions()
     check_names("method", methods, caption_method_names())
     check_caption_metrics(metrics)
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
@@ -633,7 +685,7 @@ def evaluate_captions(
 
 def _evaluate_caption(
     model: Any, tokenizer: Any, image_processor: Any, example: AnswerExample, methods: Sequence[str], explainers: dict[str, Any],
-    metrics: Sequence[str], options: CaptionOptions,
+    metrics: Sequence[str], options: AnswerOptions,
 ) -> list[dict[str, Any]]:
     from PIL import Image
 

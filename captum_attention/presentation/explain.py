@@ -338,14 +338,26 @@ def prompt_span(
     explainer: Any, ids: torch.Tensor, answer: torch.Tensor, image_inputs: dict[str, Any] | None = None, **options: Any
 ) -> torch.Tensor:
     """``(1, N)`` float: ``explainer``'s scores of the prompt's ``N`` tokens ``ids`` for the
-    whole ``answer`` (``attribute_span``; an encoder-decoder's source side; a
-    vision-language model's with its ``image_inputs``, the tokens' side where it reads its
-    image apart: Mllama's, BLIP's, GIT's), detached."""
+    whole ``answer`` (:func:`answer_span`, :func:`prompt_of`), detached."""
+    return prompt_of(explainer.model, answer_span(explainer, ids, answer, image_inputs, **options), ids.shape[1])
+
+
+def answer_span(
+    explainer: Any, ids: torch.Tensor, answer: torch.Tensor, image_inputs: dict[str, Any] | None = None, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``explainer``'s ``attribute_span`` of the whole ``answer`` after the prompt ``ids``
+    ``(1, N)``, all of it read (a vision-language model's with its ``image_inputs``)."""
     args = (torch.ones_like(ids),) if image_inputs is None else (torch.ones_like(ids), image_inputs)
-    span = explainer.attribute_span(ids, answer, additional_forward_args=args, **options)
+    return explainer.attribute_span(ids, answer, additional_forward_args=args, **options)
+
+
+def prompt_of(model: Any, span: torch.Tensor | tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
+    """``(1, length)`` float, detached: the prompt tokens' scores of an :func:`answer_span`
+    (an encoder-decoder's source side; the tokens' side of a vision-language model that
+    reads its image apart: Mllama's, BLIP's, GIT's)."""
     if isinstance(span, tuple):  # (source, target), or (image states or features, tokens)
-        span = span[0] if getattr(explainer.model.config, "is_encoder_decoder", False) else span[1]
-    return span[:, : ids.shape[1]].float().detach()
+        span = span[0] if getattr(model.config, "is_encoder_decoder", False) else span[1]
+    return span[:, :length].float().detach()
 
 
 IG_TOKENS_PER_BATCH = 8192

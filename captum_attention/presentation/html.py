@@ -379,15 +379,27 @@ SHOWN_ROWS = 500
 """The evaluation report lists at most this many result rows (``results.jsonl`` has all)."""
 
 
+IMAGE_METRIC_PREFIX = "image_"
+"""What names a metric's column over a vision-language model's image patches (``evaluate``'s
+``image_top_k_log_prob_drop``, ...)."""
+
+
+def metric_better(metric: str) -> str | None:
+    """``"higher"`` or ``"lower"``: which values of a results column are the better (an image
+    column's: its metric's, :data:`IMAGE_METRIC_PREFIX`); None for a metric not registered."""
+    from ..metrics import METRICS
+
+    name = metric if metric in METRICS else metric.removeprefix(IMAGE_METRIC_PREFIX)
+    return METRICS[name].better if name in METRICS else None
+
+
 def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[str], title: str) -> str:
     """The report of an ``evaluate`` run: per method and metric the mean and its 95%
     bootstrap interval (the best mean of each metric in bold), each method's paired
     difference to the best, how often each method was the best on an example, and the rows
     themselves (the first :data:`SHOWN_ROWS`)."""
-    from ..metrics import METRICS
-
     methods = list(dict.fromkeys(entry["method"] for entry in summary))
-    better = {metric: METRICS[metric].better if metric in METRICS else None for metric in metrics}
+    better = {metric: metric_better(metric) for metric in metrics}
     arrows = {"higher": " ↑", "lower": " ↓", None: ""}
     header = "".join(f"<th>{escape(metric)}{arrows[better[metric]]}</th>" for metric in metrics)
     parts = [

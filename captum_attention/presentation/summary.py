@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .dataset import AnswerExample, Example, write_atomically
-from .html import difference_parts, render_evaluation_html
+from .html import difference_parts, metric_better, render_evaluation_html
 
 
 def merge(output: str | Path, examples: Sequence[Example | AnswerExample], metrics: Sequence[str], bootstrap: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
@@ -53,8 +53,6 @@ def summarise(rows: list[dict[str, Any]], methods: Sequence[str], metrics: Seque
     method's value minus the best's on the examples where both have one, its mean and
     bootstrap interval (None for the best itself); an interval that holds 0 says that these
     examples do not tell the two methods apart, however far apart their own intervals."""
-    from ..metrics import METRICS
-
     generator = torch.Generator().manual_seed(seed)
     by_example = {(row["method"], row["index"]): row for row in rows}
     indices = list(dict.fromkeys(row["index"] for row in rows))
@@ -68,7 +66,7 @@ def summarise(rows: list[dict[str, Any]], methods: Sequence[str], metrics: Seque
         per_method = {method: values(method, metric) for method in methods}
         entries = {method: {"method": method, "metric": metric, **_mean_and_interval(list(per_method[method].values()), bootstrap, generator)}
                    for method in methods}
-        better = METRICS[metric].better if metric in METRICS else None
+        better = metric_better(metric)
         ranked = [method for method in methods if entries[method]["mean"] is not None]
         if better is not None and ranked:
             sign = 1.0 if better == "higher" else -1.0
@@ -87,8 +85,6 @@ def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> s
     each metric's name marked with its direction (↑ higher is better, ↓ lower); then, with
     more than one method, each method's paired difference to the best of each metric with
     a direction."""
-    from ..metrics import METRICS
-
     methods = list(dict.fromkeys(entry["method"] for entry in summary))
     cell = {(e["method"], e["metric"]): e for e in summary}
 
@@ -96,7 +92,7 @@ def summary_markdown(summary: list[dict[str, Any]], metrics: Sequence[str]) -> s
         return "n/a" if entry["mean"] is None else f"{entry['mean']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
     arrows = {"higher": "↑", "lower": "↓"}
-    named = [f"{metric} {arrows[METRICS[metric].better]}" if metric in METRICS else metric for metric in metrics]
+    named = [f"{metric} {arrows[better]}" if (better := metric_better(metric)) else metric for metric in metrics]
     lines = ["| method | " + " | ".join(named) + " |", "|---" * (len(metrics) + 1) + "|"]
     lines += [f"| {m} | " + " | ".join(shown(cell[m, metric]) for metric in metrics) + " |" for m in methods]
     lines += ["", "↑: higher is better, ↓: lower is better; mean [95% bootstrap interval] over the examples."]
