@@ -11,6 +11,10 @@ images. Among the examples it answers with p ≥ 0.9, per method:
 - pointing: how often the image token the method scores highest lies on the square;
 - top-4 drop: the answer's log-probability lost when the 4 highest-scored patches are
   greyed (the square covers 4 to 9 of the 64);
+- LDS: Spearman's ρ, over 32 random halves of the patches greyed (each example's own),
+  between the kept patches' summed scores and the answer's log-probability
+  (:func:`~captum_attention.metrics.patch_datamodeling_score`, the prompt as
+  ``prompt_ids``); the mean over the examples where both sides vary;
 - time per example.
 
 Our methods explain the answer's log-probability in one forward (and one backward) for the
@@ -41,11 +45,13 @@ import torch
 from captum.attr import FeatureAblation, ImageMaskInput, LayerIntegratedGradients, LLMAttribution
 
 from captum_attention import METHODS, image_scores, pixel_scores
+from captum_attention.metrics import patch_datamodeling_score
 from captum_attention.demo.colour_vlm import GRID, HELDOUT_SEED, colour_images, colour_processor, load_colour_vlm, prompt_ids
 from captum_attention.demo.shapes import PATCH
 
 FEATURE_ABLATION, INTEGRATED_GRADIENTS = "Captum FeatureAblation (64 patches)", "Captum LayerIntegratedGradients (patch embedding)"
 TOP = 4
+HALVES = 32
 
 
 def answer_log_prob(model: torch.nn.Module, images: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -141,7 +147,10 @@ def score(model: torch.nn.Module, grids: torch.Tensor, images: torch.Tensor, ans
     pointing = squares.flatten(1).gather(1, flat.argmax(dim=1, keepdim=True)).float().mean()
     with torch.no_grad():
         drop = answer_log_prob(model, images, answers) - answer_log_prob(model, greyed(images, flat.topk(TOP, dim=1).indices), answers)
-    return {"pointing": float(pointing), f"top-{TOP} drop": float(drop.mean())}
+    lds = patch_datamodeling_score(model, images, answers[:, None], grids.float(), torch.full_like(images[:1], 0.5), HALVES,
+                                   per_example=True, prompt_ids=prompt_ids(1))
+    return {"pointing": float(pointing), f"top-{TOP} drop": float(drop.mean()), "LDS": float(lds.nanmean()),
+            "LDS examples": int((~lds.isnan()).sum())}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,9 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         if options.json:
             options.json.write_text(json.dumps(results, indent=1))
     print(f"\n{len(images)} of {options.examples} examples answered with p >= 0.9\n")
-    print(f"| method | pointing | top-{TOP} drop | ms per example |\n|---|---|---|---|")
+    print(f"| method | pointing | top-{TOP} drop | LDS | ms per example |\n|---|---|---|---|---|")
     for name, values in results["methods"].items():
-        print(f"| {name} | {values['pointing']:.2f} | {values[f'top-{TOP} drop']:.2f} | {values['ms per example']:.1f} |")
+        print(f"| {name} | {values['pointing']:.2f} | {values[f'top-{TOP} drop']:.2f} | {values['LDS']:.2f} | {values['ms per example']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -578,7 +578,10 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
         return None
     if pixels.dim() != 4 or len(pixels) != 1:
         return None
-    (layout,) = image_token_layout(model, ids, images)
+    try:
+        (layout,) = image_token_layout(model, ids, images)
+    except ValueError:  # a family whose image tokens are not found so
+        return None
     if len(layout) != 1 or layout[0].grid is None or pixels.shape[-2] % layout[0].grid[0] or pixels.shape[-1] % layout[0].grid[1]:
         return None
     assert example.image is not None  # a vision-language model's row names one
