@@ -377,11 +377,12 @@ def test_evaluate_scores_answers_about_images_as_the_metrics_do_directly(llava, 
 
 def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava, tmp_path):
     """A vision-language model's rows get each patch metric over the image as well
-    (``image_`` before its name): AttnLRP's image tokens on their grid, the top-3 drop
-    against the model run by hand on the image with those patches greyed (the processor's
-    grey image's pixels), the LDS and leave-one-out agreement the patch metrics' called
-    with the prompt; methods that score no image (Integrated Gradients holds it, the
-    estimates never remove it) have none; the summary gives each its direction."""
+    (``image_`` before its name): AttnLRP's image tokens on their grid and Integrated
+    Gradients on the pixels (Captum's, by hand), the top-3 drop against the model run by
+    hand on the image with those patches greyed (the processor's grey image's pixels), the
+    LDS and leave-one-out agreement the patch metrics' called with the prompt; the
+    estimates, which never remove the image, have none; the summary gives each its
+    direction."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from captum_attention.metrics import patch_datamodeling_score, patch_leave_one_out_agreement
@@ -399,24 +400,25 @@ def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava,
     answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
     pixels = inputs["pixel_values"]
     grey = processor(text="<image>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-    (grid,) = image_scores(model, ids, AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs)), inputs)[0]
-    side = pixels.shape[-1] // grid.shape[1]
-    greyed = pixels.clone()
-    for index in sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]:
-        r, c = divmod(index, grid.shape[1])
-        greyed[..., r * side : (r + 1) * side, c * side : (c + 1) * side] = grey[..., r * side : (r + 1) * side, c * side : (c + 1) * side]
-    whole = list(range(ids.shape[1]))
-    drop = _alone_log_prob(model, ids, inputs, answer, whole) - _alone_log_prob(model, ids, {"pixel_values": greyed}, answer, whole)
-    assert abs(drop) > 1e-3, "the image moves the answer"
-    row = rows["attn_lrp"]
-    assert row["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4)
-    scores = grid[None].detach()
-    assert row["image_lds"] == pytest.approx(float(patch_datamodeling_score(model, pixels, answer, scores, grey, per_example=True,
-                                                                             prompt_ids=ids)[0]), abs=1e-6)
-    assert row["image_loo_agreement"] == pytest.approx(float(patch_leave_one_out_agreement(model, pixels, answer, scores, grey,
-                                                                                           prompt_ids=ids)[0]), abs=1e-6)
-    for method in ("integrated_gradients", "leave_one_out_estimates"):
-        assert [rows[method][f"image_{metric}"] for metric in ("top_k_log_prob_drop", "lds", "loo_agreement")] == [None] * 3
+    (lrp,) = image_scores(model, ids, AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs)), inputs)[0]
+    grids = {"attn_lrp": lrp.detach(), "integrated_gradients": _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=4)}
+    for method, grid in grids.items():
+        side = pixels.shape[-1] // grid.shape[1]
+        greyed = pixels.clone()
+        for index in sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]:
+            r, c = divmod(index, grid.shape[1])
+            greyed[..., r * side : (r + 1) * side, c * side : (c + 1) * side] = grey[..., r * side : (r + 1) * side, c * side : (c + 1) * side]
+        with torch.no_grad():
+            drop = float(_pixels_log_prob(model, ids, pixels, answer) - _pixels_log_prob(model, ids, greyed, answer))
+        assert abs(drop) > 1e-3, "the image moves the answer"
+        row, scores = rows[method], grid[None]
+        assert row["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
+        lds = patch_datamodeling_score(model, pixels, answer, scores, grey, per_example=True, prompt_ids=ids)
+        assert row["image_lds"] == pytest.approx(float(lds[0]), abs=1e-6), method
+        agreement = patch_leave_one_out_agreement(model, pixels, answer, scores, grey, prompt_ids=ids)
+        assert row["image_loo_agreement"] == pytest.approx(float(agreement[0]), abs=1e-6), method
+    estimates = rows["leave_one_out_estimates"]
+    assert [estimates[f"image_{metric}"] for metric in ("top_k_log_prob_drop", "lds", "loo_agreement")] == [None] * 3
     assert "| method | top_k_log_prob_drop ↑ | lds ↑ | loo_agreement ↑ | image_top_k_log_prob_drop ↑ | image_lds ↑ | image_loo_agreement ↑ |" in (
         out / "summary.md").read_text()
 
@@ -718,7 +720,7 @@ def test_explain_captions_with_gits_start_token_alone_and_refuses_a_models_missi
     features, text = RawAttention(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
     torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Raw Attention"]), torch.tensor([float(features.sum()), float(text[0, 0])]))
     grey = processor(images=Image.new("RGB", (32, 32), (128, 128, 128)), return_tensors="pt")["pixel_values"]
-    grid = _read_apart_integrated_gradients(model, read, inputs["pixel_values"], grey, caption, steps=4)
+    grid = _pixel_integrated_gradients(model, read, inputs["pixel_values"], grey, caption, steps=4)
     assert grid.abs().sum() > 1e-3, "the pixels move the caption"
     torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Integrated Gradients"]), grid, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(torch.tensor(explanation["seq_attr"]["Integrated Gradients"]), torch.tensor([float(grid.sum()), 0.0]),
@@ -760,20 +762,21 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     assert short["image_top_k_log_prob_drop"] is not None and set(short) - set(long) == set(), "the image's patches scored too"
 
 
-def _read_apart_log_prob(model, read, images, caption):
-    """``(images,)`` log p(caption | read, each image), BLIP or GIT run on the prompt
-    ``read`` and the caption with each image's pixels."""
+def _pixels_log_prob(model, read, images, caption):
+    """``(images,)`` log p(caption | read, each image), the vision-language model run on
+    the prompt ``read`` and the caption with each image's pixels."""
     sequence = torch.cat([read, caption], dim=1).expand(len(images), -1)
     logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images).logits
     return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
 
 
-def _read_apart_integrated_gradients(model, read, pixels, grey, caption, steps):
-    """Captum's IntegratedGradients of the caption's log-probability after ``read`` over
-    BLIP's or GIT's pixels against the grey ones, summed over channels and per patch."""
+def _pixel_integrated_gradients(model, read, pixels, grey, caption, steps):
+    """Captum's IntegratedGradients of the caption's log-probability after ``read`` over a
+    vision-language model's pixels against the grey ones, summed over channels and per
+    patch of its vision tower."""
     from captum.attr import IntegratedGradients
 
-    pixel_attr = IntegratedGradients(lambda images: _read_apart_log_prob(model, read, images, caption)).attribute(
+    pixel_attr = IntegratedGradients(lambda images: _pixels_log_prob(model, read, images, caption)).attribute(
         pixels, baselines=grey, n_steps=steps)
     patch = model.config.vision_config.patch_size
     rows, columns = pixels.shape[-2] // patch, pixels.shape[-1] // patch
@@ -818,7 +821,7 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
             span = AttnLRP(model).attribute_span(read, caption, additional_forward_args=(torch.ones_like(read), inputs))
             grid = image_scores(model, read, span, inputs)[0][0].detach()
         else:
-            grid = _read_apart_integrated_gradients(model, read, pixels, grey, caption, steps=4)
+            grid = _pixel_integrated_gradients(model, read, pixels, grey, caption, steps=4)
         assert grid.shape == (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
         top = sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]
         greyed = pixels.clone()
@@ -826,7 +829,7 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
             r, c = divmod(index, grid.shape[1])
             greyed[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = grey[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch]
         with torch.no_grad():
-            drop = float(_read_apart_log_prob(model, read, pixels, caption) - _read_apart_log_prob(model, read, greyed, caption))
+            drop = float(_pixels_log_prob(model, read, pixels, caption) - _pixels_log_prob(model, read, greyed, caption))
         assert abs(drop) > 1e-3, "the image moves the caption"
         assert row["top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), row["method"]
         direct = {

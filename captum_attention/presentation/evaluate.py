@@ -495,7 +495,8 @@ def evaluate_answers(
     too (:func:`image_metric_names`: merge with them to summarise them), as
     :func:`evaluate_captions` scores captions; empty where they cannot be computed exactly
     (an encoder-decoder, image inputs other than one image's pixels, a grid that does not
-    tile them; a method that scores no image)."""
+    tile them; the estimates, which score no image), Integrated Gradients' image scores
+    run again on the pixels against the grey image."""
     from .answer import several_stacks
 
     options = options or AnswerOptions()
@@ -550,8 +551,8 @@ def _evaluate_answer(
                 scores = span_of(name)
             values = {m: METRIC_REGISTRY[m].function(model, ids, scores, args, answer, context) for m in metrics}
             if images is not None:
-                image_span = None if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS) else spans[name]
-                values |= _image_values(model, ids, images, answer, image_span, removal, metrics, options.regions)
+                grid = None if removal is None else _image_grid(model, ids, images, answer, name, spans, removal, options.ig_steps)
+                values |= _image_values(model, images, answer, grid, removal, metrics, options.regions)
             rows.append(_answer_row(example, name, tokenizer.decode(answer[0]), log_prob, values))
     return rows
 
@@ -590,17 +591,33 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     return PatchRemoval(grey, None, ids) if grey.shape == pixels.shape else None
 
 
+def _image_grid(
+    model: Any, ids: Tensor, images: dict[str, Any], answer: Tensor, name: str, spans: dict[str, Any], removal: PatchRemoval,
+    ig_steps: int,
+) -> Tensor | None:
+    """``(1, rows, columns)`` method ``name``'s scores of the image's patches: a registered
+    method's image tokens (its ``spans[name]``) on their grid; Integrated Gradients' on the
+    pixels against the removal's grey image, the prompt held, summed per patch of the
+    vision tower (:func:`~captum_attention.presentation.answer.caption_integrated_gradients`);
+    None for the estimates, which score no image."""
+    from .answer import caption_integrated_gradients
+
+    if name == INTEGRATED_GRADIENTS:
+        return caption_integrated_gradients(model, images["pixel_values"], answer, removal.baseline_pixels, ig_steps, ids)
+    if name in ESTIMATES_OF_ANSWERS:
+        return None
+    return image_scores(model, ids, spans[name], images)[0][0][None].detach()
+
+
 def _image_values(
-    model: Any, ids: Tensor, images: dict[str, Any], answer: Tensor, span: Any, removal: PatchRemoval | None,
+    model: Any, images: dict[str, Any], answer: Tensor, grid: Tensor | None, removal: PatchRemoval | None,
     metrics: Sequence[str], regions: int,
 ) -> dict[str, Tensor]:
-    """The image metrics of one method's ``span`` (None: a method that scores no image) over
-    the image's patches, its scores placed on the image's grid; NaN where they cannot be
-    computed (``removal`` None: :func:`_image_removal`)."""
-    if removal is None or span is None:
+    """The image metrics of one method's ``grid`` of patch scores (None: a method that
+    scores no image); NaN where they cannot be computed (``removal`` None: :func:`_image_removal`)."""
+    if removal is None or grid is None:
         return {name: torch.tensor([math.nan]) for name in image_metric_names(metrics)}
-    grid = image_scores(model, ids, span, images)[0][0][None].detach()
-    kept = torch.zeros(1, 0, dtype=torch.bool, device=ids.device)
+    kept = torch.zeros(1, 0, dtype=torch.bool, device=grid.device)
     context = MetricContext(model, kept, patches=dataclasses.replace(removal, regions=pooled_regions(grid.shape[1:], regions)))
     return {
         f"{IMAGE_METRIC_PREFIX}{name}": METRIC_REGISTRY[name].function(model, images["pixel_values"], grid, (), answer, context)
