@@ -299,8 +299,10 @@ def test_the_leave_one_out_estimates_explain_an_answer_about_an_image(llava, tmp
 def test_integrated_gradients_explain_and_evaluate_an_answer_about_an_image_with_the_image_held(llava, tmp_path, capsys):
     """``--methods integrated_gradients`` with ``--image``: the words' scores are
     ``answer_integrated_gradients`` with the processor's image inputs (checked against
-    autograd in ``test_vlm_answers.py``), the <image> token 0 with a warning, no grid;
-    ``evaluate`` gives the same scores' metrics for a row about that image."""
+    autograd in ``test_vlm_answers.py``); the grid and the <image> token's score are
+    Integrated Gradients on the pixels against the grey image, the prompt held (Captum's,
+    by hand; they were no grid and 0), with a warning saying both; ``evaluate`` gives the
+    same word scores' metrics for a row about that image."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from captum_attention.presentation.explain import answer_integrated_gradients
@@ -308,7 +310,7 @@ def test_integrated_gradients_explain_and_evaluate_an_answer_about_an_image_with
     image, report, out = _image(tmp_path), tmp_path / "answer.json", tmp_path / "out"
     assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is a",
                  "--methods", "integrated_gradients", "--ig-steps", "4", "--json", str(report)]) == 0
-    assert "Integrated Gradients holds the image" in capsys.readouterr().err
+    assert "and the image's patches over the pixels against a grey image with the prompt held" in capsys.readouterr().err
     explanation = json.loads(report.read_text(encoding="utf-8"))
     model = AutoModelForImageTextToText.from_pretrained(llava, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
@@ -317,7 +319,11 @@ def test_integrated_gradients_explain_and_evaluate_an_answer_about_an_image_with
     answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
     expected = answer_integrated_gradients(model, ids, answer, 4, inputs)
     scores, shown = explanation["seq_attr"]["Integrated Gradients"], explanation["prompt_tokens"]
-    assert scores[shown.index("<image>")] == 0.0 and explanation["image_grids"] == {}
+    grey = processor(text="<image>", images=Image.new("RGB", Image.open(image).size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    grid = _pixel_integrated_gradients(model, ids, inputs["pixel_values"], grey, answer, steps=4)
+    assert grid.abs().sum() > 1e-3, "the pixels move the answer"
+    torch.testing.assert_close(torch.tensor(explanation["image_grids"]["Integrated Gradients"]), grid, rtol=1e-4, atol=1e-6)
+    assert scores[shown.index("<image>")] == pytest.approx(float(grid.sum()), rel=1e-4, abs=1e-6)
     words = [score for score, token in zip(scores, shown) if token != "<image>"]
     torch.testing.assert_close(torch.tensor(words), expected[0, ids[0] != IMAGE], rtol=1e-4, atol=1e-6)
     data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])

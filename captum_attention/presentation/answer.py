@@ -340,10 +340,13 @@ def explain_image_answer(
     pixels' layout. The leave-one-out estimates (:data:`~captum_attention.presentation.explain.ESTIMATES`)
     never remove the image, as the context metrics never do, and Integrated Gradients
     (``ig_steps`` steps) holds it (:func:`~captum_attention.presentation.explain.answer_integrated_gradients`):
-    its ``<image>`` token scores 0 there, and they have no grid or rows per answer token.
-    BLIP's or GIT's caption (an empty ``prompt``) rests on the image alone: Integrated
-    Gradients then runs on the pixels against the grey image, summed per patch as its grid
-    and as ``<image>``'s score (:func:`caption_integrated_gradients`), the start token 0."""
+    its ``<image>`` token scores 0 there, and they have no grid or rows per answer token,
+    except that Integrated Gradients also runs on the pixels against the grey image, the
+    prompt held, summed per patch as its grid and as ``<image>``'s score
+    (:func:`caption_integrated_gradients`), where the image is one picture's pixels alone
+    (:func:`single_image_pixels`) whose layout :func:`~captum_attention.pixel_scores`
+    knows. BLIP's or GIT's caption (an empty ``prompt``) rests on the image alone: its words
+    then score 0."""
     from PIL import Image
 
     chosen = methods or list(METHODS)
@@ -373,33 +376,36 @@ def explain_image_answer(
             "the report shows their summed score, not their grid"
         )
     captioning = not prompt.strip() and image_outside_prompt(model)  # nothing but the image to score
+    pixel_ig = INTEGRATED_GRADIENTS in chosen and single_image_pixels(model, inputs) is not None and _pixels_on_grid(
+        model, inputs["pixel_values"], inputs)
     grey = (
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-        if ("attn_lrp" in chosen and has_grid) or (captioning and INTEGRATED_GRADIENTS in chosen) else None
+        if ("attn_lrp" in chosen and has_grid) or pixel_ig else None
     )
     image_column = _image_column(model, ids, features)
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
                                     "the image 0")
     if INTEGRATED_GRADIENTS in chosen and not captioning:
-        explanation.warnings.append("Integrated Gradients holds the image (its tokens keep their ids in the baseline): it "
-                                    "scores the prompt's words, the image 0")
+        explanation.warnings.append(
+            "Integrated Gradients scores the prompt's words with the image held (its tokens keep their ids in the baseline)"
+            + (", and the image's patches over the pixels against a grey image with the prompt held" if pixel_ig else ", the image 0")
+        )
     for name in chosen:
         start = time.perf_counter()
-        if name == INTEGRATED_GRADIENTS and captioning:
-            assert grey is not None  # made for it above
-            patches = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
-            summed = torch.zeros(features.shape[1])
-            summed[image_column] = patches.sum()
-            _add_method(explanation, _display(name), SIGNED, start, summed, grid=patches)
-            continue
         if name in (*ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS):
             if name == INTEGRATED_GRADIENTS:
-                scores = answer_integrated_gradients(model, ids, answer_ids[None], ig_steps, inputs)
+                words = torch.zeros_like(ids, dtype=torch.float) if captioning else answer_integrated_gradients(
+                    model, ids, answer_ids[None], ig_steps, inputs)
             else:
                 keep = special_tokens(ids, tokenizer) | _per_token_flags(template, ids)
-                scores = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
-            _add_method(explanation, _display(name), SIGNED, start, _feature_scores(scores, features, image_column)[0])
+                words = _prompt_estimates(model, ids, answer_ids, keep, name != ESTIMATES, inputs)
+            summed, patches = _feature_scores(words, features, image_column)[0], None
+            if name == INTEGRATED_GRADIENTS and pixel_ig:
+                assert grey is not None  # made for it above
+                patches = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
+                summed[image_column] = patches.sum()
+            _add_method(explanation, _display(name), SIGNED, start, summed, grid=patches)
             continue
         explainer = registered_method(name, model)
         span = prompt_scores(model, explainer.attribute_span(ids, answer_ids[None], additional_forward_args=args))
@@ -547,6 +553,17 @@ def caption_integrated_gradients(
     per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))
     gradients = IntegratedGradients(log_prob).attribute(pixels, baselines=baseline, n_steps=steps, internal_batch_size=per_batch)
     return torch.stack(pixel_scores(model, gradients.detach()))
+
+
+def single_image_pixels(model: Any, image_inputs: dict[str, Any]) -> torch.Tensor | None:
+    """The ``(1, channels, height, width)`` pixels of a vision-language model's one image,
+    where they are its only image input and its answer follows the prompt (not an
+    encoder-decoder's): what an answer's patch metrics grey and its Integrated Gradients
+    runs on; None otherwise (tiled or flattened images, more image inputs, Florence-2)."""
+    pixels = image_inputs.get("pixel_values")
+    if getattr(model.config, "is_encoder_decoder", False) or set(image_inputs) != {"pixel_values"}:
+        return None
+    return pixels if isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and len(pixels) == 1 else None
 
 
 def several_stacks(model: Any) -> bool:

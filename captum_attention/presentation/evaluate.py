@@ -567,17 +567,15 @@ def image_metric_names(metrics: Sequence[str]) -> list[str]:
 def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tensor, images: dict[str, Any]) -> PatchRemoval | None:
     """How the image metrics grey the patches of a vision-language model's row (a grey
     image through its processor's image processor; the prompt ``ids`` read before the
-    answer); None where they cannot be computed exactly: an encoder-decoder (its answer
-    does not follow the prompt), image inputs other than one image's ``(1, channels,
-    height, width)`` pixels, or an image whose grid of tokens does not tile its pixels."""
+    answer); None where they cannot be computed exactly: no
+    :func:`~captum_attention.presentation.answer.single_image_pixels`, or an image whose
+    grid of tokens does not tile its pixels."""
     from PIL import Image
 
-    from .answer import caption_pixels
+    from .answer import caption_pixels, single_image_pixels
 
-    pixels = images.get("pixel_values")
-    if getattr(model.config, "is_encoder_decoder", False) or set(images) != {"pixel_values"} or not isinstance(pixels, Tensor):
-        return None
-    if pixels.dim() != 4 or len(pixels) != 1:
+    pixels = single_image_pixels(model, images)
+    if pixels is None:
         return None
     try:
         (layout,) = image_token_layout(model, ids, images)
