@@ -386,7 +386,7 @@ def explain_image_answer(
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
                                     "the image 0")
-    if INTEGRATED_GRADIENTS in chosen and not captioning:
+    if INTEGRATED_GRADIENTS in chosen and not (captioning and pixel_ig):
         explanation.warnings.append(
             "Integrated Gradients scores the prompt's words with the image held (its tokens keep their ids in the baseline)"
             + (", and the image's patches over the pixels against a grey image with the prompt held" if pixel_ig else ", the image 0")
