@@ -477,12 +477,19 @@ def caption_pixels(model: Any, image_processor: Any, image: Any) -> tuple[torch.
     """An image captioner's ``pixel_values`` ``(1, channels, height, width)`` of the PIL
     ``image``, and those of a uniform grey image of its size through the same processor:
     the baseline its Integrated Gradients start from and its removed patches take."""
+    return _processed_pixels(model, image_processor, image), grey_pixels(model, image_processor, image.size)
+
+
+def grey_pixels(model: Any, image_processor: Any, size: tuple[int, int]) -> torch.Tensor:
+    """The ``pixel_values`` of a uniform grey image of ``size`` (width, height) through
+    ``image_processor``: the reference a removed patch takes."""
     from PIL import Image
 
-    def processed(picture: Any) -> torch.Tensor:
-        return image_processor(images=picture, return_tensors="pt")["pixel_values"].to(model.device, model.dtype)
+    return _processed_pixels(model, image_processor, Image.new("RGB", size, (128, 128, 128)))
 
-    return processed(image), processed(Image.new("RGB", image.size, (128, 128, 128)))
+
+def _processed_pixels(model: Any, image_processor: Any, picture: Any) -> torch.Tensor:
+    return image_processor(images=picture, return_tensors="pt")["pixel_values"].to(model.device, model.dtype)
 
 
 def caption_prompt(model: Any, tokenizer: Any) -> torch.Tensor | None:

@@ -572,7 +572,7 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     grid of tokens does not tile its pixels."""
     from PIL import Image
 
-    from .answer import caption_pixels, single_image_pixels
+    from .answer import grey_pixels, single_image_pixels
 
     pixels = single_image_pixels(model, images)
     if pixels is None:
@@ -585,7 +585,7 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
         return None
     assert example.image is not None  # a vision-language model's row names one
     with Image.open(example.image) as picture:
-        _, grey = caption_pixels(model, processor.image_processor, picture.convert("RGB"))
+        grey = grey_pixels(model, processor.image_processor, picture.size)
     return PatchRemoval(grey, None, ids) if grey.shape == pixels.shape else None
 
 
