@@ -409,11 +409,7 @@ def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava,
     (lrp,) = image_scores(model, ids, AttnLRP(model).attribute_span(ids, answer, additional_forward_args=(mask, inputs)), inputs)[0]
     grids = {"attn_lrp": lrp.detach(), "integrated_gradients": _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=4)}
     for method, grid in grids.items():
-        side = pixels.shape[-1] // grid.shape[1]
-        greyed = pixels.clone()
-        for index in sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]:
-            r, c = divmod(index, grid.shape[1])
-            greyed[..., r * side : (r + 1) * side, c * side : (c + 1) * side] = grey[..., r * side : (r + 1) * side, c * side : (c + 1) * side]
+        greyed = _top_patches_greyed(pixels, grey, grid, 3)
         with torch.no_grad():
             drop = float(_pixels_log_prob(model, ids, pixels, answer) - _pixels_log_prob(model, ids, greyed, answer))
         assert abs(drop) > 1e-3, "the image moves the answer"
@@ -776,6 +772,18 @@ def _pixels_log_prob(model, read, images, caption):
     return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
 
 
+def _top_patches_greyed(pixels, grey, grid, k):
+    """``pixels`` with the ``k`` cells of ``grid`` scored highest (ties by position) taken
+    from ``grey``, each cell its block of pixels."""
+    rows, columns = pixels.shape[-2] // grid.shape[0], pixels.shape[-1] // grid.shape[1]
+    greyed = pixels.clone()
+    for index in sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:k]:
+        r, c = divmod(index, grid.shape[1])
+        block = (..., slice(r * rows, (r + 1) * rows), slice(c * columns, (c + 1) * columns))
+        greyed[block] = grey[block]
+    return greyed
+
+
 def _pixel_integrated_gradients(model, read, pixels, grey, caption, steps):
     """Captum's IntegratedGradients of the caption's log-probability after ``read`` over a
     vision-language model's pixels against the grey ones, summed over channels and per
@@ -829,11 +837,7 @@ def test_evaluate_scores_captions_of_an_image_read_apart_over_its_patches(family
         else:
             grid = _pixel_integrated_gradients(model, read, pixels, grey, caption, steps=4)
         assert grid.shape == (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
-        top = sorted(range(grid.numel()), key=lambda i: (-float(grid.flatten()[i]), i))[:3]
-        greyed = pixels.clone()
-        for index in top:
-            r, c = divmod(index, grid.shape[1])
-            greyed[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = grey[..., r * patch : (r + 1) * patch, c * patch : (c + 1) * patch]
+        greyed = _top_patches_greyed(pixels, grey, grid, 3)
         with torch.no_grad():
             drop = float(_pixels_log_prob(model, read, pixels, caption) - _pixels_log_prob(model, read, greyed, caption))
         assert abs(drop) > 1e-3, "the image moves the caption"

@@ -20,7 +20,7 @@ from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
     ESTIMATES, ESTIMATES_BY_SHARE, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo,
-    answer_estimates, answer_integrated_gradients, answer_too_long, check_methods, presence_display, registered_method,
+    answer_estimates, answer_integrated_gradients, answer_span, answer_too_long, check_methods, presence_display, registered_method,
     removable_segments, span_presence,
 )
 
@@ -538,8 +538,13 @@ def caption_patch_scores(explainer: Any, pixels: torch.Tensor, caption: torch.Te
     if prompt is None:
         return explainer.attribute_span(pixels, caption)[0].detach()
     inputs = {"pixel_values": pixels}
-    span = explainer.attribute_span(prompt, caption, additional_forward_args=(torch.ones_like(prompt), inputs))
-    return image_scores(explainer.model, prompt, span, inputs)[0][0][None].detach()
+    return first_image_grid(explainer.model, prompt, answer_span(explainer, prompt, caption, inputs), inputs)
+
+
+def first_image_grid(model: Any, ids: torch.Tensor, span: Any, image_inputs: dict[str, Any]) -> torch.Tensor:
+    """``(1, rows, columns)`` the scores of an answer's ``span`` (one example's) of the first
+    image's tokens on their grid (:func:`~captum_attention.image_scores`), detached."""
+    return image_scores(model, ids, span, image_inputs)[0][0][None].detach()
 
 
 def caption_integrated_gradients(

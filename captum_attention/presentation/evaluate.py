@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..attr import METHODS, image_scores
+from ..attr import METHODS
 from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
@@ -598,13 +598,13 @@ def _image_grid(
     pixels against the removal's grey image, the prompt held, summed per patch of the
     vision tower (:func:`~captum_attention.presentation.answer.caption_integrated_gradients`);
     None for the estimates, which score no image."""
-    from .answer import caption_integrated_gradients
+    from .answer import caption_integrated_gradients, first_image_grid
 
     if name == INTEGRATED_GRADIENTS:
         return caption_integrated_gradients(model, images["pixel_values"], answer, removal.baseline_pixels, ig_steps, ids)
     if name in ESTIMATES_OF_ANSWERS:
         return None
-    return image_scores(model, ids, spans[name], images)[0][0][None].detach()
+    return first_image_grid(model, ids, spans[name], images)
 
 
 def _image_values(
