@@ -2,7 +2,7 @@
 the square whose colour the model names?
 
     python benchmarks/vlm_pointing.py [--examples 100] [--methods grad_sam rollout ...]
-        [--ablation-steps 32] [--json out.json]
+        [--ig-steps 1 4 32] [--json out.json]
 
 The model: the coloured-squares LLaVA of :mod:`captum_attention.demo.colour_vlm` (trained on
 first use and cached, about 10 s), asked ``what colour is the square ?`` about held-out
@@ -28,8 +28,10 @@ patch, against a grey reference image (the same as Integrated Gradients' baselin
 against 0 (black: this processor does not normalise). Beside them:
 Captum's ``LLMAttribution(FeatureAblation)`` over an ``ImageMaskInput`` of the 64 patches
 (a forward per patch, one example at a time), and Captum's ``LayerIntegratedGradients`` on
-the vision tower's patch embedding (the answer's log-probability, ``--ablation-steps``
-steps), summed over its channels per patch.
+the vision tower's patch embedding (the answer's log-probability), summed over its
+channels per patch, one row for each number of ``--ig-steps`` (Gauss-Legendre, Captum's
+default: with one step, the gradient at the image halfway to grey times the difference,
+one forward and one backward).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from captum_attention.metrics import patch_datamodeling_score
 from captum_attention.demo.colour_vlm import GRID, HELDOUT_SEED, colour_images, colour_processor, load_colour_vlm, prompt_ids
 from captum_attention.demo.shapes import PATCH
 
-FEATURE_ABLATION, INTEGRATED_GRADIENTS = "Captum FeatureAblation (64 patches)", "Captum LayerIntegratedGradients (patch embedding)"
+FEATURE_ABLATION = "Captum FeatureAblation (64 patches)"
 TOP = 4
 HALVES = 32
 
@@ -122,6 +124,10 @@ def feature_ablation(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Te
     return grids
 
 
+def integrated_gradients_name(steps: int) -> str:
+    return f"Captum LayerIntegratedGradients (patch embedding, {steps} step{'s' if steps > 1 else ''})"
+
+
 def integrated_gradients(model: torch.nn.Module, steps: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     layer = model.model.vision_tower.embeddings.patch_embedding
     attribution = LayerIntegratedGradients(lambda images, answers: answer_log_prob(model, images, answers), layer)
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=100)
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--ablation-steps", type=int, default=32, help="Integrated Gradients' steps")
+    parser.add_argument("--ig-steps", type=int, nargs="+", default=[1, 4, 32], help="Integrated Gradients' steps, a row each")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         runs["AttnLRP → pixels (grey reference)"] = attn_lrp_pixels(model, 0.5)
         runs["AttnLRP → pixels (reference 0)"] = attn_lrp_pixels(model, 0.0)
     runs[FEATURE_ABLATION] = feature_ablation(model)
-    runs[INTEGRATED_GRADIENTS] = integrated_gradients(model, options.ablation_steps)
+    for steps in options.ig_steps:
+        runs[integrated_gradients_name(steps)] = integrated_gradients(model, steps)
     results = {"examples": len(images), "of": options.examples, "methods": {}}
     for name, run in runs.items():
         start = time.perf_counter()

@@ -214,12 +214,13 @@ def test_vlm_pointing_scores_every_method_and_captums_peers(benchmarks_on_path, 
     import vlm_pointing
 
     saved = tmp_path / "pointing.json"
-    vlm_pointing.main(["--examples", "6", "--ablation-steps", "4", "--methods", "rollout", "attn_lrp", "--json", str(saved)])
+    vlm_pointing.main(["--examples", "6", "--ig-steps", "1", "4", "--methods", "rollout", "attn_lrp", "--json", str(saved)])
     results = json.loads(saved.read_text())
     names = set(results["methods"])
     assert names == {
         "Attention Rollout", "AttnLRP", "Attention Rollout → vision tower", "AttnLRP → pixels (grey reference)",
-        "AttnLRP → pixels (reference 0)", vlm_pointing.FEATURE_ABLATION, vlm_pointing.INTEGRATED_GRADIENTS,
+        "AttnLRP → pixels (reference 0)", vlm_pointing.FEATURE_ABLATION,
+        *(vlm_pointing.integrated_gradients_name(steps) for steps in (1, 4)),
     }
     for row in results["methods"].values():
         assert 0 <= row["pointing"] <= 1 and row["ms per example"] > 0 and math.isfinite(row["top-4 drop"])
