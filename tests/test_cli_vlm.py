@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from vlm_models import (
     IMAGE, save_blip_checkpoint, save_captioner_checkpoint, save_git_checkpoint, save_llava_checkpoint, save_mllama_checkpoint,
+    save_paligemma_checkpoint,
 )
 
 from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
@@ -425,6 +426,47 @@ def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava,
         out / "summary.md").read_text()
 
 
+def test_paligemmas_answers_are_scored_over_the_images_patches_with_its_token_types(tmp_path, capsys):
+    """PaliGemma reads its prompt both ways (``token_type_ids`` 0, from its processor) and
+    its answer causally (1, as its ``generate`` extends them): ``evaluate``'s image columns
+    and ``explain``'s Integrated Gradients on the pixels read the answer so (the model run
+    by hand with those token types on the greyed image, Captum's Integrated Gradients by
+    hand); they were empty and no grid."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder, image, out, report = tmp_path / "paligemma", _image(tmp_path), tmp_path / "out", tmp_path / "answer.json"
+    save_paligemma_checkpoint(folder)
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw,integrated_gradients", "--ig-steps", "2",
+                 "--output", str(out)]) == 0
+    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "integrated_gradients", "--ig-steps", "2", "--json", str(report)]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    rgb = Image.open(image).convert("RGB")
+    inputs = dict(processor(text="<image>what is the cat", images=rgb, return_tensors="pt"))
+    ids, types, pixels = inputs["input_ids"], inputs["token_type_ids"], inputs["pixel_values"]
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    read = torch.cat([types, torch.ones_like(answer)], dim=1)
+    grey = processor(text="<image>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        whole = float(_pixels_log_prob(model, ids, pixels, answer, read))
+        assert abs(whole - float(_pixels_log_prob(model, ids, pixels, answer))) > 1e-3, "the token types change the reading"
+    assert rows["raw"]["answer_log_prob"] == pytest.approx(whole, abs=1e-5)
+    image_inputs = {"pixel_values": pixels, "token_type_ids": types}
+    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(inputs["attention_mask"], image_inputs))
+    (raw,) = image_scores(model, ids, span, image_inputs)[0]
+    ig = _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=2, token_type_ids=read)
+    assert ig.abs().sum() > 1e-3, "the pixels move the answer"
+    torch.testing.assert_close(torch.tensor(json.loads(report.read_text())["image_grids"]["Integrated Gradients"]), ig, rtol=1e-4, atol=1e-6)
+    for method, grid in (("raw", raw), ("integrated_gradients", ig)):
+        with torch.no_grad():
+            drop = whole - float(_pixels_log_prob(model, ids, _top_patches_greyed(pixels, grey, grid, 3), answer, read))
+        assert rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
+        assert rows[method]["image_lds"] is not None and rows[method]["image_loo_agreement"] is not None, method
+
+
 def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
     rows = [{"prompt": "what is the cat", "image": _image(tmp_path).name, "answer": "is a"}]
     data, out = _answers(tmp_path, rows), tmp_path / "out"
@@ -764,11 +806,13 @@ def test_evaluate_scores_answers_of_an_image_read_apart_as_the_model_does_alone(
     assert short["image_top_k_log_prob_drop"] is not None and set(short) - set(long) == set(), "the image's patches scored too"
 
 
-def _pixels_log_prob(model, read, images, caption):
+def _pixels_log_prob(model, read, images, caption, token_type_ids=None):
     """``(images,)`` log p(caption | read, each image), the vision-language model run on
-    the prompt ``read`` and the caption with each image's pixels."""
+    the prompt ``read`` and the caption with each image's pixels (and the sequence's
+    ``token_type_ids`` ``(1, read + caption)`` where given)."""
     sequence = torch.cat([read, caption], dim=1).expand(len(images), -1)
-    logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images).logits
+    types = {} if token_type_ids is None else {"token_type_ids": token_type_ids.expand(len(images), -1)}
+    logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), pixel_values=images, **types).logits
     return logits[:, -caption.shape[1] - 1 : -1].log_softmax(-1).gather(2, caption.expand(len(images), -1)[..., None]).sum(dim=(1, 2))
 
 
@@ -784,13 +828,13 @@ def _top_patches_greyed(pixels, grey, grid, k):
     return greyed
 
 
-def _pixel_integrated_gradients(model, read, pixels, grey, caption, steps):
+def _pixel_integrated_gradients(model, read, pixels, grey, caption, steps, token_type_ids=None):
     """Captum's IntegratedGradients of the caption's log-probability after ``read`` over a
     vision-language model's pixels against the grey ones, summed over channels and per
     patch of its vision tower."""
     from captum.attr import IntegratedGradients
 
-    pixel_attr = IntegratedGradients(lambda images: _pixels_log_prob(model, read, images, caption)).attribute(
+    pixel_attr = IntegratedGradients(lambda images: _pixels_log_prob(model, read, images, caption, token_type_ids)).attribute(
         pixels, baselines=grey, n_steps=steps)
     patch = model.config.vision_config.patch_size
     rows, columns = pixels.shape[-2] // patch, pixels.shape[-1] // patch

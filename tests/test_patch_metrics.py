@@ -114,6 +114,37 @@ def test_a_vision_language_models_answer_about_its_image_is_scored_over_the_imag
     assert drops.abs().max() > 1e-3, "greying patches moves the answer"
 
 
+def test_a_prompts_per_token_inputs_are_read_as_the_models_generate_extends_them():
+    """PaliGemma's prompt read both ways (``token_type_ids`` 0), its answer causally (1):
+    given as ``prompt_inputs``, the top-k drop of each of a batch of two images against the
+    model run by hand with those token types; without them the model reads another prefix;
+    inputs of another length, or without ``prompt_ids``, are refused."""
+    model = make_vlm("paligemma")
+    ids = torch.tensor([[*[IMAGE] * 16, 1, 5, 6]])
+    types = {"token_type_ids": torch.zeros_like(ids)}
+    answer = torch.tensor([[8, 9], [8, 9]])
+    drops = top_k_patch_log_prob_drop(model, PIXELS, answer, SCORES, GREY, ks=(1, 3), prompt_ids=ids, prompt_inputs=types)
+    untyped = top_k_patch_log_prob_drop(model, PIXELS, answer, SCORES, GREY, ks=(1, 3), prompt_ids=ids)
+
+    def by_hand(pixels: torch.Tensor) -> float:
+        sequence = torch.cat([ids, answer[:1]], dim=1)
+        read = torch.cat([types["token_type_ids"], torch.ones_like(answer[:1])], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=sequence, pixel_values=pixels[None], token_type_ids=read).logits[0, ids.shape[1] - 1 : -1]
+        return float(sum(logits.double()[k].log_softmax(-1)[token] for k, token in enumerate(answer[0].tolist())))
+
+    for example in range(2):
+        order = SCORES[example].flatten().argsort(descending=True).tolist()
+        for column, k in enumerate((1, 3)):
+            expected = by_hand(PIXELS[example]) - by_hand(greyed(PIXELS[example], order[:k]))
+            assert drops[example, column].item() == pytest.approx(expected, abs=1e-4)
+    assert (drops - untyped).abs().max() > 1e-4, "the token types change how the answer is read"
+    with pytest.raises(ValueError, match=r"prompt_inputs\['token_type_ids'\] must be a per-token tensor \(1 or batch=2, prompt_len=19"):
+        top_k_patch_log_prob_drop(model, PIXELS, answer, SCORES, GREY, prompt_ids=ids, prompt_inputs={"token_type_ids": ids[:, :-1]})
+    with pytest.raises(ValueError, match="give the prompt's prompt_ids too"):
+        top_k_patch_log_prob_drop(model, PIXELS, answer, SCORES, GREY, prompt_inputs=types)
+
+
 def test_the_lds_ranks_the_kept_patches_scores_against_the_greyed_images(captioner):
     lds = patch_datamodeling_score(captioner, PIXELS, CAPTION, SCORES, GREY, num_ablations=8, seed=4, per_example=True)
     present = torch.ones(2, 16, dtype=torch.bool)

@@ -177,6 +177,19 @@ def save_llava_checkpoint(folder) -> nn.Module:
     return model
 
 
+def save_paligemma_checkpoint(folder) -> nn.Module:
+    """The tiny PaliGemma saved with its processor (the word-level tokenizer, SigLIP's image
+    processor at 32 × 32, 16 image tokens): a checkpoint the command line loads, whose
+    processor gives the prompt's ``token_type_ids`` (0: the prefix, read both ways)."""
+    images = tf.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = TOKENS_PER_IMAGE["paligemma"][0]
+    processor = tf.PaliGemmaProcessor(image_processor=images, tokenizer=_word_tokenizer("<image>"))
+    model = make_vlm("paligemma")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model
+
+
 def save_florence2_checkpoint(folder) -> nn.Module:
     """A tiny Florence-2 (the architecture sweep's DaViT tower and BART, its vocabulary this
     module's) saved with its processor (the word-level tokenizer, CLIP's image processor at

@@ -27,11 +27,12 @@ once for every method and metric.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import decoder_start_token, output_logits
 from ._checks import check_rankable
 from .context import (
@@ -60,11 +61,13 @@ class PatchRemoval:
     pixels are ``baseline_pixels``'s (a grey image through the captioner's processor), the
     patches are pooled into ``regions`` (rows, columns; None: each patch its own), and a
     vision-language captioner reads ``prompt_ids`` ``(1, n)`` before the caption (None: an
-    image encoder before a text decoder, which reads its start token)."""
+    image encoder before a text decoder, which reads its start token), with the prompt's
+    per-token ``prompt_inputs`` (PaliGemma's token types; None: none)."""
 
     baseline_pixels: Tensor
     regions: tuple[int, int] | None = None
     prompt_ids: Tensor | None = None
+    prompt_inputs: Mapping[str, Tensor] | None = None
 
 
 class _PatchScorer(AblationScorer):
@@ -73,7 +76,7 @@ class _PatchScorer(AblationScorer):
 
     def __init__(
         self, model: Any, pixel_values: Tensor, caption: Tensor, grid: Sequence[int], baseline: Tensor, max_batch_size: int,
-        regions: Sequence[int] | None = None, prompt_ids: Tensor | None = None,
+        regions: Sequence[int] | None = None, prompt_ids: Tensor | None = None, prompt_inputs: Mapping[str, Tensor] | None = None,
     ) -> None:
         if not pixel_values.is_floating_point() or pixel_values.dim() != 4:
             raise ValueError(f"pixel_values must be float pixels (batch, channels, height, width), got {pixel_values.dtype} "
@@ -88,6 +91,7 @@ class _PatchScorer(AblationScorer):
                                        or prompt_ids.shape[1] == 0 or prompt_ids.is_floating_point()):
             raise ValueError(f"prompt_ids must be token ids (1 or batch={len(pixel_values)}, prompt_len >= 1), got "
                              f"{prompt_ids.dtype} of shape {tuple(prompt_ids.shape)}.")
+        _check_prompt_inputs(prompt_inputs, prompt_ids, len(pixel_values))
         if len(grid) != 2:
             raise ValueError(f"attributions must be patch scores (batch, rows, columns), got {len(grid) + 1} dimensions.")
         rows, columns = grid
@@ -104,6 +108,9 @@ class _PatchScorer(AblationScorer):
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self.model, self.pixels, self.caption, self.grid = model, pixel_values, caption.to(pixel_values.device), (rows, columns)
         self.prompt = None if prompt_ids is None else prompt_ids.to(pixel_values.device).expand(len(pixel_values), -1)
+        self.prompt_inputs = {
+            name: value.to(pixel_values.device).expand(len(pixel_values), *value.shape[1:]) for name, value in (prompt_inputs or {}).items()
+        }
         self.baseline = baseline.to(pixel_values.device, pixel_values.dtype).expand_as(pixel_values)
         self.max_batch_size, self.regions = max_batch_size, regions
         device = pixel_values.device
@@ -133,7 +140,8 @@ class _PatchScorer(AblationScorer):
 
     def _identity(self) -> tuple:
         read = (self.pixels, self.caption, self.baseline) if self.prompt is None else (self.pixels, self.caption, self.baseline, self.prompt)
-        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in read))
+        prompt_inputs = tuple((name, _content(value)) for name, value in sorted(self.prompt_inputs.items()))
+        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in read), *prompt_inputs)
 
     def _per_forward(self, rows: int) -> int:
         """At most ``max_batch_size`` images and :data:`VALUES_PER_FORWARD` pixel values
@@ -145,7 +153,10 @@ class _PatchScorer(AblationScorer):
         for first in range(0, len(rows), self._per_forward(len(rows))):
             chunk = slice(first, first + self._per_forward(len(rows)))
             prompt = None if self.prompt is None else self.prompt[rows[chunk]]
-            values[chunk] = caption_log_probs(self.model, self._greyed(rows[chunk], removed[chunk]), self.caption[rows[chunk]], prompt)
+            prompt_inputs = {name: value[rows[chunk]] for name, value in self.prompt_inputs.items()}
+            values[chunk] = caption_log_probs(
+                self.model, self._greyed(rows[chunk], removed[chunk]), self.caption[rows[chunk]], prompt, prompt_inputs
+            )
         return values
 
     def _greyed(self, rows: Tensor, removed: Tensor) -> Tensor:
@@ -155,23 +166,44 @@ class _PatchScorer(AblationScorer):
         return torch.where(covered[:, None], self.baseline[rows], self.pixels[rows])
 
 
-def caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None) -> Tensor:
+def caption_log_probs(
+    model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None, prompt_inputs: Mapping[str, Tensor] | None = None
+) -> Tensor:
     """``(B,)`` an image captioner's :math:`\\log p(a \\mid x)` of each ``caption``
     ``(B, n)`` of its ``pixel_values``, without gradients (:func:`read_caption_log_probs`)."""
     with torch.no_grad():
-        return read_caption_log_probs(model, pixel_values, caption, prompt_ids)
+        return read_caption_log_probs(model, pixel_values, caption, prompt_ids, prompt_inputs)
 
 
-def read_caption_log_probs(model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None) -> Tensor:
+def read_caption_log_probs(
+    model: Any, pixel_values: Tensor, caption: Tensor, prompt_ids: Tensor | None = None, prompt_inputs: Mapping[str, Tensor] | None = None
+) -> Tensor:
     """``(B,)`` an image captioner's :math:`\\log p(a \\mid x)` of each ``caption``
     ``(B, n)`` of its ``pixel_values``: an image encoder before a text decoder's, its decoder
     reading its start token and the caption; a vision-language model's (``prompt_ids``
-    ``(1 or B, m)``), its language model reading the prompt, then the caption, with the image."""
+    ``(1 or B, m)``), its language model reading the prompt, then the caption, with the image
+    and the prompt's per-token ``prompt_inputs`` ``(1 or B, m, ...)`` extended over the
+    caption as the model's ``generate`` extends them."""
     if prompt_ids is None:
         return summed_log_probs(model(pixel_values=pixel_values, decoder_input_ids=caption_decoder_ids(model, caption)).logits, caption)
     sequences = torch.cat([prompt_ids.expand(len(caption), -1), caption], dim=1)
-    logits = output_logits(model(input_ids=sequences, attention_mask=torch.ones_like(sequences), pixel_values=pixel_values))
+    grown = HuggingFaceAdapter().generated_inputs(model, prompt_inputs, prompt_ids.shape[1], caption.shape[1]) if prompt_inputs else {}
+    token_inputs = {name: value.expand(len(caption), *value.shape[1:]) for name, value in grown.items()}
+    logits = output_logits(model(input_ids=sequences, attention_mask=torch.ones_like(sequences), pixel_values=pixel_values, **token_inputs))
     return summed_log_probs(logits[:, -caption.shape[1] - 1 : -1], caption)
+
+
+def _check_prompt_inputs(prompt_inputs: Mapping[str, Tensor] | None, prompt_ids: Tensor | None, batch: int) -> None:
+    if not prompt_inputs:
+        return
+    if prompt_ids is None:
+        raise ValueError("prompt_inputs are the prompt's per-token inputs: give the prompt's prompt_ids too.")
+    for name, value in prompt_inputs.items():
+        if not isinstance(value, Tensor) or value.dim() < 2 or value.shape[0] not in (1, batch) or value.shape[1] != prompt_ids.shape[1]:
+            raise ValueError(
+                f"prompt_inputs[{name!r}] must be a per-token tensor (1 or batch={batch}, prompt_len={prompt_ids.shape[1]}, ...), got "
+                f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}."
+            )
 
 
 def caption_decoder_ids(model: Any, caption: Tensor) -> Tensor:
@@ -190,6 +222,7 @@ def top_k_patch_log_prob_drop(
     max_batch_size: int = 16,
     regions: tuple[int, int] | None = None,
     prompt_ids: Tensor | None = None,
+    prompt_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Top-k log-probability drop over an image's patches: :math:`\log p(a \mid x) - \log
     p(a \mid x \text{ with its top}_k \text{ patches greyed})` (ties broken by position).
@@ -220,6 +253,10 @@ def top_k_patch_log_prob_drop(
             them (GIT's [CLS], BLIP's start token), or the prompt of a vision-language
             model's answer about its image, as its processor expanded it. Default: None, an
             image encoder before a text decoder.
+        prompt_inputs (mapping of str to Tensor, optional): the prompt's per-token inputs
+            besides its ids, each ``(1 or batch, prompt_len, ...)`` (PaliGemma's
+            ``token_type_ids``), extended over the caption as the model's ``generate``
+            extends them. Default: None.
 
     Returns:
         ``(batch, len(ks))``: the drop per k.
@@ -232,7 +269,7 @@ def top_k_patch_log_prob_drop(
     """
     check_ks(ks)
     scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
-                          prompt_ids)
+                          prompt_ids, prompt_inputs)
     return top_k_drops(scorer, attributions, ks)
 
 
@@ -248,6 +285,7 @@ def patch_datamodeling_score(
     per_example: bool = False,
     regions: tuple[int, int] | None = None,
     prompt_ids: Tensor | None = None,
+    prompt_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""LDS over an image's patches: Spearman's ρ, over ``num_ablations`` random ablations
     that grey each patch with probability 1/2 (seeded), between the kept patches' summed
@@ -267,7 +305,7 @@ def patch_datamodeling_score(
     """
     check_ablation_count(num_ablations)
     scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
-                          prompt_ids)
+                          prompt_ids, prompt_inputs)
     return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
 
 
@@ -280,6 +318,7 @@ def patch_leave_one_out_agreement(
     max_batch_size: int = 16,
     regions: tuple[int, int] | None = None,
     prompt_ids: Tensor | None = None,
+    prompt_inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     r"""Spearman's ρ between the patches' scores and their leave-one-out effects
     :math:`\log p(a \mid x) - \log p(a \mid x \text{ with patch } s \text{ greyed})`: one
@@ -291,5 +330,5 @@ def patch_leave_one_out_agreement(
         ``(batch,)``: ρ in [-1, 1]; NaN where a side is constant.
     """
     scorer = _PatchScorer(model, pixel_values, caption, attributions.shape[1:], baseline_pixel_values, max_batch_size, regions,
-                          prompt_ids)
+                          prompt_ids, prompt_inputs)
     return leave_one_out_agreements(scorer, attributions)

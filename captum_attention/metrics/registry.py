@@ -241,7 +241,7 @@ def _top_k_log_prob_drop(
     if context.patches is not None:
         removal = context.patches
         return top_k_patch_log_prob_drop(forward_func, inputs, target, attributions, removal.baseline_pixels, (3,),
-                                         regions=removal.regions, prompt_ids=removal.prompt_ids)[:, 0]
+                                         **_patch_reading(removal))[:, 0]
     mask, images = _mask_and_images(additional_forward_args)
     return top_k_log_prob_drop(forward_func, inputs, mask, target, attributions, (3,), context.prompt_segments(), image_inputs=images)[:, 0]
 
@@ -257,7 +257,7 @@ def _lds(
     if context.patches is not None:
         removal = context.patches
         return patch_datamodeling_score(forward_func, inputs, target, attributions, removal.baseline_pixels, per_example=True,
-                                        regions=removal.regions, prompt_ids=removal.prompt_ids)
+                                        **_patch_reading(removal))
     mask, images = _mask_and_images(additional_forward_args)
     segments = context.prompt_segments()
     return linear_datamodeling_score(forward_func, inputs, mask, target, attributions, segments, per_example=True, image_inputs=images)
@@ -274,9 +274,15 @@ def _loo_agreement(
     if context.patches is not None:
         removal = context.patches
         return patch_leave_one_out_agreement(forward_func, inputs, target, attributions, removal.baseline_pixels,
-                                             regions=removal.regions, prompt_ids=removal.prompt_ids)
+                                             **_patch_reading(removal))
     mask, images = _mask_and_images(additional_forward_args)
     return leave_one_out_agreement(forward_func, inputs, mask, target, attributions, context.prompt_segments(), image_inputs=images)
+
+
+def _patch_reading(removal: PatchRemoval) -> dict[str, Any]:
+    """The patch metrics' arguments for how ``removal``'s model reads a caption: the
+    regions, the prompt and its per-token inputs."""
+    return {"regions": removal.regions, "prompt_ids": removal.prompt_ids, "prompt_inputs": removal.prompt_inputs}
 
 
 def _mask_and_images(additional_forward_args: tuple[Any, ...]) -> tuple[Tensor, dict[str, Tensor] | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from captum.attr import LayerIntegratedGradients, LLMGradientAttribution, TextTokenInput
@@ -16,6 +16,7 @@ from ..attr._images import grid_follows_image
 from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
+from ..capture.adapters.protocol import per_token as is_per_token
 from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
@@ -376,7 +377,7 @@ def explain_image_answer(
             "the report shows their summed score, not their grid"
         )
     captioning = not prompt.strip() and image_outside_prompt(model)  # nothing but the image to score
-    pixel_ig = INTEGRATED_GRADIENTS in chosen and single_image_pixels(model, inputs) is not None and _pixels_on_grid(
+    pixel_ig = INTEGRATED_GRADIENTS in chosen and single_image_pixels(model, inputs, ids.shape[1]) is not None and _pixels_on_grid(
         model, inputs["pixel_values"], inputs)
     grey = (
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
@@ -403,7 +404,9 @@ def explain_image_answer(
             summed, patches = _feature_scores(words, features, image_column)[0], None
             if name == INTEGRATED_GRADIENTS and pixel_ig:
                 assert grey is not None  # made for it above
-                patches = caption_integrated_gradients(model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids)[0]
+                patches = caption_integrated_gradients(
+                    model, inputs["pixel_values"], answer_ids[None], grey, ig_steps, ids, prompt_token_inputs(inputs, ids.shape[1])
+                )[0]
                 summed[image_column] = patches.sum()
             _add_method(explanation, _display(name), SIGNED, start, summed, grid=patches)
             continue
@@ -548,18 +551,19 @@ def first_image_grid(model: Any, ids: torch.Tensor, span: Any, image_inputs: dic
 
 
 def caption_integrated_gradients(
-    model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int, prompt: torch.Tensor | None = None
+    model: Any, pixels: torch.Tensor, caption: torch.Tensor, baseline: torch.Tensor, steps: int, prompt: torch.Tensor | None = None,
+    prompt_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Captum's ``IntegratedGradients`` of the whole ``caption``'s ``(1, n)``
     log-probability over an image captioner's ``pixels`` ``(1, channels, height, width)``
     against ``baseline`` pixels, ``steps`` steps (its decoder reads its start token and the
     caption; a vision-language captioner's language model ``prompt``, :func:`caption_prompt`,
-    and the caption), summed per patch of its image encoder
-    (:func:`~captum_attention.pixel_scores`): ``(1, rows, columns)``, detached."""
+    with its per-token ``prompt_inputs``, and the caption), summed per patch of its image
+    encoder (:func:`~captum_attention.pixel_scores`): ``(1, rows, columns)``, detached."""
     from captum.attr import IntegratedGradients
 
     def log_prob(images: torch.Tensor) -> torch.Tensor:
-        return read_caption_log_probs(model, images, caption.expand(len(images), -1), prompt)
+        return read_caption_log_probs(model, images, caption.expand(len(images), -1), prompt, prompt_inputs)
 
     patches = pixels.shape[-2] * pixels.shape[-1] // int(getattr(image_encoder_config(model.config), "patch_size", 16)) ** 2
     per_batch = max(1, min(steps, IG_TOKENS_PER_BATCH // (patches + caption.shape[1])))
@@ -567,15 +571,25 @@ def caption_integrated_gradients(
     return torch.stack(pixel_scores(model, gradients.detach()))
 
 
-def single_image_pixels(model: Any, image_inputs: dict[str, Any]) -> torch.Tensor | None:
+def single_image_pixels(model: Any, image_inputs: dict[str, Any], prompt_length: int) -> torch.Tensor | None:
     """The ``(1, channels, height, width)`` pixels of a vision-language model's one image,
-    where they are its only image input and its answer follows the prompt (not an
-    encoder-decoder's): what an answer's patch metrics grey and its Integrated Gradients
-    runs on; None otherwise (tiled or flattened images, more image inputs, Florence-2)."""
+    where they are its only image input besides the per-token inputs of its
+    ``prompt_length``-token prompt (:func:`prompt_token_inputs`) and its answer follows the
+    prompt (not an encoder-decoder's): what an answer's patch metrics grey and its
+    Integrated Gradients runs on; None otherwise (tiled or flattened images, more image
+    inputs, Florence-2)."""
     pixels = image_inputs.get("pixel_values")
-    if getattr(model.config, "is_encoder_decoder", False) or set(image_inputs) != {"pixel_values"}:
+    others = set(image_inputs) - {"pixel_values"} - set(prompt_token_inputs(image_inputs, prompt_length))
+    if getattr(model.config, "is_encoder_decoder", False) or others:
         return None
     return pixels if isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and len(pixels) == 1 else None
+
+
+def prompt_token_inputs(image_inputs: dict[str, Any], prompt_length: int) -> dict[str, torch.Tensor]:
+    """The per-token entries of a vision-language model's inputs for a
+    ``prompt_length``-token prompt (PaliGemma's and Gemma 3's ``token_type_ids``), which
+    the model reads beside the pixels."""
+    return {name: value for name, value in image_inputs.items() if is_per_token(value, prompt_length, name)}
 
 
 def several_stacks(model: Any) -> bool:

@@ -567,14 +567,14 @@ def image_metric_names(metrics: Sequence[str]) -> list[str]:
 def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tensor, images: dict[str, Any]) -> PatchRemoval | None:
     """How the image metrics grey the patches of a vision-language model's row (a grey
     image through its processor's image processor; the prompt ``ids`` read before the
-    answer); None where they cannot be computed exactly: no
+    answer, with their per-token inputs, PaliGemma's token types); None where they cannot be computed exactly: no
     :func:`~captum_attention.presentation.answer.single_image_pixels`, or an image whose
     grid of tokens does not tile its pixels."""
     from PIL import Image
 
-    from .answer import grey_pixels, single_image_pixels
+    from .answer import grey_pixels, prompt_token_inputs, single_image_pixels
 
-    pixels = single_image_pixels(model, images)
+    pixels = single_image_pixels(model, images, ids.shape[1])
     if pixels is None:
         return None
     try:
@@ -586,7 +586,7 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     assert example.image is not None  # a vision-language model's row names one
     with Image.open(example.image) as picture:
         grey = grey_pixels(model, processor.image_processor, picture.size)
-    return PatchRemoval(grey, None, ids) if grey.shape == pixels.shape else None
+    return PatchRemoval(grey, None, ids, prompt_token_inputs(images, ids.shape[1]) or None) if grey.shape == pixels.shape else None
 
 
 def _image_grid(
@@ -601,7 +601,9 @@ def _image_grid(
     from .answer import caption_integrated_gradients, first_image_grid
 
     if name == INTEGRATED_GRADIENTS:
-        return caption_integrated_gradients(model, images["pixel_values"], answer, removal.baseline_pixels, ig_steps, ids)
+        return caption_integrated_gradients(
+            model, images["pixel_values"], answer, removal.baseline_pixels, ig_steps, ids, removal.prompt_inputs
+        )
     if name in ESTIMATES_OF_ANSWERS:
         return None
     return first_image_grid(model, ids, spans[name], images)
