@@ -426,7 +426,7 @@ def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava,
         out / "summary.md").read_text()
 
 
-def test_paligemmas_answers_are_scored_over_the_images_patches_with_its_token_types(tmp_path, capsys):
+def test_paligemmas_answers_are_scored_over_the_images_patches_with_its_token_types(tmp_path):
     """PaliGemma reads its prompt both ways (``token_type_ids`` 0, from its processor) and
     its answer causally (1, as its ``generate`` extends them): ``evaluate``'s image columns
     and ``explain``'s Integrated Gradients on the pixels read the answer so (the model run

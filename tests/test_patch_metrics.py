@@ -35,6 +35,15 @@ def caption_log_prob(model, pixels: torch.Tensor, caption: torch.Tensor) -> floa
     return float(sum(logits[k].log_softmax(-1)[token] for k, token in enumerate(caption.tolist())))
 
 
+def answer_log_prob(model, ids: torch.Tensor, answer: torch.Tensor, pixels: torch.Tensor, **token_inputs: torch.Tensor) -> float:
+    """log p(answer | the prompt ``ids`` ``(1, m)``, one image), a vision-language model
+    reading the prompt, then the answer ``(n,)``, with ``token_inputs`` over both."""
+    sequence = torch.cat([ids, answer[None]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=sequence, pixel_values=pixels[None], **token_inputs).logits[0, ids.shape[1] - 1 : -1].double()
+    return float(sum(logits[k].log_softmax(-1)[token] for k, token in enumerate(answer.tolist())))
+
+
 def greyed(pixels: torch.Tensor, patches: list[int], grid: int = 4) -> torch.Tensor:
     """One image with the pixels of ``patches`` (row by row of the ``grid``) made grey."""
     image = pixels.clone()
@@ -103,10 +112,7 @@ def test_a_vision_language_models_answer_about_its_image_is_scored_over_the_imag
     drops = top_k_patch_log_prob_drop(model, PIXELS[:1], answer, grid[None].detach(), GREY, ks=(1, 3), prompt_ids=ids)
 
     def by_hand(pixels: torch.Tensor) -> float:
-        sequence = torch.cat([ids, answer], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=sequence, pixel_values=pixels[None]).logits[0, ids.shape[1] - 1 : -1].double()
-        return float(sum(logits[k].log_softmax(-1)[token] for k, token in enumerate(answer[0].tolist())))
+        return answer_log_prob(model, ids, answer[0], pixels)
 
     order = grid.flatten().argsort(descending=True).tolist()
     for column, k in enumerate((1, 3)):
@@ -127,11 +133,8 @@ def test_a_prompts_per_token_inputs_are_read_as_the_models_generate_extends_them
     untyped = top_k_patch_log_prob_drop(model, PIXELS, answer, SCORES, GREY, ks=(1, 3), prompt_ids=ids)
 
     def by_hand(pixels: torch.Tensor) -> float:
-        sequence = torch.cat([ids, answer[:1]], dim=1)
         read = torch.cat([types["token_type_ids"], torch.ones_like(answer[:1])], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=sequence, pixel_values=pixels[None], token_type_ids=read).logits[0, ids.shape[1] - 1 : -1]
-        return float(sum(logits.double()[k].log_softmax(-1)[token] for k, token in enumerate(answer[0].tolist())))
+        return answer_log_prob(model, ids, answer[0], pixels, token_type_ids=read)
 
     for example in range(2):
         order = SCORES[example].flatten().argsort(descending=True).tolist()
