@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from vlm_models import (
     IMAGE, save_blip_checkpoint, save_captioner_checkpoint, save_git_checkpoint, save_llava_checkpoint, save_mllama_checkpoint,
-    save_paligemma_checkpoint,
+    save_gemma3_checkpoint, save_paligemma_checkpoint,
 )
 
 from captum_attention import AttnLRP, GradSAM, RawAttention, image_scores
@@ -465,6 +465,55 @@ def test_paligemmas_answers_are_scored_over_the_images_patches_with_its_token_ty
             drop = whole - float(_pixels_log_prob(model, ids, _top_patches_greyed(pixels, grey, grid, 3), answer, read))
         assert rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
         assert rows[method]["image_lds"] is not None and rows[method]["image_loo_agreement"] is not None, method
+
+
+def test_gemma3s_image_metrics_score_every_method_over_its_pooled_image_tokens(tmp_path):
+    """Gemma 3 pools its 4 × 4 patches into 2 × 2 image tokens, which it reads both ways
+    (``token_type_ids`` 1): ``explain`` gives Integrated Gradients' grid per patch (Captum's
+    by hand), and ``evaluate``'s image columns score it summed over each token's patches, on
+    the same 2 × 2 regions as raw attention's tokens (each method's top-3 drop against the
+    model run by hand, with the token types as its ``generate`` extends them, on the image
+    with those regions greyed). Integrated Gradients' was scored over its 16 patches."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from captum_attention.metrics import patch_datamodeling_score
+
+    folder, image, out, report = tmp_path / "gemma3", _image(tmp_path), tmp_path / "out", tmp_path / "answer.json"
+    save_gemma3_checkpoint(folder)
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw,integrated_gradients", "--ig-steps", "2",
+                 "--output", str(out)]) == 0
+    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "integrated_gradients", "--ig-steps", "2", "--json", str(report)]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    rgb = Image.open(image).convert("RGB")
+    inputs = dict(processor(text="<boi> what is the cat", images=rgb, return_tensors="pt"))
+    ids, types, pixels = inputs["input_ids"], inputs["token_type_ids"], inputs["pixel_values"]
+    assert int(types.sum()) == 4, "the image's 4 tokens"
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    read = torch.cat([types, types[:, -1:].expand_as(answer)], dim=1)  # generate repeats the last type
+    grey = processor(text="<boi>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    image_inputs = {"pixel_values": pixels, "token_type_ids": types}
+    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(inputs["attention_mask"], image_inputs))
+    (raw,) = image_scores(model, ids, span, image_inputs)[0]
+    patches = _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=2, token_type_ids=read)
+    torch.testing.assert_close(torch.tensor(json.loads(report.read_text())["image_grids"]["Integrated Gradients"]), patches,
+                               rtol=1e-4, atol=1e-6)
+    ig = patches.reshape(2, 2, 2, 2).sum(dim=(1, 3))  # each image token's 2 × 2 patches
+    assert raw.shape == ig.shape == (2, 2)
+    with torch.no_grad():
+        whole = float(_pixels_log_prob(model, ids, pixels, answer, read))
+    assert rows["raw"]["answer_log_prob"] == pytest.approx(whole, abs=1e-5)
+    for method, grid in (("raw", raw), ("integrated_gradients", ig)):
+        with torch.no_grad():
+            drop = whole - float(_pixels_log_prob(model, ids, _top_patches_greyed(pixels, grey, grid, 3), answer, read))
+        assert abs(drop) > 1e-3, "the image moves the answer"
+        assert rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
+        lds = patch_datamodeling_score(model, pixels, answer, grid[None], grey, per_example=True, prompt_ids=ids,
+                                       prompt_inputs={"token_type_ids": types})
+        assert rows[method]["image_lds"] == pytest.approx(float(lds[0]), abs=1e-6), method
 
 
 def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):

@@ -149,17 +149,22 @@ def vlm_span_reference(model: nn.Module, family: str, prompt: VLMPrompt, answer:
     return VLMReference([a.detach() for a in out.attentions], list(grads))
 
 
-def _word_tokenizer(image_token: str) -> Any:
-    """A word-level tokenizer of ``lm_models.WORDS`` whose ``image_token`` is the image token."""
+def _word_tokenizer(image_token: str, **special_tokens: str) -> Any:
+    """A word-level tokenizer of ``lm_models.WORDS`` whose ``image_token`` is the image token
+    and each of ``special_tokens`` (its name: its text, Gemma 3's ``boi_token``) a special
+    token, its id counting down from the image token's."""
     from lm_models import WORDS
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    vocabulary = {word: i for i, word in enumerate(WORDS)} | {f"w{i}": i for i in range(len(WORDS), IMAGE)} | {image_token: IMAGE}
+    specials = {text: IMAGE - 1 - i for i, text in enumerate(special_tokens.values())}
+    words = {f"w{i}": i for i in range(len(WORDS), IMAGE - len(specials))}
+    vocabulary = {word: i for i, word in enumerate(WORDS)} | words | specials | {image_token: IMAGE}
     core = Tokenizer(models.WordLevel(vocabulary, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tf.PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", extra_special_tokens={"image_token": image_token}
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        extra_special_tokens={"image_token": image_token, **special_tokens},
     )
 
 
@@ -185,6 +190,22 @@ def save_paligemma_checkpoint(folder) -> nn.Module:
     images.image_seq_length = TOKENS_PER_IMAGE["paligemma"][0]
     processor = tf.PaliGemmaProcessor(image_processor=images, tokenizer=_word_tokenizer("<image>"))
     model = make_vlm("paligemma")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model
+
+
+def save_gemma3_checkpoint(folder) -> nn.Module:
+    """The tiny Gemma 3 saved with its processor (the word-level tokenizer, whose ``<boi>``
+    its processor expands into the image's 4 tokens between ``<boi>`` and ``<eoi>``; Gemma
+    3's image processor at 32 × 32): a checkpoint the command line loads, whose processor
+    gives ``token_type_ids`` (1: the image's tokens, read both ways). Its 4 × 4 patches are
+    pooled into 2 × 2 image tokens."""
+    tokenizer = _word_tokenizer("<img>", boi_token="<boi>", eoi_token="<eoi>")
+    images = tf.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = tf.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE["gemma3"][0])
+    model = make_vlm("gemma3")
+    model.config.boi_token_index, model.config.eoi_token_index = tokenizer.boi_token_id, tokenizer.eoi_token_id
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model

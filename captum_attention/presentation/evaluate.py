@@ -566,9 +566,10 @@ def image_metric_names(metrics: Sequence[str]) -> list[str]:
 
 def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tensor, images: dict[str, Any]) -> PatchRemoval | None:
     """How the image metrics grey the patches of a vision-language model's row (a grey
-    image through its processor's image processor; the prompt ``ids`` read before the
-    answer, with their per-token inputs, PaliGemma's token types); None where they cannot
-    be computed exactly: no :func:`~captum_attention.presentation.answer.single_image_pixels`,
+    image through its processor's image processor; the patches pooled into the image
+    tokens' grid, on which every method is scored, :func:`_image_grid`; the prompt ``ids``
+    read before the answer, with their per-token inputs, PaliGemma's token types); None where they
+    cannot be computed exactly: no :func:`~captum_attention.presentation.answer.single_image_pixels`,
     or an image whose grid of tokens does not tile its pixels."""
     from PIL import Image
 
@@ -586,27 +587,42 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     assert example.image is not None  # a vision-language model's row names one
     with Image.open(example.image) as picture:
         grey = grey_pixels(model, processor.image_processor, picture.size)
-    return PatchRemoval(grey, None, ids, prompt_token_inputs(images, ids.shape[1]) or None) if grey.shape == pixels.shape else None
+    return PatchRemoval(grey, layout[0].grid, ids, prompt_token_inputs(images, ids.shape[1]) or None) if grey.shape == pixels.shape else None
 
 
 def _image_grid(
     model: Any, ids: Tensor, images: dict[str, Any], answer: Tensor, name: str, spans: dict[str, Any], removal: PatchRemoval,
     ig_steps: int,
 ) -> Tensor | None:
-    """``(1, rows, columns)`` method ``name``'s scores of the image's patches: a registered
-    method's image tokens (its ``spans[name]``) on their grid; Integrated Gradients' on the
-    pixels against the removal's grey image, the prompt held, summed per patch of the
-    vision tower (:func:`~captum_attention.presentation.answer.caption_integrated_gradients`);
-    None for the estimates, which score no image."""
+    """``(1, rows, columns)`` method ``name``'s scores of the image's tokens, on their grid
+    (``removal.regions``): a registered method's (its ``spans[name]``); Integrated
+    Gradients' on the pixels against the removal's grey image, the prompt held, summed per
+    patch of the vision tower
+    (:func:`~captum_attention.presentation.answer.caption_integrated_gradients`) and over
+    each token's patches (a model that pools its patches into fewer tokens, Gemma 3's), so
+    that every method is scored over the same regions, None where they do not tile the
+    token grid; None for the estimates, which score no image."""
     from .answer import caption_integrated_gradients, first_image_grid
 
     if name == INTEGRATED_GRADIENTS:
-        return caption_integrated_gradients(
+        patches = caption_integrated_gradients(
             model, images["pixel_values"], answer, removal.baseline_pixels, ig_steps, ids, removal.prompt_inputs
         )
+        assert removal.regions is not None  # the image tokens' grid (_image_removal)
+        return _summed_per_token(patches, removal.regions)
     if name in ESTIMATES_OF_ANSWERS:
         return None
     return first_image_grid(model, ids, spans[name], images)
+
+
+def _summed_per_token(patch_scores: Tensor, tokens: Sequence[int]) -> Tensor | None:
+    """``(1, rows, columns)`` a ``(1, patch rows, patch columns)`` grid of patch scores
+    summed over each of the ``tokens`` ``(rows, columns)`` image tokens' blocks of patches;
+    None where the tokens' grid does not divide the patches'."""
+    rows, columns = tokens
+    if patch_scores.shape[1] % rows or patch_scores.shape[2] % columns:
+        return None
+    return patch_scores.reshape(len(patch_scores), rows, patch_scores.shape[1] // rows, columns, -1).sum(dim=(2, 4))
 
 
 def _image_values(
