@@ -113,3 +113,35 @@ def test_blips_ablated_prompts_are_scored_as_each_alone_with_its_image():
             logits = model(input_ids=sequence, pixel_values=pixels).logits
         expected = logits[:, -3:-1].log_softmax(dim=-1).gather(2, ANSWER[1:, :, None]).sum()
         assert abs(float(values[0, a]) - float(expected)) < 1e-5, a
+
+
+def test_blips_question_answerer_is_refused_in_one_line_held_or_alone():
+    """BLIP's question answerer reads the image through a question encoder that the answer
+    decoder cross-attends to (a chain of stacks) and its forward returns no answer logits:
+    every call is refused by name, the model alone or called through a forward of its parts
+    (which returned scores that nothing checks)."""
+    from transformers import BlipConfig, BlipForQuestionAnswering
+
+    from captum_attention import RawAttention
+    from captum_attention.capture import UnsupportedModelError
+
+    config = make_blip().config
+    model = BlipForQuestionAnswering(BlipConfig(text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict())).eval()
+    prompt = make_blip_prompt()
+    ids, pixels = _alone(prompt, 0)
+    mask = torch.ones_like(ids)
+
+    def answer_logits(input_ids, attention_mask, pixel_values, decoder_input_ids):
+        states = model.vision_model(pixel_values=pixel_values).last_hidden_state
+        question = model.text_encoder(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=states)[0]
+        return model.text_decoder(input_ids=decoder_input_ids, encoder_hidden_states=question, encoder_attention_mask=attention_mask).logits
+
+    calls = [
+        lambda: AttnLRP(model).attribute_span(ids, ANSWER[:1], additional_forward_args=(mask, {"pixel_values": pixels})),
+        lambda: RawAttention(model).attribute(ids, target=8, additional_forward_args=(mask, {"pixel_values": pixels})),
+        lambda: RawAttention(answer_logits, model=model).attribute(ids, target=8, additional_forward_args=(mask, pixels, ANSWER[:1])),
+    ]
+    for call in calls:
+        with pytest.raises(UnsupportedModelError) as refused:
+            call()
+        assert "BlipForQuestionAnswering cannot be explained" in str(refused.value) and "\n" not in str(refused.value)

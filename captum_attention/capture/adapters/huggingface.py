@@ -52,6 +52,16 @@ OUT_OF_SCOPE = {
 """Model types whose recorded maps are not the attention that computes their output, by
 ``config.model_type``, with the reason the refusal gives."""
 
+OUT_OF_SCOPE_CLASSES = {
+    "BlipForQuestionAnswering": (
+        "its answer decoder cross-attends to a question encoder that itself cross-attends to the image, a chain "
+        "of stacks the methods' rules do not follow, and its forward returns no answer logits (BLIP's captioner, "
+        "BlipForConditionalGeneration, is covered)"
+    ),
+}
+"""Model classes of a covered model type that are not covered, by class name, with the
+reason the refusal gives (for the model or any model it holds)."""
+
 _MEAN_POOLING_CLASSIFIERS = {
     "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
     "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
@@ -123,6 +133,9 @@ class HuggingFaceAdapter(AdapterBase):
         reason = OUT_OF_SCOPE.get(str(getattr(getattr(model, "config", None), "model_type", "")))
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__} cannot be explained through attention maps: {reason}.")
+        held = next((inner for inner in self._pretrained_models(model) if type(inner).__name__ in OUT_OF_SCOPE_CLASSES), None)
+        if held is not None:
+            raise UnsupportedModelError(f"{type(held).__name__} cannot be explained: {OUT_OF_SCOPE_CLASSES[type(held).__name__]}.")
         _refuse_virtual_tokens(model)
         encoder = _encoder_of(model)
         if encoder is None:
