@@ -85,6 +85,7 @@ TINY: dict[str, Any] = dict(
     num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16, q_lora_rank=16,
     kv_lora_rank=16, qk_rope_head_dim=4, rotary_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2, text_hidden_size=32,
+    mamba_n_heads=4,
 )
 """Constructor arguments of a tiny model, passed where a config class takes them (under
 their own or their ``attribute_map`` name). Widths are multiples of 4: the experts'
@@ -155,6 +156,15 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["global_attn_indexes"] = [TINY["num_hidden_layers"] - 1]
     if "attn_layer_period" in accepted:  # Jamba: attention every 8th layer from the 5th; the tiny model's second
         kwargs.update(attn_layer_period=2, attn_layer_offset=1)
+    if config_class.model_type == "bamba":  # a Mamba layer, then attention (its default names no attention layer)
+        kwargs["attn_layer_indices"] = [1]
+    if config_class.model_type == "granitemoehybrid":  # the same (Granite 4.0's checkpoints name theirs)
+        kwargs["layer_types"] = ["linear_attention", "full_attention"]
+    if config_class.model_type in ("zamba", "zamba2"):  # a Mamba layer, then one with the shared attention block
+        kwargs["layers_block_type"] = ["mamba", "hybrid"]
+        kwargs.pop("attn_layer_period", None), kwargs.pop("attn_layer_offset", None)
+    if config_class.model_type == "zaya":  # one expert per token, all it runs
+        kwargs["num_experts_per_tok"] = 1
     if "block_types" in accepted:  # RecurrentGemma: two recurrent blocks, then attention; the tiny model's second
         kwargs["block_types"] = ["recurrent", "attention"]
     if "cross_attention_layers" in accepted:  # Mllama's text model: its last tiny layer cross-attends
@@ -285,6 +295,9 @@ def build(architecture: Architecture, seed: int = 0, implementation: str | None 
     logging.disable(logging.WARNING)
     try:
         config_class = CONFIG_MAPPING[architecture.model_type]
+        own = getattr(getattr(tf, architecture.class_name, None), "config_class", None)
+        if own in (getattr(config_class, "sub_configs", None) or {}).values():  # a multimodal family's causal LM (Llama 4's): its text model's
+            config_class = own
         config = config_class(**_tiny_kwargs(config_class, architecture.head))
         if architecture.head == "image-text-to-text":  # the image token inside the tiny vocabulary
             for name in ("image_token_id", "image_token_index"):
