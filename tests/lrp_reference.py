@@ -1,5 +1,5 @@
 """AttnLRP re-implemented from the weights of tiny models, for the tests: BERT, DistilBERT,
-GPT-2, Llama and Qwen2, LLaVA, Mllama and BLIP, T5, BART and Florence-2, ViT and DeiT, a ViT before a GPT-2, Swin,
+GPT-2, Llama and Qwen2, DBRX, LLaVA, Mllama and BLIP, T5, BART and Florence-2, ViT and DeiT, a ViT before a GPT-2, Swin,
 SegFormer and PVTv2.
 
 An explicit forward written here (not the model's code), with each rule of Achtibat et
@@ -217,6 +217,57 @@ def llama_explained(
     read = torch.arange(length - span.shape[1] - 1, length - 1)
     log_probs = _linear(normed[:, read], model.lm_head, terms).log_softmax(dim=-1)
     return log_probs.gather(2, span[..., None])[..., 0].sum(dim=1)
+
+
+def _bias_free_layer_norm(x: Tensor, norm: torch.nn.LayerNorm) -> Tensor:
+    centred = x - x.mean(dim=-1, keepdim=True)
+    scale = torch.rsqrt(x.var(dim=-1, unbiased=False, keepdim=True) + norm.eps).detach()
+    return centred * scale * norm.weight.detach()
+
+
+def dbrx_relevance(model, input_ids: Tensor, target: Tensor) -> Decomposition:
+    """AttnLRP of a ``DbrxForCausalLM`` (unpadded prompts), explaining the logit of
+    ``target`` at the last position: layer norms without bias; Q, K and V from one
+    projection, clipped; rotary positions, grouped-query attention; a mixture of SiLU-gated
+    experts, each token's output times its routing weight (a product of two activations)."""
+    from transformers.models.dbrx.modeling_dbrx import apply_rotary_pos_emb as dbrx_rotary
+
+    dbrx, config = model.transformer, model.config
+    terms = Terms(dbrx.wte.weight.detach()[input_ids].clone().requires_grad_())
+    hidden, (batch, length) = terms.tokens, input_ids.shape
+    cos, sin = dbrx.rotary_emb(hidden, torch.arange(length)[None].expand(batch, -1))
+    heads, kv_heads = config.n_heads, config.attn_config.kv_n_heads
+    head_dim = config.d_model // heads
+    mask = torch.zeros(length, length).masked_fill(~torch.ones(length, length).tril().bool(), torch.finfo(torch.float32).min)
+    for block in dbrx.blocks:
+        around, attention = block.norm_attn_norm, block.norm_attn_norm.attn
+        qkv = _linear(_bias_free_layer_norm(hidden, around.norm_1), attention.Wqkv, terms)
+        q, k, v = qkv.clamp(-attention.clip_qkv, attention.clip_qkv).split([config.d_model, kv_heads * head_dim, kv_heads * head_dim], dim=2)
+        q, k = dbrx_rotary(_heads(q, heads), _heads(k, kv_heads), cos, sin)
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, _heads(v, kv_heads)))
+        scores = half(q) @ half(k).transpose(-1, -2) * head_dim**-0.5 + mask
+        context = half(terms.attention(scores) @ v).transpose(1, 2).reshape(hidden.shape)
+        hidden = hidden + _linear(context, attention.out_proj, terms)
+        hidden = hidden + _dbrx_experts(block.ffn, _bias_free_layer_norm(hidden, around.norm_2)).view_as(hidden)
+    logits = _linear(_bias_free_layer_norm(hidden, dbrx.norm_f)[:, -1], model.lm_head, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
+def _dbrx_experts(ffn, normed: Tensor) -> Tensor:
+    """``(B·T, d)`` DBRX's mixture: each token's top experts' SiLU-gated outputs, each times
+    its normalised routing weight."""
+    flat = normed.reshape(-1, normed.shape[-1])
+    weights, chosen = ffn.router.layer(flat).softmax(dim=1).topk(ffn.top_k, dim=-1)
+    weights = weights / weights.norm(p=ffn.moe_normalize_expert_weights, dim=-1, keepdim=True)
+    glu, out = ffn.experts.mlp, torch.zeros_like(flat)
+    shape = (-1, ffn.experts.ffn_hidden_size, flat.shape[-1])
+    for expert in range(ffn.experts.num_experts):
+        rows, slot = torch.where(chosen == expert)
+        x = flat[rows]
+        gate = identity(F.silu, x @ glu.w1.view(shape)[expert].detach().t())
+        y = (half(gate) * half(x @ glu.v1.view(shape)[expert].detach().t())) @ glu.w2.view(shape)[expert].detach()
+        out = out.index_add(0, rows, half(y) * half(weights[rows, slot, None]))
+    return out
 
 
 def llava_pixel_relevance(

@@ -11,6 +11,7 @@ from lm_models import make_decoder, make_prompts
 from lrp_reference import (
     bart_relevance,
     bert_relevance,
+    dbrx_relevance,
     distilbert_relevance,
     gpt2_relevance,
     llama_relevance,
@@ -309,6 +310,19 @@ def test_weights_multiplied_by_hand_are_weights_to_the_rules(name, capture_mode)
         parameter.requires_grad_(False)
     for actual, frozen in zip(_tuple(explain(case, "attn_lrp")), _tuple(expected)):
         torch.testing.assert_close(actual, frozen, rtol=1e-5, atol=1e-5 * float(frozen.abs().max()))
+
+
+def test_a_block_named_like_a_norm_takes_the_rules_inside_it(capture_mode):
+    """DBRX's ``DbrxNormAttentionNorm`` holds its attention between two layer norms: taken
+    for a norm by its name, its products got no rule, and the eager capture's relevance
+    reached three times the rules' (the streaming kernel's own rule hid it there). Against
+    the rules written out from the weights."""
+    architecture = next(a for a in architectures("causal LM") if a.model_type == "dbrx")
+    case = make_case(build(architecture), architecture)
+    expected = dbrx_relevance(case.model, case.inputs, torch.full((len(case.inputs),), case.target)).relevance
+    assert expected.abs().max() > 0
+    actual = AttnLRP(case.model).attribute(case.inputs, target=case.target, additional_forward_args=case.args)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 def _tuple(scores):

@@ -85,6 +85,14 @@ def test_the_context_mixing_methods_refuse_gates_and_mixed_heads_and_compare_hyp
     assert not {m: o for m, o in found.items() if o.status in ("error", "wrong")}, found
 
 
+def test_alti_refuses_a_layer_of_several_streams_per_token_in_one_line():
+    """Gemma-3n's layers carry four streams per token (AltUp): ALTI and ALTI-Logit compared
+    them with the tokens' mask and failed with an IndexError."""
+    found = outcomes(_architecture("causal LM", "gemma3n_text"), ["alti", "alti_logit"])
+    assert {o.status for o in found.values()} == {"refused"}, found
+    assert all("several streams per token" in o.detail for o in found.values()), found
+
+
 def test_integrated_gradients_of_an_answer_about_an_image_copy_the_embeddings_they_move():
     """Kosmos-2 writes its image's features into the input embeddings in place, which
     Captum's moved embeddings (a leaf that requires grad) would not allow: they are copied
@@ -209,6 +217,15 @@ def test_attn_lrps_image_tokens_hold_relevance_wherever_the_image_moves_the_logi
     Granite 4 Vision's image tokens scored 0, Florence-2's too."""
     outcome = image_relevance_outcome(architecture)
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+def test_a_model_whose_gradient_is_not_finite_on_a_left_padded_batch_is_refused_in_one_line():
+    """Gemma-3n's own backward under sdpa attention is NaN over a left-padded example's
+    whole row (its fully masked padded rows; the logits are finite): Grad-SAM returned NaN
+    scores at its real tokens."""
+    outcome = left_padding_outcome(_architecture("causal LM", "gemma3n_text"))
+    assert outcome.status == "refused", outcome
+    assert "The scores of examples [1] are not finite at their real tokens, while the explained logits are" in outcome.detail
 
 
 def test_a_model_that_fails_on_a_left_padded_prompt_refuses_a_padded_batch_in_one_line():

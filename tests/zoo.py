@@ -165,6 +165,14 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs.pop("attn_layer_period", None), kwargs.pop("attn_layer_offset", None)
     if config_class.model_type == "zaya":  # one expert per token, all it runs
         kwargs["num_experts_per_tok"] = 1
+    if config_class.model_type == "lfm2_moe":  # a convolution layer, then attention (its default names none)
+        kwargs["layer_types"] = ["conv", "full_attention"]
+    if config_class.model_type == "gemma3n_text":  # no layer of the tiny two reads another's keys and values
+        kwargs["num_kv_shared_layers"] = 0
+    if config_class.model_type == "layoutlmv3":  # four coordinates' and two sizes' embeddings, concatenated to the tiny width
+        kwargs.update(coordinate_size=4, shape_size=8)
+    if config_class.model_type == "dbrx":  # its attention reads the rotary base and the clip of its checkpoints from its own sub-config
+        kwargs["attn_config"] = {**kwargs.get("attn_config", {}), "rope_theta": 10000.0, "clip_qkv": 8.0}
     if "block_types" in accepted:  # RecurrentGemma: two recurrent blocks, then attention; the tiny model's second
         kwargs["block_types"] = ["recurrent", "attention"]
     if "cross_attention_layers" in accepted:  # Mllama's text model: its last tiny layer cross-attends

@@ -540,10 +540,13 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     """``scores`` (or ``(source, target)`` scores) exactly 0 outside the real tokens, also
     where non-finite values elsewhere would spread into them through a product; NaN at the
     real tokens of an example whose explained logits are not finite (a streaming
-    recomputation of NaN attention could otherwise give finite numbers)."""
+    recomputation of NaN attention could otherwise give finite numbers); a refusal in one
+    line where an example whose explained logits are finite has a non-finite score at a
+    real token (:func:`_check_finite_where_explained`)."""
     broken = ~record.explained_finite()
 
     def finished(side: Tensor, real: Tensor) -> Tensor:
+        _check_finite_where_explained(side, real, broken.to(side.device))
         nan_rows = broken.to(side.device)[:, None] & real
         return side.masked_fill(nan_rows, float("nan")).masked_fill(~real, 0.0)
 
@@ -553,6 +556,20 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     if isinstance(scores, tuple):  # (tokens, pixels)
         return finished(scores[0], record.target_real), scores[1]
     return finished(scores, record.target_real)
+
+
+def _check_finite_where_explained(scores: Tensor, real: Tensor, broken: Tensor) -> None:
+    """A one-line refusal where ``scores`` hold a non-finite value at a ``real`` token of an
+    example whose explained logits are finite (not ``broken``): the model's own backward is
+    not finite there, as Gemma-3n's under sdpa attention on a left-padded batch (its fully
+    masked padded rows), which the example alone or the eager kernel does not meet."""
+    examples = ((~scores.isfinite() & real).any(dim=tuple(range(1, scores.dim()))) & ~broken).nonzero().flatten().tolist()
+    if examples:
+        raise UnsupportedModelError(
+            f"The scores of examples {examples} are not finite at their real tokens, while the explained logits are: the "
+            "model's gradient is not finite there (a padded row's under its attention kernel can spread): explain each "
+            "example alone, or pass capture='eager'."
+        )
 
 
 def _check_continuation_record(record: ForwardRecord, prompt_len: int) -> None:

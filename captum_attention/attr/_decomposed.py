@@ -15,7 +15,7 @@ from ..capture import LogProbTarget, RecordedBlocks, RecordedValues
 from ..capture.inputs import resolve_targets
 from ..capture.probes import BlockCall
 from ..capture.record import ForwardRecord
-from ..capture.residual import AttentionResidual, attention_residual, equal_to_rounding
+from ..capture.residual import AttentionResidual, attention_residual, check_one_stream, equal_to_rounding
 from ..maps import (
     KeyTiles,
     LinearNorm,
@@ -247,8 +247,11 @@ def decomposed_layer_calls(model: nn.Module, record: ForwardRecord, method: str)
     must be the previous one's output, on the :func:`checked_rows`; a layer skipped for
     want of its input, as Mllama's cross-attention without an image, passes), or where a
     layer's attention weights the values of another (Gemma-4's and Gemma-3n's key-value
-    sharing), whose vectors come from that layer's input, not from this layer's."""
+    sharing), whose vectors come from that layer's input, not from this layer's, or where
+    a layer carries several streams per token (:func:`check_one_stream`)."""
     calls = layer_calls(model, record, method)
+    for layer in calls:
+        check_one_stream(layer)
     real = checked_real(record.forward_real)
     for index, (earlier, later) in enumerate(zip(calls, calls[1:])):
         if not equal_to_rounding(later.hidden_input, earlier.output, real):

@@ -73,6 +73,19 @@ class AttentionResidual:
         return self.norm if self.norm is not None else self.attention_norm
 
 
+def check_one_stream(call: BlockCall) -> None:
+    """A one-line refusal for a layer whose hidden states hold several streams per token
+    (hyper-connections, Gemma-3n's AltUp), where a decomposition follows one residual vector
+    per token."""
+    inputs = call.hidden_input
+    if inputs.dim() != 3:
+        raise UnsupportedModelError(
+            f"{type(call.block).__name__} carries hidden states of shape {tuple(inputs.shape)}, several streams per token "
+            "(hyper-connections), where the decomposition follows one residual vector per token: the attention block "
+            "cannot be written as a sum over tokens."
+        )
+
+
 def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) -> AttentionResidual:
     """Find where the attention output joins the residual in ``call``'s layer.
 
@@ -85,12 +98,7 @@ def attention_residual(call: BlockCall, attention_sums: Tensor, real: Tensor) ->
     """
     inputs = call.hidden_input
     name = type(call.block).__name__
-    if inputs.dim() != 3:
-        raise UnsupportedModelError(
-            f"{name} carries hidden states of shape {tuple(inputs.shape)}, several streams per token (hyper-connections), "
-            "where the decomposition follows one residual vector per token: the attention block cannot be written as a "
-            "sum over tokens."
-        )
+    check_one_stream(call)
     if call.states is None:
         raise RuntimeError(f"{name}'s module states were not recorded: capture with LayerBlocks(states=...).")
     seen = call.states

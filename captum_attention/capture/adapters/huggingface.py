@@ -389,15 +389,19 @@ class HuggingFaceAdapter(AdapterBase):
         """Activations: torch's element-wise modules and every class of transformers'
         activation table (``ACT2CLS``); norms: ``nn.LayerNorm``, ``nn.RMSNorm`` and the
         families' own norm modules, which transformers names ``*Norm`` (``LlamaRMSNorm``,
-        ``T5LayerNorm``, ...)."""
+        ``T5LayerNorm``, ...), but for a module so named that holds another norm: a block
+        around norms (DBRX's ``DbrxNormAttentionNorm`` holds its attention between two,
+        wav2vec 2.0's ``*StableLayerNorm`` layers theirs), whose products take their rules."""
         from transformers.activations import ACT2CLS
 
         table = [entry[0] if isinstance(entry, tuple) else entry for entry in ACT2CLS.values()]
         activations = TORCH_ACTIVATIONS + tuple(cls for cls in table if isinstance(cls, type))
         modules = list(model.modules())
+        named_norms = [m for m in modules if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")]
+        found = set(named_norms)
         return RelevanceSites(
             [m for m in modules if isinstance(m, activations)],
-            [m for m in modules if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")],
+            [m for m in named_norms if not any(inner in found for inner in m.modules() if inner is not m)],
         )
 
     def prepared(self, model: nn.Module, streaming: bool) -> AbstractContextManager[None]:
