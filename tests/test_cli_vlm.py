@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html as html_module
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -426,45 +427,69 @@ def test_evaluate_scores_answers_about_images_over_the_images_patches_too(llava,
         out / "summary.md").read_text()
 
 
+def _token_typed_answer(tmp_path, save, image_token: str, answer_types) -> SimpleNamespace:
+    """One answer about an image of the checkpoint ``save`` writes, whose processor gives
+    token types: ``evaluate``'s rows by method (raw attention, Integrated Gradients in 2
+    steps) and the same read by hand: the processor's inputs of ``image_token`` and the
+    prompt, the token types over prompt and answer (``answer_types(types, answer)``: the
+    answer's as its ``generate`` extends them), the grey image, raw attention's image grid
+    and Captum's Integrated Gradients per patch, which ``explain``'s equals."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder, image, out, report = tmp_path / "model", _image(tmp_path), tmp_path / "out", tmp_path / "answer.json"
+    save(folder)
+    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw,integrated_gradients", "--ig-steps", "2",
+                 "--output", str(out)]) == 0
+    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a",
+                 "--methods", "integrated_gradients", "--ig-steps", "2", "--json", str(report)]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    rgb = Image.open(image).convert("RGB")
+    inputs = dict(processor(text=f"{image_token} what is the cat", images=rgb, return_tensors="pt"))
+    ids, types, pixels = inputs["input_ids"], inputs["token_type_ids"], inputs["pixel_values"]
+    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
+    read = torch.cat([types, answer_types(types, answer)], dim=1)
+    grey = processor(text=image_token, images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    image_inputs = {"pixel_values": pixels, "token_type_ids": types}
+    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(inputs["attention_mask"], image_inputs))
+    (raw,) = image_scores(model, ids, span, image_inputs)[0]
+    patches = _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=2, token_type_ids=read)
+    assert patches.abs().sum() > 1e-3, "the pixels move the answer"
+    torch.testing.assert_close(torch.tensor(json.loads(report.read_text())["image_grids"]["Integrated Gradients"]), patches,
+                               rtol=1e-4, atol=1e-6)
+    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    return SimpleNamespace(rows=rows, model=model, ids=ids, types=types, pixels=pixels, grey=grey, answer=answer, read=read,
+                           raw=raw, patches=patches)
+
+
+def _check_top_3_drops(run: SimpleNamespace, grids: dict[str, torch.Tensor]) -> None:
+    """The row's log-probability and each method's top-3 drop against the model run by hand
+    with the token types over prompt and answer, on the image with those cells greyed."""
+    with torch.no_grad():
+        whole = float(_pixels_log_prob(run.model, run.ids, run.pixels, run.answer, run.read))
+    assert run.rows["raw"]["answer_log_prob"] == pytest.approx(whole, abs=1e-5)
+    for method, grid in grids.items():
+        greyed = _top_patches_greyed(run.pixels, run.grey, grid, 3)
+        with torch.no_grad():
+            drop = whole - float(_pixels_log_prob(run.model, run.ids, greyed, run.answer, run.read))
+        assert abs(drop) > 1e-3, "the image moves the answer"
+        assert run.rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
+
+
 def test_paligemmas_answers_are_scored_over_the_images_patches_with_its_token_types(tmp_path):
     """PaliGemma reads its prompt both ways (``token_type_ids`` 0, from its processor) and
     its answer causally (1, as its ``generate`` extends them): ``evaluate``'s image columns
     and ``explain``'s Integrated Gradients on the pixels read the answer so (the model run
     by hand with those token types on the greyed image, Captum's Integrated Gradients by
     hand); they were empty and no grid."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    folder, image, out, report = tmp_path / "paligemma", _image(tmp_path), tmp_path / "out", tmp_path / "answer.json"
-    save_paligemma_checkpoint(folder)
-    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
-    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw,integrated_gradients", "--ig-steps", "2",
-                 "--output", str(out)]) == 0
-    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
-    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a",
-                 "--methods", "integrated_gradients", "--ig-steps", "2", "--json", str(report)]) == 0
-    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
-    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
-    rgb = Image.open(image).convert("RGB")
-    inputs = dict(processor(text="<image>what is the cat", images=rgb, return_tensors="pt"))
-    ids, types, pixels = inputs["input_ids"], inputs["token_type_ids"], inputs["pixel_values"]
-    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
-    read = torch.cat([types, torch.ones_like(answer)], dim=1)
-    grey = processor(text="<image>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    run = _token_typed_answer(tmp_path, save_paligemma_checkpoint, "<image>", lambda types, answer: torch.ones_like(answer))
     with torch.no_grad():
-        whole = float(_pixels_log_prob(model, ids, pixels, answer, read))
-        assert abs(whole - float(_pixels_log_prob(model, ids, pixels, answer))) > 1e-3, "the token types change the reading"
-    assert rows["raw"]["answer_log_prob"] == pytest.approx(whole, abs=1e-5)
-    image_inputs = {"pixel_values": pixels, "token_type_ids": types}
-    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(inputs["attention_mask"], image_inputs))
-    (raw,) = image_scores(model, ids, span, image_inputs)[0]
-    ig = _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=2, token_type_ids=read)
-    assert ig.abs().sum() > 1e-3, "the pixels move the answer"
-    torch.testing.assert_close(torch.tensor(json.loads(report.read_text())["image_grids"]["Integrated Gradients"]), ig, rtol=1e-4, atol=1e-6)
-    for method, grid in (("raw", raw), ("integrated_gradients", ig)):
-        with torch.no_grad():
-            drop = whole - float(_pixels_log_prob(model, ids, _top_patches_greyed(pixels, grey, grid, 3), answer, read))
-        assert rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
-        assert rows[method]["image_lds"] is not None and rows[method]["image_loo_agreement"] is not None, method
+        with_types = _pixels_log_prob(run.model, run.ids, run.pixels, run.answer, run.read)
+        assert abs(float(with_types - _pixels_log_prob(run.model, run.ids, run.pixels, run.answer))) > 1e-3, "the types matter"
+    _check_top_3_drops(run, {"raw": run.raw, "integrated_gradients": run.patches})
+    for method in ("raw", "integrated_gradients"):
+        assert run.rows[method]["image_lds"] is not None and run.rows[method]["image_loo_agreement"] is not None, method
 
 
 def test_gemma3s_image_metrics_score_every_method_over_its_pooled_image_tokens(tmp_path):
@@ -474,46 +499,17 @@ def test_gemma3s_image_metrics_score_every_method_over_its_pooled_image_tokens(t
     the same 2 × 2 regions as raw attention's tokens (each method's top-3 drop against the
     model run by hand, with the token types as its ``generate`` extends them, on the image
     with those regions greyed). Integrated Gradients' was scored over its 16 patches."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     from captum_attention.metrics import patch_datamodeling_score
 
-    folder, image, out, report = tmp_path / "gemma3", _image(tmp_path), tmp_path / "out", tmp_path / "answer.json"
-    save_gemma3_checkpoint(folder)
-    data = _answers(tmp_path, [{"prompt": "what is the cat", "image": image.name, "answer": "is a"}])
-    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw,integrated_gradients", "--ig-steps", "2",
-                 "--output", str(out)]) == 0
-    rows = {row["method"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
-    assert main(["explain", "--model", str(folder), "--image", str(image), "what is the cat", "--target", "is a",
-                 "--methods", "integrated_gradients", "--ig-steps", "2", "--json", str(report)]) == 0
-    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
-    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
-    rgb = Image.open(image).convert("RGB")
-    inputs = dict(processor(text="<boi> what is the cat", images=rgb, return_tensors="pt"))
-    ids, types, pixels = inputs["input_ids"], inputs["token_type_ids"], inputs["pixel_values"]
-    assert int(types.sum()) == 4, "the image's 4 tokens"
-    answer = torch.tensor([processor.tokenizer("is a", add_special_tokens=False)["input_ids"]])
-    read = torch.cat([types, types[:, -1:].expand_as(answer)], dim=1)  # generate repeats the last type
-    grey = processor(text="<boi>", images=Image.new("RGB", rgb.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
-    image_inputs = {"pixel_values": pixels, "token_type_ids": types}
-    span = RawAttention(model).attribute_span(ids, answer, additional_forward_args=(inputs["attention_mask"], image_inputs))
-    (raw,) = image_scores(model, ids, span, image_inputs)[0]
-    patches = _pixel_integrated_gradients(model, ids, pixels, grey, answer, steps=2, token_type_ids=read)
-    torch.testing.assert_close(torch.tensor(json.loads(report.read_text())["image_grids"]["Integrated Gradients"]), patches,
-                               rtol=1e-4, atol=1e-6)
-    ig = patches.reshape(2, 2, 2, 2).sum(dim=(1, 3))  # each image token's 2 × 2 patches
-    assert raw.shape == ig.shape == (2, 2)
-    with torch.no_grad():
-        whole = float(_pixels_log_prob(model, ids, pixels, answer, read))
-    assert rows["raw"]["answer_log_prob"] == pytest.approx(whole, abs=1e-5)
-    for method, grid in (("raw", raw), ("integrated_gradients", ig)):
-        with torch.no_grad():
-            drop = whole - float(_pixels_log_prob(model, ids, _top_patches_greyed(pixels, grey, grid, 3), answer, read))
-        assert abs(drop) > 1e-3, "the image moves the answer"
-        assert rows[method]["image_top_k_log_prob_drop"] == pytest.approx(drop, abs=1e-4), method
-        lds = patch_datamodeling_score(model, pixels, answer, grid[None], grey, per_example=True, prompt_ids=ids,
-                                       prompt_inputs={"token_type_ids": types})
-        assert rows[method]["image_lds"] == pytest.approx(float(lds[0]), abs=1e-6), method
+    run = _token_typed_answer(tmp_path, save_gemma3_checkpoint, "<boi>", lambda types, answer: types[:, -1:].expand_as(answer))
+    assert int(run.types.sum()) == 4, "the image's 4 tokens"
+    grids = {"raw": run.raw, "integrated_gradients": run.patches.reshape(2, 2, 2, 2).sum(dim=(1, 3))}  # each token's 2 × 2 patches
+    assert grids["raw"].shape == grids["integrated_gradients"].shape == (2, 2)
+    _check_top_3_drops(run, grids)
+    for method, grid in grids.items():
+        lds = patch_datamodeling_score(run.model, run.pixels, run.answer, grid[None], run.grey, per_example=True, prompt_ids=run.ids,
+                                       prompt_inputs={"token_type_ids": run.types})
+        assert run.rows[method]["image_lds"] == pytest.approx(float(lds[0]), abs=1e-6), method
 
 
 def test_evaluate_resumes_the_same_images_only(llava, tmp_path, capsys):
