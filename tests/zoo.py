@@ -162,7 +162,8 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["layer_types"] = ["linear_attention", "full_attention"]
     if config_class.model_type in ("zamba", "zamba2"):  # a Mamba layer, then one with the shared attention block
         kwargs["layers_block_type"] = ["mamba", "hybrid"]
-        kwargs.pop("attn_layer_period", None), kwargs.pop("attn_layer_offset", None)
+        for jamba_setting in ("attn_layer_period", "attn_layer_offset"):
+            kwargs.pop(jamba_setting, None)
     if config_class.model_type == "zaya":  # one expert per token, all it runs
         kwargs["num_experts_per_tok"] = 1
     if config_class.model_type == "lfm2_moe":  # a convolution layer, then attention (its default names none)

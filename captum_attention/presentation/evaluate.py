@@ -568,9 +568,10 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     """How the image metrics grey the patches of a vision-language model's row (a grey
     image through its processor's image processor; the patches pooled into the image
     tokens' grid, on which every method is scored, :func:`_image_grid`; the prompt ``ids``
-    read before the answer, with their per-token inputs, PaliGemma's token types); None where they
-    cannot be computed exactly: no :func:`~captum_attention.presentation.answer.single_image_pixels`,
-    or an image whose grid of tokens does not tile its pixels."""
+    read before the answer, with their per-token inputs, PaliGemma's token types); None
+    where they cannot be computed exactly: no
+    :func:`~captum_attention.presentation.answer.single_image_pixels`, or an image whose
+    grid of tokens does not tile its pixels."""
     from PIL import Image
 
     from .answer import grey_pixels, prompt_token_inputs, single_image_pixels
