@@ -344,6 +344,12 @@ class UnsupportedModelError(ValueError):
     cannot read or reproduce); the message says why in one line."""
 
 
+class NonFiniteScores(UnsupportedModelError):
+    """Scores not finite at an example's real tokens while its explained output is: the
+    model's gradient is not finite there (a padded row's under its attention kernel can
+    spread), which eager attention may not meet."""
+
+
 def error_line(error: BaseException) -> str:
     """The first line of ``error``'s message (its class's name where it has none): what a
     one-line refusal quotes of a failure."""

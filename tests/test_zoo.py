@@ -219,13 +219,28 @@ def test_attn_lrps_image_tokens_hold_relevance_wherever_the_image_moves_the_logi
     assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
 
 
-def test_a_model_whose_gradient_is_not_finite_on_a_left_padded_batch_is_refused_in_one_line():
+def test_a_model_whose_streamed_gradient_is_not_finite_on_a_left_padded_batch_is_explained_eager():
     """Gemma-3n's own backward under sdpa attention is NaN over a left-padded example's
     whole row (its fully masked padded rows; the logits are finite): Grad-SAM returned NaN
-    scores at its real tokens."""
-    outcome = left_padding_outcome(_architecture("causal LM", "gemma3n_text"))
-    assert outcome.status == "refused", outcome
-    assert "The scores of examples [1] are not finite at their real tokens, while the explained logits are" in outcome.detail
+    scores at its real tokens. capture='auto' runs such a call again eager, where each
+    prompt scores as alone, in attribute, attribute_span and attribute_continuation alike;
+    capture='streaming' refuses it in one line."""
+    architecture = _architecture("causal LM", "gemma3n_text")
+    assert left_padding_outcome(architecture).status == "exact"
+    model = build(architecture)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+    mask = (ids != 0).long()
+    with pytest.raises(UnsupportedModelError, match=r"^The scores of examples \[0\] are not finite at their real tokens, while the explained logits are: .* or pass capture='auto' or 'eager'\.$"):
+        GradSAM(model, capture="streaming").attribute(ids, additional_forward_args=(mask,))
+    prompts, continuation = ids[:, :4], ids[:, 4:]
+    auto, eager = GradSAM(model), GradSAM(model, capture="eager")
+    for call in ("attribute_span", "attribute_continuation"):
+        found = getattr(auto, call)(prompts, continuation, additional_forward_args=(mask[:, :4],))
+        assert auto.last_capture.startswith("eager: the streamed scores were not finite at real tokens")
+        assert found.isfinite().all()
+        torch.testing.assert_close(found, getattr(eager, call)(prompts, continuation, additional_forward_args=(mask[:, :4],)))
+    auto.attribute(ids[1:])
+    assert auto.last_capture == "streaming"
 
 
 def test_a_model_that_fails_on_a_left_padded_prompt_refuses_a_padded_batch_in_one_line():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Mapping, TypeVar, cast
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from .._compat import TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
+from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
@@ -45,6 +46,20 @@ def attribute_method(attribute: AttributeFunction) -> AttributeFunction:
     its signature kept for type checkers (each method declares ``@overload`` on
     ``return_maps``, as Captum does on ``return_convergence_delta``)."""
     return cast(AttributeFunction, log_usage(part_of_slo=True)(shared_attribute_docs(attribute)))
+
+
+def _eager_where_not_finite(call: AttributeFunction) -> AttributeFunction:
+    """``call`` through the runner's :meth:`~captum_attention.capture.runner.CaptureRunner.retried_eager`:
+    under ``capture='auto'``, a streamed call whose scores are not finite at real tokens
+    while the explained output is runs once more eager (the gradient of Gemma-3n's sdpa
+    attention on a left-padded batch)."""
+
+    @functools.wraps(call)
+    def retried(self: AttentionAttributionBase, *args: Any, **kwargs: Any) -> Any:
+        why = "the streamed scores were not finite at real tokens, where the explained output is"
+        return self._runner.retried_eager(lambda: call(self, *args, **kwargs), NonFiniteScores, why)
+
+    return cast(AttributeFunction, retried)
 
 
 class AttentionAttributionBase:
@@ -275,6 +290,7 @@ class AttentionAttributionBase:
         scores, maps = self._scores(record, **options)
         return scores, record.by_role(maps)
 
+    @_eager_where_not_finite
     def _explain(
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -303,6 +319,7 @@ class AttentionAttributionBase:
             scores = _on_patch_grid(adapter, self.model, tensors[0], scores)
         return format_scores(is_tuple or isinstance(scores, tuple), scores, maps, return_maps)
 
+    @_eager_where_not_finite
     def attribute_continuation(
         self,
         inputs: Tensor,
@@ -367,6 +384,7 @@ class AttentionAttributionBase:
             return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, stacked) if inputs.dim() == 4 else stacked
         return torch.stack(rows, dim=1)
 
+    @_eager_where_not_finite
     def attribute_span(
         self,
         inputs: Tensor,
@@ -546,7 +564,7 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     broken = ~record.explained_finite()
 
     def finished(side: Tensor, real: Tensor) -> Tensor:
-        _check_finite_where_explained(side, real, broken.to(side.device))
+        _check_finite_where_explained(side, real, broken.to(side.device), record.streaming)
         nan_rows = broken.to(side.device)[:, None] & real
         return side.masked_fill(nan_rows, float("nan")).masked_fill(~real, 0.0)
 
@@ -558,17 +576,18 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     return finished(scores, record.target_real)
 
 
-def _check_finite_where_explained(scores: Tensor, real: Tensor, broken: Tensor) -> None:
-    """A one-line refusal where ``scores`` hold a non-finite value at a ``real`` token of an
-    example whose explained logits are finite (not ``broken``): the model's own backward is
-    not finite there, as Gemma-3n's under sdpa attention on a left-padded batch (its fully
-    masked padded rows), which the example alone or the eager kernel does not meet."""
+def _check_finite_where_explained(scores: Tensor, real: Tensor, broken: Tensor, streamed: bool) -> None:
+    """A one-line refusal (:class:`NonFiniteScores`) where ``scores`` hold a non-finite value
+    at a ``real`` token of an example whose explained logits are finite (not ``broken``):
+    the model's own backward is not finite there, as Gemma-3n's under sdpa attention on a
+    left-padded batch (its fully masked padded rows), which the example alone or eager
+    attention does not meet (``capture='auto'`` retries eager by itself)."""
     examples = ((~scores.isfinite() & real).any(dim=tuple(range(1, scores.dim()))) & ~broken).nonzero().flatten().tolist()
     if examples:
-        raise UnsupportedModelError(
+        raise NonFiniteScores(
             f"The scores of examples {examples} are not finite at their real tokens, while the explained logits are: the "
             "model's gradient is not finite there (a padded row's under its attention kernel can spread): explain each "
-            "example alone, or pass capture='eager'."
+            + ("example alone, or pass capture='auto' or 'eager'." if streamed else "example alone.")
         )
 
 

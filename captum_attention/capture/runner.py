@@ -4,8 +4,9 @@ A call asks for ``capture="auto"``, ``"streaming"`` or ``"eager"``.
 :class:`CaptureRunner` decides, records why (``last``, what ``last_capture`` shows) and
 falls back: ``auto`` streams wherever that is exact and otherwise runs eager, also when
 streaming turns out impossible only inside the forward
-(:class:`~captum_attention.capture.StreamingUnsupported`); ``streaming`` raises
-instead of falling back; ``eager`` never streams.
+(:class:`~captum_attention.capture.StreamingUnsupported`) or only in the scores
+(:meth:`CaptureRunner.retried_eager`); ``streaming`` raises instead of falling back;
+``eager`` never streams.
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ class CaptureRunner:
         mode: ``"auto"``, ``"streaming"`` or ``"eager"``.
         owner: named in the debug log.
         last: after each call, ``"streaming"`` or ``"eager: <why>"``.
+        eager_reason: while set (by :meth:`retried_eager`), why every call runs eager.
     """
 
     mode: CaptureMode = "auto"
     owner: str = ""
     last: str = ""
+    eager_reason: str | None = None
 
     def __post_init__(self) -> None:
         check_capture_mode(self.mode)
@@ -96,6 +99,7 @@ class CaptureRunner:
         if self.mode == "eager":
             self._note("eager: capture='eager'")
             return forward(False)
+        eager_reason = eager_reason or self.eager_reason
         if eager_reason is not None:
             self._refuse_streaming(eager_reason)
             self._note(f"eager: {eager_reason}")
@@ -108,6 +112,21 @@ class CaptureRunner:
             return forward(False)
         self._note("streaming")
         return result
+
+    def retried_eager(self, call: Callable[[], Result], failure: type[Exception], why: str) -> Result:
+        """``call()``; where it raises ``failure`` after its forward streamed under ``auto``,
+        ``call()`` once more with every forward eager (``why`` noted in ``last``)."""
+        try:
+            return call()
+        except failure:
+            if self.mode != "auto" or self.last != "streaming":
+                raise
+        # retried outside the handler, so that the failed call's graph is freed first
+        self.eager_reason = why
+        try:
+            return call()
+        finally:
+            self.eager_reason = None
 
     def _refuse_streaming(self, reason: str, error: Exception | None = None) -> None:
         if self.mode == "streaming":
