@@ -564,8 +564,9 @@ def _zero_padding(record: ForwardRecord, scores: Any) -> Any:
     broken = ~record.explained_finite()
 
     def finished(side: Tensor, real: Tensor) -> Tensor:
-        _check_finite_where_explained(side, real, broken.to(side.device), record.streaming)
-        nan_rows = broken.to(side.device)[:, None] & real
+        broken_here = broken.to(side.device)
+        _check_finite_where_explained(side, real, broken_here, record.streaming)
+        nan_rows = broken_here[:, None] & real
         return side.masked_fill(nan_rows, float("nan")).masked_fill(~real, 0.0)
 
     if isinstance(scores, tuple) and record.is_encoder_decoder:
