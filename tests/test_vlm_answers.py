@@ -881,3 +881,29 @@ def test_a_prompts_span_of_a_model_that_reads_its_image_apart_is_its_tokens(fami
     span = prompt_span(AttnLRP(model), ids, answer, images)
     torch.testing.assert_close(span, tokens[:, : ids.shape[1]].detach())
     assert not torch.allclose(span, image[:, : ids.shape[1]].detach(), atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["blip", "git"])
+def test_a_left_padded_batch_of_a_model_that_reads_its_image_apart_explains_each_example_as_alone(family):
+    """BLIP (its prompt starting with bos_token_id, as its generate reads it) and GIT (its
+    image features before the tokens): each example's prompt and image, unpadded and
+    alone, give its row of the padded batch, on the image's side and the tokens'."""
+    from vlm_models import make_blip, make_git
+
+    model = make_blip() if family == "blip" else make_git()
+    first = 1 if family == "blip" else 3
+    ids = torch.tensor([[0, 0, first, 6, 7], [first, 4, 5, 6, 7]])
+    mask, answer = (ids != 0).long(), torch.tensor([[8, 9], [9, 8]])
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    explainer = AttnLRP(model)
+    image, tokens = explainer.attribute_span(ids, answer, additional_forward_args=(mask, {"pixel_values": pixels}))
+    for row in range(2):
+        real = mask[row] != 0
+        image_alone, tokens_alone = explainer.attribute_span(
+            ids[row : row + 1, real], answer[row : row + 1],
+            additional_forward_args=(mask[row : row + 1, real], {"pixel_values": pixels[row : row + 1]}),
+        )
+        kept = torch.cat([real, torch.ones(answer.shape[1], dtype=torch.bool)])
+        assert image_alone.abs().max() > 0 and tokens_alone.abs().max() > 0
+        torch.testing.assert_close(image[row : row + 1], image_alone, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(tokens[row : row + 1, kept], tokens_alone, rtol=1e-5, atol=1e-6)
