@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import transformers as tf
 from conftest import assert_same_state, make_batch, make_model, model_state
 
 from captum_attention import (
@@ -72,6 +73,17 @@ def test_float_token_ids(setup):
     model, batch = setup
     with pytest.raises(TypeError, match="token ids must be integers"):
         AttentionRollout(model).attribute(batch.input_ids.float(), additional_forward_args=(batch.attention_mask,))
+
+
+def test_an_audio_models_waveform_is_refused_in_one_line():
+    """A wav2vec 2.0 classifier's waveform (2-D floats) is no token ids nor embeddings."""
+    config = tf.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37, conv_dim=(16,), conv_stride=(5,),
+        conv_kernel=(10,), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=2,
+    )
+    model = tf.Wav2Vec2ForSequenceClassification(config).eval()
+    with pytest.raises(TypeError, match=r"\(2, 400\): token ids must be integers .* waveform \(input_values\) is not supported"):
+        GradSAM(model).attribute(torch.randn(2, 400), target=0)
 
 
 def test_bool_or_3d_integer_inputs(setup):

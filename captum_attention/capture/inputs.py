@@ -88,7 +88,8 @@ def _check_input(tensor: Tensor, image_ok: bool) -> None:
         raise TypeError(
             f"inputs are floating-point with shape {tuple(tensor.shape)}: token ids must be "
             "integers (torch.long). To attribute embeddings (e.g. under NoiseTunnel), pass "
-            "them as (batch, seq_len, hidden) and forward them through inputs_embeds."
+            "them as (batch, seq_len, hidden) and forward them through inputs_embeds. An audio "
+            "model's waveform (input_values) is not supported: no token stands for its frames."
         )
     if tensor.dtype == torch.bool or (not tensor.is_floating_point() and tensor.dim() != 2):
         raise TypeError(
