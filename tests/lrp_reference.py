@@ -631,6 +631,31 @@ def vit_relevance(model, pixel_values: Tensor, target: Tensor, gamma: float = 0.
     return decompose(terms, logits.gather(1, target[:, None])[:, 0])
 
 
+def siglip2_relevance(model, pixel_values: Tensor, pixel_attention_mask: Tensor, spatial_shapes: Tensor, target: Tensor) -> Decomposition:
+    """AttnLRP of a ``Siglip2ForImageClassification`` on flattened patches at their native
+    sizes: the learned positions resized to each image's grid (a term), pre-norm layers
+    attending over the real patches, the final norm, the mean of the real patches, the
+    classifier; the tokens are the patch embedding's outputs, bias included."""
+    vision = model.vision_model
+    embeddings = vision.embeddings
+    terms = Terms(embeddings.patch_embedding(pixel_values).detach().clone().requires_grad_())
+    side = embeddings.position_embedding_size
+    grid = embeddings.position_embedding.weight.reshape(side, side, -1)
+    positions = embeddings.resize_positional_embeddings(grid, spatial_shapes, pixel_values.shape[1])
+    hidden = terms.tokens + terms.leaf(positions)
+    padding, heads = _padding_mask(pixel_attention_mask), vision.config.num_attention_heads
+    for layer in vision.encoder.layers:
+        attention, normed = layer.self_attn, _layer_norm(hidden, layer.layer_norm1, terms)
+        q, k, v = (_heads(_linear(normed, getattr(attention, n), terms), heads) for n in ("q_proj", "k_proj", "v_proj"))
+        hidden = hidden + _linear(_attend(q, k, v, attention.scale, padding, terms), attention.out_proj, terms)
+        inner = identity(layer.mlp.activation_fn, _linear(_layer_norm(hidden, layer.layer_norm2, terms), layer.mlp.fc1, terms))
+        hidden = hidden + _linear(inner, layer.mlp.fc2, terms)
+    real = pixel_attention_mask[..., None].float()
+    pooled = (_layer_norm(hidden, vision.post_layernorm, terms) * real).sum(dim=1) / real.sum(dim=1)
+    logits = _linear(pooled, model.classifier, terms)
+    return decompose(terms, logits.gather(1, target[:, None])[:, 0])
+
+
 @dataclass
 class Pair:
     """The source's and the target's relevance of an encoder-decoder, ``(B, S)`` and ``(B, T)``."""

@@ -15,7 +15,7 @@ from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import VISION, make_vision
 from methods import MAP_METHODS as METHODS
 
-from captum_attention import GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from captum_attention import AttnLRP, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
 from captum_attention.attr import REGISTRY
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
@@ -181,3 +181,45 @@ def test_an_image_output_pooled_over_the_patches_is_not_explained_at_the_class_t
     scores = explainer.attribute(pixels, target=TARGET, query_index=rows)
     by_rows = sum(rows[0, q] * explainer.attribute(pixels, target=TARGET, query_index=q) for q in range(1, 1 + GRID * GRID))
     assert_scores_close(scores, by_rows)
+
+
+def _siglip2() -> tuple[torch.nn.Module, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny SigLIP2 classifier and two images as its processor gives them at their native
+    sizes: 4 × 4 and 2 × 4 patches of 8 × 8 pixels, flattened, the second padded to 16."""
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, patch_size=8, num_patches=16)
+    text = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, vocab_size=99, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.Siglip2ForImageClassification(tf.Siglip2Config(vision_config=vision, text_config=text, num_labels=3)).eval()
+    patches = torch.rand(2, 16, 3 * 8 * 8, generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 16, dtype=torch.long)
+    real[1, 8:] = 0
+    return model, patches, (real, torch.tensor([[4, 4], [2, 4]]))
+
+
+@pytest.mark.parametrize("method", sorted(n for n in REGISTRY if n != "alti_logit"))
+def test_siglip2s_padded_patches_at_native_sizes_score_as_each_image_alone(method):
+    """SigLIP2's classifier marks its real patches in ``pixel_attention_mask``, not in an
+    ``attention_mask``: a padded image's scores were off its own alone (by half their scale
+    for Grad-SAM), the padding scored by the rollouts; and it reads the mean of the real
+    patches, which the row methods now know without ``query_index``."""
+    model, patches, (real, shapes) = _siglip2()
+    explainer = REGISTRY[method](model)
+    target = {"target": TARGET} if explainer.spec.uses_target else {}
+    together = explainer.attribute(patches, additional_forward_args=(real, shapes), **target)
+    for row, length in enumerate((16, 8)):
+        alone = explainer.attribute(patches[row : row + 1, :length], additional_forward_args=(real[row : row + 1, :length], shapes[row : row + 1]), **target)
+        assert alone.abs().max() > 0
+        assert_scores_close(together[row : row + 1, :length], alone)
+    assert (together[1, 8:] == 0).all()
+
+
+def test_attn_lrp_on_siglip2s_patches_equals_the_rules_written_out():
+    """Its flattened patches, 3-D floats, were taken for embeddings given in place of ids,
+    where the relevance was read: 0 everywhere, since the patch embedding's outputs hold it."""
+    from lrp_reference import siglip2_relevance
+
+    model, patches, (real, shapes) = _siglip2()
+    target = torch.tensor([TARGET, TARGET])
+    expected = siglip2_relevance(model, patches, real, shapes, target).relevance * real
+    assert expected.abs().max() > 0
+    assert_scores_close(AttnLRP(model).attribute(patches, target=TARGET, additional_forward_args=(real, shapes)), expected)

@@ -223,7 +223,7 @@ class AttentionAttributionBase:
         pixels, given = None, inputs
         if relevance:
             check_gradients_possible()
-            given = tuple(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 3 else t for t in inputs)
+            given = tuple(t.detach().requires_grad_() if _given_embeddings(self.model, t) else t for t in inputs)
             with torch.enable_grad():  # the model reads copies: computed from the inputs, activations to the rules (a leaf is a weight's kind)
                 inputs = tuple(t.clone() if t.requires_grad else t for t in given)
             if options.get("through_vision_tower"):
@@ -474,6 +474,13 @@ class TokenRelevance:
 
     per_sequence: list[Tensor]
     pixels: Tensor | None = None
+
+
+def _given_embeddings(model: nn.Module, tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds embeddings given in place of token ids, where relevance is
+    read; not the flattened patches a vision model reads as its pixels (SigLIP2's native
+    sizes), whose patch embeddings hold it, as an image's do."""
+    return tensor.is_floating_point() and tensor.dim() == 3 and getattr(model, "main_input_name", None) != "pixel_values"
 
 
 def with_relevance(record: ForwardRecord, target: TargetType | LogProbTarget, retain_graph: bool) -> ForwardRecord:

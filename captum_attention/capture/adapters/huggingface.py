@@ -63,7 +63,7 @@ OUT_OF_SCOPE_CLASSES = {
 reason the refusal gives (for the model or any model it holds)."""
 
 _MEAN_POOLING_CLASSIFIERS = {
-    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
+    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0, "Siglip2ForImageClassification": 0,
     "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
 }
 """Classifiers that read the mean of their tokens from the given one on (after CLIP's class
@@ -278,6 +278,12 @@ class HuggingFaceAdapter(AdapterBase):
         return self._pretrained_models(model)
 
     def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """The ``attention_mask`` of the outermost call; a model whose tokens are flattened
+        patches at their images' native sizes (SigLIP2's classifier), taking none, marks
+        its real patches in ``pixel_attention_mask``."""
+        parameters = inspect.signature(module.forward).parameters
+        if "attention_mask" not in parameters and {"pixel_attention_mask", "spatial_shapes"} <= set(parameters):
+            return bound_argument(module.forward, "pixel_attention_mask", args, kwargs)
         return bound_argument(module.forward, "attention_mask", args, kwargs)
 
     def decoder_padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
