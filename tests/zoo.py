@@ -172,6 +172,19 @@ def _tiny_kwargs(config_class: type, head: str = "") -> dict[str, Any]:
         kwargs["num_kv_shared_layers"] = 0
     if config_class.model_type == "layoutlmv3":  # four coordinates' and two sizes' embeddings, concatenated to the tiny width
         kwargs.update(coordinate_size=4, shape_size=8)
+    if config_class.model_type == "longcat_flash":  # its rotary embedding's width is head_dim, its checkpoints' rotated part
+        kwargs["head_dim"] = TINY["qk_rope_head_dim"]
+    if config_class.model_type == "kolibri1_1":  # a sliding layer, then an indexed one choosing 4 keys; NVFP4 rounding in blocks of 16 features
+        kwargs.update(head_dim=16, layer_types=["sliding_attention", "indexed_attention"], sliding_window=4, index_num_heads=2,
+                      index_topk=4, index_pool_size=4, index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1)
+    if config_class.model_type == "esmc":  # no grouped-query attention
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
+    if config_class.model_type == "hiera":  # its query pooling in the first of the tiny stages
+        kwargs["num_query_pool"] = 1
+    if config_class.model_type == "pvt":  # its last stage, which reads a class token, reduces no keys (as the full model's)
+        kwargs["sequence_reduction_ratios"] = [2, 1]
+    if config_class.model_type == "squeezebert":  # its embeddings at the tiny width, which its layers' grouped convolutions read
+        kwargs["embedding_size"] = TINY["hidden_size"]
     if config_class.model_type == "dbrx":  # its attention reads the rotary base and the clip of its checkpoints from its own sub-config
         kwargs["attn_config"] = {**kwargs.get("attn_config", {}), "rope_theta": 10000.0, "clip_qkv": 8.0}
     if "block_types" in accepted:  # RecurrentGemma: two recurrent blocks, then attention; the tiny model's second
@@ -321,7 +334,10 @@ def build(architecture: Architecture, seed: int = 0, implementation: str | None 
         torch.manual_seed(seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return getattr(tf, architecture.class_name)(config).eval()
+            model = getattr(tf, architecture.class_name)(config).eval()
+        if architecture.model_type == "xmod":  # its adapters per language: its first, as a checkpoint's user sets one
+            model.set_default_language(config.languages[0])
+        return model
     except Exception as error:  # noqa: BLE001 - whatever stops transformers building it
         raise NotBuilt(_one_line(error)) from error
     finally:
@@ -351,7 +367,7 @@ class Case:
     def keywords(self) -> dict[str, torch.Tensor]:
         """The reference forward's arguments."""
         if isinstance(self.inputs, torch.Tensor) and self.inputs.is_floating_point():
-            return {"pixel_values": self.inputs}
+            return {"pixel_values": self.inputs, **(self.images or {})}
         if self.encoder_decoder:
             source, target = self.inputs  # type: ignore[misc]
             return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target, **(self.images or {})}
@@ -380,6 +396,8 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
     config = model.config
     if architecture.head == "image-text-to-text":
         return vision_language_case(model, architecture, generator)
+    if architecture.head == "image classification" and "spatial_shapes" in inspect.signature(model.forward).parameters:
+        return native_size_image_case(model, architecture, generator)
     if architecture.head == "image classification" and model.main_input_name != "input_ids":  # ImageGPT reads colour ids
         vision = getattr(config, "vision_config", config)
         size = getattr(vision, "image_size", IMAGE_SIZE)
@@ -395,6 +413,16 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
     second = list(inspect.signature(model.forward).parameters)[1:2]
     mask = (torch.ones_like(ids),) if second == ["attention_mask"] else None  # else it would land in another argument
     return Case(model, architecture, ids, mask, target)
+
+
+def native_size_image_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
+    """SigLIP2's native sizes: two images of 4 × 4 patches, flattened, with their grid and
+    mask (given as the image's inputs besides the patches)."""
+    vision = getattr(model.config, "vision_config", model.config)
+    patch, side = int(vision.patch_size), 4
+    pixels = torch.rand(2, side * side, getattr(vision, "num_channels", 3) * patch * patch, generator=generator)
+    grid = {"pixel_attention_mask": torch.ones(2, side * side, dtype=torch.long), "spatial_shapes": torch.tensor([[side, side]] * 2)}
+    return Case(model, architecture, pixels, tuple(grid.values()), TEXT_TARGET, grid)
 
 
 def vision_language_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
@@ -664,7 +692,7 @@ def is_causal(attentions: list[torch.Tensor]) -> bool:
 MEAN_FROM = {
     "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
     "SwinForImageClassification": 0, "Swinv2ForImageClassification": 0, "DonutSwinForImageClassification": 0,
-    "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0,
+    "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "Siglip2ForImageClassification": 0,
     "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
     "BeitForImageClassification": 1, "Data2VecVisionForImageClassification": 1,
 }
