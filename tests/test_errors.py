@@ -86,6 +86,23 @@ def test_an_audio_models_waveform_is_refused_in_one_line():
         GradSAM(model).attribute(torch.randn(2, 400), target=0)
 
 
+def test_a_speech_recognisers_audio_features_are_refused_in_one_line():
+    """Whisper's log-mel features, given as the source of an encoder-decoder's pair, were
+    passed on as embeddings: its encoder failed with an AttributeError."""
+    config = tf.WhisperConfig(
+        vocab_size=99, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        d_model=32, encoder_ffn_dim=37, decoder_ffn_dim=37, max_source_positions=10, max_target_positions=20, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+    )
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    features, decoder = torch.randn(1, 8, 20), torch.tensor([[3, 5, 6]])
+    refusal = r"^WhisperForConditionalGeneration reads audio \(input_features\): audio models are not supported, .*\.$"
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        GradSAM(model).attribute((features, decoder), target=9)
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        AttnLRP(model).attribute_span(features, torch.tensor([[5, 6]]))
+
+
 def test_bool_or_3d_integer_inputs(setup):
     model, batch = setup
     with pytest.raises(TypeError, match="neither token ids"):

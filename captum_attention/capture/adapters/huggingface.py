@@ -62,6 +62,10 @@ OUT_OF_SCOPE_CLASSES = {
 """Model classes of a covered model type that are not covered, by class name, with the
 reason the refusal gives (for the model or any model it holds)."""
 
+AUDIO_INPUTS = ("input_features", "input_values")
+"""The main inputs of audio models (Whisper's log-mel features, wav2vec 2.0's waveform),
+which are not covered: no token stands for the frames their convolutions make."""
+
 _MEAN_POOLING_CLASSIFIERS = {
     "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0, "Siglip2ForImageClassification": 0,
     "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
@@ -133,6 +137,11 @@ class HuggingFaceAdapter(AdapterBase):
         reason = OUT_OF_SCOPE.get(str(getattr(getattr(model, "config", None), "model_type", "")))
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__} cannot be explained through attention maps: {reason}.")
+        if getattr(model, "main_input_name", None) in AUDIO_INPUTS:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} reads audio ({model.main_input_name}): audio models are not supported, no token "
+                "stands for the frames its convolutions make."
+            )
         held = next((inner for inner in self._pretrained_models(model) if type(inner).__name__ in OUT_OF_SCOPE_CLASSES), None)
         if held is not None:
             raise UnsupportedModelError(f"{type(held).__name__} cannot be explained: {OUT_OF_SCOPE_CLASSES[type(held).__name__]}.")
