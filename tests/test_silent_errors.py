@@ -175,7 +175,8 @@ def test_an_output_pooled_over_the_tokens_is_not_explained_at_its_first_row(name
 @pytest.mark.parametrize("name", ["rollout", "raw"])
 def test_per_position_scores_are_told_to_pass_the_target_as_query_index(name):
     """A question-answering model's start logits (one per token, each read from its own
-    row) read every row together: the fix is the target's position, not a mean."""
+    row) read every row together: the fix is the target's position, not a mean; the model
+    itself returns two sets of them, and the refusal shows how to pick one."""
     from transformers import BertForQuestionAnswering
 
     config = make_model("bert").config
@@ -188,6 +189,8 @@ def test_per_position_scores_are_told_to_pass_the_target_as_query_index(name):
     args = dict(target=3, additional_forward_args=(batch.attention_mask,))
     with pytest.raises(ValueError, match=r"read positions 0-8, .*one score per position.*pass query_index=target"):
         explainer.attribute(batch.input_ids, **args)
+    with pytest.raises(ValueError, match=r"got QuestionAnsweringModelOutput\. .*\(a question answerer's: e\.g\. .*\.start_logits, "):
+        METHODS[name](model).attribute(batch.input_ids, **args)
     as_tokens = METHODS[name](lambda ids, mask: model(ids, attention_mask=mask).start_logits[:, :, None], model=model)
     expected = as_tokens.attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,), query_index=3)
     assert_scores_close(explainer.attribute(batch.input_ids, query_index=3, **args), expected)

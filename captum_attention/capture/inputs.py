@@ -128,10 +128,14 @@ def output_logits(output: Any, batch: int | None = None) -> Tensor:
     if not isinstance(logits, Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         scores = "" if batch is None else f", or one score per example ({batch},)"
+        span = (
+            " (a question answerer's: e.g. lambda ids, mask: model(ids, attention_mask=mask).start_logits, explained with "
+            "target and query_index the position)" if getattr(output, "start_logits", None) is not None else ""
+        )
         raise ValueError(
             f"forward_func must return logits of shape (batch, num_classes), or "
             f"(batch, seq_len, vocab) for language models{scores}, got {shape}. Wrap the model so "
-            "that it returns the logits to explain."
+            f"that it returns the logits to explain{span}."
         )
     return logits
 
