@@ -15,7 +15,7 @@ from conftest import assert_same_state, assert_scores_close, model_state
 from lm_models import VISION, make_vision
 from methods import MAP_METHODS as METHODS
 
-from captum_attention import AttnLRP, GradSAM, RawAttention, TransformerAttribution, upsample_to_image
+from captum_attention import AttnLRP, GradSAM, RawAttention, TransformerAttribution, UnsupportedModelError, upsample_to_image
 from captum_attention.attr import REGISTRY
 from captum_attention.metrics import attention_erasure, decision_flip_fraction, random_ranking
 
@@ -223,3 +223,27 @@ def test_attn_lrp_on_siglip2s_patches_equals_the_rules_written_out():
     expected = siglip2_relevance(model, patches, real, shapes, target).relevance * real
     assert expected.abs().max() > 0
     assert_scores_close(AttnLRP(model).attribute(patches, target=TARGET, additional_forward_args=(real, shapes)), expected)
+
+
+@pytest.mark.parametrize("method", ["grad_sam", "rollout", "attn_lrp"])
+def test_clips_pixels_explained_through_the_whole_dual_encoder_are_refused_in_one_line(method):
+    """CLIP's whole model reads token ids, and its image through its vision tower, whose
+    attention is not what the methods read there (its text tower's is): with a text of at
+    least as many tokens as the image has patches, the text's last scores were returned
+    as the image's grid. Passed as the model, the tower explains the same forward."""
+    text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=16, patch_size=4)
+    torch.manual_seed(0)
+    clip = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(2))
+    ids[:, -1] = 2
+
+    def image_text_similarity(pixel_values):
+        return clip(input_ids=ids, pixel_values=pixel_values).logits_per_image
+
+    target = {} if method == "rollout" else {"target": 0}
+    with pytest.raises(UnsupportedModelError, match=r"^CLIPModel reads token ids, and images through its vision_model, .*model=<model>\.vision_model, "):
+        REGISTRY[method](image_text_similarity, model=clip).attribute(images(), **target)
+    grid = REGISTRY[method](image_text_similarity, model=clip.vision_model).attribute(images(), **target)
+    assert grid.shape == (2, GRID, GRID) and grid.abs().max() > 0

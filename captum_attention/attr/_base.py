@@ -19,7 +19,7 @@ from ..capture.adapters.images import check_captioner_prompt, cross_attends_imag
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
 from ..capture.record import check_gradients_possible
 from ..capture.runner import (
-    CaptureMode, CaptureRunner, check_capture_mode, check_input_pair, resolve_adapter, resolve_model, stream_refusal,
+    CaptureMode, CaptureRunner, check_capture_mode, check_inputs, resolve_adapter, resolve_model, stream_refusal,
 )
 from ..maps import effective_attention, patch_grid
 from ..maps.lrp import token_relevance
@@ -307,7 +307,7 @@ class AttentionAttributionBase:
         effective = bool(options.pop("effective", False))
         is_tuple, tensors = format_inputs(inputs)
         adapter = resolve_adapter(self.model, self.adapter)
-        check_input_pair(adapter, self.model, tensors, " and get (source scores, target scores) back")
+        check_inputs(adapter, self.model, tensors, " and get (source scores, target scores) back")
         record = self._explained(
             self._recorded(tensors, additional_forward_args, query_index, effective, return_maps, options), target
         )

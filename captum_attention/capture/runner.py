@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from torch import Tensor, nn
 
-from .._compat import StreamingUnsupported
+from .._compat import StreamingUnsupported, UnsupportedModelError
 from .adapters import AttentionAdapter, default_adapter
 from .probes import Probe
 
@@ -54,13 +54,22 @@ def resolve_adapter(model: nn.Module, adapter: AttentionAdapter | None) -> Atten
     return adapter if adapter is not None else default_adapter(model)
 
 
-def check_input_pair(adapter: AttentionAdapter, model: nn.Module, tensors: tuple[Tensor, ...], returned: str = "") -> None:
-    """A one-line error where an encoder-decoder gets one input: its second positional
-    input is the decoder's ids (a classifier's too), not the mask."""
+def check_inputs(adapter: AttentionAdapter, model: nn.Module, tensors: tuple[Tensor, ...], returned: str = "") -> None:
+    """A one-line error where an encoder-decoder gets one input (its second positional
+    input is the decoder's ids, a classifier's too, not the mask), and where images are
+    explained through a model whose explained attention is its tokens' (a dual encoder's
+    text tower beside its image tower, CLIP's)."""
     if adapter.is_encoder_decoder(model) and len(tensors) != 2:
         raise TypeError(
             f"{type(model).__name__} is an encoder-decoder: pass inputs=(input_ids, decoder_input_ids){returned} "
             "(a classifier's decoder_input_ids: its input_ids shifted right, as it makes them itself)."
+        )
+    tower = adapter.image_tower_apart(model) if tensors[0].dim() == 4 else None
+    if tower is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} reads token ids, and images through its {tower}, whose attention is not the one "
+            f"explained here (its tokens' is): to explain the pixels, pass the tower as the model, model=<model>.{tower}, "
+            "with the same forward_func."
         )
 
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .._compat import format_additional_forward_args
 from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
 from ..capture.inputs import QueryIndex, format_inputs, take_rows
-from ..capture.runner import CaptureMode, CaptureRunner, check_input_pair, resolve_adapter, stream_refusal
+from ..capture.runner import CaptureMode, CaptureRunner, check_inputs, resolve_adapter, stream_refusal
 from ..maps import real_ranks
 from .token_removal import example_seeds
 
@@ -34,7 +34,7 @@ def run_model(
     the adapter and the probes allow it, else runs eager)."""
     _, tensors = format_inputs(inputs)
     runner = CaptureRunner(capture, "metric")
-    check_input_pair(resolve_adapter(model, adapter), model, tensors)
+    check_inputs(resolve_adapter(model, adapter), model, tensors)
     reason = stream_refusal(resolve_adapter(model, adapter), probes)
     return runner.run(
         lambda streaming: record_forward(

@@ -286,6 +286,11 @@ class HuggingFaceAdapter(AdapterBase):
     def mask_modules(self, model: nn.Module) -> list[nn.Module]:
         return self._pretrained_models(model)
 
+    def image_tower_apart(self, model: nn.Module) -> str | None:
+        """The first of :func:`_image_models`, by its name in ``model``."""
+        towers = set(_image_models(model))
+        return next((name for name, module in model.named_modules() if module in towers), None)
+
     def padding_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
         """The ``attention_mask`` of the outermost call; a model whose tokens are flattened
         patches at their images' native sizes (SigLIP2's classifier), taking none, marks

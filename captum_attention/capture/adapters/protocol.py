@@ -134,6 +134,13 @@ class AttentionAdapter(Protocol):
         model has no patch grid."""
         ...
 
+    def image_tower_apart(self, model: nn.Module) -> str | None:
+        """Where ``model`` reads token ids and its images through a tower whose attention
+        is not among its sites (a dual encoder's image tower beside its text tower, CLIP's;
+        a vision-language model's vision tower), that tower's name in ``model``; None
+        where images, if it reads any, are explained through its sites."""
+        ...
+
     def readout_rows(self, model: nn.Module, real: Tensor) -> Tensor | None:
         """Where the model's output reads several of its tokens' states rather than one
         (the mean of its tokens, two heads' average), the ``(batch, seq_len)`` weights of
@@ -252,6 +259,9 @@ class AdapterBase:
         return forward_func
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
+        return None
+
+    def image_tower_apart(self, model: nn.Module) -> str | None:
         return None
 
     def readout_rows(self, model: nn.Module, real: Tensor) -> Tensor | None:
