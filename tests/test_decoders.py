@@ -288,3 +288,20 @@ def test_roberta_as_a_causal_lm_explains_a_left_padded_batch_as_each_prompt_alon
     """RoBERTa counts positions from the ids past the padding: given none, a left-padded
     prompt is read as alone, where position ids over the real tokens would move it."""
     assert_left_padded_batch_is_each_prompt_alone(make_learned_position_decoder("roberta"), method)
+
+
+def test_logits_kept_at_fewer_positions_than_the_tokens_are_refused_in_one_line():
+    """``logits_to_keep=1`` gives one position's logits as (batch, 1, vocab): the
+    explained position was taken as an index into them (an IndexError). Returned as
+    (batch, vocab), that position's logits are explained as the model's own."""
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+
+    def kept(input_ids, attention_mask):
+        return model(input_ids, attention_mask=attention_mask, logits_to_keep=1).logits
+
+    args = dict(target=5, additional_forward_args=(prompts.attention_mask,))
+    tokens = prompts.input_ids.shape[1]
+    with pytest.raises(ValueError, match=rf"^forward_func returned logits at 1 of the {tokens} positions .*\(as with logits_to_keep\)"):
+        GradSAM(kept, model=model).attribute(prompts.input_ids, **args)
+    last = GradSAM(lambda ids, mask: kept(ids, mask)[:, -1], model=model).attribute(prompts.input_ids, **args)
+    assert_scores_close(last, GradSAM(model).attribute(prompts.input_ids, **args))

@@ -457,6 +457,12 @@ def record_forward(
         target_real = real_tokens(target_mask, batch, cross[-2], device)
     else:
         target_real = F.pad(real_tokens(capture.attention_mask, batch, shapes[0][-1] - leading, device), (leading, 0), value=True)
+    if logits.dim() == 3 and logits.shape[1] != target_real.shape[1]:
+        raise ValueError(
+            f"forward_func returned logits at {logits.shape[1]} of the {target_real.shape[1]} positions the attention "
+            "runs over (as with logits_to_keep): return them at every position, or the explained position's alone as "
+            "(batch, vocab)."
+        )
     query_index = in_record_positions(query_index, leading)
     causal, prefix = _causality(capture, attn_maps, target_real, _generates(model))
     if source_real is not None and logits.dim() == 3 and not causal:
