@@ -358,7 +358,7 @@ class Case:
     inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     args: tuple[Any, ...] | None
     target: int
-    images: dict[str, torch.Tensor] | None = None  # a vision-language model's image inputs
+    images: dict[str, torch.Tensor] | None = None  # a vision-language model's image inputs; SigLIP2's classifier's patch mask and grid
 
     @property
     def encoder_decoder(self) -> bool:

@@ -67,8 +67,9 @@ AUDIO_INPUTS = ("input_features", "input_values")
 which are not covered: no token stands for the frames their convolutions make."""
 
 _MEAN_POOLING_CLASSIFIERS = {
-    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0, "Siglip2ForImageClassification": 0,
-    "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0, "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
+    "ImageGPTForImageClassification": 0, "IJepaForImageClassification": 0, "SiglipForImageClassification": 0,
+    "Siglip2ForImageClassification": 0, "SegformerForImageClassification": 0, "PvtV2ForImageClassification": 0,
+    "CLIPForImageClassification": 1, "MetaClip2ForImageClassification": 1,
 }
 """Classifiers that read the mean of their tokens from the given one on (after CLIP's class
 token), where no config flag says so."""
