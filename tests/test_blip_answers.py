@@ -145,3 +145,23 @@ def test_blips_question_answerer_is_refused_in_one_line_held_or_alone():
         with pytest.raises(UnsupportedModelError) as refused:
             call()
         assert "BlipForQuestionAnswering cannot be explained" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_blips_image_text_matcher_is_refused_in_one_line():
+    """BLIP's retrieval model scores a text read by an encoder that cross-attends to the
+    image: it was refused as an encoder-decoder without decoder attention (local or global
+    windows, the message said)."""
+    from transformers import BlipConfig, BlipForImageTextRetrieval
+
+    from captum_attention import GradSAM
+    from captum_attention.capture import UnsupportedModelError
+
+    config = make_blip().config
+    model = BlipForImageTextRetrieval(BlipConfig(text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict())).eval()
+    ids, pixels = _alone(make_blip_prompt(), 0)
+
+    def matching(input_ids, attention_mask):
+        return model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixels).itm_score
+
+    with pytest.raises(UnsupportedModelError, match=r"^BlipForImageTextRetrieval cannot be explained: its text encoder cross-attends"):
+        GradSAM(matching, model=model).attribute(ids, target=1, additional_forward_args=(torch.ones_like(ids),))

@@ -58,6 +58,11 @@ OUT_OF_SCOPE_CLASSES = {
         "of stacks the methods' rules do not follow, and its forward returns no answer logits (BLIP's captioner, "
         "BlipForConditionalGeneration, is covered)"
     ),
+    "BlipForImageTextRetrieval": (
+        "its text encoder cross-attends to the image's states in every layer, and its matching score reads that "
+        "encoder's first token, a pair of stacks the methods' rules do not follow (BLIP's captioner, "
+        "BlipForConditionalGeneration, is covered; for the image alone, pass its vision_model as the model)"
+    ),
 }
 """Model classes of a covered model type that are not covered, by class name, with the
 reason the refusal gives (for the model or any model it holds)."""
