@@ -230,7 +230,8 @@ def test_clips_pixels_explained_through_the_whole_dual_encoder_are_refused_in_on
     """CLIP's whole model reads token ids, and its image through its vision tower, whose
     attention is not what the methods read there (its text tower's is): with a text of at
     least as many tokens as the image has patches, the text's last scores were returned
-    as the image's grid. Passed as the model, the tower explains the same forward."""
+    as the image's grid. The refusal names the tower, and passed as the model it gives the
+    image's grid."""
     text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0)
     vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=16, patch_size=4)
