@@ -248,3 +248,30 @@ def test_clips_pixels_explained_through_the_whole_dual_encoder_are_refused_in_on
         REGISTRY[method](image_text_similarity, model=clip).attribute(images(), **target)
     grid = REGISTRY[method](image_text_similarity, model=clip.vision_model).attribute(images(), **target)
     assert grid.shape == (2, GRID, GRID) and grid.abs().max() > 0
+
+
+def test_siglip2s_flattened_patches_explained_through_the_whole_dual_encoder_are_refused_in_one_line():
+    """SigLIP2's whole model given its flattened patches (3-D floats, no image's shape to
+    tell them by): with a text as long as the image has patches, Grad-SAM returned the
+    text tower's scores for them. The capture sees them go into the vision tower."""
+    text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, patch_size=8, num_patches=16)
+    torch.manual_seed(0)
+    model = tf.Siglip2Model(tf.Siglip2Config(text_config=text, vision_config=vision)).eval()
+    ids = torch.randint(3, 99, (2, 16), generator=torch.Generator().manual_seed(2))
+    _, patches, (real, shapes) = _siglip2()
+
+    def image_text_similarity(pixel_values, pixel_attention_mask, spatial_shapes):
+        return model(input_ids=ids, pixel_values=pixel_values, pixel_attention_mask=pixel_attention_mask,
+                     spatial_shapes=spatial_shapes).logits_per_image
+
+    state = model_state(model)
+    for method in ("grad_sam", "attn_lrp"):
+        with pytest.raises(UnsupportedModelError, match=r"^Siglip2Model reads token ids, and images through its vision_model, "):
+            REGISTRY[method](image_text_similarity, model=model).attribute(patches, target=0, additional_forward_args=(real, shapes))
+        scores = REGISTRY[method](image_text_similarity, model=model.vision_model).attribute(
+            patches, target=0, additional_forward_args=(real, shapes)
+        )
+        assert scores.shape == (2, 16) and (scores[1, 8:] == 0).all() and scores.abs().max() > 0
+    assert_same_state(state, model_state(model))

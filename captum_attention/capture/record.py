@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
 
 import captum
 import torch
@@ -32,7 +33,7 @@ from .inputs import (
 )
 from .probes import GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
 from .recorder import AttentionCapture
-from .runner import resolve_adapter
+from .runner import image_tower_refusal, resolve_adapter
 
 HeadReduction = Callable[[Tensor, Tensor], Tensor]
 """``reduce(attn_maps, attn_grads) -> (B, Q, K)``: one call's (A, dS/dA) reduced over heads."""
@@ -423,8 +424,10 @@ def record_forward(
     capture = AttentionCapture(
         model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
     )
-    with capture:
+    with capture, _inputs_into_tower(model, adapter, inputs) as towers_fed:
         output = run_forward(keyword_forward, inputs, None, additional_forward_args)
+    if towers_fed:
+        raise image_tower_refusal(model, towers_fed[0])
     if capture.model_calls > 1:
         raise ValueError(
             f"forward_func ran {type(model).__name__} {capture.model_calls} times in one call. The "
@@ -539,6 +542,29 @@ def check_gradients_possible() -> None:
             "call it outside inference_mode (under torch.no_grad() it works: it enables "
             "gradients itself)."
         )
+
+
+@contextmanager
+def _inputs_into_tower(model: nn.Module, adapter: AttentionAdapter, inputs: tuple[Tensor, ...]) -> Iterator[list[str]]:
+    """The image tower apart (:meth:`AttentionAdapter.image_tower_apart`), named in the
+    yielded list once the given float inputs went into it in the block: pixels (a dual
+    encoder's flattened patches, SigLIP2's) explained through a model whose explained
+    attention is its tokens'. Its hook is removed on leaving the block."""
+    tower = adapter.image_tower_apart(model) if any(t.is_floating_point() for t in inputs) else None
+    fed: list[str] = []
+    if tower is None:
+        yield fed
+        return
+
+    def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if any(value is given for value in (*args, *kwargs.values()) for given in inputs):
+            fed.append(cast(str, tower))
+
+    handle = model.get_submodule(tower).register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        yield fed
+    finally:
+        handle.remove()
 
 
 def _check_float_inputs(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:

@@ -58,7 +58,8 @@ def check_inputs(adapter: AttentionAdapter, model: nn.Module, tensors: tuple[Ten
     """A one-line error where an encoder-decoder gets one input (its second positional
     input is the decoder's ids, a classifier's too, not the mask), and where images are
     explained through a model whose explained attention is its tokens' (a dual encoder's
-    text tower beside its image tower, CLIP's)."""
+    text tower beside its image tower, CLIP's; flattened patches are caught in the forward,
+    :func:`~captum_attention.capture.record.record_forward`)."""
     if adapter.is_encoder_decoder(model) and len(tensors) != 2:
         raise TypeError(
             f"{type(model).__name__} is an encoder-decoder: pass inputs=(input_ids, decoder_input_ids){returned} "
@@ -66,11 +67,17 @@ def check_inputs(adapter: AttentionAdapter, model: nn.Module, tensors: tuple[Ten
         )
     tower = adapter.image_tower_apart(model) if tensors[0].dim() == 4 else None
     if tower is not None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} reads token ids, and images through its {tower}, whose attention is not the one "
-            f"explained here (its tokens' is): to explain the pixels, pass the tower as the model, model=<model>.{tower}, "
-            "with the same forward_func."
-        )
+        raise image_tower_refusal(model, tower)
+
+
+def image_tower_refusal(model: nn.Module, tower: str) -> UnsupportedModelError:
+    """The one-line refusal of pixels explained through ``model``, which reads token ids and
+    its images through ``tower`` apart (:meth:`AttentionAdapter.image_tower_apart`)."""
+    return UnsupportedModelError(
+        f"{type(model).__name__} reads token ids, and images through its {tower}, whose attention is not the one "
+        f"explained here (its tokens' is): to explain the pixels, pass the tower as the model, model=<model>.{tower}, "
+        "with the same forward_func."
+    )
 
 
 def stream_refusal(adapter: AttentionAdapter, probes: Sequence[Probe] = ()) -> str | None:
