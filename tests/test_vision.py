@@ -183,13 +183,18 @@ def test_an_image_output_pooled_over_the_patches_is_not_explained_at_the_class_t
     assert_scores_close(scores, by_rows)
 
 
+TINY_TOWER = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
+"""A dual encoder's or SigLIP2's tiny text or image tower."""
+TINY_TEXT = dict(TINY_TOWER, vocab_size=99, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SIGLIP2_VISION = dict(TINY_TOWER, patch_size=8, num_patches=16)
+"""4 × 4 position embeddings, patches of 8 × 8 pixels."""
+
+
 def _siglip2() -> tuple[torch.nn.Module, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """A tiny SigLIP2 classifier and two images as its processor gives them at their native
     sizes: 4 × 4 and 2 × 4 patches of 8 × 8 pixels, flattened, the second padded to 16."""
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, patch_size=8, num_patches=16)
-    text = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, vocab_size=99, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = tf.Siglip2ForImageClassification(tf.Siglip2Config(vision_config=vision, text_config=text, num_labels=3)).eval()
+    model = tf.Siglip2ForImageClassification(tf.Siglip2Config(vision_config=SIGLIP2_VISION, text_config=TINY_TEXT, num_labels=3)).eval()
     patches = torch.rand(2, 16, 3 * 8 * 8, generator=torch.Generator().manual_seed(1))
     real = torch.ones(2, 16, dtype=torch.long)
     real[1, 8:] = 0
@@ -232,11 +237,9 @@ def test_clips_pixels_explained_through_the_whole_dual_encoder_are_refused_in_on
     least as many tokens as the image has patches, the text's last scores were returned
     as the image's grid. The refusal names the tower, and passed as the model it gives the
     image's grid."""
-    text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, bos_token_id=1,
-                eos_token_id=2, pad_token_id=0)
-    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=16, patch_size=4)
     torch.manual_seed(0)
-    clip = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    vision = dict(TINY_TOWER, image_size=16, patch_size=4)
+    clip = tf.CLIPModel(tf.CLIPConfig(text_config=TINY_TEXT, vision_config=vision, projection_dim=16)).eval()
     ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(2))
     ids[:, -1] = 2
 
@@ -254,11 +257,8 @@ def test_siglip2s_flattened_patches_explained_through_the_whole_dual_encoder_are
     """SigLIP2's whole model given its flattened patches (3-D floats, no image's shape to
     tell them by): with a text as long as the image has patches, Grad-SAM returned the
     text tower's scores for them. The capture sees them go into the vision tower."""
-    text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, bos_token_id=1,
-                eos_token_id=2, pad_token_id=0)
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, patch_size=8, num_patches=16)
     torch.manual_seed(0)
-    model = tf.Siglip2Model(tf.Siglip2Config(text_config=text, vision_config=vision)).eval()
+    model = tf.Siglip2Model(tf.Siglip2Config(text_config=TINY_TEXT, vision_config=SIGLIP2_VISION)).eval()
     ids = torch.randint(3, 99, (2, 16), generator=torch.Generator().manual_seed(2))
     _, patches, (real, shapes) = _siglip2()
 
