@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import re
 import warnings
 
 import pytest
 import torch
 import transformers as tf
-from conftest import assert_same_state, make_batch, make_model, model_state
+from conftest import assert_refused_in_one_line, assert_same_state, make_batch, make_model, model_state
 
 from captum_attention import (
     AttentionRollout, AttnLRP, DecompX, GradSAM, KnockoutGradient, LearnedAttention, ModuleAdapter, NormAttention, RawAttention,
@@ -278,3 +280,38 @@ def test_a_model_attending_over_another_sequence_too_names_both_attentions():
                        r"while BertSelfAttention \(call 0\) attends over the 9 input tokens") as refused:
         GradSAM(model, model=model, capture="eager").attribute(batch.input_ids, target=0, additional_forward_args=(batch.attention_mask,))
     assert "\n" not in str(refused.value) and "ModuleAdapter" in str(refused.value)
+
+def test_a_model_quantized_by_torch_is_refused_by_the_methods_that_need_its_gradients_or_linear_maps(setup):
+    """``quantize_dynamic``'s linear layers carry no gradient and quantize each input
+    apart: AttnLRP returned 0 for every token and DecompX shares that do not add up to
+    its logits. The methods that read only its attention and outputs explain it as they
+    explain any model: raw attention's scores are its own attention's."""
+    model, batch = setup
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    args = dict(target=0, additional_forward_args=(batch.attention_mask,))
+    for name, method in REGISTRY.items():
+        if method.spec.needs != "forward" or method.spec.reads_target:
+            assert_refused_in_one_line(quantized, lambda: method(quantized).attribute(batch.input_ids, **args),
+                                       rf"^{re.escape(method.get_name())} runs a backward .* quantized by torch \(bert\.encoder\.layer\.0\.attention\.self\.query: "
+                                       r"torch\.ao\.nn\.quantized\.dynamic\.modules\.linear\.Linear\)")
+    quantized.set_attn_implementation("eager")
+    attentions = quantized(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True).attentions
+    expected = attentions[-1].mean(dim=1)[:, 0] * batch.attention_mask
+    quantized.set_attn_implementation("sdpa")
+    torch.testing.assert_close(RawAttention(quantized).attribute(batch.input_ids, **args), expected)
+
+
+def test_a_decoder_given_a_generation_cache_is_refused_in_one_line():
+    """Tokens read beside a cache of earlier ones attend over positions that no input
+    stands for: the refusal says to pass the whole sequence."""
+    from lm_models import make_decoder
+
+    model = make_decoder("gpt2")
+    prefix, ids = torch.randint(3, 50, (1, 5)), torch.randint(3, 50, (1, 4))
+    with torch.no_grad():
+        cache = model(prefix, use_cache=True).cache
+    forward = lambda tokens: model(tokens, cache=copy.deepcopy(cache)).logits[:, -1]  # noqa: E731
+    for method in (GradSAM, AttnLRP, RawAttention):
+        assert_refused_in_one_line(model, lambda: method(forward, model=model).attribute(ids, target=3),
+                                   r"attends over 9 positions for the 4 input tokens: .* generation cache passed to it "
+                                   r"\(cache, past_key_values: pass the whole sequence instead")

@@ -818,7 +818,7 @@ def test_a_model_that_adds_positions_of_unknown_place_is_refused_in_one_line(cap
     for explain in (lambda: AttnLRP(model).attribute(ids, additional_forward_args=args),
                     lambda: AttnLRP(model).attribute_span(ids, torch.tensor([[5, 7]]), additional_forward_args=args)):
         assert_refused_in_one_line(model, explain, r"GitSelfAttention \(attention call 0\) attends over 1[13] positions for the [68] "
-                                                   "input tokens: the model adds positions of its own")
+                                                   "input tokens: it also attends over positions no input token stands for")
     assert AttnLRP(model).attribute(ids, additional_forward_args=args[:1]).abs().sum() > 0
 
 

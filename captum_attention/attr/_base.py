@@ -17,7 +17,7 @@ from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, for
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
-from ..capture.record import check_gradients_possible
+from ..capture.record import check_gradients_possible, check_not_quantized
 from ..capture.runner import (
     CaptureMode, CaptureRunner, check_capture_mode, check_inputs, resolve_adapter, resolve_model, stream_refusal,
 )
@@ -203,6 +203,8 @@ class AttentionAttributionBase:
                 f"{self.get_name()} rolls out the attention layers, but {type(self.model).__name__} also mixes "
                 f"tokens outside them ({mixers}): use AttnLRP, Grad-SAM or raw attention."
             )
+        if self.spec.needs != "forward" or self.spec.reads_target:
+            check_not_quantized(self.model, self.get_name())
         reason = self._eager_reason(adapter, effective, return_maps, options)
         return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)
 

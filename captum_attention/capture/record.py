@@ -544,6 +544,26 @@ def check_gradients_possible() -> None:
         )
 
 
+QUANTIZED_MODULES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")
+"""Where torch's quantized modules live (``torch.ao.quantization.quantize_dynamic``'s
+``Linear`` among them): no gradient flows through them, and each call quantizes its input
+apart, so that they are no linear map of it."""
+
+
+def check_not_quantized(model: nn.Module, method: str) -> None:
+    """A one-line error where ``model`` holds torch's quantized modules, for a method that
+    runs a backward through the model's layers or decomposes them into linear maps."""
+    quantized = [(name, module) for name, module in model.named_modules() if type(module).__module__.startswith(QUANTIZED_MODULES)]
+    if quantized:
+        name, module = quantized[0]
+        raise UnsupportedModelError(
+            f"{method} runs a backward through {type(model).__name__}'s layers or splits them into linear maps, and "
+            f"{len(quantized)} of them are quantized by torch ({name}: {type(module).__module__}.{type(module).__name__}), "
+            "which carry no gradient and quantize each input apart: explain the float model, or use a method that reads "
+            "only the attention and the model's outputs (raw, rollout, attention_flow, value_zeroing)."
+        )
+
+
 @contextmanager
 def _inputs_into_tower(model: nn.Module, adapter: AttentionAdapter, inputs: tuple[Tensor, ...]) -> Iterator[list[str]]:
     """The image tower apart (:meth:`AttentionAdapter.image_tower_apart`), named in the
@@ -761,9 +781,10 @@ def _check_attention(
             assert text_shape is not None
             raise UnsupportedModelError(
                 f"{names[longer[0]]} (attention call {longer[0]}) attends over {shapes[longer[0]][-1]} positions for the "
-                f"{text_shape[1]} input tokens: the model adds positions of its own to the tokens, which no input token "
-                "stands for, and its family is not known to put them before the tokens (GIT's image features are); not "
-                "explained yet (the tokens alone, without the image inputs, are)."
+                f"{text_shape[1]} input tokens: it also attends over positions no input token stands for, a generation "
+                "cache passed to it (cache, past_key_values: pass the whole sequence instead, without the cache) or features of "
+                "its own that its family is not known to put before the tokens (GIT's image features are; the tokens "
+                "alone, without the image inputs, are explained)."
             )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"
