@@ -11,7 +11,7 @@ from conftest import make_batch, make_model
 
 from captum_attention import AttentionRollout, GradSAM, RawAttention, TransformerAttribution
 from captum_attention.attr import REGISTRY
-from captum_attention.metrics import token_replacement_perturbation, token_substitution_perturbation
+from captum_attention.metrics import comprehensiveness, token_replacement_perturbation, token_substitution_perturbation
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
 
@@ -221,3 +221,51 @@ def test_perturbation_arguments_are_checked():
         token_replacement_perturbation(0, probability=0.0)
     with pytest.raises(TypeError, match="integer token ids"):
         token_replacement_perturbation(0)(torch.zeros(2, 3))
+
+
+def _tagger() -> torch.nn.Module:
+    """A token classifier of nine tags, so that a tuple read as one class per example would
+    name tags in range."""
+    from transformers import BertConfig, BertForTokenClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=48, num_labels=9, initializer_range=0.3)
+    return BertForTokenClassification(config).eval()
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(REGISTRY) if name != "alti_logit"])  # ALTI-Logit: pre-norm language models
+def test_a_tuple_target_indexes_the_logits_at_each_position_as_in_captum(name):
+    """Captum reads a tuple target as an index after the batch: ``(position, class)`` of a
+    token classifier's logits, a list of such tuples one per example. Each method explains
+    that position's class: the query, and the logit, that ``query_index`` and a class give.
+    A tuple of two was read as one class per example (two examples, tags 3 and 1)."""
+    model = _tagger()
+    batch = make_batch(model, lengths=(9, 6))
+    method, args = REGISTRY[name](model), (batch.attention_mask,)
+    expected = method.attribute(batch.input_ids, target=1, additional_forward_args=args, query_index=3)
+    torch.testing.assert_close(method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args), expected, rtol=0, atol=0)
+    torch.testing.assert_close(method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args, query_index=3), expected, rtol=0, atol=0)
+    each = method.attribute(batch.input_ids, target=[1, 7], additional_forward_args=args, query_index=torch.tensor([3, 5]))
+    torch.testing.assert_close(method.attribute(batch.input_ids, target=[(3, 1), (5, 7)], additional_forward_args=args), each, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"target \(3, 1\) names positions \[3\] and query_index 2 others"):
+        method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args, query_index=2)
+
+
+def test_a_tuple_target_counts_positions_from_the_end_and_a_classifier_refuses_it(bert):
+    """``(-1, token)`` is a left-padded language model's last position, its default query;
+    a classifier's logits, one row per example, take no position."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    args = (prompts.attention_mask,)
+    torch.testing.assert_close(GradSAM(model).attribute(prompts.input_ids, target=(-1, 5), additional_forward_args=args),
+                               GradSAM(model).attribute(prompts.input_ids, target=5, additional_forward_args=args))
+    classifier, batch = bert
+    with pytest.raises(ValueError, match=r"indexes logits per position, as Captum reads a tuple, but forward_func returns \(3, 3\) logits"):
+        GradSAM(classifier).attribute(batch.input_ids, target=(0, 1), additional_forward_args=(batch.attention_mask,))
+    torch.testing.assert_close(GradSAM(classifier).attribute(batch.input_ids, target=(1,), additional_forward_args=(batch.attention_mask,)),
+                               GradSAM(classifier).attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,)))
+    scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"these \(3, 3\) logits take one index: pass a list for one class per example"):
+        comprehensiveness(classifier, batch.input_ids, batch.attention_mask, scores, target=(0, 1, 2))

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
-from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs
+from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs, index_target
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
@@ -310,9 +310,14 @@ class AttentionAttributionBase:
         is_tuple, tensors = format_inputs(inputs)
         adapter = resolve_adapter(self.model, self.adapter)
         check_inputs(adapter, self.model, tensors, " and get (source scores, target scores) back")
-        record = self._explained(
-            self._recorded(tensors, additional_forward_args, query_index, effective, return_maps, options), target
-        )
+        target, query_index, indexed = index_target(target, query_index, tensors[-1].shape[1])
+        record = self._recorded(tensors, additional_forward_args, query_index, effective, return_maps, options)
+        if indexed and record.logits.dim() != 3:
+            raise ValueError(
+                f"target (position, class) indexes logits per position, as Captum reads a tuple, but forward_func returns "
+                f"{tuple(record.logits.shape)} logits: pass target as an int, or a list of one class per example."
+            )
+        record = self._explained(record, target)
         if not record.is_encoder_decoder and len(tensors) != 1:
             raise TypeError("A pair of inputs is for encoder-decoder models; pass one tensor.")
         scores, maps = self._method_scores(record, **options)

@@ -15,12 +15,15 @@ _SHARED_ATTRIBUTE_DOCS = {
         '                the pair ``(input_ids, decoder_input_ids)``.'
     ),
     "target": (
-        'target (int, list, Tensor or None, optional): the class (or, for a language\n'
-        '                model, the token id) whose logit is explained. Default: None, the\n'
-        '                predicted one.'
+        'target (int, tuple, list, Tensor or None, optional): the class (or, for a language\n'
+        '                model, the token id) whose logit is explained, one for all examples or\n'
+        '                a list of one per example; for logits at every position, a tuple\n'
+        "                ``(position, class)`` as Captum reads it (a list of them, one per example),\n"
+        '                the position then the explained query. Default: None, the predicted one.'
     ),
     "target_ignored": (
-        'target (Any, optional): accepted for a drop-in Captum call and ignored.\n'
+        'target (Any, optional): accepted for a drop-in Captum call and ignored, but\n'
+        "                for a ``(position, class)`` tuple's position, the explained query.\n"
         '                Default: None.'
     ),
     "additional_forward_args": (

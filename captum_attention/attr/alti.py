@@ -84,7 +84,7 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
 
         $returns
         """
-        return self._explain(inputs, None, additional_forward_args, query_index, return_maps)
+        return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
         return [*super()._probes(effective, **options), AttendedValues(), LayerBlocks(states=True)]

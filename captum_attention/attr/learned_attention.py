@@ -96,7 +96,7 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         $returns
         """
         self._refuse_maps(return_maps, "gives one row of scores")
-        return self._explain(inputs, None, additional_forward_args, query_index, False)
+        return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
         return self._weighted(record.head_rows()), []  # from the maps or the kernel calls, as the record holds them

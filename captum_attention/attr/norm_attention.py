@@ -94,7 +94,7 @@ class NormAttention(AttentionAttributionBase, Attribution):
         $returns
         """
         self._refuse_maps(return_maps, "gives one layer's scores")
-        return self._explain(inputs, None, additional_forward_args, query_index, False, layer=layer, residual=residual)
+        return self._explain(inputs, target, additional_forward_args, query_index, False, layer=layer, residual=residual)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
         if options.get("residual"):  # the layer's sum is checked against its states

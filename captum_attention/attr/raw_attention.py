@@ -102,7 +102,7 @@ class RawAttention(AttentionAttributionBase, Attribution):
 
         $returns
         """
-        return self._explain(inputs, None, additional_forward_args, query_index, return_maps, layer=layer, effective=effective)
+        return self._explain(inputs, target, additional_forward_args, query_index, return_maps, layer=layer, effective=effective)
 
     def _scores(self, record: ForwardRecord, layer: int = -1) -> tuple[Tensor, list[Tensor]]:
         chosen = record.call_index(layer)

@@ -91,7 +91,7 @@ class ValueZeroing(RowDescent, AttentionAttributionBase, Attribution):
 
         $returns
         """
-        return self._explain(inputs, None, additional_forward_args, query_index, return_maps)
+        return self._explain(inputs, target, additional_forward_args, query_index, return_maps)
 
     def _probes(self, effective: bool, **options: Any) -> list[Probe]:
         return [*super()._probes(effective, **options), LayerBlocks()]

@@ -157,7 +157,14 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
     batch, num_classes = logits.shape
     if target is None:
         return logits.argmax(dim=1)
-    if isinstance(target, (list, tuple)) and any(not isinstance(t, int) for t in target):
+    if isinstance(target, tuple) and len(target) != 1:
+        raise ValueError(
+            f"target {target!r}: a tuple indexes each example's logits after the batch, as in Captum, and these "
+            f"{tuple(logits.shape)} logits take one index: pass a list for one class per example."
+        )
+    if isinstance(target, tuple):
+        target = target[0]
+    if isinstance(target, list) and any(not isinstance(t, int) for t in target):
         raise TypeError(f"target must hold ints (class indices), got {target!r}.")
     targets = _one_per_example(target, batch, logits.device, "target", "class indices")
     bad = ((targets < 0) | (targets >= num_classes)).nonzero().flatten().tolist()
@@ -172,6 +179,47 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
             f"classes, so target must be in [0, {num_classes - 1}]."
         )
     return targets
+
+
+def index_target(target: TargetType, query_index: QueryIndex, seq_len: int) -> tuple[TargetType, QueryIndex, bool]:
+    """Captum's ``target`` as an index into each example's logits after its batch index: a
+    tuple ``(position, class)`` for all examples, or a list of such tuples, one per example,
+    as ``(classes, positions, True)``, the positions taken from the end where negative;
+    ``(class,)`` as the class; any other target as it is, beside ``query_index`` (False).
+    A one-line error where ``query_index`` names other positions."""
+    if isinstance(target, tuple) and len(target) == 1 and isinstance(target[0], int):
+        return target[0], query_index, False
+    pairs = [target] if isinstance(target, tuple) else target if isinstance(target, list) and target and all(
+        isinstance(t, tuple) for t in target) else None
+    if pairs is None:
+        return target, query_index, False
+    if any(len(pair) != 2 or not all(isinstance(i, int) for i in pair) for pair in pairs):
+        raise TypeError(
+            f"target {target!r}: a tuple indexes each example's logits after the batch, as in Captum: (position, class) "
+            "of logits per position (batch, seq_len, classes), or (class,); pass a list of ints for one class per example."
+        )
+    positions = [position % seq_len if -seq_len <= position < 0 else position for position, _ in pairs]
+    classes = [label for _, label in pairs]
+    if query_index is not None and not _same_positions(query_index, positions):
+        raise ValueError(
+            f"target {target!r} names positions {positions} and query_index {query_index!r} others: give the explained "
+            "position once, in the target's tuple or as query_index beside a class target."
+        )
+    if isinstance(target, tuple):
+        return classes[0], positions[0], True
+    return classes, positions, True
+
+
+def _same_positions(query_index: QueryIndex, positions: list[int]) -> bool:
+    """Whether integer ``query_index`` names ``positions`` (one for all examples or one each)."""
+    given = torch.as_tensor(query_index)
+    if given.is_floating_point():
+        return False
+    try:
+        given, named = torch.broadcast_tensors(given, torch.as_tensor(positions))
+    except RuntimeError:
+        return False
+    return bool((given == named).all())
 
 
 def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False) -> Tensor:
