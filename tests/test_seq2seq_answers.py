@@ -224,5 +224,7 @@ def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(fami
 
     expected = gauss_legendre_scores(embeddings, actual, start, steps, log_prob)
     assert expected.abs().max() > 0
-    torch.testing.assert_close(answer_integrated_gradients(model, source, answer, steps), expected, rtol=1e-4, atol=1e-6)
+    # float32 rounding of the steps' forwards, batched there and one by one here, on scores of tens
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(answer_integrated_gradients(model, source, answer, steps), expected, rtol=1e-4, atol=1e-4 * scale)
 
