@@ -625,3 +625,34 @@ def test_one_logit_is_read_as_its_sigmoid():
         own = model(ids, attention_mask=mask).logits.sigmoid()
     torch.testing.assert_close(erased.original, torch.cat([own, 1 - own], -1))
 
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_a_model_whose_outputs_are_no_class_probabilities_is_refused_by_the_metrics(problem):
+    """A multi-label model's labels each have their own sigmoid, a regression model's
+    scores none: the metrics' softmax (or one logit's sigmoid) was read as their class
+    probability without a word. They refuse it in one line; one label's logit, passed
+    alone as the refusal says, is read as its sigmoid."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from captum_attention.metrics import attention_erasure, decision_flip_fraction
+
+    torch.manual_seed(0)
+    labels = 3 if problem == "multi_label_classification" else 1
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, num_labels=labels,
+        problem_type=problem, initializer_range=0.3,
+    )).eval()
+    batch = make_batch(model, lengths=(7, 5))
+    ids, mask = batch.input_ids, batch.attention_mask
+    scores = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    for metric in (lambda: comprehensiveness(model, ids, mask, scores, target=0),
+                   lambda: sufficiency(model, ids, mask, scores, target=0),
+                   lambda: attention_erasure(model, ids, scores > 0.5, (mask,)),
+                   lambda: decision_flip_fraction(model, ids, scores, (mask,))):
+        with pytest.raises(ValueError, match=rf"configured with problem_type '{problem}': a .*(sigmoid\)|no probabilities)\.$") as refused:
+            metric()
+        assert "\n" not in str(refused.value)
+    label = lambda i, m: model(i, attention_mask=m).logits[:, 0]  # noqa: E731
+    two_classes = lambda i, m: torch.stack([label(i, m), torch.zeros(len(i))], -1)  # noqa: E731
+    torch.testing.assert_close(comprehensiveness(label, ids, mask, scores), comprehensiveness(two_classes, ids, mask, scores, target=0))

@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+_NOT_PROBABILITIES = {
+    "regression": "a regression model's scores are no probabilities",
+    "multi_label_classification": (
+        "a multi-label model's labels each have their own sigmoid, which a softmax over the labels would mix: score one "
+        "label with a forward_func that returns its logit alone (read as its sigmoid)"
+    ),
+}
+
+
+def check_class_probabilities(forward_func: Any, fix: str = "") -> None:
+    """A one-line error where ``forward_func`` is a classifier whose outputs the metrics
+    cannot read as the explained class's probability (its config's ``problem_type``): a
+    regression model's scores, a multi-label model's labels; ``fix`` ends the line."""
+    problem = getattr(getattr(forward_func, "config", None), "problem_type", None)
+    if problem in _NOT_PROBABILITIES:
+        raise ValueError(
+            f"the metrics compare the explained class's probability, and {type(forward_func).__name__} is configured "
+            f"with problem_type {problem!r}: {_NOT_PROBABILITIES[problem]}{fix}."
+        )
 
 
 def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions", finite: bool = False) -> None:

@@ -12,6 +12,7 @@ from ..capture import AttentionAdapter, ForwardRecord, Probe, record_forward
 from ..capture.inputs import QueryIndex, format_inputs, take_rows
 from ..capture.runner import CaptureMode, CaptureRunner, check_inputs, resolve_adapter, stream_refusal
 from ..maps import real_ranks
+from ._checks import check_class_probabilities
 from .token_removal import example_seeds
 
 
@@ -26,13 +27,18 @@ def run_model(
     *,
     track_grad: bool = False,
     query_index: QueryIndex = None,
+    compares_probabilities: bool = True,
 ) -> ForwardRecord:
     """One forward through the capture layer with ``probes``, explaining ``query_index``
     (default: the default position; ``explained_probs()`` are the output distribution the
     metrics compare), in the autograd graph with ``track_grad``. ``capture`` is decided
     by :class:`~captum_attention.capture.runner.CaptureRunner` (``auto`` streams where
-    the adapter and the probes allow it, else runs eager)."""
+    the adapter and the probes allow it, else runs eager). A metric that
+    ``compares_probabilities`` refuses a classifier whose outputs are none
+    (:func:`~captum_attention.metrics._checks.check_class_probabilities`)."""
     _, tensors = format_inputs(inputs)
+    if compares_probabilities:
+        check_class_probabilities(forward_func)
     runner = CaptureRunner(capture, "metric")
     check_inputs(resolve_adapter(model, adapter), model, tensors)
     reason = stream_refusal(resolve_adapter(model, adapter), probes)

@@ -983,7 +983,7 @@ def attention_shares(
     key_segments = torch.cat([prompt_segments, torch.full_like(answer, -1)], dim=1)
     extra = (mask,) if not images else (mask, HuggingFaceAdapter().generated_inputs(model, images, input_ids.shape[1], answer.shape[1]))
     with torch.no_grad():
-        record = run_model(_by_name(model), model, ids, extra, adapter=adapter, capture=capture)
+        record = run_model(_by_name(model), model, ids, extra, adapter=adapter, capture=capture, compares_probabilities=False)
     if any(role != "self" for role in record.roles):
         raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
     real, key_segments = record.over_positions(mask != 0, True), record.over_positions(key_segments, -1)  # GIT's features: no segment

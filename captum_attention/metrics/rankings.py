@@ -42,7 +42,7 @@ def _ranking(
     model = resolve_model(forward_func, model)
     record = run_model(
         forward_func, model, inputs, additional_forward_args, (), adapter, capture,
-        track_grad=kind != "attention", query_index=query_index,
+        track_grad=kind != "attention", query_index=query_index, compares_probabilities=False,
     )
     index = record.call_index(layer)
     if record.streaming:

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
-from ._checks import check_rankable, with_ties
+from ._checks import check_class_probabilities, check_rankable, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
@@ -74,6 +74,7 @@ class _Remover:
             raise ValueError(f"keep has shape {tuple(keep.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
+        check_class_probabilities(forward_func)
         self.forward_func = HuggingFaceAdapter().named_forward(forward_func)
         self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask

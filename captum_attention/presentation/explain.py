@@ -15,6 +15,7 @@ from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities, decoder_start_token
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
+from ..metrics._checks import check_class_probabilities
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift, pair_token_types
@@ -590,22 +591,8 @@ def class_outputs(config: Any, logits: torch.Tensor) -> torch.Tensor:
 
 def check_probabilities(model: Any) -> None:
     """A one-line error for a classifier whose outputs the metrics cannot read as the
-    explained class's probability: a regression model's scores, a multi-label model's
-    labels (each its own sigmoid; the metrics' softmax would mix them)."""
-    problem = getattr(model.config, "problem_type", None)
-    says = {
-        "regression": "a regression model's scores are no probabilities: explain it with explain",
-        "multi_label_classification": (
-            "a multi-label model's labels each have their own sigmoid, which a softmax over the labels would mix: explain "
-            "it with explain, or score one label with the Python metrics of a forward that returns its logit alone "
-            "(read as its sigmoid)"
-        ),
-    }
-    if problem in says:
-        raise ValueError(
-            f"the metrics compare the explained class's probability, and {type(model).__name__} is configured with "
-            f"problem_type {problem!r}: {says[problem]}"
-        )
+    explained class's probability (:func:`~captum_attention.metrics._checks.check_class_probabilities`)."""
+    check_class_probabilities(model, "; explain it with explain")
 
 
 def classifier_forward(model: Any, separator: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
