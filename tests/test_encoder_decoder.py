@@ -144,6 +144,21 @@ def test_model_left_as_found_and_single_input_refused(name):
     assert_same_state(before, model_state(model))
 
 
+@pytest.mark.parametrize("method", sorted(REGISTERED))
+def test_a_target_passed_as_labels_is_refused_in_one_line(name, method):
+    """``labels`` are shifted right by the model before its decoder reads them: the target
+    scores, which stand for the second input's tokens, were each one token off."""
+    from conftest import assert_refused_in_one_line
+
+    model, pair = make_encoder_decoder(name), make_pair()
+    as_labels = lambda source, target, mask: model(input_ids=source, attention_mask=mask, labels=target).logits  # noqa: E731
+    assert_refused_in_one_line(
+        model, lambda: REGISTERED[method](as_labels, model=model).attribute((pair.source, pair.target), target=5, additional_forward_args=(SOURCE_MASK,)),
+        r"decoder read other token ids than the second input \(2, 5\), for which the target scores stand .* pass the ids the "
+        "decoder reads, decoder_input_ids",
+    )
+
+
 def test_erasing_every_source_key_but_the_first_is_the_first_source_token_alone(name):
     """Erasure acts on the source keys of encoder self-attention and cross-attention."""
     from captum_attention.metrics import attention_erasure

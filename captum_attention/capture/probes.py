@@ -243,6 +243,52 @@ class MaskShape(Probe):
             )
 
 
+class TowerInputs(Probe):
+    """The image tower apart (:meth:`AttentionAdapter.image_tower_apart`), named in
+    :attr:`fed` once the given float ``inputs`` went into it: pixels (a dual encoder's
+    flattened patches, SigLIP2's) explained through a model whose explained attention is
+    its tokens'."""
+
+    def __init__(self, inputs: tuple[Tensor, ...]) -> None:
+        self.inputs = inputs
+        self.fed: list[str] = []
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        tower = adapter.image_tower_apart(model) if any(t.is_floating_point() for t in self.inputs) else None
+        if tower is None:
+            return
+
+        def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if any(value is given for value in (*args, *kwargs.values()) for given in self.inputs):
+                self.fed.append(tower)
+
+        stack.callback(model.get_submodule(tower).register_forward_pre_hook(seen, with_kwargs=True).remove)
+
+
+class EmbeddedIds(Probe):
+    """The token ids, in :attr:`embedded` in order, that an encoder-decoder given token ids
+    as its second input embeds (the decoder's last: it runs after the encoder); none for
+    other models and inputs, nor for a class that names no input embeddings."""
+
+    def __init__(self, inputs: tuple[Tensor, ...]) -> None:
+        self.inputs = inputs
+        self.embedded: list[Tensor] = []
+
+    def enter(self, model: nn.Module, adapter: AttentionAdapter, stack: ExitStack) -> None:
+        if len(self.inputs) != 2 or self.inputs[1].is_floating_point() or not adapter.is_encoder_decoder(model):
+            return
+        try:
+            modules = adapter.input_embeddings(model)
+        except UnsupportedModelError:
+            return
+        for module in modules:
+            stack.callback(module.register_forward_pre_hook(self._seen).remove)
+
+    def _seen(self, module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], Tensor) and not args[0].is_floating_point():
+            self.embedded.append(args[0])
+
+
 Intervention = Callable[[int, Tensor, int, Tensor | None], Tensor]
 """``intervention(call_index, attn_probs, first_head, attn_scores) -> attn_probs``: the
 probabilities of one call to use instead (see :meth:`Probe.on_softmax`)."""

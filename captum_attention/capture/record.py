@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
 
 import captum
 import torch
@@ -31,7 +30,7 @@ from .adapters.images import leading_image_features
 from .inputs import (
     LogProbTarget, QueryIndex, class_probabilities, output_logits, query_positions, query_row_weights, resolve_targets,
 )
-from .probes import GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe
+from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
 from .recorder import AttentionCapture
 from .runner import image_tower_refusal, resolve_adapter
 
@@ -421,13 +420,16 @@ def record_forward(
     confirm_left_padding = getattr(keyword_forward, "confirm_left_padding", None)
     if confirm_left_padding is not None:  # it runs the model: before the capture
         confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
+    tower_inputs, embedded_ids = TowerInputs(inputs), EmbeddedIds(inputs)
     capture = AttentionCapture(
-        model, adapter, probes=[grad_mode, *shape_check, *probes], streaming=streaming, track_grad=track_grad
+        model, adapter, probes=[grad_mode, *shape_check, tower_inputs, embedded_ids, *probes], streaming=streaming,
+        track_grad=track_grad,
     )
-    with capture, _inputs_into_tower(model, adapter, inputs) as towers_fed:
+    with capture:
         output = run_forward(keyword_forward, inputs, None, additional_forward_args)
-    if towers_fed:
-        raise image_tower_refusal(model, towers_fed[0])
+    if tower_inputs.fed:
+        raise image_tower_refusal(model, tower_inputs.fed[0])
+    _check_decoder_ids(model, inputs, embedded_ids.embedded)
     if capture.model_calls > 1:
         raise ValueError(
             f"forward_func ran {type(model).__name__} {capture.model_calls} times in one call. The "
@@ -564,27 +566,19 @@ def check_not_quantized(model: nn.Module, method: str) -> None:
         )
 
 
-@contextmanager
-def _inputs_into_tower(model: nn.Module, adapter: AttentionAdapter, inputs: tuple[Tensor, ...]) -> Iterator[list[str]]:
-    """The image tower apart (:meth:`AttentionAdapter.image_tower_apart`), named in the
-    yielded list once the given float inputs went into it in the block: pixels (a dual
-    encoder's flattened patches, SigLIP2's) explained through a model whose explained
-    attention is its tokens'. Its hook is removed on leaving the block."""
-    tower = adapter.image_tower_apart(model) if any(t.is_floating_point() for t in inputs) else None
-    fed: list[str] = []
-    if tower is None:
-        yield fed
+def _check_decoder_ids(model: nn.Module, inputs: tuple[Tensor, ...], embedded: list[Tensor]) -> None:
+    """A one-line error where an encoder-decoder's decoder embedded other token ids than its
+    second input, the ids its target scores stand for (as where ``forward_func`` passes them
+    as ``labels``, which the model shifts right)."""
+    if not embedded:
         return
-
-    def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if any(value is given for value in (*args, *kwargs.values()) for given in inputs):
-            fed.append(cast(str, tower))
-
-    handle = model.get_submodule(tower).register_forward_pre_hook(seen, with_kwargs=True)
-    try:
-        yield fed
-    finally:
-        handle.remove()
+    read, given = embedded[-1], inputs[1]
+    if read.shape != given.shape or not torch.equal(read, given.to(read.device)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s decoder read other token ids than the second input {tuple(given.shape)}, for which "
+            "the target scores stand (as where forward_func passes it as labels, which the model shifts right): pass "
+            "the ids the decoder reads, decoder_input_ids, as the second input."
+        )
 
 
 def _check_float_inputs(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:
