@@ -305,3 +305,23 @@ def test_logits_kept_at_fewer_positions_than_the_tokens_are_refused_in_one_line(
         GradSAM(kept, model=model).attribute(prompts.input_ids, **args)
     last = GradSAM(lambda ids, mask: kept(ids, mask)[:, -1], model=model).attribute(prompts.input_ids, **args)
     assert_scores_close(last, GradSAM(model).attribute(prompts.input_ids, **args))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bart"])
+def test_a_continuation_padded_after_its_end_is_refused_in_one_line(family):
+    """``generate`` pads a batch's shorter answers after their end-of-sequence token (with
+    the model's pad id, or its end id again): the padding was explained as answer tokens
+    (a span's log-likelihood counted theirs). A row that ends at its last token, or that
+    goes on with other tokens, is explained."""
+    model = make_decoder(family) if family == "gpt2" else make_encoder_decoder(family)
+    prompts = make_prompts(lengths=(5, 4))
+    end, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    args = (prompts.attention_mask,)
+    explain = GradSAM(model)
+    for padded in ([[5, 6, 7, 8], [9, end, pad, pad]], [[5, 6, 7, 8], [9, end, end, end]]):
+        for call in (explain.attribute_span, explain.attribute_continuation):
+            with pytest.raises(ValueError, match=r"^continuation row 1 is padded after its end-of-sequence token \(position 1\), as "
+                               r"generate pads .* \(continuation\[1:2, :2\]\)\.$"):
+                call(prompts.input_ids, torch.tensor(padded), additional_forward_args=args)
+    for whole in ([[5, 6, 7, end], [9, 10, 11, 12]], [[5, end, 7, 8], [9, 10, 11, end]]):
+        explain.attribute_span(prompts.input_ids, torch.tensor(whole), additional_forward_args=args)
