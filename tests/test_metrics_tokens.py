@@ -656,3 +656,23 @@ def test_a_model_whose_outputs_are_no_class_probabilities_is_refused_by_the_metr
     label = lambda i, m: model(i, attention_mask=m).logits[:, 0]  # noqa: E731
     two_classes = lambda i, m: torch.stack([label(i, m), torch.zeros(len(i))], -1)  # noqa: E731
     torch.testing.assert_close(comprehensiveness(label, ids, mask, scores), comprehensiveness(two_classes, ids, mask, scores, target=0))
+
+
+def test_a_forward_that_returns_probabilities_is_refused_by_the_metrics():
+    """Captum's tutorials often end a forward in a softmax; the metrics put what the forward
+    returns through a softmax, so probabilities were squeezed toward the uniform without a
+    word. They are refused in one line; log-probabilities give the logits' results."""
+    from captum_attention.metrics import attention_erasure
+
+    model = make_model("bert")
+    batch = make_batch(model, lengths=(7, 5))
+    ids, mask = batch.input_ids, batch.attention_mask
+    scores = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    logits = lambda i, m: model(i, attention_mask=m).logits  # noqa: E731
+    probabilities = lambda i, m: logits(i, m).softmax(-1)  # noqa: E731
+    for metric in (lambda: comprehensiveness(probabilities, ids, mask, scores),
+                   lambda: attention_erasure(probabilities, ids, scores > 0.5, (mask,), model=model)):
+        with pytest.raises(ValueError, match=r"^forward_func returns probabilities \(every row is non-negative and sums to 1\)"):
+            metric()
+    log_probabilities = lambda i, m: logits(i, m).log_softmax(-1)  # noqa: E731
+    torch.testing.assert_close(comprehensiveness(log_probabilities, ids, mask, scores), comprehensiveness(logits, ids, mask, scores))

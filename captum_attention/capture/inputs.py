@@ -144,8 +144,15 @@ def class_probabilities(logits: Tensor) -> Tensor:
     """``(B, C)`` float32 class probabilities of ``(B, C)`` logits: their softmax; for one
     logit per example (a binary classifier or a reward model with one output, whose softmax
     is always 1) its sigmoid, as transformers' pipelines read one logit, beside its
-    complement, ``[σ(z), 1 − σ(z)]``: the logit's own class first, at index 0, its target."""
+    complement, ``[σ(z), 1 − σ(z)]``: the logit's own class first, at index 0, its target.
+    Probabilities given for logits (rows of non-negative numbers that sum to 1, a
+    ``forward_func`` that ends in a softmax) are refused in one line."""
     logits = logits.float()
+    if logits.shape[-1] > 1 and bool((logits >= 0).all()) and bool(((logits.sum(dim=-1) - 1).abs() <= 1e-3).all()):
+        raise ValueError(
+            "forward_func returns probabilities (every row is non-negative and sums to 1), which would go through a "
+            "softmax again: return the logits (or log-probabilities)."
+        )
     if logits.shape[-1] == 1:
         own = logits.sigmoid()
         return torch.cat([own, 1 - own], dim=-1)
