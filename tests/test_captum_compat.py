@@ -269,3 +269,25 @@ def test_a_tuple_target_counts_positions_from_the_end_and_a_classifier_refuses_i
     scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"these \(3, 3\) logits take one index: pass a list for one class per example"):
         comprehensiveness(classifier, batch.input_ids, batch.attention_mask, scores, target=(0, 1, 2))
+
+
+def test_targets_of_numpy_and_tensor_integers_are_read_as_ints(bert):
+    """A list of numpy integers (``list(labels.numpy())``) or of one-element tensors, and a
+    tuple of them, were refused as holding no ints."""
+    import numpy as np
+
+    model, batch = bert
+    args = dict(additional_forward_args=(batch.attention_mask,))
+    expected = GradSAM(model).attribute(batch.input_ids, target=[1, 0, 2], **args)
+    for target in (list(np.array([1, 0, 2])), [torch.tensor(1), torch.tensor(0), torch.tensor(2)]):
+        torch.testing.assert_close(GradSAM(model).attribute(batch.input_ids, target=target, **args), expected, rtol=0, atol=0)
+    torch.testing.assert_close(GradSAM(model).attribute(batch.input_ids, target=(np.int64(1),), **args),
+                               GradSAM(model).attribute(batch.input_ids, target=1, **args), rtol=0, atol=0)
+    scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(comprehensiveness(model, batch.input_ids, batch.attention_mask, scores, target=list(np.array([1, 0, 2]))),
+                               comprehensiveness(model, batch.input_ids, batch.attention_mask, scores, target=[1, 0, 2]))
+    tagger = _tagger()
+    tags = make_batch(tagger, lengths=(9, 6))
+    torch.testing.assert_close(
+        GradSAM(tagger).attribute(tags.input_ids, target=(np.int64(3), np.int64(1)), additional_forward_args=(tags.attention_mask,)),
+        GradSAM(tagger).attribute(tags.input_ids, target=(3, 1), additional_forward_args=(tags.attention_mask,)), rtol=0, atol=0)

@@ -6,6 +6,7 @@ one clear error that names the problem and the fix.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -171,8 +172,10 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
         )
     if isinstance(target, tuple):
         target = target[0]
-    if isinstance(target, list) and any(not isinstance(t, int) for t in target):
+    if isinstance(target, list) and any(not _is_index(t) for t in target):
         raise TypeError(f"target must hold ints (class indices), got {target!r}.")
+    if isinstance(target, list):
+        target = [operator.index(t) for t in target]
     targets = _one_per_example(target, batch, logits.device, "target", "class indices")
     bad = ((targets < 0) | (targets >= num_classes)).nonzero().flatten().tolist()
     if bad and num_classes == 1:
@@ -194,19 +197,19 @@ def index_target(target: TargetType, query_index: QueryIndex, seq_len: int) -> t
     as ``(classes, positions, True)``, the positions taken from the end where negative;
     ``(class,)`` as the class; any other target as it is, beside ``query_index`` (False).
     A one-line error where ``query_index`` names other positions."""
-    if isinstance(target, tuple) and len(target) == 1 and isinstance(target[0], int):
-        return target[0], query_index, False
+    if isinstance(target, tuple) and len(target) == 1 and _is_index(target[0]):
+        return operator.index(target[0]), query_index, False
     pairs = [target] if isinstance(target, tuple) else target if isinstance(target, list) and target and all(
         isinstance(t, tuple) for t in target) else None
     if pairs is None:
         return target, query_index, False
-    if any(len(pair) != 2 or not all(isinstance(i, int) for i in pair) for pair in pairs):
+    if any(len(pair) != 2 or not all(_is_index(i) for i in pair) for pair in pairs):
         raise TypeError(
             f"target {target!r}: a tuple indexes each example's logits after the batch, as in Captum: (position, class) "
             "of logits per position (batch, seq_len, classes), or (class,); pass a list of ints for one class per example."
         )
-    positions = [position % seq_len if -seq_len <= position < 0 else position for position, _ in pairs]
-    classes = [label for _, label in pairs]
+    positions = [operator.index(position) % seq_len if -seq_len <= position < 0 else operator.index(position) for position, _ in pairs]
+    classes = [operator.index(label) for _, label in pairs]
     if query_index is not None and not _same_positions(query_index, positions):
         raise ValueError(
             f"target {target!r} names positions {positions} and query_index {query_index!r} others: give the explained "
@@ -215,6 +218,15 @@ def index_target(target: TargetType, query_index: QueryIndex, seq_len: int) -> t
     if isinstance(target, tuple):
         return classes[0], positions[0], True
     return classes, positions, True
+
+
+def _is_index(value: Any) -> bool:
+    """Whether ``value`` is an integer: Python's, numpy's, or a one-element integer tensor."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _same_positions(query_index: QueryIndex, positions: list[int]) -> bool:
