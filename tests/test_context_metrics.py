@@ -480,3 +480,16 @@ def test_a_shared_scope_runs_each_set_of_ablations_once_with_the_values_of_each_
     rows.clear()
     metrics()
     assert sum(rows) == alone_rows, "outside the scope, each call runs its own"
+
+
+def test_answers_padded_after_their_ends_are_refused_in_one_line():
+    """A batch of generated answers padded after their end-of-sequence tokens: the context
+    metrics scored the padding's log-probabilities as the answer's."""
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    end = model.generation_config.eos_token_id
+    padded = torch.tensor([[7, 8, 9], [9, end, end], [11, 12, end]])
+    scores = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    for metric in (lambda: top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, padded, scores, segments=SEGMENTS),
+                   lambda: linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, padded, scores, segments=SEGMENTS)):
+        with pytest.raises(ValueError, match=r"^answer row 1 is padded after its end-of-sequence token \(position 1\).* \(answer\[1:2, :2\]\)\.$"):
+            metric()

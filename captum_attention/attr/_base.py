@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
-from ..capture.inputs import LogProbTarget, QueryIndex, decoder_start_token, format_inputs, index_target
+from ..capture.inputs import LogProbTarget, QueryIndex, check_no_padding_after_end, decoder_start_token, format_inputs, index_target
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
@@ -350,7 +350,7 @@ class AttentionAttributionBase:
             continuation (Tensor): ``(batch, new_tokens)`` token ids, e.g.
                 ``model.generate(...)[:, prompt_len:]`` (a row padded after its
                 end-of-sequence token, as ``generate`` pads a batch's shorter answers, is
-                refused: explain it alone, up to its end).
+                refused: give it alone, up to its end).
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``; every tensor shaped ``(batch, prompt_len)`` is taken as a
                 padding mask and extended with ones over the continuation. Default: None.
@@ -459,7 +459,7 @@ class AttentionAttributionBase:
         self._check_options(options, "attribute_span or attribute_continuation")
         _, (prompt,) = format_inputs(inputs)
         _check_continuation(prompt, continuation)
-        _check_no_padding_after_end(self.model, continuation)
+        check_no_padding_after_end(self.model, continuation)
         adapter = self._one_stack_adapter()
         effective = bool(options.pop("effective", False))
         if adapter.is_encoder_decoder(self.model):
@@ -660,31 +660,6 @@ def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:
         )
     if continuation.shape[1] == 0:
         raise ValueError("continuation has no tokens: give at least one new token to explain.")
-
-
-def _check_no_padding_after_end(model: nn.Module, continuation: Tensor) -> None:
-    """A one-line error where a continuation row is padded after its end-of-sequence token,
-    as ``generate`` pads a batch's shorter answers (with the model's pad or end id):
-    the padding would be explained as answer tokens."""
-    config = getattr(model, "generation_config", None) or getattr(model, "config", None)
-    ends = [getattr(config, "eos_token_id", None)]
-    ends = [token for token in (ends[0] if isinstance(ends[0], list) else ends) if token is not None]
-    if not ends or continuation.shape[1] < 2:
-        return
-    fills = torch.tensor([*ends, *[token for token in [getattr(config, "pad_token_id", None)] if token is not None]], device=continuation.device)
-    is_end = torch.isin(continuation, fills[: len(ends)])
-    positions = torch.arange(continuation.shape[1], device=continuation.device)
-    first_end = positions.masked_fill(~is_end, continuation.shape[1]).amin(dim=1)
-    after = positions[None] > first_end[:, None]
-    padded = (first_end < continuation.shape[1] - 1) & (torch.isin(continuation, fills) | ~after).all(dim=1)
-    if bool(padded.any()):
-        row = int(padded.nonzero()[0])
-        end = int(first_end[row])
-        raise ValueError(
-            f"continuation row {row} is padded after its end-of-sequence token (position {end}), as generate pads a "
-            "batch's shorter answers: the padding would be explained as answer tokens; explain each answer alone, up to "
-            f"its end (continuation[{row}:{row + 1}, :{end + 1}])."
-        )
 
 
 def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) -> None:

@@ -241,6 +241,31 @@ def _same_positions(query_index: QueryIndex, positions: list[int]) -> bool:
     return bool((given == named).all())
 
 
+def check_no_padding_after_end(model: Any, continuation: Tensor, name: str = "continuation") -> None:
+    """A one-line error where a row of ``continuation`` (called ``name``) is padded after its
+    end-of-sequence token, as ``generate`` pads a batch's shorter answers (with the model's
+    pad or end id, read from its generation config): the padding would be explained, or
+    scored, as answer tokens."""
+    config = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    end_ids, pad_id = getattr(config, "eos_token_id", None), getattr(config, "pad_token_id", None)
+    ends = [token for token in (end_ids if isinstance(end_ids, list) else [end_ids]) if token is not None]
+    if not ends or continuation.shape[1] < 2:
+        return
+    fills = torch.tensor(ends + ([pad_id] if pad_id is not None else []), device=continuation.device)
+    positions = torch.arange(continuation.shape[1], device=continuation.device)
+    first_end = positions.masked_fill(~torch.isin(continuation, fills[: len(ends)]), continuation.shape[1]).amin(dim=1)
+    filled_after = (torch.isin(continuation, fills) | (positions[None] <= first_end[:, None])).all(dim=1)
+    padded = (first_end < continuation.shape[1] - 1) & filled_after
+    if bool(padded.any()):
+        row = int(padded.nonzero()[0])
+        end = int(first_end[row])
+        raise ValueError(
+            f"{name} row {row} is padded after its end-of-sequence token (position {end}), as generate pads a "
+            "batch's shorter answers: the padding would be read as answer tokens; give each answer alone, up to its end "
+            f"({name}[{row}:{row + 1}, :{end + 1}])."
+        )
+
+
 def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False) -> Tensor:
     """``query_index`` as a ``(B,)`` long tensor of real positions, or a clear error.
 

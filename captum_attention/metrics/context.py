@@ -46,7 +46,7 @@ from ..capture.adapters.images import (
     marked_image_positions, takes_encoded_images,
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
-from ..capture.inputs import decoder_start_token, output_logits
+from ..capture.inputs import check_no_padding_after_end, decoder_start_token, output_logits
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -160,6 +160,7 @@ class _AnswerScorer(AblationScorer):
         image_inputs: Mapping[str, Tensor] | None = None,
     ) -> None:
         _check_shapes(input_ids, attention_mask, answer, segments)
+        check_no_padding_after_end(forward_func, answer, "answer")
         self.image_inputs = _one_example_images(image_inputs, input_ids)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
