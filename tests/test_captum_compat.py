@@ -244,10 +244,11 @@ def test_a_tuple_target_indexes_the_logits_at_each_position_as_in_captum(name):
     batch = make_batch(model, lengths=(9, 6))
     method, args = REGISTRY[name](model), (batch.attention_mask,)
     expected = method.attribute(batch.input_ids, target=1, additional_forward_args=args, query_index=3)
-    torch.testing.assert_close(method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args), expected, rtol=0, atol=0)
-    torch.testing.assert_close(method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args, query_index=3), expected, rtol=0, atol=0)
+    for given in (dict(target=(3, 1)), dict(target=(3, 1), query_index=3)):
+        torch.testing.assert_close(method.attribute(batch.input_ids, additional_forward_args=args, **given), expected, rtol=0, atol=0)
     each = method.attribute(batch.input_ids, target=[1, 7], additional_forward_args=args, query_index=torch.tensor([3, 5]))
-    torch.testing.assert_close(method.attribute(batch.input_ids, target=[(3, 1), (5, 7)], additional_forward_args=args), each, rtol=0, atol=0)
+    pairs = method.attribute(batch.input_ids, target=[(3, 1), (5, 7)], additional_forward_args=args)
+    torch.testing.assert_close(pairs, each, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"target \(3, 1\) names positions \[3\] and query_index 2 others"):
         method.attribute(batch.input_ids, target=(3, 1), additional_forward_args=args, query_index=2)
 

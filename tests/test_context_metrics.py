@@ -491,5 +491,6 @@ def test_answers_padded_after_their_ends_are_refused_in_one_line():
     scores = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
     for metric in (lambda: top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, padded, scores, segments=SEGMENTS),
                    lambda: linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, padded, scores, segments=SEGMENTS)):
-        with pytest.raises(ValueError, match=r"^answer row 1 is padded after its end-of-sequence token \(position 1\).* \(answer\[1:2, :2\]\)\.$"):
+        with pytest.raises(ValueError, match=r"^answer row 1 is padded after its end-of-sequence token \(position 1\)"
+                           r".* \(answer\[1:2, :2\]\)\.$"):
             metric()

@@ -152,8 +152,9 @@ def test_a_target_passed_as_labels_is_refused_in_one_line(name, method):
 
     model, pair = make_encoder_decoder(name), make_pair()
     as_labels = lambda source, target, mask: model(input_ids=source, attention_mask=mask, labels=target).logits  # noqa: E731
+    explain = REGISTERED[method](as_labels, model=model)
     assert_refused_in_one_line(
-        model, lambda: REGISTERED[method](as_labels, model=model).attribute((pair.source, pair.target), target=5, additional_forward_args=(SOURCE_MASK,)),
+        model, lambda: explain.attribute((pair.source, pair.target), target=5, additional_forward_args=(SOURCE_MASK,)),
         r"decoder read other token ids than the second input \(2, 5\), for which the target scores stand .* pass the ids the "
         "decoder reads, decoder_input_ids",
     )

@@ -291,9 +291,11 @@ def test_a_model_quantized_by_torch_is_refused_by_the_methods_that_need_its_grad
     args = dict(target=0, additional_forward_args=(batch.attention_mask,))
     for name, method in REGISTRY.items():
         if method.spec.needs != "forward" or method.spec.reads_target:
-            assert_refused_in_one_line(quantized, lambda: method(quantized).attribute(batch.input_ids, **args),
-                                       rf"^{re.escape(method.get_name())} runs a backward .* quantized by torch \(bert\.encoder\.layer\.0\.attention\.self\.query: "
-                                       r"torch\.ao\.nn\.quantized\.dynamic\.modules\.linear\.Linear\)")
+            assert_refused_in_one_line(
+                quantized, lambda: method(quantized).attribute(batch.input_ids, **args),
+                rf"^{re.escape(method.get_name())} runs a backward .* quantized by torch "
+                r"\(bert\.encoder\.layer\.0\.attention\.self\.query: torch\.ao\.nn\.quantized\.dynamic\.modules\.linear\.Linear\)",
+            )
     quantized.set_attn_implementation("eager")
     attentions = quantized(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True).attentions
     expected = attentions[-1].mean(dim=1)[:, 0] * batch.attention_mask

@@ -208,8 +208,9 @@ def index_target(target: TargetType, query_index: QueryIndex, seq_len: int) -> t
             f"target {target!r}: a tuple indexes each example's logits after the batch, as in Captum: (position, class) "
             "of logits per position (batch, seq_len, classes), or (class,); pass a list of ints for one class per example."
         )
-    positions = [operator.index(position) % seq_len if -seq_len <= position < 0 else operator.index(position) for position, _ in pairs]
-    classes = [operator.index(label) for _, label in pairs]
+    indices = [(operator.index(position), operator.index(label)) for position, label in pairs]
+    positions = [position + seq_len if -seq_len <= position < 0 else position for position, _ in indices]
+    classes = [label for _, label in indices]
     if query_index is not None and not _same_positions(query_index, positions):
         raise ValueError(
             f"target {target!r} names positions {positions} and query_index {query_index!r} others: give the explained "

@@ -776,9 +776,9 @@ def _check_attention(
             raise UnsupportedModelError(
                 f"{names[longer[0]]} (attention call {longer[0]}) attends over {shapes[longer[0]][-1]} positions for the "
                 f"{text_shape[1]} input tokens: it also attends over positions no input token stands for, a generation "
-                "cache passed to it (cache, past_key_values: pass the whole sequence instead, without the cache) or features of "
-                "its own that its family is not known to put before the tokens (GIT's image features are; the tokens "
-                "alone, without the image inputs, are explained)."
+                "cache passed to it (cache, past_key_values: pass the whole sequence instead, without the cache) or "
+                "features of its own that its family is not known to put before the tokens (GIT's image features are; "
+                "the tokens alone, without the image inputs, are explained)."
             )
         if len(shape) != 4 or shape[0] != batch or not keys_ok:
             expected = f"keys={text_shape[1]}" if text_shape is not None else "keys"

@@ -186,7 +186,8 @@ def _segment_features(
     ids = torch.cat([prompt, answer], dim=1)
     length = prompt.shape[1]
     answer_rows = LogProbTarget(torch.arange(length - 1, ids.shape[1] - 1, device=ids.device)[None], answer)
-    record = run_model(forward, model, ids, (torch.ones_like(ids),), compares_probabilities=False).at_query(answer_rows.query_weights(ids.shape[1]))
+    record = run_model(forward, model, ids, (torch.ones_like(ids),), compares_probabilities=False)
+    record = record.at_query(answer_rows.query_weights(ids.shape[1]))
     per_head = record.head_rows()[0, :, :, :length].double().cpu()  # (L, H, N)
     token_segments = segments[0].cpu()
     summed = torch.zeros(*per_head.shape[:2], count, dtype=torch.float64)

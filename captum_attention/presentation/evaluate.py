@@ -33,6 +33,7 @@ from ..capture.identity import is_offloaded, weights_digest
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion
+from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
@@ -41,7 +42,7 @@ from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
     answer_estimates, answer_integrated_gradients, answer_span, batch_padding_side,
-    check_methods, check_names, check_probabilities, class_outputs, classifier_forward, classifier_inputs,
+    check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
     ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_of, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
@@ -141,7 +142,7 @@ def evaluate(
     hears of them (all processes' batches) before the work starts. See :func:`merge`."""
     options = options or Options()
     check_request(methods, metrics, examples)
-    check_probabilities(model)
+    check_class_probabilities(model, "; explain it with explain")
     separator = types_separator(tokenizer, [e.inputs for e in examples])
     explainers = _explainers(model, tokenizer, methods, options, separator)
     return _sharded(

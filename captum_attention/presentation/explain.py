@@ -15,7 +15,6 @@ from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities, decoder_start_token
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
-from ..metrics._checks import check_class_probabilities
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
 from ..metrics.token_removal import padding_shift, pair_token_types
@@ -587,12 +586,6 @@ def class_outputs(config: Any, logits: torch.Tensor) -> torch.Tensor:
     if problem == "multi_label_classification":
         return logits.float().sigmoid()
     return class_probabilities(logits)[:, : logits.shape[-1]]  # one logit: its sigmoid alone
-
-
-def check_probabilities(model: Any) -> None:
-    """A one-line error for a classifier whose outputs the metrics cannot read as the
-    explained class's probability (:func:`~captum_attention.metrics._checks.check_class_probabilities`)."""
-    check_class_probabilities(model, "; explain it with explain")
 
 
 def classifier_forward(model: Any, separator: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
