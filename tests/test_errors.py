@@ -218,6 +218,21 @@ def test_under_inference_mode_a_forward_method_explains_and_a_gradient_method_sa
         torch.testing.assert_close(explain(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_under_no_grad_every_method_explains_a_language_models_token(name):
+    """NoiseTunnel and evaluation loops call the methods under ``torch.no_grad()``: the
+    gradient methods read a language model's logits at the query row there, and that row,
+    taken without gradients, was cut from the graph ("element 0 of tensors does not
+    require grad"); a classifier's logits, read whole, were not."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    explain = lambda: REGISTRY[name](model).attribute(prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,))  # noqa: E731
+    expected = explain()
+    with torch.no_grad():
+        torch.testing.assert_close(explain(), expected, rtol=0, atol=0)
+
+
 def test_additional_forward_args_as_a_dict(setup):
     model, batch = setup
     with pytest.raises(TypeError, match="positional arguments .* got a dict"):

@@ -174,10 +174,9 @@ class ForwardRecord:
         if isinstance(target, LogProbTarget):
             with torch.enable_grad():
                 return target.score(self.logits)
-        logits = self.explained_logits()
-        targets = resolve_targets(logits, target)
-        with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad
-            return logits.gather(1, targets[:, None]).sum()
+        with torch.enable_grad():  # callers such as NoiseTunnel run under no_grad: the query's rows in the graph too
+            logits = self.explained_logits()
+            return logits.gather(1, resolve_targets(logits, target)[:, None]).sum()
 
     def with_gradients(
         self, target: TargetType | LogProbTarget, reduction: HeadReduction, retain_graph: bool = False
