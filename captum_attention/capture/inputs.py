@@ -199,10 +199,10 @@ def index_target(target: TargetType, query_index: QueryIndex, seq_len: int) -> t
     A one-line error where ``query_index`` names other positions."""
     if isinstance(target, tuple) and len(target) == 1 and _is_index(target[0]):
         return operator.index(target[0]), query_index, False
-    pairs = [target] if isinstance(target, tuple) else target if isinstance(target, list) and target and all(
-        isinstance(t, tuple) for t in target) else None
-    if pairs is None:
+    per_example = isinstance(target, list) and bool(target) and all(isinstance(t, tuple) for t in target)
+    if not isinstance(target, tuple) and not per_example:
         return target, query_index, False
+    pairs = [target] if isinstance(target, tuple) else target
     if any(len(pair) != 2 or not all(_is_index(i) for i in pair) for pair in pairs):
         raise TypeError(
             f"target {target!r}: a tuple indexes each example's logits after the batch, as in Captum: (position, class) "
