@@ -17,7 +17,7 @@ from ..capture.inputs import LogProbTarget, QueryIndex, check_no_padding_after_e
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
-from ..capture.record import check_gradients_possible, check_not_quantized
+from ..capture.record import check_gradients_possible, check_not_quantized, without_autocast
 from ..capture.runner import (
     CaptureMode, CaptureRunner, check_capture_mode, check_inputs, resolve_adapter, resolve_model, stream_refusal,
 )
@@ -48,18 +48,20 @@ def attribute_method(attribute: AttributeFunction) -> AttributeFunction:
     return cast(AttributeFunction, log_usage(part_of_slo=True)(shared_attribute_docs(attribute)))
 
 
-def _eager_where_not_finite(call: AttributeFunction) -> AttributeFunction:
-    """``call`` through the runner's :meth:`~captum_attention.capture.runner.CaptureRunner.retried_eager`:
+def _explanation(call: AttributeFunction) -> AttributeFunction:
+    """``call`` with autocast off (:func:`~captum_attention.capture.record.without_autocast`)
+    and through the runner's :meth:`~captum_attention.capture.runner.CaptureRunner.retried_eager`:
     under ``capture='auto'``, a streamed call whose scores are not finite at real tokens
     while the explained output is runs once more eager (the gradient of Gemma-3n's sdpa
     attention on a left-padded batch)."""
 
     @functools.wraps(call)
-    def retried(self: AttentionAttributionBase, *args: Any, **kwargs: Any) -> Any:
+    def explained(self: AttentionAttributionBase, *args: Any, **kwargs: Any) -> Any:
         why = "the streamed scores were not finite at real tokens, where the explained output is"
-        return self._runner.retried_eager(lambda: call(self, *args, **kwargs), NonFiniteScores, why)
+        with without_autocast(self.model, self.get_name()):
+            return self._runner.retried_eager(lambda: call(self, *args, **kwargs), NonFiniteScores, why)
 
-    return cast(AttributeFunction, retried)
+    return cast(AttributeFunction, explained)
 
 
 class AttentionAttributionBase:
@@ -292,7 +294,7 @@ class AttentionAttributionBase:
         scores, maps = self._scores(record, **options)
         return scores, record.by_role(maps)
 
-    @_eager_where_not_finite
+    @_explanation
     def _explain(
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -326,7 +328,7 @@ class AttentionAttributionBase:
             scores = _on_patch_grid(adapter, self.model, tensors[0], scores)
         return format_scores(is_tuple or isinstance(scores, tuple), scores, maps, return_maps)
 
-    @_eager_where_not_finite
+    @_explanation
     def attribute_continuation(
         self,
         inputs: Tensor,
@@ -393,7 +395,7 @@ class AttentionAttributionBase:
             return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, stacked) if inputs.dim() == 4 else stacked
         return torch.stack(rows, dim=1)
 
-    @_eager_where_not_finite
+    @_explanation
     def attribute_span(
         self,
         inputs: Tensor,

@@ -186,7 +186,7 @@ def _rerun_block(model: nn.Module, adapter: AttentionAdapter, call: BlockCall, r
         raise UnsupportedModelError(
             f"Value Zeroing re-runs each layer on its recorded inputs, but {type(call.block).__name__} re-run with no value "
             "zeroed gives other outputs than in the forward (it reads something besides its arguments, as a cache shared "
-            "across layers)."
+            "across layers, or forward_func runs it under torch.autocast)."
         )
     return call.block, original
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
@@ -563,6 +564,38 @@ def check_not_quantized(model: nn.Module, method: str) -> None:
             "which carry no gradient and quantize each input apart: explain the float model, or use a method that reads "
             "only the attention and the model's outputs (raw, rollout, attention_flow, value_zeroing)."
         )
+
+
+class without_autocast(ExitStack):
+    """Autocast turned off, with a warning, where it is on for a device that holds
+    ``model``'s weights: the call explains the model in its weights' own precision.
+
+    Under autocast each layer rounds its products to half precision while the weights
+    stay float32, so that a method's re-runs and sum checks (which read the weights'
+    precision) fail, and streaming and eager capture part by autocast's rounding (about
+    1% of the scores' scale)."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def __enter__(self) -> without_autocast:
+        super().__enter__()
+        devices = sorted({weight.device.type for weight in self.model.parameters()})
+        autocast = [device for device in devices if torch.is_autocast_enabled(device)]
+        if autocast:
+            warn_user(
+                f"torch.autocast is on for {', '.join(autocast)}: {self.method} turns it off for the call and explains "
+                f"{type(self.model).__name__} in its weights' precision. To explain it in half precision, cast it "
+                "(model.to(torch.bfloat16))."
+            )
+        try:
+            for device in autocast:
+                self.enter_context(torch.autocast(device, enabled=False))
+        except BaseException:  # `with` calls no __exit__ when __enter__ raises
+            self.close()
+            raise
+        return self
 
 
 def _check_decoder_ids(model: nn.Module, inputs: tuple[Tensor, ...], embedded: list[Tensor]) -> None:

@@ -201,7 +201,8 @@ class FinalStates:
         if not equal_to_rounding(predicted, actual.to(predicted.device), None):
             raise UnsupportedModelError(
                 f"The model's logits are not its {type(self.head).__name__}'s products with the final states "
-                "(a logit cap or scale): ALTI-Logit's shares would not add up to them."
+                "(a logit cap or scale, or a forward_func that runs the model under torch.autocast): ALTI-Logit's shares "
+                "would not add up to them."
             )
 
 
