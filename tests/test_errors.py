@@ -257,6 +257,62 @@ def test_under_autocast_every_method_explains_the_model_in_its_own_precision(nam
     torch.testing.assert_close(scores, expected, rtol=0, atol=0)
 
 
+def _metric_calls():
+    """Each metric that reads the attention, as a call on a BERT classifier's batch, or on
+    a Llama's prompts and answers."""
+    from captum_attention import metrics
+
+    def classifier(call):
+        model = make_model("bert")
+        batch = make_batch(model)
+        return lambda: call(model, batch.input_ids, (batch.attention_mask,))
+
+    def decoder(call):
+        from lm_models import make_decoder, make_prompts
+
+        model, prompts = make_decoder("llama"), make_prompts(side="left")
+        answer = torch.tensor([[7, 8]] * 3)
+        return lambda: call(model, prompts.input_ids, prompts.attention_mask, answer)
+
+    def fit(model, ids, mask, answer):
+        examples = [(ids[0], answer[0], torch.tensor([-1, 0, 0, 1, 1, 2, 2]))]
+        return metrics.fit_head_weights(model, examples, num_ablations=4, progress=False).weights
+
+    erased = lambda ids: torch.zeros_like(ids, dtype=torch.bool).index_fill_(1, torch.tensor([1]), True)  # noqa: E731
+    return {
+        "attention_erasure": classifier(lambda m, ids, args: metrics.attention_erasure(m, ids, erased(ids), args).__dict__),
+        "decision_flip_fraction": classifier(
+            lambda m, ids, args: metrics.decision_flip_fraction(m, ids, metrics.random_ranking(ids.shape), args).__dict__
+        ),
+        "attention_permutation": classifier(lambda m, ids, args: metrics.attention_permutation(m, ids, args, n_permutations=2).__dict__),
+        "adversarial_attention": classifier(lambda m, ids, args: metrics.adversarial_attention(m, ids, args, layers=[0], steps=3).__dict__),
+        "adversarial_keys": classifier(lambda m, ids, args: metrics.adversarial_keys(m, ids, args, layers=[0], steps=3).__dict__),
+        "identifiability": classifier(lambda m, ids, args: metrics.identifiability(m, ids, args).__dict__),
+        "attention_ranking": classifier(lambda m, ids, args: metrics.attention_ranking(m, ids, args)),
+        "gradient_ranking": classifier(lambda m, ids, args: metrics.gradient_ranking(m, ids, 1, args)),
+        "gradient_attention_ranking": classifier(lambda m, ids, args: metrics.gradient_attention_ranking(m, ids, 1, args)),
+        "attention_shares": decoder(metrics.attention_shares),
+        "fit_head_weights": decoder(fit),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_metric_calls()))
+def test_under_autocast_the_metrics_that_read_the_attention_run_the_model_in_its_own_precision(name):
+    """Under autocast these metrics part by autocast's rounding between capture modes, and
+    identifiability read ranks from bfloat16 values (5 of 9 lower): they turn it off, say
+    so, and give the float32 results."""
+    call = _metric_calls()[name]
+    expected = call()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match=rf"torch\.autocast is on for cpu: {name} "):
+        result = call()
+    if isinstance(expected, dict):  # a result's fields: tensors, lists of them, and names
+        expected, result = (
+            {key: value for key, value in fields.items() if not (isinstance(value, list) and isinstance(value[0], str))}
+            for fields in (expected, result)
+        )
+    torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", ["value_zeroing", "alti_logit"])
 def test_a_forward_func_under_autocast_is_named_where_its_rounding_breaks_a_check(name):
     """A ``forward_func`` that enters autocast itself runs as it is: Value Zeroing's

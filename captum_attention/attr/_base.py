@@ -58,7 +58,7 @@ def _explanation(call: AttributeFunction) -> AttributeFunction:
     @functools.wraps(call)
     def explained(self: AttentionAttributionBase, *args: Any, **kwargs: Any) -> Any:
         why = "the streamed scores were not finite at real tokens, where the explained output is"
-        with without_autocast(self.model, self.get_name()):
+        with without_autocast(self.get_name()):
             return self._runner.retried_eager(lambda: call(self, *args, **kwargs), NonFiniteScores, why)
 
     return cast(AttributeFunction, explained)

@@ -10,6 +10,7 @@ backward pass.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -418,15 +419,16 @@ def record_forward(
     shape_check = [] if text_shape is None else [MaskShape(text_shape)]
     keyword_forward = adapter.keyword_forward(forward_func)
     confirm_left_padding = getattr(keyword_forward, "confirm_left_padding", None)
-    if confirm_left_padding is not None:  # it runs the model: before the capture
-        confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
     tower_inputs, embedded_ids = TowerInputs(inputs), EmbeddedIds(inputs)
     capture = AttentionCapture(
         model, adapter, probes=[grad_mode, *shape_check, tower_inputs, embedded_ids, *probes], streaming=streaming,
         track_grad=track_grad,
     )
-    with capture:
-        output = run_forward(keyword_forward, inputs, None, additional_forward_args)
+    with without_autocast("The attention capture"):
+        if confirm_left_padding is not None:  # it runs the model: before the capture
+            confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
+        with capture:
+            output = run_forward(keyword_forward, inputs, None, additional_forward_args)
     if tower_inputs.fed:
         raise image_tower_refusal(model, tower_inputs.fed[0])
     _check_decoder_ids(model, inputs, embedded_ids.embedded)
@@ -566,28 +568,41 @@ def check_not_quantized(model: nn.Module, method: str) -> None:
         )
 
 
+Decorated = TypeVar("Decorated", bound=Callable[..., Any])
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+"""The device types whose autocast :class:`without_autocast` turns off."""
+
+
 class without_autocast(ExitStack):
-    """Autocast turned off, with a warning, where it is on for a device that holds
-    ``model``'s weights: the call explains the model in its weights' own precision.
+    """Autocast turned off, with a warning naming ``caller``, for a call that captures a
+    model's attention (a context manager, or a decorator of such a function): the call
+    runs the model, and computes from what it recorded, in the weights' own precision.
 
     Under autocast each layer rounds its products to half precision while the weights
     stay float32, so that a method's re-runs and sum checks (which read the weights'
-    precision) fail, and streaming and eager capture part by autocast's rounding (about
-    1% of the scores' scale)."""
+    precision) fail, streaming and eager capture part by autocast's rounding (about 1% of
+    the scores' scale), and a rank read from bfloat16 values is lower."""
 
-    def __init__(self, model: nn.Module, method: str) -> None:
+    def __init__(self, caller: str) -> None:
         super().__init__()
-        self.model, self.method = model, method
+        self.caller = caller
+
+    def __call__(self, function: Decorated) -> Decorated:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with without_autocast(self.caller):  # one stack per call
+                return function(*args, **kwargs)
+
+        return cast(Decorated, run)
 
     def __enter__(self) -> without_autocast:
         super().__enter__()
-        devices = sorted({weight.device.type for weight in self.model.parameters()})
-        autocast = [device for device in devices if torch.is_autocast_enabled(device)]
+        autocast = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
         if autocast:
             warn_user(
-                f"torch.autocast is on for {', '.join(autocast)}: {self.method} turns it off for the call and explains "
-                f"{type(self.model).__name__} in its weights' precision. To explain it in half precision, cast it "
-                "(model.to(torch.bfloat16))."
+                f"torch.autocast is on for {', '.join(autocast)}: {self.caller} turns it off for the call and runs the "
+                "model in its weights' precision. To explain a model in half precision, cast it (model.to(torch.bfloat16))."
             )
         try:
             for device in autocast:

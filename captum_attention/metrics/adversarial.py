@@ -33,6 +33,7 @@ from .._compat import UnsupportedModelError
 from ..capture import AttentionAdapter, ForwardRecord, KeysTransform, ProbsIntervention
 from ..capture.inputs import QueryIndex, take_rows
 from ..capture.runner import resolve_model
+from ..capture.record import without_autocast
 from ..maps import hashed_normal, on_heads
 from ._forward import example_seeds_of, js_divergence, layer_set, ranks_of, run_model, select_rows
 
@@ -83,6 +84,7 @@ class AdversarialKeysResult:
     key_shifts: list[Tensor]
 
 
+@without_autocast("adversarial_attention")
 def adversarial_attention(
     forward_func: Callable[..., Any],
     inputs: Tensor | tuple[Tensor, ...],
@@ -228,6 +230,7 @@ def adversarial_attention(
     return AdversarialAttentionResult(best, aux, ok, bound, attention)
 
 
+@without_autocast("adversarial_keys")
 def adversarial_keys(
     forward_func: Callable[..., Any],
     inputs: Tensor | tuple[Tensor, ...],

@@ -47,6 +47,7 @@ from ..capture.adapters.images import (
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import check_no_padding_after_end, decoder_start_token, output_logits
+from ..capture.record import without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -933,6 +934,7 @@ def leave_one_out_estimates(
     return scores
 
 
+@without_autocast("attention_shares")
 def attention_shares(
     model: nn.Module,
     input_ids: Tensor,

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.probes import RunKernel
 from ..capture.runner import resolve_model
+from ..capture.record import without_autocast
 from ..maps import erase_keys, on_heads, streaming
 from ..maps.kernel import KernelCall, block_shape
 from ._checks import check_rankable
@@ -89,6 +90,7 @@ def _check_keys(keys: Tensor, real: Tensor, name: str) -> None:
         )
 
 
+@without_autocast("attention_erasure")
 def attention_erasure(
     forward_func: Callable[..., Any],
     inputs: Tensor,
@@ -157,6 +159,7 @@ def attention_erasure(
     )
 
 
+@without_autocast("decision_flip_fraction")
 def decision_flip_fraction(
     forward_func: Callable[..., Any],
     inputs: Tensor,

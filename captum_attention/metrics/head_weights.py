@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ..capture.guard import ctrl_c_noticed
 from ..capture.inputs import LogProbTarget
 from ..capture.identity import fitted_model
+from ..capture.record import without_autocast
 from ._forward import run_model
 from .context import random_ablations
 
@@ -96,6 +97,7 @@ class HeadWeights:
             return cls(saved.get_tensor("weights"), json.loads(metadata.get("settings", "{}")))
 
 
+@without_autocast("fit_head_weights")
 def fit_head_weights(
     model: nn.Module,
     examples: Sequence[Example],

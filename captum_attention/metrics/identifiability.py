@@ -18,6 +18,7 @@ from ..capture import AttentionAdapter
 from ..capture.inputs import format_inputs
 from ..capture import RecordedValues, ValueRecorder, record_forward
 from ..capture.runner import resolve_model
+from ..capture.record import without_autocast
 from ..maps import null_space_dims
 
 
@@ -43,6 +44,7 @@ class IdentifiabilityResult:
         return flags.mean(dim=1)
 
 
+@without_autocast("identifiability")
 def identifiability(
     forward_func: Callable[..., Any],
     inputs: Tensor | tuple[Tensor, ...],

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..capture import AttentionAdapter, CallInfo, ForwardRecord, Probe
 from ..capture.probes import RunKernel
 from ..capture.runner import resolve_model
+from ..capture.record import without_autocast
 from ..maps import hashed_draws, on_heads, permute_rows
 from ..maps.kernel import KernelCall, transformed_output
 from ._forward import CaptureMode, example_seeds_of, js_divergence, layer_set, ranks_of, run_model
@@ -89,6 +90,7 @@ class _RowPermutation(Probe):
         return transformed_output(kernel, permute)
 
 
+@without_autocast("attention_permutation")
 def attention_permutation(
     forward_func: Callable[..., Any],
     inputs: Tensor,
@@ -151,6 +153,7 @@ def attention_permutation(
     return PermutationResult(tvd.median(dim=0).values, jsd.median(dim=0).values, flips.mean(dim=0))
 
 
+@without_autocast("permutation_accuracy")
 def permutation_accuracy(
     forward_func: Callable[..., Any],
     data: Iterable[tuple[Tensor, Tensor, Tensor]],

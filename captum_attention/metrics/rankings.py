@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .._compat import TargetType
 from ..capture import AttentionAdapter, GradMaps, OutputGrads
-from ..capture.record import HeadReduction
+from ..capture.record import HeadReduction, without_autocast
 from ..capture.runner import resolve_model
 from ..maps import mask_padding
 from ._forward import CaptureMode, run_model
@@ -61,6 +61,7 @@ def _ranking(
     return record.explained_row(index, mask_padding(head_mean, *record.real_of(record.roles[index])))
 
 
+@without_autocast("attention_ranking")
 def attention_ranking(
     forward_func: Callable[..., Any],
     inputs: Tensor,
@@ -76,6 +77,7 @@ def attention_ranking(
     return _ranking("attention", forward_func, inputs, None, additional_forward_args, model, layer, query_index, adapter, capture)
 
 
+@without_autocast("gradient_ranking")
 def gradient_ranking(
     forward_func: Callable[..., Any],
     inputs: Tensor,
@@ -91,6 +93,7 @@ def gradient_ranking(
     return _ranking("gradient", forward_func, inputs, target, additional_forward_args, model, layer, query_index, adapter, capture)
 
 
+@without_autocast("gradient_attention_ranking")
 def gradient_attention_ranking(
     forward_func: Callable[..., Any],
     inputs: Tensor,
