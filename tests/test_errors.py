@@ -257,6 +257,38 @@ def test_under_autocast_every_method_explains_the_model_in_its_own_precision(nam
     torch.testing.assert_close(scores, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_with_a_float64_default_dtype_every_method_gives_the_float32_scores(name, family):
+    """The library built its float32 buffers with torch's default dtype: with
+    ``torch.set_default_dtype(torch.float64)`` Value Zeroing, KnockoutLRP and streamed
+    Transformer Attribution failed on a float32 model with torch's dtype errors, and five
+    methods returned float64 scores."""
+    from lm_models import make_decoder, make_encoder_decoder, make_prompts
+
+    if family == "t5":
+        model = make_encoder_decoder("t5")
+        source = torch.randint(3, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+        inputs, extra, target = (source, torch.tensor([[0, 7, 9], [0, 8, 4]])), None, 7
+    else:
+        model, prompts = make_decoder("llama"), make_prompts(side="left")
+        inputs, extra, target = prompts.input_ids, (prompts.attention_mask,), 5
+    method = REGISTRY[name]
+    for capture in ("streaming", "eager"):
+        explained = method(model, capture=capture)
+        explain = lambda: explained.attribute(inputs, target=target, additional_forward_args=extra)  # noqa: E731
+        try:
+            expected = explain()
+        except (UnsupportedModelError, ValueError):  # not this family's method, or not this capture's
+            continue
+        torch.set_default_dtype(torch.float64)
+        try:
+            scores = explain()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        torch.testing.assert_close(scores, expected, rtol=0, atol=0)
+
+
 def _metric_calls():
     """Each metric that reads the attention, as a call on a BERT classifier's batch, or on
     a Llama's prompts and answers."""
@@ -305,12 +337,42 @@ def test_under_autocast_the_metrics_that_read_the_attention_run_the_model_in_its
     expected = call()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match=rf"torch\.autocast is on for cpu: {name} "):
         result = call()
-    if isinstance(expected, dict):  # a result's fields: tensors, lists of them, and names
-        expected, result = (
-            {key: value for key, value in fields.items() if not (isinstance(value, list) and isinstance(value[0], str))}
-            for fields in (expected, result)
-        )
+    if isinstance(expected, dict):  # a result's fields, the calls' role names apart
+        expected, result = ({key: value for key, value in fields.items() if key != "roles"} for fields in (expected, result))
     torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(_metric_calls()))
+def test_with_a_float64_default_dtype_the_metrics_give_the_float32_results(name):
+    call = _metric_calls()[name]
+    expected = call()
+    torch.set_default_dtype(torch.float64)
+    try:
+        result = call()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if isinstance(expected, dict):
+        expected, result = ({key: value for key, value in fields.items() if key != "roles"} for fields in (expected, result))
+    torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_with_a_float64_default_dtype_the_random_draws_are_the_same():
+    """torch.rand draws other numbers in float64 from the same seed: ContextCite's
+    ablations and the random ranking would change with the default dtype."""
+    from captum_attention.metrics import random_ranking
+    from captum_attention.metrics.token_removal import random_halves
+
+    present = torch.ones(2, 9, dtype=torch.bool)
+    def draws():
+        return random_halves(present, 8, seed=3), random_halves(present, 8, 0, torch.tensor([5, 6])), random_ranking((2, 9), seed=3)
+
+    expected = draws()
+    torch.set_default_dtype(torch.float64)
+    try:
+        drawn = draws()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["value_zeroing", "alti_logit"])

@@ -142,7 +142,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
             calls = [i for i, role in enumerate(record.roles) if role in roles]
             real = record.target_real if roles[0] == "self" else record.input_real
             if not calls:  # no encoder: image features cross-attended are never queries
-                scores.append(torch.zeros(real.shape, device=real.device))
+                scores.append(torch.zeros(real.shape, device=real.device, dtype=torch.float32))
                 continue
             total = sum(
                 grad_sam_row_sums(
@@ -167,7 +167,7 @@ class GradSAM(AttentionAttributionBase, GradientAttribution):
         if "encoder" in role_maps:
             source = grad_sam_scores(role_maps["encoder"], [heads["encoder"]] * len(role_maps["encoder"]), record.input_real)
         else:  # no encoder: image features cross-attended are never queries
-            source = torch.zeros(record.input_real.shape, device=record.input_real.device)
+            source = torch.zeros(record.input_real.shape, device=record.input_real.device, dtype=torch.float32)
         target_maps = role_maps["decoder"] + role_maps["cross"]
         target_heads = [heads["decoder"]] * len(role_maps["decoder"]) + [heads["cross"]] * len(role_maps["cross"])
         target = grad_sam_scores(target_maps, target_heads, record.target_real)

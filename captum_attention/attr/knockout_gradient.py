@@ -85,7 +85,7 @@ class KnockoutGradient(AttentionAttributionBase, GradientAttribution):
         return self._explain(inputs, target, additional_forward_args, query_index, False)
 
     def _scores(self, record: ForwardRecord) -> tuple[Tensor, list[Tensor]]:
-        scores = torch.zeros(record.target_real.shape, device=record.target_real.device)
+        scores = torch.zeros(record.target_real.shape, device=record.target_real.device, dtype=torch.float32)
         for head_sum, role in zip(record.result(GradMaps).maps, record.roles):
             real_queries, real_keys = record.real_of(role)
             column_sums = (head_sum * real_queries[:, :, None].to(head_sum.device)).sum(dim=1)
@@ -96,7 +96,7 @@ class KnockoutGradient(AttentionAttributionBase, GradientAttribution):
         return [*super()._probes(effective, **options), ZeroKeyBiases()]
 
     def _streamed_scores(self, record: ForwardRecord) -> Scores:
-        scores = torch.zeros(record.target_real.shape, device=record.target_real.device)
+        scores = torch.zeros(record.target_real.shape, device=record.target_real.device, dtype=torch.float32)
         slopes = record.results.get(KeyBiasGrads)
         for index, (call, grad, role) in enumerate(zip(record.kernel_calls, record.result(OutputGrads).grads, record.roles)):
             real_queries, real_keys = record.real_of(role)

@@ -108,7 +108,7 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         layers, heads = rows.shape[1:3]
         weights = self._coefficients()
         if weights is None:
-            weights = torch.full((layers, heads), 1.0 / (layers * heads))
+            weights = torch.full((layers, heads), 1.0 / (layers * heads), dtype=torch.float32)
         if tuple(weights.shape) != (layers, heads):
             raise ValueError(
                 f"The head weights are {tuple(weights.shape)} (layers, heads) but the model's attention has "

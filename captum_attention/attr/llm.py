@@ -212,7 +212,7 @@ class _FeatureMap:
         self.inp = inp
         if isinstance(inp, TextTokenInput):
             kept = torch.ones(prompt.shape[1], dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask[0].cpu().bool()
-            self.weights = torch.zeros(prompt.shape[1], inp.n_itp_features)
+            self.weights = torch.zeros(prompt.shape[1], inp.n_itp_features, dtype=torch.float32)
             self.weights[kept.nonzero().flatten(), torch.arange(int(kept.sum()))] = 1.0
         elif isinstance(inp, ImageMaskInput):
             self.weights = _segment_weights(inp, model, prompt, image_inputs)
@@ -249,7 +249,7 @@ def _segment_weights(inp: ImageMaskInput, model: Any, prompt: Tensor, image_inpu
         )
     masks = torch.stack([mask.float() for mask in inp.get_mask_list()])[:, None]
     shares = F.adaptive_avg_pool2d(masks, (rows, columns)).reshape(len(masks), rows * columns)
-    weights = torch.zeros(read, len(masks))  # over the prompt's tokens, or the image states read apart
+    weights = torch.zeros(read, len(masks), dtype=torch.float32)  # over the prompt's tokens, or the image states read apart
     weights[image.grid_positions.cpu()] = shares.t()
     return weights
 
@@ -279,7 +279,7 @@ def _template_weights(inp: TextTemplateInput, tokenizer: Any, prompt: Tensor) ->
     if list(encoding["input_ids"]) != prompt[0].tolist():
         raise ValueError("The tokenizer's offsets do not describe the prompt's tokens; use a TextTokenInput.")
     grouped = getattr(inp, "formatted_mask", None)
-    weights = torch.zeros(prompt.shape[1], inp.n_itp_features)
+    weights = torch.zeros(prompt.shape[1], inp.n_itp_features, dtype=torch.float32)
     for token, (start, end) in enumerate(encoding["offset_mapping"]):
         for (begin, stop), value in spans:
             overlap = min(end, stop) - max(start, begin)

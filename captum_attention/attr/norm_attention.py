@@ -123,7 +123,7 @@ def _weighted_norms(record: ForwardRecord, layer: int, rows_at: Any) -> Tensor:
     chosen = record.call_index(layer)
     values, projection = checked_call_values(record, chosen, "NormAttention")
     weights = query_weights(record.query_index, record.target_real.shape[1])
-    scores = torch.zeros(weights.shape, device=weights.device)
+    scores = torch.zeros(weights.shape, device=weights.device, dtype=torch.float32)
     for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
         norms = summed_weighted_norm(rows_at(position), values, projection).to(weights.device)
         scores[:, : norms.shape[1]] += weights[:, position, None] * norms
@@ -138,7 +138,7 @@ def _residual_norms(model: nn.Module, record: ForwardRecord, layer: int) -> Tens
     summed = layer_sum(record, chosen, block, "NormAttention")
     inputs = summed.residual.inputs.to(summed.vectors.device)
     weights = query_weights(record.query_index, record.target_real.shape[1])
-    scores = torch.zeros(weights.shape, device=weights.device)
+    scores = torch.zeros(weights.shape, device=weights.device, dtype=torch.float32)
     for position in weights.ne(0).any(dim=0).nonzero().flatten().tolist():
         rows = slice(position, position + 1)
         probs = attention_rows(record, chosen, rows).to(inputs.device)

@@ -143,10 +143,10 @@ def _layer_distances(model: nn.Module, adapter: AttentionAdapter, call: BlockCal
     examples, tokens = real.nonzero(as_tuple=True)
     batch, length = zeroed.shape
     block, original = _rerun_block(model, adapter, call, real)
-    distances = torch.zeros(batch, length, length, device=call.output.device)
+    distances = torch.zeros(batch, length, length, device=call.output.device, dtype=torch.float32)
     for start in range(0, len(examples), batch):  # re-runs of as many tokens as the forward's
         chunk, moved = examples[start : start + batch], tokens[start : start + batch]
-        keep = torch.ones(len(moved), length, device=real.device)
+        keep = torch.ones(len(moved), length, device=real.device, dtype=torch.float32)
         keep[torch.arange(len(moved), device=keep.device), moved] = 0.0
         distances[chunk, :, moved] = value_zeroing_distances(original[chunk], _rerun(model, adapter, call, block, chunk, keep))
     return distances

@@ -500,7 +500,7 @@ class FirstLayerInput:
         if grads[0] is None:
             return None
         batch = len(read_logits)
-        biases = torch.zeros(batch, device=read_logits.device)
+        biases = torch.zeros(batch, device=read_logits.device, dtype=torch.float32)
         for grad, (_, bias) in zip(grads[1:], self.offsets):
             if grad is not None:
                 biases = biases + (grad.float().reshape(batch, -1, grad.shape[-1]) * bias.float()).sum(dim=(1, 2))

@@ -46,7 +46,7 @@ class LogProbTarget:
 
     def query_weights(self, num_tokens: int) -> Tensor:
         """``(B, T)`` float: 1 at each position read (the span's query rows)."""
-        weights = torch.zeros(self.positions.shape[0], num_tokens, device=self.positions.device)
+        weights = torch.zeros(self.positions.shape[0], num_tokens, device=self.positions.device, dtype=torch.float32)
         return weights.scatter_(1, self.positions, 1.0)
 
 

@@ -255,7 +255,10 @@ def linear_norm(module: nn.Module, inputs: Tensor, outputs: Tensor) -> LinearNor
     named = next((float(getattr(module, name)) for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), None)
     epsilons = _COMMON_EPS if named is None else (named,)
     weight = getattr(module, "weight", None)
-    weights = [torch.ones(states.shape[-1], device=states.device)] if weight is None else [weight.detach().float(), 1.0 + weight.detach().float()]
+    if weight is None:
+        weights = [torch.ones(states.shape[-1], device=states.device, dtype=torch.float32)]
+    else:
+        weights = [weight.detach().float(), 1.0 + weight.detach().float()]
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float()
     for centred in (True, False):

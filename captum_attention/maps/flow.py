@@ -59,7 +59,7 @@ def attention_flow_scores(
     Returns:
         ``(B, T)`` float32, 0 outside ``real``.
     """
-    scores = torch.zeros(real.shape)
+    scores = torch.zeros(real.shape, dtype=torch.float32)
     maps = [m.detach().double().cpu() for m in layer_maps]
     for b in range(real.shape[0]):
         tokens = real[b].nonzero().flatten().tolist()

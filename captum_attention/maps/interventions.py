@@ -78,7 +78,7 @@ def erase_keys(attn: Tensor, erased: Tensor, scores: Tensor | None = None) -> Te
     Returns:
         ``(B, H, T, T)`` probabilities; a row whose every key was erased stays zero.
     """
-    log_presence = torch.zeros(erased.shape, device=erased.device).masked_fill(erased, float("-inf"))
+    log_presence = torch.zeros(erased.shape, device=erased.device, dtype=torch.float32).masked_fill(erased, float("-inf"))
     return weigh_keys(attn, log_presence, scores)
 
 

@@ -114,7 +114,7 @@ class KernelCall:
             mask = self.mask[..., rows, :keys] if self.mask.shape[-2] > 1 else self.mask[..., :keys]
             mask = mask[:, heads] if mask.shape[1] > 1 else mask
             if mask.dtype == torch.bool:
-                bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
+                bias = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32).masked_fill_(~mask, -math.inf)
             else:
                 bias = mask.float()
         if self.position_bias is not None:
@@ -123,7 +123,7 @@ class KernelCall:
             bias = position_bias if bias is None else bias + position_bias
         if self.causal:
             later = torch.arange(keys, device=self.query.device) > torch.arange(rows.start, rows.stop, device=self.query.device)[:, None]
-            causal = torch.zeros(later.shape, device=later.device).masked_fill_(later, -math.inf)
+            causal = torch.zeros(later.shape, device=later.device, dtype=torch.float32).masked_fill_(later, -math.inf)
             bias = causal if bias is None else bias + causal
         return bias
 
@@ -244,7 +244,7 @@ class KernelCall:
         a softcap (S₀ the scaled products), dQ = s·dS·K, dK = s·dSᵀ·Q, dV = Aᵀ·dO. The
         position bias, an additive mask and the sinks get no gradient."""
         assert self.value is not None, "the values were not recorded (no gradient tracked)"
-        grads = tuple(torch.zeros(t.shape, device=t.device) for t in (self.query, self.key, self.value))
+        grads = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (self.query, self.key, self.value))
         for rows in row_blocks:
             self._add_row_grads(grad_output, rows, *grads)
         return tuple(grad.to(t.dtype) for grad, t in zip(grads, (self.query, self.key, self.value)))  # type: ignore[return-value]
@@ -285,7 +285,8 @@ class KernelCall:
     def erase_bias(self, erased: Tensor, heads: Sequence[int] | None) -> Tensor:
         """``(B, H, 1, K)`` float32 -inf on the ``erased`` keys ``(B, K)`` of the heads
         ``heads`` (default all), 0 elsewhere; ``(B, 1, 1, K)`` where every head erases."""
-        erase = torch.zeros(erased.shape, device=erased.device).masked_fill_(erased, -math.inf)[:, None, None, :]
+        erase = torch.zeros(erased.shape, device=erased.device, dtype=torch.float32)
+        erase = erase.masked_fill_(erased, -math.inf)[:, None, None, :]
         if heads is None:
             return erase
         chosen = torch.zeros(self.num_heads, dtype=torch.bool, device=erased.device)

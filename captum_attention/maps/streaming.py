@@ -230,7 +230,7 @@ def grad_sam_row_sums(
     sums = _through_kernels(call, lambda fused: fused.positive_row_sums(call, grad_output, real_keys.float()).sum(dim=1))
     if sums is not None:
         return sums.masked_fill_(~real_queries, 0.0)
-    sums = torch.zeros(real_queries.shape, device=real_queries.device)
+    sums = torch.zeros(real_queries.shape, device=real_queries.device, dtype=torch.float32)
     for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         sums[:, rows] += _block(positive_row_sums, call, *_terms_of(call, grad_output, rows, heads, real_keys)).sum(dim=1)
     return sums.masked_fill_(~real_queries, 0.0)
@@ -242,7 +242,7 @@ def knockout_column_sums(
     """``(B, K)`` Σ_m Σ_i of :func:`~captum_attention.maps.knockout.knockout_terms` per key
     column j over the real queries, the non-real keys' columns 0: one call's share of the
     first-order knockout effect of each key."""
-    total = torch.zeros(real_keys.shape, device=real_keys.device)
+    total = torch.zeros(real_keys.shape, device=real_keys.device, dtype=torch.float32)
     for heads, rows in call.blocks(shape, reached=live_rows(grad_output)):
         terms = knockout_terms(call.probs(rows, heads), call.grad_probs(grad_output, rows, heads))
         total[:, : terms.shape[-1]] += torch.einsum("bhrk,br->bk", terms, real_queries[:, rows].float())
@@ -252,7 +252,7 @@ def knockout_column_sums(
 def segment_share_max(call: KernelCall, key_segments: Tensor, real_queries: Tensor, count: int, shape: Shape) -> Tensor:
     """:func:`~captum_attention.maps.knockout.segment_shares` ``(B, count)`` of the whole
     call, a self-attention's (its query rows are its keys, ``key_segments`` ``(B, K)``)."""
-    largest = torch.zeros(len(key_segments), count, device=key_segments.device)
+    largest = torch.zeros(len(key_segments), count, device=key_segments.device, dtype=torch.float32)
     for heads, rows in call.blocks(shape):
         block = segment_shares(call.probs(rows, heads), key_segments, key_segments[:, rows], real_queries[:, rows], count)
         torch.maximum(largest, block, out=largest)
@@ -265,7 +265,7 @@ def key_bias_column_sums(bias_grad: Tensor, real_keys: Tensor) -> Tensor:
     query heads summed, which the kernel's own backward gives), the non-real keys' columns
     0: equal where the rows that are not real queries have no output gradient (the
     caller checks), so that the sum over every row is the sum over the real ones."""
-    total = torch.zeros(real_keys.shape, device=real_keys.device)
+    total = torch.zeros(real_keys.shape, device=real_keys.device, dtype=torch.float32)
     total[:, : bias_grad.shape[-1]] += bias_grad.float().sum(dim=1)
     return total.masked_fill_(~real_keys, 0.0)
 
@@ -279,7 +279,7 @@ def relevance_rows_into(
     through_kernels = _through_kernels(call, lambda fused: fused.weighted_column_sums(call, grad_output, row, real_keys.float()))
     if through_kernels is not None:
         return through_kernels
-    total = torch.zeros(row.shape[0], call.num_keys, device=row.device)
+    total = torch.zeros(row.shape[0], call.num_keys, device=row.device, dtype=torch.float32)
     for heads, rows in call.blocks(shape, reached=row.ne(0) & live_rows(grad_output)):
         norm, terms = _block(exp_terms, call, *_terms_of(call, grad_output, rows, heads, real_keys))
         total[:, : terms.shape[-1]] += torch.matmul(row[:, None, None, rows] / norm[:, :, None], terms).sum(dim=(1, 2))

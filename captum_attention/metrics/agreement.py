@@ -29,7 +29,7 @@ def _per_example(correlation: Callable[..., object], first: Tensor, second: Tens
             continue
         statistic = correlation(a[chosen].double().numpy(), b[chosen].double().numpy()).statistic  # type: ignore[attr-defined]
         values.append(float(statistic))
-    return torch.tensor(values)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def kendall_tau(first: Tensor, second: Tensor, include: Tensor | None = None) -> Tensor:

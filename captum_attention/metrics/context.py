@@ -230,7 +230,7 @@ class _AnswerScorer(AblationScorer):
         lengths = self._kept_tokens(rows, removed).sum(dim=1)
         by_length = per_forward > 1 and bool((lengths != lengths[0]).any()) and self.padding_read is not None
         order = lengths.argsort(stable=True) if by_length else torch.arange(len(rows), device=rows.device)
-        values = torch.empty(len(rows), device=rows.device)
+        values = torch.empty(len(rows), device=rows.device, dtype=torch.float32)
         for chunk in length_batches(order, lengths[order] if by_length else None, per_forward):
             prompts, mask, positions = self._kept(rows[chunk], removed[chunk])
             values[chunk] = self._answer_log_probs(prompts, mask, positions, self.answer[rows[chunk]], encoded).to(values.device)
@@ -927,7 +927,8 @@ def leave_one_out_estimates(
     effects = scorer.original[rows] - scorer.log_probs(rows, removed) if len(rows) else scorer.original[:0]
     removable = scorer.segments >= 0
     scores = first_order.detach().float().masked_fill(~removable, 0.0)
-    sizes = torch.zeros(scorer.present.shape, device=removable.device).scatter_add_(1, scorer.segments.clamp(min=0), removable.float())
+    sizes = torch.zeros(scorer.present.shape, device=removable.device, dtype=torch.float32)
+    sizes = sizes.scatter_add_(1, scorer.segments.clamp(min=0), removable.float())
     for row, segment, effect in zip(rows.tolist(), chosen.tolist(), effects.float().tolist()):
         tokens = scorer.segments[row] == segment
         scores[row, tokens] = effect / float(sizes[row, segment])
@@ -990,7 +991,7 @@ def attention_shares(
     if any(role != "self" for role in record.roles):
         raise ValueError(f"attention_shares reads self-attention only; this model's calls are {sorted(set(record.roles))}.")
     real, key_segments = record.over_positions(mask != 0, True), record.over_positions(key_segments, -1)  # GIT's features: no segment
-    shares = torch.zeros(len(ids), count, device=ids.device)
+    shares = torch.zeros(len(ids), count, device=ids.device, dtype=torch.float32)
     for index in range(record.num_calls):
         if record.streaming:
             call = record.kernel_calls[index]

@@ -241,7 +241,7 @@ def decision_flip_fraction(
     )
     flipped = first_flip < never
     removed = torch.where(flipped, first_flip, -1)
-    fraction = torch.where(flipped, removed / tokens_real.sum(1).cpu(), torch.nan)
+    fraction = torch.where(flipped, removed.float() / tokens_real.sum(1).cpu(), torch.nan)
     mass = _attention_mass(original, chosen, plan.ranks < removed[:, None])
     return FlipResult(removed, fraction, torch.where(flipped, mass, torch.nan), flipped)
 

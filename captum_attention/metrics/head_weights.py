@@ -65,7 +65,7 @@ class HeadWeights:
     @classmethod
     def uniform(cls, layers: int, heads: int) -> "HeadWeights":
         """``1 / (L · H)`` each: the mean attention over every layer and head."""
-        return cls(torch.full((layers, heads), 1.0 / (layers * heads)), {"fit": "uniform"})
+        return cls(torch.full((layers, heads), 1.0 / (layers * heads), dtype=torch.float32), {"fit": "uniform"})
 
     @classmethod
     def fit(cls, model: nn.Module, examples: Sequence["Example"], **options: Any) -> "HeadWeights":

@@ -149,7 +149,7 @@ class _PatchScorer(AblationScorer):
         return max(1, min(rows, self.max_batch_size, VALUES_PER_FORWARD // self.pixels[0].numel()))
 
     def _distinct_log_probs(self, rows: Tensor, removed: Tensor) -> Tensor:
-        values = torch.empty(len(rows), device=rows.device)
+        values = torch.empty(len(rows), device=rows.device, dtype=torch.float32)
         for first in range(0, len(rows), self._per_forward(len(rows))):
             chunk = slice(first, first + self._per_forward(len(rows)))
             prompt = None if self.prompt is None else self.prompt[rows[chunk]]

@@ -111,7 +111,7 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
         precision = matched_pred / len(pred_spans) if pred_spans else 0.0
         recall = matched_gold / len(gold_spans) if gold_spans else 0.0
         values.append(0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall))
-    return torch.tensor(values)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None) -> Tensor:
@@ -124,7 +124,7 @@ def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None
     for row_scores, row_gold, row_include in zip(scores, gold, include):
         kept, hits = row_scores[row_include], row_gold[row_include].float()
         if not bool(hits.any()):
-            values.append(torch.tensor(float("nan")))
+            values.append(torch.tensor(float("nan"), dtype=torch.float32))
             continue
         thresholds, group = kept.unique(sorted=True, return_inverse=True)
         selected = torch.zeros_like(thresholds).index_add_(0, group, torch.ones_like(hits)).flip(0).cumsum(0)

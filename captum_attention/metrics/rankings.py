@@ -123,4 +123,4 @@ def random_ranking(shape: tuple[int, int] | torch.Size, seed: int = 0) -> Tensor
     dims = tuple(shape)
     if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise ValueError(f"shape must be sizes such as (batch, seq_len), non-negative ints; got {shape!r}.")
-    return torch.rand(dims, generator=torch.Generator().manual_seed(seed))
+    return torch.rand(dims, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)

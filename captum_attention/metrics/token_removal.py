@@ -440,8 +440,8 @@ def perturbation_curve(
     after, agree = remover.evaluate(rows, remove)
     batch = len(input_ids)
     target_prob = torch.cat([remover.original[:, None], after.view(batch, -1)], dim=1)
-    agreement = torch.cat([torch.ones(batch, 1, device=agree.device), agree.view(batch, -1).float()], dim=1)
-    axis = torch.tensor([0.0, *fractions], device=target_prob.device)
+    agreement = torch.cat([torch.ones(batch, 1, device=agree.device, dtype=torch.float32), agree.view(batch, -1).float()], dim=1)
+    axis = torch.tensor([0.0, *fractions], device=target_prob.device, dtype=torch.float32)
     return CurveResult(
         fractions=axis,
         target_prob=target_prob,
@@ -549,7 +549,7 @@ def greedy_deletion(
         remove = chosen[rows].clone()
         remove[torch.arange(len(rows), device=rows.device), tried[rows, slots]] = True
         after, _ = remover.evaluate(rows, remove)
-        left = torch.full(tried.shape, float("inf"), device=after.device)
+        left = torch.full(tried.shape, float("inf"), device=after.device, dtype=torch.float32)
         left[rows, slots] = after.float()
         picked = tried.gather(1, left.argmin(dim=1, keepdim=True))[:, 0]
         some = valid.any(dim=1)
@@ -608,11 +608,13 @@ def random_halves(present: Tensor, num_ablations: int, seed: int, own_seeds: Ten
     own seed, over its present features in order: the same in any batch and under any
     padding, as an attribution fitted on them must be."""
     if own_seeds is None:
-        kept = torch.rand(present.shape[0], num_ablations, present.shape[1], generator=torch.Generator().manual_seed(seed)) < 0.5
+        shape = (present.shape[0], num_ablations, present.shape[1])
+        kept = torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) < 0.5
         return kept.to(present.device) & present[:, None]
     kept = torch.zeros(present.shape[0], num_ablations, present.shape[1], dtype=torch.bool)
     for row, (features, own) in enumerate(zip(present.cpu(), own_seeds.tolist())):
-        kept[row][:, features] = torch.rand(num_ablations, int(features.sum()), generator=torch.Generator().manual_seed(own)) < 0.5
+        draws = torch.rand(num_ablations, int(features.sum()), generator=torch.Generator().manual_seed(own), dtype=torch.float32)
+        kept[row][:, features] = draws < 0.5
     return kept.to(present.device)
 
 
