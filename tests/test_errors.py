@@ -495,3 +495,17 @@ def test_a_decoder_given_a_generation_cache_is_refused_in_one_line():
         assert_refused_in_one_line(model, lambda: method(forward, model=model).attribute(ids, target=3),
                                    r"attends over 9 positions for the 4 input tokens: .* generation cache passed to it "
                                    r"\(cache, past_key_values: pass the whole sequence instead")
+
+
+def test_a_torchscript_model_is_named_in_the_refusal():
+    """A traced model runs no Python forward: its attention can be neither found nor captured."""
+    from captum_attention.capture import AttentionNotFoundError
+
+    model = make_model("bert")
+    batch = make_batch(model)
+    traced = torch.jit.trace(model, (batch.input_ids, batch.attention_mask), strict=False)
+    with pytest.raises(AttentionNotFoundError, match=r"^TopLevelTracedModule is a TorchScript module, .*: explain the model it was"):
+        GradSAM(traced).attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
+    forward = lambda ids, mask: traced(ids, mask)["logits"]  # noqa: E731
+    with pytest.raises(RuntimeError, match="ran no attention module of `model`: .* not a TorchScript or exported copy of it"):
+        GradSAM(forward, model=model).attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))

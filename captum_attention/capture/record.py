@@ -802,7 +802,7 @@ def _check_attention(
     if not shapes:
         raise RuntimeError(
             "The forward pass ran no attention module of `model`: check that forward_func "
-            "calls the model passed as model=..."
+            "calls the model passed as model=..., and not a TorchScript or exported copy of it."
         )
     over_tokens = [i for i, shape in enumerate(shapes) if text_shape is not None and len(shape) == 4 and shape[-1] == text_shape[1]]
     longer = [i for i, (shape, role) in enumerate(zip(shapes, roles)) if role == "self" and len(shape) == 4 and shape[0] == batch

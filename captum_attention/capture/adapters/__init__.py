@@ -10,6 +10,7 @@ attention.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .huggingface import HuggingFaceAdapter
@@ -31,6 +32,11 @@ def default_adapter(model: nn.Module) -> AttentionAdapter:
         return HuggingFaceAdapter()
     if any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
         return MultiheadAttentionAdapter()
+    if isinstance(model, torch.jit.ScriptModule):
+        raise AttentionNotFoundError(
+            f"{type(model).__name__} is a TorchScript module, whose forward runs no Python code that the attention "
+            "could be found or captured in: explain the model it was scripted or traced from."
+        )
     raise AttentionNotFoundError(
         f"{type(model).__name__} is neither a Hugging Face model nor has nn.MultiheadAttention "
         "modules, so its attention cannot be found automatically. Pass "
