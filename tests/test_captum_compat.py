@@ -292,3 +292,42 @@ def test_targets_of_numpy_and_tensor_integers_are_read_as_ints(bert):
     torch.testing.assert_close(
         GradSAM(tagger).attribute(tags.input_ids, target=(np.int64(3), np.int64(1)), additional_forward_args=(tags.attention_mask,)),
         GradSAM(tagger).attribute(tags.input_ids, target=(3, 1), additional_forward_args=(tags.attention_mask,)), rtol=0, atol=0)
+
+
+def _scored_metrics(bert):
+    """Each metric that takes scores, as a call on ``scores``: a classifier's batch, a
+    language model's prompts and answer."""
+    from lm_models import make_decoder, make_prompts
+
+    from captum_attention import metrics
+
+    model, batch = bert
+    ids, mask = batch.input_ids, batch.attention_mask
+    rationale = torch.zeros_like(ids, dtype=torch.bool).index_fill_(1, torch.tensor([1, 2]), True)
+    decoder, prompts = make_decoder("llama"), make_prompts(side="left")
+    answer = torch.tensor([[7, 8]] * 3)
+    text_scores = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    prompt_scores = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    on_text = {
+        "comprehensiveness": lambda s: metrics.comprehensiveness(model, ids, mask, s, target=1),
+        "datamodeling_score": lambda s: metrics.datamodeling_score(model, ids, mask, s, target=1, num_ablations=4),
+        "token_f1": lambda s: metrics.token_f1(s, rationale, mask, k=2),
+        "kendall_tau": lambda s: metrics.kendall_tau(s, (text_scores.flip(1),), mask),
+        "decision_flip_fraction": lambda s: metrics.decision_flip_fraction(model, ids, s, (mask,)).removed,
+    }
+    on_answers = {
+        "linear_datamodeling_score": lambda s: metrics.linear_datamodeling_score(decoder, prompts.input_ids, prompts.attention_mask, answer, s),
+        "top_k_log_prob_drop": lambda s: metrics.top_k_log_prob_drop(decoder, prompts.input_ids, prompts.attention_mask, answer, s, ks=(1,)),
+    }
+    return {name: (call, text_scores) for name, call in on_text.items()} | {name: (call, prompt_scores) for name, call in on_answers.items()}
+
+
+def test_the_metrics_take_scores_as_captum_returns_them_for_a_tuple_of_inputs(bert):
+    """``attribute((input_ids,), ...)`` returns ``(scores,)``, as Captum's methods do: the
+    metrics read it as the scores (they failed with "'tuple' object has no attribute
+    'shape'"), and refuse a pair (an encoder-decoder's) in one line."""
+    for name, (call, scores) in _scored_metrics(bert).items():
+        torch.testing.assert_close(call((scores,)), call(scores), rtol=0, atol=0, equal_nan=True, msg=name)
+        with pytest.raises(ValueError, match=r"is a tuple of 2, as Captum returns scores for a tuple of inputs;") as refused:
+            call((scores, scores))
+        assert "\n" not in str(refused.value)

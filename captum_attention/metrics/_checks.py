@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
+
+Metric = TypeVar("Metric", bound=Callable[..., Any])
 
 _NOT_PROBABILITIES = {
     "regression": "a regression model's scores are no probabilities",
@@ -61,3 +65,34 @@ def with_ties(scores: Tensor, counts: Tensor) -> Tensor:
     cut = ordered.gather(1, (counts - 1).clamp(min=0))  # (B, F): the last counted score
     tied = (scores[:, None, :] >= cut[:, :, None]).sum(dim=-1)
     return torch.where(counts > 0, torch.maximum(counts, tied), counts)
+
+
+def takes_captum_scores(*names: str) -> Callable[[Metric], Metric]:
+    """Decorator: the metric's score arguments ``names`` may be what Captum's
+    ``attribute`` returns for a tuple of inputs, a tuple of one tensor (taken as that
+    tensor); a tuple of more is refused in one line, naming the one to pass."""
+
+    def decorate(metric: Metric) -> Metric:
+        signature = inspect.signature(metric)
+
+        @functools.wraps(metric)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            for name in names:
+                if isinstance(bound.arguments.get(name), tuple):
+                    bound.arguments[name] = _one_tensor(bound.arguments[name], name)
+            return metric(*bound.args, **bound.kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+def _one_tensor(scores: tuple, name: str) -> Any:
+    if len(scores) == 1:
+        return scores[0]
+    raise ValueError(
+        f"{name} is a tuple of {len(scores)}, as Captum returns scores for a tuple of inputs; this metric takes one "
+        f"(batch, tokens) tensor: pass the scores of the input it removes from (an encoder-decoder's source scores: "
+        f"{name}[0])."
+    )

@@ -8,6 +8,8 @@ import torch
 from scipy import stats
 from torch import Tensor
 
+from ._checks import takes_captum_scores
+
 
 def _per_example(correlation: Callable[..., object], first: Tensor, second: Tensor, include: Tensor | None) -> Tensor:
     if first.shape != second.shape or first.dim() != 2:
@@ -32,6 +34,7 @@ def _per_example(correlation: Callable[..., object], first: Tensor, second: Tens
     return torch.tensor(values, dtype=torch.float32)
 
 
+@takes_captum_scores("first", "second")
 def kendall_tau(first: Tensor, second: Tensor, include: Tensor | None = None) -> Tensor:
     """Kendall's τ-b (scipy.stats.kendalltau) between two ``(batch, seq_len)`` attributions.
 
@@ -47,6 +50,7 @@ def kendall_tau(first: Tensor, second: Tensor, include: Tensor | None = None) ->
     return _per_example(stats.kendalltau, first, second, include)
 
 
+@takes_captum_scores("first", "second")
 def spearman(first: Tensor, second: Tensor, include: Tensor | None = None) -> Tensor:
     """Spearman's ρ (scipy.stats.spearmanr); arguments as for :func:`kendall_tau`."""
     return _per_example(stats.spearmanr, first, second, include)

@@ -51,7 +51,7 @@ from ..capture.record import without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
-from ._checks import check_rankable
+from ._checks import check_rankable, takes_captum_scores
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
@@ -596,6 +596,7 @@ def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, seg
         )
 
 
+@takes_captum_scores("attributions")
 def top_k_log_prob_drop(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -663,6 +664,7 @@ def top_k_drops(scorer: AblationScorer, attributions: Tensor, ks: Sequence[int])
     return scorer.original[:, None] - after
 
 
+@takes_captum_scores("attributions")
 def linear_datamodeling_score(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -742,6 +744,7 @@ def random_ablations(
     return kept, log_probs, scorer.segments
 
 
+@takes_captum_scores("prior")
 def calibrated_scores(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -793,6 +796,7 @@ def calibrated_scores(
     return per_token.masked_fill(~removable, 0.0).float()
 
 
+@takes_captum_scores("prior")
 def context_averaged_scores(
     forward_func: Callable[..., Any],
     attribute_func: Callable[[Tensor, Tensor], Tensor],
@@ -865,6 +869,7 @@ def context_averaged_scores(
     return prior_and_context_shares(summed, prior, removable)
 
 
+@takes_captum_scores("first_order", "prior")
 def leave_one_out_estimates(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -1054,6 +1059,7 @@ def _random_ablations(scorer: AblationScorer, num_ablations: int, seed: int, alo
     return kept, scorer.kept_log_probs(kept)
 
 
+@takes_captum_scores("attributions")
 def leave_one_out_agreement(
     forward_func: Callable[..., Any],
     input_ids: Tensor,

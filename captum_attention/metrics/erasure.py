@@ -18,7 +18,7 @@ from ..capture.runner import resolve_model
 from ..capture.record import without_autocast
 from ..maps import erase_keys, on_heads, streaming
 from ..maps.kernel import KernelCall, block_shape
-from ._checks import check_rankable
+from ._checks import check_rankable, takes_captum_scores
 from ._forward import CaptureMode, js_divergence, layer_set, run_model, select_rows
 
 
@@ -160,6 +160,7 @@ def attention_erasure(
 
 
 @without_autocast("decision_flip_fraction")
+@takes_captum_scores("ranking")
 def decision_flip_fraction(
     forward_func: Callable[..., Any],
     inputs: Tensor,

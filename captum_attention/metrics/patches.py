@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import decoder_start_token, output_logits
-from ._checks import check_rankable
+from ._checks import check_rankable, takes_captum_scores
 from .context import (
     DEFAULT_KS,
     AblationScorer,
@@ -212,6 +212,7 @@ def caption_decoder_ids(model: Any, caption: Tensor) -> Tensor:
     return torch.cat([torch.full_like(caption[:, :1], decoder_start_token(model)), caption[:, :-1]], dim=1)
 
 
+@takes_captum_scores("attributions")
 def top_k_patch_log_prob_drop(
     model: Any,
     pixel_values: Tensor,
@@ -273,6 +274,7 @@ def top_k_patch_log_prob_drop(
     return top_k_drops(scorer, attributions, ks)
 
 
+@takes_captum_scores("attributions")
 def patch_datamodeling_score(
     model: Any,
     pixel_values: Tensor,
@@ -309,6 +311,7 @@ def patch_datamodeling_score(
     return datamodeling_scores(scorer, attributions, num_ablations, seed, per_example)
 
 
+@takes_captum_scores("attributions")
 def patch_leave_one_out_agreement(
     model: Any,
     pixel_values: Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_rankable
+from ._checks import check_rankable, takes_captum_scores
 
 
 def _checked(
@@ -53,6 +53,7 @@ def _f1(predicted: Tensor, gold: Tensor) -> Tensor:
     return torch.where(overlap > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-30), 0.0)
 
 
+@takes_captum_scores("attributions")
 def token_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = None, k: int | None = None) -> Tensor:
     """F1 between the top-k tokens and the rationale tokens.
 
@@ -89,6 +90,7 @@ def _spans(selected: Tensor) -> list[tuple[int, int]]:
     return spans
 
 
+@takes_captum_scores("attributions")
 def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = None, k: int | None = None, threshold: float = 0.5) -> Tensor:
     """ERASER's IOU F1: predicted spans (contiguous runs of the top-k tokens) match a
     rationale span when their intersection over union exceeds ``threshold``; F1 of the
@@ -114,6 +116,7 @@ def iou_f1(attributions: Tensor, rationale: Tensor, include: Tensor | None = Non
     return torch.tensor(values, dtype=torch.float32)
 
 
+@takes_captum_scores("attributions")
 def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None) -> Tensor:
     """Average precision of the scores ranking the rationale tokens first, ``(batch,)``:
     Σ_t (R_t − R_(t−1))·P_t over the distinct score thresholds t, highest first (as

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
-from ._checks import check_class_probabilities, check_rankable, with_ties
+from ._checks import check_class_probabilities, check_rankable, with_ties, takes_captum_scores
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
@@ -322,6 +322,7 @@ def _drop_per_bin(remover: _Remover, attributions: Tensor, bins: Sequence[float]
     return (remover.original[rows] - after).view(len(attributions), -1)
 
 
+@takes_captum_scores("attributions")
 def comprehensiveness(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -368,6 +369,7 @@ def comprehensiveness(
     return _drop_per_bin(remover, attributions, bins, remove_top=True)
 
 
+@takes_captum_scores("attributions")
 def sufficiency(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -397,6 +399,7 @@ def aopc(scores_per_bin: Tensor) -> Tensor:
     return scores_per_bin.mean(dim=-1)
 
 
+@takes_captum_scores("attributions")
 def perturbation_curve(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -483,6 +486,7 @@ def leave_one_out(
     return importance
 
 
+@takes_captum_scores("prior")
 def greedy_deletion(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -636,6 +640,7 @@ def _as_bytes(values: Tensor) -> bytes:
     return values.cpu().contiguous().numpy().tobytes()
 
 
+@takes_captum_scores("prior")
 def calibrated_attribution(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
@@ -701,6 +706,7 @@ def calibrated_attribution(
     return scores.float()
 
 
+@takes_captum_scores("prior")
 def context_averaged_attribution(
     attribute_func: Callable[[Tensor, Tensor], Tensor],
     input_ids: Tensor,
@@ -850,6 +856,7 @@ def prior_and_context_shares(summed: Tensor, prior: Tensor, removable: Tensor) -
     return (shares(summed) + shares(prior.detach().double().to(summed.device))).float()
 
 
+@takes_captum_scores("attributions")
 def datamodeling_score(
     forward_func: Callable[..., Any],
     input_ids: Tensor,
