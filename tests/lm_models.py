@@ -243,13 +243,13 @@ def _reference(model: nn.Module, prompts: Prompts, score) -> LMReference:
 
 def one_stack_case(family: str):
     """``(model, ids, mask, query)`` for the single-stack method tests: the test suite's BERT
-    with its right-padded batch (query: the first position), or a tiny decoder with
+    or ALBERT with its right-padded batch (query: the first position), or a tiny decoder with
     left-padded prompts (query: the last position); biases and norm weights drawn at
     random."""
     from conftest import make_batch, make_model, with_random_biases
 
-    if family == "bert":
-        model = with_random_biases(make_model("bert"), scale=0.3)
+    if family in ("bert", "albert"):
+        model = with_random_biases(make_model(family), scale=0.3)
         batch = make_batch(model)
         return model, batch.input_ids, batch.attention_mask, 0
     prompts = make_prompts(side="left")

@@ -36,6 +36,11 @@ def _modules(model, family: str):
         layers = model.bert.encoder.layer if family == "bert" else model.git.encoder.layer
         return [(layer.attention.self.value, layer.attention.output.dense.weight, layer.attention.output.dense.bias,
                  layer.attention.output.LayerNorm, layer.output.LayerNorm) for layer in layers]
+    if family == "albert":  # one layer at every depth; the residual joins at a norm inside its attention module
+        layer = model.albert.encoder.albert_layer_groups[0].albert_layers[0]
+        attention = layer.attention
+        return [(attention.value, attention.dense.weight, attention.dense.bias, attention.LayerNorm, layer.full_layer_layer_norm)
+                ] * model.config.num_hidden_layers
     if family == "llama":
         return [(layer.self_attn.v_proj, layer.self_attn.o_proj.weight, None, None, layer.post_attention_layernorm)
                 for layer in model.model.layers]
@@ -106,7 +111,7 @@ def _run(model, family: str, ids):
         return lambda module, args, output: seen[name].append(transform(args[0] if name != "values" else output).detach())
 
     heads, kv_heads = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
-    for values, _, _, ln1, ln2 in _modules(model, family):
+    for values, _, _, ln1, ln2 in dict.fromkeys(_modules(model, family)):  # a shared layer's hooks once
         third = (lambda t: t[..., 2 * t.shape[-1] // 3 :]) if family == "gpt2" else (lambda t: t)
         handles.append(values.register_forward_hook(keep("values", third)))
         handles.append(ln2.register_forward_hook(keep("ln2")))
@@ -120,7 +125,7 @@ def _run(model, family: str, ids):
             handles.append(block.mlp.register_forward_hook(lambda module, args, output: seen["mlp"].append(output.detach())))
             handles.append(block.register_forward_hook(
                 lambda module, args, output: seen["beside"].append((output[0] if isinstance(output, tuple) else output).detach() - seen["mlp"][-1])))
-    if family not in ("bert", "git"):
+    if family not in ("bert", "albert", "git"):
         handles.append(_final(model, family)[0].register_forward_hook(keep("final")))
     try:
         with torch.no_grad():
@@ -191,7 +196,7 @@ def reference(model, family: str, ids, mask, query: int) -> torch.Tensor:
     """ALTI's row of the explained query, per example, at its real positions."""
     scores = torch.zeros(ids.shape)
     for b, real, example in _examples(ids, mask):
-        row = query if family == "bert" else int(real.sum()) - 1  # decoders: left padding, the last token
+        row = query if family in ("bert", "albert") else int(real.sum()) - 1  # decoders: left padding, the last token
         layers, _, _ = _alti_layers(model, family, example)
         scores[b, real] = _rollout(layers)[-1][row].float()
     return scores
@@ -230,7 +235,7 @@ def residual_norms_reference(model, family: str, ids, mask, query: int, layer: i
     times γ."""
     scores = torch.zeros(ids.shape)
     for b, real, example in _examples(ids, mask):
-        row = query if family == "bert" else int(real.sum()) - 1
+        row = query if family in ("bert", "albert") else int(real.sum()) - 1
         scores[b, real] = example_residual_norms(model, family, example, row, layer)
     return scores
 
@@ -254,7 +259,7 @@ def example_residual_norms(model, family: str, example, row: int, layer: int) ->
 
 
 @pytest.mark.parametrize("layer", [-1, 0])
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
+@pytest.mark.parametrize("family", ["bert", "albert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
 def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)
@@ -266,7 +271,7 @@ def test_norm_attention_with_the_residual_equals_kobayashi_2021(family, layer, c
     assert not torch.allclose(plain, scores)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
+@pytest.mark.parametrize("family", ["bert", "albert", "llama", "gpt2", "gemma2", "gptj", "gemma4"])
 def test_alti_equals_the_authors_computation(family, capture_mode):
     model, ids, mask, query = one_stack_case(family)
     before = model_state(model)

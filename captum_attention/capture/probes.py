@@ -656,9 +656,8 @@ class LayerBlocks(Probe):
             few more ``(B, N, D)`` tensors per layer kept (a layer may add into a
             module's output in place once it has used it), where re-running the layer
             would compute it all again. The modules inside the attention module are
-            left out: the residual joins the attention's output outside it (a layer
-            that adds it inside, as ALBERT's, is then refused in one line). Default:
-            False.
+            left out but its norms: the residual joins the attention's output outside
+            it, or at a norm inside it (ALBERT's). Default: False.
     """
 
     def __init__(self, states: bool | int = False) -> None:
@@ -703,7 +702,7 @@ class LayerBlocks(Probe):
                     seen.append((module, kept_input, _copy_once(hidden, last)))
 
         inside_attention = set() if self.states is False else {
-            id(m) for site in sites for m in site.module.modules() if m is not site.module
+            id(m) for site in sites for m in site.module.modules() if m is not site.module and not _is_norm_module(m)
         }
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
@@ -722,6 +721,12 @@ class LayerBlocks(Probe):
 
     def result(self) -> RecordedBlocks:
         return RecordedBlocks(list(self._calls))
+
+
+def _is_norm_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm by its class's name (a LayerNorm, an RMSNorm): inside
+    an attention module, where the residual may join its output (ALBERT's)."""
+    return "norm" in type(module).__name__.lower()
 
 
 def _copy_once(states: Tensor, last: list) -> Tensor:
