@@ -49,6 +49,22 @@ def test_target_of_wrong_length_or_type(setup):
         GradSAM(model).attribute(batch.input_ids, target=torch.tensor([0.0, 1.0, 1.0]))
 
 
+def test_a_target_given_as_text_is_refused_with_the_ids_to_give(setup):
+    """A label's name or an answer's text (as Captum's LLMAttribution takes it) failed
+    with torch's "new(): invalid data type 'str'"."""
+    from lm_models import make_decoder, make_prompts
+
+    model, batch = setup
+    decoder, prompts = make_decoder("llama"), make_prompts(side="left")
+    calls = {
+        "positive": lambda: GradSAM(model).attribute(batch.input_ids, target="positive", additional_forward_args=(batch.attention_mask,)),
+        "Paris": lambda: AttnLRP(decoder).attribute(prompts.input_ids, target="Paris", additional_forward_args=(prompts.attention_mask,)),
+    }
+    for text, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^target '{text}' is text, .* model\.config\.label2id\[label\], .* attribute_span"):
+            call()
+
+
 def test_inputs_and_mask_of_different_shapes(setup):
     model, batch = setup
     with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 8\) but the inputs are \(3, 9\)"):

@@ -311,6 +311,12 @@ def query_row_weights(weights: Tensor, real: Tensor) -> Tensor:
 
 def _one_per_example(value: Any, batch: int, device: torch.device, name: str, what: str) -> Tensor:
     """``value`` (an int, ints or a tensor of them) as a ``(B,)`` long tensor, or a clear error."""
+    if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
+        raise TypeError(
+            f"{name} {value!r} is text, and {name} takes {what} (integers): a label's index is "
+            "model.config.label2id[label], a token's id tokenizer.convert_tokens_to_ids(token); a text answer is "
+            "explained by attribute_span(input_ids, answer_ids) or LLMAttentionAttribution."
+        )
     values = torch.as_tensor(value, device=device)
     if values.is_floating_point() or values.dtype == torch.bool:
         raise TypeError(f"{name} must be {what} (integers), got dtype {values.dtype}.")
