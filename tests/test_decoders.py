@@ -325,3 +325,30 @@ def test_a_continuation_padded_after_its_end_is_refused_in_one_line(family):
                 call(prompts.input_ids, torch.tensor(padded), additional_forward_args=args)
     for whole in ([[5, 6, 7, end], [9, 10, 11, 12]], [[5, end, 7, 8], [9, 10, 11, end]]):
         explain.attribute_span(prompts.input_ids, torch.tensor(whole), additional_forward_args=args)
+
+
+def test_an_answer_as_a_tokenizers_list_or_one_row_for_every_prompt():
+    """``tokenizer(answer).input_ids`` is a list, and one answer often serves a batch of
+    prompts: a list failed with "'list' object has no attribute 'dim'", one row for
+    three prompts was refused. Both give the scores of the answer written out per row;
+    text, and rows of different lengths, are refused in one line."""
+    from captum_attention import AttnLRP
+    from captum_attention.metrics import linear_datamodeling_score
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    args = (prompts.input_ids,)
+    per_row = torch.tensor([[7, 8]] * 3)
+    expected_span = AttnLRP(model).attribute_span(*args, per_row, additional_forward_args=(prompts.attention_mask,))
+    expected_rows = GradSAM(model).attribute_continuation(*args, per_row, additional_forward_args=(prompts.attention_mask,))
+    scores = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    expected_lds = linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, per_row, scores)
+    for answer in ([7, 8], [[7, 8]] * 3, torch.tensor([7, 8]), torch.tensor([[7, 8]])):
+        span = AttnLRP(model).attribute_span(*args, answer, additional_forward_args=(prompts.attention_mask,))
+        rows = GradSAM(model).attribute_continuation(*args, answer, additional_forward_args=(prompts.attention_mask,))
+        lds = linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, answer, scores)
+        assert torch.equal(span, expected_span) and torch.equal(rows, expected_rows) and torch.equal(lds, expected_lds)
+    with pytest.raises(TypeError, match=r"^continuation is text: give its token ids, e\.g\. tokenizer\(text"):
+        AttnLRP(model).attribute_span(*args, "Paris", additional_forward_args=(prompts.attention_mask,))
+    with pytest.raises(ValueError, match=r"^answer holds rows of different lengths .*: explain each answer in its own call"):
+        linear_datamodeling_score(model, prompts.input_ids, prompts.attention_mask, [[7, 8], [7], [7, 8]], scores)
+

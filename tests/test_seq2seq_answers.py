@@ -112,7 +112,7 @@ def test_wrong_arguments_get_one_clear_line(name):
     with pytest.raises(ValueError, match="the source's attention mask only"):
         explainer.attribute_span(source, answer, additional_forward_args=(SOURCE_MASK, SOURCE_MASK))
     with pytest.raises(ValueError, match="continuation must be token ids"):
-        explainer.attribute_span(source, answer[0])
+        explainer.attribute_span(source, answer.float())
     no_start = copy.deepcopy(model)
     no_start.config.decoder_start_token_id = no_start.generation_config.decoder_start_token_id = None
     with pytest.raises(ValueError, match="decoder_start_token_id"):

@@ -13,7 +13,9 @@ from torch import Tensor, nn
 
 from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
-from ..capture.inputs import LogProbTarget, QueryIndex, check_no_padding_after_end, decoder_start_token, format_inputs, index_target
+from ..capture.inputs import (
+    LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token, format_inputs, index_target,
+)
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
@@ -349,10 +351,11 @@ class AttentionAttributionBase:
         Args:
             inputs (Tensor): prompt token ids ``(batch, prompt_len)``, padded on the
                 left (as for ``generate``).
-            continuation (Tensor): ``(batch, new_tokens)`` token ids, e.g.
+            continuation (Tensor or list): ``(batch, new_tokens)`` token ids, e.g.
                 ``model.generate(...)[:, prompt_len:]`` (a row padded after its
                 end-of-sequence token, as ``generate`` pads a batch's shorter answers, is
-                refused: give it alone, up to its end).
+                refused: give it alone, up to its end); one answer's ids (1-D, one row,
+                or a tokenizer's list) are every prompt's.
             additional_forward_args (Any, optional): further arguments of
                 ``forward_func``; every tensor shaped ``(batch, prompt_len)`` is taken as a
                 padding mask and extended with ones over the continuation. Default: None.
@@ -376,7 +379,7 @@ class AttentionAttributionBase:
             (batch, new_tokens, new_tokens))``, the target rows over the decoder's inputs
             (its start token, then the continuation but its last token).
         """
-        record, first = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        record, first, continuation = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
         positions = first + torch.arange(new_tokens, device=record.target_real.device).expand(len(continuation), -1)
         streams_rows = record.streaming and self.spec.needs == "forward" and not record.is_encoder_decoder
@@ -420,9 +423,9 @@ class AttentionAttributionBase:
 
         Args:
             inputs (Tensor): prompt token ids ``(batch, prompt_len)``, padded on the left.
-            continuation (Tensor): ``(batch, new_tokens)`` token ids of the continuation
-                (none padded after its end-of-sequence token, as for
-                :meth:`attribute_continuation`).
+            continuation (Tensor or list): ``(batch, new_tokens)`` token ids of the
+                continuation (none padded after its end-of-sequence token; one answer's
+                ids every prompt's, as for :meth:`attribute_continuation`).
             additional_forward_args (Any, optional): as for
                 :meth:`attribute_continuation`. Default: None.
             **options: the method's options of ``attribute``.
@@ -444,7 +447,7 @@ class AttentionAttributionBase:
                 f"{self.get_name()} explains one query token at a time and has no span: explain each "
                 "token with attribute_continuation instead of attribute_span."
             )
-        record, first = self._continuation_record(inputs, continuation, additional_forward_args, options)
+        record, first, continuation = self._continuation_record(inputs, continuation, additional_forward_args, options)
         new_tokens = continuation.shape[1]
         positions = torch.arange(first, first + new_tokens, device=record.target_real.device)
         target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
@@ -453,13 +456,16 @@ class AttentionAttributionBase:
         return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, scores) if inputs.dim() == 4 else scores
 
     def _continuation_record(
-        self, inputs: Tensor, continuation: Tensor, additional_forward_args: Any, options: dict[str, Any]
-    ) -> tuple[ForwardRecord, int]:
+        self, inputs: Tensor, continuation: Any, additional_forward_args: Any, options: dict[str, Any]
+    ) -> tuple[ForwardRecord, int, Tensor]:
         """One forward of prompt + continuation (an encoder-decoder's source, and its
-        decoder's start token + continuation), and the first position that predicts the
-        continuation (``options`` loses ``effective``, which the record applies)."""
+        decoder's start token + continuation), the first position that predicts the
+        continuation, and the continuation as ``(batch, new_tokens)`` ids
+        (:func:`~captum_attention.capture.inputs.answer_ids`; ``options`` loses
+        ``effective``, which the record applies)."""
         self._check_options(options, "attribute_span or attribute_continuation")
         _, (prompt,) = format_inputs(inputs)
+        continuation = answer_ids(continuation, prompt.shape[0], "continuation")
         _check_continuation(prompt, continuation)
         check_no_padding_after_end(self.model, continuation)
         adapter = self._one_stack_adapter()
@@ -467,14 +473,14 @@ class AttentionAttributionBase:
         if adapter.is_encoder_decoder(self.model):
             decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)
             _check_vocabulary(adapter, self.model, decoder if prompt.is_floating_point() else torch.cat([prompt, decoder], dim=1))
-            return self._recorded((prompt, decoder), extra, None, effective, False, options), 0
+            return self._recorded((prompt, decoder), extra, None, effective, False, options), 0, continuation
         check_captioner_prompt(self.model, prompt)
         sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
         _check_vocabulary(adapter, self.model, sequence)
         extra = _extend_masks(adapter, self.model, additional_forward_args, prompt.shape, continuation.shape[1])
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, record.leading + prompt.shape[1])
-        return record, record.leading + prompt.shape[1] - 1
+        return record, record.leading + prompt.shape[1] - 1, continuation
 
 
 AttentionAttributionBase.__doc__ = shared_class_docs(AttentionAttributionBase.__doc__)

@@ -309,6 +309,31 @@ def query_row_weights(weights: Tensor, real: Tensor) -> Tensor:
     return weights.float()
 
 
+def answer_ids(answer: Any, batch: int, name: str) -> Any:
+    """``answer`` as token ids of ``batch`` rows: a list of ints (a tokenizer's
+    ``input_ids``) as a tensor, and one answer (1-D, or one row) as every prompt's, as one
+    int target serves every example; text and rows of different lengths refused in one
+    line. Anything else as it is, for the caller's own check."""
+    if isinstance(answer, str) or (isinstance(answer, list) and any(isinstance(a, str) for a in answer)):
+        raise TypeError(
+            f"{name} is text: give its token ids, e.g. tokenizer(text, add_special_tokens=False, "
+            "return_tensors='pt').input_ids."
+        )
+    if isinstance(answer, (list, tuple)):
+        try:
+            answer = torch.tensor(answer)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{name} holds rows of different lengths ({error}): explain each answer in its own call, or give one "
+                "tensor of token ids (batch, new_tokens)."
+            ) from None
+    if isinstance(answer, Tensor) and answer.dim() == 1:
+        answer = answer[None]
+    if isinstance(answer, Tensor) and answer.dim() == 2 and answer.shape[0] == 1 and batch > 1:
+        answer = answer.expand(batch, -1)
+    return answer
+
+
 def _one_per_example(value: Any, batch: int, device: torch.device, name: str, what: str) -> Tensor:
     """``value`` (an int, ints or a tensor of them) as a ``(B,)`` long tensor, or a clear error."""
     if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):

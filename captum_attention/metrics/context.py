@@ -46,7 +46,7 @@ from ..capture.adapters.images import (
     marked_image_positions, takes_encoded_images,
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
-from ..capture.inputs import check_no_padding_after_end, decoder_start_token, output_logits
+from ..capture.inputs import answer_ids, check_no_padding_after_end, decoder_start_token, output_logits
 from ..capture.record import without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
@@ -160,7 +160,7 @@ class _AnswerScorer(AblationScorer):
         max_batch_size: int,
         image_inputs: Mapping[str, Tensor] | None = None,
     ) -> None:
-        _check_shapes(input_ids, attention_mask, answer, segments)
+        answer = _checked_answer(input_ids, attention_mask, answer, segments)
         check_no_padding_after_end(forward_func, answer, "answer")
         self.image_inputs = _one_example_images(image_inputs, input_ids)
         if max_batch_size < 1:
@@ -580,9 +580,13 @@ def kept_image_tokens(forward_func: Callable[..., Any], input_ids: Tensor, segme
     return tokens if marked is None else tokens | marked
 
 
-def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, segments: Tensor | None) -> None:
+def _checked_answer(input_ids: Tensor, attention_mask: Tensor, answer: Any, segments: Tensor | None) -> Tensor:
+    """``answer`` as ``(batch, answer_len)`` token ids
+    (:func:`~captum_attention.capture.inputs.answer_ids`), or a clear error for it, the
+    prompts, their mask or their segments."""
     if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.numel() == 0:
         raise TypeError("input_ids must be a non-empty batch of prompt token ids (batch, prompt_len), padded on the left.")
+    answer = answer_ids(answer, input_ids.shape[0], "answer")
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}.")
     if answer.dim() != 2 or answer.shape[0] != input_ids.shape[0] or answer.shape[1] == 0 or answer.is_floating_point():
@@ -594,6 +598,7 @@ def _check_shapes(input_ids: Tensor, attention_mask: Tensor, answer: Tensor, seg
             f"segments has shape {tuple(segments.shape)} but input_ids {tuple(input_ids.shape)}: give each prompt "
             "token its segment index (-1: never removed)."
         )
+    return answer
 
 
 @takes_captum_scores("attributions")
@@ -979,7 +984,7 @@ def attention_shares(
 
         >>> shares = attention_shares(model, prompt_ids, mask, answer_ids, segments)  # (1, S)
     """
-    _check_shapes(input_ids, attention_mask, answer, segments)
+    answer = _checked_answer(input_ids, attention_mask, answer, segments)
     if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
         raise ValueError("attention_shares reads a decoder-only model's self-attention; this model is an encoder-decoder.")
     images = _image_dict(image_inputs)
