@@ -153,3 +153,20 @@ def test_token_removal_removes_tied_tokens_together(setup):
     scores = comprehensiveness(forward, batch.input_ids, batch.attention_mask, tied, target=0, bins=(1, 50, 100))
     torch.testing.assert_close(scores[:, 0], scores[:, 2])
     torch.testing.assert_close(scores[:, 1], scores[:, 2])
+
+
+def test_a_tokenizers_lists_are_refused_naming_them(setup):
+    """``tokenizer(texts).input_ids`` without ``return_tensors='pt'`` is a list: the metrics
+    failed with "'list' object has no attribute 'shape'"."""
+    from lm_models import make_decoder, make_prompts
+
+    from captum_attention.metrics import linear_datamodeling_score
+
+    model, batch = setup
+    with pytest.raises(TypeError, match=r"^input_ids \(list\) must be tensors \(batch, seq_len\): .*return_tensors='pt'"):
+        comprehensiveness(model, batch.input_ids.tolist(), batch.attention_mask, torch.rand(batch.input_ids.shape), target=1)
+    decoder, prompts = make_decoder("llama"), make_prompts(side="left")
+    with pytest.raises(TypeError, match=r"^input_ids \(list\), attention_mask \(list\) must be tensors"):
+        linear_datamodeling_score(
+            decoder, prompts.input_ids.tolist(), prompts.attention_mask.tolist(), [7, 8], torch.rand(prompts.input_ids.shape)
+        )

@@ -32,6 +32,17 @@ def check_class_probabilities(forward_func: Any, fix: str = "") -> None:
         )
 
 
+def check_tensors(**named: Any) -> None:
+    """A one-line ``TypeError`` naming the arguments of ``named`` that are not tensors (a
+    tokenizer's lists, without ``return_tensors='pt'``)."""
+    given = [f"{name} ({type(value).__name__})" for name, value in named.items() if not isinstance(value, Tensor)]
+    if given:
+        raise TypeError(
+            f"{', '.join(given)} must be tensors (batch, seq_len): give torch tensors, e.g. tokenizer(..., "
+            "return_tensors='pt')."
+        )
+
+
 def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions", finite: bool = False) -> None:
     """A clear error for NaN among the ``include``\\ d scores (a NaN has no rank), with
     ``finite`` for ±inf too (where the metric ranks tokens against excluded ones, which

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
-from ._checks import check_class_probabilities, check_rankable, with_ties, takes_captum_scores
+from ._checks import check_class_probabilities, check_rankable, check_tensors, takes_captum_scores, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
@@ -58,6 +58,7 @@ class _Remover:
         pad_token_id: int | None,
     ) -> None:
         _check_removal(removal, baseline_token_id)
+        check_tensors(input_ids=input_ids, attention_mask=attention_mask)
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
