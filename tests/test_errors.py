@@ -250,6 +250,35 @@ def test_under_no_grad_every_method_explains_a_language_models_token(name):
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_inputs_made_under_inference_mode_are_explained_as_any_others(name):
+    """Ids that ``generate`` returned under ``torch.inference_mode()``, and embeddings,
+    targets and masks made there, cannot be saved for a backward: the gradient methods
+    failed with torch's "Inference tensors cannot be saved for backward"."""
+    from lm_models import make_decoder, make_prompts
+
+    from captum_attention.metrics import gradient_ranking
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    forward_embeddings = lambda embeddings, mask: model(inputs_embeds=embeddings, attention_mask=mask).logits  # noqa: E731
+    method, on_embeddings = REGISTRY[name](model), REGISTRY[name](forward_embeddings, model=model)
+    ids, mask, targets, answer = prompts.input_ids, prompts.attention_mask, torch.tensor([5, 6, 7]), torch.tensor([[7, 8]] * 3)
+    embeddings = model.get_input_embeddings()(ids).detach()
+
+    def explained(ids, mask, targets, answer, embeddings):
+        return (
+            method.attribute(ids, target=targets, additional_forward_args=(mask,)),
+            method.attribute_continuation(ids, answer, additional_forward_args=(mask,)),
+            on_embeddings.attribute(embeddings, target=targets, additional_forward_args=(mask,)),
+            gradient_ranking(model, ids, targets, (mask,)),
+        )
+
+    expected = explained(ids, mask, targets, answer, embeddings)
+    with torch.inference_mode():
+        made_there = tuple(t.clone() for t in (ids, mask, targets, answer, embeddings))
+    torch.testing.assert_close(explained(*made_there), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_under_autocast_every_method_explains_the_model_in_its_own_precision(name):
     """Under ``torch.autocast`` each layer rounds to bfloat16 while the weights stay
     float32: raw attention returned bfloat16 scores, Value Zeroing's re-runs and

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import (
     LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token, format_inputs, index_target,
+    outside_inference_mode,
 )
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
@@ -51,15 +53,18 @@ def attribute_method(attribute: AttributeFunction) -> AttributeFunction:
 
 
 def _explanation(call: AttributeFunction) -> AttributeFunction:
-    """``call`` with autocast off (:func:`~captum_attention.capture.record.without_autocast`)
-    and through the runner's :meth:`~captum_attention.capture.runner.CaptureRunner.retried_eager`:
-    under ``capture='auto'``, a streamed call whose scores are not finite at real tokens
-    while the explained output is runs once more eager (the gradient of Gemma-3n's sdpa
+    """``call`` with autocast off (:func:`~captum_attention.capture.record.without_autocast`),
+    its arguments made under ``torch.inference_mode`` copied out of it
+    (:func:`~captum_attention.capture.inputs.outside_inference_mode`), and through the
+    runner's :meth:`~captum_attention.capture.runner.CaptureRunner.retried_eager`: under
+    ``capture='auto'``, a streamed call whose scores are not finite at real tokens while
+    the explained output is runs once more eager (the gradient of Gemma-3n's sdpa
     attention on a left-padded batch)."""
 
     @functools.wraps(call)
     def explained(self: AttentionAttributionBase, *args: Any, **kwargs: Any) -> Any:
         why = "the streamed scores were not finite at real tokens, where the explained output is"
+        args, kwargs = tree_map(outside_inference_mode, (args, kwargs))
         with without_autocast(self.get_name()):
             return self._runner.retried_eager(lambda: call(self, *args, **kwargs), NonFiniteScores, why)
 

@@ -309,6 +309,12 @@ def query_row_weights(weights: Tensor, real: Tensor) -> Tensor:
     return weights.float()
 
 
+def outside_inference_mode(value: Any) -> Any:
+    """A tensor made under ``torch.inference_mode`` (ids that ``generate`` returned
+    there) as a copy that autograd may save for a backward; anything else as it is."""
+    return value.clone() if isinstance(value, Tensor) and value.is_inference() and not torch.is_inference_mode_enabled() else value
+
+
 def answer_ids(answer: Any, batch: int, name: str) -> Any:
     """``answer`` as token ids of ``batch`` rows: a list of ints (a tokenizer's
     ``input_ids``) as a tensor, and one answer (1-D, or one row) as every prompt's, as one
@@ -342,7 +348,7 @@ def _one_per_example(value: Any, batch: int, device: torch.device, name: str, wh
             "model.config.label2id[label], a token's id tokenizer.convert_tokens_to_ids(token); a text answer is "
             "explained by attribute_span(input_ids, answer_ids) or LLMAttentionAttribution."
         )
-    values = torch.as_tensor(value, device=device)
+    values = outside_inference_mode(torch.as_tensor(value, device=device))
     if values.is_floating_point() or values.dtype == torch.bool:
         raise TypeError(f"{name} must be {what} (integers), got dtype {values.dtype}.")
     if values.dim() == 0:

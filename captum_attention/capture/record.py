@@ -23,6 +23,7 @@ import captum
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, format_additional_forward_args, run_forward
 from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
@@ -30,7 +31,8 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .adapters.images import leading_image_features
 from .inputs import (
-    LogProbTarget, QueryIndex, class_probabilities, output_logits, query_positions, query_row_weights, resolve_targets,
+    LogProbTarget, QueryIndex, class_probabilities, outside_inference_mode, output_logits, query_positions, query_row_weights,
+    resolve_targets,
 )
 from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
 from .recorder import AttentionCapture
@@ -407,6 +409,7 @@ def record_forward(
             not under ``torch.inference_mode``, where it is not confirmed).
     """
     _check_call(additional_forward_args, track_grad)
+    inputs, additional_forward_args = tree_map(outside_inference_mode, (inputs, additional_forward_args))
     _check_float_inputs(model, inputs)
     batch = inputs[0].shape[0]
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
