@@ -184,7 +184,7 @@ def model_state(model: nn.Module) -> dict:
         "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [_plain(p.detach()).clone() for p in model.parameters()],
         "own forwards": [(name, vars(module).get("forward")) for name, module in model.named_modules()],
         "graph-tied tensors": [
             (name, key) for name, module in model.named_modules()
@@ -192,6 +192,12 @@ def model_state(model: nn.Module) -> dict:
             if isinstance(value, torch.Tensor) and value.grad_fn is not None
         ],
     }
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    """A weight quantized as a tensor subclass (torchao's, optimum-quanto's) as the float
+    matrix it stands for, which torch.equal compares; any other as it is."""
+    return weight.dequantize() if type(weight) not in (torch.Tensor, nn.Parameter) else weight
 
 
 def counted(function: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:

@@ -526,6 +526,47 @@ def test_a_model_quantized_by_torch_is_refused_by_the_methods_that_need_its_grad
     torch.testing.assert_close(RawAttention(quantized).attribute(batch.input_ids, **args), expected)
 
 
+def _dequantized_twin(model, quantized):
+    """``model`` with each weight that ``quantized`` holds as a tensor subclass replaced
+    by its dequantized matrix: the float model that the quantized one computes."""
+    twin, quantized_modules = copy.deepcopy(model), dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            weight = getattr(quantized_modules.get(name), "weight", None)
+            if isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter):
+                module.weight.copy_(weight.dequantize())
+    return twin
+
+
+@pytest.mark.parametrize("quantizer", ["torchao", "optimum-quanto"])
+def test_weights_quantized_as_tensor_subclasses_are_explained_as_their_dequantized_model(quantizer):
+    """torchao's and optimum-quanto's weight-only quantization keep ``nn.Linear`` layers
+    that multiply by a dequantized weight: every method explains such a Llama as its float
+    twin with those weights. ALTI, ALTI-Logit and the norms read the output projection and
+    the unembedding as matrices, which torchao's weights are not: they failed with its
+    "Int8Tensor dispatch: attempting to run unimplemented operator"."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    quantized = copy.deepcopy(model)
+    if quantizer == "torchao":
+        torchao = pytest.importorskip("torchao.quantization")  # Linux wheels only
+        torchao.quantize_(quantized, torchao.Int8WeightOnlyConfig())
+    else:
+        quanto = pytest.importorskip("optimum.quanto")
+        quanto.quantize(quantized, weights=quanto.qint8)
+        quanto.freeze(quantized)
+    twin = _dequantized_twin(model, quantized)
+    assert type(quantized.model.layers[0].self_attn.o_proj.weight) not in (torch.Tensor, torch.nn.Parameter)
+    args = dict(target=5, additional_forward_args=(prompts.attention_mask,))
+    for name, method in REGISTRY.items():
+        before = model_state(quantized)
+        scores = method(quantized).attribute(prompts.input_ids, **args)
+        assert_same_state(before, model_state(quantized))
+        expected = method(twin).attribute(prompts.input_ids, **args)
+        torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(), msg=name)
+
+
 def test_a_decoder_given_a_generation_cache_is_refused_in_one_line():
     """Tokens read beside a cache of earlier ones attend over positions that no input
     stands for: the refusal says to pass the whole sequence."""

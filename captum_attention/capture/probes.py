@@ -541,13 +541,16 @@ class ValueRecorder(Probe):
 
 def _weight_owner(model: nn.Module, module: nn.Module, weight: Tensor | None) -> nn.Module | None:
     """The module, inside ``module`` or its parent, whose weight ``weight`` is (or a view
-    of: GPT-2's transposed ``Conv1D``); None where there is none."""
+    of: GPT-2's transposed ``Conv1D``; or dequantized from:
+    :func:`~captum_attention.maps.common.dense_weight`); None where there
+    is none."""
     if weight is None:
         return None
     parent = parent_module(model, module)
+    sources = (weight, getattr(weight, "_base", None), getattr(weight, "dequantized_from", None))
     for candidate in (*module.modules(), *(parent.modules() if parent is not None else ())):
         own = getattr(candidate, "weight", None)
-        if isinstance(own, Tensor) and (own is weight or getattr(weight, "_base", None) is own):
+        if isinstance(own, Tensor) and any(own is source for source in sources):
             return candidate
     return None
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import UnsupportedModelError
-from ..maps import LinearNorm, half_precision
+from ..maps import LinearNorm, dense_weight, half_precision
 from .adapters import AttentionAdapter
 from .probes import BlockCall, ModuleStates, Probe, layer_blocks
 
@@ -166,7 +166,7 @@ class FinalStates:
         layer and the head as a :class:`LinearNorm` (None where the head reads the last
         layer's output itself), checked on the ``real`` tokens; a refusal in one line
         where the head does not read the last layer through a norm."""
-        weight = getattr(self.head, "weight", None)
+        weight = dense_weight(getattr(self.head, "weight", None))
         if self.head_inputs is None or self.last_output is None or not isinstance(weight, Tensor):
             raise UnsupportedModelError(
                 "ALTI-Logit explains a language model's next-token logit: the model needs output embeddings "
@@ -188,7 +188,7 @@ class FinalStates:
     def check_logits(self, logits: Tensor, positions: Tensor, tokens: Tensor) -> None:
         """Refuse in one line where the model's ``logits`` ``(B, N, V)`` at ``positions``
         ``(B, K)`` for ``tokens`` ``(B, K)`` are not the head's own (a logit cap or scale)."""
-        head_weight = getattr(self.head, "weight", None)
+        head_weight = dense_weight(getattr(self.head, "weight", None))
         assert self.head_inputs is not None and isinstance(head_weight, Tensor)
         batch = torch.arange(len(positions), device=positions.device)[:, None]
         read = self.head_inputs[batch, positions.to(self.head_inputs.device)].float()

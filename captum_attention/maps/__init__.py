@@ -3,7 +3,7 @@
 Each file holds one method's formula; ``common`` holds what they share.
 """
 
-from .common import HEAD_FUSIONS, fuse_heads, half_precision, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens
+from .common import HEAD_FUSIONS, dense_weight, fuse_heads, half_precision, last_query, mask_padding, propagate_query_row, query_rows, query_weights, real_tokens
 from .common import zero_on_later_keys as is_causal
 from .draws import hashed_draws, hashed_normal, real_ranks
 from .interventions import erase_keys, on_heads, permute_rows, weigh_keys
@@ -53,6 +53,7 @@ __all__ = [
     "encoder_decoder_rollout",
     "erase_keys",
     "fuse_heads",
+    "dense_weight",
     "half_precision",
     "is_causal",
     "grad_sam_head_mean",

@@ -7,13 +7,25 @@ layer, rows = queries, columns = keys; fused maps are ``(B, T, T)``; ``real`` is
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 HeadFusion = Literal["mean", "max", "min"]
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
+
+
+def dense_weight(weight: Any) -> Any:
+    """A weight quantized as a tensor subclass (torchao's, optimum-quanto's: the layer
+    multiplies by its dequantized matrix) as that float matrix, which names the weight it
+    came from (``dequantized_from``, as a view names its base); any other as it is."""
+    dequantize = getattr(weight, "dequantize", None)
+    if not isinstance(weight, Tensor) or type(weight) in (Tensor, nn.Parameter) or not callable(dequantize):
+        return weight
+    dense = dequantize().detach()
+    dense.dequantized_from = weight
+    return dense
 
 
 def half_precision(dtype: torch.dtype) -> bool:

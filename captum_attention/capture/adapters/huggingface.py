@@ -26,6 +26,7 @@ from ..._compat import (
     runnable_implementation,
     transformers_models,
 )
+from ...maps import dense_weight
 from ..guard import ClampedSoftmax, SharedPatch, every_forward
 from .protocol import (
     AdapterBase, AttentionNotFoundError, AttentionSite, RelevanceSites, Role, UnsupportedModelError, bound_argument, extended_per_token, per_token,
@@ -328,15 +329,16 @@ class HuggingFaceAdapter(AdapterBase):
         """The attention module's own projection (``o_proj``, ``out_proj``, ``o``,
         ``c_proj``, ``out_lin``, ``dense``), or, where the declared module is the inner
         self-attention (BERT family), its parent's ``output.dense``: its floating-point
-        weight, None where it holds none as a plain linear layer does (wrapped by PEFT's
-        adapters, or quantized: bitsandbytes' layers are ``nn.Linear`` with packed integer
-        weights)."""
+        weight (a weight quantized as a tensor subclass, torchao's or optimum-quanto's,
+        dequantized), None where it holds none as a plain linear layer does (wrapped by
+        PEFT's adapters, or quantized: bitsandbytes' layers are ``nn.Linear`` with packed
+        integer weights)."""
         parent = parent_module(model, module)
         candidates = [getattr(module, name, None) for name in _PROJECTIONS]
         if parent is not None:
             candidates.append(getattr(getattr(parent, "output", None), "dense", None))
         projection = next((c for c in candidates if isinstance(c, nn.Module)), None)
-        weight = getattr(projection, "weight", None)
+        weight = dense_weight(getattr(projection, "weight", None))
         if not isinstance(weight, Tensor) or not weight.is_floating_point():
             return None
         if isinstance(projection, nn.Linear) and tuple(weight.shape) == (projection.out_features, projection.in_features):
