@@ -307,7 +307,7 @@ def test_under_autocast_every_method_explains_the_model_in_its_own_precision(nam
 def test_with_a_float64_default_dtype_every_method_gives_the_float32_scores(name, family):
     """The library built its float32 buffers with torch's default dtype: with
     ``torch.set_default_dtype(torch.float64)`` Value Zeroing, KnockoutLRP and streamed
-    Transformer Attribution failed on a float32 model with torch's dtype errors, and five
+    Transformer Attribution failed on a float32 model with torch's dtype errors, and four
     methods returned float64 scores."""
     from lm_models import make_decoder, make_encoder_decoder, make_prompts
 
@@ -326,12 +326,16 @@ def test_with_a_float64_default_dtype_every_method_gives_the_float32_scores(name
             expected = explain()
         except (UnsupportedModelError, ValueError):  # not this family's method, or not this capture's
             continue
-        torch.set_default_dtype(torch.float64)
-        try:
-            scores = explain()
-        finally:
-            torch.set_default_dtype(torch.float32)
-        torch.testing.assert_close(scores, expected, rtol=0, atol=0)
+        torch.testing.assert_close(_under_default_float64(explain), expected, rtol=0, atol=0)
+
+
+def _under_default_float64(call):
+    """``call()`` with ``torch.set_default_dtype(torch.float64)``, as a notebook may set it."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        return call()
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 def _metric_calls():
@@ -382,20 +386,19 @@ def test_under_autocast_the_metrics_that_read_the_attention_run_the_model_in_its
     expected = call()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match=rf"torch\.autocast is on for cpu: {name} "):
         result = call()
-    if isinstance(expected, dict):  # a result's fields, the calls' role names apart
-        expected, result = ({key: value for key, value in fields.items() if key != "roles"} for fields in (expected, result))
-    torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True)
+    _assert_same_result(result, expected)
 
 
 @pytest.mark.parametrize("name", sorted(_metric_calls()))
 def test_with_a_float64_default_dtype_the_metrics_give_the_float32_results(name):
     call = _metric_calls()[name]
     expected = call()
-    torch.set_default_dtype(torch.float64)
-    try:
-        result = call()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    _assert_same_result(_under_default_float64(call), expected)
+
+
+def _assert_same_result(result, expected):
+    """A metric's result equal to ``expected``, its fields' tensors (NaN where never
+    flipped) and the calls' role names apart."""
     if isinstance(expected, dict):
         expected, result = ({key: value for key, value in fields.items() if key != "roles"} for fields in (expected, result))
     torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True)
@@ -411,13 +414,7 @@ def test_with_a_float64_default_dtype_the_random_draws_are_the_same():
     def draws():
         return random_halves(present, 8, seed=3), random_halves(present, 8, 0, torch.tensor([5, 6])), random_ranking((2, 9), seed=3)
 
-    expected = draws()
-    torch.set_default_dtype(torch.float64)
-    try:
-        drawn = draws()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
+    torch.testing.assert_close(_under_default_float64(draws), draws(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["value_zeroing", "alti_logit"])
