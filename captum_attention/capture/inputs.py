@@ -315,17 +315,17 @@ def outside_inference_mode(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) and value.is_inference() and not torch.is_inference_mode_enabled() else value
 
 
-def answer_ids(answer: Any, batch: int, name: str) -> Any:
-    """``answer`` as token ids of ``batch`` rows: a list of ints (a tokenizer's
+def answer_ids(answer: Any, batch: int, name: str) -> Tensor:
+    """``answer`` as a tensor of ``batch`` rows: a list of ints (a tokenizer's
     ``input_ids``) as a tensor, and one answer (1-D, or one row) as every prompt's, as one
-    int target serves every example; text and rows of different lengths refused in one
-    line. Anything else as it is, for the caller's own check."""
+    int target serves every example; text, rows of different lengths and anything but a
+    tensor or a list refused in one line (the caller checks the ids' shape and type)."""
     if isinstance(answer, str) or (isinstance(answer, list) and any(isinstance(a, str) for a in answer)):
         raise TypeError(
             f"{name} is text: give its token ids, e.g. tokenizer(text, add_special_tokens=False, "
             "return_tensors='pt').input_ids."
         )
-    if isinstance(answer, (list, tuple)):
+    if isinstance(answer, list):
         try:
             answer = torch.tensor(answer)
         except (TypeError, ValueError) as error:
@@ -333,9 +333,11 @@ def answer_ids(answer: Any, batch: int, name: str) -> Any:
                 f"{name} holds rows of different lengths ({error}): explain each answer in its own call, or give one "
                 "tensor of token ids (batch, new_tokens)."
             ) from None
-    if isinstance(answer, Tensor) and answer.dim() == 1:
+    if not isinstance(answer, Tensor):
+        raise TypeError(f"{name} must be token ids, a tensor (batch, new_tokens) or a list of ints, got {type(answer).__name__}.")
+    if answer.dim() == 1:
         answer = answer[None]
-    if isinstance(answer, Tensor) and answer.dim() == 2 and answer.shape[0] == 1 and batch > 1:
+    if answer.dim() == 2 and answer.shape[0] == 1 and batch > 1:
         answer = answer.expand(batch, -1)
     return answer
 
