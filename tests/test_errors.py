@@ -510,10 +510,10 @@ def test_a_model_quantized_by_torch_is_refused_by_the_methods_that_need_its_grad
     quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
     args = dict(target=0, additional_forward_args=(batch.attention_mask,))
     for name, method in REGISTRY.items():
-        if method.spec.needs != "forward" or method.spec.reads_target:
+        if _reads_linear_maps(method):
             assert_refused_in_one_line(
                 quantized, lambda: method(quantized).attribute(batch.input_ids, **args),
-                rf"^{re.escape(method.get_name())} runs a backward .* quantized by torch "
+                rf"^{re.escape(method.get_name())} runs a backward .* quantize their inputs "
                 r"\(bert\.encoder\.layer\.0\.attention\.self\.query: torch\.ao\.nn\.quantized\.dynamic\.modules\.linear\.Linear\)",
             )
     quantized.set_attn_implementation("eager")
@@ -521,6 +521,43 @@ def test_a_model_quantized_by_torch_is_refused_by_the_methods_that_need_its_grad
     expected = attentions[-1].mean(dim=1)[:, 0] * batch.attention_mask
     quantized.set_attn_implementation("sdpa")
     torch.testing.assert_close(RawAttention(quantized).attribute(batch.input_ids, **args), expected)
+
+
+def _reads_linear_maps(method) -> bool:
+    """Whether ``method`` runs a backward through the layers or reads them as linear maps."""
+    return method.spec.needs != "forward" or method.spec.reads_target or method.spec.reads_weights
+
+
+@pytest.mark.parametrize("quantizer", ["torchao", "optimum-quanto"])
+def test_layers_that_quantize_their_inputs_as_tensor_subclasses_are_refused_as_torchs_are(quantizer):
+    """torchao's dynamic activation quantization and optimum-quanto's activation types
+    quantize each layer's input, as torch's quantized modules do: the gradient methods
+    failed with "element 0 of tensors does not require grad" or were told that the model
+    runs its attention under torch.no_grad, ALTI that no norm takes the attention's sum.
+    They are refused in one line naming the layer; the methods that read only the
+    attention and the outputs explain the model as it computes."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    if quantizer == "torchao":
+        torchao = pytest.importorskip("torchao.quantization")
+        torchao.quantize_(model, torchao.Int8DynamicActivationInt8WeightConfig())
+        layer = r"torch\.nn\.modules\.linear\.Linear, its weight a Int8Tensor"
+    else:
+        quanto = pytest.importorskip("optimum.quanto")
+        quanto.quantize(model, weights=quanto.qint8, activations=quanto.qint8)
+        quanto.freeze(model)
+        layer = r"optimum\.quanto\.nn\.qlinear\.QLinear, its weight a WeightQBytesTensor"
+    args = dict(target=5, additional_forward_args=(prompts.attention_mask,))
+    for name, method in REGISTRY.items():
+        explain = lambda: method(model).attribute(prompts.input_ids, **args)  # noqa: E731
+        if _reads_linear_maps(method):
+            assert_refused_in_one_line(
+                model, explain, rf"^{re.escape(method.get_name())} runs a backward .* quantize their inputs "
+                rf"\(model\.layers\.0\.self_attn\.q_proj: {layer}\)",
+            )
+        else:
+            assert torch.isfinite(explain()).all()
 
 
 def _dequantized_twin(model, quantized):

@@ -212,7 +212,7 @@ class AttentionAttributionBase:
                 f"{self.get_name()} rolls out the attention layers, but {type(self.model).__name__} also mixes "
                 f"tokens outside them ({mixers}): use AttnLRP, Grad-SAM or raw attention."
             )
-        if self.spec.needs != "forward" or self.spec.reads_target:
+        if self.spec.needs != "forward" or self.spec.reads_target or self.spec.reads_weights:
             check_not_quantized(self.model, self.get_name())
         reason = self._eager_reason(adapter, effective, return_maps, options)
         return self._runner.run(lambda stream: self._forward(inputs, additional_forward_args, query_index, stream, effective, options), reason)

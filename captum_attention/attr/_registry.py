@@ -74,6 +74,10 @@ class MethodSpec:
         signed: whether its scores take both signs (reports colour them so).
         reads_target: whether a method without a backward still explains the target's
             score (DecompX and ALTI-Logit decompose the explained logit).
+        reads_weights: whether a method without a backward reads the layers' weights as
+            linear maps of their inputs (the norms and ALTI: the output projection);
+            refused, as the methods with a backward or a target are, where a layer
+            quantizes its inputs.
         reads_query_row: whether its scores read the explained query's row (rollout,
             raw attention, Transformer Attribution); the default row is then confirmed
             against the rows the logits read.
@@ -102,6 +106,7 @@ class MethodSpec:
     spans: bool = True
     signed: bool = False
     reads_target: bool = False
+    reads_weights: bool = False
     reads_query_row: bool = True
     rolls_out: bool = False
     in_reports: bool = True

@@ -61,7 +61,7 @@ class ALTI(RowDescent, AttentionAttributionBase, Attribution):
         >>> scores.shape  # (batch, seq_len); padding tokens score 0
     """
 
-    spec = MethodSpec("alti", "ALTI", encoder_decoder=False, rolls_out=True, in_reports=False)
+    spec = MethodSpec("alti", "ALTI", encoder_decoder=False, reads_weights=True, rolls_out=True, in_reports=False)
 
     @attribute_method
     def attribute(

@@ -63,7 +63,8 @@ class NormAttention(AttentionAttributionBase, Attribution):
     """
 
     spec = MethodSpec(
-        "norm_attention", "Norm-based Attention", options={"layer": LAYER, "residual": FLAG}, encoder_decoder=False, in_reports=False
+        "norm_attention", "Norm-based Attention", options={"layer": LAYER, "residual": FLAG}, encoder_decoder=False,
+        reads_weights=True, in_reports=False,
     )
 
     @attribute_method

@@ -556,19 +556,45 @@ QUANTIZED_MODULES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn
 ``Linear`` among them): no gradient flows through them, and each call quantizes its input
 apart, so that they are no linear map of it."""
 
+ACTIVATION_QUANTIZATION = ("act_quant_kwargs", "activation_quantization")
+"""The attributes by which torchao's quantized weights say that their layer quantizes its
+input too (dynamic activation quantization), as torch's quantized modules do."""
+
 
 def check_not_quantized(model: nn.Module, method: str) -> None:
-    """A one-line error where ``model`` holds torch's quantized modules, for a method that
-    runs a backward through the model's layers or decomposes them into linear maps."""
-    quantized = [(name, module) for name, module in model.named_modules() if type(module).__module__.startswith(QUANTIZED_MODULES)]
+    """A one-line error where ``model`` holds layers that quantize their inputs (torch's
+    quantized modules; torchao's and optimum-quanto's layers with activation
+    quantization), for a method that runs a backward through the model's layers or
+    decomposes them into linear maps. Weight-only quantization keeps each layer a linear
+    map of its input (see :func:`~captum_attention.maps.common.dense_weight`)."""
+    quantized = [(name, module) for name, module in model.named_modules() if _quantizes_inputs(module)]
     if quantized:
         name, module = quantized[0]
         raise UnsupportedModelError(
             f"{method} runs a backward through {type(model).__name__}'s layers or splits them into linear maps, and "
-            f"{len(quantized)} of them are quantized by torch ({name}: {type(module).__module__}.{type(module).__name__}), "
-            "which carry no gradient and quantize each input apart: explain the float model, or use a method that reads "
-            "only the attention and the model's outputs (raw, rollout, attention_flow, value_zeroing)."
+            f"{len(quantized)} of them quantize their inputs ({name}: {type(module).__module__}.{type(module).__name__}"
+            f"{_quantized_weight(module)}), which carries no gradient and makes them no linear maps: explain the float "
+            "or weight-only quantized model, or use a method that reads only the attention and the model's outputs (raw, "
+            "rollout, attention_flow, value_zeroing)."
         )
+
+
+def _quantizes_inputs(module: nn.Module) -> bool:
+    """Whether ``module`` quantizes its input: one of torch's quantized modules, a layer
+    whose weight is torchao's with activation quantization, or optimum-quanto's with an
+    activation type."""
+    if type(module).__module__.startswith(QUANTIZED_MODULES):
+        return True
+    weight = module._parameters.get("weight")
+    if any(getattr(weight, name, None) is not None for name in ACTIVATION_QUANTIZATION):
+        return True
+    return getattr(module, "activation_qtype", None) is not None
+
+
+def _quantized_weight(module: nn.Module) -> str:
+    """", its weight a <class>" where the module's weight is a tensor subclass, else ""."""
+    weight = module._parameters.get("weight")
+    return f", its weight a {type(weight).__name__}" if type(weight) not in (Tensor, nn.Parameter, type(None)) else ""
 
 
 Decorated = TypeVar("Decorated", bound=Callable[..., Any])

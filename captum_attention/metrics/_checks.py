@@ -1,4 +1,5 @@
-"""Checks shared by the metrics: arguments that are tensors, scores as Captum returns them, scores that can be ranked, in rows that have tokens."""
+"""Checks shared by the metrics: arguments that are tensors, scores as Captum returns them,
+scores that can be ranked, in rows that have tokens."""
 
 from __future__ import annotations
 
