@@ -705,7 +705,7 @@ class LayerBlocks(Probe):
                     seen.append((module, kept_input, _copy_once(hidden, last)))
 
         inside_attention = set() if self.states is False else {
-            id(m) for site in sites for m in site.module.modules() if m is not site.module and not _is_norm_module(m)
+            id(m) for site in sites for m in site.module.modules() if m is not site.module and not is_norm_module(m)
         }
         for block in blocks.values():
             stack.callback(block.register_forward_pre_hook(before, with_kwargs=True).remove)
@@ -726,9 +726,9 @@ class LayerBlocks(Probe):
         return RecordedBlocks(list(self._calls))
 
 
-def _is_norm_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a norm by its class's name (a LayerNorm, an RMSNorm): inside
-    an attention module, where the residual may join its output (ALBERT's)."""
+def is_norm_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm by its class's name (a LayerNorm, an RMSNorm); inside
+    an attention module, the residual may join its output (ALBERT's)."""
     return "norm" in type(module).__name__.lower()
 
 

@@ -26,7 +26,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from .._compat import StreamingUnsupported, TargetType, UnsupportedModelError, format_additional_forward_args, run_forward
-from ..maps.common import has_later_keys, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights, real_tokens
+from ..maps.common import (
+    has_later_keys, is_tensor_subclass, last_query, mask_prefix_seen_both_ways, prefix_seen_both_ways, query_rows, query_weights,
+    real_tokens,
+)
 from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .adapters.images import leading_image_features
@@ -594,7 +597,7 @@ def _quantizes_inputs(module: nn.Module) -> bool:
 def _quantized_weight(module: nn.Module) -> str:
     """", its weight a <class>" where the module's weight is a tensor subclass, else ""."""
     weight = module._parameters.get("weight")
-    return f", its weight a {type(weight).__name__}" if type(weight) not in (Tensor, nn.Parameter, type(None)) else ""
+    return f", its weight a {type(weight).__name__}" if is_tensor_subclass(weight) else ""
 
 
 Decorated = TypeVar("Decorated", bound=Callable[..., Any])

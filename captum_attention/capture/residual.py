@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .._compat import UnsupportedModelError
 from ..maps import LinearNorm, dense_weight, half_precision
 from .adapters import AttentionAdapter
-from .probes import BlockCall, ModuleStates, Probe, layer_blocks
+from .probes import BlockCall, ModuleStates, Probe, is_norm_module, layer_blocks
 
 _SAME_SCALE = 1e-6
 """How far from one a fitted output scale may be and be one (single precision's rounding)."""
@@ -294,7 +294,7 @@ def _output_scale(summed: Tensor, others: list[ModuleStates], output: Tensor, re
 def _is_norm(module: nn.Module, width: int) -> bool:
     weight = getattr(module, "weight", None)
     shaped = weight is None or (isinstance(weight, Tensor) and tuple(weight.shape) == (width,))
-    return "norm" in type(module).__name__.lower() and shaped
+    return is_norm_module(module) and shaped
 
 
 def _joins(states: Tensor | None, inputs: Tensor, attention_sums: Tensor, real: Tensor) -> bool:

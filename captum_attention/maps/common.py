@@ -16,12 +16,18 @@ HeadFusion = Literal["mean", "max", "min"]
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
 
 
+def is_tensor_subclass(value: Any) -> bool:
+    """Whether ``value`` is a tensor of a subclass beside ``nn.Parameter`` (a quantized
+    weight's, torchao's or optimum-quanto's)."""
+    return isinstance(value, Tensor) and type(value) not in (Tensor, nn.Parameter)
+
+
 def dense_weight(weight: Any) -> Any:
     """A weight quantized as a tensor subclass (torchao's, optimum-quanto's: the layer
     multiplies by its dequantized matrix) as that float matrix, which names the weight it
     came from (``dequantized_from``, as a view names its base); any other as it is."""
     dequantize = getattr(weight, "dequantize", None)
-    if not isinstance(weight, Tensor) or type(weight) in (Tensor, nn.Parameter) or not callable(dequantize):
+    if not is_tensor_subclass(weight) or not callable(dequantize):
         return weight
     dense = dequantize().detach()
     dense.dequantized_from = weight
