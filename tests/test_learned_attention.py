@@ -105,7 +105,8 @@ def test_the_fit_is_the_ridge_solution_of_contextcites_objective():
     expected = reference_fit(model, examples, 6, 4, 1e-2)
     torch.testing.assert_close(weights.weights, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     assert weights.settings == {
-        "examples": 4, "num_ablations": 6, "seed": 4, "ridge": 1e-2, "model": fitted_model(model), "fit": "ridge"
+        "examples": 4, "examples_sha256": fitting._examples_digest(examples), "num_ablations": 6, "seed": 4, "ridge": 1e-2,
+        "model": fitted_model(model), "fit": "ridge",
     }
 
 
@@ -170,13 +171,19 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(inte
     monkeypatch.setattr(fitting, "_example_statistics", interrupted)
     with pytest.raises(KeyboardInterrupt):
         HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
-    settings = {"examples": 4, "num_ablations": 4, "seed": 0, "ridge": 1e-3, "model": fitted_model(model)}
+    settings = {
+        "examples": 4, "examples_sha256": fitting._examples_digest(examples), "num_ablations": 4, "seed": 0, "ridge": 1e-3,
+        "model": fitted_model(model),
+    }
     assert len(calls) == at and fitting._resume(checkpoint, settings)[0] == 2
     monkeypatch.setattr(fitting, "_example_statistics", statistics)
     resumed = HeadWeights.fit(model, examples, num_ablations=4, progress=False, checkpoint=checkpoint)
     assert torch.equal(resumed.weights, whole.weights)
     with pytest.raises(ValueError, match="give another checkpoint path, or the same settings"):
         HeadWeights.fit(model, examples, num_ablations=5, progress=False, checkpoint=checkpoint)
+    other_examples = [(prompt.flip(0), answer, segments) for prompt, answer, segments in examples]  # as many
+    with pytest.raises(ValueError, match="give another checkpoint path, or the same settings"):
+        HeadWeights.fit(model, other_examples, num_ablations=4, progress=False, checkpoint=checkpoint)
     saved = resumed.save(tmp_path)
     assert saved.name == "head_weights.safetensors"
     loaded = HeadWeights.load(tmp_path)

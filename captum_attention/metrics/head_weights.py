@@ -24,6 +24,7 @@ coefficients.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,8 @@ def fit_head_weights(
             :math:`X^\\top X`. Default: 1e-3.
         max_batch_size (int, optional): ablated prompts per forward. Default: 64.
         checkpoint (str or Path, optional): a safetensors file the running sums are saved
-            to after each example, and resumed from (its settings must match). Default:
-            None.
+            to after each example, and resumed from (its settings must match, the
+            examples' digest among them). Default: None.
         progress (bool, optional): show a progress bar. Default: True.
         forward_func (Callable, optional): what runs the model on ``(ids, mask)``.
             Default: ``model``.
@@ -138,7 +139,8 @@ def fit_head_weights(
         raise ValueError(f"num_ablations must be at least 2 (each example's mean is removed), got {num_ablations}.")
     forward = forward_func or model
     settings = {
-        "examples": len(examples), "num_ablations": num_ablations, "seed": seed, "ridge": ridge, "model": fitted_model(model),
+        "examples": len(examples), "examples_sha256": _examples_digest(examples), "num_ablations": num_ablations,
+        "seed": seed, "ridge": ridge, "model": fitted_model(model),
     }
     done, sums = _resume(checkpoint, settings)
     from tqdm.auto import tqdm
@@ -160,6 +162,17 @@ def fit_head_weights(
     penalty = ridge * float(gram.diagonal().mean().clamp(min=torch.finfo(torch.float64).tiny))
     theta = torch.linalg.solve(gram + penalty * torch.eye(len(gram), dtype=gram.dtype), moment)
     return HeadWeights(theta.view(*sums["shape"].tolist()).float(), {**settings, "fit": "ridge"})
+
+
+def _examples_digest(examples: Sequence[Example]) -> str:
+    """The SHA-256 of every example's tensors (dtype, shape and values): a checkpoint of other
+    examples, as many, is not resumed."""
+    digest = hashlib.sha256()
+    for example in examples:
+        for tensor in example:
+            digest.update(f"{tensor.dtype} {tuple(tensor.shape)}\n".encode("utf-8"))
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _example_statistics(
