@@ -37,7 +37,7 @@ def test_methods_without_maps_refuse_return_maps_in_one_line(setup, method):
 def test_target_out_of_range(setup):
     model, batch = setup
     for target in (3, -1, [0, 1, 5]):
-        with pytest.raises(ValueError, match=r"out of range.*3 classes"):
+        with pytest.raises(ValueError, match=r"out of range.*3 logits per example \(its classes"):
             GradSAM(model).attribute(batch.input_ids, target=target, additional_forward_args=(batch.attention_mask,))
 
 
@@ -629,3 +629,21 @@ def test_a_torchscript_model_is_named_in_the_refusal():
     forward = lambda ids, mask: traced(ids, mask)["logits"]  # noqa: E731
     with pytest.raises(RuntimeError, match="ran no attention module of `model`: .* not a TorchScript or exported copy of it"):
         GradSAM(forward, model=model).attribute(batch.input_ids, target=1, additional_forward_args=(batch.attention_mask,))
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_more_tokens_than_the_models_positions_is_named_in_one_line(family, capture):
+    """BERT fails with "expanded size", GPT-2 with "index out of range": the error says why."""
+    from lm_models import make_decoder
+
+    model = make_model("bert") if family == "bert" else make_decoder("gpt2")
+    limit = model.config.max_position_embeddings
+    ids = torch.randint(5, 30, (2, limit + 3))
+    before = model_state(model)
+    with pytest.raises(ValueError, match=rf"hold {limit + 3} tokens and .* has positions for {limit} \(config\.max_position_"
+                       rf"embeddings\).*truncation=True, max_length={limit}") as refused:
+        GradSAM(model, capture=capture).attribute(ids, target=0, additional_forward_args=(torch.ones_like(ids),))
+    assert "\n" not in str(refused.value) and isinstance(refused.value.__cause__, (RuntimeError, IndexError))
+    assert_same_state(before, model_state(model))
+    GradSAM(model, capture=capture).attribute(ids[:, :limit], target=0, additional_forward_args=(torch.ones_like(ids[:, :limit]),))

@@ -185,8 +185,8 @@ def resolve_targets(logits: Tensor, target: TargetType) -> Tensor:
         )
     if bad:
         raise ValueError(
-            f"target {targets[bad[0]].item()} is out of range: the model has {num_classes} "
-            f"classes, so target must be in [0, {num_classes - 1}]."
+            f"target {targets[bad[0]].item()} is out of range: the model gives {num_classes} logits per example (its "
+            f"classes, or a language model's vocabulary), so target must be in [0, {num_classes - 1}]."
         )
     return targets
 

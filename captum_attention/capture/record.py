@@ -14,10 +14,10 @@ import functools
 import os
 import sys
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
 
 import captum
 import torch
@@ -430,7 +430,7 @@ def record_forward(
         model, adapter, probes=[grad_mode, *shape_check, tower_inputs, embedded_ids, *probes], streaming=streaming,
         track_grad=track_grad,
     )
-    with without_autocast("The attention capture"):
+    with without_autocast("The attention capture"), positions_named_when_too_long(model, text_shape):
         if confirm_left_padding is not None:  # it runs the model: before the capture
             confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
         with capture:
@@ -668,6 +668,32 @@ def _check_float_inputs(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:
         raise TypeError(
             f"The inputs are {wrong[0]} but the model computes in {dtype}: pass inputs.to({dtype})."
         )
+
+
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_source_positions")
+"""Configuration fields that bound a model's learned positions, in the order they are read."""
+
+
+@contextmanager
+def positions_named_when_too_long(model: nn.Module, text_shape: tuple[int, int] | None) -> Iterator[None]:
+    """A forward that fails on more tokens than the model's configuration has positions
+    for (a BERT's ``index out of range`` or ``expanded size``) fails with a one-line error
+    that names the limit, the original error chained."""
+    try:
+        yield
+    except (RuntimeError, IndexError) as error:
+        config = getattr(model, "config", None)
+        field, limit = next(
+            ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
+            (None, None),
+        )
+        if text_shape is None or limit is None or text_shape[1] <= limit:
+            raise
+        raise ValueError(
+            f"The inputs hold {text_shape[1]} tokens and {type(model).__name__} has positions for {limit} "
+            f"(config.{field}), and its forward failed on them: truncate the inputs "
+            f"(tokenizer(..., truncation=True, max_length={limit})) or explain them in windows."
+        ) from error
 
 
 _WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
