@@ -135,6 +135,14 @@ def test_several_input_tensors(setup):
         RawAttention(model).attribute((batch.input_ids, batch.attention_mask))
 
 
+def test_a_tokenizers_whole_output_or_an_array_as_inputs_says_what_to_pass(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match=r"got BatchEncoding.*pass its input_ids as inputs and \(its attention_mask,\)"):
+        RawAttention(model).attribute(tf.BatchEncoding({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}))
+    with pytest.raises(TypeError, match=r"got ndarray.*return_tensors='pt', or pass torch.as_tensor"):
+        RawAttention(model).attribute(batch.input_ids.numpy())
+
+
 def test_query_on_padding_or_outside(setup):
     model, batch = setup
     args = dict(additional_forward_args=(batch.attention_mask,))

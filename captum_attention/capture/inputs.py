@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -61,11 +61,20 @@ def format_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[bool, tuple[Tens
             "(batch, seq_len, hidden) or images (batch, channels, height, width); or, for "
             f"encoder-decoders, a pair (source, target); got {type(inputs).__name__}"
             + (f" of length {len(inputs)}" if isinstance(inputs, tuple) else "")
-            + ". Pass further model inputs through additional_forward_args."
+            + ". Pass further model inputs through additional_forward_args" + _input_hint(inputs) + "."
         )
     for index, tensor in enumerate(formatted):
         _check_input(tensor, image_ok=index == 0)
     return is_tuple, tuple(formatted)
+
+
+def _input_hint(inputs: Any) -> str:
+    """What to pass instead of a tokenizer's whole output or a NumPy array."""
+    if isinstance(inputs, Mapping):
+        return " (a tokenizer's output: pass its input_ids as inputs and (its attention_mask,) as additional_forward_args)"
+    if hasattr(inputs, "__array__"):
+        return " (an array: tokenize with return_tensors='pt', or pass torch.as_tensor(inputs))"
+    return ""
 
 
 def take_rows(value: Any, rows: Tensor, batch: int, min_dim: int = 1) -> Any:
