@@ -443,7 +443,30 @@ def test_a_forward_func_under_autocast_is_named_where_its_rounding_breaks_a_chec
 
     method = REGISTRY[name](under_autocast, model=model)
     explain = lambda: method.attribute(ids, target=7, additional_forward_args=(torch.ones_like(ids),))  # noqa: E731
-    assert_refused_in_one_line(model, explain, "forward_func (runs it|that runs the model) under torch.autocast")
+    with pytest.warns(UserWarning, match="forward_func runs LlamaForCausalLM under torch.autocast"):
+        assert_refused_in_one_line(model, explain, "forward_func (runs it|that runs the model) under torch.autocast")
+
+
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_a_forward_func_that_enters_autocast_itself_is_named_in_a_warning(capture):
+    """Autocast entered inside ``forward_func`` is the user's to keep: the call runs it, and
+    warns that the scores carry its rounding (the two capture modes part by it)."""
+    from lm_models import make_decoder, make_prompts
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+
+    def under_autocast(input_ids, attention_mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    explain = lambda forward: GradSAM(forward, model=model, capture=capture).attribute(  # noqa: E731
+        prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
+    )
+    with pytest.warns(UserWarning, match=r"forward_func runs LlamaForCausalLM under torch\.autocast \(cpu\): .*rounding"):
+        explain(under_autocast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explain(lambda input_ids, attention_mask: model(input_ids=input_ids, attention_mask=attention_mask).logits)
 
 
 def test_additional_forward_args_as_a_dict(setup):

@@ -38,7 +38,7 @@ from .inputs import (
     resolve_targets,
 )
 from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
-from .recorder import AttentionCapture
+from .recorder import AttentionCapture, autocast_on
 from .runner import image_tower_refusal, resolve_adapter
 
 HeadReduction = Callable[[Tensor, Tensor], Tensor]
@@ -437,6 +437,13 @@ def record_forward(
             output = run_forward(keyword_forward, inputs, None, additional_forward_args)
     if tower_inputs.fed:
         raise image_tower_refusal(model, tower_inputs.fed[0])
+    if capture.autocast_in_forward:
+        warn_user(
+            f"forward_func runs {type(model).__name__} under torch.autocast ({', '.join(capture.autocast_in_forward)}): its "
+            "layers round to half precision, and so do the scores (streaming and eager capture part by that rounding, "
+            "about 1% of their scale). Leave autocast out of forward_func, or cast the model (model.to(torch.bfloat16)) "
+            "to explain it in half precision."
+        )
     _check_decoder_ids(model, inputs, embedded_ids.embedded)
     if capture.model_calls > 1:
         raise ValueError(
@@ -602,10 +609,6 @@ def _quantized_weight(module: nn.Module) -> str:
 
 Decorated = TypeVar("Decorated", bound=Callable[..., Any])
 
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-"""The device types whose autocast :class:`without_autocast` turns off."""
-
-
 class without_autocast(ExitStack):
     """Autocast turned off, with a warning naming ``caller``, for a call that captures a
     model's attention (a context manager, or a decorator of such a function): the call
@@ -630,7 +633,7 @@ class without_autocast(ExitStack):
 
     def __enter__(self) -> without_autocast:
         super().__enter__()
-        autocast = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+        autocast = autocast_on()
         if autocast:
             warn_user(
                 f"torch.autocast is on for {', '.join(autocast)}: {self.caller} turns it off for the call and runs the "

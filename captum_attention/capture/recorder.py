@@ -90,6 +90,7 @@ class AttentionCapture(ModelChanges):
         super().__init__(model, self._change_model)
         self._thread = current_thread()
         self.model_calls = 0  # calls of the model itself, to refuse a forward_func that runs it twice
+        self.autocast_in_forward: list[str] = []  # the devices whose autocast forward_func turned on around the model
 
     def _listening(self, event: str) -> list[Probe]:
         return [probe for probe in self.probes if event in probe.events]
@@ -281,6 +282,7 @@ class AttentionCapture(ModelChanges):
     def _count_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._ours():
             self.model_calls += 1
+            self.autocast_in_forward = autocast_on()
 
     def _ours(self) -> bool:
         """Whether a hooked call runs in the capture's thread (another thread's forward of
@@ -454,6 +456,15 @@ class _Call:
         view = adapter.gradient_as_heads if gradient else adapter.as_heads
         parts = [view(self.module, t) for t in (self.pieces if tensors is None else tensors)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+"""The device types whose autocast the capture reads and turns off."""
+
+
+def autocast_on() -> list[str]:
+    """The device types whose ``torch.autocast`` is on here."""
+    return [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
 
 
 def _in_float64(model: nn.Module) -> bool:
