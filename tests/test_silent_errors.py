@@ -268,6 +268,21 @@ def test_a_submodule_left_in_training_mode_gets_a_warning():
         _attribute(model, "raw", batch)
 
 
+def test_layers_that_compute_the_same_in_training_mode_get_no_warning():
+    """A head made after ``model.eval()``, or the linear layers a quantizer swaps into a
+    model in eval mode, are in training mode without dropout: nothing to warn of. A dropout
+    beside them still is."""
+    model = make_model("bert")
+    model.classifier = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, NUM_LABELS))
+    batch = make_batch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _attribute(model, "raw", batch)
+    model.classifier.insert(0, nn.Dropout(0.1))
+    with pytest.warns(UserWarning, match=r"training mode \(classifier\.0\)"):
+        _attribute(model, "raw", batch)
+
+
 def _per_position_model(head: str) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM, BertForTokenClassification
 

@@ -699,8 +699,15 @@ def positions_named_when_too_long(model: nn.Module, text_shape: tuple[int, int] 
         ) from error
 
 
-_WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-"""Modules whose own training flag changes nothing (the wrapped model's flags count)."""
+_SAME_IN_TRAINING = (
+    nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d, nn.Identity,
+    nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU,
+    nn.DataParallel, nn.parallel.DistributedDataParallel,
+)
+"""Modules whose own training flag changes nothing: layers without dropout (their
+subclasses too: a quantizer's linear layers, made in training mode when it swaps them
+into a model in eval mode, or a head made after ``model.eval()``), containers, and the
+parallel wrappers (the wrapped model's flags count)."""
 
 
 _LIBRARIES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(captum.__file__))
@@ -789,7 +796,9 @@ def _listed(positions: list[int]) -> str:
 
 
 def _warn_if_training(model: nn.Module) -> None:
-    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training and not isinstance(m, _WRAPPERS)]
+    training = [
+        name or type(model).__name__ for name, m in model.named_modules() if m.training and not isinstance(m, _SAME_IN_TRAINING)
+    ]
     if training:
         shown = ", ".join(training[:3]) + (f" and {len(training) - 3} more" if len(training) > 3 else "")
         warn_user(
