@@ -208,7 +208,7 @@ def test_context_averaged_scores_by_hand(family):
     args = (model, positional, prompts.input_ids, prompts.attention_mask, ANSWER)
     with pytest.raises(ValueError, match="num_contexts must be even"):
         context_averaged_scores(*args, prior, SEGMENTS, num_contexts=5)
-    with pytest.raises(ValueError, match="attributions have shape"):
+    with pytest.raises(ValueError, match="attributions of shape"):
         context_averaged_scores(*args, prior[:, :4], SEGMENTS)
     with pytest.raises(ValueError, match="attribute_func returned shape"):
         context_averaged_scores(model, lambda i, m: positional(i, m)[:, :1], *args[2:], prior, SEGMENTS)

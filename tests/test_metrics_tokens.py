@@ -394,7 +394,7 @@ def test_calibrated_attribution_by_hand(bag, removal):
     torch.testing.assert_close(alone[0], scores[1, :short])
     with pytest.raises(ValueError, match="ridge positive"):
         calibrated_attribution(model, ids, mask, prior, ridge=0.0)
-    with pytest.raises(ValueError, match="attributions have shape"):
+    with pytest.raises(ValueError, match="attributions of shape"):
         calibrated_attribution(model, ids, mask, prior[:, :4])
 
 
@@ -450,7 +450,7 @@ def test_context_averaged_attribution_by_hand(bag, removal):
     torch.testing.assert_close(alone[0], scores[1, :short])
     with pytest.raises(ValueError, match="num_contexts must be even"):
         context_averaged_attribution(positional, ids, mask, prior, num_contexts=3)
-    with pytest.raises(ValueError, match="prior has shape"):
+    with pytest.raises(ValueError, match="prior of shape"):
         context_averaged_attribution(positional, ids, mask, prior[:, :4])
     with pytest.raises(ValueError, match="attribute_func returned shape"):
         context_averaged_attribution(lambda i, m: positional(i, m)[:, :4], ids, mask, prior)
@@ -476,7 +476,7 @@ def test_datamodeling_score_is_one_for_the_true_additive_evidence(bag):
     assert datamodeling_score(model, ids, mask, -margins, target).tolist() == pytest.approx([-1.0, -1.0])
     with pytest.raises(ValueError, match="at least 3"):
         datamodeling_score(model, ids, mask, margins, num_ablations=2)
-    with pytest.raises(ValueError, match="attributions have shape"):
+    with pytest.raises(ValueError, match="attributions of shape"):
         datamodeling_score(model, ids, mask, margins[:, :4])
 
 
@@ -527,7 +527,7 @@ def test_greedy_deletion_by_hand(bag, removal):
     assert sum(rows_run) == 2 + padding_check + (3 + 3) + (3 + 2), "the whole input, then one forward per candidate left to try"
     with pytest.raises(ValueError, match="candidates must be"):
         greedy_deletion(model, ids, mask, prior, candidates=())
-    with pytest.raises(ValueError, match="prior has shape"):
+    with pytest.raises(ValueError, match="prior of shape"):
         greedy_deletion(model, ids, mask, prior[:, :4])
 
 
@@ -535,8 +535,12 @@ def test_removal_arguments_are_checked(bag):
     model, ids, mask, _, contributions = bag
     with pytest.raises(ValueError, match=r"bins are percentages in \(0, 100\]"):
         comprehensiveness(model, ids, mask, contributions, bins=(0, 10))
-    with pytest.raises(ValueError, match="attributions have shape"):
+    with pytest.raises(ValueError, match="attributions of shape") as refused:
         comprehensiveness(model, ids, mask, contributions[:, :4])
+    assert "embedding dimension" not in str(refused.value)
+    per_dimension = contributions[..., None].expand(-1, -1, 16)  # as Captum's LayerIntegratedGradients gives them
+    with pytest.raises(ValueError, match=r"\(2, 8, 16\), but the inputs are \(2, 8\).*per embedding dimension.*attributions\.sum\(-1\)"):
+        comprehensiveness(model, ids, mask, per_dimension)
     with pytest.raises(ValueError, match="baseline_token_id"):
         sufficiency(model, ids, mask, contributions, removal="replace", baseline_token_id=None)
 

@@ -44,6 +44,20 @@ def check_tensors(**named: Any) -> None:
         )
 
 
+def check_per_token(scores: Tensor, ids: Tensor, name: str = "attributions", inputs: str = "inputs") -> None:
+    """A clear error where ``scores`` (called ``name``) are not one score per token of
+    ``ids`` (called ``inputs``); scores per embedding dimension, as Captum's layer
+    attributions (``LayerIntegratedGradients``) give them, are told to be summed."""
+    if tuple(scores.shape) == tuple(ids.shape):
+        return
+    per_dimension = scores.dim() == ids.dim() + 1 and tuple(scores.shape[:-1]) == tuple(ids.shape)
+    raise ValueError(
+        f"{name} of shape {tuple(scores.shape)}, but the {inputs} are {tuple(ids.shape)}: give one score per token"
+        + (f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))" if per_dimension else "")
+        + "."
+    )
+
+
 def check_rankable(scores: Tensor, include: Tensor, name: str = "attributions", finite: bool = False) -> None:
     """A clear error for NaN among the ``include``\\ d scores (a NaN has no rank), with
     ``finite`` for ±inf too (where the metric ranks tokens against excluded ones, which

@@ -51,7 +51,7 @@ from ..capture.record import without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
-from ._checks import check_rankable, check_tensors, takes_captum_scores
+from ._checks import check_per_token, check_rankable, check_tensors, takes_captum_scores
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
@@ -189,11 +189,7 @@ class _AnswerScorer(AblationScorer):
 
     def segment_scores(self, attributions: Tensor) -> Tensor:
         """``(B, S)`` the sum of each segment's token scores (-inf where absent)."""
-        if tuple(attributions.shape) != tuple(self.ids.shape):
-            raise ValueError(
-                f"attributions have shape {tuple(attributions.shape)} but the prompts are "
-                f"{tuple(self.ids.shape)}: give one score per prompt token."
-            )
+        check_per_token(attributions, self.ids, inputs="prompts")
         check_rankable(attributions.float(), self.segments >= 0, finite=True)
         summed = torch.zeros(self.present.shape, dtype=torch.float64, device=attributions.device)
         summed.scatter_add_(1, self.segments.clamp(min=0), attributions.double().masked_fill(self.segments < 0, 0.0))

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
-from ._checks import check_class_probabilities, check_rankable, check_tensors, takes_captum_scores, with_ties
+from ._checks import check_class_probabilities, check_per_token, check_rankable, check_tensors, takes_captum_scores, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
@@ -146,11 +146,7 @@ class _Remover:
 
     def check_scores(self, attributions: Tensor) -> None:
         """A clear error for attributions that are not one finite score per token."""
-        if tuple(attributions.shape) != tuple(self.ids.shape):
-            raise ValueError(
-                f"attributions have shape {tuple(attributions.shape)} but the inputs are "
-                f"{tuple(self.ids.shape)}: give one score per token."
-            )
+        check_per_token(attributions, self.ids)
         check_rankable(attributions, self.removable, finite=True)
 
     def kept_probs(self, kept: Tensor) -> Tensor:
@@ -535,8 +531,7 @@ def greedy_deletion(
     remover = _Remover(
         forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
     )
-    if tuple(prior.shape) != tuple(input_ids.shape):
-        raise ValueError(f"prior has shape {tuple(prior.shape)} but input_ids {tuple(input_ids.shape)}: they must match.")
+    check_per_token(prior, input_ids, name="prior")
     check_rankable(prior, remover.removable, "prior")
     scores = prior.detach().float().to(remover.removable.device).masked_fill(~remover.real, 0.0)
     ranked_by_prior = scores.masked_fill(~remover.removable, float("-inf"))
@@ -774,10 +769,7 @@ def context_averaged_attribution(
         raise ValueError(f"num_contexts must be even and at least 2 (complementary pairs), got {num_contexts}.")
     _check_removal(removal, baseline_token_id)
     removable = _removable(attention_mask, keep)
-    if tuple(prior.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"prior has shape {tuple(prior.shape)} but the inputs are {tuple(input_ids.shape)}: give one score per token."
-        )
+    check_per_token(prior, input_ids, name="prior")
     check_rankable(prior, removable, name="prior", finite=True)
     halves = random_halves(removable, num_contexts // 2, seed, example_seeds(input_ids, attention_mask != 0, seed))
     pad_id = padding_id(attribute_func, input_ids, attention_mask, pad_token_id)
