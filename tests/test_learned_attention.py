@@ -182,6 +182,7 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(inte
     with pytest.raises(ValueError, match="give another checkpoint path, or the same settings"):
         HeadWeights.fit(model, examples, num_ablations=5, progress=False, checkpoint=checkpoint)
     other_examples = [(prompt.flip(0), answer, segments) for prompt, answer, segments in examples]  # as many
+    assert fitting._examples_digest([(prompt, answer[0]) for prompt, answer, _ in examples])  # a one-token answer as a 0-d id
     with pytest.raises(ValueError, match="give another checkpoint path, or the same settings"):
         HeadWeights.fit(model, other_examples, num_ablations=4, progress=False, checkpoint=checkpoint)
     saved = resumed.save(tmp_path)

@@ -171,7 +171,7 @@ def _examples_digest(examples: Sequence[Example]) -> str:
     for example in examples:
         for tensor in example:
             digest.update(f"{tensor.dtype} {tuple(tensor.shape)}\n".encode("utf-8"))
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
