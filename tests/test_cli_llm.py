@@ -83,6 +83,18 @@ def test_a_generation_cut_at_the_token_limit_is_warned_about(llm, tmp_path, caps
     assert "warning" not in capsys.readouterr().err
 
 
+def test_words_the_vocabulary_does_not_hold_are_warned_about(llm, capsys):
+    """A word-level tokenizer whose unknown token is its pad token reads unknown words as
+    padding: the report left them out as special tokens, with an empty top list and no word
+    of why."""
+    assert main(["explain", "--model", str(llm), "zebra quokka", "--target", "seven", "--methods", "raw"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: the tokenizer read 2 of the prompt's 3 tokens as <pad>: words its vocabulary does not hold" in captured.err
+    assert "(no prompt token to rank: every one is a special token)" in captured.out
+    assert main(["explain", "--model", str(llm), PROMPT + " zebra", "--target", "seven", "--methods", "raw"]) == 0
+    assert "read 1 of the prompt's" in capsys.readouterr().err
+
+
 def test_skip_leaves_the_matching_tokens_out_as_captums_skip_tokens(llm, capsys):
     import json
 

@@ -127,8 +127,9 @@ def explain_answer(
         answer_tokens=readable_tokens(answer_ids.cpu(), tokenizer), answer=tokenizer.decode(answer_ids),
         generated=target is None, skipped=skipped,
         template=[] if written is None else [wrote for wrote, is_kept in zip(written, kept) if is_kept],
-        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else _listed(
-            glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist())
+        warnings=_listed(unknown_words(tokenizer, prompt, ids.tolist())) + (
+            _cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None
+            else _listed(glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist()))
         ),
     )
     for name in chosen:
@@ -217,6 +218,25 @@ def _per_token_flags(flags: list[bool] | None, ids: torch.Tensor) -> torch.Tenso
 
 def _listed(warning: str | None) -> list[str]:
     return [] if warning is None else [warning]
+
+
+def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
+    """A warning where the tokenizer read words of ``text`` (tokenized as ``ids``) as its
+    unknown token, or as its padding (a word-level vocabulary's unknown token may be its
+    pad token): the model reads every such word alike, and the report leaves them out as
+    special tokens. Else None. A token the text holds literally, or that is also the end
+    or start token (a pad token set to the end token), is no unknown word."""
+    literal = {tokenizer.eos_token, tokenizer.bos_token}
+    names = [name for name in dict.fromkeys((tokenizer.unk_token, tokenizer.pad_token)) if name and name not in text and name not in literal]
+    unknown = {tokenizer.convert_tokens_to_ids(name) for name in names}
+    count = sum(1 for token in ids if token in unknown)
+    if not count:
+        return None
+    return (
+        f"the tokenizer read {count} of the prompt's {len(ids)} tokens as {' or '.join(names)}: words its vocabulary "
+        "does not hold, which the model reads alike and the report leaves out as special tokens; write the prompt in "
+        "the model's vocabulary"
+    )
 
 
 def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:

@@ -129,6 +129,8 @@ def _top_tokens(tokens: list[str], scores: list[float], special: list[bool], inf
     number = "{:.3e}" if raw else ("{:+.3f}" if info.signed else "{:.3f}")
     labels = token_labels(tokens)
     named = [terminal_safe(labels[i]) for _, i in ranked]
+    if not ranked:
+        return "(no prompt token to rank: every one is a special token)"
     return " | ".join(f"{name} {number.format(v)}" for name, (v, _) in zip(named, ranked))
 
 
