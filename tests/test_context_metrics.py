@@ -482,6 +482,16 @@ def test_a_shared_scope_runs_each_set_of_ablations_once_with_the_values_of_each_
     assert sum(rows) == alone_rows, "outside the scope, each call runs its own"
 
 
+def test_answers_that_begin_with_the_bos_token_are_warned_of():
+    """``tokenizer(answer).input_ids`` with a BOS-adding tokenizer: the context metrics scored
+    the BOS's log-probability as the answer's first token."""
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    with_bos = torch.tensor([[model.config.bos_token_id, 8]] * 3)
+    scores = torch.rand(prompts.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"^answer rows \[0, 1, 2\] begin with the model's BOS token"):
+        top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, with_bos, scores, segments=SEGMENTS)
+
+
 def test_answers_padded_after_their_ends_are_refused_in_one_line():
     """A batch of generated answers padded after their end-of-sequence tokens: the context
     metrics scored the padding's log-probabilities as the answer's."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -325,6 +326,30 @@ def test_a_continuation_padded_after_its_end_is_refused_in_one_line(family):
                 call(prompts.input_ids, torch.tensor(padded), additional_forward_args=args)
     for whole in ([[5, 6, 7, end], [9, 10, 11, 12]], [[5, end, 7, 8], [9, 10, 11, end]]):
         explain.attribute_span(prompts.input_ids, torch.tensor(whole), additional_forward_args=args)
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_a_continuation_that_begins_with_the_bos_token_is_warned_of(family):
+    """A tokenizer that adds BOS (Llama's) gives ``tokenizer(answer).input_ids`` with it
+    first: a decoder-only model's span explained the BOS as the answer's first token,
+    with no word of it. An encoder-decoder's target may begin with one (BART's do)."""
+    model = make_decoder(family) if family == "llama" else make_encoder_decoder(family)
+    prompts = make_prompts(side="left" if family == "llama" else "right")
+    bos, args = model.config.bos_token_id, (prompts.attention_mask,)
+    with_bos = torch.tensor([[5, 6], [bos, 6], [bos, 7]])
+    explain = GradSAM(model)
+    for call in (explain.attribute_span, explain.attribute_continuation):
+        if family == "bart":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                call(prompts.input_ids, with_bos, additional_forward_args=args)
+            continue
+        with pytest.warns(UserWarning, match=r"^continuation rows \[1, 2\] begin with the model's BOS token \(1\), .*"
+                          r"add_special_tokens=False: .* give continuation\[:, 1:\] if it is not the answer's\.$"):
+            call(prompts.input_ids, with_bos, additional_forward_args=args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explain.attribute_span(prompts.input_ids, torch.tensor([[5, bos]] * 3), additional_forward_args=args)  # not first
 
 
 def test_an_answer_as_a_tokenizers_list_or_one_row_for_every_prompt():

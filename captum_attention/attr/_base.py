@@ -15,13 +15,13 @@ from torch.utils._pytree import tree_map
 from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format_additional_forward_args, format_output, hooked_modules
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import (
-    LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token, format_inputs, index_target,
-    outside_inference_mode,
+    LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token,
+    format_inputs, index_target, outside_inference_mode,
 )
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
-from ..capture.record import check_gradients_possible, check_not_quantized, without_autocast
+from ..capture.record import check_gradients_possible, check_not_quantized, warn_if_answer_begins_with_bos, without_autocast
 from ..capture.runner import (
     CaptureMode, CaptureRunner, check_capture_mode, check_inputs, resolve_adapter, resolve_model, stream_refusal,
 )
@@ -473,6 +473,7 @@ class AttentionAttributionBase:
         continuation = answer_ids(continuation, prompt.shape[0], "continuation")
         _check_continuation(prompt, continuation)
         check_no_padding_after_end(self.model, continuation)
+        warn_if_answer_begins_with_bos(self.model, continuation)
         adapter = self._one_stack_adapter()
         effective = bool(options.pop("effective", False))
         if adapter.is_encoder_decoder(self.model):

@@ -276,6 +276,21 @@ def check_no_padding_after_end(model: Any, continuation: Tensor, name: str = "co
         )
 
 
+def rows_beginning_with_bos(model: Any, continuation: Tensor) -> list[int]:
+    """The rows of a decoder-only model's ``continuation`` that begin with its BOS token,
+    as a tokenizer that adds one gives an answer's text. A BOS that is also the end or pad
+    token (GPT-2's) counts for none, nor does an encoder-decoder's (BART's targets begin
+    with one)."""
+    config = getattr(model, "config", None)
+    bos = getattr(config, "bos_token_id", None)
+    if not isinstance(bos, int) or getattr(config, "is_encoder_decoder", False) or continuation.shape[-1] == 0:
+        return []
+    others = [getattr(config, "eos_token_id", None), getattr(config, "pad_token_id", None)]
+    if any(bos == token or (isinstance(token, list) and bos in token) for token in others):
+        return []
+    return (continuation[:, 0] == bos).nonzero().flatten().tolist()
+
+
 def query_positions(query_index: QueryIndex, real: Tensor, causal: bool = False) -> Tensor:
     """``query_index`` as a ``(B,)`` long tensor of real positions, or a clear error.
 

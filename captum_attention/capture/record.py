@@ -35,7 +35,7 @@ from .adapters import AttentionAdapter
 from .adapters.images import leading_image_features
 from .inputs import (
     LogProbTarget, QueryIndex, class_probabilities, outside_inference_mode, output_logits, query_positions, query_row_weights,
-    resolve_targets,
+    resolve_targets, rows_beginning_with_bos,
 )
 from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
 from .recorder import AttentionCapture, autocast_on
@@ -646,6 +646,19 @@ class without_autocast(ExitStack):
             self.close()
             raise
         return self
+
+
+def warn_if_answer_begins_with_bos(model: Any, continuation: Tensor, name: str = "continuation") -> None:
+    """A warning where rows of a decoder-only model's ``continuation`` (called ``name``)
+    begin with its BOS token (:func:`~captum_attention.capture.inputs.rows_beginning_with_bos`):
+    explained, or scored, as the answer's first token."""
+    rows = rows_beginning_with_bos(model, continuation)
+    if rows:
+        warn_user(
+            f"{name} rows {rows} begin with the model's BOS token ({model.config.bos_token_id}), which a tokenizer adds "
+            f"to text unless add_special_tokens=False: it is read as the answer's first token; give {name}[:, 1:] if it "
+            "is not the answer's."
+        )
 
 
 def _check_decoder_ids(model: nn.Module, inputs: tuple[Tensor, ...], embedded: list[Tensor]) -> None:

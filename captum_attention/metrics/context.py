@@ -47,7 +47,7 @@ from ..capture.adapters.images import (
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import answer_ids, check_no_padding_after_end, decoder_start_token, output_logits
-from ..capture.record import without_autocast
+from ..capture.record import warn_if_answer_begins_with_bos, without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -162,6 +162,7 @@ class _AnswerScorer(AblationScorer):
     ) -> None:
         answer = _checked_answer(input_ids, attention_mask, answer, segments)
         check_no_padding_after_end(forward_func, answer, "answer")
+        warn_if_answer_begins_with_bos(forward_func, answer, "answer")
         self.image_inputs = _one_example_images(image_inputs, input_ids)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
