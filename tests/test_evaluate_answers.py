@@ -283,6 +283,22 @@ def test_answers_read_glued_to_their_prompt_are_named_in_one_line(tmp_path, caps
         assert "warning: " + str(data) + ": 1 answer (line 1) read glued to the prompt's last word" in error, error
 
 
+def test_prompts_with_words_the_tokenizer_does_not_know_are_named_in_one_line(llm, tmp_path, capsys):
+    """The word-level tokenizer reads unknown words as its pad token: evaluate and
+    fit-head-weights say which rows hold them."""
+    import shutil
+
+    model, data = shutil.copytree(llm, tmp_path / "llama"), tmp_path / "answers.jsonl"  # the fit writes beside the model
+    rows = [{"prompt": "the secret code is seven", "answer": "seven"}, {"prompt": "the zebra code is seven", "answer": "seven"},
+            {"prompt": "quokka code is seven", "answer": "seven"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for command in (["evaluate", "--methods", "raw", "--metrics", "top_k_log_prob_drop", "--output", str(tmp_path / "out")],
+                    ["fit-head-weights", "--ablations", "2"]):
+        assert main([*command, str(data), "--model", str(model)]) == 0
+        error = capsys.readouterr().err
+        assert "warning: " + str(data) + ": 2 prompts (line 2 and 1 more) with words the tokenizer reads as its unknown" in error, error
+
+
 def test_attention_flow_is_refused_for_answers_before_any_work(llm, tmp_path, capsys):
     data, output = _data(tmp_path, count=2), tmp_path / "out"
     assert main(["evaluate", str(data), "--model", str(llm), "--methods", "raw,attention_flow", "--output", str(output)]) == 1

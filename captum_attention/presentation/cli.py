@@ -547,6 +547,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
         _note_glued_answers(examples, model, tokenizer, arguments)
+        _note_unknown_words(examples, tokenizer, arguments)
     model.to(state.device)
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence, ig_steps=arguments.ig_steps,
                             regions=arguments.regions or AnswerOptions.regions)
@@ -718,6 +719,16 @@ def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, argumen
     ]
     _warn_of_rows(arguments, glued, "answer", "read glued to the prompt's last word (no space between them): begin each "
                   "with a space if the model writes one there")
+
+
+def _note_unknown_words(examples: list[Any], tokenizer: Any, arguments: argparse.Namespace) -> None:
+    """One line where prompts hold words the tokenizer reads as its unknown token or its
+    padding (:func:`~captum_attention.presentation.answer.unknown_words`)."""
+    from .answer import unknown_words
+
+    unknown = [example.line for example in examples if unknown_words(tokenizer, example.text, tokenizer(example.text)["input_ids"])]
+    _warn_of_rows(arguments, unknown, "prompt", "with words the tokenizer reads as its unknown token or its padding, which "
+                  "the model reads alike and the reports leave out as special tokens")
 
 
 def _warn_of_rows(arguments: argparse.Namespace, lines: list[int], counted: str, says: str) -> None:
@@ -912,6 +923,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
     model, tokenizer = load_causal_lm(arguments.model)
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
     _note_glued_answers(examples, model, tokenizer, arguments)
+    _note_unknown_words(examples, tokenizer, arguments)
     options = FitOptions(arguments.ablations, arguments.seed, arguments.ridge, arguments.max_new_tokens)
     weights, path = fit_beside_model(model, tokenizer, examples, arguments.model, options)
     layers, heads = weights.weights.shape
