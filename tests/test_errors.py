@@ -678,3 +678,19 @@ def test_more_tokens_than_the_models_positions_is_named_in_one_line(family, capt
     assert "\n" not in str(refused.value) and isinstance(refused.value.__cause__, (RuntimeError, IndexError))
     assert_same_state(before, model_state(model))
     GradSAM(model, capture=capture).attribute(ids[:, :limit], target=0, additional_forward_args=(torch.ones_like(ids[:, :limit]),))
+
+
+def test_a_failure_past_the_limit_of_a_model_without_learned_positions_is_its_own():
+    """Llama's rotary positions have no table: its max_position_embeddings bounds nothing,
+    and a forward that fails past it fails for its own reason."""
+    from lm_models import make_decoder
+
+    model = make_decoder("llama")
+    ids = torch.randint(5, 30, (1, model.config.max_position_embeddings + 3))
+
+    def failing(input_ids, attention_mask):
+        model(input_ids, attention_mask=attention_mask)
+        raise RuntimeError("the forward's own failure")
+
+    with pytest.raises(RuntimeError, match="^the forward's own failure$"):
+        GradSAM(failing, model=model).attribute(ids, target=0, additional_forward_args=(torch.ones_like(ids),))

@@ -692,9 +692,10 @@ POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_source_positio
 
 @contextmanager
 def positions_named_when_too_long(model: nn.Module, text_shape: tuple[int, int] | None) -> Iterator[None]:
-    """A forward that fails on more tokens than the model's configuration has positions
-    for (a BERT's ``index out of range`` or ``expanded size``) fails with a one-line error
-    that names the limit, the original error chained."""
+    """A forward that fails on more tokens than the model's configuration has learned
+    positions for (an embedding table of that many rows: BERT's ``expanded size``, GPT-2's
+    ``index out of range``; rotary positions have no table and no such limit) fails with a
+    one-line error that names the limit, the original error chained."""
     try:
         yield
     except (RuntimeError, IndexError) as error:
@@ -703,13 +704,23 @@ def positions_named_when_too_long(model: nn.Module, text_shape: tuple[int, int] 
             ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
             (None, None),
         )
-        if text_shape is None or limit is None or text_shape[1] <= limit:
+        if text_shape is None or limit is None or text_shape[1] <= limit or not _has_table_of(model, limit):
             raise
         raise ValueError(
             f"The inputs hold {text_shape[1]} tokens and {type(model).__name__} has positions for {limit} "
             f"(config.{field}), and its forward failed on them: truncate the inputs "
             f"(tokenizer(..., truncation=True, max_length={limit})) or explain them in windows."
         ) from error
+
+
+def _has_table_of(model: nn.Module, rows: int) -> bool:
+    """Whether ``model`` holds an embedding table of ``rows`` rows besides its tokens' own
+    (learned positions)."""
+    get_tokens = getattr(model, "get_input_embeddings", None)
+    tokens = get_tokens() if callable(get_tokens) else None
+    return any(
+        isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens for module in model.modules()
+    )
 
 
 _SAME_IN_TRAINING = (
