@@ -56,6 +56,13 @@ def test_explain_an_answer_about_an_image(llava, tmp_path, capsys):
     assert explanation["grid_covers_image"] is True
 
 
+def test_prompt_words_the_tokenizer_does_not_know_are_warned_about(llava, tmp_path, capsys):
+    argv = ["explain", "--model", str(llava), "--image", str(_image(tmp_path)), "what is the zebra", "--target", "is a",
+            "--methods", "raw"]
+    assert main(argv) == 0
+    assert "warning: the tokenizer read 1 of the prompt's" in capsys.readouterr().err
+
+
 def test_the_report_holds_the_methods_scores_of_the_image_tokens(llava, tmp_path, capsys):
     """The JSON's grid and the <image> token's score are the span's, through the processor;
     each answer token's grid the continuation's row's."""

@@ -387,7 +387,8 @@ def explain_image_answer(
     explanation = AnswerExplanation(
         prompt_tokens=names, special=special, template=written if chat else [],
         answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
-        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [], image=str(image_path),
+        warnings=_listed(unknown_words(tokenizer, text, ids[0].tolist()))
+        + (_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else []), image=str(image_path),
     )
     args = (mask, inputs)
     has_grid = _has_grid(model, ids, inputs)
