@@ -42,6 +42,16 @@ def test_scores_for_display_scales_each_patch_grid_by_itself():
     assert shown.flatten(1).amax(dim=1).tolist() == [1.0, 1.0]
 
 
+def test_scores_for_display_refuses_scores_no_scale_shows():
+    """One NaN made its whole example NaN, an inf every other score 0."""
+    special = torch.tensor([[False, True, False]] * 3)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=r"^scores hold NaN or ±inf in examples \[1\] \(among the entries shown\)"):
+            scores_for_display(torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, bad], [0.0, 0.0, 0.0]]), special)
+    shown = scores_for_display(torch.tensor([[1.0, float("nan"), 2.0]] * 3), special)  # left out: no matter
+    torch.testing.assert_close(shown[0], torch.tensor([0.5, 0.0, 1.0]))
+
+
 def test_scores_for_display_names_a_mismatched_mask():
     with pytest.raises(ValueError, match="special has shape"):
         scores_for_display(torch.ones(2, 4), torch.ones(2, 3, dtype=torch.bool))

@@ -61,7 +61,8 @@ def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bo
             magnitudes in ``[0, 1]``. Default: False.
 
     Returns:
-        Tensor of the shape of ``scores``; an example whose scores are all 0 stays 0.
+        Tensor of the shape of ``scores``; an example whose scores are all 0 stays 0. NaN
+        or ±inf among the shown entries are refused in one line.
 
     Example::
 
@@ -77,6 +78,12 @@ def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bo
     shown = scores.detach().float()
     if special is not None:
         shown = shown.masked_fill(special.to(shown.device), 0.0)
+    not_finite = (~torch.isfinite(shown)).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    if not_finite:
+        raise ValueError(
+            f"scores hold NaN or ±inf in examples {not_finite} (among the entries shown): no scale shows them; "
+            "replace them first (torch.nan_to_num) or leave those examples out."
+        )
     if not signed:
         shown = shown.abs()
     scale = shown.abs().flatten(1).amax(dim=1).clamp(min=torch.finfo(shown.dtype).tiny)
