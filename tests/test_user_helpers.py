@@ -65,6 +65,21 @@ def test_token_heatmap_draws_one_row_per_method():
     assert ax.get_images()[0].get_array().shape == (2, 2)
 
 
+def test_token_heatmap_refuses_rows_it_would_draw_wrong():
+    """Fewer scores than tokens drew under the wrong labels, raw scores above 1 were clipped
+    to the scale's top, and a batch of one or rows of two lengths failed in matplotlib or torch."""
+    tokens = ["x", "y", "z"]
+    ax = token_heatmap({"a": torch.tensor([[0.0, 1.0, 0.5]])}, tokens)  # a batch of one: its row
+    assert ax.get_images()[0].get_array().shape == (1, 3)
+    with pytest.raises(ValueError, match=r"^scores\['a'\] has shape \(2,\), not one score per token \(3,\)\.$"):
+        token_heatmap({"a": torch.tensor([0.0, 1.0])}, tokens)
+    with pytest.raises(ValueError, match=r"^scores\['b'\] has shape \(4,\)"):
+        token_heatmap({"a": torch.zeros(3), "b": torch.zeros(4)}, tokens)
+    for raw in (torch.tensor([0.0, 2.0, 0.5]), torch.tensor([0.0, float("nan"), 0.5])):
+        with pytest.raises(ValueError, match=r"outside \[-1, 1\] \(or not finite\).*scores_for_display"):
+            token_heatmap({"a": raw}, tokens)
+
+
 def test_recall_batches_mark_the_pair_each_answer_comes_from():
     batch = recall_batch(50, seed=3)
     for row in range(50):

@@ -94,8 +94,10 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
     """A matplotlib heat map of several methods' scores of one text: one row per method.
 
     Args:
-        scores (mapping): method name -> ``(tokens,)`` scores of one example, e.g. rows of
-            :func:`scores_for_display` (values in ``[0, 1]`` or ``[-1, 1]``).
+        scores (mapping): method name -> ``(tokens,)`` scores of one example (or a batch of
+            one, ``(1, tokens)``), e.g. rows of :func:`scores_for_display`: values in
+            ``[0, 1]``, or ``[-1, 1]`` where some are negative; others are refused, as
+            the colour scale would clip them.
         tokens (sequence of str): the token labels of the columns.
         ax (matplotlib Axes, optional): where to draw. Default: a new figure's.
         title (str, optional): the axes' title. Default: None.
@@ -105,9 +107,9 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
     """
     import matplotlib.pyplot as plt
 
+    grid = torch.stack([_heatmap_row(name, values, len(tokens)) for name, values in scores.items()]).numpy()
     if ax is None:
         _, ax = plt.subplots(figsize=(max(8.0, 0.6 * len(tokens)), 0.45 * len(scores) + 1.8))
-    grid = torch.stack([values.detach().float().cpu() for values in scores.values()]).numpy()  # a tensor warns in numpy 2
     signed = bool((grid < 0).any())
     image = ax.imshow(grid, cmap="RdBu_r" if signed else "Greens", vmin=-1 if signed else 0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(tokens)), list(tokens), rotation=60, ha="right")
@@ -117,6 +119,21 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
         ax.set_title(title, fontsize=10)
     ax.figure.tight_layout()
     return ax
+
+
+def _heatmap_row(name: str, values: Tensor, tokens: int) -> Tensor:
+    """``name``'s scores as one row of :func:`token_heatmap` (float32 on the CPU: a tensor
+    warns in NumPy 2), or a one-line error: not one finite score per token in ``[-1, 1]``."""
+    row = values.detach().float().cpu()
+    row = row[0] if row.dim() == 2 and row.shape[0] == 1 else row
+    if tuple(row.shape) != (tokens,):
+        raise ValueError(f"scores[{name!r}] has shape {tuple(values.shape)}, not one score per token ({tokens},).")
+    if not bool(torch.isfinite(row).all()) or float(row.abs().max()) > 1:
+        raise ValueError(
+            f"scores[{name!r}] hold values outside [-1, 1] (or not finite), which the colour scale would clip: pass "
+            "rows of scores_for_display(scores)."
+        )
+    return row
 
 
 def outside_span(offsets: Tensor, text: str, span: tuple[int, int]) -> Tensor:
