@@ -83,6 +83,10 @@ def test_upsampled_scores_cover_each_patch_and_feed_visualize_image_attr():
         sign="positive", use_pyplot=False,
     )
     assert figure is not None
+    with pytest.raises(ValueError, match=r"^images have shape \(2, 16, 16, 3\), channel-last: .*images\.permute\(0, 3, 1, 2\)\.$"):
+        upsample_to_image(grid, pixels.permute(0, 2, 3, 1))  # was upsampled to (16, 3)
+    with pytest.raises(ValueError, match=r"^grid_scores have shape \(2, 16\), not \(batch, rows, columns\)"):
+        upsample_to_image(grid.flatten(1), pixels)
 
 
 def test_batch_members_match_alone(name):

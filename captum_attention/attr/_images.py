@@ -26,10 +26,34 @@ def upsample_to_image(grid_scores: Tensor, images: Tensor, mode: str = "bilinear
         mode (str, optional): interpolation mode. Default: ``"bilinear"``.
 
     Returns:
-        Tensor ``(batch, height, width, 1)``.
+        Tensor ``(batch, height, width, 1)``. Scores or images of other shapes (flat
+        scores, channel-last images) are refused in one line.
     """
+    _check_grid_and_images(grid_scores, images)
     upsampled = LayerAttribution.interpolate(grid_scores[:, None], tuple(images.shape[-2:]), mode)
     return upsampled.permute(0, 2, 3, 1)
+
+
+IMAGE_CHANNELS = (1, 3, 4)
+"""The channel counts of images: grey, RGB, RGBA."""
+
+
+def _check_grid_and_images(grid_scores: Tensor, images: Tensor) -> None:
+    """A one-line error where ``grid_scores`` are not ``(batch, rows, columns)`` or
+    ``images`` not ``(batch, channels, height, width)``: channel-last images would be
+    upsampled to their width and channels."""
+    if grid_scores.dim() != 3:
+        raise ValueError(
+            f"grid_scores have shape {tuple(grid_scores.shape)}, not (batch, rows, columns): give the patch grid's scores "
+            "(a model's flattened patches' scores reshaped to its grid)."
+        )
+    if images.dim() != 4:
+        raise ValueError(f"images have shape {tuple(images.shape)}, not (batch, channels, height, width).")
+    if images.shape[-1] in IMAGE_CHANNELS and images.shape[1] not in IMAGE_CHANNELS:
+        raise ValueError(
+            f"images have shape {tuple(images.shape)}, channel-last: give them as (batch, channels, height, width), "
+            "images.permute(0, 3, 1, 2)."
+        )
 
 
 def image_scores(
