@@ -23,6 +23,7 @@ class _Tokenizer:
 def test_special_tokens_marks_the_tokenizers_special_ids():
     ids = torch.tensor([[101, 7, 8, 102, 0]])
     assert special_tokens(ids, _Tokenizer()).tolist() == [[True, False, False, True, True]]
+    assert special_tokens(ids.tolist(), _Tokenizer()).tolist() == [[True, False, False, True, True]]  # a tokenizer's list
 
 
 def test_scores_for_display_leaves_special_tokens_out_of_the_scale():

@@ -18,7 +18,8 @@ from .._compat import pretty_tokens
 
 def special_tokens(input_ids: Tensor, tokenizer: Any) -> Tensor:
     """``input_ids``-shaped bool tensor, True at the tokenizer's special tokens
-    (``[CLS]``, ``[SEP]``, padding, ...)."""
+    (``[CLS]``, ``[SEP]``, padding, ...); ``input_ids`` a tensor, or a tokenizer's list."""
+    input_ids = torch.as_tensor(input_ids)
     special_ids = torch.tensor(sorted(tokenizer.all_special_ids), device=input_ids.device)
     return torch.isin(input_ids, special_ids)
 
@@ -31,7 +32,8 @@ def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
     as it is.
 
     Args:
-        ids (Tensor): ``(seq_len,)`` token ids of one text.
+        ids (Tensor): ``(seq_len,)`` token ids of one text (or a batch of one, or a
+            tokenizer's list).
         tokenizer: its Hugging Face tokenizer.
 
     Returns:
@@ -42,6 +44,10 @@ def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
         >>> tokens = readable_tokens(input_ids[0], tokenizer)
         >>> token_heatmap({"AttnLRP": scores[0]}, tokens)
     """
+    ids = torch.as_tensor(ids)
+    ids = ids[0] if ids.dim() == 2 and ids.shape[0] == 1 else ids
+    if ids.dim() != 1:
+        raise ValueError(f"ids have shape {tuple(ids.shape)}, not (seq_len,): give one text's ids, e.g. input_ids[0].")
     raw = tokenizer.convert_ids_to_tokens(ids.tolist())
     shown = pretty_tokens(ids, tokenizer)
     return [token if token.startswith("##") or not text.strip() else text for token, text in zip(raw, shown)]
