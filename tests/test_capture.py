@@ -31,6 +31,26 @@ def test_does_not_install_transformers_persistent_hooks():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_capture_entered_twice_at_once_is_refused_and_the_model_left_clean():
+    """The same capture nested in itself installed its hooks a second time over the first:
+    the first's were never removed. Entered again after its exit, it records afresh."""
+    model = make_model("bert")
+    batch = make_batch(model)
+    before = model_state(model)
+    capture = AttentionCapture(model)
+    with capture:
+        with pytest.raises(RuntimeError, match=r"^This AttentionCapture is already open: nest another one"):
+            with capture:
+                pass
+        model(batch.input_ids, attention_mask=batch.attention_mask)
+    assert len(capture.attn_probs) == 3
+    assert_same_state(before, model_state(model))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with capture:
+        model(batch.input_ids, attention_mask=batch.attention_mask)
+    assert len(capture.attn_probs) == 3 and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 class Boom(RuntimeError):
     pass
 

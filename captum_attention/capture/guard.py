@@ -275,8 +275,11 @@ class ModelChanges:
         self._guard = InterruptGuard(_MODEL_CHANGES)
         self._lock = model_lock(model)
         self._stack = ExitStack()
+        self._entered = False
 
     def __enter__(self: _Changes) -> _Changes:
+        if self._entered:  # a second install would take the place of the first, whose changes no exit could undo
+            raise RuntimeError(f"This {type(self).__name__} is already open: nest another one, not the same one twice.")
         self._guard.install()
         try:
             while not self._lock.acquire(timeout=0.05):
@@ -286,6 +289,7 @@ class ModelChanges:
                     stack.callback(graph_cutter(self.model))
                     self.install(stack)
                     self._stack = stack.pop_all()
+                    self._entered = True
             except BaseException:
                 self._lock.release()
                 raise
@@ -295,6 +299,7 @@ class ModelChanges:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        self._entered = False
         try:
             try:
                 self._stack.close()
