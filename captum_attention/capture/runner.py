@@ -36,12 +36,24 @@ def check_capture_mode(mode: str) -> None:
 
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who: str = "This call") -> nn.Module:
-    """``model``, or ``forward_func`` when it is the module; a clear error otherwise."""
+    """``model``, or ``forward_func`` when it is the module; a clear error otherwise (a
+    transformers pipeline, or a sentence-transformers encoder, whose forward takes a dict
+    of features, as ``forward_func`` alone, say what to pass)."""
     if model is None:
         if not isinstance(forward_func, nn.Module):
+            wrapped = getattr(forward_func, "model", None)
             raise TypeError(
                 f"{who} needs the nn.Module that holds the attention layers: pass model=... "
-                "(forward_func is not a module)."
+                "(forward_func is not a module" + (
+                    f"; {type(forward_func).__name__} holds one: pass forward_func.model, with its tokenizer's ids as inputs"
+                    if isinstance(wrapped, nn.Module) else ""
+                ) + ")."
+            )
+        if any(cls.__name__ == "SentenceTransformer" for cls in type(forward_func).__mro__):
+            raise TypeError(
+                f"A {type(forward_func).__name__} has no logits and its forward takes a dict of features: explain a score "
+                "of its embedding in forward_func (a similarity to a reference) and pass the transformers model inside "
+                "it as model=encoder[0].auto_model (docs/captum.rst, sentence embeddings)."
             )
         model = forward_func
     if not isinstance(model, nn.Module):
