@@ -405,7 +405,8 @@ def test_a_classifiers_tokens_are_shown_as_words(tmp_path):
     assert shown == [token.replace("Ġ", "") for token in raw]
     assert readable_tokens(torch.tensor(tokenizer(sentence).input_ids), tokenizer) == shown
     batch = tokenizer([sentence], return_tensors="pt").input_ids
-    assert readable_tokens(tokenizer(sentence).input_ids, tokenizer) == readable_tokens(batch, tokenizer) == shown  # a list, a batch of one
+    listed = tokenizer(sentence).input_ids
+    assert readable_tokens(listed, tokenizer) == readable_tokens(batch, tokenizer) == shown  # a list, a batch of one
     with pytest.raises(ValueError, match=r"^ids have shape \(2, \d+\), not \(seq_len,\): give one text's ids"):
         readable_tokens(batch.expand(2, -1), tokenizer)
     vocab = tmp_path / "vocab.txt"

@@ -51,10 +51,10 @@ def check_per_token(scores: Tensor, ids: Tensor, name: str = "attributions", inp
     if tuple(scores.shape) == tuple(ids.shape):
         return
     per_dimension = scores.dim() == ids.dim() + 1 and tuple(scores.shape[:-1]) == tuple(ids.shape)
+    summed = f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))"
     raise ValueError(
         f"{name} of shape {tuple(scores.shape)}, but the {inputs} are {tuple(ids.shape)}: give one score per token"
-        + (f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))" if per_dimension else "")
-        + "."
+        + (summed if per_dimension else "") + "."
     )
 
 

@@ -227,7 +227,8 @@ def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
     special tokens. Else None. A token the text holds literally, or that is also the end
     or start token (a pad token set to the end token), is no unknown word."""
     literal = {tokenizer.eos_token, tokenizer.bos_token}
-    names = [name for name in dict.fromkeys((tokenizer.unk_token, tokenizer.pad_token)) if name and name not in text and name not in literal]
+    candidates = dict.fromkeys((tokenizer.unk_token, tokenizer.pad_token))
+    names = [name for name in candidates if name and name not in text and name not in literal]
     unknown = {tokenizer.convert_tokens_to_ids(name) for name in names}
     count = sum(1 for token in ids if token in unknown)
     if not count:

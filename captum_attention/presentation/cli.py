@@ -726,7 +726,9 @@ def _note_unknown_words(examples: list[Any], tokenizer: Any, arguments: argparse
     padding (:func:`~captum_attention.presentation.answer.unknown_words`)."""
     from .answer import unknown_words
 
-    unknown = [example.line for example in examples if unknown_words(tokenizer, example.text, tokenizer(example.text)["input_ids"])]
+    unknown = [
+        example.line for example in examples if unknown_words(tokenizer, example.text, tokenizer(example.text)["input_ids"])
+    ]
     _warn_of_rows(arguments, unknown, "prompt", "with words the tokenizer reads as its unknown token or its padding, which "
                   "the model reads alike and the reports leave out as special tokens")
 
