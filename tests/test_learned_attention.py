@@ -187,6 +187,7 @@ def test_an_interrupted_fit_resumes_to_the_same_weights_and_they_round_trip(inte
         HeadWeights.fit(model, other_examples, num_ablations=4, progress=False, checkpoint=checkpoint)
     saved = resumed.save(tmp_path)
     assert saved.name == "head_weights.safetensors"
+    assert resumed.save(tmp_path / "new" / "folder") == tmp_path / "new" / "folder" / "head_weights.safetensors"  # made
     loaded = HeadWeights.load(tmp_path)
     assert torch.equal(loaded.weights, resumed.weights) and loaded.settings == resumed.settings
 

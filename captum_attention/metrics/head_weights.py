@@ -75,12 +75,13 @@ class HeadWeights:
         return fit_head_weights(model, examples, **options)
 
     def save(self, path: str | Path) -> Path:
-        """Write ``path`` (a folder gets
-        :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`) as safetensors, the settings
-        in its metadata, through a temporary file moved over it (an interruption leaves the
-        previous file whole); returns the file's path."""
+        """Write ``path`` (a folder, or a path without a suffix, made a folder if it is
+        none yet, gets :data:`~captum_attention.metrics.head_weights.WEIGHTS_FILE`) as
+        safetensors, the settings in its metadata, through a temporary file moved over it
+        (an interruption leaves the previous file whole); returns the file's path."""
         path = Path(path)
-        if path.is_dir():
+        if path.is_dir() or not path.suffix:
+            path.mkdir(parents=True, exist_ok=True)
             path = path / WEIGHTS_FILE
         _save_whole(path, {"weights": self.weights.float().contiguous().cpu()}, {"settings": json.dumps(self.settings)})
         return path
