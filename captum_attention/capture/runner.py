@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .._compat import StreamingUnsupported, UnsupportedModelError
 from .adapters import AttentionAdapter, default_adapter
+from .adapters.huggingface import check_called_with_ids
 from .probes import Probe
 
 logger = logging.getLogger("captum_attention")
@@ -49,13 +50,7 @@ def resolve_model(forward_func: Callable[..., Any], model: nn.Module | None, who
                     if isinstance(wrapped, nn.Module) else ""
                 ) + ")."
             )
-        if type(forward_func).__module__.startswith("sentence_transformers."):
-            raise TypeError(
-                f"A {type(forward_func).__name__}'s forward takes a dict of features: give forward_func a function of the "
-                "ids and the mask that returns the score to explain (for an embedding, its similarity to a reference) "
-                "and pass the transformers model inside as model=encoder[0].auto_model (docs/captum.rst, sentence "
-                "embeddings)."
-            )
+        check_called_with_ids(forward_func)
         model = forward_func
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
