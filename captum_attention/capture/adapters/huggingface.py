@@ -101,6 +101,18 @@ def _mean_pooled_from(model: nn.Module) -> int | None:
     return None
 
 
+def check_called_with_ids(forward_func: Callable[..., Any]) -> None:
+    """A one-line error for a sentence-transformers model as ``forward_func``: its forward
+    takes a dict of features, not the ids and mask it would be called with."""
+    if type(forward_func).__module__.startswith("sentence_transformers."):
+        raise TypeError(
+            f"A {type(forward_func).__name__}'s forward takes a dict of features: give forward_func a function of the "
+            "ids and the mask that returns the score to explain (for an embedding, its similarity to a reference) "
+            "and pass the transformers model inside as model=encoder[0].auto_model (docs/captum.rst, sentence "
+            "embeddings)."
+        )
+
+
 class HuggingFaceAdapter(AdapterBase):
     """Adapter for Hugging Face ``transformers`` models: encoders (BERT, RoBERTa, ...),
     decoders (GPT-2, Llama, Qwen2, ...), encoder-decoders (T5, BART) and ViT/DeiT.
@@ -276,18 +288,6 @@ class HuggingFaceAdapter(AdapterBase):
         functions as they are."""
         check_called_with_ids(forward_func)
         return forward_func if called_transformers_model(forward_func) is None else _IdsAndMask(cast(nn.Module, forward_func))
-
-
-def check_called_with_ids(forward_func: Callable[..., Any]) -> None:
-    """A one-line error for a sentence-transformers model as ``forward_func``: its forward
-    takes a dict of features, not the ids and mask it would be called with."""
-    if type(forward_func).__module__.startswith("sentence_transformers."):
-        raise TypeError(
-            f"A {type(forward_func).__name__}'s forward takes a dict of features: give forward_func a function of the "
-            "ids and the mask that returns the score to explain (for an embedding, its similarity to a reference) "
-            "and pass the transformers model inside as model=encoder[0].auto_model (docs/captum.rst, sentence "
-            "embeddings)."
-        )
 
     def patch_grid(self, model: nn.Module, images: Tensor) -> tuple[int, int] | None:
         """``patch_size`` of the config (CLIP, SigLIP: of its image tower); SegFormer's first
