@@ -81,6 +81,8 @@ def test_a_generation_cut_at_the_token_limit_is_warned_about(llm, tmp_path, caps
     assert "Warning: the answer stopped at --max-new-tokens (2)" in html.read_text(encoding="utf-8")
     assert main(["explain", "--model", str(llm), PROMPT, "--target", "seven", "--methods", "raw"]) == 0
     assert "warning" not in capsys.readouterr().err
+    assert main(["explain", "--model", str(llm), PROMPT, "--max-new-tokens", "1", "--methods", "raw"]) == 0
+    assert "warning" not in capsys.readouterr().err, "a first token asked for alone runs past nothing"
 
 
 def test_words_the_vocabulary_does_not_hold_are_warned_about(llm, capsys):

@@ -241,9 +241,10 @@ def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
 
 
 def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
-    """A warning where generation stopped at ``max_new_tokens`` with no end token: the
-    answer may run on past what the model meant to say, and the explanation covers it all."""
-    if len(answer_ids) < max_new_tokens or tokenizer.eos_token_id in answer_ids.tolist():
+    """A warning where generation stopped at ``max_new_tokens`` (more than one: a first
+    token asked for alone runs past nothing) with no end token: the answer may run on past
+    what the model meant to say, and the explanation covers it all."""
+    if max_new_tokens == 1 or len(answer_ids) < max_new_tokens or tokenizer.eos_token_id in answer_ids.tolist():
         return []
     return [
         f"the answer stopped at --max-new-tokens ({max_new_tokens}) without an end token: it may go on past the "
