@@ -482,6 +482,21 @@ def test_a_shared_scope_runs_each_set_of_ablations_once_with_the_values_of_each_
     assert sum(rows) == alone_rows, "outside the scope, each call runs its own"
 
 
+def test_an_answers_span_scores_given_whole_are_told_to_be_cut_to_the_prompt():
+    """``attribute_span`` scores prompt and answer: given whole to a context metric, the
+    refusal said only "one score per prompt token"."""
+    from captum_attention import RawAttention
+
+    model, prompts = make_decoder("llama"), make_prompts(side="left")
+    answer = torch.tensor([[7, 8]] * 3)
+    span = RawAttention(model).attribute_span(prompts.input_ids, answer, additional_forward_args=(prompts.attention_mask,))
+    width = prompts.input_ids.shape[1]
+    with pytest.raises(ValueError, match=rf"an answer's span scores cover the prompt and the answer: give the prompt's, "
+                                         rf"attributions\[:, :{width}\]\)\.$"):
+        top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, answer, span, segments=SEGMENTS)
+    top_k_log_prob_drop(model, prompts.input_ids, prompts.attention_mask, answer, span[:, :width], segments=SEGMENTS)
+
+
 def test_answers_that_begin_with_the_bos_token_are_warned_of():
     """``tokenizer(answer).input_ids`` with a BOS-adding tokenizer: the context metrics scored
     the BOS's log-probability as the answer's first token."""

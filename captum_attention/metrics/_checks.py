@@ -47,14 +47,19 @@ def check_tensors(**named: Any) -> None:
 def check_per_token(scores: Tensor, ids: Tensor, name: str = "attributions", inputs: str = "inputs") -> None:
     """A clear error where ``scores`` (called ``name``) are not one score per token of
     ``ids`` (called ``inputs``); scores per embedding dimension, as Captum's layer
-    attributions (``LayerIntegratedGradients``) give them, are told to be summed."""
+    attributions (``LayerIntegratedGradients``) give them, are told to be summed, and
+    scores over more tokens (an answer's span, prompt and answer) to be cut to the prompt."""
     if tuple(scores.shape) == tuple(ids.shape):
         return
     per_dimension = scores.dim() == ids.dim() + 1 and tuple(scores.shape[:-1]) == tuple(ids.shape)
-    summed = f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))"
+    longer = scores.dim() == ids.dim() == 2 and scores.shape[0] == ids.shape[0] and scores.shape[1] > ids.shape[1]
+    hint = (
+        f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))" if per_dimension
+        else f" (an answer's span scores cover the prompt and the answer: give the prompt's, {name}[:, :{ids.shape[1]}])"
+        if longer else ""
+    )
     raise ValueError(
-        f"{name} of shape {tuple(scores.shape)}, but the {inputs} are {tuple(ids.shape)}: give one score per token"
-        + (summed if per_dimension else "") + "."
+        f"{name} of shape {tuple(scores.shape)}, but the {inputs} are {tuple(ids.shape)}: give one score per token{hint}."
     )
 
 
