@@ -60,6 +60,9 @@ def test_registered_out_of_reports_and_weights_of_another_model_are_refused():
     with pytest.raises(ValueError, match=r"head weights are \(2, 2\) \(layers, heads\) but the model's attention has") as refused:
         LearnedAttention(model, weights=HeadWeights(torch.ones(2, 2))).attribute(ids, additional_forward_args=(mask,))
     assert "\n" not in str(refused.value)
+    for bad in (float("nan"), float("inf")):  # refused as the model's non-finite gradient before
+        with pytest.raises(ValueError, match=r"^The head weights hold NaN or ±inf, which would make every score so: fit them"):
+            LearnedAttention(model, weights=torch.full((2, 2), bad))
 
 
 def _examples(count: int = 4):

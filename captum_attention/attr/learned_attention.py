@@ -64,6 +64,9 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
         refit = "fit them on this model (HeadWeights.fit, or captum-attention fit-head-weights ANSWERS --model DIR)"
         check_fitted_model(recorded, self.model, "These head weights", refit)
         self.weights = weights
+        coefficients = self._coefficients()
+        if coefficients is not None and not bool(torch.isfinite(coefficients).all()):
+            raise ValueError(f"The head weights hold NaN or ±inf, which would make every score so: {refit}.")
 
     @property
     def signed(self) -> bool:
