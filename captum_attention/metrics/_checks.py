@@ -51,13 +51,11 @@ def check_per_token(scores: Tensor, ids: Tensor, name: str = "attributions", inp
     scores over more tokens (an answer's span, prompt and answer) to be cut to the prompt."""
     if tuple(scores.shape) == tuple(ids.shape):
         return
-    per_dimension = scores.dim() == ids.dim() + 1 and tuple(scores.shape[:-1]) == tuple(ids.shape)
-    longer = scores.dim() == ids.dim() == 2 and scores.shape[0] == ids.shape[0] and scores.shape[1] > ids.shape[1]
-    hint = (
-        f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))" if per_dimension
-        else f" (an answer's span scores cover the prompt and the answer: give the prompt's, {name}[:, :{ids.shape[1]}])"
-        if longer else ""
-    )
+    hint = ""
+    if scores.dim() == ids.dim() + 1 and tuple(scores.shape[:-1]) == tuple(ids.shape):
+        hint = f" (these are per embedding dimension, as Captum's layer attributions give them: {name}.sum(-1))"
+    elif scores.dim() == ids.dim() == 2 and scores.shape[0] == ids.shape[0] and scores.shape[1] > ids.shape[1]:
+        hint = f" (an answer's span scores cover the prompt and the answer: give the prompt's, {name}[:, :{ids.shape[1]}])"
     raise ValueError(
         f"{name} of shape {tuple(scores.shape)}, but the {inputs} are {tuple(ids.shape)}: give one score per token{hint}."
     )

@@ -546,8 +546,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         examples = _answers_that_fit(examples, model, tokenizer, arguments)
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
-        _note_glued_answers(examples, model, tokenizer, arguments)
-        _note_unknown_words(examples, tokenizer, arguments)
+        _note_prompts(examples, model, tokenizer, arguments)
     model.to(state.device)
     options = AnswerOptions(max_new_tokens=arguments.max_new_tokens, presence=arguments.presence, ig_steps=arguments.ig_steps,
                             regions=arguments.regions or AnswerOptions.regions)
@@ -706,29 +705,24 @@ def _in_image_chat_template(example: Any, processor: Any) -> tuple[Any, str | No
     return dataclasses.replace(example, text=templated, message=(start, start + len(example.text))), None
 
 
-def _note_glued_answers(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:
-    """One line where given answers are read glued to their prompt's last word
-    (:func:`~captum_attention.presentation.answer.glued_answer`)."""
-    from .answer import glued_answer
+def _note_prompts(examples: list[Any], model: Any, tokenizer: Any, arguments: argparse.Namespace) -> None:
+    """One line each where prompts hold words the tokenizer reads as its unknown token or
+    its padding (:func:`~captum_attention.presentation.answer.unknown_words`), and where
+    given answers are read glued to their prompt's last word
+    (:func:`~captum_attention.presentation.answer.glued_answer`); each prompt tokenized once."""
+    from .answer import glued_answer, unknown_words
 
-    glued = [
-        example.line for example in examples if example.answer is not None and glued_answer(
-            model, tokenizer, tokenizer(example.text)["input_ids"], example.answer,
-            tokenizer(example.answer, add_special_tokens=False)["input_ids"],
-        )
-    ]
+    glued, unknown = [], []
+    for example in examples:
+        prompt_ids = tokenizer(example.text)["input_ids"]
+        if example.answer is not None and glued_answer(
+            model, tokenizer, prompt_ids, example.answer, tokenizer(example.answer, add_special_tokens=False)["input_ids"]
+        ):
+            glued.append(example.line)
+        if unknown_words(tokenizer, example.text, prompt_ids):
+            unknown.append(example.line)
     _warn_of_rows(arguments, glued, "answer", "read glued to the prompt's last word (no space between them): begin each "
                   "with a space if the model writes one there")
-
-
-def _note_unknown_words(examples: list[Any], tokenizer: Any, arguments: argparse.Namespace) -> None:
-    """One line where prompts hold words the tokenizer reads as its unknown token or its
-    padding (:func:`~captum_attention.presentation.answer.unknown_words`)."""
-    from .answer import unknown_words
-
-    unknown = [
-        example.line for example in examples if unknown_words(tokenizer, example.text, tokenizer(example.text)["input_ids"])
-    ]
     _warn_of_rows(arguments, unknown, "prompt", "with words the tokenizer reads as its unknown token or its padding, which "
                   "the model reads alike and the reports leave out as special tokens")
 
@@ -924,8 +918,7 @@ def _fit_head_weights(arguments: argparse.Namespace) -> None:
     _check_image_rows(examples, arguments, False)
     model, tokenizer = load_causal_lm(arguments.model)
     examples = _answers_that_fit(examples, model, tokenizer, arguments)
-    _note_glued_answers(examples, model, tokenizer, arguments)
-    _note_unknown_words(examples, tokenizer, arguments)
+    _note_prompts(examples, model, tokenizer, arguments)
     options = FitOptions(arguments.ablations, arguments.seed, arguments.ridge, arguments.max_new_tokens)
     weights, path = fit_beside_model(model, tokenizer, examples, arguments.model, options)
     layers, heads = weights.weights.shape

@@ -45,7 +45,7 @@ def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
         >>> token_heatmap({"AttnLRP": scores[0]}, tokens)
     """
     ids = torch.as_tensor(ids)
-    ids = ids[0] if ids.dim() == 2 and ids.shape[0] == 1 else ids
+    ids = _one_row(ids)
     if ids.dim() != 1:
         raise ValueError(f"ids have shape {tuple(ids.shape)}, not (seq_len,): give one text's ids, e.g. input_ids[0].")
     raw = tokenizer.convert_ids_to_tokens(ids.tolist())
@@ -127,11 +127,16 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
     return ax
 
 
+def _one_row(values: Tensor) -> Tensor:
+    """A batch of one (``(1, T)``) as its row; anything else as it is."""
+    return values[0] if values.dim() == 2 and values.shape[0] == 1 else values
+
+
 def _heatmap_row(name: str, values: Tensor, tokens: int) -> Tensor:
     """``name``'s scores as one row of :func:`token_heatmap` (float32 on the CPU: a tensor
     warns in NumPy 2), or a one-line error: not one finite score per token in ``[-1, 1]``."""
     row = values.detach().float().cpu()
-    row = row[0] if row.dim() == 2 and row.shape[0] == 1 else row
+    row = _one_row(row)
     if tuple(row.shape) != (tokens,):
         raise ValueError(f"scores[{name!r}] has shape {tuple(values.shape)}, not one score per token ({tokens},).")
     if not bool(torch.isfinite(row).all()) or float(row.abs().max()) > 1:
