@@ -680,6 +680,48 @@ def test_more_tokens_than_the_models_positions_is_named_in_one_line(family, capt
     GradSAM(model, capture=capture).attribute(ids[:, :limit], target=0, additional_forward_args=(torch.ones_like(ids[:, :limit]),))
 
 
+@pytest.mark.parametrize("outside", [1000, -100])
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_token_ids_outside_the_vocabulary_are_named_in_one_line(outside, capture):
+    """Another tokenizer's ids, or -100 labels as padding: torch said "index out of range in self"."""
+    model = make_model("bert")
+    batch = make_batch(model)
+    ids = batch.input_ids.clone()
+    ids[0, -1] = outside
+    rows = model.get_input_embeddings().num_embeddings
+    before = model_state(model)
+    with pytest.raises(ValueError, match=rf"token ids outside BertForSequenceClassification's vocabulary of {rows} "
+                       rf"\(ids \[{outside}\]\): tokenize with the model's own tokenizer") as refused:
+        GradSAM(model, capture=capture).attribute(ids, target=0, additional_forward_args=(batch.attention_mask,))
+    assert "\n" not in str(refused.value) and isinstance(refused.value.__cause__, IndexError)
+    assert_same_state(before, model_state(model))
+
+
+def test_the_metrics_own_forwards_name_ids_outside_the_vocabulary_and_too_many_tokens():
+    """The token-removal and context metrics run the model themselves, past the capture."""
+    from lm_models import make_decoder
+
+    from captum_attention.metrics import comprehensiveness, top_k_log_prob_drop
+
+    classifier = make_model("bert")
+    batch = make_batch(classifier)
+    ids = batch.input_ids.clone()
+    ids[0, -1] = -100
+    with pytest.raises(ValueError, match=r"token ids outside .* \(ids \[-100\]\): tokenize"):
+        comprehensiveness(classifier, ids, torch.rand(ids.shape), batch.attention_mask, target=0)
+    model = make_decoder("gpt2")
+    limit = model.config.max_position_embeddings
+    prompt, answer = torch.randint(5, 30, (1, limit - 1)), torch.randint(5, 30, (1, 3))
+    with pytest.raises(ValueError, match=rf"hold \d+ tokens and GPT2LMHeadModel has positions for {limit} "):
+        top_k_log_prob_drop(model, prompt, torch.ones_like(prompt), answer, torch.rand(prompt.shape), ks=(1,))
+
+
+def test_one_texts_ids_without_their_batch_dimension_are_told_to_get_it(setup):
+    model, batch = setup
+    with pytest.raises(TypeError, match=r"shape \(\d+,\) .*: one text's ids need their batch dimension, inputs\.unsqueeze\(0\)\.$"):
+        GradSAM(model).attribute(batch.input_ids[0], target=0)
+
+
 def test_a_failure_past_the_limit_of_a_model_without_learned_positions_is_its_own():
     """Llama's rotary positions have no table: its max_position_embeddings bounds nothing,
     and a forward that fails past it fails for its own reason."""

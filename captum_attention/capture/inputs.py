@@ -104,7 +104,8 @@ def _check_input(tensor: Tensor, image_ok: bool) -> None:
     if tensor.dtype == torch.bool or (not tensor.is_floating_point() and tensor.dim() != 2):
         raise TypeError(
             f"inputs with dtype {tensor.dtype} and shape {tuple(tensor.shape)} are neither "
-            "token ids (integer, (batch, seq_len)) nor embeddings (float, (batch, seq_len, hidden))."
+            "token ids (integer, (batch, seq_len)) nor embeddings (float, (batch, seq_len, hidden))"
+            + (": one text's ids need their batch dimension, inputs.unsqueeze(0)." if tensor.dim() == 1 else ".")
         )
     if tensor.is_floating_point() and tensor.dim() not in ((3, 4) if image_ok else (3,)):
         images = "or images (batch, channels, height, width)" if image_ok else "(an encoder-decoder's target is no image)"

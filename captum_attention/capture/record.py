@@ -430,7 +430,7 @@ def record_forward(
         model, adapter, probes=[grad_mode, *shape_check, tower_inputs, embedded_ids, *probes], streaming=streaming,
         track_grad=track_grad,
     )
-    with without_autocast("The attention capture"), positions_named_when_too_long(model, text_shape):
+    with without_autocast("The attention capture"), input_errors_named(model, inputs[0]):
         if confirm_left_padding is not None:  # it runs the model: before the capture
             confirm_left_padding(*inputs, *(format_additional_forward_args(additional_forward_args) or ()))
         with capture:
@@ -691,34 +691,62 @@ POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_source_positio
 
 
 @contextmanager
-def positions_named_when_too_long(model: nn.Module, text_shape: tuple[int, int] | None) -> Iterator[None]:
-    """A forward that fails on more tokens than the model's configuration has learned
-    positions for (an embedding table of that many rows: BERT's ``expanded size``, GPT-2's
-    ``index out of range``; rotary positions have no table and no such limit) fails with a
-    one-line error that names the limit, the original error chained."""
+def input_errors_named(model: Any, first_input: Tensor) -> Iterator[None]:
+    """A forward that fails on token ids its vocabulary has no row for (ids of another
+    model's tokenizer, or ``-100`` labels: torch's ``index out of range in self``), or on
+    more tokens than the model's configuration has learned positions for (an embedding
+    table of that many rows: BERT's ``expanded size``, GPT-2's ``index out of range``;
+    rotary positions have no table and no such limit), fails with a one-line error that
+    names them, the original error chained. ``model`` may be any ``forward_func``: one
+    that is no model (no input embeddings, no configuration) has its errors as they are."""
     try:
         yield
     except (RuntimeError, IndexError) as error:
-        config = getattr(model, "config", None)
-        field, limit = next(
-            ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
-            (None, None),
-        )
-        if text_shape is None or limit is None or text_shape[1] <= limit or not _has_table_of(model, limit):
+        problem = (
+            "index out of range" in str(error) and _ids_outside_vocabulary(model, first_input)
+        ) or _more_tokens_than_positions(model, first_input)
+        if not problem:
             raise
-        raise ValueError(
-            f"The inputs hold {text_shape[1]} tokens and {type(model).__name__} has positions for {limit} "
-            f"(config.{field}), and its forward failed on them: truncate the inputs "
-            f"(tokenizer(..., truncation=True, max_length={limit})) or explain them in windows."
-        ) from error
+        raise ValueError(problem) from error
 
 
-def _has_table_of(model: nn.Module, rows: int) -> bool:
+def _ids_outside_vocabulary(model: Any, first_input: Tensor) -> str | None:
+    get_tokens = getattr(model, "get_input_embeddings", None)
+    tokens = get_tokens() if callable(get_tokens) else None
+    if first_input.is_floating_point() or first_input.dim() != 2 or not isinstance(tokens, nn.Embedding):
+        return None
+    rows = tokens.num_embeddings
+    outside = (first_input < 0) | (first_input >= rows)
+    if not bool(outside.any()):
+        return None
+    return (
+        f"The inputs hold token ids outside {type(model).__name__}'s vocabulary of {rows} (ids "
+        f"{sorted(set(first_input[outside].tolist()))[:5]}): tokenize with the model's own tokenizer, and give "
+        "padding its pad_token_id, not -100 (a label's ignore index)."
+    )
+
+
+def _more_tokens_than_positions(model: Any, first_input: Tensor) -> str | None:
+    config = getattr(model, "config", None)
+    field, limit = next(
+        ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
+        (None, None),
+    )
+    if first_input.dim() not in (2, 3) or limit is None or first_input.shape[1] <= limit or not _has_table_of(model, limit):
+        return None
+    return (
+        f"The inputs hold {first_input.shape[1]} tokens and {type(model).__name__} has positions for {limit} "
+        f"(config.{field}), and its forward failed on them: truncate the inputs "
+        f"(tokenizer(..., truncation=True, max_length={limit})) or explain them in windows."
+    )
+
+
+def _has_table_of(model: Any, rows: int) -> bool:
     """Whether ``model`` holds an embedding table of ``rows`` rows besides its tokens' own
     (learned positions)."""
     get_tokens = getattr(model, "get_input_embeddings", None)
     tokens = get_tokens() if callable(get_tokens) else None
-    return any(
+    return isinstance(model, nn.Module) and any(
         isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens for module in model.modules()
     )
 

@@ -47,7 +47,7 @@ from ..capture.adapters.images import (
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import answer_ids, check_no_padding_after_end, decoder_start_token, output_logits
-from ..capture.record import warn_if_answer_begins_with_bos, without_autocast
+from ..capture.record import input_errors_named, warn_if_answer_begins_with_bos, without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -255,10 +255,14 @@ class _AnswerScorer(AblationScorer):
             start = torch.full_like(answer[:, :1], self.decoder_start)
             decoder = torch.cat([start, answer[:, :-1]], dim=1)
             images = next(iter(self._image_args(positions, mask, 0, encoded)), {})  # the source's
-            logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder, **images))
+            with input_errors_named(self.forward_func, prompts):
+                logits = output_logits(self.forward_func(input_ids=prompts, attention_mask=mask, decoder_input_ids=decoder, **images))
         else:
             sequences, sequence_mask = torch.cat([prompts, answer], dim=1), torch.cat([mask, torch.ones_like(answer)], dim=1)
-            logits = output_logits(_by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new, encoded)))
+            with input_errors_named(self.forward_func, sequences):
+                logits = output_logits(
+                    _by_name(self.forward_func)(sequences, sequence_mask, *self._image_args(positions, mask, new, encoded))
+                )
         if logits.dim() != 3:
             raise ValueError(
                 f"Context metrics read a language model's (batch, seq_len, vocab) logits; got shape {tuple(logits.shape)}."

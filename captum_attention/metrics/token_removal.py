@@ -22,6 +22,7 @@ from torch import Tensor
 from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
+from ..capture.record import input_errors_named
 from ._checks import check_class_probabilities, check_per_token, check_rankable, check_tensors, takes_captum_scores, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
@@ -76,7 +77,7 @@ class _Remover:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         check_class_probabilities(forward_func)
-        self.forward_func = HuggingFaceAdapter().named_forward(forward_func)
+        self.model, self.forward_func = forward_func, HuggingFaceAdapter().named_forward(forward_func)
         self.removal, self.baseline = removal, baseline_token_id
         self.ids, self.mask = input_ids, attention_mask
         self.real = attention_mask != 0
@@ -93,7 +94,7 @@ class _Remover:
         self.decision = probs.argmax(dim=-1)
 
     def _logits(self, ids: Tensor, mask: Tensor) -> Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), input_errors_named(self.model, ids):
             logits = output_logits(self.forward_func(ids, mask), len(ids))
         if logits.dim() != 2:
             raise ValueError(
