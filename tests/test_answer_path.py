@@ -212,9 +212,9 @@ def test_int_values_and_format_specs_are_placed_as_str_format_places_them(llama,
 
 
 def test_answer_ids_outside_the_vocabulary_name_the_vocabulary(llama, tokenizer):
-    with pytest.raises(ValueError, match=r"Token id 500 is outside the vocabulary of LlamaForCausalLM \(64 ids"):
+    with pytest.raises(ValueError, match=r"Token ids \[500\] lie outside the vocabulary of LlamaForCausalLM \(64 ids"):
         LLMAttentionAttribution(GradSAM(llama), tokenizer).attribute(TextTokenInput("the code", tokenizer), target=torch.tensor([500]))
-    with pytest.raises(ValueError, match="Token id -1 is outside"):
+    with pytest.raises(ValueError, match=r"Token ids \[-1\] lie outside"):
         GradSAM(llama).attribute_span(PROMPT, torch.tensor([[-1]]))
 
 

@@ -690,8 +690,9 @@ def test_token_ids_outside_the_vocabulary_are_named_in_one_line(outside, capture
     ids[0, -1] = outside
     rows = model.get_input_embeddings().num_embeddings
     before = model_state(model)
-    with pytest.raises(ValueError, match=rf"token ids outside BertForSequenceClassification's vocabulary of {rows} "
-                       rf"\(ids \[{outside}\]\): tokenize with the model's own tokenizer") as refused:
+    with pytest.raises(ValueError, match=rf"Token ids \[{outside}\] lie outside the vocabulary of "
+                       rf"BertForSequenceClassification \({rows} ids, 0 to {rows - 1}\): give ids from the model's own "
+                       rf"tokenizer{' and no -100' if outside == -100 else '.$'}") as refused:
         GradSAM(model, capture=capture).attribute(ids, target=0, additional_forward_args=(batch.attention_mask,))
     assert "\n" not in str(refused.value) and isinstance(refused.value.__cause__, IndexError)
     assert_same_state(before, model_state(model))
@@ -707,13 +708,32 @@ def test_the_metrics_own_forwards_name_ids_outside_the_vocabulary_and_too_many_t
     batch = make_batch(classifier)
     ids = batch.input_ids.clone()
     ids[0, -1] = -100
-    with pytest.raises(ValueError, match=r"token ids outside .* \(ids \[-100\]\): tokenize"):
+    with pytest.raises(ValueError, match=r"Token ids \[-100\] lie outside .* and no -100 \(a label's ignore index"):
         comprehensiveness(classifier, ids, torch.rand(ids.shape), batch.attention_mask, target=0)
     model = make_decoder("gpt2")
     limit = model.config.max_position_embeddings
     prompt, answer = torch.randint(5, 30, (1, limit - 1)), torch.randint(5, 30, (1, 3))
     with pytest.raises(ValueError, match=rf"hold \d+ tokens and GPT2LMHeadModel has positions for {limit} "):
         top_k_log_prob_drop(model, prompt, torch.ones_like(prompt), answer, torch.rand(prompt.shape), ks=(1,))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_decoders_answer_labels_with_minus_100_are_named(family):
+    """Hugging Face's labels mark ignored positions -100; the last answer token is never
+    fed to the decoder, so only its logit's index failed, as a bare RuntimeError."""
+    from lm_models import make_encoder_decoder
+
+    from captum_attention.metrics import top_k_log_prob_drop
+
+    model = make_encoder_decoder(family)
+    prompt = torch.randint(5, 30, (2, 6))
+    labels = torch.randint(5, 30, (2, 3))
+    labels[1, -1] = -100
+    refused = r"^Token ids \[-100\] lie outside the vocabulary of .* and no -100 \(a label's ignore index, no token\)\.$"
+    with pytest.raises(ValueError, match=refused):
+        AttnLRP(model).attribute_span(prompt, labels, additional_forward_args=(torch.ones_like(prompt),))
+    with pytest.raises(ValueError, match=refused):
+        top_k_log_prob_drop(model, prompt, torch.ones_like(prompt), labels, torch.rand(prompt.shape), ks=(1,))
 
 
 def test_one_texts_ids_without_their_batch_dimension_are_told_to_get_it(setup):

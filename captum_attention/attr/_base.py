@@ -16,7 +16,7 @@ from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import (
     LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token,
-    format_inputs, index_target, outside_inference_mode,
+    format_inputs, index_target, outside_inference_mode, outside_vocabulary,
 )
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
@@ -476,13 +476,13 @@ class AttentionAttributionBase:
         warn_if_answer_begins_with_bos(self.model, continuation)
         adapter = self._one_stack_adapter()
         effective = bool(options.pop("effective", False))
+        continuation = continuation.to(prompt.device)
+        _check_vocabulary(adapter, self.model, continuation if prompt.is_floating_point() else torch.cat([prompt, continuation], dim=1))
         if adapter.is_encoder_decoder(self.model):
-            decoder, extra = _decoder_inputs(self.model, prompt, continuation.to(prompt.device), additional_forward_args)
-            _check_vocabulary(adapter, self.model, decoder if prompt.is_floating_point() else torch.cat([prompt, decoder], dim=1))
+            decoder, extra = _decoder_inputs(self.model, prompt, continuation, additional_forward_args)
             return self._recorded((prompt, decoder), extra, None, effective, False, options), 0, continuation
         check_captioner_prompt(self.model, prompt)
-        sequence = torch.cat([prompt, continuation.to(prompt.device)], dim=1)
-        _check_vocabulary(adapter, self.model, sequence)
+        sequence = torch.cat([prompt, continuation], dim=1)
         extra = _extend_masks(adapter, self.model, additional_forward_args, prompt.shape, continuation.shape[1])
         record = self._recorded((sequence,), extra, None, effective, False, options)
         _check_continuation_record(record, record.leading + prompt.shape[1])
@@ -685,13 +685,9 @@ def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) 
         return
     if not embeddings:
         return
-    size = embeddings[-1].num_embeddings
-    outside = ids[(ids < 0) | (ids >= size)]
-    if outside.numel():
-        raise ValueError(
-            f"Token id {int(outside[0])} is outside the vocabulary of {type(model).__name__} ({size} ids, "
-            f"0 to {size - 1}): give ids from the model's own tokenizer."
-        )
+    problem = outside_vocabulary(model, ids, embeddings[-1].num_embeddings)
+    if problem:
+        raise ValueError(problem)
 
 
 def _extend_masks(adapter: AttentionAdapter, model: nn.Module, additional_forward_args: Any, prompt_shape: torch.Size, new_tokens: int) -> Any:

@@ -277,6 +277,19 @@ def check_no_padding_after_end(model: Any, continuation: Tensor, name: str = "co
         )
 
 
+def outside_vocabulary(model: Any, ids: Tensor, rows: int) -> str | None:
+    """One line naming the token ids of ``ids`` outside ``model``'s vocabulary of ``rows``
+    (negative, or past its last row), with the fix; None where every id lies inside."""
+    outside = sorted(set(ids[(ids < 0) | (ids >= rows)].tolist()))
+    if not outside:
+        return None
+    labels = " and no -100 (a label's ignore index, no token)" if -100 in outside else ""
+    return (
+        f"Token ids {outside[:5]} lie outside the vocabulary of {type(model).__name__} ({rows} ids, 0 to {rows - 1}): "
+        f"give ids from the model's own tokenizer{labels}."
+    )
+
+
 def rows_beginning_with_bos(model: Any, continuation: Tensor) -> list[int]:
     """The rows of a decoder-only model's ``continuation`` that begin with its BOS token,
     as a tokenizer that adds one gives an answer's text. A BOS that is also the end or pad

@@ -35,7 +35,7 @@ from .adapters import AttentionAdapter
 from .adapters.images import leading_image_features
 from .inputs import (
     LogProbTarget, QueryIndex, class_probabilities, outside_inference_mode, output_logits, query_positions, query_row_weights,
-    resolve_targets, rows_beginning_with_bos,
+    outside_vocabulary, resolve_targets, rows_beginning_with_bos,
 )
 from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
 from .recorder import AttentionCapture, autocast_on
@@ -703,27 +703,21 @@ def input_errors_named(model: Any, first_input: Tensor) -> Iterator[None]:
         yield
     except (RuntimeError, IndexError) as error:
         problem = (
-            "index out of range" in str(error) and _ids_outside_vocabulary(model, first_input)
+            "index out of range" in str(error) and ids_outside_vocabulary(model, first_input)
         ) or _more_tokens_than_positions(model, first_input)
         if not problem:
             raise
         raise ValueError(problem) from error
 
 
-def _ids_outside_vocabulary(model: Any, first_input: Tensor) -> str | None:
+def ids_outside_vocabulary(model: Any, first_input: Tensor) -> str | None:
+    """:func:`~captum_attention.capture.inputs.outside_vocabulary` for token ids
+    ``(batch, tokens)`` of a ``model`` with input embeddings; None for anything else."""
     get_tokens = getattr(model, "get_input_embeddings", None)
     tokens = get_tokens() if callable(get_tokens) else None
     if first_input.is_floating_point() or first_input.dim() != 2 or not isinstance(tokens, nn.Embedding):
         return None
-    rows = tokens.num_embeddings
-    outside = (first_input < 0) | (first_input >= rows)
-    if not bool(outside.any()):
-        return None
-    return (
-        f"The inputs hold token ids outside {type(model).__name__}'s vocabulary of {rows} (ids "
-        f"{sorted(set(first_input[outside].tolist()))[:5]}): tokenize with the model's own tokenizer, and give "
-        "padding its pad_token_id, not -100 (a label's ignore index)."
-    )
+    return outside_vocabulary(model, first_input, tokens.num_embeddings)
 
 
 def _more_tokens_than_positions(model: Any, first_input: Tensor) -> str | None:

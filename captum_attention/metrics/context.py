@@ -47,7 +47,7 @@ from ..capture.adapters.images import (
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import answer_ids, check_no_padding_after_end, decoder_start_token, output_logits
-from ..capture.record import input_errors_named, warn_if_answer_begins_with_bos, without_autocast
+from ..capture.record import ids_outside_vocabulary, input_errors_named, warn_if_answer_begins_with_bos, without_autocast
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -161,6 +161,9 @@ class _AnswerScorer(AblationScorer):
         image_inputs: Mapping[str, Tensor] | None = None,
     ) -> None:
         answer = _checked_answer(input_ids, attention_mask, answer, segments)
+        outside = ids_outside_vocabulary(forward_func, answer)  # an encoder-decoder's last answer token is never fed
+        if outside:
+            raise ValueError(outside)
         check_no_padding_after_end(forward_func, answer, "answer")
         warn_if_answer_begins_with_bos(forward_func, answer, "answer")
         self.image_inputs = _one_example_images(image_inputs, input_ids)
