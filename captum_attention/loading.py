@@ -337,7 +337,7 @@ def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:
         return model, processor.tokenizer, processor.image_processor
     model, image_processor = _load(Path(path), VisionEncoderDecoderModel, AutoImageProcessor)
     with _loading_errors(Path(path)):
-        tokenizer = AutoTokenizer.from_pretrained(path, **_OPTIONS)
+        tokenizer = _preprocessor(AutoTokenizer, Path(path))
     return model, tokenizer, image_processor
 
 
@@ -368,7 +368,7 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
             model, info = auto_class.from_pretrained(
                 weights, weights_only=True, output_loading_info=True, num_labels=labels, **_OPTIONS
             )
-        tokenizer = (preprocessor_class or AutoTokenizer).from_pretrained(preprocessor, **_OPTIONS)
+        tokenizer = _preprocessor(preprocessor_class or AutoTokenizer, preprocessor)
     missing = set(info["missing_keys"])
     if adapter is not None:
         model = _merged(model, adapter)
@@ -383,6 +383,42 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
         verb, pronoun = ("is", "it") if len(missing) == 1 else ("are", "they")
         raise CheckpointError(f"{folder}: the model's {shown} {verb} {cause}, so {pronoun} would be random.")
     return model.eval(), tokenizer
+
+
+_PREPROCESSOR_FILES = ("tokenizer", "vocab", "merges", "spiece", "special_tokens", "preprocessor", "processor")
+_PREPROCESSOR_SUFFIXES = (".model", ".spm", ".tiktoken", ".tokenizer")
+"""How the files of a tokenizer or processor that transformers saves begin, or end."""
+
+
+def _preprocessor(preprocessor_class: Any, folder: Path) -> Any:
+    """``preprocessor_class``'s tokenizer or processor from ``folder``, or a one-line error
+    that says to save one there where the folder holds none (a model saved alone): where
+    transformers fails for want of the files, and where it builds a tokenizer of special
+    tokens alone (BERT's), which reads every word as its unknown token."""
+    try:
+        preprocessor = preprocessor_class.from_pretrained(folder, **_OPTIONS)
+    except (OSError, ValueError) as error:
+        if any(path.name.startswith(_PREPROCESSOR_FILES) or path.suffix in _PREPROCESSOR_SUFFIXES for path in folder.iterdir()):
+            raise
+        raise CheckpointError(_no_tokenizer(folder)) from error
+    if _special_tokens_alone(getattr(preprocessor, "tokenizer", preprocessor)):
+        raise CheckpointError(_no_tokenizer(folder))
+    return preprocessor
+
+
+def _special_tokens_alone(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (or an image processor) has a vocabulary of special tokens alone."""
+    try:
+        return set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens)
+    except (AttributeError, NotImplementedError):  # an image processor; a tokenizer that lists no vocabulary
+        return False
+
+
+def _no_tokenizer(folder: Path) -> str:
+    return (
+        f"{folder} holds no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file): save the "
+        f"model's tokenizer, or its processor, beside it (tokenizer.save_pretrained({str(folder)!r}))."
+    )
 
 
 @contextmanager

@@ -542,6 +542,24 @@ def test_a_corrupt_or_unsafe_checkpoint_is_one_line(checkpoints, tmp_path):
     _one_line_error(run_cli("explain", "the film", "--model", str(pickled)), "could not load the checkpoint")
 
 
+def test_a_model_saved_without_its_tokenizer_is_told_to_save_it(checkpoints, tmp_path):
+    """transformers' own error cut to its first line said "Couldn't instantiate the backend
+    tokenizer from one of:" and nothing more."""
+    classifier, _ = checkpoints
+    alone = _copy_checkpoint(classifier, tmp_path / "alone")
+    for path in alone.iterdir():
+        if path.name.startswith(("tokenizer", "vocab", "special_tokens")):
+            path.unlink()
+    result = run_cli("explain", "the film", "--model", str(alone))
+    _one_line_error(result, f"{alone} holds no tokenizer")
+    assert f"tokenizer.save_pretrained('{alone}')" in result.stderr
+    with pytest.raises(CheckpointError, match="holds no tokenizer"):
+        load_classifier(alone)
+    (alone / "tokenizer.json").write_text("{not json")  # a tokenizer there, broken: transformers' own error
+    with pytest.raises(CheckpointError, match="could not load the checkpoint"):
+        load_classifier(alone)
+
+
 def test_terminal_control_sequences_are_shown_escaped(checkpoints):
     classifier, _ = checkpoints
     result = run_cli("explain", "what a \x1b]0;title\x07 film \u202e", "--model", str(classifier), "--methods", "raw")
