@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -346,7 +347,11 @@ def _folder(path: str | Path) -> Path:
     if folder.is_file():
         raise CheckpointError(f"--model {folder} is a file: give the checkpoint's folder (with config.json)")
     if not folder.is_dir():
-        raise CheckpointError(f"model folder not found: {folder}")
+        hub = (
+            f" (--model takes a local folder and nothing is downloaded: for the Hub's {path}, run "
+            f"hf download {path} --local-dir {folder.name} first)" if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(path)) else ""
+        )
+        raise CheckpointError(f"model folder not found: {folder}{hub}")
     _refuse_custom_code(folder)
     return folder
 

@@ -331,6 +331,9 @@ def test_html_report_is_self_contained_and_escaped(checkpoints, tmp_path):
     [
         (["explain", ""], "sentence 1 is empty"),
         (["explain", "fine", "--model", "/nonexistent/model"], "model folder not found"),
+        (["explain", "fine", "--model", "org/model-name"], "model folder not found: org/model-name (--model takes a "
+         "local folder and nothing is downloaded: for the Hub's org/model-name, run hf download org/model-name "
+         "--local-dir model-name first)"),
         (["explain", "fine", "--file", "/nonexistent/file.txt"], "cannot read --file"),
         (["explain"], "no sentence to explain"),
         (["explain", os.fsdecode(b"caf\xff")], "sentence 1 is not valid UTF-8: caf\\udcff"),
