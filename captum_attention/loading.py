@@ -390,11 +390,6 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
     return model.eval(), tokenizer
 
 
-_PREPROCESSOR_FILES = ("tokenizer", "vocab", "merges", "spiece", "special_tokens", "preprocessor", "processor")
-_PREPROCESSOR_SUFFIXES = (".model", ".spm", ".tiktoken", ".tokenizer")
-"""How the files of a tokenizer or processor that transformers saves begin, or end."""
-
-
 def _preprocessor(preprocessor_class: Any, folder: Path) -> Any:
     """``preprocessor_class``'s tokenizer or processor from ``folder``, or a one-line error
     that says to save one there where the folder holds none (a model saved alone): where
@@ -403,7 +398,7 @@ def _preprocessor(preprocessor_class: Any, folder: Path) -> Any:
     try:
         preprocessor = preprocessor_class.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
-        if any(path.name.startswith(_PREPROCESSOR_FILES) or path.suffix in _PREPROCESSOR_SUFFIXES for path in folder.iterdir()):
+        if _has_preprocessor(folder):
             raise
         raise CheckpointError(_no_tokenizer(folder)) from error
     if _special_tokens_alone(getattr(preprocessor, "tokenizer", preprocessor)):
@@ -448,15 +443,18 @@ def _loading_errors(folder: Path) -> Iterator[None]:
         raise CheckpointError(f"could not load the checkpoint in {folder}: {error_line(error)}") from error
 
 
-_PREPROCESSOR_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
-    "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json",
-)
+_PREPROCESSOR_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens", "preprocessor", "processor")
+_PREPROCESSOR_SUFFIXES = (".model", ".spm", ".tiktoken", ".tokenizer")
+"""How the files of a tokenizer or processor that transformers saves begin, or end."""
 
 
 def _has_preprocessor(folder: Path) -> bool:
-    """Whether ``folder`` holds a tokenizer or processor of its own (an adapter saved with one)."""
-    return any((folder / name).is_file() for name in _PREPROCESSOR_FILES)
+    """Whether ``folder`` holds files of a tokenizer or processor (an adapter saved with
+    one; a model saved without)."""
+    return any(
+        path.is_file() and (path.name.startswith(_PREPROCESSOR_PREFIXES) or path.suffix in _PREPROCESSOR_SUFFIXES)
+        for path in folder.iterdir()
+    )
 
 
 def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
