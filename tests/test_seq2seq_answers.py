@@ -36,16 +36,17 @@ def _decoder_ids(model, answer: torch.Tensor) -> torch.Tensor:
 
 def span_reference(
     model, source: torch.Tensor, answer: torch.Tensor, source_mask: torch.Tensor = SOURCE_MASK,
-    images: dict[str, torch.Tensor] | None = None,
+    images: dict[str, torch.Tensor] | None = None, forced: int = 0,
 ) -> Seq2SeqReference:
     """Maps and their gradients for the answer's summed log-probability, every decoder
-    position predicting the next answer token; ``images``: a vision-language model's."""
+    position predicting the next answer token but the first ``forced``, which generate
+    forces; ``images``: a vision-language model's."""
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     decoder = _decoder_ids(model, answer)
     out = eager(input_ids=source, attention_mask=source_mask, decoder_input_ids=decoder,
                 decoder_attention_mask=torch.ones_like(decoder), output_attentions=True, **(images or {}))
-    objective = out.logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+    objective = out.logits.float().log_softmax(dim=-1).gather(2, answer[..., None])[:, forced:].sum()
     groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
     grads = iter(torch.autograd.grad(objective, [a for group in groups for a in group]))
     pairs = [[(a.detach(), next(grads)) for a in group] for group in groups]
@@ -144,6 +145,70 @@ def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
     torch.testing.assert_close(result.token_attr, rows[0])
 
 
+FORCED = 7
+"""The token generate forces first in the tests' answers (a translation's target language)."""
+
+
+def _forcing(name: str):
+    model, source, answer = _case(name)
+    model.generation_config.forced_bos_token_id = FORCED
+    generated = model.generate(source, attention_mask=SOURCE_MASK, max_new_tokens=4, do_sample=False)[:, 1:]
+    assert (generated[:, 0] == FORCED).all()
+    return model, source, generated
+
+
+def test_the_token_generate_forces_first_is_read_not_explained(name, capture_mode):
+    """generation_config.forced_bos_token_id (mBART-50's, NLLB's target language, BART-CNN's
+    BOS): the model does not choose that token, and its log-probability, from a source that
+    does not say which language, was the largest term of the answer's. Grad-SAM reads the
+    gradient of the answer's log-probability at every row: the forced row's is 0."""
+    model, source, answer, method = *_forcing(name), "grad_sam"
+    source_scores, target_scores = REGISTERED[method](model).attribute_span(source, answer, additional_forward_args=(SOURCE_MASK,))
+    ref = span_reference(model, source, answer, forced=1)
+    rel = 5e-5 if capture_mode == "streaming" and name == "t5" else 1e-5
+    for b in range(2):
+        expected_source, expected_target = SEQ2SEQ_REFERENCES[method](ref, b, span=True)
+        assert_scores_close(source_scores[b, : len(expected_source)], expected_source, rel)
+        assert_scores_close(target_scores[b], expected_target, rel)
+    whole = span_reference(model, source, answer)
+    assert not torch.allclose(SEQ2SEQ_REFERENCES[method](whole, 0, span=True)[0], SEQ2SEQ_REFERENCES[method](ref, 0, span=True)[0])
+
+
+def test_an_answer_without_the_forced_token_is_warned_about_and_one_of_it_alone_refused(name):
+    from captum_attention.metrics import ablated_log_probs
+
+    model, source, answer = _forcing(name)
+    explainer = REGISTERED["grad_sam"](model)
+    with pytest.warns(UserWarning, match=rf"continuation rows \[0, 1\] do not begin with the token {FORCED} that .* forces first"):
+        explainer.attribute_span(source, answer[:, 1:], additional_forward_args=(SOURCE_MASK,))
+    with pytest.raises(ValueError, match=rf"^continuation holds only the token {FORCED} that .*: give the answer's tokens after it\.$"):
+        explainer.attribute_span(source, answer[:, :1], additional_forward_args=(SOURCE_MASK,))
+    kept = torch.ones(2, 1, int(SOURCE_MASK.sum(1).max()), dtype=torch.bool)
+    scored = ablated_log_probs(model, source, SOURCE_MASK, answer, kept)[:, 0]
+    with torch.no_grad():
+        logits = model(input_ids=source, attention_mask=SOURCE_MASK, decoder_input_ids=_decoder_ids(model, answer)).logits
+    expected = logits.float().log_softmax(dim=-1).gather(2, answer[..., None])[:, 1:].sum(dim=(1, 2))
+    torch.testing.assert_close(scored, expected)
+
+
+def test_a_text_answer_is_read_after_the_forced_token():
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    from captum_attention import LLMAttentionAttribution
+
+    model, tokenizer = make_encoder_decoder("bart"), make_word_tokenizer()
+    model.generation_config.forced_bos_token_id = FORCED
+    explainer = REGISTERED["attn_lrp"](model)
+    inp = TextTokenInput("the secret code is", tokenizer)
+    result = LLMAttentionAttribution(explainer, tokenizer).attribute(inp, target="the code")
+    target = torch.tensor([[FORCED, *tokenizer("the code", add_special_tokens=False).input_ids]])
+    assert result.output_tokens == [tokenizer.decode(t) for t in target[0]]
+    source = tokenizer("the secret code is", return_tensors="pt").input_ids
+    span = explainer.attribute_span(source, target, additional_forward_args=(torch.ones_like(source),))[0]
+    torch.testing.assert_close(result.seq_attr, span[0])
+
+
 @pytest.mark.parametrize(
     "model_type, reason",
     [
@@ -201,12 +266,14 @@ def test_a_span_of_florence2_with_its_image_equals_the_reference(method):
     assert_scores_close(source_rows[:, 1], expected_row)
 
 
+@pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("family", ["t5", "bart"])
-def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(family):
+def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(family, forced):
     """An encoder-decoder's answer: the written-out Gauss-Legendre rule over the module that
     embeds its source (its encoder's own: transformers' T5 and BART never call the model's
     input embeddings, where Integrated Gradients had nothing to move), every source token
-    at id 0 in the baseline, the decoder reading its start token and the answer."""
+    at id 0 in the baseline, the decoder reading its start token and the answer (its first
+    token read, not explained, where generate forces it)."""
     from lm_models import make_encoder_decoder
     from test_vlm_answers import gauss_legendre_scores
 
@@ -214,13 +281,14 @@ def test_integrated_gradients_of_an_answer_integrate_the_sources_embeddings(fami
 
     model = make_encoder_decoder(family)
     source, answer, steps = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 10]]), 6
+    model.generation_config.forced_bos_token_id = 9 if forced else None
     decoder = _decoder_ids(model, answer)
     embeddings = model.get_encoder().get_input_embeddings()
     actual, start = embeddings(source).detach(), embeddings(torch.zeros_like(source)).detach()
 
     def log_prob() -> torch.Tensor:
         logits = model(input_ids=source, decoder_input_ids=decoder).logits
-        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum()
+        return logits.float().log_softmax(dim=-1).gather(2, answer[..., None])[:, int(forced):].sum()
 
     expected = gauss_legendre_scores(embeddings, actual, start, steps, log_prob)
     assert expected.abs().max() > 0

@@ -16,12 +16,14 @@ from .._compat import NonFiniteScores, TargetType, UnsupportedModelError, format
 from ..capture import AttentionAdapter, ForwardRecord, Probe, RecordedValues, ValueRecorder, record_forward
 from ..capture.inputs import (
     LogProbTarget, QueryIndex, answer_ids, check_no_padding_after_end, decoder_start_token,
-    format_inputs, index_target, outside_inference_mode, outside_vocabulary,
+    forced_tokens, format_inputs, index_target, outside_inference_mode, outside_vocabulary,
 )
 from ..capture.lrp import Embeddings, PixelInputs, PropagationRules, RelevanceRules, with_pixel_leaf
 from ..capture.adapters.images import check_captioner_prompt, cross_attends_images
 from ..capture.adapters.mixing import tokens_mixed_outside_attention
-from ..capture.record import check_gradients_possible, check_not_quantized, warn_if_answer_begins_with_bos, without_autocast
+from ..capture.record import (
+    check_gradients_possible, check_not_quantized, chosen_answer_start, warn_if_answer_begins_with_bos, without_autocast,
+)
 from ..capture.runner import (
     CaptureMode, CaptureRunner, check_capture_mode, check_inputs, resolve_adapter, resolve_model, stream_refusal,
 )
@@ -453,9 +455,9 @@ class AttentionAttributionBase:
                 "token with attribute_continuation instead of attribute_span."
             )
         record, first, continuation = self._continuation_record(inputs, continuation, additional_forward_args, options)
-        new_tokens = continuation.shape[1]
-        positions = torch.arange(first, first + new_tokens, device=record.target_real.device)
-        target = LogProbTarget(positions.expand(len(continuation), -1), continuation.to(record.target_real.device))
+        forced = forced_tokens(self.model, continuation)  # read, not explained, as the decoder's start token
+        positions = torch.arange(first + forced, first + continuation.shape[1], device=record.target_real.device)
+        target = LogProbTarget(positions.expand(len(continuation), -1), continuation[:, forced:].to(record.target_real.device))
         explained = self._explained(record.at_query(target.query_weights(record.target_real.shape[1])), target)
         scores = leading_apart(explained, _zero_padding(explained, self._method_scores(explained, **options)[0]))
         return _on_patch_grid(resolve_adapter(self.model, self.adapter), self.model, inputs, scores) if inputs.dim() == 4 else scores
@@ -474,6 +476,7 @@ class AttentionAttributionBase:
         _check_continuation(prompt, continuation)
         check_no_padding_after_end(self.model, continuation)
         warn_if_answer_begins_with_bos(self.model, continuation)
+        chosen_answer_start(self.model, continuation)
         adapter = self._one_stack_adapter()
         effective = bool(options.pop("effective", False))
         continuation = continuation.to(prompt.device)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._compat import pretty_tokens
 from ..capture.adapters.images import cross_attended_real, image_read_apart, image_token_layout
+from ..capture.inputs import with_forced_token
 from ..capture.record import warn_user
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
@@ -185,6 +186,7 @@ class LLMAttentionAttribution(BaseLLMAttribution):
             answer = self._generated_target(inp, gen_args)
         else:
             answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
+            answer = with_forced_token(self.model, answer) if isinstance(target, str) else answer
         if answer.numel() == 0:
             raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
         return answer

@@ -127,6 +127,36 @@ def decoder_start_token(model: Any) -> int:
     return int(start)
 
 
+def forced_first_token(model: Any) -> int | None:
+    """The token an encoder-decoder's ``generate`` puts first in every answer, whatever its
+    logits (``generation_config.forced_bos_token_id``: a translation model's target
+    language, BART-CNN's BOS), else None (a decoder-only model's ``generate`` never forces
+    it: the prompt is longer than one token)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    forced = getattr(getattr(model, "generation_config", None), "forced_bos_token_id", None)
+    return None if forced is None else int(forced)
+
+
+def forced_tokens(model: Any, answer: Tensor) -> int:
+    """How many of the ``answer`` ``(B, n)`` tokens ``generate`` forced rather than the
+    model chose: 1 where every row begins with :func:`forced_first_token`, else 0. An
+    answer's log-probability leaves them out, as the decoder's start token: they are
+    read, not explained."""
+    forced = forced_first_token(model)
+    return int(forced is not None and answer.shape[1] > 0 and bool((answer[:, 0] == forced).all()))
+
+
+def with_forced_token(model: Any, answer: Tensor) -> Tensor:
+    """A text answer's ``(n,)`` ids, tokenized without special tokens, as ``generate``
+    gives an encoder-decoder's: after the token it forces first
+    (:func:`forced_first_token`), where it forces one."""
+    forced = forced_first_token(model)
+    if forced is None or (len(answer) and int(answer[0]) == forced):
+        return answer
+    return torch.cat([answer.new_tensor([forced]), answer])
+
+
 def output_logits(output: Any, batch: int | None = None) -> Tensor:
     """The logits in ``output``: ``(batch, num_classes)``, or ``(batch, seq_len, vocab)``
     for a language model. Given the ``batch`` size, one score per example (``(batch,)``,

@@ -34,8 +34,8 @@ from ..maps.kernel import KernelCall
 from .adapters import AttentionAdapter
 from .adapters.images import leading_image_features
 from .inputs import (
-    LogProbTarget, QueryIndex, class_probabilities, outside_inference_mode, output_logits, query_positions, query_row_weights,
-    outside_vocabulary, resolve_targets, rows_beginning_with_bos,
+    LogProbTarget, QueryIndex, class_probabilities, forced_first_token, forced_tokens, outside_inference_mode, output_logits,
+    outside_vocabulary, query_positions, query_row_weights, resolve_targets, rows_beginning_with_bos,
 )
 from .probes import EmbeddedIds, GradientReduction, GradMode, KeyBiases, LastCallGraph, MaskShape, PerCall, Probe, TowerInputs
 from .recorder import AttentionCapture, autocast_on
@@ -659,6 +659,33 @@ def warn_if_answer_begins_with_bos(model: Any, continuation: Tensor, name: str =
             f"to text unless add_special_tokens=False: it is read as the answer's first token; give {name}[:, 1:] if it "
             "is not the answer's."
         )
+
+
+def chosen_answer_start(model: Any, continuation: Tensor, name: str = "continuation") -> int:
+    """Where the tokens an encoder-decoder chose begin in ``continuation`` (called
+    ``name``): after the token its ``generate`` forces first
+    (:func:`~captum_attention.capture.inputs.forced_tokens`), which its answers' scores
+    read but leave out; a one-line error where the continuation holds that token alone,
+    and a warning where rows lack it (the decoder then reads them without it, unlike
+    ``generate``)."""
+    forced = forced_first_token(model)
+    if forced is None:
+        return 0
+    skip = forced_tokens(model, continuation)
+    if skip == continuation.shape[1]:
+        raise ValueError(
+            f"{name} holds only the token {forced} that {type(model).__name__}'s generate forces first "
+            "(generation_config.forced_bos_token_id), which the model does not choose: give the answer's tokens after it."
+        )
+    if not skip:
+        rows = (continuation[:, 0] != forced).nonzero().flatten().tolist()
+        warn_user(
+            f"{name} rows {rows} do not begin with the token {forced} that {type(model).__name__}'s generate forces "
+            "first (generation_config.forced_bos_token_id: a translation's target language): its decoder reads them "
+            f"without it, unlike its answers; put it first ({name} = torch.cat([torch.full_like({name}[:, :1], "
+            f"{forced}), {name}], dim=1)), and it is read, not explained."
+        )
+    return skip
 
 
 def _check_decoder_ids(model: nn.Module, inputs: tuple[Tensor, ...], embedded: list[Tensor]) -> None:

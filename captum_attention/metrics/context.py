@@ -47,7 +47,9 @@ from ..capture.adapters.images import (
 )
 from ..capture.adapters.protocol import extended_per_token, per_token
 from ..capture.inputs import answer_ids, check_no_padding_after_end, decoder_start_token, output_logits
-from ..capture.record import ids_outside_vocabulary, input_errors_named, warn_if_answer_begins_with_bos, without_autocast
+from ..capture.record import (
+    chosen_answer_start, ids_outside_vocabulary, input_errors_named, warn_if_answer_begins_with_bos, without_autocast,
+)
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
@@ -166,6 +168,7 @@ class _AnswerScorer(AblationScorer):
             raise ValueError(outside)
         check_no_padding_after_end(forward_func, answer, "answer")
         warn_if_answer_begins_with_bos(forward_func, answer, "answer")
+        self.forced = chosen_answer_start(forward_func, answer, "answer")
         self.image_inputs = _one_example_images(image_inputs, input_ids)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}.")
@@ -247,7 +250,7 @@ class _AnswerScorer(AblationScorer):
         (``encoded``: the images given encoded, :attr:`encoded_images`)."""
         with torch.no_grad():
             logits = self._answer_logits(prompts, mask, positions, answer, encoded)
-        return summed_log_probs(logits, answer)
+        return summed_log_probs(logits, answer, self.forced)
 
     def _answer_logits(self, prompts: Tensor, mask: Tensor, positions: Tensor, answer: Tensor, encoded: bool = False) -> Tensor:
         """``(R, answer tokens, vocab)``: the logits that predict each answer token, the
@@ -329,7 +332,10 @@ class _AnswerScorer(AblationScorer):
         with torch.no_grad():
             alone_logits = self._answer_logits(prompt, mask, positions, answer, self.encoded_images_reused)
             padded_logits = self._answer_logits(padded_prompt, padded_mask, padded_positions, answer, self.encoded_images_reused)
-        moved = log_prob_moved(summed_log_probs(alone_logits, answer)[0], summed_log_probs(padded_logits, answer)[0], alone_logits.dtype)
+        moved = log_prob_moved(
+            summed_log_probs(alone_logits, answer, self.forced)[0], summed_log_probs(padded_logits, answer, self.forced)[0],
+            alone_logits.dtype,
+        )
         if moved is not None:
             return (
                 f"Padding (attention mask 0) on the {self.padding_side} of example {row}'s shortened prompt moves its "
@@ -412,7 +418,7 @@ class _AnswerScorer(AblationScorer):
         except Exception:  # noqa: BLE001 - the forward refuses encoded images: its tower reruns
             return False
         assert reference is not None  # two copies ran, or rows_read_together
-        pairs = zip(summed_log_probs(reference, answer), summed_log_probs(encoded, answer))
+        pairs = zip(summed_log_probs(reference, answer, self.forced), summed_log_probs(encoded, answer, self.forced))
         return all(log_prob_moved(first, second, reference.dtype) is None for first, second in pairs)
 
     @cached_property
@@ -436,7 +442,7 @@ class _AnswerScorer(AblationScorer):
         logits = self._two_copies_logits
         if logits is None:  # each alone runs
             return True
-        first, second = summed_log_probs(logits, self._two_copies[3])
+        first, second = summed_log_probs(logits, self._two_copies[3], self.forced)
         return log_prob_moved(first, second, logits.dtype) is not None
 
     def _kept_tokens(self, rows: Tensor, removed: Tensor) -> Tensor:
@@ -511,9 +517,11 @@ def log_prob_moved(reference: Tensor, other: Tensor, dtype: torch.dtype) -> floa
     return moved if moved > max(1e-4, 8 * torch.finfo(dtype).eps) * max(1.0, abs(float(reference))) else None
 
 
-def summed_log_probs(logits: Tensor, answer: Tensor) -> Tensor:
-    """``(R,)`` the answer tokens' log-probabilities under ``logits`` ``(R, answer tokens, vocab)``, summed."""
-    return logits.float().log_softmax(dim=-1).gather(2, answer[..., None]).sum(dim=(1, 2))
+def summed_log_probs(logits: Tensor, answer: Tensor, forced: int = 0) -> Tensor:
+    """``(R,)`` the answer tokens' log-probabilities under ``logits`` ``(R, answer tokens,
+    vocab)``, summed, but for the first ``forced`` tokens, which ``generate`` forced
+    (:func:`~captum_attention.capture.inputs.forced_tokens`)."""
+    return logits[:, forced:].float().log_softmax(dim=-1).gather(2, answer[:, forced:, None]).sum(dim=(1, 2))
 
 
 def _prompt_segments(real: Tensor, segments: Tensor | None) -> Tensor:

@@ -17,6 +17,7 @@ from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
 from ..capture.adapters.protocol import per_token as is_per_token
+from ..capture.inputs import with_forced_token
 from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
@@ -736,7 +737,7 @@ def image_answer_ids(
     decoder's tokens after its start token; BLIP's and GIT's: after the prompt their
     ``generate`` reads, :func:`~captum_attention.capture.adapters.images.generate_inputs`)."""
     if target is not None:
-        return torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return with_forced_token(model, torch.tensor(tokenizer(target, add_special_tokens=False)["input_ids"], dtype=torch.long))
     given, given_mask = generate_inputs(model, ids, mask)
     with torch.no_grad():  # a copy of the ids: BLIP's generate writes into the ids it is given
         generated = model.generate(input_ids=given.clone(), attention_mask=given_mask, **inputs, max_new_tokens=max_new_tokens,

@@ -13,7 +13,7 @@ from captum.attr import LayerIntegratedGradients
 from ..attr import METHODS, REGISTRY
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
-from ..capture.inputs import class_probabilities, decoder_start_token
+from ..capture.inputs import class_probabilities, decoder_start_token, forced_tokens
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
@@ -383,6 +383,7 @@ def answer_integrated_gradients(
     with the image, encoded once by the vision tower where the model then gives the
     answer the log-probability it gives from the pixels (:func:`_held_images`). Detached."""
     start = decoder_start_token(model) if getattr(model.config, "is_encoder_decoder", False) else None
+    forced = forced_tokens(model, answer.reshape(1, -1))  # read, not explained
 
     def answer_log_prob(prompts: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
         answers = answer.expand(len(prompts), -1)
@@ -391,7 +392,7 @@ def answer_integrated_gradients(
         else:
             decoder = torch.cat([torch.full_like(answers[:, :1], start), answers[:, :-1]], dim=1)
             logits = model(input_ids=prompts, decoder_input_ids=decoder, **images).logits
-        return summed_log_probs(logits, answers)
+        return summed_log_probs(logits, answers, forced)
 
     embeddings = _prompt_embeddings(model, start is not None, lambda: answer_log_prob(ids, image_inputs or {}))
 
