@@ -123,8 +123,9 @@ def test_wrong_arguments_get_one_clear_line(name):
 @pytest.mark.parametrize("method", ["grad_sam", "attn_lrp"])
 def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
     """``LLMAttentionAttribution`` on BART: the answer is what the decoder generates after
-    its start token; ``seq_attr`` and ``token_attr`` are the source sides of the span and
-    of the log-probability rows."""
+    its start token, to the last token the model chose (BART's forced end token, put in its
+    place at the length limit, is not); ``seq_attr`` and ``token_attr`` are the source sides
+    of the span and of the log-probability rows."""
     from captum.attr import TextTokenInput
     from lm_models import make_word_tokenizer
 
@@ -138,6 +139,11 @@ def test_captums_llm_interface_explains_an_encoder_decoders_generation(method):
     assert_same_state(before, model_state(model))
     source = tokenizer("the secret code is", return_tensors="pt").input_ids
     generated = model.generate(source, attention_mask=torch.ones_like(source), max_new_tokens=3, do_sample=False)[:, 1:]
+    assert generated[0, -1] == model.generation_config.forced_eos_token_id, "BART forces its end token at the limit"
+    generated = model.generate(
+        source, attention_mask=torch.ones_like(source), max_new_tokens=3, do_sample=False, forced_eos_token_id=None
+    )[:, 1:]
+    assert generated[0, -1] != model.generation_config.forced_eos_token_id, "the token the model chose there"
     assert result.output_tokens == [tokenizer.decode(t) for t in generated[0]]
     span = explainer.attribute_span(source, generated, additional_forward_args=(torch.ones_like(source),))[0]
     rows = explainer.attribute_continuation(source, generated, additional_forward_args=(torch.ones_like(source),), log_prob=True)[0]

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._compat import pretty_tokens
 from ..capture.adapters.images import cross_attended_real, image_read_apart, image_token_layout
-from ..capture.inputs import with_forced_token
+from ..capture.inputs import CHOSEN_END, with_forced_token
 from ..capture.record import warn_user
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
@@ -182,8 +182,11 @@ class LLMAttentionAttribution(BaseLLMAttribution):
 
     def _answer(self, inp: InterpretableInput, target: str | Tensor | None, gen_args: dict[str, Any] | None) -> Tensor:
         """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
+        chosen = {**CHOSEN_END, **(gen_args or DEFAULT_GEN_ARGS)}  # the tokens the model chose, to the last
         if target is None and self._encoder_decoder:
-            answer = self._generated_target(inp, gen_args)
+            answer = self._generated_target(inp, chosen)
+        elif target is None:
+            answer = self._get_target_tokens(inp, None, chosen).flatten().to(self.device)
         else:
             answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
             answer = with_forced_token(self.model, answer) if isinstance(target, str) else answer
@@ -196,11 +199,11 @@ class LLMAttentionAttribution(BaseLLMAttribution):
     def _encoder_decoder(self) -> bool:
         return resolve_adapter(self.model, self.attr_method.adapter).is_encoder_decoder(self.model)
 
-    def _generated_target(self, inp: InterpretableInput, gen_args: dict[str, Any] | None) -> Tensor:
-        """An encoder-decoder's greedy (or ``gen_args``) answer: what its decoder generated
-        after its start token (Captum's generation reads a decoder's past the prompt)."""
+    def _generated_target(self, inp: InterpretableInput, gen_args: dict[str, Any]) -> Tensor:
+        """An encoder-decoder's ``gen_args`` answer: what its decoder generated after its
+        start token (Captum's generation reads a decoder's past the prompt)."""
         model_inp = self._format_model_input(inp.to_model_input())
-        generated = self.model.generate(**model_inp, **(gen_args or DEFAULT_GEN_ARGS))  # type: ignore[operator]
+        generated = self.model.generate(**model_inp, **gen_args)  # type: ignore[operator]
         return generated[0, 1:].to(self.device)
 
 

@@ -147,6 +147,13 @@ def forced_tokens(model: Any, answer: Tensor) -> int:
     return int(forced is not None and answer.shape[1] > 0 and bool((answer[:, 0] == forced).all()))
 
 
+CHOSEN_END: dict[str, Any] = {"forced_eos_token_id": None}
+"""``generate``'s argument that ends an answer cut at its length limit with the token the
+model chose there, not with the end token that BART's, Marian's or Pegasus's
+``forced_eos_token_id`` forces in its place (whose log-probability, where the model meant
+to go on, would be summed into the answer's)."""
+
+
 def with_forced_token(model: Any, answer: Tensor) -> Tensor:
     """A text answer's ``(n,)`` ids, tokenized without special tokens, as ``generate``
     gives an encoder-decoder's: after the token it forces first

@@ -17,7 +17,7 @@ from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
 from ..capture.adapters.protocol import per_token as is_per_token
-from ..capture.inputs import with_forced_token
+from ..capture.inputs import CHOSEN_END, with_forced_token
 from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
@@ -547,7 +547,7 @@ def caption_ids(model: Any, tokenizer: Any, pixels: torch.Tensor, caption: str |
         ids = torch.tensor(tokenizer(caption, add_special_tokens=False)["input_ids"], dtype=torch.long, device=pixels.device)
     elif prompt is None:
         with torch.no_grad():
-            ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False)[0, 1:]
+            ids = model.generate(pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False, **CHOSEN_END)[0, 1:]
     else:
         empty = _empty_prompt(model, tokenizer)
         ids = image_answer_ids(model, tokenizer, empty, torch.ones_like(empty), {"pixel_values": pixels}, None, max_new_tokens)
@@ -741,7 +741,7 @@ def image_answer_ids(
     given, given_mask = generate_inputs(model, ids, mask)
     with torch.no_grad():  # a copy of the ids: BLIP's generate writes into the ids it is given
         generated = model.generate(input_ids=given.clone(), attention_mask=given_mask, **inputs, max_new_tokens=max_new_tokens,
-                                   do_sample=False)
+                                   do_sample=False, **CHOSEN_END)
     if getattr(model.config, "is_encoder_decoder", False):
         return generated[0, 1:]  # its decoder's, after the start token
     return generated[0, prompt_as_generated(model, ids)[0].shape[1] :]
