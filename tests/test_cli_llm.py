@@ -85,6 +85,26 @@ def test_a_generation_cut_at_the_token_limit_is_warned_about(llm, tmp_path, caps
     assert "warning" not in capsys.readouterr().err, "a first token asked for alone runs past nothing"
 
 
+def test_an_answer_ended_by_another_of_generates_end_tokens_is_no_cut(llm, tmp_path, capsys):
+    """Llama-3 stops at its end of turn, which is not its tokenizer's end token: an answer
+    that ends there at the limit was warned about as cut."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(llm), AutoTokenizer.from_pretrained(llm)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    second = int(model.generate(prompt, max_new_tokens=2, do_sample=False)[0, -1])
+    assert second != tokenizer.eos_token_id
+    stops = tmp_path / "stops"
+    shutil.copytree(llm, stops)
+    settings = json.loads((stops / "generation_config.json").read_text())
+    (stops / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": [tokenizer.eos_token_id, second]}))
+    assert main(["explain", "--model", str(stops), PROMPT, "--max-new-tokens", "2", "--methods", "raw"]) == 0
+    assert "stopped at --max-new-tokens" not in capsys.readouterr().err
+
+
 def test_words_the_vocabulary_does_not_hold_are_warned_about(llm, capsys):
     """A word-level tokenizer whose unknown token is its pad token reads unknown words as
     padding: the report left them out as special tokens, with an empty top list and no word

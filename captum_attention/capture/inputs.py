@@ -289,14 +289,21 @@ def _same_positions(query_index: QueryIndex, positions: list[int]) -> bool:
     return bool((given == named).all())
 
 
+def end_tokens(model: Any) -> list[int]:
+    """The ids at which ``model``'s ``generate`` stops (its generation config's
+    ``eos_token_id``, else its config's: one id or several, Llama-3's end of turn too)."""
+    config = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    end_ids = getattr(config, "eos_token_id", None)
+    return [int(token) for token in (end_ids if isinstance(end_ids, list) else [end_ids]) if token is not None]
+
+
 def check_no_padding_after_end(model: Any, continuation: Tensor, name: str = "continuation") -> None:
     """A one-line error where a row of ``continuation`` (called ``name``) is padded after its
     end-of-sequence token, as ``generate`` pads a batch's shorter answers (with the model's
     pad or end id, read from its generation config): the padding would be explained, or
     scored, as answer tokens."""
     config = getattr(model, "generation_config", None) or getattr(model, "config", None)
-    end_ids, pad_id = getattr(config, "eos_token_id", None), getattr(config, "pad_token_id", None)
-    ends = [token for token in (end_ids if isinstance(end_ids, list) else [end_ids]) if token is not None]
+    ends, pad_id = end_tokens(model), getattr(config, "pad_token_id", None)
     if not ends or continuation.shape[1] < 2:
         return
     fills = torch.tensor(ends + ([pad_id] if pad_id is not None else []), device=continuation.device)

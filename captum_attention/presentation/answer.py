@@ -17,7 +17,7 @@ from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
 from ..capture.adapters.protocol import per_token as is_per_token
-from ..capture.inputs import CHOSEN_END, with_forced_token
+from ..capture.inputs import CHOSEN_END, end_tokens, with_forced_token
 from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
@@ -129,7 +129,7 @@ def explain_answer(
         generated=target is None, skipped=skipped,
         template=[] if written is None else [wrote for wrote, is_kept in zip(written, kept) if is_kept],
         warnings=_listed(unknown_words(tokenizer, prompt, ids.tolist())) + (
-            _cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None
+            _cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None
             else _listed(glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist()))
         ),
     )
@@ -241,11 +241,13 @@ def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
     )
 
 
-def _cut_warning(tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
+def _cut_warning(model: Any, tokenizer: Any, answer_ids: torch.Tensor, max_new_tokens: int) -> list[str]:
     """A warning where generation stopped at ``max_new_tokens`` (more than one: a first
-    token asked for alone runs past nothing) with no end token: the answer may run on past
-    what the model meant to say, and the explanation covers it all."""
-    if max_new_tokens == 1 or len(answer_ids) < max_new_tokens or tokenizer.eos_token_id in answer_ids.tolist():
+    token asked for alone runs past nothing) with no end token (the tokenizer's, or any
+    that ``generate`` stops at): the answer may run on past what the model meant to say,
+    and the explanation covers it all."""
+    ends = {tokenizer.eos_token_id, *end_tokens(model)}
+    if max_new_tokens == 1 or len(answer_ids) < max_new_tokens or ends & set(answer_ids.tolist()):
         return []
     return [
         f"the answer stopped at --max-new-tokens ({max_new_tokens}) without an end token: it may go on past the "
@@ -391,7 +393,7 @@ def explain_image_answer(
         prompt_tokens=names, special=special, template=written if chat else [],
         answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
         warnings=_listed(unknown_words(tokenizer, text, ids[0].tolist()))
-        + (_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else []), image=str(image_path),
+        + (_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else []), image=str(image_path),
     )
     args = (mask, inputs)
     has_grid = _has_grid(model, ids, inputs)
@@ -482,7 +484,7 @@ def explain_caption(
     explanation = AnswerExplanation(
         prompt_tokens=[IMAGE_TOKEN], special=[False], answer_tokens=readable_tokens(answer_ids, tokenizer),
         answer=tokenizer.decode(answer_ids), generated=target is None, image=str(image_path),
-        warnings=_cut_warning(tokenizer, answer_ids, max_new_tokens) if target is None else [],
+        warnings=_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else [],
     )
     for name in chosen:
         start = time.perf_counter()
