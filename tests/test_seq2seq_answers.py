@@ -7,6 +7,7 @@ rows against ``attribute`` at each prefix (itself checked against those referenc
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -195,6 +196,27 @@ def test_an_answer_without_the_forced_token_is_warned_about_and_one_of_it_alone_
         logits = model(input_ids=source, attention_mask=SOURCE_MASK, decoder_input_ids=_decoder_ids(model, answer)).logits
     expected = logits.float().log_softmax(dim=-1).gather(2, answer[..., None])[:, 1:].sum(dim=(1, 2))
     torch.testing.assert_close(scored, expected)
+
+
+def test_a_first_token_forced_by_gen_args_is_warned_about():
+    """NLLB's model card forces the target language in generate's arguments, which the
+    spans do not see."""
+    from captum.attr import TextTokenInput
+    from lm_models import make_word_tokenizer
+
+    from captum_attention import LLMAttentionAttribution
+
+    model, tokenizer = make_encoder_decoder("bart"), make_word_tokenizer()
+    explainer = LLMAttentionAttribution(REGISTERED["raw"](model), tokenizer)
+    inp = TextTokenInput("the secret code is", tokenizer)
+    gen_args = {"max_new_tokens": 2, "do_sample": False, "forced_bos_token_id": FORCED}
+    with pytest.warns(UserWarning, match=rf"gen_args force the answer's first token \({FORCED}\).*"
+                      rf"model\.generation_config\.forced_bos_token_id = {FORCED} instead"):
+        explainer.attribute(inp, gen_args=gen_args, per_token=False)
+    model.generation_config.forced_bos_token_id = FORCED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explainer.attribute(inp, gen_args=gen_args, per_token=False)
 
 
 def test_a_text_answer_is_read_after_the_forced_token():

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._compat import pretty_tokens
 from ..capture.adapters.images import cross_attended_real, image_read_apart, image_token_layout
-from ..capture.inputs import CHOSEN_END, with_forced_token
+from ..capture.inputs import CHOSEN_END, forced_first_token, with_forced_token
 from ..capture.record import warn_user
 from ..capture.runner import resolve_adapter
 from ._base import AttentionAttributionBase
@@ -184,6 +184,7 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
         chosen = {**CHOSEN_END, **(gen_args or DEFAULT_GEN_ARGS)}  # the tokens the model chose, to the last
         if target is None and self._encoder_decoder:
+            _warn_if_forced_by_gen_args(self.model, chosen)
             answer = self._generated_target(inp, chosen)
         elif target is None:
             answer = self._get_target_tokens(inp, None, chosen).flatten().to(self.device)
@@ -205,6 +206,20 @@ class LLMAttentionAttribution(BaseLLMAttribution):
         model_inp = self._format_model_input(inp.to_model_input())
         generated = self.model.generate(**model_inp, **gen_args)  # type: ignore[operator]
         return generated[0, 1:].to(self.device)
+
+
+def _warn_if_forced_by_gen_args(model: Any, gen_args: dict[str, Any]) -> None:
+    """A warning where ``gen_args`` force an encoder-decoder's first answer token (NLLB's
+    target language, as its model card passes it) other than its generation config does:
+    the spans read the config's (:func:`~captum_attention.capture.inputs.forced_first_token`),
+    and would explain that token as the model's choice."""
+    forced = gen_args.get("forced_bos_token_id")
+    if forced is not None and forced != forced_first_token(model):
+        warn_user(
+            f"gen_args force the answer's first token ({forced}), which the model does not choose, and which is then "
+            "explained as its first: set model.generation_config.forced_bos_token_id = "
+            f"{forced} instead, and it is read, not explained."
+        )
 
 
 class _FeatureMap:
