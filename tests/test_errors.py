@@ -736,6 +736,17 @@ def test_an_encoder_decoders_answer_labels_with_minus_100_are_named(family):
         top_k_log_prob_drop(model, prompt, torch.ones_like(prompt), labels, torch.rand(prompt.shape), ks=(1,))
 
 
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_a_mask_given_as_a_list_is_named(setup, capture):
+    """``additional_forward_args=[mask]`` (Captum passes a list whole, as one argument) or
+    a tokenizer's lists: the capture read the mask's shape off a list."""
+    model, batch = setup
+    for extra in ([batch.attention_mask], (batch.attention_mask.tolist(),)):
+        with pytest.raises(TypeError, match=r"^attention_mask is a list, not a tensor \(batch, seq_len\): give a tensor .*"
+                           r"additional_forward_args as a tuple"):
+            GradSAM(model, capture=capture).attribute(batch.input_ids, target=0, additional_forward_args=extra)
+
+
 def test_one_texts_ids_without_their_batch_dimension_are_told_to_get_it(setup):
     model, batch = setup
     with pytest.raises(TypeError, match=r"shape \(\d+,\) .*: one text's ids need their batch dimension, inputs\.unsqueeze\(0\)\.$"):

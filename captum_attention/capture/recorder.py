@@ -412,6 +412,12 @@ class AttentionCapture(ModelChanges):
             "decoder_attention_mask": self.adapter.decoder_padding_mask(module, args, kwargs),
         }
         for name, mask in masks.items():
+            if mask is not None and not isinstance(mask, Tensor):
+                raise TypeError(
+                    f"{name} is a {type(mask).__name__}, not a tensor (batch, seq_len): give a tensor (tokenizer(..., "
+                    "return_tensors='pt')), and additional_forward_args as a tuple, as Captum takes them (a list is "
+                    "passed whole, as one argument), e.g. (attention_mask,)."
+                )
             if mask is not None and mask.dim() != 2:
                 raise ValueError(
                     f"{name} must be (batch, seq_len) with 1 for real tokens, got shape {tuple(mask.shape)}."
