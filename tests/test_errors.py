@@ -484,6 +484,10 @@ def test_a_continuation_without_tokens():
         GradSAM(model).attribute_continuation(
             prompts.input_ids, prompts.input_ids[:, :0], additional_forward_args=(prompts.attention_mask,)
         )
+    with pytest.raises(ValueError, match="continuation has no tokens"):  # an empty list is a float tensor to torch
+        GradSAM(model).attribute_span(prompts.input_ids, [], additional_forward_args=(prompts.attention_mask,))
+    with pytest.raises(ValueError, match=r"continuation must be token ids .* dtype torch\.bool"):  # torch.isin failed on it
+        GradSAM(model).attribute_span(prompts.input_ids, torch.ones(3, 2, dtype=torch.bool), additional_forward_args=(prompts.attention_mask,))
 
 
 def test_a_compiled_model_gets_the_scores_of_the_model(setup):

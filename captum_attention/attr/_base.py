@@ -670,13 +670,14 @@ def _decoder_inputs(model: nn.Module, source: Tensor, continuation: Tensor, addi
 
 
 def _check_continuation(prompt: Tensor, continuation: Tensor) -> None:
-    if continuation.dim() != 2 or continuation.shape[0] != prompt.shape[0] or continuation.is_floating_point():
+    if continuation.dim() == 2 and continuation.shape[1] == 0:
+        raise ValueError("continuation has no tokens: give at least one new token to explain.")
+    wrong_type = continuation.is_floating_point() or continuation.dtype == torch.bool
+    if continuation.dim() != 2 or continuation.shape[0] != prompt.shape[0] or wrong_type:
         raise ValueError(
             f"continuation must be token ids (batch={prompt.shape[0]}, new_tokens), got "
             f"shape {tuple(continuation.shape)} and dtype {continuation.dtype}."
         )
-    if continuation.shape[1] == 0:
-        raise ValueError("continuation has no tokens: give at least one new token to explain.")
 
 
 def _check_vocabulary(adapter: AttentionAdapter, model: nn.Module, ids: Tensor) -> None:
