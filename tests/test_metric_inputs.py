@@ -170,3 +170,22 @@ def test_a_tokenizers_lists_are_refused_naming_them(setup):
         linear_datamodeling_score(
             decoder, prompts.input_ids.tolist(), prompts.attention_mask.tolist(), [7, 8], torch.rand(prompts.input_ids.shape)
         )
+
+
+def test_scores_given_in_the_masks_place_are_named(setup):
+    """Scores and the mask have one shape: given swapped, the model read the scores as a
+    mask and the metric ranked the mask's ones, with no error."""
+    from lm_models import make_decoder, make_prompts
+
+    from captum_attention.metrics import datamodeling_score, top_k_log_prob_drop
+
+    model, batch = setup
+    scores = torch.randn(batch.input_ids.shape)
+    swapped = r"^attention_mask holds values other than 0 and 1 \(e\.g\. .*\): .*are attention_mask and attributions swapped\?"
+    for metric in (comprehensiveness, datamodeling_score):
+        with pytest.raises(ValueError, match=swapped):
+            metric(model, batch.input_ids, scores, batch.attention_mask, target=1)
+        metric(model, batch.input_ids, batch.attention_mask.float(), scores, target=1)  # a float mask of 0 and 1 reads alike
+    decoder, prompts = make_decoder("llama"), make_prompts(side="left")
+    with pytest.raises(ValueError, match=swapped):
+        top_k_log_prob_drop(decoder, prompts.input_ids, torch.randn(prompts.input_ids.shape), torch.tensor([[7]]), prompts.attention_mask)

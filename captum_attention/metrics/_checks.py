@@ -44,6 +44,18 @@ def check_tensors(**named: Any) -> None:
         )
 
 
+def check_mask(attention_mask: Tensor, scores: str = "attributions") -> None:
+    """A one-line error where ``attention_mask`` holds values other than 0 and 1: scores
+    (called ``scores``) given in its place, which have its shape and which the model would
+    read as a mask."""
+    wrong = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+    if wrong.numel():
+        raise ValueError(
+            f"attention_mask holds values other than 0 and 1 (e.g. {wrong[0].item():.4g}): give the tokenizer's mask; "
+            f"are attention_mask and {scores} swapped? The mask comes first, after input_ids."
+        )
+
+
 def check_per_token(scores: Tensor, ids: Tensor, name: str = "attributions", inputs: str = "inputs") -> None:
     """A clear error where ``scores`` (called ``name``) are not one score per token of
     ``ids`` (called ``inputs``); scores per embedding dimension, as Captum's layer

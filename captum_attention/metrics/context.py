@@ -53,7 +53,7 @@ from ..capture.record import (
 from ..maps.kernel import block_shape
 from ..maps.knockout import segment_shares
 from ..maps.streaming import segment_share_max
-from ._checks import check_per_token, check_rankable, check_tensors, takes_captum_scores
+from ._checks import check_mask, check_per_token, check_rankable, check_tensors, takes_captum_scores
 from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
@@ -597,6 +597,7 @@ def _checked_answer(input_ids: Tensor, attention_mask: Tensor, answer: Any, segm
     (:func:`~captum_attention.capture.inputs.answer_ids`), or a clear error for it, the
     prompts, their mask or their segments."""
     check_tensors(input_ids=input_ids, attention_mask=attention_mask)
+    check_mask(attention_mask)
     if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.numel() == 0:
         raise TypeError("input_ids must be a non-empty batch of prompt token ids (batch, prompt_len), padded on the left.")
     answer = answer_ids(answer, input_ids.shape[0], "answer")

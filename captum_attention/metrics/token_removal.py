@@ -23,7 +23,7 @@ from .._compat import TargetType
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.inputs import class_probabilities, output_logits, resolve_targets
 from ..capture.record import input_errors_named
-from ._checks import check_class_probabilities, check_per_token, check_rankable, check_tensors, takes_captum_scores, with_ties
+from ._checks import check_class_probabilities, check_mask, check_per_token, check_rankable, check_tensors, takes_captum_scores, with_ties
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
@@ -60,6 +60,7 @@ class _Remover:
     ) -> None:
         _check_removal(removal, baseline_token_id)
         check_tensors(input_ids=input_ids, attention_mask=attention_mask)
+        check_mask(attention_mask)
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
