@@ -63,6 +63,9 @@ def test_registered_out_of_reports_and_weights_of_another_model_are_refused():
     for bad in (float("nan"), float("inf")):  # refused as the model's non-finite gradient before
         with pytest.raises(ValueError, match=r"^The head weights hold NaN or ±inf, which would make every score so: fit them"):
             LearnedAttention(model, weights=torch.full((2, 2), bad))
+    for positional in (HeadWeights(torch.ones(2, 2)), torch.ones(2, 2)):  # Captum's second argument is the model
+        with pytest.raises(TypeError, match=r"^LearnedAttention's second argument is the model, .*LearnedAttention\(model, weights=\.\.\.\)\.$"):
+            LearnedAttention(model, positional)
 
 
 def _examples(count: int = 4):

@@ -59,6 +59,11 @@ class LearnedAttention(AttentionAttributionBase, Attribution):
     spec = MethodSpec("learned_attention", "Learned Attention", encoder_decoder=False, in_reports=False)
 
     def __init__(self, forward_func: Any, *args: Any, weights: PerHeadWeights | Tensor | None = None, **kwargs: Any) -> None:
+        if args and isinstance(args[0], (PerHeadWeights, Tensor)):  # the second positional argument is Captum's model
+            raise TypeError(
+                f"LearnedAttention's second argument is the model, as in every Captum attribution, and it got "
+                f"{type(args[0]).__name__}: give the head weights by name, LearnedAttention(model, weights=...)."
+            )
         super().__init__(forward_func, *args, **kwargs)
         recorded = getattr(weights, "settings", {}).get("model")
         refit = "fit them on this model (HeadWeights.fit, or captum-attention fit-head-weights ANSWERS --model DIR)"
