@@ -115,6 +115,18 @@ def test_attn_lrp_through_the_vision_tower_is_reported_against_a_grey_image(llav
     torch.testing.assert_close(torch.tensor(scores[explanation["prompt_tokens"].index("cat")]), tokens[0, ids.shape[1] - 1])
 
 
+def test_the_grey_image_itself_is_told_to_score_0_against_itself(llava, tmp_path, capsys):
+    """Its pixels' scores, measured against the grey image, are 0: the report said "every
+    cell scores 0" with no word of why."""
+    grey, other = tmp_path / "grey.png", _image(tmp_path)
+    Image.new("RGB", (48, 48), (128, 128, 128)).save(grey)
+    warning = "warning: the image is the uniform grey image its pixels' scores are measured against: they are 0 everywhere"
+    for image, warned in ((grey, True), (other, False)):
+        assert main(["explain", "--model", str(llava), "--image", str(image), "what is the cat", "--target", "is",
+                     "--methods", "attn_lrp"]) == 0
+        assert (warning in capsys.readouterr().err) == warned
+
+
 def test_a_grid_the_image_does_not_follow_is_shown_alone(llava, tmp_path, capsys):
     """CLIP's processor crops a wide image to its centre: the grid is not laid over it."""
     html = tmp_path / "wide.html"

@@ -255,6 +255,14 @@ def _cut_warning(model: Any, tokenizer: Any, answer_ids: torch.Tensor, max_new_t
     ]
 
 
+def _grey_image_warning(pixels: Any, grey: torch.Tensor | None) -> list[str]:
+    """A warning where the image is the uniform grey image that the pixels' scores are
+    measured against (``grey``; None where none is): those scores are then 0 everywhere."""
+    if grey is None or not isinstance(pixels, torch.Tensor) or pixels.shape != grey.shape or not torch.equal(pixels, grey):
+        return []
+    return ["the image is the uniform grey image its pixels' scores are measured against: they are 0 everywhere"]
+
+
 def glued_answer(model: Any, tokenizer: Any, prompt_ids: list[int], answer: str, answer_ids: list[int]) -> str | None:
     """A warning where a decoder-only ``model``'s given ``answer`` is read glued to the
     prompt's last word, which is rarely the answer meant: GPT-2's and Qwen's tokenizers put
@@ -409,6 +417,7 @@ def explain_image_answer(
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
         if ("attn_lrp" in chosen and has_grid) or pixel_ig else None
     )
+    explanation.warnings += _grey_image_warning(inputs["pixel_values"], grey)
     image_column = _image_column(model, ids, features)
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
@@ -484,7 +493,8 @@ def explain_caption(
     explanation = AnswerExplanation(
         prompt_tokens=[IMAGE_TOKEN], special=[False], answer_tokens=readable_tokens(answer_ids, tokenizer),
         answer=tokenizer.decode(answer_ids), generated=target is None, image=str(image_path),
-        warnings=_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else [],
+        warnings=(_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else [])
+        + _grey_image_warning(pixels, grey if INTEGRATED_GRADIENTS in chosen else None),
     )
     for name in chosen:
         start = time.perf_counter()
