@@ -54,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                          "model, the prompt")
     explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
                          "the whole file is the prompt")
-    explain.add_argument("--model", type=Path, help="a local sequence-classification or causal language model "
-                         "checkpoint folder (default: the embedded sentiment model, trained on first use)")
+    explain.add_argument("--model", type=Path, help="a local sequence-classification, causal, sequence-to-sequence, "
+                         "vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+                         "downloaded (default: the embedded sentiment model, trained on first use)")
     explain.add_argument("--pair-separator", metavar="SEP",
                          help="classifiers of text pairs (NLI, paraphrase): each sentence holds the two texts the model "
                          "reads together, split at its first SEP (e.g. --pair-separator '|||'), and tokenized as a pair")
@@ -107,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal, sequence-to-sequence, "
-                          "vision-language or image-captioning checkpoint folder (default: the embedded sentiment model)")
+                          "vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+                          "downloaded (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
                           + ", ".join(name for name in evaluation_methods() if name not in METHODS)
                           + "; for a "
