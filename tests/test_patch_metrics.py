@@ -266,3 +266,25 @@ def test_scores_off_the_grid_and_a_baseline_of_another_size_are_refused(captione
 def test_regions_beyond_the_patches_are_refused(captioner, regions):
     with pytest.raises(ValueError, match="regions must be \\(rows, columns\\) of at least 1 and at most the 4x4 patches"):
         patch_leave_one_out_agreement(captioner, PIXELS, CAPTION, SCORES, GREY, regions=regions)
+
+
+def test_a_captioners_forced_first_token_is_read_not_scored(captioner):
+    """A decoder whose generate forces the caption's first token
+    (generation_config.forced_bos_token_id): the caption's log-probability leaves it out,
+    as the spans do."""
+    import copy
+
+    from captum_attention.metrics.patches import read_caption_log_probs
+
+    forcing = copy.deepcopy(captioner)
+    forcing.generation_config.forced_bos_token_id = 8
+    captions = torch.tensor([[8, 9, 10], [8, 12, 13]])
+    scored = read_caption_log_probs(forcing, PIXELS, captions)
+    for example in range(2):
+        whole = caption_log_prob(captioner, PIXELS[example], captions[example])
+        decoder = torch.tensor([[1, *captions[example, :-1].tolist()]])
+        with torch.no_grad():
+            first = captioner(pixel_values=PIXELS[example : example + 1], decoder_input_ids=decoder).logits[0, 0].double()
+        assert scored[example].item() == pytest.approx(whole - float(first.log_softmax(-1)[8]), abs=1e-4)
+    unforced = read_caption_log_probs(captioner, PIXELS, captions)[0].item()
+    assert unforced == pytest.approx(caption_log_prob(captioner, PIXELS[0], captions[0]), abs=1e-4)

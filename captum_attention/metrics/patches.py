@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..capture.adapters import HuggingFaceAdapter
-from ..capture.inputs import decoder_start_token, output_logits
+from ..capture.inputs import decoder_start_token, forced_tokens, output_logits
 from ._checks import check_rankable, takes_captum_scores
 from .context import (
     DEFAULT_KS,
@@ -184,8 +184,9 @@ def read_caption_log_probs(
     ``(1 or B, m)``), its language model reading the prompt, then the caption, with the image
     and the prompt's per-token ``prompt_inputs`` ``(1 or B, m, ...)`` extended over the
     caption as the model's ``generate`` extends them."""
-    if prompt_ids is None:
-        return summed_log_probs(model(pixel_values=pixel_values, decoder_input_ids=caption_decoder_ids(model, caption)).logits, caption)
+    if prompt_ids is None:  # the token its generate forces first read, not scored, as the spans read it
+        logits = model(pixel_values=pixel_values, decoder_input_ids=caption_decoder_ids(model, caption)).logits
+        return summed_log_probs(logits, caption, forced_tokens(model, caption))
     sequences = torch.cat([prompt_ids.expand(len(caption), -1), caption], dim=1)
     grown = HuggingFaceAdapter().generated_inputs(model, prompt_inputs, prompt_ids.shape[1], caption.shape[1]) if prompt_inputs else {}
     token_inputs = {name: value.expand(len(caption), *value.shape[1:]) for name, value in grown.items()}
