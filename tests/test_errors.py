@@ -713,7 +713,7 @@ def test_the_metrics_own_forwards_name_ids_outside_the_vocabulary_and_too_many_t
     ids = batch.input_ids.clone()
     ids[0, -1] = -100
     with pytest.raises(ValueError, match=r"Token ids \[-100\] lie outside .* and no -100 \(a label's ignore index"):
-        comprehensiveness(classifier, ids, torch.rand(ids.shape), batch.attention_mask, target=0)
+        comprehensiveness(classifier, ids, batch.attention_mask, torch.rand(ids.shape), target=0)
     model = make_decoder("gpt2")
     limit = model.config.max_position_embeddings
     prompt, answer = torch.randint(5, 30, (1, limit - 1)), torch.randint(5, 30, (1, 3))
