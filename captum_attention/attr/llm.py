@@ -182,19 +182,19 @@ class LLMAttentionAttribution(BaseLLMAttribution):
 
     def _answer(self, inp: InterpretableInput, target: str | Tensor | None, gen_args: dict[str, Any] | None) -> Tensor:
         """The answer's ids (see :meth:`target_tokens`), once the prompt is checked."""
-        chosen = {**CHOSEN_END, **(gen_args or DEFAULT_GEN_ARGS)}  # the tokens the model chose, to the last
-        if target is None and self._encoder_decoder:
-            _warn_if_forced_by_gen_args(self.model, chosen)
-            answer = self._generated_target(inp, chosen)
-        elif target is None:
-            answer = self._get_target_tokens(inp, None, chosen).flatten().to(self.device)
-        else:
+        if target is not None:
             answer = self._get_target_tokens(inp, target, gen_args).flatten().to(self.device)
             answer = with_forced_token(self.model, answer) if isinstance(target, str) else answer
+        else:
+            chosen = {**CHOSEN_END, **(gen_args or DEFAULT_GEN_ARGS)}  # the tokens the model chose, to the last
+            if self._encoder_decoder:
+                _warn_if_forced_by_gen_args(self.model, chosen)
+                answer = self._generated_target(inp, chosen)
+            else:
+                answer = self._get_target_tokens(inp, None, chosen).flatten().to(self.device)
         if answer.numel() == 0:
             raise ValueError("The answer has no tokens: give a non-empty target, or generate at least one token.")
         return answer
-
 
     @property
     def _encoder_decoder(self) -> bool:
