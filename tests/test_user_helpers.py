@@ -58,6 +58,18 @@ def test_scores_for_display_names_a_mismatched_mask():
         scores_for_display(torch.ones(2, 4), torch.ones(2, 3, dtype=torch.bool))
 
 
+def test_an_encoder_decoders_pair_of_scores_is_told_to_be_shown_a_side_at_a_time():
+    """``attribute_span`` of an encoder-decoder returns (source, target): the helpers
+    failed with "'tuple' object has no attribute 'detach'"."""
+    pair = (torch.rand(1, 4), torch.rand(1, 3))
+    with pytest.raises(TypeError, match=r"^scores is a tuple of 2 \(an encoder-decoder's source and target scores"):
+        scores_for_display(pair)
+    with pytest.raises(TypeError, match=r"^scores\['a'\] is a tuple of 2 "):
+        token_heatmap({"a": pair}, ["w", "x", "y", "z"])
+    with pytest.raises(TypeError, match=r"^scores must be a tensor of scores, got list\.$"):
+        scores_for_display([0.5, 1.0])
+
+
 def test_token_heatmap_draws_one_row_per_method():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a tensor handed to matplotlib warns under numpy 2
