@@ -350,6 +350,19 @@ class NonFiniteScores(UnsupportedModelError):
     spread), which eager attention may not meet."""
 
 
+def check_one_tensor(scores: Any, name: str) -> None:
+    """A one-line ``TypeError`` where ``scores`` (called ``name``) are not one tensor (a
+    list; an encoder-decoder's ``(source, target)`` pair, or a method's ``(tokens,
+    pixels)``), which the presentation helpers take one at a time."""
+    if isinstance(scores, tuple):
+        raise TypeError(
+            f"{name} is a tuple of {len(scores)} (an encoder-decoder's source and target scores, or tokens and pixels): "
+            "show each tensor alone, e.g. its first, the source's."
+        )
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}.")
+
+
 def error_line(error: BaseException) -> str:
     """The first line of ``error``'s message (its class's name where it has none): what a
     one-line refusal quotes of a failure."""

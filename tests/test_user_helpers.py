@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from captum_attention import scores_for_display, special_tokens, token_heatmap  # noqa: E402
+from captum_attention import scores_for_display, special_tokens, token_heatmap, upsample_to_image  # noqa: E402
 from captum_attention.demo.recall import ASK, KEYS, VALUES, VOCAB, recall_batch  # noqa: E402
 from captum_attention.demo.shapes import PATCH, SQUARE, shape_images  # noqa: E402
 
@@ -66,8 +66,10 @@ def test_an_encoder_decoders_pair_of_scores_is_told_to_be_shown_a_side_at_a_time
         scores_for_display(pair)
     with pytest.raises(TypeError, match=r"^scores\['a'\] is a tuple of 2 "):
         token_heatmap({"a": pair}, ["w", "x", "y", "z"])
-    with pytest.raises(TypeError, match=r"^scores must be a tensor of scores, got list\.$"):
+    with pytest.raises(TypeError, match=r"^scores must be a tensor, got list\.$"):
         scores_for_display([0.5, 1.0])
+    with pytest.raises(TypeError, match=r"^grid_scores is a tuple of 2 "):
+        upsample_to_image((torch.rand(1, 2, 2), torch.rand(1, 3, 8, 8)), torch.rand(1, 3, 8, 8))
 
 
 def test_token_heatmap_draws_one_row_per_method():

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from captum.attr import LayerAttribution
 from torch import Tensor, nn
 
+from .._compat import check_one_tensor
 from ..capture.adapters.images import image_token_layout, pixel_patch_grids
 
 
@@ -42,6 +43,8 @@ def _check_grid_and_images(grid_scores: Tensor, images: Tensor) -> None:
     """A one-line error where ``grid_scores`` are not ``(batch, rows, columns)`` or
     ``images`` not ``(batch, channels, height, width)``: channel-last images would be
     upsampled to their width and channels."""
+    check_one_tensor(grid_scores, "grid_scores")
+    check_one_tensor(images, "images")
     if grid_scores.dim() != 3:
         raise ValueError(
             f"grid_scores have shape {tuple(grid_scores.shape)}, not (batch, rows, columns): give the patch grid's scores "

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .._compat import pretty_tokens
+from .._compat import check_one_tensor, pretty_tokens
 
 
 def special_tokens(input_ids: Tensor, tokenizer: Any) -> Tensor:
@@ -76,7 +76,7 @@ def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bo
         >>> shown = scores_for_display(scores, special_tokens(ids, tokenizer))
         >>> visualize_text([VisualizationDataRecord(shown[0], ...)])
     """
-    _check_one_tensor(scores, "scores")
+    check_one_tensor(scores, "scores")
     if special is not None and special.shape != scores.shape:
         raise ValueError(
             f"special has shape {tuple(special.shape)} but scores have {tuple(scores.shape)}: "
@@ -128,18 +128,6 @@ def token_heatmap(scores: Mapping[str, Tensor], tokens: Sequence[str], ax: Any =
     return ax
 
 
-def _check_one_tensor(scores: Any, name: str) -> None:
-    """A one-line ``TypeError`` where ``scores`` (called ``name``) are not one tensor: an
-    encoder-decoder's ``(source, target)`` pair, or a method's ``(tokens, pixels)``."""
-    if isinstance(scores, tuple):
-        raise TypeError(
-            f"{name} is a tuple of {len(scores)} (an encoder-decoder's source and target scores, or tokens and pixels): "
-            "show each tensor alone, e.g. its first, the source's."
-        )
-    if not isinstance(scores, Tensor):
-        raise TypeError(f"{name} must be a tensor of scores, got {type(scores).__name__}.")
-
-
 def _one_row(values: Tensor) -> Tensor:
     """A batch of one (``(1, T)``) as its row; anything else as it is."""
     return values[0] if values.dim() == 2 and values.shape[0] == 1 else values
@@ -148,7 +136,7 @@ def _one_row(values: Tensor) -> Tensor:
 def _heatmap_row(name: str, values: Tensor, tokens: int) -> Tensor:
     """``name``'s scores as one row of :func:`token_heatmap` (float32 on the CPU: a tensor
     warns in NumPy 2), or a one-line error: not one finite score per token in ``[-1, 1]``."""
-    _check_one_tensor(values, f"scores[{name!r}]")
+    check_one_tensor(values, f"scores[{name!r}]")
     row = values.detach().float().cpu()
     row = _one_row(row)
     if tuple(row.shape) != (tokens,):
