@@ -60,7 +60,10 @@ def test_prompt_words_the_tokenizer_does_not_know_are_warned_about(llava, tmp_pa
     argv = ["explain", "--model", str(llava), "--image", str(_image(tmp_path)), "what is the zebra", "--target", "is a",
             "--methods", "raw"]
     assert main(argv) == 0
-    assert "warning: the tokenizer read 1 of the prompt's" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    # counted as the report shows the prompt, the image's 16 tokens as one
+    assert "warning: the tokenizer read 1 of the prompt's 6 tokens as" in captured.err
+    assert "prompt: 6 tokens" in captured.out
 
 
 def test_the_report_holds_the_methods_scores_of_the_image_tokens(llava, tmp_path, capsys):

@@ -221,12 +221,14 @@ def _listed(warning: str | None) -> list[str]:
     return [] if warning is None else [warning]
 
 
-def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
+def unknown_words(tokenizer: Any, text: str, ids: list[int], shown: int | None = None) -> str | None:
     """A warning where the tokenizer read words of ``text`` (tokenized as ``ids``) as its
     unknown token, or as its padding (a word-level vocabulary's unknown token may be its
     pad token): the model reads every such word alike, and the report leaves them out as
     special tokens. Else None. A token the text holds literally, or that is also the end
-    or start token (a pad token set to the end token), is no unknown word."""
+    or start token (a pad token set to the end token), is no unknown word. ``shown``: how
+    many tokens the report shows the prompt as (an image's run of tokens as one); default:
+    the ids'."""
     literal = {tokenizer.eos_token, tokenizer.bos_token}
     candidates = dict.fromkeys((tokenizer.unk_token, tokenizer.pad_token))
     names = [name for name in candidates if name and name not in text and name not in literal]
@@ -235,7 +237,7 @@ def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> str | None:
     if not count:
         return None
     return (
-        f"the tokenizer read {count} of the prompt's {len(ids)} tokens as {' or '.join(names)}: words its vocabulary "
+        f"the tokenizer read {count} of the prompt's {shown or len(ids)} tokens as {' or '.join(names)}: words its vocabulary "
         "does not hold, which the model reads alike and the report leaves out as special tokens; write the prompt in "
         "the model's vocabulary"
     )
@@ -400,7 +402,7 @@ def explain_image_answer(
     explanation = AnswerExplanation(
         prompt_tokens=names, special=special, template=written if chat else [],
         answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
-        warnings=_listed(unknown_words(tokenizer, text, ids[0].tolist()))
+        warnings=_listed(unknown_words(tokenizer, text, ids[0].tolist(), len(names)))
         + (_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else []), image=str(image_path),
     )
     args = (mask, inputs)
