@@ -301,6 +301,25 @@ def test_json_holds_every_methods_scores_and_the_answer(llm, tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
+def test_a_first_token_the_models_generate_forces_is_shown_and_said_to_be_read_not_explained(seq2seq, tmp_path, capsys):
+    """A translation model's target language (generation_config.forced_bos_token_id): the
+    answer shows it, the whole-answer scores are those of the tokens after it."""
+    import json
+    import shutil
+
+    forcing = tmp_path / "forcing"
+    shutil.copytree(seq2seq, forcing)
+    settings = json.loads((forcing / "generation_config.json").read_text())
+    (forcing / "generation_config.json").write_text(json.dumps({**settings, "forced_bos_token_id": 7}))
+    assert main(["explain", "--model", str(forcing), PROMPT, "--target", "seven", "--methods", "raw"]) == 0
+    captured = capsys.readouterr()
+    forced = make_word_tokenizer().convert_ids_to_tokens(7)
+    assert f"warning: the answer's first token, {forced!r}, is the one the model's generate forces there" in captured.err
+    assert f"answer, given, 2 tokens:\n  {forced} seven" in captured.out
+    assert main(["explain", "--model", str(seq2seq), PROMPT, "--target", "seven", "--methods", "raw"]) == 0
+    assert "forces there" not in capsys.readouterr().err
+
+
 def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens(seq2seq, tmp_path, capsys):
     html = tmp_path / "answer.html"
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--max-new-tokens", "3", "--per-token", "--html", str(html)]) == 0

@@ -17,7 +17,7 @@ from ..capture.adapters.images import (
     cross_attends_images, generate_inputs, image_encoder_config, image_outside_prompt, prompt_as_generated,
 )
 from ..capture.adapters.protocol import per_token as is_per_token
-from ..capture.inputs import CHOSEN_END, end_tokens, with_forced_token
+from ..capture.inputs import CHOSEN_END, end_tokens, forced_tokens, with_forced_token
 from ..metrics.patches import read_caption_log_probs
 from .display import outside_span, readable_tokens, special_tokens
 from .explain import (
@@ -131,7 +131,7 @@ def explain_answer(
         warnings=_listed(unknown_words(tokenizer, prompt, ids.tolist())) + (
             _cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None
             else _listed(glued_answer(model, tokenizer, ids.tolist(), target, answer_ids.tolist()))
-        ),
+        ) + _forced_note(model, tokenizer, answer_ids),
     )
     for name in chosen:
         display = presence_display(presence) if name == PRESENCE else _display(name)
@@ -254,6 +254,19 @@ def _cut_warning(model: Any, tokenizer: Any, answer_ids: torch.Tensor, max_new_t
     return [
         f"the answer stopped at --max-new-tokens ({max_new_tokens}) without an end token: it may go on past the "
         "model's real answer, and the whole-answer scores explain all of it; give --target, or a smaller --max-new-tokens"
+    ]
+
+
+def _forced_note(model: Any, tokenizer: Any, answer_ids: torch.Tensor) -> list[str]:
+    """A note where the answer's first token is the one an encoder-decoder's ``generate``
+    forces (:func:`~captum_attention.capture.inputs.forced_tokens`): shown in the answer,
+    read, and not explained."""
+    if not forced_tokens(model, answer_ids.reshape(1, -1)):
+        return []
+    first = readable_tokens(answer_ids[:1], tokenizer)[0]
+    return [
+        f"the answer's first token, {first!r}, is the one the model's generate forces there "
+        "(generation_config.forced_bos_token_id): the decoder reads it, and the whole-answer scores explain the tokens after it"
     ]
 
 
@@ -403,7 +416,8 @@ def explain_image_answer(
         prompt_tokens=names, special=special, template=written if chat else [],
         answer_tokens=readable_tokens(answer_ids, tokenizer), answer=tokenizer.decode(answer_ids), generated=target is None,
         warnings=_listed(unknown_words(tokenizer, text, ids[0].tolist(), len(names)))
-        + (_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else []), image=str(image_path),
+        + (_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else [])
+        + _forced_note(model, tokenizer, answer_ids), image=str(image_path),
     )
     args = (mask, inputs)
     has_grid = _has_grid(model, ids, inputs)
