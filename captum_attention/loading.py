@@ -3,6 +3,7 @@ vision-language model) safely, with errors a user can act on."""
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import pickle
@@ -302,6 +303,54 @@ def load_causal_lm(path: str | Path, seq2seq: bool = False) -> tuple[Any, Any]:
         hint = " (explain it with --image)" if task.startswith("image") else ""
         raise CheckpointError(f"{path} holds {TASK_KINDS[task]}{hint}, not a causal language model.")
     return _load(Path(path), AutoModelForCausalLM)
+
+
+def set_languages(model: Any, tokenizer: Any, source: str | None = None, target: str | None = None) -> None:
+    """A translation model's languages, as NLLB's, M2M100's and mBART-50's model cards set
+    them: ``source`` the code the tokenizer puts before the source (its ``src_lang``),
+    ``target`` the answer's, the token the model's ``generate`` forces first
+    (``generation_config.forced_bos_token_id``, which the answer's scores then read and do
+    not explain). None leaves the model's or tokenizer's own.
+
+    Raises:
+        CheckpointError: for a model that is not an encoder-decoder, a tokenizer without
+            a source language, or a code that is not one of the tokenizer's.
+    """
+    if source is None and target is None:
+        return
+    if not getattr(model.config, "is_encoder_decoder", False):
+        raise CheckpointError(
+            f"--source-language and --target-language are for a translation model (an encoder-decoder); "
+            f"{getattr(model.config, '_name_or_path', 'the model')} is a {model.config.model_type} decoder"
+        )
+    if source is not None:
+        if not hasattr(tokenizer, "src_lang"):
+            raise CheckpointError(
+                f"--source-language: the model's {type(tokenizer).__name__} takes no source language (it has no "
+                "src_lang, as NLLB's, M2M100's and mBART-50's tokenizers do)"
+            )
+        _language_token(tokenizer, source, "--source-language")
+        tokenizer.src_lang = source
+    if target is not None:
+        model.generation_config.forced_bos_token_id = _language_token(tokenizer, target, "--target-language")
+
+
+def _language_token(tokenizer: Any, code: str, option: str) -> int:
+    """The id of the token that stands for the language ``code`` (M2M100's ``"fr"`` is
+    ``"__fr__"``), or a one-line error where the tokenizer has none."""
+    token = tokenizer.get_lang_token(code) if hasattr(tokenizer, "get_lang_token") else code
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id or token not in tokenizer.all_special_tokens:
+        codes = list(getattr(tokenizer, "lang_code_to_id", None) or getattr(tokenizer, "lang_code_to_token", None) or [])
+        if not codes and hasattr(tokenizer, "src_lang"):  # NLLB's codes are its extra special tokens
+            codes = [str(token) for token in getattr(tokenizer, "extra_special_tokens", None) or []]
+        close = difflib.get_close_matches(code, codes, n=3)
+        known = (
+            f" (the closest of its {len(codes)}: {', '.join(close)})" if close
+            else f" (its {len(codes)} codes begin {', '.join(codes[:4])}, ...)" if codes else ""
+        )
+        raise CheckpointError(f"{option} {code!r} is not a language code of the model's {type(tokenizer).__name__}{known}")
+    return int(token_id)
 
 
 def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:

@@ -284,6 +284,18 @@ def seq2seq(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return folder
 
 
+@pytest.fixture(scope="module")
+def translation(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny M2M100 and NLLB's tokenizer with its language codes, saved as a local checkpoint."""
+    from lm_models import make_translation_model, make_translation_tokenizer
+
+    folder = tmp_path_factory.mktemp("translation") / "nllb"
+    tokenizer = make_translation_tokenizer()
+    make_translation_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def killed_part_way(command: list[str], shards: Any, at_least: int, environment: dict[str, str]) -> int:
     """Start ``command``, SIGKILL it once ``shards`` holds ``at_least`` shard files; how
     many it had written."""

@@ -122,6 +122,34 @@ def make_word_tokenizer(bos: bool = True) -> tf.PreTrainedTokenizerFast:
     return tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def make_translation_tokenizer() -> tf.NllbTokenizer:
+    """NLLB's tokenizer over :data:`WORDS` (each word one token, after its space mark),
+    with NLLB's language codes as its special tokens: the source is written
+    ``<src_lang> words </s>``."""
+    words = [w for w in WORDS[3:] if w.isalpha()]
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "\u2581": 4}
+    merges = []
+    for word in words:
+        for length in range(1, len(word) + 1):
+            piece = "\u2581" + word[:length]
+            if piece not in vocab:
+                vocab[piece] = len(vocab)
+                merges.append(("\u2581" + word[: length - 1], word[length - 1]))
+            vocab.setdefault(word[length - 1], len(vocab))
+    return tf.NllbTokenizer(vocab=vocab, merges=merges)
+
+
+def make_translation_model(vocab_size: int, seed: int = 0) -> nn.Module:
+    """A tiny M2M100 (NLLB's architecture) for :func:`make_translation_tokenizer`'s ids."""
+    torch.manual_seed(seed)
+    config = tf.M2M100Config(
+        vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
+        init_std=0.3, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )
+    return tf.M2M100ForConditionalGeneration(config).eval()
+
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}question {{ message['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}answer{% endif %}"

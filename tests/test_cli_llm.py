@@ -409,3 +409,74 @@ def test_chat_puts_the_prompt_in_the_chat_template_with_one_bos(llm, tmp_path, c
     assert error.count("\n") == 1 and "the model's tokenizer (" in error and "has no chat template (a base model's): leave --chat out" in error
     assert main(["explain", "the plot was dull", "--chat"]) == 1
     assert "--chat is for a language model's prompt" in capsys.readouterr().err
+
+
+def test_a_translation_models_languages_are_set_as_its_model_card_sets_them(translation, tmp_path, capsys):
+    """NLLB: --source-language is the code the tokenizer puts before the source,
+    --target-language the token generate forces first; the scores are the library's with
+    both set so by hand, and other than those of the defaults."""
+    import json
+
+    from captum.attr import TextTokenInput
+
+    from captum_attention.loading import load_causal_lm
+
+    source = "the cat sat on the mat"
+    reports = {name: tmp_path / f"{name}.json" for name in ("set", "defaults", "generated")}
+    languages = ["--source-language", "fra_Latn", "--target-language", "deu_Latn"]
+    given = ["--target", "the dog", "--methods", "grad_sam"]
+    assert main(["explain", "--model", str(translation), source, *languages, *given, "--json", str(reports["set"])]) == 0
+    assert main(["explain", "--model", str(translation), source, *given, "--json", str(reports["defaults"])]) == 0
+    assert main(["explain", "--model", str(translation), source, *languages, "--max-new-tokens", "3", "--methods", "raw",
+                 "--json", str(reports["generated"])]) == 0
+    written = {name: json.loads(path.read_text(encoding="utf-8")) for name, path in reports.items()}
+    assert written["set"]["prompt_tokens"][0] == "fra_Latn" and written["defaults"]["prompt_tokens"][0] == "eng_Latn"
+    assert written["set"]["answer_tokens"] == ["deu_Latn", "the", "dog"]
+    assert written["defaults"]["answer_tokens"] == ["the", "dog"]
+    assert written["generated"]["answer_tokens"][0] == "deu_Latn"
+    assert "'deu_Latn', is the one the model's generate forces there" in capsys.readouterr().err
+    model, tokenizer = load_causal_lm(translation, seq2seq=True)
+    tokenizer.src_lang = "fra_Latn"
+    model.generation_config.forced_bos_token_id = tokenizer.convert_tokens_to_ids("deu_Latn")
+    expected = LLMAttentionAttribution(GradSAM(model), tokenizer).attribute(TextTokenInput(source, tokenizer), target="the dog")
+    scores = {name: torch.tensor(report["seq_attr"]["Grad-SAM"]) for name, report in written.items() if name != "generated"}
+    torch.testing.assert_close(scores["set"], expected.seq_attr.float(), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(scores["set"], scores["defaults"], rtol=1e-3)
+
+
+def test_a_language_the_model_or_its_tokenizer_cannot_take_is_refused_in_one_line(translation, seq2seq, llm, capsys):
+    def refused(folder, *options):
+        assert main(["explain", "--model", str(folder), "the cat", *options, "--methods", "raw"]) == 1
+        return capsys.readouterr().err.strip()
+
+    assert refused(translation, "--target-language", "deu_latn") == (
+        "captum-attention: error: --target-language 'deu_latn' is not a language code of the model's NllbTokenizer "
+        "(the closest of its 202: deu_Latn, eus_Latn, dyu_Latn)"
+    )
+    assert "is not a language code of the model's NllbTokenizer (its 202 codes begin ace_Arab" in refused(
+        translation, "--source-language", "german"
+    )
+    assert refused(seq2seq, "--source-language", "fra_Latn").endswith(
+        "--source-language: the model's TokenizersBackend takes no source language (it has no src_lang, as NLLB's, "
+        "M2M100's and mBART-50's tokenizers do)"
+    )
+    assert refused(seq2seq, "--target-language", "fra_Latn").endswith("is not a language code of the model's TokenizersBackend")
+    assert refused(llm, "--target-language", "fra_Latn").endswith(
+        f"--target-language is for a translation model (a sequence-to-sequence checkpoint); {llm} is not one"
+    )
+    assert main(["explain", "the cat", "--source-language", "fra_Latn", "--target-language", "deu_Latn"]) == 1
+    assert capsys.readouterr().err.strip().endswith("are for a translation model (a sequence-to-sequence checkpoint); the default model is not one")
+
+
+def test_a_language_code_is_read_as_m2m100s_tokenizer_writes_it():
+    """M2M100's tokenizer writes the code "fr" as the token "__fr__" (get_lang_token)."""
+    from lm_models import make_translation_model, make_translation_tokenizer
+
+    from captum_attention.loading import set_languages
+
+    tokenizer = make_translation_tokenizer()
+    tokenizer.get_lang_token = lambda code: {"de": "deu_Latn", "fr": "fra_Latn"}.get(code, code)
+    model = make_translation_model(len(tokenizer))
+    set_languages(model, tokenizer, source="fr", target="de")
+    assert model.generation_config.forced_bos_token_id == tokenizer.convert_tokens_to_ids("deu_Latn")
+    assert tokenizer.src_lang == "fr"

@@ -489,3 +489,31 @@ def test_rows_with_images_are_refused_for_a_language_model_in_one_line(llm, tmp_
     assert main(["evaluate", str(data), "--model", str(llm), "--output", str(tmp_path / "out")]) != 0
     error = capsys.readouterr().err
     assert "rows name an 'image' (line 1)" in error and "holds no vision-language model" in error and error.count("\n") == 1
+
+
+def test_a_translation_models_languages_are_set_and_a_run_with_others_is_not_resumed(translation, tmp_path, capsys):
+    """NLLB under --source-language and --target-language: each answer after the forced
+    code, its log-probability the decoder's of the tokens after it with the source after
+    its own code; the same folder with other languages is another run."""
+    from captum_attention.loading import load_causal_lm
+
+    data, output = tmp_path / "answers.jsonl", tmp_path / "out"
+    data.write_text(json.dumps({"prompt": "the cat sat on the mat", "answer": "the dog"}) + "\n"
+                    + json.dumps({"prompt": "the bird flew over the tree"}) + "\n")
+    command = ["evaluate", str(data), "--model", str(translation), "--methods", "raw", "--metrics", "top_k_log_prob_drop",
+               "--max-new-tokens", "3", "--output", str(output)]
+    assert main([*command, "--source-language", "fra_Latn", "--target-language", "deu_Latn"]) == 0
+    rows = {row["index"]: row for row in _rows(output)}
+    assert rows[0]["answer"].startswith("deu_Latn") and rows[1]["answer"].startswith("deu_Latn")
+    model, tokenizer = load_causal_lm(translation, seq2seq=True)
+    tokenizer.src_lang = "fra_Latn"
+    ids = tokenizer("the cat sat on the mat", return_tensors="pt").input_ids
+    answer = torch.tensor([[tokenizer.convert_tokens_to_ids("deu_Latn"), *tokenizer("the dog", add_special_tokens=False).input_ids]])
+    with torch.no_grad():
+        log_probs = model(input_ids=ids, decoder_input_ids=torch.cat([torch.tensor([[2]]), answer[:, :-1]], 1)).logits.log_softmax(-1)
+    assert rows[0]["answer_log_prob"] == pytest.approx(float(log_probs[0, 1:].gather(1, answer[0, 1:, None]).sum()), abs=1e-5)
+    capsys.readouterr()
+    assert main([*command, "--source-language", "fra_Latn", "--target-language", "spa_Latn"]) == 1
+    assert "holds another run (languages:" in capsys.readouterr().err
+    assert main([*command, "--source-language", "fra_Latn", "--target-language", "deu_Latn"]) == 0
+    assert "resuming: 2 of 2 answers already done" in capsys.readouterr().out

@@ -43,6 +43,21 @@ PRESENCE_HELP = (
 )
 
 
+SOURCE_LANGUAGE_HELP = (
+    "translation models (NLLB, M2M100, mBART-50): the source's language code, which the tokenizer puts before it "
+    "(its src_lang; e.g. fra_Latn, fr_XX; default: the tokenizer's own)"
+)
+TARGET_LANGUAGE_HELP = (
+    "translation models: the answer's language code, the token generate forces first (forced_bos_token_id), as "
+    "the model cards pass it; read, not explained (e.g. deu_Latn; default: the generation config's)"
+)
+
+
+def _add_language_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source-language", metavar="CODE", help=SOURCE_LANGUAGE_HELP)
+    parser.add_argument("--target-language", metavar="CODE", help=TARGET_LANGUAGE_HELP)
+
+
 def _parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
@@ -68,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
     explain.add_argument("--chat", action="store_true", help="language models: " + CHAT_HELP)
+    _add_language_options(explain)
     explain.add_argument("--per-token", action="store_true",
                          help="language models: also explain each answer token (one backward each)")
     explain.add_argument("--skip", metavar="REGEX",
@@ -120,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
                           help="for a language model: the longest answer generated for a row without one (default: 20)")
     evaluate.add_argument("--chat", action="store_true", help="for a language model: " + CHAT_HELP)
+    _add_language_options(evaluate)
     evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
@@ -252,6 +269,7 @@ def _explain(arguments: argparse.Namespace) -> None:
         raise UsageError("--pair-separator is for a classifier of text pairs; a language model explains one prompt")
     if arguments.chat and task not in ("generation", "seq2seq", "image-text-to-text"):
         raise UsageError("--chat is for a language model's prompt (a causal, sequence-to-sequence or vision-language checkpoint)")
+    _check_languages(arguments, task)
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
@@ -306,6 +324,16 @@ def _prompt(arguments: argparse.Namespace) -> str:
     return prompt.strip()
 
 
+def _check_languages(arguments: argparse.Namespace, task: str | None) -> None:
+    """``--source-language`` and ``--target-language`` for a sequence-to-sequence model only."""
+    given = [option for option in ("source_language", "target_language") if getattr(arguments, option) is not None]
+    if given and task != "seq2seq":
+        named = " and ".join("--" + option.replace("_", "-") for option in given)
+        model = arguments.model or "the default model"
+        raise UsageError(f"{named} {'is' if len(given) == 1 else 'are'} for a translation model (a sequence-to-sequence "
+                         f"checkpoint); {model} is not one")
+
+
 def _check_counts(arguments: argparse.Namespace, *options: str) -> None:
     """A one-line error where one of ``options`` (a number of steps, tokens or rows; None:
     not given) is below 1."""
@@ -318,7 +346,7 @@ def _check_counts(arguments: argparse.Namespace, *options: str) -> None:
 def _explain_answer(arguments: argparse.Namespace) -> None:
     """``explain`` for a causal or sequence-to-sequence language model: the answer, and
     each method's prompt (source) tokens."""
-    from ..loading import load_causal_lm
+    from ..loading import load_causal_lm, set_languages
     from .answer import chat_prompt, explain_answer, without_added_bos
 
     message = _prompt(arguments)
@@ -331,6 +359,7 @@ def _explain_answer(arguments: argparse.Namespace) -> None:
     skip = _skip_pattern(arguments.skip)
     _check_outputs(arguments)
     model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+    set_languages(model, tokenizer, arguments.source_language, arguments.target_language)
     prompt = chat_prompt(tokenizer, message) if arguments.chat else without_added_bos(tokenizer, message)
     _note_uniform_head_weights(model, methods)
     prompt_tokens = len(tokenizer(prompt)["input_ids"])
@@ -476,6 +505,7 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     from ..loading import captions_alone, checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
+    _check_languages(arguments, task)
     if task == "image-to-text" or (task == "image-text-to-text" and captions_alone(arguments.model) and not holds_prompts(arguments.data)):
         _evaluate_captions(arguments)
         return
@@ -523,7 +553,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
     """``evaluate`` for a causal or sequence-to-sequence language model: each row's answer
     explained over its prompt (the source) and scored by the context metrics; for a
     vision-language model (``vision``), over its prompt about the row's image."""
-    from ..loading import load_causal_lm, load_vision_language_model
+    from ..loading import load_causal_lm, load_vision_language_model, set_languages
     from .evaluate import evaluate_answers, image_metric_names, image_row_problem, read_answers
 
     _check_counts(arguments, "max_new_tokens", "ig_steps", "regions")
@@ -545,6 +575,7 @@ def _evaluate_answers(arguments: argparse.Namespace, vision: bool = False) -> No
         examples = _kept_rows(checked, arguments, "no row the model takes whole")
     else:
         model, tokenizer = load_causal_lm(arguments.model, seq2seq=True)
+        set_languages(model, tokenizer, arguments.source_language, arguments.target_language)
         examples = _answers_that_fit(examples, model, tokenizer, arguments)
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)

@@ -30,6 +30,7 @@ from ..attr import METHODS
 from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
+from ..capture.inputs import forced_first_token
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion
@@ -201,11 +202,14 @@ reads its image apart."""
 
 
 def run_manifest(
-    model: Any, examples: Sequence[Any], methods: Sequence[str], metrics: Sequence[str], options: Any
+    model: Any, examples: Sequence[Any], methods: Sequence[str], metrics: Sequence[str], options: Any, tokenizer: Any = None
 ) -> dict[str, Any]:
     """What makes two runs the same run (so that one may resume the other): the data's
     hash, the methods, the metrics, the model, the batch size, the methods' budgets, the
-    head weights Learned Attention reads, the library's version and :data:`ROWS_VERSION`."""
+    head weights Learned Attention reads, the library's version and :data:`ROWS_VERSION`;
+    with the ``tokenizer`` of answers, a translation model's languages too (its
+    ``src_lang`` and the answer's forced first token), which set outside the checkpoint's
+    files (``--source-language``, ``--target-language``) change what it reads and answers."""
     return {
         "data": data_digest(examples),
         "methods": list(methods),
@@ -214,6 +218,7 @@ def run_manifest(
         "batch_size": getattr(options, "batch_size", 1),
         "budgets": _budgets(options),
         "head_weights": _head_weights_digest(model) if "learned_attention" in methods else None,
+        "languages": None if tokenizer is None else [getattr(tokenizer, "src_lang", None), forced_first_token(model)],
         "version": _version(),
         "rows_version": ROWS_VERSION,
     }
@@ -512,7 +517,7 @@ def evaluate_answers(
     needed |= {"attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
     return _sharded(
-        Path(output), run_manifest(model, examples, methods, metrics, options), examples,
+        Path(output), run_manifest(model, examples, methods, metrics, options, tokenizer), examples,
         lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options, processor), process_index,
         num_processes, progress, on_resume,
     )
