@@ -67,13 +67,16 @@ _OPTIONS: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
 """Never a hub, never the checkpoint's own code."""
 
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+IMAGE_CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForImageClassificationWithTeacher")
+"""The architectures of image classifiers (ViT, DeiT's with its distillation head, Swin, BEiT, ...)."""
 """How transformers names causal language models' architectures."""
 
 
 def checkpoint_task(path: str | Path) -> str:
-    """``"classification"``, ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or
-    ``"image-text-to-text"``: what the local checkpoint's config.json names (a
-    ``*ForSequenceClassification``, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
+    """``"classification"``, ``"image-classification"``, ``"generation"``, ``"seq2seq"``,
+    ``"image-to-text"`` or ``"image-text-to-text"``: what the local checkpoint's config.json
+    names (a ``*ForSequenceClassification``, a ``*ForImageClassification``, a
+    ``*ForCausalLM``/``*LMHeadModel`` architecture, an
     image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
     captioners, TrOCR, Donut), or the sequence-to-sequence or vision-language model transformers
     registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
@@ -130,6 +133,8 @@ def _config_task(folder: Path) -> str:
 
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         return "classification"
+    if any(name.endswith(IMAGE_CLASSIFIER_SUFFIXES) for name in architectures):
+        return "image-classification"
     if config.model_type in IMAGE_FEATURES_FIRST and IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"  # GIT's causal LM reads an image
     if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
@@ -143,15 +148,16 @@ def _config_task(folder: Path) -> str:
     if IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"
     raise CheckpointError(
-        f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence "
+        f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence or image "
         "classifier nor a language model (its config.json names no *ForSequenceClassification, "
-        "*ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
+        "*ForImageClassification, *ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
     )
 
 
 TASK_KINDS = {
     "classification": "a sequence classifier", "generation": "a causal language model", "seq2seq": "a sequence-to-sequence model",
     "image-to-text": "an image captioner", "image-text-to-text": "a vision-language model",
+    "image-classification": "an image classifier",
 }
 """What a user calls the model of each :func:`checkpoint_task`."""
 
@@ -256,9 +262,10 @@ def load_classifier(path: str | Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForSequenceClassification
 
-    if checkpoint_task(path) != "classification":
+    task = checkpoint_task(path)
+    if task != "classification":
         raise CheckpointError(
-            f"{path} holds a language model, not a sequence classifier (its config.json names no "
+            f"{path} holds {TASK_KINDS[task]}, not a sequence classifier (its config.json names no "
             "*ForSequenceClassification architecture)."
         )
     model, tokenizer = _load(Path(path), AutoModelForSequenceClassification)
@@ -366,6 +373,22 @@ def load_vision_language_model(path: str | Path) -> tuple[Any, Any]:
     if checkpoint_task(path) != "image-text-to-text":
         raise CheckpointError(f"{path} holds no vision-language model (an image-text-to-text architecture): --image is for one.")
     return _load(Path(path), AutoModelForImageTextToText, AutoProcessor)
+
+
+def load_image_classifier(path: str | Path) -> tuple[Any, Any]:
+    """``(model, image processor)`` from a local image-classification checkpoint (ViT,
+    DeiT, BEiT, Swin, ...: a ``*ForImageClassification`` architecture), loaded as safely as
+    :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    task = checkpoint_task(path)
+    if task != "image-classification":
+        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not an image classifier (a *ForImageClassification architecture).")
+    return _load(Path(path), AutoModelForImageClassification, AutoImageProcessor)
 
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:

@@ -153,7 +153,7 @@ def test_clear_errors(llava, tmp_path, capsys, llm):
         assert main(["explain", "--model", str(llava), "--image", str(image), "what", "--methods", method]) == 1
         assert f"{method} is not available for vision-language models" in capsys.readouterr().err
     assert main(["explain", "--model", str(llm), "--image", str(image), "what"]) == 1
-    assert "--image is for a vision-language model" in capsys.readouterr().err
+    assert "--image is for an image classifier or a vision-language model; " in capsys.readouterr().err
 
 
 def test_a_family_of_unknown_layout_shows_the_images_summed_score_without_a_grid(llava, tmp_path, capsys, monkeypatch):

@@ -124,7 +124,9 @@ def image_scores(
 def pixel_scores(model: nn.Module, pixel_relevance: Tensor, image_inputs: Mapping[str, Any] | None = None) -> list[Tensor]:
     r"""AttnLRP's relevance of a vision-language model's pixels (``through_vision_tower=True``)
     summed per patch of its vision tower: one ``(rows, columns)`` grid per image (per tile
-    for tiled images), in the order of ``pixel_values``.
+    for tiled images), in the order of ``pixel_values``. Any per-pixel scores of an image
+    captioner's or an image classifier's pixels (Captum's Integrated Gradients') are summed
+    per patch of its own image encoder so too.
 
     Images given as ``(..., channels, height, width)`` pixels are pooled by the tower's
     ``patch_size`` (Pixtral's cut to their ``image_sizes``); Qwen2-VL's flattened patches

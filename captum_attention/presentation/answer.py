@@ -270,7 +270,7 @@ def _forced_note(model: Any, tokenizer: Any, answer_ids: torch.Tensor) -> list[s
     ]
 
 
-def _grey_image_warning(pixels: Any, grey: torch.Tensor | None) -> list[str]:
+def grey_image_warning(pixels: Any, grey: torch.Tensor | None) -> list[str]:
     """A warning where the image is the uniform grey image that the pixels' scores are
     measured against (``grey``; None where none is): those scores are then 0 everywhere."""
     if grey is None or not isinstance(pixels, torch.Tensor) or pixels.shape != grey.shape or not torch.equal(pixels, grey):
@@ -433,7 +433,7 @@ def explain_image_answer(
         processor(text=text, images=Image.new("RGB", image.size, (128, 128, 128)), return_tensors="pt")["pixel_values"]
         if ("attn_lrp" in chosen and has_grid) or pixel_ig else None
     )
-    explanation.warnings += _grey_image_warning(inputs["pixel_values"], grey)
+    explanation.warnings += grey_image_warning(inputs["pixel_values"], grey)
     image_column = _image_column(model, ids, features)
     if set(ESTIMATES_OF_ANSWERS) & set(chosen):
         explanation.warnings.append("the leave-one-out estimates never remove the image: they score the prompt's words, "
@@ -510,7 +510,7 @@ def explain_caption(
         prompt_tokens=[IMAGE_TOKEN], special=[False], answer_tokens=readable_tokens(answer_ids, tokenizer),
         answer=tokenizer.decode(answer_ids), generated=target is None, image=str(image_path),
         warnings=(_cut_warning(model, tokenizer, answer_ids, max_new_tokens) if target is None else [])
-        + _grey_image_warning(pixels, grey if INTEGRATED_GRADIENTS in chosen else None),
+        + grey_image_warning(pixels, grey if INTEGRATED_GRADIENTS in chosen else None),
     )
     for name in chosen:
         start = time.perf_counter()
@@ -532,7 +532,7 @@ def caption_pixels(model: Any, image_processor: Any, image: Any) -> tuple[torch.
     """An image captioner's ``pixel_values`` ``(1, channels, height, width)`` of the PIL
     ``image``, and those of a uniform grey image of its size through the same processor:
     the baseline its Integrated Gradients start from and its removed patches take."""
-    return _processed_pixels(model, image_processor, image), grey_pixels(model, image_processor, image.size)
+    return processed_pixels(model, image_processor, image), grey_pixels(model, image_processor, image.size)
 
 
 def grey_pixels(model: Any, image_processor: Any, size: tuple[int, int]) -> torch.Tensor:
@@ -540,10 +540,10 @@ def grey_pixels(model: Any, image_processor: Any, size: tuple[int, int]) -> torc
     ``image_processor``: the reference a removed patch takes."""
     from PIL import Image
 
-    return _processed_pixels(model, image_processor, Image.new("RGB", size, (128, 128, 128)))
+    return processed_pixels(model, image_processor, Image.new("RGB", size, (128, 128, 128)))
 
 
-def _processed_pixels(model: Any, image_processor: Any, picture: Any) -> torch.Tensor:
+def processed_pixels(model: Any, image_processor: Any, picture: Any) -> torch.Tensor:
     return image_processor(images=picture, return_tensors="pt")["pixel_values"].to(model.device, model.dtype)
 
 

@@ -69,15 +69,15 @@ def _parser() -> argparse.ArgumentParser:
                          "model, the prompt")
     explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
                          "the whole file is the prompt")
-    explain.add_argument("--model", type=Path, help="a local sequence-classification, causal, sequence-to-sequence, "
-                         "vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+    explain.add_argument("--model", type=Path, help="a local sequence-classification, image-classification, causal, "
+                         "sequence-to-sequence, vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
                          "downloaded (default: the embedded sentiment model, trained on first use)")
     explain.add_argument("--pair-separator", metavar="SEP",
                          help="classifiers of text pairs (NLI, paraphrase): each sentence holds the two texts the model "
                          "reads together, split at its first SEP (e.g. --pair-separator '|||'), and tokenized as a pair")
     explain.add_argument("--image", type=Path, help="vision-language models (--model): the image the prompt asks "
                          "about; its tokens are explained on their patch grid. An image captioner (an image encoder "
-                         "before a text decoder) takes the image alone, no prompt")
+                         "before a text decoder) and an image classifier (ViT, DeiT, Swin, ...) take the image alone, no prompt")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
                           "language model, the answer's text (default: the model's greedy answer)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
@@ -276,8 +276,12 @@ def _explain(arguments: argparse.Namespace) -> None:
     if task == "image-to-text":
         _explain_caption(arguments)
         return
+    if task == "image-classification":
+        _explain_image_class(arguments)
+        return
     if arguments.image is not None:
-        raise UsageError(f"--image is for a vision-language model; {arguments.model or 'the default model'} is not one")
+        raise UsageError(f"--image is for an image classifier or a vision-language model; {arguments.model or 'the default model'} "
+                         "is neither")
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
@@ -442,17 +446,51 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
-def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
-    """An answer's explanation: its warnings, the terminal report, and the HTML and JSON
-    files asked for."""
-    from .html import render_answer_html
-    from .text import render_answer_text
+def _explain_image_class(arguments: argparse.Namespace) -> None:
+    """``explain`` for an image classifier: the class of ``--image``, each method's scores
+    of the image's patches on their grid."""
+    from ..loading import load_image_classifier
+    from .explain import resolve_target
+    from .image_class import check_image_class_methods, explain_image_class
 
+    if arguments.sentences or arguments.file is not None:
+        raise UsageError(f"{arguments.model} holds an image classifier, which reads no text: give only --image (and --target "
+                         "to explain another class)")
+    if arguments.image is None:
+        raise UsageError(f"{arguments.model} holds an image classifier: give the image with --image")
+    if not arguments.image.is_file():
+        raise UsageError(f"--image {arguments.image}: no such file")
+    textual = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip", "pair_separator") if getattr(arguments, option)]
+    if textual:
+        raise UsageError(f"{', '.join(textual)}: for text; an image classifier reads an image alone")
+    _check_counts(arguments, "ig_steps")
+    methods = default_method_names() if arguments.methods is None else _methods(arguments)
+    check_image_class_methods(methods)
+    _check_outputs(arguments)
+    model, processor = load_image_classifier(arguments.model)
+    _note_uniform_head_weights(model, methods)
+    target = resolve_target(arguments.target, model.config.id2label)
+    try:
+        explanation = explain_image_class(model, processor, str(arguments.image), target, methods, arguments.ig_steps)
+    except OSError as error:  # PIL cannot read it
+        raise UsageError(f"--image {arguments.image}: {error}") from error
+    _report_answer(arguments, explanation)
+
+
+def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
+    """An answer's (or an image classifier's prediction's) explanation: its warnings, the
+    terminal report, and the HTML and JSON files asked for."""
+    from .html import render_answer_html, render_image_class_html
+    from .image_class import ImageClassExplanation
+    from .text import render_answer_text, render_image_class_text
+
+    image_class = isinstance(explanation, ImageClassExplanation)
+    render_text, render_html = (render_image_class_text, render_image_class_html) if image_class else (render_answer_text, render_answer_html)
     for warning in explanation.warnings:
         print(terminal_safe(f"captum-attention: warning: {warning}"), file=sys.stderr)
-    print(render_answer_text(explanation, raw=arguments.raw))
+    print(render_text(explanation, raw=arguments.raw))
     if arguments.html is not None:
-        arguments.html.write_text(render_answer_html(explanation, str(arguments.model)), encoding="utf-8")
+        arguments.html.write_text(render_html(explanation, str(arguments.model)), encoding="utf-8")
         print(terminal_safe(f"HTML report written to {arguments.html}"))
     _write_json(arguments.json, explanation)
 
@@ -506,6 +544,9 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     _check_languages(arguments, task)
+    if task == "image-classification":
+        raise UsageError(f"{arguments.model} holds an image classifier: evaluate takes text classifiers and language models; "
+                         "explain --image explains one image's class")
     if task == "image-to-text" or (task == "image-text-to-text" and captions_alone(arguments.model) and not holds_prompts(arguments.data)):
         _evaluate_captions(arguments)
         return

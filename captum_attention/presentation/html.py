@@ -7,7 +7,8 @@ from typing import Any
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
-from .text import count, shares, terminal_safe, token_labels
+from .image_class import ImageClassExplanation
+from .text import count, peak_cell, shares, terminal_safe, token_labels
 
 
 def escape(text: str) -> str:
@@ -224,8 +225,7 @@ def _answer_spread(explanation: AnswerExplanation, method: str) -> str:
     the image's grid where the image is the prompt's one token (an image captioner's)."""
     grid = explanation.image_grids.get(method)
     if grid is not None and len(explanation.prompt_tokens) == 1:
-        cells = [cell for row in grid for cell in row]
-        return f"the image's patches: {_peak(cells, [False] * len(cells))}"
+        return f"the image's patches: {_grid_spread(grid)}"
     return _peak(explanation.seq_attr[method], explanation.left_out)
 
 
@@ -311,6 +311,47 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
     return "\n".join(parts)
 
 
+def render_image_class_html(explanation: ImageClassExplanation, model_name: str) -> str:
+    """The report page of an image classifier's prediction: per method, its scores of the
+    image's patches drawn over the image."""
+    how = "given" if explanation.given else "predicted"
+    predicted = f" (predicted: <b>{escape(explanation.predicted)}</b>)" if explanation.given else ""
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>captum-attention report</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        "<h1>captum-attention report</h1>",
+        f"<p>Model: <code>{escape(model_name)}</code>. Image: <code>{escape(explanation.image)}</code>.</p>",
+        f"<p>Class ({how}): <b>{escape(explanation.label)}</b>, {explanation.reads} {explanation.probability:.3f}{predicted}</p>",
+        *(f'<p class="note">Warning: {escape(warning)}.</p>' for warning in explanation.warnings),
+        '<p class="legend">Each method explains the class\'s logit by its scores of the image\'s patches, drawn '
+        "over the image (Captum's blended heat map) on its own scale, relative to its largest score; its spread "
+        "says how far that peak stands above the mean (near uniform below ×1.5, where even faint differences look "
+        "strong).</p>",
+        "<h2>Summary</h2>",
+        "<table><tr><th>method</th><th>peak</th><th>spread</th></tr>" + "".join(
+            f"<tr><td>{escape(method)}</td><td>{escape(peak_cell(grid, explanation.methods[method]))}</td>"
+            f"<td>{escape(_grid_spread(grid))}</td></tr>"
+            for method, grid in explanation.grids.items()
+        ) + "</table>",
+    ]
+    for method, grid in explanation.grids.items():
+        info = explanation.methods[method]
+        parts.append(f"<section><h2>{escape(method)}</h2>")
+        parts.append(f'<p class="meaning">{escape(_meaning(info, "the class"))}; {explanation.seconds[method] * 1000:.0f} ms.</p>')
+        parts.append(_image_figure(explanation.image, grid, explanation.grid_covers_image, info, explained="the class"))
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _grid_spread(grid: list[list[float]]) -> str:
+    """:func:`_peak` over an image's grid of scores."""
+    cells = [cell for row in grid for cell in row]
+    return _peak(cells, [False] * len(cells))
+
+
 IMAGE_INCHES = 3
 """The side of an image's figure in the report, in inches (at 100 dpi)."""
 
@@ -320,10 +361,10 @@ TOKEN_IMAGE_INCHES = 1.5
 
 def _image_figure(
     image_path: str, grid: list[list[float]], covers: bool, info: MethodInfo, inches: float = IMAGE_INCHES,
-    label: str | None = None,
+    label: str | None = None, explained: str = "the whole answer",
 ) -> str:
-    """The image tokens' scores for the whole answer (or the answer token ``label``, its
-    caption) over the image (Captum's blended heat map, the grid upsampled to the image),
+    """The image tokens' scores for the whole answer (``explained``: an image classifier's
+    class), or the answer token ``label`` (its caption), over the image (Captum's blended heat map, the grid upsampled to the image),
     or on their grid alone where the grid does not follow the image's shape (a processor
     that crops or pads it), as an embedded PNG ``inches`` wide."""
     import base64
@@ -343,22 +384,23 @@ def _image_figure(
         return f'<p class="meaning">Every cell of the image\'s {rows} × {columns} grid scores 0 under this method{"" if label is None else ", " + escape(label)}.</p>'
     scores = scores / scores.abs().max()  # drawn relative to its peak; Captum warns of tiny scales
     sign = "all" if info.signed else "absolute_value"
+    unsigned = "Blues" if info.forward_only else "Greens"  # as the tokens are coloured
     if covers:
         image = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float64) / 255
         upsampled = upsample_to_image(scores, torch.zeros(1, 1, *image.shape[:2]))[0].numpy()
         figure, _ = visualization.visualize_image_attr(
             upsampled, image, method="blended_heat_map", sign=sign, use_pyplot=False, alpha_overlay=0.55,
-            cmap=None if info.signed else "Greens",
+            cmap=None if info.signed else unsigned,
             fig_size=(inches, inches),
         )
-        caption = f"The image's {rows} × {columns} grid over the image, the whole answer."
+        caption = f"The image's {rows} × {columns} grid over the image, {explained}."
     else:
         figure = Figure(figsize=(inches, inches))
         axes = figure.add_subplot()
         peak = float(scores.abs().max()) or 1.0  # green supports, red opposes, as the tokens are coloured
-        axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else "Greens", vmin=-peak if info.signed else 0, vmax=peak)
+        axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else unsigned, vmin=-peak if info.signed else 0, vmax=peak)
         axes.set_axis_off()
-        caption = (f"The image's {rows} × {columns} grid, the whole answer; not laid over the image, whose "
+        caption = (f"The image's {rows} × {columns} grid, {explained}; not laid over the image, whose "
                    "shape it does not follow (its processor crops or pads it).")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight", dpi=100)

@@ -8,6 +8,7 @@ from collections import Counter
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo, SentenceExplanation
+from .image_class import ImageClassExplanation
 
 TOP_K = 3
 """Tokens marked ``*`` per method in the normalised table."""
@@ -157,22 +158,39 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
         lines.append(f"  {_top_tokens(tokens, scores, special, info, top, raw)}")
         grid = explanation.image_grids.get(method)
         if grid is not None:
-            lines.append(f"  {_peak_cell(grid, info)}")
+            lines.append(f"  image: {peak_cell(grid, info)}")
         token_grids = explanation.token_grids.get(method, [])
         for i, (answer_token, row) in enumerate(zip(explanation.answer_tokens, explanation.token_attr.get(method, []))):
             shown = [] if len(tokens) == 1 and token_grids else [_top_tokens(tokens, row, special, info, min(top, 3), raw)]
-            shown += [_peak_cell(token_grids[i], info)] if token_grids else []
+            shown += [f"image: {peak_cell(token_grids[i], info)}"] if token_grids else []
             lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {'; '.join(shown)}")
     return "\n".join(lines)
 
 
-def _peak_cell(grid: list[list[float]], info: MethodInfo) -> str:
-    """Where on the image's token grid a method's scores peak, and that cell's share of
-    the image's scores."""
+def render_image_class_text(explanation: ImageClassExplanation, raw: bool = False) -> str:
+    """The terminal report of an image classifier's prediction: the class, then per method
+    where its scores on the image's patch grid peak (with ``raw``, the grid itself)."""
+    how = "given" if explanation.given else "predicted"
+    predicted = f"; predicted: {terminal_safe(explanation.predicted)}" if explanation.given else ""
+    lines = [
+        f"image: {terminal_safe(explanation.image)}; class, {how}: {terminal_safe(explanation.label)} "
+        f"({explanation.reads} {explanation.probability:.3f}{predicted})",
+        "",
+        "per method, where its scores of the image's patches peak" + (" (--raw: the grid's scores, row by row)" if raw else "") + ":",
+    ]
+    for method, grid in explanation.grids.items():
+        lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms): {peak_cell(grid, explanation.methods[method])}")
+        lines += [("  " + " ".join(f"{value:+.3g}" for value in row)) for row in grid] if raw else []
+    return "\n".join(lines)
+
+
+def peak_cell(grid: list[list[float]], info: MethodInfo) -> str:
+    """Where on the image's grid a method's scores peak, and that cell's share of the
+    image's scores (``"peak at row 1, column 0 of its 4 × 4 grid, 6% of the image's scores"``)."""
     values = [abs(v) if info.signed else v for row in grid for v in row]
     total = sum(abs(v) for v in values)
     if total == 0:
-        return f"image: every cell of its {len(grid)} × {len(grid[0])} grid scores 0"
+        return f"every cell of its {len(grid)} × {len(grid[0])} grid scores 0"
     peak = max(range(len(values)), key=values.__getitem__)
     share = f", {values[peak] / total:.0%} of the image's scores"
-    return f"image: peak at row {peak // len(grid[0])}, column {peak % len(grid[0])} of its {len(grid)} × {len(grid[0])} grid{share}"
+    return f"peak at row {peak // len(grid[0])}, column {peak % len(grid[0])} of its {len(grid)} × {len(grid[0])} grid{share}"

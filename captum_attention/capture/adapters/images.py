@@ -545,8 +545,8 @@ def _mllama_images(config: Any, image_inputs: Mapping[str, Any]) -> list[list[Im
 
 def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, Any]) -> list[Tensor]:
     """Per-pixel values (AttnLRP's relevance through the vision tower) summed per patch of
-    the vision tower, one ``(rows, columns)`` grid per image or tile, in ``pixel_values``'
-    order:
+    the vision tower (an image classifier's own patches), one ``(rows, columns)`` grid per
+    image or tile, in ``pixel_values``' order:
 
     - ``(..., channels, height, width)`` pixels: each image (LLaVA, PaliGemma, ...) or tile
       (Idefics3's, LLaVA-NeXT's) pooled by ``patch_size``, an image given its own
@@ -558,7 +558,7 @@ def pixel_patch_grids(config: Any, pixels: Tensor, image_inputs: Mapping[str, An
     Raises:
         UnsupportedModelError: pixels in another layout, or no patch size in the config.
     """
-    vision = image_encoder_config(config)
+    vision = image_encoder_config(config) or config  # an image classifier's config is its encoder's
     grid_thw = image_inputs.get("image_grid_thw")
     if grid_thw is not None and pixels.dim() == 2:
         return _flattened_patch_grids(vision, pixels.flatten(1).sum(dim=1), grid_thw, image_inputs.get("image_merge_sizes"))

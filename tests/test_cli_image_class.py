@@ -1,0 +1,157 @@
+"""The command line for image classifiers (ViT, DeiT, Swin): the class of ``--image``, each
+method's scores of its patches on their grid, in the terminal, the HTML and the JSON."""
+
+from __future__ import annotations
+
+import html as html_module
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from PIL import Image
+
+from captum_attention import METHODS
+from captum_attention.presentation.cli import main
+
+LABELS = {0: "cat", 1: "dog", 2: "bird"}
+
+
+def _classifier(name: str) -> torch.nn.Module:
+    """A tiny image classifier of :data:`LABELS` on 32 × 32 images."""
+    torch.manual_seed(0)
+    common = dict(image_size=32, num_channels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    if name == "swin":
+        config = tf.SwinConfig(patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, **common)
+        return tf.SwinForImageClassification(config).eval()
+    vit = dict(patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               initializer_range=0.3, **common)
+    if name == "deit":
+        return tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(**vit)).eval()
+    return tf.ViTForImageClassification(tf.ViTConfig(**vit)).eval()
+
+
+@pytest.fixture(scope="module", params=["vit", "deit", "swin"])
+def classifier(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("image_classifier") / request.param
+    _classifier(request.param).save_pretrained(folder)
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return folder
+
+
+def _image(tmp_path):
+    path = tmp_path / "image.png"
+    Image.fromarray((np.random.default_rng(0).random((48, 48, 3)) * 255).astype("uint8")).save(path)
+    return path
+
+
+def _loaded(folder, image):
+    model = tf.AutoModelForImageClassification.from_pretrained(folder, local_files_only=True).eval()
+    processor = tf.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    pixels = processor(images=Image.open(image).convert("RGB"), return_tensors="pt")["pixel_values"]
+    grey = processor(images=Image.new("RGB", (48, 48), (128, 128, 128)), return_tensors="pt")["pixel_values"]
+    return model, pixels, grey
+
+
+def _integrated_gradients(model, pixels, grey, label, steps):
+    """Captum's IntegratedGradients of the class's logit over the pixels against the grey
+    image, summed over the channels and per patch of the model's first stage."""
+    from captum.attr import IntegratedGradients
+
+    pixel_attr = IntegratedGradients(lambda images: model(pixel_values=images).logits).attribute(
+        pixels, baselines=grey, target=label, n_steps=steps
+    )[0].sum(dim=0)
+    patch = model.config.patch_size
+    return pixel_attr.reshape(32 // patch, patch, 32 // patch, patch).sum(dim=(1, 3)).detach()
+
+
+def test_explain_an_image_classifiers_prediction_over_the_images_patches(classifier, tmp_path, capsys):
+    """The predicted class and its probability; each method's grid its own
+    ``attribute(pixel_values, target=class)``; Integrated Gradients' Captum's on the pixels
+    against a grey image, summed per patch; the HTML draws each grid over the image."""
+    image, report, page = _image(tmp_path), tmp_path / "image.json", tmp_path / "image.html"
+    assert main(["explain", "--model", str(classifier), "--image", str(image), "--methods", "rollout,attn_lrp,integrated_gradients",
+                 "--ig-steps", "4", "--json", str(report), "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    model, pixels, grey = _loaded(classifier, image)
+    with torch.no_grad():
+        probabilities = model(pixel_values=pixels).logits.softmax(-1)[0]
+    predicted = int(probabilities.argmax())
+    explanation = json.loads(report.read_text(encoding="utf-8"))
+    assert explanation["label"] == explanation["predicted"] == LABELS[predicted] and not explanation["given"]
+    assert explanation["probability"] == pytest.approx(float(probabilities[predicted]), abs=1e-6)
+    assert f"class, predicted: {LABELS[predicted]} (p {float(probabilities[predicted]):.3f})" in out
+    for name, method in (("Attention Rollout", "rollout"), ("AttnLRP", "attn_lrp")):
+        expected = METHODS[method](model).attribute(pixels, target=predicted)[0]
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(torch.tensor(explanation["grids"][name]), expected, rtol=1e-5, atol=1e-9)
+        assert out.count(f"{name} (") == 1
+    expected = _integrated_gradients(model, pixels, grey, predicted, steps=4)
+    torch.testing.assert_close(torch.tensor(explanation["grids"]["Integrated Gradients"]), expected, rtol=1e-4, atol=1e-6)
+    assert explanation["grid_covers_image"] is True
+    written = html_module.unescape(page.read_text(encoding="utf-8"))
+    side = len(explanation["grids"]["AttnLRP"])
+    assert written.count("data:image/png;base64,") == 3
+    assert written.count(f"<figcaption>The image's {side} × {side} grid over the image, the class.</figcaption>") == 3
+    assert f"Class (predicted): <b>{LABELS[predicted]}</b>" in written and "<script" not in written
+
+
+def test_a_given_class_is_explained_and_the_prediction_named(classifier, tmp_path, capsys):
+    image = _image(tmp_path)
+    assert main(["explain", "--model", str(classifier), "--image", str(image), "--target", "Bird", "--methods",
+                 "transformer_attribution", "--raw"]) == 0
+    out = capsys.readouterr().out
+    model, pixels, _ = _loaded(classifier, image)
+    with torch.no_grad():
+        probabilities = model(pixel_values=pixels).logits.softmax(-1)[0]
+    assert f"class, given: bird (p {float(probabilities[2]):.3f}; predicted: {LABELS[int(probabilities.argmax())]})" in out
+    grid = METHODS["transformer_attribution"](model).attribute(pixels, target=2)[0]
+    lines = out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("Transformer Attribution (")))
+    printed = [[float(value) for value in line.split()] for line in lines[start + 1: start + 1 + len(grid)]]
+    torch.testing.assert_close(torch.tensor(printed), grid, rtol=5e-3, atol=1e-9)  # 3 significant digits
+
+
+def test_what_an_image_classifier_cannot_take_is_refused_in_one_line(classifier, tmp_path, capsys):
+    image = _image(tmp_path)
+
+    def refused(*argv):
+        assert main([*argv]) == 1
+        return capsys.readouterr().err.strip()
+
+    explain = ["explain", "--model", str(classifier)]
+    assert refused(*explain, "a cat").endswith("holds an image classifier, which reads no text: give only --image (and --target "
+                                               "to explain another class)")
+    assert refused(*explain).endswith("holds an image classifier: give the image with --image")
+    assert refused(*explain, "--image", str(image), "--per-token").endswith("--per-token: for text; an image classifier reads an image alone")
+    assert refused(*explain, "--image", str(image), "--methods", "attn_lrp_presence").endswith(
+        "attn_lrp_presence explain text, not an image's patches; choose --methods among grad_sam, rollout, transformer_attribution, raw, "
+        "attention_flow, attn_lrp, norm_attention, value_zeroing, alti, learned_attention, knockout_gradient, knockout_lrp, decompx, "
+        "integrated_gradients"
+    )
+    assert "alti_logit explains a language model's next-token logit" in refused(*explain, "--image", str(image), "--methods", "alti_logit")
+    assert "'horse' is not a label of this model (labels: 0=cat, 1=dog, 2=bird)" in refused(*explain, "--image", str(image), "--target", "horse")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"text": "a cat"}) + "\n")
+    assert refused("evaluate", str(data), "--model", str(classifier)).endswith(
+        "holds an image classifier: evaluate takes text classifiers and language models; explain --image explains one image's class"
+    )
+
+
+def test_a_forward_only_methods_grid_is_drawn_in_blue_as_its_tokens_are(classifier, tmp_path):
+    """Rollout's scores (the forward pass alone) are blue in the token rows: its grid over
+    the image too, Grad-SAM's (support for the class) green."""
+    import base64
+    import io
+    import re
+
+    page = tmp_path / "image.html"
+    assert main(["explain", "--model", str(classifier), "--image", str(_image(tmp_path)), "--methods", "rollout,grad_sam",
+                 "--html", str(page)]) == 0
+    figures = re.findall(r'src="data:image/png;base64,([^"]+)"', page.read_text(encoding="utf-8"))
+    (_, green_rollout, blue_rollout), (_, green_sam, blue_sam) = (
+        np.asarray(Image.open(io.BytesIO(base64.b64decode(figure))).convert("RGB"), dtype=np.float64).reshape(-1, 3).mean(0)
+        for figure in figures
+    )
+    assert blue_rollout > green_rollout and green_sam > blue_sam
