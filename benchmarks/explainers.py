@@ -24,6 +24,7 @@ from captum_attention.metrics import (
     calibrated_attribution,
     context_averaged_attribution,
     greedy_deletion,
+    image_patches,
     leave_one_out,
     random_ranking,
 )
@@ -141,26 +142,12 @@ def shap_partition(task: Task, target: Tensor) -> Tensor:
 
 def removal(task: Task) -> tuple[Callable[..., Tensor], Tensor, Tensor, dict[str, Any]]:
     """How the ERASER metrics remove features: ``forward(ids, mask)``, the ids, the mask and
-    the removal arguments. Text: tokens deleted, [CLS]/[SEP] kept. Images: id b·P+p is
-    patch p of image b, -1 a removed patch, set to grey."""
+    the removal arguments. Text: tokens deleted, [CLS]/[SEP] kept. Images: each patch a
+    feature (``metrics.image_patches``), a removed one grey."""
     if not task.is_image:
         return task.logits, task.inputs, task.attention_mask, dict(removal="delete", keep=task.keep)
-    count = task.rationale[0].numel()
-    ids = torch.arange(len(task.inputs))[:, None] * count + torch.arange(count)
-
-    def forward(patch_ids: Tensor, mask: Tensor) -> Tensor:
-        return task.logits(_greyed(task, patch_ids))
-
-    return forward, ids, torch.ones_like(ids), dict(removal="replace", baseline_token_id=-1)
-
-
-def _greyed(task: Task, patch_ids: Tensor) -> Tensor:
-    """The images :func:`removal`'s patch ids stand for, each removed patch (-1) grey."""
-    rows, columns = task.rationale.shape[1:]
-    image_index = patch_ids.max(dim=1).values // (rows * columns)
-    keep = (patch_ids >= 0).float().view(-1, 1, rows, 1, columns, 1)
-    images = task.inputs[image_index].view(-1, 3, rows, PATCH, columns, PATCH)
-    return (images * keep + 0.5 * (1 - keep)).view(-1, 3, rows * PATCH, columns * PATCH)
+    patches = image_patches(task.logits, task.inputs, torch.full_like(task.inputs[:1], 0.5), task.rationale.shape[1:])
+    return patches.forward_func, patches.input_ids, patches.attention_mask, patches.removal
 
 
 def _as_features(task: Task, scores: Tensor) -> Tensor:
@@ -214,7 +201,7 @@ def context_averaged_over(prior: Explainer, contexts: int = CALIBRATED_ABLATIONS
 
         def in_context(ids: Tensor, mask: Tensor) -> Tensor:
             if task.is_image:
-                return lrp.attribute(_greyed(task, ids), target=target).reshape(ids.shape)
+                return lrp.attribute(forward.pixels(ids), target=target).reshape(ids.shape)
             return lrp.attribute(ids, target=target, additional_forward_args=(mask,))
 
         forward, ids, mask, how = removal(task)

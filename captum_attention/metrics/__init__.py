@@ -16,6 +16,7 @@ from .context import (
 from .head_weights import HeadWeights, fit_head_weights
 from .patches import PatchRemoval, patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
 from .identifiability import IdentifiabilityResult, identifiability
+from .image_patches import ImagePatches, image_patches
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
 from .perturbations import token_replacement_perturbation, token_substitution_perturbation
@@ -69,6 +70,8 @@ __all__ = [
     "top_k_log_prob_drop",
     "top_k_patch_log_prob_drop",
     "PatchRemoval",
+    "ImagePatches",
+    "image_patches",
     "patch_datamodeling_score",
     "patch_leave_one_out_agreement",
     "ErasureResult",
