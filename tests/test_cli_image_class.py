@@ -135,7 +135,16 @@ def test_what_an_image_classifier_cannot_take_is_refused_in_one_line(classifier,
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"text": "a cat"}) + "\n")
     assert refused("evaluate", str(data), "--model", str(classifier)).endswith(
-        "holds an image classifier: evaluate takes text classifiers and language models; explain --image explains one image's class"
+        "line 1: a row must be an object with an 'image' field (the image to classify) (pass --skip-malformed to skip such rows)"
+    )
+    data.write_text(json.dumps({"image": image.name}) + "\n")
+    assert refused("evaluate", str(data), "--model", str(classifier), "--metrics", "comprehensiveness,decision_flip").endswith(
+        "decision_flip: not over an image's patches (they erase the attention paid to tokens or compare with rationale words); "
+        "choose --metrics among comprehensiveness, sufficiency, datamodeling"
+    )
+    assert refused("evaluate", str(data), "--model", str(classifier), "--methods", "shap").endswith(
+        "unknown method 'shap'; choose from grad_sam, rollout, transformer_attribution, raw, attention_flow, attn_lrp, "
+        "norm_attention, value_zeroing, alti, learned_attention, knockout_gradient, knockout_lrp, decompx, integrated_gradients"
     )
 
 
@@ -155,3 +164,49 @@ def test_a_forward_only_methods_grid_is_drawn_in_blue_as_its_tokens_are(classifi
         for figure in figures
     )
     assert blue_rollout > green_rollout and green_sam > blue_sam
+
+
+def test_evaluate_scores_an_image_classifiers_patches_as_the_metrics_do_directly(classifier, tmp_path, capsys):
+    """Each row: the predicted class, and each metric the token-removal metric over the
+    image's patches (image_patches, a removed patch greyed) computed on the image alone,
+    whatever batch the image came in (the LDS's removals seeded by its pixels); the
+    labels read by name or index; a second run resumes."""
+    from captum_attention.metrics import aopc, comprehensiveness, datamodeling_score, image_patches, sufficiency
+
+    rng = np.random.default_rng(3)
+    rows = [("a.png", (48, 48), "cat"), ("b.png", (56, 40), None), ("c.png", (32, 32), 2)]
+    for name, (width, height), _ in rows:
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8")).save(tmp_path / name)
+    data, output = tmp_path / "images.jsonl", tmp_path / "out"
+    data.write_text("".join(json.dumps({"image": name, **({} if label is None else {"label": label})}) + "\n"
+                            for name, _, label in rows))
+    command = ["evaluate", str(data), "--model", str(classifier), "--methods", "rollout,attn_lrp,integrated_gradients",
+               "--ig-steps", "4", "--batch-size", "2", "--output", str(output)]
+    assert main(command) == 0
+    assert "| attn_lrp |" in capsys.readouterr().out
+    written = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert len(written) == 3 * 3 and [row["label"] for row in written[::3]] == [0, None, 2]
+    for row in written:
+        name, (width, height), _ = rows[row["index"]]
+        model, pixels, _ = _loaded(classifier, tmp_path / name)
+        processor = tf.AutoImageProcessor.from_pretrained(classifier, local_files_only=True)
+        grey = processor(images=Image.new("RGB", (width, height), (128, 128, 128)), return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            probabilities = model(pixel_values=pixels).logits.softmax(-1)[0]
+        predicted = int(probabilities.argmax())
+        assert row["predicted"] == predicted and row["probability"] == pytest.approx(float(probabilities[predicted]), abs=1e-6)
+        if row["method"] == "integrated_gradients":
+            grid = _integrated_gradients(model, pixels, grey, predicted, steps=4)[None]
+        else:
+            grid = METHODS[row["method"]](model).attribute(pixels, target=predicted).detach()
+        patches = image_patches(model, pixels, grey, grid.shape[1:])
+        arguments = (patches.forward_func, patches.input_ids, patches.attention_mask, grid.flatten(1), torch.tensor([predicted]))
+        expected = {
+            "comprehensiveness": aopc(comprehensiveness(*arguments, **patches.removal)),
+            "sufficiency": aopc(sufficiency(*arguments, **patches.removal)),
+            "datamodeling": datamodeling_score(*arguments, per_example=True, **patches.removal),
+        }
+        for metric, value in expected.items():
+            assert row[metric] == pytest.approx(float(value[0]), abs=2e-4), (row["method"], metric)
+    assert main(command) == 0
+    assert "resuming: 2 of 2 batches already done" in capsys.readouterr().out

@@ -54,6 +54,12 @@ class GreyedPatches:
         images = self.pixel_values[image.to(self.pixel_values.device)].view(shape)
         return (images * keep + self.baseline.view(shape) * (1 - keep)).view(-1, channels, height, width)
 
+    def example_inputs(self, patch_ids: Tensor) -> Tensor:
+        """``(B, channels, height, width)``: the images whole ``patch_ids`` rows stand for, of
+        which the metrics seed each example's random removals (its ids hold its place in the
+        batch)."""
+        return self.pixels(patch_ids)
+
     def __call__(self, patch_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return output_logits(self.forward_func(self.pixels(patch_ids)))
 

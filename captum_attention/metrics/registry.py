@@ -19,8 +19,8 @@ registered before the run is scored like the built-in ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,10 @@ class MetricContext:
         patches: for an image captioner, whose ``inputs`` are its pixels, how the context
             metrics remove its patches (:class:`~captum_attention.metrics.patches.PatchRemoval`);
             None: they remove a prompt's segments.
+        removal: how the token-removal metrics (comprehensiveness, sufficiency, the LDS)
+            remove a token: their ``removal`` and ``baseline_token_id``; empty: deleted. An
+            image classifier's patches are replaced
+            (:attr:`~captum_attention.metrics.ImagePatches.removal`).
     """
 
     model: nn.Module
@@ -53,6 +57,7 @@ class MetricContext:
     rationale: Tensor | None = None
     segments: Tensor | None = None
     patches: PatchRemoval | None = None
+    removal: Mapping[str, Any] = field(default_factory=dict)
 
     def included(self, mask: Tensor) -> Tensor:
         """``(batch, seq_len)`` bool: the real tokens a metric ranks (not padding, not kept)."""
@@ -161,7 +166,8 @@ def _comprehensiveness(
 ) -> Tensor:
     mask = additional_forward_args[0]
     pad_token_id = configured_pad_id(context.model)
-    return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id))
+    return aopc(comprehensiveness(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id,
+                                  **context.removal))
 
 
 @register_metric("sufficiency", "ERASER sufficiency: AOPC over keeping only the top 1/5/10/20/50% tokens", better="lower")
@@ -171,7 +177,8 @@ def _sufficiency(
 ) -> Tensor:
     mask = additional_forward_args[0]
     pad_token_id = configured_pad_id(context.model)
-    return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id))
+    return aopc(sufficiency(forward_func, inputs, mask, attributions, target, keep=context.keep, pad_token_id=pad_token_id,
+                            **context.removal))
 
 
 @register_metric(
@@ -185,7 +192,7 @@ def _datamodeling(
     mask = additional_forward_args[0]
     return datamodeling_score(
         forward_func, inputs, mask, attributions, target, keep=context.keep, per_example=True,
-        pad_token_id=configured_pad_id(context.model),
+        pad_token_id=configured_pad_id(context.model), **context.removal,
     )
 
 

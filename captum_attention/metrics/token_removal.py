@@ -632,6 +632,17 @@ def example_seeds(input_ids: Tensor, real: Tensor | None, seed: int | Tensor) ->
     return torch.tensor([zlib.crc32(_as_bytes(row), start) for row, start in zip(rows, starts)])
 
 
+def own_seeds(forward_func: Any, input_ids: Tensor, real: Tensor, seed: int) -> Tensor:
+    """``(B,)`` :func:`example_seeds` of the inputs' real tokens; where the ids stand for
+    images (``forward_func.example_inputs(ids)``:
+    :class:`~captum_attention.metrics.image_patches.GreyedPatches`), of each image's
+    pixels, which do not depend on the image's place in the batch as its ids do."""
+    example_inputs = getattr(forward_func, "example_inputs", None)
+    if callable(example_inputs):
+        return example_seeds(example_inputs(input_ids).flatten(1), None, seed)
+    return example_seeds(input_ids, real, seed)
+
+
 def _as_bytes(values: Tensor) -> bytes:
     """The values' bytes, integers as int64 and floats as float32 (bfloat16 has no NumPy type)."""
     values = values.detach().float() if values.is_floating_point() else values.long()
@@ -693,7 +704,7 @@ def calibrated_attribution(
         forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
     )
     remover.check_scores(prior)
-    kept = random_halves(remover.removable, num_ablations, seed, example_seeds(input_ids, remover.real, seed))
+    kept = random_halves(remover.removable, num_ablations, seed, own_seeds(forward_func, input_ids, remover.real, seed))
     probs = remover.kept_probs(kept).double().clamp(1e-12, 1 - 1e-12)
     outcomes = probs.log() - (-probs).log1p()
     scores = torch.zeros(prior.shape, dtype=torch.float64, device=kept.device)
@@ -910,8 +921,8 @@ def datamodeling_score(
         forward_func, input_ids, attention_mask, target, removal, baseline_token_id, keep, max_batch_size, pad_token_id
     )
     remover.check_scores(attributions)
-    own_seeds = example_seeds(input_ids, remover.real, seed) if per_example else None
-    kept = random_halves(remover.removable, num_ablations, seed, own_seeds)
+    seeds = own_seeds(forward_func, input_ids, remover.real, seed) if per_example else None
+    kept = random_halves(remover.removable, num_ablations, seed, seeds)
     scores = attributions.detach().double().to(kept.device).masked_fill(~remover.removable, 0.0)
     predicted = (kept.double() * scores[:, None]).sum(dim=-1)
     return spearman(predicted.cpu(), remover.kept_probs(kept).cpu())

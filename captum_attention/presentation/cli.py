@@ -119,12 +119,12 @@ def _parser() -> argparse.ArgumentParser:
                           "NLI model's hypothesis), optional label, optional rationale; "
                           "for a causal language model a .jsonl file: prompt (or segments), optional answer (and "
                           "image, for a vision-language model); for an image captioner (and BLIP's or GIT's captions, rows "
-                          "without a prompt): image, optional answer")
+                          "without a prompt): image, optional answer; for an image classifier: image, optional label")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
-    evaluate.add_argument("--model", type=Path, help="a local sequence-classification, causal, sequence-to-sequence, "
-                          "vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+    evaluate.add_argument("--model", type=Path, help="a local sequence-classification, image-classification, causal, "
+                          "sequence-to-sequence, vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
                           "downloaded (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
                           + ", ".join(name for name in evaluation_methods() if name not in METHODS)
@@ -545,8 +545,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     _check_languages(arguments, task)
     if task == "image-classification":
-        raise UsageError(f"{arguments.model} holds an image classifier: evaluate takes text classifiers and language models; "
-                         "explain --image explains one image's class")
+        _evaluate_images(arguments)
+        return
     if task == "image-to-text" or (task == "image-text-to-text" and captions_alone(arguments.model) and not holds_prompts(arguments.data)):
         _evaluate_captions(arguments)
         return
@@ -587,6 +587,34 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     )
     if state.is_main_process:
         _report_cut(examples, tokenizer, length_limit(model, tokenizer), arguments)
+    _merged(state, arguments, examples, metrics, options)
+
+
+def _evaluate_images(arguments: argparse.Namespace) -> None:
+    """``evaluate`` for an image classifier: each row's image explained for its predicted
+    class over the patches, and scored by the removal metrics with its patches greyed."""
+    from ..loading import load_image_classifier
+    from .evaluate import IMAGE_CLASS_METRICS, Options, check_image_request, evaluate_images, read_images
+
+    if arguments.chat or arguments.regions is not None:
+        raise UsageError("--chat and --regions are for a language model's prompts and answers; an image classifier reads an image")
+    _check_counts(arguments, "batch_size", "ig_steps")
+    examples, skipped = read_images(arguments.data, arguments.skip_malformed)
+    _report_skipped(arguments, skipped)
+    methods = _listed(arguments.methods, "methods") or list(METHODS)
+    metrics = _listed(arguments.metrics, "metrics") or list(IMAGE_CLASS_METRICS)
+    check_image_request(methods, metrics)
+    state = _evaluation_state(arguments)
+    model, processor = load_image_classifier(arguments.model)
+    if state.is_main_process:
+        _note_uniform_head_weights(model, methods)
+    model.to(state.device)
+    examples = _labelled(examples, model.config.id2label, arguments)
+    options = Options(batch_size=arguments.batch_size, ig_steps=arguments.ig_steps)
+    evaluate_images(
+        model, processor, examples, methods, metrics, arguments.output, options, state.process_index, state.num_processes,
+        _progress(state, "batches", "batch"), _resuming(state, arguments, "batches"),
+    )
     _merged(state, arguments, examples, metrics, options)
 
 

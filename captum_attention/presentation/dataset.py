@@ -96,10 +96,10 @@ def _jsonl_rows(text: str) -> Iterable[tuple[int, Any]]:
             yield line, DatasetError(f"not JSON ({error.msg})")
 
 
-def _csv_rows(text: str) -> Iterable[tuple[int, Any]]:
+def _csv_rows(text: str, column: str = "text") -> Iterable[tuple[int, Any]]:
     reader = csv.DictReader(text.splitlines())
-    if reader.fieldnames is None or "text" not in reader.fieldnames:
-        raise DatasetError("the CSV file needs a header row with a 'text' column")
+    if reader.fieldnames is None or column not in reader.fieldnames:
+        raise DatasetError(f"the CSV file needs a header row with a '{column}' column")
     for row in reader:
         rationale = row.get("rationale")
         yield reader.line_num, {**row, "rationale": rationale.split() if rationale else None}
@@ -121,19 +121,62 @@ def _example(index: int, line: int, row: Any) -> Example:
     for name, value in (("text", text), ("text_pair", text_pair or "")):
         if has_surrogates(value):
             raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
-    label = row.get("label")
-    if label in (None, ""):
-        label = None
-    elif isinstance(label, float) and label.is_integer():  # 1.0, as pandas writes an int column with gaps
-        label = int(label)
-    elif isinstance(label, bool) or not isinstance(label, (int, str)):
-        raise DatasetError(f"'label' must be a class index or a label's name, got {label!r}")
-    elif isinstance(label, str) and label.strip().lstrip("-").isdigit():
-        label = int(label)
+    label = _label(row)
     rationale = row.get("rationale")
     if rationale is not None and (not isinstance(rationale, list) or not all(isinstance(w, str) for w in rationale)):
         raise DatasetError("'rationale' must be a list of words")
     return Example(index, line, text, label, None if rationale is None else tuple(rationale), text_pair)
+
+
+def _label(row: dict[str, Any]) -> int | str | None:
+    """A row's ``label``: a class index, a label's name (kept as a string), or None."""
+    label = row.get("label")
+    if label in (None, ""):
+        return None
+    if isinstance(label, float) and label.is_integer():  # 1.0, as pandas writes an int column with gaps
+        return int(label)
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise DatasetError(f"'label' must be a class index or a label's name, got {label!r}")
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        return int(label)
+    return label
+
+
+@dataclass(frozen=True)
+class ImageExample:
+    """One row of an image classifier's data set: its position, its line, the image file
+    (resolved against the data file's folder), the SHA-256 of its bytes (two runs on other
+    images are not the same run), and optionally its label."""
+
+    index: int
+    line: int
+    image: str
+    image_sha256: str
+    label: int | str | None = None
+
+
+def read_images(path: str | Path, skip_malformed: bool = False) -> tuple[list[ImageExample], list[str]]:
+    """The examples of an image classifier's JSONL or CSV file (by its suffix), and the
+    problems skipped: each row has ``image`` (a path, relative to the data file's folder or
+    absolute) and optionally ``label`` (a class index, or the name of one of the model's
+    labels). Malformed rows as :func:`read_dataset`'s."""
+    path = Path(path)
+    text = _text(path, (".jsonl", ".csv"), "give a .jsonl or .csv file (one image per row)")
+    rows = _jsonl_rows(text) if path.suffix.lower() == ".jsonl" else _csv_rows(text, "image")
+    folder = path.parent
+
+    def example(index: int, line: int, row: Any) -> ImageExample:
+        if isinstance(row, DatasetError):
+            raise row
+        if not isinstance(row, dict) or row.get("image") in (None, ""):
+            raise DatasetError("a row must be an object with an 'image' field (the image to classify)")
+        if row.get("text") not in (None, ""):
+            raise DatasetError("an image classifier reads no text: leave 'text' out")
+        image, digest = _image_file(row["image"], folder)
+        assert image is not None and digest is not None  # given
+        return ImageExample(index, line, image, digest, _label(row))
+
+    return _examples(path, rows, example, skip_malformed)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..attr import METHODS
 from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
-from ..capture.inputs import forced_first_token
+from ..capture.inputs import forced_first_token, output_logits
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
 from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion
@@ -38,7 +38,8 @@ from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
-from .dataset import AnswerExample, DatasetError, Example, batches, read_answers, read_dataset, write_atomically
+from .answer import grey_pixels, processed_pixels
+from .dataset import AnswerExample, DatasetError, Example, ImageExample, batches, read_answers, read_dataset, read_images, write_atomically
 from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
@@ -48,12 +49,14 @@ from .explain import (
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .html import IMAGE_METRIC_PREFIX
+from .image_class import check_image_class_methods, image_class_method_names, image_integrated_gradients
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "Options", "OtherRunError", "ROWS_VERSION",
-    "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics", "image_metric_names",
-    "batches", "check_request", "evaluate", "evaluate_answers", "evaluate_captions", "evaluation_methods", "merge", "read_answers", "run_manifest",
+    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "IMAGE_CLASS_METRICS", "ImageExample", "Options", "OtherRunError",
+    "ROWS_VERSION", "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics",
+    "image_metric_names", "batches", "check_image_request", "check_request", "evaluate", "evaluate_answers",
+    "evaluate_captions", "evaluate_images", "evaluation_methods", "merge", "read_answers", "read_images", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
 
@@ -423,6 +426,109 @@ def _evaluate_batch(
     return rows
 
 
+IMAGE_CLASS_METRICS = ("comprehensiveness", "sufficiency", "datamodeling")
+"""The classification metrics that score an image classifier's patches
+(:func:`~captum_attention.metrics.image_patches`): those that remove features. The others
+erase the attention paid to tokens or compare with rationale words."""
+
+
+def check_image_request(methods: Sequence[str], metrics: Sequence[str]) -> None:
+    """A clear error for a method or metric that cannot explain or score an image
+    classifier's patches, or an unknown one."""
+    check_image_class_methods(methods)
+    check_names("method", methods, image_class_method_names())
+    unavailable = [m for m in metrics if m in METRIC_REGISTRY and m not in IMAGE_CLASS_METRICS]
+    if unavailable:
+        raise ValueError(f"{', '.join(unavailable)}: not over an image's patches (they erase the attention paid to tokens or "
+                         f"compare with rationale words); choose --metrics among {', '.join(IMAGE_CLASS_METRICS)}")
+    check_names("metric", metrics, IMAGE_CLASS_METRICS)
+
+
+def evaluate_images(
+    model: Any,
+    image_processor: Any,
+    examples: Sequence[ImageExample],
+    methods: Sequence[str],
+    metrics: Sequence[str],
+    output: str | Path,
+    options: Options | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+) -> int:
+    """:func:`evaluate` for an image classifier (ViT, DeiT, Swin, ...): each batch of
+    ``options.batch_size`` rows' images explained for the predicted class by every method on
+    the patch grid (``attribute(pixel_values, target=...)``; Integrated Gradients on the
+    pixels, summed per patch) and scored by the metrics of :data:`IMAGE_CLASS_METRICS` over
+    the patches, a removed patch's pixels taken from a uniform grey image through the same
+    ``image_processor`` (:func:`~captum_attention.metrics.image_patches`). Rows, resuming and
+    processes as :func:`evaluate`'s."""
+    options = options or Options()
+    check_image_request(methods, metrics)
+    check_class_probabilities(model, "; explain it with explain")
+    explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
+    units = [list(examples[start : start + options.batch_size]) for start in range(0, len(examples), options.batch_size)]
+    return _sharded(
+        Path(output), run_manifest(model, examples, methods, metrics, options), units,
+        lambda batch: _evaluate_image_batch(model, image_processor, batch, methods, explainers, metrics, options),
+        process_index, num_processes, progress, on_resume,
+    )
+
+
+def _evaluate_image_batch(
+    model: Any, image_processor: Any, batch: list[ImageExample], methods: Sequence[str], explainers: dict[str, Any],
+    metrics: Sequence[str], options: Options,
+) -> list[dict[str, Any]]:
+    from PIL import Image
+
+    from ..metrics import image_patches
+
+    pictures = []
+    for example in batch:
+        with Image.open(example.image) as picture:
+            pictures.append(picture.convert("RGB"))
+    pixels = processed_pixels(model, image_processor, pictures)
+    greys = torch.cat([grey_pixels(model, image_processor, picture.size) for picture in pictures])
+    with torch.no_grad():
+        logits = output_logits(model(pixel_values=pixels))
+    probabilities, predicted = class_outputs(model.config, logits), logits.argmax(dim=-1)
+    rows = []
+    for name in methods:
+        if name == INTEGRATED_GRADIENTS:
+            grids = image_integrated_gradients(model, pixels, greys, predicted, options.ig_steps)
+        else:
+            grids = explainers[name].attribute(pixels, target=predicted).detach()
+        scores = grids.flatten(1).float()
+        values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
+        for same_grey in _same_rows(greys):  # a removed patch takes its own image's grey
+            patches = image_patches(model, pixels[same_grey], greys[same_grey[:1]], grids.shape[1:])
+            context = MetricContext(model, torch.zeros_like(patches.input_ids, dtype=torch.bool), removal=patches.removal)
+            for metric in metrics:
+                values[metric][same_grey] = METRIC_REGISTRY[metric].function(
+                    patches.forward_func, patches.input_ids, scores[same_grey], (patches.attention_mask,), predicted[same_grey], context,
+                ).float().cpu()
+        for row, example in enumerate(batch):
+            rows.append({
+                "index": example.index, "line": example.line, "method": name, "label": example.label,
+                "predicted": int(predicted[row]), "probability": float(probabilities[row, predicted[row]]),
+                **{metric: _number(value[row]) for metric, value in values.items()},
+            })
+    return rows
+
+
+def _same_rows(images: Tensor) -> list[Tensor]:
+    """The indices of ``images`` ``(B, ...)`` that are equal, grouped, in order of first appearance."""
+    groups: list[list[int]] = []
+    for index in range(len(images)):
+        group = next((g for g in groups if torch.equal(images[g[0]], images[index])), None)
+        if group is None:
+            groups.append([index])
+        else:
+            group.append(index)
+    return [torch.tensor(group, device=images.device) for group in groups]
+
+
 def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
     """``(batch, seq_len)`` bool: tokens of the words named in each example's rationale
     (compared case-insensitively, word by word as the tokenizer splits them), in either
@@ -580,7 +686,7 @@ def _image_removal(model: Any, processor: Any, example: AnswerExample, ids: Tens
     grid of tokens does not tile its pixels."""
     from PIL import Image
 
-    from .answer import grey_pixels, prompt_token_inputs, single_image_pixels
+    from .answer import prompt_token_inputs, single_image_pixels
 
     pixels = single_image_pixels(model, images, ids.shape[1])
     if pixels is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -14,8 +14,8 @@ from ..attr._images import grid_follows_image
 from ..capture.inputs import output_logits
 from .answer import grey_image_warning, grey_pixels, processed_pixels
 from .explain import (
-    CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods, class_outputs,
-    default_method_names, registered_method,
+    CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods,
+    class_outputs, default_method_names, registered_method,
 )
 
 
@@ -53,14 +53,21 @@ class ImageClassExplanation:
     warnings: list[str] = field(default_factory=list)
 
 
-def check_image_class_methods(names: list[str]) -> None:
+def image_class_method_names() -> list[str]:
+    """The methods that explain an image classifier's class: the registered methods that
+    explain a classifier's logit, and Integrated Gradients on the pixels."""
+    return [*(name for name, cls in REGISTRY.items() if cls.spec.classifiers), INTEGRATED_GRADIENTS]
+
+
+def check_image_class_methods(names: Sequence[str]) -> None:
     """A one-line ``ValueError`` where a method of ``names`` explains text alone: AttnLRP
     at a presence and its refinements (the presence of words), and the estimates of a
     language model's answers; the others as :func:`check_methods` checks a classifier's."""
     textual = [name for name in names if name in (PRESENCE, *CLASSIFIERS_ONLY, *ESTIMATES_OF_ANSWERS)]
     if textual:
-        available = [name for name in (*REGISTRY, INTEGRATED_GRADIENTS) if REGISTRY.get(name) is None or REGISTRY[name].spec.classifiers]
-        raise ValueError(f"{', '.join(textual)} explain text, not an image's patches; choose --methods among {', '.join(available)}")
+        raise ValueError(
+            f"{', '.join(textual)} explain text, not an image's patches; choose --methods among {', '.join(image_class_method_names())}"
+        )
     check_methods(names, answers=False)
 
 
@@ -93,7 +100,9 @@ def explain_image_class(
     for name in chosen:
         start = time.perf_counter()
         if name == INTEGRATED_GRADIENTS:
-            grid, info, display = _integrated_gradients(model, pixels, grey, label, ig_steps), SIGNED, "Integrated Gradients"
+            assert grey is not None  # made where Integrated Gradients is chosen
+            grid = image_integrated_gradients(model, pixels, grey, torch.tensor([label]), ig_steps)[0]
+            info, display = SIGNED, "Integrated Gradients"
         else:
             explainer = registered_method(name, model)
             grid, info, display = explainer.attribute(pixels, target=label)[0], MethodInfo.of(explainer), explainer.get_name()
@@ -105,13 +114,24 @@ def explain_image_class(
     return explanation
 
 
-def _integrated_gradients(model: Any, pixels: torch.Tensor, grey: Any, label: int, steps: int) -> torch.Tensor:
-    """``(rows, columns)``: Captum's ``IntegratedGradients`` of the ``label``'s logit on
-    the ``pixels`` against the ``grey`` ones, summed per patch."""
+def image_integrated_gradients(
+    model: Any, pixels: torch.Tensor, grey: torch.Tensor, labels: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """``(B, rows, columns)``: Captum's ``IntegratedGradients`` of each image's ``labels``
+    logit on its ``pixels`` ``(B, channels, height, width)`` against the ``grey`` ones (one
+    image, or one per image), ``steps`` steps, summed per patch
+    (:func:`~captum_attention.pixel_scores`); at most :data:`IG_TOKENS_PER_BATCH` patch
+    tokens a forward."""
     from captum.attr import IntegratedGradients
 
     def logits(images: torch.Tensor) -> torch.Tensor:
         return output_logits(model(pixel_values=images))
 
-    gradients = IntegratedGradients(logits).attribute(pixels, baselines=grey, target=label, n_steps=steps)
-    return pixel_scores(model, gradients.detach())[0]
+    patch = getattr(model.config, "patch_size", None)
+    tokens = pixels.shape[-2] * pixels.shape[-1] // (patch if isinstance(patch, int) else 16) ** 2 + 1
+    per_batch = max(1, min(steps * len(pixels), IG_TOKENS_PER_BATCH // tokens))
+    gradients = IntegratedGradients(logits).attribute(
+        pixels, baselines=grey.to(pixels.device, pixels.dtype).expand_as(pixels), target=labels.to(pixels.device), n_steps=steps,
+        internal_batch_size=per_batch,
+    )
+    return torch.stack(pixel_scores(model, gradients.detach()))
