@@ -501,12 +501,13 @@ def _evaluate_image_batch(
             grids = explainers[name].attribute(pixels, target=predicted).detach()
         scores = grids.flatten(1).float()
         values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
-        for same_grey in _same_rows(greys):  # a removed patch takes its own image's grey
-            patches = image_patches(model, pixels[same_grey], greys[same_grey[:1]], grids.shape[1:])
+        for group in _same_rows(greys):  # a removed patch takes its own image's grey
+            picked = group.to(pixels.device)
+            patches = image_patches(model, pixels[picked], greys[picked[:1]], grids.shape[1:])
             context = MetricContext(model, torch.zeros_like(patches.input_ids, dtype=torch.bool), removal=patches.removal)
             for metric in metrics:
-                values[metric][same_grey] = METRIC_REGISTRY[metric].function(
-                    patches.forward_func, patches.input_ids, scores[same_grey], (patches.attention_mask,), predicted[same_grey], context,
+                values[metric][group] = METRIC_REGISTRY[metric].function(
+                    patches.forward_func, patches.input_ids, scores[picked], (patches.attention_mask,), predicted[picked], context,
                 ).float().cpu()
         for row, example in enumerate(batch):
             rows.append({
@@ -518,7 +519,8 @@ def _evaluate_image_batch(
 
 
 def _same_rows(images: Tensor) -> list[Tensor]:
-    """The indices of ``images`` ``(B, ...)`` that are equal, grouped, in order of first appearance."""
+    """The indices of ``images`` ``(B, ...)`` that are equal, grouped, in order of first
+    appearance; on the CPU."""
     groups: list[list[int]] = []
     for index in range(len(images)):
         group = next((g for g in groups if torch.equal(images[g[0]], images[index])), None)
@@ -526,7 +528,7 @@ def _same_rows(images: Tensor) -> list[Tensor]:
             groups.append([index])
         else:
             group.append(index)
-    return [torch.tensor(group, device=images.device) for group in groups]
+    return [torch.tensor(group) for group in groups]
 
 
 def _rationale_tokens(encoded: Any, batch: list[Example]) -> Tensor:
