@@ -210,3 +210,22 @@ def test_evaluate_scores_an_image_classifiers_patches_as_the_metrics_do_directly
             assert row[metric] == pytest.approx(float(value[0]), abs=2e-4), (row["method"], metric)
     assert main(command) == 0
     assert "resuming: 2 of 2 batches already done" in capsys.readouterr().out
+
+
+def test_a_convolutional_classifier_is_refused_by_the_attention_methods_and_explained_by_integrated_gradients(tmp_path, capsys):
+    """ResNet's, ConvNeXt's: no attention to read; the error says what the command line can do."""
+    labels = {0: "a", 1: "b"}
+    folder = tmp_path / "convnext"
+    config = tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32, num_labels=2, id2label=labels,
+                               label2id={v: k for k, v in labels.items()})
+    torch.manual_seed(0)
+    tf.ConvNextForImageClassification(config).eval().save_pretrained(folder)
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    image = _image(tmp_path)
+    capsys.readouterr()
+    assert main(["explain", "--model", str(folder), "--image", str(image), "--methods", "rollout"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("captum-attention: error: No attention maps found in ConvNextForImageClassification") and error.endswith(
+        "From the command line, --methods integrated_gradients explains it without attention.") and error.count("\n") == 0
+    assert main(["explain", "--model", str(folder), "--image", str(image), "--methods", "integrated_gradients", "--ig-steps", "2"]) == 0
+    assert "Integrated Gradients (" in capsys.readouterr().out

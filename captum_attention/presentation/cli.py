@@ -1045,6 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from ..capture import AttentionNotFoundError
     from ..loading import CheckpointError
 
     try:
@@ -1057,7 +1058,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _train(arguments)
     except (UsageError, CheckpointError, ValueError, RuntimeError) as error:
-        print(terminal_safe(f"captum-attention: error: {error}"), file=sys.stderr)
+        hint = " From the command line, --methods integrated_gradients explains it without attention." if isinstance(
+            error, AttentionNotFoundError) else ""
+        print(terminal_safe(f"captum-attention: error: {error}{hint}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback
         from .evaluate import ResumableInterrupt
