@@ -415,6 +415,17 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
+def _check_image_alone(arguments: argparse.Namespace, model: str, target: str) -> None:
+    """A one-line error where a ``model`` that reads an image alone is given text, or no
+    ``--image`` file; ``target``: what ``--target`` explains then."""
+    if arguments.sentences or arguments.file is not None:
+        raise UsageError(f"{arguments.model} holds {model}: give only --image (and --target to explain {target})")
+    if arguments.image is None:
+        raise UsageError(f"{arguments.model} holds {model.split(',')[0]}: give the image with --image")
+    if not arguments.image.is_file():
+        raise UsageError(f"--image {arguments.image}: no such file")
+
+
 def _explain_caption(arguments: argparse.Namespace) -> None:
     """``explain`` for an image captioner (an image encoder before a text decoder): the
     caption of ``--image``, each method's scores of the image's patches, summed and on
@@ -422,13 +433,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     from ..loading import load_captioner
     from .answer import explain_caption
 
-    if arguments.sentences or arguments.file is not None:
-        raise UsageError(f"{arguments.model} holds an image captioner, which reads no prompt: give only --image "
-                         "(and --target to explain a caption of your own)")
-    if arguments.image is None:
-        raise UsageError(f"{arguments.model} holds an image captioner: give the image with --image")
-    if not arguments.image.is_file():
-        raise UsageError(f"--image {arguments.image}: no such file")
+    _check_image_alone(arguments, "an image captioner, which reads no prompt", "a caption of your own")
     if arguments.skip is not None or arguments.chat:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
     _check_counts(arguments, "max_new_tokens", "ig_steps")
@@ -453,13 +458,7 @@ def _explain_image_class(arguments: argparse.Namespace) -> None:
     from .explain import resolve_target
     from .image_class import check_image_class_methods, explain_image_class
 
-    if arguments.sentences or arguments.file is not None:
-        raise UsageError(f"{arguments.model} holds an image classifier, which reads no text: give only --image (and --target "
-                         "to explain another class)")
-    if arguments.image is None:
-        raise UsageError(f"{arguments.model} holds an image classifier: give the image with --image")
-    if not arguments.image.is_file():
-        raise UsageError(f"--image {arguments.image}: no such file")
+    _check_image_alone(arguments, "an image classifier, which reads no text", "another class")
     textual = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip", "pair_separator") if getattr(arguments, option)]
     if textual:
         raise UsageError(f"{', '.join(textual)}: for text; an image classifier reads an image alone")

@@ -91,15 +91,22 @@ def _meaning(
     return f"green: support for {explained} (never negative)"
 
 
+def _page_head(style: str, title: str = "captum-attention report") -> list[str]:
+    """A report page's first lines: its head with ``style``, and its ``title`` as the heading."""
+    return [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title>",
+        f"<style>{style}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+    ]
+
+
 def render_html(explanations: Explanations, model_name: str) -> str:
     """The report page: per sentence the prediction and a coloured token row per method."""
     count = len(explanations.sentences)
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>captum-attention report</title>",
-        f"<style>{_STYLE}</style></head><body>",
-        "<h1>captum-attention report</h1>",
+        *_page_head(_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>. Wall times are for the whole batch of "
         f"{count} sentence{'s' if count != 1 else ''}.</p>",
         "<p class=\"legend\">Colour strength is relative to the largest score of the row's words; "
@@ -260,11 +267,7 @@ def render_answer_html(explanation: AnswerExplanation, model_name: str) -> str:
     whole answer and, where computed, a heat matrix of answer tokens × prompt tokens."""
     how = "generated (greedy)" if explanation.generated else "given"
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>captum-attention report</title>",
-        f"<style>{_STYLE}{_MATRIX_STYLE}</style></head><body>",
-        "<h1>captum-attention report</h1>",
+        *_page_head(_STYLE + _MATRIX_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>. Prompt: {count(len(explanation.prompt_tokens), 'token')}"
         + (f" explained, {len(explanation.skipped)} skipped" if explanation.skipped else "") + ".</p>",
         f"<p>Answer ({how}, {count(len(explanation.answer_tokens), 'token')}): "
@@ -317,11 +320,7 @@ def render_image_class_html(explanation: ImageClassExplanation, model_name: str)
     how = "given" if explanation.given else "predicted"
     predicted = f" (predicted: <b>{escape(explanation.predicted)}</b>)" if explanation.given else ""
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>captum-attention report</title>",
-        f"<style>{_STYLE}</style></head><body>",
-        "<h1>captum-attention report</h1>",
+        *_page_head(_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>. Image: <code>{escape(explanation.image)}</code>.</p>",
         f"<p>Class ({how}): <b>{escape(explanation.label)}</b>, {explanation.reads} {explanation.probability:.3f}{predicted}</p>",
         *(f'<p class="note">Warning: {escape(warning)}.</p>' for warning in explanation.warnings),
@@ -445,11 +444,7 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
     arrows = {"higher": " ↑", "lower": " ↓", None: ""}
     header = "".join(f"<th>{escape(metric)}{arrows[better[metric]]}</th>" for metric in metrics)
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>captum-attention evaluation</title>",
-        f"<style>{_STYLE}{_EVALUATION_STYLE}</style></head><body>",
-        "<h1>captum-attention evaluation</h1>",
+        *_page_head(_STYLE + _EVALUATION_STYLE, "captum-attention evaluation"),
         f"<p><code>{escape(title)}</code>: {len({row['index'] for row in rows})} examples, "
         f"{len(methods)} methods. ↑: higher is better, ↓: lower is better.</p>",
         "<section><h2>Summary</h2>",
