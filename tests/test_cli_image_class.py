@@ -229,3 +229,19 @@ def test_a_convolutional_classifier_is_refused_by_the_attention_methods_and_expl
         "From the command line, --methods integrated_gradients explains it without attention.") and error.count("\n") == 0
     assert main(["explain", "--model", str(folder), "--image", str(image), "--methods", "integrated_gradients", "--ig-steps", "2"]) == 0
     assert "Integrated Gradients (" in capsys.readouterr().out
+
+
+def test_a_class_is_named_as_imagenets_labels_name_it_and_a_wrong_name_gets_the_closest(tmp_path, capsys):
+    """ImageNet's labels name a class several ways ("tabby, tabby cat"): any one names it;
+    of a thousand labels, an error names the closest, not all."""
+    from captum_attention.presentation.explain import resolve_target
+
+    labels = {i: f"class {i}" for i in range(1000)} | {281: "tabby, tabby cat", 282: "tiger cat", 285: "Egyptian cat"}
+    assert resolve_target("tabby cat", labels) == resolve_target("Tabby", labels) == resolve_target("tabby, tabby cat", labels) == 281
+    assert resolve_target("tiger cat", labels) == 282 and resolve_target("7", labels) == 7
+    with pytest.raises(ValueError) as error:
+        resolve_target("egyptian kat", labels)
+    assert str(error.value).startswith("target 'egyptian kat' is not a label of this model (1000 labels; the closest: 285=Egyptian cat")
+    two = {0: "cat, feline", 1: "cat, tiger"}  # "cat" names both: neither is chosen
+    with pytest.raises(ValueError, match=r"target 'cat' is not a label of this model \(labels: 0=cat, feline, 1=cat, tiger\)"):
+        resolve_target("cat", two)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,18 +131,38 @@ class Explanations:
     methods: dict[str, MethodInfo] = field(default_factory=dict)
 
 
+LISTED_LABELS = 20
+"""An error lists a model's labels where it has at most this many, else the closest ones."""
+
+
 def resolve_target(target: str | None, id2label: dict[int, str], name: str = "target") -> int | None:
     """``--target`` (a row's label, ``name``) as a class index: an index or a label name, in
-    any case; None keeps the prediction."""
+    any case, or one of the comma-separated names of exactly one label (ImageNet's 281 is
+    "tabby, tabby cat": "tabby cat" names it); None keeps the prediction."""
     if target is None:
         return None
-    by_name = {label.lower(): index for index, label in id2label.items()}
     text = target.strip()
-    index = int(text) if text.lstrip("-").isdigit() else by_name.get(text.lower(), -1)
+    if text.lstrip("-").isdigit():
+        index = int(text)
+    else:
+        named = [i for i, label in id2label.items() if text.lower() == label.lower()] or [
+            i for i, label in id2label.items() if text.lower() in (part.strip().lower() for part in label.split(","))
+        ]
+        index = named[0] if len(named) == 1 else -1
     if index not in id2label:
-        labels = ", ".join(f"{i}={label}" for i, label in sorted(id2label.items()))
-        raise ValueError(f"{name} {target!r} is not a label of this model (labels: {labels})")
+        raise ValueError(f"{name} {target!r} is not a label of this model ({_labels_near(text, id2label)})")
     return index
+
+
+def _labels_near(text: str, id2label: dict[int, str]) -> str:
+    """The model's labels, or where it has more than :data:`LISTED_LABELS`, how many and
+    those closest to ``text``."""
+    if len(id2label) <= LISTED_LABELS:
+        return "labels: " + ", ".join(f"{i}={label}" for i, label in sorted(id2label.items()))
+    by_name = {label.lower(): index for index, label in id2label.items()}
+    close = difflib.get_close_matches(text.lower(), list(by_name), n=5, cutoff=0.4)
+    closest = f"; the closest: {', '.join(f'{by_name[label]}={id2label[by_name[label]]}' for label in close)}" if close else ""
+    return f"{len(id2label)} labels{closest}"
 
 
 @dataclass
