@@ -467,12 +467,13 @@ def _preprocessor(preprocessor_class: Any, folder: Path) -> Any:
     that says to save one there where the folder holds none (a model saved alone): where
     transformers fails for want of the files, and where it builds a tokenizer of special
     tokens alone (BERT's), which reads every word as its unknown token."""
+    images = preprocessor_class.__name__ == "AutoImageProcessor"
     try:
         preprocessor = preprocessor_class.from_pretrained(folder, **_OPTIONS)
     except (OSError, ValueError) as error:
-        if _has_preprocessor(folder):
+        if (folder / IMAGE_PROCESSOR_FILE).is_file() if images else _has_preprocessor(folder):
             raise
-        raise CheckpointError(_no_tokenizer(folder)) from error
+        raise CheckpointError(_no_image_processor(folder) if images else _no_tokenizer(folder)) from error
     if _special_tokens_alone(getattr(preprocessor, "tokenizer", preprocessor)):
         raise CheckpointError(_no_tokenizer(folder))
     return preprocessor
@@ -484,6 +485,17 @@ def _special_tokens_alone(tokenizer: Any) -> bool:
         return set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens)
     except (AttributeError, NotImplementedError):  # an image processor; a tokenizer that lists no vocabulary
         return False
+
+
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+"""The file transformers saves an image processor in."""
+
+
+def _no_image_processor(folder: Path) -> str:
+    return (
+        f"{folder} holds no image processor (no {IMAGE_PROCESSOR_FILE}): save the model's image processor beside it "
+        f"(image_processor.save_pretrained({str(folder)!r}))."
+    )
 
 
 def _no_tokenizer(folder: Path) -> str:

@@ -245,3 +245,14 @@ def test_a_class_is_named_as_imagenets_labels_name_it_and_a_wrong_name_gets_the_
     two = {0: "cat, feline", 1: "cat, tiger"}  # "cat" names both: neither is chosen
     with pytest.raises(ValueError, match=r"target 'cat' is not a label of this model \(labels: 0=cat, feline, 1=cat, tiger\)"):
         resolve_target("cat", two)
+
+
+def test_a_checkpoint_saved_without_its_image_processor_is_told_to_save_it(tmp_path, capsys):
+    folder = tmp_path / "alone"
+    _classifier("vit").save_pretrained(folder)
+    capsys.readouterr()
+    assert main(["explain", "--model", str(folder), "--image", str(_image(tmp_path)), "--methods", "raw"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"captum-attention: error: {folder} holds no image processor (no preprocessor_config.json): save the model's image "
+        f"processor beside it (image_processor.save_pretrained({str(folder)!r}))."
+    )

@@ -85,7 +85,8 @@ def explain_image_class(
 
     chosen = methods or default_method_names()
     check_image_class_methods(chosen)
-    image = Image.open(image_path).convert("RGB")
+    with Image.open(image_path) as picture:
+        image = picture.convert("RGB")
     pixels = processed_pixels(model, image_processor, image)
     with torch.no_grad():
         outputs = class_outputs(model.config, output_logits(model(pixel_values=pixels)))[0]
@@ -93,9 +94,10 @@ def explain_image_class(
     label = predicted if target is None else target
     names = model.config.id2label
     grey = grey_pixels(model, image_processor, image.size) if INTEGRATED_GRADIENTS in chosen else None
+    reads = "score" if getattr(model.config, "problem_type", None) == "regression" else "p"
     explanation = ImageClassExplanation(
-        image=str(image_path), label=names[label], predicted=names[predicted], probability=float(outputs[label]),
-        reads="score" if getattr(model.config, "problem_type", None) == "regression" else "p", given=target is not None, warnings=grey_image_warning(pixels, grey),
+        image=str(image_path), label=names[label], predicted=names[predicted], probability=float(outputs[label]), reads=reads,
+        given=target is not None, warnings=grey_image_warning(pixels, grey),
     )
     for name in chosen:
         start = time.perf_counter()
