@@ -33,7 +33,7 @@ from ..capture.identity import is_offloaded, weights_digest
 from ..capture.inputs import forced_first_token, output_logits
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion
+from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion, image_patches
 from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
@@ -417,13 +417,23 @@ def _evaluate_batch(
     for name, explain in explainers.items():
         scores = explain(ids, mask, predicted, texts).float().masked_fill(mask == 0, 0.0)
         values = {m: METRIC_REGISTRY[m].function(forward, ids, scores, (mask,), predicted, context) for m in metrics}
-        for row, example in enumerate(batch):
-            rows.append({
-                "index": example.index, "line": example.line, "method": name, "label": example.label,
-                "predicted": int(predicted[row]), "probability": float(probabilities[row, predicted[row]]),
-                **{metric: _number(value[row]) for metric, value in values.items()},
-            })
+        rows += _class_rows(batch, name, predicted, probabilities, values)
     return rows
+
+
+def _class_rows(
+    batch: Sequence[Example | ImageExample], method: str, predicted: Tensor, probabilities: Tensor, values: dict[str, Tensor]
+) -> list[dict[str, Any]]:
+    """A classifier's rows of one method for a batch: each example's label, the predicted
+    class and its probability, and each metric's ``values`` ``(batch,)``."""
+    return [
+        {
+            "index": example.index, "line": example.line, "method": method, "label": example.label,
+            "predicted": int(predicted[row]), "probability": float(probabilities[row, predicted[row]]),
+            **{metric: _number(value[row]) for metric, value in values.items()},
+        }
+        for row, example in enumerate(batch)
+    ]
 
 
 IMAGE_CLASS_METRICS = ("comprehensiveness", "sufficiency", "datamodeling")
@@ -482,8 +492,6 @@ def _evaluate_image_batch(
 ) -> list[dict[str, Any]]:
     from PIL import Image
 
-    from ..metrics import image_patches
-
     pictures = []
     for example in batch:
         with Image.open(example.image) as picture:
@@ -509,12 +517,7 @@ def _evaluate_image_batch(
                 values[metric][group] = METRIC_REGISTRY[metric].function(
                     patches.forward_func, patches.input_ids, scores[picked], (patches.attention_mask,), predicted[picked], context,
                 ).float().cpu()
-        for row, example in enumerate(batch):
-            rows.append({
-                "index": example.index, "line": example.line, "method": name, "label": example.label,
-                "predicted": int(predicted[row]), "probability": float(probabilities[row, predicted[row]]),
-                **{metric: _number(value[row]) for metric, value in values.items()},
-            })
+        rows += _class_rows(batch, name, predicted, probabilities, values)
     return rows
 
 
