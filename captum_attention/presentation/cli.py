@@ -415,13 +415,14 @@ def _explain_image_answer(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
-def _check_image_alone(arguments: argparse.Namespace, model: str, target: str) -> None:
-    """A one-line error where a ``model`` that reads an image alone is given text, or no
-    ``--image`` file; ``target``: what ``--target`` explains then."""
+def _check_image_alone(arguments: argparse.Namespace, kind: str, unread: str, target: str) -> None:
+    """A one-line error where a model of ``kind`` that reads an image alone (no ``unread``)
+    is given text, or no ``--image`` file; ``target``: what ``--target`` explains then."""
     if arguments.sentences or arguments.file is not None:
-        raise UsageError(f"{arguments.model} holds {model}: give only --image (and --target to explain {target})")
+        raise UsageError(f"{arguments.model} holds {kind}, which reads no {unread}: give only --image (and --target to "
+                         f"explain {target})")
     if arguments.image is None:
-        raise UsageError(f"{arguments.model} holds {model.split(',')[0]}: give the image with --image")
+        raise UsageError(f"{arguments.model} holds {kind}: give the image with --image")
     if not arguments.image.is_file():
         raise UsageError(f"--image {arguments.image}: no such file")
 
@@ -433,7 +434,7 @@ def _explain_caption(arguments: argparse.Namespace) -> None:
     from ..loading import load_captioner
     from .answer import explain_caption
 
-    _check_image_alone(arguments, "an image captioner, which reads no prompt", "a caption of your own")
+    _check_image_alone(arguments, "an image captioner", "prompt", "a caption of your own")
     if arguments.skip is not None or arguments.chat:
         raise UsageError("--skip and --chat are for a prompt; an image captioner reads none")
     _check_counts(arguments, "max_new_tokens", "ig_steps")
@@ -458,7 +459,7 @@ def _explain_image_class(arguments: argparse.Namespace) -> None:
     from .explain import resolve_target
     from .image_class import check_image_class_methods, explain_image_class
 
-    _check_image_alone(arguments, "an image classifier, which reads no text", "another class")
+    _check_image_alone(arguments, "an image classifier", "text", "another class")
     textual = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip", "pair_separator") if getattr(arguments, option)]
     if textual:
         raise UsageError(f"{', '.join(textual)}: for text; an image classifier reads an image alone")
