@@ -88,8 +88,11 @@ def test_a_row_of_every_patch_removed_is_the_grey_image(vit):
 def test_what_the_patches_cannot_be_is_refused_in_one_line(vit):
     patches = image_patches(vit, PIXELS, GREY, GRID)
     assert isinstance(patches, ImagePatches)
-    with pytest.raises(ValueError, match=r"must replace removed patches in place, not delete them \(pass \*\*patches.removal\)"):
+    in_place = r"the metrics must replace removed patches in place by -1 \(pass \*\*patches.removal"
+    with pytest.raises(ValueError, match=in_place):  # deleted
         leave_one_out(patches.forward_func, patches.input_ids, patches.attention_mask, target=0)
+    with pytest.raises(ValueError, match=in_place):  # replaced by id 0, perturbation_curve's default: patch 0 of image 0
+        perturbation_curve(patches.forward_func, patches.input_ids, patches.attention_mask, torch.rand(2, 16), target=0)
     with pytest.raises(ValueError, match=r"grid must be \(rows, columns\) of patches that tile the 32x32 images, got \(5, 4\)"):
         image_patches(vit, PIXELS, GREY, (5, 4))
     with pytest.raises(ValueError, match=r"baseline_pixels must be one image of the images' size \(1, 3, 32, 32\), got \(2, 3, 32, 32\)"):

@@ -41,24 +41,20 @@ class GreyedPatches:
         """``(n, channels, height, width)``: the images ``patch_ids`` stand for."""
         rows, columns = self.grid
         count = rows * columns
-        if patch_ids.dim() != 2 or patch_ids.shape[1] != count:
-            raise ValueError(
-                f"patch ids of shape {tuple(patch_ids.shape)} are not rows of the {count} patches of an image: the metrics "
-                "must replace removed patches in place, not delete them (pass **patches.removal)."
-            )
         kept = patch_ids != REMOVED
-        image = patch_ids.max(dim=1).values.clamp(min=0) // count  # a row of every patch removed is the baseline alone
+        in_place = patch_ids.dim() == 2 and patch_ids.shape[1] == count
+        image = patch_ids.max(dim=1).values.clamp(min=0) // count if in_place else None  # every patch removed: the baseline
+        if image is None or bool((kept & (patch_ids != image[:, None] * count + torch.arange(count, device=patch_ids.device))).any()):
+            raise ValueError(
+                f"patch ids of shape {tuple(patch_ids.shape)} are not rows of an image's {count} patches with the removed ones "
+                f"{REMOVED}: the metrics must replace removed patches in place by {REMOVED} (pass **patches.removal: "
+                f"{{'removal': 'replace', 'baseline_token_id': {REMOVED}}})."
+            )
         channels, height, width = self.pixel_values.shape[1:]
         shape = (-1, channels, rows, height // rows, columns, width // columns)
         keep = kept.view(-1, 1, rows, 1, columns, 1).to(self.pixel_values.dtype)
         images = self.pixel_values[image.to(self.pixel_values.device)].view(shape)
         return (images * keep + self.baseline.view(shape) * (1 - keep)).view(-1, channels, height, width)
-
-    def example_inputs(self, patch_ids: Tensor) -> Tensor:
-        """``(B, channels, height, width)``: the images whole ``patch_ids`` rows stand for, of
-        which the metrics seed each example's random removals (its ids hold its place in the
-        batch)."""
-        return self.pixels(patch_ids)
 
     def __call__(self, patch_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return output_logits(self.forward_func(self.pixels(patch_ids)))

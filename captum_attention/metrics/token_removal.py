@@ -25,6 +25,7 @@ from ..capture.inputs import class_probabilities, output_logits, resolve_targets
 from ..capture.record import input_errors_named
 from ._checks import check_class_probabilities, check_mask, check_per_token, check_rankable, check_tensors, takes_captum_scores, with_ties
 from .agreement import spearman
+from .image_patches import GreyedPatches
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 
 DEFAULT_BINS = (1, 5, 10, 20, 50)
@@ -633,13 +634,12 @@ def example_seeds(input_ids: Tensor, real: Tensor | None, seed: int | Tensor) ->
 
 
 def own_seeds(forward_func: Any, input_ids: Tensor, real: Tensor, seed: int) -> Tensor:
-    """``(B,)`` :func:`example_seeds` of the inputs' real tokens; where the ids stand for
-    images (``forward_func.example_inputs(ids)``:
+    """``(B,)`` :func:`example_seeds` of the inputs' real tokens; where the ids stand for an
+    image's patches (``forward_func`` a
     :class:`~captum_attention.metrics.image_patches.GreyedPatches`), of each image's
     pixels, which do not depend on the image's place in the batch as its ids do."""
-    example_inputs = getattr(forward_func, "example_inputs", None)
-    if callable(example_inputs):
-        return example_seeds(example_inputs(input_ids).flatten(1), None, seed)
+    if isinstance(forward_func, GreyedPatches):
+        return example_seeds(forward_func.pixels(input_ids).flatten(1), None, seed)
     return example_seeds(input_ids, real, seed)
 
 
