@@ -256,3 +256,29 @@ def test_a_checkpoint_saved_without_its_image_processor_is_told_to_save_it(tmp_p
         f"captum-attention: error: {folder} holds no image processor (no preprocessor_config.json): save the model's image "
         f"processor beside it (image_processor.save_pretrained({str(folder)!r}))."
     )
+
+
+def test_a_processor_that_crops_the_borders_gets_its_grid_drawn_alone(tmp_path):
+    """DeiT's and DINOv2's processors resize a square image larger than they read it and
+    crop its borders: its grid covers the middle of the image, so it is drawn on its own,
+    not laid over the whole image; ViT's resizes the whole image."""
+    import shutil
+
+    from captum_attention.presentation.answer import keeps_whole_image
+
+    assert keeps_whole_image(tf.ViTImageProcessor(size={"height": 32, "width": 32}), (48, 48), 0.125, 0.125)
+    cropping = tf.DeiTImageProcessor(size={"height": 48, "width": 48}, crop_size={"height": 32, "width": 32})
+    assert not keeps_whole_image(cropping, (48, 48), 0.125, 0.125)
+    assert not keeps_whole_image(tf.BitImageProcessor(size={"shortest_edge": 48}, crop_size={"height": 32, "width": 32}),
+                                 (48, 48), 0.125, 0.125)
+    torch.manual_seed(0)
+    folder = tmp_path / "deit"
+    _classifier("vit").save_pretrained(folder)
+    cropping.save_pretrained(folder)
+    report, page = tmp_path / "deit.json", tmp_path / "deit.html"
+    assert main(["explain", "--model", str(folder), "--image", str(_image(tmp_path)), "--methods", "rollout", "--json", str(report),
+                 "--html", str(page)]) == 0
+    assert json.loads(report.read_text(encoding="utf-8"))["grid_covers_image"] is False
+    assert "not laid over the image, of which it covers another part or shape (its processor crops or pads it)" in page.read_text(
+        encoding="utf-8")
+    shutil.rmtree(folder)

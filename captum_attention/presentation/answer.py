@@ -476,7 +476,7 @@ def explain_image_answer(
             _add_pixels(explanation, explainer, ids, answer_ids, args, features, grey, per_token)
     if explanation.image_grids:
         grid = next(iter(explanation.image_grids.values()))
-        explanation.grid_covers_image = grid_follows_image((len(grid), len(grid[0])), image.size)
+        explanation.grid_covers_image = grid_over_image(grid, image.size, getattr(processor, "image_processor", None))
     return explanation
 
 
@@ -523,9 +523,46 @@ def explain_caption(
         rows = explainer.attribute_continuation(pixels, answer_ids[None], log_prob=True)[0][0] if per_token else None
         _add_method(explanation, _display(name), MethodInfo.of(explainer), start, patches.sum()[None],
                     None if rows is None else rows.sum(dim=(-2, -1))[:, None], patches, rows)
-    first = next(iter(explanation.image_grids.values()))
-    explanation.grid_covers_image = grid_follows_image((len(first), len(first[0])), image.size)
+    explanation.grid_covers_image = grid_over_image(next(iter(explanation.image_grids.values())), image.size, image_processor)
     return explanation
+
+
+def grid_over_image(grid: list[list[float]], size: tuple[int, int], image_processor: Any) -> bool:
+    """Whether a grid of scores can be laid over the whole image of ``size`` (width,
+    height): its shape follows the image's (:func:`~captum_attention.attr._images.grid_follows_image`)
+    and ``image_processor`` keeps the whole image, to within half a cell at each edge (a
+    processor that resizes it, not DeiT's or DINOv2's, which crop a square image's borders
+    too: :func:`keeps_whole_image`)."""
+    rows, columns = len(grid), len(grid[0])
+    return grid_follows_image((rows, columns), size) and (
+        image_processor is None or keeps_whole_image(image_processor, size, 0.5 / rows, 0.5 / columns)
+    )
+
+
+def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: float, column_margin: float) -> bool:
+    """Whether ``image_processor`` keeps the whole of an image of ``size`` (width, height):
+    grey ramps across it, from black at one edge to white at the other, come out reaching
+    within ``column_margin`` (``row_margin``) of their ends at the processed image's edges,
+    each pixel read between the processed black and white images (whatever the processor's
+    scaling and normalisation). One that crops the image's borders or pads it does not.
+    True where the processor gives anything but one image's pixels."""
+    import numpy as np
+    from PIL import Image
+
+    width, height = size
+
+    def processed(values: Any) -> torch.Tensor:
+        picture = Image.fromarray(np.asarray(values, dtype=np.uint8)).convert("RGB")
+        return image_processor(images=picture, return_tensors="pt")["pixel_values"].double()
+
+    black, white = processed(np.zeros((height, width))), processed(np.full((height, width), 255))
+    if black.dim() != 4 or len(black) != 1 or bool(((white - black).abs() < 1e-6).any()):
+        return True
+    across = (processed(np.linspace(0, 255, width)[None].repeat(height, 0)) - black) / (white - black)
+    down = (processed(np.linspace(0, 255, height)[:, None].repeat(width, 1)) - black) / (white - black)
+    first_column, last_column = across[..., 0].mean().item(), across[..., -1].mean().item()
+    first_row, last_row = down[..., 0, :].mean().item(), down[..., -1, :].mean().item()
+    return first_column <= column_margin and last_column >= 1 - column_margin and first_row <= row_margin and last_row >= 1 - row_margin
 
 
 def caption_pixels(model: Any, image_processor: Any, image: Any) -> tuple[torch.Tensor, torch.Tensor]:

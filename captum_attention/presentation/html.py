@@ -399,8 +399,8 @@ def _image_figure(
         peak = float(scores.abs().max()) or 1.0  # green supports, red opposes, as the tokens are coloured
         axes.imshow(scores[0].numpy(), cmap="RdYlGn" if info.signed else unsigned, vmin=-peak if info.signed else 0, vmax=peak)
         axes.set_axis_off()
-        caption = (f"The image's {rows} × {columns} grid, {explained}; not laid over the image, whose "
-                   "shape it does not follow (its processor crops or pads it).")
+        caption = (f"The image's {rows} × {columns} grid, {explained}; not laid over the image, of which it covers "
+                   "another part or shape (its processor crops or pads it).")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight", dpi=100)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -10,9 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from ..attr import REGISTRY, pixel_scores
-from ..attr._images import grid_follows_image
 from ..capture.inputs import output_logits
-from .answer import grey_image_warning, grey_pixels, processed_pixels
+from .answer import grey_image_warning, grey_pixels, grid_over_image, processed_pixels
 from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, IG_TOKENS_PER_BATCH, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods,
     class_outputs, default_method_names, registered_method,
@@ -111,8 +110,7 @@ def explain_image_class(
         explanation.seconds[display] = time.perf_counter() - start
         explanation.methods[display] = info
         explanation.grids[display] = grid.detach().float().tolist()
-    first = next(iter(explanation.grids.values()))
-    explanation.grid_covers_image = grid_follows_image((len(first), len(first[0])), image.size)
+    explanation.grid_covers_image = grid_over_image(next(iter(explanation.grids.values())), image.size, image_processor)
     return explanation
 
 
