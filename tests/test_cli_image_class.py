@@ -261,7 +261,8 @@ def test_a_checkpoint_saved_without_its_image_processor_is_told_to_save_it(tmp_p
 def test_a_processor_that_crops_the_borders_gets_its_grid_drawn_alone(tmp_path):
     """DeiT's and DINOv2's processors resize a square image larger than they read it and
     crop its borders: its grid covers the middle of the image, so it is drawn on its own,
-    not laid over the whole image; ViT's resizes the whole image."""
+    not laid over the whole image, as one that pads a wide image; ViT's resizes the whole
+    image."""
     import shutil
 
     from captum_attention.presentation.answer import keeps_whole_image
@@ -271,6 +272,14 @@ def test_a_processor_that_crops_the_borders_gets_its_grid_drawn_alone(tmp_path):
     assert not keeps_whole_image(cropping, (48, 48), 0.125, 0.125)
     assert not keeps_whole_image(tf.BitImageProcessor(size={"shortest_edge": 48}, crop_size={"height": 32, "width": 32}),
                                  (48, 48), 0.125, 0.125)
+
+    def padding(images, return_tensors):
+        """A processor that pads the image to a square with zeros at the bottom and right."""
+        pixels = torch.tensor(np.asarray(images), dtype=torch.float32).permute(2, 0, 1) / 255
+        side = max(pixels.shape[1:])
+        return {"pixel_values": torch.nn.functional.pad(pixels, (0, side - pixels.shape[2], 0, side - pixels.shape[1]))[None]}
+
+    assert not keeps_whole_image(padding, (48, 32), 0.125, 0.125) and keeps_whole_image(padding, (48, 48), 0.125, 0.125)
     torch.manual_seed(0)
     folder = tmp_path / "deit"
     _classifier("vit").save_pretrained(folder)

@@ -544,8 +544,9 @@ def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: f
     grey ramps across it, from black at one edge to white at the other, come out reaching
     within ``column_margin`` (``row_margin``) of their ends at the processed image's edges,
     each pixel read between the processed black and white images (whatever the processor's
-    scaling and normalisation). One that crops the image's borders or pads it does not.
-    True where the processor gives anything but one image's pixels."""
+    scaling and normalisation). One that crops the image's borders does not, nor one that
+    pads it (its padding's pixels are the same whatever the image). True where the
+    processor gives anything but one image's pixels."""
     import numpy as np
     from PIL import Image
 
@@ -556,10 +557,14 @@ def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: f
         return image_processor(images=picture, return_tensors="pt")["pixel_values"].double()
 
     black, white = processed(np.zeros((height, width))), processed(np.full((height, width), 255))
-    if black.dim() != 4 or len(black) != 1 or bool(((white - black).abs() < 1e-6).any()):
+    if black.dim() != 4 or len(black) != 1:
         return True
-    across = (processed(np.linspace(0, 255, width)[None].repeat(height, 0)) - black) / (white - black)
-    down = (processed(np.linspace(0, 255, height)[:, None].repeat(width, 1)) - black) / (white - black)
+    contrast = white - black
+    read = contrast.abs() > 1e-6  # padding reads nothing of the image
+    if not bool(read[..., :, [0, -1]].all() and read[..., [0, -1], :].all()):
+        return False
+    across = (processed(np.linspace(0, 255, width)[None].repeat(height, 0)) - black) / contrast
+    down = (processed(np.linspace(0, 255, height)[:, None].repeat(width, 1)) - black) / contrast
     first_column, last_column = across[..., 0].mean().item(), across[..., -1].mean().item()
     first_row, last_row = down[..., 0, :].mean().item(), down[..., -1, :].mean().item()
     return first_column <= column_margin and last_column >= 1 - column_margin and first_row <= row_margin and last_row >= 1 - row_margin
