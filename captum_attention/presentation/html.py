@@ -325,7 +325,8 @@ def render_image_class_html(explanation: ImageClassExplanation, model_name: str)
         f"<p>Class ({how}): <b>{escape(explanation.label)}</b>, {explanation.reads} {explanation.probability:.3f}{predicted}</p>",
         *(f'<p class="note">Warning: {escape(warning)}.</p>' for warning in explanation.warnings),
         '<p class="legend">Each method explains the class\'s logit by its scores of the image\'s patches, drawn '
-        "over the image (Captum's blended heat map) on its own scale, relative to its largest score; its spread "
+        "over the image where the grid covers it whole (Captum's blended heat map), each on its own scale, relative "
+        "to its largest score; its spread "
         "says how far that peak stands above the mean (near uniform below ×1.5, where even faint differences look "
         "strong).</p>",
         "<h2>Summary</h2>",
@@ -363,9 +364,9 @@ def _image_figure(
     label: str | None = None, explained: str = "the whole answer",
 ) -> str:
     """The image tokens' scores for the whole answer (``explained``: an image classifier's
-    class), or the answer token ``label`` (its caption), over the image (Captum's blended heat map, the grid upsampled to the image),
-    or on their grid alone where the grid does not follow the image's shape (a processor
-    that crops or pads it), as an embedded PNG ``inches`` wide."""
+    class), or the answer token ``label`` (its caption), over the image (Captum's blended
+    heat map, the grid upsampled to the image) where it ``covers`` the whole image, else on
+    their grid alone (a processor that crops or pads it), as an embedded PNG ``inches`` wide."""
     import base64
     import io
 
