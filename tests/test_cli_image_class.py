@@ -40,6 +40,13 @@ def classifier(request, tmp_path_factory):
     return folder
 
 
+def _saved_vit(tmp_path):
+    folder = tmp_path / "vit"
+    _classifier("vit").save_pretrained(folder)
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return folder
+
+
 def _image(tmp_path):
     path = tmp_path / "image.png"
     Image.fromarray((np.random.default_rng(0).random((48, 48, 3)) * 255).astype("uint8")).save(path)
@@ -280,6 +287,10 @@ def test_a_processor_that_crops_the_borders_gets_its_grid_drawn_alone(tmp_path):
         return {"pixel_values": torch.nn.functional.pad(pixels, (0, side - pixels.shape[2], 0, side - pixels.shape[1]))[None]}
 
     assert not keeps_whole_image(padding, (48, 32), 0.125, 0.125) and keeps_whole_image(padding, (48, 48), 0.125, 0.125)
+    wide, report = tmp_path / "wide.png", tmp_path / "wide.json"  # ViT's processor squeezes a wide photo whole
+    Image.fromarray((np.random.default_rng(1).random((36, 64, 3)) * 255).astype("uint8")).save(wide)
+    assert main(["explain", "--model", str(_saved_vit(tmp_path)), "--image", str(wide), "--methods", "raw", "--json", str(report)]) == 0
+    assert json.loads(report.read_text(encoding="utf-8"))["grid_covers_image"] is True
     torch.manual_seed(0)
     folder = tmp_path / "deit"
     _classifier("vit").save_pretrained(folder)

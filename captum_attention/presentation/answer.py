@@ -529,24 +529,24 @@ def explain_caption(
 
 def grid_over_image(grid: list[list[float]], size: tuple[int, int], image_processor: Any) -> bool:
     """Whether a grid of scores can be laid over the whole image of ``size`` (width,
-    height): its shape follows the image's (:func:`~captum_attention.attr._images.grid_follows_image`)
-    and ``image_processor`` keeps the whole image, to within half a cell at each edge (a
-    processor that resizes it, not DeiT's or DINOv2's, which crop a square image's borders
-    too: :func:`keeps_whole_image`)."""
+    height): where ``image_processor`` gives one image's pixels, whether it keeps the whole
+    image, to within half a cell at each edge (:func:`keeps_whole_image`: ViT's processor,
+    which resizes a photo to a square, does; DeiT's and DINOv2's, which crop even a square
+    image's borders, and CLIP's, which crops a wide one, do not); else whether the grid's
+    shape follows the image's (:func:`~captum_attention.attr._images.grid_follows_image`)."""
     rows, columns = len(grid), len(grid[0])
-    return grid_follows_image((rows, columns), size) and (
-        image_processor is None or keeps_whole_image(image_processor, size, 0.5 / rows, 0.5 / columns)
-    )
+    whole = None if image_processor is None else keeps_whole_image(image_processor, size, 0.5 / rows, 0.5 / columns)
+    return grid_follows_image((rows, columns), size) if whole is None else whole
 
 
-def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: float, column_margin: float) -> bool:
+def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: float, column_margin: float) -> bool | None:
     """Whether ``image_processor`` keeps the whole of an image of ``size`` (width, height):
     grey ramps across it, from black at one edge to white at the other, come out reaching
     within ``column_margin`` (``row_margin``) of their ends at the processed image's edges,
     each pixel read between the processed black and white images (whatever the processor's
     scaling and normalisation). One that crops the image's borders does not, nor one that
-    pads it (its padding's pixels are the same whatever the image). True where the
-    processor gives anything but one image's pixels."""
+    pads it (its padding's pixels are the same whatever the image). None where the
+    processor gives anything but one image's pixels (tiles, flattened patches)."""
     import numpy as np
     from PIL import Image
 
@@ -558,7 +558,7 @@ def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: f
 
     black, white = processed(np.zeros((height, width))), processed(np.full((height, width), 255))
     if black.dim() != 4 or len(black) != 1:
-        return True
+        return None
     contrast = white - black
     read = contrast.abs() > 1e-6  # padding reads nothing of the image
     if not bool(read[..., :, [0, -1]].all() and read[..., [0, -1], :].all()):
