@@ -73,10 +73,11 @@ IMAGE_CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForImageClassificationWi
 
 
 def checkpoint_task(path: str | Path) -> str:
-    """``"classification"``, ``"image-classification"``, ``"generation"``, ``"seq2seq"``,
-    ``"image-to-text"`` or ``"image-text-to-text"``: what the local checkpoint's config.json
-    names (a ``*ForSequenceClassification``, a ``*ForImageClassification``, a
-    ``*ForCausalLM``/``*LMHeadModel`` architecture, an
+    """``"classification"``, ``"image-classification"``, ``"question-answering"``,
+    ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or ``"image-text-to-text"``: what
+    the local checkpoint's config.json names (a ``*ForSequenceClassification``, a
+    ``*ForImageClassification``, the extractive ``*ForQuestionAnswering`` transformers
+    registers for its model type, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
     image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
     captioners, TrOCR, Donut), or the sequence-to-sequence or vision-language model transformers
     registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
@@ -135,6 +136,10 @@ def _config_task(folder: Path) -> str:
         return "classification"
     if any(name.endswith(IMAGE_CLASSIFIER_SUFFIXES) for name in architectures):
         return "image-classification"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES as QUESTION_ANSWERING
+
+    if QUESTION_ANSWERING.get(config.model_type) in architectures:
+        return "question-answering"
     if config.model_type in IMAGE_FEATURES_FIRST and IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"  # GIT's causal LM reads an image
     if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
@@ -149,15 +154,15 @@ def _config_task(folder: Path) -> str:
         return "image-text-to-text"
     raise CheckpointError(
         f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence or image "
-        "classifier nor a language model (its config.json names no *ForSequenceClassification, "
-        "*ForImageClassification, *ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
+        "classifier, a question answerer nor a language model (its config.json names no *ForSequenceClassification, "
+        "*ForImageClassification, *ForQuestionAnswering, *ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
     )
 
 
 TASK_KINDS = {
     "classification": "a sequence classifier", "generation": "a causal language model", "seq2seq": "a sequence-to-sequence model",
     "image-to-text": "an image captioner", "image-text-to-text": "a vision-language model",
-    "image-classification": "an image classifier",
+    "image-classification": "an image classifier", "question-answering": "an extractive question answerer",
 }
 """What a user calls the model of each :func:`checkpoint_task`."""
 
@@ -165,7 +170,7 @@ CAPTIONER_TYPE = "vision-encoder-decoder"
 """The model type of an image encoder before a text decoder, which reads no prompt."""
 
 
-_PEFT_TASKS = {"SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq"}
+_PEFT_TASKS = {"SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq", "QUESTION_ANS": "question-answering"}
 """The PEFT task types that decide the task whatever the base model's config names (a
 classifier is often trained from a pretrained encoder whose config names its masked-LM head)."""
 
@@ -389,6 +394,22 @@ def load_image_classifier(path: str | Path) -> tuple[Any, Any]:
     if task != "image-classification":
         raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not an image classifier (a *ForImageClassification architecture).")
     return _load(Path(path), AutoModelForImageClassification, AutoImageProcessor)
+
+
+def load_question_answerer(path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local extractive question-answering checkpoint (BERT,
+    RoBERTa, DistilBERT, ...: the ``*ForQuestionAnswering`` architecture transformers
+    registers for its model type), loaded as safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoModelForQuestionAnswering
+
+    task = checkpoint_task(path)
+    if task != "question-answering":
+        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not an extractive question answerer (a *ForQuestionAnswering architecture).")
+    return _load(Path(path), AutoModelForQuestionAnswering)
 
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:

@@ -221,14 +221,14 @@ def _listed(warning: str | None) -> list[str]:
     return [] if warning is None else [warning]
 
 
-def unknown_words(tokenizer: Any, text: str, ids: list[int], shown: int | None = None) -> str | None:
+def unknown_words(tokenizer: Any, text: str, ids: list[int], shown: int | None = None, named: str = "prompt") -> str | None:
     """A warning where the tokenizer read words of ``text`` (tokenized as ``ids``) as its
     unknown token, or as its padding (a word-level vocabulary's unknown token may be its
     pad token): the model reads every such word alike, and the report leaves them out as
     special tokens. Else None. A token the text holds literally, or that is also the end
     or start token (a pad token set to the end token), is no unknown word. ``shown``: how
     many tokens the report shows the prompt as (an image's run of tokens as one); default:
-    the ids'."""
+    the ids'. ``named``: what the text is called."""
     literal = {tokenizer.eos_token, tokenizer.bos_token}
     candidates = dict.fromkeys((tokenizer.unk_token, tokenizer.pad_token))
     names = [name for name in candidates if name and name not in text and name not in literal]
@@ -237,8 +237,8 @@ def unknown_words(tokenizer: Any, text: str, ids: list[int], shown: int | None =
     if not count:
         return None
     return (
-        f"the tokenizer read {count} of the prompt's {shown or len(ids)} tokens as {' or '.join(names)}: words its vocabulary "
-        "does not hold, which the model reads alike and the report leaves out as special tokens; write the prompt in "
+        f"the tokenizer read {count} of the {named}'s {shown or len(ids)} tokens as {' or '.join(names)}: words its vocabulary "
+        f"does not hold, which the model reads alike and the report leaves out as special tokens; write the {named} in "
         "the model's vocabulary"
     )
 

@@ -3,6 +3,7 @@
     captum-attention explain "the plot was dull but the acting was superb" --html report.html
     captum-attention explain --model my-llm/ "Where is the key? ..." --per-token   # a language model's answer
     captum-attention explain --model my-vlm/ --image photo.png "What colour is the square?"
+    captum-attention explain --model my-squad-bert/ --question "Where did the cat sit?" "The cat sat on the mat."
     captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
@@ -78,8 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--image", type=Path, help="vision-language models (--model): the image the prompt asks "
                          "about; its tokens are explained on their patch grid. An image captioner (an image encoder "
                          "before a text decoder) and an image classifier (ViT, DeiT, Swin, ...) take the image alone, no prompt")
+    explain.add_argument("--question", help="an extractive question answerer (a *ForQuestionAnswering checkpoint): "
+                         "the question, asked about the text given (the context, one argument or --file)")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
-                          "language model, the answer's text (default: the model's greedy answer)")
+                          "language model, the answer's text (default: the model's greedy answer); for a question "
+                          "answerer, an answer as the context spells it (default: the predicted span)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
     explain.add_argument("--chat", action="store_true", help="language models: " + CHAT_HELP)
@@ -261,12 +265,12 @@ def _methods(arguments: argparse.Namespace) -> list[str]:
 def _explain(arguments: argparse.Namespace) -> None:
     from .explain import explain, resolve_target
     from .html import render_html
-    from ..loading import checkpoint_task, load_classifier
+    from ..loading import TASK_KINDS, checkpoint_task, load_classifier
     from .text import render_text
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     if arguments.pair_separator is not None and task not in (None, "classification"):
-        raise UsageError("--pair-separator is for a classifier of text pairs; a language model explains one prompt")
+        raise UsageError(f"--pair-separator is for a classifier of text pairs; {arguments.model} holds {TASK_KINDS[task]}")
     if arguments.chat and task not in ("generation", "seq2seq", "image-text-to-text"):
         raise UsageError("--chat is for a language model's prompt (a causal, sequence-to-sequence or vision-language checkpoint)")
     _check_languages(arguments, task)
@@ -282,6 +286,12 @@ def _explain(arguments: argparse.Namespace) -> None:
     if arguments.image is not None:
         raise UsageError(f"--image is for an image classifier or a vision-language model; {arguments.model or 'the default model'} "
                          "is neither")
+    if task == "question-answering":
+        _explain_question(arguments)
+        return
+    if arguments.question is not None:
+        raise UsageError(f"--question is for an extractive question answerer (a *ForQuestionAnswering checkpoint); "
+                         f"{arguments.model or 'the default model'} is not one")
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
@@ -313,14 +323,15 @@ def _explain(arguments: argparse.Namespace) -> None:
     _write_json(arguments.json, explanations)
 
 
-def _prompt(arguments: argparse.Namespace) -> str:
-    """A language model's one prompt: the one sentence given, or the whole ``--file``."""
+def _prompt(arguments: argparse.Namespace, named: str = "prompt", model: str = "a language model") -> str:
+    """A language model's one prompt (or what ``model`` reads, ``named`` so): the one
+    sentence given, or the whole ``--file``."""
     if arguments.file is not None and arguments.sentences:
-        raise UsageError("give the prompt as one argument or as --file, not both")
+        raise UsageError(f"give the {named} as one argument or as --file, not both")
     if arguments.file is None:
         if len(arguments.sentences) != 1:
-            raise UsageError(f"a language model explains one prompt at a time; got {len(arguments.sentences)} "
-                             "(quote the prompt, or pass --file)")
+            raise UsageError(f"{model} explains one {named} at a time; got {len(arguments.sentences)} "
+                             f"(quote the {named}, or pass --file)")
         return _sentences(arguments)[0]
     prompt = _file_text(arguments.file)
     if not _visible(prompt):
@@ -460,7 +471,7 @@ def _explain_image_class(arguments: argparse.Namespace) -> None:
     from .image_class import check_image_class_methods, explain_image_class
 
     _check_image_alone(arguments, "an image classifier", "text", "another class")
-    textual = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip", "pair_separator") if getattr(arguments, option)]
+    textual = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip") if getattr(arguments, option)]
     if textual:
         raise UsageError(f"{', '.join(textual)}: for text; an image classifier reads an image alone")
     _check_counts(arguments, "ig_steps")
@@ -477,15 +488,50 @@ def _explain_image_class(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
+def _explain_question(arguments: argparse.Namespace) -> None:
+    """``explain`` for an extractive question answerer: the answer to ``--question`` in the
+    context (the one text given, or ``--file``), its start and end logits each explained by
+    every method."""
+    from ..loading import load_question_answerer
+    from .question_answering import check_question_methods, explain_question
+
+    if arguments.question is None or not _visible(arguments.question):
+        raise UsageError(f"{arguments.model} holds an extractive question answerer: give the question as --question TEXT "
+                         "and the context it is answered from as the text (or --file)")
+    context = _prompt(arguments, "context", "a question answerer")
+    for option, value in (("question", arguments.question), ("target", arguments.target)):
+        if value is not None and has_surrogates(value):
+            raise UsageError(f"--{option} is not valid UTF-8: {terminal_safe(value)}")
+    unread = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip") if getattr(arguments, option)]
+    if unread:
+        raise UsageError(f"{', '.join(unread)}: for a language model's prompt; a question answerer's report shows every token")
+    _check_counts(arguments, "ig_steps", "ig_batch_size")
+    methods = _methods(arguments)
+    check_question_methods(methods)
+    _check_presence(arguments)
+    _check_outputs(arguments)
+    model, tokenizer = load_question_answerer(arguments.model)
+    _note_uniform_head_weights(model, methods)
+    explanation = explain_question(
+        model, tokenizer, arguments.question, context, arguments.target, methods, arguments.ig_steps, arguments.ig_batch_size,
+        arguments.presence,
+    )
+    _report_answer(arguments, explanation)
+
+
 def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
     """An answer's (or an image classifier's prediction's) explanation: its warnings, the
     terminal report, and the HTML and JSON files asked for."""
-    from .html import render_answer_html, render_image_class_html
+    from .html import render_answer_html, render_image_class_html, render_question_html
     from .image_class import ImageClassExplanation
-    from .text import render_answer_text, render_image_class_text
+    from .question_answering import QuestionAnswerExplanation
+    from .text import render_answer_text, render_image_class_text, render_question_text
 
-    image_class = isinstance(explanation, ImageClassExplanation)
-    render_text, render_html = (render_image_class_text, render_image_class_html) if image_class else (render_answer_text, render_answer_html)
+    render_text, render_html = (
+        (render_image_class_text, render_image_class_html) if isinstance(explanation, ImageClassExplanation)
+        else (render_question_text, render_question_html) if isinstance(explanation, QuestionAnswerExplanation)
+        else (render_answer_text, render_answer_html)
+    )
     for warning in explanation.warnings:
         print(terminal_safe(f"captum-attention: warning: {warning}"), file=sys.stderr)
     print(render_text(explanation, raw=arguments.raw))
@@ -544,6 +590,9 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     _check_languages(arguments, task)
+    if task == "question-answering":
+        raise UsageError(f"evaluate does not score an extractive question answerer's answers; explain each with "
+                         f"explain --model {arguments.model} --question TEXT CONTEXT")
     if task == "image-classification":
         _evaluate_images(arguments)
         return

@@ -8,7 +8,8 @@ from typing import Any
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
 from .image_class import ImageClassExplanation
-from .text import count, peak_cell, shares, terminal_safe, token_labels
+from .question_answering import QuestionAnswerExplanation
+from .text import answer_line, count, cut_note, peak_cell, shares, terminal_safe, token_labels
 
 
 def escape(text: str) -> str:
@@ -26,6 +27,7 @@ td.time { text-align: right; white-space: nowrap; color: #555; }
 .tok { display: inline-block; padding: 0.1em 0.25em; margin: 0.1em; border-radius: 0.2em;
        font-family: ui-monospace, monospace; unicode-bidi: isolate; }
 .tok.special { color: #888; border: 1px dashed #bbb; }
+.tok.marked { text-decoration: underline 2px; text-underline-offset: 0.2em; }
 .meaning { color: #555; font-size: 0.9em; }
 .note { color: #8a5a00; }
 h2.sentence { font-size: 1.05em; font-weight: 600; }
@@ -64,11 +66,12 @@ def _hover(share: float | None, score: float, info: MethodInfo) -> str:
     return escape(f"share {format(share, '+.3f' if info.signed else '.3f')} of the words (score {score:.3e})")
 
 
-def _token(token: str, score: float, share: float | None, scale: float, info: MethodInfo) -> str:
+def _token(token: str, score: float, share: float | None, scale: float, info: MethodInfo, marked: bool = False) -> str:
     title = _hover(share, score, info)
     if share is None:  # left out of the colour scale: rollout and relevance put most mass on [CLS]
         return f'<span class="tok special" title="{title}">{escape(token)}</span>'
-    return f'<span class="tok" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
+    kind = "tok marked" if marked else "tok"
+    return f'<span class="{kind}" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
 
 
 def _scale(scores: list[float], special: list[bool]) -> float:
@@ -191,9 +194,12 @@ def _shown(keep: set[int], count: int) -> list[int | tuple[int, int]]:
     return shown
 
 
-def _token_row(tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo) -> str:
+def _token_row(
+    tokens: list[str], scores: list[float], special: list[bool], info: MethodInfo, marked: range = range(0)
+) -> str:
     """The tokens coloured by ``scores`` on the row's own scale (more than
-    :data:`LONG_PROMPT` of them folded around the top tokens)."""
+    :data:`LONG_PROMPT` of them folded around the top tokens), those at the ``marked``
+    positions underlined (an extractive answer's)."""
     scale = _scale(scores, special)
     row_shares = shares(scores, special, info.signed)
     parts = []
@@ -201,7 +207,7 @@ def _token_row(tokens: list[str], scores: list[float], special: list[bool], info
         if isinstance(item, tuple):
             parts.append(f'<span class="fold">… {item[1] - item[0] + 1} tokens …</span>')
         else:
-            parts.append(_token(tokens[item], scores[item], row_shares[item], scale, info))
+            parts.append(_token(tokens[item], scores[item], row_shares[item], scale, info, item in marked))
     return " ".join(parts)
 
 
@@ -343,6 +349,39 @@ def render_image_class_html(explanation: ImageClassExplanation, model_name: str)
         parts.append(_image_figure(explanation.image, grid, explanation.grid_covers_image, info, explained="the class"))
         parts.append("</section>")
     parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+_QUESTION_UNTARGETED = "from the forward pass alone, read at the answer's first or last token, whatever the logit"
+
+
+def render_question_html(explanation: QuestionAnswerExplanation, model_name: str) -> str:
+    """The report page of an extractive answer: the question, the answer, and per method a
+    coloured token row for the answer's start logit and one for its end logit."""
+    note, answer = cut_note(explanation), answer_line(explanation)
+    parts = [
+        *_page_head(_STYLE),
+        f"<p>Model: <code>{escape(model_name)}</code>.</p>",
+        f"<p>Question: <b><bdi>{escape(explanation.question)}</bdi></b></p>",
+        f"<p><bdi>{escape(answer[:1].upper() + answer[1:])}</bdi>, underlined in the rows below.</p>",
+        *([] if note is None else [f'<p class="note">Note: {escape(note)}.</p>']),
+        "<p class=\"legend\">Each method explains the logit of the answer's first token being its start, then that "
+        "of its last token being its end. Colour strength is relative to the largest score of the row's words; "
+        'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and not coloured. Hover '
+        "a token for its share of the words' scores and the score itself.</p>",
+        "<table><tr><th>method</th><th>wall time</th><th>logit</th><th>tokens</th></tr>",
+    ]
+    for method, rows in explanation.scores.items():
+        info = explanation.methods[method]
+        for end in ("start", "end"):
+            described = (
+                f"<td rowspan=\"2\">{escape(method)}<br><span class=\"meaning\">{escape(_meaning(info, 'the answer', _QUESTION_UNTARGETED))}"
+                f"</span></td><td rowspan=\"2\" class=\"time\">{explanation.seconds[method] * 1000:.0f} ms</td>"
+                if end == "start" else ""
+            )
+            row = _token_row(explanation.tokens, rows[end], explanation.special, info, range(explanation.start, explanation.end + 1))
+            parts.append(f"<tr>{described}<td>{end}</td><td>{row}</td></tr>")
+    parts.append("</table></body></html>")
     return "\n".join(parts)
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo, SentenceExplanation
 from .image_class import ImageClassExplanation
+from .question_answering import QuestionAnswerExplanation
 
 TOP_K = 3
 """Tokens marked ``*`` per method in the normalised table."""
@@ -164,6 +165,48 @@ def render_answer_text(explanation: AnswerExplanation, top: int = 5, raw: bool =
             shown = [] if len(tokens) == 1 and token_grids else [_top_tokens(tokens, row, special, info, min(top, 3), raw)]
             shown += [f"image: {peak_cell(token_grids[i], info)}"] if token_grids else []
             lines.append(f"  {terminal_safe(answer_token)!s:>12} <- {'; '.join(shown)}")
+    return "\n".join(lines)
+
+
+def answer_line(explanation: QuestionAnswerExplanation) -> str:
+    """An extractive answer, how it was chosen, where it lies and how sure the model is of
+    its two ends; the predicted answer beside a given one."""
+    how = "given" if explanation.given else "predicted"
+    predicted = f"; predicted: {terminal_safe(explanation.predicted)!r}" if explanation.given else ""
+    return (
+        f"answer, {how}: {terminal_safe(explanation.answer)!r} (tokens {explanation.start}-{explanation.end}; "
+        f"p {explanation.start_probability:.3f} at its start, {explanation.end_probability:.3f} at its end, over the "
+        f"context{predicted})"
+    )
+
+
+def cut_note(explanation: QuestionAnswerExplanation) -> str | None:
+    """Where the context was cut to the model's length limit, what is lost; else None."""
+    if explanation.cut_from is None:
+        return None
+    return (f"the context was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
+            "neither read nor explained")
+
+
+def render_question_text(explanation: QuestionAnswerExplanation, top: int = 5, raw: bool = False) -> str:
+    """The terminal report of an extractive answer: the answer, then per method its top
+    tokens (question and context) for the answer's start and for its end."""
+    lines = [f"question: {terminal_safe(explanation.question)}", answer_line(explanation)]
+    note = cut_note(explanation)
+    lines += [] if note is None else [f"note: {note}"]
+    lines += [
+        "",
+        f"top {top} tokens per method for the answer's start and end logits, by their share of the method's scores "
+        "over the words of the question and the context" + (" (--raw: the scores)" if raw else "")
+        + "; a token the text holds more than once shows its position, token[i]:",
+    ]
+    labels = token_labels(explanation.tokens)
+    for method, rows in explanation.scores.items():
+        info = explanation.methods[method]
+        lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms):")
+        for end, position in (("start", explanation.start), ("end", explanation.end)):
+            shown = _top_tokens(explanation.tokens, rows[end], explanation.special, info, top, raw)
+            lines.append(f"  {end:>5} ({terminal_safe(labels[position])}) <- {shown}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,235 @@
+"""Explain an extractive question answerer's answer (BERT, RoBERTa, DistilBERT, ...
+``*ForQuestionAnswering``): the answer's span in the context, its start and its end each
+explained by every method, as Captum's BERT question-answering tutorial explains them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from captum.attr import LayerIntegratedGradients
+
+from .answer import unknown_words
+from .display import readable_tokens, special_tokens
+from .explain import (
+    CLASSIFIERS_ONLY, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods, default_method_names,
+    ig_baseline, length_limit, presence_display, presence_weights, registered_method,
+)
+
+MAX_ANSWER_TOKENS = 15
+"""The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
+question-answering pipeline)."""
+
+ENDS = ("start", "end")
+"""The two heads of an answer, as a model's outputs name them (``start_logits``,
+``end_logits``)."""
+
+
+@dataclass
+class QuestionAnswerExplanation:
+    """What the report of an extractive question answerer's answer shows.
+
+    Attributes:
+        question, context: the texts as given.
+        tokens: the tokens the model read (question, context and special tokens), readable.
+        special: whether each token is a special one.
+        in_context: whether each token is the context's (where an answer can lie).
+        answer: the explained answer's text, as the context spells it.
+        start, end: the answer's first and last token (positions in ``tokens``).
+        start_probability, end_probability: the softmax of the start and end logits over
+            the context's tokens at ``start`` and ``end``.
+        given: whether the answer was given (``--target``) rather than predicted.
+        predicted: the predicted answer's text.
+        cut_from: the token count of the question and the whole context where the context
+            was cut to the model's length limit, else None.
+        scores: method -> ``{"start": scores, "end": scores}``, a score per token of each of
+            the answer's start and end logits.
+        seconds: method -> wall time of both.
+        methods: method -> how to read its scores.
+        warnings: what the reader should know (words the tokenizer does not know).
+    """
+
+    question: str
+    context: str
+    tokens: list[str]
+    special: list[bool]
+    in_context: list[bool]
+    answer: str
+    start: int
+    end: int
+    start_probability: float
+    end_probability: float
+    given: bool
+    predicted: str
+    cut_from: int | None = None
+    scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    methods: dict[str, MethodInfo] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_question_methods(names: Sequence[str]) -> None:
+    """A one-line ``ValueError`` where a method of ``names`` cannot explain an answer's
+    start or end logit: those :func:`~captum_attention.presentation.explain.check_methods`
+    refuses for a classifier, and the presence's refinements, whose removals of words move
+    the positions explained."""
+    refined = [name for name in names if name in CLASSIFIERS_ONLY]
+    if refined:
+        raise ValueError(
+            f"{', '.join(refined)} explain a classifier's prediction: their removals of words move an answer's start "
+            f"and end; leave {'it' if len(refined) == 1 else 'them'} out"
+        )
+    check_methods(names, answers=False)
+
+
+def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None) -> Any:
+    """The question and context tokenized as a pair in the tokenizer's order (the question
+    first, but after the context where the tokenizer pads on the left: XLNet's), the context cut to ``max_length`` tokens; with offsets."""
+    question_first = tokenizer.padding_side == "right"
+    pair = (question, context) if question_first else (context, question)
+    cut = {} if max_length is None else {"truncation": "only_second" if question_first else "only_first", "max_length": max_length}
+    return tokenizer(*pair, return_offsets_mapping=True, return_tensors="pt", **cut)
+
+
+def context_tokens(encoded: Any, tokenizer: Any) -> torch.Tensor:
+    """``(tokens,)`` bool: whether each token of ``encoded`` (:func:`question_inputs`) is
+    the context's."""
+    context_index = 1 if tokenizer.padding_side == "right" else 0
+    return torch.tensor([index == context_index for index in encoded.sequence_ids(0)])
+
+
+def best_span(start_logits: torch.Tensor, end_logits: torch.Tensor, in_context: torch.Tensor) -> tuple[int, int]:
+    """The span ``(start, end)`` of the context's tokens of the highest start plus end
+    logit, ``end`` at most :data:`MAX_ANSWER_TOKENS` - 1 tokens after ``start``: the span of
+    the largest product of the two softmaxes over the context, as SQuAD's fine-tuned models
+    are read."""
+    n = len(start_logits)
+    offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    allowed = (offsets >= 0) & (offsets < MAX_ANSWER_TOKENS) & in_context[:, None] & in_context[None, :]
+    totals = (start_logits.float()[:, None] + end_logits.float()[None, :]).masked_fill(~allowed, float("-inf"))
+    best = int(totals.argmax())
+    return best // n, best % n
+
+
+def given_span(encoded: Any, in_context: torch.Tensor, context: str, answer: str) -> tuple[int, int]:
+    """The tokens ``(start, end)`` of ``answer``'s first occurrence in ``context``, by the
+    tokens' character offsets; a one-line ``ValueError`` where the context the model reads
+    does not hold it."""
+    begin = context.find(answer)
+    if begin < 0 or not answer.strip():
+        raise ValueError(f"--target {answer!r} is not in the context: give the answer as the context spells it")
+    finish = begin + len(answer)
+    offsets = encoded["offset_mapping"][0].tolist()
+    covered = [i for i, (a, b) in enumerate(offsets) if in_context[i] and a < finish and b > begin]
+    if not covered:
+        raise ValueError(f"--target {answer!r} lies in the part of the context cut to the model's length limit")
+    return covered[0], covered[-1]
+
+
+def explain_question(
+    model: Any, tokenizer: Any, question: str, context: str, answer: str | None = None, methods: list[str] | None = None,
+    ig_steps: int = 50, ig_batch_size: int | None = None, presence: float = 0.05,
+) -> QuestionAnswerExplanation:
+    """An extractive question answerer's answer to ``question`` in ``context`` (the
+    span :func:`best_span` chooses, or the given ``answer``'s first occurrence), its start
+    and end logits each explained by every method at the answer's first and last token:
+    each registered method's ``attribute(ids, target=position, query_index=position)``
+    of the ``start_logits`` or ``end_logits``; ``integrated_gradients``, Captum's
+    ``LayerIntegratedGradients`` on the word embeddings against padding (special tokens
+    kept), as Captum's tutorial; :data:`~captum_attention.presentation.explain.PRESENCE`,
+    AttnLRP with the words at ``presence``. A context longer than the model takes is cut.
+    An encoder-decoder's answerer (BART's, T5's) is refused in one line."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} reads the question and context twice, in its encoder and again in its decoder, whose "
+            "states give the start and end logits: explain an encoder's answers (BERT, RoBERTa, DistilBERT, ...), or pass "
+            "(input_ids, decoder_input_ids) to the methods yourself"
+        )
+    chosen = methods or default_method_names()
+    check_question_methods(chosen)
+    if not tokenizer.is_fast:
+        raise ValueError("a question answerer's answer is placed in its context by the offsets of a fast tokenizer: save "
+                         "the tokenizer with AutoTokenizer.from_pretrained(..., use_fast=True)")
+    limit = length_limit(model, tokenizer)
+    question_length = len(tokenizer(question, add_special_tokens=False)["input_ids"]) + tokenizer.num_special_tokens_to_add(pair=True)
+    if question_length >= limit:
+        raise ValueError(f"the question and the special tokens are {question_length} tokens, leaving no room for the context "
+                         f"within the {limit} the model takes: shorten the question")
+    encoded = question_inputs(tokenizer, question, context, limit)
+    in_context = context_tokens(encoded, tokenizer)
+    inputs = {key: value for key, value in encoded.items() if key != "offset_mapping"}
+    with torch.no_grad():
+        outputs = model(**inputs)
+    logits = {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}
+    predicted = best_span(logits["start"], logits["end"], in_context)
+    span = predicted if answer is None else given_span(encoded, in_context, context, answer)
+    probabilities = {end: logits[end].float().masked_fill(~in_context, float("-inf")).softmax(-1) for end in ENDS}
+    ids = inputs["input_ids"]
+    full_length = len(question_inputs(tokenizer, question, context)["input_ids"][0])
+    explanation = QuestionAnswerExplanation(
+        question=question, context=context, tokens=readable_tokens(ids[0], tokenizer),
+        special=special_tokens(ids, tokenizer)[0].tolist(), in_context=in_context.tolist(),
+        answer=_span_text(encoded, context, *span), start=span[0], end=span[1],
+        start_probability=float(probabilities["start"][span[0]]), end_probability=float(probabilities["end"][span[1]]),
+        given=answer is not None, predicted=_span_text(encoded, context, *predicted),
+        cut_from=full_length if full_length > ids.shape[1] else None,
+    )
+    unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
+    explanation.warnings += [] if unknown is None else [unknown]
+    arguments = tuple(inputs[key] for key in ("attention_mask", "token_type_ids") if key in inputs)
+    for name in chosen:
+        display, info, run = _method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
+        begin = time.perf_counter()
+        explanation.scores[display] = {
+            end: run(_head(model, end, len(arguments)), ids, arguments, position).detach()[0].float().tolist()
+            for end, position in zip(ENDS, span)
+        }
+        explanation.seconds[display] = time.perf_counter() - begin
+        explanation.methods[display] = info
+    return explanation
+
+
+Run = Callable[[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], int], torch.Tensor]
+"""How a method explains ``forward``'s logit at a position: ``run(forward, ids, arguments,
+position)``, a score per token, ``(1, tokens)``."""
+
+
+def _method(name: str, model: Any, tokenizer: Any, ig_steps: int, ig_batch_size: int | None, presence: float) -> tuple[str, MethodInfo, Run]:
+    """The method ``name``'s shown name, how to read it, and how to run it."""
+    if name == INTEGRATED_GRADIENTS:
+        def integrated_gradients(forward: Callable[..., torch.Tensor], ids: torch.Tensor, arguments: tuple[torch.Tensor, ...],
+                                 position: int) -> torch.Tensor:
+            return LayerIntegratedGradients(forward, model.get_input_embeddings()).attribute(
+                ids, baselines=ig_baseline(ids, tokenizer), target=position, additional_forward_args=arguments,
+                n_steps=ig_steps, internal_batch_size=ig_batch_size,
+            ).sum(dim=-1)
+
+        return "Integrated Gradients", SIGNED, integrated_gradients
+    registered = "attn_lrp" if name == PRESENCE else name
+
+    def attention(forward: Callable[..., torch.Tensor], ids: torch.Tensor, arguments: tuple[torch.Tensor, ...], position: int) -> torch.Tensor:
+        options = {"presence": presence_weights(ids, arguments[0], tokenizer, presence)} if name == PRESENCE else {}
+        return registered_method(registered, model, forward).attribute(
+            ids, target=position, query_index=position, additional_forward_args=arguments, **options
+        )
+
+    shown = registered_method(registered, model)
+    return presence_display(presence) if name == PRESENCE else shown.get_name(), MethodInfo.of(shown), attention
+
+
+def _head(model: Any, end: str, arguments: int) -> Callable[..., torch.Tensor]:
+    """``forward(ids, mask[, token_types])``: the model's ``start_logits`` or ``end_logits``."""
+    names = ("attention_mask", "token_type_ids")[:arguments]
+
+    def forward(ids: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
+        return getattr(model(input_ids=ids, **dict(zip(names, given))), f"{end}_logits")
+
+    return forward
+
+
+def _span_text(encoded: Any, context: str, start: int, end: int) -> str:
+    """The context's characters from token ``start``'s first to token ``end``'s last."""
+    offsets = encoded["offset_mapping"][0]
+    return context[int(offsets[start][0]) : int(offsets[end][1])]
