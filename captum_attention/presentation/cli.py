@@ -493,7 +493,8 @@ def _explain_question(arguments: argparse.Namespace) -> None:
     context (the one text given, or ``--file``), its start and end logits each explained by
     every method."""
     from ..loading import load_question_answerer
-    from .question_answering import check_question_methods, explain_question
+    from .positions import check_position_methods
+    from .question_answering import explain_question
 
     if arguments.question is None or not _visible(arguments.question):
         raise UsageError(f"{arguments.model} holds an extractive question answerer: give the question as --question TEXT "
@@ -507,7 +508,7 @@ def _explain_question(arguments: argparse.Namespace) -> None:
         raise UsageError(f"{', '.join(unread)}: for a language model's prompt; a question answerer's report shows every token")
     _check_counts(arguments, "ig_steps", "ig_batch_size")
     methods = _methods(arguments)
-    check_question_methods(methods)
+    check_position_methods(methods, "an answer's start and end")
     _check_presence(arguments)
     _check_outputs(arguments)
     model, tokenizer = load_question_answerer(arguments.model)

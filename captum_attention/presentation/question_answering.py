@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-from captum.attr import LayerIntegratedGradients
 
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
-from .explain import (
-    CLASSIFIERS_ONLY, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods, default_method_names,
-    ig_baseline, length_limit, presence_display, presence_weights, registered_method,
-)
+from .explain import MethodInfo, default_method_names, length_limit
+from .positions import check_position_methods, forward_inputs, output_forward, position_method
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
@@ -68,20 +65,6 @@ class QuestionAnswerExplanation:
     seconds: dict[str, float] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-
-def check_question_methods(names: Sequence[str]) -> None:
-    """A one-line ``ValueError`` where a method of ``names`` cannot explain an answer's
-    start or end logit: those :func:`~captum_attention.presentation.explain.check_methods`
-    refuses for a classifier, and the presence's refinements, whose removals of words move
-    the positions explained."""
-    refined = [name for name in names if name in CLASSIFIERS_ONLY]
-    if refined:
-        raise ValueError(
-            f"{', '.join(refined)} explain a classifier's prediction: their removals of words move an answer's start "
-            f"and end; leave {'it' if len(refined) == 1 else 'them'} out"
-        )
-    check_methods(names, answers=False)
 
 
 def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None) -> Any:
@@ -148,7 +131,7 @@ def explain_question(
             "(input_ids, decoder_input_ids) to the methods yourself"
         )
     chosen = methods or default_method_names()
-    check_question_methods(chosen)
+    check_position_methods(chosen, "an answer's start and end")
     if not tokenizer.is_fast:
         raise ValueError("a question answerer's answer is placed in its context by the offsets of a fast tokenizer: save "
                          "the tokenizer with AutoTokenizer.from_pretrained(..., use_fast=True)")
@@ -178,55 +161,17 @@ def explain_question(
     )
     unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
     explanation.warnings += [] if unknown is None else [unknown]
-    arguments = tuple(inputs[key] for key in ("attention_mask", "token_type_ids") if key in inputs)
+    names, arguments = forward_inputs(inputs)
     for name in chosen:
-        display, info, run = _method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
+        display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
         begin = time.perf_counter()
         explanation.scores[display] = {
-            end: run(_head(model, end, len(arguments)), ids, arguments, position).detach()[0].float().tolist()
+            end: run(output_forward(model, f"{end}_logits", names), ids, arguments, [position], [position])[0].detach().float().tolist()
             for end, position in zip(ENDS, span)
         }
         explanation.seconds[display] = time.perf_counter() - begin
         explanation.methods[display] = info
     return explanation
-
-
-Run = Callable[[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], int], torch.Tensor]
-"""How a method explains ``forward``'s logit at a position: ``run(forward, ids, arguments,
-position)``, a score per token, ``(1, tokens)``."""
-
-
-def _method(name: str, model: Any, tokenizer: Any, ig_steps: int, ig_batch_size: int | None, presence: float) -> tuple[str, MethodInfo, Run]:
-    """The method ``name``'s shown name, how to read it, and how to run it."""
-    if name == INTEGRATED_GRADIENTS:
-        def integrated_gradients(forward: Callable[..., torch.Tensor], ids: torch.Tensor, arguments: tuple[torch.Tensor, ...],
-                                 position: int) -> torch.Tensor:
-            return LayerIntegratedGradients(forward, model.get_input_embeddings()).attribute(
-                ids, baselines=ig_baseline(ids, tokenizer), target=position, additional_forward_args=arguments,
-                n_steps=ig_steps, internal_batch_size=ig_batch_size,
-            ).sum(dim=-1)
-
-        return "Integrated Gradients", SIGNED, integrated_gradients
-    registered = "attn_lrp" if name == PRESENCE else name
-
-    def attention(forward: Callable[..., torch.Tensor], ids: torch.Tensor, arguments: tuple[torch.Tensor, ...], position: int) -> torch.Tensor:
-        options = {"presence": presence_weights(ids, arguments[0], tokenizer, presence)} if name == PRESENCE else {}
-        return registered_method(registered, model, forward).attribute(
-            ids, target=position, query_index=position, additional_forward_args=arguments, **options
-        )
-
-    shown = registered_method(registered, model)
-    return presence_display(presence) if name == PRESENCE else shown.get_name(), MethodInfo.of(shown), attention
-
-
-def _head(model: Any, end: str, arguments: int) -> Callable[..., torch.Tensor]:
-    """``forward(ids, mask[, token_types])``: the model's ``start_logits`` or ``end_logits``."""
-    names = ("attention_mask", "token_type_ids")[:arguments]
-
-    def forward(ids: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
-        return getattr(model(input_ids=ids, **dict(zip(names, given))), f"{end}_logits")
-
-    return forward
 
 
 def _span_text(encoded: Any, context: str, start: int, end: int) -> str:
