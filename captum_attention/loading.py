@@ -74,10 +74,11 @@ IMAGE_CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForImageClassificationWi
 
 def checkpoint_task(path: str | Path) -> str:
     """``"classification"``, ``"image-classification"``, ``"question-answering"``,
-    ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or ``"image-text-to-text"``: what
-    the local checkpoint's config.json names (a ``*ForSequenceClassification``, a
-    ``*ForImageClassification``, the extractive ``*ForQuestionAnswering`` transformers
-    registers for its model type, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
+    ``"token-classification"``, ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or
+    ``"image-text-to-text"``: what the local checkpoint's config.json names (a
+    ``*ForSequenceClassification``, a ``*ForImageClassification``, the extractive
+    ``*ForQuestionAnswering`` or the ``*ForTokenClassification`` transformers registers for
+    its model type, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
     image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
     captioners, TrOCR, Donut), or the sequence-to-sequence or vision-language model transformers
     registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
@@ -140,6 +141,10 @@ def _config_task(folder: Path) -> str:
 
     if QUESTION_ANSWERING.get(config.model_type) in architectures:
         return "question-answering"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES as TOKEN_CLASSIFICATION
+
+    if TOKEN_CLASSIFICATION.get(config.model_type) in architectures:
+        return "token-classification"
     if config.model_type in IMAGE_FEATURES_FIRST and IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"  # GIT's causal LM reads an image
     if any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
@@ -153,9 +158,10 @@ def _config_task(folder: Path) -> str:
     if IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"
     raise CheckpointError(
-        f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence or image "
+        f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence, token or image "
         "classifier, a question answerer nor a language model (its config.json names no *ForSequenceClassification, "
-        "*ForImageClassification, *ForQuestionAnswering, *ForCausalLM, *LMHeadModel or sequence-to-sequence architecture)."
+        "*ForTokenClassification, *ForImageClassification, *ForQuestionAnswering, *ForCausalLM, *LMHeadModel or "
+        "sequence-to-sequence architecture)."
     )
 
 
@@ -163,6 +169,7 @@ TASK_KINDS = {
     "classification": "a sequence classifier", "generation": "a causal language model", "seq2seq": "a sequence-to-sequence model",
     "image-to-text": "an image captioner", "image-text-to-text": "a vision-language model",
     "image-classification": "an image classifier", "question-answering": "an extractive question answerer",
+    "token-classification": "a token classifier",
 }
 """What a user calls the model of each :func:`checkpoint_task`."""
 
@@ -170,10 +177,14 @@ CAPTIONER_TYPE = "vision-encoder-decoder"
 """The model type of an image encoder before a text decoder, which reads no prompt."""
 
 
-_PEFT_TASKS = {"SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq", "QUESTION_ANS": "question-answering"}
+_PEFT_TASKS = {
+    "SEQ_CLS": "classification", "SEQ_2_SEQ_LM": "seq2seq", "QUESTION_ANS": "question-answering", "TOKEN_CLS": "token-classification",
+}
 """The PEFT task types that decide the task whatever the base model's config names (a
 classifier is often trained from a pretrained encoder whose config names its masked-LM head)."""
 
+_LABELLED = ("SEQ_CLS", "TOKEN_CLS")
+"""The PEFT task types whose saved head decides the number of labels."""
 _VIRTUAL_TOKENS = ("PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT", "CPT")
 """PEFT methods that learn tokens or states no input token stands for, and cannot be merged."""
 
@@ -412,6 +423,22 @@ def load_question_answerer(path: str | Path) -> tuple[Any, Any]:
     return _load(Path(path), AutoModelForQuestionAnswering)
 
 
+def load_token_classifier(path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local token-classification checkpoint (a named-entity
+    or part-of-speech tagger: the ``*ForTokenClassification`` architecture transformers
+    registers for its model type), loaded as safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoModelForTokenClassification
+
+    task = checkpoint_task(path)
+    if task != "token-classification":
+        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not a token classifier (a *ForTokenClassification architecture).")
+    return _load(Path(path), AutoModelForTokenClassification)
+
+
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, image processor)`` from a local checkpoint of a model that
     captions an image with no prompt (:func:`captions_alone`): an image encoder before a
@@ -461,13 +488,13 @@ def _load(folder: Path, auto_class: Any, preprocessor_class: Any = None) -> tupl
     preprocessor = adapter.base if adapter is not None and not _has_preprocessor(folder) else folder
     with _loading_errors(weights):
         model, info = auto_class.from_pretrained(weights, weights_only=True, output_loading_info=True, **_OPTIONS)
-        labels = None if adapter is None or adapter.task_type != "SEQ_CLS" else _saved_label_count(model, adapter.folder)
-        if labels not in (None, model.config.num_labels):
+        labels = None if adapter is None or adapter.task_type not in _LABELLED else _saved_label_count(model, adapter.folder)
+        if labels not in (None, model.config.num_labels):  # the base's own head, if any, is of other labels
             model, info = auto_class.from_pretrained(
-                weights, weights_only=True, output_loading_info=True, num_labels=labels, **_OPTIONS
+                weights, weights_only=True, output_loading_info=True, num_labels=labels, ignore_mismatched_sizes=True, **_OPTIONS
             )
         tokenizer = _preprocessor(preprocessor_class or AutoTokenizer, preprocessor)
-    missing = set(info["missing_keys"])
+    missing = set(info["missing_keys"]) | {mismatched[0] for mismatched in info.get("mismatched_keys", ())}
     if adapter is not None:
         model = _merged(model, adapter)
         missing -= set(_saved_shapes(adapter.folder))

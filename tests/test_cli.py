@@ -439,7 +439,7 @@ def test_not_a_sequence_classifier(checkpoints):
     _, encoder = checkpoints
     result = run_cli("explain", "the film", "--model", str(encoder))
     assert result.returncode != 0
-    assert "BertModel checkpoint, neither a sequence or image classifier, a question answerer nor a language model" in result.stderr
+    assert "BertModel checkpoint, neither a sequence, token or image classifier, a question answerer nor a language model" in result.stderr
     assert result.stderr.strip().count("\n") == 0
 
 

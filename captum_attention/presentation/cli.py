@@ -4,6 +4,7 @@
     captum-attention explain --model my-llm/ "Where is the key? ..." --per-token   # a language model's answer
     captum-attention explain --model my-vlm/ --image photo.png "What colour is the square?"
     captum-attention explain --model my-squad-bert/ --question "Where did the cat sit?" "The cat sat on the mat."
+    captum-attention explain --model my-ner-bert/ "Ada Lovelace lived in London."   # each entity's label
     captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
@@ -70,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                          "model, the prompt")
     explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
                          "the whole file is the prompt")
-    explain.add_argument("--model", type=Path, help="a local sequence-classification, image-classification, causal, "
-                         "sequence-to-sequence, vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+    explain.add_argument("--model", type=Path, help="a local sequence-classification, token-classification, "
+                         "question-answering, image-classification, causal, sequence-to-sequence, vision-language or "
+                         "image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
                          "downloaded (default: the embedded sentiment model, trained on first use)")
     explain.add_argument("--pair-separator", metavar="SEP",
                          help="classifiers of text pairs (NLI, paraphrase): each sentence holds the two texts the model "
@@ -83,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                          "the question, asked about the text given (the context, one argument or --file)")
     explain.add_argument("--target", help="class to explain, index or label name (default: predicted); for a "
                           "language model, the answer's text (default: the model's greedy answer); for a question "
-                          "answerer, an answer as the context spells it (default: the predicted span)")
+                          "answerer, an answer as the context spells it (default: the predicted span); for a token "
+                          "classifier, a word of the text whose label to explain (default: every word labelled "
+                          "other than O)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
     explain.add_argument("--chat", action="store_true", help="language models: " + CHAT_HELP)
@@ -274,6 +278,9 @@ def _explain(arguments: argparse.Namespace) -> None:
     if arguments.chat and task not in ("generation", "seq2seq", "image-text-to-text"):
         raise UsageError("--chat is for a language model's prompt (a causal, sequence-to-sequence or vision-language checkpoint)")
     _check_languages(arguments, task)
+    if arguments.question is not None and task != "question-answering":
+        raise UsageError(f"--question is for an extractive question answerer (a *ForQuestionAnswering checkpoint); "
+                         f"{arguments.model or 'the default model'} is not one")
     if task == "image-text-to-text":
         _explain_image_answer(arguments)
         return
@@ -289,9 +296,9 @@ def _explain(arguments: argparse.Namespace) -> None:
     if task == "question-answering":
         _explain_question(arguments)
         return
-    if arguments.question is not None:
-        raise UsageError(f"--question is for an extractive question answerer (a *ForQuestionAnswering checkpoint); "
-                         f"{arguments.model or 'the default model'} is not one")
+    if task == "token-classification":
+        _explain_token_labels(arguments)
+        return
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
         return
@@ -493,7 +500,6 @@ def _explain_question(arguments: argparse.Namespace) -> None:
     context (the one text given, or ``--file``), its start and end logits each explained by
     every method."""
     from ..loading import load_question_answerer
-    from .positions import check_position_methods
     from .question_answering import explain_question
 
     if arguments.question is None or not _visible(arguments.question):
@@ -503,14 +509,7 @@ def _explain_question(arguments: argparse.Namespace) -> None:
     for option, value in (("question", arguments.question), ("target", arguments.target)):
         if value is not None and has_surrogates(value):
             raise UsageError(f"--{option} is not valid UTF-8: {terminal_safe(value)}")
-    unread = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip") if getattr(arguments, option)]
-    if unread:
-        raise UsageError(f"{', '.join(unread)}: for a language model's prompt; a question answerer's report shows every token")
-    _check_counts(arguments, "ig_steps", "ig_batch_size")
-    methods = _methods(arguments)
-    check_position_methods(methods, "an answer's start and end")
-    _check_presence(arguments)
-    _check_outputs(arguments)
+    methods = _position_request(arguments, "a question answerer", "an answer's start and end")
     model, tokenizer = load_question_answerer(arguments.model)
     _note_uniform_head_weights(model, methods)
     explanation = explain_question(
@@ -520,17 +519,56 @@ def _explain_question(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
+def _explain_token_labels(arguments: argparse.Namespace) -> None:
+    """``explain`` for a token classifier: the labels of the text's words (the one text
+    given, or ``--file``), each labelled word's (or ``--target``'s) label explained by every
+    method."""
+    from ..loading import load_token_classifier
+    from .token_class import explain_token_labels
+
+    text = _prompt(arguments, "text", "a token classifier")
+    if arguments.target is not None and has_surrogates(arguments.target):
+        raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
+    methods = _position_request(arguments, "a token classifier", "the word whose label is read")
+    model, tokenizer = load_token_classifier(arguments.model)
+    _note_uniform_head_weights(model, methods)
+    explanation = explain_token_labels(
+        model, tokenizer, text, arguments.target, methods, arguments.ig_steps, arguments.ig_batch_size, arguments.presence
+    )
+    _report_answer(arguments, explanation)
+
+
+def _position_request(arguments: argparse.Namespace, kind: str, explained: str) -> list[str]:
+    """Before any work, for a model of ``kind`` whose logits are read at a token: the
+    options for a prompt refused, the counts, the presence and the output paths checked;
+    the chosen methods, those that cannot explain the logit at a token (``explained``)
+    refused."""
+    from .positions import check_position_methods
+
+    unread = [f"--{option.replace('_', '-')}" for option in ("per_token", "skip") if getattr(arguments, option)]
+    if unread:
+        raise UsageError(f"{', '.join(unread)}: for a language model's prompt; {kind}'s report shows every token")
+    _check_counts(arguments, "ig_steps", "ig_batch_size")
+    methods = _methods(arguments)
+    check_position_methods(methods, explained)
+    _check_presence(arguments)
+    _check_outputs(arguments)
+    return methods
+
+
 def _report_answer(arguments: argparse.Namespace, explanation: Any) -> None:
     """An answer's (or an image classifier's prediction's) explanation: its warnings, the
     terminal report, and the HTML and JSON files asked for."""
-    from .html import render_answer_html, render_image_class_html, render_question_html
+    from .html import render_answer_html, render_image_class_html, render_question_html, render_token_class_html
     from .image_class import ImageClassExplanation
     from .question_answering import QuestionAnswerExplanation
-    from .text import render_answer_text, render_image_class_text, render_question_text
+    from .text import render_answer_text, render_image_class_text, render_question_text, render_token_class_text
+    from .token_class import TokenClassExplanation
 
     render_text, render_html = (
         (render_image_class_text, render_image_class_html) if isinstance(explanation, ImageClassExplanation)
         else (render_question_text, render_question_html) if isinstance(explanation, QuestionAnswerExplanation)
+        else (render_token_class_text, render_token_class_html) if isinstance(explanation, TokenClassExplanation)
         else (render_answer_text, render_answer_html)
     )
     for warning in explanation.warnings:
@@ -594,6 +632,9 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     if task == "question-answering":
         raise UsageError(f"evaluate does not score an extractive question answerer's answers; explain each with "
                          f"explain --model {arguments.model} --question TEXT CONTEXT")
+    if task == "token-classification":
+        raise UsageError(f"evaluate does not score a token classifier's labels; explain each text with "
+                         f"explain --model {arguments.model} TEXT")
     if task == "image-classification":
         _evaluate_images(arguments)
         return

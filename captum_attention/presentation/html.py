@@ -9,7 +9,8 @@ from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
-from .text import answer_line, count, cut_note, peak_cell, shares, terminal_safe, token_labels
+from .token_class import TokenClassExplanation
+from .text import answer_line, count, cut_note, labels_line, peak_cell, shares, terminal_safe, token_labels
 
 
 def escape(text: str) -> str:
@@ -24,6 +25,7 @@ section { margin-bottom: 2.5em; }
 table { border-collapse: collapse; }
 th, td { text-align: left; padding: 0.3em 0.6em; border-bottom: 1px solid #ddd; vertical-align: top; }
 td.time { text-align: right; white-space: nowrap; color: #555; }
+td.word { white-space: nowrap; }
 .tok { display: inline-block; padding: 0.1em 0.25em; margin: 0.1em; border-radius: 0.2em;
        font-family: ui-monospace, monospace; unicode-bidi: isolate; }
 .tok.special { color: #888; border: 1px dashed #bbb; }
@@ -383,6 +385,42 @@ def render_question_html(explanation: QuestionAnswerExplanation, model_name: str
             parts.append(f"<tr>{described}<td>{end}</td><td>{row}</td></tr>")
     parts.append("</table></body></html>")
     return "\n".join(parts)
+
+
+def render_token_class_html(explanation: TokenClassExplanation, model_name: str) -> str:
+    """The report page of a token classifier's labels: per method, a coloured token row for
+    each explained word's label, the word's first token (where the label is read)
+    underlined."""
+    note, words = cut_note(explanation, "text"), labels_line(explanation)
+    parts = [
+        *_page_head(_STYLE),
+        f"<p>Model: <code>{escape(model_name)}</code>.</p>",
+        f"<p>Text: <bdi>{escape(explanation.text)}</bdi></p>",
+        f"<p><bdi>{escape(words[:1].upper() + words[1:])}</bdi>.</p>",
+        *([] if note is None else [f'<p class="note">Note: {escape(note)}.</p>']),
+    ]
+    if explanation.words:
+        parts += [
+            "<p class=\"legend\">Each method explains each word's label logit, read at the word's first token "
+            "(underlined). Colour strength is relative to the largest score of the row's words; special tokens "
+            '(<span class="tok special">[CLS]</span>) are left out of the scale and not coloured. Hover a token for its '
+            "share of the words' scores and the score itself.</p>",
+            "<table><tr><th>method</th><th>wall time</th><th>word</th><th>tokens</th></tr>",
+        ]
+    for method, info in explanation.methods.items():
+        for index, word in enumerate(explanation.words):
+            described = (
+                f"<td rowspan=\"{len(explanation.words)}\">{escape(method)}<br><span class=\"meaning\">"
+                f"{escape(_meaning(info, 'the label', _TOKEN_UNTARGETED))}</span></td><td rowspan=\"{len(explanation.words)}\" "
+                f"class=\"time\">{explanation.seconds[method] * 1000:.0f} ms</td>" if index == 0 else ""
+            )
+            row = _token_row(explanation.tokens, word.scores[method], explanation.special, info, range(word.position, word.position + 1))
+            parts.append(f"<tr>{described}<td class=\"word\"><bdi>{escape(word.word)}</bdi> ({escape(word.label)})</td><td>{row}</td></tr>")
+    parts.append(("</table>" if explanation.words else "") + "</body></html>")
+    return "\n".join(parts)
+
+
+_TOKEN_UNTARGETED = "from the forward pass alone, read at the word's first token, whatever the label"
 
 
 def _grid_spread(grid: list[list[float]]) -> str:

@@ -10,6 +10,7 @@ from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo, SentenceExplanation
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
+from .token_class import OUTSIDE, TokenClassExplanation
 
 TOP_K = 3
 """Tokens marked ``*`` per method in the normalised table."""
@@ -180,11 +181,12 @@ def answer_line(explanation: QuestionAnswerExplanation) -> str:
     )
 
 
-def cut_note(explanation: QuestionAnswerExplanation) -> str | None:
-    """Where the context was cut to the model's length limit, what is lost; else None."""
+def cut_note(explanation: QuestionAnswerExplanation | TokenClassExplanation, named: str = "context") -> str | None:
+    """Where the context (or what is ``named``) was cut to the model's length limit, what is
+    lost; else None."""
     if explanation.cut_from is None:
         return None
-    return (f"the context was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
+    return (f"the {named} was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
             "neither read nor explained")
 
 
@@ -207,6 +209,40 @@ def render_question_text(explanation: QuestionAnswerExplanation, top: int = 5, r
         for end, position in (("start", explanation.start), ("end", explanation.end)):
             shown = _top_tokens(explanation.tokens, rows[end], explanation.special, info, top, raw)
             lines.append(f"  {end:>5} ({terminal_safe(labels[position])}) <- {shown}")
+    return "\n".join(lines)
+
+
+def labels_line(explanation: TokenClassExplanation) -> str:
+    """The explained words and their labels, or why there are none."""
+    if not explanation.words:
+        return (f"no word is labelled other than {OUTSIDE!r}: --target WORD explains one word's label")
+    listed = " | ".join(
+        f"{terminal_safe(word.word)} {terminal_safe(word.label)} (p {word.probability:.3f})" for word in explanation.words
+    )
+    return f"{'word, given' if explanation.given else 'words and their predicted labels'}: {listed}"
+
+
+def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, raw: bool = False) -> str:
+    """The terminal report of a token classifier's labels: the explained words, then per
+    method, for each word, its label's top tokens."""
+    lines = [f"text: {terminal_safe(explanation.text)}", labels_line(explanation)]
+    note = cut_note(explanation, "text")
+    lines += [] if note is None else [f"note: {note}"]
+    if not explanation.words:
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"top {top} tokens per method for each word's label, read at its first token, by their share of the method's "
+        "scores over the words" + (" (--raw: the scores)" if raw else "") + "; a token the text holds more than once "
+        "shows its position, token[i]:",
+    ]
+    named = [f"{terminal_safe(word.word)} ({terminal_safe(word.label)})" for word in explanation.words]
+    width = max(len(name) for name in named)
+    for method, info in explanation.methods.items():
+        lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms):")
+        for word, name in zip(explanation.words, named):
+            shown = _top_tokens(explanation.tokens, word.scores[method], explanation.special, info, top, raw)
+            lines.append(f"  {name:>{width}} <- {shown}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,151 @@
+"""Explain a token classifier's labels (named entities, parts of speech: a
+``*ForTokenClassification`` checkpoint): each labelled word's label, read at the word's
+first token, explained by every method."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .answer import unknown_words
+from .display import readable_tokens, special_tokens
+from .explain import MethodInfo, default_method_names, length_limit
+from .positions import check_position_methods, forward_inputs, output_forward, position_method
+
+OUTSIDE = "O"
+"""The label of the words outside every entity (the IOB schemes'): a report explains the
+others' labels."""
+
+
+@dataclass
+class WordLabel:
+    """One explained word.
+
+    Attributes:
+        word: the word as the text spells it.
+        position: its first token's position in the tokens: where its label is read.
+        label: the label explained, the predicted one.
+        probability: the softmax of the labels' logits at ``position``, at ``label``.
+        scores: method -> a score per token of the label's logit.
+    """
+
+    word: str
+    position: int
+    label: str
+    probability: float
+    scores: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class TokenClassExplanation:
+    """What the report of a token classifier's labels of one text shows.
+
+    Attributes:
+        text: the text as given.
+        tokens: the tokens the model read, readable.
+        special: whether each token is a special one.
+        words: the explained words: each word labelled other than :data:`OUTSIDE` (every
+            word where the model has no such label), or the one given.
+        given: whether the word was given (``--target``).
+        cut_from: the text's token count where it was cut to the model's length limit.
+        seconds: method -> wall time over all the words.
+        methods: method -> how to read its scores.
+        warnings: what the reader should know (words the tokenizer does not know).
+    """
+
+    text: str
+    tokens: list[str]
+    special: list[bool]
+    words: list[WordLabel]
+    given: bool
+    cut_from: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    methods: dict[str, MethodInfo] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def first_tokens(encoded: Any) -> dict[int, tuple[int, int]]:
+    """Each word's first token -> the word's characters ``(begin, end)`` in the text, by
+    the tokens' word ids and offsets (a fast tokenizer's)."""
+    words: dict[int, tuple[int, int]] = {}
+    firsts: dict[int, int] = {}
+    offsets = encoded["offset_mapping"][0].tolist()
+    for position, word in enumerate(encoded.word_ids(0)):
+        if word is None:
+            continue
+        first = firsts.setdefault(word, position)
+        begin = words[first][0] if first in words else offsets[position][0]
+        words[first] = (begin, offsets[position][1])
+    return words
+
+
+def given_word(words: dict[int, tuple[int, int]], text: str, word: str) -> int:
+    """The first token of the word where ``word`` first occurs in ``text``; a one-line
+    ``ValueError`` where the text (as the model reads it) does not hold it."""
+    begin = text.find(word)
+    if begin < 0 or not word.strip():
+        raise ValueError(f"--target {word!r} is not in the text: give a word as the text spells it")
+    for first, (start, end) in words.items():
+        if start <= begin < end:
+            return first
+    raise ValueError(f"--target {word!r} lies in the part of the text cut to the model's length limit")
+
+
+def explain_token_labels(
+    model: Any, tokenizer: Any, text: str, word: str | None = None, methods: list[str] | None = None, ig_steps: int = 50,
+    ig_batch_size: int | None = None, presence: float = 0.05,
+) -> TokenClassExplanation:
+    """A token classifier's predicted labels of ``text``'s words, each labelled word's
+    label (or, given ``word``, that word's) explained by every method at the word's first
+    token, all the words in one batch: each registered method's ``attribute(ids,
+    target=[(position, label), ...], query_index=positions)`` of the logits, Integrated
+    Gradients and AttnLRP at a presence as
+    :func:`~captum_attention.presentation.positions.position_method` runs them. A text
+    longer than the model takes is cut."""
+    chosen = methods or default_method_names()
+    check_position_methods(chosen, "the word whose label is read")
+    if not tokenizer.is_fast:
+        raise ValueError("a token classifier's words are told apart by a fast tokenizer's word ids: save the tokenizer "
+                         "with AutoTokenizer.from_pretrained(..., use_fast=True)")
+    limit = length_limit(model, tokenizer)
+    encoded = tokenizer(text, truncation=True, max_length=limit, return_offsets_mapping=True, return_tensors="pt")
+    names, arguments = forward_inputs(encoded)
+    ids = encoded["input_ids"]
+    with torch.no_grad():
+        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0].float().softmax(-1)
+    predicted = probabilities.argmax(-1).tolist()
+    id2label = model.config.id2label
+    words = first_tokens(encoded)
+    if word is not None:
+        chosen_words = [given_word(words, text, word)]
+    else:
+        outside = OUTSIDE in id2label.values()
+        chosen_words = [first for first in words if not outside or id2label[predicted[first]] != OUTSIDE]
+    full_length = len(tokenizer(text)["input_ids"])
+    explanation = TokenClassExplanation(
+        text=text, tokens=readable_tokens(ids[0], tokenizer), special=special_tokens(ids, tokenizer)[0].tolist(),
+        words=[
+            WordLabel(text[slice(*words[first])], first, id2label[predicted[first]], float(probabilities[first, predicted[first]]))
+            for first in chosen_words
+        ],
+        given=word is not None, cut_from=full_length if full_length > ids.shape[1] else None,
+    )
+    unknown = unknown_words(tokenizer, text, ids[0].tolist(), named="text")
+    explanation.warnings += [] if unknown is None else [unknown]
+    if not chosen_words:
+        return explanation
+    count = len(chosen_words)
+    forward = output_forward(model, "logits", names)
+    target = [(first, predicted[first]) for first in chosen_words]
+    for name in chosen:
+        display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
+        begin = time.perf_counter()
+        scores = run(forward, ids.expand(count, -1), tuple(a.expand(count, -1) for a in arguments), target, chosen_words)
+        explanation.seconds[display] = time.perf_counter() - begin
+        explanation.methods[display] = info
+        for labelled, row in zip(explanation.words, scores.detach().float().tolist()):
+            labelled.scores[display] = row
+    return explanation

@@ -1,0 +1,218 @@
+"""The command line on a token classifier (``*ForTokenClassification``: a named-entity
+tagger): the words explained are those labelled other than "O" (every word where the
+model has no such label, or the one given), each label read at the word's first token,
+and each method's scores equal to the library's own call on that word alone (Captum's
+``LayerIntegratedGradients`` for Integrated Gradients), with the token types the model
+was trained with."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from captum.attr import LayerIntegratedGradients
+from test_cli import run_cli
+
+from captum_attention import AttentionRollout, AttnLRP, GradSAM
+from captum_attention.loading import checkpoint_task, load_token_classifier
+
+WORDS = "ada love ##lace lived in london with zoe paris a cat sat on the mat".split()
+TEXT = "ada lovelace lived in london with zoe ."
+LABELS = ["O", "B-PER", "I-PER", "B-LOC"]
+
+
+def _vocab(folder: Path) -> Path:
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *WORDS]) + "\n")
+    return vocab
+
+
+def _bert(labels: list[str], seed: int = 0, o_bias: float = 0.0) -> tf.BertForTokenClassification:
+    torch.manual_seed(seed)
+    model = tf.BertForTokenClassification(tf.BertConfig(
+        vocab_size=len(WORDS) + 6, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=32, initializer_range=0.3, id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    ))
+    with torch.no_grad():
+        model.classifier.bias[0] += o_bias
+    return model
+
+
+@pytest.fixture(scope="module")
+def taggers(tmp_path_factory):
+    """A BERT tagger (token types), a DistilBERT one (none), a BERT one whose labels hold
+    no "O" (a part-of-speech tagger) and one that labels every word "O", saved with their
+    tokenizers; 32 positions."""
+    root = tmp_path_factory.mktemp("taggers")
+    vocab = str(_vocab(root))
+    folders = {name: root / name for name in ("bert", "distilbert", "pos", "outside")}
+    _bert(LABELS).save_pretrained(folders["bert"])
+    _bert(["NOUN", "VERB", "ADP", "PUNCT"], seed=1).save_pretrained(folders["pos"])
+    _bert(LABELS, o_bias=50.0).save_pretrained(folders["outside"])
+    torch.manual_seed(0)
+    tf.DistilBertForTokenClassification(tf.DistilBertConfig(
+        vocab_size=len(WORDS) + 6, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_position_embeddings=32,
+        initializer_range=0.3, id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)},
+    )).save_pretrained(folders["distilbert"])
+    for name, folder in folders.items():
+        (tf.DistilBertTokenizerFast if name == "distilbert" else tf.BertTokenizerFast)(vocab=vocab).save_pretrained(folder)
+    return folders
+
+
+def _explained(folder: Path, tmp_path: Path, *options: str, text: str = TEXT) -> dict:
+    path = tmp_path / "explanation.json"
+    result = run_cli("explain", "--model", str(folder), text, "--json", str(path), *options)
+    assert result.returncode == 0, result.stderr
+    return json.loads(path.read_text())
+
+
+def _firsts_and_labels(folder: Path, text: str = TEXT) -> tuple[list[int], list[str], dict]:
+    """Each word's first token, and the predicted label of every token, by the model."""
+    model, tokenizer = load_token_classifier(folder)
+    encoded = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        predicted = model(**encoded).logits[0].argmax(-1).tolist()
+    word_ids = encoded.word_ids(0)
+    firsts = [i for i, w in enumerate(word_ids) if w is not None and (i == 0 or word_ids[i - 1] != w)]
+    return firsts, [model.config.id2label[p] for p in predicted], encoded
+
+
+@pytest.mark.parametrize("name", ["bert", "distilbert"])
+def test_each_words_label_is_explained_as_the_library_explains_it_alone(taggers, tmp_path, name):
+    explained = _explained(taggers[name], tmp_path, "--methods", "grad_sam,rollout,attn_lrp,integrated_gradients", "--ig-steps", "6")
+    model, tokenizer = load_token_classifier(taggers[name])
+    encoded = tokenizer(TEXT, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    types = "token_type_ids" in encoded
+    assert types == (name == "bert")
+    arguments = (mask, encoded["token_type_ids"]) if types else (mask,)
+
+    def forward(ids, mask, *given):
+        return model(input_ids=ids, attention_mask=mask, **({"token_type_ids": given[0]} if types else {})).logits
+
+    baseline = torch.where(torch.isin(ids, torch.tensor(tokenizer.all_special_ids)), ids, tokenizer.pad_token_id)
+    assert len(explained["words"]) >= 2
+    for word in explained["words"]:
+        target = (word["position"], LABELS.index(word["label"]))
+        expected = {
+            "Grad-SAM": GradSAM(forward, model=model).attribute(ids, target=target, additional_forward_args=arguments),
+            "Attention Rollout": AttentionRollout(forward, model=model).attribute(ids, target=target, additional_forward_args=arguments),
+            "AttnLRP": AttnLRP(forward, model=model).attribute(ids, target=target, additional_forward_args=arguments),
+            "Integrated Gradients": LayerIntegratedGradients(forward, model.get_input_embeddings()).attribute(
+                ids, baselines=baseline, target=target, additional_forward_args=arguments, n_steps=6).sum(-1),
+        }
+        for method, scores in expected.items():
+            torch.testing.assert_close(torch.tensor(word["scores"][method]), scores[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["bert", "pos"])
+def test_the_words_explained_are_those_labelled_other_than_o_at_their_first_token(taggers, tmp_path, name):
+    """The tagger of "O" and entities explains its entities; the part-of-speech tagger
+    every word. "lovelace" is two tokens: its label is read at "love"."""
+    explained = _explained(taggers[name], tmp_path, "--methods", "raw")
+    firsts, labels, _ = _firsts_and_labels(taggers[name])
+    expected = [i for i in firsts if name == "pos" or labels[i] != "O"]
+    assert [word["position"] for word in explained["words"]] == expected and expected
+    assert [word["label"] for word in explained["words"]] == [labels[i] for i in expected]
+    words = dict(zip(firsts, TEXT.split()))
+    assert [word["word"] for word in explained["words"]] == [words[i] for i in expected]
+    assert explained["tokens"][firsts[1] : firsts[2]] == ["love", "##lace"]
+
+
+def test_a_given_word_is_explained_at_its_first_token(taggers, tmp_path):
+    explained = _explained(taggers["bert"], tmp_path, "--methods", "attn_lrp", "--target", "lovelace")
+    firsts, labels, _ = _firsts_and_labels(taggers["bert"])
+    (word,) = explained["words"]
+    assert explained["given"] and word["word"] == "lovelace" and word["position"] == firsts[1]
+    assert word["label"] == labels[firsts[1]]
+    phrase = _explained(taggers["bert"], tmp_path, "--methods", "attn_lrp", "--target", "lovelace lived")
+    assert [w["position"] for w in phrase["words"]] == [firsts[1]]  # a phrase: its first word
+    result = run_cli("explain", "--model", str(taggers["bert"]), TEXT, "--target", "paris")
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "--target 'paris' is not in the text: give a word as the text spells it" in result.stderr
+
+
+def test_no_word_labelled_other_than_o_says_so(taggers, tmp_path):
+    explained = _explained(taggers["outside"], tmp_path, "--methods", "raw")
+    assert explained["words"] == []
+    result = run_cli("explain", "--model", str(taggers["outside"]), TEXT, "--methods", "raw", "--html", str(tmp_path / "r.html"))
+    assert result.returncode == 0 and "no word is labelled other than 'O': --target WORD explains one word's label" in result.stdout
+
+
+def test_a_text_longer_than_the_model_takes_is_cut_and_says_so(taggers, tmp_path):
+    text = " ".join(["ada lived in london ."] * 8)
+    explained = _explained(taggers["pos"], tmp_path, "--methods", "raw", text=text)
+    assert len(explained["tokens"]) == 32 and explained["cut_from"] == 42
+    assert max(word["position"] for word in explained["words"]) == 30
+    result = run_cli("explain", "--model", str(taggers["pos"]), text, "--methods", "raw")
+    assert "note: the text was cut to the model's 32 tokens (of 42)" in result.stdout
+
+
+def test_the_report_underlines_each_words_first_token(taggers, tmp_path):
+    html = tmp_path / "report.html"
+    result = run_cli("explain", "--model", str(taggers["pos"]), TEXT, "--methods", "attn_lrp,rollout", "--html", str(html))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(" <- ") == 2 * len(TEXT.split())
+
+    class Marked(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[bool]] = []
+
+        def handle_starttag(self, tag, attrs):
+            kind = dict(attrs).get("class", "")
+            if tag == "tr":
+                self.rows.append([])
+            elif tag == "span" and kind.startswith("tok") and self.rows:
+                self.rows[-1].append("marked" in kind)
+
+    page = Marked()
+    page.feed(html.read_text())
+    rows = [row for row in page.rows if row]
+    firsts, _, _ = _firsts_and_labels(taggers["pos"])
+    assert [row.index(True) for row in rows] == firsts * 2 and all(sum(row) == 1 for row in rows)
+
+
+def test_a_token_classifier_is_recognised_and_misuse_is_refused_in_one_line(taggers, tmp_path):
+    bert = str(taggers["bert"])
+    assert checkpoint_task(bert) == checkpoint_task(taggers["distilbert"]) == "token-classification"
+    refusals = [
+        (("explain", "--model", bert, TEXT, "--methods", "alti_logit"), "alti_logit explains"),
+        (("explain", "--model", bert, TEXT, "--methods", "attn_lrp_presence_calibrated"),
+         "their removals of words move the word whose label is read"),
+        (("explain", "--model", bert, TEXT, "--skip", "ada"), "--skip: for a language model's prompt"),
+        (("explain", "--model", bert, TEXT, "another text"), "a token classifier explains one text at a time; got 2"),
+        (("explain", "--model", bert, "--question", "who?", TEXT), "--question is for an extractive question answerer"),
+        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", bert), "evaluate does not score a token classifier's labels"),
+    ]
+    for arguments, said in refusals:
+        result = run_cli(*arguments)
+        assert result.returncode == 1 and said in result.stderr, (arguments, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_token_classification_adapter_keeps_its_heads_labels(taggers, tmp_path):
+    """A LoRA adapter saved alone (task TOKEN_CLS) of a tagger of 6 labels trained from the
+    4-label one: its saved head decides the labels, as PEFT computes it unmerged."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(1)
+    base = tf.BertForTokenClassification.from_pretrained(taggers["bert"], num_labels=6, ignore_mismatched_sizes=True)
+    lora = LoraConfig(task_type="TOKEN_CLS", r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False)
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, lora).save_pretrained(adapter)
+    assert checkpoint_task(adapter) == "token-classification"
+    model, tokenizer = load_token_classifier(adapter)
+    encoded = tokenizer(TEXT, return_tensors="pt")
+    torch.manual_seed(2)  # the head PEFT loads over is replaced by the adapter's
+    fresh = tf.BertForTokenClassification.from_pretrained(taggers["bert"], num_labels=6, ignore_mismatched_sizes=True)
+    unmerged = PeftModel.from_pretrained(fresh, adapter).eval()
+    with torch.no_grad():
+        expected = unmerged.get_base_model()(**encoded).logits
+        assert expected.shape[-1] == model.config.num_labels == 6
+        torch.testing.assert_close(model(**encoded).logits, expected, atol=1e-5, rtol=1e-4)
