@@ -217,6 +217,16 @@ def test_a_question_answerer_is_recognised_and_misuse_is_refused_in_one_line(ans
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_token_types_a_model_does_not_take_are_left_out(answerers):
+    """A BERT tokenizer gives token types; DistilBERT takes none: they are not passed."""
+    model, own = load_question_answerer(answerers[1])
+    bert_tokenizer = tf.BertTokenizerFast.from_pretrained(answerers[0])
+    assert "token_type_ids" in bert_tokenizer(QUESTION, CONTEXT) and "token_type_ids" not in own(QUESTION, CONTEXT)
+    given = explain_question(model, bert_tokenizer, QUESTION, CONTEXT, methods=["attn_lrp"])
+    alone = explain_question(model, own, QUESTION, CONTEXT, methods=["attn_lrp"])
+    assert (given.start, given.end) == (alone.start, alone.end) and given.scores == alone.scores
+
+
 def test_an_encoder_decoders_answerer_is_refused_in_one_line(answerers, tmp_path):
     """BART's answerer reads the text again in its decoder, whose states give the logits:
     the methods would need the decoder's ids as a second input."""

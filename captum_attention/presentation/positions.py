@@ -3,6 +3,7 @@ extractive answer's start or end, a token classifier's label of one word."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -82,8 +83,10 @@ def output_forward(model: Any, output: str, inputs: Sequence[str]) -> Callable[.
     return forward
 
 
-def forward_inputs(encoded: Any) -> tuple[list[str], tuple[torch.Tensor, ...]]:
+def forward_inputs(encoded: Any, model: Any) -> tuple[list[str], tuple[torch.Tensor, ...]]:
     """The names and tensors of what a tokenizer gave beside the ids that the model reads
-    (the attention mask first, then the token types where it gives them)."""
-    names = [name for name in ("attention_mask", "token_type_ids") if name in encoded]
+    (the attention mask first, then the token types where it gives them and the model
+    takes them)."""
+    takes = inspect.signature(model.forward).parameters
+    names = [name for name in ("attention_mask", "token_type_ids") if name in encoded and name in takes]
     return names, tuple(encoded[name] for name in names)

@@ -67,19 +67,25 @@ class QuestionAnswerExplanation:
     warnings: list[str] = field(default_factory=list)
 
 
+def question_first(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts the question before the context: unless it pads on the
+    left (XLNet's), whose models read the context first."""
+    return tokenizer.padding_side == "right"
+
+
 def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None) -> Any:
-    """The question and context tokenized as a pair in the tokenizer's order (the question
-    first, but after the context where the tokenizer pads on the left: XLNet's), the context cut to ``max_length`` tokens; with offsets."""
-    question_first = tokenizer.padding_side == "right"
-    pair = (question, context) if question_first else (context, question)
-    cut = {} if max_length is None else {"truncation": "only_second" if question_first else "only_first", "max_length": max_length}
+    """The question and context tokenized as a pair in the tokenizer's order
+    (:func:`question_first`), the context cut to ``max_length`` tokens; with offsets."""
+    first = question_first(tokenizer)
+    pair = (question, context) if first else (context, question)
+    cut = {} if max_length is None else {"truncation": "only_second" if first else "only_first", "max_length": max_length}
     return tokenizer(*pair, return_offsets_mapping=True, return_tensors="pt", **cut)
 
 
 def context_tokens(encoded: Any, tokenizer: Any) -> torch.Tensor:
     """``(tokens,)`` bool: whether each token of ``encoded`` (:func:`question_inputs`) is
     the context's."""
-    context_index = 1 if tokenizer.padding_side == "right" else 0
+    context_index = 1 if question_first(tokenizer) else 0
     return torch.tensor([index == context_index for index in encoded.sequence_ids(0)])
 
 
@@ -142,14 +148,14 @@ def explain_question(
                          f"within the {limit} the model takes: shorten the question")
     encoded = question_inputs(tokenizer, question, context, limit)
     in_context = context_tokens(encoded, tokenizer)
-    inputs = {key: value for key, value in encoded.items() if key != "offset_mapping"}
+    names, arguments = forward_inputs(encoded, model)
+    ids = encoded["input_ids"]
     with torch.no_grad():
-        outputs = model(**inputs)
+        outputs = model(input_ids=ids, **dict(zip(names, arguments)))
     logits = {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}
     predicted = best_span(logits["start"], logits["end"], in_context)
     span = predicted if answer is None else given_span(encoded, in_context, context, answer)
     probabilities = {end: logits[end].float().masked_fill(~in_context, float("-inf")).softmax(-1) for end in ENDS}
-    ids = inputs["input_ids"]
     full_length = len(question_inputs(tokenizer, question, context)["input_ids"][0])
     explanation = QuestionAnswerExplanation(
         question=question, context=context, tokens=readable_tokens(ids[0], tokenizer),
@@ -161,7 +167,6 @@ def explain_question(
     )
     unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
     explanation.warnings += [] if unknown is None else [unknown]
-    names, arguments = forward_inputs(inputs)
     for name in chosen:
         display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
         begin = time.perf_counter()

@@ -112,7 +112,7 @@ def explain_token_labels(
                          "with AutoTokenizer.from_pretrained(..., use_fast=True)")
     limit = length_limit(model, tokenizer)
     encoded = tokenizer(text, truncation=True, max_length=limit, return_offsets_mapping=True, return_tensors="pt")
-    names, arguments = forward_inputs(encoded)
+    names, arguments = forward_inputs(encoded, model)
     ids = encoded["input_ids"]
     with torch.no_grad():
         probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0].float().softmax(-1)
