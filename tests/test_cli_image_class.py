@@ -146,8 +146,8 @@ def test_what_an_image_classifier_cannot_take_is_refused_in_one_line(classifier,
     )
     data.write_text(json.dumps({"image": image.name}) + "\n")
     assert refused("evaluate", str(data), "--model", str(classifier), "--metrics", "comprehensiveness,decision_flip").endswith(
-        "decision_flip: not over an image's patches (they erase the attention paid to tokens or compare with rationale words); "
-        "choose --metrics among comprehensiveness, sufficiency, datamodeling"
+        "decision_flip: not over an image's patches (they erase the attention paid to tokens); "
+        "choose --metrics among comprehensiveness, sufficiency, datamodeling, token_f1, auprc, pointing_game"
     )
     assert refused("evaluate", str(data), "--model", str(classifier), "--methods", "shap").endswith(
         "unknown method 'shap'; choose from grad_sam, rollout, transformer_attribution, raw, attention_flow, attn_lrp, "
@@ -302,3 +302,84 @@ def test_a_processor_that_crops_the_borders_gets_its_grid_drawn_alone(tmp_path):
     assert "not laid over the image, of which it covers another part or shape (its processor crops or pads it)" in page.read_text(
         encoding="utf-8")
     shutil.rmtree(folder)
+
+
+def test_a_boxs_patches_are_those_whose_centres_it_holds():
+    """A 4 × 4 grid over a 64 × 32 image: cells of 16 × 8 pixels, centres at x = 8, 24,
+    40, 56 and y = 4, 12, 20, 28; a box that holds no centre marks the cell of its own."""
+    from captum_attention.metrics import box_patches
+
+    cells = box_patches((0, 0, 30, 13), (64, 32), (4, 4)).reshape(4, 4)
+    assert cells.nonzero().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert box_patches((9, 9, 23, 15), (64, 32), (4, 4)).reshape(4, 4).nonzero().tolist() == [[1, 1]]  # its centre: (16, 12)
+    assert box_patches((0, 0, 64, 32), (64, 32), (4, 4)).all()
+    with pytest.raises(ValueError, match="not within the 64 × 32 image"):
+        box_patches((10, 0, 70, 5), (64, 32), (4, 4))
+
+
+def _boxed_rows(tmp_path, boxes):
+    rng = np.random.default_rng(5)
+    for name, _ in boxes:
+        Image.fromarray((rng.random((48, 64, 3)) * 255).astype("uint8")).save(tmp_path / name)
+    data = tmp_path / "boxed.jsonl"
+    data.write_text("".join(json.dumps({"image": name, **({} if box is None else {"box": box})}) + "\n" for name, box in boxes))
+    return data
+
+
+def test_evaluate_plays_the_pointing_game_against_each_rows_box(tmp_path, capsys):
+    """Rows with boxes get the box's metrics by default: the pointing game (the method's
+    top patch among the box's), token F1 and AUPRC against the patches in the box, each as
+    the metric computes it on the image's grid alone."""
+    from captum_attention.metrics import auprc, box_patches, token_f1
+
+    folder = _saved_vit(tmp_path)
+    boxes = [("a.png", [0, 0, 40, 30]), ("b.png", [30, 20, 64, 48]), ("c.png", [2, 2, 5, 5])]
+    data, output = _boxed_rows(tmp_path, boxes), tmp_path / "out"
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "rollout,attn_lrp", "--output", str(output)]) == 0
+    assert "pointing_game" in capsys.readouterr().out
+    written = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert len(written) == 6
+    for row in written:
+        name, box = boxes[row["index"]]
+        model, pixels, _ = _loaded(folder, tmp_path / name)
+        with torch.no_grad():
+            predicted = int(model(pixel_values=pixels).logits.argmax())
+        grid = METHODS[row["method"]](model).attribute(pixels, target=predicted).detach().flatten(1)
+        centres_x, centres_y = (torch.arange(4) + 0.5) * 16, (torch.arange(4) + 0.5) * 12  # 64 × 48 in a 4 × 4 grid
+        inside = ((centres_y >= box[1]) & (centres_y < box[3]))[:, None] & ((centres_x >= box[0]) & (centres_x < box[2]))[None]
+        if not inside.any():  # the small box: the cell of its centre (3.5, 3.5)
+            inside[0, 0] = True
+        assert torch.equal(inside.flatten(), box_patches(box, (64, 48), (4, 4)))
+        rationale = inside.flatten()[None]
+        assert row["pointing_game"] == float(rationale[0, int(grid.argmax())])
+        assert row["token_f1"] == pytest.approx(float(token_f1(grid, rationale)), abs=1e-6)
+        assert row["auprc"] == pytest.approx(float(auprc(grid, rationale)), abs=1e-6)
+        assert row["comprehensiveness"] is not None
+
+
+def test_box_metrics_without_boxes_or_over_a_cropped_image_are_refused_in_one_line(tmp_path, capsys):
+    folder = _saved_vit(tmp_path)
+    data = _boxed_rows(tmp_path, [("a.png", [0, 0, 40, 30]), ("b.png", None)])
+    assert main(["evaluate", str(data), "--model", str(folder), "--methods", "raw", "--output", str(tmp_path / "o1")]) == 0
+    written = [json.loads(line) for line in (tmp_path / "o1" / "results.jsonl").read_text().splitlines()]
+    assert "pointing_game" not in written[0]  # not every row has a box: the box's metrics are left out by default
+    assert main(["evaluate", str(data), "--model", str(folder), "--metrics", "pointing_game", "--output", str(tmp_path / "o2")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "pointing_game compare with the object's box: give a 'box'" in error and "(line 2 has none)" in error
+    for box, said in (([0, 0, 40], "'box' must be [x0, y0, x1, y1]"), ([0, 0, 70, 30], "is not within the 64 × 48 image"),
+                      ([5, 0, 4, 30], "x0 < x1")):
+        bad = _boxed_rows(tmp_path, [("a.png", box)])
+        assert main(["evaluate", str(bad), "--model", str(folder), "--output", str(tmp_path / "o3")]) == 1
+        assert said in capsys.readouterr().err
+    csv = tmp_path / "boxed.csv"
+    csv.write_text('image,box\na.png,"0 0 40 30"\n')
+    from captum_attention.presentation.dataset import read_images
+
+    assert read_images(csv)[0][0].box == (0.0, 0.0, 40.0, 30.0)
+    cropping = tmp_path / "deit"
+    _classifier("vit").save_pretrained(cropping)
+    tf.DeiTImageProcessor(size={"height": 48, "width": 48}, crop_size={"height": 32, "width": 32}).save_pretrained(cropping)
+    boxed = _boxed_rows(tmp_path, [("a.png", [0, 0, 40, 30])])
+    assert main(["evaluate", str(boxed), "--model", str(cropping), "--methods", "raw", "--output", str(tmp_path / "o4")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "the image processor crops or pads the 64 × 48 image of line 1" in error and len(error.splitlines()) == 1

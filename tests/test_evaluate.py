@@ -102,6 +102,8 @@ def test_rows_match_the_metrics_on_each_example_alone(checkpoint, tmp_path, caps
         assert row["datamodeling"] is None or row["datamodeling"] == pytest.approx(lds, abs=1e-6)
         rationale = torch.tensor([[False] + [w in example.rationale for w in example.text.split()] + [False]])
         assert row["token_f1"] == pytest.approx(token_f1(scores, rationale, (mask == 1) & ~keep).item(), abs=1e-6)
+        top = int(scores.masked_fill(~((mask == 1) & ~keep), float("-inf")).argmax())
+        assert row["pointing_game"] == float(rationale[0, top])
         assert row["predicted"] == int(predicted)
 
 

@@ -27,6 +27,7 @@ from captum_attention.metrics import (
     perturbation_curve,
     spearman,
     sufficiency,
+    pointing_game,
     token_f1,
 )
 from captum_attention.metrics.token_removal import with_padding_column
@@ -566,6 +567,12 @@ def test_plausibility_by_hand():
     assert auprc(scores, rationale).item() == pytest.approx((1 + 1 + 0.75) / 3)
     # predicted spans [0,1) [2,3) [4,5); gold spans [0,1) [2,4): [0,1) matches, [2,3) has IOU 1/2 (not > 0.5)
     assert iou_f1(scores, rationale).item() == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+    # the top token, 0, is in the rationale; two tied at the top, one in it: half a hit; no rationale: no game
+    assert pointing_game(scores, rationale).item() == 1.0
+    assert pointing_game(scores, ~rationale).item() == 0.0
+    assert pointing_game(torch.tensor([[0.5, 0.9, 0.9]]), torch.tensor([[True, True, False]])).item() == 0.5
+    assert pointing_game(scores, rationale, include=torch.tensor([[False, True, True, True, True]])).item() == 1.0  # 2 is next
+    assert math.isnan(pointing_game(scores, torch.zeros_like(rationale)).item())
 
 
 def test_a_text_pairs_token_types_follow_its_tokens_through_deletion(tmp_path):

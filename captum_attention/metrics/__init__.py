@@ -16,11 +16,11 @@ from .context import (
 from .head_weights import HeadWeights, fit_head_weights
 from .patches import PatchRemoval, patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
 from .identifiability import IdentifiabilityResult, identifiability
-from .image_patches import ImagePatches, image_patches
+from .image_patches import ImagePatches, box_patches, image_patches
 from .erasure import ErasureResult, FlipResult, attention_erasure, decision_flip_fraction
 from .permutation import PermutationResult, attention_permutation, permutation_accuracy
 from .perturbations import token_replacement_perturbation, token_substitution_perturbation
-from .plausibility import auprc, iou_f1, token_f1
+from .plausibility import auprc, iou_f1, pointing_game, token_f1
 from .rankings import attention_ranking, gradient_attention_ranking, gradient_ranking, random_ranking
 from .registry import METRICS, MetricContext, MetricSpec, register_metric
 
@@ -64,6 +64,7 @@ __all__ = [
     "linear_datamodeling_score",
     "pair_token_types",
     "perturbation_curve",
+    "pointing_game",
     "spearman",
     "sufficiency",
     "token_f1",
@@ -72,6 +73,7 @@ __all__ = [
     "PatchRemoval",
     "ImagePatches",
     "image_patches",
+    "box_patches",
     "patch_datamodeling_score",
     "patch_leave_one_out_agreement",
     "ErasureResult",

@@ -120,6 +120,41 @@ def image_patches(
     return ImagePatches(GreyedPatches(forward_func, pixel_values, baseline, (rows, columns)), ids, torch.ones_like(ids))
 
 
+def box_patches(box: Sequence[float], image_size: Sequence[int], grid: Sequence[int]) -> Tensor:
+    """The patches of a grid laid over the whole image that lie in an object's box, as the
+    rationale of the plausibility metrics
+    (:func:`~captum_attention.metrics.pointing_game`, :func:`~captum_attention.metrics.token_f1`,
+    :func:`~captum_attention.metrics.auprc` over :func:`image_patches`' features).
+
+    A patch lies in the box where its centre does; a box smaller than a patch, which holds
+    no patch's centre, marks the patch that holds its own centre.
+
+    Args:
+        box (sequence of float): ``(x0, y0, x1, y1)``, the box's left, top, right and
+            bottom edges in the image's pixels.
+        image_size (sequence of int): ``(width, height)`` of the image (PIL's ``size``),
+            whose whole the grid covers (a processor that resizes it without cropping:
+            :func:`~captum_attention.presentation.answer.keeps_whole_image`).
+        grid (sequence of int): ``(rows, columns)``.
+
+    Returns:
+        ``(rows * columns,)`` bool, in the row-major order of a flattened grid.
+    """
+    x0, y0, x1, y1 = (float(v) for v in box)
+    width, height = image_size
+    rows, columns = grid
+    if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
+        raise ValueError(f"box {tuple(box)} is not within the {width} × {height} image: give (x0, y0, x1, y1), x0 < x1 and y0 < y1.")
+    centres_x = (torch.arange(columns, dtype=torch.float64) + 0.5) * width / columns
+    centres_y = (torch.arange(rows, dtype=torch.float64) + 0.5) * height / rows
+    inside = ((centres_y >= y0) & (centres_y < y1))[:, None] & ((centres_x >= x0) & (centres_x < x1))[None, :]
+    if not bool(inside.any()):
+        row = min(int((y0 + y1) / 2 * rows / height), rows - 1)
+        column = min(int((x0 + x1) / 2 * columns / width), columns - 1)
+        inside[row, column] = True
+    return inside.flatten()
+
+
 def _grid(grid: Sequence[int], pixel_values: Tensor) -> tuple[int, int]:
     """``(rows, columns)``, checked to tile the images."""
     height, width = pixel_values.shape[-2:]

@@ -1,7 +1,8 @@
 """Plausibility against known rationales (DeYoung et al., ERASER, ACL 2020).
 
-Token-level F1 of the top-k tokens, IOU-F1 over contiguous spans, and AUPRC (average
-precision) of the scores against the rationale tokens, per example.
+Token-level F1 of the top-k tokens, IOU-F1 over contiguous spans, AUPRC (average
+precision) of the scores against the rationale tokens, and the pointing game (Zhang et al.,
+ECCV 2016) of the top token, per example.
 """
 
 from __future__ import annotations
@@ -135,3 +136,17 @@ def auprc(attributions: Tensor, rationale: Tensor, include: Tensor | None = None
         recall_steps = torch.diff(found, prepend=found.new_zeros(1)) / hits.sum()
         values.append((recall_steps * found / selected).sum())
     return torch.stack(values)
+
+
+@takes_captum_scores("attributions")
+def pointing_game(attributions: Tensor, rationale: Tensor, include: Tensor | None = None) -> Tensor:
+    """The pointing game (Zhang et al., "Top-down Neural Attention by Excitation
+    Backprop", ECCV 2016): 1 where the highest-scored included token (an image's patch)
+    lies in the rationale (the object's box), else 0, ``(batch,)``. Tokens tied at the top
+    count fractionally: the chance that a random order among them puts one of the
+    rationale first, never a choice by position. NaN without any rationale token.
+    Arguments as for :func:`token_f1`."""
+    scores, gold, include = _checked(attributions, rationale, include)
+    first = top_k_weights(scores, torch.ones(len(scores), dtype=torch.long, device=scores.device), include)
+    hits = (first * gold).sum(dim=1)
+    return torch.where(gold.any(dim=1), hits, torch.full_like(hits, float("nan")))

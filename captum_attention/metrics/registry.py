@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .context import leave_one_out_agreement, linear_datamodeling_score, top_k_log_prob_drop
 from .erasure import attention_erasure, decision_flip_fraction
 from .patches import PatchRemoval, patch_datamodeling_score, patch_leave_one_out_agreement, top_k_patch_log_prob_drop
-from .plausibility import auprc, token_f1
+from .plausibility import auprc, pointing_game, token_f1
 from .token_removal import aopc, comprehensiveness, configured_pad_id, datamodeling_score, sufficiency
 
 
@@ -235,6 +235,14 @@ def _auprc(
     target: Tensor, context: MetricContext,
 ) -> Tensor:
     return auprc(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
+
+
+@register_metric("pointing_game", "whether the top token (an image's patch) lies in the rationale (the box)", needs_rationale=True)
+def _pointing_game(
+    forward_func: Callable[..., Tensor], inputs: Tensor, attributions: Tensor, additional_forward_args: tuple[Any, ...],
+    target: Tensor, context: MetricContext,
+) -> Tensor:
+    return pointing_game(attributions, context.rationale_tokens(), context.included(additional_forward_args[0]))
 
 
 @register_metric(

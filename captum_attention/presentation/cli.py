@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                           "NLI model's hypothesis), optional label, optional rationale; "
                           "for a causal language model a .jsonl file: prompt (or segments), optional answer (and "
                           "image, for a vision-language model); for an image captioner (and BLIP's or GIT's captions, rows "
-                          "without a prompt): image, optional answer; for an image classifier: image, optional label")
+                          "without a prompt): image, optional answer; for an image classifier: image, optional label, "
+                          "optional box ([x0, y0, x1, y1] in the image's pixels, for the pointing game)")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
@@ -685,7 +686,7 @@ def _evaluate_images(arguments: argparse.Namespace) -> None:
     """``evaluate`` for an image classifier: each row's image explained for its predicted
     class over the patches, and scored by the removal metrics with its patches greyed."""
     from ..loading import load_image_classifier
-    from .evaluate import IMAGE_CLASS_METRICS, Options, check_image_request, evaluate_images, read_images
+    from .evaluate import Options, check_image_request, evaluate_images, image_class_metric_choices, read_images
 
     if arguments.chat or arguments.regions is not None:
         raise UsageError("--chat and --regions are for a language model's prompts and answers; an image classifier reads an image")
@@ -693,8 +694,8 @@ def _evaluate_images(arguments: argparse.Namespace) -> None:
     examples, skipped = read_images(arguments.data, arguments.skip_malformed)
     _report_skipped(arguments, skipped)
     methods = _listed(arguments.methods, "methods") or list(METHODS)
-    metrics = _listed(arguments.metrics, "metrics") or list(IMAGE_CLASS_METRICS)
-    check_image_request(methods, metrics)
+    metrics = _listed(arguments.metrics, "metrics") or image_class_metric_choices(examples)
+    check_image_request(methods, metrics, examples)
     state = _evaluation_state(arguments)
     model, processor = load_image_classifier(arguments.model)
     if state.is_main_process:

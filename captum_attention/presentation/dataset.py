@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -142,24 +143,59 @@ def _label(row: dict[str, Any]) -> int | str | None:
     return label
 
 
+BOX_FORMAT = "[x0, y0, x1, y1]: the object's left, top, right and bottom edges in the image's pixels"
+
+
+def _box(row: dict[str, Any], image: str) -> tuple[float, float, float, float] | None:
+    """A row's ``box`` within its ``image`` (a list of four numbers, or a CSV field of
+    them), or None."""
+    box = row.get("box")
+    if box in (None, ""):
+        return None
+    if isinstance(box, str):
+        try:
+            box = [float(part) for part in box.strip().strip("[]").replace(",", " ").split()]
+        except ValueError:
+            box = None
+    numbers = isinstance(box, list) and len(box) == 4 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box
+    )
+    if not numbers:
+        raise DatasetError(f"'box' must be {BOX_FORMAT}, got {row.get('box')!r}")
+    assert isinstance(box, list)  # checked above
+    x0, y0, x1, y1 = (float(v) for v in box)
+    from PIL import Image
+
+    with Image.open(image) as picture:
+        width, height = picture.size
+    if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
+        raise DatasetError(f"'box' {row.get('box')!r} is not within the {width} × {height} image: give {BOX_FORMAT}, x0 < x1 and y0 < y1")
+    return x0, y0, x1, y1
+
+
 @dataclass(frozen=True)
 class ImageExample:
     """One row of an image classifier's data set: its position, its line, the image file
     (resolved against the data file's folder), the SHA-256 of its bytes (two runs on other
-    images are not the same run), and optionally its label."""
+    images are not the same run), and optionally its label and the box of the object the
+    class names (``(x0, y0, x1, y1)``: left, top, right and bottom edges, in the image's
+    pixels)."""
 
     index: int
     line: int
     image: str
     image_sha256: str
     label: int | str | None = None
+    box: tuple[float, float, float, float] | None = None
 
 
 def read_images(path: str | Path, skip_malformed: bool = False) -> tuple[list[ImageExample], list[str]]:
     """The examples of an image classifier's JSONL or CSV file (by its suffix), and the
     problems skipped: each row has ``image`` (a path, relative to the data file's folder or
-    absolute) and optionally ``label`` (a class index, or the name of one of the model's
-    labels). Malformed rows as :func:`read_dataset`'s."""
+    absolute), optionally ``label`` (a class index, or the name of one of the model's
+    labels) and ``box`` (the object's ``[x0, y0, x1, y1]`` in the image's pixels; in a CSV
+    file the four numbers in one field, e.g. ``"10 20 64 80"``). Malformed rows as
+    :func:`read_dataset`'s."""
     path = Path(path)
     text = _text(path, (".jsonl", ".csv"), "give a .jsonl or .csv file (one image per row)")
     rows = _jsonl_rows(text) if path.suffix.lower() == ".jsonl" else _csv_rows(text, "image")
@@ -174,7 +210,7 @@ def read_images(path: str | Path, skip_malformed: bool = False) -> tuple[list[Im
             raise DatasetError("an image classifier reads no text: leave 'text' out")
         image, digest = _image_file(row["image"], folder)
         assert image is not None and digest is not None  # given
-        return ImageExample(index, line, image, digest, _label(row))
+        return ImageExample(index, line, image, digest, _label(row), _box(row, image))
 
     return _examples(path, rows, example, skip_malformed)
 

@@ -27,19 +27,23 @@ import torch
 from torch import Tensor
 
 from ..attr import METHODS
+from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
 from ..capture.inputs import forced_first_token, output_logits
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext, PatchRemoval, calibrated_attribution, greedy_deletion, image_patches
+from ..metrics import MetricContext, PatchRemoval, box_patches, calibrated_attribution, greedy_deletion, image_patches
 from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
-from .answer import grey_pixels, processed_pixels
-from .dataset import AnswerExample, DatasetError, Example, ImageExample, batches, read_answers, read_dataset, read_images, write_atomically
+from .answer import grey_pixels, grid_over_image, processed_pixels
+from .dataset import (
+    BOX_FORMAT, AnswerExample, DatasetError, Example, ImageExample, batches, read_answers, read_dataset, read_images,
+    write_atomically,
+)
 from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
@@ -53,9 +57,10 @@ from .image_class import check_image_class_methods, image_class_method_names, im
 from .summary import merge, summarise, summary_markdown
 
 __all__ = [
-    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "IMAGE_CLASS_METRICS", "ImageExample", "Options", "OtherRunError",
+    "AnswerExample", "AnswerOptions", "DatasetError", "Example", "IMAGE_BOX_METRICS", "IMAGE_CLASS_METRICS", "ImageExample", "Options",
+    "OtherRunError",
     "ROWS_VERSION", "answer_metric_names", "caption_method_names", "caption_metric_names", "check_caption_metrics",
-    "image_metric_names", "batches", "check_image_request", "check_request", "evaluate", "evaluate_answers",
+    "image_class_metric_choices", "image_metric_names", "batches", "check_image_request", "check_request", "evaluate", "evaluate_answers",
     "evaluate_captions", "evaluate_images", "evaluation_methods", "merge", "read_answers", "read_images", "run_manifest",
     "metric_names", "rationale_metrics", "read_dataset", "summarise", "summary_markdown",
 ]
@@ -229,10 +234,11 @@ def run_manifest(
 
 def data_digest(examples: Sequence[Any]) -> str:
     """The SHA-256 of the rows, every field but their position; an image by its bytes'
-    digest, wherever its file lies (a row without one as before images were read)."""
+    digest, wherever its file lies (a row without one, or without a box, as before images
+    and boxes were read)."""
     rows = [
         [value for field, value in zip(dataclasses.fields(e), dataclasses.astuple(e))
-         if field.name not in ("index", "image") and not (field.name == "image_sha256" and value is None)]
+         if field.name not in ("index", "image") and not (field.name in ("image_sha256", "box") and value is None)]
         for e in examples
     ]
     return hashlib.sha256(json.dumps(rows).encode("utf-8")).hexdigest()
@@ -437,21 +443,37 @@ def _class_rows(
 
 
 IMAGE_CLASS_METRICS = ("comprehensiveness", "sufficiency", "datamodeling")
-"""The classification metrics that score an image classifier's patches
-(:func:`~captum_attention.metrics.image_patches`): those that remove features. The others
-erase the attention paid to tokens or compare with rationale words."""
+"""The classification metrics that score an image classifier's patches by removing them
+(:func:`~captum_attention.metrics.image_patches`)."""
+IMAGE_BOX_METRICS = ("token_f1", "auprc", "pointing_game")
+"""The plausibility metrics an image classifier's patches take where each row gives the
+object's box: the patches in it (:func:`~captum_attention.metrics.box_patches`) are the
+rationale. The other metrics erase the attention paid to tokens."""
 
 
-def check_image_request(methods: Sequence[str], metrics: Sequence[str]) -> None:
+def image_class_metric_choices(examples: Sequence[ImageExample]) -> list[str]:
+    """The metrics an image classifier's rows take: the removal metrics, and the box's
+    where every row gives one."""
+    boxed = bool(examples) and all(example.box is not None for example in examples)
+    return [*IMAGE_CLASS_METRICS, *(IMAGE_BOX_METRICS if boxed else ())]
+
+
+def check_image_request(methods: Sequence[str], metrics: Sequence[str], examples: Sequence[ImageExample]) -> None:
     """A clear error for a method or metric that cannot explain or score an image
-    classifier's patches, or an unknown one."""
+    classifier's patches, or an unknown one; for a box's metric where a row gives no box."""
     check_image_class_methods(methods)
     check_names("method", methods, image_class_method_names())
-    unavailable = [m for m in metrics if m in METRIC_REGISTRY and m not in IMAGE_CLASS_METRICS]
+    boxed = [m for m in metrics if m in IMAGE_BOX_METRICS]
+    unboxed = [e.line for e in examples if e.box is None]
+    if boxed and unboxed:
+        raise ValueError(f"{', '.join(boxed)} compare with the object's box: give a 'box' ({BOX_FORMAT}) on every row (line "
+                         f"{unboxed[0]} has none), or leave them out")
+    allowed = [*IMAGE_CLASS_METRICS, *IMAGE_BOX_METRICS]
+    unavailable = [m for m in metrics if m in METRIC_REGISTRY and m not in allowed]
     if unavailable:
-        raise ValueError(f"{', '.join(unavailable)}: not over an image's patches (they erase the attention paid to tokens or "
-                         f"compare with rationale words); choose --metrics among {', '.join(IMAGE_CLASS_METRICS)}")
-    check_names("metric", metrics, IMAGE_CLASS_METRICS)
+        raise ValueError(f"{', '.join(unavailable)}: not over an image's patches (they erase the attention paid to tokens); "
+                         f"choose --metrics among {', '.join(allowed)}")
+    check_names("metric", metrics, allowed)
 
 
 def evaluate_images(
@@ -472,11 +494,15 @@ def evaluate_images(
     the patch grid (``attribute(pixel_values, target=...)``; Integrated Gradients on the
     pixels, summed per patch) and scored by the metrics of :data:`IMAGE_CLASS_METRICS` over
     the patches, a removed patch's pixels taken from a uniform grey image through the same
-    ``image_processor`` (:func:`~captum_attention.metrics.image_patches`). Rows, resuming and
-    processes as :func:`evaluate`'s."""
+    ``image_processor`` (:func:`~captum_attention.metrics.image_patches`), and by those of
+    :data:`IMAGE_BOX_METRICS` against the patches in each row's box, where the processor
+    keeps the whole image (else refused in one line). Rows, resuming and processes as
+    :func:`evaluate`'s."""
     options = options or Options()
-    check_image_request(methods, metrics)
+    check_image_request(methods, metrics, examples)
     check_class_probabilities(model, "; explain it with explain")
+    if set(metrics) & set(IMAGE_BOX_METRICS):
+        _check_boxes_on_the_grid(model, image_processor, examples)
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
     units = [list(examples[start : start + options.batch_size]) for start in range(0, len(examples), options.batch_size)]
     return _sharded(
@@ -509,16 +535,57 @@ def _evaluate_image_batch(
             grids = explainers[name].attribute(pixels, target=predicted).detach()
         scores = grids.flatten(1).float()
         values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
+        grid = (int(grids.shape[1]), int(grids.shape[2]))
+        boxes = _box_rationale(batch, pictures, image_processor, grid) if set(metrics) & set(IMAGE_BOX_METRICS) else None
         for group in _same_rows(greys):  # a removed patch takes its own image's grey
             picked = group.to(pixels.device)
             patches = image_patches(model, pixels[picked], greys[picked[:1]], grids.shape[1:])
-            context = MetricContext(model, torch.zeros_like(patches.input_ids, dtype=torch.bool), removal=patches.removal)
+            rationale = None if boxes is None else boxes[group].to(pixels.device)
+            context = MetricContext(
+                model, torch.zeros_like(patches.input_ids, dtype=torch.bool), rationale=rationale, removal=patches.removal
+            )
             for metric in metrics:
                 values[metric][group] = METRIC_REGISTRY[metric].function(
                     patches.forward_func, patches.input_ids, scores[picked], (patches.attention_mask,), predicted[picked], context,
                 ).float().cpu()
         rows += _class_rows(batch, name, predicted, probabilities, values)
     return rows
+
+
+def _box_rationale(batch: list[ImageExample], pictures: list[Any], image_processor: Any, grid: tuple[int, int]) -> Tensor:
+    """``(batch, rows * columns)`` bool: each row's patches in its box
+    (:func:`~captum_attention.metrics.box_patches`); a one-line ``ValueError`` where the
+    processor does not keep the whole image, whose grid then covers part of it."""
+    rationale = []
+    for example, picture in zip(batch, pictures):
+        assert example.box is not None  # checked by check_image_request
+        _check_grid_covers(grid, picture.size, image_processor, example.line)
+        rationale.append(box_patches(example.box, picture.size, grid))
+    return torch.stack(rationale)
+
+
+def _check_boxes_on_the_grid(model: Any, image_processor: Any, examples: Sequence[ImageExample]) -> None:
+    """Before any work, once per image size: the model's patch grid covers the whole image
+    (:func:`_check_grid_covers`), where the model names its grid."""
+    from PIL import Image
+
+    lines: dict[tuple[int, int], int] = {}
+    for example in examples:
+        with Image.open(example.image) as picture:
+            lines.setdefault(picture.size, example.line)
+    for size, line in lines.items():
+        grid = HuggingFaceAdapter().patch_grid(model, grey_pixels(model, image_processor, size))
+        if grid is not None:
+            _check_grid_covers(grid, size, image_processor, line)
+
+
+def _check_grid_covers(grid: tuple[int, int], size: tuple[int, int], image_processor: Any, line: int) -> None:
+    """A one-line ``ValueError`` where a grid of ``grid`` cells does not cover the whole
+    image of ``size`` (:func:`~captum_attention.presentation.answer.grid_over_image`), on
+    which a box is drawn."""
+    if not grid_over_image([[0.0] * grid[1]] * grid[0], size, image_processor):
+        raise ValueError(f"the image processor crops or pads the {size[0]} × {size[1]} image of line {line}, so its patch grid "
+                         f"does not cover the image its box is drawn on: leave the box's metrics ({', '.join(IMAGE_BOX_METRICS)}) out")
 
 
 def _same_rows(images: Tensor) -> list[Tensor]:
