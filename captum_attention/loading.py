@@ -74,14 +74,15 @@ IMAGE_CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForImageClassificationWi
 
 def checkpoint_task(path: str | Path) -> str:
     """``"classification"``, ``"image-classification"``, ``"question-answering"``,
-    ``"token-classification"``, ``"generation"``, ``"seq2seq"``, ``"image-to-text"`` or
-    ``"image-text-to-text"``: what the local checkpoint's config.json names (a
-    ``*ForSequenceClassification``, a ``*ForImageClassification``, the extractive
+    ``"token-classification"``, ``"generation"``, ``"seq2seq"``, ``"image-to-text"``,
+    ``"image-text-to-text"`` or ``"fill-mask"``: what the local checkpoint's config.json
+    names (a ``*ForSequenceClassification``, a ``*ForImageClassification``, the extractive
     ``*ForQuestionAnswering`` or the ``*ForTokenClassification`` transformers registers for
     its model type, a ``*ForCausalLM``/``*LMHeadModel`` architecture, an
     image encoder before a text decoder (``VisionEncoderDecoderModel``: ViT-GPT-2
-    captioners, TrOCR, Donut), or the sequence-to-sequence or vision-language model transformers
-    registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ...).
+    captioners, TrOCR, Donut), the sequence-to-sequence or vision-language model transformers
+    registers for its model type: T5, BART, Marian, ...; LLaVA, Qwen2-VL, ..., or an
+    encoder's masked language model: BERT's, RoBERTa's, ...).
 
     A folder that holds a PEFT adapter alone (``adapter_config.json``, no model weights)
     has its adapter's task (``task_type``), else its base model's.
@@ -157,11 +158,15 @@ def _config_task(folder: Path) -> str:
         return "image-to-text"
     if IMAGE_TEXT.get(config.model_type) in architectures:
         return "image-text-to-text"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED_LM
+
+    if MASKED_LM.get(config.model_type) in architectures and not getattr(config, "is_encoder_decoder", False):
+        return "fill-mask"
     raise CheckpointError(
         f"{folder} holds a {', '.join(architectures) or config.model_type} checkpoint, neither a sequence, token or image "
         "classifier, a question answerer nor a language model (its config.json names no *ForSequenceClassification, "
-        "*ForTokenClassification, *ForImageClassification, *ForQuestionAnswering, *ForCausalLM, *LMHeadModel or "
-        "sequence-to-sequence architecture)."
+        "*ForTokenClassification, *ForImageClassification, *ForQuestionAnswering, *ForCausalLM, *LMHeadModel, *ForMaskedLM "
+        "or sequence-to-sequence architecture)."
     )
 
 
@@ -169,7 +174,7 @@ TASK_KINDS = {
     "classification": "a sequence classifier", "generation": "a causal language model", "seq2seq": "a sequence-to-sequence model",
     "image-to-text": "an image captioner", "image-text-to-text": "a vision-language model",
     "image-classification": "an image classifier", "question-answering": "an extractive question answerer",
-    "token-classification": "a token classifier",
+    "token-classification": "a token classifier", "fill-mask": "a masked language model",
 }
 """What a user calls the model of each :func:`checkpoint_task`."""
 
@@ -437,6 +442,22 @@ def load_token_classifier(path: str | Path) -> tuple[Any, Any]:
     if task != "token-classification":
         raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not a token classifier (a *ForTokenClassification architecture).")
     return _load(Path(path), AutoModelForTokenClassification)
+
+
+def load_masked_lm(path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local masked language model checkpoint (BERT's,
+    RoBERTa's, ...: the ``*ForMaskedLM`` transformers registers for its model type),
+    loaded as safely as :func:`load_classifier`.
+
+    Raises:
+        CheckpointError: as :func:`load_classifier`, for a checkpoint of another kind.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    task = checkpoint_task(path)
+    if task != "fill-mask":
+        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not a masked language model (a *ForMaskedLM architecture).")
+    return _load(Path(path), AutoModelForMaskedLM)
 
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:

@@ -188,7 +188,7 @@ def test_a_token_classifier_is_recognised_and_misuse_is_refused_in_one_line(tagg
         (("explain", "--model", bert, TEXT, "--skip", "ada"), "--skip: for a language model's prompt"),
         (("explain", "--model", bert, TEXT, "another text"), "a token classifier explains one text at a time; got 2"),
         (("explain", "--model", bert, "--question", "who?", TEXT), "--question is for an extractive question answerer"),
-        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", bert), "evaluate does not score a token classifier's labels"),
+        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", bert), "evaluate does not score a token classifier's predictions"),
     ]
     for arguments, said in refusals:
         result = run_cli(*arguments)
@@ -216,3 +216,71 @@ def test_a_token_classification_adapter_keeps_its_heads_labels(taggers, tmp_path
         expected = unmerged.get_base_model()(**encoded).logits
         assert expected.shape[-1] == model.config.num_labels == 6
         torch.testing.assert_close(model(**encoded).logits, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def masked_lm(tmp_path_factory):
+    """A tiny BERT masked language model with its tokenizer; 32 positions."""
+    folder = tmp_path_factory.mktemp("masked_lm") / "bert"
+    torch.manual_seed(3)
+    tf.BertForMaskedLM(tf.BertConfig(
+        vocab_size=len(WORDS) + 6, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=32, initializer_range=0.3,
+    )).save_pretrained(folder)
+    tf.BertTokenizerFast(vocab=str(_vocab(folder.parent))).save_pretrained(folder)
+    return folder
+
+
+MASKED = "ada lived in [MASK] with zoe . a cat sat on the [MASK] ."
+
+
+def test_each_masks_token_is_explained_as_the_library_explains_it_alone(masked_lm, tmp_path):
+    """The most probable token at each mask (or the one given), each method's scores of
+    its logit at the mask equal to the method's own call on that mask alone."""
+    model = tf.BertForMaskedLM.from_pretrained(masked_lm).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(masked_lm)
+    encoded = tokenizer(MASKED, return_tensors="pt")
+    ids, mask, types = encoded["input_ids"], encoded["attention_mask"], encoded["token_type_ids"]
+    masks = (ids[0] == tokenizer.mask_token_id).nonzero().flatten().tolist()
+    with torch.no_grad():
+        logits = model(**encoded).logits[0]
+    forward = lambda i, m, t: model(input_ids=i, attention_mask=m, token_type_ids=t).logits  # noqa: E731
+    for given in (None, "mat"):
+        options = () if given is None else ("--target", given)
+        explained = _explained(masked_lm, tmp_path, "--methods", "rollout,attn_lrp", *options, text=MASKED)
+        assert [w["position"] for w in explained["words"]] == masks and explained["given"] == (given is not None)
+        assert [w["word"] for w in explained["words"]] == ["[MASK] 1", "[MASK] 2"]
+        for word, position in zip(explained["words"], masks):
+            token = int(logits[position].argmax()) if given is None else tokenizer.convert_tokens_to_ids(given)
+            assert word["label"] == tokenizer.convert_ids_to_tokens(token)
+            assert word["probability"] == pytest.approx(float(logits[position].softmax(-1)[token]), rel=1e-5)
+            for method, cls in (("Attention Rollout", AttentionRollout), ("AttnLRP", AttnLRP)):
+                expected = cls(forward, model=model).attribute(ids, target=(position, token), additional_forward_args=(mask, types))
+                torch.testing.assert_close(torch.tensor(word["scores"][method]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_report_underlines_each_mask(masked_lm, tmp_path):
+    """The mask, a special token left uncoloured, is still marked as the token read."""
+    html = tmp_path / "masks.html"
+    assert run_cli("explain", "--model", str(masked_lm), MASKED, "--methods", "raw", "--html", str(html)).returncode == 0
+    page = html.read_text()
+    assert page.count('class="tok special marked"') == 2 and page.count("marked\"") == 2
+    assert "Masks and their predicted tokens: [MASK] 1 " in page
+
+
+def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_path):
+    folder = str(masked_lm)
+    assert checkpoint_task(masked_lm) == "fill-mask"
+    long = " ".join(["ada lived in london ."] * 7) + " [MASK]"
+    refusals = [
+        (("explain", "--model", folder, "ada lived in london ."), "[MASK] is not in the text: put it where the word to predict goes"),
+        (("explain", "--model", folder, long), "[MASK] lies in the part cut to the model's length limit"),
+        (("explain", "--model", folder, MASKED, "--target", "lovelace"), "--target 'lovelace' is 2 tokens to the tokenizer (love ##lace)"),
+        (("explain", "--model", folder, MASKED, "--target", "park"), "--target 'park' is not in the tokenizer's vocabulary"),
+        (("explain", "--model", folder, MASKED, "--methods", "alti_logit"), "alti_logit explains"),
+        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", folder), "evaluate does not score a masked language model's"),
+    ]
+    for arguments, said in refusals:
+        result = run_cli(*arguments)
+        assert result.returncode == 1 and said in result.stderr, (arguments, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1

@@ -5,6 +5,7 @@
     captum-attention explain --model my-vlm/ --image photo.png "What colour is the square?"
     captum-attention explain --model my-squad-bert/ --question "Where did the cat sit?" "The cat sat on the mat."
     captum-attention explain --model my-ner-bert/ "Ada Lovelace lived in London."   # each entity's label
+    captum-attention explain --model bert-base/ "Paris is the [MASK] of France."    # the mask's token
     captum-attention evaluate data.jsonl --output results/   # every method and metric over a data set
     captum-attention train            # build (or rebuild) the cached default model
 """
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
                          "the whole file is the prompt")
     explain.add_argument("--model", type=Path, help="a local sequence-classification, token-classification, "
-                         "question-answering, image-classification, causal, sequence-to-sequence, vision-language or "
+                         "question-answering, image-classification, causal, masked, sequence-to-sequence, vision-language or "
                          "image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
                          "downloaded (default: the embedded sentiment model, trained on first use)")
     explain.add_argument("--pair-separator", metavar="SEP",
@@ -87,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                           "language model, the answer's text (default: the model's greedy answer); for a question "
                           "answerer, an answer as the context spells it (default: the predicted span); for a token "
                           "classifier, a word of the text whose label to explain (default: every word labelled "
-                          "other than O)")
+                          "other than O); for a masked language model, the token to explain at each mask (default: "
+                          "the most probable)")
     explain.add_argument("--max-new-tokens", type=int, default=20,
                          help="language models: tokens to generate when no --target is given (default: 20)")
     explain.add_argument("--chat", action="store_true", help="language models: " + CHAT_HELP)
@@ -299,6 +301,9 @@ def _explain(arguments: argparse.Namespace) -> None:
         return
     if task == "token-classification":
         _explain_token_labels(arguments)
+        return
+    if task == "fill-mask":
+        _explain_masks(arguments)
         return
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
@@ -539,6 +544,24 @@ def _explain_token_labels(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
+def _explain_masks(arguments: argparse.Namespace) -> None:
+    """``explain`` for a masked language model: the token predicted at each of the text's
+    masks (or ``--target``), explained by every method at the mask."""
+    from ..loading import load_masked_lm
+    from .token_class import explain_masks
+
+    text = _prompt(arguments, "text", "a masked language model")
+    if arguments.target is not None and has_surrogates(arguments.target):
+        raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
+    methods = _position_request(arguments, "a masked language model", "the mask whose prediction is read")
+    model, tokenizer = load_masked_lm(arguments.model)
+    _note_uniform_head_weights(model, methods)
+    explanation = explain_masks(
+        model, tokenizer, text, arguments.target, methods, arguments.ig_steps, arguments.ig_batch_size, arguments.presence
+    )
+    _report_answer(arguments, explanation)
+
+
 def _position_request(arguments: argparse.Namespace, kind: str, explained: str) -> list[str]:
     """Before any work, for a model of ``kind`` whose logits are read at a token: the
     options for a prompt refused, the counts, the presence and the output paths checked;
@@ -626,15 +649,15 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 def _evaluate(arguments: argparse.Namespace) -> None:
     from .dataset import holds_prompts
     from .evaluate import Options, check_request, evaluate, read_dataset
-    from ..loading import captions_alone, checkpoint_task, load_classifier
+    from ..loading import TASK_KINDS, captions_alone, checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     _check_languages(arguments, task)
     if task == "question-answering":
         raise UsageError(f"evaluate does not score an extractive question answerer's answers; explain each with "
                          f"explain --model {arguments.model} --question TEXT CONTEXT")
-    if task == "token-classification":
-        raise UsageError(f"evaluate does not score a token classifier's labels; explain each text with "
+    if task in ("token-classification", "fill-mask"):
+        raise UsageError(f"evaluate does not score {TASK_KINDS[task]}'s predictions; explain each text with "
                          f"explain --model {arguments.model} TEXT")
     if task == "image-classification":
         _evaluate_images(arguments)

@@ -10,7 +10,7 @@ from .explain import Explanations, MethodInfo
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
 from .token_class import TokenClassExplanation
-from .text import answer_line, count, cut_note, labels_line, peak_cell, shares, terminal_safe, token_labels
+from .text import answer_line, count, cut_note, labels_line, peak_cell, read_where, shares, terminal_safe, token_labels
 
 
 def escape(text: str) -> str:
@@ -70,10 +70,10 @@ def _hover(share: float | None, score: float, info: MethodInfo) -> str:
 
 def _token(token: str, score: float, share: float | None, scale: float, info: MethodInfo, marked: bool = False) -> str:
     title = _hover(share, score, info)
+    mark = " marked" if marked else ""
     if share is None:  # left out of the colour scale: rollout and relevance put most mass on [CLS]
-        return f'<span class="tok special" title="{title}">{escape(token)}</span>'
-    kind = "tok marked" if marked else "tok"
-    return f'<span class="{kind}" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
+        return f'<span class="tok special{mark}" title="{title}">{escape(token)}</span>'
+    return f'<span class="tok{mark}" style="{_style(score, scale, info)}" title="{title}">{escape(token)}</span>'
 
 
 def _scale(scores: list[float], special: list[bool]) -> float:
@@ -388,9 +388,9 @@ def render_question_html(explanation: QuestionAnswerExplanation, model_name: str
 
 
 def render_token_class_html(explanation: TokenClassExplanation, model_name: str) -> str:
-    """The report page of a token classifier's labels: per method, a coloured token row for
-    each explained word's label, the word's first token (where the label is read)
-    underlined."""
+    """The report page of a token classifier's labels (a masked language model's
+    predictions): per method, a coloured token row for each explained word's label (each
+    mask's token), the token where it is read underlined."""
     note, words = cut_note(explanation, "text"), labels_line(explanation)
     parts = [
         *_page_head(_STYLE),
@@ -401,17 +401,18 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     ]
     if explanation.words:
         parts += [
-            "<p class=\"legend\">Each method explains each word's label logit, read at the word's first token "
-            "(underlined). Colour strength is relative to the largest score of the row's words; special tokens "
+            f"<p class=\"legend\">Each method explains the logit of {escape(read_where(explanation))} (underlined). "
+            "Colour strength is relative to the largest score of the row's words; special tokens "
             '(<span class="tok special">[CLS]</span>) are left out of the scale and not coloured. Hover a token for its '
             "share of the words' scores and the score itself.</p>",
-            "<table><tr><th>method</th><th>wall time</th><th>word</th><th>tokens</th></tr>",
+            f"<table><tr><th>method</th><th>wall time</th><th>{'mask' if explanation.masked else 'word'}</th><th>tokens</th></tr>",
         ]
     for method, info in explanation.methods.items():
         for index, word in enumerate(explanation.words):
             described = (
                 f"<td rowspan=\"{len(explanation.words)}\">{escape(method)}<br><span class=\"meaning\">"
-                f"{escape(_meaning(info, 'the label', _TOKEN_UNTARGETED))}</span></td><td rowspan=\"{len(explanation.words)}\" "
+                f"{escape(_meaning(info, 'the token' if explanation.masked else 'the label', _TOKEN_UNTARGETED))}</span></td>"
+                f"<td rowspan=\"{len(explanation.words)}\" "
                 f"class=\"time\">{explanation.seconds[method] * 1000:.0f} ms</td>" if index == 0 else ""
             )
             row = _token_row(explanation.tokens, word.scores[method], explanation.special, info, range(word.position, word.position + 1))
@@ -420,7 +421,7 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     return "\n".join(parts)
 
 
-_TOKEN_UNTARGETED = "from the forward pass alone, read at the word's first token, whatever the label"
+_TOKEN_UNTARGETED = "from the forward pass alone, read at the token explained, whatever its label"
 
 
 def _grid_spread(grid: list[list[float]]) -> str:

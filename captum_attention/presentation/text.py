@@ -213,13 +213,21 @@ def render_question_text(explanation: QuestionAnswerExplanation, top: int = 5, r
 
 
 def labels_line(explanation: TokenClassExplanation) -> str:
-    """The explained words and their labels, or why there are none."""
+    """The explained words (masks) and their labels (predicted tokens), or why there are
+    none."""
     if not explanation.words:
         return (f"no word is labelled other than {OUTSIDE!r}: --target WORD explains one word's label")
     listed = " | ".join(
         f"{terminal_safe(word.word)} {terminal_safe(word.label)} (p {word.probability:.3f})" for word in explanation.words
     )
+    if explanation.masked:
+        return f"{'masks and the token given' if explanation.given else 'masks and their predicted tokens'}: {listed}"
     return f"{'word, given' if explanation.given else 'words and their predicted labels'}: {listed}"
+
+
+def read_where(explanation: TokenClassExplanation) -> str:
+    """What each row of a token classifier's (a masked language model's) report explains."""
+    return "each mask's token, read at the mask" if explanation.masked else "each word's label, read at its first token"
 
 
 def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, raw: bool = False) -> str:
@@ -232,7 +240,7 @@ def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, ra
         return "\n".join(lines)
     lines += [
         "",
-        f"top {top} tokens per method for each word's label, read at its first token, by their share of the method's "
+        f"top {top} tokens per method for {read_where(explanation)}, by their share of the method's "
         "scores over the words" + (" (--raw: the scores)" if raw else "") + "; a token the text holds more than once "
         "shows its position, token[i]:",
     ]

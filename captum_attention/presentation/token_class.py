@@ -1,6 +1,7 @@
 """Explain a token classifier's labels (named entities, parts of speech: a
-``*ForTokenClassification`` checkpoint): each labelled word's label, read at the word's
-first token, explained by every method."""
+``*ForTokenClassification`` checkpoint), each labelled word's label read at the word's
+first token, and a masked language model's predictions (BERT's ``[MASK]``), each read at
+its mask: explained by every method."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class TokenClassExplanation:
         seconds: method -> wall time over all the words.
         methods: method -> how to read its scores.
         warnings: what the reader should know (words the tokenizer does not know).
+        masked: whether the words are a masked language model's masks, their labels the
+            tokens it predicts there.
     """
 
     text: str
@@ -65,6 +68,7 @@ class TokenClassExplanation:
     seconds: dict[str, float] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    masked: bool = False
 
 
 def first_tokens(encoded: Any) -> dict[int, tuple[int, int]]:
@@ -133,17 +137,82 @@ def explain_token_labels(
         ],
         given=word is not None, cut_from=full_length if full_length > ids.shape[1] else None,
     )
+    return _scored(explanation, model, tokenizer, text, ids, names, arguments, [predicted[first] for first in chosen_words],
+                   chosen, ig_steps, ig_batch_size, presence)
+
+
+def explain_masks(
+    model: Any, tokenizer: Any, text: str, token: str | None = None, methods: list[str] | None = None, ig_steps: int = 50,
+    ig_batch_size: int | None = None, presence: float = 0.05,
+) -> TokenClassExplanation:
+    """A masked language model's most probable token at each of ``text``'s mask tokens
+    (or, given ``token``, that token's) explained by every method at its mask, all the
+    masks in one batch, as :func:`explain_token_labels` explains labels. A text longer than
+    the model takes is cut; a text with no mask in what the model reads is refused in one
+    line, as is a ``token`` the tokenizer reads as more than one token."""
+    chosen = methods or default_method_names()
+    check_position_methods(chosen, "the mask whose prediction is read")
+    mask = tokenizer.mask_token
+    if mask is None:
+        raise ValueError("the tokenizer names no mask token, which a masked language model predicts at: save the model's own")
+    limit = length_limit(model, tokenizer)
+    encoded = tokenizer(text, truncation=True, max_length=limit, return_tensors="pt")
+    names, arguments = forward_inputs(encoded, model)
+    ids = encoded["input_ids"]
+    masks = (ids[0] == tokenizer.mask_token_id).nonzero().flatten().tolist()
+    full = tokenizer(text)["input_ids"]
+    if not masks:
+        where = "lies in the part cut to the model's length limit" if tokenizer.mask_token_id in full else "is not in the text"
+        raise ValueError(f"{mask} {where}: put it where the word to predict goes (e.g. 'Paris is the {mask} of France.')")
+    with torch.no_grad():
+        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0, masks].float().softmax(-1)
+    classes = probabilities.argmax(-1).tolist() if token is None else [_single_token(tokenizer, token)] * len(masks)
+    explanation = TokenClassExplanation(
+        text=text, tokens=readable_tokens(ids[0], tokenizer), special=special_tokens(ids, tokenizer)[0].tolist(),
+        words=[
+            WordLabel(mask + (f" {i + 1}" if len(masks) > 1 else ""), position, readable_tokens(torch.tensor([c]), tokenizer)[0],
+                      float(probabilities[i, c]))
+            for i, (position, c) in enumerate(zip(masks, classes))
+        ],
+        given=token is not None, cut_from=len(full) if len(full) > ids.shape[1] else None, masked=True,
+    )
+    return _scored(explanation, model, tokenizer, text, ids, names, arguments, classes, chosen, ig_steps, ig_batch_size, presence)
+
+
+def _single_token(tokenizer: Any, token: str) -> int:
+    """The id of ``token`` as one token of the vocabulary (a word after a space, as
+    byte-level and SentencePiece vocabularies hold it, or as it is); a one-line
+    ``ValueError`` where neither is one token."""
+    for spelled in (" " + token, token):
+        found = tokenizer(spelled, add_special_tokens=False)["input_ids"]
+        if len(found) == 1 and found[0] != tokenizer.unk_token_id:
+            return int(found[0])
+    pieces = tokenizer.tokenize(token)
+    if len(pieces) < 2:
+        raise ValueError(f"--target {token!r} is not in the tokenizer's vocabulary: a mask predicts one token of it")
+    raise ValueError(f"--target {token!r} is {len(pieces)} tokens to the tokenizer ({' '.join(pieces)}): a mask predicts one "
+                     "token of the vocabulary")
+
+
+def _scored(
+    explanation: TokenClassExplanation, model: Any, tokenizer: Any, text: str, ids: torch.Tensor, names: list[str],
+    arguments: tuple[torch.Tensor, ...], classes: list[int], chosen: list[str], ig_steps: int, ig_batch_size: int | None,
+    presence: float,
+) -> TokenClassExplanation:
+    """``explanation`` with its warnings and each method's scores of each word's
+    ``classes`` logit at its position, all the words in one batch."""
     unknown = unknown_words(tokenizer, text, ids[0].tolist(), named="text")
     explanation.warnings += [] if unknown is None else [unknown]
-    if not chosen_words:
+    if not explanation.words:
         return explanation
-    count = len(chosen_words)
+    positions = [word.position for word in explanation.words]
+    count = len(positions)
     forward = output_forward(model, "logits", names)
-    target = [(first, predicted[first]) for first in chosen_words]
     for name in chosen:
         display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
         begin = time.perf_counter()
-        scores = run(forward, ids.expand(count, -1), tuple(a.expand(count, -1) for a in arguments), target, chosen_words)
+        scores = run(forward, ids.expand(count, -1), tuple(a.expand(count, -1) for a in arguments), list(zip(positions, classes)),
+                     positions)
         explanation.seconds[display] = time.perf_counter() - begin
         explanation.methods[display] = info
         for labelled, row in zip(explanation.words, scores.detach().float().tolist()):
