@@ -299,11 +299,8 @@ def _explain(arguments: argparse.Namespace) -> None:
     if task == "question-answering":
         _explain_question(arguments)
         return
-    if task == "token-classification":
-        _explain_token_labels(arguments)
-        return
-    if task == "fill-mask":
-        _explain_masks(arguments)
+    if task in ("token-classification", "fill-mask"):
+        _explain_at_tokens(arguments, task)
         return
     if task in ("generation", "seq2seq"):
         _explain_answer(arguments)
@@ -525,38 +522,23 @@ def _explain_question(arguments: argparse.Namespace) -> None:
     _report_answer(arguments, explanation)
 
 
-def _explain_token_labels(arguments: argparse.Namespace) -> None:
-    """``explain`` for a token classifier: the labels of the text's words (the one text
-    given, or ``--file``), each labelled word's (or ``--target``'s) label explained by every
-    method."""
-    from ..loading import load_token_classifier
-    from .token_class import explain_token_labels
+def _explain_at_tokens(arguments: argparse.Namespace, task: str) -> None:
+    """``explain`` for a model read at chosen tokens of one text (the one text given, or
+    ``--file``): a token classifier's labelled words (or ``--target``'s), a masked language
+    model's masks (with ``--target``'s token), each explained by every method at its
+    token."""
+    from ..loading import TASK_KINDS, load_masked_lm, load_token_classifier
+    from .token_class import explain_masks, explain_token_labels
 
-    text = _prompt(arguments, "text", "a token classifier")
+    kind = TASK_KINDS[task]
+    text = _prompt(arguments, "text", kind)
     if arguments.target is not None and has_surrogates(arguments.target):
         raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
-    methods = _position_request(arguments, "a token classifier", "the word whose label is read")
-    model, tokenizer = load_token_classifier(arguments.model)
+    masked = task == "fill-mask"
+    methods = _position_request(arguments, kind, "the mask whose prediction is read" if masked else "the word whose label is read")
+    model, tokenizer = (load_masked_lm if masked else load_token_classifier)(arguments.model)
     _note_uniform_head_weights(model, methods)
-    explanation = explain_token_labels(
-        model, tokenizer, text, arguments.target, methods, arguments.ig_steps, arguments.ig_batch_size, arguments.presence
-    )
-    _report_answer(arguments, explanation)
-
-
-def _explain_masks(arguments: argparse.Namespace) -> None:
-    """``explain`` for a masked language model: the token predicted at each of the text's
-    masks (or ``--target``), explained by every method at the mask."""
-    from ..loading import load_masked_lm
-    from .token_class import explain_masks
-
-    text = _prompt(arguments, "text", "a masked language model")
-    if arguments.target is not None and has_surrogates(arguments.target):
-        raise UsageError(f"--target is not valid UTF-8: {terminal_safe(arguments.target)}")
-    methods = _position_request(arguments, "a masked language model", "the mask whose prediction is read")
-    model, tokenizer = load_masked_lm(arguments.model)
-    _note_uniform_head_weights(model, methods)
-    explanation = explain_masks(
+    explanation = (explain_masks if masked else explain_token_labels)(
         model, tokenizer, text, arguments.target, methods, arguments.ig_steps, arguments.ig_batch_size, arguments.presence
     )
     _report_answer(arguments, explanation)
