@@ -406,10 +406,10 @@ def load_image_classifier(path: str | Path) -> tuple[Any, Any]:
     """
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    task = checkpoint_task(path)
-    if task != "image-classification":
-        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not an image classifier (a *ForImageClassification architecture).")
-    return _load(Path(path), AutoModelForImageClassification, AutoImageProcessor)
+    return _load_task(
+        path, "image-classification", AutoModelForImageClassification, "an image classifier (a *ForImageClassification architecture)",
+        AutoImageProcessor,
+    )
 
 
 def load_question_answerer(path: str | Path) -> tuple[Any, Any]:
@@ -422,10 +422,9 @@ def load_question_answerer(path: str | Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForQuestionAnswering
 
-    task = checkpoint_task(path)
-    if task != "question-answering":
-        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not an extractive question answerer (a *ForQuestionAnswering architecture).")
-    return _load(Path(path), AutoModelForQuestionAnswering)
+    return _load_task(
+        path, "question-answering", AutoModelForQuestionAnswering, "an extractive question answerer (a *ForQuestionAnswering architecture)"
+    )
 
 
 def load_token_classifier(path: str | Path) -> tuple[Any, Any]:
@@ -438,10 +437,9 @@ def load_token_classifier(path: str | Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForTokenClassification
 
-    task = checkpoint_task(path)
-    if task != "token-classification":
-        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not a token classifier (a *ForTokenClassification architecture).")
-    return _load(Path(path), AutoModelForTokenClassification)
+    return _load_task(
+        path, "token-classification", AutoModelForTokenClassification, "a token classifier (a *ForTokenClassification architecture)"
+    )
 
 
 def load_masked_lm(path: str | Path) -> tuple[Any, Any]:
@@ -454,10 +452,17 @@ def load_masked_lm(path: str | Path) -> tuple[Any, Any]:
     """
     from transformers import AutoModelForMaskedLM
 
-    task = checkpoint_task(path)
-    if task != "fill-mask":
-        raise CheckpointError(f"{path} holds {TASK_KINDS[task]}, not a masked language model (a *ForMaskedLM architecture).")
-    return _load(Path(path), AutoModelForMaskedLM)
+    return _load_task(path, "fill-mask", AutoModelForMaskedLM, "a masked language model (a *ForMaskedLM architecture)")
+
+
+def _load_task(path: str | Path, task: str, auto_class: Any, kind: str, preprocessor_class: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` (or ``preprocessor_class``'s preprocessor) of the checkpoint
+    at ``path`` through ``auto_class`` where it holds ``task`` (:func:`checkpoint_task`);
+    else a one-line error saying it is not ``kind``."""
+    found = checkpoint_task(path)
+    if found != task:
+        raise CheckpointError(f"{path} holds {TASK_KINDS[found]}, not {kind}.")
+    return _load(Path(path), auto_class, preprocessor_class)
 
 
 def load_captioner(path: str | Path) -> tuple[Any, Any, Any]:

@@ -104,6 +104,27 @@ def parse_tables(stdout: str) -> list[tuple[list[str], dict[str, list[float]]]]:
     return tables
 
 
+def marked_rows(page: str) -> list[list[bool]]:
+    """Each table row of a report page that holds tokens: whether each token is marked
+    (underlined: an answer's, the token a label is read at)."""
+
+    class Marked(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[bool]] = []
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            kind = dict(attrs).get("class") or ""
+            if tag == "tr":
+                self.rows.append([])
+            elif tag == "span" and kind.startswith("tok") and self.rows:
+                self.rows[-1].append("marked" in kind)
+
+    parser = Marked()
+    parser.feed(page)
+    return [row for row in parser.rows if row]
+
+
 def _saved_classifier(
     folder: Path, sentences: Sequence[str] = tuple(SENTENCES)
 ) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:

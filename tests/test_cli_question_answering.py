@@ -7,14 +7,14 @@ types the model was trained with."""
 from __future__ import annotations
 
 import json
-from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers as tf
 from captum.attr import LayerIntegratedGradients
-from test_cli import run_cli
+from test_cli import marked_rows, run_cli
 
 from captum_attention import AttentionRollout, AttnLRP, GradSAM
 from captum_attention.loading import checkpoint_task, load_question_answerer
@@ -175,21 +175,7 @@ def test_the_report_underlines_the_answer_and_warns_of_unknown_words(answerers, 
     assert "question: where did the cat sit" in result.stdout and "answer, predicted: '" in result.stdout
     assert result.stdout.count("  start (") == result.stdout.count("    end (") == 2
 
-    class Marked(HTMLParser):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rows: list[list[bool]] = []
-
-        def handle_starttag(self, tag, attrs):
-            kind = dict(attrs).get("class", "")
-            if tag == "tr":
-                self.rows.append([])
-            elif tag == "span" and kind.startswith("tok") and self.rows:
-                self.rows[-1].append("marked" in kind)
-
-    page = Marked()
-    page.feed(html.read_text())
-    rows = [row for row in page.rows if row]
+    rows = marked_rows(html.read_text())
     explained = _explained(answerers[0], tmp_path, "--methods", "raw")
     assert len(rows) == 4 and len(rows[0]) == len(explained["tokens"]) - 1  # the unknown word is one token less
     for row in rows:
@@ -225,6 +211,9 @@ def test_token_types_a_model_does_not_take_are_left_out(answerers):
     given = explain_question(model, bert_tokenizer, QUESTION, CONTEXT, methods=["attn_lrp"])
     alone = explain_question(model, own, QUESTION, CONTEXT, methods=["attn_lrp"])
     assert (given.start, given.end) == (alone.start, alone.end) and given.scores == alone.scores
+    slow = SimpleNamespace(is_fast=False)  # a Python or SentencePiece backend: no offsets
+    with pytest.raises(ValueError, match="placed in its context by a fast tokenizer's offsets and word ids"):
+        explain_question(model, slow, QUESTION, CONTEXT, methods=["raw"])
 
 
 def test_an_encoder_decoders_answerer_is_refused_in_one_line(answerers, tmp_path):

@@ -8,17 +8,18 @@ was trained with."""
 from __future__ import annotations
 
 import json
-from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers as tf
 from captum.attr import LayerIntegratedGradients
-from test_cli import run_cli
+from test_cli import marked_rows, run_cli
 
 from captum_attention import AttentionRollout, AttnLRP, GradSAM
 from captum_attention.loading import checkpoint_task, load_token_classifier
+from captum_attention.presentation.token_class import explain_token_labels
 
 WORDS = "ada love ##lace lived in london with zoe paris a cat sat on the mat".split()
 TEXT = "ada lovelace lived in london with zoe ."
@@ -159,21 +160,7 @@ def test_the_report_underlines_each_words_first_token(taggers, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(" <- ") == 2 * len(TEXT.split())
 
-    class Marked(HTMLParser):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rows: list[list[bool]] = []
-
-        def handle_starttag(self, tag, attrs):
-            kind = dict(attrs).get("class", "")
-            if tag == "tr":
-                self.rows.append([])
-            elif tag == "span" and kind.startswith("tok") and self.rows:
-                self.rows[-1].append("marked" in kind)
-
-    page = Marked()
-    page.feed(html.read_text())
-    rows = [row for row in page.rows if row]
+    rows = marked_rows(html.read_text())
     firsts, _, _ = _firsts_and_labels(taggers["pos"])
     assert [row.index(True) for row in rows] == firsts * 2 and all(sum(row) == 1 for row in rows)
 
@@ -194,6 +181,9 @@ def test_a_token_classifier_is_recognised_and_misuse_is_refused_in_one_line(tagg
         result = run_cli(*arguments)
         assert result.returncode == 1 and said in result.stderr, (arguments, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
+    model, _ = load_token_classifier(taggers["bert"])
+    with pytest.raises(ValueError, match="words are told apart by a fast tokenizer's offsets and word ids"):
+        explain_token_labels(model, SimpleNamespace(is_fast=False), TEXT, methods=["raw"])  # a Python backend: no word ids
 
 
 def test_a_token_classification_adapter_keeps_its_heads_labels(taggers, tmp_path):

@@ -90,3 +90,11 @@ def forward_inputs(encoded: Any, model: Any) -> tuple[list[str], tuple[torch.Ten
     takes = inspect.signature(model.forward).parameters
     names = [name for name in ("attention_mask", "token_type_ids") if name in encoded and name in takes]
     return names, tuple(encoded[name] for name in names)
+
+
+def check_fast(tokenizer: Any, needs: str) -> None:
+    """A one-line ``ValueError`` where ``tokenizer`` is a slow one, without the offsets and
+    word ids that ``needs`` (what they are needed for, for the message)."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"{needs} a fast tokenizer's offsets and word ids: save the tokenizer with "
+                         "AutoTokenizer.from_pretrained(..., use_fast=True)")

@@ -13,7 +13,7 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import check_position_methods, forward_inputs, output_forward, position_method
+from .positions import check_fast, check_position_methods, forward_inputs, output_forward, position_method
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
@@ -138,9 +138,7 @@ def explain_question(
         )
     chosen = methods or default_method_names()
     check_position_methods(chosen, "an answer's start and end")
-    if not tokenizer.is_fast:
-        raise ValueError("a question answerer's answer is placed in its context by the offsets of a fast tokenizer: save "
-                         "the tokenizer with AutoTokenizer.from_pretrained(..., use_fast=True)")
+    check_fast(tokenizer, "a question answerer's answer is placed in its context by")
     limit = length_limit(model, tokenizer)
     question_length = len(tokenizer(question, add_special_tokens=False)["input_ids"]) + tokenizer.num_special_tokens_to_add(pair=True)
     if question_length >= limit:

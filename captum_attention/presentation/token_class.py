@@ -14,7 +14,7 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import check_position_methods, forward_inputs, output_forward, position_method
+from .positions import check_fast, check_position_methods, forward_inputs, output_forward, position_method
 
 OUTSIDE = "O"
 """The label of the words outside every entity (the IOB schemes'): a report explains the
@@ -111,9 +111,7 @@ def explain_token_labels(
     longer than the model takes is cut."""
     chosen = methods or default_method_names()
     check_position_methods(chosen, "the word whose label is read")
-    if not tokenizer.is_fast:
-        raise ValueError("a token classifier's words are told apart by a fast tokenizer's word ids: save the tokenizer "
-                         "with AutoTokenizer.from_pretrained(..., use_fast=True)")
+    check_fast(tokenizer, "a token classifier's words are told apart by")
     limit = length_limit(model, tokenizer)
     encoded = tokenizer(text, truncation=True, max_length=limit, return_offsets_mapping=True, return_tensors="pt")
     names, arguments = forward_inputs(encoded, model)
