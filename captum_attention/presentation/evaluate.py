@@ -528,6 +528,7 @@ def _evaluate_image_batch(
         logits = output_logits(model(pixel_values=pixels))
     probabilities, predicted = class_outputs(model.config, logits), logits.argmax(dim=-1)
     rows = []
+    box_rationales: dict[tuple[int, int], Tensor] = {}
     for name in methods:
         if name == INTEGRATED_GRADIENTS:
             grids = image_integrated_gradients(model, pixels, greys, predicted, options.ig_steps)
@@ -536,7 +537,9 @@ def _evaluate_image_batch(
         scores = grids.flatten(1).float()
         values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
         grid = (int(grids.shape[1]), int(grids.shape[2]))
-        boxes = _box_rationale(batch, pictures, image_processor, grid) if set(metrics) & set(IMAGE_BOX_METRICS) else None
+        if set(metrics) & set(IMAGE_BOX_METRICS) and grid not in box_rationales:  # the methods share their grid
+            box_rationales[grid] = _box_rationale(batch, pictures, image_processor, grid)
+        boxes = box_rationales.get(grid)
         for group in _same_rows(greys):  # a removed patch takes its own image's grey
             picked = group.to(pixels.device)
             patches = image_patches(model, pixels[picked], greys[picked[:1]], grids.shape[1:])
@@ -556,10 +559,12 @@ def _box_rationale(batch: list[ImageExample], pictures: list[Any], image_process
     """``(batch, rows * columns)`` bool: each row's patches in its box
     (:func:`~captum_attention.metrics.box_patches`); a one-line ``ValueError`` where the
     processor does not keep the whole image, whose grid then covers part of it."""
-    rationale = []
+    rationale, checked = [], set()
     for example, picture in zip(batch, pictures):
         assert example.box is not None  # checked by check_image_request
-        _check_grid_covers(grid, picture.size, image_processor, example.line)
+        if picture.size not in checked:
+            _check_grid_covers(grid, picture.size, image_processor, example.line)
+            checked.add(picture.size)
         rationale.append(box_patches(example.box, picture.size, grid))
     return torch.stack(rationale)
 

@@ -355,6 +355,21 @@ def render_image_class_html(explanation: ImageClassExplanation, model_name: str)
 
 
 _QUESTION_UNTARGETED = "from the forward pass alone, read at the answer's first or last token, whatever the logit"
+_ROW_SCALE = (
+    "Colour strength is relative to the largest score of the row's words; special tokens (<span class=\"tok special\">"
+    "[CLS]</span>) are left out of the scale and not coloured. Hover a token for its share of the words' scores and the "
+    "score itself."
+)
+"""The legend of a report's coloured token rows (markup)."""
+
+
+def _method_cells(method: str, meaning: str, seconds: float, rows: int) -> str:
+    """A method's name with what its colours mean, and its wall time, each a cell over its
+    ``rows`` rows of a report's table."""
+    return (
+        f"<td rowspan=\"{rows}\">{escape(method)}<br><span class=\"meaning\">{escape(meaning)}</span></td>"
+        f"<td rowspan=\"{rows}\" class=\"time\">{seconds * 1000:.0f} ms</td>"
+    )
 
 
 def render_question_html(explanation: QuestionAnswerExplanation, model_name: str) -> str:
@@ -368,17 +383,14 @@ def render_question_html(explanation: QuestionAnswerExplanation, model_name: str
         f"<p><bdi>{escape(answer[:1].upper() + answer[1:])}</bdi>, underlined in the rows below.</p>",
         *([] if note is None else [f'<p class="note">Note: {escape(note)}.</p>']),
         "<p class=\"legend\">Each method explains the logit of the answer's first token being its start, then that "
-        "of its last token being its end. Colour strength is relative to the largest score of the row's words; "
-        'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and not coloured. Hover '
-        "a token for its share of the words' scores and the score itself.</p>",
+        f"of its last token being its end. {_ROW_SCALE}</p>",
         "<table><tr><th>method</th><th>wall time</th><th>logit</th><th>tokens</th></tr>",
     ]
     for method, rows in explanation.scores.items():
         info = explanation.methods[method]
         for end in ("start", "end"):
             described = (
-                f"<td rowspan=\"2\">{escape(method)}<br><span class=\"meaning\">{escape(_meaning(info, 'the answer', _QUESTION_UNTARGETED))}"
-                f"</span></td><td rowspan=\"2\" class=\"time\">{explanation.seconds[method] * 1000:.0f} ms</td>"
+                _method_cells(method, _meaning(info, "the answer", _QUESTION_UNTARGETED), explanation.seconds[method], 2)
                 if end == "start" else ""
             )
             row = _token_row(explanation.tokens, rows[end], explanation.special, info, range(explanation.start, explanation.end + 1))
@@ -402,19 +414,13 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     if explanation.words:
         parts += [
             f"<p class=\"legend\">Each method explains the logit of {escape(read_where(explanation))} (underlined). "
-            "Colour strength is relative to the largest score of the row's words; special tokens "
-            '(<span class="tok special">[CLS]</span>) are left out of the scale and not coloured. Hover a token for its '
-            "share of the words' scores and the score itself.</p>",
+            f"{_ROW_SCALE}</p>",
             f"<table><tr><th>method</th><th>wall time</th><th>{'mask' if explanation.masked else 'word'}</th><th>tokens</th></tr>",
         ]
     for method, info in explanation.methods.items():
         for index, word in enumerate(explanation.words):
-            described = (
-                f"<td rowspan=\"{len(explanation.words)}\">{escape(method)}<br><span class=\"meaning\">"
-                f"{escape(_meaning(info, 'the token' if explanation.masked else 'the label', _TOKEN_UNTARGETED))}</span></td>"
-                f"<td rowspan=\"{len(explanation.words)}\" "
-                f"class=\"time\">{explanation.seconds[method] * 1000:.0f} ms</td>" if index == 0 else ""
-            )
+            meaning = _meaning(info, "the token" if explanation.masked else "the label", _TOKEN_UNTARGETED)
+            described = _method_cells(method, meaning, explanation.seconds[method], len(explanation.words)) if index == 0 else ""
             row = _token_row(explanation.tokens, word.scores[method], explanation.special, info, range(word.position, word.position + 1))
             parts.append(f"<tr>{described}<td class=\"word\"><bdi>{escape(word.word)}</bdi> ({escape(word.label)})</td><td>{row}</td></tr>")
     parts.append(("</table>" if explanation.words else "") + "</body></html>")

@@ -216,7 +216,7 @@ def labels_line(explanation: TokenClassExplanation) -> str:
     """The explained words (masks) and their labels (predicted tokens), or why there are
     none."""
     if not explanation.words:
-        return (f"no word is labelled other than {OUTSIDE!r}: --target WORD explains one word's label")
+        return f"no word is labelled other than {OUTSIDE!r}: --target WORD explains one word's label"
     listed = " | ".join(
         f"{terminal_safe(word.word)} {terminal_safe(word.label)} (p {word.probability:.3f})" for word in explanation.words
     )
