@@ -1,5 +1,6 @@
 """The methods of the reports that explain a logit read at one token of each example: an
-extractive answer's start or end, a token classifier's label of one word."""
+extractive answer's start or end, a token classifier's label of one word, a masked language
+model's token at one mask."""
 
 from __future__ import annotations
 
