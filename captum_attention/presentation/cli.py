@@ -69,9 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     explain = commands.add_parser("explain", help="explain sentences with every method")
     explain.add_argument("sentences", nargs="*", help="sentences to explain (batched together); for a language "
-                         "model, the prompt")
+                         "model, the prompt; for a question answerer, the context; for a token classifier or a masked "
+                         "language model, the text")
     explain.add_argument("--file", type=Path, help="a file with one sentence per line; for a language model, "
-                         "the whole file is the prompt")
+                         "the whole file is the prompt (a question answerer's context, a token classifier's or masked "
+                         "language model's text)")
     explain.add_argument("--model", type=Path, help="a local sequence-classification, token-classification, "
                          "question-answering, image-classification, causal, masked, sequence-to-sequence, vision-language or "
                          "image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
