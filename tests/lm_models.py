@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers as tf
@@ -162,14 +163,35 @@ def make_byte_level_tokenizer(text: str, trim_offsets: bool = False) -> tf.PreTr
     """A byte-level BPE fast tokenizer trained on ``text``, as GPT-2's, Llama-3's and
     Qwen2's are: its tokens carry their space as a mark ("Ġthe"), and (unless
     ``trim_offsets``) a token's offsets start at that space."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
+
+    core = _byte_level_core(text, ["<|endoftext|>"])
+    core.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+
+
+def make_roberta_tokenizer(text: str) -> tf.RobertaTokenizerFast:
+    """RoBERTa's kind of tokenizer trained on ``text``: byte-level BPE ("Ġthe"), a pair
+    read as ``<s> A </s></s> B </s>``, no token types, ``<mask>`` its mask."""
+    from tokenizers import processors
+
+    core = _byte_level_core(text, ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    core.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=True, add_prefix_space=False)
+    return tf.RobertaTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+        pad_token="<pad>", mask_token="<mask>",
+    )
+
+
+def _byte_level_core(text: str, special_tokens: list[str]) -> Any:
+    """A byte-level BPE model trained on ``text`` (300 tokens), ``special_tokens`` first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    core.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator([text] * 20, trainer)
-    return tf.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    return core
 
 
 def make_encoder_decoder(name: str, seed: int = 0) -> nn.Module:

@@ -274,3 +274,49 @@ def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_p
         result = run_cli(*arguments)
         assert result.returncode == 1 and said in result.stderr, (arguments, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_byte_level_tokenizer_without_token_types_places_words_masks_and_answers(tmp_path):
+    """RoBERTa's kind of tokenizer: no token types, a pair read as <s> A </s></s> B </s>,
+    words as "Ġword" tokens whose offsets leave the space out, a mask's target token taken as
+    a sentence holds it, after a space ("Ġmat", not "mat"). Each of the three explanations
+    equals AttnLRP's own call at its token."""
+    from lm_models import make_roberta_tokenizer
+
+    from captum_attention.presentation.question_answering import explain_question
+    from captum_attention.presentation.token_class import explain_masks
+
+    tokenizer = make_roberta_tokenizer(" ".join(WORDS).replace("##", "") + " where did sit . <mask>")
+    config = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                  max_position_embeddings=64, pad_token_id=1, initializer_range=0.3)
+    torch.manual_seed(4)
+    heads = {
+        "tags": tf.RobertaForTokenClassification(tf.RobertaConfig(**config, num_labels=4)).eval(),
+        "masks": tf.RobertaForMaskedLM(tf.RobertaConfig(**config)).eval(),
+        "answers": tf.RobertaForQuestionAnswering(tf.RobertaConfig(**config)).eval(),
+    }
+    tags = explain_token_labels(heads["tags"], tokenizer, TEXT, "lovelace", ["attn_lrp"])
+    masks = explain_masks(heads["masks"], tokenizer, "ada lived in <mask> .", "mat", ["attn_lrp"])
+    answer = explain_question(heads["answers"], tokenizer, "where did the cat sit", "the cat sat on the mat", "the mat", ["attn_lrp"])
+    encoded = tokenizer(TEXT, return_offsets_mapping=True)
+    assert "token_type_ids" not in encoded
+    (word,) = tags.words
+    assert word.word == "lovelace" and encoded["offset_mapping"][word.position][0] == TEXT.index("lovelace")
+    (mask,) = masks.words
+    spaced, bare = (tokenizer(word, add_special_tokens=False)["input_ids"] for word in (" mat", "mat"))
+    assert len(spaced) == len(bare) == 1 and spaced != bare and mask.label == "mat"  # the word as a sentence holds it
+    assert answer.answer == "the mat" and answer.in_context[answer.start] and answer.in_context[answer.end]
+    cases = [
+        (heads["tags"], TEXT, (word.position, heads["tags"].config.label2id[word.label]), word.scores),
+        (heads["masks"], "ada lived in <mask> .", (mask.position, spaced[0]), mask.scores),
+    ]
+    for model, text, target, scores in cases:
+        ids = tokenizer(text, return_tensors="pt")
+        forward = lambda i, m, model=model: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+        expected = AttnLRP(forward, model=model).attribute(ids["input_ids"], target=target, additional_forward_args=(ids["attention_mask"],))
+        torch.testing.assert_close(torch.tensor(scores["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+    pair = tokenizer("where did the cat sit", "the cat sat on the mat", return_tensors="pt")
+    start = lambda i, m: heads["answers"](input_ids=i, attention_mask=m).start_logits  # noqa: E731
+    expected = AttnLRP(start, model=heads["answers"]).attribute(
+        pair["input_ids"], target=answer.start, additional_forward_args=(pair["attention_mask"],))
+    torch.testing.assert_close(torch.tensor(answer.scores["AttnLRP"]["start"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
