@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import check_fast, check_position_methods, forward_inputs, output_forward, position_method
+from .positions import check_fast, check_position_methods, forward_inputs, position_method
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
@@ -124,8 +124,8 @@ def explain_question(
     """An extractive question answerer's answer to ``question`` in ``context`` (the
     span :func:`best_span` chooses, or the given ``answer``'s first occurrence), its start
     and end logits each explained by every method at the answer's first and last token:
-    each registered method's ``attribute(ids, target=position, query_index=position)``
-    of the ``start_logits`` or ``end_logits``; ``integrated_gradients``, Captum's
+    each registered method's ``attribute`` of the ``start_logits`` at ``start`` and the
+    ``end_logits`` at ``end``, both in one batch (:func:`_ends_forward`); ``integrated_gradients``, Captum's
     ``LayerIntegratedGradients`` on the word embeddings against padding (special tokens
     kept), as Captum's tutorial; :data:`~captum_attention.presentation.explain.PRESENCE`,
     AttnLRP with the words at ``presence``. A context longer than the model takes is cut.
@@ -165,16 +165,26 @@ def explain_question(
     )
     unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
     explanation.warnings += [] if unknown is None else [unknown]
+    forward, both = _ends_forward(model, names), tuple(a.expand(len(ENDS), -1) for a in arguments)
     for name in chosen:
         display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
         begin = time.perf_counter()
-        explanation.scores[display] = {
-            end: run(output_forward(model, f"{end}_logits", names), ids, arguments, [position], [position])[0].detach().float().tolist()
-            for end, position in zip(ENDS, span)
-        }
+        scores = run(forward, ids.expand(len(ENDS), -1), both, [(span[0], 0), (span[1], 1)], list(span))
         explanation.seconds[display] = time.perf_counter() - begin
+        explanation.scores[display] = dict(zip(ENDS, scores.detach().float().tolist()))
         explanation.methods[display] = info
     return explanation
+
+
+def _ends_forward(model: Any, names: list[str]) -> Callable[..., torch.Tensor]:
+    """``forward(ids, *arguments)``: the start and end logits as the two classes of each
+    token, ``(batch, tokens, 2)``; the answer's start and end are explained as one batch of
+    two, ``(start, 0)`` and ``(end, 1)``."""
+    def forward(ids: torch.Tensor, *arguments: torch.Tensor) -> torch.Tensor:
+        outputs = model(input_ids=ids, **dict(zip(names, arguments)))
+        return torch.stack([outputs.start_logits, outputs.end_logits], dim=-1)
+
+    return forward
 
 
 def _span_text(encoded: Any, context: str, start: int, end: int) -> str:
