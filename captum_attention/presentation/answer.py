@@ -528,15 +528,21 @@ def explain_caption(
 
 
 def grid_over_image(grid: list[list[float]], size: tuple[int, int], image_processor: Any) -> bool:
-    """Whether a grid of scores can be laid over the whole image of ``size`` (width,
-    height): where ``image_processor`` gives one image's pixels, whether it keeps the whole
+    """Whether a grid of scores (rows of columns) can be laid over the whole image of
+    ``size``: :func:`shape_over_image` of its shape."""
+    return shape_over_image((len(grid), len(grid[0])), size, image_processor)
+
+
+def shape_over_image(shape: tuple[int, int], size: tuple[int, int], image_processor: Any) -> bool:
+    """Whether a grid of ``shape`` (rows, columns) can be laid over the whole image of
+    ``size`` (width, height): where ``image_processor`` gives one image's pixels, whether it keeps the whole
     image, to within half a cell at each edge (:func:`keeps_whole_image`: ViT's processor,
     which resizes a photo to a square, does; DeiT's and DINOv2's, which crop even a square
     image's borders, and CLIP's, which crops a wide one, do not); else whether the grid's
     shape follows the image's (:func:`~captum_attention.attr._images.grid_follows_image`)."""
-    rows, columns = len(grid), len(grid[0])
+    rows, columns = shape
     whole = None if image_processor is None else keeps_whole_image(image_processor, size, 0.5 / rows, 0.5 / columns)
-    return grid_follows_image((rows, columns), size) if whole is None else whole
+    return grid_follows_image(shape, size) if whole is None else whole
 
 
 def keeps_whole_image(image_processor: Any, size: tuple[int, int], row_margin: float, column_margin: float) -> bool | None:

@@ -39,7 +39,7 @@ from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
 from ..metrics.token_removal import example_seeds, pair_token_types
-from .answer import grey_pixels, grid_over_image, processed_pixels
+from .answer import grey_pixels, processed_pixels, shape_over_image
 from .dataset import (
     BOX_FORMAT, AnswerExample, DatasetError, Example, ImageExample, batches, read_answers, read_dataset, read_images,
     write_atomically,
@@ -586,9 +586,9 @@ def _check_boxes_on_the_grid(model: Any, image_processor: Any, examples: Sequenc
 
 def _check_grid_covers(grid: tuple[int, int], size: tuple[int, int], image_processor: Any, line: int) -> None:
     """A one-line ``ValueError`` where a grid of ``grid`` cells does not cover the whole
-    image of ``size`` (:func:`~captum_attention.presentation.answer.grid_over_image`), on
+    image of ``size`` (:func:`~captum_attention.presentation.answer.shape_over_image`), on
     which a box is drawn."""
-    if not grid_over_image([[0.0] * grid[1]] * grid[0], size, image_processor):
+    if not shape_over_image(grid, size, image_processor):
         raise ValueError(f"the image processor crops or pads the {size[0]} × {size[1]} image of line {line}, so its patch grid "
                          f"does not cover the image its box is drawn on: leave the box's metrics ({', '.join(IMAGE_BOX_METRICS)}) out")
 
