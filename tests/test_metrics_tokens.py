@@ -324,6 +324,30 @@ def test_ablated_probs_by_hand(bag, removal):
         ablated_probs(model, ids, mask, kept[:, :, :4])
 
 
+@pytest.mark.parametrize("removal", ["delete", "replace"])
+def test_identical_removals_of_an_example_run_once_and_tie_exactly(bag, removal):
+    """Two ablations that keep the same tokens of one example (frequent among a short
+    text's random halves) are one row of one forward: their probabilities are the same
+    number, as Spearman's ties need, whatever rows the batch's arithmetic puts them in."""
+    model, ids, mask, target, _ = bag
+    seen: list[int] = []
+
+    def forward(ids, mask):
+        seen.append(len(ids))
+        return model(ids, mask)
+
+    kept = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(3)) < 0.5
+    kept[:, 3] = kept[:, 1]  # ablation 3 repeats ablation 1, in both examples
+    kept[1, 4] = kept[0, 4]  # the same tokens kept of two examples are two rows
+    probs = ablated_probs(forward, ids, mask, kept, removal=removal, baseline_token_id=0)
+    removed = [(row, {i for i in range(int(mask[row].sum())) if not kept[row, a, i]}) for row in range(2) for a in range(5)]
+    distinct = {(row, frozenset(tokens)) for row, tokens in removed}
+    assert len(distinct) < 2 * 5 - 1 and seen[-1] == len(distinct)  # after the inputs as given (and a padding probe)
+    assert bool((probs[:, 3] == probs[:, 1]).all())
+    full = model(ids, mask).softmax(-1).gather(1, target[:, None])
+    torch.testing.assert_close(probs, full - _by_hand(model, ids, mask, target, removed).view(2, 5))
+
+
 @pytest.mark.parametrize("per_example", [False, True])
 @pytest.mark.parametrize("removal", ["delete", "replace"])
 def test_datamodeling_score_by_hand(bag, removal, per_example):

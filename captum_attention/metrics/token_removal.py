@@ -142,8 +142,13 @@ class _Remover:
         return ids, mask
 
     def evaluate(self, rows: Tensor, remove: Tensor) -> tuple[Tensor, Tensor]:
-        """Target probability and unchanged decision after removing ``remove`` from ``rows``."""
-        probs = class_probabilities(self._rows_logits(rows, remove))
+        """Target probability and unchanged decision after removing ``remove`` from
+        ``rows``. Identical removals from one example run once, so that they tie exactly
+        (two random halves of a short text are often the same)."""
+        key = torch.cat([rows[:, None].to(remove.device), remove.long()], dim=1)
+        unique, inverse = key.unique(dim=0, return_inverse=True)
+        probs = class_probabilities(self._rows_logits(unique[:, 0].to(rows.device), unique[:, 1:].bool()))
+        probs = probs[inverse.to(probs.device)]
         targets, decision = self.targets[rows].to(probs.device), self.decision[rows].to(probs.device)
         return self.target_probs(probs, targets), probs.argmax(dim=-1) == decision
 

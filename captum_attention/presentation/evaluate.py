@@ -200,13 +200,14 @@ class EvaluationInterrupted(ResumableInterrupt):
         self.done, self.total = done, total
 
 
-ROWS_VERSION = 3
+ROWS_VERSION = 4
 """How the rows are computed: raised whenever a method's scores or a metric's draws change
 for the same example, so that a run is never resumed into rows of two kinds. 2: each
 example's LDS removals and SmoothGrad noise drawn from its own seed; manifests written
 before had no such entry. 3: a vision-language model's rows scored over the image's
 patches too (:func:`image_metric_names`), and ranked by the prompt tokens' scores where it
-reads its image apart."""
+reads its image apart. 4: the token-removal metrics run identical removals of an example
+once, so that they tie exactly."""
 
 
 def run_manifest(
