@@ -5,7 +5,9 @@ model's token at one mask."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence, Union
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 from captum.attr import LayerIntegratedGradients
@@ -23,6 +25,72 @@ Run = Callable[[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, .
 """How a method explains ``forward``'s logits at each example's position:
 ``run(forward, ids, arguments, target, positions)``, a score per token, ``(batch, tokens)``;
 ``arguments``: the attention mask first, then the other inputs ``forward`` takes."""
+
+
+@dataclass
+class PositionPlan:
+    """The logits a report explains at tokens of one text, each read at one token.
+
+    Attributes:
+        ids: ``(1, tokens)``, the tokens the model reads.
+        arguments: ``(1, tokens)`` each, what ``forward`` takes beside the ids: the
+            attention mask first, then the token types where the model takes them.
+        forward: ``forward(ids, *arguments)``, the logits ``(batch, tokens, classes)``.
+        targets: each explained logit's ``(position, class)``.
+        candidates: ``(tokens,)`` bool, where a logit's probability is its softmax over
+            these tokens (an answer's start or end over the context's tokens: the class is
+            which end); None: over the classes at its position (a word's label, a mask's
+            token).
+    """
+
+    ids: torch.Tensor
+    arguments: tuple[torch.Tensor, ...]
+    forward: Callable[..., torch.Tensor]
+    targets: list[tuple[int, int]]
+    candidates: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> list[int]:
+        """The token each logit is read at."""
+        return [position for position, _ in self.targets]
+
+    def target_logits(self, target: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``forward(ids, attention_mask)`` of the ``target``-th logit's classes,
+        ``(batch, classes)`` (the tokens, those outside :attr:`candidates` at -inf), the
+        other inputs as the text's own: what the token-removal metrics read with the tokens
+        replaced in place; its class is :meth:`target_class`."""
+        position, index = self.targets[target]
+        candidates = self.candidates
+
+        def forward(ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            others = tuple(argument.expand(len(ids), -1) for argument in self.arguments[1:])
+            logits = self.forward(ids, attention_mask, *others)
+            if candidates is None:
+                return logits[:, position]
+            return logits[:, :, index].masked_fill(~candidates.to(logits.device), float("-inf"))
+
+        return forward
+
+    def target_class(self, target: int) -> int:
+        """The class :meth:`target_logits` reads of the ``target``-th logit."""
+        position, index = self.targets[target]
+        return index if self.candidates is None else position
+
+
+def score_positions(
+    plan: PositionPlan, names: Sequence[str], model: Any, tokenizer: Any, ig_steps: int, ig_batch_size: int | None,
+    presence: float,
+) -> Iterator[tuple[str, MethodInfo, float, torch.Tensor]]:
+    """Each method's shown name, how to read it, its wall time and its scores of every
+    logit of ``plan``, ``(targets, tokens)``, all the logits in one batch
+    (:func:`position_method`)."""
+    count = len(plan.targets)
+    for name in names:
+        display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
+        begin = time.perf_counter()
+        scores = run(plan.forward, plan.ids.expand(count, -1), tuple(a.expand(count, -1) for a in plan.arguments),
+                     plan.targets, plan.positions)
+        yield display, info, time.perf_counter() - begin, scores.detach().float()
 
 
 def check_position_methods(names: Sequence[str], explained: str) -> None:

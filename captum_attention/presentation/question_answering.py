@@ -4,7 +4,6 @@ explained by every method, as Captum's BERT question-answering tutorial explains
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,7 +12,7 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import check_fast, check_position_methods, forward_inputs, position_method
+from .positions import PositionPlan, check_fast, check_position_methods, forward_inputs, score_positions
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
@@ -102,18 +101,18 @@ def best_span(start_logits: torch.Tensor, end_logits: torch.Tensor, in_context: 
     return best // n, best % n
 
 
-def given_span(encoded: Any, in_context: torch.Tensor, context: str, answer: str) -> tuple[int, int]:
+def given_span(encoded: Any, in_context: torch.Tensor, context: str, answer: str, named: str = "--target") -> tuple[int, int]:
     """The tokens ``(start, end)`` of ``answer``'s first occurrence in ``context``, by the
     tokens' character offsets; a one-line ``ValueError`` where the context the model reads
-    does not hold it."""
+    does not hold it (``named``: where the answer was given, for the message)."""
     begin = context.find(answer)
     if begin < 0 or not answer.strip():
-        raise ValueError(f"--target {answer!r} is not in the context: give the answer as the context spells it")
+        raise ValueError(f"{named} {answer!r} is not in the context: give the answer as the context spells it")
     finish = begin + len(answer)
     offsets = encoded["offset_mapping"][0].tolist()
     covered = [i for i, (a, b) in enumerate(offsets) if in_context[i] and a < finish and b > begin]
     if not covered:
-        raise ValueError(f"--target {answer!r} lies in the part of the context cut to the model's length limit")
+        raise ValueError(f"{named} {answer!r} lies in the part of the context cut to the model's length limit")
     return covered[0], covered[-1]
 
 
@@ -130,14 +129,29 @@ def explain_question(
     kept), as Captum's tutorial; :data:`~captum_attention.presentation.explain.PRESENCE`,
     AttnLRP with the words at ``presence``. A context longer than the model takes is cut.
     An encoder-decoder's answerer (BART's, T5's) is refused in one line."""
+    chosen = methods or default_method_names()
+    check_position_methods(chosen, "an answer's start and end")
+    explanation, plan = plan_question(model, tokenizer, question, context, answer)
+    for display, info, seconds, scores in score_positions(plan, chosen, model, tokenizer, ig_steps, ig_batch_size, presence):
+        explanation.seconds[display] = seconds
+        explanation.scores[display] = dict(zip(ENDS, scores.tolist()))
+        explanation.methods[display] = info
+    return explanation
+
+
+def plan_question(
+    model: Any, tokenizer: Any, question: str, context: str, answer: str | None = None, named: str = "--target"
+) -> tuple[QuestionAnswerExplanation, PositionPlan]:
+    """The answer :func:`explain_question` explains, without scores, and its start and end
+    logits as a :class:`~captum_attention.presentation.positions.PositionPlan` (their
+    softmaxes over the context's tokens); a one-line ``ValueError`` for what it refuses (``named``:
+    where ``answer`` was given, for the messages)."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(
             f"{type(model).__name__} reads the question and context twice, in its encoder and again in its decoder, whose "
             "states give the start and end logits: explain an encoder's answers (BERT, RoBERTa, DistilBERT, ...), or pass "
             "(input_ids, decoder_input_ids) to the methods yourself"
         )
-    chosen = methods or default_method_names()
-    check_position_methods(chosen, "an answer's start and end")
     check_fast(tokenizer, "a question answerer's answer is placed in its context by")
     limit = length_limit(model, tokenizer)
     question_length = len(tokenizer(question, add_special_tokens=False)["input_ids"]) + tokenizer.num_special_tokens_to_add(pair=True)
@@ -152,7 +166,7 @@ def explain_question(
         outputs = model(input_ids=ids, **dict(zip(names, arguments)))
     logits = {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}
     predicted = best_span(logits["start"], logits["end"], in_context)
-    span = predicted if answer is None else given_span(encoded, in_context, context, answer)
+    span = predicted if answer is None else given_span(encoded, in_context, context, answer, named)
     probabilities = {end: logits[end].float().masked_fill(~in_context, float("-inf")).softmax(-1) for end in ENDS}
     full_length = len(question_inputs(tokenizer, question, context)["input_ids"][0])
     explanation = QuestionAnswerExplanation(
@@ -165,15 +179,8 @@ def explain_question(
     )
     unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
     explanation.warnings += [] if unknown is None else [unknown]
-    forward, both = _ends_forward(model, names), tuple(a.expand(len(ENDS), -1) for a in arguments)
-    for name in chosen:
-        display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
-        begin = time.perf_counter()
-        scores = run(forward, ids.expand(len(ENDS), -1), both, [(span[0], 0), (span[1], 1)], list(span))
-        explanation.seconds[display] = time.perf_counter() - begin
-        explanation.scores[display] = dict(zip(ENDS, scores.detach().float().tolist()))
-        explanation.methods[display] = info
-    return explanation
+    plan = PositionPlan(ids, arguments, _ends_forward(model, names), [(span[0], 0), (span[1], 1)], in_context)
+    return explanation, plan
 
 
 def _ends_forward(model: Any, names: list[str]) -> Callable[..., torch.Tensor]:

@@ -5,7 +5,6 @@ its mask: explained by every method."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import check_fast, check_position_methods, forward_inputs, output_forward, position_method
+from .positions import PositionPlan, check_fast, check_position_methods, forward_inputs, output_forward, score_positions
 
 OUTSIDE = "O"
 """The label of the words outside every entity (the IOB schemes'): a report explains the
@@ -86,16 +85,17 @@ def first_tokens(encoded: Any) -> dict[int, tuple[int, int]]:
     return words
 
 
-def given_word(words: dict[int, tuple[int, int]], text: str, word: str) -> int:
+def given_word(words: dict[int, tuple[int, int]], text: str, word: str, named: str = "--target") -> int:
     """The first token of the word where ``word`` first occurs in ``text``; a one-line
-    ``ValueError`` where the text (as the model reads it) does not hold it."""
+    ``ValueError`` where the text (as the model reads it) does not hold it (``named``:
+    where the word was given, for the message)."""
     begin = text.find(word)
     if begin < 0 or not word.strip():
-        raise ValueError(f"--target {word!r} is not in the text: give a word as the text spells it")
+        raise ValueError(f"{named} {word!r} is not in the text: give a word as the text spells it")
     for first, (start, end) in words.items():
         if start <= begin < end:
             return first
-    raise ValueError(f"--target {word!r} lies in the part of the text cut to the model's length limit")
+    raise ValueError(f"{named} {word!r} lies in the part of the text cut to the model's length limit")
 
 
 def explain_token_labels(
@@ -111,6 +111,15 @@ def explain_token_labels(
     longer than the model takes is cut."""
     chosen = methods or default_method_names()
     check_position_methods(chosen, "the word whose label is read")
+    return _scored(*plan_token_labels(model, tokenizer, text, word), chosen, model, tokenizer, ig_steps, ig_batch_size, presence)
+
+
+def plan_token_labels(
+    model: Any, tokenizer: Any, text: str, word: str | None = None, named: str = "--target"
+) -> tuple[TokenClassExplanation, PositionPlan]:
+    """The words :func:`explain_token_labels` explains, without scores, and their labels'
+    logits as a :class:`~captum_attention.presentation.positions.PositionPlan`; a one-line
+    ``ValueError`` for what it refuses (``named``: where ``word`` was given)."""
     check_fast(tokenizer, "a token classifier's words are told apart by")
     limit = length_limit(model, tokenizer)
     encoded = tokenizer(text, truncation=True, max_length=limit, return_offsets_mapping=True, return_tensors="pt")
@@ -122,7 +131,7 @@ def explain_token_labels(
     id2label = model.config.id2label
     words = first_tokens(encoded)
     if word is not None:
-        chosen_words = [given_word(words, text, word)]
+        chosen_words = [given_word(words, text, word, named)]
     else:
         outside = OUTSIDE in id2label.values()
         chosen_words = [first for first in words if not outside or id2label[predicted[first]] != OUTSIDE]
@@ -135,8 +144,9 @@ def explain_token_labels(
         ],
         given=word is not None, cut_from=full_length if full_length > ids.shape[1] else None,
     )
-    return _scored(explanation, model, tokenizer, text, ids, names, arguments, [predicted[first] for first in chosen_words],
-                   chosen, ig_steps, ig_batch_size, presence)
+    _warn_unknown(explanation, tokenizer, ids)
+    targets = [(first, predicted[first]) for first in chosen_words]
+    return explanation, PositionPlan(ids, arguments, output_forward(model, "logits", names), targets)
 
 
 def explain_masks(
@@ -150,6 +160,15 @@ def explain_masks(
     line, as is a ``token`` the tokenizer reads as more than one token."""
     chosen = methods or default_method_names()
     check_position_methods(chosen, "the mask whose prediction is read")
+    return _scored(*plan_masks(model, tokenizer, text, token), chosen, model, tokenizer, ig_steps, ig_batch_size, presence)
+
+
+def plan_masks(
+    model: Any, tokenizer: Any, text: str, token: str | None = None, named: str = "--target"
+) -> tuple[TokenClassExplanation, PositionPlan]:
+    """The masks :func:`explain_masks` explains, without scores, and their tokens' logits
+    as a :class:`~captum_attention.presentation.positions.PositionPlan`; a one-line
+    ``ValueError`` for what it refuses (``named``: where ``token`` was given)."""
     mask = tokenizer.mask_token
     if mask is None:
         raise ValueError("the tokenizer names no mask token, which a masked language model predicts at: save the model's own")
@@ -164,7 +183,7 @@ def explain_masks(
         raise ValueError(f"{mask} {where}: put it where the word to predict goes (e.g. 'Paris is the {mask} of France.')")
     with torch.no_grad():
         probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0, masks].float().softmax(-1)
-    classes = probabilities.argmax(-1).tolist() if token is None else [_single_token(tokenizer, token)] * len(masks)
+    classes = probabilities.argmax(-1).tolist() if token is None else [_single_token(tokenizer, token, named)] * len(masks)
     explanation = TokenClassExplanation(
         text=text, tokens=readable_tokens(ids[0], tokenizer), special=special_tokens(ids, tokenizer)[0].tolist(),
         words=[
@@ -174,45 +193,42 @@ def explain_masks(
         ],
         given=token is not None, cut_from=len(full) if len(full) > ids.shape[1] else None, masked=True,
     )
-    return _scored(explanation, model, tokenizer, text, ids, names, arguments, classes, chosen, ig_steps, ig_batch_size, presence)
+    _warn_unknown(explanation, tokenizer, ids)
+    return explanation, PositionPlan(ids, arguments, output_forward(model, "logits", names), list(zip(masks, classes)))
 
 
-def _single_token(tokenizer: Any, token: str) -> int:
+def _single_token(tokenizer: Any, token: str, named: str = "--target") -> int:
     """The id of ``token`` as one token of the vocabulary (a word after a space, as
     byte-level and SentencePiece vocabularies hold it, or as it is); a one-line
-    ``ValueError`` where neither is one token."""
+    ``ValueError`` where neither is one token (``named``: where it was given)."""
     for spelled in (" " + token, token):
         found = tokenizer(spelled, add_special_tokens=False)["input_ids"]
         if len(found) == 1 and found[0] != tokenizer.unk_token_id:
             return int(found[0])
     pieces = tokenizer.tokenize(token)
     if len(pieces) < 2:
-        raise ValueError(f"--target {token!r} is not in the tokenizer's vocabulary: a mask predicts one token of it")
-    raise ValueError(f"--target {token!r} is {len(pieces)} tokens to the tokenizer ({' '.join(pieces)}): a mask predicts one "
+        raise ValueError(f"{named} {token!r} is not in the tokenizer's vocabulary: a mask predicts one token of it")
+    raise ValueError(f"{named} {token!r} is {len(pieces)} tokens to the tokenizer ({' '.join(pieces)}): a mask predicts one "
                      "token of the vocabulary")
 
 
-def _scored(
-    explanation: TokenClassExplanation, model: Any, tokenizer: Any, text: str, ids: torch.Tensor, names: list[str],
-    arguments: tuple[torch.Tensor, ...], classes: list[int], chosen: list[str], ig_steps: int, ig_batch_size: int | None,
-    presence: float,
-) -> TokenClassExplanation:
-    """``explanation`` with its warnings and each method's scores of each word's
-    ``classes`` logit at its position, all the words in one batch."""
-    unknown = unknown_words(tokenizer, text, ids[0].tolist(), named="text")
+def _warn_unknown(explanation: TokenClassExplanation, tokenizer: Any, ids: torch.Tensor) -> None:
+    """Warn in ``explanation`` of the text's words the tokenizer does not know."""
+    unknown = unknown_words(tokenizer, explanation.text, ids[0].tolist(), named="text")
     explanation.warnings += [] if unknown is None else [unknown]
+
+
+def _scored(
+    explanation: TokenClassExplanation, plan: PositionPlan, chosen: list[str], model: Any, tokenizer: Any, ig_steps: int,
+    ig_batch_size: int | None, presence: float,
+) -> TokenClassExplanation:
+    """``explanation`` with each method's scores of each word's logit, all the words in
+    one batch."""
     if not explanation.words:
         return explanation
-    positions = [word.position for word in explanation.words]
-    count = len(positions)
-    forward = output_forward(model, "logits", names)
-    for name in chosen:
-        display, info, run = position_method(name, model, tokenizer, ig_steps, ig_batch_size, presence)
-        begin = time.perf_counter()
-        scores = run(forward, ids.expand(count, -1), tuple(a.expand(count, -1) for a in arguments), list(zip(positions, classes)),
-                     positions)
-        explanation.seconds[display] = time.perf_counter() - begin
+    for display, info, seconds, scores in score_positions(plan, chosen, model, tokenizer, ig_steps, ig_batch_size, presence):
+        explanation.seconds[display] = seconds
         explanation.methods[display] = info
-        for labelled, row in zip(explanation.words, scores.detach().float().tolist()):
+        for labelled, row in zip(explanation.words, scores.tolist()):
             labelled.scores[display] = row
     return explanation
