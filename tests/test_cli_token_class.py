@@ -175,7 +175,8 @@ def test_a_token_classifier_is_recognised_and_misuse_is_refused_in_one_line(tagg
         (("explain", "--model", bert, TEXT, "--skip", "ada"), "--skip: for a language model's prompt"),
         (("explain", "--model", bert, TEXT, "another text"), "a token classifier explains one text at a time; got 2"),
         (("explain", "--model", bert, "--question", "who?", TEXT), "--question is for an extractive question answerer"),
-        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", bert), "evaluate does not score a token classifier's predictions"),
+        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", bert, "--chat"), "--chat and --regions are for a language model's "
+         "prompts and answers; a token classifier reads a text"),
     ]
     for arguments, said in refusals:
         result = run_cli(*arguments)
@@ -268,7 +269,8 @@ def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_p
         (("explain", "--model", folder, MASKED, "--target", "lovelace"), "--target 'lovelace' is 2 tokens to the tokenizer (love ##lace)"),
         (("explain", "--model", folder, MASKED, "--target", "park"), "--target 'park' is not in the tokenizer's vocabulary"),
         (("explain", "--model", folder, MASKED, "--methods", "alti_logit"), "alti_logit explains"),
-        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", folder), "evaluate does not score a masked language model's"),
+        (("evaluate", str(tmp_path / "rows.jsonl"), "--model", folder, "--metrics", "pointing_game"), "unknown metric 'pointing_game'; "
+         "choose from comprehensiveness, sufficiency, datamodeling"),
     ]
     for arguments, said in refusals:
         result = run_cli(*arguments)

@@ -739,9 +739,9 @@ def test_ctrl_c_whose_interrupt_python_swallowed_still_stops_the_run_after_its_b
         return [{"unit": unit}]
 
     with pytest.raises(ev.EvaluationInterrupted) as stopped:
-        ev._sharded(tmp_path, {"run": 1}, list(range(5)), rows_of, 0, 1, None, None)
+        ev.sharded(tmp_path, {"run": 1}, list(range(5)), rows_of, 0, 1, None, None)
     assert (stopped.value.done, stopped.value.total) == (2, 5)
-    assert ev._sharded(tmp_path, {"run": 1}, list(range(5)), lambda unit: [{"unit": unit}], 0, 1, None, None) == 3
+    assert ev.sharded(tmp_path, {"run": 1}, list(range(5)), lambda unit: [{"unit": unit}], 0, 1, None, None) == 3
 
 
 def test_output_defaults_to_a_folder_named_after_the_data(checkpoint, tmp_path, monkeypatch):

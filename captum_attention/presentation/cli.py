@@ -25,6 +25,7 @@ from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
     answer_too_long, length_limit, method_names,
 )
+from .position_evaluation import POSITION_METRICS
 from .text import count as _count, has_surrogates, terminal_safe
 
 
@@ -132,12 +133,15 @@ def _parser() -> argparse.ArgumentParser:
                           "for a causal language model a .jsonl file: prompt (or segments), optional answer (and "
                           "image, for a vision-language model); for an image captioner (and BLIP's or GIT's captions, rows "
                           "without a prompt): image, optional answer; for an image classifier: image, optional label, "
-                          "optional box ([x0, y0, x1, y1] in the image's pixels, for the pointing game)")
+                          "optional box ([x0, y0, x1, y1] in the image's pixels, for the pointing game); for a question "
+                          "answerer: question, context, optional answer (or SQuAD's answers); for a token classifier: text, "
+                          "optional word; for a masked language model: text with its mask token, optional target")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")
     evaluate.add_argument("--model", type=Path, help="a local sequence-classification, image-classification, causal, "
-                          "sequence-to-sequence, vision-language or image-captioning checkpoint folder, or a PEFT adapter's; nothing is "
+                          "sequence-to-sequence, vision-language, image-captioning, question-answering, token-classification or "
+                          "masked-LM checkpoint folder, or a PEFT adapter's; nothing is "
                           "downloaded (default: the embedded sentiment model)")
     evaluate.add_argument("--methods", help="comma-separated methods (default: the methods of reports); also "
                           + ", ".join(name for name in evaluation_methods() if name not in METHODS)
@@ -145,7 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                           "language model's answers, every registered method, leave_one_out_estimates, "
                           "leave_one_out_estimates_by_share and attn_lrp_presence")
     evaluate.add_argument("--metrics", help="comma-separated metrics (default: all that the data allows): "
-                          + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names()))
+                          + ", ".join(metric_names()) + "; for a language model's answers: " + ", ".join(answer_metric_names())
+                          + "; for a question answerer, a token classifier or a masked language model: "
+                          + ", ".join(POSITION_METRICS) + " (removed tokens replaced by the mask token)")
     evaluate.add_argument("--max-new-tokens", type=int, default=20,
                           help="for a language model: the longest answer generated for a row without one (default: 20)")
     evaluate.add_argument("--chat", action="store_true", help="for a language model: " + CHAT_HELP)
@@ -633,16 +639,13 @@ def _listed(value: str | None, option: str) -> list[str] | None:
 def _evaluate(arguments: argparse.Namespace) -> None:
     from .dataset import holds_prompts
     from .evaluate import Options, check_request, evaluate, read_dataset
-    from ..loading import TASK_KINDS, captions_alone, checkpoint_task, load_classifier
+    from ..loading import captions_alone, checkpoint_task, load_classifier
 
     task = None if arguments.model is None else checkpoint_task(arguments.model)
     _check_languages(arguments, task)
-    if task == "question-answering":
-        raise UsageError(f"evaluate does not score an extractive question answerer's answers; explain each with "
-                         f"explain --model {arguments.model} --question TEXT CONTEXT")
-    if task in ("token-classification", "fill-mask"):
-        raise UsageError(f"evaluate does not score {TASK_KINDS[task]}'s predictions; explain each text with "
-                         f"explain --model {arguments.model} TEXT")
+    if task in ("question-answering", "token-classification", "fill-mask"):
+        _evaluate_positions(arguments, task)
+        return
     if task == "image-classification":
         _evaluate_images(arguments)
         return
@@ -686,6 +689,40 @@ def _evaluate(arguments: argparse.Namespace) -> None:
     )
     if state.is_main_process:
         _report_cut(examples, tokenizer, length_limit(model, tokenizer), arguments)
+    _merged(state, arguments, examples, metrics, options)
+
+
+def _evaluate_positions(arguments: argparse.Namespace, task: str) -> None:
+    """``evaluate`` for a question answerer, a token classifier or a masked language
+    model: each row's answer, labelled words or masks explained as ``explain`` explains
+    them, and scored by the token-removal metrics with the removed tokens replaced."""
+    from ..loading import TASK_KINDS, load_masked_lm, load_question_answerer, load_token_classifier
+    from .dataset import read_positions
+    from .evaluate import Options
+    from .position_evaluation import check_position_request, evaluate_positions, position_row_problem
+
+    if arguments.chat or arguments.regions is not None:
+        raise UsageError(f"--chat and --regions are for a language model's prompts and answers; {TASK_KINDS[task]} reads a text")
+    _check_counts(arguments, "ig_steps")
+    _check_presence(arguments)
+    methods = _listed(arguments.methods, "methods") or list(METHODS)
+    metrics = _listed(arguments.metrics, "metrics") or list(POSITION_METRICS)
+    check_position_request(task, methods, metrics)  # before the model loads
+    examples, skipped = read_positions(arguments.data, task, arguments.skip_malformed)
+    _report_skipped(arguments, skipped)
+    state = _evaluation_state(arguments)
+    load = {"question-answering": load_question_answerer, "token-classification": load_token_classifier, "fill-mask": load_masked_lm}
+    model, tokenizer = load[task](arguments.model)
+    examples = _kept_rows([(example, position_row_problem(model, tokenizer, task, example)) for example in examples], arguments,
+                          "no row the model can explain")
+    if state.is_main_process:
+        _note_uniform_head_weights(model, methods)
+    model.to(state.device)
+    options = Options(ig_steps=arguments.ig_steps, presence=arguments.presence)
+    evaluate_positions(
+        model, tokenizer, task, examples, methods, metrics, arguments.output, options, state.process_index,
+        state.num_processes, _progress(state, "examples", "example"), _resuming(state, arguments, "examples"),
+    )
     _merged(state, arguments, examples, metrics, options)
 
 

@@ -323,6 +323,84 @@ def _image_file(image: Any, folder: Path) -> tuple[str | None, str | None]:
     return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class PositionExample:
+    """One row of a data set whose outputs are read at tokens: its position, its line, the
+    text (a question answerer's context), a question answerer's question, and optionally
+    what to explain (None: the prediction): an answer as the context spells it, a word of
+    the text (a token classifier's), a token (a masked language model's, at each mask)."""
+
+    index: int
+    line: int
+    text: str
+    question: str | None = None
+    target: str | None = None
+
+
+POSITION_FIELDS = {
+    "question-answering": ("context", "answer"),
+    "token-classification": ("text", "word"),
+    "fill-mask": ("text", "target"),
+}
+"""Each task's field of the text and of what to explain, in a row of
+:func:`read_positions` (a question answerer's rows have a ``question`` too)."""
+
+
+def read_positions(path: str | Path, task: str, skip_malformed: bool = False) -> tuple[list[PositionExample], list[str]]:
+    """The examples of a JSONL or CSV file for a model of ``task`` (a key of
+    :data:`POSITION_FIELDS`), and the problems skipped.
+
+    A question answerer's rows have ``question`` and ``context`` and optionally
+    ``answer`` (else SQuAD's ``answers``, whose first ``text`` is taken); a token
+    classifier's have ``text`` and optionally ``word``; a masked language model's have
+    ``text`` (with the tokenizer's mask token) and optionally ``target``. Malformed rows as
+    :func:`read_dataset` treats them.
+    """
+    path = Path(path)
+    text_field, target_field = POSITION_FIELDS[task]
+    data = _text(path, (".jsonl", ".csv"), "give a .jsonl or .csv file (one example per row)")
+    rows = _jsonl_rows(data) if path.suffix.lower() == ".jsonl" else _csv_rows(data, text_field)
+    needed = ("question", text_field) if task == "question-answering" else (text_field,)
+
+    def example(index: int, line: int, row: Any) -> PositionExample:
+        if isinstance(row, DatasetError):
+            raise row
+        if not isinstance(row, dict):
+            raise DatasetError(f"a row must be an object with {' and '.join(repr(name) for name in needed)} fields")
+        values = {name: value for name in needed if (value := _string(row, name)) is not None}
+        missing = [name for name in needed if name not in values]
+        if missing:
+            raise DatasetError(f"'{missing[0]}' is missing or empty")
+        target = _string(row, target_field)
+        if row.get(target_field) not in (None, "") and target is None:
+            raise DatasetError(f"'{target_field}' must be a non-empty string (leave it out to explain the prediction)")
+        if target is None and task == "question-answering" and row.get("answers") is not None:
+            target = _squad_answer(row)
+        return PositionExample(index, line, values[text_field], values.get("question"), target)
+
+    return _examples(path, rows, example, skip_malformed)
+
+
+def _string(row: dict[str, Any], name: str) -> str | None:
+    """A row's field ``name`` where it is a string with a visible character, else None; a
+    lone surrogate is refused."""
+    value = row.get(name)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    if has_surrogates(value):
+        raise DatasetError(f"'{name}' holds a lone surrogate (an escape such as \\ud800 that is no character)")
+    return value
+
+
+def _squad_answer(row: dict[str, Any]) -> str:
+    """The first answer of SQuAD's ``answers`` (``{"text": [...], "answer_start": [...]}``)."""
+    answers = row["answers"]
+    texts = answers.get("text") if isinstance(answers, dict) else None
+    if not isinstance(texts, list) or not texts or not isinstance(texts[0], str) or not texts[0].strip():
+        raise DatasetError("'answers' must be SQuAD's {\"text\": [answer, ...], ...} with an answer")
+    return texts[0]
+
+
 def unrankable(examples: Sequence[Example], tokenizer: Any, max_length: int) -> list[Example]:
     """The examples with no token a metric can rank: every token of theirs is one of the
     tokenizer's special tokens (a lone emoji becomes ``[CLS] [UNK] [SEP]``)."""

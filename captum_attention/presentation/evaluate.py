@@ -154,14 +154,14 @@ def evaluate(
     check_class_probabilities(model, "; explain it with explain")
     separator = types_separator(tokenizer, [e.inputs for e in examples])
     explainers = _explainers(model, tokenizer, methods, options, separator)
-    return _sharded(
+    return sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), batches(examples, tokenizer, options.batch_size),
         lambda batch: _evaluate_batch(model, tokenizer, batch, explainers, metrics, separator), process_index, num_processes,
         progress, on_resume,
     )
 
 
-def _sharded(
+def sharded(
     output: Path, manifest: dict[str, Any], units: Sequence[Any], rows_of: Callable[[Any], list[dict[str, Any]]],
     process_index: int, num_processes: int, progress: Callable[[Iterable[Any]], Iterable[Any]] | None,
     on_resume: Callable[[int, int], None] | None,
@@ -506,7 +506,7 @@ def evaluate_images(
         _check_boxes_on_the_grid(model, image_processor, examples)
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
     units = [list(examples[start : start + options.batch_size]) for start in range(0, len(examples), options.batch_size)]
-    return _sharded(
+    return sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), units,
         lambda batch: _evaluate_image_batch(model, image_processor, batch, methods, explainers, metrics, options),
         process_index, num_processes, progress, on_resume,
@@ -700,7 +700,7 @@ def evaluate_answers(
     needed |= {"knockout_gradient"} if set(ESTIMATES_OF_ANSWERS) & set(methods) else set()
     needed |= {"attn_lrp"} if ESTIMATES in methods else set()
     explainers = {name: registered_method(name, model) for name in needed}
-    return _sharded(
+    return sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options, tokenizer), examples,
         lambda example: _evaluate_answer(model, tokenizer, example, methods, explainers, metrics, options, processor), process_index,
         num_processes, progress, on_resume,
@@ -903,7 +903,7 @@ def evaluate_captions(
     check_names("method", methods, caption_method_names())
     check_caption_metrics(metrics)
     explainers = {name: registered_method(name, model) for name in methods if name != INTEGRATED_GRADIENTS}
-    return _sharded(
+    return sharded(
         Path(output), run_manifest(model, examples, methods, metrics, options), examples,
         lambda example: _evaluate_caption(model, tokenizer, image_processor, example, methods, explainers, metrics, options),
         process_index, num_processes, progress, on_resume,

@@ -566,7 +566,7 @@ def render_evaluation_html(summary: list[dict], rows: list[dict], metrics: list[
     wins = _wins(rows, methods, metrics, better)
     for method in methods:
         parts.append(f"<tr><td>{escape(method)}</td>" + "".join(f"<td>{wins[method, metric]}</td>" for metric in metrics) + "</tr>")
-    extra = [key for key in ("answer", "generated", "answer_log_prob", "label", "predicted", "probability") if any(key in row for row in rows)]
+    extra = [key for key in ("answer", "generated", "answer_log_prob", "explained", "label", "predicted", "probability") if any(key in row for row in rows)]
     parts += ["</table></div></section>", "<section><h2>Results</h2>"]
     if len(rows) > SHOWN_ROWS:
         parts.append(f'<p class="note">The first {SHOWN_ROWS} of {len(rows)} rows; results.jsonl holds them all.</p>')

@@ -1,0 +1,163 @@
+"""``evaluate`` for the models whose outputs are read at tokens: an extractive question
+answerer's answers (the start and end logits), a token classifier's labels (each
+labelled word's, at its first token) and a masked language model's tokens (at each
+mask). Each row is explained as ``explain`` explains it and scored by the token-removal
+metrics, with the removed tokens replaced in place, so that the token read stays where it
+is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..metrics.registry import METRICS as METRIC_REGISTRY
+from ..metrics.registry import MetricContext
+from .dataset import PositionExample
+from .display import special_tokens
+from .evaluate import Options, sharded, run_manifest
+from .explain import check_names, method_names
+from .positions import PositionPlan, check_position_methods, score_positions
+from .question_answering import ENDS, plan_question
+from .token_class import plan_masks, plan_token_labels
+
+POSITION_METRICS = ("comprehensiveness", "sufficiency", "datamodeling")
+"""The metrics of a logit read at a token: ERASER's comprehensiveness and sufficiency and
+the LDS, each removed token replaced by the mask token (:func:`replacement_id`)."""
+
+EXPLAINED = {
+    "question-answering": "an answer's start and end",
+    "token-classification": "the word whose label is read",
+    "fill-mask": "the mask whose prediction is read",
+}
+"""What each task explains, as the methods' refusals name it."""
+
+
+def check_position_request(task: str, methods: Sequence[str], metrics: Sequence[str]) -> None:
+    """Before any work, a one-line ``ValueError`` for a method or metric that cannot score
+    the outputs of a model of ``task`` (the methods that remove words, the estimates of
+    answers, ALTI-Logit: :func:`~captum_attention.presentation.positions.check_position_methods`)."""
+    check_names("method", methods, method_names())
+    check_position_methods(methods, EXPLAINED[task])
+    check_names("metric", metrics, list(POSITION_METRICS))
+
+
+def replacement_id(tokenizer: Any) -> int:
+    """The token that replaces a removed one: the mask token (what a masked language
+    model's pretraining put in place of hidden words), else the padding token; a one-line
+    ``ValueError`` where the tokenizer names neither."""
+    for token_id in (tokenizer.mask_token_id, tokenizer.pad_token_id):
+        if token_id is not None:
+            return int(token_id)
+    raise ValueError("the tokenizer names neither a mask nor a padding token, which replace the tokens the metrics remove: "
+                     "save the model's own tokenizer")
+
+
+def plan_example(model: Any, tokenizer: Any, task: str, example: PositionExample) -> tuple[Any, PositionPlan]:
+    """What ``explain`` would explain of the row: the explanation without scores and its
+    logits (:class:`~captum_attention.presentation.positions.PositionPlan`); a one-line
+    ``ValueError`` where the row cannot be explained."""
+    named = {"question-answering": "'answer'", "token-classification": "'word'", "fill-mask": "'target'"}[task]
+    if task == "question-answering":
+        return plan_question(model, tokenizer, example.question or "", example.text, example.target, named)
+    if task == "token-classification":
+        return plan_token_labels(model, tokenizer, example.text, example.target, named)
+    return plan_masks(model, tokenizer, example.text, example.target, named)
+
+
+def position_row_problem(model: Any, tokenizer: Any, task: str, example: PositionExample) -> str | None:
+    """What is wrong with the row (why :func:`plan_example` refuses it), or None."""
+    try:
+        plan_example(model, tokenizer, task, example)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def evaluate_positions(
+    model: Any,
+    tokenizer: Any,
+    task: str,
+    examples: Sequence[PositionExample],
+    methods: Sequence[str],
+    metrics: Sequence[str],
+    output: str | Path,
+    options: Options | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+) -> int:
+    """:func:`~captum_attention.presentation.evaluate.evaluate` for a model of ``task``
+    (``"question-answering"``, ``"token-classification"``, ``"fill-mask"``): each row's
+    logits explained by every method as ``explain`` explains them (the predicted answer,
+    labelled words or masks' tokens, or the row's own), each logit scored by every metric
+    of :data:`POSITION_METRICS` (its probability: an answer end's softmax over the context,
+    a label's or token's over the classes at its token; special tokens never removed;
+    removed tokens replaced by :func:`replacement_id`), a row's value of a metric the mean
+    over its logits (none where it explains none: a text whose every word is labelled
+    outside the entities). One example a shard, resumable, split over processes, merged by
+    :func:`~captum_attention.presentation.evaluate.merge` as the classifier's are."""
+    options = options or Options()
+    check_position_request(task, methods, metrics)
+    baseline = replacement_id(tokenizer)
+    return sharded(
+        Path(output), run_manifest(model, examples, methods, metrics, options), examples,
+        lambda example: _example_rows(model, tokenizer, task, example, methods, metrics, options, baseline),
+        process_index, num_processes, progress, on_resume,
+    )
+
+
+def _example_rows(
+    model: Any, tokenizer: Any, task: str, example: PositionExample, methods: Sequence[str], metrics: Sequence[str],
+    options: Options, baseline: int,
+) -> list[dict[str, Any]]:
+    """The row of each method for one example: each logit's metrics, and their means."""
+    explanation, plan = plan_example(model, tokenizer, task, example)
+    names, explained = _explained_logits(task, explanation)
+    context = MetricContext(model, special_tokens(plan.ids, tokenizer), removal={"removal": "replace", "baseline_token_id": baseline})
+    mask = plan.arguments[0]
+    probabilities = [_probability(plan, k) for k in range(len(plan.targets))]
+    scored = score_positions(plan, methods, model, tokenizer, options.ig_steps, None, options.presence) if plan.targets else ()
+    scores_of = {method: scores for method, (_, _, _, scores) in zip(methods, scored)}
+    rows = []
+    for method in methods:
+        logits = []
+        per_metric: dict[str, list[float]] = {metric: [] for metric in metrics}
+        for k, (name, label) in enumerate(zip(names, explained)):
+            target = torch.tensor([plan.target_class(k)], device=plan.ids.device)
+            scores = scores_of[method][k : k + 1]
+            values = {
+                metric: float(METRIC_REGISTRY[metric].function(plan.target_logits(k), plan.ids, scores, (mask,), target, context)[0])
+                for metric in metrics
+            }
+            for metric, value in values.items():
+                per_metric[metric].append(value)
+            logits.append({"at": name, "position": plan.targets[k][0], "explained": label, "probability": probabilities[k], **values})
+        means = {metric: sum(values) / len(values) if values else None for metric, values in per_metric.items()}
+        rows.append({"index": example.index, "line": example.line, "method": method,
+                     "explained": _shown_explained(task, names, explained), **means, "logits": logits})
+    return rows
+
+
+def _explained_logits(task: str, explanation: Any) -> tuple[list[str], list[str]]:
+    """Where each logit is read (an answer's end, a word, a mask) and what it explains
+    there (the answer, a label, a token)."""
+    if task == "question-answering":
+        return list(ENDS), [explanation.answer] * len(ENDS)
+    return [word.word for word in explanation.words], [word.label for word in explanation.words]
+
+
+def _shown_explained(task: str, names: list[str], explained: list[str]) -> str:
+    """A row's explained outputs in one line: the answer, or each word's label."""
+    if task == "question-answering":
+        return explained[0]
+    return "; ".join(f"{name}: {label}" for name, label in zip(names, explained))
+
+
+def _probability(plan: PositionPlan, target: int) -> float:
+    """The probability the metrics read of the ``target``-th logit, on the whole text."""
+    with torch.no_grad():
+        logits = plan.target_logits(target)(plan.ids, plan.arguments[0])
+    return float(logits.float().softmax(-1)[0, plan.target_class(target)])
