@@ -137,16 +137,64 @@ def test_a_given_answer_is_found_in_the_context_and_explained(answerers, tmp_pat
         assert result.returncode == 1 and said in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_context_longer_than_the_model_takes_is_cut_and_says_so(answerers, tmp_path):
+def _windows_by_hand(model, tokenizer, context: str, stride: int) -> list[dict]:
+    """Each window of the context the tokenizer gives at 64 tokens sharing ``stride``, run
+    alone: its ids, token types, context tokens, characters and each end's log-softmax
+    over its context tokens."""
+    encoded = tokenizer(QUESTION, context, truncation="only_second", max_length=64, stride=stride,
+                        return_overflowing_tokens=True, return_offsets_mapping=True)
+    windows = []
+    for row, ids in enumerate(encoded["input_ids"]):
+        in_context = torch.tensor([index == 1 for index in encoded.sequence_ids(row)])
+        types = torch.tensor([encoded["token_type_ids"][row]])
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), token_type_ids=types)
+        log_p = {end: getattr(out, f"{end}_logits")[0].masked_fill(~in_context, float("-inf")).log_softmax(-1)
+                 for end in ("start", "end")}
+        windows.append({"ids": torch.tensor([ids]), "types": types, "in_context": in_context,
+                        "offsets": encoded["offset_mapping"][row], "log_p": log_p})
+    return windows
+
+
+def test_a_context_longer_than_the_model_takes_is_read_in_overlapping_windows(answerers, tmp_path):
+    """As transformers' former pipeline read it: the answer is the best span of every
+    window (a brute-force search here), explained in its window; a given answer in the
+    first window that holds it."""
     context = " ".join(["the dog ran to the park ."] * 12) + " a bird"
-    path = tmp_path / "cut.json"
+    model, tokenizer = load_question_answerer(answerers[0])
+    room = 64 - len(tokenizer(QUESTION)["input_ids"]) - 1
+    windows = _windows_by_hand(model, tokenizer, context, room // 2)
+    assert len(windows) > 2
+    best = max(
+        ((float(w["log_p"]["start"][s] + w["log_p"]["end"][e]), k, s, e)
+         for k, w in enumerate(windows) for s in range(64) for e in range(s, min(s + MAX_ANSWER_TOKENS, 64))
+         if s < len(w["in_context"]) and e < len(w["in_context"]) and w["in_context"][s] and w["in_context"][e]),
+        key=lambda found: found[0],
+    )
+    path = tmp_path / "windows.json"
     result = run_cli("explain", "--model", str(answerers[0]), "--question", QUESTION, context, "--methods", "raw", "--json", str(path))
     assert result.returncode == 0, result.stderr
     explained = json.loads(path.read_text())
-    assert len(explained["tokens"]) == 64 and explained["cut_from"] == 3 + 5 + 12 * 7 + 2
-    assert "note: the context was cut to the model's 64 tokens (of 94)" in result.stdout
-    refused = run_cli("explain", "--model", str(answerers[0]), "--question", QUESTION, context, "--target", "a bird")
-    assert refused.returncode == 1 and "cut to the model's length limit" in refused.stderr
+    _, k, s, e = best
+    offsets = windows[k]["offsets"]
+    assert explained["windows"] == len(windows) and explained["answer"] == context[offsets[s][0] : offsets[e][1]]
+    assert explained["start_probability"] == pytest.approx(float(windows[k]["log_p"]["start"][s].exp()), abs=1e-6)
+    assert f"note: the context is longer than the model takes: it was read in {len(windows)} overlapping windows" in result.stdout
+
+    result = run_cli("explain", "--model", str(answerers[0]), "--question", QUESTION, context, "--methods", "attn_lrp",
+                     "--target", "a bird", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    given = json.loads(path.read_text())
+    last = windows[-1]
+    ends = [max(b for (_, b), inside in zip(w["offsets"], w["in_context"].tolist()) if inside) for w in windows]
+    assert ends[-1] == len(context) and max(ends[:-1]) < len(context)  # only the last window holds "a bird"
+    assert explained["windows"] == given["windows"] and given["window"][1] == len(context)
+    tokens = tokenizer.convert_ids_to_tokens(last["ids"][0].tolist())
+    assert given["tokens"] == tokens and tokens[given["start"] : given["end"] + 1] == ["a", "bird"]
+    forward = _head(model, "start", types=True)
+    expected = AttnLRP(forward, model=model).attribute(last["ids"], target=given["start"],
+                                                       additional_forward_args=(torch.ones_like(last["ids"]), last["types"]))
+    torch.testing.assert_close(torch.tensor(given["scores"]["AttnLRP"]["start"]), expected[0].float(), atol=1e-5, rtol=1e-4)
     long_question = " ".join([QUESTION] * 13)
     refused = run_cli("explain", "--model", str(answerers[0]), "--question", long_question, CONTEXT)
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ from .explain import Explanations, MethodInfo
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
 from .token_class import TokenClassExplanation
-from .text import answer_line, count, cut_note, labels_line, peak_cell, read_where, shares, terminal_safe, token_labels
+from .text import answer_line, count, cut_note, labels_line, peak_cell, read_where, shares, terminal_safe, token_labels, window_note
 
 
 def escape(text: str) -> str:
@@ -375,7 +375,7 @@ def _method_cells(method: str, meaning: str, seconds: float, rows: int) -> str:
 def render_question_html(explanation: QuestionAnswerExplanation, model_name: str) -> str:
     """The report page of an extractive answer: the question, the answer, and per method a
     coloured token row for the answer's start logit and one for its end logit."""
-    note, answer = cut_note(explanation), answer_line(explanation)
+    note, answer = window_note(explanation), answer_line(explanation)
     parts = [
         *_page_head(_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>.</p>",
@@ -403,7 +403,7 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     """The report page of a token classifier's labels (a masked language model's
     predictions): per method, a coloured token row for each explained word's label (each
     mask's token), the token where it is read underlined."""
-    note, words = cut_note(explanation, "text"), labels_line(explanation)
+    note, words = cut_note(explanation), labels_line(explanation)
     parts = [
         *_page_head(_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>.</p>",

@@ -18,6 +18,11 @@ MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
 question-answering pipeline)."""
 
+DOC_STRIDE = 128
+"""The context's tokens that two consecutive windows share where the context is longer than
+the model takes (the ``doc_stride`` of transformers' former question-answering pipeline),
+at most half of a window's context."""
+
 ENDS = ("start", "end")
 """The two heads of an answer, as a model's outputs name them (``start_logits``,
 ``end_logits``)."""
@@ -38,8 +43,11 @@ class QuestionAnswerExplanation:
             the context's tokens at ``start`` and ``end``.
         given: whether the answer was given (``--target``) rather than predicted.
         predicted: the predicted answer's text.
-        cut_from: the token count of the question and the whole context where the context
-            was cut to the model's length limit, else None.
+        windows: how many windows of the context the model read (a context longer than the
+            model takes is read in overlapping windows, :data:`DOC_STRIDE`); 1: all at once.
+        window: the characters ``(first, end)`` of the context in the window shown and
+            explained: the one that holds the predicted answer (the best over all windows),
+            or the first that holds the given one.
         scores: method -> ``{"start": scores, "end": scores}``, a score per token of each of
             the answer's start and end logits.
         seconds: method -> wall time of both.
@@ -59,7 +67,8 @@ class QuestionAnswerExplanation:
     end_probability: float
     given: bool
     predicted: str
-    cut_from: int | None = None
+    windows: int = 1
+    window: tuple[int, int] = (0, 0)
     scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
@@ -72,20 +81,69 @@ def question_first(tokenizer: Any) -> bool:
     return tokenizer.padding_side == "right"
 
 
-def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None) -> Any:
+def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None, stride: int = 0) -> Any:
     """The question and context tokenized as a pair in the tokenizer's order
-    (:func:`question_first`), the context cut to ``max_length`` tokens; with offsets."""
+    (:func:`question_first`), with offsets; given ``max_length``, the context in windows
+    that fit it, consecutive ones sharing ``stride`` tokens, padded to one length."""
     first = question_first(tokenizer)
     pair = (question, context) if first else (context, question)
-    cut = {} if max_length is None else {"truncation": "only_second" if first else "only_first", "max_length": max_length}
-    return tokenizer(*pair, return_offsets_mapping=True, return_tensors="pt", **cut)
+    windows = {} if max_length is None else {
+        "truncation": "only_second" if first else "only_first", "max_length": max_length, "stride": stride,
+        "return_overflowing_tokens": True, "padding": True,
+    }
+    return tokenizer(*pair, return_offsets_mapping=True, return_tensors="pt", **windows)
 
 
-def context_tokens(encoded: Any, tokenizer: Any) -> torch.Tensor:
-    """``(tokens,)`` bool: whether each token of ``encoded`` (:func:`question_inputs`) is
-    the context's."""
+def context_tokens(encoded: Any, tokenizer: Any, window: int = 0) -> torch.Tensor:
+    """``(tokens,)`` bool: whether each token of ``encoded``'s ``window`` (:func:`question_inputs`)
+    is the context's."""
     context_index = 1 if question_first(tokenizer) else 0
-    return torch.tensor([index == context_index for index in encoded.sequence_ids(0)])
+    return torch.tensor([index == context_index for index in encoded.sequence_ids(window)])
+
+
+@dataclass
+class _Window:
+    """One window of the question and context, unpadded: its ids ``(1, tokens)``, what the
+    model takes beside them (:func:`~captum_attention.presentation.positions.forward_inputs`),
+    each token's characters and whether it is the context's, and the start and end logits."""
+
+    ids: torch.Tensor
+    arguments: tuple[torch.Tensor, ...]
+    offsets: list[list[int]]
+    in_context: torch.Tensor
+    logits: dict[str, torch.Tensor]
+
+    def span_text(self, context: str, start: int, end: int) -> str:
+        """The context's characters from token ``start``'s first to token ``end``'s last."""
+        return context[self.offsets[start][0] : self.offsets[end][1]]
+
+    def log_probabilities(self) -> dict[str, torch.Tensor]:
+        """Each end's log-softmax over the window's context tokens."""
+        return {end: self.logits[end].float().masked_fill(~self.in_context, float("-inf")).log_softmax(-1) for end in ENDS}
+
+    def characters(self) -> tuple[int, int]:
+        """The characters of the context the window reads."""
+        held = [offset for offset, inside in zip(self.offsets, self.in_context.tolist()) if inside]
+        return held[0][0], held[-1][1]
+
+
+def _windows(model: Any, tokenizer: Any, question: str, context: str, limit: int, question_length: int) -> tuple[list[_Window], list[str]]:
+    """The windows of the context the model reads (one where it takes the whole context),
+    each run alone, and the names of what the model takes beside the ids."""
+    stride = min(DOC_STRIDE, (limit - question_length) // 2)
+    encoded = question_inputs(tokenizer, question, context, limit, stride)
+    names, arguments = forward_inputs(encoded, model)
+    windows = []
+    for row in range(len(encoded["input_ids"])):
+        real = encoded["attention_mask"][row].bool()
+        ids = encoded["input_ids"][row][real][None]
+        own = tuple(argument[row][real][None] for argument in arguments)
+        with torch.no_grad():
+            outputs = model(input_ids=ids, **dict(zip(names, own)))
+        windows.append(_Window(ids, own, encoded["offset_mapping"][row][real].tolist(),
+                               context_tokens(encoded, tokenizer, row)[real],
+                               {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}))
+    return windows, names
 
 
 def best_span(start_logits: torch.Tensor, end_logits: torch.Tensor, in_context: torch.Tensor) -> tuple[int, int]:
@@ -101,19 +159,20 @@ def best_span(start_logits: torch.Tensor, end_logits: torch.Tensor, in_context: 
     return best // n, best % n
 
 
-def given_span(encoded: Any, in_context: torch.Tensor, context: str, answer: str, named: str = "--target") -> tuple[int, int]:
-    """The tokens ``(start, end)`` of ``answer``'s first occurrence in ``context``, by the
-    tokens' character offsets; a one-line ``ValueError`` where the context the model reads
-    does not hold it (``named``: where the answer was given, for the message)."""
+def given_span(windows: list[Any], context: str, answer: str, named: str = "--target") -> tuple[int, int, int]:
+    """The first window ``(index, start, end)`` of :func:`_windows` whose context tokens
+    hold all of ``answer``'s first occurrence in ``context``, by the tokens' character
+    offsets; a one-line ``ValueError`` where none does (``named``: where the answer was
+    given, for the message)."""
     begin = context.find(answer)
     if begin < 0 or not answer.strip():
         raise ValueError(f"{named} {answer!r} is not in the context: give the answer as the context spells it")
     finish = begin + len(answer)
-    offsets = encoded["offset_mapping"][0].tolist()
-    covered = [i for i, (a, b) in enumerate(offsets) if in_context[i] and a < finish and b > begin]
-    if not covered:
-        raise ValueError(f"{named} {answer!r} lies in the part of the context cut to the model's length limit")
-    return covered[0], covered[-1]
+    for index, window in enumerate(windows):
+        covered = [i for i, (a, b) in enumerate(window.offsets) if window.in_context[i] and a < finish and b > begin]
+        if covered and window.offsets[covered[0]][0] <= begin and window.offsets[covered[-1]][1] >= finish:
+            return index, covered[0], covered[-1]
+    raise ValueError(f"{named} {answer!r} is longer than the windows of the context the model reads: give a shorter answer")
 
 
 def explain_question(
@@ -127,8 +186,10 @@ def explain_question(
     ``end_logits`` at ``end``, both in one batch (:func:`_ends_forward`); ``integrated_gradients``, Captum's
     ``LayerIntegratedGradients`` on the word embeddings against padding (special tokens
     kept), as Captum's tutorial; :data:`~captum_attention.presentation.explain.PRESENCE`,
-    AttnLRP with the words at ``presence``. A context longer than the model takes is cut.
-    An encoder-decoder's answerer (BART's, T5's) is refused in one line."""
+    AttnLRP with the words at ``presence``. A context longer than the model takes is read
+    in overlapping windows (:data:`DOC_STRIDE`), as transformers' former pipeline read
+    it: the answer is the best span of all (or the given one's first window), explained
+    in its window. An encoder-decoder's answerer (BART's, T5's) is refused in one line."""
     chosen = methods or default_method_names()
     check_position_methods(chosen, "an answer's start and end")
     explanation, plan = plan_question(model, tokenizer, question, context, answer)
@@ -158,28 +219,25 @@ def plan_question(
     if question_length >= limit:
         raise ValueError(f"the question and the special tokens are {question_length} tokens, leaving no room for the context "
                          f"within the {limit} the model takes: shorten the question")
-    encoded = question_inputs(tokenizer, question, context, limit)
-    in_context = context_tokens(encoded, tokenizer)
-    names, arguments = forward_inputs(encoded, model)
-    ids = encoded["input_ids"]
-    with torch.no_grad():
-        outputs = model(input_ids=ids, **dict(zip(names, arguments)))
-    logits = {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}
-    predicted = best_span(logits["start"], logits["end"], in_context)
-    span = predicted if answer is None else given_span(encoded, in_context, context, answer, named)
-    probabilities = {end: logits[end].float().masked_fill(~in_context, float("-inf")).softmax(-1) for end in ENDS}
-    full_length = len(question_inputs(tokenizer, question, context)["input_ids"][0])
+    windows, names = _windows(model, tokenizer, question, context, limit, question_length)
+    spans = [best_span(window.logits["start"], window.logits["end"], window.in_context) for window in windows]
+    scores = [float(sum(window.log_probabilities()[end][at] for end, at in zip(ENDS, span))) for window, span in zip(windows, spans)]
+    best = max(range(len(windows)), key=lambda index: scores[index])  # the first of equals
+    index, *span = (best, *spans[best]) if answer is None else given_span(windows, context, answer, named)
+    window = windows[index]
+    probabilities = {end: values.exp() for end, values in window.log_probabilities().items()}
     explanation = QuestionAnswerExplanation(
-        question=question, context=context, tokens=readable_tokens(ids[0], tokenizer),
-        special=special_tokens(ids, tokenizer)[0].tolist(), in_context=in_context.tolist(),
-        answer=_span_text(encoded, context, *span), start=span[0], end=span[1],
+        question=question, context=context, tokens=readable_tokens(window.ids[0], tokenizer),
+        special=special_tokens(window.ids, tokenizer)[0].tolist(), in_context=window.in_context.tolist(),
+        answer=window.span_text(context, *span), start=span[0], end=span[1],
         start_probability=float(probabilities["start"][span[0]]), end_probability=float(probabilities["end"][span[1]]),
-        given=answer is not None, predicted=_span_text(encoded, context, *predicted),
-        cut_from=full_length if full_length > ids.shape[1] else None,
+        given=answer is not None, predicted=windows[best].span_text(context, *spans[best]), windows=len(windows),
+        window=window.characters(),
     )
-    unknown = unknown_words(tokenizer, question + " " + context, ids[0].tolist(), named="question and context")
+    read = "question and context" if len(windows) == 1 else "question and the context's window"
+    unknown = unknown_words(tokenizer, question + " " + context, window.ids[0].tolist(), named=read)
     explanation.warnings += [] if unknown is None else [unknown]
-    plan = PositionPlan(ids, arguments, _ends_forward(model, names), [(span[0], 0), (span[1], 1)], in_context)
+    plan = PositionPlan(window.ids, window.arguments, _ends_forward(model, names), [(span[0], 0), (span[1], 1)], window.in_context)
     return explanation, plan
 
 
@@ -192,9 +250,3 @@ def _ends_forward(model: Any, names: list[str]) -> Callable[..., torch.Tensor]:
         return torch.stack([outputs.start_logits, outputs.end_logits], dim=-1)
 
     return forward
-
-
-def _span_text(encoded: Any, context: str, start: int, end: int) -> str:
-    """The context's characters from token ``start``'s first to token ``end``'s last."""
-    offsets = encoded["offset_mapping"][0]
-    return context[int(offsets[start][0]) : int(offsets[end][1])]

@@ -181,20 +181,29 @@ def answer_line(explanation: QuestionAnswerExplanation) -> str:
     )
 
 
-def cut_note(explanation: QuestionAnswerExplanation | TokenClassExplanation, named: str = "context") -> str | None:
-    """Where the context (or what is ``named``) was cut to the model's length limit, what is
-    lost; else None."""
+def cut_note(explanation: TokenClassExplanation) -> str | None:
+    """Where the text was cut to the model's length limit, what is lost; else None."""
     if explanation.cut_from is None:
         return None
-    return (f"the {named} was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
+    return (f"the text was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
             "neither read nor explained")
+
+
+def window_note(explanation: QuestionAnswerExplanation) -> str | None:
+    """Where the context was read in windows, which one is shown; else None."""
+    if explanation.windows == 1:
+        return None
+    first, end = explanation.window
+    shown = "the first window that holds the answer" if explanation.given else "the window of the answer, the best of all"
+    return (f"the context is longer than the model takes: it was read in {explanation.windows} overlapping windows; shown "
+            f"and explained: {shown}, the context's characters {first} to {end}")
 
 
 def render_question_text(explanation: QuestionAnswerExplanation, top: int = 5, raw: bool = False) -> str:
     """The terminal report of an extractive answer: the answer, then per method its top
     tokens (question and context) for the answer's start and for its end."""
     lines = [f"question: {terminal_safe(explanation.question)}", answer_line(explanation)]
-    note = cut_note(explanation)
+    note = window_note(explanation)
     lines += [] if note is None else [f"note: {note}"]
     lines += [
         "",
@@ -234,7 +243,7 @@ def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, ra
     """The terminal report of a token classifier's labels: the explained words, then per
     method, for each word, its label's top tokens."""
     lines = [f"text: {terminal_safe(explanation.text)}", labels_line(explanation)]
-    note = cut_note(explanation, "text")
+    note = cut_note(explanation)
     lines += [] if note is None else [f"note: {note}"]
     if not explanation.words:
         return "\n".join(lines)
