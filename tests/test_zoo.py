@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 from conftest import assert_same_state, model_state
 from zoo import (
-    CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, Architecture, _close, architectures, build, decomposition_outcome, explain,
+    CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, POSITION_HEADS, Architecture, _close, architectures, build, decomposition_outcome, explain,
     left_padding_outcome, make_case, outcomes, reference, removal_outcome, runs, shares_outcome,
     ablation_outcome, image_relevance_outcome, vision_language_left_padding_outcome,
 )
@@ -53,6 +53,22 @@ def test_popular_family_is_exact(head, model_type):
 @pytest.mark.parametrize("architecture", [a for head in HEADS for a in architectures(head)], ids=lambda a: a.name)
 def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
     _assert_exact_or_refused(architecture)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", [a for head in POSITION_HEADS for a in architectures(head)], ids=lambda a: a.name)
+def test_a_logit_read_at_a_token_is_exact_or_refused_in_one_line(architecture):
+    """A question answerer's start logit and a token classifier's label, each at one
+    token, as ``explain`` and ``evaluate`` read them."""
+    _assert_exact_or_refused(architecture)
+
+
+@pytest.mark.parametrize("head, model_type", [("question answering", "bert"), ("question answering", "roberta"),
+                                              ("token classification", "bert"), ("token classification", "distilbert"),
+                                              ("token classification", "t5")])
+def test_a_popular_answerers_and_taggers_logit_at_a_token_is_exact(head, model_type):
+    found = outcomes(_architecture(head, model_type), list(METHODS))
+    assert {o.status for o in found.values()} == {"exact"}, found
 
 
 @pytest.mark.zoo

@@ -64,6 +64,18 @@ HEADS = {
     "seq2seq LM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
+POSITION_HEADS = {
+    "question answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "token classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+}
+"""The heads whose logits are read at a token (an answer's start, a word's label): swept
+apart, at :data:`POSITION` (``explain`` and ``evaluate`` read them so)."""
+FLOAT64_POSITIONS = ("mobilebert",)
+"""Families swept at a token in float64: MobileBERT's NoNorm layers leave the tiny random
+model's token states at 1e4-1e5 (its classifier's pooler bounds them), where float32
+rounding alone moves the gradients by 1%."""
+POSITION = 3
+"""The token whose logits a :data:`POSITION_HEADS` case explains."""
 REL = 1e-4
 """Tolerance relative to the scores' scale: fp32 sdpa and eager forwards of random tiny
 models differ by up to about 3e-5 of it; a wrong result is off by far more."""
@@ -108,7 +120,7 @@ def architectures(head: str) -> list[Architecture]:
     from transformers.models.auto import modeling_auto
 
     found = []
-    for model_type, names in getattr(modeling_auto, HEADS[head]).items():
+    for model_type, names in getattr(modeling_auto, {**HEADS, **POSITION_HEADS}[head]).items():
         found.append(Architecture(model_type, names[0] if isinstance(names, tuple) else names, head))
     return found
 
@@ -359,6 +371,8 @@ class Case:
     args: tuple[Any, ...] | None
     target: int
     images: dict[str, torch.Tensor] | None = None  # a vision-language model's image inputs; SigLIP2's classifier's patch mask and grid
+    position: int | None = None  # the token whose logits are explained (POSITION_HEADS); None: the head's own rows
+    output: str = "logits"  # the output explained: a question answerer's start_logits
 
     @property
     def encoder_decoder(self) -> bool:
@@ -373,7 +387,13 @@ class Case:
             return {"input_ids": source, "attention_mask": torch.ones_like(source), "decoder_input_ids": target, **(self.images or {})}
         return {"input_ids": self.inputs, "attention_mask": torch.ones_like(self.inputs), **(self.images or {})}  # type: ignore[arg-type]
 
+    def logits_of(self, out: Any) -> torch.Tensor:
+        return getattr(out, self.output)
+
     def score(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.position is not None:  # a start logit (its token is the class), or a label's at its token
+            logits = logits[:, self.position]
+            return (logits if logits.dim() == 1 else logits[:, self.target]).sum()
         if logits.dim() == 3:  # a language model: the last position's target token
             logits = logits[:, -1]
         return logits[:, self.target].sum()
@@ -407,12 +427,28 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
     ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
     ids[:, -1] = 2  # an end of sequence: BART-like classifiers read its position
     target = LM_TARGET if architecture.head in ("causal LM", "seq2seq LM") else TEXT_TARGET
+    if architecture.head in POSITION_HEADS:
+        return position_case(model, architecture, ids)
     if getattr(config, "is_encoder_decoder", False):
         decoder_ids = torch.cat([torch.ones_like(ids[:, :1]), ids[:, :-1]], dim=1)  # shifted right
         return Case(model, architecture, (ids, decoder_ids), (torch.ones_like(ids), torch.ones_like(ids)), target)
     second = list(inspect.signature(model.forward).parameters)[1:2]
     mask = (torch.ones_like(ids),) if second == ["attention_mask"] else None  # else it would land in another argument
     return Case(model, architecture, ids, mask, target)
+
+
+def position_case(model: nn.Module, architecture: Architecture, ids: torch.Tensor) -> Case:
+    """A question answerer's start logit or a token classifier's label at :data:`POSITION`;
+    an encoder-decoder's answerer is not built (``explain`` refuses it: its decoder reads
+    the text again)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotBuilt("an encoder-decoder's answerer or tagger: explain refuses it")
+    if architecture.model_type in FLOAT64_POSITIONS:
+        model = model.double()
+    second = list(inspect.signature(model.forward).parameters)[1:2]
+    mask = (torch.ones_like(ids),) if second == ["attention_mask"] else None
+    question = architecture.head == "question answering"
+    return Case(model, architecture, ids, mask, TEXT_TARGET, position=POSITION, output="start_logits" if question else "logits")
 
 
 def native_size_image_case(model: nn.Module, architecture: Architecture, generator: torch.Generator) -> Case:
@@ -739,7 +775,7 @@ def reference(case: Case) -> Callable[[str], Any]:
     out = None if on_grids else eager_output(case)
     if case.encoder_decoder:
         groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
-        encoder, decoder, cross = _maps_and_grads(case, groups, out.logits)
+        encoder, decoder, cross = _maps_and_grads(case, groups, case.logits_of(out))
         source, target = case.inputs  # type: ignore[misc]
         batch = source.shape[0]
         pair = Seq2SeqReference(encoder, decoder, cross, [source.shape[1]] * batch, [target.shape[1]] * batch)
@@ -755,7 +791,7 @@ def reference(case: Case) -> Callable[[str], Any]:
         maps, grads = on_grids(case.model, case.keywords(), case.score)
         pairs, without_grads = list(zip(maps, grads)), False
     else:
-        (pairs,) = _maps_and_grads(case, [out.attentions], out.logits)
+        (pairs,) = _maps_and_grads(case, [out.attentions], case.logits_of(out))
         without_grads = any(g is None for _, g in pairs)
     ref = StackReference([a.float() for a, _ in pairs], [a.float() if g is None else g.float() for a, g in pairs])  # methods.py's dtype
     if len({a.shape[-2:] for a in ref.attentions}) > 1 or ref.attentions[0].shape[-1] != ref.attentions[0].shape[-2]:
@@ -765,7 +801,10 @@ def reference(case: Case) -> Callable[[str], Any]:
     leading = tokens - case.inputs.shape[1] if case.images is not None and leading_image_features(case.model) else 0  # type: ignore[union-attr]
 
     def apart(scores: torch.Tensor) -> Any:
-        """GIT's: ``(image feature scores, token scores)``, as its methods return them."""
+        """GIT's: ``(image feature scores, token scores)``, as its methods return them; a
+        causal logit read before the last token gives the later tokens nothing."""
+        if case.position is not None:
+            scores = torch.nn.functional.pad(scores, (0, tokens - scores.shape[-1]))
         return (scores[:, :leading], scores[:, leading:]) if leading else scores
 
     generates = bool(case.model.can_generate()) if hasattr(case.model, "can_generate") else False
@@ -773,6 +812,10 @@ def reference(case: Case) -> Callable[[str], Any]:
     rows = read_rows(case.model, tokens)
     if rows is not None:  # the classifier reads these rows
         query = rows
+    if case.position is not None:
+        query = case.position
+        if is_causal(ref.attentions):  # the logit reads the tokens up to its own, as a prompt of them alone
+            lengths = [case.position + 1] * len(lengths)
 
     def stack(method: str) -> Any:
         if without_grads and REGISTRY[method].spec.needs != "forward":
@@ -836,7 +879,10 @@ def explained_output(case: Case) -> float:
     the activations in float32) moves them by about ε·|f| even where the tokens keep only a
     sliver of it (ModernBERT's bias-free norms leave them 1e-4 of the logit)."""
     with torch.no_grad():
-        logits = case.model(**case.keywords()).logits
+        logits = case.logits_of(case.model(**case.keywords()))
+    if case.position is not None:
+        logits = logits[:, case.position]
+        return float((logits if logits.dim() == 1 else logits[:, case.target]).abs().max())
     logits = logits[:, -1] if logits.dim() == 3 else logits
     return float(logits[:, case.target].abs().max())
 
@@ -879,9 +925,26 @@ def explain(case: Case, method: str, capture: str = "auto") -> Any:
     name, options = VARIANTS.get(method, (method, {}))
     cls = REGISTRY[name]
     options = {**options, "target": case.target} if cls.spec.uses_target else dict(options)
+    if case.position is not None:
+        return _explain_position(case, cls, options, capture)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(case.model, capture=capture).attribute(case.inputs, additional_forward_args=case.args, **options)
+
+
+def _explain_position(case: Case, cls: Any, options: dict[str, Any], capture: str) -> Any:
+    """The method's call at the case's token, on a forward of its output, as ``explain``
+    calls it: ``target`` the token (a start logit) or ``(token, label)``."""
+    def forward(ids: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        return case.logits_of(case.model(input_ids=ids, **({"attention_mask": args[0]} if args else {})))
+
+    if "target" in options:
+        options["target"] = case.position if case.output == "start_logits" else (case.position, case.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(forward, model=case.model, capture=capture).attribute(
+            case.inputs, additional_forward_args=case.args, query_index=case.position, **options
+        )
 
 
 IN_OUTPUT_UNITS = ("knockout_gradient", "knockout_lrp")

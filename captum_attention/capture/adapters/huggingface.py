@@ -376,7 +376,7 @@ class HuggingFaceAdapter(AdapterBase):
         modules: list[nn.Module] = []
         for owner in owners:
             try:
-                embedding = getattr(owner, "get_input_embeddings", lambda: None)()
+                embedding = getattr(self._embedding_stack(owner), "get_input_embeddings", lambda: None)()
             except NotImplementedError as error:  # transformers cannot name them for this class
                 embedding = _patch_embedding(owner)
                 if embedding is None:
@@ -387,6 +387,20 @@ class HuggingFaceAdapter(AdapterBase):
             if isinstance(embedding, nn.Module) and not any(embedding is m for m in modules):
                 modules.append(embedding)
         return modules
+
+    def _embedding_stack(self, model: nn.Module) -> nn.Module:
+        """The module whose input embeddings ``model``'s forward calls: the encoder stack of
+        an encoder-only model that names its own embeddings apart (T5's encoder model and
+        token classifier, whose ``shared`` their stack's ``embed_tokens`` ties without
+        calling it), else ``model``."""
+        if self.is_encoder_decoder(model) or not callable(getattr(model, "get_encoder", None)):
+            return model
+        try:
+            stack = getattr(model, "get_encoder")()
+            own = stack.get_input_embeddings() if stack is not model and callable(getattr(stack, "get_input_embeddings", None)) else None
+        except (AttributeError, NotImplementedError):  # transformers cannot name them for this class
+            return model
+        return stack if isinstance(own, nn.Module) else model
 
     def _decoder_stack(self, model: nn.Module) -> nn.Module:
         """An encoder-decoder's decoder: its ``get_decoder()``, or that module's own where it
