@@ -58,14 +58,15 @@ def test_every_architecture_is_exact_or_refused_in_one_line(architecture):
 @pytest.mark.zoo
 @pytest.mark.parametrize("architecture", [a for head in POSITION_HEADS for a in architectures(head)], ids=lambda a: a.name)
 def test_a_logit_read_at_a_token_is_exact_or_refused_in_one_line(architecture):
-    """A question answerer's start logit and a token classifier's label, each at one
-    token, as ``explain`` and ``evaluate`` read them."""
+    """A question answerer's start logit, a token classifier's label and a masked language
+    model's token, each at one token, as ``explain`` and ``evaluate`` read them."""
     _assert_exact_or_refused(architecture)
 
 
 @pytest.mark.parametrize("head, model_type", [("question answering", "bert"), ("question answering", "roberta"),
                                               ("token classification", "bert"), ("token classification", "distilbert"),
-                                              ("token classification", "t5")])
+                                              ("token classification", "t5"), ("masked LM", "bert"),
+                                              ("masked LM", "roberta")])
 def test_a_popular_answerers_and_taggers_logit_at_a_token_is_exact(head, model_type):
     found = outcomes(_architecture(head, model_type), list(METHODS))
     assert {o.status for o in found.values()} == {"exact"}, found

@@ -67,9 +67,11 @@ HEADS = {
 POSITION_HEADS = {
     "question answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
     "token classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "masked LM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
 }
-"""The heads whose logits are read at a token (an answer's start, a word's label): swept
-apart, at :data:`POSITION` (``explain`` and ``evaluate`` read them so)."""
+"""The heads whose logits are read at a token (an answer's start, a word's label, a
+mask's token): swept apart, at :data:`POSITION` (``explain`` and ``evaluate`` read them
+so)."""
 FLOAT64_POSITIONS = ("mobilebert",)
 """Families swept at a token in float64: MobileBERT's NoNorm layers leave the tiny random
 model's token states at 1e4-1e5 (its classifier's pooler bounds them), where float32
@@ -438,11 +440,12 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
 
 
 def position_case(model: nn.Module, architecture: Architecture, ids: torch.Tensor) -> Case:
-    """A question answerer's start logit or a token classifier's label at :data:`POSITION`;
-    an encoder-decoder's answerer is not built (``explain`` refuses it: its decoder reads
-    the text again)."""
+    """A question answerer's start logit, a token classifier's label or a masked language
+    model's token at :data:`POSITION`; an encoder-decoder's is not built (``explain``
+    refuses its answers, and takes it for a sequence-to-sequence model otherwise: its
+    decoder reads the text again)."""
     if getattr(model.config, "is_encoder_decoder", False):
-        raise NotBuilt("an encoder-decoder's answerer or tagger: explain refuses it")
+        raise NotBuilt("an encoder-decoder: explain refuses its answers and reads it as a sequence-to-sequence model")
     if architecture.model_type in FLOAT64_POSITIONS:
         model = model.double()
     second = list(inspect.signature(model.forward).parameters)[1:2]
