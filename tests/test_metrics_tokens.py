@@ -30,7 +30,7 @@ from captum_attention.metrics import (
     pointing_game,
     token_f1,
 )
-from captum_attention.metrics.token_removal import with_padding_column
+from captum_attention.metrics.token_removal import shared_removals, with_padding_column
 
 VOCAB, CLASSES = 12, 3
 
@@ -346,6 +346,31 @@ def test_identical_removals_of_an_example_run_once_and_tie_exactly(bag, removal)
     assert bool((probs[:, 3] == probs[:, 1]).all())
     full = model(ids, mask).softmax(-1).gather(1, target[:, None])
     torch.testing.assert_close(probs, full - _by_hand(model, ids, mask, target, removed).view(2, 5))
+
+
+def test_methods_scored_on_the_same_halves_share_their_forwards_and_keep_their_values(bag):
+    """Within ``shared_removals``, the LDS of a second attribution reruns none of the
+    seeded halves the first ran, and each value is the one computed alone."""
+    model, ids, mask, _, _ = bag
+    seen: list[int] = []
+
+    def forward(ids, mask):
+        seen.append(len(ids))
+        return model(ids, mask)
+
+    first, second = (torch.randn(ids.shape, generator=torch.Generator().manual_seed(seed)) for seed in (4, 5))
+    alone = [datamodeling_score(forward, ids, mask, scores, per_example=True) for scores in (first, second)]
+    forwards_alone = sum(seen)
+    seen.clear()
+    shared, counts = [], []
+    with shared_removals():
+        for scores in (first, second):
+            seen.clear()
+            shared.append(datamodeling_score(forward, ids, mask, scores, per_example=True))
+            counts.append(sum(seen))
+    assert counts[0] == forwards_alone / 2 and counts[1] == len(ids) + 2  # its inputs and the padding probe's two rows
+    for together, by_itself in zip(shared, alone):
+        assert torch.equal(together, by_itself)
 
 
 @pytest.mark.parametrize("per_example", [False, True])

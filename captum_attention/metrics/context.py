@@ -58,7 +58,7 @@ from ._forward import CaptureMode, run_model
 from .agreement import spearman
 from .surrogate import CALIBRATION_RIDGE, calibrated_surrogate
 from .token_removal import (
-    complemented, example_seeds, length_batches, padding_probe, prior_and_context_shares, random_halves, scores_in_context,
+    complemented, content_key, example_seeds, length_batches, padding_probe, prior_and_context_shares, random_halves, scores_in_context,
     with_padding_column,
 )
 
@@ -127,7 +127,7 @@ class AblationScorer(ABC):
         the last bits of its padded rows, and a metric's ranks (LDS's) with them."""
         if self._shared is None:
             return self._distinct_log_probs(rows, removed)
-        key = (self._per_forward(len(rows)), _content(rows), _content(self._ablation_key(rows, removed)))
+        key = (self._per_forward(len(rows)), content_key(rows), content_key(self._ablation_key(rows, removed)))
         if key not in self._shared:
             self._shared[key] = self._distinct_log_probs(rows, removed)
         return self._shared[key]
@@ -213,7 +213,7 @@ class _AnswerScorer(AblationScorer):
     def _identity(self) -> tuple:
         """The prompts, answers, model and image inputs (whatever their segments)."""
         return (
-            id(self.forward_func), *(_content(t) for t in (self.ids, self.real, self.answer)),
+            id(self.forward_func), *(content_key(t) for t in (self.ids, self.real, self.answer)),
             tuple(sorted((name, id(value)) for name, value in (self.image_inputs or {}).items())),
         )
 
@@ -499,11 +499,6 @@ def shared_ablations() -> Iterator[None]:
         yield
     finally:
         _SHARED_SCOPES.pop()
-
-
-def _content(tensor: Tensor) -> tuple:
-    """A tensor's shape, dtype and values, as a key."""
-    return tuple(tensor.shape), str(tensor.dtype), tensor.detach().cpu().numpy().tobytes()
 
 
 _BATCH_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()

@@ -38,7 +38,6 @@ from ._checks import check_rankable, takes_captum_scores
 from .context import (
     DEFAULT_KS,
     AblationScorer,
-    _content,
     check_ablation_count,
     check_ks,
     datamodeling_scores,
@@ -46,7 +45,7 @@ from .context import (
     summed_log_probs,
     top_k_drops,
 )
-from .token_removal import example_seeds
+from .token_removal import content_key, example_seeds
 
 
 VALUES_PER_FORWARD = 2**24
@@ -140,8 +139,8 @@ class _PatchScorer(AblationScorer):
 
     def _identity(self) -> tuple:
         read = (self.pixels, self.caption, self.baseline) if self.prompt is None else (self.pixels, self.caption, self.baseline, self.prompt)
-        prompt_inputs = tuple((name, _content(value)) for name, value in sorted(self.prompt_inputs.items()))
-        return ("patches", id(self.model), self.grid, self.regions, *(_content(t) for t in read), *prompt_inputs)
+        prompt_inputs = tuple((name, content_key(value)) for name, value in sorted(self.prompt_inputs.items()))
+        return ("patches", id(self.model), self.grid, self.regions, *(content_key(t) for t in read), *prompt_inputs)
 
     def _per_forward(self, rows: int) -> int:
         """At most ``max_batch_size`` images and :data:`VALUES_PER_FORWARD` pixel values

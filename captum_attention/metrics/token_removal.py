@@ -13,6 +13,7 @@ call is evaluated batched.
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,6 +43,29 @@ class CurveResult:
     agreement: Tensor  # (B, S + 1)
     auc_target_prob: Tensor  # (B,)
     auc_agreement: Tensor  # (B,)
+
+
+_SHARED_REMOVALS: list[dict[tuple, Tensor]] = []
+"""The scopes of :func:`shared_removals`: each maps a removal's key to its logits."""
+
+
+@contextmanager
+def shared_removals() -> Iterator[None]:
+    """Within it, the token-removal metrics' calls with the same ``forward_func`` (the same
+    object), inputs, removal settings and set of removals share their logits: one batch's
+    or example's LDS halves (drawn from its own seed) run once for every method scored on
+    them (``evaluate``'s), with the values each call would compute alone. The model must
+    not change inside it."""
+    _SHARED_REMOVALS.append({})
+    try:
+        yield
+    finally:
+        _SHARED_REMOVALS.pop()
+
+
+def content_key(tensor: Tensor) -> tuple:
+    """A tensor's shape, dtype and values, as a key."""
+    return tuple(tensor.shape), str(tensor.dtype), tensor.detach().cpu().numpy().tobytes()
 
 
 class _Remover:
@@ -147,10 +171,22 @@ class _Remover:
         (two random halves of a short text are often the same)."""
         key = torch.cat([rows[:, None].to(remove.device), remove.long()], dim=1)
         unique, inverse = key.unique(dim=0, return_inverse=True)
-        probs = class_probabilities(self._rows_logits(unique[:, 0].to(rows.device), unique[:, 1:].bool()))
+        probs = class_probabilities(self._shared_logits(unique[:, 0].to(rows.device), unique[:, 1:].bool()))
         probs = probs[inverse.to(probs.device)]
         targets, decision = self.targets[rows].to(probs.device), self.decision[rows].to(probs.device)
         return self.target_probs(probs, targets), probs.argmax(dim=-1) == decision
+
+    def _shared_logits(self, rows: Tensor, remove: Tensor) -> Tensor:
+        """:meth:`_rows_logits`; where another call in the same :func:`shared_removals`
+        asked for the same removals of the same inputs, the logits it computed, which
+        these are: the same rows run in the same batches."""
+        if not _SHARED_REMOVALS:
+            return self._rows_logits(rows, remove)
+        key = (id(self.model), self.removal, self.baseline, self.pad, *(content_key(t) for t in (self.ids, self.mask, rows, remove)))
+        shared = _SHARED_REMOVALS[-1]
+        if key not in shared:
+            shared[key] = self._rows_logits(rows, remove)
+        return shared[key]
 
     def check_scores(self, attributions: Tensor) -> None:
         """A clear error for attributions that are not one finite score per token."""

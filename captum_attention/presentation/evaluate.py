@@ -38,7 +38,7 @@ from ..metrics import MetricContext, PatchRemoval, box_patches, calibrated_attri
 from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
-from ..metrics.token_removal import example_seeds, pair_token_types
+from ..metrics.token_removal import example_seeds, pair_token_types, shared_removals
 from .answer import grey_pixels, processed_pixels, shape_over_image
 from .dataset import (
     BOX_FORMAT, AnswerExample, DatasetError, Example, ImageExample, batches, read_answers, read_dataset, read_images,
@@ -421,10 +421,11 @@ def _evaluate_batch(
         rationale = _rationale_tokens(encoded, batch).to(device)
     context = MetricContext(model, special_tokens(ids, tokenizer), rationale)
     rows = []
-    for name, explain in explainers.items():
-        scores = explain(ids, mask, predicted, texts).float().masked_fill(mask == 0, 0.0)
-        values = {m: METRIC_REGISTRY[m].function(forward, ids, scores, (mask,), predicted, context) for m in metrics}
-        rows += _class_rows(batch, name, predicted, probabilities, values)
+    with shared_removals():  # the methods' metrics run each removal of the batch once
+        for name, explain in explainers.items():
+            scores = explain(ids, mask, predicted, texts).float().masked_fill(mask == 0, 0.0)
+            values = {m: METRIC_REGISTRY[m].function(forward, ids, scores, (mask,), predicted, context) for m in metrics}
+            rows += _class_rows(batch, name, predicted, probabilities, values)
     return rows
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..metrics.registry import METRICS as METRIC_REGISTRY
 from ..metrics.registry import MetricContext
+from ..metrics.token_removal import shared_removals
 from .dataset import PositionExample
 from .display import special_tokens
 from .evaluate import Options, sharded, run_manifest
@@ -121,23 +122,26 @@ def _example_rows(
     probabilities = [_probability(plan, k) for k in range(len(plan.targets))]
     scored = score_positions(plan, methods, model, tokenizer, options.ig_steps, None, options.presence) if plan.targets else ()
     scores_of = {method: scores for method, (_, _, _, scores) in zip(methods, scored)}
+    forwards = [plan.target_logits(k) for k in range(len(plan.targets))]  # one object each: the metrics share their removals
+    targets = [torch.tensor([plan.target_class(k)], device=plan.ids.device) for k in range(len(plan.targets))]
     rows = []
-    for method in methods:
-        logits = []
-        per_metric: dict[str, list[float]] = {metric: [] for metric in metrics}
-        for k, (name, label) in enumerate(zip(names, explained)):
-            target = torch.tensor([plan.target_class(k)], device=plan.ids.device)
-            scores = scores_of[method][k : k + 1]
-            values = {
-                metric: float(METRIC_REGISTRY[metric].function(plan.target_logits(k), plan.ids, scores, (mask,), target, context)[0])
-                for metric in metrics
-            }
-            for metric, value in values.items():
-                per_metric[metric].append(value)
-            logits.append({"at": name, "position": plan.targets[k][0], "explained": label, "probability": probabilities[k], **values})
-        means = {metric: sum(values) / len(values) if values else None for metric, values in per_metric.items()}
-        rows.append({"index": example.index, "line": example.line, "method": method,
-                     "explained": _shown_explained(task, names, explained), **means, "logits": logits})
+    with shared_removals():
+        for method in methods:
+            logits = []
+            per_metric: dict[str, list[float]] = {metric: [] for metric in metrics}
+            for k, (name, label) in enumerate(zip(names, explained)):
+                scores = scores_of[method][k : k + 1]
+                values = {
+                    metric: float(METRIC_REGISTRY[metric].function(forwards[k], plan.ids, scores, (mask,), targets[k], context)[0])
+                    for metric in metrics
+                }
+                for metric, value in values.items():
+                    per_metric[metric].append(value)
+                logits.append({"at": name, "position": plan.targets[k][0], "explained": label, "probability": probabilities[k],
+                               **values})
+            means = {metric: sum(values) / len(values) if values else None for metric, values in per_metric.items()}
+            rows.append({"index": example.index, "line": example.line, "method": method,
+                         "explained": _shown_explained(task, names, explained), **means, "logits": logits})
     return rows
 
 
