@@ -159,7 +159,7 @@ def best_span(start_logits: torch.Tensor, end_logits: torch.Tensor, in_context: 
     return best // n, best % n
 
 
-def given_span(windows: list[Any], context: str, answer: str, named: str = "--target") -> tuple[int, int, int]:
+def given_span(windows: list[_Window], context: str, answer: str, named: str = "--target") -> tuple[int, int, int]:
     """The first window ``(index, start, end)`` of :func:`_windows` whose context tokens
     hold all of ``answer``'s first occurrence in ``context``, by the tokens' character
     offsets; a one-line ``ValueError`` where none does (``named``: where the answer was
