@@ -34,7 +34,7 @@ from ..capture.identity import is_offloaded, weights_digest
 from ..capture.inputs import forced_first_token, output_logits
 from ..loading import checkpoint_files_digest
 from ..metrics import METRICS as METRIC_REGISTRY
-from ..metrics import MetricContext, PatchRemoval, box_patches, calibrated_attribution, greedy_deletion, image_patches
+from ..metrics import ImagePatches, MetricContext, PatchRemoval, box_patches, calibrated_attribution, greedy_deletion, image_patches
 from ..metrics._checks import check_class_probabilities
 from ..metrics.context import answer_log_probs, shared_ablations
 from ..metrics.patches import caption_log_probs
@@ -531,29 +531,35 @@ def _evaluate_image_batch(
     probabilities, predicted = class_outputs(model.config, logits), logits.argmax(dim=-1)
     rows = []
     box_rationales: dict[tuple[int, int], Tensor] = {}
-    for name in methods:
-        if name == INTEGRATED_GRADIENTS:
-            grids = image_integrated_gradients(model, pixels, greys, predicted, options.ig_steps)
-        else:
-            grids = explainers[name].attribute(pixels, target=predicted).detach()
-        scores = grids.flatten(1).float()
-        values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
-        grid = (int(grids.shape[1]), int(grids.shape[2]))
-        if set(metrics) & set(IMAGE_BOX_METRICS) and grid not in box_rationales:  # the methods share their grid
-            box_rationales[grid] = _box_rationale(batch, pictures, image_processor, grid)
-        boxes = box_rationales.get(grid)
-        for group in _same_rows(greys):  # a removed patch takes its own image's grey
-            picked = group.to(pixels.device)
-            patches = image_patches(model, pixels[picked], greys[picked[:1]], grids.shape[1:])
-            rationale = None if boxes is None else boxes[group].to(pixels.device)
-            context = MetricContext(
-                model, torch.zeros_like(patches.input_ids, dtype=torch.bool), rationale=rationale, removal=patches.removal
-            )
-            for metric in metrics:
-                values[metric][group] = METRIC_REGISTRY[metric].function(
-                    patches.forward_func, patches.input_ids, scores[picked], (patches.attention_mask,), predicted[picked], context,
-                ).float().cpu()
-        rows += _class_rows(batch, name, predicted, probabilities, values)
+    patch_sets: dict[tuple[tuple[int, ...], tuple[int, int]], ImagePatches] = {}  # one per group and grid: the methods share its removals
+    with shared_removals():
+        for name in methods:
+            if name == INTEGRATED_GRADIENTS:
+                grids = image_integrated_gradients(model, pixels, greys, predicted, options.ig_steps)
+            else:
+                grids = explainers[name].attribute(pixels, target=predicted).detach()
+            scores = grids.flatten(1).float()
+            values = {metric: torch.full((len(batch),), math.nan) for metric in metrics}
+            grid = (int(grids.shape[1]), int(grids.shape[2]))
+            if set(metrics) & set(IMAGE_BOX_METRICS) and grid not in box_rationales:  # the methods share their grid
+                box_rationales[grid] = _box_rationale(batch, pictures, image_processor, grid)
+            boxes = box_rationales.get(grid)
+            for group in _same_rows(greys):  # a removed patch takes its own image's grey
+                picked = group.to(pixels.device)
+                key = (tuple(group.tolist()), grid)
+                if key not in patch_sets:
+                    patch_sets[key] = image_patches(model, pixels[picked], greys[picked[:1]], grid)
+                patches = patch_sets[key]
+                rationale = None if boxes is None else boxes[group].to(pixels.device)
+                context = MetricContext(
+                    model, torch.zeros_like(patches.input_ids, dtype=torch.bool), rationale=rationale, removal=patches.removal
+                )
+                for metric in metrics:
+                    values[metric][group] = METRIC_REGISTRY[metric].function(
+                        patches.forward_func, patches.input_ids, scores[picked], (patches.attention_mask,), predicted[picked],
+                        context,
+                    ).float().cpu()
+            rows += _class_rows(batch, name, predicted, probabilities, values)
     return rows
 
 
