@@ -684,6 +684,29 @@ def test_more_tokens_than_the_models_positions_is_named_in_one_line(family, capt
     GradSAM(model, capture=capture).attribute(ids[:, :limit], target=0, additional_forward_args=(torch.ones_like(ids[:, :limit]),))
 
 
+@pytest.mark.parametrize("capture", ["streaming", "eager"])
+def test_a_position_table_that_reserves_rows_before_its_first_position_takes_that_many_fewer_tokens(capture):
+    """RoBERTa's kind counts positions from its padding id + 1: 64 rows take 62 tokens. 63
+    failed with torch's unnamed "index out of range", and the reports' length limit (a
+    tokenizer saved without ``model_max_length``) said 64."""
+    from types import SimpleNamespace
+
+    from captum_attention.presentation.explain import length_limit
+
+    torch.manual_seed(0)
+    model = tf.RobertaForSequenceClassification(tf.RobertaConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=64, pad_token_id=1,
+    )).eval()
+    ids = torch.randint(5, 30, (1, 63))
+    with pytest.raises(ValueError, match=r"hold 63 tokens and RobertaForSequenceClassification has positions for 62 "
+                       r"\(config\.max_position_embeddings less the 2 rows before its first position\).*max_length=62"):
+        GradSAM(model, capture=capture).attribute(ids, target=0, additional_forward_args=(torch.ones_like(ids),))
+    GradSAM(model, capture=capture).attribute(ids[:, :62], target=0, additional_forward_args=(torch.ones_like(ids[:, :62]),))
+    assert length_limit(model, SimpleNamespace(model_max_length=int(1e30))) == 62
+    assert length_limit(make_model("bert"), SimpleNamespace(model_max_length=int(1e30))) == make_model("bert").config.max_position_embeddings
+
+
 @pytest.mark.parametrize("outside", [1000, -100])
 @pytest.mark.parametrize("capture", ["streaming", "eager"])
 def test_token_ids_outside_the_vocabulary_are_named_in_one_line(outside, capture):

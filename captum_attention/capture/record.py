@@ -748,27 +748,47 @@ def ids_outside_vocabulary(model: Any, first_input: Tensor) -> str | None:
 
 
 def _more_tokens_than_positions(model: Any, first_input: Tensor) -> str | None:
-    config = getattr(model, "config", None)
-    field, limit = next(
-        ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
-        (None, None),
-    )
-    if first_input.dim() not in (2, 3) or limit is None or first_input.shape[1] <= limit or not _has_table_of(model, limit):
+    learned = learned_positions(model)
+    if first_input.dim() not in (2, 3) or learned is None or first_input.shape[1] <= learned[1]:
         return None
+    field, limit, reserved = learned
+    source = f"config.{field}" + (f" less the {reserved} rows before its first position" if reserved else "")
     return (
         f"The inputs hold {first_input.shape[1]} tokens and {type(model).__name__} has positions for {limit} "
-        f"(config.{field}), and its forward failed on them: truncate the inputs "
+        f"({source}), and its forward failed on them: truncate the inputs "
         f"(tokenizer(..., truncation=True, max_length={limit})) or explain them in windows."
     )
 
 
-def _has_table_of(model: Any, rows: int) -> bool:
-    """Whether ``model`` holds an embedding table of ``rows`` rows besides its tokens' own
-    (learned positions)."""
+def learned_positions(model: Any, config: Any = None) -> tuple[str, int, int] | None:
+    """The configuration field (of ``config``, by default the model's) that bounds
+    ``model``'s learned positions, how many tokens they take, and the rows their table
+    reserves before its first position: its padding row and those before it, where it has
+    one (RoBERTa's kind counts positions from its padding id + 1: 514 rows take 512
+    tokens). None where the model holds no such table (rotary or relative positions set no
+    limit)."""
+    config = getattr(model, "config", None) if config is None else config
+    field, limit = next(
+        ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
+        (None, None),
+    )
+    table = None if field is None or limit is None else _position_table(model, limit)
+    if field is None or limit is None or table is None:
+        return None
+    reserved = 0 if table.padding_idx is None else table.padding_idx + 1
+    return field, limit - reserved, reserved
+
+
+def _position_table(model: Any, rows: int) -> nn.Embedding | None:
+    """The embedding table of ``rows`` rows that ``model`` holds besides its tokens' own
+    (learned positions), or None."""
     get_tokens = getattr(model, "get_input_embeddings", None)
     tokens = get_tokens() if callable(get_tokens) else None
-    return isinstance(model, nn.Module) and any(
-        isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens for module in model.modules()
+    if not isinstance(model, nn.Module):
+        return None
+    return next(
+        (module for module in model.modules() if isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens),
+        None,
     )
 
 
