@@ -253,3 +253,23 @@ def test_rows_are_read_from_jsonl_or_csv_with_squads_answers_or_refused_with_the
     rows.write_text(json.dumps({"question": "q"}) + "\n")
     with pytest.raises(DatasetError, match="line 1: 'context' is missing or empty"):
         read_positions(rows, "question-answering")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("task", ["question-answering", "token-classification", "fill-mask"])
+def test_rows_on_a_gpu_equal_the_cpus(models, tmp_path, task):
+    """The texts are tokenized on the CPU and read where the model's weights are."""
+    load = {"question-answering": load_question_answerer, "token-classification": load_token_classifier, "fill-mask": load_masked_lm}
+    model, tokenizer = load[task](models[task])
+    rows = {"question-answering": QA_ROWS, "token-classification": TAG_ROWS, "fill-mask": MASK_ROWS}[task]
+    examples = [PositionExample(i, i + 1, row.get("context", row.get("text")), row.get("question"),
+                                row.get("answer", row.get("word", row.get("target")))) for i, row in enumerate(rows)]
+    metrics = ["comprehensiveness", "sufficiency", "datamodeling"]
+    for device in ("cpu", "cuda"):
+        evaluate_positions(model.to(device), tokenizer, task, examples, ["raw", "attn_lrp"], metrics, tmp_path / device)
+        merge(tmp_path / device, examples, metrics)
+    cpu, gpu = ([json.loads(line) for line in (tmp_path / device / "results.jsonl").read_text().splitlines()] for device in ("cpu", "cuda"))
+    for on_cpu, on_gpu in zip(cpu, gpu):
+        assert on_cpu["explained"] == on_gpu["explained"]
+        for metric in metrics:
+            assert on_gpu[metric] == pytest.approx(on_cpu[metric], abs=1e-3)

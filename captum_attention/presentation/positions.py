@@ -152,13 +152,21 @@ def output_forward(model: Any, output: str, inputs: Sequence[str]) -> Callable[.
     return forward
 
 
-def forward_inputs(encoded: Any, model: Any) -> tuple[list[str], tuple[torch.Tensor, ...]]:
-    """The names and tensors of what a tokenizer gave beside the ids that the model reads
-    (the attention mask first, then the token types where it gives them and the model
-    takes them)."""
+def forward_inputs(encoded: Any, model: Any, row: int | None = None) -> tuple[list[str], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The names of what a tokenizer gave beside the ids that the model reads (the
+    attention mask first, then the token types where it gives them and the model takes
+    them), the ids and those tensors, on the model's device; given ``row``, that row's
+    real tokens alone (one window of several), ``(1, tokens)``."""
     takes = inspect.signature(model.forward).parameters
     names = [name for name in ("attention_mask", "token_type_ids") if name in encoded and name in takes]
-    return names, tuple(encoded[name] for name in names)
+    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        if row is not None:
+            tensor = tensor[row][encoded["attention_mask"][row].bool()][None]
+        return tensor.to(device)
+
+    return names, placed(encoded["input_ids"]), tuple(placed(encoded[name]) for name in names)
 
 
 def check_fast(tokenizer: Any, needs: str) -> None:

@@ -132,17 +132,16 @@ def _windows(model: Any, tokenizer: Any, question: str, context: str, limit: int
     each run alone, and the names of what the model takes beside the ids."""
     stride = min(DOC_STRIDE, (limit - question_length) // 2)
     encoded = question_inputs(tokenizer, question, context, limit, stride)
-    names, arguments = forward_inputs(encoded, model)
-    windows = []
+    windows: list[_Window] = []
+    names: list[str] = []
     for row in range(len(encoded["input_ids"])):
         real = encoded["attention_mask"][row].bool()
-        ids = encoded["input_ids"][row][real][None]
-        own = tuple(argument[row][real][None] for argument in arguments)
+        names, ids, arguments = forward_inputs(encoded, model, row)
         with torch.no_grad():
-            outputs = model(input_ids=ids, **dict(zip(names, own)))
-        windows.append(_Window(ids, own, encoded["offset_mapping"][row][real].tolist(),
+            outputs = model(input_ids=ids, **dict(zip(names, arguments)))
+        windows.append(_Window(ids, arguments, encoded["offset_mapping"][row][real].tolist(),
                                context_tokens(encoded, tokenizer, row)[real],
-                               {end: getattr(outputs, f"{end}_logits")[0] for end in ENDS}))
+                               {end: getattr(outputs, f"{end}_logits")[0].cpu() for end in ENDS}))
     return windows, names
 
 

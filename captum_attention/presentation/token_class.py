@@ -123,10 +123,9 @@ def plan_token_labels(
     check_fast(tokenizer, "a token classifier's words are told apart by")
     limit = length_limit(model, tokenizer)
     encoded = tokenizer(text, truncation=True, max_length=limit, return_offsets_mapping=True, return_tensors="pt")
-    names, arguments = forward_inputs(encoded, model)
-    ids = encoded["input_ids"]
+    names, ids, arguments = forward_inputs(encoded, model)
     with torch.no_grad():
-        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0].float().softmax(-1)
+        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0].float().softmax(-1).cpu()
     predicted = probabilities.argmax(-1).tolist()
     id2label = model.config.id2label
     words = first_tokens(encoded)
@@ -174,15 +173,14 @@ def plan_masks(
         raise ValueError("the tokenizer names no mask token, which a masked language model predicts at: save the model's own")
     limit = length_limit(model, tokenizer)
     encoded = tokenizer(text, truncation=True, max_length=limit, return_tensors="pt")
-    names, arguments = forward_inputs(encoded, model)
-    ids = encoded["input_ids"]
+    names, ids, arguments = forward_inputs(encoded, model)
     masks = (ids[0] == tokenizer.mask_token_id).nonzero().flatten().tolist()
     full = tokenizer(text)["input_ids"]
     if not masks:
         where = "lies in the part cut to the model's length limit" if tokenizer.mask_token_id in full else "is not in the text"
         raise ValueError(f"{mask} {where}: put it where the word to predict goes (e.g. 'Paris is the {mask} of France.')")
     with torch.no_grad():
-        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0, masks].float().softmax(-1)
+        probabilities = model(input_ids=ids, **dict(zip(names, arguments))).logits[0, masks].float().softmax(-1).cpu()
     classes = probabilities.argmax(-1).tolist() if token is None else [_single_token(tokenizer, token, named)] * len(masks)
     explanation = TokenClassExplanation(
         text=text, tokens=readable_tokens(ids[0], tokenizer), special=special_tokens(ids, tokenizer)[0].tolist(),
