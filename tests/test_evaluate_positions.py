@@ -244,6 +244,8 @@ def test_rows_are_read_from_jsonl_or_csv_with_squads_answers_or_refused_with_the
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "q", "context": "c", "answers": {"text": ["c"], "answer_start": [0]}}) + "\n")
     assert read_positions(rows, "question-answering")[0][0].target == "c"
+    rows.write_text(json.dumps({"question": "q", "context": "c", "answers": {"text": [], "answer_start": []}}) + "\n")
+    assert read_positions(rows, "question-answering")[0][0].target is None  # SQuAD 2's unanswerable: the prediction
     rows.write_text(json.dumps({"text": "ada sat", "word": 3}) + "\n" + json.dumps({"text": "ada"}) + "\n")
     with pytest.raises(DatasetError, match="line 1: 'word' must be a non-empty string"):
         read_positions(rows, "token-classification")

@@ -351,7 +351,8 @@ def read_positions(path: str | Path, task: str, skip_malformed: bool = False) ->
     :data:`POSITION_FIELDS`), and the problems skipped.
 
     A question answerer's rows have ``question`` and ``context`` and optionally
-    ``answer`` (else SQuAD's ``answers``, whose first ``text`` is taken); a token
+    ``answer`` (else SQuAD's ``answers``, whose first ``text`` is taken, none where it
+    is empty: SQuAD 2's unanswerable questions); a token
     classifier's have ``text`` and optionally ``word``; a masked language model's have
     ``text`` (with the tokenizer's mask token) and optionally ``target``. Malformed rows as
     :func:`read_dataset` treats them.
@@ -392,12 +393,15 @@ def _string(row: dict[str, Any], name: str) -> str | None:
     return value
 
 
-def _squad_answer(row: dict[str, Any]) -> str:
-    """The first answer of SQuAD's ``answers`` (``{"text": [...], "answer_start": [...]}``)."""
+def _squad_answer(row: dict[str, Any]) -> str | None:
+    """The first answer of SQuAD's ``answers`` (``{"text": [...], "answer_start": [...]}``);
+    None for an empty list (SQuAD 2's unanswerable question: the prediction is explained)."""
     answers = row["answers"]
     texts = answers.get("text") if isinstance(answers, dict) else None
-    if not isinstance(texts, list) or not texts or not isinstance(texts[0], str) or not texts[0].strip():
-        raise DatasetError("'answers' must be SQuAD's {\"text\": [answer, ...], ...} with an answer")
+    if texts == []:
+        return None
+    if not isinstance(texts, list) or not isinstance(texts[0], str) or not texts[0].strip():
+        raise DatasetError("'answers' must be SQuAD's {\"text\": [answer, ...], ...}")
     return texts[0]
 
 
