@@ -782,10 +782,12 @@ def learned_positions(model: Any, config: Any = None) -> tuple[str, int, int] | 
 def _position_table(model: Any, rows: int) -> nn.Embedding | None:
     """The embedding table of ``rows`` rows that ``model`` holds besides its tokens' own
     (learned positions), or None."""
-    get_tokens = getattr(model, "get_input_embeddings", None)
-    tokens = get_tokens() if callable(get_tokens) else None
     if not isinstance(model, nn.Module):
         return None
+    try:
+        tokens = getattr(model, "get_input_embeddings", lambda: None)()
+    except NotImplementedError:  # transformers cannot name them for this class (CANINE's)
+        tokens = None
     return next(
         (module for module in model.modules() if isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens),
         None,
