@@ -53,9 +53,9 @@ _SHARED_REMOVALS: list[dict[tuple, Tensor]] = []
 def shared_removals() -> Iterator[None]:
     """Within it, the token-removal metrics' calls with the same ``forward_func`` (the same
     object), inputs, removal settings and set of removals share their logits: one batch's
-    or example's LDS halves (drawn from its own seed) run once for every method scored on
-    them (``evaluate``'s), with the values each call would compute alone. The model must
-    not change inside it."""
+    or example's LDS halves (drawn from its own seed) and its whole inputs run once for
+    every method and metric scored on them (``evaluate``'s), with the values each call
+    would compute alone. The model must not change inside it."""
     _SHARED_REMOVALS.append({})
     try:
         yield
@@ -110,7 +110,7 @@ class _Remover:
         self.removable = _removable(attention_mask, keep)
         self.max_batch_size = max_batch_size
         self.pad = padding_id(forward_func, input_ids, attention_mask, pad_token_id)
-        logits = self._logits(input_ids, attention_mask)  # first: a clear error for logits of another shape
+        logits = self._whole_logits()  # first: a clear error for logits of another shape
         self.padding_read = removal == "delete" and self._padding_moves()
         if self.padding_read and bool((attention_mask == 0).any()):  # each example unpadded, as its deletions are
             logits = self._rows_logits(torch.arange(len(input_ids), device=input_ids.device), torch.zeros_like(self.real))
@@ -175,6 +175,17 @@ class _Remover:
         probs = probs[inverse.to(probs.device)]
         targets, decision = self.targets[rows].to(probs.device), self.decision[rows].to(probs.device)
         return self.target_probs(probs, targets), probs.argmax(dim=-1) == decision
+
+    def _whole_logits(self) -> Tensor:
+        """The inputs' own logits; within :func:`shared_removals`, those another call
+        computed of the same inputs."""
+        if not _SHARED_REMOVALS:
+            return self._logits(self.ids, self.mask)
+        key = ("whole", id(self.model), content_key(self.ids), content_key(self.mask))
+        shared = _SHARED_REMOVALS[-1]
+        if key not in shared:
+            shared[key] = self._logits(self.ids, self.mask)
+        return shared[key]
 
     def _shared_logits(self, rows: Tensor, remove: Tensor) -> Tensor:
         """:meth:`_rows_logits`; where another call in the same :func:`shared_removals`
