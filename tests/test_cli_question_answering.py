@@ -201,6 +201,36 @@ def test_a_context_longer_than_the_model_takes_is_read_in_overlapping_windows(an
     assert "the question and the special tokens are 68 tokens, leaving no room for the context within the 64" in refused.stderr
 
 
+def test_windows_are_read_with_a_tokenizer_that_has_no_padding_token():
+    """GPT-2's kind of tokenizer names no padding token: the windows of a long context (and
+    of a tagger's long text) are read each alone, unpadded, the answer's start explained
+    as AttnLRP explains its window."""
+    from lm_models import make_byte_level_tokenizer
+
+    from captum_attention.presentation.token_class import explain_token_labels
+
+    tokenizer = make_byte_level_tokenizer(" ".join(WORDS) + " .")
+    assert tokenizer.pad_token is None
+    config = dict(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    torch.manual_seed(5)
+    answerer = tf.GPT2ForQuestionAnswering(tf.GPT2Config(**config)).eval()
+    tagger = tf.GPT2ForTokenClassification(tf.GPT2Config(**config, num_labels=3)).eval()
+    context = " ".join(["the dog ran to the park ."] * 6) + " a bird"
+    explanation = explain_question(answerer, tokenizer, QUESTION, context, "a bird", ["attn_lrp"])
+    assert explanation.windows > 1 and explanation.window[1] == len(context)
+    stride = (32 - len(tokenizer(QUESTION)["input_ids"])) // 2  # half the room the question leaves (no special tokens)
+    windows = tokenizer(QUESTION, context, truncation="only_second", max_length=32, stride=stride,
+                        return_overflowing_tokens=True)["input_ids"]
+    ids = torch.tensor([windows[-1]])
+    assert explanation.windows == len(windows) and len(explanation.tokens) == len(windows[-1]) < 32
+    forward = lambda i, m: answerer(input_ids=i, attention_mask=m).start_logits  # noqa: E731
+    expected = AttnLRP(forward, model=answerer).attribute(ids, target=explanation.start,
+                                                          additional_forward_args=(torch.ones_like(ids),))
+    torch.testing.assert_close(torch.tensor(explanation.scores["AttnLRP"]["start"]), expected[0].float(), atol=1e-5, rtol=1e-4)
+    labels = explain_token_labels(tagger, tokenizer, context, methods=["raw"])
+    assert len(labels.windows) > 1 and {word.window for word in labels.words} == set(range(len(labels.windows)))
+
+
 def test_a_tokenizer_that_pads_on_the_left_reads_the_context_first(answerers):
     """XLNet's order: the context, then the question; the answer is sought in the context."""
     model, tokenizer = load_question_answerer(answerers[0])

@@ -8,6 +8,7 @@ was trained with."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,7 +123,9 @@ def test_the_words_explained_are_those_labelled_other_than_o_at_their_first_toke
     assert [word["label"] for word in explained["words"]] == [labels[i] for i in expected]
     words = dict(zip(firsts, TEXT.split()))
     assert [word["word"] for word in explained["words"]] == [words[i] for i in expected]
-    assert explained["tokens"][firsts[1] : firsts[2]] == ["love", "##lace"]
+    (window,) = explained["windows"]
+    assert window["tokens"][firsts[1] : firsts[2]] == ["love", "##lace"] and window["characters"] == [0, len(TEXT)]
+    assert all(word["window"] == 0 for word in explained["words"])
 
 
 def test_a_given_word_is_explained_at_its_first_token(taggers, tmp_path):
@@ -145,13 +148,71 @@ def test_no_word_labelled_other_than_o_says_so(taggers, tmp_path):
     assert result.returncode == 0 and "no word is labelled other than 'O': --target WORD explains one word's label" in result.stdout
 
 
-def test_a_text_longer_than_the_model_takes_is_cut_and_says_so(taggers, tmp_path):
-    text = " ".join(["ada lived in london ."] * 8)
-    explained = _explained(taggers["pos"], tmp_path, "--methods", "raw", text=text)
-    assert len(explained["tokens"]) == 32 and explained["cut_from"] == 42
-    assert max(word["position"] for word in explained["words"]) == 30
-    result = run_cli("explain", "--model", str(taggers["pos"]), text, "--methods", "raw")
-    assert "note: the text was cut to the model's 32 tokens (of 42)" in result.stdout
+LONG = " ".join(["ada lived in london ."] * 8)
+"""42 tokens with [CLS] and [SEP]: two windows of the taggers' 32 positions."""
+
+
+def window_ids(tokenizer, text: str, limit: int) -> list[torch.Tensor]:
+    """The windows of ``text`` the model reads, built here from the whole text's tokens:
+    ``limit - 2`` of them between [CLS] and [SEP], each after the first starting half a
+    window's text back from the previous one's end (consecutive ones sharing
+    ``(limit - 2) // 2`` tokens), the last ending with the text."""
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    width = limit - 2
+    step = width - width // 2
+    starts = [0]
+    while starts[-1] + width < len(tokens):
+        starts.append(starts[-1] + step)
+    return [torch.tensor([[tokenizer.cls_token_id, *tokens[start : start + width], tokenizer.sep_token_id]]) for start in starts]
+
+
+def max_context(ids: list[torch.Tensor], token: int) -> tuple[int, int]:
+    """The window and position of the whole text's ``token``-th token (no special ones)
+    where the fewer tokens on either side are the most (then the longer, then the first
+    window), by brute force over :func:`window_ids`."""
+    width = ids[0].shape[1] - 2
+    step = width - width // 2
+    best = None
+    for index, window in enumerate(ids):
+        length = window.shape[1] - 2
+        if index * step <= token < index * step + length:
+            at = token - index * step
+            context = (min(at, length - 1 - at), length)
+            if best is None or context > best[0]:
+                best = (context, index, at + 1)
+    return best[1], best[2]
+
+
+def test_a_text_longer_than_the_model_takes_is_read_in_windows_each_word_where_it_has_most_context(taggers, tmp_path):
+    """Every word of the 42 tokens is labelled and explained (none is cut), each in the
+    window where it has the most context, its label and AttnLRP's scores those of that
+    window alone."""
+    explained = _explained(taggers["pos"], tmp_path, "--methods", "attn_lrp", text=LONG)
+    model, tokenizer = load_token_classifier(taggers["pos"])
+    ids = window_ids(tokenizer, LONG, 32)
+    assert len(ids) == len(explained["windows"]) == 2
+    assert [window["tokens"] for window in explained["windows"]] == [tokenizer.convert_ids_to_tokens(i[0]) for i in ids]
+    words = LONG.split()
+    assert [word["word"] for word in explained["words"]] == words  # one token each, in the text's order
+    for index, word in enumerate(explained["words"]):
+        window, position = max_context(ids, index)
+        assert (word["window"], word["position"]) == (window, position), word
+        with torch.no_grad():
+            probabilities = model(input_ids=ids[window]).logits[0, position].softmax(-1)
+        assert word["label"] == model.config.id2label[int(probabilities.argmax())]
+        assert word["probability"] == pytest.approx(float(probabilities.max()), rel=1e-5)
+        forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+        expected = AttnLRP(forward, model=model).attribute(
+            ids[window], target=(position, int(probabilities.argmax())), additional_forward_args=(torch.ones_like(ids[window]),))
+        torch.testing.assert_close(torch.tensor(word["scores"]["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+    assert {word["window"] for word in explained["words"]} == {0, 1}
+    first, end = explained["windows"][1]["characters"]
+    assert LONG[first:end] == " ".join(words[15:]) and explained["windows"][0]["characters"] == [0, len(" ".join(words[:30]))]
+    result = run_cli("explain", "--model", str(taggers["pos"]), LONG, "--methods", "raw")
+    assert "note: the text is longer than the model takes: it was read in 2 overlapping windows" in result.stdout
+    assert re.search(rf"^ +london \(\w+, window 2, characters {first}-{end}\) <- ", result.stdout, re.MULTILINE)
+    given = _explained(taggers["pos"], tmp_path, "--methods", "raw", "--target", "ada lived in london . ada lived in london . ada", text=LONG)
+    assert [(w["window"], w["position"]) for w in given["words"]] == [max_context(ids, 0)]  # a phrase: its first word
 
 
 def test_the_report_underlines_each_words_first_token(taggers, tmp_path):
@@ -262,10 +323,8 @@ def test_the_report_underlines_each_mask(masked_lm, tmp_path):
 def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_path):
     folder = str(masked_lm)
     assert checkpoint_task(masked_lm) == "fill-mask"
-    long = " ".join(["ada lived in london ."] * 7) + " [MASK]"
     refusals = [
         (("explain", "--model", folder, "ada lived in london ."), "[MASK] is not in the text: put it where the word to predict goes"),
-        (("explain", "--model", folder, long), "[MASK] lies in the part cut to the model's length limit"),
         (("explain", "--model", folder, MASKED, "--target", "lovelace"), "--target 'lovelace' is 2 tokens to the tokenizer (love ##lace)"),
         (("explain", "--model", folder, MASKED, "--target", "park"), "--target 'park' is not in the tokenizer's vocabulary"),
         (("explain", "--model", folder, MASKED, "--methods", "alti_logit"), "alti_logit explains"),
@@ -276,6 +335,30 @@ def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_p
         result = run_cli(*arguments)
         assert result.returncode == 1 and said in result.stderr, (arguments, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_masks_past_one_window_are_each_read_where_they_have_most_context(masked_lm, tmp_path):
+    """A mask at each end of 38 tokens (two windows of 32 positions): the first read in
+    the first window, the last in the second, each token and AttnLRP's scores those of
+    its window alone."""
+    text = "[MASK] " + " ".join(["ada lived in london ."] * 7) + " [MASK]"
+    explained = _explained(masked_lm, tmp_path, "--methods", "attn_lrp", text=text)
+    model = tf.BertForMaskedLM.from_pretrained(masked_lm).eval()
+    tokenizer = tf.BertTokenizerFast.from_pretrained(masked_lm)
+    ids = window_ids(tokenizer, text, 32)
+    assert len(ids) == len(explained["windows"]) == 2
+    last = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - 1
+    assert [(w["window"], w["position"]) for w in explained["words"]] == [max_context(ids, 0), max_context(ids, last)] == \
+        [(0, 1), (1, ids[1].shape[1] - 2)]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    for word in explained["words"]:
+        window = ids[word["window"]]
+        with torch.no_grad():
+            token = int(model(input_ids=window).logits[0, word["position"]].argmax())
+        assert word["label"] == tokenizer.convert_ids_to_tokens(token)
+        expected = AttnLRP(forward, model=model).attribute(window, target=(word["position"], token),
+                                                           additional_forward_args=(torch.ones_like(window),))
+        torch.testing.assert_close(torch.tensor(word["scores"]["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_byte_level_tokenizer_without_token_types_places_words_masks_and_answers(tmp_path):

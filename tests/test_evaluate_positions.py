@@ -18,7 +18,7 @@ from scipy.stats import spearmanr
 from test_cli import run_cli
 from test_cli_question_answering import WORDS as QA_WORDS
 from test_cli_question_answering import _tokenizer as qa_tokenizer
-from test_cli_token_class import LABELS, TEXT, WORDS, _bert, _vocab
+from test_cli_token_class import LABELS, TEXT, WORDS, _bert, _vocab, window_ids
 
 from captum_attention.loading import load_masked_lm, load_question_answerer, load_token_classifier
 from captum_attention.metrics.token_removal import DEFAULT_BINS, example_seeds, random_halves
@@ -35,8 +35,12 @@ QA_ROWS = [
     {"question": "where did the bird sit", "context": "the bird sat in the tree . it saw a cat",
      "answers": {"text": ["the tree"], "answer_start": [16]}},
 ]
-TAG_ROWS = [{"text": TEXT}, {"text": "zoe sat on the mat in paris .", "word": "paris"}]
-MASK_ROWS = [{"text": "ada lived in [MASK] with zoe ."}, {"text": "the cat sat on the [MASK] .", "target": "mat"}]
+LONG = " ".join(["ada lived in london ."] * 7)
+"""With one more sentence, two windows of the tagger's and the masked model's 32 positions."""
+TAG_ROWS = [{"text": TEXT}, {"text": "zoe sat on the mat in paris .", "word": "paris"},
+            {"text": LONG + " zoe sat in paris .", "word": "paris"}]
+MASK_ROWS = [{"text": "ada lived in [MASK] with zoe ."}, {"text": "the cat sat on the [MASK] .", "target": "mat"},
+             {"text": "[MASK] " + LONG + " a [MASK] sat ."}]
 METHODS = "raw,attn_lrp,integrated_gradients"
 
 
@@ -154,15 +158,16 @@ def test_a_taggers_words_and_a_masked_models_masks_are_scored_at_their_tokens(mo
     rows = _evaluated(folder, _data(tmp_path, data), tmp_path / "out")
     model, tokenizer = (load_token_classifier if task == "token-classification" else load_masked_lm)(folder)
     explain = explain_token_labels if task == "token-classification" else explain_masks
-    explained_some = False
+    explained_some = windowed = False
     for row in rows:
         source = data[row["index"]]
         explanation = explain(model, tokenizer, source["text"], source.get("word", source.get("target")), [row["method"]],
                               ig_steps=4)
-        ids = tokenizer(source["text"], return_tensors="pt")["input_ids"][0]
-        keep = special_tokens(ids, tokenizer)
+        windows = window_ids(tokenizer, source["text"], 32)  # the whole text where it fits
         references = []
         for word in explanation.words:
+            ids = windows[word.window][0]
+            keep = special_tokens(ids, tokenizer)
             target = model.config.label2id[word.label] if task == "token-classification" else \
                 int(tokenizer.convert_tokens_to_ids(word.label))
 
@@ -171,14 +176,16 @@ def test_a_taggers_words_and_a_masked_models_masks_are_scored_at_their_tokens(mo
 
             references.append(_reference(logits_of, ids, torch.tensor(word.scores[SHOWN[row["method"]]]), keep,
                                          tokenizer.mask_token_id, target))
-        assert [logit["position"] for logit in row["logits"]] == [word.position for word in explanation.words]
+        assert [(logit["window"], logit["position"]) for logit in row["logits"]] == \
+            [(word.window, word.position) for word in explanation.words]
+        windowed |= len(windows) > 1 and {word.window for word in explanation.words} >= {1}
         assert [logit["explained"] for logit in row["logits"]] == [word.label for word in explanation.words]
         if not references:
             assert all(row[m] is None for m in ("comprehensiveness", "sufficiency", "datamodeling"))
             continue
         explained_some = True
         _check_row(row, references)
-    assert explained_some
+    assert explained_some and windowed
 
 
 def test_rows_are_the_same_resumed_and_split_over_two_processes(models, tmp_path):

@@ -10,7 +10,10 @@ from .explain import Explanations, MethodInfo
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
 from .token_class import TokenClassExplanation
-from .text import answer_line, count, cut_note, labels_line, peak_cell, read_where, shares, terminal_safe, token_labels, window_note
+from .text import (
+    answer_line, count, labels_line, peak_cell, read_where, shares, terminal_safe, text_windows_note, token_labels, window_name,
+    window_note,
+)
 
 
 def escape(text: str) -> str:
@@ -30,7 +33,7 @@ td.word { white-space: nowrap; }
        font-family: ui-monospace, monospace; unicode-bidi: isolate; }
 .tok.special { color: #888; border: 1px dashed #bbb; }
 .tok.marked { text-decoration: underline 2px; text-underline-offset: 0.2em; }
-.meaning { color: #555; font-size: 0.9em; }
+.meaning, .window { color: #555; font-size: 0.9em; }
 .note { color: #8a5a00; }
 h2.sentence { font-size: 1.05em; font-weight: 600; }
 .scroll { overflow-x: auto; max-width: 100%; }
@@ -403,7 +406,7 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     """The report page of a token classifier's labels (a masked language model's
     predictions): per method, a coloured token row for each explained word's label (each
     mask's token), the token where it is read underlined."""
-    note, words = cut_note(explanation), labels_line(explanation)
+    note, words = text_windows_note(explanation), labels_line(explanation)
     parts = [
         *_page_head(_STYLE),
         f"<p>Model: <code>{escape(model_name)}</code>.</p>",
@@ -421,8 +424,12 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
         for index, word in enumerate(explanation.words):
             meaning = _meaning(info, "the token" if explanation.masked else "the label", _TOKEN_UNTARGETED)
             described = _method_cells(method, meaning, explanation.seconds[method], len(explanation.words)) if index == 0 else ""
-            row = _token_row(explanation.tokens, word.scores[method], explanation.special, info, range(word.position, word.position + 1))
-            parts.append(f"<tr>{described}<td class=\"word\"><bdi>{escape(word.word)}</bdi> ({escape(word.label)})</td><td>{row}</td></tr>")
+            window = explanation.windows[word.window]
+            row = _token_row(window.tokens, word.scores[method], window.special, info, range(word.position, word.position + 1))
+            where = window_name(explanation, word)
+            placed = f'<br><span class="window">{escape(where)}</span>' if where else ""
+            parts.append(f"<tr>{described}<td class=\"word\"><bdi>{escape(word.word)}</bdi> ({escape(word.label)}){placed}</td>"
+                         f"<td>{row}</td></tr>")
     parts.append(("</table>" if explanation.words else "") + "</body></html>")
     return "\n".join(parts)
 

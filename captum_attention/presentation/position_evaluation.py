@@ -8,7 +8,7 @@ is."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -55,13 +55,15 @@ def replacement_id(tokenizer: Any) -> int:
                      "save the model's own tokenizer")
 
 
-def plan_example(model: Any, tokenizer: Any, task: str, example: PositionExample) -> tuple[Any, PositionPlan]:
+def plan_example(model: Any, tokenizer: Any, task: str, example: PositionExample) -> tuple[Any, list[PositionPlan]]:
     """What ``explain`` would explain of the row: the explanation without scores and its
-    logits (:class:`~captum_attention.presentation.positions.PositionPlan`); a one-line
-    ``ValueError`` where the row cannot be explained."""
+    logits (:class:`~captum_attention.presentation.positions.PositionPlan`, one per window
+    of the text that holds some); a one-line ``ValueError`` where the row cannot be
+    explained."""
     named = {"question-answering": "'answer'", "token-classification": "'word'", "fill-mask": "'target'"}[task]
     if task == "question-answering":
-        return plan_question(model, tokenizer, example.question or "", example.text, example.target, named)
+        explanation, plan = plan_question(model, tokenizer, example.question or "", example.text, example.target, named)
+        return explanation, [plan]
     if task == "token-classification":
         return plan_token_labels(model, tokenizer, example.text, example.target, named)
     return plan_masks(model, tokenizer, example.text, example.target, named)
@@ -115,53 +117,61 @@ def _example_rows(
     options: Options, baseline: int,
 ) -> list[dict[str, Any]]:
     """The row of each method for one example: each logit's metrics, and their means."""
-    explanation, plan = plan_example(model, tokenizer, task, example)
-    names, explained = _explained_logits(task, explanation)
-    context = MetricContext(model, special_tokens(plan.ids, tokenizer), removal={"removal": "replace", "baseline_token_id": baseline})
-    mask = plan.arguments[0]
-    probabilities = [_probability(plan, k) for k in range(len(plan.targets))]
-    scored = score_positions(plan, methods, model, tokenizer, options.ig_steps, None, options.presence) if plan.targets else ()
-    scores_of = {method: scores for method, (_, _, _, scores) in zip(methods, scored)}
-    forwards = [plan.target_logits(k) for k in range(len(plan.targets))]  # one object each: the metrics share their removals
-    targets = [torch.tensor([plan.target_class(k)], device=plan.ids.device) for k in range(len(plan.targets))]
-    rows = []
+    explanation, plans = plan_example(model, tokenizer, task, example)
+    read = _explained_logits(task, explanation)
+    logits: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
     with shared_removals():
-        for method in methods:
-            logits = []
-            per_metric: dict[str, list[float]] = {metric: [] for metric in metrics}
-            for k, (name, label) in enumerate(zip(names, explained)):
-                scores = scores_of[method][k : k + 1]
-                values = {
-                    metric: float(METRIC_REGISTRY[metric].function(forwards[k], plan.ids, scores, (mask,), targets[k], context)[0])
-                    for metric in metrics
-                }
-                for metric, value in values.items():
-                    per_metric[metric].append(value)
-                logits.append({"at": name, "position": plan.targets[k][0], "explained": label, "probability": probabilities[k],
-                               **values})
-            means = {metric: sum(values) / len(values) if values else None for metric, values in per_metric.items()}
-            rows.append({"index": example.index, "line": example.line, "method": method,
-                         "explained": _shown_explained(task, names, explained), **means, "logits": logits})
+        for plan in plans:
+            for method, values in _window_logits(model, tokenizer, plan, methods, metrics, options, baseline):
+                logits[method] += values
+    rows = []
+    for method in methods:
+        listed = [{**where, **values} for where, values in zip(read, logits[method])]
+        means = {metric: sum(logit[metric] for logit in listed) / len(listed) if listed else None for metric in metrics}
+        rows.append({"index": example.index, "line": example.line, "method": method,
+                     "explained": _shown_explained(task, read), **means, "logits": listed})
     return rows
 
 
-def _explained_logits(task: str, explanation: Any) -> tuple[list[str], list[str]]:
-    """Where each logit is read (an answer's end, a word, a mask) and what it explains
-    there (the answer, a label, a token)."""
+def _window_logits(
+    model: Any, tokenizer: Any, plan: PositionPlan, methods: Sequence[str], metrics: Sequence[str], options: Options,
+    baseline: int,
+) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """Each method's values of each logit of one window's ``plan``: where it is read, its
+    probability and each metric."""
+    context = MetricContext(model, special_tokens(plan.ids, tokenizer), removal={"removal": "replace", "baseline_token_id": baseline})
+    mask = plan.arguments[0]
+    count = len(plan.targets)
+    probabilities = [_probability(plan, k) for k in range(count)]
+    forwards = [plan.target_logits(k) for k in range(count)]  # one object each: the metrics share their removals
+    targets = [torch.tensor([plan.target_class(k)], device=plan.ids.device) for k in range(count)]
+    for method, (_, _, _, scores) in zip(methods, score_positions(plan, methods, model, tokenizer, options.ig_steps, None, options.presence)):
+        yield method, [
+            {"position": plan.targets[k][0], "probability": probabilities[k],
+             **{metric: float(METRIC_REGISTRY[metric].function(forwards[k], plan.ids, scores[k : k + 1], (mask,), targets[k], context)[0])
+                for metric in metrics}}
+            for k in range(count)
+        ]
+
+
+def _explained_logits(task: str, explanation: Any) -> list[dict[str, Any]]:
+    """Where each logit is read (an answer's end; a word or a mask, and the window it is
+    read in) and what it explains there (the answer, a label, a token), as
+    ``results.jsonl`` lists them."""
     if task == "question-answering":
-        return list(ENDS), [explanation.answer] * len(ENDS)
-    return [word.word for word in explanation.words], [word.label for word in explanation.words]
+        return [{"at": end, "explained": explanation.answer} for end in ENDS]
+    return [{"at": word.word, "window": word.window, "explained": word.label} for word in explanation.words]
 
 
-def _shown_explained(task: str, names: list[str], explained: list[str]) -> str:
+def _shown_explained(task: str, read: list[dict[str, Any]]) -> str:
     """A row's explained outputs in one line: the answer, or each word's label."""
     if task == "question-answering":
-        return explained[0]
-    return "; ".join(f"{name}: {label}" for name, label in zip(names, explained))
+        return str(read[0]["explained"])
+    return "; ".join(f"{logit['at']}: {logit['explained']}" for logit in read)
 
 
 def _probability(plan: PositionPlan, target: int) -> float:
-    """The probability the metrics read of the ``target``-th logit, on the whole text."""
+    """The probability the metrics read of the ``target``-th logit, on all of its window."""
     with torch.no_grad():
         logits = plan.target_logits(target)(plan.ids, plan.arguments[0])
     return float(logits.float().softmax(-1)[0, plan.target_class(target)])

@@ -155,16 +155,14 @@ def output_forward(model: Any, output: str, inputs: Sequence[str]) -> Callable[.
 def forward_inputs(encoded: Any, model: Any, row: int | None = None) -> tuple[list[str], torch.Tensor, tuple[torch.Tensor, ...]]:
     """The names of what a tokenizer gave beside the ids that the model reads (the
     attention mask first, then the token types where it gives them and the model takes
-    them), the ids and those tensors, on the model's device; given ``row``, that row's
-    real tokens alone (one window of several), ``(1, tokens)``."""
+    them), the ids and those tensors, on the model's device; given ``row``, that row of an
+    unpadded batch of lists (one window of several), ``(1, tokens)``."""
     takes = inspect.signature(model.forward).parameters
     names = [name for name in ("attention_mask", "token_type_ids") if name in encoded and name in takes]
     device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
 
-    def placed(tensor: torch.Tensor) -> torch.Tensor:
-        if row is not None:
-            tensor = tensor[row][encoded["attention_mask"][row].bool()][None]
-        return tensor.to(device)
+    def placed(given: Any) -> torch.Tensor:
+        return (given if row is None else torch.tensor(given[row])[None]).to(device)
 
     return names, placed(encoded["input_ids"]), tuple(placed(encoded[name]) for name in names)
 

@@ -83,15 +83,16 @@ def question_first(tokenizer: Any) -> bool:
 
 def question_inputs(tokenizer: Any, question: str, context: str, max_length: int | None = None, stride: int = 0) -> Any:
     """The question and context tokenized as a pair in the tokenizer's order
-    (:func:`question_first`), with offsets; given ``max_length``, the context in windows
-    that fit it, consecutive ones sharing ``stride`` tokens, padded to one length."""
+    (:func:`question_first`), with offsets, as tensors; given ``max_length``, the context
+    in windows that fit it, consecutive ones sharing ``stride`` tokens, as each window's
+    lists (unpadded: a tokenizer may have no padding token, GPT-2's)."""
     first = question_first(tokenizer)
     pair = (question, context) if first else (context, question)
-    windows = {} if max_length is None else {
+    windows = {"return_tensors": "pt"} if max_length is None else {
         "truncation": "only_second" if first else "only_first", "max_length": max_length, "stride": stride,
-        "return_overflowing_tokens": True, "padding": True,
+        "return_overflowing_tokens": True,
     }
-    return tokenizer(*pair, return_offsets_mapping=True, return_tensors="pt", **windows)
+    return tokenizer(*pair, return_offsets_mapping=True, **windows)
 
 
 def context_tokens(encoded: Any, tokenizer: Any, window: int = 0) -> torch.Tensor:
@@ -109,7 +110,7 @@ class _Window:
 
     ids: torch.Tensor
     arguments: tuple[torch.Tensor, ...]
-    offsets: list[list[int]]
+    offsets: list[tuple[int, int]]
     in_context: torch.Tensor
     logits: dict[str, torch.Tensor]
 
@@ -135,12 +136,10 @@ def _windows(model: Any, tokenizer: Any, question: str, context: str, limit: int
     windows: list[_Window] = []
     names: list[str] = []
     for row in range(len(encoded["input_ids"])):
-        real = encoded["attention_mask"][row].bool()
         names, ids, arguments = forward_inputs(encoded, model, row)
         with torch.no_grad():
             outputs = model(input_ids=ids, **dict(zip(names, arguments)))
-        windows.append(_Window(ids, arguments, encoded["offset_mapping"][row][real].tolist(),
-                               context_tokens(encoded, tokenizer, row)[real],
+        windows.append(_Window(ids, arguments, encoded["offset_mapping"][row], context_tokens(encoded, tokenizer, row),
                                {end: getattr(outputs, f"{end}_logits")[0].cpu() for end in ENDS}))
     return windows, names
 

@@ -10,7 +10,7 @@ from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo, SentenceExplanation
 from .image_class import ImageClassExplanation
 from .question_answering import QuestionAnswerExplanation
-from .token_class import OUTSIDE, TokenClassExplanation
+from .token_class import OUTSIDE, TokenClassExplanation, WordLabel
 
 TOP_K = 3
 """Tokens marked ``*`` per method in the normalised table."""
@@ -181,12 +181,21 @@ def answer_line(explanation: QuestionAnswerExplanation) -> str:
     )
 
 
-def cut_note(explanation: TokenClassExplanation) -> str | None:
-    """Where the text was cut to the model's length limit, what is lost; else None."""
-    if explanation.cut_from is None:
+def text_windows_note(explanation: TokenClassExplanation) -> str | None:
+    """Where the text was read in windows, how each word (mask) was placed; else None."""
+    if len(explanation.windows) == 1:
         return None
-    return (f"the text was cut to the model's {len(explanation.tokens)} tokens (of {explanation.cut_from}): its end is "
-            "neither read nor explained")
+    item = "mask" if explanation.masked else "word"
+    return (f"the text is longer than the model takes: it was read in {len(explanation.windows)} overlapping windows; each "
+            f"{item} is read and explained in the window where it has the most context, named beside it")
+
+
+def window_name(explanation: TokenClassExplanation, word: WordLabel) -> str:
+    """Which window ``word`` is read in, where the text was read in several; else ""."""
+    if len(explanation.windows) == 1:
+        return ""
+    first, end = explanation.windows[word.window].characters
+    return f"window {word.window + 1}, characters {first}-{end}"
 
 
 def window_note(explanation: QuestionAnswerExplanation) -> str | None:
@@ -243,7 +252,7 @@ def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, ra
     """The terminal report of a token classifier's labels: the explained words, then per
     method, for each word, its label's top tokens."""
     lines = [f"text: {terminal_safe(explanation.text)}", labels_line(explanation)]
-    note = cut_note(explanation)
+    note = text_windows_note(explanation)
     lines += [] if note is None else [f"note: {note}"]
     if not explanation.words:
         return "\n".join(lines)
@@ -253,12 +262,16 @@ def render_token_class_text(explanation: TokenClassExplanation, top: int = 5, ra
         "scores over the words" + (" (--raw: the scores)" if raw else "") + "; a token the text holds more than once "
         "shows its position, token[i]:",
     ]
-    named = [f"{terminal_safe(word.word)} ({terminal_safe(word.label)})" for word in explanation.words]
+    named = [
+        f"{terminal_safe(word.word)} ({', '.join(filter(None, [terminal_safe(word.label), window_name(explanation, word)]))})"
+        for word in explanation.words
+    ]
     width = max(len(name) for name in named)
     for method, info in explanation.methods.items():
         lines.append(f"{method} ({explanation.seconds[method] * 1000:.0f} ms):")
         for word, name in zip(explanation.words, named):
-            shown = _top_tokens(explanation.tokens, word.scores[method], explanation.special, info, top, raw)
+            window = explanation.windows[word.window]
+            shown = _top_tokens(window.tokens, word.scores[method], window.special, info, top, raw)
             lines.append(f"  {name:>{width}} <- {shown}")
     return "\n".join(lines)
 
