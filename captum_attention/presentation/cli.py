@@ -156,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="for a language model: the longest answer generated for a row without one (default: 20)")
     evaluate.add_argument("--chat", action="store_true", help="for a language model: " + CHAT_HELP)
     _add_language_options(evaluate)
-    evaluate.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
+    evaluate.add_argument("--batch-size", type=int, default=16,
+                          help="examples per batch (default: 16); a language model's or captioner's, a question answerer's, a token "
+                          "classifier's and a masked language model's rows run one at a time")
     evaluate.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default: 50)")
     evaluate.add_argument("--shap-evals", type=int, default=300, help="SHAP model evaluations per text (default: 300)")
     evaluate.add_argument("--presence", type=float, default=0.05, help=PRESENCE_HELP)
@@ -713,11 +715,11 @@ def _evaluate_positions(arguments: argparse.Namespace, task: str) -> None:
     state = _evaluation_state(arguments)
     load = {"question-answering": load_question_answerer, "token-classification": load_token_classifier, "fill-mask": load_masked_lm}
     model, tokenizer = load[task](arguments.model)
+    model.to(state.device)  # the rows' check runs a forward each: on the device the run uses
     examples = _kept_rows([(example, position_row_problem(model, tokenizer, task, example)) for example in examples], arguments,
                           "no row the model can explain")
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
-    model.to(state.device)
     options = Options(ig_steps=arguments.ig_steps, presence=arguments.presence)
     evaluate_positions(
         model, tokenizer, task, examples, methods, metrics, arguments.output, options, state.process_index,
