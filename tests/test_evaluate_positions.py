@@ -38,7 +38,8 @@ QA_ROWS = [
 LONG = " ".join(["ada lived in london ."] * 7)
 """With one more sentence, two windows of the tagger's and the masked model's 32 positions."""
 TAG_ROWS = [{"text": TEXT}, {"text": "zoe sat on the mat in paris .", "word": "paris"},
-            {"text": LONG + " zoe sat in paris .", "word": "paris"}]
+            {"text": LONG + " zoe sat in paris .", "word": "paris"},
+            {"tokens": ["zoe", "lived", "in", "paris", "."], "ner_tags": [1, 0, 0, 3, 0]}]  # CoNLL-2003's kind: read as its text
 MASK_ROWS = [{"text": "ada lived in [MASK] with zoe ."}, {"text": "the cat sat on the [MASK] .", "target": "mat"},
              {"text": "[MASK] " + LONG + " a [MASK] sat ."}]
 METHODS = "raw,attn_lrp,integrated_gradients"
@@ -161,9 +162,9 @@ def test_a_taggers_words_and_a_masked_models_masks_are_scored_at_their_tokens(mo
     explained_some = windowed = False
     for row in rows:
         source = data[row["index"]]
-        explanation = explain(model, tokenizer, source["text"], source.get("word", source.get("target")), [row["method"]],
-                              ig_steps=4)
-        windows = window_ids(tokenizer, source["text"], 32)  # the whole text where it fits
+        text = source.get("text") or " ".join(source["tokens"])
+        explanation = explain(model, tokenizer, text, source.get("word", source.get("target")), [row["method"]], ig_steps=4)
+        windows = window_ids(tokenizer, text, 32)  # the whole text where it fits
         references = []
         for word in explanation.words:
             ids = windows[word.window][0]
@@ -262,6 +263,11 @@ def test_rows_are_read_from_jsonl_or_csv_with_squads_answers_or_refused_with_the
     rows.write_text(json.dumps({"question": "q"}) + "\n")
     with pytest.raises(DatasetError, match="line 1: 'context' is missing or empty"):
         read_positions(rows, "question-answering")
+    conll = {"id": "0", "tokens": ["EU", "rejects", "German", "call"], "ner_tags": [3, 0, 7, 0]}
+    rows.write_text(json.dumps(conll) + "\n" + json.dumps({**conll, "tokens": ["EU", 7]}) + "\n")
+    examples, skipped = read_positions(rows, "token-classification", skip_malformed=True)
+    assert [e.text for e in examples] == ["EU rejects German call"]
+    assert skipped == ["line 2: 'tokens' must be a non-empty list of words (strings), as CoNLL-2003's rows give them"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

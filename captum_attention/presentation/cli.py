@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                           "image, for a vision-language model); for an image captioner (and BLIP's or GIT's captions, rows "
                           "without a prompt): image, optional answer; for an image classifier: image, optional label, "
                           "optional box ([x0, y0, x1, y1] in the image's pixels, for the pointing game); for a question "
-                          "answerer: question, context, optional answer (or SQuAD's answers); for a token classifier: text, "
-                          "optional word; for a masked language model: text with its mask token, optional target")
+                          "answerer: question, context, optional answer (or SQuAD's answers); for a token classifier: text "
+                          "(or CoNLL-2003's tokens, a list of words), optional word; for a masked language model: text with its mask token, optional target")
     evaluate.add_argument("--output", type=Path,
                           help="folder for the shards, results.jsonl and the summary (default: DATA_evaluation in "
                           "the current folder, DATA the data file's name without its suffix); rerun to resume")

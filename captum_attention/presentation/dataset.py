@@ -353,7 +353,9 @@ def read_positions(path: str | Path, task: str, skip_malformed: bool = False) ->
     A question answerer's rows have ``question`` and ``context`` and optionally
     ``answer`` (else SQuAD's ``answers``, whose first ``text`` is taken, none where it
     is empty: SQuAD 2's unanswerable questions); a token
-    classifier's have ``text`` and optionally ``word``; a masked language model's have
+    classifier's have ``text`` (or, in JSONL, ``tokens``: the text's words as a list, as
+    the CoNLL-2003 and WikiANN datasets give them, joined by spaces; their gold tags are
+    not read: the predicted labels are explained) and optionally ``word``; a masked language model's have
     ``text`` (with the tokenizer's mask token) and optionally ``target``. Malformed rows as
     :func:`read_dataset` treats them.
     """
@@ -369,6 +371,8 @@ def read_positions(path: str | Path, task: str, skip_malformed: bool = False) ->
         if not isinstance(row, dict):
             raise DatasetError(f"a row must be an object with {' and '.join(repr(name) for name in needed)} fields")
         values = {name: value for name in needed if (value := _string(row, name)) is not None}
+        if task == "token-classification" and text_field not in values and "tokens" in row:
+            values[text_field] = _joined_words(row["tokens"])
         missing = [name for name in needed if name not in values]
         if missing:
             raise DatasetError(f"'{missing[0]}' is missing or empty")
@@ -380,6 +384,13 @@ def read_positions(path: str | Path, task: str, skip_malformed: bool = False) ->
         return PositionExample(index, line, values[text_field], values.get("question"), target)
 
     return _examples(path, rows, example, skip_malformed)
+
+
+def _joined_words(words: Any) -> str:
+    """A row's ``tokens``, a list of words, as one text (joined by spaces)."""
+    if not isinstance(words, list) or not words or not all(isinstance(word, str) and word.strip() for word in words):
+        raise DatasetError("'tokens' must be a non-empty list of words (strings), as CoNLL-2003's rows give them")
+    return _string({"tokens": " ".join(words)}, "tokens") or ""
 
 
 def _string(row: dict[str, Any], name: str) -> str | None:
