@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
@@ -225,7 +226,9 @@ def pretty_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
         from captum.attr._core.llm_attr import _convert_ids_to_pretty_tokens
     except ImportError:
         return list(tokenizer.convert_ids_to_tokens(ids.tolist()))
-    return list(_convert_ids_to_pretty_tokens(ids, tokenizer))
+    with warnings.catch_warnings():  # where re-encoding the decoded ids does not give them back (a SentencePiece text
+        warnings.simplefilter("ignore")  # cut mid-word), Captum warns per token and decodes each id alone, as shown
+        return list(_convert_ids_to_pretty_tokens(ids, tokenizer))
 
 
 def attention_function(name: str) -> Callable[..., Any]:

@@ -183,6 +183,25 @@ def make_roberta_tokenizer(text: str) -> tf.RobertaTokenizerFast:
     )
 
 
+def make_sentencepiece_tokenizer(text: str) -> tf.XLMRobertaTokenizerFast:
+    """XLM-R's kind of tokenizer trained on ``text``: a SentencePiece unigram model whose
+    tokens carry their space as a mark ("▁the", a lone "▁"), whose offsets hold that
+    space, and whose decoded ids re-encode otherwise where a text is cut mid-word; ``<s>
+    A </s>``, ``<mask>`` its mask."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    core = Tokenizer(models.Unigram())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=60, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], unk_token="<unk>")
+    core.train_from_iterator([text] * 20, trainer)
+    core.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+                                                        special_tokens=[("<s>", 0), ("</s>", 2)])
+    return tf.XLMRobertaTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+        pad_token="<pad>", mask_token="<mask>",
+    )
+
+
 def _byte_level_core(text: str, special_tokens: list[str]) -> Any:
     """A byte-level BPE model trained on ``text`` (300 tokens), ``special_tokens`` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

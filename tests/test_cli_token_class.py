@@ -361,6 +361,41 @@ def test_masks_past_one_window_are_each_read_where_they_have_most_context(masked
         torch.testing.assert_close(torch.tensor(word["scores"]["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_sentencepiece_taggers_windows_start_mid_word_and_show_words_without_their_space():
+    """XLM-R's kind of tokenizer: a word's offsets hold its space ("▁lived"), and a window
+    that starts mid-word decodes to ids that re-encode otherwise. The words are shown
+    without the space, the tokens without a warning, and each word's AttnLRP scores are
+    its window's alone."""
+    import warnings
+
+    from lm_models import make_sentencepiece_tokenizer
+
+    tokenizer = make_sentencepiece_tokenizer("ada lived in london . the cat sat on the mat in paris .")
+    config = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                  max_position_embeddings=34, pad_token_id=1, initializer_range=0.3)
+    torch.manual_seed(0)
+    model = tf.XLMRobertaForTokenClassification(tf.XLMRobertaConfig(**config, num_labels=3)).eval()
+    text = " ".join(["ada lived in london ."] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explanation = explain_token_labels(model, tokenizer, text, methods=["attn_lrp"])
+    ids = window_ids(tokenizer, text, 32)
+    assert len(explanation.windows) == len(ids) > 2
+    assert [word.word for word in explanation.words] == text.split()
+    assert any(tokenizer.convert_ids_to_tokens(int(window[0, 1])).isalpha() for window in ids[1:])  # a window starts mid-word
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    from captum_attention.presentation.question_answering import explain_question
+
+    answerer = tf.XLMRobertaForQuestionAnswering(tf.XLMRobertaConfig(**config)).eval()
+    answer = explain_question(answerer, tokenizer, "where did ada live", "ada lived in london .", "in london", ["raw"])
+    assert answer.answer == "in london" and answer.predicted == answer.predicted.strip()
+    for word in explanation.words[::5]:
+        window = ids[word.window]
+        expected = AttnLRP(forward, model=model).attribute(window, target=(word.position, model.config.label2id[word.label]),
+                                                           additional_forward_args=(torch.ones_like(window),))
+        torch.testing.assert_close(torch.tensor(word.scores["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_byte_level_tokenizer_without_token_types_places_words_masks_and_answers(tmp_path):
     """RoBERTa's kind of tokenizer: no token types, a pair read as <s> A </s></s> B </s>,
     words as "Ġword" tokens whose offsets leave the space out, a mask's target token taken as

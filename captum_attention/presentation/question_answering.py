@@ -115,8 +115,9 @@ class _Window:
     logits: dict[str, torch.Tensor]
 
     def span_text(self, context: str, start: int, end: int) -> str:
-        """The context's characters from token ``start``'s first to token ``end``'s last."""
-        return context[self.offsets[start][0] : self.offsets[end][1]]
+        """The context's characters from token ``start``'s first to token ``end``'s last,
+        without the space a SentencePiece or byte-level token's offsets may begin with."""
+        return context[self.offsets[start][0] : self.offsets[end][1]].strip()
 
     def log_probabilities(self) -> dict[str, torch.Tensor]:
         """Each end's log-softmax over the window's context tokens."""

@@ -209,7 +209,7 @@ def plan_token_labels(
     for w, (window, position, probabilities) in zip(wanted, _probabilities(model, names, reads, [placed[w] for w in wanted])):
         label = int(probabilities.argmax())
         if not outside or model.config.id2label[label] != OUTSIDE:
-            words.append(WordLabel(text[slice(*spans[w])], position, model.config.id2label[label], float(probabilities[label]), window))
+            words.append(WordLabel(text[slice(*spans[w])].strip(), position, model.config.id2label[label], float(probabilities[label]), window))
             classes.append(label)
     return _planned(text, words, classes, reads, model, tokenizer, names, given=word is not None, masked=False)
 
