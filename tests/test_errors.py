@@ -707,6 +707,35 @@ def test_a_position_table_that_reserves_rows_before_its_first_position_takes_tha
     assert length_limit(make_model("bert"), SimpleNamespace(model_max_length=int(1e30))) == make_model("bert").config.max_position_embeddings
 
 
+def test_a_quantised_position_table_and_an_alibi_bias_of_fixed_length_bound_the_tokens():
+    """I-BERT's position table is its own quantised embedding (no ``nn.Embedding``), with
+    RoBERTa's padding row: 64 rows take 62 tokens. MPT's ALiBi bias is built for
+    ``max_seq_len`` positions and has no table. Past either, the forward failed with
+    torch's unnamed error, and the reports' length limit (a tokenizer saved without
+    ``model_max_length``) was 64 for I-BERT, 512 for MPT."""
+    from types import SimpleNamespace
+
+    from captum_attention.presentation.explain import length_limit
+
+    torch.manual_seed(0)
+    ibert = tf.IBertForSequenceClassification(tf.IBertConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=64, pad_token_id=1,
+    )).eval()
+    mpt = tf.MptForSequenceClassification(tf.MptConfig(
+        vocab_size=40, d_model=32, n_layers=1, n_heads=4, max_seq_len=48, pad_token_id=0,
+    )).eval()
+    untold = SimpleNamespace(model_max_length=int(1e30))
+    for model, limit, source in ((ibert, 62, "max_position_embeddings less the 2 rows before its first position"),
+                                 (mpt, 48, "max_seq_len")):
+        assert length_limit(model, untold) == limit
+        ids = torch.randint(5, 30, (1, limit + 1))
+        with pytest.raises(ValueError, match=rf"hold {limit + 1} tokens and {type(model).__name__} has positions for {limit} "
+                           rf"\(config\.{source}\).*max_length={limit}"):
+            GradSAM(model).attribute(ids, target=0, additional_forward_args=(torch.ones_like(ids),))
+        GradSAM(model).attribute(ids[:, :limit], target=0, additional_forward_args=(torch.ones_like(ids[:, :limit]),))
+
+
 @pytest.mark.parametrize("outside", [1000, -100])
 @pytest.mark.parametrize("capture", ["streaming", "eager"])
 def test_token_ids_outside_the_vocabulary_are_named_in_one_line(outside, capture):

@@ -716,6 +716,11 @@ def _check_float_inputs(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_source_positions")
 """Configuration fields that bound a model's learned positions, in the order they are read."""
 
+BIAS_LIMITS = {"mpt": "max_seq_len"}
+"""Model types whose attention bias is built for a fixed number of positions, by
+``config.model_type``, and the configuration field that sets it (MPT's ALiBi): they hold
+no position table and take no more tokens."""
+
 
 @contextmanager
 def input_errors_named(model: Any, first_input: Tensor) -> Iterator[None]:
@@ -768,6 +773,9 @@ def learned_positions(model: Any, config: Any = None) -> tuple[str, int, int] | 
     tokens). None where the model holds no such table (rotary or relative positions set no
     limit)."""
     config = getattr(model, "config", None) if config is None else config
+    bias_field = BIAS_LIMITS.get(str(getattr(config, "model_type", "")))
+    if bias_field is not None and isinstance(getattr(config, bias_field, None), int):
+        return bias_field, getattr(config, bias_field), 0
     field, limit = next(
         ((name, getattr(config, name)) for name in POSITION_LIMITS if isinstance(getattr(config, name, None), int)),
         (None, None),
@@ -775,23 +783,29 @@ def learned_positions(model: Any, config: Any = None) -> tuple[str, int, int] | 
     table = None if field is None or limit is None else _position_table(model, limit)
     if field is None or limit is None or table is None:
         return None
-    reserved = 0 if table.padding_idx is None else table.padding_idx + 1
+    padding = getattr(table, "padding_idx", None)
+    reserved = 0 if padding is None else padding + 1
     return field, limit - reserved, reserved
 
 
-def _position_table(model: Any, rows: int) -> nn.Embedding | None:
+def _position_table(model: Any, rows: int) -> nn.Module | None:
     """The embedding table of ``rows`` rows that ``model`` holds besides its tokens' own
-    (learned positions), or None."""
+    (learned positions): an ``nn.Embedding``, or a module of its kind that holds the
+    table as its ``weight`` beside a ``padding_idx`` (I-BERT's quantised embedding); or
+    None."""
     if not isinstance(model, nn.Module):
         return None
     try:
         tokens = getattr(model, "get_input_embeddings", lambda: None)()
     except NotImplementedError:  # transformers cannot name them for this class (CANINE's)
         tokens = None
-    return next(
-        (module for module in model.modules() if isinstance(module, nn.Embedding) and module.num_embeddings == rows and module is not tokens),
-        None,
-    )
+
+    def is_table(module: nn.Module) -> bool:
+        weight = getattr(module, "weight", None)
+        table_like = isinstance(module, nn.Embedding) or hasattr(module, "padding_idx")
+        return table_like and isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == rows
+
+    return next((module for module in model.modules() if module is not tokens and is_table(module)), None)
 
 
 _SAME_IN_TRAINING = (

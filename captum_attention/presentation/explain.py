@@ -15,7 +15,7 @@ from ..attr import METHODS, REGISTRY
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities, decoder_start_token, forced_tokens
-from ..capture.record import learned_positions
+from ..capture.record import BIAS_LIMITS, learned_positions
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
@@ -687,12 +687,12 @@ def length_limit(model: Any, tokenizer: Any) -> int:
     """The most tokens the model takes: the smaller of the tokenizer's ``model_max_length``
     and the model's ``max_position_embeddings`` (a vision-language model's: its language
     model's; an image captioner's: its decoder's; less the rows its position table reserves
-    before the first position, :func:`~captum_attention.capture.record.learned_positions`)
-    where set, else 512."""
+    before the first position, :func:`~captum_attention.capture.record.learned_positions`;
+    MPT's ``max_seq_len``, its ALiBi bias's length) where set, else 512."""
     config = getattr(model.config, "text_config", None) or getattr(model.config, "decoder", None) or model.config
     positions = getattr(config, "max_position_embeddings", None)
     learned = learned_positions(model, config)
-    if learned is not None and learned[0] == "max_position_embeddings":
+    if learned is not None and learned[0] in ("max_position_embeddings", *BIAS_LIMITS.values()):
         positions = learned[1]
     limits = [positions, getattr(tokenizer, "model_max_length", None)]
     known = [int(limit) for limit in limits if isinstance(limit, int) and 0 < limit < 1_000_000]
