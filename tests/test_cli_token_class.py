@@ -320,6 +320,30 @@ def test_the_report_underlines_each_mask(masked_lm, tmp_path):
     assert "Masks and their predicted tokens: [MASK] 1 " in page
 
 
+def test_a_prediction_in_an_embedding_row_past_the_vocabulary_is_shown_by_its_id(masked_lm):
+    """A model's embedding table may be padded past its tokenizer's vocabulary (ModernBERT's
+    50,368 rows for 50,280 tokens): a mask predicted there showed as None and the report
+    failed on it. It is named by its id and explained."""
+    from captum_attention.presentation.token_class import explain_masks
+
+    tokenizer = tf.BertTokenizerFast.from_pretrained(masked_lm)
+    rows = len(tokenizer) + 4
+    torch.manual_seed(3)
+    model = tf.BertForMaskedLM(tf.BertConfig(
+        vocab_size=rows, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=32, initializer_range=0.3,
+    )).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias[rows - 1] += 100.0
+    explanation = explain_masks(model, tokenizer, MASKED, methods=["attn_lrp"])
+    assert [word.label for word in explanation.words] == [f"<id {rows - 1}>"] * 2
+    ids = tokenizer(MASKED, return_tensors="pt")["input_ids"]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    expected = AttnLRP(forward, model=model).attribute(ids, target=(explanation.words[0].position, rows - 1),
+                                                       additional_forward_args=(torch.ones_like(ids),))
+    torch.testing.assert_close(torch.tensor(explanation.words[0].scores["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_masked_language_models_misuse_is_refused_in_one_line(masked_lm, tmp_path):
     folder = str(masked_lm)
     assert checkpoint_task(masked_lm) == "fill-mask"
@@ -394,6 +418,35 @@ def test_a_sentencepiece_taggers_windows_start_mid_word_and_show_words_without_t
         expected = AttnLRP(forward, model=model).attribute(window, target=(word.position, model.config.label2id[word.label]),
                                                            additional_forward_args=(torch.ones_like(window),))
         torch.testing.assert_close(torch.tensor(word.scores["AttnLRP"]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_umt5s_tagger_is_an_encoder_and_t5gemmas_is_refused_in_one_line(taggers):
+    """UMT5's token classifier keeps its family's ``is_encoder_decoder`` over an encoder
+    alone: it was told to pass decoder ids it does not take, with a traceback. It is
+    explained as the encoder it is; T5Gemma's, whose decoder reads the text again, is
+    refused in one line."""
+    from zoo import Architecture, build
+
+    _, tokenizer = load_token_classifier(taggers["bert"])
+    torch.manual_seed(0)
+    umt5 = tf.UMT5ForTokenClassification(tf.UMT5Config(
+        vocab_size=len(WORDS) + 6, d_model=32, d_kv=8, d_ff=36, num_layers=2, num_heads=4, num_labels=4,
+        initializer_factor=3.0, pad_token_id=0, decoder_start_token_id=0,
+    )).eval()
+    assert umt5.config.is_encoder_decoder
+    explanation = explain_token_labels(umt5, tokenizer, TEXT, "london", ["attn_lrp", "rollout"])
+    (word,) = explanation.words
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    forward = lambda i, m: umt5(input_ids=i, attention_mask=m).logits  # noqa: E731
+    target = (word.position, umt5.config.label2id[word.label])
+    for method, cls in (("AttnLRP", AttnLRP), ("Attention Rollout", AttentionRollout)):
+        expected = cls(forward, model=umt5).attribute(ids, target=target, additional_forward_args=(torch.ones_like(ids),))
+        torch.testing.assert_close(torch.tensor(word.scores[method]), expected[0].detach(), rtol=1e-5, atol=1e-6)
+    assert sum(score > 1e-3 for score in word.scores["Attention Rollout"]) > 1  # the tokens mix, as an encoder's do
+    t5gemma = build(Architecture("t5gemma", "T5GemmaForTokenClassification", "token classification"))
+    with pytest.raises(ValueError, match=r"^T5GemmaForTokenClassification reads the text twice, in its encoder and again in "
+                       r"its decoder, whose states give the labels: explain an encoder's labels [^\n]*$"):
+        explain_token_labels(t5gemma, tokenizer, TEXT, methods=["raw"])
 
 
 def test_a_byte_level_tokenizer_without_token_types_places_words_masks_and_answers(tmp_path):

@@ -65,7 +65,8 @@ def test_a_logit_read_at_a_token_is_exact_or_refused_in_one_line(architecture):
 
 @pytest.mark.parametrize("head, model_type", [("question answering", "bert"), ("question answering", "roberta"),
                                               ("token classification", "bert"), ("token classification", "distilbert"),
-                                              ("token classification", "t5"), ("masked LM", "bert"),
+                                              ("token classification", "t5"), ("token classification", "umt5"),
+                                              ("masked LM", "bert"),
                                               ("masked LM", "roberta")])
 def test_a_popular_answerers_and_taggers_logit_at_a_token_is_exact(head, model_type):
     found = outcomes(_architecture(head, model_type), list(METHODS))

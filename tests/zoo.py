@@ -378,7 +378,7 @@ class Case:
 
     @property
     def encoder_decoder(self) -> bool:
-        return bool(getattr(self.model.config, "is_encoder_decoder", False))
+        return reads_decoder_ids(self.model)
 
     def keywords(self) -> dict[str, torch.Tensor]:
         """The reference forward's arguments."""
@@ -399,6 +399,14 @@ class Case:
         if logits.dim() == 3:  # a language model: the last position's target token
             logits = logits[:, -1]
         return logits[:, self.target].sum()
+
+
+def reads_decoder_ids(model: nn.Module) -> bool:
+    """Whether the model is an encoder-decoder that reads a decoder's ids: its config says
+    so and its forward takes them (UMT5's token classifier keeps its family's config flag
+    over an encoder alone)."""
+    takes = inspect.signature(model.forward).parameters
+    return bool(getattr(model.config, "is_encoder_decoder", False)) and "decoder_input_ids" in takes
 
 
 def runs(case: Case) -> Case:
@@ -431,7 +439,7 @@ def make_case(model: nn.Module, architecture: Architecture) -> Case:
     target = LM_TARGET if architecture.head in ("causal LM", "seq2seq LM") else TEXT_TARGET
     if architecture.head in POSITION_HEADS:
         return position_case(model, architecture, ids)
-    if getattr(config, "is_encoder_decoder", False):
+    if reads_decoder_ids(model):
         decoder_ids = torch.cat([torch.ones_like(ids[:, :1]), ids[:, :-1]], dim=1)  # shifted right
         return Case(model, architecture, (ids, decoder_ids), (torch.ones_like(ids), torch.ones_like(ids)), target)
     second = list(inspect.signature(model.forward).parameters)[1:2]
@@ -444,7 +452,7 @@ def position_case(model: nn.Module, architecture: Architecture, ids: torch.Tenso
     model's token at :data:`POSITION`; an encoder-decoder's is not built (``explain``
     refuses its answers, and takes it for a sequence-to-sequence model otherwise: its
     decoder reads the text again)."""
-    if getattr(model.config, "is_encoder_decoder", False):
+    if reads_decoder_ids(model):
         raise NotBuilt("an encoder-decoder: explain refuses its answers and reads it as a sequence-to-sequence model")
     if architecture.model_type in FLOAT64_POSITIONS:
         model = model.double()

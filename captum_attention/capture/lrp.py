@@ -224,7 +224,7 @@ class RelevanceRules(Probe):
         self._thread = current_thread()
         self.embeddings, self.merged, self.sources, self.leading, self.depth, self.targets_from = [], [], [], [], 0, 0
         self.injected = []
-        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        self.encoder_decoder = adapter.is_encoder_decoder(model)
         self._held = {}
         sites = adapter.relevance_sites(model)
         self._activations = set(sites.activations)

@@ -29,7 +29,8 @@ def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
     answer's tokens: without the space marks of byte-level and SentencePiece tokens
     (GPT-2's and RoBERTa's ``Ġthe``, XLM-R's ``▁the``: ``the``), a WordPiece continuation
     with its ``##`` (BERT's ``##ing``), a token that shows as nothing (a lone space mark)
-    as it is.
+    as it is, an id the tokenizer has no token for (a row of an embedding table padded past
+    the vocabulary) as ``<id N>``.
 
     Args:
         ids (Tensor): ``(seq_len,)`` token ids of one text (or a batch of one, or a
@@ -50,7 +51,10 @@ def readable_tokens(ids: Tensor, tokenizer: Any) -> list[str]:
         raise ValueError(f"ids have shape {tuple(ids.shape)}, not (seq_len,): give one text's ids, e.g. input_ids[0].")
     raw = tokenizer.convert_ids_to_tokens(ids.tolist())
     shown = pretty_tokens(ids, tokenizer)
-    return [token if token.startswith("##") or not text.strip() else text for token, text in zip(raw, shown)]
+    return [
+        f"<id {token_id}>" if token is None else token if token.startswith("##") or not text.strip() else text
+        for token_id, token, text in zip(ids.tolist(), raw, shown)
+    ]
 
 
 def scores_for_display(scores: Tensor, special: Tensor | None = None, signed: bool = False) -> Tensor:

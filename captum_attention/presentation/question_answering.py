@@ -12,7 +12,7 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import PositionPlan, check_fast, check_position_methods, forward_inputs, score_positions
+from .positions import PositionPlan, check_fast, check_one_stack, check_position_methods, forward_inputs, score_positions
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former
@@ -206,12 +206,7 @@ def plan_question(
     logits as a :class:`~captum_attention.presentation.positions.PositionPlan` (their
     softmaxes over the context's tokens); a one-line ``ValueError`` for what it refuses (``named``:
     where ``answer`` was given, for the messages)."""
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} reads the question and context twice, in its encoder and again in its decoder, whose "
-            "states give the start and end logits: explain an encoder's answers (BERT, RoBERTa, DistilBERT, ...), or pass "
-            "(input_ids, decoder_input_ids) to the methods yourself"
-        )
+    check_one_stack(model, "the question and context", "the start and end logits", "an encoder's answers (BERT, RoBERTa, DistilBERT, ...)")
     check_fast(tokenizer, "a question answerer's answer is placed in its context by")
     limit = length_limit(model, tokenizer)
     question_length = len(tokenizer(question, add_special_tokens=False)["input_ids"]) + tokenizer.num_special_tokens_to_add(pair=True)

@@ -14,7 +14,9 @@ import torch
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
 from .explain import MethodInfo, default_method_names, length_limit
-from .positions import PositionPlan, check_fast, check_position_methods, forward_inputs, output_forward, score_positions
+from .positions import (
+    PositionPlan, check_fast, check_one_stack, check_position_methods, forward_inputs, output_forward, score_positions,
+)
 from .question_answering import DOC_STRIDE
 
 OUTSIDE = "O"
@@ -199,6 +201,7 @@ def plan_token_labels(
     that holds some; a one-line ``ValueError`` for what it refuses (``named``: where
     ``word`` was given)."""
     check_fast(tokenizer, "a token classifier's words are told apart by")
+    check_one_stack(model, "the text", "the labels", "an encoder's labels (BERT, RoBERTa, T5's encoder, ...)")
     names, reads = _read(model, tokenizer, text)
     spans = _word_spans(reads)
     found = [{w: p for p, w in enumerate(read.words) if w is not None and read.offsets[p][0] == spans[w][0]} for read in reads]
@@ -239,6 +242,7 @@ def plan_masks(
     mask = tokenizer.mask_token
     if mask is None:
         raise ValueError("the tokenizer names no mask token, which a masked language model predicts at: save the model's own")
+    check_one_stack(model, "the text", "the masks' tokens", "an encoder's masks (BERT, RoBERTa, DistilBERT, ...)")
     names, reads = _read(model, tokenizer, text)
     found = [{read.offsets[p][0]: p for p in (read.ids[0] == tokenizer.mask_token_id).nonzero().flatten().tolist()} for read in reads]
     places = list(_placed(found, reads).values())

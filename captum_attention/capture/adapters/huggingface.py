@@ -250,7 +250,7 @@ class HuggingFaceAdapter(AdapterBase):
         return None
 
     def is_encoder_decoder(self, model: nn.Module) -> bool:
-        return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        return reads_decoder_ids(model)
 
     def keyword_forward(self, forward_func: Callable[..., Any]) -> Callable[..., Any]:
         """A generating Hugging Face model (a causal LM or an encoder-decoder) called with
@@ -672,7 +672,7 @@ def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:
         vocab = int(getattr(config, "vocab_size", None) or 8)
         ids = torch.arange(4, device=device).remainder(vocab)[None]
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if getattr(config, "is_encoder_decoder", False):
+        if reads_decoder_ids(model):
             inputs["decoder_input_ids"] = ids
         return inputs
     if name == "pixel_values":
@@ -681,7 +681,7 @@ def _probe_inputs(model: nn.Module) -> dict[str, Tensor] | None:
         height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
         channels = getattr(vision, "num_channels", 3)
         inputs = {"pixel_values": torch.zeros(1, channels, height, width, device=device, dtype=parameter.dtype if parameter is not None else None)}
-        if getattr(config, "is_encoder_decoder", False):  # an image encoder before a text decoder
+        if reads_decoder_ids(model):  # an image encoder before a text decoder
             vocab = int(getattr(getattr(config, "decoder", config), "vocab_size", None) or 8)
             inputs["decoder_input_ids"] = torch.arange(4, device=device).remainder(vocab)[None]
         return inputs
@@ -1080,9 +1080,21 @@ def _refuse_a_held_encoder_decoder(model: nn.Module) -> None:
         )
 
 
+def reads_decoder_ids(model: Any) -> bool:
+    """Whether ``model`` is an encoder-decoder whose forward reads a decoder's ids: its
+    config says so, and its forward names them (or names no ids at all, as a PEFT model's
+    passes its arguments on). UMT5's token classifier keeps its family's
+    ``is_encoder_decoder`` over an encoder alone, and takes no decoder ids."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    forward = getattr(model, "forward", None)
+    takes = inspect.signature(forward).parameters if callable(forward) else {}
+    return "decoder_input_ids" in takes or "input_ids" not in takes
+
+
 def _encoder_of(model: nn.Module) -> nn.Module | None:
     """The encoder of a Hugging Face encoder-decoder model, else None."""
-    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    if not reads_decoder_ids(model):
         return None
     get_encoder = getattr(model, "get_encoder", None)
     return get_encoder() if callable(get_encoder) else None
