@@ -917,7 +917,7 @@ def _close(actual: Any, expected: Any, floor: float = 1e-30) -> bool:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # exact, refused, not built, error, wrong
+    status: str  # exact, refused, not built, error, wrong; runs (report_outcome)
     detail: str = ""
 
 
@@ -1321,6 +1321,65 @@ def _batched_images(rows: list[dict[str, torch.Tensor]], width: int) -> dict[str
             values = [torch.cat([v.new_zeros((1, width - v.shape[1], *v.shape[2:])), v], dim=1) for v in values]
         batch[name] = torch.cat(values)
     return batch
+
+
+REPORT_WORDS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", ".", *"where did ada live lived in london".split()]
+"""The report sweep's WordPiece vocabulary: its [CLS] and [SEP] the tiny configs' start
+and end ids (1 and 2), which Longformer's answerer counts."""
+
+REPORT_TEXTS = ("ada lived in london .", " ".join(["ada lived in london ."] * 16))
+"""A text within the tiny models' 64 positions, and one of 82 tokens: read in windows."""
+
+
+def report_outcome(architecture: Architecture) -> Outcome:
+    """How ``explain``'s report of a logit read at a token (a question answerer's answer, a
+    token classifier's labels, a masked language model's masks) fares on the tiny model with
+    a WordPiece tokenizer that names no padding token and gives no token types, on a short
+    text and one read in windows: "runs" where both run (their scores are the methods'
+    own, which the position sweep checks), "refused" in one line, "not built" where the
+    model itself fails on the tokenizer's inputs, else "error"."""
+    from captum_attention.presentation.question_answering import explain_question
+    from captum_attention.presentation.token_class import explain_masks, explain_token_labels
+
+    try:
+        model = build(architecture)
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    tokenizer = report_tokenizer()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(**tokenizer(REPORT_TEXTS[0], return_tensors="pt"))
+    except Exception as error:  # noqa: BLE001 - whatever stops the model itself
+        return Outcome("not built", f"the model itself fails: {_one_line(error)}")
+    for text in REPORT_TEXTS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if architecture.head == "question answering":
+                    explain_question(model, tokenizer, "where did ada live", text, None, ["raw", "attn_lrp"])
+                elif architecture.head == "token classification":
+                    explain_token_labels(model, tokenizer, text, None, ["raw", "attn_lrp"])
+                else:
+                    explain_masks(model, tokenizer, text.replace("london", "[MASK]"), None, ["raw", "attn_lrp"])
+        except (ValueError, UnsupportedModelError) as error:
+            message = str(error).strip()
+            return Outcome("refused" if "\n" not in message else "error", message)
+        except Exception as error:  # noqa: BLE001 - anything else is a defect
+            return Outcome("error", f"{type(error).__name__}: {_one_line(error)}")
+    return Outcome("runs")
+
+
+def report_tokenizer() -> Any:
+    """The report sweep's tokenizer (:data:`REPORT_WORDS`): no padding token, no token types."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        vocab = Path(folder) / "vocab.txt"
+        vocab.write_text("\n".join(REPORT_WORDS) + "\n")
+        tokenizer = tf.BertTokenizerFast(vocab=str(vocab), model_input_names=["input_ids", "attention_mask"])
+    tokenizer.pad_token = None
+    return tokenizer
 
 
 def removal_outcome(architecture: Architecture) -> Outcome:
