@@ -13,7 +13,6 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 from ..capture.adapters.huggingface import reads_decoder_ids
-
 from .explain import (
     CLASSIFIERS_ONLY, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods, ig_baseline, presence_display,
     presence_weights, registered_method,
