@@ -380,6 +380,28 @@ def test_a_checkpoint_that_needs_custom_code_is_one_line(tmp_path):
     assert "trust_remote_code" not in message and "http" not in message
 
 
+def test_an_encoder_decoders_classifier_is_refused_in_one_line(tmp_path):
+    """BART's classifier (bart-large-mnli's kind) reads the text in its encoder and again in
+    its decoder: the report's methods ended in a TypeError traceback telling the user to
+    pass decoder ids that ``explain`` and ``evaluate`` make no room for."""
+    from zoo import Architecture, build, report_tokenizer
+
+    folder = tmp_path / "bart"
+    build(Architecture("bart", "BartForSequenceClassification", "sequence classification")).save_pretrained(folder)
+    tokenizer = report_tokenizer()
+    tokenizer.pad_token = "[PAD]"
+    tokenizer.save_pretrained(folder)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "ada lived in london ."}) + "\n")
+    said = ("BartForSequenceClassification reads the text twice, in its encoder and again in its decoder, whose states give "
+            "the label: explain an encoder's or a decoder's classifier")
+    for arguments in (("explain", "--model", str(folder), "ada lived in london .", "--methods", "raw"),
+                      ("evaluate", str(rows), "--model", str(folder), "--methods", "raw", "--output", str(tmp_path / "out"))):
+        result = run_cli(*arguments)
+        assert result.returncode == 1 and said in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("pad_token_id", [0, None])
 def test_a_tokenizer_without_a_pad_token_pads_as_the_config_says(tmp_path, pad_token_id):
     """GPT-2's classifiers are often saved with a tokenizer that has no pad token: the

@@ -48,7 +48,7 @@ from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
     answer_estimates, answer_integrated_gradients, answer_span, batch_padding_side,
-    check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
+    check_classifier_stack, check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
     ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_of, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
@@ -152,6 +152,7 @@ def evaluate(
     options = options or Options()
     check_request(methods, metrics, examples)
     check_class_probabilities(model, "; explain it with explain")
+    check_classifier_stack(model)
     separator = types_separator(tokenizer, [e.inputs for e in examples])
     explainers = _explainers(model, tokenizer, methods, options, separator)
     return sharded(

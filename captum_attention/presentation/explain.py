@@ -13,6 +13,7 @@ from captum.attr import LayerIntegratedGradients
 
 from ..attr import METHODS, REGISTRY
 from ..capture.adapters import HuggingFaceAdapter
+from ..capture.adapters.huggingface import reads_decoder_ids
 from ..capture.adapters.images import encoded_images, with_encoded_images
 from ..capture.inputs import class_probabilities, decoder_start_token, forced_tokens
 from ..capture.record import BIAS_LIMITS, learned_positions
@@ -722,6 +723,24 @@ def answer_too_long(
     return None
 
 
+def check_one_stack(model: Any, reads: str, gives: str, instead: str) -> None:
+    """A one-line ``ValueError`` where ``model`` is an encoder-decoder whose decoder reads
+    the text again (``reads``: the text, for the message), its states giving ``gives``
+    (the logits read at tokens); ``instead``: the models to explain."""
+    if reads_decoder_ids(model):
+        raise ValueError(
+            f"{type(model).__name__} reads {reads} twice, in its encoder and again in its decoder, whose states give {gives}: "
+            f"explain {instead}, or pass (input_ids, decoder_input_ids) to the methods yourself"
+        )
+
+
+
+def check_classifier_stack(model: Any) -> None:
+    """:func:`check_one_stack` for a sequence classifier (BART's, whose decoder reads the
+    text again and gives the label from its last state)."""
+    check_one_stack(model, "the text", "the label", "an encoder's or a decoder's classifier (BERT, RoBERTa, Llama, ...)")
+
+
 def explain(
     model: Any,
     tokenizer: Any,
@@ -738,6 +757,7 @@ def explain(
     together), ``batch_size`` sentences at a time; sentences longer than the model takes
     (:func:`length_limit`) are cut, and say so. ``presence``: the text's tokens' presence
     for :data:`PRESENCE`."""
+    check_classifier_stack(model)
     limit = length_limit(model, tokenizer)
     separator = types_separator(tokenizer, sentences)
     chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence, separator)

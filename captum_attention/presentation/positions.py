@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from captum.attr import LayerIntegratedGradients
 
-from ..capture.adapters.huggingface import reads_decoder_ids
 from .explain import (
     CLASSIFIERS_ONLY, INTEGRATED_GRADIENTS, PRESENCE, SIGNED, MethodInfo, check_methods, ig_baseline, presence_display,
     presence_weights, registered_method,
@@ -166,17 +165,6 @@ def forward_inputs(encoded: Any, model: Any, row: int | None = None) -> tuple[li
         return (given if row is None else torch.tensor(given[row])[None]).to(device)
 
     return names, placed(encoded["input_ids"]), tuple(placed(encoded[name]) for name in names)
-
-
-def check_one_stack(model: Any, reads: str, gives: str, instead: str) -> None:
-    """A one-line ``ValueError`` where ``model`` is an encoder-decoder whose decoder reads
-    the text again (``reads``: the text, for the message), its states giving ``gives``
-    (the logits read at tokens); ``instead``: the models to explain."""
-    if reads_decoder_ids(model):
-        raise ValueError(
-            f"{type(model).__name__} reads {reads} twice, in its encoder and again in its decoder, whose states give {gives}: "
-            f"explain {instead}, or pass (input_ids, decoder_input_ids) to the methods yourself"
-        )
 
 
 def check_fast(tokenizer: Any, needs: str) -> None:

@@ -11,8 +11,8 @@ import torch
 
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
-from .explain import MethodInfo, default_method_names, length_limit
-from .positions import PositionPlan, check_fast, check_one_stack, check_position_methods, forward_inputs, score_positions
+from .explain import MethodInfo, check_one_stack, default_method_names, length_limit
+from .positions import PositionPlan, check_fast, check_position_methods, forward_inputs, score_positions
 
 MAX_ANSWER_TOKENS = 15
 """The longest answer chosen, in tokens (the ``max_answer_len`` of transformers' former

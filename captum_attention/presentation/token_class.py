@@ -13,9 +13,9 @@ import torch
 
 from .answer import unknown_words
 from .display import readable_tokens, special_tokens
-from .explain import MethodInfo, default_method_names, length_limit
+from .explain import MethodInfo, check_one_stack, default_method_names, length_limit
 from .positions import (
-    PositionPlan, check_fast, check_one_stack, check_position_methods, forward_inputs, output_forward, score_positions,
+    PositionPlan, check_fast, check_position_methods, forward_inputs, output_forward, score_positions,
 )
 from .question_answering import DOC_STRIDE
 
