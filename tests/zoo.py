@@ -1346,18 +1346,19 @@ def report_outcome(architecture: Architecture) -> Outcome:
     except NotBuilt as error:
         return Outcome("not built", str(error))
     tokenizer = report_tokenizer()
+    question = ("where did ada live",) if architecture.head == "question answering" else ()
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model(**tokenizer(REPORT_TEXTS[0], return_tensors="pt"))
+            model(**tokenizer(*question, REPORT_TEXTS[0], return_tensors="pt"))
     except Exception as error:  # noqa: BLE001 - whatever stops the model itself
         return Outcome("not built", f"the model itself fails: {_one_line(error)}")
     for text in REPORT_TEXTS:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                if architecture.head == "question answering":
-                    explain_question(model, tokenizer, "where did ada live", text, None, ["raw", "attn_lrp"])
+                if question:
+                    explain_question(model, tokenizer, *question, text, None, ["raw", "attn_lrp"])
                 elif architecture.head == "token classification":
                     explain_token_labels(model, tokenizer, text, None, ["raw", "attn_lrp"])
                 else:
