@@ -213,22 +213,25 @@ def _byte_level_core(text: str, special_tokens: list[str]) -> Any:
     return core
 
 
-def make_encoder_decoder(name: str, seed: int = 0) -> nn.Module:
+def make_encoder_decoder(name: str, seed: int = 0, classifier: bool = False, vocab_size: int = VOCAB) -> nn.Module:
+    """A tiny T5 or BART, a language model; with ``classifier``, the same stacks as a
+    sequence classifier of 3 classes (its decoder reads the input ids shifted right)."""
     torch.manual_seed(seed)
+    head = dict(num_labels=3) if classifier else {}
     if name == "t5":
         config = tf.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+            vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
             num_heads=4, initializer_factor=3.0, pad_token_id=0, eos_token_id=2,
-            decoder_start_token_id=0,
+            decoder_start_token_id=0, **head,
         )
-        return tf.T5ForConditionalGeneration(config).eval()
+        return (tf.T5ForSequenceClassification if classifier else tf.T5ForConditionalGeneration)(config).eval()
     config = tf.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
         decoder_ffn_dim=48, max_position_embeddings=64, init_std=0.3, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **head,
     )
-    return tf.BartForConditionalGeneration(config).eval()
+    return (tf.BartForSequenceClassification if classifier else tf.BartForConditionalGeneration)(config).eval()
 
 
 def make_vision(name: str, seed: int = 0) -> nn.Module:

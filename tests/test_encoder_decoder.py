@@ -18,6 +18,8 @@ from seq2seq_reference import SEQ2SEQ_REFERENCES, Seq2SeqReference
 
 from captum_attention import METHODS as REGISTERED
 from captum_attention import AttentionRollout, GradSAM, TransformerAttribution
+from captum_attention.capture.inputs import classifier_decoder_ids
+from captum_attention.maps.encoder_decoder import text_scores
 
 pytestmark = pytest.mark.usefixtures("capture_mode")  # each test streaming and eager
 
@@ -60,7 +62,14 @@ def reference(
         decoder_attention_mask=target_mask, output_attentions=True, **(images or {}),
     )
     queries = target_mask.sum(1) - 1
-    logits = out.logits[torch.arange(len(queries)), queries]
+    return read_reference(out, out.logits[torch.arange(len(queries)), queries], target, source_mask, queries)
+
+
+def read_reference(out, logits: torch.Tensor, target: torch.Tensor | None, source_mask: torch.Tensor,
+                   queries: torch.Tensor) -> Seq2SeqReference:
+    """The maps of ``out`` (the eager twin's output) and their gradients of ``logits``
+    ``(B, classes)`` at ``target`` (default: the top class), read at the decoder rows
+    ``queries``."""
     targets = logits.argmax(-1) if target is None else target
     groups = [out.encoder_attentions, out.decoder_attentions, out.cross_attentions]
     flat = [a for group in groups for a in group]
@@ -99,6 +108,47 @@ def test_source_and_target_scores_match_reference(name, method, capture_mode):
         assert_scores_close(source[b, :s], expected_source, rel)
         assert_scores_close(target_scores[b, :t], expected_target, rel)
         assert (source[b, s:] == 0).all() and (target_scores[b, t:] == 0).all()
+
+
+def classifier_case(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A tiny sequence classifier of ``name``'s stacks and two texts padded on the right,
+    each ending in its end-of-sequence token (the classifier's read position)."""
+    model = make_encoder_decoder(name, classifier=True)
+    lengths = torch.tensor([[6], [4]])
+    mask = (torch.arange(6) < lengths).long()
+    ids = torch.randint(3, 64, mask.shape, generator=torch.Generator().manual_seed(5))
+    ids[torch.arange(2), lengths[:, 0] - 1] = model.config.eos_token_id
+    return model, ids.masked_fill(mask == 0, model.config.pad_token_id), mask
+
+
+@pytest.mark.parametrize("method", [name for name, reference in SEQ2SEQ_REFERENCES.items() if reference is not None])
+def test_an_encoder_decoder_classifier_is_explained_at_the_row_it_reads(name, method):
+    """BART's and T5's classifiers read the decoder at the text's last end-of-sequence
+    token; in a batch padded on the right that is not the decoder's last row, and the
+    decoder takes no padding mask. By default every method explains the row read, equal to
+    its reference there, the decoder's later rows at 0; the text's joined scores keep the
+    source's and target's sum."""
+    model, ids, mask = classifier_case(name)
+    decoder_ids = classifier_decoder_ids(model, ids, mask)
+    start = torch.full((2, 1), model.config.decoder_start_token_id)
+    assert torch.equal(decoder_ids, torch.cat([start, ids[:, :-1]], dim=1))  # the text shifted right
+    cls = REGISTERED[method]
+    target = torch.tensor([1, 2]) if cls.spec.uses_target else None
+    ref_model = copy.deepcopy(model)
+    ref_model.set_attn_implementation("eager")
+    out = ref_model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, output_attentions=True)
+    ref = read_reference(out, out.logits, target, mask, mask.sum(1) - 1)
+    source, target_scores = cls(model).attribute((ids, decoder_ids), target=target, additional_forward_args=(mask,))
+    rel = 5e-5 if name == "t5" else 1e-5  # T5's peaked model: sdpa and eager apart (test_t5_sdpa_and_eager_differ)
+    for b in range(2):
+        expected_source, expected_target = SEQ2SEQ_REFERENCES[method](ref, b)
+        s, t = len(expected_source), len(expected_target)
+        assert_scores_close(source[b, :s], expected_source, rel)
+        assert_scores_close(target_scores[b, :t], expected_target, rel)
+        assert (source[b, s:] == 0).all() and (target_scores[b, t:] == 0).all()
+    joined = text_scores(source, target_scores, mask)
+    torch.testing.assert_close(joined.sum(1), source.sum(1) + target_scores.sum(1))
+    torch.testing.assert_close(joined[1, :3], source[1, :3] + target_scores[1, 1:4])
 
 
 def test_t5_sdpa_and_eager_differ():

@@ -7,13 +7,14 @@ one clear error that names the problem and the fix.
 from __future__ import annotations
 
 import operator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from .._compat import TargetType, format_tensor_into_tuples
+from .._compat import TargetType, UnsupportedModelError, format_tensor_into_tuples
 
 QueryIndex = int | Sequence[int] | Tensor | None
 
@@ -125,6 +126,34 @@ def decoder_start_token(model: Any) -> int:
             "its decoder starts from: set model.generation_config.decoder_start_token_id."
         )
     return int(start)
+
+
+def classifier_decoder_ids(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """The decoder's ids an encoder-decoder's sequence classifier (BART's, T5's, mBART's)
+    makes of its ``input_ids`` ``(B, S)`` itself, read at its decoder's call in one forward
+    without gradients: BART's and T5's the text shifted right after the decoder's start
+    token, mBART's with its last token moved to the front. Pass ``(input_ids,
+    classifier_decoder_ids(model, input_ids, attention_mask))`` to the methods;
+    :func:`~captum_attention.maps.encoder_decoder.text_scores` joins the two scores they
+    return into one per token of the text."""
+    from .guard import ModelChanges
+
+    seen: list[Any] = []
+
+    def read(module: Any, args: tuple, kwargs: dict) -> None:
+        seen.append(kwargs.get("input_ids", args[0] if args else None))
+
+    def install(stack: ExitStack) -> None:
+        stack.callback(model.get_decoder().register_forward_pre_hook(read, with_kwargs=True).remove)
+
+    with torch.no_grad(), ModelChanges(model, install):
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    if len(seen) != 1 or not isinstance(seen[0], Tensor) or seen[0].shape[0] != input_ids.shape[0]:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s decoder was not called once with token ids in its forward: pass "
+            "(input_ids, decoder_input_ids) to the methods yourself."
+        )
+    return seen[0]
 
 
 def forced_first_token(model: Any) -> int | None:

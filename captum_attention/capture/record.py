@@ -409,7 +409,9 @@ def record_forward(
             logits per example, confirm that the default query is a row the logits read
             (:func:`confirm_query_read`), or raise; a forward without gradients then keeps
             the autograd graph of its last attention call on only (:class:`LastCallGraph`;
-            not under ``torch.inference_mode``, where it is not confirmed).
+            not under ``torch.inference_mode``, where it is not confirmed). An
+            encoder-decoder's classifier is always confirmed: its default query row
+            (:func:`classifier_rows`) bounds the decoder's rows every method reads.
     """
     _check_call(additional_forward_args, track_grad)
     inputs, additional_forward_args = tree_map(outside_inference_mode, (inputs, additional_forward_args))
@@ -418,7 +420,9 @@ def record_forward(
     text_shape = (batch, inputs[0].shape[1]) if inputs[0].dim() in (2, 3) else None
     _warn_if_training(model)
     adapter = resolve_adapter(model, adapter)
-    confirm_rows = confirm_rows and query_index is None and not _generates(model) and not torch.is_inference_mode_enabled()
+    encoder_decoder = adapter.is_encoder_decoder(model)
+    readable_rows = query_index is None and not _generates(model) and not torch.is_inference_mode_enabled()
+    confirm_rows = readable_rows and (confirm_rows or encoder_decoder)
     grad_mode = GradMode(track_grad or any(probe.needs_grad for probe in probes))
     if confirm_rows and not grad_mode.enabled:
         probes = [*probes, LastCallGraph(streaming)]
@@ -461,7 +465,7 @@ def record_forward(
     roles = capture.roles
     leading = _leading_positions(model, shapes, roles, text_shape)
     seen_shape = text_shape if text_shape is None else (batch, leading + text_shape[1])
-    _check_attention(shapes, roles, batch, seen_shape, [type(module).__name__ for module in capture.modules], adapter.is_encoder_decoder(model))
+    _check_attention(shapes, roles, batch, seen_shape, [type(module).__name__ for module in capture.modules], encoder_decoder)
     if streaming and "pooling" in roles:
         raise StreamingUnsupported("pooling attention is read from its explicit probabilities")
     device = inputs[0].device
@@ -470,7 +474,7 @@ def record_forward(
         cross = next(shape for shape, r in zip(shapes, roles) if r == "cross")
         source_mask, target_mask = (
             (capture.attention_mask, capture.decoder_attention_mask)
-            if adapter.is_encoder_decoder(model)
+            if encoder_decoder
             else (capture.cross_attended_mask, capture.attention_mask)  # a decoder cross-attending to image features
         )
         source_real = real_tokens(source_mask, batch, cross[-1], device)
@@ -503,6 +507,8 @@ def record_forward(
         queries = readout
     elif isinstance(query_index, Tensor) and query_index.is_floating_point():  # the rows the caller weighs
         queries = query_row_weights(query_index, target_real)
+    elif query_index is None and encoder_decoder and logits.dim() == 2:
+        queries = classifier_rows(capture, logits, target_real, confirm_rows)
     else:
         queries = query_positions(query_index, target_real, causal)
         if confirm_rows and logits.dim() == 2 and roles[-1] in ("self", "decoder"):
@@ -837,6 +843,25 @@ def _generates(model: nn.Module) -> bool:
     and its explained row is the one the method reads the logits at)."""
     can_generate = getattr(model, "can_generate", None)
     return bool(callable(can_generate) and can_generate())
+
+
+def classifier_rows(capture: AttentionCapture, logits: Tensor, target_real: Tensor, confirm: bool) -> Tensor:
+    """``(B,)``: the default query row of an encoder-decoder returning one row of logits
+    per example (a sequence classifier): with ``confirm``, the decoder row each example's
+    logits read, else the decoder's last row. BART's and T5's classifiers read the
+    decoder's state at the text's last end-of-sequence token, the last before padding on
+    the right, not at the decoder's last row: the decoder (its ids the text's shifted
+    right) takes no padding mask, so every one of its rows counts as real. A one-line error
+    where an example's logits read several rows (:func:`confirm_query_read`)."""
+    last_rows = query_positions(None, target_real, causal=True)
+    if not confirm:
+        return last_rows
+    with torch.enable_grad():
+        read = capture.rows_read(logits.sum())
+    if read is not None and bool((read.sum(dim=1) == 1).all()):
+        return read.long().argmax(dim=1).to(target_real.device)
+    confirm_query_read(capture, logits, last_rows, target_real, None, one_row=True)
+    return last_rows
 
 
 def confirm_query_read(

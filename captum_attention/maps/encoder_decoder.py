@@ -31,6 +31,22 @@ from torch import Tensor
 from .common import identity_like, query_rows
 
 
+def text_scores(source: Tensor, target: Tensor, attention_mask: Tensor) -> Tensor:
+    """``(B, S)``: one score per token of the text that an encoder-decoder's sequence
+    classifier reads twice, from the methods' ``source`` and ``target`` scores ``(B, S)``
+    of ``(input_ids, classifier_decoder_ids(model, input_ids, attention_mask))``
+    (:func:`~captum_attention.capture.inputs.classifier_decoder_ids`): token i's source
+    score plus the target score of decoder position i + 1, where the decoder reads it. The
+    decoder's first token, which the model puts there itself (BART's start token, the
+    end-of-sequence token; mBART's, the text's last token moved to the front), counts with
+    the text's last real token by ``attention_mask``, where the classifier reads, so that
+    the scores keep their sum."""
+    joined = source + torch.nn.functional.pad(target[:, 1:], (0, 1))
+    positions = torch.arange(source.shape[1], device=source.device).expand_as(source)
+    last = positions.masked_fill(attention_mask.to(source.device) == 0, -1).amax(dim=1, keepdim=True)
+    return joined.scatter_add(1, last, target[:, :1])
+
+
 def without_self(residual: Tensor) -> Tensor:
     """R̄ = (R - I) with rows normalised to sum 1, plus I (Chefer et al., eqs. 8-9), from
     the residual R - I itself: relevances of order 1e-5 next to the identity's 1 would lose
