@@ -380,26 +380,93 @@ def test_a_checkpoint_that_needs_custom_code_is_one_line(tmp_path):
     assert "trust_remote_code" not in message and "http" not in message
 
 
-def test_an_encoder_decoders_classifier_is_refused_in_one_line(tmp_path):
-    """BART's classifier (bart-large-mnli's kind) reads the text in its encoder and again in
-    its decoder: the report's methods ended in a TypeError traceback telling the user to
-    pass decoder ids that ``explain`` and ``evaluate`` make no room for."""
-    from zoo import Architecture, build, report_tokenizer
+def _saved_bart_classifier(folder: Path) -> tuple[Any, Any]:
+    """A tiny BART classifier (bart-large-mnli's kind: its decoder reads the text again,
+    shifted right) and RoBERTa's kind of tokenizer (BART's ids for <s>, <pad>, </s>),
+    saved to ``folder``."""
+    from lm_models import make_encoder_decoder, make_roberta_tokenizer
+
+    tokenizer = make_roberta_tokenizer(" ".join(SENTENCES))
+    model = make_encoder_decoder("bart", classifier=True, vocab_size=len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def test_an_encoder_decoders_classifier_is_explained_per_token_of_its_text(tmp_path):
+    """Each method's scores are its source and target scores of the text and the decoder
+    ids the classifier makes of it, joined per token (token i's source score plus decoder
+    position i + 1's); Integrated Gradients interpolates both stacks' embeddings; a
+    sentence padded in a batch scores as alone."""
+    from captum_attention.capture.inputs import classifier_decoder_ids
+    from captum_attention.maps.encoder_decoder import text_scores
 
     folder = tmp_path / "bart"
-    build(Architecture("bart", "BartForSequenceClassification", "sequence classification")).save_pretrained(folder)
-    tokenizer = report_tokenizer()
-    tokenizer.pad_token = "[PAD]"
-    tokenizer.save_pretrained(folder)
+    model, tokenizer = _saved_bart_classifier(folder)
+    result = run_cli("explain", *SENTENCES, "--model", str(folder), "--ig-steps", "20", "--raw")
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
+    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    decoder_ids = classifier_decoder_ids(model, ids, mask)
+    targets = model(input_ids=ids, attention_mask=mask).logits.argmax(1)
+    pair_forward = lambda i, d, m: model(input_ids=i, attention_mask=m, decoder_input_ids=d).logits  # noqa: E731
+    expected = {
+        name: text_scores(*cls(pair_forward, model=model).attribute((ids, decoder_ids), target=targets, additional_forward_args=(mask,)), mask)
+        for name, cls in METHODS.items()
+    }
+    baseline = torch.where(torch.isin(ids, torch.tensor(tokenizer.all_special_ids)), ids, tokenizer.pad_token_id)
+    stacks = [model.model.encoder.embed_tokens, model.model.decoder.embed_tokens]
+    lig = LayerIntegratedGradients(lambda i, m: model(input_ids=i, attention_mask=m).logits, stacks)
+    per_stack = lig.attribute(ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=20)
+    expected["Integrated Gradients"] = text_scores(*(stack.sum(-1) for stack in per_stack), mask)
+    tables = parse_tables(result.stdout)
+    assert len(tables) == 2
+    for row, (tokens, printed) in enumerate(tables):
+        length = int(mask[row].sum())
+        assert len(tokens) == length and set(printed) == set(expected)
+        for method, scores in printed.items():
+            torch.testing.assert_close(torch.tensor(scores), expected[method][row, :length].detach(), rtol=1e-3, atol=1e-9)
+    alone = run_cli("explain", SENTENCES[1], "--model", str(folder), "--ig-steps", "20", "--raw")
+    assert alone.returncode == 0, alone.stderr
+    for method, scores in parse_tables(alone.stdout)[0][1].items():
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(tables[1][1][method]), rtol=1e-3, atol=1e-7)
+
+
+def test_an_encoder_decoders_classifier_is_evaluated_with_what_reads_both_stacks(tmp_path):
+    """``evaluate`` on BART's classifier runs the methods and the token-removal metrics by
+    default, leaving out the metrics that erase one stack's attention; asked for them, for
+    SmoothGrad (no input embeddings) or for AttnLRP at a presence, it refuses in one line
+    before any work."""
+    from captum_attention import RawAttention
+    from captum_attention.capture.inputs import classifier_decoder_ids
+    from captum_attention.maps.encoder_decoder import text_scores
+    from captum_attention.metrics import aopc, comprehensiveness
+
+    folder = tmp_path / "bart"
+    model, tokenizer = _saved_bart_classifier(folder)
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"text": "ada lived in london ."}) + "\n")
-    said = ("BartForSequenceClassification reads the text twice, in its encoder and again in its decoder, whose states give "
-            "the label: explain an encoder's or a decoder's classifier")
-    for arguments in (("explain", "--model", str(folder), "ada lived in london .", "--methods", "raw"),
-                      ("evaluate", str(rows), "--model", str(folder), "--methods", "raw", "--output", str(tmp_path / "out"))):
-        result = run_cli(*arguments)
-        assert result.returncode == 1 and said in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+    rows.write_text("".join(json.dumps({"text": sentence}) + "\n" for sentence in SENTENCES))
+    result = run_cli("evaluate", str(rows), "--model", str(folder), "--output", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    written = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [(row["index"], row["method"]) for row in written] == [(i, name) for i in range(2) for name in REGISTERED]
+    assert all(set(row) >= {"comprehensiveness", "sufficiency", "datamodeling"} for row in written)
+    assert not any({"decision_flip", "erasure_js"} & set(row) for row in written)
+    encoded = tokenizer([SENTENCES[0]], return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    predicted = forward(ids, mask).argmax(-1)
+    pair = (ids, classifier_decoder_ids(model, ids, mask))
+    scores = text_scores(*RawAttention(model).attribute(pair, additional_forward_args=(mask,)), mask)
+    keep = torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+    expected = aopc(comprehensiveness(forward, ids, mask, scores, predicted, keep=keep)).item()
+    assert next(row for row in written if row["method"] == "raw")["comprehensiveness"] == pytest.approx(expected, abs=1e-5)
+    for asked, said in ((("--methods", "smoothgrad"), "smoothgrad takes one self-attention stack's"),
+                        (("--metrics", "erasure_js"), "erasure_js takes one self-attention stack's"),
+                        (("--methods", "attn_lrp_presence"), "attn_lrp_presence explains one self-attention stack")):
+        refused = run_cli("evaluate", str(rows), "--model", str(folder), *asked, "--output", str(tmp_path / "refused"))
+        assert refused.returncode == 1 and said in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("pad_token_id", [0, None])

@@ -355,7 +355,7 @@ def test_explain_takes_a_sequence_to_sequence_model_and_prints_the_source_tokens
     torch.testing.assert_close(torch.tensor(written), expected, rtol=1e-4, atol=1e-6)
     assert main(["explain", "--model", str(seq2seq), PROMPT, "--methods", "attn_lrp_presence,alti,leave_one_out_estimates"]) == 1
     assert (
-        "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder's answers"
+        "attn_lrp_presence, alti, leave_one_out_estimates explain one self-attention stack, not an encoder-decoder nor"
         in capsys.readouterr().err
     )
 

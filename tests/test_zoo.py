@@ -12,6 +12,7 @@ from conftest import assert_same_state, model_state
 from zoo import (
     CHECKED_BY_THEMSELVES, EAGER_ONLY, HEADS, IMAGE_SIZE, POSITION_HEADS, Architecture, _close, architectures, build, decomposition_outcome, explain,
     left_padding_outcome, make_case, outcomes, reference, removal_outcome, report_outcome, runs, shares_outcome,
+    two_stack_report_outcome,
     ablation_outcome, image_relevance_outcome, vision_language_left_padding_outcome,
 )
 
@@ -90,6 +91,23 @@ def test_a_popular_or_once_failing_report_of_a_logit_at_a_token_runs(head, model
     their positions, UMT5's tagger was taken for an encoder-decoder."""
     outcome = report_outcome(_architecture(head, model_type))
     assert outcome.status == "runs", outcome
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("architecture", architectures("sequence classification"), ids=lambda a: a.name)
+def test_the_report_of_a_classifier_that_reads_its_text_twice_is_each_text_alone_or_refused(architecture):
+    """``explain``'s methods on an encoder-decoder's classifier (its decoder reads the text
+    again, shifted): a text padded in a batch scores as alone."""
+    outcome = two_stack_report_outcome(architecture)
+    assert outcome.status in ("exact", "refused", "not built"), f"{architecture.name}: {outcome}"
+
+
+@pytest.mark.parametrize("model_type", ["bart", "mbart"])
+def test_the_report_of_bart_and_mbart_classifiers_is_each_text_alone(model_type):
+    """BART's decoder reads the text after its start token, mBART's after the text's last
+    token moved to the front: both read from the model's own call."""
+    outcome = two_stack_report_outcome(_architecture("sequence classification", model_type))
+    assert outcome.status == "exact", outcome
 
 
 @pytest.mark.zoo

@@ -1431,6 +1431,58 @@ def removal_outcome(architecture: Architecture) -> Outcome:
     return Outcome("exact") if torch.allclose(drops, expected, atol=1e-5) else Outcome("wrong", "off each example alone")
 
 
+def two_stack_report_outcome(architecture: Architecture) -> Outcome:
+    """``explain``'s methods (:func:`~captum_attention.presentation.explain.report_methods`,
+    Integrated Gradients included) on a sequence classifier whose decoder reads the text
+    again (BART's): ``exact`` where a text padded on the right in a batch scores as alone
+    (the scores themselves are each method's own, which the tests of
+    ``classifier_decoder_ids`` and ``text_scores`` check), refused in one line, ``not
+    built`` where the model itself fails on the texts or moves its output with the padding
+    (``explain`` then pads on the other side or one text at a time), else an error or
+    wrong. Not swept: the classifiers of one stack."""
+    from captum_attention.presentation.explain import report_methods
+
+    try:
+        model = build(architecture)
+    except NotBuilt as error:
+        return Outcome("not built", str(error))
+    if not reads_decoder_ids(model):
+        return Outcome("not built", "a classifier of one stack")
+    config = model.config
+    eos, pad = config.eos_token_id, config.pad_token_id if config.pad_token_id is not None else 0
+    lengths = torch.tensor([[7], [5]])
+    mask = (torch.arange(7) < lengths).long()
+    ids = torch.randint(5, 40, mask.shape, generator=torch.Generator().manual_seed(0))
+    ids[torch.arange(2), lengths[:, 0] - 1] = eos
+    ids = ids.masked_fill(mask == 0, pad)
+    alone = (ids[1:, :5], mask[1:, :5])
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            padded_logits, alone_logits = model(input_ids=ids, attention_mask=mask).logits[1], model(input_ids=alone[0], attention_mask=alone[1]).logits[0]
+    except Exception as error:  # noqa: BLE001 - whatever stops the model itself
+        return Outcome("not built", f"the model itself fails: {_one_line(error)}")
+    if not torch.allclose(padded_logits, alone_logits, atol=1e-5):
+        return Outcome("not built", "the model's own output moves with padding on the right")
+    targets = torch.tensor([0, 1])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            methods = report_methods(model, 8, [*REGISTERED, "integrated_gradients"])
+            off = {}
+            for name, method in methods.items():
+                batched = method.run(ids, mask, targets, torch.where(ids == eos, ids, torch.full_like(ids, pad)))
+                single = method.run(*alone, targets[1:], torch.where(alone[0] == eos, alone[0], torch.full_like(alone[0], pad)))
+                if not _close(batched[1:, :5], single):
+                    off[name] = float((batched[1:, :5] - single).abs().max())
+    except ValueError as error:
+        message = str(error).strip()
+        return Outcome("refused" if "\n" not in message else "error", message)
+    except Exception as error:  # noqa: BLE001 - the defect the sweep reports
+        return Outcome("error", _one_line(error))
+    return Outcome("wrong", f"padded off alone: {off}") if off else Outcome("exact")
+
+
 def decomposition_outcome(architecture: Architecture, multiply_by_inputs: bool = True) -> Outcome:
     """DecompX on ``architecture``: ``exact`` where its shares add up to the explained
     logit (the call checks it, else refuses; ``multiply_by_inputs=False``: the shares read

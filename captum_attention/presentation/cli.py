@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..attr import METHODS
-from .evaluate import AnswerOptions, answer_metric_names, evaluation_methods, metric_names, rationale_metrics
+from ..capture.adapters.huggingface import reads_decoder_ids
+from .evaluate import ONE_STACK_METRICS, AnswerOptions, answer_metric_names, evaluation_methods, metric_names, rationale_metrics
 from .explain import (
     CLASSIFIERS_ONLY, ESTIMATES_OF_ANSWERS, INTEGRATED_GRADIENTS, PRESENCE, check_methods, check_names, default_method_names,
     answer_too_long, length_limit, method_names,
@@ -677,6 +678,8 @@ def _evaluate(arguments: argparse.Namespace) -> None:
 
         folder = default_model_path(arguments.cache_dir, progress=state.is_main_process)
     model, tokenizer = load_classifier(folder)
+    if arguments.metrics is None and reads_decoder_ids(model):  # BART's: the defaults that erase one stack's attention go
+        metrics = [m for m in metrics if m not in ONE_STACK_METRICS]
     if state.is_main_process:
         _note_uniform_head_weights(model, methods)
     model.to(state.device)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..attr import METHODS
 from ..capture.adapters import HuggingFaceAdapter
+from ..capture.adapters.huggingface import reads_decoder_ids
 from ..capture.adapters.images import image_outside_prompt, image_token_layout, prompt_as_generated
 from ..capture.guard import ctrl_c_noticed
 from ..capture.identity import is_offloaded, weights_digest
@@ -48,7 +49,7 @@ from .display import first_visible, outside_span, special_tokens
 from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
     answer_estimates, answer_integrated_gradients, answer_span, batch_padding_side,
-    check_classifier_stack, check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
+    check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
     ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_of, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
@@ -152,7 +153,7 @@ def evaluate(
     options = options or Options()
     check_request(methods, metrics, examples)
     check_class_probabilities(model, "; explain it with explain")
-    check_classifier_stack(model)
+    check_two_stacks(model, methods, metrics)
     separator = types_separator(tokenizer, [e.inputs for e in examples])
     explainers = _explainers(model, tokenizer, methods, options, separator)
     return sharded(
@@ -160,6 +161,30 @@ def evaluate(
         lambda batch: _evaluate_batch(model, tokenizer, batch, explainers, metrics, separator), process_index, num_processes,
         progress, on_resume,
     )
+
+
+ONE_STACK_METRICS = ("decision_flip", "erasure_js")
+"""The classifier metrics that erase attention in one self-attention stack's layers."""
+
+
+def check_two_stacks(model: Any, methods: Sequence[str], metrics: Sequence[str]) -> None:
+    """Where ``model`` is an encoder-decoder's classifier (BART's, reading the text in its
+    encoder and again in its decoder), a one-line error for the methods and metrics that
+    take one stack: those :func:`~captum_attention.presentation.explain.check_methods`
+    refuses, SmoothGrad (such a classifier takes no input embeddings), the refinements of
+    AttnLRP at a presence (:data:`REFINED`) and :data:`ONE_STACK_METRICS`."""
+    if not reads_decoder_ids(model):
+        return
+    one_stack = (SMOOTHGRAD, *REFINED, *ONE_STACK_METRICS)
+    check_methods([m for m in methods if m not in one_stack], answers=False, one_stack=False)
+    refused = [name for name in (*methods, *metrics) if name in one_stack]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)} {'takes' if len(refused) == 1 else 'take'} one self-attention stack's embeddings or "
+            "attention, and "
+            f"{type(model).__name__} reads the text in its encoder and again in its decoder: leave "
+            f"{'it' if len(refused) == 1 else 'them'} out"
+        )
 
 
 def sharded(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union, overload
@@ -15,8 +16,9 @@ from ..attr import METHODS, REGISTRY
 from ..capture.adapters import HuggingFaceAdapter
 from ..capture.adapters.huggingface import reads_decoder_ids
 from ..capture.adapters.images import encoded_images, with_encoded_images
-from ..capture.inputs import class_probabilities, decoder_start_token, forced_tokens
+from ..capture.inputs import class_probabilities, classifier_decoder_ids, decoder_start_token, forced_tokens
 from ..capture.record import BIAS_LIMITS, learned_positions
+from ..maps.encoder_decoder import text_scores
 from ..metrics import attention_shares, calibrated_attribution, context_averaged_attribution, leave_one_out_estimates
 from ..metrics.context import kept_image_tokens, log_prob_moved, summed_log_probs
 from ..metrics.head_weights import WEIGHTS_FILE, HeadWeights
@@ -201,9 +203,19 @@ class ReportMethod:
     info: MethodInfo
 
 
-def _attention_method(explainer: Any) -> Method:
+def _attention_method(explainer: Any, model: Any) -> Method:
+    """``explainer``'s scores of a classifier's tokens; an encoder-decoder's classifier
+    (:func:`~captum_attention.capture.adapters.huggingface.reads_decoder_ids`) given the
+    decoder ids it makes itself, its source and target scores joined per token
+    (:func:`~captum_attention.maps.encoder_decoder.text_scores`)."""
+    two_stacks = reads_decoder_ids(model)
+
     def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-        return explainer.attribute(ids, target=targets, additional_forward_args=(mask,))
+        if not two_stacks:
+            return explainer.attribute(ids, target=targets, additional_forward_args=(mask,))
+        decoder_ids = classifier_decoder_ids(model, ids, mask)
+        source, target = explainer.attribute((ids, decoder_ids), target=targets, additional_forward_args=(mask,))
+        return text_scores(source, target, mask)
 
     return run
 
@@ -236,10 +248,11 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True) -
     """Before any work, a one-line ``ValueError`` where a method of ``names`` cannot explain
     what is asked: a classifier's logit (``answers`` False; ALTI-Logit explains a next-token
     logit; the estimates an answer), a whole answer (``answers``; Attention Flow explains
-    one answer token at a time; :data:`CLASSIFIERS_ONLY` a classifier), or the answer of a model
-    with more than one attention stack (``one_stack`` False: an encoder-decoder, a language
+    one answer token at a time; :data:`CLASSIFIERS_ONLY` a classifier), or a model with more
+    than one attention stack (``one_stack`` False: an encoder-decoder, a language
     model cross-attending to image features; the registered methods whose
-    ``spec.encoder_decoder`` is False, :data:`PRESENCE` and the estimates)."""
+    ``spec.encoder_decoder`` is False, :data:`PRESENCE` and what is built on it, and the
+    estimates)."""
     specs = {name: REGISTRY[name].spec for name in names if name in REGISTRY}
     refused = {
         "a language model's next-token logit, not a classifier's":
@@ -248,9 +261,10 @@ def check_methods(names: Sequence[str], answers: bool, one_stack: bool = True) -
         "a classifier's prediction, not an answer": [n for n in names if n in CLASSIFIERS_ONLY] if answers else [],
         "one answer token at a time, not a whole answer":
             [name for name, spec in specs.items() if not spec.spans] if answers else [],
-        "one self-attention stack, not an encoder-decoder's answers nor those of a model cross-attending to image features":
+        "one self-attention stack, not an encoder-decoder nor a model cross-attending to image features":
             [] if one_stack else [
-                n for n in names if n in (PRESENCE, *ESTIMATES_OF_ANSWERS) or (n in specs and not specs[n].encoder_decoder)
+                n for n in names
+                if n in (PRESENCE, *CLASSIFIERS_ONLY, *ESTIMATES_OF_ANSWERS) or (n in specs and not specs[n].encoder_decoder)
             ],
     }
     problems = [
@@ -624,6 +638,32 @@ def classifier_forward(model: Any, separator: int | None = None) -> Callable[[to
     return forward
 
 
+def two_stack_forward(model: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``forward(ids, decoder_ids, mask)``: an encoder-decoder's classifier's logits, its
+    decoder given ``decoder_ids`` (:func:`~captum_attention.capture.inputs.classifier_decoder_ids`),
+    as the methods explain it."""
+
+    def forward(ids: torch.Tensor, decoder_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+
+    return forward
+
+
+def classifier_embeddings(model: Any) -> list[torch.nn.Module]:
+    """The modules that embed a classifier's text, as Integrated Gradients interpolates
+    them: the input embeddings; an encoder-decoder's, its encoder's and its decoder's
+    (the text shifted right), a one-line error where one module embeds both."""
+    if not reads_decoder_ids(model):
+        return [model.get_input_embeddings()]
+    stacks = [model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings()]
+    if stacks[0] is stacks[1]:
+        raise ValueError(
+            f"{type(model).__name__} embeds its encoder's and its decoder's ids with one module, which Integrated "
+            "Gradients cannot interpolate twice in one forward: leave integrated_gradients out"
+        )
+    return stacks
+
+
 def report_methods(
     model: Any, ig_steps: int, names: list[str], ig_batch_size: int | None = None, tokenizer: Any = None,
     presence: float = 0.05, separator: int | None = None,
@@ -633,24 +673,32 @@ def report_methods(
     :data:`CALIBRATED` and :data:`HALF_CONTEXTS`, whose ``presence`` needs the ``tokenizer``
     to keep the special tokens at 1), explaining :func:`classifier_forward` with the text
     pairs' ``separator``."""
+    two_stacks = reads_decoder_ids(model)
+    if two_stacks:
+        check_methods(names, answers=False, one_stack=False)
     forward = classifier_forward(model, separator)
-    explainers = {name: registered_method(name, model, forward) for name in REGISTRY if name in names}
+    explained = two_stack_forward(model) if two_stacks else forward
+    explainers = {name: registered_method(name, model, explained) for name in REGISTRY if name in names}
     methods = {
         name: ReportMethod(
-            explainer.get_name(), _attention_method(explainer), MethodInfo.of(explainer)
+            explainer.get_name(), _attention_method(explainer, model), MethodInfo.of(explainer)
         )
         for name, explainer in explainers.items()
     }
     if INTEGRATED_GRADIENTS in names:
-        lig = LayerIntegratedGradients(forward, model.get_input_embeddings())
+        with warnings.catch_warnings():  # Captum's caution where one layer feeds another: both stacks embed the ids
+            warnings.filterwarnings("ignore", message="Multiple layers provided")
+            lig = LayerIntegratedGradients(forward, classifier_embeddings(model))
 
         def integrated_gradients(
             ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor
         ) -> torch.Tensor:
-            return lig.attribute(
+            per_stack = lig.attribute(
                 ids, baselines=baseline, target=targets, additional_forward_args=(mask,), n_steps=ig_steps,
                 internal_batch_size=ig_batch_size,
-            ).sum(dim=-1)
+            )
+            scores = [stack.sum(dim=-1) for stack in per_stack]
+            return text_scores(scores[0], scores[1], mask) if two_stacks else scores[0]
 
         methods[INTEGRATED_GRADIENTS] = ReportMethod("Integrated Gradients", integrated_gradients, SIGNED)
     if PRESENCE not in names and not set(CLASSIFIERS_ONLY) & set(names):
@@ -735,12 +783,6 @@ def check_one_stack(model: Any, reads: str, gives: str, instead: str) -> None:
 
 
 
-def check_classifier_stack(model: Any) -> None:
-    """:func:`check_one_stack` for a sequence classifier (BART's, whose decoder reads the
-    text again and gives the label from its last state)."""
-    check_one_stack(model, "the text", "the label", "an encoder's or a decoder's classifier (BERT, RoBERTa, Llama, ...)")
-
-
 def explain(
     model: Any,
     tokenizer: Any,
@@ -756,8 +798,9 @@ def explain(
     :func:`default_method_names`) on ``sentences`` (texts, or pairs of texts the model reads
     together), ``batch_size`` sentences at a time; sentences longer than the model takes
     (:func:`length_limit`) are cut, and say so. ``presence``: the text's tokens' presence
-    for :data:`PRESENCE`."""
-    check_classifier_stack(model)
+    for :data:`PRESENCE`. An encoder-decoder's classifier (BART's) is explained with the
+    decoder ids it makes itself, each method's source and target scores joined per token
+    (:func:`_attention_method`)."""
     limit = length_limit(model, tokenizer)
     separator = types_separator(tokenizer, sentences)
     chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence, separator)
