@@ -799,8 +799,9 @@ def explain(
     together), ``batch_size`` sentences at a time; sentences longer than the model takes
     (:func:`length_limit`) are cut, and say so. ``presence``: the text's tokens' presence
     for :data:`PRESENCE`. An encoder-decoder's classifier (BART's) is explained with the
-    decoder ids it makes itself, each method's source and target scores joined per token
-    (:func:`_attention_method`)."""
+    decoder ids it makes itself (:func:`~captum_attention.capture.inputs.classifier_decoder_ids`),
+    each method's source and target scores joined per token
+    (:func:`~captum_attention.maps.encoder_decoder.text_scores`)."""
     limit = length_limit(model, tokenizer)
     separator = types_separator(tokenizer, sentences)
     chosen = report_methods(model, ig_steps, methods or default_method_names(), ig_batch_size, tokenizer, presence, separator)
