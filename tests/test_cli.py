@@ -403,8 +403,10 @@ def test_an_encoder_decoders_classifier_is_explained_per_token_of_its_text(tmp_p
 
     folder = tmp_path / "bart"
     model, tokenizer = _saved_bart_classifier(folder)
-    result = run_cli("explain", *SENTENCES, "--model", str(folder), "--ig-steps", "20", "--raw")
+    page = tmp_path / "report.html"
+    result = run_cli("explain", *SENTENCES, "--model", str(folder), "--ig-steps", "20", "--raw", "--html", str(page))
     assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
+    assert 'special tokens (<span class="tok special">&lt;s&gt;</span>)' in page.read_text()  # the report's own
     encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     decoder_ids = classifier_decoder_ids(model, ids, mask)

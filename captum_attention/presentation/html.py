@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from html import escape as _escape_markup
-from typing import Any
+from typing import Any, Iterable, Iterator, Sequence
 
 from .answer import AnswerExplanation
 from .explain import Explanations, MethodInfo
@@ -118,9 +118,9 @@ def render_html(explanations: Explanations, model_name: str) -> str:
         f"<p>Model: <code>{escape(model_name)}</code>. Wall times are for the whole batch of "
         f"{count} sentence{'s' if count != 1 else ''}.</p>",
         "<p class=\"legend\">Colour strength is relative to the largest score of the row's words; "
-        'special tokens (<span class="tok special">[CLS]</span>) are left out of the scale and '
-        "not coloured. Under each method: what its colour means. Hover a token for its share of the "
-        f"words' scores (as in the terminal table) and the score itself. Sentences of more than {LONG_PROMPT} "
+        f"special tokens ({_special_example(t for s in explanations.sentences for t in _specials(s.tokens, s.special))}) "
+        "are left out of the scale and not coloured. Under each method: what its colour means. Hover a token for its "
+        f"share of the words' scores (as in the terminal table) and the score itself. Sentences of more than {LONG_PROMPT} "
         f"tokens show {SHOWN_AROUND} tokens around each method's top {TOP_TOKENS}.</p>",
     ]
     for sentence in explanations.sentences:
@@ -358,12 +358,23 @@ def render_image_class_html(explanation: ImageClassExplanation, model_name: str)
 
 
 _QUESTION_UNTARGETED = "from the forward pass alone, read at the answer's first or last token, whatever the logit"
-_ROW_SCALE = (
-    "Colour strength is relative to the largest score of the row's words; special tokens (<span class=\"tok special\">"
-    "[CLS]</span>) are left out of the scale and not coloured. Hover a token for its share of the words' scores and the "
-    "score itself."
-)
-"""The legend of a report's coloured token rows (markup)."""
+def _specials(tokens: Sequence[str], special: Sequence[bool]) -> Iterator[str]:
+    """The special ones of ``tokens``."""
+    return (token for token, is_special in zip(tokens, special) if is_special)
+
+
+def _special_example(specials: Iterable[str]) -> str:
+    """The first of a report's ``specials`` as its legend shows it (markup), else BERT's [CLS]."""
+    return f'<span class="tok special">{escape(next(iter(specials), "[CLS]"))}</span>'
+
+
+def _row_scale(specials: Iterable[str]) -> str:
+    """The legend of a report's coloured token rows (markup), a special token of the
+    report's (``specials``) as its example."""
+    return (
+        f"Colour strength is relative to the largest score of the row's words; special tokens ({_special_example(specials)}) "
+        "are left out of the scale and not coloured. Hover a token for its share of the words' scores and the score itself."
+    )
 
 
 def _method_cells(method: str, meaning: str, seconds: float, rows: int) -> str:
@@ -386,7 +397,7 @@ def render_question_html(explanation: QuestionAnswerExplanation, model_name: str
         f"<p><bdi>{escape(answer[:1].upper() + answer[1:])}</bdi>, underlined in the rows below.</p>",
         *([] if note is None else [f'<p class="note">Note: {escape(note)}.</p>']),
         "<p class=\"legend\">Each method explains the logit of the answer's first token being its start, then that "
-        f"of its last token being its end. {_ROW_SCALE}</p>",
+        f"of its last token being its end. {_row_scale(_specials(explanation.tokens, explanation.special))}</p>",
         "<table><tr><th>method</th><th>wall time</th><th>logit</th><th>tokens</th></tr>",
     ]
     for method, rows in explanation.scores.items():
@@ -417,7 +428,7 @@ def render_token_class_html(explanation: TokenClassExplanation, model_name: str)
     if explanation.words:
         parts += [
             f"<p class=\"legend\">Each method explains the logit of {escape(read_where(explanation))} (underlined). "
-            f"{_ROW_SCALE}</p>",
+            f"{_row_scale(t for w in explanation.windows for t in _specials(w.tokens, w.special))}</p>",
             f"<table><tr><th>method</th><th>wall time</th><th>{'mask' if explanation.masked else 'word'}</th><th>tokens</th></tr>",
         ]
     for method, info in explanation.methods.items():
