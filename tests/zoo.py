@@ -1465,14 +1465,15 @@ def two_stack_report_outcome(architecture: Architecture) -> Outcome:
     if not torch.allclose(padded_logits, alone_logits, atol=1e-5):
         return Outcome("not built", "the model's own output moves with padding on the right")
     targets = torch.tensor([0, 1])
+    baseline = lambda text: torch.where(text == eos, text, torch.full_like(text, pad))  # noqa: E731 - the end kept, as explain's
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             methods = report_methods(model, 8, [*REGISTERED, "integrated_gradients"])
             off = {}
             for name, method in methods.items():
-                batched = method.run(ids, mask, targets, torch.where(ids == eos, ids, torch.full_like(ids, pad)))
-                single = method.run(*alone, targets[1:], torch.where(alone[0] == eos, alone[0], torch.full_like(alone[0], pad)))
+                batched = method.run(ids, mask, targets, baseline(ids))
+                single = method.run(*alone, targets[1:], baseline(alone[0]))
                 if not _close(batched[1:, :5], single):
                     off[name] = float((batched[1:, :5] - single).abs().max())
     except ValueError as error:

@@ -50,7 +50,7 @@ from .explain import (
     CALIBRATED, ESTIMATES, ESTIMATES_OF_ANSWERS, HALF_CONTEXTS, INTEGRATED_GRADIENTS, PRESENCE, ReportMethod, Text,
     answer_estimates, answer_integrated_gradients, answer_span, batch_padding_side,
     check_methods, check_names, class_outputs, classifier_forward, classifier_inputs,
-    ig_baseline, in_half_contexts, length_limit, method_names, noted, prompt_of, refined_method, registered_method,
+    ig_baseline, in_half_contexts, length_limit, method_names, noted, once_per_batch, prompt_of, refined_method, registered_method,
     removable_segments, report_methods, saved_head_weights, span_presence, types_separator,
 )
 from .html import IMAGE_METRIC_PREFIX
@@ -360,25 +360,12 @@ def _explainers(
     if SHAP in names:
         explainers[SHAP] = _shap(model, tokenizer, options.shap_evals)
     if refined:
-        explainers[PRESENCE] = _once_per_batch(explainers[PRESENCE])
+        explainers[PRESENCE] = once_per_batch(explainers[PRESENCE])
         forward = classifier_forward(model, separator)
         attn_lrp = METHODS["attn_lrp"](forward, model=model)
         for name in refined:
             explainers[name] = refined_method(explainers[PRESENCE], REFINED[name](attn_lrp), forward, tokenizer)
     return {name: explainers[name] for name in names}
-
-
-def _once_per_batch(explain: Explainer) -> Explainer:
-    """``explain``, computed once for a batch however many methods ask for its scores (a
-    batch comes to every method as the same tensors)."""
-    last: list[Any] = []
-
-    def cached(ids: Tensor, mask: Tensor, targets: Tensor, texts: list[Text]) -> Tensor:
-        if not (last and last[0] is ids and last[1] is mask and last[2] is targets):
-            last[:] = [ids, mask, targets, explain(ids, mask, targets, texts)]
-        return last[3]
-
-    return cached
 
 
 def _smoothgrad(model: Any, samples: int, separator: int | None = None) -> Explainer:

@@ -7,7 +7,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union, overload
+from typing import Any, Callable, Sequence, TypeVar, Union, cast, overload
 
 import torch
 from captum.attr import LayerIntegratedGradients
@@ -38,6 +38,7 @@ HALF_CONTEXTS = "attn_lrp_half_contexts"
 (:func:`~captum_attention.metrics.context_averaged_attribution`), on request."""
 CLASSIFIERS_ONLY = (CALIBRATED, HALF_CONTEXTS)
 """The methods that explain a classifier's prediction, not an answer."""
+T = TypeVar("T")
 Text = Union[str, tuple[str, str]]
 """A classifier's input: one text, or a pair it reads together (an NLI model's premise
 and hypothesis), tokenized as the tokenizer pairs them."""
@@ -203,21 +204,34 @@ class ReportMethod:
     info: MethodInfo
 
 
-def _attention_method(explainer: Any, model: Any) -> Method:
-    """``explainer``'s scores of a classifier's tokens; an encoder-decoder's classifier
-    (:func:`~captum_attention.capture.adapters.huggingface.reads_decoder_ids`) given the
-    decoder ids it makes itself, its source and target scores joined per token
-    (:func:`~captum_attention.maps.encoder_decoder.text_scores`)."""
-    two_stacks = reads_decoder_ids(model)
+def _attention_method(explainer: Any, decoder_ids_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Method:
+    """``explainer``'s scores of a classifier's tokens; given ``decoder_ids_of(ids, mask)``
+    (an encoder-decoder's classifier: the decoder ids it makes itself,
+    :func:`~captum_attention.capture.inputs.classifier_decoder_ids`), its source and target
+    scores joined per token (:func:`~captum_attention.maps.encoder_decoder.text_scores`)."""
 
     def run(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-        if not two_stacks:
+        if decoder_ids_of is None:
             return explainer.attribute(ids, target=targets, additional_forward_args=(mask,))
-        decoder_ids = classifier_decoder_ids(model, ids, mask)
-        source, target = explainer.attribute((ids, decoder_ids), target=targets, additional_forward_args=(mask,))
+        source, target = explainer.attribute((ids, decoder_ids_of(ids, mask)), target=targets, additional_forward_args=(mask,))
         return text_scores(source, target, mask)
 
     return run
+
+
+def once_per_batch(compute: Callable[..., T]) -> Callable[..., T]:
+    """``compute``, computed once for a batch however many methods ask for it (a batch
+    comes to every method as the same tensors): the last result while the call's tensor
+    arguments are the same objects."""
+    last: list[Any] = []
+
+    def cached(*args: Any) -> T:
+        tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+        if not (last and len(last[0]) == len(tensors) and all(a is b for a, b in zip(last[0], tensors))):
+            last[:] = [tensors, compute(*args)]
+        return cast(T, last[1])
+
+    return cached
 
 
 def default_method_names() -> list[str]:
@@ -679,9 +693,10 @@ def report_methods(
     forward = classifier_forward(model, separator)
     explained = two_stack_forward(model) if two_stacks else forward
     explainers = {name: registered_method(name, model, explained) for name in REGISTRY if name in names}
+    decoder_ids_of = once_per_batch(lambda ids, mask: classifier_decoder_ids(model, ids, mask)) if two_stacks else None
     methods = {
         name: ReportMethod(
-            explainer.get_name(), _attention_method(explainer, model), MethodInfo.of(explainer)
+            explainer.get_name(), _attention_method(explainer, decoder_ids_of), MethodInfo.of(explainer)
         )
         for name, explainer in explainers.items()
     }
@@ -780,7 +795,6 @@ def check_one_stack(model: Any, reads: str, gives: str, instead: str) -> None:
             f"{type(model).__name__} reads {reads} twice, in its encoder and again in its decoder, whose states give {gives}: "
             f"explain {instead}, or pass (input_ids, decoder_input_ids) to the methods yourself"
         )
-
 
 
 def explain(
